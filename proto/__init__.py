@@ -1,0 +1,5 @@
+"""The sidecar's gRPC contract: sidecar.proto, its committed generated stubs, and the tensor codec."""
+
+# The fully qualified service name, used by health checks and reflection. Spelled out (rather
+# than read from the stubs' descriptor) so importing the package stays free of protobuf.
+SERVICE_NAME = "dspark.sidecar.v1.DrafterSidecar"
