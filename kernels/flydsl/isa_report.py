@@ -1,0 +1,146 @@
+"""Compile a FlyDSL launcher for gfx950 without a GPU and read its code object's metadata and ISA."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import toolchain
+
+# gfx950 (CDNA4): 512 unified VGPRs (arch + acc) per lane per SIMD, allocated in granules
+# of 8; at most 8 waves per SIMD; 4 SIMDs and 160 KiB of LDS per CU.
+VGPRS_PER_SIMD = 512
+VGPR_GRANULE = 8
+MAX_WAVES_PER_SIMD = 8
+SIMDS_PER_CU = 4
+LDS_PER_CU = 160 * 1024
+WAVE_SIZE = 64
+
+
+@dataclass
+class KernelReport:
+    """One kernel of a compiled code object: resource use from the AMDGPU metadata, and its ISA."""
+
+    name: str
+    vgpr_count: int
+    agpr_count: int
+    sgpr_count: int
+    vgpr_spill_count: int
+    sgpr_spill_count: int
+    lds_bytes: int  # .group_segment_fixed_size
+    scratch_bytes: int  # .private_segment_fixed_size
+    workgroup_size: int  # .max_flat_workgroup_size
+    isa: str = field(repr=False)
+
+    @property
+    def waves_per_simd(self) -> int:
+        """Resident waves per SIMD allowed by registers and LDS (the occupancy)."""
+        granules = -(-max(self.vgpr_count, 1) // VGPR_GRANULE) * VGPR_GRANULE
+        by_vgpr = min(MAX_WAVES_PER_SIMD, VGPRS_PER_SIMD // granules)
+        waves_per_wg = -(-self.workgroup_size // WAVE_SIZE)
+        if self.lds_bytes:
+            wgs_by_lds = LDS_PER_CU // self.lds_bytes
+            by_lds = (wgs_by_lds * waves_per_wg) // SIMDS_PER_CU
+            return min(by_vgpr, by_lds)
+        return by_vgpr
+
+    def count(self, mnemonic_regex: str) -> int:
+        """How many instructions of the ISA match `mnemonic_regex` (anchored at the mnemonic;
+        encoding suffixes such as _e32/_e64 are accepted)."""
+        pat = re.compile(r"^\s+(?:" + mnemonic_regex + r")(?:_e32|_e64|_dpp|_sdwa)?\s", re.MULTILINE)
+        return len(pat.findall(self.isa))
+
+    def summary(self) -> str:
+        return (
+            f"{self.name}: vgpr={self.vgpr_count} agpr={self.agpr_count} sgpr={self.sgpr_count} "
+            f"spill(v/s)={self.vgpr_spill_count}/{self.sgpr_spill_count} lds={self.lds_bytes} "
+            f"scratch={self.scratch_bytes} wg={self.workgroup_size} waves/SIMD={self.waves_per_simd}"
+        )
+
+
+_META_INT = (
+    "vgpr_count",
+    "agpr_count",
+    "sgpr_count",
+    "vgpr_spill_count",
+    "sgpr_spill_count",
+    "group_segment_fixed_size",
+    "private_segment_fixed_size",
+    "max_flat_workgroup_size",
+)
+
+
+def parse_isa(text: str) -> list[KernelReport]:
+    """Split an ISA dump (assembly + amdgpu_metadata YAML) into per-kernel reports."""
+    meta_start = text.find(".amdgpu_metadata")
+    if meta_start < 0:
+        raise ValueError("ISA dump has no .amdgpu_metadata section")
+    meta = text[meta_start:]
+    reports = []
+    # Each kernel entry of amdhsa.kernels starts with "  - " at indent 2.
+    kernels = meta.split("amdhsa.kernels:", 1)[1]
+    kernels = re.split(r"\n(?=\S)", kernels, maxsplit=1)[0]  # up to the next top-level key
+    for entry in re.split(r"\n  - ", kernels)[1:]:
+        fields = {}
+        for key in _META_INT + ("name",):
+            m = re.search(r"^\s*\.?" + re.escape(key) + r":\s+(\S+)", "  " + entry, re.MULTILINE)
+            if m:
+                fields[key] = m.group(1)
+        name = fields["name"]
+        body = _function_body(text, name)
+        reports.append(
+            KernelReport(
+                name=name,
+                vgpr_count=int(fields.get("vgpr_count", 0)),
+                agpr_count=int(fields.get("agpr_count", 0)),
+                sgpr_count=int(fields.get("sgpr_count", 0)),
+                vgpr_spill_count=int(fields.get("vgpr_spill_count", 0)),
+                sgpr_spill_count=int(fields.get("sgpr_spill_count", 0)),
+                lds_bytes=int(fields.get("group_segment_fixed_size", 0)),
+                scratch_bytes=int(fields.get("private_segment_fixed_size", 0)),
+                workgroup_size=int(fields.get("max_flat_workgroup_size", 0)),
+                isa=body,
+            )
+        )
+    return reports
+
+
+def _function_body(text: str, name: str) -> str:
+    start = text.find(f"\n{name}:")
+    end = text.find(f".Lfunc_end", start)
+    if start < 0 or end < 0:
+        raise ValueError(f"no function body for {name} in the ISA dump")
+    return text[start:end]
+
+
+def compile_reports(launcher, *args, **kwargs) -> list[KernelReport]:
+    """Compile `launcher` (a @flyc.jit function) for gfx950 with CPU tensors and parse its kernels.
+
+    The final ISA is dumped through FLYDSL_DEBUG_DUMP_ASM into a private temporary folder; the
+    dump carries the same metadata block the code object's note section holds.
+    """
+    toolchain.enable_compile_only()
+    import flydsl.compiler as flyc
+
+    saved = {k: os.environ.get(k) for k in ("FLYDSL_DEBUG_DUMP_ASM", "FLYDSL_DUMP_DIR")}
+    with tempfile.TemporaryDirectory(prefix="flydsl-isa-") as tmp:
+        os.environ["FLYDSL_DEBUG_DUMP_ASM"] = "1"
+        os.environ["FLYDSL_DUMP_DIR"] = tmp
+        try:
+            flyc.compile(launcher, *args, **kwargs)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        dumps = sorted(Path(tmp).rglob("*final_isa.s"))
+        if not dumps:
+            raise RuntimeError("FlyDSL produced no ISA dump")
+        reports = []
+        for path in dumps:
+            reports.extend(parse_isa(path.read_text()))
+    return reports

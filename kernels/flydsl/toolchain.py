@@ -1,0 +1,135 @@
+"""Whether the FlyDSL path can exist here: gfx950 detection, FlyDSL import, compile-only setup."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from functools import lru_cache
+from pathlib import Path
+
+TARGET_ARCH = "gfx950"
+
+# ld.lld links the assembled object into a code object; the device bitcode (ockl/ocml)
+# is linked into kernels that call library maths. A full ROCm install has both under
+# $ROCM_PATH; a CPU-only machine gets them from Debian's lld-19 and rocm-device-libs.
+_LLD_CANDIDATES = (
+    "/usr/lib/llvm-19/bin/ld.lld",
+    "/usr/lib/llvm-20/bin/ld.lld",
+    "/usr/lib/llvm-18/bin/ld.lld",
+)
+_BITCODE_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode",
+    "/usr/lib/aarch64-linux-gnu/amdgcn/bitcode",
+    "/usr/share/amdgcn/bitcode",
+)
+INSTALL_HINT = (
+    "pip install 'flydsl>=0.5' && apt-get install -y lld-19 rocm-device-libs"
+)
+
+
+def flydsl_unavailable_reason() -> str | None:
+    """Why FlyDSL cannot be imported here, or None when it can (checked without importing it)."""
+    try:
+        spec = importlib.util.find_spec("flydsl")
+    except (ImportError, ValueError) as exc:
+        return f"FlyDSL not installed ({exc})"
+    if spec is None:
+        return "FlyDSL not installed"
+    return None
+
+
+def flydsl_available() -> bool:
+    """True when the `flydsl` package is importable (feeds the 'FlyDSL not installed' refusal)."""
+    return flydsl_unavailable_reason() is None
+
+
+def on_gfx950() -> bool:
+    """True when device 0 is a gfx950 (MI350/MI355X) through a ROCm torch; False on CPU."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    if getattr(torch.version, "hip", None) is None or not torch.cuda.is_available():
+        return False
+    try:
+        arch = torch.cuda.get_device_properties(0).gcnArchName
+    except (RuntimeError, AttributeError):
+        return False
+    # gcnArchName carries target features after a colon, e.g. "gfx950:sramecc+:xnack-".
+    return arch.split(":", 1)[0] == TARGET_ARCH
+
+
+def _has_toolkit(root: Path) -> bool:
+    return (root / "llvm" / "bin" / "ld.lld").exists() and (root / "amdgcn" / "bitcode").is_dir()
+
+
+def _first_existing(paths: tuple[str, ...]) -> Path | None:
+    for p in paths:
+        if Path(p).exists():
+            return Path(p)
+    return None
+
+
+def _lite_root_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dspark_sidecar" / "rocm-lite"
+
+
+def _make_lite_root() -> tuple[Path | None, str | None]:
+    """Build a ROCm-shaped folder of symlinks to the system lld and device bitcode."""
+    lld = _first_existing(_LLD_CANDIDATES)
+    if lld is None:
+        which = shutil.which("ld.lld-19") or shutil.which("ld.lld")
+        lld = Path(which) if which else None
+    if lld is None:
+        return None, f"no ld.lld for AMDGPU linking ({INSTALL_HINT})"
+    bitcode = _first_existing(_BITCODE_CANDIDATES)
+    if bitcode is None:
+        return None, f"no AMDGPU device bitcode ({INSTALL_HINT})"
+    root = _lite_root_dir()
+    (root / "llvm" / "bin").mkdir(parents=True, exist_ok=True)
+    (root / "amdgcn").mkdir(parents=True, exist_ok=True)
+    for link, target in ((root / "llvm" / "bin" / "ld.lld", lld), (root / "amdgcn" / "bitcode", bitcode)):
+        if link.is_symlink() or link.exists():
+            if link.resolve() == target.resolve():
+                continue
+            link.unlink()
+        link.symlink_to(target)
+    return root, None
+
+
+@lru_cache(maxsize=1)
+def _compile_root() -> tuple[str | None, str | None]:
+    for cand in (os.environ.get("ROCM_PATH"), "/opt/rocm"):
+        if cand and _has_toolkit(Path(cand)):
+            return cand, None
+    root, why = _make_lite_root()
+    return (str(root) if root else None), why
+
+
+def compile_only_unavailable_reason() -> str | None:
+    """Why gfx950 code objects cannot be built on this machine, or None."""
+    why = flydsl_unavailable_reason()
+    if why is not None:
+        return f"{why} ({INSTALL_HINT})"
+    _, why = _compile_root()
+    return why
+
+
+def enable_compile_only(arch: str = TARGET_ARCH) -> None:
+    """Point FlyDSL at a toolkit and make every compile target `arch` without a GPU.
+
+    FLYDSL_GPU_ARCH matters beyond ARCH: kernels that ask get_rocm_arch() would otherwise
+    fall back to gfx942 code paths. COMPILE_ONLY stops FlyDSL before any HIP call, so a
+    compile never needs (or touches) a device. Raises RuntimeError with the reason when the
+    toolchain is missing.
+    """
+    why = compile_only_unavailable_reason()
+    if why is not None:
+        raise RuntimeError(f"FlyDSL compile-only unavailable: {why}")
+    root, _ = _compile_root()
+    os.environ["ROCM_PATH"] = str(root)
+    os.environ["COMPILE_ONLY"] = "1"
+    os.environ["ARCH"] = arch
+    os.environ["FLYDSL_GPU_ARCH"] = arch
