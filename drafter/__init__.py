@@ -1,0 +1,1 @@
+"""The DSpark drafter model: config, checkpoints, tensor-parallel layers and the reference draft step."""

@@ -1,0 +1,256 @@
+"""The `dspark/` checkpoint: key layout, MXFP8 (de)quantization, a synthetic writer and a sharding reader."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from dspark_sidecar.drafter.config import DrafterConfig
+
+PREFIX = "language_model.model.dspark."
+EMBED_KEY = "language_model.model.embed_tokens.weight"
+LM_HEAD_KEY = "language_model.lm_head.weight"
+SCALE_SUFFIX = "_scale_inv"  # "<...>.weight" -> "<...>.weight_scale_inv"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+LAYER_LINEARS = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing, mis-shaped or unreadable; the message names the key."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    key: str
+    shape: tuple[int, ...]
+    mxfp8: bool  # F8_E4M3 + U8 E8M0 scale per 1 x quant_block along the input dim
+    init_std: float
+    init_mean: float = 0.0
+
+
+def layer_prefix(i: int) -> str:
+    return f"{PREFIX}layers.{i}.decoder_layer."
+
+
+def linear_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, int]]:
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    return {
+        "self_attn.q_proj": (cfg.q_size, h), "self_attn.k_proj": (cfg.kv_size, h),
+        "self_attn.v_proj": (cfg.kv_size, h), "self_attn.o_proj": (h, cfg.q_size),
+        "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f),
+    }
+
+
+def tensor_specs(cfg: DrafterConfig) -> list[TensorSpec]:
+    """Every tensor of `dspark/` (97 for 5 layers), with a synthetic init that keeps activations O(1)."""
+    h = cfg.hidden_size
+    specs = [
+        TensorSpec(f"{PREFIX}fc.weight", (h, cfg.tap_size), False, cfg.tap_size ** -0.5),
+        TensorSpec(f"{PREFIX}hidden_norm.weight", (h,), False, 0.1),
+        TensorSpec(f"{PREFIX}final_norm.weight", (h,), False, 0.1),
+        TensorSpec(f"{PREFIX}markov_head.markov_w1.weight", (cfg.vocab_size, cfg.markov_rank), False, 0.5),
+        TensorSpec(f"{PREFIX}markov_head.markov_w2.weight", (cfg.vocab_size, cfg.markov_rank), False, 0.5),
+        TensorSpec(f"{PREFIX}confidence_head.proj.weight", (1, h + cfg.markov_rank), False, 0.02),
+        TensorSpec(f"{PREFIX}confidence_head.proj.bias", (1,), False, 0.02),
+    ]
+    residual_scale = (2 * cfg.num_hidden_layers) ** -0.5
+    for i in range(cfg.num_hidden_layers):
+        p = layer_prefix(i)
+        specs += [
+            TensorSpec(f"{p}input_layernorm.weight", (h,), False, 0.1),
+            TensorSpec(f"{p}post_attention_layernorm.weight", (h,), False, 0.1),
+            TensorSpec(f"{p}self_attn.q_norm.weight", (cfg.head_dim,), False, 0.1),
+            TensorSpec(f"{p}self_attn.k_norm.weight", (cfg.head_dim,), False, 0.1),
+        ]
+        for name, (out, inp) in linear_shapes(cfg).items():
+            std = inp ** -0.5 * (residual_scale if name in ("self_attn.o_proj", "mlp.down_proj") else 1.0)
+            specs.append(TensorSpec(f"{p}{name}.weight", (out, inp), True, std))
+    return specs
+
+
+def shared_specs(cfg: DrafterConfig) -> list[TensorSpec]:
+    """embed_tokens and lm_head: not in `dspark/`, shared with the target model."""
+    return [
+        TensorSpec(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size), False, 1.0),
+        TensorSpec(LM_HEAD_KEY, (cfg.vocab_size, cfg.hidden_size), False, cfg.hidden_size ** -0.5),
+    ]
+
+
+# MXFP8 -------------------------------------------------------------------------------------
+
+def quantize_mxfp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, cols] -> (F8_E4M3 [rows, cols], U8 E8M0 scale [rows, cols/block]).
+
+    Each 1 x block run shares a power-of-two scale 2^e, e = ceil(log2(amax / 448)), so every
+    scaled value fits E4M3's range; the scale byte is e + 127.
+    """
+    rows, cols = w.shape
+    blocks = w.float().reshape(rows, cols // block, block)
+    amax = blocks.abs().amax(dim=-1)
+    e = torch.ceil(torch.log2(amax.clamp(min=2.0 ** -120) / FP8_MAX)).clamp(-127, 127)
+    q = (blocks / torch.exp2(e)[..., None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+    return q, (e + 127).to(torch.uint8)
+
+
+def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """Exact: each F8 value times 2^(scale - 127), in fp32 (every product is representable)."""
+    rows, cols = q.shape
+    factor = torch.exp2(scale.float() - 127.0)
+    return (q.float().reshape(rows, cols // block, block) * factor[..., None]).reshape(rows, cols)
+
+
+# Writer ---------------------------------------------------------------------------------------
+
+def _synthetic(spec: TensorSpec, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(spec.key.encode()))
+    return torch.randn(spec.shape, generator=gen) * spec.init_std + spec.init_mean
+
+
+def _save_sharded(tensors: list[tuple[str, torch.Tensor]], folder: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+
+
+def write_synthetic_checkpoint(cfg: DrafterConfig, out_dir: str | Path, seed: int = 0,
+                               max_shard_bytes: int = 2 << 30) -> tuple[Path, Path]:
+    """Write a deterministic `dspark/` folder (real key names, MXFP8 layer linears, bf16 rest,
+    config.json, index when sharded) and a `target/` folder holding embed_tokens and lm_head.
+
+    Returns (dspark_dir, target_dir). Same cfg and seed -> byte-identical tensors.
+    """
+    out = Path(out_dir)
+    dspark, target = out / "dspark", out / "target"
+    dspark.mkdir(parents=True, exist_ok=True)
+    target.mkdir(parents=True, exist_ok=True)
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for spec in tensor_specs(cfg):
+        w = _synthetic(spec, seed)
+        if spec.mxfp8:
+            q, s = quantize_mxfp8(w, cfg.quant_block)
+            tensors += [(spec.key, q), (spec.key + SCALE_SUFFIX, s)]
+        else:
+            tensors.append((spec.key, w.to(torch.bfloat16)))
+    _save_sharded(tensors, dspark, max_shard_bytes)
+    (dspark / "config.json").write_text(json.dumps(cfg.to_hf_json(), indent=2))
+    _save_sharded([(s.key, _synthetic(s, seed).to(torch.bfloat16)) for s in shared_specs(cfg)],
+                  target, max_shard_bytes)
+    return dspark, target
+
+
+def default_checkpoint_dir(cfg: DrafterConfig, seed: int = 0) -> Path:
+    """Where the embedded synthetic checkpoint of a preset lives (written on first use)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path(tempfile.gettempdir())))
+    return root / "dspark-sidecar" / f"{cfg.name}-seed{seed}"
+
+
+def ensure_synthetic_checkpoint(cfg: DrafterConfig, seed: int = 0) -> tuple[Path, Path]:
+    """The embedded synthetic checkpoint's (dspark_dir, target_dir), writing it once if absent."""
+    out = default_checkpoint_dir(cfg, seed)
+    done = out / "COMPLETE"
+    if not done.exists():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        write_synthetic_checkpoint(cfg, tmp, seed)
+        (tmp / "COMPLETE").write_text("ok\n")
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first: its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out / "dspark", out / "target"
+
+
+# Reader ---------------------------------------------------------------------------------------
+
+class CheckpointReader:
+    """Reads tensors (or only a rank's slice of them) from a safetensors folder, dequantizing MXFP8.
+
+    Implements `parallel.WeightSource`.
+    """
+
+    def __init__(self, folder: str | Path, dtype: torch.dtype, quant_block: int = 32,
+                 device: torch.device | str = "cpu") -> None:
+        self.folder, self.dtype, self.block, self.device = Path(folder), dtype, quant_block, device
+        if not self.folder.is_dir():
+            raise CheckpointError(f"{self.folder}: checkpoint folder does not exist")
+        index = self.folder / "model.safetensors.index.json"
+        self._files: dict[str, Path] = {}
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {k: self.folder / f for k, f in weight_map.items()}
+        else:
+            for f in sorted(self.folder.glob("*.safetensors")):
+                with self._open(f) as h:
+                    self._files.update({k: f for k in h.keys()})
+        if not self._files:
+            raise CheckpointError(f"{self.folder}: no safetensors files")
+
+    def _open(self, path: Path):
+        try:
+            return safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: unreadable safetensors file: {e}") from None
+
+    def has(self, key: str) -> bool:
+        return key in self._files
+
+    def _slice(self, key: str, shape: tuple[int, ...], rows: slice | None, cols: slice | None) -> torch.Tensor:
+        if key not in self._files:
+            raise CheckpointError(f"{key}: missing from {self.folder} (expected shape {list(shape)})")
+        with self._open(self._files[key]) as h:
+            try:
+                sl = h.get_slice(key)
+            except SafetensorError as e:
+                raise CheckpointError(f"{key}: unreadable in {self._files[key].name}: {e}") from None
+            actual = tuple(sl.get_shape())
+            if actual != tuple(shape):
+                raise CheckpointError(f"{key}: shape {list(actual)}, expected {list(shape)}")
+            idx = (rows or slice(None),) + ((cols,) if cols is not None else ())
+            return sl[idx] if len(shape) > 1 or rows is not None else sl[:]
+
+    def read(self, key: str, shape: tuple[int, ...], rows: slice | None = None,
+             cols: slice | None = None) -> torch.Tensor:
+        """The tensor `key` (of full shape `shape`), restricted to rows/cols, in the reader's dtype."""
+        t = self._slice(key, shape, rows, cols)
+        if t.dtype == torch.float8_e4m3fn:
+            skey = key + SCALE_SUFFIX
+            if cols is not None and (cols.start % self.block or cols.stop % self.block):
+                raise CheckpointError(f"{key}: column slice {cols} cuts MXFP8 blocks of {self.block}")
+            scols = slice(cols.start // self.block, cols.stop // self.block) if cols is not None else None
+            s = self._slice(skey, (shape[0], shape[1] // self.block), rows, scols)
+            if s.dtype != torch.uint8:
+                raise CheckpointError(f"{skey}: dtype {s.dtype}, expected U8 (E8M0 exponents)")
+            t = dequantize_mxfp8(t, s, self.block)
+        elif t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise CheckpointError(f"{key}: unsupported dtype {t.dtype}")
+        return t.to(device=self.device, dtype=self.dtype)
+

@@ -1,0 +1,54 @@
+"""The engine's paged draft KV cache layout and a draft step's attention metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark_sidecar import layout
+from dspark_sidecar.drafter.config import DrafterConfig
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Attention metadata of one draft step of R requests (n = 7R rows), as the engine builds it.
+
+    seq_lens int32 [R]: absolute sequence length P + 7 of each request;
+    block_tables int32 [R, max_pages]: page ids of each request's draft KV;
+    slot_mapping int64 [n]: the cache slot (page * page_size + offset) of each query row.
+    """
+
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    def requests(self, start: int, end: int) -> StepMetadata:
+        """The metadata of requests [start, end): one launch's share."""
+        q = layout.QPR
+        return StepMetadata(self.seq_lens[start:end], self.block_tables[start:end],
+                            self.slot_mapping[start * q : end * q])
+
+    def to(self, device: torch.device | str) -> StepMetadata:
+        return StepMetadata(self.seq_lens.to(device), self.block_tables.to(device), self.slot_mapping.to(device))
+
+
+def kv_layer_shape(cfg: DrafterConfig, tp_size: int, num_pages: int, page_size: int) -> tuple[int, ...]:
+    """One layer's cache on one rank: [2 (K, V), num_pages, page_size, kv_heads / tp, head_dim]."""
+    return (2, num_pages, page_size, cfg.num_key_value_heads // tp_size, cfg.head_dim)
+
+
+def allocate_kv_cache(cfg: DrafterConfig, tp_size: int, num_pages: int, page_size: int,
+                      dtype: torch.dtype, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Zeroed per-layer caches for one rank (the engine owns and allocates these)."""
+    shape = kv_layer_shape(cfg, tp_size, num_pages, page_size)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+
+
+def block_slots(block_table_row: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Flat slots of absolute positions through one request's block-table row (int64)."""
+    return block_table_row[positions // page_size].to(torch.int64) * page_size + positions % page_size

@@ -1,0 +1,145 @@
+"""The DSpark drafter: decoder layers, the draft step's forward and the context commit (spec 3A/3B)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark_sidecar import layout
+from dspark_sidecar.drafter.checkpoint import PREFIX, layer_prefix
+from dspark_sidecar.drafter.config import DrafterConfig
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.drafter.parallel import (
+    ColumnParallelLinear, ParallelContext, ReplicatedLinear, RowParallelLinear, WeightSource,
+)
+from dspark_sidecar.kernels.ops import Ops
+
+
+class Norm(nn.Module):
+    """A Gemma RMSNorm weight (replicated on every rank)."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
+
+    def load(self, source: WeightSource, key: str) -> None:
+        self.weight.copy_(source.read(key, tuple(self.weight.shape)))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm dense layer: windowed GQA attention over the paged cache, then SwiGLU-OAI."""
+
+    def __init__(self, cfg: DrafterConfig, par: ParallelContext, ops: Ops,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        h, tp = cfg.hidden_size, par.world_size
+        self.q_heads, self.kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
+        self.q_local, self.kv_local = self.q_heads * cfg.head_dim, self.kv_heads * cfg.head_dim
+        self.input_layernorm = Norm(h, dtype, device)
+        self.post_attention_layernorm = Norm(h, dtype, device)
+        self.q_norm = Norm(cfg.head_dim, dtype, device)
+        self.k_norm = Norm(cfg.head_dim, dtype, device)
+        self.qkv_proj = ColumnParallelLinear(h, [cfg.q_size, cfg.kv_size, cfg.kv_size], par, ops, dtype, device)
+        self.o_proj = RowParallelLinear(cfg.q_size, h, par, ops, dtype, device)
+        self.gate_up_proj = ColumnParallelLinear(h, [cfg.ffn_hidden_size] * 2, par, ops, dtype, device)
+        self.down_proj = RowParallelLinear(cfg.ffn_hidden_size, h, par, ops, dtype, device)
+
+    def load(self, source: WeightSource, i: int) -> None:
+        p = layer_prefix(i)
+        self.input_layernorm.load(source, f"{p}input_layernorm.weight")
+        self.post_attention_layernorm.load(source, f"{p}post_attention_layernorm.weight")
+        self.q_norm.load(source, f"{p}self_attn.q_norm.weight")
+        self.k_norm.load(source, f"{p}self_attn.k_norm.weight")
+        self.qkv_proj.load(source, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"])
+        self.o_proj.load(source, f"{p}self_attn.o_proj.weight")
+        self.gate_up_proj.load(source, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
+        self.down_proj.load(source, f"{p}mlp.down_proj.weight")
+
+    def kv_weight(self) -> torch.Tensor:
+        """The local k|v rows of the fused qkv weight [2 * kv_local, hidden] (a view)."""
+        return self.qkv_proj.weight[self.q_local :]
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context rows -> (K normed and rotated, V), each [m, kv_heads, head_dim]."""
+        kv = self.ops.linear(x, self.kv_weight())
+        k, v = kv.split([self.kv_local, self.kv_local], dim=-1)
+        d = self.cfg.head_dim
+        k = self.ops.qk_norm_rope(k.view(-1, self.kv_heads, d), self.k_norm.weight, cos, sin, self.cfg.rms_norm_eps)
+        return k, v.reshape(-1, self.kv_heads, d)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: StepMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> [n, hidden]; writes this launch's block K/V into kv_layer at the slots."""
+        cfg, ops, d = self.cfg, self.ops, self.cfg.head_dim
+        n1 = ops.rms_norm(x, self.input_layernorm.weight, cfg.rms_norm_eps)
+        q, k, v = self.qkv_proj(n1).split([self.q_local, self.kv_local, self.kv_local], dim=-1)
+        q = ops.qk_norm_rope(q.reshape(-1, self.q_heads, d), self.q_norm.weight, cos, sin, cfg.rms_norm_eps)
+        k = ops.qk_norm_rope(k.reshape(-1, self.kv_heads, d), self.k_norm.weight, cos, sin, cfg.rms_norm_eps)
+        ops.write_kv(kv_layer, k, v.reshape(-1, self.kv_heads, d), meta.slot_mapping)
+        attn = ops.paged_window_attention(q, kv_layer, positions, meta.seq_lens, meta.block_tables,
+                                          layout.QPR, cfg.sliding_window, cfg.attn_scale)
+        h = x + self.o_proj(attn.reshape(-1, self.q_local))
+        n2 = ops.rms_norm(h, self.post_attention_layernorm.weight, cfg.rms_norm_eps)
+        act = ops.swiglu_oai(self.gate_up_proj(n2), cfg.swiglu_alpha, cfg.swiglu_limit)
+        return h + self.down_proj(act)
+
+
+class DSparkDrafter(nn.Module):
+    """The drafter's layers on one TP rank: the draft step (3B) and the context commit (3A)."""
+
+    def __init__(self, cfg: DrafterConfig, par: ParallelContext, ops: Ops,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        cfg.check_tp(par.world_size)
+        self.cfg, self.par, self.ops, self.dtype = cfg, par, ops, dtype
+        self.device = torch.device(device)
+        self.fc = ReplicatedLinear(cfg.tap_size, cfg.hidden_size, ops, dtype, device)
+        self.hidden_norm = Norm(cfg.hidden_size, dtype, device)
+        self.final_norm = Norm(cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, par, ops, dtype, device) for _ in range(cfg.num_hidden_layers))
+
+    @torch.no_grad()
+    def load(self, source: WeightSource) -> DSparkDrafter:
+        """Load this rank's shard of every weight (the reader reads only the slices)."""
+        self.fc.load(source, f"{PREFIX}fc.weight")
+        self.hidden_norm.load(source, f"{PREFIX}hidden_norm.weight")
+        self.final_norm.load(source, f"{PREFIX}final_norm.weight")
+        for i, layer in enumerate(self.layers):
+            layer.load(source, i)
+        return self
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
+
+    @torch.no_grad()
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """One launch: inputs_embeds [n, hidden], positions int64 [n] -> final-normed hidden [n, hidden]."""
+        cos, sin = self._rope(positions)
+        x = inputs_embeds.to(self.dtype)
+        for layer, kv_layer in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, cos, sin, meta, kv_layer)
+        return self.ops.rms_norm(x, self.final_norm.weight, self.cfg.rms_norm_eps)
+
+    @torch.no_grad()
+    def draft_step(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
+                   kv_caches: list[torch.Tensor], launch_reqs: int = layout.LAUNCH_REQS) -> torch.Tensor:
+        """A whole step of R requests in launches of at most `launch_reqs` requests; row order kept."""
+        q = layout.QPR
+        outs = [
+            self.forward(inputs_embeds[s * q : e * q], positions[s * q : e * q], meta.requests(s, e), kv_caches)
+            for s, e in layout.launch_groups(meta.num_reqs, launch_reqs)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    @torch.no_grad()
+    def commit_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       kv_caches: list[torch.Tensor]) -> None:
+        """Spec 3A: committed rows' taps [m, num_taps * hidden] -> every layer's K/V at `slots` (int64 [m];
+        -1 = padding, skipped). Context rows never pass through the layers or input_layernorm."""
+        c = self.ops.rms_norm(self.fc(taps.to(self.dtype)), self.hidden_norm.weight, self.cfg.rms_norm_eps)
+        cos, sin = self._rope(positions)
+        for layer, kv_layer in zip(self.layers, kv_caches, strict=True):
+            k, v = layer.project_kv(c, cos, sin)
+            self.ops.write_kv(kv_layer, k, v, slots)

@@ -1,0 +1,133 @@
+"""Tensor parallelism: the parallel context, the partial-sum exchange and column/row-parallel linears."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dspark_sidecar.kernels.ops import Ops
+
+
+class Exchange(Protocol):
+    """Sums a row-parallel layer's partial outputs over the TP group, in place."""
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalExchange:
+    """TP 1: nothing to exchange."""
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+class DistExchange:
+    """A torch.distributed all-reduce over the given group (gloo on CPU, NCCL/RCCL on GPU)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.group)
+        return t
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Who this rank is in the TP group; passed in, never read from a global group."""
+
+    rank: int = 0
+    world_size: int = 1
+    exchange: Exchange = field(default_factory=LocalExchange)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+
+    def shard(self, size: int) -> slice:
+        """This rank's contiguous slice of a dimension of `size` (must divide evenly)."""
+        if size % self.world_size:
+            raise ValueError(f"dimension {size} not divisible by TP size {self.world_size}")
+        per = size // self.world_size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+
+class WeightSource(Protocol):
+    """Reads one (dequantized) weight, or only a slice of it, from a checkpoint."""
+
+    def read(self, key: str, shape: tuple[int, ...], rows: slice | None = None,
+             cols: slice | None = None) -> torch.Tensor: ...
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split over ranks: y_local = x @ W[rows_r]^T, no exchange.
+
+    Several checkpoint matrices can be fused along the output dim (q|k|v, gate|up): each is
+    sharded on its own and the local shards are concatenated, so one matmul serves them all.
+    """
+
+    def __init__(self, in_features: int, out_features: list[int], par: ParallelContext,
+                 ops: Ops, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.par, self.ops, self.in_features = par, ops, in_features
+        self.out_features = list(out_features)
+        self.local_out = [o // par.world_size for o in out_features]
+        self.weight = nn.Parameter(
+            torch.empty(sum(self.local_out), in_features, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def load(self, source: WeightSource, keys: list[str]) -> None:
+        parts = [
+            source.read(k, (o, self.in_features), rows=self.par.shard(o))
+            for k, o in zip(keys, self.out_features, strict=True)
+        ]
+        self.weight.copy_(torch.cat(parts, dim=0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in] -> [n, sum(local_out)]."""
+        return self.ops.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over ranks: each rank's partial x_r @ W[:, cols_r]^T is summed by the exchange.
+
+    This is one of the two places per layer where ranks exchange partial sums (o_proj, down_proj).
+    """
+
+    def __init__(self, in_features: int, out_features: int, par: ParallelContext,
+                 ops: Ops, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.par, self.ops = par, ops
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features // par.world_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+
+    def load(self, source: WeightSource, key: str) -> None:
+        self.weight.copy_(source.read(key, (self.out_features, self.in_features),
+                                      cols=self.par.shard(self.in_features)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in/tp] (this rank's slice) -> [n, out], summed over ranks."""
+        return self.par.exchange.all_reduce(self.ops.linear(x, self.weight))
+
+
+class ReplicatedLinear(nn.Module):
+    """Same full weight on every rank (fc)."""
+
+    def __init__(self, in_features: int, out_features: int, ops: Ops,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.ops, self.shape = ops, (out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(self.shape, dtype=dtype, device=device), requires_grad=False)
+
+    def load(self, source: WeightSource, key: str) -> None:
+        self.weight.copy_(source.read(key, self.shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight)

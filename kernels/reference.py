@@ -1,0 +1,131 @@
+"""Pure-torch reference ops of the draft step: the numerics contract every kernel is tested against.
+
+All ops run on any device in bf16 or fp32. Norms, RoPE, softmax and the SwiGLU activation are
+computed in fp32 and rounded once to the activation dtype, as the spec requires ("in fp32, the
+`1 + w` formed in fp32").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dspark_sidecar.drafter.kv_cache import block_slots
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = x @ weight^T.   x [n, in], weight [out, in] -> [n, out] in x.dtype."""
+    return F.linear(x, weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32."""
+    xf = x.float()
+    inv = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * inv * (1.0 + weight.float())).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, rotary_dim/2] in fp32 for int64 positions [n].
+
+    inv_freq = theta^(-2i/rotary_dim). Angles are formed in float64: positions reach the
+    millions and p * inv_freq in fp32 would lose the low bits of the phase.
+    """
+    half = rotary_dim // 2
+    i = torch.arange(half, dtype=torch.float64, device=positions.device)
+    inv_freq = theta ** (-2.0 * i / rotary_dim)
+    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cos(ang).float(), torch.sin(ang).float()
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX RoPE on dims [0, rotary_dim) of each head; the rest pass through.
+
+    x [n, heads, head_dim] fp32, cos/sin [n, rotary_dim/2]. Pairs are (i, i + rotary_dim/2).
+    """
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
+
+
+def qk_norm_rope(
+    x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Per-head Gemma RMSNorm over head_dim, then partial RoPE; one rounding at the end.
+
+    x [n, heads, head_dim] (activation dtype) -> same shape and dtype.
+    """
+    xf = x.float()
+    inv = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    normed = xf * inv * (1.0 + norm_weight.float())
+    return apply_partial_rope(normed, cos, sin).to(x.dtype)
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """SwiGLU-OAI: g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha g) * (u + 1).
+
+    gate_up [n, 2f] with the gate half first -> [n, f]. No lower clamp on the gate; the +1 is
+    on the up half.
+    """
+    f = gate_up.shape[-1] // 2
+    g = gate_up[:, :f].float().clamp(max=limit)
+    u = gate_up[:, f:].float().clamp(min=-limit, max=limit)
+    return (g * torch.sigmoid(alpha * g) * (u + 1.0)).to(gate_up.dtype)
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write K/V rows into one layer's paged cache at flat slots; slots < 0 are padding, skipped.
+
+    kv_layer [2, num_pages, page_size, kv_heads, head_dim]; k, v [m, kv_heads, head_dim];
+    slots int64 [m], slot = page_id * page_size + offset.
+    """
+    keep = slots >= 0
+    if not bool(keep.all()):
+        k, v, slots = k[keep], v[keep], slots[keep]
+    flat = kv_layer.view(2, -1, kv_layer.shape[-2], kv_layer.shape[-1])
+    flat[0].index_copy_(0, slots, k.to(kv_layer.dtype))
+    flat[1].index_copy_(0, slots, v.to(kv_layer.dtype))
+
+
+def paged_window_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows_per_req: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """Sliding-window attention of each request's block rows over its paged K/V, non-causal in the block.
+
+    q [n, q_heads, d] with n = rows_per_req * R, request i owning rows [i*rows, (i+1)*rows);
+    kv_layer [2, pages, page_size, kv_heads, d]; positions int64 [n]; seq_lens [R] (P + 7);
+    block_tables int32 [R, max_pages]. The row at position p sees every key at positions
+    max(0, p - (window-1)) .. seq_len-1: the window's left edge differs per row, and there is no
+    causal mask inside the block. Scores and softmax in fp32 -> [n, q_heads, d] in q.dtype.
+    """
+    n, hq, d = q.shape
+    page_size, hk = kv_layer.shape[2], kv_layer.shape[3]
+    group = hq // hk
+    k_flat = kv_layer[0].reshape(-1, hk, d)
+    v_flat = kv_layer[1].reshape(-1, hk, d)
+    out = torch.empty_like(q)
+    for i in range(seq_lens.shape[0]):
+        rows = slice(i * rows_per_req, (i + 1) * rows_per_req)
+        seq_len = int(seq_lens[i])
+        row_pos = positions[rows]
+        start = max(0, int(row_pos.min()) - (window - 1))
+        key_pos = torch.arange(start, seq_len, device=q.device)
+        slots = block_slots(block_tables[i], key_pos, page_size)
+        kf = k_flat[slots].float()  # [m, hk, d]
+        vf = v_flat[slots].float()
+        qf = q[rows].float().view(rows_per_req, hk, group, d)
+        scores = torch.einsum("rkgd,mkd->kgrm", qf, kf) * scale
+        visible = key_pos[None, :] >= (row_pos[:, None] - (window - 1))  # [rows, m]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("kgrm,mkd->rkgd", probs, vf)
+        out[rows] = o.reshape(rows_per_req, hq, d).to(q.dtype)
+    return out

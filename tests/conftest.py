@@ -1,0 +1,28 @@
+"""Shared fixtures: the tiny preset and its synthetic checkpoint, written once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_sidecar.drafter.checkpoint import EMBED_KEY, CheckpointReader, write_synthetic_checkpoint
+from dspark_sidecar.drafter.config import PRESETS
+
+torch.set_num_threads(1)  # deterministic CPU reductions, and 2-core CI boxes
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    return PRESETS["tiny"]
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory, tiny_cfg):
+    """(dspark_dir, target_dir) of the tiny preset's synthetic checkpoint, seed 0."""
+    return write_synthetic_checkpoint(tiny_cfg, tmp_path_factory.mktemp("ckpt"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_embed(tiny_ckpt, tiny_cfg):
+    """embed_tokens [vocab, hidden] in fp32 (exact: stored as bf16)."""
+    return CheckpointReader(tiny_ckpt[1], torch.float32).read(EMBED_KEY, (tiny_cfg.vocab_size, tiny_cfg.hidden_size))

@@ -1,0 +1,1 @@
+"""Shared test helpers: an independent float64 drafter, checkpoint fixtures and process spawning."""
