@@ -1,0 +1,136 @@
+"""Round trips and refusals of the torch <-> TensorRef codec."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+ALL_DTYPES = [
+    torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64,
+    torch.float8_e4m3fn, torch.uint8,
+]
+SHAPES = [(), (0,), (1,), (7,), (3, 5), (0, 6144), (2, 0, 3), (7, 1, 3, 1), (1, 1, 1, 1, 13)]
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(repr((dtype, shape)).encode()))
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 3).to(dtype)
+    hi = 256 if dtype == torch.uint8 else 2**31 - 1
+    lo = 0 if dtype == torch.uint8 else -(2**31)
+    return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    # Compare bit patterns: exact, and NaN-safe for the float types.
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_round_trip_every_dtype_and_shape(dtype, shape):
+    t = _sample(dtype, shape)
+    ref = codec.to_tensor_ref(t)
+    assert ref.dtype == codec.dtype_to_proto(dtype)
+    assert tuple(ref.shape) == shape
+    assert len(ref.data) == t.numel() * t.element_size()
+    # Through the wire format, not just the in-memory message.
+    back = codec.from_tensor_ref(pb.TensorRef.FromString(ref.SerializeToString()), "x")
+    assert back.dtype == dtype and back.shape == t.shape
+    assert torch.equal(_bits(back), _bits(t))
+
+
+def test_bf16_bytes_are_raw_little_endian():
+    t = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)
+    # bf16 1.0 = 0x3F80, -2.0 = 0xC000, stored low byte first.
+    assert codec.to_tensor_ref(t).data == bytes([0x80, 0x3F, 0x00, 0xC0])
+
+
+def test_non_contiguous_and_offset_views_are_packed_c_contiguous():
+    base = torch.arange(60, dtype=torch.int64).reshape(6, 10)
+    view = base[1:5, ::3].t()  # strided, transposed, with a storage offset
+    back = codec.from_tensor_ref(codec.to_tensor_ref(view), "positions")
+    assert back.is_contiguous() and torch.equal(back, view)
+
+
+def test_read_only_by_default_writable_gives_a_private_copy():
+    ref = codec.to_tensor_ref(torch.arange(4, dtype=torch.int32))
+    a = codec.from_tensor_ref(ref, "seq_lens", writable=True)
+    a += 100
+    b = codec.from_tensor_ref(ref, "seq_lens")
+    assert torch.equal(b, torch.arange(4, dtype=torch.int32))
+
+
+def test_dtype_maps_are_inverse_and_cover_the_enum():
+    values = {codec.dtype_to_proto(d) for d in ALL_DTYPES}
+    assert values == set(pb.DType.values()) - {pb.DTYPE_UNSPECIFIED}
+    for d in ALL_DTYPES:
+        assert codec.dtype_from_proto(codec.dtype_to_proto(d)) == d
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bool, torch.int16, torch.float8_e4m3fnuz])
+def test_unsupported_torch_dtype_raises(dtype):
+    with pytest.raises(ValueError, match="no wire DType"):
+        codec.to_tensor_ref(torch.zeros(2, dtype=dtype))
+
+
+@pytest.mark.parametrize("value, shown", [(pb.DTYPE_UNSPECIFIED, "DTYPE_UNSPECIFIED"), (42, "42")])
+def test_unknown_wire_dtype_raises_with_field(value, shown):
+    ref = pb.TensorRef(dtype=value, shape=[2], data=b"\0" * 8)
+    with pytest.raises(ValueError, match=rf"^block_tables: unsupported dtype {shown}$"):
+        codec.from_tensor_ref(ref, "block_tables")
+
+
+@pytest.mark.parametrize("nbytes", [0, 11, 13, 24])
+def test_wrong_payload_size_raises_with_field(nbytes):
+    # [3] int32 needs exactly 12 bytes.
+    ref = pb.TensorRef(dtype=pb.DTYPE_INT32, shape=[3], data=b"\1" * nbytes)
+    with pytest.raises(ValueError, match=rf"^seq_lens: payload has {nbytes} bytes.* needs 12$"):
+        codec.from_tensor_ref(ref, "seq_lens")
+
+
+def test_bf16_size_counts_two_bytes_per_element():
+    ref = pb.TensorRef(dtype=pb.DTYPE_BF16, shape=[7, 4], data=b"\0" * 28)
+    with pytest.raises(ValueError, match="inputs_embeds: payload has 28 bytes.* needs 56"):
+        codec.from_tensor_ref(ref, "inputs_embeds")
+
+
+def test_negative_dimension_raises_with_field():
+    ref = pb.TensorRef(dtype=pb.DTYPE_INT64, shape=[-1, 2], data=b"")
+    with pytest.raises(ValueError, match="slot_mapping: negative dimension"):
+        codec.from_tensor_ref(ref, "slot_mapping")
+
+
+def test_expect_dtype_mismatch_raises_with_field():
+    ref = codec.to_tensor_ref(torch.zeros(7, dtype=torch.int32))
+    with pytest.raises(ValueError, match="positions: dtype must be torch.int64, got torch.int32"):
+        codec.from_tensor_ref(ref, "positions", expect_dtype=torch.int64)
+    assert codec.from_tensor_ref(ref, "seq_lens", expect_dtype=torch.int32).shape == (7,)
+
+
+def test_missing_payload_raises_with_field():
+    with pytest.raises(ValueError, match="input_ids: no payload"):
+        codec.from_tensor_ref(pb.TensorRef(dtype=pb.DTYPE_INT64, shape=[7]), "input_ids")
+
+
+def test_region_payload_needs_a_resolver():
+    ref = codec.region_tensor_ref(torch.bfloat16, (14, 8), region_id=3, offset_bytes=256)
+    assert ref.WhichOneof("payload") == "region"
+    assert codec.nbytes_of(ref, "inputs_embeds") == 14 * 8 * 2
+    with pytest.raises(ValueError, match="inputs_embeds: region payload \\(region 3\\)"):
+        codec.from_tensor_ref(ref, "inputs_embeds")
+
+    seen = []
+
+    def resolver(region, dtype, shape, field):
+        seen.append((region.region_id, region.offset_bytes, dtype, shape, field))
+        return torch.ones(shape, dtype=dtype)
+
+    out = codec.from_tensor_ref(ref, "inputs_embeds", resolver=resolver)
+    assert seen == [(3, 256, torch.bfloat16, (14, 8), "inputs_embeds")]
+    assert out.shape == (14, 8) and out.dtype == torch.bfloat16
