@@ -71,17 +71,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: StepMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden]; writes this launch's block K/V into kv_layer at the slots."""
-        cfg, ops, d = self.cfg, self.ops, self.cfg.head_dim
-        n1 = ops.rms_norm(x, self.input_layernorm.weight, cfg.rms_norm_eps)
-        q, k, v = self.qkv_proj(n1).split([self.q_local, self.kv_local, self.kv_local], dim=-1)
-        q = ops.qk_norm_rope(q.reshape(-1, self.q_heads, d), self.q_norm.weight, cos, sin, cfg.rms_norm_eps)
-        k = ops.qk_norm_rope(k.reshape(-1, self.kv_heads, d), self.k_norm.weight, cos, sin, cfg.rms_norm_eps)
-        ops.write_kv(kv_layer, k, v.reshape(-1, self.kv_heads, d), meta.slot_mapping)
+        cfg, ops = self.cfg, self.ops
+        qkv = ops.norm_linear(x, self.input_layernorm.weight, cfg.rms_norm_eps, self.qkv_proj.weight)
+        q = ops.attn_prelude(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, cfg.rms_norm_eps,
+                             kv_layer, meta.slot_mapping, self.q_heads, self.kv_heads)
         attn = ops.paged_window_attention(q, kv_layer, positions, meta.seq_lens, meta.block_tables,
                                           layout.QPR, cfg.sliding_window, cfg.attn_scale)
         h = x + self.o_proj(attn.reshape(-1, self.q_local))
-        n2 = ops.rms_norm(h, self.post_attention_layernorm.weight, cfg.rms_norm_eps)
-        act = ops.swiglu_oai(self.gate_up_proj(n2), cfg.swiglu_alpha, cfg.swiglu_limit)
+        act = ops.norm_linear_swiglu(h, self.post_attention_layernorm.weight, cfg.rms_norm_eps,
+                                     self.gate_up_proj.weight, cfg.swiglu_alpha, cfg.swiglu_limit)
         return h + self.down_proj(act)
 
 

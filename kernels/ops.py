@@ -20,6 +20,9 @@ class Ops:
     swiglu_oai: Callable
     write_kv: Callable
     paged_window_attention: Callable
+    norm_linear: Callable
+    norm_linear_swiglu: Callable
+    attn_prelude: Callable
 
 
 REFERENCE_OPS = Ops(
@@ -31,4 +34,7 @@ REFERENCE_OPS = Ops(
     swiglu_oai=reference.swiglu_oai,
     write_kv=reference.write_kv,
     paged_window_attention=reference.paged_window_attention,
+    norm_linear=reference.norm_linear,
+    norm_linear_swiglu=reference.norm_linear_swiglu,
+    attn_prelude=reference.attn_prelude,
 )

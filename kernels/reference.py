@@ -129,3 +129,28 @@ def paged_window_attention(
         o = torch.einsum("kgrm,mkd->rkgd", probs, vf)
         out[rows] = o.reshape(rows_per_req, hq, d).to(q.dtype)
     return out
+
+
+# Fused entry points: the reference composes the ops above; kernel backends fuse them.
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """linear(rms_norm(x)): x [n, in] -> [n, out]."""
+    return linear(rms_norm(x, norm_weight, eps), weight)
+
+
+def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                       alpha: float, limit: float) -> torch.Tensor:
+    """swiglu_oai(linear(rms_norm(x))): x [n, in], weight [2f, in] (gate rows first) -> [n, f]."""
+    return swiglu_oai(norm_linear(x, norm_weight, eps, weight), alpha, limit)
+
+
+def attn_prelude(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, eps: float, kv_layer: torch.Tensor, slots: torch.Tensor,
+                 q_heads: int, kv_heads: int) -> torch.Tensor:
+    """Split qkv [n, (q_heads + 2 kv_heads) * d]; q/k norm + RoPE; write K/V at slots; return q [n, q_heads, d]."""
+    d = kv_layer.shape[-1]
+    q, k, v = qkv.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = qk_norm_rope(q.reshape(-1, q_heads, d), q_norm, cos, sin, eps)
+    k = qk_norm_rope(k.reshape(-1, kv_heads, d), k_norm, cos, sin, eps)
+    write_kv(kv_layer, k, v.reshape(-1, kv_heads, d), slots)
+    return q
