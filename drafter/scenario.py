@@ -58,9 +58,9 @@ def random_step(cfg: DrafterConfig, context_lens: list[int], page_size: int, num
                 embed: torch.Tensor, seed: int = 0, shuffle_pages: bool = True) -> StepInputs:
     """A step whose request i has `context_lens[i]` committed rows (P = context_len) and random anchors."""
     gen = torch.Generator().manual_seed(seed)
+    anchors = torch.randint(0, cfg.vocab_size, (len(context_lens),), generator=gen)
     seq_lens = torch.tensor([c + layout.QPR for c in context_lens], dtype=torch.int32)
     tables = allocate_block_tables(seq_lens.tolist(), page_size, num_pages, gen if shuffle_pages else None)
-    anchors = torch.randint(0, cfg.vocab_size, (len(context_lens),), generator=gen)
     ids, positions, slots = block_rows(anchors, seq_lens, tables, page_size, cfg.noise_token_id)
     return StepInputs(ids, embed[ids], positions, StepMetadata(seq_lens, tables, slots))
 

@@ -1,0 +1,109 @@
+"""The synthetic checkpoint writer and the sharding MXFP8 reader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dspark_sidecar.drafter.checkpoint import (
+    PREFIX, CheckpointError, CheckpointReader, dequantize_mxfp8, quantize_mxfp8, tensor_specs,
+    write_synthetic_checkpoint,
+)
+from dspark_sidecar.drafter.config import DrafterConfig
+from dspark_sidecar.drafter.parallel import ParallelContext
+
+Q = f"{PREFIX}layers.2.decoder_layer.self_attn.q_proj.weight"
+O = f"{PREFIX}layers.2.decoder_layer.self_attn.o_proj.weight"
+
+
+def test_layout_has_97_tensors_with_real_names_and_dtypes(tiny_ckpt, tiny_cfg):
+    with safe_open(str(tiny_ckpt[0] / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_slice(Q).get_dtype() == "F8_E4M3"
+        assert f.get_slice(Q + "_scale_inv").get_dtype() == "U8"
+        assert f.get_slice(Q + "_scale_inv").get_shape() == [tiny_cfg.q_size, tiny_cfg.hidden_size // 32]
+        assert f.get_slice(f"{PREFIX}fc.weight").get_dtype() == "BF16"
+    # spec: 97 tensors = 7 global + 5 layers x (4 norms + 7 F8 linears + their 7 U8 scales)
+    assert len(keys) == 97
+    assert {k for k in keys if not k.endswith("_scale_inv")} == {s.key for s in tensor_specs(tiny_cfg)}
+    assert sum(k.endswith("_scale_inv") for k in keys) == 35
+    cfg_json = json.loads((tiny_ckpt[0] / "config.json").read_text())
+    assert DrafterConfig.from_hf_json(cfg_json) == tiny_cfg
+
+
+def test_writer_is_deterministic_and_shards_with_index(tmp_path, tiny_cfg):
+    d1, _ = write_synthetic_checkpoint(tiny_cfg, tmp_path / "a", seed=1)
+    d2, _ = write_synthetic_checkpoint(tiny_cfg, tmp_path / "b", seed=1, max_shard_bytes=1 << 20)
+    index = json.loads((d2 / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    a = load_file(str(d1 / "model.safetensors"))
+    b = {}
+    for f in sorted(d2.glob("model-*.safetensors")):
+        b.update(load_file(str(f)))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    r1 = CheckpointReader(d1, torch.float32).read(Q, (tiny_cfg.q_size, tiny_cfg.hidden_size))
+    r2 = CheckpointReader(d2, torch.float32).read(Q, (tiny_cfg.q_size, tiny_cfg.hidden_size))
+    assert torch.equal(r1, r2)
+
+
+def test_mxfp8_dequantization_hand_computed_block():
+    # One row, one 32-wide block: E8M0 byte 130 means 2^(130-127) = 8.
+    q = torch.tensor([[0.5, -1.5, 448.0, 0.0] + [1.0] * 28]).to(torch.float8_e4m3fn)
+    s = torch.tensor([[130]], dtype=torch.uint8)
+    out = dequantize_mxfp8(q, s, 32)
+    assert out[0, :5].tolist() == [4.0, -12.0, 3584.0, 0.0, 8.0]
+    # Round trip: quantization picks 2^ceil(log2(amax/448)) so the largest value fits E4M3.
+    w = torch.randn(4, 64) * 3
+    qq, ss = quantize_mxfp8(w, 32)
+    assert (dequantize_mxfp8(qq, ss, 32) - w).abs().max() <= w.abs().max() * 2 ** -3
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_shard_equals_slice_of_full_weight(world, tiny_ckpt, tiny_cfg):
+    r = CheckpointReader(tiny_ckpt[0], torch.float32)
+    shape_q, shape_o = (tiny_cfg.q_size, tiny_cfg.hidden_size), (tiny_cfg.hidden_size, tiny_cfg.q_size)
+    full_q, full_o = r.read(Q, shape_q), r.read(O, shape_o)
+    for rank in range(world):
+        par = ParallelContext(rank, world)
+        assert torch.equal(r.read(Q, shape_q, rows=par.shard(shape_q[0])), full_q[par.shard(shape_q[0])])
+        assert torch.equal(r.read(O, shape_o, cols=par.shard(shape_o[1])), full_o[:, par.shard(shape_o[1])])
+
+
+def _rewrite_without(src, dst, drop=None, reshape=None):
+    t = load_file(str(src / "model.safetensors"))
+    if drop:
+        del t[drop]
+    if reshape:
+        t[reshape] = t[reshape][:-1].contiguous()
+    dst.mkdir()
+    save_file(t, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_missing_key_names_key_and_expected_shape(tmp_path, tiny_ckpt, tiny_cfg):
+    d = _rewrite_without(tiny_ckpt[0], tmp_path / "m", drop=Q)
+    with pytest.raises(CheckpointError, match=rf"{Q}: missing .*expected shape \[{tiny_cfg.q_size}, {tiny_cfg.hidden_size}\]"):
+        CheckpointReader(d, torch.float32).read(Q, (tiny_cfg.q_size, tiny_cfg.hidden_size))
+
+
+def test_missing_scale_and_misshaped_tensor_are_named(tmp_path, tiny_ckpt, tiny_cfg):
+    shape = (tiny_cfg.q_size, tiny_cfg.hidden_size)
+    d = _rewrite_without(tiny_ckpt[0], tmp_path / "s", drop=Q + "_scale_inv")
+    with pytest.raises(CheckpointError, match=f"{Q}_scale_inv: missing"):
+        CheckpointReader(d, torch.float32).read(Q, shape)
+    d = _rewrite_without(tiny_ckpt[0], tmp_path / "r", reshape=Q)
+    with pytest.raises(CheckpointError, match=rf"{Q}: shape \[{shape[0] - 1}, {shape[1]}\], expected"):
+        CheckpointReader(d, torch.float32).read(Q, shape)
+
+
+def test_corrupted_file_gives_named_error(tmp_path, tiny_ckpt):
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}garbage")
+    with pytest.raises(CheckpointError, match="model.safetensors: unreadable"):
+        CheckpointReader(d, torch.float32)

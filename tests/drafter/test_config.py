@@ -1,0 +1,74 @@
+"""The frozen drafter config: presets, config.json parsing, and errors that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dspark_sidecar.drafter.config import PRESETS, ConfigError, DrafterConfig, load_config
+
+
+def test_real_preset_matches_spec():
+    c = PRESETS["minimax-m3.1"]
+    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (6144, 64, 4, 128)
+    assert (c.q_size, c.kv_size, c.ffn_hidden_size, c.tap_size) == (8192, 512, 12288, 30720)
+    assert c.noise_token_id == 200058 and c.sliding_window == 4096 and c.rotary_dim == 64
+    # spec: ~1.96 B parameters, of which the layer linears are 1.667 B
+    assert 1.9e9 < c.param_count() < 2.0e9
+    c.check_tp(4)
+
+
+def test_tiny_preset_keeps_structure_and_shards_over_1_2_4():
+    t, real = PRESETS["tiny"], PRESETS["minimax-m3.1"]
+    for f in ("num_hidden_layers", "head_dim", "rotary_dim", "block_size", "sliding_window", "num_key_value_heads"):
+        assert getattr(t, f) == getattr(real, f), f
+    assert t.num_attention_heads > t.num_key_value_heads  # GQA
+    for w in (1, 2, 4):
+        t.check_tp(w)
+
+
+def test_json_round_trip_and_defaults_for_missing_optional_fields():
+    data = PRESETS["minimax-m3.1"].to_hf_json()
+    for k in ("rms_norm_eps", "rope_theta", "rotary_dim", "swiglu_alpha", "swiglu_limit"):
+        del data["text_config"][k]
+    c = DrafterConfig.from_hf_json(data)
+    assert c.rms_norm_eps == 1e-6 and c.rope_theta == 5e6 and c.rotary_dim == 64
+    assert c.swiglu_alpha == 1.702 and c.swiglu_limit == 7.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.hidden_size = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("key,value,field", [
+    ("num_key_value_heads", 5, "num_key_value_heads"),
+    ("dspark_block_size", 8, "dspark_block_size"),
+    ("hidden_size", -1, "hidden_size"),
+    ("dspark_noise_token_id", 10**9, "dspark_noise_token_id"),
+    ("head_dim", "128", "head_dim"),
+])
+def test_bad_field_is_named(key, value, field):
+    data = PRESETS["tiny"].to_hf_json()
+    data["text_config"][key] = value
+    with pytest.raises(ConfigError, match=field):
+        DrafterConfig.from_hf_json(data)
+
+
+def test_missing_field_and_bad_file_are_named(tmp_path):
+    data = PRESETS["tiny"].to_hf_json()
+    del data["text_config"]["sliding_window"]
+    with pytest.raises(ConfigError, match="text_config.sliding_window: missing"):
+        DrafterConfig.from_hf_json(data)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="config.json"):
+        load_config(checkpoint=tmp_path)
+    with pytest.raises(ConfigError, match="preset: unknown 'nope'"):
+        load_config("nope")
+    (tmp_path / "config.json").write_text(json.dumps({**data, "architectures": ["X"]}))
+    with pytest.raises(ConfigError, match="architectures"):
+        load_config(checkpoint=tmp_path)
+
+
+def test_tp_divisibility_error_names_field():
+    with pytest.raises(ConfigError, match="num_key_value_heads: 4 is not divisible by TP size 8"):
+        PRESETS["tiny"].check_tp(8)
