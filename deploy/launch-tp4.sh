@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Launch recipe: the TP-4 DSpark drafter sidecar on one node, beside a TP-4 engine.
+#
+#   deploy/launch-tp4.sh [more `dspark-sidecar serve` flags ...]
+#
+# It sets up the environment below, creates the socket directory, and then becomes the
+# server (exec): SIGTERM drains it and it exits 0. Flags given here win over DSPARK_* env.
+#
+# Environment read here (all optional):
+#   DSPARK_LAUNCHER      builtin (default: `serve` spawns the rank processes) | torchrun
+#   DSPARK_TP            number of ranks, default 4: the engine's TP size
+#   DSPARK_SOCKET_DIR    rank r listens on unix:$DSPARK_SOCKET_DIR/rank{r}.sock
+#                        (default /tmp/dspark-sidecar); the engine must use the same dir
+#   DSPARK_SOCKET_GROUP  group that owns the socket dir (setgid, so the 0660 sockets are
+#                        the engine's to open); default: this user's group
+#   DSPARK_DEVICE        auto (default) | cpu | cuda; cpu skips all GPU set-up below
+#   DSPARK_PYTHON        interpreter with dspark_sidecar installed (default python3)
+#   Every other DSPARK_<FLAG> (checkpoint, backend, metrics port, ...) is read by the server.
+#
+# Environment an operator sets on GPU nodes, identical to the engine's:
+#   AMD      HIP_VISIBLE_DEVICES=0,1,2,3   rank r runs on the r-th GPU of this list, which
+#                                          must be the engine's list in the engine's order
+#   NVIDIA   CUDA_VISIBLE_DEVICES=0,1,2,3  same rule; CUDA_DEVICE_ORDER=PCI_BUS_ID (default
+#                                          here) so both processes number GPUs alike
+#            CUDA_MPS_PIPE_DIRECTORY       the running MPS daemon's pipe dir (default
+#                                          /tmp/nvidia-mps); without MPS every step pays a
+#                                          GPU context switch between the two processes
+#   NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME default lo: the ranks' collectives and their
+#                                          bootstrap stay on this node (RCCL reads NCCL_*)
+#   OMP_NUM_THREADS                        host threads per rank, default 2
+set -euo pipefail
+
+log() { printf 'launch-tp4: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 2; }
+
+launcher=${DSPARK_LAUNCHER:-builtin}
+tp=${DSPARK_TP:-4}
+socket_dir=${DSPARK_SOCKET_DIR:-/tmp/dspark-sidecar}
+device=${DSPARK_DEVICE:-auto}
+python=${DSPARK_PYTHON:-python3}
+
+[[ $tp =~ ^[1-9][0-9]*$ ]] || die "DSPARK_TP must be a positive integer, got '$tp'"
+case $launcher in
+  builtin | torchrun) ;;
+  *) die "DSPARK_LAUNCHER must be builtin or torchrun, got '$launcher'" ;;
+esac
+command -v "$python" >/dev/null || die "no interpreter '$python' (set DSPARK_PYTHON)"
+export DSPARK_TP=$tp DSPARK_SOCKET_DIR=$socket_dir
+
+# Which GPUs, if any: the device nodes say more than any tool that may be missing.
+vendor=none
+if [[ $device != cpu ]]; then
+  if [[ -e /dev/kfd ]]; then
+    vendor=amd
+  elif [[ -e /dev/nvidiactl ]]; then
+    vendor=nvidia
+  fi
+fi
+
+case $vendor in
+  amd)
+    if [[ -z ${HIP_VISIBLE_DEVICES:-}${ROCR_VISIBLE_DEVICES:-}${CUDA_VISIBLE_DEVICES:-} ]]; then
+      log "warning: HIP_VISIBLE_DEVICES unset: rank r takes the node's GPU r; set the engine's list"
+    fi
+    ;;
+  nvidia)
+    export CUDA_DEVICE_ORDER=${CUDA_DEVICE_ORDER:-PCI_BUS_ID}
+    export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
+    if [[ -z ${CUDA_VISIBLE_DEVICES:-} ]]; then
+      log "warning: CUDA_VISIBLE_DEVICES unset: rank r takes the node's GPU r; set the engine's list"
+    fi
+    # A client that starts while no daemon answers silently runs without MPS.
+    if ! command -v nvidia-cuda-mps-control >/dev/null ||
+      ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
+      log "warning: no MPS daemon on $CUDA_MPS_PIPE_DIRECTORY: each step pays a context switch"
+    fi
+    ;;
+  none) ;;
+esac
+
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+
+# Sockets are created 0660 by the server; the directory admits only its owner and group.
+umask 007
+mkdir -p "$socket_dir"
+if [[ -O $socket_dir ]]; then
+  chmod 0770 "$socket_dir"
+fi
+if [[ -n ${DSPARK_SOCKET_GROUP:-} ]]; then
+  chgrp "$DSPARK_SOCKET_GROUP" "$socket_dir"
+  chmod 2770 "$socket_dir"
+fi
+
+log "launcher=$launcher tp=$tp gpus=$vendor sockets=$socket_dir/rank{0..$((tp - 1))}.sock"
+if [[ $launcher == torchrun ]]; then
+  # One process per rank; each serves only its own RANK (no spawning).
+  exec "$python" -m torch.distributed.run --standalone --nproc-per-node "$tp" \
+    -m dspark_sidecar serve --tp "$tp" --socket-dir "$socket_dir" "$@"
+fi
+exec "$python" -m dspark_sidecar serve --tp "$tp" --socket-dir "$socket_dir" "$@"
