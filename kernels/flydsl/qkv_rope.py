@@ -1,0 +1,132 @@
+"""The qkv epilogue: split-K sum, input-norm 1/rms, per-head Gemma q/k norm, partial NeoX RoPE, K/V cache write.
+
+One wave per (row, head) of the rank's 16 q heads, 1 k head and 1 v head. Lane l holds head
+dims l and l + 64, so the rotating dims [0, 64) sit one per lane and the RoPE partner of dim i
+(i + 32) is lane l ^ 32: the rotation is one cross-lane swap.
+
+RoPE uses the engine's cos/sin cache (f32 [max_positions, 64]: cos of the 32 frequencies, then
+sin), so the angles are bit-identical to the stock layers' rather than recomputed in-kernel.
+The block rows' K/V go to the bf16 paged cache [2, num_pages, page_size, 1, 128], viewed as
+[2 * num_slots, 128] (K rows, then V rows), at the row's slot; slot < 0 (padding) is skipped.
+"""
+
+from __future__ import annotations
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl.expr import math as fmath
+from flydsl.expr import range_constexpr
+
+from . import _device as dev
+from .shapes import HEAD_DIM, HIDDEN, Q_HEADS, RMS_EPS, ROTARY_DIM, SCHEDULES, rows_for, row_tiles
+
+HEADS = Q_HEADS + 2  # q heads, then k, then v: the column order of the fused qkv projection
+HALF = ROTARY_DIM // 2
+
+
+def build_qkv_rope(num_reqs: int):
+    """Launcher(P f32 [split, MP, 2304], SS f32 [split, MP], QN bf16 [128], KN bf16 [128],
+    CS f32 [max_pos, 64], POS i64 [rows], SLOT i64 [rows], Q bf16 [rows, 2048],
+    KV bf16 [2 * num_slots, 128], num_slots i32)."""
+    sched = SCHEDULES["qkv"]
+    rows = rows_for(num_reqs)
+    split = sched.split
+    mp = 16 * row_tiles(num_reqs)
+
+    @flyc.kernel
+    def qkv_rope_kernel(
+        P: fx.Tensor,
+        SS: fx.Tensor,
+        QN: fx.Tensor,
+        KN: fx.Tensor,
+        CS: fx.Tensor,
+        POS: fx.Tensor,
+        SLOT: fx.Tensor,
+        Q: fx.Tensor,
+        KV: fx.Tensor,
+        num_slots: fx.Int32,
+    ):
+        row = fx.block_idx.x
+        head = fx.block_idx.y
+        lane = fx.thread_idx.x
+        a_f32 = fx.make_copy_atom(fx.rocdl.BufferCopy32b(), 32)
+        a_bf16 = fx.make_copy_atom(fx.rocdl.BufferCopy16b(), 16)
+        a_i64 = fx.make_copy_atom(fx.rocdl.BufferCopy64b(), 64)
+        pb = fx.rocdl.make_buffer_tensor(P)
+        ssv = fx.logical_divide(fx.rocdl.make_buffer_tensor(SS), fx.make_layout(1, 1))
+
+        # Split-K sum in split order, then the input layernorm's 1/rms of the row.
+        col = head * HEAD_DIM + lane
+        ss = fx.Float32(0.0)
+        lo = fx.Float32(0.0)
+        hi = fx.Float32(0.0)
+        for s in range_constexpr(split):
+            ss = ss + dev.load_vec(a_f32, ssv, s * mp + row, 1, fx.Float32)[0]
+            prow = fx.logical_divide(fx.slice(pb, (s, row, None)), fx.make_layout(1, 1))
+            lo = lo + dev.load_vec(a_f32, prow, col, 1, fx.Float32)[0]
+            hi = hi + dev.load_vec(a_f32, prow, col + 64, 1, fx.Float32)[0]
+        rrms = fmath.rsqrt(ss * (1.0 / HIDDEN) + RMS_EPS)
+        lo = lo * rrms
+        hi = hi * rrms
+
+        # Per-head Gemma RMSNorm over the 128 dims (q heads: q_norm, the k head: k_norm).
+        is_q = head < Q_HEADS
+        qn = fx.logical_divide(fx.rocdl.make_buffer_tensor(QN), fx.make_layout(1, 1))
+        kn = fx.logical_divide(fx.rocdl.make_buffer_tensor(KN), fx.make_layout(1, 1))
+        w_lo = is_q.select(
+            dev.load_vec(a_bf16, qn, lane, 1, fx.BFloat16)[0].to(fx.Float32),
+            dev.load_vec(a_bf16, kn, lane, 1, fx.BFloat16)[0].to(fx.Float32),
+        )
+        w_hi = is_q.select(
+            dev.load_vec(a_bf16, qn, lane + 64, 1, fx.BFloat16)[0].to(fx.Float32),
+            dev.load_vec(a_bf16, kn, lane + 64, 1, fx.BFloat16)[0].to(fx.Float32),
+        )
+        hrms = fmath.rsqrt(dev.wave_sum(lo * lo + hi * hi) * (1.0 / HEAD_DIM) + RMS_EPS)
+        n_lo = lo * hrms * (w_lo + 1.0)
+        n_hi = hi * hrms * (w_hi + 1.0)
+
+        # Partial NeoX RoPE on dims [0, 64): lane l < 32 holds x1 = dim l, lane l + 32 holds
+        # x2 = dim l + 32; out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin.
+        pos = dev.load_vec(a_i64, fx.logical_divide(fx.rocdl.make_buffer_tensor(POS), fx.make_layout(1, 1)), row, 1, fx.Int64)[0]
+        csrow = fx.logical_divide(fx.slice(fx.rocdl.make_buffer_tensor(CS), (fx.Int32(pos), None)), fx.make_layout(1, 1))
+        i = lane % HALF
+        cos = dev.load_vec(a_f32, csrow, i, 1, fx.Float32)[0]
+        sin = dev.load_vec(a_f32, csrow, i + HALF, 1, fx.Float32)[0]
+        partner = n_lo.shuffle_xor(HALF, dev.WAVE)
+        sign = (lane < HALF).select(fx.Float32(-1.0), fx.Float32(1.0))
+        r_lo = n_lo * cos + sign * partner * sin
+
+        is_v = head == Q_HEADS + 1
+        out_lo = is_v.select(lo, r_lo).to(fx.BFloat16)
+        out_hi = is_v.select(hi, n_hi).to(fx.BFloat16)
+        if is_q:
+            qrow = fx.logical_divide(fx.slice(fx.rocdl.make_buffer_tensor(Q), (row, None)), fx.make_layout(1, 1))
+            dev.store_vec(a_bf16, qrow, col, fx.Vector.from_elements([out_lo], fx.BFloat16), 1, fx.BFloat16)
+            dev.store_vec(a_bf16, qrow, col + 64, fx.Vector.from_elements([out_hi], fx.BFloat16), 1, fx.BFloat16)
+        else:
+            slot = dev.load_vec(a_i64, fx.logical_divide(fx.rocdl.make_buffer_tensor(SLOT), fx.make_layout(1, 1)), row, 1, fx.Int64)[0]
+            if slot >= 0:
+                kv_row = (head - Q_HEADS) * num_slots + fx.Int32(slot)
+                kvr = fx.logical_divide(fx.slice(fx.rocdl.make_buffer_tensor(KV), (kv_row, None)), fx.make_layout(1, 1))
+                dev.store_vec(a_bf16, kvr, lane, fx.Vector.from_elements([out_lo], fx.BFloat16), 1, fx.BFloat16)
+                dev.store_vec(a_bf16, kvr, lane + 64, fx.Vector.from_elements([out_hi], fx.BFloat16), 1, fx.BFloat16)
+
+    @flyc.jit
+    def launch(
+        P: fx.Tensor,
+        SS: fx.Tensor,
+        QN: fx.Tensor,
+        KN: fx.Tensor,
+        CS: fx.Tensor,
+        POS: fx.Tensor,
+        SLOT: fx.Tensor,
+        Q: fx.Tensor,
+        KV: fx.Tensor,
+        num_slots: fx.Int32,
+        stream: fx.Stream = fx.Stream(None),
+    ):
+        qkv_rope_kernel(P, SS, QN, KN, CS, POS, SLOT, Q, KV, num_slots).launch(
+            grid=(rows, HEADS, 1), block=(dev.WAVE, 1, 1), stream=stream
+        )
+
+    return launch
