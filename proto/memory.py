@@ -1,0 +1,142 @@
+"""MemoryHandle <-> memory: the engine exports tensors (POSIX shm on CPU, CUDA/HIP IPC on GPU), the sidecar maps them."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+
+class HandleError(ValueError):
+    """A memory handle cannot be exported or mapped; the message says why."""
+
+
+# Engine side: tensors allocated in named shared memory -----------------------------------------
+
+@dataclass
+class ShmTensor:
+    """A tensor whose storage is a whole POSIX shared-memory segment the engine created."""
+
+    tensor: torch.Tensor
+    segment: shared_memory.SharedMemory
+
+    def close(self, unlink: bool = True) -> None:
+        self.tensor = None  # type: ignore[assignment]  # drop the view before the mapping goes
+        self.segment.close()
+        if unlink:
+            self.segment.unlink()
+
+
+_EXPORTED: dict[int, tuple[str, int]] = {}  # data_ptr of a segment's first byte -> (name, size)
+_EXPORTED_LOCK = threading.Lock()
+
+
+def shm_empty(shape: tuple[int, ...], dtype: torch.dtype) -> ShmTensor:
+    """A zero-filled tensor in a fresh shared-memory segment, exportable with `export_handle`."""
+    nbytes = max(1, int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
+    seg = shared_memory.SharedMemory(create=True, size=nbytes)
+    t = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    t.zero_()
+    with _EXPORTED_LOCK:
+        _EXPORTED[t.untyped_storage().data_ptr()] = (seg.name, nbytes)
+    return ShmTensor(t, seg)
+
+
+def export_handle(t: torch.Tensor) -> pb.MemoryHandle:
+    """A handle to the storage under `t` (the sidecar applies t's own shape/strides/offset)."""
+    storage = t.untyped_storage()
+    if t.device.type == "cpu":
+        with _EXPORTED_LOCK:
+            entry = _EXPORTED.get(storage.data_ptr())
+        if entry is None:
+            raise HandleError("CPU tensor is not in exported shared memory: allocate it with shm_empty()")
+        name, size = entry
+        return pb.MemoryHandle(shm=pb.SharedMemoryHandle(name=name, size_bytes=size, offset_bytes=0))
+    if t.device.type == "cuda":
+        (device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = storage._share_cuda_()
+        props = torch.cuda.get_device_properties(device)
+        return pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(
+            device_index=device, device_uuid=str(getattr(props, "uuid", "")), ipc_handle=handle,
+            storage_size_bytes=size, storage_offset_bytes=offset, ref_counter_handle=rc_handle,
+            ref_counter_offset=rc_offset, event_handle=ev_handle or b"", event_sync_required=bool(ev_sync)))
+    raise HandleError(f"cannot export memory of device type {t.device.type}")
+
+
+# Sidecar side: map a handle and view it as a tensor -----------------------------------------------
+
+class MappedMemory:
+    """One mapped handle: a byte storage the sidecar can view with any dtype/shape/stride."""
+
+    def __init__(self, handle: pb.MemoryHandle, field: str, device: torch.device) -> None:
+        kind = handle.WhichOneof("kind")
+        self._segment: shared_memory.SharedMemory | None = None
+        if kind == "shm":
+            try:
+                seg = shared_memory.SharedMemory(name=handle.shm.name, create=False)
+            except (FileNotFoundError, OSError, ValueError) as e:
+                raise HandleError(f"{field}: cannot open shared memory {handle.shm.name!r}: {e}") from None
+            # The segment belongs to the engine: stop this process's resource tracker from
+            # unlinking it when the sidecar exits (Python < 3.13 registers attached segments too).
+            with _EXPORTED_LOCK:
+                own = any(name == seg.name for name, _ in _EXPORTED.values())
+            if not own:
+                resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+            self._segment = seg
+            lo = handle.shm.offset_bytes
+            if lo > seg.size:
+                raise HandleError(f"{field}: offset {lo} beyond segment size {seg.size}")
+            if device.type != "cpu":
+                raise HandleError(f"{field}: shared-memory handles need a CPU sidecar, this rank runs on {device}")
+            self.storage = torch.frombuffer(seg.buf, dtype=torch.uint8)[lo:]
+        elif kind == "cuda_ipc":
+            self.storage = _open_cuda_ipc(handle.cuda_ipc, field, device)
+        else:
+            raise HandleError(f"{field}: memory handle has no kind (shm or cuda_ipc)")
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel()
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...],
+             offset: int, field: str) -> torch.Tensor:
+        """The tensor at element `offset` with the given shape/stride; bounds checked against the mapping."""
+        item = torch.empty((), dtype=dtype).element_size()
+        if any(s < 0 for s in shape) or any(s < 0 for s in stride) or offset < 0:
+            raise HandleError(f"{field}: negative shape, stride or offset")
+        extent = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0)
+        if extent * item > self.nbytes:
+            raise HandleError(f"{field}: view needs {extent * item} bytes, mapping has {self.nbytes}")
+        if self.nbytes % item:
+            base = self.storage[: self.nbytes - self.nbytes % item]
+        else:
+            base = self.storage
+        typed = base.view(dtype)
+        return typed.as_strided(shape, stride, typed.storage_offset() + offset)
+
+    def close(self) -> None:
+        self.storage = None  # type: ignore[assignment]
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+
+def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        raise HandleError(f"{field}: a CUDA/HIP IPC handle needs a GPU sidecar, this rank runs on {device}")
+    local = torch.cuda.get_device_properties(device)
+    uuid = str(getattr(local, "uuid", ""))
+    if h.device_uuid and uuid and h.device_uuid != uuid:
+        raise HandleError(f"{field}: handle is from GPU {h.device_uuid}, this rank runs on GPU {uuid} "
+                          "(engine rank r must bind to sidecar rank r on the same GPU)")
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    t = rebuild_cuda_tensor(
+        torch.Tensor, (h.storage_size_bytes,), (1,), 0, torch.UntypedStorage, torch.uint8,
+        device.index if device.index is not None else torch.cuda.current_device(), h.ipc_handle,
+        h.storage_size_bytes, h.storage_offset_bytes, False, h.ref_counter_handle, h.ref_counter_offset,
+        h.event_handle or None, h.event_sync_required)
+    return t
