@@ -85,3 +85,10 @@ def wave_max(x):
     for off in (32, 16, 8, 4, 2, 1):
         x = fx.max(x, x.shuffle_xor(off, WAVE))
     return x
+
+
+def xor_max(x, offsets):
+    """Max of x over the lanes reached by xor-ing the lane id with each offset."""
+    for off in offsets:
+        x = fx.max(x, x.shuffle_xor(off, WAVE))
+    return x
