@@ -1,0 +1,90 @@
+"""The sidecar's frozen, validated serve config: built once from flags/env (cli.py) and passed down."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark_sidecar import layout
+
+BACKENDS = ("auto", "reference", "triton", "flydsl")
+DTYPES = ("bf16", "fp32")
+
+
+class ServeConfigError(ValueError):
+    """A serve flag is invalid; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    tp: int = 4
+    socket_dir: Path = Path("/tmp/dspark-sidecar")
+    tcp_host: str = "127.0.0.1"
+    tcp_base_port: int = 0  # 0: unix sockets only; else rank r also listens on host:port+r
+    allow_remote: bool = False
+    preset: str = "tiny"
+    checkpoint: Path | None = None  # the `dspark/` folder; None: the preset's synthetic checkpoint
+    target_checkpoint: Path | None = None  # embed_tokens source; None: next to a synthetic checkpoint
+    backend: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "bf16"
+    max_reqs: int = layout.DEFAULT_MAX_REQS
+    metrics_port: int = 0  # Prometheus text on port + rank; 0 = off
+    strict_refusal: bool = False
+    rendezvous_ms: int = 200  # how long ranks wait for each other's copy of a step
+    dist_backend: str = "auto"  # auto | gloo | nccl
+    dist_timeout_s: int = 60  # a collective stuck this long (dead peer) ends the rank
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29533
+    max_message_bytes: int = 256 << 20
+    warmup: bool = True
+    seed: int = 0  # of the synthetic checkpoint
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tp <= 64:
+            raise ServeConfigError(f"--tp: must be 1..64, got {self.tp}")
+        if self.backend not in BACKENDS:
+            raise ServeConfigError(f"--backend: must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dtype not in DTYPES:
+            raise ServeConfigError(f"--dtype: must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ServeConfigError(f"--device: must be auto, cpu or cuda, got {self.device!r}")
+        if self.dist_backend not in ("auto", "gloo", "nccl"):
+            raise ServeConfigError(f"--dist-backend: must be auto, gloo or nccl, got {self.dist_backend!r}")
+        if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
+            raise ServeConfigError(f"--max-reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
+        if not 1 <= self.rendezvous_ms <= 60_000:
+            raise ServeConfigError(f"--rendezvous-ms: must be 1..60000, got {self.rendezvous_ms}")
+        for flag, port in (("--tcp-base-port", self.tcp_base_port), ("--metrics-port", self.metrics_port),
+                           ("--master-port", self.master_port)):
+            if not 0 <= port <= 65535 - self.tp:
+                raise ServeConfigError(f"{flag}: must be 0..{65535 - self.tp}, got {port}")
+        if self.tcp_base_port and not self.allow_remote and not _is_loopback(self.tcp_host):
+            raise ServeConfigError(
+                f"--tcp-host: {self.tcp_host} is not a loopback address; KV handles grant memory "
+                "access, so serving off-node needs --allow-remote")
+        if self.max_message_bytes < 1 << 20:
+            raise ServeConfigError("--max-message-bytes: must be at least 1 MiB")
+
+    def socket_path(self, rank: int) -> Path:
+        return self.socket_dir / f"rank{rank}.sock"
+
+    def endpoints(self, rank: int) -> list[str]:
+        eps = [f"unix:{self.socket_path(rank)}"]
+        if self.tcp_base_port:
+            eps.append(f"{self.tcp_host}:{self.tcp_base_port + rank}")
+        return eps
+
+    def replace(self, **kw) -> ServeConfig:
+        return dataclasses.replace(self, **kw)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

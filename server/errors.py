@@ -1,0 +1,90 @@
+"""Step and RPC failures: one exception type, its rich-status mapping (unary) and StepError form (stream)."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+log = logging.getLogger("dspark_sidecar.server")
+
+DOMAIN = "dspark.sidecar.v1"
+
+
+class SidecarError(Exception):
+    """A request the sidecar refuses or could not serve: a gRPC code, the offending field, a reason.
+
+    `reason` is a stable UPPER_SNAKE token (ErrorInfo.reason) an engine can switch on;
+    the message is for a person and says what to do.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.code, self.message, self.field = code, message, field
+        self.reason = reason or code.name
+
+
+def invalid(field: str, message: str) -> SidecarError:
+    return SidecarError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}", field, "INVALID_FIELD")
+
+
+def out_of_range(field: str, message: str) -> SidecarError:
+    return SidecarError(grpc.StatusCode.OUT_OF_RANGE, f"{field}: {message}", field, "OUT_OF_RANGE")
+
+
+def precondition(message: str, reason: str, field: str = "") -> SidecarError:
+    return SidecarError(grpc.StatusCode.FAILED_PRECONDITION, message, field, reason)
+
+
+def as_sidecar_error(exc: BaseException) -> SidecarError:
+    """Any exception as a SidecarError; unexpected ones become INTERNAL (and are logged with a trace)."""
+    if isinstance(exc, SidecarError):
+        return exc
+    log.exception("internal error while serving a request")
+    return SidecarError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "", "INTERNAL")
+
+
+def to_status(err: SidecarError) -> status_pb2.Status:
+    """google.rpc.Status with ErrorInfo (reason, domain) and, for a bad field, BadRequest."""
+    details = []
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata={"field": err.field}))
+    details.append(info)
+    if err.field:
+        bad = any_pb2.Any()
+        bad.Pack(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.message)]))
+        details.append(bad)
+    return status_pb2.Status(code=err.code.value[0], message=err.message, details=details)
+
+
+def to_step_error(err: SidecarError) -> pb.StepError:
+    """The stream's per-step form of the same failure (the stream itself goes on)."""
+    return pb.StepError(code=err.code.value[0], message=err.message, field=err.field, reason=err.reason)
+
+
+class StatusInterceptor(grpc.ServerInterceptor):
+    """Maps exceptions escaping unary handlers to gRPC status with rich details; servicers stay on the happy path."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+
+        def guarded(request, context):
+            try:
+                return inner(request, context)
+            except Exception as exc:  # noqa: BLE001  (every failure becomes a status; none escapes)
+                context.abort_with_status(rpc_status.to_status(to_status(as_sidecar_error(exc))))
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+

@@ -1,0 +1,62 @@
+"""Why the FlyDSL fast path is off: the seed's deployment checks, with the engine's facts from BindKV."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dspark_sidecar import layout
+
+REQUIRED_TP = 4
+REQUIRED_METHOD = "dspark"
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the engine told us at bind time (proto EngineFacts)."""
+
+    tp_size: int
+    dp_size: int
+    pp_size: int
+    speculative_method: str
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the sidecar sees of its own host, probed once at start-up."""
+
+    on_gfx950: bool
+    flydsl_available: bool
+    tp_size: int
+
+
+def probe_host(tp_size: int) -> HostFacts:
+    from dspark_sidecar.kernels.flydsl.toolchain import flydsl_available, on_gfx950
+
+    return HostFacts(on_gfx950=on_gfx950(), flydsl_available=flydsl_available(), tp_size=tp_size)
+
+
+def fast_path_refusal(host: HostFacts, engine: EngineFacts | None) -> str | None:
+    """The first failing check in the seed's order (its exact words), or None when FlyDSL may serve.
+
+    Before any bind the engine-side checks use the sidecar's own TP and wait for the rest.
+    """
+    tp = engine.tp_size if engine is not None else host.tp_size
+    checks = [
+        (host.on_gfx950, "not gfx950"),
+        (host.flydsl_available, "FlyDSL not installed"),
+        (tp == REQUIRED_TP, f"TP {tp} != {REQUIRED_TP}"),
+    ]
+    if engine is None:
+        checks.append((False, "no engine bound yet (the DP/PP/speculative checks need BindKV)"))
+    else:
+        checks += [
+            (engine.dp_size == 1, "DP > 1"),
+            (engine.pp_size == 1, "PP > 1"),
+            (engine.speculative_method == REQUIRED_METHOD, "no DSpark draft"),
+            (engine.num_speculative_tokens == layout.QPR, f"{layout.QPR} speculative tokens required"),
+        ]
+    for ok, why in checks:
+        if not ok:
+            return why
+    return None

@@ -1,0 +1,226 @@
+"""Node-local step agreement between the sidecar's TP ranks, through a shared-memory board with a deadline.
+
+Why: a rank that launches a step's collectives while a peer does not waits forever. So before any
+launch every rank posts what it received (step id, R, binding generation, a digest of the step's
+metadata, whether its inputs were valid) and one coordinator (a thread of rank 0) writes a single
+verdict for that set of posts: GO, or ABORT with a reason code. Every rank formats its answer from
+that one record, so all ranks give the same answer. A rank commits to waiting for the verdict once
+it has posted; the coordinator always decides within the deadline of the first post it saw, so a
+missing peer costs at most the deadline, and a collective is entered only after GO.
+
+Layout (int64 words): header [magic, world]; per rank a post slot
+[seq, step_id, generation, num_reqs, valid, digest, code, spare]; a ring of verdict records
+[seq, step_id, verdict, reason, rank_mask, launch_seq, covered_seq[0..world)]. `seq` words are
+seqlocks: odd while the writer fills the record, even when it is complete.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+MAGIC = 0x44535052  # "DSPR"
+SLOT = 8
+RING = 64
+GO, ABORT = 1, 2
+# Abort reasons
+MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID = range(1, 7)
+POLL_S = 20e-6
+
+
+@dataclass(frozen=True)
+class Post:
+    step_id: int
+    generation: int
+    num_reqs: int
+    digest: int
+    valid: bool
+
+
+@dataclass(frozen=True)
+class Verdict:
+    go: bool
+    reason: str  # empty on GO; identical text on every rank
+    launch_seq: int
+
+
+def digest(*arrays) -> int:
+    """crc32 over the step's metadata bytes (positions, seq lens, block tables, slots)."""
+    c = 0
+    for a in arrays:
+        c = zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"), c)
+    return c
+
+
+def _ranks(mask: int) -> str:
+    return ", ".join(str(r) for r in range(64) if mask >> r & 1)
+
+
+def format_reason(step_id: int, reason: int, mask: int, deadline_ms: int) -> str:
+    if reason == MISSING:
+        return f"step {step_id}: rank(s) {_ranks(mask)} did not receive it within {deadline_ms} ms"
+    if reason == INVALID:
+        return f"step {step_id}: rank(s) {_ranks(mask)} rejected their copy of the step's inputs"
+    what = {STEP_ID: "the step id", NUM_REQS: "num_requests", GENERATION: "the KV binding generation",
+            DIGEST: "the step's metadata (positions, seq lens, block tables, slots)"}[reason]
+    return f"step {step_id}: ranks disagree on {what} (rank(s) {_ranks(mask)} differ from rank 0's view)"
+
+
+class Board:
+    """The shared-memory board; rank 0 creates it, the others attach by name."""
+
+    def __init__(self, name: str, world: int, create: bool, untrack: bool = True) -> None:
+        self.world = world
+        self.rec_len = 6 + world
+        words = 2 + world * SLOT + RING * self.rec_len
+        if create:
+            try:  # a board left by a crashed run of the same deployment
+                stale = shared_memory.SharedMemory(name=name)
+                stale.close()
+                stale.unlink()
+            except FileNotFoundError:
+                pass
+            self.shm = shared_memory.SharedMemory(name=name, create=True, size=words * 8)
+        else:
+            self.shm = shared_memory.SharedMemory(name=name)
+            if untrack:  # rank 0 owns (and unlinks) the board; attaching must not claim it too
+                    resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self.owner = create
+        self.words = np.ndarray((words,), dtype=np.int64, buffer=self.shm.buf)
+        if create:
+            self.words[:] = 0
+            self.words[0], self.words[1] = MAGIC, world
+        elif self.words[0] != MAGIC or self.words[1] != world:
+            raise RuntimeError(f"rendezvous board {name}: not a board for {world} ranks")
+        self.slots = self.words[2 : 2 + world * SLOT].reshape(world, SLOT)
+        self.ring = self.words[2 + world * SLOT :].reshape(RING, self.rec_len)
+
+    def close(self) -> None:
+        self.slots = self.ring = self.words = None  # type: ignore[assignment]
+        self.shm.close()
+        if self.owner:
+            self.shm.unlink()
+
+
+class Rendezvous:
+    """One rank's handle: `agree(post)` blocks until the coordinator's verdict for this post."""
+
+    def __init__(self, board: Board, rank: int, deadline_ms: int, fatal_after_s: float = 30.0) -> None:
+        self.board, self.rank, self.deadline_ms = board, rank, deadline_ms
+        self.fatal_after_s = fatal_after_s
+        self._seq = 0
+        self._coordinator: Coordinator | None = None
+        if rank == 0:
+            self._coordinator = Coordinator(board, deadline_ms)
+            self._coordinator.start()
+
+    def agree(self, post: Post) -> Verdict:
+        slot = self.board.slots[self.rank]
+        self._seq += 2
+        seq = self._seq
+        slot[0] = seq - 1  # seqlock: writing
+        slot[1:7] = (post.step_id, post.generation, post.num_reqs, int(post.valid), post.digest, 0)
+        slot[0] = seq
+        col = 6 + self.rank
+        give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
+        ring = self.board.ring
+        while True:
+            hits = np.flatnonzero(ring[:, col] == seq)
+            for i in hits:
+                before = ring[i, 0]
+                rec = ring[i].copy()
+                if before == ring[i, 0] == rec[0] and rec[0] % 2 == 0 and rec[col] == seq:
+                    return Verdict(bool(rec[2] == GO),
+                                   "" if rec[2] == GO else format_reason(int(rec[1]), int(rec[3]), int(rec[4]), self.deadline_ms),
+                                   int(rec[5]))
+            if time.monotonic() > give_up:
+                # The coordinator (rank 0) is gone or stuck; this rank cannot know whether its
+                # peers launched, so it must not go on serving.
+                raise RuntimeError(f"rank {self.rank}: no verdict from rank 0's coordinator in "
+                                   f"{self.fatal_after_s + self.deadline_ms / 1e3:.1f} s")
+            time.sleep(POLL_S)
+
+    def close(self) -> None:
+        if self._coordinator is not None:
+            self._coordinator.stop()
+
+
+class Coordinator(threading.Thread):
+    """Rank 0's decider: watches every rank's slot and writes exactly one verdict per set of posts."""
+
+    def __init__(self, board: Board, deadline_ms: int) -> None:
+        super().__init__(name="dspark-rendezvous", daemon=True)
+        self.board, self.deadline_s, self.deadline_ms = board, deadline_ms / 1e3, deadline_ms
+        self._halt = threading.Event()
+        self._handled = [0] * board.world
+        self._first_seen: dict[int, float] = {}  # rank -> when its pending post was first seen
+        self._next_rec = 0
+        self._launch_seq = 0
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=1.0)
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            if not self.poll_once():
+                time.sleep(POLL_S)
+
+    def _pending(self) -> dict[int, np.ndarray]:
+        out = {}
+        for r in range(self.board.world):
+            rec = self.board.slots[r].copy()
+            if rec[0] % 2 == 0 and rec[0] > self._handled[r]:
+                out[r] = rec
+        return out
+
+    def poll_once(self) -> bool:
+        """Decide if a decision is due; True when a verdict was written."""
+        pending = self._pending()
+        now = time.monotonic()
+        for r in list(self._first_seen):
+            if r not in pending:
+                del self._first_seen[r]
+        for r in pending:
+            self._first_seen.setdefault(r, now)
+        if not pending:
+            return False
+        world = self.board.world
+        if len(pending) < world:
+            if now - min(self._first_seen.values()) < self.deadline_s:
+                return False
+            missing = sum(1 << r for r in range(world) if r not in pending)
+            step = int(pending[min(pending)][1])
+            self._write(pending, step, ABORT, MISSING, missing)
+            return True
+        first = pending[0]
+        step = int(first[1])
+        for field, reason in ((1, STEP_ID), (3, NUM_REQS), (2, GENERATION), (5, DIGEST)):
+            mask = sum(1 << r for r in range(world) if pending[r][field] != first[field])
+            if mask:
+                self._write(pending, step, ABORT, reason, mask)
+                return True
+        invalid = sum(1 << r for r in range(world) if pending[r][4] == 0)
+        if invalid:
+            self._write(pending, step, ABORT, INVALID, invalid)
+            return True
+        self._launch_seq += 1
+        self._write(pending, step, GO, 0, 0)
+        return True
+
+    def _write(self, pending: dict[int, np.ndarray], step: int, verdict: int, reason: int, mask: int) -> None:
+        rec = self.board.ring[self._next_rec % RING]
+        self._next_rec += 1
+        seq = int(rec[0]) + 2 if rec[0] % 2 == 0 else int(rec[0]) + 1
+        rec[0] = seq - 1
+        rec[1:6] = (step, verdict, reason, mask, self._launch_seq)
+        rec[6:] = [int(pending[r][0]) if r in pending else 0 for r in range(self.board.world)]
+        rec[0] = seq
+        for r, post in pending.items():
+            self._handled[r] = int(post[0])
+            self._first_seen.pop(r, None)
