@@ -1,0 +1,1 @@
+"""Tests of deploy/: manifests, units, scripts and images."""

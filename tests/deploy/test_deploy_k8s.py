@@ -1,0 +1,202 @@
+"""Kubernetes manifests: schema-valid (offline, strict) and consistent with the sidecar's contract."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from deploy.deploy_files import (
+    HEALTHCHECK_MODULE,
+    K8S,
+    SERVE_FLAG_CHOICES,
+    SERVE_FLAG_ENV,
+    VARIANTS,
+    env_of,
+    kustomization_files,
+    load_docs,
+    load_variant,
+    manifest_files,
+    mounts_of,
+)
+
+kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (ships the schemas)")
+
+# resource.k8s.io/v1 (the shared GPU claim) is GA from 1.34; also check the newest shipped.
+K8S_VERSIONS = sorted({"1.34.0", kv.latest_version()})
+GPU = {"amd": ("gpu.amd.com", "amd.com/gpu"), "nvidia": ("gpu.nvidia.com", "nvidia.com/gpu")}
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant(request):
+    return load_variant(request.param)
+
+
+def _docs():
+    return [(f, i, d) for f in manifest_files() for i, d in enumerate(load_docs(f))]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize(
+    "path,index,doc", _docs(), ids=[f"{f.relative_to(K8S)}#{i}" for f, i, _ in _docs()]
+)
+def test_manifest_validates_against_schema(path, index, doc, version):
+    # strict: unknown fields are errors, so a misspelt key cannot slip through as ignored.
+    kv.validate(doc, version, strict=True)
+
+
+def test_schema_validation_rejects_a_broken_manifest():
+    doc = copy.deepcopy(load_variant("amd").one("Deployment"))
+    doc["spec"]["template"]["spec"]["initContainers"][0]["restartPolicy"] = ["Always"]
+    with pytest.raises(kv.ValidationError):
+        kv.validate(doc, K8S_VERSIONS[0], strict=True)
+
+
+def test_kustomizations_cover_every_manifest():
+    used = {p for v in VARIANTS for p in kustomization_files(K8S / v)}
+    assert all(p.exists() for p in used), sorted(str(p) for p in used if not p.exists())
+    assert set(manifest_files()) <= used, "manifests no kustomization applies"
+    for v in VARIANTS:
+        assert set(kustomization_files(K8S / "base")) <= set(kustomization_files(K8S / v))
+
+
+def test_configmap_holds_only_serve_flags_with_valid_values(variant):
+    cfg = variant.config
+    assert set(cfg) <= SERVE_FLAG_ENV, set(cfg) - SERVE_FLAG_ENV
+    for key, choices in SERVE_FLAG_CHOICES.items():
+        if key in cfg:
+            assert cfg[key] in choices, (key, cfg[key])
+    assert int(cfg["DSPARK_TP"]) == 4
+    # Strict refusal would fail the startup probe on a refused fast path, and with it the pod.
+    assert "DSPARK_STRICT_REFUSAL" not in cfg
+
+
+def test_sidecar_is_a_native_sidecar_started_before_the_engine(variant):
+    init = [c["name"] for c in variant.pod["initContainers"]]
+    assert [c["name"] for c in variant.pod["containers"]] == ["engine"]
+    assert variant.container("dspark-sidecar")["restartPolicy"] == "Always"
+    assert variant.container("dspark-sidecar")["args"] == ["serve"]
+    if variant.name == "nvidia":
+        # MPS must answer before the first CUDA context, or that process runs without MPS.
+        assert init == ["nvidia-mps", "dspark-sidecar"]
+        assert variant.container("nvidia-mps")["restartPolicy"] == "Always"
+        assert "startupProbe" in variant.container("nvidia-mps")
+    else:
+        assert init == ["dspark-sidecar"]
+    env_from = variant.container("dspark-sidecar")["envFrom"]
+    assert env_from == [{"configMapRef": {"name": variant.one("ConfigMap")["metadata"]["name"]}}]
+
+
+def test_probes_check_every_rank_where_the_configmap_puts_the_sockets(variant):
+    cfg = variant.config
+    expected = ["python", "-m", HEALTHCHECK_MODULE, "--all-ranks", "--socket-dir", cfg["DSPARK_SOCKET_DIR"],
+                "--tp", cfg["DSPARK_TP"]]
+    sidecar = variant.container("dspark-sidecar")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert sidecar[probe]["exec"]["command"] == expected, probe
+    # Weight loading gets minutes, not the default 30 s.
+    startup = sidecar["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+
+
+def test_socket_dir_is_one_shared_pod_local_volume(variant):
+    cfg = variant.config
+    sidecar, engine = variant.container("dspark-sidecar"), variant.container("engine")
+    assert mounts_of(sidecar)["dspark-sockets"] == cfg["DSPARK_SOCKET_DIR"]
+    assert mounts_of(engine)["dspark-sockets"] == cfg["DSPARK_SOCKET_DIR"]
+    ref = env_of(engine)["DSPARK_SOCKET_DIR"]["valueFrom"]["configMapKeyRef"]
+    assert ref == {"name": variant.one("ConfigMap")["metadata"]["name"], "key": "DSPARK_SOCKET_DIR"}
+    volumes = {v["name"]: v for v in variant.pod["volumes"]}
+    assert "emptyDir" in volumes["dspark-sockets"]
+
+
+def test_ipc_settings_for_gpu_handles(variant):
+    pod = variant.pod
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    for name in ("dspark-sidecar", "engine"):
+        assert mounts_of(variant.container(name))["dshm"] == "/dev/shm"
+    assert pod["shareProcessNamespace"] is True
+    for host_ns in ("hostIPC", "hostPID", "hostNetwork"):
+        assert pod.get(host_ns, False) is False, host_ns
+
+
+def test_one_gpu_claim_shared_by_every_container(variant):
+    device_class, taint = GPU[variant.name]
+    template = variant.one("ResourceClaimTemplate")
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == device_class
+    assert request["exactly"]["count"] == int(variant.config["DSPARK_TP"])
+    (claim,) = variant.pod["resourceClaims"]
+    assert claim["resourceClaimTemplateName"] == template["metadata"]["name"]
+    for c in variant.all_containers():
+        assert c["resources"]["claims"] == [{"name": claim["name"]}], c["name"]
+    assert taint in {t["key"] for t in variant.pod["tolerations"]}
+
+
+def test_resources_and_security_context(variant):
+    pod = variant.pod
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    for c in variant.all_containers():
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False, c["name"]
+        assert sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
+        assert not sc.get("privileged", False), c["name"]
+        # One UID for the whole pod: MPS serves one user; IPC handles cross the containers.
+        assert "runAsUser" not in sc, c["name"]
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(c["resources"][kind]), (c["name"], kind)
+    assert variant.container("dspark-sidecar")["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_engine_keeps_registered_memory_out_of_expandable_segments(variant):
+    env = env_of(variant.container("engine"))
+    key = "PYTORCH_HIP_ALLOC_CONF" if variant.name == "amd" else "PYTORCH_CUDA_ALLOC_CONF"
+    assert "expandable_segments:False" in env[key]["value"]
+
+
+def test_metrics_ports_one_per_rank_and_admitted_by_the_network_policy(variant):
+    cfg = variant.config
+    base, tp = int(cfg["DSPARK_METRICS_PORT"]), int(cfg["DSPARK_TP"])
+    ports = sorted(p["containerPort"] for p in variant.container("dspark-sidecar")["ports"])
+    assert ports == [base + r for r in range(tp)]
+    rules = variant.one("NetworkPolicy")["spec"]["ingress"]
+    metrics = [p for rule in rules if "from" in rule for p in rule["ports"]]
+    assert any(p["port"] == base and p["endPort"] == base + tp - 1 for p in metrics)
+
+
+def test_nvidia_mps_pipe_is_shared_by_daemon_and_clients():
+    v = load_variant("nvidia")
+    pipe = env_of(v.container("nvidia-mps"))["CUDA_MPS_PIPE_DIRECTORY"]["value"]
+    volumes = {vol["name"]: vol for vol in v.pod["volumes"]}
+    assert "emptyDir" in volumes["mps-pipe"]
+    for name in ("nvidia-mps", "dspark-sidecar", "engine"):
+        c = v.container(name)
+        assert mounts_of(c)["mps-pipe"] == pipe, name
+        if name != "nvidia-mps":
+            assert env_of(c)["CUDA_MPS_PIPE_DIRECTORY"]["value"] == pipe, name
+            assert env_of(c)["CUDA_DEVICE_ORDER"]["value"] == "PCI_BUS_ID", name
+    assert v.container("nvidia-mps")["command"] == ["nvidia-cuda-mps-control", "-f"]
+
+
+def _vendor_neutral(variant) -> dict:
+    """The Deployment with every vendor-specific piece removed, for comparing the variants."""
+    dep = copy.deepcopy(variant.one("Deployment"))
+    pod = dep["spec"]["template"]["spec"]
+    pod["initContainers"] = [c for c in pod["initContainers"] if c["name"] != "nvidia-mps"]
+    pod["volumes"] = [v for v in pod["volumes"] if not v["name"].startswith("mps-")]
+    pod["securityContext"].pop("supplementalGroups", None)
+    pod.pop("tolerations")
+    for c in pod["initContainers"] + pod["containers"]:
+        c.pop("image")
+        c["env"] = [e for e in c.get("env", []) if not e["name"].startswith(("CUDA_", "PYTORCH_"))]
+        c["volumeMounts"] = [m for m in c["volumeMounts"] if not m["name"].startswith("mps-")]
+    return dep
+
+
+def test_amd_and_nvidia_variants_differ_only_in_vendor_pieces():
+    amd, nvidia = load_variant("amd"), load_variant("nvidia")
+    assert json.dumps(_vendor_neutral(amd), sort_keys=True) == json.dumps(_vendor_neutral(nvidia), sort_keys=True)
+    assert amd.one("ConfigMap") == nvidia.one("ConfigMap")

@@ -1,0 +1,165 @@
+"""systemd units: `systemd-analyze verify` clean, sysusers valid, sockets 0770/0660 in a group shared with the engine."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from deploy.deploy_files import (
+    HEALTHCHECK_MODULE,
+    SERVE_FLAG_CHOICES,
+    SERVE_FLAG_ENV,
+    SYSTEMD,
+    env_file,
+    parse_unit,
+    unit_environment,
+    unit_values,
+)
+
+SIDECAR = SYSTEMD / "dspark-sidecar.service"
+MPS = SYSTEMD / "nvidia-mps.service"
+SIDECAR_MPS_DROPIN = SYSTEMD / "dspark-sidecar.service.d" / "nvidia-mps.conf"
+ENGINE_DROPIN = SYSTEMD / "engine.service.d" / "dspark-sidecar.conf"
+SYSUSERS = SYSTEMD / "dspark-sidecar.sysusers.conf"
+# A stand-in for the operator's engine unit, to verify the engine drop-in on something.
+STUB_ENGINE = "[Unit]\nDescription=stub engine\n[Service]\nExecStart=/usr/bin/sleep infinity\n"
+
+needs_analyze = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (apt-get install systemd)"
+)
+
+
+def _system_unit_dir() -> Path | None:
+    for d in ("/usr/lib/systemd/system", "/lib/systemd/system"):
+        if Path(d, "sysinit.target").exists():
+            return Path(d)
+    return None
+
+
+def _executables(unit: Path) -> set[str]:
+    """Absolute program paths of the Exec*= lines (after systemd's -@:+! prefixes)."""
+    progs = set()
+    for _, key, value in parse_unit(unit):
+        if key.startswith("Exec") and value:
+            progs.add(value.lstrip("-@:+!").split()[0])
+    return progs
+
+
+def _verify_root(tmp_path: Path, units: dict[str, str], dropins: dict[str, dict[str, str]]) -> Path:
+    """A throw-away root holding the distribution's units, ours, and stubs for our programs.
+
+    verify checks that every ExecStart program exists; the real ones (dspark-sidecar,
+    nvidia-cuda-mps-control) are not installed on a CI machine, so stubs stand in for them.
+    """
+    system_dir = _system_unit_dir()
+    if system_dir is None:
+        pytest.skip("no systemd unit directory with sysinit.target on this machine")
+    root = tmp_path / "root"
+    shutil.copytree(system_dir, root / "usr/lib/systemd/system", symlinks=True)
+    etc = root / "etc/systemd/system"
+    etc.mkdir(parents=True)
+    for name, text in units.items():
+        (etc / name).write_text(text)
+    for unit, files in dropins.items():
+        (etc / f"{unit}.d").mkdir()
+        for name, text in files.items():
+            (etc / f"{unit}.d" / name).write_text(text)
+    for unit in etc.rglob("*"):
+        if unit.is_file():
+            for prog in _executables(unit):
+                stub = root / prog.lstrip("/")
+                stub.parent.mkdir(parents=True, exist_ok=True)
+                stub.write_text("#!/bin/sh\n")
+                stub.chmod(0o755)
+    return root
+
+
+def _verify(root: Path, *units: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", "--man=no", *units],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+@needs_analyze
+def test_units_and_dropins_verify_clean(tmp_path):
+    root = _verify_root(
+        tmp_path,
+        {SIDECAR.name: SIDECAR.read_text(), MPS.name: MPS.read_text(), "engine.service": STUB_ENGINE},
+        {
+            SIDECAR.name: {SIDECAR_MPS_DROPIN.name: SIDECAR_MPS_DROPIN.read_text()},
+            "engine.service": {ENGINE_DROPIN.name: ENGINE_DROPIN.read_text()},
+        },
+    )
+    res = _verify(root, SIDECAR.name, MPS.name, "engine.service")
+    # verify exits 0 on unknown keys and unparsable values (it only warns): demand silence.
+    assert res.returncode == 0 and res.stderr.strip() == "", res.stderr
+
+
+@needs_analyze
+def test_verify_harness_reports_a_broken_unit(tmp_path):
+    broken = SIDECAR.read_text().replace("KillMode=mixed", "KillMode=sometimes") + "BogusKey=1\n"
+    root = _verify_root(tmp_path, {SIDECAR.name: broken}, {})
+    res = _verify(root, SIDECAR.name)
+    assert "sometimes" in res.stderr and "BogusKey" in res.stderr, res.stderr
+
+
+@pytest.mark.skipif(shutil.which("systemd-sysusers") is None, reason="systemd-sysusers not installed")
+def test_sysusers_file_creates_the_unit_accounts(tmp_path):
+    (tmp_path / "etc").mkdir()
+    for f in ("passwd", "group"):
+        (tmp_path / "etc" / f).touch()
+    res = subprocess.run(
+        ["systemd-sysusers", f"--root={tmp_path}", "--dry-run", str(SYSUSERS)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    # Diagnostics name the file and line; the normal "Creating ..." lines do not.
+    assert str(SYSUSERS) not in res.stderr, res.stderr
+    (user,) = unit_values(SIDECAR, "User")
+    (group,) = unit_values(SIDECAR, "Group")
+    assert f"Creating user '{user}'" in res.stderr + res.stdout
+    assert f"Creating group '{group}'" in res.stderr + res.stdout
+
+
+def test_socket_dir_is_the_runtime_directory_shared_with_the_engine_group():
+    (runtime_dir,) = unit_values(SIDECAR, "RuntimeDirectory")
+    assert unit_values(SIDECAR, "RuntimeDirectoryMode") == ["0770"]
+    assert unit_values(SIDECAR, "UMask") == ["0007"]
+    assert unit_environment(SIDECAR)["DSPARK_SOCKET_DIR"] == f"%t/{runtime_dir}"
+    (group,) = unit_values(SIDECAR, "Group")
+    assert unit_values(ENGINE_DROPIN, "SupplementaryGroups") == [group]
+    assert unit_environment(ENGINE_DROPIN)["DSPARK_SOCKET_DIR"] == f"/run/{runtime_dir}"
+    assert f"m dspark {group}" in SYSUSERS.read_text()
+
+
+def test_sidecar_unit_waits_for_serving_and_drains_on_sigterm():
+    (post,) = unit_values(SIDECAR, "ExecStartPost")
+    assert HEALTHCHECK_MODULE in post and "--all-ranks" in post and "--socket-dir" in post
+    assert unit_values(SIDECAR, "ExecStart")[0].endswith("dspark-sidecar serve")
+    assert unit_values(SIDECAR, "KillSignal") == ["SIGTERM"]
+    # The engine must survive a sidecar failure: Wants=, never Requires=/BindsTo=.
+    assert "dspark-sidecar.service" in " ".join(unit_values(ENGINE_DROPIN, "Wants"))
+    assert not unit_values(ENGINE_DROPIN, "Requires") and not unit_values(ENGINE_DROPIN, "BindsTo")
+
+
+def test_nvidia_dropin_makes_the_sidecar_an_mps_client_of_the_mps_unit():
+    assert unit_values(SIDECAR_MPS_DROPIN, "Requires") == [MPS.name]
+    pipe = unit_environment(MPS)["CUDA_MPS_PIPE_DIRECTORY"]
+    assert unit_environment(SIDECAR_MPS_DROPIN)["CUDA_MPS_PIPE_DIRECTORY"] == pipe
+    assert unit_environment(ENGINE_DROPIN)["CUDA_MPS_PIPE_DIRECTORY"] == pipe
+    assert unit_values(MPS, "RuntimeDirectory") == [pipe.removeprefix("/run/")]
+
+
+def test_environment_file_example_sets_only_known_flags():
+    env = env_file(SYSTEMD / "sidecar.env.example")
+    flags = {k for k in env if k.startswith("DSPARK_")}
+    assert flags <= SERVE_FLAG_ENV, flags - SERVE_FLAG_ENV
+    # The unit pins the socket dir to its RuntimeDirectory; the file would override it.
+    assert "DSPARK_SOCKET_DIR" not in env
+    for key, choices in SERVE_FLAG_CHOICES.items():
+        if key in env:
+            assert env[key] in choices, (key, env[key])
