@@ -26,20 +26,23 @@ from flydsl.expr.typing import Vector
 
 from . import _device as dev
 from ...layout import QPR
-from .shapes import HEAD_DIM, Q_HEADS, SLIDING_WINDOW, WAVES_PER_WG, rows_for
+from .shapes import (
+    HEAD_DIM,
+    KPS,
+    KT,
+    NEG,
+    NSPLIT,
+    Q_HEADS,
+    SLIDING_WINDOW,
+    SM_SCALE_LOG2,
+    WAVES_PER_WG,
+    rows_for,
+)
 
-KPS = 256  # keys per split
-KT = 32  # keys per LDS tile
-MAX_KEYS = SLIDING_WINDOW + QPR - 1  # 4102: the union of the 7 rows' windows
-NSPLIT = -(-MAX_KEYS // KPS)  # 17
-QT_PER_WAVE = -(-QPR // WAVES_PER_WG)  # 2
+QT_PER_WAVE = -(-QPR // WAVES_PER_WG)  # 2 query rows (MFMA M tiles) per wave
 KS_STRIDE = HEAD_DIM + 8  # bf16 elements per K row in LDS (padding shifts banks per row)
 VT_STRIDE = KT + 8  # bf16 elements per transposed V row (one head dim) in LDS
 PW_STRIDE = KT + 8
-NEG = -1.0e30  # finite "minus infinity" for the running max: exp2(NEG - NEG) stays 1, not NaN
-LOG2E = 1.4426950408889634
-SM_SCALE_LOG2 = LOG2E / math.sqrt(HEAD_DIM)
-
 
 @fx.struct
 class AttnSmem:

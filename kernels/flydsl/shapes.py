@@ -29,6 +29,14 @@ K_CHUNK = 128
 WAVES_PER_WG = 4
 MFMA_M = 16  # rows of one MFMA tile (v_mfma_f32_16x16x32_bf16)
 
+# Attention: a request's keys lie in [max(0, P - 4095), P + 7), at most 4102 of them; splits of
+# KPS keys go to separate workgroups, which stage KT keys at a time in LDS.
+KPS = 256
+KT = 32
+NSPLIT = -(-(SLIDING_WINDOW + QPR - 1) // KPS)  # 17
+NEG = -1.0e30  # finite floor of the running max: exp2(NEG - NEG) is 1, never NaN
+SM_SCALE_LOG2 = 1.4426950408889634 / HEAD_DIM**0.5  # softmax scale 1/sqrt(128), in log2 units
+
 
 def rows_for(num_reqs: int) -> int:
     """Query rows of a launch of `num_reqs` requests (7 per request)."""

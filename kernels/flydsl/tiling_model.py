@@ -1,0 +1,171 @@
+"""Pure-torch models of the FlyDSL kernels: same split/tile decomposition, accumulation order and roundings.
+
+The kernels cannot run without a gfx950, so these models stand in for them on CPU: each mirrors
+its kernel's structure (which K columns one MFMA step sums, the split order, where fp32 is
+rounded to bf16, the log2-domain online softmax) and is checked against kernels/reference.py.
+Inside one MFMA step the hardware's summation order is not modelled (fp32 either way).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...layout import QPR
+from .shapes import (
+    FFN,
+    HEAD_DIM,
+    HIDDEN,
+    K_CHUNK,
+    KPS,
+    KT,
+    NEG,
+    NSPLIT,
+    SM_SCALE_LOG2,
+    MX_BLOCK,
+    Q_HEADS,
+    RMS_EPS,
+    ROTARY_DIM,
+    SLIDING_WINDOW,
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
+    TP,
+    LinearSchedule,
+    row_tiles,
+)
+
+
+def dequant_like_kernel(w_bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """uint8 E4M3 bits [N, K] and E8M0 bytes [N, K/32] -> fp32, as v_cvt_scalef32_pk_bf16_fp8
+    with scale bits (v << 23): exact, and bf16-representable."""
+    w = w_bits.view(torch.float8_e4m3fn).float()
+    s = (scale.to(torch.int32) << 23).view(torch.float32)
+    n, k = w.shape
+    return (w.view(n, k // MX_BLOCK, MX_BLOCK) * s[..., None]).view(n, k)
+
+
+def _step_columns(kc: int, j: int) -> torch.Tensor:
+    """K columns one MFMA step j of the chunk at kc sums: lane group g supplies kc+32g+8j..+8."""
+    return torch.tensor([kc + 32 * g + 8 * j + t for g in range(4) for t in range(8)])
+
+
+def linear_model(x, w_bits, scale, norm_w, sched: LinearSchedule, num_reqs: int):
+    """The mxfp8_linear kernel: x bf16 [rows, K] -> (P f32 [split, MP, N], SS f32 [split, MP])."""
+    mp = 16 * row_tiles(num_reqs)
+    xf = torch.zeros(mp, sched.k)
+    xf[: x.shape[0]] = x.float()
+    wd = dequant_like_kernel(w_bits, scale)
+    a = xf
+    if sched.norm:
+        # The MFMA operand is bf16(x * (1 + w)); 1/rms is left to the partials' consumer.
+        a = (xf * (norm_w.float() + 1.0)).to(torch.bfloat16).float()
+    p = torch.zeros(sched.split, mp, sched.n)
+    ss = torch.zeros(sched.split, mp)
+    cpw = sched.chunks_per_wg
+    for ks in range(sched.split):
+        acc = torch.zeros(mp, sched.n)
+        for c in range(cpw):
+            kc = (ks * cpw + c) * K_CHUNK
+            for j in range(4):
+                cols = _step_columns(kc, j)
+                acc += a[:, cols] @ wd[:, cols].T
+            ss[ks] += (xf[:, kc : kc + K_CHUNK] ** 2).sum(dim=1)
+        p[ks] = acc
+    return p, ss
+
+
+def split_sum(p: torch.Tensor) -> torch.Tensor:
+    """Sum of split-K partials in split order (the consumers' fixed order)."""
+    out = p[0].clone()
+    for s in range(1, p.shape[0]):
+        out += p[s]
+    return out
+
+
+def row_rrms(ss: torch.Tensor, k: int = HIDDEN) -> torch.Tensor:
+    """1/rms per row from the per-split sums of squares: rsqrt(sum(SS)/K + eps)."""
+    return torch.rsqrt(split_sum(ss) / k + RMS_EPS)
+
+
+def swiglu_reduce_model(p: torch.Tensor, ss: torch.Tensor, rows: int) -> torch.Tensor:
+    """swiglu_reduce_kernel: gate_up partials -> bf16 [rows, FFN]."""
+    y = split_sum(p)[:rows] * row_rrms(ss)[:rows, None]
+    g = y[:, :FFN].clamp(max=SWIGLU_LIMIT)
+    u = y[:, FFN:].clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+    return (g * (1.0 / (1.0 + torch.exp(-SWIGLU_ALPHA * g))) * (u + 1.0)).to(torch.bfloat16)
+
+
+def qkv_rope_model(p, ss, q_norm, k_norm, cos_sin, positions, slots, kv_flat, num_slots, rows):
+    """qkv_rope_kernel: returns q bf16 [rows, 2048] and writes K/V rows of kv_flat in place."""
+    y = (split_sum(p)[:rows] * row_rrms(ss)[:rows, None]).view(rows, Q_HEADS + 2, HEAD_DIM)
+    w = torch.stack([q_norm.float()] * Q_HEADS + [k_norm.float()])  # [17, 128]
+    qk = y[:, : Q_HEADS + 1]
+    hrms = torch.rsqrt((qk**2).mean(dim=-1, keepdim=True) + RMS_EPS)
+    normed = qk * hrms * (w + 1.0)
+    half = ROTARY_DIM // 2
+    cs = cos_sin[positions]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x1, x2 = normed[..., :half], normed[..., half:ROTARY_DIM]
+    roped = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, normed[..., ROTARY_DIM:]), dim=-1)
+    q = roped[:, :Q_HEADS].to(torch.bfloat16).reshape(rows, Q_HEADS * HEAD_DIM)
+    keep = slots >= 0
+    kv_flat[slots[keep]] = roped[keep, Q_HEADS].to(torch.bfloat16)
+    kv_flat[num_slots + slots[keep]] = y[keep, Q_HEADS + 1].to(torch.bfloat16)
+    return q
+
+
+def attention_model(q, kv_flat, num_slots, positions, block_table, page_size, num_reqs):
+    """swa_attention + swa_combine: split-KV over KPS keys, 32-key tiles, log2-domain online
+    softmax with a finite running-max floor, P rounded to bf16 for the PV product."""
+    kps, kt, neg, scale = KPS, KT, NEG, SM_SCALE_LOG2
+    out = torch.empty(num_reqs * QPR, Q_HEADS * HEAD_DIM, dtype=torch.bfloat16)
+    for r in range(num_reqs):
+        anchor = int(positions[r * QPR])
+        hi, lo = anchor + QPR, max(anchor - (SLIDING_WINDOW - 1), 0)
+        qf = q[r * QPR : (r + 1) * QPR].float().view(QPR, Q_HEADS, HEAD_DIM)
+        left = (anchor + torch.arange(QPR) - (SLIDING_WINDOW - 1))[:, None, None]
+        parts = []
+        for split in range(NSPLIT):
+            start, end = lo + split * kps, min(lo + (split + 1) * kps, hi)
+            m = torch.full((QPR, Q_HEADS, 1), neg)
+            l_sum = torch.zeros(QPR, Q_HEADS, 1)
+            o = torch.zeros(QPR, Q_HEADS, HEAD_DIM)
+            for t0 in range(start, end, kt):
+                kpos = torch.arange(t0, t0 + kt)
+                live = kpos < end
+                kp = torch.where(live, kpos, torch.zeros_like(kpos))
+                slot = block_table[r, kp // page_size].long() * page_size + kp % page_size
+                k = torch.where(live[:, None], kv_flat[slot].float(), 0.0)
+                v = torch.where(live[:, None], kv_flat[num_slots + slot].float(), 0.0)
+                s = torch.einsum("thd,kd->thk", qf, k) * scale
+                ok = live[None, None, :] & (kpos[None, None, :] >= left)
+                s = s.masked_fill(~ok, -math.inf)
+                mn = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+                alpha = torch.exp2(m - mn)
+                pr = torch.exp2(s - mn)
+                l_sum = l_sum * alpha + pr.sum(dim=-1, keepdim=True)
+                o = o * alpha + torch.einsum("thk,kd->thd", pr.to(torch.bfloat16).float(), v)
+                m = mn
+            parts.append((m, l_sum, o))
+        mx = torch.stack([pm for pm, _, _ in parts]).amax(dim=0)
+        den = torch.zeros_like(mx)
+        num = torch.zeros(QPR, Q_HEADS, HEAD_DIM)
+        for pm, pl, po in parts:
+            w = torch.exp2(pm - mx)
+            den += w * pl
+            num += w * po
+        out[r * QPR : (r + 1) * QPR] = (num / den).to(torch.bfloat16).view(QPR, -1)
+    return out
+
+
+def exchange_model(rank_partials: list[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
+    """reduce_exchange on every rank: split sums per rank, rank-ordered sum 0..3, + residual."""
+    if len(rank_partials) != TP:
+        raise ValueError(f"expected {TP} ranks' partials")
+    rows = residual.shape[0]
+    ys = [split_sum(p)[:rows] for p in rank_partials]
+    acc = ys[0] + ys[1]
+    acc = acc + ys[2]
+    acc = acc + ys[3]
+    return (residual.float() + acc).to(torch.bfloat16)

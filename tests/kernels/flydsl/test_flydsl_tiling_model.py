@@ -1,0 +1,172 @@
+"""The torch models of the FlyDSL kernels (their tiling, accumulation order, roundings) against the reference ops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dspark_sidecar.drafter.checkpoint import dequantize_mxfp8, quantize_mxfp8
+from dspark_sidecar.kernels import reference as ref
+from dspark_sidecar.kernels.flydsl import shapes
+from dspark_sidecar.kernels.flydsl import tiling_model as tm
+
+PAGE = 16
+# Relative L2 error of bf16 outputs: the models round where the kernels do (one bf16 rounding
+# of the MFMA operand, one of the output) and the reference rounds at every op boundary, each
+# ~2^-9 relative; measured ~3e-3 on these shapes, bound at 1e-2.
+TOL_BF16 = 1e-2
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def mx_weight(n: int, k: int, gen: torch.Generator, std: float = 0.02):
+    """Random MXFP8 weight: (E4M3 bits uint8 [n, k], E8M0 uint8 [n, k/32], dequantized fp32)."""
+    w = torch.randn(n, k, generator=gen) * std
+    q, scale = quantize_mxfp8(w, shapes.MX_BLOCK)
+    return q.view(torch.uint8), scale, dequantize_mxfp8(q, scale, shapes.MX_BLOCK)
+
+
+def bf16(shape, gen, std=1.0):
+    return (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
+
+
+def test_kernel_dequant_matches_checkpoint_dequant():
+    gen = torch.Generator().manual_seed(0)
+    bits, scale, wd = mx_weight(64, 256, gen)
+    got = tm.dequant_like_kernel(bits, scale)
+    assert torch.equal(got, wd)
+    # Exact in bf16: the MFMA sees exactly the dequantized weight.
+    assert torch.equal(got.to(torch.bfloat16).float(), got)
+
+
+@pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
+@pytest.mark.parametrize("num_reqs", [1, 8])
+def test_linear_model_matches_reference(name, num_reqs):
+    sched = shapes.SCHEDULES[name]
+    gen = torch.Generator().manual_seed(hash((name, num_reqs)) % 2**31)
+    rows = shapes.rows_for(num_reqs)
+    x = bf16((rows, sched.k), gen)
+    nw = bf16((sched.k,), gen, 0.1)
+    bits, scale, wd = mx_weight(sched.n, sched.k, gen)
+    p, ss = tm.linear_model(x, bits, scale, nw, sched, num_reqs)
+    y = tm.split_sum(p)[:rows]
+    if sched.norm:
+        y = y * tm.row_rrms(ss)[:rows, None]
+        want = ref.norm_linear(x, nw, shapes.RMS_EPS, wd.to(torch.bfloat16))
+    else:
+        want = ref.linear(x, wd.to(torch.bfloat16))
+    assert rel_l2(y, want) < TOL_BF16
+    # Padding rows of the last MFMA tile stay exactly zero.
+    assert torch.count_nonzero(p[:, rows:]) == 0
+
+
+@pytest.mark.parametrize("num_reqs", [2, 8])
+def test_swiglu_reduce_model_matches_reference(num_reqs):
+    sched = shapes.SCHEDULES["gate_up"]
+    gen = torch.Generator().manual_seed(10 + num_reqs)
+    rows = shapes.rows_for(num_reqs)
+    x = bf16((rows, sched.k), gen)
+    nw = bf16((sched.k,), gen, 0.1)
+    # Large weights (gate/up std ~8) so the 7 limits on gate and up really clip.
+    bits, scale, wd = mx_weight(sched.n, sched.k, gen, std=0.1)
+    p, ss = tm.linear_model(x, bits, scale, nw, sched, num_reqs)
+    got = tm.swiglu_reduce_model(p, ss, rows)
+    want = ref.norm_linear_swiglu(x, nw, shapes.RMS_EPS, wd.to(torch.bfloat16), shapes.SWIGLU_ALPHA, shapes.SWIGLU_LIMIT)
+    gate = tm.split_sum(p)[:rows, : shapes.FFN] * tm.row_rrms(ss)[:rows, None]
+    assert float(gate.max()) > shapes.SWIGLU_LIMIT  # the clip is exercised
+    assert got.shape == (rows, shapes.FFN)
+    assert rel_l2(got, want) < TOL_BF16
+
+
+def cos_sin_cache(max_pos: int) -> torch.Tensor:
+    cos, sin = ref.rope_cos_sin(torch.arange(max_pos), shapes.ROTARY_DIM, shapes.ROPE_THETA)
+    return torch.cat([cos, sin], dim=-1)
+
+
+@pytest.mark.parametrize("num_reqs", [1, 5])
+def test_qkv_rope_model_matches_reference(num_reqs):
+    sched = shapes.SCHEDULES["qkv"]
+    gen = torch.Generator().manual_seed(20 + num_reqs)
+    rows = shapes.rows_for(num_reqs)
+    x = bf16((rows, sched.k), gen)
+    nw = bf16((sched.k,), gen, 0.1)
+    qn, kn = bf16((128,), gen, 0.1), bf16((128,), gen, 0.1)
+    bits, scale, wd = mx_weight(sched.n, sched.k, gen)
+    anchors = torch.randint(0, 5000, (num_reqs,), generator=gen)
+    positions = (anchors[:, None] + torch.arange(7)).reshape(-1)
+    pages = 8 * num_reqs
+    slots = torch.randperm(pages * PAGE, generator=gen)[:rows]
+    slots[3] = -1  # a padding row: its K/V must not be written
+    kv_ref = torch.zeros(2, pages, PAGE, 1, 128, dtype=torch.bfloat16)
+    kv_model = kv_ref.clone()
+
+    p, ss = tm.linear_model(x, bits, scale, nw, sched, num_reqs)
+    q = tm.qkv_rope_model(p, ss, qn, kn, cos_sin_cache(5100), positions, slots, kv_model.view(-1, 128), pages * PAGE, rows)
+
+    qkv = ref.norm_linear(x, nw, shapes.RMS_EPS, wd.to(torch.bfloat16))
+    cos, sin = ref.rope_cos_sin(positions, shapes.ROTARY_DIM, shapes.ROPE_THETA)
+    q_ref = ref.attn_prelude(qkv, qn, kn, cos, sin, shapes.RMS_EPS, kv_ref, slots, shapes.Q_HEADS, shapes.KV_HEADS)
+    assert rel_l2(q, q_ref.reshape(rows, -1)) < TOL_BF16
+    written = kv_ref.view(2, -1, 128)[:, slots[slots >= 0]]
+    assert rel_l2(kv_model.view(2, -1, 128)[:, slots[slots >= 0]], written) < TOL_BF16
+    # Nothing else was written (the padding row included).
+    untouched = torch.ones(pages * PAGE, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.count_nonzero(kv_model.view(2, -1, 128)[:, untouched]) == 0
+
+
+@pytest.mark.parametrize("num_reqs", [1, 3])
+def test_attention_model_matches_reference(num_reqs):
+    gen = torch.Generator().manual_seed(30 + num_reqs)
+    rows = shapes.rows_for(num_reqs)
+    # Request 0 runs past the 4096 window (so the per-row left edge bites); others are short.
+    anchors = [4300] + torch.randint(0, 700, (num_reqs - 1,), generator=gen).tolist()
+    seq_lens = torch.tensor([a + 7 for a in anchors])
+    max_pages = max(-(-int(s) // PAGE) for s in seq_lens)
+    pages = max_pages * num_reqs
+    block_tables = torch.randperm(pages, generator=gen).view(num_reqs, max_pages).to(torch.int32)
+    kv = bf16((2, pages, PAGE, 1, 128), gen)
+    q = bf16((rows, shapes.Q_HEADS * 128), gen, 2.0)
+    positions = (torch.tensor(anchors)[:, None] + torch.arange(7)).reshape(-1)
+
+    got = tm.attention_model(q, kv.view(-1, 128), pages * PAGE, positions, block_tables, PAGE, num_reqs)
+    want = ref.paged_window_attention(
+        q.view(rows, shapes.Q_HEADS, 128), kv, positions, seq_lens, block_tables, 7,
+        shapes.SLIDING_WINDOW, 1 / math.sqrt(128),
+    )
+    assert rel_l2(got, want.reshape(rows, -1)) < TOL_BF16
+
+
+def test_attention_model_window_edge_is_per_row():
+    """Only the anchor row sees the key at P - 4095; a value planted there moves only that row."""
+    gen = torch.Generator().manual_seed(40)
+    anchor = 4200
+    pages = -(-(anchor + 7) // PAGE)
+    bt = torch.arange(pages, dtype=torch.int32)[None]
+    kv = torch.zeros(2, pages, PAGE, 1, 128, dtype=torch.bfloat16)
+    q = bf16((7, shapes.Q_HEADS * 128), gen)
+    positions = anchor + torch.arange(7)
+    base = tm.attention_model(q, kv.view(-1, 128), pages * PAGE, positions, bt, PAGE, 1)
+    kv.view(2, -1, 128)[1, anchor - 4095] = 100.0  # V of the oldest key only row 0 can see
+    moved = tm.attention_model(q, kv.view(-1, 128), pages * PAGE, positions, bt, PAGE, 1)
+    changed = (moved.float() - base.float()).abs().amax(dim=1) > 0
+    assert changed.tolist() == [True] + [False] * 6
+
+
+def test_exchange_model_rank_order_sum():
+    gen = torch.Generator().manual_seed(50)
+    sched = shapes.SCHEDULES["down"]
+    rows, mp = shapes.rows_for(4), 32
+    partials = [torch.randn(sched.split, mp, shapes.HIDDEN, generator=gen) for _ in range(shapes.TP)]
+    residual = bf16((rows, shapes.HIDDEN), gen)
+    got = tm.exchange_model(partials, residual)
+    want = (residual.double() + sum(p.double().sum(0)[:rows] for p in partials)).to(torch.bfloat16)
+    # One bf16 rounding of the same sum (fp32 vs fp64 accumulation can flip a last bit).
+    assert rel_l2(got, want) < 4e-3
+    with pytest.raises(ValueError):
+        tm.exchange_model(partials[:3], residual)
