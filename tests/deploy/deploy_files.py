@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import yaml
 
@@ -13,22 +16,15 @@ K8S = DEPLOY / "k8s"
 SYSTEMD = DEPLOY / "systemd"
 VARIANTS = ("amd", "nvidia")
 
-# `dspark-sidecar serve` flags, as the environment names the server reads (DSPARK_<FLAG>).
-SERVE_FLAG_ENV = frozenset(
+# The `serve` flags these deploy files rely on (the command-line contract they were written
+# to), as the environment names the server reads: DSPARK_<FLAG_UPPER_SNAKE>.
+CONTRACT_FLAG_ENV = frozenset(
     "DSPARK_" + f
     for f in (
         "TP SOCKET_DIR TCP_HOST TCP_BASE_PORT ALLOW_REMOTE CHECKPOINT TARGET_CHECKPOINT PRESET "
         "BACKEND DEVICE DTYPE MAX_REQS METRICS_PORT STRICT_REFUSAL DIST_BACKEND MASTER_ADDR MASTER_PORT"
     ).split()
 )
-# Values the server accepts for the enumerated flags.
-SERVE_FLAG_CHOICES = {
-    "DSPARK_PRESET": {"tiny", "minimax-m3.1"},
-    "DSPARK_BACKEND": {"auto", "reference", "triton", "flydsl"},
-    "DSPARK_DEVICE": {"auto", "cpu", "cuda"},
-    "DSPARK_DTYPE": {"bf16", "fp32"},
-    "DSPARK_DIST_BACKEND": {"auto", "gloo", "nccl"},
-}
 HEALTHCHECK_MODULE = "dspark_sidecar.server.healthcheck"
 
 
@@ -134,3 +130,26 @@ def env_file(path: Path) -> dict[str, str]:
             k, _, v = line.partition("=")
             out[k] = v
     return out
+
+
+def serve_parser(env: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """The real `dspark-sidecar serve` parser, its defaults read from `env` as the only DSPARK_* variables."""
+    from dspark_sidecar import cli
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_")}
+    with mock.patch.dict(os.environ, {**clean, **(env or {})}, clear=True):
+        parser = argparse.ArgumentParser()
+        cli._add_serve_flags(parser)  # defaults are taken from the environment here
+    return parser
+
+
+def serve_flag_env() -> set[str]:
+    """Environment name of every `serve` flag the CLI has."""
+    return {"DSPARK_" + a.dest.upper() for a in serve_parser()._actions if a.option_strings and a.dest != "help"}
+
+
+def serve_config_from_env(env: dict[str, str]):
+    """The ServeConfig a `serve` with no flags builds from `env` (validated, as the server would)."""
+    from dspark_sidecar import cli
+
+    return cli.serve_config(serve_parser(env).parse_args([]))

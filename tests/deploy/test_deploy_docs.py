@@ -1,0 +1,51 @@
+"""The operator guide names the exact refusal reasons, every metric, every flag, and the caveats it owes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from deploy.deploy_files import DEPLOY, serve_flag_env
+
+OPERATIONS = (DEPLOY / "OPERATIONS.md").read_text()
+SECURITY = (DEPLOY / "SECURITY.md").read_text()
+
+# Exact strings of the seed's deployment checks; operators alert on them verbatim.
+REFUSAL_REASONS = [
+    "not gfx950",
+    "FlyDSL not installed",
+    "TP n != 4",
+    "DP > 1",
+    "PP > 1",
+    "no DSpark draft",
+    "7 speculative tokens required",
+]
+METRICS = ["dspark_steps_total", "dspark_step_seconds", "dspark_kv_binds_total", "dspark_serving"]
+
+
+@pytest.mark.parametrize("reason", REFUSAL_REASONS)
+def test_guide_lists_refusal_reason_verbatim(reason):
+    assert f"`{reason}`" in OPERATIONS
+
+
+def test_guide_documents_metrics_with_their_labels():
+    for name in METRICS:
+        assert f"`{name}" in OPERATIONS, name
+    for result in ("ok", "aborted", "invalid", "failed"):
+        assert f'dspark_steps_total{{result="{result}"}}' in OPERATIONS, result
+    for phase in ("queue", "rendezvous", "compute", "total"):
+        assert f'dspark_step_seconds{{phase="{phase}"}}' in OPERATIONS, phase
+
+
+def test_guide_flag_table_covers_every_serve_flag():
+    documented = set(re.findall(r"`(DSPARK_[A-Z_]+)`", OPERATIONS))
+    assert serve_flag_env() <= documented, serve_flag_env() - documented
+
+
+def test_guide_and_security_cover_the_required_caveats():
+    assert "expandable_segments" in OPERATIONS and "MPS" in OPERATIONS
+    assert "returns `None`" in OPERATIONS or "return `None`" in OPERATIONS
+    assert "Circuit breaker" in OPERATIONS or "circuit breaker" in OPERATIONS
+    for point in ("0660", "loopback", "--allow-remote", "IPC handle"):
+        assert point in SECURITY, point

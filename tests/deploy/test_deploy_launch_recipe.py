@@ -1,0 +1,65 @@
+"""deploy/launch-tp4.sh: the command and environment it hands to the server (a recording stand-in for python)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+
+import pytest
+
+from deploy.deploy_files import DEPLOY
+
+RECIPE = DEPLOY / "launch-tp4.sh"
+# Prints its argv (one per line) and then its environment, in place of the real interpreter.
+RECORDER = '#!/bin/sh\nprintf "%s\\n" "$@" > "$RECORD_DIR/argv"\nenv > "$RECORD_DIR/env"\n'
+
+
+@pytest.fixture
+def launch(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(RECORDER)
+    fake.chmod(0o755)
+
+    def run(*args, **env):
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("DSPARK_", "OMP_", "NCCL_", "GLOO_"))}
+        base.update(DSPARK_PYTHON=str(fake), RECORD_DIR=str(tmp_path), DSPARK_DEVICE="cpu", **env)
+        res = subprocess.run(["bash", str(RECIPE), *args], env=base, capture_output=True, text=True, timeout=60)
+        argv_file = tmp_path / "argv"
+        if not argv_file.exists():
+            return res, None, None
+        argv = argv_file.read_text().splitlines()
+        environ = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
+        argv_file.unlink()
+        return res, argv, environ
+
+    return run
+
+
+def test_builtin_launcher_serves_tp4_on_the_socket_dir(launch, tmp_path):
+    sockets = tmp_path / "socks"
+    res, argv, env = launch("--backend", "reference", DSPARK_SOCKET_DIR=str(sockets))
+    assert res.returncode == 0, res.stderr
+    assert argv == ["-m", "dspark_sidecar", "serve", "--tp", "4", "--socket-dir", str(sockets), "--backend", "reference"]
+    assert env["DSPARK_SOCKET_DIR"] == str(sockets) and env["DSPARK_TP"] == "4"
+    assert env["OMP_NUM_THREADS"] == "2" and env["NCCL_SOCKET_IFNAME"] == "lo" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert stat.S_IMODE(sockets.stat().st_mode) == 0o770
+
+
+def test_torchrun_launcher_runs_one_process_per_rank(launch, tmp_path):
+    res, argv, _ = launch(DSPARK_LAUNCHER="torchrun", DSPARK_TP="2", DSPARK_SOCKET_DIR=str(tmp_path / "s"))
+    assert res.returncode == 0, res.stderr
+    assert argv[:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert argv[5:] == ["-m", "dspark_sidecar", "serve", "--tp", "2", "--socket-dir", str(tmp_path / "s")]
+
+
+def test_operator_environment_is_kept(launch, tmp_path):
+    _, _, env = launch(DSPARK_SOCKET_DIR=str(tmp_path / "s"), OMP_NUM_THREADS="6", NCCL_SOCKET_IFNAME="eth9")
+    assert env["OMP_NUM_THREADS"] == "6" and env["NCCL_SOCKET_IFNAME"] == "eth9"
+
+
+@pytest.mark.parametrize("env", [{"DSPARK_TP": "four"}, {"DSPARK_TP": "0"}, {"DSPARK_LAUNCHER": "mpirun"}])
+def test_bad_settings_stop_before_launching(launch, tmp_path, env):
+    res, argv, _ = launch(DSPARK_SOCKET_DIR=str(tmp_path / "s"), **env)
+    assert res.returncode == 2 and argv is None
+    assert "error" in res.stderr
