@@ -1,0 +1,177 @@
+"""Paged sliding-window attention of the 7-row blocks, non-causal in the block, split over the key range.
+
+Per request and KV head, the 7 rows x GQA group (7 x 16 = 112 at TP 4) query vectors share
+every K/V tile, so one program computes a [112 -> 128, d] x [d, BLOCK_N] score tile on the
+tensor cores. The key range max(0, min_pos - (window - 1)) .. seq_len - 1 (4102 keys at a full
+window) is cut flash-decoding style: program `s` of SPLITS takes key tiles s, s + SPLITS, ...
+(strided, so any range is covered with a grid fixed by shapes alone: graph-capturable, no
+host sync), keeps an online softmax (running max m, sum l, unnormalised acc) and writes it;
+`_reduce_kernel` merges the splits per (request, head row): out = sum_s e^(m_s - M) acc_s /
+sum_s e^(m_s - M) l_s. With SPLITS = 1 the split kernel normalises and stores directly.
+Scores and softmax are fp32; P is rounded to the K/V dtype for the P @ V dot (flash-attention's
+usual choice; 2^-9 relative per weight). Softmax runs in base 2 with log2(e) folded in the scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, mma, sms_of, tl_dtype
+
+LOG2E = 1.4426950408889634
+# Tunables: key tile, fewest key tiles per split, programs to aim for per SM.
+BLOCK_N = 64
+MIN_TILES_PER_SPLIT = 2
+PROGRAMS_PER_SM = 1
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, kv_ptr, pos_ptr, seq_ptr, bt_ptr, out_ptr, po_ptr, pml_ptr,
+    stride_qn, stride_qh, stride_qd,
+    stride_c0, stride_cp, stride_cs, stride_ch, stride_cd, stride_bt,
+    page_size, window, qk_scale, hk,
+    ROWS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Program (request, kv head, split). Row m of the Q block is (block row m // GROUP, head m % GROUP)."""
+    req, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = tl.arange(0, BM)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < ROWS * GROUP
+    d_mask = offs_d < D
+    row = req * ROWS + offs_m // GROUP
+    head = h * GROUP + offs_m % GROUP
+    qpos = tl.load(pos_ptr + row, mask=m_valid, other=0)
+    q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT)
+    seq_len = tl.load(seq_ptr + req).to(tl.int64)
+    min_pos = tl.min(tl.where(m_valid, qpos, seq_len), axis=0)
+    start = tl.maximum(min_pos - (window - 1), 0)
+    left = qpos - (window - 1)  # each row's own window edge
+    n_tiles = tl.cdiv(seq_len - start, BN).to(tl.int32)
+
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, BLOCK_D), tl.float32)
+    for t in range(sp, n_tiles, SPLITS):
+        kpos = start + t * BN + tl.arange(0, BN)
+        k_valid = kpos < seq_len
+        page = tl.load(bt_ptr + req * stride_bt + kpos // page_size, mask=k_valid, other=0).to(tl.int64)
+        base = page * stride_cp + (kpos % page_size) * stride_cs + h * stride_ch
+        kv_off = base[:, None] + offs_d[None, :] * stride_cd
+        kv_mask = k_valid[:, None] & d_mask[None, :]
+        k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT)
+        v = tl.load(kv_ptr + stride_c0 + kv_off, mask=kv_mask, other=0.0).to(DOT)
+        s = mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), INTERPRET, IEEE) * qk_scale
+        visible = k_valid[None, :] & (kpos[None, :] >= left[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = mma(cast(p, DOT, INTERPRET), v, acc * alpha[:, None], INTERPRET, IEEE)
+        m_i = m_new
+
+    if SPLITS == 1:
+        o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+        tl.store(out_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                 cast(o, OUT, INTERPRET), mask=m_valid[:, None] & d_mask[None, :])
+    else:
+        part = (req * hk + h) * SPLITS + sp  # workspace [R, hk, SPLITS, BM, (BLOCK_D | 2)]
+        tl.store(po_ptr + part * BM * BLOCK_D + offs_m[:, None] * BLOCK_D + offs_d[None, :], acc)
+        tl.store(pml_ptr + part * BM * 2 + offs_m * 2, m_i)
+        tl.store(pml_ptr + part * BM * 2 + offs_m * 2 + 1, l_i)
+
+
+@triton.jit
+def _reduce_kernel(
+    po_ptr, pml_ptr, out_ptr, stride_qn, stride_qh, stride_qd, hk,
+    ROWS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BM: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Program (request * hk + kv head, Q-block row m): merge the SPLITS partial softmaxes in order."""
+    rh, m = tl.program_id(0), tl.program_id(1)
+    req, h = rh // hk, rh % hk
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    ml = pml_ptr + ((rh * SPLITS + offs_s) * BM + m) * 2
+    m_s = tl.load(ml)
+    l_s = tl.load(ml + 1)
+    m_max = tl.max(m_s, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m_s - m_max)  # 0 for splits that saw no key
+    acc = tl.load(po_ptr + ((rh * SPLITS + offs_s[:, None]) * BM + m) * BLOCK_D + offs_d[None, :])
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l_s * w, axis=0)
+    o = tl.where(den > 0, num / den, 0.0)
+    row = req * ROWS + m // GROUP
+    head = h * GROUP + m % GROUP
+    tl.store(out_ptr + row * stride_qn + head * stride_qh + offs_d * stride_qd, cast(o, OUT, INTERPRET),
+             mask=offs_d < D)
+
+
+def num_splits(num_reqs: int, kv_heads: int, max_keys: int, sms: int, block_n: int = BLOCK_N,
+               min_tiles: int | None = None, programs_per_sm: int | None = None) -> int:
+    """Splits of the key range (a power of two, for the reduce's arange), from shapes alone."""
+    tiles = triton.cdiv(max_keys, block_n)
+    want = triton.cdiv((programs_per_sm or PROGRAMS_PER_SM) * sms, num_reqs * kv_heads)
+    cap = max(1, tiles // (min_tiles or MIN_TILES_PER_SPLIT))
+    s = max(1, min(want, cap))
+    return 1 << (s.bit_length() - 1)  # round down to a power of two
+
+
+def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.Tensor,
+                           seq_lens: torch.Tensor, block_tables: torch.Tensor, rows_per_req: int,
+                           window: int, scale: float, splits: int | None = None,
+                           block_n: int | None = None) -> torch.Tensor:
+    """q [n, hq, d], kv_layer [2, pages, page_size, hk, d], positions int64 [n], seq_lens int32 [R],
+    block_tables int32 [R, max_pages] -> [n, hq, d] in q.dtype (the reference's contract).
+
+    `splits` defaults from the largest key range the shapes allow: window + rows - 1 keys
+    (rows at P..P+6, seq_len P + 7), capped by the block table's pages.
+    """
+    check_device(q, kv_layer)
+    n, hq, d = q.shape
+    page_size, hk = kv_layer.shape[2], kv_layer.shape[3]
+    r = seq_lens.shape[0]
+    group = hq // hk
+    if n != r * rows_per_req or hq % hk:
+        raise ValueError(f"attention: {n} rows for {r} requests of {rows_per_req}; {hq} q heads over {hk}")
+    out = torch.empty_like(q)
+    if r == 0:
+        return out
+    bn = block_n or BLOCK_N
+    max_keys = min(window + rows_per_req - 1, block_tables.shape[1] * page_size)
+    sp = splits or num_splits(r, hk, max_keys, sms_of(q), bn)
+    bm = max(16, triton.next_power_of_2(rows_per_req * group))
+    bd = max(16, triton.next_power_of_2(d))
+    if sp > 1:
+        po = torch.empty((r, hk, sp, bm, bd), dtype=torch.float32, device=q.device)
+        pml = torch.empty((r, hk, sp, bm, 2), dtype=torch.float32, device=q.device)
+    else:
+        po = pml = out
+    if sp & (sp - 1):
+        raise ValueError(f"attention: splits must be a power of two, got {sp}")
+    s = kv_layer.stride()
+    # Same dtypes: dot in that dtype (bf16 tensor cores); mixed: widen both to fp32 (exact).
+    dot = tl_dtype(q.dtype) if q.dtype == kv_layer.dtype else tl.float32
+    _split_kernel[(r, hk, sp)](
+        q, kv_layer, positions, seq_lens, block_tables, out, po, pml,
+        q.stride(0), q.stride(1), q.stride(2), s[0], s[1], s[2], s[3], s[4], block_tables.stride(0),
+        page_size, window, scale * LOG2E, hk,
+        ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, SPLITS=sp, OUT=tl_dtype(q.dtype),
+        DOT=dot, IEEE=dot == tl.float32, INTERPRET=INTERPRET,
+        num_warps=8 if bm * bd >= 128 * 64 else 4, num_stages=2,
+    )
+    if sp > 1:
+        _reduce_kernel[(r * hk, rows_per_req * group)](
+            po, pml, out, q.stride(0), q.stride(1), q.stride(2), hk,
+            ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, SPLITS=sp, OUT=tl_dtype(q.dtype),
+            INTERPRET=INTERPRET, num_warps=4,
+        )
+    return out

@@ -1,0 +1,234 @@
+"""Skinny GEMM for 7..56 rows: y = [swiglu](rms_norm(x) @ W^T), bf16 or MXFP8 weights, split-K over all SMs.
+
+With so few rows the step is bound by streaming the weights from HBM, so the grid has many
+column tiles times `split_k` K-ranges (>= 2 programs per SM) and each program streams its
+[block_k, block_n] weight tiles once. The RMSNorm is fused by linearity: for row r,
+  (x_r * inv_r * (1 + w)) @ W^T = inv_r * ((x_r * (1 + w)) @ W^T),  inv_r = rsqrt(mean(x_r^2) + eps),
+so every program accumulates sum(x^2) over the K-range it already loads and the per-row
+scale is applied in the epilogue; no pass over x precedes the GEMM. With split_k > 1 the
+programs write fp32 partials (and partial sums of squares) to a workspace that
+`_finalize_kernel` sums in a fixed order (deterministic, no atomics), then scales, applies
+SwiGLU-OAI and rounds once to the activation dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, dot_dtype, mma, sms_of, tl_dtype
+from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+
+
+@triton.jit
+def _swiglu_oai(g, u, alpha, limit, OUT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The gate/up halves are first rounded to the activation dtype, as the reference's linear output is."""
+    g = tl.minimum(cast(g, OUT, INTERPRET).to(tl.float32), limit)
+    u = tl.minimum(tl.maximum(cast(u, OUT, INTERPRET).to(tl.float32), -limit), limit)
+    return g * tl.sigmoid(alpha * g) * (u + 1.0)
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, nw_ptr, w_ptr, s_ptr, out_ptr, sq_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
+    stride_os, stride_om, stride_on,
+    eps, alpha, limit,
+    HAS_NORM: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, SWIGLU: tl.constexpr,
+    PARTIAL: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, OUT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Program (column tile, K-range, row tile). x [M, K]; W [N or 2N, K] (gate rows first when SWIGLU).
+
+    PARTIAL: out is the fp32 workspace [split, M, N or 2N] and sq_ptr [split, M]; else out [M, N].
+    """
+    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((BM, BN), tl.float32)
+    acc_up = tl.zeros((BM, BN), tl.float32)
+    sq = tl.zeros((BM,), tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        k_mask = offs_k < k_hi
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if HAS_NORM:
+            sq += tl.sum(x * x, axis=1)
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = x * (1.0 + nw)[None, :]
+        a = cast(x, DOT, INTERPRET)
+        # Weight tile as [BK, BN]: K is the contiguous dim, so each column is one coalesced run.
+        wmask = k_mask[:, None] & n_mask[None, :]
+        w_off = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        w = tl.load(w_ptr + w_off, mask=wmask, other=0.0)
+        if FP8:
+            s_off = (offs_k[:, None] // QBLOCK) * stride_sk + offs_n[None, :] * stride_sn
+            # E8M0 byte v -> 2^(v-127): v placed in the fp32 exponent field (v = 0 flushes to 0).
+            e = tl.load(s_ptr + s_off, mask=wmask, other=127).to(tl.int32)
+            w = (w.to(tl.float32) * (e << 23).to(tl.float32, bitcast=True)).to(DOT)
+        acc = mma(a, w.to(DOT), acc, INTERPRET, IEEE)
+        if SWIGLU:
+            wu = tl.load(w_ptr + N * stride_wn + w_off, mask=wmask, other=0.0)
+            if FP8:
+                eu = tl.load(s_ptr + N * stride_sn + s_off, mask=wmask, other=127).to(tl.int32)
+                wu = (wu.to(tl.float32) * (eu << 23).to(tl.float32, bitcast=True)).to(DOT)
+            acc_up = mma(a, wu.to(DOT), acc_up, INTERPRET, IEEE)
+
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    o_off = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    if PARTIAL:
+        base = out_ptr + pid_s * stride_os
+        tl.store(base + o_off, acc, mask=out_mask)
+        if SWIGLU:
+            tl.store(base + N * stride_on + o_off, acc_up, mask=out_mask)
+        if HAS_NORM:
+            if pid_n == 0:
+                tl.store(sq_ptr + pid_s * M + offs_m, sq, mask=m_mask)
+    else:
+        if HAS_NORM:
+            inv = tl.rsqrt(sq / K + eps)
+            acc = acc * inv[:, None]
+            acc_up = acc_up * inv[:, None]
+        if SWIGLU:
+            acc = _swiglu_oai(acc, acc_up, alpha, limit, OUT, INTERPRET)
+        tl.store(out_ptr + o_off, cast(acc, OUT, INTERPRET), mask=out_mask)
+
+
+@triton.jit
+def _finalize_kernel(
+    ws_ptr, sq_ptr, out_ptr, M, N, K, SPLIT, stride_ws_s, stride_ws_m, stride_om, eps, alpha, limit,
+    HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Program (row, column block): sum the split partials in order, scale by inv_r, [SwiGLU], round."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < N
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    up = tl.zeros((BLOCK_N,), tl.float32)
+    for s in range(0, SPLIT):
+        base = ws_ptr + s * stride_ws_s + row * stride_ws_m
+        acc += tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+        if SWIGLU:
+            up += tl.load(base + N + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        sq = tl.load(sq_ptr + row)
+        for s in range(1, SPLIT):
+            sq += tl.load(sq_ptr + s * M + row)
+        inv = tl.rsqrt(sq / K + eps)
+        acc = acc * inv
+        up = up * inv
+    if SWIGLU:
+        acc = _swiglu_oai(acc, up, alpha, limit, OUT, INTERPRET)
+    tl.store(out_ptr + row * stride_om + offs, cast(acc, OUT, INTERPRET), mask=mask)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiling of one skinny GEMM launch (see `plan`)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Tunables, read by `plan`: programs per SM to aim for, and the fewest K tiles a split may own
+# (below that the partial traffic outweighs the extra parallelism).
+PROGRAMS_PER_SM = 2
+MIN_K_TILES_PER_SPLIT = 4
+BLOCK_N = 64
+BLOCK_K = 128
+
+
+def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
+         programs_per_sm: int | None = None) -> GemmConfig:
+    """Row tile from m (tensor-core dots need >= 16 rows), then split K until the grid covers the SMs."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    bn, bk = block_n or BLOCK_N, block_k or BLOCK_K
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    k_tiles = triton.cdiv(k, bk)
+    want = (programs_per_sm or PROGRAMS_PER_SM) * sms
+    split = max(1, min(want // tiles, k_tiles // MIN_K_TILES_PER_SPLIT))
+    k_per = triton.cdiv(k_tiles, split) * bk
+    return GemmConfig(bm, bn, bk, triton.cdiv(k, k_per))
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch.Tensor | None = None,
+         eps: float = 0.0, swiglu: tuple[float, float] | None = None,
+         config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x.dtype; weight [N, K] (or [2N, K], gate rows first, with swiglu=(alpha, limit)).
+
+    norm_weight: fuse the Gemma RMSNorm (1 + w) of x. weight: a dense bf16/fp16/fp32 tensor or an
+    MxFp8Weight (dequantized tile by tile in the kernel).
+    """
+    fp8 = isinstance(weight, MxFp8Weight)
+    w = weight.qweight if fp8 else weight
+    scale = weight.scale if fp8 else w
+    check_device(x, w)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemm: x {list(x.shape)} and weight {list(w.shape)} do not chain")
+    m, k = x.shape
+    n_tot = w.shape[0]
+    n = n_tot // 2 if swiglu else n_tot
+    alpha, limit = swiglu or (0.0, 0.0)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or plan(m, n * (2 if swiglu else 1), k, sms_of(x))
+    k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per)
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    ddt = dot_dtype(w.dtype)
+    has_norm = norm_weight is not None
+    nw = norm_weight if has_norm else x
+    if split == 1:
+        target, sq, so = out, out, (0, out.stride(0), out.stride(1))
+    else:
+        target = torch.empty((split, m, n_tot), dtype=torch.float32, device=x.device)
+        sq = torch.empty((split, m), dtype=torch.float32, device=x.device)
+        so = target.stride()
+    _gemm_kernel[grid](
+        x, nw, w, scale, target, sq, m, n, k, k_per,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
+        so[0], so[1], so[2], eps, alpha, limit,
+        HAS_NORM=has_norm, FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
+        PARTIAL=split > 1, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(out.dtype),
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        _finalize(target, sq, out, n, k, split, eps, alpha, limit, has_norm, swiglu is not None)
+    return out
+
+
+def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: int, split: int, eps: float,
+              alpha: float, limit: float, has_norm: bool, swiglu: bool) -> None:
+    m = out.shape[0]
+    block = min(1024, triton.next_power_of_2(n))
+    _finalize_kernel[(m, triton.cdiv(n, block))](
+        ws, sq, out, m, n, k, split, ws.stride(0), ws.stride(1), out.stride(0), eps, alpha, limit,
+        HAS_NORM=has_norm, SWIGLU=swiglu, OUT=tl_dtype(out.dtype), BLOCK_N=block, INTERPRET=INTERPRET,
+        num_warps=4,
+    )
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """Standalone SwiGLU-OAI: gate_up [n, 2f] (gate first) -> [n, f], through the finalize kernel."""
+    check_device(gate_up)
+    g = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    m, f = g.shape[0], g.shape[1] // 2
+    out = torch.empty((m, f), dtype=g.dtype, device=g.device)
+    if m:
+        _finalize(g.unsqueeze(0), g, out, f, 1, 1, 0.0, alpha, limit, False, True)
+    return out

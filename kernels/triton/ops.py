@@ -1,0 +1,49 @@
+"""TRITON_OPS: the draft step's Ops bundle backed by the Triton kernels (NVIDIA and AMD GPUs, or the interpreter).
+
+Signatures and output dtypes are the reference's. Every `weight` argument of the linear ops may
+also be an `MxFp8Weight` (FP8 E4M3 + 1x32 E8M0 scales, dequantized inside the kernel).
+rope_cos_sin stays the reference's: a handful of fp64 torch ops on [n, 32] angles, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark_sidecar.kernels import reference
+from dspark_sidecar.kernels.ops import Ops
+from dspark_sidecar.kernels.triton import attention, gemm, norm, prelude
+from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight) -> torch.Tensor:
+    """x [n, in] @ weight^T -> [n, out] in x.dtype."""
+    return gemm.gemm(x, weight)
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor | MxFp8Weight) -> torch.Tensor:
+    """linear(rms_norm(x)) in one GEMM (the norm's row scale applied in the epilogue): [n, in] -> [n, out]."""
+    return gemm.gemm(x, weight, norm_weight, eps)
+
+
+def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor | MxFp8Weight, alpha: float, limit: float) -> torch.Tensor:
+    """swiglu_oai(linear(rms_norm(x))): weight [2f, in] gate rows first -> [n, f]."""
+    return gemm.gemm(x, weight, norm_weight, eps, swiglu=(alpha, limit))
+
+
+TRITON_OPS = Ops(
+    name="triton",
+    linear=linear,
+    rms_norm=norm.rms_norm,
+    rope_cos_sin=reference.rope_cos_sin,
+    qk_norm_rope=prelude.qk_norm_rope,
+    swiglu_oai=gemm.swiglu_oai,
+    write_kv=prelude.write_kv,
+    paged_window_attention=attention.paged_window_attention,
+    norm_linear=norm_linear,
+    norm_linear_swiglu=norm_linear_swiglu,
+    attn_prelude=prelude.attn_prelude,
+)
+
+__all__ = ["TRITON_OPS", "MxFp8Weight"]

@@ -1,0 +1,154 @@
+"""Attention prelude: per-head q/k Gemma RMSNorm + partial NeoX RoPE, and block K/V written through the slots.
+
+One program per (row, head) of the fused qkv output [n, (hq + 2 hk) * d]: a q head is normed,
+rotated and stored to q [n, hq, d]; a k head is normed and rotated and, with the matching v
+head, stored into the paged cache at the row's slot (slot < 0: a padding row, nothing written).
+The whole head (d = 128) sits in one program, so the norm's reduction and RoPE's pairing
+(i, i + rotary_dim/2) never leave registers. No host syncs: graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, tl_dtype
+
+
+@triton.jit
+def _norm_rope(head_ptr, stride_d, w_ptr, cos_row, sin_row, eps,
+               D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head [D] -> fp32 normed and rotated: dims [0, 2 HALF) rotate in pairs (i, i + HALF)."""
+    offs = tl.arange(0, BLOCK_D)
+    dmask = offs < D
+    first = offs < HALF
+    in_rot = offs < 2 * HALF
+    partner = tl.where(first, offs + HALF, tl.where(in_rot, offs - HALF, offs))
+    x = tl.load(head_ptr + offs * stride_d, mask=dmask, other=0.0).to(tl.float32)
+    xp = tl.load(head_ptr + partner * stride_d, mask=dmask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    xn = x * inv * (1.0 + w)
+    xpn = xp * inv * (1.0 + wp)
+    ci = tl.where(first, offs, offs - HALF)
+    c = tl.load(cos_row + ci, mask=in_rot & dmask, other=1.0)
+    s = tl.load(sin_row + ci, mask=in_rot & dmask, other=0.0)
+    # first half: x1 c - x2 s; second half: x2 c + x1 s; beyond the rotary dims: s = 0, c = 1.
+    return xn * c + tl.where(first, -1.0, 1.0) * xpn * s
+
+
+@triton.jit
+def _prelude_kernel(
+    x_ptr, stride_xn, stride_xh, stride_xd,
+    qn_ptr, kn_ptr, cos_ptr, sin_ptr, stride_cn,
+    q_ptr, stride_qn, stride_qh, stride_qd,
+    kv_ptr, stride_c0, stride_cp, stride_cs, stride_ch, stride_cd, page_size,
+    slot_ptr, eps,
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr, OUT: tl.constexpr, CACHE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Program (row, head j): j < Q_HEADS a q head, else k head j - Q_HEADS (and its v head)."""
+    row, j = tl.program_id(0), tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    dmask = offs < D
+    cos_row, sin_row = cos_ptr + row * stride_cn, sin_ptr + row * stride_cn
+    head_ptr = x_ptr + row * stride_xn + j * stride_xh
+    if j < Q_HEADS:
+        y = _norm_rope(head_ptr, stride_xd, qn_ptr, cos_row, sin_row, eps, D, HALF, BLOCK_D)
+        tl.store(q_ptr + row * stride_qn + j * stride_qh + offs * stride_qd, cast(y, OUT, INTERPRET), mask=dmask)
+    else:
+        kh = j - Q_HEADS
+        y = _norm_rope(head_ptr, stride_xd, kn_ptr, cos_row, sin_row, eps, D, HALF, BLOCK_D)
+        slot = tl.load(slot_ptr + row)
+        if slot >= 0:
+            base = kv_ptr + (slot // page_size) * stride_cp + (slot % page_size) * stride_cs + kh * stride_ch
+            # Rounded to the activation dtype first, as the reference's k is before write_kv.
+            tl.store(base + offs * stride_cd, cast(cast(y, OUT, INTERPRET), CACHE, INTERPRET), mask=dmask)
+            v = tl.load(head_ptr + KV_HEADS * stride_xh + offs * stride_xd, mask=dmask, other=0.0)
+            tl.store(base + stride_c0 + offs * stride_cd, cast(v, CACHE, INTERPRET), mask=dmask)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
+    kv_ptr, stride_c0, stride_cp, stride_cs, stride_ch, stride_cd, page_size, slot_ptr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Program (row, kv head): copy one K and one V head into the cache at the row's slot."""
+    row, h = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slot_ptr + row)
+    if slot >= 0:
+        offs = tl.arange(0, BLOCK_D)
+        dmask = offs < D
+        base = kv_ptr + (slot // page_size) * stride_cp + (slot % page_size) * stride_cs + h * stride_ch
+        k = tl.load(k_ptr + row * stride_km + h * stride_kh + offs * stride_kd, mask=dmask, other=0.0)
+        v = tl.load(v_ptr + row * stride_vm + h * stride_vh + offs * stride_vd, mask=dmask, other=0.0)
+        tl.store(base + offs * stride_cd, cast(k, CACHE, INTERPRET), mask=dmask)
+        tl.store(base + stride_c0 + offs * stride_cd, cast(v, CACHE, INTERPRET), mask=dmask)
+
+
+def _cache_args(kv_layer: torch.Tensor) -> tuple:
+    s = kv_layer.stride()
+    return (kv_layer, s[0], s[1], s[2], s[3], s[4], kv_layer.shape[2])
+
+
+def attn_prelude(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, eps: float, kv_layer: torch.Tensor, slots: torch.Tensor,
+                 q_heads: int, kv_heads: int) -> torch.Tensor:
+    """qkv [n, (q_heads + 2 kv_heads) * d] -> q [n, q_heads, d]; K/V rows written at slots (int64 [n])."""
+    check_device(qkv, kv_layer)
+    d = kv_layer.shape[-1]
+    n = qkv.shape[0]
+    if qkv.shape[1] != (q_heads + 2 * kv_heads) * d:
+        raise ValueError(f"attn_prelude: qkv width {qkv.shape[1]} != ({q_heads} + 2 * {kv_heads}) * {d}")
+    q = torch.empty((n, q_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if n:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        _prelude_kernel[(n, q_heads + kv_heads)](
+            qkv, qkv.stride(0), d * qkv.stride(1), qkv.stride(1),
+            q_norm, k_norm, cos, sin, cos.stride(0),
+            q, q.stride(0), q.stride(1), q.stride(2),
+            *_cache_args(kv_layer), slots, eps,
+            Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, HALF=cos.shape[-1],
+            BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(qkv.dtype), CACHE=tl_dtype(kv_layer.dtype),
+            INTERPRET=INTERPRET, num_warps=1,
+        )
+    return q
+
+
+def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """x [n, heads, d] -> same shape and dtype: per-head norm then partial RoPE (the q-head path)."""
+    check_device(x)
+    n, heads, d = x.shape
+    out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
+    if n:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        _prelude_kernel[(n, heads)](
+            x, x.stride(0), x.stride(1), x.stride(2),
+            norm_weight, norm_weight, cos, sin, cos.stride(0),
+            out, out.stride(0), out.stride(1), out.stride(2),
+            x, 0, 0, 0, 0, 0, 1, x, eps,
+            Q_HEADS=heads, KV_HEADS=0, D=d, HALF=cos.shape[-1],
+            BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(x.dtype), CACHE=tl_dtype(x.dtype),
+            INTERPRET=INTERPRET, num_warps=1,
+        )
+    return out
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [m, kv_heads, d] into kv_layer [2, pages, page_size, kv_heads, d] at slots; slot < 0 skipped.
+
+    Unlike the reference, padding rows are masked in the kernel: no host sync.
+    """
+    check_device(kv_layer, k, v)
+    m, heads, d = k.shape
+    if m:
+        _write_kv_kernel[(m, heads)](
+            k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            *_cache_args(kv_layer), slots,
+            D=d, BLOCK_D=triton.next_power_of_2(d), CACHE=tl_dtype(kv_layer.dtype), INTERPRET=INTERPRET,
+            num_warps=1,
+        )

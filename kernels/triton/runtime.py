@@ -1,0 +1,77 @@
+"""What the Triton kernels need to know about where they run: interpreter or GPU, SM count, dot helper."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# TRITON_INTERPRET=1 (read by triton when a kernel is decorated) runs every kernel in numpy on
+# the CPU: that is how CI, which has no GPU, checks the kernels' indexing and maths.
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@triton.jit
+def mma(a, b, acc, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b with fp32 accumulation; a [M, K], b [K, N] in the same dtype.
+
+    Under the interpreter (triton 3.9) a bf16 dot multiplies the raw uint16 storage, so the
+    operands are widened to fp32 there first: products of bf16 values are exact in fp32, so
+    this is the same maths as the tensor-core dot. IEEE keeps fp32 operands out of tf32.
+    """
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    elif IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def cast(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """x -> DTYPE rounding to nearest even, as the GPU does.
+
+    The interpreter (triton 3.9) truncates fp32 -> bf16, a bias of half an ulp that the GPU does
+    not have; there the bits are rounded here first (a bf16 value truncates exactly).
+    """
+    if INTERPRET:
+        if DTYPE == tl.bfloat16:
+            if x.dtype == tl.float32:
+                b = x.to(tl.uint32, bitcast=True)
+                b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+                x = b.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The Triton type of an activation dtype (kernels round their fp32 results to it once)."""
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+def dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The tensor-core operand type for weights stored as `dtype` (fp8 is dequantized to bf16)."""
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+            torch.float8_e4m3fn: tl.bfloat16}[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int | None) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H200); 4 stands in under the interpreter."""
+    if device_index is None or not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sms_of(t: torch.Tensor) -> int:
+    return num_sms(t.device.index if t.device.type == "cuda" else None)
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """The kernels run on CUDA tensors, or on CPU tensors only under the interpreter."""
+    for t in tensors:
+        if t.device.type == "cpu" and not INTERPRET:
+            raise RuntimeError("Triton ops got a CPU tensor; run on a GPU, or set TRITON_INTERPRET=1 before "
+                               "triton is imported to run the kernels in the interpreter")

@@ -1,0 +1,92 @@
+"""MxFp8Weight: an MXFP8 linear weight kept quantized (F8_E4M3 + U8 E8M0 1x32 scales) for the Triton GEMMs.
+
+How a loader builds one from the checkpoint without ever dequantizing (`from_checkpoint`):
+`CheckpointReader._slice(key, shape, rows, cols)` returns the raw F8_E4M3 slice of `<...>.weight`;
+the same call on `<...>.weight_scale_inv` with shape [out, in/32] and the column slice divided by 32
+returns the raw U8 exponents. A column-parallel linear passes `rows=par.shard(out)` and
+concatenates q|k|v (or gate|up) with `MxFp8Weight.cat`; a row-parallel one passes
+`cols=par.shard(in)`, which must cut whole 32-blocks (DrafterConfig.check_tp guarantees it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark_sidecar.drafter.checkpoint import SCALE_SUFFIX, CheckpointError, dequantize_mxfp8, quantize_mxfp8
+
+
+@dataclass(frozen=True)
+class MxFp8Weight:
+    """qweight float8_e4m3fn [out, in]; scale uint8 [out, in / block], value v meaning 2^(v - 127).
+
+    The kernels dequantize a weight tile in registers (exact in bf16: 3 mantissa bits times a power
+    of two) and feed bf16 tensor-core dots, so HBM traffic is 1 + 1/32 bytes per weight.
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    block: int = 32
+
+    def __post_init__(self) -> None:
+        out, inp = self.qweight.shape
+        if self.qweight.dtype != torch.float8_e4m3fn or self.scale.dtype != torch.uint8:
+            raise TypeError(f"MxFp8Weight: need float8_e4m3fn + uint8, got {self.qweight.dtype} + {self.scale.dtype}")
+        if inp % self.block or tuple(self.scale.shape) != (out, inp // self.block):
+            raise ValueError(f"MxFp8Weight: scale shape {list(self.scale.shape)} does not match "
+                             f"weight {[out, inp]} with block {self.block}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.qweight.dtype
+
+    def __getitem__(self, rows: slice) -> MxFp8Weight:
+        """A row slice (e.g. the k|v rows of a fused qkv weight), as a view."""
+        if not isinstance(rows, slice):
+            raise TypeError("MxFp8Weight supports row slices only")
+        return MxFp8Weight(self.qweight[rows], self.scale[rows], self.block)
+
+    def to(self, device: torch.device | str) -> MxFp8Weight:
+        return MxFp8Weight(self.qweight.to(device), self.scale.to(device), self.block)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The dense weight [out, in] (exact in bf16 and fp32): what the reference ops compute with."""
+        return dequantize_mxfp8(self.qweight, self.scale, self.block).to(dtype)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, block: int = 32) -> MxFp8Weight:
+        """Quantize a dense weight exactly as the checkpoint writer does."""
+        q, s = quantize_mxfp8(w, block)
+        return cls(q.to(w.device), s.to(w.device), block)
+
+    @classmethod
+    def cat(cls, parts: list[MxFp8Weight]) -> MxFp8Weight:
+        """Concatenate along the output dim (fused q|k|v or gate|up shards)."""
+        if len({p.block for p in parts}) != 1:
+            raise ValueError("MxFp8Weight.cat: parts with different blocks")
+        return cls(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]), parts[0].block)
+
+    @classmethod
+    def from_checkpoint(cls, reader, key: str, shape: tuple[int, int], rows: slice | None = None,
+                        cols: slice | None = None, device: torch.device | str = "cpu") -> MxFp8Weight:
+        """Read `key`'s raw F8 slice and its raw U8 scale slice through `CheckpointReader._slice`."""
+        block = reader.block
+        if cols is not None and (cols.start % block or cols.stop % block):
+            raise CheckpointError(f"{key}: column slice {cols} cuts MXFP8 blocks of {block}")
+        q = reader._slice(key, shape, rows, cols)
+        if q.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{key}: dtype {q.dtype}, expected F8_E4M3")
+        scols = slice(cols.start // block, cols.stop // block) if cols is not None else None
+        s = reader._slice(key + SCALE_SUFFIX, (shape[0], shape[1] // block), rows, scols)
+        if s.dtype != torch.uint8:
+            raise CheckpointError(f"{key + SCALE_SUFFIX}: dtype {s.dtype}, expected U8 (E8M0 exponents)")
+        return cls(q.contiguous().to(device), s.contiguous().to(device), block)

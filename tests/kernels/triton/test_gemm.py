@@ -1,0 +1,129 @@
+"""Parity of the Triton skinny GEMMs (linear, norm_linear, norm_linear_swiglu; bf16/fp32 and MXFP8) with the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dspark_sidecar.kernels import reference  # noqa: E402
+from dspark_sidecar.kernels.triton import gemm  # noqa: E402
+from dspark_sidecar.kernels.triton.ops import TRITON_OPS  # noqa: E402
+from dspark_sidecar.kernels.triton.weights import MxFp8Weight  # noqa: E402
+
+EPS, ALPHA, LIMIT = 1e-6, 1.702, 7.0
+# (rows, in, out): one block, three blocks with ragged K/N tiles, a full launch of 8 requests.
+SHAPES = [(7, 256, 96), (21, 320, 200), (56, 128, 64)]
+# None: the planner's choice; then one K-range (direct epilogue) and three (workspace + finalize).
+CONFIGS = {"plan": None, "split1": gemm.GemmConfig(32, 32, 64, 1), "split3": gemm.GemmConfig(16, 64, 64, 3)}
+
+
+def _inputs(rows: int, k: int, n: int, dtype: torch.dtype, device: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen) * 2.0
+    w = torch.randn(n, k, generator=gen) * k ** -0.5
+    nw = torch.randn(k, generator=gen) * 0.1
+    return x.to(device, dtype), w.to(device, dtype), nw.to(device, dtype)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_linear_ops(device, shape, dtype, seed, parity):
+    x, w, nw = _inputs(*shape, dtype, device, seed)
+    refs = (reference.linear(x, w), reference.norm_linear(x, nw, EPS, w),
+            reference.norm_linear_swiglu(x, nw, EPS, w, ALPHA, LIMIT))
+    outs = (TRITON_OPS.linear(x, w), TRITON_OPS.norm_linear(x, nw, EPS, w),
+            TRITON_OPS.norm_linear_swiglu(x, nw, EPS, w, ALPHA, LIMIT))
+    for out, ref in zip(outs, refs, strict=True):
+        parity(out, ref)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+def test_split_k_and_fp8(device, config, fp8, parity):
+    """Every epilogue path (direct, split-K workspace) with bf16 and MXFP8 weights."""
+    x, w, nw = _inputs(21, 320, 200, torch.bfloat16, device, seed=2)
+    weight = MxFp8Weight.quantize(w) if fp8 else w
+    dense = weight.dequantize(torch.bfloat16) if fp8 else w  # what the reference computes with
+    ref_nl = reference.norm_linear(x, nw, EPS, dense)
+    ref_sw = reference.norm_linear_swiglu(x, nw, EPS, dense, ALPHA, LIMIT)
+    cfg = CONFIGS[config]
+    parity(gemm.gemm(x, weight, nw, EPS, config=cfg), ref_nl)
+    parity(gemm.gemm(x, weight, nw, EPS, swiglu=(ALPHA, LIMIT), config=cfg), ref_sw)
+
+
+def test_fp8_scales_applied_in_kernel(device):
+    """A weight whose blocks span 2^-20..2^20 scales: a kernel ignoring or misplacing them is off by orders."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 128, generator=gen) * torch.exp2(torch.randint(-20, 21, (64, 4), generator=gen).float()).repeat_interleave(32, 1)
+    weight = MxFp8Weight.quantize(w).to(device)
+    x = torch.randn(7, 128, generator=gen).to(device, torch.bfloat16)
+    ref = reference.linear(x, weight.dequantize())
+    out = TRITON_OPS.linear(x, weight)
+    rel = ((out.double() - ref.double()).abs() / ref.double().abs().clamp(min=1e-30)).median()
+    assert rel < 2.0 ** -6, f"median relative error {rel:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_swiglu_oai(device, dtype, parity):
+    """Gates and ups well past +-7, so both clamps and the unclamped negative gate are exercised."""
+    gu = (torch.randn(14, 2 * 96, generator=torch.Generator().manual_seed(4)) * 6.0).to(device, dtype)
+    assert (gu[:, :96] > LIMIT).any() and (gu[:, 96:] < -LIMIT).any() and (gu[:, :96] < -LIMIT).any()
+    parity(TRITON_OPS.swiglu_oai(gu, ALPHA, LIMIT), reference.swiglu_oai(gu, ALPHA, LIMIT))
+
+
+def test_plan_fills_an_h200():
+    """At the TP-4 rank shapes the grid covers the 132 SMs and the K-ranges tile K exactly."""
+    for rows in (7, 56):
+        for n, k in ((2304, 6144), (6144, 2048), (6144, 6144), (6144, 3072)):
+            cfg = gemm.plan(rows, n, k, 132)
+            k_per = -(-k // cfg.split_k)
+            assert (cfg.split_k - 1) * k_per < k
+            assert -(-n // cfg.block_n) * -(-rows // cfg.block_m) * cfg.split_k >= 132
+            assert cfg.block_m >= rows or cfg.block_m == 64
+
+
+def test_mxfp8_weight_from_checkpoint(tiny_ckpt, tiny_cfg):
+    """The raw F8/U8 slices read by the loader path dequantize to what CheckpointReader.read returns."""
+    from dspark_sidecar.drafter.checkpoint import CheckpointReader, layer_prefix
+
+    reader = CheckpointReader(tiny_ckpt[0], torch.float32)
+    key = f"{layer_prefix(0)}mlp.down_proj.weight"
+    shape = (tiny_cfg.hidden_size, tiny_cfg.ffn_hidden_size)
+    cols = slice(128, 256)
+    w = MxFp8Weight.from_checkpoint(reader, key, shape, cols=cols)
+    assert w.shape == (shape[0], 128) and w.scale.shape == (shape[0], 4)
+    assert torch.equal(w.dequantize(torch.float32), reader.read(key, shape, cols=cols))
+    rows = MxFp8Weight.cat([w[0:16], w[16:]])
+    assert torch.equal(rows.qweight.view(torch.uint8), w.qweight.view(torch.uint8))
+    with pytest.raises(ValueError):
+        MxFp8Weight.from_checkpoint(reader, key, shape, cols=slice(8, 40))
+    with pytest.raises(ValueError):
+        MxFp8Weight(w.qweight, w.scale[:, :3])
+
+
+# The TP-4 rank shard of the real drafter: hidden 6144, 16 q + 1 k + 1 v heads of 128 (qkv 2304
+# rows), o_proj in 2048, gate|up 2 x 3072 rows, down_proj in 3072. GPU only (too big to interpret).
+REAL = {"qkv": (2304, 6144, "norm"), "o_proj": (6144, 2048, "plain"),
+        "gate_up": (6144, 6144, "swiglu"), "down_proj": (6144, 3072, "plain")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+@pytest.mark.parametrize("rows", [7, 56])
+@pytest.mark.parametrize("name", list(REAL))
+def test_real_shapes(cuda, name, rows, fp8, parity):
+    n, k, kind = REAL[name]
+    x, w, nw = _inputs(rows, k, n, torch.bfloat16, cuda, seed=5)
+    weight = MxFp8Weight.quantize(w) if fp8 else w
+    dense = weight.dequantize(torch.bfloat16) if fp8 else w
+    if kind == "norm":
+        ref, out = reference.norm_linear(x, nw, EPS, dense), TRITON_OPS.norm_linear(x, nw, EPS, weight)
+    elif kind == "swiglu":
+        ref = reference.norm_linear_swiglu(x, nw, EPS, dense, ALPHA, LIMIT)
+        out = TRITON_OPS.norm_linear_swiglu(x, nw, EPS, weight, ALPHA, LIMIT)
+    else:
+        ref, out = reference.linear(x, dense), TRITON_OPS.linear(x, weight)
+    parity(out, ref)
