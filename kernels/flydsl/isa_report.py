@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import tempfile
@@ -52,6 +54,11 @@ class KernelReport:
         encoding suffixes such as _e32/_e64 are accepted)."""
         pat = re.compile(r"^\s+(?:" + mnemonic_regex + r")(?:_e32|_e64|_dpp|_sdwa)?\s", re.MULTILINE)
         return len(pat.findall(self.isa))
+
+    def count_lines(self, line_regex: str) -> int:
+        """How many ISA lines match `line_regex` anywhere (operands and cache bits included)."""
+        pat = re.compile(line_regex)
+        return sum(1 for line in self.isa.splitlines() if not line.lstrip().startswith(";") and pat.search(line))
 
     def summary(self) -> str:
         return (
@@ -130,7 +137,9 @@ def compile_reports(launcher, *args, **kwargs) -> list[KernelReport]:
         os.environ["FLYDSL_DEBUG_DUMP_ASM"] = "1"
         os.environ["FLYDSL_DUMP_DIR"] = tmp
         try:
-            flyc.compile(launcher, *args, **kwargs)
+            # FlyDSL prints one line per dump; keep test and tool output clean.
+            with contextlib.redirect_stdout(io.StringIO()):
+                flyc.compile(launcher, *args, **kwargs)
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -1,0 +1,85 @@
+"""Every FlyDSL kernel, for 1..8 requests, compiled to a gfx950 code object on CPU and checked from its metadata/ISA.
+
+No kernel is launched: a launch needs an AMD GPU (and aborts the process without one). The
+compile-only toolchain is `pip install flydsl` + `apt-get install lld-19 rocm-device-libs`;
+the tests skip, saying so, only when that toolchain is missing.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+
+from dspark_sidecar.layout import LAUNCH_REQS
+from dspark_sidecar.kernels.flydsl import toolchain
+
+WHY_NOT = toolchain.compile_only_unavailable_reason()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"gfx950 compile-only toolchain missing: {WHY_NOT}")
+
+REQS = list(range(1, LAUNCH_REQS + 1))
+LDS_LIMIT = 160 * 1024
+
+
+@lru_cache(maxsize=None)
+def compiled(name: str, num_reqs: int):
+    """The (single) kernel report of one catalog entry; compiled once per test session."""
+    from dspark_sidecar.kernels.flydsl.catalog import KERNELS
+    from dspark_sidecar.kernels.flydsl.isa_report import compile_reports
+
+    spec = KERNELS[name]
+    reports = compile_reports(spec.build(num_reqs), *spec.args(num_reqs))
+    assert len(reports) == 1, [r.name for r in reports]
+    return spec, reports[0]
+
+
+def kernel_names() -> list[str]:
+    if WHY_NOT is not None:
+        return ["unavailable"]
+    from dspark_sidecar.kernels.flydsl.catalog import KERNELS
+
+    return list(KERNELS)
+
+
+@pytest.mark.parametrize("num_reqs", REQS)
+@pytest.mark.parametrize("name", kernel_names())
+def test_code_object_within_design_budget(name, num_reqs):
+    spec, rep = compiled(name, num_reqs)
+    assert rep.scratch_bytes == 0, rep.summary()
+    assert rep.vgpr_spill_count == 0 and rep.sgpr_spill_count == 0, rep.summary()
+    assert rep.lds_bytes <= LDS_LIMIT, rep.summary()
+    assert rep.waves_per_simd >= spec.min_waves_per_simd, (
+        f"designed for >= {spec.min_waves_per_simd} waves/SIMD: {rep.summary()}"
+    )
+    for regex, at_least, why in spec.needs:
+        n = rep.count_lines(regex)
+        assert n >= at_least, f"{name}: {n} x /{regex}/ in the ISA, need {at_least} ({why})"
+
+
+def test_isa_is_gfx950():
+    _, rep = compiled("linear_qkv", 1)
+    # gfx950-only instructions are present, so the compile did not fall back to gfx942 paths.
+    assert rep.count("v_cvt_scalef32_pk_bf16_fp8") > 0
+    assert rep.count("v_mfma_f32_16x16x32_bf16") > 0
+
+
+def test_linear_mfma_count_follows_row_tiles():
+    """One MFMA per (row tile, column tile, 32-column step): the row tiling really follows R."""
+    from dspark_sidecar.kernels.flydsl.shapes import SCHEDULES, row_tiles
+
+    sched = SCHEDULES["o"]
+    for num_reqs in (1, 3, 5, 8):
+        _, rep = compiled("linear_o", num_reqs)
+        assert rep.count("v_mfma_f32_16x16x32_bf16") == row_tiles(num_reqs) * sched.nsub * 4
+
+
+def test_report_summary_table(capsys):
+    """Print the per-kernel figures (VGPRs, LDS, occupancy) at 1 and 8 requests for the record."""
+    rows = []
+    for name in kernel_names():
+        for num_reqs in (1, LAUNCH_REQS):
+            _, rep = compiled(name, num_reqs)
+            rows.append(f"{name:18s} R={num_reqs}  {rep.summary()}")
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))
+    assert rows
