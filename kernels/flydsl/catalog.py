@@ -211,6 +211,19 @@ def _exchange(which: str) -> KernelSpec:
     )
 
 
+def _final_norm() -> KernelSpec:
+    def build(num_reqs: int):
+        from .rmsnorm import build_rmsnorm
+
+        return build_rmsnorm(num_reqs)
+
+    def args(num_reqs: int):
+        rows = rows_for(num_reqs)
+        return (torch.zeros(rows, HIDDEN, dtype=BF16), torch.zeros(HIDDEN, dtype=BF16), torch.zeros(rows, HIDDEN, dtype=BF16))
+
+    return KernelSpec("final_norm", build, args, 4, ((r"s_barrier\b", 1, "cross-wave sum of squares through LDS"),))
+
+
 KERNELS: dict[str, KernelSpec] = {
     k.name: k
     for k in (
@@ -224,6 +237,7 @@ KERNELS: dict[str, KernelSpec] = {
         _swiglu_reduce(),
         _linear("down"),
         _exchange("down"),
+        _final_norm(),
         _swiglu(),
     )
 }

@@ -169,3 +169,13 @@ def exchange_model(rank_partials: list[torch.Tensor], residual: torch.Tensor) ->
     acc = acc + ys[2]
     acc = acc + ys[3]
     return (residual.float() + acc).to(torch.bfloat16)
+
+
+def final_norm_model(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """gemma_rmsnorm: per-thread sums of 24 squares (3 x 8 columns strided by 2048), wave then
+    cross-wave totals in fp32, one bf16 rounding of x * rrms * (1 + w)."""
+    xf = x.float()
+    per_thread = (xf.view(x.shape[0], 3, 256, 8) ** 2).sum(dim=(1, 3))  # [rows, 256 threads]
+    tot = per_thread.view(x.shape[0], 4, 64).sum(dim=2).sum(dim=1, keepdim=True)
+    rrms = torch.rsqrt(tot / HIDDEN + RMS_EPS)
+    return (xf * rrms * (weight.float() + 1.0)).to(torch.bfloat16)

@@ -170,3 +170,14 @@ def test_exchange_model_rank_order_sum():
     assert rel_l2(got, want) < 4e-3
     with pytest.raises(ValueError):
         tm.exchange_model(partials[:3], residual)
+
+
+def test_final_norm_model_matches_reference():
+    gen = torch.Generator().manual_seed(60)
+    x = bf16((shapes.rows_for(8), shapes.HIDDEN), gen, 3.0)
+    w = bf16((shapes.HIDDEN,), gen, 0.1)
+    got = tm.final_norm_model(x, w)
+    want = ref.rms_norm(x, w, shapes.RMS_EPS)
+    # Same single rounding; only the fp32 summation order of the mean differs.
+    assert rel_l2(got, want) < 1e-3
+    assert (got.float() - want.float()).abs().max() <= 2 ** -6 * want.float().abs().max()
