@@ -1,0 +1,58 @@
+"""The engine TP ranks' agreement on each step: an element-wise MIN all-reduce over the engine's CPU group."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class StepAgreement(Protocol):
+    """Element-wise MIN of an int64 vector over the engine's TP ranks (MAX is MIN of the negation).
+
+    Every engine rank must call it the same number of times in the same order: the shim only
+    calls it after checks that read TP-replicated state, so either all ranks call or none does.
+    """
+
+    world_size: int
+
+    def all_min(self, values: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalAgreement:
+    """One engine rank (TP 1, unit tests): nothing to agree with."""
+
+    world_size = 1
+
+    def all_min(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+
+class DistAgreement:
+    """A MIN all-reduce over a torch.distributed group; must be a CPU (gloo) group, since the values
+    are host integers and a device collective would need a stream sync per step."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+
+    def all_min(self, values: torch.Tensor) -> torch.Tensor:
+        out = values.to(torch.int64).clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MIN, group=self.group)
+        return out
+
+
+def agreement_from(par: object) -> StepAgreement:
+    """A StepAgreement from what the engine passes: one already, or a ParallelContext-like object
+    (world_size, and an exchange whose `.group` is the CPU group)."""
+    if hasattr(par, "all_min"):
+        return par  # type: ignore[return-value]
+    world = int(getattr(par, "world_size", 1))
+    if world == 1:
+        return LocalAgreement()
+    exchange = getattr(par, "exchange", None)
+    if exchange is None or not hasattr(exchange, "group"):
+        raise TypeError(f"cannot build a step agreement from {type(par).__name__}: "
+                        "pass a StepAgreement or a ParallelContext with a DistExchange")
+    return DistAgreement(exchange.group)

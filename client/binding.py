@@ -1,0 +1,132 @@
+"""The engine's draft KV cache as bound to its sidecar rank: per-layer identity, BindKV, generation tracking."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+import torch
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto.memory import HandleError, export_handle
+
+log = logging.getLogger("dspark_sidecar.client")
+
+# BindKV failures that no retry can fix: the deployment itself is wrong (engine TP != sidecar
+# TP, rank wiring, cache dtype/layout the sidecar cannot serve).
+_PERMANENT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                    grpc.StatusCode.UNIMPLEMENTED)
+_PERMANENT_REASONS = ("TP_MISMATCH", "RANK_MISMATCH")
+
+
+class BindError(Exception):
+    """BindKV did not succeed; `permanent` says whether the deployment can never bind."""
+
+    def __init__(self, message: str, permanent: bool) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+def error_reason(err: grpc.RpcError) -> str:
+    """The ErrorInfo.reason of a rich gRPC status, or '' when there is none."""
+    try:
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    except (AttributeError, ValueError, TypeError):
+        return ""
+    if status is None:
+        return ""
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""
+
+
+def layer_identity(t: torch.Tensor) -> tuple:
+    """What must stay equal for a binding to stay valid: where the layer lives and how it is laid out.
+
+    On CPU the shared-memory segment's name is part of it: a freed segment's address can be
+    reused by a new one, and the sidecar would still be mapping the old.
+    """
+    segment = ""
+    if t.device.type == "cpu":
+        try:
+            segment = export_handle(t).shm.name
+        except HandleError:
+            segment = "<not shared>"
+    return (str(t.device), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, segment)
+
+
+def cache_identity(layers: Sequence[torch.Tensor]) -> tuple:
+    return tuple(layer_identity(t) for t in layers)
+
+
+def bind_request(layers: Sequence[torch.Tensor], facts: pb.EngineFacts) -> pb.BindKVRequest:
+    """BindKVRequest for per-layer caches [2, num_pages, page_size, kv_heads/tp, head_dim]."""
+    if not layers:
+        raise BindError("the engine has no draft KV cache allocated", permanent=False)
+    entries = []
+    for i, t in enumerate(layers):
+        if t.dim() != 5:
+            raise BindError(f"KV layer {i}: shape {list(t.shape)} is not [2, pages, page_size, heads, head_dim]",
+                            permanent=True)
+        try:
+            handle = export_handle(t)
+            dtype = codec.dtype_to_proto(t.dtype)
+        except (HandleError, ValueError) as e:
+            raise BindError(f"KV layer {i}: {e}", permanent=True) from None
+        entries.append(pb.KVLayerBinding(layer=i, memory=handle, dtype=dtype, shape=list(t.shape),
+                                         strides=list(t.stride()), storage_offset=t.storage_offset()))
+    return pb.BindKVRequest(engine=facts, layers=entries, page_size=int(layers[0].shape[2]))
+
+
+@dataclass
+class Binding:
+    binding_id: int
+    generation: int
+    identity: tuple
+
+
+class KVBinder:
+    """This engine rank's binding with its sidecar rank. Re-binds only when asked; never decides alone
+    when (the shim calls it outside CUDA graph capture and after the ranks' agreement)."""
+
+    def __init__(self, facts: pb.EngineFacts) -> None:
+        self.facts = facts
+        self.current: Binding | None = None
+        self.binds = 0  # successful BindKV calls
+
+    @property
+    def generation(self) -> int:
+        return self.current.generation if self.current else 0
+
+    def needs_bind(self, layers: Sequence[torch.Tensor]) -> bool:
+        """True when unbound, or when any layer moved or changed layout since the last bind."""
+        return self.current is None or self.current.identity != cache_identity(layers)
+
+    def invalidate(self) -> None:
+        """Forget the binding (the sidecar lost it, or the engine's cache contents were discarded)."""
+        self.current = None
+
+    def bind(self, stub, layers: Sequence[torch.Tensor], deadline_s: float) -> Binding:
+        """BindKV once; raises BindError (permanent or not)."""
+        ident = cache_identity(layers)
+        req = bind_request(layers, self.facts)
+        try:
+            resp = stub.BindKV(req, timeout=deadline_s)
+        except grpc.RpcError as e:
+            code, reason = e.code(), error_reason(e)
+            permanent = code in _PERMANENT_CODES or reason in _PERMANENT_REASONS
+            self.current = None
+            raise BindError(f"BindKV: {code.name} {reason} {e.details()}".strip(), permanent) from None
+        self.current = Binding(resp.binding_id, resp.generation, ident)
+        self.binds += 1
+        log.info("KV cache bound: binding %d generation %d (%d layers, backend %s%s)", resp.binding_id,
+                 resp.generation, len(layers), resp.backend or "?",
+                 f", FlyDSL off: {resp.fast_path_refusal}" if resp.fast_path_refusal else "")
+        return self.current

@@ -1,0 +1,98 @@
+"""The shim's frozen engine config and the seed's deployment-wide refusal computed from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark_sidecar import layout
+
+REQUIRED_METHOD = "dspark"
+
+
+class EngineConfigError(ValueError):
+    """An EngineConfig field is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    """When to stop calling a failing sidecar rank and how fast to try again (seconds)."""
+
+    failure_threshold: int = 3  # consecutive failed calls that open the breaker
+    backoff_initial_s: float = 0.05  # first wait before a health probe
+    backoff_max_s: float = 2.0  # the wait doubles per failed probe up to this
+    probe_deadline_s: float = 0.25  # deadline of one grpc.health.v1 Check
+
+    def __post_init__(self) -> None:
+        if self.failure_threshold < 1:
+            raise EngineConfigError(f"breaker.failure_threshold: must be >= 1, got {self.failure_threshold}")
+        for f in ("backoff_initial_s", "backoff_max_s", "probe_deadline_s"):
+            if not getattr(self, f) > 0:
+                raise EngineConfigError(f"breaker.{f}: must be > 0, got {getattr(self, f)}")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise EngineConfigError("breaker.backoff_max_s: must be >= backoff_initial_s")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the shim knows of its engine rank's deployment, plus how to reach and wait for its sidecar rank."""
+
+    tp_size: int
+    dp_size: int = 1
+    pp_size: int = 1
+    speculative_method: str = REQUIRED_METHOD
+    num_speculative_tokens: int = layout.QPR
+    required_tp: int = 4
+    # Sidecar rank r's gRPC target for THIS engine rank, e.g. "unix:/run/dspark-sidecar/rank0.sock".
+    endpoint: str = ""
+    device: str = "cpu"
+    # Largest R forwarded until the sidecar's GetStatus limit is known (then the agreed limit).
+    max_reqs: int = layout.DEFAULT_MAX_REQS
+    # Deadlines (seconds). A step's deadline must exceed the sidecar's rendezvous deadline plus
+    # its compute time, or every step that needs an abort would be reported as a timeout.
+    step_deadline_s: float = 2.0
+    # After a step's deadline the shim still waits this long for the late answer: until it comes,
+    # the sidecar may still be writing that step's K/V into the engine's cache.
+    late_grace_s: float = 2.0
+    connect_deadline_s: float = 1.0  # first GetStatus on a fresh channel
+    bind_deadline_s: float = 5.0
+    # Largest number of BindKV calls one step may spend bringing this rank's binding generation
+    # up to its peers' (see binding.py).
+    max_catchup_binds: int = 8
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+
+    def __post_init__(self) -> None:
+        for f in ("tp_size", "dp_size", "pp_size", "required_tp", "max_catchup_binds"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise EngineConfigError(f"{f}: must be a positive integer, got {v!r}")
+        if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
+            raise EngineConfigError(f"max_reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
+        for f in ("step_deadline_s", "late_grace_s", "connect_deadline_s", "bind_deadline_s"):
+            if not getattr(self, f) > 0:
+                raise EngineConfigError(f"{f}: must be > 0, got {getattr(self, f)}")
+
+
+def rank_endpoint(socket_dir: str | Path, rank: int) -> str:
+    """Sidecar rank r's unix-socket target, as `dspark-sidecar serve --socket-dir DIR` lays them out."""
+    return f"unix:{Path(socket_dir) / f'rank{rank}.sock'}"
+
+
+def config_refusal(cfg: EngineConfig) -> str | None:
+    """Why this engine deployment can never forward (the seed's engine-side checks, its words), or None.
+
+    The hardware checks of the seed (gfx950, FlyDSL) are the sidecar's business: it serves
+    through a portable backend where FlyDSL refuses, and says so in GetStatus.
+    """
+    checks = (
+        (cfg.tp_size == cfg.required_tp, f"TP {cfg.tp_size} != {cfg.required_tp}"),
+        (cfg.dp_size == 1, "DP > 1"),
+        (cfg.pp_size == 1, "PP > 1"),
+        (cfg.speculative_method == REQUIRED_METHOD, "no DSpark draft"),
+        (cfg.num_speculative_tokens == layout.QPR, f"{layout.QPR} speculative tokens required"),
+        (bool(cfg.endpoint), "no sidecar endpoint configured"),
+    )
+    for ok, why in checks:
+        if not ok:
+            return why
+    return None

@@ -1,0 +1,182 @@
+"""One engine rank's gRPC link to its sidecar rank: channel, status, health probe and the long-lived step stream."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dspark_sidecar.proto import SERVICE_NAME
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+ChannelFactory = Callable[[str, list], grpc.Channel]
+
+
+def _insecure(target: str, options: list) -> grpc.Channel:
+    return grpc.insecure_channel(target, options=options)
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    # Short reconnect backoff: the shim's own breaker paces reconnects; gRPC's default backoff
+    # (1 s growing to 120 s) would keep a restarted sidecar unused for minutes.
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 50),
+        ("grpc.min_reconnect_backoff_ms", 50),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+class StreamBroken(Exception):
+    """The DraftSteps stream ended (transport failure, server gone, cancelled) before the answer came."""
+
+    def __init__(self, code: grpc.StatusCode | None, detail: str) -> None:
+        super().__init__(f"{code.name if code else 'ENDED'}: {detail}")
+        self.code = code
+
+
+class StepStream:
+    """The long-lived DraftSteps bidi stream; a reader thread hands answers back by step id.
+
+    Answers come in request order, one per request, so an answer for step k also proves every
+    earlier step has been answered: `settled(k)` tells the shim a timed-out step can no longer
+    touch the KV cache.
+    """
+
+    def __init__(self, stub: pb_grpc.DrafterSidecarStub) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._answers: dict[int, pb.DraftStepResponse] = {}
+        self._waiting: int | None = None
+        self.last_answered = 0
+        self.alive = True
+        self.end: StreamBroken | None = None
+        self._call = stub.DraftSteps(self._request_iter())
+        self._reader = threading.Thread(target=self._read, name="dspark-shim-stream", daemon=True)
+        self._reader.start()
+
+    def _request_iter(self):
+        while True:
+            req = self._requests.get()
+            if req is None:  # half-close
+                return
+            yield req
+
+    def _read(self) -> None:
+        end = StreamBroken(None, "stream closed by the server")
+        try:
+            for resp in self._call:
+                with self._cv:
+                    self.last_answered = max(self.last_answered, resp.step_id)
+                    if resp.step_id == self._waiting:
+                        self._answers[resp.step_id] = resp
+                    self._cv.notify_all()
+        except grpc.RpcError as e:
+            end = StreamBroken(e.code(), e.details() or "")
+        finally:
+            with self._cv:
+                self.alive = False
+                self.end = end
+                self._cv.notify_all()
+
+    def send(self, req: pb.DraftStepRequest) -> None:
+        with self._cv:
+            if not self.alive:
+                raise self.end or StreamBroken(None, "stream ended")
+            self._waiting = req.step_id
+            self._answers.clear()
+        self._requests.put(req)
+
+    def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
+        """The answer to `step_id`, None on timeout; StreamBroken when the stream ends first."""
+        with self._cv:
+            ok = self._cv.wait_for(lambda: step_id in self._answers or not self.alive, timeout_s)
+            if step_id in self._answers:
+                return self._answers.pop(step_id)
+            if not ok:
+                return None
+            raise self.end or StreamBroken(None, "stream ended")
+
+    def settled(self, step_id: int) -> bool:
+        """True once `step_id` (or a later step) was answered, or the stream is gone."""
+        with self._cv:
+            return self.last_answered >= step_id or not self.alive
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._call.cancel()
+
+
+class SidecarConnection:
+    """Channel and stubs to one sidecar rank; recreated after failures (the breaker paces it)."""
+
+    def __init__(self, endpoint: str, channel_factory: ChannelFactory = _insecure,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.endpoint = endpoint
+        self._factory = channel_factory
+        self._max_message_bytes = max_message_bytes
+        self._channel: grpc.Channel | None = None
+        self.stub: pb_grpc.DrafterSidecarStub | None = None
+        self._stream: StepStream | None = None
+        self.status: pb.StatusReport | None = None
+        self.opens = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self.stub is not None
+
+    def open(self, deadline_s: float) -> pb.StatusReport:
+        """A fresh channel and this rank's StatusReport; grpc.RpcError when the sidecar does not answer."""
+        self.close()
+        self._channel = self._factory(self.endpoint, channel_options(self._max_message_bytes))
+        self.stub = pb_grpc.DrafterSidecarStub(self._channel)
+        self.opens += 1
+        try:
+            self.status = self.stub.GetStatus(pb.GetStatusRequest(), timeout=deadline_s)
+        except grpc.RpcError:
+            self.close()
+            raise
+        return self.status
+
+    def refresh_status(self, deadline_s: float) -> pb.StatusReport:
+        assert self.stub is not None
+        self.status = self.stub.GetStatus(pb.GetStatusRequest(), timeout=deadline_s)
+        return self.status
+
+    def stream(self) -> StepStream:
+        """The live step stream, opened on first use and after the previous one ended."""
+        assert self.stub is not None
+        if self._stream is None or not self._stream.alive:
+            self._stream = StepStream(self.stub)
+        return self._stream
+
+    def drop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def probe_health(self, deadline_s: float) -> bool:
+        """grpc.health.v1 Check of the sidecar service on a throwaway channel: True iff SERVING."""
+        ch = self._factory(self.endpoint, channel_options(self._max_message_bytes))
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=deadline_s)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+        finally:
+            ch.close()
+
+    def close(self) -> None:
+        self.drop_stream()
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self.stub = None
+        self.status = None

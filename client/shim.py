@@ -1,0 +1,326 @@
+"""The engine rank's drafter shim: forwards an eligible draft step to its sidecar rank, or returns None.
+
+Every engine TP rank ends every step with the same decision (all forwarded, or all None),
+because the stock layers the engine runs on None all-reduce among the ranks. The checks run in
+three phases (FAILURE_MODES.md has the full argument):
+
+1. The seed's checks, in the seed's order, on TP-replicated state only (the engine's config and
+   the step's inputs, identical on every rank; the agreed limits). No remote call and no
+   collective: every rank takes the same branch, so none waits for a peer.
+2. This rank's readiness (breaker, connection, KV binding), each bounded by a deadline, then a
+   pre-flight MIN all-reduce: one rank not ready -> all return None.
+3. The step on the long-lived stream (bounded by the step deadline), then a post-flight MIN
+   all-reduce of "I got a valid answer": one rank without one -> all return None.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import grpc
+import torch
+
+from dspark_sidecar import layout
+from dspark_sidecar.client.agreement import StepAgreement, agreement_from
+from dspark_sidecar.client.binding import BindError, KVBinder
+from dspark_sidecar.client.breaker import CircuitBreaker
+from dspark_sidecar.client.config import EngineConfig, config_refusal
+from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, StreamBroken, _insecure
+from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
+from dspark_sidecar.client.metadata import step_metadata_from
+from dspark_sidecar.client.stats import ShimStats
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+log = logging.getLogger("dspark_sidecar.client")
+
+# Fallback reasons (the keys of ShimStats.fallbacks).
+ROWS = "rows not a multiple of 7"
+REQS = "R outside 1..max_reqs"
+POSITIONS = "positions not int64"
+NO_CONTEXT = "no forward context"
+NO_METADATA = "no attention metadata"
+CAPTURE = "CUDA graph capture"
+BAD_METADATA = "attention metadata unusable"
+NO_KV = "KV cache not allocated"
+UNSETTLED = "previous step unsettled"
+BREAKER = "sidecar unavailable (breaker open)"
+UNREACHABLE = "sidecar unreachable"
+NOT_SERVING = "sidecar not serving"
+BIND_FAILED = "KV bind failed"
+PEER_NOT_READY = "peer engine rank not ready"
+GENERATIONS = "binding generations differ"
+STREAM = "stream broken"
+DEADLINE = "step deadline exceeded"
+BAD_ANSWER = "malformed answer"
+PEER_FAILED = "peer engine rank got no result"
+
+_NO_LIMIT = layout.MAX_REQS_LIMIT + 1
+_NO_GEN = 1 << 62
+_TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING")
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _not_capturing() -> bool:
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def sidecar_refusal(status: pb.StatusReport) -> str | None:
+    """The sidecar's own process-wide refusal (strict mode: a refused deployment is NOT_SERVING with
+    its reason and stays so), or None. Transient states (loading, draining) are not refusals."""
+    if status.serving:
+        return None
+    if status.state == "REFUSED" or (status.fast_path_refusal and status.state not in _TRANSIENT_STATES):
+        return f"sidecar refuses: {status.fast_path_refusal or status.state}"
+    return None
+
+
+class DrafterShim:
+    """One per engine rank. `maybe_forward` has the seed's signature and contract."""
+
+    def __init__(self, config: EngineConfig, model: Any, kv_caches: Callable[[], Sequence[torch.Tensor] | None],
+                 par: Any, *, forward_context: ForwardContextSource = LOCAL_SOURCE,
+                 is_capturing: Callable[[], bool] = _not_capturing,
+                 channel_factory: ChannelFactory = _insecure, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._model, self._kv_caches, self._fc, self._is_capturing = model, kv_caches, forward_context, is_capturing
+        self._agree: StepAgreement = agreement_from(par)
+        self.rank = int(getattr(par, "rank", 0))
+        self.stats = ShimStats()
+        self._logged: set[str] = set()
+        self._max_reqs = config.max_reqs  # replicated: changed only from agreed values
+        self._next_step = 1  # replicated: advanced only on agreed steps
+        self._unsettled: tuple[Any, int] | None = None  # (stream, step id) of a step not yet answered
+        self.fault_hook: Callable[[int], None] | None = None  # tests: called just before a step is sent
+        self.refusal = config_refusal(config)
+        self.enabled = self.refusal is None
+        self.connection = SidecarConnection(config.endpoint, channel_factory)
+        self.breaker = CircuitBreaker(config.breaker, self.connection.probe_health, clock,
+                                      name=f"sidecar rank {self.rank}")
+        self.binder = KVBinder(pb.EngineFacts(
+            engine_rank=self.rank, tp_size=config.tp_size, dp_size=config.dp_size, pp_size=config.pp_size,
+            speculative_method=config.speculative_method, num_speculative_tokens=config.num_speculative_tokens,
+            device=config.device))
+        if self.refusal is not None:
+            log.info("DSpark drafter sidecar off: %s", self.refusal)
+
+    # The seed's entry point ------------------------------------------------------------------
+    def maybe_forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                      inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The step's final hidden states [n, hidden] from the sidecar, or None for the stock layers."""
+        if not self.enabled:
+            return self._fallback(f"off: {self.refusal}")
+        n = positions.numel()
+        if n % layout.QPR:
+            return self._fallback(ROWS)
+        r = n // layout.QPR
+        if not 0 < r <= self._max_reqs:
+            return self._fallback(REQS)
+        if positions.dtype != torch.int64:
+            return self._fallback(POSITIONS)
+        if not self._fc.available():
+            return self._fallback(NO_CONTEXT)
+        attn = self._fc.attn_metadata()
+        if attn is None:
+            return self._fallback(NO_METADATA)
+        if self._is_capturing():
+            return self._fallback(CAPTURE)
+        layers = list(self._kv_caches() or [])
+        meta = step_metadata_from(attn, n, int(layers[0].shape[2]) if layers else None)
+        if meta is None:
+            return self._fallback(BAD_METADATA)
+        start = time.perf_counter_ns()
+
+        ready, why, refused = self._prepare(layers)
+        gen = self.binder.generation
+        view = self.connection.status.limits.max_reqs if self.connection.status else 0
+        agreed = self._agree.all_min(torch.tensor(
+            [int(ready), -int(refused), gen or _NO_GEN, -gen, view or _NO_LIMIT], dtype=torch.int64)).tolist()
+        all_ready, any_refused, gen_min, gen_max, limit = agreed[0], -agreed[1], agreed[2], -agreed[3], agreed[4]
+        if any_refused:
+            self._disable(why if refused else "a peer engine rank's sidecar refuses")
+            return self._fallback(f"off: {self.refusal}")
+        if limit != _NO_LIMIT:
+            self._max_reqs = limit
+        if gen_max and gen_min != gen_max:
+            self._catch_up(gen_max)
+            return self._fallback(GENERATIONS)
+        if not all_ready:
+            return self._fallback(why if not ready else PEER_NOT_READY)
+        if r > self._max_reqs:
+            return self._fallback(REQS)
+
+        step_id, self._next_step = self._next_step, self._next_step + 1
+        if inputs_embeds is None:
+            inputs_embeds = self._model.embed_input_ids(input_ids)
+        hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
+        ok = self._agree.all_min(torch.tensor([int(hidden is not None)], dtype=torch.int64)).item()
+        if not ok:
+            return self._fallback(why or PEER_FAILED)
+        self.stats.forwarded += 1
+        self.stats.forward_ns.append(time.perf_counter_ns() - start)
+        return hidden
+
+    # Phase 2: this rank's readiness ----------------------------------------------------------------
+    def _prepare(self, layers: list[torch.Tensor]) -> tuple[bool, str, bool]:
+        """(ready, why not, sidecar refuses for good); every remote call here has a deadline."""
+        cfg = self.config
+        if self._unsettled is not None:
+            stream, step_id = self._unsettled
+            if not stream.settled(step_id):
+                return False, UNSETTLED, False
+            self._unsettled = None
+            log.info("sidecar rank %d: late step %d settled", self.rank, step_id)
+        if not layers:
+            return False, NO_KV, False
+        if not self.breaker.allow():
+            return False, BREAKER, False
+        if not self.connection.is_open:
+            try:
+                status = self.connection.open(cfg.connect_deadline_s)
+            except grpc.RpcError as e:
+                self.breaker.record_failure(f"connect: {e.code().name}")
+                return False, UNREACHABLE, False
+            refusal = sidecar_refusal(status)
+            if refusal is not None:
+                return False, refusal, True
+            b = self.binder.current
+            if b is not None and not (status.kv.bound and status.kv.binding_id == b.binding_id
+                                      and status.kv.generation == b.generation):
+                self.binder.invalidate()  # a restarted sidecar: our binding is gone
+        status = self.connection.status
+        if status is not None and not status.serving:
+            self.connection.close()  # re-read the status on the next try
+            self.breaker.record_failure(f"state {status.state}")
+            return False, NOT_SERVING, False
+        if self.binder.needs_bind(layers):
+            try:
+                self.binder.bind(self.connection.stub, layers, cfg.bind_deadline_s)
+            except BindError as e:
+                if e.permanent:
+                    return False, f"KV cache cannot be bound: {e}", True
+                self.breaker.record_failure(str(e))
+                self.connection.close()
+                return False, BIND_FAILED, False
+        return True, "", False
+
+    def _catch_up(self, gen_max: int) -> None:
+        """Bring this rank's binding generation up to its peers' (BindKV bumps it by one per call on
+        each sidecar rank, and the sidecar runs a step only when all ranks name the same one)."""
+        layers = list(self._kv_caches() or [])
+        binds = 0
+        while (self.connection.is_open and layers and self.binder.generation < gen_max
+               and binds < self.config.max_catchup_binds):
+            binds += 1
+            try:
+                self.binder.bind(self.connection.stub, layers, self.config.bind_deadline_s)
+            except BindError as e:
+                self.breaker.record_failure(str(e))
+                self.connection.close()
+                return
+
+    # Phase 3: the step ------------------------------------------------------------------------------
+    def _request(self, step_id: int, r: int, positions: torch.Tensor, embeds: torch.Tensor,
+                 meta: StepMetadata) -> pb.DraftStepRequest:
+        status = self.connection.status
+        dtype = _COMPUTE_DTYPES.get(status.model.compute_dtype) if status is not None else None
+        b = self.binder.current
+        assert b is not None
+        return pb.DraftStepRequest(
+            step_id=step_id, binding_id=b.binding_id, binding_generation=b.generation, num_requests=r,
+            positions=codec.to_tensor_ref(positions),
+            inputs_embeds=codec.to_tensor_ref(embeds.to(dtype) if dtype is not None else embeds),
+            seq_lens=codec.to_tensor_ref(meta.seq_lens), block_tables=codec.to_tensor_ref(meta.block_tables),
+            slot_mapping=codec.to_tensor_ref(meta.slot_mapping),
+            deadline_ms=int(self.config.step_deadline_s * 1000))
+
+    def _run_step(self, step_id: int, r: int, positions: torch.Tensor, embeds: torch.Tensor,
+                  meta: StepMetadata) -> tuple[torch.Tensor | None, str]:
+        """Send one step and wait for its answer: (hidden, "") or (None, why)."""
+        cfg = self.config
+        req = self._request(step_id, r, positions, embeds, meta)
+        stream = self.connection.stream()
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(step_id)
+            stream.send(req)
+            resp = stream.wait(step_id, cfg.step_deadline_s)
+            if resp is None:
+                # Until the answer comes the sidecar may still write this step's K/V: wait a
+                # little longer, then remember the step and forward nothing until it settles.
+                late = stream.wait(step_id, cfg.late_grace_s)
+                if late is None:
+                    self._unsettled = (stream, step_id)
+                    log.warning("sidecar rank %d: step %d unanswered after %.3g s; forwarding paused "
+                                "until it settles", self.rank, step_id, cfg.step_deadline_s + cfg.late_grace_s)
+                self.breaker.record_failure(DEADLINE)
+                return None, DEADLINE
+        except StreamBroken as e:
+            self.breaker.record_failure(f"{STREAM}: {e}")
+            self.connection.close()  # reconnect and re-read the status (a restarted sidecar?)
+            return None, STREAM
+        if resp.WhichOneof("result") == "error":
+            return None, self._step_error(resp.error)
+        try:
+            hidden = codec.from_tensor_ref(resp.hidden_states, "hidden_states", writable=True)
+        except ValueError as e:
+            self.breaker.record_failure(str(e))
+            return None, BAD_ANSWER
+        if tuple(hidden.shape) != (positions.numel(), embeds.shape[-1]) or not hidden.is_floating_point():
+            self.breaker.record_failure(f"hidden_states {list(hidden.shape)} {hidden.dtype}")
+            return None, BAD_ANSWER
+        self.breaker.record_success()
+        return hidden.to(embeds.device), ""
+
+    def _step_error(self, err: pb.StepError) -> str:
+        code = grpc.StatusCode.UNKNOWN
+        for c in grpc.StatusCode:
+            if c.value[0] == err.code:
+                code = c
+        if code is grpc.StatusCode.FAILED_PRECONDITION:
+            self.binder.invalidate()  # stale or unknown binding: re-bind before the next step
+        elif code is grpc.StatusCode.OUT_OF_RANGE or code is grpc.StatusCode.INVALID_ARGUMENT:
+            self.connection.close()  # limits may have changed: re-read the status
+            self.breaker.record_failure(err.message)
+        elif code is not grpc.StatusCode.ABORTED:  # ABORTED: a peer's problem, not this sidecar rank's
+            self.breaker.record_failure(err.message)
+        key = f"sidecar {code.name}"
+        if key not in self._logged:
+            log.info("sidecar rank %d: step failed: %s %s (%s)", self.rank, code.name, err.reason, err.message)
+        return key
+
+    # Bookkeeping -------------------------------------------------------------------------------------
+    def _fallback(self, why: str) -> None:
+        self.stats.fallbacks[why] += 1
+        if why not in self._logged:
+            self._logged.add(why)
+            log.info("DSpark drafter step on the stock layers: %s (logged once)", why)
+        return None
+
+    def _disable(self, why: str) -> None:
+        self.enabled, self.refusal = False, why
+        log.warning("DSpark drafter sidecar off for this process: %s", why)
+        self._release()
+
+    def invalidate_binding(self) -> None:
+        """The engine discarded its KV contents (sleep mode wake-up): re-bind before the next step."""
+        self.binder.invalidate()
+
+    def _release(self) -> None:
+        b, stub = self.binder.current, self.connection.stub
+        if b is not None and stub is not None:
+            try:
+                stub.UnbindKV(pb.UnbindKVRequest(binding_id=b.binding_id), timeout=self.config.connect_deadline_s)
+            except grpc.RpcError as e:
+                log.info("UnbindKV: %s (the sidecar drops the binding when it restarts anyway)", e.code().name)
+        self.binder.invalidate()
+        if self._unsettled is None:
+            self.connection.close()
+
+    def close(self) -> None:
+        """The engine is about to free or reuse its KV cache: release the binding and the link."""
+        self._release()
+        self.connection.close()

@@ -1,0 +1,31 @@
+"""Counters of one shim: steps forwarded, fallbacks by reason, and forwarded-step latencies."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+
+def percentile(samples: list[int] | collections.deque, q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of integer samples; NaN when empty."""
+    if not samples:
+        return float("nan")
+    s = sorted(samples)
+    k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
+    return float(s[k])
+
+
+@dataclass
+class ShimStats:
+    forwarded: int = 0
+    fallbacks: collections.Counter = field(default_factory=collections.Counter)
+    forward_ns: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100_000))
+
+    @property
+    def total_fallbacks(self) -> int:
+        return sum(self.fallbacks.values())
+
+    def as_dict(self) -> dict:
+        return {"forwarded": self.forwarded, "fallbacks": dict(self.fallbacks),
+                "forward_p50_us": percentile(self.forward_ns, 50) / 1e3,
+                "forward_p99_us": percentile(self.forward_ns, 99) / 1e3}

@@ -1,0 +1,200 @@
+"""The shim on one engine rank against a fake sidecar: the seed's refusals make no remote call; forwarding; re-binds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from google.rpc import code_pb2
+
+from dspark_sidecar.client import shim as S
+from dspark_sidecar.client.config import EngineConfig, EngineConfigError, config_refusal
+from dspark_sidecar.client.forward_context import set_forward_context
+from dspark_sidecar.client.shim import DrafterShim
+from dspark_sidecar.drafter.parallel import ParallelContext
+from helpers.engine_fakes import (
+    FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs,
+)
+
+
+@pytest.fixture
+def fake():
+    server = FakeServer(FakeSidecar(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    yield server
+    server.stop()
+
+
+def make_shim(endpoint: str, kv: list | None = None, **cfg) -> tuple[DrafterShim, FakeModel, list]:
+    kv = shm_kv_cache() if kv is None else kv
+    cfg.setdefault("tp_size", 4)
+    config = EngineConfig(endpoint=endpoint, step_deadline_s=2.0, **cfg)
+    model = FakeModel()
+    # rank 0 of a TP-4 engine, but the agreement is local: the other ranks are not simulated here.
+    shim = DrafterShim(config, model, lambda: [s.tensor for s in kv], ParallelContext(0, 1))
+    return shim, model, kv
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("tp_size", 2, "TP 2 != 4"), ("dp_size", 2, "DP > 1"), ("pp_size", 2, "PP > 1"),
+    ("speculative_method", "eagle", "no DSpark draft"), ("num_speculative_tokens", 5, "7 speculative tokens required"),
+])
+def test_deployment_refusals_turn_the_process_off_without_calling(fake, field, value, why):
+    shim, model, _ = make_shim(fake.endpoint, **{field: value})
+    assert not shim.enabled and shim.refusal == why == config_refusal(shim.config)
+    ids, pos, meta = step_inputs(2)
+    with set_forward_context(meta):
+        for _ in range(3):
+            assert shim.maybe_forward(ids, pos) is None
+    assert shim.stats.fallbacks == {f"off: {why}": 3}
+    assert fake.sidecar.remote_calls() == 0 and model.embeds == 0
+
+
+def test_each_per_step_refusal_is_none_without_any_remote_call(fake):
+    shim, model, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(2)
+    cases = []
+    with set_forward_context(meta):
+        cases.append((S.ROWS, lambda: shim.maybe_forward(ids[:13], pos[:13])))
+        cases.append((S.REQS, lambda: shim.maybe_forward(ids[:0], pos[:0])))
+        big_ids, big_pos, _ = step_inputs(33)
+        cases.append((S.REQS, lambda: shim.maybe_forward(big_ids, big_pos)))
+        cases.append((S.POSITIONS, lambda: shim.maybe_forward(ids, pos.to(torch.int32))))
+        for why, call in cases:
+            before = shim.stats.fallbacks[why]
+            assert call() is None
+            assert shim.stats.fallbacks[why] == before + 1
+    assert shim.maybe_forward(ids, pos) is None  # no forward context
+    with set_forward_context(None):
+        assert shim.maybe_forward(ids, pos) is None  # profiling run
+    shim._is_capturing = lambda: True
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is None
+    assert shim.stats.fallbacks == {S.ROWS: 1, S.REQS: 2, S.POSITIONS: 1, S.NO_CONTEXT: 1,
+                                    S.NO_METADATA: 1, S.CAPTURE: 1}
+    assert fake.sidecar.remote_calls() == 0 and model.embeds == 0 and shim.stats.forwarded == 0
+
+
+def test_forwarded_step_carries_the_step_and_returns_the_sidecar_hidden_states(fake):
+    shim, model, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(3)
+    with set_forward_context(meta):
+        out = shim.maybe_forward(ids, pos)
+    assert out is not None and torch.equal(out, model.table[ids] * 2)
+    out[0, 0] = 123.0  # the engine owns the result: writable, not aliasing the message bytes
+    (req,) = fake.sidecar.requests
+    assert (req.step_id, req.num_requests, req.binding_generation) == (1, 3, 1)
+    assert req.binding_id == fake.sidecar.binding_id and req.deadline_ms == 2000
+    bind = fake.sidecar.binds[0]
+    assert (bind.engine.tp_size, bind.engine.engine_rank, bind.page_size, len(bind.layers)) == (4, 0, 16, 5)
+    assert bind.layers[0].memory.shm.name and list(bind.layers[0].shape) == [2, 8, 16, 1, 128]
+    # block-table rows trimmed to the pages the longest request reaches: ceil(29 / 16) = 2
+    from dspark_sidecar.proto import codec
+    assert codec.from_tensor_ref(req.block_tables, "bt").shape == (3, 2)
+    assert torch.equal(codec.from_tensor_ref(req.slot_mapping, "s"), meta.slot_mapping)
+    # with embeddings given, the model is not asked
+    with set_forward_context(meta):
+        emb = torch.ones(21, 16)
+        assert torch.equal(shim.maybe_forward(None, pos, emb), emb * 2)
+    assert model.embeds == 1 and shim.stats.forwarded == 2
+    assert fake.sidecar.calls["DraftSteps"] == 1  # one long-lived stream
+    assert fake.sidecar.calls["BindKV"] == 1 and fake.sidecar.calls["GetStatus"] == 1
+
+
+def test_the_sidecar_limit_becomes_the_step_limit_without_remote_calls(fake):
+    shim, _, _ = make_shim(fake.endpoint)  # the fake sidecar says max_reqs = 4
+    ids, pos, meta = step_inputs(5)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is None  # first step learns the limit
+        calls = fake.sidecar.remote_calls()
+        assert shim.maybe_forward(ids, pos) is None
+    assert fake.sidecar.remote_calls() == calls and shim.stats.fallbacks[S.REQS] == 2
+    ids, pos, meta = step_inputs(4)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is not None
+
+
+def test_reallocated_kv_cache_is_detected_and_rebound(fake):
+    kv = shm_kv_cache()
+    shim, _, _ = make_shim(fake.endpoint, kv=kv)
+    ids, pos, meta = step_inputs(2)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is not None
+        assert shim.maybe_forward(ids, pos) is not None
+        assert fake.sidecar.calls["BindKV"] == 1
+        old = list(kv)
+        kv[:] = shm_kv_cache(num_pages=12)  # the engine re-allocates
+        for s in old:
+            s.close()
+        assert shim.maybe_forward(ids, pos) is not None
+    assert fake.sidecar.calls["BindKV"] == 2
+    last = fake.sidecar.requests[-1]
+    assert last.binding_generation == 2 and list(fake.sidecar.binds[-1].layers[0].shape)[1] == 12
+    assert fake.sidecar.binds[-1].layers[0].memory.shm.name != fake.sidecar.binds[0].layers[0].memory.shm.name
+
+
+def test_stale_binding_falls_back_then_rebinds(fake):
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(1)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is not None
+        fake.sidecar.generation += 1  # the sidecar moved on (e.g. another client re-bound it)
+        assert shim.maybe_forward(ids, pos) is None
+        assert shim.stats.fallbacks == {"sidecar FAILED_PRECONDITION": 1}
+        assert shim.maybe_forward(ids, pos) is not None
+    assert fake.sidecar.calls["BindKV"] == 2 and shim.breaker.failures == 0
+
+
+@pytest.mark.parametrize("code, key, trips", [
+    (code_pb2.ABORTED, "sidecar ABORTED", False),
+    (code_pb2.INTERNAL, "sidecar INTERNAL", True),
+    (code_pb2.UNAVAILABLE, "sidecar UNAVAILABLE", True),
+])
+def test_step_errors_fall_back_and_the_stream_goes_on(fake, code, key, trips):
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(1)
+    fake.sidecar.step_errors[2] = (code, "INJECTED")
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is not None
+        assert shim.maybe_forward(ids, pos) is None
+        # ABORTED is the peers' disagreement, not this sidecar rank failing: the breaker ignores it
+        assert shim.breaker.failures == (1 if trips else 0)
+        assert shim.maybe_forward(ids, pos) is not None
+    assert shim.stats.fallbacks == {key: 1}
+    assert fake.sidecar.calls["DraftSteps"] == 1  # the failed step did not end the stream
+    assert shim.breaker.failures == 0
+
+
+def test_strict_sidecar_refusal_turns_the_process_off(fake):
+    fake.sidecar.serving, fake.sidecar.state, fake.sidecar.refusal = False, "REFUSED", "not gfx950"
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(1)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is None
+        calls = fake.sidecar.remote_calls()
+        assert shim.maybe_forward(ids, pos) is None
+    assert not shim.enabled and shim.refusal == "sidecar refuses: not gfx950"
+    assert fake.sidecar.remote_calls() == calls == 1  # one GetStatus, then nothing
+    assert shim.stats.fallbacks == {"off: sidecar refuses: not gfx950": 2}
+
+
+def test_engine_tp_mismatch_at_bind_is_permanent(fake):
+    import grpc
+    fake.sidecar.bind_error = (grpc.StatusCode.FAILED_PRECONDITION, "engine TP 4 != sidecar TP 2")
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(1)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is None
+    # without ErrorInfo the code alone is not permanent: the breaker counts it instead
+    assert shim.enabled and shim.stats.fallbacks == {S.BIND_FAILED: 1}
+    fake.sidecar.bind_error = (grpc.StatusCode.INVALID_ARGUMENT, "layers[0].dtype: cache is bf16")
+    with set_forward_context(meta):
+        shim.breaker.record_success()
+        assert shim.maybe_forward(ids, pos) is None
+    assert not shim.enabled and "KV cache cannot be bound" in shim.refusal
+
+
+def test_engine_config_validation():
+    with pytest.raises(EngineConfigError, match="tp_size"):
+        EngineConfig(tp_size=0)
+    with pytest.raises(EngineConfigError, match="max_reqs"):
+        EngineConfig(tp_size=4, max_reqs=0)
+    assert config_refusal(EngineConfig(tp_size=4)) == "no sidecar endpoint configured"
