@@ -1,0 +1,180 @@
+"""Four engine ranks (threads) with four fake sidecar ranks: every step ends with the same decision on every rank."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from dspark_sidecar.client import shim as S
+from dspark_sidecar.client.breaker import BreakerState
+from dspark_sidecar.client.config import BreakerConfig, EngineConfig
+from dspark_sidecar.client.forward_context import set_forward_context
+from dspark_sidecar.client.shim import DrafterShim
+from helpers.engine_fakes import (
+    FakeModel, FakeServer, FakeSidecar, ThreadGroup, ThreadRendezvous, shm_kv_cache, short_socket_dir, step_inputs,
+)
+
+TP = 4
+
+
+class Engine:
+    """Four shims, one per engine rank, each talking to its own fake sidecar rank."""
+
+    def __init__(self, step_deadline_s: float = 2.0, late_grace_s: float = 1.0) -> None:
+        folder = short_socket_dir()
+        self.rendezvous = ThreadRendezvous(TP, deadline_s=0.3)
+        self.servers = [FakeServer(FakeSidecar(r, TP, self.rendezvous), folder / f"rank{r}.sock").start()
+                        for r in range(TP)]
+        self.group = ThreadGroup(TP)
+        self.model = FakeModel()
+        self.kv = [shm_kv_cache() for _ in range(TP)]
+        breaker = BreakerConfig(failure_threshold=1, backoff_initial_s=0.02, backoff_max_s=0.1, probe_deadline_s=0.5)
+        self.shims = [
+            DrafterShim(EngineConfig(tp_size=TP, endpoint=self.servers[r].endpoint, step_deadline_s=step_deadline_s,
+                                     late_grace_s=late_grace_s, breaker=breaker),
+                        self.model, (lambda r=r: [s.tensor for s in self.kv[r]]), self.group.member(r))
+            for r in range(TP)
+        ]
+        self.pool = ThreadPoolExecutor(TP)
+
+    def step(self, r: int = 2) -> list[torch.Tensor | None]:
+        ids, pos, meta = step_inputs(r)
+
+        def one(rank: int):
+            with set_forward_context(meta):
+                return self.shims[rank].maybe_forward(ids, pos)
+
+        outs = list(self.pool.map(one, range(TP)))
+        assert len({o is None for o in outs}) == 1, "engine ranks ended the step with different decisions"
+        if outs[0] is not None:
+            assert all(torch.equal(o, outs[0]) for o in outs)
+        return outs
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        for s in self.shims:
+            s.close()
+        for s in self.servers:
+            s.stop()
+
+
+@pytest.fixture
+def engine():
+    e = Engine()
+    yield e
+    e.close()
+
+
+def reasons(engine: Engine) -> list[dict]:
+    return [dict(s.stats.fallbacks) for s in engine.shims]
+
+
+def test_all_ranks_forward_with_two_agreements_per_step(engine):
+    for _ in range(3):
+        assert engine.step()[0] is not None
+    assert engine.group.calls == 6
+    assert [s.sidecar.calls["DraftSteps"] for s in engine.servers] == [1] * TP
+
+
+def test_one_ranks_stream_broken_makes_every_rank_fall_back_for_that_step(engine):
+    assert engine.step()[0] is not None
+    engine.shims[2].fault_hook = lambda step_id: engine.shims[2].connection.stream().close()
+    t0 = time.monotonic()
+    assert engine.step()[0] is None
+    assert time.monotonic() - t0 < 2.0  # the peers' sidecar ranks abort at their rendezvous deadline
+    engine.shims[2].fault_hook = None
+    got = reasons(engine)
+    assert got[2] == {S.STREAM: 1}
+    assert all(got[r] == {"sidecar ABORTED": 1} for r in (0, 1, 3))
+    assert engine.step()[0] is not None  # rank 2 reconnected; its binding is still current
+    assert engine.servers[2].sidecar.calls["BindKV"] == 1
+
+
+def test_one_sidecar_rank_down_then_back(engine):
+    assert engine.step()[0] is not None
+    engine.servers[3].stop()
+    t0 = time.monotonic()
+    for _ in range(5):
+        assert engine.step()[0] is None
+    assert time.monotonic() - t0 < 5.0
+    assert engine.shims[3].breaker.state is BreakerState.OPEN
+    assert engine.shims[0].stats.fallbacks[S.PEER_NOT_READY] >= 3
+    # Restart rank 3 as a fresh process would: no binding, generation counting from 0 again,
+    # while ranks 0-2 re-bound once more meanwhile (generation 2): rank 3 must catch up.
+    engine.servers[3].sidecar = FakeSidecar(3, TP, engine.rendezvous)
+    engine.servers[3].start()
+    for r in range(3):
+        engine.shims[r].binder.invalidate()
+    deadline = time.monotonic() + 10
+    while engine.step()[0] is None:
+        assert time.monotonic() < deadline, reasons(engine)
+        time.sleep(0.02)
+    gens = [s.binder.generation for s in engine.shims]
+    assert len(set(gens)) == 1 and gens[0] >= 2
+    assert engine.servers[3].sidecar.calls["BindKV"] >= 2  # caught up from 1
+
+
+def test_generation_catch_up(engine):
+    engine.servers[1].sidecar.generation = 5  # rank 1's sidecar has seen more binds
+    assert engine.step()[0] is None
+    assert engine.shims[0].stats.fallbacks == {S.GENERATIONS: 1}
+    assert engine.step()[0] is not None
+    assert [s.binder.generation for s in engine.shims] == [6] * TP
+
+
+def test_whole_sidecar_down_and_back_through_health(engine):
+    assert engine.step()[0] is not None
+    for s in engine.servers:
+        s.stop()
+    t0 = time.monotonic()
+    for _ in range(10):
+        assert engine.step()[0] is None
+    assert time.monotonic() - t0 < 5.0
+    assert all(s.breaker.state is BreakerState.OPEN for s in engine.shims)
+    for s in engine.servers:  # restarted, still loading
+        s.sidecar = FakeSidecar(s.sidecar.rank, TP, engine.rendezvous)
+        s.start()
+        s.set_health(False)
+    for _ in range(5):
+        assert engine.step()[0] is None
+        time.sleep(0.03)
+    assert sum(s.sidecar.calls["step"] for s in engine.servers) == 0
+    assert sum(s.breaker.probes_failed for s in engine.shims) >= TP
+    for s in engine.servers:
+        s.set_health(True)
+    deadline = time.monotonic() + 10
+    while engine.step()[0] is None:
+        assert time.monotonic() < deadline, reasons(engine)
+        time.sleep(0.02)
+    assert all(s.breaker.state is BreakerState.CLOSED for s in engine.shims)
+    assert [s.sidecar.calls["BindKV"] for s in engine.servers] == [1] * TP  # re-bound the new sidecar
+
+
+def test_late_answer_within_grace_settles_and_a_later_one_pauses_forwarding():
+    engine = Engine(step_deadline_s=0.5, late_grace_s=0.5)
+    try:
+        assert engine.step()[0] is not None
+        engine.servers[0].sidecar.step_delay_s[2] = 0.7  # after the deadline, inside the grace
+        assert engine.step()[0] is None
+        assert engine.shims[0].stats.fallbacks == {S.DEADLINE: 1}
+        assert engine.shims[0]._unsettled is None
+        deadline = time.monotonic() + 10
+        while engine.step()[0] is None:  # the breaker opened on the timeout: wait until it closes
+            assert time.monotonic() < deadline, reasons(engine)
+            time.sleep(0.05)
+        engine.servers[0].sidecar.step_delay_s[engine.shims[0]._next_step] = 1.5  # past deadline + grace
+        assert engine.step()[0] is None
+        assert engine.shims[0]._unsettled is not None
+        outs = engine.step()
+        assert outs[0] is None and engine.shims[0].stats.fallbacks[S.UNSETTLED] == 1
+        time.sleep(0.6)  # the late answer arrives: settled
+        deadline = time.monotonic() + 10
+        while engine.step()[0] is None:
+            assert time.monotonic() < deadline, reasons(engine)
+            time.sleep(0.05)
+        assert engine.shims[0]._unsettled is None
+    finally:
+        engine.close()
