@@ -1,0 +1,250 @@
+"""Host runner of the FlyDSL draft step: refuses unsupported deployments, binds weights/KV/peer buffers once, launches.
+
+Importable without FlyDSL or a GPU: flydsl is imported only when a kernel is compiled. The
+deployment checks are the seed's, in its words (server/refusal.py); any other reason the fast
+path cannot bind (cache layout, missing peer buffers) is raised the same way, so the caller
+reports it and serves through the portable backend.
+
+One launch covers 1..8 requests (layout.launch_groups splits larger steps). Its sequence per
+layer is: qkv linear -> qkv epilogue (norms, RoPE, K/V write) -> attention -> combine ->
+o linear -> reduce+exchange+residual -> gate_up linear -> SwiGLU reduce -> down linear ->
+reduce+exchange+residual; then the final norm. Every launch is stream-ordered and the epoch
+counter is bumped on the device, so the whole step is CUDA/HIP-graph capturable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ...layout import LAUNCH_REQS, QPR, launch_groups
+from .shapes import HEAD_DIM, HIDDEN, KV_HEADS, NSPLIT, O_K, Q_HEADS, ROPE_THETA, ROTARY_DIM, SCHEDULES, TP, rows_for
+
+NUM_LAYERS = 5
+
+
+class FlyDSLUnsupported(RuntimeError):
+    """The FlyDSL fast path cannot serve this deployment; str(exc) is the reason health reports."""
+
+
+@dataclass(frozen=True)
+class KVIdentity:
+    """What identifies one layer's draft KV binding: a re-allocation changes at least one field."""
+
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "KVIdentity":
+        return cls(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+
+
+@dataclass(frozen=True)
+class MXLinear:
+    """One MXFP8 linear shard: E4M3 bits as uint8 [N, K] and E8M0 scales uint8 [N, K/32]."""
+
+    bits: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    qkv: MXLinear
+    o: MXLinear
+    gate_up: MXLinear
+    down: MXLinear
+    input_norm: torch.Tensor  # bf16 [6144]
+    post_norm: torch.Tensor  # bf16 [6144]
+    q_norm: torch.Tensor  # bf16 [128]
+    k_norm: torch.Tensor  # bf16 [128]
+
+
+@dataclass(frozen=True)
+class PeerBuffers:
+    """The exchange's peer-mapped memory (exchange.py): RX/flags of the 4 ranks by rank, this
+    rank's own through its local mapping, and the device epoch counter."""
+
+    rx: Sequence[torch.Tensor]
+    flags: Sequence[torch.Tensor]
+    rx_local: torch.Tensor
+    flags_local: torch.Tensor
+    epoch: torch.Tensor
+
+
+def check_kv_layer(t: torch.Tensor, page_size: int) -> str | None:
+    """Why a layer's KV cache cannot be bound by the kernels, or None.
+
+    The kernels read it as [2 * num_slots, 128] bf16 rows: [2, pages, page_size, 1, 128],
+    contiguous, on the GPU.
+    """
+    if t.dtype != torch.bfloat16:
+        return f"draft KV cache dtype {t.dtype} != bfloat16"
+    if t.dim() != 5 or t.shape[0] != 2 or t.shape[3:] != (KV_HEADS, HEAD_DIM):
+        return f"draft KV cache shape {tuple(t.shape)} is not [2, pages, page_size, {KV_HEADS}, {HEAD_DIM}]"
+    if t.shape[2] != page_size:
+        return f"draft KV page size {t.shape[2]} != {page_size}"
+    if not t.is_contiguous():
+        return "draft KV cache is not contiguous"
+    if t.numel() * t.element_size() >= 2**32:
+        return "draft KV cache layer >= 4 GiB (32-bit buffer offsets)"
+    return None
+
+
+def launch_plan(num_reqs: int) -> list[tuple[str, int | None]]:
+    """The kernel sequence of one launch: (catalog name, exchange index or None)."""
+    if not 1 <= num_reqs <= LAUNCH_REQS:
+        raise ValueError(f"a launch holds 1..{LAUNCH_REQS} requests")
+    plan: list[tuple[str, int | None]] = []
+    for layer in range(NUM_LAYERS):
+        plan += [("linear_qkv", None), ("qkv_rope", None), ("attention", None), ("attention_combine", None)]
+        plan += [("linear_o", None), ("exchange_o", 2 * layer)]
+        plan += [("linear_gate_up", None), ("swiglu_reduce", None), ("linear_down", None), ("exchange_down", 2 * layer + 1)]
+    plan.append(("final_norm", None))
+    return plan
+
+
+class DrafterRunner:
+    """Binds one TP rank's drafter weights, draft KV layers and peer buffers once; runs draft steps."""
+
+    def __init__(
+        self,
+        layers: Sequence[LayerWeights],
+        final_norm: torch.Tensor,
+        kv_layers: Sequence[torch.Tensor],
+        peers: PeerBuffers | None,
+        rank: int,
+        page_size: int,
+        max_positions: int,
+        engine,
+        host=None,
+    ) -> None:
+        from ...server.refusal import fast_path_refusal, probe_host
+
+        why = fast_path_refusal(host if host is not None else probe_host(TP), engine)
+        if why is not None:
+            raise FlyDSLUnsupported(why)
+        if len(layers) != NUM_LAYERS or len(kv_layers) != NUM_LAYERS:
+            raise FlyDSLUnsupported(f"drafter has {len(layers)} layers / {len(kv_layers)} KV layers, kernels need {NUM_LAYERS}")
+        for t in kv_layers:
+            why = check_kv_layer(t, page_size)
+            if why is not None:
+                raise FlyDSLUnsupported(why)
+        if peers is None or len(peers.rx) != TP or len(peers.flags) != TP:
+            raise FlyDSLUnsupported("TP exchange buffers not mapped (need the 4 ranks' IPC handles)")
+        self.layers = list(layers)
+        self.final_norm = final_norm
+        self.peers = peers
+        self.rank = rank
+        self.page_size = page_size
+        self._kv_ids = [KVIdentity.of(t) for t in kv_layers]
+        self._kv = [t.view(-1, HEAD_DIM) for t in kv_layers]
+        self._num_slots = kv_layers[0].shape[1] * page_size
+        device = kv_layers[0].device
+        # Same angles as the stock layers: reference.rope_cos_sin forms them in float64.
+        from ..reference import rope_cos_sin
+
+        cos, sin = rope_cos_sin(torch.arange(max_positions, device=device), ROTARY_DIM, ROPE_THETA)
+        self._cos_sin = torch.cat([cos, sin], dim=-1).contiguous()
+        self._ws = self._workspaces(device)
+        self._compiled: dict[tuple[str, int, int | None], object] = {}
+
+    # -- binding ------------------------------------------------------------------------
+
+    def stale(self, kv_layers: Sequence[torch.Tensor]) -> bool:
+        """True when the engine re-bound its draft KV cache (new allocation, shape or dtype)."""
+        return [KVIdentity.of(t) for t in kv_layers] != self._kv_ids
+
+    def close(self) -> None:
+        self._compiled.clear()
+        self._ws.clear()
+        self._kv = []
+
+    @staticmethod
+    def _workspaces(device: torch.device) -> dict[str, torch.Tensor]:
+        """Scratch sized for the largest launch (8 requests, 4 row tiles); reused every launch."""
+        mp, rows = 64, rows_for(LAUNCH_REQS)
+        f32 = dict(device=device, dtype=torch.float32)
+        bf = dict(device=device, dtype=torch.bfloat16)
+        ws = {f"P_{n}": torch.empty(s.split, mp, s.n, **f32) for n, s in SCHEDULES.items()}
+        ws.update({f"SS_{n}": torch.empty(s.split, mp, **f32) for n, s in SCHEDULES.items()})
+        parts = LAUNCH_REQS * NSPLIT * QPR * Q_HEADS
+        ws.update(
+            q=torch.empty(rows, O_K, **bf),
+            attn=torch.empty(rows, O_K, **bf),
+            op=torch.empty(parts, HEAD_DIM, **f32),
+            ml=torch.empty(parts, 2, **f32),
+            act=torch.empty(rows, SCHEDULES["gate_up"].n // 2, **bf),
+            x=torch.empty(rows, HIDDEN, **bf),
+            h=torch.empty(rows, HIDDEN, **bf),
+            no_norm=torch.zeros(1, **bf),
+        )
+        return ws
+
+    # -- launching ----------------------------------------------------------------------
+
+    def _kernel(self, name: str, num_reqs: int, exchange: int | None, args: tuple):
+        """The compiled launcher for (kernel, R[, exchange]); compiled on first use."""
+        key = (name, num_reqs, exchange)
+        fn = self._compiled.get(key)
+        if fn is None:
+            import flydsl.compiler as flyc
+
+            from .catalog import KERNELS, PAGE_SIZE
+
+            if name == "attention" and self.page_size != PAGE_SIZE:
+                from .attention import build_attention
+
+                launcher = build_attention(num_reqs, self.page_size)
+            elif exchange is not None:
+                from .exchange import build_reduce_exchange
+
+                launcher = build_reduce_exchange(num_reqs, name.split("_", 1)[1], exchange)
+            else:
+                launcher = KERNELS[name].build(num_reqs)
+            fn = flyc.compile(launcher, *args)
+            self._compiled[key] = fn
+        return fn
+
+    def _run(self, name: str, num_reqs: int, exchange: int | None, *args) -> None:
+        self._kernel(name, num_reqs, exchange, args)(*args)
+
+    def forward(self, positions: torch.Tensor, embeds: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """positions i64 [7R], embeds bf16 [7R, 6144], slots i64 [7R], block_tables i32 [R, pages] -> bf16 [7R, 6144]."""
+        out = torch.empty_like(embeds)
+        for first, end in launch_groups(positions.numel() // QPR):
+            rows = slice(first * QPR, end * QPR)
+            out[rows] = self._launch(end - first, positions[rows], embeds[rows], slots[rows], block_tables[first:end])
+        return out
+
+    def _launch(self, r: int, pos, embeds, slots, bt) -> torch.Tensor:
+        ws, p = self._ws, self.peers
+        n, mp = rows_for(r), 16 * -(-rows_for(r) // 16)
+        x, h = ws["x"][:n], ws["h"][:n]
+        x.copy_(embeds)
+
+        def P(name):
+            return ws[f"P_{name}"][:, :mp], ws[f"SS_{name}"][:, :mp]
+
+        peer_args = (*p.rx, *p.flags, p.rx_local, p.flags_local, p.epoch, self.rank)
+        for i, lw in enumerate(self.layers):
+            kv = self._kv[i]
+            self._run("linear_qkv", r, None, x, lw.qkv.bits, lw.qkv.scale, lw.input_norm, *P("qkv"))
+            self._run("qkv_rope", r, None, *P("qkv"), lw.q_norm, lw.k_norm, self._cos_sin, pos, slots, ws["q"][:n], kv, self._num_slots)
+            self._run("attention", r, None, ws["q"][:n], kv, pos, bt, ws["op"], ws["ml"], self._num_slots)
+            self._run("attention_combine", r, None, ws["op"], ws["ml"], ws["attn"][:n])
+            self._run("linear_o", r, None, ws["attn"][:n], lw.o.bits, lw.o.scale, ws["no_norm"], *P("o"))
+            self._run("exchange_o", r, 2 * i, P("o")[0], x, h, *peer_args)
+            self._run("linear_gate_up", r, None, h, lw.gate_up.bits, lw.gate_up.scale, lw.post_norm, *P("gate_up"))
+            self._run("swiglu_reduce", r, None, *P("gate_up"), ws["act"][:n])
+            self._run("linear_down", r, None, ws["act"][:n], lw.down.bits, lw.down.scale, ws["no_norm"], *P("down"))
+            self._run("exchange_down", r, 2 * i + 1, P("down")[0], h, x, *peer_args)
+        out = torch.empty_like(x)
+        self._run("final_norm", r, None, x, self.final_norm, out)
+        # Device-side: the next launch's tags differ from every tag of this one (exchange.py).
+        p.epoch.add_(1)
+        return out
