@@ -40,6 +40,7 @@ class ServeConfig:
     master_port: int = 29533
     max_message_bytes: int = 256 << 20
     warmup: bool = True
+    drain_s: float = 1.0  # after SIGTERM: NOT_SERVING for this long before the listener closes
     seed: int = 0  # of the synthetic checkpoint
 
     def __post_init__(self) -> None:
@@ -65,6 +66,8 @@ class ServeConfig:
             raise ServeConfigError(
                 f"--tcp-host: {self.tcp_host} is not a loopback address; KV handles grant memory "
                 "access, so serving off-node needs --allow-remote")
+        if not 0 <= self.drain_s <= 300:
+            raise ServeConfigError(f"--drain-s: must be 0..300, got {self.drain_s}")
         if self.max_message_bytes < 1 << 20:
             raise ServeConfigError("--max-message-bytes: must be at least 1 MiB")
 

@@ -1,0 +1,181 @@
+"""The `dspark-sidecar` command: serve, status, step, demo, bench. All flag and environment reading lives here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+ENV_PREFIX = "DSPARK_"
+
+
+def _env(dest: str, default, kind=str):
+    """A flag's default: DSPARK_<DEST> from the environment when set, else the built-in default."""
+    raw = os.environ.get(ENV_PREFIX + dest.upper())
+    if raw is None:
+        return default
+    if kind is bool:
+        return raw.lower() in ("1", "true", "yes", "on")
+    return kind(raw)
+
+
+def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+    from dspark_sidecar import layout
+    from dspark_sidecar.server.config import BACKENDS, DTYPES, ServeConfig
+
+    d = ServeConfig()
+    p.add_argument("--tp", type=int, default=_env("tp", d.tp, int), help="tensor-parallel ranks (default 4)")
+    p.add_argument("--socket-dir", type=Path, default=_env("socket_dir", d.socket_dir, Path),
+                   help="rank r listens on unix:DIR/rank{r}.sock (default %(default)s)")
+    p.add_argument("--tcp-host", default=_env("tcp_host", d.tcp_host))
+    p.add_argument("--tcp-base-port", type=int, default=_env("tcp_base_port", d.tcp_base_port, int),
+                   help="also listen on TCP HOST:PORT+r (0 = unix sockets only)")
+    p.add_argument("--allow-remote", action="store_true", default=_env("allow_remote", False, bool))
+    p.add_argument("--preset", default=_env("preset", d.preset), help="tiny | minimax-m3.1 (default tiny)")
+    p.add_argument("--checkpoint", type=Path, default=_env("checkpoint", None, Path),
+                   help="the dspark/ folder (default: the preset's synthetic checkpoint)")
+    p.add_argument("--target-checkpoint", type=Path, default=_env("target_checkpoint", None, Path),
+                   help="folder holding embed_tokens (the target model's checkpoint)")
+    p.add_argument("--backend", choices=BACKENDS, default=_env("backend", d.backend))
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=_env("device", d.device))
+    p.add_argument("--dtype", choices=DTYPES, default=_env("dtype", d.dtype))
+    p.add_argument("--max-reqs", type=int, default=_env("max_reqs", layout.DEFAULT_MAX_REQS, int))
+    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", d.metrics_port, int),
+                   help="Prometheus text on 127.0.0.1:PORT+r (0 = off)")
+    p.add_argument("--strict-refusal", action="store_true", default=_env("strict_refusal", False, bool),
+                   help="a refused fast path makes health NOT_SERVING instead of serving the portable backend")
+    p.add_argument("--rendezvous-ms", type=int, default=_env("rendezvous_ms", d.rendezvous_ms, int))
+    p.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default=_env("dist_backend", d.dist_backend))
+    p.add_argument("--dist-timeout-s", type=int, default=_env("dist_timeout_s", d.dist_timeout_s, int))
+    p.add_argument("--master-addr", default=_env("master_addr", d.master_addr))
+    p.add_argument("--master-port", type=int, default=_env("master_port", 0, int),
+                   help="torch.distributed rendezvous port (0 = pick a free one)")
+    p.add_argument("--max-message-bytes", type=int, default=_env("max_message_bytes", d.max_message_bytes, int))
+    p.add_argument("--drain-s", type=float, default=_env("drain_s", d.drain_s, float),
+                   help="after SIGTERM, report NOT_SERVING this long before closing the listener")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", default=_env("warmup", True, bool))
+    p.add_argument("--seed", type=int, default=_env("seed", d.seed, int), help="seed of the synthetic checkpoint")
+
+
+def serve_config(a: argparse.Namespace):
+    from dspark_sidecar.server.config import ServeConfig
+
+    fields = ServeConfig.__dataclass_fields__
+    return ServeConfig(**{k: v for k, v in vars(a).items() if k in fields})
+
+
+def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
+    cfg = serve_config(a)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun or our own launcher
+        from dspark_sidecar.server.app import serve_rank
+
+        # torchrun's (and our launcher's) rendezvous address wins over the flags
+        cfg = cfg.replace(master_addr=os.environ.get("MASTER_ADDR", cfg.master_addr),
+                          master_port=int(os.environ.get("MASTER_PORT", cfg.master_port)))
+
+        return serve_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                          int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    from dspark_sidecar.server.healthcheck import check
+    from dspark_sidecar.server.launcher import launch
+
+    def ready() -> bool:
+        states = [check(f"unix:{cfg.socket_path(r)}", 1.0) for r in range(cfg.tp)]
+        if all(s == "SERVING" for s in states):
+            print(f"dspark-sidecar: TP {cfg.tp} serving", flush=True)
+            for r in range(cfg.tp):
+                print(f"  rank {r}: {', '.join(cfg.endpoints(r))}  health {states[r]}", flush=True)
+            print("  status: dspark-sidecar status --socket-dir", cfg.socket_dir, "| stop: Ctrl-C / SIGTERM", flush=True)
+            return True
+        return False
+
+    return launch(cfg, argv, on_ready=ready)
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import text_format
+
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    rc = 0
+    for r in range(a.tp):
+        path = a.socket_dir / f"rank{r}.sock"
+        try:
+            with grpc.insecure_channel(f"unix:{path}") as ch:
+                st = pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=a.timeout)
+            print(f"== rank {r} ({path})\n{text_format.MessageToString(st)}")
+        except grpc.RpcError as err:
+            print(f"== rank {r} ({path}): UNREACHABLE {err.code().name}")
+            rc = 1
+    return rc
+
+
+def cmd_step(a: argparse.Namespace) -> int:
+    """One draft step on the embedded synthetic drafter, in-process at TP 1: shapes and time."""
+    import torch
+
+    from dspark_sidecar.drafter import scenario
+    from dspark_sidecar.drafter.checkpoint import EMBED_KEY, CheckpointReader, ensure_synthetic_checkpoint
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
+    from dspark_sidecar.drafter.model import DSparkDrafter
+    from dspark_sidecar.drafter.parallel import ParallelContext
+    from dspark_sidecar.kernels.ops import REFERENCE_OPS
+
+    cfg = load_config(a.preset)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+    dspark_dir, target_dir = ensure_synthetic_checkpoint(cfg)
+    model = DSparkDrafter(cfg, ParallelContext(), REFERENCE_OPS, dtype).load(CheckpointReader(dspark_dir, dtype))
+    embed = CheckpointReader(target_dir, dtype).read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
+    lens = [a.context] * a.reqs
+    pages = sum(scenario.pages_needed(c + 7, 16) for c in lens)
+    kv = allocate_kv_cache(cfg, 1, pages, 16, dtype)
+    step = scenario.random_step(cfg, lens, 16, pages, embed)
+    pos, slots = scenario.context_rows(step.meta, 16)
+    model.commit_context(scenario.random_taps(cfg, pos.numel(), 1), pos, slots, kv)
+    times = []
+    for _ in range(a.repeat):
+        t = time.perf_counter()
+        hidden = model.draft_step(step.inputs_embeds, step.positions, step.meta, kv)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    print(f"preset {cfg.name}: {a.reqs} requests x 7 rows, context {a.context}, {a.dtype}, reference ops, TP 1")
+    print(f"  inputs_embeds {list(step.inputs_embeds.shape)}  positions {list(step.positions.shape)}  "
+          f"block_tables {list(step.meta.block_tables.shape)}  KV layer {list(kv[0].shape)}")
+    print(f"  hidden {list(hidden.shape)} {hidden.dtype}  launches {len(range(0, a.reqs, 8))}  "
+          f"median {times[len(times) // 2] * 1e3:.2f} ms over {a.repeat}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=os.environ.get("DSPARK_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s [pid {os.getpid()} rank {os.environ.get('RANK', '-')}] "
+                               "%(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="dspark-sidecar", description="DSpark drafter sidecar")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_serve_flags(sub.add_parser("serve", help="start the TP sidecar (all ranks) and serve until SIGTERM"))
+    st = sub.add_parser("status", help="print every rank's GetStatus")
+    st.add_argument("--socket-dir", type=Path, default=_env("socket_dir", Path("/tmp/dspark-sidecar"), Path))
+    st.add_argument("--tp", type=int, default=_env("tp", 4, int))
+    st.add_argument("--timeout", type=float, default=3.0)
+    sp = sub.add_parser("step", help="one draft step on the embedded synthetic drafter, in-process")
+    sp.add_argument("--preset", default="tiny")
+    sp.add_argument("--reqs", type=int, default=8)
+    sp.add_argument("--context", type=int, default=4096)
+    sp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    sp.add_argument("--repeat", type=int, default=5)
+    a = ap.parse_args(argv)
+    if a.cmd == "serve":
+        return cmd_serve(a, argv)
+    if a.cmd == "status":
+        return cmd_status(a)
+    return cmd_step(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

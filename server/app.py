@@ -1,0 +1,208 @@
+"""One sidecar rank process: join the TP group, load the shard, serve gRPC with health, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import hashlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import torch
+import torch.distributed as dist
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dspark_sidecar.drafter.checkpoint import EMBED_KEY, CheckpointReader, ensure_synthetic_checkpoint
+from dspark_sidecar.drafter.config import load_config
+from dspark_sidecar.drafter.model import DSparkDrafter
+from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
+from dspark_sidecar.proto import SERVICE_NAME
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from dspark_sidecar.server.backend import choose_backend, resolve_device
+from dspark_sidecar.server.config import ServeConfig
+from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
+from dspark_sidecar.server.kv_binding import MemoryBindings
+from dspark_sidecar.server.metrics import Metrics
+from dspark_sidecar.server.rank import RankContext, RankLoop, warm_up
+from dspark_sidecar.server.refusal import probe_host
+from dspark_sidecar.server.rendezvous import Board, Rendezvous
+from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle, limits_pb
+
+log = logging.getLogger("dspark_sidecar.server")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _die_with_parent() -> None:
+    """Ranks started by our launcher exit when it does (no orphans), via PR_SET_PDEATHSIG."""
+    parent = os.environ.get("DSPARK_LAUNCHER_PID")
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def board_name(cfg: ServeConfig) -> str:
+    """One board per deployment (socket dir + TP), shared by name among its ranks."""
+    key = hashlib.sha1(f"{cfg.socket_dir.resolve()}|{cfg.tp}".encode()).hexdigest()[:12]
+    return f"dspark-rdv-{key}"
+
+
+class LateServicer(pb_grpc.DrafterSidecarServicer):
+    """Registered before the server starts (gRPC cannot add services later), so health answers
+    while the shard loads; draft RPCs get UNAVAILABLE until the real servicer is attached."""
+
+    def __init__(self) -> None:
+        self.inner: DrafterServicer | None = None
+
+    def _target(self) -> DrafterServicer:
+        if self.inner is None:
+            raise SidecarError(grpc.StatusCode.UNAVAILABLE, "rank is still loading; retry when health is SERVING",
+                               "", "LOADING")
+        return self.inner
+
+    def GetStatus(self, request, context):
+        return self._target().GetStatus(request, context)
+
+    def BindKV(self, request, context):
+        return self._target().BindKV(request, context)
+
+    def UnbindKV(self, request, context):
+        return self._target().UnbindKV(request, context)
+
+    def RegisterBuffers(self, request, context):
+        return self._target().RegisterBuffers(request, context)
+
+    def DraftStep(self, request, context):
+        return self._target().DraftStep(request, context)
+
+    def DraftSteps(self, request_iterator, context):
+        if self.inner is None:  # stream handlers are not wrapped by the unary interceptor
+            context.abort(grpc.StatusCode.UNAVAILABLE, "rank is still loading; retry when health is SERVING")
+        return self.inner.DraftSteps(request_iterator, context)
+
+
+def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer) -> grpc.Server:
+    opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"grpc-r{rank}"),
+                         interceptors=[StatusInterceptor()], options=opts)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    pb_grpc.add_DrafterSidecarServicer_to_server(late, server)
+    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server)
+    cfg.socket_dir.mkdir(parents=True, exist_ok=True)
+    path = cfg.socket_path(rank)
+    if path.exists():
+        path.unlink()  # a socket left by a previous run of this rank
+    for ep in cfg.endpoints(rank):
+        if server.add_insecure_port(ep) == 0:
+            raise RuntimeError(f"rank {rank}: cannot listen on {ep}")
+    server.start()
+    os.chmod(path, 0o660)  # owner and the group shared with the engine only
+    return server
+
+
+def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
+    _die_with_parent()
+    if world != cfg.tp:
+        raise SystemExit(f"WORLD_SIZE {world} != --tp {cfg.tp}")
+    device = resolve_device(cfg, local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # ranks share the host's cores; also makes CPU results deterministic
+    else:
+        torch.cuda.set_device(device)
+    health_servicer = health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    late = LateServicer()
+    server = _start_grpc(cfg, rank, health_servicer, late)
+    log.info("rank %d/%d: listening on %s (NOT_SERVING while loading)", rank, world, ", ".join(cfg.endpoints(rank)))
+
+    dist_backend = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(dist_backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+    cpu_group = dist.new_group(backend="gloo") if dist_backend != "gloo" else None
+
+    dcfg = load_config(cfg.preset, cfg.checkpoint)
+    if cfg.checkpoint is None:
+        if rank == 0:
+            ensure_synthetic_checkpoint(dcfg, cfg.seed)
+        dist.barrier(group=cpu_group)
+        dspark_dir, target_dir = ensure_synthetic_checkpoint(dcfg, cfg.seed)
+    else:
+        dspark_dir, target_dir = cfg.checkpoint, cfg.target_checkpoint
+    host = probe_host(cfg.tp)
+    choice = choose_backend(cfg, host, device)
+    dtype = DTYPES[cfg.dtype]
+    par = ParallelContext(rank, world, DistExchange(None) if world > 1 else LocalExchange())
+    t = time.perf_counter()
+    model = DSparkDrafter(dcfg, par, choice.ops, dtype, device).load(
+        CheckpointReader(dspark_dir, dtype, dcfg.quant_block, device))
+    if target_dir is None:
+        raise SystemExit("--target-checkpoint is required with --checkpoint (embed_tokens lives in the target)")
+    embed = CheckpointReader(target_dir, dtype, device=device).read(EMBED_KEY, (dcfg.vocab_size, dcfg.hidden_size))
+    log.info("rank %d: %s shard loaded in %.1f s on %s (%s, backend %s; FlyDSL path: %s)", rank, dcfg.name,
+             time.perf_counter() - t, device, cfg.dtype, choice.name, choice.flydsl_refusal or "on")
+
+    if rank == 0:
+        board = Board(board_name(cfg), world, create=True)
+    dist.barrier(group=cpu_group)
+    if rank != 0:
+        board = Board(board_name(cfg), world, create=False)
+    rendezvous = Rendezvous(board, rank, cfg.rendezvous_ms)
+    metrics = Metrics(rank)
+    if cfg.metrics_port:
+        metrics.serve_http(cfg.metrics_port + rank)
+    memory = MemoryBindings(dcfg, world, rank, dtype, device)
+    ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs)
+    life = Lifecycle(backend=choice.name, host=host, strict=cfg.strict_refusal, dist_backend=dist_backend)
+    loop = RankLoop(ctx, rendezvous)
+    servicer = DrafterServicer(ctx, loop, life, limits_pb(cfg.max_reqs, cfg.max_message_bytes),
+                               pb.Parallel(tp_size=world, tp_rank=rank, dist_backend=dist_backend, device=str(device)),
+                               f"mxfp8->{cfg.dtype}")
+    late.inner = servicer
+
+    def publish() -> None:
+        """Health follows the lifecycle; with --strict-refusal a refused fast path is NOT_SERVING."""
+        refused = servicer.refusal() if life.strict else ""
+        if life.state in ("SERVING", "REFUSED"):
+            life.state = "REFUSED" if refused else "SERVING"
+        ctx.refusal = refused or None
+        status = health_pb2.HealthCheckResponse.SERVING if life.serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, status)
+        metrics.set_serving(life.serving)
+
+    life.on_change.append(publish)
+    if cfg.warmup:
+        secs = warm_up(ctx)
+        log.info("rank %d: warm-up step (8 requests) took %.1f ms", rank, secs * 1e3)
+    dist.barrier(group=cpu_group)  # every rank loaded and warmed up: the group can draft
+    life.state = "SERVING"
+    publish()
+    log.info("rank %d: %s (backend %s)", rank, life.state, life.backend)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("rank %d: draining", rank)
+    life.state = "DRAINING"
+    publish()
+    time.sleep(cfg.drain_s)  # health says NOT_SERVING while calls are still accepted: engines move off
+    server.stop(grace=5.0).wait()  # then refuse new calls, and let in-flight steps finish
+    loop.close()
+    rendezvous.close()
+    board.close()
+    dist.destroy_process_group()
+    log.info("rank %d: stopped", rank)
+    return 0

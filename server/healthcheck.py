@@ -1,0 +1,44 @@
+"""Health probe for exec-style liveness/readiness checks: exit 0 iff every asked rank is SERVING."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dspark_sidecar.proto import SERVICE_NAME
+
+
+def check(target: str, timeout_s: float = 2.0, service: str = SERVICE_NAME) -> str:
+    """The health status name of one endpoint ("SERVING", "NOT_SERVING", or "UNREACHABLE: ...")."""
+    try:
+        with grpc.insecure_channel(target) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                       timeout=timeout_s)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    except grpc.RpcError as err:
+        return f"UNREACHABLE: {err.code().name}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_sidecar.server.healthcheck", description=__doc__)
+    ap.add_argument("--socket", help="one rank's unix socket path")
+    ap.add_argument("--socket-dir", type=Path, default=Path("/tmp/dspark-sidecar"))
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--all-ranks", action="store_true", help="check rank0..rank{tp-1}.sock in --socket-dir")
+    ap.add_argument("--timeout", type=float, default=2.0)
+    a = ap.parse_args(argv)
+    paths = [a.socket] if a.socket and not a.all_ranks else [str(a.socket_dir / f"rank{r}.sock") for r in range(a.tp)]
+    ok = True
+    for p in paths:
+        status = check(f"unix:{p}", a.timeout)
+        print(f"{p}: {status}")
+        ok &= status == "SERVING"
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""This rank's view of the engine's memory: the bound draft KV cache (with generations) and data-plane regions."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from dspark_sidecar.drafter.config import DrafterConfig
+from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto.memory import HandleError, MappedMemory
+from dspark_sidecar.server.errors import SidecarError, invalid, precondition
+from dspark_sidecar.server.refusal import EngineFacts
+
+
+@dataclass
+class KVBinding:
+    binding_id: int
+    generation: int
+    layers: list[torch.Tensor]  # per layer [2, num_pages, page_size, kv_heads/tp, head_dim]
+    num_pages: int
+    page_size: int
+    engine: EngineFacts
+    mappings: list[MappedMemory]
+
+    def close(self) -> None:
+        self.layers = []
+        for m in self.mappings:
+            m.close()
+
+
+class MemoryBindings:
+    """BindKV / UnbindKV / RegisterBuffers state of one rank; steps check their binding against it."""
+
+    def __init__(self, cfg: DrafterConfig, tp: int, rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.cfg, self.tp, self.rank, self.dtype, self.device = cfg, tp, rank, dtype, device
+        self._lock = threading.Lock()
+        self.kv: KVBinding | None = None
+        self.generation = 0
+        self.binds = 0
+        self._regions: dict[int, MappedMemory] = {}
+        self._next_region = 1
+
+    # KV -------------------------------------------------------------------------------------
+    def bind(self, req: pb.BindKVRequest) -> KVBinding:
+        e = req.engine
+        if e.engine_rank != self.rank:
+            raise precondition(f"engine rank {e.engine_rank} bound to sidecar rank {self.rank}: engine rank r "
+                               "must talk to sidecar rank r (its own socket)", "RANK_MISMATCH", "engine.engine_rank")
+        if e.tp_size != self.tp:
+            raise precondition(f"engine TP {e.tp_size} != sidecar TP {self.tp}: start the sidecar with --tp {e.tp_size}",
+                               "TP_MISMATCH", "engine.tp_size")
+        if req.page_size <= 0:
+            raise invalid("page_size", "must be positive")
+        if len(req.layers) != self.cfg.num_hidden_layers:
+            raise invalid("layers", f"{len(req.layers)} layers bound, the drafter has {self.cfg.num_hidden_layers}")
+        mappings: list[MappedMemory] = []
+        layers: list[torch.Tensor] = []
+        num_pages = None
+        try:
+            for i, lb in enumerate(req.layers):
+                f = f"layers[{i}]"
+                if lb.layer != i:
+                    raise invalid(f"{f}.layer", f"layers must be listed in order, got layer {lb.layer} at {i}")
+                dtype = _dtype(lb.dtype, f"{f}.dtype")
+                if dtype != self.dtype:
+                    raise invalid(f"{f}.dtype", f"cache is {dtype}, this sidecar computes in {self.dtype} (--dtype)")
+                pages = lb.shape[1] if len(lb.shape) == 5 else -1
+                want = kv_layer_shape(self.cfg, self.tp, pages, req.page_size)
+                if tuple(lb.shape) != want:
+                    raise invalid(f"{f}.shape", f"{list(lb.shape)}, expected {list(want)} "
+                                  "[2, num_pages, page_size, kv_heads/tp, head_dim]")
+                if num_pages is not None and pages != num_pages:
+                    raise invalid(f"{f}.shape", f"{pages} pages, layer 0 has {num_pages}")
+                num_pages = pages
+                m = MappedMemory(lb.memory, f"{f}.memory", self.device)
+                mappings.append(m)
+                t = m.view(dtype, tuple(lb.shape), tuple(lb.strides), lb.storage_offset, f)
+                if not t.is_contiguous():
+                    raise invalid(f"{f}.strides", f"{list(lb.strides)}: the cache must be contiguous")
+                layers.append(t)
+        except HandleError as err:
+            for m in mappings:
+                m.close()
+            raise invalid(str(err).split(":", 1)[0], str(err).split(": ", 1)[-1]) from None
+        except SidecarError:
+            for m in mappings:
+                m.close()
+            raise
+        facts = EngineFacts(e.tp_size, e.dp_size, e.pp_size, e.speculative_method, e.num_speculative_tokens)
+        with self._lock:
+            old, self.generation, self.binds = self.kv, self.generation + 1, self.binds + 1
+            self.kv = KVBinding(secrets.randbits(62) or 1, self.generation, layers, int(num_pages),
+                                req.page_size, facts, mappings)
+        if old is not None:
+            old.close()
+        return self.kv
+
+    def unbind(self, binding_id: int) -> None:
+        with self._lock:
+            kv = self.kv
+            if kv is None or kv.binding_id != binding_id:
+                raise precondition(f"binding_id: {binding_id} is not the current binding", "UNKNOWN_BINDING",
+                                   "binding_id")
+            self.kv = None
+        kv.close()
+
+    def check(self, binding_id: int, generation: int) -> KVBinding:
+        """The binding a step names, or FAILED_PRECONDITION telling the engine to re-bind."""
+        kv = self.kv
+        if kv is None:
+            raise precondition("binding_id: no KV cache is bound on this rank: call BindKV first", "NOT_BOUND", "binding_id")
+        if binding_id != kv.binding_id:
+            raise precondition(f"binding_id: {binding_id} is unknown (current {kv.binding_id}): re-bind",
+                               "UNKNOWN_BINDING", "binding_id")
+        if generation != kv.generation:
+            raise precondition(f"binding_generation: {generation} is stale (current {kv.generation}): re-bind",
+                               "STALE_BINDING", "binding_generation")
+        return kv
+
+    # Data-plane regions ---------------------------------------------------------------------
+    def register(self, req: pb.RegisterBuffersRequest) -> list[int]:
+        ids = []
+        for i, region in enumerate(req.regions):
+            try:
+                m = MappedMemory(region.memory, f"regions[{i}].memory", self.device)
+            except HandleError as err:
+                raise invalid(f"regions[{i}].memory", str(err).split(": ", 1)[-1]) from None
+            if region.size_bytes > m.nbytes:
+                m.close()
+                raise invalid(f"regions[{i}].size_bytes", f"{region.size_bytes} > mapped {m.nbytes}")
+            with self._lock:
+                rid, self._next_region = self._next_region, self._next_region + 1
+                self._regions[rid] = m
+            ids.append(rid)
+        return ids
+
+    def resolve(self, region: pb.RegionSlice, dtype: torch.dtype, shape: tuple[int, ...], field: str) -> torch.Tensor:
+        """codec.RegionResolver: a contiguous view into a registered region, bounds checked."""
+        m = self._regions.get(region.region_id)
+        if m is None:
+            raise ValueError(f"{field}: region {region.region_id} is not registered")
+        item = torch.empty((), dtype=dtype).element_size()
+        if region.offset_bytes % item:
+            raise ValueError(f"{field}: offset {region.offset_bytes} not aligned to {item}-byte {dtype}")
+        stride = torch.empty(shape, device="meta").stride() if shape else ()
+        try:
+            return m.view(dtype, shape, stride, region.offset_bytes // item, field)
+        except HandleError as err:
+            raise ValueError(str(err)) from None
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.kv.close()
+        for m in self._regions.values():
+            m.close()
+
+
+def _dtype(value: int, field: str) -> torch.dtype:
+    try:
+        return codec.dtype_from_proto(value, field)
+    except ValueError as err:
+        raise invalid(field, str(err).split(": ", 1)[-1]) from None
+
+

@@ -1,0 +1,80 @@
+"""The built-in launcher: spawns the TP rank processes, watches them, and takes the group down together."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from dspark_sidecar.server.config import ServeConfig
+
+log = logging.getLogger("dspark_sidecar.launcher")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float = 0.2) -> int:
+    """Run `python -m dspark_sidecar <rank_argv>` once per rank, torchrun-style env; block until done.
+
+    A rank that exits while the group is serving takes the group down: one log line naming it,
+    SIGTERM to the rest, SIGKILL after a grace period, exit code 1. SIGTERM/SIGINT to the
+    launcher drains every rank and returns 0 when all exited cleanly.
+    """
+    port = cfg.master_port or free_port()
+    env = dict(os.environ, WORLD_SIZE=str(cfg.tp), MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port),
+               DSPARK_LAUNCHER_PID=str(os.getpid()))
+    procs = []
+    for r in range(cfg.tp):
+        procs.append(subprocess.Popen([sys.executable, "-m", "dspark_sidecar", *rank_argv],
+                                      env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
+    stopping = False
+
+    def on_signal(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        ready_sent = False
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+                return 0 if stopping and not bad else 1
+            dead = [(r, c) for r, c in enumerate(codes) if c is not None]
+            if dead and not stopping:
+                r, c = dead[0]
+                log.error("sidecar rank %d exited with code %s; stopping the group (%d ranks)", r, c, cfg.tp)
+                _terminate(procs)
+                return 1
+            if on_ready is not None and not ready_sent and not stopping:
+                ready_sent = on_ready()
+            time.sleep(poll_s)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        _terminate(procs)
+
+
+def _terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

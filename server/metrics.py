@@ -1,0 +1,73 @@
+"""Per-rank counters and latency histograms: Prometheus text endpoint, and the figures GetStatus reports."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+RESULTS = ("ok", "aborted", "invalid", "failed")
+PHASES = ("queue", "rendezvous", "compute", "total")
+# Draft steps take tens of microseconds (GPU) to tens of milliseconds (CPU reference).
+BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0)
+
+
+class Metrics:
+    def __init__(self, rank: int, window: int = 2048) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"rank": str(rank)}
+        self.steps = Counter("dspark_steps", "Draft steps by result", ["rank", "result"], registry=self.registry)
+        self.seconds = Histogram("dspark_step_seconds", "Draft step latency by phase", ["rank", "phase"],
+                                 buckets=BUCKETS, registry=self.registry)
+        self.binds = Counter("dspark_kv_binds", "KV cache (re-)bindings", ["rank"], registry=self.registry)
+        self.serving = Gauge("dspark_serving", "1 when this rank serves draft steps", ["rank"], registry=self.registry)
+        self._labels = labels
+        self._lock = threading.Lock()
+        self.counts = collections.Counter()
+        self._recent = {p: collections.deque(maxlen=window) for p in PHASES}
+
+    def step(self, result: str, timings_ns: dict[str, int], num_reqs: int = 0, launches: int = 0) -> None:
+        self.steps.labels(result=result, **self._labels).inc()
+        with self._lock:
+            self.counts[result] += 1
+            if result == "ok":
+                self.counts["requests"] += num_reqs
+                self.counts["rows"] += 7 * num_reqs
+                self.counts["launches"] += launches
+                for phase, ns in timings_ns.items():
+                    self._recent[phase].append(ns)
+        if result == "ok":
+            for phase, ns in timings_ns.items():
+                self.seconds.labels(phase=phase, **self._labels).observe(ns / 1e9)
+
+    def bound(self) -> None:
+        self.binds.labels(**self._labels).inc()
+        with self._lock:
+            self.counts["kv_binds"] += 1
+
+    def set_serving(self, serving: bool) -> None:
+        self.serving.labels(**self._labels).set(1 if serving else 0)
+
+    def counters_pb(self) -> pb.Counters:
+        with self._lock:
+            c = self.counts
+            return pb.Counters(steps_ok=c["ok"], steps_aborted=c["aborted"], steps_invalid=c["invalid"],
+                               steps_failed=c["failed"], requests=c["requests"], rows=c["rows"],
+                               launches=c["launches"], kv_binds=c["kv_binds"])
+
+    def latencies_pb(self) -> list[pb.LatencySummary]:
+        out = []
+        with self._lock:
+            for phase, dq in self._recent.items():
+                xs = sorted(dq)
+                if xs:
+                    out.append(pb.LatencySummary(name=phase, count=len(xs), p50_ns=xs[len(xs) // 2],
+                                                 p99_ns=xs[min(len(xs) - 1, int(len(xs) * 0.99))]))
+        return out
+
+    def serve_http(self, port: int) -> None:
+        """Prometheus text on 127.0.0.1:port (loopback: metrics are for the node's scraper agent)."""
+        start_http_server(port, addr="127.0.0.1", registry=self.registry)

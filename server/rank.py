@@ -1,0 +1,166 @@
+"""The rank loop: one worker thread per rank validates, agrees on, and runs draft steps strictly in order."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from dspark_sidecar import layout
+from dspark_sidecar.drafter import scenario
+from dspark_sidecar.drafter.config import DrafterConfig
+from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
+from dspark_sidecar.drafter.model import DSparkDrafter
+from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.server.errors import SidecarError, as_sidecar_error, precondition, to_step_error
+from dspark_sidecar.server.kv_binding import MemoryBindings
+from dspark_sidecar.server.metrics import Metrics
+from dspark_sidecar.server.rendezvous import Post, Rendezvous, digest
+from dspark_sidecar.server.validate import Step, validate_step
+
+log = logging.getLogger("dspark_sidecar.server")
+
+
+@dataclass
+class RankContext:
+    """What the loop computes with; built once by the rank process (server/app.py)."""
+
+    rank: int
+    world: int
+    cfg: DrafterConfig
+    model: DSparkDrafter
+    embed: torch.Tensor  # [vocab, hidden] on the rank's device, for steps that send input_ids
+    memory: MemoryBindings
+    metrics: Metrics
+    max_reqs: int
+    refusal: str | None = None  # set when --strict-refusal refuses the deployment
+
+
+class RankLoop:
+    """Steps enter from any gRPC thread; one worker runs them FIFO so all ranks launch in the same order."""
+
+    def __init__(self, ctx: RankContext, rendezvous: Rendezvous) -> None:
+        self.ctx, self.rendezvous = ctx, rendezvous
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name=f"dspark-rank{ctx.rank}", daemon=True)
+        self._worker.start()
+
+    def submit(self, req: pb.DraftStepRequest) -> concurrent.futures.Future:
+        """A future of the DraftStepResponse; it raises SidecarError on failure (unary path)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((req, fut, time.perf_counter_ns()))
+        return fut
+
+    def answer(self, req: pb.DraftStepRequest) -> pb.DraftStepResponse:
+        """The stream path: failures become the response's StepError and the stream goes on."""
+        try:
+            return self.submit(req).result()
+        except Exception as exc:  # noqa: BLE001  (every failure is answered, none ends the stream)
+            return pb.DraftStepResponse(step_id=req.step_id, error=to_step_error(as_sidecar_error(exc)))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._worker.join(timeout=10)
+
+    # The worker -----------------------------------------------------------------------------
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            req, fut, t_enq = item
+            try:
+                fut.set_result(self._run(req, t_enq))
+            except SidecarError as err:
+                fut.set_exception(err)
+            except Exception:  # noqa: BLE001
+                # A failure inside the launch may have left a peer inside a collective: the
+                # group cannot be trusted any more. One clear line, then the rank exits and the
+                # launcher stops the group; engines see UNAVAILABLE and fall back.
+                log.exception("rank %d: draft step %d failed inside its launch; exiting", self.ctx.rank, req.step_id)
+                os._exit(3)
+
+    def _run(self, req: pb.DraftStepRequest, t_enq: int) -> pb.DraftStepResponse:
+        ctx = self.ctx
+        t0 = time.perf_counter_ns()
+        step: Step | None = None
+        own_error: SidecarError | None = None
+        try:
+            if ctx.refusal is not None:
+                raise precondition(f"fast path refused: {ctx.refusal} (--strict-refusal)", "REFUSED")
+            step = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs)
+        except SidecarError as err:
+            own_error = err
+        post = Post(
+            step_id=req.step_id,
+            generation=req.binding_generation,
+            num_reqs=req.num_requests,
+            digest=digest(step.positions, step.meta.seq_lens, step.meta.block_tables, step.meta.slot_mapping)
+            if step is not None else 0,
+            valid=step is not None,
+        )
+        verdict = self.rendezvous.agree(post)
+        t1 = time.perf_counter_ns()
+        if own_error is not None:
+            ctx.metrics.step("invalid", {})
+            log.warning("rank %d: step %d refused: %s", ctx.rank, req.step_id, own_error.message)
+            raise own_error
+        if not verdict.go:
+            ctx.metrics.step("aborted", {})
+            log.warning("rank %d: step %d aborted: %s", ctx.rank, req.step_id, verdict.reason)
+            raise SidecarError(grpc.StatusCode.ABORTED, verdict.reason, "", "ABORTED")
+        assert step is not None
+        hidden = self._execute(step)
+        launches = len(layout.launch_groups(step.num_reqs))
+        out = self._output(step, hidden)
+        t2 = time.perf_counter_ns()
+        timings = {"queue": t0 - t_enq, "rendezvous": t1 - t0, "compute": t2 - t1, "total": t2 - t_enq}
+        ctx.metrics.step("ok", timings, step.num_reqs, launches)
+        return pb.DraftStepResponse(
+            step_id=req.step_id, hidden_states=out,
+            timings=pb.StepTimings(queue_ns=timings["queue"], rendezvous_ns=timings["rendezvous"],
+                                   compute_ns=timings["compute"], total_ns=timings["total"], launches=launches))
+
+    def _execute(self, step: Step) -> torch.Tensor:
+        """The step's 5 layers + final norm in launches of <= LAUNCH_REQS; writes block K/V into the engine cache."""
+        m = self.ctx.model
+        dev = m.device
+        if step.inputs_embeds is not None:
+            embeds = step.inputs_embeds.to(dev, m.dtype)
+        else:
+            embeds = self.ctx.embed[step.input_ids.to(dev)]
+        return m.draft_step(embeds, step.positions.to(dev), step.meta.to(dev), step.kv.layers)
+
+    def _output(self, step: Step, hidden: torch.Tensor) -> pb.TensorRef:
+        if step.output is None:
+            return codec.to_tensor_ref(hidden.cpu())
+        try:
+            dst = self.ctx.memory.resolve(step.output, hidden.dtype, tuple(hidden.shape), "output")
+        except ValueError as err:
+            raise SidecarError(grpc.StatusCode.INVALID_ARGUMENT, str(err), "output", "INVALID_FIELD") from None
+        dst.copy_(hidden)
+        return codec.region_tensor_ref(hidden.dtype, tuple(hidden.shape), step.output.region_id,
+                                       step.output.offset_bytes)
+
+
+def warm_up(ctx: RankContext, page_size: int = 16) -> float:
+    """One full step of LAUNCH_REQS requests on a private scratch cache (collectives included).
+
+    Every rank runs it at start-up, so it also proves the TP group can exchange partial sums.
+    Returns the seconds it took.
+    """
+    cfg, m = ctx.cfg, ctx.model
+    lens = [1 + 37 * i for i in range(layout.LAUNCH_REQS)]
+    pages = sum(scenario.pages_needed(c + layout.QPR, page_size) for c in lens)
+    kv = allocate_kv_cache(cfg, ctx.world, pages, page_size, m.dtype, m.device)
+    step = scenario.random_step(cfg, lens, page_size, pages, ctx.embed, seed=0)
+    t = time.perf_counter()
+    m.draft_step(step.inputs_embeds.to(m.device, m.dtype), step.positions.to(m.device), step.meta.to(m.device), kv)
+    if m.device.type == "cuda":
+        torch.cuda.synchronize(m.device)
+    return time.perf_counter() - t

@@ -1,0 +1,121 @@
+"""The DrafterSidecar gRPC servicer of one rank: thin methods on the happy path, errors via the interceptor."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from dspark_sidecar import __version__, layout
+from dspark_sidecar.drafter.config import ARCHITECTURE
+from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from dspark_sidecar.server.errors import SidecarError
+from dspark_sidecar.server.rank import RankContext, RankLoop
+from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
+
+log = logging.getLogger("dspark_sidecar.server")
+
+
+@dataclass
+class Lifecycle:
+    """What health and GetStatus say about this rank; changed only by server/app.py and BindKV."""
+
+    state: str = "LOADING"  # LOADING -> SERVING -> DRAINING (or REFUSED with --strict-refusal)
+    backend: str = "reference"
+    host: HostFacts | None = None
+    strict: bool = False
+    dist_backend: str = "gloo"
+    on_change: list = field(default_factory=list)
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "SERVING"
+
+
+def _same_node(peer: str) -> bool:
+    """Unix-socket and loopback peers only: an IPC/shm handle is only meaningful on this node."""
+    if peer.startswith("unix:"):
+        return True
+    host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]") if ":" in peer else peer
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class DrafterServicer(pb_grpc.DrafterSidecarServicer):
+    def __init__(self, ctx: RankContext, loop: RankLoop, life: Lifecycle, limits: pb.Limits,
+                 parallel: pb.Parallel, weight_format: str) -> None:
+        self.ctx, self.loop, self.life = ctx, loop, life
+        self.limits, self.parallel, self.weight_format = limits, parallel, weight_format
+
+    def refusal(self) -> str:
+        kv = self.ctx.memory.kv
+        why = fast_path_refusal(self.life.host, kv.engine if kv else None) if self.life.host else "host not probed"
+        if why is None and self.life.backend != "flydsl":
+            from dspark_sidecar.server.backend import NOT_INTEGRATED
+
+            why = NOT_INTEGRATED
+        return why or ""
+
+    def GetStatus(self, request, context):
+        c, kv = self.ctx.cfg, self.ctx.memory.kv
+        return pb.StatusReport(
+            model=pb.ModelSummary(
+                architecture=ARCHITECTURE, preset=c.name, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+                num_attention_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                ffn_hidden_size=c.ffn_hidden_size, vocab_size=c.vocab_size, sliding_window=c.sliding_window,
+                block_size=c.block_size, weight_format=self.weight_format,
+                compute_dtype=str(self.ctx.model.dtype).replace("torch.", "")),
+            limits=self.limits, parallel=self.parallel, backend=self.life.backend,
+            fast_path_refusal=self.refusal(), serving=self.life.serving, state=self.life.state,
+            server_version=__version__,
+            kv=pb.KVBindingState(
+                bound=kv is not None, binding_id=kv.binding_id if kv else 0, generation=kv.generation if kv else 0,
+                num_layers=len(kv.layers) if kv else 0, num_pages=kv.num_pages if kv else 0,
+                page_size=kv.page_size if kv else 0,
+                kv_dtype=codec.dtype_to_proto(self.ctx.model.dtype) if kv else pb.DTYPE_UNSPECIFIED),
+            counters=self.ctx.metrics.counters_pb(), latencies=self.ctx.metrics.latencies_pb())
+
+    def BindKV(self, request, context):
+        self._require_same_node(context)
+        kv = self.ctx.memory.bind(request)
+        self.ctx.metrics.bound()
+        why = self.refusal()
+        log.info("rank %d: KV bound (binding %d, generation %d, %d pages x %d); fast path: %s", self.ctx.rank,
+                 kv.binding_id, kv.generation, kv.num_pages, kv.page_size, why or "on")
+        for cb in self.life.on_change:
+            cb()
+        return pb.BindKVResponse(binding_id=kv.binding_id, generation=kv.generation, fast_path_refusal=why,
+                                 backend=self.life.backend)
+
+    def UnbindKV(self, request, context):
+        self._require_same_node(context)
+        self.ctx.memory.unbind(request.binding_id)
+        return pb.UnbindKVResponse()
+
+    def RegisterBuffers(self, request, context):
+        self._require_same_node(context)
+        return pb.RegisterBuffersResponse(region_ids=self.ctx.memory.register(request))
+
+    def DraftStep(self, request, context):
+        return self.loop.submit(request).result()
+
+    def DraftSteps(self, request_iterator, context):
+        for request in request_iterator:
+            yield self.loop.answer(request)
+
+    def _require_same_node(self, context) -> None:
+        if not _same_node(context.peer()):
+            raise SidecarError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"memory registration from {context.peer()} refused: only same-node peers "
+                               "(unix socket or loopback) may bind KV caches or buffers", "", "REMOTE_PEER")
+
+
+def limits_pb(max_reqs: int, max_message_bytes: int) -> pb.Limits:
+    return pb.Limits(qpr=layout.QPR, launch_reqs=layout.LAUNCH_REQS, max_reqs=max_reqs,
+                     max_message_bytes=max_message_bytes)

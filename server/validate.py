@@ -1,0 +1,111 @@
+"""Turns a DraftStepRequest into checked step tensors; every malformed field gets a status naming it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark_sidecar import layout
+from dspark_sidecar.drafter.config import DrafterConfig
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.server.errors import invalid, out_of_range
+from dspark_sidecar.server.kv_binding import KVBinding, MemoryBindings
+
+
+@dataclass(frozen=True)
+class Step:
+    """A validated step: n = 7R rows, all tensors on CPU (moved to the rank's device by the runner)."""
+
+    step_id: int
+    num_reqs: int
+    positions: torch.Tensor  # int64 [n]
+    inputs_embeds: torch.Tensor | None  # [n, hidden]
+    input_ids: torch.Tensor | None  # int64 [n]
+    meta: StepMetadata
+    kv: KVBinding
+    output: pb.RegionSlice | None
+
+
+def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: torch.dtype | None,
+            shape: tuple[int, ...] | None) -> torch.Tensor:
+    if not req.HasField(field):
+        raise invalid(field, "missing")
+    ref = getattr(req, field)
+    try:
+        got = codec.dtype_from_proto(ref.dtype, field)
+    except ValueError as err:
+        raise invalid(field, str(err).split(": ", 1)[-1]) from None
+    if dtype is not None and got != dtype:
+        raise invalid(field, f"dtype must be {codec.pb.DType.Name(codec.dtype_to_proto(dtype))}, "
+                             f"got {codec.pb.DType.Name(ref.dtype)}")
+    if shape is not None and tuple(ref.shape) != shape:
+        raise invalid(field, f"shape {list(ref.shape)}, expected {list(shape)}")
+    try:
+        return codec.from_tensor_ref(ref, field, resolver=mem.resolve)
+    except ValueError as err:
+        raise invalid(field, str(err).split(": ", 1)[-1]) from None
+
+
+def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, max_reqs: int) -> Step:
+    """All checks of issue 3's bad-input list, cheapest first; raises SidecarError naming the field."""
+    q = layout.QPR
+    R = req.num_requests
+    if not 1 <= R <= max_reqs:
+        raise out_of_range("num_requests", f"{R} outside 1..{max_reqs} (this sidecar's --max-reqs)")
+    kv = mem.check(req.binding_id, req.binding_generation)
+    n = q * R
+    if req.HasField("positions") and len(req.positions.shape) == 1 and req.positions.shape[0] % q:
+        raise invalid("positions", f"{req.positions.shape[0]} rows is not a multiple of {q}")
+    positions = _tensor(req, "positions", mem, torch.int64, (n,))
+    which = req.WhichOneof("input")
+    if which is None:
+        raise invalid("inputs_embeds", "missing: send inputs_embeds or input_ids")
+    embeds = ids = None
+    if which == "inputs_embeds":
+        embeds = _tensor(req, "inputs_embeds", mem, None, (n, cfg.hidden_size))
+        if not embeds.dtype.is_floating_point or embeds.dtype == torch.float8_e4m3fn:
+            raise invalid("inputs_embeds", f"dtype must be BF16, FP16 or FP32, got {embeds.dtype}")
+    else:
+        ids = _tensor(req, "input_ids", mem, torch.int64, (n,))
+        if n and not (0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size):
+            raise out_of_range("input_ids", f"ids must be in [0, {cfg.vocab_size})")
+    seq_lens = _tensor(req, "seq_lens", mem, torch.int32, (R,))
+    if not req.HasField("block_tables") or len(req.block_tables.shape) != 2 or req.block_tables.shape[0] != R:
+        raise invalid("block_tables", f"shape {list(req.block_tables.shape)}, expected [{R}, max_pages]")
+    tables = _tensor(req, "block_tables", mem, torch.int32, None)
+    slots = _tensor(req, "slot_mapping", mem, torch.int64, (n,))
+
+    ps, pages = kv.page_size, kv.num_pages
+    if int(seq_lens.min()) < q:
+        raise invalid("seq_lens", f"every sequence length must be >= {q} (P + 7), got {int(seq_lens.min())}")
+    expect = seq_lens.to(torch.int64)[:, None] - q + torch.arange(q)[None, :]
+    if not torch.equal(positions.view(R, q), expect):
+        i = int((positions.view(R, q) != expect).any(dim=1).nonzero()[0])
+        raise invalid("positions", f"request {i}'s rows are at {positions.view(R, q)[i].tolist()}, but "
+                                   f"seq_lens[{i}] = {int(seq_lens[i])} puts them at {expect[i].tolist()}")
+    need = (seq_lens.to(torch.int64) + ps - 1) // ps
+    if int(need.max()) > tables.shape[1]:
+        i = int(need.argmax())
+        raise invalid("block_tables", f"request {i} needs {int(need[i])} pages for seq_lens {int(seq_lens[i])}, "
+                                      f"its row has {tables.shape[1]}")
+    used = torch.arange(tables.shape[1])[None, :] < need[:, None]
+    bad = used & ((tables < 0) | (tables >= pages))
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise out_of_range("block_tables", f"block_tables[{i}][{j}] = {int(tables[i, j])} outside the bound "
+                                           f"cache's {pages} pages")
+    if bool(((slots < 0) | (slots >= pages * ps)).any()):
+        k = int(((slots < 0) | (slots >= pages * ps)).nonzero()[0])
+        raise out_of_range("slot_mapping", f"row {k} slot {int(slots[k])} outside the bound cache's "
+                                           f"{pages * ps} slots")
+    pos2 = positions.view(R, q)
+    want = tables.gather(1, pos2 // ps).to(torch.int64) * ps + pos2 % ps
+    if not torch.equal(slots.view(R, q), want):
+        k = int((slots != want.reshape(-1)).nonzero()[0])
+        raise invalid("slot_mapping", f"row {k} slot {int(slots[k])} does not match block_tables "
+                                      f"(position {int(positions[k])} lives at slot {int(want.reshape(-1)[k])})")
+    output = req.output if req.HasField("output") else None
+    return Step(req.step_id, R, positions, embeds, ids, StepMetadata(seq_lens, tables, slots), kv, output)

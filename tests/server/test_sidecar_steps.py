@@ -1,0 +1,168 @@
+"""A real 4-rank sidecar over unix sockets: results, agreement, bad input, status (one server per module)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_status import rpc_status
+
+from dspark_sidecar.drafter import scenario
+from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from helpers.engine_sim import PAGE, EngineSim
+from helpers.local_tp import local_step, shard_model
+from helpers.ranks import run_ranks
+from helpers.sidecar_proc import SidecarProcess
+
+TP, DTYPE, DEADLINE_MS = 4, torch.float32, 300
+LENS = [5, 4096 + 40, 200, 33, 1, 77, 130, 9, 12]  # R = 9: two launches, one context past the window
+PAGES = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 8
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory, tiny_ckpt):
+    with SidecarProcess(tmp_path_factory.mktemp("sc"), tp=TP, dtype="fp32", checkpoint=tiny_ckpt,
+                        extra_args=["--rendezvous-ms", str(DEADLINE_MS), "--max-reqs", "16"]) as sc:
+        yield sc
+
+
+@pytest.fixture(scope="module")
+def engine(sidecar, tiny_cfg, tiny_ckpt):
+    eng = EngineSim(tiny_cfg, [sidecar.socket(r) for r in range(TP)], PAGES, DTYPE)
+    eng.bind()
+    # Context commit on the engine side (no collectives: K/V projections are column-parallel).
+    step = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, _embed(tiny_ckpt, tiny_cfg), seed=11)
+    pos, slots = scenario.context_rows(step.meta, PAGE)
+    taps = scenario.random_taps(tiny_cfg, pos.numel(), seed=12)
+    for r in range(TP):
+        shard_model(r, TP, str(tiny_ckpt[0]), DTYPE, distributed=False).commit_context(taps, pos, slots, eng.kv_tensors(r))
+    eng.step = step
+    yield eng
+    eng.close()
+
+
+def _embed(ckpt, cfg):
+    from dspark_sidecar.drafter.checkpoint import EMBED_KEY, CheckpointReader
+
+    return CheckpointReader(ckpt[1], torch.float32).read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
+
+
+def _code(err) -> grpc.StatusCode:
+    assert isinstance(err, grpc.RpcError), f"expected an RpcError, got {type(err).__name__}"
+    return err.code()
+
+
+def test_steps_bit_identical_to_in_process_tp4_reference(engine, tiny_ckpt):
+    before = [[t.clone() for t in engine.kv_tensors(r)] for r in range(TP)]
+    resps = engine.step_all(1, engine.step)
+    hidden = [codec.from_tensor_ref(x.hidden_states, "hidden") for x in resps]
+    assert all(x.timings.launches == 2 for x in resps)
+    local = run_ranks(TP, local_step, str(tiny_ckpt[0]), DTYPE, before, engine.step)
+    for r in range(TP):
+        assert torch.equal(hidden[r], local[r][0]), f"rank {r}: sidecar != local stock layers"
+        for layer in range(len(before[r])):  # block K/V written into the engine's cache exactly as locally
+            assert torch.equal(engine.kv_tensors(r)[layer], local[r][1][layer]), f"rank {r} layer {layer} KV"
+
+
+def test_missing_rank_aborts_every_rank_within_deadline(engine):
+    t = time.monotonic()
+    errs = engine.step_all(2, engine.step, ranks=[0, 1, 2])
+    elapsed = time.monotonic() - t
+    assert [_code(e) for e in errs] == [grpc.StatusCode.ABORTED] * 3
+    assert len({e.details() for e in errs}) == 1 and "rank(s) 3 did not receive it" in errs[0].details()
+    assert elapsed < DEADLINE_MS / 1e3 + 2.0
+    # the late copy of step 2 on rank 3 cannot launch alone either
+    late = engine.step_all(2, engine.step, ranks=[3])
+    assert _code(late[0]) == grpc.StatusCode.ABORTED
+    ok = engine.step_all(3, engine.step)
+    assert all(isinstance(x, pb.DraftStepResponse) for x in ok)
+
+
+def _bad_cases(engine, cfg):
+    s = engine.step
+    n = s.positions.numel()
+    big_tables = s.meta.block_tables.clone()
+    big_tables[0, 0] = PAGES + 5
+    bad_slots = s.meta.slot_mapping.clone()
+    bad_slots[3] = PAGES * PAGE
+    shifted = s.positions.clone()
+    shifted[7:14] += 1
+    return [
+        ("shape", dict(inputs_embeds=codec.to_tensor_ref(s.inputs_embeds[:, :-1])), grpc.StatusCode.INVALID_ARGUMENT, "inputs_embeds"),
+        ("dtype", dict(positions=codec.to_tensor_ref(s.positions.to(torch.int32))), grpc.StatusCode.INVALID_ARGUMENT, "positions"),
+        ("size", dict(seq_lens=pb.TensorRef(dtype=pb.DTYPE_INT32, shape=[len(LENS)], data=b"\0" * 3)), grpc.StatusCode.INVALID_ARGUMENT, "seq_lens"),
+        ("n%7", dict(positions=codec.to_tensor_ref(s.positions[:-2])), grpc.StatusCode.INVALID_ARGUMENT, "positions"),
+        ("R=0", dict(num_requests=0), grpc.StatusCode.OUT_OF_RANGE, "num_requests"),
+        ("R>max", dict(num_requests=17), grpc.StatusCode.OUT_OF_RANGE, "num_requests"),
+        ("page id", dict(block_tables=codec.to_tensor_ref(big_tables)), grpc.StatusCode.OUT_OF_RANGE, "block_tables"),
+        ("slot", dict(slot_mapping=codec.to_tensor_ref(bad_slots)), grpc.StatusCode.OUT_OF_RANGE, "slot_mapping"),
+        ("seq len", dict(positions=codec.to_tensor_ref(shifted)), grpc.StatusCode.INVALID_ARGUMENT, "positions"),
+        ("binding", dict(binding_id=12345), grpc.StatusCode.FAILED_PRECONDITION, "binding_id"),
+        ("stale", dict(binding_generation=0), grpc.StatusCode.FAILED_PRECONDITION, "binding_generation"),
+    ]
+
+
+def test_every_bad_input_class_gets_its_status_and_serving_goes_on(engine, tiny_cfg, sidecar):
+    for i, (name, override, code, field) in enumerate(_bad_cases(engine, tiny_cfg)):
+        with pytest.raises(grpc.RpcError) as info:
+            engine.stubs[1].DraftStep(engine.request(1, 100 + i, engine.step, **override), timeout=10)
+        err = info.value
+        assert err.code() == code, f"{name}: {err.code()} {err.details()}"
+        assert field in err.details(), f"{name}: message does not name {field}: {err.details()}"
+        status = rpc_status.from_call(err)
+        assert status is not None and len(status.details) >= 1, f"{name}: no rich error details"
+    # oversize: the server's explicit message limit applies before any handler runs
+    ok = engine.step_all(200, engine.step)
+    assert all(isinstance(x, pb.DraftStepResponse) for x in ok), [getattr(x, "details", lambda: x)() for x in ok]
+
+
+def test_oversize_message_is_refused(engine):
+    req = engine.request(0, 300, engine.step)
+    req.inputs_embeds.data = b"\0" * (300 << 20)  # over the default 256 MiB limit
+    with pytest.raises(grpc.RpcError) as info:
+        engine.stubs[0].DraftStep(req, timeout=60)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_stream_answers_in_order_and_survives_failed_steps(engine):
+    def reqs():
+        for i in range(3):
+            yield engine.request(0, 400 + i, engine.step, **({"num_requests": 0} if i == 1 else {}))
+
+    out = list(engine.stubs[0].DraftSteps(reqs(), timeout=30))
+    assert [o.step_id for o in out] == [400, 401, 402]
+    assert out[1].error.code == grpc.StatusCode.OUT_OF_RANGE.value[0] and out[1].error.field == "num_requests"
+    # rank 0 alone: steps 400/402 cannot agree with absent peers
+    assert out[0].error.code == grpc.StatusCode.ABORTED.value[0]
+
+
+def test_status_reports_limits_backend_refusal_binding_and_counters(engine, sidecar):
+    st = engine.stubs[2].GetStatus(pb.GetStatusRequest(), timeout=5)
+    assert (st.limits.qpr, st.limits.launch_reqs, st.limits.max_reqs) == (7, 8, 16)
+    assert (st.parallel.tp_size, st.parallel.tp_rank) == (TP, 2)
+    assert st.backend == "reference" and st.fast_path_refusal == "not gfx950"
+    assert st.serving and st.state == "SERVING"
+    assert st.kv.bound and st.kv.num_pages == PAGES and st.kv.page_size == PAGE
+    assert st.counters.steps_ok >= 1 and st.counters.kv_binds == 1
+    assert any(lat.name == "total" and lat.count >= 1 for lat in st.latencies)
+
+
+def test_bind_refuses_wrong_rank_and_tp(engine):
+    req = engine.bind_request(0)
+    req.engine.engine_rank = 1
+    with pytest.raises(grpc.RpcError) as info:
+        engine.stubs[0].BindKV(req, timeout=5)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "sidecar rank 0" in info.value.details()
+    req = engine.bind_request(0)
+    req.engine.tp_size = 2
+    with pytest.raises(grpc.RpcError) as info:
+        engine.stubs[0].BindKV(req, timeout=5)
+    assert "engine TP 2 != sidecar TP 4" in info.value.details()
+    req = engine.bind_request(0)
+    req.layers[1].shape[2] = 8
+    with pytest.raises(grpc.RpcError) as info:
+        engine.stubs[0].BindKV(req, timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "layers[1].shape" in info.value.details()
