@@ -112,6 +112,9 @@ def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer
 
 
 def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
+    stop = threading.Event()  # set by SIGTERM/SIGINT, at any point of the rank's life
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     _die_with_parent()
     if world != cfg.tp:
         raise SystemExit(f"WORLD_SIZE {world} != --tp {cfg.tp}")
@@ -191,10 +194,8 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     publish()
     log.info("rank %d: %s (backend %s)", rank, life.state, life.backend)
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+        pass
     log.info("rank %d: draining", rank)
     life.state = "DRAINING"
     publish()

@@ -1,0 +1,95 @@
+"""Health through a rank's life, drain on SIGTERM, a killed rank taking the group down, strict refusal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from dspark_sidecar.server.healthcheck import check
+from helpers.sidecar_proc import SidecarProcess
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1] != "Z"
+
+
+def test_health_not_serving_then_serving_then_not_serving_on_drain(tmp_path, tiny_ckpt):
+    sc = SidecarProcess(tmp_path, tp=2, checkpoint=tiny_ckpt, extra_args=["--drain-s", "2"])
+    sc.dir.mkdir(parents=True, exist_ok=True)
+    log = open(sc.log_path, "ab")
+    sc._log = log
+    sc.proc = subprocess.Popen(sc.argv(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    seen: list[str] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        s = check(sc.socket(0), 1.0)
+        if not seen or seen[-1] != s:
+            seen.append(s)
+        if s == "SERVING":
+            break
+        time.sleep(0.05)
+    assert "NOT_SERVING" in seen and seen[-1] == "SERVING", seen
+    assert seen.index("NOT_SERVING") < seen.index("SERVING")
+    pids = sc.rank_pids()
+    sc.proc.send_signal(signal.SIGTERM)
+    drained = []
+    t = time.monotonic()
+    while time.monotonic() - t < 1.5:
+        drained.append(check(sc.socket(0), 0.5))
+        time.sleep(0.1)
+    assert "NOT_SERVING" in drained and "SERVING" not in drained[1:], drained
+    assert sc.proc.wait(timeout=30) == 0  # drained and exited cleanly
+    assert not any(_alive(p) for p in pids)
+    log.close()
+
+
+def test_killed_rank_takes_group_down_and_clients_see_unavailable(tmp_path, tiny_ckpt):
+    sc = SidecarProcess(tmp_path, tp=4, checkpoint=tiny_ckpt).start()
+    try:
+        pids = sc.rank_pids()
+        sc.kill_rank(2)
+        assert sc.proc.wait(timeout=30) == 1
+        time.sleep(0.5)
+        assert not any(_alive(p) for p in pids), "orphan rank processes left behind"
+        assert "sidecar rank 2 exited with code -9; stopping the group" in sc.log_tail(80)
+        with grpc.insecure_channel(sc.socket(0)) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=3)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        sc.stop()
+
+
+def test_strict_refusal_is_not_serving_with_the_reason(tmp_path, tiny_ckpt):
+    sc = SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--strict-refusal"])
+    sc.dir.mkdir(parents=True, exist_ok=True)
+    sc._log = open(sc.log_path, "ab")
+    sc.proc = subprocess.Popen(sc.argv(), stdout=sc._log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        st = None
+        while time.monotonic() < deadline:
+            try:
+                with grpc.insecure_channel(sc.socket(0)) as ch:
+                    st = pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=2)
+                if st.state != "LOADING":
+                    break
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        assert st is not None and st.state == "REFUSED" and not st.serving
+        assert st.fast_path_refusal == "not gfx950"
+        assert check(sc.socket(0)) == "NOT_SERVING"
+    finally:
+        sc.stop()
