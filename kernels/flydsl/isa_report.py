@@ -129,11 +129,11 @@ def compile_reports(launcher, *args, **kwargs) -> list[KernelReport]:
     The final ISA is dumped through FLYDSL_DEBUG_DUMP_ASM into a private temporary folder; the
     dump carries the same metadata block the code object's note section holds.
     """
-    toolchain.enable_compile_only()
     import flydsl.compiler as flyc
 
-    saved = {k: os.environ.get(k) for k in ("FLYDSL_DEBUG_DUMP_ASM", "FLYDSL_DUMP_DIR")}
-    with tempfile.TemporaryDirectory(prefix="flydsl-isa-") as tmp:
+    dump_vars = ("FLYDSL_DEBUG_DUMP_ASM", "FLYDSL_DUMP_DIR")
+    saved = {k: os.environ.get(k) for k in dump_vars}
+    with tempfile.TemporaryDirectory(prefix="flydsl-isa-") as tmp, toolchain.compile_only():
         os.environ["FLYDSL_DEBUG_DUMP_ASM"] = "1"
         os.environ["FLYDSL_DUMP_DIR"] = tmp
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -128,8 +129,32 @@ def enable_compile_only(arch: str = TARGET_ARCH) -> None:
     why = compile_only_unavailable_reason()
     if why is not None:
         raise RuntimeError(f"FlyDSL compile-only unavailable: {why}")
+    os.environ.update(_compile_only_vars(arch))
+
+
+def _compile_only_vars(arch: str) -> dict[str, str]:
     root, _ = _compile_root()
-    os.environ["ROCM_PATH"] = str(root)
-    os.environ["COMPILE_ONLY"] = "1"
-    os.environ["ARCH"] = arch
-    os.environ["FLYDSL_GPU_ARCH"] = arch
+    return {"ROCM_PATH": str(root), "COMPILE_ONLY": "1", "ARCH": arch, "FLYDSL_GPU_ARCH": arch}
+
+
+@contextmanager
+def compile_only(arch: str = TARGET_ARCH):
+    """enable_compile_only() for the duration of a block, then the environment as it was.
+
+    Scoped so that a process which also launches kernels (a gfx950 host running the compile
+    tests and the hardware tests) is not left in compile-only mode.
+    """
+    why = compile_only_unavailable_reason()
+    if why is not None:
+        raise RuntimeError(f"FlyDSL compile-only unavailable: {why}")
+    new = _compile_only_vars(arch)
+    saved = {k: os.environ.get(k) for k in new}
+    os.environ.update(new)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

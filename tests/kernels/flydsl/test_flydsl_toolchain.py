@@ -1,0 +1,97 @@
+"""Toolchain detection: FlyDSL availability, gfx950 detection on CPU, scoped compile-only environment, ISA parsing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dspark_sidecar.kernels.flydsl import isa_report, toolchain
+
+
+def test_on_gfx950_is_false_without_an_amd_gpu():
+    import torch
+
+    if getattr(torch.version, "hip", None) is not None and torch.cuda.is_available():
+        pytest.skip("a ROCm GPU is present; this checks the CPU answer")
+    assert toolchain.on_gfx950() is False
+
+
+def test_flydsl_missing_reason_is_the_seed_words():
+    code = (
+        "import sys; sys.modules['flydsl'] = None\n"
+        "from dspark_sidecar.kernels.flydsl import toolchain as t\n"
+        "print(t.flydsl_available()); print(t.flydsl_unavailable_reason())\n"
+        "print(t.compile_only_unavailable_reason())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    available, reason, compile_reason = out.stdout.strip().splitlines()
+    assert available == "False"
+    assert reason.startswith("FlyDSL not installed")
+    assert "pip install" in compile_reason  # says how to fix it
+
+
+@pytest.mark.skipif(not toolchain.flydsl_available(), reason="flydsl not installed")
+def test_compile_only_scope_restores_environment(monkeypatch):
+    if toolchain.compile_only_unavailable_reason() is not None:
+        pytest.skip(toolchain.compile_only_unavailable_reason())
+    monkeypatch.delenv("COMPILE_ONLY", raising=False)
+    monkeypatch.setenv("FLYDSL_GPU_ARCH", "gfx942")
+    with toolchain.compile_only():
+        assert os.environ["COMPILE_ONLY"] == "1"
+        assert os.environ["FLYDSL_GPU_ARCH"] == "gfx950" and os.environ["ARCH"] == "gfx950"
+        root = os.environ["ROCM_PATH"]
+        assert os.path.exists(os.path.join(root, "llvm", "bin", "ld.lld"))
+        assert os.path.isdir(os.path.join(root, "amdgcn", "bitcode"))
+    assert "COMPILE_ONLY" not in os.environ
+    assert os.environ["FLYDSL_GPU_ARCH"] == "gfx942"
+
+
+ISA = """\t.amdgcn_target "amdgcn-amd-amdhsa-unknown-gfx950"
+k_0:
+\tv_mfma_f32_16x16x32_bf16 v[0:3], v[4:7], v[8:11], v[0:3]
+\tbuffer_store_dwordx4 v[4:7], v1, s[8:11], 0 offen sc0 sc1
+\tv_exp_f32_e32 v1, v2
+\ts_endpgm
+.Lfunc_end0:
+\t.amdgpu_metadata
+---
+amdhsa.kernels:
+  - .agpr_count:     0
+    .args:
+      - .offset:         0
+        .size:           8
+    .group_segment_fixed_size: 40960
+    .max_flat_workgroup_size: 256
+    .name:           k_0
+    .private_segment_fixed_size: 0
+    .sgpr_count:     20
+    .sgpr_spill_count: 0
+    .vgpr_count:     130
+    .vgpr_spill_count: 0
+amdhsa.target:   amdgcn-amd-amdhsa-unknown-gfx950
+amdhsa.version:
+  - 1
+  - 2
+...
+\t.end_amdgpu_metadata
+"""
+
+
+def test_parse_isa_metadata_and_occupancy():
+    (rep,) = isa_report.parse_isa(ISA)
+    assert (rep.name, rep.vgpr_count, rep.lds_bytes, rep.workgroup_size) == ("k_0", 130, 40960, 256)
+    # 130 VGPRs -> 136 allocated -> 3 waves/SIMD; 40 KB LDS -> 4 WGs/CU x 4 waves / 4 SIMDs = 4.
+    assert rep.waves_per_simd == 3
+    assert rep.count("v_mfma_f32_16x16x32_bf16") == 1
+    assert rep.count("v_exp_f32") == 1  # the _e32 encoding suffix is accepted
+    assert rep.count_lines(r"buffer_store_dwordx4\s.*\bsc0 sc1\b") == 1
+    assert rep.count("v_mfma_scale_f32_16x16x128_f8f6f4") == 0
+
+
+def test_parse_isa_rejects_a_dump_without_metadata():
+    with pytest.raises(ValueError):
+        isa_report.parse_isa("\tv_nop\n")
