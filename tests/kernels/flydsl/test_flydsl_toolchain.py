@@ -95,3 +95,16 @@ def test_parse_isa_metadata_and_occupancy():
 def test_parse_isa_rejects_a_dump_without_metadata():
     with pytest.raises(ValueError):
         isa_report.parse_isa("\tv_nop\n")
+
+
+def test_hbm_floor_figures():
+    from dspark_sidecar.kernels.flydsl import bench
+
+    # 5 layers x (2304x6144 + 6144x2048 + 6144x6144 + 6144x3072) FP8 bytes, plus 1/32 of scales.
+    assert bench.weight_bytes_per_rank() == 5 * 83_361_792 * 33 // 32
+    assert bench.KV_BYTES_PER_TOKEN == 2560
+    one = bench.hbm_floor_seconds(1, 100)
+    assert one == pytest.approx((bench.weight_bytes_per_rank() + 107 * 2560) / 8e12)
+    # The window caps the KV a request reads at 4102 keys.
+    assert bench.hbm_floor_seconds(8, 100_000) == bench.hbm_floor_seconds(8, 4095)
+    assert 60e-6 < bench.hbm_floor_seconds(8, 4096) < 70e-6
