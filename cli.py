@@ -44,7 +44,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=_env("dtype", d.dtype))
     p.add_argument("--max-reqs", type=int, default=_env("max_reqs", layout.DEFAULT_MAX_REQS, int))
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", d.metrics_port, int),
-                   help="Prometheus text on 127.0.0.1:PORT+r (0 = off)")
+                   help="Prometheus text on HOST:PORT+r (0 = off)")
+    p.add_argument("--metrics-host", default=_env("metrics_host", d.metrics_host),
+                   help="address of the metrics endpoint (default loopback; 0.0.0.0 in a pod)")
     p.add_argument("--strict-refusal", action="store_true", default=_env("strict_refusal", False, bool),
                    help="a refused fast path makes health NOT_SERVING instead of serving the portable backend")
     p.add_argument("--rendezvous-ms", type=int, default=_env("rendezvous_ms", d.rendezvous_ms, int))

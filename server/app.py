@@ -164,7 +164,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     rendezvous = Rendezvous(board, rank, cfg.rendezvous_ms)
     metrics = Metrics(rank)
     if cfg.metrics_port:
-        metrics.serve_http(cfg.metrics_port + rank)
+        metrics.serve_http(cfg.metrics_host, cfg.metrics_port + rank)
     memory = MemoryBindings(dcfg, world, rank, dtype, device)
     ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs)
     life = Lifecycle(backend=choice.name, host=host, strict=cfg.strict_refusal, dist_backend=dist_backend)

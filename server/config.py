@@ -32,6 +32,7 @@ class ServeConfig:
     dtype: str = "bf16"
     max_reqs: int = layout.DEFAULT_MAX_REQS
     metrics_port: int = 0  # Prometheus text on port + rank; 0 = off
+    metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a pod, so the cluster's scraper can reach it
     strict_refusal: bool = False
     rendezvous_ms: int = 200  # how long ranks wait for each other's copy of a step
     dist_backend: str = "auto"  # auto | gloo | nccl

@@ -68,6 +68,6 @@ class Metrics:
                                                  p99_ns=xs[min(len(xs) - 1, int(len(xs) * 0.99))]))
         return out
 
-    def serve_http(self, port: int) -> None:
-        """Prometheus text on 127.0.0.1:port (loopback: metrics are for the node's scraper agent)."""
-        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+    def serve_http(self, host: str, port: int) -> None:
+        """Prometheus text on host:port (default loopback: only the node's own scraper agent)."""
+        start_http_server(port, addr=host, registry=self.registry)
