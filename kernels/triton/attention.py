@@ -78,7 +78,7 @@ def _split_kernel(
         m_i = m_new
 
     if SPLITS == 1:
-        o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no key at all (a padding request): 0
         tl.store(out_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                  cast(o, OUT, INTERPRET), mask=m_valid[:, None] & d_mask[None, :])
     else:
@@ -108,7 +108,7 @@ def _reduce_kernel(
     acc = tl.load(po_ptr + ((rh * SPLITS + offs_s[:, None]) * BM + m) * BLOCK_D + offs_d[None, :])
     num = tl.sum(acc * w[:, None], axis=0)
     den = tl.sum(l_s * w, axis=0)
-    o = tl.where(den > 0, num / den, 0.0)
+    o = num / tl.where(den > 0, den, 1.0)
     row = req * ROWS + m // GROUP
     head = h * GROUP + m % GROUP
     tl.store(out_ptr + row * stride_qn + head * stride_qh + offs_d * stride_qd, cast(o, OUT, INTERPRET),

@@ -153,7 +153,10 @@ BLOCK_K = 128
 
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
          programs_per_sm: int | None = None) -> GemmConfig:
-    """Row tile from m (tensor-core dots need >= 16 rows), then split K until the grid covers the SMs."""
+    """Row tile from m (tensor-core dots need >= 16 rows), then split K until the grid covers the SMs.
+
+    n: output columns per program's tile set (f for SwiGLU: each program streams gate and up tiles).
+    """
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bn, bk = block_n or BLOCK_N, block_k or BLOCK_K
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
@@ -185,7 +188,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or plan(m, n * (2 if swiglu else 1), k, sms_of(x))
+    cfg = config or plan(m, n, k, sms_of(x))
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))

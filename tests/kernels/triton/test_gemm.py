@@ -77,7 +77,7 @@ def test_swiglu_oai(device, dtype, parity):
 def test_plan_fills_an_h200():
     """At the TP-4 rank shapes the grid covers the 132 SMs and the K-ranges tile K exactly."""
     for rows in (7, 56):
-        for n, k in ((2304, 6144), (6144, 2048), (6144, 6144), (6144, 3072)):
+        for n, k in ((2304, 6144), (6144, 2048), (3072, 6144), (6144, 3072)):  # gate_up: 3072 per half
             cfg = gemm.plan(rows, n, k, 132)
             k_per = -(-k // cfg.split_k)
             assert (cfg.split_k - 1) * k_per < k

@@ -1,0 +1,260 @@
+"""Micro-benchmark of the Triton kernels at one TP-4 rank's shard of the real drafter, against the HBM floor.
+
+    python -m dspark_sidecar.kernels.triton.microbench [--rows 7 56] [--context 4096] [--sweep] [--json F]
+
+Shapes: hidden 6144, 16 q heads + 1 KV head of 128, FFN 3072 per rank, window 4096, 16-token pages;
+n = rows query rows (R = rows / 7 requests, each with `context` committed keys). Every figure is
+the median over CUDA-graph replays of a graph that runs the op on enough distinct weight and
+cache copies (> 2x the L2) that the weights stream from HBM, as they do in a real step, divided
+by the number of copies. Floor = bytes the op must move / the device-to-device copy bandwidth
+measured here (read + write bytes per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from typing import Callable
+
+import torch
+
+from dspark_sidecar.kernels import reference
+from dspark_sidecar.kernels.triton import attention, gemm
+from dspark_sidecar.kernels.triton.ops import TRITON_OPS as T
+from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+
+H, HQ, HK, D, ROT, FFN, WINDOW, PAGE = 6144, 16, 1, 128, 64, 3072, 4096, 16
+EPS, ALPHA, LIMIT, THETA = 1e-6, 1.702, 7.0, 5_000_000.0
+QPR = 7
+L2_BYTES = 60 << 20
+
+
+def copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes read + written per second by a device-to-device copy."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    t = _time(lambda: b.copy_(a), reps=10, graph=False)
+    return 2 * nbytes / t
+
+
+def _time(fn: Callable[[], object], reps: int = 20, graph: bool = True) -> float:
+    """Median seconds of one call of fn (a CUDA graph of it when `graph`)."""
+    fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        run()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(times)
+
+
+def _copies(nbytes: int, cap: int = 64) -> int:
+    return max(2, min(cap, math.ceil(2 * L2_BYTES / max(nbytes, 1))))
+
+
+def _per_call(make: Callable[[], Callable[[], object]], nbytes: int, graph: bool = True) -> float:
+    """Time one call of the op, over distinct copies of its operands so the L2 cannot hold them."""
+    fns = [make() for _ in range(_copies(nbytes))]
+    return _time(lambda: [f() for f in fns], graph=graph) / len(fns)
+
+
+def _weight(n: int, k: int, fp8: bool, dev: torch.device):
+    w = (torch.randn(n, k, device=dev) * k ** -0.5).to(torch.bfloat16)
+    return MxFp8Weight.quantize(w) if fp8 else w
+
+
+def _wbytes(n: int, k: int, fp8: bool) -> int:
+    return n * k + n * k // 32 if fp8 else 2 * n * k
+
+
+def _kv_step(r: int, context: int, dev: torch.device):
+    """One layer's cache holding r requests of `context` keys, their block rows and metadata."""
+    seq = context + QPR
+    per = -(-seq // PAGE)
+    kv = torch.randn(2, r * per, PAGE, HK, D, device=dev).to(torch.bfloat16)
+    tables = torch.randperm(r * per, device=dev).to(torch.int32).view(r, per)
+    seq_lens = torch.full((r,), seq, dtype=torch.int32, device=dev)
+    positions = (torch.arange(QPR, device=dev) + context).repeat(r)
+    p = positions.view(r, QPR)
+    slots = (tables.gather(1, p // PAGE).to(torch.int64) * PAGE + p % PAGE).reshape(-1)
+    return kv, tables, seq_lens, positions, slots
+
+
+def gemm_cases():
+    """(name, out, in, kind) of the four linears of a layer at TP 4."""
+    return [("qkv norm_linear", (HQ + 2 * HK) * D, H, "norm"), ("o_proj linear", H, HQ * D, "plain"),
+            ("gate_up norm_linear_swiglu", 2 * FFN, H, "swiglu"), ("down_proj linear", H, FFN, "plain")]
+
+
+def _gemm_fn(x, nw, w, kind, config=None, ops=None):
+    if ops is not None:  # reference
+        if kind == "norm":
+            return lambda: ops.norm_linear(x, nw, EPS, w)
+        if kind == "swiglu":
+            return lambda: ops.norm_linear_swiglu(x, nw, EPS, w, ALPHA, LIMIT)
+        return lambda: ops.linear(x, w)
+    return lambda: gemm.gemm(x, w, nw if kind != "plain" else None, EPS,
+                             swiglu=(ALPHA, LIMIT) if kind == "swiglu" else None, config=config)
+
+
+def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool) -> list[dict]:
+    out: list[dict] = []
+    r = rows // QPR
+
+    def rec(name, wdt, t, nbytes, ref_t=None, **extra):
+        floor = nbytes / bw
+        row = dict(op=name, rows=rows, weights=wdt, us=t * 1e6, floor_us=floor * 1e6, x_floor=t / floor,
+                   ref_us=None if ref_t is None else ref_t * 1e6, **extra)
+        out.append(row)
+        ref = "" if ref_t is None else f"  reference {ref_t * 1e6:8.1f} us"
+        print(f"{name:28s} rows {rows:2d} {wdt:4s} {t * 1e6:8.1f} us  floor {floor * 1e6:7.1f} us"
+              f"  x{t / floor:5.2f}{ref}  {extra or ''}", flush=True)
+
+    for fp8 in (False, True):
+        wdt = "fp8" if fp8 else "bf16"
+        for name, n_out, k, kind in gemm_cases():
+            nbytes = _wbytes(n_out, k, fp8) + 2 * rows * (k + n_out)
+
+            def make(config=None, ref=False):
+                x = torch.randn(rows, k, device=dev).to(torch.bfloat16)
+                nw = (torch.randn(k, device=dev) * 0.1).to(torch.bfloat16)
+                w = _weight(n_out, k, fp8, dev)
+                if ref:
+                    return _gemm_fn(x, nw, w.dequantize() if fp8 else w, kind, ops=reference)
+                return _gemm_fn(x, nw, w, kind, config)
+
+            t = _per_call(make, nbytes)
+            ref_t = None if fp8 else _per_call(lambda: make(ref=True), nbytes)
+            n_cols = n_out // 2 if kind == "swiglu" else n_out
+            cfg = gemm.plan(rows, n_cols, k, torch.cuda.get_device_properties(dev).multi_processor_count)
+            rec(name, wdt, t, nbytes, ref_t, cfg=f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k}")
+            if sweep:
+                _sweep(name, rows, n_out, k, kind, fp8, wdt, nbytes, make, rec, dev)
+
+    qkv_w = (HQ + 2 * HK) * D
+    kv_bytes = 2 * HK * D * 2
+
+    def make_prelude():
+        qkv = torch.randn(rows, qkv_w, device=dev).to(torch.bfloat16)
+        qn, kn = torch.randn(D, device=dev).to(torch.bfloat16), torch.randn(D, device=dev).to(torch.bfloat16)
+        kv, _, _, positions, slots = _kv_step(r, 64, dev)
+        cos, sin = reference.rope_cos_sin(positions, ROT, THETA)
+        return lambda: T.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, HQ, HK)
+
+    rec("attn_prelude", "-", _per_call(make_prelude, 1 << 20), rows * (2 * qkv_w + 2 * HQ * D + kv_bytes))
+
+    keys = min(context + QPR, WINDOW + QPR - 1)
+    att_bytes = r * keys * kv_bytes + 2 * 2 * rows * HQ * D
+
+    def make_attn(splits=None):
+        kv, tables, seq_lens, positions, _ = _kv_step(r, context, dev)
+        q = torch.randn(rows, HQ, D, device=dev).to(torch.bfloat16)
+        return lambda: attention.paged_window_attention(q, kv, positions, seq_lens, tables, QPR, WINDOW,
+                                                        D ** -0.5, splits=splits)
+
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rec(f"paged_window_attention c{context}", "-", _per_call(make_attn, att_bytes), att_bytes,
+        splits=attention.num_splits(r, HK, keys, sms))
+    if sweep:
+        for s in (1, 4, 8, 16, 32, 64):
+            if s <= -(-keys // attention.BLOCK_N):
+                rec(f"  attention splits={s}", "-", _per_call(lambda: make_attn(s), att_bytes), att_bytes)
+
+    def make_norm():
+        x = torch.randn(rows, H, device=dev).to(torch.bfloat16)
+        w = torch.randn(H, device=dev).to(torch.bfloat16)
+        return lambda: T.rms_norm(x, w, EPS)
+
+    rec("rms_norm", "-", _per_call(make_norm, 1 << 20), 4 * rows * H)
+    return out
+
+
+def _sweep(name, rows, n_out, k, kind, fp8, wdt, nbytes, make, rec, dev):
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    n_cols = n_out // 2 if kind == "swiglu" else n_out
+    for bn, bk, pps, warps, stages in ((32, 128, 2, 4, 3), (64, 128, 4, 4, 3), (64, 256, 2, 4, 3),
+                                       (128, 128, 2, 8, 3)):
+        p = gemm.plan(rows, n_cols, k, sms, block_n=bn, block_k=bk, programs_per_sm=pps)
+        cfg = gemm.GemmConfig(p.block_m, bn, bk, p.split_k, warps, stages)
+        t = _per_call(lambda cfg=cfg: make(cfg), nbytes)
+        rec(f"  {name.split()[0]} sweep", wdt, t, nbytes, cfg=f"bn{bn} bk{bk} pps{pps} w{warps} st{stages} s{cfg.split_k}")
+
+
+def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool, ops) -> dict:
+    """5 layers as DecoderLayer composes them (no TP exchange) on distinct weights: one rank's step."""
+    r = rows // QPR
+    layers = []
+    for _ in range(5):
+        ws = [_weight((HQ + 2 * HK) * D, H, fp8, dev), _weight(H, HQ * D, fp8, dev),
+              _weight(2 * FFN, H, fp8, dev), _weight(H, FFN, fp8, dev)]
+        if ops is reference:
+            ws = [w.dequantize() if fp8 else w for w in ws]
+        norms = [(torch.randn(n, device=dev) * 0.1).to(torch.bfloat16) for n in (H, H, D, D)]
+        layers.append((ws, norms, _kv_step(r, context, dev)))
+    x0 = torch.randn(rows, H, device=dev).to(torch.bfloat16)
+    positions = layers[0][2][3]
+    cos, sin = reference.rope_cos_sin(positions, ROT, THETA)
+
+    def step():
+        x = x0
+        for (wq, wo, wgu, wd), (n1, n2, qn, kn), (kv, tables, seq_lens, pos, slots) in layers:
+            qkv = ops.norm_linear(x, n1, EPS, wq)
+            q = ops.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, HQ, HK)
+            a = ops.paged_window_attention(q, kv, pos, seq_lens, tables, QPR, WINDOW, D ** -0.5)
+            h = x + ops.linear(a.reshape(rows, HQ * D), wo)
+            x = h + ops.linear(ops.norm_linear_swiglu(h, n2, EPS, wgu, ALPHA, LIMIT), wd)
+        return x
+
+    graph = ops is not reference  # the reference attention reads seq_lens on the host: not capturable
+    t = _time(step, reps=10, graph=graph)
+    keys = min(context + QPR, WINDOW + QPR - 1)
+    nbytes = 5 * (_wbytes((HQ + 2 * HK) * D, H, fp8) + _wbytes(H, HQ * D, fp8) + _wbytes(2 * FFN, H, fp8)
+                  + _wbytes(H, FFN, fp8) + r * keys * 2 * HK * D * 2)
+    name = f"step 5 layers {'triton' if graph else 'reference eager'}"
+    print(f"{name:28s} rows {rows:2d} {'fp8' if fp8 else 'bf16':4s} {t * 1e6:8.1f} us  floor "
+          f"{nbytes / bw * 1e6:7.1f} us  x{t * bw / nbytes:5.2f}", flush=True)
+    return dict(op=name, rows=rows, weights="fp8" if fp8 else "bf16", us=t * 1e6, floor_us=nbytes / bw * 1e6,
+                x_floor=t * bw / nbytes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[7, 56])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--sweep", action="store_true", help="also time a few GEMM tilings and attention splits")
+    ap.add_argument("--no-step", action="store_true", help="skip the 5-layer step figures")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    bw = copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name(dev)}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    results = []
+    for rows in args.rows:
+        results += bench_ops(rows, args.context, bw, dev, args.sweep)
+        if not args.no_step:
+            for fp8 in (False, True):
+                results.append(bench_step(rows, args.context, bw, dev, fp8, T))
+            results.append(bench_step(rows, args.context, bw, dev, False, reference))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(dev), copy_bw=bw, context=args.context,
+                           results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Parity of the Triton paged sliding-window attention (non-causal 7-row block, split key range) with the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dspark_sidecar import layout  # noqa: E402
+from dspark_sidecar.drafter.kv_cache import block_slots  # noqa: E402
+from dspark_sidecar.kernels import reference  # noqa: E402
+from dspark_sidecar.kernels.triton import attention  # noqa: E402
+from dspark_sidecar.kernels.triton.ops import TRITON_OPS  # noqa: E402
+
+Q = layout.QPR
+
+
+def _step(contexts, q_heads, kv_heads, d, page, window, dtype, device, seed):
+    """Requests with P = context rows committed, block rows at P..P+6, shuffled physical pages."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = torch.tensor([c + Q for c in contexts], dtype=torch.int32)
+    need = [-(-int(s) // page) for s in seq_lens]
+    pages = sum(need) + 3
+    order = torch.randperm(pages, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(contexts), max(need) + 1, dtype=torch.int32)
+    used = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = order[used : used + k]
+        used += k
+    positions = torch.cat([torch.arange(c, c + Q) for c in contexts])
+    kv = torch.randn(2, pages, page, kv_heads, d, generator=gen) * 1.5
+    q = torch.randn(len(contexts) * Q, q_heads, d, generator=gen) * 1.5
+    return (q.to(device, dtype), kv.to(device, dtype), positions.to(device), seq_lens.to(device),
+            tables.to(device), window, d ** -0.5)
+
+
+# (q_heads, kv_heads, d, page, window, contexts): the window edge inside, outside and across
+# requests; block_n = 16 in these cases gives several key tiles per request.
+CASES = {
+    "group4-slide": (4, 1, 32, 8, 40, [0, 37, 120]),
+    "group2-d128": (2, 1, 128, 16, 4096, [5, 60]),
+    "hk2-page5": (4, 2, 64, 5, 24, [23, 24, 90, 3]),
+}
+
+
+@pytest.mark.parametrize("splits", [None, 1, 2, 4], ids=["auto", "s1", "s2", "s4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_window_attention(device, case, dtype, splits, parity):
+    *heads, page, window, contexts = CASES[case]
+    args = _step(contexts, *heads, page, window, dtype, device, seed=len(case))
+    q, kv, positions, seq_lens, tables, window, scale = args
+    ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
+    out = attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale,
+                                           splits=splits, block_n=16)
+    parity(out, ref)
+
+
+def test_window_edge_is_per_row(device):
+    """Key 5 sits at the window's left edge: rows 0-2 (edges 3, 4, 5) see it, rows 3-6 must not."""
+    q, kv, positions, seq_lens, tables, _, scale = _step([50], 1, 1, 32, 8, 0, torch.float32, device, seed=9)
+    window = 48  # row 0 (P = 50) sees keys >= 3, row 6 sees keys >= 9
+    base = TRITON_OPS.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
+    slot = int(block_slots(tables[0].cpu(), torch.tensor([5]), kv.shape[2]))
+    kv.view(2, -1, 1, 32)[:, slot] += 10.0
+    moved = TRITON_OPS.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
+    changed = (moved - base).abs().amax(dim=(1, 2)).cpu()
+    assert changed[0] > 1e-3 and changed[1] > 1e-3 and changed[2] > 1e-3
+    assert torch.all(changed[3:] == 0)
+
+
+def test_empty_request_gives_zeros(device):
+    """A padding request (seq_len 0, no keys) yields zeros, as the reference's empty softmax does."""
+    q, kv, positions, seq_lens, tables, window, scale = _step([12, 0], 2, 1, 32, 8, 64, torch.float32, device, seed=5)
+    seq_lens[1] = 0
+    positions[Q:] = torch.arange(Q, device=positions.device)
+    ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
+    out = TRITON_OPS.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
+    assert torch.all(out[Q:] == 0) and torch.all(ref[Q:] == 0)
+    torch.testing.assert_close(out[:Q], ref[:Q], rtol=2e-5, atol=2e-5)
+
+
+def test_num_splits_covers_an_h200():
+    """R = 1 and 1 KV head at a full window: the key range is split over many programs (a power of two)."""
+    s1 = attention.num_splits(1, 1, 4096 + Q - 1, 132)
+    s8 = attention.num_splits(8, 1, 4096 + Q - 1, 132)
+    assert s1 >= 16 and s1 & (s1 - 1) == 0
+    assert 8 * s8 <= 132 * attention.PROGRAMS_PER_SM and s8 >= 8
+    assert attention.num_splits(64, 4, 50, 132) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("contexts", [[4096], [4096] * 8, [100, 4096, 5000]], ids=["R1", "R8", "mixed"])
+def test_real_shapes(cuda, contexts, parity):
+    """TP-4 rank: 16 q heads over 1 KV head of 128, window 4096, 16-token pages."""
+    q, kv, positions, seq_lens, tables, window, scale = _step(contexts, 16, 1, 128, 16, 4096, torch.bfloat16,
+                                                              cuda, seed=6)
+    ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
+    parity(TRITON_OPS.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale), ref)

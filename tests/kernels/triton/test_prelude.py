@@ -1,0 +1,98 @@
+"""Parity of the Triton prelude (q/k norm + partial RoPE + K/V write), write_kv and rms_norm with the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dspark_sidecar.kernels import reference  # noqa: E402
+from dspark_sidecar.kernels.triton.ops import TRITON_OPS  # noqa: E402
+
+EPS, THETA = 1e-6, 5_000_000.0
+# (q_heads, kv_heads, head_dim, rotary_dim): the TP-4 rank shard's heads with a small head,
+# and the tiny preset's 128-wide head (64 rotary dims) with GQA group 2.
+HEADS = [(4, 1, 32, 16), (2, 1, 128, 64), (8, 4, 128, 64)]
+PAGE, PAGES = 16, 12
+
+
+def _case(q_heads, kv_heads, d, rot, rows, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(rows, (q_heads + 2 * kv_heads) * d, generator=gen) * 3.0).to(device, dtype)
+    qn = (torch.randn(d, generator=gen) * 0.1).to(device, dtype)
+    kn = (torch.randn(d, generator=gen) * 0.1).to(device, dtype)
+    # Positions in the millions: the fp64 angles matter there.
+    positions = torch.randint(0, 3_000_000, (rows,), generator=gen).to(device)
+    cos, sin = reference.rope_cos_sin(positions, rot, THETA)
+    kv = torch.randn(2, PAGES, PAGE, kv_heads, d, generator=gen).to(device, dtype)
+    slots = torch.randperm(PAGES * PAGE, generator=gen)[:rows].to(device)
+    slots[rows // 2] = -1  # a padding row: nothing written
+    return qkv, qn, kn, cos, sin, kv, slots
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "h{}-{}d{}r{}".format(*h))
+def test_attn_prelude(device, heads, dtype, seed, parity):
+    q_heads, kv_heads = heads[:2]
+    qkv, qn, kn, cos, sin, kv, slots = _case(*heads, 14, dtype, device, seed)
+    kv_ref = kv.clone()
+    q_ref = reference.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv_ref, slots, q_heads, kv_heads)
+    q = TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, q_heads, kv_heads)
+    parity(q, q_ref)
+    parity(kv, kv_ref)
+    written = torch.zeros(PAGES * PAGE, dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    flat, flat_ref = kv.view(2, -1, kv_heads, heads[2]).cpu(), kv_ref.view(2, -1, kv_heads, heads[2]).cpu()
+    assert torch.equal(flat[:, ~written], flat_ref[:, ~written]), "a slot outside the mapping was touched"
+    assert torch.equal(flat[1], flat_ref[1]), "V is a plain copy: it must match bit for bit"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_qk_norm_rope_strided(device, dtype, parity):
+    """The context commit's K: a strided view (the k half of a k|v projection)."""
+    gen = torch.Generator().manual_seed(2)
+    kv_rows = (torch.randn(9, 2 * 2 * 128, generator=gen) * 2.0).to(device, dtype)
+    k = kv_rows[:, : 2 * 128].view(9, 2, 128)
+    w = (torch.randn(128, generator=gen) * 0.1).to(device, dtype)
+    cos, sin = reference.rope_cos_sin(torch.arange(100, 109, device=device), 64, THETA)
+    parity(TRITON_OPS.qk_norm_rope(k, w, cos, sin, EPS), reference.qk_norm_rope(k, w, cos, sin, EPS))
+
+
+def test_write_kv_exact(device):
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, PAGES, PAGE, 2, 64, generator=gen).to(device, torch.bfloat16)
+    k = torch.randn(10, 2, 64, generator=gen).to(device, torch.bfloat16)
+    v = torch.randn(10, 2, 64, generator=gen).to(device, torch.bfloat16)
+    slots = torch.randperm(PAGES * PAGE, generator=gen)[:10].to(device)
+    slots[[0, 7]] = -1
+    kv_ref = kv.clone()
+    reference.write_kv(kv_ref, k, v, slots)
+    TRITON_OPS.write_kv(kv, k, v, slots)
+    assert torch.equal(kv.cpu(), kv_ref.cpu())
+    assert not torch.equal(kv_ref.cpu(), kv.clone().zero_().cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("width", [256, 300, 4100])
+def test_rms_norm(device, width, dtype, parity):
+    """Widths below, off and above the kernel's 2048 chunk."""
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(7, width, generator=gen) * 5.0).to(device, dtype)
+    w = (torch.randn(width, generator=gen) * 0.1).to(device, dtype)
+    parity(TRITON_OPS.rms_norm(x, w, EPS), reference.rms_norm(x, w, EPS))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [7, 56])
+def test_real_shapes(cuda, rows, parity):
+    """TP-4 rank: 16 q heads, 1 KV head of 128 (64 rotary), hidden 6144 for the final norm."""
+    qkv, qn, kn, cos, sin, kv, slots = _case(16, 1, 128, 64, rows, torch.bfloat16, cuda, seed=4)
+    kv_ref = kv.clone()
+    q_ref = reference.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv_ref, slots, 16, 1)
+    parity(TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, 16, 1), q_ref)
+    parity(kv, kv_ref)
+    x = torch.randn(rows, 6144, device=cuda).to(torch.bfloat16)
+    w = (torch.randn(6144, device=cuda) * 0.1).to(torch.bfloat16)
+    parity(TRITON_OPS.rms_norm(x, w, EPS), reference.rms_norm(x, w, EPS))
