@@ -375,3 +375,19 @@ class DraftStepResponse(_message.Message):
     error: StepError
     timings: StepTimings
     def __init__(self, step_id: _Optional[int] = ..., hidden_states: _Optional[_Union[TensorRef, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
+
+class AttachDoorbellRequest(_message.Message):
+    __slots__ = ("page", "capacity_bytes", "input_event")
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_EVENT_FIELD_NUMBER: _ClassVar[int]
+    page: MemoryHandle
+    capacity_bytes: int
+    input_event: bytes
+    def __init__(self, page: _Optional[_Union[MemoryHandle, _Mapping]] = ..., capacity_bytes: _Optional[int] = ..., input_event: _Optional[bytes] = ...) -> None: ...
+
+class AttachDoorbellResponse(_message.Message):
+    __slots__ = ("output_event",)
+    OUTPUT_EVENT_FIELD_NUMBER: _ClassVar[int]
+    output_event: bytes
+    def __init__(self, output_event: _Optional[bytes] = ...) -> None: ...

@@ -68,6 +68,11 @@ class DrafterSidecarStub:
                 request_serializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.DraftStepRequest.SerializeToString,
                 response_deserializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.DraftStepResponse.FromString,
                 _registered_method=True)
+        self.AttachDoorbell = channel.unary_unary(
+                '/dspark.sidecar.v1.DrafterSidecar/AttachDoorbell',
+                request_serializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellRequest.SerializeToString,
+                response_deserializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterSidecarServicer:
@@ -126,6 +131,16 @@ class DrafterSidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachDoorbell(self, request, context):
+        """Attaches the same-GPU data plane: a shared-memory doorbell that carries serialized
+        DraftStepRequest / DraftStepResponse messages (tensors as RegionSlices) without gRPC, plus
+        the interprocess events that order GPU work between the engine and the sidecar without
+        host syncs. Same-node peers only. The gRPC stream stays available as the portable path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +173,11 @@ def add_DrafterSidecarServicer_to_server(servicer, server):
                     servicer.DraftSteps,
                     request_deserializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.DraftStepRequest.FromString,
                     response_serializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.DraftStepResponse.SerializeToString,
+            ),
+            'AttachDoorbell': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachDoorbell,
+                    request_deserializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellRequest.FromString,
+                    response_serializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -326,6 +346,33 @@ class DrafterSidecar:
             '/dspark.sidecar.v1.DrafterSidecar/DraftSteps',
             dspark__sidecar_dot_proto_dot_sidecar__pb2.DraftStepRequest.SerializeToString,
             dspark__sidecar_dot_proto_dot_sidecar__pb2.DraftStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachDoorbell(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dspark.sidecar.v1.DrafterSidecar/AttachDoorbell',
+            dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellRequest.SerializeToString,
+            dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellResponse.FromString,
             options,
             channel_credentials,
             insecure,
