@@ -117,7 +117,7 @@ def parse_isa(text: str) -> list[KernelReport]:
 
 def _function_body(text: str, name: str) -> str:
     start = text.find(f"\n{name}:")
-    end = text.find(f".Lfunc_end", start)
+    end = text.find(".Lfunc_end", start)
     if start < 0 or end < 0:
         raise ValueError(f"no function body for {name} in the ISA dump")
     return text[start:end]

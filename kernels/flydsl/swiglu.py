@@ -76,13 +76,16 @@ def build_swiglu_reduce(num_reqs: int):
         a_f32 = fx.make_copy_atom(fx.rocdl.BufferCopy32b(), 32)
         a_bf16x4 = fx.make_copy_atom(fx.rocdl.BufferCopy64b(), 16)
         ss = fx.Float32(0.0)
-        g = None
+        gs, us = [], []
         for s in range_constexpr(split):
             ss = ss + dev.load_vec(a_f32, ssv, s * mp + row, 1, fx.Float32)[0]
             prow = fx.logical_divide(fx.slice(pb, (s, row, None)), fx.make_layout(VEC, 1))
-            gs = dev.load_vec(a_f32x4, prow, idx, VEC, fx.Float32)
-            us = dev.load_vec(a_f32x4, prow, idx + per_row, VEC, fx.Float32)
-            g, u = (gs, us) if g is None else (g + gs, u + us)
+            gs.append(dev.load_vec(a_f32x4, prow, idx, VEC, fx.Float32))
+            us.append(dev.load_vec(a_f32x4, prow, idx + per_row, VEC, fx.Float32))
+        g, u = gs[0], us[0]
+        for s in range_constexpr(1, split):  # split order, as every consumer of partials
+            g = g + gs[s]
+            u = u + us[s]
         rrms = fmath.rsqrt(ss * (1.0 / HIDDEN) + RMS_EPS)
         dev.store_vec(a_bf16x4, out, idx, swiglu_oai(g * rrms, u * rrms).to(fx.BFloat16), VEC, fx.BFloat16)
 
