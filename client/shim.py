@@ -86,7 +86,7 @@ class DrafterShim:
                  is_capturing: Callable[[], bool] = _not_capturing,
                  channel_factory: ChannelFactory = _insecure, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self._model, self._kv_caches, self._fc, self._is_capturing = model, kv_caches, forward_context, is_capturing
+        self._model, self._kv_caches, self._fc, self.is_capturing = model, kv_caches, forward_context, is_capturing
         self._agree: StepAgreement = agreement_from(par)
         self.rank = int(getattr(par, "rank", 0))
         self.stats = ShimStats()
@@ -126,7 +126,7 @@ class DrafterShim:
         attn = self._fc.attn_metadata()
         if attn is None:
             return self._fallback(NO_METADATA)
-        if self._is_capturing():
+        if self.is_capturing():
             return self._fallback(CAPTURE)
         layers = list(self._kv_caches() or [])
         meta = step_metadata_from(attn, n, int(layers[0].shape[2]) if layers else None)

@@ -65,7 +65,7 @@ def test_each_per_step_refusal_is_none_without_any_remote_call(fake):
     assert shim.maybe_forward(ids, pos) is None  # no forward context
     with set_forward_context(None):
         assert shim.maybe_forward(ids, pos) is None  # profiling run
-    shim._is_capturing = lambda: True
+    shim.is_capturing = lambda: True
     with set_forward_context(meta):
         assert shim.maybe_forward(ids, pos) is None
     assert shim.stats.fallbacks == {S.ROWS: 1, S.REQS: 2, S.POSITIONS: 1, S.NO_CONTEXT: 1,

@@ -1,0 +1,146 @@
+"""The engine end of the same-GPU data plane: registered step buffers, the shm doorbell, interprocess events.
+
+Registered once: a GPU (or, on CPU, shm) region for inputs_embeds and one for the hidden
+states, and a shm region for the step metadata, which the engine builds on the host anyway
+(reading it there keeps validation off the GPU). Each step then copies its tensors into the
+regions on the engine's stream, records the "inputs written" event, and rings the doorbell with
+a DraftStepRequest whose tensors are RegionSlices (a few hundred bytes). The answer's hidden
+states are a view of the output region, ordered after the sidecar's work by making the
+engine's stream wait on the sidecar's "outputs written" event: no host sync on either side.
+The view is valid until the next step is sent.
+
+`DoorbellChannel` has the send / wait / settled interface of the gRPC `StepStream`, so the shim
+can use either transport.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from dspark_sidecar import layout
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.proto import codec, memory
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+HEADER = 64
+SPIN_S = 200e-6
+
+
+class DataPlaneError(RuntimeError):
+    """The data plane cannot be set up or used; the shim falls back to the gRPC stream."""
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, keep: list) -> torch.Tensor:
+    if device.type == "cpu":
+        t = memory.shm_empty(shape, dtype)
+        keep.append(t)
+        return t.tensor
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class StepBuffers:
+    """The registered regions of one engine rank, sized for `max_reqs` requests."""
+
+    def __init__(self, stub: pb_grpc.DrafterSidecarStub, hidden: int, max_reqs: int, max_pages: int,
+                 dtype: torch.dtype, device: torch.device, timeout_s: float = 10.0) -> None:
+        n = layout.QPR * max_reqs
+        self._shm: list = []
+        self.embeds = _alloc((n, hidden), dtype, device, self._shm)
+        self.hidden = _alloc((n, hidden), dtype, device, self._shm)
+        # Metadata lives in host shared memory on every device kind (see module docstring).
+        meta = memory.shm_empty((2 * n * 8 + max_reqs * 4 + max_reqs * max_pages * 4,), torch.uint8)
+        self._shm.append(meta)
+        self.meta_bytes = meta.tensor
+        self.max_reqs, self.max_pages, self.dtype, self.device = max_reqs, max_pages, dtype, device
+        regions = [pb.BufferRegion(name=name, memory=memory.export_handle(t), size_bytes=t.numel() * t.element_size())
+                   for name, t in (("inputs_embeds", self.embeds), ("hidden_states", self.hidden),
+                                   ("metadata", self.meta_bytes))]
+        ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions), timeout=timeout_s).region_ids
+        self.embeds_id, self.hidden_id, self.meta_id = ids
+
+    def fill(self, req: pb.DraftStepRequest, embeds: torch.Tensor, positions: torch.Tensor,
+             meta: StepMetadata) -> torch.Tensor:
+        """Copy one step's tensors into the regions and point `req` at them; returns the hidden view."""
+        R, n = meta.num_reqs, positions.numel()
+        pages = meta.block_tables.shape[1]
+        if R > self.max_reqs or pages > self.max_pages:
+            raise DataPlaneError(f"step of {R} requests x {pages} pages exceeds the registered buffers")
+        self.embeds[:n].copy_(embeds, non_blocking=True)
+        req.inputs_embeds.CopyFrom(codec.region_tensor_ref(self.dtype, (n, embeds.shape[1]), self.embeds_id, 0))
+        off = 0
+        for field, t in (("positions", positions), ("seq_lens", meta.seq_lens),
+                         ("block_tables", meta.block_tables), ("slot_mapping", meta.slot_mapping)):
+            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            off = -(-off // 8) * 8  # keep every tensor 8-byte aligned
+            self.meta_bytes[off : off + raw.numel()].copy_(raw)
+            getattr(req, field).CopyFrom(codec.region_tensor_ref(t.dtype, tuple(t.shape), self.meta_id, off))
+            off += raw.numel()
+        req.output.CopyFrom(pb.RegionSlice(region_id=self.hidden_id, offset_bytes=0))
+        return self.hidden[:n]
+
+    def close(self) -> None:
+        self.embeds = self.hidden = self.meta_bytes = None  # type: ignore[assignment]
+        for t in self._shm:
+            t.close()
+        self._shm.clear()
+
+
+class DoorbellChannel:
+    """One engine rank's doorbell to its sidecar rank (one step in flight)."""
+
+    def __init__(self, stub: pb_grpc.DrafterSidecarStub, device: torch.device, capacity: int = 1 << 16,
+                 timeout_s: float = 10.0) -> None:
+        self._page = memory.shm_empty((HEADER + 2 * capacity,), torch.uint8)
+        buf = self._page.tensor.numpy()
+        self.words = np.ndarray((4,), dtype=np.uint64, buffer=buf[:32])
+        self.req_area, self.resp_area = buf[HEADER : HEADER + capacity], buf[HEADER + capacity :]
+        self.capacity, self.device = capacity, device
+        self.input_event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
+        resp = stub.AttachDoorbell(pb.AttachDoorbellRequest(
+            page=memory.export_handle(self._page.tensor), capacity_bytes=capacity,
+            input_event=self.input_event.ipc_handle() if self.input_event is not None else b""), timeout=timeout_s)
+        self.output_event = (torch.cuda.Event.from_ipc_handle(device, resp.output_event)
+                             if device.type == "cuda" else None)
+        self._seq = int(self.words[0])
+        self._step_id: int | None = None
+        self.alive = True
+
+    def send(self, req: pb.DraftStepRequest) -> None:
+        data = req.SerializeToString()
+        if len(data) > self.capacity:
+            raise DataPlaneError(f"request of {len(data)} bytes exceeds the doorbell ({self.capacity})")
+        if self.input_event is not None:
+            self.input_event.record(torch.cuda.current_stream(self.device))
+        self.req_area[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.words[1] = len(data)
+        self._seq += 1
+        self._step_id = req.step_id
+        self.words[0] = self._seq  # ring: published after the bytes
+
+    def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
+        """The answer, None on timeout. On GPU the engine's stream is ordered after the sidecar's writes."""
+        deadline = time.perf_counter() + timeout_s
+        spin_until = time.perf_counter() + SPIN_S
+        while int(self.words[2]) != self._seq:
+            now = time.perf_counter()
+            if now > deadline:
+                return None
+            if now > spin_until:
+                time.sleep(20e-6)
+        n = int(self.words[3])
+        resp = pb.DraftStepResponse.FromString(self.resp_area[:n].tobytes())
+        if self.output_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.output_event)
+        return resp
+
+    def settled(self, step_id: int) -> bool:
+        return int(self.words[2]) == self._seq
+
+    def close(self) -> None:
+        self.alive = False
+        self.words = self.req_area = self.resp_area = None  # type: ignore[assignment]
+        self._page.close()

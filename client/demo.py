@@ -1,0 +1,161 @@
+"""`dspark-sidecar demo`: a TP-4 sidecar and the TP-4 engine harness, N rounds of a realistic mix, one report."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from dspark_sidecar import layout
+from dspark_sidecar.client.config import BreakerConfig
+from dspark_sidecar.client.harness import HarnessConfig, run_engine
+from dspark_sidecar.client.launcher import SidecarLauncher
+from dspark_sidecar.client.stats import percentile
+from dspark_sidecar.client.workload import MixConfig
+from dspark_sidecar.drafter.checkpoint import ensure_synthetic_checkpoint
+from dspark_sidecar.drafter.config import PRESETS
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    rounds: int = 100
+    tp: int = 4
+    preset: str = "tiny"
+    seed: int = 0  # of the synthetic checkpoint and of the request mix
+    max_reqs: int = 8  # the sidecar's --max-reqs; the mix goes above it on purpose
+    dtype: str = "fp32"
+    socket_dir: str | None = None  # None: a fresh temporary folder
+    start_sidecar: bool = True  # False: use a sidecar already serving at socket_dir
+    verify: bool = True  # also run the local layers on forwarded rounds and compare
+    long_contexts: bool = True  # requests whose contexts cross the 4096 window
+    progress_every: int = 10
+    rendezvous_ms: int = 200
+    work_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError(f"rounds: must be >= 1, got {self.rounds}")
+        if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
+            raise ValueError(f"max_reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset: one of {sorted(PRESETS)}, got {self.preset!r}")
+        if not self.start_sidecar and self.socket_dir is None:
+            raise ValueError("socket_dir: required with start_sidecar=False")
+
+
+@dataclass
+class DemoReport:
+    rounds: int
+    forwarded: int
+    fallbacks: dict[str, int]  # rounds on the local layers, by the shim's reason
+    warmup_fallbacks: dict[str, int]  # the profiling run and CUDA-graph capture calls before round 0
+    forwarded_p50_ms: float
+    forwarded_p99_ms: float
+    local_p50_ms: float
+    local_p99_ms: float
+    compared: int  # forwarded rounds also run locally
+    hidden_mismatch_rounds: int
+    max_hidden_diff: float
+    token_mismatch_rounds: int
+    tokens_differing: int
+    kv_mismatch_rounds: int
+    max_kv_diff: float
+    ranks_agree: bool  # every engine rank made the same decisions and drafted the same tokens
+    longest_context: int
+    requests: int
+    binds: int
+    backend: str = ""
+    fast_path_refusal: str = ""
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def demo_mix(cfg: DemoConfig) -> MixConfig:
+    """Up to max_reqs + 4 requests in flight (so some steps are too large to forward), short and
+    middle prompts, and a few long ones that grow past the 4096-token window."""
+    return MixConfig(seed=cfg.seed, max_active=cfg.max_reqs + 4, long_p=0.03 if cfg.long_contexts else 0.0,
+                     first_long=cfg.long_contexts)
+
+
+def summarise(reports: list[dict], rounds: int, wall_s: float) -> DemoReport:
+    """Rank 0's view, plus whether all ranks agree."""
+    r0 = reports[0]
+    fallbacks: dict[str, int] = {}
+    for reason, d in zip(r0["reasons"], r0["decisions"]):
+        if d == "L":
+            key = reason or "no sidecar"
+            fallbacks[key] = fallbacks.get(key, 0) + 1
+    warm = {}
+    if r0["shim"] is not None:
+        warm = {k: v for k, v in r0["shim"]["fallbacks"].items() if k in ("no attention metadata", "CUDA graph capture")}
+    agree = len({(r["decisions"], r["digest"]) for r in reports}) == 1
+    ms = 1e6
+    return DemoReport(
+        rounds=rounds, forwarded=r0["decisions"].count("F"), fallbacks=fallbacks, warmup_fallbacks=warm,
+        forwarded_p50_ms=percentile(r0["fwd_ns"], 50) / ms, forwarded_p99_ms=percentile(r0["fwd_ns"], 99) / ms,
+        local_p50_ms=percentile(r0["local_ns"], 50) / ms, local_p99_ms=percentile(r0["local_ns"], 99) / ms,
+        compared=r0["compared"], hidden_mismatch_rounds=max(r["hidden_mismatch"] for r in reports),
+        max_hidden_diff=max(r["max_hidden_diff"] for r in reports),
+        token_mismatch_rounds=max(r["token_mismatch"] for r in reports),
+        tokens_differing=max(r["tokens_differing"] for r in reports),
+        kv_mismatch_rounds=max(r["kv_mismatch"] for r in reports), max_kv_diff=max(r["max_kv_diff"] for r in reports),
+        ranks_agree=agree, longest_context=r0["max_seq_len"], requests=r0["joined"], binds=r0["binds"], wall_s=wall_s)
+
+
+def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
+    """Start the sidecar (unless one is given), run the harness for cfg.rounds rounds, stop it."""
+    work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="dspark-demo-"))
+    sock = Path(cfg.socket_dir) if cfg.socket_dir else Path(tempfile.mkdtemp(prefix="dsp-"))
+    dspark_dir, target_dir = ensure_synthetic_checkpoint(PRESETS[cfg.preset], cfg.seed)
+    ckpt = (str(dspark_dir), str(target_dir))
+    h = HarnessConfig(rounds=cfg.rounds, tp=cfg.tp, preset=cfg.preset, dtype=cfg.dtype, checkpoint=ckpt,
+                      socket_dir=str(sock), mix=demo_mix(cfg), verify=cfg.verify, progress_every=cfg.progress_every,
+                      breaker=BreakerConfig(backoff_max_s=1.0))
+    launcher = None
+    if cfg.start_sidecar:
+        out(f"starting a TP-{cfg.tp} sidecar ({cfg.preset}, {cfg.dtype}, max {cfg.max_reqs} requests a step) "
+            f"on {sock} ...")
+        launcher = SidecarLauncher(sock, tp=cfg.tp, preset=cfg.preset, dtype=cfg.dtype, max_reqs=cfg.max_reqs,
+                                   checkpoint=ckpt, extra_args=["--rendezvous-ms", str(cfg.rendezvous_ms)],
+                                   log_path=work / "sidecar.log")
+        launcher.start()
+    try:
+        status = (launcher or SidecarLauncher(sock, tp=cfg.tp)).status(0)
+        out(f"sidecar SERVING: backend {status.backend}"
+            + (f", FlyDSL path off: {status.fast_path_refusal}" if status.fast_path_refusal else ""))
+        out(f"running {cfg.rounds} rounds on a TP-{cfg.tp} engine harness ...")
+        t0 = time.monotonic()
+        reports = run_engine(h, work / "engine")
+        report = summarise(reports, cfg.rounds, time.monotonic() - t0)
+        report.backend, report.fast_path_refusal = status.backend, status.fast_path_refusal
+        return report
+    finally:
+        if launcher is not None:
+            launcher.stop()
+
+
+def format_report(r: DemoReport) -> str:
+    def ms(v: float) -> str:
+        return "-" if v != v else f"{v:.2f} ms"
+
+    lines = [
+        f"rounds: {r.rounds} ({r.requests} requests joined, longest context {r.longest_context} tokens, "
+        f"{r.wall_s:.1f} s)",
+        f"forwarded to the sidecar: {r.forwarded}   local fallback: {r.rounds - r.forwarded}",
+    ]
+    for reason, n in sorted(r.fallbacks.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  fallback: {reason}: {n}")
+    for reason, n in sorted(r.warmup_fallbacks.items()):
+        lines.append(f"  before round 0 (engine warm-up): {reason}: {n}")
+    lines += [
+        f"step latency forwarded: p50 {ms(r.forwarded_p50_ms)}  p99 {ms(r.forwarded_p99_ms)}",
+        f"step latency local:     p50 {ms(r.local_p50_ms)}  p99 {ms(r.local_p99_ms)}",
+        f"sidecar vs local on {r.compared} forwarded rounds: largest hidden-state difference {r.max_hidden_diff:g} "
+        f"({r.hidden_mismatch_rounds} rounds differ), draft tokens differing {r.tokens_differing} "
+        f"({r.token_mismatch_rounds} rounds), block K/V largest difference {r.max_kv_diff:g}",
+        f"engine ranks agree on every decision and token: {'yes' if r.ranks_agree else 'NO'}; KV binds: {r.binds}",
+        f"sidecar backend: {r.backend or '?'}" + (f" (FlyDSL path off: {r.fast_path_refusal})" if r.fast_path_refusal else ""),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,340 @@
+"""A minimal speculative-decoding engine at TP N (one process per rank, gloo) that drives the shim round by round.
+
+Each rank owns a paged draft KV cache in shared memory, commits context rows locally (spec 3A),
+builds each draft step as vLLM does (anchor + 6 noise rows at P..P+6, sequence length P+7, query
+slots), asks the shim, runs the stock reference layers on None, and turns the hidden states into
+7 draft tokens per request with lm_head and the Markov chain (spec 3C). In verify mode every
+forwarded round also runs the local layers and compares hidden states, draft tokens and the
+block rows' K/V the sidecar wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dspark_sidecar import layout
+from dspark_sidecar.client.config import BreakerConfig, EngineConfig, rank_endpoint
+from dspark_sidecar.client.forward_context import set_forward_context
+from dspark_sidecar.client.shim import DrafterShim
+from dspark_sidecar.client.workload import MixConfig, Workload, taps_for
+from dspark_sidecar.drafter import scenario
+from dspark_sidecar.drafter.checkpoint import (
+    EMBED_KEY, LM_HEAD_KEY, PREFIX, CheckpointReader, ensure_synthetic_checkpoint,
+)
+from dspark_sidecar.drafter.config import PRESETS
+from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_layer_shape
+from dspark_sidecar.drafter.model import DSparkDrafter
+from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
+from dspark_sidecar.kernels.ops import REFERENCE_OPS
+from dspark_sidecar.proto.memory import shm_empty
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FAULTS = ("realloc_kv", "break_stream", "pause")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """At the start of `round`: re-allocate every rank's KV cache, break `rank`'s stream during the
+    step, or pause all ranks until the controller (run_engine's on_pause) is done."""
+
+    round: int
+    kind: str
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULTS:
+            raise ValueError(f"fault kind: one of {FAULTS}, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    rounds: int = 100
+    tp: int = 4
+    preset: str = "tiny"
+    dtype: str = "fp32"
+    checkpoint: tuple[str, str] | None = None  # (dspark_dir, target_dir); None: the preset's synthetic one
+    socket_dir: str | None = None  # the sidecar's; None: no shim, local layers only
+    page_size: int = 16
+    num_pages: int = 1024
+    mix: MixConfig = field(default_factory=MixConfig)
+    verify: bool = True
+    warmup_calls: bool = True  # a profiling run and CUDA-graph capture passes before round 0
+    step_deadline_s: float = 5.0
+    late_grace_s: float = 5.0
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    faults: tuple[Fault, ...] = ()
+    control_dir: str | None = None
+    progress_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.rounds < 0 or self.tp < 1:
+            raise ValueError("rounds must be >= 0 and tp >= 1")
+
+
+class EngineRank:
+    """One engine TP rank: stock drafter shard, KV cache, shim, and the round loop."""
+
+    def __init__(self, h: HarnessConfig, rank: int) -> None:
+        self.h, self.rank = h, rank
+        self.cfg = cfg = PRESETS[h.preset]
+        self.dtype = DTYPES[h.dtype]
+        dspark_dir, target_dir = h.checkpoint or ensure_synthetic_checkpoint(cfg)
+        exchange = DistExchange(None) if h.tp > 1 else LocalExchange()
+        self.par = ParallelContext(rank, h.tp, exchange)
+        self.model = DSparkDrafter(cfg, self.par, REFERENCE_OPS, self.dtype).load(
+            CheckpointReader(dspark_dir, self.dtype, cfg.quant_block))
+        target = CheckpointReader(target_dir, torch.float32)
+        v, hid = cfg.vocab_size, cfg.hidden_size
+        self.embed = target.read(EMBED_KEY, (v, hid)).to(self.dtype)
+        self.lm_head = target.read(LM_HEAD_KEY, (v, hid))
+        markov = CheckpointReader(dspark_dir, torch.float32)
+        self.w1 = markov.read(f"{PREFIX}markov_head.markov_w1.weight", (v, cfg.markov_rank))
+        self.w2 = markov.read(f"{PREFIX}markov_head.markov_w2.weight", (v, cfg.markov_rank))
+        self.kv = self._allocate()
+        self.shim: DrafterShim | None = None
+        if h.socket_dir is not None:
+            ecfg = EngineConfig(tp_size=h.tp, endpoint=rank_endpoint(h.socket_dir, rank), step_deadline_s=h.step_deadline_s,
+                                late_grace_s=h.late_grace_s, breaker=h.breaker)
+            self.shim = DrafterShim(ecfg, self, lambda: [s.tensor for s in self.kv], self.par)
+        self.work = Workload(h.mix, v, h.page_size, h.num_pages)
+
+    # The engine's stock model, as the shim sees it ------------------------------------------------
+    def embed_input_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[ids]
+
+    def _allocate(self):
+        shape = kv_layer_shape(self.cfg, self.h.tp, self.h.num_pages, self.h.page_size)
+        return [shm_empty(shape, self.dtype) for _ in range(self.cfg.num_hidden_layers)]
+
+    def _layers(self) -> list[torch.Tensor]:
+        return [s.tensor for s in self.kv]
+
+    def reallocate_kv(self) -> None:
+        """A new cache allocation (new segments, same layout), contents carried over; the old one freed."""
+        new = self._allocate()
+        for old, fresh in zip(self.kv, new, strict=True):
+            fresh.tensor.copy_(old.tensor)
+            old.close()
+        self.kv = new
+
+    # Spec 3C ----------------------------------------------------------------------------------------
+    def draft_tokens(self, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """hidden [7R, hidden] -> greedy draft tokens int64 [R, 7]: lm_head plus the rank-r Markov chain."""
+        r = anchors.numel()
+        u = (hidden.float() @ self.lm_head.T).view(r, layout.QPR, -1)
+        prev, out = anchors, []
+        for j in range(layout.QPR):
+            d = (u[:, j] + self.w1[prev] @ self.w2.T).argmax(dim=-1)
+            out.append(d)
+            prev = d
+        return torch.stack(out, dim=1)
+
+    def _gather_block_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t.view(2, -1, *t.shape[-2:])[:, slots] for t in self._layers()])
+
+    def _commit(self, salts: list[int], rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        if not rows:
+            return
+        taps = torch.cat([taps_for(s, p, t, self.cfg.tap_size) for s, (p, t, _) in zip(salts, rows)])
+        self.model.commit_context(taps, torch.cat([p for p, _, _ in rows]), torch.cat([sl for _, _, sl in rows]),
+                                  self._layers())
+
+    # The loop ---------------------------------------------------------------------------------------
+    def _warmup_calls(self, ids: torch.Tensor, pos: torch.Tensor, meta: StepMetadata) -> None:
+        """What vLLM does before serving: a profiling run (no attention metadata) and CUDA graph capture."""
+        assert self.shim is not None
+        with set_forward_context(None):
+            self.shim.maybe_forward(ids, pos)
+        capturing = self.shim.is_capturing
+        self.shim.is_capturing = lambda: True
+        with set_forward_context(meta):
+            self.shim.maybe_forward(ids, pos)
+        self.shim.is_capturing = capturing
+
+    def _pause(self, rnd: int) -> None:
+        if self.h.tp > 1:
+            dist.barrier()
+        if self.rank == 0 and self.h.control_dir is not None:
+            ctl = Path(self.h.control_dir)
+            (ctl / f"reached-{rnd}").touch()
+            deadline = time.monotonic() + 600
+            while not (ctl / f"go-{rnd}").exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"controller did not release round {rnd}")
+                time.sleep(0.02)
+        if self.h.tp > 1:
+            dist.barrier()
+
+    def run(self) -> dict:
+        h, rec = self.h, Record()
+        for rnd in range(h.rounds):
+            faults = [f for f in h.faults if f.round == rnd]
+            for f in faults:
+                if f.kind == "pause":
+                    self._pause(rnd)
+                elif f.kind == "realloc_kv":
+                    self.reallocate_kv()
+            if self.shim is not None:
+                self.shim.fault_hook = None
+                if any(f.kind == "break_stream" and f.rank == self.rank for f in faults):
+                    shim = self.shim
+                    self.shim.fault_hook = lambda _sid: shim.connection.stream().close()
+            new = self.work.admit()
+            self._commit([q.salt for q in new], [self.work.prompt(q) for q in new])
+            reqs = self.work.active
+            anchors = torch.tensor([q.anchor for q in reqs], dtype=torch.int64)
+            seq_lens = torch.tensor([q.pos + layout.QPR for q in reqs], dtype=torch.int32)
+            tables = self.work.block_table()
+            ids, pos, slots = scenario.block_rows(anchors, seq_lens, tables, h.page_size, self.cfg.noise_token_id)
+            meta = StepMetadata(seq_lens, tables, slots)
+            if rnd == 0 and h.warmup_calls and self.shim is not None:
+                self._warmup_calls(ids, pos, meta)
+            before = dict(self.shim.stats.fallbacks) if self.shim else {}
+            t0 = time.perf_counter_ns()
+            hidden = None
+            if self.shim is not None:
+                with set_forward_context(meta):
+                    hidden = self.shim.maybe_forward(ids, pos)
+            t1 = time.perf_counter_ns()
+            forwarded = hidden is not None
+            side_kv = self._gather_block_kv(slots) if forwarded and h.verify else None
+            local = None
+            if not forwarded or h.verify:
+                t2 = time.perf_counter_ns()
+                local = self.model.draft_step(self.embed[ids], pos, meta, self._layers())
+                rec.local_ns.append(time.perf_counter_ns() - t2)
+            drafts = self.draft_tokens(hidden if forwarded else local, anchors)
+            if forwarded:
+                rec.fwd_ns.append(t1 - t0)
+                if local is not None:
+                    rec.compare(hidden, local, drafts, self.draft_tokens(local, anchors),
+                                side_kv, self._gather_block_kv(slots))
+            reason = ""
+            if self.shim is not None and not forwarded:
+                after = self.shim.stats.fallbacks
+                reason = next((k for k in after if after[k] != before.get(k, 0)), "")
+            rec.round(len(reqs), forwarded, reason, drafts, int(seq_lens.max()))
+            rows, salts = [], []
+            for i, q in enumerate(reqs):
+                d = drafts[i].tolist()
+                p, t = self.work.advance(q, self.work.accepted(q, d, rnd), d)
+                rows.append((p, t, self.work.slots(q, p)))
+                salts.append(q.salt)
+            self._commit(salts, rows)
+            self.work.retire()
+            if h.progress_every and self.rank == 0 and (rnd + 1) % h.progress_every == 0:
+                print(rec.progress(rnd + 1, h.rounds), flush=True)
+        out = rec.as_dict()
+        out.update(rank=self.rank, joined=self.work.joined, left=self.work.left,
+                   shim=self.shim.stats.as_dict() if self.shim else None,
+                   binds=self.shim.binder.binds if self.shim else 0)
+        if self.shim is not None:
+            self.shim.close()
+        for s in self.kv:
+            s.close()
+        return out
+
+
+@dataclass
+class Record:
+    """What one rank saw, round by round."""
+
+    decisions: list[str] = field(default_factory=list)  # "F" forwarded / "L" local, per round
+    reasons: list[str] = field(default_factory=list)
+    reqs: list[int] = field(default_factory=list)
+    fwd_ns: list[int] = field(default_factory=list)
+    local_ns: list[int] = field(default_factory=list)
+    digest: int = 0
+    max_seq_len: int = 0
+    compared: int = 0
+    hidden_mismatch: int = 0
+    token_mismatch: int = 0  # rounds whose draft tokens differ
+    tokens_differing: int = 0  # draft tokens that differ, summed
+    kv_mismatch: int = 0
+    max_hidden_diff: float = 0.0
+    max_kv_diff: float = 0.0
+
+    def compare(self, fwd: torch.Tensor, local: torch.Tensor, d_fwd: torch.Tensor, d_local: torch.Tensor,
+                kv_fwd: torch.Tensor, kv_local: torch.Tensor) -> None:
+        self.compared += 1
+        diff = (fwd.float() - local.float()).abs().max().item() if fwd.numel() else 0.0
+        self.max_hidden_diff = max(self.max_hidden_diff, diff)
+        self.hidden_mismatch += int(not torch.equal(fwd, local.to(fwd.dtype)) or fwd.dtype != local.dtype)
+        n = int((d_fwd != d_local).sum())
+        self.token_mismatch += int(n > 0)
+        self.tokens_differing += n
+        self.kv_mismatch += int(not torch.equal(kv_fwd, kv_local))
+        self.max_kv_diff = max(self.max_kv_diff, (kv_fwd.float() - kv_local.float()).abs().max().item())
+
+    def round(self, r: int, forwarded: bool, reason: str, drafts: torch.Tensor, seq_len: int) -> None:
+        self.decisions.append("F" if forwarded else "L")
+        self.reasons.append(reason)
+        self.reqs.append(r)
+        self.digest = zlib.crc32(drafts.numpy().tobytes(), self.digest)
+        self.max_seq_len = max(self.max_seq_len, seq_len)
+
+    def progress(self, done: int, total: int) -> str:
+        f = self.decisions.count("F")
+        return (f"round {done}/{total}: R={self.reqs[-1]} forwarded {f}, local {done - f}, "
+                f"longest context {self.max_seq_len}, mismatches {self.hidden_mismatch}")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"decisions": "".join(self.decisions)}
+
+
+# Processes ------------------------------------------------------------------------------------------
+def _rank_entry(rank: int, h: HarnessConfig, store_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)  # same reductions as the sidecar's ranks: bit-identical results
+    if h.tp > 1:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, h.tp), rank=rank, world_size=h.tp)
+    try:
+        report = EngineRank(h, rank).run()
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        if h.tp > 1:
+            dist.destroy_process_group()
+
+
+def run_engine(h: HarnessConfig, work_dir: str | Path, on_pause=None, timeout_s: float = 1800.0) -> list[dict]:
+    """Run the harness on h.tp spawned processes; returns each rank's report.
+
+    `on_pause(round)` runs in this process at every "pause" fault while all engine ranks wait.
+    """
+    import torch.multiprocessing as mp
+
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    ctl = work / "control"
+    ctl.mkdir(exist_ok=True)
+    h = dataclasses.replace(h, control_dir=str(ctl))
+    store = work / "store"
+    if store.exists():
+        store.unlink()
+    ctx = mp.start_processes(_rank_entry, args=(h, str(store), str(work)), nprocs=h.tp, join=False,
+                             start_method="spawn")
+    pauses = sorted({f.round for f in h.faults if f.kind == "pause"})
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=0.05):
+            if pauses and (ctl / f"reached-{pauses[0]}").exists():
+                rnd = pauses.pop(0)
+                if on_pause is not None:
+                    on_pause(rnd)
+                (ctl / f"go-{rnd}").touch()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine harness did not finish in {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [json.loads((work / f"rank{r}.json").read_text()) for r in range(h.tp)]

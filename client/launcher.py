@@ -1,0 +1,89 @@
+"""Starts a TP-N `dspark-sidecar serve` as a subprocess, waits until every rank's health says SERVING, stops it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dspark_sidecar.client.config import rank_endpoint
+from dspark_sidecar.client.connection import SidecarConnection
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+
+class SidecarLauncher:
+    """`with SidecarLauncher(socket_dir, ...) as sc:` -> a serving sidecar; its output goes to `log_path`."""
+
+    def __init__(self, socket_dir: str | Path, tp: int = 4, preset: str = "tiny", dtype: str = "fp32",
+                 max_reqs: int | None = None, checkpoint: tuple[str, str] | None = None,
+                 extra_args: list[str] | None = None, log_path: str | Path | None = None,
+                 ready_timeout_s: float = 180.0) -> None:
+        self.socket_dir, self.tp = Path(socket_dir), tp
+        self.argv = [sys.executable, "-m", "dspark_sidecar", "serve", "--tp", str(tp), "--socket-dir",
+                     str(self.socket_dir), "--preset", preset, "--dtype", dtype]
+        if max_reqs is not None:
+            self.argv += ["--max-reqs", str(max_reqs)]
+        if checkpoint is not None:
+            self.argv += ["--checkpoint", str(checkpoint[0]), "--target-checkpoint", str(checkpoint[1])]
+        self.argv += list(extra_args or [])
+        self.log_path = Path(log_path) if log_path else self.socket_dir / "sidecar.log"
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def endpoint(self, rank: int) -> str:
+        return rank_endpoint(self.socket_dir, rank)
+
+    def healthy(self, deadline_s: float = 1.0) -> list[bool]:
+        return [SidecarConnection(self.endpoint(r)).probe_health(deadline_s) for r in range(self.tp)]
+
+    def start(self) -> SidecarLauncher:
+        self.socket_dir.mkdir(parents=True, exist_ok=True)
+        # RANK/WORLD_SIZE of an enclosing launcher would make the sidecar think it runs under torchrun.
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not all(self.healthy()):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"sidecar not SERVING within {self.ready_timeout_s} s:\n{self.log_tail()}")
+            time.sleep(0.2)
+        return self
+
+    def status(self, rank: int = 0) -> pb.StatusReport:
+        conn = SidecarConnection(self.endpoint(rank))
+        try:
+            return conn.open(5.0)
+        finally:
+            conn.close()
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (drain and exit), SIGKILL to the whole process group if it lingers."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> SidecarLauncher:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
