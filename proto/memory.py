@@ -89,8 +89,6 @@ class MappedMemory:
             lo = handle.shm.offset_bytes
             if lo > seg.size:
                 raise HandleError(f"{field}: offset {lo} beyond segment size {seg.size}")
-            if device.type != "cpu":
-                raise HandleError(f"{field}: shared-memory handles need a CPU sidecar, this rank runs on {device}")
             self.storage = torch.frombuffer(seg.buf, dtype=torch.uint8)[lo:]
         elif kind == "cuda_ipc":
             self.storage = _open_cuda_ipc(handle.cuda_ipc, field, device)

@@ -84,6 +84,9 @@ class LateServicer(pb_grpc.DrafterSidecarServicer):
     def DraftStep(self, request, context):
         return self._target().DraftStep(request, context)
 
+    def AttachDoorbell(self, request, context):
+        return self._target().AttachDoorbell(request, context)
+
     def DraftSteps(self, request_iterator, context):
         if self.inner is None:  # stream handlers are not wrapped by the unary interceptor
             context.abort(grpc.StatusCode.UNAVAILABLE, "rank is still loading; retry when health is SERVING")
@@ -201,6 +204,8 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     publish()
     time.sleep(cfg.drain_s)  # health says NOT_SERVING while calls are still accepted: engines move off
     server.stop(grace=5.0).wait()  # then refuse new calls, and let in-flight steps finish
+    if servicer.doorbell is not None:
+        servicer.doorbell.stop()
     loop.close()
     rendezvous.close()
     board.close()

@@ -10,6 +10,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto.memory import HandleError
 
 log = logging.getLogger("dspark_sidecar.server")
 
@@ -45,6 +46,9 @@ def as_sidecar_error(exc: BaseException) -> SidecarError:
     """Any exception as a SidecarError; unexpected ones become INTERNAL (and are logged with a trace)."""
     if isinstance(exc, SidecarError):
         return exc
+    if isinstance(exc, HandleError):  # a memory handle the engine sent cannot be mapped
+        field, _, msg = str(exc).partition(": ")
+        return SidecarError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), field if msg else "", "BAD_HANDLE")
     log.exception("internal error while serving a request")
     return SidecarError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "", "INTERNAL")
 

@@ -80,6 +80,9 @@ class MemoryBindings:
                 m = MappedMemory(lb.memory, f"{f}.memory", self.device)
                 mappings.append(m)
                 t = m.view(dtype, tuple(lb.shape), tuple(lb.strides), lb.storage_offset, f)
+                if t.device.type != self.device.type:
+                    raise invalid(f"{f}.memory", f"cache is in {t.device.type} memory, this rank computes on "
+                                                 f"{self.device}: bind the engine's device cache (CUDA/HIP IPC)")
                 if not t.is_contiguous():
                     raise invalid(f"{f}.strides", f"{list(lb.strides)}: the cache must be contiguous")
                 layers.append(t)

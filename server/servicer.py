@@ -7,13 +7,16 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from dspark_sidecar import __version__, layout
 from dspark_sidecar.drafter.config import ARCHITECTURE
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
-from dspark_sidecar.server.errors import SidecarError
+from dspark_sidecar.proto.memory import MappedMemory
+from dspark_sidecar.server.doorbell import Doorbell
+from dspark_sidecar.server.errors import SidecarError, invalid
 from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
 
@@ -52,6 +55,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                  parallel: pb.Parallel, weight_format: str) -> None:
         self.ctx, self.loop, self.life = ctx, loop, life
         self.limits, self.parallel, self.weight_format = limits, parallel, weight_format
+        self.doorbell: Doorbell | None = None
 
     def refusal(self) -> str:
         kv = self.ctx.memory.kv
@@ -101,6 +105,18 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     def RegisterBuffers(self, request, context):
         self._require_same_node(context)
         return pb.RegisterBuffersResponse(region_ids=self.ctx.memory.register(request))
+
+    def AttachDoorbell(self, request, context):
+        self._require_same_node(context)
+        if request.page.WhichOneof("kind") != "shm":
+            raise invalid("page", "the doorbell page must be POSIX shared memory")
+        page = MappedMemory(request.page, "page", torch.device("cpu"))
+        bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event)
+        if self.doorbell is not None:
+            self.doorbell.stop()
+        self.doorbell = bell
+        bell.start()
+        return pb.AttachDoorbellResponse(output_event=bell.output_event_handle())
 
     def DraftStep(self, request, context):
         return self.loop.submit(request).result()
