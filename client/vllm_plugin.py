@@ -1,0 +1,158 @@
+"""vLLM `general_plugins` entry point: wraps the DSpark draft model class so its forward asks the sidecar shim first.
+
+Loaded by vLLM in every process (`dspark_sidecar = "dspark_sidecar.client.vllm_plugin:register"` in
+pyproject). vLLM is imported lazily: without it, `register()` logs and returns. The engine rank's
+sidecar endpoint comes from DSPARK_SOCKET_DIR (rank r -> unix:$DSPARK_SOCKET_DIR/rank{r}.sock, the
+layout of `dspark-sidecar serve`); unset, the shim refuses with "no sidecar endpoint configured"
+and the stock forward runs every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from dspark_sidecar.client.agreement import DistAgreement, StepAgreement
+from dspark_sidecar.client.config import EngineConfig, rank_endpoint
+from dspark_sidecar.client.forward_context import ForwardContextSource
+from dspark_sidecar.client.shim import DrafterShim
+
+log = logging.getLogger("dspark_sidecar.client")
+
+# Architectures of the DSpark draft model as vLLM registers them; DSPARK_DRAFTER_ARCHS overrides.
+DEFAULT_ARCHS = ("DSparkMiniMaxDraftModel", "MiniMaxM3DSparkModel")
+_MARK = "_dspark_sidecar_wrapped"
+
+
+def _archs() -> list[str]:
+    raw = os.environ.get("DSPARK_DRAFTER_ARCHS", "")
+    return [a.strip() for a in raw.split(",") if a.strip()] or list(DEFAULT_ARCHS)
+
+
+def engine_config_from_vllm(vllm_config: Any, rank: int) -> EngineConfig:
+    """The shim's EngineConfig from vLLM's VllmConfig (parallel and speculative config) and the environment."""
+    pc, spec = vllm_config.parallel_config, getattr(vllm_config, "speculative_config", None)
+    socket_dir = os.environ.get("DSPARK_SOCKET_DIR", "")
+    device = getattr(getattr(vllm_config, "device_config", None), "device", "cpu")
+    kw: dict[str, Any] = {}
+    if os.environ.get("DSPARK_STEP_DEADLINE_MS"):
+        kw["step_deadline_s"] = int(os.environ["DSPARK_STEP_DEADLINE_MS"]) / 1000
+    return EngineConfig(
+        tp_size=int(pc.tensor_parallel_size), dp_size=int(getattr(pc, "data_parallel_size", 1)),
+        pp_size=int(getattr(pc, "pipeline_parallel_size", 1)),
+        speculative_method=str(getattr(spec, "method", "") or "") if spec is not None else "",
+        num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0,
+        endpoint=rank_endpoint(socket_dir, rank) if socket_dir else "", device=str(device), **kw)
+
+
+def _tp_agreement(group: Any) -> StepAgreement:
+    """vLLM's TP GroupCoordinator -> a MIN all-reduce over its CPU (gloo) group."""
+    if hasattr(group, "all_min"):
+        return group
+    return DistAgreement(group.cpu_group)
+
+
+def kv_cache_provider(model: torch.nn.Module):
+    """The drafter's attention layers' KV caches in layer order (vLLM binds `layer.kv_cache[virtual_engine]`);
+    [] while they are not allocated yet (profiling)."""
+    layers = [m for _, m in model.named_modules() if isinstance(getattr(m, "kv_cache", None), list)]
+
+    def caches() -> list[torch.Tensor]:
+        out = []
+        for m in layers:
+            t = m.kv_cache[0] if m.kv_cache else None
+            if not isinstance(t, torch.Tensor) or t.numel() == 0:
+                return []
+            out.append(t)
+        return out
+
+    return caches
+
+
+def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
+    """The shim of this engine rank, from vLLM's distributed state and forward context."""
+    from vllm import forward_context as vfc
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    agreement = _tp_agreement(group)
+    rank = int(getattr(group, "rank_in_group", 0))
+
+    class _Par:  # what DrafterShim reads: rank, and the agreement itself
+        def __init__(self) -> None:
+            self.rank, self.world_size = rank, agreement.world_size
+
+        def all_min(self, values: torch.Tensor) -> torch.Tensor:
+            return agreement.all_min(values)
+
+    source = ForwardContextSource(vfc.is_forward_context_available, vfc.get_forward_context)
+    return DrafterShim(engine_config_from_vllm(vllm_config, rank), model, kv_cache_provider(model), _Par(),
+                       forward_context=source)
+
+
+def make_sidecar_class(stock: type) -> type:
+    """A subclass of vLLM's draft model whose forward asks the shim first and runs the stock forward on None."""
+    if getattr(stock, _MARK, False):
+        return stock
+
+    class SidecarDrafter(stock):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            vllm_config = kwargs.get("vllm_config")
+            if vllm_config is None:
+                from vllm.config import get_current_vllm_config
+
+                vllm_config = get_current_vllm_config()
+            self._dspark_vllm_config = vllm_config
+            self._dspark_shim: DrafterShim | None = None
+
+        def dspark_shim(self) -> DrafterShim:
+            # Built on first use: vLLM's TP group exists by then, and the KV cache is bound later.
+            if self._dspark_shim is None:
+                self._dspark_shim = build_shim(self, self._dspark_vllm_config)
+            return self._dspark_shim
+
+        def forward(self, input_ids: Any, positions: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = self.dspark_shim().maybe_forward(input_ids, positions, kwargs.get("inputs_embeds"))
+            if out is not None:
+                return out
+            return super().forward(input_ids, positions, *args, **kwargs)
+
+    SidecarDrafter.__name__ = SidecarDrafter.__qualname__ = f"Sidecar{stock.__name__}"
+    setattr(SidecarDrafter, _MARK, True)
+    return SidecarDrafter
+
+
+def _stock_class(registry: Any, arch: str) -> type | None:
+    """The class vLLM has registered for `arch` (loading a lazily registered one), or None."""
+    entry = getattr(registry, "models", {}).get(arch)
+    if entry is None:
+        return None
+    if isinstance(entry, type):
+        return entry
+    if getattr(entry, "model_cls", None) is not None:
+        return entry.model_cls
+    load = getattr(entry, "load_model_cls", None)
+    return load() if load is not None else None
+
+
+def register() -> list[str]:
+    """vllm.general_plugins hook: wrap every registered DSpark draft architecture; returns those wrapped."""
+    try:
+        from vllm import ModelRegistry
+    except ImportError:
+        log.info("dspark-sidecar vLLM plug-in: vLLM is not installed, nothing registered")
+        return []
+    wrapped = []
+    for arch in _archs():
+        stock = _stock_class(ModelRegistry, arch)
+        if stock is None or getattr(stock, _MARK, False):
+            continue
+        ModelRegistry.register_model(arch, make_sidecar_class(stock))
+        wrapped.append(arch)
+    log.info("dspark-sidecar vLLM plug-in: draft model(s) %s forward through the sidecar shim",
+             ", ".join(wrapped) or "none found")
+    return wrapped

@@ -1,0 +1,160 @@
+"""The vLLM plug-in against fakes of vLLM's registry, forward context, TP group and attention metadata."""
+
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from dspark_sidecar.client import shim as S
+from dspark_sidecar.client import vllm_plugin
+from dspark_sidecar.proto import codec
+from helpers.engine_fakes import HIDDEN, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir
+
+ARCH = "DSparkMiniMaxDraftModel"
+
+
+class FakeAttention(nn.Module):
+    """vLLM's Attention layer as far as KV binding goes: kv_cache[virtual_engine], empty until allocated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_cache = [torch.tensor([])]
+
+
+class StockDrafter(nn.Module):
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(FakeAttention() for _ in range(5))
+        self.table = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(1))
+        self.stock_calls = 0
+
+    def embed_input_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table[ids]
+
+    def forward(self, input_ids, positions, hidden_states=None, inputs_embeds=None):
+        self.stock_calls += 1
+        return torch.full((positions.numel(), HIDDEN), -1.0)
+
+
+class LazyEntry:
+    """vLLM's _LazyRegisteredModel: the class is imported only when asked for."""
+
+    def load_model_cls(self):
+        return StockDrafter
+
+
+class FlashAttentionMetadata:
+    """vLLM V1 attention metadata, padded for a CUDA graph of more requests/tokens than the step has."""
+
+    def __init__(self, r: int, pad_reqs: int = 3, pad_tokens: int = 5) -> None:
+        starts = [20 + 3 * i for i in range(r)]
+        self.seq_lens = torch.tensor([p + 7 for p in starts] + [0] * pad_reqs, dtype=torch.int32)
+        self.block_table = torch.zeros(r + pad_reqs, 10, dtype=torch.int32)
+        self.block_table[:r, :3] = torch.tensor([0, 1, 2], dtype=torch.int32)
+        self.slot_mapping = torch.tensor(sum(([p + j for j in range(7)] for p in starts), []) + [-1] * pad_tokens)
+        self.positions = torch.tensor(sum(([p + j for j in range(7)] for p in starts), []), dtype=torch.int64)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    registry = SimpleNamespace(models={ARCH: LazyEntry()})
+    registry.register_model = lambda arch, cls: registry.models.__setitem__(arch, cls)
+    vllm.ModelRegistry = registry
+    fc = types.ModuleType("vllm.forward_context")
+    fc.ctx = None
+    fc.is_forward_context_available = lambda: fc.ctx is not None
+    fc.get_forward_context = lambda: fc.ctx
+    vllm.forward_context = fc
+    ps = types.ModuleType("vllm.distributed.parallel_state")
+    ps.get_tp_group = lambda: SimpleNamespace(rank_in_group=0, world_size=4, all_min=lambda v: v)
+    for name, mod in (("vllm", vllm), ("vllm.forward_context", fc), ("vllm.distributed", types.ModuleType("d")),
+                      ("vllm.distributed.parallel_state", ps)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delenv("DSPARK_SOCKET_DIR", raising=False)
+    return SimpleNamespace(registry=registry, fc=fc)
+
+
+def vllm_config(tp: int = 4, method: str = "dspark", k: int = 7):
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=SimpleNamespace(method=method, num_speculative_tokens=k),
+        device_config=SimpleNamespace(device="cpu"))
+
+
+def test_register_without_vllm_is_a_no_op(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    assert vllm_plugin.register() == []
+
+
+def test_register_wraps_the_draft_model_once(fake_vllm):
+    assert vllm_plugin.register() == [ARCH]
+    cls = fake_vllm.registry.models[ARCH]
+    assert issubclass(cls, StockDrafter) and cls.__name__ == "SidecarStockDrafter"
+    assert vllm_plugin.register() == []  # already wrapped
+    assert vllm_plugin.engine_config_from_vllm(vllm_config(tp=2), 1).tp_size == 2
+
+
+def test_without_a_socket_dir_every_step_runs_the_stock_forward(fake_vllm):
+    vllm_plugin.register()
+    model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config())
+    md = FlashAttentionMetadata(2)
+    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata={"layers.0.attn": md})
+    out = model(torch.arange(14) % 64, md.positions)
+    assert torch.equal(out, torch.full((14, HIDDEN), -1.0)) and model.stock_calls == 1
+    assert model.dspark_shim().refusal == "no sidecar endpoint configured"
+
+
+def test_forward_goes_through_the_sidecar_with_vllm_metadata(fake_vllm, monkeypatch):
+    folder = short_socket_dir()
+    server = FakeServer(FakeSidecar(0, 4), folder / "rank0.sock").start()
+    try:
+        monkeypatch.setenv("DSPARK_SOCKET_DIR", str(folder))
+        vllm_plugin.register()
+        model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config())
+        ids = torch.arange(21) % 64
+        md = FlashAttentionMetadata(3)
+
+        # profiling run: no attention metadata -> stock
+        fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=None)
+        model(ids, md.positions)
+        # KV not allocated yet -> stock, nothing sent
+        fake_vllm.fc.ctx = SimpleNamespace(attn_metadata={"layers.0.attn": md, "layers.1.attn": md})
+        model(ids, md.positions)
+        assert model.stock_calls == 2 and server.sidecar.remote_calls() == 0
+        shim = model.dspark_shim()
+        assert shim.stats.fallbacks == {S.NO_METADATA: 1, S.NO_KV: 1}
+
+        kv = shm_kv_cache()
+        for layer, seg in zip(model.layers, kv):
+            layer.kv_cache = [seg.tensor]
+        out = model(ids, md.positions)
+        assert model.stock_calls == 2 and torch.equal(out, model.table[ids] * 2)
+        (req,) = server.sidecar.requests
+        assert req.num_requests == 3
+        assert torch.equal(codec.from_tensor_ref(req.seq_lens, "s"), md.seq_lens[:3])
+        assert torch.equal(codec.from_tensor_ref(req.slot_mapping, "s"), md.slot_mapping[:21])
+        assert codec.from_tensor_ref(req.block_tables, "b").shape == (3, 3)  # rows trimmed, pages to ceil(33/16)
+        # inputs_embeds given by the caller: used as is
+        emb = torch.ones(21, HIDDEN)
+        assert torch.equal(model(None, md.positions, None, inputs_embeds=emb), emb * 2)
+        shim.close()
+        for seg in kv:
+            seg.close()
+    finally:
+        server.stop()
+
+
+def test_a_wrong_deployment_is_refused_for_the_process(fake_vllm, monkeypatch):
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    vllm_plugin.register()
+    model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config(k=5))
+    md = FlashAttentionMetadata(1)
+    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+    model(torch.arange(7), md.positions)
+    assert model.stock_calls == 1 and model.dspark_shim().refusal == "7 speculative tokens required"
