@@ -149,13 +149,16 @@ PROGRAMS_PER_SM = 2
 MIN_K_TILES_PER_SPLIT = 4
 BLOCK_N = 64
 BLOCK_K = 128
+SMEM_PER_PROGRAM = 100 << 10  # an H100/H200 SM has 228 KB
 
 
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
-         programs_per_sm: int | None = None) -> GemmConfig:
+         programs_per_sm: int | None = None, swiglu: bool = False, weight_bytes: int = 2) -> GemmConfig:
     """Row tile from m (tensor-core dots need >= 16 rows), then split K until the grid covers the SMs.
 
     n: output columns per program's tile set (f for SwiGLU: each program streams gate and up tiles).
+    Pipeline depth: as many stages of (x tile + weight tiles) as fit SMEM_PER_PROGRAM, so that two
+    programs share an SM (one hides the other's load latency), at least 2 and at most 4.
     """
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bn, bk = block_n or BLOCK_N, block_k or BLOCK_K
@@ -164,7 +167,9 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     want = (programs_per_sm or PROGRAMS_PER_SM) * sms
     split = max(1, min(want // tiles, k_tiles // MIN_K_TILES_PER_SPLIT))
     k_per = triton.cdiv(k_tiles, split) * bk
-    return GemmConfig(bm, bn, bk, triton.cdiv(k, k_per))
+    stage = bm * bk * 2 + (2 if swiglu else 1) * bk * bn * weight_bytes
+    stages = max(2, min(4, SMEM_PER_PROGRAM // stage))
+    return GemmConfig(bm, bn, bk, triton.cdiv(k, k_per), num_stages=stages)
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch.Tensor | None = None,
@@ -188,7 +193,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or plan(m, n, k, sms_of(x))
+    cfg = config or plan(m, n, k, sms_of(x), swiglu=swiglu is not None, weight_bytes=1 if fp8 else w.element_size())
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))

@@ -140,9 +140,11 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
             t = _per_call(make, nbytes)
             ref_t = None if fp8 else _per_call(lambda: make(ref=True), nbytes)
             n_cols = n_out // 2 if kind == "swiglu" else n_out
-            cfg = gemm.plan(rows, n_cols, k, torch.cuda.get_device_properties(dev).multi_processor_count)
-            rec(name, wdt, t, nbytes, ref_t, cfg=f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k}")
-            if sweep:
+            cfg = gemm.plan(rows, n_cols, k, torch.cuda.get_device_properties(dev).multi_processor_count,
+                            swiglu=kind == "swiglu", weight_bytes=1 if fp8 else 2)
+            rec(name, wdt, t, nbytes, ref_t,
+                cfg=f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k} st{cfg.num_stages}")
+            if sweep and kind != "plain":  # the two largest weights
                 _sweep(name, rows, n_out, k, kind, fp8, wdt, nbytes, make, rec, dev)
 
     qkv_w = (HQ + 2 * HK) * D
@@ -184,10 +186,11 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
 
 
 def _sweep(name, rows, n_out, k, kind, fp8, wdt, nbytes, make, rec, dev):
+    """A few tilings around the planner's choice: column tile, K tile, programs per SM, warps, stages."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     n_cols = n_out // 2 if kind == "swiglu" else n_out
-    for bn, bk, pps, warps, stages in ((32, 128, 2, 4, 3), (64, 128, 4, 4, 3), (64, 256, 2, 4, 3),
-                                       (128, 128, 2, 8, 3)):
+    for bn, bk, pps, warps, stages in ((32, 128, 2, 4, 3), (64, 64, 2, 4, 4), (64, 128, 4, 4, 2),
+                                       (128, 128, 2, 8, 2), (64, 256, 2, 4, 2)):
         p = gemm.plan(rows, n_cols, k, sms, block_n=bn, block_k=bk, programs_per_sm=pps)
         cfg = gemm.GemmConfig(p.block_m, bn, bk, p.split_k, warps, stages)
         t = _per_call(lambda cfg=cfg: make(cfg), nbytes)

@@ -23,11 +23,12 @@ def mma(a, b, acc, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
     this is the same maths as the tensor-core dot. IEEE keeps fp32 operands out of tf32.
     """
     if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     elif IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
+        out = tl.dot(a, b, acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, acc)
+        out = tl.dot(a, b, acc)
+    return out
 
 
 @triton.jit
