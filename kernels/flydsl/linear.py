@@ -21,6 +21,10 @@ from flydsl.expr.typing import Vector
 from . import _device as dev
 from .shapes import K_CHUNK, MFMA_M, MX_BLOCK, WAVES_PER_WG, LinearSchedule, row_tiles
 
+# An element offset past every weight (<= 37.7 M bytes) and scale tensor: with a bounded
+# descriptor the load returns 0 without touching memory.
+OOB = 1 << 26
+
 
 def build_linear(sched: LinearSchedule, num_reqs: int):
     """The @flyc.jit launcher of one linear for a launch of `num_reqs` requests.
@@ -46,9 +50,12 @@ def build_linear(sched: LinearSchedule, num_reqs: int):
         ks = fx.block_idx.y
         g = lane // 16  # lane group: owns one 32-column scale block of each 128-column chunk
         r16 = lane % 16
-        xb = fx.rocdl.make_buffer_tensor(X)
-        wb = fx.rocdl.make_buffer_tensor(W)
-        sb = fx.rocdl.make_buffer_tensor(S)
+        # Bounded descriptors (max_size=False): loads past the tensor return 0 instead of
+        # reading whatever memory follows (the padding rows of the last row tile, and the
+        # dropped prefetch after the last chunk).
+        xb = fx.rocdl.make_buffer_tensor(X, max_size=False)
+        wb = fx.rocdl.make_buffer_tensor(W, max_size=False)
+        sb = fx.rocdl.make_buffer_tensor(S, max_size=False)
         pb = fx.rocdl.make_buffer_tensor(P)
         a_bf16 = fx.make_copy_atom(fx.rocdl.BufferCopy128b(), 16)
         a_u8x16 = fx.make_copy_atom(fx.rocdl.BufferCopy128b(), 8)
@@ -56,7 +63,7 @@ def build_linear(sched: LinearSchedule, num_reqs: int):
         a_f32x4 = fx.make_copy_atom(fx.rocdl.BufferCopy128b(), 32)
         a_f32 = fx.make_copy_atom(fx.rocdl.BufferCopy32b(), 32)
         n_base = ntile * NWG + wave * NW
-        # Rows past the launch's rows read as zero: buffer loads past the end return 0.
+        # Rows past the launch's rows read as zero (bounded descriptor).
         x_rows = [dev.rows_view(xb, mt * MFMA_M + r16, 8) for mt in range_constexpr(MT)]
         w_rows = [dev.rows_view(wb, n_base + s * MFMA_M + r16, 16) for s in range_constexpr(NSUB)]
         s_rows = [dev.rows_view(sb, n_base + s * MFMA_M + r16, 1) for s in range_constexpr(NSUB)]
@@ -65,12 +72,28 @@ def build_linear(sched: LinearSchedule, num_reqs: int):
         sumsq = [fx.Float32(0.0) for _ in range_constexpr(MT)]  # carried; used only with NORM
         acc = [[Vector.filled(4, 0.0, fx.Float32) for _ in range_constexpr(NSUB)] for _ in range_constexpr(MT)]
 
-        # A runtime loop over the chunks: one chunk's operands live at a time (a fully
-        # unrolled loop lets the scheduler hoist every load and runs out of registers).
+        def load_w(kl, ok):
+            """Issue the loads of one chunk's weights: NSUB x 8 words of E4M3 and NSUB scales.
+            ok False: an offset past the bounded tensor, so the load returns 0 and reads nothing."""
+            words, scales = [], []
+            for s in range_constexpr(NSUB):
+                for h in range_constexpr(2):
+                    idx = kl // 16 + h if ok is None else ok.select(kl // 16 + h, OOB // 16)
+                    wv = dev.load_vec(a_u8x16, w_rows[s], idx, 16, fx.Uint8).bitcast(fx.Uint32)
+                    words += [wv[q] for q in range_constexpr(4)]
+                idx = kl // MX_BLOCK if ok is None else ok.select(kl // MX_BLOCK, OOB)
+                scales.append(dev.e8m0_to_f32(dev.load_vec(a_u8, s_rows[s], idx, 1, fx.Uint8)[0]))
+            return [words, scales]
+
+        # Lane group g covers columns [kl, kl + 32) of a chunk: MFMA step j takes the 8 columns
+        # kl + 8j .. kl + 8j + 7, the same mapping for both operands.
+        k_first = ks * (CPW * K_CHUNK) + g * MX_BLOCK
+        w_cur = load_w(k_first, None)
+        # A runtime loop over the chunks with the next chunk's weights in flight while this one
+        # is multiplied (a fully unrolled loop let the scheduler hoist every load and spilled).
         for c in range(CPW):
-            # Lane group g covers columns [kl, kl + 32) of the chunk: MFMA step j takes the
-            # 8 columns kl + 8j .. kl + 8j + 7, the same mapping for both operands.
-            kl = (ks * CPW + c) * K_CHUNK + g * MX_BLOCK
+            kl = k_first + c * K_CHUNK
+            w_next = load_w(kl + K_CHUNK, c + 1 < CPW)
             new_sumsq = []
             if const_expr(NORM):
                 gam = [dev.load_vec(a_bf16, nwb, kl // 8 + j, 8, fx.BFloat16).to(fx.Float32) + 1.0 for j in range_constexpr(4)]
@@ -89,18 +112,14 @@ def build_linear(sched: LinearSchedule, num_reqs: int):
                 xs.append(parts)
             sumsq = new_sumsq
             new_acc = [list(row) for row in acc]
+            words, scales = w_cur
             for s in range_constexpr(NSUB):
-                words = []
-                for h in range_constexpr(2):
-                    wv = dev.load_vec(a_u8x16, w_rows[s], kl // 16 + h, 16, fx.Uint8).bitcast(fx.Uint32)
-                    for q in range_constexpr(4):
-                        words.append(wv[q])
-                scale = dev.e8m0_to_f32(dev.load_vec(a_u8, s_rows[s], kl // MX_BLOCK, 1, fx.Uint8)[0])
                 for j in range_constexpr(4):
-                    wj = dev.fp8x8_to_bf16(words[2 * j], words[2 * j + 1], scale)
+                    wj = dev.fp8x8_to_bf16(words[8 * s + 2 * j], words[8 * s + 2 * j + 1], scales[s])
                     for mt in range_constexpr(MT):
                         new_acc[mt][s] = dev.mfma_16x16x32_bf16(wj, xs[mt][j], new_acc[mt][s])
             acc = new_acc
+            w_cur = w_next
 
         # W is the MFMA A operand (rows = n) and X the B operand (columns = m), so lane l
         # holds Y[m = mt*16 + l%16, n = n_base + 16s + 4(l//16) + i], i = 0..3: one 16-byte
