@@ -58,6 +58,10 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int, default=_env("max_message_bytes", d.max_message_bytes, int))
     p.add_argument("--drain-s", type=float, default=_env("drain_s", d.drain_s, float),
                    help="after SIGTERM, report NOT_SERVING this long before closing the listener")
+    p.add_argument("--random-weights", action="store_true", default=_env("random_weights", False, bool),
+                   help="benchmarks: draw weights on the device instead of reading a checkpoint")
+    p.add_argument("--shard-of", type=int, default=_env("shard_of", 0, int),
+                   help="benchmarks: with --tp 1, compute rank 0's shard of a TP-N drafter (no exchange)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=_env("warmup", True, bool))
     p.add_argument("--seed", type=int, default=_env("seed", d.seed, int), help="seed of the synthetic checkpoint")
 
@@ -153,6 +157,22 @@ def cmd_step(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    import torch
+
+    from dspark_sidecar.bench import BenchConfig, run_bench
+
+    device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints(a.reqs), contexts=ints(a.contexts),
+                     modes=tuple(a.modes), dtype=a.dtype, repeats=a.repeats, out_dir=a.out_dir,
+                     sidecar_backend=a.sidecar_backend)
+    report = run_bench(bc, device)
+    print(f"device {report['device']}, copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s; "
+          f"wrote {a.out_dir / 'bench.json'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=os.environ.get("DSPARK_LOG_LEVEL", "INFO"),
@@ -171,7 +191,20 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--context", type=int, default=4096)
     sp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     sp.add_argument("--repeat", type=int, default=5)
+    bp = sub.add_parser("bench", help="draft-step latency vs the HBM floor and the stock layers, one run")
+    bp.add_argument("--preset", default="minimax-m3.1")
+    bp.add_argument("--shard-of", type=int, default=4, help="time rank 0's shard of a TP-N drafter")
+    bp.add_argument("--reqs", default="1,8,32", help="comma-separated request counts")
+    bp.add_argument("--contexts", default="512,4096", help="comma-separated context lengths")
+    bp.add_argument("--modes", default="abcde", help="a ref eager, b ref graphed, c GPU backend, d data plane, e gRPC")
+    bp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    bp.add_argument("--repeats", type=int, default=30)
+    bp.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    bp.add_argument("--sidecar-backend", default="auto")
+    bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
     a = ap.parse_args(argv)
+    if a.cmd == "bench":
+        return cmd_bench(a)
     if a.cmd == "serve":
         return cmd_serve(a, argv)
     if a.cmd == "status":

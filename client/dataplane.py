@@ -52,7 +52,7 @@ class StepBuffers:
         self.embeds = _alloc((n, hidden), dtype, device, self._shm)
         self.hidden = _alloc((n, hidden), dtype, device, self._shm)
         # Metadata lives in host shared memory on every device kind (see module docstring).
-        meta = memory.shm_empty((2 * n * 8 + max_reqs * 4 + max_reqs * max_pages * 4,), torch.uint8)
+        meta = memory.shm_empty((2 * n * 8 + max_reqs * 4 + max_reqs * max_pages * 4 + 4 * 8,), torch.uint8)  # + alignment
         self._shm.append(meta)
         self.meta_bytes = meta.tensor
         self.max_reqs, self.max_pages, self.dtype, self.device = max_reqs, max_pages, dtype, device

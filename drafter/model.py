@@ -107,6 +107,13 @@ class DSparkDrafter(nn.Module):
             layer.load(source, i)
         return self
 
+    def set_ops(self, ops: Ops) -> DSparkDrafter:
+        """Compute with another backend's ops from now on (same weights; used by benchmarks)."""
+        for m in self.modules():
+            if hasattr(m, "ops"):
+                m.ops = ops
+        return self
+
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
 

@@ -154,3 +154,39 @@ def attn_prelude(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, 
     k = qk_norm_rope(k.reshape(-1, kv_heads, d), k_norm, cos, sin, eps)
     write_kv(kv_layer, k, v.reshape(-1, kv_heads, d), slots)
     return q
+
+
+def paged_window_attention_static(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows_per_req: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_window_attention` with shapes fixed by the inputs' shapes alone (no host reads), so a
+    CUDA graph can capture it: every request gathers the same number of keys,
+    min(window + rows - 1, max_pages * page_size), ending at its last row, and masks the rest.
+    Same arguments and result as the loop form; fp32 scores and softmax.
+    """
+    n, hq, d = q.shape
+    R = seq_lens.shape[0]
+    page_size, hk = kv_layer.shape[2], kv_layer.shape[3]
+    group = hq // hk
+    max_keys = min(window + rows_per_req - 1, block_tables.shape[1] * page_size)
+    last = seq_lens.to(torch.int64)[:, None] - 1  # [R, 1]
+    key_pos = last - (max_keys - 1) + torch.arange(max_keys, device=q.device)[None, :]  # [R, K]
+    in_seq = key_pos >= 0
+    kp = key_pos.clamp(min=0)
+    slots = block_tables.to(torch.int64).gather(1, kp // page_size) * page_size + kp % page_size
+    kf = kv_layer[0].reshape(-1, hk, d)[slots].float()  # [R, K, hk, d]
+    vf = kv_layer[1].reshape(-1, hk, d)[slots].float()
+    qf = q.float().view(R, rows_per_req, hk, group, d)
+    scores = torch.einsum("rqkgd,rmkd->rkgqm", qf, kf) * scale  # [R, hk, g, rows, K]
+    row_pos = positions.view(R, rows_per_req)
+    visible = in_seq[:, None, :] & (key_pos[:, None, :] >= row_pos[:, :, None] - (window - 1))  # [R, rows, K]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    o = torch.einsum("rkgqm,rmkd->rqkgd", torch.softmax(scores, dim=-1), vf)
+    return o.reshape(n, hq, d).to(q.dtype)

@@ -25,6 +25,9 @@ class ShmTensor:
     segment: shared_memory.SharedMemory
 
     def close(self, unlink: bool = True) -> None:
+        if self.tensor is not None:
+            with _EXPORTED_LOCK:
+                _EXPORTED.pop(self.tensor.untyped_storage().data_ptr(), None)
         self.tensor = None  # type: ignore[assignment]  # drop the view before the mapping goes
         self.segment.close()
         if unlink:

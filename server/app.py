@@ -19,7 +19,9 @@ import torch.distributed as dist
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dspark_sidecar.drafter.checkpoint import EMBED_KEY, CheckpointReader, ensure_synthetic_checkpoint
+from dspark_sidecar.drafter.checkpoint import (
+    EMBED_KEY, CheckpointReader, SyntheticSource, ensure_synthetic_checkpoint,
+)
 from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
@@ -139,23 +141,30 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     cpu_group = dist.new_group(backend="gloo") if dist_backend != "gloo" else None
 
     dcfg = load_config(cfg.preset, cfg.checkpoint)
-    if cfg.checkpoint is None:
+    dtype = DTYPES[cfg.dtype]
+    shard_world = cfg.shard_of or world  # --shard-of: one process computes rank 0's shard of TP N
+    if cfg.random_weights:
+        dspark_dir = target_dir = None
+    elif cfg.checkpoint is None:
         if rank == 0:
             ensure_synthetic_checkpoint(dcfg, cfg.seed)
         dist.barrier(group=cpu_group)
         dspark_dir, target_dir = ensure_synthetic_checkpoint(dcfg, cfg.seed)
     else:
         dspark_dir, target_dir = cfg.checkpoint, cfg.target_checkpoint
-    host = probe_host(cfg.tp)
+    host = probe_host(shard_world)
     choice = choose_backend(cfg, host, device)
-    dtype = DTYPES[cfg.dtype]
-    par = ParallelContext(rank, world, DistExchange(None) if world > 1 else LocalExchange())
+    par = ParallelContext(rank, shard_world, DistExchange(None) if world > 1 else LocalExchange())
     t = time.perf_counter()
-    model = DSparkDrafter(dcfg, par, choice.ops, dtype, device).load(
-        CheckpointReader(dspark_dir, dtype, dcfg.quant_block, device))
-    if target_dir is None:
-        raise SystemExit("--target-checkpoint is required with --checkpoint (embed_tokens lives in the target)")
-    embed = CheckpointReader(target_dir, dtype, device=device).read(EMBED_KEY, (dcfg.vocab_size, dcfg.hidden_size))
+    if cfg.random_weights:
+        weights = embeds = SyntheticSource(dcfg, dtype, device, cfg.seed)
+    else:
+        if target_dir is None:
+            raise SystemExit("--target-checkpoint is required with --checkpoint (embed_tokens lives in the target)")
+        weights = CheckpointReader(dspark_dir, dtype, dcfg.quant_block, device)
+        embeds = CheckpointReader(target_dir, dtype, device=device)
+    model = DSparkDrafter(dcfg, par, choice.ops, dtype, device).load(weights)
+    embed = embeds.read(EMBED_KEY, (dcfg.vocab_size, dcfg.hidden_size))
     log.info("rank %d: %s shard loaded in %.1f s on %s (%s, backend %s; FlyDSL path: %s)", rank, dcfg.name,
              time.perf_counter() - t, device, cfg.dtype, choice.name, choice.flydsl_refusal or "on")
 
@@ -168,7 +177,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     metrics = Metrics(rank)
     if cfg.metrics_port:
         metrics.serve_http(cfg.metrics_host, cfg.metrics_port + rank)
-    memory = MemoryBindings(dcfg, world, rank, dtype, device)
+    memory = MemoryBindings(dcfg, shard_world, rank, dtype, device)
     ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs)
     life = Lifecycle(backend=choice.name, host=host, strict=cfg.strict_refusal, dist_backend=dist_backend)
     loop = RankLoop(ctx, rendezvous)

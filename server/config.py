@@ -43,6 +43,9 @@ class ServeConfig:
     warmup: bool = True
     drain_s: float = 1.0  # after SIGTERM: NOT_SERVING for this long before the listener closes
     seed: int = 0  # of the synthetic checkpoint
+    # Benchmark emulation (never for serving an engine's real traffic):
+    random_weights: bool = False  # draw weights on the device instead of reading a checkpoint
+    shard_of: int = 0  # with --tp 1: compute rank 0's shard of a TP-N drafter, partial sums not exchanged
 
     def __post_init__(self) -> None:
         if not 1 <= self.tp <= 64:
@@ -67,6 +70,8 @@ class ServeConfig:
             raise ServeConfigError(
                 f"--tcp-host: {self.tcp_host} is not a loopback address; KV handles grant memory "
                 "access, so serving off-node needs --allow-remote")
+        if self.shard_of and (self.tp != 1 or self.shard_of < 2):
+            raise ServeConfigError(f"--shard-of: needs --tp 1 and N >= 2, got --tp {self.tp} --shard-of {self.shard_of}")
         if not 0 <= self.drain_s <= 300:
             raise ServeConfigError(f"--drain-s: must be 0..300, got {self.drain_s}")
         if self.max_message_bytes < 1 << 20:

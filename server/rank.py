@@ -157,7 +157,7 @@ def warm_up(ctx: RankContext, page_size: int = 16) -> float:
     cfg, m = ctx.cfg, ctx.model
     lens = [1 + 37 * i for i in range(layout.LAUNCH_REQS)]
     pages = sum(scenario.pages_needed(c + layout.QPR, page_size) for c in lens)
-    kv = allocate_kv_cache(cfg, ctx.world, pages, page_size, m.dtype, m.device)
+    kv = allocate_kv_cache(cfg, m.par.world_size, pages, page_size, m.dtype, m.device)
     step = scenario.random_step(cfg, lens, page_size, pages, ctx.embed, seed=0)
     t = time.perf_counter()
     m.draft_step(step.inputs_embeds.to(m.device, m.dtype), step.positions.to(m.device), step.meta.to(m.device), kv)

@@ -1,0 +1,307 @@
+"""`dspark-sidecar bench`: one draft step against the HBM floor and the stock layers, all measured in one run.
+
+Modes, each at TP-rank-shard shapes (rank 0 of `shard_of`; partial sums are not exchanged, as
+on one GPU there is no peer):
+  a  reference layers in-process, eager          b  the same, CUDA-graphed (static-shape attention)
+  c  the GPU backend in-process, CUDA-graphed     d  the sidecar from the engine over the data plane
+  e  the sidecar over the gRPC stream with inline tensors
+The floor is the bytes a step must read (the shard's layer weights once, each request's window
+of K/V) over a device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspark_sidecar import layout
+from dspark_sidecar.drafter import scenario
+from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
+from dspark_sidecar.drafter.config import DrafterConfig, load_config
+from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+from dspark_sidecar.drafter.model import DSparkDrafter
+from dspark_sidecar.drafter.parallel import ParallelContext
+from dspark_sidecar.kernels import reference
+from dspark_sidecar.kernels.ops import REFERENCE_OPS
+
+MODES = ("a", "b", "c", "d", "e")
+NAMES = {"a": "reference eager", "b": "reference graphed", "c": "GPU backend graphed",
+         "d": "sidecar data plane", "e": "sidecar gRPC inline"}
+GRAPHABLE_REFERENCE = dataclasses.replace(REFERENCE_OPS, name="reference-static",
+                                          paged_window_attention=reference.paged_window_attention_static)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    preset: str = "minimax-m3.1"
+    shard_of: int = 4
+    reqs: tuple[int, ...] = (1, 8, 32)
+    contexts: tuple[int, ...] = (512, 4096)
+    modes: tuple[str, ...] = MODES
+    dtype: str = "bf16"
+    repeats: int = 30
+    page_size: int = 16
+    out_dir: Path = Path("bench-out")
+    sidecar_backend: str = "auto"
+    seed: int = 0
+    notes: dict = field(default_factory=dict)
+
+
+class Case:
+    """One (R, context) step on the shared KV cache: inputs on the device, metadata on both sides."""
+
+    def __init__(self, cfg: DrafterConfig, R: int, ctx: int, page: int, pages: int, embed: torch.Tensor,
+                 device: torch.device, seed: int) -> None:
+        self.R, self.ctx = R, ctx
+        self.host = scenario.random_step(cfg, [ctx] * R, page, pages, embed, seed=seed)
+        self.embeds = self.host.inputs_embeds.to(device)
+        self.positions = self.host.positions.to(device)
+        self.meta = self.host.meta.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timeit(fn, device: torch.device, repeats: int, warmup: int = 3) -> list[float]:
+    """Wall-clock ms per call, the device synchronized around each call."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    if device.type != "cuda":
+        nbytes = 64 << 20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = statistics.median(timeit(lambda: dst.copy_(src), device, 10))
+    return 2 * nbytes / (ms / 1e3)
+
+
+def floor_bytes(model: DSparkDrafter, cfg: DrafterConfig, R: int, ctx: int) -> int:
+    """The shard's layer weights and final norm read once, plus each request's K/V window per layer."""
+    w = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith(("layers.", "final_norm")))
+    keys = min(ctx + layout.QPR, cfg.sliding_window + layout.QPR - 1)
+    kv_local = cfg.num_key_value_heads // model.par.world_size
+    kv = R * keys * 2 * kv_local * cfg.head_dim * torch.empty((), dtype=model.dtype).element_size()
+    return w + kv * cfg.num_hidden_layers
+
+
+def graphed(fn, device: torch.device):
+    """Capture fn once into a CUDA graph; returns the replay callable."""
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+class SidecarUnderTest:
+    """A one-process sidecar computing the same shard (--tp 1 --shard-of N --random-weights)."""
+
+    def __init__(self, bc: BenchConfig, device: torch.device, work: Path) -> None:
+        self.sock = work / "sock"
+        argv = [sys.executable, "-m", "dspark_sidecar", "serve", "--tp", "1", "--shard-of", str(bc.shard_of),
+                "--random-weights", "--preset", bc.preset, "--dtype", bc.dtype, "--socket-dir", str(self.sock),
+                "--device", device.type, "--backend", bc.sidecar_backend, "--max-reqs", str(max(bc.reqs)),
+                "--seed", str(bc.seed), "--drain-s", "0"]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        self.log = open(work / "sidecar.log", "wb")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        from dspark_sidecar.server.healthcheck import check
+
+        deadline = time.monotonic() + 600
+        while check(self.target, 1.0) != "SERVING":
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"bench sidecar did not start; see {work / 'sidecar.log'}")
+            time.sleep(0.5)
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.sock}/rank0.sock"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+def run_bench(bc: BenchConfig, device: torch.device) -> dict:
+    import grpc
+
+    from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
+    from dspark_sidecar.proto import codec, memory
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    cfg = load_config(bc.preset)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[bc.dtype]
+    source = SyntheticSource(cfg, dtype, device, bc.seed)
+    model = DSparkDrafter(cfg, ParallelContext(0, bc.shard_of), REFERENCE_OPS, dtype, device).load(source)
+    embed = source.read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
+    page = bc.page_size
+    pages = max(bc.reqs) * scenario.pages_needed(max(bc.contexts) + layout.QPR, page)
+    shape = kv_layer_shape(cfg, bc.shard_of, pages, page)
+    gen = torch.Generator(device).manual_seed(bc.seed)
+    if device.type == "cuda":
+        kv = [torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype) for _ in range(cfg.num_hidden_layers)]
+        kv_shm = None
+    else:  # the sidecar maps the engine's cache: on CPU it must live in shared memory
+        kv_shm = [memory.shm_empty(shape, dtype) for _ in range(cfg.num_hidden_layers)]
+        kv = [t.tensor for t in kv_shm]
+        for t in kv:
+            t.copy_(torch.randn(shape, generator=gen))
+    bw = copy_bandwidth(device)
+    gpu_ops = None
+    if device.type == "cuda":
+        from dspark_sidecar.kernels.triton.ops import TRITON_OPS
+
+        gpu_ops = TRITON_OPS
+    rows: list[dict] = []
+    work = Path(tempfile.mkdtemp(prefix="dspark-bench-"))
+    side = SidecarUnderTest(bc, device, work) if {"d", "e"} & set(bc.modes) else None
+    try:
+        if side is not None:
+            channel = grpc.insecure_channel(side.target, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                                   ("grpc.max_send_message_length", 1 << 30)])
+            stub = pb_grpc.DrafterSidecarStub(channel)
+            facts = pb.EngineFacts(engine_rank=0, tp_size=bc.shard_of, dp_size=1, pp_size=1,
+                                   speculative_method="dspark", num_speculative_tokens=7, device=str(device))
+            binding = stub.BindKV(pb.BindKVRequest(engine=facts, page_size=page, layers=[
+                pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(dtype),
+                                  shape=list(t.shape), strides=list(t.stride()), storage_offset=0)
+                for i, t in enumerate(kv)]), timeout=60)
+            max_pages = scenario.pages_needed(max(bc.contexts) + layout.QPR, page)
+            bufs = StepBuffers(stub, cfg.hidden_size, max(bc.reqs), max_pages, dtype, device) if "d" in bc.modes else None
+            bell = DoorbellChannel(stub, device) if "d" in bc.modes else None
+        step_id = 0
+        for ctx in bc.contexts:
+            for R in bc.reqs:
+                case = Case(cfg, R, ctx, page, pages, embed, device, seed=R * 7 + ctx)
+                floor_ms = floor_bytes(model, cfg, R, ctx) / bw * 1e3
+                results: dict[str, list[float] | str] = {}
+
+                def eager(ops):
+                    model.set_ops(ops)
+                    return lambda: model.draft_step(case.embeds, case.positions, case.meta, kv)
+
+                for mode in bc.modes:
+                    if mode == "a":
+                        results[mode] = timeit(eager(REFERENCE_OPS), device, bc.repeats)
+                    elif mode in ("b", "c"):
+                        if device.type != "cuda":
+                            results[mode] = "n/a: needs a GPU"
+                            continue
+                        fn = graphed(eager(GRAPHABLE_REFERENCE if mode == "b" else gpu_ops), device)
+                        results[mode] = timeit(fn, device, bc.repeats)
+                    elif mode in ("d", "e"):
+                        def remote(mode=mode):
+                            nonlocal step_id
+                            step_id += 1
+                            req = pb.DraftStepRequest(step_id=step_id, binding_id=binding.binding_id,
+                                                      binding_generation=binding.generation, num_requests=R)
+                            if mode == "d":
+                                out = bufs.fill(req, case.embeds, case.host.positions, case.host.meta)
+                                bell.send(req)
+                                resp = bell.wait(step_id, 60.0)
+                            else:
+                                for f, t in (("positions", case.host.positions), ("inputs_embeds", case.embeds),
+                                             ("seq_lens", case.host.meta.seq_lens), ("block_tables", case.host.meta.block_tables),
+                                             ("slot_mapping", case.host.meta.slot_mapping)):
+                                    getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
+                                resp = stub.DraftStep(req, timeout=60)
+                                out = codec.from_tensor_ref(resp.hidden_states, "hidden").to(device)
+                            if resp is None or resp.HasField("error"):
+                                raise RuntimeError(f"sidecar step failed: {resp.error if resp else 'timeout'}")
+                            return out
+
+                        results[mode] = timeit(remote, device, bc.repeats)
+                base = results.get("b") if isinstance(results.get("b"), list) else None
+                for mode, ms in results.items():
+                    row = {"mode": mode, "name": NAMES[mode], "R": R, "context": ctx, "floor_ms": floor_ms}
+                    if isinstance(ms, str):
+                        row["note"] = ms
+                    else:
+                        p50 = statistics.median(ms)
+                        row |= {"p50_ms": p50, "p99_ms": sorted(ms)[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)],
+                                "x_floor": p50 / floor_ms,
+                                "x_b": p50 / statistics.median(base) if base else None}
+                    rows.append(row)
+                    print(_fmt(row), flush=True)
+    finally:
+        if side is not None:
+            if "d" in bc.modes:
+                bell.close()
+                bufs.close()
+            channel.close()
+            side.close()
+        if kv_shm is not None:
+            kv.clear()
+            for t in kv_shm:
+                t.close()
+    report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(bc).items()},
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "copy_bandwidth_GBps": bw / 1e9, "rows": rows}
+    bc.out_dir.mkdir(parents=True, exist_ok=True)
+    (bc.out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    _plot(report, bc.out_dir / "bench.png")
+    return report
+
+
+def _fmt(row: dict) -> str:
+    head = f"{row['name']:<22} R={row['R']:>2} ctx={row['context']:>5}"
+    if "note" in row:
+        return f"{head}  {row['note']}"
+    xb = f"{row['x_b']:.2f}x b" if row.get("x_b") else "   -   "
+    return (f"{head}  p50 {row['p50_ms']:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  floor {row['floor_ms']:.3f} ms  "
+            f"{row['x_floor']:6.2f}x floor  {xb}")
+
+
+def _plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(no matplotlib: {path.name} not written)")
+        return
+    contexts = sorted({r["context"] for r in report["rows"]})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
+    for ax, ctx in zip(axes[0], contexts):
+        for mode in MODES:
+            pts = [(r["R"], r["p50_ms"]) for r in report["rows"] if r["mode"] == mode and r["context"] == ctx and "p50_ms" in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{mode}: {NAMES[mode]}")
+        floor = sorted({(r["R"], r["floor_ms"]) for r in report["rows"] if r["context"] == ctx})
+        ax.plot(*zip(*floor), "k--", label="HBM floor")
+        ax.set(title=f"context {ctx} ({report['device']})", xlabel="requests R", ylabel="ms (p50)", yscale="log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
