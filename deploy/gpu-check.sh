@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU checks and the benchmark on one NVIDIA host, in a checkout without an install step:
+# gpu-marked tests, then `dspark-sidecar bench`, with the CUDA MPS daemon running (two processes
+# sharing a GPU otherwise pay a context switch per step). Logs and bench.json go to $OUT.
+set -uo pipefail
+out=${OUT:-/tmp/dspark-gpu-check}
+mkdir -p "$out"
+if [[ -d .whl ]]; then  # packages the host lacks, carried as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/dspark-site
+fi
+mkdir -p /tmp/dspark-pkg && ln -sfn "$PWD" /tmp/dspark-pkg/dspark_sidecar
+export PYTHONPATH=/tmp/dspark-pkg${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/dspark-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dspark-mps-log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+mps=0
+if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
+  mps=1
+fi
+echo "MPS daemon: $mps" | tee "$out/env.log"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$out/env.log" 2>&1
+python3 -c 'import torch, triton, grpc; print(torch.__version__, triton.__version__, grpc.__version__)' >>"$out/env.log" 2>&1
+rc=0
+read -r -a pytest_args <<<"${PYTEST_ARGS:-}"
+read -r -a bench_args <<<"${BENCH_ARGS:-}"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests "${pytest_args[@]}" 2>&1 | tee "$out/gpu-tests.log" || rc=1
+python3 -m dspark_sidecar bench --out-dir "$out" "${bench_args[@]}" 2>&1 | grep -v ' INFO ' | tee "$out/bench.log" || rc=1
+if [[ $mps == 1 ]]; then
+  echo quit | nvidia-cuda-mps-control
+fi
+exit $rc
