@@ -252,6 +252,7 @@ class Record:
     decisions: list[str] = field(default_factory=list)  # "F" forwarded / "L" local, per round
     reasons: list[str] = field(default_factory=list)
     reqs: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)  # the longest sequence of each round
     fwd_ns: list[int] = field(default_factory=list)
     local_ns: list[int] = field(default_factory=list)
     digest: int = 0
@@ -280,6 +281,7 @@ class Record:
         self.decisions.append("F" if forwarded else "L")
         self.reasons.append(reason)
         self.reqs.append(r)
+        self.seq_lens.append(seq_len)
         self.digest = zlib.crc32(drafts.numpy().tobytes(), self.digest)
         self.max_seq_len = max(self.max_seq_len, seq_len)
 

@@ -63,6 +63,24 @@ class SidecarLauncher:
         finally:
             conn.close()
 
+    def rank_pids(self) -> list[int]:
+        """PIDs of the rank processes (the launcher's children carrying RANK), in rank order."""
+        assert self.proc is not None
+        ranked = []
+        for child in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split():
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            rank = next((int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                ranked.append((rank, int(child)))
+        return [pid for _, pid in sorted(ranked)]
+
+    def kill_rank(self, rank: int) -> None:
+        """SIGKILL one rank process (a crash); the sidecar's other ranks then go down too."""
+        os.kill(self.rank_pids()[rank], signal.SIGKILL)
+
     def log_tail(self, n: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
