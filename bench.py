@@ -34,6 +34,9 @@ from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
+from dspark_sidecar.proto import codec, memory
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
 MODES = ("a", "b", "c", "d", "e")
 NAMES = {"a": "reference eager", "b": "reference graphed", "c": "GPU backend graphed",
@@ -152,96 +155,120 @@ class SidecarUnderTest:
         self.log.close()
 
 
+class Bench:
+    """The state one bench run shares across cases: weights, the KV cache, the sidecar connection."""
+
+    def __init__(self, bc: BenchConfig, device: torch.device) -> None:
+        self.bc, self.device = bc, device
+        self.cfg = cfg = load_config(bc.preset)
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[bc.dtype]
+        source = SyntheticSource(cfg, self.dtype, device, bc.seed)
+        self.model = DSparkDrafter(cfg, ParallelContext(0, bc.shard_of), REFERENCE_OPS, self.dtype, device).load(source)
+        self.embed = source.read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
+        self.pages = max(bc.reqs) * scenario.pages_needed(max(bc.contexts) + layout.QPR, bc.page_size)
+        shape = kv_layer_shape(cfg, bc.shard_of, self.pages, bc.page_size)
+        gen = torch.Generator(device).manual_seed(bc.seed)
+        self._shm = []
+        if device.type == "cuda":
+            self.kv = [torch.randn(shape, generator=gen, device=device).to(self.dtype) for _ in range(cfg.num_hidden_layers)]
+        else:  # the sidecar maps the engine's cache: on CPU it must live in shared memory
+            self._shm = [memory.shm_empty(shape, self.dtype) for _ in range(cfg.num_hidden_layers)]
+            self.kv = [t.tensor for t in self._shm]
+            for t in self.kv:
+                t.copy_(torch.randn(shape, generator=gen))
+        self.gpu_ops = None
+        if device.type == "cuda":
+            from dspark_sidecar.kernels.triton.ops import TRITON_OPS
+
+            self.gpu_ops = TRITON_OPS
+        self.step_id = 0
+        self.side = self.channel = self.bufs = self.bell = None
+        if {"d", "e"} & set(bc.modes):
+            self._connect()
+
+    def _connect(self) -> None:
+        import grpc
+
+        from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
+
+        bc, device = self.bc, self.device
+        self.side = SidecarUnderTest(bc, device, Path(tempfile.mkdtemp(prefix="dspark-bench-")))
+        self.channel = grpc.insecure_channel(self.side.target, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                                        ("grpc.max_send_message_length", 1 << 30)])
+        self.stub = pb_grpc.DrafterSidecarStub(self.channel)
+        facts = pb.EngineFacts(engine_rank=0, tp_size=bc.shard_of, dp_size=1, pp_size=1,
+                               speculative_method="dspark", num_speculative_tokens=7, device=str(device))
+        self.binding = self.stub.BindKV(pb.BindKVRequest(engine=facts, page_size=bc.page_size, layers=[
+            pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(self.dtype),
+                              shape=list(t.shape), strides=list(t.stride()), storage_offset=0)
+            for i, t in enumerate(self.kv)]), timeout=60)
+        if "d" in bc.modes:
+            max_pages = scenario.pages_needed(max(bc.contexts) + layout.QPR, bc.page_size)
+            self.bufs = StepBuffers(self.stub, self.cfg.hidden_size, max(bc.reqs), max_pages, self.dtype, device)
+            self.bell = DoorbellChannel(self.stub, device)
+
+    def _eager(self, ops, case: Case):
+        self.model.set_ops(ops)
+        return lambda: self.model.draft_step(case.embeds, case.positions, case.meta, self.kv)
+
+    def _remote(self, mode: str, case: Case) -> torch.Tensor:
+        self.step_id += 1
+        req = pb.DraftStepRequest(step_id=self.step_id, binding_id=self.binding.binding_id,
+                                  binding_generation=self.binding.generation, num_requests=case.R)
+        if mode == "d":
+            out = self.bufs.fill(req, case.embeds, case.host.positions, case.host.meta)
+            self.bell.send(req)
+            resp = self.bell.wait(self.step_id, 60.0)
+        else:
+            m = case.host.meta
+            for f, t in (("positions", case.host.positions), ("inputs_embeds", case.embeds), ("seq_lens", m.seq_lens),
+                         ("block_tables", m.block_tables), ("slot_mapping", m.slot_mapping)):
+                getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
+            resp = self.stub.DraftStep(req, timeout=60)
+            out = codec.from_tensor_ref(resp.hidden_states, "hidden").to(self.device)
+        if resp is None or resp.HasField("error"):
+            raise RuntimeError(f"sidecar step failed: {resp.error if resp is not None else 'timeout'}")
+        return out
+
+    def measure(self, mode: str, case: Case) -> list[float] | str:
+        """ms per step of one mode, or why it did not run."""
+        if mode == "a":
+            return timeit(self._eager(REFERENCE_OPS, case), self.device, self.bc.repeats)
+        if mode in ("b", "c"):
+            if self.device.type != "cuda":
+                return "n/a: needs a GPU"
+            fn = graphed(self._eager(GRAPHABLE_REFERENCE if mode == "b" else self.gpu_ops, case), self.device)
+            return timeit(fn, self.device, self.bc.repeats)
+        return timeit(lambda: self._remote(mode, case), self.device, self.bc.repeats)
+
+    def close(self) -> None:
+        if self.bell is not None:
+            self.bell.close()
+            self.bufs.close()
+        if self.channel is not None:
+            self.channel.close()
+        if self.side is not None:
+            self.side.close()
+        self.kv = []
+        for t in self._shm:
+            t.close()
+
+
 def run_bench(bc: BenchConfig, device: torch.device) -> dict:
-    import grpc
-
-    from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
-    from dspark_sidecar.proto import codec, memory
-    from dspark_sidecar.proto import sidecar_pb2 as pb
-    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
-
-    cfg = load_config(bc.preset)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[bc.dtype]
-    source = SyntheticSource(cfg, dtype, device, bc.seed)
-    model = DSparkDrafter(cfg, ParallelContext(0, bc.shard_of), REFERENCE_OPS, dtype, device).load(source)
-    embed = source.read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
-    page = bc.page_size
-    pages = max(bc.reqs) * scenario.pages_needed(max(bc.contexts) + layout.QPR, page)
-    shape = kv_layer_shape(cfg, bc.shard_of, pages, page)
-    gen = torch.Generator(device).manual_seed(bc.seed)
-    if device.type == "cuda":
-        kv = [torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype) for _ in range(cfg.num_hidden_layers)]
-        kv_shm = None
-    else:  # the sidecar maps the engine's cache: on CPU it must live in shared memory
-        kv_shm = [memory.shm_empty(shape, dtype) for _ in range(cfg.num_hidden_layers)]
-        kv = [t.tensor for t in kv_shm]
-        for t in kv:
-            t.copy_(torch.randn(shape, generator=gen))
+    bench = Bench(bc, device)
     bw = copy_bandwidth(device)
-    gpu_ops = None
-    if device.type == "cuda":
-        from dspark_sidecar.kernels.triton.ops import TRITON_OPS
-
-        gpu_ops = TRITON_OPS
     rows: list[dict] = []
-    work = Path(tempfile.mkdtemp(prefix="dspark-bench-"))
-    side = SidecarUnderTest(bc, device, work) if {"d", "e"} & set(bc.modes) else None
     try:
-        if side is not None:
-            channel = grpc.insecure_channel(side.target, options=[("grpc.max_receive_message_length", 1 << 30),
-                                                                   ("grpc.max_send_message_length", 1 << 30)])
-            stub = pb_grpc.DrafterSidecarStub(channel)
-            facts = pb.EngineFacts(engine_rank=0, tp_size=bc.shard_of, dp_size=1, pp_size=1,
-                                   speculative_method="dspark", num_speculative_tokens=7, device=str(device))
-            binding = stub.BindKV(pb.BindKVRequest(engine=facts, page_size=page, layers=[
-                pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(dtype),
-                                  shape=list(t.shape), strides=list(t.stride()), storage_offset=0)
-                for i, t in enumerate(kv)]), timeout=60)
-            max_pages = scenario.pages_needed(max(bc.contexts) + layout.QPR, page)
-            bufs = StepBuffers(stub, cfg.hidden_size, max(bc.reqs), max_pages, dtype, device) if "d" in bc.modes else None
-            bell = DoorbellChannel(stub, device) if "d" in bc.modes else None
-        step_id = 0
         for ctx in bc.contexts:
             for R in bc.reqs:
-                case = Case(cfg, R, ctx, page, pages, embed, device, seed=R * 7 + ctx)
-                floor_ms = floor_bytes(model, cfg, R, ctx) / bw * 1e3
+                case = Case(bench.cfg, R, ctx, bc.page_size, bench.pages, bench.embed, device, seed=R * 7 + ctx)
+                floor_ms = floor_bytes(bench.model, bench.cfg, R, ctx) / bw * 1e3
                 results: dict[str, list[float] | str] = {}
-
-                def eager(ops):
-                    model.set_ops(ops)
-                    return lambda: model.draft_step(case.embeds, case.positions, case.meta, kv)
-
                 for mode in bc.modes:
-                    if mode == "a":
-                        results[mode] = timeit(eager(REFERENCE_OPS), device, bc.repeats)
-                    elif mode in ("b", "c"):
-                        if device.type != "cuda":
-                            results[mode] = "n/a: needs a GPU"
-                            continue
-                        fn = graphed(eager(GRAPHABLE_REFERENCE if mode == "b" else gpu_ops), device)
-                        results[mode] = timeit(fn, device, bc.repeats)
-                    elif mode in ("d", "e"):
-                        def remote(mode=mode):
-                            nonlocal step_id
-                            step_id += 1
-                            req = pb.DraftStepRequest(step_id=step_id, binding_id=binding.binding_id,
-                                                      binding_generation=binding.generation, num_requests=R)
-                            if mode == "d":
-                                out = bufs.fill(req, case.embeds, case.host.positions, case.host.meta)
-                                bell.send(req)
-                                resp = bell.wait(step_id, 60.0)
-                            else:
-                                for f, t in (("positions", case.host.positions), ("inputs_embeds", case.embeds),
-                                             ("seq_lens", case.host.meta.seq_lens), ("block_tables", case.host.meta.block_tables),
-                                             ("slot_mapping", case.host.meta.slot_mapping)):
-                                    getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
-                                resp = stub.DraftStep(req, timeout=60)
-                                out = codec.from_tensor_ref(resp.hidden_states, "hidden").to(device)
-                            if resp is None or resp.HasField("error"):
-                                raise RuntimeError(f"sidecar step failed: {resp.error if resp else 'timeout'}")
-                            return out
-
-                        results[mode] = timeit(remote, device, bc.repeats)
+                    try:
+                        results[mode] = bench.measure(mode, case)
+                    except Exception as exc:  # noqa: BLE001  (a broken mode is reported, the run goes on)
+                        results[mode] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 base = results.get("b") if isinstance(results.get("b"), list) else None
                 for mode, ms in results.items():
                     row = {"mode": mode, "name": NAMES[mode], "R": R, "context": ctx, "floor_ms": floor_ms}
@@ -255,16 +282,7 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                     rows.append(row)
                     print(_fmt(row), flush=True)
     finally:
-        if side is not None:
-            if "d" in bc.modes:
-                bell.close()
-                bufs.close()
-            channel.close()
-            side.close()
-        if kv_shm is not None:
-            kv.clear()
-            for t in kv_shm:
-                t.close()
+        bench.close()
     report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(bc).items()},
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "copy_bandwidth_GBps": bw / 1e9, "rows": rows}

@@ -143,6 +143,9 @@ class DSparkDrafter(nn.Module):
                        kv_caches: list[torch.Tensor]) -> None:
         """Spec 3A: committed rows' taps [m, num_taps * hidden] -> every layer's K/V at `slots` (int64 [m];
         -1 = padding, skipped). Context rows never pass through the layers or input_layernorm."""
+        keep = slots >= 0  # padding rows (slot -1) are dropped here, once, not in every write
+        if not bool(keep.all()):
+            taps, positions, slots = taps[keep], positions[keep], slots[keep]
         c = self.ops.rms_norm(self.fc(taps.to(self.dtype)), self.hidden_norm.weight, self.cfg.rms_norm_eps)
         cos, sin = self._rope(positions)
         for layer, kv_layer in zip(self.layers, kv_caches, strict=True):

@@ -75,14 +75,12 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write K/V rows into one layer's paged cache at flat slots; slots < 0 are padding, skipped.
+    """Write K/V rows into one layer's paged cache at flat slots (every slot valid: no host reads,
+    so a CUDA graph can capture it; the context commit drops padding slots before calling).
 
     kv_layer [2, num_pages, page_size, kv_heads, head_dim]; k, v [m, kv_heads, head_dim];
     slots int64 [m], slot = page_id * page_size + offset.
     """
-    keep = slots >= 0
-    if not bool(keep.all()):
-        k, v, slots = k[keep], v[keep], slots[keep]
     flat = kv_layer.view(2, -1, kv_layer.shape[-2], kv_layer.shape[-1])
     flat[0].index_copy_(0, slots, k.to(kv_layer.dtype))
     flat[1].index_copy_(0, slots, v.to(kv_layer.dtype))
