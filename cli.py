@@ -157,6 +157,17 @@ def cmd_step(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(a: argparse.Namespace) -> int:
+    from dspark_sidecar.client.demo import DemoConfig, format_report, run_demo
+
+    cfg = DemoConfig(rounds=a.rounds, tp=a.tp, preset=a.preset, seed=a.seed, max_reqs=a.max_reqs, dtype=a.dtype,
+                     socket_dir=str(a.socket_dir) if a.socket_dir else None, start_sidecar=not a.use_running_sidecar,
+                     verify=a.verify, rendezvous_ms=a.rendezvous_ms)
+    report = run_demo(cfg)
+    print(format_report(report))
+    return 0
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     import torch
 
@@ -191,6 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--context", type=int, default=4096)
     sp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     sp.add_argument("--repeat", type=int, default=5)
+    dp = sub.add_parser("demo", help="TP-4 sidecar + TP-4 engine harness: N rounds, forwarded vs local")
+    dp.add_argument("--rounds", type=int, default=_env("demo_rounds", 100, int))
+    dp.add_argument("--tp", type=int, default=_env("tp", 4, int))
+    dp.add_argument("--preset", default="tiny")
+    dp.add_argument("--seed", type=int, default=0)
+    dp.add_argument("--max-reqs", type=int, default=8, help="the sidecar's --max-reqs; the mix goes above it")
+    dp.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
+    dp.add_argument("--socket-dir", type=Path, default=None, help="default: a fresh temporary folder")
+    dp.add_argument("--use-running-sidecar", action="store_true",
+                    help="talk to a sidecar already serving at --socket-dir instead of starting one")
+    dp.add_argument("--no-verify", dest="verify", action="store_false",
+                    help="skip running the local layers beside forwarded rounds")
+    dp.add_argument("--rendezvous-ms", type=int, default=200)
     bp = sub.add_parser("bench", help="draft-step latency vs the HBM floor and the stock layers, one run")
     bp.add_argument("--preset", default="minimax-m3.1")
     bp.add_argument("--shard-of", type=int, default=4, help="time rank 0's shard of a TP-N drafter")
@@ -205,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "bench":
         return cmd_bench(a)
+    if a.cmd == "demo":
+        return cmd_demo(a)
     if a.cmd == "serve":
         return cmd_serve(a, argv)
     if a.cmd == "status":
