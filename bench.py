@@ -128,9 +128,10 @@ def graphed(fn, device: torch.device):
 class SidecarUnderTest:
     """A one-process sidecar computing the same shard (--tp 1 --shard-of N --random-weights)."""
 
-    def __init__(self, bc: BenchConfig, device: torch.device, work: Path) -> None:
+    def __init__(self, bc: BenchConfig, device: torch.device, work: Path, tp: int = 1) -> None:
         self.sock = work / "sock"
-        argv = [sys.executable, "-m", "dspark_sidecar", "serve", "--tp", "1", "--shard-of", str(bc.shard_of),
+        shard = ["--shard-of", str(bc.shard_of)] if tp == 1 else []
+        argv = [sys.executable, "-m", "dspark_sidecar", "serve", "--tp", str(tp), *shard,
                 "--random-weights", "--preset", bc.preset, "--dtype", bc.dtype, "--socket-dir", str(self.sock),
                 "--device", device.type, "--backend", bc.sidecar_backend, "--max-reqs", str(max(bc.reqs)),
                 "--seed", str(bc.seed), "--drain-s", "0"]

@@ -178,6 +178,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints(a.reqs), contexts=ints(a.contexts),
                      modes=tuple(a.modes), dtype=a.dtype, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend)
+    if a.tp > 1:
+        from dspark_sidecar.bench_tp import run_tp_bench
+
+        bc.out_dir.mkdir(parents=True, exist_ok=True)
+        run_tp_bench(bc, a.tp)
+        return 0
     report = run_bench(bc, device)
     print(f"device {report['device']}, copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s; "
           f"wrote {a.out_dir / 'bench.json'}")
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     bp.add_argument("--sidecar-backend", default="auto")
     bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
+    bp.add_argument("--tp", type=int, default=1,
+                    help="N > 1: the sidecar at TP N on N GPUs, driven by N engine ranks over the data plane")
     a = ap.parse_args(argv)
     if a.cmd == "bench":
         return cmd_bench(a)
