@@ -1,0 +1,76 @@
+"""Harness pieces without a sidecar: the request mix, one in-process engine rank, the demo report."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark_sidecar import layout
+from dspark_sidecar.client.demo import DemoReport, format_report, summarise
+from dspark_sidecar.client.harness import EngineRank, Fault, HarnessConfig
+from dspark_sidecar.client.workload import MixConfig, Workload
+
+
+def test_workload_is_deterministic_and_pages_are_never_shared():
+    def trace(seed: int) -> list:
+        w = Workload(MixConfig(seed=seed, max_active=6), vocab=2048, page_size=16, num_pages=600)
+        out = []
+        for rnd in range(60):
+            w.admit()
+            owned = [p for r in w.active for p in r.pages]
+            assert len(owned) == len(set(owned)) and len(owned) + len(w.pool.free) == 600
+            for r in w.active:
+                assert len(r.pages) * 16 >= r.pos + layout.QPR  # the block rows have slots
+                drafts = [(r.anchor + j * 17) % 2048 for j in range(7)]
+                w.advance(r, w.accepted(r, drafts, rnd), drafts)
+            out.append([(r.rid, r.pos) for r in w.active])
+            w.retire()
+        return out
+
+    a, b = trace(1), trace(1)
+    assert a == b and a != trace(2)
+    start = MixConfig().long_prompt[0]  # request 0 starts just below the window, one round later:
+    assert start < a[0][0][1] <= start + layout.QPR + 1
+
+
+def test_engine_rank_tp1_drafts_deterministically_past_the_window(tiny_ckpt):
+    h = HarnessConfig(rounds=8, tp=1, checkpoint=(str(tiny_ckpt[0]), str(tiny_ckpt[1])), num_pages=400,
+                      mix=MixConfig(seed=0, max_active=3, long_prompt=(4094, 4094)), faults=(Fault(3, "realloc_kv"),))
+    a, b = EngineRank(h, 0).run(), EngineRank(h, 0).run()
+    assert a["digest"] == b["digest"] and a["decisions"] == "L" * 8
+    assert a["max_seq_len"] > 4096 + layout.QPR and a["shim"] is None
+
+
+def test_draft_tokens_follow_the_markov_chain(tiny_ckpt):
+    rank = EngineRank(HarnessConfig(rounds=0, tp=1, checkpoint=(str(tiny_ckpt[0]), str(tiny_ckpt[1])),
+                                    num_pages=8), 0)
+    hidden = torch.randn(14, rank.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    anchors = torch.tensor([5, 9])
+    d = rank.draft_tokens(hidden, anchors)
+    assert d.shape == (2, 7)
+    # row j of request 1 by hand: U_j + markov_w2 @ markov_w1[prev]
+    prev = 9
+    for j in range(7):
+        logits = rank.lm_head @ hidden[7 + j] + rank.w2 @ rank.w1[prev]
+        assert int(logits.argmax()) == int(d[1, j])
+        prev = int(d[1, j])
+    for s in rank.kv:
+        s.close()
+
+
+def test_summary_and_report_text():
+    rank = {"decisions": "FFLFL", "reasons": ["", "", "R outside 1..max_reqs", "", "sidecar ABORTED"],
+            "digest": 7, "fwd_ns": [2_000_000, 3_000_000, 4_000_000], "local_ns": [1_000_000] * 5, "compared": 3,
+            "hidden_mismatch": 0, "max_hidden_diff": 0.0, "token_mismatch": 0, "tokens_differing": 0,
+            "kv_mismatch": 0, "max_kv_diff": 0.0, "max_seq_len": 4200, "joined": 4, "binds": 1,
+            "shim": {"fallbacks": {"CUDA graph capture": 1, "R outside 1..max_reqs": 1, "sidecar ABORTED": 1}}}
+    rep = summarise([rank, dict(rank)], rounds=5, wall_s=1.5)
+    assert rep.forwarded == 3 and rep.fallbacks == {"R outside 1..max_reqs": 1, "sidecar ABORTED": 1}
+    assert rep.warmup_fallbacks == {"CUDA graph capture": 1} and rep.ranks_agree
+    assert rep.forwarded_p50_ms == 3.0 and rep.forwarded_p99_ms == 4.0 and rep.local_p50_ms == 1.0
+    text = format_report(rep)
+    assert "rounds: 5" in text and "forwarded to the sidecar: 3   local fallback: 2" in text
+    assert "fallback: sidecar ABORTED: 1" in text and "p50 3.00 ms  p99 4.00 ms" in text
+    assert "largest hidden-state difference 0 (0 rounds differ)" in text
+    diverged = summarise([rank, dict(rank, digest=8)], rounds=5, wall_s=1.0)
+    assert not diverged.ranks_agree and "agree on every decision and token: NO" in format_report(diverged)
+    assert isinstance(rep, DemoReport)
