@@ -131,6 +131,11 @@ class SidecarConnection:
     def is_open(self) -> bool:
         return self.stub is not None
 
+    @property
+    def stream_ended(self) -> bool:
+        """The step stream ended on its own since the last step (the sidecar went away meanwhile)."""
+        return self._stream is not None and not self._stream.alive
+
     def open(self, deadline_s: float) -> pb.StatusReport:
         """A fresh channel and this rank's StatusReport; grpc.RpcError when the sidecar does not answer."""
         self.close()

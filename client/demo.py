@@ -20,7 +20,7 @@ from dspark_sidecar.drafter.config import PRESETS
 
 @dataclass(frozen=True)
 class DemoConfig:
-    rounds: int = 100
+    rounds: int = 60
     tp: int = 4
     preset: str = "tiny"
     seed: int = 0  # of the synthetic checkpoint and of the request mix

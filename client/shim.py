@@ -178,6 +178,8 @@ class DrafterShim:
             return False, NO_KV, False
         if not self.breaker.allow():
             return False, BREAKER, False
+        if self.connection.stream_ended:
+            self.connection.close()  # reconnect and re-read the status: a restarted sidecar lost our binding
         if not self.connection.is_open:
             try:
                 status = self.connection.open(cfg.connect_deadline_s)

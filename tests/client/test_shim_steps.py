@@ -198,3 +198,22 @@ def test_engine_config_validation():
     with pytest.raises(EngineConfigError, match="max_reqs"):
         EngineConfig(tp_size=4, max_reqs=0)
     assert config_refusal(EngineConfig(tp_size=4)) == "no sidecar endpoint configured"
+
+
+def test_sidecar_restarted_between_steps_is_rebound_without_losing_a_step(fake):
+    import time
+
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(2)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is not None
+        fake.stop()
+        fake.sidecar = FakeSidecar(max_reqs=4)  # a new process: no binding, generation from 0
+        fake.start()
+        deadline = time.monotonic() + 5
+        while not shim.connection.stream_ended:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert shim.maybe_forward(ids, pos) is not None
+    assert fake.sidecar.calls["GetStatus"] == 1 and fake.sidecar.calls["BindKV"] == 1
+    assert shim.stats.fallbacks == {} and shim.binder.generation == 1
