@@ -23,8 +23,9 @@ from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device,
 LOG2E = 1.4426950408889634
 # Tunables: key tile, fewest key tiles per split, programs to aim for per SM.
 BLOCK_N = 64
-MIN_TILES_PER_SPLIT = 2
+MIN_TILES_PER_SPLIT = 1
 PROGRAMS_PER_SM = 1
+NUM_STAGES = 2
 
 
 @triton.jit
@@ -57,15 +58,20 @@ def _split_kernel(
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, BLOCK_D), tl.float32)
+    # The block-table entries of a tile are fetched one tile ahead, so that the K/V gathers of
+    # a tile wait on one memory latency, not on two in a row.
+    kpos = start + sp * BN + tl.arange(0, BN)
+    page = tl.load(bt_ptr + req * stride_bt + kpos // page_size, mask=kpos < seq_len, other=0)
     for t in range(sp, n_tiles, SPLITS):
         kpos = start + t * BN + tl.arange(0, BN)
         k_valid = kpos < seq_len
-        page = tl.load(bt_ptr + req * stride_bt + kpos // page_size, mask=k_valid, other=0).to(tl.int64)
-        base = page * stride_cp + (kpos % page_size) * stride_cs + h * stride_ch
+        base = page.to(tl.int64) * stride_cp + (kpos % page_size) * stride_cs + h * stride_ch
         kv_off = base[:, None] + offs_d[None, :] * stride_cd
         kv_mask = k_valid[:, None] & d_mask[None, :]
         k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT)
         v = tl.load(kv_ptr + stride_c0 + kv_off, mask=kv_mask, other=0.0).to(DOT)
+        nxt = kpos + SPLITS * BN
+        page = tl.load(bt_ptr + req * stride_bt + nxt // page_size, mask=nxt < seq_len, other=0)
         s = mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), INTERPRET, IEEE) * qk_scale
         visible = k_valid[None, :] & (kpos[None, :] >= left[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -166,7 +172,7 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
         page_size, window, scale * LOG2E, hk,
         ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, SPLITS=sp, OUT=tl_dtype(q.dtype),
         DOT=dot, IEEE=dot == tl.float32, INTERPRET=INTERPRET,
-        num_warps=8 if bm * bd >= 128 * 64 else 4, num_stages=2,
+        num_warps=8 if bm * bd >= 128 * 64 else 4, num_stages=NUM_STAGES,
     )
     if sp > 1:
         _reduce_kernel[(r * hk, rows_per_req * group)](

@@ -8,7 +8,9 @@ so every program accumulates sum(x^2) over the K-range it already loads and the 
 scale is applied in the epilogue; no pass over x precedes the GEMM. With split_k > 1 the
 programs write fp32 partials (and partial sums of squares) to a workspace that
 `_finalize_kernel` sums in a fixed order (deterministic, no atomics), then scales, applies
-SwiGLU-OAI and rounds once to the activation dtype.
+SwiGLU-OAI and rounds once to the activation dtype. MXFP8 weights stream 1 byte per weight
+(+1/32 for the E8M0 exponents): each 32-wide K chunk is converted to bf16 exactly, dotted, and its
+fp32 partial multiplied by the chunk's per-column power of two.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ def _swiglu_oai(g, u, alpha, limit, OUT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _fp8_to(w, DOT: tl.constexpr, INTERPRET: tl.constexpr):
+    """F8_E4M3 -> DOT (exact). The interpreter converts fp8 correctly only to fp32."""
+    if INTERPRET:
+        out = w.to(tl.float32).to(DOT)
+    else:
+        out = w.to(DOT)
+    return out
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, nw_ptr, w_ptr, s_ptr, out_ptr, sq_ptr,
     M, N, K, k_per_split,
@@ -40,7 +52,7 @@ def _gemm_kernel(
     eps, alpha, limit,
     HAS_NORM: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, SWIGLU: tl.constexpr,
     PARTIAL: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, OUT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (column tile, K-range, row tile). x [M, K]; W [N or 2N, K] (gate rows first when SWIGLU).
 
@@ -54,33 +66,44 @@ def _gemm_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros((BM, BN), tl.float32)
     acc_up = tl.zeros((BM, BN), tl.float32)
+    zero = tl.zeros((BM, BN), tl.float32)
     sq = tl.zeros((BM,), tl.float32)
     for k0 in range(k_lo, k_hi, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        k_mask = offs_k < k_hi
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if HAS_NORM:
-            sq += tl.sum(x * x, axis=1)
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = x * (1.0 + nw)[None, :]
-        a = cast(x, DOT, INTERPRET)
-        # Weight tile as [BK, BN]: K is the contiguous dim, so each column is one coalesced run.
-        wmask = k_mask[:, None] & n_mask[None, :]
-        w_off = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        w = tl.load(w_ptr + w_off, mask=wmask, other=0.0)
-        if FP8:
-            s_off = (offs_k[:, None] // QBLOCK) * stride_sk + offs_n[None, :] * stride_sn
-            # E8M0 byte v -> 2^(v-127): v placed in the fp32 exponent field (v = 0 flushes to 0).
-            e = tl.load(s_ptr + s_off, mask=wmask, other=127).to(tl.int32)
-            w = (w.to(tl.float32) * (e << 23).to(tl.float32, bitcast=True)).to(DOT)
-        acc = mma(a, w.to(DOT), acc, INTERPRET, IEEE)
-        if SWIGLU:
-            wu = tl.load(w_ptr + N * stride_wn + w_off, mask=wmask, other=0.0)
+        # CK = BK for dense weights (one chunk); CK = QBLOCK for MXFP8, so that each chunk's
+        # partial product has one E8M0 exponent per column and is scaled after its dot.
+        for c in tl.static_range(BK // CK):
+            kc = k0 + c * CK
+            offs_k = kc + tl.arange(0, CK)
+            k_mask = offs_k < k_hi
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            if HAS_NORM:
+                sq += tl.sum(x * x, axis=1)
+                nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+                x = x * (1.0 + nw)[None, :]
+            a = cast(x, DOT, INTERPRET)
+            # Weight tile as [CK, BN]: K is the contiguous dim, so each column is one coalesced run.
+            wmask = k_mask[:, None] & n_mask[None, :]
+            w_off = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0)
+            if SWIGLU:
+                wu = tl.load(w_ptr + N * stride_wn + w_off, mask=wmask, other=0.0)
             if FP8:
-                eu = tl.load(s_ptr + N * stride_sn + s_off, mask=wmask, other=127).to(tl.int32)
-                wu = (wu.to(tl.float32) * (eu << 23).to(tl.float32, bitcast=True)).to(DOT)
-            acc_up = mma(a, wu.to(DOT), acc_up, INTERPRET, IEEE)
+                # E8M0 byte v -> 2^(v-127), v placed in the fp32 exponent field (v = 0 flushes to 0);
+                # scaling the fp32 partial by a power of two is exact, as scaling the weights would be.
+                s_off = (kc // QBLOCK) * stride_sk + offs_n * stride_sn
+                s_mask = n_mask & (kc + 0 * offs_n < k_hi)
+                e = tl.load(s_ptr + s_off, mask=s_mask, other=127).to(tl.int32)
+                scale = (e << 23).to(tl.float32, bitcast=True)
+                acc += mma(a, _fp8_to(w, DOT, INTERPRET), zero, INTERPRET, IEEE) * scale[None, :]
+                if SWIGLU:
+                    eu = tl.load(s_ptr + N * stride_sn + s_off, mask=s_mask, other=127).to(tl.int32)
+                    scale_up = (eu << 23).to(tl.float32, bitcast=True)
+                    acc_up += mma(a, _fp8_to(wu, DOT, INTERPRET), zero, INTERPRET, IEEE) * scale_up[None, :]
+            else:
+                acc = mma(a, w.to(DOT), acc, INTERPRET, IEEE)
+                if SWIGLU:
+                    acc_up = mma(a, wu.to(DOT), acc_up, INTERPRET, IEEE)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     o_off = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -148,7 +171,7 @@ class GemmConfig:
 PROGRAMS_PER_SM = 2
 MIN_K_TILES_PER_SPLIT = 4
 BLOCK_N = 64
-BLOCK_K = 128
+BLOCK_K = 64
 SMEM_PER_PROGRAM = 100 << 10  # an H100/H200 SM has 228 KB
 
 
@@ -161,7 +184,8 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     programs share an SM (one hides the other's load latency), at least 2 and at most 4.
     """
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    bn, bk = block_n or BLOCK_N, block_k or BLOCK_K
+    # 1-byte weights: twice the K per tile, so a stage still carries as many weight bytes.
+    bn, bk = block_n or BLOCK_N, block_k or (BLOCK_K * 2 // weight_bytes if weight_bytes <= 2 else BLOCK_K)
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     k_tiles = triton.cdiv(k, bk)
     want = (programs_per_sm or PROGRAMS_PER_SM) * sms
@@ -193,7 +217,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or plan(m, n, k, sms_of(x), swiglu=swiglu is not None, weight_bytes=1 if fp8 else w.element_size())
+    cfg = config or plan(m, n, k, sms_of(x), swiglu=swiglu is not None, weight_bytes=w.element_size())
+    if fp8 and cfg.block_k % weight.block:
+        raise ValueError(f"gemm: block_k {cfg.block_k} must be a multiple of the MXFP8 block {weight.block}")
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
@@ -212,7 +238,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
         so[0], so[1], so[2], eps, alpha, limit,
         HAS_NORM=has_norm, FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
         PARTIAL=split > 1, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(out.dtype),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET,
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, CK=weight.block if fp8 else cfg.block_k,
+        INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
@@ -223,7 +250,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
 def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: int, split: int, eps: float,
               alpha: float, limit: float, has_norm: bool, swiglu: bool) -> None:
     m = out.shape[0]
-    block = min(1024, triton.next_power_of_2(n))
+    block = min(256, triton.next_power_of_2(n))  # many small programs: the sums are latency-bound
     _finalize_kernel[(m, triton.cdiv(n, block))](
         ws, sq, out, m, n, k, split, ws.stride(0), ws.stride(1), out.stride(0), eps, alpha, limit,
         HAS_NORM=has_norm, SWIGLU=swiglu, OUT=tl_dtype(out.dtype), BLOCK_N=block, INTERPRET=INTERPRET,

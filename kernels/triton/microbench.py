@@ -172,7 +172,7 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
     rec(f"paged_window_attention c{context}", "-", _per_call(make_attn, att_bytes), att_bytes,
         splits=attention.num_splits(r, HK, keys, sms))
     if sweep:
-        for s in (1, 4, 8, 16, 32, 64):
+        for s in (8, 16, 32, 64):
             if s <= -(-keys // attention.BLOCK_N):
                 rec(f"  attention splits={s}", "-", _per_call(lambda: make_attn(s), att_bytes), att_bytes)
 
@@ -185,16 +185,21 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
     return out
 
 
+SWEEP = {  # (block_n, block_k, programs per SM, warps, stages) around the planner's choice
+    "bf16": ((64, 64, 3, 4, 4), (128, 64, 2, 4, 4), (64, 32, 2, 4, 6), (64, 128, 2, 4, 3)),
+    "fp8": ((64, 256, 2, 4, 3), (128, 128, 2, 4, 4), (64, 128, 3, 4, 4), (64, 64, 2, 4, 6)),
+}
+
+
 def _sweep(name, rows, n_out, k, kind, fp8, wdt, nbytes, make, rec, dev):
-    """A few tilings around the planner's choice: column tile, K tile, programs per SM, warps, stages."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     n_cols = n_out // 2 if kind == "swiglu" else n_out
-    for bn, bk, pps, warps, stages in ((32, 128, 2, 4, 3), (64, 64, 2, 4, 4), (64, 128, 4, 4, 2),
-                                       (128, 128, 2, 8, 2), (64, 256, 2, 4, 2)):
+    for bn, bk, pps, warps, stages in SWEEP[wdt]:
         p = gemm.plan(rows, n_cols, k, sms, block_n=bn, block_k=bk, programs_per_sm=pps)
         cfg = gemm.GemmConfig(p.block_m, bn, bk, p.split_k, warps, stages)
         t = _per_call(lambda cfg=cfg: make(cfg), nbytes)
-        rec(f"  {name.split()[0]} sweep", wdt, t, nbytes, cfg=f"bn{bn} bk{bk} pps{pps} w{warps} st{stages} s{cfg.split_k}")
+        rec(f"  {name.split()[0]} sweep", wdt, t, nbytes,
+            cfg=f"bn{bn} bk{bk} pps{pps} w{warps} st{stages} s{cfg.split_k}")
 
 
 def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool, ops) -> dict:

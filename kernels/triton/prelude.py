@@ -58,16 +58,17 @@ def _prelude_kernel(
     if j < Q_HEADS:
         y = _norm_rope(head_ptr, stride_xd, qn_ptr, cos_row, sin_row, eps, D, HALF, BLOCK_D)
         tl.store(q_ptr + row * stride_qn + j * stride_qh + offs * stride_qd, cast(y, OUT, INTERPRET), mask=dmask)
-    else:
-        kh = j - Q_HEADS
-        y = _norm_rope(head_ptr, stride_xd, kn_ptr, cos_row, sin_row, eps, D, HALF, BLOCK_D)
-        slot = tl.load(slot_ptr + row)
-        if slot >= 0:
-            base = kv_ptr + (slot // page_size) * stride_cp + (slot % page_size) * stride_cs + kh * stride_ch
-            # Rounded to the activation dtype first, as the reference's k is before write_kv.
-            tl.store(base + offs * stride_cd, cast(cast(y, OUT, INTERPRET), CACHE, INTERPRET), mask=dmask)
-            v = tl.load(head_ptr + KV_HEADS * stride_xh + offs * stride_xd, mask=dmask, other=0.0)
-            tl.store(base + stride_c0 + offs * stride_cd, cast(v, CACHE, INTERPRET), mask=dmask)
+    if KV_HEADS > 0:  # compiled only where there is a cache to write (not for qk_norm_rope alone)
+        if j >= Q_HEADS:
+            kh = j - Q_HEADS
+            y = _norm_rope(head_ptr, stride_xd, kn_ptr, cos_row, sin_row, eps, D, HALF, BLOCK_D)
+            slot = tl.load(slot_ptr + row)
+            if slot >= 0:
+                base = kv_ptr + (slot // page_size) * stride_cp + (slot % page_size) * stride_cs + kh * stride_ch
+                # Rounded to the activation dtype first, as the reference's k is before write_kv.
+                tl.store(base + offs * stride_cd, cast(cast(y, OUT, INTERPRET), CACHE, INTERPRET), mask=dmask)
+                v = tl.load(head_ptr + KV_HEADS * stride_xh + offs * stride_xd, mask=dmask, other=0.0)
+                tl.store(base + stride_c0 + offs * stride_cd, cast(v, CACHE, INTERPRET), mask=dmask)
 
 
 @triton.jit

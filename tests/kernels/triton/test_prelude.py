@@ -27,20 +27,25 @@ def _case(q_heads, kv_heads, d, rot, rows, dtype, device, seed):
     cos, sin = reference.rope_cos_sin(positions, rot, THETA)
     kv = torch.randn(2, PAGES, PAGE, kv_heads, d, generator=gen).to(device, dtype)
     slots = torch.randperm(PAGES * PAGE, generator=gen)[:rows].to(device)
-    slots[rows // 2] = -1  # a padding row: nothing written
     return qkv, qn, kn, cos, sin, kv, slots
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed,pad", [(0, False), (1, True)], ids=["s0", "s1-pad"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "h{}-{}d{}r{}".format(*h))
-def test_attn_prelude(device, heads, dtype, seed, parity):
+def test_attn_prelude(device, heads, dtype, seed, pad, parity):
+    """pad: one row's slot is -1. The reference's write_kv takes valid slots only, so it runs on
+    the other rows; the kernel must write those and leave the cache alone for the padding row."""
     q_heads, kv_heads = heads[:2]
     qkv, qn, kn, cos, sin, kv, slots = _case(*heads, 14, dtype, device, seed)
+    if pad:
+        slots[7] = -1
+    keep = slots >= 0
     kv_ref = kv.clone()
-    q_ref = reference.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv_ref, slots, q_heads, kv_heads)
+    q_ref = reference.attn_prelude(qkv[keep], qn, kn, cos[keep], sin[keep], EPS, kv_ref, slots[keep],
+                                   q_heads, kv_heads)
     q = TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, q_heads, kv_heads)
-    parity(q, q_ref)
+    parity(q[keep], q_ref)
     parity(kv, kv_ref)
     written = torch.zeros(PAGES * PAGE, dtype=torch.bool)
     written[slots[slots >= 0].cpu()] = True
@@ -66,9 +71,10 @@ def test_write_kv_exact(device):
     k = torch.randn(10, 2, 64, generator=gen).to(device, torch.bfloat16)
     v = torch.randn(10, 2, 64, generator=gen).to(device, torch.bfloat16)
     slots = torch.randperm(PAGES * PAGE, generator=gen)[:10].to(device)
-    slots[[0, 7]] = -1
+    slots[[0, 7]] = -1  # padding rows: skipped by the kernel (the reference takes valid slots only)
+    keep = slots >= 0
     kv_ref = kv.clone()
-    reference.write_kv(kv_ref, k, v, slots)
+    reference.write_kv(kv_ref, k[keep], v[keep], slots[keep])
     TRITON_OPS.write_kv(kv, k, v, slots)
     assert torch.equal(kv.cpu(), kv_ref.cpu())
     assert not torch.equal(kv_ref.cpu(), kv.clone().zero_().cpu())
