@@ -134,7 +134,10 @@ class DrafterShim:
             return self._fallback(BAD_METADATA)
         start = time.perf_counter_ns()
 
-        ready, why, refused = self._prepare(layers)
+        try:
+            ready, why, refused = self._prepare(layers)
+        except Exception as e:  # noqa: BLE001  (a rank that raised here would leave its peers in the all-reduce)
+            ready, why, refused = False, self._internal("prepare", e), False
         gen = self.binder.generation
         view = self.connection.status.limits.max_reqs if self.connection.status else 0
         agreed = self._agree.all_min(torch.tensor(
@@ -154,9 +157,12 @@ class DrafterShim:
             return self._fallback(REQS)
 
         step_id, self._next_step = self._next_step, self._next_step + 1
-        if inputs_embeds is None:
-            inputs_embeds = self._model.embed_input_ids(input_ids)
-        hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
+        try:
+            if inputs_embeds is None:
+                inputs_embeds = self._model.embed_input_ids(input_ids)
+            hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
+        except Exception as e:  # noqa: BLE001  (same: every rank must reach the post-flight agreement)
+            hidden, why = None, self._internal("step", e)
         ok = self._agree.all_min(torch.tensor([int(hidden is not None)], dtype=torch.int64)).item()
         if not ok:
             return self._fallback(why or PEER_FAILED)
@@ -295,6 +301,14 @@ class DrafterShim:
         return key
 
     # Bookkeeping -------------------------------------------------------------------------------------
+    def _internal(self, where: str, e: Exception) -> str:
+        """An unexpected error between the agreements: counted against the breaker, logged with its trace once."""
+        key = f"shim error in {where}: {type(e).__name__}"
+        if key not in self._logged:
+            log.exception("DSpark drafter shim: %s (this step and later ones fall back while it repeats)", key)
+        self.breaker.record_failure(key)
+        return key
+
     def _fallback(self, why: str) -> None:
         self.stats.fallbacks[why] += 1
         if why not in self._logged:

@@ -21,7 +21,7 @@ REALLOC, BREAK, KILL, RESTART, ROUNDS = 8, 14, 20, 28, 40
 @pytest.fixture(scope="module")
 def sidecar(tiny_ckpt):
     sc = SidecarLauncher(short_socket_dir(), tp=4, dtype="fp32", max_reqs=MAX_REQS,
-                         checkpoint=(str(tiny_ckpt[0]), str(tiny_ckpt[1])), extra_args=["--rendezvous-ms", "300"])
+                         checkpoint=(str(tiny_ckpt[0]), str(tiny_ckpt[1])), extra_args=["--rendezvous-ms", "1000"])
     sc.start()
     yield sc
     sc.stop()

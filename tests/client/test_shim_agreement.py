@@ -178,3 +178,22 @@ def test_late_answer_within_grace_settles_and_a_later_one_pauses_forwarding():
         assert engine.shims[0]._unsettled is None
     finally:
         engine.close()
+
+
+def test_an_exception_on_one_rank_between_the_agreements_cannot_hang_its_peers(engine):
+    assert engine.step()[0] is not None
+
+    def boom(step_id):
+        raise RuntimeError("injected")
+
+    engine.shims[1].fault_hook = boom
+    t0 = time.monotonic()
+    assert engine.step()[0] is None
+    assert time.monotonic() - t0 < 2.0
+    assert engine.shims[1].stats.fallbacks == {"shim error in step: RuntimeError": 1}
+    engine.shims[1].fault_hook = None
+    engine.shims[2].binder.bind = lambda *a, **k: (_ for _ in ()).throw(OSError("injected"))
+    engine.shims[2].binder.invalidate()
+    assert engine.step()[0] is None
+    assert engine.shims[2].stats.fallbacks["shim error in prepare: OSError"] == 1
+    assert engine.shims[0].stats.fallbacks[S.PEER_NOT_READY] == 1
