@@ -149,7 +149,10 @@ class DrafterShim:
         if limit != _NO_LIMIT:
             self._max_reqs = limit
         if gen_max and gen_min != gen_max:
-            self._catch_up(gen_max)
+            try:
+                self._catch_up(gen_max)
+            except Exception as e:  # noqa: BLE001  (raising here would skip the peers' next agreement)
+                self._internal("catch-up", e)
             return self._fallback(GENERATIONS)
         if not all_ready:
             return self._fallback(why if not ready else PEER_NOT_READY)
