@@ -8,6 +8,7 @@ from pathlib import Path
 from dspark_sidecar import layout
 
 REQUIRED_METHOD = "dspark"
+TRANSPORTS = ("grpc", "doorbell")
 
 
 class EngineConfigError(ValueError):
@@ -59,6 +60,10 @@ class EngineConfig:
     # Largest number of BindKV calls one step may spend bringing this rank's binding generation
     # up to its peers' (see binding.py).
     max_catchup_binds: int = 8
+    # "grpc": tensors inline on the long-lived DraftSteps stream (portable). "doorbell": registered
+    # buffers + the shared-memory doorbell (client/dataplane.py); falls back to "grpc" when the
+    # sidecar cannot attach it.
+    transport: str = "grpc"
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
     def __post_init__(self) -> None:
@@ -66,6 +71,8 @@ class EngineConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise EngineConfigError(f"{f}: must be a positive integer, got {v!r}")
+        if self.transport not in TRANSPORTS:
+            raise EngineConfigError(f"transport: one of {TRANSPORTS}, got {self.transport!r}")
         if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
             raise EngineConfigError(f"max_reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
         for f in ("step_deadline_s", "late_grace_s", "connect_deadline_s", "bind_deadline_s"):

@@ -67,6 +67,7 @@ class HarnessConfig:
     mix: MixConfig = field(default_factory=MixConfig)
     verify: bool = True
     warmup_calls: bool = True  # a profiling run and CUDA-graph capture passes before round 0
+    transport: str = "grpc"  # or "doorbell" (EngineConfig.transport)
     step_deadline_s: float = 5.0
     late_grace_s: float = 5.0
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
@@ -104,7 +105,7 @@ class EngineRank:
         self.shim: DrafterShim | None = None
         if h.socket_dir is not None:
             ecfg = EngineConfig(tp_size=h.tp, endpoint=rank_endpoint(h.socket_dir, rank), step_deadline_s=h.step_deadline_s,
-                                late_grace_s=h.late_grace_s, breaker=h.breaker)
+                                late_grace_s=h.late_grace_s, breaker=h.breaker, transport=h.transport)
             self.shim = DrafterShim(ecfg, self, lambda: [s.tensor for s in self.kv], self.par)
         self.work = Workload(h.mix, v, h.page_size, h.num_pages)
 

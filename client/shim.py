@@ -28,12 +28,15 @@ from dspark_sidecar.client.binding import BindError, KVBinder
 from dspark_sidecar.client.breaker import CircuitBreaker
 from dspark_sidecar.client.config import EngineConfig, config_refusal
 from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, StreamBroken, _insecure
+from dspark_sidecar.client.dataplane import DataPlaneError
+from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
 from dspark_sidecar.client.metadata import step_metadata_from
 from dspark_sidecar.client.stats import ShimStats
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto.memory import HandleError
 
 log = logging.getLogger("dspark_sidecar.client")
 
@@ -62,6 +65,7 @@ _NO_LIMIT = layout.MAX_REQS_LIMIT + 1
 _NO_GEN = 1 << 62
 _TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING")
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_MAX_DOORBELL_PAGES = 8192  # block-table width the registered metadata region is sized for
 
 
 def _not_capturing() -> bool:
@@ -98,6 +102,9 @@ class DrafterShim:
         self.refusal = config_refusal(config)
         self.enabled = self.refusal is None
         self.connection = SidecarConnection(config.endpoint, channel_factory)
+        self.doorbell: DoorbellTransport | None = None
+        self._doorbell_off: str | None = None  # why this connection uses the gRPC stream instead
+        self._via_doorbell = False
         self.breaker = CircuitBreaker(config.breaker, self.connection.probe_health, clock,
                                       name=f"sidecar rank {self.rank}")
         self.binder = KVBinder(pb.EngineFacts(
@@ -170,6 +177,7 @@ class DrafterShim:
         if not ok:
             return self._fallback(why or PEER_FAILED)
         self.stats.forwarded += 1
+        self.stats.via_doorbell += int(self._via_doorbell)
         self.stats.forward_ns.append(time.perf_counter_ns() - start)
         return hidden
 
@@ -188,7 +196,7 @@ class DrafterShim:
         if not self.breaker.allow():
             return False, BREAKER, False
         if self.connection.stream_ended:
-            self.connection.close()  # reconnect and re-read the status: a restarted sidecar lost our binding
+            self._drop_link()  # reconnect and re-read the status: a restarted sidecar lost our binding
         if not self.connection.is_open:
             try:
                 status = self.connection.open(cfg.connect_deadline_s)
@@ -204,7 +212,7 @@ class DrafterShim:
                 self.binder.invalidate()  # a restarted sidecar: our binding is gone
         status = self.connection.status
         if status is not None and not status.serving:
-            self.connection.close()  # re-read the status on the next try
+            self._drop_link()  # re-read the status on the next try
             self.breaker.record_failure(f"state {status.state}")
             return False, NOT_SERVING, False
         if self.binder.needs_bind(layers):
@@ -214,9 +222,27 @@ class DrafterShim:
                 if e.permanent:
                     return False, f"KV cache cannot be bound: {e}", True
                 self.breaker.record_failure(str(e))
-                self.connection.close()
+                self._drop_link()
                 return False, BIND_FAILED, False
+        if self.config.transport == "doorbell" and self.doorbell is None and self._doorbell_off is None:
+            self._attach_doorbell(layers)
         return True, "", False
+
+    def _attach_doorbell(self, layers: list[torch.Tensor]) -> None:
+        """Register the step buffers and attach the doorbell; on refusal use the gRPC stream (logged once)."""
+        status = self.connection.status
+        assert status is not None
+        dtype = _COMPUTE_DTYPES.get(status.model.compute_dtype, layers[0].dtype)
+        try:
+            self.doorbell = DoorbellTransport(
+                self.connection, int(status.model.hidden_size), int(status.limits.max_reqs or self._max_reqs),
+                min(int(layers[0].shape[1]), _MAX_DOORBELL_PAGES), dtype, layers[0].device,
+                self.config.connect_deadline_s)
+            log.info("sidecar rank %d: steps go through the shared-memory doorbell", self.rank)
+        except (grpc.RpcError, DataPlaneError, HandleError, ValueError, RuntimeError) as e:
+            detail = e.code().name if isinstance(e, grpc.RpcError) else str(e)
+            self._doorbell_off = f"data plane unavailable ({detail}): using the gRPC stream"
+            log.warning("sidecar rank %d: %s", self.rank, self._doorbell_off)
 
     def _catch_up(self, gen_max: int) -> None:
         """Bring this rank's binding generation up to its peers' (BindKV bumps it by one per call on
@@ -230,34 +256,41 @@ class DrafterShim:
                 self.binder.bind(self.connection.stub, layers, self.config.bind_deadline_s)
             except BindError as e:
                 self.breaker.record_failure(str(e))
-                self.connection.close()
+                self._drop_link()
                 return
 
     # Phase 3: the step ------------------------------------------------------------------------------
     def _request(self, step_id: int, r: int, positions: torch.Tensor, embeds: torch.Tensor,
-                 meta: StepMetadata) -> pb.DraftStepRequest:
-        status = self.connection.status
-        dtype = _COMPUTE_DTYPES.get(status.model.compute_dtype) if status is not None else None
+                 meta: StepMetadata, inline: bool) -> pb.DraftStepRequest:
+        """The step; with inline=False the tensors are left for the data plane to fill in as region slices."""
         b = self.binder.current
         assert b is not None
-        return pb.DraftStepRequest(
-            step_id=step_id, binding_id=b.binding_id, binding_generation=b.generation, num_requests=r,
-            positions=codec.to_tensor_ref(positions),
-            inputs_embeds=codec.to_tensor_ref(embeds.to(dtype) if dtype is not None else embeds),
-            seq_lens=codec.to_tensor_ref(meta.seq_lens), block_tables=codec.to_tensor_ref(meta.block_tables),
-            slot_mapping=codec.to_tensor_ref(meta.slot_mapping),
-            deadline_ms=int(self.config.step_deadline_s * 1000))
+        req = pb.DraftStepRequest(step_id=step_id, binding_id=b.binding_id, binding_generation=b.generation,
+                                  num_requests=r, deadline_ms=int(self.config.step_deadline_s * 1000))
+        if inline:
+            status = self.connection.status
+            dtype = _COMPUTE_DTYPES.get(status.model.compute_dtype) if status is not None else None
+            req.positions.CopyFrom(codec.to_tensor_ref(positions))
+            req.inputs_embeds.CopyFrom(codec.to_tensor_ref(embeds.to(dtype) if dtype is not None else embeds))
+            req.seq_lens.CopyFrom(codec.to_tensor_ref(meta.seq_lens))
+            req.block_tables.CopyFrom(codec.to_tensor_ref(meta.block_tables))
+            req.slot_mapping.CopyFrom(codec.to_tensor_ref(meta.slot_mapping))
+        return req
 
     def _run_step(self, step_id: int, r: int, positions: torch.Tensor, embeds: torch.Tensor,
                   meta: StepMetadata) -> tuple[torch.Tensor | None, str]:
         """Send one step and wait for its answer: (hidden, "") or (None, why)."""
         cfg = self.config
-        req = self._request(step_id, r, positions, embeds, meta)
-        stream = self.connection.stream()
+        bell = self.doorbell if self.doorbell is not None and self.doorbell.alive and self.doorbell.fits(r, meta) else None
+        req = self._request(step_id, r, positions, embeds, meta, inline=bell is None)
+        stream: Any = bell if bell is not None else self.connection.stream()
         try:
             if self.fault_hook is not None:
                 self.fault_hook(step_id)
-            stream.send(req)
+            if bell is not None:
+                bell.send(req, embeds, positions, meta)
+            else:
+                stream.send(req)
             resp = stream.wait(step_id, cfg.step_deadline_s)
             if resp is None:
                 # Until the answer comes the sidecar may still write this step's K/V: wait a
@@ -271,12 +304,17 @@ class DrafterShim:
                 return None, DEADLINE
         except StreamBroken as e:
             self.breaker.record_failure(f"{STREAM}: {e}")
-            self.connection.close()  # reconnect and re-read the status (a restarted sidecar?)
+            self._drop_link()  # reconnect and re-read the status (a restarted sidecar?)
             return None, STREAM
         if resp.WhichOneof("result") == "error":
             return None, self._step_error(resp.error)
         try:
-            hidden = codec.from_tensor_ref(resp.hidden_states, "hidden_states", writable=True)
+            if bell is not None:
+                if tuple(resp.hidden_states.shape) != (positions.numel(), embeds.shape[-1]):
+                    raise ValueError(f"hidden_states: shape {list(resp.hidden_states.shape)}")
+                hidden = bell.hidden()
+            else:
+                hidden = codec.from_tensor_ref(resp.hidden_states, "hidden_states", writable=True)
         except ValueError as e:
             self.breaker.record_failure(str(e))
             return None, BAD_ANSWER
@@ -284,6 +322,7 @@ class DrafterShim:
             self.breaker.record_failure(f"hidden_states {list(hidden.shape)} {hidden.dtype}")
             return None, BAD_ANSWER
         self.breaker.record_success()
+        self._via_doorbell = bell is not None
         return hidden.to(embeds.device), ""
 
     def _step_error(self, err: pb.StepError) -> str:
@@ -294,7 +333,7 @@ class DrafterShim:
         if code is grpc.StatusCode.FAILED_PRECONDITION:
             self.binder.invalidate()  # stale or unknown binding: re-bind before the next step
         elif code is grpc.StatusCode.OUT_OF_RANGE or code is grpc.StatusCode.INVALID_ARGUMENT:
-            self.connection.close()  # limits may have changed: re-read the status
+            self._drop_link()  # limits may have changed: re-read the status
             self.breaker.record_failure(err.message)
         elif code is not grpc.StatusCode.ABORTED:  # ABORTED: a peer's problem, not this sidecar rank's
             self.breaker.record_failure(err.message)
@@ -337,9 +376,17 @@ class DrafterShim:
                 log.info("UnbindKV: %s (the sidecar drops the binding when it restarts anyway)", e.code().name)
         self.binder.invalidate()
         if self._unsettled is None:
-            self.connection.close()
+            self._drop_link()
+
+    def _drop_link(self) -> None:
+        """Close the data plane and the channel; the next step reconnects (and re-reads the status)."""
+        if self.doorbell is not None:
+            self.doorbell.close()
+            self.doorbell = None
+        self._doorbell_off = None
+        self.connection.close()
 
     def close(self) -> None:
         """The engine is about to free or reuse its KV cache: release the binding and the link."""
         self._release()
-        self.connection.close()
+        self._drop_link()

@@ -146,3 +146,23 @@ def test_demo_report_against_a_serving_sidecar(sidecar, tmp_path):
     assert rep.ranks_agree and rep.hidden_mismatch_rounds == rep.token_mismatch_rounds == 0
     assert rep.warmup_fallbacks == {"no attention metadata": 1, "CUDA graph capture": 1}
     assert "forwarded to the sidecar" in format_report(rep)
+
+
+def test_doorbell_transport_is_bit_identical_and_survives_a_restart(sidecar, tiny_ckpt, tmp_path):
+    """Steps through registered buffers + the shm doorbell; a sidecar rank killed and the sidecar restarted
+    mid-run (no stream carries the steps: only the idle liveness stream tells the shim the rank is gone)."""
+    if not all(sidecar.healthy()):
+        sidecar.stop()
+        sidecar.start()
+
+    def on_pause(rnd: int) -> None:  # a crash: the doorbell just goes quiet
+        sidecar.kill_rank(3)
+        sidecar.proc.wait(timeout=60)
+        sidecar.start()
+
+    run = run_engine(harness(tiny_ckpt, rounds=16, socket_dir=str(sidecar.socket_dir), transport="doorbell",
+                             faults=(Fault(8, "pause"),)), tmp_path, on_pause=on_pause, timeout_s=900)
+    r0 = check_consistent(run)
+    assert r0["shim"]["via_doorbell"] == r0["shim"]["forwarded"] == r0["decisions"].count("F") >= 4
+    assert "F" in r0["decisions"][:8] and "F" in r0["decisions"][8:], (r0["decisions"], r0["reasons"])
+    assert r0["binds"] >= 2

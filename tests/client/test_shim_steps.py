@@ -217,3 +217,15 @@ def test_sidecar_restarted_between_steps_is_rebound_without_losing_a_step(fake):
         assert shim.maybe_forward(ids, pos) is not None
     assert fake.sidecar.calls["GetStatus"] == 1 and fake.sidecar.calls["BindKV"] == 1
     assert shim.stats.fallbacks == {} and shim.binder.generation == 1
+
+
+def test_doorbell_transport_refused_by_the_sidecar_falls_back_to_the_stream(fake):
+    shim, model, _ = make_shim(fake.endpoint, transport="doorbell")  # the fake has no RegisterBuffers
+    ids, pos, meta = step_inputs(2)
+    with set_forward_context(meta):
+        out = shim.maybe_forward(ids, pos)
+    assert out is not None and torch.equal(out, model.table[ids] * 2)
+    assert shim.doorbell is None and "data plane unavailable (UNIMPLEMENTED)" in shim._doorbell_off
+    assert shim.stats.forwarded == 1 and shim.stats.via_doorbell == 0
+    with pytest.raises(EngineConfigError, match="transport"):
+        EngineConfig(tp_size=4, transport="carrier-pigeon")

@@ -1,0 +1,77 @@
+"""The shim's fast transport: registered step buffers and the shm doorbell (client/dataplane.py), with an idle
+gRPC stream kept open only to learn when the sidecar rank goes away.
+
+Why the idle stream: a doorbell has no transport that can fail. A sidecar rank that dies simply
+never answers, and the shim could not tell "still computing, may still write the KV cache" from
+"gone". The stream ends the moment the sidecar process does, which both wakes a waiting step and
+settles a step that timed out (a dead process writes nothing).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dspark_sidecar.client.connection import SidecarConnection, StepStream, StreamBroken
+from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+POLL_S = 0.05  # how often a waiting step looks at the liveness stream
+
+
+class DoorbellTransport:
+    """send/wait/settled like StepStream, over the data plane of one engine rank."""
+
+    def __init__(self, conn: SidecarConnection, hidden: int, max_reqs: int, max_pages: int,
+                 dtype: torch.dtype, device: torch.device, timeout_s: float) -> None:
+        assert conn.stub is not None
+        self.max_reqs, self.max_pages = max_reqs, max_pages
+        self.buffers = StepBuffers(conn.stub, hidden, max_reqs, max_pages, dtype, device, timeout_s)
+        try:
+            self.bell = DoorbellChannel(conn.stub, device, timeout_s=timeout_s)
+        except BaseException:
+            self.buffers.close()
+            raise
+        self.liveness: StepStream = conn.stream()
+        self._view: torch.Tensor | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.bell.alive and self.liveness.alive
+
+    def fits(self, num_reqs: int, meta: StepMetadata) -> bool:
+        return num_reqs <= self.max_reqs and meta.block_tables.shape[1] <= self.max_pages
+
+    def send(self, req: pb.DraftStepRequest, embeds: torch.Tensor, positions: torch.Tensor,
+             meta: StepMetadata) -> None:
+        """Copy the step into the registered regions and ring (the request carries only region slices)."""
+        if not self.liveness.alive:
+            raise self.liveness.end or StreamBroken(None, "sidecar gone")
+        self._view = self.buffers.fill(req, embeds, positions, meta)
+        self.bell.send(req)
+
+    def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
+        """The answer, None on timeout, StreamBroken as soon as the sidecar rank is gone."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            resp = self.bell.wait(step_id, max(0.0, min(POLL_S, deadline - time.monotonic())))
+            if resp is not None:
+                return resp
+            if not self.liveness.alive:
+                raise self.liveness.end or StreamBroken(None, "sidecar gone")
+            if time.monotonic() >= deadline:
+                return None
+
+    def hidden(self) -> torch.Tensor:
+        """The last answer's hidden states, copied out of the output region (the next step reuses it)."""
+        assert self._view is not None
+        return self._view.clone()
+
+    def settled(self, step_id: int) -> bool:
+        return self.bell.settled(step_id) or not self.liveness.alive
+
+    def close(self) -> None:
+        self.bell.close()
+        self.buffers.close()
