@@ -62,6 +62,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="benchmarks: draw weights on the device instead of reading a checkpoint")
     p.add_argument("--shard-of", type=int, default=_env("shard_of", 0, int),
                    help="benchmarks: with --tp 1, compute rank 0's shard of a TP-N drafter (no exchange)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   default=_env("cuda_graphs", True, bool), help="run steps eagerly on the GPU")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=_env("warmup", True, bool))
     p.add_argument("--seed", type=int, default=_env("seed", d.seed, int), help="seed of the synthetic checkpoint")
 

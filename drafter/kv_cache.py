@@ -52,3 +52,26 @@ def allocate_kv_cache(cfg: DrafterConfig, tp_size: int, num_pages: int, page_siz
 def block_slots(block_table_row: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """Flat slots of absolute positions through one request's block-table row (int64)."""
     return block_table_row[positions // page_size].to(torch.int64) * page_size + positions % page_size
+
+
+def window_metadata(positions: torch.Tensor, meta: StepMetadata, page_size: int, window: int,
+                    rows: int = layout.QPR) -> tuple[torch.Tensor, StepMetadata]:
+    """Window-relative attention metadata of fixed width, so a step's shapes depend on R alone.
+
+    Request i only reads keys at positions >= L - (window + rows - 1) (L its sequence length).
+    Shifting its positions and length by a whole number of pages, off = first_page * page_size,
+    and cutting its block-table row to the pages from first_page on, addresses the same keys:
+    the table is [R, ceil((window + rows - 1) / page_size) + 1] whatever the context length.
+    Slots are unchanged (absolute). Returns (positions - off [n], metadata).
+    """
+    R = meta.num_reqs
+    span = window + rows - 1
+    width = -(-span // page_size) + 1
+    L = meta.seq_lens.to(torch.int64)
+    first_page = (L - span).clamp(min=0) // page_size  # [R]
+    idx = first_page[:, None] + torch.arange(width, device=L.device)[None, :]
+    # Entries past a request's last page are never read; clamp keeps the gather in bounds.
+    table = meta.block_tables.gather(1, idx.clamp(max=meta.block_tables.shape[1] - 1))
+    off = first_page * page_size
+    rel = positions - off.repeat_interleave(rows)
+    return rel, StepMetadata((L - off).to(meta.seq_lens.dtype), table.to(meta.block_tables.dtype), meta.slot_mapping)

@@ -70,7 +70,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: StepMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden] -> [n, hidden]; writes this launch's block K/V into kv_layer at the slots."""
+        """x [n, hidden] -> [n, hidden]; writes this launch's block K/V into kv_layer at the slots.
+
+        `positions`/`meta` address the attention; they may be window-relative (see
+        `window_metadata`): only differences of positions and the slots' pages matter there,
+        while RoPE (cos/sin) and the K/V writes (meta.slot_mapping) are absolute.
+        """
         cfg, ops = self.cfg, self.ops
         qkv = ops.norm_linear(x, self.input_layernorm.weight, cfg.rms_norm_eps, self.qkv_proj.weight)
         q = ops.attn_prelude(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, cfg.rms_norm_eps,
@@ -119,21 +124,28 @@ class DSparkDrafter(nn.Module):
 
     @torch.no_grad()
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """One launch: inputs_embeds [n, hidden], positions int64 [n] -> final-normed hidden [n, hidden]."""
+                kv_caches: list[torch.Tensor], attn: tuple[torch.Tensor, StepMetadata] | None = None) -> torch.Tensor:
+        """One launch: inputs_embeds [n, hidden], positions int64 [n] -> final-normed hidden [n, hidden].
+
+        attn: optional window-relative (positions, metadata) for the attention (static shapes for
+        CUDA graphs); by default the absolute ones."""
         cos, sin = self._rope(positions)
+        a_pos, a_meta = attn if attn is not None else (positions, meta)
+        a_meta = StepMetadata(a_meta.seq_lens, a_meta.block_tables, meta.slot_mapping)
         x = inputs_embeds.to(self.dtype)
         for layer, kv_layer in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, cos, sin, meta, kv_layer)
+            x = layer(x, a_pos, cos, sin, a_meta, kv_layer)
         return self.ops.rms_norm(x, self.final_norm.weight, self.cfg.rms_norm_eps)
 
     @torch.no_grad()
     def draft_step(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
-                   kv_caches: list[torch.Tensor], launch_reqs: int = layout.LAUNCH_REQS) -> torch.Tensor:
+                   kv_caches: list[torch.Tensor], launch_reqs: int = layout.LAUNCH_REQS,
+                   attn: tuple[torch.Tensor, StepMetadata] | None = None) -> torch.Tensor:
         """A whole step of R requests in launches of at most `launch_reqs` requests; row order kept."""
         q = layout.QPR
         outs = [
-            self.forward(inputs_embeds[s * q : e * q], positions[s * q : e * q], meta.requests(s, e), kv_caches)
+            self.forward(inputs_embeds[s * q : e * q], positions[s * q : e * q], meta.requests(s, e), kv_caches,
+                         None if attn is None else (attn[0][s * q : e * q], attn[1].requests(s, e)))
             for s, e in layout.launch_groups(meta.num_reqs, launch_reqs)
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs)

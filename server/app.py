@@ -31,6 +31,7 @@ from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.backend import choose_backend, resolve_device
 from dspark_sidecar.server.config import ServeConfig
 from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
+from dspark_sidecar.server.graphs import StepGraphs
 from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop, warm_up
@@ -180,7 +181,10 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     memory = MemoryBindings(dcfg, shard_world, rank, dtype, device)
     ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs)
     life = Lifecycle(backend=choice.name, host=host, strict=cfg.strict_refusal, dist_backend=dist_backend)
-    loop = RankLoop(ctx, rendezvous)
+    # CUDA graphs need capturable ops: the Triton backend's are; the reference loop attention is not.
+    graphs = (StepGraphs(model, lambda: memory.kv.page_size)
+              if cfg.cuda_graphs and device.type == "cuda" and choice.name == "triton" else None)
+    loop = RankLoop(ctx, rendezvous, graphs)
     servicer = DrafterServicer(ctx, loop, life, limits_pb(cfg.max_reqs, cfg.max_message_bytes),
                                pb.Parallel(tp_size=world, tp_rank=rank, dist_backend=dist_backend, device=str(device)),
                                f"mxfp8->{cfg.dtype}")
@@ -204,7 +208,8 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     dist.barrier(group=cpu_group)  # every rank loaded and warmed up: the group can draft
     life.state = "SERVING"
     publish()
-    log.info("rank %d: %s (backend %s)", rank, life.state, life.backend)
+    log.info("rank %d: %s (backend %s, CUDA graphs %s)", rank, life.state, life.backend,
+             "on" if graphs is not None else "off")
 
     while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
         pass

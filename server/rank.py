@@ -21,6 +21,7 @@ from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.errors import SidecarError, as_sidecar_error, precondition, to_step_error
+from dspark_sidecar.server.graphs import StepGraphs
 from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rendezvous import Post, Rendezvous, digest
@@ -47,8 +48,8 @@ class RankContext:
 class RankLoop:
     """Steps enter from any gRPC thread; one worker runs them FIFO so all ranks launch in the same order."""
 
-    def __init__(self, ctx: RankContext, rendezvous: Rendezvous) -> None:
-        self.ctx, self.rendezvous = ctx, rendezvous
+    def __init__(self, ctx: RankContext, rendezvous: Rendezvous, graphs: StepGraphs | None = None) -> None:
+        self.ctx, self.rendezvous, self.graphs = ctx, rendezvous, graphs
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"dspark-rank{ctx.rank}", daemon=True)
         self._worker.start()
@@ -134,6 +135,8 @@ class RankLoop:
             embeds = step.inputs_embeds.to(dev, m.dtype)
         else:
             embeds = self.ctx.embed[step.input_ids.to(dev)]
+        if self.graphs is not None:
+            return self.graphs.run(embeds, step.positions, step.meta, step.kv.layers)
         return m.draft_step(embeds, step.positions.to(dev), step.meta.to(dev), step.kv.layers)
 
     def _output(self, step: Step, hidden: torch.Tensor) -> pb.TensorRef:

@@ -31,6 +31,7 @@ GO, ABORT = 1, 2
 # Abort reasons
 MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID = range(1, 7)
 POLL_S = 20e-6
+IDLE_AFTER_S, IDLE_POLL_S = 0.05, 500e-6
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ class Rendezvous:
             self._coordinator.start()
 
     def agree(self, post: Post) -> Verdict:
+        if self.board.world == 1:  # nobody to disagree with
+            return Verdict(post.valid, "" if post.valid else format_reason(post.step_id, INVALID, 1, self.deadline_ms), 0)
         slot = self.board.slots[self.rank]
         self._seq += 2
         seq = self._seq
@@ -167,9 +170,14 @@ class Coordinator(threading.Thread):
         self.join(timeout=1.0)
 
     def run(self) -> None:
+        last_busy = time.monotonic()
         while not self._halt.is_set():
-            if not self.poll_once():
-                time.sleep(POLL_S)
+            if self.poll_once() or self._first_seen:
+                last_busy = time.monotonic()
+            elif time.monotonic() - last_busy > IDLE_AFTER_S:
+                time.sleep(IDLE_POLL_S)  # idle: poll slower, and leave the GIL to the serving threads
+                continue
+            time.sleep(POLL_S)
 
     def _pending(self) -> dict[int, np.ndarray]:
         out = {}

@@ -83,9 +83,9 @@ def test_launch_grouping_r17_three_launches_equal_unsplit(tiny_cfg, tiny_ckpt, t
     launches: list[int] = []
     forward = model.forward
 
-    def counting(embeds, positions, meta: StepMetadata, caches):
+    def counting(embeds, positions, meta: StepMetadata, caches, attn=None):
         launches.append(meta.num_reqs)
-        return forward(embeds, positions, meta, caches)
+        return forward(embeds, positions, meta, caches, attn)
 
     monkeypatch.setattr(model, "forward", counting)
     grouped = model.draft_step(step.inputs_embeds, step.positions, step.meta, kv)
@@ -96,3 +96,22 @@ def test_launch_grouping_r17_three_launches_equal_unsplit(tiny_cfg, tiny_ckpt, t
     # Row-wise ops and per-request attention: only the matmul's row blocking differs between
     # the two batch sizes, so the results agree to fp32 rounding.
     torch.testing.assert_close(grouped, unsplit, rtol=1e-5, atol=1e-5)
+
+
+def test_window_relative_metadata_gives_identical_output(tiny_cfg, tiny_ckpt, tiny_embed):
+    from dspark_sidecar.drafter.kv_cache import window_metadata
+
+    model = DSparkDrafter(tiny_cfg, ParallelContext(), REFERENCE_OPS, torch.float32).load(
+        CheckpointReader(tiny_ckpt[0], torch.float32))
+    lens = [3, 4096 + 300, 4095, 600, 4096 + 17]
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens) + 2
+    step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=9)
+    kv = allocate_kv_cache(tiny_cfg, 1, pages, PAGE, torch.float32)
+    pos, slots = scenario.context_rows(step.meta, PAGE)
+    model.commit_context(scenario.random_taps(tiny_cfg, pos.numel(), seed=10), pos, slots, kv)
+    rel, wmeta = window_metadata(step.positions, step.meta, PAGE, tiny_cfg.sliding_window)
+    assert wmeta.block_tables.shape == (len(lens), -(-(4096 + 6) // PAGE) + 1)
+    assert int(rel.min()) >= 0
+    full = model.draft_step(step.inputs_embeds, step.positions, step.meta, [t.clone() for t in kv])
+    windowed = model.draft_step(step.inputs_embeds, step.positions, step.meta, kv, attn=(rel, wmeta))
+    assert torch.equal(full, windowed)
