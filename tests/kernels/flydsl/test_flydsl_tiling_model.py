@@ -110,7 +110,14 @@ def test_qkv_rope_model_matches_reference(num_reqs):
 
     qkv = ref.norm_linear(x, nw, shapes.RMS_EPS, wd.to(torch.bfloat16))
     cos, sin = ref.rope_cos_sin(positions, shapes.ROTARY_DIM, shapes.ROPE_THETA)
-    q_ref = ref.attn_prelude(qkv, qn, kn, cos, sin, shapes.RMS_EPS, kv_ref, slots, shapes.Q_HEADS, shapes.KV_HEADS)
+    # The reference writes every slot it is given (padding is dropped before it, in the context
+    # commit): q for all rows through a scratch cache, then the valid rows' K/V into kv_ref.
+    scratch = torch.zeros(2, -(-rows // PAGE), PAGE, 1, 128, dtype=torch.bfloat16)
+    q_ref = ref.attn_prelude(qkv, qn, kn, cos, sin, shapes.RMS_EPS, scratch, torch.arange(rows), shapes.Q_HEADS,
+                             shapes.KV_HEADS)
+    keep = slots >= 0
+    ref.attn_prelude(qkv[keep], qn, kn, cos[keep], sin[keep], shapes.RMS_EPS, kv_ref, slots[keep], shapes.Q_HEADS,
+                     shapes.KV_HEADS)
     assert rel_l2(q, q_ref.reshape(rows, -1)) < TOL_BF16
     written = kv_ref.view(2, -1, 128)[:, slots[slots >= 0]]
     assert rel_l2(kv_model.view(2, -1, 128)[:, slots[slots >= 0]], written) < TOL_BF16
