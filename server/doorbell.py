@@ -55,6 +55,8 @@ class Doorbell(threading.Thread):
         self.page.close()
 
     def run(self) -> None:
+        if self.device.type == "cuda":  # per-thread current device: waits and records go to this GPU
+            torch.cuda.set_device(self.device)
         idle_since = time.perf_counter()
         while not self._halt.is_set():
             seq = int(self.words[0])

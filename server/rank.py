@@ -73,6 +73,8 @@ class RankLoop:
 
     # The worker -----------------------------------------------------------------------------
     def _work(self) -> None:
+        if self.ctx.model.device.type == "cuda":  # the current device is per thread: kernels launch on it
+            torch.cuda.set_device(self.ctx.model.device)
         while (item := self._queue.get()) is not None:
             req, fut, t_enq = item
             try:
