@@ -40,9 +40,12 @@ class Doorbell(threading.Thread):
         self.resp_area = buf[HEADER + capacity : HEADER + 2 * capacity]
         self.input_event = self.output_event = None
         if device.type == "cuda":
-            if input_event:
-                self.input_event = torch.cuda.Event.from_ipc_handle(device, input_event)
-            self.output_event = torch.cuda.Event(interprocess=True)
+            # Built here, on a gRPC handler thread whose current device may be another GPU: pin it.
+            with torch.cuda.device(device):
+                if input_event:
+                    self.input_event = torch.cuda.Event.from_ipc_handle(device, input_event)
+                self.output_event = torch.cuda.Event(interprocess=True)
+                self.output_event.record(torch.cuda.current_stream(device))  # materialise it on this GPU
         self._halt = threading.Event()
         self._last = int(self.words[0])
 
@@ -64,7 +67,12 @@ class Doorbell(threading.Thread):
                 if time.perf_counter() - idle_since > SPIN_S:
                     time.sleep(20e-6)
                 continue
-            self._serve(seq)
+            try:
+                self._serve(seq)
+            except Exception as exc:  # noqa: BLE001  (the engine always gets an answer: it falls back)
+                log.exception("doorbell: step could not be served")
+                self._publish(seq, pb.DraftStepResponse(error=pb.StepError(
+                    code=13, message=f"internal error: {type(exc).__name__}: {exc}", reason="INTERNAL")))
             self._last = seq
             idle_since = time.perf_counter()
 
@@ -83,6 +91,9 @@ class Doorbell(threading.Thread):
             resp = self.loop.answer(req)
             if self.output_event is not None:
                 self.output_event.record(torch.cuda.current_stream(self.device))
+        self._publish(seq, resp)
+
+    def _publish(self, seq: int, resp: pb.DraftStepResponse) -> None:
         data = resp.SerializeToString()
         if len(data) > self.capacity:
             data = pb.DraftStepResponse(step_id=resp.step_id, error=pb.StepError(
