@@ -98,14 +98,15 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, target_dir: str, store:
     dist.destroy_process_group()
 
 
-def run_tp_bench(bc: BenchConfig, tp: int) -> dict:
+def run_tp_bench(bc: BenchConfig, tp: int, single_gpu: bool = True) -> dict:
     """Per-step time of the TP-N sidecar from N engine ranks, against one GPU's shard and the exchange."""
     if torch.cuda.device_count() < tp:
         raise SystemExit(f"--tp {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
     from dspark_sidecar.bench import run_bench
 
     single = run_bench(BenchConfig(**{**bc.__dict__, "modes": ("d",), "shard_of": tp,
-                                      "out_dir": bc.out_dir / "single-gpu"}), torch.device("cuda", 0))
+                                      "out_dir": bc.out_dir / "single-gpu"}), torch.device("cuda", 0)) \
+        if single_gpu else {"rows": []}
     work = Path(tempfile.mkdtemp(prefix="dspark-tp-bench-"))
     side = SidecarUnderTest(bc, torch.device("cuda"), work, tp=tp)
     try:
@@ -117,7 +118,7 @@ def run_tp_bench(bc: BenchConfig, tp: int) -> dict:
     rows = []
     for i, r0 in enumerate(per_rank[0]):
         step = max(p[i]["p50_ms"] for p in per_rank)
-        one = next(x for x in single["rows"] if x["R"] == r0["R"] and x["context"] == r0["context"])
+        one = next((x for x in single["rows"] if x["R"] == r0["R"] and x["context"] == r0["context"]), {})
         ar = max(p[i]["allreduce10_p50_ms"] for p in per_rank)
         row = {"R": r0["R"], "context": r0["context"], "tp_step_p50_ms": step,
                "single_gpu_shard_p50_ms": one.get("p50_ms"), "exchange_10x_allreduce_ms": ar,

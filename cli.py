@@ -184,7 +184,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from dspark_sidecar.bench_tp import run_tp_bench
 
         bc.out_dir.mkdir(parents=True, exist_ok=True)
-        run_tp_bench(bc, a.tp)
+        run_tp_bench(bc, a.tp, a.single_gpu)
         return 0
     report = run_bench(bc, device)
     print(f"device {report['device']}, copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s; "
@@ -236,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
     bp.add_argument("--tp", type=int, default=1,
                     help="N > 1: the sidecar at TP N on N GPUs, driven by N engine ranks over the data plane")
+    bp.add_argument("--no-single-gpu", dest="single_gpu", action="store_false",
+                    help="with --tp N: skip the one-GPU shard baseline")
     a = ap.parse_args(argv)
     if a.cmd == "bench":
         return cmd_bench(a)
