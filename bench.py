@@ -152,7 +152,11 @@ class SidecarUnderTest:
 
     def close(self) -> None:
         self.proc.terminate()
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.log.close()
 
 

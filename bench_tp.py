@@ -113,8 +113,13 @@ def run_tp_bench(bc: BenchConfig, tp: int, single_gpu: bool = True) -> dict:
         mp.start_processes(_engine_rank, args=(tp, bc, str(side.sock), str(work / "store"), str(work)), nprocs=tp,
                            start_method="spawn")
         per_rank = [torch.load(work / f"rank{r}.pt") for r in range(tp)]
+        return _report(bc, tp, per_rank, single)
     finally:
         side.close()
+
+
+def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict) -> dict:
+    """Rows are printed and written as soon as the engine ranks finish (before the sidecar stops)."""
     rows = []
     for i, r0 in enumerate(per_rank[0]):
         step = max(p[i]["p50_ms"] for p in per_rank)

@@ -41,6 +41,7 @@ from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle, limits_pb
 
 log = logging.getLogger("dspark_sidecar.server")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TEARDOWN_LIMIT_S = 15.0
 
 
 def _die_with_parent() -> None:
@@ -218,6 +219,12 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     publish()
     time.sleep(cfg.drain_s)  # health says NOT_SERVING while calls are still accepted: engines move off
     server.stop(grace=5.0).wait()  # then refuse new calls, and let in-flight steps finish
+    # Teardown must not hang the exit (a peer that left first can wedge an NCCL teardown): after
+    # the drain above nothing is in flight, so past the limit the process just ends.
+    watchdog = threading.Timer(TEARDOWN_LIMIT_S, lambda: (log.warning("rank %d: teardown exceeded %.0f s; exiting",
+                                                                      rank, TEARDOWN_LIMIT_S), os._exit(0)))
+    watchdog.daemon = True
+    watchdog.start()
     if servicer.doorbell is not None:
         servicer.doorbell.stop()
     loop.close()

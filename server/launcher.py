@@ -13,6 +13,7 @@ import time
 from dspark_sidecar.server.config import ServeConfig
 
 log = logging.getLogger("dspark_sidecar.launcher")
+DRAIN_GRACE_S = 60.0  # a rank that has not exited this long after SIGTERM is killed
 
 
 def free_port() -> int:
@@ -36,10 +37,12 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
         procs.append(subprocess.Popen([sys.executable, "-m", "dspark_sidecar", *rank_argv],
                                       env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
     stopping = False
+    stop_deadline = float("inf")
 
     def on_signal(signum, _frame):
-        nonlocal stopping
+        nonlocal stopping, stop_deadline
         stopping = True
+        stop_deadline = time.monotonic() + DRAIN_GRACE_S
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -52,6 +55,10 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
             if all(c is not None for c in codes):
                 bad = [(r, c) for r, c in enumerate(codes) if c != 0]
                 return 0 if stopping and not bad else 1
+            if stopping and time.monotonic() > stop_deadline:
+                log.error("ranks still running %.0f s after SIGTERM; killing them", DRAIN_GRACE_S)
+                _terminate(procs, grace_s=0.0)
+                return 1
             dead = [(r, c) for r, c in enumerate(codes) if c is not None]
             if dead and not stopping:
                 r, c = dead[0]
