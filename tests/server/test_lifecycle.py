@@ -30,6 +30,16 @@ def test_health_not_serving_then_serving_then_not_serving_on_drain(tmp_path, tin
     log = open(sc.log_path, "ab")
     sc._log = log
     sc.proc = subprocess.Popen(sc.argv(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _serve_then_drain(sc)
+    finally:
+        if sc.proc.poll() is None:  # a failed check must not leave a sidecar behind
+            os.killpg(sc.proc.pid, signal.SIGKILL)
+            sc.proc.wait()
+        log.close()
+
+
+def _serve_then_drain(sc: SidecarProcess) -> None:
     seen: list[str] = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -51,7 +61,6 @@ def test_health_not_serving_then_serving_then_not_serving_on_drain(tmp_path, tin
     assert "NOT_SERVING" in drained and "SERVING" not in drained[1:], drained
     assert sc.proc.wait(timeout=30) == 0  # drained and exited cleanly
     assert not any(_alive(p) for p in pids)
-    log.close()
 
 
 def test_killed_rank_takes_group_down_and_clients_see_unavailable(tmp_path, tiny_ckpt):
@@ -92,4 +101,4 @@ def test_strict_refusal_is_not_serving_with_the_reason(tmp_path, tiny_ckpt):
         assert st.fast_path_refusal == "not gfx950"
         assert check(sc.socket(0)) == "NOT_SERVING"
     finally:
-        sc.stop()
+        sc.stop()  # SIGTERM, then SIGKILL of the whole process group after a timeout
