@@ -26,10 +26,8 @@ def _alive(pid: int) -> bool:
 
 def test_health_not_serving_then_serving_then_not_serving_on_drain(tmp_path, tiny_ckpt):
     sc = SidecarProcess(tmp_path, tp=2, checkpoint=tiny_ckpt, extra_args=["--drain-s", "2"])
-    sc.dir.mkdir(parents=True, exist_ok=True)
     log = open(sc.log_path, "ab")
-    sc._log = log
-    sc.proc = subprocess.Popen(sc.argv(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    sc.proc = subprocess.Popen(sc.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _serve_then_drain(sc)
     finally:
@@ -82,9 +80,8 @@ def test_killed_rank_takes_group_down_and_clients_see_unavailable(tmp_path, tiny
 
 def test_strict_refusal_is_not_serving_with_the_reason(tmp_path, tiny_ckpt):
     sc = SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--strict-refusal"])
-    sc.dir.mkdir(parents=True, exist_ok=True)
-    sc._log = open(sc.log_path, "ab")
-    sc.proc = subprocess.Popen(sc.argv(), stdout=sc._log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = open(sc.log_path, "ab")
+    sc.proc = subprocess.Popen(sc.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         st = None
@@ -102,3 +99,4 @@ def test_strict_refusal_is_not_serving_with_the_reason(tmp_path, tiny_ckpt):
         assert check(sc.socket(0)) == "NOT_SERVING"
     finally:
         sc.stop()  # SIGTERM, then SIGKILL of the whole process group after a timeout
+        log.close()
