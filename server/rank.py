@@ -57,7 +57,8 @@ class RankLoop:
     def submit(self, req: pb.DraftStepRequest) -> concurrent.futures.Future:
         """A future of the DraftStepResponse; it raises SidecarError on failure (unary path)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((req, fut, time.perf_counter_ns()))
+        expires = time.monotonic_ns() + req.deadline_ms * 1_000_000 if req.deadline_ms else 0
+        self._queue.put((req, fut, time.perf_counter_ns(), expires))
         return fut
 
     def answer(self, req: pb.DraftStepRequest) -> pb.DraftStepResponse:
@@ -76,9 +77,9 @@ class RankLoop:
         if self.ctx.model.device.type == "cuda":  # the current device is per thread: kernels launch on it
             torch.cuda.set_device(self.ctx.model.device)
         while (item := self._queue.get()) is not None:
-            req, fut, t_enq = item
+            req, fut, t_enq, expires = item
             try:
-                fut.set_result(self._run(req, t_enq))
+                fut.set_result(self._run(req, t_enq, expires))
             except SidecarError as err:
                 fut.set_exception(err)
             except Exception:  # noqa: BLE001
@@ -88,7 +89,7 @@ class RankLoop:
                 log.exception("rank %d: draft step %d failed inside its launch; exiting", self.ctx.rank, req.step_id)
                 os._exit(3)
 
-    def _run(self, req: pb.DraftStepRequest, t_enq: int) -> pb.DraftStepResponse:
+    def _run(self, req: pb.DraftStepRequest, t_enq: int, expires_ns: int = 0) -> pb.DraftStepResponse:
         ctx = self.ctx
         t0 = time.perf_counter_ns()
         step: Step | None = None
@@ -106,6 +107,7 @@ class RankLoop:
             digest=digest(step.positions, step.meta.seq_lens, step.meta.block_tables, step.meta.slot_mapping)
             if step is not None else 0,
             valid=step is not None,
+            expires_ns=expires_ns,
         )
         verdict = self.rendezvous.agree(post)
         t1 = time.perf_counter_ns()
@@ -116,7 +118,9 @@ class RankLoop:
         if not verdict.go:
             ctx.metrics.step("aborted", {})
             log.warning("rank %d: step %d aborted: %s", ctx.rank, req.step_id, verdict.reason)
-            raise SidecarError(grpc.StatusCode.ABORTED, verdict.reason, "", "ABORTED")
+            late = "deadline_ms passed" in verdict.reason
+            raise SidecarError(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.ABORTED, verdict.reason,
+                               "deadline_ms" if late else "", "DEADLINE" if late else "ABORTED")
         assert step is not None
         hidden = self._execute(step)
         launches = len(layout.launch_groups(step.num_reqs))

@@ -9,7 +9,7 @@ it has posted; the coordinator always decides within the deadline of the first p
 missing peer costs at most the deadline, and a collective is entered only after GO.
 
 Layout (int64 words): header [magic, world]; per rank a post slot
-[seq, step_id, generation, num_reqs, valid, digest, code, spare]; a ring of verdict records
+[seq, step_id, generation, num_reqs, valid, digest, expires_ns, spare]; a ring of verdict records
 [seq, step_id, verdict, reason, rank_mask, launch_seq, covered_seq[0..world)]. `seq` words are
 seqlocks: odd while the writer fills the record, even when it is complete.
 """
@@ -29,7 +29,7 @@ SLOT = 8
 RING = 64
 GO, ABORT = 1, 2
 # Abort reasons
-MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID = range(1, 7)
+MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE = range(1, 8)
 POLL_S = 20e-6
 IDLE_AFTER_S, IDLE_POLL_S = 0.05, 500e-6
 
@@ -41,6 +41,7 @@ class Post:
     num_reqs: int
     digest: int
     valid: bool
+    expires_ns: int = 0  # time.monotonic_ns() (one clock for the whole node) past which it must not launch; 0: none
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ def format_reason(step_id: int, reason: int, mask: int, deadline_ms: int) -> str
         return f"step {step_id}: rank(s) {_ranks(mask)} did not receive it within {deadline_ms} ms"
     if reason == INVALID:
         return f"step {step_id}: rank(s) {_ranks(mask)} rejected their copy of the step's inputs"
+    if reason == DEADLINE:
+        return f"step {step_id}: its deadline_ms passed on rank(s) {_ranks(mask)} before every rank had it"
     what = {STEP_ID: "the step id", NUM_REQS: "num_requests", GENERATION: "the KV binding generation",
             DIGEST: "the step's metadata (positions, seq lens, block tables, slots)"}[reason]
     return f"step {step_id}: ranks disagree on {what} (rank(s) {_ranks(mask)} differ from rank 0's view)"
@@ -122,12 +125,14 @@ class Rendezvous:
 
     def agree(self, post: Post) -> Verdict:
         if self.board.world == 1:  # nobody to disagree with
-            return Verdict(post.valid, "" if post.valid else format_reason(post.step_id, INVALID, 1, self.deadline_ms), 0)
+            late = post.expires_ns and time.monotonic_ns() > post.expires_ns
+            reason = INVALID if not post.valid else DEADLINE if late else 0
+            return Verdict(not reason, format_reason(post.step_id, reason, 1, self.deadline_ms) if reason else "", 0)
         slot = self.board.slots[self.rank]
         self._seq += 2
         seq = self._seq
         slot[0] = seq - 1  # seqlock: writing
-        slot[1:7] = (post.step_id, post.generation, post.num_reqs, int(post.valid), post.digest, 0)
+        slot[1:7] = (post.step_id, post.generation, post.num_reqs, int(post.valid), post.digest, post.expires_ns)
         slot[0] = seq
         col = 6 + self.rank
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
@@ -216,6 +221,11 @@ class Coordinator(threading.Thread):
         invalid = sum(1 << r for r in range(world) if pending[r][4] == 0)
         if invalid:
             self._write(pending, step, ABORT, INVALID, invalid)
+            return True
+        now = time.monotonic_ns()
+        late = sum(1 << r for r in range(world) if 0 < pending[r][6] < now)
+        if late:  # a step queued behind a stall must not launch (and write K/V) after the engine gave up
+            self._write(pending, step, ABORT, DEADLINE, late)
             return True
         self._launch_seq += 1
         self._write(pending, step, GO, 0, 0)

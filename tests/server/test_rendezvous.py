@@ -1,0 +1,71 @@
+"""The step agreement board: one verdict per set of posts, the same on every rank."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from dspark_sidecar.server.rendezvous import Board, Post, Rendezvous
+
+WORLD, DEADLINE_MS = 4, 150
+
+
+@pytest.fixture()
+def ranks():
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, WORLD, create=True)] + [Board(name, WORLD, create=False, untrack=False) for _ in range(WORLD - 1)]
+    rdv = [Rendezvous(boards[r], r, DEADLINE_MS) for r in range(WORLD)]
+    yield rdv
+    for r in rdv:
+        r.close()
+    for b in boards[1:]:
+        b.close()
+    boards[0].close()
+
+
+def agree_all(rdv, posts: dict[int, Post]):
+    out = {}
+
+    def one(r):
+        t = time.monotonic()
+        v = rdv[r].agree(posts[r])
+        out[r] = (v, time.monotonic() - t)
+
+    ts = [threading.Thread(target=one, args=(r,)) for r in posts]
+    [t.start() for t in ts]
+    [t.join(timeout=10) for t in ts]
+    return out
+
+
+def test_go_when_every_rank_posts_the_same_step(ranks):
+    out = agree_all(ranks, {r: Post(1, 1, 3, 99, True) for r in range(WORLD)})
+    assert all(v.go and v.reason == "" for v, _ in out.values())
+    assert len({v.launch_seq for v, _ in out.values()}) == 1
+
+
+@pytest.mark.parametrize("posts,words", [
+    ({r: Post(2, 1, 3 if r != 2 else 4, 99, True) for r in range(WORLD)}, "disagree on num_requests"),
+    ({r: Post(3, 1 if r != 1 else 2, 3, 99, True) for r in range(WORLD)}, "KV binding generation"),
+    ({r: Post(4, 1, 3, 99 if r != 3 else 98, True) for r in range(WORLD)}, "metadata"),
+    ({r: Post(5, 1, 3, 99, r != 0) for r in range(WORLD)}, "rank(s) 0 rejected"),
+    ({r: Post(6, 1, 3, 99, True, expires_ns=time.monotonic_ns() - 1 if r == 1 else 0) for r in range(WORLD)},
+     "deadline_ms passed on rank(s) 1"),
+])
+def test_every_rank_aborts_with_one_reason(ranks, posts, words):
+    out = agree_all(ranks, posts)
+    reasons = {v.reason for v, _ in out.values()}
+    assert not any(v.go for v, _ in out.values())
+    assert len(reasons) == 1 and words in reasons.pop()
+
+
+def test_missing_rank_aborts_the_others_within_the_deadline(ranks):
+    out = agree_all(ranks, {r: Post(7, 1, 3, 99, True) for r in range(WORLD - 1)})
+    assert len(out) == WORLD - 1
+    assert {v.reason for v, _ in out.values()} == {f"step 7: rank(s) 3 did not receive it within {DEADLINE_MS} ms"}
+    assert max(dt for _, dt in out.values()) < DEADLINE_MS / 1e3 + 2.0
+    # the late copy cannot launch alone either
+    late = agree_all(ranks, {3: Post(7, 1, 3, 99, True)})
+    assert not late[3][0].go
