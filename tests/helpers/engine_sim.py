@@ -59,13 +59,13 @@ class EngineSim:
                 setattr(req, k, v)
         return req
 
-    def step_all(self, step_id: int, step: scenario.StepInputs, ranks=None, timeout: float = 30.0):
+    def step_all(self, step_id: int, step: scenario.StepInputs, ranks=None, timeout: float = 30.0, **override):
         """Send the step to the given ranks concurrently (unary); each result is a response or an RpcError."""
         ranks = list(range(self.tp)) if ranks is None else ranks
 
         def one(r):
             try:
-                return self.stubs[r].DraftStep(self.request(r, step_id, step), timeout=timeout)
+                return self.stubs[r].DraftStep(self.request(r, step_id, step, **override), timeout=timeout)
             except grpc.RpcError as err:
                 return err
 

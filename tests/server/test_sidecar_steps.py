@@ -166,3 +166,12 @@ def test_bind_refuses_wrong_rank_and_tp(engine):
     with pytest.raises(grpc.RpcError) as info:
         engine.stubs[0].BindKV(req, timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "layers[1].shape" in info.value.details()
+
+
+def test_step_past_its_deadline_is_refused_on_every_rank(engine):
+    # 1 ms from receipt cannot survive validation and the agreement: no rank may launch it.
+    errs = engine.step_all(500, engine.step, deadline_ms=1)
+    assert [_code(e) for e in errs] == [grpc.StatusCode.DEADLINE_EXCEEDED] * TP
+    assert len({e.details() for e in errs}) == 1 and "deadline_ms passed" in errs[0].details()
+    ok = engine.step_all(501, engine.step, deadline_ms=30_000)
+    assert all(isinstance(x, pb.DraftStepResponse) for x in ok)
