@@ -118,6 +118,34 @@ def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer
     return server
 
 
+def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_group):
+    """This rank's drafter shard and embeddings, on the backend chosen once here."""
+    dcfg = load_config(cfg.preset, cfg.checkpoint)
+    dtype = DTYPES[cfg.dtype]
+    shard_world = cfg.shard_of or world  # --shard-of: one process computes rank 0's shard of TP N
+    host = probe_host(shard_world)
+    choice = choose_backend(cfg, host, device)
+    t = time.perf_counter()
+    if cfg.random_weights:
+        weights = embeds = SyntheticSource(dcfg, dtype, device, cfg.seed)
+    else:
+        if cfg.checkpoint is None:  # the embedded synthetic checkpoint: rank 0 writes it once
+            if rank == 0:
+                ensure_synthetic_checkpoint(dcfg, cfg.seed)
+            dist.barrier(group=cpu_group)
+            dspark_dir, target_dir = ensure_synthetic_checkpoint(dcfg, cfg.seed)
+        else:
+            dspark_dir, target_dir = cfg.checkpoint, cfg.target_checkpoint
+        weights = CheckpointReader(dspark_dir, dtype, dcfg.quant_block, device)
+        embeds = CheckpointReader(target_dir, dtype, device=device)
+    par = ParallelContext(rank, shard_world, DistExchange(None) if world > 1 else LocalExchange())
+    model = DSparkDrafter(dcfg, par, choice.ops, dtype, device).load(weights)
+    embed = embeds.read(EMBED_KEY, (dcfg.vocab_size, dcfg.hidden_size))
+    log.info("rank %d: %s shard loaded in %.1f s on %s (%s, backend %s; FlyDSL path: %s)", rank, dcfg.name,
+             time.perf_counter() - t, device, cfg.dtype, choice.name, choice.flydsl_refusal or "on")
+    return dcfg, model, embed, choice, host
+
+
 def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     stop = threading.Event()  # set by SIGTERM/SIGINT, at any point of the rank's life
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -142,33 +170,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
                             world_size=world, timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
     cpu_group = dist.new_group(backend="gloo") if dist_backend != "gloo" else None
 
-    dcfg = load_config(cfg.preset, cfg.checkpoint)
-    dtype = DTYPES[cfg.dtype]
-    shard_world = cfg.shard_of or world  # --shard-of: one process computes rank 0's shard of TP N
-    if cfg.random_weights:
-        dspark_dir = target_dir = None
-    elif cfg.checkpoint is None:
-        if rank == 0:
-            ensure_synthetic_checkpoint(dcfg, cfg.seed)
-        dist.barrier(group=cpu_group)
-        dspark_dir, target_dir = ensure_synthetic_checkpoint(dcfg, cfg.seed)
-    else:
-        dspark_dir, target_dir = cfg.checkpoint, cfg.target_checkpoint
-    host = probe_host(shard_world)
-    choice = choose_backend(cfg, host, device)
-    par = ParallelContext(rank, shard_world, DistExchange(None) if world > 1 else LocalExchange())
-    t = time.perf_counter()
-    if cfg.random_weights:
-        weights = embeds = SyntheticSource(dcfg, dtype, device, cfg.seed)
-    else:
-        if target_dir is None:
-            raise SystemExit("--target-checkpoint is required with --checkpoint (embed_tokens lives in the target)")
-        weights = CheckpointReader(dspark_dir, dtype, dcfg.quant_block, device)
-        embeds = CheckpointReader(target_dir, dtype, device=device)
-    model = DSparkDrafter(dcfg, par, choice.ops, dtype, device).load(weights)
-    embed = embeds.read(EMBED_KEY, (dcfg.vocab_size, dcfg.hidden_size))
-    log.info("rank %d: %s shard loaded in %.1f s on %s (%s, backend %s; FlyDSL path: %s)", rank, dcfg.name,
-             time.perf_counter() - t, device, cfg.dtype, choice.name, choice.flydsl_refusal or "on")
+    dcfg, model, embed, choice, host = _load(cfg, rank, world, device, cpu_group)
 
     if rank == 0:
         board = Board(board_name(cfg), world, create=True)
@@ -179,7 +181,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     metrics = Metrics(rank)
     if cfg.metrics_port:
         metrics.serve_http(cfg.metrics_host, cfg.metrics_port + rank)
-    memory = MemoryBindings(dcfg, shard_world, rank, dtype, device)
+    memory = MemoryBindings(dcfg, model.par.world_size, rank, model.dtype, device)
     ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs)
     life = Lifecycle(backend=choice.name, host=host, strict=cfg.strict_refusal, dist_backend=dist_backend)
     # CUDA graphs need capturable ops: the Triton backend's are; the reference loop attention is not.

@@ -75,6 +75,8 @@ class ServeConfig:
             raise ServeConfigError(f"--shard-of: needs --tp 1 and N >= 2, got --tp {self.tp} --shard-of {self.shard_of}")
         if not 0 <= self.drain_s <= 300:
             raise ServeConfigError(f"--drain-s: must be 0..300, got {self.drain_s}")
+        if self.checkpoint is not None and self.target_checkpoint is None and not self.random_weights:
+            raise ServeConfigError("--target-checkpoint: required with --checkpoint (embed_tokens lives in the target)")
         if self.max_message_bytes < 1 << 20:
             raise ServeConfigError("--max-message-bytes: must be at least 1 MiB")
 
