@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -131,21 +130,11 @@ def compile_reports(launcher, *args, **kwargs) -> list[KernelReport]:
     """
     import flydsl.compiler as flyc
 
-    dump_vars = ("FLYDSL_DEBUG_DUMP_ASM", "FLYDSL_DUMP_DIR")
-    saved = {k: os.environ.get(k) for k in dump_vars}
     with tempfile.TemporaryDirectory(prefix="flydsl-isa-") as tmp, toolchain.compile_only():
-        os.environ["FLYDSL_DEBUG_DUMP_ASM"] = "1"
-        os.environ["FLYDSL_DUMP_DIR"] = tmp
-        try:
+        with toolchain.scoped_env({"FLYDSL_DEBUG_DUMP_ASM": "1", "FLYDSL_DUMP_DIR": tmp}):
             # FlyDSL prints one line per dump; keep test and tool output clean.
             with contextlib.redirect_stdout(io.StringIO()):
                 flyc.compile(launcher, *args, **kwargs)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         dumps = sorted(Path(tmp).rglob("*final_isa.s"))
         if not dumps:
             raise RuntimeError("FlyDSL produced no ISA dump")

@@ -138,6 +138,21 @@ def _compile_only_vars(arch: str) -> dict[str, str]:
 
 
 @contextmanager
+def scoped_env(values: dict[str, str]):
+    """Set environment variables for the duration of a block, then restore them as they were."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
 def compile_only(arch: str = TARGET_ARCH):
     """enable_compile_only() for the duration of a block, then the environment as it was.
 
@@ -147,14 +162,5 @@ def compile_only(arch: str = TARGET_ARCH):
     why = compile_only_unavailable_reason()
     if why is not None:
         raise RuntimeError(f"FlyDSL compile-only unavailable: {why}")
-    new = _compile_only_vars(arch)
-    saved = {k: os.environ.get(k) for k in new}
-    os.environ.update(new)
-    try:
+    with scoped_env(_compile_only_vars(arch)):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
