@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -33,3 +34,21 @@ class SidecarProcess(SidecarLauncher):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"sidecar not {want} within {timeout_s} s: {self.health()}\n{self.log_tail()}")
+
+
+def free_port_block(n: int, start: int = 20000, end: int = 60000) -> int:
+    """A base port p such that p .. p+n-1 are free on loopback now (rank r serves on p + r)."""
+    for base in range(start + (hash(time.time()) % 1000) * 16, end, 16):
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free block of loopback ports")

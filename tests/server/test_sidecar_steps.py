@@ -15,17 +15,21 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_sim import PAGE, EngineSim
 from helpers.local_tp import local_step, shard_model
 from helpers.ranks import run_ranks
-from helpers.sidecar_proc import SidecarProcess
+from helpers.sidecar_proc import SidecarProcess, free_port_block
 
 TP, DTYPE, DEADLINE_MS = 4, torch.float32, 300
 LENS = [5, 4096 + 40, 200, 33, 1, 77, 130, 9, 12]  # R = 9: two launches, one context past the window
 PAGES = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 8
 
 
+METRICS_PORT = free_port_block(TP)
+
+
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory, tiny_ckpt):
     with SidecarProcess(tmp_path_factory.mktemp("sc"), tp=TP, dtype="fp32", checkpoint=tiny_ckpt,
-                        extra_args=["--rendezvous-ms", str(DEADLINE_MS), "--max-reqs", "16"]) as sc:
+                        extra_args=["--rendezvous-ms", str(DEADLINE_MS), "--max-reqs", "16",
+                                    "--metrics-port", str(METRICS_PORT)]) as sc:
         yield sc
 
 
@@ -175,3 +179,15 @@ def test_step_past_its_deadline_is_refused_on_every_rank(engine):
     assert len({e.details() for e in errs}) == 1 and "deadline_ms passed" in errs[0].details()
     ok = engine.step_all(501, engine.step, deadline_ms=30_000)
     assert all(isinstance(x, pb.DraftStepResponse) for x in ok)
+
+
+def test_prometheus_endpoint_counts_steps_per_rank(engine):
+    import urllib.request
+
+    engine.step_all(600, engine.step)
+    for r in range(TP):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT + r}/metrics", timeout=5).read().decode()
+        ok = [ln for ln in text.splitlines() if ln.startswith(f'dspark_steps_total{{rank="{r}",result="ok"}}')]
+        assert ok and float(ok[0].split()[-1]) >= 1, text[:500]
+        assert f'dspark_serving{{rank="{r}"}} 1.0' in text
+        assert "dspark_step_seconds_bucket" in text
