@@ -86,7 +86,8 @@ class ServeConfig:
     def endpoints(self, rank: int) -> list[str]:
         eps = [f"unix:{self.socket_path(rank)}"]
         if self.tcp_base_port:
-            eps.append(f"{self.tcp_host}:{self.tcp_base_port + rank}")
+            host = f"[{self.tcp_host}]" if ":" in self.tcp_host and not self.tcp_host.startswith("[") else self.tcp_host
+            eps.append(f"{host}:{self.tcp_base_port + rank}")
         return eps
 
     def replace(self, **kw) -> ServeConfig:
