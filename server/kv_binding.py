@@ -12,8 +12,8 @@ from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.drafter.kv_cache import kv_layer_shape
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from dspark_sidecar.proto.memory import HandleError, MappedMemory
-from dspark_sidecar.server.errors import SidecarError, invalid, precondition
+from dspark_sidecar.proto.memory import MappedMemory
+from dspark_sidecar.server.errors import invalid, precondition
 from dspark_sidecar.server.refusal import EngineFacts
 
 
@@ -86,11 +86,7 @@ class MemoryBindings:
                 if not t.is_contiguous():
                     raise invalid(f"{f}.strides", f"{list(lb.strides)}: the cache must be contiguous")
                 layers.append(t)
-        except HandleError as err:
-            for m in mappings:
-                m.close()
-            raise invalid(str(err).split(":", 1)[0], str(err).split(": ", 1)[-1]) from None
-        except SidecarError:
+        except Exception:  # a bad layer (or handle: errors.as_sidecar_error maps it) unmaps the rest
             for m in mappings:
                 m.close()
             raise
@@ -129,10 +125,7 @@ class MemoryBindings:
     def register(self, req: pb.RegisterBuffersRequest) -> list[int]:
         ids = []
         for i, region in enumerate(req.regions):
-            try:
-                m = MappedMemory(region.memory, f"regions[{i}].memory", self.device)
-            except HandleError as err:
-                raise invalid(f"regions[{i}].memory", str(err).split(": ", 1)[-1]) from None
+            m = MappedMemory(region.memory, f"regions[{i}].memory", self.device)
             if region.size_bytes > m.nbytes:
                 m.close()
                 raise invalid(f"regions[{i}].size_bytes", f"{region.size_bytes} > mapped {m.nbytes}")
@@ -151,10 +144,7 @@ class MemoryBindings:
         if region.offset_bytes % item:
             raise ValueError(f"{field}: offset {region.offset_bytes} not aligned to {item}-byte {dtype}")
         stride = torch.empty(shape, device="meta").stride() if shape else ()
-        try:
-            return m.view(dtype, shape, stride, region.offset_bytes // item, field)
-        except HandleError as err:
-            raise ValueError(str(err)) from None
+        return m.view(dtype, shape, stride, region.offset_bytes // item, field)  # HandleError is a ValueError
 
     def close(self) -> None:
         if self.kv is not None:
