@@ -60,6 +60,11 @@ class BenchConfig:
     seed: int = 0
     notes: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ValueError(f"--modes: {bad or 'none given'}; choose from {''.join(MODES)} (e.g. 'acd' or 'a,c,d')")
+
 
 class Case:
     """One (R, context) step on the shared KV cache: inputs on the device, metadata on both sides."""

@@ -178,7 +178,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints(a.reqs), contexts=ints(a.contexts),
-                     modes=tuple(a.modes), dtype=a.dtype, repeats=a.repeats, out_dir=a.out_dir,
+                     modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend)
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench

@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import torch
@@ -22,7 +23,8 @@ from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.errors import SidecarError, as_sidecar_error, precondition, to_step_error
 from dspark_sidecar.server.graphs import StepGraphs
-from dspark_sidecar.server.kv_binding import MemoryBindings
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.server.kv_binding import KVBinding, MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rendezvous import Post, Rendezvous, digest
 from dspark_sidecar.server.validate import Step, validate_step
@@ -43,6 +45,17 @@ class RankContext:
     metrics: Metrics
     max_reqs: int
     refusal: str | None = None  # set when --strict-refusal refuses the deployment
+    fast: "FastPath | None" = None  # the FlyDSL step runner's glue (server/fast_path.py), when selected
+
+
+class FastPath(Protocol):
+    """What the loop needs of a kernel-specific fast path that replaces the layers for whole steps."""
+
+    def ready(self, kv: KVBinding) -> bool:
+        """True when this binding can be served by the fast path (binds it on first sight)."""
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """embeds [n, hidden], positions int64 [n], meta on the rank's device -> hidden [n, hidden]."""
 
 
 class RankLoop:
@@ -141,6 +154,9 @@ class RankLoop:
             embeds = step.inputs_embeds.to(dev, m.dtype)
         else:
             embeds = self.ctx.embed[step.input_ids.to(dev)]
+        fast = self.ctx.fast
+        if fast is not None and fast.ready(step.kv):
+            return fast.forward(embeds, step.positions.to(dev), step.meta.to(dev))
         if self.graphs is not None:
             return self.graphs.run(embeds, step.positions, step.meta, step.kv.layers)
         return m.draft_step(embeds, step.positions.to(dev), step.meta.to(dev), step.kv.layers)
