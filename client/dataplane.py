@@ -15,6 +15,7 @@ can use either transport.
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -23,11 +24,10 @@ import torch
 from dspark_sidecar import layout
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import codec, memory
+from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
-HEADER = 64
-SPIN_S = 200e-6
 
 
 class DataPlaneError(RuntimeError):
@@ -61,6 +61,7 @@ class StepBuffers:
                                    ("metadata", self.meta_bytes))]
         ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions), timeout=timeout_s).region_ids
         self.embeds_id, self.hidden_id, self.meta_id = ids
+        self._layouts: dict[tuple, tuple[pb.DraftStepRequest, list[np.ndarray]]] = {}
 
     def fill(self, req: pb.DraftStepRequest, embeds: torch.Tensor, positions: torch.Tensor,
              meta: StepMetadata) -> torch.Tensor:
@@ -70,17 +71,38 @@ class StepBuffers:
         if R > self.max_reqs or pages > self.max_pages:
             raise DataPlaneError(f"step of {R} requests x {pages} pages exceeds the registered buffers")
         self.embeds[:n].copy_(embeds, non_blocking=True)
-        req.inputs_embeds.CopyFrom(codec.region_tensor_ref(self.dtype, (n, embeds.shape[1]), self.embeds_id, 0))
-        off = 0
-        for field, t in (("positions", positions), ("seq_lens", meta.seq_lens),
-                         ("block_tables", meta.block_tables), ("slot_mapping", meta.slot_mapping)):
-            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            off = -(-off // 8) * 8  # keep every tensor 8-byte aligned
-            self.meta_bytes[off : off + raw.numel()].copy_(raw)
-            getattr(req, field).CopyFrom(codec.region_tensor_ref(t.dtype, tuple(t.shape), self.meta_id, off))
-            off += raw.numel()
-        req.output.CopyFrom(pb.RegionSlice(region_id=self.hidden_id, offset_bytes=0))
+        srcs = (positions, meta.seq_lens, meta.block_tables, meta.slot_mapping)
+        template, dsts = self._layout(tuple((t.dtype, tuple(t.shape)) for t in srcs), embeds.shape[1])
+        for dst, t in zip(dsts, srcs):
+            np.copyto(dst, t.detach().cpu().numpy(), casting="no")
+        req.MergeFrom(template)
         return self.hidden[:n]
+
+    def _layout(self, key: tuple, hidden: int) -> tuple[pb.DraftStepRequest, list[np.ndarray]]:
+        """Per (dtypes, shapes): the request's region slices and NumPy views of the metadata region.
+
+        An engine repeats a handful of shapes; building the TensorRefs once per shape keeps the
+        per-step cost at four array copies and one message merge.
+        """
+        got = self._layouts.get(key)
+        if got is not None:
+            return got
+        n = key[0][1][0]
+        template = pb.DraftStepRequest(inputs_embeds=codec.region_tensor_ref(self.dtype, (n, hidden), self.embeds_id, 0),
+                                       output=pb.RegionSlice(region_id=self.hidden_id, offset_bytes=0))
+        raw, dsts, off = self.meta_bytes.numpy(), [], 0
+        for field, (dtype, shape) in zip(("positions", "seq_lens", "block_tables", "slot_mapping"), key):
+            off = -(-off // 8) * 8  # keep every tensor 8-byte aligned
+            nbytes = math.prod(shape) * dtype.itemsize
+            if off + nbytes > raw.nbytes:
+                raise DataPlaneError(f"{field} {list(shape)} does not fit the registered metadata region")
+            dsts.append(raw[off : off + nbytes].view(torch.empty((), dtype=dtype).numpy().dtype).reshape(shape))
+            getattr(template, field).CopyFrom(codec.region_tensor_ref(dtype, shape, self.meta_id, off))
+            off += nbytes
+        if len(self._layouts) >= 64:
+            self._layouts.clear()
+        self._layouts[key] = (template, dsts)
+        return template, dsts
 
     def close(self) -> None:
         self.embeds = self.hidden = self.meta_bytes = None  # type: ignore[assignment]
@@ -94,10 +116,8 @@ class DoorbellChannel:
 
     def __init__(self, stub: pb_grpc.DrafterSidecarStub, device: torch.device, capacity: int = 1 << 16,
                  timeout_s: float = 10.0) -> None:
-        self._page = memory.shm_empty((HEADER + 2 * capacity,), torch.uint8)
-        buf = self._page.tensor.numpy()
-        self.words = np.ndarray((4,), dtype=np.uint64, buffer=buf[:32])
-        self.req_area, self.resp_area = buf[HEADER : HEADER + capacity], buf[HEADER + capacity :]
+        self._page = memory.shm_empty((bell.HEADER + 2 * capacity,), torch.uint8)
+        self.page = bell.Page(self._page.tensor.numpy(), capacity)
         self.capacity, self.device = capacity, device
         self.input_event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
         resp = stub.AttachDoorbell(pb.AttachDoorbellRequest(
@@ -105,8 +125,8 @@ class DoorbellChannel:
             input_event=self.input_event.ipc_handle() if self.input_event is not None else b""), timeout=timeout_s)
         self.output_event = (torch.cuda.Event.from_ipc_handle(device, resp.output_event)
                              if device.type == "cuda" else None)
-        self._seq = int(self.words[0])
-        self._step_id: int | None = None
+        self._seq = self.page.word(bell.REQ_SEQ)
+        self._sent_at = 0.0
         self.alive = True
 
     def send(self, req: pb.DraftStepRequest) -> None:
@@ -115,32 +135,24 @@ class DoorbellChannel:
             raise DataPlaneError(f"request of {len(data)} bytes exceeds the doorbell ({self.capacity})")
         if self.input_event is not None:
             self.input_event.record(torch.cuda.current_stream(self.device))
-        self.req_area[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self.words[1] = len(data)
         self._seq += 1
-        self._step_id = req.step_id
-        self.words[0] = self._seq  # ring: published after the bytes
+        self.page.write(self.page.req_area, data, bell.REQ_LEN, bell.REQ_SEQ, self._seq)  # ring: sequence last
+        self._sent_at = time.perf_counter()
 
     def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
         """The answer, None on timeout. On GPU the engine's stream is ordered after the sidecar's writes."""
-        deadline = time.perf_counter() + timeout_s
-        spin_until = time.perf_counter() + SPIN_S
-        while int(self.words[2]) != self._seq:
-            now = time.perf_counter()
-            if now > deadline:
-                return None
-            if now > spin_until:
-                time.sleep(20e-6)
-        n = int(self.words[3])
-        resp = pb.DraftStepResponse.FromString(self.resp_area[:n].tobytes())
+        if not bell.wait_until(lambda: self.page.word(bell.RESP_SEQ) == self._seq,
+                               time.perf_counter() + timeout_s, self._sent_at):
+            return None
+        resp = pb.DraftStepResponse.FromString(self.page.read(self.page.resp_area, bell.RESP_LEN))
         if self.output_event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.output_event)
         return resp
 
     def settled(self, step_id: int) -> bool:
-        return int(self.words[2]) == self._seq
+        return self.page.word(bell.RESP_SEQ) == self._seq
 
     def close(self) -> None:
         self.alive = False
-        self.words = self.req_area = self.resp_area = None  # type: ignore[assignment]
+        self.page.close()
         self._page.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark_sidecar import layout
@@ -66,7 +67,7 @@ def window_metadata(positions: torch.Tensor, meta: StepMetadata, page_size: int,
     """
     R = meta.num_reqs
     span = window + rows - 1
-    width = -(-span // page_size) + 1
+    width = window_width(page_size, window, rows)
     L = meta.seq_lens.to(torch.int64)
     first_page = (L - span).clamp(min=0) // page_size  # [R]
     idx = first_page[:, None] + torch.arange(width, device=L.device)[None, :]
@@ -75,3 +76,28 @@ def window_metadata(positions: torch.Tensor, meta: StepMetadata, page_size: int,
     off = first_page * page_size
     rel = positions - off.repeat_interleave(rows)
     return rel, StepMetadata((L - off).to(meta.seq_lens.dtype), table.to(meta.block_tables.dtype), meta.slot_mapping)
+
+
+def window_width(page_size: int, window: int, rows: int = layout.QPR) -> int:
+    """Pages per request in window-relative block tables (see `window_metadata`)."""
+    return -(-(window + rows - 1) // page_size) + 1
+
+
+def window_metadata_into(positions: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, page_size: int,
+                         window: int, rel_out: np.ndarray, lens_out: np.ndarray, table_out: np.ndarray,
+                         rows: int = layout.QPR) -> None:
+    """`window_metadata` in NumPy, written into caller-owned arrays (the sidecar's pinned staging).
+
+    positions int64 [n], seq_lens [R], block_tables [R, max_pages] -> rel_out int64 [n],
+    lens_out int32 [R], table_out int32 [R, window_width]. Same numbers as the torch version;
+    a few microseconds where torch's per-op dispatch costs tens, on every step.
+    """
+    R = seq_lens.shape[0]
+    span = window + rows - 1
+    L = seq_lens.astype(np.int64)
+    first = np.maximum(L - span, 0) // page_size  # [R]
+    idx = np.minimum(first[:, None] + np.arange(table_out.shape[1]), block_tables.shape[1] - 1)
+    table_out[...] = block_tables[np.arange(R)[:, None], idx]
+    off = first * page_size
+    lens_out[...] = L - off
+    np.subtract(positions.reshape(R, rows), off[:, None], out=rel_out.reshape(R, rows))

@@ -4,6 +4,12 @@ Eager launches of ~30 kernels per layer cost milliseconds of Python and launch o
 step; a replay costs one launch. Shapes must not depend on the step's contents, so the
 attention is addressed through window-relative metadata (drafter.kv_cache.window_metadata,
 fixed width), and each graph is bound to the KV cache's addresses: a re-bind drops them.
+
+A step's metadata (positions, window-relative positions, slots, lengths, block tables) is
+computed in NumPy straight into a pinned staging buffer and reaches the graph's static inputs
+in one asynchronous host-to-device copy. Two staging slots alternate; before a slot is
+rewritten the host waits on the event recorded after its last copy, which has normally run long
+before (the host never waits on the step's compute itself).
 """
 
 from __future__ import annotations
@@ -11,25 +17,45 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark_sidecar import layout
-from dspark_sidecar.drafter.kv_cache import StepMetadata, window_metadata
+from dspark_sidecar.drafter.kv_cache import StepMetadata, window_metadata_into, window_width
 from dspark_sidecar.drafter.model import DSparkDrafter
 
 log = logging.getLogger("dspark_sidecar.server")
+
+
+class _Packed:
+    """Byte layout of one R's metadata: int64 positions, rel positions, slots [n]; int32 lens [R], tables [R, w]."""
+
+    def __init__(self, R: int, width: int) -> None:
+        n = layout.QPR * R
+        self.R, self.n, self.width = R, n, width
+        self.nbytes = 3 * n * 8 + R * 4 + R * width * 4
+
+    def views(self, buf):
+        """Typed views of one buffer (torch uint8 or NumPy uint8) in this layout."""
+        n, R, w = self.n, self.R, self.width
+        i64 = (lambda a, b: buf[a:b].view(torch.int64)) if isinstance(buf, torch.Tensor) else \
+            (lambda a, b: buf[a:b].view(np.int64))
+        i32 = (lambda a, b: buf[a:b].view(torch.int32)) if isinstance(buf, torch.Tensor) else \
+            (lambda a, b: buf[a:b].view(np.int32))
+        o = 24 * n
+        return (i64(0, 8 * n), i64(8 * n, 16 * n), i64(16 * n, o), i32(o, o + 4 * R),
+                i32(o + 4 * R, o + 4 * R + 4 * R * w).reshape(R, w))
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     embeds: torch.Tensor  # [n, hidden]
-    positions: torch.Tensor  # int64 [n], absolute (RoPE)
-    rel_positions: torch.Tensor  # int64 [n], window-relative (attention)
-    seq_lens: torch.Tensor  # int32 [R], window-relative
-    tables: torch.Tensor  # int32 [R, width]
-    slots: torch.Tensor  # int64 [n], absolute
+    meta: torch.Tensor  # uint8 [packed.nbytes] on the device; the graph reads its typed views
+    views: tuple  # positions, rel positions, slots (int64 [n]); seq lens int32 [R]; tables int32 [R, w]
+    staging: list  # 2 x (pinned uint8 [nbytes], its NumPy views, event after its copy)
     out: torch.Tensor  # [n, hidden]
+    flip: int = 0
 
 
 class StepGraphs:
@@ -45,16 +71,15 @@ class StepGraphs:
         """embeds [n, hidden] on the device; positions/meta on the host. Returns the graph's output
         buffer [n, hidden] (valid until the next step)."""
         key = tuple((t.data_ptr(), tuple(t.shape)) for t in kv)
+        ps = self._page_size_of()
         if key != self._kv_key:  # a new binding: graphs hold the old cache's addresses
             self._graphs.clear()
             self._kv_key = key
-        ps = self._page_size_of()
-        rel, wmeta = window_metadata(positions, meta, ps, self.model.cfg.sliding_window)
         g = self._graphs.get(meta.num_reqs)
         fresh = g is None
         if fresh:
-            g = self._buffers(meta.num_reqs, wmeta.block_tables.shape[1])
-        self._fill(g, embeds, positions, rel, wmeta)
+            g = self._buffers(meta.num_reqs, window_width(ps, self.model.cfg.sliding_window))
+        self._fill(g, embeds, positions, meta, ps)
         if fresh:
             self._capture(g, kv)
             self._graphs[meta.num_reqs] = g
@@ -62,23 +87,34 @@ class StepGraphs:
         return g.out
 
     def _buffers(self, R: int, width: int) -> _Graph:
-        m, n = self.model, layout.QPR * R
+        m, packed = self.model, _Packed(R, width)
         dev = m.device
-        return _Graph(torch.cuda.CUDAGraph(), torch.zeros(n, m.cfg.hidden_size, dtype=m.dtype, device=dev),
-                      torch.zeros(n, dtype=torch.int64, device=dev), torch.zeros(n, dtype=torch.int64, device=dev),
-                      torch.zeros(R, dtype=torch.int32, device=dev), torch.zeros(R, width, dtype=torch.int32, device=dev),
-                      torch.zeros(n, dtype=torch.int64, device=dev), torch.empty(0))
+        meta = torch.zeros(packed.nbytes, dtype=torch.uint8, device=dev)
+        staging = []
+        for _ in range(2):
+            host = torch.zeros(packed.nbytes, dtype=torch.uint8, pin_memory=True)
+            staging.append((host, packed.views(host.numpy()), torch.cuda.Event()))
+        return _Graph(torch.cuda.CUDAGraph(), torch.zeros(packed.n, m.cfg.hidden_size, dtype=m.dtype, device=dev),
+                      meta, packed.views(meta), staging, torch.empty(0))
 
-    @staticmethod
-    def _fill(g: _Graph, embeds, positions, rel, wmeta: StepMetadata) -> None:
+    def _fill(self, g: _Graph, embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata, ps: int) -> None:
+        host, (pos, rel, slots, lens, tables), copied = g.staging[g.flip]
+        g.flip ^= 1
+        copied.synchronize()  # this slot's previous copy has been consumed (unrecorded: returns at once)
+        p = positions.cpu().numpy()
+        pos[...] = p
+        slots[...] = meta.slot_mapping.cpu().numpy()
+        window_metadata_into(p, meta.seq_lens.cpu().numpy(), meta.block_tables.cpu().numpy(), ps,
+                             self.model.cfg.sliding_window, rel, lens, tables)
+        stream = torch.cuda.current_stream(self.model.device)
+        g.meta.copy_(host, non_blocking=True)
+        copied.record(stream)
         g.embeds.copy_(embeds, non_blocking=True)
-        for dst, src in ((g.positions, positions), (g.rel_positions, rel), (g.seq_lens, wmeta.seq_lens),
-                         (g.tables, wmeta.block_tables), (g.slots, wmeta.slot_mapping)):
-            dst.copy_(src, non_blocking=True)
 
     def _step(self, g: _Graph, kv) -> torch.Tensor:
-        meta = StepMetadata(g.seq_lens, g.tables, g.slots)
-        return self.model.draft_step(g.embeds, g.positions, meta, kv, attn=(g.rel_positions, meta))
+        pos, rel, slots, lens, tables = g.views
+        meta = StepMetadata(lens, tables, slots)
+        return self.model.draft_step(g.embeds, pos, meta, kv, attn=(rel, meta))
 
     def _capture(self, g: _Graph, kv) -> None:
         """Warm up on a side stream with this step's real inputs (the writes are this step's own
@@ -92,4 +128,4 @@ class StepGraphs:
         with torch.cuda.graph(g.graph):
             g.out = self._step(g, kv)
         self.captures += 1
-        log.info("captured the draft-step graph for R=%d (%d graphs)", g.seq_lens.numel(), len(self._graphs) + 1)
+        log.info("captured the draft-step graph for R=%d (%d graphs)", g.views[3].numel(), len(self._graphs) + 1)

@@ -30,6 +30,7 @@ class Lifecycle:
     state: str = "LOADING"  # LOADING -> SERVING -> DRAINING (or REFUSED with --strict-refusal)
     backend: str = "reference"
     host: HostFacts | None = None
+    flydsl_off: str | None = None  # why no FlyDSL fast path was built (BackendChoice.flydsl_refusal)
     strict: bool = False
     dist_backend: str = "gloo"
     on_change: list = field(default_factory=list)
@@ -56,15 +57,25 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self.ctx, self.loop, self.life = ctx, loop, life
         self.limits, self.parallel, self.weight_format = limits, parallel, weight_format
         self.doorbell: Doorbell | None = None
+        listeners = getattr(ctx.fast, "listeners", None)
+        if listeners is not None:  # the fast path's verdict on a binding changes what health says
+            listeners.append(self._fast_path_changed)
 
     def refusal(self) -> str:
+        """Why the FlyDSL path does not serve the current binding: the seed's checks first, then the fast path's."""
         kv = self.ctx.memory.kv
         why = fast_path_refusal(self.life.host, kv.engine if kv else None) if self.life.host else "host not probed"
-        if why is None and self.life.backend != "flydsl":
-            from dspark_sidecar.server.backend import NOT_INTEGRATED
-
-            why = NOT_INTEGRATED
+        if why is None:
+            fast = self.ctx.fast
+            if fast is None:
+                why = self.life.flydsl_off or "FlyDSL fast path not built"
+            else:
+                why = fast.refusal(kv)
         return why or ""
+
+    def _fast_path_changed(self) -> None:
+        for cb in self.life.on_change:
+            cb()
 
     def GetStatus(self, request, context):
         c, kv = self.ctx.cfg, self.ctx.memory.kv
@@ -111,7 +122,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         if request.page.WhichOneof("kind") != "shm":
             raise invalid("page", "the doorbell page must be POSIX shared memory")
         page = MappedMemory(request.page, "page", torch.device("cpu"))
-        bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event)
+        try:
+            bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event)
+        except BaseException:
+            page.close()
+            raise
         if self.doorbell is not None:
             self.doorbell.stop()
         self.doorbell = bell

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dspark_sidecar import layout
@@ -115,3 +116,25 @@ def test_window_relative_metadata_gives_identical_output(tiny_cfg, tiny_ckpt, ti
     full = model.draft_step(step.inputs_embeds, step.positions, step.meta, [t.clone() for t in kv])
     windowed = model.draft_step(step.inputs_embeds, step.positions, step.meta, kv, attn=(rel, wmeta))
     assert torch.equal(full, windowed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_numpy_window_metadata_matches_torch(tiny_cfg, tiny_embed, seed):
+    """The sidecar's per-step NumPy form (written into staging arrays) equals the torch reference."""
+    import numpy as np
+
+    from dspark_sidecar.drafter.kv_cache import window_metadata, window_metadata_into, window_width
+
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 3 * tiny_cfg.sliding_window, (9,), generator=gen).tolist()
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens) + 1
+    step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=seed)
+    rel, wmeta = window_metadata(step.positions, step.meta, PAGE, tiny_cfg.sliding_window)
+    w = window_width(PAGE, tiny_cfg.sliding_window)
+    rel_np, lens_np = np.full(rel.shape, -1, np.int64), np.full(9, -1, np.int32)
+    table_np = np.full((9, w), -1, np.int32)
+    window_metadata_into(step.positions.numpy(), step.meta.seq_lens.numpy(), step.meta.block_tables.numpy(), PAGE,
+                         tiny_cfg.sliding_window, rel_np, lens_np, table_np)
+    assert np.array_equal(rel_np, rel.numpy())
+    assert np.array_equal(lens_np, wmeta.seq_lens.numpy())
+    assert np.array_equal(table_np, wmeta.block_tables.numpy())

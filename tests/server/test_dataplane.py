@@ -56,3 +56,30 @@ def test_doorbell_steps_equal_grpc_steps(tmp_path, tiny_cfg, tiny_ckpt, tiny_emb
         for b in bufs:
             b.close()
         eng.close()
+
+
+def test_doorbell_alternating_shapes_match_grpc(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
+    """Steps of different R and block-table widths, back to back: the engine's per-shape request
+    templates and the sidecar's cached region views must never mix one shape's slices with another's."""
+    cases = [[5, 40], [4096 + 20, 3, 90], [17], [5, 40], [250, 4096 + 20, 3, 90], [17]]
+    pages = max(sum(scenario.pages_needed(c + 7, PAGE) for c in lens) for lens in cases) + 2
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt) as sc:
+        eng = EngineSim(tiny_cfg, [sc.socket(0)], pages, torch.float32)
+        eng.bind()
+        cpu = torch.device("cpu")
+        bufs = StepBuffers(eng.stubs[0], tiny_cfg.hidden_size, 8, 300, torch.float32, cpu)
+        bell = DoorbellChannel(eng.stubs[0], cpu)
+        bid, gen = eng.bindings[0]
+        for i, lens in enumerate(cases):
+            step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=40 + i)
+            (want,) = (codec.from_tensor_ref(x.hidden_states, "h") for x in eng.step_all(100 + i, step))
+            req = pb.DraftStepRequest(step_id=200 + i, binding_id=bid, binding_generation=gen, num_requests=len(lens))
+            view = bufs.fill(req, step.inputs_embeds, step.positions, step.meta)
+            assert list(req.block_tables.shape) == list(step.meta.block_tables.shape)
+            bell.send(req)
+            resp = bell.wait(200 + i, 30.0)
+            assert resp is not None and resp.HasField("hidden_states"), resp
+            assert torch.equal(view, want), f"case {i} ({lens}): doorbell != gRPC"
+        bell.close()
+        bufs.close()
+        eng.close()

@@ -1,0 +1,69 @@
+"""The doorbell page's layout and waits (proto/doorbell.py): sequence published last, bounded reads, timer slack."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dspark_sidecar.proto import doorbell as bell
+
+
+def _page(capacity: int = 128) -> bell.Page:
+    return bell.Page(np.zeros(bell.HEADER + 2 * capacity, dtype=np.uint8), capacity)
+
+
+def test_write_then_read_round_trips_and_publishes_sequence_last():
+    p = _page()
+    p.write(p.req_area, b"hello", bell.REQ_LEN, bell.REQ_SEQ, 7)
+    assert p.word(bell.REQ_SEQ) == 7 and p.word(bell.REQ_LEN) == 5
+    assert p.read(p.req_area, bell.REQ_LEN) == b"hello"
+    assert p.word(bell.RESP_SEQ) == 0  # the other area is untouched
+
+
+def test_oversized_messages_and_lengths_are_refused():
+    p = _page(16)
+    with pytest.raises(ValueError, match="exceeds the doorbell's 16-byte area"):
+        p.write(p.resp_area, b"x" * 17, bell.RESP_LEN, bell.RESP_SEQ, 1)
+    assert p.word(bell.RESP_SEQ) == 0  # nothing was published
+    p.words[bell.REQ_LEN] = 1 << 40  # a garbled length word must not read past the area
+    with pytest.raises(ValueError, match="length"):
+        p.read(p.req_area, bell.REQ_LEN)
+    with pytest.raises(ValueError, match="cannot hold"):
+        bell.Page(np.zeros(bell.HEADER + 10, dtype=np.uint8), 16)
+
+
+def test_wait_until_times_out_and_wakes_on_a_write_from_another_thread():
+    p = _page()
+    t0 = time.perf_counter()
+    assert not bell.wait_until(lambda: p.word(bell.REQ_SEQ) == 1, t0 + 0.05, t0)
+    assert time.perf_counter() - t0 >= 0.05
+    writer = threading.Timer(0.02, lambda: p.write(p.req_area, b"go", bell.REQ_LEN, bell.REQ_SEQ, 1))
+    writer.start()
+    t1 = time.perf_counter()
+    assert bell.wait_until(lambda: p.word(bell.REQ_SEQ) == 1, t1 + 5.0, t1)
+    assert p.read(p.req_area, bell.REQ_LEN) == b"go"
+    writer.join()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timer slack is a Linux per-thread setting")
+def test_waiting_threads_lower_their_own_timer_slack_only():
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    PR_GET_TIMERSLACK = 30
+    seen: dict[str, int] = {}
+
+    def waiter() -> None:
+        bell.lower_timer_slack()
+        seen["waiter"] = libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)
+
+    t = threading.Thread(target=waiter)
+    before = libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)
+    t.start()
+    t.join()
+    assert seen["waiter"] == 1000
+    assert libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0) == before  # other threads keep theirs
