@@ -28,9 +28,10 @@ from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, Paralle
 from dspark_sidecar.proto import SERVICE_NAME
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
-from dspark_sidecar.server.backend import choose_backend, resolve_device
+from dspark_sidecar.server.backend import BackendUnavailable, choose_backend, resolve_device
 from dspark_sidecar.server.config import ServeConfig
 from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
+from dspark_sidecar.server.fast_path import build_fast_path
 from dspark_sidecar.server.graphs import StepGraphs
 from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
@@ -124,7 +125,7 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
     dtype = DTYPES[cfg.dtype]
     shard_world = cfg.shard_of or world  # --shard-of: one process computes rank 0's shard of TP N
     host = probe_host(shard_world)
-    choice = choose_backend(cfg, host, device)
+    choice = choose_backend(cfg, host, device, dcfg, dtype)
     t = time.perf_counter()
     if cfg.random_weights:
         weights = embeds = SyntheticSource(dcfg, dtype, device, cfg.seed)
@@ -141,9 +142,14 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
     par = ParallelContext(rank, shard_world, DistExchange(None) if world > 1 else LocalExchange())
     model = DSparkDrafter(dcfg, par, choice.ops, dtype, device).load(weights)
     embed = embeds.read(EMBED_KEY, (dcfg.vocab_size, dcfg.hidden_size))
+    fast = None
+    if choice.name == "flydsl":  # collective: every rank chose alike (same host facts)
+        fast = build_fast_path(dcfg, model, weights, host, cpu_group, rank)
+        if fast.startup_reason is not None and cfg.backend == "flydsl":
+            raise BackendUnavailable(f"--backend flydsl: {fast.startup_reason}")
     log.info("rank %d: %s shard loaded in %.1f s on %s (%s, backend %s; FlyDSL path: %s)", rank, dcfg.name,
              time.perf_counter() - t, device, cfg.dtype, choice.name, choice.flydsl_refusal or "on")
-    return dcfg, model, embed, choice, host
+    return dcfg, model, embed, choice, host, fast
 
 
 def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
@@ -170,7 +176,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
                             world_size=world, timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
     cpu_group = dist.new_group(backend="gloo") if dist_backend != "gloo" else None
 
-    dcfg, model, embed, choice, host = _load(cfg, rank, world, device, cpu_group)
+    dcfg, model, embed, choice, host, fast = _load(cfg, rank, world, device, cpu_group)
 
     if rank == 0:
         board = Board(board_name(cfg), world, create=True)
@@ -182,8 +188,9 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     if cfg.metrics_port:
         metrics.serve_http(cfg.metrics_host, cfg.metrics_port + rank)
     memory = MemoryBindings(dcfg, model.par.world_size, rank, model.dtype, device)
-    ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs)
-    life = Lifecycle(backend=choice.name, host=host, strict=cfg.strict_refusal, dist_backend=dist_backend)
+    ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs, fast=fast)
+    life = Lifecycle(backend=choice.name, host=host, flydsl_off=choice.flydsl_refusal, strict=cfg.strict_refusal,
+                     dist_backend=dist_backend)
     # CUDA graphs need capturable ops: the Triton backend's are; the reference loop attention is not.
     graphs = (StepGraphs(model, lambda: memory.kv.page_size)
               if cfg.cuda_graphs and device.type == "cuda" and choice.name == "triton" else None)
@@ -230,6 +237,8 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     if servicer.doorbell is not None:
         servicer.doorbell.stop()
     loop.close()
+    if fast is not None:
+        fast.close()
     rendezvous.close()
     board.close()
     dist.destroy_process_group()

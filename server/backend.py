@@ -8,14 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.kernels.ops import REFERENCE_OPS, Ops
 from dspark_sidecar.server.config import ServeConfig
 from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
 
 log = logging.getLogger("dspark_sidecar.server")
-
-
-NOT_INTEGRATED = "FlyDSL step runner not integrated in this build (kernels compile for gfx950 only)"
 
 
 class BackendUnavailable(RuntimeError):
@@ -24,10 +22,11 @@ class BackendUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class BackendChoice:
-    name: str
-    ops: Ops
+    name: str  # "flydsl", "triton" or "reference"
+    ops: Ops  # the portable ops: every step of a portable backend, the steps FlyDSL refuses under "flydsl"
     device: torch.device
-    flydsl_refusal: str | None  # why the FlyDSL path is off (None: it is on)
+    flydsl_refusal: str | None  # why the FlyDSL path is off (None: selected; bind-time checks still apply)
+    fallback: str | None = None  # under "flydsl": the portable backend ("triton" or "reference") of `ops`
 
 
 def resolve_device(cfg: ServeConfig, local_rank: int) -> torch.device:
@@ -48,23 +47,33 @@ def _triton_reason(device: torch.device) -> str | None:
     return None
 
 
-def choose_backend(cfg: ServeConfig, host: HostFacts, device: torch.device) -> BackendChoice:
-    """auto: FlyDSL when the deployment passes every check, else Triton on a GPU, else the reference."""
+def choose_backend(cfg: ServeConfig, host: HostFacts, device: torch.device,
+                   model: DrafterConfig | None = None, dtype: torch.dtype = torch.bfloat16) -> BackendChoice:
+    """auto: FlyDSL when the deployment passes every host check, over Triton on a GPU, else the reference.
+
+    Host checks: the seed's (gfx950, FlyDSL importable, TP 4), then that `model` is the drafter
+    the kernels are built for. The engine's checks (DP, PP, method, tokens) and the KV layout
+    wait for BindKV: until a binding passes them the portable ops serve.
+    """
     refusal = fast_path_refusal(host, None)
     # Engine facts arrive at bind time; until then only the host checks can pass or fail.
     host_refusal = refusal if refusal and not refusal.startswith("no engine bound") else None
+    if host_refusal is None and model is not None:
+        from dspark_sidecar.server.fast_path import kernel_mismatch
+
+        host_refusal = kernel_mismatch(model, dtype)
     want = cfg.backend
-    if host_refusal is None:
-        # Every host check passes, but this build has no FlyDSL step runner to bind: say so
-        # rather than pretend, and serve through the portable backend.
-        refusal = NOT_INTEGRATED
-    if want == "flydsl":
-        raise BackendUnavailable(f"--backend flydsl: {host_refusal or NOT_INTEGRATED}")
-    if want == "triton" or (want == "auto" and _triton_reason(device) is None):
+    if want == "flydsl" and host_refusal is not None:
+        raise BackendUnavailable(f"--backend flydsl: {host_refusal}")
+    if want == "triton" or (want != "reference" and _triton_reason(device) is None):
         why = _triton_reason(device)
         if why is not None:
             raise BackendUnavailable(f"--backend triton: {why}")
         from dspark_sidecar.kernels.triton.ops import TRITON_OPS
 
-        return BackendChoice("triton", TRITON_OPS, device, refusal)
-    return BackendChoice("reference", REFERENCE_OPS, device, refusal)
+        portable, ops = "triton", TRITON_OPS
+    else:
+        portable, ops = "reference", REFERENCE_OPS
+    if host_refusal is None and want in ("auto", "flydsl"):
+        return BackendChoice("flydsl", ops, device, None, fallback=portable)
+    return BackendChoice(portable, ops, device, host_refusal or f"--backend {want} selected")

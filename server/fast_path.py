@@ -1,0 +1,214 @@
+"""The FlyDSL fast path of a rank: MXFP8 weight shards and peer buffers bound at start-up, a DrafterRunner per KV binding.
+
+Selected by server/backend.py only when every host check passes (the seed's, then the kernel
+shapes); the portable model stays loaded and serves every step `ready()` refuses. The decision
+for a binding is a pure function of facts every rank shares (host, engine facts, the cache
+layout the engine binds on every rank alike, the collectively mapped peers), so the 4 ranks take
+the same path on the same step: one rank in the exchange kernel while a peer runs the portable
+all-reduce would never finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+from dspark_sidecar.drafter.checkpoint import SCALE_SUFFIX, CheckpointReader, layer_prefix, quantize_mxfp8
+from dspark_sidecar.drafter.config import DrafterConfig
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.drafter.model import DSparkDrafter
+from dspark_sidecar.drafter.parallel import ParallelContext, WeightSource
+from dspark_sidecar.kernels.flydsl import shapes
+from dspark_sidecar.kernels.flydsl.runner import (
+    NUM_LAYERS, DrafterRunner, FlyDSLUnsupported, LayerWeights, MXLinear, PeerBuffers, check_kv_layer,
+)
+from dspark_sidecar.server.kv_binding import KVBinding
+from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
+
+log = logging.getLogger("dspark_sidecar.server")
+
+# RoPE table rows the runner builds (f32 [max_positions, 64]: 256 MB at 2^20). Positions past it
+# would read zeros in qkv_rope; see the report on validating them.
+MAX_POSITIONS = 1 << 20
+
+
+def kernel_mismatch(cfg: DrafterConfig, dtype: torch.dtype) -> str | None:
+    """Why this drafter is not the one the FlyDSL kernels are built for (shapes.py), or None."""
+    want = {
+        "num_hidden_layers": NUM_LAYERS, "hidden_size": shapes.HIDDEN, "head_dim": shapes.HEAD_DIM,
+        "num_attention_heads": shapes.Q_HEADS * shapes.TP, "num_key_value_heads": shapes.KV_HEADS * shapes.TP,
+        "ffn_hidden_size": shapes.FFN * shapes.TP, "rotary_dim": shapes.ROTARY_DIM,
+        "sliding_window": shapes.SLIDING_WINDOW, "quant_block": shapes.MX_BLOCK, "rms_norm_eps": shapes.RMS_EPS,
+        "rope_theta": shapes.ROPE_THETA, "swiglu_alpha": shapes.SWIGLU_ALPHA, "swiglu_limit": shapes.SWIGLU_LIMIT,
+    }
+    for name, value in want.items():
+        if getattr(cfg, name) != value:
+            return f"drafter {name} {getattr(cfg, name)} != {value} of the FlyDSL kernels"
+    if dtype != torch.bfloat16:
+        return f"FlyDSL kernels compute in bfloat16, not {dtype} (--dtype)"
+    return None
+
+
+# Weights -----------------------------------------------------------------------------------------
+
+def read_mx(source: WeightSource, key: str, shape: tuple[int, int], block: int,
+            rows: slice | None = None, cols: slice | None = None) -> MXLinear:
+    """One linear's slice as MXFP8: E4M3 bits uint8 [n, k], E8M0 scales uint8 [n, k/block] (on CPU).
+
+    A checkpoint's bytes are taken as stored (no dequant/requant round trip); a source without
+    stored MXFP8 (random weights) is quantized here, as the checkpoint writer would.
+    """
+    if isinstance(source, CheckpointReader):
+        bits = source._slice(key, shape, rows, cols)
+        scols = slice(cols.start // block, cols.stop // block) if cols is not None else None
+        scale = source._slice(key + SCALE_SUFFIX, (shape[0], shape[1] // block), rows, scols)
+        if bits.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
+            raise FlyDSLUnsupported(f"{key}: stored as {bits.dtype}/{scale.dtype}, the kernels need F8_E4M3 + U8 scales")
+    else:
+        bits, scale = quantize_mxfp8(source.read(key, shape, rows, cols).float().cpu(), block)
+    return MXLinear(bits.view(torch.uint8).contiguous(), scale.contiguous())
+
+
+def _cat(parts: Sequence[MXLinear]) -> MXLinear:
+    return MXLinear(torch.cat([p.bits for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def layer_weights(source: WeightSource, cfg: DrafterConfig, par: ParallelContext, model: DSparkDrafter,
+                  i: int, device: torch.device) -> LayerWeights:
+    """Layer i's rank shard in the runner's layout: q|k|v and gate|up fused as the model fuses them
+    (column-parallel: this rank's rows), o and down this rank's input columns (row-parallel)."""
+    p, b, h, f = layer_prefix(i), cfg.quant_block, cfg.hidden_size, cfg.ffn_hidden_size
+    qkv = _cat([read_mx(source, f"{p}self_attn.{x}_proj.weight", (n, h), b, rows=par.shard(n))
+                for x, n in (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size))])
+    gate_up = _cat([read_mx(source, f"{p}mlp.{x}_proj.weight", (f, h), b, rows=par.shard(f)) for x in ("gate", "up")])
+    o = read_mx(source, f"{p}self_attn.o_proj.weight", (h, cfg.q_size), b, cols=par.shard(cfg.q_size))
+    down = read_mx(source, f"{p}mlp.down_proj.weight", (h, f), b, cols=par.shard(f))
+    layer = model.layers[i]
+
+    def dev(mx: MXLinear) -> MXLinear:
+        return MXLinear(mx.bits.to(device), mx.scale.to(device))
+
+    return LayerWeights(
+        qkv=dev(qkv), o=dev(o), gate_up=dev(gate_up), down=dev(down),
+        input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+        q_norm=layer.q_norm.weight, k_norm=layer.k_norm.weight,
+    )
+
+
+# The fast path -----------------------------------------------------------------------------------
+
+class FlyDSLFastPath:
+    """server.rank.FastPath over DrafterRunner; `reason` says why the current binding is not served by it."""
+
+    def __init__(self, layers: Sequence[LayerWeights], final_norm: torch.Tensor, peers: PeerBuffers | None,
+                 rank: int, host: HostFacts, startup_reason: str | None = None,
+                 max_positions: int = MAX_POSITIONS, runner_factory: Callable[..., DrafterRunner] = DrafterRunner) -> None:
+        self.layers, self.final_norm, self.peers = list(layers), final_norm, peers
+        self.rank, self.host, self.max_positions = rank, host, max_positions
+        self.startup_reason = startup_reason  # peers/weights failed at start-up: never ready
+        self.runner_factory = runner_factory
+        self.reason: str | None = startup_reason
+        self.listeners: list[Callable[[], None]] = []  # told when `reason` changes (health, strict refusal)
+        self._runner: DrafterRunner | None = None
+        self._key: tuple[int, int] | None = None  # (binding_id, generation) the runner or the verdict is for
+        self._lock = threading.RLock()
+
+    @property
+    def runner(self) -> DrafterRunner | None:
+        return self._runner
+
+    def refusal(self, kv: KVBinding | None) -> str | None:
+        """Why `kv` is (or will be) served by the portable backend; None when this path serves it.
+
+        A binding not yet seen by ready() gets the checks that need no allocation, so BindKV
+        answers with the reason before any step."""
+        with self._lock:
+            if self.startup_reason is not None or kv is None:
+                return self.startup_reason
+            if self._key == (kv.binding_id, kv.generation):
+                return self.reason
+            return self._preview(kv)
+
+    def _preview(self, kv: KVBinding) -> str | None:
+        why = fast_path_refusal(self.host, kv.engine)
+        if why is None and len(kv.layers) != NUM_LAYERS:
+            why = f"{len(kv.layers)} KV layers bound, kernels need {NUM_LAYERS}"
+        for t in kv.layers if why is None else ():
+            why = why or check_kv_layer(t, kv.page_size)
+        return why
+
+    def ready(self, kv: KVBinding) -> bool:
+        """True when `kv` is served here; (re)builds the runner for a new binding or a stale one."""
+        with self._lock:
+            key = (kv.binding_id, kv.generation)
+            if self._runner is not None and self._key == key and not self._runner.stale(kv.layers):
+                return True
+            if self._runner is None and self._key == key:  # already refused: the reason stands
+                return False
+            before = self.reason
+            self._drop_runner()
+            self._key = key
+            if self.startup_reason is not None:
+                self.reason = self.startup_reason
+            else:
+                try:
+                    self._runner = self.runner_factory(
+                        self.layers, self.final_norm, kv.layers, self.peers, self.rank, kv.page_size,
+                        self.max_positions, kv.engine, host=self.host)
+                    self.reason = None
+                except FlyDSLUnsupported as exc:
+                    self.reason = str(exc)
+            changed = self.reason != before
+        if changed:
+            log.info("rank %d: FlyDSL fast path for binding %d gen %d: %s", self.rank, key[0], key[1],
+                     self.reason or "on")
+            for cb in list(self.listeners):
+                cb()
+        return self.reason is None
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """embeds [7R, 6144], positions i64 [7R], meta on the device -> final-normed hidden bf16 [7R, 6144]."""
+        runner = self._runner
+        if runner is None:
+            raise RuntimeError("FlyDSL fast path: forward without a ready binding")
+        return runner.forward(positions.to(torch.int64).contiguous(), embeds.to(torch.bfloat16).contiguous(),
+                              meta.slot_mapping.to(torch.int64).contiguous(),
+                              meta.block_tables.to(torch.int32).contiguous())
+
+    def _drop_runner(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+    def close(self) -> None:
+        """Runner first (it holds the peer tensors), then the peer mappings."""
+        with self._lock:
+            self._drop_runner()
+            close = getattr(self.peers, "close", None)
+            self.peers = None
+        if close is not None:
+            close()
+
+
+def build_fast_path(cfg: DrafterConfig, model: DSparkDrafter, source: WeightSource, host: HostFacts,
+                    group, rank: int, make_runtime=None) -> FlyDSLFastPath:
+    """Start-up, collectively on every rank of `group` (a CPU group): weight shards, then the peer mapping.
+
+    A failure of the mapping (the same on every rank, peers.map_peers) becomes the path's
+    permanent reason, so the portable backend serves and health says why."""
+    from dspark_sidecar.kernels.flydsl.peers import HipRuntime, map_peers
+
+    device = model.device
+    par = ParallelContext(rank, shapes.TP)
+    layers = [layer_weights(source, cfg, par, model, i, device) for i in range(cfg.num_hidden_layers)]
+    peers, why = None, None
+    try:
+        peers = map_peers(group, make_runtime or (lambda: HipRuntime(device)), device)
+    except FlyDSLUnsupported as exc:
+        why = str(exc)
+    if why is not None:
+        log.warning("rank %d: FlyDSL fast path off: %s", rank, why)
+    return FlyDSLFastPath(layers, model.final_norm.weight, peers, rank, host, why)

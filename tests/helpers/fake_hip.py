@@ -1,0 +1,140 @@
+"""A fake HIP runtime for the TP exchange protocol on CPU: device memory is a file, an IPC handle its name.
+
+Opening a handle maps the same file (torch.from_file, shared), so ranks in different processes
+really see each other's stores, as they would through HIP IPC. `fault` makes this rank misbehave
+the way a broken deployment would.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dspark_sidecar.kernels.flydsl.peers import IPC_HANDLE_BYTES, map_peers
+from dspark_sidecar.kernels.flydsl.runner import FlyDSLUnsupported
+
+FAULTS = (None, "alloc", "short_handle", "no_handle", "bogus_handle", "open")
+
+
+class FakeHip:
+    def __init__(self, folder: str, fault: str | None = None) -> None:
+        assert fault in FAULTS
+        self.folder, self.fault = Path(folder), fault
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.calls: list[tuple[str, int]] = []
+        self._files: dict[int, Path] = {}  # pointer -> backing file (own allocations and opened handles)
+        self._ids = itertools.count(1)
+
+    def _ptr(self) -> int:
+        return (os.getpid() << 24) + next(self._ids) * 4096
+
+    def malloc_uncached(self, nbytes: int) -> int:
+        if self.fault == "alloc":
+            raise FlyDSLUnsupported("hipExtMallocWithFlags(hipDeviceMallocUncached) failed: out of memory")
+        ptr = self._ptr()
+        path = self.folder / f"{ptr:x}.mem"
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+        self._files[ptr] = path
+        self.calls.append(("malloc", ptr))
+        return ptr
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        with open(self._files[ptr], "r+b") as f:
+            f.write(bytes([value]) * nbytes)
+
+    def free(self, ptr: int) -> None:
+        self.calls.append(("free", ptr))
+        self._files.pop(ptr).unlink()
+
+    def ipc_handle(self, ptr: int):
+        if self.fault == "no_handle":
+            return None
+        if self.fault == "short_handle":
+            return b"\x01" * 10
+        name = b"missing.mem" if self.fault == "bogus_handle" else self._files[ptr].name.encode()
+        return name.ljust(IPC_HANDLE_BYTES, b"\0")
+
+    def ipc_open(self, handle: bytes) -> int:
+        if self.fault == "open":
+            raise FlyDSLUnsupported("hipIpcOpenMemHandle failed: invalid argument")
+        path = self.folder / handle.rstrip(b"\0").decode()
+        if not path.exists():
+            raise FlyDSLUnsupported("hipIpcOpenMemHandle failed: invalid resource handle")
+        ptr = self._ptr()
+        self._files[ptr] = path
+        self.calls.append(("open", ptr))
+        return ptr
+
+    def ipc_close(self, ptr: int) -> None:
+        self.calls.append(("close", ptr))
+        del self._files[ptr]
+
+    def tensor(self, ptr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        return torch.from_file(str(self._files[ptr]), shared=True, size=numel, dtype=dtype).view(shape)
+
+    def live(self) -> int:
+        return len(self._files)
+
+
+def exchange_scenarios(rank: int, world: int, folder: str, scenarios: list[tuple[str | None, int]]) -> list[dict]:
+    """run_ranks body: one `exchange_rank` per (fault, faulty rank), in order, in the same processes."""
+    out = []
+    for i, (fault, fault_rank) in enumerate(scenarios):
+        sub = Path(folder) / f"s{i}"
+        sub.mkdir(exist_ok=True)
+        out.append(exchange_rank(rank, world, str(sub), fault, fault_rank))
+        dist.barrier()  # the next scenario starts after every rank finished this one
+    return out
+
+
+def exchange_rank(rank: int, world: int, folder: str, fault: str | None, fault_rank: int) -> dict:
+    """Map the peers, push a rank-tagged block into every rank's RX/flags, read our own back, close."""
+    rt = FakeHip(folder, fault if rank == fault_rank else None)
+    try:
+        peers = map_peers(None, lambda: rt, torch.device("cpu"))
+    except FlyDSLUnsupported as exc:
+        return {"error": str(exc), "calls": rt.calls, "live": rt.live()}
+    # What the exchange kernel does (exchange.py): slot [parity 0, src = rank] of every rank's RX and flags.
+    for d in range(world):
+        peers.rx[d].view(2, world, 64, -1)[0, rank].fill_(rank + 1)
+        peers.flags[d].view(2, world, -1)[0, rank].fill_(100 + rank)
+    dist.barrier()
+    seen_rx = peers.rx_local.view(2, world, 64, -1)[0, :, 5, 7].tolist()
+    seen_flags = peers.flags_local.view(2, world, -1)[0, :, 3].tolist()
+    untouched = bool((peers.flags_local.view(2, world, -1)[1] == 0).all())
+    own_is_local = peers.rx[rank].data_ptr() == peers.rx_local.data_ptr()
+    live = rt.live()
+    peers.close()
+    peers.close()  # idempotent
+    return {"seen_rx": seen_rx, "seen_flags": seen_flags, "untouched": untouched, "own_is_local": own_is_local,
+            "epoch": peers.epoch.tolist(), "live_before_close": live, "calls": rt.calls, "live": rt.live()}
+
+
+def fast_path_rank(rank: int, world: int, folder: str, ckpt: str, fault: str | None) -> dict:
+    """run_ranks body: the server's start-up of the FlyDSL path (weights + peers) on the tiny drafter."""
+    from dspark_sidecar.drafter.checkpoint import CheckpointReader
+    from dspark_sidecar.drafter.config import PRESETS
+    from dspark_sidecar.drafter.model import DSparkDrafter
+    from dspark_sidecar.drafter.parallel import ParallelContext
+    from dspark_sidecar.kernels.ops import REFERENCE_OPS
+    from dspark_sidecar.server.fast_path import build_fast_path
+    from dspark_sidecar.server.refusal import HostFacts
+
+    cfg = PRESETS["tiny"]
+    reader = CheckpointReader(ckpt, torch.bfloat16, cfg.quant_block)
+    model = DSparkDrafter(cfg, ParallelContext(rank, world), REFERENCE_OPS).load(reader)
+    rt = FakeHip(folder, fault if rank == 0 else None)
+    fast = build_fast_path(cfg, model, reader, HostFacts(True, True, world), None, rank, make_runtime=lambda: rt)
+    out = {"reason": fast.startup_reason, "layers": len(fast.layers),
+           "qkv": tuple(fast.layers[0].qkv.bits.shape), "mapped": fast.peers is not None}
+    fast.close()
+    out["live"] = rt.live()
+    return out

@@ -1,0 +1,94 @@
+"""The TP exchange's peer-buffer protocol (kernels/flydsl/peers.py) on CPU: 4 real gloo processes, a fake HIP runtime."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_sidecar.kernels.flydsl import peers as pr
+from dspark_sidecar.kernels.flydsl import shapes
+from dspark_sidecar.kernels.flydsl.runner import FlyDSLUnsupported
+from helpers.fake_hip import exchange_rank, exchange_scenarios
+from helpers.ranks import run_ranks
+
+
+def test_buffer_sizes_match_the_exchange_kernel():
+    ex = pytest.importorskip("dspark_sidecar.kernels.flydsl.exchange")
+    assert pr.RX_SHAPE == (2 * shapes.TP * ex.MP_MAX, shapes.HIDDEN)
+    assert pr.FLAGS_SHAPE == (2 * shapes.TP * ex.NBLK,)
+
+
+BAD_OFFERS = [
+    ("short_handle", "rank 2 sent a garbled rx IPC handle (10 bytes, expected 64 bytes)"),
+    ("no_handle", "rank 2 sent no rx IPC handle"),
+    ("alloc", "rank 2 could not export its exchange buffers: hipExtMallocWithFlags(hipDeviceMallocUncached) "
+              "failed: out of memory"),
+]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """Every 4-rank scenario in one spawn of 4 gloo processes: [scenario][rank] -> result."""
+    scenarios = [(None, -1)] + [(f, 2) for f, _ in BAD_OFFERS] + [("bogus_handle", 1), (None, -1)]
+    res = run_ranks(4, exchange_scenarios, str(tmp_path_factory.mktemp("peers")), scenarios)
+    return [[res[r][i] for r in range(4)] for i in range(len(scenarios))]
+
+
+@pytest.mark.parametrize("scenario", [0, 5], ids=["first", "after-failures"])
+def test_four_ranks_map_each_other(four_ranks, scenario):
+    for out in four_ranks[scenario]:
+        assert "error" not in out, out
+        # Every rank's push landed in this rank's own buffers, in its slot.
+        assert out["seen_rx"] == [1.0, 2.0, 3.0, 4.0]
+        assert out["seen_flags"] == [100, 101, 102, 103]
+        assert out["untouched"] and out["own_is_local"] and out["epoch"] == [0]
+        kinds = [k for k, _ in out["calls"]]
+        # 2 own allocations, 3 peers x 2 opened; close: the 6 mappings first, then the 2 frees.
+        assert kinds == ["malloc", "malloc"] + ["open"] * 6 + ["close"] * 6 + ["free"] * 2
+        opened = {p for k, p in out["calls"] if k == "open"}
+        assert opened == {p for k, p in out["calls"] if k == "close"}
+        assert out["live_before_close"] == 8 and out["live"] == 0
+
+
+@pytest.mark.parametrize("index", range(len(BAD_OFFERS)), ids=[f for f, _ in BAD_OFFERS])
+def test_bad_offer_refused_identically_on_every_rank(four_ranks, index):
+    reason = BAD_OFFERS[index][1]
+    res = four_ranks[1 + index]
+    assert [out.get("error") for out in res] == [reason] * 4
+    assert all(out["live"] == 0 for out in res)  # every rank freed what it had allocated
+    assert not any(k == "open" for out in res for k, _ in out["calls"])  # nobody mapped anything
+
+
+def test_unopenable_handle_refused_on_every_rank_and_unmapped(four_ranks):
+    # Rank 1 exports a well-formed handle naming nothing: the 3 others fail to open it, rank 1 opens
+    # the rest fine. Round 2 makes every rank give up, the one that could open included.
+    res = four_ranks[1 + len(BAD_OFFERS)]
+    errors = {out["error"] for out in res}
+    assert errors == {"rank 0 could not map rank 1's exchange buffers: hipIpcOpenMemHandle failed: invalid resource handle"}
+    assert all(out["live"] == 0 for out in res)
+    kinds = [k for k, _ in res[1]["calls"]]
+    assert kinds.count("open") == 6 and kinds.count("close") == 6  # rank 1 had mapped its 3 peers, then unmapped
+
+
+def test_group_of_two_refused_before_allocating(tmp_path):
+    res = run_ranks(2, exchange_rank, str(tmp_path), None, -1)
+    assert [out["error"] for out in res] == ["TP exchange needs 4 ranks, the group has 2"] * 2
+    assert all(out["calls"] == [] for out in res)
+
+
+def test_check_offers_names_the_bad_rank():
+    good = {"protocol": pr.PROTOCOL, "host": "h", "pid": 1, "rx_bytes": pr.RX_BYTES, "flags_bytes": pr.FLAGS_BYTES,
+            "rx": b"\0" * 64, "flags": b"\0" * 64}
+    assert pr.check_offers([good] * 4) is None
+    assert pr.check_offers([good, good, None, good]) == "rank 2 sent no exchange offer (NoneType)"
+    assert "rank 3 speaks exchange protocol 0" in pr.check_offers([good] * 3 + [{**good, "protocol": 0}])
+    assert "rank 1 exchange buffers are 8/" in pr.check_offers([good, {**good, "rx_bytes": 8}, good, good])
+    assert pr.check_offers([good] * 3 + [{**good, "flags": "x" * 64}]) == \
+        "rank 3 sent a garbled flags IPC handle (str, expected 64 bytes)"
+    assert "HIP IPC maps memory of one node only" in pr.check_offers([good] * 3 + [{**good, "host": "other"}])
+
+
+def test_no_hip_runtime_is_a_clear_reason(monkeypatch):
+    monkeypatch.setattr(pr, "_hip_library_candidates", lambda: ["/nonexistent/libamdhip64.so"])
+    with pytest.raises(FlyDSLUnsupported, match=r"^HIP runtime \(libamdhip64\) not found"):
+        pr.HipRuntime(torch.device("cuda", 0))

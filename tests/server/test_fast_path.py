@@ -1,0 +1,284 @@
+"""The FlyDSL fast path in the server on CPU: selection, refusal reasons, weight binding, stale bindings, routing.
+
+FlyDSL kernels cannot launch without an AMD GPU, so the runner is the real DrafterRunner where
+only its binding is exercised and a recording fake where a step would launch. The last test runs
+a real step through the fast path on an MI355X x4 and skips elsewhere.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspark_sidecar.drafter.checkpoint import CheckpointReader, SyntheticSource
+from dspark_sidecar.drafter.config import PRESETS
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.drafter.model import DSparkDrafter
+from dspark_sidecar.drafter.parallel import ParallelContext
+from dspark_sidecar.kernels.flydsl import runner as rn
+from dspark_sidecar.kernels.flydsl.tiling_model import dequant_like_kernel
+from dspark_sidecar.kernels.ops import REFERENCE_OPS
+from dspark_sidecar.server.backend import BackendUnavailable, choose_backend
+from dspark_sidecar.server.config import ServeConfig
+from dspark_sidecar.server.fast_path import FlyDSLFastPath, kernel_mismatch, layer_weights
+from dspark_sidecar.server.kv_binding import KVBinding
+from dspark_sidecar.server.refusal import EngineFacts, HostFacts
+from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
+from helpers.fake_hip import fast_path_rank
+from helpers.ranks import run_ranks
+
+GOOD_HOST = HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4)
+GOOD_ENGINE = EngineFacts(tp_size=4, dp_size=1, pp_size=1, speculative_method="dspark", num_speculative_tokens=7)
+M31 = PRESETS["minimax-m3.1"]
+CPU = torch.device("cpu")
+PAGE = 16
+
+
+# Selection ---------------------------------------------------------------------------------------
+
+def test_every_host_check_passes_selects_flydsl_over_the_portable_ops():
+    for want in ("auto", "flydsl"):
+        choice = choose_backend(ServeConfig(backend=want), GOOD_HOST, CPU, M31)
+        assert (choice.name, choice.fallback, choice.flydsl_refusal) == ("flydsl", "reference", None)
+        assert choice.ops is REFERENCE_OPS  # what serves the steps the fast path refuses
+
+
+@pytest.mark.parametrize("host, reason", [
+    (HostFacts(False, True, 4), "not gfx950"),
+    (HostFacts(True, False, 4), "FlyDSL not installed"),
+    (HostFacts(True, True, 2), "TP 2 != 4"),
+])
+def test_failing_host_check_reports_the_seed_reason(host, reason):
+    choice = choose_backend(ServeConfig(), host, CPU, M31)
+    assert (choice.name, choice.flydsl_refusal) == ("reference", reason)
+    with pytest.raises(BackendUnavailable, match=f"^--backend flydsl: {reason}$"):
+        choose_backend(ServeConfig(backend="flydsl"), host, CPU, M31)
+
+
+def test_drafter_the_kernels_are_not_built_for_is_refused():
+    assert kernel_mismatch(M31, torch.bfloat16) is None
+    why = "drafter hidden_size 256 != 6144 of the FlyDSL kernels"
+    assert kernel_mismatch(PRESETS["tiny"], torch.bfloat16) == why
+    assert choose_backend(ServeConfig(), GOOD_HOST, CPU, PRESETS["tiny"]).flydsl_refusal == why
+    with pytest.raises(BackendUnavailable, match="--backend flydsl: FlyDSL kernels compute in bfloat16"):
+        choose_backend(ServeConfig(backend="flydsl", dtype="fp32"), GOOD_HOST, CPU, M31, torch.float32)
+
+
+def test_portable_backend_asked_for_on_a_good_host_says_so():
+    choice = choose_backend(ServeConfig(backend="reference"), GOOD_HOST, CPU, M31)
+    assert (choice.name, choice.flydsl_refusal) == ("reference", "--backend reference selected")
+
+
+# Weight binding ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_weight_shards_are_the_checkpoint_bytes_the_portable_model_uses(tiny_ckpt, rank):
+    cfg = PRESETS["tiny"]
+    reader = CheckpointReader(tiny_ckpt[0], torch.bfloat16, cfg.quant_block)
+    par = ParallelContext(rank, 4)
+    model = DSparkDrafter(cfg, par, REFERENCE_OPS).load(reader)
+    for i in (0, 4):
+        lw, layer = layer_weights(reader, cfg, par, model, i, CPU), model.layers[i]
+        for mx, w in ((lw.qkv, layer.qkv_proj.weight), (lw.gate_up, layer.gate_up_proj.weight),
+                      (lw.o, layer.o_proj.weight), (lw.down, layer.down_proj.weight)):
+            assert mx.bits.dtype == mx.scale.dtype == torch.uint8
+            assert mx.scale.shape == (w.shape[0], w.shape[1] // 32)
+            # Dequantized as the kernel does, the shard is exactly the model's bf16 weight.
+            assert torch.equal(dequant_like_kernel(mx.bits, mx.scale).to(torch.bfloat16), w)
+        assert lw.input_norm is layer.input_layernorm.weight and lw.k_norm is layer.k_norm.weight
+
+
+def test_random_weights_are_quantized_for_the_kernels():
+    cfg = PRESETS["tiny"]
+    src = SyntheticSource(cfg, torch.bfloat16)
+    par = ParallelContext(2, 4)
+    model = DSparkDrafter(cfg, par, REFERENCE_OPS).load(src)
+    lw = layer_weights(src, cfg, par, model, 1, CPU)
+    w = model.layers[1].down_proj.weight.float()
+    got = dequant_like_kernel(lw.down.bits, lw.down.scale)
+    assert got.shape == w.shape and float((got - w).norm() / w.norm()) < 0.05  # E4M3: ~3 mantissa bits
+
+
+def test_start_up_binds_weights_and_maps_peers_on_four_ranks(tiny_ckpt, tmp_path):
+    res = run_ranks(4, fast_path_rank, str(tmp_path / "ok"), str(tiny_ckpt[0]), None)
+    assert [(r["reason"], r["layers"], r["mapped"], r["live"]) for r in res] == [(None, 5, True, 0)] * 4
+    assert res[0]["qkv"] == (256 + 2 * 128, 256)  # this rank's q | k | v rows
+    # One rank cannot export: every rank keeps the same permanent reason, nothing stays mapped.
+    res = run_ranks(4, fast_path_rank, str(tmp_path / "bad"), str(tiny_ckpt[0]), "alloc")
+    assert {r["reason"] for r in res} == {"rank 0 could not export its exchange buffers: "
+                                          "hipExtMallocWithFlags(hipDeviceMallocUncached) failed: out of memory"}
+    assert all(not r["mapped"] and r["live"] == 0 for r in res)
+
+
+# Binding and routing -----------------------------------------------------------------------------
+
+def mx(n, k):
+    return rn.MXLinear(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n, k // 32, dtype=torch.uint8))
+
+
+def layer():
+    bf = torch.bfloat16
+    return rn.LayerWeights(qkv=mx(2304, 6144), o=mx(6144, 2048), gate_up=mx(6144, 6144), down=mx(6144, 3072),
+                           input_norm=torch.zeros(6144, dtype=bf), post_norm=torch.zeros(6144, dtype=bf),
+                           q_norm=torch.zeros(128, dtype=bf), k_norm=torch.zeros(128, dtype=bf))
+
+
+def peers():
+    rx = [torch.zeros(8, 4) for _ in range(4)]
+    fl = [torch.zeros(8, dtype=torch.int32) for _ in range(4)]
+    return rn.PeerBuffers(rx, fl, rx[0], fl[0], torch.zeros(1, dtype=torch.int32))
+
+
+def binding(gen=1, dtype=torch.bfloat16, engine=GOOD_ENGINE, pages=4):
+    layers = [torch.zeros(2, pages, PAGE, 1, 128, dtype=dtype) for _ in range(5)]
+    return KVBinding(binding_id=7, generation=gen, layers=layers, num_pages=pages, page_size=PAGE,
+                     engine=engine, mappings=[])
+
+
+class Counting:
+    """The real DrafterRunner (its checks and binding), counted; closes recorded."""
+
+    def __init__(self):
+        self.built: list[rn.DrafterRunner] = []
+        self.closed = 0
+
+    def __call__(self, *args, **kw):
+        r = rn.DrafterRunner(*args, **kw)
+        close = r.close
+        r.close = lambda: (setattr(self, "closed", self.closed + 1), close())
+        self.built.append(r)
+        return r
+
+
+def fast_path(factory=None, startup_reason=None):
+    fp = FlyDSLFastPath([layer()] * 5, torch.zeros(6144, dtype=torch.bfloat16), peers(), 0, GOOD_HOST,
+                        startup_reason, max_positions=64, runner_factory=factory or Counting())
+    told = []
+    fp.listeners.append(lambda: told.append(fp.reason))
+    return fp, told
+
+
+@pytest.mark.parametrize("kv, reason", [
+    (binding(dtype=torch.float16), "draft KV cache dtype torch.float16 != bfloat16"),
+    (binding(engine=EngineFacts(4, 2, 1, "dspark", 7)), "DP > 1"),
+    (binding(engine=EngineFacts(4, 1, 1, "dspark", 5)), "7 speculative tokens required"),
+])
+def test_unservable_binding_refused_with_its_reason(kv, reason):
+    fp, told = fast_path()
+    assert fp.refusal(kv) == reason  # what BindKV reports, before any step
+    assert fp.ready(kv) is False
+    assert fp.reason == reason and told == [reason]
+    assert fp.ready(kv) is False and told == [reason]  # judged once per binding
+    assert fp.runner is None and not fp.runner_factory.built
+
+
+def test_startup_failure_is_permanent():
+    fp, told = fast_path(startup_reason="TP exchange needs 4 ranks, the group has 1")
+    kv = binding()
+    assert fp.refusal(kv) == fp.refusal(None) == "TP exchange needs 4 ranks, the group has 1"
+    assert fp.ready(kv) is False and told == []  # the reason did not change
+    assert not fp.runner_factory.built
+
+
+def test_good_binding_binds_once_and_stale_or_rebound_rebuilds():
+    fp, told = fast_path()
+    kv = binding()
+    assert fp.refusal(kv) is None
+    assert fp.ready(kv) and fp.ready(kv)
+    factory = fp.runner_factory
+    assert len(factory.built) == 1 and told == []  # None -> None: health unchanged
+    first = factory.built[0]
+    # The engine re-allocated a layer under the same binding: the runner notices and is rebuilt.
+    kv.layers[2] = kv.layers[2].clone()
+    assert first.stale(kv.layers) and fp.ready(kv)
+    assert len(factory.built) == 2 and factory.closed == 1 and fp.runner is factory.built[1]
+    # A re-bind (new generation) with an unservable layout: refused, the old runner closed.
+    bad = binding(gen=2, dtype=torch.float16)
+    assert not fp.ready(bad) and fp.runner is None and factory.closed == 2
+    assert told == ["draft KV cache dtype torch.float16 != bfloat16"]
+    # And back to a good binding: served again, health told the reason cleared.
+    assert fp.ready(binding(gen=3)) and told[-1] is None and len(factory.built) == 3
+    fp.close()
+    assert factory.closed == 3
+
+
+def test_forward_calls_the_runner_with_the_kernel_tensors():
+    calls = []
+
+    class FakeRunner:
+        def __init__(self, *args, **kw):
+            self.args = args
+
+        def stale(self, kv_layers):
+            return False
+
+        def forward(self, positions, embeds, slots, block_tables):
+            calls.append((positions, embeds, slots, block_tables))
+            return embeds + 1
+
+        def close(self):
+            pass
+
+    fp, _ = fast_path(factory=FakeRunner)
+    kv = binding()
+    assert fp.ready(kv)
+    assert fp.runner.args[2] is kv.layers and fp.runner.args[5] == PAGE and fp.runner.args[7] == GOOD_ENGINE
+    n = 14
+    embeds = torch.randn(n, 6144)
+    positions = torch.arange(100, 100 + n, dtype=torch.int32)
+    meta = StepMetadata(torch.tensor([107, 114], dtype=torch.int32), torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int64),
+                        torch.arange(n, dtype=torch.int64) + 3)
+    out = fp.forward(embeds, positions, meta)
+    (pos, emb, slots, bt), = calls
+    assert pos.dtype == torch.int64 and torch.equal(pos, positions.long())
+    assert emb.dtype == torch.bfloat16 and torch.equal(emb, embeds.to(torch.bfloat16))
+    assert slots is meta.slot_mapping
+    assert bt.dtype == torch.int32 and torch.equal(bt, meta.block_tables.int())
+    assert torch.equal(out, emb + 1)
+
+
+def test_servicer_reports_the_fast_path_reason_and_republishes():
+    fp, _ = fast_path()
+    kv = binding(dtype=torch.float16)
+    ctx = SimpleNamespace(fast=fp, memory=SimpleNamespace(kv=None))
+    published = []
+    life = Lifecycle(backend="flydsl", host=GOOD_HOST, on_change=[lambda: published.append(1)])
+    svc = DrafterServicer(ctx, None, life, None, None, "mxfp8->bf16")
+    assert svc.refusal().startswith("no engine bound yet")
+    ctx.memory.kv = kv
+    assert svc.refusal() == "draft KV cache dtype torch.float16 != bfloat16"
+    assert not fp.ready(kv) and published == [1]  # the verdict at bind time reached health
+    ctx.memory.kv = binding(gen=2, engine=EngineFacts(4, 1, 2, "dspark", 7))
+    assert svc.refusal() == "PP > 1"  # the seed's checks come first
+    # No fast path built (a portable backend was asked for): the choice's reason.
+    svc2 = DrafterServicer(SimpleNamespace(fast=None, memory=SimpleNamespace(kv=binding())), None,
+                           Lifecycle(backend="triton", host=GOOD_HOST, flydsl_off="--backend triton selected"),
+                           None, None, "")
+    assert svc2.refusal() == "--backend triton selected"
+
+
+# On hardware -------------------------------------------------------------------------------------
+
+def _four_gfx950() -> bool:
+    from dspark_sidecar.kernels.flydsl.toolchain import on_gfx950
+
+    return on_gfx950() and torch.cuda.device_count() >= 4
+
+
+@pytest.mark.gfx950
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(not _four_gfx950(), reason="needs 4 AMD MI355X (gfx950) GPUs")
+def test_real_step_through_the_fast_path_matches_the_reference_on_mi355x_x4():
+    from helpers.flydsl_step import step_rank
+
+    res = run_ranks(4, step_rank)
+    for r, out in enumerate(res):
+        assert "error" not in out, f"rank {r}: {out.get('error')}"
+        # bf16 end to end over 5 layers; the kernels round where the tiling models do (kernels/flydsl).
+        assert out["err"] < 2e-2, f"rank {r}: hidden rel L2 {out['err']:.3g}"
+        assert out["kv_err"] < 2e-2, f"rank {r}: block K/V rel L2 {out['kv_err']:.3g}"
+    for out in res[1:]:  # the exchange sums in rank order: every rank holds the same hidden state
+        assert torch.equal(out["hidden"], res[0]["hidden"])
