@@ -192,6 +192,9 @@ class Bench:
 
             self.gpu_ops = TRITON_OPS
         self.step_id = 0
+        self.sidecar_ns: list[int] = []
+        self.phases: list[tuple[int, int]] = []
+        self.sidecar_phases: list[tuple[int, int, int]] = []
         self.side = self.channel = self.bufs = self.bell = None
         if {"d", "e"} & set(bc.modes):
             self._connect()
@@ -226,9 +229,12 @@ class Bench:
         req = pb.DraftStepRequest(step_id=self.step_id, binding_id=self.binding.binding_id,
                                   binding_generation=self.binding.generation, num_requests=case.R)
         if mode == "d":
+            t0 = time.perf_counter_ns()
             out = self.bufs.fill(req, case.embeds, case.host.positions, case.host.meta)
             self.bell.send(req)
+            t1 = time.perf_counter_ns()
             resp = self.bell.wait(self.step_id, 60.0)
+            self.phases.append((t1 - t0, time.perf_counter_ns() - t1))  # engine fill+ring, ring -> answer
         else:
             m = case.host.meta
             for f, t in (("positions", case.host.positions), ("inputs_embeds", case.embeds), ("seq_lens", m.seq_lens),
@@ -238,6 +244,9 @@ class Bench:
             out = codec.from_tensor_ref(resp.hidden_states, "hidden").to(self.device)
         if resp is None or resp.HasField("error"):
             raise RuntimeError(f"sidecar step failed: {resp.error if resp is not None else 'timeout'}")
+        tm = resp.timings  # the sidecar's own host time, arrival to launch, in phases
+        self.sidecar_ns.append(tm.total_ns)
+        self.sidecar_phases.append((tm.queue_ns, tm.rendezvous_ns, tm.compute_ns))
         return out
 
     def measure(self, mode: str, case: Case) -> list[float] | str:
@@ -249,6 +258,7 @@ class Bench:
                 return "n/a: needs a GPU"
             fn = graphed(self._eager(GRAPHABLE_REFERENCE if mode == "b" else self.gpu_ops, case), self.device)
             return timeit(fn, self.device, self.bc.repeats)
+        self.sidecar_ns, self.phases, self.sidecar_phases = [], [], []
         return timeit(lambda: self._remote(mode, case), self.device, self.bc.repeats)
 
     def close(self) -> None:
@@ -274,12 +284,22 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                 case = Case(bench.cfg, R, ctx, bc.page_size, bench.pages, bench.embed, device, seed=R * 7 + ctx)
                 floor_ms = floor_bytes(bench.model, bench.cfg, R, ctx) / bw * 1e3
                 results: dict[str, list[float] | str] = {}
+                host_us: dict[str, float] = {}
                 for mode in bc.modes:
                     try:
                         results[mode] = bench.measure(mode, case)
+                        if mode in ("d", "e"):
+                            host_us[mode] = statistics.median(bench.sidecar_ns[-bc.repeats:]) / 1e3
+                            sp = bench.sidecar_phases[-bc.repeats:]
+                            host_us[mode + "_phases"] = tuple(statistics.median(p[i] for p in sp) / 1e3 for i in range(3))
+                        if mode == "d":
+                            ph = bench.phases[-bc.repeats:]
+                            host_us["fill"] = statistics.median(p[0] for p in ph) / 1e3
+                            host_us["answer"] = statistics.median(p[1] for p in ph) / 1e3
                     except Exception as exc:  # noqa: BLE001  (a broken mode is reported, the run goes on)
                         results[mode] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 base = results.get("b") if isinstance(results.get("b"), list) else None
+                gpu = results.get("c") if isinstance(results.get("c"), list) else None
                 for mode, ms in results.items():
                     row = {"mode": mode, "name": NAMES[mode], "R": R, "context": ctx, "floor_ms": floor_ms}
                     if isinstance(ms, str):
@@ -289,6 +309,14 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                         row |= {"p50_ms": p50, "p99_ms": sorted(ms)[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)],
                                 "x_floor": p50 / floor_ms,
                                 "x_b": p50 / statistics.median(base) if base else None}
+                        if mode in ("d", "e") and gpu:  # issue 8's sidecar targets are against (c)
+                            row |= {"x_c": p50 / statistics.median(gpu),
+                                    "over_c_us": (p50 - statistics.median(gpu)) * 1e3}
+                        if mode in host_us:
+                            row["sidecar_host_p50_us"] = host_us[mode]
+                            row["sidecar_queue_rendezvous_launch_p50_us"] = host_us[mode + "_phases"]
+                        if mode == "d" and "fill" in host_us:  # engine side: fill + ring, then ring -> answer
+                            row |= {"engine_fill_p50_us": host_us["fill"], "ring_to_answer_p50_us": host_us["answer"]}
                     rows.append(row)
                     print(_fmt(row), flush=True)
     finally:
@@ -307,8 +335,14 @@ def _fmt(row: dict) -> str:
     if "note" in row:
         return f"{head}  {row['note']}"
     xb = f"{row['x_b']:.2f}x b" if row.get("x_b") else "   -   "
+    extra = f"  {row['x_c']:.2f}x c (+{row['over_c_us']:.0f} us)" if "x_c" in row else ""
+    if "sidecar_host_p50_us" in row:
+        q, r, c = row["sidecar_queue_rendezvous_launch_p50_us"]
+        extra += f"  sidecar host {row['sidecar_host_p50_us']:.0f} us [{q:.0f}/{r:.0f}/{c:.0f}]"
+    if "engine_fill_p50_us" in row:
+        extra += f" (engine fill {row['engine_fill_p50_us']:.0f}, ring->answer {row['ring_to_answer_p50_us']:.0f} us)"
     return (f"{head}  p50 {row['p50_ms']:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  floor {row['floor_ms']:.3f} ms  "
-            f"{row['x_floor']:6.2f}x floor  {xb}")
+            f"{row['x_floor']:6.2f}x floor  {xb}{extra}")
 
 
 def _plot(report: dict, path: Path) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
 from dspark_sidecar.drafter import scenario
-from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_layer_shape
 from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_sim import PAGE
@@ -75,7 +77,11 @@ def test_gpu_doorbell_back_to_back_steps_without_host_sync(tmp_path, tiny_cfg, t
 
     dev = torch.device("cuda", 0)
     cases = [[5, 40], [4096 + 20, 3, 90], [17], [5, 40], [250, 4096 + 20, 3, 90], [17], [4096 + 20, 3, 90]]
-    pages = max(sum(scenario.pages_needed(c + 7, PAGE) for c in lens) for lens in cases) + 2
+    # Each case owns its own pages: a step writes its block rows, which another case must not
+    # read as context, or results would depend on the order the steps ran in.
+    own = [sum(scenario.pages_needed(c + 7, PAGE) for c in lens) for lens in cases]
+    base = [sum(own[:i]) for i in range(len(cases))]
+    pages = sum(own)
     with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
         stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
         kv = [torch.randn(kv_layer_shape(tiny_cfg, 1, pages, PAGE), device=dev) for _ in range(tiny_cfg.num_hidden_layers)]
@@ -84,7 +90,12 @@ def test_gpu_doorbell_back_to_back_steps_without_host_sync(tmp_path, tiny_cfg, t
         b = stub.BindKV(pb.BindKVRequest(engine=facts, page_size=PAGE, layers=[
             pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=pb.DTYPE_FP32, shape=list(t.shape),
                               strides=list(t.stride())) for i, t in enumerate(kv)]), timeout=30)
-        steps = [scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=60 + i) for i, lens in enumerate(cases)]
+        steps = []
+        for i, lens in enumerate(cases):
+            st = scenario.random_step(tiny_cfg, lens, PAGE, own[i], tiny_embed, seed=60 + i)
+            m = st.meta
+            steps.append(dataclasses.replace(st, meta=StepMetadata(
+                m.seq_lens, m.block_tables + base[i], m.slot_mapping + base[i] * PAGE)))
         want = []
         for i, step in enumerate(steps):  # the steps only write their own block rows: order-independent
             req = pb.DraftStepRequest(step_id=1 + i, binding_id=b.binding_id, binding_generation=b.generation,
