@@ -291,7 +291,7 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                         if mode in ("d", "e"):
                             host_us[mode] = statistics.median(bench.sidecar_ns[-bc.repeats:]) / 1e3
                             sp = bench.sidecar_phases[-bc.repeats:]
-                            host_us[mode + "_phases"] = tuple(statistics.median(p[i] for p in sp) / 1e3 for i in range(3))
+                            host_us[mode + "_phases"] = [statistics.median(p[i] for p in sp) / 1e3 for i in range(3)]
                         if mode == "d":
                             ph = bench.phases[-bc.repeats:]
                             host_us["fill"] = statistics.median(p[0] for p in ph) / 1e3

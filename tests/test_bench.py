@@ -20,3 +20,8 @@ def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
         assert [r["R"] for r in rows] == [1, 2]
         assert all(r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"] and r["floor_ms"] > 0 for r in rows)
     assert all(r["note"] == "n/a: needs a GPU" for r in data["rows"] if r["mode"] == "b")
+    for r in data["rows"]:
+        if r["mode"] in ("d", "e"):  # the sidecar's own phases come back with every remote row
+            assert r["sidecar_host_p50_us"] > 0 and len(r["sidecar_queue_rendezvous_launch_p50_us"]) == 3
+        if r["mode"] == "d":
+            assert r["engine_fill_p50_us"] > 0 and r["ring_to_answer_p50_us"] > 0
