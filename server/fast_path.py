@@ -134,11 +134,15 @@ class FlyDSLFastPath:
 
     def _preview(self, kv: KVBinding) -> str | None:
         why = fast_path_refusal(self.host, kv.engine)
-        if why is None and len(kv.layers) != NUM_LAYERS:
-            why = f"{len(kv.layers)} KV layers bound, kernels need {NUM_LAYERS}"
-        for t in kv.layers if why is None else ():
-            why = why or check_kv_layer(t, kv.page_size)
-        return why
+        if why is not None:
+            return why
+        if len(kv.layers) != NUM_LAYERS:
+            return f"{len(kv.layers)} KV layers bound, kernels need {NUM_LAYERS}"
+        for t in kv.layers:
+            why = check_kv_layer(t, kv.page_size)
+            if why is not None:
+                return why
+        return None
 
     def ready(self, kv: KVBinding) -> bool:
         """True when `kv` is served here; (re)builds the runner for a new binding or a stale one."""
@@ -161,13 +165,13 @@ class FlyDSLFastPath:
                     self.reason = None
                 except FlyDSLUnsupported as exc:
                     self.reason = str(exc)
-            changed = self.reason != before
+            changed, ok = self.reason != before, self.reason is None
         if changed:
             log.info("rank %d: FlyDSL fast path for binding %d gen %d: %s", self.rank, key[0], key[1],
                      self.reason or "on")
             for cb in list(self.listeners):
                 cb()
-        return self.reason is None
+        return ok
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """embeds [7R, 6144], positions i64 [7R], meta on the device -> final-normed hidden bf16 [7R, 6144]."""
@@ -197,16 +201,20 @@ def build_fast_path(cfg: DrafterConfig, model: DSparkDrafter, source: WeightSour
                     group, rank: int, make_runtime=None) -> FlyDSLFastPath:
     """Start-up, collectively on every rank of `group` (a CPU group): weight shards, then the peer mapping.
 
-    A failure of the mapping (the same on every rank, peers.map_peers) becomes the path's
-    permanent reason, so the portable backend serves and health says why."""
+    A failure of the weights or of the mapping (made the same on every rank by peers.map_peers)
+    becomes the path's permanent reason, so the portable backend serves and health says why."""
     from dspark_sidecar.kernels.flydsl.peers import HipRuntime, map_peers
 
     device = model.device
     par = ParallelContext(rank, shapes.TP)
-    layers = [layer_weights(source, cfg, par, model, i, device) for i in range(cfg.num_hidden_layers)]
+    layers, local = [], None
+    try:
+        layers = [layer_weights(source, cfg, par, model, i, device) for i in range(cfg.num_hidden_layers)]
+    except FlyDSLUnsupported as exc:  # posted in the peer protocol: the other ranks must turn it off too
+        local = f"could not bind its weights: {exc}"
     peers, why = None, None
     try:
-        peers = map_peers(group, make_runtime or (lambda: HipRuntime(device)), device)
+        peers = map_peers(group, make_runtime or (lambda: HipRuntime(device)), device, local_failure=local)
     except FlyDSLUnsupported as exc:
         why = str(exc)
     if why is not None:

@@ -9,7 +9,7 @@ Protocol (every rank runs `map_peers` once, collectively, at start-up):
    stores must land in HBM, never in a remote L2), zeroes the flags (tag 0 is never a live tag)
    and exports both as HIP IPC handles.
 3. Round 1, one all_gather_object: each rank posts its offer (host, pid, sizes, the two 64-byte
-   handles), or an error record when its own allocation/export failed. Every rank then checks the
+   handles), or an error record when its own allocation/export (or its weights) failed. Every rank then checks the
    same gathered list (slot i is rank i, one host, the expected sizes, 64-byte handles), so all
    ranks reach the same verdict; no rank waits on a peer that already gave up.
 4. Each rank opens the 3 peers' handles (its own slot is its local pointer: a process cannot
@@ -234,7 +234,7 @@ def _offer(make_runtime: Callable[[], Runtime]) -> tuple[dict, Runtime | None, l
                 _Release(runtime, [], owned)()
             except FlyDSLUnsupported as more:
                 why += f" (and releasing: {more})"
-        return {"error": why}, None, []
+        return {"error": f"could not export its exchange buffers: {why}"}, None, []
 
 
 def check_offers(offers: list) -> str | None:
@@ -243,7 +243,7 @@ def check_offers(offers: list) -> str | None:
         if not isinstance(o, dict):
             return f"rank {r} sent no exchange offer ({type(o).__name__})"
         if "error" in o:
-            return f"rank {r} could not export its exchange buffers: {o['error']}"
+            return f"rank {r} {o['error']}"
         if o.get("protocol") != PROTOCOL:
             return f"rank {r} speaks exchange protocol {o.get('protocol')!r}, this build {PROTOCOL}"
         if (o.get("rx_bytes"), o.get("flags_bytes")) != (RX_BYTES, FLAGS_BYTES):
@@ -263,16 +263,21 @@ def check_offers(offers: list) -> str | None:
 
 
 def map_peers(group: dist.ProcessGroup | None, make_runtime: Callable[[], Runtime],
-              epoch_device: torch.device) -> MappedPeers:
+              epoch_device: torch.device, local_failure: str | None = None) -> MappedPeers:
     """Collective over `group` (a CPU/gloo group of the TP ranks): every rank's RX/flags mapped on every rank.
 
     `make_runtime` is called inside the protocol, so a rank without a HIP runtime still tells its
-    peers. Raises FlyDSLUnsupported with the same reason on every rank when any rank cannot take part.
+    peers. `local_failure` (e.g. "could not bind its weights: ...") is posted instead of an offer,
+    so a rank that cannot serve the fast path for another reason turns it off on every rank.
+    Raises FlyDSLUnsupported with the same reason on every rank when any rank cannot take part.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world != TP:  # same on every rank: nobody allocates, nobody waits
         raise FlyDSLUnsupported(f"TP exchange needs {TP} ranks, the group has {world}")
-    offer, runtime, owned = _offer(make_runtime)
+    if local_failure is not None:
+        offer, runtime, owned = {"error": local_failure}, None, []
+    else:
+        offer, runtime, owned = _offer(make_runtime)
     offers: list = [None] * world
     dist.all_gather_object(offers, offer, group=group)
     why = check_offers(offers)

@@ -128,13 +128,20 @@ def fast_path_rank(rank: int, world: int, folder: str, ckpt: str, fault: str | N
     from dspark_sidecar.server.fast_path import build_fast_path
     from dspark_sidecar.server.refusal import HostFacts
 
+    class Bf16Linears(CheckpointReader):
+        """A checkpoint whose linears were saved dequantized (bf16), as a conversion script might."""
+
+        def _slice(self, key, shape, rows, cols):
+            t = super()._slice(key, shape, rows, cols)
+            return t.to(torch.bfloat16) if t.dtype == torch.float8_e4m3fn else t
+
     cfg = PRESETS["tiny"]
-    reader = CheckpointReader(ckpt, torch.bfloat16, cfg.quant_block)
+    reader = (Bf16Linears if fault == "weights" and rank == 0 else CheckpointReader)(ckpt, torch.bfloat16, cfg.quant_block)
     model = DSparkDrafter(cfg, ParallelContext(rank, world), REFERENCE_OPS).load(reader)
-    rt = FakeHip(folder, fault if rank == 0 else None)
+    rt = FakeHip(folder, fault if rank == 0 and fault != "weights" else None)
     fast = build_fast_path(cfg, model, reader, HostFacts(True, True, world), None, rank, make_runtime=lambda: rt)
     out = {"reason": fast.startup_reason, "layers": len(fast.layers),
-           "qkv": tuple(fast.layers[0].qkv.bits.shape), "mapped": fast.peers is not None}
+           "qkv": tuple(fast.layers[0].qkv.bits.shape) if fast.layers else None, "mapped": fast.peers is not None}
     fast.close()
     out["live"] = rt.live()
     return out

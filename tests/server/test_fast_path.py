@@ -110,6 +110,12 @@ def test_start_up_binds_weights_and_maps_peers_on_four_ranks(tiny_ckpt, tmp_path
     assert {r["reason"] for r in res} == {"rank 0 could not export its exchange buffers: "
                                           "hipExtMallocWithFlags(hipDeviceMallocUncached) failed: out of memory"}
     assert all(not r["mapped"] and r["live"] == 0 for r in res)
+    # Rank 0's checkpoint holds bf16 linears: the weights fail there only, the path is off everywhere.
+    res = run_ranks(4, fast_path_rank, str(tmp_path / "w"), str(tiny_ckpt[0]), "weights")
+    assert {r["reason"] for r in res} == {
+        "rank 0 could not bind its weights: language_model.model.dspark.layers.0.decoder_layer.self_attn.q_proj.weight: "
+        "stored as torch.bfloat16/torch.uint8, the kernels need F8_E4M3 + U8 scales"}
+    assert all(not r["mapped"] and r["live"] == 0 for r in res)
 
 
 # Binding and routing -----------------------------------------------------------------------------
