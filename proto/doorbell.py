@@ -12,11 +12,13 @@ import numpy as np
 HEADER = 64  # bytes: 8 uint64 words, 4 used
 REQ_SEQ, REQ_LEN, RESP_SEQ, RESP_LEN = range(4)
 
-# Waiting: spin first (yielding the GIL), then short sleeps, then long ones. Linux rounds every
-# sleep up by the thread's timer slack (50 us by default), which made a "20 us" poll cost ~75 us
-# of latency per hop; waiting threads lower their own slack to 1 us (per thread, see below).
-SPIN_S = 500e-6  # after activity, spin this long: a step's answer or the next step is usually this close
-NAP_S = 10e-6  # then poll every ~10 us (a fraction of one core while a stream of steps pauses)
+# Waiting: short naps while the other end is active, longer sleeps once it has been quiet. Linux
+# rounds every sleep up by the thread's timer slack (50 us by default), which made a "20 us" poll
+# cost ~75 us of latency per hop; waiting threads lower their own slack to 1 us (per thread, see
+# below). No busy spin, not even sleep(0): a spinning thread keeps taking the GIL back from the
+# other threads of its process (measured: 3 such threads halve a fourth thread's throughput;
+# 10 us naps cost it nothing), and on a CPU deployment it takes the core from the peer it waits for.
+NAP_S = 10e-6  # ~15 us per poll with 1 us slack
 WARM_S = 0.2  # after this long without activity, poll every SLEEP_S instead
 SLEEP_S = 1e-3
 _PR_SET_TIMERSLACK = 29
@@ -43,8 +45,7 @@ def wait_until(ready, deadline: float, active_since: float) -> bool:
         now = time.perf_counter()
         if now > deadline:
             return False
-        idle = now - active_since
-        time.sleep(0 if idle < SPIN_S else NAP_S if idle < WARM_S else SLEEP_S)  # sleep(0) yields the GIL
+        time.sleep(NAP_S if now - active_since < WARM_S else SLEEP_S)
     return True
 
 

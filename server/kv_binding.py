@@ -50,6 +50,7 @@ class MemoryBindings:
         # Resolved views by (region, offset, dtype, shape): an engine sends the same slices step
         # after step, and building a bounds-checked view costs ~20 us of torch calls each time.
         self._views: dict[tuple, torch.Tensor] = {}
+        self.layouts: dict[tuple, tuple] = {}  # validate.py's checked step tensors per request layout
 
     # KV -------------------------------------------------------------------------------------
     def bind(self, req: pb.BindKVRequest) -> KVBinding:
@@ -164,6 +165,7 @@ class MemoryBindings:
 
     def close(self) -> None:
         self._views.clear()
+        self.layouts.clear()
         if self.kv is not None:
             self.kv.close()
         for m in self._regions.values():

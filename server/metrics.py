@@ -25,12 +25,15 @@ class Metrics:
         self.binds = Counter("dspark_kv_binds", "KV cache (re-)bindings", ["rank"], registry=self.registry)
         self.serving = Gauge("dspark_serving", "1 when this rank serves draft steps", ["rank"], registry=self.registry)
         self._labels = labels
+        # Labelled children resolved once: a labels() lookup costs microseconds on every step.
+        self._step_count = {r: self.steps.labels(result=r, **labels) for r in RESULTS}
+        self._phase_hist = {p: self.seconds.labels(phase=p, **labels) for p in PHASES}
         self._lock = threading.Lock()
         self.counts = collections.Counter()
         self._recent = {p: collections.deque(maxlen=window) for p in PHASES}
 
     def step(self, result: str, timings_ns: dict[str, int], num_reqs: int = 0, launches: int = 0) -> None:
-        self.steps.labels(result=result, **self._labels).inc()
+        self._step_count[result].inc()
         with self._lock:
             self.counts[result] += 1
             if result == "ok":
@@ -41,7 +44,7 @@ class Metrics:
                     self._recent[phase].append(ns)
         if result == "ok":
             for phase, ns in timings_ns.items():
-                self.seconds.labels(phase=phase, **self._labels).observe(ns / 1e9)
+                self._phase_hist[phase].observe(ns / 1e9)
 
     def bound(self) -> None:
         self.binds.labels(**self._labels).inc()

@@ -24,14 +24,16 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
+from dspark_sidecar.proto.doorbell import NAP_S, SLEEP_S, WARM_S, lower_timer_slack
+
 MAGIC = 0x44535052  # "DSPR"
 SLOT = 8
 RING = 64
 GO, ABORT = 1, 2
 # Abort reasons
 MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE = range(1, 8)
-POLL_S = 20e-6
-IDLE_AFTER_S, IDLE_POLL_S = 0.05, 500e-6
+# Polling (with 1 us timer slack, see proto/doorbell.py): a rank waiting for its verdict naps;
+# the coordinator naps while steps flow and sleeps longer once the ranks have been quiet a while.
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ class Rendezvous:
         self.fatal_after_s = fatal_after_s
         self._seq = 0
         self._coordinator: Coordinator | None = None
-        if rank == 0:
+        if rank == 0 and board.world > 1:  # one rank agrees with itself (see agree)
             self._coordinator = Coordinator(board, deadline_ms)
             self._coordinator.start()
 
@@ -137,6 +139,7 @@ class Rendezvous:
         col = 6 + self.rank
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
         ring = self.board.ring
+        lower_timer_slack()
         while True:
             hits = np.flatnonzero(ring[:, col] == seq)
             for i in hits:
@@ -151,7 +154,7 @@ class Rendezvous:
                 # peers launched, so it must not go on serving.
                 raise RuntimeError(f"rank {self.rank}: no verdict from rank 0's coordinator in "
                                    f"{self.fatal_after_s + self.deadline_ms / 1e3:.1f} s")
-            time.sleep(POLL_S)
+            time.sleep(NAP_S)  # never a busy spin: see proto/doorbell.py
 
     def close(self) -> None:
         if self._coordinator is not None:
@@ -175,14 +178,13 @@ class Coordinator(threading.Thread):
         self.join(timeout=1.0)
 
     def run(self) -> None:
-        last_busy = time.monotonic()
+        lower_timer_slack()
+        last_busy = time.perf_counter()
         while not self._halt.is_set():
-            if self.poll_once() or self._first_seen:
-                last_busy = time.monotonic()
-            elif time.monotonic() - last_busy > IDLE_AFTER_S:
-                time.sleep(IDLE_POLL_S)  # idle: poll slower, and leave the GIL to the serving threads
-                continue
-            time.sleep(POLL_S)
+            seen = len(self._first_seen)
+            if self.poll_once() or len(self._first_seen) > seen:  # a verdict, or a new post: more may follow
+                last_busy = time.perf_counter()
+            time.sleep(NAP_S if time.perf_counter() - last_busy < WARM_S else SLEEP_S)
 
     def _pending(self) -> dict[int, np.ndarray]:
         out = {}
