@@ -76,7 +76,19 @@ class Runtime(Protocol):
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+    """hipIpcMemHandle_t, passed by value. Unsigned bytes: a c_char field would read as a string cut
+    at the first NUL, and handles are binary."""
+
+    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
+
+    @classmethod
+    def of(cls, raw: bytes) -> "_IpcHandle":
+        h = cls()
+        ctypes.memmove(ctypes.addressof(h), raw, IPC_HANDLE_BYTES)
+        return h
+
+    def raw(self) -> bytes:
+        return bytes(self.reserved)
 
 
 _TYPESTR = {torch.float32: "<f4", torch.int32: "<i4"}
@@ -154,11 +166,10 @@ class HipRuntime:
     def ipc_handle(self, ptr: int) -> bytes:
         h = _IpcHandle()
         self._check(self.lib.hipIpcGetMemHandle(ctypes.byref(h), ptr), "hipIpcGetMemHandle")
-        return bytes(h.reserved[:]).ljust(IPC_HANDLE_BYTES, b"\0")
+        return h.raw()
 
     def ipc_open(self, handle: bytes) -> int:
-        h, p = _IpcHandle(), ctypes.c_void_p()
-        h.reserved = handle
+        h, p = _IpcHandle.of(handle), ctypes.c_void_p()
         self._check(self.lib.hipIpcOpenMemHandle(ctypes.byref(p), h, HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
                     "hipIpcOpenMemHandle")
         return int(p.value)

@@ -92,3 +92,13 @@ def test_no_hip_runtime_is_a_clear_reason(monkeypatch):
     monkeypatch.setattr(pr, "_hip_library_candidates", lambda: ["/nonexistent/libamdhip64.so"])
     with pytest.raises(FlyDSLUnsupported, match=r"^HIP runtime \(libamdhip64\) not found"):
         pr.HipRuntime(torch.device("cuda", 0))
+
+
+def test_ipc_handle_struct_keeps_binary_bytes():
+    # Handles are binary: NULs inside must survive the ctypes struct both ways (a c_char field
+    # would cut the handle at its first NUL and every open would fail).
+    raw = bytes(range(7)) + b"\0" * 9 + bytes(range(200, 248))
+    assert len(raw) == pr.IPC_HANDLE_BYTES
+    h = pr._IpcHandle.of(raw)
+    assert h.raw() == raw
+    assert bytes(memoryview(h)) == raw  # what the C side receives by value
