@@ -5,6 +5,9 @@ on one GPU there is no peer):
   a  reference layers in-process, eager          b  the same, CUDA-graphed (static-shape attention)
   c  the GPU backend in-process, CUDA-graphed     d  the sidecar from the engine over the data plane
   e  the sidecar over the gRPC stream with inline tensors
+  f  mode d, PIPELINE steps back to back with no host sync between them (ms per step): as an
+     engine runs when the draft step's output stays on the GPU; the sidecar's host work then
+     overlaps the previous step's GPU work, where (d) exposes it in full
 The floor is the bytes a step must read (the shard's layer weights once, each request's window
 of K/V) over a device-to-device copy bandwidth measured in the same run.
 """
@@ -38,9 +41,10 @@ from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
-MODES = ("a", "b", "c", "d", "e")
+MODES = ("a", "b", "c", "d", "e", "f")
 NAMES = {"a": "reference eager", "b": "reference graphed", "c": "GPU backend graphed",
-         "d": "sidecar data plane", "e": "sidecar gRPC inline"}
+         "d": "sidecar data plane", "e": "sidecar gRPC inline", "f": "data plane pipelined"}
+PIPELINE = 10  # mode f: steps per timed batch, the engine's host never waiting for the GPU between them
 GRAPHABLE_REFERENCE = dataclasses.replace(REFERENCE_OPS, name="reference-static",
                                           paged_window_attention=reference.paged_window_attention_static)
 
@@ -196,7 +200,7 @@ class Bench:
         self.phases: list[tuple[int, int]] = []
         self.sidecar_phases: list[tuple[int, int, int]] = []
         self.side = self.channel = self.bufs = self.bell = None
-        if {"d", "e"} & set(bc.modes):
+        if {"d", "e", "f"} & set(bc.modes):
             self._connect()
 
     def _connect(self) -> None:
@@ -215,7 +219,7 @@ class Bench:
             pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(self.dtype),
                               shape=list(t.shape), strides=list(t.stride()), storage_offset=0)
             for i, t in enumerate(self.kv)]), timeout=60)
-        if "d" in bc.modes:
+        if {"d", "f"} & set(bc.modes):
             max_pages = scenario.pages_needed(max(bc.contexts) + layout.QPR, bc.page_size)
             self.bufs = StepBuffers(self.stub, self.cfg.hidden_size, max(bc.reqs), max_pages, self.dtype, device)
             self.bell = DoorbellChannel(self.stub, device)
@@ -223,6 +227,13 @@ class Bench:
     def _eager(self, ops, case: Case):
         self.model.set_ops(ops)
         return lambda: self.model.draft_step(case.embeds, case.positions, case.meta, self.kv)
+
+    def _pipelined(self, case: Case) -> list[float]:
+        """ms per step of PIPELINE data-plane steps sent back to back, synchronized once per batch."""
+        def batch() -> None:
+            for _ in range(PIPELINE):
+                self._remote("d", case)
+        return [ms / PIPELINE for ms in timeit(batch, self.device, max(3, self.bc.repeats // PIPELINE))]
 
     def _remote(self, mode: str, case: Case) -> torch.Tensor:
         self.step_id += 1
@@ -259,6 +270,8 @@ class Bench:
             fn = graphed(self._eager(GRAPHABLE_REFERENCE if mode == "b" else self.gpu_ops, case), self.device)
             return timeit(fn, self.device, self.bc.repeats)
         self.sidecar_ns, self.phases, self.sidecar_phases = [], [], []
+        if mode == "f":
+            return self._pipelined(case)
         return timeit(lambda: self._remote(mode, case), self.device, self.bc.repeats)
 
     def close(self) -> None:
@@ -309,7 +322,7 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                         row |= {"p50_ms": p50, "p99_ms": sorted(ms)[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)],
                                 "x_floor": p50 / floor_ms,
                                 "x_b": p50 / statistics.median(base) if base else None}
-                        if mode in ("d", "e") and gpu:  # issue 8's sidecar targets are against (c)
+                        if mode in ("d", "e", "f") and gpu:  # issue 8's sidecar targets are against (c)
                             row |= {"x_c": p50 / statistics.median(gpu),
                                     "over_c_us": (p50 - statistics.median(gpu)) * 1e3}
                         if mode in host_us:

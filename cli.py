@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--shard-of", type=int, default=4, help="time rank 0's shard of a TP-N drafter")
     bp.add_argument("--reqs", default="1,8,32", help="comma-separated request counts")
     bp.add_argument("--contexts", default="512,4096", help="comma-separated context lengths")
-    bp.add_argument("--modes", default="abcde", help="a ref eager, b ref graphed, c GPU backend, d data plane, e gRPC")
+    bp.add_argument("--modes", default="abcdef", help="a ref eager, b ref graphed, c GPU backend, d data plane, e gRPC, "
+                    "f data plane pipelined (no host sync between steps)")
     bp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     bp.add_argument("--repeats", type=int, default=30)
     bp.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

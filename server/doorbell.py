@@ -59,6 +59,7 @@ class Doorbell(threading.Thread):
     def run(self) -> None:
         if self.device.type == "cuda":  # per-thread current device: waits and records go to this GPU
             torch.cuda.set_device(self.device)
+            self._stream = torch.cuda.current_stream(self.device)  # looked up once: ~6 us per call
         active = time.perf_counter()
         rung = lambda: self.page.word(bell.REQ_SEQ) != self._last  # noqa: E731
         while not self._halt.is_set():
@@ -82,10 +83,10 @@ class Doorbell(threading.Thread):
                                                            field="request", reason="INVALID_FIELD"))
         else:
             if self.input_event is not None:
-                torch.cuda.current_stream(self.device).wait_event(self.input_event)
+                self._stream.wait_event(self.input_event)
             resp = self.loop.answer_now(req)
             if self.output_event is not None:
-                self.output_event.record(torch.cuda.current_stream(self.device))
+                self.output_event.record(self._stream)
         self._publish(seq, resp)
 
     def _publish(self, seq: int, resp: pb.DraftStepResponse) -> None:

@@ -65,6 +65,9 @@ class StepGraphs:
         self._graphs: dict[int, _Graph] = {}
         self._kv_key: tuple | None = None
         self.captures = 0
+        # Steps run on the device's default stream, from whichever thread (doorbell or worker);
+        # looking it up costs ~6 us per call, so once here.
+        self._stream = torch.cuda.current_stream(model.device)
 
     def run(self, embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
             kv: list[torch.Tensor]) -> torch.Tensor:
@@ -106,9 +109,8 @@ class StepGraphs:
         slots[...] = meta.slot_mapping.cpu().numpy()
         window_metadata_into(p, meta.seq_lens.cpu().numpy(), meta.block_tables.cpu().numpy(), ps,
                              self.model.cfg.sliding_window, rel, lens, tables)
-        stream = torch.cuda.current_stream(self.model.device)
         g.meta.copy_(host, non_blocking=True)
-        copied.record(stream)
+        copied.record(self._stream)
         g.embeds.copy_(embeds, non_blocking=True)
 
     def _step(self, g: _Graph, kv) -> torch.Tensor:

@@ -10,12 +10,12 @@ from dspark_sidecar.bench import BenchConfig, run_bench
 
 
 def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
-    bc = BenchConfig(preset="tiny", reqs=(1, 2), contexts=(40,), modes=("a", "b", "d", "e"), repeats=2,
+    bc = BenchConfig(preset="tiny", reqs=(1, 2), contexts=(40,), modes=("a", "b", "d", "e", "f"), repeats=2,
                      out_dir=tmp_path)
     report = run_bench(bc, torch.device("cpu"))
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["rows"] == report["rows"] and data["copy_bandwidth_GBps"] > 0
-    for mode in ("a", "d", "e"):
+    for mode in ("a", "d", "e", "f"):
         rows = [r for r in data["rows"] if r["mode"] == mode]
         assert [r["R"] for r in rows] == [1, 2]
         assert all(r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"] and r["floor_ms"] > 0 for r in rows)
