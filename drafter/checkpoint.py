@@ -223,6 +223,12 @@ class CheckpointReader:
     def has(self, key: str) -> bool:
         return key in self._files
 
+    def read_stored(self, key: str, shape: tuple[int, ...], rows: slice | None = None,
+                    cols: slice | None = None) -> torch.Tensor:
+        """The tensor `key` restricted to rows/cols exactly as stored (F8_E4M3 bits, U8 E8M0 scales
+        stay as they are): for kernels that dequantize themselves. `read` is the dequantizing twin."""
+        return self._slice(key, shape, rows, cols)
+
     def _slice(self, key: str, shape: tuple[int, ...], rows: slice | None, cols: slice | None) -> torch.Tensor:
         if key not in self._files:
             raise CheckpointError(f"{key}: missing from {self.folder} (expected shape {list(shape)})")

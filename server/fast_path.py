@@ -62,9 +62,9 @@ def read_mx(source: WeightSource, key: str, shape: tuple[int, int], block: int,
     stored MXFP8 (random weights) is quantized here, as the checkpoint writer would.
     """
     if isinstance(source, CheckpointReader):
-        bits = source._slice(key, shape, rows, cols)
+        bits = source.read_stored(key, shape, rows, cols)
         scols = slice(cols.start // block, cols.stop // block) if cols is not None else None
-        scale = source._slice(key + SCALE_SUFFIX, (shape[0], shape[1] // block), rows, scols)
+        scale = source.read_stored(key + SCALE_SUFFIX, (shape[0], shape[1] // block), rows, scols)
         if bits.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
             raise FlyDSLUnsupported(f"{key}: stored as {bits.dtype}/{scale.dtype}, the kernels need F8_E4M3 + U8 scales")
     else:

@@ -51,6 +51,8 @@ class RankContext:
 class FastPath(Protocol):
     """What the loop needs of a kernel-specific fast path that replaces the layers for whole steps."""
 
+    max_positions: int  # positions must be below this (the kernels' RoPE table)
+
     def ready(self, kv: KVBinding) -> bool:
         """True when this binding can be served by the fast path (binds it on first sight)."""
 
@@ -182,7 +184,8 @@ class RankLoop:
         else:
             embeds = self.ctx.embed[step.input_ids.to(dev)]
         fast = self.ctx.fast
-        if fast is not None and fast.ready(step.kv):
+        # Positions past the fast path's RoPE table go through the portable layers (any position).
+        if fast is not None and fast.ready(step.kv) and int(step.positions.max()) < fast.max_positions:
             return fast.forward(embeds, step.positions.to(dev), step.meta.to(dev))
         if self.graphs is not None:
             return self.graphs.run(embeds, step.positions, step.meta, step.kv.layers)
