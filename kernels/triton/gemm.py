@@ -6,10 +6,9 @@ column tiles times `split_k` K-ranges (>= 2 programs per SM) and each program st
   (x_r * inv_r * (1 + w)) @ W^T = inv_r * ((x_r * (1 + w)) @ W^T),  inv_r = rsqrt(mean(x_r^2) + eps),
 so every program accumulates sum(x^2) over the K-range it already loads and the per-row
 scale is applied in the epilogue; no pass over x precedes the GEMM. With split_k > 1 the
-programs write fp32 partials (and partial sums of squares) to a workspace and take a ticket on
-their tile's counter; the last to arrive sums the partials in split order (deterministic
-whoever is last), scales, applies SwiGLU-OAI and rounds once to the activation dtype, in the
-same launch (a separate reduction kernel cost a launch per GEMM, ~3 us each inside a graph). MXFP8 weights stream 1 byte per weight
+programs write fp32 partials (and partial sums of squares) to a workspace that
+`_finalize_kernel` sums in a fixed order (deterministic, no atomics), then scales, applies
+SwiGLU-OAI and rounds once to the activation dtype. MXFP8 weights stream 1 byte per weight
 (+1/32 for the E8M0 exponents) and are dequantized in registers, tile by tile, to bf16 (exact)
 for the same dot. (Scaling each 32-wide chunk's partial after its own dot instead was measured
 slower on an H200: 4x at 56 rows, where the wgmma of every chunk must finish before its scale.)
@@ -44,23 +43,18 @@ def _dequant(w, e, DOT: tl.constexpr):
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, nw_ptr, w_ptr, s_ptr, out_ptr, sq_ptr, ws_ptr, cnt_ptr,
+    x_ptr, nw_ptr, w_ptr, s_ptr, out_ptr, sq_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
-    stride_ws_s, stride_ws_m, stride_om, stride_on,
+    stride_os, stride_om, stride_on,
     eps, alpha, limit,
     HAS_NORM: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, SWIGLU: tl.constexpr,
-    SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, OUT: tl.constexpr,
+    PARTIAL: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Program (column tile, K-range, row tile). x [M, K]; W [N or 2N, K] (gate rows first when SWIGLU);
-    out [M, N].
+    """Program (column tile, K-range, row tile). x [M, K]; W [N or 2N, K] (gate rows first when SWIGLU).
 
-    SPLIT > 1: each program writes its fp32 partial to ws [SPLIT, M, N or 2N] and its rows' partial
-    sum of squares to sq [n_tiles, SPLIT, M], then takes a ticket on its tile's counter; the program
-    that takes the last ticket sums the SPLIT partials in split order (deterministic whichever
-    program arrives last), applies the epilogue, and resets the counter for the next launch.
-    That replaces a separate reduction kernel: one launch less per GEMM.
+    PARTIAL: out is the fp32 workspace [split, M, N or 2N] and sq_ptr [split, M]; else out [M, N].
     """
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -97,47 +91,22 @@ def _gemm_kernel(
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     o_off = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if SPLIT > 1:
-        w_off = offs_m[:, None] * stride_ws_m + offs_n[None, :]
-        tl.store(ws_ptr + pid_s * stride_ws_s + w_off, acc, mask=out_mask)
+    if PARTIAL:
+        base = out_ptr + pid_s * stride_os
+        tl.store(base + o_off, acc, mask=out_mask)
         if SWIGLU:
-            tl.store(ws_ptr + pid_s * stride_ws_s + N + w_off, acc_up, mask=out_mask)
-        sq_base = sq_ptr + pid_n * SPLIT * M
+            tl.store(base + N * stride_on + o_off, acc_up, mask=out_mask)
         if HAS_NORM:
-            tl.store(sq_base + pid_s * M + offs_m, sq, mask=m_mask)
-        # acq_rel: this program's partials are visible before its ticket; the last one sees all.
-        tile = pid_m * tl.num_programs(0) + pid_n
-        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if ticket == SPLIT - 1:
-            acc = tl.zeros((BM, BN), tl.float32)
-            acc_up = tl.zeros((BM, BN), tl.float32)
-            sq = tl.zeros((BM,), tl.float32)
-            for s in range(0, SPLIT):  # split order: the same sums whoever arrives last
-                # .cg: read through L2, where the other SMs' partials are (never a stale L1 line)
-                acc += tl.load(ws_ptr + s * stride_ws_s + w_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if SWIGLU:
-                    acc_up += tl.load(ws_ptr + s * stride_ws_s + N + w_off, mask=out_mask, other=0.0,
-                                      cache_modifier=".cg")
-                if HAS_NORM:
-                    sq += tl.load(sq_base + s * M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (and graph replay)
-            _epilogue(acc, acc_up, sq, out_ptr + o_off, out_mask, K, eps, alpha, limit,
-                      HAS_NORM, SWIGLU, OUT, INTERPRET)
+            if pid_n == 0:
+                tl.store(sq_ptr + pid_s * M + offs_m, sq, mask=m_mask)
     else:
-        _epilogue(acc, acc_up, sq, out_ptr + o_off, out_mask, K, eps, alpha, limit, HAS_NORM, SWIGLU, OUT, INTERPRET)
-
-
-@triton.jit
-def _epilogue(acc, acc_up, sq, out_ptrs, mask, K, eps, alpha, limit,
-              HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr, OUT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Scale rows by the RMSNorm's inv_r, [SwiGLU-OAI], round once to the activation dtype, store."""
-    if HAS_NORM:
-        inv = tl.rsqrt(sq / K + eps)
-        acc = acc * inv[:, None]
-        acc_up = acc_up * inv[:, None]
-    if SWIGLU:
-        acc = _swiglu_oai(acc, acc_up, alpha, limit, OUT, INTERPRET)
-    tl.store(out_ptrs, cast(acc, OUT, INTERPRET), mask=mask)
+        if HAS_NORM:
+            inv = tl.rsqrt(sq / K + eps)
+            acc = acc * inv[:, None]
+            acc_up = acc_up * inv[:, None]
+        if SWIGLU:
+            acc = _swiglu_oai(acc, acc_up, alpha, limit, OUT, INTERPRET)
+        tl.store(out_ptr + o_off, cast(acc, OUT, INTERPRET), mask=out_mask)
 
 
 @triton.jit
@@ -240,38 +209,23 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     has_norm = norm_weight is not None
     nw = norm_weight if has_norm else x
     if split == 1:
-        ws, sq, cnt = out, out, out
+        target, sq, so = out, out, (0, out.stride(0), out.stride(1))
     else:
-        ws = torch.empty((split, m, n_tot), dtype=torch.float32, device=x.device)
-        sq = torch.empty((grid[0], split, m), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, grid[0] * grid[2])
+        target = torch.empty((split, m, n_tot), dtype=torch.float32, device=x.device)
+        sq = torch.empty((split, m), dtype=torch.float32, device=x.device)
+        so = target.stride()
     _gemm_kernel[grid](
-        x, nw, w, scale, out, sq, ws, cnt, m, n, k, k_per,
+        x, nw, w, scale, target, sq, m, n, k, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
-        ws.stride(0), ws.stride(1), out.stride(0), out.stride(1), eps, alpha, limit,
+        so[0], so[1], so[2], eps, alpha, limit,
         HAS_NORM=has_norm, FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
-        SPLIT=split, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(out.dtype),
+        PARTIAL=split > 1, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(out.dtype),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if split > 1:
+        _finalize(target, sq, out, n, k, split, eps, alpha, limit, has_norm, swiglu is not None)
     return out
-
-
-# Per device: int32 tile counters for split-K tickets, zero between launches (each launch's last
-# program per tile resets its own). GEMMs on one stream never overlap, so one set is enough;
-# allocated on first use, which is the eager warm-up before any CUDA graph capture.
-_COUNTER_SLOTS = 4096
-_counter_sets: dict[str, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    if tiles > _COUNTER_SLOTS:
-        raise ValueError(f"gemm: {tiles} output tiles exceed the {_COUNTER_SLOTS} split-K counters")
-    key = str(device)
-    cnt = _counter_sets.get(key)
-    if cnt is None:
-        cnt = _counter_sets[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return cnt
 
 
 def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: int, split: int, eps: float,
