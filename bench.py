@@ -57,6 +57,7 @@ class BenchConfig:
     contexts: tuple[int, ...] = (512, 4096)
     modes: tuple[str, ...] = MODES
     dtype: str = "bf16"
+    weights: str = "bf16"  # or mxfp8: layer weights kept quantized in every mode (and the sidecar)
     repeats: int = 30
     page_size: int = 16
     out_dir: Path = Path("bench-out")
@@ -68,6 +69,8 @@ class BenchConfig:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ValueError(f"--modes: {bad or 'none given'}; choose from {''.join(MODES)} (e.g. 'acd' or 'a,c,d')")
+        if self.weights not in ("bf16", "mxfp8"):
+            raise ValueError(f"--weights: bf16 or mxfp8, got {self.weights!r}")
 
 
 class Case:
@@ -112,8 +115,15 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 def floor_bytes(model: DSparkDrafter, cfg: DrafterConfig, R: int, ctx: int) -> int:
-    """The shard's layer weights and final norm read once, plus each request's K/V window per layer."""
+    """The shard's layer weights and final norm read once, plus each request's K/V window per layer.
+
+    Weights kept as MXFP8 count their bytes as stored: 1 per weight plus 1 per 32 for the scales.
+    """
     w = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith(("layers.", "final_norm")))
+    for layer in model.layers:
+        for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            if not isinstance(lin.weight, torch.Tensor):  # MxFp8Weight: not a registered parameter
+                w += lin.weight.qweight.numel() + lin.weight.scale.numel()
     keys = min(ctx + layout.QPR, cfg.sliding_window + layout.QPR - 1)
     kv_local = cfg.num_key_value_heads // model.par.world_size
     kv = R * keys * 2 * kv_local * cfg.head_dim * torch.empty((), dtype=model.dtype).element_size()
@@ -141,7 +151,8 @@ class SidecarUnderTest:
         self.sock = work / "sock"
         shard = ["--shard-of", str(bc.shard_of)] if tp == 1 else []
         argv = [sys.executable, "-m", "dspark_sidecar", "serve", "--tp", str(tp), *shard,
-                "--random-weights", "--preset", bc.preset, "--dtype", bc.dtype, "--socket-dir", str(self.sock),
+                "--random-weights", "--preset", bc.preset, "--dtype", bc.dtype, "--weights", bc.weights,
+                "--socket-dir", str(self.sock),
                 "--device", device.type, "--backend", bc.sidecar_backend, "--max-reqs", str(max(bc.reqs)),
                 "--seed", str(bc.seed), "--drain-s", "0"]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -178,6 +189,10 @@ class Bench:
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[bc.dtype]
         source = SyntheticSource(cfg, self.dtype, device, bc.seed)
         self.model = DSparkDrafter(cfg, ParallelContext(0, bc.shard_of), REFERENCE_OPS, self.dtype, device).load(source)
+        if bc.weights == "mxfp8":
+            from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+
+            self.model.convert_layer_weights(lambda w: MxFp8Weight.quantize(w, cfg.quant_block))
         self.embed = source.read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
         self.pages = max(bc.reqs) * scenario.pages_needed(max(bc.contexts) + layout.QPR, bc.page_size)
         shape = kv_layer_shape(cfg, bc.shard_of, self.pages, bc.page_size)

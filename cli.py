@@ -42,6 +42,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default=_env("backend", d.backend))
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=_env("device", d.device))
     p.add_argument("--dtype", choices=DTYPES, default=_env("dtype", d.dtype))
+    p.add_argument("--weights", choices=("bf16", "mxfp8"), default=_env("weights", d.weights),
+                   help="layer weights dense in --dtype, or kept as MXFP8 and dequantized inside the kernels")
     p.add_argument("--max-reqs", type=int, default=_env("max_reqs", layout.DEFAULT_MAX_REQS, int))
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", d.metrics_port, int),
                    help="Prometheus text on HOST:PORT+r (0 = off)")
@@ -178,7 +180,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints(a.reqs), contexts=ints(a.contexts),
-                     modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, repeats=a.repeats, out_dir=a.out_dir,
+                     modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend)
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
@@ -231,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--modes", default="abcdef", help="a ref eager, b ref graphed, c GPU backend, d data plane, e gRPC, "
                     "f data plane pipelined (no host sync between steps)")
     bp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    bp.add_argument("--weights", choices=("bf16", "mxfp8"), default="bf16",
+                    help="mxfp8: every mode's layer weights kept as MXFP8 (the floor counts their bytes)")
     bp.add_argument("--repeats", type=int, default=30)
     bp.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     bp.add_argument("--sidecar-backend", default="auto")

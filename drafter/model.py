@@ -112,6 +112,19 @@ class DSparkDrafter(nn.Module):
             layer.load(source, i)
         return self
 
+    def convert_layer_weights(self, convert) -> DSparkDrafter:
+        """Replace each layer's four linear weights [out, in] by convert(weight) (e.g. kept as MXFP8).
+
+        The ops receive whatever object results (Ops.linear and friends accept MxFp8Weight); the
+        embeddings' fc and the norms stay dense.
+        """
+        for layer in self.layers:
+            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                w = lin.weight
+                del lin.weight  # a Parameter slot cannot hold another type
+                lin.weight = convert(w.detach())
+        return self
+
     def set_ops(self, ops: Ops) -> DSparkDrafter:
         """Compute with another backend's ops from now on (same weights; used by benchmarks)."""
         for m in self.modules():

@@ -14,7 +14,13 @@ from dspark_sidecar.drafter.kv_cache import block_slots
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """y = x @ weight^T.   x [n, in], weight [out, in] -> [n, out] in x.dtype."""
+    """y = x @ weight^T.   x [n, in], weight [out, in] -> [n, out] in x.dtype.
+
+    A weight kept quantized (MxFp8Weight: --weights mxfp8) is dequantized here, exactly (E4M3
+    times a power of two is a bf16 value): the twin of the kernels' in-register dequantization.
+    """
+    if not isinstance(weight, torch.Tensor):
+        weight = weight.dequantize(x.dtype)
     return F.linear(x, weight)
 
 

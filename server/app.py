@@ -147,6 +147,10 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
         fast = build_fast_path(dcfg, model, weights, host, cpu_group, rank)
         if fast.startup_reason is not None and cfg.backend == "flydsl":
             raise BackendUnavailable(f"--backend flydsl: {fast.startup_reason}")
+    if cfg.weights == "mxfp8":  # kept quantized: the kernels stream 1 byte per weight (+1/32 scale)
+        from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+
+        model.convert_layer_weights(lambda w: MxFp8Weight.quantize(w, dcfg.quant_block))
     log.info("rank %d: %s shard loaded in %.1f s on %s (%s, backend %s; FlyDSL path: %s)", rank, dcfg.name,
              time.perf_counter() - t, device, cfg.dtype, choice.name, choice.flydsl_refusal or "on")
     return dcfg, model, embed, choice, host, fast
@@ -197,7 +201,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     loop = RankLoop(ctx, rendezvous, graphs)
     servicer = DrafterServicer(ctx, loop, life, limits_pb(cfg.max_reqs, cfg.max_message_bytes),
                                pb.Parallel(tp_size=world, tp_rank=rank, dist_backend=dist_backend, device=str(device)),
-                               f"mxfp8->{cfg.dtype}")
+                               f"mxfp8->{cfg.dtype}" if cfg.weights == "bf16" else "mxfp8")
     late.inner = servicer
 
     def publish() -> None:

@@ -30,6 +30,7 @@ class ServeConfig:
     backend: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "bf16"
+    weights: str = "bf16"  # bf16 | mxfp8 (layer weights kept as F8_E4M3 + E8M0 scales, dequantized in the kernels)
     max_reqs: int = layout.DEFAULT_MAX_REQS
     metrics_port: int = 0  # Prometheus text on port + rank; 0 = off
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a pod, so the cluster's scraper can reach it
@@ -55,6 +56,8 @@ class ServeConfig:
             raise ServeConfigError(f"--backend: must be one of {BACKENDS}, got {self.backend!r}")
         if self.dtype not in DTYPES:
             raise ServeConfigError(f"--dtype: must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weights not in ("bf16", "mxfp8"):
+            raise ServeConfigError(f"--weights: must be bf16 or mxfp8, got {self.weights!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ServeConfigError(f"--device: must be auto, cpu or cuda, got {self.device!r}")
         if self.dist_backend not in ("auto", "gloo", "nccl"):

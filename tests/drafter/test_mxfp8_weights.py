@@ -1,0 +1,47 @@
+"""--weights mxfp8: the layers' linears kept as MXFP8 compute exactly what the dense weights do (reference ops)."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark_sidecar.drafter import scenario
+from dspark_sidecar.drafter.checkpoint import CheckpointReader
+from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
+from dspark_sidecar.drafter.model import DSparkDrafter
+from dspark_sidecar.drafter.parallel import ParallelContext
+from dspark_sidecar.kernels.ops import REFERENCE_OPS
+from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+
+PAGE = 16
+
+
+def _model(cfg, ckpt, rank=0, world=1):
+    return DSparkDrafter(cfg, ParallelContext(rank, world), REFERENCE_OPS, torch.float32).load(
+        CheckpointReader(ckpt[0], torch.float32, cfg.quant_block))
+
+
+def test_requantizing_the_loaded_checkpoint_weights_is_exact(tiny_cfg, tiny_ckpt):
+    """The checkpoint is MXFP8: its dense load is exact, and quantizing it again gives the same values."""
+    dense = _model(tiny_cfg, tiny_ckpt, rank=1, world=2)
+    for layer in dense.layers:
+        for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            w = lin.weight.detach()
+            assert torch.equal(MxFp8Weight.quantize(w, tiny_cfg.quant_block).dequantize(torch.float32), w)
+
+
+def test_mxfp8_layers_give_bit_identical_steps_and_commits(tiny_cfg, tiny_ckpt, tiny_embed):
+    dense = _model(tiny_cfg, tiny_ckpt)
+    quant = _model(tiny_cfg, tiny_ckpt).convert_layer_weights(lambda w: MxFp8Weight.quantize(w, tiny_cfg.quant_block))
+    assert all(isinstance(layer.down_proj.weight, MxFp8Weight) for layer in quant.layers)
+    lens = [5, 300, 4096 + 20]
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens) + 1
+    step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=4)
+    pos, slots = scenario.context_rows(step.meta, PAGE)
+    taps = scenario.random_taps(tiny_cfg, pos.numel(), seed=5, dtype=torch.float32)
+    kv_d, kv_q = (allocate_kv_cache(tiny_cfg, 1, pages, PAGE, torch.float32) for _ in range(2))
+    dense.commit_context(taps, pos, slots, kv_d)
+    quant.commit_context(taps, pos, slots, kv_q)
+    assert all(torch.equal(a, b) for a, b in zip(kv_d, kv_q))
+    out_d = dense.draft_step(step.inputs_embeds, step.positions, step.meta, kv_d)
+    out_q = quant.draft_step(step.inputs_embeds, step.positions, step.meta, kv_q)
+    assert torch.equal(out_d, out_q)
