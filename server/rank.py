@@ -150,6 +150,7 @@ class RankLoop:
             if step is not None and ctx.world > 1 else 0,
             valid=step is not None,
             expires_ns=expires_ns,
+            fast=step is not None and self._fast_ready(step),
         )
         verdict = self.rendezvous.agree(post)
         t1 = time.perf_counter_ns()
@@ -164,7 +165,7 @@ class RankLoop:
             raise SidecarError(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.ABORTED, verdict.reason,
                                "deadline_ms" if late else "", "DEADLINE" if late else "ABORTED")
         assert step is not None
-        hidden = self._execute(step)
+        hidden = self._execute(step, verdict.fast)
         launches = len(layout.launch_groups(step.num_reqs))
         out = self._output(step, hidden)
         t2 = time.perf_counter_ns()
@@ -175,18 +176,25 @@ class RankLoop:
             timings=pb.StepTimings(queue_ns=timings["queue"], rendezvous_ns=timings["rendezvous"],
                                    compute_ns=timings["compute"], total_ns=timings["total"], launches=launches))
 
-    def _execute(self, step: Step) -> torch.Tensor:
-        """The step's 5 layers + final norm in launches of <= LAUNCH_REQS; writes block K/V into the engine cache."""
+    def _fast_ready(self, step: Step) -> bool:
+        """This rank could run the step on its fast path; the rendezvous turns it into one answer for all."""
+        fast = self.ctx.fast
+        # Positions past the fast path's RoPE table go through the portable layers (any position).
+        return fast is not None and fast.ready(step.kv) and int(step.positions.max()) < fast.max_positions
+
+    def _execute(self, step: Step, fast: bool = False) -> torch.Tensor:
+        """The step's 5 layers + final norm in launches of <= LAUNCH_REQS; writes block K/V into the engine cache.
+
+        fast: every rank agreed to run this step on the fast path (Verdict.fast).
+        """
         m = self.ctx.model
         dev = m.device
         if step.inputs_embeds is not None:
             embeds = step.inputs_embeds.to(dev, m.dtype)
         else:
             embeds = self.ctx.embed[step.input_ids.to(dev)]
-        fast = self.ctx.fast
-        # Positions past the fast path's RoPE table go through the portable layers (any position).
-        if fast is not None and fast.ready(step.kv) and int(step.positions.max()) < fast.max_positions:
-            return fast.forward(embeds, step.positions.to(dev), step.meta.to(dev))
+        if fast:
+            return self.ctx.fast.forward(embeds, step.positions.to(dev), step.meta.to(dev))
         if self.graphs is not None:
             return self.graphs.run(embeds, step.positions, step.meta, step.kv.layers)
         return m.draft_step(embeds, step.positions.to(dev), step.meta.to(dev), step.kv.layers)

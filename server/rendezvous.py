@@ -29,7 +29,7 @@ from dspark_sidecar.proto.doorbell import NAP_S, SLEEP_S, WARM_S, lower_timer_sl
 MAGIC = 0x44535052  # "DSPR"
 SLOT = 8
 RING = 64
-GO, ABORT = 1, 2
+GO, ABORT, GO_FAST = 1, 2, 3  # GO_FAST: go, and every rank can run the step on its fast path
 # Abort reasons
 MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE = range(1, 8)
 # Polling (with 1 us timer slack, see proto/doorbell.py): a rank waiting for its verdict naps;
@@ -44,6 +44,7 @@ class Post:
     digest: int
     valid: bool
     expires_ns: int = 0  # time.monotonic_ns() (one clock for the whole node) past which it must not launch; 0: none
+    fast: bool = False  # this rank can run the step on its kernel fast path (FlyDSL)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class Verdict:
     go: bool
     reason: str  # empty on GO; identical text on every rank
     launch_seq: int
+    # Every rank runs the fast path, or none does: its kernels exchange partial sums with their
+    # peers' kernels, so one rank on the portable layers would leave the others waiting forever.
+    fast: bool = False
 
 
 def digest(*arrays) -> int:
@@ -129,12 +133,14 @@ class Rendezvous:
         if self.board.world == 1:  # nobody to disagree with
             late = post.expires_ns and time.monotonic_ns() > post.expires_ns
             reason = INVALID if not post.valid else DEADLINE if late else 0
-            return Verdict(not reason, format_reason(post.step_id, reason, 1, self.deadline_ms) if reason else "", 0)
+            return Verdict(not reason, format_reason(post.step_id, reason, 1, self.deadline_ms) if reason else "", 0,
+                           post.fast and not reason)
         slot = self.board.slots[self.rank]
         self._seq += 2
         seq = self._seq
         slot[0] = seq - 1  # seqlock: writing
-        slot[1:7] = (post.step_id, post.generation, post.num_reqs, int(post.valid), post.digest, post.expires_ns)
+        slot[1:8] = (post.step_id, post.generation, post.num_reqs, int(post.valid), post.digest, post.expires_ns,
+                     int(post.fast))
         slot[0] = seq
         col = 6 + self.rank
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
@@ -146,9 +152,10 @@ class Rendezvous:
                 before = ring[i, 0]
                 rec = ring[i].copy()
                 if before == ring[i, 0] == rec[0] and rec[0] % 2 == 0 and rec[col] == seq:
-                    return Verdict(bool(rec[2] == GO),
-                                   "" if rec[2] == GO else format_reason(int(rec[1]), int(rec[3]), int(rec[4]), self.deadline_ms),
-                                   int(rec[5]))
+                    go = rec[2] in (GO, GO_FAST)
+                    return Verdict(bool(go),
+                                   "" if go else format_reason(int(rec[1]), int(rec[3]), int(rec[4]), self.deadline_ms),
+                                   int(rec[5]), bool(rec[2] == GO_FAST))
             if time.monotonic() > give_up:
                 # The coordinator (rank 0) is gone or stuck; this rank cannot know whether its
                 # peers launched, so it must not go on serving.
@@ -230,7 +237,8 @@ class Coordinator(threading.Thread):
             self._write(pending, step, ABORT, DEADLINE, late)
             return True
         self._launch_seq += 1
-        self._write(pending, step, GO, 0, 0)
+        fast = all(pending[r][7] == 1 for r in range(world))
+        self._write(pending, step, GO_FAST if fast else GO, 0, 0)
         return True
 
     def _write(self, pending: dict[int, np.ndarray], step: int, verdict: int, reason: int, mask: int) -> None:

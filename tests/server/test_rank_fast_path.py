@@ -1,4 +1,5 @@
-"""The rank loop's use of a fast path: whole steps go to it when it is ready and the positions fit its tables."""
+"""The rank loop's use of a fast path: a rank offers it when ready and the positions fit its tables; it runs only
+when the rendezvous says every rank can (its kernels exchange partial sums with their peers' kernels)."""
 
 from __future__ import annotations
 
@@ -40,27 +41,23 @@ def _step(first_position: int) -> Step:
     pos = torch.arange(first_position, first_position + 7)
     meta = StepMetadata(torch.tensor([first_position + 7], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
                         pos.clone())
-    kv = SimpleNamespace(layers=[])
-    return Step(1, 1, pos, torch.zeros(7, 4), None, meta, kv, None)
+    return Step(1, 1, pos, torch.zeros(7, 4), None, meta, SimpleNamespace(layers=[]), None)
 
 
 def _loop(fast) -> SimpleNamespace:
     return SimpleNamespace(ctx=SimpleNamespace(model=FakeModel(), fast=fast, embed=None), graphs=None)
 
 
-def test_ready_fast_path_runs_steps_within_its_positions():
+def test_a_rank_offers_the_fast_path_only_when_ready_and_within_its_positions():
+    assert RankLoop._fast_ready(_loop(FakeFast(ready=True)), _step(50))
+    assert not RankLoop._fast_ready(_loop(FakeFast(ready=True)), _step(94))  # rows 94..100: 100 is outside
+    assert not RankLoop._fast_ready(_loop(FakeFast(ready=False)), _step(0))
+    assert not RankLoop._fast_ready(_loop(None), _step(0))
+
+
+def test_the_agreed_verdict_picks_the_path():
     loop = _loop(FakeFast(ready=True))
-    out = RankLoop._execute(loop, _step(50))
-    assert torch.all(out == 1.0) and loop.ctx.fast.calls == 1 and loop.ctx.model.calls == 0
-
-
-def test_positions_past_the_fast_paths_table_take_the_portable_layers():
-    loop = _loop(FakeFast(ready=True))
-    out = RankLoop._execute(loop, _step(94))  # rows at 94..100: the last is outside [0, 100)
-    assert torch.all(out == 2.0) and loop.ctx.fast.calls == 0 and loop.ctx.model.calls == 1
-
-
-def test_refused_binding_takes_the_portable_layers():
-    loop = _loop(FakeFast(ready=False))
-    out = RankLoop._execute(loop, _step(0))
-    assert torch.all(out == 2.0) and loop.ctx.model.calls == 1
+    assert torch.all(RankLoop._execute(loop, _step(50), fast=True) == 1.0) and loop.ctx.fast.calls == 1
+    # Ready here, but a peer was not: this rank takes the portable layers like every other.
+    assert torch.all(RankLoop._execute(loop, _step(50), fast=False) == 2.0) and loop.ctx.model.calls == 1
+    assert loop.ctx.fast.calls == 1

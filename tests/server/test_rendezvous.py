@@ -46,6 +46,28 @@ def test_go_when_every_rank_posts_the_same_step(ranks):
     assert len({v.launch_seq for v, _ in out.values()}) == 1
 
 
+def test_fast_path_only_when_every_rank_offers_it(ranks):
+    """Its kernels exchange with their peers' kernels: all ranks on it, or none."""
+    out = agree_all(ranks, {r: Post(11, 1, 3, 99, True, fast=True) for r in range(WORLD)})
+    assert all(v.go and v.fast for v, _ in out.values())
+    out = agree_all(ranks, {r: Post(12, 1, 3, 99, True, fast=r != 2) for r in range(WORLD)})
+    assert all(v.go and not v.fast for v, _ in out.values())  # rank 2 could not: everyone goes portable
+
+
+def test_one_rank_agrees_with_itself_on_the_fast_path():
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    board = Board(name, 1, create=True)
+    rdv = Rendezvous(board, 0, DEADLINE_MS)
+    try:
+        assert rdv.agree(Post(1, 1, 1, 0, True, fast=True)).fast
+        assert not rdv.agree(Post(2, 1, 1, 0, True, fast=False)).fast
+        refused = rdv.agree(Post(3, 1, 1, 0, False, fast=True))
+        assert not refused.go and not refused.fast
+    finally:
+        rdv.close()
+        board.close()
+
+
 @pytest.mark.parametrize("posts,words", [
     ({r: Post(2, 1, 3 if r != 2 else 4, 99, True) for r in range(WORLD)}, "disagree on num_requests"),
     ({r: Post(3, 1 if r != 1 else 2, 3, 99, True) for r in range(WORLD)}, "KV binding generation"),
