@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -105,7 +106,8 @@ class FlyDSLFastPath:
 
     def __init__(self, layers: Sequence[LayerWeights], final_norm: torch.Tensor, peers: PeerBuffers | None,
                  rank: int, host: HostFacts, startup_reason: str | None = None,
-                 max_positions: int = MAX_POSITIONS, runner_factory: Callable[..., DrafterRunner] = DrafterRunner) -> None:
+                 max_positions: int = MAX_POSITIONS, runner_factory: Callable[..., DrafterRunner] = DrafterRunner,
+                 compile_ahead: bool = True) -> None:
         self.layers, self.final_norm, self.peers = list(layers), final_norm, peers
         self.rank, self.host, self.max_positions = rank, host, max_positions
         self.startup_reason = startup_reason  # peers/weights failed at start-up: never ready
@@ -115,6 +117,10 @@ class FlyDSLFastPath:
         self._runner: DrafterRunner | None = None
         self._key: tuple[int, int] | None = None  # (binding_id, generation) the runner or the verdict is for
         self._lock = threading.RLock()
+        # Compile every kernel off the step path before the runner serves: until then this rank
+        # offers the portable layers, and the rendezvous keeps all ranks on them (Verdict.fast).
+        self.compile_ahead = compile_ahead
+        self._building: DrafterRunner | None = None
 
     @property
     def runner(self) -> DrafterRunner | None:
@@ -150,7 +156,7 @@ class FlyDSLFastPath:
             key = (kv.binding_id, kv.generation)
             if self._runner is not None and self._key == key and not self._runner.stale(kv.layers):
                 return True
-            if self._runner is None and self._key == key:  # already refused: the reason stands
+            if self._runner is None and self._key == key:  # refused (the reason stands) or still compiling
                 return False
             before = self.reason
             self._drop_runner()
@@ -159,19 +165,51 @@ class FlyDSLFastPath:
                 self.reason = self.startup_reason
             else:
                 try:
-                    self._runner = self.runner_factory(
+                    runner = self.runner_factory(
                         self.layers, self.final_norm, kv.layers, self.peers, self.rank, kv.page_size,
                         self.max_positions, kv.engine, host=self.host)
                     self.reason = None
                 except FlyDSLUnsupported as exc:
                     self.reason = str(exc)
-            changed, ok = self.reason != before, self.reason is None
+                else:
+                    if self.compile_ahead:
+                        self._building = runner
+                        threading.Thread(target=self._compile, args=(runner, key), daemon=True,
+                                         name=f"dspark-flydsl-compile-{self.rank}").start()
+                    else:
+                        self._runner = runner
+            changed, ok = self.reason != before, self._runner is not None
         if changed:
             log.info("rank %d: FlyDSL fast path for binding %d gen %d: %s", self.rank, key[0], key[1],
                      self.reason or "on")
             for cb in list(self.listeners):
                 cb()
         return ok
+
+    def _compile(self, runner: DrafterRunner, key: tuple[int, int]) -> None:
+        """Background: compile every kernel, then let the runner serve (if its binding is still current)."""
+        t = time.perf_counter()
+        try:
+            count = runner.compile_all()
+        except Exception as exc:  # noqa: BLE001  (any compiler failure turns the path off, with the reason)
+            log.exception("rank %d: FlyDSL kernels failed to compile", self.rank)
+            with self._lock:
+                if self._building is runner:
+                    self._building = None
+                    self.reason = f"FlyDSL kernels failed to compile: {type(exc).__name__}: {exc}"
+            runner.close()
+            for cb in list(self.listeners):
+                cb()
+            return
+        with self._lock:
+            current = self._building is runner and self._key == key
+            if current:
+                self._building, self._runner = None, runner
+        if not current:  # re-bound while compiling: this runner is for an old binding
+            runner.close()
+            return
+        log.info("rank %d: %d FlyDSL kernels compiled in %.1f s; fast path on for binding %d gen %d",
+                 self.rank, count, time.perf_counter() - t, key[0], key[1])
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """embeds [7R, 6144], positions i64 [7R], meta on the device -> final-normed hidden bf16 [7R, 6144]."""
@@ -183,6 +221,7 @@ class FlyDSLFastPath:
                               meta.block_tables.to(torch.int32).contiguous())
 
     def _drop_runner(self) -> None:
+        self._building = None  # a compile still running for an old binding closes its runner itself
         if self._runner is not None:
             self._runner.close()
             self._runner = None

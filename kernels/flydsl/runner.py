@@ -222,10 +222,20 @@ class DrafterRunner:
         return out
 
     def _launch(self, r: int, pos, embeds, slots, bt) -> torch.Tensor:
+        x = self._ws["x"][: rows_for(r)]
+        x.copy_(embeds)
+        out = torch.empty_like(x)
+        for name, num_reqs, exchange, args in self._calls(r, pos, slots, bt, out):
+            self._run(name, num_reqs, exchange, *args)
+        # Device-side: the next launch's tags differ from every tag of this one (exchange.py).
+        self.peers.epoch.add_(1)
+        return out
+
+    def _calls(self, r: int, pos, slots, bt, out):
+        """One launch's kernels in order: (catalog name, R, exchange index or None, args)."""
         ws, p = self._ws, self.peers
         n, mp = rows_for(r), 16 * -(-rows_for(r) // 16)
         x, h = ws["x"][:n], ws["h"][:n]
-        x.copy_(embeds)
 
         def P(name):
             return ws[f"P_{name}"][:, :mp], ws[f"SS_{name}"][:, :mp]
@@ -233,18 +243,30 @@ class DrafterRunner:
         peer_args = (*p.rx, *p.flags, p.rx_local, p.flags_local, p.epoch, self.rank)
         for i, lw in enumerate(self.layers):
             kv = self._kv[i]
-            self._run("linear_qkv", r, None, x, lw.qkv.bits, lw.qkv.scale, lw.input_norm, *P("qkv"))
-            self._run("qkv_rope", r, None, *P("qkv"), lw.q_norm, lw.k_norm, self._cos_sin, pos, slots, ws["q"][:n], kv, self._num_slots)
-            self._run("attention", r, None, ws["q"][:n], kv, pos, bt, ws["op"], ws["ml"], self._num_slots)
-            self._run("attention_combine", r, None, ws["op"], ws["ml"], ws["attn"][:n])
-            self._run("linear_o", r, None, ws["attn"][:n], lw.o.bits, lw.o.scale, ws["no_norm"], *P("o"))
-            self._run("exchange_o", r, 2 * i, P("o")[0], x, h, *peer_args)
-            self._run("linear_gate_up", r, None, h, lw.gate_up.bits, lw.gate_up.scale, lw.post_norm, *P("gate_up"))
-            self._run("swiglu_reduce", r, None, *P("gate_up"), ws["act"][:n])
-            self._run("linear_down", r, None, ws["act"][:n], lw.down.bits, lw.down.scale, ws["no_norm"], *P("down"))
-            self._run("exchange_down", r, 2 * i + 1, P("down")[0], h, x, *peer_args)
-        out = torch.empty_like(x)
-        self._run("final_norm", r, None, x, self.final_norm, out)
-        # Device-side: the next launch's tags differ from every tag of this one (exchange.py).
-        p.epoch.add_(1)
-        return out
+            yield "linear_qkv", r, None, (x, lw.qkv.bits, lw.qkv.scale, lw.input_norm, *P("qkv"))
+            yield "qkv_rope", r, None, (*P("qkv"), lw.q_norm, lw.k_norm, self._cos_sin, pos, slots, ws["q"][:n], kv,
+                                        self._num_slots)
+            yield "attention", r, None, (ws["q"][:n], kv, pos, bt, ws["op"], ws["ml"], self._num_slots)
+            yield "attention_combine", r, None, (ws["op"], ws["ml"], ws["attn"][:n])
+            yield "linear_o", r, None, (ws["attn"][:n], lw.o.bits, lw.o.scale, ws["no_norm"], *P("o"))
+            yield "exchange_o", r, 2 * i, (P("o")[0], x, h, *peer_args)
+            yield "linear_gate_up", r, None, (h, lw.gate_up.bits, lw.gate_up.scale, lw.post_norm, *P("gate_up"))
+            yield "swiglu_reduce", r, None, (*P("gate_up"), ws["act"][:n])
+            yield "linear_down", r, None, (ws["act"][:n], lw.down.bits, lw.down.scale, ws["no_norm"], *P("down"))
+            yield "exchange_down", r, 2 * i + 1, (P("down")[0], h, x, *peer_args)
+        yield "final_norm", r, None, (x, self.final_norm, out)
+
+    def compile_all(self) -> int:
+        """Compile every kernel of every launch size 1..LAUNCH_REQS now, launching nothing, so no live step
+        waits for a compiler. Arguments are placeholders of the launch's dtypes and shapes (one page per
+        request). Returns the number of compiled kernels."""
+        dev = self._ws["x"].device
+        for r in range(1, LAUNCH_REQS + 1):
+            n = QPR * r
+            pos = torch.zeros(n, dtype=torch.int64, device=dev)
+            slots = torch.zeros(n, dtype=torch.int64, device=dev)
+            bt = torch.zeros(r, 1, dtype=torch.int32, device=dev)
+            out = torch.empty(rows_for(r), HIDDEN, dtype=torch.bfloat16, device=dev)
+            for name, num_reqs, exchange, args in self._calls(r, pos, slots, bt, out):
+                self._kernel(name, num_reqs, exchange, args)
+        return len(self._compiled)

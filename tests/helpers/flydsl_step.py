@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -65,8 +67,11 @@ def step_rank(rank: int, world: int) -> dict:
 
     want = model.draft_step(embeds, positions.to(dev), meta, kv_ref)
     binding = KVBinding(1, 1, kv, pages, PAGE, EngineFacts(world, 1, 1, "dspark", 7), [])
-    if not fast.ready(binding):
-        return {"error": fast.reason}
+    deadline = time.monotonic() + 900  # the first ready() starts compiling every kernel in the background
+    while not fast.ready(binding):
+        if fast.reason is not None or time.monotonic() > deadline:
+            return {"error": fast.reason or "FlyDSL kernels still compiling after 900 s"}
+        time.sleep(0.5)
     got = fast.forward(embeds, positions.to(dev), meta)
     torch.cuda.synchronize()
     written = slots.to(dev)  # compare the step's block K/V only: the rest is the untouched context

@@ -7,6 +7,8 @@ a real step through the fast path on an MI355X x4 and skips elsewhere.
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -158,9 +160,10 @@ class Counting:
         return r
 
 
-def fast_path(factory=None, startup_reason=None):
+def fast_path(factory=None, startup_reason=None, compile_ahead=False):
     fp = FlyDSLFastPath([layer()] * 5, torch.zeros(6144, dtype=torch.bfloat16), peers(), 0, GOOD_HOST,
-                        startup_reason, max_positions=64, runner_factory=factory or Counting())
+                        startup_reason, max_positions=64, runner_factory=factory or Counting(),
+                        compile_ahead=compile_ahead)
     told = []
     fp.listeners.append(lambda: told.append(fp.reason))
     return fp, told
@@ -208,6 +211,72 @@ def test_good_binding_binds_once_and_stale_or_rebound_rebuilds():
     assert fp.ready(binding(gen=3)) and told[-1] is None and len(factory.built) == 3
     fp.close()
     assert factory.closed == 3
+
+
+class GatedCompile:
+    """A runner factory whose runners' compile_all waits for a gate (or fails), recording each call."""
+
+    def __init__(self, fail: bool = False):
+        self.gate, self.fail, self.compiled, self.closed = threading.Event(), fail, [], []
+
+    def __call__(self, *args, **kw):
+        factory = self
+
+        class Runner:
+            def stale(self, kv_layers):
+                return False
+
+            def compile_all(self):
+                factory.gate.wait(10)
+                if factory.fail:
+                    raise RuntimeError("ld.lld: undefined symbol")
+                factory.compiled.append(self)
+                return 96
+
+            def close(self):
+                factory.closed.append(self)
+
+        return Runner()
+
+
+def _until(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_kernels_compile_off_the_step_path_before_the_runner_serves():
+    factory = GatedCompile()
+    fp, told = fast_path(factory=factory, compile_ahead=True)
+    kv = binding()
+    assert not fp.ready(kv) and not fp.ready(kv)  # compiling: this rank offers the portable layers
+    assert fp.reason is None and told == []  # nothing is wrong: health stays as it is
+    factory.gate.set()
+    _until(lambda: fp.ready(kv))
+    assert len(factory.compiled) == 1 and fp.runner is factory.compiled[0]
+
+
+def test_a_compile_failure_turns_the_path_off_with_the_reason():
+    factory = GatedCompile(fail=True)
+    fp, told = fast_path(factory=factory, compile_ahead=True)
+    kv = binding()
+    factory.gate.set()
+    assert not fp.ready(kv)
+    _until(lambda: fp.reason is not None)
+    assert fp.reason == "FlyDSL kernels failed to compile: RuntimeError: ld.lld: undefined symbol"
+    assert told == [fp.reason] and not fp.ready(kv) and len(factory.closed) == 1
+
+
+def test_a_rebind_while_compiling_drops_the_old_runner():
+    factory = GatedCompile()
+    fp, _ = fast_path(factory=factory, compile_ahead=True)
+    assert not fp.ready(binding(gen=1))
+    assert not fp.ready(binding(gen=2))  # re-bound before the first compile finished
+    factory.gate.set()
+    _until(lambda: fp.ready(binding(gen=2)))
+    _until(lambda: len(factory.closed) == 1)  # the gen-1 runner closed itself when its compile ended
+    assert fp.runner is not factory.closed[0]
 
 
 def test_forward_calls_the_runner_with_the_kernel_tensors():

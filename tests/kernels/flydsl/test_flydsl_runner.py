@@ -121,3 +121,30 @@ def test_launch_plan_orders_ten_exchanges():
     assert {name for name, _ in plan} <= set(KERNELS)
     with pytest.raises(ValueError):
         rn.launch_plan(9)
+
+
+def test_compile_all_compiles_what_every_launch_size_will_launch():
+    """Start-up compiles (kernel, R, exchange) for R = 1..8; a later step finds all of them compiled."""
+    r = make()
+    compiled, launched = [], []
+
+    def fake_kernel(name, num_reqs, exchange, args):
+        key = (name, num_reqs, exchange)
+        if key not in r._compiled:
+            compiled.append(key)
+            r._compiled[key] = lambda *a: launched.append(key)
+        return r._compiled[key]
+
+    r._kernel = fake_kernel
+    count = r.compile_all()
+    assert count == len(compiled) == len(set(compiled))
+    assert not launched  # compiling launches nothing
+    per_size = {n for n, _ in rn.launch_plan(1)} | {"final_norm"}
+    assert {name for name, _, _ in compiled} == per_size
+    assert {num_reqs for _, num_reqs, _ in compiled} == set(range(1, 9))
+    before = len(compiled)
+    n = 7 * 11  # 11 requests: launches of 8 and 3
+    r.forward(torch.arange(n) + 100, torch.zeros(n, 6144, dtype=torch.bfloat16), torch.arange(n),
+              torch.zeros(11, 8, dtype=torch.int32))
+    assert len(compiled) == before, "a live step compiled a kernel"
+    assert len(launched) == 2 * 51  # 10 kernels per layer x 5 + the final norm, per launch
