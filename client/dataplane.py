@@ -142,7 +142,7 @@ class DoorbellChannel:
     def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
         """The answer, None on timeout. On GPU the engine's stream is ordered after the sidecar's writes."""
         if not bell.wait_until(lambda: self.page.word(bell.RESP_SEQ) == self._seq,
-                               time.perf_counter() + timeout_s, self._sent_at):
+                               time.perf_counter() + timeout_s, self._sent_at, bell.nap_for(self.device.type)):
             return None
         resp = pb.DraftStepResponse.FromString(self.page.read(self.page.resp_area, bell.RESP_LEN))
         if self.output_event is not None:

@@ -18,9 +18,15 @@ REQ_SEQ, REQ_LEN, RESP_SEQ, RESP_LEN = range(4)
 # below). No busy spin, not even sleep(0): a spinning thread keeps taking the GIL back from the
 # other threads of its process (measured: 3 such threads halve a fourth thread's throughput;
 # 10 us naps cost it nothing), and on a CPU deployment it takes the core from the peer it waits for.
-NAP_S = 10e-6  # ~15 us per poll with 1 us slack
+NAP_S = 10e-6  # ~15 us per poll with 1 us slack: a GPU step's host path is a few hundred us
+CPU_NAP_S = 250e-6  # a CPU step computes for milliseconds, and polling threads would take its cores
 WARM_S = 0.2  # after this long without activity, poll every SLEEP_S instead
 SLEEP_S = 1e-3
+
+
+def nap_for(device_type: str) -> float:
+    """The poll interval while steps flow, for ranks computing on `device_type` ("cuda" or "cpu")."""
+    return NAP_S if device_type == "cuda" else CPU_NAP_S
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()
 
@@ -35,17 +41,18 @@ def lower_timer_slack() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_TIMERSLACK) failed")
 
 
-def wait_until(ready, deadline: float, active_since: float) -> bool:
+def wait_until(ready, deadline: float, active_since: float, nap_s: float = NAP_S) -> bool:
     """Poll `ready()` until it is true (True) or perf_counter() passes `deadline` (False).
 
     active_since: when this end last saw the other end act; it sets how hot the poll starts.
+    nap_s: the interval while active (`nap_for` the device).
     """
     lower_timer_slack()
     while not ready():
         now = time.perf_counter()
         if now > deadline:
             return False
-        time.sleep(NAP_S if now - active_since < WARM_S else SLEEP_S)
+        time.sleep(nap_s if now - active_since < WARM_S else SLEEP_S)
     return True
 
 

@@ -26,6 +26,7 @@ from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
 from dspark_sidecar.proto import SERVICE_NAME
+from dspark_sidecar.proto.doorbell import nap_for
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.backend import BackendUnavailable, choose_backend, resolve_device
@@ -187,7 +188,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     dist.barrier(group=cpu_group)
     if rank != 0:
         board = Board(board_name(cfg), world, create=False)
-    rendezvous = Rendezvous(board, rank, cfg.rendezvous_ms)
+    rendezvous = Rendezvous(board, rank, cfg.rendezvous_ms, nap_s=nap_for(device.type))
     metrics = Metrics(rank)
     if cfg.metrics_port:
         metrics.serve_http(cfg.metrics_host, cfg.metrics_port + rank)

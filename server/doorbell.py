@@ -63,7 +63,7 @@ class Doorbell(threading.Thread):
         active = time.perf_counter()
         rung = lambda: self.page.word(bell.REQ_SEQ) != self._last  # noqa: E731
         while not self._halt.is_set():
-            if not bell.wait_until(rung, time.perf_counter() + HALT_POLL_S, active):
+            if not bell.wait_until(rung, time.perf_counter() + HALT_POLL_S, active, bell.nap_for(self.device.type)):
                 continue
             seq = self.page.word(bell.REQ_SEQ)
             try:

@@ -120,13 +120,14 @@ class Board:
 class Rendezvous:
     """One rank's handle: `agree(post)` blocks until the coordinator's verdict for this post."""
 
-    def __init__(self, board: Board, rank: int, deadline_ms: int, fatal_after_s: float = 30.0) -> None:
+    def __init__(self, board: Board, rank: int, deadline_ms: int, fatal_after_s: float = 30.0,
+                 nap_s: float = NAP_S) -> None:
         self.board, self.rank, self.deadline_ms = board, rank, deadline_ms
-        self.fatal_after_s = fatal_after_s
+        self.fatal_after_s, self.nap_s = fatal_after_s, nap_s  # nap_s: proto.doorbell.nap_for(device)
         self._seq = 0
         self._coordinator: Coordinator | None = None
         if rank == 0 and board.world > 1:  # one rank agrees with itself (see agree)
-            self._coordinator = Coordinator(board, deadline_ms)
+            self._coordinator = Coordinator(board, deadline_ms, nap_s)
             self._coordinator.start()
 
     def agree(self, post: Post) -> Verdict:
@@ -161,7 +162,7 @@ class Rendezvous:
                 # peers launched, so it must not go on serving.
                 raise RuntimeError(f"rank {self.rank}: no verdict from rank 0's coordinator in "
                                    f"{self.fatal_after_s + self.deadline_ms / 1e3:.1f} s")
-            time.sleep(NAP_S)  # never a busy spin: see proto/doorbell.py
+            time.sleep(self.nap_s)  # never a busy spin: see proto/doorbell.py
 
     def close(self) -> None:
         if self._coordinator is not None:
@@ -171,8 +172,9 @@ class Rendezvous:
 class Coordinator(threading.Thread):
     """Rank 0's decider: watches every rank's slot and writes exactly one verdict per set of posts."""
 
-    def __init__(self, board: Board, deadline_ms: int) -> None:
+    def __init__(self, board: Board, deadline_ms: int, nap_s: float = NAP_S) -> None:
         super().__init__(name="dspark-rendezvous", daemon=True)
+        self.nap_s = nap_s
         self.board, self.deadline_s, self.deadline_ms = board, deadline_ms / 1e3, deadline_ms
         self._halt = threading.Event()
         self._handled = [0] * board.world
@@ -191,7 +193,7 @@ class Coordinator(threading.Thread):
             seen = len(self._first_seen)
             if self.poll_once() or len(self._first_seen) > seen:  # a verdict, or a new post: more may follow
                 last_busy = time.perf_counter()
-            time.sleep(NAP_S if time.perf_counter() - last_busy < WARM_S else SLEEP_S)
+            time.sleep(self.nap_s if time.perf_counter() - last_busy < WARM_S else SLEEP_S)
 
     def _pending(self) -> dict[int, np.ndarray]:
         out = {}
