@@ -24,6 +24,15 @@ LENS = [5, 300, 4096 + 9]
 PAGES = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 4
 
 
+def _bind(stub, kv: list[torch.Tensor], dev: torch.device) -> pb.BindKVResponse:
+    """Bind the engine's per-layer cache `kv` (CUDA IPC) to sidecar rank 0 of a TP-1 sidecar."""
+    facts = pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1, speculative_method="dspark",
+                           num_speculative_tokens=7, device=str(dev))
+    return stub.BindKV(pb.BindKVRequest(engine=facts, page_size=PAGE, layers=[
+        pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(t.dtype),
+                          shape=list(t.shape), strides=list(t.stride())) for i, t in enumerate(kv)]), timeout=30)
+
+
 def test_gpu_doorbell_equals_grpc_and_reference(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
     import grpc
 
@@ -34,11 +43,7 @@ def test_gpu_doorbell_equals_grpc_and_reference(tmp_path, tiny_cfg, tiny_ckpt, t
         stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
         status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
         kv = [torch.randn(kv_layer_shape(tiny_cfg, 1, PAGES, PAGE), device=dev) for _ in range(tiny_cfg.num_hidden_layers)]
-        facts = pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1, speculative_method="dspark",
-                               num_speculative_tokens=7, device=str(dev))
-        b = stub.BindKV(pb.BindKVRequest(engine=facts, page_size=PAGE, layers=[
-            pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=pb.DTYPE_FP32, shape=list(t.shape),
-                              strides=list(t.stride())) for i, t in enumerate(kv)]), timeout=30)
+        b = _bind(stub, kv, dev)
         step = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, tiny_embed, seed=5)
         before = [t.clone() for t in kv]
         req = pb.DraftStepRequest(step_id=1, binding_id=b.binding_id, binding_generation=b.generation,
@@ -85,11 +90,7 @@ def test_gpu_doorbell_back_to_back_steps_without_host_sync(tmp_path, tiny_cfg, t
     with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
         stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
         kv = [torch.randn(kv_layer_shape(tiny_cfg, 1, pages, PAGE), device=dev) for _ in range(tiny_cfg.num_hidden_layers)]
-        facts = pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1, speculative_method="dspark",
-                               num_speculative_tokens=7, device=str(dev))
-        b = stub.BindKV(pb.BindKVRequest(engine=facts, page_size=PAGE, layers=[
-            pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=pb.DTYPE_FP32, shape=list(t.shape),
-                              strides=list(t.stride())) for i, t in enumerate(kv)]), timeout=30)
+        b = _bind(stub, kv, dev)
         steps = []
         for i, lens in enumerate(cases):
             st = scenario.random_step(tiny_cfg, lens, PAGE, own[i], tiny_embed, seed=60 + i)
@@ -140,11 +141,7 @@ def test_gpu_sidecar_with_mxfp8_weights_matches_the_reference(tmp_path, tiny_cfg
         assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).model.weight_format == "mxfp8"
         kv = [torch.randn(kv_layer_shape(tiny_cfg, 1, PAGES, PAGE), device=dev).to(torch.bfloat16)
               for _ in range(tiny_cfg.num_hidden_layers)]
-        facts = pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1, speculative_method="dspark",
-                               num_speculative_tokens=7, device=str(dev))
-        b = stub.BindKV(pb.BindKVRequest(engine=facts, page_size=PAGE, layers=[
-            pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=pb.DTYPE_BF16, shape=list(t.shape),
-                              strides=list(t.stride())) for i, t in enumerate(kv)]), timeout=30)
+        b = _bind(stub, kv, dev)
         step = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, tiny_embed, seed=7)
         before = [t.float().cpu() for t in kv]
         req = pb.DraftStepRequest(step_id=1, binding_id=b.binding_id, binding_generation=b.generation,
