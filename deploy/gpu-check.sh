@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and the benchmark on one NVIDIA host, in a checkout without an install step:
-# gpu-marked tests, then `dspark-sidecar bench`, with the CUDA MPS daemon running (two processes
+# gpu-marked tests, then `dspark-sidecar bench` and `bench_host`, with the CUDA MPS daemon running
 # sharing a GPU otherwise pay a context switch per step). Logs and bench.json go to $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/dspark-gpu-check}
@@ -26,6 +26,8 @@ read -r -a pytest_args <<<"${PYTEST_ARGS:-}"
 read -r -a bench_args <<<"${BENCH_ARGS:-}"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests "${pytest_args[@]}" 2>&1 | tee "$out/gpu-tests.log" || rc=1
 python3 -m dspark_sidecar bench --out-dir "$out" "${bench_args[@]}" 2>&1 | grep -v ' INFO ' | tee "$out/bench.log" || rc=1
+# The host cost of each CUDA call on the data plane's path, on this machine (BENCHMARKS.md).
+python3 -m dspark_sidecar.bench_host 2>&1 | tee "$out/bench-host.log" || rc=1
 if [[ $mps == 1 ]]; then
   echo quit | nvidia-cuda-mps-control
 fi
