@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and the benchmark on one NVIDIA host, in a checkout without an install step:
 # gpu-marked tests, then `dspark-sidecar bench` and `bench_host`, with the CUDA MPS daemon running
-# sharing a GPU otherwise pay a context switch per step). Logs and bench.json go to $OUT.
+# (two processes sharing a GPU otherwise pay a context switch per step). Logs and bench.json go to $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/dspark-gpu-check}
 mkdir -p "$out"
