@@ -125,6 +125,12 @@ class DoorbellChannel:
             input_event=self.input_event.ipc_handle() if self.input_event is not None else b""), timeout=timeout_s)
         self.output_event = (torch.cuda.Event.from_ipc_handle(device, resp.output_event)
                              if device.type == "cuda" else None)
+        self.ringer: bell.Ringer | None = None
+        if resp.wake_fifo:
+            try:
+                self.ringer = bell.Ringer(resp.wake_fifo)
+            except OSError:  # not reachable from here: the sidecar's idle doorbell still looks every 2 ms
+                self.ringer = None
         self._seq = self.page.word(bell.REQ_SEQ)
         self._sent_at = 0.0
         self.alive = True
@@ -137,6 +143,8 @@ class DoorbellChannel:
             self.input_event.record(torch.cuda.current_stream(self.device))
         self._seq += 1
         self.page.write(self.page.req_area, data, bell.REQ_LEN, bell.REQ_SEQ, self._seq)  # ring: sequence last
+        if self.ringer is not None:  # after the sequence store (see proto/doorbell.py Waker.sleep)
+            self.ringer.wake_if_asleep(self.page)
         self._sent_at = time.perf_counter()
 
     def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
@@ -154,5 +162,7 @@ class DoorbellChannel:
 
     def close(self) -> None:
         self.alive = False
+        if self.ringer is not None:
+            self.ringer.close()
         self.page.close()
         self._page.close()

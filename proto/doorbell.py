@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import ctypes
+import errno
+import os
+import select
+import stat
 import sys
 import threading
 import time
 
 import numpy as np
 
-HEADER = 64  # bytes: 8 uint64 words, 4 used
-REQ_SEQ, REQ_LEN, RESP_SEQ, RESP_LEN = range(4)
+HEADER = 64  # bytes: 8 uint64 words, 5 used
+REQ_SEQ, REQ_LEN, RESP_SEQ, RESP_LEN, ASLEEP = range(5)
 
 # Waiting: short naps while the other end is active, longer sleeps once it has been quiet. Linux
 # rounds every sleep up by the thread's timer slack (50 us by default), which made a "20 us" poll
@@ -22,6 +26,10 @@ NAP_S = 10e-6  # ~15 us per poll with 1 us slack: a GPU step's host path is a fe
 CPU_NAP_S = 250e-6  # a CPU step computes for milliseconds, and polling threads would take its cores
 WARM_S = 0.2  # after this long without activity, poll every SLEEP_S instead
 SLEEP_S = 1e-3
+# With a wake FIFO, an idle doorbell stops polling after DOZE_S and blocks on the FIFO (no CPU
+# between steps); MISSED_WAKE_S bounds the one race the flag protocol leaves (see Waker.sleep).
+DOZE_S = 5e-3
+MISSED_WAKE_S = 2e-3
 
 
 def nap_for(device_type: str) -> float:
@@ -63,7 +71,7 @@ class Page:
         if buf.nbytes < HEADER + 2 * capacity:
             raise ValueError(f"page of {buf.nbytes} bytes cannot hold 2 x {capacity} + {HEADER}")
         self.capacity = capacity
-        self.words = np.ndarray((4,), dtype=np.uint64, buffer=buf[:32])
+        self.words = np.ndarray((5,), dtype=np.uint64, buffer=buf[:40])
         self.req_area = buf[HEADER : HEADER + capacity]
         self.resp_area = buf[HEADER + capacity : HEADER + 2 * capacity]
 
@@ -86,3 +94,72 @@ class Page:
 
     def close(self) -> None:
         self.words = self.req_area = self.resp_area = None  # type: ignore[assignment]
+
+
+class Waker:
+    """The sidecar's end of the wake FIFO: an idle doorbell thread blocks here instead of polling."""
+
+    def __init__(self, path: str) -> None:
+        os.mkfifo(path, 0o660)
+        try:
+            self.path = path
+            # The read end, plus a write end of our own: with no writer a FIFO reads as EOF, which
+            # select() reports as readable forever.
+            self._r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            os.unlink(path)
+            raise
+
+    def sleep(self, page: Page, rung, timeout_s: float) -> None:
+        """Block until a wake byte, `rung()` or the timeout (at most MISSED_WAKE_S).
+
+        The flag is set before rung() is read again, and the engine reads the flag after its
+        sequence store, so one of the two sees the other, unless both stores are still in their
+        CPUs' store buffers: that (rare) missed wake costs at most MISSED_WAKE_S.
+        """
+        page.words[ASLEEP] = 1
+        try:
+            if not rung():
+                select.select([self._r], [], [], min(timeout_s, MISSED_WAKE_S))
+                self._drain()
+        finally:
+            page.words[ASLEEP] = 0
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                if not os.read(self._r, 4096):
+                    return
+            except BlockingIOError:
+                return
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            os.close(fd)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:  # already removed (e.g. the socket folder was cleaned up)
+            return
+
+
+class Ringer:
+    """The engine's end of the wake FIFO: one byte after a ring, only while the sidecar sleeps."""
+
+    def __init__(self, path: str) -> None:
+        if not stat.S_ISFIFO(os.stat(path).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a FIFO")
+        self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+
+    def wake_if_asleep(self, page: Page) -> bool:
+        """After the sequence store: wake a sleeping sidecar. True when a byte was written."""
+        if not page.words[ASLEEP]:
+            return False
+        try:
+            os.write(self._w, b"\x01")
+        except BlockingIOError:  # the pipe is full of wake bytes: the sidecar is being woken already
+            return False
+        return True
+
+    def close(self) -> None:
+        os.close(self._w)

@@ -387,7 +387,9 @@ class AttachDoorbellRequest(_message.Message):
     def __init__(self, page: _Optional[_Union[MemoryHandle, _Mapping]] = ..., capacity_bytes: _Optional[int] = ..., input_event: _Optional[bytes] = ...) -> None: ...
 
 class AttachDoorbellResponse(_message.Message):
-    __slots__ = ("output_event",)
+    __slots__ = ("output_event", "wake_fifo")
     OUTPUT_EVENT_FIELD_NUMBER: _ClassVar[int]
+    WAKE_FIFO_FIELD_NUMBER: _ClassVar[int]
     output_event: bytes
-    def __init__(self, output_event: _Optional[bytes] = ...) -> None: ...
+    wake_fifo: str
+    def __init__(self, output_event: _Optional[bytes] = ..., wake_fifo: _Optional[str] = ...) -> None: ...

@@ -29,7 +29,7 @@ HALT_POLL_S = 0.05  # how often an idle doorbell looks at its halt flag
 
 class Doorbell(threading.Thread):
     def __init__(self, page: MappedMemory, capacity: int, loop: RankLoop, device: torch.device,
-                 input_event: bytes) -> None:
+                 input_event: bytes, wake_path: str | None = None) -> None:
         super().__init__(name="dspark-doorbell", daemon=True)
         try:
             self.page = bell.Page(page.storage.numpy(), capacity)
@@ -46,6 +46,16 @@ class Doorbell(threading.Thread):
                 self.output_event.record(torch.cuda.current_stream(device))  # materialise it on this GPU
         self._halt = threading.Event()
         self._last = self.page.word(bell.REQ_SEQ)
+        self.waker: bell.Waker | None = None
+        if wake_path is not None:
+            try:
+                self.waker = bell.Waker(wake_path)
+            except OSError as err:  # no FIFO here (e.g. a read-only folder): poll only, and say so
+                log.warning("doorbell: no wake FIFO at %s (%s); the idle doorbell keeps polling", wake_path, err)
+
+    @property
+    def wake_fifo(self) -> str:
+        return self.waker.path if self.waker is not None else ""
 
     def output_event_handle(self) -> bytes:
         return self.output_event.ipc_handle() if self.output_event is not None else b""
@@ -53,6 +63,8 @@ class Doorbell(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=2)
+        if self.waker is not None:
+            self.waker.close()
         self.page.close()
         self.memory.close()
 
@@ -60,10 +72,17 @@ class Doorbell(threading.Thread):
         if self.device.type == "cuda":  # per-thread current device: waits and records go to this GPU
             torch.cuda.set_device(self.device)
             self._stream = torch.cuda.current_stream(self.device)  # looked up once: ~6 us per call
+        bell.lower_timer_slack()
         active = time.perf_counter()
+        nap = bell.nap_for(self.device.type)
         rung = lambda: self.page.word(bell.REQ_SEQ) != self._last  # noqa: E731
         while not self._halt.is_set():
-            if not bell.wait_until(rung, time.perf_counter() + HALT_POLL_S, active, bell.nap_for(self.device.type)):
+            if not rung():
+                idle = time.perf_counter() - active
+                if self.waker is not None and idle > bell.DOZE_S:  # between bursts: no polling at all
+                    self.waker.sleep(self.page, rung, HALT_POLL_S)
+                else:
+                    time.sleep(nap if idle < bell.WARM_S else bell.SLEEP_S)
                 continue
             seq = self.page.word(bell.REQ_SEQ)
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import torch
@@ -53,10 +54,12 @@ def _same_node(peer: str) -> bool:
 
 class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     def __init__(self, ctx: RankContext, loop: RankLoop, life: Lifecycle, limits: pb.Limits,
-                 parallel: pb.Parallel, weight_format: str) -> None:
+                 parallel: pb.Parallel, weight_format: str, run_dir: Path | None = None) -> None:
         self.ctx, self.loop, self.life = ctx, loop, life
         self.limits, self.parallel, self.weight_format = limits, parallel, weight_format
+        self.run_dir = run_dir  # where doorbell wake FIFOs go (the socket folder); None: polling only
         self.doorbell: Doorbell | None = None
+        self._attached = 0
         listeners = getattr(ctx.fast, "listeners", None)
         if listeners is not None:  # the fast path's verdict on a binding changes what health says
             listeners.append(self._fast_path_changed)
@@ -122,8 +125,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         if request.page.WhichOneof("kind") != "shm":
             raise invalid("page", "the doorbell page must be POSIX shared memory")
         page = MappedMemory(request.page, "page", torch.device("cpu"))
+        self._attached += 1
+        wake = str(self.run_dir / f"rank{self.ctx.rank}.wake{self._attached}") if self.run_dir else None
         try:
-            bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event)
+            bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event,
+                            wake)
         except BaseException:
             page.close()
             raise
@@ -131,7 +137,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             self.doorbell.stop()
         self.doorbell = bell
         bell.start()
-        return pb.AttachDoorbellResponse(output_event=bell.output_event_handle())
+        return pb.AttachDoorbellResponse(output_event=bell.output_event_handle(), wake_fifo=bell.wake_fifo)
 
     def DraftStep(self, request, context):
         return self.loop.submit(request).result()

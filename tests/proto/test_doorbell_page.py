@@ -67,3 +67,60 @@ def test_waiting_threads_lower_their_own_timer_slack_only():
     t.join()
     assert seen["waiter"] == 1000
     assert libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0) == before  # other threads keep theirs
+
+
+def test_ringer_wakes_only_a_sleeping_waker_and_the_fifo_is_removed(tmp_path):
+    import os
+    import select
+
+    p = _page()
+    path = str(tmp_path / "rank0.wake1")
+    waker = bell.Waker(path)
+    ringer = bell.Ringer(path)
+    assert not ringer.wake_if_asleep(p)  # awake: the engine's ring costs one word read
+    assert select.select([waker._r], [], [], 0)[0] == []
+    p.words[bell.ASLEEP] = 1
+    assert ringer.wake_if_asleep(p)
+    assert select.select([waker._r], [], [], 0)[0] == [waker._r]  # a wake byte is waiting
+    t = time.perf_counter()
+    waker.sleep(p, lambda: False, 1.0)  # returns at once on the byte, and drains it
+    assert time.perf_counter() - t < 0.5 and p.word(bell.ASLEEP) == 0
+    assert select.select([waker._r], [], [], 0)[0] == []
+    ringer.close()
+    waker.close()
+    assert not os.path.exists(path)
+
+
+def test_a_full_wake_pipe_is_not_an_error(tmp_path):
+    p = _page()
+    path = str(tmp_path / "w")
+    waker = bell.Waker(path)
+    ringer = bell.Ringer(path)
+    p.words[bell.ASLEEP] = 1
+    written = 0
+    while ringer.wake_if_asleep(p):  # until the pipe is full; then the sidecar is being woken anyway
+        written += 1
+    assert written >= 512
+    waker.sleep(p, lambda: False, 1.0)
+    assert not ringer.wake_if_asleep(bell.Page(np.zeros(bell.HEADER + 256, dtype=np.uint8), 128))
+    ringer.close()
+    waker.close()
+
+
+def test_waker_sets_the_flag_while_it_sleeps_and_sees_a_ring_first(tmp_path):
+    p = _page()
+    waker = bell.Waker(str(tmp_path / "w"))
+    seen = []
+    waker.sleep(p, lambda: seen.append(p.word(bell.ASLEEP)) or False, 0.001)
+    assert seen == [1] and p.word(bell.ASLEEP) == 0  # the flag is up before it looks at the ring again
+    t = time.perf_counter()
+    waker.sleep(p, lambda: True, 5.0)  # rung already: no wait at all
+    assert time.perf_counter() - t < 0.05
+    waker.close()
+
+
+def test_ringer_refuses_a_path_that_is_not_a_fifo(tmp_path):
+    f = tmp_path / "plain"
+    f.write_bytes(b"")
+    with pytest.raises(OSError, match="not a FIFO"):
+        bell.Ringer(str(f))

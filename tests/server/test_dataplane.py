@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 
 import torch
 
@@ -83,3 +85,39 @@ def test_doorbell_alternating_shapes_match_grpc(tmp_path, tiny_cfg, tiny_ckpt, t
         bell.close()
         bufs.close()
         eng.close()
+
+
+def test_idle_doorbell_sleeps_on_its_fifo_and_wakes_for_the_next_step(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
+    """Between bursts the doorbell thread blocks on the wake FIFO (page word 4 up) instead of polling;
+    the engine's ring wakes it, and the FIFO is gone when the sidecar stops."""
+    from dspark_sidecar.proto import doorbell as page_words
+
+    lens = [5, 40]
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens) + 2
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt) as sc:
+        eng = EngineSim(tiny_cfg, [sc.socket(0)], pages, torch.float32)
+        eng.bind()
+        cpu = torch.device("cpu")
+        bufs = StepBuffers(eng.stubs[0], tiny_cfg.hidden_size, 4, 300, torch.float32, cpu)
+        bell = DoorbellChannel(eng.stubs[0], cpu)
+        assert bell.ringer is not None
+        bid, gen = eng.bindings[0]
+        step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=3)
+        (want,) = (codec.from_tensor_ref(x.hidden_states, "h") for x in eng.step_all(1, step))
+        for i in range(2):
+            deadline = time.monotonic() + 5
+            while not bell.page.word(page_words.ASLEEP):  # the sidecar dozes off a few ms after a step
+                assert time.monotonic() < deadline, "the idle doorbell never slept on its FIFO"
+                time.sleep(0.001)
+            req = pb.DraftStepRequest(step_id=10 + i, binding_id=bid, binding_generation=gen, num_requests=len(lens))
+            view = bufs.fill(req, step.inputs_embeds, step.positions, step.meta)
+            bell.send(req)
+            resp = bell.wait(10 + i, 30.0)
+            assert resp is not None and resp.HasField("hidden_states"), resp
+            assert torch.equal(view, want)
+        bell.close()
+        bufs.close()
+        eng.close()
+        fifos = list(Path(sc.socket(0).split(":", 1)[1]).parent.glob("rank0.wake*"))
+        assert len(fifos) == 1 and fifos[0].is_fifo()
+    assert not fifos[0].exists()  # removed at shutdown
