@@ -56,7 +56,10 @@ def _serve_then_drain(sc: SidecarProcess) -> None:
     while time.monotonic() - t < 1.5:
         drained.append(check(sc.socket(0), 0.5))
         time.sleep(0.1)
-    assert "NOT_SERVING" in drained and "SERVING" not in drained[1:], drained
+    # SIGTERM reaches the rank through the launcher: on a loaded 2-core box that took ~0.5 s once.
+    # What matters is that health flips within the window and never flips back while draining.
+    assert "NOT_SERVING" in drained, drained
+    assert "SERVING" not in drained[drained.index("NOT_SERVING"):], drained
     assert sc.proc.wait(timeout=30) == 0  # drained and exited cleanly
     assert not any(_alive(p) for p in pids)
 
