@@ -211,9 +211,8 @@ class Bench:
 
             self.gpu_ops = TRITON_OPS
         self.step_id = 0
-        self.sidecar_ns: list[int] = []
-        self.phases: list[tuple[int, int]] = []
-        self.sidecar_phases: list[tuple[int, int, int]] = []
+        self.sidecar_ns: list[tuple[int, int, int, int]] = []  # per remote step: queue, rendezvous, launch, total
+        self.engine_ns: list[tuple[int, int]] = []  # per data-plane step: fill + ring, ring -> answer
         self.side = self.channel = self.bufs = self.bell = None
         if {"d", "e", "f"} & set(bc.modes):
             self._connect()
@@ -260,7 +259,7 @@ class Bench:
             self.bell.send(req)
             t1 = time.perf_counter_ns()
             resp = self.bell.wait(self.step_id, 60.0)
-            self.phases.append((t1 - t0, time.perf_counter_ns() - t1))  # engine fill+ring, ring -> answer
+            self.engine_ns.append((t1 - t0, time.perf_counter_ns() - t1))
         else:
             m = case.host.meta
             for f, t in (("positions", case.host.positions), ("inputs_embeds", case.embeds), ("seq_lens", m.seq_lens),
@@ -271,8 +270,7 @@ class Bench:
         if resp is None or resp.HasField("error"):
             raise RuntimeError(f"sidecar step failed: {resp.error if resp is not None else 'timeout'}")
         tm = resp.timings  # the sidecar's own host time, arrival to launch, in phases
-        self.sidecar_ns.append(tm.total_ns)
-        self.sidecar_phases.append((tm.queue_ns, tm.rendezvous_ns, tm.compute_ns))
+        self.sidecar_ns.append((tm.queue_ns, tm.rendezvous_ns, tm.compute_ns, tm.total_ns))
         return out
 
     def measure(self, mode: str, case: Case) -> list[float] | str:
@@ -284,10 +282,24 @@ class Bench:
                 return "n/a: needs a GPU"
             fn = graphed(self._eager(GRAPHABLE_REFERENCE if mode == "b" else self.gpu_ops, case), self.device)
             return timeit(fn, self.device, self.bc.repeats)
-        self.sidecar_ns, self.phases, self.sidecar_phases = [], [], []
+        self.sidecar_ns, self.engine_ns = [], []
         if mode == "f":
             return self._pipelined(case)
         return timeit(lambda: self._remote(mode, case), self.device, self.bc.repeats)
+
+    def phase_fields(self, mode: str) -> dict:
+        """Row fields of the last measure(mode): medians (us) of the timed steps' phases (warm-up excluded)."""
+        if mode not in ("d", "e"):
+            return {}
+
+        def p50_us(samples: list[tuple], i: int) -> float:
+            return statistics.median(t[i] for t in samples[-self.bc.repeats:]) / 1e3
+
+        out = {"sidecar_host_p50_us": p50_us(self.sidecar_ns, 3),
+               "sidecar_queue_rendezvous_launch_p50_us": [p50_us(self.sidecar_ns, i) for i in range(3)]}
+        if mode == "d":
+            out |= {"engine_fill_p50_us": p50_us(self.engine_ns, 0), "ring_to_answer_p50_us": p50_us(self.engine_ns, 1)}
+        return out
 
     def close(self) -> None:
         if self.bell is not None:
@@ -312,18 +324,11 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                 case = Case(bench.cfg, R, ctx, bc.page_size, bench.pages, bench.embed, device, seed=R * 7 + ctx)
                 floor_ms = floor_bytes(bench.model, bench.cfg, R, ctx) / bw * 1e3
                 results: dict[str, list[float] | str] = {}
-                host_us: dict[str, float] = {}
+                phases: dict[str, dict] = {}
                 for mode in bc.modes:
                     try:
                         results[mode] = bench.measure(mode, case)
-                        if mode in ("d", "e"):
-                            host_us[mode] = statistics.median(bench.sidecar_ns[-bc.repeats:]) / 1e3
-                            sp = bench.sidecar_phases[-bc.repeats:]
-                            host_us[mode + "_phases"] = [statistics.median(p[i] for p in sp) / 1e3 for i in range(3)]
-                        if mode == "d":
-                            ph = bench.phases[-bc.repeats:]
-                            host_us["fill"] = statistics.median(p[0] for p in ph) / 1e3
-                            host_us["answer"] = statistics.median(p[1] for p in ph) / 1e3
+                        phases[mode] = bench.phase_fields(mode)
                     except Exception as exc:  # noqa: BLE001  (a broken mode is reported, the run goes on)
                         results[mode] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 base = results.get("b") if isinstance(results.get("b"), list) else None
@@ -340,11 +345,7 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                         if mode in ("d", "e", "f") and gpu:  # issue 8's sidecar targets are against (c)
                             row |= {"x_c": p50 / statistics.median(gpu),
                                     "over_c_us": (p50 - statistics.median(gpu)) * 1e3}
-                        if mode in host_us:
-                            row["sidecar_host_p50_us"] = host_us[mode]
-                            row["sidecar_queue_rendezvous_launch_p50_us"] = host_us[mode + "_phases"]
-                        if mode == "d" and "fill" in host_us:  # engine side: fill + ring, then ring -> answer
-                            row |= {"engine_fill_p50_us": host_us["fill"], "ring_to_answer_p50_us": host_us["answer"]}
+                        row |= phases.get(mode, {})
                     rows.append(row)
                     print(_fmt(row), flush=True)
     finally:

@@ -65,7 +65,6 @@ def window_metadata(positions: torch.Tensor, meta: StepMetadata, page_size: int,
     the table is [R, ceil((window + rows - 1) / page_size) + 1] whatever the context length.
     Slots are unchanged (absolute). Returns (positions - off [n], metadata).
     """
-    R = meta.num_reqs
     span = window + rows - 1
     width = window_width(page_size, window, rows)
     L = meta.seq_lens.to(torch.int64)

@@ -49,6 +49,11 @@ def lower_timer_slack() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_TIMERSLACK) failed")
 
 
+def pause(idle_s: float, nap_s: float = NAP_S) -> None:
+    """One poll's sleep: a nap while the other end acted within WARM_S, else SLEEP_S."""
+    time.sleep(nap_s if idle_s < WARM_S else SLEEP_S)
+
+
 def wait_until(ready, deadline: float, active_since: float, nap_s: float = NAP_S) -> bool:
     """Poll `ready()` until it is true (True) or perf_counter() passes `deadline` (False).
 
@@ -60,7 +65,7 @@ def wait_until(ready, deadline: float, active_since: float, nap_s: float = NAP_S
         now = time.perf_counter()
         if now > deadline:
             return False
-        time.sleep(nap_s if now - active_since < WARM_S else SLEEP_S)
+        pause(now - active_since, nap_s)
     return True
 
 

@@ -82,7 +82,7 @@ class Doorbell(threading.Thread):
                 if self.waker is not None and idle > bell.DOZE_S:  # between bursts: no polling at all
                     self.waker.sleep(self.page, rung, HALT_POLL_S)
                 else:
-                    time.sleep(nap if idle < bell.WARM_S else bell.SLEEP_S)
+                    bell.pause(idle, nap)
                 continue
             seq = self.page.word(bell.REQ_SEQ)
             try:

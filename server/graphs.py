@@ -37,14 +37,11 @@ class _Packed:
 
     def views(self, buf):
         """Typed views of one buffer (torch uint8 or NumPy uint8) in this layout."""
+        i64, i32 = (torch.int64, torch.int32) if isinstance(buf, torch.Tensor) else (np.int64, np.int32)
         n, R, w = self.n, self.R, self.width
-        i64 = (lambda a, b: buf[a:b].view(torch.int64)) if isinstance(buf, torch.Tensor) else \
-            (lambda a, b: buf[a:b].view(np.int64))
-        i32 = (lambda a, b: buf[a:b].view(torch.int32)) if isinstance(buf, torch.Tensor) else \
-            (lambda a, b: buf[a:b].view(np.int32))
         o = 24 * n
-        return (i64(0, 8 * n), i64(8 * n, 16 * n), i64(16 * n, o), i32(o, o + 4 * R),
-                i32(o + 4 * R, o + 4 * R + 4 * R * w).reshape(R, w))
+        return (buf[: 8 * n].view(i64), buf[8 * n : 16 * n].view(i64), buf[16 * n : o].view(i64),
+                buf[o : o + 4 * R].view(i32), buf[o + 4 * R : o + 4 * R + 4 * R * w].view(i32).reshape(R, w))
 
 
 @dataclass

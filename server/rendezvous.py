@@ -24,7 +24,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
-from dspark_sidecar.proto.doorbell import NAP_S, SLEEP_S, WARM_S, lower_timer_slack
+from dspark_sidecar.proto.doorbell import NAP_S, lower_timer_slack, pause
 
 MAGIC = 0x44535052  # "DSPR"
 SLOT = 8
@@ -193,7 +193,7 @@ class Coordinator(threading.Thread):
             seen = len(self._first_seen)
             if self.poll_once() or len(self._first_seen) > seen:  # a verdict, or a new post: more may follow
                 last_busy = time.perf_counter()
-            time.sleep(self.nap_s if time.perf_counter() - last_busy < WARM_S else SLEEP_S)
+            pause(time.perf_counter() - last_busy, self.nap_s)
 
     def _pending(self) -> dict[int, np.ndarray]:
         out = {}

@@ -52,7 +52,6 @@ def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: to
 
 def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, max_reqs: int) -> Step:
     """All checks of issue 3's bad-input list, cheapest first; raises SidecarError naming the field."""
-    q = layout.QPR
     R = req.num_requests
     if not 1 <= R <= max_reqs:
         raise out_of_range("num_requests", f"{R} outside 1..{max_reqs} (this sidecar's --max-reqs)")
