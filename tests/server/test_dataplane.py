@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,34 @@ LENS = [3, 90, 4096 + 20, 17, 250]
 PAGES = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 4
 
 
+@contextlib.contextmanager
+def _tp1_data_plane(tmp_path, cfg, ckpt, pages: int, max_reqs: int):
+    """A TP-1 CPU sidecar with one engine rank bound and its data plane attached: (sidecar, engine, buffers, bell)."""
+    with SidecarProcess(tmp_path, tp=1, checkpoint=ckpt) as sc:
+        eng = EngineSim(cfg, [sc.socket(0)], pages, torch.float32)
+        eng.bind()
+        cpu = torch.device("cpu")
+        bufs = StepBuffers(eng.stubs[0], cfg.hidden_size, max_reqs, 300, torch.float32, cpu)
+        bell = DoorbellChannel(eng.stubs[0], cpu)
+        try:
+            yield sc, eng, bufs, bell
+        finally:
+            bell.close()
+            bufs.close()
+            eng.close()
+
+
+def _ring(bufs: StepBuffers, bell: DoorbellChannel, binding: tuple[int, int], step_id: int, step,
+          **override) -> tuple[pb.DraftStepRequest, pb.DraftStepResponse | None, torch.Tensor]:
+    """One step over the data plane: fill the registered regions, ring, wait; (request, answer, hidden view)."""
+    bid, gen = binding
+    fields = dict(step_id=step_id, binding_id=bid, binding_generation=gen, num_requests=step.meta.num_reqs)
+    req = pb.DraftStepRequest(**(fields | override))
+    view = bufs.fill(req, step.inputs_embeds, step.positions, step.meta)
+    bell.send(req)
+    return req, bell.wait(step_id, 30.0), view
+
+
 def test_doorbell_steps_equal_grpc_steps(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
     with SidecarProcess(tmp_path, tp=TP, checkpoint=tiny_ckpt) as sc:
         eng = EngineSim(tiny_cfg, [sc.socket(r) for r in range(TP)], PAGES, torch.float32)
@@ -32,12 +61,7 @@ def test_doorbell_steps_equal_grpc_steps(tmp_path, tiny_cfg, tiny_ckpt, tiny_emb
         out: dict[int, object] = {}
 
         def rank(r: int, step_id: int, **override) -> None:
-            bid, gen = eng.bindings[r]
-            fields = dict(step_id=step_id, binding_id=bid, binding_generation=gen, num_requests=len(LENS))
-            req = pb.DraftStepRequest(**(fields | override))
-            view = bufs[r].fill(req, step.inputs_embeds, step.positions, step.meta)
-            bells[r].send(req)
-            resp = bells[r].wait(step_id, 30.0)
+            _, resp, view = _ring(bufs[r], bells[r], eng.bindings[r], step_id, step, **override)
             out[r] = (resp, view.clone())
 
         for step_id, override in ((2, {}), (3, {"binding_generation": 99}), (4, {})):
@@ -65,26 +89,14 @@ def test_doorbell_alternating_shapes_match_grpc(tmp_path, tiny_cfg, tiny_ckpt, t
     templates and the sidecar's cached region views must never mix one shape's slices with another's."""
     cases = [[5, 40], [4096 + 20, 3, 90], [17], [5, 40], [250, 4096 + 20, 3, 90], [17]]
     pages = max(sum(scenario.pages_needed(c + 7, PAGE) for c in lens) for lens in cases) + 2
-    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt) as sc:
-        eng = EngineSim(tiny_cfg, [sc.socket(0)], pages, torch.float32)
-        eng.bind()
-        cpu = torch.device("cpu")
-        bufs = StepBuffers(eng.stubs[0], tiny_cfg.hidden_size, 8, 300, torch.float32, cpu)
-        bell = DoorbellChannel(eng.stubs[0], cpu)
-        bid, gen = eng.bindings[0]
+    with _tp1_data_plane(tmp_path, tiny_cfg, tiny_ckpt, pages, 8) as (_, eng, bufs, bell):
         for i, lens in enumerate(cases):
             step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=40 + i)
             (want,) = (codec.from_tensor_ref(x.hidden_states, "h") for x in eng.step_all(100 + i, step))
-            req = pb.DraftStepRequest(step_id=200 + i, binding_id=bid, binding_generation=gen, num_requests=len(lens))
-            view = bufs.fill(req, step.inputs_embeds, step.positions, step.meta)
+            req, resp, view = _ring(bufs, bell, eng.bindings[0], 200 + i, step)
             assert list(req.block_tables.shape) == list(step.meta.block_tables.shape)
-            bell.send(req)
-            resp = bell.wait(200 + i, 30.0)
             assert resp is not None and resp.HasField("hidden_states"), resp
             assert torch.equal(view, want), f"case {i} ({lens}): doorbell != gRPC"
-        bell.close()
-        bufs.close()
-        eng.close()
 
 
 def test_idle_doorbell_sleeps_on_its_fifo_and_wakes_for_the_next_step(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
@@ -94,14 +106,8 @@ def test_idle_doorbell_sleeps_on_its_fifo_and_wakes_for_the_next_step(tmp_path, 
 
     lens = [5, 40]
     pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens) + 2
-    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt) as sc:
-        eng = EngineSim(tiny_cfg, [sc.socket(0)], pages, torch.float32)
-        eng.bind()
-        cpu = torch.device("cpu")
-        bufs = StepBuffers(eng.stubs[0], tiny_cfg.hidden_size, 4, 300, torch.float32, cpu)
-        bell = DoorbellChannel(eng.stubs[0], cpu)
+    with _tp1_data_plane(tmp_path, tiny_cfg, tiny_ckpt, pages, 4) as (sc, eng, bufs, bell):
         assert bell.ringer is not None
-        bid, gen = eng.bindings[0]
         step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=3)
         (want,) = (codec.from_tensor_ref(x.hidden_states, "h") for x in eng.step_all(1, step))
         for i in range(2):
@@ -109,15 +115,9 @@ def test_idle_doorbell_sleeps_on_its_fifo_and_wakes_for_the_next_step(tmp_path, 
             while not bell.page.word(page_words.ASLEEP):  # the sidecar dozes off a few ms after a step
                 assert time.monotonic() < deadline, "the idle doorbell never slept on its FIFO"
                 time.sleep(0.001)
-            req = pb.DraftStepRequest(step_id=10 + i, binding_id=bid, binding_generation=gen, num_requests=len(lens))
-            view = bufs.fill(req, step.inputs_embeds, step.positions, step.meta)
-            bell.send(req)
-            resp = bell.wait(10 + i, 30.0)
+            _, resp, view = _ring(bufs, bell, eng.bindings[0], 10 + i, step)
             assert resp is not None and resp.HasField("hidden_states"), resp
             assert torch.equal(view, want)
-        bell.close()
-        bufs.close()
-        eng.close()
         fifos = list(Path(sc.socket(0).split(":", 1)[1]).parent.glob("rank0.wake*"))
         assert len(fifos) == 1 and fifos[0].is_fifo()
     assert not fifos[0].exists()  # removed at shutdown

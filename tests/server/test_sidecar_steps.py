@@ -87,7 +87,6 @@ def test_missing_rank_aborts_every_rank_within_deadline(engine):
 
 def _bad_cases(engine, cfg):
     s = engine.step
-    n = s.positions.numel()
     big_tables = s.meta.block_tables.clone()
     big_tables[0, 0] = PAGES + 5
     bad_slots = s.meta.slot_mapping.clone()
