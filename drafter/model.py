@@ -82,10 +82,10 @@ class DecoderLayer(nn.Module):
                              kv_layer, meta.slot_mapping, self.q_heads, self.kv_heads)
         attn = ops.paged_window_attention(q, kv_layer, positions, meta.seq_lens, meta.block_tables,
                                           layout.QPR, cfg.sliding_window, cfg.attn_scale)
-        h = x + self.o_proj(attn.reshape(-1, self.q_local))
+        h = self.o_proj(attn.reshape(-1, self.q_local), residual=x)
         act = ops.norm_linear_swiglu(h, self.post_attention_layernorm.weight, cfg.rms_norm_eps,
                                      self.gate_up_proj.weight, cfg.swiglu_alpha, cfg.swiglu_limit)
-        return h + self.down_proj(act)
+        return self.down_proj(act, residual=h)
 
 
 class DSparkDrafter(nn.Module):

@@ -112,9 +112,15 @@ class RowParallelLinear(nn.Module):
         self.weight.copy_(source.read(key, (self.out_features, self.in_features),
                                       cols=self.par.shard(self.in_features)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, in/tp] (this rank's slice) -> [n, out], summed over ranks."""
-        return self.par.exchange.all_reduce(self.ops.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, in/tp] (this rank's slice) -> [n, out] summed over ranks [+ residual [n, out]].
+
+        The residual joins rank 0's partial, in the GEMM's epilogue, so the exchange adds it once
+        and no separate add is launched. At TP > 1 that rounds rank 0's partial after the add
+        rather than before: the same sum, up to one bf16 rounding of the residual stream.
+        """
+        res = residual if self.par.rank == 0 else None
+        return self.par.exchange.all_reduce(self.ops.linear(x, self.weight, res))
 
 
 class ReplicatedLinear(nn.Module):

@@ -13,15 +13,18 @@ import torch.nn.functional as F
 from dspark_sidecar.drafter.kv_cache import block_slots
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """y = x @ weight^T.   x [n, in], weight [out, in] -> [n, out] in x.dtype.
+def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T [+ residual].   x [n, in], weight [out, in], residual [n, out] -> [n, out] in x.dtype.
+
+    With a residual, y is rounded to x.dtype before the add (two roundings, as `residual + linear(x)`).
 
     A weight kept quantized (MxFp8Weight: --weights mxfp8) is dequantized here, exactly (E4M3
     times a power of two is a bf16 value): the twin of the kernels' in-register dequantization.
     """
     if not isinstance(weight, torch.Tensor):
         weight = weight.dequantize(x.dtype)
-    return F.linear(x, weight)
+    y = F.linear(x, weight)
+    return y if residual is None else residual + y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,7 +8,8 @@ so every program accumulates sum(x^2) over the K-range it already loads and the 
 scale is applied in the epilogue; no pass over x precedes the GEMM. With split_k > 1 the
 programs write fp32 partials (and partial sums of squares) to a workspace that
 `_finalize_kernel` sums in a fixed order (deterministic, no atomics), then scales, applies
-SwiGLU-OAI and rounds once to the activation dtype. MXFP8 weights stream 1 byte per weight
+SwiGLU-OAI or adds the residual stream (o_proj, down_proj: no separate add launch), and
+rounds once to the activation dtype. MXFP8 weights stream 1 byte per weight
 (+1/32 for the E8M0 exponents) and are dequantized in registers, tile by tile, to bf16 (exact)
 for the same dot. (Scaling each 32-wide chunk's partial after its own dot instead was measured
 slower on an H200: 4x at 56 rows, where the wgmma of every chunk must finish before its scale.)
@@ -35,6 +36,13 @@ def _swiglu_oai(g, u, alpha, limit, OUT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _add_residual(acc, res_ptrs, mask, OUT: tl.constexpr, INTERPRET: tl.constexpr):
+    """residual + y with y rounded to the activation dtype first: the reference's x + linear(a)."""
+    r = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return r + cast(acc, OUT, INTERPRET).to(tl.float32)
+
+
+@triton.jit
 def _dequant(w, e, DOT: tl.constexpr):
     """F8_E4M3 tile times 2^(e - 127) per element, exact in bf16; e (u8) placed in the fp32
     exponent field (e = 0 flushes to 0)."""
@@ -43,18 +51,19 @@ def _dequant(w, e, DOT: tl.constexpr):
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, nw_ptr, w_ptr, s_ptr, out_ptr, sq_ptr,
+    x_ptr, nw_ptr, w_ptr, s_ptr, out_ptr, sq_ptr, res_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
-    stride_os, stride_om, stride_on,
+    stride_os, stride_om, stride_on, stride_rm,
     eps, alpha, limit,
     HAS_NORM: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, SWIGLU: tl.constexpr,
-    PARTIAL: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, OUT: tl.constexpr,
+    PARTIAL: tl.constexpr, HAS_RES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (column tile, K-range, row tile). x [M, K]; W [N or 2N, K] (gate rows first when SWIGLU).
 
-    PARTIAL: out is the fp32 workspace [split, M, N or 2N] and sq_ptr [split, M]; else out [M, N].
+    PARTIAL: out is the fp32 workspace [split, M, N or 2N] and sq_ptr [split, M]; else out [M, N]
+    (+ the residual [M, N] when HAS_RES).
     """
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -106,16 +115,19 @@ def _gemm_kernel(
             acc_up = acc_up * inv[:, None]
         if SWIGLU:
             acc = _swiglu_oai(acc, acc_up, alpha, limit, OUT, INTERPRET)
+        if HAS_RES:
+            acc = _add_residual(acc, res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], out_mask, OUT, INTERPRET)
         tl.store(out_ptr + o_off, cast(acc, OUT, INTERPRET), mask=out_mask)
 
 
 @triton.jit
 def _finalize_kernel(
-    ws_ptr, sq_ptr, out_ptr, M, N, K, SPLIT, stride_ws_s, stride_ws_m, stride_om, eps, alpha, limit,
-    HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    ws_ptr, sq_ptr, out_ptr, res_ptr, M, N, K, SPLIT, stride_ws_s, stride_ws_m, stride_om, stride_rm,
+    eps, alpha, limit,
+    HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Program (row, column block): sum the split partials in order, scale by inv_r, [SwiGLU], round."""
+    """Program (row, column block): sum the split partials in order, scale by inv_r, [SwiGLU], [+ residual], round."""
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < N
@@ -135,6 +147,8 @@ def _finalize_kernel(
         up = up * inv
     if SWIGLU:
         acc = _swiglu_oai(acc, up, alpha, limit, OUT, INTERPRET)
+    if HAS_RES:
+        acc = _add_residual(acc, res_ptr + row * stride_rm + offs, mask, OUT, INTERPRET)
     tl.store(out_ptr + row * stride_om + offs, cast(acc, OUT, INTERPRET), mask=mask)
 
 
@@ -182,11 +196,12 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch.Tensor | None = None,
          eps: float = 0.0, swiglu: tuple[float, float] | None = None,
-         config: GemmConfig | None = None) -> torch.Tensor:
+         config: GemmConfig | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] in x.dtype; weight [N, K] (or [2N, K], gate rows first, with swiglu=(alpha, limit)).
 
     norm_weight: fuse the Gemma RMSNorm (1 + w) of x. weight: a dense bf16/fp16/fp32 tensor or an
-    MxFp8Weight (dequantized tile by tile in the kernel).
+    MxFp8Weight (dequantized tile by tile in the kernel). residual [M, N]: returned plus the
+    product (rounded first, as the reference's `residual + linear`), in the same launches.
     """
     fp8 = isinstance(weight, MxFp8Weight)
     w = weight.qweight if fp8 else weight
@@ -198,6 +213,10 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     n_tot = w.shape[0]
     n = n_tot // 2 if swiglu else n_tot
     alpha, limit = swiglu or (0.0, 0.0)
+    has_res = residual is not None
+    if has_res and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
+        raise ValueError(f"gemm: residual {list(residual.shape)} must be a row-major [{m}, {n}] without swiglu")
+    res = residual if has_res else x
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -215,27 +234,30 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
         sq = torch.empty((split, m), dtype=torch.float32, device=x.device)
         so = target.stride()
     _gemm_kernel[grid](
-        x, nw, w, scale, target, sq, m, n, k, k_per,
+        x, nw, w, scale, target, sq, res, m, n, k, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
-        so[0], so[1], so[2], eps, alpha, limit,
+        so[0], so[1], so[2], res.stride(0), eps, alpha, limit,
         HAS_NORM=has_norm, FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
-        PARTIAL=split > 1, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(out.dtype),
+        PARTIAL=split > 1, HAS_RES=has_res, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(out.dtype),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
-        _finalize(target, sq, out, n, k, split, eps, alpha, limit, has_norm, swiglu is not None)
+        _finalize(target, sq, out, n, k, split, eps, alpha, limit, has_norm, swiglu is not None,
+                  residual if has_res else None)
     return out
 
 
 def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: int, split: int, eps: float,
-              alpha: float, limit: float, has_norm: bool, swiglu: bool) -> None:
+              alpha: float, limit: float, has_norm: bool, swiglu: bool, residual: torch.Tensor | None = None) -> None:
     m = out.shape[0]
     block = min(256, triton.next_power_of_2(n))  # many small programs: the sums are latency-bound
+    res = out if residual is None else residual
     _finalize_kernel[(m, triton.cdiv(n, block))](
-        ws, sq, out, m, n, k, split, ws.stride(0), ws.stride(1), out.stride(0), eps, alpha, limit,
-        HAS_NORM=has_norm, SWIGLU=swiglu, OUT=tl_dtype(out.dtype), BLOCK_N=block, INTERPRET=INTERPRET,
-        num_warps=4,
+        ws, sq, out, res, m, n, k, split, ws.stride(0), ws.stride(1), out.stride(0), res.stride(0),
+        eps, alpha, limit,
+        HAS_NORM=has_norm, SWIGLU=swiglu, HAS_RES=residual is not None, OUT=tl_dtype(out.dtype),
+        BLOCK_N=block, INTERPRET=INTERPRET, num_warps=4,
     )
 
 

@@ -223,8 +223,8 @@ def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool,
             qkv = ops.norm_linear(x, n1, EPS, wq)
             q = ops.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, HQ, HK)
             a = ops.paged_window_attention(q, kv, pos, seq_lens, tables, QPR, WINDOW, D ** -0.5)
-            h = x + ops.linear(a.reshape(rows, HQ * D), wo)
-            x = h + ops.linear(ops.norm_linear_swiglu(h, n2, EPS, wgu, ALPHA, LIMIT), wd)
+            h = ops.linear(a.reshape(rows, HQ * D), wo, x)
+            x = ops.linear(ops.norm_linear_swiglu(h, n2, EPS, wgu, ALPHA, LIMIT), wd, h)
         return x
 
     graph = ops is not reference  # the reference attention reads seq_lens on the host: not capturable
@@ -239,12 +239,51 @@ def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool,
                 x_floor=t * bw / nbytes)
 
 
+# Step-level tuning: (label, {module: {tunable: value}}) applied in order on top of the defaults.
+# Each row is timed as the whole 5-layer step: what a tunable costs or saves in one kernel can
+# move into its neighbours (L2 contents, the tail of one launch against the next).
+TUNE = (
+    ("defaults", {}),
+    ("gemm 1 program/SM", {"gemm": {"PROGRAMS_PER_SM": 1}}),
+    ("gemm 3 programs/SM", {"gemm": {"PROGRAMS_PER_SM": 3}}),
+    ("gemm 4 programs/SM", {"gemm": {"PROGRAMS_PER_SM": 4}}),
+    ("gemm block_n 32", {"gemm": {"BLOCK_N": 32}}),
+    ("gemm block_n 128", {"gemm": {"BLOCK_N": 128}}),
+    ("gemm block_k 128", {"gemm": {"BLOCK_K": 128}}),
+    ("gemm block_k 32", {"gemm": {"BLOCK_K": 32}}),
+    ("gemm 3 stages max", {"gemm": {"SMEM_PER_PROGRAM": 3 * 16 << 10}}),
+    ("attention 2 programs/SM", {"attention": {"PROGRAMS_PER_SM": 2}}),
+    ("attention block_n 32", {"attention": {"BLOCK_N": 32}}),
+    ("attention block_n 128", {"attention": {"BLOCK_N": 128}}),
+)
+
+
+def tune(rows_list: list[int], context: int, bw: float, dev: torch.device) -> list[dict]:
+    """Time the step once per TUNE row (each a set of tunables over the defaults), restoring after."""
+    modules = {"gemm": gemm, "attention": attention}
+    out = []
+    for rows in rows_list:
+        for label, changes in TUNE:
+            saved = {(m, k): getattr(modules[m], k) for m, kv in changes.items() for k in kv}
+            try:
+                for m, kv in changes.items():
+                    for k, v in kv.items():
+                        setattr(modules[m], k, v)
+                print(f"-- {label}", flush=True)
+                out.append(dict(bench_step(rows, context, bw, dev, False, T), tune=label))
+            finally:
+                for (m, k), v in saved.items():
+                    setattr(modules[m], k, v)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[7, 56])
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--sweep", action="store_true", help="also time a few GEMM tilings and attention splits")
     ap.add_argument("--no-step", action="store_true", help="skip the 5-layer step figures")
+    ap.add_argument("--tune", action="store_true", help="only time the step under each TUNE row of tunables")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -252,7 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name(dev)}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     results = []
-    for rows in args.rows:
+    if args.tune:
+        results = tune(args.rows, args.context, bw, dev)
+    for rows in [] if args.tune else args.rows:
         results += bench_ops(rows, args.context, bw, dev, args.sweep)
         if not args.no_step:
             for fp8 in (False, True):

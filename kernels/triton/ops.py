@@ -15,9 +15,9 @@ from dspark_sidecar.kernels.triton import attention, gemm, norm, prelude
 from dspark_sidecar.kernels.triton.weights import MxFp8Weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight) -> torch.Tensor:
-    """x [n, in] @ weight^T -> [n, out] in x.dtype."""
-    return gemm.gemm(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, in] @ weight^T [+ residual [n, out], added in the GEMM's epilogue] -> [n, out] in x.dtype."""
+    return gemm.gemm(x, weight, residual=residual)
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,

@@ -54,6 +54,21 @@ def test_split_k_and_fp8(device, config, fp8, parity):
     parity(gemm.gemm(x, weight, nw, EPS, swiglu=(ALPHA, LIMIT), config=cfg), ref_sw)
 
 
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_residual_in_epilogue(device, config, parity):
+    """linear(x, w, residual): the residual added in both epilogues (direct and finalize), after
+    the product's rounding, as reference.linear's `residual + y`; a residual far larger than
+    the product would hide a missing add, so it is of the same size."""
+    x, w, _ = _inputs(21, 320, 200, torch.bfloat16, device, seed=6)
+    res = torch.randn(21, 200, generator=torch.Generator().manual_seed(7)).to(device, torch.bfloat16)
+    ref = reference.linear(x, w, res)
+    out = gemm.gemm(x, w, residual=res, config=CONFIGS[config])
+    parity(out, ref)
+    assert (out - reference.linear(x, w)).abs().max() > 0.5  # the add happened
+    with pytest.raises(ValueError, match="residual"):
+        gemm.gemm(x, w, residual=res[:, :100])
+
+
 def test_fp8_scales_applied_in_kernel(device):
     """A weight whose blocks span 2^-20..2^20 scales: a kernel ignoring or misplacing them is off by orders."""
     gen = torch.Generator().manual_seed(3)
@@ -125,5 +140,6 @@ def test_real_shapes(cuda, name, rows, fp8, parity):
         ref = reference.norm_linear_swiglu(x, nw, EPS, dense, ALPHA, LIMIT)
         out = TRITON_OPS.norm_linear_swiglu(x, nw, EPS, weight, ALPHA, LIMIT)
     else:
-        ref, out = reference.linear(x, dense), TRITON_OPS.linear(x, weight)
+        res = torch.randn(rows, n, generator=torch.Generator().manual_seed(8)).to(cuda, torch.bfloat16)
+        ref, out = reference.linear(x, dense, res), TRITON_OPS.linear(x, weight, res)
     parity(out, ref)
