@@ -77,9 +77,9 @@ class DecoderLayer(nn.Module):
         while RoPE (cos/sin) and the K/V writes (meta.slot_mapping) are absolute.
         """
         cfg, ops = self.cfg, self.ops
-        qkv = ops.norm_linear(x, self.input_layernorm.weight, cfg.rms_norm_eps, self.qkv_proj.weight)
-        q = ops.attn_prelude(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, cfg.rms_norm_eps,
-                             kv_layer, meta.slot_mapping, self.q_heads, self.kv_heads)
+        q = ops.norm_qkv_prelude(x, self.input_layernorm.weight, cfg.rms_norm_eps, self.qkv_proj.weight,
+                                 self.q_norm.weight, self.k_norm.weight, cos, sin, kv_layer, meta.slot_mapping,
+                                 self.q_heads, self.kv_heads)
         attn = ops.paged_window_attention(q, kv_layer, positions, meta.seq_lens, meta.block_tables,
                                           layout.QPR, cfg.sliding_window, cfg.attn_scale)
         h = self.o_proj(attn.reshape(-1, self.q_local), residual=x)

@@ -23,6 +23,7 @@ class Ops:
     norm_linear: Callable
     norm_linear_swiglu: Callable
     attn_prelude: Callable
+    norm_qkv_prelude: Callable
 
 
 REFERENCE_OPS = Ops(
@@ -37,4 +38,5 @@ REFERENCE_OPS = Ops(
     norm_linear=reference.norm_linear,
     norm_linear_swiglu=reference.norm_linear_swiglu,
     attn_prelude=reference.attn_prelude,
+    norm_qkv_prelude=reference.norm_qkv_prelude,
 )

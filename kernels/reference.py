@@ -163,6 +163,15 @@ def attn_prelude(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, 
     return q
 
 
+def norm_qkv_prelude(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                     q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_layer: torch.Tensor, slots: torch.Tensor, q_heads: int, kv_heads: int) -> torch.Tensor:
+    """attn_prelude(norm_linear(x)): the layer's input norm, qkv projection and prelude (one eps for
+    all three norms, as the drafter has). x [n, hidden] -> q [n, q_heads, d]; K/V written at slots."""
+    qkv = norm_linear(x, norm_weight, eps, weight)
+    return attn_prelude(qkv, q_norm, k_norm, cos, sin, eps, kv_layer, slots, q_heads, kv_heads)
+
+
 def paged_window_attention_static(
     q: torch.Tensor,
     kv_layer: torch.Tensor,

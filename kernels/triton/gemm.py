@@ -171,6 +171,10 @@ MIN_K_TILES_PER_SPLIT = 4
 BLOCK_N = 64
 BLOCK_K = 64
 SMEM_PER_PROGRAM = 100 << 10  # an H100/H200 SM has 228 KB
+MAX_STAGES = 4
+# When > 0: a GEMM whose columns alone give >= 1 program per SM at this narrower column tile
+# runs unsplit (no workspace, no finalize launch) at the cost of re-reading x once per tile.
+UNSPLIT_BLOCK_N = 0
 
 
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
@@ -179,18 +183,20 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
 
     n: output columns per program's tile set (f for SwiGLU: each program streams gate and up tiles).
     Pipeline depth: as many stages of (x tile + weight tiles) as fit SMEM_PER_PROGRAM, so that two
-    programs share an SM (one hides the other's load latency), at least 2 and at most 4.
+    programs share an SM (one hides the other's load latency), at least 2 and at most MAX_STAGES.
     """
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     # 1-byte weights: twice the K per tile, so a stage still carries as many weight bytes.
     bn, bk = block_n or BLOCK_N, block_k or (BLOCK_K * 2 // weight_bytes if weight_bytes <= 2 else BLOCK_K)
+    if block_n is None and UNSPLIT_BLOCK_N and triton.cdiv(n, UNSPLIT_BLOCK_N) * triton.cdiv(m, bm) >= sms:
+        bn, programs_per_sm = UNSPLIT_BLOCK_N, 1
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     k_tiles = triton.cdiv(k, bk)
     want = (programs_per_sm or PROGRAMS_PER_SM) * sms
     split = max(1, min(want // tiles, k_tiles // MIN_K_TILES_PER_SPLIT))
     k_per = triton.cdiv(k_tiles, split) * bk
     stage = bm * bk * 2 + (2 if swiglu else 1) * bk * bn * weight_bytes
-    stages = max(2, min(4, SMEM_PER_PROGRAM // stage))
+    stages = max(2, min(MAX_STAGES, SMEM_PER_PROGRAM // stage))
     return GemmConfig(bm, bn, bk, triton.cdiv(k, k_per), num_stages=stages)
 
 
@@ -203,49 +209,98 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     MxFp8Weight (dequantized tile by tile in the kernel). residual [M, N]: returned plus the
     product (rounded first, as the reference's `residual + linear`), in the same launches.
     """
-    fp8 = isinstance(weight, MxFp8Weight)
-    w = weight.qweight if fp8 else weight
-    scale = weight.scale if fp8 else w
-    check_device(x, w)
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"gemm: x {list(x.shape)} and weight {list(w.shape)} do not chain")
-    m, k = x.shape
-    n_tot = w.shape[0]
-    n = n_tot // 2 if swiglu else n_tot
-    alpha, limit = swiglu or (0.0, 0.0)
+    m, n = _check(x, weight, swiglu)
     has_res = residual is not None
     if has_res and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
         raise ValueError(f"gemm: residual {list(residual.shape)} must be a row-major [{m}, {n}] without swiglu")
-    res = residual if has_res else x
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or plan(m, n, k, sms_of(x), swiglu=swiglu is not None, weight_bytes=w.element_size())
-    k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per)
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    ddt = dot_dtype(w.dtype)
-    has_norm = norm_weight is not None
-    nw = norm_weight if has_norm else x
+    cfg, split, k_per = _tiling(x, weight, n, swiglu is not None, config)
     if split == 1:
-        target, sq, so = out, out, (0, out.stride(0), out.stride(1))
+        _launch(x, weight, norm_weight, eps, swiglu, cfg, k_per, out, out, residual)
     else:
-        target = torch.empty((split, m, n_tot), dtype=torch.float32, device=x.device)
-        sq = torch.empty((split, m), dtype=torch.float32, device=x.device)
-        so = target.stride()
-    _gemm_kernel[grid](
-        x, nw, w, scale, target, sq, res, m, n, k, k_per,
+        ws, sq = _workspace(x, weight, split)
+        _launch(x, weight, norm_weight, eps, swiglu, cfg, k_per, ws, sq, None)
+        _finalize(ws, sq, out, n, x.shape[1], split, eps, *(swiglu or (0.0, 0.0)), norm_weight is not None,
+                  swiglu is not None, residual)
+    return out
+
+
+@dataclass(frozen=True)
+class Partials:
+    """A norm_linear left unfinished for the kernel that consumes it (the attention prelude), one launch less.
+
+    ws fp32 [split, m, n]: the K-range partials of (x * (1 + w)) @ W^T; sq fp32 [split, m]: the
+    partial sums of x^2. Its value, as `_finalize_kernel` computes it:
+    round_to(dtype)(sum_s ws[s] * rsqrt(sum_s sq[s] / k + eps)), partials summed in split order.
+    """
+
+    ws: torch.Tensor
+    sq: torch.Tensor
+    k: int
+    eps: float
+    dtype: torch.dtype
+
+
+def norm_linear_partials(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch.Tensor,
+                         eps: float, config: GemmConfig | None = None) -> Partials:
+    """The GEMM of norm_linear without its finalize: x [M, K], weight [N, K] -> Partials of [M, N]."""
+    m, n = _check(x, weight, None)
+    cfg, split, k_per = _tiling(x, weight, n, False, config)
+    ws, sq = _workspace(x, weight, split)
+    if m:
+        _launch(x, weight, norm_weight, eps, None, cfg, k_per, ws, sq, None)
+    return Partials(ws, sq, x.shape[1], eps, x.dtype)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu) -> tuple[int, int]:
+    w = weight.qweight if isinstance(weight, MxFp8Weight) else weight
+    check_device(x, w)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemm: x {list(x.shape)} and weight {list(w.shape)} do not chain")
+    return x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0]
+
+
+def _tiling(x: torch.Tensor, weight, n: int, swiglu: bool, config: GemmConfig | None) -> tuple[GemmConfig, int, int]:
+    """(config, K-ranges actually used, K per range: a multiple of block_k)."""
+    m, k = x.shape
+    wbytes = weight.qweight.element_size() if isinstance(weight, MxFp8Weight) else weight.element_size()
+    cfg = config or plan(m, n, k, sms_of(x), swiglu=swiglu, weight_bytes=wbytes)
+    k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    return cfg, triton.cdiv(k, k_per), k_per
+
+
+def _workspace(x: torch.Tensor, weight, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partials [split, M, rows of weight] and partial sums of squares [split, M]."""
+    n_tot = weight.shape[0]
+    return (torch.empty((split, x.shape[0], n_tot), dtype=torch.float32, device=x.device),
+            torch.empty((split, x.shape[0]), dtype=torch.float32, device=x.device))
+
+
+def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, target: torch.Tensor,
+            sq: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """One `_gemm_kernel` launch into target: out [M, N] (direct epilogue) or a workspace [split, M, N]."""
+    fp8 = isinstance(weight, MxFp8Weight)
+    w = weight.qweight if fp8 else weight
+    scale = weight.scale if fp8 else w
+    m, k = x.shape
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
+    partial = target.dim() == 3
+    split = target.shape[0] if partial else 1
+    alpha, limit = swiglu or (0.0, 0.0)
+    so = target.stride() if partial else (0, target.stride(0), target.stride(1))
+    res = x if residual is None else residual
+    ddt = dot_dtype(w.dtype)
+    _gemm_kernel[(triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))](
+        x, x if norm_weight is None else norm_weight, w, scale, target, sq, res, m, n, k, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
         so[0], so[1], so[2], res.stride(0), eps, alpha, limit,
-        HAS_NORM=has_norm, FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
-        PARTIAL=split > 1, HAS_RES=has_res, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(out.dtype),
+        HAS_NORM=norm_weight is not None, FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
+        PARTIAL=partial, HAS_RES=residual is not None, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(x.dtype),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:
-        _finalize(target, sq, out, n, k, split, eps, alpha, limit, has_norm, swiglu is not None,
-                  residual if has_res else None)
-    return out
 
 
 def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: int, split: int, eps: float,

@@ -220,8 +220,7 @@ def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool,
     def step():
         x = x0
         for (wq, wo, wgu, wd), (n1, n2, qn, kn), (kv, tables, seq_lens, pos, slots) in layers:
-            qkv = ops.norm_linear(x, n1, EPS, wq)
-            q = ops.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, HQ, HK)
+            q = ops.norm_qkv_prelude(x, n1, EPS, wq, qn, kn, cos, sin, kv, slots, HQ, HK)
             a = ops.paged_window_attention(q, kv, pos, seq_lens, tables, QPR, WINDOW, D ** -0.5)
             h = ops.linear(a.reshape(rows, HQ * D), wo, x)
             x = ops.linear(ops.norm_linear_swiglu(h, n2, EPS, wgu, ALPHA, LIMIT), wd, h)
@@ -244,17 +243,20 @@ def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool,
 # move into its neighbours (L2 contents, the tail of one launch against the next).
 TUNE = (
     ("defaults", {}),
-    ("gemm 1 program/SM", {"gemm": {"PROGRAMS_PER_SM": 1}}),
+    ("gemm unsplit at block_n 32 (o, down)", {"gemm": {"UNSPLIT_BLOCK_N": 32}}),
+    ("gemm unsplit at block_n 16 (o, down)", {"gemm": {"UNSPLIT_BLOCK_N": 16}}),
     ("gemm 3 programs/SM", {"gemm": {"PROGRAMS_PER_SM": 3}}),
     ("gemm 4 programs/SM", {"gemm": {"PROGRAMS_PER_SM": 4}}),
     ("gemm block_n 32", {"gemm": {"BLOCK_N": 32}}),
     ("gemm block_n 128", {"gemm": {"BLOCK_N": 128}}),
     ("gemm block_k 128", {"gemm": {"BLOCK_K": 128}}),
-    ("gemm block_k 32", {"gemm": {"BLOCK_K": 32}}),
-    ("gemm 3 stages max", {"gemm": {"SMEM_PER_PROGRAM": 3 * 16 << 10}}),
-    ("attention 2 programs/SM", {"attention": {"PROGRAMS_PER_SM": 2}}),
+    ("gemm up to 6 stages", {"gemm": {"MAX_STAGES": 6}}),
+    ("attention >= 2 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 2}}),
+    ("attention >= 4 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 4}}),
+    ("attention >= 8 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 8}}),
     ("attention block_n 32", {"attention": {"BLOCK_N": 32}}),
-    ("attention block_n 128", {"attention": {"BLOCK_N": 128}}),
+    ("attention 3 stages", {"attention": {"NUM_STAGES": 3}}),
+    ("defaults again (noise)", {}),
 )
 
 

@@ -32,6 +32,14 @@ def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     return gemm.gemm(x, weight, norm_weight, eps, swiglu=(alpha, limit))
 
 
+def norm_qkv_prelude(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor | MxFp8Weight,
+                     q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_layer: torch.Tensor, slots: torch.Tensor, q_heads: int, kv_heads: int) -> torch.Tensor:
+    """The qkv GEMM without its finalize; the prelude finishes each head from the split partials."""
+    qkv = gemm.norm_linear_partials(x, weight, norm_weight, eps)
+    return prelude.attn_prelude(qkv, q_norm, k_norm, cos, sin, eps, kv_layer, slots, q_heads, kv_heads)
+
+
 TRITON_OPS = Ops(
     name="triton",
     linear=linear,
@@ -44,6 +52,7 @@ TRITON_OPS = Ops(
     norm_linear=norm_linear,
     norm_linear_swiglu=norm_linear_swiglu,
     attn_prelude=prelude.attn_prelude,
+    norm_qkv_prelude=norm_qkv_prelude,
 )
 
 __all__ = ["TRITON_OPS", "MxFp8Weight"]

@@ -5,6 +5,10 @@ rotated and stored to q [n, hq, d]; a k head is normed and rotated and, with the
 head, stored into the paged cache at the row's slot (slot < 0: a padding row, nothing written).
 The whole head (d = 128) sits in one program, so the norm's reduction and RoPE's pairing
 (i, i + rotary_dim/2) never leave registers. No host syncs: graph-capturable.
+
+The qkv input may also be the split-K partials of the qkv GEMM (`gemm.Partials`): each program
+then finishes its own head as the GEMM's finalize would (sum the partials in order, scale by
+the row's input-norm factor, round to the activation dtype), and the finalize launch is saved.
 """
 
 from __future__ import annotations
@@ -13,20 +17,36 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark_sidecar.kernels.triton.gemm import Partials
 from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, tl_dtype
 
 
 @triton.jit
-def _norm_rope(head_ptr, stride_d, w_ptr, cos_row, sin_row, eps,
-               D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+def _load_head(head_ptr, idx, mask, stride_d, stride_s, splits, inv_in,
+               PARTIAL: tl.constexpr, OUT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Elements idx of one head of qkv, fp32: loaded, or finished from the GEMM's split partials."""
+    if PARTIAL:
+        acc = tl.zeros(idx.shape, tl.float32)
+        for sp in range(0, splits):
+            acc += tl.load(head_ptr + sp * stride_s + idx * stride_d, mask=mask, other=0.0)
+        x = cast(acc * inv_in, OUT, INTERPRET).to(tl.float32)
+    else:
+        x = tl.load(head_ptr + idx * stride_d, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _norm_rope(head_ptr, stride_d, stride_s, splits, inv_in, w_ptr, cos_row, sin_row, eps,
+               D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr,
+               OUT: tl.constexpr, INTERPRET: tl.constexpr):
     """One head [D] -> fp32 normed and rotated: dims [0, 2 HALF) rotate in pairs (i, i + HALF)."""
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < D
     first = offs < HALF
     in_rot = offs < 2 * HALF
     partner = tl.where(first, offs + HALF, tl.where(in_rot, offs - HALF, offs))
-    x = tl.load(head_ptr + offs * stride_d, mask=dmask, other=0.0).to(tl.float32)
-    xp = tl.load(head_ptr + partner * stride_d, mask=dmask, other=0.0).to(tl.float32)
+    x = _load_head(head_ptr, offs, dmask, stride_d, stride_s, splits, inv_in, PARTIAL, OUT, INTERPRET)
+    xp = _load_head(head_ptr, partner, dmask, stride_d, stride_s, splits, inv_in, PARTIAL, OUT, INTERPRET)
     w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
@@ -45,29 +65,43 @@ def _prelude_kernel(
     qn_ptr, kn_ptr, cos_ptr, sin_ptr, stride_cn,
     q_ptr, stride_qn, stride_qh, stride_qd,
     kv_ptr, stride_c0, stride_cp, stride_cs, stride_ch, stride_cd, page_size,
-    slot_ptr, eps,
+    slot_ptr, eps, stride_xs, splits, sq_ptr, stride_sq, k_in, eps_in,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_D: tl.constexpr, OUT: tl.constexpr, CACHE: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_D: tl.constexpr, OUT: tl.constexpr, CACHE: tl.constexpr, PARTIAL: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """Program (row, head j): j < Q_HEADS a q head, else k head j - Q_HEADS (and its v head)."""
+    """Program (row, head j): j < Q_HEADS a q head, else k head j - Q_HEADS (and its v head).
+
+    PARTIAL: x_ptr is the fp32 workspace [splits, n, width] (stride_xs apart) and sq_ptr the
+    partial sums of squares [splits, n] of the GEMM's input rows (k_in wide, norm eps_in).
+    """
     row, j = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < D
     cos_row, sin_row = cos_ptr + row * stride_cn, sin_ptr + row * stride_cn
     head_ptr = x_ptr + row * stride_xn + j * stride_xh
+    inv_in = 1.0
+    if PARTIAL:
+        ssq = tl.load(sq_ptr + row)
+        for sp in range(1, splits):
+            ssq += tl.load(sq_ptr + sp * stride_sq + row)
+        inv_in = tl.rsqrt(ssq / k_in + eps_in)
     if j < Q_HEADS:
-        y = _norm_rope(head_ptr, stride_xd, qn_ptr, cos_row, sin_row, eps, D, HALF, BLOCK_D)
+        y = _norm_rope(head_ptr, stride_xd, stride_xs, splits, inv_in, qn_ptr, cos_row, sin_row, eps, D, HALF,
+                       BLOCK_D, PARTIAL, OUT, INTERPRET)
         tl.store(q_ptr + row * stride_qn + j * stride_qh + offs * stride_qd, cast(y, OUT, INTERPRET), mask=dmask)
     if KV_HEADS > 0:  # compiled only where there is a cache to write (not for qk_norm_rope alone)
         if j >= Q_HEADS:
             kh = j - Q_HEADS
-            y = _norm_rope(head_ptr, stride_xd, kn_ptr, cos_row, sin_row, eps, D, HALF, BLOCK_D)
+            y = _norm_rope(head_ptr, stride_xd, stride_xs, splits, inv_in, kn_ptr, cos_row, sin_row, eps, D, HALF,
+                           BLOCK_D, PARTIAL, OUT, INTERPRET)
             slot = tl.load(slot_ptr + row)
             if slot >= 0:
                 base = kv_ptr + (slot // page_size) * stride_cp + (slot % page_size) * stride_cs + kh * stride_ch
                 # Rounded to the activation dtype first, as the reference's k is before write_kv.
                 tl.store(base + offs * stride_cd, cast(cast(y, OUT, INTERPRET), CACHE, INTERPRET), mask=dmask)
-                v = tl.load(head_ptr + KV_HEADS * stride_xh + offs * stride_xd, mask=dmask, other=0.0)
+                v = _load_head(head_ptr + KV_HEADS * stride_xh, offs, dmask, stride_xd, stride_xs, splits, inv_in,
+                               PARTIAL, OUT, INTERPRET)
                 tl.store(base + stride_c0 + offs * stride_cd, cast(v, CACHE, INTERPRET), mask=dmask)
 
 
@@ -95,26 +129,33 @@ def _cache_args(kv_layer: torch.Tensor) -> tuple:
     return (kv_layer, s[0], s[1], s[2], s[3], s[4], kv_layer.shape[2])
 
 
-def attn_prelude(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, eps: float, kv_layer: torch.Tensor, slots: torch.Tensor,
                  q_heads: int, kv_heads: int) -> torch.Tensor:
-    """qkv [n, (q_heads + 2 kv_heads) * d] -> q [n, q_heads, d]; K/V rows written at slots (int64 [n])."""
-    check_device(qkv, kv_layer)
+    """qkv [n, (q_heads + 2 kv_heads) * d] (or the qkv GEMM's Partials of it) -> q [n, q_heads, d];
+    K/V rows written at slots (int64 [n])."""
+    partial = isinstance(qkv, Partials)
+    x = qkv.ws if partial else qkv
+    dtype = qkv.dtype
+    check_device(x, kv_layer)
     d = kv_layer.shape[-1]
-    n = qkv.shape[0]
-    if qkv.shape[1] != (q_heads + 2 * kv_heads) * d:
-        raise ValueError(f"attn_prelude: qkv width {qkv.shape[1]} != ({q_heads} + 2 * {kv_heads}) * {d}")
-    q = torch.empty((n, q_heads, d), dtype=qkv.dtype, device=qkv.device)
+    n, width = x.shape[-2:]
+    if width != (q_heads + 2 * kv_heads) * d:
+        raise ValueError(f"attn_prelude: qkv width {width} != ({q_heads} + 2 * {kv_heads}) * {d}")
+    q = torch.empty((n, q_heads, d), dtype=dtype, device=x.device)
     if n:
         cos, sin = cos.contiguous(), sin.contiguous()
+        # Partials: workspace [splits, n, width] and sums of squares [splits, n]; else one plain tensor.
+        xs, splits, sq, k_in, eps_in = ((x.stride(0), x.shape[0], qkv.sq, qkv.k, qkv.eps) if partial
+                                        else (0, 1, x, 1, 0.0))
         _prelude_kernel[(n, q_heads + kv_heads)](
-            qkv, qkv.stride(0), d * qkv.stride(1), qkv.stride(1),
+            x, x.stride(-2), d * x.stride(-1), x.stride(-1),
             q_norm, k_norm, cos, sin, cos.stride(0),
             q, q.stride(0), q.stride(1), q.stride(2),
-            *_cache_args(kv_layer), slots, eps,
+            *_cache_args(kv_layer), slots, eps, xs, splits, sq, sq.stride(0), k_in, eps_in,
             Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, HALF=cos.shape[-1],
-            BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(qkv.dtype), CACHE=tl_dtype(kv_layer.dtype),
-            INTERPRET=INTERPRET, num_warps=1,
+            BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(dtype), CACHE=tl_dtype(kv_layer.dtype),
+            PARTIAL=partial, INTERPRET=INTERPRET, num_warps=1,
         )
     return q
 
@@ -131,10 +172,10 @@ def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, 
             x, x.stride(0), x.stride(1), x.stride(2),
             norm_weight, norm_weight, cos, sin, cos.stride(0),
             out, out.stride(0), out.stride(1), out.stride(2),
-            x, 0, 0, 0, 0, 0, 1, x, eps,
+            x, 0, 0, 0, 0, 0, 1, x, eps, 0, 1, x, 0, 1, 0.0,
             Q_HEADS=heads, KV_HEADS=0, D=d, HALF=cos.shape[-1],
             BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(x.dtype), CACHE=tl_dtype(x.dtype),
-            INTERPRET=INTERPRET, num_warps=1,
+            PARTIAL=False, INTERPRET=INTERPRET, num_warps=1,
         )
     return out
 

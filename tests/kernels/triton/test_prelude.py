@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from dspark_sidecar.kernels import reference  # noqa: E402
+from dspark_sidecar.kernels.triton import gemm  # noqa: E402
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS  # noqa: E402
 
 EPS, THETA = 1e-6, 5_000_000.0
@@ -52,6 +53,36 @@ def test_attn_prelude(device, heads, dtype, seed, pad, parity):
     flat, flat_ref = kv.view(2, -1, kv_heads, heads[2]).cpu(), kv_ref.view(2, -1, kv_heads, heads[2]).cpu()
     assert torch.equal(flat[:, ~written], flat_ref[:, ~written]), "a slot outside the mapping was touched"
     assert torch.equal(flat[1], flat_ref[1]), "V is a plain copy: it must match bit for bit"
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_norm_qkv_prelude(device, dtype, split, parity):
+    """The qkv GEMM's partials finished inside the prelude: the same bits as the GEMM with its own
+    finalize followed by the prelude (same sums in the same order, same roundings), and the
+    reference's norm_linear + attn_prelude within the usual tolerance; the cache rows too."""
+    q_heads, kv_heads, d, rot = 4, 1, 64, 32
+    gen = torch.Generator().manual_seed(3)
+    hidden, rows = 192, 14
+    x = (torch.randn(rows, hidden, generator=gen) * 2).to(device, dtype)
+    nw = (torch.randn(hidden, generator=gen) * 0.1).to(device, dtype)
+    w = (torch.randn((q_heads + 2 * kv_heads) * d, hidden, generator=gen) * hidden ** -0.5).to(device, dtype)
+    qn, kn = ((torch.randn(d, generator=gen) * 0.1).to(device, dtype) for _ in range(2))
+    cos, sin = reference.rope_cos_sin(torch.randint(0, 100_000, (rows,), generator=gen).to(device), rot, THETA)
+    kv = torch.randn(2, PAGES, PAGE, kv_heads, d, generator=gen).to(device, dtype)
+    slots = torch.randperm(PAGES * PAGE, generator=gen)[:rows].to(device)
+    cfg = gemm.GemmConfig(16, 64, 64, split)
+    args = (qn, kn, cos, sin, EPS)
+    kv_fused, kv_unfused, kv_ref = kv.clone(), kv.clone(), kv.clone()
+    parts = gemm.norm_linear_partials(x, w, nw, EPS, config=cfg)
+    assert parts.ws.shape == (split, rows, w.shape[0])
+    q_fused = TRITON_OPS.attn_prelude(parts, *args, kv_fused, slots, q_heads, kv_heads)
+    q_unfused = TRITON_OPS.attn_prelude(gemm.gemm(x, w, nw, EPS, config=cfg), *args, kv_unfused, slots,
+                                        q_heads, kv_heads)
+    assert torch.equal(q_fused, q_unfused) and torch.equal(kv_fused, kv_unfused)
+    q_ref = reference.norm_qkv_prelude(x, nw, EPS, w, *args[:4], kv_ref, slots, q_heads, kv_heads)
+    parity(TRITON_OPS.norm_qkv_prelude(x, nw, EPS, w, *args[:4], kv, slots, q_heads, kv_heads), q_ref)
+    parity(kv, kv_ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
