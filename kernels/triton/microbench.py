@@ -1,6 +1,8 @@
 """Micro-benchmark of the Triton kernels at one TP-4 rank's shard of the real drafter, against the HBM floor.
 
     python -m dspark_sidecar.kernels.triton.microbench [--rows 7 56] [--context 4096] [--sweep] [--json F]
+    ... --tune      the 5-layer step under each TUNE row of tunables (what the defaults were chosen from)
+    ... --profile   the step's per-kernel GPU time from the CUDA profiler
 
 Shapes: hidden 6144, 16 q heads + 1 KV head of 128, FFN 3072 per rank, window 4096, 16-token pages;
 n = rows query rows (R = rows / 7 requests, each with `context` committed keys). Every figure is
@@ -250,13 +252,13 @@ def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool,
 # move into its neighbours (L2 contents, the tail of one launch against the next).
 TUNE = (
     ("defaults", {}),
-    ("gemm unsplit at block_n 32 (o, down)", {"gemm": {"UNSPLIT_BLOCK_N": 32}}),
-    ("gemm 3 programs/SM", {"gemm": {"PROGRAMS_PER_SM": 3}}),
-    ("gemm 1 program/SM", {"gemm": {"PROGRAMS_PER_SM": 1}}),
     ("gemm block_n 64", {"gemm": {"BLOCK_N": 64}}),
     ("gemm block_n 256", {"gemm": {"BLOCK_N": 256}}),
     ("gemm block_k 32", {"gemm": {"BLOCK_K": 32}}),
+    ("gemm 1 program/SM", {"gemm": {"PROGRAMS_PER_SM": 1}}),
+    ("gemm 3 programs/SM", {"gemm": {"PROGRAMS_PER_SM": 3}}),
     ("gemm up to 6 stages", {"gemm": {"MAX_STAGES": 6}}),
+    ("gemm unsplit at block_n 32 (o, down)", {"gemm": {"UNSPLIT_BLOCK_N": 32}}),
     ("attention >= 2 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 2}}),
     ("attention block_n 32", {"attention": {"BLOCK_N": 32}}),
     ("attention 3 stages", {"attention": {"NUM_STAGES": 3}}),
@@ -270,7 +272,7 @@ def tune(rows_list: list[int], context: int, bw: float, dev: torch.device) -> li
     out = []
     for rows in rows_list:
         for label, changes in TUNE:
-            saved = {(m, k): getattr(modules[m], k) for m, kv in changes.items() for k in kv}
+            saved = {(m, k): getattr(modules[m], k) for m, kv in changes.items() for k in kv}  # no such tunable: raises
             try:
                 for m, kv in changes.items():
                     for k, v in kv.items():
