@@ -66,6 +66,19 @@ def num_sms(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def max_shared_memory(device_index: int | None) -> int | None:
+    """Shared memory one program may use on a device (227 KB on an H200, from Triton's driver);
+    None under the interpreter or without a GPU (the planners' defaults apply)."""
+    if device_index is None or INTERPRET or not torch.cuda.is_available():
+        return None
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def smem_of(t: torch.Tensor) -> int | None:
+    return max_shared_memory(t.device.index if t.device.type == "cuda" else None)
+
+
 def sms_of(t: torch.Tensor) -> int:
     return num_sms(t.device.index if t.device.type == "cuda" else None)
 
