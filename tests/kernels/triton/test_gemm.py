@@ -100,6 +100,20 @@ def test_plan_fills_an_h200():
             assert cfg.block_m >= rows or cfg.block_m == 64
 
 
+@pytest.mark.parametrize("max_smem", [227 << 10, 160 << 10], ids=["h200", "mi355x"])
+def test_plan_deep_pipeline_within_the_device(max_smem):
+    """gate|up at 56 rows: a stage (x 8 KB + two 16 KB weight tiles) leaves < 3 stages in the
+    shared budget, so the planner goes to one program per SM with a deeper pipeline that still
+    fits the device's shared memory (less on an MI355X); the other GEMMs keep two per SM."""
+    cfg = gemm.plan(56, 3072, 6144, 132, swiglu=True, max_smem=max_smem)
+    stage = 64 * 64 * 2 + 2 * 64 * 128 * 2
+    assert cfg.block_n == 128 and cfg.num_stages >= 3
+    assert cfg.num_stages * stage <= max_smem - gemm.SMEM_RESERVE
+    assert cfg.split_k * (3072 // 128) <= 132  # one program per SM: a single wave
+    qkv = gemm.plan(56, 2304, 6144, 132, max_smem=max_smem)
+    assert qkv.split_k * (2304 // 128) > 132  # two per SM
+
+
 def test_mxfp8_weight_from_checkpoint(tiny_ckpt, tiny_cfg):
     """The raw F8/U8 slices read by the loader path dequantize to what CheckpointReader.read returns."""
     from dspark_sidecar.drafter.checkpoint import CheckpointReader, layer_prefix
