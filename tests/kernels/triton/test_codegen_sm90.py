@@ -1,0 +1,111 @@
+"""The skinny GEMM's machine code for an H100/H200 (sm_90), compiled on the CPU: the structure its speed rests on.
+
+Without a GPU the parity tests run in the interpreter, which says nothing about how the kernel
+streams its weights. Triton compiles for sm_90 without one, with its bundled ptxas, so this
+checks, at the plans the real TP-4 shard gets: weight and x tiles stream into shared memory
+through asynchronous copies in a multi-stage pipeline, the dots run on the tensor cores (wgmma
+for 64-row tiles, mma.sync for 16-row ones), nothing spills, and the shared memory fits an H200.
+
+The compile sees what the JIT would see at those shapes: 16-byte aligned pointers and sizes and
+strides that are multiples of 16 (without those hints Triton cannot vectorise the loads and
+does not pipeline them at all). It runs in a child process, because this folder's conftest
+turns on the interpreter, under which kernels cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+H200_SMEM = 227 << 10
+
+_CHILD = r"""
+import json, subprocess, sys
+from pathlib import Path
+import triton, triton.language as tl
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from dspark_sidecar.kernels.triton import gemm
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+# Arguments the JIT specialises as multiples of 16 at the shard's shapes (N, K, K per split and
+# row strides are all multiples of 64 there); the unit strides it turns into constants.
+DIV16 = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_os", "stride_om", "stride_rm"}
+UNIT = {"stride_xk": 1, "stride_wk": 1, "stride_sk": 1, "stride_on": 1}
+
+
+def compile_case(rows, n, k, swiglu, norm, residual):
+    cfg = gemm.plan(rows, n, k, 132, swiglu=swiglu, max_smem=%(smem)d)
+    partial = cfg.split_k > 1
+    fn = gemm._gemm_kernel
+    consts = dict(HAS_NORM=norm, FP8=False, QBLOCK=1, SWIGLU=swiglu, PARTIAL=partial, HAS_RES=residual and not partial,
+                  DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                  INTERPRET=False, **UNIT)
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            sig[name] = "*fp32" if partial and name in ("out_ptr", "sq_ptr") else "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name in ("eps", "alpha", "limit") else "i32"
+            if name in DIV16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kern = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    ptx = kern.asm["ptx"]
+    cubin = Path(sys.argv[1]) / f"{rows}x{n}x{k}.cubin"
+    cubin.write_bytes(kern.asm["cubin"])
+    usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    stack = [int(w.split(":")[1]) for w in usage.split() if w.startswith("STACK:")]
+    weight_tile = cfg.block_k * cfg.block_n * 2 * (2 if swiglu else 1)
+    return dict(stages=cfg.num_stages, weight_tile=weight_tile, shared=kern.metadata.shared, stack=stack,
+                block_m=cfg.block_m, cp_async=ptx.count("cp.async.cg.shared.global"),
+                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync.aligned"))
+
+
+cases = {
+    "qkv 56 rows": (56, 2304, 6144, False, True, False),
+    "gate_up 56 rows (deep pipeline)": (56, 3072, 6144, True, True, False),
+    "down 7 rows + residual": (7, 6144, 3072, False, False, True),
+}
+print(json.dumps({name: compile_case(*args) for name, args in cases.items()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def sm90(tmp_path_factory):
+    nvidia = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (nvidia / "ptxas").exists() or not (nvidia / "cuobjdump").exists():
+        pytest.skip("this Triton build has no bundled ptxas/cuobjdump (the NVIDIA backend's tools)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _CHILD % {"smem": H200_SMEM}, str(tmp_path_factory.mktemp("sm90"))],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["qkv 56 rows", "gate_up 56 rows (deep pipeline)", "down 7 rows + residual"])
+def test_gemm_streams_through_a_pipeline_on_sm90(sm90, case):
+    got = sm90[case]
+    assert got["cp_async"] > 0, f"{case}: no asynchronous copies: the tiles go through registers, unpipelined"
+    # 64-row tiles use Hopper's wgmma; a 16-row tile (7 rows) is below wgmma's 64-row minimum and
+    # runs on mma.sync, the tensor cores' warp-level form. Either way, not the FMA units.
+    if got["block_m"] >= 64:
+        assert got["wgmma"] > 0, f"{case}: no wgmma: the dot is not on Hopper's warpgroup tensor cores"
+    else:
+        assert got["mma_sync"] > 0, f"{case}: no mma.sync: the dot is not on the tensor cores"
+    assert got["stack"] and max(got["stack"]) == 0, f"{case}: register spills ({got['stack']} bytes of stack)"
+    # Multi-buffered: at least (stages - 1) weight tiles resident in shared memory at once.
+    assert got["shared"] >= (got["stages"] - 1) * got["weight_tile"], got
+    assert got["shared"] <= H200_SMEM, got
