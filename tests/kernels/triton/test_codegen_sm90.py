@@ -1,10 +1,11 @@
-"""The skinny GEMM's machine code for an H100/H200 (sm_90), compiled on the CPU: the structure its speed rests on.
+"""The Triton kernels' machine code for an H100/H200 (sm_90), compiled on the CPU: the structure their speed rests on.
 
 Without a GPU the parity tests run in the interpreter, which says nothing about how the kernel
 streams its weights. Triton compiles for sm_90 without one, with its bundled ptxas, so this
 checks, at the plans the real TP-4 shard gets: weight and x tiles stream into shared memory
 through asynchronous copies in a multi-stage pipeline, the dots run on the tensor cores (wgmma
-for 64-row tiles, mma.sync for 16-row ones), nothing spills, and the shared memory fits an H200.
+for 64-row tiles, mma.sync for 16-row ones), nothing spills, and the shared memory fits an
+H200; and the attention's split kernel runs on wgmma without spilling.
 
 The compile sees what the JIT would see at those shapes: 16-byte aligned pointers and sizes and
 strides that are multiples of 16 (without those hints Triton cannot vectorise the loads and
@@ -74,12 +75,44 @@ def compile_case(rows, n, k, swiglu, norm, residual):
                 wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync.aligned"))
 
 
+def compile_attention(reqs):
+    # The split kernel at the shard's heads (16 q, 1 KV, d 128), as paged_window_attention plans it.
+    from dspark_sidecar.kernels.triton import attention
+    fn = attention._split_kernel
+    splits = attention.num_splits(reqs, 1, 4096 + 6, 132)
+    consts = dict(ROWS=7, GROUP=16, D=128, BLOCK_D=128, BM=128, BN=attention.BLOCK_N, SPLITS=splits,
+                  OUT=tl.bfloat16, DOT=tl.bfloat16, IEEE=False, INTERPRET=False, stride_qd=1, stride_cd=1)
+    types = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", seq_ptr="*i32", bt_ptr="*i32", out_ptr="*bf16",
+                 po_ptr="*fp32", pml_ptr="*fp32", qk_scale="fp32")
+    div16 = {"stride_qn", "stride_qh", "stride_c0", "stride_cp", "stride_cs", "stride_ch", "stride_bt"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name, "i32")
+        if name.endswith("_ptr") or name in div16:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    kern = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8, num_stages=attention.NUM_STAGES))
+    cubin = Path(sys.argv[1]) / f"attention{reqs}.cubin"
+    cubin.write_bytes(kern.asm["cubin"])
+    usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    ptx = kern.asm["ptx"]
+    return dict(block_m=128, shared=kern.metadata.shared, stack=[int(w.split(":")[1]) for w in usage.split()
+                                                                 if w.startswith("STACK:")],
+                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync.aligned"))
+
+
 cases = {
     "qkv 56 rows": (56, 2304, 6144, False, True, False),
     "gate_up 56 rows (deep pipeline)": (56, 3072, 6144, True, True, False),
     "down 7 rows + residual": (7, 6144, 3072, False, False, True),
 }
-print(json.dumps({name: compile_case(*args) for name, args in cases.items()}))
+got = {name: compile_case(*args) for name, args in cases.items()}
+got["attention 8 requests"] = compile_attention(8)
+print(json.dumps(got))
 """
 
 
@@ -108,4 +141,12 @@ def test_gemm_streams_through_a_pipeline_on_sm90(sm90, case):
     assert got["stack"] and max(got["stack"]) == 0, f"{case}: register spills ({got['stack']} bytes of stack)"
     # Multi-buffered: at least (stages - 1) weight tiles resident in shared memory at once.
     assert got["shared"] >= (got["stages"] - 1) * got["weight_tile"], got
+    assert got["shared"] <= H200_SMEM, got
+
+
+def test_attention_split_kernel_on_sm90(sm90):
+    """The [112 -> 128 rows, 128] accumulator and a [128, 64] score tile in 8 warps: wgmma, no spills."""
+    got = sm90["attention 8 requests"]
+    assert got["wgmma"] > 0, got
+    assert got["stack"] and max(got["stack"]) == 0, f"register spills: {got['stack']} bytes of stack"
     assert got["shared"] <= H200_SMEM, got
