@@ -45,6 +45,16 @@ def _add_residual(acc, res_ptrs, mask, OUT: tl.constexpr, INTERPRET: tl.constexp
 
 
 @triton.jit
+def row_norm_scale(sq_ptr, stride_s, splits, row, k, eps):
+    """rsqrt(mean(x_row^2) + eps) from the row's split partial sums of squares, summed in split
+    order: the one computation every consumer of the partials (finalize, prelude) shares."""
+    ssq = tl.load(sq_ptr + row)
+    for s in range(1, splits):
+        ssq += tl.load(sq_ptr + s * stride_s + row)
+    return tl.rsqrt(ssq / k + eps)
+
+
+@triton.jit
 def _dequant(w, e, DOT: tl.constexpr):
     """F8_E4M3 tile times 2^(e - 127) per element, exact in bf16; e (u8) placed in the fp32
     exponent field (e = 0 flushes to 0)."""
@@ -141,10 +151,7 @@ def _finalize_kernel(
         if SWIGLU:
             up += tl.load(base + N + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        sq = tl.load(sq_ptr + row)
-        for s in range(1, SPLIT):
-            sq += tl.load(sq_ptr + s * M + row)
-        inv = tl.rsqrt(sq / K + eps)
+        inv = row_norm_scale(sq_ptr, M, SPLIT, row, K, eps)
         acc = acc * inv
         up = up * inv
     if SWIGLU:
@@ -182,9 +189,6 @@ MAX_STAGES = 8
 MIN_STAGES = 3
 DEEP_SMEM = 200 << 10
 SMEM_RESERVE = 16 << 10  # left to the compiler (epilogue layout conversions) below the device limit
-# When > 0: a GEMM whose columns alone give >= 1 program per SM at this narrower column tile
-# runs unsplit (no workspace, no finalize launch) at the cost of re-reading x once per tile.
-UNSPLIT_BLOCK_N = 0
 
 
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
@@ -201,8 +205,6 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     # 1-byte weights: twice the K per tile, so a stage still carries as many weight bytes.
     bn, bk = block_n or BLOCK_N, block_k or (BLOCK_K * 2 // weight_bytes if weight_bytes <= 2 else BLOCK_K)
-    if block_n is None and UNSPLIT_BLOCK_N and triton.cdiv(n, UNSPLIT_BLOCK_N) * triton.cdiv(m, bm) >= sms:
-        bn, programs_per_sm = UNSPLIT_BLOCK_N, 1
     stage = bm * bk * 2 + (2 if swiglu else 1) * bk * bn * weight_bytes
     stages = SMEM_PER_PROGRAM // stage
     if programs_per_sm is None and DEEP_SMEM and stages < MIN_STAGES:
@@ -250,7 +252,7 @@ class Partials:
 
     ws fp32 [split, m, n]: the K-range partials of (x * (1 + w)) @ W^T; sq fp32 [split, m]: the
     partial sums of x^2. Its value, as `_finalize_kernel` computes it:
-    round_to(dtype)(sum_s ws[s] * rsqrt(sum_s sq[s] / k + eps)), partials summed in split order.
+    round_to(dtype)(sum_s ws[s] * row_norm_scale(sq, ..., k, eps)), partials summed in split order.
     """
 
     ws: torch.Tensor
@@ -271,8 +273,13 @@ def norm_linear_partials(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, no
     return Partials(ws, sq, x.shape[1], eps, x.dtype)
 
 
+def _stored(weight: torch.Tensor | MxFp8Weight) -> torch.Tensor:
+    """The tensor the kernel streams: the dense weight, or an MxFp8Weight's F8_E4M3 bits."""
+    return weight.qweight if isinstance(weight, MxFp8Weight) else weight
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu) -> tuple[int, int]:
-    w = weight.qweight if isinstance(weight, MxFp8Weight) else weight
+    w = _stored(weight)
     check_device(x, w)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemm: x {list(x.shape)} and weight {list(w.shape)} do not chain")
@@ -282,7 +289,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu) -> tuple
 def _tiling(x: torch.Tensor, weight, n: int, swiglu: bool, config: GemmConfig | None) -> tuple[GemmConfig, int, int]:
     """(config, K-ranges actually used, K per range: a multiple of block_k)."""
     m, k = x.shape
-    wbytes = weight.qweight.element_size() if isinstance(weight, MxFp8Weight) else weight.element_size()
+    wbytes = _stored(weight).element_size()
     cfg = config or plan(m, n, k, sms_of(x), swiglu=swiglu, weight_bytes=wbytes, max_smem=smem_of(x))
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     return cfg, triton.cdiv(k, k_per), k_per
@@ -299,7 +306,7 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
             sq: torch.Tensor, residual: torch.Tensor | None) -> None:
     """One `_gemm_kernel` launch into target: out [M, N] (direct epilogue) or a workspace [split, M, N]."""
     fp8 = isinstance(weight, MxFp8Weight)
-    w = weight.qweight if fp8 else weight
+    w = _stored(weight)
     scale = weight.scale if fp8 else w
     m, k = x.shape
     n = w.shape[0] // 2 if swiglu else w.shape[0]

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_sidecar.kernels.triton.gemm import Partials
+from dspark_sidecar.kernels.triton.gemm import Partials, row_norm_scale
 from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, tl_dtype
 
 
@@ -82,10 +82,7 @@ def _prelude_kernel(
     head_ptr = x_ptr + row * stride_xn + j * stride_xh
     inv_in = 1.0
     if PARTIAL:
-        ssq = tl.load(sq_ptr + row)
-        for sp in range(1, splits):
-            ssq += tl.load(sq_ptr + sp * stride_sq + row)
-        inv_in = tl.rsqrt(ssq / k_in + eps_in)
+        inv_in = row_norm_scale(sq_ptr, stride_sq, splits, row, k_in, eps_in)
     if j < Q_HEADS:
         y = _norm_rope(head_ptr, stride_xd, stride_xs, splits, inv_in, qn_ptr, cos_row, sin_row, eps, D, HALF,
                        BLOCK_D, PARTIAL, OUT, INTERPRET)
