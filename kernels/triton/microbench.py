@@ -266,7 +266,6 @@ TUNE = (
     ("gemm block_k 32", {"gemm": {"BLOCK_K": 32}}),
     ("gemm 1 program/SM", {"gemm": {"PROGRAMS_PER_SM": 1}}),
     ("gemm 3 programs/SM", {"gemm": {"PROGRAMS_PER_SM": 3}}),
-    ("gemm unsplit at block_n 32 (o, down)", {"gemm": {"UNSPLIT_BLOCK_N": 32}}),
     ("attention >= 2 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 2}}),
     ("attention block_n 32", {"attention": {"BLOCK_N": 32}}),
     ("attention 3 stages", {"attention": {"NUM_STAGES": 3}}),
