@@ -35,6 +35,8 @@ MISSED_WAKE_S = 2e-3
 def nap_for(device_type: str) -> float:
     """The poll interval while steps flow, for ranks computing on `device_type` ("cuda" or "cpu")."""
     return NAP_S if device_type == "cuda" else CPU_NAP_S
+
+
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()
 

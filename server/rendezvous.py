@@ -24,6 +24,8 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
+# Polling (with 1 us timer slack, see proto/doorbell.py): a rank waiting for its verdict naps;
+# the coordinator naps while steps flow and sleeps longer once the ranks have been quiet a while.
 from dspark_sidecar.proto.doorbell import NAP_S, lower_timer_slack, pause
 
 MAGIC = 0x44535052  # "DSPR"
@@ -32,8 +34,6 @@ RING = 64
 GO, ABORT, GO_FAST = 1, 2, 3  # GO_FAST: go, and every rank can run the step on its fast path
 # Abort reasons
 MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE = range(1, 8)
-# Polling (with 1 us timer slack, see proto/doorbell.py): a rank waiting for its verdict naps;
-# the coordinator naps while steps flow and sleeps longer once the ranks have been quiet a while.
 
 
 @dataclass(frozen=True)
