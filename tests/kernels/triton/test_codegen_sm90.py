@@ -42,67 +42,55 @@ DIV16 = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride
 UNIT = {"stride_xk": 1, "stride_wk": 1, "stride_sk": 1, "stride_on": 1}
 
 
-def compile_case(rows, n, k, swiglu, norm, residual):
-    cfg = gemm.plan(rows, n, k, 132, swiglu=swiglu, max_smem=%(smem)d)
-    partial = cfg.split_k > 1
-    fn = gemm._gemm_kernel
-    consts = dict(HAS_NORM=norm, FP8=False, QBLOCK=1, SWIGLU=swiglu, PARTIAL=partial, HAS_RES=residual and not partial,
-                  DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                  INTERPRET=False, **UNIT)
+def build(fn, consts, types, div16, name, num_warps, num_stages):
+    # fn compiled for sm_90 as the JIT would at the shard's shapes -> PTX counts, shared and stack
+    # bytes. types: the non-constexpr arguments' Triton types (others i32); pointers and the
+    # div16 names get the JIT's 16-divisibility hint.
     sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
+    for i, arg in enumerate(fn.arg_names):
+        if arg in consts:
+            sig[arg] = "constexpr"
             continue
-        if name.endswith("_ptr"):
-            sig[name] = "*fp32" if partial and name in ("out_ptr", "sq_ptr") else "*bf16"
+        sig[arg] = types.get(arg, "i32")
+        if sig[arg].startswith("*") or arg in div16:
             attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32" if name in ("eps", "alpha", "limit") else "i32"
-            if name in DIV16:
-                attrs[(i,)] = [["tt.divisibility", 16]]
     kern = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    ptx = kern.asm["ptx"]
-    cubin = Path(sys.argv[1]) / f"{rows}x{n}x{k}.cubin"
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    cubin = Path(sys.argv[1]) / f"{name}.cubin"
     cubin.write_bytes(kern.asm["cubin"])
     usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
-    stack = [int(w.split(":")[1]) for w in usage.split() if w.startswith("STACK:")]
-    weight_tile = cfg.block_k * cfg.block_n * 2 * (2 if swiglu else 1)
-    return dict(stages=cfg.num_stages, weight_tile=weight_tile, shared=kern.metadata.shared, stack=stack,
-                block_m=cfg.block_m, cp_async=ptx.count("cp.async.cg.shared.global"),
-                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync.aligned"))
+    ptx = kern.asm["ptx"]
+    return dict(shared=kern.metadata.shared, stack=[int(w.split(":")[1]) for w in usage.split() if w.startswith("STACK:")],
+                cp_async=ptx.count("cp.async.cg.shared.global"), wgmma=ptx.count("wgmma.mma_async"),
+                mma_sync=ptx.count("mma.sync.aligned"))
+
+
+def compile_case(rows, n, k, swiglu, norm, residual):
+    cfg = gemm.plan(rows, n, k, 132, swiglu=swiglu, max_smem=%(smem)d)
+    partial = cfg.split_k > 1
+    consts = dict(HAS_NORM=norm, FP8=False, QBLOCK=1, SWIGLU=swiglu, PARTIAL=partial, HAS_RES=residual and not partial,
+                  DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                  INTERPRET=False, **UNIT)
+    out = "*fp32" if partial else "*bf16"
+    types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", res_ptr="*bf16", out_ptr=out,
+                 sq_ptr=out, eps="fp32", alpha="fp32", limit="fp32")
+    got = build(gemm._gemm_kernel, consts, types, DIV16, f"{rows}x{n}x{k}", cfg.num_warps, cfg.num_stages)
+    return dict(got, stages=cfg.num_stages, block_m=cfg.block_m,
+                weight_tile=cfg.block_k * cfg.block_n * 2 * (2 if swiglu else 1))
 
 
 def compile_attention(reqs):
     # The split kernel at the shard's heads (16 q, 1 KV, d 128), as paged_window_attention plans it.
     from dspark_sidecar.kernels.triton import attention
-    fn = attention._split_kernel
     splits = attention.num_splits(reqs, 1, 4096 + 6, 132)
     consts = dict(ROWS=7, GROUP=16, D=128, BLOCK_D=128, BM=128, BN=attention.BLOCK_N, SPLITS=splits,
                   OUT=tl.bfloat16, DOT=tl.bfloat16, IEEE=False, INTERPRET=False, stride_qd=1, stride_cd=1)
     types = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", seq_ptr="*i32", bt_ptr="*i32", out_ptr="*bf16",
                  po_ptr="*fp32", pml_ptr="*fp32", qk_scale="fp32")
     div16 = {"stride_qn", "stride_qh", "stride_c0", "stride_cp", "stride_cs", "stride_ch", "stride_bt"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = types.get(name, "i32")
-        if name.endswith("_ptr") or name in div16:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    kern = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=8, num_stages=attention.NUM_STAGES))
-    cubin = Path(sys.argv[1]) / f"attention{reqs}.cubin"
-    cubin.write_bytes(kern.asm["cubin"])
-    usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
-                           check=True).stdout
-    ptx = kern.asm["ptx"]
-    return dict(block_m=128, shared=kern.metadata.shared, stack=[int(w.split(":")[1]) for w in usage.split()
-                                                                 if w.startswith("STACK:")],
-                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync.aligned"))
+    got = build(attention._split_kernel, consts, types, div16, f"attention{reqs}", 8, attention.NUM_STAGES)
+    return dict(got, block_m=128)
 
 
 cases = {
