@@ -269,16 +269,26 @@ TUNE = (
     ("attention >= 2 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 2}}),
     ("attention block_n 32", {"attention": {"BLOCK_N": 32}}),
     ("attention 3 stages", {"attention": {"NUM_STAGES": 3}}),
+    ("norm GEMMs prescale x at every row count", {"gemm": {"PRESCALE_MIN_ROWS": 0}}),
+    ("norm GEMMs prescale x never (in the K loop)", {"gemm": {"PRESCALE_MIN_ROWS": 1 << 30}}),
+    ("attention 2 programs/SM", {"attention": {"PROGRAMS_PER_SM": 2}}),
+    ("attention 4 programs/SM", {"attention": {"PROGRAMS_PER_SM": 4}}),
+    ("attention block_n 128", {"attention": {"BLOCK_N": 128}}),
+    ("attention 2 programs/SM, block_n 128", {"attention": {"PROGRAMS_PER_SM": 2, "BLOCK_N": 128}}),
     ("defaults again (noise)", {}),
 )
 
 
-def tune(rows_list: list[int], context: int, bw: float, dev: torch.device) -> list[dict]:
-    """Time the step once per TUNE row (each a set of tunables over the defaults), restoring after."""
+def tune(rows_list: list[int], context: int, bw: float, dev: torch.device, match: list[str] | None = None) -> list[dict]:
+    """Time the step once per TUNE row (each a set of tunables over the defaults), restoring after.
+
+    match: only the rows whose label contains one of these (the defaults rows always run)."""
     modules = {"gemm": gemm, "attention": attention}
+    rows_run = [(label, c) for label, c in TUNE
+                if not match or label.startswith("defaults") or any(m in label for m in match)]
     out = []
     for rows in rows_list:
-        for label, changes in TUNE:
+        for label, changes in rows_run:
             saved = {(m, k): getattr(modules[m], k) for m, kv in changes.items() for k in kv}  # no such tunable: raises
             try:
                 for m, kv in changes.items():
@@ -321,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep", action="store_true", help="also time a few GEMM tilings and attention splits")
     ap.add_argument("--no-step", action="store_true", help="skip the 5-layer step figures")
     ap.add_argument("--tune", action="store_true", help="only time the step under each TUNE row of tunables")
+    ap.add_argument("--tune-match", nargs="+", help="with --tune: only TUNE rows whose label contains one of these")
     ap.add_argument("--profile", action="store_true", help="only print the step's per-kernel GPU times")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
@@ -334,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
             profile(rows, args.context, dev)
         return
     if args.tune:
-        results = tune(args.rows, args.context, bw, dev)
+        results = tune(args.rows, args.context, bw, dev, args.tune_match)
     for rows in [] if args.tune else args.rows:
         results += bench_ops(rows, args.context, bw, dev, args.sweep)
         if not args.no_step:
