@@ -1,12 +1,11 @@
-"""Skinny GEMM for 7..224 rows: y = [swiglu](rms_norm(x) @ W^T), bf16 or MXFP8 weights, split-K over all SMs.
+"""Skinny GEMM for 7..56 rows: y = [swiglu](rms_norm(x) @ W^T), bf16 or MXFP8 weights, split-K over all SMs.
 
 With so few rows the step is bound by streaming the weights from HBM, so the grid has many
 column tiles times `split_k` K-ranges (>= 2 programs per SM) and each program streams its
 [block_k, block_n] weight tiles once. The RMSNorm is fused by linearity: for row r,
   (x_r * inv_r * (1 + w)) @ W^T = inv_r * ((x_r * (1 + w)) @ W^T),  inv_r = rsqrt(mean(x_r^2) + eps),
 so every program accumulates sum(x^2) over the K-range it already loads and the per-row
-scale is applied in the epilogue; no pass over x precedes the GEMM up to PRESCALE_MIN_ROWS rows
-(past it, one short kernel scales x and sums its squares first). With split_k > 1 the
+scale is applied in the epilogue; no pass over x precedes the GEMM. With split_k > 1 the
 programs write fp32 partials (and partial sums of squares) to a workspace that
 `_finalize_kernel` sums in a fixed order (deterministic, no atomics), then scales, applies
 SwiGLU-OAI or adds the residual stream (o_proj, down_proj: no separate add launch), and
@@ -69,15 +68,14 @@ def _gemm_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
     stride_os, stride_om, stride_on, stride_rm,
     eps, alpha, limit,
-    HAS_NORM: tl.constexpr, PRESCALED: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr,
-    SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, HAS_RES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-    OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_NORM: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, SWIGLU: tl.constexpr,
+    PARTIAL: tl.constexpr, HAS_RES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, OUT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (column tile, K-range, row tile). x [M, K]; W [N or 2N, K] (gate rows first when SWIGLU).
 
     PARTIAL: out is the fp32 workspace [split, M, N or 2N] and sq_ptr [split, M]; else out [M, N]
-    (+ the residual [M, N] when HAS_RES). PRESCALED (with HAS_NORM): x is already x * (1 + w) and
-    sq_ptr [1, M] holds its rows' sums of squares (`_prescale_kernel`): the loop only streams.
+    (+ the residual [M, N] when HAS_RES).
     """
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -93,7 +91,7 @@ def _gemm_kernel(
         k_mask = offs_k < k_hi
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if HAS_NORM and not PRESCALED:
+        if HAS_NORM:
             sq += tl.sum(x * x, axis=1)
             nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             x = x * (1.0 + nw)[None, :]
@@ -119,13 +117,11 @@ def _gemm_kernel(
         tl.store(base + o_off, acc, mask=out_mask)
         if SWIGLU:
             tl.store(base + N * stride_on + o_off, acc_up, mask=out_mask)
-        if HAS_NORM and not PRESCALED:
+        if HAS_NORM:
             if pid_n == 0:
                 tl.store(sq_ptr + pid_s * M + offs_m, sq, mask=m_mask)
     else:
         if HAS_NORM:
-            if PRESCALED:
-                sq = tl.load(sq_ptr + offs_m, mask=m_mask, other=0.0)
             inv = tl.rsqrt(sq / K + eps)
             acc = acc * inv[:, None]
             acc_up = acc_up * inv[:, None]
@@ -138,7 +134,7 @@ def _gemm_kernel(
 
 @triton.jit
 def _finalize_kernel(
-    ws_ptr, sq_ptr, out_ptr, res_ptr, M, N, K, SPLIT, SQ_SPLIT, stride_ws_s, stride_ws_m, stride_om, stride_rm,
+    ws_ptr, sq_ptr, out_ptr, res_ptr, M, N, K, SPLIT, stride_ws_s, stride_ws_m, stride_om, stride_rm,
     eps, alpha, limit,
     HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, OUT: tl.constexpr,
     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
@@ -155,7 +151,7 @@ def _finalize_kernel(
         if SWIGLU:
             up += tl.load(base + N + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inv = row_norm_scale(sq_ptr, M, SQ_SPLIT, row, K, eps)
+        inv = row_norm_scale(sq_ptr, M, SPLIT, row, K, eps)
         acc = acc * inv
         up = up * inv
     if SWIGLU:
@@ -163,22 +159,6 @@ def _finalize_kernel(
     if HAS_RES:
         acc = _add_residual(acc, res_ptr + row * stride_rm + offs, mask, OUT, INTERPRET)
     tl.store(out_ptr + row * stride_om + offs, cast(acc, OUT, INTERPRET), mask=mask)
-
-
-@triton.jit
-def _prescale_kernel(x_ptr, nw_ptr, out_ptr, sq_ptr, K, stride_xm, stride_om,
-                     OUT: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """Program (row): out = x * (1 + w) rounded as the GEMM loop rounds it, sq = the row's sum of x^2 (fp32)."""
-    row = tl.program_id(0)
-    acc = tl.zeros((BLOCK_K,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        mask = offs < K
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-        acc += x * x
-        w = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_om + offs, cast(x * (1.0 + w), OUT, INTERPRET), mask=mask)
-    tl.store(sq_ptr + row, tl.sum(acc, axis=0))
 
 
 @dataclass(frozen=True)
@@ -199,13 +179,6 @@ PROGRAMS_PER_SM = 2
 MIN_K_TILES_PER_SPLIT = 4
 BLOCK_N = 128  # measured on an H200: 1-5% faster steps than 64 (x re-read from L2 once per column tile)
 BLOCK_K = 64
-# A norm-fused GEMM of more than PRESCALE_MIN_ROWS rows scales x by (1 + w) and sums its squares
-# once, in `_prescale_kernel`, instead of in every column tile's K loop: the in-loop scaling feeds
-# the dot from registers, which on an H200 costs more the more rows there are (qkv at 224 rows:
-# 55.8 us in the loop, 23.9 us without it; at 56 rows 19.1 against 15.7). Whole step (microbench
-# --tune): 224 rows 1327 -> 950 us; at 7 and 56 rows the extra launch ate the gain (440 and 542 us
-# prescaled against 408-426 and 536-548 in the loop), hence the threshold.
-PRESCALE_MIN_ROWS = 64
 SMEM_PER_PROGRAM = 100 << 10  # an H100/H200 SM has 228 KB
 MAX_STAGES = 8
 # A GEMM whose stage is so large that fewer than MIN_STAGES fit in SMEM_PER_PROGRAM (gate|up at
@@ -263,13 +236,11 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     if m == 0:
         return out
     cfg, split, k_per = _tiling(x, weight, n, swiglu is not None, config)
-    x, pre_sq = _prescale(x, norm_weight)
     if split == 1:
-        _launch(x, weight, norm_weight, eps, swiglu, cfg, k_per, out, out if pre_sq is None else pre_sq, residual,
-                pre_sq is not None)
+        _launch(x, weight, norm_weight, eps, swiglu, cfg, k_per, out, out, residual)
     else:
-        ws, sq = _workspace(x, weight, split, pre_sq)
-        _launch(x, weight, norm_weight, eps, swiglu, cfg, k_per, ws, sq, None, pre_sq is not None)
+        ws, sq = _workspace(x, weight, split)
+        _launch(x, weight, norm_weight, eps, swiglu, cfg, k_per, ws, sq, None)
         _finalize(ws, sq, out, n, x.shape[1], split, eps, *(swiglu or (0.0, 0.0)), norm_weight is not None,
                   swiglu is not None, residual)
     return out
@@ -279,10 +250,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
 class Partials:
     """A norm_linear left unfinished for the kernel that consumes it (the attention prelude), one launch less.
 
-    ws fp32 [split, m, n]: the K-range partials of (x * (1 + w)) @ W^T; sq fp32 [split or 1, m]: the
-    partial sums of x^2 (one row of full sums when x was prescaled). Its value, as
-    `_finalize_kernel` computes it: round_to(dtype)(sum_s ws[s] * row_norm_scale(sq, ..., k, eps)),
-    partials summed in split order.
+    ws fp32 [split, m, n]: the K-range partials of (x * (1 + w)) @ W^T; sq fp32 [split, m]: the
+    partial sums of x^2. Its value, as `_finalize_kernel` computes it:
+    round_to(dtype)(sum_s ws[s] * row_norm_scale(sq, ..., k, eps)), partials summed in split order.
     """
 
     ws: torch.Tensor
@@ -297,10 +267,9 @@ def norm_linear_partials(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, no
     """The GEMM of norm_linear without its finalize: x [M, K], weight [N, K] -> Partials of [M, N]."""
     m, n = _check(x, weight, None)
     cfg, split, k_per = _tiling(x, weight, n, False, config)
-    x, pre_sq = _prescale(x, norm_weight) if m else (x, None)
-    ws, sq = _workspace(x, weight, split, pre_sq)
+    ws, sq = _workspace(x, weight, split)
     if m:
-        _launch(x, weight, norm_weight, eps, None, cfg, k_per, ws, sq, None, pre_sq is not None)
+        _launch(x, weight, norm_weight, eps, None, cfg, k_per, ws, sq, None)
     return Partials(ws, sq, x.shape[1], eps, x.dtype)
 
 
@@ -326,27 +295,15 @@ def _tiling(x: torch.Tensor, weight, n: int, swiglu: bool, config: GemmConfig | 
     return cfg, triton.cdiv(k, k_per), k_per
 
 
-def _workspace(x: torch.Tensor, weight, split: int, sq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 partials [split, M, rows of weight] and partial sums of squares [split, M] (or the prescale's [1, M])."""
+def _workspace(x: torch.Tensor, weight, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partials [split, M, rows of weight] and partial sums of squares [split, M]."""
     n_tot = weight.shape[0]
-    ws = torch.empty((split, x.shape[0], n_tot), dtype=torch.float32, device=x.device)
-    return ws, sq if sq is not None else torch.empty((split, x.shape[0]), dtype=torch.float32, device=x.device)
-
-
-def _prescale(x: torch.Tensor, norm_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x * (1 + w) [M, K] in x.dtype, sums of squares fp32 [1, M]) past PRESCALE_MIN_ROWS rows; else (x, None)."""
-    m, k = x.shape
-    if norm_weight is None or m <= PRESCALE_MIN_ROWS:
-        return x, None
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    sq = torch.empty((1, m), dtype=torch.float32, device=x.device)
-    _prescale_kernel[(m,)](x, norm_weight, out, sq, k, x.stride(0), out.stride(0), OUT=tl_dtype(x.dtype),
-                           BLOCK_K=min(1024, triton.next_power_of_2(k)), INTERPRET=INTERPRET, num_warps=4)
-    return out, sq
+    return (torch.empty((split, x.shape[0], n_tot), dtype=torch.float32, device=x.device),
+            torch.empty((split, x.shape[0]), dtype=torch.float32, device=x.device))
 
 
 def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, target: torch.Tensor,
-            sq: torch.Tensor, residual: torch.Tensor | None, prescaled: bool = False) -> None:
+            sq: torch.Tensor, residual: torch.Tensor | None) -> None:
     """One `_gemm_kernel` launch into target: out [M, N] (direct epilogue) or a workspace [split, M, N]."""
     fp8 = isinstance(weight, MxFp8Weight)
     w = _stored(weight)
@@ -363,7 +320,7 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
         x, x if norm_weight is None else norm_weight, w, scale, target, sq, res, m, n, k, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
         so[0], so[1], so[2], res.stride(0), eps, alpha, limit,
-        HAS_NORM=norm_weight is not None, PRESCALED=prescaled, FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
+        HAS_NORM=norm_weight is not None, FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
         PARTIAL=partial, HAS_RES=residual is not None, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(x.dtype),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -376,8 +333,7 @@ def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: 
     block = min(256, triton.next_power_of_2(n))  # many small programs: the sums are latency-bound
     res = out if residual is None else residual
     _finalize_kernel[(m, triton.cdiv(n, block))](
-        ws, sq, out, res, m, n, k, split, sq.shape[0] if has_norm else 1, ws.stride(0), ws.stride(1), out.stride(0),
-        res.stride(0),
+        ws, sq, out, res, m, n, k, split, ws.stride(0), ws.stride(1), out.stride(0), res.stride(0),
         eps, alpha, limit,
         HAS_NORM=has_norm, SWIGLU=swiglu, HAS_RES=residual is not None, OUT=tl_dtype(out.dtype),
         BLOCK_N=block, INTERPRET=INTERPRET, num_warps=4,

@@ -269,8 +269,6 @@ TUNE = (
     ("attention >= 2 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 2}}),
     ("attention block_n 32", {"attention": {"BLOCK_N": 32}}),
     ("attention 3 stages", {"attention": {"NUM_STAGES": 3}}),
-    ("norm GEMMs prescale x at every row count", {"gemm": {"PRESCALE_MIN_ROWS": 0}}),
-    ("norm GEMMs prescale x never (in the K loop)", {"gemm": {"PRESCALE_MIN_ROWS": 1 << 30}}),
     ("attention 2 programs/SM", {"attention": {"PROGRAMS_PER_SM": 2}}),
     ("attention 4 programs/SM", {"attention": {"PROGRAMS_PER_SM": 4}}),
     ("attention block_n 128", {"attention": {"BLOCK_N": 128}}),

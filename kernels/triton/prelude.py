@@ -65,7 +65,7 @@ def _prelude_kernel(
     qn_ptr, kn_ptr, cos_ptr, sin_ptr, stride_cn,
     q_ptr, stride_qn, stride_qh, stride_qd,
     kv_ptr, stride_c0, stride_cp, stride_cs, stride_ch, stride_cd, page_size,
-    slot_ptr, eps, stride_xs, splits, sq_ptr, stride_sq, sq_splits, k_in, eps_in,
+    slot_ptr, eps, stride_xs, splits, sq_ptr, stride_sq, k_in, eps_in,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_D: tl.constexpr, OUT: tl.constexpr, CACHE: tl.constexpr, PARTIAL: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -73,7 +73,7 @@ def _prelude_kernel(
     """Program (row, head j): j < Q_HEADS a q head, else k head j - Q_HEADS (and its v head).
 
     PARTIAL: x_ptr is the fp32 workspace [splits, n, width] (stride_xs apart) and sq_ptr the
-    partial sums of squares [sq_splits, n] of the GEMM's input rows (k_in wide, norm eps_in).
+    partial sums of squares [splits, n] of the GEMM's input rows (k_in wide, norm eps_in).
     """
     row, j = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -82,7 +82,7 @@ def _prelude_kernel(
     head_ptr = x_ptr + row * stride_xn + j * stride_xh
     inv_in = 1.0
     if PARTIAL:
-        inv_in = row_norm_scale(sq_ptr, stride_sq, sq_splits, row, k_in, eps_in)
+        inv_in = row_norm_scale(sq_ptr, stride_sq, splits, row, k_in, eps_in)
     if j < Q_HEADS:
         y = _norm_rope(head_ptr, stride_xd, stride_xs, splits, inv_in, qn_ptr, cos_row, sin_row, eps, D, HALF,
                        BLOCK_D, PARTIAL, OUT, INTERPRET)
@@ -142,15 +142,14 @@ def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: tor
     q = torch.empty((n, q_heads, d), dtype=dtype, device=x.device)
     if n:
         cos, sin = cos.contiguous(), sin.contiguous()
-        # Partials: workspace [splits, n, width] and sums of squares [splits or 1, n]; else one plain tensor.
+        # Partials: workspace [splits, n, width] and sums of squares [splits, n]; else one plain tensor.
         xs, splits, sq, k_in, eps_in = ((x.stride(0), x.shape[0], qkv.sq, qkv.k, qkv.eps) if partial
                                         else (0, 1, x, 1, 0.0))
         _prelude_kernel[(n, q_heads + kv_heads)](
             x, x.stride(-2), d * x.stride(-1), x.stride(-1),
             q_norm, k_norm, cos, sin, cos.stride(0),
             q, q.stride(0), q.stride(1), q.stride(2),
-            *_cache_args(kv_layer), slots, eps, xs, splits, sq, sq.stride(0), sq.shape[0] if partial else 1, k_in,
-            eps_in,
+            *_cache_args(kv_layer), slots, eps, xs, splits, sq, sq.stride(0), k_in, eps_in,
             Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, HALF=cos.shape[-1],
             BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(dtype), CACHE=tl_dtype(kv_layer.dtype),
             PARTIAL=partial, INTERPRET=INTERPRET, num_warps=1,
@@ -170,7 +169,7 @@ def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, 
             x, x.stride(0), x.stride(1), x.stride(2),
             norm_weight, norm_weight, cos, sin, cos.stride(0),
             out, out.stride(0), out.stride(1), out.stride(2),
-            x, 0, 0, 0, 0, 0, 1, x, eps, 0, 1, x, 0, 1, 1, 0.0,
+            x, 0, 0, 0, 0, 0, 1, x, eps, 0, 1, x, 0, 1, 0.0,
             Q_HEADS=heads, KV_HEADS=0, D=d, HALF=cos.shape[-1],
             BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(x.dtype), CACHE=tl_dtype(x.dtype),
             PARTIAL=False, INTERPRET=INTERPRET, num_warps=1,

@@ -39,16 +39,6 @@ def device(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=["in-loop", "prescaled"])
-def norm_path(request, monkeypatch) -> str:
-    """Both ways a norm-fused GEMM scales x: in every column tile's K loop, or once up front
-    (`gemm._prescale_kernel`, the default past gemm.PRESCALE_MIN_ROWS rows), whatever the rows."""
-    from dspark_sidecar.kernels.triton import gemm
-
-    monkeypatch.setattr(gemm, "PRESCALE_MIN_ROWS", 1 << 30 if request.param == "in-loop" else 0)
-    return request.param
-
-
 @pytest.fixture
 def cuda() -> str:
     """For the real-shape tests: the GPU only (they are too large for the interpreter)."""

@@ -69,7 +69,7 @@ def build(fn, consts, types, div16, name, num_warps, num_stages):
 def compile_case(rows, n, k, swiglu, norm, residual):
     cfg = gemm.plan(rows, n, k, 132, swiglu=swiglu, max_smem=%(smem)d)
     partial = cfg.split_k > 1
-    consts = dict(HAS_NORM=norm, PRESCALED=False, FP8=False, QBLOCK=1, SWIGLU=swiglu, PARTIAL=partial, HAS_RES=residual and not partial,
+    consts = dict(HAS_NORM=norm, FP8=False, QBLOCK=1, SWIGLU=swiglu, PARTIAL=partial, HAS_RES=residual and not partial,
                   DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                   INTERPRET=False, **UNIT)
     out = "*fp32" if partial else "*bf16"

@@ -14,7 +14,7 @@ from dspark_sidecar.kernels.triton.weights import MxFp8Weight  # noqa: E402
 
 EPS, ALPHA, LIMIT = 1e-6, 1.702, 7.0
 # (rows, in, out): one block, three blocks with ragged K/N tiles, a full launch of 8 requests,
-# 20 requests (three row tiles of 64, the last ragged).
+# 20 requests (three row tiles of 64, the last ragged: the GEMM takes any row count).
 SHAPES = [(7, 256, 96), (21, 320, 200), (56, 128, 64), (140, 128, 96)]
 # None: the planner's choice; then one K-range (direct epilogue) and three (workspace + finalize).
 CONFIGS = {"plan": None, "split1": gemm.GemmConfig(32, 32, 64, 1), "split3": gemm.GemmConfig(16, 64, 64, 3)}
@@ -31,7 +31,7 @@ def _inputs(rows: int, k: int, n: int, dtype: torch.dtype, device: str, seed: in
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_linear_ops(device, shape, dtype, seed, norm_path, parity):
+def test_linear_ops(device, shape, dtype, seed, parity):
     x, w, nw = _inputs(*shape, dtype, device, seed)
     refs = (reference.linear(x, w), reference.norm_linear(x, nw, EPS, w),
             reference.norm_linear_swiglu(x, nw, EPS, w, ALPHA, LIMIT))
@@ -43,7 +43,7 @@ def test_linear_ops(device, shape, dtype, seed, norm_path, parity):
 
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
-def test_split_k_and_fp8(device, config, fp8, norm_path, parity):
+def test_split_k_and_fp8(device, config, fp8, parity):
     """Every epilogue path (direct, split-K workspace) with bf16 and MXFP8 weights."""
     x, w, nw = _inputs(21, 320, 200, torch.bfloat16, device, seed=2)
     weight = MxFp8Weight.quantize(w) if fp8 else w
@@ -142,7 +142,7 @@ REAL = {"qkv": (2304, 6144, "norm"), "o_proj": (6144, 2048, "plain"),
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
-@pytest.mark.parametrize("rows", [7, 56, 224])  # 224 = 32 requests: 4 row tiles, x prescaled
+@pytest.mark.parametrize("rows", [7, 56])
 @pytest.mark.parametrize("name", list(REAL))
 def test_real_shapes(cuda, name, rows, fp8, parity):
     n, k, kind = REAL[name]
