@@ -87,7 +87,7 @@ def window_metadata_into(positions: np.ndarray, seq_lens: np.ndarray, block_tabl
                          rows: int = layout.QPR) -> None:
     """`window_metadata` in NumPy, written into caller-owned arrays (the sidecar's pinned staging).
 
-    positions int64 [n], seq_lens [R], block_tables [R, max_pages] -> rel_out int64 [n],
+    positions int64 [n] (or [R, rows]), seq_lens [R], block_tables [R, max_pages] -> rel_out int64 [n],
     lens_out int32 [R], table_out int32 [R, window_width]. Same numbers as the torch version;
     a few microseconds where torch's per-op dispatch costs tens, on every step.
     """

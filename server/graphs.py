@@ -23,6 +23,7 @@ import torch
 from dspark_sidecar import layout
 from dspark_sidecar.drafter.kv_cache import StepMetadata, window_metadata_into, window_width
 from dspark_sidecar.drafter.model import DSparkDrafter
+from dspark_sidecar.server.validate import HostMeta
 
 log = logging.getLogger("dspark_sidecar.server")
 
@@ -66,23 +67,23 @@ class StepGraphs:
         # looking it up costs ~6 us per call, so once here.
         self._stream = torch.cuda.current_stream(model.device)
 
-    def run(self, embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
-            kv: list[torch.Tensor]) -> torch.Tensor:
-        """embeds [n, hidden] on the device; positions/meta on the host. Returns the graph's output
-        buffer [n, hidden] (valid until the next step)."""
+    def run(self, embeds: torch.Tensor, host: HostMeta, kv: list[torch.Tensor]) -> torch.Tensor:
+        """embeds [n, hidden] on the device; the step's metadata as NumPy on the host (validate.py).
+        Returns the graph's output buffer [n, hidden] (valid until the next step)."""
         key = tuple((t.data_ptr(), tuple(t.shape)) for t in kv)
         ps = self._page_size_of()
         if key != self._kv_key:  # a new binding: graphs hold the old cache's addresses
             self._graphs.clear()
             self._kv_key = key
-        g = self._graphs.get(meta.num_reqs)
+        R = host.seq_lens.shape[0]
+        g = self._graphs.get(R)
         fresh = g is None
         if fresh:
-            g = self._buffers(meta.num_reqs, window_width(ps, self.model.cfg.sliding_window))
-        self._fill(g, embeds, positions, meta, ps)
+            g = self._buffers(R, window_width(ps, self.model.cfg.sliding_window))
+        self._fill(g, embeds, host, ps)
         if fresh:
             self._capture(g, kv)
-            self._graphs[meta.num_reqs] = g
+            self._graphs[R] = g
         g.graph.replay()
         return g.out
 
@@ -97,16 +98,14 @@ class StepGraphs:
         return _Graph(torch.cuda.CUDAGraph(), torch.zeros(packed.n, m.cfg.hidden_size, dtype=m.dtype, device=dev),
                       meta, packed.views(meta), staging, torch.empty(0))
 
-    def _fill(self, g: _Graph, embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata, ps: int) -> None:
-        host, (pos, rel, slots, lens, tables), copied = g.staging[g.flip]
+    def _fill(self, g: _Graph, embeds: torch.Tensor, h: HostMeta, ps: int) -> None:
+        staged, (pos, rel, slots, lens, tables), copied = g.staging[g.flip]
         g.flip ^= 1
         copied.synchronize()  # this slot's previous copy has been consumed (unrecorded: returns at once)
-        p = positions.cpu().numpy()
-        pos[...] = p
-        slots[...] = meta.slot_mapping.cpu().numpy()
-        window_metadata_into(p, meta.seq_lens.cpu().numpy(), meta.block_tables.cpu().numpy(), ps,
-                             self.model.cfg.sliding_window, rel, lens, tables)
-        g.meta.copy_(host, non_blocking=True)
+        pos[...] = h.positions.reshape(-1)
+        slots[...] = h.slots.reshape(-1)
+        window_metadata_into(h.positions, h.seq_lens, h.tables, ps, self.model.cfg.sliding_window, rel, lens, tables)
+        g.meta.copy_(staged, non_blocking=True)
         copied.record(self._stream)
         g.embeds.copy_(embeds, non_blocking=True)
 

@@ -146,7 +146,7 @@ class RankLoop:
             generation=req.binding_generation,
             num_reqs=req.num_requests,
             # One rank has no peer to disagree with: skip the crc (~10-20 us per step).
-            digest=digest(step.positions, step.meta.seq_lens, step.meta.block_tables, step.meta.slot_mapping)
+            digest=digest(*step.host)
             if step is not None and ctx.world > 1 else 0,
             valid=step is not None,
             expires_ns=expires_ns,
@@ -180,7 +180,7 @@ class RankLoop:
         """This rank could run the step on its fast path; the rendezvous turns it into one answer for all."""
         fast = self.ctx.fast
         # Positions past the fast path's RoPE table go through the portable layers (any position).
-        return fast is not None and fast.ready(step.kv) and int(step.positions.max()) < fast.max_positions
+        return fast is not None and fast.ready(step.kv) and int(step.host.positions.max()) < fast.max_positions
 
     def _execute(self, step: Step, fast: bool = False) -> torch.Tensor:
         """The step's 5 layers + final norm in launches of <= LAUNCH_REQS; writes block K/V into the engine cache.
@@ -196,7 +196,7 @@ class RankLoop:
         if fast:
             return self.ctx.fast.forward(embeds, step.positions.to(dev), step.meta.to(dev))
         if self.graphs is not None:
-            return self.graphs.run(embeds, step.positions, step.meta, step.kv.layers)
+            return self.graphs.run(embeds, step.host, step.kv.layers)
         return m.draft_step(embeds, step.positions.to(dev), step.meta.to(dev), step.kv.layers)
 
     def _output(self, step: Step, hidden: torch.Tensor) -> pb.TensorRef:

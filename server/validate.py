@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -14,6 +16,23 @@ from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.errors import invalid, out_of_range
 from dspark_sidecar.server.kv_binding import KVBinding, MemoryBindings
+
+
+class HostMeta(NamedTuple):
+    """NumPy views of a step's metadata on the host; for a shared-memory region they alias it, so a
+    layout's views are built once and read each step's values (valid until the next step)."""
+
+    positions: np.ndarray  # int64 [R, 7]
+    seq_lens: np.ndarray  # int32 [R]
+    tables: np.ndarray  # int32 [R, max_pages]
+    slots: np.ndarray  # int64 [R, 7]
+
+
+def host_meta(positions: torch.Tensor, meta: StepMetadata) -> HostMeta:
+    """NumPy views of CPU tensors (copies of device ones) in HostMeta's shapes."""
+    R = meta.seq_lens.shape[0]
+    return HostMeta(positions.cpu().numpy().reshape(R, layout.QPR), meta.seq_lens.cpu().numpy(),
+                    meta.block_tables.cpu().numpy(), meta.slot_mapping.cpu().numpy().reshape(R, layout.QPR))
 
 
 @dataclass(frozen=True)
@@ -28,6 +47,7 @@ class Step:
     meta: StepMetadata
     kv: KVBinding
     output: pb.RegionSlice | None
+    host: HostMeta  # the metadata again, as NumPy on the host (graphs.py builds its inputs from it)
 
 
 def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: torch.dtype | None,
@@ -59,17 +79,25 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     key = _layout_key(req)
     tensors = mem.layouts.get(key) if key is not None else None
     if tensors is None:
-        tensors = _tensors(req, cfg, mem, R)
-        if key is not None:  # region slices only: their views depend on nothing the step carries
+        positions, embeds, ids, meta = _tensors(req, cfg, mem, R)
+        host = host_meta(positions, meta)
+        tensors = positions, embeds, ids, meta, host
+        # Region slices only (their views depend on nothing the step carries), and host views
+        # only where they alias the region (a device region's host copy is taken per step).
+        if key is not None and all(t.device.type == "cpu"
+                                   for t in (positions, meta.seq_lens, meta.block_tables, meta.slot_mapping)):
             if len(mem.layouts) >= 256:
                 mem.layouts.clear()
             mem.layouts[key] = tensors
-    positions, embeds, ids, seq_lens, tables, slots = tensors
+    positions, embeds, ids, meta, host = tensors
     if ids is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size):
         raise out_of_range("input_ids", f"ids must be in [0, {cfg.vocab_size})")
-    _check_indices(positions, seq_lens, tables, slots, kv.page_size, kv.num_pages)
+    if not _indices_ok(host, kv.page_size, kv.num_pages):
+        _diagnose(positions, meta.seq_lens, meta.block_tables, meta.slot_mapping, kv.page_size, kv.num_pages)
+        # The two checks agree (tests/server/test_validate_indices.py); should they ever not, refuse.
+        raise invalid("slot_mapping", "the step's positions, tables and slots failed the index check")
     output = req.output if req.HasField("output") else None
-    return Step(req.step_id, R, positions, embeds, ids, StepMetadata(seq_lens, tables, slots), kv, output)
+    return Step(req.step_id, R, positions, embeds, ids, meta, kv, output, host)
 
 
 _FIELDS = ("positions", "seq_lens", "block_tables", "slot_mapping")
@@ -88,7 +116,7 @@ def _layout_key(req: pb.DraftStepRequest) -> tuple | None:
 
 
 def _tensors(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, R: int) -> tuple:
-    """The step's tensors with dtypes and shapes checked: (positions, embeds, ids, seq_lens, tables, slots)."""
+    """The step's tensors with dtypes and shapes checked: (positions, embeds, ids, metadata)."""
     q = layout.QPR
     n = q * R
     if req.HasField("positions") and len(req.positions.shape) == 1 and req.positions.shape[0] % q:
@@ -109,34 +137,37 @@ def _tensors(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, 
         raise invalid("block_tables", f"shape {list(req.block_tables.shape)}, expected [{R}, max_pages]")
     tables = _tensor(req, "block_tables", mem, torch.int32, None)
     slots = _tensor(req, "slot_mapping", mem, torch.int64, (n,))
-    return positions, embeds, ids, seq_lens, tables, slots
+    return positions, embeds, ids, StepMetadata(seq_lens, tables, slots)
 
 
 _ROW_OFFS = np.arange(layout.QPR, dtype=np.int64) - layout.QPR  # request rows sit at L-7 .. L-1
 
 
-def _check_indices(positions: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
-                   ps: int, pages: int) -> None:
+@functools.lru_cache(maxsize=64)
+def _aranges(R: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.arange(R)[:, None], np.arange(width)
+
+
+def _indices_ok(h: HostMeta, ps: int, pages: int) -> bool:
     """Positions agree with the sequence lengths, every used page and slot lies in the bound cache,
     and each slot is its position's place in the block table.
 
-    This runs on every step, so the valid case is one short chain of NumPy ops on the host
-    tensors (torch's per-op dispatch would cost tens of microseconds); the slot range follows from
-    the page range and the slot equality. Anything off goes to `_diagnose` for the exact message.
+    This runs on every step, so the valid case is one short chain of NumPy ops on the host views
+    (each op costs a microsecond or two there; torch's dispatch would cost several); the slot
+    range follows from the page range and the slot equality. False sends the step to `_diagnose`.
     """
-    q = layout.QPR
-    tab = tables.cpu().numpy()
+    P, L, tab, S = h
     R, width = tab.shape
-    L = seq_lens.cpu().numpy().astype(np.int64)
-    P = positions.cpu().numpy().reshape(R, q)
-    if L.min() >= q and L.max() <= width * ps and np.array_equal(P, L[:, None] + _ROW_OFFS):
-        used = np.arange(width) < ((L + ps - 1) // ps)[:, None]
-        # Viewed as unsigned, a negative page id is huge: one compare covers both bounds.
-        if not (used & (tab.view(np.uint32) >= pages)).any():
-            want = tab[np.arange(R)[:, None], P // ps].astype(np.int64) * ps + P % ps
-            if np.array_equal(slots.cpu().numpy().reshape(R, q), want):
-                return
-    _diagnose(positions, seq_lens, tables, slots, ps, pages)
+    if not ((P == L[:, None] + _ROW_OFFS).all() and L.min() >= layout.QPR and L.max() <= width * ps):
+        return False
+    rows, cols = _aranges(R, width)
+    # The first page id out of range in each row (viewed as unsigned, a negative id is huge: one
+    # compare covers both bounds) must lie past the row's used pages.
+    first_bad = np.where(tab.view(np.uint32) >= pages, cols, width).min(axis=1)
+    if not (first_bad >= (L + (ps - 1)) // ps).all():
+        return False
+    page, off = np.divmod(P, ps)
+    return bool((tab[rows, page].astype(np.int64) * ps + off == S).all())
 
 
 def _diagnose(positions: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,

@@ -9,7 +9,7 @@ import torch
 
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.server.rank import RankLoop
-from dspark_sidecar.server.validate import Step
+from dspark_sidecar.server.validate import Step, host_meta
 
 
 class FakeFast:
@@ -41,7 +41,7 @@ def _step(first_position: int) -> Step:
     pos = torch.arange(first_position, first_position + 7)
     meta = StepMetadata(torch.tensor([first_position + 7], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
                         pos.clone())
-    return Step(1, 1, pos, torch.zeros(7, 4), None, meta, SimpleNamespace(layers=[]), None)
+    return Step(1, 1, pos, torch.zeros(7, 4), None, meta, SimpleNamespace(layers=[]), None, host_meta(pos, meta))
 
 
 def _loop(fast) -> SimpleNamespace:

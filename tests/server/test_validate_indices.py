@@ -1,0 +1,100 @@
+"""The step's index checks: the one-pass NumPy check and the field-by-field diagnosis must agree.
+
+validate_step runs the fast check on every step and only calls the diagnosis when it fails; a
+case the fast check refuses but the diagnosis lets through would run a bad step, and one it
+passes but should refuse would write K/V outside the request's pages. Each case below is one
+way an engine can get the metadata wrong (plus garbage where the kernels never look).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.server.errors import SidecarError
+from dspark_sidecar.server.validate import _diagnose, _indices_ok, host_meta
+
+PS, PAGES = 16, 64
+LENS = [7, 40, 100]  # a request with no context, one mid-page, one over several pages
+
+
+def _valid():
+    """Requests with distinct shuffled pages, rows at L-7 .. L-1, slots through the tables; the
+    tables are one page wider than the longest request, the spare entries garbage."""
+    gen = torch.Generator().manual_seed(0)
+    width = -(-max(LENS) // PS) + 1
+    perm = torch.randperm(PAGES, generator=gen)
+    tables = torch.full((len(LENS), width), -123456, dtype=torch.int32)  # unused entries: never read
+    pos, slots, used = [], [], 0
+    for i, L in enumerate(LENS):
+        need = -(-L // PS)
+        tables[i, :need] = perm[used : used + need].to(torch.int32)
+        used += need
+        p = torch.arange(L - 7, L)
+        pos.append(p)
+        slots.append(tables[i, p // PS].to(torch.int64) * PS + p % PS)
+    return torch.cat(pos), StepMetadata(torch.tensor(LENS, dtype=torch.int32), tables, torch.cat(slots))
+
+
+def _check(positions, meta):
+    """(fast check's verdict, the field the diagnosis names or None)."""
+    ok = _indices_ok(host_meta(positions, meta), PS, PAGES)
+    try:
+        _diagnose(positions, meta.seq_lens, meta.block_tables, meta.slot_mapping, PS, PAGES)
+    except SidecarError as err:
+        return ok, err.field
+    return ok, None
+
+
+def test_valid_metadata_passes_both():
+    assert _check(*_valid()) == (True, None)
+
+
+def _shifted_positions(pos, meta):
+    pos[9] += 1
+
+
+def _short_seq_len(pos, meta):  # below the 7 rows of the block
+    meta.seq_lens[0] = 6
+
+
+def _seq_len_past_table(pos, meta):  # needs more pages than the row has
+    meta.seq_lens[2] = meta.block_tables.shape[1] * PS + 1
+    pos[14:] = torch.arange(int(meta.seq_lens[2]) - 7, int(meta.seq_lens[2]))
+
+
+def _page_past_cache(pos, meta):
+    meta.block_tables[1, 0] = PAGES
+
+
+def _negative_page(pos, meta):
+    meta.block_tables[2, 3] = -1
+
+
+def _slot_elsewhere(pos, meta):  # inside the cache, but not where the table puts the row
+    meta.slot_mapping[4] = (int(meta.slot_mapping[4]) + PS) % (PAGES * PS)
+
+
+def _slot_past_cache(pos, meta):
+    meta.slot_mapping[20] = PAGES * PS
+
+
+@pytest.mark.parametrize("corrupt,field", [
+    (_shifted_positions, "positions"), (_short_seq_len, "seq_lens"), (_seq_len_past_table, "block_tables"),
+    (_page_past_cache, "block_tables"), (_negative_page, "block_tables"), (_slot_elsewhere, "slot_mapping"),
+    (_slot_past_cache, "slot_mapping"),
+], ids=lambda x: getattr(x, "__name__", x))
+def test_each_corruption_fails_the_fast_check_and_is_named(corrupt, field):
+    pos, meta = _valid()
+    corrupt(pos, meta)
+    assert _check(pos, meta) == (False, field)
+
+
+def test_host_views_alias_the_tensors():
+    """A layout's views are built once (validate.py caches them) and must see each step's values."""
+    pos, meta = _valid()
+    h = host_meta(pos, meta)
+    pos[0] = 999
+    meta.block_tables[0, 0] = 5
+    assert h.positions[0, 0] == 999 and h.tables[0, 0] == 5
