@@ -8,8 +8,9 @@ on one GPU there is no peer):
   f  mode d, PIPELINE steps back to back with no host sync between them (ms per step): as an
      engine runs when the draft step's output stays on the GPU; the sidecar's host work then
      overlaps the previous step's GPU work, where (d) exposes it in full
-The floor is the bytes a step must read (the shard's layer weights once, each request's window
-of K/V) over a device-to-device copy bandwidth measured in the same run.
+The floor is the bytes a step must read (the shard's layer weights once per launch group of up to
+8 requests, as spec section 5 counts them; each request's window of K/V) over a device-to-device
+copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -115,8 +116,10 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 def floor_bytes(model: DSparkDrafter, cfg: DrafterConfig, R: int, ctx: int) -> int:
-    """The shard's layer weights and final norm read once, plus each request's K/V window per layer.
+    """The shard's layer weights and final norm read once per launch group, plus each request's K/V window per layer.
 
+    The step runs in launches of at most layout.LAUNCH_REQS requests (architecture.md), each
+    streaming every weight: spec section 5's "weights read once per launch group" (R = 32: 4x).
     Weights kept as MXFP8 count their bytes as stored: 1 per weight plus 1 per 32 for the scales.
     """
     w = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith(("layers.", "final_norm")))
@@ -127,7 +130,7 @@ def floor_bytes(model: DSparkDrafter, cfg: DrafterConfig, R: int, ctx: int) -> i
     keys = min(ctx + layout.QPR, cfg.sliding_window + layout.QPR - 1)
     kv_local = cfg.num_key_value_heads // model.par.world_size
     kv = R * keys * 2 * kv_local * cfg.head_dim * torch.empty((), dtype=model.dtype).element_size()
-    return w + kv * cfg.num_hidden_layers
+    return w * len(layout.launch_groups(R)) + kv * cfg.num_hidden_layers
 
 
 def graphed(fn, device: torch.device):

@@ -36,3 +36,22 @@ def test_mxfp8_weights_count_their_stored_bytes_in_the_floor(tmp_path):
     # final norm stay. Each run measures its own bandwidth, so compare bytes: floor x bandwidth.
     d, q = (r["rows"][0]["floor_ms"] * r["copy_bandwidth_GBps"] for r in (dense, quant))
     assert 0.3 * d < q < 0.6 * d
+
+
+def test_floor_counts_the_weights_once_per_launch_group():
+    """Spec section 5: weights read once per launch group of up to 8 requests. From 8 to 9 requests
+    the floor grows by one more pass over the weights; from 1 to 8 only by K/V windows."""
+    from dspark_sidecar.bench import floor_bytes
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.drafter.model import DSparkDrafter
+    from dspark_sidecar.drafter.parallel import ParallelContext
+    from dspark_sidecar.kernels.ops import REFERENCE_OPS
+
+    cfg = load_config("tiny")
+    model = DSparkDrafter(cfg, ParallelContext(0, 1), REFERENCE_OPS, torch.float32)
+    weights = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith(("layers.", "final_norm")))
+    per_req = floor_bytes(model, cfg, 2, 40) - floor_bytes(model, cfg, 1, 40)  # one K/V window
+    assert per_req > 0
+    assert floor_bytes(model, cfg, 8, 40) == floor_bytes(model, cfg, 1, 40) + 7 * per_req
+    assert floor_bytes(model, cfg, 9, 40) == floor_bytes(model, cfg, 8, 40) + per_req + weights
+    assert floor_bytes(model, cfg, 32, 40) == 4 * weights + 32 * per_req
