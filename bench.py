@@ -125,8 +125,8 @@ def floor_bytes(model: DSparkDrafter, cfg: DrafterConfig, R: int, ctx: int) -> i
     w = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith(("layers.", "final_norm")))
     for layer in model.layers:
         for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            if not isinstance(lin.weight, torch.Tensor):  # MxFp8Weight: not a registered parameter
-                w += lin.weight.qweight.numel() + lin.weight.scale.numel()
+            if not isinstance(lin.weight, torch.Tensor):  # MxFp8Weight, NormFolded: not registered parameters
+                w += lin.weight.nbytes
     keys = min(ctx + layout.QPR, cfg.sliding_window + layout.QPR - 1)
     kv_local = cfg.num_key_value_heads // model.par.world_size
     kv = R * keys * 2 * kv_local * cfg.head_dim * torch.empty((), dtype=model.dtype).element_size()
@@ -192,10 +192,10 @@ class Bench:
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[bc.dtype]
         source = SyntheticSource(cfg, self.dtype, device, bc.seed)
         self.model = DSparkDrafter(cfg, ParallelContext(0, bc.shard_of), REFERENCE_OPS, self.dtype, device).load(source)
-        if bc.weights == "mxfp8":
-            from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+        if bc.weights == "mxfp8" or device.type == "cuda":  # as the sidecar holds them (server/app.py)
+            from dspark_sidecar.kernels.triton.weights import prepare_layer_weights
 
-            self.model.convert_layer_weights(lambda w: MxFp8Weight.quantize(w, cfg.quant_block))
+            prepare_layer_weights(self.model, bc.weights, cfg.quant_block, fold=device.type == "cuda")
         self.embed = source.read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
         self.pages = max(bc.reqs) * scenario.pages_needed(max(bc.contexts) + layout.QPR, bc.page_size)
         shape = kv_layer_shape(cfg, bc.shard_of, self.pages, bc.page_size)

@@ -44,6 +44,7 @@ class DecoderLayer(nn.Module):
         self.o_proj = RowParallelLinear(cfg.q_size, h, par, ops, dtype, device)
         self.gate_up_proj = ColumnParallelLinear(h, [cfg.ffn_hidden_size] * 2, par, ops, dtype, device)
         self.down_proj = RowParallelLinear(cfg.ffn_hidden_size, h, par, ops, dtype, device)
+        self.kv_unfolded: torch.Tensor | None = None  # k|v rows kept as loaded once the norms are folded
 
     def load(self, source: WeightSource, i: int) -> None:
         p = layer_prefix(i)
@@ -57,7 +58,9 @@ class DecoderLayer(nn.Module):
         self.down_proj.load(source, f"{p}mlp.down_proj.weight")
 
     def kv_weight(self) -> torch.Tensor:
-        """The local k|v rows of the fused qkv weight [2 * kv_local, hidden] (a view)."""
+        """The local k|v rows of the fused qkv weight [2 * kv_local, hidden] (a view), without any folded norm."""
+        if self.kv_unfolded is not None:
+            return self.kv_unfolded
         return self.qkv_proj.weight[self.q_local :]
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +126,20 @@ class DSparkDrafter(nn.Module):
                 w = lin.weight
                 del lin.weight  # a Parameter slot cannot hold another type
                 lin.weight = convert(w.detach())
+        return self
+
+    def fold_norms(self, fold) -> DSparkDrafter:
+        """Replace each layer's qkv and gate|up weights by fold(weight, norm weight) of the norm before
+        them (kernels.triton.weights.NormFolded.fold: W * (1 + w), which the Triton GEMMs read with x
+        as loaded). The context commit projects k|v without the input norm: those rows are kept
+        unfolded first (3 MB per layer at TP 4)."""
+        for layer in self.layers:
+            layer.kv_unfolded = layer.kv_weight().detach().clone()
+            for lin, norm in ((layer.qkv_proj, layer.input_layernorm),
+                              (layer.gate_up_proj, layer.post_attention_layernorm)):
+                w = lin.weight
+                del lin.weight  # a Parameter slot cannot hold another type
+                lin.weight = fold(w.detach(), norm.weight)
         return self
 
     def set_ops(self, ops: Ops) -> DSparkDrafter:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark_sidecar.drafter.kv_cache import block_slots
+from dspark_sidecar.kernels.triton.weights import NormFolded
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,7 +142,13 @@ def paged_window_attention(
 # Fused entry points: the reference composes the ops above; kernel backends fuse them.
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
-    """linear(rms_norm(x)): x [n, in] -> [n, out]."""
+    """linear(rms_norm(x)): x [n, in] -> [n, out].
+
+    A NormFolded weight holds W * (1 + w) already: the norm then scales by its row factor only
+    (the same product, rounded at another point, as the Triton GEMM computes it).
+    """
+    if isinstance(weight, NormFolded):
+        return linear(rms_norm(x, torch.zeros_like(norm_weight), eps), weight.check(norm_weight))
     return linear(rms_norm(x, norm_weight, eps), weight)
 
 

@@ -148,10 +148,10 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
         fast = build_fast_path(dcfg, model, weights, host, cpu_group, rank)
         if fast.startup_reason is not None and cfg.backend == "flydsl":
             raise BackendUnavailable(f"--backend flydsl: {fast.startup_reason}")
-    if cfg.weights == "mxfp8":  # kept quantized: the kernels stream 1 byte per weight (+1/32 scale)
-        from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+    if cfg.weights == "mxfp8" or choice.ops.name == "triton":
+        from dspark_sidecar.kernels.triton.weights import prepare_layer_weights
 
-        model.convert_layer_weights(lambda w: MxFp8Weight.quantize(w, dcfg.quant_block))
+        prepare_layer_weights(model, cfg.weights, dcfg.quant_block, fold=choice.ops.name == "triton")
     log.info("rank %d: %s shard loaded in %.1f s on %s (%s, backend %s; FlyDSL path: %s)", rank, dcfg.name,
              time.perf_counter() - t, device, cfg.dtype, choice.name, choice.flydsl_refusal or "on")
     return dcfg, model, embed, choice, host, fast

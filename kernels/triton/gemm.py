@@ -26,7 +26,7 @@ import triton.language as tl
 from dspark_sidecar.kernels.triton.runtime import (
     INTERPRET, cast, check_device, dot_dtype, mma, sms_of, smem_of, tl_dtype,
 )
-from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+from dspark_sidecar.kernels.triton.weights import MxFp8Weight, NormFolded
 
 
 @triton.jit
@@ -68,14 +68,15 @@ def _gemm_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
     stride_os, stride_om, stride_on, stride_rm,
     eps, alpha, limit,
-    HAS_NORM: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr, SWIGLU: tl.constexpr,
-    PARTIAL: tl.constexpr, HAS_RES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, OUT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_NORM: tl.constexpr, FOLDED: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr,
+    SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, HAS_RES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+    OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (column tile, K-range, row tile). x [M, K]; W [N or 2N, K] (gate rows first when SWIGLU).
 
     PARTIAL: out is the fp32 workspace [split, M, N or 2N] and sq_ptr [split, M]; else out [M, N]
-    (+ the residual [M, N] when HAS_RES).
+    (+ the residual [M, N] when HAS_RES). FOLDED (with HAS_NORM): W already holds (1 + w)
+    (weights.NormFolded), so x goes to the dot as loaded and only its squares are summed.
     """
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -89,13 +90,18 @@ def _gemm_kernel(
     for k0 in range(k_lo, k_hi, BK):
         offs_k = k0 + tl.arange(0, BK)
         k_mask = offs_k < k_hi
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        x_raw = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x = x_raw.to(tl.float32)
         if HAS_NORM:
             sq += tl.sum(x * x, axis=1)
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = x * (1.0 + nw)[None, :]
-        a = cast(x, DOT, INTERPRET)
+            if not FOLDED:
+                nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+                x = x * (1.0 + nw)[None, :]
+        if FOLDED and x_raw.dtype == DOT:
+            a = x_raw  # as loaded: the dot reads the pipelined shared-memory tile itself
+        else:
+            a = cast(x, DOT, INTERPRET)
         # Weight tile as [BK, BN]: K is the contiguous dim, so each column is one coalesced run.
         wmask = k_mask[:, None] & n_mask[None, :]
         w_off = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
@@ -273,9 +279,11 @@ def norm_linear_partials(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, no
     return Partials(ws, sq, x.shape[1], eps, x.dtype)
 
 
-def _stored(weight: torch.Tensor | MxFp8Weight) -> torch.Tensor:
-    """The tensor the kernel streams: the dense weight, or an MxFp8Weight's F8_E4M3 bits."""
-    return weight.qweight if isinstance(weight, MxFp8Weight) else weight
+def _stored(weight: torch.Tensor | MxFp8Weight | NormFolded) -> torch.Tensor:
+    """The tensor the kernel streams: the dense weight, an MxFp8Weight's F8_E4M3 bits, or the folded weight."""
+    if isinstance(weight, MxFp8Weight):
+        return weight.qweight
+    return weight.weight if isinstance(weight, NormFolded) else weight
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu) -> tuple[int, int]:
@@ -306,6 +314,8 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
             sq: torch.Tensor, residual: torch.Tensor | None) -> None:
     """One `_gemm_kernel` launch into target: out [M, N] (direct epilogue) or a workspace [split, M, N]."""
     fp8 = isinstance(weight, MxFp8Weight)
+    if isinstance(weight, NormFolded):
+        weight.check(norm_weight)
     w = _stored(weight)
     scale = weight.scale if fp8 else w
     m, k = x.shape
@@ -320,7 +330,7 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
         x, x if norm_weight is None else norm_weight, w, scale, target, sq, res, m, n, k, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
         so[0], so[1], so[2], res.stride(0), eps, alpha, limit,
-        HAS_NORM=norm_weight is not None, FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
+        HAS_NORM=norm_weight is not None, FOLDED=isinstance(weight, NormFolded), FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
         PARTIAL=partial, HAS_RES=residual is not None, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(x.dtype),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

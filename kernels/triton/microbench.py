@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from typing import Callable
 
 import torch
@@ -25,12 +26,13 @@ import torch
 from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.triton import attention, gemm
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS as T
-from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+from dspark_sidecar.kernels.triton.weights import MxFp8Weight, NormFolded
 
 H, HQ, HK, D, ROT, FFN, WINDOW, PAGE = 6144, 16, 1, 128, 64, 3072, 4096, 16
 EPS, ALPHA, LIMIT, THETA = 1e-6, 1.702, 7.0, 5_000_000.0
 QPR = 7
 L2_BYTES = 60 << 20
+FOLD_NORMS = True  # the step's qkv and gate|up weights with their input norms folded in (weights.NormFolded)
 
 
 def copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30) -> float:
@@ -214,6 +216,8 @@ def make_step(rows: int, context: int, dev: torch.device, fp8: bool, ops) -> Cal
         if ops is reference:
             ws = [w.dequantize() if fp8 else w for w in ws]
         norms = [(torch.randn(n, device=dev) * 0.1).to(torch.bfloat16) for n in (H, H, D, D)]
+        if FOLD_NORMS and not fp8 and ops is not reference:  # what DSparkDrafter.fold_norms does
+            ws[0], ws[2] = NormFolded.fold(ws[0], norms[0]), NormFolded.fold(ws[2], norms[1])
         layers.append((ws, norms, _kv_step(r, context, dev)))
     x0 = torch.randn(rows, H, device=dev).to(torch.bfloat16)
     positions = layers[0][2][3]
@@ -252,6 +256,7 @@ def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool,
 # move into its neighbours (L2 contents, the tail of one launch against the next).
 TUNE = (
     ("defaults", {}),
+    ("norms not folded into the weights", {"step": {"FOLD_NORMS": False}}),
     ("before run 5: no deep pipeline, <= 4 stages", {"gemm": {"DEEP_SMEM": 0, "MAX_STAGES": 4}}),
     ("no deep pipeline", {"gemm": {"DEEP_SMEM": 0}}),
     ("every GEMM deep (1 program/SM)", {"gemm": {"MIN_STAGES": 99}}),
@@ -281,7 +286,7 @@ def tune(rows_list: list[int], context: int, bw: float, dev: torch.device, match
     """Time the step once per TUNE row (each a set of tunables over the defaults), restoring after.
 
     match: only the rows whose label contains one of these (the defaults rows always run)."""
-    modules = {"gemm": gemm, "attention": attention}
+    modules = {"gemm": gemm, "attention": attention, "step": sys.modules[__name__]}
     rows_run = [(label, c) for label, c in TUNE
                 if not match or label.startswith("defaults") or any(m in label for m in match)]
     out = []

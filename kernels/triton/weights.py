@@ -1,4 +1,6 @@
-"""MxFp8Weight: an MXFP8 linear weight kept quantized (F8_E4M3 + U8 E8M0 1x32 scales) for the Triton GEMMs.
+"""Weight formats the Triton GEMMs take besides a dense tensor: MxFp8Weight (kept quantized) and NormFolded.
+
+MxFp8Weight: an MXFP8 linear weight kept quantized (F8_E4M3 + U8 E8M0 1x32 scales).
 
 How a loader builds one from the checkpoint without ever dequantizing (`from_checkpoint`):
 `CheckpointReader._slice(key, shape, rows, cols)` returns the raw F8_E4M3 slice of `<...>.weight`;
@@ -40,6 +42,11 @@ class MxFp8Weight:
     @property
     def shape(self) -> torch.Size:
         return self.qweight.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a GEMM streams: 1 per weight plus 1 per block for the scales."""
+        return self.qweight.numel() + self.scale.numel()
 
     @property
     def device(self) -> torch.device:
@@ -90,3 +97,59 @@ class MxFp8Weight:
         if s.dtype != torch.uint8:
             raise CheckpointError(f"{key + SCALE_SUFFIX}: dtype {s.dtype}, expected U8 (E8M0 exponents)")
         return cls(q.contiguous().to(device), s.contiguous().to(device), block)
+
+
+@dataclass(frozen=True)
+class NormFolded:
+    """A norm-fused linear's dense weight with the Gemma norm's (1 + w) folded into its columns.
+
+    rms_norm(x) @ W^T = inv_r * (x @ (W * (1 + w))^T) per row r: with W' = round(W * (1 + w))
+    stored once, the GEMM feeds x to the tensor cores as loaded instead of scaling every x tile
+    in its K loop (a computed dot operand, which costs 3.3 us of 19 in the qkv GEMM at 56 rows on
+    an H200); it still sums x^2 for inv_r. One rounding per weight instead of one per scaled
+    activation: the same size of error. `norm_weight` is the norm it folds; the ops refuse any other.
+    """
+
+    weight: torch.Tensor  # W' [out, in], dense
+    norm_weight: torch.Tensor  # w [in]
+
+    @classmethod
+    def fold(cls, weight: torch.Tensor, norm_weight: torch.Tensor) -> NormFolded:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"NormFolded: folds a dense weight, not {type(weight).__name__} (MXFP8 blocks share "
+                            "one scale across 32 columns, which (1 + w) would change one by one)")
+        if weight.dim() != 2 or norm_weight.shape != (weight.shape[1],):
+            raise ValueError(f"NormFolded: norm {list(norm_weight.shape)} does not match weight {list(weight.shape)}")
+        return cls((weight.float() * (1.0 + norm_weight.float())).to(weight.dtype), norm_weight)
+
+    def check(self, norm_weight: torch.Tensor) -> torch.Tensor:
+        """The folded weight, for a call that normalizes with `norm_weight` (which must be the folded one)."""
+        if norm_weight is not self.norm_weight:
+            raise ValueError("NormFolded: called with another norm weight than the one folded in")
+        return self.weight
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+
+def prepare_layer_weights(model, mode: str, block: int, fold: bool) -> None:
+    """A loaded DSparkDrafter's layer weights in the form its GEMMs read: kept MXFP8 (mode "mxfp8",
+    any backend: the reference dequantizes), else, for the Triton GEMMs (`fold`), dense with the
+    input norms folded in (NormFolded). The one place the sidecar and the bench do this."""
+    if mode == "mxfp8":
+        model.convert_layer_weights(lambda w: MxFp8Weight.quantize(w, block))
+    elif fold:
+        model.fold_norms(NormFolded.fold)

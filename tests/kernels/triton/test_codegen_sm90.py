@@ -63,13 +63,16 @@ def build(fn, consts, types, div16, name, num_warps, num_stages):
     ptx = kern.asm["ptx"]
     return dict(shared=kern.metadata.shared, stack=[int(w.split(":")[1]) for w in usage.split() if w.startswith("STACK:")],
                 cp_async=ptx.count("cp.async.cg.shared.global"), wgmma=ptx.count("wgmma.mma_async"),
-                mma_sync=ptx.count("mma.sync.aligned"))
+                mma_sync=ptx.count("mma.sync.aligned"),
+                # wgmma's A operand after the accumulators: a {register list} or a shared-memory descriptor
+                wgmma_reg_a=sum(l.split("},", 1)[1].lstrip().startswith("{")
+                                for l in ptx.splitlines() if "wgmma.mma_async" in l))
 
 
-def compile_case(rows, n, k, swiglu, norm, residual):
+def compile_case(rows, n, k, swiglu, norm, residual, folded=False):
     cfg = gemm.plan(rows, n, k, 132, swiglu=swiglu, max_smem=%(smem)d)
     partial = cfg.split_k > 1
-    consts = dict(HAS_NORM=norm, FP8=False, QBLOCK=1, SWIGLU=swiglu, PARTIAL=partial, HAS_RES=residual and not partial,
+    consts = dict(HAS_NORM=norm, FOLDED=folded, FP8=False, QBLOCK=1, SWIGLU=swiglu, PARTIAL=partial, HAS_RES=residual and not partial,
                   DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                   INTERPRET=False, **UNIT)
     out = "*fp32" if partial else "*bf16"
@@ -95,6 +98,7 @@ def compile_attention(reqs):
 
 cases = {
     "qkv 56 rows": (56, 2304, 6144, False, True, False),
+    "qkv 56 rows, norm folded": (56, 2304, 6144, False, True, False, True),
     "gate_up 56 rows (deep pipeline)": (56, 3072, 6144, True, True, False),
     "down 7 rows + residual": (7, 6144, 3072, False, False, True),
 }
@@ -116,7 +120,8 @@ def sm90(tmp_path_factory):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["qkv 56 rows", "gate_up 56 rows (deep pipeline)", "down 7 rows + residual"])
+@pytest.mark.parametrize("case", ["qkv 56 rows", "qkv 56 rows, norm folded", "gate_up 56 rows (deep pipeline)",
+                                  "down 7 rows + residual"])
 def test_gemm_streams_through_a_pipeline_on_sm90(sm90, case):
     got = sm90[case]
     assert got["cp_async"] > 0, f"{case}: no asynchronous copies: the tiles go through registers, unpipelined"
@@ -138,3 +143,12 @@ def test_attention_split_kernel_on_sm90(sm90):
     assert got["wgmma"] > 0, got
     assert got["stack"] and max(got["stack"]) == 0, f"register spills: {got['stack']} bytes of stack"
     assert got["shared"] <= H200_SMEM, got
+
+
+def test_folded_norm_feeds_the_dot_from_shared_memory(sm90):
+    """Why weights.NormFolded exists: scaling x by (1 + w) in the K loop makes the dot's A operand a
+    computed value, fed from registers; with the norm folded into W, the wgmma reads x's pipelined
+    shared-memory tile through a descriptor, as for a plain linear."""
+    assert sm90["qkv 56 rows"]["wgmma_reg_a"] > 0, sm90["qkv 56 rows"]
+    folded = sm90["qkv 56 rows, norm folded"]
+    assert folded["wgmma"] > 0 and folded["wgmma_reg_a"] == 0, folded

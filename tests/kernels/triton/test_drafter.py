@@ -37,3 +37,34 @@ def test_tiny_drafter_step(device, tiny_cfg, tiny_ckpt, tiny_embed, parity):
     for layer, layer_ref in zip(kv, kv_ref, strict=True):
         parity(layer, layer_ref)
     parity(out, ref)
+
+
+def test_tiny_drafter_with_folded_norms(device, tiny_cfg, tiny_ckpt, tiny_embed, parity):
+    """The sidecar's Triton model (server/app.py): qkv and gate|up weights with their norms folded in.
+    The context commit's K/V must be the same bits as unfolded (its k|v rows are kept as loaded);
+    the step matches the reference within the usual tolerance."""
+    from dspark_sidecar.kernels.triton.weights import NormFolded, prepare_layer_weights
+
+    ref, kv_ref = _run(REFERENCE_OPS, tiny_cfg, tiny_ckpt[0], tiny_embed, device)
+    unfolded = DSparkDrafter(tiny_cfg, ParallelContext(), TRITON_OPS, torch.bfloat16, device).load(
+        CheckpointReader(tiny_ckpt[0], torch.bfloat16, device=device))
+    model = DSparkDrafter(tiny_cfg, ParallelContext(), TRITON_OPS, torch.bfloat16, device).load(
+        CheckpointReader(tiny_ckpt[0], torch.bfloat16, device=device))
+    prepare_layer_weights(model, "bf16", tiny_cfg.quant_block, fold=True)
+    assert all(isinstance(layer.qkv_proj.weight, NormFolded) and isinstance(layer.gate_up_proj.weight, NormFolded)
+               for layer in model.layers)
+    step = scenario.random_step(tiny_cfg, [5, 40], PAGE, PAGES, tiny_embed, seed=3)
+    pos, slots = scenario.context_rows(step.meta, PAGE)
+    taps = scenario.random_taps(tiny_cfg, pos.numel(), seed=4).to(device)
+    kvs = []
+    for m in (unfolded, model):
+        kv = allocate_kv_cache(tiny_cfg, 1, PAGES, PAGE, torch.bfloat16, device)
+        m.commit_context(taps, pos.to(device), slots.to(device), kv)
+        kvs.append(kv)
+    for a, b in zip(*kvs, strict=True):
+        assert torch.equal(a, b)
+    out = model.draft_step(step.inputs_embeds.to(device, torch.bfloat16), step.positions.to(device),
+                           step.meta.to(device), kvs[1])
+    for layer, layer_ref in zip(kvs[1], kv_ref, strict=True):
+        parity(layer, layer_ref)
+    parity(out, ref)
