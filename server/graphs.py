@@ -48,7 +48,7 @@ class _Packed:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    embeds: torch.Tensor  # [n, hidden]
+    embeds: torch.Tensor  # [n, hidden]: a static buffer, or the registered region the graph reads in place
     meta: torch.Tensor  # uint8 [packed.nbytes] on the device; the graph reads its typed views
     views: tuple  # positions, rel positions, slots (int64 [n]); seq lens int32 [R]; tables int32 [R, w]
     staging: list  # 2 x (pinned uint8 [nbytes], its NumPy views, event after its copy)
@@ -67,27 +67,36 @@ class StepGraphs:
         # looking it up costs ~6 us per call, so once here.
         self._stream = torch.cuda.current_stream(model.device)
 
-    def run(self, embeds: torch.Tensor, host: HostMeta, kv: list[torch.Tensor]) -> torch.Tensor:
+    def run(self, embeds: torch.Tensor, host: HostMeta, kv: list[torch.Tensor], in_place: bool = False) -> torch.Tensor:
         """embeds [n, hidden] on the device; the step's metadata as NumPy on the host (validate.py).
-        Returns the graph's output buffer [n, hidden] (valid until the next step)."""
+        Returns the graph's output buffer [n, hidden] (valid until the next step).
+
+        in_place: embeds is a view of a registered region (the data plane), memory that outlives the
+        graph. One graph per R is captured reading that view in place, which saves the copy into a
+        static buffer (a CUDA call on the step's critical path); a step whose view is elsewhere uses
+        the static-buffer graph, so there are at most two graphs per R.
+        """
         key = tuple((t.data_ptr(), tuple(t.shape)) for t in kv)
         ps = self._page_size_of()
         if key != self._kv_key:  # a new binding: graphs hold the old cache's addresses
             self._graphs.clear()
             self._kv_key = key
         R = host.seq_lens.shape[0]
-        g = self._graphs.get(R)
+        g = self._graphs.get((R, in_place))
+        if in_place and g is not None and g.embeds.data_ptr() != embeds.data_ptr():
+            in_place = False  # another slice than the one captured on
+            g = self._graphs.get((R, False))
         fresh = g is None
         if fresh:
-            g = self._buffers(R, window_width(ps, self.model.cfg.sliding_window))
+            g = self._buffers(R, window_width(ps, self.model.cfg.sliding_window), embeds if in_place else None)
         self._fill(g, embeds, host, ps)
         if fresh:
             self._capture(g, kv)
-            self._graphs[R] = g
+            self._graphs[(R, in_place)] = g
         g.graph.replay()
         return g.out
 
-    def _buffers(self, R: int, width: int) -> _Graph:
+    def _buffers(self, R: int, width: int, embeds: torch.Tensor | None) -> _Graph:
         m, packed = self.model, _Packed(R, width)
         dev = m.device
         meta = torch.zeros(packed.nbytes, dtype=torch.uint8, device=dev)
@@ -95,8 +104,9 @@ class StepGraphs:
         for _ in range(2):
             host = torch.zeros(packed.nbytes, dtype=torch.uint8, pin_memory=True)
             staging.append((host, packed.views(host.numpy()), torch.cuda.Event()))
-        return _Graph(torch.cuda.CUDAGraph(), torch.zeros(packed.n, m.cfg.hidden_size, dtype=m.dtype, device=dev),
-                      meta, packed.views(meta), staging, torch.empty(0))
+        if embeds is None:
+            embeds = torch.zeros(packed.n, m.cfg.hidden_size, dtype=m.dtype, device=dev)
+        return _Graph(torch.cuda.CUDAGraph(), embeds, meta, packed.views(meta), staging, torch.empty(0))
 
     def _fill(self, g: _Graph, embeds: torch.Tensor, h: HostMeta, ps: int) -> None:
         staged, (pos, rel, slots, lens, tables), copied = g.staging[g.flip]
@@ -107,7 +117,8 @@ class StepGraphs:
         window_metadata_into(h.positions, h.seq_lens, h.tables, ps, self.model.cfg.sliding_window, rel, lens, tables)
         g.meta.copy_(staged, non_blocking=True)
         copied.record(self._stream)
-        g.embeds.copy_(embeds, non_blocking=True)
+        if g.embeds.data_ptr() != embeds.data_ptr():
+            g.embeds.copy_(embeds, non_blocking=True)
 
     def _step(self, g: _Graph, kv) -> torch.Tensor:
         pos, rel, slots, lens, tables = g.views

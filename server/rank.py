@@ -193,10 +193,12 @@ class RankLoop:
             embeds = step.inputs_embeds.to(dev, m.dtype)
         else:
             embeds = self.ctx.embed[step.input_ids.to(dev)]
+        # The registered region itself (no dtype or device conversion made a copy): graphs read it in place.
+        in_place = step.in_region and embeds is step.inputs_embeds
         if fast:
             return self.ctx.fast.forward(embeds, step.positions.to(dev), step.meta.to(dev))
         if self.graphs is not None:
-            return self.graphs.run(embeds, step.host, step.kv.layers)
+            return self.graphs.run(embeds, step.host, step.kv.layers, in_place)
         return m.draft_step(embeds, step.positions.to(dev), step.meta.to(dev), step.kv.layers)
 
     def _output(self, step: Step, hidden: torch.Tensor) -> pb.TensorRef:

@@ -48,6 +48,7 @@ class Step:
     kv: KVBinding
     output: pb.RegionSlice | None
     host: HostMeta  # the metadata again, as NumPy on the host (graphs.py builds its inputs from it)
+    in_region: bool = False  # every tensor is a view of a registered region (the data plane)
 
 
 def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: torch.dtype | None,
@@ -97,7 +98,7 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
         # The two checks agree (tests/server/test_validate_indices.py); should they ever not, refuse.
         raise invalid("slot_mapping", "the step's positions, tables and slots failed the index check")
     output = req.output if req.HasField("output") else None
-    return Step(req.step_id, R, positions, embeds, ids, meta, kv, output, host)
+    return Step(req.step_id, R, positions, embeds, ids, meta, kv, output, host, key is not None)
 
 
 _FIELDS = ("positions", "seq_lens", "block_tables", "slot_mapping")

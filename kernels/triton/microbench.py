@@ -139,6 +139,8 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
                 w = _weight(n_out, k, fp8, dev)
                 if ref:
                     return _gemm_fn(x, nw, w.dequantize() if fp8 else w, kind, ops=reference)
+                if FOLD_NORMS and not fp8 and kind != "plain":  # as the sidecar holds them
+                    w = NormFolded.fold(w, nw)
                 return _gemm_fn(x, nw, w, kind, config)
 
             t = _per_call(make, nbytes)
