@@ -1,4 +1,4 @@
-"""CUDA graphs of the draft step, one per request count R, replayed with static input buffers.
+"""CUDA graphs of the draft step, one per request count R (two where both transports serve it), replayed on fixed inputs.
 
 Eager launches of ~30 kernels per layer cost milliseconds of Python and launch overhead per
 step; a replay costs one launch. Shapes must not depend on the step's contents, so the
@@ -9,7 +9,9 @@ A step's metadata (positions, window-relative positions, slots, lengths, block t
 computed in NumPy straight into a pinned staging buffer and reaches the graph's static inputs
 in one asynchronous host-to-device copy. Two staging slots alternate; before a slot is
 rewritten the host waits on the event recorded after its last copy, which has normally run long
-before (the host never waits on the step's compute itself).
+before (the host never waits on the step's compute itself). The embeddings are read in place
+when they sit in a registered region (the data plane: the same memory every step); otherwise
+they are copied into a static buffer first.
 """
 
 from __future__ import annotations
