@@ -38,6 +38,7 @@ from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
+from dspark_sidecar.kernels.triton.weights import prepare_layer_weights
 from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
@@ -192,10 +193,8 @@ class Bench:
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[bc.dtype]
         source = SyntheticSource(cfg, self.dtype, device, bc.seed)
         self.model = DSparkDrafter(cfg, ParallelContext(0, bc.shard_of), REFERENCE_OPS, self.dtype, device).load(source)
-        if bc.weights == "mxfp8" or device.type == "cuda":  # as the sidecar holds them (server/app.py)
-            from dspark_sidecar.kernels.triton.weights import prepare_layer_weights
-
-            prepare_layer_weights(self.model, bc.weights, cfg.quant_block, fold=device.type == "cuda")
+        # As the sidecar holds them (server/app.py): its GPU backend is the Triton one.
+        prepare_layer_weights(self.model, bc.weights, cfg.quant_block, fold=device.type == "cuda")
         self.embed = source.read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
         self.pages = max(bc.reqs) * scenario.pages_needed(max(bc.contexts) + layout.QPR, bc.page_size)
         shape = kv_layer_shape(cfg, bc.shard_of, self.pages, bc.page_size)

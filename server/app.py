@@ -25,6 +25,7 @@ from dspark_sidecar.drafter.checkpoint import (
 from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
+from dspark_sidecar.kernels.triton.weights import prepare_layer_weights
 from dspark_sidecar.proto import SERVICE_NAME
 from dspark_sidecar.proto.doorbell import nap_for
 from dspark_sidecar.proto import sidecar_pb2 as pb
@@ -148,10 +149,7 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
         fast = build_fast_path(dcfg, model, weights, host, cpu_group, rank)
         if fast.startup_reason is not None and cfg.backend == "flydsl":
             raise BackendUnavailable(f"--backend flydsl: {fast.startup_reason}")
-    if cfg.weights == "mxfp8" or choice.ops.name == "triton":
-        from dspark_sidecar.kernels.triton.weights import prepare_layer_weights
-
-        prepare_layer_weights(model, cfg.weights, dcfg.quant_block, fold=choice.ops.name == "triton")
+    prepare_layer_weights(model, cfg.weights, dcfg.quant_block, fold=choice.ops.name == "triton")
     log.info("rank %d: %s shard loaded in %.1f s on %s (%s, backend %s; FlyDSL path: %s)", rank, dcfg.name,
              time.perf_counter() - t, device, cfg.dtype, choice.name, choice.flydsl_refusal or "on")
     return dcfg, model, embed, choice, host, fast

@@ -94,7 +94,7 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     if ids is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size):
         raise out_of_range("input_ids", f"ids must be in [0, {cfg.vocab_size})")
     if not _indices_ok(host, kv.page_size, kv.num_pages):
-        _diagnose(positions, meta.seq_lens, meta.block_tables, meta.slot_mapping, kv.page_size, kv.num_pages)
+        _diagnose(host, kv.page_size, kv.num_pages)
         # The two checks agree (tests/server/test_validate_indices.py); should they ever not, refuse.
         raise invalid("slot_mapping", "the step's positions, tables and slots failed the index check")
     output = req.output if req.HasField("output") else None
@@ -171,15 +171,11 @@ def _indices_ok(h: HostMeta, ps: int, pages: int) -> bool:
     return bool((tab[rows, page].astype(np.int64) * ps + off == S).all())
 
 
-def _diagnose(positions: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
-              ps: int, pages: int) -> None:
+def _diagnose(h: HostMeta, ps: int, pages: int) -> None:
     """Check by check, to name the first field and row that is wrong (run when the fast check failed)."""
     q = layout.QPR
-    R = seq_lens.shape[0]
-    pos = positions.cpu().numpy().reshape(R, q)
-    lens = seq_lens.cpu().numpy().astype(np.int64)
-    tab = tables.cpu().numpy()
-    slot = slots.cpu().numpy().reshape(R, q)
+    pos, tab, slot = h.positions, h.tables, h.slots
+    lens = h.seq_lens.astype(np.int64)
     if lens.min() < q:
         raise invalid("seq_lens", f"every sequence length must be >= {q} (P + 7), got {int(lens.min())}")
     expect = lens[:, None] - q + np.arange(q)[None, :]

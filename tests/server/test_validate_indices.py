@@ -39,9 +39,10 @@ def _valid():
 
 def _check(positions, meta):
     """(fast check's verdict, the field the diagnosis names or None)."""
-    ok = _indices_ok(host_meta(positions, meta), PS, PAGES)
+    h = host_meta(positions, meta)
+    ok = _indices_ok(h, PS, PAGES)
     try:
-        _diagnose(positions, meta.seq_lens, meta.block_tables, meta.slot_mapping, PS, PAGES)
+        _diagnose(h, PS, PAGES)
     except SidecarError as err:
         return ok, err.field
     return ok, None
