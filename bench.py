@@ -64,6 +64,7 @@ class BenchConfig:
     page_size: int = 16
     out_dir: Path = Path("bench-out")
     sidecar_backend: str = "auto"
+    prelaunch: bool = True  # the sidecar may queue doorbell steps behind the GPU word (server/prelaunch.py)
     seed: int = 0
     notes: dict = field(default_factory=dict)
 
@@ -158,7 +159,7 @@ class SidecarUnderTest:
                 "--random-weights", "--preset", bc.preset, "--dtype", bc.dtype, "--weights", bc.weights,
                 "--socket-dir", str(self.sock),
                 "--device", device.type, "--backend", bc.sidecar_backend, "--max-reqs", str(max(bc.reqs)),
-                "--seed", str(bc.seed), "--drain-s", "0"]
+                "--seed", str(bc.seed), "--drain-s", "0", *([] if bc.prelaunch else ["--no-prelaunch"])]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         self.log = open(work / "sidecar.log", "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -272,7 +273,7 @@ class Bench:
         if resp is None or resp.HasField("error"):
             raise RuntimeError(f"sidecar step failed: {resp.error if resp is not None else 'timeout'}")
         tm = resp.timings  # the sidecar's own host time, arrival to launch, in phases
-        self.sidecar_ns.append((tm.queue_ns, tm.rendezvous_ns, tm.compute_ns, tm.total_ns))
+        self.sidecar_ns.append((tm.queue_ns, tm.rendezvous_ns, tm.compute_ns, tm.total_ns, tm.prelaunched))
         return out
 
     def measure(self, mode: str, case: Case) -> list[float] | str:
@@ -291,6 +292,9 @@ class Bench:
 
     def phase_fields(self, mode: str) -> dict:
         """Row fields of the last measure(mode): medians (us) of the timed steps' phases (warm-up excluded)."""
+        if mode == "f":
+            last = self.sidecar_ns[-self.bc.repeats:]
+            return {"prelaunched_share": sum(t[4] for t in last) / max(1, len(last))}
         if mode not in ("d", "e"):
             return {}
 
@@ -300,7 +304,9 @@ class Bench:
         out = {"sidecar_host_p50_us": p50_us(self.sidecar_ns, 3),
                "sidecar_queue_rendezvous_launch_p50_us": [p50_us(self.sidecar_ns, i) for i in range(3)]}
         if mode == "d":
-            out |= {"engine_fill_p50_us": p50_us(self.engine_ns, 0), "ring_to_answer_p50_us": p50_us(self.engine_ns, 1)}
+            last = self.sidecar_ns[-self.bc.repeats:]
+            out |= {"engine_fill_p50_us": p50_us(self.engine_ns, 0), "ring_to_answer_p50_us": p50_us(self.engine_ns, 1),
+                    "prelaunched_share": sum(t[4] for t in last) / max(1, len(last))}
         return out
 
     def close(self) -> None:
@@ -372,6 +378,8 @@ def _fmt(row: dict) -> str:
         extra += f"  sidecar host {row['sidecar_host_p50_us']:.0f} us [{q:.0f}/{r:.0f}/{c:.0f}]"
     if "engine_fill_p50_us" in row:
         extra += f" (engine fill {row['engine_fill_p50_us']:.0f}, ring->answer {row['ring_to_answer_p50_us']:.0f} us)"
+    if "prelaunched_share" in row:
+        extra += f"  pre-launched {100 * row['prelaunched_share']:.0f}%"
     return (f"{head}  p50 {row['p50_ms']:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  floor {row['floor_ms']:.3f} ms  "
             f"{row['x_floor']:6.2f}x floor  {xb}{extra}")
 

@@ -66,6 +66,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="benchmarks: with --tp 1, compute rank 0's shard of a TP-N drafter (no exchange)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    default=_env("cuda_graphs", True, bool), help="run steps eagerly on the GPU")
+    p.add_argument("--no-prelaunch", dest="prelaunch", action="store_false", default=_env("prelaunch", True, bool),
+                   help="never queue a doorbell step on the GPU before it is rung (server/prelaunch.py)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=_env("warmup", True, bool))
     p.add_argument("--seed", type=int, default=_env("seed", d.seed, int), help="seed of the synthetic checkpoint")
 
@@ -181,7 +183,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints(a.reqs), contexts=ints(a.contexts),
                      modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
-                     sidecar_backend=a.sidecar_backend)
+                     sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch)
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
 
@@ -238,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--repeats", type=int, default=30)
     bp.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     bp.add_argument("--sidecar-backend", default="auto")
+    bp.add_argument("--no-prelaunch", dest="prelaunch", action="store_false",
+                    help="the sidecar never queues a step before it is rung (compare d and f without it)")
     bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
     bp.add_argument("--tp", type=int, default=1,
                     help="N > 1: the sidecar at TP N on N GPUs, driven by N engine ranks over the data plane")

@@ -26,7 +26,7 @@ from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
-
+from dspark_sidecar.proto.gpu_word import GpuWordError, GpuWordOps, RegisteredPage
 
 
 class DataPlaneError(RuntimeError):
@@ -61,6 +61,7 @@ class StepBuffers:
         ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions), timeout=timeout_s).region_ids
         self.embeds_id, self.hidden_id, self.meta_id = ids
         self._layouts: dict[tuple, tuple[pb.DraftStepRequest, list[torch.Tensor]]] = {}
+        self._next_key = 1  # launch keys (sidecar.proto DraftStepRequest.launch_key): never reused
 
     def fill(self, req: pb.DraftStepRequest, embeds: torch.Tensor, positions: torch.Tensor,
              meta: StepMetadata) -> torch.Tensor:
@@ -89,7 +90,9 @@ class StepBuffers:
             return got
         n = key[0][1][0]
         template = pb.DraftStepRequest(inputs_embeds=codec.region_tensor_ref(self.dtype, (n, hidden), self.embeds_id, 0),
-                                       output=pb.RegionSlice(region_id=self.hidden_id, offset_bytes=0))
+                                       output=pb.RegionSlice(region_id=self.hidden_id, offset_bytes=0),
+                                       launch_key=self._next_key)
+        self._next_key = self._next_key % (bell.SKIP_KEY - 1) + 1
         raw, dsts, off = self.meta_bytes, [], 0
         for field, (dtype, shape) in zip(("positions", "seq_lens", "block_tables", "slot_mapping"), key):
             off = -(-off // 8) * 8  # keep every tensor 8-byte aligned
@@ -115,14 +118,25 @@ class DoorbellChannel:
     """One engine rank's doorbell to its sidecar rank (one step in flight)."""
 
     def __init__(self, stub: pb_grpc.DrafterSidecarStub, device: torch.device, capacity: int = 1 << 16,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, gpu_word: bool = True) -> None:
         self._page = memory.shm_empty((bell.HEADER + 2 * capacity,), torch.uint8)
         self.page = bell.Page(self._page.tensor.numpy(), capacity)
         self.capacity, self.device = capacity, device
         self.input_event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
+        # The GPU word (server/prelaunch.py): offered when this process can write it from its stream.
+        self._ops = GpuWordOps.load(device) if gpu_word else None
+        self._header: RegisteredPage | None = None
+        if self._ops is not None:
+            try:
+                self._header = RegisteredPage(self._ops, self._page.tensor.data_ptr())
+            except GpuWordError:
+                self._ops = None
         resp = stub.AttachDoorbell(pb.AttachDoorbellRequest(
             page=memory.export_handle(self._page.tensor), capacity_bytes=capacity,
-            input_event=self.input_event.ipc_handle() if self.input_event is not None else b""), timeout=timeout_s)
+            input_event=self.input_event.ipc_handle() if self.input_event is not None else b"",
+            gpu_word=self._header is not None), timeout=timeout_s)
+        # Where this end writes the word; 0: the sidecar does not pre-launch, nothing is written.
+        self.word_address = self._header.device_ptr + bell.GPU_WORD_OFFSET if resp.gpu_word and self._header else 0
         self.output_event = (torch.cuda.Event.from_ipc_handle(device, resp.output_event)
                              if device.type == "cuda" else None)
         self.ringer: bell.Ringer | None = None
@@ -139,9 +153,12 @@ class DoorbellChannel:
         data = req.SerializeToString()
         if len(data) > self.capacity:
             raise DataPlaneError(f"request of {len(data)} bytes exceeds the doorbell ({self.capacity})")
-        if self.input_event is not None:
-            self.input_event.record(torch.cuda.current_stream(self.device))
         self._seq += 1
+        if self.input_event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            self.input_event.record(stream)
+            if self.word_address:  # after the inputs on this stream: the pre-launched step starts here
+                self._ops.write(stream.cuda_stream, self.word_address, bell.gpu_word(self._seq, req.launch_key))
         self.page.write(self.page.req_area, data, bell.REQ_LEN, bell.REQ_SEQ, self._seq)  # ring: sequence last
         if self.ringer is not None:  # after the sequence store (see proto/doorbell.py Waker.sleep)
             self.ringer.wake_if_asleep(self.page)
@@ -164,5 +181,8 @@ class DoorbellChannel:
         self.alive = False
         if self.ringer is not None:
             self.ringer.close()
+        if self._header is not None:
+            torch.cuda.current_stream(self.device).synchronize()  # no queued write may land after the unmap
+            self._header.close()
         self.page.close()
         self._page.close()

@@ -13,8 +13,15 @@ import time
 
 import numpy as np
 
-HEADER = 64  # bytes: 8 uint64 words, 5 used
-REQ_SEQ, REQ_LEN, RESP_SEQ, RESP_LEN, ASLEEP = range(5)
+HEADER = 64  # bytes: 8 uint64 words, 6 used
+REQ_SEQ, REQ_LEN, RESP_SEQ, RESP_LEN, ASLEEP, GPU_WORD = range(6)
+GPU_WORD_OFFSET = 8 * GPU_WORD
+SKIP_KEY = 0xFFFFFFFF  # a launch key no engine sends: the sidecar's own store releases a wait for nothing
+
+
+def gpu_word(seq: int, launch_key: int) -> int:
+    """Word [5]'s value for step `seq` (sidecar.proto AttachDoorbellResponse.gpu_word)."""
+    return (seq & 0xFFFFFFFF) << 32 | (launch_key & 0xFFFFFFFF)
 
 # Waiting: short naps while the other end is active, longer sleeps once it has been quiet. Linux
 # rounds every sleep up by the thread's timer slack (50 us by default), which made a "20 us" poll
@@ -78,7 +85,7 @@ class Page:
         if buf.nbytes < HEADER + 2 * capacity:
             raise ValueError(f"page of {buf.nbytes} bytes cannot hold 2 x {capacity} + {HEADER}")
         self.capacity = capacity
-        self.words = np.ndarray((5,), dtype=np.uint64, buffer=buf[:40])
+        self.words = np.ndarray((6,), dtype=np.uint64, buffer=buf[:48])
         self.req_area = buf[HEADER : HEADER + capacity]
         self.resp_area = buf[HEADER + capacity : HEADER + 2 * capacity]
 

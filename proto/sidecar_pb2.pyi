@@ -311,7 +311,7 @@ class RegisterBuffersResponse(_message.Message):
     def __init__(self, region_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftStepRequest(_message.Message):
-    __slots__ = ("step_id", "binding_id", "binding_generation", "num_requests", "positions", "inputs_embeds", "input_ids", "seq_lens", "block_tables", "slot_mapping", "output", "deadline_ms")
+    __slots__ = ("step_id", "binding_id", "binding_generation", "num_requests", "positions", "inputs_embeds", "input_ids", "seq_lens", "block_tables", "slot_mapping", "output", "deadline_ms", "launch_key")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BINDING_ID_FIELD_NUMBER: _ClassVar[int]
     BINDING_GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +324,7 @@ class DraftStepRequest(_message.Message):
     SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_KEY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     binding_id: int
     binding_generation: int
@@ -336,7 +337,8 @@ class DraftStepRequest(_message.Message):
     slot_mapping: TensorRef
     output: RegionSlice
     deadline_ms: int
-    def __init__(self, step_id: _Optional[int] = ..., binding_id: _Optional[int] = ..., binding_generation: _Optional[int] = ..., num_requests: _Optional[int] = ..., positions: _Optional[_Union[TensorRef, _Mapping]] = ..., inputs_embeds: _Optional[_Union[TensorRef, _Mapping]] = ..., input_ids: _Optional[_Union[TensorRef, _Mapping]] = ..., seq_lens: _Optional[_Union[TensorRef, _Mapping]] = ..., block_tables: _Optional[_Union[TensorRef, _Mapping]] = ..., slot_mapping: _Optional[_Union[TensorRef, _Mapping]] = ..., output: _Optional[_Union[RegionSlice, _Mapping]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    launch_key: int
+    def __init__(self, step_id: _Optional[int] = ..., binding_id: _Optional[int] = ..., binding_generation: _Optional[int] = ..., num_requests: _Optional[int] = ..., positions: _Optional[_Union[TensorRef, _Mapping]] = ..., inputs_embeds: _Optional[_Union[TensorRef, _Mapping]] = ..., input_ids: _Optional[_Union[TensorRef, _Mapping]] = ..., seq_lens: _Optional[_Union[TensorRef, _Mapping]] = ..., block_tables: _Optional[_Union[TensorRef, _Mapping]] = ..., slot_mapping: _Optional[_Union[TensorRef, _Mapping]] = ..., output: _Optional[_Union[RegionSlice, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., launch_key: _Optional[int] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message", "field", "reason")
@@ -351,18 +353,20 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("queue_ns", "rendezvous_ns", "compute_ns", "total_ns", "launches")
+    __slots__ = ("queue_ns", "rendezvous_ns", "compute_ns", "total_ns", "launches", "prelaunched")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     LAUNCHES_FIELD_NUMBER: _ClassVar[int]
+    PRELAUNCHED_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     rendezvous_ns: int
     compute_ns: int
     total_ns: int
     launches: int
-    def __init__(self, queue_ns: _Optional[int] = ..., rendezvous_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., launches: _Optional[int] = ...) -> None: ...
+    prelaunched: bool
+    def __init__(self, queue_ns: _Optional[int] = ..., rendezvous_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., launches: _Optional[int] = ..., prelaunched: _Optional[bool] = ...) -> None: ...
 
 class DraftStepResponse(_message.Message):
     __slots__ = ("step_id", "hidden_states", "error", "timings")
@@ -377,19 +381,23 @@ class DraftStepResponse(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., hidden_states: _Optional[_Union[TensorRef, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
 
 class AttachDoorbellRequest(_message.Message):
-    __slots__ = ("page", "capacity_bytes", "input_event")
+    __slots__ = ("page", "capacity_bytes", "input_event", "gpu_word")
     PAGE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     INPUT_EVENT_FIELD_NUMBER: _ClassVar[int]
+    GPU_WORD_FIELD_NUMBER: _ClassVar[int]
     page: MemoryHandle
     capacity_bytes: int
     input_event: bytes
-    def __init__(self, page: _Optional[_Union[MemoryHandle, _Mapping]] = ..., capacity_bytes: _Optional[int] = ..., input_event: _Optional[bytes] = ...) -> None: ...
+    gpu_word: bool
+    def __init__(self, page: _Optional[_Union[MemoryHandle, _Mapping]] = ..., capacity_bytes: _Optional[int] = ..., input_event: _Optional[bytes] = ..., gpu_word: _Optional[bool] = ...) -> None: ...
 
 class AttachDoorbellResponse(_message.Message):
-    __slots__ = ("output_event", "wake_fifo")
+    __slots__ = ("output_event", "wake_fifo", "gpu_word")
     OUTPUT_EVENT_FIELD_NUMBER: _ClassVar[int]
     WAKE_FIFO_FIELD_NUMBER: _ClassVar[int]
+    GPU_WORD_FIELD_NUMBER: _ClassVar[int]
     output_event: bytes
     wake_fifo: str
-    def __init__(self, output_event: _Optional[bytes] = ..., wake_fifo: _Optional[str] = ...) -> None: ...
+    gpu_word: bool
+    def __init__(self, output_event: _Optional[bytes] = ..., wake_fifo: _Optional[str] = ..., gpu_word: _Optional[bool] = ...) -> None: ...

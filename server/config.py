@@ -43,6 +43,7 @@ class ServeConfig:
     max_message_bytes: int = 256 << 20
     warmup: bool = True
     cuda_graphs: bool = True  # replay the step as a CUDA graph per request count (GPU, capturable backend)
+    prelaunch: bool = True  # queue the next doorbell step on the GPU behind the engine's GPU word (server/prelaunch.py)
     drain_s: float = 1.0  # after SIGTERM: NOT_SERVING for this long before the listener closes
     seed: int = 0  # of the synthetic checkpoint
     # Benchmark emulation (never for serving an engine's real traffic):

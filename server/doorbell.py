@@ -11,6 +11,7 @@ launched, and the engine's stream waits for the GPU work through the event.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -19,8 +20,10 @@ import torch
 
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto.gpu_word import GpuWordError, GpuWordOps
 from dspark_sidecar.proto.memory import MappedMemory
 from dspark_sidecar.server.errors import invalid
+from dspark_sidecar.server.prelaunch import Prelaunch
 from dspark_sidecar.server.rank import RankLoop
 
 log = logging.getLogger("dspark_sidecar.server")
@@ -29,7 +32,8 @@ HALT_POLL_S = 0.05  # how often an idle doorbell looks at its halt flag
 
 class Doorbell(threading.Thread):
     def __init__(self, page: MappedMemory, capacity: int, loop: RankLoop, device: torch.device,
-                 input_event: bytes, wake_path: str | None = None) -> None:
+                 input_event: bytes, wake_path: str | None = None, word_ops: GpuWordOps | None = None,
+                 window: int = 0) -> None:
         super().__init__(name="dspark-doorbell", daemon=True)
         try:
             self.page = bell.Page(page.storage.numpy(), capacity)
@@ -44,6 +48,15 @@ class Doorbell(threading.Thread):
                     self.input_event = torch.cuda.Event.from_ipc_handle(device, input_event)
                 self.output_event = torch.cuda.Event(interprocess=True)
                 self.output_event.record(torch.cuda.current_stream(device))  # materialise it on this GPU
+        self.prelaunch: Prelaunch | None = None
+        if word_ops is not None and loop.graphs is not None:  # server/prelaunch.py says when (servicer.py)
+            try:
+                with torch.cuda.device(device):
+                    self.prelaunch = Prelaunch(word_ops, self.page, page.storage.data_ptr(), loop.graphs, window)
+            except GpuWordError as err:
+                log.warning("doorbell: steps are not pre-launched: %s", err)
+            else:
+                loop.on_quiesce(self.prelaunch.release)
         self._halt = threading.Event()
         self._last = self.page.word(bell.REQ_SEQ)
         self.waker: bell.Waker | None = None
@@ -63,6 +76,10 @@ class Doorbell(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=2)
+        if self.prelaunch is not None:
+            self.loop.on_quiesce(None, old=self.prelaunch.release)
+            with self.loop.exclusive(quiesce=False):
+                self.prelaunch.close()  # a queued step has finished before its memory goes
         if self.waker is not None:
             self.waker.close()
         self.page.close()
@@ -86,15 +103,19 @@ class Doorbell(threading.Thread):
                 continue
             seq = self.page.word(bell.REQ_SEQ)
             try:
-                self._serve(seq)
+                resp = self._serve(seq)
             except Exception as exc:  # noqa: BLE001  (the engine always gets an answer: it falls back)
                 log.exception("doorbell: step could not be served")
-                self._publish(seq, pb.DraftStepResponse(error=pb.StepError(
-                    code=13, message=f"internal error: {type(exc).__name__}: {exc}", reason="INTERNAL")))
+                resp = pb.DraftStepResponse(error=pb.StepError(
+                    code=13, message=f"internal error: {type(exc).__name__}: {exc}", reason="INTERNAL"))
+                self._publish(seq, resp)
+            if self.prelaunch is not None:  # after the answer is out: queue the next step (or release)
+                with self.loop.exclusive(quiesce=False):
+                    self.prelaunch.after(seq, resp)
             self._last = seq
             active = time.perf_counter()
 
-    def _serve(self, seq: int) -> None:
+    def _serve(self, seq: int) -> pb.DraftStepResponse:
         try:
             req = pb.DraftStepRequest.FromString(self.page.read(self.page.req_area, bell.REQ_LEN))
         except Exception as exc:  # noqa: BLE001  (a garbled request is answered, never fatal)
@@ -103,10 +124,12 @@ class Doorbell(threading.Thread):
         else:
             if self.input_event is not None:
                 self._stream.wait_event(self.input_event)
-            resp = self.loop.answer_now(req)
+            hook = functools.partial(self.prelaunch.take, seq, req) if self.prelaunch is not None else None
+            resp = self.loop.answer_now(req, hook)
             if self.output_event is not None:
                 self.output_event.record(self._stream)
         self._publish(seq, resp)
+        return resp
 
     def _publish(self, seq: int, resp: pb.DraftStepResponse) -> None:
         data = resp.SerializeToString()

@@ -69,6 +69,18 @@ class StepGraphs:
         # looking it up costs ~6 us per call, so once here.
         self._stream = torch.cuda.current_stream(model.device)
 
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        """The stream every replay goes to."""
+        return self._stream
+
+    def captured(self, embeds: torch.Tensor | None, R: int, kv: list[torch.Tensor]):
+        """The graph a step of R requests reading `embeds` in place would replay now, if it is captured."""
+        if embeds is None or self._kv_key != tuple((t.data_ptr(), tuple(t.shape)) for t in kv):
+            return None
+        g = self._graphs.get((R, True))
+        return g if g is not None and g.embeds.data_ptr() == embeds.data_ptr() else None
+
     def run(self, embeds: torch.Tensor, host: HostMeta, kv: list[torch.Tensor], in_place: bool = False) -> torch.Tensor:
         """embeds [n, hidden] on the device; the step's metadata as NumPy on the host (validate.py).
         Returns the graph's output buffer [n, hidden] (valid until the next step).

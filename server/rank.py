@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Iterator, Protocol
 
 import grpc
 import torch
@@ -71,8 +72,28 @@ class RankLoop:
         self.ctx, self.rendezvous, self.graphs = ctx, rendezvous, graphs
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # one step at a time, whichever thread runs it
+        # Called, under the lock, before any device work other than a doorbell step: a doorbell may
+        # have the next step queued behind a wait on the GPU (server/prelaunch.py), blocking the stream.
+        self._quiesce: list[Callable[[bool], None]] = []
         self._worker = threading.Thread(target=self._work, name=f"dspark-rank{ctx.rank}", daemon=True)
         self._worker.start()
+
+    def on_quiesce(self, fn: Callable[[bool], None] | None, old: Callable[[bool], None] | None = None) -> None:
+        """Add `fn(wait)` to what runs before other device work (and drop `old`)."""
+        with self._lock:
+            if old is not None and old in self._quiesce:
+                self._quiesce.remove(old)
+            if fn is not None:
+                self._quiesce.append(fn)
+
+    @contextlib.contextmanager
+    def exclusive(self, wait: bool = True, quiesce: bool = True) -> Iterator[None]:
+        """The device to oneself, between steps. wait: queued doorbell work has also finished (memory it
+        reads may be unmapped inside). quiesce=False: the lock only (the doorbell queueing its next step)."""
+        with self._lock:
+            for fn in self._quiesce if quiesce else ():
+                fn(wait)
+            yield
 
     def submit(self, req: pb.DraftStepRequest) -> concurrent.futures.Future:
         """A future of the DraftStepResponse; it raises SidecarError on failure (unary path)."""
@@ -88,17 +109,20 @@ class RankLoop:
         except Exception as exc:  # noqa: BLE001  (every failure is answered, none ends the stream)
             return pb.DraftStepResponse(step_id=req.step_id, error=to_step_error(as_sidecar_error(exc)))
 
-    def answer_now(self, req: pb.DraftStepRequest) -> pb.DraftStepResponse:
+    def answer_now(self, req: pb.DraftStepRequest,
+                   prelaunched: Callable[[Step], torch.Tensor | None] | None = None) -> pb.DraftStepResponse:
         """The doorbell path: run on the calling thread, in one order with the worker's steps.
 
         Handing the step to the worker would cost a thread wake-up (tens of us) on every step of
         the latency-critical path; the lock keeps launches serialized all the same.
+        prelaunched: given the validated step, its hidden states if they are already queued on the
+        GPU (server/prelaunch.py), else None after clearing the way for the ordinary run.
         """
         expires = time.monotonic_ns() + req.deadline_ms * 1_000_000 if req.deadline_ms else 0
         t_enq = time.perf_counter_ns()
         with self._lock:
             try:
-                return self._guarded(req, t_enq, expires)
+                return self._guarded(req, t_enq, expires, prelaunched)
             except SidecarError as err:
                 return pb.DraftStepResponse(step_id=req.step_id, error=to_step_error(err))
 
@@ -113,14 +137,16 @@ class RankLoop:
         while (item := self._queue.get()) is not None:
             req, fut, t_enq, expires = item
             with self._lock:
+                for fn in self._quiesce:
+                    fn(False)
                 try:
                     fut.set_result(self._guarded(req, t_enq, expires))
                 except SidecarError as err:
                     fut.set_exception(err)
 
-    def _guarded(self, req: pb.DraftStepRequest, t_enq: int, expires: int) -> pb.DraftStepResponse:
+    def _guarded(self, req: pb.DraftStepRequest, t_enq: int, expires: int, prelaunched=None) -> pb.DraftStepResponse:
         try:
-            return self._run(req, t_enq, expires)
+            return self._run(req, t_enq, expires, prelaunched)
         except SidecarError:
             raise
         except Exception:  # noqa: BLE001
@@ -130,7 +156,7 @@ class RankLoop:
             log.exception("rank %d: draft step %d failed inside its launch; exiting", self.ctx.rank, req.step_id)
             os._exit(3)
 
-    def _run(self, req: pb.DraftStepRequest, t_enq: int, expires_ns: int = 0) -> pb.DraftStepResponse:
+    def _run(self, req: pb.DraftStepRequest, t_enq: int, expires_ns: int = 0, prelaunched=None) -> pb.DraftStepResponse:
         ctx = self.ctx
         t0 = time.perf_counter_ns()
         step: Step | None = None
@@ -165,7 +191,10 @@ class RankLoop:
             raise SidecarError(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.ABORTED, verdict.reason,
                                "deadline_ms" if late else "", "DEADLINE" if late else "ABORTED")
         assert step is not None
-        hidden = self._execute(step, verdict.fast)
+        hidden = prelaunched(step) if prelaunched is not None and not verdict.fast else None
+        early = hidden is not None
+        if hidden is None:
+            hidden = self._execute(step, verdict.fast)
         launches = len(layout.launch_groups(step.num_reqs))
         out = self._output(step, hidden)
         t2 = time.perf_counter_ns()
@@ -174,7 +203,8 @@ class RankLoop:
         return pb.DraftStepResponse(
             step_id=req.step_id, hidden_states=out,
             timings=pb.StepTimings(queue_ns=timings["queue"], rendezvous_ns=timings["rendezvous"],
-                                   compute_ns=timings["compute"], total_ns=timings["total"], launches=launches))
+                                   compute_ns=timings["compute"], total_ns=timings["total"], launches=launches,
+                                   prelaunched=early))
 
     def _fast_ready(self, step: Step) -> bool:
         """This rank could run the step on its fast path; the rendezvous turns it into one answer for all."""

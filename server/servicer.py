@@ -15,6 +15,7 @@ from dspark_sidecar.drafter.config import ARCHITECTURE
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from dspark_sidecar.proto.gpu_word import GpuWordOps
 from dspark_sidecar.proto.memory import MappedMemory
 from dspark_sidecar.server.doorbell import Doorbell
 from dspark_sidecar.server.errors import SidecarError, invalid
@@ -54,8 +55,13 @@ def _same_node(peer: str) -> bool:
 
 class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     def __init__(self, ctx: RankContext, loop: RankLoop, life: Lifecycle, limits: pb.Limits,
-                 parallel: pb.Parallel, weight_format: str, run_dir: Path | None = None) -> None:
+                 parallel: pb.Parallel, weight_format: str, run_dir: Path | None = None,
+                 prelaunch: bool = False) -> None:
         self.ctx, self.loop, self.life = ctx, loop, life
+        # Pre-launched doorbell steps (server/prelaunch.py): one rank only, on a GPU with graphs.
+        self.prelaunch = prelaunch and ctx.world == 1 and loop.graphs is not None
+        self._word_ops: GpuWordOps | None = None
+        self._word_probed = False
         self.limits, self.parallel, self.weight_format = limits, parallel, weight_format
         self.run_dir = run_dir  # where doorbell wake FIFOs go (the socket folder); None: polling only
         self.doorbell: Doorbell | None = None
@@ -101,7 +107,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def BindKV(self, request, context):
         self._require_same_node(context)
-        kv = self.ctx.memory.bind(request)
+        with self.loop.exclusive():  # a re-bind unmaps the old cache: nothing queued may still read it
+            kv = self.ctx.memory.bind(request)
         self.ctx.metrics.bound()
         why = self.refusal()
         log.info("rank %d: KV bound (binding %d, generation %d, %d pages x %d); fast path: %s", self.ctx.rank,
@@ -113,7 +120,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def UnbindKV(self, request, context):
         self._require_same_node(context)
-        self.ctx.memory.unbind(request.binding_id)
+        with self.loop.exclusive():
+            self.ctx.memory.unbind(request.binding_id)
         return pb.UnbindKVResponse()
 
     def RegisterBuffers(self, request, context):
@@ -129,7 +137,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         wake = str(self.run_dir / f"rank{self.ctx.rank}.wake{self._attached}") if self.run_dir else None
         try:
             bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event,
-                            wake)
+                            wake, self._gpu_word_ops() if request.gpu_word else None, self.ctx.cfg.sliding_window)
         except BaseException:
             page.close()
             raise
@@ -137,7 +145,15 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             self.doorbell.stop()
         self.doorbell = bell
         bell.start()
-        return pb.AttachDoorbellResponse(output_event=bell.output_event_handle(), wake_fifo=bell.wake_fifo)
+        return pb.AttachDoorbellResponse(output_event=bell.output_event_handle(), wake_fifo=bell.wake_fifo,
+                                         gpu_word=bell.prelaunch is not None)
+
+    def _gpu_word_ops(self) -> GpuWordOps | None:
+        """The driver's stream memory operations, probed once; None where steps are not pre-launched."""
+        if self.prelaunch and not self._word_probed:
+            self._word_probed = True
+            self._word_ops = GpuWordOps.load(self.ctx.model.device)
+        return self._word_ops
 
     def DraftStep(self, request, context):
         return self.loop.submit(request).result()

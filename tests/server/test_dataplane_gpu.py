@@ -156,3 +156,93 @@ def test_gpu_sidecar_with_mxfp8_weights_matches_the_reference(tmp_path, tiny_cfg
     err = (got - ref).norm() / ref.norm()
     # bf16 activations rounded at every op boundary through 5 layers: ~1e-2 relative is expected.
     assert err < 3e-2, f"relative error {err:.2e}"
+
+
+def test_gpu_prelaunched_steps_equal_ordinary_ones(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
+    """Pre-launched doorbell steps (server/prelaunch.py) against the same steps over gRPC, bit for bit:
+    a layout repeated (queued from its third step), a change of layout (the queued step released),
+    a gRPC step in between (the worker releases it), an invalid step while one is queued (the GPU
+    program makes it a no-op: the page its bad slot names stays untouched), and steps rung back to
+    back with no host sync."""
+    import grpc
+
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    dev = torch.device("cuda", 0)
+    cases = {"A": [5, 40], "B": [4096 + 20, 3, 90]}
+    own = {k: sum(scenario.pages_needed(c + 7, PAGE) for c in v) for k, v in cases.items()}
+    spare = own["A"] + own["B"]  # a page no valid step writes
+    pages = spare + 1
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        kv = [torch.randn(kv_layer_shape(tiny_cfg, 1, pages, PAGE), device=dev) for _ in range(tiny_cfg.num_hidden_layers)]
+        b = _bind(stub, kv, dev)
+        steps, want = {}, {}
+        for i, (k, lens) in enumerate(cases.items()):
+            st = scenario.random_step(tiny_cfg, lens, PAGE, own[k], tiny_embed, seed=80 + i)
+            base = 0 if k == "A" else own["A"]
+            steps[k] = dataclasses.replace(st, meta=StepMetadata(
+                st.meta.seq_lens, st.meta.block_tables + base, st.meta.slot_mapping + base * PAGE))
+        sid = iter(range(1, 1000))
+
+        def grpc_step(k: str) -> torch.Tensor:
+            s = steps[k]
+            req = pb.DraftStepRequest(step_id=next(sid), binding_id=b.binding_id, binding_generation=b.generation,
+                                      num_requests=s.meta.num_reqs)
+            for f, t in (("positions", s.positions), ("inputs_embeds", s.inputs_embeds), ("seq_lens", s.meta.seq_lens),
+                         ("block_tables", s.meta.block_tables), ("slot_mapping", s.meta.slot_mapping)):
+                getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
+            return codec.from_tensor_ref(stub.DraftStep(req, timeout=60).hidden_states, "h")
+
+        for k in cases:
+            want[k] = grpc_step(k)
+        bufs = StepBuffers(stub, tiny_cfg.hidden_size, 4, 300, torch.float32, dev)
+        bell = DoorbellChannel(stub, dev)
+        assert bell.word_address, "the sidecar did not offer pre-launched steps on this GPU"
+        embeds = {k: s.inputs_embeds.to(dev) for k, s in steps.items()}
+
+        def ring(k: str, meta: StepMetadata | None = None, sync: bool = True):
+            s = steps[k]
+            i = next(sid)
+            req = pb.DraftStepRequest(step_id=i, binding_id=b.binding_id, binding_generation=b.generation,
+                                      num_requests=s.meta.num_reqs)
+            view = bufs.fill(req, embeds[k], s.positions, meta or s.meta)
+            bell.send(req)
+            resp = bell.wait(i, 60.0)
+            assert resp is not None
+            out = view.clone() if resp.HasField("hidden_states") else None
+            if sync:
+                torch.cuda.synchronize(dev)
+            return resp, out
+
+        flags, outs = [], []
+        for k in "AAAAABBB":
+            resp, out = ring(k)
+            flags.append(resp.timings.prelaunched)
+            outs.append((k, out))
+        assert flags == [False, False, True, True, True, False, False, True], flags
+        grpc_step("A")  # the worker runs it: the queued B step is released first
+        for k in "BB":
+            resp, out = ring(k)
+            assert not resp.timings.prelaunched  # the release reset the streak
+            outs.append((k, out))
+        spare_before = [t[:, spare].clone() for t in kv]
+        bad = steps["B"].meta
+        bad = StepMetadata(bad.seq_lens, bad.block_tables, bad.slot_mapping.clone())
+        bad.slot_mapping[-1] = spare * PAGE + 3
+        resp, _ = ring("B", bad)  # queued (B's third step in a row), refused by both sides
+        assert resp.HasField("error") and resp.error.field == "slot_mapping", resp
+        for t, before in zip(kv, spare_before):
+            assert torch.equal(t[:, spare], before), "the refused step wrote the cache"
+        hits = 0
+        for _ in range(8):  # back to back, no host sync: the engine's stream orders everything
+            resp, out = ring("A", sync=False)
+            hits += resp.timings.prelaunched
+            outs.append(("A", out))
+        torch.cuda.synchronize(dev)
+        assert hits >= 5, hits
+        for k, out in outs:
+            torch.testing.assert_close(out.cpu(), want[k], rtol=0, atol=0, msg=f"case {k}")
+        assert grpc_step("B") is not None  # still serving
+        bell.close()
+        bufs.close()

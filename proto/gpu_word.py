@@ -1,0 +1,151 @@
+"""The doorbell's GPU word: host memory both processes map on their GPU, written by one stream and waited on by another.
+
+A stream memory operation (CUDA driver `cuStreamWriteValue64` / `cuStreamWaitValue64`, HIP
+`hipStreamWriteValue64` / `hipStreamWaitValue64`) is queued on a stream like a kernel: the
+engine's stream writes the word right after its copies of a step's inputs, and the sidecar's
+stream, queued ahead of time behind a wait on that word, starts the step the moment the write
+lands. Neither host is on that path. The word lives in the doorbell page (POSIX shm), so the
+sidecar's host can also store to it (to release a wait it no longer wants) and both processes
+register it with their own GPU context (`cuMemHostRegister`): host memory needs no IPC handle.
+
+torch exposes none of these calls, so they go through ctypes to the driver library torch has
+already loaded. `GpuWordOps.load` returns None where they are not available (no driver, an old
+one, a device without 64-bit stream memory operations): the doorbell then works as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+
+import torch
+
+log = logging.getLogger("dspark_sidecar")
+
+_REGISTER_PORTABLE, _REGISTER_DEVICEMAP = 0x1, 0x2  # CU_MEMHOSTREGISTER_* (hipHostRegister* match)
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ / hipStreamWaitValueGte: (int64)(*addr - value) >= 0
+
+
+class GpuWordError(RuntimeError):
+    """A stream memory operation or a registration failed; the message has the driver's code."""
+
+
+class DevicePointer:
+    """A raw device address Triton can take as a pointer argument (it reads data_ptr() and dtype)."""
+
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+class GpuWordOps:
+    """Host registration and 64-bit stream write/wait for one vendor's driver (CUDA or HIP)."""
+
+    def __init__(self, lib: ctypes.CDLL, hip: bool) -> None:
+        self.hip = hip
+        u64, vp, uint = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint
+        if hip:
+            self._register = self._fn(lib, "hipHostRegister", [vp, ctypes.c_size_t, uint])
+            self._unregister = self._fn(lib, "hipHostUnregister", [vp])
+            self._devptr = self._fn(lib, "hipHostGetDevicePointer", [ctypes.POINTER(vp), vp, uint])
+            self._write = self._fn(lib, "hipStreamWriteValue64", [vp, vp, u64, uint])
+            self._wait = self._fn(lib, "hipStreamWaitValue64", [vp, vp, u64, uint, u64])
+        else:
+            self._register = self._fn(lib, "cuMemHostRegister_v2", [vp, ctypes.c_size_t, uint])
+            self._unregister = self._fn(lib, "cuMemHostUnregister", [vp])
+            self._devptr = self._fn(lib, "cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), vp, uint])
+            self._write = self._fn(lib, "cuStreamWriteValue64_v2", [vp, u64, u64, uint])
+            self._wait = self._fn(lib, "cuStreamWaitValue64_v2", [vp, u64, u64, uint])
+
+    @staticmethod
+    def _fn(lib: ctypes.CDLL, name: str, argtypes: list):
+        f = getattr(lib, name)
+        f.argtypes, f.restype = argtypes, ctypes.c_int
+        f.__name__ = name
+        return f
+
+    @classmethod
+    def load(cls, device: torch.device) -> GpuWordOps | None:
+        """The ops for `device` after a probe (one write and one wait on a registered word), or None."""
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        hip = torch.version.hip is not None
+        try:
+            ops = cls(ctypes.CDLL("libamdhip64.so" if hip else "libcuda.so.1"), hip)
+            ops._probe(device)
+        except (OSError, AttributeError, GpuWordError) as exc:
+            log.warning("GPU word unavailable on %s (%s): steps are not pre-launched", device, exc)
+            return None
+        return ops
+
+    def _check(self, fn, *args) -> None:
+        rc = fn(*args)
+        if rc != 0:
+            raise GpuWordError(f"{fn.__name__} failed with driver code {rc}")
+
+    def _probe(self, device: torch.device) -> None:
+        buf = mmap.mmap(-1, mmap.PAGESIZE)
+        try:
+            word = torch.frombuffer(buf, dtype=torch.int64, count=1)
+            base = word.data_ptr()
+            with torch.cuda.device(device):
+                addr = self.register(base, mmap.PAGESIZE)
+                try:
+                    stream = torch.cuda.current_stream(device).cuda_stream
+                    self.write(stream, addr, 7 << 32)
+                    self.wait_geq(stream, addr, 7 << 32)
+                    torch.cuda.synchronize(device)
+                    if int(word[0]) != 7 << 32:
+                        raise GpuWordError(f"probe: the GPU wrote {int(word[0]):#x}, not {7 << 32:#x}")
+                finally:
+                    del word
+                    self.unregister(base)
+        finally:
+            buf.close()
+
+    def register(self, host_ptr: int, nbytes: int) -> int:
+        """Page-lock host memory for every GPU of this process; returns its device address."""
+        self._check(self._register, ctypes.c_void_p(host_ptr), nbytes, _REGISTER_PORTABLE | _REGISTER_DEVICEMAP)
+        if self.hip:
+            out = ctypes.c_void_p()
+            self._check(self._devptr, ctypes.byref(out), ctypes.c_void_p(host_ptr), 0)
+            return int(out.value or 0)
+        out64 = ctypes.c_uint64()
+        self._check(self._devptr, ctypes.byref(out64), ctypes.c_void_p(host_ptr), 0)
+        return out64.value
+
+    def unregister(self, host_ptr: int) -> None:
+        self._check(self._unregister, ctypes.c_void_p(host_ptr))
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        """Queue `*addr = value` on `stream` (after the work queued before it)."""
+        if self.hip:
+            self._check(self._write, ctypes.c_void_p(stream), ctypes.c_void_p(addr), value, 0)
+        else:
+            self._check(self._write, ctypes.c_void_p(stream), addr, value, 0)
+
+    def wait_geq(self, stream: int, addr: int, value: int) -> None:
+        """Queue a wait on `stream` until (int64)(*addr - value) >= 0; later work on it starts after."""
+        if self.hip:
+            self._check(self._wait, ctypes.c_void_p(stream), ctypes.c_void_p(addr), value, _WAIT_GEQ,
+                        0xFFFFFFFFFFFFFFFF)
+        else:
+            self._check(self._wait, ctypes.c_void_p(stream), addr, value, _WAIT_GEQ)
+
+
+class RegisteredPage:
+    """The first page of a mapping registered with the GPU (the doorbell header, the word's home)."""
+
+    def __init__(self, ops: GpuWordOps, host_ptr: int, nbytes: int = mmap.PAGESIZE) -> None:
+        if host_ptr % mmap.PAGESIZE:
+            raise GpuWordError(f"{host_ptr:#x} is not page-aligned")
+        self.ops, self.host_ptr = ops, host_ptr
+        self.device_ptr = ops.register(host_ptr, nbytes)
+
+    def close(self) -> None:
+        if self.host_ptr:
+            self.ops.unregister(self.host_ptr)
+            self.host_ptr = 0

@@ -1,0 +1,115 @@
+"""The pre-launched step's metadata program against its NumPy spec and the host path it must equal."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dspark_sidecar.drafter import scenario  # noqa: E402
+from dspark_sidecar.drafter.kv_cache import window_metadata_into, window_width  # noqa: E402
+from dspark_sidecar.kernels.triton import step_meta as sm  # noqa: E402
+from dspark_sidecar.proto.doorbell import SKIP_KEY, gpu_word  # noqa: E402
+
+PAGE, WINDOW, Q = 16, 64, 7
+
+
+def _case(lens: list[int], seed: int, spare_cols: int = 3):
+    """A valid step's host metadata (positions, seq_lens, tables, slots) over shuffled pages."""
+    need = [scenario.pages_needed(c + Q, PAGE) for c in lens]
+    pages = sum(need) + 5
+    width = max(need) + spare_cols
+    perm = np.random.default_rng(seed).permutation(pages).astype(np.int32)
+    tables = np.full((len(lens), width), -1, np.int32)  # unused columns: -1, as engines pad
+    used = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    L = np.array([c + Q for c in lens], np.int32)
+    P = L[:, None].astype(np.int64) - Q + np.arange(Q)
+    S = tables[np.arange(len(lens))[:, None], P // PAGE].astype(np.int64) * PAGE + P % PAGE
+    return P.reshape(-1), L, tables, S.reshape(-1), pages
+
+
+def _run(device, word: int, expect: int, P, L, T, S, pages):
+    R, ww = L.shape[0], window_width(PAGE, WINDOW)
+    dev = torch.device(device)
+    src = [torch.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (P, L, T, S)]
+    n = R * Q
+    out = (torch.full((n,), 99, dtype=torch.int64, device=dev), torch.full((n,), 99, dtype=torch.int64, device=dev),
+           torch.full((n,), 99, dtype=torch.int64, device=dev), torch.full((R,), 99, dtype=torch.int32, device=dev),
+           torch.full((R, ww), 99, dtype=torch.int32, device=dev))
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    w = torch.tensor([sm.signed64(word)], dtype=torch.int64, device=dev)
+    sm.step_meta(w, expect, src, out, flag, num_reqs=R, width=T.shape[1], page_size=PAGE, window=WINDOW,
+                 num_pages=pages)
+    return tuple(t.cpu().numpy() for t in out) + (int(flag.item()),)
+
+
+def _check(got, want) -> None:
+    for g, w, name in zip(got, want, ("positions", "rel", "slots", "lens", "tables", "flag")):
+        np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+@pytest.mark.parametrize("lens", [[0], [40, 5, 300], [3, 17, 100, 1000, 2, 64, 65, 9]], ids=["R1", "R3", "R8"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_valid_step_equals_host_path(device, lens, seed):
+    """A rung, valid step: exactly graphs.py's host metadata (window_metadata_into) and flag RAN."""
+    P, L, T, S, pages = _case(lens, seed)
+    word = gpu_word(41, 3)
+    want = sm.step_meta_reference(word, word, P, L, T, S, PAGE, WINDOW, pages, window_width(PAGE, WINDOW))
+    R, ww = len(lens), window_width(PAGE, WINDOW)
+    rel, wl, wt = np.zeros(R * Q, np.int64), np.zeros(R, np.int32), np.zeros((R, ww), np.int32)
+    window_metadata_into(P, L, T, PAGE, WINDOW, rel, wl, wt)
+    assert want[5] == sm.FLAG_RAN
+    np.testing.assert_array_equal(want[1], rel)
+    np.testing.assert_array_equal(want[3], wl)
+    np.testing.assert_array_equal(want[4], wt)
+    _check(_run(device, word, word, P, L, T, S, pages), want)
+
+
+def _corrupt(kind: str, P, L, T, S, pages):
+    P, L, T, S = P.copy(), L.copy(), T.copy(), S.copy()
+    if kind == "position":
+        P[4] += 1
+    elif kind == "short-len":
+        L[0] = Q - 1
+    elif kind == "slot":
+        S[-1] += 1
+    elif kind == "page-out-of-cache":  # the page holding the last row's slot
+        last = (int(L[-1]) - 1) // PAGE
+        T[-1, last] = pages
+    elif kind == "negative-window-page":  # a page the window reads, not one the slots use
+        T[1, max(0, (int(L[1]) - 1) // PAGE - 1)] = -3
+    return P, L, T, S
+
+
+@pytest.mark.parametrize("kind", ["position", "short-len", "slot", "page-out-of-cache", "negative-window-page"])
+def test_invalid_step_is_a_noop(device, kind):
+    """Whatever the GPU would touch wrongly turns the whole step into a no-op: no slot written
+    (-1), a 7-row window over page 0 (in-bounds), and the flag says INVALID."""
+    P, L, T, S, pages = _case([40, 300, 100], seed=3)
+    P, L, T, S = _corrupt(kind, P, L, T, S, pages)
+    word = gpu_word(7, 2)
+    want = sm.step_meta_reference(word, word, P, L, T, S, PAGE, WINDOW, pages, window_width(PAGE, WINDOW))
+    assert want[5] == sm.FLAG_INVALID, kind
+    assert (want[2] == -1).all() and (want[3] == Q).all() and (want[4] == 0).all()
+    _check(_run(device, word, word, P, L, T, S, pages), want)
+
+
+@pytest.mark.parametrize("word", [gpu_word(8, 2), gpu_word(7, 5), gpu_word(7, SKIP_KEY)],
+                         ids=["next-seq", "other-layout", "released-by-sidecar"])
+def test_word_not_for_this_step_is_a_noop(device, word):
+    """A word with another sequence or key (another layout, or the sidecar's own release) runs nothing."""
+    P, L, T, S, pages = _case([40, 300], seed=4)
+    want = sm.step_meta_reference(word, gpu_word(7, 2), P, L, T, S, PAGE, WINDOW, pages, window_width(PAGE, WINDOW))
+    assert want[5] == sm.FLAG_NOT_RUNG and (want[2] == -1).all()
+    _check(_run(device, word, gpu_word(7, 2), P, L, T, S, pages), want)
+
+
+def test_signed64_round_trips_the_word():
+    """Words with the top bit set (sequence >= 2^31) reach the kernel as the same 64 bits."""
+    for w in (0, gpu_word(1, 1), gpu_word(0x8000_0000, 7), gpu_word(0xFFFF_FFFF, SKIP_KEY)):
+        assert np.int64(sm.signed64(w)).view(np.uint64) == np.uint64(w)
