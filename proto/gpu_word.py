@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import threading
 
 import torch
 
@@ -54,6 +55,12 @@ class GpuWordOps:
             self._write = self._fn(lib, "hipStreamWriteValue64", [vp, vp, u64, uint])
             self._wait = self._fn(lib, "hipStreamWaitValue64", [vp, vp, u64, uint, u64])
         else:
+            # The driver acts on the calling thread's current context, which torch's runtime binds
+            # lazily; each thread makes the device's primary context current before its first call.
+            self._ctx_get = self._fn(lib, "cuCtxGetCurrent", [ctypes.POINTER(vp)])
+            self._ctx_set = self._fn(lib, "cuCtxSetCurrent", [vp])
+            self._ctx_retain = self._fn(lib, "cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int])
+            self._ctx_device = self._fn(lib, "cuCtxGetDevice", [ctypes.POINTER(ctypes.c_int)])
             self._register = self._fn(lib, "cuMemHostRegister_v2", [vp, ctypes.c_size_t, uint])
             self._unregister = self._fn(lib, "cuMemHostUnregister", [vp])
             self._devptr = self._fn(lib, "cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), vp, uint])
@@ -75,11 +82,31 @@ class GpuWordOps:
         hip = torch.version.hip is not None
         try:
             ops = cls(ctypes.CDLL("libamdhip64.so" if hip else "libcuda.so.1"), hip)
+            ops.device_index = device.index if device.index is not None else torch.cuda.current_device()
             ops._probe(device)
         except (OSError, AttributeError, GpuWordError) as exc:
             log.warning("GPU word unavailable on %s (%s): steps are not pre-launched", device, exc)
             return None
         return ops
+
+    _bound = threading.local()
+
+    def _bind(self) -> None:
+        """Make this device's primary context current on the calling thread (CUDA; once per thread)."""
+        if self.hip or getattr(self._bound, "device", None) == self.device_index:
+            return
+        cur = ctypes.c_void_p()
+        self._check(self._ctx_get, ctypes.byref(cur))
+        if cur.value:  # torch's runtime has bound one: it must be this device's
+            dev = ctypes.c_int()
+            self._check(self._ctx_device, ctypes.byref(dev))
+            if dev.value != self.device_index:
+                raise GpuWordError(f"this thread's CUDA context is device {dev.value}, not {self.device_index}")
+        else:
+            ctx = ctypes.c_void_p()
+            self._check(self._ctx_retain, ctypes.byref(ctx), self.device_index)
+            self._check(self._ctx_set, ctx)
+        self._bound.device = self.device_index
 
     def _check(self, fn, *args) -> None:
         rc = fn(*args)
@@ -108,6 +135,7 @@ class GpuWordOps:
 
     def register(self, host_ptr: int, nbytes: int) -> int:
         """Page-lock host memory for every GPU of this process; returns its device address."""
+        self._bind()
         self._check(self._register, ctypes.c_void_p(host_ptr), nbytes, _REGISTER_PORTABLE | _REGISTER_DEVICEMAP)
         if self.hip:
             out = ctypes.c_void_p()
@@ -118,10 +146,12 @@ class GpuWordOps:
         return out64.value
 
     def unregister(self, host_ptr: int) -> None:
+        self._bind()
         self._check(self._unregister, ctypes.c_void_p(host_ptr))
 
     def write(self, stream: int, addr: int, value: int) -> None:
         """Queue `*addr = value` on `stream` (after the work queued before it)."""
+        self._bind()
         if self.hip:
             self._check(self._write, ctypes.c_void_p(stream), ctypes.c_void_p(addr), value, 0)
         else:
@@ -129,6 +159,7 @@ class GpuWordOps:
 
     def wait_geq(self, stream: int, addr: int, value: int) -> None:
         """Queue a wait on `stream` until (int64)(*addr - value) >= 0; later work on it starts after."""
+        self._bind()
         if self.hip:
             self._check(self._wait, ctypes.c_void_p(stream), ctypes.c_void_p(addr), value, _WAIT_GEQ,
                         0xFFFFFFFFFFFFFFFF)

@@ -26,6 +26,7 @@ from dspark_sidecar import layout
 from dspark_sidecar.drafter.kv_cache import window_metadata_into
 
 FLAG_RAN, FLAG_NOT_RUNG, FLAG_INVALID = 1, 2, 3  # what the flag word holds after the program
+_RAN, _NOT_RUNG, _INVALID = tl.constexpr(FLAG_RAN), tl.constexpr(FLAG_NOT_RUNG), tl.constexpr(FLAG_INVALID)
 
 
 @triton.jit
@@ -63,7 +64,7 @@ def _step_meta(word_ptr, expect, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
     lens = tl.where(good, L - off, Q + 0 * L).to(tl.int32)
     tl.store(lens_out + r, lens, mask=rm)
     tl.store(tab_out + r * WW + k, tl.where(good, wt, 0 * wt), mask=km)
-    tl.store(flag_ptr, tl.where(good, FLAG_RAN, tl.where(rung, FLAG_INVALID, FLAG_NOT_RUNG)))
+    tl.store(flag_ptr, tl.where(good, _RAN, tl.where(rung, _INVALID, _NOT_RUNG)))
 
 
 def signed64(value: int) -> int:
