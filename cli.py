@@ -183,7 +183,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints(a.reqs), contexts=ints(a.contexts),
                      modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
-                     sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch)
+                     sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch,
+                     engine_copy=a.engine_copy)
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
 
@@ -242,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--sidecar-backend", default="auto")
     bp.add_argument("--no-prelaunch", dest="prelaunch", action="store_false",
                     help="the sidecar never queues a step before it is rung (compare d and f without it)")
+    bp.add_argument("--engine-copy", action="store_true",
+                    help="d/f: the engine's embeddings are copied into the registered input region every step")
     bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
     bp.add_argument("--tp", type=int, default=1,
                     help="N > 1: the sidecar at TP N on N GPUs, driven by N engine ranks over the data plane")

@@ -63,6 +63,11 @@ class StepBuffers:
         self._layouts: dict[tuple, tuple[pb.DraftStepRequest, list[torch.Tensor]]] = {}
         self._next_key = 1  # launch keys (sidecar.proto DraftStepRequest.launch_key): never reused
 
+    def input_view(self, n: int) -> torch.Tensor:
+        """The registered input rows [n, hidden]: an engine that writes its embeddings here (e.g. as
+        the out= of its embedding lookup) passes this view to `fill`, which then copies nothing."""
+        return self.embeds[:n]
+
     def fill(self, req: pb.DraftStepRequest, embeds: torch.Tensor, positions: torch.Tensor,
              meta: StepMetadata) -> torch.Tensor:
         """Copy one step's tensors into the regions and point `req` at them; returns the hidden view."""
@@ -70,7 +75,8 @@ class StepBuffers:
         pages = meta.block_tables.shape[1]
         if R > self.max_reqs or pages > self.max_pages:
             raise DataPlaneError(f"step of {R} requests x {pages} pages exceeds the registered buffers")
-        self.embeds[:n].copy_(embeds, non_blocking=True)
+        if embeds.data_ptr() != self.embeds.data_ptr():  # not already written in place (input_view)
+            self.embeds[:n].copy_(embeds, non_blocking=True)
         srcs = (positions, meta.seq_lens, meta.block_tables, meta.slot_mapping)
         template, dsts = self._layout(tuple((t.dtype, tuple(t.shape)) for t in srcs), embeds.shape[1])
         for dst, t in zip(dsts, srcs):  # same dtypes and shapes (the layout's key): a plain copy
@@ -156,9 +162,10 @@ class DoorbellChannel:
         self._seq += 1
         if self.input_event is not None:
             stream = torch.cuda.current_stream(self.device)
-            self.input_event.record(stream)
-            if self.word_address:  # after the inputs on this stream: the pre-launched step starts here
+            if self.word_address:  # after the inputs on this stream: the pre-launched step starts here,
+                # so first (the event is for a step that runs the ordinary way)
                 self._ops.write(stream.cuda_stream, self.word_address, bell.gpu_word(self._seq, req.launch_key))
+            self.input_event.record(stream)
         self.page.write(self.page.req_area, data, bell.REQ_LEN, bell.REQ_SEQ, self._seq)  # ring: sequence last
         if self.ringer is not None:  # after the sequence store (see proto/doorbell.py Waker.sleep)
             self.ringer.wake_if_asleep(self.page)

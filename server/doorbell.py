@@ -109,11 +109,21 @@ class Doorbell(threading.Thread):
                 resp = pb.DraftStepResponse(error=pb.StepError(
                     code=13, message=f"internal error: {type(exc).__name__}: {exc}", reason="INTERNAL"))
                 self._publish(seq, resp)
-            if self.prelaunch is not None:  # after the answer is out: queue the next step (or release)
-                with self.loop.exclusive(quiesce=False):
-                    self.prelaunch.after(seq, resp)
+            if self.prelaunch is not None:  # after the answer is out: queue the next step
+                self._queue_next(seq, resp)
             self._last = seq
             active = time.perf_counter()
+
+    def _queue_next(self, seq: int, resp: pb.DraftStepResponse) -> None:
+        try:
+            with self.loop.exclusive(quiesce=False):
+                self.prelaunch.after(seq, resp)
+        except Exception:  # noqa: BLE001  (steps still run the ordinary way: stop pre-launching, say why)
+            log.exception("doorbell: could not pre-launch the next step; steps are no longer pre-launched")
+            self.loop.on_quiesce(None, old=self.prelaunch.release)
+            with self.loop.exclusive(quiesce=False):
+                self.prelaunch.close()
+            self.prelaunch = None
 
     def _serve(self, seq: int) -> pb.DraftStepResponse:
         try:
@@ -132,6 +142,9 @@ class Doorbell(threading.Thread):
         return resp
 
     def _publish(self, seq: int, resp: pb.DraftStepResponse) -> None:
+        if self.prelaunch is not None:  # see Prelaunch.settle: before the engine can write the next word
+            with self.loop.exclusive(quiesce=False):
+                self.prelaunch.settle()
         data = resp.SerializeToString()
         if len(data) > self.page.capacity:
             data = pb.DraftStepResponse(step_id=resp.step_id, error=pb.StepError(

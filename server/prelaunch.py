@@ -106,22 +106,32 @@ class Prelaunch:
             bell.pause(0.0)
         return True
 
-    # After a step is answered (the doorbell thread, under the loop's lock) --------------------
-    def after(self, seq: int, resp: pb.DraftStepResponse) -> None:
-        """Release what the step left queued, then queue step seq+1 if this layout has a streak."""
-        served, self._served = self._served, None
-        if self.queued is not None:  # never taken (refused, aborted, or served by a fast path)
+    # Around the answer (the doorbell thread, under the loop's lock) --------------------------
+    def settle(self) -> None:
+        """Before the answer goes out: release what the step left queued (never taken: refused, aborted,
+        or served by a fast path). Not after: once answered, the engine's stream may already have written
+        the next step's word, which this store would lower."""
+        if self.queued is not None:
             self._release(self.queued)
             self.queued = None
+
+    def after(self, seq: int, resp: pb.DraftStepResponse) -> None:
+        """After the answer: queue step seq+1 if this layout has a streak."""
+        self.settle()
+        served, self._served = self._served, None
         if served is None or served[0] != seq or resp.HasField("error") or not served[1]:
             self._last, self._streak = None, 0
             return
         _, key, step = served
-        token = (key, step.positions, step.num_reqs)
-        self._streak = self._streak + 1 if token == self._last else 1
-        self._last = token
+        last = self._last
+        # The same layout: the same key and the very same cached views (validate.py); never `==` on tensors.
+        same = last is not None and last[0] == key and last[1] is step.positions and last[2] == step.num_reqs
+        self._streak = self._streak + 1 if same else 1
+        self._last = (key, step.positions, step.num_reqs)
         graph = self.graphs.captured(step.inputs_embeds, step.num_reqs, step.kv.layers)
-        if self._streak >= STREAK and graph is not None:
+        host_side = all(t.device.type == "cpu" for t in (step.positions, step.meta.seq_lens,
+                                                          step.meta.block_tables, step.meta.slot_mapping))
+        if self._streak >= STREAK and graph is not None and host_side:  # the program reads host memory
             self._queue(seq + 1, key, step, graph)
 
     def _queue(self, seq: int, key: int, step: Step, graph) -> None:
@@ -130,13 +140,18 @@ class Prelaunch:
         stream = self.graphs.stream
         self._flag_host[0] = 0
         self.ops.wait_geq(stream.cuda_stream, self._word.address, bell.gpu_word(seq, 0))
-        self._program(self._word, bell.gpu_word(seq, key), src, graph.views, self._flag, num_reqs=step.num_reqs,
-                  width=step.meta.block_tables.shape[1], page_size=step.kv.page_size, window=self.window,
-                  num_pages=step.kv.num_pages)
-        self._ready.record(stream)
-        graph.graph.replay()
-        done = self._event()
-        done.record(stream)
+        try:
+            self._program(self._word, bell.gpu_word(seq, key), src, graph.views, self._flag,
+                          num_reqs=step.num_reqs, width=step.meta.block_tables.shape[1],
+                          page_size=step.kv.page_size, window=self.window, num_pages=step.kv.num_pages)
+            self._ready.record(stream)
+            graph.graph.replay()
+            done = self._event()
+            done.record(stream)
+        except BaseException:
+            # The wait is queued: pass it, or the stream stays blocked behind a step nobody runs.
+            self.page.words[bell.GPU_WORD] = bell.gpu_word(seq, bell.SKIP_KEY)
+            raise
         self.queued = _Queued(seq, key, step.positions, graph, done)
 
     def _device_view(self, t: torch.Tensor) -> DevicePointer:
@@ -166,6 +181,8 @@ class Prelaunch:
         self.page.words[bell.GPU_WORD] = bell.gpu_word(q.seq, bell.SKIP_KEY)
 
     def close(self) -> None:
+        if self._flag_buf.closed:
+            return
         self.release(wait=True)
         for reg in self._regions.values():
             reg.close()

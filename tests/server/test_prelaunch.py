@@ -1,0 +1,278 @@
+"""Prelaunch's queue / take / release protocol on CPU stand-ins for the word ops, events, program and graphs."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")  # prelaunch imports the metadata program's module
+
+from dspark_sidecar.drafter.kv_cache import StepMetadata, window_width  # noqa: E402
+from dspark_sidecar.kernels.triton.step_meta import (FLAG_INVALID, FLAG_NOT_RUNG, FLAG_RAN,  # noqa: E402
+                                                     step_meta_reference)
+from dspark_sidecar.proto import doorbell as bell  # noqa: E402
+from dspark_sidecar.proto import sidecar_pb2 as pb  # noqa: E402
+from dspark_sidecar.server import prelaunch  # noqa: E402
+from dspark_sidecar.server.graphs import _Packed  # noqa: E402
+from dspark_sidecar.server.validate import Step, host_meta  # noqa: E402
+
+PAGE, WINDOW, Q, KEY, SEQ, PAGES = 16, 64, 7, 5, 40, 32
+LENS = [40, 100]  # context lengths: rows sit at L-7 .. L-1 with L = c + 7
+OK = pb.DraftStepResponse()
+ERR = pb.DraftStepResponse(error=pb.StepError(code=3, message="x"))
+
+
+def _read(ptr, dtype, count: int) -> np.ndarray:
+    return np.frombuffer((ctypes.c_char * (count * np.dtype(dtype).itemsize)).from_address(ptr.address), dtype).copy()
+
+
+class Event:
+    def __init__(self, gpu):
+        self.gpu, self.recorded, self.synced = gpu, 0, 0
+
+    def record(self, stream):
+        self.recorded += 1
+
+    def query(self):
+        return self.gpu.run()
+
+    def synchronize(self):
+        self.synced += 1
+
+
+class Gpu:
+    """Word ops and metadata program: the program runs (via the reference) once the wait before it passes,
+    so a test sets the engine's word before take(), as the engine's stream would."""
+
+    def __init__(self):
+        self.registered, self.unregistered, self.waits, self.programs, self.flags = [], [], [], [], []
+
+    def register(self, ptr, nbytes):
+        self.registered.append(ptr)
+        return ptr  # identity: device addresses are the host addresses
+
+    def unregister(self, ptr):
+        self.unregistered.append(ptr)
+
+    def write(self, *args):
+        raise AssertionError("the sidecar stores its release word from the host, never from its stream")
+
+    def wait_geq(self, stream, addr, value):
+        self.waits.append((stream, addr, value))
+
+    def program(self, word, expect, src, out, flag, **kw):
+        self.programs.append((word, expect, src, out, flag, kw))
+
+    def run(self) -> bool:
+        if len(self.flags) == len(self.programs):
+            return True
+        _, addr, value = self.waits[-1]
+        if (ctypes.c_uint64.from_address(addr).value - value) % (1 << 64) >= 1 << 63:
+            return False  # (int64)(word - value) < 0: the stream is still blocked
+        word, expect, (p, lens, tab, s), out, flag, kw = self.programs[-1]
+        R, width = kw["num_reqs"], kw["width"]
+        assert (p.dtype, lens.dtype, tab.dtype, s.dtype) == (torch.int64, torch.int32, torch.int32, torch.int64)
+        res = step_meta_reference(ctypes.c_uint64.from_address(word.address).value, expect, _read(p, np.int64, Q * R),
+                                  _read(lens, np.int32, R), _read(tab, np.int32, R * width).reshape(R, width),
+                                  _read(s, np.int64, Q * R), kw["page_size"], kw["window"], kw["num_pages"],
+                                  out[4].shape[1])
+        for o, r in zip(out, res[:5]):
+            o.copy_(torch.from_numpy(np.asarray(r).reshape(o.shape)))
+        ctypes.c_int32.from_address(flag.data_ptr()).value = res[5]
+        self.flags.append(res[5])
+        return True
+
+
+class Graphs:
+    stream = SimpleNamespace(cuda_stream=0)
+
+    def __init__(self, embeds):
+        self.embeds, self.replays, self.uncaptured = embeds, 0, False
+        packed = _Packed(len(LENS), window_width(PAGE, WINDOW))
+        self.graph = SimpleNamespace(graph=SimpleNamespace(replay=self._replay), out=torch.randn(packed.n, 8),
+                                     views=packed.views(torch.zeros(packed.nbytes, dtype=torch.uint8)))
+
+    def _replay(self):
+        self.replays += 1
+
+    def captured(self, embeds, R, kv):
+        return self.graph if embeds is self.embeds and R == len(LENS) and not self.uncaptured else None
+
+
+def _step(buf: mmap.mmap, embeds: torch.Tensor) -> Step:
+    """A valid step whose metadata tensors are views of one page-aligned region, like validate.py's cached ones."""
+    R, n = len(LENS), Q * len(LENS)
+    L = np.array(LENS, np.int32) + Q
+    need = -(-L // PAGE)
+    width = int(need.max()) + 2
+    tables = np.full((R, width), -1, np.int32)
+    perm, used = np.random.default_rng(0).permutation(PAGES).astype(np.int32), 0
+    for i, k in enumerate(need):
+        tables[i, :k], used = perm[used : used + k], used + k
+    P = L[:, None].astype(np.int64) - Q + np.arange(Q)
+    S = tables[np.arange(R)[:, None], P // PAGE].astype(np.int64) * PAGE + P % PAGE
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    pos, slots = raw[: 8 * n].view(torch.int64), raw[8 * n : 16 * n].view(torch.int64)
+    lens, tab = raw[16 * n : 16 * n + 4 * R].view(torch.int32), raw[16 * n + 4 * R :][: 4 * R * width].view(torch.int32)
+    pos.copy_(torch.from_numpy(P.reshape(-1)))
+    slots.copy_(torch.from_numpy(S.reshape(-1)))
+    lens.copy_(torch.from_numpy(L))
+    tab = tab.view(R, width)
+    tab.copy_(torch.from_numpy(tables))
+    meta = StepMetadata(lens, tab, slots)
+    kv = SimpleNamespace(layers=[], page_size=PAGE, num_pages=PAGES)
+    return Step(1, R, pos, embeds, None, meta, kv, None, host_meta(pos, meta), True)
+
+
+@pytest.fixture
+def rig():
+    page_buf = mmap.mmap(-1, mmap.PAGESIZE)
+    page = bell.Page(np.frombuffer(page_buf, np.uint8), 1024)
+    embeds = torch.zeros(Q * len(LENS), 8)
+    gpu, graphs = Gpu(), Graphs(embeds)
+    # Two layouts in regions of their own: same values, different tensor objects.
+    a, b = _step(mmap.mmap(-1, mmap.PAGESIZE), embeds), _step(mmap.mmap(-1, mmap.PAGESIZE), embeds)
+    base = np.frombuffer(page_buf, np.uint8).ctypes.data
+    pl = prelaunch.Prelaunch(gpu, page, base, graphs, WINDOW, event=lambda: Event(gpu), program=gpu.program)
+    return SimpleNamespace(pl=pl, gpu=gpu, graphs=graphs, page=page, a=a, b=b, word_addr=base + bell.GPU_WORD_OFFSET)
+
+
+def _req(key=KEY):
+    return pb.DraftStepRequest(step_id=1, launch_key=key)
+
+
+def _word(r) -> int:
+    return int(r.page.words[bell.GPU_WORD])
+
+
+def _serve(r, seq, step=None, key=KEY, resp=OK):
+    """One rung step: the engine's word, the rank loop's hook, then the doorbell's after()."""
+    r.page.words[bell.GPU_WORD] = bell.gpu_word(seq, key)
+    out = r.pl.take(seq, _req(key), step or r.a)
+    r.pl.after(seq, resp)
+    return out
+
+
+def _queue(r):
+    """Two same-layout steps SEQ, SEQ+1: SEQ+2 is queued."""
+    _serve(r, SEQ)
+    _serve(r, SEQ + 1)
+    assert r.pl.queued is not None and r.pl.queued.seq == SEQ + 2
+
+
+def test_queues_after_a_streak(rig):
+    _serve(rig, SEQ)
+    assert rig.gpu.waits == [] and rig.pl.queued is None
+    _serve(rig, SEQ + 1)
+    assert rig.gpu.waits == [(0, rig.word_addr, bell.gpu_word(SEQ + 2, 0))]
+    [(word, expect, src, out, _, kw)] = rig.gpu.programs
+    assert word.address == rig.word_addr and expect == bell.gpu_word(SEQ + 2, KEY)
+    a = rig.a
+    assert [p.address for p in src] == [t.data_ptr() for t in (a.positions, a.meta.seq_lens, a.meta.block_tables,
+                                                               a.meta.slot_mapping)]
+    assert out is rig.graphs.graph.views
+    assert kw == dict(num_reqs=2, width=a.meta.block_tables.shape[1], page_size=PAGE, window=WINDOW, num_pages=PAGES)
+    assert rig.graphs.replays == 1 and rig.pl.queued.seq == SEQ + 2 and rig.pl.queued.done.recorded == 1
+
+
+def test_hit_returns_the_queued_output(rig):
+    _queue(rig)
+    word = bell.gpu_word(SEQ + 2, KEY)
+    rig.page.words[bell.GPU_WORD] = word
+    assert rig.pl.take(SEQ + 2, _req(), rig.a) is rig.graphs.graph.out
+    assert (rig.pl.hits, rig.pl.misses) == (1, 0) and _word(rig) == word and rig.gpu.flags == [FLAG_RAN]
+    # The graph's static inputs are what the host path would have built.
+    np.testing.assert_array_equal(rig.graphs.graph.views[0].numpy(), rig.a.positions.numpy())
+    np.testing.assert_array_equal(rig.graphs.graph.views[2].numpy(), rig.a.meta.slot_mapping.numpy())
+    rig.pl.after(SEQ + 2, OK)
+    assert rig.pl.queued.seq == SEQ + 3 and rig.graphs.replays == 2
+
+
+@pytest.mark.parametrize("kind", [
+    "key", "seq", "uncaptured",
+    # Same key, other views: after() must compare the views by identity (== on tensors raises).
+    "layout",
+])
+def test_host_miss_releases(rig, kind):
+    _queue(rig)
+    seq, key, step = SEQ + 2, KEY, rig.a
+    if kind == "key":
+        key = KEY + 1
+    elif kind == "seq":
+        seq = SEQ + 3
+    elif kind == "layout":
+        step = rig.b
+    else:
+        rig.graphs.uncaptured = True
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)  # the GPU would accept: the host must refuse
+    assert rig.pl.take(seq, _req(key), step) is None
+    assert (rig.pl.hits, rig.pl.misses) == (0, 1) and rig.pl.queued is None
+    assert _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    rig.pl.after(seq, OK)
+    # Only a sequence mismatch keeps the streak (same key and layout): it queues the next one at once.
+    assert (rig.pl.queued.seq if rig.pl.queued else None) == (SEQ + 4 if kind == "seq" else None)
+    assert len(rig.gpu.waits) == (2 if kind == "seq" else 1)
+
+
+@pytest.mark.parametrize("kind", ["other-key", "corrupt"])
+def test_gpu_refusal_releases(rig, kind):
+    _queue(rig)
+    word = bell.gpu_word(SEQ + 2, KEY + 1 if kind == "other-key" else KEY)
+    if kind == "corrupt":
+        rig.a.meta.slot_mapping[-1] += 1  # after the host's validation: only the GPU's check sees it
+    rig.page.words[bell.GPU_WORD] = word
+    assert rig.pl.take(SEQ + 2, _req(), rig.a) is None
+    assert rig.gpu.flags == [FLAG_NOT_RUNG if kind == "other-key" else FLAG_INVALID]
+    assert (rig.pl.hits, rig.pl.misses) == (0, 1) and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+
+
+def test_word_never_arrives_times_out(rig, monkeypatch):
+    monkeypatch.setattr(prelaunch, "READY_TIMEOUT_S", 0.01)
+    _queue(rig)  # the page still holds SEQ+1's word: the wait for SEQ+2 never passes
+    assert rig.pl.take(SEQ + 2, _req(), rig.a) is None
+    assert rig.gpu.flags == [] and rig.pl.misses == 1 and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+
+
+def test_error_response_releases_and_resets_the_streak(rig):
+    _queue(rig)
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
+    rig.pl.after(SEQ + 2, ERR)  # refused before the hook ran: the queued step was never taken
+    assert rig.pl.queued is None and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    _serve(rig, SEQ + 3)
+    assert rig.pl.queued is None and len(rig.gpu.waits) == 1
+    _serve(rig, SEQ + 4)
+    assert rig.pl.queued.seq == SEQ + 5
+
+
+def test_release_from_outside(rig):
+    _queue(rig)
+    q = rig.pl.queued
+    rig.pl.release(wait=True)
+    assert rig.pl.queued is None and q.done.synced == 1 and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    _serve(rig, SEQ + 2)  # streak cleared: one step alone does not queue
+    assert rig.pl.queued is None and len(rig.gpu.waits) == 1
+    rig.pl.release(wait=True)  # nothing queued: the engine's word stays
+    assert _word(rig) == bell.gpu_word(SEQ + 2, KEY)
+
+
+def test_launch_key_zero_never_queues(rig):
+    for i in range(4):
+        _serve(rig, SEQ + i, key=0)
+    assert rig.pl.queued is None and rig.gpu.waits == [] and rig.graphs.replays == 0
+
+
+def test_close_unregisters_every_page_once(rig):
+    _queue(rig)
+    _serve(rig, SEQ + 2, rig.b, key=KEY + 1)  # another layout, another region
+    _serve(rig, SEQ + 3, rig.b, key=KEY + 1)
+    assert rig.pl.queued.token is rig.b.positions
+    assert len(rig.gpu.registered) == 4  # header, flag page, two metadata regions
+    q = rig.pl.queued
+    rig.pl.close()
+    assert sorted(rig.gpu.unregistered) == sorted(rig.gpu.registered) and len(set(rig.gpu.registered)) == 4
+    assert q.done.synced == 1 and _word(rig) == bell.gpu_word(SEQ + 4, bell.SKIP_KEY)
