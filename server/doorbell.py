@@ -52,7 +52,8 @@ class Doorbell(threading.Thread):
         if word_ops is not None and loop.graphs is not None:  # server/prelaunch.py says when (servicer.py)
             try:
                 with torch.cuda.device(device):
-                    self.prelaunch = Prelaunch(word_ops, self.page, page.storage.data_ptr(), loop.graphs, window)
+                    self.prelaunch = Prelaunch(word_ops, self.page, page.storage.data_ptr(), loop.graphs, window,
+                                               loop.ctx.metrics.prelaunch)
             except GpuWordError as err:
                 log.warning("doorbell: steps are not pre-launched: %s", err)
             else:

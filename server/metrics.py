@@ -24,10 +24,13 @@ class Metrics:
                                  buckets=BUCKETS, registry=self.registry)
         self.binds = Counter("dspark_kv_binds", "KV cache (re-)bindings", ["rank"], registry=self.registry)
         self.serving = Gauge("dspark_serving", "1 when this rank serves draft steps", ["rank"], registry=self.registry)
+        self.prelaunched = Counter("dspark_prelaunch", "Pre-launched doorbell steps by outcome (hit: answered from it)",
+                                   ["rank", "outcome"], registry=self.registry)
         self._labels = labels
         # Labelled children resolved once: a labels() lookup costs microseconds on every step.
         self._step_count = {r: self.steps.labels(result=r, **labels) for r in RESULTS}
         self._phase_hist = {p: self.seconds.labels(phase=p, **labels) for p in PHASES}
+        self._prelaunch = {o: self.prelaunched.labels(outcome=o, **labels) for o in ("hit", "miss")}
         self._lock = threading.Lock()
         self.counts = collections.Counter()
         self._recent = {p: collections.deque(maxlen=window) for p in PHASES}
@@ -46,6 +49,12 @@ class Metrics:
             for phase, ns in timings_ns.items():
                 self._phase_hist[phase].observe(ns / 1e9)
 
+    def prelaunch(self, hit: bool) -> None:
+        """One queued step used (hit) or released unused (miss)."""
+        self._prelaunch["hit" if hit else "miss"].inc()
+        with self._lock:
+            self.counts["steps_prelaunched" if hit else "prelaunch_misses"] += 1
+
     def bound(self) -> None:
         self.binds.labels(**self._labels).inc()
         with self._lock:
@@ -59,7 +68,8 @@ class Metrics:
             c = self.counts
             return pb.Counters(steps_ok=c["ok"], steps_aborted=c["aborted"], steps_invalid=c["invalid"],
                                steps_failed=c["failed"], requests=c["requests"], rows=c["rows"],
-                               launches=c["launches"], kv_binds=c["kv_binds"])
+                               launches=c["launches"], kv_binds=c["kv_binds"],
+                               steps_prelaunched=c["steps_prelaunched"], prelaunch_misses=c["prelaunch_misses"])
 
     def latencies_pb(self) -> list[pb.LatencySummary]:
         out = []

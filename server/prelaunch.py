@@ -59,9 +59,10 @@ class _Queued:
 
 class Prelaunch:
     def __init__(self, ops: GpuWordOps, page: bell.Page, page_ptr: int, graphs: StepGraphs, window: int,
-                 event=torch.cuda.Event, program=step_meta) -> None:
-        """event, program: the CUDA event class and the metadata program (tests pass CPU stand-ins)."""
-        self.ops, self.page, self.graphs, self.window = ops, page, graphs, window
+                 count=lambda hit: None, event=torch.cuda.Event, program=step_meta) -> None:
+        """count(hit): told each time a queued step is used or released unused (metrics).
+        event, program: the CUDA event class and the metadata program (tests pass CPU stand-ins)."""
+        self.ops, self.page, self.graphs, self.window, self._count = ops, page, graphs, window, count
         self._event, self._program = event, program
         self._header = RegisteredPage(ops, page_ptr)
         self._word = DevicePointer(self._header.device_ptr + bell.GPU_WORD_OFFSET, torch.int64)
@@ -91,9 +92,9 @@ class Prelaunch:
                 and q.graph is self.graphs.captured(step.inputs_embeds, step.num_reqs, step.kv.layers))
         if same and self._wait_ready() and int(self._flag_host[0]) == FLAG_RAN:
             self.hits += 1
+            self._count(True)
             return q.graph.out
         self._release(q)
-        self.misses += 1
         return None
 
     def _wait_ready(self) -> bool:
@@ -175,6 +176,8 @@ class Prelaunch:
         self._last, self._streak = None, 0
 
     def _release(self, q: _Queued) -> None:
+        self.misses += 1
+        self._count(False)
         # The sidecar's own store: the wait passes, and the program sees SKIP_KEY (no engine sends
         # it) and makes the step a no-op. If the engine's word for q.seq lands after it, the
         # program may instead run that step for real: the same writes the ordinary run repeats.

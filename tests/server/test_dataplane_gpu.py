@@ -243,6 +243,10 @@ def test_gpu_prelaunched_steps_equal_ordinary_ones(tmp_path, tiny_cfg, tiny_ckpt
         assert hits >= 5, hits
         for k, out in outs:
             torch.testing.assert_close(out.cpu(), want[k], rtol=0, atol=0, msg=f"case {k}")
-        assert grpc_step("B") is not None  # still serving
+        assert grpc_step("B") is not None  # still serving (and the last queued A step released)
+        counters = stub.GetStatus(pb.GetStatusRequest(), timeout=10).counters
+        assert counters.steps_prelaunched == sum(flags) + hits
+        # Released unused: A at the switch to B, B by the gRPC step, B by the refused step, A by the last gRPC step.
+        assert counters.prelaunch_misses == 4, counters
         bell.close()
         bufs.close()
