@@ -32,9 +32,10 @@ _RAN, _NOT_RUNG, _INVALID = tl.constexpr(FLAG_RAN), tl.constexpr(FLAG_NOT_RUNG),
 @triton.jit
 def _step_meta(word_ptr, expect, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
                pos_out, rel_out, slot_out, lens_out, tab_out, flag_ptr,
-               page_size, span, num_pages, width,
-               R: tl.constexpr, R_PAD: tl.constexpr, Q: tl.constexpr, Q_PAD: tl.constexpr,
-               WW: tl.constexpr, WW_PAD: tl.constexpr):
+               page_size, span, num_pages, width, R, WW,
+               R_PAD: tl.constexpr, Q: tl.constexpr, Q_PAD: tl.constexpr, WW_PAD: tl.constexpr):
+    # R and WW are runtime values (only their powers of two compile): a new batch size must not
+    # cost the doorbell thread a compile.
     rung = tl.load(word_ptr, volatile=True) == expect
     r = tl.arange(0, R_PAD)[:, None]
     j = tl.arange(0, Q_PAD)[None, :]
@@ -85,8 +86,8 @@ def step_meta(word, expect: int, src: tuple, out: tuple, flag, *, num_reqs: int,
     q = layout.QPR
     ww = out[4].shape[1]
     _step_meta[(1,)](word, signed64(expect), *src, *out, flag, page_size, window + q - 1, num_pages, width,
-                     R=num_reqs, R_PAD=triton.next_power_of_2(num_reqs), Q=q, Q_PAD=triton.next_power_of_2(q),
-                     WW=ww, WW_PAD=triton.next_power_of_2(ww))
+                     num_reqs, ww, R_PAD=triton.next_power_of_2(num_reqs), Q=q, Q_PAD=triton.next_power_of_2(q),
+                     WW_PAD=triton.next_power_of_2(ww))
 
 
 def step_meta_reference(word: int, expect: int, positions: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
