@@ -69,7 +69,7 @@ class Prelaunch:
         # The program's flag lives in a page of our own, registered like the header: the host
         # reads it once `ready` has passed, with no device-to-host copy.
         self._flag_buf = mmap.mmap(-1, mmap.PAGESIZE)
-        self._flag_host = np.frombuffer(self._flag_buf, dtype=np.int32, count=1)
+        self._flag_host = np.frombuffer(self._flag_buf, dtype=np.int32)  # [r]: request r's FLAG_*
         self._flag_page = RegisteredPage(ops, self._flag_host.ctypes.data)
         self._flag = DevicePointer(self._flag_page.device_ptr, torch.int32)
         self._ready = event()  # recorded after the metadata program of the queued step
@@ -90,7 +90,7 @@ class Prelaunch:
             return None
         same = (q.seq == seq and q.key == req.launch_key and q.token is step.positions
                 and q.graph is self.graphs.captured(step.inputs_embeds, step.num_reqs, step.kv.layers))
-        if same and self._wait_ready() and int(self._flag_host[0]) == FLAG_RAN:
+        if same and self._wait_ready() and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all()):
             self.hits += 1
             self._count(True)
             return q.graph.out
@@ -139,7 +139,7 @@ class Prelaunch:
         src = tuple(self._device_view(t) for t in (step.positions, step.meta.seq_lens, step.meta.block_tables,
                                                    step.meta.slot_mapping))
         stream = self.graphs.stream
-        self._flag_host[0] = 0
+        self._flag_host[: step.num_reqs] = 0
         self.ops.wait_geq(stream.cuda_stream, self._word.address, bell.gpu_word(seq, 0))
         try:
             self._program(self._word, bell.gpu_word(seq, key), src, graph.views, self._flag,

@@ -2,17 +2,19 @@
 
 A step the sidecar queued before its doorbell rang (server/prelaunch.py) cannot have its
 metadata prepared by the sidecar's host: the host sees the request only after the GPU has
-started. So one program reads the engine's metadata where the engine wrote it (the shared
-metadata region, registered with the GPU: reads cross PCIe, a few KB), together with the
-doorbell's GPU word, and writes the graph's static inputs exactly as the host path does
+started. So R programs, one per request, read the engine's metadata where the engine wrote it
+(the shared metadata region, registered with the GPU: reads cross PCIe, ~1 KB per request at a
+4096 window), together with the doorbell's GPU word, and writes the graph's static inputs exactly as the host path does
 (graphs.py: positions, window-relative positions, slots, window lengths and tables).
 
 It also guards what the step touches, because nothing has validated the request yet: the
 word must carry the sequence and launch key the step was queued for, positions must be the 7
 rows before each sequence length, each slot must be its position's place in the block table,
-and every page the window reads must lie in the bound cache. If anything fails, the outputs
-become a no-op step (slots -1 write nothing; a 7-row window over page 0 reads in-bounds
-memory) and the flag says why; the host then runs the step the ordinary way, after this one.
+and every page the window reads must lie in the bound cache. A request that fails gets no-op
+rows (slots -1 write nothing; a 7-row window over page 0 reads in-bounds memory) and its flag
+says why; the host then runs the whole step the ordinary way, after this one. (The other
+requests' rows may have run: a request's rows depend on its own inputs only, so they wrote the
+K/V their positions should hold, which the ordinary run, or a refused step's fallback, writes again.)
 The host's own check (validate.py) still decides the answer; this one only keeps the GPU safe.
 """
 
@@ -32,40 +34,36 @@ _RAN, _NOT_RUNG, _INVALID = tl.constexpr(FLAG_RAN), tl.constexpr(FLAG_NOT_RUNG),
 @triton.jit
 def _step_meta(word_ptr, expect, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
                pos_out, rel_out, slot_out, lens_out, tab_out, flag_ptr,
-               page_size, span, num_pages, width, R, WW,
-               R_PAD: tl.constexpr, Q: tl.constexpr, Q_PAD: tl.constexpr, WW_PAD: tl.constexpr):
-    # R and WW are runtime values (only their powers of two compile): a new batch size must not
-    # cost the doorbell thread a compile.
+               page_size, span, num_pages, width, WW,
+               Q: tl.constexpr, Q_PAD: tl.constexpr, WW_PAD: tl.constexpr):
+    """Program r: request r's rows and window. One program per request, so the reads across PCIe
+    (up to ~260 table entries per request at a 4096 window) go out from R SMs at once."""
+    r = tl.program_id(0)
     rung = tl.load(word_ptr, volatile=True) == expect
-    r = tl.arange(0, R_PAD)[:, None]
-    j = tl.arange(0, Q_PAD)[None, :]
-    rm = r < R
-    m = rm & (j < Q)
+    j = tl.arange(0, Q_PAD)
+    m = j < Q
     # Host memory the engine rewrites between steps: volatile, never from a stale cache line.
-    L = tl.load(lens_ptr + r, mask=rm, other=Q, volatile=True).to(tl.int64)  # [R_PAD, 1]
-    P = tl.load(pos_ptr + r * Q + j, mask=m, other=0, volatile=True)  # int64 [R_PAD, Q_PAD]
+    L = tl.load(lens_ptr + r, volatile=True).to(tl.int64)
+    P = tl.load(pos_ptr + r * Q + j, mask=m, other=0, volatile=True)  # int64 [Q_PAD]
     S = tl.load(slot_ptr + r * Q + j, mask=m, other=0, volatile=True)
-    bad_len = rm & ((L < Q) | (L > width * page_size))
     pcol = tl.minimum(tl.maximum(P // page_size, 0), width - 1)
     tp = tl.load(tab_ptr + r * width + pcol, mask=m, other=0, volatile=True).to(tl.int64)
     bad_row = m & ((P != L - Q + j) | (tp < 0) | (tp >= num_pages) | (tp * page_size + P % page_size != S))
-    first = tl.maximum(L - span, 0) // page_size  # [R_PAD, 1]: the window's first page column
-    k = tl.arange(0, WW_PAD)[None, :]
-    km = rm & (k < WW)
+    first = tl.maximum(L - span, 0) // page_size  # the window's first page column
+    k = tl.arange(0, WW_PAD)
+    km = k < WW
     wt = tl.load(tab_ptr + r * width + tl.minimum(first + k, width - 1), mask=km, other=0, volatile=True)
     bad_page = km & ((first + k) * page_size < L) & ((wt < 0) | (wt >= num_pages))
-    nbad = (tl.sum(tl.sum(bad_len.to(tl.int32), axis=1), axis=0) + tl.sum(tl.sum(bad_row.to(tl.int32), axis=1), axis=0)
-            + tl.sum(tl.sum(bad_page.to(tl.int32), axis=1), axis=0))
-    good = rung & (nbad == 0)
+    nbad = tl.sum(bad_row.to(tl.int32), axis=0) + tl.sum(bad_page.to(tl.int32), axis=0)
+    good = rung & (nbad == 0) & (L >= Q) & (L <= width * page_size)
     off = first * page_size
-    j64 = j + 0 * P  # int64 [R_PAD, Q_PAD]
+    j64 = j.to(tl.int64)
     tl.store(pos_out + r * Q + j, tl.where(good, P, j64), mask=m)
     tl.store(rel_out + r * Q + j, tl.where(good, P - off, j64), mask=m)
     tl.store(slot_out + r * Q + j, tl.where(good, S, -1 + 0 * S), mask=m)
-    lens = tl.where(good, L - off, Q + 0 * L).to(tl.int32)
-    tl.store(lens_out + r, lens, mask=rm)
+    tl.store(lens_out + r, tl.where(good, L - off, Q).to(tl.int32))
     tl.store(tab_out + r * WW + k, tl.where(good, wt, 0 * wt), mask=km)
-    tl.store(flag_ptr, tl.where(good, _RAN, tl.where(rung, _INVALID, _NOT_RUNG)))
+    tl.store(flag_ptr + r, tl.where(good, _RAN, tl.where(rung, _INVALID, _NOT_RUNG)))
 
 
 def signed64(value: int) -> int:
@@ -73,48 +71,49 @@ def signed64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def step_meta(word, expect: int, src: tuple, out: tuple, flag, *, num_reqs: int, width: int, page_size: int,
+def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int, width: int, page_size: int,
               window: int, num_pages: int) -> None:
-    """Queue the program on the current stream.
+    """Queue the program on the current stream: R programs, one per request.
 
     word: int64 [1] (the doorbell's GPU word); expect: the word's value for this step (uint64).
     src: the engine's positions int64 [n], seq_lens int32 [R], block_tables int32 [R, width],
     slots int64 [n], as tensors or proto.gpu_word.DevicePointer.
     out: the graph's positions, rel positions, slots int64 [n], lens int32 [R], tables int32 [R, ww].
-    flag: int32 [1], set to FLAG_*.
+    flags: int32 [>= R], flags[r] set to FLAG_* for request r.
     """
     q = layout.QPR
     ww = out[4].shape[1]
-    _step_meta[(1,)](word, signed64(expect), *src, *out, flag, page_size, window + q - 1, num_pages, width,
-                     num_reqs, ww, R_PAD=triton.next_power_of_2(num_reqs), Q=q, Q_PAD=triton.next_power_of_2(q),
-                     WW_PAD=triton.next_power_of_2(ww))
+    _step_meta[(num_reqs,)](word, signed64(expect), *src, *out, flags, page_size, window + q - 1, num_pages, width,
+                            ww, Q=q, Q_PAD=triton.next_power_of_2(q), WW_PAD=triton.next_power_of_2(ww))
 
 
 def step_meta_reference(word: int, expect: int, positions: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
                         slots: np.ndarray, page_size: int, window: int, num_pages: int, ww: int) -> tuple:
-    """The program's outputs in NumPy: (positions, rel, slots, lens, tables, flag); its spec.
+    """The program's outputs in NumPy: (positions, rel, slots, lens, tables, flags [R]); its spec.
 
-    A step it runs gets graphs.py's host metadata (window_metadata_into) unchanged.
+    A request it runs gets graphs.py's host metadata (window_metadata_into) unchanged; a request it
+    refuses gets the no-op rows (positions and rel 0..6, slots -1, length 7, page 0).
     """
     q = layout.QPR
     R, width = tables.shape
     P, S, L = positions.reshape(R, q), slots.reshape(R, q), seq_lens.astype(np.int64)
     rel, lens, tab = np.zeros((R, q), np.int64), np.zeros(R, np.int32), np.zeros((R, ww), np.int32)
-    rung = word == expect
-    ok = bool(((L >= q) & (L <= width * page_size)).all())
-    if ok:
-        ok = bool((P == L[:, None] - q + np.arange(q)).all())
-    if ok:
-        tp = np.take_along_axis(tables, np.clip(P // page_size, 0, width - 1), axis=1).astype(np.int64)
-        ok = bool(((tp >= 0) & (tp < num_pages) & (tp * page_size + P % page_size == S)).all())
-    if ok:
-        first = np.maximum(L - (window + q - 1), 0) // page_size
-        cols = first[:, None] + np.arange(ww)
-        wt = np.take_along_axis(tables, np.minimum(cols, width - 1), axis=1)
-        ok = bool((~(cols * page_size < L[:, None]) | ((wt >= 0) & (wt < num_pages))).all())
-    if rung and ok:
-        window_metadata_into(P, seq_lens, tables, page_size, window, rel, lens, tab)
-        return P.reshape(-1).copy(), rel.reshape(-1), S.reshape(-1).copy(), lens, tab, FLAG_RAN
-    noop = np.tile(np.arange(q, dtype=np.int64), R)
-    return (noop, noop.copy(), np.full(R * q, -1, np.int64), np.full(R, q, np.int32), tab,
-            FLAG_INVALID if rung else FLAG_NOT_RUNG)
+    window_metadata_into(P, np.clip(seq_lens, 0, None), tables, page_size, window, rel, lens, tab)
+    pos_out, slot_out = P.copy(), S.copy()
+    flags = np.full(R, FLAG_RAN if word == expect else FLAG_NOT_RUNG, np.int32)
+    first = np.maximum(L - (window + q - 1), 0) // page_size
+    for r in range(R):
+        ok = q <= L[r] <= width * page_size and (P[r] == L[r] - q + np.arange(q)).all()
+        if ok:
+            tp = tables[r, np.clip(P[r] // page_size, 0, width - 1)].astype(np.int64)
+            ok = bool(((tp >= 0) & (tp < num_pages) & (tp * page_size + P[r] % page_size == S[r])).all())
+        if ok:
+            cols = first[r] + np.arange(ww)
+            wt = tables[r, np.minimum(cols, width - 1)]
+            ok = bool((~(cols * page_size < L[r]) | ((wt >= 0) & (wt < num_pages))).all())
+        if word == expect and not ok:
+            flags[r] = FLAG_INVALID
+        if flags[r] != FLAG_RAN:
+            pos_out[r] = rel[r] = np.arange(q)
+            slot_out[r], lens[r], tab[r] = -1, q, 0
+    return pos_out.reshape(-1), rel.reshape(-1), slot_out.reshape(-1), lens, tab, flags

@@ -83,7 +83,7 @@ class Gpu:
                                   out[4].shape[1])
         for o, r in zip(out, res[:5]):
             o.copy_(torch.from_numpy(np.asarray(r).reshape(o.shape)))
-        ctypes.c_int32.from_address(flag.data_ptr()).value = res[5]
+        (ctypes.c_int32 * R).from_address(flag.data_ptr())[:] = res[5].tolist()
         self.flags.append(res[5])
         return True
 
@@ -185,7 +185,7 @@ def test_hit_returns_the_queued_output(rig):
     word = bell.gpu_word(SEQ + 2, KEY)
     rig.page.words[bell.GPU_WORD] = word
     assert rig.pl.take(SEQ + 2, _req(), rig.a) is rig.graphs.graph.out
-    assert (rig.pl.hits, rig.pl.misses) == (1, 0) and _word(rig) == word and rig.gpu.flags == [FLAG_RAN]
+    assert (rig.pl.hits, rig.pl.misses) == (1, 0) and _word(rig) == word and [f.tolist() for f in rig.gpu.flags] == [[FLAG_RAN] * len(LENS)]
     # The graph's static inputs are what the host path would have built.
     np.testing.assert_array_equal(rig.graphs.graph.views[0].numpy(), rig.a.positions.numpy())
     np.testing.assert_array_equal(rig.graphs.graph.views[2].numpy(), rig.a.meta.slot_mapping.numpy())
@@ -227,7 +227,9 @@ def test_gpu_refusal_releases(rig, kind):
         rig.a.meta.slot_mapping[-1] += 1  # after the host's validation: only the GPU's check sees it
     rig.page.words[bell.GPU_WORD] = word
     assert rig.pl.take(SEQ + 2, _req(), rig.a) is None
-    assert rig.gpu.flags == [FLAG_NOT_RUNG if kind == "other-key" else FLAG_INVALID]
+    # Per request: a word for another key refuses every request, a bad slot only its own request.
+    want = [FLAG_NOT_RUNG] * len(LENS) if kind == "other-key" else [FLAG_RAN] * (len(LENS) - 1) + [FLAG_INVALID]
+    assert [f.tolist() for f in rig.gpu.flags] == [want]
     assert (rig.pl.hits, rig.pl.misses) == (0, 1) and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
 
 

@@ -41,11 +41,11 @@ def _run(device, word: int, expect: int, P, L, T, S, pages):
     out = (torch.full((n,), 99, dtype=torch.int64, device=dev), torch.full((n,), 99, dtype=torch.int64, device=dev),
            torch.full((n,), 99, dtype=torch.int64, device=dev), torch.full((R,), 99, dtype=torch.int32, device=dev),
            torch.full((R, ww), 99, dtype=torch.int32, device=dev))
-    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    flag = torch.zeros(R, dtype=torch.int32, device=dev)
     w = torch.tensor([sm.signed64(word)], dtype=torch.int64, device=dev)
     sm.step_meta(w, expect, src, out, flag, num_reqs=R, width=T.shape[1], page_size=PAGE, window=WINDOW,
                  num_pages=pages)
-    return tuple(t.cpu().numpy() for t in out) + (int(flag.item()),)
+    return tuple(t.cpu().numpy() for t in out) + (flag.cpu().numpy(),)
 
 
 def _check(got, want) -> None:
@@ -63,7 +63,7 @@ def test_valid_step_equals_host_path(device, lens, seed):
     R, ww = len(lens), window_width(PAGE, WINDOW)
     rel, wl, wt = np.zeros(R * Q, np.int64), np.zeros(R, np.int32), np.zeros((R, ww), np.int32)
     window_metadata_into(P, L, T, PAGE, WINDOW, rel, wl, wt)
-    assert want[5] == sm.FLAG_RAN
+    assert (want[5] == sm.FLAG_RAN).all()
     np.testing.assert_array_equal(want[1], rel)
     np.testing.assert_array_equal(want[3], wl)
     np.testing.assert_array_equal(want[4], wt)
@@ -86,16 +86,26 @@ def _corrupt(kind: str, P, L, T, S, pages):
     return P, L, T, S
 
 
-@pytest.mark.parametrize("kind", ["position", "short-len", "slot", "page-out-of-cache", "negative-window-page"])
-def test_invalid_step_is_a_noop(device, kind):
-    """Whatever the GPU would touch wrongly turns the whole step into a no-op: no slot written
-    (-1), a 7-row window over page 0 (in-bounds), and the flag says INVALID."""
+@pytest.mark.parametrize("kind,bad", [("position", 0), ("short-len", 0), ("slot", 2), ("page-out-of-cache", 2),
+                                      ("negative-window-page", 1)])
+def test_invalid_request_is_a_noop(device, kind, bad):
+    """Whatever the GPU would touch wrongly turns that request into no-op rows: no slot written (-1),
+    a 7-row window over page 0 (in-bounds), its flag INVALID; the other requests run as the host path."""
     P, L, T, S, pages = _case([40, 300, 100], seed=3)
     P, L, T, S = _corrupt(kind, P, L, T, S, pages)
     word = gpu_word(7, 2)
-    want = sm.step_meta_reference(word, word, P, L, T, S, PAGE, WINDOW, pages, window_width(PAGE, WINDOW))
-    assert want[5] == sm.FLAG_INVALID, kind
-    assert (want[2] == -1).all() and (want[3] == Q).all() and (want[4] == 0).all()
+    ww = window_width(PAGE, WINDOW)
+    want = sm.step_meta_reference(word, word, P, L, T, S, PAGE, WINDOW, pages, ww)
+    assert want[5].tolist() == [sm.FLAG_INVALID if r == bad else sm.FLAG_RAN for r in range(3)], kind
+    rows = slice(Q * bad, Q * bad + Q)
+    assert (want[2][rows] == -1).all() and want[3][bad] == Q and (want[4][bad] == 0).all()
+    rel, wl, wt = np.zeros(3 * Q, np.int64), np.zeros(3, np.int32), np.zeros((3, ww), np.int32)
+    window_metadata_into(P, L, T, PAGE, WINDOW, rel, wl, wt)
+    ok = [r for r in range(3) if r != bad]
+    okrows = np.concatenate([np.arange(Q * r, Q * r + Q) for r in ok])
+    np.testing.assert_array_equal(want[1][okrows], rel[okrows])
+    np.testing.assert_array_equal(want[2][okrows], S[okrows])
+    np.testing.assert_array_equal(want[4][ok], wt[ok])
     _check(_run(device, word, word, P, L, T, S, pages), want)
 
 
@@ -105,7 +115,7 @@ def test_word_not_for_this_step_is_a_noop(device, word):
     """A word with another sequence or key (another layout, or the sidecar's own release) runs nothing."""
     P, L, T, S, pages = _case([40, 300], seed=4)
     want = sm.step_meta_reference(word, gpu_word(7, 2), P, L, T, S, PAGE, WINDOW, pages, window_width(PAGE, WINDOW))
-    assert want[5] == sm.FLAG_NOT_RUNG and (want[2] == -1).all()
+    assert (want[5] == sm.FLAG_NOT_RUNG).all() and (want[2] == -1).all()
     _check(_run(device, word, gpu_word(7, 2), P, L, T, S, pages), want)
 
 
