@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import torch
 
 from dspark_sidecar import layout
@@ -60,7 +61,7 @@ class StepBuffers:
                                    ("metadata", self.meta_bytes))]
         ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions), timeout=timeout_s).region_ids
         self.embeds_id, self.hidden_id, self.meta_id = ids
-        self._layouts: dict[tuple, tuple[pb.DraftStepRequest, list[torch.Tensor]]] = {}
+        self._layouts: dict[tuple, tuple[pb.DraftStepRequest, list[tuple]]] = {}
         self._next_key = 1  # launch keys (sidecar.proto DraftStepRequest.launch_key): never reused
 
     def input_view(self, n: int) -> torch.Tensor:
@@ -78,18 +79,22 @@ class StepBuffers:
         if embeds.data_ptr() != self.embeds.data_ptr():  # not already written in place (input_view)
             self.embeds[:n].copy_(embeds, non_blocking=True)
         srcs = (positions, meta.seq_lens, meta.block_tables, meta.slot_mapping)
-        template, dsts = self._layout(tuple((t.dtype, tuple(t.shape)) for t in srcs), embeds.shape[1])
-        for dst, t in zip(dsts, srcs):  # same dtypes and shapes (the layout's key): a plain copy
-            dst.copy_(t)
+        template, dsts = self._layout(tuple((t.dtype, t.shape) for t in srcs), embeds.shape[1])
+        for (dst, dst_np), t in zip(dsts, srcs):  # same dtypes and shapes (the layout's key): a plain copy
+            if t.is_cpu:  # NumPy's copy: a microsecond where torch's dispatch costs several at a step's start
+                np.copyto(dst_np, t.numpy())
+            else:
+                dst.copy_(t)
         req.MergeFrom(template)
         return self.hidden[:n]
 
-    def _layout(self, key: tuple, hidden: int) -> tuple[pb.DraftStepRequest, list[torch.Tensor]]:
-        """Per (dtypes, shapes): the request's region slices and tensor views of the metadata region.
+    def _layout(self, key: tuple, hidden: int) -> tuple[pb.DraftStepRequest, list[tuple]]:
+        """Per (dtypes, shapes): the request's region slices and views (tensor, NumPy) of the metadata region.
 
         An engine repeats a handful of shapes; building the TensorRefs once per shape keeps the
-        per-step cost at four tensor copies (~1.5 us each, a third of a NumPy round trip through
-        .cpu().numpy()) and one message merge.
+        per-step cost at four copies and one message merge. Host tensors are copied by NumPy: at
+        the start of a synchronized step torch's copy_ cost several microseconds each (fill took
+        45-89 us on an H200 host; BENCHMARKS.md run 12).
         """
         got = self._layouts.get(key)
         if got is not None:
@@ -105,7 +110,8 @@ class StepBuffers:
             nbytes = math.prod(shape) * dtype.itemsize
             if off + nbytes > raw.numel():
                 raise DataPlaneError(f"{field} {list(shape)} does not fit the registered metadata region")
-            dsts.append(raw[off : off + nbytes].view(dtype).reshape(shape))
+            view = raw[off : off + nbytes].view(dtype).reshape(shape)
+            dsts.append((view, view.numpy()))
             getattr(template, field).CopyFrom(codec.region_tensor_ref(dtype, shape, self.meta_id, off))
             off += nbytes
         if len(self._layouts) >= 64:
@@ -118,6 +124,13 @@ class StepBuffers:
         for t in self._shm:
             t.close()
         self._shm.clear()
+
+
+def _raw_stream(device: torch.device) -> int:
+    """The current stream's handle on `device`, without building a torch Stream object."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return raw(index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 class DoorbellChannel:
@@ -160,12 +173,14 @@ class DoorbellChannel:
         if len(data) > self.capacity:
             raise DataPlaneError(f"request of {len(data)} bytes exceeds the doorbell ({self.capacity})")
         self._seq += 1
-        if self.input_event is not None:
-            stream = torch.cuda.current_stream(self.device)
+        if self._ops is not None:  # raw handles: building torch's Stream object costs ~15-25 us at a step's start
+            raw = _raw_stream(self.device)
             if self.word_address:  # after the inputs on this stream: the pre-launched step starts here,
                 # so first (the event is for a step that runs the ordinary way)
-                self._ops.write(stream.cuda_stream, self.word_address, bell.gpu_word(self._seq, req.launch_key))
-            self.input_event.record(stream)
+                self._ops.write(raw, self.word_address, bell.gpu_word(self._seq, req.launch_key))
+            self._ops.record(self.input_event, raw)
+        elif self.input_event is not None:
+            self.input_event.record(torch.cuda.current_stream(self.device))
         self.page.write(self.page.req_area, data, bell.REQ_LEN, bell.REQ_SEQ, self._seq)  # ring: sequence last
         if self.ringer is not None:  # after the sequence store (see proto/doorbell.py Waker.sleep)
             self.ringer.wake_if_asleep(self.page)
