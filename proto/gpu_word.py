@@ -123,10 +123,10 @@ class GpuWordOps:
             with torch.cuda.device(device):
                 addr = self.register(base, mmap.PAGESIZE)
                 try:
-                    stream = torch.cuda.current_stream(device).cuda_stream
-                    self.write(stream, addr, 7 << 32)
-                    self.wait_geq(stream, addr, 7 << 32)
-                    torch.cuda.synchronize(device)
+                    stream = torch.cuda.current_stream(device)
+                    self.write(stream.cuda_stream, addr, 7 << 32)
+                    self.wait_geq(stream.cuda_stream, addr, 7 << 32)
+                    stream.synchronize()  # this stream only: the engine's other streams go on
                     if int(word[0]) != 7 << 32:
                         raise GpuWordError(f"probe: the GPU wrote {int(word[0]):#x}, not {7 << 32:#x}")
                 finally:

@@ -89,14 +89,22 @@ def test_doorbell_alternating_shapes_match_grpc(tmp_path, tiny_cfg, tiny_ckpt, t
     templates and the sidecar's cached region views must never mix one shape's slices with another's."""
     cases = [[5, 40], [4096 + 20, 3, 90], [17], [5, 40], [250, 4096 + 20, 3, 90], [17]]
     pages = max(sum(scenario.pages_needed(c + 7, PAGE) for c in lens) for lens in cases) + 2
+    keys = {}
     with _tp1_data_plane(tmp_path, tiny_cfg, tiny_ckpt, pages, 8) as (_, eng, bufs, bell):
+        assert bell.word_address == 0  # no GPU word on CPU: nothing is pre-launched
         for i, lens in enumerate(cases):
             step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=40 + i)
             (want,) = (codec.from_tensor_ref(x.hidden_states, "h") for x in eng.step_all(100 + i, step))
             req, resp, view = _ring(bufs, bell, eng.bindings[0], 200 + i, step)
             assert list(req.block_tables.shape) == list(step.meta.block_tables.shape)
             assert resp is not None and resp.HasField("hidden_states"), resp
+            assert not resp.timings.prelaunched
             assert torch.equal(view, want), f"case {i} ({lens}): doorbell != gRPC"
+            keys.setdefault(tuple(lens), set()).add(req.launch_key)
+    # One launch key per layout (sidecar.proto DraftStepRequest.launch_key), never 0, never shared.
+    assert all(len(k) == 1 for k in keys.values()), keys
+    flat = [next(iter(k)) for k in keys.values()]
+    assert 0 not in flat and len(set(flat)) == len(flat), keys
 
 
 def test_idle_doorbell_sleeps_on_its_fifo_and_wakes_for_the_next_step(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
