@@ -46,6 +46,12 @@ log = logging.getLogger("dspark_sidecar.server")
 
 STREAK = 2  # queue a layout after this many steps in a row used it: a miss costs one wasted graph run
 READY_TIMEOUT_S = 2.0  # a rung step whose metadata program has not run by then is run the ordinary way
+# The answer to a queued step waits until its GPU has started it (see take). An engine whose host
+# runs far ahead of its GPU (e.g. a target forward of many ms queued before the draft step)
+# would be held back by that: a wait longer than BEHIND_S stops queueing for COOLDOWN steps,
+# doubled at each repeat up to MAX_COOLDOWN, and those steps answer as soon as they are launched.
+BEHIND_S = 5e-3
+COOLDOWN, MAX_COOLDOWN = 256, 1 << 16
 
 
 @dataclass
@@ -58,6 +64,8 @@ class _Queued:
 
 
 class Prelaunch:
+    """One doorbell's queued step: at most one at a time, on the graphs' stream (see the module docstring)."""
+
     def __init__(self, ops: GpuWordOps, page: bell.Page, page_ptr: int, graphs: StepGraphs, window: int,
                  count=lambda hit: None, event=torch.cuda.Event, program=step_meta) -> None:
         """count(hit): told each time a queued step is used or released unused (metrics).
@@ -79,6 +87,8 @@ class Prelaunch:
         self._streak = 0
         self._served: tuple | None = None  # (seq, key, step) the hook saw during the current step
         self.hits = self.misses = 0
+        self.cooldown = 0  # steps left before queueing again (BEHIND_S)
+        self._next_cooldown = COOLDOWN
 
     # During a step (RankLoop's hook, under its lock) -----------------------------------------
     def take(self, seq: int, req: pb.DraftStepRequest, step: Step) -> torch.Tensor | None:
@@ -90,21 +100,26 @@ class Prelaunch:
             return None
         same = (q.seq == seq and q.key == req.launch_key and q.token is step.positions
                 and q.graph is self.graphs.captured(step.inputs_embeds, step.num_reqs, step.kv.layers))
-        if same and self._wait_ready() and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all()):
+        if same and self._waited_ready() and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all()):
             self.hits += 1
             self._count(True)
             return q.graph.out
         self._release(q)
         return None
 
-    def _wait_ready(self) -> bool:
+    def _waited_ready(self) -> bool:
         """Until the program has read the region (the engine may rewrite it once answered); False on timeout."""
-        deadline = time.perf_counter() + READY_TIMEOUT_S
+        start = time.perf_counter()
         while not self._ready.query():
-            if time.perf_counter() > deadline:
+            now = time.perf_counter()
+            if now > start + READY_TIMEOUT_S:
                 log.warning("prelaunch: step rung but its GPU word never arrived; running it the ordinary way")
                 return False
             bell.pause(0.0)
+        if time.perf_counter() - start > BEHIND_S:  # the engine's GPU was far behind its host: see BEHIND_S
+            self.cooldown, self._next_cooldown = self._next_cooldown, min(2 * self._next_cooldown, MAX_COOLDOWN)
+            log.info("prelaunch: the GPU started a rung step %.1f ms late; not queueing for %d steps",
+                     (time.perf_counter() - start) * 1e3, self.cooldown)
         return True
 
     # Around the answer (the doorbell thread, under the loop's lock) --------------------------
@@ -132,7 +147,9 @@ class Prelaunch:
         graph = self.graphs.captured(step.inputs_embeds, step.num_reqs, step.kv.layers)
         host_side = all(t.device.type == "cpu" for t in (step.positions, step.meta.seq_lens,
                                                           step.meta.block_tables, step.meta.slot_mapping))
-        if self._streak >= STREAK and graph is not None and host_side:  # the program reads host memory
+        if self.cooldown:
+            self.cooldown -= 1
+        elif self._streak >= STREAK and graph is not None and host_side:  # the program reads host memory
             self._queue(seq + 1, key, step, graph)
 
     def _queue(self, seq: int, key: int, step: Step, graph) -> None:

@@ -278,3 +278,21 @@ def test_close_unregisters_every_page_once(rig):
     rig.pl.close()
     assert sorted(rig.gpu.unregistered) == sorted(rig.gpu.registered) and len(set(rig.gpu.registered)) == 4
     assert q.done.synced == 1 and _word(rig) == bell.gpu_word(SEQ + 4, bell.SKIP_KEY)
+
+
+def test_gpu_far_behind_stops_queueing_for_a_while(rig, monkeypatch):
+    """A queued step whose GPU start the host waited for longer than BEHIND_S is still answered from
+    the queue, but the next COOLDOWN steps are not queued (answered as soon as launched); a second
+    such wait doubles the pause."""
+    monkeypatch.setattr(prelaunch, "BEHIND_S", -1.0)  # every wait counts as far behind
+    monkeypatch.setattr(prelaunch, "COOLDOWN", 3)
+    rig.pl._next_cooldown = 3
+    _queue(rig)
+    assert _serve(rig, SEQ + 2) is rig.graphs.graph.out  # the hit still counts
+    assert rig.pl.queued is None and rig.pl.cooldown == 2
+    for s in (SEQ + 3, SEQ + 4):
+        assert _serve(rig, s) is None and rig.pl.queued is None
+    _serve(rig, SEQ + 5)  # the pause is over and the streak held: queued again
+    assert rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 6
+    assert _serve(rig, SEQ + 6) is rig.graphs.graph.out
+    assert rig.pl.cooldown == 5  # 6, doubled, minus this step's
