@@ -6,7 +6,9 @@ order with the rank loop's other steps (RankLoop.answer_now), and publishes the 
 response. On GPU the engine's "inputs written" event is waited on by the stream before the step
 runs, and the sidecar's "outputs written" event is recorded after it, so neither process syncs
 its host with the GPU to order the work; the answer is published as soon as the step is
-launched, and the engine's stream waits for the GPU work through the event.
+launched, and the engine's stream waits for the GPU work through the event. When both ends can
+use the page's GPU word, the next step is queued on the GPU before it is even rung
+(server/prelaunch.py), and this thread answers from it.
 """
 
 from __future__ import annotations
