@@ -41,7 +41,7 @@ from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
-from dspark_sidecar.kernels.triton.weights import prepare_layer_weights
+from dspark_sidecar.kernels.weights import prepare_layer_weights
 from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc

@@ -130,7 +130,7 @@ class DSparkDrafter(nn.Module):
 
     def fold_norms(self, fold) -> DSparkDrafter:
         """Replace each layer's qkv and gate|up weights by fold(weight, norm weight) of the norm before
-        them (kernels.triton.weights.NormFolded.fold: W * (1 + w), which the Triton GEMMs read with x
+        them (kernels.weights.NormFolded.fold: W * (1 + w), which the Triton GEMMs read with x
         as loaded). The context commit projects k|v without the input norm: those rows are kept
         unfolded first (3 MB per layer at TP 4)."""
         for layer in self.layers:

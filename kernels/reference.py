@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark_sidecar.drafter.kv_cache import block_slots
-from dspark_sidecar.kernels.triton.weights import NormFolded
+from dspark_sidecar.kernels.weights import NormFolded
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dspark_sidecar.drafter.checkpoint import (
 from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
-from dspark_sidecar.kernels.triton.weights import prepare_layer_weights
+from dspark_sidecar.kernels.weights import prepare_layer_weights
 from dspark_sidecar.proto import SERVICE_NAME
 from dspark_sidecar.proto.doorbell import nap_for
 from dspark_sidecar.proto import sidecar_pb2 as pb

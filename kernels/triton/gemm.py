@@ -26,7 +26,7 @@ import triton.language as tl
 from dspark_sidecar.kernels.triton.runtime import (
     INTERPRET, cast, check_device, dot_dtype, mma, sms_of, smem_of, tl_dtype,
 )
-from dspark_sidecar.kernels.triton.weights import MxFp8Weight, NormFolded
+from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
 
 @triton.jit

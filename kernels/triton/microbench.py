@@ -26,7 +26,7 @@ import torch
 from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.triton import attention, gemm
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS as T
-from dspark_sidecar.kernels.triton.weights import MxFp8Weight, NormFolded
+from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
 H, HQ, HK, D, ROT, FFN, WINDOW, PAGE = 6144, 16, 1, 128, 64, 3072, 4096, 16
 EPS, ALPHA, LIMIT, THETA = 1e-6, 1.702, 7.0, 5_000_000.0

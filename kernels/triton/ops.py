@@ -12,7 +12,7 @@ import torch
 from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.ops import Ops
 from dspark_sidecar.kernels.triton import attention, gemm, norm, prelude
-from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+from dspark_sidecar.kernels.weights import MxFp8Weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, residual: torch.Tensor | None = None) -> torch.Tensor:

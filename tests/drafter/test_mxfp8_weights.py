@@ -10,7 +10,7 @@ from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
-from dspark_sidecar.kernels.triton.weights import MxFp8Weight
+from dspark_sidecar.kernels.weights import MxFp8Weight
 
 PAGE = 16
 

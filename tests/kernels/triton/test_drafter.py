@@ -43,7 +43,7 @@ def test_tiny_drafter_with_folded_norms(device, tiny_cfg, tiny_ckpt, tiny_embed,
     """The sidecar's Triton model (server/app.py): qkv and gate|up weights with their norms folded in.
     The context commit's K/V must be the same bits as unfolded (its k|v rows are kept as loaded);
     the step matches the reference within the usual tolerance."""
-    from dspark_sidecar.kernels.triton.weights import NormFolded, prepare_layer_weights
+    from dspark_sidecar.kernels.weights import NormFolded, prepare_layer_weights
 
     ref, kv_ref = _run(REFERENCE_OPS, tiny_cfg, tiny_ckpt[0], tiny_embed, device)
     unfolded = DSparkDrafter(tiny_cfg, ParallelContext(), TRITON_OPS, torch.bfloat16, device).load(

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from dspark_sidecar.kernels import reference  # noqa: E402
 from dspark_sidecar.kernels.triton import gemm  # noqa: E402
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS  # noqa: E402
-from dspark_sidecar.kernels.triton.weights import MxFp8Weight, NormFolded  # noqa: E402
+from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded  # noqa: E402
 
 EPS, ALPHA, LIMIT = 1e-6, 1.702, 7.0
 # (rows, in, out): one block, three blocks with ragged K/N tiles, a full launch of 8 requests,

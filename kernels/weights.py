@@ -1,4 +1,4 @@
-"""Weight formats the Triton GEMMs take besides a dense tensor: MxFp8Weight (kept quantized) and NormFolded.
+"""Weight formats the GEMMs take besides a dense tensor (backend-neutral): MxFp8Weight (kept quantized) and NormFolded.
 
 MxFp8Weight: an MXFP8 linear weight kept quantized (F8_E4M3 + U8 E8M0 1x32 scales).
 
