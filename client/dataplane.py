@@ -61,7 +61,7 @@ class StepBuffers:
                                    ("metadata", self.meta_bytes))]
         ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions), timeout=timeout_s).region_ids
         self.embeds_id, self.hidden_id, self.meta_id = ids
-        self._layouts: dict[tuple, tuple[pb.DraftStepRequest, list[tuple]]] = {}
+        self._layouts: dict[tuple, tuple] = {}
         self._next_key = 1  # launch keys (sidecar.proto DraftStepRequest.launch_key): never reused
 
     def input_view(self, n: int) -> torch.Tensor:
@@ -72,52 +72,53 @@ class StepBuffers:
     def fill(self, req: pb.DraftStepRequest, embeds: torch.Tensor, positions: torch.Tensor,
              meta: StepMetadata) -> torch.Tensor:
         """Copy one step's tensors into the regions and point `req` at them; returns the hidden view."""
-        R, n = meta.num_reqs, positions.numel()
-        pages = meta.block_tables.shape[1]
-        if R > self.max_reqs or pages > self.max_pages:
-            raise DataPlaneError(f"step of {R} requests x {pages} pages exceeds the registered buffers")
-        if embeds.data_ptr() != self.embeds.data_ptr():  # not already written in place (input_view)
-            self.embeds[:n].copy_(embeds, non_blocking=True)
         srcs = (positions, meta.seq_lens, meta.block_tables, meta.slot_mapping)
-        template, dsts = self._layout(tuple((t.dtype, t.shape) for t in srcs), embeds.shape[1])
+        key = (positions.shape, meta.seq_lens.shape, meta.block_tables.shape, meta.slot_mapping.shape,
+               positions.dtype, meta.seq_lens.dtype, meta.block_tables.dtype, meta.slot_mapping.dtype, embeds.shape[1])
+        got = self._layouts.get(key)
+        if got is None:
+            got = self._layout(key, srcs, embeds.shape[1])
+        template, dsts, inputs, hidden = got
+        if embeds.data_ptr() != inputs.data_ptr() or embeds.shape != inputs.shape:  # not written in place
+            inputs.copy_(embeds, non_blocking=True)
         for (dst, dst_np), t in zip(dsts, srcs):  # same dtypes and shapes (the layout's key): a plain copy
             if t.is_cpu:  # NumPy's copy: a microsecond where torch's dispatch costs several at a step's start
                 np.copyto(dst_np, t.numpy())
             else:
                 dst.copy_(t)
         req.MergeFrom(template)
-        return self.hidden[:n]
+        return hidden
 
-    def _layout(self, key: tuple, hidden: int) -> tuple[pb.DraftStepRequest, list[tuple]]:
-        """Per (dtypes, shapes): the request's region slices and views (tensor, NumPy) of the metadata region.
+    def _layout(self, key: tuple, srcs: tuple, hidden: int) -> tuple:
+        """Per (shapes, dtypes): the request's region slices, views (tensor, NumPy) of the metadata
+        region, and the input and hidden rows [n, hidden]; checked against the regions once.
 
-        An engine repeats a handful of shapes; building the TensorRefs once per shape keeps the
-        per-step cost at four copies and one message merge. Host tensors are copied by NumPy: at
-        the start of a synchronized step torch's copy_ cost several microseconds each (fill took
-        45-89 us on an H200 host; BENCHMARKS.md run 12).
+        An engine repeats a handful of shapes; building all this once per shape keeps the per-step
+        cost at four copies and one message merge. Host tensors are copied by NumPy: at the start
+        of a synchronized step torch's copy_ cost several microseconds each (fill took 45-89 us on
+        an H200 host; BENCHMARKS.md run 12).
         """
-        got = self._layouts.get(key)
-        if got is not None:
-            return got
-        n = key[0][1][0]
+        R, n, pages = srcs[1].shape[0], srcs[0].numel(), srcs[2].shape[1]
+        if R > self.max_reqs or pages > self.max_pages:
+            raise DataPlaneError(f"step of {R} requests x {pages} pages exceeds the registered buffers")
         template = pb.DraftStepRequest(inputs_embeds=codec.region_tensor_ref(self.dtype, (n, hidden), self.embeds_id, 0),
                                        output=pb.RegionSlice(region_id=self.hidden_id, offset_bytes=0),
                                        launch_key=self._next_key)
         self._next_key = self._next_key % (bell.SKIP_KEY - 1) + 1
         raw, dsts, off = self.meta_bytes, [], 0
-        for field, (dtype, shape) in zip(("positions", "seq_lens", "block_tables", "slot_mapping"), key):
+        for field, t in zip(("positions", "seq_lens", "block_tables", "slot_mapping"), srcs):
             off = -(-off // 8) * 8  # keep every tensor 8-byte aligned
-            nbytes = math.prod(shape) * dtype.itemsize
+            nbytes = t.numel() * t.dtype.itemsize
             if off + nbytes > raw.numel():
-                raise DataPlaneError(f"{field} {list(shape)} does not fit the registered metadata region")
-            view = raw[off : off + nbytes].view(dtype).reshape(shape)
+                raise DataPlaneError(f"{field} {list(t.shape)} does not fit the registered metadata region")
+            view = raw[off : off + nbytes].view(t.dtype).reshape(t.shape)
             dsts.append((view, view.numpy()))
-            getattr(template, field).CopyFrom(codec.region_tensor_ref(dtype, shape, self.meta_id, off))
+            getattr(template, field).CopyFrom(codec.region_tensor_ref(t.dtype, tuple(t.shape), self.meta_id, off))
             off += nbytes
         if len(self._layouts) >= 64:
             self._layouts.clear()
-        self._layouts[key] = (template, dsts)
-        return template, dsts
+        got = self._layouts[key] = (template, dsts, self.embeds[:n], self.hidden[:n])
+        return got
 
     def close(self) -> None:
         self.embeds = self.hidden = self.meta_bytes = None  # type: ignore[assignment]

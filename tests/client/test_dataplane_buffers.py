@@ -1,0 +1,78 @@
+"""StepBuffers on CPU shared memory with a stand-in stub: per-layout caching, the in-place input rows, the limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_sidecar.client.dataplane import DataPlaneError, StepBuffers
+from dspark_sidecar.drafter import scenario
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+PAGE = 16
+
+
+class _Stub:
+    def RegisterBuffers(self, req, timeout=None):  # noqa: N802  (the gRPC method's name)
+        return pb.RegisterBuffersResponse(region_ids=[7, 8, 9])
+
+
+@pytest.fixture
+def bufs(tiny_cfg):
+    b = StepBuffers(_Stub(), tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    yield b
+    b.close()
+
+
+def _step(cfg, embed, lens, seed=0):
+    return scenario.random_step(cfg, lens, PAGE, sum(scenario.pages_needed(c + 7, PAGE) for c in lens), embed, seed=seed)
+
+
+def test_fill_writes_the_regions_and_points_the_request_at_them(bufs, tiny_cfg, tiny_embed):
+    step = _step(tiny_cfg, tiny_embed, [5, 300])
+    req = pb.DraftStepRequest(step_id=1)
+    hidden = bufs.fill(req, step.inputs_embeds, step.positions, step.meta)
+    n = step.positions.numel()
+    assert torch.equal(bufs.embeds[:n], step.inputs_embeds)  # copied: not the registered rows
+    assert hidden.shape == (n, tiny_cfg.hidden_size) and hidden.data_ptr() == bufs.hidden.data_ptr()
+    assert req.inputs_embeds.region.region_id == 7 and req.output.region_id == 8
+    raw = bufs.meta_bytes
+    for field, t in (("positions", step.positions), ("seq_lens", step.meta.seq_lens),
+                     ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
+        ref = getattr(req, field)
+        off = ref.region.offset_bytes
+        got = raw[off : off + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape)
+        assert ref.region.region_id == 9 and torch.equal(got, t), field
+
+
+def test_rows_written_in_place_are_not_copied(bufs, tiny_cfg, tiny_embed, monkeypatch):
+    """An engine that wrote its embeddings into input_view(n) hands that view back: fill copies nothing
+    into the input rows (a copy of the view onto itself would look the same, so copies are counted)."""
+    step = _step(tiny_cfg, tiny_embed, [5, 300])
+    n = step.positions.numel()
+    view = bufs.input_view(n)
+    view.copy_(step.inputs_embeds)
+    into_inputs = []
+    real = torch.Tensor.copy_
+
+    def spy(self, src, *args, **kw):
+        if self.data_ptr() == bufs.embeds.data_ptr():
+            into_inputs.append(src)
+        return real(self, src, *args, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    bufs.fill(pb.DraftStepRequest(step_id=1), view, step.positions, step.meta)
+    assert into_inputs == [] and torch.equal(bufs.embeds[:n], step.inputs_embeds)
+    # Same layout, other rows: a tensor that is not the view is copied in.
+    other = step.inputs_embeds + 1
+    bufs.fill(pb.DraftStepRequest(step_id=2), other, step.positions, step.meta)
+    assert len(into_inputs) == 1 and torch.equal(bufs.embeds[:n], other)
+
+
+def test_a_step_beyond_the_registered_buffers_is_refused(bufs, tiny_cfg, tiny_embed):
+    step = _step(tiny_cfg, tiny_embed, [5, 6, 7, 8, 9])  # 5 requests, 4 registered
+    with pytest.raises(DataPlaneError, match="exceeds the registered buffers"):
+        bufs.fill(pb.DraftStepRequest(step_id=1), step.inputs_embeds, step.positions, step.meta)
+    wide = _step(tiny_cfg, tiny_embed, [41 * PAGE])  # 42 pages, 40 registered
+    with pytest.raises(DataPlaneError, match="exceeds the registered buffers"):
+        bufs.fill(pb.DraftStepRequest(step_id=2), wide.inputs_embeds, wide.positions, wide.meta)
