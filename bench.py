@@ -219,7 +219,8 @@ class Bench:
             self.gpu_ops = TRITON_OPS
         self.step_id = 0
         self._inputs: torch.Tensor | None = None  # d/f: the embeddings fill() is given (measure sets it)
-        self.sidecar_ns: list[tuple[int, int, int, int]] = []  # per remote step: queue, rendezvous, launch, total
+        # Per remote step: queue, rendezvous, launch, total (ns), and whether it was pre-launched.
+        self.sidecar_ns: list[tuple[int, int, int, int, bool]] = []
         self.engine_ns: list[tuple[int, int]] = []  # per data-plane step: fill + ring, ring -> answer
         self.side = self.channel = self.bufs = self.bell = None
         if {"d", "e", "f"} & set(bc.modes):
@@ -302,9 +303,10 @@ class Bench:
 
     def phase_fields(self, mode: str) -> dict:
         """Row fields of the last measure(mode): medians (us) of the timed steps' phases (warm-up excluded)."""
+        last = self.sidecar_ns[-self.bc.repeats:]
+        share = {"prelaunched_share": sum(t[4] for t in last) / max(1, len(last))}
         if mode == "f":
-            last = self.sidecar_ns[-self.bc.repeats:]
-            return {"prelaunched_share": sum(t[4] for t in last) / max(1, len(last))}
+            return share
         if mode not in ("d", "e"):
             return {}
 
@@ -314,9 +316,8 @@ class Bench:
         out = {"sidecar_host_p50_us": p50_us(self.sidecar_ns, 3),
                "sidecar_queue_rendezvous_launch_p50_us": [p50_us(self.sidecar_ns, i) for i in range(3)]}
         if mode == "d":
-            last = self.sidecar_ns[-self.bc.repeats:]
             out |= {"engine_fill_p50_us": p50_us(self.engine_ns, 0), "ring_to_answer_p50_us": p50_us(self.engine_ns, 1),
-                    "prelaunched_share": sum(t[4] for t in last) / max(1, len(last))}
+                    **share}
         return out
 
     def close(self) -> None:

@@ -15,7 +15,6 @@ can use either transport.
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np

@@ -80,9 +80,7 @@ class Doorbell(threading.Thread):
         self._halt.set()
         self.join(timeout=2)
         if self.prelaunch is not None:
-            self.loop.on_quiesce(None, old=self.prelaunch.release)
-            with self.loop.exclusive(quiesce=False):
-                self.prelaunch.close()  # a queued step has finished before its memory goes
+            self._drop_prelaunch()  # a queued step has finished before its memory goes
         if self.waker is not None:
             self.waker.close()
         self.page.close()
@@ -123,10 +121,14 @@ class Doorbell(threading.Thread):
                 self.prelaunch.after(seq, resp)
         except Exception:  # noqa: BLE001  (steps still run the ordinary way: stop pre-launching, say why)
             log.exception("doorbell: could not pre-launch the next step; steps are no longer pre-launched")
-            self.loop.on_quiesce(None, old=self.prelaunch.release)
-            with self.loop.exclusive(quiesce=False):
-                self.prelaunch.close()
-            self.prelaunch = None
+            self._drop_prelaunch()
+
+    def _drop_prelaunch(self) -> None:
+        """Unhook and close the pre-launch (its queued step released and finished); steps then run the ordinary way."""
+        self.loop.on_quiesce(None, old=self.prelaunch.release)
+        with self.loop.exclusive(quiesce=False):
+            self.prelaunch.close()
+        self.prelaunch = None
 
     def _serve(self, seq: int) -> pb.DraftStepResponse:
         try:

@@ -47,6 +47,11 @@ class _Packed:
                 buf[o : o + 4 * R].view(i32), buf[o + 4 * R : o + 4 * R + 4 * R * w].view(i32).reshape(R, w))
 
 
+def _kv_key(kv: list[torch.Tensor]) -> tuple:
+    """What a captured graph is bound to: the cache layers' addresses and shapes."""
+    return tuple((t.data_ptr(), tuple(t.shape)) for t in kv)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -76,7 +81,7 @@ class StepGraphs:
 
     def captured(self, embeds: torch.Tensor | None, R: int, kv: list[torch.Tensor]):
         """The graph a step of R requests reading `embeds` in place would replay now, if it is captured."""
-        if embeds is None or self._kv_key != tuple((t.data_ptr(), tuple(t.shape)) for t in kv):
+        if embeds is None or self._kv_key != _kv_key(kv):
             return None
         g = self._graphs.get((R, True))
         return g if g is not None and g.embeds.data_ptr() == embeds.data_ptr() else None
@@ -90,7 +95,7 @@ class StepGraphs:
         static buffer (a CUDA call on the step's critical path); a step whose view is elsewhere uses
         the static-buffer graph, so there are at most two graphs per R.
         """
-        key = tuple((t.data_ptr(), tuple(t.shape)) for t in kv)
+        key = _kv_key(kv)
         ps = self._page_size_of()
         if key != self._kv_key:  # a new binding: graphs hold the old cache's addresses
             self._graphs.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 from dataclasses import dataclass, field
@@ -60,8 +61,6 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self.ctx, self.loop, self.life = ctx, loop, life
         # Pre-launched doorbell steps (server/prelaunch.py): one rank only, on a GPU with graphs.
         self.prelaunch = prelaunch and ctx.world == 1 and loop.graphs is not None
-        self._word_ops: GpuWordOps | None = None
-        self._word_probed = False
         self.limits, self.parallel, self.weight_format = limits, parallel, weight_format
         self.run_dir = run_dir  # where doorbell wake FIFOs go (the socket folder); None: polling only
         self.doorbell: Doorbell | None = None
@@ -137,7 +136,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         wake = str(self.run_dir / f"rank{self.ctx.rank}.wake{self._attached}") if self.run_dir else None
         try:
             bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event,
-                            wake, self._gpu_word_ops() if request.gpu_word else None, self.ctx.cfg.sliding_window)
+                            wake, self._gpu_word_ops if request.gpu_word else None, self.ctx.cfg.sliding_window)
         except BaseException:
             page.close()
             raise
@@ -148,12 +147,10 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         return pb.AttachDoorbellResponse(output_event=bell.output_event_handle(), wake_fifo=bell.wake_fifo,
                                          gpu_word=bell.prelaunch is not None)
 
+    @functools.cached_property
     def _gpu_word_ops(self) -> GpuWordOps | None:
         """The driver's stream memory operations, probed once; None where steps are not pre-launched."""
-        if self.prelaunch and not self._word_probed:
-            self._word_probed = True
-            self._word_ops = GpuWordOps.load(self.ctx.model.device)
-        return self._word_ops
+        return GpuWordOps.load(self.ctx.model.device) if self.prelaunch else None
 
     def DraftStep(self, request, context):
         return self.loop.submit(request).result()
