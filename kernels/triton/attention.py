@@ -33,12 +33,17 @@ def _split_kernel(
     q_ptr, kv_ptr, pos_ptr, seq_ptr, bt_ptr, out_ptr, po_ptr, pml_ptr,
     stride_qn, stride_qh, stride_qd,
     stride_c0, stride_cp, stride_cs, stride_ch, stride_cd, stride_bt,
-    page_size, window, qk_scale, hk,
+    window, qk_scale, hk, PAGE: tl.constexpr,
     ROWS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr,
     IEEE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Program (request, kv head, split). Row m of the Q block is (block row m // GROUP, head m % GROUP)."""
+    """Program (request, kv head, split). Row m of the Q block is (block row m // GROUP, head m % GROUP).
+
+    Key positions are int32 (a context is far below 2^31 tokens) and PAGE is compile-time, so
+    the per-key page lookup (kpos // PAGE, kpos % PAGE) is a shift and a mask: with a run-time
+    page size these were 64-bit divisions, a long software sequence per key and per tile.
+    """
     req, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BLOCK_D)
@@ -46,10 +51,10 @@ def _split_kernel(
     d_mask = offs_d < D
     row = req * ROWS + offs_m // GROUP
     head = h * GROUP + offs_m % GROUP
-    qpos = tl.load(pos_ptr + row, mask=m_valid, other=0)
+    qpos = tl.load(pos_ptr + row, mask=m_valid, other=0).to(tl.int32)
     q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT)
-    seq_len = tl.load(seq_ptr + req).to(tl.int64)
+    seq_len = tl.load(seq_ptr + req).to(tl.int32)
     min_pos = tl.min(tl.where(m_valid, qpos, seq_len), axis=0)
     start = tl.maximum(min_pos - (window - 1), 0)
     left = qpos - (window - 1)  # each row's own window edge
@@ -61,17 +66,17 @@ def _split_kernel(
     # The block-table entries of a tile are fetched one tile ahead, so that the K/V gathers of
     # a tile wait on one memory latency, not on two in a row.
     kpos = start + sp * BN + tl.arange(0, BN)
-    page = tl.load(bt_ptr + req * stride_bt + kpos // page_size, mask=kpos < seq_len, other=0)
+    page = tl.load(bt_ptr + req * stride_bt + kpos // PAGE, mask=kpos < seq_len, other=0)
     for t in range(sp, n_tiles, SPLITS):
         kpos = start + t * BN + tl.arange(0, BN)
         k_valid = kpos < seq_len
-        base = page.to(tl.int64) * stride_cp + (kpos % page_size) * stride_cs + h * stride_ch
+        base = page.to(tl.int64) * stride_cp + (kpos % PAGE) * stride_cs + h * stride_ch
         kv_off = base[:, None] + offs_d[None, :] * stride_cd
         kv_mask = k_valid[:, None] & d_mask[None, :]
         k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT)
         v = tl.load(kv_ptr + stride_c0 + kv_off, mask=kv_mask, other=0.0).to(DOT)
         nxt = kpos + SPLITS * BN
-        page = tl.load(bt_ptr + req * stride_bt + nxt // page_size, mask=nxt < seq_len, other=0)
+        page = tl.load(bt_ptr + req * stride_bt + nxt // PAGE, mask=nxt < seq_len, other=0)
         s = mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), INTERPRET, IEEE) * qk_scale
         visible = k_valid[None, :] & (kpos[None, :] >= left[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -169,7 +174,7 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
     _split_kernel[(r, hk, sp)](
         q, kv_layer, positions, seq_lens, block_tables, out, po, pml,
         q.stride(0), q.stride(1), q.stride(2), s[0], s[1], s[2], s[3], s[4], block_tables.stride(0),
-        page_size, window, scale * LOG2E, hk,
+        window, scale * LOG2E, hk, PAGE=page_size,
         ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, SPLITS=sp, OUT=tl_dtype(q.dtype),
         DOT=dot, IEEE=dot == tl.float32, INTERPRET=INTERPRET,
         num_warps=8 if bm * bd >= 128 * 64 else 4, num_stages=NUM_STAGES,

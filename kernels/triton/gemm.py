@@ -45,11 +45,13 @@ def _add_residual(acc, res_ptrs, mask, OUT: tl.constexpr, INTERPRET: tl.constexp
 
 
 @triton.jit
-def row_norm_scale(sq_ptr, stride_s, splits, row, k, eps):
+def row_norm_scale(sq_ptr, stride_s, row, k, eps, SPLITS: tl.constexpr):
     """rsqrt(mean(x_row^2) + eps) from the row's split partial sums of squares, summed in split
-    order: the one computation every consumer of the partials (finalize, prelude) shares."""
+    order: the one computation every consumer of the partials (finalize, prelude) shares.
+    SPLITS is a compile-time count so the loop unrolls and every load is in flight at once
+    (a run-time loop waited one L2 round trip per split)."""
     ssq = tl.load(sq_ptr + row)
-    for s in range(1, splits):
+    for s in tl.static_range(1, SPLITS):
         ssq += tl.load(sq_ptr + s * stride_s + row)
     return tl.rsqrt(ssq / k + eps)
 
@@ -98,8 +100,15 @@ def _gemm_kernel(
             if not FOLDED:
                 nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
                 x = x * (1.0 + nw)[None, :]
-        if FOLDED and x_raw.dtype == DOT:
-            a = x_raw  # as loaded: the dot reads the pipelined shared-memory tile itself
+        if HAS_NORM and FOLDED:
+            # The tile goes to the dot through registers, as the unfolded path's scaled x does.
+            # Fed straight from its pipelined shared-memory buffer (the compiler's choice for a
+            # loaded tile) while the same buffer is also read into registers for the squares,
+            # the 64-row wgmma tiles got wrong, run-to-run different sums on an H200 (Triton
+            # 3.6; 16- and 32-row tiles, on mma.sync, were right). `+ 0.0` keeps the compiler
+            # from folding the round trip back to the shared-memory operand; it changes no
+            # product (only a -0 input becomes +0).
+            a = cast(x + 0.0, DOT, INTERPRET)
         else:
             a = cast(x, DOT, INTERPRET)
         # Weight tile as [BK, BN]: K is the contiguous dim, so each column is one coalesced run.
@@ -140,24 +149,26 @@ def _gemm_kernel(
 
 @triton.jit
 def _finalize_kernel(
-    ws_ptr, sq_ptr, out_ptr, res_ptr, M, N, K, SPLIT, stride_ws_s, stride_ws_m, stride_om, stride_rm,
-    eps, alpha, limit,
+    ws_ptr, sq_ptr, out_ptr, res_ptr, M, N, K, stride_ws_s, stride_ws_m, stride_om, stride_rm,
+    eps, alpha, limit, SPLIT: tl.constexpr,
     HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, OUT: tl.constexpr,
     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Program (row, column block): sum the split partials in order, scale by inv_r, [SwiGLU], [+ residual], round."""
+    """Program (row, column block): sum the split partials in order, scale by inv_r, [SwiGLU], [+ residual], round.
+
+    SPLIT is compile-time: the unrolled loop has all SPLIT loads in flight before the first add."""
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < N
     acc = tl.zeros((BLOCK_N,), tl.float32)
     up = tl.zeros((BLOCK_N,), tl.float32)
-    for s in range(0, SPLIT):
+    for s in tl.static_range(SPLIT):
         base = ws_ptr + s * stride_ws_s + row * stride_ws_m
         acc += tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
         if SWIGLU:
             up += tl.load(base + N + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inv = row_norm_scale(sq_ptr, M, SPLIT, row, K, eps)
+        inv = row_norm_scale(sq_ptr, M, row, K, eps, SPLIT)
         acc = acc * inv
         up = up * inv
     if SWIGLU:
@@ -343,8 +354,8 @@ def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: 
     block = min(256, triton.next_power_of_2(n))  # many small programs: the sums are latency-bound
     res = out if residual is None else residual
     _finalize_kernel[(m, triton.cdiv(n, block))](
-        ws, sq, out, res, m, n, k, split, ws.stride(0), ws.stride(1), out.stride(0), res.stride(0),
-        eps, alpha, limit,
+        ws, sq, out, res, m, n, k, ws.stride(0), ws.stride(1), out.stride(0), res.stride(0),
+        eps, alpha, limit, SPLIT=split,
         HAS_NORM=has_norm, SWIGLU=swiglu, HAS_RES=residual is not None, OUT=tl_dtype(out.dtype),
         BLOCK_N=block, INTERPRET=INTERPRET, num_warps=4,
     )

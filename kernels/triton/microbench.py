@@ -281,6 +281,10 @@ TUNE = (
     ("attention block_n 128", {"attention": {"BLOCK_N": 128}}),
     ("attention 2 programs/SM, block_n 128", {"attention": {"PROGRAMS_PER_SM": 2, "BLOCK_N": 128}}),
     ("defaults again (noise)", {}),
+    ("attention >= 8 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 8}}),
+    ("attention >= 4 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 4}}),
+    ("attention 3 stages (2)", {"attention": {"NUM_STAGES": 3}}),
+    ("defaults (4)", {}),
 )
 
 

@@ -22,12 +22,13 @@ from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device,
 
 
 @triton.jit
-def _load_head(head_ptr, idx, mask, stride_d, stride_s, splits, inv_in,
-               PARTIAL: tl.constexpr, OUT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Elements idx of one head of qkv, fp32: loaded, or finished from the GEMM's split partials."""
+def _load_head(head_ptr, idx, mask, stride_d, stride_s, inv_in,
+               SPLITS: tl.constexpr, PARTIAL: tl.constexpr, OUT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Elements idx of one head of qkv, fp32: loaded, or finished from the GEMM's SPLITS split
+    partials (unrolled: all SPLITS loads in flight at once)."""
     if PARTIAL:
         acc = tl.zeros(idx.shape, tl.float32)
-        for sp in range(0, splits):
+        for sp in tl.static_range(SPLITS):
             acc += tl.load(head_ptr + sp * stride_s + idx * stride_d, mask=mask, other=0.0)
         x = cast(acc * inv_in, OUT, INTERPRET).to(tl.float32)
     else:
@@ -36,7 +37,7 @@ def _load_head(head_ptr, idx, mask, stride_d, stride_s, splits, inv_in,
 
 
 @triton.jit
-def _norm_rope(head_ptr, stride_d, stride_s, splits, inv_in, w_ptr, cos_row, sin_row, eps,
+def _norm_rope(head_ptr, stride_d, stride_s, inv_in, w_ptr, cos_row, sin_row, eps, SPLITS: tl.constexpr,
                D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr,
                OUT: tl.constexpr, INTERPRET: tl.constexpr):
     """One head [D] -> fp32 normed and rotated: dims [0, 2 HALF) rotate in pairs (i, i + HALF)."""
@@ -45,8 +46,8 @@ def _norm_rope(head_ptr, stride_d, stride_s, splits, inv_in, w_ptr, cos_row, sin
     first = offs < HALF
     in_rot = offs < 2 * HALF
     partner = tl.where(first, offs + HALF, tl.where(in_rot, offs - HALF, offs))
-    x = _load_head(head_ptr, offs, dmask, stride_d, stride_s, splits, inv_in, PARTIAL, OUT, INTERPRET)
-    xp = _load_head(head_ptr, partner, dmask, stride_d, stride_s, splits, inv_in, PARTIAL, OUT, INTERPRET)
+    x = _load_head(head_ptr, offs, dmask, stride_d, stride_s, inv_in, SPLITS, PARTIAL, OUT, INTERPRET)
+    xp = _load_head(head_ptr, partner, dmask, stride_d, stride_s, inv_in, SPLITS, PARTIAL, OUT, INTERPRET)
     w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
@@ -64,16 +65,17 @@ def _prelude_kernel(
     x_ptr, stride_xn, stride_xh, stride_xd,
     qn_ptr, kn_ptr, cos_ptr, sin_ptr, stride_cn,
     q_ptr, stride_qn, stride_qh, stride_qd,
-    kv_ptr, stride_c0, stride_cp, stride_cs, stride_ch, stride_cd, page_size,
-    slot_ptr, eps, stride_xs, splits, sq_ptr, stride_sq, k_in, eps_in,
+    kv_ptr, stride_c0, stride_cp, stride_cs, stride_ch, stride_cd,
+    slot_ptr, eps, stride_xs, sq_ptr, stride_sq, k_in, eps_in, PAGE: tl.constexpr, SPLITS: tl.constexpr,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_D: tl.constexpr, OUT: tl.constexpr, CACHE: tl.constexpr, PARTIAL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Program (row, head j): j < Q_HEADS a q head, else k head j - Q_HEADS (and its v head).
 
-    PARTIAL: x_ptr is the fp32 workspace [splits, n, width] (stride_xs apart) and sq_ptr the
-    partial sums of squares [splits, n] of the GEMM's input rows (k_in wide, norm eps_in).
+    PARTIAL: x_ptr is the fp32 workspace [SPLITS, n, width] (stride_xs apart) and sq_ptr the
+    partial sums of squares [SPLITS, n] of the GEMM's input rows (k_in wide, norm eps_in).
+    PAGE (the cache's page size) is compile-time: slot // PAGE is a shift, not a 64-bit division.
     """
     row, j = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -82,30 +84,30 @@ def _prelude_kernel(
     head_ptr = x_ptr + row * stride_xn + j * stride_xh
     inv_in = 1.0
     if PARTIAL:
-        inv_in = row_norm_scale(sq_ptr, stride_sq, splits, row, k_in, eps_in)
+        inv_in = row_norm_scale(sq_ptr, stride_sq, row, k_in, eps_in, SPLITS)
     if j < Q_HEADS:
-        y = _norm_rope(head_ptr, stride_xd, stride_xs, splits, inv_in, qn_ptr, cos_row, sin_row, eps, D, HALF,
+        y = _norm_rope(head_ptr, stride_xd, stride_xs, inv_in, qn_ptr, cos_row, sin_row, eps, SPLITS, D, HALF,
                        BLOCK_D, PARTIAL, OUT, INTERPRET)
         tl.store(q_ptr + row * stride_qn + j * stride_qh + offs * stride_qd, cast(y, OUT, INTERPRET), mask=dmask)
     if KV_HEADS > 0:  # compiled only where there is a cache to write (not for qk_norm_rope alone)
         if j >= Q_HEADS:
             kh = j - Q_HEADS
-            y = _norm_rope(head_ptr, stride_xd, stride_xs, splits, inv_in, kn_ptr, cos_row, sin_row, eps, D, HALF,
+            y = _norm_rope(head_ptr, stride_xd, stride_xs, inv_in, kn_ptr, cos_row, sin_row, eps, SPLITS, D, HALF,
                            BLOCK_D, PARTIAL, OUT, INTERPRET)
             slot = tl.load(slot_ptr + row)
             if slot >= 0:
-                base = kv_ptr + (slot // page_size) * stride_cp + (slot % page_size) * stride_cs + kh * stride_ch
+                base = kv_ptr + (slot // PAGE) * stride_cp + (slot % PAGE) * stride_cs + kh * stride_ch
                 # Rounded to the activation dtype first, as the reference's k is before write_kv.
                 tl.store(base + offs * stride_cd, cast(cast(y, OUT, INTERPRET), CACHE, INTERPRET), mask=dmask)
-                v = _load_head(head_ptr + KV_HEADS * stride_xh, offs, dmask, stride_xd, stride_xs, splits, inv_in,
-                               PARTIAL, OUT, INTERPRET)
+                v = _load_head(head_ptr + KV_HEADS * stride_xh, offs, dmask, stride_xd, stride_xs, inv_in,
+                               SPLITS, PARTIAL, OUT, INTERPRET)
                 tl.store(base + stride_c0 + offs * stride_cd, cast(v, CACHE, INTERPRET), mask=dmask)
 
 
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
-    kv_ptr, stride_c0, stride_cp, stride_cs, stride_ch, stride_cd, page_size, slot_ptr,
+    kv_ptr, stride_c0, stride_cp, stride_cs, stride_ch, stride_cd, slot_ptr, PAGE: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (row, kv head): copy one K and one V head into the cache at the row's slot."""
@@ -114,7 +116,7 @@ def _write_kv_kernel(
     if slot >= 0:
         offs = tl.arange(0, BLOCK_D)
         dmask = offs < D
-        base = kv_ptr + (slot // page_size) * stride_cp + (slot % page_size) * stride_cs + h * stride_ch
+        base = kv_ptr + (slot // PAGE) * stride_cp + (slot % PAGE) * stride_cs + h * stride_ch
         k = tl.load(k_ptr + row * stride_km + h * stride_kh + offs * stride_kd, mask=dmask, other=0.0)
         v = tl.load(v_ptr + row * stride_vm + h * stride_vh + offs * stride_vd, mask=dmask, other=0.0)
         tl.store(base + offs * stride_cd, cast(k, CACHE, INTERPRET), mask=dmask)
@@ -123,7 +125,7 @@ def _write_kv_kernel(
 
 def _cache_args(kv_layer: torch.Tensor) -> tuple:
     s = kv_layer.stride()
-    return (kv_layer, s[0], s[1], s[2], s[3], s[4], kv_layer.shape[2])
+    return (kv_layer, s[0], s[1], s[2], s[3], s[4])
 
 
 def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
@@ -149,8 +151,8 @@ def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: tor
             x, x.stride(-2), d * x.stride(-1), x.stride(-1),
             q_norm, k_norm, cos, sin, cos.stride(0),
             q, q.stride(0), q.stride(1), q.stride(2),
-            *_cache_args(kv_layer), slots, eps, xs, splits, sq, sq.stride(0), k_in, eps_in,
-            Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, HALF=cos.shape[-1],
+            *_cache_args(kv_layer), slots, eps, xs, sq, sq.stride(0), k_in, eps_in,
+            PAGE=kv_layer.shape[2], SPLITS=splits, Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, HALF=cos.shape[-1],
             BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(dtype), CACHE=tl_dtype(kv_layer.dtype),
             PARTIAL=partial, INTERPRET=INTERPRET, num_warps=1,
         )
@@ -169,7 +171,7 @@ def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, 
             x, x.stride(0), x.stride(1), x.stride(2),
             norm_weight, norm_weight, cos, sin, cos.stride(0),
             out, out.stride(0), out.stride(1), out.stride(2),
-            x, 0, 0, 0, 0, 0, 1, x, eps, 0, 1, x, 0, 1, 0.0,
+            x, 0, 0, 0, 0, 0, x, eps, 0, x, 0, 1, 0.0, PAGE=1, SPLITS=1,
             Q_HEADS=heads, KV_HEADS=0, D=d, HALF=cos.shape[-1],
             BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(x.dtype), CACHE=tl_dtype(x.dtype),
             PARTIAL=False, INTERPRET=INTERPRET, num_warps=1,
@@ -187,7 +189,7 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     if m:
         _write_kv_kernel[(m, heads)](
             k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            *_cache_args(kv_layer), slots,
+            *_cache_args(kv_layer), slots, PAGE=kv_layer.shape[2],
             D=d, BLOCK_D=triton.next_power_of_2(d), CACHE=tl_dtype(kv_layer.dtype), INTERPRET=INTERPRET,
             num_warps=1,
         )

@@ -88,7 +88,7 @@ def compile_attention(reqs):
     from dspark_sidecar.kernels.triton import attention
     splits = attention.num_splits(reqs, 1, 4096 + 6, 132)
     consts = dict(ROWS=7, GROUP=16, D=128, BLOCK_D=128, BM=128, BN=attention.BLOCK_N, SPLITS=splits,
-                  OUT=tl.bfloat16, DOT=tl.bfloat16, IEEE=False, INTERPRET=False, stride_qd=1, stride_cd=1)
+                  OUT=tl.bfloat16, DOT=tl.bfloat16, IEEE=False, INTERPRET=False, PAGE=16, stride_qd=1, stride_cd=1)
     types = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", seq_ptr="*i32", bt_ptr="*i32", out_ptr="*bf16",
                  po_ptr="*fp32", pml_ptr="*fp32", qk_scale="fp32")
     div16 = {"stride_qn", "stride_qh", "stride_c0", "stride_cp", "stride_cs", "stride_ch", "stride_bt"}
@@ -101,6 +101,7 @@ cases = {
     "qkv 56 rows, norm folded": (56, 2304, 6144, False, True, False, True),
     "gate_up 56 rows (deep pipeline)": (56, 3072, 6144, True, True, False),
     "down 7 rows + residual": (7, 6144, 3072, False, False, True),
+    "gate_up 56 rows, norm folded": (56, 3072, 6144, True, True, False, True),
 }
 got = {name: compile_case(*args) for name, args in cases.items()}
 got["attention 8 requests"] = compile_attention(8)
@@ -121,7 +122,7 @@ def sm90(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["qkv 56 rows", "qkv 56 rows, norm folded", "gate_up 56 rows (deep pipeline)",
-                                  "down 7 rows + residual"])
+                                  "down 7 rows + residual", "gate_up 56 rows, norm folded"])
 def test_gemm_streams_through_a_pipeline_on_sm90(sm90, case):
     got = sm90[case]
     assert got["cp_async"] > 0, f"{case}: no asynchronous copies: the tiles go through registers, unpipelined"
@@ -145,10 +146,12 @@ def test_attention_split_kernel_on_sm90(sm90):
     assert got["shared"] <= H200_SMEM, got
 
 
-def test_folded_norm_feeds_the_dot_from_shared_memory(sm90):
-    """Why weights.NormFolded exists: scaling x by (1 + w) in the K loop makes the dot's A operand a
-    computed value, fed from registers; with the norm folded into W, the wgmma reads x's pipelined
-    shared-memory tile through a descriptor, as for a plain linear."""
-    assert sm90["qkv 56 rows"]["wgmma_reg_a"] > 0, sm90["qkv 56 rows"]
-    folded = sm90["qkv 56 rows, norm folded"]
-    assert folded["wgmma"] > 0 and folded["wgmma_reg_a"] == 0, folded
+def test_norm_gemms_feed_the_dot_from_registers(sm90):
+    """A norm GEMM reads each x tile into registers for its squares; its dot takes x from those
+    registers too, folded norm or not. With the folded norm the compiler had fed the wgmma from
+    the pipelined shared-memory buffer instead, and on an H200 (Triton 3.6) those 64-row tiles
+    gave wrong, run-to-run different sums (tests/kernels/triton/test_gemm.py, the folded real
+    shapes). A plain linear reads no x into registers and keeps the shared-memory operand."""
+    for case in ("qkv 56 rows", "qkv 56 rows, norm folded", "gate_up 56 rows, norm folded"):
+        got = sm90[case]
+        assert got["wgmma"] > 0 and got["wgmma_reg_a"] > 0, (case, got)
