@@ -180,3 +180,31 @@ def test_real_shapes_folded_are_right_and_repeatable(cuda, rows, parity):
             runs = [TRITON_OPS.norm_linear(x, nw, EPS, folded) for _ in range(5)]
         parity(runs[0], ref)
         assert all(torch.equal(r, runs[0]) for r in runs[1:]), f"{name}: launches differ"
+
+
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_norm_folded_into_the_weight(device, config, dtype, parity):
+    """A NormFolded weight (W * (1 + w)) gives the reference's norm_linear and norm_linear_swiglu
+    of the unfolded weight, in both epilogues; the reference twin takes the folded weight too."""
+    x, w, nw = _inputs(21, 320, 200, dtype, device, seed=4)
+    folded = NormFolded.fold(w, nw)
+    ref_nl = reference.norm_linear(x, nw, EPS, w)
+    ref_sw = reference.norm_linear_swiglu(x, nw, EPS, w, ALPHA, LIMIT)
+    cfg = CONFIGS[config]
+    parity(gemm.gemm(x, folded, nw, EPS, config=cfg), ref_nl)
+    parity(gemm.gemm(x, folded, nw, EPS, swiglu=(ALPHA, LIMIT), config=cfg), ref_sw)
+    parity(reference.norm_linear(x, nw, EPS, folded), ref_nl)
+
+
+def test_norm_folded_is_refused_where_it_would_be_wrong():
+    """With another norm weight, or with none (a plain linear), a folded weight is an error, never
+    a silently different product; MXFP8 weights cannot be folded (one scale per 32 columns)."""
+    x, w, nw = _inputs(7, 64, 32, torch.float32, "cpu", seed=5)
+    folded = NormFolded.fold(w, nw)
+    with pytest.raises(ValueError, match="another norm weight"):
+        reference.norm_linear(x, nw.clone(), EPS, folded)
+    with pytest.raises(ValueError, match="another norm weight"):
+        gemm._launch(x, folded, nw.clone(), EPS, None, CONFIGS["split1"], 64, x.new_empty(7, 32), x, None)
+    with pytest.raises(TypeError, match="dense weight"):
+        NormFolded.fold(MxFp8Weight.quantize(w), nw)
