@@ -104,10 +104,12 @@ class NormFolded:
     """A norm-fused linear's dense weight with the Gemma norm's (1 + w) folded into its columns.
 
     rms_norm(x) @ W^T = inv_r * (x @ (W * (1 + w))^T) per row r: with W' = round(W * (1 + w))
-    stored once, the GEMM feeds x to the tensor cores as loaded instead of scaling every x tile
-    in its K loop (a computed dot operand, which costs 3.3 us of 19 in the qkv GEMM at 56 rows on
-    an H200); it still sums x^2 for inv_r. One rounding per weight instead of one per scaled
-    activation: the same size of error. `norm_weight` is the norm it folds; the ops refuse any other.
+    stored once, the GEMM no longer loads (1 + w) and scales every x tile in its K loop; it still
+    sums x^2 for inv_r. (It was kept first for feeding x to the tensor cores straight from shared
+    memory; that gave wrong sums on 64-row tiles and was undone, see gemm._gemm_kernel. Folded
+    still measured slightly faster: 488-491 against 495 us for the step at 56 rows on an H200.)
+    One rounding per weight instead of one per scaled activation: the same size of error.
+    `norm_weight` is the norm it folds; the ops refuse any other.
     """
 
     weight: torch.Tensor  # W' [out, in], dense
