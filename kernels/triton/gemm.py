@@ -2,7 +2,7 @@
 
 With so few rows the step is bound by streaming the weights from HBM, so the grid has many
 column tiles times `split_k` K-ranges (>= 2 programs per SM) and each program streams its
-[block_k, block_n] weight tiles once. The RMSNorm is fused by linearity: for row r,
+[block_k, block_n] weight tiles once (bf16/fp16 weights on an H100/H200: by TMA bulk copies). The RMSNorm is fused by linearity: for row r,
   (x_r * inv_r * (1 + w)) @ W^T = inv_r * ((x_r * (1 + w)) @ W^T),  inv_r = rsqrt(mean(x_r^2) + eps),
 so every program accumulates sum(x^2) over the K-range it already loads and the per-row
 scale is applied in the epilogue; no pass over x precedes the GEMM. With split_k > 1 the
@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, dot_dtype, mma, sms_of, smem_of, tl_dtype,
+    INTERPRET, cast, check_device, dot_dtype, mma, sm90_of, sms_of, smem_of, tl_dtype,
 )
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
@@ -73,8 +74,13 @@ def _gemm_kernel(
     HAS_NORM: tl.constexpr, FOLDED: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr,
     SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, HAS_RES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Program (column tile, K-range, row tile). x [M, K]; W [N or 2N, K] (gate rows first when SWIGLU).
+
+    TMA (sm_90, dense weights): w_ptr is a tensor descriptor of W with [BN, BK] blocks and the
+    weight tiles arrive by the Tensor Memory Accelerator: one bulk copy per tile instead of a
+    16-byte copy per thread and element group, rows past the end filled with zeros by the copy.
 
     PARTIAL: out is the fp32 workspace [split, M, N or 2N] and sq_ptr [split, M]; else out [M, N]
     (+ the residual [M, N] when HAS_RES). FOLDED (with HAS_NORM): W already holds (1 + w)
@@ -111,19 +117,26 @@ def _gemm_kernel(
             a = cast(x + 0.0, DOT, INTERPRET)
         else:
             a = cast(x, DOT, INTERPRET)
-        # Weight tile as [BK, BN]: K is the contiguous dim, so each column is one coalesced run.
-        wmask = k_mask[:, None] & n_mask[None, :]
-        w_off = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        w = tl.load(w_ptr + w_off, mask=wmask, other=0.0)
-        if FP8:
-            s_off = (offs_k[:, None] // QBLOCK) * stride_sk + offs_n[None, :] * stride_sn
-            w = _dequant(w, tl.load(s_ptr + s_off, mask=wmask, other=127), DOT)
-        acc = mma(a, w.to(DOT), acc, INTERPRET, IEEE)
-        if SWIGLU:
-            wu = tl.load(w_ptr + N * stride_wn + w_off, mask=wmask, other=0.0)
+        if TMA:
+            # A K-range ends on a BK boundary (or at K, where the copy fills zeros); a gate tile
+            # past N reads up rows into output columns that are never stored.
+            acc = mma(a, tl.trans(w_ptr.load([pid_n * BN, k0])), acc, INTERPRET, IEEE)
+            if SWIGLU:
+                acc_up = mma(a, tl.trans(w_ptr.load([N + pid_n * BN, k0])), acc_up, INTERPRET, IEEE)
+        else:
+            # Weight tile as [BK, BN]: K is the contiguous dim, so each column is one coalesced run.
+            wmask = k_mask[:, None] & n_mask[None, :]
+            w_off = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0)
             if FP8:
-                wu = _dequant(wu, tl.load(s_ptr + N * stride_sn + s_off, mask=wmask, other=127), DOT)
-            acc_up = mma(a, wu.to(DOT), acc_up, INTERPRET, IEEE)
+                s_off = (offs_k[:, None] // QBLOCK) * stride_sk + offs_n[None, :] * stride_sn
+                w = _dequant(w, tl.load(s_ptr + s_off, mask=wmask, other=127), DOT)
+            acc = mma(a, w.to(DOT), acc, INTERPRET, IEEE)
+            if SWIGLU:
+                wu = tl.load(w_ptr + N * stride_wn + w_off, mask=wmask, other=0.0)
+                if FP8:
+                    wu = _dequant(wu, tl.load(s_ptr + N * stride_sn + s_off, mask=wmask, other=127), DOT)
+                acc_up = mma(a, wu.to(DOT), acc_up, INTERPRET, IEEE)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     o_off = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -206,6 +219,9 @@ MAX_STAGES = 8
 MIN_STAGES = 3
 DEEP_SMEM = 200 << 10
 SMEM_RESERVE = 16 << 10  # left to the compiler (epilogue layout conversions) below the device limit
+# Dense weights through tensor descriptors on sm_90+ (see _gemm_kernel). Measured on an H200
+# (runs 25-26): the step 0-2% faster than per-thread pointer loads, never slower.
+TMA = True
 
 
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
@@ -337,15 +353,23 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
     so = target.stride() if partial else (0, target.stride(0), target.stride(1))
     res = x if residual is None else residual
     ddt = dot_dtype(w.dtype)
+    tma = TMA and w.dtype in (torch.bfloat16, torch.float16) and sm90_of(x) and _tma_ready(w)
     _gemm_kernel[(triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))](
-        x, x if norm_weight is None else norm_weight, w, scale, target, sq, res, m, n, k, k_per,
+        x, x if norm_weight is None else norm_weight,
+        TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]) if tma else w,
+        scale, target, sq, res, m, n, k, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
         so[0], so[1], so[2], res.stride(0), eps, alpha, limit,
         HAS_NORM=norm_weight is not None, FOLDED=isinstance(weight, NormFolded), FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
         PARTIAL=partial, HAS_RES=residual is not None, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(x.dtype),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET,
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _tma_ready(w: torch.Tensor) -> bool:
+    """A tensor descriptor needs a 16-byte aligned base and row stride and unit column stride."""
+    return w.stride(1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
 
 
 def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: int, split: int, eps: float,

@@ -258,6 +258,9 @@ def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool,
 # move into its neighbours (L2 contents, the tail of one launch against the next).
 TUNE = (
     ("defaults", {}),
+    ("no TMA (the weights' path before run 25)", {"gemm": {"TMA": False}}),
+    ("no TMA (2)", {"gemm": {"TMA": False}}),
+    ("TMA, every GEMM deep (1 program/SM)", {"gemm": {"MIN_STAGES": 99}}),
     ("norms not folded into the weights", {"step": {"FOLD_NORMS": False}}),
     ("before run 5: no deep pipeline, <= 4 stages", {"gemm": {"DEEP_SMEM": 0, "MAX_STAGES": 4}}),
     ("no deep pipeline", {"gemm": {"DEEP_SMEM": 0}}),

@@ -75,6 +75,17 @@ def max_shared_memory(device_index: int | None) -> int | None:
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def sm90_of(t: torch.Tensor) -> bool:
+    """Whether t lives on an NVIDIA GPU of compute capability 9.0 or later (Hopper: the Tensor
+    Memory Accelerator) and the kernels are compiled for it, not interpreted or built for AMD."""
+    return t.device.type == "cuda" and not INTERPRET and not torch.version.hip and _sm90(t.device.index or 0)
+
+
 def smem_of(t: torch.Tensor) -> int | None:
     return max_shared_memory(t.device.index if t.device.type == "cuda" else None)
 

@@ -63,23 +63,26 @@ def build(fn, consts, types, div16, name, num_warps, num_stages):
     ptx = kern.asm["ptx"]
     return dict(shared=kern.metadata.shared, stack=[int(w.split(":")[1]) for w in usage.split() if w.startswith("STACK:")],
                 cp_async=ptx.count("cp.async.cg.shared.global"), wgmma=ptx.count("wgmma.mma_async"),
-                mma_sync=ptx.count("mma.sync.aligned"),
+                mma_sync=ptx.count("mma.sync.aligned"), tma=ptx.count("cp.async.bulk.tensor"),
                 # wgmma's A operand after the accumulators: a {register list} or a shared-memory descriptor
                 wgmma_reg_a=sum(l.split("},", 1)[1].lstrip().startswith("{")
                                 for l in ptx.splitlines() if "wgmma.mma_async" in l))
 
 
-def compile_case(rows, n, k, swiglu, norm, residual, folded=False):
+def compile_case(rows, n, k, swiglu, norm, residual, folded=False, tma=True):
+    # tma: the weights through a tensor descriptor, as gemm._launch passes dense bf16 weights on
+    # sm_90; else the pointer path (MXFP8 weights, AMD).
     cfg = gemm.plan(rows, n, k, 132, swiglu=swiglu, max_smem=%(smem)d)
     partial = cfg.split_k > 1
     consts = dict(HAS_NORM=norm, FOLDED=folded, FP8=False, QBLOCK=1, SWIGLU=swiglu, PARTIAL=partial, HAS_RES=residual and not partial,
                   DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                  INTERPRET=False, **UNIT)
+                  INTERPRET=False, TMA=tma, **UNIT)
     out = "*fp32" if partial else "*bf16"
-    types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", res_ptr="*bf16", out_ptr=out,
+    w = f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>" if tma else "*bf16"
+    types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr=w, s_ptr="*bf16", res_ptr="*bf16", out_ptr=out,
                  sq_ptr=out, eps="fp32", alpha="fp32", limit="fp32")
     got = build(gemm._gemm_kernel, consts, types, DIV16, f"{rows}x{n}x{k}", cfg.num_warps, cfg.num_stages)
-    return dict(got, stages=cfg.num_stages, block_m=cfg.block_m,
+    return dict(got, stages=cfg.num_stages, block_m=cfg.block_m, tma_expected=tma,
                 weight_tile=cfg.block_k * cfg.block_n * 2 * (2 if swiglu else 1))
 
 
@@ -102,6 +105,8 @@ cases = {
     "gate_up 56 rows (deep pipeline)": (56, 3072, 6144, True, True, False),
     "down 7 rows + residual": (7, 6144, 3072, False, False, True),
     "gate_up 56 rows, norm folded": (56, 3072, 6144, True, True, False, True),
+    "gate_up 56 rows, norm folded, pointer path": (56, 3072, 6144, True, True, False, True, False),
+    "down 7 rows + residual, pointer path": (7, 6144, 3072, False, False, True, False, False),
 }
 got = {name: compile_case(*args) for name, args in cases.items()}
 got["attention 8 requests"] = compile_attention(8)
@@ -122,10 +127,17 @@ def sm90(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["qkv 56 rows", "qkv 56 rows, norm folded", "gate_up 56 rows (deep pipeline)",
-                                  "down 7 rows + residual", "gate_up 56 rows, norm folded"])
+                                  "down 7 rows + residual", "gate_up 56 rows, norm folded",
+                                  "gate_up 56 rows, norm folded, pointer path", "down 7 rows + residual, pointer path"])
 def test_gemm_streams_through_a_pipeline_on_sm90(sm90, case):
     got = sm90[case]
+    # x always, and the weights on the pointer path, arrive by cp.async; with a descriptor, the
+    # weight tiles arrive by TMA bulk tensor copies (one per tile and stage in the pipeline).
     assert got["cp_async"] > 0, f"{case}: no asynchronous copies: the tiles go through registers, unpipelined"
+    if got["tma_expected"]:
+        assert got["tma"] >= got["stages"] - 1, f"{case}: weight tiles not pipelined through TMA: {got}"
+    else:
+        assert got["tma"] == 0, got
     # 64-row tiles use Hopper's wgmma; a 16-row tile (7 rows) is below wgmma's 64-row minimum and
     # runs on mma.sync, the tensor cores' warp-level form. Either way, not the FMA units.
     if got["block_m"] >= 64:
@@ -152,6 +164,7 @@ def test_norm_gemms_feed_the_dot_from_registers(sm90):
     the pipelined shared-memory buffer instead, and on an H200 (Triton 3.6) those 64-row tiles
     gave wrong, run-to-run different sums (tests/kernels/triton/test_gemm.py, the folded real
     shapes). A plain linear reads no x into registers and keeps the shared-memory operand."""
-    for case in ("qkv 56 rows", "qkv 56 rows, norm folded", "gate_up 56 rows, norm folded"):
+    for case in ("qkv 56 rows", "qkv 56 rows, norm folded", "gate_up 56 rows, norm folded",
+                 "gate_up 56 rows, norm folded, pointer path"):
         got = sm90[case]
         assert got["wgmma"] > 0 and got["wgmma_reg_a"] > 0, (case, got)

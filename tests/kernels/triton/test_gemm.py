@@ -140,11 +140,18 @@ REAL = {"qkv": (2304, 6144, "norm"), "o_proj": (6144, 2048, "plain"),
         "gate_up": (6144, 6144, "swiglu"), "down_proj": (6144, 3072, "plain")}
 
 
+# How dense weights reach the GEMM on an H100/H200: tensor descriptors (TMA, the default) or
+# per-thread pointer loads (the path of MXFP8 weights and AMD GPUs), both checked there.
+WEIGHTS_BY = {"tma": True, "pointers": False}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+@pytest.mark.parametrize(("fp8", "weights_by"), [(False, "tma"), (False, "pointers"), (True, "pointers")],
+                         ids=["bf16w-tma", "bf16w-pointers", "fp8w"])  # MXFP8: always pointer loads
 @pytest.mark.parametrize("rows", [7, 56])
 @pytest.mark.parametrize("name", list(REAL))
-def test_real_shapes(cuda, name, rows, fp8, parity):
+def test_real_shapes(cuda, name, rows, fp8, weights_by, parity, monkeypatch):
+    monkeypatch.setattr(gemm, "TMA", WEIGHTS_BY[weights_by])
     n, k, kind = REAL[name]
     x, w, nw = _inputs(rows, k, n, torch.bfloat16, cuda, seed=5)
     weight = MxFp8Weight.quantize(w) if fp8 else w
@@ -161,12 +168,14 @@ def test_real_shapes(cuda, name, rows, fp8, parity):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weights_by", list(WEIGHTS_BY))
 @pytest.mark.parametrize("rows", [7, 56])
-def test_real_shapes_folded_are_right_and_repeatable(cuda, rows, parity):
+def test_real_shapes_folded_are_right_and_repeatable(cuda, rows, weights_by, parity, monkeypatch):
     """The weights as the sidecar holds them (norms folded into qkv and gate|up) at the shard's
     shapes: the reference's result, and the same bits on every launch. At 56 rows (wgmma tiles)
     the folded GEMMs, their dot fed from x's pipelined shared-memory tile, gave wrong sums that
     differed from launch to launch on an H200; this is the test that caught it."""
+    monkeypatch.setattr(gemm, "TMA", WEIGHTS_BY[weights_by])
     for name, (n, k, kind) in REAL.items():
         if kind == "plain":
             continue
