@@ -70,6 +70,33 @@ def test_residual_in_epilogue(device, config, parity):
         gemm.gemm(x, w, residual=res[:, :100])
 
 
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_weights_through_tensor_descriptors(device, config, parity, monkeypatch):
+    """The TMA path an H100/H200 takes for dense weights (in the interpreter, by claiming sm_90
+    there) against the pointer path: ragged N and K (the copy's zero fill past the ends), a gate
+    tile that reaches past N into the up rows (columns never stored), the residual, split-K.
+    Both read the same tiles into the same dots: the same bits."""
+    x, w, nw = _inputs(21, 320, 200, torch.bfloat16, device, seed=9)
+    res = torch.randn(21, 200, generator=torch.Generator().manual_seed(10)).to(device, torch.bfloat16)
+    cfg = CONFIGS[config]
+
+    def run():
+        return (gemm.gemm(x, w, nw, EPS, config=cfg), gemm.gemm(x, w, nw, EPS, swiglu=(ALPHA, LIMIT), config=cfg),
+                gemm.gemm(x, w, residual=res, config=cfg))
+
+    monkeypatch.setattr(gemm, "TMA", False)
+    by_pointers = run()
+    monkeypatch.setattr(gemm, "TMA", True)
+    if device == "cpu":
+        monkeypatch.setattr(gemm, "sm90_of", lambda t: True)
+    by_tma = run()
+    refs = (reference.norm_linear(x, nw, EPS, w), reference.norm_linear_swiglu(x, nw, EPS, w, ALPHA, LIMIT),
+            reference.linear(x, w, res))
+    for tma, ptr, ref in zip(by_tma, by_pointers, refs, strict=True):
+        parity(tma, ref)
+        assert torch.equal(tma, ptr)
+
+
 def test_fp8_scales_applied_in_kernel(device):
     """A weight whose blocks span 2^-20..2^20 scales: a kernel ignoring or misplacing them is off by orders."""
     gen = torch.Generator().manual_seed(3)
