@@ -2,7 +2,8 @@
 
 With so few rows the step is bound by streaming the weights from HBM, so the grid has many
 column tiles times `split_k` K-ranges (>= 2 programs per SM) and each program streams its
-[block_k, block_n] weight tiles once (bf16/fp16 weights on an H100/H200: by TMA bulk copies). The RMSNorm is fused by linearity: for row r,
+[block_k, block_n] weight tiles once (bf16/fp16 weights on an H100/H200: by TMA bulk copies).
+The RMSNorm is fused by linearity: for row r,
   (x_r * inv_r * (1 + w)) @ W^T = inv_r * ((x_r * (1 + w)) @ W^T),  inv_r = rsqrt(mean(x_r^2) + eps),
 so every program accumulates sum(x^2) over the K-range it already loads and the per-row
 scale is applied in the epilogue; no pass over x precedes the GEMM. With split_k > 1 the
