@@ -119,19 +119,18 @@ class GpuWordOps:
         buf = mmap.mmap(-1, mmap.PAGESIZE)
         try:
             word = torch.frombuffer(buf, dtype=torch.int64, count=1)
-            base = word.data_ptr()
             with torch.cuda.device(device):
-                addr = self.register(base, mmap.PAGESIZE)
+                page = RegisteredPage(self, word.data_ptr())
                 try:
                     stream = torch.cuda.current_stream(device)
-                    self.write(stream.cuda_stream, addr, 7 << 32)
-                    self.wait_geq(stream.cuda_stream, addr, 7 << 32)
+                    self.write(stream.cuda_stream, page.device_ptr, 7 << 32)
+                    self.wait_geq(stream.cuda_stream, page.device_ptr, 7 << 32)
                     stream.synchronize()  # this stream only: the engine's other streams go on
                     if int(word[0]) != 7 << 32:
                         raise GpuWordError(f"probe: the GPU wrote {int(word[0]):#x}, not {7 << 32:#x}")
                 finally:
                     del word
-                    self.unregister(base)
+                    page.close()
         finally:
             buf.close()
 

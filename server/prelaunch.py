@@ -167,8 +167,7 @@ class Prelaunch:
             done = self._event()
             done.record(stream)
         except BaseException:
-            # The wait is queued: pass it, or the stream stays blocked behind a step nobody runs.
-            self.page.words[bell.GPU_WORD] = bell.gpu_word(seq, bell.SKIP_KEY)
+            self._pass(seq)  # the wait is queued: pass it, or the stream stays blocked behind a step nobody runs
             raise
         self.queued = _Queued(seq, key, step.positions, graph, done)
 
@@ -195,10 +194,13 @@ class Prelaunch:
     def _release(self, q: _Queued) -> None:
         self.misses += 1
         self._count(False)
-        # The sidecar's own store: the wait passes, and the program sees SKIP_KEY (no engine sends
-        # it) and makes the step a no-op. If the engine's word for q.seq lands after it, the
-        # program may instead run that step for real: the same writes the ordinary run repeats.
-        self.page.words[bell.GPU_WORD] = bell.gpu_word(q.seq, bell.SKIP_KEY)
+        self._pass(q.seq)
+
+    def _pass(self, seq: int) -> None:
+        """The sidecar's own store: the wait for step seq passes, and the program sees SKIP_KEY (no
+        engine sends it) and makes the step a no-op. If the engine's word for seq lands after it,
+        the program may instead run that step for real: the same writes the ordinary run repeats."""
+        self.page.words[bell.GPU_WORD] = bell.gpu_word(seq, bell.SKIP_KEY)
 
     def close(self) -> None:
         if self._flag_buf.closed:

@@ -136,9 +136,7 @@ class RankLoop:
             torch.cuda.set_device(self.ctx.model.device)
         while (item := self._queue.get()) is not None:
             req, fut, t_enq, expires = item
-            with self._lock:
-                for fn in self._quiesce:
-                    fn(False)
+            with self.exclusive(wait=False):
                 try:
                     fut.set_result(self._guarded(req, t_enq, expires))
                 except SidecarError as err:
