@@ -3,6 +3,7 @@
     python -m dspark_sidecar.kernels.triton.microbench [--rows 7 56] [--context 4096] [--sweep] [--json F]
     ... --tune      the 5-layer step under each TUNE row of tunables (what the defaults were chosen from)
     ... --profile   the step's per-kernel GPU time from the CUDA profiler
+    ... --fit       one GEMM launch's fixed cost and streaming rate, Triton against cuBLAS
 
 Shapes: hidden 6144, 16 q heads + 1 KV head of 128, FFN 3072 per rank, window 4096, 16-token pages;
 n = rows query rows (R = rows / 7 requests, each with `context` committed keys). Every figure is
@@ -336,6 +337,47 @@ def profile(rows: int, context: int, dev: torch.device) -> None:
         print(f"  {e.self_device_time_total / reps:8.1f} us  {e.count // reps:3d} launches  {e.key[:90]}", flush=True)
 
 
+def fit_fixed_and_rate(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares line t = t0 + nbytes / B through (nbytes, seconds) points -> (t0 in s, B in bytes/s)."""
+    if len({b for b, _ in points}) < 2:
+        raise ValueError("fit_fixed_and_rate: needs points at two or more sizes")
+    n = len(points)
+    mb, mt = sum(b for b, _ in points) / n, sum(t for _, t in points) / n
+    slope = sum((b - mb) * (t - mt) for b, t in points) / sum((b - mb) ** 2 for b, _ in points)
+    return mt - slope * mb, 1.0 / slope
+
+
+FIT_N = (2304, 6144, 12288, 24576, 36864)  # output columns: the shard's qkv and o_proj widths, then larger
+
+
+def bench_fit(rows: int, k: int, bw: float, dev: torch.device) -> list[dict]:
+    """A plain GEMM [rows, k] x [n, k]^T at each FIT_N, by the Triton GEMM (its plan; with split-K
+    the finalize launch included) and by cuBLAS (torch.matmul) in the same run, then per backend
+    the fit t = t0 + weight bytes / B: B is the rate at which a launch streams weights once it
+    runs, t0 what each launch costs on top (launch, pipeline fill, tail)."""
+    pts: dict[str, list[tuple[float, float]]] = {"triton": [], "cublas": []}
+    for n in FIT_N:
+        nbytes = 2 * n * k
+
+        def make(cublas: bool):
+            x = torch.randn(rows, k, device=dev).to(torch.bfloat16)
+            w = (torch.randn(n, k, device=dev) * k ** -0.5).to(torch.bfloat16)
+            return (lambda: torch.matmul(x, w.t())) if cublas else (lambda: gemm.gemm(x, w))
+
+        for name in pts:
+            pts[name].append((nbytes, _per_call(lambda: make(name == "cublas"), nbytes)))
+        print(f"fit rows {rows:2d} k {k} n {n:5d}: " + "  ".join(f"{name} {p[-1][1] * 1e6:7.1f} us" for name, p in pts.items()),
+              flush=True)
+    out = []
+    for name, p in pts.items():
+        t0, rate = fit_fixed_and_rate(p)
+        print(f"FIT rows {rows:2d} k {k} {name:6s}: t0 {t0 * 1e6:5.2f} us per launch, streaming "
+              f"{rate / 1e12:4.2f} TB/s = {rate / bw:4.2f} x the copy bandwidth", flush=True)
+        out.append(dict(op=f"fit {name}", rows=rows, k=k, t0_us=t0 * 1e6, rate=rate, rate_x_copy=rate / bw,
+                        points=[dict(nbytes=b, us=t * 1e6) for b, t in p]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[7, 56])
@@ -345,6 +387,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tune", action="store_true", help="only time the step under each TUNE row of tunables")
     ap.add_argument("--tune-match", nargs="+", help="with --tune: only TUNE rows whose label contains one of these")
     ap.add_argument("--profile", action="store_true", help="only print the step's per-kernel GPU times")
+    ap.add_argument("--fit", action="store_true",
+                    help="only fit one GEMM launch's fixed cost and streaming rate (Triton and cuBLAS) over N")
+    ap.add_argument("--fit-k", type=int, nargs="+", default=[6144, 2048], help="with --fit: the K values")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -356,9 +401,11 @@ def main(argv: list[str] | None = None) -> None:
         for rows in args.rows:
             profile(rows, args.context, dev)
         return
-    if args.tune:
+    if args.fit:
+        results = [r for rows in args.rows for k in args.fit_k for r in bench_fit(rows, k, bw, dev)]
+    elif args.tune:
         results = tune(args.rows, args.context, bw, dev, args.tune_match)
-    for rows in [] if args.tune else args.rows:
+    for rows in [] if args.tune or args.fit else args.rows:
         results += bench_ops(rows, args.context, bw, dev, args.sweep)
         if not args.no_step:
             for fp8 in (False, True):
