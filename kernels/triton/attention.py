@@ -26,6 +26,7 @@ BLOCK_N = 64
 MIN_TILES_PER_SPLIT = 1
 PROGRAMS_PER_SM = 1
 NUM_STAGES = 2
+NUM_WARPS = 8  # for a [128-row, 128] accumulator (the shard's 112 rows); smaller Q blocks take 4
 
 
 @triton.jit
@@ -177,7 +178,7 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
         window, scale * LOG2E, hk, PAGE=page_size,
         ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, SPLITS=sp, OUT=tl_dtype(q.dtype),
         DOT=dot, IEEE=dot == tl.float32, INTERPRET=INTERPRET,
-        num_warps=8 if bm * bd >= 128 * 64 else 4, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS if bm * bd >= 128 * 64 else 4, num_stages=NUM_STAGES,
     )
     if sp > 1:
         _reduce_kernel[(r * hk, rows_per_req * group)](

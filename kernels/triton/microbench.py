@@ -259,6 +259,12 @@ def bench_step(rows: int, context: int, bw: float, dev: torch.device, fp8: bool,
 # move into its neighbours (L2 contents, the tail of one launch against the next).
 TUNE = (
     ("defaults", {}),
+    ("attention 16 warps", {"attention": {"NUM_WARPS": 16}}),
+    ("attention 4 warps", {"attention": {"NUM_WARPS": 4}}),
+    ("attention 16 warps, block_n 128", {"attention": {"NUM_WARPS": 16, "BLOCK_N": 128}}),
+    ("attention 16 warps, 2 programs/SM", {"attention": {"NUM_WARPS": 16, "PROGRAMS_PER_SM": 2}}),
+    ("attention 16 warps, 3 stages", {"attention": {"NUM_WARPS": 16, "NUM_STAGES": 3}}),
+    ("defaults (w)", {}),
     ("no TMA (the weights' path before run 25)", {"gemm": {"TMA": False}}),
     ("no TMA (2)", {"gemm": {"TMA": False}}),
     ("TMA, every GEMM deep (1 program/SM)", {"gemm": {"MIN_STAGES": 99}}),
