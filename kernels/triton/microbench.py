@@ -371,7 +371,7 @@ def bench_fit(rows: int, k: int, bw: float, dev: torch.device) -> list[dict]:
             return (lambda: torch.matmul(x, w.t())) if cublas else (lambda: gemm.gemm(x, w))
 
         for name in pts:
-            pts[name].append((nbytes, _per_call(lambda: make(name == "cublas"), nbytes)))
+            pts[name].append((nbytes, _per_call(lambda name=name: make(name == "cublas"), nbytes)))
         print(f"fit rows {rows:2d} k {k} n {n:5d}: " + "  ".join(f"{name} {p[-1][1] * 1e6:7.1f} us" for name, p in pts.items()),
               flush=True)
     out = []
