@@ -4,7 +4,9 @@ Each engine rank binds its KV shard on its own GPU to its sidecar rank and runs 
 over the data plane; the ranks start every step together (a gloo barrier, outside the timing).
 Reported beside it, measured on the same machine: rank 0's shard on one GPU with no exchange
 (mode d of `bench` with --shard-of N), and the time of the step's 10 all-reduces of [7R, hidden]
-over NCCL between the engine processes' GPUs, i.e. the partial-sum exchange's share.
+over NCCL between the engine processes' GPUs, i.e. the partial-sum exchange's share. The
+all-reduces run as the sidecar runs them: inside one CUDA graph, timed by CUDA events (eager
+launches timed from the host cost about 4x more: BENCHMARKS.md run 43).
 """
 
 from __future__ import annotations
@@ -77,25 +79,41 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, target_dir: str, store:
                 if i >= 3:
                     times.append((time.perf_counter() - t) * 1e3)
                 errors += resp is None or resp.HasField("error")
-            # The exchange alone: the step's 10 all-reduces of [7R, hidden] bf16 (o_proj, down_proj x 5 layers).
-            x = torch.randn(layout.QPR * R, cfg.hidden_size, device=dev).to(dtype)
-            for _ in range(3):
-                dist.all_reduce(x, group=nccl)
-            torch.cuda.synchronize(dev)
-            ar = []
-            for _ in range(bc.repeats):
-                dist.barrier()
-                t = time.perf_counter()
-                for _ in range(2 * cfg.num_hidden_layers):
-                    dist.all_reduce(x, group=nccl)
-                torch.cuda.synchronize(dev)
-                ar.append((time.perf_counter() - t) * 1e3)
+            ar = _time_exchange(torch.zeros(layout.QPR * R, cfg.hidden_size, device=dev, dtype=dtype), nccl,
+                                2 * cfg.num_hidden_layers, bc.repeats)
             results.append({"R": R, "context": ctx, "p50_ms": statistics.median(times), "errors": errors,
                             "allreduce10_p50_ms": statistics.median(ar)})
     torch.save(results, Path(out) / f"rank{rank}.pt")
     bell.close()
     bufs.close()
     dist.destroy_process_group()
+
+
+def _time_exchange(x: torch.Tensor, group, count: int, repeats: int) -> list[float]:
+    """ms of `count` all-reduces of x in a row (the step's o_proj and down_proj exchanges), in one CUDA
+    graph as the sidecar's step graphs hold them; the ranks start each replay together (gloo barrier)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the communicator's first use, outside the capture
+        for _ in range(3):
+            dist.all_reduce(x, group=group)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(count):
+            dist.all_reduce(x, group=group)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
 
 
 def run_tp_bench(bc: BenchConfig, tp: int, single_gpu: bool = True) -> dict:
@@ -130,7 +148,7 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict) -> dict:
                "exchange_share": ar / step, "errors": sum(p[i]["errors"] for p in per_rank)}
         rows.append(row)
         print(f"TP {tp}: R={row['R']:>2} ctx={row['context']:>5}  step p50 {step:8.3f} ms  single-GPU shard "
-              f"{row['single_gpu_shard_p50_ms'] or float('nan'):8.3f} ms  10 all-reduces {ar:.3f} ms "
+              f"{row['single_gpu_shard_p50_ms'] or float('nan'):8.3f} ms  10 all-reduces (graphed) {ar:.3f} ms "
               f"({100 * row['exchange_share']:.0f}% of the step)  errors {row['errors']}", flush=True)
     report = {"tp": tp, "device": torch.cuda.get_device_name(0), "rows": rows}
     (bc.out_dir / f"bench-tp{tp}.json").write_text(json.dumps(report, indent=1))
