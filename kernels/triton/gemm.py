@@ -223,6 +223,7 @@ SMEM_RESERVE = 16 << 10  # left to the compiler (epilogue layout conversions) be
 # Dense weights through tensor descriptors on sm_90+ (see _gemm_kernel). Measured on an H200
 # (runs 25-26): the step 0-2% faster than per-thread pointer loads, never slower.
 TMA = True
+NUM_WARPS = 4  # one warp group per 64-row wgmma tile; 8 (two groups) made the step 6-9% slower (run 45)
 
 
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
@@ -250,7 +251,7 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     want = (programs_per_sm or PROGRAMS_PER_SM) * sms
     split = max(1, min(want // tiles, k_tiles // MIN_K_TILES_PER_SPLIT))
     k_per = triton.cdiv(k_tiles, split) * bk
-    return GemmConfig(bm, bn, bk, triton.cdiv(k, k_per), num_stages=stages)
+    return GemmConfig(bm, bn, bk, triton.cdiv(k, k_per), num_warps=NUM_WARPS, num_stages=stages)
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch.Tensor | None = None,

@@ -295,6 +295,13 @@ TUNE = (
     ("attention >= 4 key tiles/split", {"attention": {"MIN_TILES_PER_SPLIT": 4}}),
     ("attention 3 stages (2)", {"attention": {"NUM_STAGES": 3}}),
     ("defaults (4)", {}),
+    ("attention 4 stages", {"attention": {"NUM_STAGES": 4}}),
+    ("attention 5 stages", {"attention": {"NUM_STAGES": 5}}),
+    ("attention 6 stages", {"attention": {"NUM_STAGES": 6}}),
+    ("defaults (5)", {}),
+    ("attention block_n 32, 6 stages", {"attention": {"BLOCK_N": 32, "NUM_STAGES": 6}}),
+    ("gemm 8 warps", {"gemm": {"NUM_WARPS": 8}}),
+    ("defaults (6)", {}),
 )
 
 
