@@ -302,6 +302,10 @@ TUNE = (
     ("attention block_n 32, 6 stages", {"attention": {"BLOCK_N": 32, "NUM_STAGES": 6}}),
     ("gemm 8 warps", {"gemm": {"NUM_WARPS": 8}}),
     ("defaults (6)", {}),
+    ("attention: splits merged by a separate kernel (before run 52)", {"attention": {"COOP_MERGE": False}}),
+    ("defaults (7)", {}),
+    ("attention: splits merged by a separate kernel (2)", {"attention": {"COOP_MERGE": False}}),
+    ("defaults (8)", {}),
 )
 
 

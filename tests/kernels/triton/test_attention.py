@@ -98,3 +98,56 @@ def test_real_shapes(cuda, contexts, parity):
                                                               cuda, seed=6)
     ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
     parity(TRITON_OPS.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("contexts", [[4096], [4096] * 8, [100, 4096, 5000], [0, 3, 700]],
+                         ids=["R1", "R8", "mixed", "short"])
+def test_splits_merged_in_the_same_launch(cuda, contexts, monkeypatch):
+    """COOP_MERGE: a request's split programs merge their partials after waiting for each other (one
+    cooperative launch, no merge kernel), here at 16 splits (R = 8's). At the shard's shapes: the
+    merge kernel's result within an output ulp (the sums over splits may associate differently),
+    the same bits on every launch and through CUDA-graph replays (the counters must come back to
+    zero each launch)."""
+    q, kv, positions, seq_lens, tables, window, scale = _step(contexts, 16, 1, 128, 16, 4096, torch.bfloat16,
+                                                              cuda, seed=11)
+    run = lambda: attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale,  # noqa: E731
+                                                   splits=16)
+    monkeypatch.setattr(attention, "COOP_MERGE", False)
+    want = run()
+    monkeypatch.setattr(attention, "COOP_MERGE", True)
+    assert attention._coop_fits(q, len(contexts), 1, 16)
+    assert not attention._coop_fits(q, 1, 1, 64), "64 splits (R = 1) keep the merge kernel"
+    first = run()
+    torch.testing.assert_close(first.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.float().abs().max().item())
+    for _ in range(3):
+        assert torch.equal(run(), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = run()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, first)
+    assert int(attention._counter_page(q.device).abs().sum()) == 0, "a launch left its counters set"
+
+
+def test_refused_cooperative_launch_falls_back(monkeypatch, caplog):
+    """A device that refuses the cooperative launch on its first try (an MPS client capped below the
+    grid) is marked, logged, and gets the merge kernel from then on; a later refusal is an error."""
+    monkeypatch.setattr(attention, "_coop_state", {})
+    q = torch.zeros(1)
+    calls = []
+
+    def refuse(coop):
+        calls.append(coop)
+        raise RuntimeError("too many blocks in cooperative launch")
+
+    assert attention._launch_coop(q, refuse) is False
+    assert attention._coop_state[q.device] is False and calls == [True]
+    assert "cooperative launch refused" in caplog.text
+    monkeypatch.setattr(attention, "_coop_state", {q.device: True})
+    with pytest.raises(RuntimeError):
+        attention._launch_coop(q, refuse)
+    monkeypatch.setattr(attention, "_coop_state", {})
+    assert attention._launch_coop(q, calls.append) is True and attention._coop_state[q.device] is True

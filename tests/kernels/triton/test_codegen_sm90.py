@@ -86,16 +86,19 @@ def compile_case(rows, n, k, swiglu, norm, residual, folded=False, tma=True):
                 weight_tile=cfg.block_k * cfg.block_n * 2 * (2 if swiglu else 1))
 
 
-def compile_attention(reqs):
-    # The split kernel at the shard's heads (16 q, 1 KV, d 128), as paged_window_attention plans it.
+def compile_attention(reqs, coop=False):
+    # The split kernel at the shard's heads (16 q, 1 KV, d 128), as paged_window_attention plans it;
+    # coop: with the splits' merge in the same (cooperative) launch.
     from dspark_sidecar.kernels.triton import attention
     splits = attention.num_splits(reqs, 1, 4096 + 6, 132)
     consts = dict(ROWS=7, GROUP=16, D=128, BLOCK_D=128, BM=128, BN=attention.BLOCK_N, SPLITS=splits,
-                  OUT=tl.bfloat16, DOT=tl.bfloat16, IEEE=False, INTERPRET=False, PAGE=16, stride_qd=1, stride_cd=1)
+                  OUT=tl.bfloat16, DOT=tl.bfloat16, IEEE=False, INTERPRET=False, PAGE=16, stride_qd=1, stride_cd=1,
+                  COOP=coop, RB=triton.cdiv(7 * 16, splits))
     types = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", seq_ptr="*i32", bt_ptr="*i32", out_ptr="*bf16",
-                 po_ptr="*fp32", pml_ptr="*fp32", qk_scale="fp32")
+                 po_ptr="*fp32", pml_ptr="*fp32", cnt_ptr="*i32", qk_scale="fp32")
     div16 = {"stride_qn", "stride_qh", "stride_c0", "stride_cp", "stride_cs", "stride_ch", "stride_bt"}
-    got = build(attention._split_kernel, consts, types, div16, f"attention{reqs}", 8, attention.NUM_STAGES)
+    got = build(attention._split_kernel, consts, types, div16, f"attention{reqs}{'coop' if coop else ''}", 8,
+                attention.NUM_STAGES)
     return dict(got, block_m=128)
 
 
@@ -110,6 +113,7 @@ cases = {
 }
 got = {name: compile_case(*args) for name, args in cases.items()}
 got["attention 8 requests"] = compile_attention(8)
+got["attention 8 requests, merged in the launch"] = compile_attention(8, coop=True)
 print(json.dumps(got))
 """
 
@@ -150,9 +154,11 @@ def test_gemm_streams_through_a_pipeline_on_sm90(sm90, case):
     assert got["shared"] <= H200_SMEM, got
 
 
-def test_attention_split_kernel_on_sm90(sm90):
-    """The [112 -> 128 rows, 128] accumulator and a [128, 64] score tile in 8 warps: wgmma, no spills."""
-    got = sm90["attention 8 requests"]
+@pytest.mark.parametrize("case", ["attention 8 requests", "attention 8 requests, merged in the launch"])
+def test_attention_split_kernel_on_sm90(sm90, case):
+    """The [112 -> 128 rows, 128] accumulator and a [128, 64] score tile in 8 warps: wgmma, no spills
+    (also with the cooperative merge's tail)."""
+    got = sm90[case]
     assert got["wgmma"] > 0, got
     assert got["stack"] and max(got["stack"]) == 0, f"register spills: {got['stack']} bytes of stack"
     assert got["shared"] <= H200_SMEM, got
