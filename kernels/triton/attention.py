@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, mma, sms_of, tl_dtype
+from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, mma, nvidia_of, sms_of, tl_dtype
 
 log = logging.getLogger("dspark_sidecar.kernels")
 LOG2E = 1.4426950408889634
@@ -137,8 +137,9 @@ def _merge_rows(po_ptr, pml_ptr, out_ptr, req, h, m0, stride_qn, stride_qh, stri
                 ROWS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                 BM: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr, INTERPRET: tl.constexpr,
                 RB: tl.constexpr):
-    """The merge of Q-block rows m0 .. m0 + RB - 1 at once ([RB, SPLITS, BLOCK_D]: every load in
-    flight together), from L2 (.cg: other SMs wrote the partials during this launch)."""
+    """Merge the SPLITS partial softmaxes of Q-block rows m0 .. m0 + RB - 1 at once ([RB, SPLITS,
+    BLOCK_D]: every load in flight together) and store the rows; the partials are read from L2 (.cg:
+    in the cooperative merge other SMs wrote them during this very launch, and L1 is not coherent)."""
     RBP: tl.constexpr = triton.next_power_of_2(RB)
     rows = m0 + tl.arange(0, RBP)
     valid = (tl.arange(0, RBP) < RB) & (rows < ROWS * GROUP)
@@ -169,24 +170,9 @@ def _reduce_kernel(
     BM: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (request * hk + kv head, Q-block row m): merge the SPLITS partial softmaxes in order."""
-    rh, m = tl.program_id(0), tl.program_id(1)
-    req, h = rh // hk, rh % hk
-    offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, BLOCK_D)
-    ml = pml_ptr + ((rh * SPLITS + offs_s) * BM + m) * 2
-    m_s = tl.load(ml)
-    l_s = tl.load(ml + 1)
-    m_max = tl.max(m_s, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m_s - m_max)  # 0 for splits that saw no key
-    acc = tl.load(po_ptr + ((rh * SPLITS + offs_s[:, None]) * BM + m) * BLOCK_D + offs_d[None, :])
-    num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(l_s * w, axis=0)
-    o = num / tl.where(den > 0, den, 1.0)
-    row = req * ROWS + m // GROUP
-    head = h * GROUP + m % GROUP
-    tl.store(out_ptr + row * stride_qn + head * stride_qh + offs_d * stride_qd, cast(o, OUT, INTERPRET),
-             mask=offs_d < D)
+    rh = tl.program_id(0)
+    _merge_rows(po_ptr, pml_ptr, out_ptr, rh // hk, rh % hk, tl.program_id(1), stride_qn, stride_qh, stride_qd, hk,
+                ROWS, GROUP, D, BLOCK_D, BM, SPLITS, OUT, INTERPRET, 1)
 
 
 def _coop_fits(q: torch.Tensor, r: int, hk: int, sp: int) -> bool:
@@ -194,7 +180,7 @@ def _coop_fits(q: torch.Tensor, r: int, hk: int, sp: int) -> bool:
     CUDA (not HIP) GPU, not the interpreter (its programs run one after another: a wait would never
     end), a grid of at most one program per SM (what the kernel's registers allow) that fits the
     counter page, and a device where a cooperative launch of it has worked (see _launch_coop)."""
-    if not COOP_MERGE or not 1 < sp <= COOP_MAX_SPLITS or INTERPRET or q.device.type != "cuda" or torch.version.hip:
+    if not COOP_MERGE or not 1 < sp <= COOP_MAX_SPLITS or not nvidia_of(q):
         return False
     if r * hk * sp > sms_of(q) or 2 * r * hk > COUNTERS:
         return False

@@ -80,10 +80,14 @@ def _sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def nvidia_of(t: torch.Tensor) -> bool:
+    """Whether t lives on an NVIDIA GPU and the kernels are compiled for it, not interpreted or built for AMD."""
+    return t.device.type == "cuda" and not INTERPRET and not torch.version.hip
+
+
 def sm90_of(t: torch.Tensor) -> bool:
-    """Whether t lives on an NVIDIA GPU of compute capability 9.0 or later (Hopper: the Tensor
-    Memory Accelerator) and the kernels are compiled for it, not interpreted or built for AMD."""
-    return t.device.type == "cuda" and not INTERPRET and not torch.version.hip and _sm90(t.device.index or 0)
+    """nvidia_of, at compute capability 9.0 or later (Hopper: the Tensor Memory Accelerator)."""
+    return nvidia_of(t) and _sm90(t.device.index or 0)
 
 
 def smem_of(t: torch.Tensor) -> int | None:
