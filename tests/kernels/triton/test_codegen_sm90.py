@@ -69,14 +69,15 @@ def build(fn, consts, types, div16, name, num_warps, num_stages):
                                 for l in ptx.splitlines() if "wgmma.mma_async" in l))
 
 
-def compile_case(rows, n, k, swiglu, norm, residual, folded=False, tma=True):
+def compile_case(rows, n, k, swiglu, norm, residual, folded=False, tma=True, sq_column=True):
     # tma: the weights through a tensor descriptor, as gemm._launch passes dense bf16 weights on
-    # sm_90; else the pointer path (MXFP8 weights, AMD).
+    # sm_90; else the pointer path (MXFP8 weights, AMD). sq_column: gemm.SQ_COLUMN (where a folded
+    # split-K GEMM sums x^2).
     cfg = gemm.plan(rows, n, k, 132, swiglu=swiglu, max_smem=%(smem)d)
     partial = cfg.split_k > 1
     consts = dict(HAS_NORM=norm, FOLDED=folded, FP8=False, QBLOCK=1, SWIGLU=swiglu, PARTIAL=partial, HAS_RES=residual and not partial,
                   DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                  INTERPRET=False, TMA=tma, **UNIT)
+                  INTERPRET=False, TMA=tma, SQ_COL=sq_column and folded and norm and partial, **UNIT)
     out = "*fp32" if partial else "*bf16"
     w = f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>" if tma else "*bf16"
     types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr=w, s_ptr="*bf16", res_ptr="*bf16", out_ptr=out,
@@ -109,6 +110,7 @@ cases = {
     "down 7 rows + residual": (7, 6144, 3072, False, False, True),
     "gate_up 56 rows, norm folded": (56, 3072, 6144, True, True, False, True),
     "gate_up 56 rows, norm folded, pointer path": (56, 3072, 6144, True, True, False, True, False),
+    "qkv 56 rows, norm folded, squares in every program": (56, 2304, 6144, False, True, False, True, True, False),
     "down 7 rows + residual, pointer path": (7, 6144, 3072, False, False, True, False, False),
 }
 got = {name: compile_case(*args) for name, args in cases.items()}
@@ -132,7 +134,8 @@ def sm90(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["qkv 56 rows", "qkv 56 rows, norm folded", "gate_up 56 rows (deep pipeline)",
                                   "down 7 rows + residual", "gate_up 56 rows, norm folded",
-                                  "gate_up 56 rows, norm folded, pointer path", "down 7 rows + residual, pointer path"])
+                                  "gate_up 56 rows, norm folded, pointer path", "down 7 rows + residual, pointer path",
+                                  "qkv 56 rows, norm folded, squares in every program"])
 def test_gemm_streams_through_a_pipeline_on_sm90(sm90, case):
     got = sm90[case]
     # x always, and the weights on the pointer path, arrive by cp.async; with a descriptor, the
@@ -165,12 +168,20 @@ def test_attention_split_kernel_on_sm90(sm90, case):
 
 
 def test_norm_gemms_feed_the_dot_from_registers(sm90):
-    """A norm GEMM reads each x tile into registers for its squares; its dot takes x from those
-    registers too, folded norm or not. With the folded norm the compiler had fed the wgmma from
-    the pipelined shared-memory buffer instead, and on an H200 (Triton 3.6) those 64-row tiles
-    gave wrong, run-to-run different sums (tests/kernels/triton/test_gemm.py, the folded real
-    shapes). A plain linear reads no x into registers and keeps the shared-memory operand."""
-    for case in ("qkv 56 rows", "qkv 56 rows, norm folded", "gate_up 56 rows, norm folded",
-                 "gate_up 56 rows, norm folded, pointer path"):
+    """A norm GEMM whose programs read each x tile into registers for its squares takes x from
+    those registers for its dot too, folded norm or not. With the folded norm the compiler had fed
+    the wgmma from the pipelined shared-memory buffer instead, and on an H200 (Triton 3.6) those
+    64-row tiles gave wrong, run-to-run different sums (tests/kernels/triton/test_gemm.py, the
+    folded real shapes). A plain linear reads no x into registers and keeps the shared-memory operand."""
+    for case in ("qkv 56 rows", "qkv 56 rows, norm folded, squares in every program"):
         got = sm90[case]
         assert got["wgmma"] > 0 and got["wgmma_reg_a"] > 0, (case, got)
+
+
+def test_folded_split_gemms_leave_the_squares_to_their_own_column(sm90):
+    """With gemm.SQ_COLUMN a folded split-K GEMM's column tiles read no x into registers (an extra
+    grid column of x-only programs sums x^2), so their dot takes x from shared memory, as a plain
+    linear's does: the path that never read the same buffer both ways."""
+    for case in ("qkv 56 rows, norm folded", "gate_up 56 rows, norm folded", "gate_up 56 rows, norm folded, pointer path"):
+        got = sm90[case]
+        assert got["wgmma"] > 0 and got["wgmma_reg_a"] == 0, (case, got)

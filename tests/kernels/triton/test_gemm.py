@@ -233,6 +233,34 @@ def test_norm_folded_into_the_weight(device, config, dtype, parity):
     parity(reference.norm_linear(x, nw, EPS, folded), ref_nl)
 
 
+@pytest.mark.parametrize("swiglu", [False, True], ids=["norm_linear", "swiglu"])
+def test_folded_squares_summed_by_their_own_grid_column(device, swiglu, monkeypatch):
+    """gemm.SQ_COLUMN: a folded split-K GEMM's x^2 row sums come from an extra grid column of x-only
+    programs. Into a NaN-poisoned workspace, every K-range's sums must be written, equal to the
+    sums each column tile accumulated in its own K loop before (exactly in the interpreter, where
+    both reduce the same tiles in the same order; on a GPU to fp32 rounding, the two loops' tiles
+    may be laid out differently across threads), and the partial products are unchanged."""
+    x, w, nw = _inputs(21, 320, 200, torch.bfloat16, device, seed=6)
+    folded = NormFolded.fold(torch.cat([w, w.flip(0)]) if swiglu else w, nw)
+    cfg, split, k_per = gemm._tiling(x, folded, 200, swiglu, CONFIGS["split3"])
+    assert split == 3
+    got = {}
+    for column in (True, False):
+        monkeypatch.setattr(gemm, "SQ_COLUMN", column)
+        ws, sq = gemm._workspace(x, folded, split)
+        ws.fill_(float("nan"))
+        sq.fill_(float("nan"))
+        gemm._launch(x, folded, nw, EPS, (ALPHA, LIMIT) if swiglu else None, cfg, k_per, ws, sq, None)
+        got[column] = ws, sq
+    (ws_c, sq_c), (ws_l, sq_l) = got[True], got[False]
+    assert torch.isfinite(sq_c).all() and torch.isfinite(ws_c).all()
+    assert torch.equal(ws_c, ws_l)
+    if device == "cpu":
+        assert torch.equal(sq_c, sq_l)
+    else:
+        torch.testing.assert_close(sq_c, sq_l, rtol=1e-6, atol=0)
+
+
 def test_norm_folded_is_refused_where_it_would_be_wrong():
     """With another norm weight, or with none (a plain linear), a folded weight is an error, never
     a silently different product; MXFP8 weights cannot be folded (one scale per 32 columns)."""
