@@ -5,9 +5,10 @@ column tiles times `split_k` K-ranges (>= 2 programs per SM) and each program st
 [block_k, block_n] weight tiles once (bf16/fp16 weights on an H100/H200: by TMA bulk copies).
 The RMSNorm is fused by linearity: for row r,
   (x_r * inv_r * (1 + w)) @ W^T = inv_r * ((x_r * (1 + w)) @ W^T),  inv_r = rsqrt(mean(x_r^2) + eps),
-so every program accumulates sum(x^2) over the K-range it already loads and the per-row
-scale is applied in the epilogue; no pass over x precedes the GEMM. With split_k > 1 the
-programs write fp32 partials (and partial sums of squares) to a workspace that
+so sum(x^2) is accumulated over each K-range as x is loaded and the per-row scale is applied
+in the epilogue; no pass over x precedes the GEMM. (Who sums: every program, or, for a norm
+folded into the weights with split_k > 1, one extra grid column of x-only programs: SQ_COLUMN.)
+With split_k > 1 the programs write fp32 partials (and partial sums of squares) to a workspace that
 `_finalize_kernel` sums in a fixed order (deterministic, no atomics), then scales, applies
 SwiGLU-OAI or adds the residual stream (o_proj, down_proj: no separate add launch), and
 rounds once to the activation dtype. MXFP8 weights stream 1 byte per weight
@@ -250,8 +251,9 @@ TMA = True
 NUM_WARPS = 4  # one warp group per 64-row wgmma tile; 8 (two groups) made the step 6-9% slower (run 45)
 # A folded-norm GEMM with split-K sums x^2 in one extra grid column of x-only programs instead of
 # in every program's K loop: the column tiles then feed their dot from shared memory and skip the
-# squares. Measured on an H200 (tenth session): the gate|up launch 27.2 -> 25.2 us and the qkv
-# launch 12.7 -> 11.2 us without the squares in the loop. False: every program sums them (as before).
+# squares. Measured on an H200 (BENCHMARKS runs 72-73): the gate|up launch 27.2 -> 25.2 us and
+# the qkv launch 12.7 -> 11.2 us without the squares in the loop; the step 2-3.5% faster at 56
+# rows, 3% at 7. False: every program sums them (as before).
 SQ_COLUMN = True
 
 
