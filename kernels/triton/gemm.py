@@ -60,15 +60,22 @@ def row_norm_scale(sq_ptr, stride_s, row, k, eps, SPLITS: tl.constexpr):
 
 
 @triton.jit
+def _x_tile(x_ptr, offs_m, m_mask, offs_k, k_mask, stride_xm, stride_xk):
+    """The [rows, K-step] tile of x, zeros outside the rows and the K-range (its dtype as stored)."""
+    return tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                   mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+
+
+@triton.jit
 def _sq_program(x_ptr, sq_ptr, M, stride_xm, stride_xk, k_lo, k_hi, pid_s, offs_m, BM: tl.constexpr,
                 BK: tl.constexpr):
-    """sq[pid_s, m] = sum over the K-range of x[m, k]^2, in K-tile order (x [M, K] read once, from L2)."""
+    """sq[pid_s, m] = sum over the K-range of x[m, k]^2, in K-tile order: the tiles the column tiles'
+    K loops load (x [M, K] read once more, from L2)."""
     m_mask = offs_m < M
     sq = tl.zeros((BM,), tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         offs_k = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=m_mask[:, None] & (offs_k < k_hi)[None, :], other=0.0).to(tl.float32)
+        x = _x_tile(x_ptr, offs_m, m_mask, offs_k, offs_k < k_hi, stride_xm, stride_xk).to(tl.float32)
         sq += tl.sum(x * x, axis=1)
     tl.store(sq_ptr + pid_s * M + offs_m, sq, mask=m_mask)
 
@@ -124,9 +131,7 @@ def _gemm_kernel(
     for k0 in range(k_lo, k_hi, BK):
         offs_k = k0 + tl.arange(0, BK)
         k_mask = offs_k < k_hi
-        x_raw = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        x = x_raw.to(tl.float32)
+        x = _x_tile(x_ptr, offs_m, m_mask, offs_k, k_mask, stride_xm, stride_xk).to(tl.float32)
         if HAS_NORM and not SQ_COL:
             sq += tl.sum(x * x, axis=1)
             if not FOLDED:
