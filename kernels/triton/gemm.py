@@ -196,11 +196,14 @@ def _finalize_kernel(
     ws_ptr, sq_ptr, out_ptr, res_ptr, M, N, K, stride_ws_s, stride_ws_m, stride_om, stride_rm,
     eps, alpha, limit, SPLIT: tl.constexpr,
     HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, OUT: tl.constexpr,
-    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SQ_X: tl.constexpr = 0,
 ):
     """Program (row, column block): sum the split partials in order, scale by inv_r, [SwiGLU], [+ residual], round.
 
-    SPLIT is compile-time: the unrolled loop has all SPLIT loads in flight before the first add."""
+    SPLIT is compile-time: the unrolled loop has all SPLIT loads in flight before the first add.
+    SQ_X (a power of two >= K, with HAS_NORM): sq_ptr is x [M, K] itself (row stride K) and each
+    program sums its row's squares (one load of the row, from L2) instead of reading partial sums:
+    for products that came without them (blas.norm_linear)."""
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < N
@@ -212,7 +215,12 @@ def _finalize_kernel(
         if SWIGLU:
             up += tl.load(base + N + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inv = row_norm_scale(sq_ptr, M, row, K, eps, SPLIT)
+        if SQ_X:
+            xk = tl.arange(0, SQ_X)
+            xr = tl.load(sq_ptr + row * K + xk, mask=xk < K, other=0.0).to(tl.float32)
+            inv = tl.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
+        else:
+            inv = row_norm_scale(sq_ptr, M, row, K, eps, SPLIT)
         acc = acc * inv
         up = up * inv
     if SWIGLU:
@@ -412,7 +420,9 @@ def _tma_ready(w: torch.Tensor) -> bool:
 
 
 def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: int, split: int, eps: float,
-              alpha: float, limit: float, has_norm: bool, swiglu: bool, residual: torch.Tensor | None = None) -> None:
+              alpha: float, limit: float, has_norm: bool, swiglu: bool, residual: torch.Tensor | None = None,
+              sq_from_x: bool = False) -> None:
+    """sq_from_x: sq is x [M, k] (contiguous), whose rows' squares the finalize sums itself (see SQ_X)."""
     m = out.shape[0]
     block = min(256, triton.next_power_of_2(n))  # many small programs: the sums are latency-bound
     res = out if residual is None else residual
@@ -420,7 +430,7 @@ def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: 
         ws, sq, out, res, m, n, k, ws.stride(0), ws.stride(1), out.stride(0), res.stride(0),
         eps, alpha, limit, SPLIT=split,
         HAS_NORM=has_norm, SWIGLU=swiglu, HAS_RES=residual is not None, OUT=tl_dtype(out.dtype),
-        BLOCK_N=block, INTERPRET=INTERPRET, num_warps=4,
+        BLOCK_N=block, INTERPRET=INTERPRET, SQ_X=triton.next_power_of_2(k) if sq_from_x else 0, num_warps=4,
     )
 
 

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from dspark_sidecar.kernels import reference
-from dspark_sidecar.kernels.triton import attention, gemm
+from dspark_sidecar.kernels.triton import attention, blas, gemm
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS as T
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
@@ -134,7 +134,7 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
         for name, n_out, k, kind in gemm_cases():
             nbytes = _wbytes(n_out, k, fp8) + 2 * rows * (k + n_out)
 
-            def make(config=None, ref=False):
+            def make(config=None, ref=False, vendor=False):
                 x = torch.randn(rows, k, device=dev).to(torch.bfloat16)
                 nw = (torch.randn(k, device=dev) * 0.1).to(torch.bfloat16)
                 w = _weight(n_out, k, fp8, dev)
@@ -142,15 +142,22 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
                     return _gemm_fn(x, nw, w.dequantize() if fp8 else w, kind, ops=reference)
                 if FOLD_NORMS and not fp8 and kind != "plain":  # as the sidecar holds them
                     w = NormFolded.fold(w, nw)
+                if vendor:  # blas.py's route for this GEMM, whatever its tunables say
+                    if kind == "plain":
+                        return lambda: blas.linear(x, w)
+                    return lambda: blas.norm_linear(x, w, nw, EPS, (ALPHA, LIMIT) if kind == "swiglu" else None)
                 return _gemm_fn(x, nw, w, kind, config)
 
             t = _per_call(make, nbytes)
             ref_t = None if fp8 else _per_call(lambda: make(ref=True), nbytes)
+            extra = {}
+            if not fp8 and (kind == "plain" or FOLD_NORMS):
+                extra["vendor_us"] = round(_per_call(lambda: make(vendor=True), nbytes) * 1e6, 1)
             n_cols = n_out // 2 if kind == "swiglu" else n_out
             cfg = gemm.plan(rows, n_cols, k, torch.cuda.get_device_properties(dev).multi_processor_count,
                             swiglu=kind == "swiglu", weight_bytes=1 if fp8 else 2)
             rec(name, wdt, t, nbytes, ref_t,
-                cfg=f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k} st{cfg.num_stages}")
+                cfg=f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k} st{cfg.num_stages}", **extra)
             if sweep and kind != "plain":  # the two largest weights
                 _sweep(name, rows, n_out, k, kind, fp8, wdt, nbytes, make, rec, dev)
 
@@ -265,6 +272,17 @@ TUNE = (
     ("attention 16 warps, 2 programs/SM", {"attention": {"NUM_WARPS": 16, "PROGRAMS_PER_SM": 2}}),
     ("attention 16 warps, 3 stages", {"attention": {"NUM_WARPS": 16, "NUM_STAGES": 3}}),
     ("defaults (w)", {}),
+    ("every GEMM on Triton (blas.PLAIN_MIN_ROWS 0, NORM_MIN_ROWS 0)", {"blas": {"PLAIN_MIN_ROWS": 0, "NORM_MIN_ROWS": 0}}),
+    ("defaults (v)", {}),
+    ("plain linears on the Triton GEMM (blas.PLAIN_MIN_ROWS 0)", {"blas": {"PLAIN_MIN_ROWS": 0}}),
+    ("defaults (v 2)", {}),
+    ("vendor plain linears, residual added by a second launch (blas.ADDMM off)", {"blas": {"ADDMM": False}}),
+    ("defaults (v 3)", {}),
+    ("folded-norm GEMMs on Triton (blas.NORM_MIN_ROWS 0)", {"blas": {"NORM_MIN_ROWS": 0}}),
+    ("defaults (v 4)", {}),
+    ("every GEMM on the vendor's where it can (blas.PLAIN_MIN_ROWS 1, NORM_MIN_ROWS 1)",
+     {"blas": {"PLAIN_MIN_ROWS": 1, "NORM_MIN_ROWS": 1}}),
+    ("defaults (v 5)", {}),
     ("x^2 in every GEMM program (before SQ_COLUMN)", {"gemm": {"SQ_COLUMN": False}}),
     ("defaults (sq)", {}),
     ("x^2 in every GEMM program (before SQ_COLUMN) (2)", {"gemm": {"SQ_COLUMN": False}}),
@@ -317,7 +335,7 @@ def tune(rows_list: list[int], context: int, bw: float, dev: torch.device, match
     """Time the step once per TUNE row (each a set of tunables over the defaults), restoring after.
 
     match: only the rows whose label contains one of these (the defaults rows always run)."""
-    modules = {"gemm": gemm, "attention": attention, "step": sys.modules[__name__]}
+    modules = {"gemm": gemm, "blas": blas, "attention": attention, "step": sys.modules[__name__]}
     rows_run = [(label, c) for label, c in TUNE
                 if not match or label.startswith("defaults") or any(m in label for m in match)]
     out = []

@@ -1,7 +1,8 @@
 """TRITON_OPS: the draft step's Ops bundle backed by the Triton kernels (NVIDIA and AMD GPUs, or the interpreter).
 
 Signatures and output dtypes are the reference's. Every `weight` argument of the linear ops may
-also be an `MxFp8Weight` (FP8 E4M3 + 1x32 E8M0 scales, dequantized inside the kernel).
+also be an `MxFp8Weight` (FP8 E4M3 + 1x32 E8M0 scales, dequantized inside the kernel). The linear
+ops go to the vendor BLAS where blas.py's tunables say it is faster (dense weights on a GPU).
 rope_cos_sin stays the reference's: a handful of fp64 torch ops on [n, 32] angles, no host sync.
 """
 
@@ -11,24 +12,30 @@ import torch
 
 from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.ops import Ops
-from dspark_sidecar.kernels.triton import attention, gemm, norm, prelude
+from dspark_sidecar.kernels.triton import attention, blas, gemm, norm, prelude
 from dspark_sidecar.kernels.weights import MxFp8Weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ weight^T [+ residual [n, out], added in the GEMM's epilogue] -> [n, out] in x.dtype."""
+    if blas.plain_applies(x, weight):
+        return blas.linear(x, weight, residual)
     return gemm.gemm(x, weight, residual=residual)
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor | MxFp8Weight) -> torch.Tensor:
     """linear(rms_norm(x)) in one GEMM (the norm's row scale applied in the epilogue): [n, in] -> [n, out]."""
+    if blas.norm_applies(x, weight):
+        return blas.norm_linear(x, weight, norm_weight, eps)
     return gemm.gemm(x, weight, norm_weight, eps)
 
 
 def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor | MxFp8Weight, alpha: float, limit: float) -> torch.Tensor:
     """swiglu_oai(linear(rms_norm(x))): weight [2f, in] gate rows first -> [n, f]."""
+    if blas.norm_applies(x, weight):
+        return blas.norm_linear(x, weight, norm_weight, eps, swiglu=(alpha, limit))
     return gemm.gemm(x, weight, norm_weight, eps, swiglu=(alpha, limit))
 
 

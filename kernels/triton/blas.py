@@ -1,0 +1,78 @@
+"""The step's GEMMs handed to the vendor BLAS (cuBLAS, or hipBLASLt on ROCm, through torch) where it streams faster.
+
+A Triton GEMM launch costs 5-7 us on top of its bytes at a shard's shapes, and cuBLAS 4-6 us
+(BENCHMARKS.md run 38): for the plain linears (o_proj, down_proj), the vendor's GEMM plus the
+residual add beats the split-K GEMM plus its finalize. The folded-norm GEMMs (gate|up with
+SwiGLU, norm_linear) can go the same way: the vendor's product in fp32, then gemm's finalize
+kernel, which sums each row's squares from x itself, scales, applies SwiGLU and rounds once, as
+the Triton path does. Dense bf16/fp16 weights on an NVIDIA GPU only; MXFP8 weights and unfolded norms
+stay on the Triton GEMM (ops.py decides, once per call, from the tunables below).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dspark_sidecar.kernels.triton import gemm
+from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
+
+# Tunables, read by the *_applies checks: the vendor GEMM from this many rows (0: never).
+# PLAIN_MIN_ROWS: plain linears. NORM_MIN_ROWS: folded-norm GEMMs. Below 17 rows the Triton GEMM's
+# 16-row tiles stream as fast, its finalize adds the residual for free and its x^2 column is
+# cheaper than the finalize's own sums: measured on an H200 (BENCHMARKS.md, session 11), the step
+# at 7 rows was 4-10 us slower with the plain linears on cuBLAS, at 56 rows 9 us faster (and the
+# folded-norm gate|up 7 us faster).
+# ADDMM: a plain linear's residual added in the vendor GEMM's epilogue (one launch, the sum rounded
+# once) instead of by a second launch after the product is rounded (the reference's two
+# roundings): 4.6 us faster at 56 rows.
+PLAIN_MIN_ROWS = 17
+NORM_MIN_ROWS = 17
+ADDMM = True
+
+def _dense(x: torch.Tensor, w) -> bool:
+    # NVIDIA only: hipBLASLt on gfx950 has not been measured against the Triton GEMM (nor torch.mm's
+    # fp32 output checked there), so ROCm keeps the Triton GEMMs.
+    return (isinstance(w, torch.Tensor) and not isinstance(w, MxFp8Weight) and x.is_cuda and torch.version.hip is None
+            and w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def plain_applies(x: torch.Tensor, weight) -> bool:
+    return 0 < PLAIN_MIN_ROWS <= x.shape[0] and _dense(x, weight)
+
+
+def norm_applies(x: torch.Tensor, weight) -> bool:
+    return 0 < NORM_MIN_ROWS <= x.shape[0] and isinstance(weight, NormFolded) and _dense(x, weight.weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, in] @ weight^T [+ residual [n, out]] -> [n, out]. Without ADDMM the reference's own maths
+    (the product rounded before the add), so the reference layers' bits on the same GPU; with it,
+    residual + the fp32 product rounded once (at most one output ulp from the reference's sum)."""
+    if residual is not None and ADDMM:
+        return torch.addmm(residual, x, weight.t())
+    y = F.linear(x, weight)
+    return y if residual is None else residual + y
+
+
+def product_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T with fp32 output, unrounded: the vendor's mixed-precision GEMM on a GPU
+    (bf16 products are exact in fp32); on the CPU, the same maths in fp32 (for the interpreter tests)."""
+    if x.is_cuda:
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    return x.float() @ w.float().t()
+
+
+def norm_linear(x: torch.Tensor, weight: NormFolded, norm_weight: torch.Tensor, eps: float,
+                swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+    """rms_norm(x) then the linear [then SwiGLU-OAI] with a folded weight: x [M, K] -> [M, N or f]."""
+    weight.check(norm_weight)
+    x = x.contiguous()
+    m, k = x.shape
+    ws = product_fp32(x, weight.weight)  # [M, N or 2f], fp32
+    n = ws.shape[1] // 2 if swiglu else ws.shape[1]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        gemm._finalize(ws.unsqueeze(0), x, out, n, k, 1, eps, *(swiglu or (0.0, 0.0)), True, swiglu is not None,
+                       sq_from_x=True)
+    return out
