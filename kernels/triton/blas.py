@@ -1,12 +1,13 @@
 """The step's GEMMs handed to the vendor BLAS (cuBLAS, or hipBLASLt on ROCm, through torch) where it streams faster.
 
 A Triton GEMM launch costs 5-7 us on top of its bytes at a shard's shapes, and cuBLAS 4-6 us
-(BENCHMARKS.md run 38): for the plain linears (o_proj, down_proj), the vendor's GEMM plus the
-residual add beats the split-K GEMM plus its finalize. The folded-norm GEMMs (gate|up with
-SwiGLU, norm_linear) can go the same way: the vendor's product in fp32, then gemm's finalize
-kernel, which sums each row's squares from x itself, scales, applies SwiGLU and rounds once, as
-the Triton path does. Dense bf16/fp16 weights on an NVIDIA GPU only; MXFP8 weights and unfolded norms
-stay on the Triton GEMM (ops.py decides, once per call, from the tunables below).
+(BENCHMARKS.md run 38). So from 17 rows the plain linears (o_proj, down_proj) run as one
+cuBLAS addmm, the residual added in its epilogue, instead of the split-K GEMM plus its
+finalize. The folded-norm GEMMs (gate|up with SwiGLU, norm_linear) go the same way: the
+vendor's product in fp32, then gemm's finalize kernel, which sums each row's squares from x
+itself, scales, applies SwiGLU and rounds once, as the Triton path does (runs 80-86). Dense
+bf16/fp16 weights on an NVIDIA GPU only; MXFP8 weights and unfolded norms stay on the Triton
+GEMM (ops.py decides on every call, from the row count and the tunables below).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ PLAIN_MIN_ROWS = 17
 NORM_MIN_ROWS = 17
 ADDMM = True
 
+
 def _dense(x: torch.Tensor, w) -> bool:
     # NVIDIA only: hipBLASLt on gfx950 has not been measured against the Triton GEMM (nor torch.mm's
     # fp32 output checked there), so ROCm keeps the Triton GEMMs.
@@ -48,7 +50,8 @@ def norm_applies(x: torch.Tensor, weight) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ weight^T [+ residual [n, out]] -> [n, out]. Without ADDMM the reference's own maths
     (the product rounded before the add), so the reference layers' bits on the same GPU; with it,
-    residual + the fp32 product rounded once (at most one output ulp from the reference's sum)."""
+    residual + the fp32 product rounded once: apart from the reference's sum by at most the
+    product's own rounding and one output ulp (tests/kernels/triton/test_blas.py)."""
     if residual is not None and ADDMM:
         return torch.addmm(residual, x, weight.t())
     y = F.linear(x, weight)
