@@ -268,11 +268,15 @@ NUM_WARPS = 4  # one warp group per 64-row wgmma tile; 8 (two groups) made the s
 # the qkv launch 12.7 -> 11.2 us without the squares in the loop; the step 2-3.5% faster at 56
 # rows, 3% at 7. False: every program sums them (as before).
 SQ_COLUMN = True
+# PLAN_SQ_COLUMN: `plan` counts that column's programs among the slots it fills. Off, qkv at 56
+# rows gets 14 K-ranges and 19 x 14 = 266 programs for 264 two-per-SM slots, so the last two
+# start only as others finish; on, 12 K-ranges and 228 programs, all resident. Not yet measured.
+PLAN_SQ_COLUMN = False
 
 
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
          programs_per_sm: int | None = None, swiglu: bool = False, weight_bytes: int = 2,
-         max_smem: int | None = None) -> GemmConfig:
+         max_smem: int | None = None, sq_column: bool = False) -> GemmConfig:
     """Row tile from m (tensor-core dots need >= 16 rows), then split K until the grid covers the SMs.
 
     n: output columns per program's tile set (f for SwiGLU: each program streams gate and up tiles).
@@ -280,6 +284,8 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     programs share an SM (one hides the other's load latency), at least 2 and at most MAX_STAGES;
     or, when fewer than MIN_STAGES fit, one program per SM with the deep budget (see DEEP_SMEM).
     max_smem: the device's shared memory per program (default: DEEP_SMEM + SMEM_RESERVE).
+    sq_column: a split launch will carry the x^2 column (a folded norm, SQ_COLUMN); with
+    PLAN_SQ_COLUMN its programs count among the slots.
     """
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     # 1-byte weights: twice the K per tile, so a stage still carries as many weight bytes.
@@ -290,7 +296,7 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
         budget = min(DEEP_SMEM, (max_smem or DEEP_SMEM + SMEM_RESERVE) - SMEM_RESERVE)
         programs_per_sm, stages = 1, max(stages, budget // stage)
     stages = max(2, min(MAX_STAGES, stages))
-    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    tiles = (triton.cdiv(n, bn) + (sq_column and SQ_COLUMN and PLAN_SQ_COLUMN)) * triton.cdiv(m, bm)
     k_tiles = triton.cdiv(k, bk)
     want = (programs_per_sm or PROGRAMS_PER_SM) * sms
     split = max(1, min(want // tiles, k_tiles // MIN_K_TILES_PER_SPLIT))
@@ -314,7 +320,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg, split, k_per = _tiling(x, weight, n, swiglu is not None, config)
+    cfg, split, k_per = _tiling(x, weight, n, swiglu is not None, config, norm_weight is not None)
     if split == 1:
         _launch(x, weight, norm_weight, eps, swiglu, cfg, k_per, out, out, residual)
     else:
@@ -345,7 +351,7 @@ def norm_linear_partials(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, no
                          eps: float, config: GemmConfig | None = None) -> Partials:
     """The GEMM of norm_linear without its finalize: x [M, K], weight [N, K] -> Partials of [M, N]."""
     m, n = _check(x, weight, None)
-    cfg, split, k_per = _tiling(x, weight, n, False, config)
+    cfg, split, k_per = _tiling(x, weight, n, False, config, True)
     ws, sq = _workspace(x, weight, split)
     if m:
         _launch(x, weight, norm_weight, eps, None, cfg, k_per, ws, sq, None)
@@ -367,11 +373,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu) -> tuple
     return x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0]
 
 
-def _tiling(x: torch.Tensor, weight, n: int, swiglu: bool, config: GemmConfig | None) -> tuple[GemmConfig, int, int]:
-    """(config, K-ranges actually used, K per range: a multiple of block_k)."""
+def _tiling(x: torch.Tensor, weight, n: int, swiglu: bool, config: GemmConfig | None,
+            norm: bool = False) -> tuple[GemmConfig, int, int]:
+    """(config, K-ranges actually used, K per range: a multiple of block_k). norm: x is normalized."""
     m, k = x.shape
     wbytes = _stored(weight).element_size()
-    cfg = config or plan(m, n, k, sms_of(x), swiglu=swiglu, weight_bytes=wbytes, max_smem=smem_of(x))
+    cfg = config or plan(m, n, k, sms_of(x), swiglu=swiglu, weight_bytes=wbytes, max_smem=smem_of(x),
+                         sq_column=norm and isinstance(weight, NormFolded))
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     return cfg, triton.cdiv(k, k_per), k_per
 

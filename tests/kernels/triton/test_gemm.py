@@ -128,6 +128,19 @@ def test_plan_fills_an_h200():
             assert cfg.block_m >= rows or cfg.block_m == 64
 
 
+def test_plan_can_count_the_x2_column_among_the_slots(monkeypatch):
+    """qkv at 56 rows, folded: 18 column tiles + the x^2 column. Counted (PLAN_SQ_COLUMN), the whole
+    grid fits the 264 two-per-SM slots; not counted, 14 K-ranges make 266 programs (the default,
+    until measured). A plain linear's plan is the same either way."""
+    off = gemm.plan(56, 2304, 6144, 132, sq_column=True)
+    assert off.split_k == 14 and 19 * off.split_k == 266
+    monkeypatch.setattr(gemm, "PLAN_SQ_COLUMN", True)
+    on = gemm.plan(56, 2304, 6144, 132, sq_column=True)
+    k_per = -(-(6144 // 64) // on.split_k) * 64
+    assert 19 * -(-6144 // k_per) <= 2 * 132 < 19 * off.split_k
+    assert gemm.plan(56, 6144, 2048, 132) == gemm.plan(56, 6144, 2048, 132, sq_column=False)
+
+
 @pytest.mark.parametrize("max_smem", [227 << 10, 160 << 10], ids=["h200", "mi355x"])
 def test_plan_deep_pipeline_within_the_device(max_smem):
     """gate|up at 56 rows: a stage (x 8 KB + two 16 KB weight tiles) leaves < 3 stages in the
