@@ -32,6 +32,20 @@ NORM_MIN_ROWS = 17
 ADDMM = True
 
 
+def _mm_has_out_dtype() -> bool:
+    """torch.mm's out_dtype (bf16 x bf16 -> fp32; newer torch than the project's lower bound),
+    probed once on meta tensors: without it the folded-norm GEMMs stay on Triton."""
+    a = torch.empty(1, 1, dtype=torch.bfloat16, device="meta")
+    try:
+        torch.mm(a, a, out_dtype=torch.float32)
+    except TypeError:  # this torch's mm has no out_dtype argument
+        return False
+    return True
+
+
+MM_OUT_DTYPE = _mm_has_out_dtype()
+
+
 def _dense(x: torch.Tensor, w) -> bool:
     # NVIDIA only: hipBLASLt on gfx950 has not been measured against the Triton GEMM (nor torch.mm's
     # fp32 output checked there), so ROCm keeps the Triton GEMMs.
@@ -44,7 +58,8 @@ def plain_applies(x: torch.Tensor, weight) -> bool:
 
 
 def norm_applies(x: torch.Tensor, weight) -> bool:
-    return 0 < NORM_MIN_ROWS <= x.shape[0] and isinstance(weight, NormFolded) and _dense(x, weight.weight)
+    return (MM_OUT_DTYPE and 0 < NORM_MIN_ROWS <= x.shape[0] and isinstance(weight, NormFolded)
+            and _dense(x, weight.weight))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -82,7 +82,8 @@ def test_ops_route_dense_gpu_linears_to_the_vendor(cuda, monkeypatch, parity):
 
 def test_what_the_vendor_route_takes(monkeypatch):
     """Dense bf16/fp16 weights of the activation's dtype on a GPU only: never CPU tensors (the
-    interpreter runs the Triton kernels), MXFP8 weights, fp32, or a norm that is not folded."""
+    interpreter runs the Triton kernels), MXFP8 weights, fp32, or a norm that is not folded; and
+    the folded-norm route only where torch.mm has out_dtype."""
     monkeypatch.setattr(blas, "PLAIN_MIN_ROWS", 1)
     monkeypatch.setattr(blas, "NORM_MIN_ROWS", 1)
     x, w, nw, _ = _inputs(7, 256, 96, torch.bfloat16, "cpu", 0)
@@ -95,7 +96,23 @@ def test_what_the_vendor_route_takes(monkeypatch):
     assert not blas.norm_applies(meta, wm)  # a norm that is not folded: the Triton GEMM scales x
     assert not blas.plain_applies(meta, wm.float()) and not blas.plain_applies(meta.float(), wm.float())
     assert not blas.plain_applies(meta, MxFp8Weight.quantize(w))
+    monkeypatch.setattr(blas, "MM_OUT_DTYPE", False)  # an older torch: mm without out_dtype
+    assert not blas.norm_applies(meta, NormFolded(wm, torch.empty(256, dtype=torch.bfloat16, device="meta")))
+    assert blas.plain_applies(meta, wm)
+    monkeypatch.setattr(blas, "MM_OUT_DTYPE", True)
     monkeypatch.setattr(blas, "NORM_MIN_ROWS", 9)
     monkeypatch.setattr(blas, "PLAIN_MIN_ROWS", 9)
     assert not blas.norm_applies(meta, NormFolded(wm, torch.empty(256, dtype=torch.bfloat16, device="meta")))
     assert not blas.plain_applies(meta, wm)  # 8 rows, below the threshold
+
+
+def test_the_out_dtype_probe(monkeypatch):
+    """An mm without out_dtype (torch before it had one) makes the probe say no, rather than the
+    folded-norm route failing inside a step."""
+    assert isinstance(blas.MM_OUT_DTYPE, bool)
+
+    def old_mm(a, b, *, out=None):
+        return a @ b
+
+    monkeypatch.setattr(torch, "mm", old_mm)
+    assert blas._mm_has_out_dtype() is False
