@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark_sidecar.kernels.triton import gemm
+from dspark_sidecar.kernels.triton.runtime import nvidia_of
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
 # Tunables, read by the *_applies checks: the vendor GEMM from this many rows (0: never).
@@ -47,9 +48,10 @@ MM_OUT_DTYPE = _mm_has_out_dtype()
 
 
 def _dense(x: torch.Tensor, w) -> bool:
-    # NVIDIA only: hipBLASLt on gfx950 has not been measured against the Triton GEMM (nor torch.mm's
-    # fp32 output checked there), so ROCm keeps the Triton GEMMs.
-    return (isinstance(w, torch.Tensor) and not isinstance(w, MxFp8Weight) and x.is_cuda and torch.version.hip is None
+    # NVIDIA, compiled (runtime.nvidia_of: not ROCm, not the interpreter). hipBLASLt on gfx950 has
+    # not been measured against the Triton GEMM (nor torch.mm's fp32 output checked there), so ROCm
+    # keeps the Triton GEMMs.
+    return (isinstance(w, torch.Tensor) and not isinstance(w, MxFp8Weight) and nvidia_of(x)
             and w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16))
 
 

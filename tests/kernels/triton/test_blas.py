@@ -89,7 +89,7 @@ def test_what_the_vendor_route_takes(monkeypatch):
     x, w, nw, _ = _inputs(7, 256, 96, torch.bfloat16, "cpu", 0)
     assert not blas.plain_applies(x, w) and not blas.norm_applies(x, NormFolded.fold(w, nw))
     meta = torch.empty(8, 256, dtype=torch.bfloat16, device="meta")
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type == "meta"))
+    monkeypatch.setattr(blas, "nvidia_of", lambda t: t.device.type == "meta")  # meta tensors stand for a GPU's
     wm = torch.empty(96, 256, dtype=torch.bfloat16, device="meta")
     assert blas.plain_applies(meta, wm)
     assert blas.norm_applies(meta, NormFolded(wm, torch.empty(256, dtype=torch.bfloat16, device="meta")))
