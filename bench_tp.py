@@ -3,10 +3,15 @@
 Each engine rank binds its KV shard on its own GPU to its sidecar rank and runs the same steps
 over the data plane; the ranks start every step together (a gloo barrier, outside the timing).
 Reported beside it, measured on the same machine: rank 0's shard on one GPU with no exchange
-(mode d of `bench` with --shard-of N), and the time of the step's 10 all-reduces of [7R, hidden]
-over NCCL between the engine processes' GPUs, i.e. the partial-sum exchange's share. The
-all-reduces run as the sidecar runs them: inside one CUDA graph, timed by CUDA events (eager
-launches timed from the host cost about 4x more: BENCHMARKS.md run 43).
+(modes c and d of `bench` with --shard-of N) and its HBM floor, and the time of the step's 10
+all-reduces of [7R, hidden] over NCCL between the engine processes' GPUs, i.e. the partial-sum
+exchange's share. The all-reduces run as the sidecar runs them: inside one CUDA graph, timed by
+CUDA events (eager launches timed from the host cost about 4x more: BENCHMARKS.md run 43).
+
+Parity: after each case's timed steps the engine ranks run the same step through the reference
+layers at TP N themselves (their own all-reduce), on a copy of the KV cache taken before the
+case, and compare the sidecar's hidden states and the block K/V it wrote. On CPU (gloo, the
+reference ops on both sides) the two must be bit-identical; that run is what the CPU test drives.
 """
 
 from __future__ import annotations
@@ -28,9 +33,25 @@ from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+from dspark_sidecar.drafter.model import DSparkDrafter
+from dspark_sidecar.drafter.parallel import DistExchange, ParallelContext
+from dspark_sidecar.kernels.ops import REFERENCE_OPS
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# bf16 activations rounded at every op boundary through 5 layers, the GPU backend's roundings
+# placed where its fused kernels put them: ~1e-2 relative to the bf16 reference is expected
+# (the single-GPU test_dataplane_gpu bound; fp32 lands well inside it). On CPU both sides run
+# the reference ops, so the bound there is 0.
+PARITY_RTOL = 3e-2
 
 
-def _engine_rank(rank: int, world: int, bc: BenchConfig, target_dir: str, store: str, out: str) -> None:
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, target_dir: str, store: str,
+                 out: str) -> None:
     import grpc
 
     from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
@@ -38,18 +59,28 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, target_dir: str, store:
     from dspark_sidecar.proto import sidecar_pb2 as pb
     from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
+    cuda = device_type == "cuda"
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    nccl = dist.new_group(backend="nccl")
+    group = dist.new_group(backend="nccl") if cuda else None  # the partial sums' group (gloo on CPU)
     cfg = load_config(bc.preset)
-    dtype = torch.bfloat16
+    dtype = DTYPES[bc.dtype]
     page = bc.page_size
     pages = max(bc.reqs) * scenario.pages_needed(max(bc.contexts) + layout.QPR, page)
     shape = kv_layer_shape(cfg, world, pages, page)
-    kv = [torch.randn(shape, device=dev).to(dtype) for _ in range(cfg.num_hidden_layers)]
-    embed = SyntheticSource(cfg, dtype, dev, bc.seed).read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
+    gen = torch.Generator(dev).manual_seed(bc.seed + 101 * rank)  # this rank's KV head: committed context
+    shm = [memory.shm_empty(shape, dtype) for _ in range(cfg.num_hidden_layers)] if not cuda else []
+    kv = [t.tensor for t in shm] or [torch.empty(shape, device=dev, dtype=dtype)
+                                     for _ in range(cfg.num_hidden_layers)]
+    for t in kv:
+        t.copy_(torch.randn(shape, generator=gen, device=dev))
+    source = SyntheticSource(cfg, dtype, dev, bc.seed)  # the weights the sidecar drew (--random-weights)
+    embed = source.read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
+    ref = DSparkDrafter(cfg, ParallelContext(rank, world, DistExchange(group)), REFERENCE_OPS, dtype,
+                        dev).load(source)
     stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(f"unix:{target_dir}/rank{rank}.sock"))
     facts = pb.EngineFacts(engine_rank=rank, tp_size=world, dp_size=1, pp_size=1, speculative_method="dspark",
                            num_speculative_tokens=7, device=str(dev))
@@ -59,39 +90,70 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, target_dir: str, store:
     max_pages = scenario.pages_needed(max(bc.contexts) + layout.QPR, page)
     bufs = StepBuffers(stub, cfg.hidden_size, max(bc.reqs), max_pages, dtype, dev)
     bell = DoorbellChannel(stub, dev)
+    sync = torch.cuda.synchronize if cuda else (lambda _dev: None)
     results = []
     step_id = 0
     for ctx in bc.contexts:
         for R in bc.reqs:
             case = scenario.random_step(cfg, [ctx] * R, page, pages, embed, seed=R * 7 + ctx)  # same on every rank
-            embeds = case.inputs_embeds.to(dev)
+            embeds, positions, meta = case.inputs_embeds.to(dev), case.positions.to(dev), case.meta.to(dev)
+            kv_before = [t.clone() for t in kv]
             times, errors = [], 0
             for i in range(bc.repeats + 3):
                 step_id += 1
                 req = pb.DraftStepRequest(step_id=step_id, binding_id=b.binding_id, binding_generation=b.generation,
                                           num_requests=R)
-                bufs.fill(req, embeds, case.positions, case.meta)
+                hidden = bufs.fill(req, embeds, case.positions, case.meta)
                 dist.barrier()
                 t = time.perf_counter()
                 bell.send(req)
                 resp = bell.wait(step_id, 60.0)
-                torch.cuda.synchronize(dev)
+                sync(dev)
                 if i >= 3:
                     times.append((time.perf_counter() - t) * 1e3)
                 errors += resp is None or resp.HasField("error")
-            ar = _time_exchange(torch.zeros(layout.QPR * R, cfg.hidden_size, device=dev, dtype=dtype), nccl,
-                                2 * cfg.num_hidden_layers, bc.repeats)
-            results.append({"R": R, "context": ctx, "p50_ms": statistics.median(times), "errors": errors,
-                            "allreduce10_p50_ms": statistics.median(ar)})
+            got = hidden.clone()  # [7R, hidden]: the last step's answer (every repeat is the same step)
+            row = {"R": R, "context": ctx, "p50_ms": statistics.median(times), "errors": errors,
+                   **_parity(ref, group, embeds, positions, meta, kv_before, kv, got)}
+            x = torch.zeros(layout.QPR * R, cfg.hidden_size, device=dev, dtype=dtype)
+            ar = _time_exchange(x, group, 2 * cfg.num_hidden_layers, bc.repeats)
+            results.append({**row, "allreduce10_p50_ms": statistics.median(ar)})
     torch.save(results, Path(out) / f"rank{rank}.pt")
     bell.close()
     bufs.close()
+    for t in shm:
+        t.close()
     dist.destroy_process_group()
+
+
+def _parity(ref: DSparkDrafter, group, embeds: torch.Tensor, positions: torch.Tensor, meta, kv_before: list,
+            kv: list, got: torch.Tensor) -> dict:
+    """The sidecar's answer against the reference layers at the same TP, run here (collective)."""
+    want = ref.draft_step(embeds, positions, meta, kv_before)  # writes the block K/V into kv_before
+    slots = meta.slot_mapping
+
+    def block(t: torch.Tensor) -> torch.Tensor:  # [2, pages, page, kv_heads, d] -> the step's rows
+        return t.reshape(2, -1, *t.shape[3:])[:, slots]
+
+    first = got.clone()  # every rank's hidden state must be rank 0's, bit for bit (one summation order)
+    dist.broadcast(first, 0, group=group)
+    return {"hidden_rel_l2": rel_l2(got, want), "kv_rel_l2": max(rel_l2(block(a), block(w)) for a, w in zip(kv, kv_before)),
+            "ranks_agree": bool(torch.equal(first, got))}
 
 
 def _time_exchange(x: torch.Tensor, group, count: int, repeats: int) -> list[float]:
     """ms of `count` all-reduces of x in a row (the step's o_proj and down_proj exchanges), in one CUDA
-    graph as the sidecar's step graphs hold them; the ranks start each replay together (gloo barrier)."""
+    graph as the sidecar's step graphs hold them; the ranks start each replay together (gloo barrier).
+    On CPU (gloo, no graphs) they are timed eagerly from the host."""
+    if x.device.type != "cuda":
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(count):
+                dist.all_reduce(x, group=group)
+            times.append((time.perf_counter() - t) * 1e3)
+        return times
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # the communicator's first use, outside the capture
@@ -116,43 +178,59 @@ def _time_exchange(x: torch.Tensor, group, count: int, repeats: int) -> list[flo
     return times
 
 
-def run_tp_bench(bc: BenchConfig, tp: int, single_gpu: bool = True) -> dict:
+def run_tp_bench(bc: BenchConfig, tp: int, single_gpu: bool = True, device_type: str = "cuda") -> dict:
     """Per-step time of the TP-N sidecar from N engine ranks, against one GPU's shard and the exchange."""
-    if torch.cuda.device_count() < tp:
+    if device_type == "cuda" and torch.cuda.device_count() < tp:
         raise SystemExit(f"--tp {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
     from dspark_sidecar.bench import run_bench
 
-    single = run_bench(BenchConfig(**{**bc.__dict__, "modes": ("d",), "shard_of": tp,
-                                      "out_dir": bc.out_dir / "single-gpu"}), torch.device("cuda", 0)) \
+    modes = ("c", "d") if device_type == "cuda" else ("d",)
+    single = run_bench(BenchConfig(**{**bc.__dict__, "modes": modes, "shard_of": tp,
+                                      "out_dir": bc.out_dir / "single-gpu"}),
+                       torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")) \
         if single_gpu else {"rows": []}
     work = Path(tempfile.mkdtemp(prefix="dspark-tp-bench-"))
-    side = SidecarUnderTest(bc, torch.device("cuda"), work, tp=tp)
+    side = SidecarUnderTest(bc, torch.device(device_type), work, tp=tp)
     try:
-        mp.start_processes(_engine_rank, args=(tp, bc, str(side.sock), str(work / "store"), str(work)), nprocs=tp,
-                           start_method="spawn")
+        mp.start_processes(_engine_rank, args=(tp, bc, device_type, str(side.sock), str(work / "store"), str(work)),
+                           nprocs=tp, start_method="spawn")
         per_rank = [torch.load(work / f"rank{r}.pt") for r in range(tp)]
-        return _report(bc, tp, per_rank, single)
+        name = torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu"
+        tol = PARITY_RTOL if device_type == "cuda" else 0.0  # on CPU both sides run the reference ops
+        return _report(bc, tp, per_rank, single, name, tol)
     finally:
         side.close()
 
 
-def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict) -> dict:
-    """Rows are printed and written as soon as the engine ranks finish (before the sidecar stops)."""
+def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str, tol: float) -> dict:
+    """Rows are printed and written as soon as the engine ranks finish (before the sidecar stops).
+    A case passes parity when every rank answered, agreed with rank 0 bit for bit, and stayed
+    within `tol` (relative L2) of the reference in hidden states and block K/V."""
     rows = []
     for i, r0 in enumerate(per_rank[0]):
         step = max(p[i]["p50_ms"] for p in per_rank)
-        one = next((x for x in single["rows"] if x["R"] == r0["R"] and x["context"] == r0["context"]), {})
+        same = [x for x in single["rows"] if x["R"] == r0["R"] and x["context"] == r0["context"]]
+        by_mode = {x["mode"]: x for x in same}
+        one, inproc = by_mode.get("d", {}), by_mode.get("c", {})
+        floor = one.get("floor_ms")
         ar = max(p[i]["allreduce10_p50_ms"] for p in per_rank)
+        hid, kv = max(p[i]["hidden_rel_l2"] for p in per_rank), max(p[i]["kv_rel_l2"] for p in per_rank)
         row = {"R": r0["R"], "context": r0["context"], "tp_step_p50_ms": step,
-               "single_gpu_shard_p50_ms": one.get("p50_ms"), "exchange_10x_allreduce_ms": ar,
-               "exchange_share": ar / step, "errors": sum(p[i]["errors"] for p in per_rank)}
+               "single_gpu_shard_p50_ms": one.get("p50_ms"), "single_gpu_backend_inprocess_p50_ms": inproc.get("p50_ms"),
+               "floor_ms": floor, "x_floor": step / floor if floor else None,
+               "exchange_10x_allreduce_ms": ar, "exchange_share": ar / step,
+               "errors": sum(p[i]["errors"] for p in per_rank), "hidden_rel_l2": hid, "kv_rel_l2": kv,
+               "ranks_agree": all(p[i]["ranks_agree"] for p in per_rank), "parity_rtol": tol}
+        row["parity_ok"] = hid <= tol and kv <= tol and row["ranks_agree"] and row["errors"] == 0
         rows.append(row)
-        print(f"TP {tp}: R={row['R']:>2} ctx={row['context']:>5}  step p50 {step:8.3f} ms  single-GPU shard "
-              f"{row['single_gpu_shard_p50_ms'] or float('nan'):8.3f} ms  10 all-reduces (graphed) {ar:.3f} ms "
-              f"({100 * row['exchange_share']:.0f}% of the step)  errors {row['errors']}", flush=True)
-    report = {"tp": tp, "device": torch.cuda.get_device_name(0), "rows": rows}
+        nan = float("nan")
+        print(f"TP {tp}: R={row['R']:>2} ctx={row['context']:>5}  step p50 {step:8.3f} ms  "
+              f"{row['x_floor'] or nan:5.2f}x floor ({floor or nan:.3f} ms)  single-GPU shard "
+              f"{row['single_gpu_shard_p50_ms'] or nan:8.3f} ms (in-process {inproc.get('p50_ms') or nan:.3f})  "
+              f"10 all-reduces {ar:.3f} ms ({100 * row['exchange_share']:.0f}% of the step)  errors {row['errors']}  "
+              f"parity: hidden {hid:.2e} K/V {kv:.2e} ranks agree {row['ranks_agree']} "
+              f"-> {'ok' if row['parity_ok'] else 'FAIL'}", flush=True)
+    report = {"tp": tp, "device": device, "exchange": "eager gloo" if device == "cpu" else "graphed NCCL",
+              "rows": rows}
     (bc.out_dir / f"bench-tp{tp}.json").write_text(json.dumps(report, indent=1))
     return report
-
-
-

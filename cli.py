@@ -189,8 +189,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from dspark_sidecar.bench_tp import run_tp_bench
 
         bc.out_dir.mkdir(parents=True, exist_ok=True)
-        run_tp_bench(bc, a.tp, a.single_gpu)
-        return 0
+        report = run_tp_bench(bc, a.tp, a.single_gpu, device.type)
+        bad = [r for r in report["rows"] if not r["parity_ok"]]
+        print(f"wrote {a.out_dir / f'bench-tp{a.tp}.json'}; parity "
+              + (f"FAILED in {len(bad)} of {len(report['rows'])} cases" if bad else "ok in every case"))
+        return 1 if bad else 0
     report = run_bench(bc, device)
     print(f"device {report['device']}, copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s; "
           f"wrote {a.out_dir / 'bench.json'}")
@@ -247,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="d/f: the engine's embeddings are copied into the registered input region every step")
     bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
     bp.add_argument("--tp", type=int, default=1,
-                    help="N > 1: the sidecar at TP N on N GPUs, driven by N engine ranks over the data plane")
+                    help="N > 1: the sidecar at TP N on N GPUs (N CPU ranks with --device cpu), driven by N engine ranks "
+                         "over the data plane, checked against the reference layers at TP N")
     bp.add_argument("--no-single-gpu", dest="single_gpu", action="store_false",
                     help="with --tp N: skip the one-GPU shard baseline")
     a = ap.parse_args(argv)
