@@ -98,7 +98,7 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
             case = scenario.random_step(cfg, [ctx] * R, page, pages, embed, seed=R * 7 + ctx)  # same on every rank
             embeds, positions, meta = case.inputs_embeds.to(dev), case.positions.to(dev), case.meta.to(dev)
             kv_before = [t.clone() for t in kv]
-            times, errors = [], 0
+            times, errors, early = [], 0, 0
             for i in range(bc.repeats + 3):
                 step_id += 1
                 req = pb.DraftStepRequest(step_id=step_id, binding_id=b.binding_id, binding_generation=b.generation,
@@ -111,9 +111,11 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
                 sync(dev)
                 if i >= 3:
                     times.append((time.perf_counter() - t) * 1e3)
+                    early += resp is not None and resp.timings.prelaunched
                 errors += resp is None or resp.HasField("error")
             got = hidden.clone()  # [7R, hidden]: the last step's answer (every repeat is the same step)
             row = {"R": R, "context": ctx, "p50_ms": statistics.median(times), "errors": errors,
+                   "prelaunched_share": early / len(times),
                    **_parity(ref, group, embeds, positions, meta, kv_before, kv, got)}
             x = torch.zeros(layout.QPR * R, cfg.hidden_size, device=dev, dtype=dtype)
             ar = _time_exchange(x, group, 2 * cfg.num_hidden_layers, bc.repeats)
@@ -220,6 +222,7 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str,
                "floor_ms": floor, "x_floor": step / floor if floor else None,
                "exchange_10x_allreduce_ms": ar, "exchange_share": ar / step,
                "errors": sum(p[i]["errors"] for p in per_rank), "hidden_rel_l2": hid, "kv_rel_l2": kv,
+               "prelaunched_share": min(p[i].get("prelaunched_share", 0.0) for p in per_rank),
                "ranks_agree": all(p[i]["ranks_agree"] for p in per_rank), "parity_rtol": tol}
         row["parity_ok"] = hid <= tol and kv <= tol and row["ranks_agree"] and row["errors"] == 0
         rows.append(row)
@@ -227,7 +230,8 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str,
         print(f"TP {tp}: R={row['R']:>2} ctx={row['context']:>5}  step p50 {step:8.3f} ms  "
               f"{row['x_floor'] or nan:5.2f}x floor ({floor or nan:.3f} ms)  single-GPU shard "
               f"{row['single_gpu_shard_p50_ms'] or nan:8.3f} ms (in-process {inproc.get('p50_ms') or nan:.3f})  "
-              f"10 all-reduces {ar:.3f} ms ({100 * row['exchange_share']:.0f}% of the step)  errors {row['errors']}  "
+              f"10 all-reduces {ar:.3f} ms ({100 * row['exchange_share']:.0f}% of the step)  "
+              f"pre-launched {100 * row['prelaunched_share']:.0f}%  errors {row['errors']}  "
               f"parity: hidden {hid:.2e} K/V {kv:.2e} ranks agree {row['ranks_agree']} "
               f"-> {'ok' if row['parity_ok'] else 'FAIL'}", flush=True)
     report = {"tp": tp, "device": device, "exchange": "eager gloo" if device == "cpu" else "graphed NCCL",

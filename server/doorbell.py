@@ -13,8 +13,8 @@ use the page's GPU word, the next step is queued on the GPU before it is even ru
 
 from __future__ import annotations
 
-import functools
 import logging
+import os
 import threading
 import time
 
@@ -30,6 +30,15 @@ from dspark_sidecar.server.rank import RankLoop
 
 log = logging.getLogger("dspark_sidecar.server")
 HALT_POLL_S = 0.05  # how often an idle doorbell looks at its halt flag
+
+
+def _flag_exchange(world: int):
+    """TP > 1: the queued steps' flags, all-reduced (MAX) over the rank's group (server/prelaunch.py)."""
+    if world == 1:
+        return None
+    import torch.distributed as dist
+
+    return lambda flags: dist.all_reduce(flags, op=dist.ReduceOp.MAX)
 
 
 class Doorbell(threading.Thread):
@@ -55,7 +64,8 @@ class Doorbell(threading.Thread):
             try:
                 with torch.cuda.device(device):
                     self.prelaunch = Prelaunch(word_ops, self.page, page.storage.data_ptr(), loop.graphs, window,
-                                               loop.ctx.metrics.prelaunch)
+                                               loop.ctx.metrics.prelaunch, exchange=_flag_exchange(loop.ctx.world),
+                                               device=device, max_reqs=loop.ctx.max_reqs)
             except GpuWordError as err:
                 log.warning("doorbell: steps are not pre-launched: %s", err)
             else:
@@ -120,6 +130,11 @@ class Doorbell(threading.Thread):
             with self.loop.exclusive(quiesce=False):
                 self.prelaunch.after(seq, resp)
         except Exception:  # noqa: BLE001  (steps still run the ordinary way: stop pre-launching, say why)
+            if self.loop.ctx.world > 1:
+                # Every peer queued this step (the verdict): one rank without it would pair their
+                # queued collectives with its next ordinary step. Like a failed launch (rank.py).
+                log.exception("doorbell: could not pre-launch the next step at TP %d; exiting", self.loop.ctx.world)
+                os._exit(3)
             log.exception("doorbell: could not pre-launch the next step; steps are no longer pre-launched")
             self._drop_prelaunch()
 
@@ -139,7 +154,7 @@ class Doorbell(threading.Thread):
         else:
             if self.input_event is not None:
                 self._stream.wait_event(self.input_event)
-            hook = functools.partial(self.prelaunch.take, seq, req) if self.prelaunch is not None else None
+            hook = self.prelaunch.hook(seq, req) if self.prelaunch is not None else None
             resp = self.loop.answer_now(req, hook)
             if self.output_event is not None:
                 self.output_event.record(self._stream)

@@ -21,8 +21,19 @@ ordinary way after it, on the same stream.
 A queued wait blocks the sidecar's stream until it is released, so nothing else may use the
 device while one is pending: every other entry to the device (gRPC steps, bindings, the
 doorbell's own misses, stopping) first calls `release`, which stores a word with SKIP_KEY
-(the wait passes, the program makes the step a no-op). World size 1 only: with peers, a
-release on one rank would leave the others' graphs exchanging partial sums with a no-op.
+(the wait passes, the program makes the step a no-op).
+
+At TP > 1 the queued graphs exchange partial sums with each other, so three things are agreed
+(server/rendezvous.py offers): every rank queues step s+1 or none does (QUEUE_NEXT, in step
+s's rendezvous); every rank answers from its queued copy or none does (QUEUED, posted once this
+rank's copy has started); and on the GPU, between the program and the graph, the ranks
+all-reduce their flags and a gate makes every request that any rank refused a no-op on every
+rank (kernels/triton/step_meta.py), so no rank writes K/V computed with a peer's no-op sums.
+That exchange is captured in a small CUDA graph of its own: a queued collective may wait for an
+idle engine far longer than NCCL's watchdog allows work it launched eagerly. A queued graph
+enters its collectives as soon as its own engine rank rings, before the rendezvous: a peer
+whose engine never rings keeps it waiting inside them until that peer releases (its next step,
+binding or stop), which every rank of a lockstep engine does.
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark_sidecar.kernels.triton.step_meta import FLAG_RAN, step_meta
+from dspark_sidecar.kernels.triton.step_meta import FLAG_RAN, step_gate, step_meta
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.gpu_word import DevicePointer, GpuWordOps, RegisteredPage
@@ -67,11 +78,20 @@ class Prelaunch:
     """One doorbell's queued step: at most one at a time, on the graphs' stream (see the module docstring)."""
 
     def __init__(self, ops: GpuWordOps, page: bell.Page, page_ptr: int, graphs: StepGraphs, window: int,
-                 count=lambda hit: None, event=torch.cuda.Event, program=step_meta) -> None:
+                 count=lambda hit: None, event=torch.cuda.Event, program=step_meta, exchange=None,
+                 gate=step_gate, capture=None, device: torch.device | str = "cpu", max_reqs: int = 256) -> None:
         """count(hit): told each time a queued step is used or released unused (metrics).
-        event, program: the CUDA event class and the metadata program (tests pass CPU stand-ins)."""
+        exchange(t): TP > 1, the ranks' all-reduce MAX of int32 flags t on the current stream; None on one rank.
+        device, max_reqs: where the flags are exchanged (the rank's GPU), and for up to how many requests.
+        event, program, gate, capture: the CUDA event class, the metadata program, the flags' gate and
+        how a function becomes a replayable graph (tests pass CPU stand-ins)."""
         self.ops, self.page, self.graphs, self.window, self._count = ops, page, graphs, window, count
-        self._event, self._program = event, program
+        self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
+        self._capture = capture or _capture_graph
+        self._agreements: dict[int, tuple] = {}  # id(step graph) -> (step graph, replay of exchange + gate)
+        self._dev_flags = None
+        if exchange is not None:  # the program's flags before the exchange: the device's own memory
+            self._dev_flags = torch.zeros(max_reqs, dtype=torch.int32, device=device)
         self._header = RegisteredPage(ops, page_ptr)
         self._word = DevicePointer(self._header.device_ptr + bell.GPU_WORD_OFFSET, torch.int64)
         # The program's flag lives in a page of our own, registered like the header: the host
@@ -85,22 +105,49 @@ class Prelaunch:
         self.queued: _Queued | None = None
         self._last: tuple | None = None  # (launch key, layout token, R) of the last step served
         self._streak = 0
-        self._served: tuple | None = None  # (seq, key, step) the hook saw during the current step
+        self._served: tuple | None = None  # (seq, key, step, graph) offered during the current step
+        self._accepted = False  # the queued step is the current one and ran (offer's local view)
+        self._queue_next = False  # the verdict's QUEUE_NEXT for the current step (take)
         self.hits = self.misses = 0
         self.cooldown = 0  # steps left before queueing again (BEHIND_S)
         self._next_cooldown = COOLDOWN
 
     # During a step (RankLoop's hook, under its lock) -----------------------------------------
-    def take(self, seq: int, req: pb.DraftStepRequest, step: Step) -> torch.Tensor | None:
-        """The queued step's hidden states [n, hidden] if it was this step and both sides accept it; else
-        None after releasing the queued work (the caller runs the step the ordinary way, after it)."""
-        self._served = (seq, req.launch_key, step)
+    def hook(self, seq: int, req: pb.DraftStepRequest) -> "StepHook":
+        """What the rank loop calls during doorbell step `seq` (server/rank.py)."""
+        return StepHook(self, seq, req)
+
+    def offer(self, seq: int, req: pb.DraftStepRequest, step: Step) -> tuple[bool, bool]:
+        """Before the rendezvous: (the queued step is this one and ran, this rank would queue the next).
+
+        The first waits until the queued copy has started on the GPU (at TP > 1: until every rank's
+        has, and their flags are exchanged); nothing is released here, `take` does what was agreed.
+        """
+        graph = self.graphs.captured(step.inputs_embeds, step.num_reqs, step.kv.layers)
+        self._served, self._queue_next = (seq, req.launch_key, step, graph), False
+        q = self.queued
+        same = (q is not None and q.seq == seq and q.key == req.launch_key and q.token is step.positions
+                and q.graph is graph)
+        self._accepted = same and self._waited_ready() and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all())
+        last = self._last
+        # The same layout: the same key and the very same cached views (validate.py); never `==` on tensors.
+        repeat = last is not None and last[0] == req.launch_key and last[1] is step.positions and last[2] == step.num_reqs
+        streak = self._streak + 1 if repeat else 1
+        host_side = all(t.device.type == "cpu" for t in (step.positions, step.meta.seq_lens,
+                                                          step.meta.block_tables, step.meta.slot_mapping))
+        # host_side: the program reads the engine's host region; cooldown: see BEHIND_S.
+        nxt = bool(req.launch_key) and streak >= STREAK and graph is not None and host_side and not self.cooldown
+        return self._accepted, nxt
+
+    def take(self, queued: bool, queue_next: bool) -> torch.Tensor | None:
+        """After GO, with the verdict's QUEUED and QUEUE_NEXT: the queued step's hidden states [n, hidden]
+        if every rank answers from its copy; else None after releasing it (the caller runs the step
+        the ordinary way, after it, on the same stream)."""
+        self._queue_next = queue_next
         q, self.queued = self.queued, None
         if q is None:
             return None
-        same = (q.seq == seq and q.key == req.launch_key and q.token is step.positions
-                and q.graph is self.graphs.captured(step.inputs_embeds, step.num_reqs, step.kv.layers))
-        if same and self._waited_ready() and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all()):
+        if queued and self._accepted:
             self.hits += 1
             self._count(True)
             return q.graph.out
@@ -113,7 +160,8 @@ class Prelaunch:
         while not self._ready.query():
             now = time.perf_counter()
             if now > start + READY_TIMEOUT_S:
-                log.warning("prelaunch: step rung but its GPU word never arrived; running it the ordinary way")
+                log.warning("prelaunch: step rung but its GPU word (or, at TP > 1, a peer's) never arrived; "
+                            "running it the ordinary way")
                 return False
             bell.pause(0.0)
         if time.perf_counter() - start > BEHIND_S:  # the engine's GPU was far behind its host: see BEHIND_S
@@ -132,24 +180,26 @@ class Prelaunch:
             self.queued = None
 
     def after(self, seq: int, resp: pb.DraftStepResponse) -> None:
-        """After the answer: queue step seq+1 if this layout has a streak."""
+        """After the answer: queue step seq+1 if the verdict said so (every rank does the same)."""
         self.settle()
         served, self._served = self._served, None
-        if served is None or served[0] != seq or resp.HasField("error") or not served[1]:
+        go, self._queue_next = self._queue_next, False
+        if served is None or served[0] != seq:
             self._last, self._streak = None, 0
             return
-        _, key, step = served
-        last = self._last
-        # The same layout: the same key and the very same cached views (validate.py); never `==` on tensors.
-        same = last is not None and last[0] == key and last[1] is step.positions and last[2] == step.num_reqs
-        self._streak = self._streak + 1 if same else 1
-        self._last = (key, step.positions, step.num_reqs)
-        graph = self.graphs.captured(step.inputs_embeds, step.num_reqs, step.kv.layers)
-        host_side = all(t.device.type == "cpu" for t in (step.positions, step.meta.seq_lens,
-                                                          step.meta.block_tables, step.meta.slot_mapping))
+        _, key, step, graph = served
+        if resp.HasField("error") or not key:
+            self._last, self._streak = None, 0
+        else:
+            last = self._last
+            same = last is not None and last[0] == key and last[1] is step.positions and last[2] == step.num_reqs
+            self._streak = self._streak + 1 if same else 1
+            self._last = (key, step.positions, step.num_reqs)
         if self.cooldown:
             self.cooldown -= 1
-        elif self._streak >= STREAK and graph is not None and host_side:  # the program reads host memory
+        # Queued whatever this rank's own answer was: its peers queue too (the verdict), and a queued
+        # step that turns out not to be the next one is released, its collectives paired with theirs.
+        if go and graph is not None:
             self._queue(seq + 1, key, step, graph)
 
     def _queue(self, seq: int, key: int, step: Step, graph) -> None:
@@ -157,11 +207,15 @@ class Prelaunch:
                                                    step.meta.slot_mapping))
         stream = self.graphs.stream
         self._flag_host[: step.num_reqs] = 0
+        agree = self._agreement(graph, step.num_reqs) if self._exchange is not None else None
         self.ops.wait_geq(stream.cuda_stream, self._word.address, bell.gpu_word(seq, 0))
         try:
-            self._program(self._word, bell.gpu_word(seq, key), src, graph.views, self._flag,
+            self._program(self._word, bell.gpu_word(seq, key), src, graph.views,
+                          self._flag if agree is None else self._dev_flags,
                           num_reqs=step.num_reqs, width=step.meta.block_tables.shape[1],
                           page_size=step.kv.page_size, window=self.window, num_pages=step.kv.num_pages)
+            if agree is not None:
+                agree()  # every rank's flags, MAX; the gate writes them to the host's page
             self._ready.record(stream)
             graph.graph.replay()
             done = self._event()
@@ -170,6 +224,22 @@ class Prelaunch:
             self._pass(seq)  # the wait is queued: pass it, or the stream stays blocked behind a step nobody runs
             raise
         self.queued = _Queued(seq, key, step.positions, graph, done)
+
+    def _agreement(self, graph, R: int):
+        """The replay of [all-reduce MAX of the R flags, gate] for this step graph, captured on first use
+        (every rank reaches it at the same queued step: QUEUE_NEXT is agreed)."""
+        got = self._agreements.get(id(graph))
+        if got is None or got[0] is not graph:
+            flags = self._dev_flags[:R]
+
+            def agree() -> None:
+                self._exchange(flags)
+                self._gate(self._dev_flags, self._flag, graph.views[2], R)
+
+            if len(self._agreements) >= 64:  # graphs of bindings gone (graphs.py drops them on a rebind)
+                self._agreements.clear()
+            got = self._agreements[id(graph)] = (graph, self._capture(agree))
+        return got[1]
 
     def _device_view(self, t: torch.Tensor) -> DevicePointer:
         """The device address of a host view into a registered region (registered here on first use)."""
@@ -213,3 +283,25 @@ class Prelaunch:
         self._header.close()
         del self._flag_host
         self._flag_buf.close()
+
+
+class StepHook:
+    """One doorbell step's view of the pre-launch, for the rank loop (server/rank.py)."""
+
+    def __init__(self, pl: Prelaunch, seq: int, req: pb.DraftStepRequest) -> None:
+        self.pl, self.seq, self.req = pl, seq, req
+
+    def offer(self, step: Step) -> tuple[bool, bool]:
+        return self.pl.offer(self.seq, self.req, step)
+
+    def take(self, queued: bool, queue_next: bool) -> torch.Tensor | None:
+        return self.pl.take(queued, queue_next)
+
+
+def _capture_graph(fn):
+    """fn captured in a CUDA graph, returned as its replay. Collectives in a graph replay are not
+    tracked by NCCL's watchdog; launched eagerly, a queued one waiting for an idle engine would be."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    return graph.replay

@@ -61,6 +61,16 @@ class FastPath(Protocol):
         """embeds [n, hidden], positions int64 [n], meta on the rank's device -> hidden [n, hidden]."""
 
 
+class Queued(Protocol):
+    """A doorbell step's copy that may already be queued on the GPU (server/prelaunch.StepHook)."""
+
+    def offer(self, step: Step) -> tuple[bool, bool]:
+        """Before the rendezvous: (the queued copy is this step and ran, this rank would queue the next)."""
+
+    def take(self, queued: bool, queue_next: bool) -> torch.Tensor | None:
+        """After GO, with what every rank agreed: the copy's hidden states [n, hidden] if used, else None."""
+
+
 class RankLoop:
     """Steps run one at a time, in arrival order, so all ranks launch in the same order.
 
@@ -109,14 +119,12 @@ class RankLoop:
         except Exception as exc:  # noqa: BLE001  (every failure is answered, none ends the stream)
             return pb.DraftStepResponse(step_id=req.step_id, error=to_step_error(as_sidecar_error(exc)))
 
-    def answer_now(self, req: pb.DraftStepRequest,
-                   prelaunched: Callable[[Step], torch.Tensor | None] | None = None) -> pb.DraftStepResponse:
+    def answer_now(self, req: pb.DraftStepRequest, prelaunched: "Queued | None" = None) -> pb.DraftStepResponse:
         """The doorbell path: run on the calling thread, in one order with the worker's steps.
 
         Handing the step to the worker would cost a thread wake-up (tens of us) on every step of
         the latency-critical path; the lock keeps launches serialized all the same.
-        prelaunched: given the validated step, its hidden states if they are already queued on the
-        GPU (server/prelaunch.py), else None after clearing the way for the ordinary run.
+        prelaunched: the doorbell's queued copy of this step, if any (server/prelaunch.py).
         """
         expires = time.monotonic_ns() + req.deadline_ms * 1_000_000 if req.deadline_ms else 0
         t_enq = time.perf_counter_ns()
@@ -165,6 +173,11 @@ class RankLoop:
             step = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs)
         except SidecarError as err:
             own_error = err
+        fast = step is not None and self._fast_ready(step)
+        # A step the doorbell queued on the GPU (server/prelaunch.py): whether its copy ran, and whether
+        # to queue the next; the kernel fast path replaces the graphs, so it neither takes nor queues.
+        queued, queue_next = (prelaunched.offer(step) if prelaunched is not None and step is not None and not fast
+                              else (False, False))
         post = Post(
             step_id=req.step_id,
             generation=req.binding_generation,
@@ -174,7 +187,9 @@ class RankLoop:
             if step is not None and ctx.world > 1 else 0,
             valid=step is not None,
             expires_ns=expires_ns,
-            fast=step is not None and self._fast_ready(step),
+            fast=fast,
+            queued=queued,
+            queue_next=queue_next,
         )
         verdict = self.rendezvous.agree(post)
         t1 = time.perf_counter_ns()
@@ -189,7 +204,7 @@ class RankLoop:
             raise SidecarError(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.ABORTED, verdict.reason,
                                "deadline_ms" if late else "", "DEADLINE" if late else "ABORTED")
         assert step is not None
-        hidden = prelaunched(step) if prelaunched is not None and not verdict.fast else None
+        hidden = prelaunched.take(verdict.queued, verdict.queue_next) if prelaunched is not None else None
         early = hidden is not None
         if hidden is None:
             hidden = self._execute(step, verdict.fast)

@@ -9,9 +9,11 @@ it has posted; the coordinator always decides within the deadline of the first p
 missing peer costs at most the deadline, and a collective is entered only after GO.
 
 Layout (int64 words): header [magic, world]; per rank a post slot
-[seq, step_id, generation, num_reqs, valid, digest, expires_ns, spare]; a ring of verdict records
-[seq, step_id, verdict, reason, rank_mask, launch_seq, covered_seq[0..world)]. `seq` words are
-seqlocks: odd while the writer fills the record, even when it is complete.
+[seq, step_id, generation, num_reqs, valid, digest, expires_ns, offers]; a ring of verdict records
+[seq, step_id, verdict, reason, rank_mask, launch_seq, agreed, covered_seq[0..world)]. `seq` words
+are seqlocks: odd while the writer fills the record, even when it is complete. `offers` and
+`agreed` are bit sets of FAST, QUEUED and QUEUE_NEXT: what each rank could do, and what every
+rank will do (a bit is agreed only when every rank offered it, and only with GO).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from dspark_sidecar.proto.doorbell import NAP_S, lower_timer_slack, pause
 MAGIC = 0x44535052  # "DSPR"
 SLOT = 8
 RING = 64
-GO, ABORT, GO_FAST = 1, 2, 3  # GO_FAST: go, and every rank can run the step on its fast path
+GO, ABORT = 1, 2
+# Offers, agreed only when every rank makes them: the kernel fast path (FlyDSL); the pre-launched
+# copy of this step that ran on the GPU (server/prelaunch.py); queueing the next step on the GPU.
+FAST, QUEUED, QUEUE_NEXT = 1, 2, 4
 # Abort reasons
 MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE = range(1, 8)
 
@@ -45,6 +50,12 @@ class Post:
     valid: bool
     expires_ns: int = 0  # time.monotonic_ns() (one clock for the whole node) past which it must not launch; 0: none
     fast: bool = False  # this rank can run the step on its kernel fast path (FlyDSL)
+    queued: bool = False  # this rank's pre-launched copy of this step ran (server/prelaunch.py)
+    queue_next: bool = False  # this rank would pre-launch the next step if this one goes
+
+    @property
+    def offers(self) -> int:
+        return FAST * self.fast | QUEUED * self.queued | QUEUE_NEXT * self.queue_next
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,16 @@ class Verdict:
     # Every rank runs the fast path, or none does: its kernels exchange partial sums with their
     # peers' kernels, so one rank on the portable layers would leave the others waiting forever.
     fast: bool = False
+    # Every rank answers from its pre-launched copy, or none does: the copies exchanged partial
+    # sums with each other, and the ordinary run that replaces a refused copy exchanges them again.
+    queued: bool = False
+    # Every rank pre-launches the next step, or none does: one rank's queued step alone would
+    # pair its collectives with a peer's ordinary step.
+    queue_next: bool = False
+
+    @staticmethod
+    def agreed(go: bool, reason: str, launch_seq: int, bits: int) -> Verdict:
+        return Verdict(go, reason, launch_seq, bool(bits & FAST), bool(bits & QUEUED), bool(bits & QUEUE_NEXT))
 
 
 def digest(*arrays) -> int:
@@ -86,7 +107,7 @@ class Board:
 
     def __init__(self, name: str, world: int, create: bool, untrack: bool = True) -> None:
         self.world = world
-        self.rec_len = 6 + world
+        self.rec_len = 7 + world
         words = 2 + world * SLOT + RING * self.rec_len
         if create:
             try:  # a board left by a crashed run of the same deployment
@@ -134,16 +155,16 @@ class Rendezvous:
         if self.board.world == 1:  # nobody to disagree with
             late = post.expires_ns and time.monotonic_ns() > post.expires_ns
             reason = INVALID if not post.valid else DEADLINE if late else 0
-            return Verdict(not reason, format_reason(post.step_id, reason, 1, self.deadline_ms) if reason else "", 0,
-                           post.fast and not reason)
+            return Verdict.agreed(not reason, format_reason(post.step_id, reason, 1, self.deadline_ms) if reason else "",
+                                  0, 0 if reason else post.offers)
         slot = self.board.slots[self.rank]
         self._seq += 2
         seq = self._seq
         slot[0] = seq - 1  # seqlock: writing
         slot[1:8] = (post.step_id, post.generation, post.num_reqs, int(post.valid), post.digest, post.expires_ns,
-                     int(post.fast))
+                     post.offers)
         slot[0] = seq
-        col = 6 + self.rank
+        col = 7 + self.rank
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
         ring = self.board.ring
         lower_timer_slack()
@@ -153,10 +174,11 @@ class Rendezvous:
                 before = ring[i, 0]
                 rec = ring[i].copy()
                 if before == ring[i, 0] == rec[0] and rec[0] % 2 == 0 and rec[col] == seq:
-                    go = rec[2] in (GO, GO_FAST)
-                    return Verdict(bool(go),
-                                   "" if go else format_reason(int(rec[1]), int(rec[3]), int(rec[4]), self.deadline_ms),
-                                   int(rec[5]), bool(rec[2] == GO_FAST))
+                    go = rec[2] == GO
+                    return Verdict.agreed(bool(go),
+                                          "" if go else format_reason(int(rec[1]), int(rec[3]), int(rec[4]),
+                                                                      self.deadline_ms),
+                                          int(rec[5]), int(rec[6]))
             if time.monotonic() > give_up:
                 # The coordinator (rank 0) is gone or stuck; this rank cannot know whether its
                 # peers launched, so it must not go on serving.
@@ -239,17 +261,20 @@ class Coordinator(threading.Thread):
             self._write(pending, step, ABORT, DEADLINE, late)
             return True
         self._launch_seq += 1
-        fast = all(pending[r][7] == 1 for r in range(world))
-        self._write(pending, step, GO_FAST if fast else GO, 0, 0)
+        agreed = FAST | QUEUED | QUEUE_NEXT
+        for r in range(world):
+            agreed &= int(pending[r][7])
+        self._write(pending, step, GO, 0, 0, agreed)
         return True
 
-    def _write(self, pending: dict[int, np.ndarray], step: int, verdict: int, reason: int, mask: int) -> None:
+    def _write(self, pending: dict[int, np.ndarray], step: int, verdict: int, reason: int, mask: int,
+               agreed: int = 0) -> None:
         rec = self.board.ring[self._next_rec % RING]
         self._next_rec += 1
         seq = int(rec[0]) + 2 if rec[0] % 2 == 0 else int(rec[0]) + 1
         rec[0] = seq - 1
-        rec[1:6] = (step, verdict, reason, mask, self._launch_seq)
-        rec[6:] = [int(pending[r][0]) if r in pending else 0 for r in range(self.board.world)]
+        rec[1:7] = (step, verdict, reason, mask, self._launch_seq, agreed)
+        rec[7:] = [int(pending[r][0]) if r in pending else 0 for r in range(self.board.world)]
         rec[0] = seq
         for r, post in pending.items():
             self._handled[r] = int(post[0])

@@ -59,8 +59,9 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                  parallel: pb.Parallel, weight_format: str, run_dir: Path | None = None,
                  prelaunch: bool = False) -> None:
         self.ctx, self.loop, self.life = ctx, loop, life
-        # Pre-launched doorbell steps (server/prelaunch.py): one rank only, on a GPU with graphs.
-        self.prelaunch = prelaunch and ctx.world == 1 and loop.graphs is not None
+        # Pre-launched doorbell steps (server/prelaunch.py): on a GPU with graphs; at TP > 1 the ranks
+        # agree on queueing and on answering from the queue at each step (server/rendezvous.py).
+        self.prelaunch = prelaunch and loop.graphs is not None
         self.limits, self.parallel, self.weight_format = limits, parallel, weight_format
         self.run_dir = run_dir  # where doorbell wake FIFOs go (the socket folder); None: polling only
         self.doorbell: Doorbell | None = None

@@ -117,3 +117,41 @@ def step_meta_reference(word: int, expect: int, positions: np.ndarray, seq_lens:
             pos_out[r] = rel[r] = np.arange(q)
             slot_out[r], lens[r], tab[r] = -1, q, 0
     return pos_out.reshape(-1), rel.reshape(-1), slot_out.reshape(-1), lens, tab, flags
+
+
+# TP > 1: every rank's verdict, before any rank's K/V writes ------------------------------------
+# A rank's queued step exchanges partial sums with its peers' queued steps. If one rank's
+# program made its step a no-op (its word not rung, or its copy invalid) while a peer's ran, the
+# peer's layers 1.. would sum real partials with the no-op's and write wrong K/V into the
+# engine's cache. So the ranks all-reduce (MAX) their flags right after the program (RAN is the
+# smallest flag), and this gate turns every request that some rank refused into no-op writes on
+# every rank. The agreed flags go to the host's page, which then decides with the same facts on
+# every rank.
+
+@triton.jit
+def _step_gate(agreed_ptr, flag_ptr, slot_out, Q: tl.constexpr, Q_PAD: tl.constexpr):
+    r = tl.program_id(0)
+    f = tl.load(agreed_ptr + r)
+    tl.store(flag_ptr + r, f)
+    j = tl.arange(0, Q_PAD)
+    refused = (j * 0 + f) != _RAN  # the request's flag, per row: a vector mask
+    tl.store(slot_out + r * Q + j, tl.full([Q_PAD], -1, tl.int64), mask=(j < Q) & refused)
+
+
+def step_gate(agreed, flags, slots, num_reqs: int) -> None:
+    """Queue the gate on the current stream: R programs.
+
+    agreed: int32 [>= R], the ranks' flags after an all-reduce MAX; flags: int32 [>= R] (the host's
+    page, as a tensor or proto.gpu_word.DevicePointer) gets them; slots: the graph's int64 [7R]
+    slot input, -1 (no write) for each request whose agreed flag is not FLAG_RAN.
+    """
+    q = layout.QPR
+    _step_gate[(num_reqs,)](agreed, flags, slots, Q=q, Q_PAD=triton.next_power_of_2(q))
+
+
+def step_gate_reference(agreed: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The gate in NumPy: (flags [R], slots [7R]); its spec."""
+    q = layout.QPR
+    out = slots.reshape(-1, q).copy()
+    out[agreed != FLAG_RAN] = -1
+    return agreed.copy(), out.reshape(-1)

@@ -14,7 +14,7 @@ pytest.importorskip("triton")  # prelaunch imports the metadata program's module
 
 from dspark_sidecar.drafter.kv_cache import StepMetadata, window_width  # noqa: E402
 from dspark_sidecar.kernels.triton.step_meta import (FLAG_INVALID, FLAG_NOT_RUNG, FLAG_RAN,  # noqa: E402
-                                                     step_meta_reference)
+                                                     step_gate_reference, step_meta_reference)
 from dspark_sidecar.proto import doorbell as bell  # noqa: E402
 from dspark_sidecar.proto import sidecar_pb2 as pb  # noqa: E402
 from dspark_sidecar.server import prelaunch  # noqa: E402
@@ -51,6 +51,7 @@ class Gpu:
 
     def __init__(self):
         self.registered, self.unregistered, self.waits, self.programs, self.flags = [], [], [], [], []
+        self.then: list = []  # TP > 1: the flags' exchange and gate, replayed after the program (capture)
 
     def register(self, ptr, nbytes):
         self.registered.append(ptr)
@@ -85,6 +86,9 @@ class Gpu:
             o.copy_(torch.from_numpy(np.asarray(r).reshape(o.shape)))
         (ctypes.c_int32 * R).from_address(flag.data_ptr())[:] = res[5].tolist()
         self.flags.append(res[5])
+        for fn in self.then:
+            fn()
+        self.then.clear()
         return True
 
 
@@ -129,8 +133,20 @@ def _step(buf: mmap.mmap, embeds: torch.Tensor) -> Step:
     return Step(1, R, pos, embeds, None, meta, kv, None, host_meta(pos, meta), True)
 
 
+def _gate(agreed, flag, slots, R):
+    """step_gate on the CPU stand-ins: its NumPy spec, into the host's flag page and the graph's slots."""
+    flags, out = step_gate_reference(agreed[:R].numpy(), slots.numpy())
+    (ctypes.c_int32 * R).from_address(flag.data_ptr())[:] = flags.tolist()
+    slots.copy_(torch.from_numpy(out))
+
+
+@pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
+def world(request):
+    return request.param
+
+
 @pytest.fixture
-def rig():
+def rig(world):
     page_buf = mmap.mmap(-1, mmap.PAGESIZE)
     page = bell.Page(np.frombuffer(page_buf, np.uint8), 1024)
     embeds = torch.zeros(Q * len(LENS), 8)
@@ -138,8 +154,19 @@ def rig():
     # Two layouts in regions of their own: same values, different tensor objects.
     a, b = _step(mmap.mmap(-1, mmap.PAGESIZE), embeds), _step(mmap.mmap(-1, mmap.PAGESIZE), embeds)
     base = np.frombuffer(page_buf, np.uint8).ctypes.data
-    pl = prelaunch.Prelaunch(gpu, page, base, graphs, WINDOW, event=lambda: Event(gpu), program=gpu.program)
-    return SimpleNamespace(pl=pl, gpu=gpu, graphs=graphs, page=page, a=a, b=b, word_addr=base + bell.GPU_WORD_OFFSET)
+    # TP 2: the peer's flags for the queued step (set by a test), MAX-ed in by the exchange.
+    peer = torch.full((len(LENS),), FLAG_RAN, dtype=torch.int32)
+    captures = []
+
+    def capture(fn):  # the exchange + gate "graph": replayed with the program, when the word passes
+        captures.append(fn)
+        return lambda: gpu.then.append(fn)
+
+    extra = {} if world == 1 else dict(exchange=lambda t: torch.maximum(t, peer[: t.numel()], out=t), gate=_gate,
+                                       capture=capture, max_reqs=len(LENS))
+    pl = prelaunch.Prelaunch(gpu, page, base, graphs, WINDOW, event=lambda: Event(gpu), program=gpu.program, **extra)
+    return SimpleNamespace(pl=pl, gpu=gpu, graphs=graphs, page=page, a=a, b=b, word_addr=base + bell.GPU_WORD_OFFSET,
+                           peer=peer, captures=captures, world=world)
 
 
 def _req(key=KEY):
@@ -150,10 +177,17 @@ def _word(r) -> int:
     return int(r.page.words[bell.GPU_WORD])
 
 
+def _take(r, seq, req, step):
+    """The rank loop at one rank: offer, a verdict that agrees with it (world 1), take."""
+    hook = r.pl.hook(seq, req)
+    queued, queue_next = hook.offer(step)
+    return hook.take(queued, queue_next)
+
+
 def _serve(r, seq, step=None, key=KEY, resp=OK):
     """One rung step: the engine's word, the rank loop's hook, then the doorbell's after()."""
     r.page.words[bell.GPU_WORD] = bell.gpu_word(seq, key)
-    out = r.pl.take(seq, _req(key), step or r.a)
+    out = _take(r, seq, _req(key), step or r.a)
     r.pl.after(seq, resp)
     return out
 
@@ -184,7 +218,7 @@ def test_hit_returns_the_queued_output(rig):
     _queue(rig)
     word = bell.gpu_word(SEQ + 2, KEY)
     rig.page.words[bell.GPU_WORD] = word
-    assert rig.pl.take(SEQ + 2, _req(), rig.a) is rig.graphs.graph.out
+    assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out
     assert (rig.pl.hits, rig.pl.misses) == (1, 0) and _word(rig) == word and [f.tolist() for f in rig.gpu.flags] == [[FLAG_RAN] * len(LENS)]
     # The graph's static inputs are what the host path would have built.
     np.testing.assert_array_equal(rig.graphs.graph.views[0].numpy(), rig.a.positions.numpy())
@@ -210,7 +244,7 @@ def test_host_miss_releases(rig, kind):
     else:
         rig.graphs.uncaptured = True
     rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)  # the GPU would accept: the host must refuse
-    assert rig.pl.take(seq, _req(key), step) is None
+    assert _take(rig, seq, _req(key), step) is None
     assert (rig.pl.hits, rig.pl.misses) == (0, 1) and rig.pl.queued is None
     assert _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
     rig.pl.after(seq, OK)
@@ -226,7 +260,7 @@ def test_gpu_refusal_releases(rig, kind):
     if kind == "corrupt":
         rig.a.meta.slot_mapping[-1] += 1  # after the host's validation: only the GPU's check sees it
     rig.page.words[bell.GPU_WORD] = word
-    assert rig.pl.take(SEQ + 2, _req(), rig.a) is None
+    assert _take(rig, SEQ + 2, _req(), rig.a) is None
     # Per request: a word for another key refuses every request, a bad slot only its own request.
     want = [FLAG_NOT_RUNG] * len(LENS) if kind == "other-key" else [FLAG_RAN] * (len(LENS) - 1) + [FLAG_INVALID]
     assert [f.tolist() for f in rig.gpu.flags] == [want]
@@ -236,7 +270,7 @@ def test_gpu_refusal_releases(rig, kind):
 def test_word_never_arrives_times_out(rig, monkeypatch):
     monkeypatch.setattr(prelaunch, "READY_TIMEOUT_S", 0.01)
     _queue(rig)  # the page still holds SEQ+1's word: the wait for SEQ+2 never passes
-    assert rig.pl.take(SEQ + 2, _req(), rig.a) is None
+    assert _take(rig, SEQ + 2, _req(), rig.a) is None
     assert rig.gpu.flags == [] and rig.pl.misses == 1 and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
 
 
@@ -296,3 +330,54 @@ def test_gpu_far_behind_stops_queueing_for_a_while(rig, monkeypatch):
     assert rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 6
     assert _serve(rig, SEQ + 6) is rig.graphs.graph.out
     assert rig.pl.cooldown == 5  # 6, doubled, minus this step's
+
+
+# TP > 1: what the ranks agree on (server/rendezvous.py offers), and the flags' exchange on the GPU ----
+
+@pytest.mark.parametrize("world", [2])
+def test_tp2_hit_needs_every_rank_s_flags(rig):
+    _queue(rig)
+    assert len(rig.captures) == 1  # the exchange + gate graph, captured once for this step graph
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
+    hook = rig.pl.hook(SEQ + 2, _req())
+    assert hook.offer(rig.a) == (True, True)
+    assert hook.take(True, True) is rig.graphs.graph.out
+    rig.pl.after(SEQ + 2, OK)
+    assert rig.pl.queued.seq == SEQ + 3 and len(rig.captures) == 1  # the same graph: no new capture
+
+
+@pytest.mark.parametrize("world", [2])
+def test_tp2_a_request_a_peer_refused_writes_nothing_here(rig):
+    """The peer's copy of request 1 was invalid: here it ran, but the gate makes it a no-op (slots -1)
+    before the graph, so no K/V summed with the peer's no-op is written; the host sees the agreed flag."""
+    _queue(rig)
+    rig.peer[1] = FLAG_INVALID
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
+    hook = rig.pl.hook(SEQ + 2, _req())
+    assert hook.offer(rig.a) == (False, True)
+    assert rig.gpu.flags[-1].tolist() == [FLAG_RAN, FLAG_RAN]  # this rank's own program accepted both
+    slots = rig.graphs.graph.views[2].numpy().reshape(len(LENS), Q)
+    np.testing.assert_array_equal(slots[0], rig.a.meta.slot_mapping.numpy()[:Q])
+    assert (slots[1] == -1).all()
+    assert hook.take(False, True) is None and (rig.pl.hits, rig.pl.misses) == (0, 1)
+    assert _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_tp2_the_verdict_overrides_this_rank_s_view(rig):
+    """A peer's host refused its copy: this rank's accepted copy is released all the same. And the
+    next step is queued exactly when the verdict says so, even after an error answer here (the
+    peers queue theirs: one rank without would pair their collectives with its ordinary step)."""
+    _queue(rig)
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
+    hook = rig.pl.hook(SEQ + 2, _req())
+    assert hook.offer(rig.a) == (True, True)
+    assert hook.take(False, True) is None and rig.pl.misses == 1
+    rig.pl.after(SEQ + 2, ERR)
+    assert rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 3
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 3, KEY)
+    hook = rig.pl.hook(SEQ + 3, _req())
+    assert hook.offer(rig.a)[0]
+    assert hook.take(True, False) is rig.graphs.graph.out  # a peer in its cooldown: none queues the next
+    rig.pl.after(SEQ + 3, OK)
+    assert rig.pl.queued is None

@@ -54,6 +54,22 @@ def test_fast_path_only_when_every_rank_offers_it(ranks):
     assert all(v.go and not v.fast for v, _ in out.values())  # rank 2 could not: everyone goes portable
 
 
+def test_each_offer_is_agreed_only_when_every_rank_makes_it(ranks):
+    """Pre-launch at TP > 1 (server/prelaunch.py): answer from the queued copies, and queue the next
+    step, on every rank or on none; each offer is agreed on its own."""
+    out = agree_all(ranks, {r: Post(21, 1, 3, 99, True, queued=True, queue_next=True) for r in range(WORLD)})
+    assert all(v.go and v.queued and v.queue_next and not v.fast for v, _ in out.values())
+    out = agree_all(ranks, {r: Post(22, 1, 3, 99, True, queued=r != 1, queue_next=True) for r in range(WORLD)})
+    assert all(v.go and not v.queued and v.queue_next for v, _ in out.values())
+    out = agree_all(ranks, {r: Post(23, 1, 3, 99, True, queued=True, queue_next=r != 3, fast=True)
+                            for r in range(WORLD)})
+    assert all(v.go and v.queued and not v.queue_next and v.fast for v, _ in out.values())
+    # An aborted step agrees to nothing, whatever every rank offered.
+    out = agree_all(ranks, {r: Post(24 if r else 25, 1, 3, 99, True, queued=True, queue_next=True)
+                            for r in range(WORLD)})
+    assert all(not v.go and not v.queued and not v.queue_next for v, _ in out.values())
+
+
 def test_one_rank_agrees_with_itself_on_the_fast_path():
     name = f"dspark-test-{uuid.uuid4().hex[:8]}"
     board = Board(name, 1, create=True)
@@ -61,8 +77,10 @@ def test_one_rank_agrees_with_itself_on_the_fast_path():
     try:
         assert rdv.agree(Post(1, 1, 1, 0, True, fast=True)).fast
         assert not rdv.agree(Post(2, 1, 1, 0, True, fast=False)).fast
-        refused = rdv.agree(Post(3, 1, 1, 0, False, fast=True))
-        assert not refused.go and not refused.fast
+        refused = rdv.agree(Post(3, 1, 1, 0, False, fast=True, queued=True, queue_next=True))
+        assert not refused.go and not refused.fast and not refused.queued and not refused.queue_next
+        both = rdv.agree(Post(4, 1, 1, 0, True, queued=True, queue_next=True))
+        assert both.go and both.queued and both.queue_next
     finally:
         rdv.close()
         board.close()

@@ -123,3 +123,19 @@ def test_signed64_round_trips_the_word():
     """Words with the top bit set (sequence >= 2^31) reach the kernel as the same 64 bits."""
     for w in (0, gpu_word(1, 1), gpu_word(0x8000_0000, 7), gpu_word(0xFFFF_FFFF, SKIP_KEY)):
         assert np.int64(sm.signed64(w)).view(np.uint64) == np.uint64(w)
+
+
+@pytest.mark.parametrize("agreed", [[sm.FLAG_RAN] * 3, [sm.FLAG_RAN, sm.FLAG_INVALID, sm.FLAG_RAN],
+                                    [sm.FLAG_NOT_RUNG] * 3], ids=["all-ran", "one-refused", "not-rung"])
+def test_gate_noops_every_request_some_rank_refused(device, agreed):
+    """TP > 1: after the flags' all-reduce, a request any rank refused writes no K/V on any rank."""
+    P, L, T, S, pages = _case([40, 5, 300], 0)
+    want_flags, want_slots = sm.step_gate_reference(np.array(agreed, np.int32), S)
+    dev = torch.device(device)
+    slots = torch.from_numpy(S.copy()).to(dev)
+    flags = torch.zeros(3, dtype=torch.int32, device=dev)
+    sm.step_gate(torch.tensor(agreed, dtype=torch.int32, device=dev), flags, slots, 3)
+    np.testing.assert_array_equal(flags.cpu().numpy(), want_flags)
+    np.testing.assert_array_equal(slots.cpu().numpy(), want_slots)
+    refused = np.repeat(np.array(agreed) != sm.FLAG_RAN, Q)
+    assert (want_slots[refused] == -1).all() and (want_slots[~refused] == S[~refused]).all()
