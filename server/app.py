@@ -234,17 +234,22 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     server.stop(grace=5.0).wait()  # then refuse new calls, and let in-flight steps finish
     # Teardown must not hang the exit (a peer that left first can wedge an NCCL teardown): after
     # the drain above nothing is in flight, so past the limit the process just ends.
-    watchdog = threading.Timer(TEARDOWN_LIMIT_S, lambda: (log.warning("rank %d: teardown exceeded %.0f s; exiting",
-                                                                      rank, TEARDOWN_LIMIT_S), os._exit(0)))
+    stage = ["the doorbell"]  # what the teardown is doing, for the watchdog's line
+    watchdog = threading.Timer(TEARDOWN_LIMIT_S, lambda: (log.warning("rank %d: teardown exceeded %.0f s in %s; exiting",
+                                                                      rank, TEARDOWN_LIMIT_S, stage[0]), os._exit(0)))
     watchdog.daemon = True
     watchdog.start()
     if servicer.doorbell is not None:
         servicer.doorbell.stop()
+    stage[0] = "the rank loop"
     loop.close()
     if fast is not None:
+        stage[0] = "the FlyDSL fast path"
         fast.close()
+    stage[0] = "the rendezvous"
     rendezvous.close()
     board.close()
+    stage[0] = f"destroying the {dist.get_backend()} process group"
     dist.destroy_process_group()
     log.info("rank %d: stopped", rank)
     return 0
