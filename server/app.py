@@ -243,6 +243,9 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
         servicer.doorbell.stop()
     stage[0] = "the rank loop"
     loop.close()
+    if graphs is not None:
+        stage[0] = "dropping the CUDA graphs"
+        graphs.close()
     if fast is not None:
         stage[0] = "the FlyDSL fast path"
         fast.close()

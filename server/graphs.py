@@ -115,6 +115,13 @@ class StepGraphs:
         g.graph.replay()
         return g.out
 
+    def close(self) -> None:
+        """Drop every graph once its work is done: at TP > 1 they hold NCCL work, and destroying the
+        communicator while graphs that hold its collectives live hung past 15 s (runs 87-92)."""
+        torch.cuda.synchronize(self.model.device)
+        self._graphs.clear()
+        self._kv_key = None
+
     def _buffers(self, R: int, width: int, embeds: torch.Tensor | None) -> _Graph:
         m, packed = self.model, _Packed(R, width)
         dev = m.device

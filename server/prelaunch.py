@@ -72,6 +72,7 @@ class _Queued:
     token: object  # the validated layout's cached positions view (validate.py): same object, same layout
     graph: object
     done: object  # a torch.cuda.Event recorded after the replay: the queued work has finished
+    fresh: bool = False  # TP > 1: its flags' exchange was captured while queueing it (see _waited_ready)
 
 
 class Prelaunch:
@@ -89,6 +90,7 @@ class Prelaunch:
         self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
         self._capture = capture or _capture_graph
         self._agreements: dict[int, tuple] = {}  # id(step graph) -> (step graph, replay of exchange + gate)
+        self._captures: list[int] = []  # R of each agreement graph captured, in order
         self._dev_flags = None
         if exchange is not None:  # the program's flags before the exchange: the device's own memory
             self._dev_flags = torch.zeros(max_reqs, dtype=torch.int32, device=device)
@@ -128,7 +130,8 @@ class Prelaunch:
         q = self.queued
         same = (q is not None and q.seq == seq and q.key == req.launch_key and q.token is step.positions
                 and q.graph is graph)
-        self._accepted = same and self._waited_ready() and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all())
+        self._accepted = (same and self._waited_ready(late_is_news=not q.fresh)
+                          and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all()))
         last = self._last
         # The same layout: the same key and the very same cached views (validate.py); never `==` on tensors.
         repeat = last is not None and last[0] == req.launch_key and last[1] is step.positions and last[2] == step.num_reqs
@@ -154,8 +157,11 @@ class Prelaunch:
         self._release(q)
         return None
 
-    def _waited_ready(self) -> bool:
-        """Until the program has read the region (the engine may rewrite it once answered); False on timeout."""
+    def _waited_ready(self, late_is_news: bool = True) -> bool:
+        """Until the program has read the region (the engine may rewrite it once answered); False on timeout.
+
+        late_is_news=False: a late start says nothing of the engine (at TP > 1 the first step queued
+        behind a new flags' graph waits for every rank's capture, ~45 ms once: run 92), so no cooldown."""
         start = time.perf_counter()
         while not self._ready.query():
             now = time.perf_counter()
@@ -164,7 +170,7 @@ class Prelaunch:
                             "running it the ordinary way")
                 return False
             bell.pause(0.0)
-        if time.perf_counter() - start > BEHIND_S:  # the engine's GPU was far behind its host: see BEHIND_S
+        if late_is_news and time.perf_counter() - start > BEHIND_S:  # the engine's GPU far behind its host: BEHIND_S
             self.cooldown, self._next_cooldown = self._next_cooldown, min(2 * self._next_cooldown, MAX_COOLDOWN)
             log.info("prelaunch: the GPU started a rung step %.1f ms late; not queueing for %d steps",
                      (time.perf_counter() - start) * 1e3, self.cooldown)
@@ -207,7 +213,9 @@ class Prelaunch:
                                                    step.meta.slot_mapping))
         stream = self.graphs.stream
         self._flag_host[: step.num_reqs] = 0
+        captured = len(self._captures)
         agree = self._agreement(graph, step.num_reqs) if self._exchange is not None else None
+        fresh = len(self._captures) != captured
         self.ops.wait_geq(stream.cuda_stream, self._word.address, bell.gpu_word(seq, 0))
         try:
             self._program(self._word, bell.gpu_word(seq, key), src, graph.views,
@@ -223,7 +231,7 @@ class Prelaunch:
         except BaseException:
             self._pass(seq)  # the wait is queued: pass it, or the stream stays blocked behind a step nobody runs
             raise
-        self.queued = _Queued(seq, key, step.positions, graph, done)
+        self.queued = _Queued(seq, key, step.positions, graph, done, fresh)
 
     def _agreement(self, graph, R: int):
         """The replay of [all-reduce MAX of the R flags, gate] for this step graph, captured on first use
@@ -239,6 +247,7 @@ class Prelaunch:
             if len(self._agreements) >= 64:  # graphs of bindings gone (graphs.py drops them on a rebind)
                 self._agreements.clear()
             got = self._agreements[id(graph)] = (graph, self._capture(agree))
+            self._captures.append(R)
         return got[1]
 
     def _device_view(self, t: torch.Tensor) -> DevicePointer:
@@ -279,6 +288,7 @@ class Prelaunch:
         for reg in self._regions.values():
             reg.close()
         self._regions.clear()
+        self._agreements.clear()  # graphs holding collectives go before the communicator does (app.py)
         self._flag_page.close()
         self._header.close()
         del self._flag_host

@@ -314,6 +314,7 @@ def test_close_unregisters_every_page_once(rig):
     assert q.done.synced == 1 and _word(rig) == bell.gpu_word(SEQ + 4, bell.SKIP_KEY)
 
 
+@pytest.mark.parametrize("world", [1])  # at TP 2 the first queued step is exempt: the test below
 def test_gpu_far_behind_stops_queueing_for_a_while(rig, monkeypatch):
     """A queued step whose GPU start the host waited for longer than BEHIND_S is still answered from
     the queue, but the next COOLDOWN steps are not queued (answered as soon as launched); a second
@@ -381,3 +382,15 @@ def test_tp2_the_verdict_overrides_this_rank_s_view(rig):
     assert hook.take(True, False) is rig.graphs.graph.out  # a peer in its cooldown: none queues the next
     rig.pl.after(SEQ + 3, OK)
     assert rig.pl.queued is None
+
+
+@pytest.mark.parametrize("world", [2])
+def test_tp2_a_late_start_behind_a_new_flags_graph_is_no_news(rig, monkeypatch):
+    """The first step queued behind a freshly captured flags' graph waits for every rank's capture
+    (~45 ms once, run 92): that says nothing of the engine, so it starts no cooldown; later ones do."""
+    monkeypatch.setattr(prelaunch, "BEHIND_S", -1.0)  # every wait counts as late
+    _queue(rig)
+    assert rig.pl.queued.fresh and len(rig.captures) == 1
+    assert _serve(rig, SEQ + 2) is rig.graphs.graph.out and rig.pl.cooldown == 0
+    assert rig.pl.queued is not None and not rig.pl.queued.fresh  # the same graph: no capture this time
+    assert _serve(rig, SEQ + 3) is rig.graphs.graph.out and rig.pl.cooldown > 0
