@@ -168,7 +168,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
     cfg = DemoConfig(rounds=a.rounds, tp=a.tp, preset=a.preset, seed=a.seed, max_reqs=a.max_reqs, dtype=a.dtype,
                      socket_dir=str(a.socket_dir) if a.socket_dir else None, start_sidecar=not a.use_running_sidecar,
-                     verify=a.verify, rendezvous_ms=a.rendezvous_ms)
+                     verify=a.verify, rendezvous_ms=a.rendezvous_ms, device=a.device, transport=a.transport,
+                     required_tp=a.required_tp)
     report = run_demo(cfg)
     print(format_report(report))
     return 0
@@ -228,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     dp.add_argument("--socket-dir", type=Path, default=None, help="default: a fresh temporary folder")
     dp.add_argument("--use-running-sidecar", action="store_true",
                     help="talk to a sidecar already serving at --socket-dir instead of starting one")
+    dp.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: sidecar rank r and engine rank r on GPU r (the engine's stock layers over NCCL)")
+    dp.add_argument("--transport", choices=("grpc", "doorbell"), default="grpc",
+                    help="doorbell: the shared-memory data plane (registered buffers, CUDA IPC on GPUs)")
+    dp.add_argument("--required-tp", type=int, default=4,
+                    help="the TP the shim forwards at (the seed's check; the deployment is TP 4)")
     dp.add_argument("--no-verify", dest="verify", action="store_false",
                     help="skip running the local layers beside forwarded rounds")
     dp.add_argument("--rendezvous-ms", type=int, default=200)

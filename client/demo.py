@@ -33,6 +33,9 @@ class DemoConfig:
     progress_every: int = 10
     rendezvous_ms: int = 200
     work_dir: str | None = None
+    device: str = "cpu"  # or "cuda": sidecar and engine rank r on GPU r
+    transport: str = "grpc"  # or "doorbell": the shared-memory data plane (client/dataplane.py)
+    required_tp: int = 4  # the TP the shim forwards at (the seed's check): set it to tp to forward at TP 2
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -43,6 +46,8 @@ class DemoConfig:
             raise ValueError(f"preset: one of {sorted(PRESETS)}, got {self.preset!r}")
         if not self.start_sidecar and self.socket_dir is None:
             raise ValueError("socket_dir: required with start_sidecar=False")
+        if self.device not in ("cpu", "cuda") or self.transport not in ("grpc", "doorbell"):
+            raise ValueError(f"device cpu|cuda and transport grpc|doorbell, got {self.device!r}, {self.transport!r}")
 
 
 @dataclass
@@ -62,6 +67,8 @@ class DemoReport:
     tokens_differing: int
     kv_mismatch_rounds: int
     max_kv_diff: float
+    max_hidden_rel: float  # relative L2 of the largest round: what the GPU backend's roundings add
+    max_kv_rel: float
     ranks_agree: bool  # every engine rank made the same decisions and drafted the same tokens
     longest_context: int
     requests: int
@@ -101,6 +108,7 @@ def summarise(reports: list[dict], rounds: int, wall_s: float) -> DemoReport:
         token_mismatch_rounds=max(r["token_mismatch"] for r in reports),
         tokens_differing=max(r["tokens_differing"] for r in reports),
         kv_mismatch_rounds=max(r["kv_mismatch"] for r in reports), max_kv_diff=max(r["max_kv_diff"] for r in reports),
+        max_hidden_rel=max(r["max_hidden_rel"] for r in reports), max_kv_rel=max(r["max_kv_rel"] for r in reports),
         ranks_agree=agree, longest_context=r0["max_seq_len"], requests=r0["joined"], binds=r0["binds"], wall_s=wall_s)
 
 
@@ -112,13 +120,15 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
     ckpt = (str(dspark_dir), str(target_dir))
     h = HarnessConfig(rounds=cfg.rounds, tp=cfg.tp, preset=cfg.preset, dtype=cfg.dtype, checkpoint=ckpt,
                       socket_dir=str(sock), mix=demo_mix(cfg), verify=cfg.verify, progress_every=cfg.progress_every,
-                      breaker=BreakerConfig(backoff_max_s=1.0))
+                      breaker=BreakerConfig(backoff_max_s=1.0), device=cfg.device, transport=cfg.transport,
+                      required_tp=cfg.required_tp)
     launcher = None
     if cfg.start_sidecar:
         out(f"starting a TP-{cfg.tp} sidecar ({cfg.preset}, {cfg.dtype}, max {cfg.max_reqs} requests a step) "
             f"on {sock} ...")
         launcher = SidecarLauncher(sock, tp=cfg.tp, preset=cfg.preset, dtype=cfg.dtype, max_reqs=cfg.max_reqs,
-                                   checkpoint=ckpt, extra_args=["--rendezvous-ms", str(cfg.rendezvous_ms)],
+                                   checkpoint=ckpt, extra_args=["--rendezvous-ms", str(cfg.rendezvous_ms),
+                                                                "--device", cfg.device],
                                    log_path=work / "sidecar.log")
         launcher.start()
     try:
@@ -154,7 +164,8 @@ def format_report(r: DemoReport) -> str:
         f"step latency local:     p50 {ms(r.local_p50_ms)}  p99 {ms(r.local_p99_ms)}",
         f"sidecar vs local on {r.compared} forwarded rounds: largest hidden-state difference {r.max_hidden_diff:g} "
         f"({r.hidden_mismatch_rounds} rounds differ), draft tokens differing {r.tokens_differing} "
-        f"({r.token_mismatch_rounds} rounds), block K/V largest difference {r.max_kv_diff:g}",
+        f"({r.token_mismatch_rounds} rounds), block K/V largest difference {r.max_kv_diff:g}; "
+        f"relative (L2): hidden {r.max_hidden_rel:.2e}, K/V {r.max_kv_rel:.2e}",
         f"engine ranks agree on every decision and token: {'yes' if r.ranks_agree else 'NO'}; KV binds: {r.binds}",
         f"sidecar backend: {r.backend or '?'}" + (f" (FlyDSL path off: {r.fast_path_refusal})" if r.fast_path_refusal else ""),
     ]

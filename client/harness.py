@@ -1,6 +1,7 @@
 """A minimal speculative-decoding engine at TP N (one process per rank, gloo) that drives the shim round by round.
 
-Each rank owns a paged draft KV cache in shared memory, commits context rows locally (spec 3A),
+Each rank owns a paged draft KV cache (in shared memory on CPU, on its own GPU with device
+"cuda": one GPU per rank, the stock layers' exchange over NCCL), commits context rows locally (spec 3A),
 builds each draft step as vLLM does (anchor + 6 noise rows at P..P+6, sequence length P+7, query
 slots), asks the shim, runs the stock reference layers on None, and turns the hidden states into
 7 draft tokens per request with lm_head and the Markov chain (spec 3C). In verify mode every
@@ -74,10 +75,14 @@ class HarnessConfig:
     faults: tuple[Fault, ...] = ()
     control_dir: str | None = None
     progress_every: int = 0
+    device: str = "cpu"  # or "cuda": rank r on GPU r (its KV cache, stock layers, lm_head)
+    required_tp: int = 4  # the shim forwards only at this TP (EngineConfig.required_tp; the seed's check)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: cpu or cuda, got {self.device!r}")
         if self.rounds < 0 or self.tp < 1:
             raise ValueError("rounds must be >= 0 and tp >= 1")
 
@@ -89,32 +94,40 @@ class EngineRank:
         self.h, self.rank = h, rank
         self.cfg = cfg = PRESETS[h.preset]
         self.dtype = DTYPES[h.dtype]
+        self.dev = dev = torch.device("cuda", rank) if h.device == "cuda" else torch.device("cpu")
         dspark_dir, target_dir = h.checkpoint or ensure_synthetic_checkpoint(cfg)
-        exchange = DistExchange(None) if h.tp > 1 else LocalExchange()
-        self.par = ParallelContext(rank, h.tp, exchange)
-        self.model = DSparkDrafter(cfg, self.par, REFERENCE_OPS, self.dtype).load(
-            CheckpointReader(dspark_dir, self.dtype, cfg.quant_block))
-        target = CheckpointReader(target_dir, torch.float32)
+        # The shim agrees over the CPU (gloo) group; on GPUs the stock layers sum over NCCL.
+        self.par = ParallelContext(rank, h.tp, DistExchange(None) if h.tp > 1 else LocalExchange())
+        layers_par = self.par
+        if h.tp > 1 and dev.type == "cuda":
+            layers_par = ParallelContext(rank, h.tp, DistExchange(dist.new_group(backend="nccl")))
+        self.model = DSparkDrafter(cfg, layers_par, REFERENCE_OPS, self.dtype, dev).load(
+            CheckpointReader(dspark_dir, self.dtype, cfg.quant_block, dev))
+        target = CheckpointReader(target_dir, torch.float32, device=dev)
         v, hid = cfg.vocab_size, cfg.hidden_size
         self.embed = target.read(EMBED_KEY, (v, hid)).to(self.dtype)
         self.lm_head = target.read(LM_HEAD_KEY, (v, hid))
-        markov = CheckpointReader(dspark_dir, torch.float32)
+        markov = CheckpointReader(dspark_dir, torch.float32, device=dev)
         self.w1 = markov.read(f"{PREFIX}markov_head.markov_w1.weight", (v, cfg.markov_rank))
         self.w2 = markov.read(f"{PREFIX}markov_head.markov_w2.weight", (v, cfg.markov_rank))
         self.kv = self._allocate()
         self.shim: DrafterShim | None = None
         if h.socket_dir is not None:
             ecfg = EngineConfig(tp_size=h.tp, endpoint=rank_endpoint(h.socket_dir, rank), step_deadline_s=h.step_deadline_s,
-                                late_grace_s=h.late_grace_s, breaker=h.breaker, transport=h.transport)
+                                late_grace_s=h.late_grace_s, breaker=h.breaker, transport=h.transport, device=str(dev),
+                                required_tp=h.required_tp)
             self.shim = DrafterShim(ecfg, self, lambda: [s.tensor for s in self.kv], self.par)
         self.work = Workload(h.mix, v, h.page_size, h.num_pages)
 
     # The engine's stock model, as the shim sees it ------------------------------------------------
     def embed_input_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed[ids]
+        return self.embed[ids.to(self.dev)]
 
     def _allocate(self):
         shape = kv_layer_shape(self.cfg, self.h.tp, self.h.num_pages, self.h.page_size)
+        if self.dev.type == "cuda":  # the sidecar maps it through CUDA IPC
+            return [_DeviceKV(torch.zeros(shape, dtype=self.dtype, device=self.dev))
+                    for _ in range(self.cfg.num_hidden_layers)]
         return [shm_empty(shape, self.dtype) for _ in range(self.cfg.num_hidden_layers)]
 
     def _layers(self) -> list[torch.Tensor]:
@@ -133,22 +146,23 @@ class EngineRank:
         """hidden [7R, hidden] -> greedy draft tokens int64 [R, 7]: lm_head plus the rank-r Markov chain."""
         r = anchors.numel()
         u = (hidden.float() @ self.lm_head.T).view(r, layout.QPR, -1)
-        prev, out = anchors, []
+        prev, out = anchors.to(self.dev), []
         for j in range(layout.QPR):
             d = (u[:, j] + self.w1[prev] @ self.w2.T).argmax(dim=-1)
             out.append(d)
             prev = d
-        return torch.stack(out, dim=1)
+        return torch.stack(out, dim=1).cpu()
 
     def _gather_block_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        slots = slots.to(self.dev)
         return torch.stack([t.view(2, -1, *t.shape[-2:])[:, slots] for t in self._layers()])
 
     def _commit(self, salts: list[int], rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         if not rows:
             return
         taps = torch.cat([taps_for(s, p, t, self.cfg.tap_size) for s, (p, t, _) in zip(salts, rows)])
-        self.model.commit_context(taps, torch.cat([p for p, _, _ in rows]), torch.cat([sl for _, _, sl in rows]),
-                                  self._layers())
+        self.model.commit_context(taps.to(self.dev), torch.cat([p for p, _, _ in rows]).to(self.dev),
+                                  torch.cat([sl for _, _, sl in rows]).to(self.dev), self._layers())
 
     # The loop ---------------------------------------------------------------------------------------
     def _warmup_calls(self, ids: torch.Tensor, pos: torch.Tensor, meta: StepMetadata) -> None:
@@ -212,7 +226,8 @@ class EngineRank:
             local = None
             if not forwarded or h.verify:
                 t2 = time.perf_counter_ns()
-                local = self.model.draft_step(self.embed[ids], pos, meta, self._layers())
+                local = self.model.draft_step(self.embed_input_ids(ids), pos.to(self.dev), meta.to(self.dev),
+                                              self._layers())
                 rec.local_ns.append(time.perf_counter_ns() - t2)
             drafts = self.draft_tokens(hidden if forwarded else local, anchors)
             if forwarded:
@@ -246,6 +261,16 @@ class EngineRank:
         return out
 
 
+class _DeviceKV:
+    """A GPU cache layer, shaped like proto.memory.ShmTensor (what the loop reads and closes)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def close(self) -> None:
+        self.tensor = None
+
+
 @dataclass
 class Record:
     """What one rank saw, round by round."""
@@ -265,6 +290,8 @@ class Record:
     kv_mismatch: int = 0
     max_hidden_diff: float = 0.0
     max_kv_diff: float = 0.0
+    max_hidden_rel: float = 0.0  # relative L2, for backends that round differently (the GPU's)
+    max_kv_rel: float = 0.0
 
     def compare(self, fwd: torch.Tensor, local: torch.Tensor, d_fwd: torch.Tensor, d_local: torch.Tensor,
                 kv_fwd: torch.Tensor, kv_local: torch.Tensor) -> None:
@@ -277,6 +304,10 @@ class Record:
         self.tokens_differing += n
         self.kv_mismatch += int(not torch.equal(kv_fwd, kv_local))
         self.max_kv_diff = max(self.max_kv_diff, (kv_fwd.float() - kv_local.float()).abs().max().item())
+        if fwd.numel():
+            rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))  # noqa: E731
+            self.max_hidden_rel = max(self.max_hidden_rel, rel(fwd, local.to(fwd.dtype)))
+            self.max_kv_rel = max(self.max_kv_rel, rel(kv_fwd, kv_local))
 
     def round(self, r: int, forwarded: bool, reason: str, drafts: torch.Tensor, seq_len: int) -> None:
         self.decisions.append("F" if forwarded else "L")
@@ -298,6 +329,8 @@ class Record:
 # Processes ------------------------------------------------------------------------------------------
 def _rank_entry(rank: int, h: HarnessConfig, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # same reductions as the sidecar's ranks: bit-identical results
+    if h.device == "cuda":
+        torch.cuda.set_device(rank)
     if h.tp > 1:
         dist.init_process_group("gloo", store=dist.FileStore(store_path, h.tp), rank=rank, world_size=h.tp)
     try:
