@@ -6,7 +6,7 @@ import torch
 
 from dspark_sidecar import layout
 from dspark_sidecar.client.demo import DemoReport, format_report, summarise
-from dspark_sidecar.client.harness import EngineRank, Fault, HarnessConfig
+from dspark_sidecar.client.harness import EngineRank, Fault, HarnessConfig, Record
 from dspark_sidecar.client.workload import MixConfig, Workload
 
 
@@ -61,7 +61,8 @@ def test_summary_and_report_text():
     rank = {"decisions": "FFLFL", "reasons": ["", "", "R outside 1..max_reqs", "", "sidecar ABORTED"],
             "digest": 7, "fwd_ns": [2_000_000, 3_000_000, 4_000_000], "local_ns": [1_000_000] * 5, "compared": 3,
             "hidden_mismatch": 0, "max_hidden_diff": 0.0, "token_mismatch": 0, "tokens_differing": 0,
-            "kv_mismatch": 0, "max_kv_diff": 0.0, "max_seq_len": 4200, "joined": 4, "binds": 1,
+            "kv_mismatch": 0, "max_kv_diff": 0.0, "max_hidden_rel": 0.0, "max_kv_rel": 0.0,
+            "max_seq_len": 4200, "joined": 4, "binds": 1,
             "shim": {"fallbacks": {"CUDA graph capture": 1, "R outside 1..max_reqs": 1, "sidecar ABORTED": 1}}}
     rep = summarise([rank, dict(rank)], rounds=5, wall_s=1.5)
     assert rep.forwarded == 3 and rep.fallbacks == {"R outside 1..max_reqs": 1, "sidecar ABORTED": 1}
@@ -71,6 +72,20 @@ def test_summary_and_report_text():
     assert "rounds: 5" in text and "forwarded to the sidecar: 3   local fallback: 2" in text
     assert "fallback: sidecar ABORTED: 1" in text and "p50 3.00 ms  p99 4.00 ms" in text
     assert "largest hidden-state difference 0 (0 rounds differ)" in text
+    assert "relative (L2): hidden 0.00e+00, K/V 0.00e+00" in text
     diverged = summarise([rank, dict(rank, digest=8)], rounds=5, wall_s=1.0)
     assert not diverged.ranks_agree and "agree on every decision and token: NO" in format_report(diverged)
     assert isinstance(rep, DemoReport)
+
+
+def test_record_reports_relative_differences_beside_exact_ones():
+    """The GPU backend rounds differently from the stock layers: the relative L2 is what is judged there."""
+    rec = Record()
+    local = torch.tensor([[3.0, 4.0]])  # norm 5
+    kv = torch.ones(2, 2)
+    drafts = torch.zeros(1, 7, dtype=torch.int64)
+    rec.compare(local + torch.tensor([[0.0, 0.05]]), local, drafts, drafts, kv, kv)
+    assert rec.hidden_mismatch == 1 and rec.kv_mismatch == 0
+    assert abs(rec.max_hidden_rel - 0.01) < 1e-6 and rec.max_kv_rel == 0.0
+    rec.compare(local, local, drafts, drafts, kv * 1.5, kv)  # the largest round is kept
+    assert abs(rec.max_hidden_rel - 0.01) < 1e-6 and abs(rec.max_kv_rel - 0.5) < 1e-9
