@@ -72,7 +72,6 @@ class _Queued:
     token: object  # the validated layout's cached positions view (validate.py): same object, same layout
     graph: object
     done: object  # a torch.cuda.Event recorded after the replay: the queued work has finished
-    fresh: bool = False  # TP > 1: its flags' exchange was captured while queueing it (see _waited_ready)
 
 
 class Prelaunch:
@@ -90,7 +89,6 @@ class Prelaunch:
         self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
         self._capture = capture or _capture_graph
         self._agreements: dict[int, tuple] = {}  # id(step graph) -> (step graph, replay of exchange + gate)
-        self._captures: list[int] = []  # R of each agreement graph captured, in order
         self._dev_flags = None
         if exchange is not None:  # the program's flags before the exchange: the device's own memory
             self._dev_flags = torch.zeros(max_reqs, dtype=torch.int32, device=device)
@@ -130,8 +128,7 @@ class Prelaunch:
         q = self.queued
         same = (q is not None and q.seq == seq and q.key == req.launch_key and q.token is step.positions
                 and q.graph is graph)
-        self._accepted = (same and self._waited_ready(late_is_news=not q.fresh)
-                          and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all()))
+        self._accepted = same and self._waited_ready(seq) and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all())
         last = self._last
         # The same layout: the same key and the very same cached views (validate.py); never `==` on tensors.
         repeat = last is not None and last[0] == req.launch_key and last[1] is step.positions and last[2] == step.num_reqs
@@ -157,23 +154,32 @@ class Prelaunch:
         self._release(q)
         return None
 
-    def _waited_ready(self, late_is_news: bool = True) -> bool:
+    def _waited_ready(self, seq: int) -> bool:
         """Until the program has read the region (the engine may rewrite it once answered); False on timeout.
 
-        late_is_news=False: a late start says nothing of the engine (at TP > 1 the first step queued
-        behind a new flags' graph waits for every rank's capture, ~45 ms once: run 92), so no cooldown."""
+        The cooldown (BEHIND_S) is judged on this engine's own word: how long after the ring its
+        stream wrote it. The rest of the wait (at TP > 1 the peers' words and the flags' exchange,
+        and once per flags' graph every rank's capture, ~45 ms: run 92) says nothing of this
+        engine, and one rank's cooldown vetoes queueing on every rank.
+        """
         start = time.perf_counter()
-        while not self._ready.query():
-            now = time.perf_counter()
-            if now > start + READY_TIMEOUT_S:
+        own = None  # seconds until this engine's word for `seq` was seen
+        target = bell.gpu_word(seq, 0)
+        while True:
+            if own is None and (int(self.page.words[bell.GPU_WORD]) - target) % (1 << 64) < 1 << 63:
+                own = time.perf_counter() - start  # (int64)(word - target) >= 0, as the stream's wait compares
+            if self._ready.query():
+                break
+            if time.perf_counter() > start + READY_TIMEOUT_S:
                 log.warning("prelaunch: step rung but its GPU word (or, at TP > 1, a peer's) never arrived; "
                             "running it the ordinary way")
                 return False
             bell.pause(0.0)
-        if late_is_news and time.perf_counter() - start > BEHIND_S:  # the engine's GPU far behind its host: BEHIND_S
+        own = time.perf_counter() - start if own is None else own  # seen between two polls
+        if own > BEHIND_S:  # the engine's GPU far behind its host: see BEHIND_S
             self.cooldown, self._next_cooldown = self._next_cooldown, min(2 * self._next_cooldown, MAX_COOLDOWN)
-            log.info("prelaunch: the GPU started a rung step %.1f ms late; not queueing for %d steps",
-                     (time.perf_counter() - start) * 1e3, self.cooldown)
+            log.info("prelaunch: the engine's GPU reached a rung step %.1f ms late; not queueing for %d steps",
+                     own * 1e3, self.cooldown)
         return True
 
     # Around the answer (the doorbell thread, under the loop's lock) --------------------------
@@ -213,9 +219,7 @@ class Prelaunch:
                                                    step.meta.slot_mapping))
         stream = self.graphs.stream
         self._flag_host[: step.num_reqs] = 0
-        captured = len(self._captures)
         agree = self._agreement(graph, step.num_reqs) if self._exchange is not None else None
-        fresh = len(self._captures) != captured
         self.ops.wait_geq(stream.cuda_stream, self._word.address, bell.gpu_word(seq, 0))
         try:
             self._program(self._word, bell.gpu_word(seq, key), src, graph.views,
@@ -231,7 +235,7 @@ class Prelaunch:
         except BaseException:
             self._pass(seq)  # the wait is queued: pass it, or the stream stays blocked behind a step nobody runs
             raise
-        self.queued = _Queued(seq, key, step.positions, graph, done, fresh)
+        self.queued = _Queued(seq, key, step.positions, graph, done)
 
     def _agreement(self, graph, R: int):
         """The replay of [all-reduce MAX of the R flags, gate] for this step graph, captured on first use
@@ -247,7 +251,6 @@ class Prelaunch:
             if len(self._agreements) >= 64:  # graphs of bindings gone (graphs.py drops them on a rebind)
                 self._agreements.clear()
             got = self._agreements[id(graph)] = (graph, self._capture(agree))
-            self._captures.append(R)
         return got[1]
 
     def _device_view(self, t: torch.Tensor) -> DevicePointer:
