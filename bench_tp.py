@@ -3,10 +3,11 @@
 Each engine rank binds its KV shard on its own GPU to its sidecar rank and runs the same steps
 over the data plane; the ranks start every step together (a gloo barrier, outside the timing).
 Reported beside it, measured on the same machine: rank 0's shard on one GPU with no exchange
-(modes c and d of `bench` with --shard-of N) and its HBM floor, and the time of the step's 10
-all-reduces of [7R, hidden] over NCCL between the engine processes' GPUs, i.e. the partial-sum
-exchange's share. The all-reduces run as the sidecar runs them: inside one CUDA graph, timed by
-CUDA events (eager launches timed from the host cost about 4x more: BENCHMARKS.md run 43).
+(modes c and d of `bench` with --shard-of N) and its HBM floor, and the time of the step's
+all-reduces between the engine processes' GPUs, i.e. the partial-sum exchange's share: 10 per
+launch group of up to 8 requests, [7r, hidden] each, by the path the sidecar was given
+(--exchange). They run as the sidecar runs them: inside one CUDA graph, timed by CUDA events
+(eager launches timed from the host cost about 4x more: BENCHMARKS.md run 43).
 
 Parity: after each case's timed steps the engine ranks run the same step through the reference
 layers at TP N themselves (their own all-reduce), on a copy of the KV cache taken before the
@@ -34,7 +35,7 @@ from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.kv_cache import kv_layer_shape
 from dspark_sidecar.drafter.model import DSparkDrafter
-from dspark_sidecar.drafter.parallel import DistExchange, ParallelContext
+from dspark_sidecar.drafter.parallel import DistExchange, ParallelContext, SymmetricExchange
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -81,6 +82,10 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     embed = source.read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
     ref = DSparkDrafter(cfg, ParallelContext(rank, world, DistExchange(group)), REFERENCE_OPS, dtype,
                         dev).load(source)
+    exchange = DistExchange(group)  # as the sidecar sums partials (--exchange), for the exchange's share
+    if cuda and bc.exchange == "symmetric":
+        shapes = sorted({(layout.QPR * (b - a), cfg.hidden_size) for R in bc.reqs for a, b in layout.launch_groups(R)})
+        exchange = SymmetricExchange(group, shapes, dtype, dev)
     stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(f"unix:{target_dir}/rank{rank}.sock"))
     facts = pb.EngineFacts(engine_rank=rank, tp_size=world, dp_size=1, pp_size=1, speculative_method="dspark",
                            num_speculative_tokens=7, device=str(dev))
@@ -117,9 +122,10 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
             row = {"R": R, "context": ctx, "p50_ms": statistics.median(times), "errors": errors,
                    "prelaunched_share": early / len(times),
                    **_parity(ref, group, embeds, positions, meta, kv_before, kv, got)}
-            x = torch.zeros(layout.QPR * R, cfg.hidden_size, device=dev, dtype=dtype)
-            ar = _time_exchange(x, group, 2 * cfg.num_hidden_layers, bc.repeats)
-            results.append({**row, "allreduce10_p50_ms": statistics.median(ar)})
+            xs = [torch.zeros(layout.QPR * (b - a), cfg.hidden_size, device=dev, dtype=dtype)
+                  for a, b in layout.launch_groups(R)]
+            ar = _time_exchange(xs, exchange, 2 * cfg.num_hidden_layers, bc.repeats)
+            results.append({**row, "exchange_p50_ms": statistics.median(ar)})
     torch.save(results, Path(out) / f"rank{rank}.pt")
     bell.close()
     bufs.close()
@@ -143,29 +149,32 @@ def _parity(ref: DSparkDrafter, group, embeds: torch.Tensor, positions: torch.Te
             "ranks_agree": bool(torch.equal(first, got))}
 
 
-def _time_exchange(x: torch.Tensor, group, count: int, repeats: int) -> list[float]:
-    """ms of `count` all-reduces of x in a row (the step's o_proj and down_proj exchanges), in one CUDA
-    graph as the sidecar's step graphs hold them; the ranks start each replay together (gloo barrier).
-    On CPU (gloo, no graphs) they are timed eagerly from the host."""
-    if x.device.type != "cuda":
+def _time_exchange(xs: list[torch.Tensor], exchange, count: int, repeats: int) -> list[float]:
+    """ms of a step's exchanges: for each launch group's rows x, `count` all-reduces in a row (the
+    o_proj and down_proj partials of every layer), in one CUDA graph as the sidecar's step graphs
+    hold them; the ranks start each replay together (gloo barrier). On CPU (gloo, no graphs)
+    they are timed eagerly from the host."""
+    def step() -> None:
+        for x in xs:
+            for _ in range(count):
+                exchange.all_reduce(x)
+
+    if xs[0].device.type != "cuda":
         times = []
         for _ in range(repeats):
             dist.barrier()
             t = time.perf_counter()
-            for _ in range(count):
-                dist.all_reduce(x, group=group)
+            step()
             times.append((time.perf_counter() - t) * 1e3)
         return times
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # the communicator's first use, outside the capture
-        for _ in range(3):
-            dist.all_reduce(x, group=group)
+    with torch.cuda.stream(side):  # the communicator's (or buffers') first use, outside the capture
+        step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(count):
-            dist.all_reduce(x, group=group)
+        step()
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -215,12 +224,12 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str,
         by_mode = {x["mode"]: x for x in same}
         one, inproc = by_mode.get("d", {}), by_mode.get("c", {})
         floor = one.get("floor_ms")
-        ar = max(p[i]["allreduce10_p50_ms"] for p in per_rank)
+        ar = max(p[i]["exchange_p50_ms"] for p in per_rank)
         hid, kv = max(p[i]["hidden_rel_l2"] for p in per_rank), max(p[i]["kv_rel_l2"] for p in per_rank)
         row = {"R": r0["R"], "context": r0["context"], "tp_step_p50_ms": step,
                "single_gpu_shard_p50_ms": one.get("p50_ms"), "single_gpu_backend_inprocess_p50_ms": inproc.get("p50_ms"),
                "floor_ms": floor, "x_floor": step / floor if floor else None,
-               "exchange_10x_allreduce_ms": ar, "exchange_share": ar / step,
+               "exchange_ms": ar, "exchange_share": ar / step,
                "errors": sum(p[i]["errors"] for p in per_rank), "hidden_rel_l2": hid, "kv_rel_l2": kv,
                "prelaunched_share": min(p[i].get("prelaunched_share", 0.0) for p in per_rank),
                "ranks_agree": all(p[i]["ranks_agree"] for p in per_rank), "parity_rtol": tol}
@@ -230,11 +239,11 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str,
         print(f"TP {tp}: R={row['R']:>2} ctx={row['context']:>5}  step p50 {step:8.3f} ms  "
               f"{row['x_floor'] or nan:5.2f}x floor ({floor or nan:.3f} ms)  single-GPU shard "
               f"{row['single_gpu_shard_p50_ms'] or nan:8.3f} ms (in-process {inproc.get('p50_ms') or nan:.3f})  "
-              f"10 all-reduces {ar:.3f} ms ({100 * row['exchange_share']:.0f}% of the step)  "
+              f"exchange {ar:.3f} ms ({100 * row['exchange_share']:.0f}% of the step)  "
               f"pre-launched {100 * row['prelaunched_share']:.0f}%  errors {row['errors']}  "
               f"parity: hidden {hid:.2e} K/V {kv:.2e} ranks agree {row['ranks_agree']} "
               f"-> {'ok' if row['parity_ok'] else 'FAIL'}", flush=True)
-    report = {"tp": tp, "device": device, "exchange": "eager gloo" if device == "cpu" else "graphed NCCL",
-              "rows": rows}
+    report = {"tp": tp, "device": device, "rows": rows,
+              "exchange": "eager gloo" if device == "cpu" else f"graphed, --exchange {bc.exchange}"}
     (bc.out_dir / f"bench-tp{tp}.json").write_text(json.dumps(report, indent=1))
     return report

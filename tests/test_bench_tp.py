@@ -22,7 +22,7 @@ def test_tp4_sidecar_from_four_engine_ranks_equals_the_reference_at_tp4(tmp_path
 
 
 def _rank_row(**kw) -> dict:
-    return {"R": 8, "context": 4096, "p50_ms": 1.0, "errors": 0, "allreduce10_p50_ms": 0.1,
+    return {"R": 8, "context": 4096, "p50_ms": 1.0, "errors": 0, "exchange_p50_ms": 0.1,
             "hidden_rel_l2": 0.01, "kv_rel_l2": 0.01, "ranks_agree": True, **kw}
 
 
