@@ -69,7 +69,6 @@ class BenchConfig:
     sidecar_backend: str = "auto"
     prelaunch: bool = True  # the sidecar may queue doorbell steps behind the GPU word (server/prelaunch.py)
     engine_copy: bool = False  # d/f: the engine's embeddings copied into the input region each step
-    exchange: str = "nccl"  # the sidecar's --exchange (bench --tp N: how its ranks sum partials)
     seed: int = 0
     notes: dict = field(default_factory=dict)
 
@@ -164,8 +163,7 @@ class SidecarUnderTest:
                 "--random-weights", "--preset", bc.preset, "--dtype", bc.dtype, "--weights", bc.weights,
                 "--socket-dir", str(self.sock),
                 "--device", device.type, "--backend", bc.sidecar_backend, "--max-reqs", str(max(bc.reqs)),
-                "--seed", str(bc.seed), "--drain-s", "0", *([] if bc.prelaunch else ["--no-prelaunch"]),
-                *(["--exchange", bc.exchange] if tp > 1 else [])]
+                "--seed", str(bc.seed), "--drain-s", "0", *([] if bc.prelaunch else ["--no-prelaunch"])]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         self.log = open(work / "sidecar.log", "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)

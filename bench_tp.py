@@ -5,8 +5,7 @@ over the data plane; the ranks start every step together (a gloo barrier, outsid
 Reported beside it, measured on the same machine: rank 0's shard on one GPU with no exchange
 (modes c and d of `bench` with --shard-of N) and its HBM floor, and the time of the step's
 all-reduces between the engine processes' GPUs, i.e. the partial-sum exchange's share: 10 per
-launch group of up to 8 requests, [7r, hidden] each, by the path the sidecar was given
-(--exchange). They run as the sidecar runs them: inside one CUDA graph, timed by CUDA events
+launch group of up to 8 requests, [7r, hidden] each, over NCCL. They run as the sidecar runs them: inside one CUDA graph, timed by CUDA events
 (eager launches timed from the host cost about 4x more: BENCHMARKS.md run 43).
 
 Parity: after each case's timed steps the engine ranks run the same step through the reference
@@ -35,7 +34,7 @@ from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.kv_cache import kv_layer_shape
 from dspark_sidecar.drafter.model import DSparkDrafter
-from dspark_sidecar.drafter.parallel import DistExchange, ParallelContext, SymmetricExchange
+from dspark_sidecar.drafter.parallel import DistExchange, ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -82,10 +81,7 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     embed = source.read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
     ref = DSparkDrafter(cfg, ParallelContext(rank, world, DistExchange(group)), REFERENCE_OPS, dtype,
                         dev).load(source)
-    exchange = DistExchange(group)  # as the sidecar sums partials (--exchange), for the exchange's share
-    if cuda and bc.exchange == "symmetric":
-        shapes = sorted({(layout.QPR * (b - a), cfg.hidden_size) for R in bc.reqs for a, b in layout.launch_groups(R)})
-        exchange = SymmetricExchange(group, shapes, dtype, dev)
+    exchange = DistExchange(group)  # as the sidecar sums partials, for the exchange's share
     stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(f"unix:{target_dir}/rank{rank}.sock"))
     facts = pb.EngineFacts(engine_rank=rank, tp_size=world, dp_size=1, pp_size=1, speculative_method="dspark",
                            num_speculative_tokens=7, device=str(dev))
@@ -113,11 +109,13 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
                 t = time.perf_counter()
                 bell.send(req)
                 resp = bell.wait(step_id, 60.0)
+                if resp is None:  # a sidecar rank that died answers nothing: stop here, not 60 s per step
+                    raise RuntimeError(f"engine rank {rank}: step {step_id} unanswered after 60 s; see sidecar.log")
                 sync(dev)
                 if i >= 3:
                     times.append((time.perf_counter() - t) * 1e3)
-                    early += resp is not None and resp.timings.prelaunched
-                errors += resp is None or resp.HasField("error")
+                    early += resp.timings.prelaunched
+                errors += resp.HasField("error")
             got = hidden.clone()  # [7R, hidden]: the last step's answer (every repeat is the same step)
             row = {"R": R, "context": ctx, "p50_ms": statistics.median(times), "errors": errors,
                    "prelaunched_share": early / len(times),
@@ -244,6 +242,6 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str,
               f"parity: hidden {hid:.2e} K/V {kv:.2e} ranks agree {row['ranks_agree']} "
               f"-> {'ok' if row['parity_ok'] else 'FAIL'}", flush=True)
     report = {"tp": tp, "device": device, "rows": rows,
-              "exchange": "eager gloo" if device == "cpu" else f"graphed, --exchange {bc.exchange}"}
+              "exchange": "eager gloo" if device == "cpu" else "graphed NCCL, 10 all-reduces per launch group"}
     (bc.out_dir / f"bench-tp{tp}.json").write_text(json.dumps(report, indent=1))
     return report

@@ -53,9 +53,6 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="a refused fast path makes health NOT_SERVING instead of serving the portable backend")
     p.add_argument("--rendezvous-ms", type=int, default=_env("rendezvous_ms", d.rendezvous_ms, int))
     p.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default=_env("dist_backend", d.dist_backend))
-    p.add_argument("--exchange", choices=("nccl", "symmetric"), default=_env("exchange", d.exchange),
-                   help="how CUDA ranks sum partials: NCCL (default) or torch symmetric memory's one-shot "
-                        "all-reduce (faster at small R on 4 GPUs: BENCHMARKS.md run 89)")
     p.add_argument("--dist-timeout-s", type=int, default=_env("dist_timeout_s", d.dist_timeout_s, int))
     p.add_argument("--master-addr", default=_env("master_addr", d.master_addr))
     p.add_argument("--master-port", type=int, default=_env("master_port", 0, int),
@@ -188,7 +185,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints(a.reqs), contexts=ints(a.contexts),
                      modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch,
-                     engine_copy=a.engine_copy, exchange=a.exchange)
+                     engine_copy=a.engine_copy)
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
 
@@ -262,8 +259,6 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--tp", type=int, default=1,
                     help="N > 1: the sidecar at TP N on N GPUs (N CPU ranks with --device cpu), driven by N engine ranks "
                          "over the data plane, checked against the reference layers at TP N")
-    bp.add_argument("--exchange", choices=("nccl", "symmetric"), default="nccl",
-                    help="with --tp N: the sidecar's --exchange")
     bp.add_argument("--no-single-gpu", dest="single_gpu", action="store_false",
                     help="with --tp N: skip the one-GPU shard baseline")
     a = ap.parse_args(argv)

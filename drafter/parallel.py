@@ -36,43 +36,6 @@ class DistExchange:
         return t
 
 
-class SymmetricExchange:
-    """The all-reduce by torch symmetric memory's one-shot kernel: each rank loads its peers'
-    partials over NVLink and sums them in rank order (no multicast), one step where NCCL's ring
-    takes 2(N-1). Ten of them at [7, 6144] bf16 took 98-144 us at TP 4 against NCCL's 182-208 us;
-    at 56 rows they tie, and at 224 NCCL wins (BENCHMARKS.md run 89). Every rank gets the same
-    bits, which are not NCCL's.
-
-    One symmetric buffer per shape in `shapes` (the step's launch groups: [7r, hidden] for r =
-    1..8), set up collectively at construction; the partial is copied in, the sum written back
-    in place. Any other shape goes to NCCL over `group`.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None, shapes: list[tuple[int, ...]], dtype: torch.dtype,
-                 device: torch.device) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.group = group
-        self.name = (group or dist.group.WORLD).group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.8
-        if enable is not None:
-            enable(self.name)
-        self._bufs: dict[tuple, torch.Tensor] = {}
-        for shape in shapes:  # the same order on every rank: each rendezvous is collective
-            buf = symm_mem.empty(shape, dtype=dtype, device=device)
-            symm_mem.rendezvous(buf, self.name)
-            self._bufs[(tuple(shape), dtype)] = buf
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        buf = self._bufs.get((tuple(t.shape), t.dtype))
-        if buf is None or not t.is_contiguous():
-            dist.all_reduce(t, group=self.group)
-            return t
-        buf.copy_(t)
-        torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", self.name, t)
-        return t
-
-
 @dataclass(frozen=True)
 class ParallelContext:
     """Who this rank is in the TP group; passed in, never read from a global group."""

@@ -19,13 +19,12 @@ import torch.distributed as dist
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dspark_sidecar import layout
 from dspark_sidecar.drafter.checkpoint import (
     EMBED_KEY, CheckpointReader, SyntheticSource, ensure_synthetic_checkpoint,
 )
 from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.model import DSparkDrafter
-from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext, SymmetricExchange
+from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
 from dspark_sidecar.kernels.weights import prepare_layer_weights
 from dspark_sidecar.proto import SERVICE_NAME
 from dspark_sidecar.proto.doorbell import nap_for
@@ -142,7 +141,7 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
             dspark_dir, target_dir = cfg.checkpoint, cfg.target_checkpoint
         weights = CheckpointReader(dspark_dir, dtype, dcfg.quant_block, device)
         embeds = CheckpointReader(target_dir, dtype, device=device)
-    par = ParallelContext(rank, shard_world, _exchange(cfg, world, dcfg.hidden_size, dtype, device))
+    par = ParallelContext(rank, shard_world, DistExchange(None) if world > 1 else LocalExchange())
     model = DSparkDrafter(dcfg, par, choice.ops, dtype, device).load(weights)
     embed = embeds.read(EMBED_KEY, (dcfg.vocab_size, dcfg.hidden_size))
     fast = None
@@ -154,19 +153,6 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
     log.info("rank %d: %s shard loaded in %.1f s on %s (%s, backend %s; FlyDSL path: %s)", rank, dcfg.name,
              time.perf_counter() - t, device, cfg.dtype, choice.name, choice.flydsl_refusal or "on")
     return dcfg, model, embed, choice, host, fast
-
-
-def _exchange(cfg: ServeConfig, world: int, hidden: int, dtype: torch.dtype, device: torch.device):
-    """How this rank sums partials: chosen once here (--exchange), collectively on every rank."""
-    if world == 1:
-        return LocalExchange()
-    if cfg.exchange == "symmetric":
-        if device.type != "cuda":
-            raise BackendUnavailable(f"--exchange symmetric: needs CUDA GPUs, this rank runs on {device}")
-        # One buffer per launch group's rows: [7r, hidden], r = 1..LAUNCH_REQS (layout.launch_groups).
-        shapes = [(layout.QPR * r, hidden) for r in range(1, layout.LAUNCH_REQS + 1)]
-        return SymmetricExchange(None, shapes, dtype, device)
-    return DistExchange(None)
 
 
 def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:

@@ -37,7 +37,6 @@ class ServeConfig:
     strict_refusal: bool = False
     rendezvous_ms: int = 200  # how long ranks wait for each other's copy of a step
     dist_backend: str = "auto"  # auto | gloo | nccl
-    exchange: str = "nccl"  # nccl | symmetric: how a CUDA rank sums partials (drafter/parallel.py)
     dist_timeout_s: int = 60  # a collective stuck this long (dead peer) ends the rank
     master_addr: str = "127.0.0.1"
     master_port: int = 29533
@@ -64,11 +63,6 @@ class ServeConfig:
             raise ServeConfigError(f"--device: must be auto, cpu or cuda, got {self.device!r}")
         if self.dist_backend not in ("auto", "gloo", "nccl"):
             raise ServeConfigError(f"--dist-backend: must be auto, gloo or nccl, got {self.dist_backend!r}")
-        if self.exchange not in ("nccl", "symmetric"):
-            raise ServeConfigError(f"--exchange: must be nccl or symmetric, got {self.exchange!r}")
-        if self.exchange == "symmetric" and (self.device == "cpu" or self.dist_backend == "gloo"):
-            raise ServeConfigError("--exchange symmetric: needs CUDA GPUs and NCCL (--device cuda or auto, "
-                                   "--dist-backend nccl or auto); the default is --exchange nccl")
         if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
             raise ServeConfigError(f"--max-reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
         if not 1 <= self.rendezvous_ms <= 60_000:
