@@ -1,0 +1,127 @@
+"""The rank loop's use of a pre-launched copy (server/prelaunch.py): offered before the rendezvous, taken
+only as every rank agreed, never touched for a step that is refused or aborted."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.server import rank as rank_mod
+from dspark_sidecar.proto import codec
+from dspark_sidecar.server.errors import invalid
+from dspark_sidecar.server.metrics import Metrics
+from dspark_sidecar.server.rank import RankContext, RankLoop
+from dspark_sidecar.server.rendezvous import Verdict
+from dspark_sidecar.server.validate import Step, host_meta
+
+QUEUED_OUT = torch.full((7, 4), 3.0)
+
+
+class FakeModel:
+    device, dtype = torch.device("cpu"), torch.float32
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def draft_step(self, embeds, positions, meta, kv):
+        self.calls += 1
+        return torch.full_like(embeds, 2.0)
+
+
+class FakeRendezvous:
+    def __init__(self, verdict: Verdict) -> None:
+        self.verdict, self.posts = verdict, []
+
+    def agree(self, post):
+        self.posts.append(post)
+        return self.verdict
+
+
+class FakeHook:
+    def __init__(self, offer: tuple[bool, bool], hit: bool) -> None:
+        self._offer, self._hit, self.calls = offer, hit, []
+
+    def offer(self, step):
+        self.calls.append(("offer", step.num_reqs))
+        return self._offer
+
+    def take(self, queued, queue_next):
+        self.calls.append(("take", queued, queue_next))
+        return QUEUED_OUT if queued and self._hit else None
+
+
+def _step() -> Step:
+    pos = torch.arange(0, 7)
+    meta = StepMetadata(torch.tensor([7], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), pos.clone())
+    return Step(1, 1, pos, torch.zeros(7, 4), None, meta, SimpleNamespace(layers=[]), None, host_meta(pos, meta))
+
+
+@pytest.fixture
+def run(monkeypatch):
+    """run(verdict, hook, valid=True, fast=None) -> (the step's response, the rendezvous, the model)."""
+    loops = []
+
+    def _run(verdict: Verdict, hook: FakeHook, valid: bool = True, fast=None):
+        def validate(req, cfg, memory, max_reqs):
+            if not valid:
+                raise invalid("slot_mapping", "slot 99 outside the cache")
+            return _step()
+
+        monkeypatch.setattr(rank_mod, "validate_step", validate)
+        model = FakeModel()
+        ctx = RankContext(0, 2, SimpleNamespace(), model, None, None, Metrics(0), 8, fast=fast)
+        rdv = FakeRendezvous(verdict)
+        loop = RankLoop(ctx, rdv, None)
+        loops.append(loop)
+        # The doorbell path: errors come back in the response, as the engine reads them.
+        return loop.answer_now(pb.DraftStepRequest(step_id=1, num_requests=1), hook), rdv, model
+
+    yield _run
+    for loop in loops:
+        loop.close()
+
+
+def _go(queued: bool = False, queue_next: bool = False, fast: bool = False) -> Verdict:
+    return Verdict(True, "", 1, fast, queued, queue_next)
+
+
+def test_the_offer_goes_into_the_post_and_the_verdict_into_take(run):
+    hook = FakeHook(offer=(True, True), hit=True)
+    resp, rdv, model = run(_go(queued=True, queue_next=True), hook)
+    [post] = rdv.posts
+    assert post.queued and post.queue_next and post.valid and not post.fast
+    assert hook.calls == [("offer", 1), ("take", True, True)]
+    assert resp.timings.prelaunched and model.calls == 0  # answered from the queued copy
+    assert torch.equal(codec.from_tensor_ref(resp.hidden_states, "hidden"), QUEUED_OUT)
+
+
+def test_a_copy_a_peer_refused_is_not_used_here_and_the_step_runs_the_ordinary_way(run):
+    hook = FakeHook(offer=(True, True), hit=True)  # this rank's copy ran
+    resp, rdv, model = run(_go(queued=False, queue_next=True), hook)  # a peer's did not
+    assert hook.calls == [("offer", 1), ("take", False, True)]
+    assert not resp.timings.prelaunched and model.calls == 1
+
+
+def test_an_invalid_or_aborted_step_never_takes_its_copy(run):
+    hook = FakeHook(offer=(True, True), hit=True)
+    resp, rdv, model = run(_go(queued=True, queue_next=True), hook, valid=False)
+    assert resp.HasField("error") and resp.error.field == "slot_mapping"
+    assert hook.calls == [] and not rdv.posts[0].valid and not rdv.posts[0].queued
+    hook = FakeHook(offer=(True, True), hit=True)
+    resp, _, model = run(Verdict(False, "step 1: ranks disagree on num_requests", 0), hook)
+    assert resp.HasField("error") and hook.calls == [("offer", 1)] and model.calls == 0
+
+
+def test_a_rank_on_the_kernel_fast_path_neither_offers_nor_queues(run):
+    fast = SimpleNamespace(max_positions=100, ready=lambda kv: True, calls=0,
+                           forward=lambda e, p, m: torch.full_like(e, 1.0))
+    hook = FakeHook(offer=(True, True), hit=True)
+    resp, rdv, _ = run(_go(fast=True), hook, fast=fast)
+    [post] = rdv.posts
+    assert post.fast and not post.queued and not post.queue_next
+    assert hook.calls == [("take", False, False)]  # releases whatever was queued
+    assert not resp.timings.prelaunched
