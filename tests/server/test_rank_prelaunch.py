@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server import rank as rank_mod
-from dspark_sidecar.proto import codec
 from dspark_sidecar.server.errors import invalid
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
