@@ -129,15 +129,18 @@ class Prelaunch:
         same = (q is not None and q.seq == seq and q.key == req.launch_key and q.token is step.positions
                 and q.graph is graph)
         self._accepted = same and self._waited_ready(seq) and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all())
-        last = self._last
-        # The same layout: the same key and the very same cached views (validate.py); never `==` on tensors.
-        repeat = last is not None and last[0] == req.launch_key and last[1] is step.positions and last[2] == step.num_reqs
-        streak = self._streak + 1 if repeat else 1
+        streak = self._streak + 1 if self._repeats(req.launch_key, step) else 1
         host_side = all(t.device.type == "cpu" for t in (step.positions, step.meta.seq_lens,
                                                           step.meta.block_tables, step.meta.slot_mapping))
         # host_side: the program reads the engine's host region; cooldown: see BEHIND_S.
         nxt = bool(req.launch_key) and streak >= STREAK and graph is not None and host_side and not self.cooldown
         return self._accepted, nxt
+
+    def _repeats(self, key: int, step: Step) -> bool:
+        """The last step served had this layout: the same key and the very same cached views
+        (validate.py); never `==` on tensors."""
+        last = self._last
+        return last is not None and last[0] == key and last[1] is step.positions and last[2] == step.num_reqs
 
     def take(self, queued: bool, queue_next: bool) -> torch.Tensor | None:
         """After GO, with the verdict's QUEUED and QUEUE_NEXT: the queued step's hidden states [n, hidden]
@@ -203,9 +206,7 @@ class Prelaunch:
         if resp.HasField("error") or not key:
             self._last, self._streak = None, 0
         else:
-            last = self._last
-            same = last is not None and last[0] == key and last[1] is step.positions and last[2] == step.num_reqs
-            self._streak = self._streak + 1 if same else 1
+            self._streak = self._streak + 1 if self._repeats(key, step) else 1
             self._last = (key, step.positions, step.num_reqs)
         if self.cooldown:
             self.cooldown -= 1
