@@ -10,6 +10,7 @@ import torch
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.server.rank import RankLoop
 from dspark_sidecar.server.validate import Step, host_meta
+from helpers.rank_fakes import FakeModel
 
 
 class FakeFast:
@@ -24,17 +25,6 @@ class FakeFast:
     def forward(self, embeds, positions, meta):
         self.calls += 1
         return torch.full_like(embeds, 1.0)
-
-
-class FakeModel:
-    device, dtype = torch.device("cpu"), torch.float32
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def draft_step(self, embeds, positions, meta, kv):
-        self.calls += 1
-        return torch.full_like(embeds, 2.0)
 
 
 def _step(first_position: int) -> Step:

@@ -17,19 +17,9 @@ from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.rendezvous import Verdict
 from dspark_sidecar.server.validate import Step, host_meta
+from helpers.rank_fakes import FakeModel
 
 QUEUED_OUT = torch.full((7, 4), 3.0)
-
-
-class FakeModel:
-    device, dtype = torch.device("cpu"), torch.float32
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def draft_step(self, embeds, positions, meta, kv):
-        self.calls += 1
-        return torch.full_like(embeds, 2.0)
 
 
 class FakeRendezvous:
