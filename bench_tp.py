@@ -45,11 +45,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PARITY_RTOL = 3e-2
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, target_dir: str, store: str,
                  out: str) -> None:
     import grpc
@@ -72,9 +67,8 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     pages = max(bc.reqs) * scenario.pages_needed(max(bc.contexts) + layout.QPR, page)
     shape = kv_layer_shape(cfg, world, pages, page)
     gen = torch.Generator(dev).manual_seed(bc.seed + 101 * rank)  # this rank's KV head: committed context
-    shm = [memory.shm_empty(shape, dtype) for _ in range(cfg.num_hidden_layers)] if not cuda else []
-    kv = [t.tensor for t in shm] or [torch.empty(shape, device=dev, dtype=dtype)
-                                     for _ in range(cfg.num_hidden_layers)]
+    held = [memory.exportable_zeros(shape, dtype, dev) for _ in range(cfg.num_hidden_layers)]  # shm on CPU
+    kv = [h.tensor for h in held]
     for t in kv:
         t.copy_(torch.randn(shape, generator=gen, device=dev))
     source = SyntheticSource(cfg, dtype, dev, bc.seed)  # the weights the sidecar drew (--random-weights)
@@ -127,8 +121,8 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     torch.save(results, Path(out) / f"rank{rank}.pt")
     bell.close()
     bufs.close()
-    for t in shm:
-        t.close()
+    for h in held:
+        h.close()
     dist.destroy_process_group()
 
 
@@ -143,7 +137,8 @@ def _parity(ref: DSparkDrafter, group, embeds: torch.Tensor, positions: torch.Te
 
     first = got.clone()  # every rank's hidden state must be rank 0's, bit for bit (one summation order)
     dist.broadcast(first, 0, group=group)
-    return {"hidden_rel_l2": rel_l2(got, want), "kv_rel_l2": max(rel_l2(block(a), block(w)) for a, w in zip(kv, kv_before)),
+    kv_err = max(scenario.rel_l2(block(a), block(w)) for a, w in zip(kv, kv_before))
+    return {"hidden_rel_l2": scenario.rel_l2(got, want), "kv_rel_l2": kv_err,
             "ranks_agree": bool(torch.equal(first, got))}
 
 

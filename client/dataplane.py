@@ -34,11 +34,9 @@ class DataPlaneError(RuntimeError):
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, keep: list) -> torch.Tensor:
-    if device.type == "cpu":
-        t = memory.shm_empty(shape, dtype)
-        keep.append(t)
-        return t.tensor
-    return torch.zeros(shape, dtype=dtype, device=device)
+    held = memory.exportable_zeros(shape, dtype, device)
+    keep.append(held)
+    return held.tensor
 
 
 class StepBuffers:

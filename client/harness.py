@@ -35,7 +35,7 @@ from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_layer_shape
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
-from dspark_sidecar.proto.memory import shm_empty
+from dspark_sidecar.proto.memory import exportable_zeros
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FAULTS = ("realloc_kv", "break_stream", "pause")
@@ -125,10 +125,7 @@ class EngineRank:
 
     def _allocate(self):
         shape = kv_layer_shape(self.cfg, self.h.tp, self.h.num_pages, self.h.page_size)
-        if self.dev.type == "cuda":  # the sidecar maps it through CUDA IPC
-            return [_DeviceKV(torch.zeros(shape, dtype=self.dtype, device=self.dev))
-                    for _ in range(self.cfg.num_hidden_layers)]
-        return [shm_empty(shape, self.dtype) for _ in range(self.cfg.num_hidden_layers)]
+        return [exportable_zeros(shape, self.dtype, self.dev) for _ in range(self.cfg.num_hidden_layers)]
 
     def _layers(self) -> list[torch.Tensor]:
         return [s.tensor for s in self.kv]
@@ -261,16 +258,6 @@ class EngineRank:
         return out
 
 
-class _DeviceKV:
-    """A GPU cache layer, shaped like proto.memory.ShmTensor (what the loop reads and closes)."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def close(self) -> None:
-        self.tensor = None
-
-
 @dataclass
 class Record:
     """What one rank saw, round by round."""
@@ -305,9 +292,8 @@ class Record:
         self.kv_mismatch += int(not torch.equal(kv_fwd, kv_local))
         self.max_kv_diff = max(self.max_kv_diff, (kv_fwd.float() - kv_local.float()).abs().max().item())
         if fwd.numel():
-            rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))  # noqa: E731
-            self.max_hidden_rel = max(self.max_hidden_rel, rel(fwd, local.to(fwd.dtype)))
-            self.max_kv_rel = max(self.max_kv_rel, rel(kv_fwd, kv_local))
+            self.max_hidden_rel = max(self.max_hidden_rel, scenario.rel_l2(fwd, local.to(fwd.dtype)))
+            self.max_kv_rel = max(self.max_kv_rel, scenario.rel_l2(kv_fwd, kv_local))
 
     def round(self, r: int, forwarded: bool, reason: str, drafts: torch.Tensor, seq_len: int) -> None:
         self.decisions.append("F" if forwarded else "L")

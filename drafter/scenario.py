@@ -79,3 +79,9 @@ def random_taps(cfg: DrafterConfig, rows: int, seed: int, dtype: torch.dtype = t
     """Stand-in target tap hidden states [rows, num_taps * hidden], O(1) like real activations."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(rows, cfg.tap_size, generator=gen).to(dtype)
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float64: how far an answer is from the reference's (0.0 when equal)."""
+    got, want = got.double().cpu(), want.double().cpu()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))

@@ -49,6 +49,24 @@ def shm_empty(shape: tuple[int, ...], dtype: torch.dtype) -> ShmTensor:
     return ShmTensor(t, seg)
 
 
+@dataclass
+class DeviceTensor:
+    """A GPU tensor the engine exports through CUDA/HIP IPC (no segment to close), shaped like ShmTensor."""
+
+    tensor: torch.Tensor
+
+    def close(self) -> None:
+        self.tensor = None  # type: ignore[assignment]
+
+
+def exportable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> ShmTensor | DeviceTensor:
+    """Zeros the sidecar can map with `export_handle`: a shared-memory segment on CPU, device memory on a GPU.
+    The caller keeps the holder and closes it when done."""
+    if device.type == "cpu":
+        return shm_empty(shape, dtype)
+    return DeviceTensor(torch.zeros(shape, dtype=dtype, device=device))
+
+
 def export_handle(t: torch.Tensor) -> pb.MemoryHandle:
     """A handle to the storage under `t` (the sidecar applies t's own shape/strides/offset)."""
     storage = t.untyped_storage()
