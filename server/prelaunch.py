@@ -88,7 +88,7 @@ class Prelaunch:
         self.ops, self.page, self.graphs, self.window, self._count = ops, page, graphs, window, count
         self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
         self._capture = capture or _capture_graph
-        self._agreements: dict[int, tuple] = {}  # id(step graph) -> (step graph, replay of exchange + gate)
+        self._agreements: dict[tuple, tuple] = {}  # (R, slot input's address) -> (that view, replay of exchange + gate)
         self._dev_flags = None
         if exchange is not None:  # the program's flags before the exchange: the device's own memory
             self._dev_flags = torch.zeros(max_reqs, dtype=torch.int32, device=device)
@@ -239,19 +239,23 @@ class Prelaunch:
         self.queued = _Queued(seq, key, step.positions, graph, done)
 
     def _agreement(self, graph, R: int):
-        """The replay of [all-reduce MAX of the R flags, gate] for this step graph, captured on first use
-        (every rank reaches it at the same queued step: QUEUE_NEXT is agreed)."""
-        got = self._agreements.get(id(graph))
-        if got is None or got[0] is not graph:
+        """The replay of [all-reduce MAX of the R flags, gate] for this step graph's slot input, captured
+        on first use (every rank reaches it at the same queued step: QUEUE_NEXT is agreed). An entry
+        holds only that slot view, never the step graph: graphs.py drops those on a rebind, with
+        their memory, and the view it holds keeps its address from being reused under the key."""
+        slots = graph.views[2]
+        key = (R, slots.data_ptr())
+        got = self._agreements.get(key)
+        if got is None:
             flags = self._dev_flags[:R]
 
             def agree() -> None:
                 self._exchange(flags)
-                self._gate(self._dev_flags, self._flag, graph.views[2], R)
+                self._gate(self._dev_flags, self._flag, slots, R)
 
-            if len(self._agreements) >= 64:  # graphs of bindings gone (graphs.py drops them on a rebind)
+            if len(self._agreements) >= 64:  # slot inputs of graphs gone (a rebind drops them)
                 self._agreements.clear()
-            got = self._agreements[id(graph)] = (graph, self._capture(agree))
+            got = self._agreements[key] = (slots, self._capture(agree))
         return got[1]
 
     def _device_view(self, t: torch.Tensor) -> DevicePointer:
