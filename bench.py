@@ -229,6 +229,7 @@ class Bench:
     def _connect(self) -> None:
         import grpc
 
+        from dspark_sidecar.client.binding import bind_request
         from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
 
         bc, device = self.bc, self.device
@@ -238,10 +239,7 @@ class Bench:
         self.stub = pb_grpc.DrafterSidecarStub(self.channel)
         facts = pb.EngineFacts(engine_rank=0, tp_size=bc.shard_of, dp_size=1, pp_size=1,
                                speculative_method="dspark", num_speculative_tokens=7, device=str(device))
-        self.binding = self.stub.BindKV(pb.BindKVRequest(engine=facts, page_size=bc.page_size, layers=[
-            pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(self.dtype),
-                              shape=list(t.shape), strides=list(t.stride()), storage_offset=0)
-            for i, t in enumerate(self.kv)]), timeout=60)
+        self.binding = self.stub.BindKV(bind_request(self.kv, facts), timeout=60)
         if {"d", "f"} & set(bc.modes):
             max_pages = scenario.pages_needed(max(bc.contexts) + layout.QPR, bc.page_size)
             self.bufs = StepBuffers(self.stub, self.cfg.hidden_size, max(bc.reqs), max_pages, self.dtype, device)

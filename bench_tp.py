@@ -49,8 +49,9 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
                  out: str) -> None:
     import grpc
 
+    from dspark_sidecar.client.binding import bind_request
     from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
-    from dspark_sidecar.proto import codec, memory
+    from dspark_sidecar.proto import memory
     from dspark_sidecar.proto import sidecar_pb2 as pb
     from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
@@ -79,9 +80,7 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(f"unix:{target_dir}/rank{rank}.sock"))
     facts = pb.EngineFacts(engine_rank=rank, tp_size=world, dp_size=1, pp_size=1, speculative_method="dspark",
                            num_speculative_tokens=7, device=str(dev))
-    b = stub.BindKV(pb.BindKVRequest(engine=facts, page_size=page, layers=[
-        pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(dtype),
-                          shape=list(t.shape), strides=list(t.stride())) for i, t in enumerate(kv)]), timeout=60)
+    b = stub.BindKV(bind_request(kv, facts), timeout=60)
     max_pages = scenario.pages_needed(max(bc.contexts) + layout.QPR, page)
     bufs = StepBuffers(stub, cfg.hidden_size, max(bc.reqs), max_pages, dtype, dev)
     bell = DoorbellChannel(stub, dev)

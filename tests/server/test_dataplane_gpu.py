@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 import torch
 
+from dspark_sidecar.client.binding import bind_request
 from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_layer_shape
-from dspark_sidecar.proto import codec, memory
+from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_sim import PAGE
 from helpers.local_tp import shard_model
@@ -28,9 +29,7 @@ def _bind(stub, kv: list[torch.Tensor], dev: torch.device) -> pb.BindKVResponse:
     """Bind the engine's per-layer cache `kv` (CUDA IPC) to sidecar rank 0 of a TP-1 sidecar."""
     facts = pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1, speculative_method="dspark",
                            num_speculative_tokens=7, device=str(dev))
-    return stub.BindKV(pb.BindKVRequest(engine=facts, page_size=PAGE, layers=[
-        pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(t.dtype),
-                          shape=list(t.shape), strides=list(t.stride())) for i, t in enumerate(kv)]), timeout=30)
+    return stub.BindKV(bind_request(kv, facts), timeout=30)
 
 
 def test_gpu_doorbell_equals_grpc_and_reference(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):

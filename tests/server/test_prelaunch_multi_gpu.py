@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+from dspark_sidecar.client.binding import bind_request
 from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_layer_shape
-from dspark_sidecar.proto import codec, memory
+from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_sim import PAGE
 from helpers.sidecar_proc import SidecarProcess
@@ -39,10 +40,7 @@ class EngineRank:
                    for _ in range(cfg.num_hidden_layers)]
         facts = pb.EngineFacts(engine_rank=rank, tp_size=WORLD, dp_size=1, pp_size=1, speculative_method="dspark",
                                num_speculative_tokens=7, device=str(self.dev))
-        self.b = self.stub.BindKV(pb.BindKVRequest(engine=facts, page_size=PAGE, layers=[
-            pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(t.dtype),
-                              shape=list(t.shape), strides=list(t.stride())) for i, t in enumerate(self.kv)]),
-            timeout=60)
+        self.b = self.stub.BindKV(bind_request(self.kv, facts), timeout=60)
         self.bufs = StepBuffers(self.stub, cfg.hidden_size, 4, 300, torch.float32, self.dev)
         self.bell = DoorbellChannel(self.stub, self.dev)
 
