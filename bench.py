@@ -111,6 +111,21 @@ def timeit(fn, device: torch.device, repeats: int, warmup: int = 3) -> list[floa
     return out
 
 
+def gpu_times(fn, device: torch.device, repeats: int) -> list[float]:
+    """ms of GPU time per call: CUDA events around it, queued behind a short spin of the stream so that
+    the host's launch latency falls inside the spin, not between the events (the floor is GPU time too)."""
+    out = []
+    for _ in range(repeats):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(100_000)  # ~50 us at 2 GHz: longer than a graph launch from the host
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e))
+    return out
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
     if device.type != "cuda":
@@ -222,6 +237,7 @@ class Bench:
         # Per remote step: queue, rendezvous, launch, total (ns), and whether it was pre-launched.
         self.sidecar_ns: list[tuple[int, int, int, int, bool]] = []
         self.engine_ns: list[tuple[int, int]] = []  # per data-plane step: fill + ring, ring -> answer
+        self.gpu_ms: list[float] = []  # b/c: GPU time per replay (gpu_times), beside the wall-clock figure
         self.side = self.channel = self.bufs = self.bell = None
         if {"d", "e", "f"} & set(bc.modes):
             self._connect()
@@ -284,11 +300,14 @@ class Bench:
         """ms per step of one mode, or why it did not run."""
         if mode == "a":
             return timeit(self._eager(REFERENCE_OPS, case), self.device, self.bc.repeats)
+        self.gpu_ms = []
         if mode in ("b", "c"):
             if self.device.type != "cuda":
                 return "n/a: needs a GPU"
             fn = graphed(self._eager(GRAPHABLE_REFERENCE if mode == "b" else self.gpu_ops, case), self.device)
-            return timeit(fn, self.device, self.bc.repeats)
+            wall = timeit(fn, self.device, self.bc.repeats)
+            self.gpu_ms = gpu_times(fn, self.device, self.bc.repeats)
+            return wall
         self.sidecar_ns, self.engine_ns = [], []
         if mode in ("d", "f"):
             self._inputs = case.embeds
@@ -301,6 +320,8 @@ class Bench:
 
     def phase_fields(self, mode: str) -> dict:
         """Row fields of the last measure(mode): medians (us) of the timed steps' phases (warm-up excluded)."""
+        if mode in ("b", "c"):
+            return {"gpu_p50_ms": statistics.median(self.gpu_ms)} if self.gpu_ms else {}
         last = self.sidecar_ns[-self.bc.repeats:]
         share = {"prelaunched_share": sum(t[4] for t in last) / max(1, len(last))}
         if mode == "f":
@@ -363,6 +384,8 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                             row |= {"x_c": p50 / statistics.median(gpu),
                                     "over_c_us": (p50 - statistics.median(gpu)) * 1e3}
                         row |= phases.get(mode, {})
+                        if "gpu_p50_ms" in row:
+                            row["gpu_x_floor"] = row["gpu_p50_ms"] / floor_ms
                     rows.append(row)
                     print(_fmt(row), flush=True)
     finally:
@@ -387,6 +410,8 @@ def _fmt(row: dict) -> str:
         extra += f"  sidecar host {row['sidecar_host_p50_us']:.0f} us [{q:.0f}/{r:.0f}/{c:.0f}]"
     if "engine_fill_p50_us" in row:
         extra += f" (engine fill {row['engine_fill_p50_us']:.0f}, ring->answer {row['ring_to_answer_p50_us']:.0f} us)"
+    if "gpu_p50_ms" in row:
+        extra += f"  GPU time {row['gpu_p50_ms']:.3f} ms ({row['gpu_x_floor']:.2f}x floor)"
     if "prelaunched_share" in row:
         extra += f"  pre-launched {100 * row['prelaunched_share']:.0f}%"
     return (f"{head}  p50 {row['p50_ms']:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  floor {row['floor_ms']:.3f} ms  "

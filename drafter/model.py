@@ -72,8 +72,11 @@ class DecoderLayer(nn.Module):
         return k, v.reshape(-1, self.kv_heads, d)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: StepMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
+                meta: StepMetadata, kv_layer: torch.Tensor, x_is_scratch: bool = False) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden]; writes this launch's block K/V into kv_layer at the slots.
+
+        The residual sums are written over their dead inputs (Ops.linear's accumulate): h over x
+        when x_is_scratch (not the caller's tensor), the output over h always.
 
         `positions`/`meta` address the attention; they may be window-relative (see
         `window_metadata`): only differences of positions and the slots' pages matter there,
@@ -85,10 +88,10 @@ class DecoderLayer(nn.Module):
                                  self.q_heads, self.kv_heads)
         attn = ops.paged_window_attention(q, kv_layer, positions, meta.seq_lens, meta.block_tables,
                                           layout.QPR, cfg.sliding_window, cfg.attn_scale)
-        h = self.o_proj(attn.reshape(-1, self.q_local), residual=x)
+        h = self.o_proj(attn.reshape(-1, self.q_local), residual=x, accumulate=x_is_scratch)
         act = ops.norm_linear_swiglu(h, self.post_attention_layernorm.weight, cfg.rms_norm_eps,
                                      self.gate_up_proj.weight, cfg.swiglu_alpha, cfg.swiglu_limit)
-        return self.down_proj(act, residual=h)
+        return self.down_proj(act, residual=h, accumulate=True)
 
 
 class DSparkDrafter(nn.Module):
@@ -164,7 +167,7 @@ class DSparkDrafter(nn.Module):
         a_meta = StepMetadata(a_meta.seq_lens, a_meta.block_tables, meta.slot_mapping)
         x = inputs_embeds.to(self.dtype)
         for layer, kv_layer in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, a_pos, cos, sin, a_meta, kv_layer)
+            x = layer(x, a_pos, cos, sin, a_meta, kv_layer, x_is_scratch=x is not inputs_embeds)
         return self.ops.rms_norm(x, self.final_norm.weight, self.cfg.rms_norm_eps)
 
     @torch.no_grad()

@@ -112,15 +112,16 @@ class RowParallelLinear(nn.Module):
         self.weight.copy_(source.read(key, (self.out_features, self.in_features),
                                       cols=self.par.shard(self.in_features)))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [n, in/tp] (this rank's slice) -> [n, out] summed over ranks [+ residual [n, out]].
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        """x [n, in/tp] (this rank's slice) -> [n, out] summed over ranks [+ residual [n, out]];
+        accumulate: rank 0 may write the sum over the residual (dead after; Ops.linear).
 
         The residual joins rank 0's partial, in the GEMM's epilogue, so the exchange adds it once
         and no separate add is launched. At TP > 1 that rounds rank 0's partial after the add
         rather than before: the same sum, up to one bf16 rounding of the residual stream.
         """
         res = residual if self.par.rank == 0 else None
-        return self.par.exchange.all_reduce(self.ops.linear(x, self.weight, res))
+        return self.par.exchange.all_reduce(self.ops.linear(x, self.weight, res, accumulate=accumulate))
 
 
 class ReplicatedLinear(nn.Module):

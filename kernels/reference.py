@@ -14,10 +14,13 @@ from dspark_sidecar.drafter.kv_cache import block_slots
 from dspark_sidecar.kernels.weights import NormFolded
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+           accumulate: bool = False) -> torch.Tensor:
     """y = x @ weight^T [+ residual].   x [n, in], weight [out, in], residual [n, out] -> [n, out] in x.dtype.
 
     With a residual, y is rounded to x.dtype before the add (two roundings, as `residual + linear(x)`).
+    accumulate: the sum is written over the residual, which is returned (the caller's residual is
+    dead after; a GPU backend then needs no copy of it). Same values either way.
 
     A weight kept quantized (MxFp8Weight: --weights mxfp8) is dequantized here, exactly (E4M3
     times a power of two is a bf16 value): the twin of the kernels' in-register dequantization.
@@ -25,7 +28,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
     if not isinstance(weight, torch.Tensor):
         weight = weight.dequantize(x.dtype)
     y = F.linear(x, weight)
-    return y if residual is None else residual + y
+    if residual is None:
+        return y
+    return residual.add_(y) if accumulate else residual + y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from dspark_sidecar.bench import BenchConfig, run_bench
@@ -55,3 +56,17 @@ def test_floor_counts_the_weights_once_per_launch_group():
     assert floor_bytes(model, cfg, 8, 40) == floor_bytes(model, cfg, 1, 40) + 7 * per_req
     assert floor_bytes(model, cfg, 9, 40) == floor_bytes(model, cfg, 8, 40) + per_req + weights
     assert floor_bytes(model, cfg, 32, 40) == 4 * weights + 32 * per_req
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphed_modes_report_gpu_time_beside_wall_clock(tmp_path):
+    """b and c also report GPU time (events behind a spin: no host launch or sync latency in it),
+    which is below the wall-clock figure that includes both."""
+    report = run_bench(BenchConfig(preset="tiny", reqs=(1, 8), contexts=(40,), modes=("b", "c"), repeats=5,
+                                   out_dir=tmp_path), torch.device("cuda"))
+    rows = [r for r in report["rows"] if r["mode"] in ("b", "c")]
+    assert len(rows) == 4 and all("note" not in r for r in rows), rows
+    for r in rows:
+        assert 0 < r["gpu_p50_ms"] < r["p50_ms"]
+        assert r["gpu_x_floor"] == pytest.approx(r["gpu_p50_ms"] / r["floor_ms"])

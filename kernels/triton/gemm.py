@@ -306,18 +306,24 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch.Tensor | None = None,
          eps: float = 0.0, swiglu: tuple[float, float] | None = None,
-         config: GemmConfig | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+         config: GemmConfig | None = None, residual: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] in x.dtype; weight [N, K] (or [2N, K], gate rows first, with swiglu=(alpha, limit)).
 
     norm_weight: fuse the Gemma RMSNorm (1 + w) of x. weight: a dense bf16/fp16/fp32 tensor or an
     MxFp8Weight (dequantized tile by tile in the kernel). residual [M, N]: returned plus the
     product (rounded first, as the reference's `residual + linear`), in the same launches.
+    out: where to write (a row-major [M, N] of x.dtype; it may be the residual itself: each element
+    of the residual is read by the program that then writes that element).
     """
     m, n = _check(x, weight, swiglu)
     has_res = residual is not None
     if has_res and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
         raise ValueError(f"gemm: residual {list(residual.shape)} must be a row-major [{m}, {n}] without swiglu")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride() != (n, 1):
+        raise ValueError(f"gemm: out {list(out.shape)} {out.dtype} must be a contiguous [{m}, {n}] {x.dtype}")
     if m == 0:
         return out
     cfg, split, k_per = _tiling(x, weight, n, swiglu is not None, config, norm_weight is not None)

@@ -238,8 +238,8 @@ def make_step(rows: int, context: int, dev: torch.device, fp8: bool, ops) -> Cal
         for (wq, wo, wgu, wd), (n1, n2, qn, kn), (kv, tables, seq_lens, pos, slots) in layers:
             q = ops.norm_qkv_prelude(x, n1, EPS, wq, qn, kn, cos, sin, kv, slots, HQ, HK)
             a = ops.paged_window_attention(q, kv, pos, seq_lens, tables, QPR, WINDOW, D ** -0.5)
-            h = ops.linear(a.reshape(rows, HQ * D), wo, x)
-            x = ops.linear(ops.norm_linear_swiglu(h, n2, EPS, wgu, ALPHA, LIMIT), wd, h)
+            h = ops.linear(a.reshape(rows, HQ * D), wo, x, accumulate=x is not x0)  # as DecoderLayer
+            x = ops.linear(ops.norm_linear_swiglu(h, n2, EPS, wgu, ALPHA, LIMIT), wd, h, accumulate=True)
         return x
 
     return step

@@ -3,24 +3,25 @@
 Signatures and output dtypes are the reference's. Every `weight` argument of the linear ops may
 also be an `MxFp8Weight` (FP8 E4M3 + 1x32 E8M0 scales, dequantized inside the kernel). The linear
 ops go to the vendor BLAS where blas.py's tunables say it is faster (dense weights on a GPU).
-rope_cos_sin stays the reference's: a handful of fp64 torch ops on [n, 32] angles, no host sync.
+rope_cos_sin is rope.py's one launch where the reference takes about ten small torch kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.ops import Ops
-from dspark_sidecar.kernels.triton import attention, blas, gemm, norm, prelude
+from dspark_sidecar.kernels.triton import attention, blas, gemm, norm, prelude, rope
 from dspark_sidecar.kernels.weights import MxFp8Weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, in] @ weight^T [+ residual [n, out], added in the GEMM's epilogue] -> [n, out] in x.dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, residual: torch.Tensor | None = None,
+           accumulate: bool = False) -> torch.Tensor:
+    """x [n, in] @ weight^T [+ residual [n, out], added in the GEMM's epilogue] -> [n, out] in x.dtype;
+    accumulate: written over the residual (reference.linear)."""
     if blas.plain_applies(x, weight):
-        return blas.linear(x, weight, residual)
-    return gemm.gemm(x, weight, residual=residual)
+        return blas.linear(x, weight, residual, accumulate)
+    return gemm.gemm(x, weight, residual=residual, out=residual if accumulate else None)
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -51,7 +52,7 @@ TRITON_OPS = Ops(
     name="triton",
     linear=linear,
     rms_norm=norm.rms_norm,
-    rope_cos_sin=reference.rope_cos_sin,
+    rope_cos_sin=rope.rope_cos_sin,
     qk_norm_rope=prelude.qk_norm_rope,
     swiglu_oai=gemm.swiglu_oai,
     write_kv=prelude.write_kv,

@@ -64,3 +64,20 @@ def test_draft_step_matches_float64(R, dtype, tiny_cfg, tiny_ckpt, tiny_embed, f
         ref = f64.step(step.inputs_embeds[rows].to(dtype), P, ctx)
         err = (out[rows].to(torch.float64) - ref).norm() / ref.norm()
         assert err < TOL[dtype], f"request {i} (P={P}): relative error {err:.2e} >= {TOL[dtype]}"
+
+
+def test_draft_step_leaves_the_callers_inputs_alone(tiny_cfg, tiny_ckpt, tiny_embed):
+    """The layers write residual sums over their dead inputs (Ops.linear's accumulate), never over
+    the caller's embeddings: in the model's dtype they reach layer 0 as the same tensor, and a
+    CUDA graph or a parity re-run reads them again. A second step gives the same bits."""
+    lens = [20, 5]
+    num_pages = sum(scenario.pages_needed(c + layout.QPR, PAGE) for c in lens)
+    step = scenario.random_step(tiny_cfg, lens, PAGE, num_pages, tiny_embed, seed=3)
+    embeds = step.inputs_embeds.to(torch.float32)
+    before = embeds.clone()
+    model = DSparkDrafter(tiny_cfg, ParallelContext(), REFERENCE_OPS, torch.float32).load(
+        CheckpointReader(tiny_ckpt[0], torch.float32))
+    kv = allocate_kv_cache(tiny_cfg, 1, num_pages, PAGE, torch.float32)
+    first = model.draft_step(embeds, step.positions, step.meta, kv)
+    assert torch.equal(embeds, before)
+    assert torch.equal(model.draft_step(embeds, step.positions, step.meta, kv), first)

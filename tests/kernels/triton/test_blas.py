@@ -67,6 +67,8 @@ def test_ops_route_dense_gpu_linears_to_the_vendor(cuda, monkeypatch, parity):
     y = reference.linear(x, w).float()
     bound = torch.finfo(torch.bfloat16).eps * (ref.float().abs() + y.abs())
     assert ((fused.float() - ref.float()).abs() <= bound).all()
+    acc = res.clone()  # written over the residual in place (no copy of it first): the same bits
+    assert TRITON_OPS.linear(x, w, acc, accumulate=True).data_ptr() == acc.data_ptr() and torch.equal(acc, fused)
     folded = NormFolded.fold(torch.cat([w, w.flip(0)]), nw)
     parity(TRITON_OPS.norm_linear_swiglu(x, nw, EPS, folded, ALPHA, LIMIT),
            reference.norm_linear_swiglu(x, nw, EPS, torch.cat([w, w.flip(0)]), ALPHA, LIMIT))

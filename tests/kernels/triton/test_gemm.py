@@ -71,6 +71,21 @@ def test_residual_in_epilogue(device, config, parity):
 
 
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_sum_written_over_the_residual(device, config):
+    """out=residual (Ops.linear's accumulate): each residual element is read by the program that
+    writes it, in the direct epilogue and in the finalize: the same bits as a fresh output."""
+    x, w, _ = _inputs(21, 320, 200, torch.bfloat16, device, seed=16)
+    res = torch.randn(21, 200, generator=torch.Generator().manual_seed(17)).to(device, torch.bfloat16)
+    fresh = gemm.gemm(x, w, residual=res, config=CONFIGS[config])
+    acc = res.clone()
+    got = gemm.gemm(x, w, residual=acc, out=acc, config=CONFIGS[config])
+    assert got.data_ptr() == acc.data_ptr() and torch.equal(got, fresh)
+    assert torch.equal(TRITON_OPS.linear(x, w, res.clone(), accumulate=True), TRITON_OPS.linear(x, w, res))
+    with pytest.raises(ValueError, match="out"):
+        gemm.gemm(x, w, residual=res, out=torch.empty(21, 200, dtype=torch.float32, device=device))
+
+
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 def test_weights_through_tensor_descriptors(device, config, parity, monkeypatch):
     """The TMA path an H100/H200 takes for dense weights (in the interpreter, by claiming sm_90
     there) against the pointer path: ragged N and K (the copy's zero fill past the ends), a gate
