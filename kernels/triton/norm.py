@@ -9,11 +9,25 @@ import triton.language as tl
 from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, tl_dtype
 
 
+# Rows up to this wide are held in registers (32 fp32 per thread at 8 warps) and read once; wider
+# ones are read twice in 2048-wide chunks. The final norm over [56, 6144] took 4.9 us with the two
+# passes on an H200 (run 100): six dependent rounds of loads per row where one suffices.
+ONE_PASS_MAX = 8192
+
+
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, stride_x, stride_o, eps,
-                     OUT: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """One program per row; two passes over the row in BLOCK chunks (any width, bounded registers)."""
+                     OUT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, INTERPRET: tl.constexpr):
+    """One program per row: the row in registers (ONE_PASS, BLOCK >= K), or two passes in BLOCK chunks."""
     row = tl.program_id(0)
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < K
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+        tl.store(out_ptr + row * stride_o + offs, cast(x * inv * (1.0 + w), OUT, INTERPRET), mask=mask)
+        return
     sq = tl.zeros((BLOCK,), tl.float32)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
@@ -37,8 +51,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        block = min(2048, triton.next_power_of_2(k))
+        one_pass = k <= ONE_PASS_MAX
+        block = triton.next_power_of_2(k) if one_pass else 2048
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, k, x2.stride(0), out.stride(0), eps,
-                                         OUT=tl_dtype(x.dtype), BLOCK=block, INTERPRET=INTERPRET,
-                                         num_warps=8)
+                                         OUT=tl_dtype(x.dtype), BLOCK=block, ONE_PASS=one_pass,
+                                         INTERPRET=INTERPRET, num_warps=8)
     return out.view(x.shape)

@@ -112,9 +112,10 @@ def test_write_kv_exact(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("width", [256, 300, 4100])
+@pytest.mark.parametrize("width", [256, 300, 4100, 8200])
 def test_rms_norm(device, width, dtype, parity):
-    """Widths below, off and above the kernel's 2048 chunk."""
+    """Rows held in registers (a power of two, ragged, 6144-like) and, past norm.ONE_PASS_MAX, read
+    twice in 2048-wide chunks with a ragged last one."""
     gen = torch.Generator().manual_seed(width)
     x = (torch.randn(7, width, generator=gen) * 5.0).to(device, dtype)
     w = (torch.randn(width, generator=gen) * 0.1).to(device, dtype)
