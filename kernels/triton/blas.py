@@ -1,9 +1,9 @@
 """The step's GEMMs handed to the vendor BLAS (cuBLAS, or hipBLASLt on ROCm, through torch) where it streams faster.
 
 A Triton GEMM launch costs 5-7 us on top of its bytes at a shard's shapes, and cuBLAS 4-6 us
-(BENCHMARKS.md run 38). So from 17 rows the plain linears (o_proj, down_proj) run as one
-cuBLAS addmm, the residual added in its epilogue, instead of the split-K GEMM plus its
-finalize. The folded-norm GEMMs (gate|up with SwiGLU, norm_linear) go the same way: the
+(BENCHMARKS.md run 38). So the plain linears (o_proj, down_proj) run as one cuBLAS addmm,
+the residual added in its epilogue (in place where the caller's residual is dead), instead of the
+split-K GEMM plus its finalize. The folded-norm GEMMs (gate|up with SwiGLU, norm_linear) go the same way: the
 vendor's product in fp32, then gemm's finalize kernel, which sums each row's squares from x
 itself, scales, applies SwiGLU and rounds once, as the Triton path does (runs 80-86). Dense
 bf16/fp16 weights on an NVIDIA GPU only; MXFP8 weights and unfolded norms stay on the Triton
@@ -20,16 +20,17 @@ from dspark_sidecar.kernels.triton.runtime import nvidia_of
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
 # Tunables, read by the *_applies checks: the vendor GEMM from this many rows (0: never).
-# PLAIN_MIN_ROWS: plain linears. NORM_MIN_ROWS: folded-norm GEMMs. Below 17 rows the Triton GEMM's
-# 16-row tiles stream as fast, its finalize adds the residual for free and its x^2 column is
-# cheaper than the finalize's own sums: measured on an H200 (BENCHMARKS.md, session 11), the step
-# at 7 rows was 4-10 us slower with the plain linears on cuBLAS, at 56 rows 9 us faster (and the
-# folded-norm gate|up 7 us faster).
+# PLAIN_MIN_ROWS: plain linears. NORM_MIN_ROWS: folded-norm GEMMs. Session 11 kept both at 17: at 7
+# rows the plain linears on cuBLAS were 4-10 us slower, because addmm into a new tensor first
+# copies the residual there. With the residual written in place (Ops.linear's accumulate) the
+# step on an H200 (BENCHMARKS.md runs 102-103, GPU time) was 15 us faster at 7 rows and 13 us at
+# 14 with the plain linears on cuBLAS, and 3-4 us more with the folded-norm GEMMs there too; at
+# 56 rows they were already on it (9 us faster than Triton, gate|up 7 us).
 # ADDMM: a plain linear's residual added in the vendor GEMM's epilogue (one launch, the sum rounded
 # once) instead of by a second launch after the product is rounded (the reference's two
 # roundings): 4.6 us faster at 56 rows.
-PLAIN_MIN_ROWS = 17
-NORM_MIN_ROWS = 17
+PLAIN_MIN_ROWS = 1
+NORM_MIN_ROWS = 1
 ADDMM = True
 
 
