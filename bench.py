@@ -4,6 +4,7 @@ Modes, each at TP-rank-shard shapes (rank 0 of `shard_of`; partial sums are not 
 on one GPU there is no peer):
   a  reference layers in-process, eager          b  the same, CUDA-graphed (static-shape attention)
   c  the GPU backend in-process, CUDA-graphed     d  the sidecar from the engine over the data plane
+     (c: launch groups side by side on --launch-streams streams, as the bench's sidecar runs them)
   e  the sidecar over the gRPC stream with inline tensors
   f  mode d, PIPELINE steps back to back with no host sync between them (ms per step): as an
      engine runs when the draft step's output stays on the GPU; the sidecar's host work then
@@ -69,6 +70,7 @@ class BenchConfig:
     sidecar_backend: str = "auto"
     prelaunch: bool = True  # the sidecar may queue doorbell steps behind the GPU word (server/prelaunch.py)
     engine_copy: bool = False  # d/f: the engine's embeddings copied into the input region each step
+    launch_streams: int = 0  # c and the sidecar: launch groups side by side on N streams (ServeConfig's; 0 = its default)
     seed: int = 0
     notes: dict = field(default_factory=dict)
 
@@ -78,6 +80,8 @@ class BenchConfig:
             raise ValueError(f"--modes: {bad or 'none given'}; choose from {''.join(MODES)} (e.g. 'acd' or 'a,c,d')")
         if self.weights not in ("bf16", "mxfp8"):
             raise ValueError(f"--weights: bf16 or mxfp8, got {self.weights!r}")
+        if not 0 <= self.launch_streams <= 8:
+            raise ValueError(f"--launch-streams: 0..8, got {self.launch_streams}")
 
 
 class Case:
@@ -178,7 +182,8 @@ class SidecarUnderTest:
                 "--random-weights", "--preset", bc.preset, "--dtype", bc.dtype, "--weights", bc.weights,
                 "--socket-dir", str(self.sock),
                 "--device", device.type, "--backend", bc.sidecar_backend, "--max-reqs", str(max(bc.reqs)),
-                "--seed", str(bc.seed), "--drain-s", "0", *([] if bc.prelaunch else ["--no-prelaunch"])]
+                "--seed", str(bc.seed), "--drain-s", "0", *([] if bc.prelaunch else ["--no-prelaunch"]),
+                *(["--launch-streams", str(bc.launch_streams)] if tp == 1 else [])]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         self.log = open(work / "sidecar.log", "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -228,10 +233,14 @@ class Bench:
             for t in self.kv:
                 t.copy_(torch.randn(shape, generator=gen))
         self.gpu_ops = None
+        self.streams: list = []  # c: the launch groups side by side, as the bench's sidecar runs them
         if device.type == "cuda":
             from dspark_sidecar.kernels.triton.ops import TRITON_OPS
+            from dspark_sidecar.server.config import ServeConfig
 
             self.gpu_ops = TRITON_OPS
+            n = ServeConfig(tp=1, launch_streams=bc.launch_streams).step_streams
+            self.streams = [torch.cuda.Stream(device) for _ in range(n)] if n > 1 else []
         self.step_id = 0
         self._inputs: torch.Tensor | None = None  # d/f: the embeddings fill() is given (measure sets it)
         # Per remote step: queue, rendezvous, launch, total (ns), and whether it was pre-launched.
@@ -261,9 +270,9 @@ class Bench:
             self.bufs = StepBuffers(self.stub, self.cfg.hidden_size, max(bc.reqs), max_pages, self.dtype, device)
             self.bell = DoorbellChannel(self.stub, device)
 
-    def _eager(self, ops, case: Case):
+    def _eager(self, ops, case: Case, streams: list = ()):
         self.model.set_ops(ops)
-        return lambda: self.model.draft_step(case.embeds, case.positions, case.meta, self.kv)
+        return lambda: self.model.draft_step(case.embeds, case.positions, case.meta, self.kv, streams=streams)
 
     def _pipelined(self, case: Case) -> list[float]:
         """ms per step of PIPELINE data-plane steps sent back to back, synchronized once per batch."""
@@ -304,7 +313,8 @@ class Bench:
         if mode in ("b", "c"):
             if self.device.type != "cuda":
                 return "n/a: needs a GPU"
-            fn = graphed(self._eager(GRAPHABLE_REFERENCE if mode == "b" else self.gpu_ops, case), self.device)
+            fn = graphed(self._eager(GRAPHABLE_REFERENCE, case) if mode == "b" else
+                         self._eager(self.gpu_ops, case, self.streams), self.device)
             wall = timeit(fn, self.device, self.bc.repeats)
             self.gpu_ms = gpu_times(fn, self.device, self.bc.repeats)
             return wall

@@ -68,6 +68,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    default=_env("cuda_graphs", True, bool), help="run steps eagerly on the GPU")
     p.add_argument("--no-prelaunch", dest="prelaunch", action="store_false", default=_env("prelaunch", True, bool),
                    help="never queue a doorbell step on the GPU before it is rung (server/prelaunch.py)")
+    p.add_argument("--launch-streams", type=int, default=_env("launch_streams", d.launch_streams, int),
+                   help="run a step's launch groups (8 requests each) side by side on N CUDA streams; "
+                        "0 = 4 at --tp 1, 1 (in order) above; N > 1 needs --tp 1")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=_env("warmup", True, bool))
     p.add_argument("--seed", type=int, default=_env("seed", d.seed, int), help="seed of the synthetic checkpoint")
 
@@ -185,7 +188,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints(a.reqs), contexts=ints(a.contexts),
                      modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch,
-                     engine_copy=a.engine_copy)
+                     engine_copy=a.engine_copy, launch_streams=a.launch_streams)
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
 
@@ -255,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the sidecar never queues a step before it is rung (compare d and f without it)")
     bp.add_argument("--engine-copy", action="store_true",
                     help="d/f: the engine's embeddings are copied into the registered input region every step")
+    bp.add_argument("--launch-streams", type=int, default=0,
+                    help="c and the sidecar (--tp 1): launch groups side by side on N streams (0: the serve default, 4)")
     bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
     bp.add_argument("--tp", type=int, default=1,
                     help="N > 1: the sidecar at TP N on N GPUs (N CPU ranks with --device cpu), driven by N engine ranks "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -10,7 +12,7 @@ from dspark_sidecar.drafter.checkpoint import PREFIX, layer_prefix
 from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.drafter.parallel import (
-    ColumnParallelLinear, ParallelContext, ReplicatedLinear, RowParallelLinear, WeightSource,
+    ColumnParallelLinear, LocalExchange, ParallelContext, ReplicatedLinear, RowParallelLinear, WeightSource,
 )
 from dspark_sidecar.kernels.ops import Ops
 
@@ -173,15 +175,54 @@ class DSparkDrafter(nn.Module):
     @torch.no_grad()
     def draft_step(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
                    kv_caches: list[torch.Tensor], launch_reqs: int = layout.LAUNCH_REQS,
-                   attn: tuple[torch.Tensor, StepMetadata] | None = None) -> torch.Tensor:
-        """A whole step of R requests in launches of at most `launch_reqs` requests; row order kept."""
+                   attn: tuple[torch.Tensor, StepMetadata] | None = None,
+                   streams: Sequence[torch.cuda.Stream] = ()) -> torch.Tensor:
+        """A whole step of R requests in launches of at most `launch_reqs` requests; row order kept.
+
+        streams (two or more, CUDA): the launch groups run side by side, group i on streams[i % len]
+        (see _side_by_side). Only without an exchange (TP 1, or one shard computed alone): at TP > 1
+        every group's all-reduces go through one communicator, whose collectives must not be issued
+        from several streams at once.
+        """
         q = layout.QPR
-        outs = [
-            self.forward(inputs_embeds[s * q : e * q], positions[s * q : e * q], meta.requests(s, e), kv_caches,
-                         None if attn is None else (attn[0][s * q : e * q], attn[1].requests(s, e)))
-            for s, e in layout.launch_groups(meta.num_reqs, launch_reqs)
-        ]
+        groups = layout.launch_groups(meta.num_reqs, launch_reqs)
+
+        def group(s: int, e: int) -> torch.Tensor:
+            return self.forward(inputs_embeds[s * q : e * q], positions[s * q : e * q], meta.requests(s, e), kv_caches,
+                                None if attn is None else (attn[0][s * q : e * q], attn[1].requests(s, e)))
+
+        if len(streams) > 1 and not isinstance(self.par.exchange, LocalExchange):
+            raise ValueError(f"draft_step: launch groups on {len(streams)} streams need TP 1 (this rank is one of "
+                             f"{self.par.world_size} whose all-reduces share one communicator)")
+        if len(groups) > 1 and len(streams) > 1:
+            outs = self._side_by_side(groups, group, streams)
+        else:
+            outs = [group(s, e) for s, e in groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _side_by_side(self, groups: list[tuple[int, int]], group, streams: Sequence[torch.cuda.Stream]) -> list:
+        """Each launch group on its own stream, forked from the current stream and joined back to it.
+
+        The groups are independent (their own requests' rows, K/V windows and slots), so each runs
+        the same kernels on the same inputs as in sequence: the same bits. Side by side, one group's
+        latency-bound attention and small kernels overlap another's weight streaming, and groups at
+        the same layer read its weights from L2 rather than HBM (R=32 on an H200: 1.72 -> 1.24 ms,
+        BENCHMARKS.md runs 106-107). In a CUDA graph capture the fork and join become graph edges.
+        """
+        main = torch.cuda.current_stream(self.device)
+        used = list(streams[: len(groups)])
+        for st in used:
+            st.wait_stream(main)
+        outs = []
+        for i, (s, e) in enumerate(groups):
+            with torch.cuda.stream(used[i % len(used)]):
+                outs.append(group(s, e))
+        for st in used:
+            main.wait_stream(st)
+        if not torch.cuda.is_current_stream_capturing():
+            for o in outs:  # made on a side stream, read by the caller on this one
+                o.record_stream(main)
+        return outs
 
     @torch.no_grad()
     def commit_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

@@ -195,7 +195,8 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     life = Lifecycle(backend=choice.name, host=host, flydsl_off=choice.flydsl_refusal, strict=cfg.strict_refusal,
                      dist_backend=dist_backend)
     # CUDA graphs need capturable ops: the Triton backend's are; the reference loop attention is not.
-    graphs = (StepGraphs(model, lambda: memory.kv.page_size)
+    graphs = (StepGraphs(model, lambda: memory.kv.page_size,
+                         [torch.cuda.Stream(device) for _ in range(cfg.step_streams)] if cfg.step_streams > 1 else [])
               if cfg.cuda_graphs and device.type == "cuda" and choice.name == "triton" else None)
     loop = RankLoop(ctx, rendezvous, graphs)
     servicer = DrafterServicer(ctx, loop, life, limits_pb(cfg.max_reqs, cfg.max_message_bytes),

@@ -11,6 +11,10 @@ from dspark_sidecar import layout
 
 BACKENDS = ("auto", "reference", "triton", "flydsl")
 DTYPES = ("bf16", "fp32")
+# R = 32 is 4 launch groups of 8: on 4 streams its step took 1.24 ms on an H200 against 1.72 in
+# order, and 1.32 on 2 (BENCHMARKS.md runs 106-107). More streams than groups are never used.
+DEFAULT_LAUNCH_STREAMS = 4
+MAX_LAUNCH_STREAMS = 8
 
 
 class ServeConfigError(ValueError):
@@ -44,6 +48,7 @@ class ServeConfig:
     warmup: bool = True
     cuda_graphs: bool = True  # replay the step as a CUDA graph per request count (GPU, capturable backend)
     prelaunch: bool = True  # queue the next doorbell step on the GPU behind the engine's GPU word (server/prelaunch.py)
+    launch_streams: int = 0  # a step's launch groups side by side on this many streams (graphs); 0: 4 at TP 1, 1 above
     drain_s: float = 1.0  # after SIGTERM: NOT_SERVING for this long before the listener closes
     seed: int = 0  # of the synthetic checkpoint
     # Benchmark emulation (never for serving an engine's real traffic):
@@ -77,12 +82,23 @@ class ServeConfig:
                 "access, so serving off-node needs --allow-remote")
         if self.shard_of and (self.tp != 1 or self.shard_of < 2):
             raise ServeConfigError(f"--shard-of: needs --tp 1 and N >= 2, got --tp {self.tp} --shard-of {self.shard_of}")
+        if not 0 <= self.launch_streams <= MAX_LAUNCH_STREAMS:
+            raise ServeConfigError(f"--launch-streams: must be 0..{MAX_LAUNCH_STREAMS}, got {self.launch_streams}")
+        if self.launch_streams > 1 and self.tp > 1:
+            raise ServeConfigError(
+                f"--launch-streams {self.launch_streams}: launch groups side by side need --tp 1; at TP > 1 each "
+                "group's all-reduces would be issued to one communicator from several streams (use 0 or 1)")
         if not 0 <= self.drain_s <= 300:
             raise ServeConfigError(f"--drain-s: must be 0..300, got {self.drain_s}")
         if self.checkpoint is not None and self.target_checkpoint is None and not self.random_weights:
             raise ServeConfigError("--target-checkpoint: required with --checkpoint (embed_tokens lives in the target)")
         if self.max_message_bytes < 1 << 20:
             raise ServeConfigError("--max-message-bytes: must be at least 1 MiB")
+
+    @property
+    def step_streams(self) -> int:
+        """Streams a step's launch groups run on (1: in order); --launch-streams 0 resolved."""
+        return self.launch_streams or (DEFAULT_LAUNCH_STREAMS if self.tp == 1 else 1)
 
     def socket_path(self, rank: int) -> Path:
         return self.socket_dir / f"rank{rank}.sock"

@@ -64,8 +64,9 @@ class _Graph:
 
 
 class StepGraphs:
-    def __init__(self, model: DSparkDrafter, page_size_of) -> None:
+    def __init__(self, model: DSparkDrafter, page_size_of, streams: list[torch.cuda.Stream] | None = None) -> None:
         self.model = model
+        self.streams = list(streams or [])  # >= 2: each graph runs its launch groups side by side (model.draft_step)
         self._page_size_of = page_size_of  # () -> the bound cache's page size
         self._graphs: dict[int, _Graph] = {}
         self._kv_key: tuple | None = None
@@ -149,7 +150,7 @@ class StepGraphs:
     def _step(self, g: _Graph, kv) -> torch.Tensor:
         pos, rel, slots, lens, tables = g.views
         meta = StepMetadata(lens, tables, slots)
-        return self.model.draft_step(g.embeds, pos, meta, kv, attn=(rel, meta))
+        return self.model.draft_step(g.embeds, pos, meta, kv, attn=(rel, meta), streams=self.streams)
 
     def _capture(self, g: _Graph, kv) -> None:
         """Warm up on a side stream with this step's real inputs (the writes are this step's own

@@ -40,7 +40,14 @@ NUM_WARPS = 8  # for a [128-row, 128] accumulator (the shard's 112 rows); smalle
 # where each program merges 2 rows after waiting for 63 others, 2% slower: hence COOP_MAX_SPLITS.
 COOP_MERGE = True
 COOP_MAX_SPLITS = 16
-COUNTERS = 1 << 14  # int32 slots of the per-device counter page: 2 per (request, KV head)
+# The cooperative merge's counters: 2 int32 per (request, KV head) of a launch, which holds at most
+# one program per SM, so 1024 cover any grid. One lane of them per stream: launches on one stream
+# run one after another and may share them, but launch groups on separate streams (the model's
+# draft_step side by side) may run at once, and two grids on the same counters wait on each other's
+# counts for ever (a tiny model's 64-program grids hung a sidecar that way, run 108). Up to LANES
+# streams per device get a lane; launches on any further stream keep the merge kernel.
+COUNTERS = 1 << 10
+LANES = 64
 
 
 @triton.jit
@@ -178,11 +185,12 @@ def _reduce_kernel(
 def _coop_fits(q: torch.Tensor, r: int, hk: int, sp: int) -> bool:
     """Whether the splits merge in the split kernel's launch: COOP_MERGE, 2..COOP_MAX_SPLITS splits, a
     CUDA (not HIP) GPU, not the interpreter (its programs run one after another: a wait would never
-    end), a grid of at most one program per SM (what the kernel's registers allow) that fits the
-    counter page, and a device where a cooperative launch of it has worked (see _launch_coop)."""
+    end), a grid of at most one program per SM (what the kernel's registers allow) that fits a
+    counter lane, a lane for the current stream, and a device where a cooperative launch of it has
+    worked (see _launch_coop)."""
     if not COOP_MERGE or not 1 < sp <= COOP_MAX_SPLITS or not nvidia_of(q):
         return False
-    if r * hk * sp > sms_of(q) or 2 * r * hk > COUNTERS:
+    if r * hk * sp > sms_of(q) or 2 * r * hk > COUNTERS or _lane(q.device, _stream_of(q)) is None:
         return False
     state = _coop_state.get(q.device)
     if state is None:  # never tried here: not inside a capture, where a failed launch would void the graph
@@ -213,9 +221,35 @@ def _launch_coop(q: torch.Tensor, launch) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _counter_page(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters that cooperative attention launches on `device` use and leave zeroed
-    (launches on one device run one at a time, on the rank's stream)."""
-    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    """Zeroed int32 counters [LANES, COUNTERS] that cooperative attention launches on `device` use and
+    leave zeroed. First made by an eager launch (_coop_fits: a device's first try is never captured),
+    so no graph capture ever allocates or zeroes it."""
+    return torch.zeros(LANES, COUNTERS, dtype=torch.int32, device=device)
+
+
+# (device, stream handle) -> lane of the counter page, handed out in order of first use.
+_lanes: dict[tuple[torch.device, int], int] = {}
+
+
+def _lane(device: torch.device, stream: int) -> int | None:
+    """The counter lane of launches on `stream` (its CUDA handle) on `device`; None past LANES streams."""
+    key = (device, stream)
+    lane = _lanes.get(key)
+    if lane is None:
+        taken = sum(1 for d, _ in _lanes if d == device)
+        if taken >= LANES:
+            return None
+        lane = _lanes[key] = taken
+    return lane
+
+
+def _stream_of(q: torch.Tensor) -> int:
+    return torch.cuda.current_stream(q.device).cuda_stream
+
+
+def _counters(q: torch.Tensor) -> torch.Tensor:
+    """The counters of the current stream's lane [COUNTERS] (the caller checked _coop_fits)."""
+    return _counter_page(q.device)[_lane(q.device, _stream_of(q))]
 
 
 def num_splits(num_reqs: int, kv_heads: int, max_keys: int, sms: int, block_n: int = BLOCK_N,
@@ -266,7 +300,7 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
 
     def launch(coop: bool) -> None:
         _split_kernel[(r, hk, sp)](
-            q, kv_layer, positions, seq_lens, block_tables, out, po, pml, _counter_page(q.device) if coop else pml,
+            q, kv_layer, positions, seq_lens, block_tables, out, po, pml, _counters(q) if coop else pml,
             q.stride(0), q.stride(1), q.stride(2), s[0], s[1], s[2], s[3], s[4], block_tables.stride(0),
             window, scale * LOG2E, hk, PAGE=page_size,
             ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, SPLITS=sp, OUT=tl_dtype(q.dtype),

@@ -28,3 +28,23 @@ def test_tp_equals_tp1(world, dtype, tp1, tiny_ckpt, tiny_embed):
     ref = tp1[dtype]
     err = (outs[0].double() - ref.double()).norm() / ref.double().norm()
     assert err < TOL[dtype], f"TP {world} vs TP 1: relative error {err:.2e}"
+
+
+def test_launch_groups_side_by_side_are_refused_with_an_exchange(tiny_cfg):
+    """At TP > 1 every launch group's all-reduces share one communicator: side by side on several
+    streams they could be issued out of order across ranks, so draft_step refuses before launching."""
+    from dspark_sidecar.drafter import scenario
+    from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
+    from dspark_sidecar.drafter.model import DSparkDrafter
+    from dspark_sidecar.drafter.parallel import ParallelContext
+    from dspark_sidecar.kernels.ops import REFERENCE_OPS
+
+    class Summing:
+        def all_reduce(self, t):
+            return t
+
+    model = DSparkDrafter(tiny_cfg, ParallelContext(0, 2, Summing()), REFERENCE_OPS, torch.float32)
+    step = scenario.random_step(tiny_cfg, [3] * 9, 16, 9, torch.randn(tiny_cfg.vocab_size, tiny_cfg.hidden_size), seed=1)
+    kv = allocate_kv_cache(tiny_cfg, 2, 9, 16, torch.float32)
+    with pytest.raises(ValueError, match="need TP 1"):
+        model.draft_step(step.inputs_embeds, step.positions, step.meta, kv, streams=[object(), object()])

@@ -132,6 +132,17 @@ def test_splits_merged_in_the_same_launch(cuda, contexts, monkeypatch):
     assert int(attention._counter_page(q.device).abs().sum()) == 0, "a launch left its counters set"
 
 
+def test_each_stream_gets_its_own_counter_lane(monkeypatch):
+    """Cooperative launches on separate streams may run at once: each stream (by CUDA handle, per
+    device) keeps one lane of counters; past LANES streams there is none (the merge kernel runs)."""
+    monkeypatch.setattr(attention, "_lanes", {})
+    monkeypatch.setattr(attention, "LANES", 3)
+    a, b = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert [attention._lane(a, h) for h in (111, 222, 111, 333)] == [0, 1, 0, 2]
+    assert attention._lane(b, 222) == 0  # another device's page
+    assert attention._lane(a, 444) is None and attention._lane(a, 222) == 1
+
+
 def test_refused_cooperative_launch_falls_back(monkeypatch, caplog):
     """A device that refuses the cooperative launch on its first try (an MPS client capped below the
     grid) is marked, logged, and gets the merge kernel from then on; a later refusal is an error."""

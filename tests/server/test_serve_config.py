@@ -1,0 +1,34 @@
+"""ServeConfig's --launch-streams: how many streams a step's launch groups run on, and where it is refused."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dspark_sidecar import cli
+from dspark_sidecar.server.config import DEFAULT_LAUNCH_STREAMS, ServeConfig, ServeConfigError
+
+
+def _parse(argv: list[str]) -> ServeConfig:
+    p = argparse.ArgumentParser()
+    cli._add_serve_flags(p)
+    return cli.serve_config(p.parse_args(argv))
+
+
+def test_default_is_side_by_side_at_tp1_and_in_order_above():
+    assert _parse(["--tp", "1"]).step_streams == DEFAULT_LAUNCH_STREAMS > 1
+    assert _parse(["--tp", "4"]).step_streams == 1
+    assert _parse(["--tp", "1", "--launch-streams", "2"]).step_streams == 2
+    assert _parse(["--tp", "4", "--launch-streams", "1"]).step_streams == 1
+
+
+def test_side_by_side_at_tp_above_1_is_refused_with_the_reason():
+    with pytest.raises(ServeConfigError, match="--launch-streams 2: .*--tp 1.*communicator"):
+        ServeConfig(tp=4, launch_streams=2)
+
+
+@pytest.mark.parametrize("n", [-1, 9])
+def test_out_of_range_is_refused(n):
+    with pytest.raises(ServeConfigError, match="--launch-streams: must be 0..8"):
+        ServeConfig(tp=1, launch_streams=n)
