@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, dot_dtype, mma, sm90_of, sms_of, smem_of, tl_dtype,
+    INTERPRET, cast, check_device, dot_dtype, mma, rms_inv, sm90_of, sms_of, smem_of, tl_dtype,
 )
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
@@ -56,7 +56,7 @@ def row_norm_scale(sq_ptr, stride_s, row, k, eps, SPLITS: tl.constexpr):
     ssq = tl.load(sq_ptr + row)
     for s in tl.static_range(1, SPLITS):
         ssq += tl.load(sq_ptr + s * stride_s + row)
-    return tl.rsqrt(ssq / k + eps)
+    return rms_inv(ssq, k, eps)
 
 
 @triton.jit
@@ -181,7 +181,7 @@ def _gemm_kernel(
                 tl.store(sq_ptr + pid_s * M + offs_m, sq, mask=m_mask)
     else:
         if HAS_NORM:
-            inv = tl.rsqrt(sq / K + eps)
+            inv = rms_inv(sq, K, eps)
             acc = acc * inv[:, None]
             acc_up = acc_up * inv[:, None]
         if SWIGLU:
@@ -218,7 +218,7 @@ def _finalize_kernel(
         if SQ_X:
             xk = tl.arange(0, SQ_X)
             xr = tl.load(sq_ptr + row * K + xk, mask=xk < K, other=0.0).to(tl.float32)
-            inv = tl.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
+            inv = rms_inv(tl.sum(xr * xr, axis=0), K, eps)
         else:
             inv = row_norm_scale(sq_ptr, M, row, K, eps, SPLIT)
         acc = acc * inv

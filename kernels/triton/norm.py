@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, tl_dtype
+from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, rms_inv, tl_dtype
 
 
 # Rows up to this wide are held in registers (32 fp32 per thread at 8 warps) and read once; wider
@@ -25,7 +25,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, stride_x, stride_o, eps,
         mask = offs < K
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+        inv = rms_inv(tl.sum(x * x, axis=0), K, eps)
         tl.store(out_ptr + row * stride_o + offs, cast(x * inv * (1.0 + w), OUT, INTERPRET), mask=mask)
         return
     sq = tl.zeros((BLOCK,), tl.float32)
@@ -33,7 +33,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, stride_x, stride_o, eps,
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
         sq += x * x
-    inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    inv = rms_inv(tl.sum(sq, axis=0), K, eps)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         mask = offs < K

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from dspark_sidecar.kernels.triton.gemm import Partials, row_norm_scale
-from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, tl_dtype
+from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, rms_inv, tl_dtype
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def _norm_rope(head_ptr, stride_d, stride_s, inv_in, w_ptr, cos_row, sin_row, ep
     xp = _load_head(head_ptr, partner, dmask, stride_d, stride_s, inv_in, SPLITS, PARTIAL, OUT, INTERPRET)
     w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    inv = rms_inv(tl.sum(x * x, axis=0), D, eps)
     xn = x * inv * (1.0 + w)
     xpn = xp * inv * (1.0 + wp)
     ci = tl.where(first, offs, offs - HALF)

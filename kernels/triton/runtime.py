@@ -32,6 +32,13 @@ def mma(a, b, acc, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def rms_inv(sum_sq, k, eps):
+    """The Gemma RMSNorm's row scale rsqrt(mean(x^2) + eps) from a row's fp32 sum of squares over k
+    elements: the one formula the norm, the folded GEMMs' epilogues, the finalize and the prelude use."""
+    return tl.rsqrt(sum_sq / k + eps)
+
+
+@triton.jit
 def cast(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """x -> DTYPE rounding to nearest even, as the GPU does.
 
