@@ -12,6 +12,9 @@ rewritten the host waits on the event recorded after its last copy, which has no
 before (the host never waits on the step's compute itself). The embeddings are read in place
 when they sit in a registered region (the data plane: the same memory every step); otherwise
 they are copied into a static buffer first.
+
+Given two or more streams, a graph of more than 8 requests runs its launch groups side by side
+on them (model.draft_step): the fork from the replay's stream and the joins are graph edges.
 """
 
 from __future__ import annotations
