@@ -46,6 +46,7 @@ from dspark_sidecar.kernels.weights import prepare_layer_weights
 from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from dspark_sidecar.server.config import MAX_LAUNCH_STREAMS
 
 MODES = ("a", "b", "c", "d", "e", "f")
 NAMES = {"a": "reference eager", "b": "reference graphed", "c": "GPU backend graphed",
@@ -80,8 +81,8 @@ class BenchConfig:
             raise ValueError(f"--modes: {bad or 'none given'}; choose from {''.join(MODES)} (e.g. 'acd' or 'a,c,d')")
         if self.weights not in ("bf16", "mxfp8"):
             raise ValueError(f"--weights: bf16 or mxfp8, got {self.weights!r}")
-        if not 0 <= self.launch_streams <= 8:
-            raise ValueError(f"--launch-streams: 0..8, got {self.launch_streams}")
+        if not 0 <= self.launch_streams <= MAX_LAUNCH_STREAMS:
+            raise ValueError(f"--launch-streams: 0..{MAX_LAUNCH_STREAMS}, got {self.launch_streams}")
 
 
 class Case:

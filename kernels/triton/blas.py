@@ -13,8 +13,8 @@ GEMM (ops.py decides on every call, from the row count and the tunables below).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.triton import gemm
 from dspark_sidecar.kernels.triton.runtime import nvidia_of
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
@@ -77,10 +77,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
     and writes the same C."""
     if residual is not None and ADDMM:
         return torch.addmm(residual, x, weight.t(), out=residual) if accumulate else torch.addmm(residual, x, weight.t())
-    y = F.linear(x, weight)
-    if residual is None:
-        return y
-    return residual.add_(y) if accumulate else residual + y
+    return reference.linear(x, weight, residual, accumulate)
 
 
 def product_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
