@@ -42,6 +42,7 @@ from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
+from dspark_sidecar.kernels.timing import gpu_times
 from dspark_sidecar.kernels.weights import prepare_layer_weights
 from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
@@ -116,21 +117,6 @@ def timeit(fn, device: torch.device, repeats: int, warmup: int = 3) -> list[floa
     return out
 
 
-def gpu_times(fn, device: torch.device, repeats: int) -> list[float]:
-    """ms of GPU time per call: CUDA events around it, queued behind a short spin of the stream so that
-    the host's launch latency falls inside the spin, not between the events (the floor is GPU time too)."""
-    out = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(100_000)  # ~50 us at 2 GHz: longer than a graph launch from the host
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e))
-    return out
-
-
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
     if device.type != "cuda":
@@ -184,7 +170,7 @@ class SidecarUnderTest:
                 "--socket-dir", str(self.sock),
                 "--device", device.type, "--backend", bc.sidecar_backend, "--max-reqs", str(max(bc.reqs)),
                 "--seed", str(bc.seed), "--drain-s", "0", *([] if bc.prelaunch else ["--no-prelaunch"]),
-                *(["--launch-streams", str(bc.launch_streams)] if tp == 1 else [])]
+                "--launch-streams", str(bc.launch_streams)]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         self.log = open(work / "sidecar.log", "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -238,10 +224,10 @@ class Bench:
         if device.type == "cuda":
             from dspark_sidecar.kernels.triton.ops import TRITON_OPS
             from dspark_sidecar.server.config import ServeConfig
+            from dspark_sidecar.server.graphs import launch_streams
 
             self.gpu_ops = TRITON_OPS
-            n = ServeConfig(tp=1, launch_streams=bc.launch_streams).step_streams
-            self.streams = [torch.cuda.Stream(device) for _ in range(n)] if n > 1 else []
+            self.streams = launch_streams(ServeConfig(tp=1, launch_streams=bc.launch_streams).step_streams, device)
         self.step_id = 0
         self._inputs: torch.Tensor | None = None  # d/f: the embeddings fill() is given (measure sets it)
         # Per remote step: queue, rendezvous, launch, total (ns), and whether it was pre-launched.

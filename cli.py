@@ -70,7 +70,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="never queue a doorbell step on the GPU before it is rung (server/prelaunch.py)")
     p.add_argument("--launch-streams", type=int, default=_env("launch_streams", d.launch_streams, int),
                    help="run a step's launch groups (8 requests each) side by side on N CUDA streams; "
-                        "0 = 4 at --tp 1, 1 (in order) above; N > 1 needs --tp 1")
+                        "0 = 4 at --tp 1, 1 (in order) above; at --tp > 1, N > 1 gives each extra stream its own "
+                        "communicator (opt-in: not yet measured on GPUs)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=_env("warmup", True, bool))
     p.add_argument("--seed", type=int, default=_env("seed", d.seed, int), help="seed of the synthetic checkpoint")
 
@@ -259,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--engine-copy", action="store_true",
                     help="d/f: the engine's embeddings are copied into the registered input region every step")
     bp.add_argument("--launch-streams", type=int, default=0,
-                    help="c and the sidecar (--tp 1): launch groups side by side on N streams (0: the serve default, 4)")
+                    help="c and the sidecar: launch groups side by side on N streams (0: the serve default, 4 at "
+                         "--tp 1 and 1 above; with --tp N > 1 each extra stream gets its own communicator)")
     bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
     bp.add_argument("--tp", type=int, default=1,
                     help="N > 1: the sidecar at TP N on N GPUs (N CPU ranks with --device cpu), driven by N engine ranks "

@@ -12,7 +12,7 @@ from dspark_sidecar.drafter.checkpoint import PREFIX, layer_prefix
 from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.drafter.parallel import (
-    ColumnParallelLinear, LocalExchange, ParallelContext, ReplicatedLinear, RowParallelLinear, WeightSource,
+    ColumnParallelLinear, ParallelContext, ReplicatedLinear, RowParallelLinear, WeightSource,
 )
 from dspark_sidecar.kernels.ops import Ops
 
@@ -47,6 +47,11 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(h, [cfg.ffn_hidden_size] * 2, par, ops, dtype, device)
         self.down_proj = RowParallelLinear(cfg.ffn_hidden_size, h, par, ops, dtype, device)
         self.kv_unfolded: torch.Tensor | None = None  # k|v rows kept as loaded once the norms are folded
+        # A rank with exchange lanes runs launch groups side by side at TP > 1: one group's all-reduce
+        # kernels hold SMs while they wait on the peers, whose progress may wait on this GPU's other
+        # streams. A cooperative attention grid (resident all at once, ~1 program per SM) could then
+        # wait for SMs that wait on it, so such ranks merge the attention's splits in a plain kernel.
+        self.attn_cooperative = not par.lanes
 
     def load(self, source: WeightSource, i: int) -> None:
         p = layer_prefix(i)
@@ -74,11 +79,12 @@ class DecoderLayer(nn.Module):
         return k, v.reshape(-1, self.kv_heads, d)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: StepMetadata, kv_layer: torch.Tensor, x_is_scratch: bool = False) -> torch.Tensor:
+                meta: StepMetadata, kv_layer: torch.Tensor, x_is_scratch: bool = False, lane: int = 0) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden]; writes this launch's block K/V into kv_layer at the slots.
 
         The residual sums are written over their dead inputs (Ops.linear's accumulate): h over x
-        when x_is_scratch (not the caller's tensor), the output over h always.
+        when x_is_scratch (not the caller's tensor), the output over h always. `lane`: the
+        exchange lane that sums the two row-parallel outputs (ParallelContext.lanes).
 
         `positions`/`meta` address the attention; they may be window-relative (see
         `window_metadata`): only differences of positions and the slots' pages matter there,
@@ -89,11 +95,12 @@ class DecoderLayer(nn.Module):
                                  self.q_norm.weight, self.k_norm.weight, cos, sin, kv_layer, meta.slot_mapping,
                                  self.q_heads, self.kv_heads)
         attn = ops.paged_window_attention(q, kv_layer, positions, meta.seq_lens, meta.block_tables,
-                                          layout.QPR, cfg.sliding_window, cfg.attn_scale)
-        h = self.o_proj(attn.reshape(-1, self.q_local), residual=x, accumulate=x_is_scratch)
+                                          layout.QPR, cfg.sliding_window, cfg.attn_scale,
+                                          cooperative=self.attn_cooperative)
+        h = self.o_proj(attn.reshape(-1, self.q_local), residual=x, accumulate=x_is_scratch, lane=lane)
         act = ops.norm_linear_swiglu(h, self.post_attention_layernorm.weight, cfg.rms_norm_eps,
                                      self.gate_up_proj.weight, cfg.swiglu_alpha, cfg.swiglu_limit)
-        return self.down_proj(act, residual=h, accumulate=True)
+        return self.down_proj(act, residual=h, accumulate=True, lane=lane)
 
 
 class DSparkDrafter(nn.Module):
@@ -159,17 +166,18 @@ class DSparkDrafter(nn.Module):
 
     @torch.no_grad()
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
-                kv_caches: list[torch.Tensor], attn: tuple[torch.Tensor, StepMetadata] | None = None) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn: tuple[torch.Tensor, StepMetadata] | None = None,
+                lane: int = 0) -> torch.Tensor:
         """One launch: inputs_embeds [n, hidden], positions int64 [n] -> final-normed hidden [n, hidden].
 
         attn: optional window-relative (positions, metadata) for the attention (static shapes for
-        CUDA graphs); by default the absolute ones."""
+        CUDA graphs); by default the absolute ones. lane: the exchange lane of the partial sums."""
         cos, sin = self._rope(positions)
         a_pos, a_meta = attn if attn is not None else (positions, meta)
         a_meta = StepMetadata(a_meta.seq_lens, a_meta.block_tables, meta.slot_mapping)
         x = inputs_embeds.to(self.dtype)
         for layer, kv_layer in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, a_pos, cos, sin, a_meta, kv_layer, x_is_scratch=x is not inputs_embeds)
+            x = layer(x, a_pos, cos, sin, a_meta, kv_layer, x_is_scratch=x is not inputs_embeds, lane=lane)
         return self.ops.rms_norm(x, self.final_norm.weight, self.cfg.rms_norm_eps)
 
     @torch.no_grad()
@@ -180,20 +188,21 @@ class DSparkDrafter(nn.Module):
         """A whole step of R requests in launches of at most `launch_reqs` requests; row order kept.
 
         streams (two or more, CUDA): the launch groups run side by side, group i on streams[i % len]
-        (see _side_by_side). Only without an exchange (TP 1, or one shard computed alone): at TP > 1
-        every group's all-reduces go through one communicator, whose collectives must not be issued
-        from several streams at once.
+        with exchange lane i % len (see _side_by_side). With an exchange (TP > 1) the rank needs a
+        lane per stream (ParallelContext.lanes): the collectives of one communicator must not be
+        issued from several streams.
         """
         q = layout.QPR
         groups = layout.launch_groups(meta.num_reqs, launch_reqs)
 
-        def group(s: int, e: int) -> torch.Tensor:
+        def group(s: int, e: int, lane: int = 0) -> torch.Tensor:
             return self.forward(inputs_embeds[s * q : e * q], positions[s * q : e * q], meta.requests(s, e), kv_caches,
-                                None if attn is None else (attn[0][s * q : e * q], attn[1].requests(s, e)))
+                                None if attn is None else (attn[0][s * q : e * q], attn[1].requests(s, e)), lane=lane)
 
-        if len(streams) > 1 and not isinstance(self.par.exchange, LocalExchange):
-            raise ValueError(f"draft_step: launch groups on {len(streams)} streams need TP 1 (this rank is one of "
-                             f"{self.par.world_size} whose all-reduces share one communicator)")
+        if len(streams) > self.par.num_lanes and not self.par.local:
+            raise ValueError(f"draft_step: launch groups on {len(streams)} streams need TP 1 or an exchange lane per "
+                             f"stream; this rank (one of {self.par.world_size}) has {self.par.num_lanes} "
+                             "(serve with --launch-streams 1, or let the server make the lanes)")
         if len(groups) > 1 and len(streams) > 1:
             outs = self._side_by_side(groups, group, streams)
         else:
@@ -215,8 +224,9 @@ class DSparkDrafter(nn.Module):
             st.wait_stream(main)
         outs = []
         for i, (s, e) in enumerate(groups):
-            with torch.cuda.stream(used[i % len(used)]):
-                outs.append(group(s, e))
+            j = i % len(used)  # stream j's groups sum their partials through exchange lane j
+            with torch.cuda.stream(used[j]):
+                outs.append(group(s, e, lane=j))
         for st in used:
             main.wait_stream(st)
         if not torch.cuda.is_current_stream_capturing():

@@ -38,15 +38,39 @@ class DistExchange:
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """Who this rank is in the TP group; passed in, never read from a global group."""
+    """Who this rank is in the TP group; passed in, never read from a global group.
+
+    `lanes`: exchanges over the same ranks beside `exchange` (lane 0), one more per extra CUDA
+    stream that a step's launch groups run on side by side (DSparkDrafter.draft_step). Each
+    lane is its own communicator: collectives of one communicator issued from several streams
+    could run in different orders on different ranks and wait on each other for ever, while
+    each lane's collectives come from one stream, in the same order on every rank.
+    """
 
     rank: int = 0
     world_size: int = 1
     exchange: Exchange = field(default_factory=LocalExchange)
+    lanes: tuple[Exchange, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+
+    @property
+    def num_lanes(self) -> int:
+        """Streams whose collectives this context can keep apart (1 + len(lanes))."""
+        return 1 + len(self.lanes)
+
+    @property
+    def local(self) -> bool:
+        """Nothing is exchanged (TP 1, or one shard computed alone): every lane may share `exchange`."""
+        return isinstance(self.exchange, LocalExchange)
+
+    def exchange_of(self, lane: int) -> Exchange:
+        """The exchange of lane `lane` (0: `exchange`)."""
+        if lane < 0 or (lane >= self.num_lanes and not self.local):
+            raise ValueError(f"exchange lane {lane} outside the {self.num_lanes} this rank has")
+        return self.exchange if lane == 0 or self.local else self.lanes[lane - 1]
 
     def shard(self, size: int) -> slice:
         """This rank's contiguous slice of a dimension of `size` (must divide evenly)."""
@@ -112,16 +136,18 @@ class RowParallelLinear(nn.Module):
         self.weight.copy_(source.read(key, (self.out_features, self.in_features),
                                       cols=self.par.shard(self.in_features)))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, accumulate: bool = False,
+                lane: int = 0) -> torch.Tensor:
         """x [n, in/tp] (this rank's slice) -> [n, out] summed over ranks [+ residual [n, out]];
-        accumulate: rank 0 may write the sum over the residual (dead after; Ops.linear).
+        accumulate: rank 0 may write the sum over the residual (dead after; Ops.linear); lane: whose
+        exchange sums it (ParallelContext.lanes: the launch group's stream's).
 
         The residual joins rank 0's partial, in the GEMM's epilogue, so the exchange adds it once
         and no separate add is launched. At TP > 1 that rounds rank 0's partial after the add
         rather than before: the same sum, up to one bf16 rounding of the residual stream.
         """
         res = residual if self.par.rank == 0 else None
-        return self.par.exchange.all_reduce(self.ops.linear(x, self.weight, res, accumulate=accumulate))
+        return self.par.exchange_of(lane).all_reduce(self.ops.linear(x, self.weight, res, accumulate=accumulate))
 
 
 class ReplicatedLinear(nn.Module):

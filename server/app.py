@@ -34,7 +34,7 @@ from dspark_sidecar.server.backend import BackendUnavailable, choose_backend, re
 from dspark_sidecar.server.config import ServeConfig
 from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
 from dspark_sidecar.server.fast_path import build_fast_path
-from dspark_sidecar.server.graphs import StepGraphs
+from dspark_sidecar.server.graphs import StepGraphs, launch_streams
 from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop, warm_up
@@ -121,6 +121,30 @@ def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer
     return server
 
 
+def step_streams(cfg: ServeConfig, device: torch.device, backend: str) -> int:
+    """Streams this rank's step graphs run a step's launch groups on (1: in order). Graphs need a GPU
+    and capturable ops: the Triton backend's are; the reference loop attention is not."""
+    return cfg.step_streams if cfg.cuda_graphs and device.type == "cuda" and backend == "triton" else 1
+
+
+def exchange_lanes(streams: int, world: int, device: torch.device) -> tuple[DistExchange, ...]:
+    """At TP > 1 with launch groups on `streams` streams: a communicator of its own for each stream
+    past the first (ParallelContext.lanes; the first uses the world group). Collective: every rank
+    calls it alike. Each is used once here, outside any capture: a communicator first used inside a
+    CUDA graph capture fails it (BENCHMARKS.md run 98)."""
+    if world == 1 or streams <= 1:
+        return ()
+    lanes = []
+    for _ in range(streams - 1):
+        group = dist.new_group()
+        probe = torch.ones(1, device=device)
+        dist.all_reduce(probe, group=group)
+        if int(probe.item()) != world:
+            raise RuntimeError(f"exchange lane {len(lanes) + 1}: a probe summed to {int(probe.item())} over {world} ranks")
+        lanes.append(DistExchange(group))
+    return tuple(lanes)
+
+
 def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_group):
     """This rank's drafter shard and embeddings, on the backend chosen once here."""
     dcfg = load_config(cfg.preset, cfg.checkpoint)
@@ -141,7 +165,8 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
             dspark_dir, target_dir = cfg.checkpoint, cfg.target_checkpoint
         weights = CheckpointReader(dspark_dir, dtype, dcfg.quant_block, device)
         embeds = CheckpointReader(target_dir, dtype, device=device)
-    par = ParallelContext(rank, shard_world, DistExchange(None) if world > 1 else LocalExchange())
+    par = ParallelContext(rank, shard_world, DistExchange(None) if world > 1 else LocalExchange(),
+                          exchange_lanes(step_streams(cfg, device, choice.name), world, device))
     model = DSparkDrafter(dcfg, par, choice.ops, dtype, device).load(weights)
     embed = embeds.read(EMBED_KEY, (dcfg.vocab_size, dcfg.hidden_size))
     fast = None
@@ -195,8 +220,8 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     life = Lifecycle(backend=choice.name, host=host, flydsl_off=choice.flydsl_refusal, strict=cfg.strict_refusal,
                      dist_backend=dist_backend)
     # CUDA graphs need capturable ops: the Triton backend's are; the reference loop attention is not.
-    graphs = (StepGraphs(model, lambda: memory.kv.page_size,
-                         [torch.cuda.Stream(device) for _ in range(cfg.step_streams)] if cfg.step_streams > 1 else [])
+    streams = step_streams(cfg, device, choice.name)
+    graphs = (StepGraphs(model, lambda: memory.kv.page_size, launch_streams(streams, device))
               if cfg.cuda_graphs and device.type == "cuda" and choice.name == "triton" else None)
     loop = RankLoop(ctx, rendezvous, graphs)
     servicer = DrafterServicer(ctx, loop, life, limits_pb(cfg.max_reqs, cfg.max_message_bytes),

@@ -33,6 +33,12 @@ from dspark_sidecar.server.validate import HostMeta
 log = logging.getLogger("dspark_sidecar.server")
 
 
+def launch_streams(n: int, device: torch.device) -> list[torch.cuda.Stream]:
+    """The n streams a step's launch groups run on side by side (model.draft_step); none for n <= 1,
+    where they run in order on the caller's stream."""
+    return [torch.cuda.Stream(device) for _ in range(n)] if n > 1 else []
+
+
 class _Packed:
     """Byte layout of one R's metadata: int64 positions, rel positions, slots [n]; int32 lens [R], tables [R, w]."""
 

@@ -182,20 +182,21 @@ def _reduce_kernel(
                 ROWS, GROUP, D, BLOCK_D, BM, SPLITS, OUT, INTERPRET, 1)
 
 
-def _coop_fits(q: torch.Tensor, r: int, hk: int, sp: int) -> bool:
-    """Whether the splits merge in the split kernel's launch: COOP_MERGE, 2..COOP_MAX_SPLITS splits, a
-    CUDA (not HIP) GPU, not the interpreter (its programs run one after another: a wait would never
-    end), a grid of at most one program per SM (what the kernel's registers allow) that fits a
-    counter lane, a lane for the current stream, and a device where a cooperative launch of it has
-    worked (see _launch_coop)."""
+def _coop_lane(q: torch.Tensor, r: int, hk: int, sp: int) -> int | None:
+    """The counter lane of a cooperative launch that merges the splits in the split kernel's launch, or
+    None for the merge kernel: COOP_MERGE, 2..COOP_MAX_SPLITS splits, a CUDA (not HIP) GPU, not the
+    interpreter (its programs run one after another: a wait would never end), a grid of at most one
+    program per SM (what the kernel's registers allow) that fits a counter lane, a lane for the
+    current stream, and a device where a cooperative launch of it has worked (see _launch_coop)."""
     if not COOP_MERGE or not 1 < sp <= COOP_MAX_SPLITS or not nvidia_of(q):
-        return False
-    if r * hk * sp > sms_of(q) or 2 * r * hk > COUNTERS or _lane(q.device, _stream_of(q)) is None:
-        return False
+        return None
+    if r * hk * sp > sms_of(q) or 2 * r * hk > COUNTERS:
+        return None
+    lane = _lane(q.device, torch.cuda.current_stream(q.device).cuda_stream)
     state = _coop_state.get(q.device)
     if state is None:  # never tried here: not inside a capture, where a failed launch would void the graph
-        return not torch.cuda.is_current_stream_capturing()
-    return state
+        state = not torch.cuda.is_current_stream_capturing()
+    return lane if state else None
 
 
 # device -> whether a cooperative launch worked there. A GPU shared under MPS with a cap on this
@@ -222,7 +223,7 @@ def _launch_coop(q: torch.Tensor, launch) -> bool:
 @functools.lru_cache(maxsize=None)
 def _counter_page(device: torch.device) -> torch.Tensor:
     """Zeroed int32 counters [LANES, COUNTERS] that cooperative attention launches on `device` use and
-    leave zeroed. First made by an eager launch (_coop_fits: a device's first try is never captured),
+    leave zeroed. First made by an eager launch (_coop_lane: a device's first try is never captured),
     so no graph capture ever allocates or zeroes it."""
     return torch.zeros(LANES, COUNTERS, dtype=torch.int32, device=device)
 
@@ -243,15 +244,6 @@ def _lane(device: torch.device, stream: int) -> int | None:
     return lane
 
 
-def _stream_of(q: torch.Tensor) -> int:
-    return torch.cuda.current_stream(q.device).cuda_stream
-
-
-def _counters(q: torch.Tensor) -> torch.Tensor:
-    """The counters of the current stream's lane [COUNTERS] (the caller checked _coop_fits)."""
-    return _counter_page(q.device)[_lane(q.device, _stream_of(q))]
-
-
 def num_splits(num_reqs: int, kv_heads: int, max_keys: int, sms: int, block_n: int = BLOCK_N,
                min_tiles: int | None = None, programs_per_sm: int | None = None) -> int:
     """Splits of the key range (a power of two, for the reduce's arange), from shapes alone."""
@@ -264,10 +256,13 @@ def num_splits(num_reqs: int, kv_heads: int, max_keys: int, sms: int, block_n: i
 
 def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, rows_per_req: int,
-                           window: int, scale: float, splits: int | None = None,
+                           window: int, scale: float, cooperative: bool = True, splits: int | None = None,
                            block_n: int | None = None) -> torch.Tensor:
     """q [n, hq, d], kv_layer [2, pages, page_size, hk, d], positions int64 [n], seq_lens int32 [R],
     block_tables int32 [R, max_pages] -> [n, hq, d] in q.dtype (the reference's contract).
+
+    cooperative=False: the splits always merge in the merge kernel, never in a cooperative launch,
+    whose grid must be resident all at once (DecoderLayer: not beside collectives that spin on peers).
 
     `splits` defaults from the largest key range the shapes allow: window + rows - 1 keys
     (rows at P..P+6, seq_len P + 7), capped by the block table's pages.
@@ -298,9 +293,12 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
     # Same dtypes: dot in that dtype (bf16 tensor cores); mixed: widen both to fp32 (exact).
     dot = tl_dtype(q.dtype) if q.dtype == kv_layer.dtype else tl.float32
 
+    lane = _coop_lane(q, r, hk, sp) if cooperative else None
+
     def launch(coop: bool) -> None:
         _split_kernel[(r, hk, sp)](
-            q, kv_layer, positions, seq_lens, block_tables, out, po, pml, _counters(q) if coop else pml,
+            q, kv_layer, positions, seq_lens, block_tables, out, po, pml,
+            _counter_page(q.device)[lane] if coop else pml,
             q.stride(0), q.stride(1), q.stride(2), s[0], s[1], s[2], s[3], s[4], block_tables.stride(0),
             window, scale * LOG2E, hk, PAGE=page_size,
             ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, SPLITS=sp, OUT=tl_dtype(q.dtype),
@@ -309,7 +307,7 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
             num_stages=NUM_STAGES, **({"launch_cooperative_grid": True} if coop else {}),
         )
 
-    coop = _coop_fits(q, r, hk, sp) and _launch_coop(q, launch)
+    coop = lane is not None and _launch_coop(q, launch)
     if not coop:
         launch(False)
     if sp > 1 and not coop:

@@ -27,6 +27,7 @@ import torch
 from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.triton import attention, blas, gemm
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS as T
+from dspark_sidecar.kernels.timing import gpu_times
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
 H, HQ, HK, D, ROT, FFN, WINDOW, PAGE = 6144, 16, 1, 128, 64, 3072, 4096, 16
@@ -45,7 +46,7 @@ def copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30) -> float:
 
 
 def _time(fn: Callable[[], object], reps: int = 20, graph: bool = True) -> float:
-    """Median seconds of one call of fn (a CUDA graph of it when `graph`)."""
+    """Median seconds of GPU time of one call of fn (a CUDA graph of it when `graph`; kernels.timing)."""
     fn()
     torch.cuda.synchronize()
     run = fn
@@ -56,15 +57,7 @@ def _time(fn: Callable[[], object], reps: int = 20, graph: bool = True) -> float
         run = g.replay
     run()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        run()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(times)
+    return statistics.median(gpu_times(run, torch.device("cuda", torch.cuda.current_device()), reps)) / 1e3
 
 
 def _copies(nbytes: int, cap: int = 64) -> int:

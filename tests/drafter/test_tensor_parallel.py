@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers.ranks import run_ranks
-from helpers.tp_draft import draft
+from helpers.tp_draft import draft, draft_through_lanes
 
 # fp32: the ranks' partial sums are added in a different order than TP 1's single dot
 # products, so results differ by rounding only (~1e-6 relative); 1e-5 leaves margin.
@@ -30,9 +30,10 @@ def test_tp_equals_tp1(world, dtype, tp1, tiny_ckpt, tiny_embed):
     assert err < TOL[dtype], f"TP {world} vs TP 1: relative error {err:.2e}"
 
 
-def test_launch_groups_side_by_side_are_refused_with_an_exchange(tiny_cfg):
-    """At TP > 1 every launch group's all-reduces share one communicator: side by side on several
-    streams they could be issued out of order across ranks, so draft_step refuses before launching."""
+def test_launch_groups_side_by_side_need_an_exchange_lane_per_stream(tiny_cfg):
+    """At TP > 1 each stream's launch groups must sum through a communicator of their own (one
+    communicator's collectives issued from several streams could run in different orders on
+    different ranks): with fewer lanes than streams, draft_step refuses before launching."""
     from dspark_sidecar.drafter import scenario
     from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
     from dspark_sidecar.drafter.model import DSparkDrafter
@@ -43,8 +44,69 @@ def test_launch_groups_side_by_side_are_refused_with_an_exchange(tiny_cfg):
         def all_reduce(self, t):
             return t
 
-    model = DSparkDrafter(tiny_cfg, ParallelContext(0, 2, Summing()), REFERENCE_OPS, torch.float32)
+    model = DSparkDrafter(tiny_cfg, ParallelContext(0, 2, Summing(), (Summing(),)), REFERENCE_OPS, torch.float32)
     step = scenario.random_step(tiny_cfg, [3] * 9, 16, 9, torch.randn(tiny_cfg.vocab_size, tiny_cfg.hidden_size), seed=1)
     kv = allocate_kv_cache(tiny_cfg, 2, 9, 16, torch.float32)
-    with pytest.raises(ValueError, match="need TP 1"):
-        model.draft_step(step.inputs_embeds, step.positions, step.meta, kv, streams=[object(), object()])
+    with pytest.raises(ValueError, match="exchange lane per stream; this rank .* has 2"):
+        model.draft_step(step.inputs_embeds, step.positions, step.meta, kv, streams=[object()] * 3)
+
+
+def test_exchange_lanes_are_addressed_by_stream_index():
+    from dspark_sidecar.drafter.parallel import LocalExchange, ParallelContext
+
+    a, b, c = object(), object(), object()
+    par = ParallelContext(1, 4, a, (b, c))
+    assert par.num_lanes == 3 and not par.local
+    assert [par.exchange_of(i) for i in range(3)] == [a, b, c]
+    for bad in (-1, 3):
+        with pytest.raises(ValueError, match=f"exchange lane {bad} outside the 3"):
+            par.exchange_of(bad)
+    local = ParallelContext(0, 4, LocalExchange())  # --shard-of: nothing is exchanged, any stream may share it
+    assert local.local and all(local.exchange_of(i) is local.exchange for i in range(8))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_launch_group_summed_through_its_own_lane_gives_the_same_bits(world, tiny_ckpt, tiny_embed):
+    """Real processes over gloo: a lane made as the server makes them (app.exchange_lanes: a new group,
+    probed once) sums a launch group's partials to the same bits as the world group, and every
+    all-reduce of the group went through the lane it was given (2 per layer), none through the other."""
+    outs = run_ranks(world, draft_through_lanes, str(tiny_ckpt[0]), tiny_embed, torch.float32)
+    layers = 2 * 5
+    for r, (out0, out1, calls0, calls1, kv_same) in enumerate(outs):
+        assert torch.equal(out0, out1), f"rank {r}: lane 1 gave other sums than lane 0"
+        assert torch.equal(out0, outs[0][0]), f"rank {r} differs from rank 0"
+        assert calls0 == (layers, 0) and calls1 == (0, layers), (r, calls0, calls1)
+        assert all(kv_same), f"rank {r}: the block K/V differ between the lanes"
+
+
+def test_ranks_with_exchange_lanes_keep_the_attention_out_of_cooperative_launches(tiny_cfg):
+    """Beside all-reduce kernels that hold SMs while waiting on peers, a grid that must be resident
+    all at once could wait for ever: a rank with lanes asks its attention for no cooperative launch;
+    one without lanes (in order, or TP 1) lets the backend choose."""
+    import dataclasses
+
+    from dspark_sidecar.drafter import scenario
+    from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
+    from dspark_sidecar.drafter.model import DSparkDrafter
+    from dspark_sidecar.drafter.parallel import ParallelContext
+    from dspark_sidecar.kernels import reference
+    from dspark_sidecar.kernels.ops import REFERENCE_OPS
+
+    class Summing:
+        def all_reduce(self, t):
+            return t
+
+    asked = []
+
+    def attention(*args, cooperative=True, **kw):
+        asked.append(cooperative)
+        return reference.paged_window_attention(*args, **kw)
+
+    ops = dataclasses.replace(REFERENCE_OPS, paged_window_attention=attention)
+    step = scenario.random_step(tiny_cfg, [3] * 2, 16, 2, torch.randn(tiny_cfg.vocab_size, tiny_cfg.hidden_size), seed=1)
+    for lanes, want in (((Summing(),), False), ((), True)):
+        asked.clear()
+        model = DSparkDrafter(tiny_cfg, ParallelContext(0, 2, Summing(), lanes), ops, torch.float32)
+        kv = allocate_kv_cache(tiny_cfg, 2, 2, 16, torch.float32)
+        model.draft_step(step.inputs_embeds, step.positions, step.meta, kv)
+        assert asked == [want] * tiny_cfg.num_hidden_layers, (lanes, asked)

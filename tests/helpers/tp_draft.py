@@ -26,3 +26,40 @@ def draft(rank: int, world: int, dspark_dir: str, embed: torch.Tensor, dtype: to
     pos, slots = scenario.context_rows(step.meta, PAGE)
     model.commit_context(scenario.random_taps(cfg, pos.numel(), seed=8), pos, slots, kv)
     return model.draft_step(step.inputs_embeds, step.positions, step.meta, kv)
+
+
+class CountingExchange:
+    """An exchange that counts its all-reduces (which lane summed what) and hands them on."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner.all_reduce(t)
+
+
+def draft_through_lanes(rank: int, world: int, dspark_dir: str, embed: torch.Tensor, dtype: torch.dtype):
+    """One launch group (R = 8) summed through the world group (lane 0) and through a lane of its own
+    (a second gloo group made the way server/app.exchange_lanes makes it) -> (out lane 0, out lane 1,
+    all-reduces per lane in each run, the lane's probe sum)."""
+    import torch.distributed as dist
+
+    from dspark_sidecar.server.app import exchange_lanes
+
+    cfg = PRESETS["tiny"]
+    (lane,) = exchange_lanes(2, world, torch.device("cpu"))
+    ex0, ex1 = CountingExchange(DistExchange(None)), CountingExchange(lane)
+    par = ParallelContext(rank, world, ex0, (ex1,))
+    model = DSparkDrafter(cfg, par, REFERENCE_OPS, dtype).load(CheckpointReader(dspark_dir, dtype))
+    kv = allocate_kv_cache(cfg, world, PAGES, PAGE, dtype)
+    step = scenario.random_step(cfg, LENS[:8], PAGE, PAGES, embed, seed=7)
+    pos, slots = scenario.context_rows(step.meta, PAGE)
+    model.commit_context(scenario.random_taps(cfg, pos.numel(), seed=8), pos, slots, kv)
+    kv0 = [t.clone() for t in kv]
+    out0 = model.forward(step.inputs_embeds, step.positions, step.meta, kv, lane=0)
+    calls0 = (ex0.calls, ex1.calls)
+    out1 = model.forward(step.inputs_embeds, step.positions, step.meta, kv0, lane=1)
+    calls1 = (ex0.calls - calls0[0], ex1.calls - calls0[1])
+    assert dist.get_world_size(lane.group) == world
+    return out0, out1, calls0, calls1, [torch.equal(a, b) for a, b in zip(kv, kv0)]

@@ -155,3 +155,33 @@ def test_tp2_prelaunched_steps_equal_ordinary_ones_and_never_write_with_a_peer_s
             assert counters.steps_prelaunched >= sum(f[e.rank] for f in flags) + hits, (e.rank, counters)
         both(EngineRank.close)
     pool.shutdown()
+
+
+def test_tp2_launch_groups_side_by_side_on_exchange_lanes(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
+    """`serve --tp 2 --launch-streams 2`: the ranks make one more communicator at start-up
+    (app.exchange_lanes) and run a 17-request step's launch groups (8 + 8 + 1) on two streams,
+    each stream's all-reduces on its own communicator, captured on the first step and replayed on
+    the second. Both ranks return the same sums, matching the in-process TP-1 reference."""
+    from helpers.local_tp import shard_model
+
+    lens = [3 + 11 * i for i in range(17)]
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens) + 2
+    pool = concurrent.futures.ThreadPoolExecutor(WORLD)
+    model = shard_model(0, 1, str(tiny_ckpt[0]), torch.float32, distributed=False)
+    args = ["--device", "cuda", "--launch-streams", "2"]
+    with SidecarProcess(tmp_path, tp=WORLD, checkpoint=tiny_ckpt, extra_args=args) as sc:
+        engines = list(pool.map(lambda r: EngineRank(r, sc.socket(r), tiny_cfg, pages), range(WORLD)))
+        for step_id in (1, 2):
+            step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=40 + step_id)
+            # TP 1 sees every KV head: rank r's cache holds heads [r * h / 2, (r + 1) * h / 2).
+            before = [torch.cat([e.kv[i].cpu() for e in engines], dim=3) for i in range(tiny_cfg.num_hidden_layers)]
+            got = [f.result(timeout=300) for f in [pool.submit(e.grpc_step, step_id, step) for e in engines]]
+            assert torch.equal(got[0], got[1]), f"step {step_id}: the ranks' sums differ"
+            ref = model.draft_step(step.inputs_embeds, step.positions, step.meta, before)
+            err = (got[0] - ref).norm() / ref.norm()
+            assert err < 1e-3, f"step {step_id}: relative error {err:.2e}"
+        both_logs = (tmp_path / "sidecar.log").read_text()
+        assert both_logs.count("captured the draft-step graph for R=17") >= WORLD, sc.log_tail()
+        for e in engines:
+            e.close()
+    pool.shutdown()

@@ -1,4 +1,4 @@
-"""ServeConfig's --launch-streams: how many streams a step's launch groups run on, and where it is refused."""
+"""ServeConfig's --launch-streams: how many streams a step's launch groups run on, and what is refused."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ def test_default_is_side_by_side_at_tp1_and_in_order_above():
     assert _parse(["--tp", "4", "--launch-streams", "1"]).step_streams == 1
 
 
-def test_side_by_side_at_tp_above_1_is_refused_with_the_reason():
-    with pytest.raises(ServeConfigError, match="--launch-streams 2: .*--tp 1.*communicator"):
-        ServeConfig(tp=4, launch_streams=2)
+def test_side_by_side_at_tp_above_1_is_opt_in():
+    """At TP > 1 each extra stream needs a communicator of its own (made at start-up): asked for
+    explicitly, never by default."""
+    assert _parse(["--tp", "4", "--launch-streams", "4"]).step_streams == 4
+    assert ServeConfig(tp=2, launch_streams=2).step_streams == 2
 
 
 @pytest.mark.parametrize("n", [-1, 9])

@@ -111,13 +111,14 @@ def test_splits_merged_in_the_same_launch(cuda, contexts, monkeypatch):
     zero each launch)."""
     q, kv, positions, seq_lens, tables, window, scale = _step(contexts, 16, 1, 128, 16, 4096, torch.bfloat16,
                                                               cuda, seed=11)
-    run = lambda: attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale,  # noqa: E731
-                                                   splits=16)
+    run = lambda coop=True: attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window,  # noqa: E731
+                                                             scale, cooperative=coop, splits=16)
     monkeypatch.setattr(attention, "COOP_MERGE", False)
     want = run()
     monkeypatch.setattr(attention, "COOP_MERGE", True)
-    assert attention._coop_fits(q, len(contexts), 1, 16)
-    assert not attention._coop_fits(q, 1, 1, 64), "64 splits (R = 1) keep the merge kernel"
+    assert torch.equal(run(coop=False), want), "cooperative=False must take the merge kernel's path"
+    assert attention._coop_lane(q, len(contexts), 1, 16) is not None
+    assert attention._coop_lane(q, 1, 1, 64) is None, "64 splits (R = 1) keep the merge kernel"
     first = run()
     torch.testing.assert_close(first.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.float().abs().max().item())
     for _ in range(3):
