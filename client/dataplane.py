@@ -15,9 +15,9 @@ can use either transport.
 
 from __future__ import annotations
 
+import ctypes
 import time
 
-import numpy as np
 import torch
 
 from dspark_sidecar import layout
@@ -78,9 +78,9 @@ class StepBuffers:
         template, dsts, inputs, hidden = got
         if embeds.data_ptr() != inputs.data_ptr() or embeds.shape != inputs.shape:  # not written in place
             inputs.copy_(embeds, non_blocking=True)
-        for (dst, dst_np), t in zip(dsts, srcs):  # same dtypes and shapes (the layout's key): a plain copy
-            if t.is_cpu:  # NumPy's copy: a microsecond where torch's dispatch costs several at a step's start
-                np.copyto(dst_np, t.numpy())
+        for (dst, addr, nbytes), t in zip(dsts, srcs):  # same dtypes and shapes (the layout's key): a plain copy
+            if t.is_cpu and t.is_contiguous():  # bytes into shm: torch's dispatch costs several us at a step's start
+                ctypes.memmove(addr, t.data_ptr(), nbytes)
             else:
                 dst.copy_(t)
         req.MergeFrom(template)
@@ -91,9 +91,10 @@ class StepBuffers:
         region, and the input and hidden rows [n, hidden]; checked against the regions once.
 
         An engine repeats a handful of shapes; building all this once per shape keeps the per-step
-        cost at four copies and one message merge. Host tensors are copied by NumPy: at the start
-        of a synchronized step torch's copy_ cost several microseconds each (fill took 45-89 us on
-        an H200 host; BENCHMARKS.md run 12).
+        cost at four copies and one message merge. Contiguous host tensors are copied by memmove:
+        at the start of a synchronized step torch's copy_ cost several microseconds each (fill took
+        45-89 us on an H200 host; BENCHMARKS.md run 12), and NumPy's copy with its torch -> NumPy
+        view about 2.5 us each (run 115).
         """
         R, n, pages = srcs[1].shape[0], srcs[0].numel(), srcs[2].shape[1]
         if R > self.max_reqs or pages > self.max_pages:
@@ -109,7 +110,7 @@ class StepBuffers:
             if off + nbytes > raw.numel():
                 raise DataPlaneError(f"{field} {list(t.shape)} does not fit the registered metadata region")
             view = raw[off : off + nbytes].view(t.dtype).reshape(t.shape)
-            dsts.append((view, view.numpy()))
+            dsts.append((view, view.data_ptr(), nbytes))
             getattr(template, field).CopyFrom(codec.region_tensor_ref(t.dtype, tuple(t.shape), self.meta_id, off))
             off += nbytes
         if len(self._layouts) >= 64:
@@ -118,6 +119,7 @@ class StepBuffers:
         return got
 
     def close(self) -> None:
+        self._layouts.clear()  # their raw addresses point into the regions unmapped below
         self.embeds = self.hidden = self.meta_bytes = None  # type: ignore[assignment]
         for t in self._shm:
             t.close()

@@ -76,3 +76,30 @@ def test_a_step_beyond_the_registered_buffers_is_refused(bufs, tiny_cfg, tiny_em
     wide = _step(tiny_cfg, tiny_embed, [41 * PAGE])  # 42 pages, 40 registered
     with pytest.raises(DataPlaneError, match="exceeds the registered buffers"):
         bufs.fill(pb.DraftStepRequest(step_id=2), wide.inputs_embeds, wide.positions, wide.meta)
+
+
+def test_metadata_of_each_step_is_written_whatever_its_layout_in_memory(bufs, tiny_cfg, tiny_embed):
+    """The metadata is copied byte for byte into the cached layout's slots on every step: a second step
+    of the same shapes overwrites the first's, and a non-contiguous source (a strided view of a
+    wider block table) is copied element by element, not as its raw bytes."""
+    def meta_of(req, field, t):
+        off = getattr(req, field).region.offset_bytes
+        return bufs.meta_bytes[off : off + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape)
+
+    for seed in (1, 2):
+        step = _step(tiny_cfg, tiny_embed, [5, 300], seed=seed)
+        req = pb.DraftStepRequest(step_id=seed)
+        bufs.fill(req, step.inputs_embeds, step.positions, step.meta)
+        for field, t in (("positions", step.positions), ("seq_lens", step.meta.seq_lens),
+                         ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
+            assert torch.equal(meta_of(req, field, t), t), (seed, field)
+    tables = step.meta.block_tables
+    wide = torch.full((tables.shape[0], 2 * tables.shape[1]), -5, dtype=tables.dtype)
+    wide[:, ::2] = tables
+    strided = wide[:, ::2]
+    assert not strided.is_contiguous() and torch.equal(strided, tables)
+    meta = type(step.meta)(step.meta.seq_lens, strided, step.meta.slot_mapping)
+    req = pb.DraftStepRequest(step_id=3)
+    bufs.meta_bytes.zero_()
+    bufs.fill(req, step.inputs_embeds, step.positions, meta)
+    assert torch.equal(meta_of(req, "block_tables", tables), tables)
