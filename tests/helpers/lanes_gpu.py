@@ -17,6 +17,7 @@ from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, ParallelContext
 from dspark_sidecar.kernels.weights import prepare_layer_weights
+from helpers.side_by_side import side_by_side_against_in_order
 
 PAGE = 16
 
@@ -42,26 +43,10 @@ def side_by_side_step(rank: int, world: int, dspark_dir: str, embed: torch.Tenso
     kv0 = allocate_kv_cache(cfg, world, pages, PAGE, torch.bfloat16, dev)
     model.commit_context(scenario.random_taps(cfg, pos.numel(), seed=6).to(dev), pos.to(dev), slots.to(dev), kv0)
     embeds, positions, meta = step.inputs_embeds.to(dev, torch.bfloat16), step.positions.to(dev), step.meta.to(dev)
-    side = [torch.cuda.Stream(dev) for _ in range(streams)]
-
-    def run(kv, side_by_side):
-        return model.draft_step(embeds, positions, meta, kv, streams=side if side_by_side else ())
-
-    kv_seq = [t.clone() for t in kv0]
-    want = run(kv_seq, False)
-    kv_eager = [t.clone() for t in kv0]
-    eager = run(kv_eager, True)
-    kv_graph = [t.clone() for t in kv0]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(kv_graph, True)
-    for t, t0 in zip(kv_graph, kv0, strict=True):
-        t.copy_(t0)
-    graph.replay()
-    torch.cuda.synchronize(dev)
-    same_kv = [torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(kv_seq, kv_eager, kv_graph, strict=True)]
-    return {"want": want.cpu(), "eager_same": torch.equal(eager, want), "graph_same": torch.equal(out, want),
-            "kv_same": same_kv, "lanes": par.num_lanes}
+    got = side_by_side_against_in_order(model, embeds, positions, meta, kv0,
+                                        [torch.cuda.Stream(dev) for _ in range(streams)])
+    return {"want": got["want"].cpu(), "eager_same": got["eager"], "graph_same": got["graph"], "kv_same": got["kv"],
+            "lanes": par.num_lanes}
 
 
 def _entry(rank: int, world: int, store_path: str, fn, args: tuple, out_dir: str) -> None:

@@ -14,6 +14,7 @@ from dspark_sidecar.drafter.model import DSparkDrafter  # noqa: E402
 from dspark_sidecar.drafter.parallel import ParallelContext  # noqa: E402
 from dspark_sidecar.kernels.ops import REFERENCE_OPS  # noqa: E402
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS  # noqa: E402
+from helpers.side_by_side import side_by_side_against_in_order  # noqa: E402
 
 PAGE, PAGES = 16, 16
 
@@ -96,27 +97,5 @@ def test_launch_groups_side_by_side_give_the_same_bits(cuda, tiny_cfg, tiny_ckpt
     model.commit_context(taps, pos.to(cuda), slots.to(cuda), kv0)
     embeds, positions, meta = step.inputs_embeds.to(cuda, torch.bfloat16), step.positions.to(cuda), step.meta.to(cuda)
     streams = [torch.cuda.Stream(cuda) for _ in range(2)]
-
-    def run(kv, side_by_side):
-        return model.draft_step(embeds, positions, meta, kv, streams=streams if side_by_side else ())
-
-    kv_seq = [t.clone() for t in kv0]
-    want = run(kv_seq, False)
-    kv_eager = [t.clone() for t in kv0]
-    assert torch.equal(run(kv_eager, True), want)
-    kv_graph = [t.clone() for t in kv0]
-    side = torch.cuda.Stream(cuda)
-    side.wait_stream(torch.cuda.current_stream(cuda))
-    with torch.cuda.stream(side):
-        run(kv_graph, True)
-    torch.cuda.current_stream(cuda).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(kv_graph, True)
-    for t, t0 in zip(kv_graph, kv0, strict=True):
-        t.copy_(t0)
-    graph.replay()
-    torch.cuda.synchronize(cuda)
-    assert torch.equal(out, want)
-    for a, b, c in zip(kv_seq, kv_eager, kv_graph, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    got = side_by_side_against_in_order(model, embeds, positions, meta, kv0, streams)
+    assert got["eager"] and got["graph"] and all(got["kv"]), got
