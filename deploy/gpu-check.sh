@@ -24,7 +24,15 @@ python3 -c 'import torch, triton, grpc; print(torch.__version__, triton.__versio
 rc=0
 read -r -a pytest_args <<<"${PYTEST_ARGS:-}"
 read -r -a bench_args <<<"${BENCH_ARGS:-}"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests "${pytest_args[@]}" 2>&1 | tee "$out/gpu-tests.log" || rc=1
+# A test that hangs on a GPU (a wait across streams or ranks that never ends) ends the run after
+# TEST_TIMEOUT_S with every thread's stack in the log, instead of holding the machine
+# (pytest-timeout, where it is installed; its thread method also stops waits inside CUDA or NCCL).
+timeout_args=()
+if python3 -c 'import pytest_timeout' 2>/dev/null; then
+  timeout_args=(--timeout "${TEST_TIMEOUT_S:-300}" --timeout-method thread)
+fi
+python3 -m pytest -q -m gpu -p no:cacheprovider "${timeout_args[@]}" tests "${pytest_args[@]}" 2>&1 \
+  | tee "$out/gpu-tests.log" || rc=1
 python3 -m dspark_sidecar bench --out-dir "$out" "${bench_args[@]}" 2>&1 | grep -v ' INFO ' | tee "$out/bench.log" || rc=1
 # The host cost of each CUDA call on the data plane's path, on this machine (BENCHMARKS.md).
 python3 -m dspark_sidecar.bench_host 2>&1 | tee "$out/bench-host.log" || rc=1
