@@ -121,10 +121,15 @@ def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer
     return server
 
 
+def graphs_on(cfg: ServeConfig, device: torch.device, backend: str) -> bool:
+    """Whether this rank replays steps as CUDA graphs: they need a GPU and capturable ops (the Triton
+    backend's are; the reference loop attention is not)."""
+    return cfg.cuda_graphs and device.type == "cuda" and backend == "triton"
+
+
 def step_streams(cfg: ServeConfig, device: torch.device, backend: str) -> int:
-    """Streams this rank's step graphs run a step's launch groups on (1: in order). Graphs need a GPU
-    and capturable ops: the Triton backend's are; the reference loop attention is not."""
-    return cfg.step_streams if cfg.cuda_graphs and device.type == "cuda" and backend == "triton" else 1
+    """Streams this rank's step graphs run a step's launch groups on (1: in order, and without graphs)."""
+    return cfg.step_streams if graphs_on(cfg, device, backend) else 1
 
 
 def exchange_lanes(streams: int, world: int, device: torch.device) -> tuple[DistExchange, ...]:
@@ -219,10 +224,9 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs, fast=fast)
     life = Lifecycle(backend=choice.name, host=host, flydsl_off=choice.flydsl_refusal, strict=cfg.strict_refusal,
                      dist_backend=dist_backend)
-    # CUDA graphs need capturable ops: the Triton backend's are; the reference loop attention is not.
-    streams = step_streams(cfg, device, choice.name)
-    graphs = (StepGraphs(model, lambda: memory.kv.page_size, launch_streams(streams, device))
-              if cfg.cuda_graphs and device.type == "cuda" and choice.name == "triton" else None)
+    graphs = (StepGraphs(model, lambda: memory.kv.page_size, launch_streams(step_streams(cfg, device, choice.name),
+                                                                          device))
+              if graphs_on(cfg, device, choice.name) else None)
     loop = RankLoop(ctx, rendezvous, graphs)
     servicer = DrafterServicer(ctx, loop, life, limits_pb(cfg.max_reqs, cfg.max_message_bytes),
                                pb.Parallel(tp_size=world, tp_rank=rank, dist_backend=dist_backend, device=str(device)),

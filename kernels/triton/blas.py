@@ -76,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
     residual there (a device-to-device copy of 1.4 us at 56 rows, run 99); in place, cuBLAS reads
     and writes the same C."""
     if residual is not None and ADDMM:
-        return torch.addmm(residual, x, weight.t(), out=residual) if accumulate else torch.addmm(residual, x, weight.t())
+        return torch.addmm(residual, x, weight.t(), out=residual if accumulate else None)
     return reference.linear(x, weight, residual, accumulate)
 
 

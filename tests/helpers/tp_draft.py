@@ -16,15 +16,21 @@ PAGE, PAGES = 16, 800
 LENS = [5, 130, 4096 + 50, 33, 700, 1, 64, 9, 300]  # R = 9: two launches
 
 
-def draft(rank: int, world: int, dspark_dir: str, embed: torch.Tensor, dtype: torch.dtype):
-    cfg = PRESETS["tiny"]
-    exchange = DistExchange(None) if world > 1 else LocalExchange()
-    par = ParallelContext(rank, world, exchange)
-    model = DSparkDrafter(cfg, par, REFERENCE_OPS, dtype).load(CheckpointReader(dspark_dir, dtype))
+def _committed(model: DSparkDrafter, world: int, embed: torch.Tensor, dtype: torch.dtype, lens: list[int]):
+    """A step of requests with `lens` committed rows, their context K/V committed into a fresh cache."""
+    cfg = model.cfg
     kv = allocate_kv_cache(cfg, world, PAGES, PAGE, dtype)
-    step = scenario.random_step(cfg, LENS, PAGE, PAGES, embed, seed=7)
+    step = scenario.random_step(cfg, lens, PAGE, PAGES, embed, seed=7)
     pos, slots = scenario.context_rows(step.meta, PAGE)
     model.commit_context(scenario.random_taps(cfg, pos.numel(), seed=8), pos, slots, kv)
+    return step, kv
+
+
+def draft(rank: int, world: int, dspark_dir: str, embed: torch.Tensor, dtype: torch.dtype):
+    exchange = DistExchange(None) if world > 1 else LocalExchange()
+    par = ParallelContext(rank, world, exchange)
+    model = DSparkDrafter(PRESETS["tiny"], par, REFERENCE_OPS, dtype).load(CheckpointReader(dspark_dir, dtype))
+    step, kv = _committed(model, world, embed, dtype, LENS)
     return model.draft_step(step.inputs_embeds, step.positions, step.meta, kv)
 
 
@@ -47,15 +53,11 @@ def draft_through_lanes(rank: int, world: int, dspark_dir: str, embed: torch.Ten
 
     from dspark_sidecar.server.app import exchange_lanes
 
-    cfg = PRESETS["tiny"]
     (lane,) = exchange_lanes(2, world, torch.device("cpu"))
     ex0, ex1 = CountingExchange(DistExchange(None)), CountingExchange(lane)
     par = ParallelContext(rank, world, ex0, (ex1,))
-    model = DSparkDrafter(cfg, par, REFERENCE_OPS, dtype).load(CheckpointReader(dspark_dir, dtype))
-    kv = allocate_kv_cache(cfg, world, PAGES, PAGE, dtype)
-    step = scenario.random_step(cfg, LENS[:8], PAGE, PAGES, embed, seed=7)
-    pos, slots = scenario.context_rows(step.meta, PAGE)
-    model.commit_context(scenario.random_taps(cfg, pos.numel(), seed=8), pos, slots, kv)
+    model = DSparkDrafter(PRESETS["tiny"], par, REFERENCE_OPS, dtype).load(CheckpointReader(dspark_dir, dtype))
+    step, kv = _committed(model, world, embed, dtype, LENS[:8])
     kv0 = [t.clone() for t in kv]
     out0 = model.forward(step.inputs_embeds, step.positions, step.meta, kv, lane=0)
     calls0 = (ex0.calls, ex1.calls)
