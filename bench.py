@@ -9,6 +9,10 @@ on one GPU there is no peer):
   f  mode d, PIPELINE steps back to back with no host sync between them (ms per step): as an
      engine runs when the draft step's output stays on the GPU; the sidecar's host work then
      overlaps the previous step's GPU work, where (d) exposes it in full
+  g  mode d queued behind --lead-ms of the engine's own GPU work (as a target forward is queued
+     before the draft step): the engine's host runs ahead of its GPU, as a real engine's does, so
+     neither host is on the GPU's path; GPU time from the end of that work to the hidden states
+     on the engine's stream, against (c)'s GPU time
 In d and f the engine's embeddings already sit in the registered input region
 (StepBuffers.input_view: an engine writes its embedding lookup there), as c's graph reads the
 engine's tensor in place; --engine-copy has fill() copy them there on every step instead.
@@ -20,6 +24,7 @@ copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -49,9 +54,10 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.config import MAX_LAUNCH_STREAMS
 
-MODES = ("a", "b", "c", "d", "e", "f")
+MODES = ("a", "b", "c", "d", "e", "f", "g")
 NAMES = {"a": "reference eager", "b": "reference graphed", "c": "GPU backend graphed",
-         "d": "sidecar data plane", "e": "sidecar gRPC inline", "f": "data plane pipelined"}
+         "d": "sidecar data plane", "e": "sidecar gRPC inline", "f": "data plane pipelined",
+         "g": "data plane, engine ahead"}
 PIPELINE = 10  # mode f: steps per timed batch, the engine's host never waiting for the GPU between them
 GRAPHABLE_REFERENCE = dataclasses.replace(REFERENCE_OPS, name="reference-static",
                                           paged_window_attention=reference.paged_window_attention_static)
@@ -73,6 +79,7 @@ class BenchConfig:
     prelaunch: bool = True  # the sidecar may queue doorbell steps behind the GPU word (server/prelaunch.py)
     engine_copy: bool = False  # d/f: the engine's embeddings copied into the input region each step
     launch_streams: int = 0  # c and the sidecar: launch groups side by side on N streams (ServeConfig's; 0 = its default)
+    lead_ms: float = 8.0  # g: the engine's GPU work queued before each step (server/prelaunch.py BEHIND_S: 5 ms)
     seed: int = 0
     notes: dict = field(default_factory=dict)
 
@@ -82,6 +89,8 @@ class BenchConfig:
             raise ValueError(f"--modes: {bad or 'none given'}; choose from {''.join(MODES)} (e.g. 'acd' or 'a,c,d')")
         if self.weights not in ("bf16", "mxfp8"):
             raise ValueError(f"--weights: bf16 or mxfp8, got {self.weights!r}")
+        if not 0 < self.lead_ms <= 1000:
+            raise ValueError(f"--lead-ms: above 0 and at most 1000, got {self.lead_ms}")
         if not 0 <= self.launch_streams <= MAX_LAUNCH_STREAMS:
             raise ValueError(f"--launch-streams: 0..{MAX_LAUNCH_STREAMS}, got {self.launch_streams}")
 
@@ -125,6 +134,13 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     ms = statistics.median(timeit(lambda: dst.copy_(src), device, 10))
     return 2 * nbytes / (ms / 1e3)
+
+
+@functools.cache
+def _spin_cycles_per_ms(device: torch.device) -> float:
+    """torch.cuda._sleep's cycles per ms of GPU time on this device (it spins on the SM clock)."""
+    timed = gpu_times(lambda: torch.cuda._sleep(2_000_000), device, 5)
+    return 2_000_000 / statistics.median(timed)
 
 
 def floor_bytes(model: DSparkDrafter, cfg: DrafterConfig, R: int, ctx: int) -> int:
@@ -235,7 +251,7 @@ class Bench:
         self.engine_ns: list[tuple[int, int]] = []  # per data-plane step: fill + ring, ring -> answer
         self.gpu_ms: list[float] = []  # b/c: GPU time per replay (gpu_times), beside the wall-clock figure
         self.side = self.channel = self.bufs = self.bell = None
-        if {"d", "e", "f"} & set(bc.modes):
+        if {"d", "e", "f", "g"} & set(bc.modes):
             self._connect()
 
     def _connect(self) -> None:
@@ -252,7 +268,7 @@ class Bench:
         facts = pb.EngineFacts(engine_rank=0, tp_size=bc.shard_of, dp_size=1, pp_size=1,
                                speculative_method="dspark", num_speculative_tokens=7, device=str(device))
         self.binding = self.stub.BindKV(bind_request(self.kv, facts), timeout=60)
-        if {"d", "f"} & set(bc.modes):
+        if {"d", "f", "g"} & set(bc.modes):
             max_pages = scenario.pages_needed(max(bc.contexts) + layout.QPR, bc.page_size)
             self.bufs = StepBuffers(self.stub, self.cfg.hidden_size, max(bc.reqs), max_pages, self.dtype, device)
             self.bell = DoorbellChannel(self.stub, device)
@@ -267,6 +283,23 @@ class Bench:
             for _ in range(PIPELINE):
                 self._remote("d", case)
         return [ms / PIPELINE for ms in timeit(batch, self.device, max(3, self.bc.repeats // PIPELINE))]
+
+    def _ahead(self, case: Case, warmup: int = 3) -> list[float]:
+        """ms of GPU time per mode-d step queued behind lead_ms of the engine's own GPU work: from the
+        end of that work to the hidden states on the engine's stream (the output event waited on)."""
+        stream = torch.cuda.current_stream(self.device)
+        cycles = int(self.bc.lead_ms * _spin_cycles_per_ms(self.device))
+        out = []
+        for i in range(warmup + self.bc.repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(cycles)  # the engine's earlier work: its host is ahead by about lead_ms
+            start.record(stream)
+            self._remote("d", case)  # fill, ring, answer; the stream then waits for the sidecar's writes
+            end.record(stream)
+            end.synchronize()
+            if i >= warmup:
+                out.append(start.elapsed_time(end))
+        return out
 
     def _remote(self, mode: str, case: Case) -> torch.Tensor:
         self.step_id += 1
@@ -297,22 +330,24 @@ class Bench:
         if mode == "a":
             return timeit(self._eager(REFERENCE_OPS, case), self.device, self.bc.repeats)
         self.gpu_ms = []
+        if mode in ("b", "c", "g") and self.device.type != "cuda":
+            return "n/a: needs a GPU"
         if mode in ("b", "c"):
-            if self.device.type != "cuda":
-                return "n/a: needs a GPU"
             fn = graphed(self._eager(GRAPHABLE_REFERENCE, case) if mode == "b" else
                          self._eager(self.gpu_ops, case, self.streams), self.device)
             wall = timeit(fn, self.device, self.bc.repeats)
             self.gpu_ms = gpu_times(fn, self.device, self.bc.repeats)
             return wall
         self.sidecar_ns, self.engine_ns = [], []
-        if mode in ("d", "f"):
+        if mode in ("d", "f", "g"):
             self._inputs = case.embeds
             if not self.bc.engine_copy:  # written where the engine's embedding lookup would have put them
                 self._inputs = self.bufs.input_view(case.embeds.shape[0])
                 self._inputs.copy_(case.embeds)
         if mode == "f":
             return self._pipelined(case)
+        if mode == "g":
+            return self._ahead(case)
         return timeit(lambda: self._remote(mode, case), self.device, self.bc.repeats)
 
     def phase_fields(self, mode: str) -> dict:
@@ -323,7 +358,7 @@ class Bench:
         share = {"prelaunched_share": sum(t[4] for t in last) / max(1, len(last))}
         if mode == "f":
             return share
-        if mode not in ("d", "e"):
+        if mode not in ("d", "e", "g"):
             return {}
 
         def p50_us(samples: list[tuple], i: int) -> float:
@@ -331,7 +366,7 @@ class Bench:
 
         out = {"sidecar_host_p50_us": p50_us(self.sidecar_ns, 3),
                "sidecar_queue_rendezvous_launch_p50_us": [p50_us(self.sidecar_ns, i) for i in range(3)]}
-        if mode == "d":
+        if mode in ("d", "g"):
             out |= {"engine_fill_p50_us": p50_us(self.engine_ns, 0), "ring_to_answer_p50_us": p50_us(self.engine_ns, 1),
                     **share}
         return out
@@ -368,6 +403,7 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                         results[mode] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 base = results.get("b") if isinstance(results.get("b"), list) else None
                 gpu = results.get("c") if isinstance(results.get("c"), list) else None
+                gpu_time = phases.get("c", {}).get("gpu_p50_ms")  # g is GPU time: against c's GPU time
                 for mode, ms in results.items():
                     row = {"mode": mode, "name": NAMES[mode], "R": R, "context": ctx, "floor_ms": floor_ms}
                     if isinstance(ms, str):
@@ -377,9 +413,11 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                         row |= {"p50_ms": p50, "p99_ms": sorted(ms)[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)],
                                 "x_floor": p50 / floor_ms,
                                 "x_b": p50 / statistics.median(base) if base else None}
-                        if mode in ("d", "e", "f") and gpu:  # issue 8's sidecar targets are against (c)
-                            row |= {"x_c": p50 / statistics.median(gpu),
-                                    "over_c_us": (p50 - statistics.median(gpu)) * 1e3}
+                        c_ms = gpu_time if mode == "g" else statistics.median(gpu) if gpu else None
+                        if mode in ("d", "e", "f", "g") and c_ms:  # issue 8's sidecar targets are against (c)
+                            row |= {"x_c": p50 / c_ms, "over_c_us": (p50 - c_ms) * 1e3}
+                        if mode == "g":
+                            row["lead_ms"] = bc.lead_ms
                         row |= phases.get(mode, {})
                         if "gpu_p50_ms" in row:
                             row["gpu_x_floor"] = row["gpu_p50_ms"] / floor_ms
@@ -409,6 +447,8 @@ def _fmt(row: dict) -> str:
         extra += f" (engine fill {row['engine_fill_p50_us']:.0f}, ring->answer {row['ring_to_answer_p50_us']:.0f} us)"
     if "gpu_p50_ms" in row:
         extra += f"  GPU time {row['gpu_p50_ms']:.3f} ms ({row['gpu_x_floor']:.2f}x floor)"
+    if "lead_ms" in row:
+        extra += f"  GPU time behind {row['lead_ms']:g} ms of engine work"
     if "prelaunched_share" in row:
         extra += f"  pre-launched {100 * row['prelaunched_share']:.0f}%"
     return (f"{head}  p50 {row['p50_ms']:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  floor {row['floor_ms']:.3f} ms  "

@@ -189,7 +189,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints(a.reqs), contexts=ints(a.contexts),
                      modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch,
-                     engine_copy=a.engine_copy, launch_streams=a.launch_streams)
+                     engine_copy=a.engine_copy, launch_streams=a.launch_streams, lead_ms=a.lead_ms)
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
 
@@ -247,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--shard-of", type=int, default=4, help="time rank 0's shard of a TP-N drafter")
     bp.add_argument("--reqs", default="1,8,32", help="comma-separated request counts")
     bp.add_argument("--contexts", default="512,4096", help="comma-separated context lengths")
-    bp.add_argument("--modes", default="abcdef", help="a ref eager, b ref graphed, c GPU backend, d data plane, e gRPC, "
-                    "f data plane pipelined (no host sync between steps)")
+    bp.add_argument("--modes", default="abcdefg", help="a ref eager, b ref graphed, c GPU backend, d data plane, e gRPC, "
+                    "f data plane pipelined (no host sync between steps), g data plane behind the engine's own GPU work")
+    bp.add_argument("--lead-ms", type=float, default=8.0,
+                    help="g: ms of GPU work the engine queues before each step (its host runs that far ahead)")
     bp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     bp.add_argument("--weights", choices=("bf16", "mxfp8"), default="bf16",
                     help="mxfp8: every mode's layer weights kept as MXFP8 (the floor counts their bytes)")

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark_sidecar.kernels.triton.step_meta import FLAG_RAN, step_gate, step_meta
+from dspark_sidecar.kernels.triton.step_meta import FLAG_RAN, Staging, step_gate, step_meta
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.gpu_word import DevicePointer, GpuWordOps, RegisteredPage
@@ -79,15 +79,21 @@ class Prelaunch:
 
     def __init__(self, ops: GpuWordOps, page: bell.Page, page_ptr: int, graphs: StepGraphs, window: int,
                  count=lambda hit: None, event=torch.cuda.Event, program=step_meta, exchange=None,
-                 gate=step_gate, capture=None, device: torch.device | str = "cpu", max_reqs: int = 256) -> None:
+                 gate=step_gate, capture=None, device: torch.device | str = "cpu", max_reqs: int = 256,
+                 staging: Staging | None = None) -> None:
         """count(hit): told each time a queued step is used or released unused (metrics).
         exchange(t): TP > 1, the ranks' all-reduce MAX of int32 flags t on the current stream; None on one rank.
         device, max_reqs: where the flags are exchanged (the rank's GPU), and for up to how many requests.
         event, program, gate, capture: the CUDA event class, the metadata program, the flags' gate and
-        how a function becomes a replayable graph (tests pass CPU stand-ins)."""
+        how a function becomes a replayable graph (tests pass CPU stand-ins).
+        staging: where the program's sources are copied first (step_meta.Staging); on a GPU, the
+        device's own, made here unless given; elsewhere none unless given (the program reads in place)."""
         self.ops, self.page, self.graphs, self.window, self._count = ops, page, graphs, window, count
         self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
         self._capture = capture or _capture_graph
+        if staging is None and torch.device(device).type == "cuda":
+            staging = Staging(device)
+        self._staging = staging
         self._agreements: dict[tuple, tuple] = {}  # (R, slot input's address) -> (that view, replay of exchange + gate)
         self._dev_flags = None
         if exchange is not None:  # the program's flags before the exchange: the device's own memory
@@ -216,14 +222,17 @@ class Prelaunch:
             self._queue(seq + 1, key, step, graph)
 
     def _queue(self, seq: int, key: int, step: Step, graph) -> None:
-        src = tuple(self._device_view(t) for t in (step.positions, step.meta.seq_lens, step.meta.block_tables,
-                                                   step.meta.slot_mapping))
+        sources = [self._device_view(t) for t in (step.positions, step.meta.seq_lens, step.meta.block_tables,
+                                                  step.meta.slot_mapping)]
         stream = self.graphs.stream
         self._flag_host[: step.num_reqs] = 0
         agree = self._agreement(graph, step.num_reqs) if self._exchange is not None else None
         self.ops.wait_geq(stream.cuda_stream, self._word.address, bell.gpu_word(seq, 0))
         try:
-            self._program(self._word, bell.gpu_word(seq, key), src, graph.views,
+            word, src = self._word, tuple(ptr for ptr, _, _ in sources)
+            if self._staging is not None:  # copied once after the wait, then read on the device
+                word, src = self._staging.stage(self._word, sources)
+            self._program(word, bell.gpu_word(seq, key), src, graph.views,
                           self._flag if agree is None else self._dev_flags,
                           num_reqs=step.num_reqs, width=step.meta.block_tables.shape[1],
                           page_size=step.kv.page_size, window=self.window, num_pages=step.kv.num_pages)
@@ -258,15 +267,17 @@ class Prelaunch:
             got = self._agreements[key] = (slots, self._capture(agree))
         return got[1]
 
-    def _device_view(self, t: torch.Tensor) -> DevicePointer:
-        """The device address of a host view into a registered region (registered here on first use)."""
+    def _device_view(self, t: torch.Tensor) -> tuple[DevicePointer, int, tuple[int, int]]:
+        """A host view into a registered region (registered here on first use): its device address,
+        its bytes, and the registration's (device address, bytes), page-aligned and page-rounded."""
         storage = t.untyped_storage()
         base = storage.data_ptr()
+        size = -(-storage.nbytes() // mmap.PAGESIZE) * mmap.PAGESIZE
         reg = self._regions.get(base)
         if reg is None:
-            size = -(-storage.nbytes() // mmap.PAGESIZE) * mmap.PAGESIZE
             reg = self._regions[base] = RegisteredPage(self.ops, base, size)
-        return DevicePointer(reg.device_ptr + (t.data_ptr() - base), t.dtype)
+        return (DevicePointer(reg.device_ptr + (t.data_ptr() - base), t.dtype), t.numel() * t.element_size(),
+                (reg.device_ptr, size))
 
     # Anything else that uses the device -------------------------------------------------------
     def release(self, wait: bool = False) -> None:

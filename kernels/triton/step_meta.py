@@ -16,16 +16,21 @@ says why; the host then runs the whole step the ordinary way, after this one. (T
 requests' rows may have run: a request's rows depend on its own inputs only, so they wrote the
 K/V their positions should hold, which the ordinary run, or a refused step's fallback, writes again.)
 The host's own check (validate.py) still decides the answer; this one only keeps the GPU safe.
+
+The program reads device copies (`Staging`): read in place across PCIe, the sources cost the
+step ~4 us per request (see Staging).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 import triton
 import triton.language as tl
 
 from dspark_sidecar import layout
 from dspark_sidecar.drafter.kv_cache import window_metadata_into
+from dspark_sidecar.proto.gpu_word import DevicePointer
 
 FLAG_RAN, FLAG_NOT_RUNG, FLAG_INVALID = 1, 2, 3  # what the flag word holds after the program
 _RAN, _NOT_RUNG, _INVALID = tl.constexpr(FLAG_RAN), tl.constexpr(FLAG_NOT_RUNG), tl.constexpr(FLAG_INVALID)
@@ -69,6 +74,77 @@ def _step_meta(word_ptr, expect, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
 def signed64(value: int) -> int:
     """A uint64 word value as the int64 the kernel compares with (Triton passes Python ints signed)."""
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# Staging: the program's sources copied to the device first -------------------------------------
+# R programs reading the engine's host memory in place, each with scalar volatile loads (and each
+# the same GPU word), took ~4 us per request on an H200 from the word's write to the program's
+# end: 18, 46 and 132 us at R = 1, 8 and 32 (BENCHMARKS.md run 125). One launch that first copies
+# the word and the span the sources lie in, 16 bytes per load, then the program on device memory,
+# took 14-15 us at every R.
+
+STAGE_WORDS = 256  # int64 per program: 2 KB, so whole blocks tile a page and reads stay inside a page-rounded registration
+
+
+@triton.jit
+def _stage(src, dst, word_src, word_dst, BLOCK: tl.constexpr):
+    """Program p: int64 words [p*BLOCK, (p+1)*BLOCK) of the span; program 0 also the GPU word.
+    Volatile: host memory the engine rewrites between steps, never from a stale cache line."""
+    p = tl.program_id(0)
+    o = p * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + o, tl.load(src + o, volatile=True))
+    if p == 0:
+        tl.store(word_dst, tl.load(word_src, volatile=True))
+
+
+def _launch_stage(src: DevicePointer, dst: torch.Tensor, blocks: int, word_src, word_dst: torch.Tensor) -> None:
+    _stage[(blocks,)](src, dst, word_src, word_dst, BLOCK=STAGE_WORDS, num_warps=4)
+
+
+class Staging:
+    """Device copies of a queued step's GPU word and host-mapped sources, for the program to read.
+
+    `stage` queues the copies on the current stream (after the wait on the word, before the program):
+    one launch per registered region the sources lie in, usually one. The buffer grows to the
+    largest span seen and is reused; the stream orders each reuse after the program that read it.
+    launch: how a copy runs (tests pass a CPU stand-in).
+    """
+
+    def __init__(self, device: torch.device | str, launch=_launch_stage) -> None:
+        self.device = torch.device(device)
+        self.word = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.buf = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._launch = launch
+
+    def stage(self, word: DevicePointer, sources: list[tuple[DevicePointer, int, tuple[int, int]]]) -> tuple:
+        """word: the GPU word's device address. sources: per program source (its device address, bytes,
+        (device address, bytes) of the page-aligned, page-rounded registration it lies in).
+        Returns (word, src) for step_meta: the same values as flat tensors in device memory."""
+        block = STAGE_WORDS * 8
+        spans: dict[tuple[int, int], list[int]] = {}  # registration -> [lo, hi) of the bytes read there
+        for ptr, nbytes, region in sources:
+            lo, hi = spans.setdefault(region, [ptr.address, ptr.address + nbytes])
+            spans[region] = [min(lo, ptr.address), max(hi, ptr.address + nbytes)]
+        plan, total = [], 0  # (region start of the copy, blocks, offset in buf in bytes)
+        for (base, size), (lo, hi) in spans.items():
+            start = base + (lo - base) // block * block  # whole blocks from the registration's page-aligned base:
+            blocks = -(-(hi - start) // block)  # they end at most at hi rounded up to a page, inside it
+            if not (base <= lo and hi <= base + size and start + blocks * block <= base + size):
+                raise ValueError(f"source bytes [{lo:#x}, {hi:#x}) are not inside their registration")
+            plan.append((start, blocks, total))
+            total += blocks * block
+        if self.buf.numel() * 8 < total:
+            self.buf = torch.zeros(total // 8, dtype=torch.int64, device=self.device)
+        for start, blocks, off in plan:
+            self._launch(DevicePointer(start, torch.int64), self.buf[off // 8 :], blocks, word, self.word)
+        where = {region: (start, off) for region, (start, _, off) in zip(spans, plan)}
+        raw = self.buf.view(torch.uint8)
+        src = []
+        for ptr, nbytes, region in sources:
+            start, off = where[region]
+            at = off + ptr.address - start
+            src.append(raw[at : at + nbytes].view(ptr.dtype))
+        return self.word, tuple(src)
 
 
 def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int, width: int, page_size: int,

@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("triton")  # prelaunch imports the metadata program's module
 
 from dspark_sidecar.drafter.kv_cache import StepMetadata, window_width  # noqa: E402
-from dspark_sidecar.kernels.triton.step_meta import (FLAG_INVALID, FLAG_NOT_RUNG, FLAG_RAN,  # noqa: E402
-                                                     step_gate_reference, step_meta_reference)
+from dspark_sidecar.kernels.triton.step_meta import (FLAG_INVALID, FLAG_NOT_RUNG, FLAG_RAN, STAGE_WORDS,  # noqa: E402
+                                                     Staging, step_gate_reference, step_meta_reference)
 from dspark_sidecar.proto import doorbell as bell  # noqa: E402
 from dspark_sidecar.proto import sidecar_pb2 as pb  # noqa: E402
 from dspark_sidecar.server import prelaunch  # noqa: E402
@@ -30,6 +30,9 @@ ERR = pb.DraftStepResponse(error=pb.StepError(code=3, message="x"))
 
 
 def _read(ptr, dtype, count: int) -> np.ndarray:
+    """What the program reads: a raw address (the region read in place) or a staged copy (a tensor)."""
+    if isinstance(ptr, torch.Tensor):
+        return ptr.numpy()[:count].copy()
     return np.frombuffer((ctypes.c_char * (count * np.dtype(dtype).itemsize)).from_address(ptr.address), dtype).copy()
 
 
@@ -53,6 +56,7 @@ class Gpu:
 
     def __init__(self):
         self.registered, self.unregistered, self.waits, self.programs, self.flags = [], [], [], [], []
+        self.copies: list = []  # staged copies queued before the program (staged rigs)
         self.then: list = []  # TP > 1: the flags' exchange and gate, replayed after the program (capture)
         self.hold_until = 0.0  # perf_counter time before which the copy has not started (a late peer)
 
@@ -72,6 +76,17 @@ class Gpu:
     def program(self, word, expect, src, out, flag, **kw):
         self.programs.append((word, expect, src, out, flag, kw))
 
+    def stage(self, src, dst, blocks, word_src, word_dst):
+        """Staging.stage's copy, done when the program runs (after the wait), as the stream would."""
+        assert len(self.waits) == len(self.programs) + 1, "copy queued before its wait: it would read a stale region"
+        self.copies.append((src.address, dst, blocks, word_src.address, word_dst))
+
+    def _copy(self) -> None:
+        for src, dst, blocks, word_src, word_dst in self.copies:
+            ctypes.memmove(dst.data_ptr(), src, blocks * STAGE_WORDS * 8)
+            ctypes.memmove(word_dst.data_ptr(), word_src, 8)
+        self.copies.clear()
+
     def run(self) -> bool:
         if len(self.flags) == len(self.programs):
             return True
@@ -80,10 +95,13 @@ class Gpu:
         _, addr, value = self.waits[-1]
         if (ctypes.c_uint64.from_address(addr).value - value) % (1 << 64) >= 1 << 63:
             return False  # (int64)(word - value) < 0: the stream is still blocked
+        self._copy()
         word, expect, (p, lens, tab, s), out, flag, kw = self.programs[-1]
         R, width = kw["num_reqs"], kw["width"]
         assert (p.dtype, lens.dtype, tab.dtype, s.dtype) == (torch.int64, torch.int32, torch.int32, torch.int64)
-        res = step_meta_reference(ctypes.c_uint64.from_address(word.address).value, expect, _read(p, np.int64, Q * R),
+        value = (int(word[0]) % (1 << 64) if isinstance(word, torch.Tensor)
+                 else ctypes.c_uint64.from_address(word.address).value)
+        res = step_meta_reference(value, expect, _read(p, np.int64, Q * R),
                                   _read(lens, np.int32, R), _read(tab, np.int32, R * width).reshape(R, width),
                                   _read(s, np.int64, Q * R), kw["page_size"], kw["window"], kw["num_pages"],
                                   out[4].shape[1])
@@ -150,8 +168,14 @@ def world(request):
     return request.param
 
 
+@pytest.fixture(params=[True, False], ids=["staged", "in-place"])
+def staged(request):
+    """The program reads copies made after the wait (Staging, as on a GPU) or the region in place."""
+    return request.param
+
+
 @pytest.fixture
-def rig(world):
+def rig(world, staged):
     page_buf = mmap.mmap(-1, mmap.PAGESIZE)
     page = bell.Page(np.frombuffer(page_buf, np.uint8), 1024)
     embeds = torch.zeros(Q * len(LENS), 8)
@@ -169,9 +193,11 @@ def rig(world):
 
     extra = {} if world == 1 else dict(exchange=lambda t: torch.maximum(t, peer[: t.numel()], out=t), gate=_gate,
                                        capture=capture, max_reqs=len(LENS))
+    if staged:
+        extra["staging"] = Staging("cpu", launch=gpu.stage)
     pl = prelaunch.Prelaunch(gpu, page, base, graphs, WINDOW, event=lambda: Event(gpu), program=gpu.program, **extra)
     return SimpleNamespace(pl=pl, gpu=gpu, graphs=graphs, page=page, a=a, b=b, word_addr=base + bell.GPU_WORD_OFFSET,
-                           peer=peer, captures=captures, world=world)
+                           peer=peer, captures=captures, world=world, staged=staged)
 
 
 def _req(key=KEY):
@@ -210,10 +236,15 @@ def test_queues_after_a_streak(rig):
     _serve(rig, SEQ + 1)
     assert rig.gpu.waits == [(0, rig.word_addr, bell.gpu_word(SEQ + 2, 0))]
     [(word, expect, src, out, _, kw)] = rig.gpu.programs
-    assert word.address == rig.word_addr and expect == bell.gpu_word(SEQ + 2, KEY)
+    assert expect == bell.gpu_word(SEQ + 2, KEY)
     a = rig.a
-    assert [p.address for p in src] == [t.data_ptr() for t in (a.positions, a.meta.seq_lens, a.meta.block_tables,
-                                                               a.meta.slot_mapping)]
+    host = [t.data_ptr() for t in (a.positions, a.meta.seq_lens, a.meta.block_tables, a.meta.slot_mapping)]
+    if rig.staged:  # one copy of the word and of the region's block holding the sources, queued before the program
+        [(src_addr, dst, blocks, word_src, word_dst)] = rig.gpu.copies
+        assert word_src == rig.word_addr and word is word_dst and src_addr == a.positions.untyped_storage().data_ptr()
+        assert blocks == 1 and [t.data_ptr() - dst.data_ptr() for t in src] == [h - src_addr for h in host]
+    else:
+        assert word.address == rig.word_addr and [p.address for p in src] == host
     assert out is rig.graphs.graph.views
     assert kw == dict(num_reqs=2, width=a.meta.block_tables.shape[1], page_size=PAGE, window=WINDOW, num_pages=PAGES)
     assert rig.graphs.replays == 1 and rig.pl.queued.seq == SEQ + 2 and rig.pl.queued.done.recorded == 1

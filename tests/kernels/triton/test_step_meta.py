@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from dspark_sidecar.drafter import scenario  # noqa: E402
 from dspark_sidecar.drafter.kv_cache import window_metadata_into, window_width  # noqa: E402
 from dspark_sidecar.kernels.triton import step_meta as sm  # noqa: E402
 from dspark_sidecar.proto.doorbell import SKIP_KEY, gpu_word  # noqa: E402
+from dspark_sidecar.proto.gpu_word import DevicePointer  # noqa: E402
 
 PAGE, WINDOW, Q = 16, 64, 7
 
@@ -139,3 +142,89 @@ def test_gate_noops_every_request_some_rank_refused(device, agreed):
     np.testing.assert_array_equal(slots.cpu().numpy(), want_slots)
     refused = np.repeat(np.array(agreed) != sm.FLAG_RAN, Q)
     assert (want_slots[refused] == -1).all() and (want_slots[~refused] == S[~refused]).all()
+
+
+def _host_region(arrays) -> tuple[mmap.mmap, list[tuple[int, int]]]:
+    """The arrays laid out as the engine's fill() does (8-aligned, one after another) in a page-aligned
+    mapping of two pages; returns it and each array's (offset, bytes)."""
+    buf = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+    raw = np.frombuffer(buf, np.uint8)
+    spans, off = [], 24  # not at the region's start: the copy must begin in a block below it
+    for a in arrays:
+        off = -(-off // 8) * 8
+        raw[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        spans.append((off, a.nbytes))
+        off += a.nbytes
+    return buf, spans
+
+
+@pytest.mark.parametrize("lens", [[40, 5, 300], [3, 17, 100, 1000, 2, 64, 65, 9]], ids=["R3", "R8"])
+def test_staged_sources_give_what_the_program_reads_in_place(device, lens):
+    """Staging copies the word and the host-mapped sources in whole 2 KB blocks; the program on the
+    copies gives the reference's outputs exactly (on a GPU the sources really are host memory,
+    registered and read across PCIe)."""
+    P, L, T, S, pages = _case(lens, seed=5)
+    word_value = gpu_word(41, 3)
+    want = sm.step_meta_reference(word_value, word_value, P, L, T, S, PAGE, WINDOW, pages, window_width(PAGE, WINDOW))
+    buf, spans = _host_region((P, L, T, S))
+    word_buf = mmap.mmap(-1, mmap.PAGESIZE)
+    np.frombuffer(word_buf, np.int64)[0] = sm.signed64(word_value)
+    host = np.frombuffer(buf, np.uint8).ctypes.data
+    host_word = np.frombuffer(word_buf, np.uint8).ctypes.data
+    regs = []
+    if device == "cuda":
+        from dspark_sidecar.proto.gpu_word import GpuWordOps, RegisteredPage
+
+        ops = GpuWordOps.load(torch.device("cuda"))
+        if ops is None:
+            pytest.skip("no stream memory operations on this driver")
+        regs = [RegisteredPage(ops, host, len(buf)), RegisteredPage(ops, host_word)]
+        base, word_addr = regs[0].device_ptr, regs[1].device_ptr
+    else:  # the interpreter reads host addresses directly
+        base, word_addr = host, host_word
+    try:
+        dtypes = (torch.int64, torch.int32, torch.int32, torch.int64)
+        sources = [(DevicePointer(base + off, dt), n, (base, len(buf))) for (off, n), dt in zip(spans, dtypes)]
+        def as_views(src, dst, blocks, word_src, word_dst):  # the interpreter takes tensors, not raw addresses
+            view = torch.frombuffer(buf, dtype=torch.int64)[(src.address - host) // 8 :]
+            sm._launch_stage(view, dst, blocks, torch.frombuffer(word_buf, dtype=torch.int64)[:1], word_dst)
+
+        staging = sm.Staging(device, launch=as_views if device == "cpu" else sm._launch_stage)
+        word, src = staging.stage(DevicePointer(word_addr, torch.int64), sources)
+        assert word is staging.word and all(t.device.type == device for t in src)
+        R, ww, dev = len(lens), window_width(PAGE, WINDOW), torch.device(device)
+        n = R * Q
+        out = tuple(torch.full((n,), 99, dtype=torch.int64, device=dev) for _ in range(3)) + (
+            torch.full((R,), 99, dtype=torch.int32, device=dev), torch.full((R, ww), 99, dtype=torch.int32, device=dev))
+        flag = torch.zeros(R, dtype=torch.int32, device=dev)
+        sm.step_meta(word, word_value, src, out, flag, num_reqs=R, width=T.shape[1], page_size=PAGE, window=WINDOW,
+                     num_pages=pages)
+        _check(tuple(t.cpu().numpy() for t in out) + (flag.cpu().numpy(),), want)
+    finally:
+        for r in regs:
+            r.close()
+
+
+def test_staging_copies_whole_blocks_inside_each_registration():
+    """One launch per registration the sources lie in, from a block boundary of that registration,
+    never past its (page-rounded) end; the views returned sit where each source's bytes land; a
+    source outside its registration is refused before anything is queued."""
+    launches = []
+
+    def launch(src, dst, blocks, word_src, word_dst):
+        launches.append((src.address, blocks, dst.data_ptr()))
+
+    block, page = sm.STAGE_WORDS * 8, mmap.PAGESIZE
+    a, b = (0x7F00_0000_0000, 2 * page), (0x7F00_1000_0000, page)  # two registrations (device address, bytes)
+    sources = [(DevicePointer(a[0] + 24, torch.int64), 56, a), (DevicePointer(a[0] + 80, torch.int32), 4, a),
+               (DevicePointer(a[0] + 2100, torch.int32), 4000, a), (DevicePointer(b[0] + 3000, torch.int64), 56, b)]
+    staging = sm.Staging("cpu", launch=launch)
+    word, src = staging.stage(DevicePointer(0x1000, torch.int64), sources)
+    assert [(s, n) for s, n, _ in launches] == [(a[0], 3), (b[0] + 2048, 1)]
+    assert all(s % block == 0 and s + n * block <= r[0] + r[1] for (s, n, _), r in zip(launches, (a, b)))
+    base = staging.buf.data_ptr()
+    assert [t.data_ptr() - base for t in src] == [24, 80, 2100, 3 * block + 3000 - 2048]
+    assert [t.numel() * t.element_size() for t in src] == [56, 4, 4000, 56]
+    with pytest.raises(ValueError, match="not inside their registration"):
+        staging.stage(word, [(DevicePointer(b[0] + page - 8, torch.int64), 16, b)])
+    assert len(launches) == 2
