@@ -59,6 +59,8 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
+    else:  # the sidecar's ranks run one thread (server/app.py): the same CPU reductions, bit-identical
+        torch.set_num_threads(1)  # results (with 2 threads the hidden states differed by 3e-7 on an AMD EPYC host)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     group = dist.new_group(backend="nccl") if cuda else None  # the partial sums' group (gloo on CPU)
