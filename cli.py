@@ -68,6 +68,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    default=_env("cuda_graphs", True, bool), help="run steps eagerly on the GPU")
     p.add_argument("--no-prelaunch", dest="prelaunch", action="store_false", default=_env("prelaunch", True, bool),
                    help="never queue a doorbell step on the GPU before it is rung (server/prelaunch.py)")
+    p.add_argument("--prelaunch-behind-ms", type=float, default=_env("prelaunch_behind_ms", d.prelaunch_behind_ms, float),
+                   help="stop queueing steps for a while when the engine's GPU reaches a rung step this many ms "
+                        "late (its host runs ahead; a queued step's answer would hold it that long)")
     p.add_argument("--launch-streams", type=int, default=_env("launch_streams", d.launch_streams, int),
                    help="run a step's launch groups (8 requests each) side by side on N CUDA streams; "
                         "0 = 4 at --tp 1, 1 (in order) above; at --tp > 1, N > 1 gives each extra stream its own "

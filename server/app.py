@@ -231,7 +231,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     servicer = DrafterServicer(ctx, loop, life, limits_pb(cfg.max_reqs, cfg.max_message_bytes),
                                pb.Parallel(tp_size=world, tp_rank=rank, dist_backend=dist_backend, device=str(device)),
                                f"mxfp8->{cfg.dtype}" if cfg.weights == "bf16" else "mxfp8", cfg.socket_dir,
-                               cfg.prelaunch)
+                               cfg.prelaunch, cfg.prelaunch_behind_ms / 1e3)
     late.inner = servicer
 
     def publish() -> None:

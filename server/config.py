@@ -48,6 +48,9 @@ class ServeConfig:
     warmup: bool = True
     cuda_graphs: bool = True  # replay the step as a CUDA graph per request count (GPU, capturable backend)
     prelaunch: bool = True  # queue the next doorbell step on the GPU behind the engine's GPU word (server/prelaunch.py)
+    # Stop queueing for a while when the engine's GPU word reaches a rung step this late: a queued step's
+    # answer waits until its GPU has started it, which holds an engine that runs this far ahead (prelaunch.BEHIND_S).
+    prelaunch_behind_ms: float = 5.0
     # A step's launch groups side by side on this many streams (graphs); 0: 4 at TP 1, 1 above. At TP > 1
     # each extra stream gets its own communicator (app.exchange_lanes); not yet measured on GPUs, so opt-in.
     launch_streams: int = 0
@@ -72,6 +75,8 @@ class ServeConfig:
             raise ServeConfigError(f"--dist-backend: must be auto, gloo or nccl, got {self.dist_backend!r}")
         if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
             raise ServeConfigError(f"--max-reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
+        if not 0 < self.prelaunch_behind_ms <= 60_000:
+            raise ServeConfigError(f"--prelaunch-behind-ms: must be above 0 and at most 60000, got {self.prelaunch_behind_ms}")
         if not 1 <= self.rendezvous_ms <= 60_000:
             raise ServeConfigError(f"--rendezvous-ms: must be 1..60000, got {self.rendezvous_ms}")
         for flag, port in (("--tcp-base-port", self.tcp_base_port), ("--metrics-port", self.metrics_port),

@@ -44,7 +44,7 @@ def _flag_exchange(world: int):
 class Doorbell(threading.Thread):
     def __init__(self, page: MappedMemory, capacity: int, loop: RankLoop, device: torch.device,
                  input_event: bytes, wake_path: str | None = None, word_ops: GpuWordOps | None = None,
-                 window: int = 0) -> None:
+                 window: int = 0, behind_s: float | None = None) -> None:
         super().__init__(name="dspark-doorbell", daemon=True)
         try:
             self.page = bell.Page(page.storage.numpy(), capacity)
@@ -65,7 +65,7 @@ class Doorbell(threading.Thread):
                 with torch.cuda.device(device):
                     self.prelaunch = Prelaunch(word_ops, self.page, page.storage.data_ptr(), loop.graphs, window,
                                                loop.ctx.metrics.prelaunch, exchange=_flag_exchange(loop.ctx.world),
-                                               device=device, max_reqs=loop.ctx.max_reqs)
+                                               device=device, max_reqs=loop.ctx.max_reqs, behind_s=behind_s)
             except GpuWordError as err:
                 log.warning("doorbell: steps are not pre-launched: %s", err)
             else:

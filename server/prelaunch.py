@@ -61,6 +61,8 @@ READY_TIMEOUT_S = 2.0  # a rung step whose metadata program has not run by then 
 # runs far ahead of its GPU (e.g. a target forward of many ms queued before the draft step)
 # would be held back by that: a wait longer than BEHIND_S stops queueing for COOLDOWN steps,
 # doubled at each repeat up to MAX_COOLDOWN, and those steps answer as soon as they are launched.
+# From about 1 ms ahead the ordinary launch is hidden too, at ~4 us more GPU time per step (BENCHMARKS.md
+# run 127); an engine that wants its host back sooner sets serve --prelaunch-behind-ms lower.
 BEHIND_S = 5e-3
 COOLDOWN, MAX_COOLDOWN = 256, 1 << 16
 
@@ -80,20 +82,22 @@ class Prelaunch:
     def __init__(self, ops: GpuWordOps, page: bell.Page, page_ptr: int, graphs: StepGraphs, window: int,
                  count=lambda hit: None, event=torch.cuda.Event, program=step_meta, exchange=None,
                  gate=step_gate, capture=None, device: torch.device | str = "cpu", max_reqs: int = 256,
-                 staging: Staging | None = None) -> None:
+                 staging: Staging | None = None, behind_s: float | None = None) -> None:
         """count(hit): told each time a queued step is used or released unused (metrics).
         exchange(t): TP > 1, the ranks' all-reduce MAX of int32 flags t on the current stream; None on one rank.
         device, max_reqs: where the flags are exchanged (the rank's GPU), and for up to how many requests.
         event, program, gate, capture: the CUDA event class, the metadata program, the flags' gate and
         how a function becomes a replayable graph (tests pass CPU stand-ins).
         staging: where the program's sources are copied first (step_meta.Staging); on a GPU, the
-        device's own, made here unless given; elsewhere none unless given (the program reads in place)."""
+        device's own, made here unless given; elsewhere none unless given (the program reads in place).
+        behind_s: the cooldown's threshold (BEHIND_S unless given; serve --prelaunch-behind-ms)."""
         self.ops, self.page, self.graphs, self.window, self._count = ops, page, graphs, window, count
         self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
         self._capture = capture or _capture_graph
         if staging is None and torch.device(device).type == "cuda":
             staging = Staging(device)
         self._staging = staging
+        self.behind_s = BEHIND_S if behind_s is None else behind_s
         self._agreements: dict[tuple, tuple] = {}  # (R, slot input's address) -> (that view, replay of exchange + gate)
         self._dev_flags = None
         if exchange is not None:  # the program's flags before the exchange: the device's own memory
@@ -185,7 +189,7 @@ class Prelaunch:
                 return False
             bell.pause(0.0)
         own = time.perf_counter() - start if own is None else own  # seen between two polls
-        if own > BEHIND_S:  # the engine's GPU far behind its host: see BEHIND_S
+        if own > self.behind_s:  # the engine's GPU far behind its host: see BEHIND_S
             self.cooldown, self._next_cooldown = self._next_cooldown, min(2 * self._next_cooldown, MAX_COOLDOWN)
             log.info("prelaunch: the engine's GPU reached a rung step %.1f ms late; not queueing for %d steps",
                      own * 1e3, self.cooldown)

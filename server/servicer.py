@@ -57,11 +57,12 @@ def _same_node(peer: str) -> bool:
 class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     def __init__(self, ctx: RankContext, loop: RankLoop, life: Lifecycle, limits: pb.Limits,
                  parallel: pb.Parallel, weight_format: str, run_dir: Path | None = None,
-                 prelaunch: bool = False) -> None:
+                 prelaunch: bool = False, prelaunch_behind_s: float | None = None) -> None:
         self.ctx, self.loop, self.life = ctx, loop, life
         # Pre-launched doorbell steps (server/prelaunch.py): on a GPU with graphs; at TP > 1 the ranks
         # agree on queueing and on answering from the queue at each step (server/rendezvous.py).
         self.prelaunch = prelaunch and loop.graphs is not None
+        self.prelaunch_behind_s = prelaunch_behind_s  # None: prelaunch.BEHIND_S
         self.limits, self.parallel, self.weight_format = limits, parallel, weight_format
         self.run_dir = run_dir  # where doorbell wake FIFOs go (the socket folder); None: polling only
         self.doorbell: Doorbell | None = None
@@ -137,7 +138,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         wake = str(self.run_dir / f"rank{self.ctx.rank}.wake{self._attached}") if self.run_dir else None
         try:
             bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event,
-                            wake, self._gpu_word_ops if request.gpu_word else None, self.ctx.cfg.sliding_window)
+                            wake, self._gpu_word_ops if request.gpu_word else None, self.ctx.cfg.sliding_window,
+                            self.prelaunch_behind_s)
         except BaseException:
             page.close()
             raise

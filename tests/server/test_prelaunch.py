@@ -350,11 +350,20 @@ def test_close_unregisters_every_page_once(rig):
     assert q.done.synced == 1 and _word(rig) == bell.gpu_word(SEQ + 4, bell.SKIP_KEY)
 
 
+def test_the_threshold_is_the_serve_flag_s_or_behind_s(rig):
+    """Prelaunch(behind_s=...) is what serve --prelaunch-behind-ms passes (servicer -> doorbell)."""
+    assert rig.pl.behind_s == prelaunch.BEHIND_S
+    other = prelaunch.Prelaunch(rig.gpu, rig.page, rig.word_addr - bell.GPU_WORD_OFFSET, rig.graphs, WINDOW,
+                                event=lambda: Event(rig.gpu), program=rig.gpu.program, behind_s=1e-3)
+    assert other.behind_s == 1e-3
+    other.close()
+
+
 def test_gpu_far_behind_stops_queueing_for_a_while(rig, monkeypatch):
     """A queued step whose GPU start the host waited for longer than BEHIND_S is still answered from
     the queue, but the next COOLDOWN steps are not queued (answered as soon as launched); a second
     such wait doubles the pause."""
-    monkeypatch.setattr(prelaunch, "BEHIND_S", -1.0)  # every wait counts as far behind
+    rig.pl.behind_s = -1.0  # every wait counts as far behind
     monkeypatch.setattr(prelaunch, "COOLDOWN", 3)
     rig.pl._next_cooldown = 3
     _queue(rig)
@@ -423,7 +432,7 @@ def test_a_late_peer_is_no_news_a_late_own_word_is(rig, monkeypatch):
     """The cooldown is judged on this engine's own word. Waiting for anything else (at TP > 1 the
     peers' words and the flags' exchange; once per flags' graph every rank's capture, ~45 ms in
     run 92) starts none: one rank's cooldown would veto queueing on every rank."""
-    monkeypatch.setattr(prelaunch, "BEHIND_S", 0.01)
+    rig.pl.behind_s = 0.01
     _queue(rig)
     rig.gpu.hold_until = time.perf_counter() + 0.05  # the word is here; the copy starts 50 ms later
     assert _serve(rig, SEQ + 2) is rig.graphs.graph.out and rig.pl.cooldown == 0

@@ -1,4 +1,4 @@
-"""ServeConfig's --launch-streams: how many streams a step's launch groups run on, and what is refused."""
+"""ServeConfig: --launch-streams (how many streams a step's launch groups run on) and --prelaunch-behind-ms, and what is refused."""
 
 from __future__ import annotations
 
@@ -34,3 +34,17 @@ def test_side_by_side_at_tp_above_1_is_opt_in():
 def test_out_of_range_is_refused(n):
     with pytest.raises(ServeConfigError, match="--launch-streams: must be 0..8"):
         ServeConfig(tp=1, launch_streams=n)
+
+
+def test_prelaunch_cooldown_threshold_from_flag_or_environment(monkeypatch):
+    """--prelaunch-behind-ms (or DSPARK_PRELAUNCH_BEHIND_MS) sets when pre-launch stops for an engine
+    that runs ahead; the default is prelaunch.BEHIND_S, and a threshold of 0 or less is refused."""
+    from dspark_sidecar.server import prelaunch
+
+    assert _parse([]).prelaunch_behind_ms / 1e3 == prelaunch.BEHIND_S
+    assert _parse(["--prelaunch-behind-ms", "1"]).prelaunch_behind_ms == 1.0
+    monkeypatch.setenv("DSPARK_PRELAUNCH_BEHIND_MS", "0.5")
+    assert _parse([]).prelaunch_behind_ms == 0.5
+    for bad in ("0", "-2"):
+        with pytest.raises(ServeConfigError, match="--prelaunch-behind-ms"):
+            _parse(["--prelaunch-behind-ms", bad])
