@@ -7,7 +7,8 @@ times its tight-loop figure. Here the sidecar queues step s+1 right after answer
 assuming the same layout (an engine repeats its batch shape step after step):
 
     wait until word >= (s+1) << 32   (proto/gpu_word.py: a stream memory operation)
-    metadata program                 (kernels/triton/step_meta.py: reads the engine's region, checks it)
+    staging copy                     (step_meta.Staging: the word and the engine's region, to the device)
+    metadata program                 (kernels/triton/step_meta.py: reads that copy, checks it)
     graph replay                     (graphs.py: the in-place graph of this layout's R)
 
 The engine's stream writes word = (s+1) << 32 | launch_key right after its input copies, so
