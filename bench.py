@@ -285,21 +285,13 @@ class Bench:
         return [ms / PIPELINE for ms in timeit(batch, self.device, max(3, self.bc.repeats // PIPELINE))]
 
     def _ahead(self, case: Case, warmup: int = 3) -> list[float]:
-        """ms of GPU time per mode-d step queued behind lead_ms of the engine's own GPU work: from the
-        end of that work to the hidden states on the engine's stream (the output event waited on)."""
-        stream = torch.cuda.current_stream(self.device)
+        """ms of GPU time per mode-d step queued behind lead_ms of the engine's own GPU work (the spin:
+        its host is ahead by about lead_ms): from the end of that work to the hidden states on the
+        engine's stream (the step's fill, ring and answer; the stream waits for the sidecar's writes)."""
         cycles = int(self.bc.lead_ms * _spin_cycles_per_ms(self.device))
-        out = []
-        for i in range(warmup + self.bc.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(cycles)  # the engine's earlier work: its host is ahead by about lead_ms
-            start.record(stream)
-            self._remote("d", case)  # fill, ring, answer; the stream then waits for the sidecar's writes
-            end.record(stream)
-            end.synchronize()
-            if i >= warmup:
-                out.append(start.elapsed_time(end))
-        return out
+        step = lambda: self._remote("d", case)  # noqa: E731
+        gpu_times(step, self.device, warmup, cycles)
+        return gpu_times(step, self.device, self.bc.repeats, cycles)
 
     def _remote(self, mode: str, case: Case) -> torch.Tensor:
         self.step_id += 1

@@ -25,7 +25,7 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.gpu_word import GpuWordError, GpuWordOps
 from dspark_sidecar.proto.memory import MappedMemory
 from dspark_sidecar.server.errors import invalid
-from dspark_sidecar.server.prelaunch import Prelaunch
+from dspark_sidecar.server.prelaunch import BEHIND_S, Prelaunch
 from dspark_sidecar.server.rank import RankLoop
 
 log = logging.getLogger("dspark_sidecar.server")
@@ -44,7 +44,7 @@ def _flag_exchange(world: int):
 class Doorbell(threading.Thread):
     def __init__(self, page: MappedMemory, capacity: int, loop: RankLoop, device: torch.device,
                  input_event: bytes, wake_path: str | None = None, word_ops: GpuWordOps | None = None,
-                 window: int = 0, behind_s: float | None = None) -> None:
+                 window: int = 0, behind_s: float = BEHIND_S) -> None:
         super().__init__(name="dspark-doorbell", daemon=True)
         try:
             self.page = bell.Page(page.storage.numpy(), capacity)

@@ -51,6 +51,7 @@ from dspark_sidecar.kernels.triton.step_meta import FLAG_RAN, Staging, step_gate
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.gpu_word import DevicePointer, GpuWordOps, RegisteredPage
+from dspark_sidecar.server.config import ServeConfig
 from dspark_sidecar.server.graphs import StepGraphs
 from dspark_sidecar.server.validate import Step
 
@@ -64,7 +65,7 @@ READY_TIMEOUT_S = 2.0  # a rung step whose metadata program has not run by then 
 # doubled at each repeat up to MAX_COOLDOWN, and those steps answer as soon as they are launched.
 # From about 1 ms ahead the ordinary launch is hidden too, at ~4 us more GPU time per step (BENCHMARKS.md
 # run 127); an engine that wants its host back sooner sets serve --prelaunch-behind-ms lower.
-BEHIND_S = 5e-3
+BEHIND_S = ServeConfig.prelaunch_behind_ms / 1e3  # the serve flag's default, in seconds
 COOLDOWN, MAX_COOLDOWN = 256, 1 << 16
 
 
@@ -83,7 +84,7 @@ class Prelaunch:
     def __init__(self, ops: GpuWordOps, page: bell.Page, page_ptr: int, graphs: StepGraphs, window: int,
                  count=lambda hit: None, event=torch.cuda.Event, program=step_meta, exchange=None,
                  gate=step_gate, capture=None, device: torch.device | str = "cpu", max_reqs: int = 256,
-                 staging: Staging | None = None, behind_s: float | None = None) -> None:
+                 staging: Staging | None = None, behind_s: float = BEHIND_S) -> None:
         """count(hit): told each time a queued step is used or released unused (metrics).
         exchange(t): TP > 1, the ranks' all-reduce MAX of int32 flags t on the current stream; None on one rank.
         device, max_reqs: where the flags are exchanged (the rank's GPU), and for up to how many requests.
@@ -91,14 +92,14 @@ class Prelaunch:
         how a function becomes a replayable graph (tests pass CPU stand-ins).
         staging: where the program's sources are copied first (step_meta.Staging); on a GPU, the
         device's own, made here unless given; elsewhere none unless given (the program reads in place).
-        behind_s: the cooldown's threshold (BEHIND_S unless given; serve --prelaunch-behind-ms)."""
+        behind_s: the cooldown's threshold (serve --prelaunch-behind-ms)."""
         self.ops, self.page, self.graphs, self.window, self._count = ops, page, graphs, window, count
         self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
         self._capture = capture or _capture_graph
         if staging is None and torch.device(device).type == "cuda":
             staging = Staging(device)
         self._staging = staging
-        self.behind_s = BEHIND_S if behind_s is None else behind_s
+        self.behind_s = behind_s
         self._agreements: dict[tuple, tuple] = {}  # (R, slot input's address) -> (that view, replay of exchange + gate)
         self._dev_flags = None
         if exchange is not None:  # the program's flags before the exchange: the device's own memory

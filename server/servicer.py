@@ -20,6 +20,7 @@ from dspark_sidecar.proto.gpu_word import GpuWordOps
 from dspark_sidecar.proto.memory import MappedMemory
 from dspark_sidecar.server.doorbell import Doorbell
 from dspark_sidecar.server.errors import SidecarError, invalid
+from dspark_sidecar.server.prelaunch import BEHIND_S
 from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
 
@@ -57,12 +58,12 @@ def _same_node(peer: str) -> bool:
 class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     def __init__(self, ctx: RankContext, loop: RankLoop, life: Lifecycle, limits: pb.Limits,
                  parallel: pb.Parallel, weight_format: str, run_dir: Path | None = None,
-                 prelaunch: bool = False, prelaunch_behind_s: float | None = None) -> None:
+                 prelaunch: bool = False, prelaunch_behind_s: float = BEHIND_S) -> None:
         self.ctx, self.loop, self.life = ctx, loop, life
         # Pre-launched doorbell steps (server/prelaunch.py): on a GPU with graphs; at TP > 1 the ranks
         # agree on queueing and on answering from the queue at each step (server/rendezvous.py).
         self.prelaunch = prelaunch and loop.graphs is not None
-        self.prelaunch_behind_s = prelaunch_behind_s  # None: prelaunch.BEHIND_S
+        self.prelaunch_behind_s = prelaunch_behind_s
         self.limits, self.parallel, self.weight_format = limits, parallel, weight_format
         self.run_dir = run_dir  # where doorbell wake FIFOs go (the socket folder); None: polling only
         self.doorbell: Doorbell | None = None

@@ -121,27 +121,26 @@ class Staging:
         (device address, bytes) of the page-aligned, page-rounded registration it lies in).
         Returns (word, src) for step_meta: the same values as flat tensors in device memory."""
         block = STAGE_WORDS * 8
-        spans: dict[tuple[int, int], list[int]] = {}  # registration -> [lo, hi) of the bytes read there
+        spans: dict[tuple[int, int], tuple[int, int]] = {}  # registration -> [lo, hi) of the bytes read there
         for ptr, nbytes, region in sources:
-            lo, hi = spans.setdefault(region, [ptr.address, ptr.address + nbytes])
-            spans[region] = [min(lo, ptr.address), max(hi, ptr.address + nbytes)]
-        plan, total = [], 0  # (region start of the copy, blocks, offset in buf in bytes)
+            lo, hi = spans.get(region, (ptr.address, ptr.address + nbytes))
+            spans[region] = (min(lo, ptr.address), max(hi, ptr.address + nbytes))
+        plan, total = {}, 0  # registration -> (start of the copy, blocks, offset in buf in bytes)
         for (base, size), (lo, hi) in spans.items():
             start = base + (lo - base) // block * block  # whole blocks from the registration's page-aligned base:
             blocks = -(-(hi - start) // block)  # they end at most at hi rounded up to a page, inside it
             if not (base <= lo and hi <= base + size and start + blocks * block <= base + size):
                 raise ValueError(f"source bytes [{lo:#x}, {hi:#x}) are not inside their registration")
-            plan.append((start, blocks, total))
+            plan[(base, size)] = (start, blocks, total)
             total += blocks * block
         if self.buf.numel() * 8 < total:
             self.buf = torch.zeros(total // 8, dtype=torch.int64, device=self.device)
-        for start, blocks, off in plan:
+        for start, blocks, off in plan.values():
             self._launch(DevicePointer(start, torch.int64), self.buf[off // 8 :], blocks, word, self.word)
-        where = {region: (start, off) for region, (start, _, off) in zip(spans, plan)}
         raw = self.buf.view(torch.uint8)
         src = []
         for ptr, nbytes, region in sources:
-            start, off = where[region]
+            start, _, off = plan[region]
             at = off + ptr.address - start
             src.append(raw[at : at + nbytes].view(ptr.dtype))
         return self.word, tuple(src)
