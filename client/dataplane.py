@@ -204,7 +204,10 @@ class DoorbellChannel:
         if self.ringer is not None:
             self.ringer.close()
         if self._header is not None:
-            torch.cuda.current_stream(self.device).synchronize()  # no queued write may land after the unmap
-            self._header.close()
+            # From any thread (an engine may close from another than the one that opened): the
+            # unregister needs this GPU's context current (GpuWordOps._bind refuses another's).
+            with torch.cuda.device(self.device):
+                torch.cuda.current_stream(self.device).synchronize()  # no queued write may land after the unmap
+                self._header.close()
         self.page.close()
         self._page.close()
