@@ -74,7 +74,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch-streams", type=int, default=_env("launch_streams", d.launch_streams, int),
                    help="run a step's launch groups (8 requests each) side by side on N CUDA streams; "
                         "0 = 4 at --tp 1, 1 (in order) above; at --tp > 1, N > 1 gives each extra stream its own "
-                        "communicator (opt-in: not yet measured on GPUs)")
+                        "communicator (opt-in: not yet benchmarked)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=_env("warmup", True, bool))
     p.add_argument("--seed", type=int, default=_env("seed", d.seed, int), help="seed of the synthetic checkpoint")
 

@@ -52,7 +52,7 @@ class ServeConfig:
     # answer waits until its GPU has started it, which holds an engine that runs this far ahead (prelaunch.BEHIND_S).
     prelaunch_behind_ms: float = 5.0
     # A step's launch groups side by side on this many streams (graphs); 0: 4 at TP 1, 1 above. At TP > 1
-    # each extra stream gets its own communicator (app.exchange_lanes); not yet measured on GPUs, so opt-in.
+    # each extra stream gets its own communicator (app.exchange_lanes); tested on two GPUs but not yet benchmarked, so opt-in.
     launch_streams: int = 0
     drain_s: float = 1.0  # after SIGTERM: NOT_SERVING for this long before the listener closes
     seed: int = 0  # of the synthetic checkpoint
