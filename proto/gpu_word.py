@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import threading
 
 import torch
 
@@ -45,8 +44,9 @@ class DevicePointer:
 class GpuWordOps:
     """Host registration and 64-bit stream write/wait for one vendor's driver (CUDA or HIP)."""
 
-    def __init__(self, lib: ctypes.CDLL, hip: bool) -> None:
-        self.hip = hip
+    def __init__(self, lib: ctypes.CDLL, hip: bool, device_index: int = 0) -> None:
+        self.hip, self.device_index = hip, device_index
+        self._ctx: int | None = None  # this device's context handle, once seen current (CUDA)
         u64, vp, uint = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint
         if hip:
             self._register = self._fn(lib, "hipHostRegister", [vp, ctypes.c_size_t, uint])
@@ -83,32 +83,40 @@ class GpuWordOps:
             return None
         hip = torch.version.hip is not None
         try:
-            ops = cls(ctypes.CDLL("libamdhip64.so" if hip else "libcuda.so.1"), hip)
-            ops.device_index = device.index if device.index is not None else torch.cuda.current_device()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            ops = cls(ctypes.CDLL("libamdhip64.so" if hip else "libcuda.so.1"), hip, index)
             ops._probe(device)
         except (OSError, AttributeError, GpuWordError) as exc:
             log.warning("GPU word unavailable on %s (%s): steps are not pre-launched", device, exc)
             return None
         return ops
 
-    _bound = threading.local()
-
     def _bind(self) -> None:
-        """Make this device's primary context current on the calling thread (CUDA; once per thread)."""
-        if self.hip or getattr(self._bound, "device", None) == self.device_index:
+        """Make this device's context current on the calling thread, if it is not (CUDA).
+
+        Asked on every call, not cached per thread: torch switches the thread's context under
+        `torch.cuda.device(...)` without telling us, so a cached "bound" could name a context that
+        is no longer current, and a registration or stream operation would then run in another
+        GPU's context. cuCtxGetCurrent is a thread-local read in the driver (well under a
+        microsecond through ctypes), so the check is cheap on the per-step path.
+        """
+        if self.hip:
             return
         cur = ctypes.c_void_p()
         self._check(self._ctx_get, ctypes.byref(cur))
-        if cur.value:  # torch's runtime has bound one: it must be this device's
+        if cur.value and cur.value == self._ctx:
+            return
+        if cur.value:  # torch's runtime (or the caller) made a context current: it must be this device's
             dev = ctypes.c_int()
             self._check(self._ctx_device, ctypes.byref(dev))
             if dev.value != self.device_index:
                 raise GpuWordError(f"this thread's CUDA context is device {dev.value}, not {self.device_index}")
-        else:
+            self._ctx = cur.value
+        else:  # a thread torch has not bound yet: retain the device's primary context (once per thread)
             ctx = ctypes.c_void_p()
             self._check(self._ctx_retain, ctypes.byref(ctx), self.device_index)
             self._check(self._ctx_set, ctx)
-        self._bound.device = self.device_index
+            self._ctx = ctx.value
 
     def _check(self, fn, *args) -> None:
         rc = fn(*args)

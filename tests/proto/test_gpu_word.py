@@ -64,3 +64,88 @@ def test_registered_page_is_page_aligned_and_closed_once():
 def test_device_pointer_is_what_triton_reads():
     p = DevicePointer(0xDEAD000, torch.int64)
     assert p.data_ptr() == 0xDEAD000 and p.dtype == torch.int64
+
+
+class _FakeCudaDriver:
+    """The few driver entry points _bind uses, with a per-thread current context as CUDA keeps it.
+
+    Contexts are 0x1000 + device: torch's `torch.cuda.device(i)` makes device i's primary context
+    current on the thread, which `switch` stands in for.
+    """
+
+    def __init__(self):
+        self._tls = __import__("threading").local()
+        self.retained: list[int] = []
+        self.ops: list[tuple[str, int]] = []  # (call, device of the context current when it ran)
+        for name in ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuDevicePrimaryCtxRetain", "cuCtxGetDevice",
+                     "cuMemHostRegister_v2", "cuMemHostUnregister", "cuMemHostGetDevicePointer_v2",
+                     "cuStreamWriteValue64_v2", "cuEventRecord", "cuStreamWaitValue64_v2"):
+            setattr(self, name, self._entry(name))
+
+    def switch(self, device):
+        self._tls.ctx = None if device is None else 0x1000 + device
+
+    def _current(self):
+        return getattr(self._tls, "ctx", None)
+
+    def _entry(self, name):
+        def call(*args):
+            ctx = self._current()
+            if name == "cuCtxGetCurrent":
+                args[0]._obj.value = ctx
+            elif name == "cuCtxSetCurrent":
+                self._tls.ctx = args[0].value
+            elif name == "cuDevicePrimaryCtxRetain":
+                self.retained.append(args[1])
+                args[0]._obj.value = 0x1000 + args[1]
+            elif name == "cuCtxGetDevice":
+                args[0]._obj.value = ctx - 0x1000
+            else:
+                self.ops.append((name, ctx - 0x1000))
+                if name == "cuMemHostGetDevicePointer_v2":
+                    args[0]._obj.value = 0xD000
+            return 0
+
+        return call
+
+
+def test_each_call_runs_in_its_own_device_s_context_after_torch_switches_it():
+    """One thread driving two GPUs: a context switch made behind the ops' back is seen, not cached."""
+    drv = _FakeCudaDriver()
+    gpu0, gpu1 = GpuWordOps(drv, hip=False, device_index=0), GpuWordOps(drv, hip=False, device_index=1)
+
+    drv.switch(None)  # a fresh thread: gpu0 retains and binds device 0's primary context
+    gpu0.write(0, 0xD000, 1)
+    assert drv.retained == [0] and drv.ops[-1] == ("cuStreamWriteValue64_v2", 0)
+
+    drv.switch(1)  # torch.cuda.device(1): device 1's context is current now
+    # gpu0 bound device 0 on this thread before; a cached "bound" would let this write run in
+    # device 1's context. It must refuse with the device named instead.
+    with pytest.raises(GpuWordError, match="device 1, not 0"):
+        gpu0.write(0, 0xD000, 2)
+    assert drv.ops[-1] == ("cuStreamWriteValue64_v2", 0)
+    gpu1.record(type("E", (), {"cuda_event": 0})(), 0)
+    assert drv.ops[-1] == ("cuEventRecord", 1)
+
+    drv.switch(0)  # the `with torch.cuda.device(0)` a caller wraps around device 0's calls
+    gpu0.unregister(0xA000)
+    assert drv.ops[-1] == ("cuMemHostUnregister", 0)
+    assert drv.retained == [0], "a context already current is used, not retained again"
+
+
+def test_a_new_thread_binds_its_device_once():
+    drv = _FakeCudaDriver()
+    ops = GpuWordOps(drv, hip=False, device_index=3)
+    seen = []
+
+    def worker():
+        drv.switch(None)
+        ops.register(0xA000, mmap.PAGESIZE)
+        ops.wait_geq(0, 0xD000, 5)
+        seen.append(list(drv.ops[-2:]))
+
+    t = __import__("threading").Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [[("cuMemHostGetDevicePointer_v2", 3), ("cuStreamWaitValue64_v2", 3)]]
+    assert drv.retained == [3]
