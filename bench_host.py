@@ -7,6 +7,7 @@ breakdown in BENCHMARKS.md can be re-derived. Run it under MPS, as the sidecar r
 
 from __future__ import annotations
 
+import mmap
 import statistics
 import sys
 import time
@@ -14,6 +15,8 @@ import time
 import numpy as np
 import torch
 import torch.multiprocessing as mp
+
+from dspark_sidecar.proto.gpu_word import GpuWordOps, RegisteredPage
 
 
 def timed(name: str, fn, n: int = 200) -> float:
@@ -42,6 +45,28 @@ def _peer(handle: bytes, done) -> None:
     own = torch.cuda.Event(interprocess=True)
     timed("peer: interprocess event.record", lambda: own.record(s))
     done.put(True)
+
+
+def _gpu_word_calls(dev: torch.device, s: torch.cuda.Stream) -> None:
+    """The doorbell's GPU-word calls as the engine makes them per step, each with its context check."""
+    ops = GpuWordOps.load(dev)
+    if ops is None:
+        print("GPU word unavailable: its calls are not timed", flush=True)
+        return
+    buf = mmap.mmap(-1, mmap.PAGESIZE)
+    word = torch.frombuffer(buf, dtype=torch.int64, count=1)
+    page = RegisteredPage(ops, word.data_ptr())
+    try:
+        ev = torch.cuda.Event()
+        n = iter(range(1, 1 << 30))
+        timed("GpuWordOps._bind (context check alone)", ops._bind)
+        timed("GpuWordOps.write (cuStreamWriteValue64)", lambda: ops.write(s.cuda_stream, page.device_ptr, next(n)))
+        timed("GpuWordOps.record (cuEventRecord)", lambda: ops.record(ev, s.cuda_stream))
+        torch.cuda.synchronize()
+    finally:
+        del word
+        page.close()
+        buf.close()
 
 
 def main() -> int:
@@ -73,6 +98,7 @@ def main() -> int:
         for _ in range(50):
             x.add_(1)
     timed("graph.replay (50 tiny kernels)", g.replay)
+    _gpu_word_calls(dev, s)
     arr = np.arange(64)
     timed("NumPy: (arr == arr).all(), for scale", lambda: (arr == arr).all())
     ctx = mp.get_context("spawn")

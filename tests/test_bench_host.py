@@ -15,5 +15,6 @@ def test_bench_host_runs_on_a_gpu_or_says_it_needs_one():
         return
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.rstrip().endswith(" us")]
-    assert len(lines) == 13 and any(ln.startswith("peer: stream.wait_event") for ln in lines)
+    word = "GPU word unavailable" not in r.stdout  # its three calls are timed where the driver has them
+    assert len(lines) == (16 if word else 13) and any(ln.startswith("peer: stream.wait_event") for ln in lines)
     assert all(float(ln.split()[-2]) > 0 for ln in lines)
