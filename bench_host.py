@@ -58,8 +58,9 @@ def _gpu_word_calls(dev: torch.device, s: torch.cuda.Stream) -> None:
     page = RegisteredPage(ops, word.data_ptr())
     try:
         ev = torch.cuda.Event()
+        ev.record(s)  # torch creates the event at its first record; before that it has no handle
         n = iter(range(1, 1 << 30))
-        timed("GpuWordOps._bind (context check alone)", ops._bind)
+        timed("GpuWordOps._any_context (per-step check)", ops._any_context)
         timed("GpuWordOps.write (cuStreamWriteValue64)", lambda: ops.write(s.cuda_stream, page.device_ptr, next(n)))
         timed("GpuWordOps.record (cuEventRecord)", lambda: ops.record(ev, s.cuda_stream))
         torch.cuda.synchronize()

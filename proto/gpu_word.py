@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import threading
 
 import torch
 
@@ -91,14 +92,15 @@ class GpuWordOps:
             return None
         return ops
 
+    _thread = threading.local()  # .has_context: this thread has made a context current for us
+
     def _bind(self) -> None:
-        """Make this device's context current on the calling thread, if it is not (CUDA).
+        """Make this device's context current on the calling thread, if it is not (CUDA), for a registration.
 
         Asked on every call, not cached per thread: torch switches the thread's context under
-        `torch.cuda.device(...)` without telling us, so a cached "bound" could name a context that
-        is no longer current, and a registration or stream operation would then run in another
-        GPU's context. cuCtxGetCurrent is a thread-local read in the driver (well under a
-        microsecond through ctypes), so the check is cheap on the per-step path.
+        `torch.cuda.device(...)` without telling us, and a registration's device address is the
+        current context's. Registrations are rare (a page per channel), so the check's cost
+        (0.6-0.9 us through ctypes on an H200 host, run 132) does not matter here.
         """
         if self.hip:
             return
@@ -112,11 +114,31 @@ class GpuWordOps:
             if dev.value != self.device_index:
                 raise GpuWordError(f"this thread's CUDA context is device {dev.value}, not {self.device_index}")
             self._ctx = cur.value
-        else:  # a thread torch has not bound yet: retain the device's primary context (once per thread)
-            ctx = ctypes.c_void_p()
-            self._check(self._ctx_retain, ctypes.byref(ctx), self.device_index)
-            self._check(self._ctx_set, ctx)
-            self._ctx = ctx.value
+        else:
+            self._retain_primary()
+
+    def _any_context(self) -> None:
+        """Give the calling thread a current context if it has none, for a stream operation (CUDA).
+
+        A stream operation acts on its stream's own context whatever context is current (run 132:
+        a write, a wait and an event record on a primary-context stream, issued with a second
+        context of the GPU current, returned success and the word landed), but the driver refuses
+        any call from a thread with no context at all. So once per thread is enough, and the
+        per-step path pays a thread-local lookup (0.14 us) rather than the driver query.
+        """
+        if self.hip or getattr(self._thread, "has_context", False):
+            return
+        cur = ctypes.c_void_p()
+        self._check(self._ctx_get, ctypes.byref(cur))
+        if not cur.value:  # a thread torch has not bound yet
+            self._retain_primary()
+        self._thread.has_context = True
+
+    def _retain_primary(self) -> None:
+        ctx = ctypes.c_void_p()
+        self._check(self._ctx_retain, ctypes.byref(ctx), self.device_index)
+        self._check(self._ctx_set, ctx)
+        self._ctx = ctx.value
 
     def _check(self, fn, *args) -> None:
         rc = fn(*args)
@@ -160,7 +182,7 @@ class GpuWordOps:
 
     def write(self, stream: int, addr: int, value: int) -> None:
         """Queue `*addr = value` on `stream` (after the work queued before it)."""
-        self._bind()
+        self._any_context()
         if self.hip:
             self._check(self._write, ctypes.c_void_p(stream), ctypes.c_void_p(addr), value, 0)
         else:
@@ -168,12 +190,12 @@ class GpuWordOps:
 
     def record(self, event: torch.cuda.Event, stream: int) -> None:
         """event.record() on a raw stream handle (torch's current_stream() costs ~15-25 us at a step's start)."""
-        self._bind()
+        self._any_context()
         self._check(self._record, ctypes.c_void_p(event.cuda_event), ctypes.c_void_p(stream))
 
     def wait_geq(self, stream: int, addr: int, value: int) -> None:
         """Queue a wait on `stream` until (int64)(*addr - value) >= 0; later work on it starts after."""
-        self._bind()
+        self._any_context()
         if self.hip:
             self._check(self._wait, ctypes.c_void_p(stream), ctypes.c_void_p(addr), value, _WAIT_GEQ,
                         0xFFFFFFFFFFFFFFFF)

@@ -109,28 +109,38 @@ class _FakeCudaDriver:
         return call
 
 
-def test_each_call_runs_in_its_own_device_s_context_after_torch_switches_it():
+def test_registrations_check_the_current_context_after_torch_switches_it():
     """One thread driving two GPUs: a context switch made behind the ops' back is seen, not cached."""
     drv = _FakeCudaDriver()
     gpu0, gpu1 = GpuWordOps(drv, hip=False, device_index=0), GpuWordOps(drv, hip=False, device_index=1)
 
     drv.switch(None)  # a fresh thread: gpu0 retains and binds device 0's primary context
-    gpu0.write(0, 0xD000, 1)
-    assert drv.retained == [0] and drv.ops[-1] == ("cuStreamWriteValue64_v2", 0)
+    gpu0.register(0xA000, mmap.PAGESIZE)
+    assert drv.retained == [0] and drv.ops[-1] == ("cuMemHostGetDevicePointer_v2", 0)
 
     drv.switch(1)  # torch.cuda.device(1): device 1's context is current now
-    # gpu0 bound device 0 on this thread before; a cached "bound" would let this write run in
-    # device 1's context. It must refuse with the device named instead.
+    # gpu0 bound device 0 on this thread before; a cached "bound" would let this unregister run
+    # in device 1's context. It must refuse with the device named instead.
     with pytest.raises(GpuWordError, match="device 1, not 0"):
-        gpu0.write(0, 0xD000, 2)
-    assert drv.ops[-1] == ("cuStreamWriteValue64_v2", 0)
-    gpu1.record(type("E", (), {"cuda_event": 0})(), 0)
-    assert drv.ops[-1] == ("cuEventRecord", 1)
+        gpu0.unregister(0xA000)
+    assert drv.ops[-1] == ("cuMemHostGetDevicePointer_v2", 0)
+    gpu1.register(0xB000, mmap.PAGESIZE)
+    assert drv.ops[-1] == ("cuMemHostGetDevicePointer_v2", 1)
 
     drv.switch(0)  # the `with torch.cuda.device(0)` a caller wraps around device 0's calls
     gpu0.unregister(0xA000)
     assert drv.ops[-1] == ("cuMemHostUnregister", 0)
     assert drv.retained == [0], "a context already current is used, not retained again"
+
+
+def test_stream_operations_need_only_some_context_on_the_thread():
+    """The driver runs a stream operation in its stream's context (run 132), so any current one will do."""
+    drv = _FakeCudaDriver()
+    gpu0 = GpuWordOps(drv, hip=False, device_index=0)
+    drv.switch(1)  # another GPU's context is current: no refusal, nothing retained
+    gpu0.write(0, 0xD000, 1)
+    gpu0.record(type("E", (), {"cuda_event": 0})(), 0)
+    assert [op for op, _ in drv.ops] == ["cuStreamWriteValue64_v2", "cuEventRecord"] and drv.retained == []
 
 
 def test_a_new_thread_binds_its_device_once():
@@ -139,13 +149,15 @@ def test_a_new_thread_binds_its_device_once():
     seen = []
 
     def worker():
-        drv.switch(None)
-        ops.register(0xA000, mmap.PAGESIZE)
+        drv.switch(None)  # a thread torch never bound: the first stream operation binds device 3
         ops.wait_geq(0, 0xD000, 5)
-        seen.append(list(drv.ops[-2:]))
+        ops.write(0, 0xD000, 6)
+        ops.register(0xA000, mmap.PAGESIZE)
+        seen.append(list(drv.ops))
 
     t = __import__("threading").Thread(target=worker)
     t.start()
     t.join()
-    assert seen == [[("cuMemHostGetDevicePointer_v2", 3), ("cuStreamWaitValue64_v2", 3)]]
+    assert seen == [[("cuStreamWaitValue64_v2", 3), ("cuStreamWriteValue64_v2", 3), ("cuMemHostRegister_v2", 3),
+                     ("cuMemHostGetDevicePointer_v2", 3)]]
     assert drv.retained == [3]
