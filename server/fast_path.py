@@ -32,7 +32,8 @@ from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
 log = logging.getLogger("dspark_sidecar.server")
 
 # RoPE table rows the runner builds (f32 [max_positions, 64]: 256 MB at 2^20). Positions past it
-# would read zeros in qkv_rope; see the report on validating them.
+# would read zeros in qkv_rope, so a step with any such position takes the portable layers
+# (Rank._fast_ready), which take any position.
 MAX_POSITIONS = 1 << 20
 
 
