@@ -106,6 +106,8 @@ class Doorbell(threading.Thread):
         rung = lambda: self.page.word(bell.REQ_SEQ) != self._last  # noqa: E731
         while not self._halt.is_set():
             if not rung():
+                if self.prelaunch is not None:  # a cooldown step's word, timed as it lands (prelaunch.py)
+                    self.prelaunch.watch()
                 idle = time.perf_counter() - active
                 if self.waker is not None and idle > bell.DOZE_S:  # between bursts: no polling at all
                     self.waker.sleep(self.page, rung, HALT_POLL_S)

@@ -63,10 +63,15 @@ READY_TIMEOUT_S = 2.0  # a rung step whose metadata program has not run by then 
 # runs far ahead of its GPU (e.g. a target forward of many ms queued before the draft step)
 # would be held back by that: a wait longer than BEHIND_S stops queueing for COOLDOWN steps,
 # doubled at each repeat up to MAX_COOLDOWN, and those steps answer as soon as they are launched.
+# The doorbell keeps timing those steps' words between steps (watch): ON_TIME of them in a row
+# within BEHIND_S of their ring end the cooldown early and reset the doubling, so an engine that
+# was ahead for a while (a long prefill, say) gets pre-launched steps back a few steps after it
+# synchronizes again, not hundreds of steps later (BENCHMARKS.md run 134).
 # From about 1 ms ahead the ordinary launch is hidden too, at ~4 us more GPU time per step (BENCHMARKS.md
 # run 127); an engine that wants its host back sooner sets serve --prelaunch-behind-ms lower.
 BEHIND_S = ServeConfig.prelaunch_behind_ms / 1e3  # the serve flag's default, in seconds
 COOLDOWN, MAX_COOLDOWN = 256, 1 << 16
+ON_TIME = 8
 
 
 @dataclass
@@ -123,6 +128,8 @@ class Prelaunch:
         self.hits = self.misses = 0
         self.cooldown = 0  # steps left before queueing again (BEHIND_S)
         self._next_cooldown = COOLDOWN
+        self._watched: tuple[int, float] | None = None  # (seq, ring time) of a cooldown step whose word is awaited
+        self._on_time = 0  # cooldown steps in a row whose word arrived within behind_s of their ring
 
     # During a step (RankLoop's hook, under its lock) -----------------------------------------
     def hook(self, seq: int, req: pb.DraftStepRequest) -> "StepHook":
@@ -135,6 +142,10 @@ class Prelaunch:
         The first waits until the queued copy has started on the GPU (at TP > 1: until every rank's
         has, and their flags are exchanged); nothing is released here, `take` does what was agreed.
         """
+        if self._watched is not None:  # the last cooldown step's word had not arrived by this ring: no evidence
+            self._watched, self._on_time = None, 0
+        if self.cooldown:
+            self._watched = (seq, time.perf_counter())
         graph = self.graphs.captured(step.inputs_embeds, step.num_reqs, step.kv.layers)
         self._served, self._queue_next = (seq, req.launch_key, step, graph), False
         q = self.queued
@@ -169,6 +180,34 @@ class Prelaunch:
         self._release(q)
         return None
 
+    def watch(self) -> None:
+        """Between steps (the doorbell's poll, its thread): time a cooldown step's word once it arrives.
+
+        Judged like a queued step's (_waited_ready): late past behind_s, the engine's GPU is still
+        far behind its host. On time ON_TIME steps in a row, it no longer is: the cooldown ends.
+        """
+        if self._watched is None:
+            return
+        seq, rung_at = self._watched
+        if not self._word_reached(seq):
+            if time.perf_counter() - rung_at > self.behind_s:  # late already: no need to see it land
+                self._watched, self._on_time = None, 0
+            return
+        self._watched = None
+        if time.perf_counter() - rung_at > self.behind_s:
+            self._on_time = 0
+            return
+        self._on_time += 1
+        if self._on_time >= ON_TIME and self.cooldown:
+            log.info("prelaunch: the engine's GPU reached %d steps in a row within %.1f ms of their ring; "
+                     "queueing again (%d cooldown steps left unused)", self._on_time, self.behind_s * 1e3,
+                     self.cooldown)
+            self.cooldown, self._next_cooldown, self._on_time = 0, COOLDOWN, 0
+
+    def _word_reached(self, seq: int) -> bool:
+        """This engine's stream has written the GPU word of step `seq` (or a later one): (int64)(word - seq's) >= 0."""
+        return (int(self.page.words[bell.GPU_WORD]) - bell.gpu_word(seq, 0)) % (1 << 64) < 1 << 63
+
     def _waited_ready(self, seq: int) -> bool:
         """Until the program has read the region (the engine may rewrite it once answered); False on timeout.
 
@@ -179,10 +218,9 @@ class Prelaunch:
         """
         start = time.perf_counter()
         own = None  # seconds until this engine's word for `seq` was seen
-        target = bell.gpu_word(seq, 0)
         while True:
-            if own is None and (int(self.page.words[bell.GPU_WORD]) - target) % (1 << 64) < 1 << 63:
-                own = time.perf_counter() - start  # (int64)(word - target) >= 0, as the stream's wait compares
+            if own is None and self._word_reached(seq):  # as the stream's wait compares
+                own = time.perf_counter() - start
             if self._ready.query():
                 break
             if time.perf_counter() > start + READY_TIMEOUT_S:

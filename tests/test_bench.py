@@ -96,3 +96,17 @@ def test_engine_ahead_mode_times_the_step_on_the_engine_s_stream(tmp_path):
     assert "note" not in g, g
     assert g["lead_ms"] == 2.0 and 0 < g["p50_ms"] < 2.0
     assert g["x_c"] > 0.8 and g["ring_to_answer_p50_us"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_data_plane_steps_are_pre_launched_again_after_the_engine_was_far_ahead(tmp_path):
+    """g at an 8 ms lead puts the sidecar in its cooldown (server/prelaunch.py BEHIND_S). A synchronized
+    engine right after it gets pre-launched steps back within (d)'s settling steps: run 134's full
+    bench had (d) at 0% pre-launched for every case after the first g."""
+    report = run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("g", "d"), repeats=5,
+                                   lead_ms=8.0, out_dir=tmp_path), torch.device("cuda"))
+    g, d = (next(r for r in report["rows"] if r["mode"] == m) for m in ("g", "d"))
+    assert "note" not in g and "note" not in d, (g, d)
+    assert g["prelaunched_share"] < 0.5, g  # the cooldown was entered (run 134: 0%)
+    assert d["prelaunched_share"] == 1.0, d

@@ -442,3 +442,60 @@ def test_a_late_peer_is_no_news_a_late_own_word_is(rig, monkeypatch):
     assert _take(rig, SEQ + 3, _req(), rig.a) is rig.graphs.graph.out
     late.join()
     assert rig.pl.cooldown > 0
+
+
+def _cooldown_step(r, seq, on_time: bool, behind_s: float):
+    """One ordinary step in a cooldown: the ring, the answer, then the doorbell's idle polls (watch).
+    on_time: the engine's stream writes the word before the ring (a synchronized engine); else it is
+    still missing once behind_s has passed (its GPU far behind), and lands only after that."""
+    if on_time:
+        r.page.words[bell.GPU_WORD] = bell.gpu_word(seq, KEY)
+    assert _take(r, seq, _req(), r.a) is None  # not queued in a cooldown: launched the ordinary way
+    r.pl.after(seq, OK)
+    r.pl.watch()
+    if not on_time:
+        time.sleep(behind_s * 1.5)
+        r.pl.watch()  # late already: judged without waiting for it to land
+        r.page.words[bell.GPU_WORD] = bell.gpu_word(seq, KEY)
+        r.pl.watch()
+
+
+def test_a_cooldown_ends_once_the_engine_s_words_arrive_on_time_again(rig, monkeypatch):
+    """An engine that was far ahead (a long prefill) and synchronizes again gets pre-launched steps back
+    after ON_TIME steps in a row whose words arrived within behind_s of their ring, and the doubling
+    starts over; late words, or a word that had not arrived by the next ring, start that count over."""
+    rig.pl.behind_s = 0.01
+    _queue(rig)
+    late = threading.Timer(0.03, lambda: rig.page.words.__setitem__(bell.GPU_WORD, bell.gpu_word(SEQ + 2, KEY)))
+    late.start()
+    assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out
+    late.join()
+    rig.pl.after(SEQ + 2, OK)
+    assert rig.pl.cooldown == prelaunch.COOLDOWN - 1 and rig.pl._next_cooldown == 2 * prelaunch.COOLDOWN
+    seq = SEQ + 3
+    for _ in range(prelaunch.ON_TIME + 2):  # still far behind: the cooldown goes on
+        _cooldown_step(rig, seq, on_time=False, behind_s=rig.pl.behind_s)
+        seq += 1
+    for _ in range(prelaunch.ON_TIME - 1):
+        _cooldown_step(rig, seq, on_time=True, behind_s=rig.pl.behind_s)
+        seq += 1
+    # One step's word has not arrived when the next rings (no watch in between): no evidence either way.
+    assert _take(rig, seq, _req(), rig.a) is None
+    rig.pl.after(seq, OK)
+    seq += 1
+    for _ in range(prelaunch.ON_TIME - 1):
+        _cooldown_step(rig, seq, on_time=True, behind_s=rig.pl.behind_s)
+        seq += 1
+    assert rig.pl.cooldown > 0 and rig.pl.queued is None
+    _cooldown_step(rig, seq, on_time=True, behind_s=rig.pl.behind_s)  # the ON_TIME-th in a row
+    assert rig.pl.cooldown == 0 and rig.pl._next_cooldown == prelaunch.COOLDOWN
+    seq += 1
+    _serve(rig, seq)  # the layout's streak held through the cooldown: the next step is queued
+    assert rig.pl.queued is not None and rig.pl.queued.seq == seq + 1
+    assert _serve(rig, seq + 1) is rig.graphs.graph.out
+
+
+def test_watch_outside_a_cooldown_does_nothing(rig):
+    _queue(rig)
+    rig.pl.watch()
+    assert rig.pl.cooldown == 0 and rig.pl.queued.seq == SEQ + 2 and rig.pl._watched is None
