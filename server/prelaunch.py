@@ -145,7 +145,9 @@ class Prelaunch:
         if self._watched is not None:  # the last cooldown step's word had not arrived by this ring: no evidence
             self._watched, self._on_time = None, 0
         if self.cooldown:
-            self._watched = (seq, time.perf_counter())
+            now = time.perf_counter()
+            self._watched = (seq, now)
+            self.watch()  # a synchronized engine's word is here before its ring
         graph = self.graphs.captured(step.inputs_embeds, step.num_reqs, step.kv.layers)
         self._served, self._queue_next = (seq, req.launch_key, step, graph), False
         q = self.queued
@@ -189,12 +191,16 @@ class Prelaunch:
         if self._watched is None:
             return
         seq, rung_at = self._watched
+        late = time.perf_counter() - rung_at > self.behind_s
         if not self._word_reached(seq):
-            if time.perf_counter() - rung_at > self.behind_s:  # late already: no need to see it land
+            if late:  # no need to see it land
                 self._watched, self._on_time = None, 0
             return
+        # Seen now; it landed after the last look that missed it. The doorbell looks at the ring and
+        # every few tens of us between steps, but not during one (a graph capture takes tens of ms):
+        # seen only after behind_s, it was late or cannot be placed, and the count starts over.
         self._watched = None
-        if time.perf_counter() - rung_at > self.behind_s:
+        if late:
             self._on_time = 0
             return
         self._on_time += 1
