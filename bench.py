@@ -122,10 +122,13 @@ def _settle_steps() -> int:
 
 
 def timeit(fn, device: torch.device, repeats: int, warmup: int = 3) -> list[float]:
-    """Wall-clock ms per call, the device synchronized around each call."""
+    """Wall-clock ms per call, the device synchronized around each call, warm-up calls included: an
+    engine that syncs after every step (mode d) must do so while warming up too, or its host runs
+    ahead of its GPU and the sidecar sees a different engine (run 139: at R=32 its pre-launch
+    cooldown then outlasted the warm-up)."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+        _sync(device)
     out = []
     for _ in range(repeats):
         t = time.perf_counter()

@@ -143,6 +143,7 @@ class Prelaunch:
         has, and their flags are exchanged); nothing is released here, `take` does what was agreed.
         """
         if self._watched is not None:  # the last cooldown step's word had not arrived by this ring: no evidence
+            log.debug("prelaunch: cooldown step %d: its word not seen before step %d rang", self._watched[0], seq)
             self._watched, self._on_time = None, 0
         if self.cooldown:
             now = time.perf_counter()
@@ -191,11 +192,14 @@ class Prelaunch:
         if self._watched is None:
             return
         seq, rung_at = self._watched
-        late = time.perf_counter() - rung_at > self.behind_s
+        waited = time.perf_counter() - rung_at
+        late = waited > self.behind_s
         if not self._word_reached(seq):
             if late:  # no need to see it land
+                log.debug("prelaunch: cooldown step %d: its word not there %.2f ms after the ring", seq, waited * 1e3)
                 self._watched, self._on_time = None, 0
             return
+        log.debug("prelaunch: cooldown step %d: its word seen %.2f ms after the ring", seq, waited * 1e3)
         # Seen now; it landed after the last look that missed it. The doorbell looks at the ring and
         # every few tens of us between steps, but not during one (a graph capture takes tens of ms):
         # seen only after behind_s, it was late or cannot be placed, and the count starts over.
