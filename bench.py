@@ -262,6 +262,7 @@ class Bench:
         self.sidecar_ns: list[tuple[int, int, int, int, bool]] = []
         self.engine_ns: list[tuple[int, int]] = []  # per data-plane step: fill + ring, ring -> answer
         self.gpu_ms: list[float] = []  # b/c: GPU time per replay (gpu_times), beside the wall-clock figure
+        self.mode_misses: int | None = None  # d/f/g: queued steps the sidecar released unused during the mode
         self.side = self.channel = self.bufs = self.bell = None
         if {"d", "e", "f", "g"} & set(bc.modes):
             self._connect()
@@ -333,7 +334,7 @@ class Bench:
         """ms per step of one mode, or why it did not run."""
         if mode == "a":
             return timeit(self._eager(REFERENCE_OPS, case), self.device, self.bc.repeats)
-        self.gpu_ms = []
+        self.gpu_ms, self.mode_misses = [], None
         if mode in ("b", "c", "g") and self.device.type != "cuda":
             return "n/a: needs a GPU"
         if mode in ("b", "c"):
@@ -348,19 +349,28 @@ class Bench:
             if not self.bc.engine_copy:  # written where the engine's embedding lookup would have put them
                 self._inputs = self.bufs.input_view(case.embeds.shape[0])
                 self._inputs.copy_(case.embeds)
+        if mode == "e":
+            return timeit(lambda: self._remote(mode, case), self.device, self.bc.repeats)
+        before = self._misses()
         if mode == "f":
-            return self._pipelined(case)
-        if mode == "g":
-            return self._ahead(case)
-        return timeit(lambda: self._remote(mode, case), self.device, self.bc.repeats,
-                      warmup=_settle_steps() if mode == "d" and self.device.type == "cuda" else 3)
+            out = self._pipelined(case)
+        elif mode == "g":
+            out = self._ahead(case)
+        else:
+            out = timeit(lambda: self._remote(mode, case), self.device, self.bc.repeats,
+                         warmup=_settle_steps() if self.device.type == "cuda" else 3)
+        self.mode_misses = self._misses() - before
+        return out
 
     def phase_fields(self, mode: str) -> dict:
         """Row fields of the last measure(mode): medians (us) of the timed steps' phases (warm-up excluded)."""
         if mode in ("b", "c"):
             return {"gpu_p50_ms": statistics.median(self.gpu_ms)} if self.gpu_ms else {}
         last = self.sidecar_ns[-self.bc.repeats:]
+        # Misses over the whole mode, warm-up included: queued steps released unused (server/prelaunch.py).
         share = {"prelaunched_share": sum(t[4] for t in last) / max(1, len(last))}
+        if self.mode_misses is not None:
+            share["prelaunch_misses"] = self.mode_misses
         if mode == "f":
             return share
         if mode not in ("d", "e", "g"):
@@ -375,6 +385,10 @@ class Bench:
             out |= {"engine_fill_p50_us": p50_us(self.engine_ns, 0), "ring_to_answer_p50_us": p50_us(self.engine_ns, 1),
                     **share}
         return out
+
+    def _misses(self) -> int:
+        """The sidecar's prelaunch_misses counter (GetStatus): queued steps it released unused."""
+        return self.stub.GetStatus(pb.GetStatusRequest(), timeout=10).counters.prelaunch_misses
 
     def close(self) -> None:
         if self.bell is not None:
@@ -456,6 +470,8 @@ def _fmt(row: dict) -> str:
         extra += f"  GPU time behind {row['lead_ms']:g} ms of engine work"
     if "prelaunched_share" in row:
         extra += f"  pre-launched {100 * row['prelaunched_share']:.0f}%"
+        if row.get("prelaunch_misses"):
+            extra += f" ({row['prelaunch_misses']} released unused)"
     return (f"{head}  p50 {row['p50_ms']:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  floor {row['floor_ms']:.3f} ms  "
             f"{row['x_floor']:6.2f}x floor  {xb}{extra}")
 

@@ -27,6 +27,8 @@ def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
             assert r["sidecar_host_p50_us"] > 0 and len(r["sidecar_queue_rendezvous_launch_p50_us"]) == 3
         if r["mode"] == "d":
             assert r["engine_fill_p50_us"] > 0 and r["ring_to_answer_p50_us"] > 0
+        if r["mode"] in ("d", "f"):  # the sidecar's counter, read around the mode (no pre-launch on a CPU)
+            assert r["prelaunch_misses"] == 0 and r["prelaunched_share"] == 0
 
 
 def test_mxfp8_weights_count_their_stored_bytes_in_the_floor(tmp_path):
