@@ -71,7 +71,7 @@ READY_TIMEOUT_S = 2.0  # a rung step whose metadata program has not run by then 
 # run 127); an engine that wants its host back sooner sets serve --prelaunch-behind-ms lower.
 BEHIND_S = ServeConfig.prelaunch_behind_ms / 1e3  # the serve flag's default, in seconds
 COOLDOWN, MAX_COOLDOWN = 256, 1 << 16
-ON_TIME = 8
+ON_TIME = 8  # cooldown steps in a row whose word was on time: the cooldown ends (watch)
 
 
 @dataclass
@@ -146,8 +146,7 @@ class Prelaunch:
             log.debug("prelaunch: cooldown step %d: its word not seen before step %d rang", self._watched[0], seq)
             self._watched, self._on_time = None, 0
         if self.cooldown:
-            now = time.perf_counter()
-            self._watched = (seq, now)
+            self._watched = (seq, time.perf_counter())
             self.watch()  # a synchronized engine's word is here before its ring
         graph = self.graphs.captured(step.inputs_embeds, step.num_reqs, step.kv.layers)
         self._served, self._queue_next = (seq, req.launch_key, step, graph), False
