@@ -104,16 +104,15 @@ class GpuWordOps:
         """
         if self.hip:
             return
-        cur = ctypes.c_void_p()
-        self._check(self._ctx_get, ctypes.byref(cur))
-        if cur.value and cur.value == self._ctx:
+        cur = self._current_context()
+        if cur and cur == self._ctx:
             return
-        if cur.value:  # torch's runtime (or the caller) made a context current: it must be this device's
+        if cur:  # torch's runtime (or the caller) made a context current: it must be this device's
             dev = ctypes.c_int()
             self._check(self._ctx_device, ctypes.byref(dev))
             if dev.value != self.device_index:
                 raise GpuWordError(f"this thread's CUDA context is device {dev.value}, not {self.device_index}")
-            self._ctx = cur.value
+            self._ctx = cur
         else:
             self._retain_primary()
 
@@ -128,11 +127,15 @@ class GpuWordOps:
         """
         if self.hip or getattr(self._thread, "has_context", False):
             return
-        cur = ctypes.c_void_p()
-        self._check(self._ctx_get, ctypes.byref(cur))
-        if not cur.value:  # a thread torch has not bound yet
+        if not self._current_context():  # a thread torch has not bound yet
             self._retain_primary()
         self._thread.has_context = True
+
+    def _current_context(self) -> int | None:
+        """The calling thread's current CUDA context handle, None when it has none."""
+        cur = ctypes.c_void_p()
+        self._check(self._ctx_get, ctypes.byref(cur))
+        return cur.value
 
     def _retain_primary(self) -> None:
         ctx = ctypes.c_void_p()
