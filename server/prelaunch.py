@@ -6,10 +6,15 @@ and graph launch), and on a real host each CUDA call at the start of a step cost
 times its tight-loop figure. Here the sidecar queues step s+1 right after answering step s,
 assuming the same layout (an engine repeats its batch shape step after step):
 
+    expected word := (s+1) << 32 | key (a stream memory write: what the program compares with)
     wait until word >= (s+1) << 32   (proto/gpu_word.py: a stream memory operation)
     staging copy                     (step_meta.Staging: the word and the engine's region, to the device)
     metadata program                 (kernels/triton/step_meta.py: reads that copy, checks it)
     graph replay                     (graphs.py: the in-place graph of this layout's R)
+
+The staging copy and the program are the same launches for every step of a layout, so from the
+layout's second queued step on they are one captured CUDA graph: launched from Python they cost
+the sidecar's host 125-165 us per step on an H200's host (BENCHMARKS.md run 145), a replay ~10.
 
 The engine's stream writes word = (s+1) << 32 | launch_key right after its input copies, so
 the GPU starts the step with neither host on the path. The host path still runs in full when
@@ -100,12 +105,16 @@ class Prelaunch:
         behind_s: the cooldown's threshold (serve --prelaunch-behind-ms)."""
         self.ops, self.page, self.graphs, self.window, self._count = ops, page, graphs, window, count
         self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
-        self._capture = capture or _capture_graph
+        self._capture = capture or (_capture_graph if torch.device(device).type == "cuda" else _uncaptured)
         if staging is None and torch.device(device).type == "cuda":
             staging = Staging(device)
         self._staging = staging
         self.behind_s = behind_s
         self._agreements: dict[tuple, tuple] = {}  # (R, slot input's address) -> (that view, replay of exchange + gate)
+        # The metadata launches of a layout (see _metadata): key -> (what their addresses belong to, replay or None)
+        self._metas: dict[tuple, tuple] = {}
+        # The program's expected word, written on the stream ahead of each queued step (int64 [1]).
+        self._expect = torch.zeros(1, dtype=torch.int64, device=device)
         self._dev_flags = None
         if exchange is not None:  # the program's flags before the exchange: the device's own memory
             self._dev_flags = torch.zeros(max_reqs, dtype=torch.int32, device=device)
@@ -280,15 +289,12 @@ class Prelaunch:
         stream = self.graphs.stream
         self._flag_host[: step.num_reqs] = 0
         agree = self._agreement(graph, step.num_reqs) if self._exchange is not None else None
+        metadata = self._metadata(step, graph, sources, agree is not None)  # captured before the wait is queued
+        # Ahead of the wait, in stream order after the last program that read the previous value.
+        self.ops.write(stream.cuda_stream, self._expect.data_ptr(), bell.gpu_word(seq, key))
         self.ops.wait_geq(stream.cuda_stream, self._word.address, bell.gpu_word(seq, 0))
         try:
-            word, src = self._word, tuple(ptr for ptr, _, _ in sources)
-            if self._staging is not None:  # copied once after the wait, then read on the device
-                word, src = self._staging.stage(self._word, sources)
-            self._program(word, bell.gpu_word(seq, key), src, graph.views,
-                          self._flag if agree is None else self._dev_flags,
-                          num_reqs=step.num_reqs, width=step.meta.block_tables.shape[1],
-                          page_size=step.kv.page_size, window=self.window, num_pages=step.kv.num_pages)
+            metadata()
             if agree is not None:
                 agree()  # every rank's flags, MAX; the gate writes them to the host's page
             self._ready.record(stream)
@@ -299,6 +305,43 @@ class Prelaunch:
             self._pass(seq)  # the wait is queued: pass it, or the stream stays blocked behind a step nobody runs
             raise
         self.queued = _Queued(seq, key, step.positions, graph, done)
+
+    def _metadata(self, step: Step, graph, sources: list, exchanged: bool):
+        """The staging copy and the program for this layout, as one call.
+
+        Every argument but the expected word (read from `_expect`) is an address or a shape fixed by
+        the layout, so the launches are captured once and replayed. The first time a layout is queued
+        they run as they are, which compiles them and keeps a one-off layout from costing a capture;
+        the second time they are captured, before the wait is queued (a capture synchronizes the
+        device, and the stream must not be blocked then). An entry holds what its addresses belong to
+        (the graph's static inputs, the staging buffer, the engine's region views), so none is reused
+        under its key while the entry lives."""
+        flag = self._dev_flags if exchanged else self._flag
+        kw = dict(num_reqs=step.num_reqs, width=step.meta.block_tables.shape[1], page_size=step.kv.page_size,
+                  window=self.window, num_pages=step.kv.num_pages)
+
+        def run_metadata() -> None:
+            word, src = self._word, tuple(ptr for ptr, _, _ in sources)
+            if self._staging is not None:  # copied once after the wait, then read on the device
+                word, src = self._staging.stage(self._word, sources)
+            self._program(word, self._expect, src, graph.views, flag, **kw)
+
+        where = tuple((ptr.address, nbytes, region) for ptr, nbytes, region in sources)
+        key = (where, tuple(v.data_ptr() for v in graph.views), exchanged, *kw.values())
+        if self._staging is not None:
+            self._staging.reserve(sources)  # the buffer the capture bakes in: grown first, never after
+            key += (self._staging.buf.data_ptr(),)
+        entry = self._metas.get(key)
+        if entry is not None and entry[1] is not None:
+            return entry[1]
+        if entry is None:  # first sight
+            if len(self._metas) >= 64:  # layouts gone (a rebind drops their graphs)
+                self._metas.clear()
+            self._metas[key] = ((graph.views, step.positions, self._staging and self._staging.buf), None)
+            return run_metadata
+        replay = self._capture(run_metadata)
+        self._metas[key] = (entry[0], replay)
+        return replay
 
     def _agreement(self, graph, R: int):
         """The replay of [all-reduce MAX of the R flags, gate] for this step graph's slot input, captured
@@ -378,6 +421,11 @@ class StepHook:
 
     def take(self, queued: bool, queue_next: bool) -> torch.Tensor | None:
         return self.pl.take(queued, queue_next)
+
+
+def _uncaptured(fn):
+    """Off CUDA (tests' CPU stand-ins): the function itself is its replay."""
+    return fn
 
 
 def _capture_graph(fn):

@@ -37,14 +37,14 @@ _RAN, _NOT_RUNG, _INVALID = tl.constexpr(FLAG_RAN), tl.constexpr(FLAG_NOT_RUNG),
 
 
 @triton.jit
-def _step_meta(word_ptr, expect, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
+def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
                pos_out, rel_out, slot_out, lens_out, tab_out, flag_ptr,
                page_size, span, num_pages, width, WW,
                Q: tl.constexpr, Q_PAD: tl.constexpr, WW_PAD: tl.constexpr):
     """Program r: request r's rows and window. One program per request, so the reads across PCIe
     (up to ~260 table entries per request at a 4096 window) go out from R SMs at once."""
     r = tl.program_id(0)
-    rung = tl.load(word_ptr, volatile=True) == expect
+    rung = tl.load(word_ptr, volatile=True) == tl.load(expect_ptr)
     j = tl.arange(0, Q_PAD)
     m = j < Q
     # Host memory the engine rewrites between steps: volatile, never from a stale cache line.
@@ -120,21 +120,7 @@ class Staging:
         """word: the GPU word's device address. sources: per program source (its device address, bytes,
         (device address, bytes) of the page-aligned, page-rounded registration it lies in).
         Returns (word, src) for step_meta: the same values as flat tensors in device memory."""
-        block = STAGE_WORDS * 8
-        spans: dict[tuple[int, int], tuple[int, int]] = {}  # registration -> [lo, hi) of the bytes read there
-        for ptr, nbytes, region in sources:
-            lo, hi = spans.get(region, (ptr.address, ptr.address + nbytes))
-            spans[region] = (min(lo, ptr.address), max(hi, ptr.address + nbytes))
-        plan, total = {}, 0  # registration -> (start of the copy, blocks, offset in buf in bytes)
-        for (base, size), (lo, hi) in spans.items():
-            start = base + (lo - base) // block * block  # whole blocks from the registration's page-aligned base:
-            blocks = -(-(hi - start) // block)  # they end at most at hi rounded up to a page, inside it
-            if not (base <= lo and hi <= base + size and start + blocks * block <= base + size):
-                raise ValueError(f"source bytes [{lo:#x}, {hi:#x}) are not inside their registration")
-            plan[(base, size)] = (start, blocks, total)
-            total += blocks * block
-        if self.buf.numel() * 8 < total:
-            self.buf = torch.zeros(total // 8, dtype=torch.int64, device=self.device)
+        plan = self.reserve(sources)
         for start, blocks, off in plan.values():
             self._launch(DevicePointer(start, torch.int64), self.buf[off // 8 :], blocks, word, self.word)
         raw = self.buf.view(torch.uint8)
@@ -145,12 +131,34 @@ class Staging:
             src.append(raw[at : at + nbytes].view(ptr.dtype))
         return self.word, tuple(src)
 
+    def reserve(self, sources: list[tuple[DevicePointer, int, tuple[int, int]]]) -> dict:
+        """Grow the buffer to what staging `sources` needs (a captured copy keeps the buffer it saw).
+        Returns the plan: registration -> (start of the copy, blocks, offset in the buffer in bytes)."""
+        block = STAGE_WORDS * 8
+        spans: dict[tuple[int, int], tuple[int, int]] = {}  # registration -> [lo, hi) of the bytes read there
+        for ptr, nbytes, region in sources:
+            lo, hi = spans.get(region, (ptr.address, ptr.address + nbytes))
+            spans[region] = (min(lo, ptr.address), max(hi, ptr.address + nbytes))
+        plan, total = {}, 0
+        for (base, size), (lo, hi) in spans.items():
+            start = base + (lo - base) // block * block  # whole blocks from the registration's page-aligned base:
+            blocks = -(-(hi - start) // block)  # they end at most at hi rounded up to a page, inside it
+            if not (base <= lo and hi <= base + size and start + blocks * block <= base + size):
+                raise ValueError(f"source bytes [{lo:#x}, {hi:#x}) are not inside their registration")
+            plan[(base, size)] = (start, blocks, total)
+            total += blocks * block
+        if self.buf.numel() * 8 < total:
+            self.buf = torch.zeros(total // 8, dtype=torch.int64, device=self.device)
+        return plan
+
 
 def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int, width: int, page_size: int,
               window: int, num_pages: int) -> None:
     """Queue the program on the current stream: R programs, one per request.
 
-    word: int64 [1] (the doorbell's GPU word); expect: the word's value for this step (uint64).
+    word: int64 [1] (the doorbell's GPU word). expect: int64 [1] on the device, the word's value for
+    this step (`signed64`), read when the program runs: the sidecar writes it on its stream ahead of
+    each queued step, so one captured launch serves every step of a layout (server/prelaunch.py).
     src: the engine's positions int64 [n], seq_lens int32 [R], block_tables int32 [R, width],
     slots int64 [n], as tensors or proto.gpu_word.DevicePointer.
     out: the graph's positions, rel positions, slots int64 [n], lens int32 [R], tables int32 [R, ww].
@@ -158,7 +166,7 @@ def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int
     """
     q = layout.QPR
     ww = out[4].shape[1]
-    _step_meta[(num_reqs,)](word, signed64(expect), *src, *out, flags, page_size, window + q - 1, num_pages, width,
+    _step_meta[(num_reqs,)](word, expect, *src, *out, flags, page_size, window + q - 1, num_pages, width,
                             ww, Q=q, Q_PAD=triton.next_power_of_2(q), WW_PAD=triton.next_power_of_2(ww))
 
 

@@ -59,6 +59,8 @@ class Gpu:
         self.copies: list = []  # staged copies queued before the program (staged rigs)
         self.then: list = []  # TP > 1: the flags' exchange and gate, replayed after the program (capture)
         self.hold_until = 0.0  # perf_counter time before which the copy has not started (a late peer)
+        self.writes: list = []  # stream writes: the program's expected word, ahead of each queued step
+        self.word_addr = 0  # the doorbell's GPU word (set by the rig): never written from the sidecar's stream
 
     def register(self, ptr, nbytes):
         self.registered.append(ptr)
@@ -67,14 +69,17 @@ class Gpu:
     def unregister(self, ptr):
         self.unregistered.append(ptr)
 
-    def write(self, *args):
-        raise AssertionError("the sidecar stores its release word from the host, never from its stream")
+    def write(self, stream, addr, value):
+        assert addr != self.word_addr, "the sidecar stores its release word from the host, never from its stream"
+        self.writes.append((stream, addr, value))
+        ctypes.c_uint64.from_address(addr).value = value  # queued ahead of the wait: in place by the program
 
     def wait_geq(self, stream, addr, value):
         self.waits.append((stream, addr, value))
 
     def program(self, word, expect, src, out, flag, **kw):
-        self.programs.append((word, expect, src, out, flag, kw))
+        # expect: the device's int64 [1] the stream wrote; the value the program sees when it runs.
+        self.programs.append((word, int(expect[0]) % (1 << 64), src, out, flag, kw))
 
     def stage(self, src, dst, blocks, word_src, word_dst):
         """Staging.stage's copy, done when the program runs (after the wait), as the stream would."""
@@ -185,19 +190,23 @@ def rig(world, staged):
     base = np.frombuffer(page_buf, np.uint8).ctypes.data
     # TP 2: the peer's flags for the queued step (set by a test), MAX-ed in by the exchange.
     peer = torch.full((len(LENS),), FLAG_RAN, dtype=torch.int32)
-    captures = []
+    captures, meta_captures = [], []
 
-    def capture(fn):  # the exchange + gate "graph": replayed with the program, when the word passes
-        captures.append(fn)
+    def capture(fn):
+        if fn.__name__ == "run_metadata":  # the staging copy and the program: each replay queues them again
+            meta_captures.append(fn)
+            return fn
+        captures.append(fn)  # the exchange + gate "graph": replayed with the program, when the word passes
         return lambda: gpu.then.append(fn)
 
-    extra = {} if world == 1 else dict(exchange=lambda t: torch.maximum(t, peer[: t.numel()], out=t), gate=_gate,
-                                       capture=capture, max_reqs=len(LENS))
+    extra = dict(capture=capture) if world == 1 else dict(
+        exchange=lambda t: torch.maximum(t, peer[: t.numel()], out=t), gate=_gate, capture=capture, max_reqs=len(LENS))
     if staged:
         extra["staging"] = Staging("cpu", launch=gpu.stage)
     pl = prelaunch.Prelaunch(gpu, page, base, graphs, WINDOW, event=lambda: Event(gpu), program=gpu.program, **extra)
-    return SimpleNamespace(pl=pl, gpu=gpu, graphs=graphs, page=page, a=a, b=b, word_addr=base + bell.GPU_WORD_OFFSET,
-                           peer=peer, captures=captures, world=world, staged=staged)
+    gpu.word_addr = base + bell.GPU_WORD_OFFSET
+    return SimpleNamespace(pl=pl, gpu=gpu, graphs=graphs, page=page, a=a, b=b, word_addr=gpu.word_addr,
+                           peer=peer, captures=captures, meta_captures=meta_captures, world=world, staged=staged)
 
 
 def _req(key=KEY):
@@ -248,6 +257,27 @@ def test_queues_after_a_streak(rig):
     assert out is rig.graphs.graph.views
     assert kw == dict(num_reqs=2, width=a.meta.block_tables.shape[1], page_size=PAGE, window=WINDOW, num_pages=PAGES)
     assert rig.graphs.replays == 1 and rig.pl.queued.seq == SEQ + 2 and rig.pl.queued.done.recorded == 1
+    # The expected word went ahead of the wait, into the device word the program reads.
+    assert rig.gpu.writes == [(0, rig.pl._expect.data_ptr(), bell.gpu_word(SEQ + 2, KEY))]
+
+
+def test_metadata_launches_are_captured_at_a_layout_s_second_queue(rig):
+    """First queue of a layout: the staging copy and the program run as they are (compiled, no capture
+    for a one-off layout); second: captured before the wait; from then on replayed, never captured again.
+    Every step still gets its own program run with its own expected word."""
+    _queue(rig)
+    assert rig.meta_captures == []
+    for s in (SEQ + 2, SEQ + 3, SEQ + 4):
+        rig.page.words[bell.GPU_WORD] = bell.gpu_word(s, KEY)
+        assert _serve(rig, s) is rig.graphs.graph.out
+        assert len(rig.meta_captures) == 1 and rig.pl.queued.seq == s + 1
+    assert [w[2] for w in rig.gpu.writes] == [bell.gpu_word(s, KEY) for s in range(SEQ + 2, SEQ + 6)]
+    assert [p[1] for p in rig.gpu.programs] == [bell.gpu_word(s, KEY) for s in range(SEQ + 2, SEQ + 6)]
+    assert rig.gpu.flags[-1].tolist() == [FLAG_RAN] * len(LENS)
+    # Another layout (its own region views): a key of its own, first run directly again.
+    _serve(rig, SEQ + 5, step=rig.b)
+    _serve(rig, SEQ + 6, step=rig.b)
+    assert len(rig.meta_captures) == 1 and rig.pl.queued.seq == SEQ + 7
 
 
 def test_hit_returns_the_queued_output(rig):

@@ -46,7 +46,7 @@ def _run(device, word: int, expect: int, P, L, T, S, pages):
            torch.full((R, ww), 99, dtype=torch.int32, device=dev))
     flag = torch.zeros(R, dtype=torch.int32, device=dev)
     w = torch.tensor([sm.signed64(word)], dtype=torch.int64, device=dev)
-    sm.step_meta(w, expect, src, out, flag, num_reqs=R, width=T.shape[1], page_size=PAGE, window=WINDOW,
+    sm.step_meta(w, torch.tensor([sm.signed64(expect)], device=dev), src, out, flag, num_reqs=R, width=T.shape[1], page_size=PAGE, window=WINDOW,
                  num_pages=pages)
     return tuple(t.cpu().numpy() for t in out) + (flag.cpu().numpy(),)
 
@@ -197,7 +197,7 @@ def test_staged_sources_give_what_the_program_reads_in_place(device, lens):
         out = tuple(torch.full((n,), 99, dtype=torch.int64, device=dev) for _ in range(3)) + (
             torch.full((R,), 99, dtype=torch.int32, device=dev), torch.full((R, ww), 99, dtype=torch.int32, device=dev))
         flag = torch.zeros(R, dtype=torch.int32, device=dev)
-        sm.step_meta(word, word_value, src, out, flag, num_reqs=R, width=T.shape[1], page_size=PAGE, window=WINDOW,
+        sm.step_meta(word, torch.tensor([sm.signed64(word_value)], device=dev), src, out, flag, num_reqs=R, width=T.shape[1], page_size=PAGE, window=WINDOW,
                      num_pages=pages)
         _check(tuple(t.cpu().numpy() for t in out) + (flag.cpu().numpy(),), want)
     finally:
