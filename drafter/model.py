@@ -79,12 +79,14 @@ class DecoderLayer(nn.Module):
         return k, v.reshape(-1, self.kv_heads, d)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: StepMetadata, kv_layer: torch.Tensor, x_is_scratch: bool = False, lane: int = 0) -> torch.Tensor:
+                meta: StepMetadata, kv_layer: torch.Tensor, x_is_scratch: bool = False, lane: int = 0,
+                concurrent: int = 1) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden]; writes this launch's block K/V into kv_layer at the slots.
 
         The residual sums are written over their dead inputs (Ops.linear's accumulate): h over x
         when x_is_scratch (not the caller's tensor), the output over h always. `lane`: the
-        exchange lane that sums the two row-parallel outputs (ParallelContext.lanes).
+        exchange lane that sums the two row-parallel outputs (ParallelContext.lanes). `concurrent`:
+        launch groups running at once, side by side (the attention splits for its share of the SMs).
 
         `positions`/`meta` address the attention; they may be window-relative (see
         `window_metadata`): only differences of positions and the slots' pages matter there,
@@ -96,7 +98,7 @@ class DecoderLayer(nn.Module):
                                  self.q_heads, self.kv_heads)
         attn = ops.paged_window_attention(q, kv_layer, positions, meta.seq_lens, meta.block_tables,
                                           layout.QPR, cfg.sliding_window, cfg.attn_scale,
-                                          cooperative=self.attn_cooperative)
+                                          cooperative=self.attn_cooperative, concurrent=concurrent)
         h = self.o_proj(attn.reshape(-1, self.q_local), residual=x, accumulate=x_is_scratch, lane=lane)
         act = ops.norm_linear_swiglu(h, self.post_attention_layernorm.weight, cfg.rms_norm_eps,
                                      self.gate_up_proj.weight, cfg.swiglu_alpha, cfg.swiglu_limit)
@@ -167,17 +169,19 @@ class DSparkDrafter(nn.Module):
     @torch.no_grad()
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
                 kv_caches: list[torch.Tensor], attn: tuple[torch.Tensor, StepMetadata] | None = None,
-                lane: int = 0) -> torch.Tensor:
+                lane: int = 0, concurrent: int = 1) -> torch.Tensor:
         """One launch: inputs_embeds [n, hidden], positions int64 [n] -> final-normed hidden [n, hidden].
 
         attn: optional window-relative (positions, metadata) for the attention (static shapes for
-        CUDA graphs); by default the absolute ones. lane: the exchange lane of the partial sums."""
+        CUDA graphs); by default the absolute ones. lane: the exchange lane of the partial sums.
+        concurrent: launches running at once beside this one (DecoderLayer.forward)."""
         cos, sin = self._rope(positions)
         a_pos, a_meta = attn if attn is not None else (positions, meta)
         a_meta = StepMetadata(a_meta.seq_lens, a_meta.block_tables, meta.slot_mapping)
         x = inputs_embeds.to(self.dtype)
         for layer, kv_layer in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, a_pos, cos, sin, a_meta, kv_layer, x_is_scratch=x is not inputs_embeds, lane=lane)
+            x = layer(x, a_pos, cos, sin, a_meta, kv_layer, x_is_scratch=x is not inputs_embeds, lane=lane,
+                      concurrent=concurrent)
         return self.ops.rms_norm(x, self.final_norm.weight, self.cfg.rms_norm_eps)
 
     @torch.no_grad()
@@ -195,9 +199,10 @@ class DSparkDrafter(nn.Module):
         q = layout.QPR
         groups = layout.launch_groups(meta.num_reqs, launch_reqs)
 
-        def group(s: int, e: int, lane: int = 0) -> torch.Tensor:
+        def group(s: int, e: int, lane: int = 0, concurrent: int = 1) -> torch.Tensor:
             return self.forward(inputs_embeds[s * q : e * q], positions[s * q : e * q], meta.requests(s, e), kv_caches,
-                                None if attn is None else (attn[0][s * q : e * q], attn[1].requests(s, e)), lane=lane)
+                                None if attn is None else (attn[0][s * q : e * q], attn[1].requests(s, e)), lane=lane,
+                                concurrent=concurrent)
 
         if len(streams) > self.par.num_lanes and not self.par.local:
             raise ValueError(f"draft_step: launch groups on {len(streams)} streams need TP 1 or an exchange lane per "
@@ -213,10 +218,15 @@ class DSparkDrafter(nn.Module):
         """Each launch group on its own stream, forked from the current stream and joined back to it.
 
         The groups are independent (their own requests' rows, K/V windows and slots), so each runs
-        the same kernels on the same inputs as in sequence: the same bits. Side by side, one group's
+        the same operations on the same inputs as in sequence. Side by side, one group's
         latency-bound attention and small kernels overlap another's weight streaming, and groups at
         the same layer read its weights from L2 rather than HBM (R=32 on an H200: 1.72 -> 1.24 ms,
-        BENCHMARKS.md runs 106-107). In a CUDA graph capture the fork and join become graph edges.
+        BENCHMARKS.md runs 106-107). Each group's attention is told how many groups run at once, so
+        that it splits its keys for its share of the SMs and the groups' grids fit on the GPU
+        together (1.23 -> 1.07 ms, run 149). Where that changes the split count (long windows), the
+        merge of the splits associates differently from in order, within the attention's bound;
+        otherwise the bits are those of in order. In a CUDA graph capture the fork and join become
+        graph edges.
         """
         main = torch.cuda.current_stream(self.device)
         used = list(streams[: len(groups)])
@@ -226,7 +236,7 @@ class DSparkDrafter(nn.Module):
         for i, (s, e) in enumerate(groups):
             j = i % len(used)  # stream j's groups sum their partials through exchange lane j
             with torch.cuda.stream(used[j]):
-                outs.append(group(s, e, lane=j))
+                outs.append(group(s, e, lane=j, concurrent=len(used)))
         for st in used:
             main.wait_stream(st)
         if not torch.cuda.is_current_stream_capturing():

@@ -111,6 +111,7 @@ def paged_window_attention(
     window: int,
     scale: float,
     cooperative: bool = True,
+    concurrent: int = 1,
 ) -> torch.Tensor:
     """Sliding-window attention of each request's block rows over its paged K/V, non-causal in the block.
 
@@ -119,8 +120,10 @@ def paged_window_attention(
     block_tables int32 [R, max_pages]. The row at position p sees every key at positions
     max(0, p - (window-1)) .. seq_len-1: the window's left edge differs per row, and there is no
     causal mask inside the block. Scores and softmax in fp32 -> [n, q_heads, d] in q.dtype.
-    `cooperative=False` forbids a GPU backend grid-wide waits (see DecoderLayer); it never changes
-    the result beyond the backend's bound, and the reference has none.
+    `cooperative=False` forbids a GPU backend grid-wide waits (see DecoderLayer), and `concurrent`
+    says how many such launches run at once on other streams (a step's launch groups side by side),
+    so that a GPU backend sizes its grid for its share of the SMs. Neither changes the result beyond
+    the backend's bound, and the reference has no grid.
     """
     n, hq, d = q.shape
     page_size, hk = kv_layer.shape[2], kv_layer.shape[3]
@@ -197,6 +200,7 @@ def paged_window_attention_static(
     window: int,
     scale: float,
     cooperative: bool = True,
+    concurrent: int = 1,
 ) -> torch.Tensor:
     """`paged_window_attention` with shapes fixed by the inputs' shapes alone (no host reads), so a
     CUDA graph can capture it: every request gathers the same number of keys,

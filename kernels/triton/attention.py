@@ -256,8 +256,8 @@ def num_splits(num_reqs: int, kv_heads: int, max_keys: int, sms: int, block_n: i
 
 def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, rows_per_req: int,
-                           window: int, scale: float, cooperative: bool = True, splits: int | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           window: int, scale: float, cooperative: bool = True, concurrent: int = 1,
+                           splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """q [n, hq, d], kv_layer [2, pages, page_size, hk, d], positions int64 [n], seq_lens int32 [R],
     block_tables int32 [R, max_pages] -> [n, hq, d] in q.dtype (the reference's contract).
 
@@ -265,7 +265,12 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
     whose grid must be resident all at once (DecoderLayer: not beside collectives that spin on peers).
 
     `splits` defaults from the largest key range the shapes allow: window + rows - 1 keys
-    (rows at P..P+6, seq_len P + 7), capped by the block table's pages.
+    (rows at P..P+6, seq_len P + 7), capped by the block table's pages, and from this launch's
+    share of the SMs: `concurrent` launches at once (a step's launch groups side by side) each
+    split for 1/concurrent of them. Split for every SM, each group's grid fills the GPU (128
+    programs at R = 8), so cooperative grids on other streams cannot be resident beside it and the
+    groups' attentions run one after another: at R = 32 on four streams, splitting for a quarter
+    of the SMs took the step from 1.23 to 1.07 ms at a 4096 context (BENCHMARKS.md run 149).
     """
     check_device(q, kv_layer)
     n, hq, d = q.shape
@@ -279,7 +284,7 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
         return out
     bn = block_n or BLOCK_N
     max_keys = min(window + rows_per_req - 1, block_tables.shape[1] * page_size)
-    sp = splits or num_splits(r, hk, max_keys, sms_of(q), bn)
+    sp = splits or num_splits(r, hk, max_keys, max(1, sms_of(q) // max(1, concurrent)), bn)
     bm = max(16, triton.next_power_of_2(rows_per_req * group))
     bd = max(16, triton.next_power_of_2(d))
     if sp > 1:

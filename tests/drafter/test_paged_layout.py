@@ -84,10 +84,11 @@ def test_launch_grouping_r17_three_launches_equal_unsplit(tiny_cfg, tiny_ckpt, t
     launches: list[int] = []
     forward = model.forward
 
-    def counting(embeds, positions, meta: StepMetadata, caches, attn=None, lane=0):
+    def counting(embeds, positions, meta: StepMetadata, caches, attn=None, lane=0, concurrent=1):
         launches.append(meta.num_reqs)
-        assert lane == 0  # in order: every group sums through the step's own exchange
-        return forward(embeds, positions, meta, caches, attn, lane=lane)
+        # In order: every group sums through the step's own exchange, and runs alone on the GPU.
+        assert lane == 0 and concurrent == 1
+        return forward(embeds, positions, meta, caches, attn, lane=lane, concurrent=concurrent)
 
     monkeypatch.setattr(model, "forward", counting)
     grouped = model.draft_step(step.inputs_embeds, step.positions, step.meta, kv)

@@ -88,6 +88,31 @@ def test_num_splits_covers_an_h200():
     assert s1 >= 16 and s1 & (s1 - 1) == 0
     assert 8 * s8 <= 132 * attention.PROGRAMS_PER_SM and s8 >= 8
     assert attention.num_splits(64, 4, 50, 132) == 1
+    # A group of 8 beside three others (R=32 on four streams) splits for a quarter of the SMs: 32
+    # programs, so four groups' grids fit on the GPU at once (BENCHMARKS.md run 149).
+    assert attention.num_splits(8, 1, 4096 + Q - 1, 132 // 4) == 4
+
+
+def test_a_launch_beside_others_splits_for_its_share_of_the_sms(device, monkeypatch):
+    """`concurrent` launches at once: the split count is chosen for 1/concurrent of the SMs; the
+    result stays the reference's."""
+    q, kv, positions, seq_lens, tables, window, scale = _step([40, 200], 4, 1, 16, 16, 256, torch.float32,
+                                                              device, seed=5)
+    seen = []
+    real = attention.num_splits
+
+    def num_splits(r, hk, max_keys, sms, *args, **kw):
+        seen.append(sms)
+        return real(r, hk, max_keys, sms, *args, **kw)
+
+    monkeypatch.setattr(attention, "num_splits", num_splits)
+    ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
+    for concurrent in (1, 3):
+        out = attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale,
+                                               concurrent=concurrent, block_n=16)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)  # fp32 throughout: reassociation only
+    full = attention.sms_of(q)
+    assert seen == [full, max(1, full // 3)]
 
 
 @pytest.mark.gpu

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -97,5 +99,17 @@ def test_launch_groups_side_by_side_give_the_same_bits(cuda, tiny_cfg, tiny_ckpt
     model.commit_context(taps, pos.to(cuda), slots.to(cuda), kv0)
     embeds, positions, meta = step.inputs_embeds.to(cuda, torch.bfloat16), step.positions.to(cuda), step.meta.to(cuda)
     streams = [torch.cuda.Stream(cuda) for _ in range(2)]
+    concurrent = []  # what each attention launch was told: groups at once beside it
+
+    def attention(*args, concurrent_=concurrent, **kw):
+        concurrent_.append(kw.get("concurrent", 1))
+        return TRITON_OPS.paged_window_attention(*args, **kw)
+
+    model.set_ops(dataclasses.replace(TRITON_OPS, paged_window_attention=attention))
     got = side_by_side_against_in_order(model, embeds, positions, meta, kv0, streams)
     assert got["eager"] and got["graph"] and all(got["kv"]), got
+    # In order: alone (3 groups x 5 layers); then twice side by side (eager, capture warm-up and
+    # capture): two streams in use, each group's attention splits for half the SMs. At the tiny
+    # model's short windows that is one split either way, hence the same bits.
+    layers = tiny_cfg.num_hidden_layers
+    assert concurrent == [1] * 3 * layers + [2] * 3 * 3 * layers
