@@ -228,3 +228,27 @@ def test_staging_copies_whole_blocks_inside_each_registration():
     with pytest.raises(ValueError, match="not inside their registration"):
         staging.stage(word, [(DevicePointer(b[0] + page - 8, torch.int64), 16, b)])
     assert len(launches) == 2
+
+
+def test_staging_reserve_grows_the_buffer_before_a_capture_bakes_it_in():
+    """`reserve` grows the buffer to what the sources need and returns stage's plan; a stage of the
+    same sources after it copies into that very buffer (a captured copy keeps the address it saw),
+    and a smaller layout later reuses it; only a larger one makes a new buffer."""
+    launches = []
+
+    def launch(src, dst, blocks, word_src, word_dst):
+        launches.append((src.address, blocks, dst.data_ptr()))
+
+    block, page = sm.STAGE_WORDS * 8, mmap.PAGESIZE
+    reg = (0x7F00_0000_0000, 4 * page)
+    small = [(DevicePointer(reg[0] + 8, torch.int64), 56, reg)]
+    large = [(DevicePointer(reg[0] + 8, torch.int64), 56, reg), (DevicePointer(reg[0] + 3 * block, torch.int32), 900, reg)]
+    staging = sm.Staging("cpu", launch=launch)
+    plan = staging.reserve(large)
+    assert plan == {reg: (reg[0], 4, 0)} and staging.buf.numel() * 8 == 4 * block
+    before = staging.buf.data_ptr()
+    staging.stage(DevicePointer(0x1000, torch.int64), large)
+    staging.stage(DevicePointer(0x1000, torch.int64), small)
+    assert staging.buf.data_ptr() == before and [d for _, _, d in launches] == [before, before]
+    staging.reserve(large + [(DevicePointer(reg[0] + 3 * page, torch.int64), 8, reg)])
+    assert staging.buf.data_ptr() != before and staging.buf.numel() * 8 == -(-(3 * page + 8) // block) * block
