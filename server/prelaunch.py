@@ -337,7 +337,9 @@ class Prelaunch:
         if entry is None:  # first sight
             if len(self._metas) >= 64:  # layouts gone (a rebind drops their graphs)
                 self._metas.clear()
-            self._metas[key] = ((graph.views, step.positions, self._staging and self._staging.buf), None)
+            held = (graph.views, step.positions, step.meta.seq_lens, step.meta.block_tables, step.meta.slot_mapping,
+                    self._staging and self._staging.buf)
+            self._metas[key] = (held, None)
             return run_metadata
         replay = self._capture(run_metadata)
         self._metas[key] = (entry[0], replay)
