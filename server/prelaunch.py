@@ -314,11 +314,17 @@ class Prelaunch:
         they run as they are, which compiles them and keeps a one-off layout from costing a capture;
         the second time they are captured, before the wait is queued (a capture synchronizes the
         device, and the stream must not be blocked then). An entry holds what its addresses belong to
-        (the graph's static inputs, the staging buffer, the engine's region views), so none is reused
-        under its key while the entry lives."""
+        (the graph's static inputs, the engine's region views and, once captured, the staging buffer
+        the capture copies into), so none is reused under its key while the entry lives; a buffer
+        grown later for another layout leaves the captured copy and its program on the old one."""
         flag = self._dev_flags if exchanged else self._flag
         kw = dict(num_reqs=step.num_reqs, width=step.meta.block_tables.shape[1], page_size=step.kv.page_size,
                   window=self.window, num_pages=step.kv.num_pages)
+        key = (tuple((ptr.address, nbytes, region) for ptr, nbytes, region in sources),
+               tuple(v.data_ptr() for v in graph.views), exchanged, *kw.values())
+        entry = self._metas.get(key)
+        if entry is not None and entry[1] is not None:
+            return entry[1]
 
         def run_metadata() -> None:
             word, src = self._word, tuple(ptr for ptr, _, _ in sources)
@@ -326,23 +332,18 @@ class Prelaunch:
                 word, src = self._staging.stage(self._word, sources)
             self._program(word, self._expect, src, graph.views, flag, **kw)
 
-        where = tuple((ptr.address, nbytes, region) for ptr, nbytes, region in sources)
-        key = (where, tuple(v.data_ptr() for v in graph.views), exchanged, *kw.values())
-        if self._staging is not None:
-            self._staging.reserve(sources)  # the buffer the capture bakes in: grown first, never after
-            key += (self._staging.buf.data_ptr(),)
-        entry = self._metas.get(key)
-        if entry is not None and entry[1] is not None:
-            return entry[1]
         if entry is None:  # first sight
             if len(self._metas) >= 64:  # layouts gone (a rebind drops their graphs)
                 self._metas.clear()
-            held = (graph.views, step.positions, step.meta.seq_lens, step.meta.block_tables, step.meta.slot_mapping,
-                    self._staging and self._staging.buf)
-            self._metas[key] = (held, None)
+            self._metas[key] = ((graph.views, step.positions, step.meta.seq_lens, step.meta.block_tables,
+                                 step.meta.slot_mapping), None)
             return run_metadata
+        held = entry[0]
+        if self._staging is not None:  # grown before the capture, which must not allocate: the buffer it bakes in
+            self._staging.reserve(sources)
+            held += (self._staging.buf,)
         replay = self._capture(run_metadata)
-        self._metas[key] = (entry[0], replay)
+        self._metas[key] = (held, replay)
         return replay
 
     def _agreement(self, graph, R: int):

@@ -101,8 +101,8 @@ def test_launch_groups_side_by_side_give_the_same_bits(cuda, tiny_cfg, tiny_ckpt
     streams = [torch.cuda.Stream(cuda) for _ in range(2)]
     concurrent = []  # what each attention launch was told: groups at once beside it
 
-    def attention(*args, concurrent_=concurrent, **kw):
-        concurrent_.append(kw.get("concurrent", 1))
+    def attention(*args, **kw):
+        concurrent.append(kw.get("concurrent", 1))
         return TRITON_OPS.paged_window_attention(*args, **kw)
 
     model.set_ops(dataclasses.replace(TRITON_OPS, paged_window_attention=attention))

@@ -46,8 +46,8 @@ def _run(device, word: int, expect: int, P, L, T, S, pages):
            torch.full((R, ww), 99, dtype=torch.int32, device=dev))
     flag = torch.zeros(R, dtype=torch.int32, device=dev)
     w = torch.tensor([sm.signed64(word)], dtype=torch.int64, device=dev)
-    sm.step_meta(w, torch.tensor([sm.signed64(expect)], device=dev), src, out, flag, num_reqs=R, width=T.shape[1], page_size=PAGE, window=WINDOW,
-                 num_pages=pages)
+    sm.step_meta(w, torch.tensor([sm.signed64(expect)], device=dev), src, out, flag, num_reqs=R, width=T.shape[1],
+                 page_size=PAGE, window=WINDOW, num_pages=pages)
     return tuple(t.cpu().numpy() for t in out) + (flag.cpu().numpy(),)
 
 
@@ -197,8 +197,8 @@ def test_staged_sources_give_what_the_program_reads_in_place(device, lens):
         out = tuple(torch.full((n,), 99, dtype=torch.int64, device=dev) for _ in range(3)) + (
             torch.full((R,), 99, dtype=torch.int32, device=dev), torch.full((R, ww), 99, dtype=torch.int32, device=dev))
         flag = torch.zeros(R, dtype=torch.int32, device=dev)
-        sm.step_meta(word, torch.tensor([sm.signed64(word_value)], device=dev), src, out, flag, num_reqs=R, width=T.shape[1], page_size=PAGE, window=WINDOW,
-                     num_pages=pages)
+        sm.step_meta(word, torch.tensor([sm.signed64(word_value)], device=dev), src, out, flag, num_reqs=R,
+                     width=T.shape[1], page_size=PAGE, window=WINDOW, num_pages=pages)
         _check(tuple(t.cpu().numpy() for t in out) + (flag.cpu().numpy(),), want)
     finally:
         for r in regs:
@@ -242,7 +242,8 @@ def test_staging_reserve_grows_the_buffer_before_a_capture_bakes_it_in():
     block, page = sm.STAGE_WORDS * 8, mmap.PAGESIZE
     reg = (0x7F00_0000_0000, 4 * page)
     small = [(DevicePointer(reg[0] + 8, torch.int64), 56, reg)]
-    large = [(DevicePointer(reg[0] + 8, torch.int64), 56, reg), (DevicePointer(reg[0] + 3 * block, torch.int32), 900, reg)]
+    large = [(DevicePointer(reg[0] + 8, torch.int64), 56, reg),
+             (DevicePointer(reg[0] + 3 * block, torch.int32), 900, reg)]
     staging = sm.Staging("cpu", launch=launch)
     plan = staging.reserve(large)
     assert plan == {reg: (reg[0], 4, 0)} and staging.buf.numel() * 8 == 4 * block
