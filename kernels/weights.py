@@ -92,6 +92,11 @@ class MxFp8Weight:
         q = reader._slice(key, shape, rows, cols)
         if q.dtype != torch.float8_e4m3fn:
             raise CheckpointError(f"{key}: dtype {q.dtype}, expected F8_E4M3")
+        nan = (q.view(torch.uint8) & 0x7F) == 0x7F
+        if nan.any():  # a corrupt shard: the kernels' dequantization does not carry NaN through
+            r, c = (int(i) for i in nan.nonzero()[0])
+            raise CheckpointError(f"{key}: {int(nan.sum())} NaN F8_E4M3 codes in this rank's slice (first at "
+                                  f"[{r}, {c}] of the slice); the checkpoint is corrupt")
         scols = slice(cols.start // block, cols.stop // block) if cols is not None else None
         s = reader._slice(key + SCALE_SUFFIX, (shape[0], shape[1] // block), rows, scols)
         if s.dtype != torch.uint8:

@@ -81,10 +81,43 @@ def _sq_program(x_ptr, sq_ptr, M, stride_xm, stride_xk, k_lo, k_hi, pid_s, offs_
 
 
 @triton.jit
-def _dequant(w, e, DOT: tl.constexpr):
-    """F8_E4M3 tile times 2^(e - 127) per element, exact in bf16; e (u8) placed in the fp32
-    exponent field (e = 0 flushes to 0)."""
-    return (w.to(tl.float32) * (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)).to(DOT)
+def _dequant(bits, e, BN: tl.constexpr, BK: tl.constexpr, QBLOCK: tl.constexpr, DOT: tl.constexpr):
+    """A weight tile's F8_E4M3 bits (u8 [BN, BK], K contiguous) times 2^(e - 127) per 1 x QBLOCK
+    block (e: u8 [BN, BK / QBLOCK]) -> [BN, BK] in DOT, exact (3 mantissa bits times a power of two).
+
+    The byte's exponent and mantissa go into an fp32's fields by integer ops: that fp32 is the
+    value times 2^-120 (the e4m3 subnormals land on fp32 subnormals, which sm_90's mul.f32 keeps),
+    and one multiply by 2^120 restores the value exactly. The NaN code (S.1111.111) would read as
+    +-480 * 2^(e - 127): MxFp8Weight.from_checkpoint refuses weights holding it, and a select per
+    weight to keep it NaN made the 56-row gate|up launch spill. The hardware's fp8 -> fp32
+    conversion goes through f16 on the conversion unit, a fraction of the ALUs' rate. Each block's scale is e placed in an fp32 exponent field (e = 0:
+    2^-127, the subnormal 0x00400000; e = 255, E8M0's NaN: inf, as the reference's exp2 gives),
+    loaded once per block and broadcast over its QBLOCK weights instead of gathered per weight."""
+    u = bits.to(tl.uint32)
+    f = (((u & 0x7F) << 20) | ((u & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36
+    eu = e.to(tl.uint32)
+    scale = tl.where(eu == 0, 0x00400000, eu << 23).to(tl.float32, bitcast=True)
+    w = tl.reshape(f, (BN, BK // QBLOCK, QBLOCK)) * scale[:, :, None]
+    return tl.reshape(w, (BN, BK)).to(DOT)
+
+
+@triton.jit
+def _fp8_tile(w_ptr, s_ptr, row0, offs_r, r_mask, k0, k_hi, stride_wn, stride_wk, stride_sn, stride_sk,
+              QBLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, TMA: tl.constexpr):
+    """Weight rows row0 + offs_r (r_mask: the rows that exist), K columns k0 .. k0 + BK of an
+    MXFP8 weight, dequantized: [BN, BK] in DOT. TMA: w_ptr is a descriptor of the u8 bits with
+    [BN, BK] blocks (rows and columns past the end arrive as zeros); else u8 pointers."""
+    rows = row0 + offs_r
+    if TMA:
+        bits = w_ptr.load([row0, k0])
+    else:
+        offs_k = k0 + tl.arange(0, BK)
+        bits = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                       mask=r_mask[:, None] & (offs_k < k_hi)[None, :], other=0)
+    offs_b = k0 // QBLOCK + tl.arange(0, BK // QBLOCK)
+    e = tl.load(s_ptr + rows[:, None] * stride_sn + offs_b[None, :] * stride_sk,
+                mask=r_mask[:, None] & (offs_b * QBLOCK < k_hi)[None, :], other=127)
+    return _dequant(bits, e, BN, BK, QBLOCK, DOT)
 
 
 @triton.jit
@@ -148,7 +181,18 @@ def _gemm_kernel(
             a = cast(x + 0.0, DOT, INTERPRET)
         else:
             a = cast(x, DOT, INTERPRET)
-        if TMA:
+        if FP8:
+            # A K-range ends on a BK boundary (or at K); gate rows past N are masked, or with TMA
+            # read up rows into output columns that are never stored.
+            tile = tl.arange(0, BN)
+            w = _fp8_tile(w_ptr, s_ptr, pid_n * BN, tile, n_mask, k0, k_hi, stride_wn, stride_wk,
+                          stride_sn, stride_sk, QBLOCK, BN, BK, DOT, TMA)
+            acc = mma(a, tl.trans(w), acc, INTERPRET, IEEE)
+            if SWIGLU:
+                wu = _fp8_tile(w_ptr, s_ptr, N + pid_n * BN, tile, n_mask, k0, k_hi, stride_wn, stride_wk,
+                               stride_sn, stride_sk, QBLOCK, BN, BK, DOT, TMA)
+                acc_up = mma(a, tl.trans(wu), acc_up, INTERPRET, IEEE)
+        elif TMA:
             # A K-range ends on a BK boundary (or at K, where the copy fills zeros); a gate tile
             # past N reads up rows into output columns that are never stored.
             acc = mma(a, tl.trans(w_ptr.load([pid_n * BN, k0])), acc, INTERPRET, IEEE)
@@ -158,15 +202,9 @@ def _gemm_kernel(
             # Weight tile as [BK, BN]: K is the contiguous dim, so each column is one coalesced run.
             wmask = k_mask[:, None] & n_mask[None, :]
             w_off = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0)
-            if FP8:
-                s_off = (offs_k[:, None] // QBLOCK) * stride_sk + offs_n[None, :] * stride_sn
-                w = _dequant(w, tl.load(s_ptr + s_off, mask=wmask, other=127), DOT)
-            acc = mma(a, w.to(DOT), acc, INTERPRET, IEEE)
+            acc = mma(a, tl.load(w_ptr + w_off, mask=wmask, other=0.0).to(DOT), acc, INTERPRET, IEEE)
             if SWIGLU:
                 wu = tl.load(w_ptr + N * stride_wn + w_off, mask=wmask, other=0.0)
-                if FP8:
-                    wu = _dequant(wu, tl.load(s_ptr + N * stride_sn + s_off, mask=wmask, other=127), DOT)
                 acc_up = mma(a, wu.to(DOT), acc_up, INTERPRET, IEEE)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -268,6 +306,10 @@ NUM_WARPS = 4  # one warp group per 64-row wgmma tile; 8 (two groups) made the s
 # the qkv launch 12.7 -> 11.2 us without the squares in the loop; the step 2-3.5% faster at 56
 # rows, 3% at 7. False: every program sums them (as before).
 SQ_COLUMN = True
+# MXFP8 weights' K tile. Their tiles are dequantized in registers ([BN, BK] values per tile, twice
+# for gate|up), so the tile is sized for the registers, not for the bytes per stage: at 128 (the
+# bf16 tile's bytes) the gate|up launch spilled 480 bytes per thread on sm_90 (test_codegen_sm90).
+FP8_BLOCK_K = 64
 # PLAN_SQ_COLUMN: `plan` counts that column's programs among the slots it fills. Off, qkv at 56
 # rows gets 14 K-ranges and 19 x 14 = 266 programs for 264 two-per-SM slots, so the last two
 # start only as others finish; on, 12 K-ranges and 228 programs, all resident. Measured on an H200
@@ -289,8 +331,7 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     PLAN_SQ_COLUMN its programs count among the slots.
     """
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    # 1-byte weights: twice the K per tile, so a stage still carries as many weight bytes.
-    bn, bk = block_n or BLOCK_N, block_k or (BLOCK_K * 2 // weight_bytes if weight_bytes <= 2 else BLOCK_K)
+    bn, bk = block_n or BLOCK_N, block_k or (FP8_BLOCK_K if weight_bytes == 1 else BLOCK_K)
     stage = bm * bk * 2 + (2 if swiglu else 1) * bk * bn * weight_bytes
     stages = SMEM_PER_PROGRAM // stage
     if programs_per_sm is None and DEEP_SMEM and stages < MIN_STAGES:
@@ -414,7 +455,9 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
     so = target.stride() if partial else (0, target.stride(0), target.stride(1))
     res = x if residual is None else residual
     ddt = dot_dtype(w.dtype)
-    tma = TMA and w.dtype in (torch.bfloat16, torch.float16) and sm90_of(x) and _tma_ready(w)
+    if fp8:
+        w = w.view(torch.uint8)  # the kernel takes the bits apart itself (_dequant)
+    tma = TMA and w.dtype in (torch.bfloat16, torch.float16, torch.uint8) and sm90_of(x) and _tma_ready(w)
     sq_col = SQ_COLUMN and partial and norm_weight is not None and isinstance(weight, NormFolded)
     _gemm_kernel[(triton.cdiv(n, cfg.block_n) + sq_col, split, triton.cdiv(m, cfg.block_m))](
         x, x if norm_weight is None else norm_weight,

@@ -194,7 +194,10 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
 
 SWEEP = {  # (block_n, block_k, programs per SM, warps, stages) around the planner's choice
     "bf16": ((64, 64, 3, 4, 4), (128, 64, 2, 4, 4), (64, 32, 2, 4, 6), (64, 128, 2, 4, 3)),
-    "fp8": ((64, 256, 2, 4, 3), (128, 128, 2, 4, 4), (64, 128, 3, 4, 4), (64, 64, 2, 4, 6)),
+    # MXFP8: stages None = as many as fit the planner's budget (gemm.plan); 8 warps at 1 program per SM
+    # halve each thread's share of the dequantized tile.
+    "fp8": ((128, 128, 2, 4, None), (128, 64, 1, 4, None), (64, 64, 2, 4, None), (128, 64, 1, 8, None),
+            (64, 64, 1, 8, None), (128, 128, 1, 8, None), (64, 128, 1, 8, None)),
 }
 
 
@@ -202,7 +205,12 @@ def _sweep(name, rows, n_out, k, kind, fp8, wdt, nbytes, make, rec, dev):
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     n_cols = n_out // 2 if kind == "swiglu" else n_out
     for bn, bk, pps, warps, stages in SWEEP[wdt]:
-        p = gemm.plan(rows, n_cols, k, sms, block_n=bn, block_k=bk, programs_per_sm=pps)
+        p = gemm.plan(rows, n_cols, k, sms, block_n=bn, block_k=bk, programs_per_sm=pps, swiglu=kind == "swiglu",
+                      weight_bytes=1 if fp8 else 2)
+        if stages is None:  # the planner's count for this tile, at its per-program budget for pps programs
+            stage = p.block_m * bk * 2 + (2 if kind == "swiglu" else 1) * bk * bn * (1 if fp8 else 2)
+            budget = gemm.DEEP_SMEM if pps == 1 else gemm.SMEM_PER_PROGRAM
+            stages = max(2, min(gemm.MAX_STAGES, budget // stage))
         cfg = gemm.GemmConfig(p.block_m, bn, bk, p.split_k, warps, stages)
         t = _per_call(lambda cfg=cfg: make(cfg), nbytes)
         rec(f"  {name.split()[0]} sweep", wdt, t, nbytes,

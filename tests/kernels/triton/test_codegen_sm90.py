@@ -87,6 +87,21 @@ def compile_case(rows, n, k, swiglu, norm, residual, folded=False, tma=True, sq_
                 weight_tile=cfg.block_k * cfg.block_n * 2 * (2 if swiglu else 1))
 
 
+def compile_fp8_case(rows, n, k, swiglu, norm, residual):
+    # MXFP8 weights as gemm._launch passes them on sm_90: the u8 bits through a tensor descriptor,
+    # the E8M0 scales by pointers, dequantized in registers (gemm._dequant) at the planned tiling.
+    cfg = gemm.plan(rows, n, k, 132, swiglu=swiglu, weight_bytes=1, max_smem=%(smem)d)
+    partial = cfg.split_k > 1
+    consts = dict(HAS_NORM=norm, FOLDED=False, FP8=True, QBLOCK=32, SWIGLU=swiglu, PARTIAL=partial,
+                  HAS_RES=residual and not partial, DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m,
+                  BN=cfg.block_n, BK=cfg.block_k, INTERPRET=False, TMA=True, SQ_COL=False, **UNIT)
+    out = "*fp32" if partial else "*bf16"
+    types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr=f"tensordesc<u8[{cfg.block_n}, {cfg.block_k}]>", s_ptr="*u8",
+                 res_ptr="*bf16", out_ptr=out, sq_ptr=out, eps="fp32", alpha="fp32", limit="fp32")
+    got = build(gemm._gemm_kernel, consts, types, DIV16, f"fp8_{rows}x{n}x{k}", cfg.num_warps, cfg.num_stages)
+    return dict(got, stages=cfg.num_stages, block_m=cfg.block_m)
+
+
 def compile_attention(reqs, coop=False):
     # The split kernel at the shard's heads (16 q, 1 KV, d 128), as paged_window_attention plans it;
     # coop: with the splits' merge in the same (cooperative) launch.
@@ -113,7 +128,14 @@ cases = {
     "qkv 56 rows, norm folded, squares in every program": (56, 2304, 6144, False, True, False, True, True, False),
     "down 7 rows + residual, pointer path": (7, 6144, 3072, False, False, True, False, False),
 }
+fp8_cases = {
+    "mxfp8 qkv 56 rows": (56, 2304, 6144, False, True, False),
+    "mxfp8 gate_up 56 rows": (56, 3072, 6144, True, True, False),
+    "mxfp8 gate_up 7 rows": (7, 3072, 6144, True, True, False),
+    "mxfp8 down 7 rows + residual": (7, 6144, 3072, False, False, True),
+}
 got = {name: compile_case(*args) for name, args in cases.items()}
+got.update({name: compile_fp8_case(*args) for name, args in fp8_cases.items()})
 got["attention 8 requests"] = compile_attention(8)
 got["attention 8 requests, merged in the launch"] = compile_attention(8, coop=True)
 print(json.dumps(got))
@@ -154,6 +176,23 @@ def test_gemm_streams_through_a_pipeline_on_sm90(sm90, case):
     assert got["stack"] and max(got["stack"]) == 0, f"{case}: register spills ({got['stack']} bytes of stack)"
     # Multi-buffered: at least (stages - 1) weight tiles resident in shared memory at once.
     assert got["shared"] >= (got["stages"] - 1) * got["weight_tile"], got
+    assert got["shared"] <= H200_SMEM, got
+
+
+@pytest.mark.parametrize("case", ["mxfp8 qkv 56 rows", "mxfp8 gate_up 56 rows", "mxfp8 gate_up 7 rows",
+                                  "mxfp8 down 7 rows + residual"])
+def test_mxfp8_gemm_dequantizes_in_registers_without_spilling(sm90, case):
+    """MXFP8 weight tiles arrive by TMA (one bulk copy per tile and stage) and are dequantized in
+    registers before the tensor-core dot. At gemm.FP8_BLOCK_K = 128 the 56-row gate|up launch
+    held two [128, 128] tiles' values per thread and spilled 480 bytes of stack (run 151: 74 us
+    against 45 without the spill, BENCHMARKS.md)."""
+    got = sm90[case]
+    assert got["tma"] >= got["stages"] - 1, f"{case}: weight bits not pipelined through TMA: {got}"
+    if got["block_m"] >= 64:
+        assert got["wgmma"] > 0, got
+    else:
+        assert got["mma_sync"] > 0, got
+    assert got["stack"] and max(got["stack"]) == 0, f"{case}: register spills ({got['stack']} bytes of stack)"
     assert got["shared"] <= H200_SMEM, got
 
 

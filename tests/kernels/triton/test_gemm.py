@@ -85,13 +85,16 @@ def test_sum_written_over_the_residual(device, config):
         gemm.gemm(x, w, residual=res, out=torch.empty(21, 200, dtype=torch.float32, device=device))
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
-def test_weights_through_tensor_descriptors(device, config, parity, monkeypatch):
-    """The TMA path an H100/H200 takes for dense weights (in the interpreter, by claiming sm_90
-    there) against the pointer path: ragged N and K (the copy's zero fill past the ends), a gate
-    tile that reaches past N into the up rows (columns never stored), the residual, split-K.
-    Both read the same tiles into the same dots: the same bits."""
+def test_weights_through_tensor_descriptors(device, config, fp8, parity, monkeypatch):
+    """The TMA path an H100/H200 takes (in the interpreter, by claiming sm_90 there), for dense
+    weights and for MXFP8's bits, against the pointer path: ragged N and K (the copy's zero fill
+    past the ends), a gate tile that reaches past N into the up rows (columns never stored), the
+    residual, split-K. Both read the same tiles into the same dots: the same bits."""
     x, w, nw = _inputs(21, 320, 200, torch.bfloat16, device, seed=9)
+    if fp8:
+        w = MxFp8Weight.quantize(w)
     res = torch.randn(21, 200, generator=torch.Generator().manual_seed(10)).to(device, torch.bfloat16)
     cfg = CONFIGS[config]
 
@@ -105,8 +108,9 @@ def test_weights_through_tensor_descriptors(device, config, parity, monkeypatch)
     if device == "cpu":
         monkeypatch.setattr(gemm, "sm90_of", lambda t: True)
     by_tma = run()
-    refs = (reference.norm_linear(x, nw, EPS, w), reference.norm_linear_swiglu(x, nw, EPS, w, ALPHA, LIMIT),
-            reference.linear(x, w, res))
+    dense = w.dequantize() if fp8 else w
+    refs = (reference.norm_linear(x, nw, EPS, dense), reference.norm_linear_swiglu(x, nw, EPS, dense, ALPHA, LIMIT),
+            reference.linear(x, dense, res))
     for tma, ptr, ref in zip(by_tma, by_pointers, refs, strict=True):
         parity(tma, ref)
         assert torch.equal(tma, ptr)
@@ -122,6 +126,24 @@ def test_fp8_scales_applied_in_kernel(device):
     out = TRITON_OPS.linear(x, weight)
     rel = ((out.double() - ref.double()).abs() / ref.double().abs().clamp(min=1e-30)).median()
     assert rel < 2.0 ** -6, f"median relative error {rel:.3g}"
+
+
+def test_fp8_dequant_is_exact_for_every_code(device):
+    """Every finite F8_E4M3 code (subnormals and both zeros included) at block exponents from 10 to
+    246, where every value stays a normal bf16, as the dequantizing kernel sees it: the identity
+    times W^T gives W's dequantized values back, equal to the reference's bit for bit. (The NaN
+    code, S.1111.111, is refused at load: test_mxfp8_weight_refuses_nan_codes.)"""
+    k, n = 64, 256  # two 32-blocks; row r holds the codes (r + 3 k) % 256, the NaN codes made zeros
+    codes = (torch.arange(n)[:, None] + 3 * torch.arange(k)[None, :]) % 256
+    codes = torch.where(codes % 128 == 127, 0, codes)
+    exps = torch.tensor([10, 100, 118, 127, 134, 200, 246], dtype=torch.uint8)
+    scale = exps[(torch.arange(n)[:, None] + 5 * torch.arange(k // 32)[None, :]) % len(exps)]
+    weight = MxFp8Weight(codes.to(torch.uint8).view(torch.float8_e4m3fn), scale).to(device)
+    eye = torch.eye(k, dtype=torch.bfloat16, device=device)
+    out = TRITON_OPS.linear(eye, weight)  # [k, n]: out[j, r] = W[r, j]
+    ref = weight.dequantize(torch.float32).to(torch.bfloat16).t()
+    assert ref.abs().min() == 0 and ref.abs().max() > 2.0 ** 100
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -187,6 +209,29 @@ def test_mxfp8_weight_from_checkpoint(tiny_ckpt, tiny_cfg):
         MxFp8Weight.from_checkpoint(reader, key, shape, cols=slice(8, 40))
     with pytest.raises(ValueError):
         MxFp8Weight(w.qweight, w.scale[:, :3])
+
+
+def test_mxfp8_weight_refuses_nan_codes():
+    """A slice holding the F8_E4M3 NaN code is a corrupt checkpoint: refused at load, naming the key
+    and where (the kernels' dequantization reads that code as a finite value, gemm._dequant)."""
+    from dspark_sidecar.drafter.checkpoint import CheckpointError
+
+    class Reader:  # CheckpointReader's two members that from_checkpoint uses
+        block = 32
+
+        def __init__(self, bits):
+            self.bits = bits
+
+        def _slice(self, key, shape, rows, cols):
+            if key.endswith("_scale_inv"):
+                return torch.full(shape, 120, dtype=torch.uint8)
+            return self.bits.view(torch.float8_e4m3fn)
+
+    bits = torch.full((4, 64), 0x38, dtype=torch.uint8)  # 1.0
+    assert MxFp8Weight.from_checkpoint(Reader(bits), "w", (4, 64)).shape == (4, 64)
+    bits[2, 33] = 0xFF
+    with pytest.raises(CheckpointError, match=r"w: 1 NaN F8_E4M3 codes .* \[2, 33\]"):
+        MxFp8Weight.from_checkpoint(Reader(bits), "w", (4, 64))
 
 
 # The TP-4 rank shard of the real drafter: hidden 6144, 16 q + 1 k + 1 v heads of 128 (qkv 2304
