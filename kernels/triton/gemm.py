@@ -130,7 +130,7 @@ def _gemm_kernel(
     HAS_NORM: tl.constexpr, FOLDED: tl.constexpr, FP8: tl.constexpr, QBLOCK: tl.constexpr,
     SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, HAS_RES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
-    TMA: tl.constexpr, SQ_COL: tl.constexpr,
+    TMA: tl.constexpr, SQ_COL: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):
     """Program (column tile, K-range, row tile). x [M, K]; W [N or 2N, K] (gate rows first when SWIGLU).
 
@@ -143,6 +143,8 @@ def _gemm_kernel(
     (weights.NormFolded), so x goes to the dot as loaded and only its squares are summed.
     SQ_COL (FOLDED and PARTIAL): the squares are summed by an extra grid column of x-only
     programs (see SQ_COLUMN), the column tiles at pid_n - 1.
+    SWAP_AB (FP8): acc^T += W_tile @ x_tile^T, the dequantized tile the left operand (see
+    FP8_SWAP_MIN_ROWS); the accumulators are transposed back before the epilogue.
     """
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -160,6 +162,9 @@ def _gemm_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     acc = tl.zeros((BM, BN), tl.float32)
     acc_up = tl.zeros((BM, BN), tl.float32)
+    if SWAP_AB:  # transposed accumulators [BN, BM]: the weights are the dot's left operand
+        acc = tl.zeros((BN, BM), tl.float32)
+        acc_up = tl.zeros((BN, BM), tl.float32)
     sq = tl.zeros((BM,), tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         offs_k = k0 + tl.arange(0, BK)
@@ -187,11 +192,17 @@ def _gemm_kernel(
             tile = tl.arange(0, BN)
             w = _fp8_tile(w_ptr, s_ptr, pid_n * BN, tile, n_mask, k0, k_hi, stride_wn, stride_wk,
                           stride_sn, stride_sk, QBLOCK, BN, BK, DOT, TMA)
-            acc = mma(a, tl.trans(w), acc, INTERPRET, IEEE)
+            if SWAP_AB:
+                acc = mma(w, tl.trans(a), acc, INTERPRET, IEEE)
+            else:
+                acc = mma(a, tl.trans(w), acc, INTERPRET, IEEE)
             if SWIGLU:
                 wu = _fp8_tile(w_ptr, s_ptr, N + pid_n * BN, tile, n_mask, k0, k_hi, stride_wn, stride_wk,
                                stride_sn, stride_sk, QBLOCK, BN, BK, DOT, TMA)
-                acc_up = mma(a, tl.trans(wu), acc_up, INTERPRET, IEEE)
+                if SWAP_AB:
+                    acc_up = mma(wu, tl.trans(a), acc_up, INTERPRET, IEEE)
+                else:
+                    acc_up = mma(a, tl.trans(wu), acc_up, INTERPRET, IEEE)
         elif TMA:
             # A K-range ends on a BK boundary (or at K, where the copy fills zeros); a gate tile
             # past N reads up rows into output columns that are never stored.
@@ -207,6 +218,9 @@ def _gemm_kernel(
                 wu = tl.load(w_ptr + N * stride_wn + w_off, mask=wmask, other=0.0)
                 acc_up = mma(a, wu.to(DOT), acc_up, INTERPRET, IEEE)
 
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
     out_mask = m_mask[:, None] & n_mask[None, :]
     o_off = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     if PARTIAL:
@@ -310,6 +324,13 @@ SQ_COLUMN = True
 # for gate|up), so the tile is sized for the registers, not for the bytes per stage: at 128 (the
 # bf16 tile's bytes) the gate|up launch spilled 480 bytes per thread on sm_90 (test_codegen_sm90).
 FP8_BLOCK_K = 64
+FP8_NUM_WARPS = 4
+# MXFP8 from this many rows (64-row tiles): the dequantized weight tile as the dot's left operand,
+# straight from registers (wgmma takes its A operand there), x^T from shared memory, and the
+# [BN, BM] accumulators transposed once at the end. Below: x on the left and the dequantized tile
+# stored to shared memory each step (16-row tiles on mma.sync). Measured on an H200 (run 152, the
+# fp8 5-layer step): 56 rows 586-603 us swapped against 643-659; 7 rows 481-483 against 460.
+FP8_SWAP_MIN_ROWS = 33
 # PLAN_SQ_COLUMN: `plan` counts that column's programs among the slots it fills. Off, qkv at 56
 # rows gets 14 K-ranges and 19 x 14 = 266 programs for 264 two-per-SM slots, so the last two
 # start only as others finish; on, 12 K-ranges and 228 programs, all resident. Measured on an H200
@@ -343,7 +364,8 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     want = (programs_per_sm or PROGRAMS_PER_SM) * sms
     split = max(1, min(want // tiles, k_tiles // MIN_K_TILES_PER_SPLIT))
     k_per = triton.cdiv(k_tiles, split) * bk
-    return GemmConfig(bm, bn, bk, triton.cdiv(k, k_per), num_warps=NUM_WARPS, num_stages=stages)
+    return GemmConfig(bm, bn, bk, triton.cdiv(k, k_per), num_warps=FP8_NUM_WARPS if weight_bytes == 1 else NUM_WARPS,
+                      num_stages=stages)
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch.Tensor | None = None,
@@ -468,6 +490,7 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
         HAS_NORM=norm_weight is not None, FOLDED=isinstance(weight, NormFolded), FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
         PARTIAL=partial, HAS_RES=residual is not None, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(x.dtype),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET, TMA=tma, SQ_COL=sq_col,
+        SWAP_AB=fp8 and m >= FP8_SWAP_MIN_ROWS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -333,16 +333,27 @@ TUNE = (
     ("defaults (7)", {}),
     ("attention: splits merged by a separate kernel (2)", {"attention": {"COOP_MERGE": False}}),
     ("defaults (8)", {}),
+    # MXFP8 weights (run with --tune-fp8): the GEMMs' dequantizing paths. Run 152 measured these
+    # with swap A/B off by default; since then it is on from 33 rows (gemm.FP8_SWAP_MIN_ROWS).
+    ("fp8 swap A/B at every row count", {"gemm": {"FP8_SWAP_MIN_ROWS": 0}}),
+    ("fp8 swap A/B never", {"gemm": {"FP8_SWAP_MIN_ROWS": 1 << 30}}),
+    ("fp8 8 warps, 1 program/SM", {"gemm": {"FP8_NUM_WARPS": 8, "PROGRAMS_PER_SM": 1}}),
+    ("fp8 defaults", {}),
+    ("fp8 block_k 128", {"gemm": {"FP8_BLOCK_K": 128}}),
+    ("fp8 block_n 64", {"gemm": {"BLOCK_N": 64}}),
+    ("fp8 3 programs/SM", {"gemm": {"PROGRAMS_PER_SM": 3}}),
+    ("fp8 defaults (2)", {}),
 )
 
 
-def tune(rows_list: list[int], context: int, bw: float, dev: torch.device, match: list[str] | None = None) -> list[dict]:
+def tune(rows_list: list[int], context: int, bw: float, dev: torch.device, match: list[str] | None = None,
+         fp8: bool = False) -> list[dict]:
     """Time the step once per TUNE row (each a set of tunables over the defaults), restoring after.
 
-    match: only the rows whose label contains one of these (the defaults rows always run)."""
+    match: only the rows whose label contains one of these, and the first ("defaults").
+    fp8: the step with MXFP8 layer weights."""
     modules = {"gemm": gemm, "blas": blas, "attention": attention, "step": sys.modules[__name__]}
-    rows_run = [(label, c) for label, c in TUNE
-                if not match or label.startswith("defaults") or any(m in label for m in match)]
+    rows_run = [(label, c) for label, c in TUNE if not match or label == "defaults" or any(m in label for m in match)]
     out = []
     for rows in rows_list:
         for label, changes in rows_run:
@@ -352,7 +363,7 @@ def tune(rows_list: list[int], context: int, bw: float, dev: torch.device, match
                     for k, v in kv.items():
                         setattr(modules[m], k, v)
                 print(f"-- {label}", flush=True)
-                out.append(dict(bench_step(rows, context, bw, dev, False, T), tune=label))
+                out.append(dict(bench_step(rows, context, bw, dev, fp8, T), tune=label))
             finally:
                 for (m, k), v in saved.items():
                     setattr(modules[m], k, v)
@@ -429,7 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep", action="store_true", help="also time a few GEMM tilings and attention splits")
     ap.add_argument("--no-step", action="store_true", help="skip the 5-layer step figures")
     ap.add_argument("--tune", action="store_true", help="only time the step under each TUNE row of tunables")
-    ap.add_argument("--tune-match", nargs="+", help="with --tune: only TUNE rows whose label contains one of these")
+    ap.add_argument("--tune-match", nargs="+", help="with --tune: only TUNE rows whose label contains one of these (and the first)")
+    ap.add_argument("--tune-fp8", action="store_true", help="with --tune: the step with MXFP8 layer weights")
     ap.add_argument("--profile", action="store_true", help="only print the step's per-kernel GPU times")
     ap.add_argument("--fit", action="store_true",
                     help="only fit one GEMM launch's fixed cost and streaming rate (Triton and cuBLAS) over N")
@@ -448,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.fit:
         results = [r for rows in args.rows for k in args.fit_k for r in bench_fit(rows, k, bw, dev)]
     elif args.tune:
-        results = tune(args.rows, args.context, bw, dev, args.tune_match)
+        results = tune(args.rows, args.context, bw, dev, args.tune_match, args.tune_fp8)
     for rows in [] if args.tune or args.fit else args.rows:
         results += bench_ops(rows, args.context, bw, dev, args.sweep)
         if not args.no_step:

@@ -85,9 +85,10 @@ def test_sum_written_over_the_residual(device, config):
         gemm.gemm(x, w, residual=res, out=torch.empty(21, 200, dtype=torch.float32, device=device))
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+@pytest.mark.parametrize(("fp8", "swap"), [(False, False), (True, False), (True, True)],
+                         ids=["bf16w", "fp8w", "fp8w-swap"])
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
-def test_weights_through_tensor_descriptors(device, config, fp8, parity, monkeypatch):
+def test_weights_through_tensor_descriptors(device, config, fp8, swap, parity, monkeypatch):
     """The TMA path an H100/H200 takes (in the interpreter, by claiming sm_90 there), for dense
     weights and for MXFP8's bits, against the pointer path: ragged N and K (the copy's zero fill
     past the ends), a gate tile that reaches past N into the up rows (columns never stored), the
@@ -95,6 +96,7 @@ def test_weights_through_tensor_descriptors(device, config, fp8, parity, monkeyp
     x, w, nw = _inputs(21, 320, 200, torch.bfloat16, device, seed=9)
     if fp8:
         w = MxFp8Weight.quantize(w)
+    monkeypatch.setattr(gemm, "FP8_SWAP_MIN_ROWS", 0 if swap else 1 << 30)  # MXFP8 tiles as the dot's left operand
     res = torch.randn(21, 200, generator=torch.Generator().manual_seed(10)).to(device, torch.bfloat16)
     cfg = CONFIGS[config]
 
@@ -246,25 +248,33 @@ WEIGHTS_BY = {"tma": True, "pointers": False}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("fp8", "weights_by"), [(False, "tma"), (False, "pointers"), (True, "pointers")],
-                         ids=["bf16w-tma", "bf16w-pointers", "fp8w"])  # MXFP8: always pointer loads
+@pytest.mark.parametrize(("fp8", "weights_by", "swap"),
+                         [(False, "tma", False), (False, "pointers", False), (True, "tma", False),
+                          (True, "pointers", False), (True, "tma", True)],
+                         ids=["bf16w-tma", "bf16w-pointers", "fp8w-tma", "fp8w-pointers", "fp8w-tma-swap"])
 @pytest.mark.parametrize("rows", [7, 56])
 @pytest.mark.parametrize("name", list(REAL))
-def test_real_shapes(cuda, name, rows, fp8, weights_by, parity, monkeypatch):
+def test_real_shapes(cuda, name, rows, fp8, weights_by, swap, parity, monkeypatch):
+    """swap: MXFP8 tiles as the dot's left operand (gemm.FP8_SWAP_MIN_ROWS). Each is launched twice: the
+    same bits both times (a wrong operand hand-off gave run-to-run different sums once, see
+    test_real_shapes_folded_are_right_and_repeatable)."""
     monkeypatch.setattr(gemm, "TMA", WEIGHTS_BY[weights_by])
+    monkeypatch.setattr(gemm, "FP8_SWAP_MIN_ROWS", 0 if swap else 1 << 30)
     n, k, kind = REAL[name]
     x, w, nw = _inputs(rows, k, n, torch.bfloat16, cuda, seed=5)
     weight = MxFp8Weight.quantize(w) if fp8 else w
     dense = weight.dequantize(torch.bfloat16) if fp8 else w
+    res = torch.randn(rows, n, generator=torch.Generator().manual_seed(8)).to(cuda, torch.bfloat16)
     if kind == "norm":
-        ref, out = reference.norm_linear(x, nw, EPS, dense), TRITON_OPS.norm_linear(x, nw, EPS, weight)
+        ref, run = reference.norm_linear(x, nw, EPS, dense), lambda: TRITON_OPS.norm_linear(x, nw, EPS, weight)
     elif kind == "swiglu":
         ref = reference.norm_linear_swiglu(x, nw, EPS, dense, ALPHA, LIMIT)
-        out = TRITON_OPS.norm_linear_swiglu(x, nw, EPS, weight, ALPHA, LIMIT)
+        run = lambda: TRITON_OPS.norm_linear_swiglu(x, nw, EPS, weight, ALPHA, LIMIT)  # noqa: E731
     else:
-        res = torch.randn(rows, n, generator=torch.Generator().manual_seed(8)).to(cuda, torch.bfloat16)
-        ref, out = reference.linear(x, dense, res), TRITON_OPS.linear(x, weight, res)
+        ref, run = reference.linear(x, dense, res), lambda: TRITON_OPS.linear(x, weight, res)
+    out = run()
     parity(out, ref)
+    assert torch.equal(run(), out)
 
 
 @pytest.mark.gpu
