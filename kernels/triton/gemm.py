@@ -102,21 +102,27 @@ def _dequant(bits, e, BN: tl.constexpr, BK: tl.constexpr, QBLOCK: tl.constexpr, 
 
 
 @triton.jit
-def _fp8_tile(w_ptr, s_ptr, row0, offs_r, r_mask, k0, k_hi, stride_wn, stride_wk, stride_sn, stride_sk,
+def _fp8_scales(s_ptr, rows, r_mask, k0, k_hi, stride_sn, stride_sk, QBLOCK: tl.constexpr, BK: tl.constexpr):
+    """The E8M0 exponents (u8 [BN, BK / QBLOCK]) of weight rows `rows`, K columns k0 .. k0 + BK;
+    127 (a scale of 1) past k_hi or for rows that do not exist."""
+    offs_b = k0 // QBLOCK + tl.arange(0, BK // QBLOCK)
+    return tl.load(s_ptr + rows[:, None] * stride_sn + offs_b[None, :] * stride_sk,
+                   mask=r_mask[:, None] & (offs_b * QBLOCK < k_hi)[None, :], other=127)
+
+
+@triton.jit
+def _fp8_tile(w_ptr, e, row0, offs_r, r_mask, k0, k_hi, stride_wn, stride_wk,
               QBLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, TMA: tl.constexpr):
     """Weight rows row0 + offs_r (r_mask: the rows that exist), K columns k0 .. k0 + BK of an
-    MXFP8 weight, dequantized: [BN, BK] in DOT. TMA: w_ptr is a descriptor of the u8 bits with
-    [BN, BK] blocks (rows and columns past the end arrive as zeros); else u8 pointers."""
-    rows = row0 + offs_r
+    MXFP8 weight with exponents e (_fp8_scales), dequantized: [BN, BK] in DOT. TMA: w_ptr is a
+    descriptor of the u8 bits with [BN, BK] blocks (rows and columns past the end arrive as
+    zeros); else u8 pointers."""
     if TMA:
         bits = w_ptr.load([row0, k0])
     else:
         offs_k = k0 + tl.arange(0, BK)
-        bits = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+        bits = tl.load(w_ptr + (row0 + offs_r)[:, None] * stride_wn + offs_k[None, :] * stride_wk,
                        mask=r_mask[:, None] & (offs_k < k_hi)[None, :], other=0)
-    offs_b = k0 // QBLOCK + tl.arange(0, BK // QBLOCK)
-    e = tl.load(s_ptr + rows[:, None] * stride_sn + offs_b[None, :] * stride_sk,
-                mask=r_mask[:, None] & (offs_b * QBLOCK < k_hi)[None, :], other=127)
     return _dequant(bits, e, BN, BK, QBLOCK, DOT)
 
 
@@ -166,6 +172,15 @@ def _gemm_kernel(
         acc = tl.zeros((BN, BM), tl.float32)
         acc_up = tl.zeros((BN, BM), tl.float32)
     sq = tl.zeros((BM,), tl.float32)
+    if FP8:
+        # Each step's exponents are loaded one step ahead: a load whose value only feeds registers
+        # is left out of Triton's pipeline, and loaded in its own step each step waited one memory
+        # round trip for them (twice for gate|up) before its dequantization could start.
+        tile = tl.arange(0, BN)
+        e_gate = _fp8_scales(s_ptr, pid_n * BN + tile, n_mask, k_lo, k_hi, stride_sn, stride_sk, QBLOCK, BK)
+        e_up = e_gate
+        if SWIGLU:
+            e_up = _fp8_scales(s_ptr, N + pid_n * BN + tile, n_mask, k_lo, k_hi, stride_sn, stride_sk, QBLOCK, BK)
     for k0 in range(k_lo, k_hi, BK):
         offs_k = k0 + tl.arange(0, BK)
         k_mask = offs_k < k_hi
@@ -189,16 +204,21 @@ def _gemm_kernel(
         if FP8:
             # A K-range ends on a BK boundary (or at K); gate rows past N are masked, or with TMA
             # read up rows into output columns that are never stored.
-            tile = tl.arange(0, BN)
-            w = _fp8_tile(w_ptr, s_ptr, pid_n * BN, tile, n_mask, k0, k_hi, stride_wn, stride_wk,
-                          stride_sn, stride_sk, QBLOCK, BN, BK, DOT, TMA)
+            e_gate_next = _fp8_scales(s_ptr, pid_n * BN + tile, n_mask, k0 + BK, k_hi, stride_sn, stride_sk,
+                                      QBLOCK, BK)
+            w = _fp8_tile(w_ptr, e_gate, pid_n * BN, tile, n_mask, k0, k_hi, stride_wn, stride_wk, QBLOCK, BN, BK,
+                          DOT, TMA)
+            e_gate = e_gate_next
             if SWAP_AB:
                 acc = mma(w, tl.trans(a), acc, INTERPRET, IEEE)
             else:
                 acc = mma(a, tl.trans(w), acc, INTERPRET, IEEE)
             if SWIGLU:
-                wu = _fp8_tile(w_ptr, s_ptr, N + pid_n * BN, tile, n_mask, k0, k_hi, stride_wn, stride_wk,
-                               stride_sn, stride_sk, QBLOCK, BN, BK, DOT, TMA)
+                e_up_next = _fp8_scales(s_ptr, N + pid_n * BN + tile, n_mask, k0 + BK, k_hi, stride_sn, stride_sk,
+                                        QBLOCK, BK)
+                wu = _fp8_tile(w_ptr, e_up, N + pid_n * BN, tile, n_mask, k0, k_hi, stride_wn, stride_wk, QBLOCK,
+                               BN, BK, DOT, TMA)
+                e_up = e_up_next
                 if SWAP_AB:
                     acc_up = mma(wu, tl.trans(a), acc_up, INTERPRET, IEEE)
                 else:
