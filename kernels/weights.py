@@ -19,9 +19,17 @@ import torch
 from dspark_sidecar.drafter.checkpoint import SCALE_SUFFIX, CheckpointError, dequantize_mxfp8, quantize_mxfp8
 
 
+# The largest E8M0 block exponent the kernels take (2^7: weights up to 448 * 2^7; real checkpoints'
+# scales are far below 1). gemm._dequant_sm90 multiplies by 2^(e - 7) held in a bf16.
+MAX_EXPONENT = 134
+
+
 @dataclass(frozen=True)
 class MxFp8Weight:
     """qweight float8_e4m3fn [out, in]; scale uint8 [out, in / block], value v meaning 2^(v - 127).
+
+    The kernels take finite codes and v <= MAX_EXPONENT; `quantize` and `from_checkpoint` refuse
+    anything else (checked once there, not on every view: slicing runs inside captured steps).
 
     The kernels dequantize a weight tile in registers (exact in bf16: 3 mantissa bits times a power
     of two) and feed bf16 tensor-core dots, so HBM traffic is 1 + 1/32 bytes per weight.
@@ -71,8 +79,12 @@ class MxFp8Weight:
 
     @classmethod
     def quantize(cls, w: torch.Tensor, block: int = 32) -> MxFp8Weight:
-        """Quantize a dense weight exactly as the checkpoint writer does."""
+        """Quantize a dense weight exactly as the checkpoint writer does; a weight needing a block
+        scale above 2^(MAX_EXPONENT - 127) is refused (ValueError), as from_checkpoint refuses it."""
         q, s = quantize_mxfp8(w, block)
+        if (s > MAX_EXPONENT).any():
+            raise ValueError(f"MxFp8Weight.quantize: block exponent {int(s.max())} above {MAX_EXPONENT} "
+                             f"(|w| up to {float(w.abs().max()):.3g}; the GPU kernels take scales up to 2^7)")
         return cls(q.to(w.device), s.to(w.device), block)
 
     @classmethod
@@ -101,6 +113,9 @@ class MxFp8Weight:
         s = reader._slice(key + SCALE_SUFFIX, (shape[0], shape[1] // block), rows, scols)
         if s.dtype != torch.uint8:
             raise CheckpointError(f"{key + SCALE_SUFFIX}: dtype {s.dtype}, expected U8 (E8M0 exponents)")
+        if (s > MAX_EXPONENT).any():  # the NVIDIA kernels' packed dequantization holds 2^(e - 7) in a bf16
+            raise CheckpointError(f"{key + SCALE_SUFFIX}: block exponent {int(s.max())} above {MAX_EXPONENT} (a "
+                                  f"scale over 2^{MAX_EXPONENT - 127}), which the GPU kernels do not take")
         return cls(q.contiguous().to(device), s.contiguous().to(device), block)
 
 

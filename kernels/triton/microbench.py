@@ -343,6 +343,8 @@ TUNE = (
     ("fp8 block_n 64", {"gemm": {"BLOCK_N": 64}}),
     ("fp8 3 programs/SM", {"gemm": {"PROGRAMS_PER_SM": 3}}),
     ("fp8 defaults (2)", {}),
+    ("fp8 fp32 dequantization (before the packed PTX)", {"gemm": {"FP8_PACKED_DEQUANT": False}}),
+    ("fp8 defaults (3)", {}),
 )
 
 

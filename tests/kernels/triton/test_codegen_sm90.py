@@ -77,7 +77,8 @@ def compile_case(rows, n, k, swiglu, norm, residual, folded=False, tma=True, sq_
     partial = cfg.split_k > 1
     consts = dict(HAS_NORM=norm, FOLDED=folded, FP8=False, QBLOCK=1, SWIGLU=swiglu, PARTIAL=partial, HAS_RES=residual and not partial,
                   DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                  INTERPRET=False, TMA=tma, SQ_COL=sq_column and folded and norm and partial, SWAP_AB=False, **UNIT)
+                  INTERPRET=False, TMA=tma, SQ_COL=sq_column and folded and norm and partial, SWAP_AB=False,
+                  FP8_PTX=False, **UNIT)
     out = "*fp32" if partial else "*bf16"
     w = f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>" if tma else "*bf16"
     types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr=w, s_ptr="*bf16", res_ptr="*bf16", out_ptr=out,
@@ -95,7 +96,7 @@ def compile_fp8_case(rows, n, k, swiglu, norm, residual):
     consts = dict(HAS_NORM=norm, FOLDED=False, FP8=True, QBLOCK=32, SWIGLU=swiglu, PARTIAL=partial,
                   HAS_RES=residual and not partial, DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m,
                   BN=cfg.block_n, BK=cfg.block_k, INTERPRET=False, TMA=True, SQ_COL=False,
-                  SWAP_AB=rows >= gemm.FP8_SWAP_MIN_ROWS, **UNIT)
+                  SWAP_AB=rows >= gemm.FP8_SWAP_MIN_ROWS, FP8_PTX=gemm.FP8_PACKED_DEQUANT, **UNIT)
     out = "*fp32" if partial else "*bf16"
     types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr=f"tensordesc<u8[{cfg.block_n}, {cfg.block_k}]>", s_ptr="*u8",
                  res_ptr="*bf16", out_ptr=out, sq_ptr=out, eps="fp32", alpha="fp32", limit="fp32")
@@ -184,7 +185,7 @@ def test_gemm_streams_through_a_pipeline_on_sm90(sm90, case):
                                   "mxfp8 down 7 rows + residual"])
 def test_mxfp8_gemm_dequantizes_in_registers_without_spilling(sm90, case):
     """MXFP8 weight tiles arrive by TMA (one bulk copy per tile and stage) and are dequantized in
-    registers before the tensor-core dot: from 64-row tiles as its left operand, straight from
+    registers (by inline PTX, gemm._dequant_sm90) before the tensor-core dot: from 64-row tiles as its left operand, straight from
     registers (wgmma's A), below on mma.sync with x on the left. At gemm.FP8_BLOCK_K = 128 the
     56-row gate|up launch (x on the left) held two [128, 128] tiles' values per thread and
     spilled 480 bytes of stack (run 151: 74 us against 45 without). The swapped gate|up holds both

@@ -119,9 +119,12 @@ def test_weights_through_tensor_descriptors(device, config, fp8, swap, parity, m
 
 
 def test_fp8_scales_applied_in_kernel(device):
-    """A weight whose blocks span 2^-20..2^20 scales: a kernel ignoring or misplacing them is off by orders."""
+    """A weight whose blocks span 2^-20..2^12 (block exponents up to MAX_EXPONENT): a kernel ignoring
+    or misplacing them is off by orders. A block needing more is refused when quantized."""
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(64, 128, generator=gen) * torch.exp2(torch.randint(-20, 21, (64, 4), generator=gen).float()).repeat_interleave(32, 1)
+    w = torch.randn(64, 128, generator=gen) * torch.exp2(torch.randint(-20, 13, (64, 4), generator=gen).float()).repeat_interleave(32, 1)
+    with pytest.raises(ValueError, match="above 134"):
+        MxFp8Weight.quantize(w * 2.0 ** 6)
     weight = MxFp8Weight.quantize(w).to(device)
     x = torch.randn(7, 128, generator=gen).to(device, torch.bfloat16)
     ref = reference.linear(x, weight.dequantize())
@@ -132,19 +135,20 @@ def test_fp8_scales_applied_in_kernel(device):
 
 def test_fp8_dequant_is_exact_for_every_code(device):
     """Every finite F8_E4M3 code (subnormals and both zeros included) at block exponents from 10 to
-    246, where every value stays a normal bf16, as the dequantizing kernel sees it: the identity
+    134 (MAX_EXPONENT), where every value stays a normal bf16, as the dequantizing kernel sees it
+    (on an H100/H200 the packed PTX path, else the fp32 one): the identity
     times W^T gives W's dequantized values back, equal to the reference's bit for bit. (The NaN
     code, S.1111.111, is refused at load: test_mxfp8_weight_refuses_nan_codes.)"""
     k, n = 64, 256  # two 32-blocks; row r holds the codes (r + 3 k) % 256, the NaN codes made zeros
     codes = (torch.arange(n)[:, None] + 3 * torch.arange(k)[None, :]) % 256
     codes = torch.where(codes % 128 == 127, 0, codes)
-    exps = torch.tensor([10, 100, 118, 127, 134, 200, 246], dtype=torch.uint8)
+    exps = torch.tensor([10, 100, 118, 127, 131, 134], dtype=torch.uint8)
     scale = exps[(torch.arange(n)[:, None] + 5 * torch.arange(k // 32)[None, :]) % len(exps)]
     weight = MxFp8Weight(codes.to(torch.uint8).view(torch.float8_e4m3fn), scale).to(device)
     eye = torch.eye(k, dtype=torch.bfloat16, device=device)
     out = TRITON_OPS.linear(eye, weight)  # [k, n]: out[j, r] = W[r, j]
     ref = weight.dequantize(torch.float32).to(torch.bfloat16).t()
-    assert ref.abs().min() == 0 and ref.abs().max() > 2.0 ** 100
+    assert ref.abs().min() == 0 and ref.abs().max() == 448 * 2.0 ** 7
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
@@ -234,6 +238,28 @@ def test_mxfp8_weight_refuses_nan_codes():
     bits[2, 33] = 0xFF
     with pytest.raises(CheckpointError, match=r"w: 1 NaN F8_E4M3 codes .* \[2, 33\]"):
         MxFp8Weight.from_checkpoint(Reader(bits), "w", (4, 64))
+
+
+def test_mxfp8_weight_refuses_scales_the_kernels_do_not_take():
+    """Block exponents above MAX_EXPONENT (2^7) are refused at load, naming the scale's key: the
+    packed dequantization (gemm._dequant_sm90) holds 2^(e - 7) in a bf16."""
+    from dspark_sidecar.drafter.checkpoint import CheckpointError
+    from dspark_sidecar.kernels.weights import MAX_EXPONENT
+
+    class Reader:
+        block = 32
+
+        def __init__(self, exponent):
+            self.exponent = exponent
+
+        def _slice(self, key, shape, rows, cols):
+            if key.endswith("_scale_inv"):
+                return torch.full(shape, self.exponent, dtype=torch.uint8)
+            return torch.full(shape, 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
+
+    assert MxFp8Weight.from_checkpoint(Reader(MAX_EXPONENT), "w", (4, 64)).scale.max() == MAX_EXPONENT
+    with pytest.raises(CheckpointError, match=r"w_scale_inv: block exponent 135 above 134"):
+        MxFp8Weight.from_checkpoint(Reader(MAX_EXPONENT + 1), "w", (4, 64))
 
 
 # The TP-4 rank shard of the real drafter: hidden 6144, 16 q + 1 k + 1 v heads of 128 (qkv 2304
