@@ -135,11 +135,15 @@ class DSparkDrafter(nn.Module):
         The ops receive whatever object results (Ops.linear and friends accept MxFp8Weight); the
         embeddings' fc and the norms stay dense.
         """
-        for layer in self.layers:
-            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                w = lin.weight
+        for i, layer in enumerate(self.layers):
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                lin = getattr(layer, name)
+                try:
+                    converted = convert(lin.weight.detach())
+                except ValueError as err:  # which weight could not be converted, for the operator
+                    raise ValueError(f"layer {i} {name}: {err}") from err
                 del lin.weight  # a Parameter slot cannot hold another type
-                lin.weight = convert(w.detach())
+                lin.weight = converted
         return self
 
     def fold_norms(self, fold) -> DSparkDrafter:

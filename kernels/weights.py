@@ -79,8 +79,11 @@ class MxFp8Weight:
 
     @classmethod
     def quantize(cls, w: torch.Tensor, block: int = 32) -> MxFp8Weight:
-        """Quantize a dense weight exactly as the checkpoint writer does; a weight needing a block
-        scale above 2^(MAX_EXPONENT - 127) is refused (ValueError), as from_checkpoint refuses it."""
+        """Quantize a dense weight exactly as the checkpoint writer does; a non-finite weight, or one
+        needing a block scale above 2^(MAX_EXPONENT - 127), is refused (ValueError), as
+        from_checkpoint refuses NaN codes and such scales."""
+        if not torch.isfinite(w).all():  # NaN would land on the NaN code, which the kernels read as finite
+            raise ValueError(f"MxFp8Weight.quantize: {int((~torch.isfinite(w)).sum())} non-finite weights")
         q, s = quantize_mxfp8(w, block)
         if (s > MAX_EXPONENT).any():
             raise ValueError(f"MxFp8Weight.quantize: block exponent {int(s.max())} above {MAX_EXPONENT} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dspark_sidecar.drafter import scenario
@@ -45,3 +46,18 @@ def test_mxfp8_layers_give_bit_identical_steps_and_commits(tiny_cfg, tiny_ckpt, 
     out_d = dense.draft_step(step.inputs_embeds, step.positions, step.meta, kv_d)
     out_q = quant.draft_step(step.inputs_embeds, step.positions, step.meta, kv_q)
     assert torch.equal(out_d, out_q)
+
+
+def test_weights_the_kernels_cannot_take_are_refused_naming_the_layer(tiny_cfg, tiny_ckpt):
+    """A non-finite weight (it would quantize to the F8 NaN code, which the NVIDIA kernels read as a
+    finite value) or one needing a block scale over 2^7 stops the conversion, and the error says
+    which layer's linear: what an operator sees when --weights mxfp8 refuses a checkpoint."""
+    def quantize(w):
+        return MxFp8Weight.quantize(w, tiny_cfg.quant_block)
+
+    for poison, match in ((float("nan"), "layer 1 o_proj: .* 1 non-finite"), (1e6, "layer 1 o_proj: .* above 134")):
+        model = _model(tiny_cfg, tiny_ckpt)
+        with torch.no_grad():
+            model.layers[1].o_proj.weight[3, 5] = poison
+        with pytest.raises(ValueError, match=match):
+            model.convert_layer_weights(quantize)
