@@ -52,6 +52,7 @@ def test_weights_the_kernels_cannot_take_are_refused_naming_the_layer(tiny_cfg, 
     """A non-finite weight (it would quantize to the F8 NaN code, which the NVIDIA kernels read as a
     finite value) or one needing a block scale over 2^7 stops the conversion, and the error says
     which layer's linear: what an operator sees when --weights mxfp8 refuses a checkpoint."""
+
     def quantize(w):
         return MxFp8Weight.quantize(w, tiny_cfg.quant_block)
 
