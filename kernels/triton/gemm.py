@@ -12,9 +12,12 @@ With split_k > 1 the programs write fp32 partials (and partial sums of squares) 
 `_finalize_kernel` sums in a fixed order (deterministic, no atomics), then scales, applies
 SwiGLU-OAI or adds the residual stream (o_proj, down_proj: no separate add launch), and
 rounds once to the activation dtype. MXFP8 weights stream 1 byte per weight
-(+1/32 for the E8M0 exponents) and are dequantized in registers, tile by tile, to bf16 (exact)
-for the same dot. (Scaling each 32-wide chunk's partial after its own dot instead was measured
-slower on an H200: 4x at 56 rows, where the wgmma of every chunk must finish before its scale.)
+(+1/32 for the E8M0 exponents; the bits by TMA on an H100/H200) and are dequantized in registers,
+tile by tile, to bf16 (exact) for the same dot: by integer ops into fp32 fields (_dequant), or on
+NVIDIA by inline PTX on packed registers (_dequant_sm90); from 64-row tiles the dequantized tile
+is the dot's left operand, straight from registers (SWAP_AB). (Scaling each 32-wide chunk's
+partial after its own dot instead was measured slower on an H200: 4x at 56 rows, where the wgmma
+of every chunk must finish before its scale.)
 """
 
 from __future__ import annotations
