@@ -168,6 +168,22 @@ def _fp8_tile(w_ptr, e, row0, offs_r, r_mask, k0, k_hi, stride_wn, stride_wk,
 
 
 @triton.jit
+def _fp8_dot(acc, a, w_ptr, s_ptr, e, row0, tile, r_mask, k0, k_hi, stride_wn, stride_wk, stride_sn, stride_sk,
+             QBLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, TMA: tl.constexpr,
+             PTX: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
+    """One K step of MXFP8 weight rows row0 + tile into acc ([BM, BN]; [BN, BM] with SWAP_AB): the
+    next step's exponents are loaded first (see the loop), then this tile, dequantized with e, goes
+    to the dot with x's tile `a`. -> (acc, the next step's exponents)."""
+    e_next = _fp8_scales(s_ptr, row0 + tile, r_mask, k0 + BK, k_hi, stride_sn, stride_sk, QBLOCK, BK)
+    w = _fp8_tile(w_ptr, e, row0, tile, r_mask, k0, k_hi, stride_wn, stride_wk, QBLOCK, BN, BK, DOT, TMA, PTX)
+    if SWAP_AB:
+        acc = mma(w, tl.trans(a), acc, INTERPRET, IEEE)
+    else:
+        acc = mma(a, tl.trans(w), acc, INTERPRET, IEEE)
+    return acc, e_next
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, nw_ptr, w_ptr, s_ptr, out_ptr, sq_ptr, res_ptr,
     M, N, K, k_per_split,
@@ -246,25 +262,13 @@ def _gemm_kernel(
         if FP8:
             # A K-range ends on a BK boundary (or at K); gate rows past N are masked, or with TMA
             # read up rows into output columns that are never stored.
-            e_gate_next = _fp8_scales(s_ptr, pid_n * BN + tile, n_mask, k0 + BK, k_hi, stride_sn, stride_sk,
-                                      QBLOCK, BK)
-            w = _fp8_tile(w_ptr, e_gate, pid_n * BN, tile, n_mask, k0, k_hi, stride_wn, stride_wk, QBLOCK, BN, BK,
-                          DOT, TMA, FP8_PTX)
-            e_gate = e_gate_next
-            if SWAP_AB:
-                acc = mma(w, tl.trans(a), acc, INTERPRET, IEEE)
-            else:
-                acc = mma(a, tl.trans(w), acc, INTERPRET, IEEE)
+            acc, e_gate = _fp8_dot(acc, a, w_ptr, s_ptr, e_gate, pid_n * BN, tile, n_mask, k0, k_hi, stride_wn,
+                                   stride_wk, stride_sn, stride_sk, QBLOCK, BN, BK, DOT, TMA, FP8_PTX, SWAP_AB,
+                                   INTERPRET, IEEE)
             if SWIGLU:
-                e_up_next = _fp8_scales(s_ptr, N + pid_n * BN + tile, n_mask, k0 + BK, k_hi, stride_sn, stride_sk,
-                                        QBLOCK, BK)
-                wu = _fp8_tile(w_ptr, e_up, N + pid_n * BN, tile, n_mask, k0, k_hi, stride_wn, stride_wk, QBLOCK,
-                               BN, BK, DOT, TMA, FP8_PTX)
-                e_up = e_up_next
-                if SWAP_AB:
-                    acc_up = mma(wu, tl.trans(a), acc_up, INTERPRET, IEEE)
-                else:
-                    acc_up = mma(a, tl.trans(wu), acc_up, INTERPRET, IEEE)
+                acc_up, e_up = _fp8_dot(acc_up, a, w_ptr, s_ptr, e_up, N + pid_n * BN, tile, n_mask, k0, k_hi,
+                                        stride_wn, stride_wk, stride_sn, stride_sk, QBLOCK, BN, BK, DOT, TMA,
+                                        FP8_PTX, SWAP_AB, INTERPRET, IEEE)
         elif TMA:
             # A K-range ends on a BK boundary (or at K, where the copy fills zeros); a gate tile
             # past N reads up rows into output columns that are never stored.
