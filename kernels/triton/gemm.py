@@ -91,11 +91,12 @@ def _dequant(bits, e, BN: tl.constexpr, BK: tl.constexpr, QBLOCK: tl.constexpr, 
     The byte's exponent and mantissa go into an fp32's fields by integer ops: that fp32 is the
     value times 2^-120 (the e4m3 subnormals land on fp32 subnormals, which sm_90's mul.f32 keeps),
     and one multiply by 2^120 restores the value exactly. The NaN code (S.1111.111) would read as
-    +-480 * 2^(e - 127): MxFp8Weight.from_checkpoint refuses weights holding it, and a select per
-    weight to keep it NaN made the 56-row gate|up launch spill. The hardware's fp8 -> fp32
-    conversion goes through f16 on the conversion unit, a fraction of the ALUs' rate. Each block's scale is e placed in an fp32 exponent field (e = 0:
-    2^-127, the subnormal 0x00400000; e = 255, E8M0's NaN: inf, as the reference's exp2 gives),
-    loaded once per block and broadcast over its QBLOCK weights instead of gathered per weight."""
+    +-480 * 2^(e - 127): MxFp8Weight.quantize and from_checkpoint refuse weights holding it, and a
+    select per weight to keep it NaN made the 56-row gate|up launch spill. The hardware's
+    fp8 -> fp32 conversion goes through f16 on the conversion unit, a fraction of the ALUs' rate.
+    Each block's scale is e placed in an fp32 exponent field (e = 0: 2^-127, the subnormal
+    0x00400000; e = 255, E8M0's NaN: inf, as the reference's exp2 gives), loaded once per block
+    and broadcast over its QBLOCK weights instead of gathered per weight."""
     u = bits.to(tl.uint32)
     f = (((u & 0x7F) << 20) | ((u & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36
     eu = e.to(tl.uint32)
@@ -131,7 +132,7 @@ _DEQUANT_PTX = tl.constexpr("""{
 def _dequant_sm90(bits, e, BN: tl.constexpr, BK: tl.constexpr, QBLOCK: tl.constexpr):
     """_dequant's values, in bf16, four weights per inline-PTX instance (_DEQUANT_PTX): NVIDIA sm_90+.
     The block factor 2^(e - 7) is a bf16 (exponent field e + 120), so e <= 134 (a block scale up to
-    2^7; MxFp8Weight.from_checkpoint refuses larger ones)."""
+    2^7; MxFp8Weight.quantize and from_checkpoint refuse larger ones)."""
     factor = ((e.to(tl.uint16) + 120) << 7).to(tl.bfloat16, bitcast=True)
     factor = tl.broadcast_to(factor[:, :, None], (BN, BK // QBLOCK, QBLOCK))
     w = tl.inline_asm_elementwise(_DEQUANT_PTX, "=r,=r,r,r,r", [tl.reshape(bits, (BN, BK // QBLOCK, QBLOCK)), factor],
@@ -555,10 +556,12 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
         scale, target, sq, res, m, n, k, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
         so[0], so[1], so[2], res.stride(0), eps, alpha, limit,
-        HAS_NORM=norm_weight is not None, FOLDED=isinstance(weight, NormFolded), FP8=fp8, QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
+        HAS_NORM=norm_weight is not None, FOLDED=isinstance(weight, NormFolded), FP8=fp8,
+        QBLOCK=weight.block if fp8 else 1, SWIGLU=swiglu is not None,
         PARTIAL=partial, HAS_RES=residual is not None, DOT=ddt, IEEE=ddt == tl.float32, OUT=tl_dtype(x.dtype),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET, TMA=tma, SQ_COL=sq_col,
-        SWAP_AB=fp8 and m >= FP8_SWAP_MIN_ROWS, FP8_PTX=fp8 and FP8_PACKED_DEQUANT and nvidia_of(x) and sm90_of(x),
+        SWAP_AB=fp8 and m >= FP8_SWAP_MIN_ROWS,
+        FP8_PTX=fp8 and FP8_PACKED_DEQUANT and nvidia_of(x) and sm90_of(x),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

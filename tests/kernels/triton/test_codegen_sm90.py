@@ -185,8 +185,9 @@ def test_gemm_streams_through_a_pipeline_on_sm90(sm90, case):
                                   "mxfp8 down 7 rows + residual"])
 def test_mxfp8_gemm_dequantizes_in_registers_without_spilling(sm90, case):
     """MXFP8 weight tiles arrive by TMA (one bulk copy per tile and stage) and are dequantized in
-    registers (by inline PTX, gemm._dequant_sm90) before the tensor-core dot: from 64-row tiles as its left operand, straight from
-    registers (wgmma's A), below on mma.sync with x on the left. At gemm.FP8_BLOCK_K = 128 the
+    registers (by inline PTX, gemm._dequant_sm90) before the tensor-core dot: from 64-row tiles
+    as its left operand, straight from registers (wgmma's A), below on mma.sync with x on the
+    left. At gemm.FP8_BLOCK_K = 128 the
     56-row gate|up launch (x on the left) held two [128, 128] tiles' values per thread and
     spilled 480 bytes of stack (run 151: 74 us against 45 without). The swapped gate|up holds both
     tiles and both accumulators across a wgmma and may keep a few words on the stack (8 bytes
