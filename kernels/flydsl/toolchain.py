@@ -109,6 +109,13 @@ def _compile_root() -> tuple[str | None, str | None]:
     return (str(root) if root else None), why
 
 
+def amdgpu_linker() -> Path | None:
+    """The ld.lld that links AMDGPU code objects here (a ROCm install's, or lld-19's through the
+    symlinked root), or None; also what Triton's AMD backend takes as TRITON_HIP_LLD_PATH."""
+    root, _ = _compile_root()
+    return Path(root) / "llvm" / "bin" / "ld.lld" if root else None
+
+
 def compile_only_unavailable_reason() -> str | None:
     """Why gfx950 code objects cannot be built on this machine, or None."""
     why = flydsl_unavailable_reason()

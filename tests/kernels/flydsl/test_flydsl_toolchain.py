@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,17 @@ def test_flydsl_missing_reason_is_the_seed_words():
 
 
 @pytest.mark.skipif(not toolchain.flydsl_available(), reason="flydsl not installed")
+def test_amdgpu_linker_is_the_compile_roots_ld_lld():
+    """Where gfx950 code objects can be built, the linker is an executable ld.lld under the root the
+    compile-only setup uses (what Triton's AMD backend is pointed at in test_codegen_gfx950.py)."""
+    if toolchain._compile_root()[0] is None:
+        assert toolchain.amdgpu_linker() is None
+        return
+    lld = toolchain.amdgpu_linker()
+    assert lld.name == "ld.lld" and lld.parent.parent.parent == Path(toolchain._compile_root()[0])
+    assert os.access(lld.resolve(), os.X_OK)
+
+
 def test_compile_only_scope_restores_environment(monkeypatch):
     if toolchain.compile_only_unavailable_reason() is not None:
         pytest.skip(toolchain.compile_only_unavailable_reason())

@@ -4,7 +4,8 @@ there when FlyDSL is off, and its fp8 tiles take the pointer path and the fp32 d
 
 Checked at the plans the real TP-4 shard gets on 256 CUs: the kernel compiles to a code object,
 without VGPR or SGPR spills. Compiled in a child process (this folder's conftest turns on the
-interpreter), linked with ld.lld from Debian's lld-19 as `.ci/run` installs it.
+interpreter), linked with the ld.lld the FlyDSL toolchain finds (Debian's lld-19, as `.ci/run`
+installs it, or a ROCm install's).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton")
+from dspark_sidecar.kernels.flydsl.toolchain import amdgpu_linker
 
-LLD = Path("/usr/lib/llvm-19/bin/ld.lld")
+triton = pytest.importorskip("triton")
 
 _CHILD = r"""
 import json
@@ -65,12 +66,13 @@ print(json.dumps(got))
 
 @pytest.fixture(scope="module")
 def gfx950():
-    if not LLD.exists():
-        pytest.skip("ld.lld from lld-19 is missing (apt-get install lld-19, as .ci/run does)")
+    lld = amdgpu_linker()
+    if lld is None:
+        pytest.skip("no ld.lld for AMDGPU code objects (apt-get install lld-19 rocm-device-libs, as .ci/run does)")
     if not (Path(triton.__file__).parent / "backends" / "amd").is_dir():
         pytest.skip("this Triton build has no AMD backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_HIP_LLD_PATH"] = str(LLD)
+    env["TRITON_HIP_LLD_PATH"] = str(lld)
     out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
