@@ -26,36 +26,22 @@ import pytest
 triton = pytest.importorskip("triton")
 
 H200_SMEM = 227 << 10
+TESTS = Path(__file__).resolve().parents[2]  # the children import helpers.triton_compile from here
 
 _CHILD = r"""
 import json, subprocess, sys
 from pathlib import Path
 import triton, triton.language as tl
-from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from dspark_sidecar.kernels.triton import gemm
+from helpers.triton_compile import DIV16, UNIT, compile_for, fp8_gemm
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-# Arguments the JIT specialises as multiples of 16 at the shard's shapes (N, K, K per split and
-# row strides are all multiples of 64 there); the unit strides it turns into constants.
-DIV16 = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_os", "stride_om", "stride_rm"}
-UNIT = {"stride_xk": 1, "stride_wk": 1, "stride_sk": 1, "stride_on": 1}
 
 
 def build(fn, consts, types, div16, name, num_warps, num_stages):
-    # fn compiled for sm_90 as the JIT would at the shard's shapes -> PTX counts, shared and stack
-    # bytes. types: the non-constexpr arguments' Triton types (others i32); pointers and the
-    # div16 names get the JIT's 16-divisibility hint.
-    sig, attrs = {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        if arg in consts:
-            sig[arg] = "constexpr"
-            continue
-        sig[arg] = types.get(arg, "i32")
-        if sig[arg].startswith("*") or arg in div16:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    kern = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    # fn compiled for sm_90 as the JIT would at the shard's shapes -> PTX counts, shared and stack bytes.
+    kern = compile_for(fn, consts, types, GPUTarget("cuda", 90, 32), num_warps, num_stages, div16)
     cubin = Path(sys.argv[1]) / f"{name}.cubin"
     cubin.write_bytes(kern.asm["cubin"])
     usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
@@ -89,19 +75,11 @@ def compile_case(rows, n, k, swiglu, norm, residual, folded=False, tma=True, sq_
 
 
 def compile_fp8_case(rows, n, k, swiglu, norm, residual):
-    # MXFP8 weights as gemm._launch passes them on sm_90: the u8 bits through a tensor descriptor,
-    # the E8M0 scales by pointers, dequantized in registers (gemm._dequant) at the planned tiling.
-    cfg = gemm.plan(rows, n, k, 132, swiglu=swiglu, weight_bytes=1, max_smem=%(smem)d)
-    partial = cfg.split_k > 1
-    consts = dict(HAS_NORM=norm, FOLDED=False, FP8=True, QBLOCK=32, SWIGLU=swiglu, PARTIAL=partial,
-                  HAS_RES=residual and not partial, DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m,
-                  BN=cfg.block_n, BK=cfg.block_k, INTERPRET=False, TMA=True, SQ_COL=False,
-                  SWAP_AB=rows >= gemm.FP8_SWAP_MIN_ROWS, FP8_PTX=gemm.FP8_PACKED_DEQUANT, **UNIT)
-    out = "*fp32" if partial else "*bf16"
-    types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr=f"tensordesc<u8[{cfg.block_n}, {cfg.block_k}]>", s_ptr="*u8",
-                 res_ptr="*bf16", out_ptr=out, sq_ptr=out, eps="fp32", alpha="fp32", limit="fp32")
+    # MXFP8 weights as gemm._launch passes them on sm_90: the bits by TMA, dequantized by inline PTX.
+    cfg, consts, types = fp8_gemm(rows, n, k, swiglu, norm, residual, sms=132, max_smem=%(smem)d, tma=True,
+                                  ptx=gemm.FP8_PACKED_DEQUANT)
     got = build(gemm._gemm_kernel, consts, types, DIV16, f"fp8_{rows}x{n}x{k}", cfg.num_warps, cfg.num_stages)
-    return dict(got, stages=cfg.num_stages, block_m=cfg.block_m, swap=rows >= gemm.FP8_SWAP_MIN_ROWS)
+    return dict(got, stages=cfg.num_stages, block_m=cfg.block_m, swap=consts["SWAP_AB"])
 
 
 def compile_attention(reqs, coop=False):
@@ -150,6 +128,7 @@ def sm90(tmp_path_factory):
     if not (nvidia / "ptxas").exists() or not (nvidia / "cuobjdump").exists():
         pytest.skip("this Triton build has no bundled ptxas/cuobjdump (the NVIDIA backend's tools)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(TESTS), env.get("PYTHONPATH"))))  # helpers
     out = subprocess.run([sys.executable, "-c", _CHILD % {"smem": H200_SMEM}, str(tmp_path_factory.mktemp("sm90"))],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
