@@ -407,6 +407,11 @@ FP8_SWAP_MIN_ROWS = 33
 PLAN_SQ_COLUMN = False
 
 
+def stage_bytes(block_m: int, block_n: int, block_k: int, swiglu: bool, weight_bytes: int) -> int:
+    """Shared memory of one pipeline stage: the x tile (bf16) and the weight tile(s, gate and up)."""
+    return block_m * block_k * 2 + (2 if swiglu else 1) * block_k * block_n * weight_bytes
+
+
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
          programs_per_sm: int | None = None, swiglu: bool = False, weight_bytes: int = 2,
          max_smem: int | None = None, sq_column: bool = False) -> GemmConfig:
@@ -422,7 +427,7 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     """
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bn, bk = block_n or BLOCK_N, block_k or (FP8_BLOCK_K if weight_bytes == 1 else BLOCK_K)
-    stage = bm * bk * 2 + (2 if swiglu else 1) * bk * bn * weight_bytes
+    stage = stage_bytes(bm, bn, bk, swiglu, weight_bytes)
     stages = SMEM_PER_PROGRAM // stage
     if programs_per_sm is None and DEEP_SMEM and stages < MIN_STAGES:
         budget = min(DEEP_SMEM, (max_smem or DEEP_SMEM + SMEM_RESERVE) - SMEM_RESERVE)
