@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, mma, nvidia_of, sms_of, tl_dtype
+from dspark_sidecar.kernels.triton.runtime import (
+    INTERPRET, cast, check_device, dep_release, dep_wait, mma, nvidia_of, pdl_launch, pdl_of, sms_of, tl_dtype,
+)
 
 log = logging.getLogger("dspark_sidecar.kernels")
 LOG2E = 1.4426950408889634
@@ -58,13 +60,16 @@ def _split_kernel(
     window, qk_scale, hk, PAGE: tl.constexpr,
     ROWS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRET: tl.constexpr, COOP: tl.constexpr, RB: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRET: tl.constexpr, COOP: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (request, kv head, split). Row m of the Q block is (block row m // GROUP, head m % GROUP).
 
     Key positions are int32 (a context is far below 2^31 tokens) and PAGE is compile-time, so
     the per-key page lookup (kpos // PAGE, kpos % PAGE) is a shift and a mask: with a run-time
     page size these were 64-bit divisions, a long software sequence per key and per tile.
+
+    PDL (runtime.PDL): the positions, sequence lengths and block table, written before the step's
+    first layer, are read before the wait for the prelude; q and the block rows' K/V after it.
     """
     req, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = tl.arange(0, BM)
@@ -74,21 +79,22 @@ def _split_kernel(
     row = req * ROWS + offs_m // GROUP
     head = h * GROUP + offs_m % GROUP
     qpos = tl.load(pos_ptr + row, mask=m_valid, other=0).to(tl.int32)
-    q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT)
     seq_len = tl.load(seq_ptr + req).to(tl.int32)
     min_pos = tl.min(tl.where(m_valid, qpos, seq_len), axis=0)
     start = tl.maximum(min_pos - (window - 1), 0)
     left = qpos - (window - 1)  # each row's own window edge
     n_tiles = tl.cdiv(seq_len - start, BN).to(tl.int32)
-
-    m_i = tl.full((BM,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BM,), tl.float32)
-    acc = tl.zeros((BM, BLOCK_D), tl.float32)
     # The block-table entries of a tile are fetched one tile ahead, so that the K/V gathers of
     # a tile wait on one memory latency, not on two in a row.
     kpos = start + sp * BN + tl.arange(0, BN)
     page = tl.load(bt_ptr + req * stride_bt + kpos // PAGE, mask=kpos < seq_len, other=0)
+    dep_wait(PDL)
+    q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT)
+
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, BLOCK_D), tl.float32)
     for t in range(sp, n_tiles, SPLITS):
         kpos = start + t * BN + tl.arange(0, BN)
         k_valid = kpos < seq_len
@@ -110,6 +116,7 @@ def _split_kernel(
         acc = mma(cast(p, DOT, INTERPRET), v, acc * alpha[:, None], INTERPRET, IEEE)
         m_i = m_new
 
+    dep_release(PDL)
     if SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no key at all (a padding request): 0
         tl.store(out_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
@@ -174,9 +181,11 @@ def _merge_rows(po_ptr, pml_ptr, out_ptr, req, h, m0, stride_qn, stride_qh, stri
 def _reduce_kernel(
     po_ptr, pml_ptr, out_ptr, stride_qn, stride_qh, stride_qd, hk,
     ROWS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BM: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr, INTERPRET: tl.constexpr,
+    BM: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (request * hk + kv head, Q-block row m): merge the SPLITS partial softmaxes in order."""
+    dep_wait(PDL)
+    dep_release(PDL)
     rh = tl.program_id(0)
     _merge_rows(po_ptr, pml_ptr, out_ptr, rh // hk, rh % hk, tl.program_id(1), stride_qn, stride_qh, stride_qd, hk,
                 ROWS, GROUP, D, BLOCK_D, BM, SPLITS, OUT, INTERPRET, 1)
@@ -309,7 +318,8 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
             ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, SPLITS=sp, OUT=tl_dtype(q.dtype),
             DOT=dot, IEEE=dot == tl.float32, INTERPRET=INTERPRET, COOP=coop,
             RB=triton.cdiv(rows_per_req * group, sp), num_warps=NUM_WARPS if bm * bd >= 128 * 64 else 4,
-            num_stages=NUM_STAGES, **({"launch_cooperative_grid": True} if coop else {}),
+            num_stages=NUM_STAGES, PDL=pdl_of(q), **({"launch_cooperative_grid": True} if coop else {}),
+            **pdl_launch(pdl_of(q)),
         )
 
     coop = lane is not None and _launch_coop(q, launch)
@@ -319,6 +329,6 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
         _reduce_kernel[(r * hk, rows_per_req * group)](
             po, pml, out, q.stride(0), q.stride(1), q.stride(2), hk,
             ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, SPLITS=sp, OUT=tl_dtype(q.dtype),
-            INTERPRET=INTERPRET, num_warps=4,
+            INTERPRET=INTERPRET, num_warps=4, PDL=pdl_of(q), **pdl_launch(pdl_of(q)),
         )
     return out

@@ -30,7 +30,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, dot_dtype, mma, nvidia_of, rms_inv, sm90_of, sms_of, smem_of, tl_dtype,
+    INTERPRET, cast, check_device, dep_release, dep_wait, dot_dtype, mma, nvidia_of, pdl_launch, pdl_of, rms_inv,
+    sm90_of, sms_of, smem_of, tl_dtype,
 )
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
@@ -195,6 +196,7 @@ def _gemm_kernel(
     SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, HAS_RES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, SQ_COL: tl.constexpr, SWAP_AB: tl.constexpr = False, FP8_PTX: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Program (column tile, K-range, row tile). x [M, K]; W [N or 2N, K] (gate rows first when SWIGLU).
 
@@ -210,7 +212,9 @@ def _gemm_kernel(
     SWAP_AB (FP8): acc^T += W_tile @ x_tile^T, the dequantized tile the left operand (see
     FP8_SWAP_MIN_ROWS); the accumulators are transposed back before the epilogue.
     FP8_PTX (FP8, NVIDIA): tiles dequantized by inline PTX, four weights at a time (_dequant_sm90).
+    PDL: launched as a programmatic dependent (runtime.PDL).
     """
+    dep_wait(PDL)
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
     k_lo = pid_s * k_per_split
@@ -285,6 +289,7 @@ def _gemm_kernel(
                 wu = tl.load(w_ptr + N * stride_wn + w_off, mask=wmask, other=0.0)
                 acc_up = mma(a, wu.to(DOT), acc_up, INTERPRET, IEEE)
 
+    dep_release(PDL)
     if SWAP_AB:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
@@ -315,7 +320,7 @@ def _finalize_kernel(
     ws_ptr, sq_ptr, out_ptr, res_ptr, M, N, K, stride_ws_s, stride_ws_m, stride_om, stride_rm,
     eps, alpha, limit, SPLIT: tl.constexpr,
     HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr, HAS_RES: tl.constexpr, OUT: tl.constexpr,
-    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SQ_X: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SQ_X: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """Program (row, column block): sum the split partials in order, scale by inv_r, [SwiGLU], [+ residual], round.
 
@@ -323,6 +328,8 @@ def _finalize_kernel(
     SQ_X (a power of two >= K, with HAS_NORM): sq_ptr is x [M, K] itself (row stride K) and each
     program sums its row's squares (one load of the row, from L2) instead of reading partial sums:
     for products that came without them (blas.norm_linear)."""
+    dep_wait(PDL)
+    dep_release(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < N
@@ -567,8 +574,8 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET, TMA=tma, SQ_COL=sq_col,
         SWAP_AB=fp8 and m >= FP8_SWAP_MIN_ROWS,
         # Inline PTX cannot run in the interpreter, where tests fake sm90_of for the TMA path: nvidia_of too.
-        FP8_PTX=fp8 and FP8_PACKED_DEQUANT and nvidia_of(x) and sm90_of(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8_PTX=fp8 and FP8_PACKED_DEQUANT and nvidia_of(x) and sm90_of(x), PDL=pdl_of(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl_of(x)),
     )
 
 
@@ -589,6 +596,7 @@ def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: 
         eps, alpha, limit, SPLIT=split,
         HAS_NORM=has_norm, SWIGLU=swiglu, HAS_RES=residual is not None, OUT=tl_dtype(out.dtype),
         BLOCK_N=block, INTERPRET=INTERPRET, SQ_X=triton.next_power_of_2(k) if sq_from_x else 0, num_warps=4,
+        PDL=pdl_of(out), **pdl_launch(pdl_of(out)),
     )
 
 

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from dspark_sidecar.kernels import reference
-from dspark_sidecar.kernels.triton import attention, blas, gemm
+from dspark_sidecar.kernels.triton import attention, blas, gemm, runtime
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS as T
 from dspark_sidecar.kernels.timing import gpu_times
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
@@ -333,6 +333,10 @@ TUNE = (
     ("defaults (7)", {}),
     ("attention: splits merged by a separate kernel (2)", {"attention": {"COOP_MERGE": False}}),
     ("defaults (8)", {}),
+    ("no programmatic dependent launch (runtime.PDL off, before run 159)", {"runtime": {"PDL": False}}),
+    ("defaults (pdl)", {}),
+    ("no programmatic dependent launch (2)", {"runtime": {"PDL": False}}),
+    ("defaults (pdl 2)", {}),
     # MXFP8 weights (run with --tune-fp8): the GEMMs' dequantizing paths. Run 152 measured these
     # with swap A/B off by default; since then it is on from 33 rows (gemm.FP8_SWAP_MIN_ROWS).
     ("fp8 swap A/B at every row count", {"gemm": {"FP8_SWAP_MIN_ROWS": 0}}),
@@ -354,7 +358,7 @@ def tune(rows_list: list[int], context: int, bw: float, dev: torch.device, match
 
     match: only the rows whose label contains one of these, and the first ("defaults").
     fp8: the step with MXFP8 layer weights."""
-    modules = {"gemm": gemm, "blas": blas, "attention": attention, "step": sys.modules[__name__]}
+    modules = {"gemm": gemm, "blas": blas, "attention": attention, "runtime": runtime, "step": sys.modules[__name__]}
     rows_run = [(label, c) for label, c in TUNE if not match or label == "defaults" or any(m in label for m in match)]
     out = []
     for rows in rows_list:

@@ -18,7 +18,9 @@ import triton
 import triton.language as tl
 
 from dspark_sidecar.kernels.triton.gemm import Partials, row_norm_scale
-from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, rms_inv, tl_dtype
+from dspark_sidecar.kernels.triton.runtime import (
+    INTERPRET, cast, check_device, dep_release, dep_wait, pdl_launch, pdl_of, rms_inv, tl_dtype,
+)
 
 
 @triton.jit
@@ -69,14 +71,18 @@ def _prelude_kernel(
     slot_ptr, eps, stride_xs, sq_ptr, stride_sq, k_in, eps_in, PAGE: tl.constexpr, SPLITS: tl.constexpr,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_D: tl.constexpr, OUT: tl.constexpr, CACHE: tl.constexpr, PARTIAL: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (row, head j): j < Q_HEADS a q head, else k head j - Q_HEADS (and its v head).
 
     PARTIAL: x_ptr is the fp32 workspace [SPLITS, n, width] (stride_xs apart) and sq_ptr the
     partial sums of squares [SPLITS, n] of the GEMM's input rows (k_in wide, norm eps_in).
     PAGE (the cache's page size) is compile-time: slot // PAGE is a shift, not a 64-bit division.
+    PDL (runtime.PDL): the attention after it may launch as soon as every program is past the wait,
+    and read the step's metadata there while this launch runs.
     """
+    dep_wait(PDL)
+    dep_release(PDL)
     row, j = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < D
@@ -154,7 +160,7 @@ def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: tor
             *_cache_args(kv_layer), slots, eps, xs, sq, sq.stride(0), k_in, eps_in,
             PAGE=kv_layer.shape[2], SPLITS=splits, Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, HALF=cos.shape[-1],
             BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(dtype), CACHE=tl_dtype(kv_layer.dtype),
-            PARTIAL=partial, INTERPRET=INTERPRET, num_warps=1,
+            PARTIAL=partial, INTERPRET=INTERPRET, num_warps=1, PDL=pdl_of(x), **pdl_launch(pdl_of(x)),
         )
     return q
 

@@ -18,6 +18,8 @@ def compile_for(fn, consts: dict, types: dict, target, num_warps: int, num_stage
     """fn compiled for `target`. types: the non-constexpr arguments' Triton types (others i32);
     pointers and the div16 names get the JIT's 16-divisibility hint (without it Triton neither
     vectorises nor pipelines the loads)."""
+    # Constexprs left out take their defaults, as at a launch that does not pass them (e.g. PDL).
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in consts:

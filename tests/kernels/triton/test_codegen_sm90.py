@@ -29,7 +29,7 @@ H200_SMEM = 227 << 10
 TESTS = Path(__file__).resolve().parents[2]  # the children import helpers.triton_compile from here
 
 _CHILD = r"""
-import json, subprocess, sys
+import json, re, subprocess, sys
 from pathlib import Path
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -47,7 +47,16 @@ def build(fn, consts, types, div16, name, num_warps, num_stages):
     usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
     ptx = kern.asm["ptx"]
-    return dict(shared=kern.metadata.shared, stack=[int(w.split(":")[1]) for w in usage.split() if w.startswith("STACK:")],
+    lines = ptx.splitlines()
+    wait = next((i for i, l in enumerate(lines) if "griddepcontrol.wait" in l), -1)
+    release = [i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l]
+    dots = [i for i, l in enumerate(lines) if "wgmma.mma_async" in l or "mma.sync" in l]
+    memory = re.compile(r"\b(ld\.global\S*|cp\.async\S*|atom\S*|st\.global\S*|red\.\S*)")
+    return dict(shared=kern.metadata.shared,
+                # PDL: the memory operations before griddepcontrol.wait (in text order: the wait
+                # sits in the entry block), and whether every launch_dependents follows the dots.
+                pdl_wait=wait, pdl_before_wait=[m.group(1) for l in lines[:max(wait, 0)] for m in [memory.search(l)] if m],
+                pdl_release=len(release), pdl_release_after_dots=bool(release) and min(release) > max(dots, default=-1), stack=[int(w.split(":")[1]) for w in usage.split() if w.startswith("STACK:")],
                 cp_async=ptx.count("cp.async.cg.shared.global"), wgmma=ptx.count("wgmma.mma_async"),
                 mma_sync=ptx.count("mma.sync.aligned"), tma=ptx.count("cp.async.bulk.tensor"),
                 # wgmma's A operand after the accumulators: a {register list} or a shared-memory descriptor
@@ -55,7 +64,7 @@ def build(fn, consts, types, div16, name, num_warps, num_stages):
                                 for l in ptx.splitlines() if "wgmma.mma_async" in l))
 
 
-def compile_case(rows, n, k, swiglu, norm, residual, folded=False, tma=True, sq_column=True):
+def compile_case(rows, n, k, swiglu, norm, residual, folded=False, tma=True, sq_column=True, pdl=False):
     # tma: the weights through a tensor descriptor, as gemm._launch passes dense bf16 weights on
     # sm_90; else the pointer path (MXFP8 weights, AMD). sq_column: gemm.SQ_COLUMN (where a folded
     # split-K GEMM sums x^2).
@@ -64,7 +73,7 @@ def compile_case(rows, n, k, swiglu, norm, residual, folded=False, tma=True, sq_
     consts = dict(HAS_NORM=norm, FOLDED=folded, FP8=False, QBLOCK=1, SWIGLU=swiglu, PARTIAL=partial, HAS_RES=residual and not partial,
                   DOT=tl.bfloat16, IEEE=False, OUT=tl.bfloat16, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                   INTERPRET=False, TMA=tma, SQ_COL=sq_column and folded and norm and partial, SWAP_AB=False,
-                  FP8_PTX=False, **UNIT)
+                  FP8_PTX=False, PDL=pdl, **UNIT)
     out = "*fp32" if partial else "*bf16"
     w = f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>" if tma else "*bf16"
     types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr=w, s_ptr="*bf16", res_ptr="*bf16", out_ptr=out,
@@ -82,20 +91,39 @@ def compile_fp8_case(rows, n, k, swiglu, norm, residual):
     return dict(got, stages=cfg.num_stages, block_m=cfg.block_m, swap=consts["SWAP_AB"])
 
 
-def compile_attention(reqs, coop=False):
+def compile_attention(reqs, coop=False, pdl=False):
     # The split kernel at the shard's heads (16 q, 1 KV, d 128), as paged_window_attention plans it;
     # coop: with the splits' merge in the same (cooperative) launch.
     from dspark_sidecar.kernels.triton import attention
     splits = attention.num_splits(reqs, 1, 4096 + 6, 132)
     consts = dict(ROWS=7, GROUP=16, D=128, BLOCK_D=128, BM=128, BN=attention.BLOCK_N, SPLITS=splits,
                   OUT=tl.bfloat16, DOT=tl.bfloat16, IEEE=False, INTERPRET=False, PAGE=16, stride_qd=1, stride_cd=1,
-                  COOP=coop, RB=triton.cdiv(7 * 16, splits))
+                  COOP=coop, RB=triton.cdiv(7 * 16, splits), PDL=pdl)
     types = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", seq_ptr="*i32", bt_ptr="*i32", out_ptr="*bf16",
                  po_ptr="*fp32", pml_ptr="*fp32", cnt_ptr="*i32", qk_scale="fp32")
     div16 = {"stride_qn", "stride_qh", "stride_c0", "stride_cp", "stride_cs", "stride_ch", "stride_bt"}
-    got = build(attention._split_kernel, consts, types, div16, f"attention{reqs}{'coop' if coop else ''}", 8,
+    got = build(attention._split_kernel, consts, types, div16, f"attention{reqs}{'coop' if coop else ''}{pdl}", 8,
                 attention.NUM_STAGES)
     return dict(got, block_m=128)
+
+
+def compile_prelude_pdl():
+    # The prelude finishing the qkv GEMM's 7 split partials of the shard's heads, launched with PDL.
+    from dspark_sidecar.kernels.triton import prelude
+    consts = dict(PAGE=16, SPLITS=7, Q_HEADS=16, KV_HEADS=1, D=128, HALF=32, BLOCK_D=128, OUT=tl.bfloat16,
+                  CACHE=tl.bfloat16, PARTIAL=True, INTERPRET=False, PDL=True, stride_xd=1, stride_qd=1, stride_cd=1)
+    types = dict(x_ptr="*fp32", qn_ptr="*bf16", kn_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", q_ptr="*bf16",
+                 kv_ptr="*bf16", slot_ptr="*i64", eps="fp32", sq_ptr="*fp32", eps_in="fp32")
+    return build(prelude._prelude_kernel, consts, types, set(), "prelude_pdl", 1, 3)
+
+
+def compile_finalize_pdl():
+    # gate|up's finalize after the vendor product (squares from x itself), launched with PDL.
+    consts = dict(SPLIT=1, HAS_NORM=True, SWIGLU=True, HAS_RES=False, OUT=tl.bfloat16, BLOCK_N=256,
+                  INTERPRET=False, SQ_X=8192, PDL=True)
+    types = dict(ws_ptr="*fp32", sq_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", eps="fp32", alpha="fp32",
+                 limit="fp32")
+    return build(gemm._finalize_kernel, consts, types, set(), "finalize_pdl", 4, 3)
 
 
 cases = {
@@ -118,6 +146,10 @@ got = {name: compile_case(*args) for name, args in cases.items()}
 got.update({name: compile_fp8_case(*args) for name, args in fp8_cases.items()})
 got["attention 8 requests"] = compile_attention(8)
 got["attention 8 requests, merged in the launch"] = compile_attention(8, coop=True)
+got["attention 8 requests, merged in the launch, PDL"] = compile_attention(8, coop=True, pdl=True)
+got["qkv 56 rows, norm folded, PDL"] = compile_case(56, 2304, 6144, False, True, False, True, pdl=True)
+got["prelude, PDL"] = compile_prelude_pdl()
+got["finalize, PDL"] = compile_finalize_pdl()
 print(json.dumps(got))
 """
 
@@ -209,3 +241,24 @@ def test_folded_split_gemms_leave_the_squares_to_their_own_column(sm90):
     for case in ("qkv 56 rows, norm folded", "gate_up 56 rows, norm folded", "gate_up 56 rows, norm folded, pointer path"):
         got = sm90[case]
         assert got["wgmma"] > 0 and got["wgmma_reg_a"] == 0, (case, got)
+
+
+def test_programmatic_dependent_launch_waits_before_the_step_data(sm90):
+    """runtime.PDL: a kernel may start while its predecessor still runs, so nothing it reads before
+    griddepcontrol.wait may be written by that predecessor. The GEMM, the prelude and the finalize
+    wait before any memory operation; the attention reads only the step's positions, sequence
+    lengths and block table first (scalar loads, written before the first layer), never q or K/V
+    (vector loads, cp.async). Each releases its successor after its dots, not at its start (run 22:
+    released at once, the early programs only competed with the running kernel)."""
+    for case in ("qkv 56 rows, norm folded, PDL", "prelude, PDL", "finalize, PDL"):
+        got = sm90[case]
+        assert got["pdl_wait"] >= 0 and got["pdl_before_wait"] == [], (case, got)
+        assert got["pdl_release"] >= 1 and got["pdl_release_after_dots"], (case, got)
+    got = sm90["attention 8 requests, merged in the launch, PDL"]
+    assert got["pdl_wait"] >= 0 and got["pdl_before_wait"], got
+    assert set(got["pdl_before_wait"]) <= {"ld.global.b32", "ld.global.b64"}, got
+    assert got["pdl_release"] >= 1 and got["pdl_release_after_dots"], got
+    assert got["wgmma"] > 0 and max(got["stack"]) == 0, got
+    # Without PDL no kernel carries the instructions at all.
+    for case in ("qkv 56 rows, norm folded", "attention 8 requests, merged in the launch"):
+        assert sm90[case]["pdl_wait"] == -1 and sm90[case]["pdl_release"] == 0, case
