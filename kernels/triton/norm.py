@@ -6,7 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_sidecar.kernels.triton.runtime import INTERPRET, cast, check_device, rms_inv, tl_dtype
+from dspark_sidecar.kernels.triton.runtime import (
+    INTERPRET, cast, check_device, dep_release, dep_wait, pdl_launch, pdl_of, rms_inv, tl_dtype,
+)
 
 
 # Rows up to this wide are held in registers (32 fp32 per thread at 8 warps) and read once; wider
@@ -17,8 +19,11 @@ ONE_PASS_MAX = 8192
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, stride_x, stride_o, eps,
-                     OUT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, INTERPRET: tl.constexpr):
+                     OUT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, INTERPRET: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """One program per row: the row in registers (ONE_PASS, BLOCK >= K), or two passes in BLOCK chunks."""
+    dep_wait(PDL)
+    dep_release(PDL)
     row = tl.program_id(0)
     if ONE_PASS:
         offs = tl.arange(0, BLOCK)
@@ -55,5 +60,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = triton.next_power_of_2(k) if one_pass else 2048
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, k, x2.stride(0), out.stride(0), eps,
                                          OUT=tl_dtype(x.dtype), BLOCK=block, ONE_PASS=one_pass,
-                                         INTERPRET=INTERPRET, num_warps=8)
+                                         INTERPRET=INTERPRET, num_warps=8, PDL=pdl_of(x2), **pdl_launch(pdl_of(x2)))
     return out.view(x.shape)

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dspark_sidecar.kernels.triton.runtime import INTERPRET, check_device
+from dspark_sidecar.kernels.triton.runtime import INTERPRET, check_device, dep_release, dep_wait, pdl_launch, pdl_of
 
 # Positions per program. fp64 cos/sin of angles in the millions take the slow argument reduction:
 # one program of 64 rows (16 values per thread) took 9.2 us on an H200 (run 99); 4 rows of a
@@ -19,7 +19,8 @@ ROWS = 4
 
 @triton.jit
 def _rope_cos_sin_kernel(pos_ptr, cos_ptr, sin_ptr, n, theta_bits, rotary_dim,
-                         HALF: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr, INTERPRET: tl.constexpr):
+                         HALF: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr, INTERPRET: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """cos/sin [n, HALF] fp32 of angle p * theta^(-2i/rotary_dim), formed in fp64.
 
     Same operations in the same order as reference.rope_cos_sin, so on CUDA both end in the same
@@ -27,6 +28,7 @@ def _rope_cos_sin_kernel(pos_ptr, cos_ptr, sin_ptr, n, theta_bits, rotary_dim,
     as its IEEE-754 bits in an int64: Triton passes a Python float argument as fp32. The
     interpreter (triton 3.9) has no libdevice: there numpy's exp/log/cos/sin stand in (pow as
     exp(e * log theta): a few fp64 ulps, far below the fp32 output's).
+    PDL (runtime.PDL): the frequencies (an fp64 pow) are formed before the wait for the positions.
     """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, HALF_P2)
@@ -36,6 +38,8 @@ def _rope_cos_sin_kernel(pos_ptr, cos_ptr, sin_ptr, n, theta_bits, rotary_dim,
         inv_freq = tl.exp(e * tl.log(theta))  # [HALF_P2] fp64
     else:
         inv_freq = libdevice.pow(theta, e)
+    dep_wait(PDL)
+    dep_release(PDL)
     p = tl.load(pos_ptr + rows, mask=rows < n, other=0).to(tl.float64)
     ang = p[:, None] * inv_freq[None, :]  # [ROWS, HALF_P2] fp64: positions reach millions
     mask = (rows[:, None] < n) & (cols[None, :] < HALF)
@@ -63,5 +67,6 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tupl
         pos = positions if positions.is_contiguous() else positions.contiguous()
         _rope_cos_sin_kernel[(triton.cdiv(n, ROWS),)](pos, cos, sin, n, _f64_bits(theta), rotary_dim,
                                                       HALF=half, HALF_P2=triton.next_power_of_2(half),
-                                                      ROWS=ROWS, INTERPRET=INTERPRET, num_warps=4)
+                                                      ROWS=ROWS, INTERPRET=INTERPRET, num_warps=4,
+                                                      PDL=pdl_of(pos), **pdl_launch(pdl_of(pos)))
     return cos, sin

@@ -117,6 +117,22 @@ def compile_prelude_pdl():
     return build(prelude._prelude_kernel, consts, types, set(), "prelude_pdl", 1, 3)
 
 
+def compile_rope_pdl():
+    # RoPE's table for a step's positions, launched with PDL: its fp64 pow may run before the wait.
+    from dspark_sidecar.kernels.triton import rope
+    consts = dict(HALF=32, HALF_P2=32, ROWS=rope.ROWS, INTERPRET=False, PDL=True)
+    types = dict(pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", theta_bits="i64")
+    return build(rope._rope_cos_sin_kernel, consts, types, set(), "rope_pdl", 4, 3)
+
+
+def compile_norm_pdl():
+    # The final norm of [56, 6144] in one pass, launched with PDL.
+    from dspark_sidecar.kernels.triton import norm
+    consts = dict(OUT=tl.bfloat16, BLOCK=8192, ONE_PASS=True, INTERPRET=False, PDL=True)
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", eps="fp32")
+    return build(norm._rms_norm_kernel, consts, types, set(), "norm_pdl", 8, 3)
+
+
 def compile_finalize_pdl():
     # gate|up's finalize after the vendor product (squares from x itself), launched with PDL.
     consts = dict(SPLIT=1, HAS_NORM=True, SWIGLU=True, HAS_RES=False, OUT=tl.bfloat16, BLOCK_N=256,
@@ -149,6 +165,8 @@ got["attention 8 requests, merged in the launch"] = compile_attention(8, coop=Tr
 got["attention 8 requests, merged in the launch, PDL"] = compile_attention(8, coop=True, pdl=True)
 got["qkv 56 rows, norm folded, PDL"] = compile_case(56, 2304, 6144, False, True, False, True, pdl=True)
 got["prelude, PDL"] = compile_prelude_pdl()
+got["rope, PDL"] = compile_rope_pdl()
+got["final norm, PDL"] = compile_norm_pdl()
 got["finalize, PDL"] = compile_finalize_pdl()
 print(json.dumps(got))
 """
@@ -245,12 +263,12 @@ def test_folded_split_gemms_leave_the_squares_to_their_own_column(sm90):
 
 def test_programmatic_dependent_launch_waits_before_the_step_data(sm90):
     """runtime.PDL: a kernel may start while its predecessor still runs, so nothing it reads before
-    griddepcontrol.wait may be written by that predecessor. The GEMM, the prelude and the finalize
-    wait before any memory operation; the attention reads only the step's positions, sequence
+    griddepcontrol.wait may be written by that predecessor. The GEMM, the prelude, the finalize, the
+    final norm and RoPE's table (which forms its frequencies first) wait before any memory operation; the attention reads only the step's positions, sequence
     lengths and block table first (scalar loads, written before the first layer), never q or K/V
     (vector loads, cp.async). Each releases its successor after its dots, not at its start (run 22:
     released at once, the early programs only competed with the running kernel)."""
-    for case in ("qkv 56 rows, norm folded, PDL", "prelude, PDL", "finalize, PDL"):
+    for case in ("qkv 56 rows, norm folded, PDL", "prelude, PDL", "finalize, PDL", "rope, PDL", "final norm, PDL"):
         got = sm90[case]
         assert got["pdl_wait"] >= 0 and got["pdl_before_wait"] == [], (case, got)
         assert got["pdl_release"] >= 1 and got["pdl_release_after_dots"], (case, got)
