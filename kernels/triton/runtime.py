@@ -8,7 +8,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: launches without PDL (pdl_of)
+    gdc_launch_dependents = gdc_wait = None
 
 # TRITON_INTERPRET=1 (read by triton when a kernel is decorated) runs every kernel in numpy on
 # the CPU: that is how CI, which has no GPU, checks the kernels' indexing and maths.
@@ -28,7 +32,7 @@ PDL = True
 
 def pdl_of(t: torch.Tensor) -> bool:
     """Whether launches on t's device use programmatic dependent launch (PDL, on sm_90)."""
-    return PDL and sm90_of(t)
+    return PDL and gdc_wait is not None and sm90_of(t)
 
 
 def pdl_launch(pdl: bool) -> dict:
