@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, dep_release, dep_wait, mma, nvidia_of, pdl_launch, pdl_of, sms_of, tl_dtype,
+    INTERPRET, cast, check_device, dep_release, dep_wait, mma, nvidia_of, pdl_kwargs, sms_of, tl_dtype,
 )
 
 log = logging.getLogger("dspark_sidecar.kernels")
@@ -318,8 +318,7 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
             ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, SPLITS=sp, OUT=tl_dtype(q.dtype),
             DOT=dot, IEEE=dot == tl.float32, INTERPRET=INTERPRET, COOP=coop,
             RB=triton.cdiv(rows_per_req * group, sp), num_warps=NUM_WARPS if bm * bd >= 128 * 64 else 4,
-            num_stages=NUM_STAGES, PDL=pdl_of(q), **({"launch_cooperative_grid": True} if coop else {}),
-            **pdl_launch(pdl_of(q)),
+            num_stages=NUM_STAGES, **({"launch_cooperative_grid": True} if coop else {}), **pdl_kwargs(q),
         )
 
     coop = lane is not None and _launch_coop(q, launch)
@@ -329,6 +328,6 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
         _reduce_kernel[(r * hk, rows_per_req * group)](
             po, pml, out, q.stride(0), q.stride(1), q.stride(2), hk,
             ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, SPLITS=sp, OUT=tl_dtype(q.dtype),
-            INTERPRET=INTERPRET, num_warps=4, PDL=pdl_of(q), **pdl_launch(pdl_of(q)),
+            INTERPRET=INTERPRET, num_warps=4, **pdl_kwargs(q),
         )
     return out

@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, dep_release, dep_wait, dot_dtype, mma, nvidia_of, pdl_launch, pdl_of, rms_inv,
+    INTERPRET, cast, check_device, dep_release, dep_wait, dot_dtype, mma, nvidia_of, pdl_kwargs, rms_inv,
     sm90_of, sms_of, smem_of, tl_dtype,
 )
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
@@ -574,8 +574,8 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET, TMA=tma, SQ_COL=sq_col,
         SWAP_AB=fp8 and m >= FP8_SWAP_MIN_ROWS,
         # Inline PTX cannot run in the interpreter, where tests fake sm90_of for the TMA path: nvidia_of too.
-        FP8_PTX=fp8 and FP8_PACKED_DEQUANT and nvidia_of(x) and sm90_of(x), PDL=pdl_of(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl_of(x)),
+        FP8_PTX=fp8 and FP8_PACKED_DEQUANT and nvidia_of(x) and sm90_of(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
     )
 
 
@@ -596,7 +596,7 @@ def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: 
         eps, alpha, limit, SPLIT=split,
         HAS_NORM=has_norm, SWIGLU=swiglu, HAS_RES=residual is not None, OUT=tl_dtype(out.dtype),
         BLOCK_N=block, INTERPRET=INTERPRET, SQ_X=triton.next_power_of_2(k) if sq_from_x else 0, num_warps=4,
-        PDL=pdl_of(out), **pdl_launch(pdl_of(out)),
+        **pdl_kwargs(out),
     )
 
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, dep_release, dep_wait, pdl_launch, pdl_of, rms_inv, tl_dtype,
+    INTERPRET, cast, check_device, dep_release, dep_wait, pdl_kwargs, rms_inv, tl_dtype,
 )
 
 
@@ -60,5 +60,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = triton.next_power_of_2(k) if one_pass else 2048
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, k, x2.stride(0), out.stride(0), eps,
                                          OUT=tl_dtype(x.dtype), BLOCK=block, ONE_PASS=one_pass,
-                                         INTERPRET=INTERPRET, num_warps=8, PDL=pdl_of(x2), **pdl_launch(pdl_of(x2)))
+                                         INTERPRET=INTERPRET, num_warps=8, **pdl_kwargs(x2))
     return out.view(x.shape)

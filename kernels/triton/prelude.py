@@ -19,7 +19,7 @@ import triton.language as tl
 
 from dspark_sidecar.kernels.triton.gemm import Partials, row_norm_scale
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, dep_release, dep_wait, pdl_launch, pdl_of, rms_inv, tl_dtype,
+    INTERPRET, cast, check_device, dep_release, dep_wait, pdl_kwargs, rms_inv, tl_dtype,
 )
 
 
@@ -160,7 +160,7 @@ def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: tor
             *_cache_args(kv_layer), slots, eps, xs, sq, sq.stride(0), k_in, eps_in,
             PAGE=kv_layer.shape[2], SPLITS=splits, Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, HALF=cos.shape[-1],
             BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(dtype), CACHE=tl_dtype(kv_layer.dtype),
-            PARTIAL=partial, INTERPRET=INTERPRET, num_warps=1, PDL=pdl_of(x), **pdl_launch(pdl_of(x)),
+            PARTIAL=partial, INTERPRET=INTERPRET, num_warps=1, **pdl_kwargs(x),
         )
     return q
 

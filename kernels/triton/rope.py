@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dspark_sidecar.kernels.triton.runtime import INTERPRET, check_device, dep_release, dep_wait, pdl_launch, pdl_of
+from dspark_sidecar.kernels.triton.runtime import INTERPRET, check_device, dep_release, dep_wait, pdl_kwargs
 
 # Positions per program. fp64 cos/sin of angles in the millions take the slow argument reduction:
 # one program of 64 rows (16 values per thread) took 9.2 us on an H200 (run 99); 4 rows of a
@@ -67,6 +67,5 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tupl
         pos = positions if positions.is_contiguous() else positions.contiguous()
         _rope_cos_sin_kernel[(triton.cdiv(n, ROWS),)](pos, cos, sin, n, _f64_bits(theta), rotary_dim,
                                                       HALF=half, HALF_P2=triton.next_power_of_2(half),
-                                                      ROWS=ROWS, INTERPRET=INTERPRET, num_warps=4,
-                                                      PDL=pdl_of(pos), **pdl_launch(pdl_of(pos)))
+                                                      ROWS=ROWS, INTERPRET=INTERPRET, num_warps=4, **pdl_kwargs(pos))
     return cos, sin

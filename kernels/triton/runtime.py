@@ -35,9 +35,10 @@ def pdl_of(t: torch.Tensor) -> bool:
     return PDL and gdc_wait is not None and sm90_of(t)
 
 
-def pdl_launch(pdl: bool) -> dict:
-    """The launch keyword of a PDL launch (none otherwise: the interpreter takes no such keyword)."""
-    return {"launch_pdl": True} if pdl else {}
+def pdl_kwargs(t: torch.Tensor) -> dict:
+    """A launch's PDL keywords for a kernel on t's device: the kernel's PDL constexpr, and with it on,
+    the launch_pdl launch option (only then: the interpreter takes no such keyword)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_of(t) else {"PDL": False}
 
 
 @triton.jit

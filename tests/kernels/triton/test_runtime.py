@@ -16,10 +16,11 @@ def test_pdl_only_on_an_nvidia_gpu_of_sm90(monkeypatch):
     launcher takes no such keyword), and never while the tunable is off."""
     monkeypatch.setattr(runtime, "PDL", True)
     assert not runtime.pdl_of(torch.zeros(1))
-    assert runtime.pdl_launch(False) == {} and runtime.pdl_launch(True) == {"launch_pdl": True}
+    assert runtime.pdl_kwargs(torch.zeros(1)) == {"PDL": False}
     if torch.cuda.is_available():
         on_gpu = torch.zeros(1, device="cuda")
         assert runtime.pdl_of(on_gpu) == runtime.sm90_of(on_gpu)
+        assert runtime.pdl_kwargs(on_gpu) == ({"PDL": True, "launch_pdl": True} if runtime.sm90_of(on_gpu) else {"PDL": False})
         monkeypatch.setattr(runtime, "PDL", False)
         assert not runtime.pdl_of(on_gpu)
 
