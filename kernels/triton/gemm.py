@@ -427,7 +427,8 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     n: output columns per program's tile set (f for SwiGLU: each program streams gate and up tiles).
     Pipeline depth: as many stages of (x tile + weight tiles) as fit SMEM_PER_PROGRAM, so that two
     programs share an SM (one hides the other's load latency), at least 2 and at most MAX_STAGES;
-    or, when fewer than MIN_STAGES fit, one program per SM with the deep budget (see DEEP_SMEM).
+    or, when fewer than MIN_STAGES fit (or programs_per_sm is 1), one program per SM with the deep
+    budget (see DEEP_SMEM).
     max_smem: the device's shared memory per program (default: DEEP_SMEM + SMEM_RESERVE).
     sq_column: a split launch will carry the x^2 column (a folded norm, SQ_COLUMN); with
     PLAN_SQ_COLUMN its programs count among the slots.
@@ -436,7 +437,7 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     bn, bk = block_n or BLOCK_N, block_k or (FP8_BLOCK_K if weight_bytes == 1 else BLOCK_K)
     stage = stage_bytes(bm, bn, bk, swiglu, weight_bytes)
     stages = SMEM_PER_PROGRAM // stage
-    if programs_per_sm is None and DEEP_SMEM and stages < MIN_STAGES:
+    if DEEP_SMEM and (programs_per_sm == 1 or programs_per_sm is None and stages < MIN_STAGES):
         budget = min(DEEP_SMEM, (max_smem or DEEP_SMEM + SMEM_RESERVE) - SMEM_RESERVE)
         programs_per_sm, stages = 1, max(stages, budget // stage)
     stages = max(2, min(MAX_STAGES, stages))

@@ -207,11 +207,8 @@ def _sweep(name, rows, n_out, k, kind, fp8, wdt, nbytes, make, rec, dev):
     for bn, bk, pps, warps, stages in SWEEP[wdt]:
         p = gemm.plan(rows, n_cols, k, sms, block_n=bn, block_k=bk, programs_per_sm=pps, swiglu=kind == "swiglu",
                       weight_bytes=1 if fp8 else 2)
-        if stages is None:  # the planner's count for this tile, at its per-program budget for pps programs
-            stage = gemm.stage_bytes(p.block_m, bn, bk, kind == "swiglu", 1 if fp8 else 2)
-            budget = gemm.DEEP_SMEM if pps == 1 else gemm.SMEM_PER_PROGRAM
-            stages = max(2, min(gemm.MAX_STAGES, budget // stage))
-        cfg = gemm.GemmConfig(p.block_m, bn, bk, p.split_k, warps, stages)
+        # stages None: the planner's count for this tile at its budget for pps programs per SM
+        cfg = gemm.GemmConfig(p.block_m, bn, bk, p.split_k, warps, stages or p.num_stages)
         t = _per_call(lambda cfg=cfg: make(cfg), nbytes)
         rec(f"  {name.split()[0]} sweep", wdt, t, nbytes,
             cfg=f"bn{bn} bk{bk} pps{pps} w{warps} st{stages} s{cfg.split_k}")
