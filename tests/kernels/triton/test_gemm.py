@@ -217,27 +217,31 @@ def test_mxfp8_weight_from_checkpoint(tiny_ckpt, tiny_cfg):
         MxFp8Weight(w.qweight, w.scale[:, :3])
 
 
+class _OneWeightReader:
+    """CheckpointReader's two members that MxFp8Weight.from_checkpoint uses, for one weight: its
+    F8_E4M3 bits (u8 [rows, cols]) and one block exponent everywhere."""
+
+    block = 32
+
+    def __init__(self, bits: torch.Tensor, exponent: int = 120):
+        self.bits, self.exponent = bits, exponent
+
+    def _slice(self, key, shape, rows, cols):
+        if key.endswith("_scale_inv"):
+            return torch.full(shape, self.exponent, dtype=torch.uint8)
+        return self.bits.view(torch.float8_e4m3fn)
+
+
 def test_mxfp8_weight_refuses_nan_codes():
     """A slice holding the F8_E4M3 NaN code is a corrupt checkpoint: refused at load, naming the key
     and where (the kernels' dequantization reads that code as a finite value, gemm._dequant)."""
     from dspark_sidecar.drafter.checkpoint import CheckpointError
 
-    class Reader:  # CheckpointReader's two members that from_checkpoint uses
-        block = 32
-
-        def __init__(self, bits):
-            self.bits = bits
-
-        def _slice(self, key, shape, rows, cols):
-            if key.endswith("_scale_inv"):
-                return torch.full(shape, 120, dtype=torch.uint8)
-            return self.bits.view(torch.float8_e4m3fn)
-
     bits = torch.full((4, 64), 0x38, dtype=torch.uint8)  # 1.0
-    assert MxFp8Weight.from_checkpoint(Reader(bits), "w", (4, 64)).shape == (4, 64)
+    assert MxFp8Weight.from_checkpoint(_OneWeightReader(bits), "w", (4, 64)).shape == (4, 64)
     bits[2, 33] = 0xFF
     with pytest.raises(CheckpointError, match=r"w: 1 NaN F8_E4M3 codes .* \[2, 33\]"):
-        MxFp8Weight.from_checkpoint(Reader(bits), "w", (4, 64))
+        MxFp8Weight.from_checkpoint(_OneWeightReader(bits), "w", (4, 64))
 
 
 def test_mxfp8_weight_refuses_scales_the_kernels_do_not_take():
@@ -246,20 +250,10 @@ def test_mxfp8_weight_refuses_scales_the_kernels_do_not_take():
     from dspark_sidecar.drafter.checkpoint import CheckpointError
     from dspark_sidecar.kernels.weights import MAX_EXPONENT
 
-    class Reader:
-        block = 32
-
-        def __init__(self, exponent):
-            self.exponent = exponent
-
-        def _slice(self, key, shape, rows, cols):
-            if key.endswith("_scale_inv"):
-                return torch.full(shape, self.exponent, dtype=torch.uint8)
-            return torch.full(shape, 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
-
-    assert MxFp8Weight.from_checkpoint(Reader(MAX_EXPONENT), "w", (4, 64)).scale.max() == MAX_EXPONENT
+    bits = torch.full((4, 64), 0x38, dtype=torch.uint8)
+    assert MxFp8Weight.from_checkpoint(_OneWeightReader(bits, MAX_EXPONENT), "w", (4, 64)).scale.max() == MAX_EXPONENT
     with pytest.raises(CheckpointError, match=r"w_scale_inv: block exponent 135 above 134"):
-        MxFp8Weight.from_checkpoint(Reader(MAX_EXPONENT + 1), "w", (4, 64))
+        MxFp8Weight.from_checkpoint(_OneWeightReader(bits, MAX_EXPONENT + 1), "w", (4, 64))
 
 
 # The TP-4 rank shard of the real drafter: hidden 6144, 16 q + 1 k + 1 v heads of 128 (qkv 2304
