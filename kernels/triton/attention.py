@@ -5,7 +5,12 @@ every K/V tile, so one program computes a [112 -> 128, d] x [d, BLOCK_N] score t
 tensor cores. The key range max(0, min_pos - (window - 1)) .. seq_len - 1 (4102 keys at a full
 window) is cut flash-decoding style: program `s` of SPLITS takes key tiles s, s + SPLITS, ...
 (strided, so any range is covered with a grid fixed by shapes alone: graph-capturable, no
-host sync), keeps an online softmax (running max m, sum l, unnormalised acc) and writes it;
+host sync) of all but its last ROWS keys, keeps an online softmax (running max m, sum l,
+unnormalised acc) and writes it. Those last ROWS keys (the block's own, at a full window) are
+one narrow tile that the last split folds in after its key tiles: tiled with the rest they
+would make 4102 keys 65 tiles of 64, so one split of 16 would run 5 tiles while 15 run 4, and
+every split waits for it; 4095 keys make 64 tiles, 4 for every split, and the narrow tile goes
+to a split that has no more tiles than any other;
 `_reduce_kernel` merges the splits per (request, head row): out = sum_s e^(m_s - M) acc_s /
 sum_s e^(m_s - M) l_s. On NVIDIA GPUs, with 2..COOP_MAX_SPLITS splits, the split programs merge
 them themselves instead, in the same cooperative launch (one launch less per layer). With
@@ -59,8 +64,8 @@ def _split_kernel(
     stride_c0, stride_cp, stride_cs, stride_ch, stride_cd, stride_bt,
     window, qk_scale, hk, PAGE: tl.constexpr,
     ROWS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRET: tl.constexpr, COOP: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr = False,
+    BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr,
+    DOT: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, COOP: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (request, kv head, split). Row m of the Q block is (block row m // GROUP, head m % GROUP).
 
@@ -83,38 +88,48 @@ def _split_kernel(
     min_pos = tl.min(tl.where(m_valid, qpos, seq_len), axis=0)
     start = tl.maximum(min_pos - (window - 1), 0)
     left = qpos - (window - 1)  # each row's own window edge
-    n_tiles = tl.cdiv(seq_len - start, BN).to(tl.int32)
+    # Keys start .. tiled_end - 1 in BN-key tiles; tiled_end .. seq_len - 1 (at most ROWS) in the
+    # narrow tile of the last split, which has the fewest key tiles (split s has tiles s, s + SPLITS, ...).
+    tiled_end = tl.maximum(seq_len - ROWS, start)
+    n_tiles = tl.cdiv(tiled_end - start, BN).to(tl.int32)
     # The block-table entries of a tile are fetched one tile ahead, so that the K/V gathers of
     # a tile wait on one memory latency, not on two in a row.
     kpos = start + sp * BN + tl.arange(0, BN)
-    page = tl.load(bt_ptr + req * stride_bt + kpos // PAGE, mask=kpos < seq_len, other=0)
+    page = tl.load(bt_ptr + req * stride_bt + kpos // PAGE, mask=kpos < tiled_end, other=0)
+    last = sp == SPLITS - 1
+    bpos = tiled_end + tl.arange(0, BB)
+    b_valid = bpos < tl.where(last, seq_len, tiled_end)  # empty on the other splits
+    bpage = tl.load(bt_ptr + req * stride_bt + bpos // PAGE, mask=b_valid, other=0)
     dep_wait(PDL)
     q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT)
+    # The narrow tile's K/V (the prelude has just written the block's own) are gathered before the
+    # key tiles, so that their latency hides under them; the other splits' masks load nothing.
+    b_off = (bpage.to(tl.int64) * stride_cp + (bpos % PAGE) * stride_cs + h * stride_ch)[:, None] \
+        + offs_d[None, :] * stride_cd
+    b_mask = b_valid[:, None] & d_mask[None, :]
+    kb = tl.load(kv_ptr + b_off, mask=b_mask, other=0.0)
+    vb = tl.load(kv_ptr + stride_c0 + b_off, mask=b_mask, other=0.0)
 
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, BLOCK_D), tl.float32)
     for t in range(sp, n_tiles, SPLITS):
         kpos = start + t * BN + tl.arange(0, BN)
-        k_valid = kpos < seq_len
+        k_valid = kpos < tiled_end
         base = page.to(tl.int64) * stride_cp + (kpos % PAGE) * stride_cs + h * stride_ch
         kv_off = base[:, None] + offs_d[None, :] * stride_cd
         kv_mask = k_valid[:, None] & d_mask[None, :]
         k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT)
         v = tl.load(kv_ptr + stride_c0 + kv_off, mask=kv_mask, other=0.0).to(DOT)
         nxt = kpos + SPLITS * BN
-        page = tl.load(bt_ptr + req * stride_bt + nxt // PAGE, mask=nxt < seq_len, other=0)
-        s = mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), INTERPRET, IEEE) * qk_scale
-        visible = k_valid[None, :] & (kpos[None, :] >= left[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = mma(cast(p, DOT, INTERPRET), v, acc * alpha[:, None], INTERPRET, IEEE)
-        m_i = m_new
+        page = tl.load(bt_ptr + req * stride_bt + nxt // PAGE, mask=nxt < tiled_end, other=0)
+        m_i, l_i, acc = _online_tile(q, k, v, k_valid[None, :] & (kpos[None, :] >= left[:, None]), m_i, l_i, acc,
+                                     qk_scale, BM, DOT, INTERPRET, IEEE)
+    if last:
+        visible = b_valid[None, :] & (bpos[None, :] >= left[:, None])
+        m_i, l_i, acc = _online_tile(q, kb.to(DOT), vb.to(DOT), visible, m_i, l_i, acc, qk_scale, BM, DOT,
+                                     INTERPRET, IEEE)
 
     dep_release(PDL)
     if SPLITS == 1:
@@ -144,6 +159,22 @@ def _split_kernel(
             if tl.atomic_add(cnt + 1, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
                 tl.atomic_xchg(cnt + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _online_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, BM: tl.constexpr, DOT: tl.constexpr,
+                 INTERPRET: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile into the online softmax: q [BM, d], k and v [n, d], visible [BM, n] ->
+    the running max m_i [BM], sum l_i [BM] and unnormalised acc [BM, d], updated."""
+    s = mma(q, tl.trans(k), tl.zeros((BM, k.shape[0]), tl.float32), INTERPRET, IEEE) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = mma(cast(p, DOT, INTERPRET), v, acc * alpha[:, None], INTERPRET, IEEE)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -273,8 +304,9 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
     cooperative=False: the splits always merge in the merge kernel, never in a cooperative launch,
     whose grid must be resident all at once (DecoderLayer: not beside collectives that spin on peers).
 
-    `splits` defaults from the largest key range the shapes allow: window + rows - 1 keys
-    (rows at P..P+6, seq_len P + 7), capped by the block table's pages, and from this launch's
+    `splits` defaults from the largest tiled key range the shapes allow: window + rows - 1 keys
+    (rows at P..P+6, seq_len P + 7), capped by the block table's pages, less the narrow tile's
+    rows keys, and from this launch's
     share of the SMs: `concurrent` launches at once (a step's launch groups side by side) each
     split for 1/concurrent of them. Split for every SM, each group's grid fills the GPU (128
     programs at R = 8), so cooperative grids on other streams cannot be resident beside it and the
@@ -293,7 +325,7 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
         return out
     bn = block_n or BLOCK_N
     max_keys = min(window + rows_per_req - 1, block_tables.shape[1] * page_size)
-    sp = splits or num_splits(r, hk, max_keys, max(1, sms_of(q) // max(1, concurrent)), bn)
+    sp = splits or num_splits(r, hk, max(1, max_keys - rows_per_req), max(1, sms_of(q) // max(1, concurrent)), bn)
     bm = max(16, triton.next_power_of_2(rows_per_req * group))
     bd = max(16, triton.next_power_of_2(d))
     if sp > 1:
@@ -315,7 +347,7 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
             _counter_page(q.device)[lane] if coop else pml,
             q.stride(0), q.stride(1), q.stride(2), s[0], s[1], s[2], s[3], s[4], block_tables.stride(0),
             window, scale * LOG2E, hk, PAGE=page_size,
-            ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, SPLITS=sp, OUT=tl_dtype(q.dtype),
+            ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, BB=max(16, triton.next_power_of_2(rows_per_req)), SPLITS=sp, OUT=tl_dtype(q.dtype),
             DOT=dot, IEEE=dot == tl.float32, INTERPRET=INTERPRET, COOP=coop,
             RB=triton.cdiv(rows_per_req * group, sp), num_warps=NUM_WARPS if bm * bd >= 128 * 64 else 4,
             num_stages=NUM_STAGES, **({"launch_cooperative_grid": True} if coop else {}), **pdl_kwargs(q),

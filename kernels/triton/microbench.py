@@ -177,7 +177,7 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rec(f"paged_window_attention c{context}", "-", _per_call(make_attn, att_bytes), att_bytes,
-        splits=attention.num_splits(r, HK, keys, sms))
+        splits=attention.num_splits(r, HK, keys - QPR, sms))  # the split kernel tiles all but the last QPR keys
     if sweep:
         for s in (8, 16, 32, 64):
             if s <= -(-keys // attention.BLOCK_N):
@@ -334,6 +334,9 @@ TUNE = (
     ("defaults (pdl)", {}),
     ("no programmatic dependent launch (2)", {"runtime": {"PDL": False}}),
     ("defaults (pdl 2)", {}),
+    ("attention >= 2 key tiles/split, merged in the launch up to 32 splits (R = 1 at 32)",
+     {"attention": {"MIN_TILES_PER_SPLIT": 2, "COOP_MAX_SPLITS": 32}}),
+    ("defaults (nt)", {}),
     # MXFP8 weights (run with --tune-fp8): the GEMMs' dequantizing paths. Run 152 measured these
     # with swap A/B off by default; since then it is on from 33 rows (gemm.FP8_SWAP_MIN_ROWS).
     ("fp8 swap A/B at every row count", {"gemm": {"FP8_SWAP_MIN_ROWS": 0}}),

@@ -41,6 +41,9 @@ CASES = {
     "group4-slide": (4, 1, 32, 8, 40, [0, 37, 120]),
     "group2-d128": (2, 1, 128, 16, 4096, [5, 60]),
     "hk2-page5": (4, 2, 64, 5, 24, [23, 24, 90, 3]),
+    # window - 1 = 64 keys left of the first block row: 4 whole tiles of 16 before the block's own
+    # 7 keys, which only the last split's narrow tile holds (at s4, one tile for every split).
+    "even-tiles": (4, 1, 32, 8, 65, [200, 64]),
 }
 
 

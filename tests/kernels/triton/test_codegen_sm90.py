@@ -95,8 +95,8 @@ def compile_attention(reqs, coop=False, pdl=False):
     # The split kernel at the shard's heads (16 q, 1 KV, d 128), as paged_window_attention plans it;
     # coop: with the splits' merge in the same (cooperative) launch.
     from dspark_sidecar.kernels.triton import attention
-    splits = attention.num_splits(reqs, 1, 4096 + 6, 132)
-    consts = dict(ROWS=7, GROUP=16, D=128, BLOCK_D=128, BM=128, BN=attention.BLOCK_N, SPLITS=splits,
+    splits = attention.num_splits(reqs, 1, 4096 - 1, 132)  # the tiled keys: all but the block's 7
+    consts = dict(ROWS=7, GROUP=16, D=128, BLOCK_D=128, BM=128, BN=attention.BLOCK_N, BB=16, SPLITS=splits,
                   OUT=tl.bfloat16, DOT=tl.bfloat16, IEEE=False, INTERPRET=False, PAGE=16, stride_qd=1, stride_cd=1,
                   COOP=coop, RB=triton.cdiv(7 * 16, splits), PDL=pdl)
     types = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", seq_ptr="*i32", bt_ptr="*i32", out_ptr="*bf16",
