@@ -350,7 +350,7 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
             ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, BB=max(16, triton.next_power_of_2(rows_per_req)), SPLITS=sp, OUT=tl_dtype(q.dtype),
             DOT=dot, IEEE=dot == tl.float32, INTERPRET=INTERPRET, COOP=coop,
             RB=triton.cdiv(rows_per_req * group, sp), num_warps=NUM_WARPS if bm * bd >= 128 * 64 else 4,
-            num_stages=NUM_STAGES, **({"launch_cooperative_grid": True} if coop else {}), **pdl_kwargs(q),
+            num_stages=NUM_STAGES, **({"launch_cooperative_grid": True} if coop else {}), **pdl_kwargs(q, "attention"),
         )
 
     coop = lane is not None and _launch_coop(q, launch)
@@ -360,6 +360,6 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
         _reduce_kernel[(r * hk, rows_per_req * group)](
             po, pml, out, q.stride(0), q.stride(1), q.stride(2), hk,
             ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, SPLITS=sp, OUT=tl_dtype(q.dtype),
-            INTERPRET=INTERPRET, num_warps=4, **pdl_kwargs(q),
+            INTERPRET=INTERPRET, num_warps=4, **pdl_kwargs(q, "merge"),
         )
     return out

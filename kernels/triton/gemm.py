@@ -576,7 +576,7 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
         SWAP_AB=fp8 and m >= FP8_SWAP_MIN_ROWS,
         # Inline PTX cannot run in the interpreter, where tests fake sm90_of for the TMA path: nvidia_of too.
         FP8_PTX=fp8 and FP8_PACKED_DEQUANT and nvidia_of(x) and sm90_of(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x, "gemm"),
     )
 
 
@@ -597,7 +597,7 @@ def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: 
         eps, alpha, limit, SPLIT=split,
         HAS_NORM=has_norm, SWIGLU=swiglu, HAS_RES=residual is not None, OUT=tl_dtype(out.dtype),
         BLOCK_N=block, INTERPRET=INTERPRET, SQ_X=triton.next_power_of_2(k) if sq_from_x else 0, num_warps=4,
-        **pdl_kwargs(out),
+        **pdl_kwargs(out, "finalize"),
     )
 
 

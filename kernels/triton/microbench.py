@@ -337,6 +337,13 @@ TUNE = (
     ("attention >= 2 key tiles/split, merged in the launch up to 32 splits (R = 1 at 32)",
      {"attention": {"MIN_TILES_PER_SPLIT": 2, "COOP_MAX_SPLITS": 32}}),
     ("defaults (nt)", {}),
+    # PDL at each kind of boundary: the kernels named launch without it (runtime.PDL_EXCEPT).
+    ("PDL except the GEMMs", {"runtime": {"PDL_EXCEPT": frozenset({"gemm"})}}),
+    ("PDL except the finalizes", {"runtime": {"PDL_EXCEPT": frozenset({"finalize"})}}),
+    ("PDL except the GEMMs and finalizes", {"runtime": {"PDL_EXCEPT": frozenset({"gemm", "finalize"})}}),
+    ("PDL except the prelude", {"runtime": {"PDL_EXCEPT": frozenset({"prelude"})}}),
+    ("PDL except the attention and its merge", {"runtime": {"PDL_EXCEPT": frozenset({"attention", "merge"})}}),
+    ("defaults (pdl except)", {}),
     # MXFP8 weights (run with --tune-fp8): the GEMMs' dequantizing paths. Run 152 measured these
     # with swap A/B off by default; since then it is on from 33 rows (gemm.FP8_SWAP_MIN_ROWS).
     ("fp8 swap A/B at every row count", {"gemm": {"FP8_SWAP_MIN_ROWS": 0}}),
@@ -376,13 +383,13 @@ def tune(rows_list: list[int], context: int, bw: float, dev: torch.device, match
     return out
 
 
-def profile(rows: int, context: int, dev: torch.device) -> None:
+def profile(rows: int, context: int, dev: torch.device, fp8: bool = False) -> None:
     """Per-kernel GPU time of the step, eager, from the CUDA profiler: where the step's time goes,
     and (against the graphed step) how much of it is gaps between kernels."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    step = make_step(rows, context, dev, False, T)
+    step = make_step(rows, context, dev, fp8, T)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -393,7 +400,7 @@ def profile(rows: int, context: int, dev: torch.device) -> None:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.self_device_time_total for e in events) / reps
-    print(f"profile rows {rows}: kernel time per step {total:.1f} us (sum of kernel durations)", flush=True)
+    print(f"profile rows {rows}{' fp8' if fp8 else ''}: kernel time per step {total:.1f} us (sum of kernel durations)", flush=True)
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
         print(f"  {e.self_device_time_total / reps:8.1f} us  {e.count // reps:3d} launches  {e.key[:90]}", flush=True)
 
@@ -447,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-step", action="store_true", help="skip the 5-layer step figures")
     ap.add_argument("--tune", action="store_true", help="only time the step under each TUNE row of tunables")
     ap.add_argument("--tune-match", nargs="+", help="with --tune: only TUNE rows whose label contains one of these (and the first)")
-    ap.add_argument("--tune-fp8", action="store_true", help="with --tune: the step with MXFP8 layer weights")
+    ap.add_argument("--tune-fp8", action="store_true", help="with --tune or --profile: the step with MXFP8 layer weights")
     ap.add_argument("--profile", action="store_true", help="only print the step's per-kernel GPU times")
     ap.add_argument("--fit", action="store_true",
                     help="only fit one GEMM launch's fixed cost and streaming rate (Triton and cuBLAS) over N")
@@ -461,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     if args.profile:
         for rows in args.rows:
-            profile(rows, args.context, dev)
+            profile(rows, args.context, dev, args.tune_fp8)
         return
     if args.fit:
         results = [r for rows in args.rows for k in args.fit_k for r in bench_fit(rows, k, bw, dev)]

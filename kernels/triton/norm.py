@@ -60,5 +60,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = triton.next_power_of_2(k) if one_pass else 2048
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, k, x2.stride(0), out.stride(0), eps,
                                          OUT=tl_dtype(x.dtype), BLOCK=block, ONE_PASS=one_pass,
-                                         INTERPRET=INTERPRET, num_warps=8, **pdl_kwargs(x2))
+                                         INTERPRET=INTERPRET, num_warps=8, **pdl_kwargs(x2, "norm"))
     return out.view(x.shape)

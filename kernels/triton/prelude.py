@@ -160,7 +160,7 @@ def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: tor
             *_cache_args(kv_layer), slots, eps, xs, sq, sq.stride(0), k_in, eps_in,
             PAGE=kv_layer.shape[2], SPLITS=splits, Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, HALF=cos.shape[-1],
             BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(dtype), CACHE=tl_dtype(kv_layer.dtype),
-            PARTIAL=partial, INTERPRET=INTERPRET, num_warps=1, **pdl_kwargs(x),
+            PARTIAL=partial, INTERPRET=INTERPRET, num_warps=1, **pdl_kwargs(x, "prelude"),
         )
     return q
 

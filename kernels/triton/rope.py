@@ -67,5 +67,5 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tupl
         pos = positions if positions.is_contiguous() else positions.contiguous()
         _rope_cos_sin_kernel[(triton.cdiv(n, ROWS),)](pos, cos, sin, n, _f64_bits(theta), rotary_dim,
                                                       HALF=half, HALF_P2=triton.next_power_of_2(half),
-                                                      ROWS=ROWS, INTERPRET=INTERPRET, num_warps=4, **pdl_kwargs(pos))
+                                                      ROWS=ROWS, INTERPRET=INTERPRET, num_warps=4, **pdl_kwargs(pos, "rope"))
     return cos, sin

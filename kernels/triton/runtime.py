@@ -28,6 +28,11 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true
 # from 357 to 348 us at 7 rows and 415.6 to 413.5 us at 56, the same bits (BENCHMARKS.md run 159).
 # A kernel launched before its first release (run 22 released at once) only competed with it.
 PDL = True
+# Kernels launched without PDL where it is on, by the name their launch passes to pdl_kwargs ("gemm",
+# "finalize", "prelude", "attention", "merge", "norm", "rope"), a tunable: microbench --tune times
+# each boundary's share. Such a kernel starts only when its predecessor has finished, and its
+# successor only when it has, so every kernel's reads before its wait stay ordered.
+PDL_EXCEPT: frozenset[str] = frozenset()
 
 
 def pdl_of(t: torch.Tensor) -> bool:
@@ -35,10 +40,10 @@ def pdl_of(t: torch.Tensor) -> bool:
     return PDL and gdc_wait is not None and sm90_of(t)
 
 
-def pdl_kwargs(t: torch.Tensor) -> dict:
-    """A launch's PDL keywords for a kernel on t's device: the kernel's PDL constexpr, and with it on,
-    the launch_pdl launch option (only then: the interpreter takes no such keyword)."""
-    return {"PDL": True, "launch_pdl": True} if pdl_of(t) else {"PDL": False}
+def pdl_kwargs(t: torch.Tensor, kernel: str) -> dict:
+    """The PDL keywords of a launch of `kernel` on t's device: the kernel's PDL constexpr, and with it
+    on, the launch_pdl launch option (only then: the interpreter takes no such keyword)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_of(t) and kernel not in PDL_EXCEPT else {"PDL": False}
 
 
 @triton.jit

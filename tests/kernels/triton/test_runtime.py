@@ -16,30 +16,43 @@ def test_pdl_only_on_an_nvidia_gpu_of_sm90(monkeypatch):
     launcher takes no such keyword), and never while the tunable is off."""
     monkeypatch.setattr(runtime, "PDL", True)
     assert not runtime.pdl_of(torch.zeros(1))
-    assert runtime.pdl_kwargs(torch.zeros(1)) == {"PDL": False}
+    assert runtime.pdl_kwargs(torch.zeros(1), "gemm") == {"PDL": False}
     if torch.cuda.is_available():
         on_gpu = torch.zeros(1, device="cuda")
         assert runtime.pdl_of(on_gpu) == runtime.sm90_of(on_gpu)
-        assert runtime.pdl_kwargs(on_gpu) == ({"PDL": True, "launch_pdl": True} if runtime.sm90_of(on_gpu) else {"PDL": False})
+        assert runtime.pdl_kwargs(on_gpu, "gemm") == ({"PDL": True, "launch_pdl": True} if runtime.sm90_of(on_gpu)
+                                                      else {"PDL": False})
         monkeypatch.setattr(runtime, "PDL", False)
         assert not runtime.pdl_of(on_gpu)
 
 
+def test_kernels_named_in_pdl_except_launch_without_it(monkeypatch):
+    """PDL_EXCEPT turns PDL off for the kernels it names, and only for them."""
+    monkeypatch.setattr(runtime, "pdl_of", lambda t: True)
+    monkeypatch.setattr(runtime, "PDL_EXCEPT", frozenset({"gemm", "finalize"}))
+    t = torch.zeros(1)
+    assert runtime.pdl_kwargs(t, "gemm") == runtime.pdl_kwargs(t, "finalize") == {"PDL": False}
+    assert runtime.pdl_kwargs(t, "prelude") == {"PDL": True, "launch_pdl": True}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "mxfp8"])
 @pytest.mark.parametrize("rows", [56, 7])
-def test_pdl_gives_the_same_bits(cuda, rows, monkeypatch):
+def test_pdl_gives_the_same_bits(cuda, rows, fp8, monkeypatch):
     """The 5-layer step at the TP-4 shard's shapes and a 4096 context (microbench.make_step: the
     qkv GEMM's partials, the prelude writing q and the block K/V, the attention reading them; 56 rows
-    merge the splits in the cooperative launch, 7 in the merge kernel), eager and CUDA-graphed with
-    PDL on and off: the same bits. A kernel that read its predecessor's output before the wait
-    would read stale q or K/V on some launches."""
+    merge the splits in the cooperative launch, 7 in the merge kernel; with MXFP8 weights every GEMM
+    is a Triton launch and its finalize), eager and CUDA-graphed with PDL off, on, and on for all but
+    the GEMMs and finalizes (boundaries of both kinds in one chain): the same bits. A kernel that read
+    its predecessor's output before the wait would read stale q or K/V on some launches."""
     if not runtime.sm90_of(torch.zeros(1, device=cuda)):
         pytest.skip("PDL needs compute capability 9.0")
     torch.manual_seed(0)
-    step = microbench.make_step(rows, 4096, torch.device(cuda), False, TRITON_OPS)
+    step = microbench.make_step(rows, 4096, torch.device(cuda), fp8, TRITON_OPS)
     got = {}
-    for pdl in (False, True):
-        monkeypatch.setattr(runtime, "PDL", pdl)
+    for pdl, except_ in ((False, frozenset()), (True, frozenset()), ("mixed", frozenset({"gemm", "finalize"}))):
+        monkeypatch.setattr(runtime, "PDL", bool(pdl))
+        monkeypatch.setattr(runtime, "PDL_EXCEPT", except_)
         eager = step().clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -50,6 +63,7 @@ def test_pdl_gives_the_same_bits(cuda, rows, monkeypatch):
             replays.append(out.clone())
         torch.cuda.synchronize()
         got[pdl] = [eager, *replays]
-    for a, b in zip(got[False], got[True], strict=True):
-        assert torch.equal(a, b)
-    assert all(torch.equal(got[True][0], r) for r in got[True][1:])
+    for other in (True, "mixed"):
+        for a, b in zip(got[False], got[other], strict=True):
+            assert torch.equal(a, b)
+        assert all(torch.equal(got[other][0], r) for r in got[other][1:])
