@@ -412,6 +412,13 @@ FP8_SWAP_MIN_ROWS = 33
 # start only as others finish; on, 12 K-ranges and 228 programs, all resident. Measured on an H200
 # (run 91): 5-6 us faster at 56 rows, 0-6 us slower at 7, both inside the same run's spread, so off.
 PLAN_SQ_COLUMN = False
+# A plan's programs per SM is also the most an SM can hold: each program's pipeline gets more than
+# an SM's shared memory over (programs per SM + 1), deepening it where needed. Triton allocates
+# num_stages - 1 tiles of it. With PDL a grid is launched while its predecessor drains, and the
+# first SMs free take as many programs as fit: MXFP8 programs at 7 rows (72-75 KB, 2 per SM
+# planned, 3 fitting) piled 3 onto some SMs, and the step took 407-411 us against 350-368 without
+# PDL on an H200 (BENCHMARKS.md runs 171-172). False: stages from SMEM_PER_PROGRAM alone.
+EXACT_RESIDENCY = True
 
 
 def stage_bytes(block_m: int, block_n: int, block_k: int, swiglu: bool, weight_bytes: int) -> int:
@@ -428,7 +435,8 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     Pipeline depth: as many stages of (x tile + weight tiles) as fit SMEM_PER_PROGRAM, so that two
     programs share an SM (one hides the other's load latency), at least 2 and at most MAX_STAGES;
     or, when fewer than MIN_STAGES fit (or programs_per_sm is 1), one program per SM with the deep
-    budget (see DEEP_SMEM).
+    budget (see DEEP_SMEM); then deep enough that no more than the planned programs fit on an SM
+    (EXACT_RESIDENCY).
     max_smem: the device's shared memory per program (default: DEEP_SMEM + SMEM_RESERVE).
     sq_column: a split launch will carry the x^2 column (a folded norm, SQ_COLUMN); with
     PLAN_SQ_COLUMN its programs count among the slots.
@@ -441,9 +449,18 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
         budget = min(DEEP_SMEM, (max_smem or DEEP_SMEM + SMEM_RESERVE) - SMEM_RESERVE)
         programs_per_sm, stages = 1, max(stages, budget // stage)
     stages = max(2, min(MAX_STAGES, stages))
+    per_sm = programs_per_sm or PROGRAMS_PER_SM
+    if EXACT_RESIDENCY:
+        # Triton allocates num_stages - 1 tiles, or num_stages with an epilogue's scratch beside them:
+        # deepen while the first could let per_sm + 1 programs share the SM, never so far that the
+        # second leaves room for fewer than per_sm (test_codegen_sm90 checks the step's GEMMs).
+        sm_smem = max_smem or DEEP_SMEM + SMEM_RESERVE
+        deeper = sm_smem // (per_sm + 1) // stage + 2
+        if deeper * stage <= sm_smem // per_sm:
+            stages = max(stages, deeper)
     tiles = (triton.cdiv(n, bn) + (sq_column and SQ_COLUMN and PLAN_SQ_COLUMN)) * triton.cdiv(m, bm)
     k_tiles = triton.cdiv(k, bk)
-    want = (programs_per_sm or PROGRAMS_PER_SM) * sms
+    want = per_sm * sms
     split = max(1, min(want // tiles, k_tiles // MIN_K_TILES_PER_SPLIT))
     k_per = triton.cdiv(k_tiles, split) * bk
     return GemmConfig(bm, bn, bk, triton.cdiv(k, k_per), num_warps=FP8_NUM_WARPS if weight_bytes == 1 else NUM_WARPS,

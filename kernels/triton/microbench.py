@@ -344,6 +344,10 @@ TUNE = (
     ("PDL except the prelude", {"runtime": {"PDL_EXCEPT": frozenset({"prelude"})}}),
     ("PDL except the attention and its merge", {"runtime": {"PDL_EXCEPT": frozenset({"attention", "merge"})}}),
     ("defaults (pdl except)", {}),
+    ("gemm stages from SMEM_PER_PROGRAM alone (EXACT_RESIDENCY off, before run 173)", {"gemm": {"EXACT_RESIDENCY": False}}),
+    ("defaults (er)", {}),
+    ("gemm stages from SMEM_PER_PROGRAM alone (EXACT_RESIDENCY off) (2)", {"gemm": {"EXACT_RESIDENCY": False}}),
+    ("defaults (er 2)", {}),
     # MXFP8 weights (run with --tune-fp8): the GEMMs' dequantizing paths. Run 152 measured these
     # with swap A/B off by default; since then it is on from 33 rows (gemm.FP8_SWAP_MIN_ROWS).
     ("fp8 swap A/B at every row count", {"gemm": {"FP8_SWAP_MIN_ROWS": 0}}),

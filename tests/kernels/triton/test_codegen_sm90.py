@@ -25,6 +25,8 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+from dspark_sidecar.kernels.triton import gemm  # noqa: E402
+
 H200_SMEM = 227 << 10
 TESTS = Path(__file__).resolve().parents[2]  # the children import helpers.triton_compile from here
 
@@ -52,7 +54,12 @@ def build(fn, consts, types, div16, name, num_warps, num_stages):
     release = [i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l]
     dots = [i for i, l in enumerate(lines) if "wgmma.mma_async" in l or "mma.sync" in l]
     memory = re.compile(r"\b(ld\.global\S*|cp\.async\S*|atom\S*|st\.global\S*|red\.\S*)")
-    return dict(shared=kern.metadata.shared,
+    regs = max(int(w.split(":")[1]) for w in usage.split() if w.startswith("REG:"))
+    # Programs of it one SM holds: 228 KB of shared memory (1 KB reserved per program) and 64K
+    # registers, allotted per warp in units of 256.
+    per_warp = -(-regs * 32 // 256) * 256
+    fit = min((228 << 10) // (kern.metadata.shared + 1024), 65536 // (per_warp * num_warps))
+    return dict(shared=kern.metadata.shared, regs=regs, fit=fit,
                 # PDL: the memory operations before griddepcontrol.wait (in text order: the wait
                 # sits in the entry block), and whether every launch_dependents follows the dots.
                 pdl_wait=wait, pdl_before_wait=[m.group(1) for l in lines[:max(wait, 0)] for m in [memory.search(l)] if m],
@@ -147,6 +154,7 @@ cases = {
     "qkv 56 rows, norm folded": (56, 2304, 6144, False, True, False, True),
     "gate_up 56 rows (deep pipeline)": (56, 3072, 6144, True, True, False),
     "down 7 rows + residual": (7, 6144, 3072, False, False, True),
+    "qkv 7 rows, norm folded": (7, 2304, 6144, False, True, False, True),
     "gate_up 56 rows, norm folded": (56, 3072, 6144, True, True, False, True),
     "gate_up 56 rows, norm folded, pointer path": (56, 3072, 6144, True, True, False, True, False),
     "qkv 56 rows, norm folded, squares in every program": (56, 2304, 6144, False, True, False, True, True, False),
@@ -229,6 +237,18 @@ def test_mxfp8_gemm_dequantizes_in_registers_without_spilling(sm90, case):
         assert not got["swap"] and got["mma_sync"] > 0, got
     assert got["stack"] and max(got["stack"]) <= 16, f"{case}: register spills ({got['stack']} bytes of stack)"
     assert got["shared"] <= H200_SMEM, got
+
+
+@pytest.mark.parametrize("case", ["qkv 56 rows, norm folded", "qkv 7 rows, norm folded", "down 7 rows + residual",
+                                  "mxfp8 qkv 56 rows", "mxfp8 gate_up 56 rows", "mxfp8 gate_up 7 rows",
+                                  "mxfp8 down 7 rows + residual"])
+def test_an_sm_holds_as_many_gemm_programs_as_planned(sm90, case):
+    """gemm.EXACT_RESIDENCY: the Triton GEMMs of the step (bf16 qkv, every MXFP8 one), at 7 and 56
+    rows, fit gemm.PROGRAMS_PER_SM programs on an SM, not more. A grid launched with PDL while its
+    predecessor drains is placed greedily: the MXFP8 programs at 7 rows (72-75 KB, 3 fitting) piled
+    onto the first SMs free, and the step took 407-411 us against 350-368 without PDL (runs 171-172)."""
+    got = sm90[case]
+    assert got["fit"] == gemm.PROGRAMS_PER_SM, f"{case}: {got['fit']} programs fit on an SM: {got}"
 
 
 @pytest.mark.parametrize("case", ["attention 8 requests", "attention 8 requests, merged in the launch"])
