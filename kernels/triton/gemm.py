@@ -450,7 +450,7 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
         programs_per_sm, stages = 1, max(stages, budget // stage)
     stages = max(2, min(MAX_STAGES, stages))
     per_sm = programs_per_sm or PROGRAMS_PER_SM
-    if EXACT_RESIDENCY:
+    if EXACT_RESIDENCY and per_sm > 1:  # one per SM: the deep budget is over half an SM already
         # Triton allocates num_stages - 1 tiles, or num_stages with an epilogue's scratch beside them:
         # deepen while the first could let per_sm + 1 programs share the SM, never so far that the
         # second leaves room for fewer than per_sm (test_codegen_sm90 checks the step's GEMMs).
