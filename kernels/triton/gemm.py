@@ -412,12 +412,14 @@ FP8_SWAP_MIN_ROWS = 33
 # start only as others finish; on, 12 K-ranges and 228 programs, all resident. Measured on an H200
 # (run 91): 5-6 us faster at 56 rows, 0-6 us slower at 7, both inside the same run's spread, so off.
 PLAN_SQ_COLUMN = False
-# A plan's programs per SM is also the most an SM can hold: each program's pipeline gets more than
-# an SM's shared memory over (programs per SM + 1), deepening it where needed. Triton allocates
-# num_stages - 1 tiles of it. With PDL a grid is launched while its predecessor drains, and the
-# first SMs free take as many programs as fit: MXFP8 programs at 7 rows (72-75 KB, 2 per SM
-# planned, 3 fitting) piled 3 onto some SMs, and the step took 407-411 us against 350-368 without
-# PDL on an H200 (BENCHMARKS.md runs 171-172). False: stages from SMEM_PER_PROGRAM alone.
+# MXFP8 plans: the programs per SM planned are also the most an SM can hold. Each program's
+# pipeline gets more than an SM's shared memory over (programs per SM + 1), deepening it where
+# needed. With PDL a grid is launched while its predecessor drains, and the first SMs free take as
+# many programs as fit: MXFP8 programs at 7 rows (72-75 KB, 2 per SM planned, 3 fitting) piled 3
+# onto some SMs, and the step took 407-411 us against 347-352 with this (runs 171-173, H200).
+# Not for bf16 weights: the step's one bf16 Triton GEMM (qkv) follows a vendor GEMM, which does
+# not release it early, and deepening it at 7 rows measured 4-10 us slower (runs 173-174).
+# False: stages from SMEM_PER_PROGRAM alone.
 EXACT_RESIDENCY = True
 
 
@@ -435,8 +437,8 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     Pipeline depth: as many stages of (x tile + weight tiles) as fit SMEM_PER_PROGRAM, so that two
     programs share an SM (one hides the other's load latency), at least 2 and at most MAX_STAGES;
     or, when fewer than MIN_STAGES fit (or programs_per_sm is 1), one program per SM with the deep
-    budget (see DEEP_SMEM); then deep enough that no more than the planned programs fit on an SM
-    (EXACT_RESIDENCY).
+    budget (see DEEP_SMEM); then, for MXFP8 weights, deep enough that no more than the planned
+    programs fit on an SM (EXACT_RESIDENCY).
     max_smem: the device's shared memory per program (default: DEEP_SMEM + SMEM_RESERVE).
     sq_column: a split launch will carry the x^2 column (a folded norm, SQ_COLUMN); with
     PLAN_SQ_COLUMN its programs count among the slots.
@@ -450,7 +452,7 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
         programs_per_sm, stages = 1, max(stages, budget // stage)
     stages = max(2, min(MAX_STAGES, stages))
     per_sm = programs_per_sm or PROGRAMS_PER_SM
-    if EXACT_RESIDENCY and per_sm > 1:  # one per SM: the deep budget is over half an SM already
+    if EXACT_RESIDENCY and weight_bytes == 1 and per_sm > 1:  # one per SM: the deep budget is over half an SM
         # Triton allocates num_stages - 1 tiles, or num_stages with an epilogue's scratch beside them:
         # deepen while the first could let per_sm + 1 programs share the SM, never so far that the
         # second leaves room for fewer than per_sm (test_codegen_sm90 checks the step's GEMMs).
