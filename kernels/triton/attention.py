@@ -65,7 +65,8 @@ def _split_kernel(
     window, qk_scale, hk, PAGE: tl.constexpr,
     ROWS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr,
-    DOT: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, COOP: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr = False,
+    DOT: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, COOP: tl.constexpr, RB: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (request, kv head, split). Row m of the Q block is (block row m // GROUP, head m % GROUP).
 
@@ -325,7 +326,8 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
         return out
     bn = block_n or BLOCK_N
     max_keys = min(window + rows_per_req - 1, block_tables.shape[1] * page_size)
-    sp = splits or num_splits(r, hk, max(1, max_keys - rows_per_req), max(1, sms_of(q) // max(1, concurrent)), bn)
+    tiled_keys = max(1, max_keys - rows_per_req)  # the last rows_per_req keys: the narrow tile
+    sp = splits or num_splits(r, hk, tiled_keys, max(1, sms_of(q) // max(1, concurrent)), bn)
     bm = max(16, triton.next_power_of_2(rows_per_req * group))
     bd = max(16, triton.next_power_of_2(d))
     if sp > 1:
@@ -347,7 +349,8 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
             _counter_page(q.device)[lane] if coop else pml,
             q.stride(0), q.stride(1), q.stride(2), s[0], s[1], s[2], s[3], s[4], block_tables.stride(0),
             window, scale * LOG2E, hk, PAGE=page_size,
-            ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn, BB=max(16, triton.next_power_of_2(rows_per_req)), SPLITS=sp, OUT=tl_dtype(q.dtype),
+            ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn,
+            BB=max(16, triton.next_power_of_2(rows_per_req)), SPLITS=sp, OUT=tl_dtype(q.dtype),
             DOT=dot, IEEE=dot == tl.float32, INTERPRET=INTERPRET, COOP=coop,
             RB=triton.cdiv(rows_per_req * group, sp), num_warps=NUM_WARPS if bm * bd >= 128 * 64 else 4,
             num_stages=NUM_STAGES, **({"launch_cooperative_grid": True} if coop else {}), **pdl_kwargs(q, "attention"),

@@ -344,7 +344,8 @@ TUNE = (
     ("PDL except the prelude", {"runtime": {"PDL_EXCEPT": frozenset({"prelude"})}}),
     ("PDL except the attention and its merge", {"runtime": {"PDL_EXCEPT": frozenset({"attention", "merge"})}}),
     ("defaults (pdl except)", {}),
-    ("gemm stages from SMEM_PER_PROGRAM alone (EXACT_RESIDENCY off, before run 173)", {"gemm": {"EXACT_RESIDENCY": False}}),
+    ("gemm stages from SMEM_PER_PROGRAM alone (EXACT_RESIDENCY off, before run 173)",
+     {"gemm": {"EXACT_RESIDENCY": False}}),
     ("defaults (er)", {}),
     ("gemm stages from SMEM_PER_PROGRAM alone (EXACT_RESIDENCY off) (2)", {"gemm": {"EXACT_RESIDENCY": False}}),
     ("defaults (er 2)", {}),
@@ -404,7 +405,8 @@ def profile(rows: int, context: int, dev: torch.device, fp8: bool = False) -> No
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.self_device_time_total for e in events) / reps
-    print(f"profile rows {rows}{' fp8' if fp8 else ''}: kernel time per step {total:.1f} us (sum of kernel durations)", flush=True)
+    print(f"profile rows {rows}{' fp8' if fp8 else ''}: kernel time per step {total:.1f} us "
+          "(sum of kernel durations)", flush=True)
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
         print(f"  {e.self_device_time_total / reps:8.1f} us  {e.count // reps:3d} launches  {e.key[:90]}", flush=True)
 
