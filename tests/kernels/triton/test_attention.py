@@ -85,15 +85,16 @@ def test_empty_request_gives_zeros(device):
 
 
 def test_num_splits_covers_an_h200():
-    """R = 1 and 1 KV head at a full window: the key range is split over many programs (a power of two)."""
-    s1 = attention.num_splits(1, 1, 4096 + Q - 1, 132)
-    s8 = attention.num_splits(8, 1, 4096 + Q - 1, 132)
+    """R = 1 and 1 KV head at a full window: the tiled key range (all but the block's own Q keys, which
+    the narrow tile holds) is split over many programs (a power of two)."""
+    s1 = attention.num_splits(1, 1, 4096 - 1, 132)
+    s8 = attention.num_splits(8, 1, 4096 - 1, 132)
     assert s1 >= 16 and s1 & (s1 - 1) == 0
     assert 8 * s8 <= 132 * attention.PROGRAMS_PER_SM and s8 >= 8
     assert attention.num_splits(64, 4, 50, 132) == 1
     # A group of 8 beside three others (R=32 on four streams) splits for a quarter of the SMs: 32
     # programs, so four groups' grids fit on the GPU at once (BENCHMARKS.md run 149).
-    assert attention.num_splits(8, 1, 4096 + Q - 1, 132 // 4) == 4
+    assert attention.num_splits(8, 1, 4096 - 1, 132 // 4) == 4
 
 
 def test_a_launch_beside_others_splits_for_its_share_of_the_sms(device, monkeypatch):
