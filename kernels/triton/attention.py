@@ -38,7 +38,10 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64
 MIN_TILES_PER_SPLIT = 1
 PROGRAMS_PER_SM = 1
-NUM_STAGES = 2
+# Two key tiles in flight while one is computed: since the narrow tile, each split at R = 8 runs exactly
+# 4 tiles, and 3 stages took the step at 56 rows from 397.7-402.9 to 395.5-396.0 us, at 7 rows
+# unchanged (334.5-334.9 against 332.1-336.2; run 177). Before it, 3 stages were no better (run 45).
+NUM_STAGES = 3
 NUM_WARPS = 8  # for a [128-row, 128] accumulator (the shard's 112 rows); smaller Q blocks take 4
 # Merge the splits inside the split kernel's own launch on NVIDIA GPUs: a cooperative launch
 # keeps every program resident, so a request's SPLITS programs can wait for each other and each

@@ -410,8 +410,10 @@ FP8_SWAP_MIN_ROWS = 33
 # PLAN_SQ_COLUMN: `plan` counts that column's programs among the slots it fills. Off, qkv at 56
 # rows gets 14 K-ranges and 19 x 14 = 266 programs for 264 two-per-SM slots, so the last two
 # start only as others finish; on, 12 K-ranges and 228 programs, all resident. Measured on an H200
-# (run 91): 5-6 us faster at 56 rows, 0-6 us slower at 7, both inside the same run's spread, so off.
-PLAN_SQ_COLUMN = False
+# (run 91): 5-6 us faster at 56 rows, 0-6 us slower at 7, both inside the same run's spread, so off;
+# with PDL and the attention's narrow tile (run 177, twice in one process each): 3-5 us faster at 56
+# rows (392.8-397.3 against 397.7-402.8 us) and 1-2 us at 7 (331.5-333.9 against 333.6-336.2), so on.
+PLAN_SQ_COLUMN = True
 # MXFP8 plans: the programs per SM planned are also the most an SM can hold. Each program's
 # pipeline gets more than an SM's shared memory over (programs per SM + 1), deepening it where
 # needed. With PDL a grid is launched while its predecessor drains, and the first SMs free take as

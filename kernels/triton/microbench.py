@@ -349,6 +349,12 @@ TUNE = (
     ("defaults (er)", {}),
     ("gemm stages from SMEM_PER_PROGRAM alone (EXACT_RESIDENCY off) (2)", {"gemm": {"EXACT_RESIDENCY": False}}),
     ("defaults (er 2)", {}),
+    ("the x^2 column beside the slots, attention 2 stages (before run 178)",
+     {"gemm": {"PLAN_SQ_COLUMN": False}, "attention": {"NUM_STAGES": 2}}),
+    ("defaults (178)", {}),
+    ("the x^2 column beside the slots, attention 2 stages (2)",
+     {"gemm": {"PLAN_SQ_COLUMN": False}, "attention": {"NUM_STAGES": 2}}),
+    ("defaults (178 2)", {}),
     # MXFP8 weights (run with --tune-fp8): the GEMMs' dequantizing paths. Run 152 measured these
     # with swap A/B off by default; since then it is on from 33 rows (gemm.FP8_SWAP_MIN_ROWS).
     ("fp8 swap A/B at every row count", {"gemm": {"FP8_SWAP_MIN_ROWS": 0}}),

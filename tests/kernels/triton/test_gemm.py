@@ -172,13 +172,13 @@ def test_plan_fills_an_h200():
 
 
 def test_plan_can_count_the_x2_column_among_the_slots(monkeypatch):
-    """qkv at 56 rows, folded: 18 column tiles + the x^2 column. Counted (PLAN_SQ_COLUMN), the whole
-    grid fits the 264 two-per-SM slots; not counted, 14 K-ranges make 266 programs (the default,
-    until measured). A plain linear's plan is the same either way."""
+    """qkv at 56 rows, folded: 18 column tiles + the x^2 column. Counted (PLAN_SQ_COLUMN, the default
+    since run 177), the whole grid fits the 264 two-per-SM slots; not counted, 14 K-ranges make 266
+    programs. A plain linear's plan is the same either way."""
+    on = gemm.plan(56, 2304, 6144, 132, sq_column=True)
+    monkeypatch.setattr(gemm, "PLAN_SQ_COLUMN", False)
     off = gemm.plan(56, 2304, 6144, 132, sq_column=True)
     assert off.split_k == 14 and 19 * off.split_k == 266
-    monkeypatch.setattr(gemm, "PLAN_SQ_COLUMN", True)
-    on = gemm.plan(56, 2304, 6144, 132, sq_column=True)
     k_per = -(-(6144 // 64) // on.split_k) * 64
     assert 19 * -(-6144 // k_per) <= 2 * 132 < 19 * off.split_k
     assert gemm.plan(56, 6144, 2048, 132) == gemm.plan(56, 6144, 2048, 132, sq_column=False)
