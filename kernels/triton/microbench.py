@@ -350,6 +350,15 @@ TUNE = (
     ("the x^2 column beside the slots, attention 2 stages (2)",
      {"gemm": {"PLAN_SQ_COLUMN": False}, "attention": {"NUM_STAGES": 2}}),
     ("defaults (178 2)", {}),
+    # The attention's first key tiles asked of L2 before its PDL wait, while the prelude runs.
+    ("attention: 1 key tile per split prefetched before the wait", {"attention": {"PREFETCH_TILES": 1}}),
+    ("attention: 2 key tiles per split prefetched before the wait", {"attention": {"PREFETCH_TILES": 2}}),
+    ("attention: 4 key tiles per split prefetched before the wait", {"attention": {"PREFETCH_TILES": 4}}),
+    ("defaults (pf)", {}),
+    ("attention: 1 key tile per split prefetched before the wait (2)", {"attention": {"PREFETCH_TILES": 1}}),
+    ("attention: 2 key tiles per split prefetched before the wait (2)", {"attention": {"PREFETCH_TILES": 2}}),
+    ("attention: 4 key tiles per split prefetched before the wait (2)", {"attention": {"PREFETCH_TILES": 4}}),
+    ("defaults (pf 2)", {}),
     # MXFP8 weights (run with --tune-fp8): the GEMMs' dequantizing paths. Run 152 measured these
     # with swap A/B off by default; since then it is on from 33 rows (gemm.FP8_SWAP_MIN_ROWS).
     ("fp8 swap A/B at every row count", {"gemm": {"FP8_SWAP_MIN_ROWS": 0}}),
@@ -408,8 +417,30 @@ def profile(rows: int, context: int, dev: torch.device, fp8: bool = False) -> No
     total = sum(e.self_device_time_total for e in events) / reps
     print(f"profile rows {rows}{' fp8' if fp8 else ''}: kernel time per step {total:.1f} us "
           "(sum of kernel durations)", flush=True)
+    shapes = _launch_shapes(prof)
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
         print(f"  {e.self_device_time_total / reps:8.1f} us  {e.count // reps:3d} launches  {e.key[:90]}", flush=True)
+        for shape in sorted(shapes.get(e.key, ())):
+            print(f"{'':30s}{shape}", flush=True)
+
+
+def _launch_shapes(prof) -> dict[str, set[str]]:
+    """Kernel name -> its distinct launch shapes (grid, block, registers, shared memory) from the
+    profiler's trace: whether a kernel's grid covers the SMs at all (e.g. a vendor GEMM's tiles)."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    shapes: dict[str, set[str]] = {}
+    for ev in trace.get("traceEvents", []):
+        a = ev.get("args") or {}
+        if ev.get("cat") == "kernel" and "grid" in a:
+            shapes.setdefault(ev["name"], set()).add(
+                f"grid {a['grid']} block {a.get('block')} regs {a.get('registers per thread')} "
+                f"smem {a.get('shared memory')} B, {a.get('blocks per SM', '?')} blocks/SM")
+    return shapes
 
 
 def fit_fixed_and_rate(points: list[tuple[float, float]]) -> tuple[float, float]:
