@@ -58,11 +58,6 @@ COOP_MAX_SPLITS = 16
 # streams per device get a lane; launches on any further stream keep the merge kernel.
 COUNTERS = 1 << 10
 LANES = 64
-# Key tiles of its own whose K/V lines a split asks L2 for before its PDL wait (prefetch.global.L2), a
-# tunable: those K/V rows were written by earlier steps, so they may be read while the prelude
-# before the attention still runs (its ~3 us per layer); the loop's loads after the wait then hit
-# L2. 0: no prefetch. Only under PDL on NVIDIA GPUs (elsewhere nothing runs before the wait).
-PREFETCH_TILES = 0
 
 
 @triton.jit
@@ -74,7 +69,7 @@ def _split_kernel(
     ROWS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr,
     DOT: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, COOP: tl.constexpr, RB: tl.constexpr,
-    PF: tl.constexpr = 0, LINE: tl.constexpr = 64, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Program (request, kv head, split). Row m of the Q block is (block row m // GROUP, head m % GROUP).
 
@@ -109,9 +104,6 @@ def _split_kernel(
     bpos = tiled_end + tl.arange(0, BB)
     b_valid = bpos < tl.where(last, seq_len, tiled_end)  # empty on the other splits
     bpage = tl.load(bt_ptr + req * stride_bt + bpos // PAGE, mask=b_valid, other=0)
-    if PF > 0:
-        _prefetch_tiles(kv_ptr, bt_ptr + req * stride_bt, start, sp, tiled_end, h, stride_c0, stride_cp,
-                        stride_cs, stride_ch, stride_cd, PAGE, BN, SPLITS, PF, BLOCK_D, LINE)
     dep_wait(PDL)
     q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT)
@@ -173,25 +165,6 @@ def _split_kernel(
             if tl.atomic_add(cnt + 1, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
                 tl.atomic_xchg(cnt + 1, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _prefetch_tiles(kv_ptr, bt_row, start, sp, tiled_end, h, stride_c0, stride_cp, stride_cs, stride_ch, stride_cd,
-                    PAGE: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, PF: tl.constexpr,
-                    BLOCK_D: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for the K and V lines (LINE elements: 128 bytes) of this split's first PF key tiles
-    (tiles sp, sp + SPLITS, ...): [PF * BN keys, BLOCK_D / LINE lines] prefetch.global.L2 each, no
-    registers held and nothing waited for. Keys past tiled_end point at the cache's first line."""
-    idx = tl.arange(0, PF * BN)
-    kpos = start + (sp + (idx // BN) * SPLITS) * BN + idx % BN
-    valid = kpos < tiled_end
-    page = tl.load(bt_row + kpos // PAGE, mask=valid, other=0)
-    base = page.to(tl.int64) * stride_cp + (kpos % PAGE) * stride_cs + h * stride_ch
-    off = tl.where(valid[:, None], base[:, None] + (tl.arange(0, BLOCK_D // LINE) * LINE)[None, :] * stride_cd, 0)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [kv_ptr + off], dtype=tl.int32,
-                              is_pure=False, pack=1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [kv_ptr + stride_c0 + off],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -317,16 +290,6 @@ def _lane(device: torch.device, stream: int) -> int | None:
     return lane
 
 
-def _prefetch_tiles_of(want: int, tiles_per_split: int, bd: int, kv_layer: torch.Tensor) -> int:
-    """PREFETCH_TILES for a launch: rounded down to a power of two, capped by the split's tiles; 0 where a
-    head's row is not whole 128-byte lines."""
-    line = 128 // kv_layer.element_size()
-    n = min(want, tiles_per_split)
-    if n <= 0 or bd % line or kv_layer.stride(-1) != 1:
-        return 0
-    return 1 << (n.bit_length() - 1)
-
-
 def num_splits(num_reqs: int, kv_heads: int, max_keys: int, sms: int, block_n: int = BLOCK_N,
                min_tiles: int | None = None, programs_per_sm: int | None = None) -> int:
     """Splits of the key range (a power of two, for the reduce's arange), from shapes alone."""
@@ -384,10 +347,6 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
     dot = tl_dtype(q.dtype) if q.dtype == kv_layer.dtype else tl.float32
 
     lane = _coop_lane(q, r, hk, sp) if cooperative else None
-    pdl = pdl_kwargs(q, "attention")
-    # The prefetch runs before the PDL wait, so only under PDL; a power of two (an arange), at most the
-    # tiles a split has; the lines must divide the head (bd / LINE, an arange too).
-    pf = _prefetch_tiles_of(PREFETCH_TILES, triton.cdiv(tiled_keys, bn * sp), bd, kv_layer) if pdl["PDL"] else 0
 
     def launch(coop: bool) -> None:
         _split_kernel[(r, hk, sp)](
@@ -398,9 +357,8 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
             ROWS=rows_per_req, GROUP=group, D=d, BLOCK_D=bd, BM=bm, BN=bn,
             BB=max(16, triton.next_power_of_2(rows_per_req)), SPLITS=sp, OUT=tl_dtype(q.dtype),
             DOT=dot, IEEE=dot == tl.float32, INTERPRET=INTERPRET, COOP=coop,
-            RB=triton.cdiv(rows_per_req * group, sp), PF=pf, LINE=max(1, 128 // kv_layer.element_size()),
-            num_warps=NUM_WARPS if bm * bd >= 128 * 64 else 4,
-            num_stages=NUM_STAGES, **({"launch_cooperative_grid": True} if coop else {}), **pdl,
+            RB=triton.cdiv(rows_per_req * group, sp), num_warps=NUM_WARPS if bm * bd >= 128 * 64 else 4,
+            num_stages=NUM_STAGES, **({"launch_cooperative_grid": True} if coop else {}), **pdl_kwargs(q, "attention"),
         )
 
     coop = lane is not None and _launch_coop(q, launch)

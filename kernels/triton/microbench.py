@@ -350,15 +350,6 @@ TUNE = (
     ("the x^2 column beside the slots, attention 2 stages (2)",
      {"gemm": {"PLAN_SQ_COLUMN": False}, "attention": {"NUM_STAGES": 2}}),
     ("defaults (178 2)", {}),
-    # The attention's first key tiles asked of L2 before its PDL wait, while the prelude runs.
-    ("attention: 1 key tile per split prefetched before the wait", {"attention": {"PREFETCH_TILES": 1}}),
-    ("attention: 2 key tiles per split prefetched before the wait", {"attention": {"PREFETCH_TILES": 2}}),
-    ("attention: 4 key tiles per split prefetched before the wait", {"attention": {"PREFETCH_TILES": 4}}),
-    ("defaults (pf)", {}),
-    ("attention: 1 key tile per split prefetched before the wait (2)", {"attention": {"PREFETCH_TILES": 1}}),
-    ("attention: 2 key tiles per split prefetched before the wait (2)", {"attention": {"PREFETCH_TILES": 2}}),
-    ("attention: 4 key tiles per split prefetched before the wait (2)", {"attention": {"PREFETCH_TILES": 4}}),
-    ("defaults (pf 2)", {}),
     # MXFP8 weights (run with --tune-fp8): the GEMMs' dequantizing paths. Run 152 measured these
     # with swap A/B off by default; since then it is on from 33 rows (gemm.FP8_SWAP_MIN_ROWS).
     ("fp8 swap A/B at every row count", {"gemm": {"FP8_SWAP_MIN_ROWS": 0}}),

@@ -63,8 +63,6 @@ def build(fn, consts, types, div16, name, num_warps, num_stages):
                 # PDL: the memory operations before griddepcontrol.wait (in text order: the wait
                 # sits in the entry block), and whether every launch_dependents follows the dots.
                 pdl_wait=wait, pdl_before_wait=[m.group(1) for l in lines[:max(wait, 0)] for m in [memory.search(l)] if m],
-                prefetch_before_wait=sum("prefetch.global.L2" in l for l in lines[:max(wait, 0)]),
-                prefetch=ptx.count("prefetch.global.L2"),
                 pdl_release=len(release), pdl_release_after_dots=bool(release) and min(release) > max(dots, default=-1), stack=[int(w.split(":")[1]) for w in usage.split() if w.startswith("STACK:")],
                 cp_async=ptx.count("cp.async.cg.shared.global"), wgmma=ptx.count("wgmma.mma_async"),
                 mma_sync=ptx.count("mma.sync.aligned"), tma=ptx.count("cp.async.bulk.tensor"),
@@ -100,18 +98,18 @@ def compile_fp8_case(rows, n, k, swiglu, norm, residual):
     return dict(got, stages=cfg.num_stages, block_m=cfg.block_m, swap=consts["SWAP_AB"])
 
 
-def compile_attention(reqs, coop=False, pdl=False, pf=0):
+def compile_attention(reqs, coop=False, pdl=False):
     # The split kernel at the shard's heads (16 q, 1 KV, d 128), as paged_window_attention plans it;
-    # coop: with the splits' merge in the same (cooperative) launch; pf: attention.PREFETCH_TILES.
+    # coop: with the splits' merge in the same (cooperative) launch.
     from dspark_sidecar.kernels.triton import attention
     splits = attention.num_splits(reqs, 1, 4096 - 1, 132)  # the tiled keys: all but the block's 7
     consts = dict(ROWS=7, GROUP=16, D=128, BLOCK_D=128, BM=128, BN=attention.BLOCK_N, BB=16, SPLITS=splits,
                   OUT=tl.bfloat16, DOT=tl.bfloat16, IEEE=False, INTERPRET=False, PAGE=16, stride_qd=1, stride_cd=1,
-                  COOP=coop, RB=triton.cdiv(7 * 16, splits), PDL=pdl, PF=pf, LINE=64)
+                  COOP=coop, RB=triton.cdiv(7 * 16, splits), PDL=pdl)
     types = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", seq_ptr="*i32", bt_ptr="*i32", out_ptr="*bf16",
                  po_ptr="*fp32", pml_ptr="*fp32", cnt_ptr="*i32", qk_scale="fp32")
     div16 = {"stride_qn", "stride_qh", "stride_c0", "stride_cp", "stride_cs", "stride_ch", "stride_bt"}
-    got = build(attention._split_kernel, consts, types, div16, f"attention{reqs}{'coop' if coop else ''}{pdl}{pf}", 8,
+    got = build(attention._split_kernel, consts, types, div16, f"attention{reqs}{'coop' if coop else ''}{pdl}", 8,
                 attention.NUM_STAGES)
     return dict(got, block_m=128)
 
@@ -172,7 +170,6 @@ got.update({name: compile_fp8_case(*args) for name, args in fp8_cases.items()})
 got["attention 8 requests"] = compile_attention(8)
 got["attention 8 requests, merged in the launch"] = compile_attention(8, coop=True)
 got["attention 8 requests, merged in the launch, PDL"] = compile_attention(8, coop=True, pdl=True)
-got["attention 8 requests, merged in the launch, PDL, 4 tiles prefetched"] = compile_attention(8, True, True, 4)
 got["qkv 56 rows, norm folded, PDL"] = compile_case(56, 2304, 6144, False, True, False, True, pdl=True)
 got["prelude, PDL"] = compile_prelude_pdl()
 got["rope, PDL"] = compile_rope_pdl()
@@ -299,17 +296,6 @@ def test_programmatic_dependent_launch_waits_before_the_step_data(sm90):
     assert set(got["pdl_before_wait"]) <= {"ld.global.b32", "ld.global.b64"}, got
     assert got["pdl_release"] >= 1 and got["pdl_release_after_dots"], got
     assert got["wgmma"] > 0 and max(got["stack"]) == 0, got
-    assert got["prefetch"] == 0, got
     # Without PDL no kernel carries the instructions at all.
     for case in ("qkv 56 rows, norm folded", "attention 8 requests, merged in the launch"):
         assert sm90[case]["pdl_wait"] == -1 and sm90[case]["pdl_release"] == 0, case
-
-
-def test_attention_prefetch_asks_l2_for_the_split_key_tiles_before_the_wait(sm90):
-    """attention.PREFETCH_TILES: before griddepcontrol.wait the split asks L2 for its first tiles'
-    K and V lines (4 tiles x 64 keys x 2 lines x K and V over 256 threads: 4 per thread, unrolled),
-    and otherwise still reads only the metadata there (scalar loads), never q or a K/V tile."""
-    got = sm90["attention 8 requests, merged in the launch, PDL, 4 tiles prefetched"]
-    assert got["pdl_wait"] >= 0 and got["prefetch"] >= 4 and got["prefetch_before_wait"] == got["prefetch"], got
-    assert set(got["pdl_before_wait"]) <= {"ld.global.b32", "ld.global.b64"}, got
-    assert got["pdl_release_after_dots"] and max(got["stack"]) == 0, got

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dspark_sidecar.kernels.triton import attention, microbench, runtime  # noqa: E402
+from dspark_sidecar.kernels.triton import microbench, runtime  # noqa: E402
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS  # noqa: E402
 
 
@@ -43,20 +43,16 @@ def test_pdl_gives_the_same_bits(cuda, rows, fp8, monkeypatch):
     qkv GEMM's partials, the prelude writing q and the block K/V, the attention reading them; 56 rows
     merge the splits in the cooperative launch, 7 in the merge kernel; with MXFP8 weights every GEMM
     is a Triton launch and its finalize), eager and CUDA-graphed with PDL off, on, and on for all but
-    the GEMMs and finalizes (boundaries of both kinds in one chain), and on with the attention's K/V
-    asked of L2 before its wait (attention.PREFETCH_TILES): the same bits. A kernel that read
+    the GEMMs and finalizes (boundaries of both kinds in one chain): the same bits. A kernel that read
     its predecessor's output before the wait would read stale q or K/V on some launches."""
     if not runtime.sm90_of(torch.zeros(1, device=cuda)):
         pytest.skip("PDL needs compute capability 9.0")
     torch.manual_seed(0)
     step = microbench.make_step(rows, 4096, torch.device(cuda), fp8, TRITON_OPS)
     got = {}
-    configs = {False: (False, frozenset(), 0), True: (True, frozenset(), 0),
-               "mixed": (True, frozenset({"gemm", "finalize"}), 0), "prefetch": (True, frozenset(), 4)}
-    for name, (pdl, except_, prefetch) in configs.items():
-        monkeypatch.setattr(runtime, "PDL", pdl)
+    for pdl, except_ in ((False, frozenset()), (True, frozenset()), ("mixed", frozenset({"gemm", "finalize"}))):
+        monkeypatch.setattr(runtime, "PDL", bool(pdl))
         monkeypatch.setattr(runtime, "PDL_EXCEPT", except_)
-        monkeypatch.setattr(attention, "PREFETCH_TILES", prefetch)
         eager = step().clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -66,8 +62,8 @@ def test_pdl_gives_the_same_bits(cuda, rows, fp8, monkeypatch):
             graph.replay()
             replays.append(out.clone())
         torch.cuda.synchronize()
-        got[name] = [eager, *replays]
-    for other in (True, "mixed", "prefetch"):
+        got[pdl] = [eager, *replays]
+    for other in (True, "mixed"):
         for a, b in zip(got[False], got[other], strict=True):
             assert torch.equal(a, b)
         assert all(torch.equal(got[other][0], r) for r in got[other][1:])
