@@ -259,7 +259,8 @@ class Bench:
         self.step_id = 0
         self._inputs: torch.Tensor | None = None  # d/f: the embeddings fill() is given (measure sets it)
         # Per remote step: queue, rendezvous, launch, total (ns), and whether it was pre-launched.
-        self.sidecar_ns: list[tuple[int, int, int, int, bool]] = []
+        # ... then, of those phases: validate, the engine's GPU word seen, the queued copy started, output.
+        self.sidecar_ns: list[tuple[int, int, int, int, bool, int, int, int, int]] = []
         self.engine_ns: list[tuple[int, int]] = []  # per data-plane step: fill + ring, ring -> answer
         self.gpu_ms: list[float] = []  # b/c: GPU time per replay (gpu_times), beside the wall-clock figure
         self.mode_misses: int | None = None  # d/f/g: queued steps the sidecar released unused during the mode
@@ -327,7 +328,8 @@ class Bench:
         if resp is None or resp.HasField("error"):
             raise RuntimeError(f"sidecar step failed: {resp.error if resp is not None else 'timeout'}")
         tm = resp.timings  # the sidecar's own host time, arrival to launch, in phases
-        self.sidecar_ns.append((tm.queue_ns, tm.rendezvous_ns, tm.compute_ns, tm.total_ns, tm.prelaunched))
+        self.sidecar_ns.append((tm.queue_ns, tm.rendezvous_ns, tm.compute_ns, tm.total_ns, tm.prelaunched,
+                                tm.validate_ns, tm.gpu_word_wait_ns, tm.gpu_start_wait_ns, tm.output_ns))
         return out
 
     def measure(self, mode: str, case: Case) -> list[float] | str:
@@ -380,7 +382,8 @@ class Bench:
             return statistics.median(t[i] for t in samples[-self.bc.repeats:]) / 1e3
 
         out = {"sidecar_host_p50_us": p50_us(self.sidecar_ns, 3),
-               "sidecar_queue_rendezvous_launch_p50_us": [p50_us(self.sidecar_ns, i) for i in range(3)]}
+               "sidecar_queue_rendezvous_launch_p50_us": [p50_us(self.sidecar_ns, i) for i in range(3)],
+               "sidecar_validate_word_start_output_p50_us": [p50_us(self.sidecar_ns, i) for i in range(5, 9)]}
         if mode in ("d", "g"):
             out |= {"engine_fill_p50_us": p50_us(self.engine_ns, 0), "ring_to_answer_p50_us": p50_us(self.engine_ns, 1),
                     **share}
@@ -462,6 +465,9 @@ def _fmt(row: dict) -> str:
     if "sidecar_host_p50_us" in row:
         q, r, c = row["sidecar_queue_rendezvous_launch_p50_us"]
         extra += f"  sidecar host {row['sidecar_host_p50_us']:.0f} us [{q:.0f}/{r:.0f}/{c:.0f}]"
+        if "sidecar_validate_word_start_output_p50_us" in row:  # of those: validate, GPU word, copy started, output
+            v, w, st, o = row["sidecar_validate_word_start_output_p50_us"]
+            extra += f" [validate {v:.0f}, word {w:.0f}, started {st:.0f}, output {o:.0f}]"
     if "engine_fill_p50_us" in row:
         extra += f" (engine fill {row['engine_fill_p50_us']:.0f}, ring->answer {row['ring_to_answer_p50_us']:.0f} us)"
     if "gpu_p50_ms" in row:

@@ -357,20 +357,28 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("queue_ns", "rendezvous_ns", "compute_ns", "total_ns", "launches", "prelaunched")
+    __slots__ = ("queue_ns", "rendezvous_ns", "compute_ns", "total_ns", "launches", "prelaunched", "validate_ns", "gpu_start_wait_ns", "output_ns", "gpu_word_wait_ns")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     LAUNCHES_FIELD_NUMBER: _ClassVar[int]
     PRELAUNCHED_FIELD_NUMBER: _ClassVar[int]
+    VALIDATE_NS_FIELD_NUMBER: _ClassVar[int]
+    GPU_START_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
+    GPU_WORD_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     rendezvous_ns: int
     compute_ns: int
     total_ns: int
     launches: int
     prelaunched: bool
-    def __init__(self, queue_ns: _Optional[int] = ..., rendezvous_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., launches: _Optional[int] = ..., prelaunched: _Optional[bool] = ...) -> None: ...
+    validate_ns: int
+    gpu_start_wait_ns: int
+    output_ns: int
+    gpu_word_wait_ns: int
+    def __init__(self, queue_ns: _Optional[int] = ..., rendezvous_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., launches: _Optional[int] = ..., prelaunched: _Optional[bool] = ..., validate_ns: _Optional[int] = ..., gpu_start_wait_ns: _Optional[int] = ..., output_ns: _Optional[int] = ..., gpu_word_wait_ns: _Optional[int] = ...) -> None: ...
 
 class DraftStepResponse(_message.Message):
     __slots__ = ("step_id", "hidden_states", "error", "timings")

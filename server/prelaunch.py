@@ -139,6 +139,7 @@ class Prelaunch:
         self._next_cooldown = COOLDOWN
         self._watched: tuple[int, float] | None = None  # (seq, ring time) of a cooldown step whose word is awaited
         self._on_time = 0  # cooldown steps in a row whose word arrived within behind_s of their ring
+        self.word_wait_ns = self.start_wait_ns = 0  # the current step's waits in offer (StepTimings)
 
     # During a step (RankLoop's hook, under its lock) -----------------------------------------
     def hook(self, seq: int, req: pb.DraftStepRequest) -> "StepHook":
@@ -151,6 +152,7 @@ class Prelaunch:
         The first waits until the queued copy has started on the GPU (at TP > 1: until every rank's
         has, and their flags are exchanged); nothing is released here, `take` does what was agreed.
         """
+        self.word_wait_ns = self.start_wait_ns = 0  # this step's waits (_waited_ready), for its StepTimings
         if self._watched is not None:  # the last cooldown step's word had not arrived by this ring: no evidence
             log.debug("prelaunch: cooldown step %d: its word not seen before step %d rang", self._watched[0], seq)
             self._watched, self._on_time = None, 0
@@ -244,9 +246,12 @@ class Prelaunch:
             if time.perf_counter() > start + READY_TIMEOUT_S:
                 log.warning("prelaunch: step rung but its GPU word (or, at TP > 1, a peer's) never arrived; "
                             "running it the ordinary way")
+                self.start_wait_ns = int((time.perf_counter() - start) * 1e9)
                 return False
             bell.pause(0.0)
-        own = time.perf_counter() - start if own is None else own  # seen between two polls
+        waited = time.perf_counter() - start
+        own = waited if own is None else own  # seen between two polls
+        self.word_wait_ns, self.start_wait_ns = int(own * 1e9), int(waited * 1e9)
         if own > self.behind_s:  # the engine's GPU far behind its host: see BEHIND_S
             self.cooldown, self._next_cooldown = self._next_cooldown, min(2 * self._next_cooldown, MAX_COOLDOWN)
             log.info("prelaunch: the engine's GPU reached a rung step %.1f ms late; not queueing for %d steps",
@@ -424,6 +429,10 @@ class StepHook:
 
     def take(self, queued: bool, queue_next: bool) -> torch.Tensor | None:
         return self.pl.take(queued, queue_next)
+
+    def waits_ns(self) -> tuple[int, int]:
+        """(until the engine's GPU word was seen, until the queued copy had started) during offer, ns."""
+        return self.pl.word_wait_ns, self.pl.start_wait_ns
 
 
 def _uncaptured(fn):

@@ -173,6 +173,7 @@ class RankLoop:
             step = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs)
         except SidecarError as err:
             own_error = err
+        t_valid = time.perf_counter_ns()
         fast = step is not None and self._fast_ready(step)
         # A step the doorbell queued on the GPU (server/prelaunch.py): whether its copy ran, and whether
         # to queue the next; the kernel fast path replaces the graphs, so it neither takes nor queues.
@@ -209,15 +210,18 @@ class RankLoop:
         if hidden is None:
             hidden = self._execute(step, verdict.fast)
         launches = len(layout.launch_groups(step.num_reqs))
+        t_out = time.perf_counter_ns()
         out = self._output(step, hidden)
         t2 = time.perf_counter_ns()
         timings = {"queue": t0 - t_enq, "rendezvous": t1 - t0, "compute": t2 - t1, "total": t2 - t_enq}
         ctx.metrics.step("ok", timings, step.num_reqs, launches)
+        word_wait, start_wait = prelaunched.waits_ns() if prelaunched is not None else (0, 0)
         return pb.DraftStepResponse(
             step_id=req.step_id, hidden_states=out,
             timings=pb.StepTimings(queue_ns=timings["queue"], rendezvous_ns=timings["rendezvous"],
                                    compute_ns=timings["compute"], total_ns=timings["total"], launches=launches,
-                                   prelaunched=early))
+                                   prelaunched=early, validate_ns=t_valid - t0, gpu_start_wait_ns=start_wait,
+                                   output_ns=t2 - t_out, gpu_word_wait_ns=word_wait))
 
     def _fast_ready(self, step: Step) -> bool:
         """This rank could run the step on its fast path; the rendezvous turns it into one answer for all."""

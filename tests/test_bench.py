@@ -25,6 +25,9 @@ def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
     for r in data["rows"]:
         if r["mode"] in ("d", "e"):  # the sidecar's own phases come back with every remote row
             assert r["sidecar_host_p50_us"] > 0 and len(r["sidecar_queue_rendezvous_launch_p50_us"]) == 3
+            # ... and inside them: validate and output ran, and with nothing queued (a CPU) no GPU waits.
+            v, word, started, out = r["sidecar_validate_word_start_output_p50_us"]
+            assert v > 0 and out > 0 and word == started == 0
         if r["mode"] == "d":
             assert r["engine_fill_p50_us"] > 0 and r["ring_to_answer_p50_us"] > 0
         if r["mode"] in ("d", "f"):  # the sidecar's counter, read around the mode (no pre-launch on a CPU)

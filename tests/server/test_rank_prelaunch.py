@@ -43,6 +43,9 @@ class FakeHook:
         self.calls.append(("take", queued, queue_next))
         return QUEUED_OUT if queued and self._hit else None
 
+    def waits_ns(self):
+        return 1_000, 3_000
+
 
 def _step() -> Step:
     pos = torch.arange(0, 7)
@@ -86,6 +89,10 @@ def test_the_offer_goes_into_the_post_and_the_verdict_into_take(run):
     assert post.queued and post.queue_next and post.valid and not post.fast
     assert hook.calls == [("offer", 1), ("take", True, True)]
     assert resp.timings.prelaunched and model.calls == 0  # answered from the queued copy
+    # The offer's waits (the engine's word, the copy's start) travel in the timings, inside the rendezvous.
+    tm = resp.timings
+    assert (tm.gpu_word_wait_ns, tm.gpu_start_wait_ns) == (1_000, 3_000)
+    assert 0 < tm.validate_ns <= tm.rendezvous_ns and 0 < tm.output_ns <= tm.compute_ns
     assert torch.equal(codec.from_tensor_ref(resp.hidden_states, "hidden"), QUEUED_OUT)
 
 
