@@ -65,7 +65,8 @@ class Doorbell(threading.Thread):
                 with torch.cuda.device(device):
                     self.prelaunch = Prelaunch(word_ops, self.page, page.storage.data_ptr(), loop.graphs, window,
                                                loop.ctx.metrics.prelaunch, exchange=_flag_exchange(loop.ctx.world),
-                                               device=device, max_reqs=loop.ctx.max_reqs, behind_s=behind_s)
+                                               device=device, max_reqs=loop.ctx.max_reqs, behind_s=behind_s,
+                                               output_of=loop.output_view)
             except GpuWordError as err:
                 log.warning("doorbell: steps are not pre-launched: %s", err)
             else:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark_sidecar.kernels.triton.step_meta import FLAG_RAN, Staging, step_gate, step_meta
+from dspark_sidecar.kernels.triton.step_meta import FLAG_RAN, Staging, gated_copy, step_gate, step_meta
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.gpu_word import DevicePointer, GpuWordOps, RegisteredPage
@@ -86,6 +86,7 @@ class _Queued:
     token: object  # the validated layout's cached positions view (validate.py): same object, same layout
     graph: object
     done: object  # a torch.cuda.Event recorded after the replay: the queued work has finished
+    out: object = None  # the engine's output slice [n, hidden] the replay's rows were copied into (gated), or None
 
 
 class Prelaunch:
@@ -94,7 +95,8 @@ class Prelaunch:
     def __init__(self, ops: GpuWordOps, page: bell.Page, page_ptr: int, graphs: StepGraphs, window: int,
                  count=lambda hit: None, event=torch.cuda.Event, program=step_meta, exchange=None,
                  gate=step_gate, capture=None, device: torch.device | str = "cpu", max_reqs: int = 256,
-                 staging: Staging | None = None, behind_s: float = BEHIND_S) -> None:
+                 staging: Staging | None = None, behind_s: float = BEHIND_S, output_of=None,
+                 copy_out=gated_copy) -> None:
         """count(hit): told each time a queued step is used or released unused (metrics).
         exchange(t): TP > 1, the ranks' all-reduce MAX of int32 flags t on the current stream; None on one rank.
         device, max_reqs: where the flags are exchanged (the rank's GPU), and for up to how many requests.
@@ -102,7 +104,11 @@ class Prelaunch:
         how a function becomes a replayable graph (tests pass CPU stand-ins).
         staging: where the program's sources are copied first (step_meta.Staging); on a GPU, the
         device's own, made here unless given; elsewhere none unless given (the program reads in place).
-        behind_s: the cooldown's threshold (serve --prelaunch-behind-ms)."""
+        behind_s: the cooldown's threshold (serve --prelaunch-behind-ms).
+        output_of(step, out): the engine's output slice of `step` for hidden states like `out` (a view
+        of its region; None: inline, or not resolvable); given, the queued step's rows go there on
+        the GPU behind the replay, through copy_out(src, dst, flags, R), gated by the program's flags
+        (step_meta.gated_copy), and the answer's host path copies nothing."""
         self.ops, self.page, self.graphs, self.window, self._count = ops, page, graphs, window, count
         self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
         self._capture = capture or (_capture_graph if torch.device(device).type == "cuda" else _uncaptured)
@@ -110,6 +116,8 @@ class Prelaunch:
             staging = Staging(device)
         self._staging = staging
         self.behind_s = behind_s
+        self._output_of, self._copy_out = output_of, copy_out
+        self._out_ready = False  # the queued copy wrote the current step's output slice (offer's view)
         self._agreements: dict[tuple, tuple] = {}  # (R, slot input's address) -> (that view, replay of exchange + gate)
         # The metadata launches of a layout (see _metadata): key -> (what their addresses belong to, replay or None)
         self._metas: dict[tuple, tuple] = {}
@@ -165,6 +173,8 @@ class Prelaunch:
         same = (q is not None and q.seq == seq and q.key == req.launch_key and q.token is step.positions
                 and q.graph is graph)
         self._accepted = same and self._waited_ready(seq) and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all())
+        # The launch key promises the same slices (sidecar.proto), output included; checked all the same.
+        self._out_ready = self._accepted and q.out is not None and _same_view(q.out, self._output_of(step, q.out))
         streak = self._streak + 1 if self._repeats(req.launch_key, step) else 1
         host_side = all(t.device.type == "cpu" for t in (step.positions, step.meta.seq_lens,
                                                           step.meta.block_tables, step.meta.slot_mapping))
@@ -189,7 +199,7 @@ class Prelaunch:
         if queued and self._accepted:
             self.hits += 1
             self._count(True)
-            return q.graph.out
+            return q.out if self._out_ready else q.graph.out
         self._release(q)
         return None
 
@@ -304,12 +314,15 @@ class Prelaunch:
                 agree()  # every rank's flags, MAX; the gate writes them to the host's page
             self._ready.record(stream)
             graph.graph.replay()
+            out = self._output_of(step, graph.out) if self._output_of is not None else None
+            if out is not None:
+                self._copy_out(graph.out, out, self._flag, step.num_reqs)
             done = self._event()
             done.record(stream)
         except BaseException:
             self._pass(seq)  # the wait is queued: pass it, or the stream stays blocked behind a step nobody runs
             raise
-        self.queued = _Queued(seq, key, step.positions, graph, done)
+        self.queued = _Queued(seq, key, step.positions, graph, done, out)
 
     def _metadata(self, step: Step, graph, sources: list, exchanged: bool):
         """The staging copy and the program for this layout, as one call.
@@ -416,6 +429,12 @@ class Prelaunch:
         self._header.close()
         del self._flag_host
         self._flag_buf.close()
+
+
+def _same_view(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """The same memory seen the same way (a cached region view may be rebuilt as another object)."""
+    return (a is not None and b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.dtype == b.dtype)
 
 
 class StepHook:

@@ -248,6 +248,16 @@ class RankLoop:
             return self.graphs.run(embeds, step.host, step.kv.layers, in_place)
         return m.draft_step(embeds, step.positions.to(dev), step.meta.to(dev), step.kv.layers)
 
+    def output_view(self, step: Step, like: torch.Tensor) -> torch.Tensor | None:
+        """The step's output slice as a view [n, hidden] like `like` (dtype, shape); None when the step
+        asked for inline bytes or the slice does not resolve (the answer's path then says why)."""
+        if step.output is None:
+            return None
+        try:
+            return self.ctx.memory.resolve(step.output, like.dtype, tuple(like.shape), "output")
+        except ValueError:
+            return None
+
     def _output(self, step: Step, hidden: torch.Tensor) -> pb.TensorRef:
         if step.output is None:
             return codec.to_tensor_ref(hidden.cpu())
@@ -255,7 +265,8 @@ class RankLoop:
             dst = self.ctx.memory.resolve(step.output, hidden.dtype, tuple(hidden.shape), "output")
         except ValueError as err:
             raise SidecarError(grpc.StatusCode.INVALID_ARGUMENT, str(err), "output", "INVALID_FIELD") from None
-        dst.copy_(hidden)
+        if dst.data_ptr() != hidden.data_ptr():  # else already there: a pre-launched step's rows (prelaunch.py)
+            dst.copy_(hidden)
         return codec.region_tensor_ref(hidden.dtype, tuple(hidden.shape), step.output.region_id,
                                        step.output.offset_bytes)
 

@@ -238,3 +238,42 @@ def step_gate_reference(agreed: np.ndarray, slots: np.ndarray) -> tuple[np.ndarr
     out = slots.reshape(-1, q).copy()
     out[agreed != FLAG_RAN] = -1
     return agreed.copy(), out.reshape(-1)
+
+
+# The queued step's output, into the engine's region -------------------------------------------
+# Answering a step from its queued copy used to copy the graph's output into the engine's output
+# region from the host after the ring (a torch copy_: 24-71 us of the sidecar's host path on an
+# H200 host, BENCHMARKS.md runs 184-185). Queued behind the graph instead, the copy runs on the GPU
+# with the step; it is gated by the program's flags, so a step the GPU refused (not rung: another
+# layout, whose output may lie elsewhere) writes nothing into the engine's memory.
+
+COPY_BLOCK = 4096  # elements per program
+
+
+@triton.jit
+def _gated_copy(src, dst, flag_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (r, c): elements [c*BLOCK, (c+1)*BLOCK) of request r's ROW = 7 x hidden, if its flag is RAN."""
+    r, c = tl.program_id(0), tl.program_id(1)
+    if tl.load(flag_ptr + r, volatile=True) == _RAN:  # the host's page: written by the program (or gate) just before
+        o = c * BLOCK + tl.arange(0, BLOCK)
+        m = o < ROW
+        tl.store(dst + r * ROW + o, tl.load(src + r * ROW + o, mask=m), mask=m)
+
+
+def gated_copy(src: torch.Tensor, dst: torch.Tensor, flags, num_reqs: int) -> None:
+    """Queue on the current stream: dst[rows of r] = src[rows of r] for each request r < num_reqs whose
+    flag is FLAG_RAN. src, dst: contiguous [7R, hidden] of one dtype; flags: int32 [>= R] (a tensor or
+    proto.gpu_word.DevicePointer)."""
+    if src.shape != dst.shape or src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"gated_copy: {src.dtype} {list(src.shape)} into {dst.dtype} {list(dst.shape)}, "
+                         "both contiguous and alike")
+    row = src.numel() // max(1, num_reqs)
+    _gated_copy[(num_reqs, triton.cdiv(row, COPY_BLOCK))](src, dst, flags, ROW=row, BLOCK=COPY_BLOCK, num_warps=4)
+
+
+def gated_copy_reference(src: torch.Tensor, dst: torch.Tensor, flags: np.ndarray) -> torch.Tensor:
+    """gated_copy in torch: dst with the rows of every FLAG_RAN request replaced by src's; its spec."""
+    out = dst.clone().reshape(len(flags), -1)
+    ran = torch.as_tensor(flags == FLAG_RAN)
+    out[ran] = src.reshape(len(flags), -1)[ran]
+    return out.reshape(dst.shape)

@@ -16,7 +16,8 @@ pytest.importorskip("triton")  # prelaunch imports the metadata program's module
 
 from dspark_sidecar.drafter.kv_cache import StepMetadata, window_width  # noqa: E402
 from dspark_sidecar.kernels.triton.step_meta import (FLAG_INVALID, FLAG_NOT_RUNG, FLAG_RAN, STAGE_WORDS,  # noqa: E402
-                                                     Staging, step_gate_reference, step_meta_reference)
+                                                     Staging, gated_copy_reference, step_gate_reference,
+                                                     step_meta_reference)
 from dspark_sidecar.proto import doorbell as bell  # noqa: E402
 from dspark_sidecar.proto import sidecar_pb2 as pb  # noqa: E402
 from dspark_sidecar.server import prelaunch  # noqa: E402
@@ -203,10 +204,21 @@ def rig(world, staged):
         exchange=lambda t: torch.maximum(t, peer[: t.numel()], out=t), gate=_gate, capture=capture, max_reqs=len(LENS))
     if staged:
         extra["staging"] = Staging("cpu", launch=gpu.stage)
-    pl = prelaunch.Prelaunch(gpu, page, base, graphs, WINDOW, event=lambda: Event(gpu), program=gpu.program, **extra)
+    # The engine's output slice (output_of): none unless a test sets r.out; the gated copy runs with the
+    # program, after the flags' exchange and gate where there is one (gpu.then), as the stream orders it.
+    r = SimpleNamespace(out=None, copies=[])
+
+    def copy_out(src, dst, flag, R):
+        r.copies.append((src, dst, R))
+        gpu.then.append(lambda: dst.copy_(gated_copy_reference(
+            src, dst, np.array((ctypes.c_int32 * R).from_address(flag.data_ptr())[:], np.int32))))
+
+    pl = prelaunch.Prelaunch(gpu, page, base, graphs, WINDOW, event=lambda: Event(gpu), program=gpu.program,
+                             output_of=lambda step, like: r.out, copy_out=copy_out, **extra)
     gpu.word_addr = base + bell.GPU_WORD_OFFSET
-    return SimpleNamespace(pl=pl, gpu=gpu, graphs=graphs, page=page, a=a, b=b, word_addr=gpu.word_addr,
-                           peer=peer, captures=captures, meta_captures=meta_captures, world=world, staged=staged)
+    r.__dict__.update(pl=pl, gpu=gpu, graphs=graphs, page=page, a=a, b=b, word_addr=gpu.word_addr,
+                      peer=peer, captures=captures, meta_captures=meta_captures, world=world, staged=staged)
+    return r
 
 
 def _req(key=KEY):
@@ -550,3 +562,33 @@ def test_a_word_there_at_the_ring_is_on_time_however_long_the_step_takes(rig):
         rig.pl.after(seq, OK)
         rig.pl.watch()
     assert rig.pl.cooldown == 0
+
+
+def test_the_queued_rows_go_to_the_engine_s_output_slice_on_the_gpu(rig):
+    """With the engine's output slice known (output_of), the queued step copies its rows there behind the
+    replay, gated by the flags, and a hit answers with that slice: the host path copies nothing."""
+    region = torch.zeros_like(rig.graphs.graph.out)
+    rig.out = region
+    _queue(rig)
+    assert [(src, dst, R) for src, dst, R in rig.copies] == [(rig.graphs.graph.out, region, len(LENS))]
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
+    got = _take(rig, SEQ + 2, _req(), rig.a)
+    assert got is region and torch.equal(region, rig.graphs.graph.out)
+
+
+@pytest.mark.parametrize("kind", ["other-key", "other-slice"])
+def test_a_queued_copy_never_answers_for_another_step_s_output(rig, kind):
+    """A word for another layout: the GPU refuses every request and the gated copy writes nothing into
+    the slice. A step naming another slice than the queued one: answered from the graph's own output,
+    which the host path then copies where that step asked."""
+    region = torch.zeros_like(rig.graphs.graph.out)
+    rig.out = region
+    _queue(rig)
+    if kind == "other-key":
+        rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY + 1)
+        assert _take(rig, SEQ + 2, _req(), rig.a) is None
+        assert not region.any()  # every flag NOT_RUNG: nothing copied
+    else:
+        rig.out = torch.zeros_like(region)  # the step's own slice resolves elsewhere
+        rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
+        assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out

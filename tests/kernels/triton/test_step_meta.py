@@ -144,6 +144,27 @@ def test_gate_noops_every_request_some_rank_refused(device, agreed):
     assert (want_slots[refused] == -1).all() and (want_slots[~refused] == S[~refused]).all()
 
 
+@pytest.mark.parametrize("flags", [[sm.FLAG_RAN] * 3, [sm.FLAG_RAN, sm.FLAG_INVALID, sm.FLAG_RAN],
+                                   [sm.FLAG_NOT_RUNG] * 3], ids=["all-ran", "one-refused", "not-rung"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_copy_writes_only_the_requests_the_gpu_ran(device, flags, dtype):
+    """The queued step's output into the engine's region: a refused request's rows keep what was there
+    (hidden 5000: rows of 35000 elements, so the last program of each request is partial)."""
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randn(3 * Q, 5000, generator=gen).to(dtype)
+    dst = torch.randn(3 * Q, 5000, generator=gen).to(dtype)
+    want = sm.gated_copy_reference(src, dst, np.array(flags, np.int32))  # reference first
+    dev = torch.device(device)
+    got = dst.to(dev)
+    sm.gated_copy(src.to(dev), got, torch.tensor(flags, dtype=torch.int32, device=dev), 3)
+    assert torch.equal(got.cpu(), want)  # a copy: exact
+    for r, f in enumerate(flags):
+        rows = slice(r * Q, (r + 1) * Q)
+        assert torch.equal(want[rows], (src if f == sm.FLAG_RAN else dst)[rows])
+    with pytest.raises(ValueError, match="alike"):
+        sm.gated_copy(src.to(dev), got[:, :10], torch.tensor(flags, dtype=torch.int32, device=dev), 3)
+
+
 def _host_region(arrays) -> tuple[mmap.mmap, list[tuple[int, int]]]:
     """The arrays laid out as the engine's fill() does (8-aligned, one after another) in a page-aligned
     mapping of two pages; returns it and each array's (offset, bytes)."""
