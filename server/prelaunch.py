@@ -123,9 +123,8 @@ class Prelaunch:
         self._metas: dict[tuple, tuple] = {}
         # The program's expected word, written on the stream ahead of each queued step (int64 [1]).
         self._expect = torch.zeros(1, dtype=torch.int64, device=device)
-        self._dev_flags = None
-        if exchange is not None:  # the program's flags before the exchange: the device's own memory
-            self._dev_flags = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        # The program's flags in device memory: exchanged there at TP > 1, read by the gated output copy.
+        self._dev_flags = torch.zeros(max_reqs, dtype=torch.int32, device=device)
         self._header = RegisteredPage(ops, page_ptr)
         self._word = DevicePointer(self._header.device_ptr + bell.GPU_WORD_OFFSET, torch.int64)
         # The program's flag lives in a page of our own, registered like the header: the host
@@ -316,7 +315,7 @@ class Prelaunch:
             graph.graph.replay()
             out = self._output_of(step, graph.out) if self._output_of is not None else None
             if out is not None:
-                self._copy_out(graph.out, out, self._flag, step.num_reqs)
+                self._copy_out(graph.out, out, self._dev_flags, step.num_reqs)
             done = self._event()
             done.record(stream)
         except BaseException:
@@ -348,7 +347,7 @@ class Prelaunch:
             word, src = self._word, tuple(ptr for ptr, _, _ in sources)
             if self._staging is not None:  # copied once after the wait, then read on the device
                 word, src = self._staging.stage(self._word, sources)
-            self._program(word, self._expect, src, graph.views, flag, **kw)
+            self._program(word, self._expect, src, graph.views, flag, mirror=self._dev_flags, **kw)
 
         if entry is None:  # first sight
             if len(self._metas) >= 64:  # layouts gone (a rebind drops their graphs)

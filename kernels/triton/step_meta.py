@@ -38,7 +38,7 @@ _RAN, _NOT_RUNG, _INVALID = tl.constexpr(FLAG_RAN), tl.constexpr(FLAG_NOT_RUNG),
 
 @triton.jit
 def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
-               pos_out, rel_out, slot_out, lens_out, tab_out, flag_ptr,
+               pos_out, rel_out, slot_out, lens_out, tab_out, flag_ptr, mirror_ptr,
                page_size, span, num_pages, width, WW,
                Q: tl.constexpr, Q_PAD: tl.constexpr, WW_PAD: tl.constexpr):
     """Program r: request r's rows and window. One program per request, so the reads across PCIe
@@ -68,7 +68,9 @@ def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
     tl.store(slot_out + r * Q + j, tl.where(good, S, -1 + 0 * S), mask=m)
     tl.store(lens_out + r, tl.where(good, L - off, Q).to(tl.int32))
     tl.store(tab_out + r * WW + k, tl.where(good, wt, 0 * wt), mask=km)
-    tl.store(flag_ptr + r, tl.where(good, _RAN, tl.where(rung, _INVALID, _NOT_RUNG)))
+    flag = tl.where(good, _RAN, tl.where(rung, _INVALID, _NOT_RUNG))
+    tl.store(flag_ptr + r, flag)
+    tl.store(mirror_ptr + r, flag)  # device memory, for kernels after the step (gated_copy); may be flag_ptr
 
 
 def signed64(value: int) -> int:
@@ -153,7 +155,7 @@ class Staging:
 
 
 def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int, width: int, page_size: int,
-              window: int, num_pages: int) -> None:
+              window: int, num_pages: int, mirror=None) -> None:
     """Queue the program on the current stream: R programs, one per request.
 
     word: int64 [1] (the doorbell's GPU word). expect: int64 [1] on the device, the word's value for
@@ -163,10 +165,13 @@ def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int
     slots int64 [n], as tensors or proto.gpu_word.DevicePointer.
     out: the graph's positions, rel positions, slots int64 [n], lens int32 [R], tables int32 [R, ww].
     flags: int32 [>= R], flags[r] set to FLAG_* for request r.
+    mirror: int32 [>= R] in device memory that gets the flags too (default: flags itself). Kernels
+    queued after the step read it there: each program's read of host memory (the host's page) cost
+    ~4 us, one after another (runs 125 and 186).
     """
     q = layout.QPR
     ww = out[4].shape[1]
-    _step_meta[(num_reqs,)](word, expect, *src, *out, flags, page_size, window + q - 1, num_pages, width,
+    _step_meta[(num_reqs,)](word, expect, *src, *out, flags, flags if mirror is None else mirror, page_size, window + q - 1, num_pages, width,
                             ww, Q=q, Q_PAD=triton.next_power_of_2(q), WW_PAD=triton.next_power_of_2(ww))
 
 
@@ -245,7 +250,9 @@ def step_gate_reference(agreed: np.ndarray, slots: np.ndarray) -> tuple[np.ndarr
 # region from the host after the ring (a torch copy_: 24-71 us of the sidecar's host path on an
 # H200 host, BENCHMARKS.md runs 184-185). Queued behind the graph instead, the copy runs on the GPU
 # with the step; it is gated by the program's flags, so a step the GPU refused (not rung: another
-# layout, whose output may lie elsewhere) writes nothing into the engine's memory.
+# layout, whose output may lie elsewhere) writes nothing into the engine's memory. It reads the flags
+# from device memory (step_meta's mirror): reading the host's page, its 88 programs at R = 8 took the
+# step from 0.42 to 0.80 ms (run 186).
 
 COPY_BLOCK = 4096  # elements per program
 
@@ -254,7 +261,7 @@ COPY_BLOCK = 4096  # elements per program
 def _gated_copy(src, dst, flag_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
     """Program (r, c): elements [c*BLOCK, (c+1)*BLOCK) of request r's ROW = 7 x hidden, if its flag is RAN."""
     r, c = tl.program_id(0), tl.program_id(1)
-    if tl.load(flag_ptr + r, volatile=True) == _RAN:  # the host's page: written by the program (or gate) just before
+    if tl.load(flag_ptr + r) == _RAN:  # device memory, written by the program (and the exchange) just before
         o = c * BLOCK + tl.arange(0, BLOCK)
         m = o < ROW
         tl.store(dst + r * ROW + o, tl.load(src + r * ROW + o, mask=m), mask=m)
@@ -262,8 +269,7 @@ def _gated_copy(src, dst, flag_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
 
 def gated_copy(src: torch.Tensor, dst: torch.Tensor, flags, num_reqs: int) -> None:
     """Queue on the current stream: dst[rows of r] = src[rows of r] for each request r < num_reqs whose
-    flag is FLAG_RAN. src, dst: contiguous [7R, hidden] of one dtype; flags: int32 [>= R] (a tensor or
-    proto.gpu_word.DevicePointer)."""
+    flag is FLAG_RAN. src, dst: contiguous [7R, hidden] of one dtype; flags: int32 [>= R] in device memory."""
     if src.shape != dst.shape or src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError(f"gated_copy: {src.dtype} {list(src.shape)} into {dst.dtype} {list(dst.shape)}, "
                          "both contiguous and alike")

@@ -58,6 +58,7 @@ class Gpu:
     def __init__(self):
         self.registered, self.unregistered, self.waits, self.programs, self.flags = [], [], [], [], []
         self.copies: list = []  # staged copies queued before the program (staged rigs)
+        self.mirrors: list = []  # each program's mirror of its flags (device memory)
         self.then: list = []  # TP > 1: the flags' exchange and gate, replayed after the program (capture)
         self.hold_until = 0.0  # perf_counter time before which the copy has not started (a late peer)
         self.writes: list = []  # stream writes: the program's expected word, ahead of each queued step
@@ -78,9 +79,11 @@ class Gpu:
     def wait_geq(self, stream, addr, value):
         self.waits.append((stream, addr, value))
 
-    def program(self, word, expect, src, out, flag, **kw):
+    def program(self, word, expect, src, out, flag, mirror=None, **kw):
         # expect: the device's int64 [1] the stream wrote; the value the program sees when it runs.
+        # mirror: the device memory that gets the flags too (Prelaunch's, read by the gated copy).
         self.programs.append((word, int(expect[0]) % (1 << 64), src, out, flag, kw))
+        self.mirrors.append(mirror)
 
     def stage(self, src, dst, blocks, word_src, word_dst):
         """Staging.stage's copy, done when the program runs (after the wait), as the stream would."""
@@ -114,6 +117,7 @@ class Gpu:
         for o, r in zip(out, res[:5]):
             o.copy_(torch.from_numpy(np.asarray(r).reshape(o.shape)))
         (ctypes.c_int32 * R).from_address(flag.data_ptr())[:] = res[5].tolist()
+        self.mirrors[-1][:R] = torch.from_numpy(res[5])
         self.flags.append(res[5])
         for fn in self.then:
             fn()
@@ -210,8 +214,8 @@ def rig(world, staged):
 
     def copy_out(src, dst, flag, R):
         r.copies.append((src, dst, R))
-        gpu.then.append(lambda: dst.copy_(gated_copy_reference(
-            src, dst, np.array((ctypes.c_int32 * R).from_address(flag.data_ptr())[:], np.int32))))
+        assert flag is pl._dev_flags, "the copy reads the flags' device mirror, never the host's page"
+        gpu.then.append(lambda: dst.copy_(gated_copy_reference(src, dst, flag[:R].numpy())))
 
     pl = prelaunch.Prelaunch(gpu, page, base, graphs, WINDOW, event=lambda: Event(gpu), program=gpu.program,
                              output_of=lambda step, like: r.out, copy_out=copy_out, **extra)

@@ -45,9 +45,11 @@ def _run(device, word: int, expect: int, P, L, T, S, pages):
            torch.full((n,), 99, dtype=torch.int64, device=dev), torch.full((R,), 99, dtype=torch.int32, device=dev),
            torch.full((R, ww), 99, dtype=torch.int32, device=dev))
     flag = torch.zeros(R, dtype=torch.int32, device=dev)
+    mirror = torch.full((R + 1,), 99, dtype=torch.int32, device=dev)  # the device copy the gated copy reads
     w = torch.tensor([sm.signed64(word)], dtype=torch.int64, device=dev)
     sm.step_meta(w, torch.tensor([sm.signed64(expect)], device=dev), src, out, flag, num_reqs=R, width=T.shape[1],
-                 page_size=PAGE, window=WINDOW, num_pages=pages)
+                 page_size=PAGE, window=WINDOW, num_pages=pages, mirror=mirror)
+    assert torch.equal(mirror[:R], flag) and mirror[R] == 99  # the same flags, nothing past R
     return tuple(t.cpu().numpy() for t in out) + (flag.cpu().numpy(),)
 
 
