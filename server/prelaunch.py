@@ -11,6 +11,7 @@ assuming the same layout (an engine repeats its batch shape step after step):
     staging copy                     (step_meta.Staging: the word and the engine's region, to the device)
     metadata program                 (kernels/triton/step_meta.py: reads that copy, checks it)
     graph replay                     (graphs.py: the in-place graph of this layout's R)
+    gated output copy                (step_meta.gated_copy: into the engine's output slice, requests the program ran)
 
 The staging copy and the program are the same launches for every step of a layout, so from the
 layout's second queued step on they are one captured CUDA graph: launched from Python they cost
