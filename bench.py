@@ -261,7 +261,8 @@ class Bench:
         # Per remote step: queue, rendezvous, launch, total (ns), and whether it was pre-launched.
         # ... then, of those phases: validate, the engine's GPU word seen, the queued copy started, output.
         self.sidecar_ns: list[tuple[int, int, int, int, bool, int, int, int, int]] = []
-        self.engine_ns: list[tuple[int, int]] = []  # per data-plane step: fill + ring, ring -> answer
+        # Per data-plane step: fill + ring, ring -> answer; then that ring -> answer in four parts (_ring_path).
+        self.engine_ns: list[tuple[int, ...]] = []
         self.gpu_ms: list[float] = []  # b/c: GPU time per replay (gpu_times), beside the wall-clock figure
         self.mode_misses: int | None = None  # d/f/g: queued steps the sidecar released unused during the mode
         self.side = self.channel = self.bufs = self.bell = None
@@ -317,7 +318,8 @@ class Bench:
             self.bell.send(req)
             t1 = time.perf_counter_ns()
             resp = self.bell.wait(self.step_id, 60.0)
-            self.engine_ns.append((t1 - t0, time.perf_counter_ns() - t1))
+            done = time.monotonic_ns()
+            self.engine_ns.append((t1 - t0, time.perf_counter_ns() - t1, *self._ring_path(resp, done)))
         else:
             m = case.host.meta
             for f, t in (("positions", case.host.positions), ("inputs_embeds", case.embeds), ("seq_lens", m.seq_lens),
@@ -331,6 +333,16 @@ class Bench:
         self.sidecar_ns.append((tm.queue_ns, tm.rendezvous_ns, tm.compute_ns, tm.total_ns, tm.prelaunched,
                                 tm.validate_ns, tm.gpu_word_wait_ns, tm.gpu_start_wait_ns, tm.output_ns))
         return out
+
+    def _ring_path(self, resp: pb.DraftStepResponse | None, done: int) -> tuple[int, int, int, int]:
+        """A doorbell step's ring -> answer, ns, from one clock read in both processes (time.monotonic_ns):
+        until the sidecar saw the ring, the sidecar's handling until it published, from then until the
+        engine saw the answer, and the engine's own work after that (parse, its stream's wait)."""
+        tm, b = (resp.timings if resp is not None else pb.StepTimings()), self.bell
+        if not (tm.seen_mono_ns and tm.published_mono_ns and b.answer_seen_mono_ns):
+            return 0, 0, 0, 0
+        return (tm.seen_mono_ns - b.rung_mono_ns, tm.published_mono_ns - tm.seen_mono_ns,
+                b.answer_seen_mono_ns - tm.published_mono_ns, done - b.answer_seen_mono_ns)
 
     def measure(self, mode: str, case: Case) -> list[float] | str:
         """ms per step of one mode, or why it did not run."""
@@ -386,6 +398,7 @@ class Bench:
                "sidecar_validate_word_start_output_p50_us": [p50_us(self.sidecar_ns, i) for i in range(5, 9)]}
         if mode in ("d", "g"):
             out |= {"engine_fill_p50_us": p50_us(self.engine_ns, 0), "ring_to_answer_p50_us": p50_us(self.engine_ns, 1),
+                    "ring_seen_sidecar_published_engine_p50_us": [p50_us(self.engine_ns, i) for i in range(2, 6)],
                     **share}
         return out
 
@@ -469,7 +482,11 @@ def _fmt(row: dict) -> str:
             v, w, st, o = row["sidecar_validate_word_start_output_p50_us"]
             extra += f" [validate {v:.0f}, word {w:.0f}, started {st:.0f}, output {o:.0f}]"
     if "engine_fill_p50_us" in row:
-        extra += f" (engine fill {row['engine_fill_p50_us']:.0f}, ring->answer {row['ring_to_answer_p50_us']:.0f} us)"
+        extra += f" (engine fill {row['engine_fill_p50_us']:.0f}, ring->answer {row['ring_to_answer_p50_us']:.0f} us"
+        if "ring_seen_sidecar_published_engine_p50_us" in row:  # its parts: seen, sidecar, answer seen, engine
+            a, b, c, d = row["ring_seen_sidecar_published_engine_p50_us"]
+            extra += f" = seen {a:.0f} + sidecar {b:.0f} + back {c:.0f} + engine {d:.0f}"
+        extra += ")"
     if "gpu_p50_ms" in row:
         extra += f"  GPU time {row['gpu_p50_ms']:.3f} ms ({row['gpu_x_floor']:.2f}x floor)"
     if "lead_ms" in row:

@@ -166,6 +166,7 @@ class DoorbellChannel:
                 self.ringer = None
         self._seq = self.page.word(bell.REQ_SEQ)
         self._sent_at = 0.0
+        self.rung_mono_ns = self.answer_seen_mono_ns = 0  # the last ring, and when its answer was seen (monotonic)
         self.alive = True
 
     def send(self, req: pb.DraftStepRequest) -> None:
@@ -182,6 +183,7 @@ class DoorbellChannel:
         elif self.input_event is not None:
             self.input_event.record(torch.cuda.current_stream(self.device))
         self.page.write(self.page.req_area, data, bell.REQ_LEN, bell.REQ_SEQ, self._seq)  # ring: sequence last
+        self.rung_mono_ns = time.monotonic_ns()  # with StepTimings' seen/published_mono_ns: where a step's time went
         if self.ringer is not None:  # after the sequence store (see proto/doorbell.py Waker.sleep)
             self.ringer.wake_if_asleep(self.page)
         self._sent_at = time.perf_counter()
@@ -191,6 +193,7 @@ class DoorbellChannel:
         if not bell.wait_until(lambda: self.page.word(bell.RESP_SEQ) == self._seq,
                                time.perf_counter() + timeout_s, self._sent_at, bell.nap_for(self.device.type)):
             return None
+        self.answer_seen_mono_ns = time.monotonic_ns()
         resp = pb.DraftStepResponse.FromString(self.page.read(self.page.resp_area, bell.RESP_LEN))
         if self.output_event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.output_event)

@@ -357,7 +357,7 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("queue_ns", "rendezvous_ns", "compute_ns", "total_ns", "launches", "prelaunched", "validate_ns", "gpu_start_wait_ns", "output_ns", "gpu_word_wait_ns")
+    __slots__ = ("queue_ns", "rendezvous_ns", "compute_ns", "total_ns", "launches", "prelaunched", "validate_ns", "gpu_start_wait_ns", "output_ns", "gpu_word_wait_ns", "seen_mono_ns", "published_mono_ns")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +368,8 @@ class StepTimings(_message.Message):
     GPU_START_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
     GPU_WORD_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_MONO_NS_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     rendezvous_ns: int
     compute_ns: int
@@ -378,7 +380,9 @@ class StepTimings(_message.Message):
     gpu_start_wait_ns: int
     output_ns: int
     gpu_word_wait_ns: int
-    def __init__(self, queue_ns: _Optional[int] = ..., rendezvous_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., launches: _Optional[int] = ..., prelaunched: _Optional[bool] = ..., validate_ns: _Optional[int] = ..., gpu_start_wait_ns: _Optional[int] = ..., output_ns: _Optional[int] = ..., gpu_word_wait_ns: _Optional[int] = ...) -> None: ...
+    seen_mono_ns: int
+    published_mono_ns: int
+    def __init__(self, queue_ns: _Optional[int] = ..., rendezvous_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., launches: _Optional[int] = ..., prelaunched: _Optional[bool] = ..., validate_ns: _Optional[int] = ..., gpu_start_wait_ns: _Optional[int] = ..., output_ns: _Optional[int] = ..., gpu_word_wait_ns: _Optional[int] = ..., seen_mono_ns: _Optional[int] = ..., published_mono_ns: _Optional[int] = ...) -> None: ...
 
 class DraftStepResponse(_message.Message):
     __slots__ = ("step_id", "hidden_states", "error", "timings")

@@ -72,6 +72,7 @@ class Doorbell(threading.Thread):
             else:
                 loop.on_quiesce(self.prelaunch.release)
         self._halt = threading.Event()
+        self._seen_ns = 0  # when the current step's ring was seen (time.monotonic_ns)
         self._last = self.page.word(bell.REQ_SEQ)
         self.waker: bell.Waker | None = None
         if wake_path is not None:
@@ -116,6 +117,7 @@ class Doorbell(threading.Thread):
                     bell.pause(idle, nap)
                 continue
             seq = self.page.word(bell.REQ_SEQ)
+            self._seen_ns = time.monotonic_ns()  # StepTimings.seen_mono_ns (see _publish)
             try:
                 resp = self._serve(seq)
             except Exception as exc:  # noqa: BLE001  (the engine always gets an answer: it falls back)
@@ -168,6 +170,7 @@ class Doorbell(threading.Thread):
         if self.prelaunch is not None:  # see Prelaunch.settle: before the engine can write the next word
             with self.loop.exclusive(quiesce=False):
                 self.prelaunch.settle()
+        resp.timings.seen_mono_ns, resp.timings.published_mono_ns = self._seen_ns, time.monotonic_ns()
         data = resp.SerializeToString()
         if len(data) > self.page.capacity:
             data = pb.DraftStepResponse(step_id=resp.step_id, error=pb.StepError(

@@ -30,6 +30,10 @@ def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
             assert v > 0 and out > 0 and word == started == 0
         if r["mode"] == "d":
             assert r["engine_fill_p50_us"] > 0 and r["ring_to_answer_p50_us"] > 0
+            # ring -> answer in its parts, from one clock in both processes: each part ran, and they
+            # cover it (the ring's own time stamp comes just after the page write that t1 follows).
+            parts = r["ring_seen_sidecar_published_engine_p50_us"]
+            assert all(p > 0 for p in parts) and sum(parts) <= 1.5 * r["ring_to_answer_p50_us"] + 50, parts
         if r["mode"] in ("d", "f"):  # the sidecar's counter, read around the mode (no pre-launch on a CPU)
             assert r["prelaunch_misses"] == 0 and r["prelaunched_share"] == 0
 

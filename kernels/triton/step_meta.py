@@ -171,8 +171,9 @@ def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int
     """
     q = layout.QPR
     ww = out[4].shape[1]
-    _step_meta[(num_reqs,)](word, expect, *src, *out, flags, flags if mirror is None else mirror, page_size, window + q - 1, num_pages, width,
-                            ww, Q=q, Q_PAD=triton.next_power_of_2(q), WW_PAD=triton.next_power_of_2(ww))
+    _step_meta[(num_reqs,)](word, expect, *src, *out, flags, flags if mirror is None else mirror, page_size,
+                            window + q - 1, num_pages, width, ww, Q=q, Q_PAD=triton.next_power_of_2(q),
+                            WW_PAD=triton.next_power_of_2(ww))
 
 
 def step_meta_reference(word: int, expect: int, positions: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
