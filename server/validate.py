@@ -145,8 +145,9 @@ _ROW_OFFS = np.arange(layout.QPR, dtype=np.int64) - layout.QPR  # request rows s
 
 
 @functools.lru_cache(maxsize=64)
-def _aranges(R: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.arange(R)[:, None], np.arange(width)
+def _grid(R: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Column numbers [width], and each row's first flat index in an [R, width] table ([R, 1])."""
+    return np.arange(width), np.arange(R)[:, None] * width
 
 
 def _indices_ok(h: HostMeta, ps: int, pages: int) -> bool:
@@ -156,19 +157,21 @@ def _indices_ok(h: HostMeta, ps: int, pages: int) -> bool:
     This runs on every step, so the valid case is one short chain of NumPy ops on the host views
     (each op costs a microsecond or two there; torch's dispatch would cost several); the slot
     range follows from the page range and the slot equality. False sends the step to `_diagnose`.
+    Engines pad their tables with page ids (vLLM: zeros), so one max over the whole table usually
+    settles the page range; only a table with other entries is checked row by row, over the pages
+    each row uses (a 4096 window, zero-padded tables: 20-21 us instead of 29-36 at R = 1-8 in a tight
+    loop on the 2-core CI box; a table padded with -1 takes about 40 us, 5 more than before).
     """
     P, L, tab, S = h
     R, width = tab.shape
-    if not ((P == L[:, None] + _ROW_OFFS).all() and L.min() >= layout.QPR and L.max() <= width * ps):
+    if not (L.min() >= layout.QPR and L.max() <= width * ps and (P == L[:, None] + _ROW_OFFS).all()):
         return False
-    rows, cols = _aranges(R, width)
-    # The first page id out of range in each row (viewed as unsigned, a negative id is huge: one
-    # compare covers both bounds) must lie past the row's used pages.
-    first_bad = np.where(tab.view(np.uint32) >= pages, cols, width).min(axis=1)
-    if not (first_bad >= (L + (ps - 1)) // ps).all():
+    cols, base = _grid(R, width)
+    ids = tab.view(np.uint32)  # a negative id is huge: one compare covers both bounds
+    if ids.max() >= pages and np.where(cols < (L[:, None] + (ps - 1)) // ps, ids, 0).max() >= pages:
         return False
     page, off = np.divmod(P, ps)
-    return bool((tab[rows, page].astype(np.int64) * ps + off == S).all())
+    return bool((np.multiply(tab.reshape(-1).take(base + page), ps, dtype=np.int64) + off == S).all())
 
 
 def _diagnose(h: HostMeta, ps: int, pages: int) -> None:

@@ -19,13 +19,14 @@ PS, PAGES = 16, 64
 LENS = [7, 40, 100]  # a request with no context, one mid-page, one over several pages
 
 
-def _valid():
+def _valid(pad: int = -123456):
     """Requests with distinct shuffled pages, rows at L-7 .. L-1, slots through the tables; the
-    tables are one page wider than the longest request, the spare entries garbage."""
+    tables are one page wider than the longest request, the spare entries `pad`: garbage, or a page
+    id as vLLM pads (the fast check's shortcut: every entry a page of the cache)."""
     gen = torch.Generator().manual_seed(0)
     width = -(-max(LENS) // PS) + 1
     perm = torch.randperm(PAGES, generator=gen)
-    tables = torch.full((len(LENS), width), -123456, dtype=torch.int32)  # unused entries: never read
+    tables = torch.full((len(LENS), width), pad, dtype=torch.int32)  # unused entries: never read
     pos, slots, used = [], [], 0
     for i, L in enumerate(LENS):
         need = -(-L // PS)
@@ -48,8 +49,9 @@ def _check(positions, meta):
     return ok, None
 
 
-def test_valid_metadata_passes_both():
-    assert _check(*_valid()) == (True, None)
+@pytest.mark.parametrize("pad", [-123456, 0], ids=["garbage-padded", "zero-padded"])
+def test_valid_metadata_passes_both(pad):
+    assert _check(*_valid(pad)) == (True, None)
 
 
 def _shifted_positions(pos, meta):
@@ -86,8 +88,9 @@ def _slot_past_cache(pos, meta):
     (_page_past_cache, "block_tables"), (_negative_page, "block_tables"), (_slot_elsewhere, "slot_mapping"),
     (_slot_past_cache, "slot_mapping"),
 ], ids=lambda x: getattr(x, "__name__", x))
-def test_each_corruption_fails_the_fast_check_and_is_named(corrupt, field):
-    pos, meta = _valid()
+@pytest.mark.parametrize("pad", [-123456, 0], ids=["garbage-padded", "zero-padded"])
+def test_each_corruption_fails_the_fast_check_and_is_named(corrupt, field, pad):
+    pos, meta = _valid(pad)
     corrupt(pos, meta)
     assert _check(pos, meta) == (False, field)
 
