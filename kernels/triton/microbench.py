@@ -423,7 +423,8 @@ def _launch_shapes(prof) -> dict[str, set[str]]:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as written:  # the profiler writes the file by its name
+            trace = json.load(written)
     shapes: dict[str, set[str]] = {}
     for ev in trace.get("traceEvents", []):
         a = ev.get("args") or {}
