@@ -16,6 +16,7 @@ assuming the same layout (an engine repeats its batch shape step after step):
 The staging copy and the program are the same launches for every step of a layout, so from the
 layout's second queued step on they are one captured CUDA graph: launched from Python they cost
 the sidecar's host 125-165 us per step on an H200's host (BENCHMARKS.md run 145), a replay ~10.
+The gated copy is captured the same way (its eager launch: 44 us of each queueing, run 189).
 
 The engine's stream writes word = (s+1) << 32 | launch_key right after its input copies, so
 the GPU starts the step with neither host on the path. The host path still runs in full when
@@ -120,8 +121,9 @@ class Prelaunch:
         self._output_of, self._copy_out = output_of, copy_out
         self._out_ready = False  # the queued copy wrote the current step's output slice (offer's view)
         self._agreements: dict[tuple, tuple] = {}  # (R, slot input's address) -> (that view, replay of exchange + gate)
-        # The metadata launches of a layout (see _metadata): key -> (what their addresses belong to, replay or None)
-        self._metas: dict[tuple, tuple] = {}
+        # A layout's metadata launches and its gated copy (_replay_of): key -> (what their addresses belong
+        # to, replay or None)
+        self._replays: dict[tuple, tuple] = {}
         # The program's expected word, written on the stream ahead of each queued step (int64 [1]).
         self._expect = torch.zeros(1, dtype=torch.int64, device=device)
         # The program's flags in device memory: exchanged there at TP > 1, read by the gated output copy.
@@ -305,6 +307,8 @@ class Prelaunch:
         self._flag_host[: step.num_reqs] = 0
         agree = self._agreement(graph, step.num_reqs) if self._exchange is not None else None
         metadata = self._metadata(step, graph, sources, agree is not None)  # captured before the wait is queued
+        out = self._output_of(step, graph.out) if self._output_of is not None else None
+        copy = self._copy(graph.out, out, step.num_reqs) if out is not None else None  # so is this
         # Ahead of the wait, in stream order after the last program that read the previous value.
         self.ops.write(stream.cuda_stream, self._expect.data_ptr(), bell.gpu_word(seq, key))
         self.ops.wait_geq(stream.cuda_stream, self._word.address, bell.gpu_word(seq, 0))
@@ -314,9 +318,8 @@ class Prelaunch:
                 agree()  # every rank's flags, MAX; the gate writes them to the host's page
             self._ready.record(stream)
             graph.graph.replay()
-            out = self._output_of(step, graph.out) if self._output_of is not None else None
-            if out is not None:
-                self._copy_out(graph.out, out, self._dev_flags, step.num_reqs)
+            if copy is not None:
+                copy()
             done = self._event()
             done.record(stream)
         except BaseException:
@@ -325,24 +328,17 @@ class Prelaunch:
         self.queued = _Queued(seq, key, step.positions, graph, done, out)
 
     def _metadata(self, step: Step, graph, sources: list, exchanged: bool):
-        """The staging copy and the program for this layout, as one call.
+        """The staging copy and the program for this layout, as one call (_replay_of).
 
         Every argument but the expected word (read from `_expect`) is an address or a shape fixed by
-        the layout, so the launches are captured once and replayed. The first time a layout is queued
-        they run as they are, which compiles them and keeps a one-off layout from costing a capture;
-        the second time they are captured, before the wait is queued (a capture synchronizes the
-        device, and the stream must not be blocked then). An entry holds what its addresses belong to
-        (the graph's static inputs, the engine's region views and, once captured, the staging buffer
-        the capture copies into), so none is reused under its key while the entry lives; a buffer
-        grown later for another layout leaves the captured copy and its program on the old one."""
+        the layout. An entry holds what its addresses belong to (the graph's static inputs, the
+        engine's region views and, once captured, the staging buffer the capture copies into); a
+        buffer grown later for another layout leaves the captured copy and its program on the old one."""
         flag = self._dev_flags if exchanged else self._flag
         kw = dict(num_reqs=step.num_reqs, width=step.meta.block_tables.shape[1], page_size=step.kv.page_size,
                   window=self.window, num_pages=step.kv.num_pages)
-        key = (tuple((ptr.address, nbytes, region) for ptr, nbytes, region in sources),
+        key = ("metadata", tuple((ptr.address, nbytes, region) for ptr, nbytes, region in sources),
                tuple(v.data_ptr() for v in graph.views), exchanged, *kw.values())
-        entry = self._metas.get(key)
-        if entry is not None and entry[1] is not None:
-            return entry[1]
 
         def run_metadata() -> None:
             word, src = self._word, tuple(ptr for ptr, _, _ in sources)
@@ -350,18 +346,41 @@ class Prelaunch:
                 word, src = self._staging.stage(self._word, sources)
             self._program(word, self._expect, src, graph.views, flag, mirror=self._dev_flags, **kw)
 
-        if entry is None:  # first sight
-            if len(self._metas) >= 64:  # layouts gone (a rebind drops their graphs)
-                self._metas.clear()
-            self._metas[key] = ((graph.views, step.positions, step.meta.seq_lens, step.meta.block_tables,
-                                 step.meta.slot_mapping), None)
-            return run_metadata
-        held = entry[0]
-        if self._staging is not None:  # grown before the capture, which must not allocate: the buffer it bakes in
+        def reserve() -> tuple:  # grown before the capture, which must not allocate: the buffer it bakes in
+            if self._staging is None:
+                return ()
             self._staging.reserve(sources)
-            held += (self._staging.buf,)
-        replay = self._capture(run_metadata)
-        self._metas[key] = (held, replay)
+            return (self._staging.buf,)
+
+        hold = (graph.views, step.positions, step.meta.seq_lens, step.meta.block_tables, step.meta.slot_mapping)
+        return self._replay_of(key, hold, run_metadata, reserve)
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, R: int):
+        """The gated copy of the graph's rows src into the engine's slice dst, as one call (_replay_of)."""
+        key = ("copy", src.data_ptr(), dst.data_ptr(), tuple(dst.shape), dst.dtype, R)
+
+        def run_copy() -> None:
+            self._copy_out(src, dst, self._dev_flags, R)
+
+        return self._replay_of(key, (src, dst), run_copy)
+
+    def _replay_of(self, key: tuple, hold: tuple, fn, reserve=None):
+        """fn itself at a key's first sight, which compiles its kernels and keeps a one-off layout from
+        costing a capture; at the second, fn captured (before the wait is queued: a capture synchronizes
+        the device, and the stream must not be blocked then) and from then on its replay. The entry
+        holds `hold` (and what reserve(), run before the capture, returns), so no address baked into a
+        replay is reused under its key while the entry lives."""
+        entry = self._replays.get(key)
+        if entry is not None and entry[1] is not None:
+            return entry[1]
+        if entry is None:  # first sight
+            if len(self._replays) >= 128:  # layouts gone (a rebind drops their graphs)
+                self._replays.clear()
+            self._replays[key] = (hold, None)
+            return fn
+        held = entry[0] + (reserve() if reserve is not None else ())
+        replay = self._capture(fn)
+        self._replays[key] = (held, replay)
         return replay
 
     def _agreement(self, graph, R: int):

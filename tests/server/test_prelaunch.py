@@ -195,11 +195,14 @@ def rig(world, staged):
     base = np.frombuffer(page_buf, np.uint8).ctypes.data
     # TP 2: the peer's flags for the queued step (set by a test), MAX-ed in by the exchange.
     peer = torch.full((len(LENS),), FLAG_RAN, dtype=torch.int32)
-    captures, meta_captures = [], []
+    captures, meta_captures, copy_captures = [], [], []
 
     def capture(fn):
         if fn.__name__ == "run_metadata":  # the staging copy and the program: each replay queues them again
             meta_captures.append(fn)
+            return fn
+        if fn.__name__ == "run_copy":  # the gated copy: each replay queues it again (copy_out defers it)
+            copy_captures.append(fn)
             return fn
         captures.append(fn)  # the exchange + gate "graph": replayed with the program, when the word passes
         return lambda: gpu.then.append(fn)
@@ -221,7 +224,8 @@ def rig(world, staged):
                              output_of=lambda step, like: r.out, copy_out=copy_out, **extra)
     gpu.word_addr = base + bell.GPU_WORD_OFFSET
     r.__dict__.update(pl=pl, gpu=gpu, graphs=graphs, page=page, a=a, b=b, word_addr=gpu.word_addr,
-                      peer=peer, captures=captures, meta_captures=meta_captures, world=world, staged=staged)
+                      peer=peer, captures=captures, meta_captures=meta_captures, copy_captures=copy_captures,
+                      world=world, staged=staged)
     return r
 
 
@@ -578,6 +582,27 @@ def test_the_queued_rows_go_to_the_engine_s_output_slice_on_the_gpu(rig):
     rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
     got = _take(rig, SEQ + 2, _req(), rig.a)
     assert got is region and torch.equal(region, rig.graphs.graph.out)
+
+
+def test_the_gated_copy_is_captured_at_a_layout_s_second_queue(rig):
+    """Like the metadata launches: run as it is the first time a layout is queued, captured (before the
+    wait) the second, replayed from then on; each queued step still copies its own rows."""
+    region = torch.zeros_like(rig.graphs.graph.out)
+    rig.out = region
+    _queue(rig)
+    assert rig.copy_captures == [] and len(rig.copies) == 1
+    for s in (SEQ + 2, SEQ + 3, SEQ + 4):
+        rig.graphs.graph.out.fill_(s)  # this step's rows
+        assert _serve(rig, s) is region and torch.equal(region, rig.graphs.graph.out)
+        assert len(rig.copy_captures) == 1 and rig.pl.queued.seq == s + 1
+    assert len(rig.copies) == 4 and all(c[1] is region for c in rig.copies)
+    # Another output slice: a key of its own, run directly when first queued, captured when next.
+    rig.out = other = torch.zeros_like(region)
+    rig.graphs.graph.out.fill_(SEQ + 5)
+    assert _serve(rig, SEQ + 5) is rig.graphs.graph.out  # queued for the old slice: not this step's
+    assert len(rig.copy_captures) == 1 and rig.copies[-1][1] is other
+    _serve(rig, SEQ + 6)
+    assert len(rig.copy_captures) == 2 and len(rig.copies) == 6
 
 
 @pytest.mark.parametrize("kind", ["other-key", "other-slice"])
