@@ -19,10 +19,11 @@ the sidecar's host 125-165 us per step on an H200's host (BENCHMARKS.md run 145)
 The gated copy is captured the same way (its eager launch: 44 us of each queueing, run 189).
 
 The engine's stream writes word = (s+1) << 32 | launch_key right after its input copies, so
-the GPU starts the step with neither host on the path. The host path still runs in full when
-the ring arrives (parse, validate, rendezvous); the step is answered from the queued graph only
-when the host and the GPU both accept it: same sequence, launch key and layout on the host, the
-metadata program's flag RAN on the GPU. Otherwise the queued step was a no-op (the program
+the GPU starts the step with neither host on the path. The host path still runs when the ring
+arrives (parse, validate, rendezvous); the step is answered from the queued graph only when the
+host and the GPU both accept it: same sequence, launch key and layout on the host, the metadata
+program's flag RAN on the GPU. RAN means the request passed the host's index checks there, on the
+same bytes, so the rank loop runs those only for a step not answered this way (server/rank.py). Otherwise the queued step was a no-op (the program
 turned it into one) or ran the same step (writes are idempotent), and the step runs the
 ordinary way after it, on the same stream.
 

@@ -28,7 +28,7 @@ from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.server.kv_binding import KVBinding, MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rendezvous import Post, Rendezvous, digest
-from dspark_sidecar.server.validate import Step, validate_step
+from dspark_sidecar.server.validate import Step, check_indices, validate_step
 
 log = logging.getLogger("dspark_sidecar.server")
 
@@ -65,7 +65,8 @@ class Queued(Protocol):
     """A doorbell step's copy that may already be queued on the GPU (server/prelaunch.StepHook)."""
 
     def offer(self, step: Step) -> tuple[bool, bool]:
-        """Before the rendezvous: (the queued copy is this step and ran, this rank would queue the next)."""
+        """Before the rendezvous: (the queued copy is this step and ran, this rank would queue the next).
+        Ran: every request passed the GPU's index checks, the host's own (validate.check_indices)."""
 
     def take(self, queued: bool, queue_next: bool) -> torch.Tensor | None:
         """After GO, with what every rank agreed: the copy's hidden states [n, hidden] if used, else None."""
@@ -170,7 +171,8 @@ class RankLoop:
         try:
             if ctx.refusal is not None:
                 raise precondition(f"fast path refused: {ctx.refusal} (--strict-refusal)", "REFUSED")
-            step = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs)
+            # A doorbell step's index checks wait for the offer below.
+            step = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs, indices=prelaunched is None)
         except SidecarError as err:
             own_error = err
         t_valid = time.perf_counter_ns()
@@ -179,6 +181,15 @@ class RankLoop:
         # to queue the next; the kernel fast path replaces the graphs, so it neither takes nor queues.
         queued, queue_next = (prelaunched.offer(step) if prelaunched is not None and step is not None and not fast
                               else (False, False))
+        t_check = time.perf_counter_ns()
+        # A copy that ran passed the index checks on the GPU, on the bytes the host would read
+        # (kernels/triton/step_meta.py): 30-50 us of the answer's path on an H200 host (run 189).
+        if prelaunched is not None and step is not None and not queued:
+            try:
+                check_indices(step)
+            except SidecarError as err:
+                own_error, step = err, None
+        validate_ns = t_valid - t0 + time.perf_counter_ns() - t_check
         post = Post(
             step_id=req.step_id,
             generation=req.binding_generation,
@@ -220,7 +231,7 @@ class RankLoop:
             step_id=req.step_id, hidden_states=out,
             timings=pb.StepTimings(queue_ns=timings["queue"], rendezvous_ns=timings["rendezvous"],
                                    compute_ns=timings["compute"], total_ns=timings["total"], launches=launches,
-                                   prelaunched=early, validate_ns=t_valid - t0, gpu_start_wait_ns=start_wait,
+                                   prelaunched=early, validate_ns=validate_ns, gpu_start_wait_ns=start_wait,
                                    output_ns=t2 - t_out, gpu_word_wait_ns=word_wait))
 
     def _fast_ready(self, step: Step) -> bool:

@@ -71,8 +71,12 @@ def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: to
         raise invalid(field, str(err).split(": ", 1)[-1]) from None
 
 
-def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, max_reqs: int) -> Step:
-    """All checks of issue 3's bad-input list, cheapest first; raises SidecarError naming the field."""
+def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, max_reqs: int,
+                  indices: bool = True) -> Step:
+    """All checks of issue 3's bad-input list, cheapest first; raises SidecarError naming the field.
+
+    indices=False leaves out the index checks (check_indices): the rank loop runs them only when a
+    pre-launched copy of the step has not passed the same checks on the GPU (server/rank.py)."""
     R = req.num_requests
     if not 1 <= R <= max_reqs:
         raise out_of_range("num_requests", f"{R} outside 1..{max_reqs} (this sidecar's --max-reqs)")
@@ -93,12 +97,21 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     positions, embeds, ids, meta, host = tensors
     if ids is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size):
         raise out_of_range("input_ids", f"ids must be in [0, {cfg.vocab_size})")
-    if not _indices_ok(host, kv.page_size, kv.num_pages):
-        _diagnose(host, kv.page_size, kv.num_pages)
+    output = req.output if req.HasField("output") else None
+    step = Step(req.step_id, R, positions, embeds, ids, meta, kv, output, host, key is not None)
+    if indices:
+        check_indices(step)
+    return step
+
+
+def check_indices(step: Step) -> None:
+    """Positions, tables and slots against each other and the bound cache; raises SidecarError naming
+    the field. The pre-launched step's GPU program checks the same (kernels/triton/step_meta.py)."""
+    kv = step.kv
+    if not _indices_ok(step.host, kv.page_size, kv.num_pages):
+        _diagnose(step.host, kv.page_size, kv.num_pages)
         # The two checks agree (tests/server/test_validate_indices.py); should they ever not, refuse.
         raise invalid("slot_mapping", "the step's positions, tables and slots failed the index check")
-    output = req.output if req.HasField("output") else None
-    return Step(req.step_id, R, positions, embeds, ids, meta, kv, output, host, key is not None)
 
 
 _FIELDS = ("positions", "seq_lens", "block_tables", "slot_mapping")

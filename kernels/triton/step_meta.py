@@ -10,12 +10,17 @@ started. So R programs, one per request, read the engine's metadata where the en
 It also guards what the step touches, because nothing has validated the request yet: the
 word must carry the sequence and launch key the step was queued for, positions must be the 7
 rows before each sequence length, each slot must be its position's place in the block table,
-and every page the window reads must lie in the bound cache. A request that fails gets no-op
-rows (slots -1 write nothing; a 7-row window over page 0 reads in-bounds memory) and its flag
-says why; the host then runs the whole step the ordinary way, after this one. (The other
-requests' rows may have run: a request's rows depend on its own inputs only, so they wrote the
-K/V their positions should hold, which the ordinary run, or a refused step's fallback, writes again.)
-The host's own check (validate.py) still decides the answer; this one only keeps the GPU safe.
+and every page the request uses (ceil(L / page_size) columns of its table row, the window's
+among them) must lie in the bound cache. A request that fails gets no-op rows (slots -1 write
+nothing; a 7-row window over page 0 reads in-bounds memory) and its flag says why; the host then
+runs the whole step the ordinary way, after this one. (The other requests' rows may have run: a
+request's rows depend on its own inputs only, so they wrote the K/V their positions should hold,
+which the ordinary run, or a refused step's fallback, writes again.)
+
+These are exactly the host's index checks (validate.check_indices) on the same bytes: the engine
+leaves its region alone until the step is answered. So a step whose every request RAN needs no
+host index check, and the rank loop skips it (server/rank.py); any other step gets it in full,
+and its message names the field.
 
 The program reads device copies (`Staging`): read in place across PCIe, the sources cost the
 step ~4 us per request (see Staging).
@@ -40,7 +45,7 @@ _RAN, _NOT_RUNG, _INVALID = tl.constexpr(FLAG_RAN), tl.constexpr(FLAG_NOT_RUNG),
 def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
                pos_out, rel_out, slot_out, lens_out, tab_out, flag_ptr, mirror_ptr,
                page_size, span, num_pages, width, WW,
-               Q: tl.constexpr, Q_PAD: tl.constexpr, WW_PAD: tl.constexpr):
+               Q: tl.constexpr, Q_PAD: tl.constexpr, WW_PAD: tl.constexpr, USED_BLOCK: tl.constexpr):
     """Program r: request r's rows and window. One program per request, so the reads across PCIe
     (up to ~260 table entries per request at a 4096 window) go out from R SMs at once."""
     r = tl.program_id(0)
@@ -54,12 +59,19 @@ def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
     pcol = tl.minimum(tl.maximum(P // page_size, 0), width - 1)
     tp = tl.load(tab_ptr + r * width + pcol, mask=m, other=0, volatile=True).to(tl.int64)
     bad_row = m & ((P != L - Q + j) | (tp < 0) | (tp >= num_pages) | (tp * page_size + P % page_size != S))
+    # Every page the request uses, as the host checks (the window reads the last of them).
+    need = (L + page_size - 1) // page_size
+    c = tl.arange(0, USED_BLOCK)
+    bad_used = tl.zeros([USED_BLOCK], tl.int32)
+    for c0 in range(0, width, USED_BLOCK):
+        cm = (c0 + c < need) & (c0 + c < width)
+        t = tl.load(tab_ptr + r * width + c0 + c, mask=cm, other=0, volatile=True)
+        bad_used += (cm & ((t < 0) | (t >= num_pages))).to(tl.int32)
     first = tl.maximum(L - span, 0) // page_size  # the window's first page column
     k = tl.arange(0, WW_PAD)
     km = k < WW
     wt = tl.load(tab_ptr + r * width + tl.minimum(first + k, width - 1), mask=km, other=0, volatile=True)
-    bad_page = km & ((first + k) * page_size < L) & ((wt < 0) | (wt >= num_pages))
-    nbad = tl.sum(bad_row.to(tl.int32), axis=0) + tl.sum(bad_page.to(tl.int32), axis=0)
+    nbad = tl.sum(bad_row.to(tl.int32), axis=0) + tl.sum(bad_used, axis=0)
     good = rung & (nbad == 0) & (L >= Q) & (L <= width * page_size)
     off = first * page_size
     j64 = j.to(tl.int64)
@@ -71,6 +83,9 @@ def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
     flag = tl.where(good, _RAN, tl.where(rung, _INVALID, _NOT_RUNG))
     tl.store(flag_ptr + r, flag)
     tl.store(mirror_ptr + r, flag)  # device memory, for kernels after the step (gated_copy); may be flag_ptr
+
+
+USED_BLOCK = 256  # table columns per pass of the used-pages check (a 4096 window: 257 columns)
 
 
 def signed64(value: int) -> int:
@@ -173,7 +188,7 @@ def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int
     ww = out[4].shape[1]
     _step_meta[(num_reqs,)](word, expect, *src, *out, flags, flags if mirror is None else mirror, page_size,
                             window + q - 1, num_pages, width, ww, Q=q, Q_PAD=triton.next_power_of_2(q),
-                            WW_PAD=triton.next_power_of_2(ww))
+                            WW_PAD=triton.next_power_of_2(ww), USED_BLOCK=USED_BLOCK)
 
 
 def step_meta_reference(word: int, expect: int, positions: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
@@ -190,16 +205,14 @@ def step_meta_reference(word: int, expect: int, positions: np.ndarray, seq_lens:
     window_metadata_into(P, np.clip(seq_lens, 0, None), tables, page_size, window, rel, lens, tab)
     pos_out, slot_out = P.copy(), S.copy()
     flags = np.full(R, FLAG_RAN if word == expect else FLAG_NOT_RUNG, np.int32)
-    first = np.maximum(L - (window + q - 1), 0) // page_size
     for r in range(R):
         ok = q <= L[r] <= width * page_size and (P[r] == L[r] - q + np.arange(q)).all()
         if ok:
             tp = tables[r, np.clip(P[r] // page_size, 0, width - 1)].astype(np.int64)
             ok = bool(((tp >= 0) & (tp < num_pages) & (tp * page_size + P[r] % page_size == S[r])).all())
         if ok:
-            cols = first[r] + np.arange(ww)
-            wt = tables[r, np.minimum(cols, width - 1)]
-            ok = bool((~(cols * page_size < L[r]) | ((wt >= 0) & (wt < num_pages))).all())
+            used = tables[r, : -(-L[r] // page_size)]
+            ok = bool(((used >= 0) & (used < num_pages)).all())
         if word == expect and not ok:
             flags[r] = FLAG_INVALID
         if flags[r] != FLAG_RAN:

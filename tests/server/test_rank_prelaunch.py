@@ -55,16 +55,28 @@ def _step() -> Step:
 
 @pytest.fixture
 def run(monkeypatch):
-    """run(verdict, hook, valid=True, fast=None) -> (the step's response, the rendezvous, the model)."""
+    """run(verdict, hook, valid=True, fast=None, indices_ok=True) -> (the step's response, the rendezvous,
+    the model); run.checks: per call of validate_step, whether it ran the index checks itself, and
+    "check_indices" each time the loop ran them after the offer."""
     loops = []
 
-    def _run(verdict: Verdict, hook: FakeHook, valid: bool = True, fast=None):
-        def validate(req, cfg, memory, max_reqs):
+    def _run(verdict: Verdict, hook: FakeHook | None, valid: bool = True, fast=None, indices_ok: bool = True):
+        def check(step):
+            _run.checks.append("check_indices")
+            if not indices_ok:
+                raise invalid("block_tables", "block_tables[0][0] = 99 outside the bound cache's 64 pages")
+
+        def validate(req, cfg, memory, max_reqs, indices=True):
+            _run.checks.append(indices)
             if not valid:
                 raise invalid("slot_mapping", "slot 99 outside the cache")
+            if indices:
+                check(None)
             return _step()
 
+        _run.checks = []
         monkeypatch.setattr(rank_mod, "validate_step", validate)
+        monkeypatch.setattr(rank_mod, "check_indices", check)
         model = FakeModel()
         ctx = RankContext(0, 2, SimpleNamespace(), model, None, None, Metrics(0), 8, fast=fast)
         rdv = FakeRendezvous(verdict)
@@ -122,3 +134,32 @@ def test_a_rank_on_the_kernel_fast_path_neither_offers_nor_queues(run):
     assert post.fast and not post.queued and not post.queue_next
     assert hook.calls == [("take", False, False)]  # releases whatever was queued
     assert not resp.timings.prelaunched
+
+
+def test_a_copy_that_ran_skips_the_host_index_checks(run):
+    """The GPU program checked the same bytes (kernels/triton/step_meta.py): a hit is not checked again."""
+    resp, rdv, model = run(_go(queued=True), FakeHook(offer=(True, False), hit=True))
+    assert run.checks == [False] and resp.timings.prelaunched and rdv.posts[0].valid
+
+
+@pytest.mark.parametrize("indices_ok", [True, False])
+def test_a_step_without_a_copy_that_ran_gets_the_index_checks_after_the_offer(run, indices_ok):
+    """Nothing queued, or the copy refused (another layout, a request the GPU found invalid): the host's
+    own checks run, and a failure is the step's answer, naming the field; nothing is taken."""
+    hook = FakeHook(offer=(False, True), hit=False)
+    resp, rdv, model = run(_go(), hook, indices_ok=indices_ok)
+    assert run.checks == [False, "check_indices"]
+    assert rdv.posts[0].valid is indices_ok
+    if indices_ok:
+        assert not resp.HasField("error") and model.calls == 1
+    else:
+        assert resp.error.field == "block_tables" and model.calls == 0
+        assert hook.calls == [("offer", 1)]  # refused before the rendezvous' outcome is used: no take
+
+
+def test_the_fast_path_and_the_grpc_path_check_indices_as_ever(run):
+    fast = SimpleNamespace(max_positions=100, ready=lambda kv: True, forward=lambda e, p, m: torch.full_like(e, 1.0))
+    run(_go(fast=True), FakeHook(offer=(True, True), hit=True), fast=fast)
+    assert run.checks == [False, "check_indices"]  # the fast path never offers: no GPU check to lean on
+    run(_go(), None)
+    assert run.checks == [True, "check_indices"]  # no doorbell hook: validate_step checks them itself

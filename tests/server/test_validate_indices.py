@@ -4,6 +4,10 @@ validate_step runs the fast check on every step and only calls the diagnosis whe
 case the fast check refuses but the diagnosis lets through would run a bad step, and one it
 passes but should refuse would write K/V outside the request's pages. Each case below is one
 way an engine can get the metadata wrong (plus garbage where the kernels never look).
+
+A pre-launched step is checked on the GPU instead (kernels/triton/step_meta.py) and, if every
+request passed there, not again on the host (server/rank.py): the program's spec must refuse
+exactly what the fast check refuses, on every case here.
 """
 
 from __future__ import annotations
@@ -11,12 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.drafter.kv_cache import StepMetadata, window_width
+from dspark_sidecar.kernels.triton.step_meta import FLAG_RAN, step_meta_reference
 from dspark_sidecar.server.errors import SidecarError
 from dspark_sidecar.server.validate import _diagnose, _indices_ok, host_meta
 
 PS, PAGES = 16, 64
 LENS = [7, 40, 100]  # a request with no context, one mid-page, one over several pages
+WINDOW = 32  # the GPU program's window: the last request uses pages before it (columns 0-2)
 
 
 def _valid(pad: int = -123456):
@@ -39,9 +45,13 @@ def _valid(pad: int = -123456):
 
 
 def _check(positions, meta):
-    """(fast check's verdict, the field the diagnosis names or None)."""
+    """(fast check's verdict, the field the diagnosis names or None); the GPU program's spec must agree."""
     h = host_meta(positions, meta)
     ok = _indices_ok(h, PS, PAGES)
+    word = 5 << 32 | 3  # rung: only the checks decide the flags
+    flags = step_meta_reference(word, word, positions.numpy(), meta.seq_lens.numpy(), meta.block_tables.numpy(),
+                                meta.slot_mapping.numpy(), PS, WINDOW, PAGES, window_width(PS, WINDOW))[5]
+    assert bool((flags == FLAG_RAN).all()) is ok, f"GPU flags {flags.tolist()}, host check {ok}"
     try:
         _diagnose(h, PS, PAGES)
     except SidecarError as err:
@@ -75,6 +85,10 @@ def _negative_page(pos, meta):
     meta.block_tables[2, 3] = -1
 
 
+def _page_before_window(pos, meta):  # used by the request, never read by its window
+    meta.block_tables[2, 0] = PAGES
+
+
 def _slot_elsewhere(pos, meta):  # inside the cache, but not where the table puts the row
     meta.slot_mapping[4] = (int(meta.slot_mapping[4]) + PS) % (PAGES * PS)
 
@@ -85,7 +99,8 @@ def _slot_past_cache(pos, meta):
 
 @pytest.mark.parametrize("corrupt,field", [
     (_shifted_positions, "positions"), (_short_seq_len, "seq_lens"), (_seq_len_past_table, "block_tables"),
-    (_page_past_cache, "block_tables"), (_negative_page, "block_tables"), (_slot_elsewhere, "slot_mapping"),
+    (_page_past_cache, "block_tables"), (_negative_page, "block_tables"), (_page_before_window, "block_tables"),
+    (_slot_elsewhere, "slot_mapping"),
     (_slot_past_cache, "slot_mapping"),
 ], ids=lambda x: getattr(x, "__name__", x))
 @pytest.mark.parametrize("pad", [-123456, 0], ids=["garbage-padded", "zero-padded"])

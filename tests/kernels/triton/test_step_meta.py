@@ -88,11 +88,13 @@ def _corrupt(kind: str, P, L, T, S, pages):
         T[-1, last] = pages
     elif kind == "negative-window-page":  # a page the window reads, not one the slots use
         T[1, max(0, (int(L[1]) - 1) // PAGE - 1)] = -3
+    elif kind == "page-before-window":  # a page the request uses that its window does not read (as validate.py)
+        T[1, 0] = pages
     return P, L, T, S
 
 
 @pytest.mark.parametrize("kind,bad", [("position", 0), ("short-len", 0), ("slot", 2), ("page-out-of-cache", 2),
-                                      ("negative-window-page", 1)])
+                                      ("negative-window-page", 1), ("page-before-window", 1)])
 def test_invalid_request_is_a_noop(device, kind, bad):
     """Whatever the GPU would touch wrongly turns that request into no-op rows: no slot written (-1),
     a 7-row window over page 0 (in-bounds), its flag INVALID; the other requests run as the host path."""
