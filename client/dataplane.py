@@ -196,7 +196,10 @@ class DoorbellChannel:
         self.answer_seen_mono_ns = time.monotonic_ns()
         resp = pb.DraftStepResponse.FromString(self.page.read(self.page.resp_area, bell.RESP_LEN))
         if self.output_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.output_event)
+            if self._ops is not None:  # raw handles, as in send (torch's current_stream() builds a Stream object)
+                self._ops.wait_event(_raw_stream(self.device), self.output_event)
+            else:
+                torch.cuda.current_stream(self.device).wait_event(self.output_event)
         return resp
 
     def settled(self, step_id: int) -> bool:

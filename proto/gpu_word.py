@@ -56,6 +56,7 @@ class GpuWordOps:
             self._write = self._fn(lib, "hipStreamWriteValue64", [vp, vp, u64, uint])
             self._record = self._fn(lib, "hipEventRecord", [vp, vp])
             self._wait = self._fn(lib, "hipStreamWaitValue64", [vp, vp, u64, uint, u64])
+            self._wait_event = self._fn(lib, "hipStreamWaitEvent", [vp, vp, uint])
         else:
             # The driver acts on the calling thread's current context, which torch's runtime binds
             # lazily; each thread makes the device's primary context current before its first call.
@@ -69,6 +70,7 @@ class GpuWordOps:
             self._write = self._fn(lib, "cuStreamWriteValue64_v2", [vp, u64, u64, uint])
             self._record = self._fn(lib, "cuEventRecord", [vp, vp])
             self._wait = self._fn(lib, "cuStreamWaitValue64_v2", [vp, u64, u64, uint])
+            self._wait_event = self._fn(lib, "cuStreamWaitEvent", [vp, vp, uint])
 
     @staticmethod
     def _fn(lib: ctypes.CDLL, name: str, argtypes: list):
@@ -195,6 +197,11 @@ class GpuWordOps:
         """event.record() on a raw stream handle (torch's current_stream() costs ~15-25 us at a step's start)."""
         self._any_context()
         self._check(self._record, ctypes.c_void_p(event.cuda_event), ctypes.c_void_p(stream))
+
+    def wait_event(self, stream: int, event: torch.cuda.Event) -> None:
+        """Queue on `stream` a wait for `event`'s last record: stream.wait_event(event) on a raw handle."""
+        self._any_context()
+        self._check(self._wait_event, ctypes.c_void_p(stream), ctypes.c_void_p(event.cuda_event), 0)
 
     def wait_geq(self, stream: int, addr: int, value: int) -> None:
         """Queue a wait on `stream` until (int64)(*addr - value) >= 0; later work on it starts after."""

@@ -79,7 +79,7 @@ class _FakeCudaDriver:
         self.ops: list[tuple[str, int]] = []  # (call, device of the context current when it ran)
         for name in ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuDevicePrimaryCtxRetain", "cuCtxGetDevice",
                      "cuMemHostRegister_v2", "cuMemHostUnregister", "cuMemHostGetDevicePointer_v2",
-                     "cuStreamWriteValue64_v2", "cuEventRecord", "cuStreamWaitValue64_v2"):
+                     "cuStreamWriteValue64_v2", "cuEventRecord", "cuStreamWaitValue64_v2", "cuStreamWaitEvent"):
             setattr(self, name, self._entry(name))
 
     def switch(self, device):
@@ -140,7 +140,9 @@ def test_stream_operations_need_only_some_context_on_the_thread():
     drv.switch(1)  # another GPU's context is current: no refusal, nothing retained
     gpu0.write(0, 0xD000, 1)
     gpu0.record(type("E", (), {"cuda_event": 0})(), 0)
-    assert [op for op, _ in drv.ops] == ["cuStreamWriteValue64_v2", "cuEventRecord"] and drv.retained == []
+    gpu0.wait_event(0, type("E", (), {"cuda_event": 0})())
+    assert [op for op, _ in drv.ops] == ["cuStreamWriteValue64_v2", "cuEventRecord", "cuStreamWaitEvent"]
+    assert drv.retained == []
 
 
 def test_a_new_thread_binds_its_device_once():
