@@ -23,9 +23,9 @@ the GPU starts the step with neither host on the path. The host path still runs 
 arrives (parse, validate, rendezvous); the step is answered from the queued graph only when the
 host and the GPU both accept it: same sequence, launch key and layout on the host, the metadata
 program's flag RAN on the GPU. RAN means the request passed the host's index checks there, on the
-same bytes, so the rank loop runs those only for a step not answered this way (server/rank.py). Otherwise the queued step was a no-op (the program
-turned it into one) or ran the same step (writes are idempotent), and the step runs the
-ordinary way after it, on the same stream.
+same bytes, so the rank loop runs those only for a step not answered this way (server/rank.py).
+Otherwise the queued step was a no-op (the program turned it into one) or ran the same step
+(writes are idempotent), and the step runs the ordinary way after it, on the same stream.
 
 A queued wait blocks the sidecar's stream until it is released, so nothing else may use the
 device while one is pending: every other entry to the device (gRPC steps, bindings, the
