@@ -129,3 +129,37 @@ def test_idle_doorbell_sleeps_on_its_fifo_and_wakes_for_the_next_step(tmp_path, 
         fifos = list(Path(sc.socket(0).split(":", 1)[1]).parent.glob("rank0.wake*"))
         assert len(fifos) == 1 and fifos[0].is_fifo()
     assert not fifos[0].exists()  # removed at shutdown
+
+
+class _RecordingOps:
+    """Stands in for GpuWordOps where there is no GPU: records the stream operations asked of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def write(self, stream, addr, value):
+        self.calls.append(("write", stream, addr, value))
+
+    def record(self, event, stream):
+        self.calls.append(("record", event, stream))
+
+    def wait_event(self, stream, event):
+        self.calls.append(("wait_event", stream, event))
+
+
+def test_the_engine_orders_its_stream_after_the_answer_through_the_driver(tmp_path, tiny_cfg, tiny_ckpt,
+                                                                         tiny_embed, monkeypatch):
+    """With the GPU word's ops, the answer's event is waited on from the raw current stream, as the
+    input event is recorded (torch's current_stream() stays off the answer's path); on a GPU the data
+    plane's gpu tests run the real calls."""
+    from dspark_sidecar.client import dataplane
+
+    pages = scenario.pages_needed(60 + 7, PAGE) + 2
+    with _tp1_data_plane(tmp_path, tiny_cfg, tiny_ckpt, pages, 1) as (_, eng, bufs, bell):
+        ops, answered = _RecordingOps(), object()  # the sidecar's "outputs written" event
+        bell._ops, bell.output_event = ops, answered
+        monkeypatch.setattr(dataplane, "_raw_stream", lambda device: 0xABC)
+        step = scenario.random_step(tiny_cfg, [60], PAGE, pages, tiny_embed, seed=7)
+        _, resp, _ = _ring(bufs, bell, eng.bindings[0], 300, step)
+        assert resp is not None and resp.HasField("hidden_states"), resp
+        assert ops.calls == [("record", None, 0xABC), ("wait_event", 0xABC, answered)]
