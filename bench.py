@@ -13,7 +13,10 @@ on one GPU there is no peer):
      before the draft step): the engine's host runs ahead of its GPU, as a real engine's does, so
      neither host is on the GPU's path; GPU time from the end of that work to the hidden states
      on the engine's stream, against (c)'s GPU time
-In d and f the engine's embeddings already sit in the registered input region
+  h  mode d from the engine's shim (DrafterShim.maybe_forward over the same data plane): issue 8's
+     "full sidecar path from the shim", with the shim's per-step checks, agreements and the copy of
+     the hidden states out of the output region that d leaves out
+In d, f, g and h the engine's embeddings already sit in the registered input region
 (StepBuffers.input_view: an engine writes its embedding lookup there), as c's graph reads the
 engine's tensor in place; --engine-copy has fill() copy them there on every step instead.
 The floor is the bytes a step must read (the shard's layer weights once per launch group of up to
@@ -54,10 +57,10 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.config import MAX_LAUNCH_STREAMS
 
-MODES = ("a", "b", "c", "d", "e", "f", "g")
+MODES = ("a", "b", "c", "d", "e", "f", "g", "h")
 NAMES = {"a": "reference eager", "b": "reference graphed", "c": "GPU backend graphed",
          "d": "sidecar data plane", "e": "sidecar gRPC inline", "f": "data plane pipelined",
-         "g": "data plane, engine ahead"}
+         "g": "data plane, engine ahead", "h": "sidecar via the shim"}
 PIPELINE = 10  # mode f: steps per timed batch, the engine's host never waiting for the GPU between them
 GRAPHABLE_REFERENCE = dataclasses.replace(REFERENCE_OPS, name="reference-static",
                                           paged_window_attention=reference.paged_window_attention_static)
@@ -265,28 +268,40 @@ class Bench:
         self.engine_ns: list[tuple[int, ...]] = []
         self.gpu_ms: list[float] = []  # b/c: GPU time per replay (gpu_times), beside the wall-clock figure
         self.mode_misses: int | None = None  # d/f/g: queued steps the sidecar released unused during the mode
-        self.side = self.channel = self.bufs = self.bell = None
-        if {"d", "e", "f", "g"} & set(bc.modes):
+        self.side = self.channel = self.bufs = self.bell = self.shim = None
+        self.shim_ns: list[tuple[int, int]] = []  # h: the shim's own time before the ring, after the answer
+        if {"d", "e", "f", "g", "h"} & set(bc.modes):
             self._connect()
 
     def _connect(self) -> None:
         import grpc
 
+        from dspark_sidecar.client.agreement import LocalAgreement
         from dspark_sidecar.client.binding import bind_request
-        from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
+        from dspark_sidecar.client.config import EngineConfig
+        from dspark_sidecar.client.shim import DrafterShim
 
         bc, device = self.bc, self.device
         self.side = SidecarUnderTest(bc, device, Path(tempfile.mkdtemp(prefix="dspark-bench-")))
         self.channel = grpc.insecure_channel(self.side.target, options=[("grpc.max_receive_message_length", 1 << 30),
                                                                         ("grpc.max_send_message_length", 1 << 30)])
         self.stub = pb_grpc.DrafterSidecarStub(self.channel)
-        facts = pb.EngineFacts(engine_rank=0, tp_size=bc.shard_of, dp_size=1, pp_size=1,
-                               speculative_method="dspark", num_speculative_tokens=7, device=str(device))
-        self.binding = self.stub.BindKV(bind_request(self.kv, facts), timeout=60)
-        if {"d", "f", "g"} & set(bc.modes):
-            max_pages = scenario.pages_needed(max(bc.contexts) + layout.QPR, bc.page_size)
-            self.bufs = StepBuffers(self.stub, self.cfg.hidden_size, max(bc.reqs), max_pages, self.dtype, device)
-            self.bell = DoorbellChannel(self.stub, device)
+        if not {"d", "f", "g", "h"} & set(bc.modes):
+            facts = pb.EngineFacts(engine_rank=0, tp_size=bc.shard_of, dp_size=1, pp_size=1,
+                                   speculative_method="dspark", num_speculative_tokens=7, device=str(device))
+            self.binding = self.stub.BindKV(bind_request(self.kv, facts), timeout=60)
+            return
+        # The engine's shim (rank 0 of shard_of, its agreements local) binds the cache and sets up the
+        # data plane; d, f and g drive that same data plane's channel directly, h goes through the shim.
+        self.shim = DrafterShim(
+            EngineConfig(tp_size=bc.shard_of, required_tp=bc.shard_of, endpoint=self.side.target,
+                         transport="doorbell", device=str(device), max_reqs=max(bc.reqs), step_deadline_s=60.0),
+            None, lambda: self.kv, LocalAgreement())
+        why = self.shim.connect()
+        if why is not None or self.shim.doorbell is None:
+            raise RuntimeError(f"bench: the shim could not set up the data plane: {why or self.shim._doorbell_off}")
+        self.binding = self.shim.binder.current
+        self.bufs, self.bell = self.shim.doorbell.buffers, self.shim.doorbell.bell
 
     def _eager(self, ops, case: Case, streams: list = ()):
         self.model.set_ops(ops)
@@ -334,6 +349,20 @@ class Bench:
                                 tm.validate_ns, tm.gpu_word_wait_ns, tm.gpu_start_wait_ns, tm.output_ns))
         return out
 
+    def _shimmed(self, case: Case) -> torch.Tensor:
+        """One step as the engine's model forward asks for it: the shim's maybe_forward, inside the
+        forward context that holds the step's attention metadata (host tensors, as d fills them)."""
+        from dspark_sidecar.client.forward_context import set_forward_context
+
+        t0 = time.monotonic_ns()
+        with set_forward_context(case.host.meta):
+            out = self.shim.maybe_forward(None, case.host.positions, self._inputs)
+        t1 = time.monotonic_ns()
+        if out is None:
+            raise RuntimeError(f"the shim fell back: {dict(self.shim.stats.fallbacks)}")
+        self.shim_ns.append((self.bell.rung_mono_ns - t0, t1 - self.bell.answer_seen_mono_ns))
+        return out
+
     def _ring_path(self, resp: pb.DraftStepResponse | None, done: int) -> tuple[int, int, int, int]:
         """A doorbell step's ring -> answer, ns, from one clock read in both processes (time.monotonic_ns):
         until the sidecar saw the ring, the sidecar's handling until it published, from then until the
@@ -357,8 +386,8 @@ class Bench:
             wall = timeit(fn, self.device, self.bc.repeats)
             self.gpu_ms = gpu_times(fn, self.device, self.bc.repeats)
             return wall
-        self.sidecar_ns, self.engine_ns = [], []
-        if mode in ("d", "f", "g"):
+        self.sidecar_ns, self.engine_ns, self.shim_ns = [], [], []
+        if mode in ("d", "f", "g", "h"):
             self._inputs = case.embeds
             if not self.bc.engine_copy:  # written where the engine's embedding lookup would have put them
                 self._inputs = self.bufs.input_view(case.embeds.shape[0])
@@ -370,6 +399,9 @@ class Bench:
             out = self._pipelined(case)
         elif mode == "g":
             out = self._ahead(case)
+        elif mode == "h":
+            out = timeit(lambda: self._shimmed(case), self.device, self.bc.repeats,
+                         warmup=_settle_steps() if self.device.type == "cuda" else 3)
         else:
             out = timeit(lambda: self._remote(mode, case), self.device, self.bc.repeats,
                          warmup=_settle_steps() if self.device.type == "cuda" else 3)
@@ -387,6 +419,11 @@ class Bench:
             share["prelaunch_misses"] = self.mode_misses
         if mode == "f":
             return share
+        if mode == "h":  # the shim's own host time around the data plane's ring -> answer
+            shim = self.shim_ns[-self.bc.repeats:]
+            return {"shim_before_ring_after_answer_p50_us": [statistics.median(t[i] for t in shim) / 1e3
+                                                              for i in range(2)],
+                    **({"prelaunch_misses": self.mode_misses} if self.mode_misses is not None else {})}
         if mode not in ("d", "e", "g"):
             return {}
 
@@ -407,9 +444,8 @@ class Bench:
         return self.stub.GetStatus(pb.GetStatusRequest(), timeout=10).counters.prelaunch_misses
 
     def close(self) -> None:
-        if self.bell is not None:
-            self.bell.close()
-            self.bufs.close()
+        if self.shim is not None:
+            self.shim.close()  # its binding, then the data plane
         if self.channel is not None:
             self.channel.close()
         if self.side is not None:
@@ -449,7 +485,7 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                                 "x_floor": p50 / floor_ms,
                                 "x_b": p50 / statistics.median(base) if base else None}
                         c_ms = gpu_time if mode == "g" else statistics.median(gpu) if gpu else None
-                        if mode in ("d", "e", "f", "g") and c_ms:  # issue 8's sidecar targets are against (c)
+                        if mode in ("d", "e", "f", "g", "h") and c_ms:  # issue 8's sidecar targets are against (c)
                             row |= {"x_c": p50 / c_ms, "over_c_us": (p50 - c_ms) * 1e3}
                         if mode == "g":
                             row["lead_ms"] = bc.lead_ms
@@ -487,6 +523,9 @@ def _fmt(row: dict) -> str:
             a, b, c, d = row["ring_seen_sidecar_published_engine_p50_us"]
             extra += f" = seen {a:.0f} + sidecar {b:.0f} + back {c:.0f} + engine {d:.0f}"
         extra += ")"
+    if "shim_before_ring_after_answer_p50_us" in row:
+        before, after = row["shim_before_ring_after_answer_p50_us"]
+        extra += f"  (shim before ring {before:.0f} us, after answer {after:.0f} us)"
     if "gpu_p50_ms" in row:
         extra += f"  GPU time {row['gpu_p50_ms']:.3f} ms ({row['gpu_x_floor']:.2f}x floor)"
     if "lead_ms" in row:

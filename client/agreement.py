@@ -43,6 +43,14 @@ class DistAgreement:
         return out
 
 
+def all_min_ints(agree: StepAgreement, values: list[int]) -> list[int]:
+    """`agree.all_min` of host integers. One rank has nothing to agree with: its values come back
+    without a tensor built or read (two of those cost several us of the shim's step on an H200 host)."""
+    if agree.world_size == 1:
+        return values
+    return agree.all_min(torch.tensor(values, dtype=torch.int64)).tolist()
+
+
 def agreement_from(par: object) -> StepAgreement:
     """A StepAgreement from what the engine passes: one already, or a ParallelContext-like object
     (world_size, and an exchange whose `.group` is the CPU group)."""

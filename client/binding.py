@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -90,6 +91,26 @@ class Binding:
     binding_id: int
     generation: int
     identity: tuple
+    # The layer tensors last found with this identity (weakly: a binding must not keep a freed cache
+    # alive), with what could change on one tensor object in place. See KVBinder.needs_bind.
+    seen: tuple = ()
+
+
+def _watch(layers: Sequence[torch.Tensor]) -> tuple:
+    return tuple((weakref.ref(t), t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype) for t in layers)
+
+
+def _unchanged(seen: tuple, layers: Sequence[torch.Tensor]) -> bool:
+    """The same tensor objects as `seen`, none moved or re-laid out. Cheaper than cache_identity
+    (no device string, no shared-memory segment lookup): a tensor object that is alive and keeps its
+    data pointer still holds the storage, so its device and segment cannot have changed."""
+    if len(seen) != len(layers):
+        return False
+    for (ref, ptr, shape, stride, offset, dtype), t in zip(seen, layers):
+        if (ref() is not t or t.data_ptr() != ptr or t.shape != shape or t.stride() != stride
+                or t.storage_offset() != offset or t.dtype != dtype):
+            return False
+    return True
 
 
 class KVBinder:
@@ -106,8 +127,20 @@ class KVBinder:
         return self.current.generation if self.current else 0
 
     def needs_bind(self, layers: Sequence[torch.Tensor]) -> bool:
-        """True when unbound, or when any layer moved or changed layout since the last bind."""
-        return self.current is None or self.current.identity != cache_identity(layers)
+        """True when unbound, or when any layer moved or changed layout since the last bind.
+
+        Asked on every step: the same tensors as last time are checked field by field in place (about
+        a quarter of cache_identity's cost); other tensor objects get the full identity.
+        """
+        b = self.current
+        if b is None:
+            return True
+        if _unchanged(b.seen, layers):
+            return False
+        if b.identity != cache_identity(layers):
+            return True
+        b.seen = _watch(layers)  # the same cache through new tensor objects (e.g. views rebuilt per step)
+        return False
 
     def invalidate(self) -> None:
         """Forget the binding (the sidecar lost it, or the engine's cache contents were discarded)."""
@@ -124,7 +157,7 @@ class KVBinder:
             permanent = code in _PERMANENT_CODES or reason in _PERMANENT_REASONS
             self.current = None
             raise BindError(f"BindKV: {code.name} {reason} {e.details()}".strip(), permanent) from None
-        self.current = Binding(resp.binding_id, resp.generation, ident)
+        self.current = Binding(resp.binding_id, resp.generation, ident, _watch(layers))
         self.binds += 1
         log.info("KV cache bound: binding %d generation %d (%d layers, backend %s%s)", resp.binding_id,
                  resp.generation, len(layers), resp.backend or "?",

@@ -44,10 +44,22 @@ def step_metadata_from(attn_metadata: Any, num_rows: int, page_size: int | None 
     r = num_rows // layout.QPR
     if seq_lens.shape[0] < r or tables.dim() != 2 or tables.shape[0] < r or slots.shape[0] < num_rows:
         return None
-    seq_lens = seq_lens[:r].to(device="cpu", dtype=torch.int32)
-    tables = tables[:r]
+    seq_lens = _host(_rows(seq_lens, r), torch.int32)
+    tables = _rows(tables, r)
     if page_size:
-        pages = -(-int(seq_lens.max()) // page_size) if r else 0
-        tables = tables[:, : max(pages, 1)]
-    return StepMetadata(seq_lens.contiguous(), tables.to(device="cpu", dtype=torch.int32).contiguous(),
-                        slots[:num_rows].to(device="cpu", dtype=torch.int64).contiguous())
+        pages = max(-(-max(seq_lens.tolist(), default=0) // page_size), 1)
+        if tables.shape[1] != pages:
+            tables = tables[:, :pages]
+    return StepMetadata(seq_lens, _host(tables, torch.int32), _host(_rows(slots, num_rows), torch.int64))
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t if t.shape[0] == n else t[:n]  # a step's own tensors are not padded: no view to make
+
+
+def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as a contiguous host tensor of `dtype`; itself when it is one already. The checks cost a
+    fraction of `.to()` and `.contiguous()` on a tensor they leave alone (run per step, per field)."""
+    if not t.is_cpu or t.dtype != dtype:
+        t = t.to(device="cpu", dtype=dtype)
+    return t if t.is_contiguous() else t.contiguous()

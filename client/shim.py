@@ -15,6 +15,7 @@ three phases (FAILURE_MODES.md has the full argument):
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -23,7 +24,7 @@ import grpc
 import torch
 
 from dspark_sidecar import layout
-from dspark_sidecar.client.agreement import StepAgreement, agreement_from
+from dspark_sidecar.client.agreement import StepAgreement, agreement_from, all_min_ints
 from dspark_sidecar.client.binding import BindError, KVBinder
 from dspark_sidecar.client.breaker import CircuitBreaker
 from dspark_sidecar.client.config import EngineConfig, config_refusal
@@ -68,8 +69,13 @@ _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.
 _MAX_DOORBELL_PAGES = 8192  # block-table width the registered metadata region is sized for
 
 
+@functools.cache
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()  # asked once: a few us per call, on every step
+
+
 def _not_capturing() -> bool:
-    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return bool(_has_cuda() and torch.cuda.is_current_stream_capturing())
 
 
 def sidecar_refusal(status: pb.StatusReport) -> str | None:
@@ -147,8 +153,7 @@ class DrafterShim:
             ready, why, refused = False, self._internal("prepare", e), False
         gen = self.binder.generation
         view = self.connection.status.limits.max_reqs if self.connection.status else 0
-        agreed = self._agree.all_min(torch.tensor(
-            [int(ready), -int(refused), gen or _NO_GEN, -gen, view or _NO_LIMIT], dtype=torch.int64)).tolist()
+        agreed = all_min_ints(self._agree, [int(ready), -int(refused), gen or _NO_GEN, -gen, view or _NO_LIMIT])
         all_ready, any_refused, gen_min, gen_max, limit = agreed[0], -agreed[1], agreed[2], -agreed[3], agreed[4]
         if any_refused:
             self._disable(why if refused else "a peer engine rank's sidecar refuses")
@@ -173,13 +178,24 @@ class DrafterShim:
             hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
         except Exception as e:  # noqa: BLE001  (same: every rank must reach the post-flight agreement)
             hidden, why = None, self._internal("step", e)
-        ok = self._agree.all_min(torch.tensor([int(hidden is not None)], dtype=torch.int64)).item()
-        if not ok:
+        if not all_min_ints(self._agree, [int(hidden is not None)])[0]:
             return self._fallback(why or PEER_FAILED)
         self.stats.forwarded += 1
         self.stats.via_doorbell += int(self._via_doorbell)
         self.stats.forward_ns.append(time.perf_counter_ns() - start)
         return hidden
+
+    def connect(self) -> str | None:
+        """This rank's phase 2 alone, ahead of its first step: connect, bind the KV cache, attach the
+        data plane. None when ready, else why not. No agreement with the peers is made here, so any rank
+        may call it at any time (an engine at start-up, the bench); `maybe_forward` still checks and
+        agrees on every step."""
+        if not self.enabled:
+            return f"off: {self.refusal}"
+        ready, why, refused = self._prepare(list(self._kv_caches() or []))
+        if refused:
+            self._disable(why)
+        return None if ready else why
 
     # Phase 2: this rank's readiness ----------------------------------------------------------------
     def _prepare(self, layers: list[torch.Tensor]) -> tuple[bool, str, bool]:
@@ -323,7 +339,7 @@ class DrafterShim:
             return None, BAD_ANSWER
         self.breaker.record_success()
         self._via_doorbell = bell is not None
-        return hidden.to(embeds.device), ""
+        return (hidden if hidden.device == embeds.device else hidden.to(embeds.device)), ""
 
     def _step_error(self, err: pb.StepError) -> str:
         code = grpc.StatusCode.UNKNOWN

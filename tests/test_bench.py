@@ -11,12 +11,12 @@ from dspark_sidecar.bench import BenchConfig, run_bench
 
 
 def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
-    bc = BenchConfig(preset="tiny", reqs=(1, 2), contexts=(40,), modes=("a", "b", "d", "e", "f", "g"), repeats=2,
+    bc = BenchConfig(preset="tiny", reqs=(1, 2), contexts=(40,), modes=("a", "b", "d", "e", "f", "g", "h"), repeats=2,
                      out_dir=tmp_path)
     report = run_bench(bc, torch.device("cpu"))
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["rows"] == report["rows"] and data["copy_bandwidth_GBps"] > 0
-    for mode in ("a", "d", "e", "f"):
+    for mode in ("a", "d", "e", "f", "h"):
         rows = [r for r in data["rows"] if r["mode"] == mode]
         assert [r["R"] for r in rows] == [1, 2]
         assert all(r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"] and r["floor_ms"] > 0 for r in rows)
@@ -36,6 +36,33 @@ def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
             assert all(p > 0 for p in parts) and sum(parts) <= 1.5 * r["ring_to_answer_p50_us"] + 50, parts
         if r["mode"] in ("d", "f"):  # the sidecar's counter, read around the mode (no pre-launch on a CPU)
             assert r["prelaunch_misses"] == 0 and r["prelaunched_share"] == 0
+        if r["mode"] == "h":  # the shim's own host time on both sides of the data plane's ring -> answer
+            before, after = r["shim_before_ring_after_answer_p50_us"]
+            assert before > 0 and after > 0 and before + after < 1e3 * r["p50_ms"]
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs a CUDA GPU")])])
+def test_the_shim_s_step_is_the_data_plane_s_step(tmp_path, device):
+    """h goes through DrafterShim.maybe_forward, d drives the same data plane directly: one step, the
+    same hidden states to the bit (the same sidecar computes both; the shim returns its own copy)."""
+    from dspark_sidecar.bench import Bench, Case
+
+    dev = torch.device(device)
+    bench = Bench(BenchConfig(preset="tiny", reqs=(2,), contexts=(40,), modes=("d", "h"), out_dir=tmp_path), dev)
+    try:
+        case = Case(bench.cfg, 2, 40, 16, bench.pages, bench.embed, dev, seed=3)
+        bench._inputs = bench.bufs.input_view(case.embeds.shape[0])
+        bench._inputs.copy_(case.embeds)
+        direct = bench._remote("d", case).clone()
+        shimmed = bench._shimmed(case)
+        assert shimmed.data_ptr() != bench._inputs.data_ptr() and shimmed.shape == direct.shape
+        assert torch.equal(shimmed, direct)
+        assert bench.shim.stats.forwarded == 1 and bench.shim.stats.via_doorbell == 1
+        assert not bench.shim.stats.fallbacks
+    finally:
+        bench.close()
 
 
 def test_mxfp8_weights_count_their_stored_bytes_in_the_floor(tmp_path):

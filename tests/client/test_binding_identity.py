@@ -1,0 +1,74 @@
+"""The shim's per-step checks of the bound KV cache and of the step's metadata, without a sidecar."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from dspark_sidecar.client.binding import Binding, KVBinder, cache_identity
+from dspark_sidecar.client.metadata import step_metadata_from
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+
+def _bound(layers: list[torch.Tensor]) -> KVBinder:
+    from dspark_sidecar.client import binding
+
+    b = KVBinder(pb.EngineFacts())
+    b.current = Binding(1, 1, cache_identity(layers), binding._watch(layers))  # as bind() leaves it
+    return b
+
+
+def _layers(n: int = 5) -> list[torch.Tensor]:
+    # each the front half of a larger allocation, so that a layer can move inside it in place
+    return [torch.zeros(2 * 1024, dtype=torch.bfloat16)[:1024].view(2, 4, 16, 1, 8) for _ in range(n)]
+
+
+def test_the_same_tensors_need_no_bind_and_new_views_of_them_neither():
+    layers = _layers()
+    b = _bound(layers)
+    assert not b.needs_bind(layers)
+    views = [t.view(t.shape) for t in layers]  # other tensor objects, the same memory and layout
+    assert not b.needs_bind(views)
+    assert all(ref() is t for (ref, *_), t in zip(b.current.seen, views))  # now watched in place
+
+
+def test_a_layer_changed_in_place_or_replaced_needs_a_bind():
+    for change in (
+        lambda ls: ls[2].as_strided_((2, 4, 16, 1, 4), ls[2].stride()),  # shape, same object and pointer
+        lambda ls: ls[3].as_strided_(ls[3].shape, ls[3].stride(), 8),  # storage offset only
+        lambda ls: ls[0].as_strided_(ls[0].shape, (1024, 256, 16, 8, 1)),  # strides only
+        lambda ls: setattr(ls[1], "data", ls[1].data.view(torch.float16)),  # dtype, same bytes and shape
+        lambda ls: ls.__setitem__(4, torch.zeros_like(ls[4])),  # re-allocated
+        lambda ls: ls.pop(),  # one layer fewer
+    ):
+        layers = _layers()
+        b = _bound(layers)
+        change(layers)
+        assert b.needs_bind(layers), change
+
+
+def test_the_binding_does_not_keep_a_freed_cache_alive():
+    layers = _layers(2)
+    b = _bound(layers)
+    del layers
+    gc.collect()
+    assert all(ref() is None for ref, *_ in b.current.seen)
+    assert b.needs_bind(_layers(2))  # another allocation: the full identity decides, and it differs
+
+
+def test_step_metadata_passes_a_step_s_own_host_tensors_through_and_converts_others():
+    seq = torch.tensor([20, 35], dtype=torch.int32)
+    tables = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    slots = torch.arange(14, dtype=torch.int64)
+    meta = step_metadata_from(StepMetadata(seq, tables, slots), 14, page_size=16)
+    # ceil(35 / 16) = 3 pages: nothing to trim, so the engine's own tensors, no copies
+    assert meta.seq_lens is seq and meta.block_tables is tables and meta.slot_mapping is slots
+    # vLLM's layout: padded for graphs, int64 lengths, a wider table; cut and converted
+    padded = StepMetadata(torch.tensor([20, 35, 0, 0]), torch.arange(16, dtype=torch.int32).reshape(4, 4),
+                          torch.arange(28))
+    meta = step_metadata_from(padded, 14, page_size=16)
+    assert meta.seq_lens.dtype == torch.int32 and meta.seq_lens.tolist() == [20, 35]
+    assert meta.block_tables.tolist() == [[0, 1, 2], [4, 5, 6]] and meta.block_tables.is_contiguous()
+    assert meta.slot_mapping.tolist() == list(range(14))
