@@ -1,4 +1,5 @@
-"""The engine TP ranks' agreement on each step: an element-wise MIN all-reduce over the engine's CPU group."""
+"""The engine TP ranks' agreement on each step: an element-wise MIN over the engine's CPU group (gloo, or
+shared memory on one node: client/shm_agreement.py)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,18 @@ def all_min_ints(agree: StepAgreement, values: list[int]) -> list[int]:
     without a tensor built or read (two of those cost several us of the shim's step on an H200 host)."""
     if agree.world_size == 1:
         return values
+    ints = getattr(agree, "all_min_ints", None)  # ShmAgreement's own, without tensors
+    if ints is not None:
+        return ints(values)
     return agree.all_min(torch.tensor(values, dtype=torch.int64)).tolist()
+
+
+def node_agreement(group: dist.ProcessGroup | None = None) -> StepAgreement:
+    """The agreement of a CPU group's ranks: through shared memory when they all run on this host,
+    else a gloo all-reduce. Collective: every rank of the group calls it at the same point."""
+    from dspark_sidecar.client.shm_agreement import ShmAgreement, one_node
+
+    return ShmAgreement(group) if one_node(group) else DistAgreement(group)
 
 
 def agreement_from(par: object) -> StepAgreement:
@@ -63,4 +75,4 @@ def agreement_from(par: object) -> StepAgreement:
     if exchange is None or not hasattr(exchange, "group"):
         raise TypeError(f"cannot build a step agreement from {type(par).__name__}: "
                         "pass a StepAgreement or a ParallelContext with a DistExchange")
-    return DistAgreement(exchange.group)
+    return node_agreement(exchange.group)

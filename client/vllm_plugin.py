@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dspark_sidecar.client.agreement import DistAgreement, StepAgreement
+from dspark_sidecar.client.agreement import StepAgreement, node_agreement
 from dspark_sidecar.client.config import EngineConfig, rank_endpoint
 from dspark_sidecar.client.forward_context import ForwardContextSource
 from dspark_sidecar.client.shim import DrafterShim
@@ -49,10 +49,11 @@ def engine_config_from_vllm(vllm_config: Any, rank: int) -> EngineConfig:
 
 
 def _tp_agreement(group: Any) -> StepAgreement:
-    """vLLM's TP GroupCoordinator -> a MIN all-reduce over its CPU (gloo) group."""
+    """vLLM's TP GroupCoordinator -> a MIN over its CPU group's ranks (shared memory on one node, else gloo).
+    Collective over the group: every TP rank builds its shim at its first drafter forward."""
     if hasattr(group, "all_min"):
         return group
-    return DistAgreement(group.cpu_group)
+    return node_agreement(group.cpu_group)
 
 
 def kv_cache_provider(model: torch.nn.Module):

@@ -1,0 +1,61 @@
+"""Engine-rank processes for tests/client/test_shm_agreement.py (spawned: they must be importable)."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+import torch
+import torch.distributed as dist
+
+from dspark_sidecar.client.agreement import DistAgreement, agreement_from, all_min_ints
+from dspark_sidecar.client.shm_agreement import AgreementTimeout, ShmAgreement
+
+ROUNDS = 400
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def values(seed: int, i: int, rank: int) -> list[int]:
+    rnd = random.Random(seed * 1_000_003 + i * 101 + rank)
+    n = 5 if i % 2 == 0 else 1  # the shim's two agreements per step
+    return [rnd.randrange(-(1 << 62), 1 << 62) for _ in range(n)]
+
+
+def ranks(rank: int, world: int, port: int, seed: int, errors) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        par = type("Par", (), {"world_size": world, "exchange": type("X", (), {"group": None})()})()
+        shm = agreement_from(par)  # on one host: the shared-memory one
+        assert isinstance(shm, ShmAgreement), type(shm)
+        gloo = DistAgreement()
+        for i in range(ROUNDS):
+            mine = values(seed, i, rank)
+            expected = [min(v) for v in zip(*(values(seed, i, r) for r in range(world)))]
+            got = all_min_ints(shm, mine)
+            assert got == expected, (i, got, expected)
+            if i % 50 == 0:  # the gloo all-reduce agrees, interleaved with it
+                assert gloo.all_min(torch.tensor(mine)).tolist() == expected
+        assert shm.all_min(torch.tensor([rank, -rank])).tolist() == [0, -(world - 1)]
+        shm.close()
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001  (reported to the test, which fails with it)
+        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+
+
+def stalling(rank: int, port: int, errors) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    agree = ShmAgreement(timeout_s=0.5)
+    assert agree.all_min_ints([rank]) == [0]
+    if rank == 0:
+        try:
+            agree.all_min_ints([1, 2])  # rank 1 never comes to this one
+        except AgreementTimeout as exc:
+            errors.put(str(exc))
+    dist.barrier()  # rank 1 waits here until rank 0 has given up
+    dist.destroy_process_group()
