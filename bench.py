@@ -16,6 +16,8 @@ on one GPU there is no peer):
   h  mode d from the engine's shim (DrafterShim.maybe_forward over the same data plane): issue 8's
      "full sidecar path from the shim", with the shim's per-step checks, agreements and the copy of
      the hidden states out of the output region that d leaves out
+  i  mode h queued behind --lead-ms of the engine's own GPU work, as g is d: whether the shim's host
+     time stays off the GPU's path when the engine's host runs ahead
 In d, f, g and h the engine's embeddings already sit in the registered input region
 (StepBuffers.input_view: an engine writes its embedding lookup there), as c's graph reads the
 engine's tensor in place; --engine-copy has fill() copy them there on every step instead.
@@ -57,10 +59,10 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.config import MAX_LAUNCH_STREAMS
 
-MODES = ("a", "b", "c", "d", "e", "f", "g", "h")
+MODES = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
 NAMES = {"a": "reference eager", "b": "reference graphed", "c": "GPU backend graphed",
          "d": "sidecar data plane", "e": "sidecar gRPC inline", "f": "data plane pipelined",
-         "g": "data plane, engine ahead", "h": "sidecar via the shim"}
+         "g": "data plane, engine ahead", "h": "sidecar via the shim", "i": "via the shim, engine ahead"}
 PIPELINE = 10  # mode f: steps per timed batch, the engine's host never waiting for the GPU between them
 GRAPHABLE_REFERENCE = dataclasses.replace(REFERENCE_OPS, name="reference-static",
                                           paged_window_attention=reference.paged_window_attention_static)
@@ -270,7 +272,7 @@ class Bench:
         self.mode_misses: int | None = None  # d/f/g: queued steps the sidecar released unused during the mode
         self.side = self.channel = self.bufs = self.bell = self.shim = None
         self.shim_ns: list[tuple[int, int]] = []  # h: the shim's own time before the ring, after the answer
-        if {"d", "e", "f", "g", "h"} & set(bc.modes):
+        if {"d", "e", "f", "g", "h", "i"} & set(bc.modes):
             self._connect()
 
     def _connect(self) -> None:
@@ -286,7 +288,7 @@ class Bench:
         self.channel = grpc.insecure_channel(self.side.target, options=[("grpc.max_receive_message_length", 1 << 30),
                                                                         ("grpc.max_send_message_length", 1 << 30)])
         self.stub = pb_grpc.DrafterSidecarStub(self.channel)
-        if not {"d", "f", "g", "h"} & set(bc.modes):
+        if not {"d", "f", "g", "h", "i"} & set(bc.modes):
             facts = pb.EngineFacts(engine_rank=0, tp_size=bc.shard_of, dp_size=1, pp_size=1,
                                    speculative_method="dspark", num_speculative_tokens=7, device=str(device))
             self.binding = self.stub.BindKV(bind_request(self.kv, facts), timeout=60)
@@ -314,12 +316,13 @@ class Bench:
                 self._remote("d", case)
         return [ms / PIPELINE for ms in timeit(batch, self.device, max(3, self.bc.repeats // PIPELINE))]
 
-    def _ahead(self, case: Case, warmup: int = 3) -> list[float]:
-        """ms of GPU time per mode-d step queued behind lead_ms of the engine's own GPU work (the spin:
-        its host is ahead by about lead_ms): from the end of that work to the hidden states on the
-        engine's stream (the step's fill, ring and answer; the stream waits for the sidecar's writes)."""
+    def _ahead(self, case: Case, shim: bool = False, warmup: int = 3) -> list[float]:
+        """ms of GPU time per mode-d step (mode h with `shim`) queued behind lead_ms of the engine's own
+        GPU work (the spin: its host is ahead by about lead_ms): from the end of that work to the hidden
+        states on the engine's stream (the step's fill, ring and answer; the stream waits for the
+        sidecar's writes; with the shim, its copy of them too)."""
         cycles = int(self.bc.lead_ms * _spin_cycles_per_ms(self.device))
-        step = lambda: self._remote("d", case)  # noqa: E731
+        step = (lambda: self._shimmed(case)) if shim else (lambda: self._remote("d", case))  # noqa: E731
         gpu_times(step, self.device, warmup, cycles)
         return gpu_times(step, self.device, self.bc.repeats, cycles)
 
@@ -378,7 +381,7 @@ class Bench:
         if mode == "a":
             return timeit(self._eager(REFERENCE_OPS, case), self.device, self.bc.repeats)
         self.gpu_ms, self.mode_misses = [], None
-        if mode in ("b", "c", "g") and self.device.type != "cuda":
+        if mode in ("b", "c", "g", "i") and self.device.type != "cuda":
             return "n/a: needs a GPU"
         if mode in ("b", "c"):
             fn = graphed(self._eager(GRAPHABLE_REFERENCE, case) if mode == "b" else
@@ -387,7 +390,7 @@ class Bench:
             self.gpu_ms = gpu_times(fn, self.device, self.bc.repeats)
             return wall
         self.sidecar_ns, self.engine_ns, self.shim_ns = [], [], []
-        if mode in ("d", "f", "g", "h"):
+        if mode in ("d", "f", "g", "h", "i"):
             self._inputs = case.embeds
             if not self.bc.engine_copy:  # written where the engine's embedding lookup would have put them
                 self._inputs = self.bufs.input_view(case.embeds.shape[0])
@@ -397,8 +400,8 @@ class Bench:
         before = self._misses()
         if mode == "f":
             out = self._pipelined(case)
-        elif mode == "g":
-            out = self._ahead(case)
+        elif mode in ("g", "i"):
+            out = self._ahead(case, shim=mode == "i")
         elif mode == "h":
             out = timeit(lambda: self._shimmed(case), self.device, self.bc.repeats,
                          warmup=_settle_steps() if self.device.type == "cuda" else 3)
@@ -419,7 +422,7 @@ class Bench:
             share["prelaunch_misses"] = self.mode_misses
         if mode == "f":
             return share
-        if mode == "h":  # the shim's own host time around the data plane's ring -> answer
+        if mode in ("h", "i"):  # the shim's own host time around the data plane's ring -> answer
             shim = self.shim_ns[-self.bc.repeats:]
             return {"shim_before_ring_after_answer_p50_us": [statistics.median(t[i] for t in shim) / 1e3
                                                               for i in range(2)],
@@ -484,10 +487,10 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                         row |= {"p50_ms": p50, "p99_ms": sorted(ms)[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)],
                                 "x_floor": p50 / floor_ms,
                                 "x_b": p50 / statistics.median(base) if base else None}
-                        c_ms = gpu_time if mode == "g" else statistics.median(gpu) if gpu else None
-                        if mode in ("d", "e", "f", "g", "h") and c_ms:  # issue 8's sidecar targets are against (c)
+                        c_ms = gpu_time if mode in ("g", "i") else statistics.median(gpu) if gpu else None
+                        if mode in ("d", "e", "f", "g", "h", "i") and c_ms:  # issue 8's sidecar targets are against (c)
                             row |= {"x_c": p50 / c_ms, "over_c_us": (p50 - c_ms) * 1e3}
-                        if mode == "g":
+                        if mode in ("g", "i"):
                             row["lead_ms"] = bc.lead_ms
                         row |= phases.get(mode, {})
                         if "gpu_p50_ms" in row:

@@ -250,11 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--shard-of", type=int, default=4, help="time rank 0's shard of a TP-N drafter")
     bp.add_argument("--reqs", default="1,8,32", help="comma-separated request counts")
     bp.add_argument("--contexts", default="512,4096", help="comma-separated context lengths")
-    bp.add_argument("--modes", default="abcdefgh", help="a ref eager, b ref graphed, c GPU backend, d data plane, e gRPC, "
+    bp.add_argument("--modes", default="abcdefghi", help="a ref eager, b ref graphed, c GPU backend, d data plane, e gRPC, "
                     "f data plane pipelined (no host sync between steps), g data plane behind the engine's own GPU "
-                    "work, h data plane from the engine's shim (maybe_forward)")
+                    "work, h data plane from the engine's shim (maybe_forward), i h behind the engine's own GPU work")
     bp.add_argument("--lead-ms", type=float, default=8.0,
-                    help="g: ms of GPU work the engine queues before each step (its host runs that far ahead)")
+                    help="g, i: ms of GPU work the engine queues before each step (its host runs that far ahead)")
     bp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     bp.add_argument("--weights", choices=("bf16", "mxfp8"), default="bf16",
                     help="mxfp8: every mode's layer weights kept as MXFP8 (the floor counts their bytes)")

@@ -11,7 +11,7 @@ from dspark_sidecar.bench import BenchConfig, run_bench
 
 
 def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
-    bc = BenchConfig(preset="tiny", reqs=(1, 2), contexts=(40,), modes=("a", "b", "d", "e", "f", "g", "h"), repeats=2,
+    bc = BenchConfig(preset="tiny", reqs=(1, 2), contexts=(40,), modes=("a", "b", "d", "e", "f", "g", "h", "i"), repeats=2,
                      out_dir=tmp_path)
     report = run_bench(bc, torch.device("cpu"))
     data = json.loads((tmp_path / "bench.json").read_text())
@@ -20,8 +20,8 @@ def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
         rows = [r for r in data["rows"] if r["mode"] == mode]
         assert [r["R"] for r in rows] == [1, 2]
         assert all(r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"] and r["floor_ms"] > 0 for r in rows)
-    assert all(r["note"] == "n/a: needs a GPU" for r in data["rows"] if r["mode"] in ("b", "g"))
-    assert sum(r["mode"] == "g" for r in data["rows"]) == 2
+    assert all(r["note"] == "n/a: needs a GPU" for r in data["rows"] if r["mode"] in ("b", "g", "i"))
+    assert sum(r["mode"] == "g" for r in data["rows"]) == 2 and sum(r["mode"] == "i" for r in data["rows"]) == 2
     for r in data["rows"]:
         if r["mode"] in ("d", "e"):  # the sidecar's own phases come back with every remote row
             assert r["sidecar_host_p50_us"] > 0 and len(r["sidecar_queue_rendezvous_launch_p50_us"]) == 3
@@ -123,15 +123,17 @@ def test_a_lead_outside_its_range_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_engine_ahead_mode_times_the_step_on_the_engine_s_stream(tmp_path):
-    """g: behind the engine's own GPU work, the step's GPU time as the engine's stream sees it. It
-    includes the graph itself, so it cannot undercut (c)'s GPU time by more than noise; and it
-    excludes the lead (a timing that started before the spin ended would exceed lead_ms)."""
-    report = run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("c", "g"), repeats=5,
+    """g (and i, g through the shim): behind the engine's own GPU work, the step's GPU time as the
+    engine's stream sees it. It includes the graph itself, so it cannot undercut (c)'s GPU time by
+    more than noise; and it excludes the lead (a timing that started before the spin ended would
+    exceed lead_ms)."""
+    report = run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("c", "g", "i"), repeats=5,
                                    lead_ms=2.0, out_dir=tmp_path), torch.device("cuda"))
-    g = next(r for r in report["rows"] if r["mode"] == "g")
-    assert "note" not in g, g
-    assert g["lead_ms"] == 2.0 and 0 < g["p50_ms"] < 2.0
+    g, i = (next(r for r in report["rows"] if r["mode"] == m) for m in ("g", "i"))
+    assert "note" not in g and "note" not in i, (g, i)
+    assert g["lead_ms"] == i["lead_ms"] == 2.0 and 0 < g["p50_ms"] < 2.0 and 0 < i["p50_ms"] < 2.0
     assert g["x_c"] > 0.8 and g["ring_to_answer_p50_us"] > 0
+    assert i["x_c"] > 0.8 and min(i["shim_before_ring_after_answer_p50_us"]) > 0  # i: g through the shim
 
 
 @pytest.mark.gpu
