@@ -85,6 +85,7 @@ class BenchConfig:
     engine_copy: bool = False  # d/f: the engine's embeddings copied into the input region each step
     launch_streams: int = 0  # c and the sidecar: launch groups side by side on N streams (ServeConfig's; 0 = its default)
     lead_ms: float = 8.0  # g: the engine's GPU work queued before each step (server/prelaunch.py BEHIND_S: 5 ms)
+    shim_inputs: str = "host"  # h/i: positions and metadata on the host, or on the GPU as vLLM's forward context has them
     seed: int = 0
     notes: dict = field(default_factory=dict)
 
@@ -94,6 +95,8 @@ class BenchConfig:
             raise ValueError(f"--modes: {bad or 'none given'}; choose from {''.join(MODES)} (e.g. 'acd' or 'a,c,d')")
         if self.weights not in ("bf16", "mxfp8"):
             raise ValueError(f"--weights: bf16 or mxfp8, got {self.weights!r}")
+        if self.shim_inputs not in ("host", "device"):
+            raise ValueError(f"--shim-inputs: host or device, got {self.shim_inputs!r}")
         if not 0 < self.lead_ms <= 1000:
             raise ValueError(f"--lead-ms: above 0 and at most 1000, got {self.lead_ms}")
         if not 0 <= self.launch_streams <= MAX_LAUNCH_STREAMS:
@@ -354,12 +357,14 @@ class Bench:
 
     def _shimmed(self, case: Case) -> torch.Tensor:
         """One step as the engine's model forward asks for it: the shim's maybe_forward, inside the
-        forward context that holds the step's attention metadata (host tensors, as d fills them)."""
+        forward context that holds the step's attention metadata (host tensors, as d fills them; with
+        --shim-inputs device the GPU's, as vLLM holds them, which the shim then reads back)."""
         from dspark_sidecar.client.forward_context import set_forward_context
 
+        host = self.bc.shim_inputs == "host"
         t0 = time.monotonic_ns()
-        with set_forward_context(case.host.meta):
-            out = self.shim.maybe_forward(None, case.host.positions, self._inputs)
+        with set_forward_context(case.host.meta if host else case.meta):
+            out = self.shim.maybe_forward(None, case.host.positions if host else case.positions, self._inputs)
         t1 = time.monotonic_ns()
         if out is None:
             raise RuntimeError(f"the shim fell back: {dict(self.shim.stats.fallbacks)}")
@@ -425,7 +430,7 @@ class Bench:
         if mode in ("h", "i"):  # the shim's own host time around the data plane's ring -> answer
             shim = self.shim_ns[-self.bc.repeats:]
             return {"shim_before_ring_after_answer_p50_us": [statistics.median(t[i] for t in shim) / 1e3
-                                                              for i in range(2)],
+                                                              for i in range(2)], "shim_inputs": self.bc.shim_inputs,
                     **({"prelaunch_misses": self.mode_misses} if self.mode_misses is not None else {})}
         if mode not in ("d", "e", "g"):
             return {}
@@ -528,7 +533,8 @@ def _fmt(row: dict) -> str:
         extra += ")"
     if "shim_before_ring_after_answer_p50_us" in row:
         before, after = row["shim_before_ring_after_answer_p50_us"]
-        extra += f"  (shim before ring {before:.0f} us, after answer {after:.0f} us)"
+        on = "; positions and metadata on the GPU" if row.get("shim_inputs") == "device" else ""
+        extra += f"  (shim before ring {before:.0f} us, after answer {after:.0f} us{on})"
     if "gpu_p50_ms" in row:
         extra += f"  GPU time {row['gpu_p50_ms']:.3f} ms ({row['gpu_x_floor']:.2f}x floor)"
     if "lead_ms" in row:

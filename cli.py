@@ -192,7 +192,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints(a.reqs), contexts=ints(a.contexts),
                      modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch,
-                     engine_copy=a.engine_copy, launch_streams=a.launch_streams, lead_ms=a.lead_ms)
+                     engine_copy=a.engine_copy, launch_streams=a.launch_streams, lead_ms=a.lead_ms,
+                     shim_inputs=a.shim_inputs)
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
 
@@ -265,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the sidecar never queues a step before it is rung (compare d and f without it)")
     bp.add_argument("--engine-copy", action="store_true",
                     help="d/f: the engine's embeddings are copied into the registered input region every step")
+    bp.add_argument("--shim-inputs", choices=("host", "device"), default="host",
+                    help="h/i: the positions and attention metadata the shim is given live on the host (as the "
+                         "data plane's regions want them) or on the GPU (as vLLM's forward context holds them)")
     bp.add_argument("--launch-streams", type=int, default=0,
                     help="c and the sidecar: launch groups side by side on N streams (0: the serve default, 4 at "
                          "--tp 1 and 1 above; with --tp N > 1 each extra stream gets its own communicator)")

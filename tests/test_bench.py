@@ -114,10 +114,12 @@ def test_graphed_modes_report_gpu_time_beside_wall_clock(tmp_path):
         assert r["gpu_x_floor"] == pytest.approx(r["gpu_p50_ms"] / r["floor_ms"])
 
 
-def test_a_lead_outside_its_range_is_refused():
+def test_bench_options_outside_their_range_are_refused():
     for lead in (0.0, -1.0, 5000.0):
         with pytest.raises(ValueError, match="--lead-ms"):
             BenchConfig(lead_ms=lead)
+    with pytest.raises(ValueError, match="--shim-inputs: host or device"):
+        BenchConfig(shim_inputs="gpu")
 
 
 @pytest.mark.gpu
