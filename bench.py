@@ -18,7 +18,7 @@ on one GPU there is no peer):
      the hidden states out of the output region that d leaves out
   i  mode h queued behind --lead-ms of the engine's own GPU work, as g is d: whether the shim's host
      time stays off the GPU's path when the engine's host runs ahead
-In d, f, g and h the engine's embeddings already sit in the registered input region
+In d, f, g, h and i the engine's embeddings already sit in the registered input region
 (StepBuffers.input_view: an engine writes its embedding lookup there), as c's graph reads the
 engine's tensor in place; --engine-copy has fill() copy them there on every step instead.
 The floor is the bytes a step must read (the shard's layer weights once per launch group of up to
@@ -304,7 +304,7 @@ class Bench:
             None, lambda: self.kv, LocalAgreement())
         why = self.shim.connect()
         if why is not None or self.shim.doorbell is None:
-            raise RuntimeError(f"bench: the shim could not set up the data plane: {why or self.shim._doorbell_off}")
+            raise RuntimeError(f"bench: the shim could not set up the data plane: {why or 'no doorbell (see the log)'}")
         self.binding = self.shim.binder.current
         self.bufs, self.bell = self.shim.doorbell.buffers, self.shim.doorbell.bell
 

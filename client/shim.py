@@ -189,12 +189,14 @@ class DrafterShim:
         """This rank's phase 2 alone, ahead of its first step: connect, bind the KV cache, attach the
         data plane. None when ready, else why not. No agreement with the peers is made here, so any rank
         may call it at any time (an engine at start-up, the bench); `maybe_forward` still checks and
-        agrees on every step."""
+        agrees on every step. A refusal found here does not turn this rank off: that is decided by all
+        ranks together at a step's pre-flight (one rank off alone would skip the agreements its peers
+        wait in)."""
         if not self.enabled:
             return f"off: {self.refusal}"
         ready, why, refused = self._prepare(list(self._kv_caches() or []))
         if refused:
-            self._disable(why)
+            self._drop_link()  # the next step's pre-flight opens it again, finds the refusal, and agrees on it
         return None if ready else why
 
     # Phase 2: this rank's readiness ----------------------------------------------------------------

@@ -176,6 +176,22 @@ def test_strict_sidecar_refusal_turns_the_process_off(fake):
     assert shim.stats.fallbacks == {"off: sidecar refuses: not gfx950": 2}
 
 
+def test_connect_binds_ahead_of_the_first_step_and_a_refusal_there_is_left_to_the_agreement(fake):
+    shim, _, _ = make_shim(fake.endpoint)
+    assert shim.connect() is None and fake.sidecar.calls["BindKV"] == 1
+    ids, pos, meta = step_inputs(2)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is not None
+    assert fake.sidecar.calls["BindKV"] == 1 and fake.sidecar.calls["GetStatus"] == 1  # nothing set up twice
+    fake.sidecar.serving, fake.sidecar.state, fake.sidecar.refusal = False, "REFUSED", "not gfx950"
+    other, _, _ = make_shim(fake.endpoint)
+    assert other.connect() == "sidecar refuses: not gfx950"
+    assert other.enabled  # off only once the ranks agree, at a step's pre-flight
+    with set_forward_context(meta):
+        assert other.maybe_forward(ids, pos) is None
+    assert not other.enabled and other.refusal == "sidecar refuses: not gfx950"
+
+
 def test_engine_tp_mismatch_at_bind_is_permanent(fake):
     import grpc
     fake.sidecar.bind_error = (grpc.StatusCode.FAILED_PRECONDITION, "engine TP 4 != sidecar TP 2")
