@@ -215,6 +215,7 @@ class SidecarUnderTest:
         deadline = time.monotonic() + 600
         while check(self.target, 1.0) != "SERVING":
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()  # still starting after the deadline: not left behind
                 raise RuntimeError(f"bench sidecar did not start; see {work / 'sidecar.log'}")
             time.sleep(0.5)
 
@@ -276,7 +277,11 @@ class Bench:
         self.side = self.channel = self.bufs = self.bell = self.shim = None
         self.shim_ns: list[tuple[int, int]] = []  # h: the shim's own time before the ring, after the answer
         if {"d", "e", "f", "g", "h", "i"} & set(bc.modes):
-            self._connect()
+            try:
+                self._connect()
+            except BaseException:
+                self.close()  # the sidecar process it may have started, and the shared memory
+                raise
 
     def _connect(self) -> None:
         import grpc

@@ -65,6 +65,25 @@ def test_the_shim_s_step_is_the_data_plane_s_step(tmp_path, device):
         bench.close()
 
 
+def test_a_bench_that_cannot_set_up_leaves_no_sidecar_running(tmp_path, monkeypatch):
+    from dspark_sidecar import bench as B
+    from dspark_sidecar.client.shim import DrafterShim
+
+    started = []
+    real = B.SidecarUnderTest
+
+    def recording(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(B, "SidecarUnderTest", recording)
+    monkeypatch.setattr(DrafterShim, "connect", lambda self: "refused for the test")
+    with pytest.raises(RuntimeError, match="refused for the test"):
+        B.Bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("d",), out_dir=tmp_path),
+                torch.device("cpu"))
+    assert len(started) == 1 and started[0].proc.poll() is not None  # the sidecar it started has exited
+
+
 def test_mxfp8_weights_count_their_stored_bytes_in_the_floor(tmp_path):
     dense = run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a",), repeats=2,
                                   out_dir=tmp_path / "dense"), torch.device("cpu"))
