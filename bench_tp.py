@@ -2,6 +2,8 @@
 
 Each engine rank binds its KV shard on its own GPU to its sidecar rank and runs the same steps
 over the data plane; the ranks start every step together (a gloo barrier, outside the timing).
+Each case then runs again through every rank's shim (`DrafterShim.maybe_forward`, the ranks'
+agreements included, as an engine's forward runs it), which must return the same hidden states.
 Reported beside it, measured on the same machine: rank 0's shard on one GPU with no exchange
 (modes c and d of `bench` with --shard-of N) and its HBM floor, and the time of the step's
 all-reduces between the engine processes' GPUs, i.e. the partial-sum exchange's share: 10 per
@@ -47,13 +49,11 @@ PARITY_RTOL = 3e-2
 
 def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, target_dir: str, store: str,
                  out: str) -> None:
-    import grpc
-
-    from dspark_sidecar.client.binding import bind_request
-    from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
+    from dspark_sidecar.client.config import EngineConfig
+    from dspark_sidecar.client.forward_context import set_forward_context
+    from dspark_sidecar.client.shim import DrafterShim
     from dspark_sidecar.proto import memory
     from dspark_sidecar.proto import sidecar_pb2 as pb
-    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
     cuda = device_type == "cuda"
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -79,13 +79,16 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     ref = DSparkDrafter(cfg, ParallelContext(rank, world, DistExchange(group)), REFERENCE_OPS, dtype,
                         dev).load(source)
     exchange = DistExchange(group)  # as the sidecar sums partials, for the exchange's share
-    stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(f"unix:{target_dir}/rank{rank}.sock"))
-    facts = pb.EngineFacts(engine_rank=rank, tp_size=world, dp_size=1, pp_size=1, speculative_method="dspark",
-                           num_speculative_tokens=7, device=str(dev))
-    b = stub.BindKV(bind_request(kv, facts), timeout=60)
-    max_pages = scenario.pages_needed(max(bc.contexts) + layout.QPR, page)
-    bufs = StepBuffers(stub, cfg.hidden_size, max(bc.reqs), max_pages, dtype, dev)
-    bell = DoorbellChannel(stub, dev)
+    # This rank's shim (its agreements over the CPU group: shared memory on one node) binds the cache and
+    # sets up the data plane. The direct steps drive that data plane's channel; the shim's steps go
+    # through maybe_forward, agreements included, as an engine's forward does.
+    shim = DrafterShim(EngineConfig(tp_size=world, required_tp=world, endpoint=f"unix:{target_dir}/rank{rank}.sock",
+                                    transport="doorbell", device=str(dev), max_reqs=max(bc.reqs), step_deadline_s=60.0),
+                       None, lambda: kv, ParallelContext(rank, world, DistExchange(None)))
+    why = shim.connect()
+    if why is not None or shim.doorbell is None:
+        raise RuntimeError(f"engine rank {rank}: the shim could not set up the data plane: {why or 'no doorbell'}")
+    b, bufs, bell = shim.binder.current, shim.doorbell.buffers, shim.doorbell.bell
     sync = torch.cuda.synchronize if cuda else (lambda _dev: None)
     results = []
     step_id = 0
@@ -115,13 +118,24 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
             row = {"R": R, "context": ctx, "p50_ms": statistics.median(times), "errors": errors,
                    "prelaunched_share": early / len(times),
                    **_parity(ref, group, embeds, positions, meta, kv_before, kv, got)}
-            xs = [torch.zeros(layout.QPR * (b - a), cfg.hidden_size, device=dev, dtype=dtype)
-                  for a, b in layout.launch_groups(R)]
+            shim_times, shimmed = [], None
+            for i in range(bc.repeats + 3):  # the same step through the shim (it writes the same K/V again)
+                dist.barrier()
+                t = time.perf_counter()
+                with set_forward_context(case.meta):  # the engine's host metadata, as the data plane takes it
+                    shimmed = shim.maybe_forward(None, case.positions, embeds)
+                sync(dev)
+                if shimmed is None:
+                    raise RuntimeError(f"engine rank {rank}: the shim fell back: {dict(shim.stats.fallbacks)}")
+                if i >= 3:
+                    shim_times.append((time.perf_counter() - t) * 1e3)
+            row |= {"shim_p50_ms": statistics.median(shim_times), "shim_matches": bool(torch.equal(shimmed, got))}
+            xs = [torch.zeros(layout.QPR * (hi - lo), cfg.hidden_size, device=dev, dtype=dtype)
+                  for lo, hi in layout.launch_groups(R)]
             ar = _time_exchange(xs, exchange, 2 * cfg.num_hidden_layers, bc.repeats)
             results.append({**row, "exchange_p50_ms": statistics.median(ar)})
     torch.save(results, Path(out) / f"rank{rank}.pt")
-    bell.close()
-    bufs.close()
+    shim.close()  # its binding, then the data plane
     for h in held:
         h.close()
     dist.destroy_process_group()
@@ -220,17 +234,21 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str,
         floor = one.get("floor_ms")
         ar = max(p[i]["exchange_p50_ms"] for p in per_rank)
         hid, kv = max(p[i]["hidden_rel_l2"] for p in per_rank), max(p[i]["kv_rel_l2"] for p in per_rank)
-        row = {"R": r0["R"], "context": r0["context"], "tp_step_p50_ms": step,
+        shim = max(p[i].get("shim_p50_ms", float("nan")) for p in per_rank)  # the slowest rank, as for the step
+        row = {"R": r0["R"], "context": r0["context"], "tp_step_p50_ms": step, "tp_shim_step_p50_ms": shim,
+               "shim_matches": all(p[i].get("shim_matches", False) for p in per_rank),
                "single_gpu_shard_p50_ms": one.get("p50_ms"), "single_gpu_backend_inprocess_p50_ms": inproc.get("p50_ms"),
                "floor_ms": floor, "x_floor": step / floor if floor else None,
                "exchange_ms": ar, "exchange_share": ar / step,
                "errors": sum(p[i]["errors"] for p in per_rank), "hidden_rel_l2": hid, "kv_rel_l2": kv,
                "prelaunched_share": min(p[i].get("prelaunched_share", 0.0) for p in per_rank),
                "ranks_agree": all(p[i]["ranks_agree"] for p in per_rank), "parity_rtol": tol}
-        row["parity_ok"] = hid <= tol and kv <= tol and row["ranks_agree"] and row["errors"] == 0
+        row["parity_ok"] = (hid <= tol and kv <= tol and row["ranks_agree"] and row["errors"] == 0
+                            and row["shim_matches"])
         rows.append(row)
         nan = float("nan")
         print(f"TP {tp}: R={row['R']:>2} ctx={row['context']:>5}  step p50 {step:8.3f} ms  "
+              f"via the shim {shim:8.3f} ms  "
               f"{row['x_floor'] or nan:5.2f}x floor ({floor or nan:.3f} ms)  single-GPU shard "
               f"{row['single_gpu_shard_p50_ms'] or nan:8.3f} ms (in-process {inproc.get('p50_ms') or nan:.3f})  "
               f"exchange {ar:.3f} ms ({100 * row['exchange_share']:.0f}% of the step)  "

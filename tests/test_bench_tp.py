@@ -19,11 +19,14 @@ def test_tp4_sidecar_from_four_engine_ranks_equals_the_reference_at_tp4(tmp_path
         assert row["hidden_rel_l2"] == 0.0 and row["kv_rel_l2"] == 0.0
         assert row["tp_step_p50_ms"] > 0 and row["single_gpu_shard_p50_ms"] > 0 and row["x_floor"] > 0
         assert 0 < row["exchange_share"]
+        # the same step through each rank's shim, its agreements included: the same bits on every rank
+        assert row["tp_shim_step_p50_ms"] > 0 and row["shim_matches"]
 
 
 def _rank_row(**kw) -> dict:
     return {"R": 8, "context": 4096, "p50_ms": 1.0, "errors": 0, "exchange_p50_ms": 0.1,
-            "hidden_rel_l2": 0.01, "kv_rel_l2": 0.01, "ranks_agree": True, **kw}
+            "hidden_rel_l2": 0.01, "kv_rel_l2": 0.01, "ranks_agree": True, "shim_p50_ms": 1.1,
+            "shim_matches": True, **kw}
 
 
 def test_the_report_fails_a_case_on_any_rank_s_error_disagreement_or_drift(tmp_path):
@@ -36,13 +39,14 @@ def test_the_report_fails_a_case_on_any_rank_s_error_disagreement_or_drift(tmp_p
         "kv": ([[_rank_row(kv_rel_l2=0.5)], [_rank_row()]], False),
         "disagree": ([[_rank_row()], [_rank_row(ranks_agree=False)]], False),
         "error": ([[_rank_row(errors=1)], [_rank_row()]], False),
+        "shim": ([[_rank_row()], [_rank_row(shim_matches=False)]], False),
     }
     for name, (per_rank, ok) in cases.items():
         row = _report(bc, 2, per_rank, single, "H200", PARITY_RTOL)["rows"][0]
         assert row["parity_ok"] is ok, name
     row = _report(bc, 2, cases["ok"][0], single, "H200", PARITY_RTOL)["rows"][0]
     # The slowest rank is the step; the floor and baselines are rank 0's shard on one GPU.
-    assert row["tp_step_p50_ms"] == 1.5 and row["x_floor"] == 1.5 / 0.25
+    assert row["tp_step_p50_ms"] == 1.5 and row["x_floor"] == 1.5 / 0.25 and row["tp_shim_step_p50_ms"] == 1.1
     assert row["single_gpu_shard_p50_ms"] == 0.6 and row["single_gpu_backend_inprocess_p50_ms"] == 0.5
     # On CPU (reference ops on both sides) any difference at all fails.
     assert not _report(bc, 2, cases["ok"][0], single, "cpu", 0.0)["rows"][0]["parity_ok"]
