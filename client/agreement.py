@@ -56,8 +56,9 @@ def all_min_ints(agree: StepAgreement, values: list[int]) -> list[int]:
 
 
 def node_agreement(group: dist.ProcessGroup | None = None) -> StepAgreement:
-    """The agreement of a CPU group's ranks: through shared memory when they all run on this host,
-    else a gloo all-reduce. Collective: every rank of the group calls it at the same point."""
+    """The agreement of a CPU group's ranks: through shared memory when they all run on this host
+    (an x86-64 one: see shm_agreement.one_node), else a gloo all-reduce. Collective: every rank of
+    the group calls it at the same point."""
     from dspark_sidecar.client.shm_agreement import ShmAgreement, one_node
 
     return ShmAgreement(group) if one_node(group) else DistAgreement(group)

@@ -13,6 +13,7 @@ then the sequence.
 
 from __future__ import annotations
 
+import platform
 import socket
 import time
 from multiprocessing import resource_tracker, shared_memory
@@ -90,7 +91,8 @@ class ShmAgreement:
 
 
 def one_node(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether every rank of `group` runs on this host (collective: every rank must call it)."""
+    """Whether every rank of `group` runs on this host, and the host orders stores as written
+    (x86-64, which this page's protocol relies on). Collective: every rank must call it."""
     hosts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return len(set(hosts)) == 1
+    dist.all_gather_object(hosts, (socket.gethostname(), platform.machine().lower()), group=group)
+    return len(set(hosts)) == 1 and hosts[0][1] in ("x86_64", "amd64")

@@ -29,3 +29,21 @@ def test_too_many_values_are_refused_before_anything_is_written():
     with pytest.raises(ValueError, match=f"at most {MAX_VALUES}"):
         agree.all_min_ints(list(range(MAX_VALUES + 1)))
     assert agree._seq == 0
+
+
+def test_only_ranks_on_one_x86_host_share_a_page(tmp_path, monkeypatch):
+    """The page's protocol relies on stores being seen in the order written (x86-64); elsewhere the
+    ranks keep gloo. One rank in a group of its own: its host is trivially everyone's."""
+    import platform
+
+    import torch.distributed as dist
+
+    from dspark_sidecar.client.shm_agreement import one_node
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for machine, same in (("x86_64", True), ("AMD64", True), ("aarch64", False), ("arm64", False)):
+            monkeypatch.setattr(platform, "machine", lambda m=machine: m)
+            assert one_node() is same, machine
+    finally:
+        dist.destroy_process_group()
