@@ -1,8 +1,8 @@
-"""The engine TP ranks' per-step agreement through a shared-memory page, for ranks on one node.
+"""The engine TP ranks' per-step agreement through a shared-memory page, for ranks on one x86-64 node.
 
 The shim agrees twice per step (client/shim.py). Over gloo, a MIN all-reduce of 5 integers took
-214 us at TP 2 and 505 us at TP 4 on an H200 host (BENCHMARKS.md run 197), more than the draft step
-itself. Here each rank writes its values into its own slot and then its sequence number; once every
+214-426 us at TP 2 and 505-893 us at TP 4 on an H200 host, more than the draft step itself; this
+page took 12-27 and 52-106 us in the same processes (BENCHMARKS.md runs 197-198). Here each rank writes its values into its own slot and then its sequence number; once every
 slot carries the sequence, each rank takes the element-wise minimum itself.
 
 Two banks of slots, used by odd and even sequence numbers: a rank can start agreement s + 1 while
