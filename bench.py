@@ -275,7 +275,7 @@ class Bench:
         self.gpu_ms: list[float] = []  # b/c: GPU time per replay (gpu_times), beside the wall-clock figure
         self.mode_misses: int | None = None  # d/f/g: queued steps the sidecar released unused during the mode
         self.side = self.channel = self.bufs = self.bell = self.shim = None
-        self.shim_ns: list[tuple[int, int]] = []  # h: the shim's own time before the ring, after the answer
+        self.shim_ns: list[tuple[int, int]] = []  # h, i: the shim's own time before the ring, after the answer
         if {"d", "e", "f", "g", "h", "i"} & set(bc.modes):
             try:
                 self._connect()

@@ -73,13 +73,12 @@ class ShmAgreement:
         seqs = bank[:, 0]
         arrived = lambda: int(seqs.min()) == seq  # noqa: E731  (no slot can be ahead: see the module docstring)
         start = time.perf_counter()
-        while not arrived():
-            if time.perf_counter() - start > SPIN_S:
-                if not bell.wait_until(arrived, start + self.timeout_s, start):
-                    missing = [r for r in range(self.world_size) if int(seqs[r]) != seq]
-                    raise AgreementTimeout(f"engine ranks {missing} did not reach step agreement {seq} within "
-                                           f"{self.timeout_s:g} s: a peer engine rank has died or stopped stepping")
-                break
+        while not arrived() and time.perf_counter() - start <= SPIN_S:
+            pass  # the spin; then the doorbell's naps, up to the timeout
+        if not arrived() and not bell.wait_until(arrived, start + self.timeout_s, start):
+            missing = [r for r in range(self.world_size) if int(seqs[r]) != seq]
+            raise AgreementTimeout(f"engine ranks {missing} did not reach step agreement {seq} within "
+                                   f"{self.timeout_s:g} s: a peer engine rank has died or stopped stepping")
         return bank[:, 1 : 1 + n].min(axis=0).tolist()
 
     def all_min(self, values: torch.Tensor) -> torch.Tensor:
