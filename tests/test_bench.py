@@ -41,16 +41,20 @@ def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
             assert before > 0 and after > 0 and before + after < 1e3 * r["p50_ms"]
 
 
-@pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                           reason="needs a CUDA GPU")])])
-def test_the_shim_s_step_is_the_data_plane_s_step(tmp_path, device):
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("device,inputs", [("cpu", "host"), pytest.param("cuda", "host", marks=_CUDA),
+                                           pytest.param("cuda", "device", marks=_CUDA)])
+def test_the_shim_s_step_is_the_data_plane_s_step(tmp_path, device, inputs):
     """h goes through DrafterShim.maybe_forward, d drives the same data plane directly: one step, the
-    same hidden states to the bit (the same sidecar computes both; the shim returns its own copy)."""
+    same hidden states to the bit (the same sidecar computes both; the shim returns its own copy).
+    With `device` inputs the shim reads the positions and metadata back from the GPU, as in vLLM."""
     from dspark_sidecar.bench import Bench, Case
 
     dev = torch.device(device)
-    bench = Bench(BenchConfig(preset="tiny", reqs=(2,), contexts=(40,), modes=("d", "h"), out_dir=tmp_path), dev)
+    bench = Bench(BenchConfig(preset="tiny", reqs=(2,), contexts=(40,), modes=("d", "h"), out_dir=tmp_path,
+                              shim_inputs=inputs), dev)
     try:
         case = Case(bench.cfg, 2, 40, 16, bench.pages, bench.embed, dev, seed=3)
         bench._inputs = bench.bufs.input_view(case.embeds.shape[0])

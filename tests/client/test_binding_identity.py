@@ -1,4 +1,4 @@
-"""The shim's per-step checks of the bound KV cache and of the step's metadata, without a sidecar."""
+"""The shim's per-step check of the bound KV cache, without a sidecar."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import gc
 import torch
 
 from dspark_sidecar.client.binding import Binding, KVBinder, cache_identity
-from dspark_sidecar.client.metadata import step_metadata_from
-from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import sidecar_pb2 as pb
 
 
@@ -58,19 +56,3 @@ def test_the_binding_does_not_keep_a_freed_cache_alive():
     # Dead references: the full identity decides. (Not a same-shaped allocation here: the allocator may
     # hand back the freed addresses, and a cache at the same place with the same layout is the same.)
     assert b.needs_bind([torch.zeros(2, 4, 16, 1, 4, dtype=torch.bfloat16) for _ in range(2)])
-
-
-def test_step_metadata_passes_a_step_s_own_host_tensors_through_and_converts_others():
-    seq = torch.tensor([20, 35], dtype=torch.int32)
-    tables = torch.arange(6, dtype=torch.int32).reshape(2, 3)
-    slots = torch.arange(14, dtype=torch.int64)
-    meta = step_metadata_from(StepMetadata(seq, tables, slots), 14, page_size=16)
-    # ceil(35 / 16) = 3 pages: nothing to trim, so the engine's own tensors, no copies
-    assert meta.seq_lens is seq and meta.block_tables is tables and meta.slot_mapping is slots
-    # vLLM's layout: padded for graphs, int64 lengths, a wider table; cut and converted
-    padded = StepMetadata(torch.tensor([20, 35, 0, 0]), torch.arange(16, dtype=torch.int32).reshape(4, 4),
-                          torch.arange(28))
-    meta = step_metadata_from(padded, 14, page_size=16)
-    assert meta.seq_lens.dtype == torch.int32 and meta.seq_lens.tolist() == [20, 35]
-    assert meta.block_tables.tolist() == [[0, 1, 2], [4, 5, 6]] and meta.block_tables.is_contiguous()
-    assert meta.slot_mapping.tolist() == list(range(14))

@@ -1,0 +1,65 @@
+"""The step's attention metadata as the shim reads it from the engine's forward context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dspark_sidecar.client.metadata import step_metadata_from
+from dspark_sidecar.drafter.kv_cache import StepMetadata
+
+
+@dataclass
+class VllmLikeMetadata:
+    """vLLM V1's attention metadata, as far as the shim reads it: padded for a CUDA graph, int64
+    lengths on some backends, and `block_table` as wide as the longest context the engine allows."""
+
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def _padded(device: str = "cpu") -> VllmLikeMetadata:
+    """Two requests of 20 and 35 keys (pages of 16: 2 and 3 pages), padded to 4, 8 table columns."""
+    return VllmLikeMetadata(torch.tensor([20, 35, 0, 0], device=device),
+                            torch.arange(32, dtype=torch.int32, device=device).reshape(4, 8),
+                            torch.arange(28, device=device))
+
+
+def test_a_step_s_own_host_tensors_pass_through_without_copies():
+    seq = torch.tensor([20, 35], dtype=torch.int32)
+    tables = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    slots = torch.arange(14, dtype=torch.int64)
+    meta = step_metadata_from(StepMetadata(seq, tables, slots), 14, page_size=16)
+    # ceil(35 / 16) = 3 pages: nothing to trim, so the engine's own tensors, no copies
+    assert meta.seq_lens is seq and meta.block_tables is tables and meta.slot_mapping is slots
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs a CUDA GPU")])])
+def test_padded_metadata_is_cut_to_the_step_and_converted_on_the_host(device):
+    """vLLM's layout (a dict of per-layer metadata, padded, a wide table), on the host or on the GPU
+    as vLLM's forward context holds it: the step's rows and pages, as contiguous host tensors."""
+    padded = _padded(device)
+    meta = step_metadata_from({"layers.0.attn": padded, "layers.1.attn": padded}, 14, page_size=16)
+    assert meta.seq_lens.is_cpu and meta.block_tables.is_cpu and meta.slot_mapping.is_cpu
+    assert meta.seq_lens.dtype == torch.int32 and meta.seq_lens.tolist() == [20, 35]
+    assert meta.block_tables.tolist() == [[0, 1, 2], [8, 9, 10]] and meta.block_tables.is_contiguous()
+    assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.tolist() == list(range(14))
+
+
+@pytest.mark.parametrize("broken", ["no slots", "too few rows", "flat table", "empty dict"])
+def test_metadata_without_what_the_step_needs_is_refused(broken):
+    m = _padded()
+    if broken == "no slots":
+        m = StepMetadata(m.seq_lens, m.block_table, None)  # type: ignore[arg-type]
+    elif broken == "too few rows":
+        m.seq_lens = m.seq_lens[:1]
+    elif broken == "flat table":
+        m.block_table = m.block_table.flatten()
+    else:
+        m = {}
+    assert step_metadata_from(m, 14, page_size=16) is None
