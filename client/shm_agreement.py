@@ -13,7 +13,6 @@ then the sequence.
 
 from __future__ import annotations
 
-import platform
 import socket
 import time
 from multiprocessing import resource_tracker, shared_memory
@@ -93,5 +92,5 @@ def one_node(group: dist.ProcessGroup | None = None) -> bool:
     """Whether every rank of `group` runs on this host, and the host orders stores as written
     (x86-64, which this page's protocol relies on). Collective: every rank must call it."""
     hosts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, (socket.gethostname(), platform.machine().lower()), group=group)
-    return len(set(hosts)) == 1 and hosts[0][1] in ("x86_64", "amd64")
+    dist.all_gather_object(hosts, (socket.gethostname(), bell.stores_in_order()), group=group)
+    return len(set(hosts)) == 1 and hosts[0][1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import platform
 import select
 import stat
 import sys
@@ -17,6 +18,21 @@ HEADER = 64  # bytes: 8 uint64 words, 6 used
 REQ_SEQ, REQ_LEN, RESP_SEQ, RESP_LEN, ASLEEP, GPU_WORD = range(6)
 GPU_WORD_OFFSET = 8 * GPU_WORD
 SKIP_KEY = 0xFFFFFFFF  # a launch key no engine sends: the sidecar's own store releases a wait for nothing
+
+
+# The doorbell page, the sidecar ranks' rendezvous board and the engine ranks' agreement page each
+# write a message with plain stores and then its sequence number, and trust a reader that sees the
+# number to see the message. That holds where stores become visible in the order written (x86-64),
+# not on weakly ordered hosts (arm64, POWER), where Python has no fence to put between the two: a
+# reader there could act on the previous step's words. Those hosts keep the gRPC stream, gloo, and
+# a TP-1 sidecar (stores_in_order's callers).
+IN_ORDER_MACHINES = ("x86_64", "amd64")
+
+
+def stores_in_order(machine: str | None = None) -> bool:
+    """Whether this host (or `machine`, as platform.machine() names it) shows other processes its
+    stores in program order, which the shared-memory protocols here rely on."""
+    return (platform.machine() if machine is None else machine).lower() in IN_ORDER_MACHINES
 
 
 def gpu_word(seq: int, launch_key: int) -> int:

@@ -7,6 +7,7 @@ import datetime
 import hashlib
 import logging
 import os
+import platform
 import signal
 import sys
 import threading
@@ -27,7 +28,7 @@ from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
 from dspark_sidecar.kernels.weights import prepare_layer_weights
 from dspark_sidecar.proto import SERVICE_NAME
-from dspark_sidecar.proto.doorbell import nap_for
+from dspark_sidecar.proto.doorbell import nap_for, stores_in_order
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.backend import BackendUnavailable, choose_backend, resolve_device
@@ -186,12 +187,16 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
 
 
 def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
+    if world != cfg.tp:
+        raise SystemExit(f"WORLD_SIZE {world} != --tp {cfg.tp}")
+    if world > 1 and not stores_in_order():
+        raise SystemExit(f"--tp {world} on this {platform.machine()} host: the ranks agree on every step through "
+                         "a shared-memory board that relies on stores being seen in the order written (x86-64); "
+                         "this host does not promise that (see proto/doorbell.py)")
     stop = threading.Event()  # set by SIGTERM/SIGINT, at any point of the rank's life
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     _die_with_parent()
-    if world != cfg.tp:
-        raise SystemExit(f"WORLD_SIZE {world} != --tp {cfg.tp}")
     device = resolve_device(cfg, local_rank)
     if device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores; also makes CPU results deterministic

@@ -28,12 +28,15 @@ class HostFacts:
     on_gfx950: bool
     flydsl_available: bool
     tp_size: int
+    stores_in_order: bool = True  # x86-64: the shared-memory doorbell may be attached (proto/doorbell.py)
 
 
 def probe_host(tp_size: int) -> HostFacts:
     from dspark_sidecar.kernels.flydsl.toolchain import flydsl_available, on_gfx950
+    from dspark_sidecar.proto.doorbell import stores_in_order
 
-    return HostFacts(on_gfx950=on_gfx950(), flydsl_available=flydsl_available(), tp_size=tp_size)
+    return HostFacts(on_gfx950=on_gfx950(), flydsl_available=flydsl_available(), tp_size=tp_size,
+                     stores_in_order=stores_in_order())
 
 
 def fast_path_refusal(host: HostFacts, engine: EngineFacts | None) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import logging
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.proto.gpu_word import GpuWordOps
 from dspark_sidecar.proto.memory import MappedMemory
 from dspark_sidecar.server.doorbell import Doorbell
-from dspark_sidecar.server.errors import SidecarError, invalid
+from dspark_sidecar.server.errors import SidecarError, invalid, precondition
 from dspark_sidecar.server.prelaunch import BEHIND_S
 from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
@@ -132,6 +133,10 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def AttachDoorbell(self, request, context):
         self._require_same_node(context)
+        if self.life.host is not None and not self.life.host.stores_in_order:
+            raise precondition(f"the shared-memory doorbell relies on stores being seen in the order written "
+                               f"(x86-64); this host is {platform.machine()}: steps go over the gRPC stream",
+                               "STORE_ORDER")
         if request.page.WhichOneof("kind") != "shm":
             raise invalid("page", "the doorbell page must be POSIX shared memory")
         page = MappedMemory(request.page, "page", torch.device("cpu"))

@@ -1,0 +1,52 @@
+"""Hosts that may show stores out of order refuse the shared-memory protocols that rely on that order."""
+
+from __future__ import annotations
+
+import platform
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto.doorbell import stores_in_order
+from dspark_sidecar.server.app import serve_rank
+from dspark_sidecar.server.config import ServeConfig
+from dspark_sidecar.server.errors import SidecarError
+from dspark_sidecar.server.refusal import HostFacts
+from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
+
+
+@pytest.mark.parametrize("machine,ordered", [("x86_64", True), ("AMD64", True), ("aarch64", False),
+                                             ("arm64", False), ("ppc64le", False), ("riscv64", False)])
+def test_only_x86_64_counts_as_ordering_stores_as_written(machine, ordered):
+    assert stores_in_order(machine) is ordered
+
+
+def _servicer(host: HostFacts) -> DrafterServicer:
+    ctx = SimpleNamespace(rank=0, fast=None, memory=SimpleNamespace(kv=None))
+    return DrafterServicer(ctx, None, Lifecycle(backend="triton", host=host), None, None, "")  # type: ignore[arg-type]
+
+
+def test_the_doorbell_is_refused_on_a_weakly_ordered_host(monkeypatch):
+    """FAILED_PRECONDITION with its own reason, before any memory is mapped: the shim then keeps the
+    gRPC stream (client/shim.py _attach_doorbell), whose socket calls order what each side wrote."""
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    svc = _servicer(HostFacts(False, False, 1, stores_in_order=False))
+    context = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
+    with pytest.raises(SidecarError) as err:
+        svc.AttachDoorbell(pb.AttachDoorbellRequest(), context)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "STORE_ORDER"
+    assert "aarch64" in err.value.message and "gRPC stream" in err.value.message
+    # On an ordered host the same (empty) request gets past that check, to the page's own.
+    with pytest.raises(SidecarError) as err:
+        _servicer(HostFacts(False, False, 1)).AttachDoorbell(pb.AttachDoorbellRequest(), context)
+    assert err.value.reason == "INVALID_FIELD" and "POSIX shared memory" in err.value.message
+
+
+def test_ranks_above_one_refuse_to_start_on_a_weakly_ordered_host(monkeypatch):
+    """The ranks' step rendezvous is a shared-memory board with the same protocol: TP > 1 exits at
+    once with why (before any signal handler, process group or weights); TP 1 has no board to share."""
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    with pytest.raises(SystemExit, match="--tp 2 on this aarch64 host: .*in the order written"):
+        serve_rank(ServeConfig(tp=2), rank=0, world=2, local_rank=0)
