@@ -487,16 +487,18 @@ def test_a_late_peer_is_no_news_a_late_own_word_is(rig, monkeypatch):
     rig.gpu.hold_until = time.perf_counter() + 0.05  # the word is here; the copy starts 50 ms later
     assert _serve(rig, SEQ + 2) is rig.graphs.graph.out and rig.pl.cooldown == 0
     assert rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 3
-    # StepTimings' split of the wait: the word was there at once, the copy started ~50 ms later.
+    # StepTimings' split of the wait: the word was there at once, the copy started ~50 ms later. Each
+    # wait is timed from when the code under test starts waiting, a few ms after the delay's clock
+    # starts here (a 2-core CI host took 1 ms: 48.98 ms), so the bounds are 40 ms, not 50.
     hook = rig.pl.hook(SEQ + 2, _req())
     word_ns, start_ns = hook.waits_ns()
-    assert word_ns < 0.025e9 and start_ns >= 0.05e9
+    assert word_ns < 0.025e9 and start_ns >= 0.04e9
     late = threading.Timer(0.05, lambda: rig.page.words.__setitem__(bell.GPU_WORD, bell.gpu_word(SEQ + 3, KEY)))
     late.start()  # this engine's stream writes its word 50 ms after the ring
     assert _take(rig, SEQ + 3, _req(), rig.a) is rig.graphs.graph.out
     late.join()
     assert rig.pl.cooldown > 0
-    assert rig.pl.word_wait_ns >= 0.05e9 and rig.pl.start_wait_ns >= rig.pl.word_wait_ns
+    assert rig.pl.word_wait_ns >= 0.04e9 and rig.pl.start_wait_ns >= rig.pl.word_wait_ns
 
 
 def _cooldown_step(r, seq, on_time: bool, behind_s: float):
