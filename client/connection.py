@@ -158,6 +158,8 @@ class SidecarConnection:
         """The live step stream, opened on first use and after the previous one ended."""
         assert self.stub is not None
         if self._stream is None or not self._stream.alive:
+            if self._stream is not None:
+                self._stream.close()  # ends its request iterator, whose thread would wait for ever
             self._stream = StepStream(self.stub)
         return self._stream
 

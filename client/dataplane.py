@@ -46,19 +46,23 @@ class StepBuffers:
                  dtype: torch.dtype, device: torch.device, timeout_s: float = 10.0) -> None:
         n = layout.QPR * max_reqs
         self._shm: list = []
-        self.embeds = _alloc((n, hidden), dtype, device, self._shm)
-        self.hidden = _alloc((n, hidden), dtype, device, self._shm)
-        # Metadata lives in host shared memory on every device kind (see module docstring).
-        meta = memory.shm_empty((2 * n * 8 + max_reqs * 4 + max_reqs * max_pages * 4 + 4 * 8,), torch.uint8)  # + alignment
-        self._shm.append(meta)
-        self.meta_bytes = meta.tensor
-        self.max_reqs, self.max_pages, self.dtype, self.device = max_reqs, max_pages, dtype, device
-        regions = [pb.BufferRegion(name=name, memory=memory.export_handle(t), size_bytes=t.numel() * t.element_size())
-                   for name, t in (("inputs_embeds", self.embeds), ("hidden_states", self.hidden),
-                                   ("metadata", self.meta_bytes))]
-        ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions), timeout=timeout_s).region_ids
-        self.embeds_id, self.hidden_id, self.meta_id = ids
         self._layouts: dict[tuple, tuple] = {}
+        self.max_reqs, self.max_pages, self.dtype, self.device = max_reqs, max_pages, dtype, device
+        try:
+            self.embeds = _alloc((n, hidden), dtype, device, self._shm)
+            self.hidden = _alloc((n, hidden), dtype, device, self._shm)
+            # Metadata lives in host shared memory on every device kind (see module docstring).
+            meta = memory.shm_empty((2 * n * 8 + max_reqs * 4 + max_reqs * max_pages * 4 + 4 * 8,), torch.uint8)  # + alignment
+            self._shm.append(meta)
+            self.meta_bytes = meta.tensor
+            regions = [pb.BufferRegion(name=name, memory=memory.export_handle(t), size_bytes=t.numel() * t.element_size())
+                       for name, t in (("inputs_embeds", self.embeds), ("hidden_states", self.hidden),
+                                       ("metadata", self.meta_bytes))]
+            ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions), timeout=timeout_s).region_ids
+        except BaseException:  # refused (an older sidecar, a handle it cannot map), or out of memory: keep nothing
+            self.close()
+            raise
+        self.embeds_id, self.hidden_id, self.meta_id = ids
         self._next_key = 1  # launch keys (sidecar.proto DraftStepRequest.launch_key): never reused
 
     def input_view(self, n: int) -> torch.Tensor:
@@ -145,20 +149,24 @@ class DoorbellChannel:
         # The GPU word (server/prelaunch.py): offered when this process can write it from its stream.
         self._ops = GpuWordOps.load(device) if gpu_word else None
         self._header: RegisteredPage | None = None
-        if self._ops is not None:
-            try:
-                self._header = RegisteredPage(self._ops, self._page.tensor.data_ptr())
-            except GpuWordError:
-                self._ops = None
-        resp = stub.AttachDoorbell(pb.AttachDoorbellRequest(
-            page=memory.export_handle(self._page.tensor), capacity_bytes=capacity,
-            input_event=self.input_event.ipc_handle() if self.input_event is not None else b"",
-            gpu_word=self._header is not None), timeout=timeout_s)
+        self.ringer: bell.Ringer | None = None
+        try:
+            if self._ops is not None:
+                try:
+                    self._header = RegisteredPage(self._ops, self._page.tensor.data_ptr())
+                except GpuWordError:
+                    self._ops = None
+            resp = stub.AttachDoorbell(pb.AttachDoorbellRequest(
+                page=memory.export_handle(self._page.tensor), capacity_bytes=capacity,
+                input_event=self.input_event.ipc_handle() if self.input_event is not None else b"",
+                gpu_word=self._header is not None), timeout=timeout_s)
+            self.output_event = (torch.cuda.Event.from_ipc_handle(device, resp.output_event)
+                                 if device.type == "cuda" else None)
+        except BaseException:  # refused: the page and its GPU registration go now, not at exit
+            self.close()
+            raise
         # Where this end writes the word; 0: the sidecar does not pre-launch, nothing is written.
         self.word_address = self._header.device_ptr + bell.GPU_WORD_OFFSET if resp.gpu_word and self._header else 0
-        self.output_event = (torch.cuda.Event.from_ipc_handle(device, resp.output_event)
-                             if device.type == "cuda" else None)
-        self.ringer: bell.Ringer | None = None
         if resp.wake_fifo:
             try:
                 self.ringer = bell.Ringer(resp.wake_fifo)
@@ -195,15 +203,25 @@ class DoorbellChannel:
             return None
         self.answer_seen_mono_ns = time.monotonic_ns()
         resp = pb.DraftStepResponse.FromString(self.page.read(self.page.resp_area, bell.RESP_LEN))
+        self._after_outputs()
+        return resp
+
+    def settled(self, step_id: int) -> bool:
+        """Whether the last step sent was answered. A late answer (one `wait` gave up on) orders this
+        stream after that step's writes, as `wait` would have: the sidecar answers once the step is
+        launched, and until it has run, the next step's input copy could overwrite what it reads."""
+        if self.page.word(bell.RESP_SEQ) != self._seq:
+            return False
+        self._after_outputs()
+        return True
+
+    def _after_outputs(self) -> None:
+        """Make the engine's current stream wait for the sidecar's "outputs written" event."""
         if self.output_event is not None:
             if self._ops is not None:  # raw handles, as in send (torch's current_stream() builds a Stream object)
                 self._ops.wait_event(_raw_stream(self.device), self.output_event)
             else:
                 torch.cuda.current_stream(self.device).wait_event(self.output_event)
-        return resp
-
-    def settled(self, step_id: int) -> bool:
-        return self.page.word(bell.RESP_SEQ) == self._seq
 
     def close(self) -> None:
         self.alive = False

@@ -28,11 +28,13 @@ class DoorbellTransport:
                  dtype: torch.dtype, device: torch.device, timeout_s: float) -> None:
         assert conn.stub is not None
         self.max_reqs, self.max_pages = max_reqs, max_pages
-        self.buffers = StepBuffers(conn.stub, hidden, max_reqs, max_pages, dtype, device, timeout_s)
+        # The doorbell first: a sidecar that refuses it (an older one, a host without x86-64 store
+        # order) is then left with no buffers registered, which it would keep mapped until it exits.
+        self.bell = DoorbellChannel(conn.stub, device, timeout_s=timeout_s)
         try:
-            self.bell = DoorbellChannel(conn.stub, device, timeout_s=timeout_s)
+            self.buffers = StepBuffers(conn.stub, hidden, max_reqs, max_pages, dtype, device, timeout_s)
         except BaseException:
-            self.buffers.close()
+            self.bell.close()
             raise
         self.liveness: StepStream = conn.stream()
         self._view: torch.Tensor | None = None

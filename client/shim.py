@@ -104,6 +104,7 @@ class DrafterShim:
         self._max_reqs = config.max_reqs  # replicated: changed only from agreed values
         self._next_step = 1  # replicated: advanced only on agreed steps
         self._unsettled: tuple[Any, int] | None = None  # (stream, step id) of a step not yet answered
+        self._drop_pending = False  # _drop_link asked for while a step was unsettled: done once it settles
         self.fault_hook: Callable[[int], None] | None = None  # tests: called just before a step is sent
         self.refusal = config_refusal(config)
         self.enabled = self.refusal is None
@@ -209,6 +210,8 @@ class DrafterShim:
                 return False, UNSETTLED, False
             self._unsettled = None
             log.info("sidecar rank %d: late step %d settled", self.rank, step_id)
+            if self._drop_pending:
+                self._drop_link()  # asked for while the step was unsettled; the link reopens below
         if not layers:
             return False, NO_KV, False
         if not self.breaker.allow():
@@ -365,6 +368,7 @@ class DrafterShim:
         """An unexpected error between the agreements: counted against the breaker, logged with its trace once."""
         key = f"shim error in {where}: {type(e).__name__}"
         if key not in self._logged:
+            self._logged.add(key)
             log.exception("DSpark drafter shim: %s (this step and later ones fall back while it repeats)", key)
         self.breaker.record_failure(key)
         return key
@@ -393,11 +397,19 @@ class DrafterShim:
             except grpc.RpcError as e:
                 log.info("UnbindKV: %s (the sidecar drops the binding when it restarts anyway)", e.code().name)
         self.binder.invalidate()
-        if self._unsettled is None:
-            self._drop_link()
+        self._drop_link()
 
     def _drop_link(self) -> None:
-        """Close the data plane and the channel; the next step reconnects (and re-reads the status)."""
+        """Close the data plane and the channel; the next step reconnects (and re-reads the status).
+
+        Not while a step is unsettled: its transport is the only thing that can tell when the sidecar
+        is done with it (a closed doorbell page has no sequence word left to read, and a cancelled
+        stream would read as settled while the sidecar may still write that step's K/V). The drop
+        then waits for the step to settle (`_prepare`)."""
+        if self._unsettled is not None:
+            self._drop_pending = True
+            return
+        self._drop_pending = False
         if self.doorbell is not None:
             self.doorbell.close()
             self.doorbell = None
@@ -405,6 +417,7 @@ class DrafterShim:
         self.connection.close()
 
     def close(self) -> None:
-        """The engine is about to free or reuse its KV cache: release the binding and the link."""
+        """The engine is about to free or reuse its KV cache: release the binding and the link (a step
+        still unsettled keeps its link until it settles: see _drop_link)."""
         self._release()
         self._drop_link()

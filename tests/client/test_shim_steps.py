@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from google.rpc import code_pb2
@@ -11,6 +13,8 @@ from dspark_sidecar.client.config import EngineConfig, EngineConfigError, config
 from dspark_sidecar.client.forward_context import set_forward_context
 from dspark_sidecar.client.shim import DrafterShim
 from dspark_sidecar.drafter.parallel import ParallelContext
+from dspark_sidecar.proto import doorbell as bell
+from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import (
     FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs,
 )
@@ -26,7 +30,8 @@ def fake():
 def make_shim(endpoint: str, kv: list | None = None, **cfg) -> tuple[DrafterShim, FakeModel, list]:
     kv = shm_kv_cache() if kv is None else kv
     cfg.setdefault("tp_size", 4)
-    config = EngineConfig(endpoint=endpoint, step_deadline_s=2.0, **cfg)
+    cfg.setdefault("step_deadline_s", 2.0)
+    config = EngineConfig(endpoint=endpoint, **cfg)
     model = FakeModel()
     # rank 0 of a TP-4 engine, but the agreement is local: the other ranks are not simulated here.
     shim = DrafterShim(config, model, lambda: [s.tensor for s in kv], ParallelContext(0, 1))
@@ -245,3 +250,109 @@ def test_doorbell_transport_refused_by_the_sidecar_falls_back_to_the_stream(fake
     assert shim.stats.forwarded == 1 and shim.stats.via_doorbell == 0
     with pytest.raises(EngineConfigError, match="transport"):
         EngineConfig(tp_size=4, transport="carrier-pigeon")
+
+
+class _DoorbellNeverAnswered(FakeSidecar):
+    """Takes the data plane, then never answers a ring (a wedged sidecar rank)."""
+
+    def RegisterBuffers(self, request, context):
+        self.calls["RegisterBuffers"] += 1
+        return pb.RegisterBuffersResponse(region_ids=[1, 2, 3])
+
+    def AttachDoorbell(self, request, context):
+        self.calls["AttachDoorbell"] += 1
+        return pb.AttachDoorbellResponse()
+
+
+def _unsettled_step(shim: DrafterShim, ids, pos) -> None:
+    assert shim.maybe_forward(ids, pos) is None
+    assert shim._unsettled is not None and shim.stats.fallbacks[S.DEADLINE] == 1
+
+
+def test_an_unsettled_stream_step_keeps_its_link_through_close_until_its_answer(fake):
+    """close() (the engine frees its cache) while a step is past its deadline and grace: cancelling the
+    stream would read as settled, and forwarding would resume while the sidecar may still write that
+    step's K/V. The link stays until the answer comes; then it is dropped and opened again."""
+    shim, model, _ = make_shim(fake.endpoint, step_deadline_s=0.2, late_grace_s=0.2)
+    ids, pos, meta = step_inputs(2)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is not None
+        fake.sidecar.step_delay_s[shim._next_step] = 1.2  # past deadline + grace
+        _unsettled_step(shim, ids, pos)
+        opens = shim.connection.opens
+        shim.close()
+        assert shim.maybe_forward(ids, pos) is None and shim.stats.fallbacks[S.UNSETTLED] == 1
+        assert shim.connection.is_open and shim.connection.opens == opens
+        deadline = time.monotonic() + 10
+        while shim.maybe_forward(ids, pos) is None:  # the answer lands; the link is dropped and opened again
+            assert time.monotonic() < deadline, dict(shim.stats.fallbacks)
+            time.sleep(0.05)
+    assert shim._unsettled is None and shim.connection.opens == opens + 1
+    assert not [k for k in shim.stats.fallbacks if k.startswith("shim error")], dict(shim.stats.fallbacks)
+
+
+def test_an_unsettled_doorbell_step_survives_a_dropped_link_and_settles_on_its_answer(tmp_path):
+    """A doorbell step unanswered past deadline and grace, then close(): the doorbell page stays mapped
+    (closed, its sequence word could never be read again, and the rank would stay not ready for good),
+    and the step settles once the answer's sequence lands, ordering the engine's stream after that
+    step's writes (the sidecar answers at launch: its kernels may still read the input region)."""
+    server = FakeServer(_DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, _, _ = make_shim(server.endpoint, transport="doorbell", step_deadline_s=0.2, late_grace_s=0.2)
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            _unsettled_step(shim, ids, pos)
+            channel = shim.doorbell.bell
+            shim.close()
+            assert shim.maybe_forward(ids, pos) is None and shim.stats.fallbacks[S.UNSETTLED] == 1
+            assert shim.doorbell is not None and channel.page.words is not None
+            ordered = []  # settling orders the engine's stream after the late step's writes (a GPU's event)
+            channel._after_outputs = lambda: ordered.append(True)
+            assert not channel.settled(0) and ordered == []
+            channel.page.words[bell.RESP_SEQ] = channel._seq  # the late answer's sequence
+            assert channel.settled(0) and ordered == [True]
+            assert shim.maybe_forward(ids, pos) is None  # settled: a new link, and this step unanswered again
+        assert shim.doorbell is not None and shim.doorbell.bell is not channel and channel.page.words is None
+        assert shim.stats.fallbacks[S.DEADLINE] == 2 and server.sidecar.calls["AttachDoorbell"] == 2
+        assert not [k for k in shim.stats.fallbacks if k.startswith("shim error")], dict(shim.stats.fallbacks)
+        shim._unsettled = None  # let close() drop this test's link
+        shim.close()
+    finally:
+        server.stop()
+
+
+def test_a_refused_data_plane_leaves_no_shared_memory_behind(fake):
+    """A sidecar without the data plane (here: UNIMPLEMENTED) is asked again at every reconnect; each
+    refused attempt releases its doorbell page and buffers at once, not at process exit."""
+    import os
+
+    shim, _, _ = make_shim(fake.endpoint, transport="doorbell")
+    ids, pos, meta = step_inputs(2)
+    before = set(os.listdir("/dev/shm"))
+    with set_forward_context(meta):
+        for _ in range(5):
+            assert shim.maybe_forward(ids, pos) is not None  # over the stream
+            shim._drop_link()  # as after a broken stream: the next step reconnects and asks again
+    assert fake.sidecar.calls["GetStatus"] >= 5
+    assert set(os.listdir("/dev/shm")) - before == set()
+    shim.close()
+
+
+def test_a_stream_that_ended_is_closed_when_it_is_replaced(fake):
+    """Its request iterator waits on a queue until it is told to stop: a replaced stream left open
+    would keep that thread (one per reconnect) for the life of the engine."""
+    from dspark_sidecar.client.connection import SidecarConnection
+
+    conn = SidecarConnection(fake.endpoint)
+    conn.open(5.0)
+    first = conn.stream()
+    first._call.cancel()  # the stream ends from the transport's side, as when the sidecar goes away
+    deadline = time.monotonic() + 5
+    while first.alive:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    closed = []
+    first.close = lambda: closed.append(True)  # type: ignore[method-assign]
+    second = conn.stream()
+    assert second is not first and second.alive and closed == [True]
+    conn.close()
