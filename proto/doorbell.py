@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 HEADER = 64  # bytes: 8 uint64 words, 6 used
+MIN_CAPACITY = 4096  # bytes per direction: room for any error answer (its message and the step's timings)
 REQ_SEQ, REQ_LEN, RESP_SEQ, RESP_LEN, ASLEEP, GPU_WORD = range(6)
 GPU_WORD_OFFSET = 8 * GPU_WORD
 SKIP_KEY = 0xFFFFFFFF  # a launch key no engine sends: the sidecar's own store releases a wait for nothing

@@ -129,12 +129,18 @@ class MappedMemory:
         extent = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0)
         if extent * item > self.nbytes:
             raise HandleError(f"{field}: view needs {extent * item} bytes, mapping has {self.nbytes}")
+        if self.storage.storage_offset() % item:
+            raise HandleError(f"{field}: the region starts {self.storage.storage_offset()} bytes into its memory, "
+                              f"not aligned for {item}-byte {dtype}")
         if self.nbytes % item:
             base = self.storage[: self.nbytes - self.nbytes % item]
         else:
             base = self.storage
-        typed = base.view(dtype)
-        return typed.as_strided(shape, stride, typed.storage_offset() + offset)
+        try:
+            typed = base.view(dtype)
+            return typed.as_strided(shape, stride, typed.storage_offset() + offset)
+        except RuntimeError as err:  # whatever torch still refuses: the request's fault, not the rank's
+            raise HandleError(f"{field}: {err}") from None
 
     def close(self) -> None:
         self.storage = None  # type: ignore[assignment]

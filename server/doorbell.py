@@ -46,6 +46,9 @@ class Doorbell(threading.Thread):
                  input_event: bytes, wake_path: str | None = None, word_ops: GpuWordOps | None = None,
                  window: int = 0, behind_s: float = BEHIND_S) -> None:
         super().__init__(name="dspark-doorbell", daemon=True)
+        if capacity < bell.MIN_CAPACITY:
+            raise invalid("capacity_bytes", f"{capacity} is below the {bell.MIN_CAPACITY} bytes an answer may need "
+                                            "(an error's message, the step's timings)")
         try:
             self.page = bell.Page(page.storage.numpy(), capacity)
         except ValueError as err:
@@ -123,8 +126,11 @@ class Doorbell(threading.Thread):
             except Exception as exc:  # noqa: BLE001  (the engine always gets an answer: it falls back)
                 log.exception("doorbell: step could not be served")
                 resp = pb.DraftStepResponse(error=pb.StepError(
-                    code=13, message=f"internal error: {type(exc).__name__}: {exc}", reason="INTERNAL"))
-                self._publish(seq, resp)
+                    code=13, message=f"internal error: {type(exc).__name__}: {exc}"[:1000], reason="INTERNAL"))
+                try:
+                    self._publish(seq, resp)
+                except Exception:  # noqa: BLE001  (this thread must live on: the engine times out this step)
+                    log.exception("doorbell: the error answer to step %d could not be published either", seq)
             if self.prelaunch is not None:  # after the answer is out: queue the next step
                 self._queue_next(seq, resp)
             self._last = seq

@@ -160,8 +160,11 @@ class MemoryBindings:
         item = torch.empty((), dtype=dtype).element_size()
         if region.offset_bytes % item:
             raise ValueError(f"{field}: offset {region.offset_bytes} not aligned to {item}-byte {dtype}")
-        stride = torch.empty(shape, device="meta").stride() if shape else ()
-        return m.view(dtype, shape, stride, region.offset_bytes // item, field)  # HandleError is a ValueError
+        stride, size = [], 1
+        for n in reversed(shape):  # contiguous, in Python ints: any shape a request names, however large
+            stride.append(size)
+            size *= n
+        return m.view(dtype, shape, tuple(reversed(stride)), region.offset_bytes // item, field)  # HandleError is a ValueError
 
     def close(self) -> None:
         self._views.clear()

@@ -172,7 +172,8 @@ class RankLoop:
             if ctx.refusal is not None:
                 raise precondition(f"fast path refused: {ctx.refusal} (--strict-refusal)", "REFUSED")
             # A doorbell step's index checks wait for the offer below.
-            step = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs, indices=prelaunched is None)
+            step = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs, indices=prelaunched is None,
+                                 out_dtype=ctx.model.dtype)
         except SidecarError as err:
             own_error = err
         t_valid = time.perf_counter_ns()

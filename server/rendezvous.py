@@ -41,6 +41,12 @@ FAST, QUEUED, QUEUE_NEXT = 1, 2, 4
 MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE = range(1, 8)
 
 
+def _word(value: int) -> int:
+    """A uint64 request field (step_id, binding_generation) as the int64 word with its bits: every rank
+    maps the same value to the same word, and any value fits (an engine may send up to 2^64 - 1)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 @dataclass(frozen=True)
 class Post:
     step_id: int
@@ -161,8 +167,8 @@ class Rendezvous:
         self._seq += 2
         seq = self._seq
         slot[0] = seq - 1  # seqlock: writing
-        slot[1:8] = (post.step_id, post.generation, post.num_reqs, int(post.valid), post.digest, post.expires_ns,
-                     post.offers)
+        slot[1:8] = (_word(post.step_id), _word(post.generation), post.num_reqs, int(post.valid), post.digest,
+                     post.expires_ns, post.offers)
         slot[0] = seq
         col = 7 + self.rank
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s

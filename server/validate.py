@@ -72,11 +72,13 @@ def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: to
 
 
 def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, max_reqs: int,
-                  indices: bool = True) -> Step:
+                  indices: bool = True, out_dtype: torch.dtype | None = None) -> Step:
     """All checks of issue 3's bad-input list, cheapest first; raises SidecarError naming the field.
 
     indices=False leaves out the index checks (check_indices): the rank loop runs them only when a
-    pre-launched copy of the step has not passed the same checks on the GPU (server/rank.py)."""
+    pre-launched copy of the step has not passed the same checks on the GPU (server/rank.py).
+    out_dtype: the hidden states' dtype, to check an output region slice before the step runs
+    (found after it, the step would have written its K/V for an answer that is an error)."""
     R = req.num_requests
     if not 1 <= R <= max_reqs:
         raise out_of_range("num_requests", f"{R} outside 1..{max_reqs} (this sidecar's --max-reqs)")
@@ -98,6 +100,11 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     if ids is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size):
         raise out_of_range("input_ids", f"ids must be in [0, {cfg.vocab_size})")
     output = req.output if req.HasField("output") else None
+    if output is not None and out_dtype is not None:
+        try:
+            mem.resolve(output, out_dtype, (layout.QPR * R, cfg.hidden_size), "output")
+        except ValueError as err:
+            raise invalid("output", str(err).split(": ", 1)[-1]) from None
     step = Step(req.step_id, R, positions, embeds, ids, meta, kv, output, host, key is not None)
     if indices:
         check_indices(step)
@@ -181,7 +188,10 @@ def _indices_ok(h: HostMeta, ps: int, pages: int) -> bool:
         return False
     cols, base = _grid(R, width)
     ids = tab.view(np.uint32)  # a negative id is huge: one compare covers both bounds
-    if ids.max() >= pages and np.where(cols < (L[:, None] + (ps - 1)) // ps, ids, 0).max() >= pages:
+    # Pages each row uses, in int64: L + ps - 1 in L's int32 wraps negative near 2^31, and a row
+    # would then check none of its pages (the slot equality below only ties slots to the table).
+    used = np.add(L[:, None], ps - 1, dtype=np.int64) // ps
+    if ids.max() >= pages and np.where(cols < used, ids, 0).max() >= pages:
         return False
     page, off = np.divmod(P, ps)
     return bool((np.multiply(tab.reshape(-1).take(base + page), ps, dtype=np.int64) + off == S).all())

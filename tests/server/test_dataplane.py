@@ -163,3 +163,25 @@ def test_the_engine_orders_its_stream_after_the_answer_through_the_driver(tmp_pa
         _, resp, _ = _ring(bufs, bell, eng.bindings[0], 300, step)
         assert resp is not None and resp.HasField("hidden_states"), resp
         assert ops.calls == [("record", None, 0xABC), ("wait_event", 0xABC, answered)]
+
+
+def test_a_bad_output_slice_is_refused_before_the_step_writes_its_kv(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
+    """An output slice in no registered region used to be found only after the step ran: the engine's
+    cache held the step's K/V for an answer that was an error. It is now checked with the request."""
+    lens = [5, 40]
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens) + 2
+    with _tp1_data_plane(tmp_path, tiny_cfg, tiny_ckpt, pages, 4) as (_, eng, bufs, bell):
+        step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=5)
+        before = [t.clone() for t in eng.kv_tensors(0)]
+        bid, gen = eng.bindings[0]
+        req = pb.DraftStepRequest(step_id=1, binding_id=bid, binding_generation=gen, num_requests=len(lens))
+        bufs.fill(req, step.inputs_embeds, step.positions, step.meta)
+        req.output.CopyFrom(pb.RegionSlice(region_id=999))  # after fill, whose layout names the real one
+        bell.send(req)
+        resp = bell.wait(1, 30.0)
+        assert resp is not None and resp.WhichOneof("result") == "error", resp
+        assert resp.error.code == 3 and resp.error.field == "output" and "not registered" in resp.error.message
+        assert all(torch.equal(a, b) for a, b in zip(before, eng.kv_tensors(0)))  # no K/V written
+        _, resp, _ = _ring(bufs, bell, eng.bindings[0], 2, step)  # the rank serves on
+        assert resp is not None and resp.HasField("hidden_states"), resp
+        assert not all(torch.equal(a, b) for a, b in zip(before, eng.kv_tensors(0)))

@@ -37,6 +37,7 @@ def agree_all(rdv, posts: dict[int, Post]):
     ts = [threading.Thread(target=one, args=(r,)) for r in posts]
     [t.start() for t in ts]
     [t.join(timeout=10) for t in ts]
+    assert sorted(out) == sorted(posts), "a rank's agree() raised or hung"  # else all(...) on the rest passes
     return out
 
 
@@ -109,3 +110,13 @@ def test_missing_rank_aborts_the_others_within_the_deadline(ranks):
     # the late copy cannot launch alone either
     late = agree_all(ranks, {3: Post(7, 1, 3, 99, True)})
     assert not late[3][0].go
+
+
+def test_step_ids_and_generations_past_2_63_are_agreed_like_any_other(ranks):
+    """Both are uint64 in the proto and the board holds int64 words: a value past 2^63 used to raise
+    in agree(), which the rank loop takes for a failed launch, and the whole group exited."""
+    big, gen = (1 << 64) - 1, 1 << 63
+    out = agree_all(ranks, {r: Post(big, gen, 3, 99, True) for r in range(WORLD)})
+    assert all(v.go for v, _ in out.values())
+    out = agree_all(ranks, {r: Post(big - (r == 1), gen, 3, 99, True) for r in range(WORLD)})
+    assert all(not v.go and "step" in v.reason for v, _ in out.values())

@@ -117,3 +117,22 @@ def test_host_views_alias_the_tensors():
     pos[0] = 999
     meta.block_tables[0, 0] = 5
     assert h.positions[0, 0] == 999 and h.tables[0, 0] == 5
+
+
+def test_a_sequence_length_near_2_31_still_checks_every_page_it_uses():
+    """L + page_size - 1 in int32 wrapped negative, so a row checked none of its pages: a table entry
+    far past the cache, with the slot that matches it, passed the host check (on a GPU the K/V write
+    would have landed outside the cache)."""
+    import numpy as np
+
+    ps, pages, width = 1 << 20, 2, 2048
+    L = np.array([2**31 - 1], dtype=np.int32)
+    tab = np.zeros((1, width), dtype=np.int32)
+    tab[0, -1] = 1000  # the page of the block's rows, far past the 2-page cache
+    P = L.astype(np.int64)[:, None] + np.arange(7) - 7
+    S = tab[0, P // ps].astype(np.int64) * ps + P % ps
+    h = host_meta(torch.from_numpy(P.reshape(-1)), StepMetadata(torch.from_numpy(L), torch.from_numpy(tab),
+                                                                 torch.from_numpy(S.reshape(-1))))
+    assert not _indices_ok(h, ps, pages)
+    with pytest.raises(SidecarError, match="block_tables\\[0\\]\\[2047\\] = 1000 outside"):
+        _diagnose(h, ps, pages)

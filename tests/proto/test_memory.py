@@ -1,0 +1,47 @@
+"""Mapping the engine's memory on the sidecar: views a request names are bounds- and alignment-checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_sidecar.drafter.config import load_config
+from dspark_sidecar.proto import memory
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.server.kv_binding import MemoryBindings
+
+
+@pytest.fixture
+def segment():
+    held = memory.shm_empty((4096,), torch.uint8)
+    yield held
+    held.close()
+
+
+def test_a_region_that_starts_misaligned_for_the_dtype_is_refused_not_fatal(segment):
+    """torch's view(dtype) raised RuntimeError for a storage offset the dtype does not divide, which the
+    rank loop takes for a failed launch (the whole group exits). It is a bad request: HandleError."""
+    handle = memory.export_handle(segment.tensor)
+    handle.shm.offset_bytes = 4
+    m = memory.MappedMemory(handle, "regions[0].memory", torch.device("cpu"))
+    try:
+        assert m.view(torch.int32, (4,), (1,), 0, "positions").numel() == 4  # 4-byte aligned: fine
+        with pytest.raises(memory.HandleError, match="positions: the region starts 4 bytes into its memory"):
+            m.view(torch.int64, (2,), (1,), 0, "positions")
+    finally:
+        m.close()
+
+
+def test_a_region_slice_of_any_size_is_checked_against_the_mapping(segment):
+    """A block_tables slice's second dimension is the one size no expected shape bounds: [1, 2^62]
+    made torch's stride computation overflow (RuntimeError) before the bounds check could refuse it."""
+    mem = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    try:
+        (rid,) = mem.register(pb.RegisterBuffersRequest(regions=[pb.BufferRegion(
+            name="metadata", memory=memory.export_handle(segment.tensor), size_bytes=4096)]))
+        ok = mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=0), torch.int32, (2, 8), "block_tables")
+        assert ok.shape == (2, 8) and ok.stride() == (8, 1)
+        with pytest.raises(ValueError, match="block_tables: view needs"):
+            mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=0), torch.int32, (1, 1 << 62), "block_tables")
+    finally:
+        mem.close()
