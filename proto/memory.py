@@ -124,6 +124,8 @@ class MappedMemory:
              offset: int, field: str) -> torch.Tensor:
         """The tensor at element `offset` with the given shape/stride; bounds checked against the mapping."""
         item = torch.empty((), dtype=dtype).element_size()
+        if len(stride) != len(shape):
+            raise HandleError(f"{field}: {len(stride)} strides for {len(shape)} dimensions")
         if any(s < 0 for s in shape) or any(s < 0 for s in stride) or offset < 0:
             raise HandleError(f"{field}: negative shape, stride or offset")
         extent = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0)

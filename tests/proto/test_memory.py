@@ -45,3 +45,14 @@ def test_a_region_slice_of_any_size_is_checked_against_the_mapping(segment):
             mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=0), torch.int32, (1, 1 << 62), "block_tables")
     finally:
         mem.close()
+
+
+def test_strides_that_do_not_match_the_shape_are_named(segment):
+    """BindKV's layer strides: one per dimension, else INVALID_ARGUMENT naming the layer (it came back
+    as INTERNAL from torch's as_strided)."""
+    m = memory.MappedMemory(memory.export_handle(segment.tensor), "layers[0].memory", torch.device("cpu"))
+    try:
+        with pytest.raises(memory.HandleError, match="layers\\[0\\]: 1 strides for 2 dimensions"):
+            m.view(torch.float32, (2, 4), (1,), 0, "layers[0]")
+    finally:
+        m.close()
