@@ -6,6 +6,7 @@ import functools
 import ipaddress
 import logging
 import platform
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self.run_dir = run_dir  # where doorbell wake FIFOs go (the socket folder); None: polling only
         self.doorbell: Doorbell | None = None
         self._attached = 0
+        self._attach_lock = threading.Lock()
         listeners = getattr(ctx.fast, "listeners", None)
         if listeners is not None:  # the fast path's verdict on a binding changes what health says
             listeners.append(self._fast_path_changed)
@@ -139,20 +141,24 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                                "STORE_ORDER")
         if request.page.WhichOneof("kind") != "shm":
             raise invalid("page", "the doorbell page must be POSIX shared memory")
-        page = MappedMemory(request.page, "page", torch.device("cpu"))
-        self._attached += 1
-        wake = str(self.run_dir / f"rank{self.ctx.rank}.wake{self._attached}") if self.run_dir else None
-        try:
-            bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event,
-                            wake, self._gpu_word_ops if request.gpu_word else None, self.ctx.cfg.sliding_window,
-                            self.prelaunch_behind_s)
-        except BaseException:
-            page.close()
-            raise
-        if self.doorbell is not None:
-            self.doorbell.stop()
-        self.doorbell = bell
-        bell.start()
+        with self._attach_lock:  # one doorbell per rank: two attaching at once would leave one running unseen
+            page = MappedMemory(request.page, "page", torch.device("cpu"))
+            self._attached += 1
+            wake = str(self.run_dir / f"rank{self.ctx.rank}.wake{self._attached}") if self.run_dir else None
+            try:
+                bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event,
+                                wake, self._gpu_word_ops if request.gpu_word else None, self.ctx.cfg.sliding_window,
+                                self.prelaunch_behind_s)
+            except BaseException:
+                page.close()  # a refused request leaves the attached doorbell as it was
+                raise
+            old, self.doorbell = self.doorbell, bell
+            if old is not None:
+                try:
+                    old.stop()
+                except Exception:  # noqa: BLE001  (it is halted: the new one must start all the same)
+                    log.exception("rank %d: the replaced doorbell did not close cleanly", self.ctx.rank)
+            bell.start()
         return pb.AttachDoorbellResponse(output_event=bell.output_event_handle(), wake_fifo=bell.wake_fifo,
                                          gpu_word=bell.prelaunch is not None)
 

@@ -115,3 +115,44 @@ def test_the_doorbell_thread_outlives_a_failed_step_and_a_failed_error_answer(mo
         assert db.is_alive()
     finally:
         db.stop()
+
+
+def test_attaching_a_doorbell_replaces_the_last_one_even_when_it_does_not_close_cleanly():
+    """One doorbell per rank, attached one at a time: the replaced one is stopped (its failure to close
+    is logged), the new one runs, and concurrent attaches end with exactly one running."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.proto import memory
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
+
+    ctx = SimpleNamespace(rank=0, fast=None, memory=SimpleNamespace(kv=None),
+                          model=SimpleNamespace(device=torch.device("cpu")), cfg=SimpleNamespace(sliding_window=64))
+    svc = DrafterServicer(ctx, _Loop(), Lifecycle(), None, None, "")  # type: ignore[arg-type]
+    context = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
+    pages = [memory.shm_empty((bell.HEADER + 2 * CAPACITY,), torch.uint8) for _ in range(6)]
+    try:
+        def attach(i):
+            svc.AttachDoorbell(pb.AttachDoorbellRequest(page=memory.export_handle(pages[i].tensor),
+                                                        capacity_bytes=CAPACITY), context)
+
+        attach(0)
+        first = svc.doorbell
+
+        def failing_stop():
+            Doorbell.stop(first)
+            raise BufferError("cannot close a memoryview in use")
+
+        first.stop = failing_stop
+        attach(1)
+        assert svc.doorbell is not first and svc.doorbell.is_alive() and not first.is_alive()
+        ts = [threading.Thread(target=attach, args=(i,)) for i in range(2, 6)]
+        [t.start() for t in ts]
+        [t.join(timeout=30) for t in ts]
+        running = [t for t in threading.enumerate() if t.name == "dspark-doorbell" and t.is_alive()]
+        assert running == [svc.doorbell]
+    finally:
+        if svc.doorbell is not None:
+            svc.doorbell.stop()
+        for p in pages:
+            p.close()
