@@ -57,7 +57,7 @@ from dspark_sidecar.kernels.weights import prepare_layer_weights
 from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
-from dspark_sidecar.server.config import MAX_LAUNCH_STREAMS
+from dspark_sidecar.server.config import BACKENDS, MAX_LAUNCH_STREAMS
 
 MODES = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
 NAMES = {"a": "reference eager", "b": "reference graphed", "c": "GPU backend graphed",
@@ -66,6 +66,10 @@ NAMES = {"a": "reference eager", "b": "reference graphed", "c": "GPU backend gra
 PIPELINE = 10  # mode f: steps per timed batch, the engine's host never waiting for the GPU between them
 GRAPHABLE_REFERENCE = dataclasses.replace(REFERENCE_OPS, name="reference-static",
                                           paged_window_attention=reference.paged_window_attention_static)
+
+
+class BenchConfigError(ValueError):
+    """A bench option out of its range, named by its flag."""
 
 
 @dataclass(frozen=True)
@@ -92,15 +96,23 @@ class BenchConfig:
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
-            raise ValueError(f"--modes: {bad or 'none given'}; choose from {''.join(MODES)} (e.g. 'acd' or 'a,c,d')")
+            raise BenchConfigError(f"--modes: {bad or 'none given'}; choose from {''.join(MODES)} (e.g. 'acd' or 'a,c,d')")
         if self.weights not in ("bf16", "mxfp8"):
-            raise ValueError(f"--weights: bf16 or mxfp8, got {self.weights!r}")
+            raise BenchConfigError(f"--weights: bf16 or mxfp8, got {self.weights!r}")
         if self.shim_inputs not in ("host", "device"):
-            raise ValueError(f"--shim-inputs: host or device, got {self.shim_inputs!r}")
+            raise BenchConfigError(f"--shim-inputs: host or device, got {self.shim_inputs!r}")
         if not 0 < self.lead_ms <= 1000:
-            raise ValueError(f"--lead-ms: above 0 and at most 1000, got {self.lead_ms}")
+            raise BenchConfigError(f"--lead-ms: above 0 and at most 1000, got {self.lead_ms}")
         if not 0 <= self.launch_streams <= MAX_LAUNCH_STREAMS:
-            raise ValueError(f"--launch-streams: 0..{MAX_LAUNCH_STREAMS}, got {self.launch_streams}")
+            raise BenchConfigError(f"--launch-streams: 0..{MAX_LAUNCH_STREAMS}, got {self.launch_streams}")
+        if not self.reqs or not all(1 <= r <= layout.MAX_REQS_LIMIT for r in self.reqs):
+            raise BenchConfigError(f"--reqs: request counts in 1..{layout.MAX_REQS_LIMIT}, got {list(self.reqs)}")
+        if not self.contexts or min(self.contexts) < 1:
+            raise BenchConfigError(f"--contexts: context lengths of at least 1, got {list(self.contexts)}")
+        if self.repeats < 1:
+            raise BenchConfigError(f"--repeats: at least 1, got {self.repeats}")
+        if self.sidecar_backend not in BACKENDS:
+            raise BenchConfigError(f"--sidecar-backend: one of {BACKENDS}, got {self.sidecar_backend!r}")
 
 
 class Case:

@@ -12,14 +12,34 @@ from pathlib import Path
 ENV_PREFIX = "DSPARK_"
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+class UsageError(ValueError):
+    """A flag or environment value that cannot be used: printed as one line, exit status 2."""
+
+
 def _env(dest: str, default, kind=str):
     """A flag's default: DSPARK_<DEST> from the environment when set, else the built-in default."""
-    raw = os.environ.get(ENV_PREFIX + dest.upper())
+    name = ENV_PREFIX + dest.upper()
+    raw = os.environ.get(name)
     if raw is None:
         return default
     if kind is bool:
-        return raw.lower() in ("1", "true", "yes", "on")
-    return kind(raw)
+        if raw.lower() not in _TRUE + _FALSE:
+            raise UsageError(f"{name}={raw!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
+        return raw.lower() in _TRUE
+    try:
+        return kind(raw)
+    except ValueError:
+        raise UsageError(f"{name}={raw!r}: expected {'an integer' if kind is int else 'a number' if kind is float else kind.__name__}") from None
+
+
+def _log_level() -> str:
+    level = os.environ.get("DSPARK_LOG_LEVEL", "INFO").upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise UsageError(f"DSPARK_LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return level
 
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
@@ -87,7 +107,11 @@ def serve_config(a: argparse.Namespace):
 
 
 def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
+    from dspark_sidecar.drafter.config import load_config
+
     cfg = serve_config(a)
+    # Preset, checkpoint config and TP checked here, once: in the ranks each would print its own traceback.
+    load_config(cfg.preset, cfg.checkpoint).check_tp(cfg.shard_of or cfg.tp)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun or our own launcher
         from dspark_sidecar.server.app import serve_rank
 
@@ -120,6 +144,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     from dspark_sidecar.proto import sidecar_pb2 as pb
     from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
+    if a.tp < 1:
+        raise UsageError(f"--tp: must be at least 1, got {a.tp}")
     rc = 0
     for r in range(a.tp):
         path = a.socket_dir / f"rank{r}.sock"
@@ -188,8 +214,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from dspark_sidecar.bench import BenchConfig, run_bench
 
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
-    ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
-    bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints(a.reqs), contexts=ints(a.contexts),
+    def ints(flag: str, text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise UsageError(f"{flag}: comma-separated integers, got {text!r}") from None
+
+    bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints("--reqs", a.reqs), contexts=ints("--contexts", a.contexts),
                      modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch,
                      engine_copy=a.engine_copy, launch_streams=a.launch_streams, lead_ms=a.lead_ms,
@@ -210,8 +241,30 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; a flag, environment value, config or checkpoint that cannot be used is one line and exit 2."""
+    try:
+        return _main(argv)
+    except Exception as err:
+        if not isinstance(err, _usage_errors()):
+            raise
+        print(f"dspark-sidecar: {err}", file=sys.stderr)
+        return 2
+
+
+def _usage_errors() -> tuple[type, ...]:
+    """The errors that name a flag, variable, config field or checkpoint tensor (imported only when needed)."""
+    from dspark_sidecar.bench import BenchConfigError
+    from dspark_sidecar.client.config import EngineConfigError
+    from dspark_sidecar.drafter.checkpoint import CheckpointError
+    from dspark_sidecar.drafter.config import ConfigError
+    from dspark_sidecar.server.config import ServeConfigError
+
+    return UsageError, ServeConfigError, EngineConfigError, ConfigError, CheckpointError, BenchConfigError
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=os.environ.get("DSPARK_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=_log_level(),
                         format=f"%(asctime)s %(levelname)s [pid {os.getpid()} rank {os.environ.get('RANK', '-')}] "
                                "%(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="dspark-sidecar", description="DSpark drafter sidecar")

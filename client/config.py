@@ -67,7 +67,7 @@ class EngineConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
     def __post_init__(self) -> None:
-        for f in ("tp_size", "dp_size", "pp_size", "required_tp", "max_catchup_binds"):
+        for f in ("tp_size", "dp_size", "pp_size", "required_tp", "max_catchup_binds", "max_reqs"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise EngineConfigError(f"{f}: must be a positive integer, got {v!r}")
@@ -76,8 +76,8 @@ class EngineConfig:
         if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
             raise EngineConfigError(f"max_reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
         for f in ("step_deadline_s", "late_grace_s", "connect_deadline_s", "bind_deadline_s"):
-            if not getattr(self, f) > 0:
-                raise EngineConfigError(f"{f}: must be > 0, got {getattr(self, f)}")
+            if not 0 < getattr(self, f) <= 3600:  # finite: every wait of the shim is bounded by these
+                raise EngineConfigError(f"{f}: must be above 0 and at most 3600 s, got {getattr(self, f)}")
 
 
 def rank_endpoint(socket_dir: str | Path, rank: int) -> str:

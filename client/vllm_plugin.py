@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dspark_sidecar.client.agreement import StepAgreement, node_agreement
-from dspark_sidecar.client.config import EngineConfig, rank_endpoint
+from dspark_sidecar.client.config import EngineConfig, EngineConfigError, rank_endpoint
 from dspark_sidecar.client.forward_context import ForwardContextSource
 from dspark_sidecar.client.shim import DrafterShim
 
@@ -38,8 +38,12 @@ def engine_config_from_vllm(vllm_config: Any, rank: int) -> EngineConfig:
     socket_dir = os.environ.get("DSPARK_SOCKET_DIR", "")
     device = getattr(getattr(vllm_config, "device_config", None), "device", "cpu")
     kw: dict[str, Any] = {}
-    if os.environ.get("DSPARK_STEP_DEADLINE_MS"):
-        kw["step_deadline_s"] = int(os.environ["DSPARK_STEP_DEADLINE_MS"]) / 1000
+    raw = os.environ.get("DSPARK_STEP_DEADLINE_MS", "")
+    if raw:
+        try:
+            kw["step_deadline_s"] = float(raw) / 1000
+        except ValueError:
+            raise EngineConfigError(f"DSPARK_STEP_DEADLINE_MS={raw!r}: expected a number of milliseconds") from None
     return EngineConfig(
         tp_size=int(pc.tensor_parallel_size), dp_size=int(getattr(pc, "data_parallel_size", 1)),
         pp_size=int(getattr(pc, "pipeline_parallel_size", 1)),

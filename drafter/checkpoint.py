@@ -205,12 +205,20 @@ class CheckpointReader:
         index = self.folder / "model.safetensors.index.json"
         self._files: dict[str, Path] = {}
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self._files = {k: self.folder / f for k, f in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self._files = {str(k): self.folder / str(f) for k, f in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+                raise CheckpointError(f"{index}: not a safetensors index with a weight_map "
+                                      f"({type(e).__name__}: {e})") from None
         else:
             for f in sorted(self.folder.glob("*.safetensors")):
                 with self._open(f) as h:
-                    self._files.update({k: f for k in h.keys()})
+                    for k in h.keys():
+                        if k in self._files:  # without an index, which file holds it would be a guess
+                            raise CheckpointError(f"{k}: in both {self._files[k].name} and {f.name}; remove the "
+                                                  "stale file or add a model.safetensors.index.json")
+                        self._files[k] = f
         if not self._files:
             raise CheckpointError(f"{self.folder}: no safetensors files")
 
@@ -258,7 +266,13 @@ class CheckpointReader:
             t = dequantize_mxfp8(t, s, self.block)
         elif t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise CheckpointError(f"{key}: unsupported dtype {t.dtype}")
-        return t.to(device=self.device, dtype=self.dtype)
+        t = t.to(device=self.device, dtype=self.dtype)
+        bad = int(t.numel() - torch.isfinite(t).sum())
+        if bad:  # a NaN or inf weight would load and serve silently: every draft wrong, nothing said
+            fp8 = f" (F8_E4M3 NaN codes, or {key + SCALE_SUFFIX} exponents of 255 or too large)" if self.has(
+                key + SCALE_SUFFIX) else ""
+            raise CheckpointError(f"{key}: {bad} non-finite values (NaN or inf) after loading{fp8}")
+        return t
 
 
 

@@ -160,6 +160,8 @@ class DrafterConfig:
     @classmethod
     def from_hf_json(cls, data: dict[str, Any], name: str = "checkpoint") -> DrafterConfig:
         """Build from a parsed `dspark/config.json`; raises ConfigError naming the bad field."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"config.json: expected a JSON object, got {type(data).__name__}")
         arch = data.get("architectures")
         if arch != [ARCHITECTURE]:
             raise ConfigError(f"architectures: expected [{ARCHITECTURE!r}], got {arch!r}")
@@ -178,12 +180,22 @@ class DrafterConfig:
         if head_type != "vanilla":
             raise ConfigError(f"text_config.dspark_markov_head_type: only 'vanilla' is supported, got {head_type!r}")
         quant = data.get("quantization_config", {"quant_method": "mxfp8", "weight_block_size": [1, 32]})
+        if not isinstance(quant, dict):
+            raise ConfigError(f"quantization_config: expected an object, got {quant!r}")
         if quant.get("quant_method") != "mxfp8":
             raise ConfigError(f"quantization_config.quant_method: expected 'mxfp8', got {quant.get('quant_method')!r}")
         wbs = quant.get("weight_block_size")
         if not (isinstance(wbs, list) and len(wbs) == 2 and wbs[0] == 1):
             raise ConfigError(f"quantization_config.weight_block_size: expected [1, B], got {wbs!r}")
         num_layers = req("num_hidden_layers")
+        if not isinstance(req("dspark_target_layer_ids"), list):
+            raise ConfigError(f"text_config.dspark_target_layer_ids: expected a list, got {text['dspark_target_layer_ids']!r}")
+        confidence = text.get("enable_confidence_head", True)
+        if not isinstance(confidence, bool):
+            raise ConfigError(f"text_config.enable_confidence_head: expected true or false, got {confidence!r}")
+        rotary = text.get("partial_rotary_factor", 1.0)
+        if isinstance(rotary, bool) or not isinstance(rotary, (int, float)):
+            raise ConfigError(f"text_config.partial_rotary_factor: expected a number, got {rotary!r}")
         layer_types = text.get("layer_types")
         if layer_types is not None and len(layer_types) != num_layers:
             raise ConfigError(f"text_config.layer_types: {len(layer_types)} entries for {num_layers} layers")
@@ -202,7 +214,7 @@ class DrafterConfig:
             sliding_window=req("sliding_window"),
             target_layer_ids=tuple(req("dspark_target_layer_ids")),
             quant_block=wbs[1],
-            enable_confidence_head=bool(text.get("enable_confidence_head", True)),
+            enable_confidence_head=confidence,
         )
         optional = {
             "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "rotary_dim": "rotary_dim",
@@ -217,6 +229,8 @@ class DrafterConfig:
             return cls(**kw)
         except ConfigError as e:
             raise ConfigError(f"text_config.{e}") from None
+        except (TypeError, ValueError) as e:  # a field of the wrong JSON type, met by the dataclass's own checks
+            raise ConfigError(f"text_config: a field has the wrong type ({e})") from None
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> DrafterConfig:

@@ -95,8 +95,21 @@ class ServeConfig:
             raise ServeConfigError(f"--drain-s: must be 0..300, got {self.drain_s}")
         if self.checkpoint is not None and self.target_checkpoint is None and not self.random_weights:
             raise ServeConfigError("--target-checkpoint: required with --checkpoint (embed_tokens lives in the target)")
-        if self.max_message_bytes < 1 << 20:
-            raise ServeConfigError("--max-message-bytes: must be at least 1 MiB")
+        if self.target_checkpoint is not None and self.checkpoint is None:
+            raise ServeConfigError("--target-checkpoint: given without --checkpoint, it would be ignored and the "
+                                   "preset's synthetic drafter served; pass the dspark/ folder too")
+        if not 1 << 20 <= self.max_message_bytes <= (1 << 31) - 1:
+            raise ServeConfigError(f"--max-message-bytes: must be 1 MiB..2^31 - 1 (gRPC's limit), got {self.max_message_bytes}")
+        if not 1 <= self.dist_timeout_s <= 86_400:
+            raise ServeConfigError(f"--dist-timeout-s: must be 1..86400, got {self.dist_timeout_s}")
+        used = {}  # every port a rank listens on, by flag: two flags' ranges must not meet
+        for flag, base in (("--tcp-base-port", self.tcp_base_port), ("--metrics-port", self.metrics_port)):
+            for port in range(base, base + self.tp) if base else ():
+                if port in used:
+                    raise ServeConfigError(f"{flag}: port {port} is also {used[port]}'s")
+                used[port] = flag
+        if self.master_port in used:
+            raise ServeConfigError(f"--master-port: port {self.master_port} is also {used[self.master_port]}'s")
 
     @property
     def step_streams(self) -> int:

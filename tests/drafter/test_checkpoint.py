@@ -107,3 +107,41 @@ def test_corrupted_file_gives_named_error(tmp_path, tiny_ckpt):
     (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}garbage")
     with pytest.raises(CheckpointError, match="model.safetensors: unreadable"):
         CheckpointReader(d, torch.float32)
+
+
+NORM = f"{PREFIX}layers.2.decoder_layer.input_layernorm.weight"
+
+
+@pytest.mark.parametrize("key, corrupt, words", [
+    (Q, lambda t: t.view(torch.uint8).flatten().__setitem__(5, 0x7F), "F8_E4M3 NaN codes"),  # F8_E4M3 NaN
+    (Q + "_scale_inv", lambda t: t.flatten().__setitem__(0, 255), "exponents of 255"),  # E8M0 NaN
+    (NORM, lambda t: t.flatten().__setitem__(0, float("nan")), "1 non-finite values"),
+])
+def test_non_finite_weights_are_refused_by_name(tmp_path, tiny_ckpt, tiny_cfg, key, corrupt, words):
+    """A NaN or inf weight used to load and serve: every draft wrong and nothing said."""
+    t = load_file(str(tiny_ckpt[0] / "model.safetensors"))
+    corrupt(t[key])
+    d = tmp_path / "n"
+    d.mkdir()
+    save_file(t, str(d / "model.safetensors"))
+    target = Q if key.startswith(Q) else NORM
+    shape = (tiny_cfg.q_size, tiny_cfg.hidden_size) if target == Q else (tiny_cfg.hidden_size,)
+    with pytest.raises(CheckpointError, match=rf"{target}: \d+ non-finite values.*") as err:
+        CheckpointReader(d, torch.bfloat16).read(target, shape)
+    assert words in str(err.value)
+
+
+def test_a_key_in_two_files_or_a_broken_index_is_named(tmp_path, tiny_ckpt):
+    """Without an index, a key in two files was taken from whichever sorted last (a stale file won)."""
+    t = load_file(str(tiny_ckpt[0] / "model.safetensors"))
+    d = tmp_path / "dup"
+    d.mkdir()
+    save_file(t, str(d / "model.safetensors"))
+    save_file({NORM: t[NORM]}, str(d / "old.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{NORM}: in both model.safetensors and old.safetensors"):
+        CheckpointReader(d, torch.float32)
+    (d / "old.safetensors").unlink()
+    for text in ("{not json", json.dumps({"metadata": {}}), json.dumps([1])):
+        (d / "model.safetensors.index.json").write_text(text)
+        with pytest.raises(CheckpointError, match="model.safetensors.index.json: not a safetensors index"):
+            CheckpointReader(d, torch.float32)

@@ -72,3 +72,19 @@ def test_missing_field_and_bad_file_are_named(tmp_path):
 def test_tp_divisibility_error_names_field():
     with pytest.raises(ConfigError, match="num_key_value_heads: 4 is not divisible by TP size 8"):
         PRESETS["tiny"].check_tp(8)
+
+
+@pytest.mark.parametrize("where, key, value, words", [
+    (None, "quantization_config", None, "quantization_config: expected an object"),
+    ("text_config", "dspark_target_layer_ids", 5, "dspark_target_layer_ids: expected a list"),
+    ("text_config", "enable_confidence_head", "false", "enable_confidence_head: expected true or false"),
+    ("text_config", "partial_rotary_factor", "0.5", "partial_rotary_factor: expected a number"),
+])
+def test_fields_of_the_wrong_json_type_are_named(where, key, value, words):
+    """Each used to fail as a raw AttributeError or TypeError, or ("false") read as true."""
+    data = PRESETS["tiny"].to_hf_json()
+    (data[where] if where else data)[key] = value
+    with pytest.raises(ConfigError, match=words):
+        DrafterConfig.from_hf_json(data)
+    with pytest.raises(ConfigError, match="config.json: expected a JSON object, got list"):
+        DrafterConfig.from_hf_json([data])  # type: ignore[arg-type]

@@ -1,0 +1,43 @@
+"""The command line: a flag or environment value that cannot be used is one line naming it, exit status 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_sidecar import cli
+
+
+@pytest.mark.parametrize("env, value, words", [
+    ("DSPARK_TP", "four", "DSPARK_TP='four': expected an integer"),
+    ("DSPARK_WARMUP", "ture", "DSPARK_WARMUP='ture': expected one of 1, true"),
+    ("DSPARK_LOG_LEVEL", "verbose", "DSPARK_LOG_LEVEL='VERBOSE': expected DEBUG"),
+])
+def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkeypatch, capsys):
+    """These used to end in a raw traceback (int('four'), logging's own ValueError), and a misspelt
+    boolean silently read as false (DSPARK_WARMUP=ture turned warm-up off)."""
+    monkeypatch.setenv(env, value)
+    assert cli.main(["status", "--tp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dspark-sidecar: ") and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "--tp", "0"], "--tp: must be 1..64, got 0"),
+    (["serve", "--target-checkpoint", "/nonexistent/target"], "--target-checkpoint: given without --checkpoint"),
+    (["serve", "--max-message-bytes", str(1 << 32)], "--max-message-bytes: must be 1 MiB..2^31 - 1"),
+    (["serve", "--dist-timeout-s", "0"], "--dist-timeout-s: must be 1..86400"),
+    (["serve", "--tcp-base-port", "19000", "--metrics-port", "19002"], "--metrics-port: port 19002 is also --tcp-base-port's"),
+    (["serve", "--preset", "minimax"], "unknown 'minimax'"),
+    (["serve", "--tp", "3"], "not divisible by TP size 3"),
+    (["status", "--tp", "0"], "--tp: must be at least 1, got 0"),
+    (["bench", "--reqs", "1,x"], "--reqs: comma-separated integers, got '1,x'"),
+    (["bench", "--reqs", "0", "--device", "cpu"], "--reqs: request counts in 1.."),
+    (["bench", "--repeats", "0", "--device", "cpu"], "--repeats: at least 1, got 0"),
+    (["bench", "--sidecar-backend", "cuda", "--device", "cpu"], "--sidecar-backend: one of"),
+])
+def test_a_flag_that_cannot_be_used_is_refused_before_anything_starts(argv, words, capsys):
+    """Checked in the parent, before a rank, a socket or a sidecar exists (each rank used to print its
+    own traceback, some after loading the weights, or a flag was ignored: --target-checkpoint alone)."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
