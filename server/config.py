@@ -110,6 +110,10 @@ class ServeConfig:
                 used[port] = flag
         if self.master_port in used:
             raise ServeConfigError(f"--master-port: port {self.master_port} is also {used[self.master_port]}'s")
+        longest = str(self.socket_path(self.tp - 1))
+        if len(longest.encode()) > 107:  # sun_path holds 108 bytes with its NUL; gRPC's bind error names no flag
+            raise ServeConfigError(f"--socket-dir: {longest} is {len(longest.encode())} bytes, a unix socket path "
+                                   "holds at most 107; choose a shorter folder")
 
     @property
     def step_streams(self) -> int:

@@ -41,3 +41,9 @@ def test_a_flag_that_cannot_be_used_is_refused_before_anything_starts(argv, word
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
+
+
+def test_a_socket_folder_too_long_for_a_unix_socket_is_named(capsys):
+    """gRPC's own bind error ("Failed to bind") named no flag."""
+    assert cli.main(["serve", "--socket-dir", "/tmp/" + "d" * 120]) == 2
+    assert "--socket-dir: " in capsys.readouterr().err
