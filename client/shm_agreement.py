@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import socket
 import time
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from dspark_sidecar.proto import doorbell as bell
+from dspark_sidecar.proto.memory import AttachedSegment
 
 MAX_VALUES = 8  # integers per agreement (the shim's largest has 5)
 SPIN_S = 30e-6  # poll without sleeping this long first: the ranks run the same step and arrive close together
@@ -50,8 +51,7 @@ class ShmAgreement:
             name = [seg.name]
         dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         if seg is None:
-            seg = shared_memory.SharedMemory(name=name[0])
-            resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]  # rank 0's
+            seg = AttachedSegment(name[0])  # rank 0's, which it unlinks below
         dist.barrier(group)
         if self.rank == 0:
             seg.unlink()  # every rank has it mapped: the name is no longer needed, and nothing can leak it

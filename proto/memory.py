@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import torch
 
@@ -36,6 +38,35 @@ class ShmTensor:
 
 _EXPORTED: dict[int, tuple[str, int]] = {}  # data_ptr of a segment's first byte -> (name, size)
 _EXPORTED_LOCK = threading.Lock()
+
+
+class AttachedSegment:
+    """A POSIX shared-memory segment another process created, mapped by name without Python's resource
+    tracker (the creator owns it: it unlinks it, and its tracker cleans up after a crash).
+
+    Why not SharedMemory(create=False): before Python 3.13 it registers the segment with this process's
+    tracker, which would unlink it when this process exits, while the creator still uses it. Undoing
+    that with resource_tracker.unregister also drops the *creator's* registration when both processes
+    share one tracker (ranks spawned by one parent), and the creator's own unlink then fails in the
+    tracker ("KeyError: '/psm_...'", printed by the demo's engine ranks). Linux keeps these segments
+    in /dev/shm, where they are opened and mapped as SharedMemory itself does.
+    """
+
+    def __init__(self, name: str) -> None:
+        fd = os.open(os.path.join("/dev/shm", name.lstrip("/")), os.O_RDWR)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.name, self.buf = name.lstrip("/"), memoryview(self._mmap)
+
+    def close(self) -> None:
+        """Unmap (BufferError while a view of `buf` is alive, as SharedMemory.close)."""
+        if self.buf is not None:
+            self.buf.release()
+            self.buf = None  # type: ignore[assignment]
+            self._mmap.close()
 
 
 def shm_empty(shape: tuple[int, ...], dtype: torch.dtype) -> ShmTensor:
@@ -94,18 +125,12 @@ class MappedMemory:
 
     def __init__(self, handle: pb.MemoryHandle, field: str, device: torch.device) -> None:
         kind = handle.WhichOneof("kind")
-        self._segment: shared_memory.SharedMemory | None = None
+        self._segment: AttachedSegment | None = None
         if kind == "shm":
             try:
-                seg = shared_memory.SharedMemory(name=handle.shm.name, create=False)
+                seg = AttachedSegment(handle.shm.name)  # the engine's: it owns and unlinks it
             except (FileNotFoundError, OSError, ValueError) as e:
                 raise HandleError(f"{field}: cannot open shared memory {handle.shm.name!r}: {e}") from None
-            # The segment belongs to the engine: stop this process's resource tracker from
-            # unlinking it when the sidecar exits (Python < 3.13 registers attached segments too).
-            with _EXPORTED_LOCK:
-                own = any(name == seg.name for name, _ in _EXPORTED.values())
-            if not own:
-                resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
             self._segment = seg
             lo = handle.shm.offset_bytes
             if lo > seg.size:

@@ -22,13 +22,14 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
 # Polling (with 1 us timer slack, see proto/doorbell.py): a rank waiting for its verdict naps;
 # the coordinator naps while steps flow and sleeps longer once the ranks have been quiet a while.
 from dspark_sidecar.proto.doorbell import NAP_S, lower_timer_slack, pause
+from dspark_sidecar.proto.memory import AttachedSegment
 
 MAGIC = 0x44535052  # "DSPR"
 SLOT = 8
@@ -111,7 +112,7 @@ def format_reason(step_id: int, reason: int, mask: int, deadline_ms: int) -> str
 class Board:
     """The shared-memory board; rank 0 creates it, the others attach by name."""
 
-    def __init__(self, name: str, world: int, create: bool, untrack: bool = True) -> None:
+    def __init__(self, name: str, world: int, create: bool) -> None:
         self.world = world
         self.rec_len = 7 + world
         words = 2 + world * SLOT + RING * self.rec_len
@@ -124,9 +125,7 @@ class Board:
                 pass
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=words * 8)
         else:
-            self.shm = shared_memory.SharedMemory(name=name)
-            if untrack:  # rank 0 owns (and unlinks) the board; attaching must not claim it too
-                    resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
+            self.shm = AttachedSegment(name)  # rank 0 owns (and unlinks) the board; attaching claims nothing
         self.owner = create
         self.words = np.ndarray((words,), dtype=np.int64, buffer=self.shm.buf)
         if create:

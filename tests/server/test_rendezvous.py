@@ -16,7 +16,7 @@ WORLD, DEADLINE_MS = 4, 150
 @pytest.fixture()
 def ranks():
     name = f"dspark-test-{uuid.uuid4().hex[:8]}"
-    boards = [Board(name, WORLD, create=True)] + [Board(name, WORLD, create=False, untrack=False) for _ in range(WORLD - 1)]
+    boards = [Board(name, WORLD, create=True)] + [Board(name, WORLD, create=False) for _ in range(WORLD - 1)]
     rdv = [Rendezvous(boards[r], r, DEADLINE_MS) for r in range(WORLD)]
     yield rdv
     for r in rdv:
