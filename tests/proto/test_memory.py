@@ -56,3 +56,23 @@ def test_strides_that_do_not_match_the_shape_are_named(segment):
             m.view(torch.float32, (2, 4), (1,), 0, "layers[0]")
     finally:
         m.close()
+
+
+def test_attaching_claims_nothing_in_the_resource_tracker(segment, monkeypatch):
+    """The creator owns its segment. An attach that registered it (SharedMemory(create=False) before
+    Python 3.13) and then unregistered it also dropped the creator's registration in a shared
+    tracker; the creator's unlink then printed "KeyError: '/psm_...'" from the tracker."""
+    from multiprocessing import resource_tracker
+
+    calls = []
+    monkeypatch.setattr(resource_tracker, "register", lambda *a: calls.append(("register", a)))
+    monkeypatch.setattr(resource_tracker, "unregister", lambda *a: calls.append(("unregister", a)))
+    handle = memory.export_handle(segment.tensor)
+    m = memory.MappedMemory(handle, "page", torch.device("cpu"))
+    segment.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert m.view(torch.uint8, (4,), (1,), 0, "page").tolist() == [1, 2, 3, 4]  # the same bytes
+    m.close()
+    seg = memory.AttachedSegment(handle.shm.name)
+    assert seg.size >= 4096 and bytes(seg.buf[:4]) == b"\x01\x02\x03\x04"
+    seg.close()
+    assert calls == []
