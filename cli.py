@@ -37,7 +37,7 @@ def _env(dest: str, default, kind=str):
 
 def _log_level() -> str:
     level = os.environ.get("DSPARK_LOG_LEVEL", "INFO").upper()
-    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+    if level not in logging.getLevelNamesMapping():  # logging's own names (WARN and FATAL too, as before)
         raise UsageError(f"DSPARK_LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
     return level
 
