@@ -98,7 +98,8 @@ class StepGraphs:
 
     def run(self, embeds: torch.Tensor, host: HostMeta, kv: list[torch.Tensor], in_place: bool = False) -> torch.Tensor:
         """embeds [n, hidden] on the device; the step's metadata as NumPy on the host (validate.py).
-        Returns the graph's output buffer [n, hidden] (valid until the next step).
+        Returns the graph's output buffer [n, hidden] (valid until the next step); on the step that
+        captures the graph, the warm-up's hidden states (_capture says why).
 
         in_place: embeds is a view of a registered region (the data plane), memory that outlives the
         graph. One graph per R is captured reading that view in place, which saves the copy into a
@@ -120,8 +121,9 @@ class StepGraphs:
             g = self._buffers(R, window_width(ps, self.model.cfg.sliding_window), embeds if in_place else None)
         self._fill(g, embeds, host, ps)
         if fresh:
-            self._capture(g, kv)
+            out = self._capture(g, kv)
             self._graphs[(R, in_place)] = g
+            return out  # the warm-up ran this step: a replay now would run its collectives twice
         g.graph.replay()
         return g.out
 
@@ -161,16 +163,28 @@ class StepGraphs:
         meta = StepMetadata(lens, tables, slots)
         return self.model.draft_step(g.embeds, pos, meta, kv, attn=(rel, meta), streams=self.streams)
 
-    def _capture(self, g: _Graph, kv) -> None:
-        """Warm up on a side stream with this step's real inputs (the writes are this step's own
-        K/V, so running it is harmless), then capture; the replay that follows is the real run."""
+    def _capture(self, g: _Graph, kv) -> torch.Tensor:
+        """Run the step on a side stream with its real inputs (the warm-up a capture wants), then
+        capture it; returns the warm-up's hidden states [n, hidden], this step's answer.
+
+        Why not replay after the capture, as one usually would: at TP > 1 each rank must execute
+        the same collectives per step, in the same order. Ranks capture at different steps (one
+        engine rank's inputs move to another region, or arrive inline: that rank's graph key is
+        new while its peers replay), and a capture step that also replayed would all-reduce twice
+        while its peers all-reduce once: its second round would pair with their next step, every
+        answer from then on wrong. A capture executes nothing, so warm-up + capture runs each
+        collective once, as a replay does; eager and replayed steps give the same bits
+        (tests/kernels/triton/test_drafter.py)."""
         dev = self.model.device
+        main = torch.cuda.current_stream(dev)
         side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
+        side.wait_stream(main)
         with torch.cuda.stream(side):
-            self._step(g, kv)
-        torch.cuda.current_stream(dev).wait_stream(side)
+            out = self._step(g, kv)
+        main.wait_stream(side)
+        out.record_stream(main)  # read on the main stream (the output copy) after its side-stream allocation
         with torch.cuda.graph(g.graph):
             g.out = self._step(g, kv)
         self.captures += 1
         log.info("captured the draft-step graph for R=%d (%d graphs)", g.views[3].numel(), len(self._graphs) + 1)
+        return out
