@@ -16,8 +16,10 @@ can use either transport.
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 
+import grpc
 import torch
 
 from dspark_sidecar import layout
@@ -27,6 +29,9 @@ from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.proto.gpu_word import GpuWordError, GpuWordOps, RegisteredPage
+
+
+log = logging.getLogger("dspark_sidecar.client")
 
 
 class DataPlaneError(RuntimeError):
@@ -45,6 +50,8 @@ class StepBuffers:
     def __init__(self, stub: pb_grpc.DrafterSidecarStub, hidden: int, max_reqs: int, max_pages: int,
                  dtype: torch.dtype, device: torch.device, timeout_s: float = 10.0) -> None:
         n = layout.QPR * max_reqs
+        self._stub, self._timeout_s = stub, timeout_s
+        self._ids: list[int] = []  # registered with the sidecar: released there by close()
         self._shm: list = []
         self._layouts: dict[tuple, tuple] = {}
         self.max_reqs, self.max_pages, self.dtype, self.device = max_reqs, max_pages, dtype, device
@@ -62,6 +69,7 @@ class StepBuffers:
         except BaseException:  # refused (an older sidecar, a handle it cannot map), or out of memory: keep nothing
             self.close()
             raise
+        self._ids = list(ids)
         self.embeds_id, self.hidden_id, self.meta_id = ids
         self._next_key = 1  # launch keys (sidecar.proto DraftStepRequest.launch_key): never reused
 
@@ -123,6 +131,17 @@ class StepBuffers:
         return got
 
     def close(self) -> None:
+        """Release the regions on the sidecar (UnregisterBuffers, within the registration's deadline),
+        then here. Without it the sidecar would keep them mapped until it exits, and under CUDA IPC
+        keep these buffers allocated. A sidecar that is gone or restarted has nothing to release:
+        the failed call is logged and closing goes on."""
+        ids, self._ids = self._ids, []
+        if ids:
+            try:
+                self._stub.UnregisterBuffers(pb.UnregisterBuffersRequest(region_ids=ids), timeout=self._timeout_s)
+            except grpc.RpcError as e:
+                log.info("UnregisterBuffers: %s (a sidecar that is gone holds nothing; a live one keeps the "
+                         "regions until it exits)", e.code().name)
         self._layouts.clear()  # their raw addresses point into the regions unmapped below
         self.embeds = self.hidden = self.meta_bytes = None  # type: ignore[assignment]
         for t in self._shm:

@@ -68,6 +68,12 @@ class AttachedSegment:
             self.buf = None  # type: ignore[assignment]
             self._mmap.close()
 
+    def release(self) -> None:
+        """Let the mapping go with its last holder: a tensor made from `buf` (torch.frombuffer) holds
+        `buf`, which holds the mapping; it is unmapped when the last of them is freed. Not close():
+        frombuffer keeps no buffer export, so close() would unmap under such a tensor."""
+        self.buf = self._mmap = None  # type: ignore[assignment]
+
 
 def shm_empty(shape: tuple[int, ...], dtype: torch.dtype) -> ShmTensor:
     """A zero-filled tensor in a fresh shared-memory segment, exportable with `export_handle`."""
@@ -170,9 +176,11 @@ class MappedMemory:
             raise HandleError(f"{field}: {err}") from None
 
     def close(self) -> None:
+        """Drop this mapping: unmapped at once, or (a view of it still alive, e.g. a step's tensor
+        the caller still holds) when the last such view is freed, never under it."""
         self.storage = None  # type: ignore[assignment]
         if self._segment is not None:
-            self._segment.close()
+            self._segment.release()
             self._segment = None
 
 

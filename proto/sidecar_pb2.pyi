@@ -314,6 +314,16 @@ class RegisterBuffersResponse(_message.Message):
     region_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, region_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class UnregisterBuffersRequest(_message.Message):
+    __slots__ = ("region_ids",)
+    REGION_IDS_FIELD_NUMBER: _ClassVar[int]
+    region_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, region_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UnregisterBuffersResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DraftStepRequest(_message.Message):
     __slots__ = ("step_id", "binding_id", "binding_generation", "num_requests", "positions", "inputs_embeds", "input_ids", "seq_lens", "block_tables", "slot_mapping", "output", "deadline_ms", "launch_key")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]

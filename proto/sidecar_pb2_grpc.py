@@ -73,6 +73,11 @@ class DrafterSidecarStub:
                 request_serializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellRequest.SerializeToString,
                 response_deserializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellResponse.FromString,
                 _registered_method=True)
+        self.UnregisterBuffers = channel.unary_unary(
+                '/dspark.sidecar.v1.DrafterSidecar/UnregisterBuffers',
+                request_serializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.UnregisterBuffersRequest.SerializeToString,
+                response_deserializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.UnregisterBuffersResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterSidecarServicer:
@@ -141,6 +146,15 @@ class DrafterSidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UnregisterBuffers(self, request, context):
+        """Releases buffers registered with RegisterBuffers (the shim, when it drops its data plane
+        while the sidecar lives on). Until this call a registration lasts as long as the sidecar,
+        and under CUDA/HIP IPC it also keeps the engine's buffers allocated. Same-node peers only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +192,11 @@ def add_DrafterSidecarServicer_to_server(servicer, server):
                     servicer.AttachDoorbell,
                     request_deserializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellRequest.FromString,
                     response_serializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellResponse.SerializeToString,
+            ),
+            'UnregisterBuffers': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterBuffers,
+                    request_deserializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.UnregisterBuffersRequest.FromString,
+                    response_serializer=dspark__sidecar_dot_proto_dot_sidecar__pb2.UnregisterBuffersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -373,6 +392,33 @@ class DrafterSidecar:
             '/dspark.sidecar.v1.DrafterSidecar/AttachDoorbell',
             dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellRequest.SerializeToString,
             dspark__sidecar_dot_proto_dot_sidecar__pb2.AttachDoorbellResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterBuffers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dspark.sidecar.v1.DrafterSidecar/UnregisterBuffers',
+            dspark__sidecar_dot_proto_dot_sidecar__pb2.UnregisterBuffersRequest.SerializeToString,
+            dspark__sidecar_dot_proto_dot_sidecar__pb2.UnregisterBuffersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -95,6 +95,9 @@ class LateServicer(pb_grpc.DrafterSidecarServicer):
     def AttachDoorbell(self, request, context):
         return self._target().AttachDoorbell(request, context)
 
+    def UnregisterBuffers(self, request, context):
+        return self._target().UnregisterBuffers(request, context)
+
     def DraftSteps(self, request_iterator, context):
         if self.inner is None:  # stream handlers are not wrapped by the unary interceptor
             context.abort(grpc.StatusCode.UNAVAILABLE, "rank is still loading; retry when health is SERVING")

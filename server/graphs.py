@@ -127,6 +127,17 @@ class StepGraphs:
         g.graph.replay()
         return g.out
 
+    def drop_in_place(self) -> int:
+        """Drop the graphs that read a registered region in place (the region is being released);
+        returns how many. Their next step captures again: alone on this rank, which is safe since a
+        capture step runs its collectives once (_capture)."""
+        gone = [key for key in self._graphs if key[1]]
+        if gone:
+            torch.cuda.synchronize(self.model.device)  # a replay still running reads the region
+            for key in gone:
+                del self._graphs[key]
+        return len(gone)
+
     def close(self) -> None:
         """Drop every graph once its work is done: at TP > 1 they hold NCCL work, and destroying the
         communicator while graphs that hold its collectives live hung past 15 s (runs 87-92)."""

@@ -6,6 +6,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from dspark_sidecar.drafter.config import DrafterConfig
@@ -13,7 +14,7 @@ from dspark_sidecar.drafter.kv_cache import kv_layer_shape
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.memory import MappedMemory
-from dspark_sidecar.server.errors import invalid, precondition
+from dspark_sidecar.server.errors import SidecarError, invalid, precondition
 from dspark_sidecar.server.refusal import EngineFacts
 
 
@@ -46,7 +47,7 @@ class MemoryBindings:
         self.generation = 0
         self.binds = 0
         self._regions: dict[int, MappedMemory] = {}
-        self._next_region = 1
+        self._retired: set[int] = set()  # released region ids: never handed out again by this process
         # Resolved views by (region, offset, dtype, shape): an engine sends the same slices step
         # after step, and building a bounds-checked view costs ~20 us of torch calls each time.
         self._views: dict[tuple, torch.Tensor] = {}
@@ -137,10 +138,39 @@ class MemoryBindings:
                 m.close()
                 raise invalid(f"regions[{i}].size_bytes", f"{region.size_bytes} > mapped {m.nbytes}")
             with self._lock:
-                rid, self._next_region = self._next_region, self._next_region + 1
+                # Random, like binding ids: an id an engine kept from before a sidecar restart names nothing here.
+                while (rid := secrets.randbits(62) or 1) in self._regions or rid in self._retired:
+                    pass
                 self._regions[rid] = m
             ids.append(rid)
         return ids
+
+    def check_registered(self, ids: list[int]) -> None:
+        """NOT_FOUND naming the first of `ids` that is not registered on this rank."""
+        unknown = [rid for rid in ids if rid not in self._regions]
+        if unknown:
+            raise SidecarError(grpc.StatusCode.NOT_FOUND, f"region_ids: {unknown[0]} is not registered on this "
+                               f"rank ({len(self._regions)} registered); nothing was released", "region_ids",
+                               "UNKNOWN_REGION")
+
+    def unregister(self, ids: list[int]) -> None:
+        """Release regions, all or none. The caller has stopped everything that reads them in place
+        (servicer.UnregisterBuffers); the cached views and checked layouts go here, and each mapping
+        goes once no tensor still views it (MappedMemory.close)."""
+        with self._lock:
+            self.check_registered(ids)
+            released = [self._regions.pop(rid) for rid in dict.fromkeys(ids)]
+            self._retired.update(ids)
+            # Coarse on purpose: both caches refill in a step or two, and an entry left behind would
+            # hold a view of a released region (and so its memory).
+            self._views.clear()
+            self.layouts.clear()
+        for m in released:
+            m.close()
+
+    @property
+    def region_count(self) -> int:
+        return len(self._regions)
 
     def resolve(self, region: pb.RegionSlice, dtype: torch.dtype, shape: tuple[int, ...], field: str) -> torch.Tensor:
         """codec.RegionResolver: a contiguous view into a registered region, bounds checked (once per slice)."""

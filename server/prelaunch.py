@@ -437,6 +437,19 @@ class Prelaunch:
         the program may instead run that step for real: the same writes the ordinary run repeats."""
         self.page.words[bell.GPU_WORD] = bell.gpu_word(seq, bell.SKIP_KEY)
 
+    def forget_regions(self) -> None:
+        """The engine's regions are being released (UnregisterBuffers): let go of everything that
+        reads them. The queued step is released and finished; the layouts' captured metadata copies
+        and gated output copies (their addresses are in the regions) go, and so do the registrations
+        of the metadata pages, which must end before the pages are unmapped. The next step served
+        is no streak's continuation, so nothing is queued from a step of the old regions."""
+        self.release(wait=True)
+        self._served = None
+        self._replays.clear()
+        for reg in self._regions.values():
+            reg.close()
+        self._regions.clear()
+
     def close(self) -> None:
         if self._flag_buf.closed:
             return

@@ -133,6 +133,22 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._require_same_node(context)
         return pb.RegisterBuffersResponse(region_ids=self.ctx.memory.register(request))
 
+    def UnregisterBuffers(self, request, context):
+        self._require_same_node(context)
+        ids = list(request.region_ids)
+        self.ctx.memory.check_registered(ids)  # NOT_FOUND before anything is dropped
+        # The doorbell stays as it is (no new one may attach meanwhile); nothing runs on the device
+        # meanwhile, and what was queued there has finished (wait=True).
+        with self._attach_lock, self.loop.exclusive(wait=True):
+            if self.doorbell is not None and self.doorbell.prelaunch is not None:
+                self.doorbell.prelaunch.forget_regions()
+            if self.loop.graphs is not None:
+                self.loop.graphs.drop_in_place()
+            self.ctx.memory.unregister(ids)
+        log.info("rank %d: %d buffer regions released (%d still registered)", self.ctx.rank, len(ids),
+                 self.ctx.memory.region_count)
+        return pb.UnregisterBuffersResponse()
+
     def AttachDoorbell(self, request, context):
         self._require_same_node(context)
         if self.life.host is not None and not self.life.host.stores_in_order:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import grpc
 import pytest
 import torch
 
@@ -13,8 +16,42 @@ PAGE = 16
 
 
 class _Stub:
+    def __init__(self, unregister_error: grpc.RpcError | None = None) -> None:
+        self.released: list[list[int]] = []
+        self.unregister_error = unregister_error
+
     def RegisterBuffers(self, req, timeout=None):  # noqa: N802  (the gRPC method's name)
         return pb.RegisterBuffersResponse(region_ids=[7, 8, 9])
+
+    def UnregisterBuffers(self, req, timeout=None):  # noqa: N802
+        assert timeout is not None  # the engine never waits without a deadline
+        self.released.append(list(req.region_ids))
+        if self.unregister_error is not None:
+            raise self.unregister_error
+        return pb.UnregisterBuffersResponse()
+
+
+class _Gone(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+
+def test_close_releases_the_regions_on_the_sidecar_once(tiny_cfg):
+    stub = _Stub()
+    b = StepBuffers(stub, tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    b.close()
+    b.close()
+    assert stub.released == [[7, 8, 9]] and b.embeds is None
+
+
+def test_close_goes_on_when_the_sidecar_is_gone(tiny_cfg, caplog):
+    stub = _Stub(_Gone())
+    b = StepBuffers(stub, tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    name = b._shm[0].segment.name
+    with caplog.at_level("INFO", logger="dspark_sidecar.client"):
+        b.close()
+    assert stub.released == [[7, 8, 9]] and "UnregisterBuffers: UNAVAILABLE" in caplog.text
+    assert not (Path("/dev/shm") / name).exists()  # its own shared memory went all the same
 
 
 @pytest.fixture

@@ -263,6 +263,11 @@ class _DoorbellNeverAnswered(FakeSidecar):
         self.calls["AttachDoorbell"] += 1
         return pb.AttachDoorbellResponse()
 
+    def UnregisterBuffers(self, request, context):
+        assert list(request.region_ids) == [1, 2, 3]
+        self.calls["UnregisterBuffers"] += 1
+        return pb.UnregisterBuffersResponse()
+
 
 def _unsettled_step(shim: DrafterShim, ids, pos) -> None:
     assert shim.maybe_forward(ids, pos) is None
@@ -314,6 +319,8 @@ def test_an_unsettled_doorbell_step_survives_a_dropped_link_and_settles_on_its_a
             assert shim.maybe_forward(ids, pos) is None  # settled: a new link, and this step unanswered again
         assert shim.doorbell is not None and shim.doorbell.bell is not channel and channel.page.words is None
         assert shim.stats.fallbacks[S.DEADLINE] == 2 and server.sidecar.calls["AttachDoorbell"] == 2
+        # The dropped link's regions were released on the live sidecar before new ones were registered.
+        assert server.sidecar.calls["UnregisterBuffers"] == 1 and server.sidecar.calls["RegisterBuffers"] == 2
         assert not [k for k in shim.stats.fallbacks if k.startswith("shim error")], dict(shim.stats.fallbacks)
         shim._unsettled = None  # let close() drop this test's link
         shim.close()

@@ -76,3 +76,48 @@ def test_attaching_claims_nothing_in_the_resource_tracker(segment, monkeypatch):
     assert seg.size >= 4096 and bytes(seg.buf[:4]) == b"\x01\x02\x03\x04"
     seg.close()
     assert calls == []
+
+
+def _maps_of(name: str) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(name in line for line in maps)
+
+
+def test_closing_a_mapping_never_unmaps_under_a_live_view(segment):
+    """torch.frombuffer keeps no buffer export, so unmapping at close() (as it did) left any view still
+    held (a step's tensor, a cached layout) pointing at unmapped memory: reading it crashed the process.
+    The mapping now goes with its last view."""
+    segment.tensor[:4] = torch.tensor([9, 8, 7, 6], dtype=torch.uint8)
+    name = segment.segment.name
+    before = _maps_of(name)
+    m = memory.MappedMemory(memory.export_handle(segment.tensor), "regions[0].memory", torch.device("cpu"))
+    view = m.view(torch.uint8, (4,), (1,), 0, "positions")
+    assert _maps_of(name) == before + 1
+    m.close()
+    assert view.tolist() == [9, 8, 7, 6] and _maps_of(name) == before + 1
+    del view
+    assert _maps_of(name) == before
+    unviewed = memory.MappedMemory(memory.export_handle(segment.tensor), "page", torch.device("cpu"))
+    unviewed.close()
+    assert _maps_of(name) == before  # nothing viewed it: unmapped at close
+
+
+def test_region_ids_are_random_never_reused_and_released_all_or_none(segment):
+    from dspark_sidecar.server.errors import SidecarError
+
+    mem = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    region = pb.BufferRegion(name="metadata", memory=memory.export_handle(segment.tensor), size_bytes=4096)
+    try:
+        a, b = mem.register(pb.RegisterBuffersRequest(regions=[region, region]))
+        assert a != b and a > 3 and b > 3  # not 1, 2, 3: an id kept from a restarted sidecar names nothing
+        mem.resolve(pb.RegionSlice(region_id=a, offset_bytes=0), torch.int32, (4,), "positions")
+        with pytest.raises(SidecarError, match="region_ids: 7 is not registered") as err:
+            mem.unregister([a, 7])
+        assert err.value.reason == "UNKNOWN_REGION" and mem.region_count == 2
+        mem.unregister([a])
+        assert mem.region_count == 1
+        with pytest.raises(ValueError, match=f"region {a} is not registered"):  # not from the view cache
+            mem.resolve(pb.RegionSlice(region_id=a, offset_bytes=0), torch.int32, (4,), "positions")
+        mem.resolve(pb.RegionSlice(region_id=b, offset_bytes=0), torch.int32, (4,), "positions")
+    finally:
+        mem.close()

@@ -235,4 +235,5 @@ def test_reflection_lists_and_describes_the_service(channel):
     assert SERVICE_NAME in services and health.SERVICE_NAME in services
     svc = descriptor_pool.DescriptorPool(db).FindServiceByName(SERVICE_NAME)
     assert sorted(m.name for m in svc.methods) == sorted(
-        ["GetStatus", "BindKV", "UnbindKV", "RegisterBuffers", "DraftStep", "DraftSteps", "AttachDoorbell"])
+        ["GetStatus", "BindKV", "UnbindKV", "RegisterBuffers", "DraftStep", "DraftSteps", "AttachDoorbell",
+         "UnregisterBuffers"])

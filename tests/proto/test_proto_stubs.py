@@ -59,6 +59,7 @@ def test_service_methods_and_streaming_kinds():
         "DraftStep": ("DraftStepRequest", "DraftStepResponse", False, False),
         "DraftSteps": ("DraftStepRequest", "DraftStepResponse", True, True),
         "AttachDoorbell": ("AttachDoorbellRequest", "AttachDoorbellResponse", False, False),
+        "UnregisterBuffers": ("UnregisterBuffersRequest", "UnregisterBuffersResponse", False, False),
     }
     # The generated client stub and servicer base expose exactly these methods (channels
     # connect lazily, so a stub on a socket nobody listens to is fine for introspection).

@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from dspark_sidecar.drafter import scenario
@@ -185,3 +186,68 @@ def test_a_bad_output_slice_is_refused_before_the_step_writes_its_kv(tmp_path, t
         _, resp, _ = _ring(bufs, bell, eng.bindings[0], 2, step)  # the rank serves on
         assert resp is not None and resp.HasField("hidden_states"), resp
         assert not all(torch.equal(a, b) for a, b in zip(before, eng.kv_tensors(0)))
+
+
+def _mapped_elsewhere(name: str) -> int:
+    """How many mappings of shared-memory segment `name` other processes hold (the sidecar's ranks)."""
+    import os
+
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                count += sum(name in line for line in maps)
+        except OSError:  # gone, or not ours to read
+            continue
+    return count
+
+
+def test_unregistered_buffers_are_unmapped_and_refused_and_the_rank_serves_on(tmp_path, tiny_cfg, tiny_ckpt,
+                                                                               tiny_embed):
+    """A shim that drops its data plane releases its regions (StepBuffers.close): the sidecar unmaps
+    them, refuses steps that still name them, refuses unknown ids without releasing anything, and
+    serves the next registration. Before UnregisterBuffers a rank kept every registration mapped
+    until it exited (under CUDA IPC, the engine's buffers with it)."""
+    import grpc
+
+    lens = [5, 40]
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens) + 2
+    with _tp1_data_plane(tmp_path, tiny_cfg, tiny_ckpt, pages, 4) as (_, eng, bufs, bell):
+        stub = eng.stubs[0]
+        step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=5)
+        _, resp, view = _ring(bufs, bell, eng.bindings[0], 1, step)
+        assert resp is not None and resp.HasField("hidden_states"), resp
+        want = view.clone()
+        old = [bufs.embeds_id, bufs.hidden_id, bufs.meta_id]
+        segments = [held.segment.name for held in bufs._shm]
+        assert all(_mapped_elsewhere(name) for name in segments)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UnregisterBuffers(pb.UnregisterBuffersRequest(region_ids=[old[0], 12345]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "12345 is not registered" in err.value.details()
+        _, resp, _ = _ring(bufs, bell, eng.bindings[0], 2, step)  # all or none: nothing was released
+        assert resp is not None and resp.HasField("hidden_states"), resp
+
+        stub.UnregisterBuffers(pb.UnregisterBuffersRequest(region_ids=old), timeout=10)
+        assert [_mapped_elsewhere(name) for name in segments] == [0, 0, 0]
+        req = pb.DraftStepRequest(step_id=3, binding_id=eng.bindings[0][0], binding_generation=eng.bindings[0][1],
+                                  num_requests=len(lens))
+        bufs.fill(req, step.inputs_embeds, step.positions, step.meta)
+        bell.send(req)
+        resp = bell.wait(3, 30.0)
+        assert resp is not None and resp.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], resp
+        assert "not registered" in resp.error.message
+        with pytest.raises(grpc.RpcError) as err:  # released once: a second release names it unknown
+            stub.UnregisterBuffers(pb.UnregisterBuffersRequest(region_ids=old[:1]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+        again = StepBuffers(stub, tiny_cfg.hidden_size, 4, 300, torch.float32, torch.device("cpu"))
+        try:
+            assert not set(old) & {again.embeds_id, again.hidden_id, again.meta_id}  # ids are never reused
+            _, resp, view = _ring(again, bell, eng.bindings[0], 4, step)
+            assert resp is not None and resp.HasField("hidden_states"), resp
+            assert torch.equal(view, want)
+        finally:
+            again.close()
+        assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving

@@ -286,3 +286,68 @@ def test_gpu_launch_groups_side_by_side_in_the_sidecar(tmp_path, tiny_cfg, tiny_
         bell.close()
         bufs.close()
         assert "captured the draft-step graph for R=17" in (tmp_path / "sidecar.log").read_text()
+
+
+def test_gpu_released_buffers_free_the_engine_memory_and_steps_go_on(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
+    """A data plane dropped and set up again while the sidecar lives (a reconnect): StepBuffers.close
+    releases its regions (UnregisterBuffers). The sidecar drops the pre-launched step and the graphs
+    that read the old input rows in place, and unmaps them, so the engine's CUDA IPC buffers are
+    freed for real (before, the sidecar held them until it exited); the new buffers' steps are
+    pre-launched again and give the same bits."""
+    import grpc
+
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    dev = torch.device("cuda", 0)
+    lens = [5, 40]
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens)
+    big = 8192  # requests the buffers are sized for: 2 x 7 x 8192 x 256 x 4 bytes = 117 MB of GPU memory
+    region_bytes = 2 * 7 * big * tiny_cfg.hidden_size * 4
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        kv = [torch.randn(kv_layer_shape(tiny_cfg, 1, pages, PAGE), device=dev) for _ in range(tiny_cfg.num_hidden_layers)]
+        b = _bind(stub, kv, dev)
+        step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=41)
+        req = pb.DraftStepRequest(step_id=1, binding_id=b.binding_id, binding_generation=b.generation,
+                                  num_requests=len(lens))
+        for f, t in (("positions", step.positions), ("inputs_embeds", step.inputs_embeds), ("seq_lens", step.meta.seq_lens),
+                     ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
+            getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
+        want = codec.from_tensor_ref(stub.DraftStep(req, timeout=60).hidden_states, "h")
+        embeds = step.inputs_embeds.to(dev)
+        bell = DoorbellChannel(stub, dev)
+        assert bell.word_address, "the sidecar did not offer pre-launched steps on this GPU"
+        sid = iter(range(2, 1000))
+
+        def steps(bufs: StepBuffers) -> list[bool]:
+            flags = []
+            for _ in range(5):
+                i = next(sid)
+                r = pb.DraftStepRequest(step_id=i, binding_id=b.binding_id, binding_generation=b.generation,
+                                        num_requests=len(lens))
+                view = bufs.fill(r, embeds, step.positions, step.meta)
+                bell.send(r)
+                resp = bell.wait(i, 60.0)
+                assert resp is not None and resp.HasField("hidden_states"), resp
+                torch.cuda.synchronize(dev)
+                torch.testing.assert_close(view.cpu(), want, rtol=0, atol=0)
+                flags.append(resp.timings.prelaunched)
+            return flags
+
+        def free_bytes() -> int:
+            torch.cuda.synchronize(dev)
+            torch.cuda.ipc_collect()  # blocks shared over IPC are freed once the sidecar has let go of them
+            torch.cuda.empty_cache()
+            return torch.cuda.mem_get_info(dev)[0]
+
+        first = StepBuffers(stub, tiny_cfg.hidden_size, big, 300, torch.float32, dev)
+        assert steps(first) == [False, False, True, True, True]
+        before = free_bytes()
+        first.close()
+        freed = free_bytes() - before
+        assert freed >= 0.9 * region_bytes, f"{freed / 2**20:.1f} MiB freed of {region_bytes / 2**20:.1f}"
+        again = StepBuffers(stub, tiny_cfg.hidden_size, 4, 300, torch.float32, dev)
+        assert steps(again) == [False, False, True, True, True]
+        assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
+        bell.close()
+        again.close()

@@ -400,6 +400,26 @@ def test_close_unregisters_every_page_once(rig):
     assert q.done.synced == 1 and _word(rig) == bell.gpu_word(SEQ + 4, bell.SKIP_KEY)
 
 
+def test_forgetting_the_regions_unregisters_their_pages_and_queues_nothing_from_them(rig):
+    """UnregisterBuffers between a step's answer and its after(): the queued step is released and
+    finished, the metadata region's registration ends (before the sidecar unmaps the region), and
+    after() queues nothing from the step it had served; the next streak queues again."""
+    _queue(rig)
+    q = rig.pl.queued
+    region_pages = rig.gpu.registered[2:]  # after the header and the flag page
+    assert len(region_pages) == 1 and rig.gpu.unregistered == []
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
+    assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out  # answered from the queued copy
+    waits = len(rig.gpu.waits)
+    rig.pl.forget_regions()
+    assert rig.gpu.unregistered == region_pages and q.done.synced == 0  # taken: nothing left to wait for
+    rig.pl.after(SEQ + 2, OK)
+    assert rig.pl.queued is None and len(rig.gpu.waits) == waits
+    _serve(rig, SEQ + 3)
+    _serve(rig, SEQ + 4)  # a new streak: its region registered again, the next step queued
+    assert rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 5 and len(rig.gpu.registered) == 4
+
+
 def test_the_threshold_is_the_serve_flag_s_or_behind_s(rig):
     """Prelaunch(behind_s=...) is what serve --prelaunch-behind-ms passes (servicer -> doorbell)."""
     assert rig.pl.behind_s == prelaunch.BEHIND_S
