@@ -240,7 +240,6 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
                                pb.Parallel(tp_size=world, tp_rank=rank, dist_backend=dist_backend, device=str(device)),
                                f"mxfp8->{cfg.dtype}" if cfg.weights == "bf16" else "mxfp8", cfg.socket_dir,
                                cfg.prelaunch, cfg.prelaunch_behind_ms / 1e3)
-    late.inner = servicer
 
     def publish() -> None:
         """Health follows the lifecycle; with --strict-refusal a refused fast path is NOT_SERVING."""
@@ -258,6 +257,9 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
         secs = warm_up(ctx)
         log.info("rank %d: warm-up step (8 requests) took %.1f ms", rank, secs * 1e3)
     dist.barrier(group=cpu_group)  # every rank loaded and warmed up: the group can draft
+    # Only now: a step let in during the warm-up (a client that ignores NOT_SERVING) would put its
+    # collectives among the warm-up's, on this rank only.
+    late.inner = servicer
     life.state = "SERVING"
     publish()
     log.info("rank %d: %s (backend %s, CUDA graphs %s)", rank, life.state, life.backend,

@@ -30,6 +30,9 @@ from dspark_sidecar.server.rank import RankLoop
 
 log = logging.getLogger("dspark_sidecar.server")
 HALT_POLL_S = 0.05  # how often an idle doorbell looks at its halt flag
+# How long stop() waits for a step in progress: the pre-launch's wait for its copy (READY_TIMEOUT_S)
+# and a rendezvous fit well inside it.
+STOP_S = 10.0
 
 
 def _flag_exchange(world: int):
@@ -92,8 +95,19 @@ class Doorbell(threading.Thread):
         return self.output_event.ipc_handle() if self.output_event is not None else b""
 
     def stop(self) -> None:
+        """Halt the thread; it releases the pre-launch, the FIFO and the page as it ends. A step in
+        progress is never cut short: were the pre-launch dropped under it, its rank would skip the
+        queueing its peers do after that step (run()), pairing collectives of different steps."""
         self._halt.set()
-        self.join(timeout=2)
+        if self.ident is None:  # never started
+            self._release()
+            return
+        self.join(timeout=STOP_S)
+        if self.is_alive():
+            log.error("doorbell: still inside a step %.0f s after stop; it releases its page when that step ends",
+                      STOP_S)
+
+    def _release(self) -> None:
         if self.prelaunch is not None:
             self._drop_prelaunch()  # a queued step has finished before its memory goes
         if self.waker is not None:
@@ -102,6 +116,12 @@ class Doorbell(threading.Thread):
         self.memory.close()
 
     def run(self) -> None:
+        try:
+            self._ring_loop()
+        finally:
+            self._release()
+
+    def _ring_loop(self) -> None:
         if self.device.type == "cuda":  # per-thread current device: waits and records go to this GPU
             torch.cuda.set_device(self.device)
             self._stream = torch.cuda.current_stream(self.device)  # looked up once: ~6 us per call
@@ -121,18 +141,23 @@ class Doorbell(threading.Thread):
                 continue
             seq = self.page.word(bell.REQ_SEQ)
             self._seen_ns = time.monotonic_ns()  # StepTimings.seen_mono_ns (see _publish)
-            try:
-                resp = self._serve(seq)
-            except Exception as exc:  # noqa: BLE001  (the engine always gets an answer: it falls back)
-                log.exception("doorbell: step could not be served")
-                resp = pb.DraftStepResponse(error=pb.StepError(
-                    code=13, message=f"internal error: {type(exc).__name__}: {exc}"[:1000], reason="INTERNAL"))
+            # One hold of the loop's lock from the step to the queueing of the next: every rank queues
+            # it (the verdict's QUEUE_NEXT) right after the step, and other device work let in between
+            # (a gRPC step, a release of regions) would run before it here and after it on the peers,
+            # pairing their collectives with the wrong ones. Publishing inside costs nothing.
+            with self.loop.exclusive(quiesce=False):
                 try:
-                    self._publish(seq, resp)
-                except Exception:  # noqa: BLE001  (this thread must live on: the engine times out this step)
-                    log.exception("doorbell: the error answer to step %d could not be published either", seq)
-            if self.prelaunch is not None:  # after the answer is out: queue the next step
-                self._queue_next(seq, resp)
+                    resp = self._serve(seq)
+                except Exception as exc:  # noqa: BLE001  (the engine always gets an answer: it falls back)
+                    log.exception("doorbell: step could not be served")
+                    resp = pb.DraftStepResponse(error=pb.StepError(
+                        code=13, message=f"internal error: {type(exc).__name__}: {exc}"[:1000], reason="INTERNAL"))
+                    try:
+                        self._publish(seq, resp)
+                    except Exception:  # noqa: BLE001  (this thread must live on: the engine times out this step)
+                        log.exception("doorbell: the error answer to step %d could not be published either", seq)
+                if self.prelaunch is not None:  # after the answer is out: queue the next step
+                    self._queue_next(seq, resp)
             self._last = seq
             active = time.perf_counter()
 

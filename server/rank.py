@@ -82,7 +82,9 @@ class RankLoop:
     def __init__(self, ctx: RankContext, rendezvous: Rendezvous, graphs: StepGraphs | None = None) -> None:
         self.ctx, self.rendezvous, self.graphs = ctx, rendezvous, graphs
         self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()  # one step at a time, whichever thread runs it
+        # One step at a time, whichever thread runs it. Re-entrant: the doorbell thread holds it from
+        # a step through the queueing of the next (server/doorbell.py), and takes it again inside.
+        self._lock = threading.RLock()
         # Called, under the lock, before any device work other than a doorbell step: a doorbell may
         # have the next step queued behind a wait on the GPU (server/prelaunch.py), blocking the stream.
         self._quiesce: list[Callable[[bool], None]] = []

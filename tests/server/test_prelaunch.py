@@ -401,9 +401,10 @@ def test_close_unregisters_every_page_once(rig):
 
 
 def test_forgetting_the_regions_unregisters_their_pages_and_queues_nothing_from_them(rig):
-    """UnregisterBuffers between a step's answer and its after(): the queued step is released and
-    finished, the metadata region's registration ends (before the sidecar unmaps the region), and
-    after() queues nothing from the step it had served; the next streak queues again."""
+    """forget_regions (UnregisterBuffers), here between a step's take and its after(), which the doorbell
+    no longer lets happen (it holds the loop's lock from a step through after()): the queued step is
+    released and finished, the metadata region's registration ends (before the sidecar unmaps the
+    region), and nothing is queued from the step served; the next streak queues again."""
     _queue(rig)
     q = rig.pl.queued
     region_pages = rig.gpu.registered[2:]  # after the header and the flag page
