@@ -156,3 +156,52 @@ def test_attaching_a_doorbell_replaces_the_last_one_even_when_it_does_not_close_
             svc.doorbell.stop()
         for p in pages:
             p.close()
+
+
+class _SlowLoop(_Loop):
+    """A step that takes longer than stop() used to wait (2 s)."""
+
+    def answer_now(self, req, hook=None):
+        from dspark_sidecar.proto import sidecar_pb2 as pb
+
+        time.sleep(2.5)
+        return pb.DraftStepResponse(step_id=req.step_id)
+
+
+class _QueueingPrelaunch(_Prelaunch):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def settle(self) -> None:
+        pass
+
+    def hook(self, seq, req):
+        return None
+
+    def after(self, seq, resp) -> None:
+        assert not self.closed, "queueing on a closed pre-launch"
+        self.events.append(f"queued after {seq}")
+
+    def close(self) -> None:
+        self.events.append("closed")
+        super().close()
+
+
+def test_stop_during_a_step_lets_it_queue_the_next_before_the_prelaunch_goes():
+    """stop() (AttachDoorbell replacing this doorbell, or shutdown) waited 2 s, then closed the
+    pre-launch under a step still running: that step then skipped the queueing its peers did after
+    it (or raised on the closed pre-launch), and at TP > 1 the ranks' collectives paired with the
+    wrong steps. The thread now releases the pre-launch itself, after its step."""
+    page = _Page()
+    db = Doorbell(page, CAPACITY, _SlowLoop(), torch.device("cpu"), b"")
+    pl = db.prelaunch = _QueueingPrelaunch()
+    db.start()
+    db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, 1)
+    deadline = time.monotonic() + 5
+    while db._seen_ns == 0:  # the step is under way
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    db.stop()
+    assert not db.is_alive() and pl.events == ["queued after 1", "closed"] and db.prelaunch is None
+    assert int(page.storage[: bell.HEADER].view(torch.int64)[bell.RESP_SEQ]) == 1  # answered, then released
