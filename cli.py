@@ -112,6 +112,9 @@ def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
     cfg = serve_config(a)
     # Preset, checkpoint config and TP checked here, once: in the ranks each would print its own traceback.
     load_config(cfg.preset, cfg.checkpoint).check_tp(cfg.shard_of or cfg.tp)
+    from dspark_sidecar.server.backend import check_gpu_placement
+
+    check_gpu_placement(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun or our own launcher
         from dspark_sidecar.server.app import serve_rank
 

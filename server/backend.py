@@ -10,7 +10,7 @@ import torch
 
 from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.kernels.ops import REFERENCE_OPS, Ops
-from dspark_sidecar.server.config import ServeConfig
+from dspark_sidecar.server.config import ServeConfig, ServeConfigError
 from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
 
 log = logging.getLogger("dspark_sidecar.server")
@@ -35,6 +35,22 @@ def resolve_device(cfg: ServeConfig, local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise BackendUnavailable("--device cuda: no CUDA/ROCm device is visible")
     return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def check_gpu_placement(cfg: ServeConfig, visible: int | None = None) -> None:
+    """ServeConfigError when the ranks would share GPUs under NCCL/RCCL, which refuse two ranks of one
+    group on one GPU ("Duplicate GPU detected") at the first collective: after every shard has
+    loaded, as a traceback per rank (run 207). An explicit --dist-backend gloo may share them."""
+    if cfg.tp == 1 or cfg.device == "cpu" or cfg.dist_backend == "gloo" or cfg.shard_of:
+        return
+    if visible is None:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        return  # --device auto runs on CPU; --device cuda is refused by resolve_device with why
+    if cfg.tp > visible:
+        raise ServeConfigError(f"--tp {cfg.tp}: {visible} GPU(s) visible, and NCCL/RCCL cannot run two ranks of "
+                               f"one group on one GPU; make {cfg.tp} GPUs visible (CUDA_VISIBLE_DEVICES, "
+                               "HIP_VISIBLE_DEVICES), lower --tp, or use --device cpu")
 
 
 def _triton_reason(device: torch.device) -> str | None:

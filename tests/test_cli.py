@@ -47,3 +47,31 @@ def test_a_socket_folder_too_long_for_a_unix_socket_is_named(capsys):
     """gRPC's own bind error ("Failed to bind") named no flag."""
     assert cli.main(["serve", "--socket-dir", "/tmp/" + "d" * 120]) == 2
     assert "--socket-dir: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, refused", [
+    ({"tp": 2}, True),
+    ({"tp": 2, "device": "cuda"}, True),
+    ({"tp": 2, "dist_backend": "gloo"}, False),  # asked for: may share
+    ({"tp": 2, "device": "cpu"}, False),
+    ({"tp": 1}, False),
+])
+def test_more_ranks_than_gpus_under_nccl_is_refused_before_any_rank_starts(flags, refused, monkeypatch, capsys):
+    """NCCL refuses two ranks of one group on one GPU at the first collective ("Duplicate GPU detected",
+    run 207 on one H200): each rank printed a traceback after loading its shard."""
+    import torch
+
+    from dspark_sidecar.server import backend
+    from dspark_sidecar.server.config import ServeConfig, ServeConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = ServeConfig(**flags)
+    if refused:
+        with pytest.raises(ServeConfigError, match="--tp 2: 1 GPU\\(s\\) visible, and NCCL/RCCL cannot"):
+            backend.check_gpu_placement(cfg)
+        argv = ["serve"] + [w for k, v in flags.items() for w in (f"--{k.replace('_', '-')}", str(v))]
+        assert cli.main(argv) == 2 and "1 GPU(s) visible" in capsys.readouterr().err
+    else:
+        backend.check_gpu_placement(cfg)
+    backend.check_gpu_placement(cfg, visible=2)  # enough GPUs: never refused
