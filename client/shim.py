@@ -67,6 +67,11 @@ _NO_GEN = 1 << 62
 _TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING")
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _MAX_DOORBELL_PAGES = 8192  # block-table width the registered metadata region is sized for
+# A data plane refused for a passing reason (a sidecar busy past the deadline, e.g. at TP > 1 waiting
+# on its peers while it releases this rank's old regions) is asked for again after this long; until
+# then, and for good after any other refusal on this connection, steps use the gRPC stream.
+DOORBELL_RETRY_S = 5.0
+_PASSING = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 
 
 @functools.cache
@@ -111,6 +116,7 @@ class DrafterShim:
         self.connection = SidecarConnection(config.endpoint, channel_factory)
         self.doorbell: DoorbellTransport | None = None
         self._doorbell_off: str | None = None  # why this connection uses the gRPC stream instead
+        self._doorbell_retry_at = 0.0  # time.monotonic() before which a passing refusal is not asked again
         self._via_doorbell = False
         self.breaker = CircuitBreaker(config.breaker, self.connection.probe_health, clock,
                                       name=f"sidecar rank {self.rank}")
@@ -245,7 +251,8 @@ class DrafterShim:
                 self.breaker.record_failure(str(e))
                 self._drop_link()
                 return False, BIND_FAILED, False
-        if self.config.transport == "doorbell" and self.doorbell is None and self._doorbell_off is None:
+        if (self.config.transport == "doorbell" and self.doorbell is None and self._doorbell_off is None
+                and time.monotonic() >= self._doorbell_retry_at):
             self._attach_doorbell(layers)
         return True, "", False
 
@@ -262,6 +269,11 @@ class DrafterShim:
             log.info("sidecar rank %d: steps go through the shared-memory doorbell", self.rank)
         except (grpc.RpcError, DataPlaneError, HandleError, ValueError, RuntimeError) as e:
             detail = e.code().name if isinstance(e, grpc.RpcError) else str(e)
+            if isinstance(e, grpc.RpcError) and e.code() in _PASSING:
+                self._doorbell_retry_at = time.monotonic() + DOORBELL_RETRY_S
+                log.warning("sidecar rank %d: data plane not set up (%s): the gRPC stream for now, asking again "
+                            "in %.0f s", self.rank, detail, DOORBELL_RETRY_S)
+                return
             self._doorbell_off = f"data plane unavailable ({detail}): using the gRPC stream"
             log.warning("sidecar rank %d: %s", self.rank, self._doorbell_off)
 

@@ -269,6 +269,42 @@ class _DoorbellNeverAnswered(FakeSidecar):
         return pb.UnregisterBuffersResponse()
 
 
+class _BusyOnceThenAttaching(_DoorbellNeverAnswered):
+    """AttachDoorbell past the engine's deadline once (a sidecar rank waiting on its peers while it
+    releases this engine rank's old regions), then attaching."""
+
+    def AttachDoorbell(self, request, context):
+        self.calls["AttachDoorbell"] += 1
+        if self.calls["AttachDoorbell"] == 1:
+            import grpc
+
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "busy")
+        return pb.AttachDoorbellResponse()
+
+
+def test_a_data_plane_refused_for_a_passing_reason_is_asked_for_again(monkeypatch):
+    """It fell back to the gRPC stream until the link next dropped, which in a healthy run is never:
+    at TP > 1 one rank on the stream also turns pre-launched steps off for every rank."""
+    server = FakeServer(_BusyOnceThenAttaching(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, model, _ = make_shim(server.endpoint, transport="doorbell", step_deadline_s=0.2, late_grace_s=0.2)
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            out = shim.maybe_forward(ids, pos)  # over the stream meanwhile
+            assert out is not None and torch.equal(out, model.table[ids] * 2)
+            assert shim.doorbell is None and shim._doorbell_off is None
+            assert shim.maybe_forward(ids, pos) is not None  # not asked again before DOORBELL_RETRY_S
+            assert server.sidecar.calls["AttachDoorbell"] == 1
+            monkeypatch.setattr(S.time, "monotonic", lambda: time.perf_counter() + S.DOORBELL_RETRY_S + 3600)
+            shim.maybe_forward(ids, pos)  # asked again: attached (this fake then never answers the ring)
+        assert server.sidecar.calls["AttachDoorbell"] == 2 and shim.doorbell is not None
+        shim._unsettled = None  # let close() drop this test's link
+        monkeypatch.undo()
+        shim.close()
+    finally:
+        server.stop()
+
+
 def _unsettled_step(shim: DrafterShim, ids, pos) -> None:
     assert shim.maybe_forward(ids, pos) is None
     assert shim._unsettled is not None and shim.stats.fallbacks[S.DEADLINE] == 1
