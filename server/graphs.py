@@ -127,16 +127,12 @@ class StepGraphs:
         g.graph.replay()
         return g.out
 
-    def drop_in_place(self) -> int:
-        """Drop the graphs that read a registered region in place (the region is being released);
-        returns how many. Their next step captures again: alone on this rank, which is safe since a
-        capture step runs its collectives once (_capture)."""
-        gone = [key for key in self._graphs if key[1]]
-        if gone:
-            torch.cuda.synchronize(self.model.device)  # a replay still running reads the region
-            for key in gone:
-                del self._graphs[key]
-        return len(gone)
+    def drop_in_place(self) -> list:
+        """Take the graphs that read a registered region in place out of use (the region is being
+        released); returns them, for the caller to keep until the device has finished what it queued
+        (a replay may still read the region). Their next step captures again: alone on this rank,
+        which is safe since a capture step runs its collectives once (_capture)."""
+        return [self._graphs.pop(key) for key in [key for key in self._graphs if key[1]]]
 
     def close(self) -> None:
         """Drop every graph once its work is done: at TP > 1 they hold NCCL work, and destroying the

@@ -153,10 +153,10 @@ class MemoryBindings:
                                f"rank ({len(self._regions)} registered); nothing was released", "region_ids",
                                "UNKNOWN_REGION")
 
-    def unregister(self, ids: list[int]) -> None:
-        """Release regions, all or none. The caller has stopped everything that reads them in place
-        (servicer.UnregisterBuffers); the cached views and checked layouts go here, and each mapping
-        goes once no tensor still views it (MappedMemory.close)."""
+    def unregister(self, ids: list[int]) -> list[MappedMemory]:
+        """Release regions, all or none: steps can no longer name them. The cached views and checked
+        layouts go here; the mappings are returned for the caller to close once the device no longer
+        reads them (servicer.UnregisterBuffers)."""
         with self._lock:
             self.check_registered(ids)
             released = [self._regions.pop(rid) for rid in dict.fromkeys(ids)]
@@ -165,8 +165,7 @@ class MemoryBindings:
             # hold a view of a released region (and so its memory).
             self._views.clear()
             self.layouts.clear()
-        for m in released:
-            m.close()
+        return released
 
     @property
     def region_count(self) -> int:

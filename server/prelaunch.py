@@ -437,18 +437,24 @@ class Prelaunch:
         the program may instead run that step for real: the same writes the ordinary run repeats."""
         self.page.words[bell.GPU_WORD] = bell.gpu_word(seq, bell.SKIP_KEY)
 
-    def forget_regions(self) -> None:
-        """The engine's regions are being released (UnregisterBuffers): let go of everything that
-        reads them. The queued step is released and finished; the layouts' captured metadata copies
-        and gated output copies (their addresses are in the regions) go, and so do the registrations
-        of the metadata pages, which must end before the pages are unmapped. The next step served
-        is no streak's continuation, so nothing is queued from a step of the old regions."""
-        self.release(wait=True)
+    def forget_regions(self):
+        """The engine's regions are being released (UnregisterBuffers): stop using anything that reads
+        them. The queued step is released (not waited for); the layouts' captured metadata copies and
+        gated output copies (their addresses are in the regions) and the registrations of the metadata
+        pages are taken out of use. Returns finish(), to call once the device has done all work queued
+        so far: it ends the registrations (before the pages may be unmapped) and lets the copies go.
+        Nothing is queued from a step of the old regions: the next one served starts a new streak."""
+        self.release()
         self._served = None
-        self._replays.clear()
-        for reg in self._regions.values():
-            reg.close()
-        self._regions.clear()
+        pages, replays = list(self._regions.values()), self._replays
+        self._regions, self._replays = {}, {}
+
+        def finish() -> None:
+            for reg in pages:
+                reg.close()
+            replays.clear()
+
+        return finish
 
     def close(self) -> None:
         if self._flag_buf.closed:

@@ -88,6 +88,9 @@ class RankLoop:
         # Called, under the lock, before any device work other than a doorbell step: a doorbell may
         # have the next step queued behind a wait on the GPU (server/prelaunch.py), blocking the stream.
         self._quiesce: list[Callable[[bool], None]] = []
+        # (event, fn): fn runs, under the lock, once the device has done the work queued before the event
+        # (after_device); looked at before each step and each exclusive section.
+        self._deferred: list[tuple[object, Callable[[], None]]] = []
         self._worker = threading.Thread(target=self._work, name=f"dspark-rank{ctx.rank}", daemon=True)
         self._worker.start()
 
@@ -106,7 +109,31 @@ class RankLoop:
         with self._lock:
             for fn in self._quiesce if quiesce else ():
                 fn(wait)
+            self._sweep()
             yield
+
+    def after_device(self, fn: Callable[[], None], wait: bool = False) -> None:
+        """Run fn once the device has done every step and queued copy launched so far (on the graphs'
+        stream): at once if it has, or with wait; else before a later step or exclusive section.
+        Called under the lock (exclusive)."""
+        if self.graphs is None:  # no graphs: steps run eagerly and in order, nothing is queued ahead
+            fn()
+            return
+        done = torch.cuda.Event()
+        done.record(self.graphs.stream)
+        if wait:
+            done.synchronize()
+        self._deferred.append((done, fn))
+        self._sweep()
+
+    def _sweep(self) -> None:
+        while self._deferred and self._deferred[0][0].query():
+            _, fn = self._deferred.pop(0)
+            try:
+                with torch.cuda.device(self.ctx.model.device):  # from any thread: e.g. page unregistrations
+                    fn()
+            except Exception:  # noqa: BLE001  (a cleanup that fails must not fail the step or RPC that ran it)
+                log.exception("rank %d: deferred release failed; its memory stays mapped", self.ctx.rank)
 
     def submit(self, req: pb.DraftStepRequest) -> concurrent.futures.Future:
         """A future of the DraftStepResponse; it raises SidecarError on failure (unary path)."""
@@ -140,6 +167,8 @@ class RankLoop:
     def close(self) -> None:
         self._queue.put(None)
         self._worker.join(timeout=10)
+        with self._lock:
+            self._sweep()  # what is still deferred waits on a peer that is gone: left to the exit
 
     # The worker -----------------------------------------------------------------------------
     def _work(self) -> None:
@@ -154,6 +183,8 @@ class RankLoop:
                     fut.set_exception(err)
 
     def _guarded(self, req: pb.DraftStepRequest, t_enq: int, expires: int, prelaunched=None) -> pb.DraftStepResponse:
+        if self._deferred:
+            self._sweep()
         try:
             return self._run(req, t_enq, expires, prelaunched)
         except SidecarError:

@@ -137,14 +137,27 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._require_same_node(context)
         ids = list(request.region_ids)
         self.ctx.memory.check_registered(ids)  # NOT_FOUND before anything is dropped
-        # The doorbell stays as it is (no new one may attach meanwhile); nothing runs on the device
-        # meanwhile, and what was queued there has finished (wait=True).
-        with self._attach_lock, self.loop.exclusive(wait=True):
+        # The doorbell stays as it is (no new one may attach meanwhile), and nothing else runs on the
+        # device. What reads the regions is taken out of use at once; it is let go, and the regions
+        # closed, once the device has done everything queued so far (RankLoop.after_device). At TP 1
+        # that is waited for here. At TP > 1 it is not: a released pre-launched copy finishes only
+        # when its peers' copies do, which start when their engines ring the next step, and those
+        # engines wait for this one, which is inside this call.
+        with self._attach_lock, self.loop.exclusive(wait=False):
+            finish = []
             if self.doorbell is not None and self.doorbell.prelaunch is not None:
-                self.doorbell.prelaunch.forget_regions()
-            if self.loop.graphs is not None:
-                self.loop.graphs.drop_in_place()
-            self.ctx.memory.unregister(ids)
+                finish.append(self.doorbell.prelaunch.forget_regions())
+            graphs = self.loop.graphs.drop_in_place() if self.loop.graphs is not None else []
+            released = self.ctx.memory.unregister(ids)
+
+            def done() -> None:
+                for fn in finish:  # the page registrations end before the pages may be unmapped
+                    fn()
+                graphs.clear()
+                for m in released:  # each goes with its last view (MappedMemory.close)
+                    m.close()
+
+            self.loop.after_device(done, wait=self.ctx.world == 1)
         log.info("rank %d: %d buffer regions released (%d still registered)", self.ctx.rank, len(ids),
                  self.ctx.memory.region_count)
         return pb.UnregisterBuffersResponse()

@@ -114,7 +114,8 @@ def test_region_ids_are_random_never_reused_and_released_all_or_none(segment):
         with pytest.raises(SidecarError, match="region_ids: 7 is not registered") as err:
             mem.unregister([a, 7])
         assert err.value.reason == "UNKNOWN_REGION" and mem.region_count == 2
-        mem.unregister([a])
+        for m in mem.unregister([a]):
+            m.close()
         assert mem.region_count == 1
         with pytest.raises(ValueError, match=f"region {a} is not registered"):  # not from the view cache
             mem.resolve(pb.RegionSlice(region_id=a, offset_bytes=0), torch.int32, (4,), "positions")

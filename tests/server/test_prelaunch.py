@@ -403,8 +403,9 @@ def test_close_unregisters_every_page_once(rig):
 def test_forgetting_the_regions_unregisters_their_pages_and_queues_nothing_from_them(rig):
     """forget_regions (UnregisterBuffers), here between a step's take and its after(), which the doorbell
     no longer lets happen (it holds the loop's lock from a step through after()): the queued step is
-    released and finished, the metadata region's registration ends (before the sidecar unmaps the
-    region), and nothing is queued from the step served; the next streak queues again."""
+    released without a host wait, the metadata region's registration ends only in finish() (once the
+    device has passed what was queued, before the sidecar unmaps the region), and nothing is queued
+    from the step served; the next streak queues again."""
     _queue(rig)
     q = rig.pl.queued
     region_pages = rig.gpu.registered[2:]  # after the header and the flag page
@@ -412,8 +413,10 @@ def test_forgetting_the_regions_unregisters_their_pages_and_queues_nothing_from_
     rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
     assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out  # answered from the queued copy
     waits = len(rig.gpu.waits)
-    rig.pl.forget_regions()
-    assert rig.gpu.unregistered == region_pages and q.done.synced == 0  # taken: nothing left to wait for
+    finish = rig.pl.forget_regions()
+    assert rig.gpu.unregistered == [] and q.done.synced == 0  # no host wait; the device may still read them
+    finish()  # the device has passed the point (RankLoop.after_device)
+    assert rig.gpu.unregistered == region_pages and rig.pl._replays == {}
     rig.pl.after(SEQ + 2, OK)
     assert rig.pl.queued is None and len(rig.gpu.waits) == waits
     _serve(rig, SEQ + 3)
