@@ -112,9 +112,6 @@ def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
     cfg = serve_config(a)
     # Preset, checkpoint config and TP checked here, once: in the ranks each would print its own traceback.
     load_config(cfg.preset, cfg.checkpoint).check_tp(cfg.shard_of or cfg.tp)
-    from dspark_sidecar.server.backend import check_gpu_placement
-
-    check_gpu_placement(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun or our own launcher
         from dspark_sidecar.server.app import serve_rank
 
@@ -124,8 +121,13 @@ def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
 
         return serve_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                           int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    from dspark_sidecar.server.backend import check_gpu_placement
     from dspark_sidecar.server.healthcheck import check
     from dspark_sidecar.server.launcher import launch
+
+    # Our launcher spawns every rank on this machine's visible GPUs. Not under torchrun, which may
+    # give each rank GPUs of its own (a scheduler's per-rank CUDA_VISIBLE_DEVICES).
+    check_gpu_placement(cfg)
 
     def ready() -> bool:
         states = [check(f"unix:{cfg.socket_path(r)}", 1.0) for r in range(cfg.tp)]

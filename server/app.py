@@ -70,6 +70,7 @@ class LateServicer(pb_grpc.DrafterSidecarServicer):
 
     def __init__(self) -> None:
         self.inner: DrafterServicer | None = None
+        self.status_source: DrafterServicer | None = None  # GetStatus before `inner` (state LOADING during warm-up)
 
     def _target(self) -> DrafterServicer:
         if self.inner is None:
@@ -78,7 +79,8 @@ class LateServicer(pb_grpc.DrafterSidecarServicer):
         return self.inner
 
     def GetStatus(self, request, context):
-        return self._target().GetStatus(request, context)
+        src = self.inner or self.status_source
+        return (src or self._target()).GetStatus(request, context)
 
     def BindKV(self, request, context):
         return self._target().BindKV(request, context)
@@ -240,6 +242,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
                                pb.Parallel(tp_size=world, tp_rank=rank, dist_backend=dist_backend, device=str(device)),
                                f"mxfp8->{cfg.dtype}" if cfg.weights == "bf16" else "mxfp8", cfg.socket_dir,
                                cfg.prelaunch, cfg.prelaunch_behind_ms / 1e3)
+    late.status_source = servicer  # reads only: safe during the warm-up
 
     def publish() -> None:
         """Health follows the lifecycle; with --strict-refusal a refused fast path is NOT_SERVING."""

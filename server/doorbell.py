@@ -108,10 +108,14 @@ class Doorbell(threading.Thread):
                       STOP_S)
 
     def _release(self) -> None:
-        if self.prelaunch is not None:
-            self._drop_prelaunch()  # a queued step has finished before its memory goes
         if self.waker is not None:
             self.waker.close()
+        if self.prelaunch is not None:  # the page's registration ends, then the page goes: once the device is done
+            self._drop_prelaunch(then=self._close_page)
+        else:
+            self._close_page()
+
+    def _close_page(self) -> None:
         self.page.close()
         self.memory.close()
 
@@ -133,6 +137,7 @@ class Doorbell(threading.Thread):
             if not rung():
                 if self.prelaunch is not None:  # a cooldown step's word, timed as it lands (prelaunch.py)
                     self.prelaunch.watch()
+                self.loop.sweep_idle()  # memory released while the device still read it (RankLoop.after_device)
                 idle = time.perf_counter() - active
                 if self.waker is not None and idle > bell.DOZE_S:  # between bursts: no polling at all
                     self.waker.sleep(self.page, rung, HALT_POLL_S)
@@ -174,12 +179,21 @@ class Doorbell(threading.Thread):
             log.exception("doorbell: could not pre-launch the next step; steps are no longer pre-launched")
             self._drop_prelaunch()
 
-    def _drop_prelaunch(self) -> None:
-        """Unhook and close the pre-launch (its queued step released and finished); steps then run the ordinary way."""
-        self.loop.on_quiesce(None, old=self.prelaunch.release)
+    def _drop_prelaunch(self, then=None) -> None:
+        """Unhook the pre-launch; steps then run the ordinary way. Its queued step is released, and its
+        memory (and then `then()`) goes once the device has done all work queued so far: waited for at
+        TP 1; at TP > 1 a released copy finishes only with its peers' (RankLoop.after_device)."""
+        pl, self.prelaunch = self.prelaunch, None
+        self.loop.on_quiesce(None, old=pl.release)
         with self.loop.exclusive(quiesce=False):
-            self.prelaunch.close()
-        self.prelaunch = None
+            finish = pl.detach()
+
+            def done() -> None:
+                finish()
+                if then is not None:
+                    then()
+
+            self.loop.after_device(done)
 
     def _serve(self, seq: int) -> pb.DraftStepResponse:
         try:

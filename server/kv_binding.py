@@ -54,7 +54,9 @@ class MemoryBindings:
         self.layouts: dict[tuple, tuple] = {}  # validate.py's checked step tensors per request layout
 
     # KV -------------------------------------------------------------------------------------
-    def bind(self, req: pb.BindKVRequest) -> KVBinding:
+    def bind(self, req: pb.BindKVRequest, retire=lambda close: close()) -> KVBinding:
+        """Map the engine's cache and make it the current binding; the previous one is closed through
+        retire(close) (RankLoop.after_device: once the device no longer reads it)."""
         e = req.engine
         if e.engine_rank != self.rank:
             raise precondition(f"engine rank {e.engine_rank} bound to sidecar rank {self.rank}: engine rank r "
@@ -104,17 +106,17 @@ class MemoryBindings:
             self.kv = KVBinding(secrets.randbits(62) or 1, self.generation, layers, int(num_pages),
                                 req.page_size, facts, mappings)
         if old is not None:
-            old.close()
+            retire(old.close)
         return self.kv
 
-    def unbind(self, binding_id: int) -> None:
+    def unbind(self, binding_id: int, retire=lambda close: close()) -> None:
         with self._lock:
             kv = self.kv
             if kv is None or kv.binding_id != binding_id:
                 raise precondition(f"binding_id: {binding_id} is not the current binding", "UNKNOWN_BINDING",
                                    "binding_id")
             self.kv = None
-        kv.close()
+        retire(kv.close)
 
     def check(self, binding_id: int, generation: int) -> KVBinding:
         """The binding a step names, or FAILED_PRECONDITION telling the engine to re-bind."""

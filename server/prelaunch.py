@@ -139,6 +139,7 @@ class Prelaunch:
         self._flag = DevicePointer(self._flag_page.device_ptr, torch.int32)
         self._ready = event()  # recorded after the metadata program of the queued step
         self._regions: dict[int, RegisteredPage] = {}  # metadata storages registered with the GPU
+        self._detached = False  # detach() called: out of use, its memory freed by the finish() it returned
         self.queued: _Queued | None = None
         self._last: tuple | None = None  # (launch key, layout token, R) of the last step served
         self._streak = 0
@@ -456,18 +457,38 @@ class Prelaunch:
 
         return finish
 
+    def detach(self):
+        """Out of use for good: the queued step released, without a host wait (a released copy at
+        TP > 1 finishes only with its peers'). Returns finish(), to call once the device has done all
+        work queued so far (RankLoop.after_device): it ends the page registrations, the region pages'
+        and this pre-launch's own (the header, the flag page, which the copies' programs and gates
+        write through), and lets the captured copies and exchanges go."""
+        if self._flag_buf.closed or self._detached:
+            return lambda: None
+        self._detached = True
+        self.release()
+        regions, agreements, replays = list(self._regions.values()), self._agreements, self._replays
+        self._regions, self._agreements, self._replays = {}, {}, {}
+        flag_page, header, flag_buf = self._flag_page, self._header, self._flag_buf
+        self._flag_host = None  # its only view of the flag page's memory: the unmap below needs none left
+
+        def finish() -> None:
+            for reg in regions:
+                reg.close()
+            agreements.clear()  # graphs holding collectives go before the communicator does (app.py)
+            replays.clear()
+            flag_page.close()
+            header.close()
+            flag_buf.close()
+
+        return finish
+
     def close(self) -> None:
-        if self._flag_buf.closed:
+        """Release and wait for the queued step, then free everything at once (TP 1, tests)."""
+        if self._flag_buf.closed or self._detached:
             return
         self.release(wait=True)
-        for reg in self._regions.values():
-            reg.close()
-        self._regions.clear()
-        self._agreements.clear()  # graphs holding collectives go before the communicator does (app.py)
-        self._flag_page.close()
-        self._header.close()
-        del self._flag_host
-        self._flag_buf.close()
+        self.detach()()
 
 
 def _same_view(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

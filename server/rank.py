@@ -31,6 +31,7 @@ from dspark_sidecar.server.rendezvous import Post, Rendezvous, digest
 from dspark_sidecar.server.validate import Step, check_indices, validate_step
 
 log = logging.getLogger("dspark_sidecar.server")
+DRAIN_S = 5.0  # how long close() waits for releases held until the device is done (after_device)
 
 
 @dataclass
@@ -112,19 +113,28 @@ class RankLoop:
             self._sweep()
             yield
 
-    def after_device(self, fn: Callable[[], None], wait: bool = False) -> None:
+    def after_device(self, fn: Callable[[], None], wait: bool | None = None) -> None:
         """Run fn once the device has done every step and queued copy launched so far (on the graphs'
-        stream): at once if it has, or with wait; else before a later step or exclusive section.
-        Called under the lock (exclusive)."""
+        stream): at once if it has, or with wait; else before a later step or exclusive section, or
+        from the idle doorbell (sweep_idle). wait=None: wait at TP 1 only, where nothing queued waits
+        on a peer. Called under the lock (exclusive)."""
         if self.graphs is None:  # no graphs: steps run eagerly and in order, nothing is queued ahead
             fn()
             return
         done = torch.cuda.Event()
         done.record(self.graphs.stream)
-        if wait:
+        if self.ctx.world == 1 if wait is None else wait:
             done.synchronize()
         self._deferred.append((done, fn))
         self._sweep()
+
+    def sweep_idle(self) -> None:
+        """Between steps (the doorbell's idle loop): run what after_device holds, if the lock is free."""
+        if self._deferred and self._lock.acquire(blocking=False):
+            try:
+                self._sweep()
+            finally:
+                self._lock.release()
 
     def _sweep(self) -> None:
         while self._deferred and self._deferred[0][0].query():
@@ -167,8 +177,17 @@ class RankLoop:
     def close(self) -> None:
         self._queue.put(None)
         self._worker.join(timeout=10)
-        with self._lock:
-            self._sweep()  # what is still deferred waits on a peer that is gone: left to the exit
+        # Peers stopping too let their released copies finish; what still waits after a few seconds
+        # waits on a peer that is gone, and is left to the process exit.
+        deadline = time.monotonic() + DRAIN_S
+        while True:
+            with self._lock:
+                self._sweep()
+                if not self._deferred or time.monotonic() > deadline:
+                    break
+            time.sleep(0.01)
+        if self._deferred:
+            log.warning("rank %d: %d releases still wait on the device at exit", self.ctx.rank, len(self._deferred))
 
     # The worker -----------------------------------------------------------------------------
     def _work(self) -> None:

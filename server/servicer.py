@@ -112,8 +112,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def BindKV(self, request, context):
         self._require_same_node(context)
-        with self.loop.exclusive():  # a re-bind unmaps the old cache: nothing queued may still read it
-            kv = self.ctx.memory.bind(request)
+        with self.loop.exclusive():  # the old cache is unmapped once the device no longer reads it
+            kv = self.ctx.memory.bind(request, self.loop.after_device)
         self.ctx.metrics.bound()
         why = self.refusal()
         log.info("rank %d: KV bound (binding %d, generation %d, %d pages x %d); fast path: %s", self.ctx.rank,
@@ -126,7 +126,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     def UnbindKV(self, request, context):
         self._require_same_node(context)
         with self.loop.exclusive():
-            self.ctx.memory.unbind(request.binding_id)
+            self.ctx.memory.unbind(request.binding_id, self.loop.after_device)
         return pb.UnbindKVResponse()
 
     def RegisterBuffers(self, request, context):
@@ -144,11 +144,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # when its peers' copies do, which start when their engines ring the next step, and those
         # engines wait for this one, which is inside this call.
         with self._attach_lock, self.loop.exclusive(wait=False):
+            released = self.ctx.memory.unregister(ids)  # first: all or none (a duplicate call raced this one)
             finish = []
             if self.doorbell is not None and self.doorbell.prelaunch is not None:
                 finish.append(self.doorbell.prelaunch.forget_regions())
             graphs = self.loop.graphs.drop_in_place() if self.loop.graphs is not None else []
-            released = self.ctx.memory.unregister(ids)
 
             def done() -> None:
                 for fn in finish:  # the page registrations end before the pages may be unmapped
@@ -157,7 +157,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 for m in released:  # each goes with its last view (MappedMemory.close)
                     m.close()
 
-            self.loop.after_device(done, wait=self.ctx.world == 1)
+            self.loop.after_device(done)
         log.info("rank %d: %d buffer regions released (%d still registered)", self.ctx.rank, len(ids),
                  self.ctx.memory.region_count)
         return pb.UnregisterBuffersResponse()

@@ -39,6 +39,12 @@ class _Loop:
     def exclusive(self, wait: bool = True, quiesce: bool = True):
         yield
 
+    def after_device(self, fn, wait=None) -> None:  # no GPU: nothing queued ahead
+        fn()
+
+    def sweep_idle(self) -> None:
+        pass
+
 
 class _Prelaunch:
     """Counts the idle loop's watch() calls (server/prelaunch.py times a cooldown step's word there)."""
@@ -53,6 +59,9 @@ class _Prelaunch:
 
     def release(self, wait: bool = False) -> None:
         pass
+
+    def detach(self):
+        return self.close
 
     def close(self) -> None:
         self.closed = True
@@ -205,3 +214,27 @@ def test_stop_during_a_step_lets_it_queue_the_next_before_the_prelaunch_goes():
     db.stop()
     assert not db.is_alive() and pl.events == ["queued after 1", "closed"] and db.prelaunch is None
     assert int(page.storage[: bell.HEADER].view(torch.int64)[bell.RESP_SEQ]) == 1  # answered, then released
+
+
+class _DeferringLoop(_Loop):
+    """A TP > 1 rank's loop: what after_device is given waits for the test to say the device passed."""
+
+    def __init__(self) -> None:
+        self.held: list = []
+
+    def after_device(self, fn, wait=None) -> None:
+        self.held.append(fn)
+
+
+def test_a_stopped_doorbell_keeps_its_page_until_the_device_has_passed():
+    """The pre-launch registered the page's header with the GPU: a released copy still queued (at
+    TP > 1 until its peers' copies run) writes through it, so the page outlives stop() until then."""
+    loop = _DeferringLoop()
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"")
+    pl = db.prelaunch = _Prelaunch()
+    db.start()
+    db.stop()
+    assert not db.is_alive() and db.prelaunch is None and not pl.closed and db.page.words is not None
+    [done] = loop.held
+    done()
+    assert pl.closed and db.page.words is None

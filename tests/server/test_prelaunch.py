@@ -400,6 +400,21 @@ def test_close_unregisters_every_page_once(rig):
     assert q.done.synced == 1 and _word(rig) == bell.gpu_word(SEQ + 4, bell.SKIP_KEY)
 
 
+def test_detaching_frees_nothing_before_the_device_has_passed(rig):
+    """At TP > 1 a released copy finishes only with its peers' copies, and its program and gate write
+    through the header and the flag page. Doorbell.stop() (a re-attach after one engine rank's link
+    dropped) used to unregister and unmap them at once, the copy still queued: a stray device write."""
+    _queue(rig)
+    q = rig.pl.queued
+    finish = rig.pl.detach()
+    assert rig.pl.queued is None and q.done.synced == 0 and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    assert rig.gpu.unregistered == [] and not rig.pl._flag_buf.closed
+    rig.pl.close()  # detached: close() has nothing left to free
+    assert rig.gpu.unregistered == []
+    finish()  # the device has passed (RankLoop.after_device)
+    assert sorted(rig.gpu.unregistered) == sorted(rig.gpu.registered) and rig.pl._flag_buf.closed
+
+
 def test_forgetting_the_regions_unregisters_their_pages_and_queues_nothing_from_them(rig):
     """forget_regions (UnregisterBuffers), here between a step's take and its after(), which the doorbell
     no longer lets happen (it holds the loop's lock from a step through after()): the queued step is
