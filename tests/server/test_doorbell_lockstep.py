@@ -83,8 +83,9 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
         def _pass(self, seq):
             pass
 
-        def close(self):
-            self.release(wait=True)
+        def detach(self):
+            self.release()
+            return lambda: None
 
     if rank == 0:
         board = Board(board_name, world, create=True)
@@ -141,7 +142,8 @@ def test_a_release_of_regions_on_one_rank_waits_for_the_queueing_after_the_step(
     holds of the loop's lock): that rank skipped the queued copy its peer made, and every all-reduce
     after it summed one rank's step with the other's queued copy (answers 104, 106 instead of 4, 6)."""
     for release in (False, True):
-        got = run_ranks(2, _rank, release, f"dspark-t-lockstep-{int(time.time() * 1e3) % 10**9}{int(release)}")
+        got = run_ranks(2, _rank, release, f"dspark-t-lockstep-{int(time.time() * 1e3) % 10**9}{int(release)}",
+                        timeout_s=60)
         for r, res in enumerate(got):
             assert res["answers"] == {1: 2.0, 2: 4.0, 3: 6.0}, (release, r, res)
         if release:
