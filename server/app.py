@@ -289,6 +289,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     if graphs is not None:
         stage[0] = "dropping the CUDA graphs"
         graphs.close()
+        loop.drain()  # the device is synchronized: releases still held (at TP > 1) go before the group does
     if fast is not None:
         stage[0] = "the FlyDSL fast path"
         fast.close()

@@ -92,6 +92,7 @@ class RankLoop:
         # (event, fn): fn runs, under the lock, once the device has done the work queued before the event
         # (after_device); looked at before each step and each exclusive section.
         self._deferred: list[tuple[object, Callable[[], None]]] = []
+        self._idle_stream = None  # where deferred releases run (_sweep), made on first use
         self._worker = threading.Thread(target=self._work, name=f"dspark-rank{ctx.rank}", daemon=True)
         self._worker.start()
 
@@ -118,7 +119,9 @@ class RankLoop:
         stream): at once if it has, or with wait; else before a later step or exclusive section, or
         from the idle doorbell (sweep_idle). wait=None: wait at TP 1 only, where nothing queued waits
         on a peer. Called under the lock (exclusive)."""
-        if self.graphs is None:  # no graphs: steps run eagerly and in order, nothing is queued ahead
+        if self.graphs is None:
+            # No graphs, so no pre-launch: eager GPU steps are asynchronous, but torch's IPC deleter
+            # synchronizes before unmapping, and host shared memory is copied synchronously.
             fn()
             return
         done = torch.cuda.Event()
@@ -137,13 +140,36 @@ class RankLoop:
                 self._lock.release()
 
     def _sweep(self) -> None:
-        while self._deferred and self._deferred[0][0].query():
+        while self._deferred and self._passed(self._deferred[0][0]):
             _, fn = self._deferred.pop(0)
             try:
-                with torch.cuda.device(self.ctx.model.device):  # from any thread: e.g. page unregistrations
+                # From any thread, with the device current (page unregistrations need its context), on
+                # an idle stream of our own: torch frees a CUDA IPC mapping after synchronizing the
+                # current stream, and the rank's stream may hold a queued copy waiting on its engine
+                # (or, at TP > 1, on its peers), which this thread, holding the lock, would wait for.
+                with torch.cuda.device(self.ctx.model.device), torch.cuda.stream(self._release_stream()):
                     fn()
             except Exception:  # noqa: BLE001  (a cleanup that fails must not fail the step or RPC that ran it)
                 log.exception("rank %d: deferred release failed; its memory stays mapped", self.ctx.rank)
+
+    def _release_stream(self):
+        if self._idle_stream is None:
+            self._idle_stream = torch.cuda.Stream(self.ctx.model.device)
+        return self._idle_stream
+
+    def _passed(self, event) -> bool:
+        try:
+            return event.query()
+        except Exception:  # noqa: BLE001
+            # An error on the device (a fault in a step or copy): nothing queued can be trusted, as
+            # after a failed launch (_guarded). One clear line, then the rank exits.
+            log.exception("rank %d: the device failed before a deferred release; exiting", self.ctx.rank)
+            os._exit(3)
+
+    def drain(self) -> None:
+        """After the device has been synchronized (shutdown): run every release whose work is done."""
+        with self._lock:
+            self._sweep()
 
     def submit(self, req: pb.DraftStepRequest) -> concurrent.futures.Future:
         """A future of the DraftStepResponse; it raises SidecarError on failure (unary path)."""

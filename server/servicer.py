@@ -112,7 +112,10 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def BindKV(self, request, context):
         self._require_same_node(context)
-        with self.loop.exclusive():  # the old cache is unmapped once the device no longer reads it
+        # No host wait for a queued copy (wait=False; at TP > 1 it finishes only with its peers'): the old
+        # cache is unmapped once the device no longer reads it, and a step graph bound to it is dropped
+        # at the next step (CUDA defers destroying a graph still running).
+        with self.loop.exclusive(wait=False):
             kv = self.ctx.memory.bind(request, self.loop.after_device)
         self.ctx.metrics.bound()
         why = self.refusal()
@@ -125,7 +128,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def UnbindKV(self, request, context):
         self._require_same_node(context)
-        with self.loop.exclusive():
+        with self.loop.exclusive(wait=False):  # as BindKV
             self.ctx.memory.unbind(request.binding_id, self.loop.after_device)
         return pb.UnbindKVResponse()
 

@@ -35,14 +35,94 @@ class _Event:
 
 
 @pytest.fixture
-def loop(monkeypatch):
+def gpu(monkeypatch):
+    """torch.cuda's events, device and streams as stand-ins; records which stream each release ran on."""
     _Event.made.clear()
+    current = []
     monkeypatch.setattr(rank_mod.torch.cuda, "Event", _Event)
     monkeypatch.setattr(rank_mod.torch.cuda, "device", lambda dev: contextlib.nullcontext())
-    ctx = RankContext(0, 2, SimpleNamespace(), SimpleNamespace(device=torch.device("cpu")), None, None, Metrics(0), 8)
-    lp = RankLoop(ctx, None, SimpleNamespace(stream="graphs' stream"))  # type: ignore[arg-type]
+    monkeypatch.setattr(rank_mod.torch.cuda, "Stream", lambda device=None: "idle stream")
+
+    @contextlib.contextmanager
+    def stream(s):
+        current.append(s)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(rank_mod.torch.cuda, "stream", stream)
+    return current
+
+
+def _loop(world: int) -> RankLoop:
+    ctx = RankContext(0, world, SimpleNamespace(), SimpleNamespace(device=torch.device("cpu")), None, None,
+                      Metrics(0), 8)
+    return RankLoop(ctx, None, SimpleNamespace(stream="graphs' stream"))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def loop(gpu):
+    lp = _loop(2)
     yield lp
     lp.close()
+
+
+def test_releases_run_on_an_idle_stream_of_their_own(loop, gpu):
+    """torch synchronizes the current stream before it unmaps CUDA IPC memory; on the rank's stream
+    that could wait, lock held, for a copy that waits on the engine."""
+    on = []
+    with loop.exclusive():
+        loop.after_device(lambda: on.append(list(gpu)))
+    _Event.made[0].done = True
+    with loop.exclusive():
+        pass
+    assert on == [["idle stream"]]
+
+
+def test_at_tp1_the_release_is_waited_for_in_the_call(gpu):
+    lp = _loop(1)
+    try:
+        ran = []
+        with lp.exclusive():
+            lp.after_device(lambda: ran.append(1))
+        assert ran == [1] and _Event.made[0].synced == 1
+    finally:
+        lp.close()
+
+
+def test_the_idle_doorbell_sweeps_unless_a_step_holds_the_lock(loop):
+    import threading
+
+    ran = []
+    with loop.exclusive():
+        loop.after_device(lambda: ran.append(1))
+    held, go = threading.Event(), threading.Event()
+
+    def step() -> None:
+        with loop.exclusive(quiesce=False):
+            held.set()
+            go.wait(5)
+
+    t = threading.Thread(target=step)
+    t.start()
+    held.wait(5)
+    _Event.made[0].done = True  # the device got there during the step
+    loop.sweep_idle()  # another thread's step holds the lock: not now, and no wait
+    assert ran == []
+    go.set()
+    t.join(5)
+    loop.sweep_idle()
+    assert ran == [1]
+
+
+def test_shutdown_runs_what_the_device_has_passed(loop):
+    ran = []
+    with loop.exclusive():
+        loop.after_device(lambda: ran.append(1))
+    loop.drain()
+    assert ran == []
+    _Event.made[0].done = True  # as after the device is synchronized (app.py)
+    loop.drain()
+    assert ran == [1]
 
 
 def test_released_memory_waits_for_the_device_not_for_the_host(loop):
