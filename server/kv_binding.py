@@ -147,20 +147,16 @@ class MemoryBindings:
             ids.append(rid)
         return ids
 
-    def check_registered(self, ids: list[int]) -> None:
-        """NOT_FOUND naming the first of `ids` that is not registered on this rank."""
-        unknown = [rid for rid in ids if rid not in self._regions]
-        if unknown:
-            raise SidecarError(grpc.StatusCode.NOT_FOUND, f"region_ids: {unknown[0]} is not registered on this "
-                               f"rank ({len(self._regions)} registered); nothing was released", "region_ids",
-                               "UNKNOWN_REGION")
-
     def unregister(self, ids: list[int]) -> list[MappedMemory]:
         """Release regions, all or none: steps can no longer name them. The cached views and checked
         layouts go here; the mappings are returned for the caller to close once the device no longer
         reads them (servicer.UnregisterBuffers)."""
         with self._lock:
-            self.check_registered(ids)
+            unknown = [rid for rid in ids if rid not in self._regions]
+            if unknown:
+                raise SidecarError(grpc.StatusCode.NOT_FOUND, f"region_ids: {unknown[0]} is not registered on "
+                                   f"this rank ({len(self._regions)} registered); nothing was released",
+                                   "region_ids", "UNKNOWN_REGION")
             released = [self._regions.pop(rid) for rid in dict.fromkeys(ids)]
             self._retired.update(ids)
             # Coarse on purpose: both caches refill in a step or two, and an entry left behind would

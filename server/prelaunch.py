@@ -466,17 +466,14 @@ class Prelaunch:
         if self._flag_buf.closed or self._detached:
             return lambda: None
         self._detached = True
-        self.release()
-        regions, agreements, replays = list(self._regions.values()), self._agreements, self._replays
-        self._regions, self._agreements, self._replays = {}, {}, {}
+        regions = self.forget_regions()
+        agreements, self._agreements = self._agreements, {}
         flag_page, header, flag_buf = self._flag_page, self._header, self._flag_buf
         self._flag_host = None  # its only view of the flag page's memory: the unmap below needs none left
 
         def finish() -> None:
-            for reg in regions:
-                reg.close()
+            regions()
             agreements.clear()  # graphs holding collectives go before the communicator does (app.py)
-            replays.clear()
             flag_page.close()
             header.close()
             flag_buf.close()

@@ -126,7 +126,8 @@ class RankLoop:
             return
         done = torch.cuda.Event()
         done.record(self.graphs.stream)
-        if self.ctx.world == 1 if wait is None else wait:
+        wait = self.ctx.world == 1 if wait is None else wait
+        if wait:
             done.synchronize()
         self._deferred.append((done, fn))
         self._sweep()
@@ -167,7 +168,7 @@ class RankLoop:
             os._exit(3)
 
     def drain(self) -> None:
-        """After the device has been synchronized (shutdown): run every release whose work is done."""
+        """Run every release whose work is done (shutdown: close(), and again after the device sync)."""
         with self._lock:
             self._sweep()
 
@@ -207,10 +208,9 @@ class RankLoop:
         # waits on a peer that is gone, and is left to the process exit.
         deadline = time.monotonic() + DRAIN_S
         while True:
-            with self._lock:
-                self._sweep()
-                if not self._deferred or time.monotonic() > deadline:
-                    break
+            self.drain()
+            if not self._deferred or time.monotonic() > deadline:
+                break
             time.sleep(0.01)
         if self._deferred:
             log.warning("rank %d: %d releases still wait on the device at exit", self.ctx.rank, len(self._deferred))

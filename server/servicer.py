@@ -139,7 +139,6 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     def UnregisterBuffers(self, request, context):
         self._require_same_node(context)
         ids = list(request.region_ids)
-        self.ctx.memory.check_registered(ids)  # NOT_FOUND before anything is dropped
         # The doorbell stays as it is (no new one may attach meanwhile), and nothing else runs on the
         # device. What reads the regions is taken out of use at once; it is let go, and the regions
         # closed, once the device has done everything queued so far (RankLoop.after_device). At TP 1
@@ -147,7 +146,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # when its peers' copies do, which start when their engines ring the next step, and those
         # engines wait for this one, which is inside this call.
         with self._attach_lock, self.loop.exclusive(wait=False):
-            released = self.ctx.memory.unregister(ids)  # first: all or none (a duplicate call raced this one)
+            released = self.ctx.memory.unregister(ids)  # first: NOT_FOUND (all or none) before anything is dropped
             finish = []
             if self.doorbell is not None and self.doorbell.prelaunch is not None:
                 finish.append(self.doorbell.prelaunch.forget_regions())
