@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import secrets
 import time
 
 import grpc
@@ -32,6 +33,11 @@ from dspark_sidecar.proto.gpu_word import GpuWordError, GpuWordOps, RegisteredPa
 
 
 log = logging.getLogger("dspark_sidecar.client")
+
+
+# RegisterBuffers errors after which the regions may be registered on the sidecar all the same.
+_OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
 
 
 class DataPlaneError(RuntimeError):
@@ -52,6 +58,9 @@ class StepBuffers:
         n = layout.QPR * max_reqs
         self._stub, self._timeout_s = stub, timeout_s
         self._ids: list[int] = []  # registered with the sidecar: released there by close()
+        # Names the registration before it is sent: a call that times out may still complete on the
+        # sidecar, and the engine, which never saw the ids, releases the regions by this token.
+        self.owner = secrets.randbits(63) or 1
         self._shm: list = []
         self._layouts: dict[tuple, tuple] = {}
         self.max_reqs, self.max_pages, self.dtype, self.device = max_reqs, max_pages, dtype, device
@@ -65,7 +74,13 @@ class StepBuffers:
             regions = [pb.BufferRegion(name=name, memory=memory.export_handle(t), size_bytes=t.numel() * t.element_size())
                        for name, t in (("inputs_embeds", self.embeds), ("hidden_states", self.hidden),
                                        ("metadata", self.meta_bytes))]
-            ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions), timeout=timeout_s).region_ids
+            ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions, owner=self.owner),
+                                       timeout=timeout_s).region_ids
+        except grpc.RpcError as e:
+            if e.code() in _OUTCOME_UNKNOWN:  # the sidecar may have registered them all the same
+                self._release_owner()
+            self.close()
+            raise
         except BaseException:  # refused (an older sidecar, a handle it cannot map), or out of memory: keep nothing
             self.close()
             raise
@@ -136,17 +151,25 @@ class StepBuffers:
         keep these buffers allocated. A sidecar that is gone or restarted has nothing to release:
         the failed call is logged and closing goes on."""
         ids, self._ids = self._ids, []
-        if ids:
-            try:
-                self._stub.UnregisterBuffers(pb.UnregisterBuffersRequest(region_ids=ids), timeout=self._timeout_s)
-            except grpc.RpcError as e:
-                log.info("UnregisterBuffers: %s (a sidecar that is gone holds nothing; a live one keeps the "
-                         "regions until it exits)", e.code().name)
+        if ids:  # by id as well as by owner: a sidecar older than the owner field releases by id
+            self._unregister(pb.UnregisterBuffersRequest(region_ids=ids, owner=self.owner))
         self._layouts.clear()  # their raw addresses point into the regions unmapped below
         self.embeds = self.hidden = self.meta_bytes = None  # type: ignore[assignment]
         for t in self._shm:
             t.close()
         self._shm.clear()
+
+    def _release_owner(self) -> None:
+        """After a RegisterBuffers whose outcome is unknown: release whatever the sidecar registered
+        under this owner, and retire the token there so a registration still under way is refused."""
+        self._unregister(pb.UnregisterBuffersRequest(owner=self.owner))
+
+    def _unregister(self, req: pb.UnregisterBuffersRequest) -> None:
+        try:
+            self._stub.UnregisterBuffers(req, timeout=self._timeout_s)
+        except grpc.RpcError as e:
+            log.info("UnregisterBuffers: %s (a sidecar that is gone holds nothing; a live one keeps the "
+                     "regions until it exits)", e.code().name)
 
 
 def _raw_stream(device: torch.device) -> int:

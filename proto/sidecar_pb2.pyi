@@ -303,10 +303,12 @@ class BufferRegion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterBuffersRequest(_message.Message):
-    __slots__ = ("regions",)
+    __slots__ = ("regions", "owner")
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     regions: _containers.RepeatedCompositeFieldContainer[BufferRegion]
-    def __init__(self, regions: _Optional[_Iterable[_Union[BufferRegion, _Mapping]]] = ...) -> None: ...
+    owner: int
+    def __init__(self, regions: _Optional[_Iterable[_Union[BufferRegion, _Mapping]]] = ..., owner: _Optional[int] = ...) -> None: ...
 
 class RegisterBuffersResponse(_message.Message):
     __slots__ = ("region_ids",)
@@ -315,10 +317,12 @@ class RegisterBuffersResponse(_message.Message):
     def __init__(self, region_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UnregisterBuffersRequest(_message.Message):
-    __slots__ = ("region_ids",)
+    __slots__ = ("region_ids", "owner")
     REGION_IDS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     region_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, region_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    owner: int
+    def __init__(self, region_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[int] = ...) -> None: ...
 
 class UnregisterBuffersResponse(_message.Message):
     __slots__ = ()

@@ -48,6 +48,8 @@ class MemoryBindings:
         self.binds = 0
         self._regions: dict[int, MappedMemory] = {}
         self._retired: set[int] = set()  # released region ids: never handed out again by this process
+        self._owned: dict[int, list[int]] = {}  # RegisterBuffersRequest.owner -> its live region ids
+        self._released_owners: set[int] = set()  # owners released by UnregisterBuffers: register nothing more
         # Resolved views by (region, offset, dtype, shape): an engine sends the same slices step
         # after step, and building a bounds-checked view costs ~20 us of torch calls each time.
         self._views: dict[tuple, torch.Tensor] = {}
@@ -133,36 +135,58 @@ class MemoryBindings:
 
     # Data-plane regions ---------------------------------------------------------------------
     def register(self, req: pb.RegisterBuffersRequest) -> list[int]:
-        ids = []
-        for i, region in enumerate(req.regions):
-            m = MappedMemory(region.memory, f"regions[{i}].memory", self.device)
-            if region.size_bytes > m.nbytes:
-                m.close()
-                raise invalid(f"regions[{i}].size_bytes", f"{region.size_bytes} > mapped {m.nbytes}")
+        """Map the request's regions, all or none, and hand out their ids (under req.owner when set)."""
+        mapped: list[MappedMemory] = []
+        try:
+            for i, region in enumerate(req.regions):
+                m = MappedMemory(region.memory, f"regions[{i}].memory", self.device)
+                mapped.append(m)
+                if region.size_bytes > m.nbytes:
+                    raise invalid(f"regions[{i}].size_bytes", f"{region.size_bytes} > mapped {m.nbytes}")
             with self._lock:
-                # Random, like binding ids: an id an engine kept from before a sidecar restart names nothing here.
-                while (rid := secrets.randbits(62) or 1) in self._regions or rid in self._retired:
-                    pass
-                self._regions[rid] = m
-            ids.append(rid)
+                if req.owner and req.owner in self._released_owners:
+                    # The engine gave up on this registration (its call timed out) and released the
+                    # token first: what is mapped here would have no one left to release it.
+                    raise precondition(f"owner: {req.owner} was released by UnregisterBuffers; register under "
+                                       "a new token", "OWNER_RELEASED", "owner")
+                ids = []
+                for m in mapped:
+                    # Random, like binding ids: an id an engine kept from before a sidecar restart names nothing here.
+                    while (rid := secrets.randbits(62) or 1) in self._regions or rid in self._retired:
+                        pass
+                    self._regions[rid] = m
+                    ids.append(rid)
+                if req.owner:
+                    self._owned.setdefault(req.owner, []).extend(ids)
+        except Exception:  # a bad region (or handle: errors.as_sidecar_error maps it) unmaps the ones before
+            for m in mapped:
+                m.close()
+            raise
         return ids
 
-    def unregister(self, ids: list[int]) -> list[MappedMemory]:
-        """Release regions, all or none: steps can no longer name them. The cached views and checked
-        layouts go here; the mappings are returned for the caller to close once the device no longer
-        reads them (servicer.UnregisterBuffers)."""
+    def unregister(self, ids: list[int], owner: int = 0) -> list[MappedMemory]:
+        """Release the regions `ids` and those registered under `owner`, all or none: steps can no
+        longer name them, and the owner registers nothing more. The cached views and checked layouts
+        go here; the mappings are returned for the caller to close once the device no longer reads
+        them (servicer.UnregisterBuffers)."""
         with self._lock:
             unknown = [rid for rid in ids if rid not in self._regions]
             if unknown:
                 raise SidecarError(grpc.StatusCode.NOT_FOUND, f"region_ids: {unknown[0]} is not registered on "
                                    f"this rank ({len(self._regions)} registered); nothing was released",
                                    "region_ids", "UNKNOWN_REGION")
+            if owner:
+                self._released_owners.add(owner)
+                ids = ids + [rid for rid in self._owned.pop(owner, []) if rid in self._regions]
+            for rids in self._owned.values():  # released by id: no longer anyone's to release by owner
+                rids[:] = [rid for rid in rids if rid not in ids]
             released = [self._regions.pop(rid) for rid in dict.fromkeys(ids)]
             self._retired.update(ids)
-            # Coarse on purpose: both caches refill in a step or two, and an entry left behind would
-            # hold a view of a released region (and so its memory).
-            self._views.clear()
-            self.layouts.clear()
+            if released:
+                # Coarse on purpose: both caches refill in a step or two, and an entry left behind would
+                # hold a view of a released region (and so its memory).
+                self._views.clear()
+                self.layouts.clear()
         return released
 
     @property

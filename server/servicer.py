@@ -146,7 +146,10 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # when its peers' copies do, which start when their engines ring the next step, and those
         # engines wait for this one, which is inside this call.
         with self._attach_lock, self.loop.exclusive(wait=False):
-            released = self.ctx.memory.unregister(ids)  # first: NOT_FOUND (all or none) before anything is dropped
+            # First: NOT_FOUND (all or none) before anything is dropped.
+            released = self.ctx.memory.unregister(ids, request.owner)
+            if not released:  # an owner whose registration never arrived: nothing reads anything of it
+                return pb.UnregisterBuffersResponse()
             finish = []
             if self.doorbell is not None and self.doorbell.prelaunch is not None:
                 finish.append(self.doorbell.prelaunch.forget_regions())
@@ -160,7 +163,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                     m.close()
 
             self.loop.after_device(done)
-        log.info("rank %d: %d buffer regions released (%d still registered)", self.ctx.rank, len(ids),
+        log.info("rank %d: %d buffer regions released (%d still registered)", self.ctx.rank, len(released),
                  self.ctx.memory.region_count)
         return pb.UnregisterBuffersResponse()
 

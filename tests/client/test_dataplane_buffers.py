@@ -16,24 +16,38 @@ PAGE = 16
 
 
 class _Stub:
-    def __init__(self, unregister_error: grpc.RpcError | None = None) -> None:
+    def __init__(self, unregister_error: grpc.RpcError | None = None,
+                 register_error: grpc.RpcError | None = None) -> None:
         self.released: list[list[int]] = []
-        self.unregister_error = unregister_error
+        self.owners: list[int] = []  # RegisterBuffers' owner, then each UnregisterBuffers' owner
+        self.unregister_error, self.register_error = unregister_error, register_error
 
     def RegisterBuffers(self, req, timeout=None):  # noqa: N802  (the gRPC method's name)
+        assert timeout is not None
+        self.owners.append(req.owner)
+        if self.register_error is not None:
+            raise self.register_error
         return pb.RegisterBuffersResponse(region_ids=[7, 8, 9])
 
     def UnregisterBuffers(self, req, timeout=None):  # noqa: N802
         assert timeout is not None  # the engine never waits without a deadline
         self.released.append(list(req.region_ids))
+        self.owners.append(req.owner)
         if self.unregister_error is not None:
             raise self.unregister_error
         return pb.UnregisterBuffersResponse()
 
 
-class _Gone(grpc.RpcError):
+class _Error(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
     def code(self):
-        return grpc.StatusCode.UNAVAILABLE
+        return self._code
+
+
+def _Gone():  # noqa: N802
+    return _Error(grpc.StatusCode.UNAVAILABLE)
 
 
 def test_close_releases_the_regions_on_the_sidecar_once(tiny_cfg):
@@ -42,6 +56,24 @@ def test_close_releases_the_regions_on_the_sidecar_once(tiny_cfg):
     b.close()
     b.close()
     assert stub.released == [[7, 8, 9]] and b.embeds is None
+    assert stub.owners == [b.owner, b.owner] and b.owner > 0  # by id and by owner (an older sidecar knows ids)
+
+
+def test_a_registration_whose_answer_is_lost_is_released_by_its_owner(tiny_cfg):
+    """A RegisterBuffers that timed out may have completed on the sidecar: the ids never came back,
+    so the regions are released by the token the registration carried."""
+    stub = _Stub(register_error=_Error(grpc.StatusCode.DEADLINE_EXCEEDED))
+    with pytest.raises(grpc.RpcError):
+        StepBuffers(stub, tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    assert stub.released == [[]] and len(stub.owners) == 2 and stub.owners[0] == stub.owners[1] > 0
+
+
+def test_a_refused_registration_releases_nothing(tiny_cfg):
+    """A refusal (a handle the sidecar cannot map) registered none of the regions: no second call."""
+    stub = _Stub(register_error=_Error(grpc.StatusCode.INVALID_ARGUMENT))
+    with pytest.raises(grpc.RpcError):
+        StepBuffers(stub, tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    assert stub.released == [] and len(stub.owners) == 1
 
 
 def test_close_goes_on_when_the_sidecar_is_gone(tiny_cfg, caplog):

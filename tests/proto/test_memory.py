@@ -122,3 +122,54 @@ def test_region_ids_are_random_never_reused_and_released_all_or_none(segment):
         mem.resolve(pb.RegionSlice(region_id=b, offset_bytes=0), torch.int32, (4,), "positions")
     finally:
         mem.close()
+
+
+def test_regions_are_released_by_their_owner_token_and_a_released_token_registers_nothing(segment):
+    """An engine whose RegisterBuffers timed out never saw the ids; it releases by the token it chose
+    (client/dataplane.StepBuffers). The token is then retired, so a registration still under way on
+    the sidecar when the release arrives is refused and maps nothing, rather than leaking."""
+    from dspark_sidecar.server.errors import SidecarError
+
+    mem = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    region = pb.BufferRegion(name="metadata", memory=memory.export_handle(segment.tensor), size_bytes=4096)
+    name, before = segment.segment.name, _maps_of(segment.segment.name)
+    try:
+        a, b = mem.register(pb.RegisterBuffersRequest(regions=[region, region], owner=41))
+        (c,) = mem.register(pb.RegisterBuffersRequest(regions=[region], owner=42))
+        for m in mem.unregister([b]):  # released by id: no longer the owner's to release
+            m.close()
+        released = mem.unregister([], owner=41)
+        assert len(released) == 1 and mem.region_count == 1
+        for m in released:
+            m.close()
+        assert _maps_of(name) == before + 1  # c's mapping only
+        with pytest.raises(ValueError, match=f"region {a} is not registered"):
+            mem.resolve(pb.RegionSlice(region_id=a, offset_bytes=0), torch.int32, (4,), "positions")
+        with pytest.raises(SidecarError, match="owner: 41 was released") as err:
+            mem.register(pb.RegisterBuffersRequest(regions=[region], owner=41))
+        assert err.value.reason == "OWNER_RELEASED" and mem.region_count == 1 and _maps_of(name) == before + 1
+        assert mem.unregister([], owner=43) == []  # a token whose registration never arrived: not an error
+        with pytest.raises(SidecarError, match="owner: 43 was released"):  # ... and it arrives after its release
+            mem.register(pb.RegisterBuffersRequest(regions=[region], owner=43))
+        assert mem.region_count == 1 and _maps_of(name) == before + 1
+        mem.resolve(pb.RegionSlice(region_id=c, offset_bytes=0), torch.int32, (4,), "positions")
+    finally:
+        mem.close()
+
+
+def test_a_registration_with_one_bad_region_registers_and_maps_none_of_them(segment):
+    """All or none: the ids of the regions mapped before the bad one would never reach the engine."""
+    from dspark_sidecar.server.errors import SidecarError
+
+    mem = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    handle = memory.export_handle(segment.tensor)
+    good = pb.BufferRegion(name="metadata", memory=handle, size_bytes=4096)
+    too_big = pb.BufferRegion(name="inputs", memory=handle, size_bytes=4097)
+    name, before = segment.segment.name, _maps_of(segment.segment.name)
+    try:
+        with pytest.raises(SidecarError, match=r"regions\[1\].size_bytes: 4097 > mapped 4096"):
+            mem.register(pb.RegisterBuffersRequest(regions=[good, too_big], owner=5))
+        assert mem.region_count == 0 and _maps_of(name) == before
+        assert mem.unregister([], owner=5) == []
+    finally:
+        mem.close()

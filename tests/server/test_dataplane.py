@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dspark_sidecar.drafter import scenario
-from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
 from helpers.engine_sim import PAGE, EngineSim
@@ -251,3 +251,49 @@ def test_unregistered_buffers_are_unmapped_and_refused_and_the_rank_serves_on(tm
         finally:
             again.close()
         assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
+
+
+def test_a_registration_whose_answer_the_engine_lost_is_released_by_its_owner(tmp_path, tiny_cfg, tiny_ckpt):
+    """RegisterBuffers completed on the sidecar, but the engine's call gave up first (the answer is lost
+    here, as after a DEADLINE_EXCEEDED): StepBuffers releases the regions by the owner token it sent,
+    the sidecar unmaps them, and a registration under that token that arrives only now is refused."""
+    import grpc
+
+    class _AnswerLost:
+        def __init__(self, stub) -> None:
+            self.stub, self.sent = stub, []
+
+        def RegisterBuffers(self, req, timeout=None):  # noqa: N802  (the gRPC method's name)
+            self.sent.append(req)
+            self.stub.RegisterBuffers(req, timeout=timeout)  # the sidecar maps and registers them
+            raise _Deadline()
+
+        def UnregisterBuffers(self, req, timeout=None):  # noqa: N802
+            return self.stub.UnregisterBuffers(req, timeout=timeout)
+
+    class _Deadline(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt) as sc:
+        eng = EngineSim(tiny_cfg, [sc.socket(0)], 8, torch.float32)
+        try:
+            lost = _AnswerLost(eng.stubs[0])
+            with pytest.raises(grpc.RpcError):
+                StepBuffers(lost, tiny_cfg.hidden_size, 4, 300, torch.float32, torch.device("cpu"))
+            (req,) = lost.sent
+            assert req.owner and [_mapped_elsewhere(r.memory.shm.name) for r in req.regions] == [0, 0, 0]
+            late = memory.shm_empty((4096,), torch.uint8)  # a registration under the token, arriving after its release
+            try:
+                region = pb.BufferRegion(name="late", memory=memory.export_handle(late.tensor), size_bytes=4096)
+                with pytest.raises(grpc.RpcError) as err:
+                    eng.stubs[0].RegisterBuffers(pb.RegisterBuffersRequest(regions=[region], owner=req.owner),
+                                                 timeout=10)
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert f"owner: {req.owner} was released" in err.value.details()
+                assert _mapped_elsewhere(late.segment.name) == 0
+            finally:
+                late.close()
+            assert eng.stubs[0].GetStatus(pb.GetStatusRequest(), timeout=10).serving
+        finally:
+            eng.close()
