@@ -353,3 +353,43 @@ def test_gpu_released_buffers_free_the_engine_memory_and_steps_go_on(tmp_path, t
         assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
         bell.close()
         again.close()
+
+
+def test_gpu_a_registration_whose_answer_is_lost_frees_the_engine_memory(tmp_path, tiny_cfg, tiny_ckpt):
+    """Under CUDA IPC a registration the sidecar completed after the engine's call gave up would keep
+    the engine's buffers allocated until the sidecar exits. StepBuffers releases it by its owner token,
+    and the memory is freed once the sidecar lets go of its mappings."""
+    import grpc
+
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    class _Deadline(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    class _AnswerLost:
+        def __init__(self, stub) -> None:
+            self.stub = stub
+
+        def RegisterBuffers(self, req, timeout=None):  # noqa: N802  (the gRPC method's name)
+            self.stub.RegisterBuffers(req, timeout=timeout)
+            raise _Deadline()
+
+        def UnregisterBuffers(self, req, timeout=None):  # noqa: N802
+            return self.stub.UnregisterBuffers(req, timeout=timeout)
+
+    dev = torch.device("cuda", 0)
+    big = 8192
+    region_bytes = 2 * 7 * big * tiny_cfg.hidden_size * 4
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        torch.cuda.synchronize(dev)
+        torch.cuda.ipc_collect()
+        before = torch.cuda.memory_allocated(dev)
+        with pytest.raises(grpc.RpcError):
+            StepBuffers(_AnswerLost(stub), tiny_cfg.hidden_size, big, 300, torch.float32, dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda.ipc_collect()
+        held = torch.cuda.memory_allocated(dev) - before
+        assert held < region_bytes // 2, f"{held / 2**20:.1f} MiB still held of {region_bytes / 2**20:.1f}"
+        assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
