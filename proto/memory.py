@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
@@ -11,6 +12,8 @@ from multiprocessing import shared_memory
 import torch
 
 from dspark_sidecar.proto import sidecar_pb2 as pb
+
+log = logging.getLogger("dspark_sidecar.memory")
 
 
 class HandleError(ValueError):
@@ -184,12 +187,36 @@ class MappedMemory:
             self._segment = None
 
 
+def discard_handle(handle: pb.MemoryHandle) -> None:
+    """Give back torch's producer reference of a CUDA IPC handle this process will never open.
+
+    Each export (torch's `_share_cuda_`) counts one consumer in a shared ref-counter file, and the
+    engine's allocator frees the block only once that consumer has let go (torch's IPC "limbo",
+    emptied by `ipc_collect`). A handle refused before it is opened would otherwise keep the
+    engine's block allocated until the engine exits. Shared memory needs nothing: the engine owns
+    and unlinks its segments."""
+    if handle.WhichOneof("kind") == "cuda_ipc":
+        _discard_cuda_ipc(handle.cuda_ipc)
+
+
+def _discard_cuda_ipc(h: pb.CudaIpcHandle) -> None:
+    if not h.ref_counter_handle:
+        return
+    try:
+        torch.UntypedStorage._release_ipc_counter(h.ref_counter_handle, h.ref_counter_offset)
+    except Exception as e:  # noqa: BLE001  (a counter file that is gone: its engine exited, nothing is held)
+        log.warning("could not give back the engine's reference of a refused CUDA IPC handle (%s); the engine "
+                    "keeps that block until it exits", e)
+
+
 def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
+        _discard_cuda_ipc(h)
         raise HandleError(f"{field}: a CUDA/HIP IPC handle needs a GPU sidecar, this rank runs on {device}")
     local = torch.cuda.get_device_properties(device)
     uuid = str(getattr(local, "uuid", ""))
     if h.device_uuid and uuid and h.device_uuid != uuid:
+        _discard_cuda_ipc(h)
         raise HandleError(f"{field}: handle is from GPU {h.device_uuid}, this rank runs on GPU {uuid} "
                           "(engine rank r must bind to sidecar rank r on the same GPU)")
     from torch.multiprocessing.reductions import rebuild_cuda_tensor

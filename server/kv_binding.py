@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.drafter.kv_cache import kv_layer_shape
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from dspark_sidecar.proto.memory import MappedMemory
+from dspark_sidecar.proto.memory import MappedMemory, discard_handle
 from dspark_sidecar.server.errors import SidecarError, invalid, precondition
 from dspark_sidecar.server.refusal import EngineFacts
 
@@ -50,6 +51,7 @@ class MemoryBindings:
         self._retired: set[int] = set()  # released region ids: never handed out again by this process
         self._owned: dict[int, list[int]] = {}  # RegisterBuffersRequest.owner -> its live region ids
         self._released_owners: set[int] = set()  # owners released by UnregisterBuffers: register nothing more
+        self._idle_stream = None  # where refused mappings are closed (_discard), made on first use
         # Resolved views by (region, offset, dtype, shape): an engine sends the same slices step
         # after step, and building a bounds-checked view costs ~20 us of torch calls each time.
         self._views: dict[tuple, torch.Tensor] = {}
@@ -60,16 +62,34 @@ class MemoryBindings:
         """Map the engine's cache and make it the current binding; the previous one is closed through
         retire(close) (RankLoop.after_device: once the device no longer reads it)."""
         e = req.engine
-        if e.engine_rank != self.rank:
-            raise precondition(f"engine rank {e.engine_rank} bound to sidecar rank {self.rank}: engine rank r "
-                               "must talk to sidecar rank r (its own socket)", "RANK_MISMATCH", "engine.engine_rank")
-        if e.tp_size != self.tp:
-            raise precondition(f"engine TP {e.tp_size} != sidecar TP {self.tp}: start the sidecar with --tp {e.tp_size}",
-                               "TP_MISMATCH", "engine.tp_size")
-        if req.page_size <= 0:
-            raise invalid("page_size", "must be positive")
-        if len(req.layers) != self.cfg.num_hidden_layers:
-            raise invalid("layers", f"{len(req.layers)} layers bound, the drafter has {self.cfg.num_hidden_layers}")
+        handed = [0]  # how many of req.layers went to MappedMemory (which opened them, or gave back its own)
+        try:
+            if e.engine_rank != self.rank:
+                raise precondition(f"engine rank {e.engine_rank} bound to sidecar rank {self.rank}: engine rank r "
+                                   "must talk to sidecar rank r (its own socket)", "RANK_MISMATCH", "engine.engine_rank")
+            if e.tp_size != self.tp:
+                raise precondition(f"engine TP {e.tp_size} != sidecar TP {self.tp}: start the sidecar with --tp "
+                                   f"{e.tp_size}", "TP_MISMATCH", "engine.tp_size")
+            if req.page_size <= 0:
+                raise invalid("page_size", "must be positive")
+            if len(req.layers) != self.cfg.num_hidden_layers:
+                raise invalid("layers", f"{len(req.layers)} layers bound, the drafter has {self.cfg.num_hidden_layers}")
+            mappings, layers, num_pages = self._map_layers(req, handed)
+        except Exception:
+            self._discard([], [lb.memory for lb in req.layers[handed[0]:]])
+            raise
+        facts = EngineFacts(e.tp_size, e.dp_size, e.pp_size, e.speculative_method, e.num_speculative_tokens)
+        with self._lock:
+            old, self.generation, self.binds = self.kv, self.generation + 1, self.binds + 1
+            self.kv = KVBinding(secrets.randbits(62) or 1, self.generation, layers, num_pages,
+                                req.page_size, facts, mappings)
+        if old is not None:
+            retire(old.close)
+        return self.kv
+
+    def _map_layers(self, req: pb.BindKVRequest, handed: list[int]) -> tuple[list[MappedMemory], list[torch.Tensor], int]:
+        """Each layer checked and mapped in order: (mappings, views [2, pages, page, kv_heads, head_dim], pages).
+        handed[0] counts the layers passed to MappedMemory; on a refusal what they mapped is undone."""
         mappings: list[MappedMemory] = []
         layers: list[torch.Tensor] = []
         num_pages = None
@@ -89,6 +109,7 @@ class MemoryBindings:
                 if num_pages is not None and pages != num_pages:
                     raise invalid(f"{f}.shape", f"{pages} pages, layer 0 has {num_pages}")
                 num_pages = pages
+                handed[0] = i + 1
                 m = MappedMemory(lb.memory, f"{f}.memory", self.device)
                 mappings.append(m)
                 t = m.view(dtype, tuple(lb.shape), tuple(lb.strides), lb.storage_offset, f)
@@ -99,17 +120,35 @@ class MemoryBindings:
                     raise invalid(f"{f}.strides", f"{list(lb.strides)}: the cache must be contiguous")
                 layers.append(t)
         except Exception:  # a bad layer (or handle: errors.as_sidecar_error maps it) unmaps the rest
-            for m in mappings:
-                m.close()
+            layers.clear()
+            self._discard(mappings, [])
             raise
-        facts = EngineFacts(e.tp_size, e.dp_size, e.pp_size, e.speculative_method, e.num_speculative_tokens)
-        with self._lock:
-            old, self.generation, self.binds = self.kv, self.generation + 1, self.binds + 1
-            self.kv = KVBinding(secrets.randbits(62) or 1, self.generation, layers, int(num_pages),
-                                req.page_size, facts, mappings)
-        if old is not None:
-            retire(old.close)
-        return self.kv
+        return mappings, layers, int(num_pages)
+
+    def _discard(self, opened: list[MappedMemory], unopened: list[pb.MemoryHandle]) -> None:
+        """Undo a refused BindKV or RegisterBuffers: close what it mapped, and give back torch's producer
+        reference of each CUDA IPC handle it never opened (memory.discard_handle: else the engine's
+        block stays allocated until the engine exits). No step read any of it, so nothing is waited
+        for. The closes run on an idle stream of this object's: torch synchronizes the current
+        stream before it unmaps, and a handler thread's current stream is the rank's, which may
+        hold a queued copy waiting on its engine or, at TP > 1, on its peers (with the GIL held)."""
+        if opened:
+            with self._quiet():
+                for m in opened:
+                    m.close()
+                opened.clear()
+        for h in unopened:
+            discard_handle(h)
+
+    def _quiet(self) -> contextlib.AbstractContextManager:
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._idle_stream is None:
+            self._idle_stream = torch.cuda.Stream(self.device)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self._idle_stream))
+        return stack
 
     def unbind(self, binding_id: int, retire=lambda close: close()) -> None:
         with self._lock:
@@ -137,8 +176,10 @@ class MemoryBindings:
     def register(self, req: pb.RegisterBuffersRequest) -> list[int]:
         """Map the request's regions, all or none, and hand out their ids (under req.owner when set)."""
         mapped: list[MappedMemory] = []
+        handed = 0  # regions passed to MappedMemory (which opened them, or gave back its own)
         try:
             for i, region in enumerate(req.regions):
+                handed = i + 1
                 m = MappedMemory(region.memory, f"regions[{i}].memory", self.device)
                 mapped.append(m)
                 if region.size_bytes > m.nbytes:
@@ -158,9 +199,8 @@ class MemoryBindings:
                     ids.append(rid)
                 if req.owner:
                     self._owned.setdefault(req.owner, []).extend(ids)
-        except Exception:  # a bad region (or handle: errors.as_sidecar_error maps it) unmaps the ones before
-            for m in mapped:
-                m.close()
+        except Exception:  # a bad region (or handle: errors.as_sidecar_error maps it) undoes the others
+            self._discard(mapped, [r.memory for r in req.regions[handed:]])
             raise
         return ids
 

@@ -173,3 +173,60 @@ def test_a_registration_with_one_bad_region_registers_and_maps_none_of_them(segm
         assert mem.unregister([], owner=5) == []
     finally:
         mem.close()
+
+
+def _ipc(offset: int) -> pb.MemoryHandle:
+    """A CUDA IPC handle as an engine exports it; only its ref counter matters here."""
+    return pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(ipc_handle=b"h", storage_size_bytes=4096,
+                                                     ref_counter_handle=b"/torch_counter", ref_counter_offset=offset))
+
+
+@pytest.fixture
+def given_back(monkeypatch):
+    """The ref counters a refusal gives back to their engine (torch's producer reference per export)."""
+    calls = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
+                        classmethod(lambda cls, handle, offset, device=None: calls.append((handle, offset))))
+    return calls
+
+
+def test_a_refused_registration_gives_back_each_unopened_cuda_handle_once(segment, given_back):
+    """Each CUDA IPC export counts one consumer; a handle refused unopened would keep the engine's block
+    allocated until the engine exits. Here region 1 is refused (this rank has no GPU) and region 2
+    is never reached: both counters go back once; region 0, opened, is closed (its own release)."""
+    from dspark_sidecar.server.errors import as_sidecar_error
+
+    mem = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    name, before = segment.segment.name, _maps_of(segment.segment.name)
+    good = pb.BufferRegion(name="metadata", memory=memory.export_handle(segment.tensor), size_bytes=4096)
+    req = pb.RegisterBuffersRequest(regions=[good, pb.BufferRegion(name="inputs", memory=_ipc(8), size_bytes=4096),
+                                             pb.BufferRegion(name="hidden", memory=_ipc(16), size_bytes=4096)])
+    with pytest.raises(Exception) as err:
+        mem.register(req)
+    assert "needs a GPU sidecar" in as_sidecar_error(err.value).message
+    assert sorted(given_back) == [(b"/torch_counter", 8), (b"/torch_counter", 16)]
+    assert mem.region_count == 0 and _maps_of(name) == before
+
+
+def test_a_refused_bind_gives_back_every_cuda_handle_it_did_not_open(given_back):
+    from dspark_sidecar.server.errors import SidecarError
+
+    cfg = load_config("tiny")
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
+    layers = [pb.KVLayerBinding(layer=i, memory=_ipc(8 * i)) for i in range(cfg.num_hidden_layers)]
+    wrong_tp = pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=4), page_size=16, layers=layers)
+    with pytest.raises(SidecarError, match="TP_MISMATCH|engine TP 4"):
+        mem.bind(wrong_tp)
+    assert sorted(o for _, o in given_back) == [8 * i for i in range(cfg.num_hidden_layers)]
+    given_back.clear()
+    from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+    from dspark_sidecar.proto import codec
+
+    for lb in layers:  # well formed: layer 0 reaches MappedMemory, which refuses it (no GPU here)
+        lb.dtype = codec.dtype_to_proto(torch.float32)
+        lb.shape[:] = kv_layer_shape(cfg, 1, 4, 16)
+    with pytest.raises(ValueError, match=r"layers\[0\].memory: a CUDA/HIP IPC handle needs a GPU sidecar"):
+        mem.bind(pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1), page_size=16, layers=layers))
+    # Layer 0's counter given back where it was refused, the rest by the undo: each exactly once.
+    assert sorted(o for _, o in given_back) == [8 * i for i in range(cfg.num_hidden_layers)]
+    assert mem.kv is None

@@ -393,3 +393,42 @@ def test_gpu_a_registration_whose_answer_is_lost_frees_the_engine_memory(tmp_pat
         held = torch.cuda.memory_allocated(dev) - before
         assert held < region_bytes // 2, f"{held / 2**20:.1f} MiB still held of {region_bytes / 2**20:.1f}"
         assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
+
+
+def test_gpu_a_refused_registration_frees_the_engine_memory(tmp_path, tiny_cfg, tiny_ckpt):
+    """A registration refused at its first region (size_bytes beyond the mapping) leaves the other two
+    handles unopened. Each CUDA IPC export counts one consumer, so the sidecar gives their counters
+    back (memory.discard_handle); else the engine's blocks stay allocated until the engine exits."""
+    import grpc
+
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    class _Oversized:
+        def __init__(self, stub) -> None:
+            self.stub = stub
+
+        def RegisterBuffers(self, req, timeout=None):  # noqa: N802  (the gRPC method's name)
+            bad = pb.RegisterBuffersRequest()
+            bad.CopyFrom(req)
+            bad.regions[0].size_bytes += 1 << 40
+            return self.stub.RegisterBuffers(bad, timeout=timeout)
+
+        def UnregisterBuffers(self, req, timeout=None):  # noqa: N802
+            return self.stub.UnregisterBuffers(req, timeout=timeout)
+
+    dev = torch.device("cuda", 0)
+    big = 8192
+    region_bytes = 2 * 7 * big * tiny_cfg.hidden_size * 4
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        torch.cuda.synchronize(dev)
+        torch.cuda.ipc_collect()
+        before = torch.cuda.memory_allocated(dev)
+        with pytest.raises(grpc.RpcError) as err:
+            StepBuffers(_Oversized(stub), tiny_cfg.hidden_size, big, 300, torch.float32, dev)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        torch.cuda.synchronize(dev)
+        torch.cuda.ipc_collect()
+        held = torch.cuda.memory_allocated(dev) - before
+        assert held < region_bytes // 4, f"{held / 2**20:.1f} MiB still held of {region_bytes / 2**20:.1f}"
+        assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
