@@ -244,9 +244,10 @@ class DoorbellChannel:
                                time.perf_counter() + timeout_s, self._sent_at, bell.nap_for(self.device.type)):
             return None
         self.answer_seen_mono_ns = time.monotonic_ns()
-        resp = pb.DraftStepResponse.FromString(self.page.read(self.page.resp_area, bell.RESP_LEN))
+        # First: an answer means the step was launched, whatever its bytes turn out to say; its
+        # kernels may still read the input rows and write the K/V cache.
         self._after_outputs()
-        return resp
+        return pb.DraftStepResponse.FromString(self.page.read(self.page.resp_area, bell.RESP_LEN))
 
     def settled(self, step_id: int) -> bool:
         """Whether the last step sent was answered. A late answer (one `wait` gave up on) orders this

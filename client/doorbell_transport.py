@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
+from google.protobuf.message import DecodeError
 
 from dspark_sidecar.client.connection import SidecarConnection, StepStream, StreamBroken
 from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
@@ -58,7 +59,10 @@ class DoorbellTransport:
         """The answer, None on timeout, StreamBroken as soon as the sidecar rank is gone."""
         deadline = time.monotonic() + timeout_s
         while True:
-            resp = self.bell.wait(step_id, max(0.0, min(POLL_S, deadline - time.monotonic())))
+            try:
+                resp = self.bell.wait(step_id, max(0.0, min(POLL_S, deadline - time.monotonic())))
+            except (DecodeError, ValueError) as e:  # answered (the stream is ordered after it), but unreadable
+                raise StreamBroken(None, f"undecodable doorbell answer: {e}") from None
             if resp is not None:
                 return resp
             if not self.liveness.alive:

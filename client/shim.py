@@ -132,6 +132,7 @@ class DrafterShim:
                       inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's final hidden states [n, hidden] from the sidecar, or None for the stock layers."""
         if not self.enabled:
+            self._settle_off()
             return self._fallback(f"off: {self.refusal}")
         n = positions.numel()
         if n % layout.QPR:
@@ -222,8 +223,11 @@ class DrafterShim:
             return False, NO_KV, False
         if not self.breaker.allow():
             return False, BREAKER, False
-        if self.connection.stream_ended:
-            self._drop_link()  # reconnect and re-read the status: a restarted sidecar lost our binding
+        if self.connection.stream_ended or (self.doorbell is not None and not self.doorbell.liveness.alive):
+            # Reconnect and re-read the status: a restarted sidecar lost our binding. The doorbell's
+            # liveness stream counts too: connection.stream() would quietly replace an ended one, and
+            # the dead data plane would then be kept, unreleased, with every step on the gRPC stream.
+            self._drop_link()
         if not self.connection.is_open:
             try:
                 status = self.connection.open(cfg.connect_deadline_s)
@@ -396,6 +400,14 @@ class DrafterShim:
         self.enabled, self.refusal = False, why
         log.warning("DSpark drafter sidecar off for this process: %s", why)
         self._release()
+
+    def _settle_off(self) -> None:
+        """Off for good, so _prepare never runs again: a drop deferred by an unsettled step is made
+        here, once the step settles (else the page, the regions and the channel stay until exit)."""
+        if self._unsettled is not None and self._unsettled[0].settled(self._unsettled[1]):
+            self._unsettled = None
+            if self._drop_pending:
+                self._drop_link()
 
     def invalidate_binding(self) -> None:
         """The engine discarded its KV contents (sleep mode wake-up): re-bind before the next step."""

@@ -16,7 +16,7 @@ from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import (
-    FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs,
+    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs,
 )
 
 
@@ -252,24 +252,7 @@ def test_doorbell_transport_refused_by_the_sidecar_falls_back_to_the_stream(fake
         EngineConfig(tp_size=4, transport="carrier-pigeon")
 
 
-class _DoorbellNeverAnswered(FakeSidecar):
-    """Takes the data plane, then never answers a ring (a wedged sidecar rank)."""
-
-    def RegisterBuffers(self, request, context):
-        self.calls["RegisterBuffers"] += 1
-        return pb.RegisterBuffersResponse(region_ids=[1, 2, 3])
-
-    def AttachDoorbell(self, request, context):
-        self.calls["AttachDoorbell"] += 1
-        return pb.AttachDoorbellResponse()
-
-    def UnregisterBuffers(self, request, context):
-        assert list(request.region_ids) == [1, 2, 3]
-        self.calls["UnregisterBuffers"] += 1
-        return pb.UnregisterBuffersResponse()
-
-
-class _BusyOnceThenAttaching(_DoorbellNeverAnswered):
+class _BusyOnceThenAttaching(DoorbellNeverAnswered):
     """AttachDoorbell past the engine's deadline once (a sidecar rank waiting on its peers while it
     releases this engine rank's old regions), then attaching."""
 
@@ -337,7 +320,7 @@ def test_an_unsettled_doorbell_step_survives_a_dropped_link_and_settles_on_its_a
     (closed, its sequence word could never be read again, and the rank would stay not ready for good),
     and the step settles once the answer's sequence lands, ordering the engine's stream after that
     step's writes (the sidecar answers at launch: its kernels may still read the input region)."""
-    server = FakeServer(_DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
     try:
         shim, _, _ = make_shim(server.endpoint, transport="doorbell", step_deadline_s=0.2, late_grace_s=0.2)
         ids, pos, meta = step_inputs(2)

@@ -125,6 +125,23 @@ class FakeSidecar(pb_grpc.DrafterSidecarServicer):
         return sum(self.calls.values())
 
 
+class DoorbellNeverAnswered(FakeSidecar):
+    """Takes the data plane, then never answers a ring (a wedged sidecar rank)."""
+
+    def RegisterBuffers(self, request, context):
+        self.calls["RegisterBuffers"] += 1
+        return pb.RegisterBuffersResponse(region_ids=[1, 2, 3])
+
+    def AttachDoorbell(self, request, context):
+        self.calls["AttachDoorbell"] += 1
+        return pb.AttachDoorbellResponse()
+
+    def UnregisterBuffers(self, request, context):
+        assert list(request.region_ids) == [1, 2, 3]
+        self.calls["UnregisterBuffers"] += 1
+        return pb.UnregisterBuffersResponse()
+
+
 def short_socket_dir() -> Path:
     """A socket folder with a short path (sun_path holds 108 bytes)."""
     return Path(tempfile.mkdtemp(prefix="dsp-"))

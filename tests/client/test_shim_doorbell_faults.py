@@ -1,0 +1,145 @@
+"""The shim's doorbell transport when its answer or its liveness stream goes wrong, and an unsettled step's
+link when the shim turns off: the engine's stream stays ordered and nothing is kept until exit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from dspark_sidecar.client.config import EngineConfig
+from dspark_sidecar.client.forward_context import set_forward_context
+from dspark_sidecar.client.shim import STREAM, DrafterShim
+from dspark_sidecar.drafter.parallel import ParallelContext
+from dspark_sidecar.proto import doorbell as bell
+from helpers.engine_fakes import (
+    DoorbellNeverAnswered, FakeModel, FakeServer, shm_kv_cache, short_socket_dir, step_inputs,
+)
+
+
+def _shim(endpoint: str, par, **cfg) -> DrafterShim:
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(tp_size=4, endpoint=endpoint, transport="doorbell", **cfg), FakeModel(),
+                       lambda: [s.tensor for s in kv], par)
+    shim._test_kv = kv  # kept alive with the shim
+    return shim
+
+
+def _answer_with(channel, payload: bytes) -> None:
+    """Play the sidecar on another thread: once the ring lands, publish `payload` as the answer."""
+    def run() -> None:
+        deadline = time.monotonic() + 5
+        while (channel._seq == 0 or channel.page.word(bell.REQ_SEQ) != channel._seq) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        channel.page.write(channel.page.resp_area, payload, bell.RESP_LEN, bell.RESP_SEQ, channel._seq)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def test_an_undecodable_answer_still_orders_the_engine_stream_and_drops_the_link():
+    """An answer means the sidecar launched the step, whose kernels may still read the input rows and
+    write K/V. Bytes that do not decode must not skip ordering the engine's stream after those writes
+    (before, the decode raised first), and the link is dropped as a broken stream."""
+    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    shim = _shim(server.endpoint, ParallelContext(0, 1), step_deadline_s=1.0, late_grace_s=0.2)
+    try:
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.connect() is None and shim.doorbell is not None
+            channel = shim.doorbell.bell
+            ordered = []
+            channel._after_outputs = lambda: ordered.append(channel._seq)
+            shim.fault_hook = lambda _sid: _answer_with(channel, b"\xff\xff\xff\xff")
+            assert shim.maybe_forward(ids, pos) is None
+        assert ordered == [1] and shim._unsettled is None
+        assert shim.stats.fallbacks[STREAM] == 1 and shim.doorbell is None  # dropped, re-attached at the next step
+        assert server.sidecar.calls["UnregisterBuffers"] == 1
+    finally:
+        shim.close()
+        server.stop()
+
+
+class _EndsLivenessInPreflight:
+    """A 2-rank agreement (values as they are) that ends the doorbell's liveness stream while this rank
+    waits in the pre-flight: as when the sidecar rank restarts while a peer is still binding."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.shim: DrafterShim | None = None
+        self.armed = False
+
+    def all_min(self, values: torch.Tensor) -> torch.Tensor:
+        if self.armed and values.numel() == 5:
+            self.armed = False
+            live = self.shim.doorbell.liveness
+            live._call.cancel()
+            deadline = time.monotonic() + 5
+            while live.alive and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not live.alive
+        return values
+
+
+def test_a_liveness_stream_that_ends_between_steps_drops_and_reattaches_the_data_plane():
+    """The step then goes over the gRPC stream (whose connection.stream() replaces the ended one),
+    and before the fix the dead data plane was kept for good: its page and regions never released,
+    never attached again, every later step on the gRPC stream."""
+    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    agree = _EndsLivenessInPreflight()
+    shim = _shim(server.endpoint, agree)
+    agree.shim = shim
+    try:
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.connect() is None and shim.doorbell is not None
+            dead = shim.doorbell
+            agree.armed = True
+            assert shim.maybe_forward(ids, pos) is not None  # over the gRPC stream
+            for _ in range(3):
+                shim.maybe_forward(ids, pos)
+        calls = server.sidecar.calls
+        assert calls["UnregisterBuffers"] == 1, "the dead data plane's regions were never released"
+        assert calls["AttachDoorbell"] == 2 and shim.doorbell is not None and shim.doorbell is not dead
+    finally:
+        shim.close()
+        server.stop()
+
+
+class _PeerRefusesWhenAsked:
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.refuse = False
+
+    def all_min(self, values: torch.Tensor) -> torch.Tensor:
+        values = values.clone()
+        if self.refuse and values.numel() == 5:
+            values[1] = -1  # a peer engine rank's sidecar refuses for good
+        return values
+
+
+def test_a_shim_turned_off_with_a_step_unsettled_releases_its_link_once_the_step_settles():
+    """The drop asked for while the step was unsettled used to wait for a _prepare that an off shim
+    never runs again: the page, the three regions and the channel stayed until the process exited."""
+    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    agree = _PeerRefusesWhenAsked()
+    shim = _shim(server.endpoint, agree, step_deadline_s=0.2, late_grace_s=0.2)
+    try:
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is None and shim._unsettled is not None
+            agree.refuse = True
+            assert shim.maybe_forward(ids, pos) is None and not shim.enabled  # every rank turns off
+            channel = shim.doorbell.bell
+            assert shim.maybe_forward(ids, pos) is None
+            assert server.sidecar.calls["UnregisterBuffers"] == 0  # unsettled: the link is kept
+            channel.page.words[bell.RESP_SEQ] = channel._seq  # the late answer lands: the step settles
+            assert shim.maybe_forward(ids, pos) is None
+        assert server.sidecar.calls["UnregisterBuffers"] == 1 and not shim.connection.is_open
+        assert shim.doorbell is None
+    finally:
+        shim._unsettled = None
+        shim.close()
+        server.stop()
