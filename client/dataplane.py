@@ -35,6 +35,8 @@ from dspark_sidecar.proto.gpu_word import GpuWordError, GpuWordOps, RegisteredPa
 log = logging.getLogger("dspark_sidecar.client")
 
 
+CLOSE_WAIT_S = 5.0  # how long closing a doorbell waits for the engine's stream to pass its last step
+
 # RegisterBuffers errors after which the regions may be registered on the sidecar all the same.
 _OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                               grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
@@ -170,6 +172,8 @@ class StepBuffers:
         except grpc.RpcError as e:
             log.info("UnregisterBuffers: %s (a sidecar that is gone holds nothing; a live one keeps the "
                      "regions until it exits)", e.code().name)
+        except ValueError as e:  # the channel was closed under us: the local memory still goes
+            log.info("UnregisterBuffers not sent (%s); a live sidecar keeps the regions until it exits", e)
 
 
 def _raw_stream(device: torch.device) -> int:
@@ -274,7 +278,25 @@ class DoorbellChannel:
             # From any thread (an engine may close from another than the one that opened): the
             # unregister needs this GPU's context current (GpuWordOps._bind refuses another's).
             with torch.cuda.device(self.device):
-                torch.cuda.current_stream(self.device).synchronize()  # no queued write may land after the unmap
-                self._header.close()
+                if not self._stream_passed(CLOSE_WAIT_S):
+                    # The stream may wait on a wedged sidecar's event: no bounded wait can make the
+                    # unmap safe, so the page and its registration stay (a few KB) rather than hang.
+                    log.warning("doorbell: the engine's stream has not passed its last step after %.0f s (a "
+                                "wedged sidecar?); its doorbell page stays mapped until the process exits",
+                                CLOSE_WAIT_S)
+                    self._kept = (self._header, self.page, self._page)
+                    return
+                self._header.close()  # no queued write can land after the unmap
         self.page.close()
         self._page.close()
+
+    def _stream_passed(self, timeout_s: float) -> bool:
+        """Whether the engine's current stream gets past all its queued work within timeout_s."""
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
+        return True

@@ -150,7 +150,7 @@ class DrafterShim:
         if self.is_capturing():
             return self._fallback(CAPTURE)
         layers = list(self._kv_caches() or [])
-        meta = step_metadata_from(attn, n, int(layers[0].shape[2]) if layers else None)
+        meta = step_metadata_from(attn, n, int(layers[0].shape[2]) if layers and layers[0].dim() == 5 else None)
         if meta is None:
             return self._fallback(BAD_METADATA)
         start = time.perf_counter_ns()

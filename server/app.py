@@ -46,6 +46,7 @@ from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle, limits_pb
 log = logging.getLogger("dspark_sidecar.server")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TEARDOWN_LIMIT_S = 15.0
+SERVER_GRACE_S = 5.0  # in-flight gRPC calls finish within this at shutdown
 
 
 def _die_with_parent() -> None:
@@ -274,16 +275,20 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     life.state = "DRAINING"
     publish()
     time.sleep(cfg.drain_s)  # health says NOT_SERVING while calls are still accepted: engines move off
-    server.stop(grace=5.0).wait()  # then refuse new calls, and let in-flight steps finish
     # Teardown must not hang the exit (a peer that left first can wedge an NCCL teardown): after
-    # the drain above nothing is in flight, so past the limit the process just ends.
+    # the drain nothing is in flight, so past the limit the process just ends.
     stage = ["the doorbell"]  # what the teardown is doing, for the watchdog's line
-    watchdog = threading.Timer(TEARDOWN_LIMIT_S, lambda: (log.warning("rank %d: teardown exceeded %.0f s in %s; exiting",
-                                                                      rank, TEARDOWN_LIMIT_S, stage[0]), os._exit(0)))
+    limit = TEARDOWN_LIMIT_S + SERVER_GRACE_S
+    watchdog = threading.Timer(limit, lambda: (log.warning("rank %d: teardown exceeded %.0f s in %s; exiting",
+                                                           rank, limit, stage[0]), os._exit(0)))
     watchdog.daemon = True
     watchdog.start()
+    # The doorbell before the streams: an engine reads the end of its idle liveness stream as "the
+    # sidecar is done with my step", so no doorbell step may still be running when the streams end.
     if servicer.doorbell is not None:
         servicer.doorbell.stop()
+    stage[0] = "the gRPC server"
+    server.stop(grace=SERVER_GRACE_S).wait()  # then refuse new calls, and let in-flight steps finish
     stage[0] = "the rank loop"
     loop.close()
     if graphs is not None:

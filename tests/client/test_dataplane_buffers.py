@@ -172,3 +172,33 @@ def test_metadata_of_each_step_is_written_whatever_its_layout_in_memory(bufs, ti
     bufs.meta_bytes.zero_()
     bufs.fill(req, step.inputs_embeds, step.positions, meta)
     assert torch.equal(meta_of(req, "block_tables", tables), tables)
+
+
+class _ClosedChannel(_Stub):
+    def UnregisterBuffers(self, req, timeout=None):  # noqa: N802
+        raise ValueError("Cannot invoke RPC on closed channel!")  # what grpc raises there
+
+
+def test_close_frees_its_own_memory_when_the_channel_is_already_closed(tiny_cfg, caplog):
+    b = StepBuffers(_ClosedChannel(), tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    name = b._shm[0].segment.name
+    with caplog.at_level("INFO", logger="dspark_sidecar.client"):
+        b.close()
+    assert "UnregisterBuffers not sent" in caplog.text
+    assert not (Path("/dev/shm") / name).exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_closing_a_doorbell_waits_for_the_engine_stream_within_a_bound():
+    """DoorbellChannel.close unmaps its page only once the engine's stream has passed its last step,
+    which may wait on a wedged sidecar's event: the wait is bounded (close keeps the page instead)."""
+    from dspark_sidecar.client.dataplane import DoorbellChannel
+
+    dev = torch.device("cuda", 0)
+    probe = DoorbellChannel.__new__(DoorbellChannel)
+    probe.device = dev
+    with torch.cuda.device(dev):
+        torch.cuda._sleep(2_000_000_000)  # about a second of a busy stream
+        assert not probe._stream_passed(0.05)
+        assert probe._stream_passed(30.0)

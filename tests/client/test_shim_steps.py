@@ -382,3 +382,17 @@ def test_a_stream_that_ended_is_closed_when_it_is_replaced(fake):
     second = conn.stream()
     assert second is not first and second.alive and closed == [True]
     conn.close()
+
+
+def test_a_kv_cache_of_another_layout_never_raises_out_of_maybe_forward(fake):
+    """The page size is read from the cache's shape [2, pages, page, heads, dim]; a cache laid out
+    otherwise once raised IndexError out of maybe_forward instead of answering."""
+    flat = [torch.zeros(16) for _ in range(5)]
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: flat, ParallelContext(0, 1))
+    ids, pos, meta = step_inputs(2)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is None
+        assert not shim.enabled and "is not [2, pages, page_size, heads, head_dim]" in shim.refusal
+    finally:
+        shim.close()
