@@ -146,6 +146,10 @@ def exchange_lanes(streams: int, world: int, device: torch.device) -> tuple[Dist
     CUDA graph capture fails it (BENCHMARKS.md run 98)."""
     if world == 1 or streams <= 1:
         return ()
+    log.warning("%d launch streams at TP %d: each runs its collectives on a communicator of its own, at the same "
+                "time as the others. NCCL does not promise that collectives of different communicators in flight "
+                "together make progress (its guide: use them at different times, in the same order on every "
+                "rank), so a step could hang. Tested on two H200s only; --launch-streams 1 avoids it", streams, world)
     lanes = []
     for _ in range(streams - 1):
         group = dist.new_group()

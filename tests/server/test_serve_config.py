@@ -48,3 +48,22 @@ def test_prelaunch_cooldown_threshold_from_flag_or_environment(monkeypatch):
     for bad in ("0", "-2"):
         with pytest.raises(ServeConfigError, match="--prelaunch-behind-ms"):
             _parse(["--prelaunch-behind-ms", bad])
+
+
+def test_exchange_lanes_at_tp_above_one_warn_of_nccls_concurrent_communicators(monkeypatch, caplog):
+    """Each extra launch stream gets a communicator of its own, used at the same time as the others,
+    which NCCL does not promise to make progress: the operator is told at start-up."""
+    import torch
+
+    from dspark_sidecar.server import app
+
+    monkeypatch.setattr(app.dist, "new_group", lambda: "group")
+    monkeypatch.setattr(app.dist, "all_reduce", lambda t, group=None: t.fill_(2))
+    with caplog.at_level("WARNING", logger="dspark_sidecar.server"):
+        lanes = app.exchange_lanes(3, 2, torch.device("cpu"))
+    assert [lane.group for lane in lanes] == ["group", "group"]
+    assert "NCCL does not promise" in caplog.text and "--launch-streams 1" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dspark_sidecar.server"):
+        assert app.exchange_lanes(1, 2, torch.device("cpu")) == ()
+    assert caplog.text == ""
