@@ -56,13 +56,18 @@ class AttachedSegment:
     """
 
     def __init__(self, name: str) -> None:
-        fd = os.open(os.path.join("/dev/shm", name.lstrip("/")), os.O_RDWR)
+        name = name.lstrip("/")
+        # A POSIX shared-memory name is one entry of /dev/shm: a name with a path in it could reach
+        # any file this process may write, which it would map and, for a KV cache, write into.
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"{name!r} is not a shared-memory name (one entry of /dev/shm, no '/')")
+        fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR | os.O_NOFOLLOW)
         try:
             self.size = os.fstat(fd).st_size
             self._mmap = mmap.mmap(fd, self.size)
         finally:
             os.close(fd)
-        self.name, self.buf = name.lstrip("/"), memoryview(self._mmap)
+        self.name, self.buf = name, memoryview(self._mmap)
 
     def close(self) -> None:
         """Unmap (BufferError while a view of `buf` is alive, as SharedMemory.close)."""
@@ -141,10 +146,13 @@ class MappedMemory:
             except (FileNotFoundError, OSError, ValueError) as e:
                 raise HandleError(f"{field}: cannot open shared memory {handle.shm.name!r}: {e}") from None
             self._segment = seg
-            lo = handle.shm.offset_bytes
+            lo, size = handle.shm.offset_bytes, handle.shm.size_bytes
             if lo > seg.size:
                 raise HandleError(f"{field}: offset {lo} beyond segment size {seg.size}")
-            self.storage = torch.frombuffer(seg.buf, dtype=torch.uint8)[lo:]
+            if size and not lo <= size <= seg.size:
+                raise HandleError(f"{field}: size_bytes {size} outside the segment's {seg.size} bytes "
+                                  f"(or below offset_bytes {lo})")
+            self.storage = torch.frombuffer(seg.buf, dtype=torch.uint8)[lo : size or seg.size]
         elif kind == "cuda_ipc":
             self.storage = _open_cuda_ipc(handle.cuda_ipc, field, device)
         else:
@@ -153,6 +161,10 @@ class MappedMemory:
     @property
     def nbytes(self) -> int:
         return self.storage.numel()
+
+    def limit(self, nbytes: int) -> None:
+        """Views may reach the first `nbytes` bytes only (a registered region's size_bytes)."""
+        self.storage = self.storage[:nbytes]
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...],
              offset: int, field: str) -> torch.Tensor:

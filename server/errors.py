@@ -6,6 +6,7 @@ import logging
 
 import grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -79,16 +80,22 @@ class StatusInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
-        inner = handler.unary_unary
+        inner, decode = handler.unary_unary, handler.request_deserializer
 
-        def guarded(request, context):
+        def guarded(raw: bytes, context):
+            # The request is decoded here, not by grpc: bytes that do not parse would otherwise be
+            # answered INTERNAL ("Exception deserializing request!") before any handler could say why.
             try:
+                try:
+                    request = decode(raw) if decode is not None else raw
+                except DecodeError as exc:
+                    raise invalid("request", f"the message does not parse as {handler_call_details.method}'s "
+                                             f"request ({exc}): client and server protos disagree?") from None
                 return inner(request, context)
             except Exception as exc:  # noqa: BLE001  (every failure becomes a status; none escapes)
                 context.abort_with_status(rpc_status.to_status(to_status(as_sidecar_error(exc))))
 
         return grpc.unary_unary_rpc_method_handler(
-            guarded, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            guarded, request_deserializer=None, response_serializer=handler.response_serializer)
 
 

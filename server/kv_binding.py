@@ -106,6 +106,8 @@ class MemoryBindings:
                 if tuple(lb.shape) != want:
                     raise invalid(f"{f}.shape", f"{list(lb.shape)}, expected {list(want)} "
                                   "[2, num_pages, page_size, kv_heads/tp, head_dim]")
+                if pages < 1:
+                    raise invalid(f"{f}.shape", f"{list(lb.shape)}: a cache needs at least one page")
                 if num_pages is not None and pages != num_pages:
                     raise invalid(f"{f}.shape", f"{pages} pages, layer 0 has {num_pages}")
                 num_pages = pages
@@ -182,8 +184,10 @@ class MemoryBindings:
                 handed = i + 1
                 m = MappedMemory(region.memory, f"regions[{i}].memory", self.device)
                 mapped.append(m)
-                if region.size_bytes > m.nbytes:
-                    raise invalid(f"regions[{i}].size_bytes", f"{region.size_bytes} > mapped {m.nbytes}")
+                if not 0 < region.size_bytes <= m.nbytes:
+                    raise invalid(f"regions[{i}].size_bytes", f"{region.size_bytes}: must be positive and at most "
+                                                             f"the {m.nbytes} bytes mapped")
+                m.limit(region.size_bytes)  # steps may name these bytes only, not the rest of the memory
             with self._lock:
                 if req.owner and req.owner in self._released_owners:
                     # The engine gave up on this registration (its call timed out) and released the

@@ -167,7 +167,7 @@ def test_a_registration_with_one_bad_region_registers_and_maps_none_of_them(segm
     too_big = pb.BufferRegion(name="inputs", memory=handle, size_bytes=4097)
     name, before = segment.segment.name, _maps_of(segment.segment.name)
     try:
-        with pytest.raises(SidecarError, match=r"regions\[1\].size_bytes: 4097 > mapped 4096"):
+        with pytest.raises(SidecarError, match=r"regions\[1\].size_bytes: 4097: must be positive and at most the 4096"):
             mem.register(pb.RegisterBuffersRequest(regions=[good, too_big], owner=5))
         assert mem.region_count == 0 and _maps_of(name) == before
         assert mem.unregister([], owner=5) == []
@@ -230,3 +230,41 @@ def test_a_refused_bind_gives_back_every_cuda_handle_it_did_not_open(given_back)
     # Layer 0's counter given back where it was refused, the rest by the undo: each exactly once.
     assert sorted(o for _, o in given_back) == [8 * i for i in range(cfg.num_hidden_layers)]
     assert mem.kv is None
+
+
+@pytest.mark.parametrize("name", ["../../tmp/outside", "a/b", "..", ".", ""])
+def test_a_shared_memory_name_must_be_one_entry_of_dev_shm(name):
+    """A name with a path in it could reach any file the sidecar may write (found by the RPC fuzzing)."""
+    handle = pb.MemoryHandle(shm=pb.SharedMemoryHandle(name=name))
+    with pytest.raises(memory.HandleError, match="is not a shared-memory name"):
+        memory.MappedMemory(handle, "regions[0].memory", torch.device("cpu"))
+
+
+def test_a_symbolic_link_in_dev_shm_is_not_followed(segment, tmp_path):
+    import os
+
+    link = f"dspark-test-link-{os.getpid()}"
+    os.symlink(tmp_path / "target", f"/dev/shm/{link}")
+    (tmp_path / "target").write_bytes(b"\0" * 4096)
+    try:
+        with pytest.raises(memory.HandleError, match="cannot open shared memory"):
+            memory.MappedMemory(pb.MemoryHandle(shm=pb.SharedMemoryHandle(name=link)), "page", torch.device("cpu"))
+    finally:
+        os.unlink(f"/dev/shm/{link}")
+
+
+def test_a_region_s_slices_stay_inside_its_registered_bytes(segment):
+    """size_bytes bounds what steps may name, not the whole mapping (an output slice past it wrote
+    engine memory that was never registered: found by the RPC fuzzing)."""
+    mem = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    handle = memory.export_handle(segment.tensor)
+    try:
+        (rid,) = mem.register(pb.RegisterBuffersRequest(regions=[pb.BufferRegion(name="m", memory=handle,
+                                                                                  size_bytes=1024)]))
+        mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=768), torch.int32, (64,), "positions")
+        with pytest.raises(ValueError, match="positions: view needs 1028 bytes, mapping has 1024"):
+            mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=772), torch.int32, (64,), "positions")
+        with pytest.raises(Exception, match="must be positive"):
+            mem.register(pb.RegisterBuffersRequest(regions=[pb.BufferRegion(name="m", memory=handle)]))
+    finally:
+        mem.close()
