@@ -74,28 +74,50 @@ def to_step_error(err: SidecarError) -> pb.StepError:
 
 
 class StatusInterceptor(grpc.ServerInterceptor):
-    """Maps exceptions escaping unary handlers to gRPC status with rich details; servicers stay on the happy path."""
+    """Maps exceptions escaping unary handlers to gRPC status with rich details, and requests that do not
+    parse to INVALID_ARGUMENT (unary and streaming); servicers stay on the happy path."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None:
             return handler
-        inner, decode = handler.unary_unary, handler.request_deserializer
+        method, decode = handler_call_details.method, handler.request_deserializer
 
-        def guarded(raw: bytes, context):
-            # The request is decoded here, not by grpc: bytes that do not parse would otherwise be
-            # answered INTERNAL ("Exception deserializing request!") before any handler could say why.
+        # Requests are decoded here, not by grpc: bytes that do not parse would otherwise be answered
+        # INTERNAL ("Exception deserializing request!") before any handler could say why.
+        def parsed(raw: bytes):
             try:
-                try:
-                    request = decode(raw) if decode is not None else raw
-                except DecodeError as exc:
-                    raise invalid("request", f"the message does not parse as {handler_call_details.method}'s "
-                                             f"request ({exc}): client and server protos disagree?") from None
-                return inner(request, context)
-            except Exception as exc:  # noqa: BLE001  (every failure becomes a status; none escapes)
-                context.abort_with_status(rpc_status.to_status(to_status(as_sidecar_error(exc))))
+                return decode(raw) if decode is not None else raw
+            except DecodeError as exc:
+                raise invalid("request", f"the message does not parse as {method}'s request ({exc}): "
+                                         "client and server protos disagree?") from None
 
-        return grpc.unary_unary_rpc_method_handler(
-            guarded, request_deserializer=None, response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def guarded(raw: bytes, context):
+                try:
+                    return inner(parsed(raw), context)
+                except Exception as exc:  # noqa: BLE001  (every failure becomes a status; none escapes)
+                    context.abort_with_status(rpc_status.to_status(to_status(as_sidecar_error(exc))))
+
+            return grpc.unary_unary_rpc_method_handler(
+                guarded, request_deserializer=None, response_serializer=handler.response_serializer)
+        if handler.stream_stream is not None:  # DraftSteps: its handler answers per step; only parsing is ours
+            inner_stream = handler.stream_stream
+
+            def guarded_stream(raw_iterator, context):
+                def requests():
+                    for raw in raw_iterator:
+                        try:
+                            yield parsed(raw)
+                        except SidecarError as err:  # the stream ends with it: no step id to answer under
+                            context.abort_with_status(rpc_status.to_status(to_status(err)))
+
+                yield from inner_stream(requests(), context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                guarded_stream, request_deserializer=None, response_serializer=handler.response_serializer)
+        return handler
 
 

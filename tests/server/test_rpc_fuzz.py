@@ -904,3 +904,16 @@ def test_malformed_request_bytes_are_not_internal(rig, rpc):
     rig.checkpoint(f"malformed {rpc} bytes")
     bad += rig.findings[start:]
     assert not bad, "\n".join(bad)
+
+
+def test_a_stream_message_that_does_not_parse_ends_the_stream_with_invalid_argument(rig):
+    """DraftSteps: grpc would answer INTERNAL; the stream has no step id to answer under, so it ends
+    with INVALID_ARGUMENT naming the cause, and the rank serves on."""
+    call = rig.channel.stream_stream(SERVICE + "DraftSteps")(iter([b"\x0a\xff"]), timeout=TIMEOUT_S)
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse" in err.value.details()
+    start = len(rig.findings)
+    rig.checkpoint("an unparseable stream message")
+    assert not rig.findings[start:], "\n".join(rig.findings[start:])
