@@ -222,8 +222,11 @@ class MemoryBindings:
             if owner:
                 self._released_owners.add(owner)
                 ids = ids + [rid for rid in self._owned.pop(owner, []) if rid in self._regions]
-            for rids in self._owned.values():  # released by id: no longer anyone's to release by owner
-                rids[:] = [rid for rid in rids if rid not in ids]
+            gone = set(ids)
+            for o in list(self._owned):  # released by id: no longer anyone's to release by owner
+                self._owned[o] = [rid for rid in self._owned[o] if rid not in gone]
+                if not self._owned[o]:
+                    del self._owned[o]  # the token stays usable: only a release by owner retires it
             released = [self._regions.pop(rid) for rid in dict.fromkeys(ids)]
             self._retired.update(ids)
             if released:

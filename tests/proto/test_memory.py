@@ -140,6 +140,10 @@ def test_regions_are_released_by_their_owner_token_and_a_released_token_register
             m.close()
         released = mem.unregister([], owner=41)
         assert len(released) == 1 and mem.region_count == 1
+        for m in mem.unregister([c]):  # by id: owner 42 has nothing left, and is not kept
+            m.close()
+        assert 42 not in mem._owned and mem.region_count == 0
+        (c,) = mem.register(pb.RegisterBuffersRequest(regions=[region], owner=42))  # not retired: registers again
         for m in released:
             m.close()
         assert _maps_of(name) == before + 1  # c's mapping only
