@@ -131,7 +131,15 @@ class Waker:
     """The sidecar's end of the wake FIFO: an idle doorbell thread blocks here instead of polling."""
 
     def __init__(self, path: str) -> None:
-        os.mkfifo(path, 0o660)
+        try:
+            os.mkfifo(path, 0o660)
+        except FileExistsError:
+            # Left by a rank of this socket folder that crashed (the numbers restart with the
+            # process): a FIFO nobody else can be using, so it is replaced. Anything else is kept.
+            if not stat.S_ISFIFO(os.lstat(path).st_mode):
+                raise
+            os.unlink(path)
+            os.mkfifo(path, 0o660)
         try:
             self.path = path
             # The read end, plus a write end of our own: with no writer a FIFO reads as EOF, which

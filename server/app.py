@@ -289,8 +289,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     watchdog.start()
     # The doorbell before the streams: an engine reads the end of its idle liveness stream as "the
     # sidecar is done with my step", so no doorbell step may still be running when the streams end.
-    if servicer.doorbell is not None:
-        servicer.doorbell.stop()
+    servicer.close_doorbell()
     stage[0] = "the gRPC server"
     server.stop(grace=SERVER_GRACE_S).wait()  # then refuse new calls, and let in-flight steps finish
     stage[0] = "the rank loop"

@@ -78,6 +78,8 @@ class Doorbell(threading.Thread):
             else:
                 loop.on_quiesce(self.prelaunch.release)
         self._halt = threading.Event()
+        self._predecessors: list[Doorbell] = []  # follow()
+        self._release_lock, self._released = threading.Lock(), False
         self._seen_ns = 0  # when the current step's ring was seen (time.monotonic_ns)
         self._last = self.page.word(bell.REQ_SEQ)
         self.waker: bell.Waker | None = None
@@ -94,6 +96,10 @@ class Doorbell(threading.Thread):
     def output_event_handle(self) -> bytes:
         return self.output_event.ipc_handle() if self.output_event is not None else b""
 
+    def follow(self, predecessors: list[Doorbell]) -> None:
+        """Serve only once these (replaced, still inside a step) have ended; call before start()."""
+        self._predecessors = list(predecessors)
+
     def stop(self) -> None:
         """Halt the thread; it releases the pre-launch, the FIFO and the page as it ends. A step in
         progress is never cut short: were the pre-launch dropped under it, its rank would skip the
@@ -108,6 +114,10 @@ class Doorbell(threading.Thread):
                       STOP_S)
 
     def _release(self) -> None:
+        with self._release_lock:  # once: stop() before start(), then the thread's own end, must not close twice
+            if self._released:
+                return
+            self._released = True
         if self.waker is not None:
             self.waker.close()
         if self.prelaunch is not None:  # the page's registration ends, then the page goes: once the device is done
@@ -121,6 +131,9 @@ class Doorbell(threading.Thread):
 
     def run(self) -> None:
         try:
+            for d in self._predecessors:
+                while d.is_alive() and not self._halt.is_set():
+                    d.join(timeout=0.05)
             self._ring_loop()
         finally:
             self._release()

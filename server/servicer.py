@@ -71,6 +71,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self.doorbell: Doorbell | None = None
         self._attached = 0
         self._attach_lock = threading.Lock()
+        self._retiring: list[Doorbell] = []  # replaced doorbells still inside a step (longer than STOP_S)
+        self._doorbells_closed = False  # shutdown (close_doorbell): no doorbell attaches any more
         listeners = getattr(ctx.fast, "listeners", None)
         if listeners is not None:  # the fast path's verdict on a binding changes what health says
             listeners.append(self._fast_path_changed)
@@ -151,8 +153,10 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             if not released:  # an owner whose registration never arrived: nothing reads anything of it
                 return pb.UnregisterBuffersResponse()
             finish = []
-            if self.doorbell is not None and self.doorbell.prelaunch is not None:
-                finish.append(self.doorbell.prelaunch.forget_regions())
+            for d in (self.doorbell, *self._retiring):  # a replaced one still in a step has its pre-launch too
+                pl = d.prelaunch if d is not None else None  # read once: its thread may drop it meanwhile
+                if pl is not None:
+                    finish.append(pl.forget_regions())
             graphs = self.loop.graphs.drop_in_place() if self.loop.graphs is not None else []
 
             def done() -> None:
@@ -176,6 +180,9 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         if request.page.WhichOneof("kind") != "shm":
             raise invalid("page", "the doorbell page must be POSIX shared memory")
         with self._attach_lock:  # one doorbell per rank: two attaching at once would leave one running unseen
+            if self._doorbells_closed:
+                raise SidecarError(grpc.StatusCode.UNAVAILABLE, "this rank is shutting down: no doorbell is attached "
+                                   "any more; steps go over the gRPC stream until it ends", "", "SHUTTING_DOWN")
             page = MappedMemory(request.page, "page", torch.device("cpu"))
             self._attached += 1
             wake = str(self.run_dir / f"rank{self.ctx.rank}.wake{self._attached}") if self.run_dir else None
@@ -186,15 +193,30 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             except BaseException:
                 page.close()  # a refused request leaves the attached doorbell as it was
                 raise
-            old, self.doorbell = self.doorbell, bell
+            old = self.doorbell
             if old is not None:
                 try:
                     old.stop()
                 except Exception:  # noqa: BLE001  (it is halted: the new one must start all the same)
                     log.exception("rank %d: the replaced doorbell did not close cleanly", self.ctx.rank)
+                self._retiring.append(old)
+            self._retiring = [d for d in self._retiring if d.is_alive()]
+            # A replaced doorbell still inside a step may queue the next one behind its old page's GPU
+            # word and release it only as it ends: the new one serves after that (Doorbell.run).
+            bell.follow(self._retiring)
             bell.start()
+            self.doorbell = bell  # published once started: close_doorbell stops only started doorbells
         return pb.AttachDoorbellResponse(output_event=bell.output_event_handle(), wake_fifo=bell.wake_fifo,
                                          gpu_word=bell.prelaunch is not None)
+
+    def close_doorbell(self) -> None:
+        """Shutdown: stop the doorbell (and any it replaced that is still in a step), and attach none
+        again. Under the attach lock, so a re-attach in progress is either done or refused."""
+        with self._attach_lock:
+            self._doorbells_closed = True
+            for d in (self.doorbell, *self._retiring):
+                if d is not None:
+                    d.stop()
 
     @functools.cached_property
     def _gpu_word_ops(self) -> GpuWordOps | None:

@@ -124,3 +124,22 @@ def test_ringer_refuses_a_path_that_is_not_a_fifo(tmp_path):
     f.write_bytes(b"")
     with pytest.raises(OSError, match="not a FIFO"):
         bell.Ringer(str(f))
+
+
+def test_a_fifo_left_by_a_crashed_rank_is_replaced_and_anything_else_kept(tmp_path):
+    """A rank that crashed leaves its wake FIFOs; a restarted one numbers its own from 1 again, and
+    mkfifo's EEXIST used to leave those doorbells polling. A file that is not a FIFO is never removed."""
+    import os
+
+    path = str(tmp_path / "rank0.wake1")
+    os.mkfifo(path, 0o660)
+    waker = bell.Waker(path)
+    try:
+        assert waker.path == path and os.path.exists(path)
+    finally:
+        waker.close()
+    plain = tmp_path / "rank0.wake2"
+    plain.write_text("not a fifo")
+    with pytest.raises(FileExistsError):
+        bell.Waker(str(plain))
+    assert plain.read_text() == "not a fifo"
