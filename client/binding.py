@@ -157,6 +157,11 @@ class KVBinder:
             permanent = code in _PERMANENT_CODES or reason in _PERMANENT_REASONS
             self.current = None
             raise BindError(f"BindKV: {code.name} {reason} {e.details()}".strip(), permanent) from None
+        if not (0 < resp.binding_id < 1 << 63 and 0 < resp.generation < 1 << 62):
+            # The ids travel through the ranks' int64 agreement; a sidecar naming others is not one to trust.
+            self.current = None
+            raise BindError(f"BindKV: answer names binding {resp.binding_id} generation {resp.generation}, "
+                            "outside what a sidecar hands out", False)
         self.current = Binding(resp.binding_id, resp.generation, ident, _watch(layers))
         self.binds += 1
         log.info("KV cache bound: binding %d generation %d (%d layers, backend %s%s)", resp.binding_id,

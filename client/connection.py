@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from typing import Callable
@@ -53,6 +54,7 @@ class StepStream:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._answers: dict[int, pb.DraftStepResponse] = {}
+        self._outstanding: collections.deque[int] = collections.deque()  # step ids sent, not yet answered
         self._waiting: int | None = None
         self.last_answered = 0
         self.alive = True
@@ -73,7 +75,15 @@ class StepStream:
         try:
             for resp in self._call:
                 with self._cv:
-                    self.last_answered = max(self.last_answered, resp.step_id)
+                    # One answer per request, in request order: anything else is a sidecar that
+                    # cannot be trusted to say which step an answer (or a settled cache) belongs to.
+                    if not self._outstanding or resp.step_id != self._outstanding[0]:
+                        expected = self._outstanding[0] if self._outstanding else "none"
+                        end = StreamBroken(None, f"answer for step {resp.step_id} out of order (expected {expected})")
+                        self._call.cancel()
+                        break
+                    self._outstanding.popleft()
+                    self.last_answered = resp.step_id
                     if resp.step_id == self._waiting:
                         self._answers[resp.step_id] = resp
                     self._cv.notify_all()
@@ -91,6 +101,7 @@ class StepStream:
                 raise self.end or StreamBroken(None, "stream ended")
             self._waiting = req.step_id
             self._answers.clear()
+            self._outstanding.append(req.step_id)
         self._requests.put(req)
 
     def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:

@@ -76,8 +76,11 @@ class StepBuffers:
             regions = [pb.BufferRegion(name=name, memory=memory.export_handle(t), size_bytes=t.numel() * t.element_size())
                        for name, t in (("inputs_embeds", self.embeds), ("hidden_states", self.hidden),
                                        ("metadata", self.meta_bytes))]
-            ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions, owner=self.owner),
-                                       timeout=timeout_s).region_ids
+            ids = list(stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions, owner=self.owner),
+                                            timeout=timeout_s).region_ids)
+            if len(ids) != 3 or len(set(ids)) != 3 or 0 in ids:
+                self._release_owner()  # whatever it did register, it did under our token
+                raise DataPlaneError(f"RegisterBuffers answered region ids {ids}, not three distinct ones")
         except grpc.RpcError as e:
             if e.code() in _OUTCOME_UNKNOWN:  # the sidecar may have registered them all the same
                 self._release_owner()
@@ -86,7 +89,7 @@ class StepBuffers:
         except BaseException:  # refused (an older sidecar, a handle it cannot map), or out of memory: keep nothing
             self.close()
             raise
-        self._ids = list(ids)
+        self._ids = ids
         self.embeds_id, self.hidden_id, self.meta_id = ids
         self._next_key = 1  # launch keys (sidecar.proto DraftStepRequest.launch_key): never reused
 

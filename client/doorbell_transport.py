@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from dspark_sidecar.client.connection import SidecarConnection, StepStream, StreamBroken
 from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
 from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 
 POLL_S = 0.05  # how often a waiting step looks at the liveness stream
@@ -44,8 +45,24 @@ class DoorbellTransport:
     def alive(self) -> bool:
         return self.bell.alive and self.liveness.alive
 
-    def fits(self, num_reqs: int, meta: StepMetadata) -> bool:
-        return num_reqs <= self.max_reqs and meta.block_tables.shape[1] <= self.max_pages
+    def fits(self, num_reqs: int, meta: StepMetadata, width: int) -> bool:
+        """Whether the step fits the registered buffers (else it goes over the gRPC stream)."""
+        return (num_reqs <= self.max_reqs and meta.block_tables.shape[1] <= self.max_pages
+                and width == self.buffers.embeds.shape[1])
+
+    def check_answer(self, resp: pb.DraftStepResponse, step_id: int, rows: int, width: int) -> None:
+        """ValueError unless the answer is this step's, written where this step asked: the output region
+        [rows, width] of the compute dtype. Anything else would hand the engine the region as the
+        previous step left it, or bytes read as another dtype."""
+        h = resp.hidden_states
+        if resp.step_id != step_id:
+            raise ValueError(f"answer for step {resp.step_id}, step {step_id} was rung")
+        if (h.WhichOneof("payload") != "region" or h.region.region_id != self.buffers.hidden_id
+                or h.region.offset_bytes != 0):
+            raise ValueError("hidden_states: not in the output region the step named")
+        if h.dtype != codec.dtype_to_proto(self.buffers.dtype) or tuple(h.shape) != (rows, width):
+            raise ValueError(f"hidden_states: {list(h.shape)} of dtype {h.dtype}, expected {[rows, width]} "
+                             f"{self.buffers.dtype}")
 
     def send(self, req: pb.DraftStepRequest, embeds: torch.Tensor, positions: torch.Tensor,
              meta: StepMetadata) -> None:

@@ -65,7 +65,9 @@ PEER_FAILED = "peer engine rank got no result"
 _NO_LIMIT = layout.MAX_REQS_LIMIT + 1
 _NO_GEN = 1 << 62
 _TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING")
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# StatusReport.model.compute_dtype: the proto's short names, and torch's, which the sidecar sends.
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                   "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _MAX_DOORBELL_PAGES = 8192  # block-table width the registered metadata region is sized for
 # A data plane refused for a passing reason (a sidecar busy past the deadline, e.g. at TP > 1 waiting
 # on its peers while it releases this rank's old regions) is asked for again after this long; until
@@ -267,11 +269,12 @@ class DrafterShim:
         dtype = _COMPUTE_DTYPES.get(status.model.compute_dtype, layers[0].dtype)
         try:
             self.doorbell = DoorbellTransport(
-                self.connection, int(status.model.hidden_size), int(status.limits.max_reqs or self._max_reqs),
+                self.connection, int(status.model.hidden_size),
+                min(int(status.limits.max_reqs or self._max_reqs), self.config.max_reqs),
                 min(int(layers[0].shape[1]), _MAX_DOORBELL_PAGES), dtype, layers[0].device,
                 self.config.connect_deadline_s)
             log.info("sidecar rank %d: steps go through the shared-memory doorbell", self.rank)
-        except (grpc.RpcError, DataPlaneError, HandleError, ValueError, RuntimeError) as e:
+        except (grpc.RpcError, DataPlaneError, HandleError, ValueError, RuntimeError, OSError, MemoryError) as e:
             detail = e.code().name if isinstance(e, grpc.RpcError) else str(e)
             if isinstance(e, grpc.RpcError) and e.code() in _PASSING:
                 self._doorbell_retry_at = time.monotonic() + DOORBELL_RETRY_S
@@ -318,7 +321,8 @@ class DrafterShim:
                   meta: StepMetadata) -> tuple[torch.Tensor | None, str]:
         """Send one step and wait for its answer: (hidden, "") or (None, why)."""
         cfg = self.config
-        bell = self.doorbell if self.doorbell is not None and self.doorbell.alive and self.doorbell.fits(r, meta) else None
+        bell = (self.doorbell if self.doorbell is not None and self.doorbell.alive
+                and self.doorbell.fits(r, meta, embeds.shape[-1]) else None)
         req = self._request(step_id, r, positions, embeds, meta, inline=bell is None)
         stream: Any = bell if bell is not None else self.connection.stream()
         try:
@@ -347,20 +351,26 @@ class DrafterShim:
             return None, self._step_error(resp.error)
         try:
             if bell is not None:
-                if tuple(resp.hidden_states.shape) != (positions.numel(), embeds.shape[-1]):
-                    raise ValueError(f"hidden_states: shape {list(resp.hidden_states.shape)}")
+                bell.check_answer(resp, step_id, positions.numel(), embeds.shape[-1])
                 hidden = bell.hidden()
             else:
                 hidden = codec.from_tensor_ref(resp.hidden_states, "hidden_states", writable=True)
         except ValueError as e:
             self.breaker.record_failure(str(e))
             return None, BAD_ANSWER
-        if tuple(hidden.shape) != (positions.numel(), embeds.shape[-1]) or not hidden.is_floating_point():
+        want = self._compute_dtype()
+        if (tuple(hidden.shape) != (positions.numel(), embeds.shape[-1]) or not hidden.is_floating_point()
+                or (want is not None and hidden.dtype != want)):
             self.breaker.record_failure(f"hidden_states {list(hidden.shape)} {hidden.dtype}")
             return None, BAD_ANSWER
         self.breaker.record_success()
         self._via_doorbell = bell is not None
         return (hidden if hidden.device == embeds.device else hidden.to(embeds.device)), ""
+
+    def _compute_dtype(self) -> torch.dtype | None:
+        """The dtype the sidecar computes in (its status), which its hidden states must have."""
+        status = self.connection.status
+        return _COMPUTE_DTYPES.get(status.model.compute_dtype) if status is not None else None
 
     def _step_error(self, err: pb.StepError) -> str:
         code = grpc.StatusCode.UNKNOWN
