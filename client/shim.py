@@ -308,8 +308,7 @@ class DrafterShim:
         req = pb.DraftStepRequest(step_id=step_id, binding_id=b.binding_id, binding_generation=b.generation,
                                   num_requests=r, deadline_ms=int(self.config.step_deadline_s * 1000))
         if inline:
-            status = self.connection.status
-            dtype = _COMPUTE_DTYPES.get(status.model.compute_dtype) if status is not None else None
+            dtype = self._compute_dtype()
             req.positions.CopyFrom(codec.to_tensor_ref(positions))
             req.inputs_embeds.CopyFrom(codec.to_tensor_ref(embeds.to(dtype) if dtype is not None else embeds))
             req.seq_lens.CopyFrom(codec.to_tensor_ref(meta.seq_lens))

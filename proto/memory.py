@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -197,6 +198,27 @@ class MappedMemory:
         if self._segment is not None:
             self._segment.release()
             self._segment = None
+
+
+class QuietStream:
+    """Where CUDA IPC mappings are closed: the device current (page unregistrations need its context)
+    and an idle stream of its own. torch synchronizes the current stream before it unmaps, and a
+    sidecar rank's stream may hold a queued copy waiting on its engine or, at TP > 1, on its peers,
+    which the closing thread (holding the GIL, perhaps the rank's lock) would wait for. Off CUDA a
+    no-op."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self._stream = device, None
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:  # made on first use
+            self._stream = torch.cuda.Stream(self.device)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self._stream))
+        return stack
 
 
 def discard_handle(handle: pb.MemoryHandle) -> None:

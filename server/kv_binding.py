@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import threading
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.drafter.kv_cache import kv_layer_shape
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from dspark_sidecar.proto.memory import MappedMemory, discard_handle
+from dspark_sidecar.proto.memory import MappedMemory, QuietStream, discard_handle
 from dspark_sidecar.server.errors import SidecarError, invalid, precondition
 from dspark_sidecar.server.refusal import EngineFacts
 
@@ -51,7 +50,7 @@ class MemoryBindings:
         self._retired: set[int] = set()  # released region ids: never handed out again by this process
         self._owned: dict[int, list[int]] = {}  # RegisterBuffersRequest.owner -> its live region ids
         self._released_owners: set[int] = set()  # owners released by UnregisterBuffers: register nothing more
-        self._idle_stream = None  # where refused mappings are closed (_discard), made on first use
+        self._quiet = QuietStream(device)  # where refused mappings are closed (_discard)
         # Resolved views by (region, offset, dtype, shape): an engine sends the same slices step
         # after step, and building a bounds-checked view costs ~20 us of torch calls each time.
         self._views: dict[tuple, torch.Tensor] = {}
@@ -62,7 +61,6 @@ class MemoryBindings:
         """Map the engine's cache and make it the current binding; the previous one is closed through
         retire(close) (RankLoop.after_device: once the device no longer reads it)."""
         e = req.engine
-        handed = [0]  # how many of req.layers went to MappedMemory (which opened them, or gave back its own)
         try:
             if e.engine_rank != self.rank:
                 raise precondition(f"engine rank {e.engine_rank} bound to sidecar rank {self.rank}: engine rank r "
@@ -74,10 +72,10 @@ class MemoryBindings:
                 raise invalid("page_size", "must be positive")
             if len(req.layers) != self.cfg.num_hidden_layers:
                 raise invalid("layers", f"{len(req.layers)} layers bound, the drafter has {self.cfg.num_hidden_layers}")
-            mappings, layers, num_pages = self._map_layers(req, handed)
-        except Exception:
-            self._discard([], [lb.memory for lb in req.layers[handed[0]:]])
+        except Exception:  # refused before any layer was opened
+            self._discard([], [lb.memory for lb in req.layers])
             raise
+        mappings, layers, num_pages = self._map_layers(req)
         facts = EngineFacts(e.tp_size, e.dp_size, e.pp_size, e.speculative_method, e.num_speculative_tokens)
         with self._lock:
             old, self.generation, self.binds = self.kv, self.generation + 1, self.binds + 1
@@ -87,12 +85,13 @@ class MemoryBindings:
             retire(old.close)
         return self.kv
 
-    def _map_layers(self, req: pb.BindKVRequest, handed: list[int]) -> tuple[list[MappedMemory], list[torch.Tensor], int]:
+    def _map_layers(self, req: pb.BindKVRequest) -> tuple[list[MappedMemory], list[torch.Tensor], int]:
         """Each layer checked and mapped in order: (mappings, views [2, pages, page, kv_heads, head_dim], pages).
-        handed[0] counts the layers passed to MappedMemory; on a refusal what they mapped is undone."""
+        On a refusal what was mapped is undone, and the handles not yet opened are given back."""
         mappings: list[MappedMemory] = []
         layers: list[torch.Tensor] = []
         num_pages = None
+        handed = 0  # layers passed to MappedMemory (which opened them, or gave back its own)
         try:
             for i, lb in enumerate(req.layers):
                 f = f"layers[{i}]"
@@ -111,7 +110,7 @@ class MemoryBindings:
                 if num_pages is not None and pages != num_pages:
                     raise invalid(f"{f}.shape", f"{pages} pages, layer 0 has {num_pages}")
                 num_pages = pages
-                handed[0] = i + 1
+                handed = i + 1
                 m = MappedMemory(lb.memory, f"{f}.memory", self.device)
                 mappings.append(m)
                 t = m.view(dtype, tuple(lb.shape), tuple(lb.strides), lb.storage_offset, f)
@@ -123,7 +122,7 @@ class MemoryBindings:
                 layers.append(t)
         except Exception:  # a bad layer (or handle: errors.as_sidecar_error maps it) unmaps the rest
             layers.clear()
-            self._discard(mappings, [])
+            self._discard(mappings, [lb.memory for lb in req.layers[handed:]])
             raise
         return mappings, layers, int(num_pages)
 
@@ -131,9 +130,7 @@ class MemoryBindings:
         """Undo a refused BindKV or RegisterBuffers: close what it mapped, and give back torch's producer
         reference of each CUDA IPC handle it never opened (memory.discard_handle: else the engine's
         block stays allocated until the engine exits). No step read any of it, so nothing is waited
-        for. The closes run on an idle stream of this object's: torch synchronizes the current
-        stream before it unmaps, and a handler thread's current stream is the rank's, which may
-        hold a queued copy waiting on its engine or, at TP > 1, on its peers (with the GIL held)."""
+        for; the closes run in a QuietStream (a handler thread's current stream is the rank's)."""
         if opened:
             with self._quiet():
                 for m in opened:
@@ -141,16 +138,6 @@ class MemoryBindings:
                 opened.clear()
         for h in unopened:
             discard_handle(h)
-
-    def _quiet(self) -> contextlib.AbstractContextManager:
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        if self._idle_stream is None:
-            self._idle_stream = torch.cuda.Stream(self.device)
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(self._idle_stream))
-        return stack
 
     def unbind(self, binding_id: int, retire=lambda close: close()) -> None:
         with self._lock:

@@ -22,6 +22,7 @@ from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto.memory import QuietStream
 from dspark_sidecar.server.errors import SidecarError, as_sidecar_error, precondition, to_step_error
 from dspark_sidecar.server.graphs import StepGraphs
 from dspark_sidecar.drafter.kv_cache import StepMetadata
@@ -92,7 +93,7 @@ class RankLoop:
         # (event, fn): fn runs, under the lock, once the device has done the work queued before the event
         # (after_device); looked at before each step and each exclusive section.
         self._deferred: list[tuple[object, Callable[[], None]]] = []
-        self._idle_stream = None  # where deferred releases run (_sweep), made on first use
+        self._quiet = QuietStream(ctx.model.device)  # where deferred releases run (_sweep)
         self._worker = threading.Thread(target=self._work, name=f"dspark-rank{ctx.rank}", daemon=True)
         self._worker.start()
 
@@ -144,19 +145,12 @@ class RankLoop:
         while self._deferred and self._passed(self._deferred[0][0]):
             _, fn = self._deferred.pop(0)
             try:
-                # From any thread, with the device current (page unregistrations need its context), on
-                # an idle stream of our own: torch frees a CUDA IPC mapping after synchronizing the
-                # current stream, and the rank's stream may hold a queued copy waiting on its engine
-                # (or, at TP > 1, on its peers), which this thread, holding the lock, would wait for.
-                with torch.cuda.device(self.ctx.model.device), torch.cuda.stream(self._release_stream()):
+                # From any thread: the device current and an idle stream (QuietStream), never the
+                # rank's, whose queued copy this thread, holding the lock, would wait for.
+                with self._quiet():
                     fn()
             except Exception:  # noqa: BLE001  (a cleanup that fails must not fail the step or RPC that ran it)
                 log.exception("rank %d: deferred release failed; its memory stays mapped", self.ctx.rank)
-
-    def _release_stream(self):
-        if self._idle_stream is None:
-            self._idle_stream = torch.cuda.Stream(self.ctx.model.device)
-        return self._idle_stream
 
     def _passed(self, event) -> bool:
         try:

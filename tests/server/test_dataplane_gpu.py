@@ -334,19 +334,11 @@ def test_gpu_released_buffers_free_the_engine_memory_and_steps_go_on(tmp_path, t
                 flags.append(resp.timings.prelaunched)
             return flags
 
-        def allocated() -> int:
-            """This process's allocated GPU bytes. A block shared over IPC and freed here stays allocated
-            (torch's IPC limbo) until the sidecar has let go of it too; ipc_collect then frees it.
-            (Device-wide free memory also moves with the caching allocator's segments: run 207.)"""
-            torch.cuda.synchronize(dev)
-            torch.cuda.ipc_collect()
-            return torch.cuda.memory_allocated(dev)
-
         first = StepBuffers(stub, tiny_cfg.hidden_size, big, 300, torch.float32, dev)
         assert steps(first) == [False, False, True, True, True]
-        before = allocated()
+        before = _allocated(dev)
         first.close()
-        freed = before - allocated()
+        freed = before - _allocated(dev)
         assert freed >= region_bytes, f"{freed / 2**20:.1f} MiB freed of {region_bytes / 2**20:.1f}"
         again = StepBuffers(stub, tiny_cfg.hidden_size, 4, 300, torch.float32, dev)
         assert steps(again) == [False, False, True, True, True]
@@ -355,44 +347,65 @@ def test_gpu_released_buffers_free_the_engine_memory_and_steps_go_on(tmp_path, t
         again.close()
 
 
+def _allocated(dev: torch.device) -> int:
+    """This process's allocated GPU bytes. A block shared over IPC and freed here stays allocated
+    (torch's IPC limbo) until the sidecar has let go of it too; ipc_collect then frees it.
+    (Device-wide free memory also moves with the caching allocator's segments: run 207.)"""
+    torch.cuda.synchronize(dev)
+    torch.cuda.ipc_collect()
+    return torch.cuda.memory_allocated(dev)
+
+
+class _Forwarding:
+    """A stub that forwards the buffer calls to the sidecar's; subclasses change RegisterBuffers."""
+
+    def __init__(self, stub) -> None:
+        self.stub = stub
+
+    def RegisterBuffers(self, req, timeout=None):  # noqa: N802  (the gRPC method's name)
+        return self.stub.RegisterBuffers(req, timeout=timeout)
+
+    def UnregisterBuffers(self, req, timeout=None):  # noqa: N802
+        return self.stub.UnregisterBuffers(req, timeout=timeout)
+
+
+def _held_after_failed_buffers(tmp_path, cfg, ckpt, wrapper: type[_Forwarding]):
+    """(engine GPU bytes still held, bytes the buffers took, the RpcError) after StepBuffers of 8192
+    requests failed through `wrapper`, on a real CUDA sidecar that then still serves."""
+    import grpc
+
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    dev = torch.device("cuda", 0)
+    big = 8192
+    region_bytes = 2 * 7 * big * cfg.hidden_size * 4
+    with SidecarProcess(tmp_path, tp=1, checkpoint=ckpt, extra_args=["--device", "cuda"]) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        before = _allocated(dev)
+        with pytest.raises(grpc.RpcError) as err:
+            StepBuffers(wrapper(stub), cfg.hidden_size, big, 300, torch.float32, dev)
+        held = _allocated(dev) - before
+        assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
+    return held, region_bytes, err.value
+
+
 def test_gpu_a_registration_whose_answer_is_lost_frees_the_engine_memory(tmp_path, tiny_cfg, tiny_ckpt):
     """Under CUDA IPC a registration the sidecar completed after the engine's call gave up would keep
     the engine's buffers allocated until the sidecar exits. StepBuffers releases it by its owner token,
     and the memory is freed once the sidecar lets go of its mappings."""
     import grpc
 
-    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
-
     class _Deadline(grpc.RpcError):
         def code(self):
             return grpc.StatusCode.DEADLINE_EXCEEDED
 
-    class _AnswerLost:
-        def __init__(self, stub) -> None:
-            self.stub = stub
-
-        def RegisterBuffers(self, req, timeout=None):  # noqa: N802  (the gRPC method's name)
+    class _AnswerLost(_Forwarding):
+        def RegisterBuffers(self, req, timeout=None):  # noqa: N802
             self.stub.RegisterBuffers(req, timeout=timeout)
             raise _Deadline()
 
-        def UnregisterBuffers(self, req, timeout=None):  # noqa: N802
-            return self.stub.UnregisterBuffers(req, timeout=timeout)
-
-    dev = torch.device("cuda", 0)
-    big = 8192
-    region_bytes = 2 * 7 * big * tiny_cfg.hidden_size * 4
-    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
-        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
-        torch.cuda.synchronize(dev)
-        torch.cuda.ipc_collect()
-        before = torch.cuda.memory_allocated(dev)
-        with pytest.raises(grpc.RpcError):
-            StepBuffers(_AnswerLost(stub), tiny_cfg.hidden_size, big, 300, torch.float32, dev)
-        torch.cuda.synchronize(dev)
-        torch.cuda.ipc_collect()
-        held = torch.cuda.memory_allocated(dev) - before
-        assert held < region_bytes // 2, f"{held / 2**20:.1f} MiB still held of {region_bytes / 2**20:.1f}"
-        assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
+    held, region_bytes, _ = _held_after_failed_buffers(tmp_path, tiny_cfg, tiny_ckpt, _AnswerLost)
+    assert held < region_bytes // 2, f"{held / 2**20:.1f} MiB still held of {region_bytes / 2**20:.1f}"
 
 
 def test_gpu_a_refused_registration_frees_the_engine_memory(tmp_path, tiny_cfg, tiny_ckpt):
@@ -401,34 +414,13 @@ def test_gpu_a_refused_registration_frees_the_engine_memory(tmp_path, tiny_cfg, 
     back (memory.discard_handle); else the engine's blocks stay allocated until the engine exits."""
     import grpc
 
-    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
-
-    class _Oversized:
-        def __init__(self, stub) -> None:
-            self.stub = stub
-
-        def RegisterBuffers(self, req, timeout=None):  # noqa: N802  (the gRPC method's name)
+    class _Oversized(_Forwarding):
+        def RegisterBuffers(self, req, timeout=None):  # noqa: N802
             bad = pb.RegisterBuffersRequest()
             bad.CopyFrom(req)
             bad.regions[0].size_bytes += 1 << 40
             return self.stub.RegisterBuffers(bad, timeout=timeout)
 
-        def UnregisterBuffers(self, req, timeout=None):  # noqa: N802
-            return self.stub.UnregisterBuffers(req, timeout=timeout)
-
-    dev = torch.device("cuda", 0)
-    big = 8192
-    region_bytes = 2 * 7 * big * tiny_cfg.hidden_size * 4
-    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
-        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
-        torch.cuda.synchronize(dev)
-        torch.cuda.ipc_collect()
-        before = torch.cuda.memory_allocated(dev)
-        with pytest.raises(grpc.RpcError) as err:
-            StepBuffers(_Oversized(stub), tiny_cfg.hidden_size, big, 300, torch.float32, dev)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        torch.cuda.synchronize(dev)
-        torch.cuda.ipc_collect()
-        held = torch.cuda.memory_allocated(dev) - before
-        assert held < region_bytes // 4, f"{held / 2**20:.1f} MiB still held of {region_bytes / 2**20:.1f}"
-        assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
+    held, region_bytes, err = _held_after_failed_buffers(tmp_path, tiny_cfg, tiny_ckpt, _Oversized)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert held < region_bytes // 4, f"{held / 2**20:.1f} MiB still held of {region_bytes / 2**20:.1f}"

@@ -41,6 +41,7 @@ def gpu(monkeypatch):
     current = []
     monkeypatch.setattr(rank_mod.torch.cuda, "Event", _Event)
     monkeypatch.setattr(rank_mod.torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(rank_mod.torch.cuda, "set_device", lambda dev: None)
     monkeypatch.setattr(rank_mod.torch.cuda, "Stream", lambda device=None: "idle stream")
 
     @contextlib.contextmanager
@@ -54,7 +55,8 @@ def gpu(monkeypatch):
 
 
 def _loop(world: int) -> RankLoop:
-    ctx = RankContext(0, world, SimpleNamespace(), SimpleNamespace(device=torch.device("cpu")), None, None,
+    # A CUDA rank (deferred releases exist only with CUDA graphs); torch.cuda is stood in for by `gpu`.
+    ctx = RankContext(0, world, SimpleNamespace(), SimpleNamespace(device=torch.device("cuda", 0)), None, None,
                       Metrics(0), 8)
     return RankLoop(ctx, None, SimpleNamespace(stream="graphs' stream"))  # type: ignore[arg-type]
 
