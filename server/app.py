@@ -38,7 +38,7 @@ from dspark_sidecar.server.fast_path import build_fast_path
 from dspark_sidecar.server.graphs import StepGraphs, launch_streams
 from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
-from dspark_sidecar.server.rank import RankContext, RankLoop, warm_up
+from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_up
 from dspark_sidecar.server.refusal import probe_host
 from dspark_sidecar.server.rendezvous import Board, Rendezvous
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle, limits_pb
@@ -282,7 +282,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     # Teardown must not hang the exit (a peer that left first can wedge an NCCL teardown): after
     # the drain nothing is in flight, so past the limit the process just ends.
     stage = ["the doorbell"]  # what the teardown is doing, for the watchdog's line
-    limit = TEARDOWN_LIMIT_S + SERVER_GRACE_S
+    limit = TEARDOWN_LIMIT_S + STOP_STEPS_S + SERVER_GRACE_S
     watchdog = threading.Timer(limit, lambda: (log.warning("rank %d: teardown exceeded %.0f s in %s; exiting",
                                                            rank, limit, stage[0]), os._exit(0)))
     watchdog.daemon = True
@@ -290,8 +290,14 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     # The doorbell before the streams: an engine reads the end of its idle liveness stream as "the
     # sidecar is done with my step", so no doorbell step may still be running when the streams end.
     servicer.close_doorbell()
+    # Then the steps, for the same reason: the streams end only once no step runs. Steps that
+    # arrive from here on are answered UNAVAILABLE (SHUTTING_DOWN) on their still-open streams.
+    stage[0] = "the steps in flight"
+    if not loop.stop_steps():
+        log.warning("rank %d: a step still runs %.0f s into the shutdown (a peer gone?); ending the streams "
+                    "anyway", rank, STOP_STEPS_S)
     stage[0] = "the gRPC server"
-    server.stop(grace=SERVER_GRACE_S).wait()  # then refuse new calls, and let in-flight steps finish
+    server.stop(grace=SERVER_GRACE_S).wait()  # then refuse new calls and end the streams
     stage[0] = "the rank loop"
     loop.close()
     if graphs is not None:

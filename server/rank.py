@@ -33,6 +33,7 @@ from dspark_sidecar.server.validate import Step, check_indices, validate_step
 
 log = logging.getLogger("dspark_sidecar.server")
 DRAIN_S = 5.0  # how long close() waits for releases held until the device is done (after_device)
+STOP_STEPS_S = 10.0  # how long stop_steps() waits for the steps already accepted to be answered
 
 
 @dataclass
@@ -94,6 +95,10 @@ class RankLoop:
         # (after_device); looked at before each step and each exclusive section.
         self._deferred: list[tuple[object, Callable[[], None]]] = []
         self._quiet = QuietStream(ctx.model.device)  # where deferred releases run (_sweep)
+        # Set by stop_steps: later steps are answered UNAVAILABLE at once. Taken with the queueing, so
+        # no step can slip in behind the worker's stop marker and never be answered.
+        self._gate = threading.Lock()
+        self._stopping = False
         self._worker = threading.Thread(target=self._work, name=f"dspark-rank{ctx.rank}", daemon=True)
         self._worker.start()
 
@@ -170,7 +175,11 @@ class RankLoop:
         """A future of the DraftStepResponse; it raises SidecarError on failure (unary path)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         expires = time.monotonic_ns() + req.deadline_ms * 1_000_000 if req.deadline_ms else 0
-        self._queue.put((req, fut, time.perf_counter_ns(), expires))
+        with self._gate:
+            if self._stopping:
+                fut.set_exception(_shutting_down())
+            else:
+                self._queue.put((req, fut, time.perf_counter_ns(), expires))
         return fut
 
     def answer(self, req: pb.DraftStepRequest) -> pb.DraftStepResponse:
@@ -195,9 +204,27 @@ class RankLoop:
             except SidecarError as err:
                 return pb.DraftStepResponse(step_id=req.step_id, error=to_step_error(err))
 
+    def stop_steps(self, timeout_s: float = STOP_STEPS_S) -> bool:
+        """Refuse every step not yet started (UNAVAILABLE, SHUTTING_DOWN; queued ones are answered so)
+        and wait for the one running to finish; True once none runs. The shutdown calls it before it
+        ends the engines' streams: an engine reads the end of its stream as "the sidecar is done with
+        my step" and then writes those K/V slots itself, so no step may still run when it ends."""
+        with self._gate:
+            if not self._stopping:
+                self._stopping = True
+                self._queue.put(None)  # behind every queued step: the worker answers them (refused), then ends
+        deadline = time.monotonic() + timeout_s
+        self._worker.join(timeout=timeout_s)
+        # A doorbell step (answer_now) runs under the lock on its own thread, not on the worker.
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        self._lock.release()
+        return not self._worker.is_alive()
+
     def close(self) -> None:
-        self._queue.put(None)
-        self._worker.join(timeout=10)
+        if not self.stop_steps():
+            log.warning("rank %d: a step still runs %.0f s after the shutdown began (a peer gone?); closing "
+                        "without it", self.ctx.rank, STOP_STEPS_S)
         # Peers stopping too let their released copies finish; what still waits after a few seconds
         # waits on a peer that is gone, and is left to the process exit.
         deadline = time.monotonic() + DRAIN_S
@@ -241,6 +268,8 @@ class RankLoop:
         step: Step | None = None
         own_error: SidecarError | None = None
         try:
+            if self._stopping:  # a doorbell step after stop_steps (the worker takes none): refused, and its
+                raise _shutting_down()  # copy posted as refused, so the peers abort without waiting it out
             if ctx.refusal is not None:
                 raise precondition(f"fast path refused: {ctx.refusal} (--strict-refusal)", "REFUSED")
             # A doorbell step's index checks wait for the offer below.
@@ -371,3 +400,8 @@ def warm_up(ctx: RankContext, page_size: int = 16) -> float:
     if m.device.type == "cuda":
         torch.cuda.synchronize(m.device)
     return time.perf_counter() - t
+
+
+def _shutting_down() -> SidecarError:
+    return SidecarError(grpc.StatusCode.UNAVAILABLE, "the sidecar rank is shutting down and takes no more steps; "
+                        "the engine's own layers run them until it is back", "", "SHUTTING_DOWN")

@@ -1,0 +1,95 @@
+"""RankLoop.stop_steps: at shutdown no step is left running, and every later one is refused at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.server.errors import SidecarError
+from dspark_sidecar.server.metrics import Metrics
+from dspark_sidecar.server.rank import RankContext, RankLoop
+
+
+class _Rendezvous:
+    """Records each rank's posted copy; no peer agrees (only refused copies reach it here)."""
+
+    def __init__(self) -> None:
+        self.posts: list = []
+
+    def agree(self, post):
+        self.posts.append(post)
+        return SimpleNamespace(go=False, reason="no peers in this test")
+
+
+@pytest.fixture
+def held():
+    """A CPU rank loop whose step 1 runs until the test lets it finish; other steps take the real path."""
+    ctx = RankContext(0, 2, SimpleNamespace(), SimpleNamespace(device=torch.device("cpu")), None, None, Metrics(0), 8)
+    rdv = _Rendezvous()
+    loop = RankLoop(ctx, rdv, None)  # type: ignore[arg-type]
+    started, release = threading.Event(), threading.Event()
+    real_run = loop._run
+
+    def run(req, *args, **kwargs):
+        if req.step_id == 1:
+            started.set()
+            assert release.wait(10)
+            return pb.DraftStepResponse(step_id=1)
+        return real_run(req, *args, **kwargs)
+
+    loop._run = run  # type: ignore[method-assign]
+    yield SimpleNamespace(loop=loop, rdv=rdv, started=started, release=release)
+    release.set()
+    loop.close()
+
+
+def _refused(fut) -> SidecarError:
+    err = fut.exception(timeout=5)
+    assert isinstance(err, SidecarError), err
+    assert err.code == grpc.StatusCode.UNAVAILABLE and err.reason == "SHUTTING_DOWN"
+    return err
+
+
+def test_the_shutdown_waits_for_the_running_step_and_refuses_the_rest(held):
+    running = held.loop.submit(pb.DraftStepRequest(step_id=1))
+    assert held.started.wait(5)
+    queued = held.loop.submit(pb.DraftStepRequest(step_id=2))  # accepted, not yet started
+    result: list[bool] = []
+    stopper = threading.Thread(target=lambda: result.append(held.loop.stop_steps(timeout_s=10)))
+    stopper.start()
+    deadline = time.monotonic() + 5
+    while not held.loop._stopping and time.monotonic() < deadline:
+        time.sleep(0.005)
+    late = held.loop.submit(pb.DraftStepRequest(step_id=3))
+    # Refused at once, though a step still runs: nothing queued behind the worker's end is left unanswered.
+    assert "shutting down" in _refused(late).message
+    time.sleep(0.2)
+    assert stopper.is_alive() and not running.done(), "stop_steps returned while a step was running"
+    held.release.set()
+    stopper.join(5)
+    assert result == [True]
+    assert running.result(timeout=1).step_id == 1
+    _refused(queued)
+    # The queued step's copy was posted as refused, so the peers abort at once instead of at the deadline.
+    assert [(p.step_id, p.valid) for p in held.rdv.posts] == [(2, False)]
+
+
+def test_a_doorbell_step_after_the_shutdown_is_answered_refused(held):
+    assert held.loop.stop_steps(timeout_s=5)
+    resp = held.loop.answer_now(pb.DraftStepRequest(step_id=4))
+    assert resp.step_id == 4 and resp.error.reason == "SHUTTING_DOWN"
+    assert resp.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+def test_a_step_that_outlives_the_bound_is_reported(held):
+    held.loop.submit(pb.DraftStepRequest(step_id=1))
+    assert held.started.wait(5)
+    t0 = time.monotonic()
+    assert held.loop.stop_steps(timeout_s=0.3) is False
+    assert time.monotonic() - t0 < 3
