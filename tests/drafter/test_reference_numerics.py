@@ -12,7 +12,7 @@ from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
-from helpers.f64_drafter import F64Drafter, load_f64
+from helpers.f64_drafter import F64Drafter
 
 PAGE = 16
 
@@ -34,8 +34,8 @@ def context_lens(R: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def f64(tiny_ckpt, tiny_cfg):
-    return F64Drafter(load_f64(tiny_ckpt[0]), tiny_cfg)
+def f64(tiny_ckpt):
+    return F64Drafter(tiny_ckpt[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -61,7 +61,7 @@ def test_draft_step_matches_float64(R, dtype, tiny_cfg, tiny_ckpt, tiny_embed, f
         ctx = f64.context_kv(taps64[start : start + P], torch.arange(P))
         start += P
         rows = slice(7 * i, 7 * i + 7)
-        ref = f64.step(step.inputs_embeds[rows].to(dtype), P, ctx)
+        ref, _ = f64.step(step.inputs_embeds[rows].to(dtype), P, ctx)
         err = (out[rows].to(torch.float64) - ref).norm() / ref.norm()
         assert err < TOL[dtype], f"request {i} (P={P}): relative error {err:.2e} >= {TOL[dtype]}"
 
