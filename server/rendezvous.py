@@ -251,14 +251,20 @@ class Coordinator(threading.Thread):
             return True
         first = pending[0]
         step = int(first[1])
-        for field, reason in ((1, STEP_ID), (3, NUM_REQS), (2, GENERATION), (5, DIGEST)):
+        for field, reason in ((1, STEP_ID), (3, NUM_REQS), (2, GENERATION)):
             mask = sum(1 << r for r in range(world) if pending[r][field] != first[field])
             if mask:
                 self._write(pending, step, ABORT, reason, mask)
                 return True
+        # Before the digests: a rank that refused its copy posts digest 0, which would otherwise be
+        # reported as a metadata disagreement instead of naming the rank that refused.
         invalid = sum(1 << r for r in range(world) if pending[r][4] == 0)
         if invalid:
             self._write(pending, step, ABORT, INVALID, invalid)
+            return True
+        mask = sum(1 << r for r in range(world) if pending[r][5] != first[5])
+        if mask:
+            self._write(pending, step, ABORT, DIGEST, mask)
             return True
         now = time.monotonic_ns()
         late = sum(1 << r for r in range(world) if 0 < pending[r][6] < now)

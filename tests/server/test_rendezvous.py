@@ -92,6 +92,8 @@ def test_one_rank_agrees_with_itself_on_the_fast_path():
     ({r: Post(3, 1 if r != 1 else 2, 3, 99, True) for r in range(WORLD)}, "KV binding generation"),
     ({r: Post(4, 1, 3, 99 if r != 3 else 98, True) for r in range(WORLD)}, "metadata"),
     ({r: Post(5, 1, 3, 99, r != 0) for r in range(WORLD)}, "rank(s) 0 rejected"),
+    # A refused copy posts digest 0 (RankLoop._run): named as refused, not as a metadata disagreement.
+    ({r: Post(7, 1, 3, 99 if r != 2 else 0, r != 2) for r in range(WORLD)}, "rank(s) 2 rejected"),
     ({r: Post(6, 1, 3, 99, True, expires_ns=time.monotonic_ns() - 1 if r == 1 else 0) for r in range(WORLD)},
      "deadline_ms passed on rank(s) 1"),
 ])
