@@ -64,7 +64,7 @@ PEER_FAILED = "peer engine rank got no result"
 
 _NO_LIMIT = layout.MAX_REQS_LIMIT + 1
 _NO_GEN = 1 << 62
-_TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING")
+_TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING", "PEER_SILENT")
 # StatusReport.model.compute_dtype: the proto's short names, and torch's, which the sidecar sends.
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

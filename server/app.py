@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from typing import Callable
 
 import grpc
 import torch
@@ -47,6 +48,10 @@ log = logging.getLogger("dspark_sidecar.server")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TEARDOWN_LIMIT_S = 15.0
 SERVER_GRACE_S = 5.0  # in-flight gRPC calls finish within this at shutdown
+BEAT_S = 0.5  # how often a rank's main thread beats on the rendezvous board and looks at its peers'
+# A peer silent this long is stopped or wedged (a beat is due every BEAT_S): the rank reports
+# PEER_SILENT. Long enough that a loaded host's scheduling gaps do not flap health.
+PEER_SILENT_S = 3.0
 
 
 def _die_with_parent() -> None:
@@ -250,10 +255,12 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     late.status_source = servicer  # reads only: safe during the warm-up
 
     def publish() -> None:
-        """Health follows the lifecycle; with --strict-refusal a refused fast path is NOT_SERVING."""
+        """Health follows the lifecycle; with --strict-refusal a refused fast path is NOT_SERVING, and
+        a silent peer rank makes it NOT_SERVING until the peer is back."""
         refused = servicer.refusal() if life.strict else ""
-        if life.state in ("SERVING", "REFUSED"):
-            life.state = "REFUSED" if refused else "SERVING"
+        if life.state in ("SERVING", "REFUSED", "PEER_SILENT"):
+            life.state = "PEER_SILENT" if life.silent_peers else "REFUSED" if refused else "SERVING"
+        life.reason = silence_reason(life.silent_peers) if life.state == "PEER_SILENT" else ""
         ctx.refusal = refused or None
         status = health_pb2.HealthCheckResponse.SERVING if life.serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
@@ -264,7 +271,11 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     if cfg.warmup:
         secs = warm_up(ctx)
         log.info("rank %d: warm-up step (8 requests) took %.1f ms", rank, secs * 1e3)
+    # A first beat before the barrier: past it every peer has beaten at least once, so a peer that
+    # stops before its first timed beat is still seen (watch_peers skips peers that never beat).
+    board.beat(rank)
     dist.barrier(group=cpu_group)  # every rank loaded and warmed up: the group can draft
+    board.beat(rank)  # the barrier may have waited long for the slowest peer
     # Only now: a step let in during the warm-up (a client that ignores NOT_SERVING) would put its
     # collectives among the warm-up's, on this rank only.
     late.inner = servicer
@@ -273,8 +284,8 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     log.info("rank %d: %s (backend %s, CUDA graphs %s)", rank, life.state, life.backend,
              "on" if graphs is not None else "off")
 
-    while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
-        pass
+    while not stop.wait(BEAT_S):  # a timed wait keeps the main thread responsive to signals
+        watch_peers(board, rank, life, publish)
     log.info("rank %d: draining", rank)
     life.state = "DRAINING"
     publish()
@@ -314,3 +325,23 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     dist.destroy_process_group()
     log.info("rank %d: stopped", rank)
     return 0
+
+
+def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], None],
+                after_s: float = PEER_SILENT_S) -> None:
+    """Beat, then look at the peers' beats: health leaves SERVING while a peer is silent (each step
+    would wait out the rendezvous deadline and abort) and comes back with the peer."""
+    board.beat(rank)
+    silent = board.silent(rank, after_s)
+    changed = silent.keys() != life.silent_peers.keys()
+    if changed:
+        (log.warning if silent else log.info)("rank %d: %s", rank, silence_reason(silent) if silent else
+                                              "every peer rank signals again")
+    life.silent_peers = silent
+    if changed or silent:  # while silent, publish again: the reason's seconds grow
+        publish()
+
+
+def silence_reason(silent: dict[int, float]) -> str:
+    ranks = ", ".join(str(r) for r in sorted(silent))
+    return f"peer rank(s) {ranks} silent for {max(silent.values(), default=0):.1f} s: stopped or hung; steps would abort"

@@ -10,7 +10,8 @@ missing peer costs at most the deadline, and a collective is entered only after 
 
 Layout (int64 words): header [magic, world]; per rank a post slot
 [seq, step_id, generation, num_reqs, valid, digest, expires_ns, offers]; a ring of verdict records
-[seq, step_id, verdict, reason, rank_mask, launch_seq, agreed, covered_seq[0..world)]. `seq` words
+[seq, step_id, verdict, reason, rank_mask, launch_seq, agreed, covered_seq[0..world)]; per rank a
+heartbeat (time.monotonic_ns of its last beat, 0 before the first). `seq` words
 are seqlocks: odd while the writer fills the record, even when it is complete. `offers` and
 `agreed` are bit sets of FAST, QUEUED and QUEUE_NEXT: what each rank could do, and what every
 rank will do (a bit is agreed only when every rank offered it, and only with GO).
@@ -115,7 +116,7 @@ class Board:
     def __init__(self, name: str, world: int, create: bool) -> None:
         self.world = world
         self.rec_len = 7 + world
-        words = 2 + world * SLOT + RING * self.rec_len
+        words = 2 + world * SLOT + RING * self.rec_len + world
         if create:
             try:  # a board left by a crashed run of the same deployment
                 stale = shared_memory.SharedMemory(name=name)
@@ -134,10 +135,25 @@ class Board:
         elif self.words[0] != MAGIC or self.words[1] != world:
             raise RuntimeError(f"rendezvous board {name}: not a board for {world} ranks")
         self.slots = self.words[2 : 2 + world * SLOT].reshape(world, SLOT)
-        self.ring = self.words[2 + world * SLOT :].reshape(RING, self.rec_len)
+        ring_end = 2 + world * SLOT + RING * self.rec_len
+        self.ring = self.words[2 + world * SLOT : ring_end].reshape(RING, self.rec_len)
+        self.beats = self.words[ring_end:]
+
+    def beat(self, rank: int) -> None:
+        """This rank is alive and can take part in steps (its main thread, every half second)."""
+        self.beats[rank] = time.monotonic_ns()
+
+    def silent(self, rank: int, after_s: float) -> dict[int, float]:
+        """{peer: seconds since its last beat} for the peers silent longer than after_s. A stopped or
+        wedged peer never posts its copies, so every step would abort after the rendezvous deadline:
+        this is how its peers can say so before an engine learns it one aborted step at a time.
+        A peer that has not beaten yet (still starting) is not counted."""
+        now = time.monotonic_ns()
+        return {r: (now - int(b)) / 1e9 for r, b in enumerate(self.beats)
+                if r != rank and b and now - int(b) > after_s * 1e9}
 
     def close(self) -> None:
-        self.slots = self.ring = self.words = None  # type: ignore[assignment]
+        self.slots = self.ring = self.words = self.beats = None  # type: ignore[assignment]
         self.shm.close()
         if self.owner:
             self.shm.unlink()

@@ -33,7 +33,9 @@ log = logging.getLogger("dspark_sidecar.server")
 class Lifecycle:
     """What health and GetStatus say about this rank; changed only by server/app.py and BindKV."""
 
-    state: str = "LOADING"  # LOADING -> SERVING -> DRAINING (or REFUSED with --strict-refusal)
+    state: str = "LOADING"  # LOADING -> SERVING -> DRAINING (or REFUSED with --strict-refusal, PEER_SILENT)
+    reason: str = ""  # why not SERVING, where the state alone does not say (StatusReport.state_reason)
+    silent_peers: dict = field(default_factory=dict)  # {peer rank: seconds silent} (server/app.py watch_peers)
     backend: str = "reference"
     host: HostFacts | None = None
     flydsl_off: str | None = None  # why no FlyDSL fast path was built (BackendChoice.flydsl_refusal)
@@ -104,7 +106,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 compute_dtype=str(self.ctx.model.dtype).replace("torch.", "")),
             limits=self.limits, parallel=self.parallel, backend=self.life.backend,
             fast_path_refusal=self.refusal(), serving=self.life.serving, state=self.life.state,
-            server_version=__version__,
+            server_version=__version__, state_reason=self.life.reason,
             kv=pb.KVBindingState(
                 bound=kv is not None, binding_id=kv.binding_id if kv else 0, generation=kv.generation if kv else 0,
                 num_layers=len(kv.layers) if kv else 0, num_pages=kv.num_pages if kv else 0,

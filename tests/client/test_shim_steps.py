@@ -181,6 +181,18 @@ def test_strict_sidecar_refusal_turns_the_process_off(fake):
     assert shim.stats.fallbacks == {"off: sidecar refuses: not gfx950": 2}
 
 
+def test_a_sidecar_rank_whose_peer_is_silent_is_passing_not_a_refusal(fake):
+    # On NVIDIA fast_path_refusal is never empty ("not gfx950"): PEER_SILENT must not read as strict mode.
+    fake.sidecar.serving, fake.sidecar.state, fake.sidecar.refusal = False, "PEER_SILENT", "not gfx950"
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(1)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is None
+        fake.sidecar.serving, fake.sidecar.state = True, "SERVING"  # the peer is back
+        assert shim.maybe_forward(ids, pos) is not None
+    assert shim.enabled and shim.stats.fallbacks == {"sidecar not serving": 1}
+
+
 def test_connect_binds_ahead_of_the_first_step_and_a_refusal_there_is_left_to_the_agreement(fake):
     shim, _, _ = make_shim(fake.endpoint)
     assert shim.connect() is None and fake.sidecar.calls["BindKV"] == 1

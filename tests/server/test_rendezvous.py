@@ -122,3 +122,19 @@ def test_step_ids_and_generations_past_2_63_are_agreed_like_any_other(ranks):
     assert all(v.go for v, _ in out.values())
     out = agree_all(ranks, {r: Post(big - (r == 1), gen, 3, 99, True) for r in range(WORLD)})
     assert all(not v.go and "step" in v.reason for v, _ in out.values())
+
+
+def test_a_peer_that_stops_beating_is_seen_silent_by_the_others_and_back_when_it_beats(ranks):
+    boards = [r.board for r in ranks]
+    for r in range(WORLD - 1):  # rank 3 has not beaten yet (still starting): not counted
+        boards[r].beat(r)
+    assert boards[0].silent(0, 0.05) == {}
+    time.sleep(0.1)
+    boards[0].beat(0)
+    boards[2].beat(2)
+    # Seen through rank 2's own mapping of the board: rank 1's last beat is 0.1 s old.
+    silent = boards[2].silent(2, 0.05)
+    assert list(silent) == [1] and 0.05 < silent[1] < 5
+    assert list(boards[0].silent(0, 0.05)) == [1] and boards[1].silent(1, 0.05) == {}  # own beat never counts
+    boards[1].beat(1)
+    assert boards[2].silent(2, 0.05) == {}

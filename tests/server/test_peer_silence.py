@@ -1,0 +1,76 @@
+"""A TP-2 sidecar whose rank 1 is stopped (SIGSTOP): rank 0 leaves SERVING and says why, then comes back.
+
+A stopped peer never posts its copies, so every step on rank 0 would wait out the rendezvous
+deadline and abort: rank 0 cannot draft, and health must say so (grpc.health.v1 SERVING only when
+the rank can really draft), with GetStatus naming the silent peer (server/app.py watch_peers).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+import torch
+
+from dspark_sidecar.drafter import scenario
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from dspark_sidecar.server.app import PEER_SILENT_S
+from dspark_sidecar.server.healthcheck import check
+from helpers.engine_sim import PAGE, EngineSim
+from helpers.sidecar_proc import SidecarProcess
+
+TP = 2
+LENS = [5, 40, 200, 33]
+PAGES = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 8
+
+
+def _status(sc: SidecarProcess, rank: int) -> pb.StatusReport:
+    with grpc.insecure_channel(sc.socket(rank)) as ch:
+        return pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
+
+
+def _wait(cond, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.1)
+    pytest.fail(f"not within {timeout_s} s: {what}")
+
+
+def test_a_stopped_peer_takes_rank_0_out_of_serving_until_it_is_back(tmp_path, tiny_ckpt, tiny_cfg, tiny_embed):
+    sc = SidecarProcess(tmp_path, tp=TP, checkpoint=tiny_ckpt, extra_args=["--rendezvous-ms", "200"])
+    sc.start()
+    eng = EngineSim(tiny_cfg, [sc.socket(r) for r in range(TP)], PAGES, torch.float32)
+    stopped = sc.rank_pids()[1]
+    try:
+        eng.bind()
+        step = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, tiny_embed, seed=5)
+        assert all(not isinstance(o, grpc.RpcError) for o in eng.step_all(1, step))
+        assert _status(sc, 0).state == "SERVING"
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        st = _wait(lambda: (s := _status(sc, 0)).state == "PEER_SILENT" and s, PEER_SILENT_S + 10,
+                   "rank 0 reports PEER_SILENT")
+        assert time.monotonic() - t0 >= PEER_SILENT_S - 0.5  # not before the peer could have beaten
+        assert not st.serving and "rank(s) 1 silent" in st.state_reason, st.state_reason
+        assert check(sc.socket(0), 2.0) == "NOT_SERVING"
+        os.kill(stopped, signal.SIGCONT)
+        stopped = 0
+        _wait(lambda: _status(sc, 0).state == "SERVING", 10, "rank 0 SERVING again once its peer beats")
+        assert _status(sc, 0).state_reason == ""
+        assert check(sc.socket(0), 2.0) == "SERVING"
+        out = eng.step_all(2, step)
+        assert all(not isinstance(o, grpc.RpcError) for o in out), out
+    finally:
+        if stopped:
+            os.kill(stopped, signal.SIGCONT)
+        eng.close()
+        if sc.proc.poll() is None:
+            os.killpg(sc.proc.pid, signal.SIGKILL)
+            sc.proc.wait()
