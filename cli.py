@@ -107,11 +107,16 @@ def serve_config(a: argparse.Namespace):
 
 
 def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
+    from dspark_sidecar.drafter.checkpoint import check_checkpoint
     from dspark_sidecar.drafter.config import load_config
 
     cfg = serve_config(a)
-    # Preset, checkpoint config and TP checked here, once: in the ranks each would print its own traceback.
-    load_config(cfg.preset, cfg.checkpoint).check_tp(cfg.shard_of or cfg.tp)
+    # Preset, checkpoint config, TP and the checkpoint's tensors checked here, once: in the ranks each
+    # would print its own line or traceback, and only after they had started listening.
+    dcfg = load_config(cfg.preset, cfg.checkpoint)
+    dcfg.check_tp(cfg.shard_of or cfg.tp)
+    if cfg.checkpoint is not None:  # headers only (milliseconds); again in each rank under torchrun
+        check_checkpoint(dcfg, cfg.checkpoint, cfg.target_checkpoint)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun or our own launcher
         from dspark_sidecar.server.app import serve_rank
 

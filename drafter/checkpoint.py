@@ -20,6 +20,10 @@ PREFIX = "language_model.model.dspark."
 EMBED_KEY = "language_model.model.embed_tokens.weight"
 LM_HEAD_KEY = "language_model.lm_head.weight"
 SCALE_SUFFIX = "_scale_inv"  # "<...>.weight" -> "<...>.weight_scale_inv"
+# The largest E8M0 block exponent loaded (2^7: weights up to 448 * 2^7; real checkpoints' scales
+# are far below 1). The GPU kernels need it (kernels/triton/gemm.py _dequant_sm90 multiplies by
+# 2^(e - 7) held in a bf16), and above it a weight is corruption, not a model.
+MAX_EXPONENT = 134
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 LAYER_LINEARS = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -189,6 +193,54 @@ def ensure_synthetic_checkpoint(cfg: DrafterConfig, seed: int = 0) -> tuple[Path
     return out / "dspark", out / "target"
 
 
+# The check before any rank starts ---------------------------------------------------------------
+
+DENSE_DTYPES = ("BF16", "F16", "F32")
+
+
+def check_checkpoint(cfg: DrafterConfig, dspark_dir: str | Path, target_dir: str | Path | None) -> None:
+    """Every tensor the config names, and nothing else: its shape and dtype from the safetensors
+    headers, then its values as stored (NaN or inf, F8_E4M3 NaN codes, block exponents), one tensor
+    at a time and never dequantized. `serve` runs it once before it starts the ranks, so a wrong or
+    corrupt folder is one line and exit 2 instead of a line or traceback per rank after they listen.
+    The ranks check their own slices again as they load them (CheckpointReader.read)."""
+    reader = CheckpointReader(dspark_dir, torch.float32, cfg.quant_block)
+    named = set()
+    for spec in tensor_specs(cfg):
+        dtype = reader.header(spec.key, spec.shape)
+        named.add(spec.key)
+        if spec.mxfp8 and dtype == "F8_E4M3":
+            skey = spec.key + SCALE_SUFFIX
+            sshape = (spec.shape[0], spec.shape[1] // cfg.quant_block)
+            sdtype = reader.header(skey, sshape)
+            if sdtype != "U8":
+                raise CheckpointError(f"{skey}: dtype {sdtype}, expected U8 (E8M0 exponents)")
+            named.add(skey)
+            nan = int(((reader.read_stored(spec.key, spec.shape).view(torch.uint8) & 0x7F) == 0x7F).sum())
+            if nan:
+                raise CheckpointError(f"{spec.key}: {nan} F8_E4M3 NaN codes; the checkpoint is corrupt")
+            top = int(reader.read_stored(skey, sshape).max())
+            if top > MAX_EXPONENT:
+                raise CheckpointError(f"{skey}: block exponent {top} above {MAX_EXPONENT} (a scale over "
+                                      f"2^{MAX_EXPONENT - 127}); the checkpoint is corrupt")
+        elif dtype not in DENSE_DTYPES:
+            allowed = ("F8_E4M3 (with a U8 scale), " if spec.mxfp8 else "") + ", ".join(DENSE_DTYPES)
+            raise CheckpointError(f"{spec.key}: dtype {dtype}, expected {allowed}")
+        else:
+            bad = int((~torch.isfinite(reader.read_stored(spec.key, spec.shape))).sum())
+            if bad:
+                raise CheckpointError(f"{spec.key}: {bad} non-finite values (NaN or inf)")
+    extra = sorted(set(reader.keys()) - named)
+    if extra:  # e.g. a config.json of 4 layers over a 5-layer checkpoint: layer 4 would be dropped silently
+        raise CheckpointError(f"{reader.folder}: {len(extra)} tensor(s) config.json does not name ({extra[0]}"
+                              f"{', ...' if len(extra) > 1 else ''}; num_hidden_layers is {cfg.num_hidden_layers}): "
+                              "is config.json this checkpoint's?")
+    if target_dir is not None:
+        dtype = CheckpointReader(target_dir, torch.float32).header(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
+        if dtype not in DENSE_DTYPES:
+            raise CheckpointError(f"{EMBED_KEY}: dtype {dtype}, expected one of {', '.join(DENSE_DTYPES)}")
+
+
 # Reader ---------------------------------------------------------------------------------------
 
 class CheckpointReader:
@@ -211,6 +263,8 @@ class CheckpointReader:
             except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
                 raise CheckpointError(f"{index}: not a safetensors index with a weight_map "
                                       f"({type(e).__name__}: {e})") from None
+            except OSError as e:  # a folder in its place, or no read permission
+                raise CheckpointError(f"{index}: unreadable ({e.strerror or e})") from None
         else:
             for f in sorted(self.folder.glob("*.safetensors")):
                 with self._open(f) as h:
@@ -230,6 +284,23 @@ class CheckpointReader:
 
     def has(self, key: str) -> bool:
         return key in self._files
+
+    def keys(self) -> list[str]:
+        return list(self._files)
+
+    def header(self, key: str, shape: tuple[int, ...]) -> str:
+        """The stored dtype of `key` ("BF16", "F8_E4M3", "U8", ...) from its file's header, no data read;
+        CheckpointError when it is missing or not of `shape`."""
+        if key not in self._files:
+            raise CheckpointError(f"{key}: missing from {self.folder} (expected shape {list(shape)})")
+        with self._open(self._files[key]) as h:
+            try:
+                sl = h.get_slice(key)
+            except SafetensorError as e:
+                raise CheckpointError(f"{key}: unreadable in {self._files[key].name}: {e}") from None
+            if tuple(sl.get_shape()) != tuple(shape):
+                raise CheckpointError(f"{key}: shape {list(sl.get_shape())}, expected {list(shape)}")
+            return str(sl.get_dtype())
 
     def read_stored(self, key: str, shape: tuple[int, ...], rows: slice | None = None,
                     cols: slice | None = None) -> torch.Tensor:
@@ -263,6 +334,9 @@ class CheckpointReader:
             s = self._slice(skey, (shape[0], shape[1] // self.block), rows, scols)
             if s.dtype != torch.uint8:
                 raise CheckpointError(f"{skey}: dtype {s.dtype}, expected U8 (E8M0 exponents)")
+            if (s > MAX_EXPONENT).any():  # finite in bf16, so it would load: |w| past 2^7 * 448 is corruption
+                raise CheckpointError(f"{skey}: block exponent {int(s.max())} above {MAX_EXPONENT} (a scale over "
+                                      f"2^{MAX_EXPONENT - 127}); the checkpoint is corrupt")
             t = dequantize_mxfp8(t, s, self.block)
         elif t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise CheckpointError(f"{key}: unsupported dtype {t.dtype}")

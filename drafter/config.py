@@ -197,6 +197,8 @@ class DrafterConfig:
         if isinstance(rotary, bool) or not isinstance(rotary, (int, float)):
             raise ConfigError(f"text_config.partial_rotary_factor: expected a number, got {rotary!r}")
         layer_types = text.get("layer_types")
+        if layer_types is not None and not isinstance(layer_types, list):
+            raise ConfigError(f"text_config.layer_types: expected a list of {num_layers} entries, got {layer_types!r}")
         if layer_types is not None and len(layer_types) != num_layers:
             raise ConfigError(f"text_config.layer_types: {len(layer_types)} entries for {num_layers} layers")
         kw: dict[str, Any] = dict(

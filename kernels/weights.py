@@ -16,12 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_sidecar.drafter.checkpoint import SCALE_SUFFIX, CheckpointError, dequantize_mxfp8, quantize_mxfp8
-
-
-# The largest E8M0 block exponent the kernels take (2^7: weights up to 448 * 2^7; real checkpoints'
-# scales are far below 1). gemm._dequant_sm90 multiplies by 2^(e - 7) held in a bf16.
-MAX_EXPONENT = 134
+from dspark_sidecar.drafter.checkpoint import (MAX_EXPONENT, SCALE_SUFFIX, CheckpointError, dequantize_mxfp8,
+                                               quantize_mxfp8)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,136 @@
+"""`serve` with a checkpoint that cannot be used: one line, exit 2, before any rank (or socket) exists.
+
+README ("serve flags") and deploy/OPERATIONS.md promise that a checkpoint config or tensor that
+cannot be used "stops the command before any rank starts", prints one line and exits 2
+(drafter/checkpoint.py check_checkpoint, called by cli.py cmd_serve). Before, every case below
+started the ranks (sockets created, NOT_SERVING while loading) and ended with exit 1 and one copy
+of the line per rank, or a raw traceback (layer_types, an unreadable index, an MXFP8 scale over 2^7
+under --weights mxfp8), or SERVING (a layer's tensors config.json does not name, a scale over 2^7
+with bf16 weights). Each test forbids the launcher, so a regression fails in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark_sidecar import cli
+from dspark_sidecar.server import launcher
+
+P = "language_model.model.dspark."
+L0 = P + "layers.0.decoder_layer."
+EMBED = "language_model.model.embed_tokens.weight"
+
+
+@pytest.fixture(autouse=True)
+def no_rank_may_start(monkeypatch):
+    """Every case must be refused in the parent: starting the launcher is the bug."""
+    def refuse(*_a, **_k):
+        raise AssertionError("a rank was started: the mistake was not caught before launch")
+    monkeypatch.setattr(launcher, "launch", refuse)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _copy(tiny_ckpt, tmp_path: Path) -> tuple[Path, Path]:
+    root = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt[0], root / "dspark")
+    shutil.copytree(tiny_ckpt[1], root / "target")
+    return root / "dspark", root / "target"
+
+
+def _edit_tensors(folder: Path, edit) -> None:
+    f = folder / "model.safetensors"
+    t = load_file(str(f))
+    edit(t)
+    save_file(t, str(f), metadata={"format": "pt"})
+
+
+def _serve(tmp_path, dspark, target, *extra) -> list[str]:
+    return ["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(tmp_path / "sock"),
+            "--checkpoint", str(dspark), "--target-checkpoint", str(target), *extra]
+
+
+def _refused(argv, capsys, tmp_path, *words) -> str:
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("dspark-sidecar: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, err
+    assert not list((tmp_path / "sock").glob("*.sock")) if (tmp_path / "sock").is_dir() else True
+    return err
+
+
+def _scale_200(t):
+    s = t[L0 + "self_attn.q_proj.weight_scale_inv"].clone()
+    s[0, 0] = 200
+    t[L0 + "self_attn.q_proj.weight_scale_inv"] = s
+
+
+def _nan_norm(t):
+    n = t[P + "final_norm.weight"].clone()
+    n[3] = float("nan")
+    t[P + "final_norm.weight"] = n
+
+
+TENSOR_CASES = {
+    "missing": (lambda t: t.pop(P + "final_norm.weight"), (), ("final_norm.weight", "missing")),
+    "shape": (lambda t: t.__setitem__(P + "hidden_norm.weight", torch.zeros(255, dtype=torch.bfloat16)), (),
+              ("hidden_norm.weight", "[255]")),
+    "nan": (_nan_norm, (), ("final_norm.weight", "non-finite")),
+    "scale_dtype": (lambda t: t.__setitem__(L0 + "self_attn.q_proj.weight_scale_inv",
+                                            t[L0 + "self_attn.q_proj.weight_scale_inv"].float()), (),
+                    ("q_proj.weight_scale_inv", "U8")),
+    # README, --weights: "a block exponent above 134 (a scale over 2^7) is refused at load"
+    "scale_over_2^7_bf16": (_scale_200, ("--weights", "bf16"), ("q_proj.weight_scale_inv", "134")),
+    "scale_over_2^7_mxfp8": (_scale_200, ("--weights", "mxfp8"), ("q_proj.weight_scale_inv", "134")),
+    # config says 5 layers; a 6th layer's tensors mean config.json and tensors disagree
+    "unexpected_layer": (lambda t: t.__setitem__(P + "layers.5.decoder_layer.input_layernorm.weight",
+                                                 torch.zeros(256, dtype=torch.bfloat16)), (), ("layers.5",)),
+}
+
+
+@pytest.mark.parametrize("case", list(TENSOR_CASES))
+def test_a_checkpoint_tensor_that_cannot_be_used_is_one_line_and_exit_2_before_any_rank(case, tiny_ckpt, tmp_path, capsys):
+    edit, extra, words = TENSOR_CASES[case]
+    dspark, target = _copy(tiny_ckpt, tmp_path)
+    _edit_tensors(dspark, edit)
+    _refused(_serve(tmp_path, dspark, target, *extra), capsys, tmp_path, *words)
+
+
+def test_a_target_without_embed_tokens_is_refused_before_any_rank(tiny_ckpt, tmp_path, capsys):
+    dspark, target = _copy(tiny_ckpt, tmp_path)
+    _edit_tensors(target, lambda t: t.pop(EMBED))
+    _refused(_serve(tmp_path, dspark, target), capsys, tmp_path, "embed_tokens", "missing")
+
+
+def test_config_with_fewer_layers_than_the_tensors_is_refused(tiny_ckpt, tmp_path, capsys):
+    """num_hidden_layers 4 over a 5-layer checkpoint served 4 layers, ignoring layer 4's tensors."""
+    dspark, target = _copy(tiny_ckpt, tmp_path)
+    cj = json.loads((dspark / "config.json").read_text())
+    cj["text_config"]["num_hidden_layers"] = 4
+    cj["text_config"]["layer_types"] = ["sliding_attention"] * 4
+    (dspark / "config.json").write_text(json.dumps(cj))
+    _refused(_serve(tmp_path, dspark, target), capsys, tmp_path, "layers.4")
+
+
+def test_config_layer_types_not_a_list_is_one_line(tiny_ckpt, tmp_path, capsys):
+    """drafter/config.py: len(layer_types) on an int raised TypeError, a traceback in the parent."""
+    dspark, target = _copy(tiny_ckpt, tmp_path)
+    cj = json.loads((dspark / "config.json").read_text())
+    cj["text_config"]["layer_types"] = 5
+    (dspark / "config.json").write_text(json.dumps(cj))
+    _refused(_serve(tmp_path, dspark, target), capsys, tmp_path, "layer_types")
+
+
+def test_an_unreadable_index_is_one_line(tiny_ckpt, tmp_path, capsys):
+    """The index read raised IsADirectoryError or PermissionError as a traceback."""
+    dspark, target = _copy(tiny_ckpt, tmp_path)
+    (dspark / "model.safetensors.index.json").mkdir()
+    _refused(_serve(tmp_path, dspark, target), capsys, tmp_path, "model.safetensors.index.json")
