@@ -67,3 +67,10 @@ def test_exchange_lanes_at_tp_above_one_warn_of_nccls_concurrent_communicators(m
     with caplog.at_level("WARNING", logger="dspark_sidecar.server"):
         assert app.exchange_lanes(1, 2, torch.device("cpu")) == ()
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("seed", [-1, 1 << 32, 2 ** 70])
+def test_a_seed_the_synthetic_writer_cannot_use_is_refused_by_flag(seed):
+    # Before, 2**70 reached torch.Generator.manual_seed in every rank: a traceback each.
+    with pytest.raises(ServeConfigError, match=r"--seed: must be 0\.\.4294967295"):
+        ServeConfig(seed=seed)
