@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,6 +17,34 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
 PAGE = 16
+
+
+class DraftStream:
+    """One engine rank's DraftSteps stream: requests in, answers out in order, None once it has ended."""
+
+    def __init__(self, stub) -> None:
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.answers: queue.SimpleQueue = queue.SimpleQueue()
+        self.end: grpc.StatusCode | None = None
+        self.call = stub.DraftSteps(iter(self.requests.get, None))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for resp in self.call:
+                self.answers.put(resp)
+            self.end = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            self.end = e.code()  # the server stopped or went away: how it ended is the tests' to look at
+        self.answers.put(None)
+
+    def ask(self, req: pb.DraftStepRequest, timeout: float = 30.0) -> pb.DraftStepResponse | None:
+        self.requests.put(req)
+        return self.answers.get(timeout=timeout)
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.call.cancel()
 
 
 class EngineSim:

@@ -9,41 +9,18 @@ that step's slots. So the drain must finish or refuse every step before it ends 
 from __future__ import annotations
 
 import os
-import queue
 import signal
-import threading
 import time
 
-import grpc
 import torch
 
 from dspark_sidecar.drafter import scenario
-from helpers.engine_sim import PAGE, EngineSim
+from helpers.engine_sim import PAGE, DraftStream, EngineSim
 from helpers.sidecar_proc import SidecarProcess
 
 TP = 2
 LENS = [900 + 13 * i for i in range(32)]  # R = 32 (four launch groups): a step long enough to be in flight
 DRAINING = ("SHUTTING_DOWN", "ABORTED")  # a refused step, or its peer's copy aborted for it: both write nothing
-
-
-class _Stream:
-    """One engine rank's DraftSteps stream: requests in, answers out, None once it has ended."""
-
-    def __init__(self, stub) -> None:
-        self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.answers: queue.SimpleQueue = queue.SimpleQueue()
-        self.end: grpc.StatusCode | None = None
-        self.call = stub.DraftSteps(iter(self.requests.get, None))
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for resp in self.call:
-                self.answers.put(resp)
-            self.end = grpc.StatusCode.OK
-        except grpc.RpcError as e:
-            self.end = e.code()  # UNAVAILABLE or CANCELLED as the server stops: the end is what is tested
-        self.answers.put(None)
 
 
 def _block_rows(eng: EngineSim, rank: int, slots: torch.Tensor) -> list[torch.Tensor]:
@@ -59,7 +36,7 @@ def test_no_kv_write_after_the_drain_ends_a_step_stream(tmp_path, tiny_ckpt, tin
         eng.bind()
         step = scenario.random_step(tiny_cfg, LENS, PAGE, pages, tiny_embed, seed=5)
         slots = step.meta.slot_mapping.long()
-        streams = [_Stream(s) for s in eng.stubs]
+        streams = [DraftStream(s) for s in eng.stubs]
         sc.proc.send_signal(signal.SIGTERM)
         t_term, step_id, refused = time.monotonic(), 1, 0
         while True:  # the engine keeps stepping on its open streams until they end
