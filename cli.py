@@ -129,10 +129,14 @@ def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
     from dspark_sidecar.server.backend import check_gpu_placement
     from dspark_sidecar.server.healthcheck import check
     from dspark_sidecar.server.launcher import launch
+    from dspark_sidecar.server.preflight import check_before_launch
 
     # Our launcher spawns every rank on this machine's visible GPUs. Not under torchrun, which may
     # give each rank GPUs of its own (a scheduler's per-rank CUDA_VISIBLE_DEVICES).
     check_gpu_placement(cfg)
+    # A live sidecar on the socket dir, an unusable folder or a busy port: one line here, before any
+    # rank (which would otherwise take over a live server's socket or fail once per rank, some after loading).
+    check_before_launch(cfg)
 
     def ready() -> bool:
         states = [check(f"unix:{cfg.socket_path(r)}", 1.0) for r in range(cfg.tp)]

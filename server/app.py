@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -33,12 +34,13 @@ from dspark_sidecar.proto.doorbell import nap_for, stores_in_order
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.backend import BackendUnavailable, choose_backend, resolve_device
-from dspark_sidecar.server.config import ServeConfig
+from dspark_sidecar.server.config import ServeConfig, ServeConfigError
 from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
 from dspark_sidecar.server.fast_path import build_fast_path
 from dspark_sidecar.server.graphs import StepGraphs, launch_streams
 from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
+from dspark_sidecar.server.preflight import claim_socket
 from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_up
 from dspark_sidecar.server.refusal import probe_host
 from dspark_sidecar.server.rendezvous import Board, Rendezvous
@@ -121,16 +123,45 @@ def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     pb_grpc.add_DrafterSidecarServicer_to_server(late, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server)
-    cfg.socket_dir.mkdir(parents=True, exist_ok=True)
+    claim_socket(cfg, rank)  # a stale socket of a killed run is replaced; a live server's is refused
     path = cfg.socket_path(rank)
-    if path.exists():
-        path.unlink()  # a socket left by a previous run of this rank
-    for ep in cfg.endpoints(rank):
-        if server.add_insecure_port(ep) == 0:
-            raise RuntimeError(f"rank {rank}: cannot listen on {ep}")
+    for ep, flag in zip(cfg.endpoints(rank), ("--socket-dir", "--tcp-base-port")):
+        try:  # grpc 1.8x raises on a failed bind; older ones return 0
+            bound = server.add_insecure_port(ep)
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise ServeConfigError(f"{flag}: rank {rank} cannot listen on {ep} (in use, or not this host's address)")
     server.start()
     os.chmod(path, 0o660)  # owner and the group shared with the engine only
     return server
+
+
+class StartUp:
+    """SIGTERM/SIGINT while the rank is still starting (loading, the rendezvous, the warm-up) ends it
+    at once: the serving loop that reads `stop` is not reached yet, and a load can take minutes. What
+    start-up made that outlives the process (its socket file, rank 0's board) is removed first; the
+    process ends with os._exit so no half-made collective or CUDA state has to be torn down."""
+
+    def __init__(self, rank: int, stop: threading.Event) -> None:
+        self.rank, self.stop = rank, stop
+        self.active = True  # until the rank accepts draft calls; from then on a signal drains
+        self.socket: Path | None = None
+        self.board: Board | None = None
+
+    def on_signal(self, signum, _frame) -> None:
+        self.stop.set()
+        if not self.active:
+            return
+        log.info("rank %d: %s during start-up; stopping (exit 0)", self.rank, signal.Signals(signum).name)
+        if self.board is not None and self.board.owner:
+            try:
+                self.board.shm.unlink()
+            except FileNotFoundError:  # removed already: nothing of ours is left to free
+                log.warning("rank %d: rendezvous board %s was removed while in use", self.rank, self.board.shm.name)
+        if self.socket is not None:
+            self.socket.unlink(missing_ok=True)
+        os._exit(0)
 
 
 def graphs_on(cfg: ServeConfig, device: torch.device, backend: str) -> bool:
@@ -209,8 +240,9 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
                          "a shared-memory board that relies on stores being seen in the order written (x86-64); "
                          "this host does not promise that (see proto/doorbell.py)")
     stop = threading.Event()  # set by SIGTERM/SIGINT, at any point of the rank's life
+    start_up = StartUp(rank, stop)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, start_up.on_signal)
     _die_with_parent()
     device = resolve_device(cfg, local_rank)
     if device.type == "cpu":
@@ -222,24 +254,34 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     late = LateServicer()
     server = _start_grpc(cfg, rank, health_servicer, late)
+    start_up.socket = cfg.socket_path(rank)
+    # Before the load and the rendezvous: a busy metrics port fails in seconds, not after the shard loaded.
+    metrics = Metrics(rank)
+    if cfg.metrics_port:
+        try:
+            metrics.serve_http(cfg.metrics_host, cfg.metrics_port + rank)
+        except OSError as err:
+            raise ServeConfigError(f"--metrics-port: rank {rank} cannot listen on {cfg.metrics_host}:"
+                                   f"{cfg.metrics_port + rank}: {err.strerror}") from None
     log.info("rank %d/%d: listening on %s (NOT_SERVING while loading)", rank, world, ", ".join(cfg.endpoints(rank)))
 
     dist_backend = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(dist_backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+    try:
+        dist.init_process_group(dist_backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+    except dist.DistNetworkError as err:  # a busy port, an address that is not reachable: torch's text, first line
+        raise ServeConfigError(f"--master-addr/--master-port: rank {rank} cannot join the rendezvous at "
+                               f"{cfg.master_addr}:{cfg.master_port}: {str(err).splitlines()[0]}") from None
     cpu_group = dist.new_group(backend="gloo") if dist_backend != "gloo" else None
 
     dcfg, model, embed, choice, host, fast = _load(cfg, rank, world, device, cpu_group)
 
     if rank == 0:
-        board = Board(board_name(cfg), world, create=True)
+        board = start_up.board = Board(board_name(cfg), world, create=True)
     dist.barrier(group=cpu_group)
     if rank != 0:
         board = Board(board_name(cfg), world, create=False)
     rendezvous = Rendezvous(board, rank, cfg.rendezvous_ms, nap_s=nap_for(device.type))
-    metrics = Metrics(rank)
-    if cfg.metrics_port:
-        metrics.serve_http(cfg.metrics_host, cfg.metrics_port + rank)
     memory = MemoryBindings(dcfg, model.par.world_size, rank, model.dtype, device)
     ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs, fast=fast)
     life = Lifecycle(backend=choice.name, host=host, flydsl_off=choice.flydsl_refusal, strict=cfg.strict_refusal,
@@ -278,6 +320,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     board.beat(rank)  # the barrier may have waited long for the slowest peer
     # Only now: a step let in during the warm-up (a client that ignores NOT_SERVING) would put its
     # collectives among the warm-up's, on this rank only.
+    start_up.active = False  # from here a signal drains (the loop below reads `stop`)
     late.inner = servicer
     life.state = "SERVING"
     publish()

@@ -102,6 +102,9 @@ class ServeConfig:
                                    "preset's synthetic drafter served; pass the dspark/ folder too")
         if not 1 << 20 <= self.max_message_bytes <= (1 << 31) - 1:
             raise ServeConfigError(f"--max-message-bytes: must be 1 MiB..2^31 - 1 (gRPC's limit), got {self.max_message_bytes}")
+        if not self.master_addr.strip():  # torch's rendezvous would fail with "hostname cannot be None"
+            raise ServeConfigError("--master-addr: empty (an empty DSPARK_MASTER_ADDR?); give a host or address, "
+                                   "127.0.0.1 on one machine")
         if not 1 <= self.dist_timeout_s <= 86_400:
             raise ServeConfigError(f"--dist-timeout-s: must be 1..86400, got {self.dist_timeout_s}")
         used = {}  # every port a rank listens on, by flag: two flags' ranges must not meet

@@ -11,9 +11,14 @@ import sys
 import time
 
 from dspark_sidecar.server.config import ServeConfig
+from dspark_sidecar.server.preflight import socket_answers
 
 log = logging.getLogger("dspark_sidecar.launcher")
-DRAIN_GRACE_S = 60.0  # a rank that has not exited this long after SIGTERM is killed
+DRAIN_GRACE_S = 60.0  # a serving rank that has not exited this long after SIGTERM is killed
+# A rank still starting ends at once on SIGTERM (app.StartUp) unless it is blocked in native code
+# (torch's rendezvous connect retries for --dist-timeout-s, a read of a hung filesystem) where no
+# Python signal handler runs: past this it is killed, and a stop requested by the user still exits 0.
+STARTUP_STOP_S = 3.0
 
 
 def free_port() -> int:
@@ -27,7 +32,8 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
 
     A rank that exits while the group is serving takes the group down: one log line naming it,
     SIGTERM to the rest, SIGKILL after a grace period, exit code 1. SIGTERM/SIGINT to the
-    launcher drains every rank and returns 0 when all exited cleanly.
+    launcher drains every rank and returns 0 when all exited cleanly; before the group serves
+    (on_ready has not reported it yet) it stops them within STARTUP_STOP_S and returns 0.
     """
     port = cfg.master_port or free_port()
     env = dict(os.environ, WORLD_SIZE=str(cfg.tp), MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port),
@@ -38,23 +44,28 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
                                       env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
     stopping = False
     stop_deadline = float("inf")
+    ready_sent = on_ready is None  # without a probe, assume serving: the long drain grace applies
 
     def on_signal(signum, _frame):
         nonlocal stopping, stop_deadline
         stopping = True
-        stop_deadline = time.monotonic() + DRAIN_GRACE_S
+        stop_deadline = time.monotonic() + (DRAIN_GRACE_S if ready_sent else STARTUP_STOP_S)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        ready_sent = False
         while True:
             codes = [p.poll() for p in procs]
             if all(c is not None for c in codes):
                 bad = [(r, c) for r, c in enumerate(codes) if c != 0]
                 return 0 if stopping and not bad else 1
+            if stopping and not ready_sent and time.monotonic() > stop_deadline:
+                log.warning("rank(s) %s still starting %.0f s after the stop request (blocked in the rendezvous "
+                            "or a read); killing them", [r for r, c in enumerate(codes) if c is None], STARTUP_STOP_S)
+                _terminate(procs, grace_s=0.0)
+                return 0
             if stopping and time.monotonic() > stop_deadline:
                 log.error("ranks still running %.0f s after SIGTERM; killing them", DRAIN_GRACE_S)
                 _terminate(procs, grace_s=0.0)
@@ -63,7 +74,7 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
             if dead and not stopping:
                 r, c = dead[0]
                 log.error("sidecar rank %d exited with code %s; stopping the group (%d ranks)", r, c, cfg.tp)
-                _terminate(procs)
+                _terminate(procs, grace_s=10.0 if ready_sent else STARTUP_STOP_S)
                 return 1
             if on_ready is not None and not ready_sent and not stopping:
                 ready_sent = on_ready()
@@ -72,6 +83,16 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
         for s, h in old.items():
             signal.signal(s, h)
         _terminate(procs)
+        _remove_stale_sockets(cfg, procs)
+
+
+def _remove_stale_sockets(cfg: ServeConfig, procs: list[subprocess.Popen]) -> None:
+    """A rank that failed or was killed leaves its socket file; remove it unless something answers on
+    it (never a live server's), so the folder shows no sidecar that is not there."""
+    for r, p in enumerate(procs):
+        path = cfg.socket_path(r)
+        if p.returncode != 0 and path.is_socket() and not socket_answers(path):
+            path.unlink(missing_ok=True)
 
 
 def _terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:

@@ -19,11 +19,12 @@ rank will do (a bit is agreed only when every rank offered it, and only with GO)
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import zlib
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
@@ -31,6 +32,8 @@ import numpy as np
 # the coordinator naps while steps flow and sleeps longer once the ranks have been quiet a while.
 from dspark_sidecar.proto.doorbell import NAP_S, lower_timer_slack, pause
 from dspark_sidecar.proto.memory import AttachedSegment
+
+log = logging.getLogger("dspark_sidecar.rendezvous")
 
 MAGIC = 0x44535052  # "DSPR"
 SLOT = 8
@@ -156,7 +159,13 @@ class Board:
         self.slots = self.ring = self.words = self.beats = None  # type: ignore[assignment]
         self.shm.close()
         if self.owner:
-            self.shm.unlink()
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:  # removed already (by an operator, or a run that took it for stale)
+                log.warning("rendezvous board %s was removed while in use", self.shm.name)
+                # SharedMemory.unlink unregisters only after a successful unlink: without this the
+                # resource tracker warns of a "leaked" segment at exit and tries to unlink it again.
+                resource_tracker.unregister(self.shm._name, "shared_memory")
 
 
 class Rendezvous:

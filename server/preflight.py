@@ -1,0 +1,116 @@
+"""Checks of the places `serve` listens on, made before any rank starts (cli.py) and again in each rank.
+
+Why in the parent: a rank that meets a busy port or an unusable socket folder fails after seconds of
+start-up (the metrics port only after loading its shard), once per rank, and the launcher would
+report the group's failure rather than the flag. Why again in the rank: under torchrun there is no
+parent of ours, and a port can be taken between the parent's check and the rank's bind.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+from pathlib import Path
+
+from dspark_sidecar.server.config import ServeConfig, ServeConfigError
+
+PROBE_TIMEOUT_S = 1.0
+
+
+def socket_answers(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a process accepts connections on the unix socket at `path` (a live sidecar), as opposed
+    to a socket file left by one that was killed (connection refused). Unknown answers count as live:
+    replacing a socket that someone still serves on cuts that server off for good."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:  # EACCES (another user's socket), a timeout: someone may be serving there
+            return True
+        return True
+
+
+def _stale(path: Path) -> bool:
+    """Whether a socket file nobody answers on is at `path`; refuses a live server's socket and a path
+    that is not a socket (neither may be replaced)."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(mode):
+        raise ServeConfigError(f"--socket-dir: {path} exists and is not a socket; remove it or choose another folder")
+    if socket_answers(path):
+        raise ServeConfigError(f"--socket-dir: a sidecar is already serving on {path}; stop it first or "
+                               "choose another --socket-dir")
+    return True
+
+
+def _make_dir(d: Path) -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ServeConfigError(f"--socket-dir: {d} exists and is not a folder") from None
+    except OSError as err:
+        raise ServeConfigError(f"--socket-dir: cannot create {d}: {err.strerror}") from None
+
+
+def claim_socket(cfg: ServeConfig, rank: int) -> None:
+    """In the rank, just before it binds: make its socket path free, removing a stale socket file (a
+    restart after kill -9 must keep working) but never a live server's socket."""
+    _make_dir(cfg.socket_dir)
+    path = cfg.socket_path(rank)
+    if _stale(path):
+        path.unlink(missing_ok=True)
+
+
+def check_socket_dir(cfg: ServeConfig) -> None:
+    """The folder exists (made here if need be) and this user can create sockets in it; no rank's
+    socket is served by a running sidecar. Stale socket files are left for the ranks to replace."""
+    d = cfg.socket_dir
+    _make_dir(d)
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ServeConfigError(f"--socket-dir: {d} is not writable by this user")
+    for r in range(cfg.tp):
+        _stale(cfg.socket_path(r))
+
+
+def check_port(flag: str, host: str, port: int) -> None:
+    """Bind host:port as the server will (SO_REUSEADDR, as gRPC and prometheus' HTTP server set it,
+    so a port in TIME_WAIT is not reported busy) and let it go again."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise ServeConfigError(f"{flag}: cannot resolve host {host!r}: {err.strerror}") from None
+    errors = []
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as err:
+                if err.errno in (errno.EADDRINUSE, errno.EACCES):
+                    raise ServeConfigError(f"{flag}: cannot listen on {host}:{port}: {err.strerror}; choose "
+                                           "another port") from None
+                errors.append(err)  # e.g. ::1 on a host without IPv6: the server binds the others
+    if errors and len(errors) == len(infos):
+        raise ServeConfigError(f"{flag}: cannot listen on {host}:{port}: {errors[0].strerror}")
+
+
+def check_ports(cfg: ServeConfig) -> None:
+    """Every TCP port the ranks will listen on is free: gRPC's HOST:PORT+r, metrics' HOST:PORT+r, and
+    the rendezvous port rank 0 hosts when one is given (0 lets the launcher pick a free one)."""
+    for flag, host, base in (("--tcp-base-port", cfg.tcp_host, cfg.tcp_base_port),
+                             ("--metrics-port", cfg.metrics_host, cfg.metrics_port)):
+        for r in range(cfg.tp) if base else ():
+            check_port(flag, host, base + r)
+    if cfg.master_port:
+        check_port("--master-port", "0.0.0.0", cfg.master_port)  # torch's TCPStore listens on every address
+
+
+def check_before_launch(cfg: ServeConfig) -> None:
+    check_socket_dir(cfg)
+    check_ports(cfg)

@@ -1,0 +1,57 @@
+"""In the rank (under torchrun there is no parent check): its socket path and ports, one line each.
+
+The rank used to unlink whatever sat at DIR/rank{r}.sock, a live sidecar's socket included, and to
+raise raw tracebacks for a folder it could not make or a port gRPC could not bind.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from dspark_sidecar.server.config import ServeConfig, ServeConfigError
+from dspark_sidecar.server.rendezvous import Board
+
+
+def test_a_stale_socket_is_replaced_a_live_one_refused_a_folder_refused(tmp_path):
+    from dspark_sidecar.server import preflight
+
+    cfg = ServeConfig(tp=1, socket_dir=tmp_path)
+    path = cfg.socket_path(0)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        s.listen()  # live: something accepts on it
+        with pytest.raises(ServeConfigError, match="a sidecar is already serving on"):
+            preflight.claim_socket(cfg, 0)
+        assert path.is_socket()
+    preflight.claim_socket(cfg, 0)  # the listener is gone, its file stale: removed
+    assert not path.exists()
+    path.mkdir()
+    with pytest.raises(ServeConfigError, match="not a socket"):
+        preflight.claim_socket(cfg, 0)
+
+
+def test_a_busy_tcp_port_in_the_rank_is_one_line_not_grpcs_runtime_error(tmp_path):
+    from grpc_health.v1 import health
+
+    from dspark_sidecar.server.app import LateServicer, _start_grpc
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cfg = ServeConfig(tp=1, socket_dir=tmp_path, tcp_base_port=busy.getsockname()[1])
+        with pytest.raises(ServeConfigError, match="--tcp-base-port: rank 0 cannot listen on 127.0.0.1:"):
+            _start_grpc(cfg, 0, health.HealthServicer(), LateServicer())
+
+
+def test_the_owner_closing_a_board_someone_removed_is_a_warning_not_a_traceback(caplog):
+    """A second serve's rank 0 took a live board for stale and removed it; the first one's teardown
+    then raised FileNotFoundError."""
+    board = Board("dspark-rdv-test-removed", 1, create=True)
+    subprocess.run([sys.executable, "-c", "import _posixshmem; _posixshmem.shm_unlink('/dspark-rdv-test-removed')"],
+                   check=True)
+    board.close()
+    assert "was removed while in use" in caplog.text

@@ -1,0 +1,130 @@
+"""`serve` start-up as a user meets it, with real launcher and rank processes (CPU, tiny preset).
+
+- A second `serve` on the socket folder of a running one unlinked the live socket, reported "serving"
+  from the first one's socket (cli.py `ready`), and left the first one unreachable for good.
+- SIGTERM / Ctrl-C during start-up was ignored until the rank was SERVING (its handler only set an
+  event read by the serving loop) and the launcher waited DRAIN_GRACE_S (60 s) before killing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dspark_sidecar.server.healthcheck import check
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def _serve(sock_dir: Path, ckpt, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dspark_sidecar", "serve", "--tp", "1", "--device", "cpu",
+                             "--socket-dir", str(sock_dir), "--checkpoint", str(ckpt[0]),
+                             "--target-checkpoint", str(ckpt[1]), "--drain-s", "0", *extra],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _group_alive(pgid: int) -> bool:
+    out = subprocess.run(["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True).stdout
+    return any(stat[:1] != "Z" for stat in out.split())
+
+
+def _kill(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group already ended
+    p.communicate(timeout=10)
+
+
+def _wait_for(pred, timeout_s: float, p: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_second_serve_on_a_live_socket_dir_is_refused_and_the_first_keeps_serving(tiny_ckpt, tmp_path):
+    sock = tmp_path / "sock"
+    first = _serve(sock, tiny_ckpt)
+    second = None
+    try:
+        _wait_for(lambda: check(f"unix:{sock / 'rank0.sock'}", 0.5) == "SERVING", 60, first)
+        ino = (sock / "rank0.sock").stat().st_ino
+        second = _serve(sock, tiny_ckpt)
+        out, err = second.communicate(timeout=30)
+        assert second.returncode == 2, err
+        assert "serving" not in out, out
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"--socket-dir: a sidecar is already serving on {sock / 'rank0.sock'}" in err
+        assert (sock / "rank0.sock").stat().st_ino == ino and first.poll() is None
+        assert check(f"unix:{sock / 'rank0.sock'}", 2.0) == "SERVING"
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=30)
+        assert first.returncode == 0 and "Traceback" not in err, err
+    finally:
+        if second is not None:
+            _kill(second)
+        _kill(first)
+
+
+def test_sigterm_while_the_ranks_wait_in_the_rendezvous_ends_the_group_promptly(tiny_ckpt, tmp_path):
+    """An unroutable --master-addr: rank 0 sits in torch's store connect (native code, no Python signal
+    handler runs) for --dist-timeout-s. The launcher now kills it STARTUP_STOP_S after the stop."""
+    sock = tmp_path / "sock"
+    p = _serve(sock, tiny_ckpt, "--master-addr", "10.255.255.1")
+    try:
+        _wait_for(lambda: (sock / "rank0.sock").exists(), 30, p)
+        time.sleep(1.0)  # into init_process_group
+        t = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=15)
+        took = time.monotonic() - t
+        assert took < 6, f"the group took {took:.1f} s to stop"
+        assert p.returncode == 0 and "Traceback" not in err, err
+        assert not _group_alive(p.pid), "a rank outlived the launcher"
+        assert not list(sock.glob("*.sock")), "a killed rank's socket file was left behind"
+    finally:
+        _kill(p)
+
+
+RANK_BLOCKED_IN_LOAD = """
+import sys, time
+from dspark_sidecar.server import app
+app._load = lambda *a, **k: time.sleep(120)  # a load that takes long (a slow disk, a hung NFS read)
+from dspark_sidecar import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_a_rank_loads_ends_it_at_once_without_traceback(tmp_path):
+    """A rank in Python code when the stop comes (a load of minutes) ends itself: exit 0, its socket
+    removed; no launcher needed (under torchrun the rank gets the signal directly)."""
+    sock = tmp_path / "sock"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    p = subprocess.Popen([sys.executable, "-c", RANK_BLOCKED_IN_LOAD, "serve", "--tp", "1", "--device", "cpu",
+                          "--socket-dir", str(sock)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: (sock / "rank0.sock").exists(), 30, p)
+        time.sleep(1.0)  # past init_process_group (world 1: immediate), into the load
+        t = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=10)
+        assert time.monotonic() - t < 3
+        assert p.returncode == 0 and "Traceback" not in err, err
+        assert "SIGTERM during start-up" in err, err
+        assert not (sock / "rank0.sock").exists()
+    finally:
+        _kill(p)
