@@ -25,6 +25,9 @@ def _env(dest: str, default, kind=str):
     raw = os.environ.get(name)
     if raw is None:
         return default
+    if not raw.strip():  # `DSPARK_SOCKET_DIR=$UNSET_VAR`: as a path '' is the working directory, silently
+        raise UsageError(f"{name} (--{dest.replace('_', '-')}) is set but empty: unset it for the default "
+                         f"({default}) or give a value")
     if kind is bool:
         if raw.lower() not in _TRUE + _FALSE:
             raise UsageError(f"{name}={raw!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")

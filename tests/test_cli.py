@@ -11,6 +11,8 @@ from dspark_sidecar import cli
     ("DSPARK_TP", "four", "DSPARK_TP='four': expected an integer"),
     ("DSPARK_WARMUP", "ture", "DSPARK_WARMUP='ture': expected one of 1, true"),
     ("DSPARK_LOG_LEVEL", "verbose", "DSPARK_LOG_LEVEL='VERBOSE': expected DEBUG"),
+    # '' as a path is the working directory: serve listened on ./rank0.sock, saying nothing
+    ("DSPARK_SOCKET_DIR", "", "DSPARK_SOCKET_DIR (--socket-dir) is set but empty"),
 ])
 def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkeypatch, capsys):
     """These used to end in a raw traceback (int('four'), logging's own ValueError), and a misspelt
