@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -291,6 +293,12 @@ class CheckpointReader:
     def header(self, key: str, shape: tuple[int, ...]) -> str:
         """The stored dtype of `key` ("BF16", "F8_E4M3", "U8", ...) from its file's header, no data read;
         CheckpointError when it is missing or not of `shape`."""
+        with self._stored(key, shape) as sl:
+            return str(sl.get_dtype())
+
+    @contextlib.contextmanager
+    def _stored(self, key: str, shape: tuple[int, ...]) -> Iterator:
+        """`key`'s safetensors slice (its file open while inside), checked present and of `shape`."""
         if key not in self._files:
             raise CheckpointError(f"{key}: missing from {self.folder} (expected shape {list(shape)})")
         with self._open(self._files[key]) as h:
@@ -300,7 +308,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{key}: unreadable in {self._files[key].name}: {e}") from None
             if tuple(sl.get_shape()) != tuple(shape):
                 raise CheckpointError(f"{key}: shape {list(sl.get_shape())}, expected {list(shape)}")
-            return str(sl.get_dtype())
+            yield sl
 
     def read_stored(self, key: str, shape: tuple[int, ...], rows: slice | None = None,
                     cols: slice | None = None) -> torch.Tensor:
@@ -309,16 +317,7 @@ class CheckpointReader:
         return self._slice(key, shape, rows, cols)
 
     def _slice(self, key: str, shape: tuple[int, ...], rows: slice | None, cols: slice | None) -> torch.Tensor:
-        if key not in self._files:
-            raise CheckpointError(f"{key}: missing from {self.folder} (expected shape {list(shape)})")
-        with self._open(self._files[key]) as h:
-            try:
-                sl = h.get_slice(key)
-            except SafetensorError as e:
-                raise CheckpointError(f"{key}: unreadable in {self._files[key].name}: {e}") from None
-            actual = tuple(sl.get_shape())
-            if actual != tuple(shape):
-                raise CheckpointError(f"{key}: shape {list(actual)}, expected {list(shape)}")
+        with self._stored(key, shape) as sl:
             idx = (rows or slice(None),) + ((cols,) if cols is not None else ())
             return sl[idx] if len(shape) > 1 or rows is not None else sl[:]
 

@@ -26,3 +26,15 @@ def tiny_ckpt(tmp_path_factory, tiny_cfg):
 def tiny_embed(tiny_ckpt, tiny_cfg):
     """embed_tokens [vocab, hidden] in fp32 (exact: stored as bf16)."""
     return CheckpointReader(tiny_ckpt[1], torch.float32).read(EMBED_KEY, (tiny_cfg.vocab_size, tiny_cfg.hidden_size))
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """`serve` must refuse in the parent: starting the launcher fails the test (start-up refusal tests)."""
+    from dspark_sidecar.server import launcher
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a rank was started: the mistake was not caught before launch")
+    monkeypatch.setattr(launcher, "launch", refuse)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)

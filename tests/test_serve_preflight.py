@@ -20,13 +20,7 @@ from dspark_sidecar import cli
 from dspark_sidecar.server import launcher
 
 
-@pytest.fixture(autouse=True)
-def no_rank_may_start(monkeypatch):
-    def refuse(*_a, **_k):
-        raise AssertionError("a rank was started: the mistake was not caught before launch")
-    monkeypatch.setattr(launcher, "launch", refuse)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("no_launch")  # tests/conftest.py
 
 
 def _argv(sock_dir, tiny_ckpt, *extra) -> list[str]:

@@ -20,21 +20,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark_sidecar import cli
-from dspark_sidecar.server import launcher
 
 P = "language_model.model.dspark."
 L0 = P + "layers.0.decoder_layer."
 EMBED = "language_model.model.embed_tokens.weight"
 
 
-@pytest.fixture(autouse=True)
-def no_rank_may_start(monkeypatch):
-    """Every case must be refused in the parent: starting the launcher is the bug."""
-    def refuse(*_a, **_k):
-        raise AssertionError("a rank was started: the mistake was not caught before launch")
-    monkeypatch.setattr(launcher, "launch", refuse)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("no_launch")  # tests/conftest.py
 
 
 def _copy(tiny_ckpt, tmp_path: Path) -> tuple[Path, Path]:
