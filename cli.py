@@ -110,7 +110,7 @@ def serve_config(a: argparse.Namespace):
 
 
 def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
-    from dspark_sidecar.drafter.checkpoint import check_checkpoint
+    from dspark_sidecar.drafter.checkpoint import check_checkpoint, ensure_synthetic_checkpoint
     from dspark_sidecar.drafter.config import load_config
 
     cfg = serve_config(a)
@@ -118,17 +118,23 @@ def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
     # would print its own line or traceback, and only after they had started listening.
     dcfg = load_config(cfg.preset, cfg.checkpoint)
     dcfg.check_tp(cfg.shard_of or cfg.tp)
-    if cfg.checkpoint is not None:  # headers only (milliseconds); again in each rank under torchrun
+    if cfg.checkpoint is not None:  # again in each rank under torchrun
         check_checkpoint(dcfg, cfg.checkpoint, cfg.target_checkpoint)
+    elif not cfg.random_weights and "RANK" not in os.environ:  # the embedded synthetic one: written here, once
+        ensure_synthetic_checkpoint(dcfg, cfg.seed)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun or our own launcher
-        from dspark_sidecar.server.app import serve_rank
+        from dspark_sidecar.server.app import PeerLost, serve_rank
 
         # torchrun's (and our launcher's) rendezvous address wins over the flags
         cfg = cfg.replace(master_addr=os.environ.get("MASTER_ADDR", cfg.master_addr),
                           master_port=int(os.environ.get("MASTER_PORT", cfg.master_port)))
 
-        return serve_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                          int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+        try:
+            return serve_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                              int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+        except PeerLost as err:  # the peer printed why; this rank's traceback would only add noise
+            print(f"dspark-sidecar: {err}", file=sys.stderr)
+            return 1
     from dspark_sidecar.server.backend import check_gpu_placement
     from dspark_sidecar.server.healthcheck import check
     from dspark_sidecar.server.launcher import launch

@@ -186,8 +186,13 @@ def ensure_synthetic_checkpoint(cfg: DrafterConfig, seed: int = 0) -> tuple[Path
     done = out / "COMPLETE"
     if not done.exists():
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        write_synthetic_checkpoint(cfg, tmp, seed)
-        (tmp / "COMPLETE").write_text("ok\n")
+        try:
+            write_synthetic_checkpoint(cfg, tmp, seed)
+            (tmp / "COMPLETE").write_text("ok\n")
+        except OSError as e:  # XDG_CACHE_HOME a file, a full or read-only disk: say where, not a traceback
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"{out}: cannot write the synthetic checkpoint ({e.strerror or e}); point "
+                                  "XDG_CACHE_HOME at a writable folder, or pass --checkpoint") from None
         try:
             tmp.rename(out)
         except OSError:  # another process finished first: its copy is identical

@@ -154,6 +154,11 @@ class StartUp:
         if not self.active:
             return
         log.info("rank %d: %s during start-up; stopping (exit 0)", self.rank, signal.Signals(signum).name)
+        self.release()
+        os._exit(0)
+
+    def release(self) -> None:
+        """Remove what start-up made that would outlive the process: rank 0's board, the socket file."""
         if self.board is not None and self.board.owner:
             try:
                 self.board.shm.unlink()
@@ -161,7 +166,21 @@ class StartUp:
                 log.warning("rank %d: rendezvous board %s was removed while in use", self.rank, self.board.shm.name)
         if self.socket is not None:
             self.socket.unlink(missing_ok=True)
-        os._exit(0)
+
+    def barrier(self, group) -> None:
+        """dist.barrier among the starting ranks. A peer that failed to start has printed its own line
+        and exited, which reaches the others here as a gloo error: they say so in one line (PeerLost)
+        rather than with a traceback that reads as a second, unrelated failure."""
+        try:
+            dist.barrier(group=group)
+        except (RuntimeError, dist.DistError) as err:
+            self.release()
+            raise PeerLost(f"rank {self.rank}: a peer rank left during start-up ({str(err).splitlines()[0][:160]}); "
+                           "the peer's own line says why") from None
+
+
+class PeerLost(RuntimeError):
+    """A peer rank ended during start-up; this rank stops too (cli.py: one line, exit 1)."""
 
 
 def graphs_on(cfg: ServeConfig, device: torch.device, backend: str) -> bool:
@@ -197,7 +216,7 @@ def exchange_lanes(streams: int, world: int, device: torch.device) -> tuple[Dist
     return tuple(lanes)
 
 
-def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_group):
+def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_group, start_up: StartUp):
     """This rank's drafter shard and embeddings, on the backend chosen once here."""
     dcfg = load_config(cfg.preset, cfg.checkpoint)
     dtype = DTYPES[cfg.dtype]
@@ -211,7 +230,7 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
         if cfg.checkpoint is None:  # the embedded synthetic checkpoint: rank 0 writes it once
             if rank == 0:
                 ensure_synthetic_checkpoint(dcfg, cfg.seed)
-            dist.barrier(group=cpu_group)
+            start_up.barrier(cpu_group)
             dspark_dir, target_dir = ensure_synthetic_checkpoint(dcfg, cfg.seed)
         else:
             dspark_dir, target_dir = cfg.checkpoint, cfg.target_checkpoint
@@ -274,11 +293,11 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
                                f"{cfg.master_addr}:{cfg.master_port}: {str(err).splitlines()[0]}") from None
     cpu_group = dist.new_group(backend="gloo") if dist_backend != "gloo" else None
 
-    dcfg, model, embed, choice, host, fast = _load(cfg, rank, world, device, cpu_group)
+    dcfg, model, embed, choice, host, fast = _load(cfg, rank, world, device, cpu_group, start_up)
 
     if rank == 0:
         board = start_up.board = Board(board_name(cfg), world, create=True)
-    dist.barrier(group=cpu_group)
+    start_up.barrier(cpu_group)
     if rank != 0:
         board = Board(board_name(cfg), world, create=False)
     rendezvous = Rendezvous(board, rank, cfg.rendezvous_ms, nap_s=nap_for(device.type))
@@ -316,7 +335,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     # A first beat before the barrier: past it every peer has beaten at least once, so a peer that
     # stops before its first timed beat is still seen (watch_peers skips peers that never beat).
     board.beat(rank)
-    dist.barrier(group=cpu_group)  # every rank loaded and warmed up: the group can draft
+    start_up.barrier(cpu_group)  # every rank loaded and warmed up: the group can draft
     board.beat(rank)  # the barrier may have waited long for the slowest peer
     # Only now: a step let in during the warm-up (a client that ignores NOT_SERVING) would put its
     # collectives among the warm-up's, on this rank only.

@@ -126,3 +126,11 @@ def test_an_unreadable_index_is_one_line(tiny_ckpt, tmp_path, capsys):
     dspark, target = _copy(tiny_ckpt, tmp_path)
     (dspark / "model.safetensors.index.json").mkdir()
     _refused(_serve(tmp_path, dspark, target), capsys, tmp_path, "model.safetensors.index.json")
+
+
+def test_a_synthetic_checkpoint_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch):
+    """Rank 0 wrote it while its peers waited in a barrier: a traceback there, then one per peer."""
+    (tmp_path / "cache").write_text("a file where the cache folder should be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    argv = ["serve", "--tp", "2", "--device", "cpu", "--socket-dir", str(tmp_path / "sock")]
+    _refused(argv, capsys, tmp_path, "cannot write the synthetic checkpoint", "XDG_CACHE_HOME")

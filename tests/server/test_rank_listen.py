@@ -55,3 +55,28 @@ def test_the_owner_closing_a_board_someone_removed_is_a_warning_not_a_traceback(
                    check=True)
     board.close()
     assert "was removed while in use" in caplog.text
+
+
+def test_a_peer_lost_during_start_up_is_one_line_and_what_start_up_made_goes(tmp_path, monkeypatch):
+    """A peer that failed to start (and printed why) reaches the others as a gloo error in a start-up
+    barrier: they used to print its traceback, which reads as a second failure, and leave the board."""
+    import threading
+
+    from dspark_sidecar.server import app
+
+    def closed(group=None):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18611.\nmore")
+
+    monkeypatch.setattr(app.dist, "barrier", closed)
+    start_up = app.StartUp(0, threading.Event())
+    start_up.socket = tmp_path / "rank0.sock"
+    start_up.socket.touch()
+    start_up.board = Board(f"dspark-test-peerlost-{tmp_path.name}"[:30], 2, create=True)
+    try:
+        with pytest.raises(app.PeerLost, match=r"rank 0: a peer rank left during start-up \(.*Connection closed"):
+            start_up.barrier(None)
+        assert not start_up.socket.exists()
+        with pytest.raises(FileNotFoundError):
+            Board(start_up.board.shm.name, 2, create=False)  # unlinked: a later start finds no stale board
+    finally:
+        start_up.board.shm.close()
