@@ -74,7 +74,10 @@ def bind_request(layers: Sequence[torch.Tensor], facts: pb.EngineFacts) -> pb.Bi
     entries = []
     for i, t in enumerate(layers):
         if t.dim() != 5:
-            raise BindError(f"KV layer {i}: shape {list(t.shape)} is not [2, pages, page_size, heads, head_dim]",
+            # vLLM 0.34's attention layers hold [pages, heads, page_size, 2 * head_dim] (K and V split
+            # along the last axis), which the sidecar's kernels do not address yet: refused, by name.
+            hint = " (K and V in one last axis, as vLLM 0.34 lays them out, is not supported yet)" if t.dim() == 4 else ""
+            raise BindError(f"KV layer {i}: shape {list(t.shape)} is not [2, pages, page_size, heads, head_dim]{hint}",
                             permanent=True)
         try:
             handle = export_handle(t)

@@ -61,14 +61,17 @@ def _tp_agreement(group: Any) -> StepAgreement:
 
 
 def kv_cache_provider(model: torch.nn.Module):
-    """The drafter's attention layers' KV caches in layer order (vLLM binds `layer.kv_cache[virtual_engine]`);
-    [] while they are not allocated yet (profiling)."""
-    layers = [m for _, m in model.named_modules() if isinstance(getattr(m, "kv_cache", None), list)]
+    """The drafter's attention layers' KV caches in layer order; [] while they are not allocated yet
+    (profiling). vLLM binds `layer.kv_cache` as one tensor (0.34: attention_layer_base.py), older
+    releases as a list indexed by virtual engine; both are read, and re-read at every call since
+    vLLM replaces the attribute when it allocates."""
+    layers = [m for _, m in model.named_modules() if isinstance(getattr(m, "kv_cache", None), (torch.Tensor, list))]
 
     def caches() -> list[torch.Tensor]:
         out = []
         for m in layers:
-            t = m.kv_cache[0] if m.kv_cache else None
+            kv = m.kv_cache
+            t = (kv[0] if kv else None) if isinstance(kv, list) else kv
             if not isinstance(t, torch.Tensor) or t.numel() == 0:
                 return []
             out.append(t)
@@ -77,8 +80,21 @@ def kv_cache_provider(model: torch.nn.Module):
     return caches
 
 
+def full_graph_decode(vllm_config: Any) -> bool:
+    """Whether vLLM replays the draft's decode steps as full CUDA graphs (compilation_config.cudagraph_mode
+    FULL or FULL_DECODE_ONLY, vLLM 0.34's default for its DSpark speculator): a replayed step runs no
+    Python, so it never reaches the shim, and only the eager steps can be forwarded."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    decode = getattr(mode, "decode_mode", None)
+    return callable(decode) and getattr(decode(), "name", "") == "FULL"
+
+
 def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
     """The shim of this engine rank, from vLLM's distributed state and forward context."""
+    if full_graph_decode(vllm_config):
+        log.warning("dspark-sidecar: vLLM replays the draft's decode steps as full CUDA graphs "
+                    "(compilation_config.cudagraph_mode), which never reach the sidecar shim: only eager steps are "
+                    "forwarded. Run with cudagraph_mode PIECEWISE (or enforce_eager) to forward every step")
     from vllm import forward_context as vfc
     from vllm.distributed.parallel_state import get_tp_group
 

@@ -56,3 +56,16 @@ def test_the_binding_does_not_keep_a_freed_cache_alive():
     # Dead references: the full identity decides. (Not a same-shaped allocation here: the allocator may
     # hand back the freed addresses, and a cache at the same place with the same layout is the same.)
     assert b.needs_bind([torch.zeros(2, 4, 16, 1, 4, dtype=torch.bfloat16) for _ in range(2)])
+
+
+def test_a_cache_with_k_and_v_in_one_axis_is_refused_for_good_saying_so():
+    # vLLM 0.34's attention layers hold [pages, heads, page_size, 2 * head_dim]: the sidecar cannot
+    # address it yet, so the bind is refused permanently, naming the layout (not a passing failure).
+    import pytest
+
+    from dspark_sidecar.client.binding import BindError, bind_request
+
+    layers = [torch.zeros(4, 1, 16, 256) for _ in range(5)]
+    with pytest.raises(BindError, match=r"KV layer 0: shape \[4, 1, 16, 256\].*vLLM 0\.34") as err:
+        bind_request(layers, pb.EngineFacts())
+    assert err.value.permanent

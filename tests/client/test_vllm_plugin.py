@@ -19,11 +19,15 @@ ARCH = "DSparkMiniMaxDraftModel"
 
 
 class FakeAttention(nn.Module):
-    """vLLM's Attention layer as far as KV binding goes: kv_cache[virtual_engine], empty until allocated."""
+    """vLLM's Attention layer as far as KV binding goes: one empty tensor until allocated (vLLM 0.34),
+    or in older releases a list of them indexed by virtual engine (KV_FORM)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv_cache = [torch.tensor([])]
+        self.kv_cache = [torch.tensor([])] if KV_FORM["list"] else torch.tensor([])
+
+
+KV_FORM = {"list": False}
 
 
 class StockDrafter(nn.Module):
@@ -110,7 +114,9 @@ def test_without_a_socket_dir_every_step_runs_the_stock_forward(fake_vllm):
     assert model.dspark_shim().refusal == "no sidecar endpoint configured"
 
 
-def test_forward_goes_through_the_sidecar_with_vllm_metadata(fake_vllm, monkeypatch):
+@pytest.mark.parametrize("as_list", [False, True], ids=["kv_cache-tensor", "kv_cache-list"])
+def test_forward_goes_through_the_sidecar_with_vllm_metadata(fake_vllm, monkeypatch, as_list):
+    monkeypatch.setitem(KV_FORM, "list", as_list)
     folder = short_socket_dir()
     server = FakeServer(FakeSidecar(0, 4), folder / "rank0.sock").start()
     try:
@@ -132,7 +138,7 @@ def test_forward_goes_through_the_sidecar_with_vllm_metadata(fake_vllm, monkeypa
 
         kv = shm_kv_cache()
         for layer, seg in zip(model.layers, kv):
-            layer.kv_cache = [seg.tensor]
+            layer.kv_cache = [seg.tensor] if as_list else seg.tensor
         out = model(ids, md.positions)
         assert model.stock_calls == 2 and torch.equal(out, model.table[ids] * 2)
         (req,) = server.sidecar.requests
@@ -158,3 +164,13 @@ def test_a_wrong_deployment_is_refused_for_the_process(fake_vllm, monkeypatch):
     fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
     model(torch.arange(7), md.positions)
     assert model.stock_calls == 1 and model.dspark_shim().refusal == "7 speculative tokens required"
+
+
+def test_full_cuda_graph_decode_is_named_since_its_steps_never_reach_the_shim():
+    def config(name):
+        mode = SimpleNamespace(decode_mode=lambda: SimpleNamespace(name=name))
+        return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=mode))
+
+    assert vllm_plugin.full_graph_decode(config("FULL"))
+    assert not vllm_plugin.full_graph_decode(config("PIECEWISE"))
+    assert not vllm_plugin.full_graph_decode(SimpleNamespace())  # older vLLM: no cudagraph_mode
