@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dspark_sidecar import cli
 from dspark_sidecar.server import launcher
+from helpers.refusals import refused as _refused
 
 
 pytestmark = pytest.mark.usefixtures("no_launch")  # tests/conftest.py
@@ -26,16 +27,6 @@ pytestmark = pytest.mark.usefixtures("no_launch")  # tests/conftest.py
 def _argv(sock_dir, tiny_ckpt, *extra) -> list[str]:
     return ["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(sock_dir),
             "--checkpoint", str(tiny_ckpt[0]), "--target-checkpoint", str(tiny_ckpt[1]), *extra]
-
-
-def _refused(argv, capsys, *words) -> str:
-    rc = cli.main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert err.startswith("dspark-sidecar: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    for w in words:
-        assert w in err, err
-    return err
 
 
 def test_a_socket_dir_that_is_a_file_is_one_line(tiny_ckpt, tmp_path, capsys):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark_sidecar import cli
+from helpers.refusals import refused
 
 P = "language_model.model.dspark."
 L0 = P + "layers.0.decoder_layer."
@@ -49,14 +49,7 @@ def _serve(tmp_path, dspark, target, *extra) -> list[str]:
 
 
 def _refused(argv, capsys, tmp_path, *words) -> str:
-    rc = cli.main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert err.startswith("dspark-sidecar: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    for w in words:
-        assert w in err, err
-    assert not list((tmp_path / "sock").glob("*.sock")) if (tmp_path / "sock").is_dir() else True
-    return err
+    return refused(argv, capsys, *words, sock_dir=tmp_path / "sock")
 
 
 def _scale_200(t):

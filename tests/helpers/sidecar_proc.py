@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 from dspark_sidecar.client.launcher import SidecarLauncher
 from dspark_sidecar.server.healthcheck import check
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1] != "Z"
 
 
 class SidecarProcess(SidecarLauncher):

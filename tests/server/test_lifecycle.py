@@ -13,15 +13,7 @@ import pytest
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.healthcheck import check
-from helpers.sidecar_proc import SidecarProcess
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1] != "Z"
+from helpers.sidecar_proc import SidecarProcess, alive as _alive
 
 
 def test_health_not_serving_then_serving_then_not_serving_on_drain(tmp_path, tiny_ckpt):

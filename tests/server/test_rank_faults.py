@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -24,7 +23,7 @@ from dspark_sidecar.drafter import scenario
 from dspark_sidecar.proto import codec
 from dspark_sidecar.server.healthcheck import check
 from helpers.engine_sim import PAGE, DraftStream, EngineSim
-from helpers.sidecar_proc import SidecarProcess
+from helpers.sidecar_proc import SidecarProcess, alive as _alive
 
 TP, RDV_MS = 2, 200
 LENS = [5, 40, 200, 33]
@@ -37,14 +36,6 @@ def _both(streams, reqs, timeout: float = 30.0):
     for s, q in zip(streams, reqs):
         s.requests.put(q)
     return [s.answers.get(timeout=timeout) for s in streams]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1] != "Z"
 
 
 @pytest.fixture
