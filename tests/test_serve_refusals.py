@@ -127,3 +127,19 @@ def test_a_synthetic_checkpoint_that_cannot_be_written_is_one_line(tmp_path, cap
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     argv = ["serve", "--tp", "2", "--device", "cpu", "--socket-dir", str(tmp_path / "sock")]
     _refused(argv, capsys, tmp_path, "cannot write the synthetic checkpoint", "XDG_CACHE_HOME")
+
+
+def test_heads_the_sidecar_never_loads_may_be_absent_but_are_checked_when_present(tiny_ckpt, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """The Markov and confidence heads run in the engine: a checkpoint without them (confidence head off)
+    must still serve, while a corrupt one is still refused by name."""
+    launched = []
+    monkeypatch.setattr("dspark_sidecar.server.launcher.launch", lambda cfg, argv, on_ready=None: launched.append(1) or 0)
+    dspark, target = _copy(tiny_ckpt, tmp_path)
+    _edit_tensors(dspark, lambda t: [t.pop(k) for k in list(t) if ".confidence_head." in k])
+    from dspark_sidecar import cli
+
+    assert cli.main(_serve(tmp_path, dspark, target)) == 0 and launched == [1]
+    _edit_tensors(dspark, lambda t: t.__setitem__(P + "markov_head.markov_w1.weight",
+                                                  torch.full_like(t[P + "markov_head.markov_w1.weight"], float("nan"))))
+    _refused(_serve(tmp_path, dspark, target), capsys, tmp_path, "markov_w1.weight", "non-finite")
