@@ -114,7 +114,10 @@ class StatusInterceptor(grpc.ServerInterceptor):
                         except SidecarError as err:  # the stream ends with it: no step id to answer under
                             context.abort_with_status(rpc_status.to_status(to_status(err)))
 
-                yield from inner_stream(requests(), context)
+                try:
+                    yield from inner_stream(requests(), context)
+                except SidecarError as err:  # refused before any step (e.g. a remote peer): the stream ends with it
+                    context.abort_with_status(rpc_status.to_status(to_status(err)))
 
             return grpc.stream_stream_rpc_method_handler(
                 guarded_stream, request_deserializer=None, response_serializer=handler.response_serializer)

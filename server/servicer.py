@@ -225,18 +225,24 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         """The driver's stream memory operations, probed once; None where steps are not pre-launched."""
         return GpuWordOps.load(self.ctx.model.device) if self.prelaunch else None
 
+    # Steps are same-node only too: every step writes its block K/V into the cache a same-node engine
+    # bound, and may name that engine's registered regions, so a remote peer's step would write (and
+    # read) another process's memory.
     def DraftStep(self, request, context):
+        self._require_same_node(context, "draft steps")
         return self.loop.submit(request).result()
 
     def DraftSteps(self, request_iterator, context):
+        self._require_same_node(context, "draft steps")
         for request in request_iterator:
             yield self.loop.answer(request)
 
-    def _require_same_node(self, context) -> None:
+    def _require_same_node(self, context, what: str = "memory registration") -> None:
         if not _same_node(context.peer()):
             raise SidecarError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"memory registration from {context.peer()} refused: only same-node peers "
-                               "(unix socket or loopback) may bind KV caches or buffers", "", "REMOTE_PEER")
+                               f"{what} from {context.peer()} refused: only same-node peers (unix socket or "
+                               "loopback) may bind KV caches or buffers, or send the steps that write them",
+                               "", "REMOTE_PEER")
 
 
 def limits_pb(max_reqs: int, max_message_bytes: int) -> pb.Limits:

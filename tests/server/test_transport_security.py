@@ -31,3 +31,53 @@ def test_rank_serves_on_its_unix_socket_and_loopback_tcp(tmp_path, tiny_ckpt):
     with SidecarProcess(tmp_path, tp=2, checkpoint=tiny_ckpt, extra_args=["--tcp-base-port", str(port)]) as sc:
         assert sc.health() == ["SERVING", "SERVING"]
         assert [check(f"127.0.0.1:{port + r}") for r in range(2)] == ["SERVING", "SERVING"]
+
+
+def test_draft_steps_from_a_remote_peer_are_refused_before_they_reach_the_rank():
+    """A step writes its block K/V into the cache a same-node engine bound and may name that engine's
+    registered regions: from a remote peer (--allow-remote) it would write another process's memory."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.errors import SidecarError
+    from dspark_sidecar.server.servicer import DrafterServicer
+
+    def never(*_a):
+        raise AssertionError("a remote peer's step reached the rank loop")
+
+    fake = SimpleNamespace(loop=SimpleNamespace(submit=never, answer=never))
+    fake._require_same_node = lambda ctx, what="": DrafterServicer._require_same_node(fake, ctx, what)
+    remote = SimpleNamespace(peer=lambda: "ipv4:192.0.2.2:40000")
+    with pytest.raises(SidecarError, match="draft steps from ipv4:192.0.2.2:40000 refused") as err:
+        DrafterServicer.DraftStep(fake, pb.DraftStepRequest(step_id=1), remote)
+    assert err.value.code.name == "PERMISSION_DENIED" and err.value.reason == "REMOTE_PEER"
+    with pytest.raises(SidecarError, match="draft steps from"):
+        next(DrafterServicer.DraftSteps(fake, iter([pb.DraftStepRequest(step_id=1)]), remote))
+
+
+def test_a_stream_refused_before_its_first_step_ends_with_that_status():
+    """The interceptor maps a SidecarError raised by a stream handler (not only by parsing) to its status."""
+    from concurrent import futures
+
+    import grpc
+
+    from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
+
+    def refuse(requests, context):
+        raise SidecarError(grpc.StatusCode.PERMISSION_DENIED, "no steps from there", "", "REMOTE_PEER")
+        yield b""  # a generator, as DraftSteps is
+
+    handler = grpc.method_handlers_generic_handler("t.S", {"Steps": grpc.stream_stream_rpc_method_handler(
+        refuse, request_deserializer=lambda b: b, response_serializer=lambda b: b)})
+    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[StatusInterceptor()])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = ch.stream_stream("/t.S/Steps", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(iter([b"x"]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "no steps from there" in err.value.details()
+    finally:
+        server.stop(0)
