@@ -249,10 +249,10 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
         raise HandleError(f"{field}: a CUDA/HIP IPC handle needs a GPU sidecar, this rank runs on {device}")
     local = torch.cuda.get_device_properties(device)
     uuid = str(getattr(local, "uuid", ""))
-    if h.device_uuid and uuid and h.device_uuid != uuid:
+    if uuid and h.device_uuid != uuid:  # an empty one too: the exporter (export_handle) always names its GPU
         _discard_cuda_ipc(h)
-        raise HandleError(f"{field}: handle is from GPU {h.device_uuid}, this rank runs on GPU {uuid} "
-                          "(engine rank r must bind to sidecar rank r on the same GPU)")
+        raise HandleError(f"{field}: handle is from GPU {h.device_uuid or '(not named)'}, this rank runs on GPU "
+                          f"{uuid} (engine rank r must bind to sidecar rank r on the same GPU)")
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     t = rebuild_cuda_tensor(

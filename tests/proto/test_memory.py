@@ -272,3 +272,17 @@ def test_a_region_s_slices_stay_inside_its_registered_bytes(segment):
             mem.register(pb.RegisterBuffersRequest(regions=[pb.BufferRegion(name="m", memory=handle)]))
     finally:
         mem.close()
+
+
+@pytest.mark.parametrize("named", ["GPU-other", ""])
+def test_a_cuda_handle_from_another_gpu_or_naming_none_is_refused_and_given_back(named, given_back, monkeypatch):
+    """The same-GPU check used to be skipped for a handle whose device_uuid was empty."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-this"))
+    h = _ipc(24).cuda_ipc
+    h.device_uuid = named
+    shown = named or r"\(not named\)"
+    with pytest.raises(memory.HandleError, match=rf"handle is from GPU {shown}, this rank runs on GPU GPU-this"):
+        memory._open_cuda_ipc(h, "regions[0].memory", torch.device("cuda", 0))
+    assert given_back == [(b"/torch_counter", 24)]
