@@ -281,8 +281,9 @@ def _usage_errors() -> tuple[type, ...]:
     from dspark_sidecar.drafter.checkpoint import CheckpointError
     from dspark_sidecar.drafter.config import ConfigError
     from dspark_sidecar.server.config import ServeConfigError
+    from dspark_sidecar.server.rendezvous import BoardError
 
-    return UsageError, ServeConfigError, EngineConfigError, ConfigError, CheckpointError, BenchConfigError
+    return UsageError, ServeConfigError, EngineConfigError, ConfigError, CheckpointError, BenchConfigError, BoardError
 
 
 def _main(argv: list[str] | None) -> int:

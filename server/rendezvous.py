@@ -113,6 +113,10 @@ def format_reason(step_id: int, reason: int, mask: int, deadline_ms: int) -> str
     return f"step {step_id}: ranks disagree on {what} (rank(s) {_ranks(mask)} differ from rank 0's view)"
 
 
+class BoardError(RuntimeError):
+    """The board cannot be made: one line for the person starting the sidecar (cli.py, exit 2)."""
+
+
 class Board:
     """The shared-memory board; rank 0 creates it, the others attach by name."""
 
@@ -127,6 +131,10 @@ class Board:
                 stale.unlink()
             except FileNotFoundError:
                 pass
+            except PermissionError:  # not ours: another user made it (the name is predictable, SECURITY.md)
+                raise BoardError(f"/dev/shm/{name}: a rendezvous board this user may not open or remove is in the "
+                                 "way (another user's?); remove it, or pick another --socket-dir (the name derives "
+                                 "from it)") from None
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=words * 8)
         else:
             self.shm = AttachedSegment(name)  # rank 0 owns (and unlinks) the board; attaching claims nothing

@@ -138,3 +138,21 @@ def test_a_peer_that_stops_beating_is_seen_silent_by_the_others_and_back_when_it
     assert list(boards[0].silent(0, 0.05)) == [1] and boards[1].silent(1, 0.05) == {}  # own beat never counts
     boards[1].beat(1)
     assert boards[2].silent(2, 0.05) == {}
+
+
+def test_a_board_name_taken_by_another_user_is_one_clear_error(monkeypatch):
+    """The name derives from the socket dir, so another local user can create it first: rank 0 used to
+    die with PermissionError's traceback (root, as here, may open anything: the refusal is stood in)."""
+    from dspark_sidecar.server import rendezvous
+
+    real = rendezvous.shared_memory.SharedMemory
+
+    def not_ours(name=None, create=False, size=0):
+        if not create:
+            raise PermissionError(13, "Permission denied", f"/dev/shm/{name}")
+        return real(name=name, create=create, size=size)
+
+    monkeypatch.setattr(rendezvous.shared_memory, "SharedMemory", not_ours)
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(rendezvous.BoardError, match=rf"/dev/shm/{name}: a rendezvous board this user may not open"):
+        Board(name, 2, create=True)
