@@ -117,6 +117,25 @@ def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch.
     return (q.float().reshape(rows, cols // block, block) * factor[..., None]).reshape(rows, cols)
 
 
+def check_f8_codes(key: str, q: torch.Tensor, where: str = "") -> None:
+    """No NaN code (S.1111.111) among F8_E4M3 bits [rows, cols]: the kernels' dequantization does not
+    carry NaN through, so a corrupt shard would serve silently."""
+    nan = (q.view(torch.uint8) & 0x7F) == 0x7F
+    if nan.any():
+        r, c = (int(i) for i in nan.nonzero()[0])
+        raise CheckpointError(f"{key}: {int(nan.sum())} NaN F8_E4M3 codes{where} (first at [{r}, {c}]); "
+                              "the checkpoint is corrupt")
+
+
+def check_scales(skey: str, s: torch.Tensor) -> None:
+    """U8 E8M0 block exponents no larger than MAX_EXPONENT (255, E8M0's NaN, included)."""
+    if s.dtype != torch.uint8:
+        raise CheckpointError(f"{skey}: dtype {s.dtype}, expected U8 (E8M0 exponents)")
+    if (s > MAX_EXPONENT).any():
+        raise CheckpointError(f"{skey}: block exponent {int(s.max())} above {MAX_EXPONENT} (a scale over "
+                              f"2^{MAX_EXPONENT - 127}); the checkpoint is corrupt")
+
+
 # Writer ---------------------------------------------------------------------------------------
 
 def _synthetic(spec: TensorSpec, seed: int) -> torch.Tensor:
@@ -223,18 +242,9 @@ def check_checkpoint(cfg: DrafterConfig, dspark_dir: str | Path, target_dir: str
         named.add(spec.key)
         if spec.mxfp8 and dtype == "F8_E4M3":
             skey = spec.key + SCALE_SUFFIX
-            sshape = (spec.shape[0], spec.shape[1] // cfg.quant_block)
-            sdtype = reader.header(skey, sshape)
-            if sdtype != "U8":
-                raise CheckpointError(f"{skey}: dtype {sdtype}, expected U8 (E8M0 exponents)")
+            check_f8_codes(spec.key, reader.read_stored(spec.key, spec.shape))
+            check_scales(skey, reader.read_stored(skey, (spec.shape[0], spec.shape[1] // cfg.quant_block)))
             named.add(skey)
-            nan = int(((reader.read_stored(spec.key, spec.shape).view(torch.uint8) & 0x7F) == 0x7F).sum())
-            if nan:
-                raise CheckpointError(f"{spec.key}: {nan} F8_E4M3 NaN codes; the checkpoint is corrupt")
-            top = int(reader.read_stored(skey, sshape).max())
-            if top > MAX_EXPONENT:
-                raise CheckpointError(f"{skey}: block exponent {top} above {MAX_EXPONENT} (a scale over "
-                                      f"2^{MAX_EXPONENT - 127}); the checkpoint is corrupt")
         elif dtype not in DENSE_DTYPES:
             allowed = ("F8_E4M3 (with a U8 scale), " if spec.mxfp8 else "") + ", ".join(DENSE_DTYPES)
             raise CheckpointError(f"{spec.key}: dtype {dtype}, expected {allowed}")
@@ -341,11 +351,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{key}: column slice {cols} cuts MXFP8 blocks of {self.block}")
             scols = slice(cols.start // self.block, cols.stop // self.block) if cols is not None else None
             s = self._slice(skey, (shape[0], shape[1] // self.block), rows, scols)
-            if s.dtype != torch.uint8:
-                raise CheckpointError(f"{skey}: dtype {s.dtype}, expected U8 (E8M0 exponents)")
-            if (s > MAX_EXPONENT).any():  # finite in bf16, so it would load: |w| past 2^7 * 448 is corruption
-                raise CheckpointError(f"{skey}: block exponent {int(s.max())} above {MAX_EXPONENT} (a scale over "
-                                      f"2^{MAX_EXPONENT - 127}); the checkpoint is corrupt")
+            check_scales(skey, s)  # a scale past 2^7 is finite in bf16, so it would load: corruption all the same
             t = dequantize_mxfp8(t, s, self.block)
         elif t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise CheckpointError(f"{key}: unsupported dtype {t.dtype}")

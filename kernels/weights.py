@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_sidecar.drafter.checkpoint import (MAX_EXPONENT, SCALE_SUFFIX, CheckpointError, dequantize_mxfp8,
-                                               quantize_mxfp8)
+from dspark_sidecar.drafter.checkpoint import (MAX_EXPONENT, SCALE_SUFFIX, CheckpointError, check_f8_codes,
+                                               check_scales, dequantize_mxfp8, quantize_mxfp8)
 
 
 @dataclass(frozen=True)
@@ -103,18 +103,10 @@ class MxFp8Weight:
         q = reader._slice(key, shape, rows, cols)
         if q.dtype != torch.float8_e4m3fn:
             raise CheckpointError(f"{key}: dtype {q.dtype}, expected F8_E4M3")
-        nan = (q.view(torch.uint8) & 0x7F) == 0x7F
-        if nan.any():  # a corrupt shard: the kernels' dequantization does not carry NaN through
-            r, c = (int(i) for i in nan.nonzero()[0])
-            raise CheckpointError(f"{key}: {int(nan.sum())} NaN F8_E4M3 codes in this rank's slice (first at "
-                                  f"[{r}, {c}] of the slice); the checkpoint is corrupt")
+        check_f8_codes(key, q, " in this rank's slice")
         scols = slice(cols.start // block, cols.stop // block) if cols is not None else None
         s = reader._slice(key + SCALE_SUFFIX, (shape[0], shape[1] // block), rows, scols)
-        if s.dtype != torch.uint8:
-            raise CheckpointError(f"{key + SCALE_SUFFIX}: dtype {s.dtype}, expected U8 (E8M0 exponents)")
-        if (s > MAX_EXPONENT).any():  # the NVIDIA kernels' packed dequantization holds 2^(e - 7) in a bf16
-            raise CheckpointError(f"{key + SCALE_SUFFIX}: block exponent {int(s.max())} above {MAX_EXPONENT} (a "
-                                  f"scale over 2^{MAX_EXPONENT - 127}), which the GPU kernels do not take")
+        check_scales(key + SCALE_SUFFIX, s)  # the NVIDIA kernels' packed dequantization holds 2^(e - 7) in a bf16
         return cls(q.contiguous().to(device), s.contiguous().to(device), block)
 
 
