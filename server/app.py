@@ -159,11 +159,8 @@ class StartUp:
 
     def release(self) -> None:
         """Remove what start-up made that would outlive the process: rank 0's board, the socket file."""
-        if self.board is not None and self.board.owner:
-            try:
-                self.board.shm.unlink()
-            except FileNotFoundError:  # removed already: nothing of ours is left to free
-                log.warning("rank %d: rendezvous board %s was removed while in use", self.rank, self.board.shm.name)
+        if self.board is not None:
+            self.board.unlink()
         if self.socket is not None:
             self.socket.unlink(missing_ok=True)
 

@@ -166,14 +166,19 @@ class Board:
     def close(self) -> None:
         self.slots = self.ring = self.words = self.beats = None  # type: ignore[assignment]
         self.shm.close()
-        if self.owner:
-            try:
-                self.shm.unlink()
-            except FileNotFoundError:  # removed already (by an operator, or a run that took it for stale)
-                log.warning("rendezvous board %s was removed while in use", self.shm.name)
-                # SharedMemory.unlink unregisters only after a successful unlink: without this the
-                # resource tracker warns of a "leaked" segment at exit and tries to unlink it again.
-                resource_tracker.unregister(self.shm._name, "shared_memory")
+        self.unlink()
+
+    def unlink(self) -> None:
+        """Remove the board's name, if this rank made it (close; a rank stopped while starting)."""
+        if not self.owner:
+            return
+        try:
+            self.shm.unlink()
+        except FileNotFoundError:  # removed already (by an operator, or a run that took it for stale)
+            log.warning("rendezvous board %s was removed while in use", self.shm.name)
+            # SharedMemory.unlink unregisters only after a successful unlink: without this the
+            # resource tracker warns of a "leaked" segment at exit and tries to unlink it again.
+            resource_tracker.unregister(self.shm._name, "shared_memory")
 
 
 class Rendezvous:
