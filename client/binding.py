@@ -12,6 +12,7 @@ import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from dspark_sidecar.drafter.kv_cache import kv_planes
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.memory import HandleError, export_handle
@@ -23,6 +24,7 @@ log = logging.getLogger("dspark_sidecar.client")
 _PERMANENT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                     grpc.StatusCode.UNIMPLEMENTED)
 _PERMANENT_REASONS = ("TP_MISMATCH", "RANK_MISMATCH")
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, n))
 
 
 class BindError(Exception):
@@ -68,17 +70,22 @@ def cache_identity(layers: Sequence[torch.Tensor]) -> tuple:
 
 
 def bind_request(layers: Sequence[torch.Tensor], facts: pb.EngineFacts) -> pb.BindKVRequest:
-    """BindKVRequest for per-layer caches [2, num_pages, page_size, kv_heads/tp, head_dim]."""
+    """BindKVRequest for per-layer caches in either of kv_cache.KV_LAYOUTS: planes [2, num_pages,
+    page_size, kv_heads/tp, head_dim] or records [num_pages, kv_heads/tp, page_size, 2 * head_dim]
+    (vLLM 0.34). Each is sent as the planes view of its memory (shape, strides, offset): the
+    sidecar addresses both through the same strides."""
     if not layers:
         raise BindError("the engine has no draft KV cache allocated", permanent=False)
     entries = []
-    for i, t in enumerate(layers):
-        if t.dim() != 5:
-            # vLLM 0.34's attention layers hold [pages, heads, page_size, 2 * head_dim] (K and V split
-            # along the last axis), which the sidecar's kernels do not address yet: refused, by name.
-            hint = " (K and V in one last axis, as vLLM 0.34 lays them out, is not supported yet)" if t.dim() == 4 else ""
-            raise BindError(f"KV layer {i}: shape {list(t.shape)} is not [2, pages, page_size, heads, head_dim]{hint}",
-                            permanent=True)
+    for i, raw in enumerate(layers):
+        if raw.dtype in (torch.uint8, *_FP8):
+            # vLLM's kv_cache_dtype=fp8 stores e4m3 codes of x / k_scale (uint8): not served yet.
+            raise BindError(f"KV layer {i}: {raw.dtype} cache (an fp8 kv_cache_dtype) is not served by the sidecar: "
+                            "run the draft model with kv_cache_dtype auto or bfloat16", permanent=True)
+        try:
+            t = kv_planes(raw)
+        except ValueError as e:
+            raise BindError(f"KV layer {i}: {e}", permanent=True) from None
         try:
             handle = export_handle(t)
             dtype = codec.dtype_to_proto(t.dtype)
@@ -86,7 +93,7 @@ def bind_request(layers: Sequence[torch.Tensor], facts: pb.EngineFacts) -> pb.Bi
             raise BindError(f"KV layer {i}: {e}", permanent=True) from None
         entries.append(pb.KVLayerBinding(layer=i, memory=handle, dtype=dtype, shape=list(t.shape),
                                          strides=list(t.stride()), storage_offset=t.storage_offset()))
-    return pb.BindKVRequest(engine=facts, layers=entries, page_size=int(layers[0].shape[2]))
+    return pb.BindKVRequest(engine=facts, layers=entries, page_size=int(entries[0].shape[2]))
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dspark_sidecar.drafter.checkpoint import (
     EMBED_KEY, LM_HEAD_KEY, PREFIX, CheckpointReader, ensure_synthetic_checkpoint,
 )
 from dspark_sidecar.drafter.config import PRESETS
-from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_layer_shape
+from dspark_sidecar.drafter.kv_cache import KV_LAYOUTS, StepMetadata, kv_planes, kv_rows, kv_storage_shape
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
@@ -77,8 +77,11 @@ class HarnessConfig:
     progress_every: int = 0
     device: str = "cpu"  # or "cuda": rank r on GPU r (its KV cache, stock layers, lm_head)
     required_tp: int = 4  # the shim forwards only at this TP (EngineConfig.required_tp; the seed's check)
+    kv_layout: str = "planes"  # how the engine allocates its draft KV cache (kv_cache.KV_LAYOUTS)
 
     def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout: one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
@@ -124,11 +127,12 @@ class EngineRank:
         return self.embed[ids.to(self.dev)]
 
     def _allocate(self):
-        shape = kv_layer_shape(self.cfg, self.h.tp, self.h.num_pages, self.h.page_size)
+        shape = kv_storage_shape(self.cfg, self.h.tp, self.h.num_pages, self.h.page_size, self.h.kv_layout)
         return [exportable_zeros(shape, self.dtype, self.dev) for _ in range(self.cfg.num_hidden_layers)]
 
     def _layers(self) -> list[torch.Tensor]:
-        return [s.tensor for s in self.kv]
+        """The caches as the stock layers address them: [2, pages, page_size, kv_heads, head_dim] views."""
+        return [kv_planes(s.tensor) for s in self.kv]
 
     def reallocate_kv(self) -> None:
         """A new cache allocation (new segments, same layout), contents carried over; the old one freed."""
@@ -152,7 +156,7 @@ class EngineRank:
 
     def _gather_block_kv(self, slots: torch.Tensor) -> torch.Tensor:
         slots = slots.to(self.dev)
-        return torch.stack([t.view(2, -1, *t.shape[-2:])[:, slots] for t in self._layers()])
+        return torch.stack([torch.stack([kv_rows(t, 0, slots), kv_rows(t, 1, slots)]) for t in self._layers()])
 
     def _commit(self, salts: list[int], rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         if not rows:

@@ -34,7 +34,7 @@ from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
 from dspark_sidecar.client.metadata import step_metadata_from
 from dspark_sidecar.client.stats import ShimStats
-from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_paging
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.memory import HandleError
@@ -152,7 +152,8 @@ class DrafterShim:
         if self.is_capturing():
             return self._fallback(CAPTURE)
         layers = list(self._kv_caches() or [])
-        meta = step_metadata_from(attn, n, int(layers[0].shape[2]) if layers and layers[0].dim() == 5 else None)
+        paging = kv_paging(layers[0]) if layers else None
+        meta = step_metadata_from(attn, n, paging[1] if paging else None)
         if meta is None:
             return self._fallback(BAD_METADATA)
         start = time.perf_counter_ns()
@@ -271,7 +272,7 @@ class DrafterShim:
             self.doorbell = DoorbellTransport(
                 self.connection, int(status.model.hidden_size),
                 min(int(status.limits.max_reqs or self._max_reqs), self.config.max_reqs),
-                min(int(layers[0].shape[1]), _MAX_DOORBELL_PAGES), dtype, layers[0].device,
+                min((kv_paging(layers[0]) or (0, 0))[0], _MAX_DOORBELL_PAGES), dtype, layers[0].device,
                 self.config.connect_deadline_s)
             log.info("sidecar rank %d: steps go through the shared-memory doorbell", self.rank)
         except (grpc.RpcError, DataPlaneError, HandleError, ValueError, RuntimeError, OSError, MemoryError) as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -38,15 +39,89 @@ class StepMetadata:
         return StepMetadata(self.seq_lens.to(device), self.block_tables.to(device), self.slot_mapping.to(device))
 
 
+# How an engine lays one layer's cache out in memory. Every op addresses a layer through the same
+# 5-D view [2 (K, V), num_pages, page_size, kv_heads, head_dim] (`kv_planes`); the layouts differ
+# only in that view's strides.
+#   planes:  [2, num_pages, page_size, kv_heads, head_dim], contiguous: all K pages, then all V
+#            pages (spec section 4; vLLM's FlashAttention layout before 0.34).
+#   records: [num_pages, kv_heads, page_size, 2 * head_dim], contiguous: each (page, head, token)
+#            holds a record K | V of 2 * head_dim (vLLM 0.34's FLASH_ATTN / FLASHINFER caches).
+KV_LAYOUTS = ("planes", "records")
+
+
 def kv_layer_shape(cfg: DrafterConfig, tp_size: int, num_pages: int, page_size: int) -> tuple[int, ...]:
-    """One layer's cache on one rank: [2 (K, V), num_pages, page_size, kv_heads / tp, head_dim]."""
+    """One layer's cache on one rank as the ops see it: [2 (K, V), num_pages, page_size, kv_heads / tp, head_dim]."""
     return (2, num_pages, page_size, cfg.num_key_value_heads // tp_size, cfg.head_dim)
 
 
+def kv_storage_shape(cfg: DrafterConfig, tp_size: int, num_pages: int, page_size: int,
+                     kv_layout: str = "planes") -> tuple[int, ...]:
+    """One layer's cache on one rank as the engine allocates it in `kv_layout`."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"KV layout {kv_layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
+    two, pages, page, heads, d = kv_layer_shape(cfg, tp_size, num_pages, page_size)
+    return (two, pages, page, heads, d) if kv_layout == "planes" else (pages, heads, page, two * d)
+
+
+def kv_planes(t: torch.Tensor) -> torch.Tensor:
+    """An engine's layer cache -> the view [2, num_pages, page_size, kv_heads, head_dim] of the same
+    memory: a 5-D planes tensor as it is; a 4-D records tensor [pages, heads, page, 2 d] with its
+    last axis split into K | V and moved to the front (strides (d, heads*page*2d, 2d, page*2d, 1)).
+    Writes through the view land in the engine's tensor."""
+    if t.dim() == 5:
+        return t
+    if t.dim() == 4 and t.shape[-1] % 2 == 0:
+        return t.unflatten(-1, (2, t.shape[-1] // 2)).permute(3, 0, 2, 1, 4)
+    raise ValueError(f"KV cache of shape {list(t.shape)}: expected planes [2, pages, page_size, heads, head_dim] "
+                     "or records [pages, heads, page_size, 2 * head_dim]")
+
+
+def kv_paging(t: torch.Tensor) -> tuple[int, int] | None:
+    """(num_pages, page_size) of an engine's layer cache in either layout, read from its shape alone
+    (no view built: the shim asks once a step), or None for a shape neither layout has."""
+    if t.dim() == 5:
+        return int(t.shape[1]), int(t.shape[2])
+    if t.dim() == 4:
+        return int(t.shape[0]), int(t.shape[2])
+    return None
+
+
+def kv_view_problem(shape: Sequence[int], strides: Sequence[int]) -> str | None:
+    """Why a 5-D cache view cannot be written through, or None: head_dim must be unit-stride (the
+    kernels load a head's row as one vector), and no two elements may share memory. The check is
+    the sufficient one: sorted by stride, each dimension steps past everything the smaller ones
+    span. Both KV_LAYOUTS pass; so does any other dense permutation of them."""
+    if len(shape) != len(strides):
+        return f"{len(strides)} strides for {len(shape)} dimensions"
+    if shape[-1] > 1 and strides[-1] != 1:
+        return f"head_dim stride {strides[-1]}: a head's {shape[-1]} values must be adjacent"
+    span = 0  # highest element offset the dimensions seen so far reach
+    for n, s in sorted(((n, s) for n, s in zip(shape, strides) if n > 1), key=lambda p: p[1]):
+        if s <= span:
+            return f"strides {list(strides)} over shape {list(shape)}: K/V elements would overlap"
+        span += (n - 1) * s
+    return None
+
+
+def kv_rows(kv_layer: torch.Tensor, plane: int, slots: torch.Tensor) -> torch.Tensor:
+    """K (plane 0) or V (plane 1) rows at flat slots (page * page_size + offset): slots [...] ->
+    [..., kv_heads, head_dim], a copy. Indexes page and offset separately, so any layout's view works."""
+    page = kv_layer.shape[2]
+    return kv_layer[plane][slots // page, slots % page]
+
+
+def write_kv_rows(kv_layer: torch.Tensor, plane: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Store rows [m, kv_heads, head_dim] at flat slots int64 [m], in place through any layout's view
+    (index_put_: no host reads, so a CUDA graph can capture it)."""
+    page = kv_layer.shape[2]
+    kv_layer[plane].index_put_((slots // page, slots % page), rows.to(kv_layer.dtype))
+
+
 def allocate_kv_cache(cfg: DrafterConfig, tp_size: int, num_pages: int, page_size: int,
-                      dtype: torch.dtype, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """Zeroed per-layer caches for one rank (the engine owns and allocates these)."""
-    shape = kv_layer_shape(cfg, tp_size, num_pages, page_size)
+                      dtype: torch.dtype, device: torch.device | str = "cpu",
+                      kv_layout: str = "planes") -> list[torch.Tensor]:
+    """Zeroed per-layer caches for one rank in `kv_layout` (the engine owns and allocates these)."""
+    shape = kv_storage_shape(cfg, tp_size, num_pages, page_size, kv_layout)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dspark_sidecar.drafter.kv_cache import block_slots
+from dspark_sidecar.drafter.kv_cache import block_slots, kv_rows, write_kv_rows
 from dspark_sidecar.kernels.weights import NormFolded
 
 
@@ -93,12 +93,11 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     """Write K/V rows into one layer's paged cache at flat slots (every slot valid: no host reads,
     so a CUDA graph can capture it; the context commit drops padding slots before calling).
 
-    kv_layer [2, num_pages, page_size, kv_heads, head_dim]; k, v [m, kv_heads, head_dim];
-    slots int64 [m], slot = page_id * page_size + offset.
+    kv_layer [2, num_pages, page_size, kv_heads, head_dim], any KV_LAYOUTS view (kv_cache.kv_planes);
+    k, v [m, kv_heads, head_dim]; slots int64 [m], slot = page_id * page_size + offset.
     """
-    flat = kv_layer.view(2, -1, kv_layer.shape[-2], kv_layer.shape[-1])
-    flat[0].index_copy_(0, slots, k.to(kv_layer.dtype))
-    flat[1].index_copy_(0, slots, v.to(kv_layer.dtype))
+    write_kv_rows(kv_layer, 0, slots, k)
+    write_kv_rows(kv_layer, 1, slots, v)
 
 
 def paged_window_attention(
@@ -128,8 +127,6 @@ def paged_window_attention(
     n, hq, d = q.shape
     page_size, hk = kv_layer.shape[2], kv_layer.shape[3]
     group = hq // hk
-    k_flat = kv_layer[0].reshape(-1, hk, d)
-    v_flat = kv_layer[1].reshape(-1, hk, d)
     out = torch.empty_like(q)
     for i in range(seq_lens.shape[0]):
         rows = slice(i * rows_per_req, (i + 1) * rows_per_req)
@@ -138,8 +135,8 @@ def paged_window_attention(
         start = max(0, int(row_pos.min()) - (window - 1))
         key_pos = torch.arange(start, seq_len, device=q.device)
         slots = block_slots(block_tables[i], key_pos, page_size)
-        kf = k_flat[slots].float()  # [m, hk, d]
-        vf = v_flat[slots].float()
+        kf = kv_rows(kv_layer, 0, slots).float()  # [m, hk, d]
+        vf = kv_rows(kv_layer, 1, slots).float()
         qf = q[rows].float().view(rows_per_req, hk, group, d)
         scores = torch.einsum("rkgd,mkd->kgrm", qf, kf) * scale
         visible = key_pos[None, :] >= (row_pos[:, None] - (window - 1))  # [rows, m]
@@ -217,8 +214,8 @@ def paged_window_attention_static(
     in_seq = key_pos >= 0
     kp = key_pos.clamp(min=0)
     slots = block_tables.to(torch.int64).gather(1, kp // page_size) * page_size + kp % page_size
-    kf = kv_layer[0].reshape(-1, hk, d)[slots].float()  # [R, K, hk, d]
-    vf = kv_layer[1].reshape(-1, hk, d)[slots].float()
+    kf = kv_rows(kv_layer, 0, slots).float()  # [R, K, hk, d]
+    vf = kv_rows(kv_layer, 1, slots).float()
     qf = q.float().view(R, rows_per_req, hk, group, d)
     scores = torch.einsum("rqkgd,rmkd->rkgqm", qf, kf) * scale  # [R, hk, g, rows, K]
     row_pos = positions.view(R, rows_per_req)

@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from dspark_sidecar.drafter.config import DrafterConfig
-from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+from dspark_sidecar.drafter.kv_cache import kv_layer_shape, kv_view_problem
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.memory import MappedMemory, QuietStream, discard_handle
@@ -25,7 +25,7 @@ VIEW_CACHE = 1024  # resolved region views kept (a few per request count the eng
 class KVBinding:
     binding_id: int
     generation: int
-    layers: list[torch.Tensor]  # per layer [2, num_pages, page_size, kv_heads/tp, head_dim]
+    layers: list[torch.Tensor]  # per layer [2, num_pages, page_size, kv_heads/tp, head_dim], any KV_LAYOUTS strides
     num_pages: int
     page_size: int
     engine: EngineFacts
@@ -117,8 +117,10 @@ class MemoryBindings:
                 if t.device.type != self.device.type:
                     raise invalid(f"{f}.memory", f"cache is in {t.device.type} memory, this rank computes on "
                                                  f"{self.device}: bind the engine's device cache (CUDA/HIP IPC)")
-                if not t.is_contiguous():
-                    raise invalid(f"{f}.strides", f"{list(lb.strides)}: the cache must be contiguous")
+                problem = kv_view_problem(lb.shape, lb.strides)
+                if problem is not None:
+                    raise invalid(f"{f}.strides", f"{problem}; send the planes view of a planes or records cache "
+                                                  "(client/binding.py: kv_planes)")
                 layers.append(t)
         except Exception:  # a bad layer (or handle: errors.as_sidecar_error maps it) unmaps the rest
             layers.clear()

@@ -89,7 +89,8 @@ def check_kv_layer(t: torch.Tensor, page_size: int) -> str | None:
     if t.shape[2] != page_size:
         return f"draft KV page size {t.shape[2]} != {page_size}"
     if not t.is_contiguous():
-        return "draft KV cache is not contiguous"
+        return (f"draft KV cache strides {list(t.stride())} are not the contiguous planes layout (a records cache, "
+                "as vLLM 0.34 allocates it?): the FlyDSL kernels address planes only; the Triton backend serves both")
     if t.numel() * t.element_size() >= 2**32:
         return "draft KV cache layer >= 4 GiB (32-bit buffer offsets)"
     return None

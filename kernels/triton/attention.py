@@ -304,7 +304,8 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, rows_per_req: int,
                            window: int, scale: float, cooperative: bool = True, concurrent: int = 1,
                            splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """q [n, hq, d], kv_layer [2, pages, page_size, hk, d], positions int64 [n], seq_lens int32 [R],
+    """q [n, hq, d], kv_layer [2, pages, page_size, hk, d] (any KV_LAYOUTS view: read through its
+    strides), positions int64 [n], seq_lens int32 [R],
     block_tables int32 [R, max_pages] -> [n, hq, d] in q.dtype (the reference's contract).
 
     cooperative=False: the splits always merge in the merge kernel, never in a cooperative launch,

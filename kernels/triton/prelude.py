@@ -186,7 +186,8 @@ def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, 
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """k, v [m, kv_heads, d] into kv_layer [2, pages, page_size, kv_heads, d] at slots; slot < 0 skipped.
+    """k, v [m, kv_heads, d] into kv_layer [2, pages, page_size, kv_heads, d] (any KV_LAYOUTS view)
+    at slots; slot < 0 skipped.
 
     Unlike the reference, padding rows are masked in the kernel: no host sync.
     """

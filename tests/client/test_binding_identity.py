@@ -58,14 +58,16 @@ def test_the_binding_does_not_keep_a_freed_cache_alive():
     assert b.needs_bind([torch.zeros(2, 4, 16, 1, 4, dtype=torch.bfloat16) for _ in range(2)])
 
 
-def test_a_cache_with_k_and_v_in_one_axis_is_refused_for_good_saying_so():
-    # vLLM 0.34's attention layers hold [pages, heads, page_size, 2 * head_dim]: the sidecar cannot
-    # address it yet, so the bind is refused permanently, naming the layout (not a passing failure).
+def test_caches_the_sidecar_cannot_address_are_refused_for_good_saying_why():
+    # An fp8 kv_cache_dtype (vLLM stores e4m3 codes as uint8) and a shape neither layout has: the
+    # bind is refused permanently, by name (not a passing failure the shim would retry).
     import pytest
 
     from dspark_sidecar.client.binding import BindError, bind_request
 
-    layers = [torch.zeros(4, 1, 16, 256) for _ in range(5)]
-    with pytest.raises(BindError, match=r"KV layer 0: shape \[4, 1, 16, 256\].*vLLM 0\.34") as err:
-        bind_request(layers, pb.EngineFacts())
-    assert err.value.permanent
+    for layers, why in (([torch.zeros(4, 1, 16, 256, dtype=torch.uint8)] * 5, "kv_cache_dtype auto or bfloat16"),
+                        ([torch.zeros(4, 1, 16, 255)] * 5, r"shape \[4, 1, 16, 255\]: expected planes"),
+                        ([torch.zeros(4, 16, 256)] * 5, "expected planes")):
+        with pytest.raises(BindError, match=why) as err:
+            bind_request(layers, pb.EngineFacts())
+        assert err.value.permanent and "KV layer 0" in str(err.value)

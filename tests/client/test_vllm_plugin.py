@@ -114,8 +114,10 @@ def test_without_a_socket_dir_every_step_runs_the_stock_forward(fake_vllm):
     assert model.dspark_shim().refusal == "no sidecar endpoint configured"
 
 
-@pytest.mark.parametrize("as_list", [False, True], ids=["kv_cache-tensor", "kv_cache-list"])
-def test_forward_goes_through_the_sidecar_with_vllm_metadata(fake_vllm, monkeypatch, as_list):
+@pytest.mark.parametrize("as_list,kv_layout", [(False, "records"), (True, "planes")],
+                         ids=["kv_cache-tensor-records", "kv_cache-list-planes"])
+def test_forward_goes_through_the_sidecar_with_vllm_metadata(fake_vllm, monkeypatch, as_list, kv_layout):
+    """vLLM 0.34 (one tensor per layer, K | V records) and older releases (a list, K and V planes)."""
     monkeypatch.setitem(KV_FORM, "list", as_list)
     folder = short_socket_dir()
     server = FakeServer(FakeSidecar(0, 4), folder / "rank0.sock").start()
@@ -136,12 +138,16 @@ def test_forward_goes_through_the_sidecar_with_vllm_metadata(fake_vllm, monkeypa
         shim = model.dspark_shim()
         assert shim.stats.fallbacks == {S.NO_METADATA: 1, S.NO_KV: 1}
 
-        kv = shm_kv_cache()
+        kv = shm_kv_cache(kv_layout=kv_layout)
         for layer, seg in zip(model.layers, kv):
             layer.kv_cache = [seg.tensor] if as_list else seg.tensor
         out = model(ids, md.positions)
         assert model.stock_calls == 2 and torch.equal(out, model.table[ids] * 2)
         (req,) = server.sidecar.requests
+        (bound,) = server.sidecar.binds  # always the planes view [2, pages, page_size, heads, head_dim]
+        assert list(bound.layers[0].shape) == [2, 8, 16, 1, 128] and bound.page_size == 16
+        assert list(bound.layers[0].strides) == ([128, 16 * 256, 256, 16 * 256, 1] if kv_layout == "records"
+                                                 else [16 * 128 * 8, 16 * 128, 128, 128, 1])
         assert req.num_requests == 3
         assert torch.equal(codec.from_tensor_ref(req.seq_lens, "s"), md.seq_lens[:3])
         assert torch.equal(codec.from_tensor_ref(req.slot_mapping, "s"), md.slot_mapping[:21])

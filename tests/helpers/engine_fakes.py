@@ -15,7 +15,7 @@ from google.rpc import code_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dspark_sidecar.drafter.config import PRESETS
-from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_layer_shape
+from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_storage_shape
 from dspark_sidecar.proto import SERVICE_NAME, codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
@@ -223,9 +223,9 @@ class FakeModel:
         return self.table[ids]
 
 
-def shm_kv_cache(num_pages: int = 8, page_size: int = 16, tp: int = 4) -> list:
-    """Five tiny-preset KV layers in shared memory (ShmTensor each; .tensor is the layer)."""
-    shape = kv_layer_shape(PRESETS["tiny"], tp, num_pages, page_size)
+def shm_kv_cache(num_pages: int = 8, page_size: int = 16, tp: int = 4, kv_layout: str = "planes") -> list:
+    """Five tiny-preset KV layers in shared memory, allocated in kv_layout (ShmTensor each; .tensor is the layer)."""
+    shape = kv_storage_shape(PRESETS["tiny"], tp, num_pages, page_size, kv_layout)
     return [shm_empty(shape, torch.float32) for _ in range(5)]
 
 

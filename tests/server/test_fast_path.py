@@ -16,7 +16,7 @@ import torch
 
 from dspark_sidecar.drafter.checkpoint import CheckpointReader, SyntheticSource
 from dspark_sidecar.drafter.config import PRESETS
-from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_planes
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels.flydsl import runner as rn
@@ -139,8 +139,12 @@ def peers():
     return rn.PeerBuffers(rx, fl, rx[0], fl[0], torch.zeros(1, dtype=torch.int32))
 
 
-def binding(gen=1, dtype=torch.bfloat16, engine=GOOD_ENGINE, pages=4):
-    layers = [torch.zeros(2, pages, PAGE, 1, 128, dtype=dtype) for _ in range(5)]
+def binding(gen=1, dtype=torch.bfloat16, engine=GOOD_ENGINE, pages=4, records=False):
+    """records: the planes views of vLLM 0.34 caches [pages, 1, page_size, 256] (K | V records)."""
+    if records:
+        layers = [kv_planes(torch.zeros(pages, 1, PAGE, 256, dtype=dtype)) for _ in range(5)]
+    else:
+        layers = [torch.zeros(2, pages, PAGE, 1, 128, dtype=dtype) for _ in range(5)]
     return KVBinding(binding_id=7, generation=gen, layers=layers, num_pages=pages, page_size=PAGE,
                      engine=engine, mappings=[])
 
@@ -173,6 +177,9 @@ def fast_path(factory=None, startup_reason=None, compile_ahead=False):
     (binding(dtype=torch.float16), "draft KV cache dtype torch.float16 != bfloat16"),
     (binding(engine=EngineFacts(4, 2, 1, "dspark", 7)), "DP > 1"),
     (binding(engine=EngineFacts(4, 1, 1, "dspark", 5)), "7 speculative tokens required"),
+    (binding(records=True), "draft KV cache strides [128, 4096, 256, 4096, 1] are not the contiguous planes layout "
+                            "(a records cache, as vLLM 0.34 allocates it?): the FlyDSL kernels address planes only; "
+                            "the Triton backend serves both"),
 ])
 def test_unservable_binding_refused_with_its_reason(kv, reason):
     fp, told = fast_path()

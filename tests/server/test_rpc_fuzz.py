@@ -635,9 +635,16 @@ def _bind_cases(rig: Rig) -> list[Case]:
         strides = {"4 strides": strides0[:4], "all 0": [0] * 5, "all 1": [1] * 5,
                    "reversed (transposed)": strides0[::-1], "negative": [-s for s in strides0],
                    "dim0 2^63-1": [I64, *strides0[1:]], "none": []}
+        _, p, pg, h, d = shape0
+        strides.update({"K and V on one memory (dim0 0)": [0, *strides0[1:]],
+                        "head_dim every other value": [*strides0[:4], 2]})
         for k, v in strides.items():
             add(f"layers[{i}].strides {k} -> {v}",
                 lay(lambda lb, v=v: (lb.ClearField("strides"), lb.strides.extend(v))), True)
+        # The same memory read as K | V records [pages, heads, page_size, 2 * head_dim] (vLLM 0.34): valid.
+        records = [d, h * pg * 2 * d, 2 * d, pg * 2 * d, 1]
+        add(f"layers[{i}].strides records view -> {records}",
+            lay(lambda lb, v=records: (lb.ClearField("strides"), lb.strides.extend(v))), False)
         for v in (-1, 1, I64, -(2**63), layer_bytes // 4):
             add(f"layers[{i}].storage_offset = {v}", lay(lambda lb, v=v: setattr(lb, "storage_offset", v)), True)
         for k, fn, bad in _handle_mutations(rig, layer_bytes):

@@ -1,0 +1,84 @@
+"""The two cache layouts an engine may allocate (planes, records) behind one [2, pages, page, heads, d] view."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_sidecar.drafter import scenario
+from dspark_sidecar.drafter.checkpoint import CheckpointReader
+from dspark_sidecar.drafter.kv_cache import (allocate_kv_cache, kv_planes, kv_rows, kv_storage_shape,
+                                             kv_view_problem, write_kv_rows)
+from dspark_sidecar.drafter.model import DSparkDrafter
+from dspark_sidecar.drafter.parallel import ParallelContext
+from dspark_sidecar.kernels.ops import REFERENCE_OPS
+
+PAGE = 16
+LENS = [3, 700, 77, 16]
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_records_view_is_the_same_memory_with_k_then_v_in_each_record(heads):
+    raw = torch.arange(5 * heads * PAGE * 2 * 8, dtype=torch.float32).view(5, heads, PAGE, 16)
+    v = kv_planes(raw)
+    assert v.shape == (2, 5, PAGE, heads, 8) and v.data_ptr() == raw.data_ptr()
+    assert v.stride() == (8, heads * PAGE * 16, 16, PAGE * 16, 1)
+    assert torch.equal(v[0, 3, 7, heads - 1], raw[3, heads - 1, 7, :8])
+    assert torch.equal(v[1, 3, 7, heads - 1], raw[3, heads - 1, 7, 8:])
+    assert kv_view_problem(v.shape, v.stride()) is None
+    planes = torch.zeros(2, 5, PAGE, heads, 8)
+    assert kv_planes(planes) is planes and kv_view_problem(planes.shape, planes.stride()) is None
+
+
+def test_writes_through_the_view_land_in_the_engines_records_only_at_the_slots():
+    raw = torch.full((6, 2, PAGE, 2 * 4), -7.0)
+    kv = kv_planes(raw)
+    slots = torch.tensor([0, 17, 95])
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    write_kv_rows(kv, 0, slots, k)
+    write_kv_rows(kv, 1, slots, v)
+    assert torch.equal(kv_rows(kv, 0, slots), k) and torch.equal(kv_rows(kv, 1, slots), v)
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(raw[s // PAGE, :, s % PAGE], torch.cat([k[i], v[i]], dim=-1))
+    assert int((raw != -7.0).sum()) == 3 * 2 * 8  # nothing else moved
+
+
+@pytest.mark.parametrize("shape,strides,why", [
+    ((2, 4, 16, 1, 8), (8, 256, 16, 256, 2), "head_dim stride 2"),   # every other value: not one vector
+    ((2, 4, 16, 1, 8), (0, 128, 8, 128, 1), "overlap"),              # K and V on the same memory
+    ((2, 4, 16, 2, 8), (512, 128, 8, 8, 1), "overlap"),              # heads on top of tokens
+    ((2, 4, 16, 1, 8), (512, 64, 8, 64, 1), "overlap"),              # pages of 16 tokens 8 tokens apart
+    ((2, 4, 16, 1, 8), (512, 128, 8, 128), "4 strides for 5 dimensions"),
+])
+def test_views_whose_elements_overlap_or_scatter_a_head_are_named(shape, strides, why):
+    problem = kv_view_problem(shape, strides)
+    assert problem is not None and why in problem
+
+
+def test_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="planes, records"):
+        kv_storage_shape(None, 1, 4, 16, "heads-first")
+    with pytest.raises(ValueError, match="expected planes"):
+        kv_planes(torch.zeros(4, 1, 16, 7))
+
+
+def _step(model, cfg, embed, kv_layout):
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 5
+    step = scenario.random_step(cfg, LENS, PAGE, pages, embed, seed=3, shuffle_pages=True)
+    raw = allocate_kv_cache(cfg, 1, pages, PAGE, torch.float32, kv_layout=kv_layout)
+    kv = [kv_planes(t) for t in raw]
+    pos, slots = scenario.context_rows(step.meta, PAGE)
+    model.commit_context(scenario.random_taps(cfg, pos.numel(), seed=4), pos, slots, kv)
+    return model.draft_step(step.inputs_embeds, step.positions, step.meta, kv), raw, kv
+
+
+def test_a_draft_step_over_records_equals_one_over_planes(tiny_cfg, tiny_ckpt, tiny_embed):
+    model = DSparkDrafter(tiny_cfg, ParallelContext(), REFERENCE_OPS, torch.float32).load(
+        CheckpointReader(tiny_ckpt[0], torch.float32))
+    out_p, raw_p, kv_p = _step(model, tiny_cfg, tiny_embed, "planes")
+    out_r, raw_r, kv_r = _step(model, tiny_cfg, tiny_embed, "records")
+    assert raw_r[0].dim() == 4 and raw_r[0].shape[-1] == 2 * tiny_cfg.head_dim
+    assert torch.equal(out_p, out_r)
+    for a, b in zip(kv_p, kv_r):
+        assert torch.equal(a, b)
+    assert any(bool(t.abs().sum() > 0) for t in raw_r)  # the commit and the step wrote the engine's tensors

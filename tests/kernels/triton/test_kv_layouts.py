@@ -1,0 +1,87 @@
+"""The Triton ops on a records cache (vLLM 0.34: [pages, heads, page_size, 2 * head_dim]) through its planes view.
+
+The kernels address the cache only through the view's strides, so on the same contents a records
+cache must give the bits a planes cache gives (same arithmetic in the same order), and the K/V the
+prelude writes must land in each token's record, K in its first head_dim values and V in the rest.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dspark_sidecar import layout  # noqa: E402
+from dspark_sidecar.drafter.kv_cache import kv_planes  # noqa: E402
+from dspark_sidecar.kernels import reference  # noqa: E402
+from dspark_sidecar.kernels.triton.ops import TRITON_OPS  # noqa: E402
+
+Q = layout.QPR
+EPS, THETA = 1e-6, 5_000_000.0
+PAGE, PAGES = 8, 32
+
+
+def _records_like(planes: torch.Tensor) -> torch.Tensor:
+    """A records cache [pages, heads, page, 2 d] holding the contents of planes [2, pages, page, heads, d]."""
+    _, pages, page, heads, d = planes.shape
+    rec = torch.full((pages, heads, page, 2 * d), float("nan"), dtype=planes.dtype, device=planes.device)
+    kv_planes(rec).copy_(planes)
+    return rec
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_prelude_and_attention_on_records_match_planes_bit_for_bit(device, dtype, kv_heads, parity):
+    q_heads, d, rot, reqs = 4 * kv_heads, 64, 32, 3
+    gen = torch.Generator().manual_seed(11 + kv_heads)
+    rows = reqs * Q
+    qkv = (torch.randn(rows, (q_heads + 2 * kv_heads) * d, generator=gen) * 2.0).to(device, dtype)
+    qn, kn = ((torch.randn(d, generator=gen) * 0.1).to(device, dtype) for _ in range(2))
+    contexts = [5, 40, 61]
+    positions = torch.cat([torch.arange(c, c + Q) for c in contexts]).to(device)
+    seq_lens = torch.tensor([c + Q for c in contexts], dtype=torch.int32, device=device)
+    tables = torch.randperm(PAGES, generator=gen)[: reqs * 9].view(reqs, 9).to(device, torch.int32)
+    slots = (tables.gather(1, (positions.view(reqs, Q) // PAGE).to(torch.int64)).to(torch.int64) * PAGE
+             + positions.view(reqs, Q) % PAGE).reshape(-1)
+    cos, sin = reference.rope_cos_sin(positions, rot, THETA)
+    planes = torch.randn(2, PAGES, PAGE, kv_heads, d, generator=gen).to(device, dtype)
+    raw = _records_like(planes)
+    records = kv_planes(raw)
+    assert records.data_ptr() == raw.data_ptr() and not records.is_contiguous()
+
+    q_p = TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, planes, slots, q_heads, kv_heads)
+    q_r = TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, records, slots, q_heads, kv_heads)
+    assert torch.equal(q_p, q_r)
+    assert torch.equal(records, planes), "the prelude's K/V must land in the records as in the planes"
+    # Token t's record: K in values [0, d), V in [d, 2d); read from the engine's own tensor.
+    t = int(slots[4])
+    assert torch.equal(raw[t // PAGE, :, t % PAGE, :d], planes[0, t // PAGE, t % PAGE])
+    assert torch.equal(raw[t // PAGE, :, t % PAGE, d:], planes[1, t // PAGE, t % PAGE])
+
+    window, scale = 32, d ** -0.5
+    out_p = TRITON_OPS.paged_window_attention(q_p, planes, positions, seq_lens, tables, Q, window, scale)
+    out_r = TRITON_OPS.paged_window_attention(q_r, records, positions, seq_lens, tables, Q, window, scale)
+    assert torch.equal(out_p, out_r)
+    # And against the reference on the records view itself (reference first, then the kernel's bound).
+    ref = reference.paged_window_attention(q_r, records, positions, seq_lens, tables, Q, window, scale)
+    parity(out_r, ref)
+
+
+def test_write_kv_on_records_touches_only_the_slots_records(device):
+    gen = torch.Generator().manual_seed(4)
+    raw = torch.randn(PAGES, 2, PAGE, 2 * 32, generator=gen).to(device, torch.bfloat16)
+    before = raw.clone()
+    k = torch.randn(6, 2, 32, generator=gen).to(device, torch.bfloat16)
+    v = torch.randn(6, 2, 32, generator=gen).to(device, torch.bfloat16)
+    slots = torch.tensor([3, 17, -1, 40, 95, 100], device=device)  # -1: padding, skipped
+    TRITON_OPS.write_kv(kv_planes(raw), k, v, slots)
+    ref = before.clone()
+    keep = slots >= 0
+    reference.write_kv(kv_planes(ref), k[keep], v[keep], slots[keep])
+    assert torch.equal(raw.cpu(), ref.cpu())
+    changed = (raw != before).any(dim=-1).any(dim=1).cpu()  # [pages, page]: tokens whose record moved
+    expect = torch.zeros(PAGES, PAGE, dtype=torch.bool)
+    for s in slots[keep].tolist():
+        expect[s // PAGE, s % PAGE] = True
+    assert torch.equal(changed, expect)
