@@ -47,7 +47,7 @@ from dspark_sidecar import layout
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import DrafterConfig, load_config
-from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+from dspark_sidecar.drafter.kv_cache import KV_LAYOUTS, kv_planes, kv_storage_shape
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels import reference
@@ -90,6 +90,7 @@ class BenchConfig:
     launch_streams: int = 0  # c and the sidecar: launch groups side by side on N streams (ServeConfig's; 0 = its default)
     lead_ms: float = 8.0  # g: the engine's GPU work queued before each step (server/prelaunch.py BEHIND_S: 5 ms)
     shim_inputs: str = "host"  # h/i: positions and metadata on the host, or on the GPU as vLLM's forward context has them
+    kv_layout: str = "planes"  # the engine's cache allocation (kv_cache.KV_LAYOUTS): records is vLLM 0.34's
     seed: int = 0
     notes: dict = field(default_factory=dict)
 
@@ -99,6 +100,8 @@ class BenchConfig:
             raise BenchConfigError(f"--modes: {bad or 'none given'}; choose from {''.join(MODES)} (e.g. 'acd' or 'a,c,d')")
         if self.weights not in ("bf16", "mxfp8"):
             raise BenchConfigError(f"--weights: bf16 or mxfp8, got {self.weights!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise BenchConfigError(f"--kv-layout: one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.shim_inputs not in ("host", "device"):
             raise BenchConfigError(f"--shim-inputs: host or device, got {self.shim_inputs!r}")
         if not 0 < self.lead_ms <= 1000:
@@ -258,16 +261,18 @@ class Bench:
         prepare_layer_weights(self.model, bc.weights, cfg.quant_block, fold=device.type == "cuda")
         self.embed = source.read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
         self.pages = max(bc.reqs) * scenario.pages_needed(max(bc.contexts) + layout.QPR, bc.page_size)
-        shape = kv_layer_shape(cfg, bc.shard_of, self.pages, bc.page_size)
+        shape = kv_storage_shape(cfg, bc.shard_of, self.pages, bc.page_size, bc.kv_layout)
         gen = torch.Generator(device).manual_seed(bc.seed)
         self._shm = []
         if device.type == "cuda":
-            self.kv = [torch.randn(shape, generator=gen, device=device).to(self.dtype) for _ in range(cfg.num_hidden_layers)]
+            raw = [torch.randn(shape, generator=gen, device=device).to(self.dtype) for _ in range(cfg.num_hidden_layers)]
         else:  # the sidecar maps the engine's cache: on CPU it must live in shared memory
             self._shm = [memory.shm_empty(shape, self.dtype) for _ in range(cfg.num_hidden_layers)]
-            self.kv = [t.tensor for t in self._shm]
-            for t in self.kv:
+            raw = [t.tensor for t in self._shm]
+            for t in raw:
                 t.copy_(torch.randn(shape, generator=gen))
+        self.kv_raw = raw  # as the engine holds it (the shim's view of the cache)
+        self.kv = [kv_planes(t) for t in raw]  # [2, pages, page_size, heads, head_dim] views, any layout
         self.gpu_ops = None
         self.streams: list = []  # c: the launch groups side by side, as the bench's sidecar runs them
         if device.type == "cuda":
@@ -318,7 +323,7 @@ class Bench:
         self.shim = DrafterShim(
             EngineConfig(tp_size=bc.shard_of, required_tp=bc.shard_of, endpoint=self.side.target,
                          transport="doorbell", device=str(device), max_reqs=max(bc.reqs), step_deadline_s=60.0),
-            None, lambda: self.kv, LocalAgreement())
+            None, lambda: self.kv_raw, LocalAgreement())
         why = self.shim.connect()
         if why is not None or self.shim.doorbell is None:
             raise RuntimeError(f"bench: the shim could not set up the data plane: {why or 'no doorbell (see the log)'}")
@@ -475,7 +480,7 @@ class Bench:
             self.channel.close()
         if self.side is not None:
             self.side.close()
-        self.kv = []
+        self.kv = self.kv_raw = []
         for t in self._shm:
             t.close()
 

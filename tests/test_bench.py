@@ -44,17 +44,20 @@ def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("device,inputs", [("cpu", "host"), pytest.param("cuda", "host", marks=_CUDA),
-                                           pytest.param("cuda", "device", marks=_CUDA)])
-def test_the_shim_s_step_is_the_data_plane_s_step(tmp_path, device, inputs):
+@pytest.mark.parametrize("device,inputs,kv_layout", [
+    ("cpu", "host", "planes"), ("cpu", "host", "records"), pytest.param("cuda", "host", "planes", marks=_CUDA),
+    pytest.param("cuda", "device", "planes", marks=_CUDA), pytest.param("cuda", "host", "records", marks=_CUDA)])
+def test_the_shim_s_step_is_the_data_plane_s_step(tmp_path, device, inputs, kv_layout):
     """h goes through DrafterShim.maybe_forward, d drives the same data plane directly: one step, the
     same hidden states to the bit (the same sidecar computes both; the shim returns its own copy).
-    With `device` inputs the shim reads the positions and metadata back from the GPU, as in vLLM."""
+    With `device` inputs the shim reads the positions and metadata back from the GPU, as in vLLM;
+    with `records` the engine's cache is vLLM 0.34's [pages, heads, page_size, 2 * head_dim]."""
     from dspark_sidecar.bench import Bench, Case
 
     dev = torch.device(device)
     bench = Bench(BenchConfig(preset="tiny", reqs=(2,), contexts=(40,), modes=("d", "h"), out_dir=tmp_path,
-                              shim_inputs=inputs), dev)
+                              shim_inputs=inputs, kv_layout=kv_layout), dev)
+    assert bench.kv_raw[0].dim() == (4 if kv_layout == "records" else 5)
     try:
         case = Case(bench.cfg, 2, 40, 16, bench.pages, bench.embed, dev, seed=3)
         bench._inputs = bench.bufs.input_view(case.embeds.shape[0])
@@ -143,6 +146,8 @@ def test_bench_options_outside_their_range_are_refused():
             BenchConfig(lead_ms=lead)
     with pytest.raises(ValueError, match="--shim-inputs: host or device"):
         BenchConfig(shim_inputs="gpu")
+    with pytest.raises(ValueError, match="--kv-layout: one of planes, records"):
+        BenchConfig(kv_layout="vllm")
 
 
 @pytest.mark.gpu
