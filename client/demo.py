@@ -16,6 +16,7 @@ from dspark_sidecar.client.stats import percentile
 from dspark_sidecar.client.workload import MixConfig
 from dspark_sidecar.drafter.checkpoint import ensure_synthetic_checkpoint
 from dspark_sidecar.drafter.config import PRESETS
+from dspark_sidecar.drafter.kv_cache import KV_LAYOUTS
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ def test_soak_mixed_eligibility_growing_contexts_zero_mismatches(sidecar, tiny_c
     assert r0["max_seq_len"] > 100 and r0["joined"] > 10
 
 
-def test_demo_report_against_a_serving_sidecar(sidecar, tmp_path):
+@pytest.mark.parametrize("kv_layout", ["planes", "records"])
+def test_demo_report_against_a_serving_sidecar(sidecar, tmp_path, kv_layout):
     from dspark_sidecar.client.demo import DemoConfig, format_report, run_demo
 
     if not all(sidecar.healthy()):
@@ -140,7 +141,8 @@ def test_demo_report_against_a_serving_sidecar(sidecar, tmp_path):
         sidecar.start()
     said = []
     rep = run_demo(DemoConfig(rounds=8, max_reqs=MAX_REQS, socket_dir=str(sidecar.socket_dir), start_sidecar=False,
-                              long_contexts=False, progress_every=0, work_dir=str(tmp_path)), out=said.append)
+                              long_contexts=False, progress_every=0, work_dir=str(tmp_path), kv_layout=kv_layout),
+                   out=said.append)
     assert any("sidecar SERVING: backend reference" in s for s in said)
     assert rep.rounds == 8 and rep.forwarded + sum(rep.fallbacks.values()) == 8 and rep.forwarded >= 1
     assert rep.ranks_agree and rep.hidden_mismatch_rounds == rep.token_mismatch_rounds == 0

@@ -397,14 +397,15 @@ def test_a_stream_that_ended_is_closed_when_it_is_replaced(fake):
 
 
 def test_a_kv_cache_of_another_layout_never_raises_out_of_maybe_forward(fake):
-    """The page size is read from the cache's shape [2, pages, page, heads, dim]; a cache laid out
-    otherwise once raised IndexError out of maybe_forward instead of answering."""
+    """The page size is read from the cache's shape (planes [2, pages, page, heads, dim] or records
+    [pages, heads, page, 2 dim]); a cache laid out otherwise once raised IndexError out of
+    maybe_forward instead of answering."""
     flat = [torch.zeros(16) for _ in range(5)]
     shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: flat, ParallelContext(0, 1))
     ids, pos, meta = step_inputs(2)
     try:
         with set_forward_context(meta):
             assert shim.maybe_forward(ids, pos) is None
-        assert not shim.enabled and "is not [2, pages, page_size, heads, head_dim]" in shim.refusal
+        assert not shim.enabled and "shape [16]: expected planes [2, pages, page_size, heads, head_dim] or records" in shim.refusal
     finally:
         shim.close()
