@@ -54,12 +54,21 @@ class AttnSmem:
 def build_attention(num_reqs: int, page_size: int):
     """Launcher(Q bf16 [rows, 2048], KV bf16 [2 * num_slots, 128], POS i64 [rows],
     BT i32 [num_reqs, max_pages], OP f32 [num_reqs * NSPLIT * 112, 128],
-    ML f32 [num_reqs * NSPLIT * 112, 2], num_slots i32). Grid: num_reqs x NSPLIT."""
+    ML f32 [num_reqs * NSPLIT * 112, 2], slot_rows i32, v_row0 i32). Grid: num_reqs x NSPLIT.
+
+    K of slot s is KV row s * slot_rows, V row v_row0 + s * slot_rows (shapes.kv_row_map)."""
     rows_for(num_reqs)
 
     @flyc.kernel
     def swa_attention(
-        Q: fx.Tensor, KV: fx.Tensor, POS: fx.Tensor, BT: fx.Tensor, OP: fx.Tensor, ML: fx.Tensor, num_slots: fx.Int32
+        Q: fx.Tensor,
+        KV: fx.Tensor,
+        POS: fx.Tensor,
+        BT: fx.Tensor,
+        OP: fx.Tensor,
+        ML: fx.Tensor,
+        slot_rows: fx.Int32,
+        v_row0: fx.Int32,
     ):
         req = fx.block_idx.x
         split = fx.block_idx.y
@@ -112,9 +121,9 @@ def build_attention(num_reqs: int, page_size: int):
                 live = kpos < end
                 kp = live.select(kpos, 0)
                 page = dev.load_vec(a_i32, btr, kp // page_size, 1, fx.Int32)[0]
-                slot = page * page_size + kp % page_size
-                kv8 = dev.load_vec(a16, dev.rows_view(kvb, slot, 8), d8, 8, fx.BFloat16)
-                vv8 = dev.load_vec(a16, dev.rows_view(kvb, num_slots + slot, 8), d8, 8, fx.BFloat16)
+                krow = (page * page_size + kp % page_size) * slot_rows
+                kv8 = dev.load_vec(a16, dev.rows_view(kvb, krow, 8), d8, 8, fx.BFloat16)
+                vv8 = dev.load_vec(a16, dev.rows_view(kvb, v_row0 + krow, 8), d8, 8, fx.BFloat16)
                 zero = Vector.filled(8, 0.0, fx.BFloat16)
                 # Keys past the end may read any page: zero them so 0 * garbage cannot be NaN.
                 kv8 = live.select(kv8, zero)
@@ -193,10 +202,11 @@ def build_attention(num_reqs: int, page_size: int):
         BT: fx.Tensor,
         OP: fx.Tensor,
         ML: fx.Tensor,
-        num_slots: fx.Int32,
+        slot_rows: fx.Int32,
+        v_row0: fx.Int32,
         stream: fx.Stream = fx.Stream(None),
     ):
-        swa_attention(Q, KV, POS, BT, OP, ML, num_slots).launch(
+        swa_attention(Q, KV, POS, BT, OP, ML, slot_rows, v_row0).launch(
             grid=(num_reqs, NSPLIT, 1), block=(dev.WAVE * WAVES_PER_WG, 1, 1), stream=stream
         )
 

@@ -1,6 +1,6 @@
 """Time the FlyDSL kernel chain of one draft launch on a gfx950 rank against the HBM floor at 8 TB/s.
 
-    python -m dspark_sidecar.kernels.flydsl.bench --reqs 1 8 --context 4096
+    python -m dspark_sidecar.kernels.flydsl.bench --reqs 1 8 --context 4096 [--kv-layout records]
 
 runs on one MI355X (no peers): it times every kernel of a launch except the two TP exchanges per
 layer, which need the 4 ranks (their bytes are a few MB and are left out of the floor too).
@@ -15,7 +15,7 @@ import torch
 
 from ...layout import QPR
 from .runner import NUM_LAYERS, launch_plan
-from .shapes import HEAD_DIM, KV_HEADS, MX_BLOCK, SCHEDULES, SLIDING_WINDOW
+from .shapes import HEAD_DIM, KV_HEADS, KV_LAYOUTS, MX_BLOCK, SCHEDULES, SLIDING_WINDOW, kv_row_map
 
 HBM_BYTES_PER_S = 8e12  # MI355X
 KV_BYTES_PER_TOKEN = NUM_LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # 2560: K and V, bf16, 5 layers
@@ -33,8 +33,10 @@ def hbm_floor_seconds(num_reqs: int, context_len: int) -> float:
     return (weight_bytes_per_rank() + num_reqs * keys * KV_BYTES_PER_TOKEN) / HBM_BYTES_PER_S
 
 
-def bench_rank(num_reqs: int, context_len: int, iters: int = 20, page_size: int = 16) -> dict:
-    """Median-free mean time of the launch chain (exchanges excluded) on the current gfx950 GPU."""
+def bench_rank(num_reqs: int, context_len: int, iters: int = 20, page_size: int = 16,
+               kv_layout: str = "planes") -> dict:
+    """Median-free mean time of the launch chain (exchanges excluded) on the current gfx950 GPU, the
+    draft KV addressed as a `kv_layout` cache (its K and V rows apart, or interleaved per slot)."""
     from .catalog import KERNELS
     from .toolchain import on_gfx950
 
@@ -65,8 +67,9 @@ def bench_rank(num_reqs: int, context_len: int, iters: int = 20, page_size: int 
         if name in ("qkv_rope", "attention"):
             slots = num_reqs * pages_per_req * page_size
             kv_i = 8 if name == "qkv_rope" else 1
+            # Either layout's cache is the same 2 * slots rows; only the kernels' addressing differs.
             dev_args[kv_i] = torch.randn(2 * slots, HEAD_DIM, device=dev).to(torch.bfloat16)
-            dev_args[-1] = slots
+            dev_args[-2:] = kv_row_map(kv_layout, slots)
             pos_i = 5 if name == "qkv_rope" else 2
             anchors = torch.full((num_reqs,), context_len, device=dev, dtype=torch.int64)
             dev_args[pos_i] = (anchors[:, None] + torch.arange(QPR, device=dev)).reshape(-1)
@@ -94,7 +97,8 @@ def bench_rank(num_reqs: int, context_len: int, iters: int = 20, page_size: int 
     torch.cuda.synchronize()
     step_s = start.elapsed_time(end) / 1e3 / iters
     floor_s = hbm_floor_seconds(num_reqs, context_len)
-    return {"reqs": num_reqs, "context": context_len, "step_s": step_s, "floor_s": floor_s, "x_floor": step_s / floor_s}
+    return {"reqs": num_reqs, "context": context_len, "kv_layout": kv_layout, "step_s": step_s, "floor_s": floor_s,
+            "x_floor": step_s / floor_s}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,10 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reqs", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default="planes")
     opts = ap.parse_args(argv)
     print(f"{'reqs':>4} {'context':>7} {'step ms':>8} {'floor ms':>8} {'x floor':>7}")
     for r in opts.reqs:
-        res = bench_rank(r, opts.context, opts.iters)
+        res = bench_rank(r, opts.context, opts.iters, kv_layout=opts.kv_layout)
         print(f"{r:>4} {opts.context:>7} {res['step_s'] * 1e3:8.3f} {res['floor_s'] * 1e3:8.3f} {res['x_floor']:7.2f}")
 
 

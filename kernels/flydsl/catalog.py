@@ -13,10 +13,11 @@ from typing import Callable
 
 import torch
 
-from .shapes import FFN, HEAD_DIM, HIDDEN, NSPLIT, O_K, Q_HEADS, QKV_N, SCHEDULES, rows_for, row_tiles
+from .shapes import FFN, HEAD_DIM, HIDDEN, NSPLIT, O_K, Q_HEADS, QKV_N, SCHEDULES, kv_row_map, rows_for, row_tiles
 
 BF16 = torch.bfloat16
 PAGE_SIZE = 16  # placeholder cache geometry for compiling; the code does not depend on it
+# (nor on the KV layout: its row addressing is runtime arguments, shapes.kv_row_map)
 PLACEHOLDER_PAGES = 64
 PLACEHOLDER_MAX_POS = 8192
 LDS_LIMIT = 160 * 1024
@@ -115,7 +116,7 @@ def _qkv_rope() -> KernelSpec:
             torch.zeros(rows, dtype=torch.int64),
             torch.zeros(rows, O_K, dtype=BF16),
             torch.zeros(2 * slots, HEAD_DIM, dtype=BF16),
-            slots,
+            *kv_row_map("planes", slots),
         )
 
     return KernelSpec(
@@ -140,7 +141,7 @@ def _attention() -> KernelSpec:
             torch.zeros(num_reqs, PLACEHOLDER_PAGES, dtype=torch.int32),
             torch.zeros(parts, HEAD_DIM),
             torch.zeros(parts, 2),
-            slots,
+            *kv_row_map("planes", slots),
         )
 
     return KernelSpec(

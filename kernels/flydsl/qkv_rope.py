@@ -6,8 +6,9 @@ dims l and l + 64, so the rotating dims [0, 64) sit one per lane and the RoPE pa
 
 RoPE uses the engine's cos/sin cache (f32 [max_positions, 64]: cos of the 32 frequencies, then
 sin), so the angles are bit-identical to the stock layers' rather than recomputed in-kernel.
-The block rows' K/V go to the bf16 paged cache [2, num_pages, page_size, 1, 128], viewed as
-[2 * num_slots, 128] (K rows, then V rows), at the row's slot; slot < 0 (padding) is skipped.
+The block rows' K/V go to the bf16 paged cache, viewed as [2 * num_slots, 128] rows, at the row's
+slot: K to row slot * slot_rows, V to row v_row0 + slot * slot_rows (shapes.kv_row_map: the
+planes or the records layout); slot < 0 (padding) is skipped.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ HALF = ROTARY_DIM // 2
 def build_qkv_rope(num_reqs: int):
     """Launcher(P f32 [split, MP, 2304], SS f32 [split, MP], QN bf16 [128], KN bf16 [128],
     CS f32 [max_pos, 64], POS i64 [rows], SLOT i64 [rows], Q bf16 [rows, 2048],
-    KV bf16 [2 * num_slots, 128], num_slots i32)."""
+    KV bf16 [2 * num_slots, 128], slot_rows i32, v_row0 i32)."""
     sched = SCHEDULES["qkv"]
     rows = rows_for(num_reqs)
     split = sched.split
@@ -44,7 +45,8 @@ def build_qkv_rope(num_reqs: int):
         SLOT: fx.Tensor,
         Q: fx.Tensor,
         KV: fx.Tensor,
-        num_slots: fx.Int32,
+        slot_rows: fx.Int32,
+        v_row0: fx.Int32,
     ):
         row = fx.block_idx.x
         head = fx.block_idx.y
@@ -106,7 +108,7 @@ def build_qkv_rope(num_reqs: int):
         else:
             slot = dev.load_vec(a_i64, fx.logical_divide(fx.rocdl.make_buffer_tensor(SLOT), fx.make_layout(1, 1)), row, 1, fx.Int64)[0]
             if slot >= 0:
-                kv_row = (head - Q_HEADS) * num_slots + fx.Int32(slot)
+                kv_row = (head - Q_HEADS) * v_row0 + fx.Int32(slot) * slot_rows
                 kvr = fx.logical_divide(fx.slice(fx.rocdl.make_buffer_tensor(KV), (kv_row, None)), fx.make_layout(1, 1))
                 dev.store_vec(a_bf16, kvr, lane, fx.Vector.from_elements([out_lo], fx.BFloat16), 1, fx.BFloat16)
                 dev.store_vec(a_bf16, kvr, lane + 64, fx.Vector.from_elements([out_hi], fx.BFloat16), 1, fx.BFloat16)
@@ -122,10 +124,11 @@ def build_qkv_rope(num_reqs: int):
         SLOT: fx.Tensor,
         Q: fx.Tensor,
         KV: fx.Tensor,
-        num_slots: fx.Int32,
+        slot_rows: fx.Int32,
+        v_row0: fx.Int32,
         stream: fx.Stream = fx.Stream(None),
     ):
-        qkv_rope_kernel(P, SS, QN, KN, CS, POS, SLOT, Q, KV, num_slots).launch(
+        qkv_rope_kernel(P, SS, QN, KN, CS, POS, SLOT, Q, KV, slot_rows, v_row0).launch(
             grid=(rows, HEADS, 1), block=(dev.WAVE, 1, 1), stream=stream
         )
 

@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 
 from ...layout import LAUNCH_REQS, QPR, launch_groups
-from .shapes import HEAD_DIM, HIDDEN, KV_HEADS, NSPLIT, O_K, Q_HEADS, ROPE_THETA, ROTARY_DIM, SCHEDULES, TP, rows_for
+from .shapes import (HEAD_DIM, HIDDEN, KV_HEADS, KV_LAYOUTS, NSPLIT, O_K, Q_HEADS, ROPE_THETA, ROTARY_DIM, SCHEDULES,
+                     TP, kv_row_map, rows_for)
 
 NUM_LAYERS = 5
 
@@ -76,11 +77,33 @@ class PeerBuffers:
     epoch: torch.Tensor
 
 
+def _kv_strides(kv_layout: str, shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of the 5-D view [2, pages, page_size, 1, 128] of a cache allocated in `kv_layout`:
+    planes contiguous; records [pages, 1, page_size, 256] (drafter/kv_cache.py: kv_planes)."""
+    _, pages, page, heads, d = shape
+    if kv_layout == "planes":
+        return (pages * page * heads * d, page * heads * d, heads * d, d, 1)
+    return (d, page * 2 * d, 2 * d, page * 2 * d, 1)  # one KV head: a slot's record is K | V
+
+
+def kv_layout_of(t: torch.Tensor) -> str | None:
+    """'planes' or 'records' when the 5-D view `t` has exactly that layout's strides, else None.
+
+    Strides of size-1 dimensions (the one KV head; a single page) are not compared: they address
+    nothing, as in torch's is_contiguous. Other views (a slice of pages, a permutation) are valid
+    for the portable ops but not rows [2 * num_slots, 128] in either order the kernels take."""
+    for kv_layout in KV_LAYOUTS:
+        want = _kv_strides(kv_layout, t.shape)
+        if all(n == 1 or s == w for n, s, w in zip(t.shape, t.stride(), want)):
+            return kv_layout
+    return None
+
+
 def check_kv_layer(t: torch.Tensor, page_size: int) -> str | None:
     """Why a layer's KV cache cannot be bound by the kernels, or None.
 
-    The kernels read it as [2 * num_slots, 128] bf16 rows: [2, pages, page_size, 1, 128],
-    contiguous, on the GPU.
+    The kernels read it as [2 * num_slots, 128] bf16 rows (KVRows): the 5-D view
+    [2, pages, page_size, 1, 128] of a planes or a records cache, on the GPU.
     """
     if t.dtype != torch.bfloat16:
         return f"draft KV cache dtype {t.dtype} != bfloat16"
@@ -88,12 +111,32 @@ def check_kv_layer(t: torch.Tensor, page_size: int) -> str | None:
         return f"draft KV cache shape {tuple(t.shape)} is not [2, pages, page_size, {KV_HEADS}, {HEAD_DIM}]"
     if t.shape[2] != page_size:
         return f"draft KV page size {t.shape[2]} != {page_size}"
-    if not t.is_contiguous():
-        return (f"draft KV cache strides {list(t.stride())} are not the contiguous planes layout (a records cache, "
-                "as vLLM 0.34 allocates it?): the FlyDSL kernels address planes only; the Triton backend serves both")
+    if kv_layout_of(t) is None:
+        return (f"draft KV cache strides {list(t.stride())} are neither the contiguous planes layout nor vLLM 0.34's "
+                f"records layout {list(_kv_strides('records', t.shape))}: the FlyDSL kernels address those two only; "
+                "the Triton backend serves any")
     if t.numel() * t.element_size() >= 2**32:
         return "draft KV cache layer >= 4 GiB (32-bit buffer offsets)"
     return None
+
+
+@dataclass(frozen=True)
+class KVRows:
+    """One layer's cache as the kernels take it: bf16 rows [2 * num_slots, 128] over the engine's
+    memory, K of slot s at row s * slot_rows and V at row v_row0 + s * slot_rows."""
+
+    rows: torch.Tensor
+    slot_rows: int
+    v_row0: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "KVRows":
+        """The rows of a 5-D view check_kv_layer accepted. Both layouts fill exactly the 2 * num_slots
+        rows from the view's first element on (a planes cache's first K row, a records cache's first
+        record), so one as_strided view serves both; writes through it land in the engine's tensor."""
+        num_slots = t.shape[1] * t.shape[2]
+        rows = t.as_strided((2 * num_slots, HEAD_DIM), (HEAD_DIM, 1), t.storage_offset())
+        return cls(rows, *kv_row_map(kv_layout_of(t), num_slots))
 
 
 def launch_plan(num_reqs: int) -> list[tuple[str, int | None]]:
@@ -143,8 +186,7 @@ class DrafterRunner:
         self.rank = rank
         self.page_size = page_size
         self._kv_ids = [KVIdentity.of(t) for t in kv_layers]
-        self._kv = [t.view(-1, HEAD_DIM) for t in kv_layers]
-        self._num_slots = kv_layers[0].shape[1] * page_size
+        self._kv = [KVRows.of(t) for t in kv_layers]
         device = kv_layers[0].device
         # Same angles as the stock layers: reference.rope_cos_sin forms them in float64.
         from ..reference import rope_cos_sin
@@ -245,9 +287,9 @@ class DrafterRunner:
         for i, lw in enumerate(self.layers):
             kv = self._kv[i]
             yield "linear_qkv", r, None, (x, lw.qkv.bits, lw.qkv.scale, lw.input_norm, *P("qkv"))
-            yield "qkv_rope", r, None, (*P("qkv"), lw.q_norm, lw.k_norm, self._cos_sin, pos, slots, ws["q"][:n], kv,
-                                        self._num_slots)
-            yield "attention", r, None, (ws["q"][:n], kv, pos, bt, ws["op"], ws["ml"], self._num_slots)
+            yield "qkv_rope", r, None, (*P("qkv"), lw.q_norm, lw.k_norm, self._cos_sin, pos, slots, ws["q"][:n],
+                                        kv.rows, kv.slot_rows, kv.v_row0)
+            yield "attention", r, None, (ws["q"][:n], kv.rows, pos, bt, ws["op"], ws["ml"], kv.slot_rows, kv.v_row0)
             yield "attention_combine", r, None, (ws["op"], ws["ml"], ws["attn"][:n])
             yield "linear_o", r, None, (ws["attn"][:n], lw.o.bits, lw.o.scale, ws["no_norm"], *P("o"))
             yield "exchange_o", r, 2 * i, (P("o")[0], x, h, *peer_args)

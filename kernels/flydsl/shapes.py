@@ -38,6 +38,22 @@ NEG = -1.0e30  # finite floor of the running max: exp2(NEG - NEG) is 1, never Na
 SM_SCALE_LOG2 = 1.4426950408889634 / HEAD_DIM**0.5  # softmax scale 1/sqrt(128), in log2 units
 
 
+# The kernels address a layer's KV cache as bf16 rows [2 * num_slots, HEAD_DIM] (one KV head per
+# rank): K of slot s is row s * slot_rows, V is row v_row0 + s * slot_rows. Both are runtime int32
+# arguments, so one compiled kernel serves either layout of the engine's cache (drafter/kv_cache.py):
+# planes hold all K rows, then all V rows; records (vLLM 0.34) hold K | V per slot, one row each.
+KV_LAYOUTS = ("planes", "records")  # all of drafter/kv_cache.py's KV_LAYOUTS (a runner test checks)
+
+
+def kv_row_map(kv_layout: str, num_slots: int) -> tuple[int, int]:
+    """(slot_rows, v_row0) of a `kv_layout` cache of `num_slots` slots, as the kernels take them."""
+    if kv_layout == "planes":
+        return 1, num_slots
+    if kv_layout == "records":
+        return 2, 1
+    raise ValueError(f"KV layout {kv_layout!r}: the FlyDSL kernels address {' or '.join(KV_LAYOUTS)}")
+
+
 def rows_for(num_reqs: int) -> int:
     """Query rows of a launch of `num_reqs` requests (7 per request)."""
     if not 1 <= num_reqs <= LAUNCH_REQS:

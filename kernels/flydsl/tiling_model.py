@@ -96,8 +96,9 @@ def swiglu_reduce_model(p: torch.Tensor, ss: torch.Tensor, rows: int) -> torch.T
     return (g * (1.0 / (1.0 + torch.exp(-SWIGLU_ALPHA * g))) * (u + 1.0)).to(torch.bfloat16)
 
 
-def qkv_rope_model(p, ss, q_norm, k_norm, cos_sin, positions, slots, kv_flat, num_slots, rows):
-    """qkv_rope_kernel: returns q bf16 [rows, 2048] and writes K/V rows of kv_flat in place."""
+def qkv_rope_model(p, ss, q_norm, k_norm, cos_sin, positions, slots, kv_flat, slot_rows, v_row0, rows):
+    """qkv_rope_kernel: returns q bf16 [rows, 2048] and writes K/V rows of kv_flat in place
+    (K of slot s at row s * slot_rows, V at v_row0 + s * slot_rows: shapes.kv_row_map)."""
     y = (split_sum(p)[:rows] * row_rrms(ss)[:rows, None]).view(rows, Q_HEADS + 2, HEAD_DIM)
     w = torch.stack([q_norm.float()] * Q_HEADS + [k_norm.float()])  # [17, 128]
     qk = y[:, : Q_HEADS + 1]
@@ -110,14 +111,16 @@ def qkv_rope_model(p, ss, q_norm, k_norm, cos_sin, positions, slots, kv_flat, nu
     roped = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, normed[..., ROTARY_DIM:]), dim=-1)
     q = roped[:, :Q_HEADS].to(torch.bfloat16).reshape(rows, Q_HEADS * HEAD_DIM)
     keep = slots >= 0
-    kv_flat[slots[keep]] = roped[keep, Q_HEADS].to(torch.bfloat16)
-    kv_flat[num_slots + slots[keep]] = y[keep, Q_HEADS + 1].to(torch.bfloat16)
+    krow = slots[keep] * slot_rows
+    kv_flat[krow] = roped[keep, Q_HEADS].to(torch.bfloat16)
+    kv_flat[v_row0 + krow] = y[keep, Q_HEADS + 1].to(torch.bfloat16)
     return q
 
 
-def attention_model(q, kv_flat, num_slots, positions, block_table, page_size, num_reqs):
+def attention_model(q, kv_flat, slot_rows, v_row0, positions, block_table, page_size, num_reqs):
     """swa_attention + swa_combine: split-KV over KPS keys, 32-key tiles, log2-domain online
-    softmax with a finite running-max floor, P rounded to bf16 for the PV product."""
+    softmax with a finite running-max floor, P rounded to bf16 for the PV product. K/V rows of
+    kv_flat are addressed as the kernel does (shapes.kv_row_map)."""
     kps, kt, neg, scale = KPS, KT, NEG, SM_SCALE_LOG2
     out = torch.empty(num_reqs * QPR, Q_HEADS * HEAD_DIM, dtype=torch.bfloat16)
     for r in range(num_reqs):
@@ -135,9 +138,9 @@ def attention_model(q, kv_flat, num_slots, positions, block_table, page_size, nu
                 kpos = torch.arange(t0, t0 + kt)
                 live = kpos < end
                 kp = torch.where(live, kpos, torch.zeros_like(kpos))
-                slot = block_table[r, kp // page_size].long() * page_size + kp % page_size
-                k = torch.where(live[:, None], kv_flat[slot].float(), 0.0)
-                v = torch.where(live[:, None], kv_flat[num_slots + slot].float(), 0.0)
+                krow = (block_table[r, kp // page_size].long() * page_size + kp % page_size) * slot_rows
+                k = torch.where(live[:, None], kv_flat[krow].float(), 0.0)
+                v = torch.where(live[:, None], kv_flat[v_row0 + krow].float(), 0.0)
                 s = torch.einsum("thd,kd->thk", qf, k) * scale
                 ok = live[None, None, :] & (kpos[None, None, :] >= left)
                 s = s.masked_fill(~ok, -math.inf)

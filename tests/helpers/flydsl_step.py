@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from dspark_sidecar.drafter.checkpoint import LAYER_LINEARS, SyntheticSource, dequantize_mxfp8, quantize_mxfp8
 from dspark_sidecar.drafter.config import PRESETS
-from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_planes, kv_rows, kv_storage_shape
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, ParallelContext
 from dspark_sidecar.drafter.scenario import allocate_block_tables, block_rows, pages_needed
@@ -42,7 +42,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def step_rank(rank: int, world: int) -> dict:
+def step_rank(rank: int, world: int, kv_layout: str = "planes") -> dict:
     torch.cuda.set_device(rank)
     dev, bf = torch.device("cuda", rank), torch.bfloat16
     cfg = PRESETS["minimax-m3.1"]
@@ -62,8 +62,12 @@ def step_rank(rank: int, world: int) -> dict:
     embeds = torch.randn(positions.numel(), cfg.hidden_size, generator=gen).to(bf).to(dev)
     meta = StepMetadata(seq_lens, tables, slots).to(dev)
     kv_gen = torch.Generator().manual_seed(99 + rank)  # this rank's KV head: committed context, random
-    kv = [(torch.randn(2, pages, PAGE, 1, 128, generator=kv_gen) * 0.5).to(bf).to(dev) for _ in range(5)]
-    kv_ref = [t.clone() for t in kv]
+    kv = []
+    for _ in range(5):  # the same contents in either layout: the engine's allocation, seen as its planes view
+        layer = kv_planes(torch.empty(kv_storage_shape(cfg, world, pages, PAGE, kv_layout), dtype=bf, device=dev))
+        layer.copy_(torch.randn(2, pages, PAGE, 1, 128, generator=kv_gen) * 0.5)
+        kv.append(layer)
+    kv_ref = [t.clone() for t in kv]  # clone keeps the records strides: the reference writes through them too
 
     want = model.draft_step(embeds, positions.to(dev), meta, kv_ref)
     binding = KVBinding(1, 1, kv, pages, PAGE, EngineFacts(world, 1, 1, "dspark", 7), [])
@@ -77,7 +81,7 @@ def step_rank(rank: int, world: int) -> dict:
     written = slots.to(dev)  # compare the step's block K/V only: the rest is the untouched context
 
     def block(t):
-        return t.view(2, -1, 128)[:, written]
+        return torch.stack([kv_rows(t, 0, written), kv_rows(t, 1, written)])
 
     out = {"err": rel_l2(got, want), "kv_err": max(rel_l2(block(a), block(b)) for a, b in zip(kv, kv_ref)),
            "hidden": got.cpu()}

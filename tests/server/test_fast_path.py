@@ -139,10 +139,14 @@ def peers():
     return rn.PeerBuffers(rx, fl, rx[0], fl[0], torch.zeros(1, dtype=torch.int32))
 
 
-def binding(gen=1, dtype=torch.bfloat16, engine=GOOD_ENGINE, pages=4, records=False):
-    """records: the planes views of vLLM 0.34 caches [pages, 1, page_size, 256] (K | V records)."""
-    if records:
+def binding(gen=1, dtype=torch.bfloat16, engine=GOOD_ENGINE, pages=4, layout="planes"):
+    """layout: planes [2, pages, page_size, 1, 128]; records, the planes views of vLLM 0.34 caches
+    [pages, 1, page_size, 256] (K | V records); or pages, of caches [pages, 2, page_size, 1, 128]
+    (K then V per page, as FlashInfer's): a view the portable ops serve but the FlyDSL kernels do not."""
+    if layout == "records":
         layers = [kv_planes(torch.zeros(pages, 1, PAGE, 256, dtype=dtype)) for _ in range(5)]
+    elif layout == "pages":
+        layers = [torch.zeros(pages, 2, PAGE, 1, 128, dtype=dtype).transpose(0, 1) for _ in range(5)]
     else:
         layers = [torch.zeros(2, pages, PAGE, 1, 128, dtype=dtype) for _ in range(5)]
     return KVBinding(binding_id=7, generation=gen, layers=layers, num_pages=pages, page_size=PAGE,
@@ -177,9 +181,9 @@ def fast_path(factory=None, startup_reason=None, compile_ahead=False):
     (binding(dtype=torch.float16), "draft KV cache dtype torch.float16 != bfloat16"),
     (binding(engine=EngineFacts(4, 2, 1, "dspark", 7)), "DP > 1"),
     (binding(engine=EngineFacts(4, 1, 1, "dspark", 5)), "7 speculative tokens required"),
-    (binding(records=True), "draft KV cache strides [128, 4096, 256, 4096, 1] are not the contiguous planes layout "
-                            "(a records cache, as vLLM 0.34 allocates it?): the FlyDSL kernels address planes only; "
-                            "the Triton backend serves both"),
+    (binding(layout="pages"), "draft KV cache strides [2048, 4096, 128, 128, 1] are neither the contiguous planes "
+                              "layout nor vLLM 0.34's records layout [128, 4096, 256, 4096, 1]: the FlyDSL kernels "
+                              "address those two only; the Triton backend serves any"),
 ])
 def test_unservable_binding_refused_with_its_reason(kv, reason):
     fp, told = fast_path()
@@ -218,6 +222,18 @@ def test_good_binding_binds_once_and_stale_or_rebound_rebuilds():
     assert fp.ready(binding(gen=3)) and told[-1] is None and len(factory.built) == 3
     fp.close()
     assert factory.closed == 3
+
+
+def test_records_binding_is_served_as_interleaved_rows():
+    """vLLM 0.34's cache: the runner binds each layer's records as K | V rows of the same memory."""
+    fp, told = fast_path()
+    kv = binding(layout="records")
+    assert fp.refusal(kv) is None
+    assert fp.ready(kv) and told == []
+    for t, bound in zip(kv.layers, fp.runner._kv):
+        assert (bound.slot_rows, bound.v_row0) == (2, 1)
+        assert bound.rows.shape == (2 * 4 * PAGE, 128) and bound.rows.data_ptr() == t.data_ptr()
+    fp.close()
 
 
 class GatedCompile:
@@ -353,10 +369,11 @@ def _four_gfx950() -> bool:
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(not _four_gfx950(), reason="needs 4 AMD MI355X (gfx950) GPUs")
-def test_real_step_through_the_fast_path_matches_the_reference_on_mi355x_x4():
+@pytest.mark.parametrize("kv_layout", ["planes", "records"])
+def test_real_step_through_the_fast_path_matches_the_reference_on_mi355x_x4(kv_layout):
     from helpers.flydsl_step import step_rank
 
-    res = run_ranks(4, step_rank)
+    res = run_ranks(4, step_rank, kv_layout)
     for r, out in enumerate(res):
         assert "error" not in out, f"rank {r}: {out.get('error')}"
         # bf16 end to end over 5 layers; the kernels round where the tiling models do (kernels/flydsl).

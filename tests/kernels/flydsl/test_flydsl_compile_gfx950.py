@@ -7,9 +7,11 @@ the tests skip, saying so, only when that toolchain is missing.
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import lru_cache
 
 import pytest
+import torch
 
 from dspark_sidecar.layout import LAUNCH_REQS
 from dspark_sidecar.kernels.flydsl import toolchain
@@ -92,3 +94,34 @@ def test_report_summary_table(capsys):
     with capsys.disabled():
         print("\n" + "\n".join(rows))
     assert rows
+
+
+def mnemonics(rep) -> Counter:
+    """How many of each instruction the ISA holds, operands aside."""
+    return Counter(line.split()[0] for line in rep.isa.splitlines()
+                   if line.startswith("\t") and line.strip() and not line.lstrip().startswith((";", ".")))
+
+
+@pytest.mark.parametrize("num_reqs", [1, LAUNCH_REQS])
+@pytest.mark.parametrize("name, kv_arg", [("qkv_rope", 8), ("attention", 1)])
+def test_records_cache_compiles_to_the_planes_code(name, kv_arg, num_reqs):
+    """The K/V row addressing is runtime arguments: compiled over the runner's rows of a records cache
+    (vLLM 0.34's, carved out of a larger allocation) with its (slot_rows, v_row0), a kernel has the
+    planes build's resources and instructions, so the design budget above holds for both layouts.
+    (Not its text: LLVM orders commutative operands differently from one compile to the next.)"""
+    from dspark_sidecar.drafter.kv_cache import kv_planes
+    from dspark_sidecar.kernels.flydsl.catalog import KERNELS, PAGE_SIZE, PLACEHOLDER_PAGES
+    from dspark_sidecar.kernels.flydsl.isa_report import compile_reports
+    from dspark_sidecar.kernels.flydsl.runner import KVRows
+
+    spec, planes = compiled(name, num_reqs)
+    storage = torch.zeros((PLACEHOLDER_PAGES + 1) * PAGE_SIZE * 256, dtype=torch.bfloat16)
+    records = storage[PAGE_SIZE * 256 :].view(PLACEHOLDER_PAGES, 1, PAGE_SIZE, 256)
+    kv = KVRows.of(kv_planes(records))
+    args = list(spec.args(num_reqs))
+    assert args[kv_arg].shape == kv.rows.shape
+    args[kv_arg], args[-2:] = kv.rows, (kv.slot_rows, kv.v_row0)
+    (rep,) = compile_reports(spec.build(num_reqs), *args)
+    assert (kv.slot_rows, kv.v_row0) == (2, 1) and kv.rows.storage_offset() > 0
+    assert rep.summary() == planes.summary()
+    assert mnemonics(rep) == mnemonics(planes)

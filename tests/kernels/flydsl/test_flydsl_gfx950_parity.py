@@ -65,8 +65,9 @@ def test_linear(name, num_reqs):
         assert rel_l2(ss, ss_ref) < TOL
 
 
+@pytest.mark.parametrize("kv_layout", shapes.KV_LAYOUTS)
 @pytest.mark.parametrize("num_reqs", [1, 5])
-def test_qkv_rope(num_reqs):
+def test_qkv_rope(num_reqs, kv_layout):
     from dspark_sidecar.kernels.flydsl.qkv_rope import build_qkv_rope
 
     sched = shapes.SCHEDULES["qkv"]
@@ -83,19 +84,21 @@ def test_qkv_rope(num_reqs):
     num_slots = 64 * PAGE
     slots = torch.randperm(num_slots, generator=gen)[:rows]
     slots[0] = -1
+    row_map = shapes.kv_row_map(kv_layout, num_slots)
     kv = torch.zeros(2 * num_slots, 128, dtype=torch.bfloat16)
-    q_ref = tm.qkv_rope_model(p, ss, qn, kn, cs, pos, slots, kv, num_slots, rows)
+    q_ref = tm.qkv_rope_model(p, ss, qn, kn, cs, pos, slots, kv, *row_map, rows)
     kv_dev = torch.zeros(2 * num_slots, 128, dtype=torch.bfloat16, device="cuda")
     q = torch.empty(rows, shapes.O_K, dtype=torch.bfloat16, device="cuda")
     args = [t.cuda() for t in (p, ss, qn, kn, cs, pos, slots)]
-    build_qkv_rope(num_reqs)(*args, q, kv_dev, num_slots)
+    build_qkv_rope(num_reqs)(*args, q, kv_dev, *row_map)
     torch.cuda.synchronize()
     assert rel_l2(q, q_ref) < TOL
     assert rel_l2(kv_dev, kv) < TOL
 
 
+@pytest.mark.parametrize("kv_layout", shapes.KV_LAYOUTS)
 @pytest.mark.parametrize("num_reqs", [1, 3])
-def test_attention_and_combine(num_reqs):
+def test_attention_and_combine(num_reqs, kv_layout):
     from dspark_sidecar.kernels.flydsl.attention import build_attention, build_attention_combine
 
     gen = torch.Generator().manual_seed(11)
@@ -107,12 +110,13 @@ def test_attention_and_combine(num_reqs):
     kv = torch.randn(2 * pages * PAGE, 128, generator=gen).to(torch.bfloat16)
     q = (torch.randn(rows, shapes.O_K, generator=gen) * 2).to(torch.bfloat16)
     pos = (torch.tensor(anchors)[:, None] + torch.arange(7)).reshape(-1)
-    want = tm.attention_model(q, kv, pages * PAGE, pos, bt, PAGE, num_reqs)
+    row_map = shapes.kv_row_map(kv_layout, pages * PAGE)
+    want = tm.attention_model(q, kv, *row_map, pos, bt, PAGE, num_reqs)
     parts = num_reqs * shapes.NSPLIT * 7 * shapes.Q_HEADS
     op = torch.empty(parts, 128, device="cuda")
     ml = torch.empty(parts, 2, device="cuda")
     out = torch.empty(rows, shapes.O_K, dtype=torch.bfloat16, device="cuda")
-    build_attention(num_reqs, PAGE)(q.cuda(), kv.cuda(), pos.cuda(), bt.cuda(), op, ml, pages * PAGE)
+    build_attention(num_reqs, PAGE)(q.cuda(), kv.cuda(), pos.cuda(), bt.cuda(), op, ml, *row_map)
     build_attention_combine(num_reqs)(op, ml, out)
     torch.cuda.synchronize()
     assert rel_l2(out, want) < TOL

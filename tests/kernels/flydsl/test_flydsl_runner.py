@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from dspark_sidecar.drafter.kv_cache import kv_planes
 from dspark_sidecar.kernels.flydsl import runner as rn
 from dspark_sidecar.kernels.flydsl import toolchain
 from dspark_sidecar.server.refusal import EngineFacts, HostFacts
@@ -83,10 +84,109 @@ def test_refuses_unbindable_kv_and_missing_peers():
         make(kv=kv_layers(dtype=torch.float16))
     with pytest.raises(rn.FlyDSLUnsupported, match="page size"):
         make(kv=[torch.zeros(2, 4, 32, 1, 128, dtype=torch.bfloat16)] * 5)
-    with pytest.raises(rn.FlyDSLUnsupported, match="contiguous"):
-        make(kv=[torch.zeros(2, 8, PAGE, 1, 128, dtype=torch.bfloat16)[:, ::2]] * 5)
     with pytest.raises(rn.FlyDSLUnsupported, match="exchange buffers"):
         make(peer=False)
+
+
+def records_layers(pages=4, offset=0):
+    """vLLM 0.34 caches [pages, 1, page_size, 256] as the sidecar binds them (their planes views), each
+    starting `offset` records into its storage (a layer carved out of a larger allocation)."""
+    bufs = [torch.zeros((offset + pages * PAGE) * 256, dtype=torch.bfloat16) for _ in range(5)]
+    return [b[offset * 256 :].view(pages, 1, PAGE, 256) for b in bufs]
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_records_cache_is_bound_as_k_v_rows_of_the_same_memory(offset):
+    pages = 4
+    raw = records_layers(pages, offset)
+    for t in raw:
+        t.copy_(torch.randn(t.shape))
+    r = make(kv=[kv_planes(t) for t in raw])
+    for t, bound in zip(raw, r._kv):
+        assert (bound.slot_rows, bound.v_row0) == (2, 1)
+        assert bound.rows.shape == (2 * pages * PAGE, 128) and bound.rows.stride() == (128, 1)
+        assert bound.rows.data_ptr() == t.data_ptr()  # the first K row is the first record's start
+        slot = torch.arange(pages * PAGE)
+        page, off = slot // PAGE, slot % PAGE
+        assert torch.equal(bound.rows[2 * slot], t[page, 0, off, :128])  # K of slot s: row 2s
+        assert torch.equal(bound.rows[2 * slot + 1], t[page, 0, off, 128:])  # V of slot s: row 2s + 1
+        bound.rows[2 * 37 + 1] = 5.0  # a write through the rows lands in the engine's tensor
+        assert bool((t[37 // PAGE, 0, 37 % PAGE, 128:] == 5.0).all())
+    r.close()
+
+
+def test_planes_cache_is_bound_as_k_rows_then_v_rows():
+    pages = 4
+    kv = [torch.randn(2, pages, PAGE, 1, 128).to(torch.bfloat16) for _ in range(5)]
+    r = make(kv=kv)
+    for t, bound in zip(kv, r._kv):
+        assert (bound.slot_rows, bound.v_row0) == (1, pages * PAGE)
+        assert bound.rows.data_ptr() == t.data_ptr()
+        assert torch.equal(bound.rows[: pages * PAGE], t[0].reshape(-1, 128))
+        assert torch.equal(bound.rows[pages * PAGE :], t[1].reshape(-1, 128))
+    r.close()
+
+
+def test_launch_arguments_carry_the_layers_row_addressing():
+    """qkv_rope and attention get each layer's rows with (slot_rows, v_row0) as their last arguments."""
+    r = make(kv=[kv_planes(t) for t in records_layers()])
+    n = 7
+    calls = list(r._calls(1, torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
+                          torch.zeros(1, 1, dtype=torch.int32), torch.empty(n, 6144, dtype=torch.bfloat16)))
+    qkv = [args for name, _, _, args in calls if name == "qkv_rope"]
+    attn = [args for name, _, _, args in calls if name == "attention"]
+    assert len(qkv) == len(attn) == 5
+    for i, (a, b) in enumerate(zip(qkv, attn)):
+        assert a[-3] is b[1] is r._kv[i].rows
+        assert a[-2:] == b[-2:] == (2, 1)
+    r.close()
+
+
+def other_views(pages=4):
+    """Views of one layer that the portable ops serve but that are rows in neither order the kernels take."""
+    bf = torch.bfloat16
+    return {
+        # K then V per page (FlashInfer's [pages, 2, page_size, heads, head_dim]).
+        "kv per page": torch.zeros(pages, 2, PAGE, 1, 128, dtype=bf).transpose(0, 1),
+        # Every other page of a larger planes cache.
+        "planes slice": torch.zeros(2, 2 * pages, PAGE, 1, 128, dtype=bf)[:, ::2],
+        # Records padded past K | V (stride 384 per token).
+        "padded records": kv_planes(torch.zeros(pages, 1, PAGE, 384, dtype=bf)[..., :256]),
+        # Every other page of a records cache.
+        "records slice": kv_planes(torch.zeros(2 * pages, 1, PAGE, 256, dtype=bf)[::2]),
+    }
+
+
+@pytest.mark.parametrize("name", list(other_views()))
+def test_other_strided_views_are_refused_with_the_reason(name):
+    t = other_views()[name]
+    want = (f"draft KV cache strides {list(t.stride())} are neither the contiguous planes layout nor vLLM 0.34's "
+            "records layout [128, 4096, 256, 4096, 1]: the FlyDSL kernels address those two only; "
+            "the Triton backend serves any")
+    assert rn.check_kv_layer(t, PAGE) == want
+    with pytest.raises(rn.FlyDSLUnsupported) as exc:
+        make(kv=[t] * 5)
+    assert str(exc.value) == want
+
+
+def test_kernels_address_every_layout_the_sidecar_binds():
+    from dspark_sidecar.drafter.kv_cache import KV_LAYOUTS
+    from dspark_sidecar.kernels.flydsl import shapes
+
+    assert shapes.KV_LAYOUTS == KV_LAYOUTS
+    assert [shapes.kv_row_map(x, 64) for x in KV_LAYOUTS] == [(1, 64), (2, 1)]
+    with pytest.raises(ValueError, match="planes or records"):
+        shapes.kv_row_map("pages", 64)
+
+
+def test_size_one_dimensions_strides_do_not_decide_the_layout():
+    """A single head's (or page's) stride addresses nothing: [pages, page_size, 2, 1, 128] (K | V per
+    token, heads innermost) is the records layout's memory and is bound as such."""
+    t = torch.zeros(4, PAGE, 2, 1, 128, dtype=torch.bfloat16).permute(2, 0, 1, 3, 4)
+    assert t.stride()[3] != kv_planes(torch.zeros(4, 1, PAGE, 256)).stride()[3]
+    assert rn.kv_layout_of(t) == "records" and rn.check_kv_layer(t, PAGE) is None
+    one_page = torch.zeros(2, 1, PAGE, 1, 128, dtype=torch.bfloat16)
+    assert rn.kv_layout_of(one_page) == "planes"
 
 
 def test_host_probe_on_this_machine_refuses_not_gfx950():

@@ -106,7 +106,8 @@ def test_qkv_rope_model_matches_reference(num_reqs):
     kv_model = kv_ref.clone()
 
     p, ss = tm.linear_model(x, bits, scale, nw, sched, num_reqs)
-    q = tm.qkv_rope_model(p, ss, qn, kn, cos_sin_cache(5100), positions, slots, kv_model.view(-1, 128), pages * PAGE, rows)
+    q = tm.qkv_rope_model(p, ss, qn, kn, cos_sin_cache(5100), positions, slots, kv_model.view(-1, 128),
+                          *shapes.kv_row_map("planes", pages * PAGE), rows)
 
     qkv = ref.norm_linear(x, nw, shapes.RMS_EPS, wd.to(torch.bfloat16))
     cos, sin = ref.rope_cos_sin(positions, shapes.ROTARY_DIM, shapes.ROPE_THETA)
@@ -141,7 +142,8 @@ def test_attention_model_matches_reference(num_reqs):
     q = bf16((rows, shapes.Q_HEADS * 128), gen, 2.0)
     positions = (torch.tensor(anchors)[:, None] + torch.arange(7)).reshape(-1)
 
-    got = tm.attention_model(q, kv.view(-1, 128), pages * PAGE, positions, block_tables, PAGE, num_reqs)
+    got = tm.attention_model(q, kv.view(-1, 128), *shapes.kv_row_map("planes", pages * PAGE), positions, block_tables,
+                             PAGE, num_reqs)
     want = ref.paged_window_attention(
         q.view(rows, shapes.Q_HEADS, 128), kv, positions, seq_lens, block_tables, 7,
         shapes.SLIDING_WINDOW, 1 / math.sqrt(128),
@@ -158,11 +160,81 @@ def test_attention_model_window_edge_is_per_row():
     kv = torch.zeros(2, pages, PAGE, 1, 128, dtype=torch.bfloat16)
     q = bf16((7, shapes.Q_HEADS * 128), gen)
     positions = anchor + torch.arange(7)
-    base = tm.attention_model(q, kv.view(-1, 128), pages * PAGE, positions, bt, PAGE, 1)
+    rows = shapes.kv_row_map("planes", pages * PAGE)
+    base = tm.attention_model(q, kv.view(-1, 128), *rows, positions, bt, PAGE, 1)
     kv.view(2, -1, 128)[1, anchor - 4095] = 100.0  # V of the oldest key only row 0 can see
-    moved = tm.attention_model(q, kv.view(-1, 128), pages * PAGE, positions, bt, PAGE, 1)
+    moved = tm.attention_model(q, kv.view(-1, 128), *rows, positions, bt, PAGE, 1)
     changed = (moved.float() - base.float()).abs().amax(dim=1) > 0
     assert changed.tolist() == [True] + [False] * 6
+
+
+def bound_rows(kv_layout: str, pages: int):
+    """A fresh (zeroed) cache allocated in kv_layout as the engine does, its planes view, and the rows
+    the runner hands the kernels (runner.KVRows: the rows, slot_rows, v_row0)."""
+    from dspark_sidecar.drafter.kv_cache import kv_planes
+    from dspark_sidecar.kernels.flydsl.runner import KVRows
+
+    shape = (2, pages, PAGE, 1, 128) if kv_layout == "planes" else (pages, 1, PAGE, 256)
+    view = kv_planes(torch.zeros(shape, dtype=torch.bfloat16))
+    kv = KVRows.of(view)
+    return view, (kv.rows, kv.slot_rows, kv.v_row0)
+
+
+@pytest.mark.parametrize("num_reqs", [1, 5])
+def test_records_cache_is_written_as_a_planes_cache(num_reqs):
+    """qkv_rope's K/V writes through the records rows (K | V per slot) leave the same cache, seen
+    through its planes view, as the writes through planes rows: same q, same K/V, nothing else."""
+    sched = shapes.SCHEDULES["qkv"]
+    gen = torch.Generator().manual_seed(70 + num_reqs)
+    rows = shapes.rows_for(num_reqs)
+    p = torch.randn(sched.split, 16 * shapes.row_tiles(num_reqs), sched.n, generator=gen)
+    ss = torch.rand(p.shape[:2], generator=gen) * 100 + 1
+    qn, kn = bf16((128,), gen, 0.1), bf16((128,), gen, 0.1)
+    positions = (torch.randint(0, 5000, (num_reqs,), generator=gen)[:, None] + torch.arange(7)).reshape(-1)
+    pages = 8 * num_reqs
+    slots = torch.randperm(pages * PAGE, generator=gen)[:rows]
+    slots[2] = -1
+    out = {}
+    for kv_layout in ("planes", "records"):
+        view, kv = bound_rows(kv_layout, pages)
+        q = tm.qkv_rope_model(p, ss, qn, kn, cos_sin_cache(5100), positions, slots, *kv, rows)
+        out[kv_layout] = q, view
+    (q_p, planes), (q_r, records) = out["planes"], out["records"]
+    assert records.stride() != planes.stride()  # the engine's tensors really are laid out differently
+    assert torch.equal(q_r, q_p)
+    assert torch.equal(records, planes)
+    written = torch.zeros(pages * PAGE, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    by_slot = planes.reshape(2, -1, 128)
+    assert bool(by_slot[:, written].any(dim=-1).all())  # every kept row's K and V landed
+    assert torch.count_nonzero(by_slot[:, ~written]) == 0  # and nothing else (the padding row included)
+
+
+@pytest.mark.parametrize("num_reqs", [1, 3])
+def test_records_cache_is_read_as_a_planes_cache(num_reqs):
+    """attention over the records rows of a cache gives the same bits as over the planes rows of a
+    cache holding the same K/V."""
+    gen = torch.Generator().manual_seed(80 + num_reqs)
+    rows = shapes.rows_for(num_reqs)
+    anchors = [4300] + torch.randint(0, 700, (num_reqs - 1,), generator=gen).tolist()
+    max_pages = max(-(-(a + 7) // PAGE) for a in anchors)
+    pages = max_pages * num_reqs
+    block_tables = torch.randperm(pages, generator=gen).view(num_reqs, max_pages).to(torch.int32)
+    contents = bf16((2, pages, PAGE, 1, 128), gen)
+    q = bf16((rows, shapes.Q_HEADS * 128), gen, 2.0)
+    positions = (torch.tensor(anchors)[:, None] + torch.arange(7)).reshape(-1)
+    got = {}
+    for kv_layout in ("planes", "records"):
+        view, kv = bound_rows(kv_layout, pages)
+        view.copy_(contents)
+        got[kv_layout] = tm.attention_model(q, kv[0], *kv[1:], positions, block_tables, PAGE, num_reqs)
+    assert torch.equal(got["records"], got["planes"])
+    # And a records row map over planes memory reads other values: the addressing really differs.
+    view, kv = bound_rows("planes", pages)
+    view.copy_(contents)
+    wrong = tm.attention_model(q, kv[0], *shapes.kv_row_map("records", pages * PAGE), positions, block_tables, PAGE,
+                               num_reqs)
+    assert not torch.equal(wrong, got["planes"])
 
 
 def test_exchange_model_rank_order_sum():
