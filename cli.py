@@ -225,7 +225,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     cfg = DemoConfig(rounds=a.rounds, tp=a.tp, preset=a.preset, seed=a.seed, max_reqs=a.max_reqs, dtype=a.dtype,
                      socket_dir=str(a.socket_dir) if a.socket_dir else None, start_sidecar=not a.use_running_sidecar,
                      verify=a.verify, rendezvous_ms=a.rendezvous_ms, device=a.device, transport=a.transport,
-                     required_tp=a.required_tp, kv_layout=a.kv_layout)
+                     required_tp=a.required_tp, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype)
     report = run_demo(cfg)
     print(format_report(report))
     return 0
@@ -321,6 +321,9 @@ def _main(argv: list[str] | None) -> int:
     dp.add_argument("--kv-layout", choices=("planes", "records"), default="planes",
                     help="how the engine allocates its draft KV cache: planes [2, pages, page, heads, 128] (the spec's) "
                          "or records [pages, heads, page, 2 * 128] (vLLM 0.34's)")
+    dp.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                    help="the draft KV cache's element type: auto (the compute dtype) or fp8 (e4m3 codes, as vLLM's "
+                         "kv_cache_dtype fp8 at scale 1)")
     dp.add_argument("--required-tp", type=int, default=4,
                     help="the TP the shim forwards at (the seed's check; the deployment is TP 4)")
     dp.add_argument("--no-verify", dest="verify", action="store_false",

@@ -12,7 +12,7 @@ import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from dspark_sidecar.drafter.kv_cache import kv_planes
+from dspark_sidecar.drafter.kv_cache import FP8_KV, kv_planes
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.memory import HandleError, export_handle
@@ -78,10 +78,12 @@ def bind_request(layers: Sequence[torch.Tensor], facts: pb.EngineFacts) -> pb.Bi
         raise BindError("the engine has no draft KV cache allocated", permanent=False)
     entries = []
     for i, raw in enumerate(layers):
-        if raw.dtype in (torch.uint8, *_FP8):
-            # vLLM's kv_cache_dtype=fp8 stores e4m3 codes of x / k_scale (uint8): not served yet.
-            raise BindError(f"KV layer {i}: {raw.dtype} cache (an fp8 kv_cache_dtype) is not served by the sidecar: "
-                            "run the draft model with kv_cache_dtype auto or bfloat16", permanent=True)
+        if raw.dtype == torch.uint8 or (raw.dtype in _FP8 and raw.dtype != FP8_KV):
+            # vLLM holds an fp8 cache as uint8 codes of x / scale; its plug-in passes e4m3 at scale 1
+            # as float8_e4m3fn (vllm_plugin.kv_cache_provider). Anything else cannot be read right.
+            raise BindError(f"KV layer {i}: {raw.dtype} cache: the sidecar serves an fp8 cache as float8_e4m3fn "
+                            "codes at k/v scale 1 only (not e5m2, fnuz or calibrated KV scales); run the draft "
+                            "with kv_cache_dtype fp8 (e4m3, no KV scales), auto or bfloat16", permanent=True)
         try:
             t = kv_planes(raw)
         except ValueError as e:

@@ -37,6 +37,7 @@ class DemoConfig:
     device: str = "cpu"  # or "cuda": sidecar and engine rank r on GPU r
     transport: str = "grpc"  # or "doorbell": the shared-memory data plane (client/dataplane.py)
     kv_layout: str = "planes"  # or "records": the engine's cache as vLLM 0.34 allocates it (kv_cache.KV_LAYOUTS)
+    kv_dtype: str = "auto"  # or "fp8": the cache as float8 e4m3 codes (vLLM's kv_cache_dtype fp8 at scale 1)
     required_tp: int = 4  # the TP the shim forwards at (the seed's check): set it to tp to forward at TP 2
 
     def __post_init__(self) -> None:
@@ -50,6 +51,8 @@ class DemoConfig:
             raise ValueError("socket_dir: required with start_sidecar=False")
         if self.device not in ("cpu", "cuda") or self.transport not in ("grpc", "doorbell"):
             raise ValueError(f"device cpu|cuda and transport grpc|doorbell, got {self.device!r}, {self.transport!r}")
+        if self.kv_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_dtype: auto or fp8, got {self.kv_dtype!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
 
@@ -125,7 +128,7 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
     h = HarnessConfig(rounds=cfg.rounds, tp=cfg.tp, preset=cfg.preset, dtype=cfg.dtype, checkpoint=ckpt,
                       socket_dir=str(sock), mix=demo_mix(cfg), verify=cfg.verify, progress_every=cfg.progress_every,
                       breaker=BreakerConfig(backoff_max_s=1.0), device=cfg.device, transport=cfg.transport,
-                      required_tp=cfg.required_tp, kv_layout=cfg.kv_layout)
+                      required_tp=cfg.required_tp, kv_layout=cfg.kv_layout, kv_dtype=cfg.kv_dtype)
     launcher = None
     if cfg.start_sidecar:
         out(f"starting a TP-{cfg.tp} sidecar ({cfg.preset}, {cfg.dtype}, max {cfg.max_reqs} requests a step) "

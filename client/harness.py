@@ -31,7 +31,7 @@ from dspark_sidecar.drafter.checkpoint import (
     EMBED_KEY, LM_HEAD_KEY, PREFIX, CheckpointReader, ensure_synthetic_checkpoint,
 )
 from dspark_sidecar.drafter.config import PRESETS
-from dspark_sidecar.drafter.kv_cache import KV_LAYOUTS, StepMetadata, kv_planes, kv_rows, kv_storage_shape
+from dspark_sidecar.drafter.kv_cache import FP8_KV, KV_LAYOUTS, StepMetadata, kv_planes, kv_rows, kv_storage_shape
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
@@ -78,8 +78,11 @@ class HarnessConfig:
     device: str = "cpu"  # or "cuda": rank r on GPU r (its KV cache, stock layers, lm_head)
     required_tp: int = 4  # the shim forwards only at this TP (EngineConfig.required_tp; the seed's check)
     kv_layout: str = "planes"  # how the engine allocates its draft KV cache (kv_cache.KV_LAYOUTS)
+    kv_dtype: str = "auto"  # the cache's element type: auto (the compute dtype) or fp8 (e4m3, kv_cache.FP8_KV)
 
     def __post_init__(self) -> None:
+        if self.kv_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_dtype: auto or fp8, got {self.kv_dtype!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.dtype not in DTYPES:
@@ -128,7 +131,8 @@ class EngineRank:
 
     def _allocate(self):
         shape = kv_storage_shape(self.cfg, self.h.tp, self.h.num_pages, self.h.page_size, self.h.kv_layout)
-        return [exportable_zeros(shape, self.dtype, self.dev) for _ in range(self.cfg.num_hidden_layers)]
+        dtype = FP8_KV if self.h.kv_dtype == "fp8" else self.dtype
+        return [exportable_zeros(shape, dtype, self.dev) for _ in range(self.cfg.num_hidden_layers)]
 
     def _layers(self) -> list[torch.Tensor]:
         """The caches as the stock layers address them: [2, pages, page_size, kv_heads, head_dim] views."""
@@ -293,7 +297,10 @@ class Record:
         n = int((d_fwd != d_local).sum())
         self.token_mismatch += int(n > 0)
         self.tokens_differing += n
-        self.kv_mismatch += int(not torch.equal(kv_fwd, kv_local))
+        # Compared as bits: torch has no equality for float8 on CPU, and bits are what must match.
+        self.kv_mismatch += int(kv_fwd.dtype != kv_local.dtype
+                                or not torch.equal(kv_fwd.view(torch.uint8) if kv_fwd.element_size() == 1 else kv_fwd,
+                                                   kv_local.view(torch.uint8) if kv_local.element_size() == 1 else kv_local))
         self.max_kv_diff = max(self.max_kv_diff, (kv_fwd.float() - kv_local.float()).abs().max().item())
         if fwd.numel():
             self.max_hidden_rel = max(self.max_hidden_rel, scenario.rel_l2(fwd, local.to(fwd.dtype)))

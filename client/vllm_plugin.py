@@ -74,10 +74,29 @@ def kv_cache_provider(model: torch.nn.Module):
             t = (kv[0] if kv else None) if isinstance(kv, list) else kv
             if not isinstance(t, torch.Tensor) or t.numel() == 0:
                 return []
-            out.append(t)
+            out.append(fp8_codes(m, t))
         return out
 
     return caches
+
+
+def fp8_codes(layer: Any, t: torch.Tensor) -> torch.Tensor:
+    """A layer's cache as the sidecar reads it. vLLM holds kv_cache_dtype fp8 as uint8 codes of
+    x / scale; where they are e4m3fn (the platform's fp8, gfx950's and NVIDIA's) at k and v scale 1,
+    they are float8_e4m3fn codes of x and are passed as such (a view). Otherwise the tensor is
+    passed as it is, and BindKV is refused naming its dtype."""
+    if t.dtype != torch.uint8 or str(getattr(layer, "kv_cache_dtype", "")) not in ("fp8", "fp8_e4m3"):
+        return t
+    if getattr(layer, "_k_scale_float", None) != 1.0 or getattr(layer, "_v_scale_float", None) != 1.0:
+        return t
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.fp8_dtype() != torch.float8_e4m3fn:
+            return t
+    except (ImportError, AttributeError):
+        return t
+    return t.view(torch.float8_e4m3fn)
 
 
 def full_graph_decode(vllm_config: Any) -> bool:

@@ -47,6 +47,11 @@ class StepMetadata:
 #   records: [num_pages, kv_heads, page_size, 2 * head_dim], contiguous: each (page, head, token)
 #            holds a record K | V of 2 * head_dim (vLLM 0.34's FLASH_ATTN / FLASHINFER caches).
 KV_LAYOUTS = ("planes", "records")
+# An engine may store K/V as float8 e4m3 (vLLM's kv_cache_dtype "fp8", held as uint8 there): values
+# x / scale, saturated. Served at scale 1 only (the DSpark checkpoint has no KV scales); reads widen
+# exactly to the compute dtype.
+FP8_KV = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 def kv_layer_shape(cfg: DrafterConfig, tp_size: int, num_pages: int, page_size: int) -> tuple[int, ...]:
@@ -110,11 +115,19 @@ def kv_rows(kv_layer: torch.Tensor, plane: int, slots: torch.Tensor) -> torch.Te
     return kv_layer[plane][slots // page, slots % page]
 
 
+def to_cache(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows as a cache of `dtype` stores them: a cast; into fp8 e4m3 (FP8_KV) saturated to +-448
+    first, as vLLM's own fp8 cache writes are (at scale 1), then rounded to nearest even."""
+    if dtype == FP8_KV:
+        return rows.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return rows.to(dtype)
+
+
 def write_kv_rows(kv_layer: torch.Tensor, plane: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """Store rows [m, kv_heads, head_dim] at flat slots int64 [m], in place through any layout's view
     (index_put_: no host reads, so a CUDA graph can capture it)."""
     page = kv_layer.shape[2]
-    kv_layer[plane].index_put_((slots // page, slots % page), rows.to(kv_layer.dtype))
+    kv_layer[plane].index_put_((slots // page, slots % page), to_cache(rows, kv_layer.dtype))
 
 
 def allocate_kv_cache(cfg: DrafterConfig, tp_size: int, num_pages: int, page_size: int,

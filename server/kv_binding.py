@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from dspark_sidecar.drafter.config import DrafterConfig
-from dspark_sidecar.drafter.kv_cache import kv_layer_shape, kv_view_problem
+from dspark_sidecar.drafter.kv_cache import FP8_KV, kv_layer_shape, kv_view_problem
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.memory import MappedMemory, QuietStream, discard_handle
@@ -98,8 +98,9 @@ class MemoryBindings:
                 if lb.layer != i:
                     raise invalid(f"{f}.layer", f"layers must be listed in order, got layer {lb.layer} at {i}")
                 dtype = _dtype(lb.dtype, f"{f}.dtype")
-                if dtype != self.dtype:
-                    raise invalid(f"{f}.dtype", f"cache is {dtype}, this sidecar computes in {self.dtype} (--dtype)")
+                if dtype != self.dtype and dtype != FP8_KV:
+                    raise invalid(f"{f}.dtype", f"cache is {dtype}, this sidecar computes in {self.dtype} (--dtype); "
+                                                "a cache is served in that dtype or as float8 e4m3")
                 pages = lb.shape[1] if len(lb.shape) == 5 else -1
                 want = kv_layer_shape(self.cfg, self.tp, pages, req.page_size)
                 if tuple(lb.shape) != want:

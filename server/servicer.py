@@ -111,7 +111,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 bound=kv is not None, binding_id=kv.binding_id if kv else 0, generation=kv.generation if kv else 0,
                 num_layers=len(kv.layers) if kv else 0, num_pages=kv.num_pages if kv else 0,
                 page_size=kv.page_size if kv else 0,
-                kv_dtype=codec.dtype_to_proto(self.ctx.model.dtype) if kv else pb.DTYPE_UNSPECIFIED),
+                kv_dtype=codec.dtype_to_proto(kv.layers[0].dtype) if kv and kv.layers else pb.DTYPE_UNSPECIFIED),
             counters=self.ctx.metrics.counters_pb(), latencies=self.ctx.metrics.latencies_pb())
 
     def BindKV(self, request, context):

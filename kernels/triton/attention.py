@@ -344,8 +344,9 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
     if sp & (sp - 1):
         raise ValueError(f"attention: splits must be a power of two, got {sp}")
     s = kv_layer.stride()
-    # Same dtypes: dot in that dtype (bf16 tensor cores); mixed: widen both to fp32 (exact).
-    dot = tl_dtype(q.dtype) if q.dtype == kv_layer.dtype else tl.float32
+    # Same dtypes: dot in that dtype (bf16 tensor cores); an fp8 e4m3 cache widens exactly to q's
+    # dtype (3 mantissa bits, exponents inside bf16's), so also q's; other mixes: both to fp32 (exact).
+    dot = tl_dtype(q.dtype) if q.dtype == kv_layer.dtype or kv_layer.dtype == torch.float8_e4m3fn else tl.float32
 
     lane = _coop_lane(q, r, hk, sp) if cooperative else None
 

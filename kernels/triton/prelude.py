@@ -19,7 +19,7 @@ import triton.language as tl
 
 from dspark_sidecar.kernels.triton.gemm import Partials, row_norm_scale
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, dep_release, dep_wait, pdl_kwargs, rms_inv, tl_dtype,
+    INTERPRET, cache_dtype, cast, check_device, dep_release, dep_wait, pdl_kwargs, rms_inv, tl_dtype,
 )
 
 
@@ -159,7 +159,7 @@ def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: tor
             q, q.stride(0), q.stride(1), q.stride(2),
             *_cache_args(kv_layer), slots, eps, xs, sq, sq.stride(0), k_in, eps_in,
             PAGE=kv_layer.shape[2], SPLITS=splits, Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, HALF=cos.shape[-1],
-            BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(dtype), CACHE=tl_dtype(kv_layer.dtype),
+            BLOCK_D=triton.next_power_of_2(d), OUT=tl_dtype(dtype), CACHE=cache_dtype(kv_layer.dtype),
             PARTIAL=partial, INTERPRET=INTERPRET, num_warps=1, **pdl_kwargs(x, "prelude"),
         )
     return q
@@ -197,6 +197,6 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
         _write_kv_kernel[(m, heads)](
             k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             *_cache_args(kv_layer), slots, PAGE=kv_layer.shape[2],
-            D=d, BLOCK_D=triton.next_power_of_2(d), CACHE=tl_dtype(kv_layer.dtype), INTERPRET=INTERPRET,
+            D=d, BLOCK_D=triton.next_power_of_2(d), CACHE=cache_dtype(kv_layer.dtype), INTERPRET=INTERPRET,
             num_warps=1,
         )

@@ -91,6 +91,21 @@ def cast(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     The interpreter (triton 3.9) truncates fp32 -> bf16, a bias of half an ulp that the GPU does
     not have; there the bits are rounded here first (a bf16 value truncates exactly).
     """
+    if DTYPE == tl.float8e4nv:
+        # An fp8 KV cache (vLLM's kv_cache_dtype fp8, scale 1): saturated to the largest finite
+        # e4m3 value, as the engine's own cache writes are, then rounded to nearest even.
+        x = tl.clamp(x.to(tl.float32), -FP8_MAX, FP8_MAX)
+        if INTERPRET:
+            # The interpreter rounds ties away from zero and loses subnormals: round here to an
+            # e4m3 value first (then its conversion is exact). Normals keep 3 of fp32's 23 mantissa
+            # bits (ties to even on the bits); below 2^-6 the grid is 2^-9, rounded by adding and
+            # subtracting 1.5 * 2^14 in fp32 (its own round-to-nearest-even does the work).
+            b = x.to(tl.uint32, bitcast=True)
+            b = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) << 20
+            normal = b.to(tl.float32, bitcast=True)
+            tiny = (x + 24576.0) - 24576.0
+            x = tl.where(tl.abs(x) < 0.015625, tiny, normal)
+        return x.to(DTYPE, fp_downcast_rounding="rtne")
     if INTERPRET:
         if DTYPE == tl.bfloat16:
             if x.dtype == tl.float32:
@@ -100,9 +115,17 @@ def cast(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     return x.to(DTYPE)
 
 
+FP8_MAX = tl.constexpr(448.0)  # the largest finite float8 e4m3fn value
+
+
 def tl_dtype(dtype: torch.dtype) -> tl.dtype:
     """The Triton type of an activation dtype (kernels round their fp32 results to it once)."""
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+def cache_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The Triton type of a KV cache dtype: an activation dtype, or fp8 e4m3 (kv_cache.FP8_KV)."""
+    return tl.float8e4nv if dtype == torch.float8_e4m3fn else tl_dtype(dtype)
 
 
 def dot_dtype(dtype: torch.dtype) -> tl.dtype:

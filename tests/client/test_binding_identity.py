@@ -59,13 +59,16 @@ def test_the_binding_does_not_keep_a_freed_cache_alive():
 
 
 def test_caches_the_sidecar_cannot_address_are_refused_for_good_saying_why():
-    # An fp8 kv_cache_dtype (vLLM stores e4m3 codes as uint8) and a shape neither layout has: the
-    # bind is refused permanently, by name (not a passing failure the shim would retry).
+    # Raw fp8 bytes (vLLM stores fp8 codes as uint8; its plug-in passes e4m3 at scale 1 as
+    # float8_e4m3fn), e5m2, and a shape neither layout has: the bind is refused permanently, by
+    # name (not a passing failure the shim would retry).
     import pytest
 
     from dspark_sidecar.client.binding import BindError, bind_request
 
-    for layers, why in (([torch.zeros(4, 1, 16, 256, dtype=torch.uint8)] * 5, "kv_cache_dtype auto or bfloat16"),
+    fp8 = "serves an fp8 cache as float8_e4m3fn codes at k/v scale 1 only"
+    for layers, why in (([torch.zeros(4, 1, 16, 256, dtype=torch.uint8)] * 5, fp8),
+                        ([torch.zeros(4, 1, 16, 256, dtype=torch.float8_e5m2)] * 5, fp8),
                         ([torch.zeros(4, 1, 16, 255)] * 5, r"shape \[4, 1, 16, 255\]: expected planes"),
                         ([torch.zeros(4, 16, 256)] * 5, "expected planes")):
         with pytest.raises(BindError, match=why) as err:

@@ -170,16 +170,19 @@ def test_doorbell_transport_is_bit_identical_and_survives_a_restart(sidecar, tin
     assert r0["binds"] >= 2
 
 
-@pytest.mark.parametrize("transport", ["grpc", "doorbell"])
-def test_a_records_cache_as_vllm_034_allocates_it_is_forwarded_bit_for_bit(sidecar, tiny_ckpt, tmp_path, transport):
+@pytest.mark.parametrize("transport,kv_dtype", [("grpc", "auto"), ("doorbell", "auto"), ("doorbell", "fp8")])
+def test_a_records_cache_as_vllm_034_allocates_it_is_forwarded_bit_for_bit(sidecar, tiny_ckpt, tmp_path, transport,
+                                                                           kv_dtype):
     """The engine's cache as [pages, heads, page_size, 2 * head_dim] (K | V records): bound as its
     planes view, written by the sidecar where the engine's own layers read it (the local layers run
-    beside every forwarded round and must see the same K/V bits), and re-bound after a re-allocation."""
+    beside every forwarded round and must see the same K/V bits), and re-bound after a re-allocation.
+    fp8: the cache holds float8 e4m3 codes (vLLM's kv_cache_dtype fp8), the sidecar computing in fp32."""
     if not all(sidecar.healthy()):
         sidecar.stop()
         sidecar.start()
     run = run_engine(harness(tiny_ckpt, rounds=12, socket_dir=str(sidecar.socket_dir), transport=transport,
-                             kv_layout="records", faults=(Fault(6, "realloc_kv"),)), tmp_path, timeout_s=900)
+                             kv_layout="records", kv_dtype=kv_dtype, faults=(Fault(6, "realloc_kv"),)), tmp_path,
+                     timeout_s=900)
     r0 = check_consistent(run)
     assert r0["decisions"].count("F") >= 4, (r0["decisions"], r0["reasons"])
     assert "F" in r0["decisions"][6:] and r0["binds"] >= 2

@@ -180,3 +180,25 @@ def test_full_cuda_graph_decode_is_named_since_its_steps_never_reach_the_shim():
     assert vllm_plugin.full_graph_decode(config("FULL"))
     assert not vllm_plugin.full_graph_decode(config("PIECEWISE"))
     assert not vllm_plugin.full_graph_decode(SimpleNamespace())  # older vLLM: no cudagraph_mode
+
+
+def test_an_fp8_cache_is_passed_as_e4m3_codes_only_at_scale_one_on_an_e4m3fn_platform(fake_vllm, monkeypatch):
+    """vLLM holds kv_cache_dtype fp8 as uint8 codes of x / scale: read as float8_e4m3fn only where
+    that is what they are; any other case goes on as uint8, which BindKV refuses by name."""
+    plat = types.ModuleType("vllm.platforms")
+    plat.current_platform = SimpleNamespace(fp8_dtype=lambda: torch.float8_e4m3fn)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", plat)
+
+    def layer(kv_dtype="fp8", k=1.0, v=1.0):
+        return SimpleNamespace(kv_cache_dtype=kv_dtype, _k_scale_float=k, _v_scale_float=v)
+
+    raw = torch.tensor([[0x38, 0x40, 0xC8]], dtype=torch.uint8)  # e4m3fn codes of 1.0, 2.0, -4.0
+    codes = vllm_plugin.fp8_codes(layer(), raw)
+    assert codes.dtype == torch.float8_e4m3fn and codes.data_ptr() == raw.data_ptr()
+    assert codes.float().tolist() == [[1.0, 2.0, -4.0]]
+    for other in (layer(k=0.5), layer(v=2.0), layer("fp8_e5m2"), layer("auto")):
+        assert vllm_plugin.fp8_codes(other, raw) is raw
+    bf16 = torch.zeros(2, dtype=torch.bfloat16)
+    assert vllm_plugin.fp8_codes(layer(), bf16) is bf16
+    plat.current_platform = SimpleNamespace(fp8_dtype=lambda: torch.float8_e4m3fnuz)  # gfx942's fp8
+    assert vllm_plugin.fp8_codes(layer(), raw) is raw

@@ -7,8 +7,8 @@ import torch
 
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import CheckpointReader
-from dspark_sidecar.drafter.kv_cache import (allocate_kv_cache, kv_planes, kv_rows, kv_storage_shape,
-                                             kv_view_problem, write_kv_rows)
+from dspark_sidecar.drafter.kv_cache import (FP8_KV, allocate_kv_cache, kv_planes, kv_rows, kv_storage_shape,
+                                             kv_view_problem, to_cache, write_kv_rows)
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
@@ -62,10 +62,10 @@ def test_unknown_layout_is_refused():
         kv_planes(torch.zeros(4, 1, 16, 7))
 
 
-def _step(model, cfg, embed, kv_layout):
+def _step(model, cfg, embed, kv_layout, kv_dtype=torch.float32):
     pages = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 5
     step = scenario.random_step(cfg, LENS, PAGE, pages, embed, seed=3, shuffle_pages=True)
-    raw = allocate_kv_cache(cfg, 1, pages, PAGE, torch.float32, kv_layout=kv_layout)
+    raw = allocate_kv_cache(cfg, 1, pages, PAGE, kv_dtype, kv_layout=kv_layout)
     kv = [kv_planes(t) for t in raw]
     pos, slots = scenario.context_rows(step.meta, PAGE)
     model.commit_context(scenario.random_taps(cfg, pos.numel(), seed=4), pos, slots, kv)
@@ -82,3 +82,25 @@ def test_a_draft_step_over_records_equals_one_over_planes(tiny_cfg, tiny_ckpt, t
     for a, b in zip(kv_p, kv_r):
         assert torch.equal(a, b)
     assert any(bool(t.abs().sum() > 0) for t in raw_r)  # the commit and the step wrote the engine's tensors
+
+
+def test_an_fp8_cache_stores_saturated_codes_rounded_to_nearest_even():
+    x = torch.tensor([1000.0, -1000.0, 1.0625, 1.1875, 17.0, 0.3])
+    assert to_cache(x, FP8_KV).float().tolist() == [448.0, -448.0, 1.0, 1.25, 16.0, 0.3125]
+    raw = torch.zeros(2, 1, PAGE, 2 * 4, dtype=FP8_KV)
+    kv = kv_planes(raw)
+    write_kv_rows(kv, 1, torch.tensor([17]), torch.full((1, 1, 4), 600.0))
+    assert raw[1, 0, 1, 4:].float().tolist() == [448.0] * 4 and raw[1, 0, 1, :4].float().abs().sum() == 0
+
+
+def test_a_draft_step_over_an_fp8_records_cache_equals_one_over_fp8_planes(tiny_cfg, tiny_ckpt, tiny_embed):
+    model = DSparkDrafter(tiny_cfg, ParallelContext(), REFERENCE_OPS, torch.float32).load(
+        CheckpointReader(tiny_ckpt[0], torch.float32))
+    out_p, _, kv_p = _step(model, tiny_cfg, tiny_embed, "planes", FP8_KV)
+    out_r, raw_r, kv_r = _step(model, tiny_cfg, tiny_embed, "records", FP8_KV)
+    assert raw_r[0].dtype == FP8_KV and torch.equal(out_p, out_r)
+    for a, b in zip(kv_p, kv_r):
+        assert torch.equal(a.float(), b.float())
+    # And the fp8 cache is a real rounding: the step differs from the one over an fp32 cache.
+    out_f, _, _ = _step(model, tiny_cfg, tiny_embed, "planes")
+    assert not torch.equal(out_f, out_p)

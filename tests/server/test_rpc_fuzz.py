@@ -614,7 +614,10 @@ def _bind_cases(rig: Rig) -> list[Case]:
             return apply
         for d in DTYPES:
             if d != pb.DTYPE_FP32:
-                add(f"layers[{i}].dtype = {_dname(d)}", lay(lambda lb, d=d: setattr(lb, "dtype", d)), True)
+                # fp8 e4m3 codes are a served cache dtype (vLLM's kv_cache_dtype fp8): the same
+                # memory read as 1-byte codes is a smaller view of it, and valid.
+                add(f"layers[{i}].dtype = {_dname(d)}", lay(lambda lb, d=d: setattr(lb, "dtype", d)),
+                    d != pb.DTYPE_FP8_E4M3)
         shapes = {"4 dims": shape0[:4], "6 dims": shape0 + [1], "0 pages": [2, 0, *shape0[2:]],
                   "pages + 1": [2, shape0[1] + 1, *shape0[2:]], "pages -1": [2, -1, *shape0[2:]],
                   "pages 2^62": [2, 2**62, *shape0[2:]], "pages 2^63-1": [2, I64, *shape0[2:]],

@@ -85,3 +85,42 @@ def test_write_kv_on_records_touches_only_the_slots_records(device):
     for s in slots[keep].tolist():
         expect[s // PAGE, s % PAGE] = True
     assert torch.equal(changed, expect)
+
+
+@pytest.mark.parametrize("kv_layout", ["planes", "records"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_an_fp8_cache_is_written_saturated_and_read_widened_as_the_reference_does(device, dtype, kv_layout, parity):
+    """vLLM's kv_cache_dtype fp8 (scale 1): the prelude stores e4m3 codes of its K (rounded to the
+    activation dtype first) and of V, saturated at +-448; attention widens them exactly."""
+    q_heads, kv_heads, d, rot, reqs = 8, 1, 64, 32, 2
+    gen = torch.Generator().manual_seed(21)
+    rows = reqs * Q
+    qkv = (torch.randn(rows, (q_heads + 2 * kv_heads) * d, generator=gen) * 2.0).to(device, dtype)
+    qkv[3, -5:] = 1000.0  # V values past e4m3's range: saturated, not inf or NaN
+    qn, kn = ((torch.randn(d, generator=gen) * 0.1).to(device, dtype) for _ in range(2))
+    contexts = [9, 50]
+    positions = torch.cat([torch.arange(c, c + Q) for c in contexts]).to(device)
+    seq_lens = torch.tensor([c + Q for c in contexts], dtype=torch.int32, device=device)
+    tables = torch.randperm(PAGES, generator=gen)[: reqs * 8].view(reqs, 8).to(device, torch.int32)
+    slots = (tables.gather(1, (positions.view(reqs, Q) // PAGE).to(torch.int64)).to(torch.int64) * PAGE
+             + positions.view(reqs, Q) % PAGE).reshape(-1)
+    cos, sin = reference.rope_cos_sin(positions, rot, THETA)
+    planes = (torch.randn(2, PAGES, PAGE, kv_heads, d, generator=gen) * 2).to(torch.float8_e4m3fn).to(device)
+    raw = planes if kv_layout == "planes" else _records_like(planes.float()).to(torch.float8_e4m3fn)
+    kv = kv_planes(raw)
+    kv_ref = kv_planes(raw.clone())
+
+    q_ref = reference.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv_ref, slots, q_heads, kv_heads)
+    q = TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, q_heads, kv_heads)
+    parity(q, q_ref)
+    assert kv.dtype == torch.float8_e4m3fn
+    # V is a plain copy: the same code to the bit. K may differ by one e4m3 step (3 mantissa bits,
+    # rtol 1/8) where the kernel's K, before the cache's rounding, is an ulp off the reference's.
+    assert torch.equal(kv[1].view(torch.uint8), kv_ref[1].view(torch.uint8))
+    assert torch.allclose(kv[0].float(), kv_ref[0].float(), rtol=0.125, atol=2 ** -9)
+    assert kv[1].float().abs().max() == 448.0 and torch.isfinite(kv.float()).all()
+
+    window, scale = 40, d ** -0.5
+    ref = reference.paged_window_attention(q_ref, kv_ref, positions, seq_lens, tables, Q, window, scale)
+    out = TRITON_OPS.paged_window_attention(q_ref, kv_ref, positions, seq_lens, tables, Q, window, scale)
+    parity(out, ref)
