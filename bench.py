@@ -47,7 +47,7 @@ from dspark_sidecar import layout
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import DrafterConfig, load_config
-from dspark_sidecar.drafter.kv_cache import KV_LAYOUTS, kv_planes, kv_storage_shape
+from dspark_sidecar.drafter.kv_cache import FP8_KV, KV_LAYOUTS, kv_planes, kv_storage_shape
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels import reference
@@ -91,6 +91,7 @@ class BenchConfig:
     lead_ms: float = 8.0  # g: the engine's GPU work queued before each step (server/prelaunch.py BEHIND_S: 5 ms)
     shim_inputs: str = "host"  # h/i: positions and metadata on the host, or on the GPU as vLLM's forward context has them
     kv_layout: str = "planes"  # the engine's cache allocation (kv_cache.KV_LAYOUTS): records is vLLM 0.34's
+    kv_dtype: str = "auto"  # the cache's element type: auto (the compute dtype) or fp8 (e4m3 codes, kv_cache.FP8_KV)
     seed: int = 0
     notes: dict = field(default_factory=dict)
 
@@ -100,6 +101,8 @@ class BenchConfig:
             raise BenchConfigError(f"--modes: {bad or 'none given'}; choose from {''.join(MODES)} (e.g. 'acd' or 'a,c,d')")
         if self.weights not in ("bf16", "mxfp8"):
             raise BenchConfigError(f"--weights: bf16 or mxfp8, got {self.weights!r}")
+        if self.kv_dtype not in ("auto", "fp8"):
+            raise BenchConfigError(f"--kv-dtype: auto or fp8, got {self.kv_dtype!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise BenchConfigError(f"--kv-layout: one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.shim_inputs not in ("host", "device"):
@@ -178,12 +181,13 @@ def _spin_cycles_per_ms(device: torch.device) -> float:
     return 2_000_000 / statistics.median(timed)
 
 
-def floor_bytes(model: DSparkDrafter, cfg: DrafterConfig, R: int, ctx: int) -> int:
+def floor_bytes(model: DSparkDrafter, cfg: DrafterConfig, R: int, ctx: int, kv_itemsize: int | None = None) -> int:
     """The shard's layer weights and final norm read once per launch group, plus each request's K/V window per layer.
 
     The step runs in launches of at most layout.LAUNCH_REQS requests (architecture.md), each
     streaming every weight: spec section 5's "weights read once per launch group" (R = 32: 4x).
-    Weights kept as MXFP8 count their bytes as stored: 1 per weight plus 1 per 32 for the scales.
+    Weights kept as MXFP8 count their bytes as stored: 1 per weight plus 1 per 32 for the scales;
+    K/V count kv_itemsize bytes a value (default: the compute dtype's; 1 for an fp8 cache).
     """
     w = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith(("layers.", "final_norm")))
     for layer in model.layers:
@@ -192,7 +196,7 @@ def floor_bytes(model: DSparkDrafter, cfg: DrafterConfig, R: int, ctx: int) -> i
                 w += lin.weight.nbytes
     keys = min(ctx + layout.QPR, cfg.sliding_window + layout.QPR - 1)
     kv_local = cfg.num_key_value_heads // model.par.world_size
-    kv = R * keys * 2 * kv_local * cfg.head_dim * torch.empty((), dtype=model.dtype).element_size()
+    kv = R * keys * 2 * kv_local * cfg.head_dim * (kv_itemsize or torch.empty((), dtype=model.dtype).element_size())
     return w * len(layout.launch_groups(R)) + kv * cfg.num_hidden_layers
 
 
@@ -264,10 +268,11 @@ class Bench:
         shape = kv_storage_shape(cfg, bc.shard_of, self.pages, bc.page_size, bc.kv_layout)
         gen = torch.Generator(device).manual_seed(bc.seed)
         self._shm = []
+        kv_dtype = FP8_KV if bc.kv_dtype == "fp8" else self.dtype
         if device.type == "cuda":
-            raw = [torch.randn(shape, generator=gen, device=device).to(self.dtype) for _ in range(cfg.num_hidden_layers)]
+            raw = [torch.randn(shape, generator=gen, device=device).to(kv_dtype) for _ in range(cfg.num_hidden_layers)]
         else:  # the sidecar maps the engine's cache: on CPU it must live in shared memory
-            self._shm = [memory.shm_empty(shape, self.dtype) for _ in range(cfg.num_hidden_layers)]
+            self._shm = [memory.shm_empty(shape, kv_dtype) for _ in range(cfg.num_hidden_layers)]
             raw = [t.tensor for t in self._shm]
             for t in raw:
                 t.copy_(torch.randn(shape, generator=gen))
@@ -493,7 +498,7 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
         for ctx in bc.contexts:
             for R in bc.reqs:
                 case = Case(bench.cfg, R, ctx, bc.page_size, bench.pages, bench.embed, device, seed=R * 7 + ctx)
-                floor_ms = floor_bytes(bench.model, bench.cfg, R, ctx) / bw * 1e3
+                floor_ms = floor_bytes(bench.model, bench.cfg, R, ctx, bench.kv[0].element_size()) / bw * 1e3
                 results: dict[str, list[float] | str] = {}
                 phases: dict[str, dict] = {}
                 for mode in bc.modes:

@@ -247,7 +247,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                      modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch,
                      engine_copy=a.engine_copy, launch_streams=a.launch_streams, lead_ms=a.lead_ms,
-                     shim_inputs=a.shim_inputs, kv_layout=a.kv_layout)
+                     shim_inputs=a.shim_inputs, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype)
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
 
@@ -357,6 +357,8 @@ def _main(argv: list[str] | None) -> int:
                          "--tp 1 and 1 above; with --tp N > 1 each extra stream gets its own communicator)")
     bp.add_argument("--kv-layout", choices=("planes", "records"), default="planes",
                     help="the engine's draft KV cache allocation: planes (the spec's) or records (vLLM 0.34's)")
+    bp.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                    help="the draft KV cache's element type: auto (the compute dtype) or fp8 (e4m3 codes)")
     bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
     bp.add_argument("--tp", type=int, default=1,
                     help="N > 1: the sidecar at TP N on N GPUs (N CPU ranks with --device cpu), driven by N engine ranks "

@@ -44,20 +44,23 @@ def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("device,inputs,kv_layout", [
-    ("cpu", "host", "planes"), ("cpu", "host", "records"), pytest.param("cuda", "host", "planes", marks=_CUDA),
-    pytest.param("cuda", "device", "planes", marks=_CUDA), pytest.param("cuda", "host", "records", marks=_CUDA)])
-def test_the_shim_s_step_is_the_data_plane_s_step(tmp_path, device, inputs, kv_layout):
+@pytest.mark.parametrize("device,inputs,kv_layout,kv_dtype", [
+    ("cpu", "host", "planes", "auto"), ("cpu", "host", "records", "fp8"),
+    pytest.param("cuda", "host", "planes", "auto", marks=_CUDA), pytest.param("cuda", "device", "planes", "auto", marks=_CUDA),
+    pytest.param("cuda", "host", "records", "auto", marks=_CUDA), pytest.param("cuda", "host", "records", "fp8", marks=_CUDA)])
+def test_the_shim_s_step_is_the_data_plane_s_step(tmp_path, device, inputs, kv_layout, kv_dtype):
     """h goes through DrafterShim.maybe_forward, d drives the same data plane directly: one step, the
     same hidden states to the bit (the same sidecar computes both; the shim returns its own copy).
     With `device` inputs the shim reads the positions and metadata back from the GPU, as in vLLM;
-    with `records` the engine's cache is vLLM 0.34's [pages, heads, page_size, 2 * head_dim]."""
+    with `records` the engine's cache is vLLM 0.34's [pages, heads, page_size, 2 * head_dim], with
+    `fp8` its values float8 e4m3 codes (kv_cache_dtype fp8)."""
     from dspark_sidecar.bench import Bench, Case
 
     dev = torch.device(device)
     bench = Bench(BenchConfig(preset="tiny", reqs=(2,), contexts=(40,), modes=("d", "h"), out_dir=tmp_path,
-                              shim_inputs=inputs, kv_layout=kv_layout), dev)
+                              shim_inputs=inputs, kv_layout=kv_layout, kv_dtype=kv_dtype), dev)
     assert bench.kv_raw[0].dim() == (4 if kv_layout == "records" else 5)
+    assert (bench.kv_raw[0].dtype == torch.float8_e4m3fn) == (kv_dtype == "fp8")
     try:
         case = Case(bench.cfg, 2, 40, 16, bench.pages, bench.embed, dev, seed=3)
         bench._inputs = bench.bufs.input_view(case.embeds.shape[0])
@@ -119,6 +122,8 @@ def test_floor_counts_the_weights_once_per_launch_group():
     assert floor_bytes(model, cfg, 8, 40) == floor_bytes(model, cfg, 1, 40) + 7 * per_req
     assert floor_bytes(model, cfg, 9, 40) == floor_bytes(model, cfg, 8, 40) + per_req + weights
     assert floor_bytes(model, cfg, 32, 40) == 4 * weights + 32 * per_req
+    # An fp8 cache: 1 byte a K/V value instead of fp32's 4.
+    assert floor_bytes(model, cfg, 1, 40) - floor_bytes(model, cfg, 1, 40, kv_itemsize=1) == per_req * 3 // 4
 
 
 @pytest.mark.gpu
