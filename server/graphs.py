@@ -3,7 +3,7 @@
 Eager launches of ~30 kernels per layer cost milliseconds of Python and launch overhead per
 step; a replay costs one launch. Shapes must not depend on the step's contents, so the
 attention is addressed through window-relative metadata (drafter.kv_cache.window_metadata,
-fixed width), and each graph is bound to the KV cache's addresses: a re-bind drops them.
+fixed width), and each graph is bound to the KV cache's addresses and strides: a re-bind drops them.
 
 A step's metadata (positions, window-relative positions, slots, lengths, block tables) is
 computed in NumPy straight into a pinned staging buffer and reaches the graph's static inputs
@@ -57,8 +57,10 @@ class _Packed:
 
 
 def _kv_key(kv: list[torch.Tensor]) -> tuple:
-    """What a captured graph is bound to: the cache layers' addresses and shapes."""
-    return tuple((t.data_ptr(), tuple(t.shape)) for t in kv)
+    """What a captured graph is bound to: the cache layers' addresses, shapes and strides (a bound
+    view may have any layout's strides, which the kernels bake in: a re-bind at the same address in
+    another layout must not replay the old graphs)."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in kv)
 
 
 @dataclass

@@ -1,0 +1,22 @@
+"""server/graphs.py's graph key, on CPU: what a captured draft-step graph is bound to."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark_sidecar.drafter.kv_cache import kv_planes
+from dspark_sidecar.server.graphs import _kv_key
+
+
+def test_a_rebind_that_only_changes_the_strides_drops_the_graphs():
+    # A captured graph bakes in each layer's strides (the Triton kernels take them as arguments).
+    # A re-bind may map a cache at the address the last one had (an engine restarted on another
+    # vLLM: planes before, records now) with the same 5-D view shape: the key must differ, or the
+    # old graph would replay, writing and reading K/V through the old layout's strides.
+    memory = torch.zeros(4 * 1 * 16 * 256)
+    planes = memory.view(2, 4, 16, 1, 128)
+    records = kv_planes(memory.view(4, 1, 16, 256))
+    assert planes.data_ptr() == records.data_ptr() and planes.shape == records.shape
+    assert planes.stride() != records.stride()
+    assert _kv_key([planes] * 5) != _kv_key([records] * 5)
+    assert _kv_key([planes] * 5) == _kv_key([memory.view(2, 4, 16, 1, 128)] * 5)  # the same view: kept
