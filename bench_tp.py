@@ -34,7 +34,7 @@ from dspark_sidecar.bench import BenchConfig, SidecarUnderTest
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import load_config
-from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+from dspark_sidecar.drafter.kv_cache import kv_planes, kv_rows, kv_storage_shape
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
@@ -68,12 +68,14 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     dtype = DTYPES[bc.dtype]
     page = bc.page_size
     pages = max(bc.reqs) * scenario.pages_needed(max(bc.contexts) + layout.QPR, page)
-    shape = kv_layer_shape(cfg, world, pages, page)
+    shape = kv_storage_shape(cfg, world, pages, page, bc.kv_layout)  # as the engine allocates it (--kv-layout)
     gen = torch.Generator(dev).manual_seed(bc.seed + 101 * rank)  # this rank's KV head: committed context
     held = [memory.exportable_zeros(shape, dtype, dev) for _ in range(cfg.num_hidden_layers)]  # shm on CPU
-    kv = [h.tensor for h in held]
-    for t in kv:
+    raw = [h.tensor for h in held]  # what the shim binds, as vLLM's attention layers hold it
+    for t in raw:
         t.copy_(torch.randn(shape, generator=gen, device=dev))
+    kv = [kv_planes(t) for t in raw]  # the reference's [2, pages, page_size, heads, head_dim] views
+    allocated = "records" if raw[0].dim() == 4 else "planes"  # what the rows measured, in the report
     source = SyntheticSource(cfg, dtype, dev, bc.seed)  # the weights the sidecar drew (--random-weights)
     embed = source.read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
     ref = DSparkDrafter(cfg, ParallelContext(rank, world, DistExchange(group)), REFERENCE_OPS, dtype,
@@ -84,7 +86,7 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     # through maybe_forward, agreements included, as an engine's forward does.
     shim = DrafterShim(EngineConfig(tp_size=world, required_tp=world, endpoint=f"unix:{target_dir}/rank{rank}.sock",
                                     transport="doorbell", device=str(dev), max_reqs=max(bc.reqs), step_deadline_s=60.0),
-                       None, lambda: kv, ParallelContext(rank, world, DistExchange(None)))
+                       None, lambda: raw, ParallelContext(rank, world, DistExchange(None)))
     why = shim.connect()
     if why is not None or shim.doorbell is None:
         raise RuntimeError(f"engine rank {rank}: the shim could not set up the data plane: {why or 'no doorbell'}")
@@ -115,8 +117,8 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
                     early += resp.timings.prelaunched
                 errors += resp.HasField("error")
             got = hidden.clone()  # [7R, hidden]: the last step's answer (every repeat is the same step)
-            row = {"R": R, "context": ctx, "p50_ms": statistics.median(times), "errors": errors,
-                   "prelaunched_share": early / len(times),
+            row = {"R": R, "context": ctx, "kv_layout": allocated, "p50_ms": statistics.median(times),
+                   "errors": errors, "prelaunched_share": early / len(times),
                    **_parity(ref, group, embeds, positions, meta, kv_before, kv, got)}
             shim_times, shimmed = [], None
             for i in range(bc.repeats + 3):  # the same step through the shim (it writes the same K/V again)
@@ -147,8 +149,8 @@ def _parity(ref: DSparkDrafter, group, embeds: torch.Tensor, positions: torch.Te
     want = ref.draft_step(embeds, positions, meta, kv_before)  # writes the block K/V into kv_before
     slots = meta.slot_mapping
 
-    def block(t: torch.Tensor) -> torch.Tensor:  # [2, pages, page, kv_heads, d] -> the step's rows
-        return t.reshape(2, -1, *t.shape[3:])[:, slots]
+    def block(t: torch.Tensor) -> torch.Tensor:  # [2, pages, page, kv_heads, d] (any layout's view) -> the step's rows
+        return torch.stack([kv_rows(t, 0, slots), kv_rows(t, 1, slots)])
 
     first = got.clone()  # every rank's hidden state must be rank 0's, bit for bit (one summation order)
     dist.broadcast(first, 0, group=group)
@@ -235,7 +237,8 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str,
         ar = max(p[i]["exchange_p50_ms"] for p in per_rank)
         hid, kv = max(p[i]["hidden_rel_l2"] for p in per_rank), max(p[i]["kv_rel_l2"] for p in per_rank)
         shim = max(p[i].get("shim_p50_ms", float("nan")) for p in per_rank)  # the slowest rank, as for the step
-        row = {"R": r0["R"], "context": r0["context"], "tp_step_p50_ms": step, "tp_shim_step_p50_ms": shim,
+        row = {"R": r0["R"], "context": r0["context"], "kv_layout": r0.get("kv_layout"),
+               "tp_step_p50_ms": step, "tp_shim_step_p50_ms": shim,
                "shim_matches": all(p[i].get("shim_matches", False) for p in per_rank),
                "single_gpu_shard_p50_ms": one.get("p50_ms"), "single_gpu_backend_inprocess_p50_ms": inproc.get("p50_ms"),
                "floor_ms": floor, "x_floor": step / floor if floor else None,

@@ -50,3 +50,13 @@ def test_the_report_fails_a_case_on_any_rank_s_error_disagreement_or_drift(tmp_p
     assert row["single_gpu_shard_p50_ms"] == 0.6 and row["single_gpu_backend_inprocess_p50_ms"] == 0.5
     # On CPU (reference ops on both sides) any difference at all fails.
     assert not _report(bc, 2, cases["ok"][0], single, "cpu", 0.0)["rows"][0]["parity_ok"]
+
+
+def test_kv_layout_records_is_what_the_engine_ranks_allocate_and_bind(tmp_path):
+    # --kv-layout reaches the TP engine ranks too: each allocates vLLM 0.34's records cache, its shim
+    # binds it, and the reference runs over the same views; the rows say which layout they measured.
+    bc = BenchConfig(preset="tiny", reqs=(2,), contexts=(40,), dtype="fp32", repeats=1, out_dir=tmp_path,
+                     kv_layout="records")
+    (row,) = run_tp_bench(bc, 2, single_gpu=False, device_type="cpu")["rows"]
+    assert row["kv_layout"] == "records"
+    assert row["errors"] == 0 and row["parity_ok"] and row["kv_rel_l2"] == 0.0
