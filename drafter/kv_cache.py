@@ -108,11 +108,18 @@ def kv_view_problem(shape: Sequence[int], strides: Sequence[int]) -> str | None:
     return None
 
 
+def _page_offset(kv_layer: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat slots -> (page, offset) indices. A negative slot (padding) would index the last page as
+    torch's negative indices do: it is made page num_pages instead, out of range, so the access
+    fails as the flat index_copy_ did (the ops take valid slots only; the kernels skip padding)."""
+    page = kv_layer.shape[2]
+    return (slots // page).masked_fill(slots < 0, kv_layer.shape[1]), slots % page
+
+
 def kv_rows(kv_layer: torch.Tensor, plane: int, slots: torch.Tensor) -> torch.Tensor:
     """K (plane 0) or V (plane 1) rows at flat slots (page * page_size + offset): slots [...] ->
     [..., kv_heads, head_dim], a copy. Indexes page and offset separately, so any layout's view works."""
-    page = kv_layer.shape[2]
-    return kv_layer[plane][slots // page, slots % page]
+    return kv_layer[plane][_page_offset(kv_layer, slots)]
 
 
 def to_cache(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -126,8 +133,7 @@ def to_cache(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def write_kv_rows(kv_layer: torch.Tensor, plane: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """Store rows [m, kv_heads, head_dim] at flat slots int64 [m], in place through any layout's view
     (index_put_: no host reads, so a CUDA graph can capture it)."""
-    page = kv_layer.shape[2]
-    kv_layer[plane].index_put_((slots // page, slots % page), to_cache(rows, kv_layer.dtype))
+    kv_layer[plane].index_put_(_page_offset(kv_layer, slots), to_cache(rows, kv_layer.dtype))
 
 
 def allocate_kv_cache(cfg: DrafterConfig, tp_size: int, num_pages: int, page_size: int,

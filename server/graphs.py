@@ -57,10 +57,10 @@ class _Packed:
 
 
 def _kv_key(kv: list[torch.Tensor]) -> tuple:
-    """What a captured graph is bound to: the cache layers' addresses, shapes and strides (a bound
-    view may have any layout's strides, which the kernels bake in: a re-bind at the same address in
-    another layout must not replay the old graphs)."""
-    return tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in kv)
+    """What a captured graph is bound to: the cache layers' addresses, shapes, strides and dtypes (a
+    bound view may have any layout's strides and be bf16 or fp8 codes, which the kernels bake in: a
+    re-bind at the same address in another layout or dtype must not replay the old graphs)."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in kv)
 
 
 @dataclass

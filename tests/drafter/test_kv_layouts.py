@@ -104,3 +104,13 @@ def test_a_draft_step_over_an_fp8_records_cache_equals_one_over_fp8_planes(tiny_
     # And the fp8 cache is a real rounding: the step differs from the one over an fp32 cache.
     out_f, _, _ = _step(model, tiny_cfg, tiny_embed, "planes")
     assert not torch.equal(out_f, out_p)
+
+
+def test_a_padding_slot_is_refused_not_wrapped_onto_the_last_page():
+    # A slot of -1 split into (page, offset) would be (-1, page_size - 1): the last page's last
+    # token, silently. The ops take valid slots only, so it must fail as the flat index did.
+    kv = kv_planes(torch.zeros(3, 1, PAGE, 8))
+    with pytest.raises(IndexError):
+        write_kv_rows(kv, 0, torch.tensor([5, -1]), torch.ones(2, 1, 4))
+    with pytest.raises(IndexError):
+        kv_rows(kv, 1, torch.tensor([-1]))

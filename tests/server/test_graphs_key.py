@@ -20,3 +20,13 @@ def test_a_rebind_that_only_changes_the_strides_drops_the_graphs():
     assert planes.stride() != records.stride()
     assert _kv_key([planes] * 5) != _kv_key([records] * 5)
     assert _kv_key([planes] * 5) == _kv_key([memory.view(2, 4, 16, 1, 128)] * 5)  # the same view: kept
+
+
+def test_a_rebind_that_only_changes_the_dtype_drops_the_graphs():
+    # The same bytes bound as fp8 e4m3 codes (vLLM's kv_cache_dtype fp8) after bf16, or back: the
+    # kernels' loads and stores are compiled for the cache's dtype.
+    memory = torch.zeros(2 * 4 * 16 * 128, dtype=torch.uint8)
+    bf16 = memory.view(torch.bfloat16)[: 2 * 4 * 16 * 64].view(2, 4, 16, 1, 64)
+    fp8 = memory.view(torch.float8_e4m3fn)[: 2 * 4 * 16 * 64].view(2, 4, 16, 1, 64)
+    assert bf16.data_ptr() == fp8.data_ptr() and bf16.shape == fp8.shape and bf16.stride() == fp8.stride()
+    assert _kv_key([bf16] * 5) != _kv_key([fp8] * 5)

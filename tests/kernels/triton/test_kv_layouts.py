@@ -30,21 +30,28 @@ def _records_like(planes: torch.Tensor) -> torch.Tensor:
     return rec
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_prelude_and_attention_on_records_match_planes_bit_for_bit(device, dtype, kv_heads, parity):
-    q_heads, d, rot, reqs = 4 * kv_heads, 64, 32, 3
-    gen = torch.Generator().manual_seed(11 + kv_heads)
-    rows = reqs * Q
-    qkv = (torch.randn(rows, (q_heads + 2 * kv_heads) * d, generator=gen) * 2.0).to(device, dtype)
+def _step(q_heads, kv_heads, d, rot, contexts, width, dtype, device, gen):
+    """A step's prelude and attention inputs: qkv, q/k norm weights, rows at P..P+6 of each context
+    through random pages (width per request), their slots, and the rows' RoPE angles."""
+    reqs = len(contexts)
+    qkv = (torch.randn(reqs * Q, (q_heads + 2 * kv_heads) * d, generator=gen) * 2.0).to(device, dtype)
     qn, kn = ((torch.randn(d, generator=gen) * 0.1).to(device, dtype) for _ in range(2))
-    contexts = [5, 40, 61]
     positions = torch.cat([torch.arange(c, c + Q) for c in contexts]).to(device)
     seq_lens = torch.tensor([c + Q for c in contexts], dtype=torch.int32, device=device)
-    tables = torch.randperm(PAGES, generator=gen)[: reqs * 9].view(reqs, 9).to(device, torch.int32)
+    tables = torch.randperm(PAGES, generator=gen)[: reqs * width].view(reqs, width).to(device, torch.int32)
     slots = (tables.gather(1, (positions.view(reqs, Q) // PAGE).to(torch.int64)).to(torch.int64) * PAGE
              + positions.view(reqs, Q) % PAGE).reshape(-1)
     cos, sin = reference.rope_cos_sin(positions, rot, THETA)
+    return qkv, qn, kn, positions, seq_lens, tables, slots, cos, sin
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_prelude_and_attention_on_records_match_planes_bit_for_bit(device, dtype, kv_heads, parity):
+    q_heads, d = 4 * kv_heads, 64
+    gen = torch.Generator().manual_seed(11 + kv_heads)
+    qkv, qn, kn, positions, seq_lens, tables, slots, cos, sin = _step(q_heads, kv_heads, d, 32, [5, 40, 61], 9,
+                                                                      dtype, device, gen)
     planes = torch.randn(2, PAGES, PAGE, kv_heads, d, generator=gen).to(device, dtype)
     raw = _records_like(planes)
     records = kv_planes(raw)
@@ -92,19 +99,11 @@ def test_write_kv_on_records_touches_only_the_slots_records(device):
 def test_an_fp8_cache_is_written_saturated_and_read_widened_as_the_reference_does(device, dtype, kv_layout, parity):
     """vLLM's kv_cache_dtype fp8 (scale 1): the prelude stores e4m3 codes of its K (rounded to the
     activation dtype first) and of V, saturated at +-448; attention widens them exactly."""
-    q_heads, kv_heads, d, rot, reqs = 8, 1, 64, 32, 2
+    q_heads, kv_heads, d = 8, 1, 64
     gen = torch.Generator().manual_seed(21)
-    rows = reqs * Q
-    qkv = (torch.randn(rows, (q_heads + 2 * kv_heads) * d, generator=gen) * 2.0).to(device, dtype)
+    qkv, qn, kn, positions, seq_lens, tables, slots, cos, sin = _step(q_heads, kv_heads, d, 32, [9, 50], 8,
+                                                                      dtype, device, gen)
     qkv[3, -5:] = 1000.0  # V values past e4m3's range: saturated, not inf or NaN
-    qn, kn = ((torch.randn(d, generator=gen) * 0.1).to(device, dtype) for _ in range(2))
-    contexts = [9, 50]
-    positions = torch.cat([torch.arange(c, c + Q) for c in contexts]).to(device)
-    seq_lens = torch.tensor([c + Q for c in contexts], dtype=torch.int32, device=device)
-    tables = torch.randperm(PAGES, generator=gen)[: reqs * 8].view(reqs, 8).to(device, torch.int32)
-    slots = (tables.gather(1, (positions.view(reqs, Q) // PAGE).to(torch.int64)).to(torch.int64) * PAGE
-             + positions.view(reqs, Q) % PAGE).reshape(-1)
-    cos, sin = reference.rope_cos_sin(positions, rot, THETA)
     planes = (torch.randn(2, PAGES, PAGE, kv_heads, d, generator=gen) * 2).to(torch.float8_e4m3fn).to(device)
     raw = planes if kv_layout == "planes" else _records_like(planes.float()).to(torch.float8_e4m3fn)
     kv = kv_planes(raw)
