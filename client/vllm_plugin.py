@@ -108,12 +108,58 @@ def full_graph_decode(vllm_config: Any) -> bool:
     return callable(decode) and getattr(decode(), "name", "") == "FULL"
 
 
+def eager_draft_steps() -> str:
+    """Make vLLM's DSpark speculator run its draft steps eagerly, so that each reaches the shim;
+    returns what was done, for the log.
+
+    vLLM 0.34 captures a DSpark draft step whole (model forward and Markov sampling) as a full
+    CUDA graph when the deployment's decode mode is FULL, its default; a replay runs no Python,
+    so the sidecar would never see a decode step. DSparkSpeculator.init_cudagraph_manager picks
+    that mode, and NONE there runs the draft step eagerly while the target model keeps its graphs
+    (vllm/v1/worker/gpu/spec_decode/dflash/speculator.py: "PIECEWISE cudagraphs are not supported
+    for dflash", so the only other mode is NONE). Applied only with a sidecar configured
+    (DSPARK_SOCKET_DIR), unless DSPARK_DRAFT_CUDAGRAPHS=keep."""
+    if not os.environ.get("DSPARK_SOCKET_DIR"):
+        return "draft CUDA graphs left as vLLM sets them (no sidecar configured)"
+    choice = os.environ.get("DSPARK_DRAFT_CUDAGRAPHS", "eager") or "eager"
+    if choice == "keep":
+        return "draft CUDA graphs kept (DSPARK_DRAFT_CUDAGRAPHS=keep): replayed steps never reach the sidecar"
+    if choice != "eager":
+        log.warning("DSPARK_DRAFT_CUDAGRAPHS=%r: expected eager (the default) or keep; running the draft steps "
+                    "eagerly", choice)
+    try:
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+    except ImportError as e:
+        return f"draft CUDA graphs left as vLLM sets them (no DSparkSpeculator to adjust: {e})"
+    if getattr(DSparkSpeculator, _MARK, False):
+        return "draft steps already run eagerly"
+    stock_init = DSparkSpeculator.init_cudagraph_manager
+
+    def init_cudagraph_manager(self: Any, cudagraph_mode: Any) -> Any:
+        return stock_init(self, CUDAGraphMode.NONE)
+
+    DSparkSpeculator.init_cudagraph_manager = init_cudagraph_manager
+    setattr(DSparkSpeculator, _MARK, True)
+    return "draft steps run eagerly (no full CUDA graph), so that each reaches the sidecar shim"
+
+
+def draft_steps_eager() -> bool:
+    """Whether eager_draft_steps has adjusted vLLM's DSpark speculator in this process."""
+    try:
+        from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+    except ImportError:
+        return False
+    return bool(getattr(DSparkSpeculator, _MARK, False))
+
+
 def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
     """The shim of this engine rank, from vLLM's distributed state and forward context."""
-    if full_graph_decode(vllm_config):
+    if full_graph_decode(vllm_config) and not draft_steps_eager():
         log.warning("dspark-sidecar: vLLM replays the draft's decode steps as full CUDA graphs "
                     "(compilation_config.cudagraph_mode), which never reach the sidecar shim: only eager steps are "
-                    "forwarded. Run with cudagraph_mode PIECEWISE (or enforce_eager) to forward every step")
+                    "forwarded. Unset DSPARK_DRAFT_CUDAGRAPHS=keep (the plug-in then runs the draft steps eagerly), "
+                    "or run with cudagraph_mode PIECEWISE or enforce_eager")
     from vllm import forward_context as vfc
     from vllm.distributed.parallel_state import get_tp_group
 
@@ -193,6 +239,6 @@ def register() -> list[str]:
             continue
         ModelRegistry.register_model(arch, make_sidecar_class(stock))
         wrapped.append(arch)
-    log.info("dspark-sidecar vLLM plug-in: draft model(s) %s forward through the sidecar shim",
-             ", ".join(wrapped) or "none found")
+    log.info("dspark-sidecar vLLM plug-in: draft model(s) %s forward through the sidecar shim; %s",
+             ", ".join(wrapped) or "none found", eager_draft_steps() if wrapped else "nothing else changed")
     return wrapped

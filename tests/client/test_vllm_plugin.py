@@ -202,3 +202,61 @@ def test_an_fp8_cache_is_passed_as_e4m3_codes_only_at_scale_one_on_an_e4m3fn_pla
     assert vllm_plugin.fp8_codes(layer(), bf16) is bf16
     plat.current_platform = SimpleNamespace(fp8_dtype=lambda: torch.float8_e4m3fnuz)  # gfx942's fp8
     assert vllm_plugin.fp8_codes(layer(), raw) is raw
+
+
+@pytest.fixture
+def fake_speculator(fake_vllm, monkeypatch):
+    """vLLM 0.34's DSparkSpeculator as far as its CUDA-graph mode goes: init_cudagraph_manager
+    records the mode it is given (FULL, vLLM's default decode mode, or NONE: the draft eager)."""
+    compilation = types.ModuleType("vllm.config.compilation")
+    compilation.CUDAGraphMode = SimpleNamespace(NONE="NONE", FULL="FULL", FULL_DECODE_ONLY="FULL_DECODE_ONLY")
+
+    class DSparkSpeculator:
+        def init_cudagraph_manager(self, cudagraph_mode):
+            self.mode = cudagraph_mode
+
+    speculator = types.ModuleType("vllm.v1.worker.gpu.spec_decode.dspark.speculator")
+    speculator.DSparkSpeculator = DSparkSpeculator
+    names = ["vllm.config", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.spec_decode",
+             "vllm.v1.worker.gpu.spec_decode.dspark"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.config.compilation", compilation)
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.spec_decode.dspark.speculator", speculator)
+    monkeypatch.delenv("DSPARK_DRAFT_CUDAGRAPHS", raising=False)
+    return DSparkSpeculator
+
+
+def test_with_a_sidecar_configured_the_draft_steps_run_eagerly_so_each_reaches_the_shim(fake_speculator, monkeypatch,
+                                                                                          caplog):
+    spec = fake_speculator()
+    spec.init_cudagraph_manager("FULL")
+    assert spec.mode == "FULL"  # vLLM as it is: a full graph, whose replays skip the shim
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    with caplog.at_level("INFO", logger="dspark_sidecar.client"):
+        assert vllm_plugin.register() == [ARCH]
+    assert "draft steps run eagerly" in caplog.text
+    spec = fake_speculator()
+    spec.init_cudagraph_manager("FULL")
+    assert spec.mode == "NONE" and vllm_plugin.draft_steps_eager()
+    assert vllm_plugin.eager_draft_steps() == "draft steps already run eagerly"  # once per process
+
+
+@pytest.mark.parametrize("env, said", [
+    ({}, "no sidecar configured"),
+    ({"DSPARK_SOCKET_DIR": "/run/dspark", "DSPARK_DRAFT_CUDAGRAPHS": "keep"}, "DSPARK_DRAFT_CUDAGRAPHS=keep"),
+])
+def test_the_draft_graphs_are_left_alone_without_a_sidecar_or_when_asked(fake_speculator, monkeypatch, env, said):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert said in vllm_plugin.eager_draft_steps()
+    spec = fake_speculator()
+    spec.init_cudagraph_manager("FULL")
+    assert spec.mode == "FULL" and not vllm_plugin.draft_steps_eager()
+
+
+def test_a_vllm_without_the_dspark_speculator_is_left_alone(fake_vllm, monkeypatch):
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", "/run/dspark")
+    monkeypatch.setitem(sys.modules, "vllm.v1", None)  # import -> ImportError
+    assert "no DSparkSpeculator to adjust" in vllm_plugin.eager_draft_steps()
+    assert not vllm_plugin.draft_steps_eager()
