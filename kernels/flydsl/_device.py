@@ -1,4 +1,4 @@
-"""Device-side helpers shared by the FlyDSL kernels: vector loads/stores, E8M0 scales, FP8 dequant."""
+"""Device-side helpers shared by the FlyDSL kernels: vector loads/stores, E8M0 scales, FP8 dequant and quant."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from flydsl._mlir import ir
 from flydsl._mlir.dialects import rocdl as rocdl_ods
 from flydsl.expr import range_constexpr
 from flydsl.expr.typing import Vector
+
+from .shapes import FP8_MAX
 
 WAVE = 64
 
@@ -60,6 +62,26 @@ def fp8x8_to_bf16(word_lo, word_hi, scale):
     lo4 = pieces[0].shuffle(pieces[1], [0, 1, 2, 3])
     hi4 = pieces[2].shuffle(pieces[3], [0, 1, 2, 3])
     return lo4.shuffle(hi4, [0, 1, 2, 3, 4, 5, 6, 7])
+
+
+def fp8_saturate(x):
+    """x (f32) clamped to [-FP8_MAX, FP8_MAX] by compare-select, as kv_cache.to_cache clamps: +-inf
+    saturate and NaN passes through (a min/max instruction would turn NaN into the bound)."""
+    x = (x > FP8_MAX).select(fx.Float32(FP8_MAX), x)
+    return (x < -FP8_MAX).select(fx.Float32(-FP8_MAX), x)
+
+
+def e4m3_codes(a, b):
+    """Two f32 values -> their float8 e4m3fn codes in bits [0, 8) and [8, 16) of an i32 word.
+
+    Saturated at +-FP8_MAX first (fp8_saturate), then v_cvt_pk_fp8_f32 rounds to nearest even (the
+    default MODE rounding): the codes vLLM's fp8 cache writes hold at scale 1 (kv_cache.to_cache). On
+    gfx950 its fp8 is the OCP e4m3fn format (bias 7, max 448), as the MXFP8 weights' dequant reads.
+    """
+    i32 = ir.IntegerType.get_signless(32)
+    word = rocdl_ods.cvt_pk_fp8_f32(i32, fp8_saturate(a).ir_value(), fp8_saturate(b).ir_value(),
+                                    fx.Int32(0).ir_value(), False)
+    return fx.Int32(word)
 
 
 def mfma_16x16x32_bf16(a, b, acc):

@@ -14,6 +14,12 @@ Per 32-key tile: the workgroup stages K [32, 128] and V transposed [128, 32] in 
 contraction dim must be contiguous per lane for the MFMA B operand), then each wave computes
 S = Q K^T with v_mfma_f32_16x16x32_bf16, an online softmax in fp32, passes P through a private
 LDS tile into the MFMA A layout, and accumulates O += P V.
+
+The cache's element type is a compile-time parameter (shapes.KV_DTYPES). An fp8 cache's rows are
+e4m3fn codes (uint8): a thread loads 8 codes (8 bytes) where it loads 8 bf16 values of a bf16
+cache, and v_cvt_scalef32_pk_bf16_fp8 at scale 1 widens them exactly to bf16 before the LDS
+staging (every e4m3fn value is a bf16 value), so the MFMAs and everything after are the bf16 path's
+and the result is the reference's over the widened K/V. The fp8 MFMA would need Q in fp8.
 """
 
 # No `from __future__ import annotations`: fx.struct reads its field annotations as types.
@@ -21,7 +27,7 @@ import math
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl.expr import range_constexpr
+from flydsl.expr import const_expr, range_constexpr
 from flydsl.expr.typing import Vector
 
 from . import _device as dev
@@ -29,6 +35,7 @@ from ...layout import QPR
 from .shapes import (
     HEAD_DIM,
     KPS,
+    KV_DTYPES,
     KT,
     NEG,
     NSPLIT,
@@ -51,13 +58,16 @@ class AttnSmem:
     pw: fx.Array[fx.BFloat16, WAVES_PER_WG * 16 * PW_STRIDE, 16]
 
 
-def build_attention(num_reqs: int, page_size: int):
-    """Launcher(Q bf16 [rows, 2048], KV bf16 [2 * num_slots, 128], POS i64 [rows],
-    BT i32 [num_reqs, max_pages], OP f32 [num_reqs * NSPLIT * 112, 128],
+def build_attention(num_reqs: int, page_size: int, kv_dtype: str = "bf16"):
+    """Launcher(Q bf16 [rows, 2048], KV [2 * num_slots, 128] (bf16, or uint8 e4m3fn codes for kv_dtype
+    "fp8"), POS i64 [rows], BT i32 [num_reqs, max_pages], OP f32 [num_reqs * NSPLIT * 112, 128],
     ML f32 [num_reqs * NSPLIT * 112, 2], slot_rows i32, v_row0 i32). Grid: num_reqs x NSPLIT.
 
     K of slot s is KV row s * slot_rows, V row v_row0 + s * slot_rows (shapes.kv_row_map)."""
     rows_for(num_reqs)
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"KV dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+    FP8 = kv_dtype == "fp8"
 
     @flyc.kernel
     def swa_attention(
@@ -78,6 +88,7 @@ def build_attention(num_reqs: int, page_size: int):
         g = lane // 16
         r16 = lane % 16
         a16 = fx.make_copy_atom(fx.rocdl.BufferCopy128b(), 16)
+        a_u8x8 = fx.make_copy_atom(fx.rocdl.BufferCopy64b(), 8)
         a_i32 = fx.make_copy_atom(fx.rocdl.BufferCopy32b(), 32)
         a_i64 = fx.make_copy_atom(fx.rocdl.BufferCopy64b(), 64)
         a_f32 = fx.make_copy_atom(fx.rocdl.BufferCopy32b(), 32)
@@ -106,6 +117,11 @@ def build_attention(num_reqs: int, page_size: int):
             qv = dev.rows_view(qb, req * QPR + qrow[i], 8)
             qa.append([dev.load_vec(a16, qv, (r16 * HEAD_DIM + s * 32 + g * 8) // 8, 8, fx.BFloat16) for s in range_constexpr(4)])
 
+        def load_fp8x8(buf, row, d8):
+            """Dims 8 d8 .. 8 d8 + 8 of an fp8 row: 8 codes (two words), widened exactly to 8 bf16."""
+            words = dev.load_vec(a_u8x8, dev.rows_view(buf, row, 8), d8, 8, fx.Uint8).bitcast(fx.Uint32)
+            return dev.fp8x8_to_bf16(words[0], words[1], fx.Float32(1.0))
+
         m = [[fx.Float32(NEG) for _ in range_constexpr(4)] for _ in range_constexpr(QT_PER_WAVE)]
         lsum = [[fx.Float32(0.0) for _ in range_constexpr(4)] for _ in range_constexpr(QT_PER_WAVE)]
         o = [[Vector.filled(4, 0.0, fx.Float32) for _ in range_constexpr(HEAD_DIM // 16)] for _ in range_constexpr(QT_PER_WAVE)]
@@ -122,8 +138,12 @@ def build_attention(num_reqs: int, page_size: int):
                 kp = live.select(kpos, 0)
                 page = dev.load_vec(a_i32, btr, kp // page_size, 1, fx.Int32)[0]
                 krow = (page * page_size + kp % page_size) * slot_rows
-                kv8 = dev.load_vec(a16, dev.rows_view(kvb, krow, 8), d8, 8, fx.BFloat16)
-                vv8 = dev.load_vec(a16, dev.rows_view(kvb, v_row0 + krow, 8), d8, 8, fx.BFloat16)
+                if const_expr(FP8):
+                    kv8 = load_fp8x8(kvb, krow, d8)
+                    vv8 = load_fp8x8(kvb, v_row0 + krow, d8)
+                else:
+                    kv8 = dev.load_vec(a16, dev.rows_view(kvb, krow, 8), d8, 8, fx.BFloat16)
+                    vv8 = dev.load_vec(a16, dev.rows_view(kvb, v_row0 + krow, 8), d8, 8, fx.BFloat16)
                 zero = Vector.filled(8, 0.0, fx.BFloat16)
                 # Keys past the end may read any page: zero them so 0 * garbage cannot be NaN.
                 kv8 = live.select(kv8, zero)

@@ -13,9 +13,12 @@ from typing import Callable
 
 import torch
 
-from .shapes import FFN, HEAD_DIM, HIDDEN, NSPLIT, O_K, Q_HEADS, QKV_N, SCHEDULES, kv_row_map, rows_for, row_tiles
+from .shapes import (FFN, HEAD_DIM, HIDDEN, NSPLIT, O_K, Q_HEADS, QKV_N, SCHEDULES, kv_row_map, kv_variant, rows_for,
+                     row_tiles)
 
 BF16 = torch.bfloat16
+# The kernels' view of a cache's rows per K/V dtype (shapes.KV_DTYPES): fp8 e4m3fn codes as bytes.
+KV_ROW_DTYPES = {"bf16": BF16, "fp8": torch.uint8}
 PAGE_SIZE = 16  # placeholder cache geometry for compiling; the code does not depend on it
 # (nor on the KV layout: its row addressing is runtime arguments, shapes.kv_row_map)
 PLACEHOLDER_PAGES = 64
@@ -25,7 +28,8 @@ LDS_LIMIT = 160 * 1024
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One kernel: build(num_reqs) -> @flyc.jit launcher; args(num_reqs) -> CPU placeholders."""
+    """One kernel: build(num_reqs) -> @flyc.jit launcher; args(num_reqs) -> CPU placeholders.
+    A paged kernel's build takes the cache's page size too: build(num_reqs, page_size)."""
 
     name: str
     build: Callable[[int], object]
@@ -33,6 +37,7 @@ class KernelSpec:
     min_waves_per_simd: int
     # (regex over full ISA lines, minimum count, why the kernel needs it)
     needs: tuple[tuple[str, int, str], ...] = field(default=())
+    paged: bool = False
 
 
 def _linear(name: str) -> KernelSpec:
@@ -95,13 +100,13 @@ def _swiglu() -> KernelSpec:
     return KernelSpec("swiglu", build, args, 4, ((r"v_exp_f32", 1, "sigmoid"),))
 
 
-def _qkv_rope() -> KernelSpec:
+def _qkv_rope(kv_dtype: str) -> KernelSpec:
     sched = SCHEDULES["qkv"]
 
     def build(num_reqs: int):
         from .qkv_rope import build_qkv_rope
 
-        return build_qkv_rope(num_reqs)
+        return build_qkv_rope(num_reqs, kv_dtype)
 
     def args(num_reqs: int):
         rows, mp = rows_for(num_reqs), 16 * row_tiles(num_reqs)
@@ -115,20 +120,26 @@ def _qkv_rope() -> KernelSpec:
             torch.zeros(rows, dtype=torch.int64),
             torch.zeros(rows, dtype=torch.int64),
             torch.zeros(rows, O_K, dtype=BF16),
-            torch.zeros(2 * slots, HEAD_DIM, dtype=BF16),
+            torch.zeros(2 * slots, HEAD_DIM, dtype=KV_ROW_DTYPES[kv_dtype]),
             *kv_row_map("planes", slots),
         )
 
-    return KernelSpec(
-        "qkv_rope", build, args, 4, ((r"buffer_store_short\b", 1, "bf16 q / paged K,V stores"),)
-    )
+    if kv_dtype == "fp8":
+        needs = (
+            (r"buffer_store_short\b", 1, "bf16 q stores"),
+            (r"v_cvt_pk_fp8_f32\b", 1, "K/V -> e4m3fn codes, round to nearest even, two dims per instruction"),
+            (r"buffer_store_byte\b", 2, "paged K,V code stores (two dims per lane)"),
+        )
+    else:
+        needs = ((r"buffer_store_short\b", 1, "bf16 q / paged K,V stores"),)
+    return KernelSpec(kv_variant("qkv_rope", kv_dtype), build, args, 4, needs)
 
 
-def _attention() -> KernelSpec:
-    def build(num_reqs: int):
+def _attention(kv_dtype: str) -> KernelSpec:
+    def build(num_reqs: int, page_size: int = PAGE_SIZE):
         from .attention import build_attention
 
-        return build_attention(num_reqs, PAGE_SIZE)
+        return build_attention(num_reqs, page_size, kv_dtype)
 
     def args(num_reqs: int):
         rows = rows_for(num_reqs)
@@ -136,7 +147,7 @@ def _attention() -> KernelSpec:
         parts = num_reqs * NSPLIT * 7 * Q_HEADS
         return (
             torch.zeros(rows, O_K, dtype=BF16),
-            torch.zeros(2 * slots, HEAD_DIM, dtype=BF16),
+            torch.zeros(2 * slots, HEAD_DIM, dtype=KV_ROW_DTYPES[kv_dtype]),
             torch.zeros(rows, dtype=torch.int64),
             torch.zeros(num_reqs, PLACEHOLDER_PAGES, dtype=torch.int32),
             torch.zeros(parts, HEAD_DIM),
@@ -144,18 +155,18 @@ def _attention() -> KernelSpec:
             *kv_row_map("planes", slots),
         )
 
-    return KernelSpec(
-        "attention",
-        build,
-        args,
-        2,
-        (
-            (r"v_mfma_f32_16x16x32_bf16\b", 32, "QK^T and PV on the matrix cores (2 row tiles x 16 per key tile)"),
-            (r"ds_read_b128\b", 1, "K, V^T and P operands read from LDS 16 bytes at a time"),
-            (r"v_exp_f32", 1, "exp2 of the online softmax"),
-            (r"s_barrier\b", 1, "LDS tile hand-off between waves"),
-        ),
+    needs = (
+        (r"v_mfma_f32_16x16x32_bf16\b", 32, "QK^T and PV on the matrix cores (2 row tiles x 16 per key tile)"),
+        (r"ds_read_b128\b", 1, "K, V^T and P operands read from LDS 16 bytes at a time"),
+        (r"v_exp_f32", 1, "exp2 of the online softmax"),
+        (r"s_barrier\b", 1, "LDS tile hand-off between waves"),
     )
+    if kv_dtype == "fp8":
+        needs += (
+            (r"buffer_load_dwordx2\b", 1, "8 K or V codes (8 bytes) per thread and piece"),
+            (r"v_cvt_scalef32_pk_bf16_fp8\b", 16, "exact e4m3fn -> bf16 widening of the staged K/V (2 x 2 x 4 per tile)"),
+        )
+    return KernelSpec(kv_variant("attention", kv_dtype), build, args, 2, needs, paged=True)
 
 
 def _combine() -> KernelSpec:
@@ -229,8 +240,8 @@ KERNELS: dict[str, KernelSpec] = {
     k.name: k
     for k in (
         _linear("qkv"),
-        _qkv_rope(),
-        _attention(),
+        _qkv_rope("bf16"),
+        _attention("bf16"),
         _combine(),
         _linear("o"),
         _exchange("o"),
@@ -240,5 +251,7 @@ KERNELS: dict[str, KernelSpec] = {
         _exchange("down"),
         _final_norm(),
         _swiglu(),
+        _qkv_rope("fp8"),
+        _attention("fp8"),
     )
 }

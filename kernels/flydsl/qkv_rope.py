@@ -6,9 +6,13 @@ dims l and l + 64, so the rotating dims [0, 64) sit one per lane and the RoPE pa
 
 RoPE uses the engine's cos/sin cache (f32 [max_positions, 64]: cos of the 32 frequencies, then
 sin), so the angles are bit-identical to the stock layers' rather than recomputed in-kernel.
-The block rows' K/V go to the bf16 paged cache, viewed as [2 * num_slots, 128] rows, at the row's
+The block rows' K/V go to the paged cache, viewed as [2 * num_slots, 128] rows, at the row's
 slot: K to row slot * slot_rows, V to row v_row0 + slot * slot_rows (shapes.kv_row_map: the
-planes or the records layout); slot < 0 (padding) is skipped.
+planes or the records layout); slot < 0 (padding) is skipped. The cache's element type is a
+compile-time parameter (shapes.KV_DTYPES): bf16, or float8 e4m3fn codes (uint8 rows). An fp8 cache
+gets the bf16-rounded K and V (the reference's K/V are bf16 tensors when it writes them) saturated
+at +-448 and rounded to nearest even, the codes kv_cache.to_cache writes: one v_cvt_pk_fp8_f32
+per lane converts its two dims, stored as two bytes.
 """
 
 from __future__ import annotations
@@ -16,19 +20,22 @@ from __future__ import annotations
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl.expr import math as fmath
-from flydsl.expr import range_constexpr
+from flydsl.expr import const_expr, range_constexpr
 
 from . import _device as dev
-from .shapes import HEAD_DIM, HIDDEN, Q_HEADS, RMS_EPS, ROTARY_DIM, SCHEDULES, rows_for, row_tiles
+from .shapes import HEAD_DIM, HIDDEN, KV_DTYPES, Q_HEADS, RMS_EPS, ROTARY_DIM, SCHEDULES, rows_for, row_tiles
 
 HEADS = Q_HEADS + 2  # q heads, then k, then v: the column order of the fused qkv projection
 HALF = ROTARY_DIM // 2
 
 
-def build_qkv_rope(num_reqs: int):
+def build_qkv_rope(num_reqs: int, kv_dtype: str = "bf16"):
     """Launcher(P f32 [split, MP, 2304], SS f32 [split, MP], QN bf16 [128], KN bf16 [128],
     CS f32 [max_pos, 64], POS i64 [rows], SLOT i64 [rows], Q bf16 [rows, 2048],
-    KV bf16 [2 * num_slots, 128], slot_rows i32, v_row0 i32)."""
+    KV [2 * num_slots, 128] (bf16, or uint8 e4m3fn codes for kv_dtype "fp8"), slot_rows i32, v_row0 i32)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"KV dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+    FP8 = kv_dtype == "fp8"
     sched = SCHEDULES["qkv"]
     rows = rows_for(num_reqs)
     split = sched.split
@@ -54,6 +61,7 @@ def build_qkv_rope(num_reqs: int):
         a_f32 = fx.make_copy_atom(fx.rocdl.BufferCopy32b(), 32)
         a_bf16 = fx.make_copy_atom(fx.rocdl.BufferCopy16b(), 16)
         a_i64 = fx.make_copy_atom(fx.rocdl.BufferCopy64b(), 64)
+        a_u8 = fx.make_copy_atom(fx.rocdl.BufferCopy8b(), 8)
         pb = fx.rocdl.make_buffer_tensor(P)
         ssv = fx.logical_divide(fx.rocdl.make_buffer_tensor(SS), fx.make_layout(1, 1))
 
@@ -110,8 +118,15 @@ def build_qkv_rope(num_reqs: int):
             if slot >= 0:
                 kv_row = (head - Q_HEADS) * v_row0 + fx.Int32(slot) * slot_rows
                 kvr = fx.logical_divide(fx.slice(fx.rocdl.make_buffer_tensor(KV), (kv_row, None)), fx.make_layout(1, 1))
-                dev.store_vec(a_bf16, kvr, lane, fx.Vector.from_elements([out_lo], fx.BFloat16), 1, fx.BFloat16)
-                dev.store_vec(a_bf16, kvr, lane + 64, fx.Vector.from_elements([out_hi], fx.BFloat16), 1, fx.BFloat16)
+                if const_expr(FP8):
+                    # Widening the bf16 values to f32 is exact, so the codes are to_cache's of the bf16 K/V.
+                    codes = dev.e4m3_codes(out_lo.to(fx.Float32), out_hi.to(fx.Float32))
+                    for half in range_constexpr(2):
+                        code = (codes >> (8 * half)).to(fx.Uint8)
+                        dev.store_vec(a_u8, kvr, lane + 64 * half, fx.Vector.from_elements([code], fx.Uint8), 1, fx.Uint8)
+                else:
+                    dev.store_vec(a_bf16, kvr, lane, fx.Vector.from_elements([out_lo], fx.BFloat16), 1, fx.BFloat16)
+                    dev.store_vec(a_bf16, kvr, lane + 64, fx.Vector.from_elements([out_hi], fx.BFloat16), 1, fx.BFloat16)
 
     @flyc.jit
     def launch(

@@ -19,11 +19,14 @@ from typing import Sequence
 
 import torch
 
+from ...drafter.kv_cache import FP8_KV
 from ...layout import LAUNCH_REQS, QPR, launch_groups
 from .shapes import (HEAD_DIM, HIDDEN, KV_HEADS, KV_LAYOUTS, NSPLIT, O_K, Q_HEADS, ROPE_THETA, ROTARY_DIM, SCHEDULES,
-                     TP, kv_row_map, rows_for)
+                     TP, kv_row_map, kv_variant, rows_for)
 
 NUM_LAYERS = 5
+# The cache dtypes the kernels take (shapes.KV_DTYPES): bf16, or fp8 e4m3fn codes at scale 1 (kv_cache.FP8_KV).
+KV_DTYPE_NAMES = {torch.bfloat16: "bf16", FP8_KV: "fp8"}
 
 
 class FlyDSLUnsupported(RuntimeError):
@@ -102,11 +105,11 @@ def kv_layout_of(t: torch.Tensor) -> str | None:
 def check_kv_layer(t: torch.Tensor, page_size: int) -> str | None:
     """Why a layer's KV cache cannot be bound by the kernels, or None.
 
-    The kernels read it as [2 * num_slots, 128] bf16 rows (KVRows): the 5-D view
-    [2, pages, page_size, 1, 128] of a planes or a records cache, on the GPU.
+    The kernels read it as [2 * num_slots, 128] rows (KVRows) of bf16 or fp8 e4m3fn codes: the 5-D
+    view [2, pages, page_size, 1, 128] of a planes or a records cache, on the GPU.
     """
-    if t.dtype != torch.bfloat16:
-        return f"draft KV cache dtype {t.dtype} != bfloat16"
+    if t.dtype not in KV_DTYPE_NAMES:
+        return f"draft KV cache dtype {t.dtype}: the FlyDSL kernels take {' or '.join(map(str, KV_DTYPE_NAMES))}"
     if t.dim() != 5 or t.shape[0] != 2 or t.shape[3:] != (KV_HEADS, HEAD_DIM):
         return f"draft KV cache shape {tuple(t.shape)} is not [2, pages, page_size, {KV_HEADS}, {HEAD_DIM}]"
     if t.shape[2] != page_size:
@@ -122,12 +125,15 @@ def check_kv_layer(t: torch.Tensor, page_size: int) -> str | None:
 
 @dataclass(frozen=True)
 class KVRows:
-    """One layer's cache as the kernels take it: bf16 rows [2 * num_slots, 128] over the engine's
-    memory, K of slot s at row s * slot_rows and V at row v_row0 + s * slot_rows."""
+    """One layer's cache as the kernels take it: rows [2 * num_slots, 128] over the engine's memory,
+    K of slot s at row s * slot_rows and V at row v_row0 + s * slot_rows. A bf16 cache's rows are bf16;
+    an fp8 cache's are uint8 (128 one-byte e4m3fn codes a row: the kernels load and store bytes, as
+    they load the MXFP8 weights); kv_dtype names the kernel variant that reads and writes them."""
 
     rows: torch.Tensor
     slot_rows: int
     v_row0: int
+    kv_dtype: str
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "KVRows":
@@ -135,17 +141,21 @@ class KVRows:
         rows from the view's first element on (a planes cache's first K row, a records cache's first
         record), so one as_strided view serves both; writes through it land in the engine's tensor."""
         num_slots = t.shape[1] * t.shape[2]
-        rows = t.as_strided((2 * num_slots, HEAD_DIM), (HEAD_DIM, 1), t.storage_offset())
-        return cls(rows, *kv_row_map(kv_layout_of(t), num_slots))
+        kv_dtype = KV_DTYPE_NAMES[t.dtype]
+        # Same element size: the byte view keeps the view's strides and offset over the same memory.
+        codes = t.view(torch.uint8) if kv_dtype == "fp8" else t
+        rows = codes.as_strided((2 * num_slots, HEAD_DIM), (HEAD_DIM, 1), codes.storage_offset())
+        return cls(rows, *kv_row_map(kv_layout_of(t), num_slots), kv_dtype)
 
 
-def launch_plan(num_reqs: int) -> list[tuple[str, int | None]]:
-    """The kernel sequence of one launch: (catalog name, exchange index or None)."""
+def launch_plan(num_reqs: int, kv_dtype: str = "bf16") -> list[tuple[str, int | None]]:
+    """The kernel sequence of one launch over a `kv_dtype` cache: (catalog name, exchange index or None)."""
     if not 1 <= num_reqs <= LAUNCH_REQS:
         raise ValueError(f"a launch holds 1..{LAUNCH_REQS} requests")
+    qkv_rope, attention = kv_variant("qkv_rope", kv_dtype), kv_variant("attention", kv_dtype)
     plan: list[tuple[str, int | None]] = []
     for layer in range(NUM_LAYERS):
-        plan += [("linear_qkv", None), ("qkv_rope", None), ("attention", None), ("attention_combine", None)]
+        plan += [("linear_qkv", None), (qkv_rope, None), (attention, None), ("attention_combine", None)]
         plan += [("linear_o", None), ("exchange_o", 2 * layer)]
         plan += [("linear_gate_up", None), ("swiglu_reduce", None), ("linear_down", None), ("exchange_down", 2 * layer + 1)]
     plan.append(("final_norm", None))
@@ -237,16 +247,14 @@ class DrafterRunner:
         if fn is None:
             import flydsl.compiler as flyc
 
-            from .catalog import KERNELS, PAGE_SIZE
+            from .catalog import KERNELS
 
-            if name == "attention" and self.page_size != PAGE_SIZE:
-                from .attention import build_attention
-
-                launcher = build_attention(num_reqs, self.page_size)
-            elif exchange is not None:
+            if exchange is not None:
                 from .exchange import build_reduce_exchange
 
                 launcher = build_reduce_exchange(num_reqs, name.split("_", 1)[1], exchange)
+            elif KERNELS[name].paged:
+                launcher = KERNELS[name].build(num_reqs, self.page_size)
             else:
                 launcher = KERNELS[name].build(num_reqs)
             fn = flyc.compile(launcher, *args)
@@ -287,9 +295,10 @@ class DrafterRunner:
         for i, lw in enumerate(self.layers):
             kv = self._kv[i]
             yield "linear_qkv", r, None, (x, lw.qkv.bits, lw.qkv.scale, lw.input_norm, *P("qkv"))
-            yield "qkv_rope", r, None, (*P("qkv"), lw.q_norm, lw.k_norm, self._cos_sin, pos, slots, ws["q"][:n],
-                                        kv.rows, kv.slot_rows, kv.v_row0)
-            yield "attention", r, None, (ws["q"][:n], kv.rows, pos, bt, ws["op"], ws["ml"], kv.slot_rows, kv.v_row0)
+            yield kv_variant("qkv_rope", kv.kv_dtype), r, None, (*P("qkv"), lw.q_norm, lw.k_norm, self._cos_sin, pos,
+                                                                 slots, ws["q"][:n], kv.rows, kv.slot_rows, kv.v_row0)
+            yield kv_variant("attention", kv.kv_dtype), r, None, (ws["q"][:n], kv.rows, pos, bt, ws["op"], ws["ml"],
+                                                                  kv.slot_rows, kv.v_row0)
             yield "attention_combine", r, None, (ws["op"], ws["ml"], ws["attn"][:n])
             yield "linear_o", r, None, (ws["attn"][:n], lw.o.bits, lw.o.scale, ws["no_norm"], *P("o"))
             yield "exchange_o", r, 2 * i, (P("o")[0], x, h, *peer_args)

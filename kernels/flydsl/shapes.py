@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...drafter.kv_cache import FP8_MAX  # noqa: F401  (re-exported: the kernels' fp8 saturation bound)
 from ...layout import LAUNCH_REQS, QPR
 
 TP = 4
@@ -38,11 +39,26 @@ NEG = -1.0e30  # finite floor of the running max: exp2(NEG - NEG) is 1, never Na
 SM_SCALE_LOG2 = 1.4426950408889634 / HEAD_DIM**0.5  # softmax scale 1/sqrt(128), in log2 units
 
 
-# The kernels address a layer's KV cache as bf16 rows [2 * num_slots, HEAD_DIM] (one KV head per
+# The kernels address a layer's KV cache as rows [2 * num_slots, HEAD_DIM] (one KV head per
 # rank): K of slot s is row s * slot_rows, V is row v_row0 + s * slot_rows. Both are runtime int32
 # arguments, so one compiled kernel serves either layout of the engine's cache (drafter/kv_cache.py):
 # planes hold all K rows, then all V rows; records (vLLM 0.34) hold K | V per slot, one row each.
 KV_LAYOUTS = ("planes", "records")  # all of drafter/kv_cache.py's KV_LAYOUTS (a runner test checks)
+
+
+# The K/V element type is a compile-time parameter of the two kernels that touch the cache (KV_KERNELS):
+# bf16, or float8 e4m3fn codes (vLLM's kv_cache_dtype "fp8" at scale 1, drafter/kv_cache.py FP8_KV) that
+# qkv_rope writes saturated at +-FP8_MAX and rounded to nearest even, and attention widens exactly to bf16
+# before its MFMAs. Rows are then 128 one-byte codes, which the kernels take as uint8 (as the MXFP8 weights).
+KV_DTYPES = ("bf16", "fp8")
+KV_KERNELS = ("qkv_rope", "attention")
+
+
+def kv_variant(name: str, kv_dtype: str) -> str:
+    """The catalog name of kernel `name` built for a `kv_dtype` cache: the bf16 builds keep the plain names."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"KV dtype {kv_dtype!r}: the FlyDSL kernels take {' or '.join(KV_DTYPES)}")
+    return f"{name}_{kv_dtype}" if name in KV_KERNELS and kv_dtype != "bf16" else name
 
 
 def kv_row_map(kv_layout: str, num_slots: int) -> tuple[int, int]:

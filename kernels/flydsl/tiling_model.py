@@ -12,9 +12,11 @@ import math
 
 import torch
 
+from ...drafter.kv_cache import FP8_KV
 from ...layout import QPR
 from .shapes import (
     FFN,
+    FP8_MAX,
     HEAD_DIM,
     HIDDEN,
     K_CHUNK,
@@ -96,9 +98,35 @@ def swiglu_reduce_model(p: torch.Tensor, ss: torch.Tensor, rows: int) -> torch.T
     return (g * (1.0 / (1.0 + torch.exp(-SWIGLU_ALPHA * g))) * (u + 1.0)).to(torch.bfloat16)
 
 
+def e4m3_codes_like_kernel(x: torch.Tensor) -> torch.Tensor:
+    """qkv_rope's fp8 K/V write (_device.e4m3_codes): bf16 values -> uint8 e4m3fn codes.
+
+    Compare-select saturation at +-FP8_MAX (+-inf saturate, NaN passes), then v_cvt_pk_fp8_f32's
+    rounding to nearest even, spelled out on the e4m3fn grid rather than borrowed from torch's cast:
+    a magnitude in [2^e, 2^(e+1)) has 3 fraction bits, quantum 2^(e-3); below 2^-6 (subnormals) the
+    quantum is 2^-9. torch.round breaks ties to even; the rounded value is on the grid, so the final
+    cast to e4m3fn only encodes it. Tests compare these codes with kv_cache.to_cache's."""
+    f = x.float()
+    f = torch.where(f > FP8_MAX, FP8_MAX, torch.where(f < -FP8_MAX, -FP8_MAX, f))
+    mag = f.abs()
+    _, e = torch.frexp(mag)  # mag = m 2^e, m in [0.5, 1): the binade is [2^(e-1), 2^e)
+    quantum = torch.exp2((e - 1).clamp(min=-6).float() - 3)
+    rounded = torch.round(mag / quantum) * quantum
+    return torch.copysign(rounded, f).to(FP8_KV).view(torch.uint8)
+
+
+def kv_values_like_kernel(rows: torch.Tensor) -> torch.Tensor:
+    """attention's K/V load: bf16 rows as they are, uint8 e4m3fn codes widened by
+    v_cvt_scalef32_pk_bf16_fp8 at scale 1 (exact: every e4m3fn value is a bf16 value); -> fp32."""
+    if rows.dtype == torch.uint8:
+        return rows.view(FP8_KV).to(torch.bfloat16).float()
+    return rows.float()
+
+
 def qkv_rope_model(p, ss, q_norm, k_norm, cos_sin, positions, slots, kv_flat, slot_rows, v_row0, rows):
     """qkv_rope_kernel: returns q bf16 [rows, 2048] and writes K/V rows of kv_flat in place
-    (K of slot s at row s * slot_rows, V at v_row0 + s * slot_rows: shapes.kv_row_map)."""
+    (K of slot s at row s * slot_rows, V at v_row0 + s * slot_rows: shapes.kv_row_map). kv_flat is
+    bf16, or uint8 for an fp8 cache: the bf16 K/V's e4m3fn codes (e4m3_codes_like_kernel)."""
     y = (split_sum(p)[:rows] * row_rrms(ss)[:rows, None]).view(rows, Q_HEADS + 2, HEAD_DIM)
     w = torch.stack([q_norm.float()] * Q_HEADS + [k_norm.float()])  # [17, 128]
     qk = y[:, : Q_HEADS + 1]
@@ -112,15 +140,19 @@ def qkv_rope_model(p, ss, q_norm, k_norm, cos_sin, positions, slots, kv_flat, sl
     q = roped[:, :Q_HEADS].to(torch.bfloat16).reshape(rows, Q_HEADS * HEAD_DIM)
     keep = slots >= 0
     krow = slots[keep] * slot_rows
-    kv_flat[krow] = roped[keep, Q_HEADS].to(torch.bfloat16)
-    kv_flat[v_row0 + krow] = y[keep, Q_HEADS + 1].to(torch.bfloat16)
+    k, v = roped[keep, Q_HEADS].to(torch.bfloat16), y[keep, Q_HEADS + 1].to(torch.bfloat16)
+    if kv_flat.dtype == torch.uint8:
+        k, v = e4m3_codes_like_kernel(k), e4m3_codes_like_kernel(v)
+    kv_flat[krow] = k
+    kv_flat[v_row0 + krow] = v
     return q
 
 
 def attention_model(q, kv_flat, slot_rows, v_row0, positions, block_table, page_size, num_reqs):
     """swa_attention + swa_combine: split-KV over KPS keys, 32-key tiles, log2-domain online
     softmax with a finite running-max floor, P rounded to bf16 for the PV product. K/V rows of
-    kv_flat are addressed as the kernel does (shapes.kv_row_map)."""
+    kv_flat (bf16, or uint8 e4m3fn codes) are addressed and widened as the kernel does
+    (shapes.kv_row_map, kv_values_like_kernel)."""
     kps, kt, neg, scale = KPS, KT, NEG, SM_SCALE_LOG2
     out = torch.empty(num_reqs * QPR, Q_HEADS * HEAD_DIM, dtype=torch.bfloat16)
     for r in range(num_reqs):
@@ -139,8 +171,8 @@ def attention_model(q, kv_flat, slot_rows, v_row0, positions, block_table, page_
                 live = kpos < end
                 kp = torch.where(live, kpos, torch.zeros_like(kpos))
                 krow = (block_table[r, kp // page_size].long() * page_size + kp % page_size) * slot_rows
-                k = torch.where(live[:, None], kv_flat[krow].float(), 0.0)
-                v = torch.where(live[:, None], kv_flat[v_row0 + krow].float(), 0.0)
+                k = torch.where(live[:, None], kv_values_like_kernel(kv_flat[krow]), 0.0)
+                v = torch.where(live[:, None], kv_values_like_kernel(kv_flat[v_row0 + krow]), 0.0)
                 s = torch.einsum("thd,kd->thk", qf, k) * scale
                 ok = live[None, None, :] & (kpos[None, None, :] >= left)
                 s = s.masked_fill(~ok, -math.inf)

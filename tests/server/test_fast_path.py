@@ -36,6 +36,7 @@ GOOD_ENGINE = EngineFacts(tp_size=4, dp_size=1, pp_size=1, speculative_method="d
 M31 = PRESETS["minimax-m3.1"]
 CPU = torch.device("cpu")
 PAGE = 16
+F16_REFUSAL = "draft KV cache dtype torch.float16: the FlyDSL kernels take torch.bfloat16 or torch.float8_e4m3fn"
 
 
 # Selection ---------------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def fast_path(factory=None, startup_reason=None, compile_ahead=False):
 
 
 @pytest.mark.parametrize("kv, reason", [
-    (binding(dtype=torch.float16), "draft KV cache dtype torch.float16 != bfloat16"),
+    (binding(dtype=torch.float16), F16_REFUSAL),
     (binding(engine=EngineFacts(4, 2, 1, "dspark", 7)), "DP > 1"),
     (binding(engine=EngineFacts(4, 1, 1, "dspark", 5)), "7 speculative tokens required"),
     (binding(layout="pages"), "draft KV cache strides [2048, 4096, 128, 128, 1] are neither the contiguous planes "
@@ -217,7 +218,7 @@ def test_good_binding_binds_once_and_stale_or_rebound_rebuilds():
     # A re-bind (new generation) with an unservable layout: refused, the old runner closed.
     bad = binding(gen=2, dtype=torch.float16)
     assert not fp.ready(bad) and fp.runner is None and factory.closed == 2
-    assert told == ["draft KV cache dtype torch.float16 != bfloat16"]
+    assert told == [F16_REFUSAL]
     # And back to a good binding: served again, health told the reason cleared.
     assert fp.ready(binding(gen=3)) and told[-1] is None and len(factory.built) == 3
     fp.close()
@@ -233,6 +234,19 @@ def test_records_binding_is_served_as_interleaved_rows():
     for t, bound in zip(kv.layers, fp.runner._kv):
         assert (bound.slot_rows, bound.v_row0) == (2, 1)
         assert bound.rows.shape == (2 * 4 * PAGE, 128) and bound.rows.data_ptr() == t.data_ptr()
+    fp.close()
+
+
+@pytest.mark.parametrize("layout", ["planes", "records"])
+def test_fp8_binding_is_served_as_rows_of_codes(layout):
+    """vLLM's fp8 cache (e4m3fn codes at scale 1) is served by the fast path in either layout (it ran
+    the Triton backend before the kernels took fp8): no refusal, the layers bound as uint8 rows."""
+    fp, told = fast_path()
+    kv = binding(dtype=torch.float8_e4m3fn, layout=layout)
+    assert fp.refusal(kv) is None
+    assert fp.ready(kv) and told == []
+    for t, bound in zip(kv.layers, fp.runner._kv):
+        assert bound.kv_dtype == "fp8" and bound.rows.dtype == torch.uint8 and bound.rows.data_ptr() == t.data_ptr()
     fp.close()
 
 
@@ -346,7 +360,7 @@ def test_servicer_reports_the_fast_path_reason_and_republishes():
     svc = DrafterServicer(ctx, None, life, None, None, "mxfp8->bf16")
     assert svc.refusal().startswith("no engine bound yet")
     ctx.memory.kv = kv
-    assert svc.refusal() == "draft KV cache dtype torch.float16 != bfloat16"
+    assert svc.refusal() == F16_REFUSAL
     assert not fp.ready(kv) and published == [1]  # the verdict at bind time reached health
     ctx.memory.kv = binding(gen=2, engine=EngineFacts(4, 1, 2, "dspark", 7))
     assert svc.refusal() == "PP > 1"  # the seed's checks come first

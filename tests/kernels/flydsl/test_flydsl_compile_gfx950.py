@@ -96,18 +96,40 @@ def test_report_summary_table(capsys):
     assert rows
 
 
+@pytest.mark.parametrize("num_reqs", [1, LAUNCH_REQS])
+@pytest.mark.parametrize("name", ["qkv_rope", "attention"])
+def test_fp8_builds_keep_the_bf16_budget(name, num_reqs):
+    """The fp8 builds change only how K/V bytes move: attention still does its 32+ MFMAs on bf16 K/V
+    widened from 16 codes' converts per tile (the bf16 build has none), with the bf16 build's LDS and
+    occupancy; qkv_rope stores two code bytes per lane where it stored two bf16 halves."""
+    _, bf = compiled(name, num_reqs)
+    _, f8 = compiled(f"{name}_fp8", num_reqs)
+    assert f8.lds_bytes == bf.lds_bytes and f8.waves_per_simd >= bf.waves_per_simd, (bf.summary(), f8.summary())
+    if name == "attention":
+        assert f8.count("v_mfma_f32_16x16x32_bf16") == bf.count("v_mfma_f32_16x16x32_bf16")
+        assert bf.count("v_cvt_scalef32_pk_bf16_fp8") == 0 and f8.count("v_cvt_scalef32_pk_bf16_fp8") >= 16
+    else:
+        assert bf.count("buffer_store_byte") == 0 and f8.count("buffer_store_byte") == 2
+        assert f8.count("v_cvt_pk_fp8_f32") == 1
+
+
 def mnemonics(rep) -> Counter:
     """How many of each instruction the ISA holds, operands aside."""
     return Counter(line.split()[0] for line in rep.isa.splitlines()
                    if line.startswith("\t") and line.strip() and not line.lstrip().startswith((";", ".")))
 
 
+KV_KERNELS = [("qkv_rope", 8, torch.bfloat16), ("attention", 1, torch.bfloat16),
+              ("qkv_rope_fp8", 8, torch.float8_e4m3fn), ("attention_fp8", 1, torch.float8_e4m3fn)]
+
+
 @pytest.mark.parametrize("num_reqs", [1, LAUNCH_REQS])
-@pytest.mark.parametrize("name, kv_arg", [("qkv_rope", 8), ("attention", 1)])
-def test_records_cache_compiles_to_the_planes_code(name, kv_arg, num_reqs):
+@pytest.mark.parametrize("name, kv_arg, cache_dtype", KV_KERNELS)
+def test_records_cache_compiles_to_the_planes_code(name, kv_arg, cache_dtype, num_reqs):
     """The K/V row addressing is runtime arguments: compiled over the runner's rows of a records cache
     (vLLM 0.34's, carved out of a larger allocation) with its (slot_rows, v_row0), a kernel has the
-    planes build's resources and instructions, so the design budget above holds for both layouts.
+    planes build's resources and instructions, so the design budget above holds for both layouts,
+    for a bf16 and for an fp8 cache (whose rows the runner hands over as uint8 codes).
     (Not its text: LLVM orders commutative operands differently from one compile to the next.)"""
     from dspark_sidecar.drafter.kv_cache import kv_planes
     from dspark_sidecar.kernels.flydsl.catalog import KERNELS, PAGE_SIZE, PLACEHOLDER_PAGES
@@ -115,11 +137,11 @@ def test_records_cache_compiles_to_the_planes_code(name, kv_arg, num_reqs):
     from dspark_sidecar.kernels.flydsl.runner import KVRows
 
     spec, planes = compiled(name, num_reqs)
-    storage = torch.zeros((PLACEHOLDER_PAGES + 1) * PAGE_SIZE * 256, dtype=torch.bfloat16)
+    storage = torch.zeros((PLACEHOLDER_PAGES + 1) * PAGE_SIZE * 256, dtype=cache_dtype)
     records = storage[PAGE_SIZE * 256 :].view(PLACEHOLDER_PAGES, 1, PAGE_SIZE, 256)
     kv = KVRows.of(kv_planes(records))
     args = list(spec.args(num_reqs))
-    assert args[kv_arg].shape == kv.rows.shape
+    assert args[kv_arg].shape == kv.rows.shape and args[kv_arg].dtype == kv.rows.dtype
     args[kv_arg], args[-2:] = kv.rows, (kv.slot_rows, kv.v_row0)
     (rep,) = compile_reports(spec.build(num_reqs), *args)
     assert (kv.slot_rows, kv.v_row0) == (2, 1) and kv.rows.storage_offset() > 0

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 
+from dspark_sidecar.drafter.kv_cache import FP8_KV, to_cache
 from dspark_sidecar.kernels.flydsl import shapes
 from dspark_sidecar.kernels.flydsl import tiling_model as tm
 from dspark_sidecar.kernels.flydsl.toolchain import on_gfx950
@@ -94,11 +95,21 @@ def test_qkv_rope(num_reqs, kv_layout):
     torch.cuda.synchronize()
     assert rel_l2(q, q_ref) < TOL
     assert rel_l2(kv_dev, kv) < TOL
+    # The fp8 build over the same inputs stores exactly to_cache of the bf16 build's K/V: the GPU's
+    # saturation and rounding to nearest even are kv_cache.to_cache's (V scaled up to saturate).
+    args[0] = args[0] * 100
+    codes = torch.zeros(2 * num_slots, 128, dtype=torch.uint8, device="cuda")
+    build_qkv_rope(num_reqs)(*args, q, kv_dev, *row_map)
+    build_qkv_rope(num_reqs, "fp8")(*args, q, codes, *row_map)
+    torch.cuda.synchronize()
+    assert torch.equal(codes.cpu(), to_cache(kv_dev.cpu(), FP8_KV).view(torch.uint8))
+    assert bool((codes.view(FP8_KV).float().abs() == 448.0).any())
 
 
+@pytest.mark.parametrize("kv_dtype", shapes.KV_DTYPES)
 @pytest.mark.parametrize("kv_layout", shapes.KV_LAYOUTS)
 @pytest.mark.parametrize("num_reqs", [1, 3])
-def test_attention_and_combine(num_reqs, kv_layout):
+def test_attention_and_combine(num_reqs, kv_layout, kv_dtype):
     from dspark_sidecar.kernels.flydsl.attention import build_attention, build_attention_combine
 
     gen = torch.Generator().manual_seed(11)
@@ -108,6 +119,8 @@ def test_attention_and_combine(num_reqs, kv_layout):
     pages = max_pages * num_reqs
     bt = torch.randperm(pages, generator=gen).view(num_reqs, max_pages).to(torch.int32)
     kv = torch.randn(2 * pages * PAGE, 128, generator=gen).to(torch.bfloat16)
+    if kv_dtype == "fp8":  # the cache's e4m3fn codes, as the runner hands them over (uint8 rows)
+        kv = to_cache(kv * 4, FP8_KV).view(torch.uint8)
     q = (torch.randn(rows, shapes.O_K, generator=gen) * 2).to(torch.bfloat16)
     pos = (torch.tensor(anchors)[:, None] + torch.arange(7)).reshape(-1)
     row_map = shapes.kv_row_map(kv_layout, pages * PAGE)
@@ -116,7 +129,7 @@ def test_attention_and_combine(num_reqs, kv_layout):
     op = torch.empty(parts, 128, device="cuda")
     ml = torch.empty(parts, 2, device="cuda")
     out = torch.empty(rows, shapes.O_K, dtype=torch.bfloat16, device="cuda")
-    build_attention(num_reqs, PAGE)(q.cuda(), kv.cuda(), pos.cuda(), bt.cuda(), op, ml, *row_map)
+    build_attention(num_reqs, PAGE, kv_dtype)(q.cuda(), kv.cuda(), pos.cuda(), bt.cuda(), op, ml, *row_map)
     build_attention_combine(num_reqs)(op, ml, out)
     torch.cuda.synchronize()
     assert rel_l2(out, want) < TOL

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from dspark_sidecar.drafter.kv_cache import kv_planes
+from dspark_sidecar.drafter.kv_cache import FP8_KV, kv_planes
 from dspark_sidecar.kernels.flydsl import runner as rn
 from dspark_sidecar.kernels.flydsl import toolchain
 from dspark_sidecar.server.refusal import EngineFacts, HostFacts
@@ -80,18 +80,20 @@ def test_refuses_with_the_seed_reasons(host, engine, reason):
 
 
 def test_refuses_unbindable_kv_and_missing_peers():
-    with pytest.raises(rn.FlyDSLUnsupported, match="dtype"):
+    with pytest.raises(rn.FlyDSLUnsupported) as exc:
         make(kv=kv_layers(dtype=torch.float16))
+    assert str(exc.value) == ("draft KV cache dtype torch.float16: the FlyDSL kernels take torch.bfloat16 or "
+                              "torch.float8_e4m3fn")
     with pytest.raises(rn.FlyDSLUnsupported, match="page size"):
         make(kv=[torch.zeros(2, 4, 32, 1, 128, dtype=torch.bfloat16)] * 5)
     with pytest.raises(rn.FlyDSLUnsupported, match="exchange buffers"):
         make(peer=False)
 
 
-def records_layers(pages=4, offset=0):
+def records_layers(pages=4, offset=0, dtype=torch.bfloat16):
     """vLLM 0.34 caches [pages, 1, page_size, 256] as the sidecar binds them (their planes views), each
     starting `offset` records into its storage (a layer carved out of a larger allocation)."""
-    bufs = [torch.zeros((offset + pages * PAGE) * 256, dtype=torch.bfloat16) for _ in range(5)]
+    bufs = [torch.zeros((offset + pages * PAGE) * 256, dtype=dtype) for _ in range(5)]
     return [b[offset * 256 :].view(pages, 1, PAGE, 256) for b in bufs]
 
 
@@ -140,6 +142,51 @@ def test_launch_arguments_carry_the_layers_row_addressing():
         assert a[-3] is b[1] is r._kv[i].rows
         assert a[-2:] == b[-2:] == (2, 1)
     r.close()
+
+
+@pytest.mark.parametrize("kv_layout", ["planes", "records"])
+def test_fp8_cache_is_bound_as_rows_of_e4m3fn_codes(kv_layout):
+    """vLLM's fp8 cache (e4m3fn codes at scale 1), either layout: bound as uint8 rows over the engine's
+    bytes, and served by the fp8 builds of qkv_rope and attention."""
+    pages = 4
+    if kv_layout == "planes":
+        raw = [torch.zeros(2, pages, PAGE, 1, 128, dtype=FP8_KV) for _ in range(5)]
+    else:
+        raw = records_layers(pages, offset=3, dtype=FP8_KV)
+    for t in raw:
+        t.copy_(torch.randn(t.shape).to(FP8_KV))
+    kv = [kv_planes(t) for t in raw]
+    assert all(rn.check_kv_layer(t, PAGE) is None for t in kv)
+    r = make(kv=kv)
+    for t, bound in zip(kv, r._kv):
+        assert bound.kv_dtype == "fp8" and bound.rows.dtype == torch.uint8 and bound.rows.shape == (2 * pages * PAGE, 128)
+        assert bound.rows.data_ptr() == t.data_ptr()
+        slot = torch.arange(pages * PAGE)
+        k_rows = bound.rows[slot * bound.slot_rows]
+        v_rows = bound.rows[bound.v_row0 + slot * bound.slot_rows]
+        assert torch.equal(k_rows, t[0].reshape(-1, 128).view(torch.uint8))
+        assert torch.equal(v_rows, t[1].reshape(-1, 128).view(torch.uint8))
+    n = 7
+    calls = list(r._calls(1, torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
+                          torch.zeros(1, 1, dtype=torch.int32), torch.empty(n, 6144, dtype=torch.bfloat16)))
+    names = [name for name, _, _, _ in calls]
+    assert names == [name for name, _ in rn.launch_plan(1, "fp8")]
+    assert names.count("qkv_rope_fp8") == names.count("attention_fp8") == 5
+    assert "qkv_rope" not in names and "attention" not in names
+    for i, args in enumerate(a for name, _, _, a in calls if name == "qkv_rope_fp8"):
+        assert args[-3] is r._kv[i].rows
+    r.close()
+
+
+def test_launch_plan_names_catalog_entries_for_each_kv_dtype():
+    from dspark_sidecar.kernels.flydsl.catalog import KERNELS
+    from dspark_sidecar.kernels.flydsl.shapes import KV_DTYPES
+
+    for kv_dtype in KV_DTYPES:
+        assert {name for name, _ in rn.launch_plan(2, kv_dtype)} <= set(KERNELS)
+    assert set(rn.KV_DTYPE_NAMES.values()) == set(KV_DTYPES)
+    with pytest.raises(ValueError, match="bf16 or fp8"):
+        rn.launch_plan(1, "fp16")
 
 
 def other_views(pages=4):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dspark_sidecar.drafter.checkpoint import dequantize_mxfp8, quantize_mxfp8
+from dspark_sidecar.drafter.kv_cache import FP8_KV, to_cache
 from dspark_sidecar.kernels import reference as ref
 from dspark_sidecar.kernels.flydsl import shapes
 from dspark_sidecar.kernels.flydsl import tiling_model as tm
@@ -168,20 +169,29 @@ def test_attention_model_window_edge_is_per_row():
     assert changed.tolist() == [True] + [False] * 6
 
 
-def bound_rows(kv_layout: str, pages: int):
+def bound_rows(kv_layout: str, pages: int, dtype: torch.dtype = torch.bfloat16):
     """A fresh (zeroed) cache allocated in kv_layout as the engine does, its planes view, and the rows
-    the runner hands the kernels (runner.KVRows: the rows, slot_rows, v_row0)."""
+    the runner hands the kernels (runner.KVRows: the rows, slot_rows, v_row0; uint8 codes for fp8)."""
     from dspark_sidecar.drafter.kv_cache import kv_planes
     from dspark_sidecar.kernels.flydsl.runner import KVRows
 
     shape = (2, pages, PAGE, 1, 128) if kv_layout == "planes" else (pages, 1, PAGE, 256)
-    view = kv_planes(torch.zeros(shape, dtype=torch.bfloat16))
+    view = kv_planes(torch.zeros(shape, dtype=dtype))
     kv = KVRows.of(view)
     return view, (kv.rows, kv.slot_rows, kv.v_row0)
 
 
+KV_DTYPES = [torch.bfloat16, FP8_KV]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two caches (torch.equal compares float8 tensors on CPU only as codes)."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == FP8_KV else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("num_reqs", [1, 5])
-def test_records_cache_is_written_as_a_planes_cache(num_reqs):
+def test_records_cache_is_written_as_a_planes_cache(num_reqs, dtype):
     """qkv_rope's K/V writes through the records rows (K | V per slot) leave the same cache, seen
     through its planes view, as the writes through planes rows: same q, same K/V, nothing else."""
     sched = shapes.SCHEDULES["qkv"]
@@ -196,22 +206,23 @@ def test_records_cache_is_written_as_a_planes_cache(num_reqs):
     slots[2] = -1
     out = {}
     for kv_layout in ("planes", "records"):
-        view, kv = bound_rows(kv_layout, pages)
+        view, kv = bound_rows(kv_layout, pages, dtype)
         q = tm.qkv_rope_model(p, ss, qn, kn, cos_sin_cache(5100), positions, slots, *kv, rows)
         out[kv_layout] = q, view
     (q_p, planes), (q_r, records) = out["planes"], out["records"]
     assert records.stride() != planes.stride()  # the engine's tensors really are laid out differently
     assert torch.equal(q_r, q_p)
-    assert torch.equal(records, planes)
+    assert same_bits(records, planes)
     written = torch.zeros(pages * PAGE, dtype=torch.bool)
     written[slots[slots >= 0]] = True
-    by_slot = planes.reshape(2, -1, 128)
+    by_slot = planes.reshape(2, -1, 128).float()
     assert bool(by_slot[:, written].any(dim=-1).all())  # every kept row's K and V landed
     assert torch.count_nonzero(by_slot[:, ~written]) == 0  # and nothing else (the padding row included)
 
 
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("num_reqs", [1, 3])
-def test_records_cache_is_read_as_a_planes_cache(num_reqs):
+def test_records_cache_is_read_as_a_planes_cache(num_reqs, dtype):
     """attention over the records rows of a cache gives the same bits as over the planes rows of a
     cache holding the same K/V."""
     gen = torch.Generator().manual_seed(80 + num_reqs)
@@ -220,21 +231,97 @@ def test_records_cache_is_read_as_a_planes_cache(num_reqs):
     max_pages = max(-(-(a + 7) // PAGE) for a in anchors)
     pages = max_pages * num_reqs
     block_tables = torch.randperm(pages, generator=gen).view(num_reqs, max_pages).to(torch.int32)
-    contents = bf16((2, pages, PAGE, 1, 128), gen)
+    contents = to_cache(bf16((2, pages, PAGE, 1, 128), gen), dtype)
     q = bf16((rows, shapes.Q_HEADS * 128), gen, 2.0)
     positions = (torch.tensor(anchors)[:, None] + torch.arange(7)).reshape(-1)
     got = {}
     for kv_layout in ("planes", "records"):
-        view, kv = bound_rows(kv_layout, pages)
+        view, kv = bound_rows(kv_layout, pages, dtype)
         view.copy_(contents)
         got[kv_layout] = tm.attention_model(q, kv[0], *kv[1:], positions, block_tables, PAGE, num_reqs)
     assert torch.equal(got["records"], got["planes"])
     # And a records row map over planes memory reads other values: the addressing really differs.
-    view, kv = bound_rows("planes", pages)
+    view, kv = bound_rows("planes", pages, dtype)
     view.copy_(contents)
     wrong = tm.attention_model(q, kv[0], *shapes.kv_row_map("records", pages * PAGE), positions, block_tables, PAGE,
                                num_reqs)
     assert not torch.equal(wrong, got["planes"])
+
+
+def every_bf16() -> torch.Tensor:
+    """All 65536 bf16 bit patterns: zeros, subnormals, normals, +-inf and the NaNs."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def test_fp8_write_codes_are_to_cache_codes_for_every_bf16_value():
+    """qkv_rope's fp8 conversion (compare-select saturation, then round to nearest even) gives, for
+    every bf16 value, the code kv_cache.to_cache stores: the reference's and vLLM's fp8 cache writes."""
+    x = every_bf16()
+    got = tm.e4m3_codes_like_kernel(x)
+    want = to_cache(x, FP8_KV).view(torch.uint8)
+    nan = x.isnan()
+    assert torch.equal(got[~nan], want[~nan])
+    assert bool(got[nan].view(FP8_KV).float().isnan().all())  # NaN stays NaN (the code's sign may differ)
+    # What the comparison covers: saturation of finite values and infinities, and exact ties.
+    big = torch.tensor([448.0, 464.0, 480.0, 1e4, math.inf, -464.0, -math.inf], dtype=torch.bfloat16)
+    assert tm.e4m3_codes_like_kernel(big).view(FP8_KV).float().abs().eq(448.0).all()
+    ties = torch.tensor([0.53125, 0.59375, 2.0**-10, 3 * 2.0**-10], dtype=torch.bfloat16)  # halfway on the grid
+    assert tm.e4m3_codes_like_kernel(ties).view(FP8_KV).float().tolist() == [0.5, 0.625, 0.0, 2.0**-8]
+
+
+def test_fp8_read_widens_every_code_exactly():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = tm.kv_values_like_kernel(codes)
+    want = codes.view(FP8_KV).float()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.parametrize("kv_layout", shapes.KV_LAYOUTS)
+@pytest.mark.parametrize("num_reqs", [1, 5])
+def test_qkv_rope_model_writes_to_cache_codes_into_an_fp8_cache(num_reqs, kv_layout):
+    """Over an fp8 cache the model stores exactly to_cache(K/V it stores into a bf16 cache), V's
+    saturated values included, at the same slots, and the same q."""
+    sched = shapes.SCHEDULES["qkv"]
+    gen = torch.Generator().manual_seed(90 + num_reqs)
+    rows = shapes.rows_for(num_reqs)
+    # Partials ~100x larger than a layer's: V (not normed) then often exceeds 448 and saturates.
+    p = torch.randn(sched.split, 16 * shapes.row_tiles(num_reqs), sched.n, generator=gen) * 100
+    ss = torch.rand(p.shape[:2], generator=gen) * 100 + 1
+    qn, kn = bf16((128,), gen, 0.1), bf16((128,), gen, 0.1)
+    positions = (torch.randint(0, 5000, (num_reqs,), generator=gen)[:, None] + torch.arange(7)).reshape(-1)
+    pages = 8 * num_reqs
+    slots = torch.randperm(pages * PAGE, generator=gen)[:rows]
+    slots[1] = -1
+    out = {}
+    for dtype in KV_DTYPES:
+        view, kv = bound_rows(kv_layout, pages, dtype)
+        out[dtype] = tm.qkv_rope_model(p, ss, qn, kn, cos_sin_cache(5100), positions, slots, *kv, rows), view
+    (q_bf16, kv_bf16), (q_fp8, kv_fp8) = out[torch.bfloat16], out[FP8_KV]
+    assert torch.equal(q_fp8, q_bf16)
+    assert same_bits(kv_fp8, to_cache(kv_bf16, FP8_KV))  # unwritten slots: zeros in both
+    v_written = kv_fp8[1].reshape(-1, 128)[slots[slots >= 0]].float()
+    assert bool((v_written.abs() == 448.0).any())  # the saturation was exercised
+
+
+@pytest.mark.parametrize("num_reqs", [1, 3])
+def test_attention_model_over_an_fp8_cache_matches_reference(num_reqs):
+    """The model reads e4m3fn codes as the reference reads an fp8 cache (widened exactly)."""
+    gen = torch.Generator().manual_seed(100 + num_reqs)
+    rows = shapes.rows_for(num_reqs)
+    anchors = [4300] + torch.randint(0, 700, (num_reqs - 1,), generator=gen).tolist()
+    seq_lens = torch.tensor([a + 7 for a in anchors])
+    max_pages = max(-(-int(s) // PAGE) for s in seq_lens)
+    pages = max_pages * num_reqs
+    block_tables = torch.randperm(pages, generator=gen).view(num_reqs, max_pages).to(torch.int32)
+    view, kv = bound_rows("records", pages, FP8_KV)
+    view.copy_(to_cache(bf16((2, pages, PAGE, 1, 128), gen, 4.0), FP8_KV))
+    q = bf16((rows, shapes.Q_HEADS * 128), gen, 2.0)
+    positions = (torch.tensor(anchors)[:, None] + torch.arange(7)).reshape(-1)
+    got = tm.attention_model(q, *kv, positions, block_tables, PAGE, num_reqs)
+    want = ref.paged_window_attention(q.view(rows, shapes.Q_HEADS, 128), view, positions, seq_lens, block_tables, 7,
+                                      shapes.SLIDING_WINDOW, 1 / math.sqrt(128))
+    assert rel_l2(got, want.reshape(rows, -1)) < TOL_BF16
 
 
 def test_exchange_model_rank_order_sum():
