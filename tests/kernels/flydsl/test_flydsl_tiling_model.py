@@ -129,16 +129,22 @@ def test_qkv_rope_model_matches_reference(num_reqs):
     assert torch.count_nonzero(kv_model.view(2, -1, 128)[:, untouched]) == 0
 
 
-@pytest.mark.parametrize("num_reqs", [1, 3])
-def test_attention_model_matches_reference(num_reqs):
-    gen = torch.Generator().manual_seed(30 + num_reqs)
+def _attention_requests(num_reqs: int, gen: torch.Generator):
+    """(rows, anchors, seq_lens, pages, block_tables) of an attention case: request 0 runs past the
+    4096 window (so the per-row left edge bites), the others are short; pages shuffled."""
     rows = shapes.rows_for(num_reqs)
-    # Request 0 runs past the 4096 window (so the per-row left edge bites); others are short.
     anchors = [4300] + torch.randint(0, 700, (num_reqs - 1,), generator=gen).tolist()
     seq_lens = torch.tensor([a + 7 for a in anchors])
     max_pages = max(-(-int(s) // PAGE) for s in seq_lens)
     pages = max_pages * num_reqs
     block_tables = torch.randperm(pages, generator=gen).view(num_reqs, max_pages).to(torch.int32)
+    return rows, anchors, seq_lens, pages, block_tables
+
+
+@pytest.mark.parametrize("num_reqs", [1, 3])
+def test_attention_model_matches_reference(num_reqs):
+    gen = torch.Generator().manual_seed(30 + num_reqs)
+    rows, anchors, seq_lens, pages, block_tables = _attention_requests(num_reqs, gen)
     kv = bf16((2, pages, PAGE, 1, 128), gen)
     q = bf16((rows, shapes.Q_HEADS * 128), gen, 2.0)
     positions = (torch.tensor(anchors)[:, None] + torch.arange(7)).reshape(-1)
@@ -308,12 +314,7 @@ def test_qkv_rope_model_writes_to_cache_codes_into_an_fp8_cache(num_reqs, kv_lay
 def test_attention_model_over_an_fp8_cache_matches_reference(num_reqs):
     """The model reads e4m3fn codes as the reference reads an fp8 cache (widened exactly)."""
     gen = torch.Generator().manual_seed(100 + num_reqs)
-    rows = shapes.rows_for(num_reqs)
-    anchors = [4300] + torch.randint(0, 700, (num_reqs - 1,), generator=gen).tolist()
-    seq_lens = torch.tensor([a + 7 for a in anchors])
-    max_pages = max(-(-int(s) // PAGE) for s in seq_lens)
-    pages = max_pages * num_reqs
-    block_tables = torch.randperm(pages, generator=gen).view(num_reqs, max_pages).to(torch.int32)
+    rows, anchors, seq_lens, pages, block_tables = _attention_requests(num_reqs, gen)
     view, kv = bound_rows("records", pages, FP8_KV)
     view.copy_(to_cache(bf16((2, pages, PAGE, 1, 128), gen, 4.0), FP8_KV))
     q = bf16((rows, shapes.Q_HEADS * 128), gen, 2.0)
