@@ -19,6 +19,7 @@ DRAIN_GRACE_S = 60.0  # a serving rank that has not exited this long after SIGTE
 # (torch's rendezvous connect retries for --dist-timeout-s, a read of a hung filesystem) where no
 # Python signal handler runs: past this it is killed, and a stop requested by the user still exits 0.
 STARTUP_STOP_S = 3.0
+EXIT_USAGE = 2  # cli.main: a flag, value, config or checkpoint that cannot be used, said in one line
 
 
 def free_port() -> int:
@@ -33,7 +34,8 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
     A rank that exits while the group is serving takes the group down: one log line naming it,
     SIGTERM to the rest, SIGKILL after a grace period, exit code 1. SIGTERM/SIGINT to the
     launcher drains every rank and returns 0 when all exited cleanly; before the group serves
-    (on_ready has not reported it yet) it stops them within STARTUP_STOP_S and returns 0.
+    (on_ready has not reported it yet) it stops them within STARTUP_STOP_S and returns 0. A rank
+    that refuses to start (exit EXIT_USAGE, its one line said) stops the group with that code.
     """
     port = cfg.master_port or free_port()
     env = dict(os.environ, WORLD_SIZE=str(cfg.tp), MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port),
@@ -73,6 +75,13 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
             dead = [(r, c) for r, c in enumerate(codes) if c is not None]
             if dead and not stopping:
                 r, c = dead[0]
+                if c == EXIT_USAGE and not ready_sent:
+                    # The rank refused something at start-up (a port or socket taken since the parent's
+                    # check) and said so in its own line: no second line here, and its exit code is the
+                    # group's, as the same refusal in the parent gives.
+                    log.info("sidecar rank %d refused to start; stopping the group (%d ranks)", r, cfg.tp)
+                    _terminate(procs, grace_s=STARTUP_STOP_S)
+                    return EXIT_USAGE
                 log.error("sidecar rank %d exited with code %s; stopping the group (%d ranks)", r, c, cfg.tp)
                 _terminate(procs, grace_s=10.0 if ready_sent else STARTUP_STOP_S)
                 return 1
