@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dspark_sidecar.bench import BenchConfig
 from dspark_sidecar.bench_tp import PARITY_RTOL, _report, run_tp_bench
 
@@ -52,11 +54,12 @@ def test_the_report_fails_a_case_on_any_rank_s_error_disagreement_or_drift(tmp_p
     assert not _report(bc, 2, cases["ok"][0], single, "cpu", 0.0)["rows"][0]["parity_ok"]
 
 
-def test_kv_layout_records_is_what_the_engine_ranks_allocate_and_bind(tmp_path):
-    # --kv-layout reaches the TP engine ranks too: each allocates vLLM 0.34's records cache, its shim
-    # binds it, and the reference runs over the same views; the rows say which layout they measured.
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_kv_layout_records_is_what_the_engine_ranks_allocate_and_bind(tmp_path, kv_dtype):
+    # --kv-layout (and --kv-dtype) reach the TP engine ranks too: each allocates vLLM 0.34's records
+    # cache, its shim binds it, and the reference runs over the same views; the rows say what they measured.
     bc = BenchConfig(preset="tiny", reqs=(2,), contexts=(40,), dtype="fp32", repeats=1, out_dir=tmp_path,
-                     kv_layout="records")
+                     kv_layout="records", kv_dtype=kv_dtype)
     (row,) = run_tp_bench(bc, 2, single_gpu=False, device_type="cpu")["rows"]
-    assert row["kv_layout"] == "records"
+    assert row["kv_layout"] == ("records fp8" if kv_dtype == "fp8" else "records")
     assert row["errors"] == 0 and row["parity_ok"] and row["kv_rel_l2"] == 0.0
