@@ -104,6 +104,10 @@ def cast(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
             b = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) << 20
             normal = b.to(tl.float32, bitcast=True)
             tiny = (x + 24576.0) - 24576.0
+            # That sum loses the sign of a value rounding to zero (+0, not -0 as the GPU's
+            # conversion and torch give it): the sign bit is x's.
+            sign = x.to(tl.uint32, bitcast=True) & 0x80000000
+            tiny = (tiny.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
             x = tl.where(tl.abs(x) < 0.015625, tiny, normal)
         return x.to(DTYPE, fp_downcast_rounding="rtne")
     if INTERPRET:

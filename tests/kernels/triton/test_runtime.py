@@ -67,3 +67,37 @@ def test_pdl_gives_the_same_bits(cuda, rows, fp8, monkeypatch):
         for a, b in zip(got[False], got[other], strict=True):
             assert torch.equal(a, b)
         assert all(torch.equal(got[other][0], r) for r in got[other][1:])
+
+
+def _fp8_cases() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours (ties) and the values next to them,
+    values past +-448, and small values of either sign that round to (signed) zero."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    s = codes[torch.isfinite(codes)].unique().sort().values
+    mid = (s[1:] + s[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    edge = torch.tensor([449.0, 464.0, 465.0, 1e4, -1e4, 0.0, -0.0, 2.0 ** -11, -2.0 ** -11, -2.0 ** -12, -1e-6])
+    return torch.cat([s, mid, torch.nextafter(mid, up), torch.nextafter(mid, down), edge])
+
+
+def test_cast_to_fp8_saturates_and_rounds_as_torch_does_sign_of_zero_included(device):
+    """cast(x, float8e4nv) is the fp8 KV cache's store: the same e4m3 code as the reference's
+    to_cache (clamp to +-448, then torch's round to nearest even), bit for bit, so a negative value
+    that rounds to zero is -0 (0x80), as the GPU's and vLLM's saturating conversions give it."""
+    import triton
+    import triton.language as tl
+
+    from dspark_sidecar.drafter.kv_cache import FP8_KV, to_cache
+
+    @triton.jit
+    def store(x_ptr, y_ptr, n, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + o, runtime.cast(tl.load(x_ptr + o, mask=o < n), tl.float8e4nv, INTERPRET), mask=o < n)
+
+    x = _fp8_cases()
+    y = torch.empty(x.numel(), dtype=FP8_KV, device=device)
+    store[(triton.cdiv(x.numel(), 256),)](x.to(device), y, x.numel(), BLOCK=256, INTERPRET=runtime.INTERPRET)
+    want = to_cache(x, FP8_KV).view(torch.uint8)
+    got = y.cpu().view(torch.uint8)
+    bad = (got != want).nonzero().flatten()[:8]
+    assert not len(bad), f"x {x[bad].tolist()}: codes {got[bad].tolist()}, want {want[bad].tolist()}"
