@@ -74,7 +74,8 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
                 return 1
             dead = [(r, c) for r, c in enumerate(codes) if c is not None]
             if dead and not stopping:
-                r, c = dead[0]
+                # A refusal first: a peer of a refusing rank may have exited 1 already (PeerLost).
+                r, c = next(((r, c) for r, c in dead if c == EXIT_USAGE), dead[0])
                 if c == EXIT_USAGE and not ready_sent:
                     # The rank refused something at start-up (a port or socket taken since the parent's
                     # check) and said so in its own line: no second line here, and its exit code is the

@@ -93,8 +93,9 @@ def cast(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """
     if DTYPE == tl.float8e4nv:
         # An fp8 KV cache (vLLM's kv_cache_dtype fp8, scale 1): saturated to the largest finite
-        # e4m3 value, as the engine's own cache writes are, then rounded to nearest even.
-        x = tl.clamp(x.to(tl.float32), -FP8_MAX, FP8_MAX)
+        # e4m3 value, as the engine's own cache writes are, then rounded to nearest even. A NaN stays
+        # NaN, as torch.clamp keeps it (tl.clamp's default leaves NaN to the hardware's min/max).
+        x = tl.clamp(x.to(tl.float32), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         if INTERPRET:
             # The interpreter rounds ties away from zero and loses subnormals: round here to an
             # e4m3 value first (then its conversion is exact). Normals keep 3 of fp32's 23 mantissa
@@ -109,6 +110,9 @@ def cast(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
             sign = x.to(tl.uint32, bitcast=True) & 0x80000000
             tiny = (tiny.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
             x = tl.where(tl.abs(x) < 0.015625, tiny, normal)
+            # Its conversion also turns NaN into a finite code: e4m3fn's NaN (0x7F) set by its bits.
+            nan = tl.full(x.shape, 0x7F, tl.uint8).to(DTYPE, bitcast=True)
+            return tl.where(x != x, nan, x.to(DTYPE, fp_downcast_rounding="rtne"))
         return x.to(DTYPE, fp_downcast_rounding="rtne")
     if INTERPRET:
         if DTYPE == tl.bfloat16:

@@ -66,6 +66,8 @@ def build(fn, consts, types, div16, name, num_warps, num_stages):
                 pdl_release=len(release), pdl_release_after_dots=bool(release) and min(release) > max(dots, default=-1), stack=[int(w.split(":")[1]) for w in usage.split() if w.startswith("STACK:")],
                 cp_async=ptx.count("cp.async.cg.shared.global"), wgmma=ptx.count("wgmma.mma_async"),
                 mma_sync=ptx.count("mma.sync.aligned"), tma=ptx.count("cp.async.bulk.tensor"),
+                # fp32 -> e4m3 conversions that saturate and round to nearest even (an fp8 KV cache)
+                cvt_e4m3_satfinite=sum("cvt.rn.satfinite.e4m3x2" in l for l in lines),
                 # wgmma's A operand after the accumulators: a {register list} or a shared-memory descriptor
                 wgmma_reg_a=sum(l.split("},", 1)[1].lstrip().startswith("{")
                                 for l in ptx.splitlines() if "wgmma.mma_async" in l))
@@ -98,30 +100,32 @@ def compile_fp8_case(rows, n, k, swiglu, norm, residual):
     return dict(got, stages=cfg.num_stages, block_m=cfg.block_m, swap=consts["SWAP_AB"])
 
 
-def compile_attention(reqs, coop=False, pdl=False):
+def compile_attention(reqs, coop=False, pdl=False, fp8=False):
     # The split kernel at the shard's heads (16 q, 1 KV, d 128), as paged_window_attention plans it;
-    # coop: with the splits' merge in the same (cooperative) launch.
+    # coop: with the splits' merge in the same (cooperative) launch; fp8: over an e4m3 cache.
     from dspark_sidecar.kernels.triton import attention
     splits = attention.num_splits(reqs, 1, 4096 - 1, 132)  # the tiled keys: all but the block's 7
     consts = dict(ROWS=7, GROUP=16, D=128, BLOCK_D=128, BM=128, BN=attention.BLOCK_N, BB=16, SPLITS=splits,
                   OUT=tl.bfloat16, DOT=tl.bfloat16, IEEE=False, INTERPRET=False, PAGE=16, stride_qd=1, stride_cd=1,
                   COOP=coop, RB=triton.cdiv(7 * 16, splits), PDL=pdl)
-    types = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", seq_ptr="*i32", bt_ptr="*i32", out_ptr="*bf16",
-                 po_ptr="*fp32", pml_ptr="*fp32", cnt_ptr="*i32", qk_scale="fp32")
+    types = dict(q_ptr="*bf16", kv_ptr="*fp8e4nv" if fp8 else "*bf16", pos_ptr="*i64", seq_ptr="*i32",
+                 bt_ptr="*i32", out_ptr="*bf16", po_ptr="*fp32", pml_ptr="*fp32", cnt_ptr="*i32", qk_scale="fp32")
     div16 = {"stride_qn", "stride_qh", "stride_c0", "stride_cp", "stride_cs", "stride_ch", "stride_bt"}
-    got = build(attention._split_kernel, consts, types, div16, f"attention{reqs}{'coop' if coop else ''}{pdl}", 8,
-                attention.NUM_STAGES)
+    got = build(attention._split_kernel, consts, types, div16,
+                f"attention{reqs}{'coop' if coop else ''}{pdl}{'fp8' if fp8 else ''}", 8, attention.NUM_STAGES)
     return dict(got, block_m=128)
 
 
-def compile_prelude_pdl():
-    # The prelude finishing the qkv GEMM's 7 split partials of the shard's heads, launched with PDL.
+def compile_prelude_pdl(fp8=False):
+    # The prelude finishing the qkv GEMM's 7 split partials of the shard's heads, launched with PDL;
+    # fp8: storing the block's K/V into an e4m3 cache.
     from dspark_sidecar.kernels.triton import prelude
     consts = dict(PAGE=16, SPLITS=7, Q_HEADS=16, KV_HEADS=1, D=128, HALF=32, BLOCK_D=128, OUT=tl.bfloat16,
-                  CACHE=tl.bfloat16, PARTIAL=True, INTERPRET=False, PDL=True, stride_xd=1, stride_qd=1, stride_cd=1)
+                  CACHE=tl.float8e4nv if fp8 else tl.bfloat16, PARTIAL=True, INTERPRET=False, PDL=True, stride_xd=1,
+                  stride_qd=1, stride_cd=1)
     types = dict(x_ptr="*fp32", qn_ptr="*bf16", kn_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", q_ptr="*bf16",
-                 kv_ptr="*bf16", slot_ptr="*i64", eps="fp32", sq_ptr="*fp32", eps_in="fp32")
-    return build(prelude._prelude_kernel, consts, types, set(), "prelude_pdl", 1, 3)
+                 kv_ptr="*fp8e4nv" if fp8 else "*bf16", slot_ptr="*i64", eps="fp32", sq_ptr="*fp32", eps_in="fp32")
+    return build(prelude._prelude_kernel, consts, types, set(), f"prelude_pdl{'fp8' if fp8 else ''}", 1, 3)
 
 
 def compile_rope_pdl():
@@ -172,6 +176,8 @@ got["attention 8 requests, merged in the launch"] = compile_attention(8, coop=Tr
 got["attention 8 requests, merged in the launch, PDL"] = compile_attention(8, coop=True, pdl=True)
 got["qkv 56 rows, norm folded, PDL"] = compile_case(56, 2304, 6144, False, True, False, True, pdl=True)
 got["prelude, PDL"] = compile_prelude_pdl()
+got["prelude, fp8 cache"] = compile_prelude_pdl(fp8=True)
+got["attention 8 requests, fp8 cache"] = compile_attention(8, fp8=True)
 got["rope, PDL"] = compile_rope_pdl()
 got["final norm, PDL"] = compile_norm_pdl()
 got["finalize, PDL"] = compile_finalize_pdl()
@@ -299,3 +305,14 @@ def test_programmatic_dependent_launch_waits_before_the_step_data(sm90):
     # Without PDL no kernel carries the instructions at all.
     for case in ("qkv 56 rows, norm folded", "attention 8 requests, merged in the launch"):
         assert sm90[case]["pdl_wait"] == -1 and sm90[case]["pdl_release"] == 0, case
+
+
+def test_an_fp8_cache_is_stored_saturated_and_read_through_bf16_tensor_cores(sm90):
+    """vLLM's kv_cache_dtype fp8: the prelude's K/V stores convert with cvt.rn.satfinite (saturate,
+    round to nearest even, NaN kept), and the attention widens the codes for bf16 wgmma, spilling
+    nothing; the bf16 builds have no such conversion."""
+    prelude, attention = sm90["prelude, fp8 cache"], sm90["attention 8 requests, fp8 cache"]
+    assert prelude["cvt_e4m3_satfinite"] > 0 and sm90["prelude, PDL"]["cvt_e4m3_satfinite"] == 0
+    assert max(prelude["stack"]) == 0
+    assert attention["wgmma"] > 0 and max(attention["stack"]) == 0, attention
+    assert attention["shared"] <= H200_SMEM

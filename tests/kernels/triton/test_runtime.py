@@ -101,3 +101,21 @@ def test_cast_to_fp8_saturates_and_rounds_as_torch_does_sign_of_zero_included(de
     got = y.cpu().view(torch.uint8)
     bad = (got != want).nonzero().flatten()[:8]
     assert not len(bad), f"x {x[bad].tolist()}: codes {got[bad].tolist()}, want {want[bad].tolist()}"
+
+
+def test_cast_to_fp8_keeps_a_nan_a_nan(device):
+    """torch.clamp (the reference's to_cache) keeps NaN; tl.clamp's default would leave it to the
+    hardware's min/max, which may give +-448: a NaN K/V value must not become a finite one."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store(x_ptr, y_ptr, INTERPRET: tl.constexpr):
+        o = tl.arange(0, 4)
+        tl.store(y_ptr + o, runtime.cast(tl.load(x_ptr + o), tl.float8e4nv, INTERPRET))
+
+    x = torch.tensor([float("nan"), -float("nan"), 1.0, 1000.0], device=device)
+    y = torch.empty(4, dtype=torch.float8_e4m3fn, device=device)
+    store[(1,)](x, y, INTERPRET=runtime.INTERPRET)
+    got = y.float().cpu()
+    assert torch.isnan(got[:2]).all() and got[2:].tolist() == [1.0, 448.0]
