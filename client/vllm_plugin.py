@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -66,37 +67,50 @@ def kv_cache_provider(model: torch.nn.Module):
     releases as a list indexed by virtual engine; both are read, and re-read at every call since
     vLLM replaces the attribute when it allocates."""
     layers = [m for _, m in model.named_modules() if isinstance(getattr(m, "kv_cache", None), (torch.Tensor, list))]
+    # An fp8 layer's float8 view, kept while vLLM holds the same uint8 tensor: a fresh view each
+    # step would miss the binder's same-objects check (KVBinder.needs_bind) and cost the full
+    # identity of every layer on every step. The view holds the cache's storage until vLLM's next
+    # allocation is seen here, one call later.
+    views: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
     def caches() -> list[torch.Tensor]:
         out = []
-        for m in layers:
+        for i, m in enumerate(layers):
             kv = m.kv_cache
             t = (kv[0] if kv else None) if isinstance(kv, list) else kv
             if not isinstance(t, torch.Tensor) or t.numel() == 0:
                 return []
-            out.append(fp8_codes(m, t))
+            if e4m3_at_scale_one(m, t):
+                hit = views.get(i)
+                if hit is None or hit[0]() is not t:
+                    hit = views[i] = (weakref.ref(t), t.view(torch.float8_e4m3fn))
+                t = hit[1]
+            out.append(t)
         return out
 
     return caches
 
 
-def fp8_codes(layer: Any, t: torch.Tensor) -> torch.Tensor:
-    """A layer's cache as the sidecar reads it. vLLM holds kv_cache_dtype fp8 as uint8 codes of
-    x / scale; where they are e4m3fn (the platform's fp8, gfx950's and NVIDIA's) at k and v scale 1,
-    they are float8_e4m3fn codes of x and are passed as such (a view). Otherwise the tensor is
-    passed as it is, and BindKV is refused naming its dtype."""
+def e4m3_at_scale_one(layer: Any, t: torch.Tensor) -> bool:
+    """Whether a layer's uint8 cache holds float8_e4m3fn codes of the values themselves. vLLM holds
+    kv_cache_dtype fp8 as uint8 codes of x / scale: that is so where they are e4m3fn (the platform's
+    fp8, gfx950's and NVIDIA's) at k and v scale 1. Re-read every step, scales included."""
     if t.dtype != torch.uint8 or str(getattr(layer, "kv_cache_dtype", "")) not in ("fp8", "fp8_e4m3"):
-        return t
+        return False
     if getattr(layer, "_k_scale_float", None) != 1.0 or getattr(layer, "_v_scale_float", None) != 1.0:
-        return t
+        return False
     try:
         from vllm.platforms import current_platform
 
-        if current_platform.fp8_dtype() != torch.float8_e4m3fn:
-            return t
+        return current_platform.fp8_dtype() == torch.float8_e4m3fn
     except (ImportError, AttributeError):
-        return t
-    return t.view(torch.float8_e4m3fn)
+        return False
+
+
+def fp8_codes(layer: Any, t: torch.Tensor) -> torch.Tensor:
+    """A layer's cache as the sidecar reads it: the float8_e4m3fn view where e4m3_at_scale_one, else
+    the tensor as it is (a uint8 one is then refused at BindKV, naming its dtype)."""
+    return t.view(torch.float8_e4m3fn) if e4m3_at_scale_one(layer, t) else t
 
 
 def full_graph_decode(vllm_config: Any) -> bool:

@@ -260,3 +260,25 @@ def test_a_vllm_without_the_dspark_speculator_is_left_alone(fake_vllm, monkeypat
     monkeypatch.setitem(sys.modules, "vllm.v1", None)  # import -> ImportError
     assert "no DSparkSpeculator to adjust" in vllm_plugin.eager_draft_steps()
     assert not vllm_plugin.draft_steps_eager()
+
+
+def test_the_fp8_view_is_the_same_object_step_after_step_until_vllm_reallocates(fake_vllm, monkeypatch):
+    """A fresh view per step would miss the binder's cheap same-objects check every step; a scale
+    that leaves 1 makes the provider hand back the uint8 cache (refused at bind, by name)."""
+    plat = types.ModuleType("vllm.platforms")
+    plat.current_platform = SimpleNamespace(fp8_dtype=lambda: torch.float8_e4m3fn)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", plat)
+    model = nn.Module()
+    model.layers = nn.ModuleList(FakeAttention() for _ in range(2))
+    for m in model.layers:
+        m.kv_cache = torch.zeros(4, 1, 16, 256, dtype=torch.uint8)
+        m.kv_cache_dtype, m._k_scale_float, m._v_scale_float = "fp8", 1.0, 1.0
+    caches = vllm_plugin.kv_cache_provider(model)
+    first, again = caches(), caches()
+    assert all(a.dtype == torch.float8_e4m3fn and a is b for a, b in zip(first, again))
+    model.layers[1].kv_cache = torch.zeros(4, 1, 16, 256, dtype=torch.uint8)  # vLLM re-allocated layer 1
+    third = caches()
+    assert third[0] is first[0] and third[1] is not first[1]
+    assert third[1].data_ptr() == model.layers[1].kv_cache.data_ptr()
+    model.layers[0]._k_scale_float = 0.5  # scales computed on the fly
+    assert caches()[0].dtype == torch.uint8
