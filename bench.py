@@ -47,7 +47,7 @@ from dspark_sidecar import layout
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import DrafterConfig, load_config
-from dspark_sidecar.drafter.kv_cache import FP8_KV, KV_LAYOUTS, kv_planes, kv_storage_shape
+from dspark_sidecar.drafter.kv_cache import KV_DTYPE_CHOICES, KV_LAYOUTS, kv_cache_dtype, kv_planes, kv_storage_shape
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels import reference
@@ -101,7 +101,7 @@ class BenchConfig:
             raise BenchConfigError(f"--modes: {bad or 'none given'}; choose from {''.join(MODES)} (e.g. 'acd' or 'a,c,d')")
         if self.weights not in ("bf16", "mxfp8"):
             raise BenchConfigError(f"--weights: bf16 or mxfp8, got {self.weights!r}")
-        if self.kv_dtype not in ("auto", "fp8"):
+        if self.kv_dtype not in KV_DTYPE_CHOICES:
             raise BenchConfigError(f"--kv-dtype: auto or fp8, got {self.kv_dtype!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise BenchConfigError(f"--kv-layout: one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
@@ -268,7 +268,7 @@ class Bench:
         shape = kv_storage_shape(cfg, bc.shard_of, self.pages, bc.page_size, bc.kv_layout)
         gen = torch.Generator(device).manual_seed(bc.seed)
         self._shm = []
-        kv_dtype = FP8_KV if bc.kv_dtype == "fp8" else self.dtype
+        kv_dtype = kv_cache_dtype(bc.kv_dtype, self.dtype)
         if device.type == "cuda":
             raw = [torch.randn(shape, generator=gen, device=device).to(kv_dtype) for _ in range(cfg.num_hidden_layers)]
         else:  # the sidecar maps the engine's cache: on CPU it must live in shared memory

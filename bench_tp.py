@@ -34,7 +34,7 @@ from dspark_sidecar.bench import BenchConfig, SidecarUnderTest
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import load_config
-from dspark_sidecar.drafter.kv_cache import FP8_KV, kv_planes, kv_rows, kv_storage_shape
+from dspark_sidecar.drafter.kv_cache import FP8_KV, kv_cache_dtype, kv_planes, kv_rows, kv_storage_shape
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
@@ -70,7 +70,7 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     pages = max(bc.reqs) * scenario.pages_needed(max(bc.contexts) + layout.QPR, page)
     shape = kv_storage_shape(cfg, world, pages, page, bc.kv_layout)  # as the engine allocates it (--kv-layout)
     gen = torch.Generator(dev).manual_seed(bc.seed + 101 * rank)  # this rank's KV head: committed context
-    kv_dtype = FP8_KV if bc.kv_dtype == "fp8" else dtype  # --kv-dtype fp8: e4m3 codes, as vLLM's fp8 cache
+    kv_dtype = kv_cache_dtype(bc.kv_dtype, dtype)  # --kv-dtype fp8: e4m3 codes, as vLLM's fp8 cache
     held = [memory.exportable_zeros(shape, kv_dtype, dev) for _ in range(cfg.num_hidden_layers)]  # shm on CPU
     raw = [h.tensor for h in held]  # what the shim binds, as vLLM's attention layers hold it
     for t in raw:

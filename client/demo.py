@@ -16,7 +16,7 @@ from dspark_sidecar.client.stats import percentile
 from dspark_sidecar.client.workload import MixConfig
 from dspark_sidecar.drafter.checkpoint import ensure_synthetic_checkpoint
 from dspark_sidecar.drafter.config import PRESETS
-from dspark_sidecar.drafter.kv_cache import KV_LAYOUTS
+from dspark_sidecar.drafter.kv_cache import KV_DTYPE_CHOICES, KV_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class DemoConfig:
             raise ValueError("socket_dir: required with start_sidecar=False")
         if self.device not in ("cpu", "cuda") or self.transport not in ("grpc", "doorbell"):
             raise ValueError(f"device cpu|cuda and transport grpc|doorbell, got {self.device!r}, {self.transport!r}")
-        if self.kv_dtype not in ("auto", "fp8"):
+        if self.kv_dtype not in KV_DTYPE_CHOICES:
             raise ValueError(f"kv_dtype: auto or fp8, got {self.kv_dtype!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")

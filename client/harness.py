@@ -31,7 +31,8 @@ from dspark_sidecar.drafter.checkpoint import (
     EMBED_KEY, LM_HEAD_KEY, PREFIX, CheckpointReader, ensure_synthetic_checkpoint,
 )
 from dspark_sidecar.drafter.config import PRESETS
-from dspark_sidecar.drafter.kv_cache import FP8_KV, KV_LAYOUTS, StepMetadata, kv_planes, kv_rows, kv_storage_shape
+from dspark_sidecar.drafter.kv_cache import (KV_DTYPE_CHOICES, KV_LAYOUTS, StepMetadata, kv_cache_dtype, kv_planes,
+                                             kv_rows, kv_storage_shape)
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
@@ -81,7 +82,7 @@ class HarnessConfig:
     kv_dtype: str = "auto"  # the cache's element type: auto (the compute dtype) or fp8 (e4m3, kv_cache.FP8_KV)
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in ("auto", "fp8"):
+        if self.kv_dtype not in KV_DTYPE_CHOICES:
             raise ValueError(f"kv_dtype: auto or fp8, got {self.kv_dtype!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
@@ -131,7 +132,7 @@ class EngineRank:
 
     def _allocate(self):
         shape = kv_storage_shape(self.cfg, self.h.tp, self.h.num_pages, self.h.page_size, self.h.kv_layout)
-        dtype = FP8_KV if self.h.kv_dtype == "fp8" else self.dtype
+        dtype = kv_cache_dtype(self.h.kv_dtype, self.dtype)
         return [exportable_zeros(shape, dtype, self.dev) for _ in range(self.cfg.num_hidden_layers)]
 
     def _layers(self) -> list[torch.Tensor]:

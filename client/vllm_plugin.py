@@ -107,11 +107,6 @@ def e4m3_at_scale_one(layer: Any, t: torch.Tensor) -> bool:
         return False
 
 
-def fp8_codes(layer: Any, t: torch.Tensor) -> torch.Tensor:
-    """A layer's cache as the sidecar reads it: the float8_e4m3fn view where e4m3_at_scale_one, else
-    the tensor as it is (a uint8 one is then refused at BindKV, naming its dtype)."""
-    return t.view(torch.float8_e4m3fn) if e4m3_at_scale_one(layer, t) else t
-
 
 def full_graph_decode(vllm_config: Any) -> bool:
     """Whether vLLM replays the draft's decode steps as full CUDA graphs (compilation_config.cudagraph_mode

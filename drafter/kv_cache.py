@@ -52,6 +52,12 @@ KV_LAYOUTS = ("planes", "records")
 # exactly to the compute dtype.
 FP8_KV = torch.float8_e4m3fn
 FP8_MAX = 448.0
+KV_DTYPE_CHOICES = ("auto", "fp8")  # --kv-dtype of demo and bench: the compute dtype, or FP8_KV
+
+
+def kv_cache_dtype(choice: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The element type an engine allocates its cache in for a KV_DTYPE_CHOICES entry."""
+    return FP8_KV if choice == "fp8" else compute_dtype
 
 
 def kv_layer_shape(cfg: DrafterConfig, tp_size: int, num_pages: int, page_size: int) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...drafter.kv_cache import FP8_MAX  # noqa: F401  (re-exported: the kernels' fp8 saturation bound)
+from ...drafter.kv_cache import FP8_MAX, KV_LAYOUTS  # noqa: F401  (re-exported: the fp8 bound, the layouts)
 from ...layout import LAUNCH_REQS, QPR
 
 TP = 4
@@ -43,7 +43,7 @@ SM_SCALE_LOG2 = 1.4426950408889634 / HEAD_DIM**0.5  # softmax scale 1/sqrt(128),
 # rank): K of slot s is row s * slot_rows, V is row v_row0 + s * slot_rows. Both are runtime int32
 # arguments, so one compiled kernel serves either layout of the engine's cache (drafter/kv_cache.py):
 # planes hold all K rows, then all V rows; records (vLLM 0.34) hold K | V per slot, one row each.
-KV_LAYOUTS = ("planes", "records")  # all of drafter/kv_cache.py's KV_LAYOUTS (a runner test checks)
+# (KV_LAYOUTS: drafter/kv_cache.py's, imported above.)
 
 
 # The K/V element type is a compile-time parameter of the two kernels that touch the cache (KV_KERNELS):

@@ -189,19 +189,25 @@ def test_an_fp8_cache_is_passed_as_e4m3_codes_only_at_scale_one_on_an_e4m3fn_pla
     plat.current_platform = SimpleNamespace(fp8_dtype=lambda: torch.float8_e4m3fn)
     monkeypatch.setitem(sys.modules, "vllm.platforms", plat)
 
-    def layer(kv_dtype="fp8", k=1.0, v=1.0):
-        return SimpleNamespace(kv_cache_dtype=kv_dtype, _k_scale_float=k, _v_scale_float=v)
+    def provided(raw, kv_dtype="fp8", k=1.0, v=1.0):
+        """The cache kv_cache_provider hands the shim for one attention layer holding `raw`."""
+        model = nn.Module()
+        model.attn = FakeAttention()
+        model.attn.kv_cache, model.attn.kv_cache_dtype = raw, kv_dtype
+        model.attn._k_scale_float, model.attn._v_scale_float = k, v
+        (t,) = vllm_plugin.kv_cache_provider(model)()
+        return t
 
     raw = torch.tensor([[0x38, 0x40, 0xC8]], dtype=torch.uint8)  # e4m3fn codes of 1.0, 2.0, -4.0
-    codes = vllm_plugin.fp8_codes(layer(), raw)
+    codes = provided(raw)
     assert codes.dtype == torch.float8_e4m3fn and codes.data_ptr() == raw.data_ptr()
     assert codes.float().tolist() == [[1.0, 2.0, -4.0]]
-    for other in (layer(k=0.5), layer(v=2.0), layer("fp8_e5m2"), layer("auto")):
-        assert vllm_plugin.fp8_codes(other, raw) is raw
+    for other in (dict(k=0.5), dict(v=2.0), dict(kv_dtype="fp8_e5m2"), dict(kv_dtype="auto")):
+        assert provided(raw, **other) is raw
     bf16 = torch.zeros(2, dtype=torch.bfloat16)
-    assert vllm_plugin.fp8_codes(layer(), bf16) is bf16
+    assert provided(bf16) is bf16
     plat.current_platform = SimpleNamespace(fp8_dtype=lambda: torch.float8_e4m3fnuz)  # gfx942's fp8
-    assert vllm_plugin.fp8_codes(layer(), raw) is raw
+    assert provided(raw) is raw
 
 
 @pytest.fixture
