@@ -60,9 +60,8 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
     try:
         while True:
             codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                bad = [(r, c) for r, c in enumerate(codes) if c != 0]
-                return 0 if stopping and not bad else 1
+            if stopping and all(c is not None for c in codes):
+                return 0 if all(c == 0 for c in codes) else 1
             if stopping and not ready_sent and time.monotonic() > stop_deadline:
                 log.warning("rank(s) %s still starting %.0f s after the stop request (blocked in the rendezvous "
                             "or a read); killing them", [r for r, c in enumerate(codes) if c is None], STARTUP_STOP_S)
