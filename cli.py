@@ -131,7 +131,8 @@ def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
 
         try:
             return serve_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                              int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+                              int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+                              agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
         except PeerLost as err:  # the peer printed why; this rank's traceback would only add noise
             print(f"dspark-sidecar: {err}", file=sys.stderr)
             return 1
@@ -281,9 +282,8 @@ def _usage_errors() -> tuple[type, ...]:
     from dspark_sidecar.drafter.checkpoint import CheckpointError
     from dspark_sidecar.drafter.config import ConfigError
     from dspark_sidecar.server.config import ServeConfigError
-    from dspark_sidecar.server.rendezvous import BoardError
 
-    return UsageError, ServeConfigError, EngineConfigError, ConfigError, CheckpointError, BenchConfigError, BoardError
+    return UsageError, ServeConfigError, EngineConfigError, ConfigError, CheckpointError, BenchConfigError
 
 
 def _main(argv: list[str] | None) -> int:

@@ -13,6 +13,7 @@ from multiprocessing import shared_memory
 import torch
 
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto.gpu_alloc import AllocationQueryError, bytes_left
 
 log = logging.getLogger("dspark_sidecar.memory")
 
@@ -260,4 +261,16 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
         device.index if device.index is not None else torch.cuda.current_device(), h.ipc_handle,
         h.storage_size_bytes, h.storage_offset_bytes, False, h.ref_counter_handle, h.ref_counter_offset,
         h.event_handle or None, h.event_sync_required)
+    # The handle opened the exporter's whole allocation; the storage the message claims must lie in it
+    # (gpu_alloc). Refused here, `t` is dropped, and with it the mapping and the engine's reference.
+    try:  # asked at the mapping's start: a storage_offset_bytes past the end points at nothing the driver knows
+        room = bytes_left(t.data_ptr() - h.storage_offset_bytes) - h.storage_offset_bytes
+    except (OSError, AttributeError, AllocationQueryError) as err:  # no driver library, no such symbol, a failed query
+        raise HandleError(f"{field}: cannot check the handle's storage against the GPU allocation it opens "
+                          f"({err}); refused rather than mapped unchecked") from None
+    if h.storage_size_bytes > room:
+        raise HandleError(f"{field}: storage_size_bytes {h.storage_size_bytes} runs past the end of the GPU "
+                          f"allocation the handle opens ({room} bytes from storage_offset_bytes "
+                          f"{h.storage_offset_bytes}, {room + h.storage_offset_bytes} in all); send the "
+                          "exported storage's own size and offset")
     return t

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import datetime
-import hashlib
 import logging
 import os
 import platform
@@ -41,6 +39,7 @@ from dspark_sidecar.server.graphs import StepGraphs, launch_streams
 from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.preflight import claim_socket
+from dspark_sidecar.server.process_group import join_group
 from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_up
 from dspark_sidecar.server.refusal import probe_host
 from dspark_sidecar.server.rendezvous import Board, Rendezvous
@@ -64,12 +63,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
     if os.getppid() != int(parent):  # the launcher died before prctl took effect
         os._exit(1)
-
-
-def board_name(cfg: ServeConfig) -> str:
-    """One board per deployment (socket dir + TP), shared by name among its ranks."""
-    key = hashlib.sha1(f"{cfg.socket_dir.resolve()}|{cfg.tp}".encode()).hexdigest()[:12]
-    return f"dspark-rdv-{key}"
 
 
 class LateServicer(pb_grpc.DrafterSidecarServicer):
@@ -168,8 +161,17 @@ class StartUp:
         """dist.barrier among the starting ranks. A peer that failed to start has printed its own line
         and exited, which reaches the others here as a gloo error: they say so in one line (PeerLost)
         rather than with a traceback that reads as a second, unrelated failure."""
+        self._collective(lambda: dist.barrier(group=group))
+
+    def share(self, value, group):
+        """Rank 0's `value` on every starting rank (a broadcast; a peer lost is PeerLost, as in barrier)."""
+        box = [value]
+        self._collective(lambda: dist.broadcast_object_list(box, src=0, group=group))
+        return box[0]
+
+    def _collective(self, run: Callable[[], object]) -> None:
         try:
-            dist.barrier(group=group)
+            run()
         except (RuntimeError, dist.DistError) as err:
             self.release()
             raise PeerLost(f"rank {self.rank}: a peer rank left during start-up ({str(err).splitlines()[0][:160]}); "
@@ -248,7 +250,8 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
     return dcfg, model, embed, choice, host, fast
 
 
-def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
+def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_store: bool = False) -> int:
+    """Run one rank until it is stopped. `agent_store`: torchrun's agent hosts the group's store."""
     if world != cfg.tp:
         raise SystemExit(f"WORLD_SIZE {world} != --tp {cfg.tp}")
     if world > 1 and not stores_in_order():
@@ -282,21 +285,21 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int) -> int:
     log.info("rank %d/%d: listening on %s (NOT_SERVING while loading)", rank, world, ", ".join(cfg.endpoints(rank)))
 
     dist_backend = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    try:
-        dist.init_process_group(dist_backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
-    except dist.DistNetworkError as err:  # a busy port, an address that is not reachable: torch's text, first line
-        raise ServeConfigError(f"--master-addr/--master-port: rank {rank} cannot join the rendezvous at "
-                               f"{cfg.master_addr}:{cfg.master_port}: {str(err).splitlines()[0]}") from None
+    join_group(cfg, dist_backend, rank, world, agent_store)
     cpu_group = dist.new_group(backend="gloo") if dist_backend != "gloo" else None
 
     dcfg, model, embed, choice, host, fast = _load(cfg, rank, world, device, cpu_group, start_up)
 
+    # Rank 0 makes the board under a random name and tells the others; once every rank has it mapped,
+    # the name goes (rendezvous.Board): nobody else can open, pre-empt or leave behind a board.
     if rank == 0:
-        board = start_up.board = Board(board_name(cfg), world, create=True)
-    start_up.barrier(cpu_group)
+        board = start_up.board = Board(None, world, create=True)
+    name = start_up.share(board.name if rank == 0 else None, cpu_group)
     if rank != 0:
-        board = Board(board_name(cfg), world, create=False)
+        board = Board(name, world, create=False)
+    start_up.barrier(cpu_group)
+    if rank == 0:
+        board.unlink()
     rendezvous = Rendezvous(board, rank, cfg.rendezvous_ms, nap_s=nap_for(device.type))
     memory = MemoryBindings(dcfg, model.par.world_size, rank, model.dtype, device)
     ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs, fast=fast)

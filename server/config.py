@@ -83,7 +83,7 @@ class ServeConfig:
                            ("--master-port", self.master_port)):
             if not 0 <= port <= 65535 - self.tp:
                 raise ServeConfigError(f"{flag}: must be 0..{65535 - self.tp}, got {port}")
-        if self.tcp_base_port and not self.allow_remote and not _is_loopback(self.tcp_host):
+        if self.tcp_base_port and not self.allow_remote and not is_loopback(self.tcp_host):
             raise ServeConfigError(
                 f"--tcp-host: {self.tcp_host} is not a loopback address; KV handles grant memory "
                 "access, so serving off-node needs --allow-remote")
@@ -139,7 +139,8 @@ class ServeConfig:
         return dataclasses.replace(self, **kw)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name, an address, a bracketed IPv6 literal) names this node's loopback."""
     if host == "localhost":
         return True
     try:

@@ -97,18 +97,21 @@ def check_port(flag: str, host: str, port: int) -> None:
                                            "another port") from None
                 errors.append(err)  # e.g. ::1 on a host without IPv6: the server binds the others
     if errors and len(errors) == len(infos):
-        raise ServeConfigError(f"{flag}: cannot listen on {host}:{port}: {errors[0].strerror}")
+        hint = ("; it is not an address of this host (the ranks share one node: 127.0.0.1 will do)"
+                if errors[0].errno == errno.EADDRNOTAVAIL else "")
+        raise ServeConfigError(f"{flag}: cannot listen on {host}:{port}: {errors[0].strerror}{hint}")
 
 
 def check_ports(cfg: ServeConfig) -> None:
     """Every TCP port the ranks will listen on is free: gRPC's HOST:PORT+r, metrics' HOST:PORT+r, and
-    the rendezvous port rank 0 hosts when one is given (0 lets the launcher pick a free one)."""
+    the rendezvous address rank 0 hosts the store on, and its port when one is given (0: the launcher picks)."""
     for flag, host, base in (("--tcp-base-port", cfg.tcp_host, cfg.tcp_base_port),
                              ("--metrics-port", cfg.metrics_host, cfg.metrics_port)):
         for r in range(cfg.tp) if base else ():
             check_port(flag, host, base + r)
-    if cfg.master_port:
-        check_port("--master-port", "0.0.0.0", cfg.master_port)  # torch's TCPStore listens on every address
+    # Rank 0 hosts the group's store on the rendezvous address (process_group.rendezvous_store); port 0
+    # (the launcher picks one) still checks that the address is this host's.
+    check_port("--master-addr/--master-port", cfg.master_addr, cfg.master_port)
 
 
 def check_before_launch(cfg: ServeConfig) -> None:

@@ -20,6 +20,7 @@ rank will do (a bit is agreed only when every rank offered it, and only with GO)
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import zlib
@@ -113,29 +114,20 @@ def format_reason(step_id: int, reason: int, mask: int, deadline_ms: int) -> str
     return f"step {step_id}: ranks disagree on {what} (rank(s) {_ranks(mask)} differ from rank 0's view)"
 
 
-class BoardError(RuntimeError):
-    """The board cannot be made: one line for the person starting the sidecar (cli.py, exit 2)."""
-
-
 class Board:
-    """The shared-memory board; rank 0 creates it, the others attach by name."""
+    """The shared-memory board; rank 0 creates it, the others attach by name.
 
-    def __init__(self, name: str, world: int, create: bool) -> None:
+    The name is random (`Board(None, ...)`), and rank 0 removes it once every rank has the board
+    mapped (`unlink`): another local user can neither take the name first (a predictable name let
+    them stop rank 0 from starting) nor open the board while the group runs, and a rank killed
+    while serving leaves nothing in /dev/shm."""
+
+    def __init__(self, name: str | None, world: int, create: bool) -> None:
         self.world = world
         self.rec_len = 7 + world
         words = 2 + world * SLOT + RING * self.rec_len + world
         if create:
-            try:  # a board left by a crashed run of the same deployment
-                stale = shared_memory.SharedMemory(name=name)
-                stale.close()
-                stale.unlink()
-            except FileNotFoundError:
-                pass
-            except PermissionError:  # not ours: another user made it (the name is predictable, SECURITY.md)
-                raise BoardError(f"/dev/shm/{name}: a rendezvous board this user may not open or remove is in the "
-                                 "way (another user's?); remove it, or pick another --socket-dir (the name derives "
-                                 "from it)") from None
-            self.shm = shared_memory.SharedMemory(name=name, create=True, size=words * 8)
+            self.shm = _create(name, words * 8)
         else:
             self.shm = AttachedSegment(name)  # rank 0 owns (and unlinks) the board; attaching claims nothing
         self.owner = create
@@ -149,6 +141,10 @@ class Board:
         ring_end = 2 + world * SLOT + RING * self.rec_len
         self.ring = self.words[2 + world * SLOT : ring_end].reshape(RING, self.rec_len)
         self.beats = self.words[ring_end:]
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
 
     def beat(self, rank: int) -> None:
         """This rank is alive and can take part in steps (its main thread, every half second)."""
@@ -169,16 +165,30 @@ class Board:
         self.unlink()
 
     def unlink(self) -> None:
-        """Remove the board's name, if this rank made it (close; a rank stopped while starting)."""
+        """Remove the board's name, if this rank made it and has not removed it yet: once every rank
+        has it mapped (start-up), or when a rank stops while starting. The mappings stay valid."""
         if not self.owner:
             return
+        self.owner = False
         try:
             self.shm.unlink()
-        except FileNotFoundError:  # removed already (by an operator, or a run that took it for stale)
-            log.warning("rendezvous board %s was removed while in use", self.shm.name)
+        except FileNotFoundError:  # removed already, by someone else (an operator cleaning /dev/shm)
+            log.warning("rendezvous board %s was removed by another process", self.shm.name)
             # SharedMemory.unlink unregisters only after a successful unlink: without this the
             # resource tracker warns of a "leaked" segment at exit and tries to unlink it again.
             resource_tracker.unregister(self.shm._name, "shared_memory")
+
+
+def _create(name: str | None, size: int) -> shared_memory.SharedMemory:
+    """A new segment, created exclusively (O_EXCL): `name`, or a random one (retried on the unlikely
+    collision with an existing entry). Never an existing segment, whoever made it."""
+    if name is not None:
+        return shared_memory.SharedMemory(name=name, create=True, size=size)
+    while True:
+        try:
+            return shared_memory.SharedMemory(name=f"dspark-rdv-{secrets.token_hex(8)}", create=True, size=size)
+        except FileExistsError:
+            continue
 
 
 class Rendezvous:

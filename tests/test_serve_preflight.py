@@ -56,6 +56,13 @@ def test_a_port_in_use_is_one_line_naming_the_flag(flag, tiny_ckpt, tmp_path, ca
     assert not list((tmp_path / "sock").glob("*.sock"))
 
 
+def test_a_master_addr_that_is_not_this_host_s_is_one_line(tiny_ckpt, tmp_path, capsys):
+    """Rank 0 hosts the group's store on --master-addr (not on every address, as torch's own store
+    would): an address this host does not have was a rank blocked in the rendezvous until the timeout."""
+    _refused(_argv(tmp_path / "sock", tiny_ckpt, "--master-addr", "192.0.2.1"), capsys, "--master-addr",
+             "192.0.2.1", "not an address of this host")
+
+
 def test_an_empty_master_addr_is_a_config_error(tiny_ckpt, tmp_path, monkeypatch, capsys):
     """torch asserted "hostname cannot be None" in every rank."""
     monkeypatch.setenv("DSPARK_MASTER_ADDR", "")

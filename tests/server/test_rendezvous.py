@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -140,19 +141,22 @@ def test_a_peer_that_stops_beating_is_seen_silent_by_the_others_and_back_when_it
     assert boards[2].silent(2, 0.05) == {}
 
 
-def test_a_board_name_taken_by_another_user_is_one_clear_error(monkeypatch):
-    """The name derives from the socket dir, so another local user can create it first: rank 0 used to
-    die with PermissionError's traceback (root, as here, may open anything: the refusal is stood in)."""
-    from dspark_sidecar.server import rendezvous
-
-    real = rendezvous.shared_memory.SharedMemory
-
-    def not_ours(name=None, create=False, size=0):
-        if not create:
-            raise PermissionError(13, "Permission denied", f"/dev/shm/{name}")
-        return real(name=name, create=create, size=size)
-
-    monkeypatch.setattr(rendezvous.shared_memory, "SharedMemory", not_ours)
-    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
-    with pytest.raises(rendezvous.BoardError, match=rf"/dev/shm/{name}: a rendezvous board this user may not open"):
-        Board(name, 2, create=True)
+def test_a_board_s_name_is_random_and_never_an_existing_entry():
+    """The name used to derive from the socket dir: another local user could create it first and stop
+    rank 0 from starting, and rank 0 removed any board of that name it found (taking it for stale)."""
+    a, b = Board(None, 2, create=True), Board(None, 2, create=True)
+    try:
+        assert a.name != b.name and a.name.startswith("dspark-rdv-") and len(a.name) == len("dspark-rdv-") + 16
+        with pytest.raises(FileExistsError):
+            Board(a.name, 2, create=True)  # created exclusively: never someone else's segment
+        peer = Board(a.name, 2, create=False)
+        a.unlink()  # every rank has it mapped: the name goes, the mappings stay
+        assert not os.path.exists(f"/dev/shm/{a.name}")
+        peer.beat(1)
+        assert a.beats[1] == peer.beats[1] != 0
+        with pytest.raises(FileNotFoundError):
+            Board(a.name, 2, create=False)
+        peer.close()
+        a.close()  # no second unlink, no warning
+    finally:
+        b.close()

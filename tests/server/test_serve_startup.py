@@ -23,11 +23,11 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
 
 
-def _serve(sock_dir: Path, ckpt, *extra) -> subprocess.Popen:
+def _serve(sock_dir: Path, ckpt, *extra, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dspark_sidecar", "serve", "--tp", "1", "--device", "cpu",
                              "--socket-dir", str(sock_dir), "--checkpoint", str(ckpt[0]),
                              "--target-checkpoint", str(ckpt[1]), "--drain-s", "0", *extra],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(_env(), **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 
@@ -77,10 +77,15 @@ def test_a_second_serve_on_a_live_socket_dir_is_refused_and_the_first_keeps_serv
 
 
 def test_sigterm_while_the_ranks_wait_in_the_rendezvous_ends_the_group_promptly(tiny_ckpt, tmp_path):
-    """An unroutable --master-addr: rank 0 sits in torch's store connect (native code, no Python signal
-    handler runs) for --dist-timeout-s. The launcher now kills it STARTUP_STOP_S after the stop."""
+    """A rank told to join torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) when no store listens:
+    it sits in torch's store connect (native code, no Python signal handler runs) for --dist-timeout-s.
+    The launcher kills it STARTUP_STOP_S after the stop. (Before rank 0 hosted the store on the
+    rendezvous address itself, an unroutable --master-addr put it there; that is now refused at once.)"""
     sock = tmp_path / "sock"
-    p = _serve(sock, tiny_ckpt, "--master-addr", "10.255.255.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = _serve(sock, tiny_ckpt, "--master-port", str(port), env={"TORCHELASTIC_USE_AGENT_STORE": "True"})
     try:
         _wait_for(lambda: (sock / "rank0.sock").exists(), 30, p)
         time.sleep(1.0)  # into init_process_group

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dspark_sidecar.server.config import ServeConfig, ServeConfigError
 from dspark_sidecar.server.healthcheck import check
 from dspark_sidecar.server.servicer import _same_node
+from helpers.listening import is_loopback, listening_tcp
 from helpers.sidecar_proc import SidecarProcess, free_port_block
 
 
@@ -26,11 +29,25 @@ def test_tcp_off_loopback_needs_allow_remote():
     assert ServeConfig(tcp_host="::1", tcp_base_port=7000).endpoints(0)[1] == "[::1]:7000"  # IPv6 literal bracketed
 
 
-def test_rank_serves_on_its_unix_socket_and_loopback_tcp(tmp_path, tiny_ckpt):
+def test_rank_serves_on_its_unix_socket_and_loopback_tcp(tmp_path, tiny_ckpt, monkeypatch):
+    """...and nothing of a rank listens off loopback: not gRPC, not the rendezvous store rank 0 hosts
+    (torch's own binds every address), not gloo's pairs (on the host name's address unless told).
+    And the ranks' shared-memory board has no name left in /dev/shm once they all mapped it."""
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the rank sets them itself
+        monkeypatch.delenv(var, raising=False)
     port = free_port_block(2)
     with SidecarProcess(tmp_path, tp=2, checkpoint=tiny_ckpt, extra_args=["--tcp-base-port", str(port)]) as sc:
         assert sc.health() == ["SERVING", "SERVING"]
         assert [check(f"127.0.0.1:{port + r}") for r in range(2)] == ["SERVING", "SERVING"]
+        listening = {r: listening_tcp(pid) for r, pid in enumerate(sc.rank_pids())}
+        boards = {r: [m for m in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/dspark-rdv-" in m]
+                  for r, pid in enumerate(sc.rank_pids())}
+    # The ranks' rendezvous board is mapped by both, and its name is gone from /dev/shm: no other
+    # process can open it, and nothing is left behind if the ranks are killed.
+    assert all(boards.values()) and all(m.endswith("(deleted)") for ms in boards.values() for m in ms), boards
+    assert ("127.0.0.1", port) in listening[0] and ("127.0.0.1", port + 1) in listening[1]
+    assert len(listening[0]) > 2, listening  # gRPC, the store, gloo: the check below saw them
+    assert all(is_loopback(addr) for socks in listening.values() for addr, _ in socks), listening
 
 
 def test_draft_steps_from_a_remote_peer_are_refused_before_they_reach_the_rank():

@@ -1,0 +1,97 @@
+"""Joins a rank's torch.distributed group with every socket it opens bound to the rendezvous address.
+
+Why not `init_process_group(init_method="tcp://ADDR:PORT")`: torch's TCPStore then listens on the
+wildcard address (`[::]:PORT`, every interface of the node) whatever ADDR says, for as long as the
+group lives, and anyone who reaches the port can read and write the store's keys (the ranks'
+collective bootstrap). Rank 0 binds the listening socket itself, on ADDR only, and hands it to the
+store (`master_listen_fd`). Gloo and NCCL open listening sockets of their own, on the interface
+named by GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME or else the one the host name resolves to (on a
+real node, its network address): with a loopback ADDR (the default; the sidecar's ranks share one
+node) both are pointed at the loopback interface unless the operator set them.
+
+Under torchrun the store is the agent's (TORCHELASTIC_USE_AGENT_STORE): torchrun bound it, and
+every rank, rank 0 included, joins as a client.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from collections.abc import MutableMapping
+
+import torch.distributed as dist
+
+from dspark_sidecar.server.config import ServeConfig, ServeConfigError, is_loopback
+
+log = logging.getLogger("dspark_sidecar.server")
+COLLECTIVE_IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def loopback_interface() -> str | None:
+    """The name of this host's loopback interface ("lo" on Linux), None if it has none by that name."""
+    names = {name for _, name in socket.if_nameindex()}
+    return "lo" if "lo" in names else None
+
+
+def keep_collectives_local(master_addr: str, environ: MutableMapping[str, str]) -> dict[str, str]:
+    """With a loopback rendezvous address, default gloo's and NCCL's socket interface to loopback in
+    `environ` (the rank's own, before the group starts: both libraries read it when they create their
+    devices). Values the operator set are left alone. Returns what it set."""
+    lo = loopback_interface() if is_loopback(master_addr) else None
+    if lo is None:
+        return {}
+    set_now = {k: lo for k in COLLECTIVE_IFNAMES if not environ.get(k)}
+    environ.update(set_now)
+    return set_now
+
+
+def _listen(addr: str, port: int) -> socket.socket:
+    """A TCP socket listening on addr:port only (SO_REUSEADDR, as torch's own store sets it)."""
+    try:
+        infos = socket.getaddrinfo(addr.strip("[]"), port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise ServeConfigError(f"--master-addr: cannot resolve {addr!r}: {err.strerror}") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    s = socket.socket(family, kind, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(sockaddr)
+        s.listen(128)
+    except OSError as err:
+        s.close()
+        raise ServeConfigError(f"--master-port: rank 0 cannot listen on {addr}:{port} for the ranks' rendezvous: "
+                               f"{err.strerror}; choose another port") from None
+    return s
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta,
+                     agent_store: bool = False) -> dist.TCPStore:
+    """The group's key-value store: hosted by rank 0 on addr:port only, or torchrun's agent's."""
+    if rank != 0 or agent_store:
+        return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    listener = _listen(addr, port)
+    try:
+        store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the descriptor now (it closes it when the store goes)
+    return store
+
+
+def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_store: bool = False) -> None:
+    """init_process_group over `rendezvous_store`; a rendezvous that cannot be reached is one line."""
+    set_now = keep_collectives_local(cfg.master_addr, os.environ)
+    if set_now:
+        log.info("rank %d: collectives listen on loopback only (%s)", rank,
+                 ", ".join(f"{k}={v}" for k, v in sorted(set_now.items())))
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
+    try:
+        store = rendezvous_store(cfg.master_addr, cfg.master_port, rank, world, timeout, agent_store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    except dist.DistNetworkError as err:  # an address that is not reachable, a store that never came up
+        raise ServeConfigError(f"--master-addr/--master-port: rank {rank} cannot join the rendezvous at "
+                               f"{cfg.master_addr}:{cfg.master_port}: {str(err).splitlines()[0]}") from None

@@ -1,0 +1,91 @@
+"""A CUDA IPC handle's storage must lie inside the GPU allocation it opens (proto/gpu_alloc.py)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspark_sidecar.proto import memory
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto.gpu_alloc import AllocationQueryError
+
+FIELD = "regions[0].memory"
+
+
+def _handle(size: int, offset: int = 0) -> pb.CudaIpcHandle:
+    return pb.CudaIpcHandle(device_uuid="GPU-this", ipc_handle=b"h", storage_size_bytes=size,
+                            storage_offset_bytes=offset)
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """_open_cuda_ipc on a CPU-only host: torch's rebuild stood in by a storage at 0x10_0000 whose
+    allocation (per the stood-in driver) ends 4096 bytes further."""
+    from torch.multiprocessing import reductions
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-this"))
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: SimpleNamespace(data_ptr=lambda: 0x10_0000))
+    monkeypatch.setattr(memory, "bytes_left", lambda ptr: 0x10_1000 - ptr)
+    return lambda h: memory._open_cuda_ipc(h, FIELD, torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("offset", [0, 0x800])
+def test_a_storage_inside_its_allocation_is_opened(opened, offset):
+    assert opened(_handle(4096, offset)).data_ptr() == 0x10_0000
+
+
+@pytest.mark.parametrize("offset", [0, 0x800])
+def test_a_storage_past_its_allocation_is_refused_naming_the_sizes(opened, offset):
+    with pytest.raises(memory.HandleError, match=rf"{re.escape(FIELD)}: storage_size_bytes 4097 runs past the end "
+                                                 rf"of the GPU allocation the handle opens \(4096 bytes from "
+                                                 rf"storage_offset_bytes {offset}, {4096 + offset} in all\)"):
+        opened(_handle(4097, offset))
+
+
+def test_a_handle_whose_allocation_cannot_be_asked_is_refused(opened, monkeypatch):
+    def fails(ptr):
+        raise AllocationQueryError("cuMemGetAddressRange_v2(0x100000) failed with status 1")
+    monkeypatch.setattr(memory, "bytes_left", fails)
+    with pytest.raises(memory.HandleError, match="cannot check the handle's storage .* refused rather than mapped"):
+        opened(_handle(16))
+
+
+def _export(conn, nbytes: int) -> None:
+    """The engine's side, in a process of its own (a process cannot open its own IPC handles)."""
+    from dspark_sidecar.proto.memory import export_handle
+
+    t = torch.arange(nbytes, device="cuda:0", dtype=torch.int32).to(torch.uint8)
+    torch.cuda.synchronize()
+    conn.send(export_handle(t).SerializeToString())
+    conn.recv()  # keep the tensor alive until the opener is done
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_driver_bounds_a_real_handle_s_storage():
+    """Two processes on one GPU: the storage as exported opens and reads the engine's bytes; the same
+    handle claiming 1 GiB more, or an offset past its allocation, is refused before any kernel reads it."""
+    nbytes = 4 << 20
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_export, args=(child, nbytes))
+    proc.start()
+    try:
+        h = pb.MemoryHandle.FromString(parent.recv()).cuda_ipc
+        dev = torch.device("cuda", 0)
+        t = memory._open_cuda_ipc(pb.CudaIpcHandle.FromString(h.SerializeToString()), FIELD, dev)
+        assert t.numel() == nbytes and torch.equal(t[:256].cpu(), torch.arange(256, dtype=torch.uint8))
+        del t
+        for size, offset in ((h.storage_size_bytes + (1 << 30), h.storage_offset_bytes),
+                             (h.storage_size_bytes, h.storage_offset_bytes + (1 << 30))):
+            bad = pb.CudaIpcHandle.FromString(h.SerializeToString())
+            bad.storage_size_bytes, bad.storage_offset_bytes = size, offset
+            with pytest.raises(memory.HandleError, match="runs past the end of the GPU allocation"):
+                memory._open_cuda_ipc(bad, FIELD, dev)
+    finally:
+        parent.send("done")
+        proc.join(timeout=60)

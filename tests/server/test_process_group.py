@@ -1,0 +1,76 @@
+"""The ranks' group listens on the rendezvous address only: torch's store, gloo and NCCL."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import pytest
+import torch.distributed as dist
+
+from dspark_sidecar.server.config import ServeConfigError
+from dspark_sidecar.server.process_group import COLLECTIVE_IFNAMES, keep_collectives_local, rendezvous_store
+from helpers.listening import is_loopback, listening_tcp
+
+TIMEOUT = datetime.timedelta(seconds=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rank_0_s_store_listens_on_the_rendezvous_address_only():
+    """torch's own TCPStore(is_master=True) listens on [::]:PORT, every interface of the node; the
+    store rank 0 hosts here listens on 127.0.0.1:PORT, and a second rank reaches it there."""
+    port = _free_port()
+    before = set(listening_tcp(os.getpid()))
+    store = rendezvous_store("127.0.0.1", port, 0, 2, TIMEOUT)
+    opened = set(listening_tcp(os.getpid())) - before
+    assert opened == {("127.0.0.1", port)}, opened
+    peer = rendezvous_store("127.0.0.1", port, 1, 2, TIMEOUT)
+    peer.set("from-1", "x")
+    assert store.get("from-1") == b"x"
+    del peer, store
+
+
+def test_torch_s_own_store_would_listen_on_every_address():
+    """Why rendezvous_store exists: if torch's store ever binds its host argument, this fails and the
+    module's listening socket of its own can go."""
+    port = _free_port()
+    before = set(listening_tcp(os.getpid()))
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+    opened = set(listening_tcp(os.getpid())) - before
+    assert opened and not all(is_loopback(a) for a, _ in opened), opened
+    del store
+
+
+def test_a_busy_rendezvous_port_is_one_line_naming_the_flag():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ServeConfigError, match=rf"--master-port: rank 0 cannot listen on 127.0.0.1:{port}"):
+            rendezvous_store("127.0.0.1", port, 0, 2, TIMEOUT)
+
+
+def test_an_unresolvable_rendezvous_address_is_one_line():
+    with pytest.raises(ServeConfigError, match="--master-addr: cannot resolve"):
+        rendezvous_store("no-such-host.invalid", _free_port(), 0, 2, TIMEOUT)
+
+
+@pytest.mark.parametrize("addr,expect_lo", [("127.0.0.1", True), ("localhost", True), ("::1", True),
+                                            ("10.0.0.7", False), ("node-3", False)])
+def test_collectives_default_to_loopback_with_a_loopback_rendezvous(addr, expect_lo):
+    env: dict[str, str] = {}
+    set_now = keep_collectives_local(addr, env)
+    assert env == set_now
+    assert set_now == ({k: "lo" for k in COLLECTIVE_IFNAMES} if expect_lo else {})
+
+
+def test_an_operator_s_interface_choice_is_kept():
+    env = {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": ""}
+    assert keep_collectives_local("127.0.0.1", env) == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert env == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "lo"}
