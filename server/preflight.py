@@ -14,6 +14,7 @@ import socket
 import stat
 from pathlib import Path
 
+from dspark_sidecar.server import sockdir
 from dspark_sidecar.server.config import ServeConfig, ServeConfigError
 
 PROBE_TIMEOUT_S = 1.0
@@ -49,29 +50,27 @@ def _stale(path: Path) -> bool:
     return True
 
 
-def _make_dir(d: Path) -> None:
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ServeConfigError(f"--socket-dir: {d} exists and is not a folder") from None
-    except OSError as err:
-        raise ServeConfigError(f"--socket-dir: cannot create {d}: {err.strerror}") from None
-
-
 def claim_socket(cfg: ServeConfig, rank: int) -> None:
-    """In the rank, just before it binds: make its socket path free, removing a stale socket file (a
-    restart after kill -9 must keep working) but never a live server's socket."""
-    _make_dir(cfg.socket_dir)
+    """In the rank, just before it binds: the folder passes the parent's checks again (under torchrun
+    this is the only check; elsewhere the folder may have changed since), then its socket path is made
+    free, removing a stale socket file (a restart after kill -9 must keep working) but never a live
+    server's socket."""
+    sockdir.prepare(cfg.socket_dir)
     path = cfg.socket_path(rank)
     if _stale(path):
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except PermissionError:  # another user's file in a sticky folder (a pod whose containers' uids differ)
+            raise ServeConfigError(f"--socket-dir: cannot remove the stale socket {path} (owner uid "
+                                   f"{path.lstat().st_uid}); remove it as that user or root") from None
 
 
 def check_socket_dir(cfg: ServeConfig) -> None:
-    """The folder exists (made here if need be) and this user can create sockets in it; no rank's
-    socket is served by a running sidecar. Stale socket files are left for the ranks to replace."""
+    """The folder exists (made here if need be, mode 0770), nobody but this user, root and the folder's
+    group can plant sockets in it (sockdir.py), and this user can create sockets in it; no rank's socket
+    is served by a running sidecar. Stale socket files are left for the ranks to replace."""
     d = cfg.socket_dir
-    _make_dir(d)
+    sockdir.prepare(d)
     if not os.access(d, os.W_OK | os.X_OK):
         raise ServeConfigError(f"--socket-dir: {d} is not writable by this user")
     for r in range(cfg.tp):

@@ -9,15 +9,19 @@ taken over. Each test forbids the launcher, so a regression fails in well under 
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dspark_sidecar import cli
-from dspark_sidecar.server import launcher
+from dspark_sidecar.server import launcher, preflight, sockdir
+from dspark_sidecar.server.config import ServeConfig, ServeConfigError
 from helpers.refusals import refused as _refused
 
 
@@ -99,3 +103,154 @@ def test_a_stale_socket_file_does_not_stop_a_restart(tiny_ckpt, tmp_path, monkey
     launched = []
     monkeypatch.setattr(launcher, "launch", lambda cfg, argv, on_ready=None: launched.append(cfg) or 0)
     assert cli.main(_argv(sock_dir, tiny_ckpt)) == 0 and len(launched) == 1
+
+
+# The socket folder's owner and mode (server/sockdir.py). Another user who made the folder, or any user
+# where it is writable by all, could take a rank's socket name and receive an engine's connection (and
+# its IPC handles). These run as root (CI) and as a normal user: a foreign owner is real as root (chown)
+# and, as a normal user, stands in by the sidecar's effective uid being another one.
+OTHER_UID = 4242
+
+
+def _owned_by_another_user(path, monkeypatch, link=False) -> int:
+    """Make `path` belong to a user other than the sidecar's; returns that uid as serve will report it."""
+    if os.geteuid() == 0:
+        os.lchown(path, OTHER_UID, -1) if link else os.chown(path, OTHER_UID, -1)
+        return OTHER_UID
+    monkeypatch.setattr(sockdir, "effective_uid", lambda: os.geteuid() + 1)
+    return os.geteuid()
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
+@pytest.mark.parametrize("where", ["parent", "rank"])  # cli's check before launch; claim_socket under torchrun
+def test_a_socket_dir_serve_makes_is_0770_and_its_parents_not_writable_by_others(umask, where, tmp_path):
+    """Under umask 000 serve made the folder (and its parents) 0777: anyone could replace a socket."""
+    d = tmp_path / "a" / "b" / "sock"
+    cfg = ServeConfig(tp=1, socket_dir=d)
+    old = os.umask(umask)
+    try:
+        preflight.check_socket_dir(cfg) if where == "parent" else preflight.claim_socket(cfg, 0)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o770
+    for parent in (d.parent, d.parent.parent):
+        assert stat.S_IMODE(parent.stat().st_mode) == 0o755 & ~umask
+
+
+def test_a_setgid_parent_s_group_is_kept_on_the_folder_serve_makes(tmp_path):
+    """The group a setgid parent hands down is how the engine opens the 0660 sockets."""
+    tmp_path.chmod(0o2770)
+    preflight.check_socket_dir(ServeConfig(tp=1, socket_dir=tmp_path / "sock"))
+    assert stat.S_IMODE((tmp_path / "sock").stat().st_mode) == 0o2770
+
+
+OK, MINE, ROOT = None, "mine", 0  # MINE: owned by the euid given
+POLICY = [
+    (MINE, 0o40700, 1000, OK),
+    (MINE, 0o42770, 1000, OK),  # the launch recipe with DSPARK_SOCKET_GROUP
+    (MINE, 0o40770, 0, OK),  # root's own
+    (ROOT, 0o40755, 1000, OK),  # a root-made folder only root writes
+    (ROOT, 0o42777, 1000, OK),  # kubelet's emptyDir with an fsGroup (disk): root, setgid, 0777
+    (ROOT, 0o43777, 1000, OK),  # the same on tmpfs (medium: Memory), sticky too
+    (ROOT, 0o43777, 0, OK),  # that pod running as root
+    (2000, 0o40700, 1000, ["belongs to another user", "owner uid 2000, mode 0700", "this user (uid 1000)"]),
+    (2000, 0o42770, 1000, ["belongs to another user", "owner uid 2000, mode 2770"]),
+    (2000, 0o40700, 0, ["belongs to another user", "owner uid 2000"]),  # also when the sidecar is root
+    (MINE, 0o40777, 1000, ["writable by every user", "owner uid 1000, mode 0777", "chmod o-w /s"]),
+    (MINE, 0o41777, 1000, ["writable by every user", "mode 1777", "chmod o-w /s"]),  # sticky: names still taken
+    (MINE, 0o40772, 1000, ["writable by every user", "mode 0772"]),
+    (ROOT, 0o41777, 1000, ["writable by every user", "owner uid 0, mode 1777", "/s/dspark-sidecar", "fsGroup"]),  # /tmp
+    (ROOT, 0o40777, 1000, ["writable by every user", "mode 0777", "/s/dspark-sidecar"]),
+    (ROOT, 0o41777, 0, ["writable by every user", "/s/dspark-sidecar"]),  # /tmp for root: not "chmod o-w /tmp"
+]
+
+
+@pytest.mark.parametrize("owner,mode,euid,words", POLICY,
+                         ids=[f"{o if o is MINE else f'uid{o}'}-{m & 0o7777:04o}-euid{e}" for o, m, e, _ in POLICY])
+def test_the_owner_and_mode_policy(owner, mode, euid, words):
+    why = sockdir.problem(Path("/s"), euid if owner is MINE else owner, mode, euid)
+    if words is OK:
+        assert why is None
+    else:
+        assert why is not None and all(w in why for w in words), why
+        assert "chmod o-w /s" not in why or owner is MINE
+
+
+def test_a_socket_dir_another_user_made_is_one_line(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    uid = _owned_by_another_user(d, monkeypatch)
+    _refused(_argv(d, tiny_ckpt), capsys, f"--socket-dir: {d} belongs to another user", f"owner uid {uid}, mode 0700",
+             sock_dir=d)
+
+
+def test_a_rank_under_torchrun_refuses_a_socket_dir_another_user_made(tmp_path, monkeypatch):
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o770)
+    uid = _owned_by_another_user(d, monkeypatch)
+    with pytest.raises(ServeConfigError, match=f"--socket-dir: {d} belongs to another user \\(owner uid {uid}"):
+        preflight.claim_socket(ServeConfig(tp=1, socket_dir=d), 0)
+
+
+def test_a_socket_dir_writable_by_every_user_is_refused_not_tightened(tiny_ckpt, tmp_path, capsys):
+    """Ours (or root's, as root): o+w is refused and left as found, sticky or not."""
+    for mode in (0o777, 0o1777):
+        d = tmp_path / f"sock{mode:o}"
+        d.mkdir()
+        d.chmod(mode)
+        _refused(_argv(d, tiny_ckpt), capsys, f"--socket-dir: {d} is writable by every user", f"mode {mode:04o}",
+                 sock_dir=d)
+        assert stat.S_IMODE(d.stat().st_mode) == mode
+
+
+def test_a_shared_scratch_folder_such_as_tmp_is_refused(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """Root's sticky world-writable /tmp: others cannot remove our sockets, but can take rank0.sock first."""
+    shared = Path("/tmp")
+    st = shared.stat()
+    if (st.st_uid, stat.S_IMODE(st.st_mode)) != (0, 0o1777):  # an unusual /tmp: a copy of it
+        shared = tmp_path / "tmp"
+        shared.mkdir()
+        shared.chmod(0o1777)
+        if os.geteuid() != 0:  # only root can make a root-owned one: our own stands in
+            monkeypatch.setattr(sockdir, "problem", lambda d, uid, mode, euid: sockdir.problem(d, 0, mode, euid))
+    _refused(_argv(shared, tiny_ckpt), capsys, f"--socket-dir: {shared} is writable by every user", "mode 1777",
+             str(shared / "dspark-sidecar"))
+
+
+def test_a_symbolic_link_another_user_owns_is_refused(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """Its owner could point it at their own folder between our check and the engine's connect."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "sock"
+    link.symlink_to(real)
+    uid = _owned_by_another_user(link, monkeypatch, link=True)
+    _refused(_argv(link, tiny_ckpt), capsys,
+             f"--socket-dir: {link} is a symbolic link owned by another user (uid {uid})", str(real))
+
+
+def test_a_socket_dir_that_passes_reaches_the_launcher_unchanged(tiny_ckpt, tmp_path, monkeypatch):
+    """Ours at 0700/2770, group-writable, or a link of ours to one: accepted, mode left as it was."""
+    launched = []
+    monkeypatch.setattr(launcher, "launch", lambda cfg, argv, on_ready=None: launched.append(cfg) or 0)
+    for name, mode in (("a", 0o700), ("b", 0o2770), ("c", 0o775)):
+        d = tmp_path / name
+        d.mkdir()
+        d.chmod(mode)
+        assert cli.main(_argv(d, tiny_ckpt)) == 0
+        assert stat.S_IMODE(d.stat().st_mode) == mode
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    assert cli.main(_argv(tmp_path / "link", tiny_ckpt)) == 0 and len(launched) == 4
+
+
+def test_a_stale_socket_the_rank_may_not_remove_is_one_line(tmp_path, monkeypatch):
+    """Another user's stale socket in a sticky folder: unlink fails with EPERM (it was a traceback)."""
+    cfg = ServeConfig(tp=1, socket_dir=tmp_path)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(cfg.socket_path(0)))
+
+    def eperm(self, missing_ok=False):
+        raise PermissionError(1, "Operation not permitted", str(self))
+
+    monkeypatch.setattr(Path, "unlink", eperm)
+    with pytest.raises(ServeConfigError, match="--socket-dir: cannot remove the stale socket .*rank0.sock"):
+        preflight.claim_socket(cfg, 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 from deploy.deploy_files import (
@@ -21,6 +22,7 @@ from deploy.deploy_files import (
     serve_flag_env,
 )
 from dspark_sidecar.drafter.config import PRESETS
+from dspark_sidecar.server import sockdir
 
 kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (ships the schemas)")
 
@@ -113,6 +115,13 @@ def test_socket_dir_is_one_shared_pod_local_volume(variant):
     assert ref == {"name": variant.one("ConfigMap")["metadata"]["name"], "key": "DSPARK_SOCKET_DIR"}
     volumes = {v["name"]: v for v in variant.pod["volumes"]}
     assert "emptyDir" in volumes["dspark-sockets"]
+    # kubelet makes the emptyDir root's and world-writable (0777; with medium: Memory, the tmpfs mount's
+    # own mode, typically 1777). `serve` accepts such a folder only when it is setgid, which kubelet adds
+    # with the pod's fsGroup (server/sockdir.py); the 0660 sockets then belong to the engine's group too.
+    sc = variant.pod["securityContext"]
+    assert isinstance(sc["fsGroup"], int)
+    assert sockdir.problem(Path(cfg["DSPARK_SOCKET_DIR"]), 0, 0o43777, sc["runAsUser"]) is None
+    assert sockdir.problem(Path(cfg["DSPARK_SOCKET_DIR"]), 0, 0o41777, sc["runAsUser"]) is not None  # no fsGroup
 
 
 def test_ipc_settings_for_gpu_handles(variant):

@@ -1,0 +1,104 @@
+"""The socket folder: made private when `serve` makes it, refused when someone else could plant sockets in it.
+
+The gRPC endpoints have no authentication; the socket folder's permissions are the access control
+(deploy/SECURITY.md). Whoever may create entries in the folder can bind DIR/rank{r}.sock while the
+sidecar is down (or swap it, where they may also remove ours) and receive an engine's connection, and
+with it the IPC handles of the engine's GPU memory. So the folder must be one that only the sidecar's
+user, root, and the group they chose can write.
+
+Policy (`problem`), on the folder the sockets will actually be in (a symbolic link is followed, and
+refused when another user owns the link: they could point it elsewhere later):
+- owned by another user (neither this effective uid nor root): refused; its owner controls it whatever
+  its mode says, and can chmod it back at any time.
+- writable by every user (o+w): refused, sticky or not (the sticky bit stops others from removing our
+  sockets, not from taking a rank's name first), with one exception: a root-owned setgid folder. That
+  is kubelet's emptyDir with the pod's fsGroup (root, group fsGroup, mode 2777, or 3777 where the tmpfs
+  of medium: Memory is sticky), visible only to that pod's containers. Shared scratch folders (/tmp,
+  /var/tmp, /dev/shm) are never setgid. The bit is a marker that root provisioned the folder for a
+  group, not a proof, so a root-made 2777 folder elsewhere is trusted as root's choice.
+  Our own o+w folder is refused rather than tightened: while it was open, others may already have put
+  entries in it that a chmod would not remove, and the mode may be an operator's deliberate choice;
+  the message says how to fix it (OpenSSH's StrictModes and tmux refuse in the same way).
+- group-writable is accepted: the group is how the engine reaches the sockets (0660).
+The parents of an existing folder are not checked; a parent others may write (not sticky) would let
+them rename the folder away and put theirs in its place.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from dspark_sidecar.server.config import ServeConfigError
+
+LEAF_MODE = 0o770  # the sidecar's user and the group it shares with the engine; never others
+# Parents made here: others may pass through to the sockets but not create or rename entries, which
+# would let them swap our folder for theirs. mkdir's mode is narrowed by the umask and never widened,
+# so no folder made here is writable by others at any instant (no mkdir-then-chmod window). Unlike the
+# leaf, whose 0770 is the documented contract, parents keep what the umask takes: a umask of 077 then
+# keeps an engine of another user out, as the operator asked.
+PARENT_MODE = 0o755
+
+
+def effective_uid() -> int:
+    """The uid the sockets will belong to (tests substitute another to stand for a foreign owner)."""
+    return os.geteuid()
+
+
+def problem(d: Path, st_uid: int, st_mode: int, euid: int) -> str | None:
+    """Why a folder with this owner and mode may not hold the sockets of a sidecar running as `euid`
+    (one clause, naming what was found and what to do), or None."""
+    found = f"owner uid {st_uid}, mode {stat.S_IMODE(st_mode):04o}"
+    if st_uid not in (euid, 0):
+        return (f"belongs to another user ({found}), who could replace the sockets in it; have it removed (by "
+                f"its owner or root) or choose a folder this user (uid {euid}) or root made (serve makes a "
+                "missing one, mode 0770)")
+    if not st_mode & stat.S_IWOTH or (st_uid == 0 and st_mode & stat.S_ISGID):
+        return None
+    risk = f"is writable by every user ({found}): any local user could take a rank's socket name there"
+    if st_uid == euid != 0:
+        return f"{risk}; chmod o-w {d}, or remove it and let serve make it (mode 0770)"
+    return (f"{risk}; use a folder of the sidecar's own inside it, e.g. {d / 'dspark-sidecar'} (serve makes a "
+            "missing one, mode 0770), or in Kubernetes an emptyDir with the pod's fsGroup set")
+
+
+def _mkdir(p: Path, mode: int) -> bool:
+    """mkdir p with `mode`, and its missing parents with PARENT_MODE; True if p was made here."""
+    try:
+        os.mkdir(p, mode)
+    except FileExistsError:
+        return False
+    except FileNotFoundError:
+        if p.parent == p:
+            raise
+        _mkdir(p.parent, PARENT_MODE)
+        return _mkdir(p, mode)
+    return True
+
+
+def prepare(d: Path) -> None:
+    """Make `d` if it is missing (mode 0770 whatever the umask), then refuse it under the policy above.
+    Runs in the parent before any rank starts and again in each rank before it binds (under torchrun
+    there is no parent of ours)."""
+    try:
+        if _mkdir(d, LEAF_MODE):
+            # The umask may have taken the group's bits, which the engine needs. A setgid bit inherited
+            # from the parent is kept: it is what gives the sockets the engine's group.
+            os.chmod(d, LEAF_MODE | (os.stat(d).st_mode & stat.S_ISGID))
+    except OSError as err:
+        raise ServeConfigError(f"--socket-dir: cannot create {d}: {err.strerror}") from None
+    try:
+        link, st = os.lstat(d), os.stat(d)
+    except OSError as err:
+        raise ServeConfigError(f"--socket-dir: cannot use {d}: {err.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ServeConfigError(f"--socket-dir: {d} exists and is not a folder")
+    euid = effective_uid()
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (euid, 0):
+        # Its owner can point it elsewhere after the check, and the engine follows it too.
+        raise ServeConfigError(f"--socket-dir: {d} is a symbolic link owned by another user (uid {link.st_uid}), "
+                               f"who could point it elsewhere; give the folder itself ({os.path.realpath(d)})")
+    why = problem(d, st.st_uid, st.st_mode, euid)
+    if why:
+        raise ServeConfigError(f"--socket-dir: {d} {why}")
