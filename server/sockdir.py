@@ -20,8 +20,10 @@ refused when another user owns the link: they could point it elsewhere later):
   entries in it that a chmod would not remove, and the mode may be an operator's deliberate choice;
   the message says how to fix it (OpenSSH's StrictModes and tmux refuse in the same way).
 - group-writable is accepted: the group is how the engine reaches the sockets (0660).
-The parents of an existing folder are not checked; a parent others may write (not sticky) would let
-them rename the folder away and put theirs in its place.
+Its parents (`parent_problem`): whoever may rename entries in a parent can move the folder away and
+put theirs in its place. So each must belong to this user or root, and be writable by every user only
+with the sticky bit (as /tmp is: others may not rename what is not theirs). Group-writable parents are
+accepted, as the folder's own group is.
 """
 
 from __future__ import annotations
@@ -63,6 +65,20 @@ def problem(d: Path, st_uid: int, st_mode: int, euid: int) -> str | None:
             "missing one, mode 0770), or in Kubernetes an emptyDir with the pod's fsGroup set")
 
 
+def parent_problem(d: Path, st_uid: int, st_mode: int, euid: int) -> str | None:
+    """Why a parent folder with this owner and mode would let another user swap the socket folder `d`
+    for theirs (one clause), or None."""
+    found = f"owner uid {st_uid}, mode {stat.S_IMODE(st_mode):04o}"
+    if st_uid not in (euid, 0):
+        why = f"belongs to another user ({found})"
+    elif st_mode & stat.S_IWOTH and not st_mode & stat.S_ISVTX:
+        why = f"is writable by every user without the sticky bit ({found})"
+    else:
+        return None
+    return (f"{why}, who could rename {d} away and put a folder of theirs in its place; choose a socket folder "
+            "whose parents only this user or root may change")
+
+
 def _mkdir(p: Path, mode: int) -> bool:
     """mkdir p with `mode`, and its missing parents with PARENT_MODE; True if p was made here."""
     try:
@@ -102,3 +118,8 @@ def prepare(d: Path) -> None:
     why = problem(d, st.st_uid, st.st_mode, euid)
     if why:
         raise ServeConfigError(f"--socket-dir: {d} {why}")
+    for parent in Path(os.path.realpath(d)).parents:
+        pst = os.stat(parent)
+        why = parent_problem(d, pst.st_uid, pst.st_mode, euid)
+        if why:
+            raise ServeConfigError(f"--socket-dir: {d}: its parent {parent} {why}")

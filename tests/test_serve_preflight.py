@@ -176,6 +176,45 @@ def test_the_owner_and_mode_policy(owner, mode, euid, words):
         assert "chmod o-w /s" not in why or owner is MINE
 
 
+PARENTS = [
+    (MINE, 0o40755, 1000, OK),
+    (MINE, 0o40775, 1000, OK),  # group-writable: the group is trusted, as on the folder itself
+    (ROOT, 0o40755, 1000, OK),  # /run, /home
+    (ROOT, 0o41777, 1000, OK),  # /tmp: sticky, so others may not rename what is not theirs
+    (ROOT, 0o40777, 1000, ["writable by every user without the sticky bit", "mode 0777"]),
+    (MINE, 0o40757, 1000, ["writable by every user without the sticky bit"]),
+    (2000, 0o40755, 1000, ["belongs to another user", "owner uid 2000, mode 0755"]),
+    (2000, 0o41777, 0, ["belongs to another user"]),  # sticky does not help: its owner may rename anything
+]
+
+
+@pytest.mark.parametrize("owner,mode,euid,words", PARENTS,
+                         ids=[f"{o if o is MINE else f'uid{o}'}-{m & 0o7777:04o}-euid{e}" for o, m, e, _ in PARENTS])
+def test_the_parent_folders_policy(owner, mode, euid, words):
+    """Whoever may rename entries in a parent can move the socket folder away and put theirs there."""
+    why = sockdir.parent_problem(Path("/p/s"), euid if owner is MINE else owner, mode, euid)
+    if words is OK:
+        assert why is None
+    else:
+        assert why is not None and all(w in why for w in words) and "rename /p/s away" in why, why
+
+
+@pytest.mark.parametrize("where", ["parent", "rank"])
+def test_a_socket_dir_under_a_parent_every_user_may_rename_in_is_refused(tiny_ckpt, tmp_path, capsys, where):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # no sticky bit
+    d = shared / "sock"
+    if where == "parent":
+        _refused(_argv(d, tiny_ckpt), capsys, f"--socket-dir: {d}: its parent {shared} is writable by every user "
+                 "without the sticky bit", sock_dir=d)
+    else:
+        with pytest.raises(ServeConfigError, match=f"its parent {shared} is writable by every user without"):
+            preflight.claim_socket(ServeConfig(tp=1, socket_dir=d), 0)
+    shared.chmod(0o1777)  # as /tmp: accepted
+    preflight.check_socket_dir(ServeConfig(tp=1, socket_dir=d))
+
+
 def test_a_socket_dir_another_user_made_is_one_line(tiny_ckpt, tmp_path, monkeypatch, capsys):
     d = tmp_path / "sock"
     d.mkdir(mode=0o700)
