@@ -72,14 +72,31 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datet
     if rank != 0 or agent_store:
         return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
     listener = _listen(addr, port)
+    fd = listener.fileno()
+    ident = _identity(fd)
     try:
         store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
-                              master_listen_fd=listener.fileno())
+                              master_listen_fd=fd)
     except BaseException:
-        listener.close()
+        # The store's server takes the descriptor when it starts and closes it if a later step fails
+        # (its own client's connect): closed again here, the number may be another thread's by then
+        # (the rank's gRPC server runs). Closed here only if it is still our socket.
+        if _identity(fd) == ident:
+            listener.close()
+        else:
+            listener.detach()
         raise
     listener.detach()  # the store's server owns the descriptor now (it closes it when the store goes)
     return store
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    """What `fd` is open on (device, inode), None if it is closed."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_store: bool = False) -> None:

@@ -74,3 +74,42 @@ def test_an_operator_s_interface_choice_is_kept():
     env = {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": ""}
     assert keep_collectives_local("127.0.0.1", env) == {"GLOO_SOCKET_IFNAME": "lo"}
     assert env == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+
+def test_a_store_torch_closed_on_a_failed_start_is_not_closed_again(monkeypatch):
+    """torch's store server takes the listening descriptor when it starts; a later step of the
+    constructor that fails (its own client cannot connect) closes it. Closing it again here closed
+    whatever the number belonged to by then: in a rank, a socket of its gRPC server."""
+    from dspark_sidecar.server import process_group
+
+    taken = []
+
+    def fails_after_taking(host, port, world, is_master, timeout, wait_for_workers, master_listen_fd):
+        os.close(master_listen_fd)
+        taken.append(os.open(os.devnull, os.O_RDONLY))  # another thread's file, under the freed number
+        raise dist.DistNetworkError("The client socket has timed out")
+
+    monkeypatch.setattr(process_group.dist, "TCPStore", fails_after_taking)
+    with pytest.raises(dist.DistNetworkError):
+        rendezvous_store("127.0.0.1", _free_port(), 0, 2, TIMEOUT)
+    try:
+        os.fstat(taken[0])  # EBADF if it was closed as the listener
+    finally:
+        os.close(taken[0])
+
+
+def test_a_store_that_never_took_the_descriptor_closes_it(monkeypatch):
+    from dspark_sidecar.server import process_group
+
+    seen = []
+
+    def refuses(host, port, world, is_master, timeout, wait_for_workers, master_listen_fd):
+        seen.append(master_listen_fd)
+        raise ValueError("listen fd is bound to another port")
+
+    monkeypatch.setattr(process_group.dist, "TCPStore", refuses)
+    port = _free_port()
+    with pytest.raises(ValueError):
+        rendezvous_store("127.0.0.1", port, 0, 2, TIMEOUT)
+    assert ("127.0.0.1", port) not in listening_tcp(os.getpid())
