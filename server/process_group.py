@@ -69,13 +69,16 @@ def _listen(addr: str, port: int) -> socket.socket:
 def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta,
                      agent_store: bool = False) -> dist.TCPStore:
     """The group's key-value store: hosted by rank 0 on addr:port only, or torchrun's agent's."""
+    # An IPv6 literal may come bracketed ("[::1]", as in torch's tcp:// URL); torch's store resolves
+    # the bare address only (with the brackets its connect waits out the timeout).
+    host = addr.strip("[]")
     if rank != 0 or agent_store:
-        return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     listener = _listen(addr, port)
     fd = listener.fileno()
     ident = _identity(fd)
     try:
-        store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
+        store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
                               master_listen_fd=fd)
     except BaseException:
         # The store's server takes the descriptor when it starts and closes it if a later step fails

@@ -113,3 +113,28 @@ def test_a_store_that_never_took_the_descriptor_closes_it(monkeypatch):
     with pytest.raises(ValueError):
         rendezvous_store("127.0.0.1", port, 0, 2, TIMEOUT)
     assert ("127.0.0.1", port) not in listening_tcp(os.getpid())
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no ::1 on this host")
+def test_a_bracketed_ipv6_rendezvous_address_works():
+    """`[::1]`, as --master-addr took it while it went into torch's tcp:// URL (is_loopback accepts it
+    too): torch's store cannot resolve the brackets and waited out its timeout."""
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    short = datetime.timedelta(seconds=3)
+    store = rendezvous_store("[::1]", port, 0, 2, short)
+    assert ("::1", port) in listening_tcp(os.getpid())
+    peer = rendezvous_store("[::1]", port, 1, 2, short)
+    peer.set("from-1", "x")
+    assert store.get("from-1") == b"x"
+    del peer, store
