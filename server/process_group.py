@@ -16,6 +16,7 @@ every rank, rank 0 included, joins as a client.
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import os
 import socket
@@ -48,22 +49,36 @@ def keep_collectives_local(master_addr: str, environ: MutableMapping[str, str]) 
 
 
 def _listen(addr: str, port: int) -> socket.socket:
-    """A TCP socket listening on addr:port only (SO_REUSEADDR, as torch's own store sets it)."""
+    """A TCP socket listening on addr:port only (SO_REUSEADDR, as torch's own store sets it): on the
+    first of the name's addresses that can be bound ('localhost' is often ::1 first, which a host
+    without IPv6 cannot bind; the store's clients try every address, as preflight.check_port does)."""
     try:
         infos = socket.getaddrinfo(addr.strip("[]"), port, type=socket.SOCK_STREAM)
     except socket.gaierror as err:
         raise ServeConfigError(f"--master-addr: cannot resolve {addr!r}: {err.strerror}") from None
-    family, kind, proto, _, sockaddr = infos[0]
-    s = socket.socket(family, kind, proto)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(sockaddr)
-        s.listen(128)
-    except OSError as err:
-        s.close()
-        raise ServeConfigError(f"--master-port: rank 0 cannot listen on {addr}:{port} for the ranks' rendezvous: "
-                               f"{err.strerror}; choose another port") from None
-    return s
+    errors = []
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            s = socket.socket(family, kind, proto)
+        except OSError as err:  # a family this kernel lacks
+            errors.append(err)
+            continue
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(sockaddr)
+            s.listen(128)
+            return s
+        except OSError as err:
+            s.close()
+            if err.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise ServeConfigError(f"--master-port: rank 0 cannot listen on {addr}:{port} for the ranks' "
+                                       f"rendezvous: {err.strerror}; choose another port") from None
+            errors.append(err)
+    hint = ("; it is not an address of this host (the ranks share one node: 127.0.0.1 will do)"
+            if errors and errors[0].errno == errno.EADDRNOTAVAIL else "")
+    why = errors[0].strerror if errors else "no address"
+    raise ServeConfigError(f"--master-addr: rank 0 cannot listen on {addr}:{port} for the ranks' rendezvous: "
+                           f"{why}{hint}")
 
 
 def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta,

@@ -138,3 +138,30 @@ def test_a_bracketed_ipv6_rendezvous_address_works():
     peer.set("from-1", "x")
     assert store.get("from-1") == b"x"
     del peer, store
+
+
+def test_a_name_s_first_address_that_cannot_be_bound_falls_to_the_next(monkeypatch):
+    """'localhost' is often ::1 first, then 127.0.0.1; in a container without IPv6 ::1 cannot be bound
+    (the preflight's check_port passes on the next address, rank 0 then failed on the first)."""
+    from dspark_sidecar.server import process_group
+
+    real = socket.getaddrinfo
+
+    def v6_first(host, port, *a, **kw):
+        if host != "localhost":
+            return real(host, port, *a, **kw)
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("2001:db8::1", port, 0, 0)),  # not this host's
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(process_group.socket, "getaddrinfo", v6_first)
+    port = _free_port()
+    store = rendezvous_store("localhost", port, 0, 1, TIMEOUT)
+    assert ("127.0.0.1", port) in listening_tcp(os.getpid())
+    del store
+
+
+def test_an_address_that_is_not_this_host_s_is_one_line_saying_so():
+    with pytest.raises(ServeConfigError, match=r"--master-addr: rank 0 cannot listen on 192\.0\.2\.1:\d+ for the "
+                                               r"ranks' rendezvous: Cannot assign requested address; it is not "
+                                               r"an address of this host"):
+        rendezvous_store("192.0.2.1", _free_port(), 0, 2, TIMEOUT)
