@@ -82,12 +82,19 @@ def _listen(addr: str, port: int) -> socket.socket:
 
 
 def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta,
-                     agent_store: bool = False) -> dist.TCPStore:
+                     agent_store: bool = False) -> dist.Store:
     """The group's key-value store: hosted by rank 0 on addr:port only, or torchrun's agent's."""
     # An IPv6 literal may come bracketed ("[::1]", as in torch's tcp:// URL); torch's store resolves
     # the bare address only (with the brackets its connect waits out the timeout).
     host = addr.strip("[]")
-    if rank != 0 or agent_store:
+    if agent_store:
+        # torchrun's agent keeps its store across restarts of the ranks (--max-restarts): each attempt's
+        # keys get a prefix of their own, or a restarted group reads the dead one's (gloo's addresses
+        # among them). torch's own rendezvous used this prefix in the releases that had it (2.4 does).
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"/worker/attempt_{attempt}",
+                                dist.TCPStore(host, port, world, is_master=False, timeout=timeout))
+    if rank != 0:
         return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     listener = _listen(addr, port)
     fd = listener.fileno()
