@@ -7,7 +7,8 @@ with it the IPC handles of the engine's GPU memory. So the folder must be one th
 user, root, and the group they chose can write.
 
 Policy (`problem`), on the folder the sockets will actually be in (a symbolic link is followed, and
-refused when another user owns the link: they could point it elsewhere later):
+refused when another user owns the link, or any link on the way to it: they could point it elsewhere
+later):
 - owned by another user (neither this effective uid nor root): refused; its owner controls it whatever
   its mode says, and can chmod it back at any time.
 - writable by every user (o+w): refused, sticky or not (the sticky bit stops others from removing our
@@ -79,6 +80,27 @@ def parent_problem(d: Path, st_uid: int, st_mode: int, euid: int) -> str | None:
             "whose parents only this user or root may change")
 
 
+def foreign_link(d: Path, euid: int, hops: int = 0) -> tuple[Path, int] | None:
+    """The first symbolic link on the way to `d` that another user (not `euid`, not root) owns, with its
+    owner: `d` and each of its parents, and the same of every link's target in turn (the parents'
+    check sees only the resolved path, on which no link lies). None if there is none."""
+    path = Path(os.path.abspath(d))
+    for p in (*reversed(path.parents), path):
+        try:
+            st = os.lstat(p)  # follows the links above p, not p itself
+        except OSError:
+            return None
+        if not stat.S_ISLNK(st.st_mode):
+            continue
+        if st.st_uid not in (euid, 0):
+            return p, st.st_uid
+        if hops < 40:  # the kernel's own limit on links followed in one lookup
+            found = foreign_link(p.parent / os.readlink(p), euid, hops + 1)
+            if found:
+                return found
+    return None
+
+
 def _mkdir(p: Path, mode: int) -> bool:
     """mkdir p with `mode`, and its missing parents with PARENT_MODE; True if p was made here."""
     try:
@@ -105,15 +127,18 @@ def prepare(d: Path) -> None:
     except OSError as err:
         raise ServeConfigError(f"--socket-dir: cannot create {d}: {err.strerror}") from None
     try:
-        link, st = os.lstat(d), os.stat(d)
+        st = os.stat(d)
     except OSError as err:
         raise ServeConfigError(f"--socket-dir: cannot use {d}: {err.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise ServeConfigError(f"--socket-dir: {d} exists and is not a folder")
     euid = effective_uid()
-    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (euid, 0):
+    found = foreign_link(d, euid)
+    if found:
         # Its owner can point it elsewhere after the check, and the engine follows it too.
-        raise ServeConfigError(f"--socket-dir: {d} is a symbolic link owned by another user (uid {link.st_uid}), "
+        link, uid = found
+        where = f"{d}" if link == Path(os.path.abspath(d)) else f"{d}: {link}"
+        raise ServeConfigError(f"--socket-dir: {where} is a symbolic link owned by another user (uid {uid}), "
                                f"who could point it elsewhere; give the folder itself ({os.path.realpath(d)})")
     why = problem(d, st.st_uid, st.st_mode, euid)
     if why:

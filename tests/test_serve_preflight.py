@@ -267,6 +267,28 @@ def test_a_symbolic_link_another_user_owns_is_refused(tiny_ckpt, tmp_path, monke
              f"--socket-dir: {link} is a symbolic link owned by another user (uid {uid})", str(real))
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a link of another user's needs lchown (root)")
+@pytest.mark.parametrize("where", ["on the path", "in a link's target"])
+def test_a_symbolic_link_another_user_owns_on_the_way_to_the_folder_is_refused(tmp_path, where):
+    """Not only the folder itself: a link of another user's among its parents (or among those of a
+    link's target) can be pointed elsewhere as well, and the folder with it. The parents' check sees
+    only the resolved path, which the link is not on."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    theirs = tmp_path / "theirs"
+    theirs.symlink_to(real)
+    os.lchown(theirs, OTHER_UID, -1)
+    if where == "on the path":
+        d = theirs / "sock"
+    else:
+        (tmp_path / "mine").symlink_to(theirs)
+        d = tmp_path / "mine" / "sock"
+    for check in (preflight.check_socket_dir, lambda cfg: preflight.claim_socket(cfg, 0)):
+        with pytest.raises(ServeConfigError, match=f"--socket-dir: {d}: {theirs} is a symbolic link owned by another "
+                                                   f"user \\(uid {OTHER_UID}\\), who could point it elsewhere"):
+            check(ServeConfig(tp=1, socket_dir=d))
+
+
 def test_a_socket_dir_that_passes_reaches_the_launcher_unchanged(tiny_ckpt, tmp_path, monkeypatch):
     """Ours at 0700/2770, group-writable, or a link of ours to one: accepted, mode left as it was."""
     launched = []
