@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
@@ -20,11 +21,22 @@ class AllocationQueryError(RuntimeError):
     """The driver could not say which allocation holds a pointer."""
 
 
+def _hip_library() -> ctypes.CDLL:
+    """torch's own HIP runtime: the copy a pip ROCm torch carries in torch/lib first, then the system's.
+    By its bare name the loader may miss torch's copy and search the system's paths: a second runtime,
+    which knows nothing of torch's IPC mappings, or none (kernels/flydsl/peers.py loads the same way)."""
+    bundled = os.path.join(os.path.dirname(torch.__file__), "lib", "libamdhip64.so")
+    try:
+        return ctypes.CDLL(bundled)
+    except OSError:
+        return ctypes.CDLL("libamdhip64.so")
+
+
 @functools.cache
 def _address_range():
     """The driver's address-range query as a ctypes function (base*, size*, ptr) -> status."""
     if torch.version.hip:
-        lib, name = ctypes.CDLL("libamdhip64.so"), "hipMemGetAddressRange"
+        lib, name = _hip_library(), "hipMemGetAddressRange"
     else:
         lib, name = ctypes.CDLL("libcuda.so.1"), "cuMemGetAddressRange_v2"
     fn = getattr(lib, name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import re
 from types import SimpleNamespace
 
@@ -89,3 +90,26 @@ def test_the_driver_bounds_a_real_handle_s_storage():
     finally:
         parent.send("done")
         proc.join(timeout=60)
+
+
+def test_on_rocm_the_query_goes_to_torch_s_own_hip_runtime_first(monkeypatch):
+    """A pip ROCm torch carries libamdhip64 in torch/lib. Loaded by its bare name, the library is found
+    only on the system's paths: a second HIP runtime (which knows nothing of torch's IPC mappings) or
+    none, and then every CUDA IPC handle was refused as "cannot check". kernels/flydsl/peers.py loads
+    torch's copy first for the same reason."""
+    from dspark_sidecar.proto import gpu_alloc
+
+    tried = []
+
+    def cdll(name):
+        tried.append(name)
+        return SimpleNamespace(hipMemGetAddressRange=lambda *a: 0)
+
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    monkeypatch.setattr(gpu_alloc.ctypes, "CDLL", cdll)
+    gpu_alloc._address_range.cache_clear()
+    try:
+        assert gpu_alloc._address_range()[0] == "hipMemGetAddressRange"
+    finally:
+        gpu_alloc._address_range.cache_clear()
+    assert tried[0] == os.path.join(os.path.dirname(torch.__file__), "lib", "libamdhip64.so")
