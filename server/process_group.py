@@ -100,8 +100,7 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datet
     fd = listener.fileno()
     ident = _identity(fd)
     try:
-        store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
-                              master_listen_fd=fd)
+        store = _store_on(fd, host, port, world, timeout)
     except BaseException:
         # The store's server takes the descriptor when it starts and closes it if a later step fails
         # (its own client's connect): closed again here, the number may be another thread's by then
@@ -113,6 +112,17 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datet
         raise
     listener.detach()  # the store's server owns the descriptor now (it closes it when the store goes)
     return store
+
+
+def _store_on(fd: int, host: str, port: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """torch's store, serving on the listening socket `fd`. The libuv store, torch's default since 2.4,
+    refused a listening socket until pytorch#150215 (2025): NotImplementedError, raised before the
+    socket is taken. There the older store, which takes one, serves."""
+    kw = dict(is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd)
+    try:
+        return dist.TCPStore(host, port, world, **kw)
+    except NotImplementedError:
+        return dist.TCPStore(host, port, world, use_libuv=False, **kw)
 
 
 def _identity(fd: int) -> tuple[int, int] | None:

@@ -183,3 +183,31 @@ def test_under_torchrun_each_restart_attempt_has_keys_of_its_own(monkeypatch):
     second.set("0/rank_1", "address of the restarted rank")
     assert first.get("0/rank_1") == b"address of a rank that died"
     del first, second, agent
+
+
+def test_a_torch_whose_libuv_store_cannot_take_a_listening_socket_gets_the_older_store(monkeypatch):
+    """From torch 2.4 (libuv the default store) until pytorch#150215 (2025), TCPStore raised
+    NotImplementedError for master_listen_fd unless use_libuv=False: every rank 0 failed to start
+    with that traceback. The older store takes the socket as well (this torch still has it)."""
+    from dspark_sidecar.server import process_group
+
+    real = dist.TCPStore
+    calls = []
+
+    def torch_2_4(*args, use_libuv=True, **kw):
+        calls.append(use_libuv)
+        if kw.get("master_listen_fd") is not None and use_libuv:
+            raise NotImplementedError("The libuv TCPStore backend does not support initialization with an listen "
+                                      "fd. Please switch to the legacy TCPStore by setting environment variable "
+                                      "USE_LIBUV to \"0\".")
+        return real(*args, use_libuv=use_libuv, **kw)
+
+    monkeypatch.setattr(process_group.dist, "TCPStore", torch_2_4)
+    port = _free_port()
+    before = set(listening_tcp(os.getpid()))
+    store = rendezvous_store("127.0.0.1", port, 0, 2, TIMEOUT)
+    assert set(listening_tcp(os.getpid())) - before == {("127.0.0.1", port)}
+    peer = rendezvous_store("127.0.0.1", port, 1, 2, TIMEOUT)
+    peer.set("from-1", "x")
+    assert store.get("from-1") == b"x" and calls[:2] == [True, False]
+    del peer, store
