@@ -266,11 +266,17 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
     try:  # asked at the mapping's start: a storage_offset_bytes past the end points at nothing the driver knows
         room = bytes_left(t.data_ptr() - h.storage_offset_bytes) - h.storage_offset_bytes
     except (OSError, AttributeError, AllocationQueryError) as err:  # no driver library, no such symbol, a failed query
-        raise HandleError(f"{field}: cannot check the handle's storage against the GPU allocation it opens "
-                          f"({err}); refused rather than mapped unchecked") from None
-    if h.storage_size_bytes > room:
-        raise HandleError(f"{field}: storage_size_bytes {h.storage_size_bytes} runs past the end of the GPU "
-                          f"allocation the handle opens ({room} bytes from storage_offset_bytes "
-                          f"{h.storage_offset_bytes}, {room + h.storage_offset_bytes} in all); send the "
-                          "exported storage's own size and offset")
-    return t
+        refusal = (f"cannot check the handle's storage against the GPU allocation it opens ({err}); refused "
+                   "rather than mapped unchecked")
+    else:
+        refusal = None if h.storage_size_bytes <= room else (
+            f"storage_size_bytes {h.storage_size_bytes} runs past the end of the GPU allocation the handle opens "
+            f"({room} bytes from storage_offset_bytes {h.storage_offset_bytes}, {room + h.storage_offset_bytes} "
+            "in all); send the exported storage's own size and offset")
+    if refusal is None:
+        return t
+    # Unmapped now, on a quiet stream (torch synchronizes the current stream as it unmaps, and this
+    # thread's is the rank's), not whenever the exception's traceback, which would hold `t`, is freed.
+    with QuietStream(device)():
+        del t
+    raise HandleError(f"{field}: {refusal}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import re
@@ -31,6 +32,7 @@ def opened(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-this"))
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: SimpleNamespace(data_ptr=lambda: 0x10_0000))
     monkeypatch.setattr(memory, "bytes_left", lambda ptr: 0x10_1000 - ptr)
+    monkeypatch.setattr(memory, "QuietStream", lambda device: contextlib.nullcontext)  # no CUDA stream here
     return lambda h: memory._open_cuda_ipc(h, FIELD, torch.device("cuda", 0))
 
 
@@ -113,3 +115,41 @@ def test_on_rocm_the_query_goes_to_torch_s_own_hip_runtime_first(monkeypatch):
     finally:
         gpu_alloc._address_range.cache_clear()
     assert tried[0] == os.path.join(os.path.dirname(torch.__file__), "lib", "libamdhip64.so")
+
+
+@pytest.mark.parametrize("why", ["past its allocation", "driver not asked"])
+def test_a_refused_storage_is_unmapped_at_once_on_a_quiet_stream(opened, monkeypatch, why):
+    """torch synchronizes the current stream when it unmaps a CUDA IPC storage, and a handler thread's
+    current stream is the rank's (QuietStream). The refused tensor was left to the exception's
+    traceback, to go wherever and whenever that was freed, outside any QuietStream."""
+    from torch.multiprocessing import reductions
+
+    quiet, freed = [False], []
+
+    class Mapping:
+        def data_ptr(self):
+            return 0x10_0000
+
+        def __del__(self):
+            freed.append(quiet[0])
+
+    class Quiet:
+        def __init__(self, device):
+            assert device == torch.device("cuda", 0)
+
+        @contextlib.contextmanager
+        def __call__(self):
+            quiet[0] = True
+            yield
+            quiet[0] = False
+
+    def fails(ptr):
+        raise AllocationQueryError("cuMemGetAddressRange_v2(0x100000) failed with status 1")
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: Mapping())
+    monkeypatch.setattr(memory, "QuietStream", Quiet)
+    if why == "driver not asked":
+        monkeypatch.setattr(memory, "bytes_left", fails)
+    with pytest.raises(memory.HandleError) as err:
+        opened(_handle(4097))
+    assert freed == [True], err.value  # while the exception (and its traceback) is still alive
