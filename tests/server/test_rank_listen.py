@@ -50,9 +50,8 @@ def test_a_busy_tcp_port_in_the_rank_is_one_line_not_grpcs_runtime_error(tmp_pat
 def test_the_owner_closing_a_board_someone_removed_is_a_warning_not_a_traceback(caplog):
     """Someone removed the board's name before rank 0 did (an operator cleaning /dev/shm; before the
     names were random, a second serve's rank 0 taking it for stale): teardown raised FileNotFoundError."""
-    board = Board("dspark-rdv-test-removed", 1, create=True)
-    subprocess.run([sys.executable, "-c", "import _posixshmem; _posixshmem.shm_unlink('/dspark-rdv-test-removed')"],
-                   check=True)
+    board = Board(None, 1, create=True)  # a fixed name is refused (O_EXCL) after a run killed before its close
+    subprocess.run([sys.executable, "-c", f"import _posixshmem; _posixshmem.shm_unlink('/{board.name}')"], check=True)
     board.close()
     assert "was removed by another process" in caplog.text
 
@@ -71,7 +70,7 @@ def test_a_peer_lost_during_start_up_is_one_line_and_what_start_up_made_goes(tmp
     start_up = app.StartUp(0, threading.Event())
     start_up.socket = tmp_path / "rank0.sock"
     start_up.socket.touch()
-    start_up.board = Board(f"dspark-test-peerlost-{tmp_path.name}"[:30], 2, create=True)
+    start_up.board = Board(None, 2, create=True)
     try:
         with pytest.raises(app.PeerLost, match=r"rank 0: a peer rank left during start-up \(.*Connection closed"):
             start_up.barrier(None)
