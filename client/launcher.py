@@ -39,8 +39,16 @@ class SidecarLauncher:
     def healthy(self, deadline_s: float = 1.0) -> list[bool]:
         return [SidecarConnection(self.endpoint(r)).probe_health(deadline_s) for r in range(self.tp)]
 
+    def make_socket_dir(self) -> None:
+        """The folder for the sockets (and, by default, the log), made and checked as serve makes and
+        checks one (0770, parents not writable by others, whatever the umask). A plain mkdir under umask
+        000 gave 0777, which serve then refused after this had already started it."""
+        from dspark_sidecar.server import sockdir
+
+        sockdir.prepare(self.socket_dir)
+
     def start(self) -> SidecarLauncher:
-        self.socket_dir.mkdir(parents=True, exist_ok=True)
+        self.make_socket_dir()
         # RANK/WORLD_SIZE of an enclosing launcher would make the sidecar think it runs under torchrun.
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         with open(self.log_path, "ab") as log:

@@ -89,3 +89,21 @@ def test_record_reports_relative_differences_beside_exact_ones():
     assert abs(rec.max_hidden_rel - 0.01) < 1e-6 and rec.max_kv_rel == 0.0
     rec.compare(local, local, drafts, drafts, kv * 1.5, kv)  # the largest round is kept
     assert abs(rec.max_hidden_rel - 0.01) < 1e-6 and abs(rec.max_kv_rel - 0.5) < 1e-9
+
+
+def test_the_launcher_makes_a_socket_folder_serve_accepts_whatever_the_umask(tmp_path):
+    """Under umask 000 a plain mkdir made the folder and its parents 0777: serve, started next, refused it."""
+    import os
+    import stat
+
+    from dspark_sidecar.client.launcher import SidecarLauncher
+    from dspark_sidecar.server import sockdir
+
+    d = tmp_path / "a" / "sock"
+    old = os.umask(0)
+    try:
+        SidecarLauncher(d, tp=1).make_socket_dir()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o770 and not d.parent.stat().st_mode & stat.S_IWOTH
+    sockdir.prepare(d)  # what serve's own check does: no refusal
