@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import secrets
 import time
 
@@ -46,8 +47,27 @@ class DataPlaneError(RuntimeError):
     """The data plane cannot be set up or used; the shim falls back to the gRPC stream."""
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, keep: list) -> torch.Tensor:
-    held = memory.exportable_zeros(shape, dtype, device)
+def ipc_group(endpoint: str) -> int | None:
+    """The group to share this engine's shared-memory segments with: the group of the sidecar rank's
+    unix socket (who may connect may map them), if this process may give its files that group. None
+    for a TCP endpoint, or a group this process is not in: the segments stay owner-only (0600), which
+    serves a sidecar running as this same user.
+
+    Why: under systemd on AMD the sidecar runs as its own user (deploy/systemd), and Python's 0600
+    segments (the doorbell page, the metadata region) could not be opened by it: the doorbell was
+    refused and every step went over the gRPC stream."""
+    if not endpoint.startswith("unix:"):
+        return None
+    try:
+        gid = os.stat(endpoint[len("unix:"):]).st_gid
+    except OSError:
+        return None
+    return gid if os.geteuid() == 0 or gid == os.getegid() or gid in os.getgroups() else None
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, keep: list,
+           group: int | None = None) -> torch.Tensor:
+    held = memory.exportable_zeros(shape, dtype, device, group)
     keep.append(held)
     return held.tensor
 
@@ -56,7 +76,7 @@ class StepBuffers:
     """The registered regions of one engine rank, sized for `max_reqs` requests."""
 
     def __init__(self, stub: pb_grpc.DrafterSidecarStub, hidden: int, max_reqs: int, max_pages: int,
-                 dtype: torch.dtype, device: torch.device, timeout_s: float = 10.0) -> None:
+                 dtype: torch.dtype, device: torch.device, timeout_s: float = 10.0, group: int | None = None) -> None:
         n = layout.QPR * max_reqs
         self._stub, self._timeout_s = stub, timeout_s
         self._ids: list[int] = []  # registered with the sidecar: released there by close()
@@ -67,10 +87,11 @@ class StepBuffers:
         self._layouts: dict[tuple, tuple] = {}
         self.max_reqs, self.max_pages, self.dtype, self.device = max_reqs, max_pages, dtype, device
         try:
-            self.embeds = _alloc((n, hidden), dtype, device, self._shm)
-            self.hidden = _alloc((n, hidden), dtype, device, self._shm)
+            self.embeds = _alloc((n, hidden), dtype, device, self._shm, group)
+            self.hidden = _alloc((n, hidden), dtype, device, self._shm, group)
             # Metadata lives in host shared memory on every device kind (see module docstring).
-            meta = memory.shm_empty((2 * n * 8 + max_reqs * 4 + max_reqs * max_pages * 4 + 4 * 8,), torch.uint8)  # + alignment
+            meta_len = 2 * n * 8 + max_reqs * 4 + max_reqs * max_pages * 4 + 4 * 8  # + alignment
+            meta = memory.shm_empty((meta_len,), torch.uint8, group)
             self._shm.append(meta)
             self.meta_bytes = meta.tensor
             regions = [pb.BufferRegion(name=name, memory=memory.export_handle(t), size_bytes=t.numel() * t.element_size())
@@ -190,8 +211,8 @@ class DoorbellChannel:
     """One engine rank's doorbell to its sidecar rank (one step in flight)."""
 
     def __init__(self, stub: pb_grpc.DrafterSidecarStub, device: torch.device, capacity: int = 1 << 16,
-                 timeout_s: float = 10.0, gpu_word: bool = True) -> None:
-        self._page = memory.shm_empty((bell.HEADER + 2 * capacity,), torch.uint8)
+                 timeout_s: float = 10.0, gpu_word: bool = True, group: int | None = None) -> None:
+        self._page = memory.shm_empty((bell.HEADER + 2 * capacity,), torch.uint8, group)
         self.page = bell.Page(self._page.tensor.numpy(), capacity)
         self.capacity, self.device = capacity, device
         self.input_event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None

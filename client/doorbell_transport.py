@@ -15,7 +15,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from dspark_sidecar.client.connection import SidecarConnection, StepStream, StreamBroken
-from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
+from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers, ipc_group
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
@@ -32,9 +32,10 @@ class DoorbellTransport:
         self.max_reqs, self.max_pages = max_reqs, max_pages
         # The doorbell first: a sidecar that refuses it (an older one, a host without x86-64 store
         # order) is then left with no buffers registered, which it would keep mapped until it exits.
-        self.bell = DoorbellChannel(conn.stub, device, timeout_s=timeout_s)
+        group = ipc_group(conn.endpoint)  # a sidecar of another user in the socket's group maps them too
+        self.bell = DoorbellChannel(conn.stub, device, timeout_s=timeout_s, group=group)
         try:
-            self.buffers = StepBuffers(conn.stub, hidden, max_reqs, max_pages, dtype, device, timeout_s)
+            self.buffers = StepBuffers(conn.stub, hidden, max_reqs, max_pages, dtype, device, timeout_s, group)
         except BaseException:
             self.bell.close()
             raise

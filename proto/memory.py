@@ -85,15 +85,36 @@ class AttachedSegment:
         self.buf = self._mmap = None  # type: ignore[assignment]
 
 
-def shm_empty(shape: tuple[int, ...], dtype: torch.dtype) -> ShmTensor:
-    """A zero-filled tensor in a fresh shared-memory segment, exportable with `export_handle`."""
+def shm_empty(shape: tuple[int, ...], dtype: torch.dtype, group: int | None = None) -> ShmTensor:
+    """A zero-filled tensor in a fresh shared-memory segment, exportable with `export_handle`.
+
+    Python makes the segment 0600: only this user opens it. With `group`, it is made 0660 and that
+    group's: a sidecar running as another user of the group (its socket's) can map it too."""
     nbytes = max(1, int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
     seg = shared_memory.SharedMemory(create=True, size=nbytes)
+    if group is not None:
+        try:
+            _share_with_group(seg.name, group)
+        except BaseException:
+            seg.close()
+            seg.unlink()
+            raise
     t = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
     t.zero_()
     with _EXPORTED_LOCK:
         _EXPORTED[t.untyped_storage().data_ptr()] = (seg.name, nbytes)
     return ShmTensor(t, seg)
+
+
+def _share_with_group(name: str, gid: int) -> None:
+    """Group read/write on /dev/shm/`name` for `gid` (set through the descriptor: the name is ours, just
+    created exclusively, but a path call would follow whatever the entry had become)."""
+    fd = os.open(os.path.join("/dev/shm", name.lstrip("/")), os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fchown(fd, -1, gid)
+        os.fchmod(fd, 0o660)
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -106,11 +127,12 @@ class DeviceTensor:
         self.tensor = None  # type: ignore[assignment]
 
 
-def exportable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> ShmTensor | DeviceTensor:
-    """Zeros the sidecar can map with `export_handle`: a shared-memory segment on CPU, device memory on a GPU.
-    The caller keeps the holder and closes it when done."""
+def exportable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                     group: int | None = None) -> ShmTensor | DeviceTensor:
+    """Zeros the sidecar can map with `export_handle`: a shared-memory segment on CPU (shared with
+    `group`, see shm_empty), device memory on a GPU. The caller keeps the holder and closes it when done."""
     if device.type == "cpu":
-        return shm_empty(shape, dtype)
+        return shm_empty(shape, dtype, group)
     return DeviceTensor(torch.zeros(shape, dtype=dtype, device=device))
 
 

@@ -202,3 +202,27 @@ def test_closing_a_doorbell_waits_for_the_engine_stream_within_a_bound():
         torch.cuda._sleep(2_000_000_000)  # about a second of a busy stream
         assert not probe._stream_passed(0.05)
         assert probe._stream_passed(30.0)
+
+
+def test_the_segments_are_shared_with_the_sidecar_socket_s_group_when_this_process_may(tmp_path, monkeypatch):
+    """Who may connect to the rank's unix socket (its group) may map the engine's segments; a TCP
+    endpoint, a socket that is gone, or a group this process is not in leave them owner-only."""
+    import os
+    import socket
+
+    from dspark_sidecar.client import dataplane
+
+    path = tmp_path / "rank0.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        os.chown(path, -1, os.getegid())
+        assert dataplane.ipc_group(f"unix:{path}") == os.getegid()
+        assert dataplane.ipc_group("127.0.0.1:7000") is None
+        assert dataplane.ipc_group(f"unix:{tmp_path / 'gone.sock'}") is None
+        other = os.getegid() + 4242
+        monkeypatch.setattr(dataplane.os, "stat", lambda p: type("St", (), {"st_gid": other})())
+        monkeypatch.setattr(dataplane.os, "geteuid", lambda: 1000)
+        monkeypatch.setattr(dataplane.os, "getgroups", lambda: [os.getegid()])
+        assert dataplane.ipc_group(f"unix:{path}") is None  # not a member: fchown would fail
+        monkeypatch.setattr(dataplane.os, "getgroups", lambda: [os.getegid(), other])
+        assert dataplane.ipc_group(f"unix:{path}") == other

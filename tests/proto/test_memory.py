@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -286,3 +288,19 @@ def test_a_cuda_handle_from_another_gpu_or_naming_none_is_refused_and_given_back
     with pytest.raises(memory.HandleError, match=rf"handle is from GPU {shown}, this rank runs on GPU GPU-this"):
         memory._open_cuda_ipc(h, "regions[0].memory", torch.device("cuda", 0))
     assert given_back == [(b"/torch_counter", 24)]
+
+
+def test_a_segment_shared_with_a_group_is_0660_and_that_group_s():
+    """Python makes segments 0600: a sidecar of another user (systemd on AMD) could not map the engine's
+    doorbell page or metadata region, and every step went over the gRPC stream."""
+    import stat as st
+
+    plain = memory.shm_empty((64,), torch.uint8)
+    shared = memory.shm_empty((64,), torch.uint8, group=os.getegid())
+    try:
+        info = [os.stat(f"/dev/shm/{m.segment.name}") for m in (plain, shared)]
+        assert st.S_IMODE(info[0].st_mode) == 0o600
+        assert st.S_IMODE(info[1].st_mode) == 0o660 and info[1].st_gid == os.getegid()
+    finally:
+        plain.close()
+        shared.close()
