@@ -285,8 +285,12 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
         h.event_handle or None, h.event_sync_required)
     # The handle opened the exporter's whole allocation; the storage the message claims must lie in it
     # (gpu_alloc). Refused here, `t` is dropped, and with it the mapping and the engine's reference.
-    try:  # asked at the mapping's start: a storage_offset_bytes past the end points at nothing the driver knows
-        room = bytes_left(t.data_ptr() - h.storage_offset_bytes) - h.storage_offset_bytes
+    # Asked at the mapping's start (a storage_offset_bytes past the end points at nothing the driver
+    # knows), with the rank's GPU current: the driver answers for the calling thread's context, and a
+    # gRPC handler thread's current device need not be the rank's.
+    try:
+        with torch.cuda.device(t.device):
+            room = bytes_left(t.data_ptr() - h.storage_offset_bytes) - h.storage_offset_bytes
     except (OSError, AttributeError, AllocationQueryError) as err:  # no driver library, no such symbol, a failed query
         refusal = (f"cannot check the handle's storage against the GPU allocation it opens ({err}); refused "
                    "rather than mapped unchecked")

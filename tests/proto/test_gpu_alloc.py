@@ -30,8 +30,12 @@ def opened(monkeypatch):
     from torch.multiprocessing import reductions
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-this"))
-    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: SimpleNamespace(data_ptr=lambda: 0x10_0000))
-    monkeypatch.setattr(memory, "bytes_left", lambda ptr: 0x10_1000 - ptr)
+    gpu = torch.device("cuda", 1)
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor",
+                        lambda *a: SimpleNamespace(data_ptr=lambda: 0x10_0000, device=gpu))
+    current = []  # the device made current around the driver query: the mapping's, not the thread's
+    monkeypatch.setattr(torch.cuda, "device", lambda d: (current.append(d), contextlib.nullcontext())[1])
+    monkeypatch.setattr(memory, "bytes_left", lambda ptr: (current[-1] == gpu or pytest.fail(current)) and 0x10_1000 - ptr)
     monkeypatch.setattr(memory, "QuietStream", lambda device: contextlib.nullcontext)  # no CUDA stream here
     return lambda h: memory._open_cuda_ipc(h, FIELD, torch.device("cuda", 0))
 
