@@ -56,7 +56,7 @@ def allocation_extent(ptr: int) -> tuple[int, int]:
     return base.value, size.value
 
 
-def bytes_left(ptr: int, extent=allocation_extent) -> int:
+def bytes_left(ptr: int) -> int:
     """How many bytes from `ptr` to the end of its allocation."""
-    base, size = extent(ptr)
+    base, size = allocation_extent(ptr)
     return base + size - ptr

@@ -96,9 +96,17 @@ def check_port(flag: str, host: str, port: int) -> None:
                                            "another port") from None
                 errors.append(err)  # e.g. ::1 on a host without IPv6: the server binds the others
     if errors and len(errors) == len(infos):
-        hint = ("; it is not an address of this host (the ranks share one node: 127.0.0.1 will do)"
-                if errors[0].errno == errno.EADDRNOTAVAIL else "")
-        raise ServeConfigError(f"{flag}: cannot listen on {host}:{port}: {errors[0].strerror}{hint}")
+        raise ServeConfigError(f"{flag}: cannot listen on {host}:{port}: {bind_failure(errors)}")
+
+
+def bind_failure(errors: list[OSError]) -> str:
+    """Why no address of a host could be bound (the first error), with what to do when it is not one
+    of this host's addresses."""
+    if not errors:
+        return "no address"
+    hint = ("; it is not an address of this host (the ranks share one node: 127.0.0.1 will do)"
+            if errors[0].errno == errno.EADDRNOTAVAIL else "")
+    return f"{errors[0].strerror}{hint}"
 
 
 def check_ports(cfg: ServeConfig) -> None:

@@ -25,6 +25,7 @@ from collections.abc import MutableMapping
 import torch.distributed as dist
 
 from dspark_sidecar.server.config import ServeConfig, ServeConfigError, is_loopback
+from dspark_sidecar.server.preflight import bind_failure
 
 log = logging.getLogger("dspark_sidecar.server")
 COLLECTIVE_IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -74,11 +75,8 @@ def _listen(addr: str, port: int) -> socket.socket:
                 raise ServeConfigError(f"--master-port: rank 0 cannot listen on {addr}:{port} for the ranks' "
                                        f"rendezvous: {err.strerror}; choose another port") from None
             errors.append(err)
-    hint = ("; it is not an address of this host (the ranks share one node: 127.0.0.1 will do)"
-            if errors and errors[0].errno == errno.EADDRNOTAVAIL else "")
-    why = errors[0].strerror if errors else "no address"
     raise ServeConfigError(f"--master-addr: rank 0 cannot listen on {addr}:{port} for the ranks' rendezvous: "
-                           f"{why}{hint}")
+                           f"{bind_failure(errors)}")
 
 
 def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta,

@@ -145,6 +145,11 @@ def test_a_setgid_parent_s_group_is_kept_on_the_folder_serve_makes(tmp_path):
 
 
 OK, MINE, ROOT = None, "mine", 0  # MINE: owned by the euid given
+def _case_ids(table) -> list[str]:
+    """Test ids for a table of (owner, mode, euid, words): "mine-0770-euid1000", "uid2000-0700-euid0"."""
+    return [f"{o if o is MINE else f'uid{o}'}-{m & 0o7777:04o}-euid{e}" for o, m, e, _ in table]
+
+
 POLICY = [
     (MINE, 0o40700, 1000, OK),
     (MINE, 0o42770, 1000, OK),  # the launch recipe with DSPARK_SOCKET_GROUP
@@ -166,7 +171,7 @@ POLICY = [
 
 
 @pytest.mark.parametrize("owner,mode,euid,words", POLICY,
-                         ids=[f"{o if o is MINE else f'uid{o}'}-{m & 0o7777:04o}-euid{e}" for o, m, e, _ in POLICY])
+                         ids=_case_ids(POLICY))
 def test_the_owner_and_mode_policy(owner, mode, euid, words):
     why = sockdir.problem(Path("/s"), euid if owner is MINE else owner, mode, euid)
     if words is OK:
@@ -189,7 +194,7 @@ PARENTS = [
 
 
 @pytest.mark.parametrize("owner,mode,euid,words", PARENTS,
-                         ids=[f"{o if o is MINE else f'uid{o}'}-{m & 0o7777:04o}-euid{e}" for o, m, e, _ in PARENTS])
+                         ids=_case_ids(PARENTS))
 def test_the_parent_folders_policy(owner, mode, euid, words):
     """Whoever may rename entries in a parent can move the socket folder away and put theirs there."""
     why = sockdir.parent_problem(Path("/p/s"), euid if owner is MINE else owner, mode, euid)
