@@ -132,7 +132,8 @@ def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
         try:
             return serve_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                               int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
-                              agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                              agent_attempt=(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                                             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None))
         except PeerLost as err:  # the peer printed why; this rank's traceback would only add noise
             print(f"dspark-sidecar: {err}", file=sys.stderr)
             return 1

@@ -250,8 +250,9 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
     return dcfg, model, embed, choice, host, fast
 
 
-def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_store: bool = False) -> int:
-    """Run one rank until it is stopped. `agent_store`: torchrun's agent hosts the group's store."""
+def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_attempt: int | None = None) -> int:
+    """Run one rank until it is stopped. `agent_attempt`: under torchrun, whose agent hosts the group's
+    store, its restart count (None: our launcher, rank 0 hosts the store)."""
     if world != cfg.tp:
         raise SystemExit(f"WORLD_SIZE {world} != --tp {cfg.tp}")
     if world > 1 and not stores_in_order():
@@ -285,7 +286,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_s
     log.info("rank %d/%d: listening on %s (NOT_SERVING while loading)", rank, world, ", ".join(cfg.endpoints(rank)))
 
     dist_backend = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    join_group(cfg, dist_backend, rank, world, agent_store)
+    join_group(cfg, dist_backend, rank, world, agent_attempt)
     cpu_group = dist.new_group(backend="gloo") if dist_backend != "gloo" else None
 
     dcfg, model, embed, choice, host, fast = _load(cfg, rank, world, device, cpu_group, start_up)

@@ -9,8 +9,8 @@ named by GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME or else the one the host name r
 real node, its network address): with a loopback ADDR (the default; the sidecar's ranks share one
 node) both are pointed at the loopback interface unless the operator set them.
 
-Under torchrun the store is the agent's (TORCHELASTIC_USE_AGENT_STORE): torchrun bound it, and
-every rank, rank 0 included, joins as a client.
+Under torchrun the store is the agent's (TORCHELASTIC_USE_AGENT_STORE, read in cli.py with the
+restart count): torchrun bound it, and every rank, rank 0 included, joins as a client.
 """
 
 from __future__ import annotations
@@ -80,17 +80,17 @@ def _listen(addr: str, port: int) -> socket.socket:
 
 
 def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta,
-                     agent_store: bool = False) -> dist.Store:
-    """The group's key-value store: hosted by rank 0 on addr:port only, or torchrun's agent's."""
+                     agent_attempt: int | None = None) -> dist.Store:
+    """The group's key-value store: hosted by rank 0 on addr:port only, or, under torchrun, its agent's
+    (`agent_attempt`: torchrun's restart count, None without an agent)."""
     # An IPv6 literal may come bracketed ("[::1]", as in torch's tcp:// URL); torch's store resolves
     # the bare address only (with the brackets its connect waits out the timeout).
     host = addr.strip("[]")
-    if agent_store:
+    if agent_attempt is not None:
         # torchrun's agent keeps its store across restarts of the ranks (--max-restarts): each attempt's
         # keys get a prefix of their own, or a restarted group reads the dead one's (gloo's addresses
         # among them). torch's own rendezvous used this prefix in the releases that had it (2.4 does).
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return dist.PrefixStore(f"/worker/attempt_{attempt}",
+        return dist.PrefixStore(f"/worker/attempt_{agent_attempt}",
                                 dist.TCPStore(host, port, world, is_master=False, timeout=timeout))
     if rank != 0:
         return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
@@ -132,7 +132,7 @@ def _identity(fd: int) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_store: bool = False) -> None:
+def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_attempt: int | None = None) -> None:
     """init_process_group over `rendezvous_store`; a rendezvous that cannot be reached is one line."""
     set_now = keep_collectives_local(cfg.master_addr, os.environ)
     if set_now:
@@ -140,7 +140,7 @@ def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_stor
                  ", ".join(f"{k}={v}" for k, v in sorted(set_now.items())))
     timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
     try:
-        store = rendezvous_store(cfg.master_addr, cfg.master_port, rank, world, timeout, agent_store)
+        store = rendezvous_store(cfg.master_addr, cfg.master_port, rank, world, timeout, agent_attempt)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     except dist.DistNetworkError as err:  # an address that is not reachable, a store that never came up
         raise ServeConfigError(f"--master-addr/--master-port: rank {rank} cannot join the rendezvous at "

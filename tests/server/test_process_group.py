@@ -167,18 +167,16 @@ def test_an_address_that_is_not_this_host_s_is_one_line_saying_so():
         rendezvous_store("192.0.2.1", _free_port(), 0, 2, TIMEOUT)
 
 
-def test_under_torchrun_each_restart_attempt_has_keys_of_its_own(monkeypatch):
+def test_under_torchrun_each_restart_attempt_has_keys_of_its_own():
     """torchrun's agent store outlives a restart of the ranks (--max-restarts): without a prefix per
     attempt, a restarted rank 0 read the dead group's gloo addresses from it and its connect timed
     out (reproduced with two gloo ranks over one store). torch's own tcp:// and env:// rendezvous
     added this prefix in the releases that had it (2.4 does; 2.13 does not)."""
     port = _free_port()
     agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    first = rendezvous_store("127.0.0.1", port, 0, 2, TIMEOUT, agent_store=True)
+    first = rendezvous_store("127.0.0.1", port, 0, 2, TIMEOUT, agent_attempt=0)
     first.set("0/rank_1", "address of a rank that died")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    second = rendezvous_store("127.0.0.1", port, 0, 2, TIMEOUT, agent_store=True)
+    second = rendezvous_store("127.0.0.1", port, 0, 2, TIMEOUT, agent_attempt=1)
     assert not second.check(["0/rank_1"])
     second.set("0/rank_1", "address of the restarted rank")
     assert first.get("0/rank_1") == b"address of a rank that died"
