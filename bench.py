@@ -382,16 +382,22 @@ class Bench:
                                 tm.validate_ns, tm.gpu_word_wait_ns, tm.gpu_start_wait_ns, tm.output_ns))
         return out
 
-    def _shimmed(self, case: Case) -> torch.Tensor:
-        """One step as the engine's model forward asks for it: the shim's maybe_forward, inside the
-        forward context that holds the step's attention metadata (host tensors, as d fills them; with
-        --shim-inputs device the GPU's, as vLLM holds them, which the shim then reads back)."""
+    def _forward_context(self, case: Case):
+        """The forward context an engine sets around its draft model's forward, holding the step's
+        attention metadata (host tensors, as d fills them; with --shim-inputs device the GPU's, as vLLM
+        holds them, which the shim then reads back). h and i enter it once around their steps: the
+        engine sets it whether the shim forwards or not, so its cost is not the sidecar path's (and
+        vLLM's own set_forward_context is not this harness's)."""
         from dspark_sidecar.client.forward_context import set_forward_context
 
+        return set_forward_context(case.host.meta if self.bc.shim_inputs == "host" else case.meta)
+
+    def _shimmed(self, case: Case) -> torch.Tensor:
+        """One step as the engine's model forward asks for it: the shim's maybe_forward, called inside
+        `_forward_context(case)`."""
         host = self.bc.shim_inputs == "host"
         t0 = time.monotonic_ns()
-        with set_forward_context(case.host.meta if host else case.meta):
-            out = self.shim.maybe_forward(None, case.host.positions if host else case.positions, self._inputs)
+        out = self.shim.maybe_forward(None, case.host.positions if host else case.positions, self._inputs)
         t1 = time.monotonic_ns()
         if out is None:
             raise RuntimeError(f"the shim fell back: {dict(self.shim.stats.fallbacks)}")
@@ -432,11 +438,15 @@ class Bench:
         before = self._misses()
         if mode == "f":
             out = self._pipelined(case)
-        elif mode in ("g", "i"):
-            out = self._ahead(case, shim=mode == "i")
+        elif mode == "g":
+            out = self._ahead(case)
+        elif mode == "i":
+            with self._forward_context(case):
+                out = self._ahead(case, shim=True)
         elif mode == "h":
-            out = timeit(lambda: self._shimmed(case), self.device, self.bc.repeats,
-                         warmup=_settle_steps() if self.device.type == "cuda" else 3)
+            with self._forward_context(case):
+                out = timeit(lambda: self._shimmed(case), self.device, self.bc.repeats,
+                             warmup=_settle_steps() if self.device.type == "cuda" else 3)
         else:
             out = timeit(lambda: self._remote(mode, case), self.device, self.bc.repeats,
                          warmup=_settle_steps() if self.device.type == "cuda" else 3)

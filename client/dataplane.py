@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import time
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -72,6 +73,16 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, kee
     return held.tensor
 
 
+class Staged(NamedTuple):
+    """A step copied into the regions: what its request must carry, and where its answer will be."""
+
+    fields: bytes  # a serialized DraftStepRequest with the layout's region slices and launch key only.
+    # Appended to a serialized request with the step's own scalars it makes the whole request (protobuf
+    # merges concatenated messages): no merge, and the slices are not serialized again (DoorbellTransport).
+    launch_key: int
+    hidden: torch.Tensor  # [n, hidden] view of the output region
+
+
 class StepBuffers:
     """The registered regions of one engine rank, sized for `max_reqs` requests."""
 
@@ -122,13 +133,19 @@ class StepBuffers:
     def fill(self, req: pb.DraftStepRequest, embeds: torch.Tensor, positions: torch.Tensor,
              meta: StepMetadata) -> torch.Tensor:
         """Copy one step's tensors into the regions and point `req` at them; returns the hidden view."""
+        staged = self.stage(embeds, positions, meta)
+        req.MergeFromString(staged.fields)  # the layout's fields, kept serialized: ~0.7 us less than MergeFrom
+        return staged.hidden
+
+    def stage(self, embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> Staged:
+        """Copy one step's tensors into the regions; what the request must say about them (`Staged`)."""
         srcs = (positions, meta.seq_lens, meta.block_tables, meta.slot_mapping)
         key = (positions.shape, meta.seq_lens.shape, meta.block_tables.shape, meta.slot_mapping.shape,
                positions.dtype, meta.seq_lens.dtype, meta.block_tables.dtype, meta.slot_mapping.dtype, embeds.shape[1])
         got = self._layouts.get(key)
         if got is None:
             got = self._layout(key, srcs, embeds.shape[1])
-        template, dsts, inputs, hidden = got
+        staged, dsts, inputs = got
         if embeds.data_ptr() != inputs.data_ptr() or embeds.shape != inputs.shape:  # not written in place
             inputs.copy_(embeds, non_blocking=True)
         for (dst, addr, nbytes), t in zip(dsts, srcs):  # same dtypes and shapes (the layout's key): a plain copy
@@ -136,8 +153,7 @@ class StepBuffers:
                 ctypes.memmove(addr, t.data_ptr(), nbytes)
             else:
                 dst.copy_(t)
-        req.MergeFromString(template)  # the layout's fields, kept serialized: ~0.7 us less than MergeFrom
-        return hidden
+        return staged
 
     def _layout(self, key: tuple, srcs: tuple, hidden: int) -> tuple:
         """Per (shapes, dtypes): the request's region slices, views (tensor, NumPy) of the metadata
@@ -168,7 +184,8 @@ class StepBuffers:
             off += nbytes
         if len(self._layouts) >= 64:
             self._layouts.clear()
-        got = self._layouts[key] = (template.SerializeToString(), dsts, self.embeds[:n], self.hidden[:n])
+        staged = Staged(template.SerializeToString(), template.launch_key, self.hidden[:n])
+        got = self._layouts[key] = (staged, dsts, self.embeds[:n])
         return got
 
     def close(self) -> None:
@@ -248,7 +265,10 @@ class DoorbellChannel:
         self.alive = True
 
     def send(self, req: pb.DraftStepRequest) -> None:
-        data = req.SerializeToString()
+        self.send_bytes(req.SerializeToString(), req.launch_key)
+
+    def send_bytes(self, data: bytes, launch_key: int) -> None:
+        """Ring with a serialized DraftStepRequest whose launch key is `launch_key`."""
         if len(data) > self.capacity:
             raise DataPlaneError(f"request of {len(data)} bytes exceeds the doorbell ({self.capacity})")
         self._seq += 1
@@ -256,7 +276,7 @@ class DoorbellChannel:
             raw = _raw_stream(self.device)
             if self.word_address:  # after the inputs on this stream: the pre-launched step starts here,
                 # so first (the event is for a step that runs the ordinary way)
-                self._ops.write(raw, self.word_address, bell.gpu_word(self._seq, req.launch_key))
+                self._ops.write(raw, self.word_address, bell.gpu_word(self._seq, launch_key))
             self._ops.record(self.input_event, raw)
         elif self.input_event is not None:
             self.input_event.record(torch.cuda.current_stream(self.device))

@@ -70,8 +70,10 @@ class DoorbellTransport:
         """Copy the step into the registered regions and ring (the request carries only region slices)."""
         if not self.liveness.alive:
             raise self.liveness.end or StreamBroken(None, "sidecar gone")
-        self._view = self.buffers.fill(req, embeds, positions, meta)
-        self.bell.send(req)
+        staged = self.buffers.stage(embeds, positions, meta)
+        self._view = staged.hidden
+        # `req` has the step's scalars only; the staged region fields complete it on the wire.
+        self.bell.send_bytes(req.SerializeToString() + staged.fields, staged.launch_key)
 
     def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
         """The answer, None on timeout, StreamBroken as soon as the sidecar rank is gone."""

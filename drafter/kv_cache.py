@@ -90,10 +90,11 @@ def kv_planes(t: torch.Tensor) -> torch.Tensor:
 def kv_paging(t: torch.Tensor) -> tuple[int, int] | None:
     """(num_pages, page_size) of an engine's layer cache in either layout, read from its shape alone
     (no view built: the shim asks once a step), or None for a shape neither layout has."""
-    if t.dim() == 5:
-        return int(t.shape[1]), int(t.shape[2])
-    if t.dim() == 4:
-        return int(t.shape[0]), int(t.shape[2])
+    shape = t.shape  # read once: each read builds a torch.Size
+    if len(shape) == 5:
+        return shape[1], shape[2]
+    if len(shape) == 4:
+        return shape[0], shape[2]
     return None
 
 

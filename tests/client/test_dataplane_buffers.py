@@ -114,6 +114,22 @@ def test_fill_writes_the_regions_and_points_the_request_at_them(bufs, tiny_cfg, 
         assert ref.region.region_id == 9 and torch.equal(got, t), field
 
 
+def test_staged_fields_appended_to_the_step_s_scalars_are_the_filled_request(bufs, tiny_cfg, tiny_embed):
+    """DoorbellTransport rings with the step's scalars serialized and the staged layout bytes appended:
+    the sidecar must parse exactly the request `fill` builds (protobuf merges concatenated messages),
+    and the launch key it reports is the one the GPU word carries."""
+    step = _step(tiny_cfg, tiny_embed, [5, 300])
+    scalars = pb.DraftStepRequest(step_id=9, binding_id=3, binding_generation=2, num_requests=2, deadline_ms=500)
+    filled = pb.DraftStepRequest()
+    filled.CopyFrom(scalars)
+    bufs.fill(filled, step.inputs_embeds, step.positions, step.meta)
+    staged = bufs.stage(step.inputs_embeds, step.positions, step.meta)
+    wire = pb.DraftStepRequest.FromString(scalars.SerializeToString() + staged.fields)
+    assert wire == filled and wire.step_id == 9 and wire.positions.region.region_id == 9
+    assert staged.launch_key == filled.launch_key != 0
+    assert staged.hidden.data_ptr() == bufs.hidden.data_ptr()
+
+
 def test_rows_written_in_place_are_not_copied(bufs, tiny_cfg, tiny_embed, monkeypatch):
     """An engine that wrote its embeddings into input_view(n) hands that view back: fill copies nothing
     into the input rows (a copy of the view onto itself would look the same, so copies are counted)."""
