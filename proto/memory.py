@@ -266,6 +266,42 @@ def _discard_cuda_ipc(h: pb.CudaIpcHandle) -> None:
                     "keeps that block until it exits", e)
 
 
+# Opens are check-then-map over torch's process-wide cache of opened handles (see _rebuild): one at a time.
+_OPEN_LOCK = threading.Lock()
+
+
+def _rebuild(h: pb.CudaIpcHandle, field: str, device: torch.device) -> torch.Tensor:
+    """torch's open of a CUDA/HIP IPC handle, as a byte tensor of storage_size_bytes; HandleError if it
+    cannot be opened, with the engine's producer reference given back exactly once either way.
+
+    torch maps a handle once per process and serves later opens of it from a cache, giving back their
+    producer reference itself before it builds the tensor. An open that claims more bytes than the
+    cached storage has then fails inside torch, after that give-back, with a RuntimeError ("Trying to
+    resize storage that is not resizable"): it is refused here before torch is called instead. The
+    cached storage is held until torch has looked it up, so it cannot expire in between."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, storage_from_cache
+
+    key = (h.ipc_handle, h.storage_offset_bytes)
+    held = storage_from_cache(torch.UntypedStorage, key)
+    if held is not None and h.storage_size_bytes > held.nbytes():
+        have = held.nbytes()
+        del held
+        _discard_cuda_ipc(h)
+        raise HandleError(f"{field}: storage_size_bytes {h.storage_size_bytes} exceeds the {have} bytes of the "
+                          "storage this handle opened when this sidecar first mapped it; send the exported "
+                          "storage's own size")
+    try:
+        return rebuild_cuda_tensor(
+            torch.Tensor, (h.storage_size_bytes,), (1,), 0, torch.UntypedStorage, torch.uint8,
+            device.index if device.index is not None else torch.cuda.current_device(), h.ipc_handle,
+            h.storage_size_bytes, h.storage_offset_bytes, False, h.ref_counter_handle, h.ref_counter_offset,
+            h.event_handle or None, h.event_sync_required)
+    except RuntimeError as err:  # e.g. bytes that are no IPC handle: the driver refuses to open them
+        if held is None and storage_from_cache(torch.UntypedStorage, key) is None:
+            _discard_cuda_ipc(h)  # torch mapped nothing, so it gave nothing back
+        raise HandleError(f"{field}: the CUDA/HIP IPC handle cannot be opened on {device}: {err}") from None
+
+
 def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         _discard_cuda_ipc(h)
@@ -276,13 +312,8 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
         _discard_cuda_ipc(h)
         raise HandleError(f"{field}: handle is from GPU {h.device_uuid or '(not named)'}, this rank runs on GPU "
                           f"{uuid} (engine rank r must bind to sidecar rank r on the same GPU)")
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    t = rebuild_cuda_tensor(
-        torch.Tensor, (h.storage_size_bytes,), (1,), 0, torch.UntypedStorage, torch.uint8,
-        device.index if device.index is not None else torch.cuda.current_device(), h.ipc_handle,
-        h.storage_size_bytes, h.storage_offset_bytes, False, h.ref_counter_handle, h.ref_counter_offset,
-        h.event_handle or None, h.event_sync_required)
+    with _OPEN_LOCK:
+        t = _rebuild(h, field, device)
     # The handle opened the exporter's whole allocation; the storage the message claims must lie in it
     # (gpu_alloc). Refused here, `t` is dropped, and with it the mapping and the engine's reference.
     # Asked at the mapping's start (a storage_offset_bytes past the end points at nothing the driver

@@ -157,3 +157,116 @@ def test_a_refused_storage_is_unmapped_at_once_on_a_quiet_stream(opened, monkeyp
     with pytest.raises(memory.HandleError) as err:
         opened(_handle(4097))
     assert freed == [True], err.value  # while the exception (and its traceback) is still alive
+
+
+class _Counter:
+    """torch's producer reference of a handle, as the stood-in torch and _discard_cuda_ipc give it back."""
+
+    def __init__(self, monkeypatch):
+        self.given_back = 0
+        monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter", self.give_back, raising=False)
+
+    def give_back(self, *args, **kw):
+        self.given_back += 1
+
+
+def _held(nbytes: int):
+    return SimpleNamespace(nbytes=lambda: nbytes)
+
+
+def test_a_handle_opened_before_claiming_more_than_its_storage_is_refused_before_torch(opened, monkeypatch):
+    """torch serves a second open of a handle from its cache, gives back that open's producer reference,
+    and then fails with a RuntimeError if the open claims more bytes than the cached storage: a generic
+    status for the engine, and a reference already given back. Refused first, with the sizes named, and
+    the reference given back once, here."""
+    from torch.multiprocessing import reductions
+
+    counter = _Counter(monkeypatch)
+    monkeypatch.setattr(reductions, "storage_from_cache", lambda cls, key: _held(4096) if key == (b"h", 0) else None)
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: pytest.fail("torch asked to open it"))
+    h = _handle(8192)
+    h.ref_counter_handle = b"counter"
+    with pytest.raises(memory.HandleError, match=rf"{re.escape(FIELD)}: storage_size_bytes 8192 exceeds the 4096 "
+                                                 "bytes of the storage this handle opened"):
+        opened(h)
+    assert counter.given_back == 1
+
+
+def test_a_handle_opened_before_within_its_storage_is_left_to_torch(opened, monkeypatch):
+    """The cached storage is big enough: torch opens it (and gives the reference back itself); the
+    storage is held across torch's lookup, so it cannot expire in between."""
+    from torch.multiprocessing import reductions
+
+    counter, looked_up, alive = _Counter(monkeypatch), [], []
+
+    class Held:
+        def nbytes(self):
+            return 4096
+
+        def __del__(self):
+            alive.append(False)
+
+    real_rebuild = reductions.rebuild_cuda_tensor  # the fixture's stand-in
+
+    def rebuild(*a):
+        looked_up.append(not alive)  # the held storage not yet freed when torch looks it up
+        return real_rebuild(*a)
+
+    monkeypatch.setattr(reductions, "storage_from_cache", lambda cls, key: Held())
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild)
+    assert opened(_handle(4096)).data_ptr() == 0x10_0000
+    assert looked_up == [True] and counter.given_back == 0
+
+
+@pytest.mark.parametrize("torch_mapped", [False, True])
+def test_a_handle_torch_cannot_open_is_an_invalid_argument_given_back_once(opened, monkeypatch, torch_mapped):
+    """Bytes the driver will not open: a HandleError (INVALID_ARGUMENT) naming the field, not torch's
+    RuntimeError. The producer reference is given back here only if torch mapped nothing; a storage
+    torch did create gives it back when freed."""
+    from torch.multiprocessing import reductions
+
+    counter, cache = _Counter(monkeypatch), {}
+
+    def rebuild(*a):
+        if torch_mapped:
+            cache["k"] = _held(4096)
+        raise RuntimeError("CUDA error: invalid argument")
+
+    monkeypatch.setattr(reductions, "storage_from_cache", lambda cls, key: cache.get("k"))
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild)
+    h = _handle(4096)
+    h.ref_counter_handle = b"counter"
+    with pytest.raises(memory.HandleError, match=rf"{re.escape(FIELD)}: the CUDA/HIP IPC handle cannot be opened "
+                                                 r"on cuda:0: CUDA error: invalid argument"):
+        opened(h)
+    assert counter.given_back == (0 if torch_mapped else 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_real_handle_still_mapped_claiming_more_is_refused_and_the_mapping_kept():
+    """Two processes on one GPU: with the first open still alive, the same handle opens again as
+    exported (torch's cache), and claiming 1 MiB more is an INVALID_ARGUMENT HandleError, while the
+    first mapping still reads the engine's bytes."""
+    nbytes = 4 << 20
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_export, args=(child, nbytes))
+    proc.start()
+    try:
+        h = pb.MemoryHandle.FromString(parent.recv()).cuda_ipc
+        dev = torch.device("cuda", 0)
+        first = memory._open_cuda_ipc(pb.CudaIpcHandle.FromString(h.SerializeToString()), FIELD, dev)
+        again = memory._open_cuda_ipc(pb.CudaIpcHandle.FromString(h.SerializeToString()), FIELD, dev)
+        assert again.data_ptr() == first.data_ptr()
+        del again
+        bigger = pb.CudaIpcHandle.FromString(h.SerializeToString())
+        bigger.storage_size_bytes += 1 << 20
+        with pytest.raises(memory.HandleError, match=f"storage_size_bytes {bigger.storage_size_bytes} exceeds the "
+                                                     f"{nbytes} bytes"):
+            memory._open_cuda_ipc(bigger, FIELD, dev)
+        assert torch.equal(first[:256].cpu(), torch.arange(256, dtype=torch.uint8))
+        del first
+    finally:
+        parent.send("done")
+        proc.join(timeout=60)
