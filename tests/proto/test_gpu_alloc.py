@@ -71,31 +71,40 @@ def _export(conn, nbytes: int) -> None:
     conn.recv()  # keep the tensor alive until the opener is done
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_driver_bounds_a_real_handle_s_storage():
-    """Two processes on one GPU: the storage as exported opens and reads the engine's bytes; the same
-    handle claiming 1 GiB more, or an offset past its allocation, is refused before any kernel reads it."""
-    nbytes = 4 << 20
+@contextlib.contextmanager
+def _exported(nbytes: int):
+    """A CudaIpcHandle of `nbytes` exported by an engine process that keeps it alive for the block."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_export, args=(child, nbytes))
     proc.start()
     try:
-        h = pb.MemoryHandle.FromString(parent.recv()).cuda_ipc
-        dev = torch.device("cuda", 0)
-        t = memory._open_cuda_ipc(pb.CudaIpcHandle.FromString(h.SerializeToString()), FIELD, dev)
+        yield pb.MemoryHandle.FromString(parent.recv()).cuda_ipc
+    finally:
+        parent.send("done")
+        proc.join(timeout=60)
+
+
+def _copy(h: pb.CudaIpcHandle) -> pb.CudaIpcHandle:
+    return pb.CudaIpcHandle.FromString(h.SerializeToString())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_driver_bounds_a_real_handle_s_storage():
+    """Two processes on one GPU: the storage as exported opens and reads the engine's bytes; the same
+    handle claiming 1 GiB more, or an offset past its allocation, is refused before any kernel reads it."""
+    nbytes, dev = 4 << 20, torch.device("cuda", 0)
+    with _exported(nbytes) as h:
+        t = memory._open_cuda_ipc(_copy(h), FIELD, dev)
         assert t.numel() == nbytes and torch.equal(t[:256].cpu(), torch.arange(256, dtype=torch.uint8))
         del t
         for size, offset in ((h.storage_size_bytes + (1 << 30), h.storage_offset_bytes),
                              (h.storage_size_bytes, h.storage_offset_bytes + (1 << 30))):
-            bad = pb.CudaIpcHandle.FromString(h.SerializeToString())
+            bad = _copy(h)
             bad.storage_size_bytes, bad.storage_offset_bytes = size, offset
             with pytest.raises(memory.HandleError, match="runs past the end of the GPU allocation"):
                 memory._open_cuda_ipc(bad, FIELD, dev)
-    finally:
-        parent.send("done")
-        proc.join(timeout=60)
 
 
 def test_on_rocm_the_query_goes_to_torch_s_own_hip_runtime_first(monkeypatch):
@@ -248,25 +257,16 @@ def test_a_real_handle_still_mapped_claiming_more_is_refused_and_the_mapping_kep
     """Two processes on one GPU: with the first open still alive, the same handle opens again as
     exported (torch's cache), and claiming 1 MiB more is an INVALID_ARGUMENT HandleError, while the
     first mapping still reads the engine's bytes."""
-    nbytes = 4 << 20
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_export, args=(child, nbytes))
-    proc.start()
-    try:
-        h = pb.MemoryHandle.FromString(parent.recv()).cuda_ipc
-        dev = torch.device("cuda", 0)
-        first = memory._open_cuda_ipc(pb.CudaIpcHandle.FromString(h.SerializeToString()), FIELD, dev)
-        again = memory._open_cuda_ipc(pb.CudaIpcHandle.FromString(h.SerializeToString()), FIELD, dev)
+    nbytes, dev = 4 << 20, torch.device("cuda", 0)
+    with _exported(nbytes) as h:
+        first = memory._open_cuda_ipc(_copy(h), FIELD, dev)
+        again = memory._open_cuda_ipc(_copy(h), FIELD, dev)
         assert again.data_ptr() == first.data_ptr()
         del again
-        bigger = pb.CudaIpcHandle.FromString(h.SerializeToString())
+        bigger = _copy(h)
         bigger.storage_size_bytes += 1 << 20
         with pytest.raises(memory.HandleError, match=f"storage_size_bytes {bigger.storage_size_bytes} exceeds the "
                                                      f"{nbytes} bytes"):
             memory._open_cuda_ipc(bigger, FIELD, dev)
         assert torch.equal(first[:256].cpu(), torch.arange(256, dtype=torch.uint8))
         del first
-    finally:
-        parent.send("done")
-        proc.join(timeout=60)
