@@ -135,7 +135,11 @@ class Prelaunch:
         # reads it once `ready` has passed, with no device-to-host copy.
         self._flag_buf = mmap.mmap(-1, mmap.PAGESIZE)
         self._flag_host = np.frombuffer(self._flag_buf, dtype=np.int32)  # [r]: request r's FLAG_*
-        self._flag_page = RegisteredPage(ops, self._flag_host.ctypes.data)
+        try:
+            self._flag_page = RegisteredPage(ops, self._flag_host.ctypes.data)
+        except BaseException:  # refused (the doorbell goes on without us): nothing else would end the header's
+            self._header.close()
+            raise
         self._flag = DevicePointer(self._flag_page.device_ptr, torch.int32)
         self._ready = event()  # recorded after the metadata program of the queued step
         self._regions: dict[int, RegisteredPage] = {}  # metadata storages registered with the GPU

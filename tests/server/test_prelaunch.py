@@ -683,3 +683,28 @@ def test_a_queued_copy_never_answers_for_another_step_s_output(rig, kind):
         rig.out = torch.zeros_like(region)  # the step's own slice resolves elsewhere
         rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
         assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out
+
+
+@pytest.mark.parametrize("world", [1])
+@pytest.mark.parametrize("staged", [False])
+def test_a_prelaunch_the_driver_refuses_halfway_leaves_no_page_registered(rig):
+    """The pre-launch registers the doorbell's header, then its own flag page. When the driver refused
+    the second (GpuWordError), the doorbell went on without a pre-launch, as it should, but the header
+    stayed registered: nothing held it any more to unregister it, not even the stop that unmaps the page."""
+    from dspark_sidecar.proto.gpu_word import GpuWordError
+
+    refused = []
+
+    class Ops(Gpu):
+        def register(self, ptr, nbytes):
+            if self.registered:
+                refused.append(ptr)
+                raise GpuWordError("cuMemHostRegister_v2 failed with driver code 2")
+            return super().register(ptr, nbytes)
+
+    ops = Ops()
+    with pytest.raises(GpuWordError):
+        prelaunch.Prelaunch(ops, rig.page, rig.word_addr - bell.GPU_WORD_OFFSET, rig.graphs, WINDOW,
+                            event=lambda: Event(ops), program=ops.program)
+    assert len(refused) == 1 and ops.registered == [rig.word_addr - bell.GPU_WORD_OFFSET]
+    assert ops.unregistered == ops.registered
