@@ -135,7 +135,11 @@ class Prelaunch:
         # reads it once `ready` has passed, with no device-to-host copy.
         self._flag_buf = mmap.mmap(-1, mmap.PAGESIZE)
         self._flag_host = np.frombuffer(self._flag_buf, dtype=np.int32)  # [r]: request r's FLAG_*
-        self._flag_page = RegisteredPage(ops, self._flag_host.ctypes.data)
+        try:
+            self._flag_page = RegisteredPage(ops, self._flag_host.ctypes.data)
+        except BaseException:  # refused (the doorbell goes on without us): nothing else would end the header's
+            self._header.close()
+            raise
         self._flag = DevicePointer(self._flag_page.device_ptr, torch.int32)
         self._ready = event()  # recorded after the metadata program of the queued step
         self._regions: dict[int, RegisteredPage] = {}  # metadata storages registered with the GPU
@@ -261,16 +265,21 @@ class Prelaunch:
                 log.warning("prelaunch: step rung but its GPU word (or, at TP > 1, a peer's) never arrived; "
                             "running it the ordinary way")
                 self.start_wait_ns = int((time.perf_counter() - start) * 1e9)
+                if own is None:  # this engine's own word later than behind_s (never, so far): a cooldown, as
+                    self._start_cooldown(READY_TIMEOUT_S)  # below; else every step queued waits out this timeout
                 return False
             bell.pause(0.0)
         waited = time.perf_counter() - start
         own = waited if own is None else own  # seen between two polls
         self.word_wait_ns, self.start_wait_ns = int(own * 1e9), int(waited * 1e9)
         if own > self.behind_s:  # the engine's GPU far behind its host: see BEHIND_S
-            self.cooldown, self._next_cooldown = self._next_cooldown, min(2 * self._next_cooldown, MAX_COOLDOWN)
-            log.info("prelaunch: the engine's GPU reached a rung step %.1f ms late; not queueing for %d steps",
-                     own * 1e3, self.cooldown)
+            self._start_cooldown(own)
         return True
+
+    def _start_cooldown(self, own: float) -> None:
+        self.cooldown, self._next_cooldown = self._next_cooldown, min(2 * self._next_cooldown, MAX_COOLDOWN)
+        log.info("prelaunch: the engine's GPU reached a rung step %.1f ms late (or not yet); not queueing for %d "
+                 "steps", own * 1e3, self.cooldown)
 
     # Around the answer (the doorbell thread, under the loop's lock) --------------------------
     def settle(self) -> None:

@@ -360,6 +360,27 @@ def test_word_never_arrives_times_out(rig, monkeypatch):
     assert rig.gpu.flags == [] and rig.pl.misses == 1 and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
 
 
+def test_an_own_word_that_never_arrives_stops_queueing_like_a_late_one(rig, monkeypatch):
+    """A word more than behind_s late starts a cooldown; one that had not arrived READY_TIMEOUT_S after
+    the ring did not: the streak held, the next step was queued again, and each step of an engine whose
+    GPU runs that far behind (or whose stream never writes the word) waited READY_TIMEOUT_S (2 s) on the
+    host before it ran. A peer that is late (TP > 1) with this engine's word there is still no news."""
+    monkeypatch.setattr(prelaunch, "READY_TIMEOUT_S", 0.01)
+    _queue(rig)  # the page still holds SEQ+1's word: the wait for SEQ+2 never passes
+    assert _take(rig, SEQ + 2, _req(), rig.a) is None
+    rig.pl.after(SEQ + 2, OK)
+    assert rig.pl.queued is None and rig.pl.cooldown > 0
+    if rig.world > 1:
+        rig.pl.cooldown = 0
+        _serve(rig, SEQ + 3)
+        assert rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 4
+        rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 4, KEY)  # this engine's word is there
+        rig.gpu.hold_until = time.perf_counter() + 60  # a peer's never comes
+        assert _take(rig, SEQ + 4, _req(), rig.a) is None
+        rig.pl.after(SEQ + 4, OK)
+        assert rig.pl.cooldown == 0 and rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 5
+
+
 def test_error_response_releases_and_resets_the_streak(rig):
     _queue(rig)
     rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
@@ -662,3 +683,28 @@ def test_a_queued_copy_never_answers_for_another_step_s_output(rig, kind):
         rig.out = torch.zeros_like(region)  # the step's own slice resolves elsewhere
         rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
         assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out
+
+
+@pytest.mark.parametrize("world", [1])
+@pytest.mark.parametrize("staged", [False])
+def test_a_prelaunch_the_driver_refuses_halfway_leaves_no_page_registered(rig):
+    """The pre-launch registers the doorbell's header, then its own flag page. When the driver refused
+    the second (GpuWordError), the doorbell went on without a pre-launch, as it should, but the header
+    stayed registered: nothing held it any more to unregister it, not even the stop that unmaps the page."""
+    from dspark_sidecar.proto.gpu_word import GpuWordError
+
+    refused = []
+
+    class Ops(Gpu):
+        def register(self, ptr, nbytes):
+            if self.registered:
+                refused.append(ptr)
+                raise GpuWordError("cuMemHostRegister_v2 failed with driver code 2")
+            return super().register(ptr, nbytes)
+
+    ops = Ops()
+    with pytest.raises(GpuWordError):
+        prelaunch.Prelaunch(ops, rig.page, rig.word_addr - bell.GPU_WORD_OFFSET, rig.graphs, WINDOW,
+                            event=lambda: Event(ops), program=ops.program)
+    assert len(refused) == 1 and ops.registered == [rig.word_addr - bell.GPU_WORD_OFFSET]
+    assert ops.unregistered == ops.registered
