@@ -198,6 +198,8 @@ class Ringer:
             os.write(self._w, b"\x01")
         except BlockingIOError:  # the pipe is full of wake bytes: the sidecar is being woken already
             return False
+        except BrokenPipeError:  # no reader left: the sidecar process is gone. The step is rung all the same,
+            return False  # and the engine's wait learns that from the liveness stream, as for any dead sidecar
         return True
 
     def close(self) -> None:

@@ -107,6 +107,20 @@ def test_a_full_wake_pipe_is_not_an_error(tmp_path):
     waker.close()
 
 
+def test_a_wake_pipe_whose_sidecar_is_gone_is_not_an_error(tmp_path):
+    """A sidecar killed while asleep leaves the flag set and no reader: the write fails with EPIPE. The
+    ring has been stored by then, so raising would turn a step the engine must wait out (its wait
+    learns of the dead sidecar from the liveness stream) into a generic shim error with a trace."""
+    p = _page()
+    path = str(tmp_path / "w")
+    waker = bell.Waker(path)
+    ringer = bell.Ringer(path)
+    p.words[bell.ASLEEP] = 1
+    waker.close()  # the sidecar's ends, as its exit closes them
+    assert not ringer.wake_if_asleep(p)
+    ringer.close()
+
+
 def test_waker_sets_the_flag_while_it_sleeps_and_sees_a_ring_first(tmp_path):
     p = _page()
     waker = bell.Waker(str(tmp_path / "w"))
