@@ -445,8 +445,11 @@ class DrafterShim:
             return
         self._drop_pending = False
         if self.doorbell is not None:
-            self.doorbell.close()
-            self.doorbell = None
+            doorbell, self.doorbell = self.doorbell, None
+            try:
+                doorbell.close()
+            except Exception as e:  # noqa: BLE001  (e.g. the driver refusing the page's unregistration: maybe_forward
+                self._internal("closing the data plane", e)  # reaches this outside its try (_disable), and must not raise)
         self._doorbell_off = None
         self.connection.close()
 

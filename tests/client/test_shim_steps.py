@@ -181,6 +181,29 @@ def test_strict_sidecar_refusal_turns_the_process_off(fake):
     assert shim.stats.fallbacks == {"off: sidecar refuses: not gfx950": 2}
 
 
+def test_a_data_plane_that_fails_to_close_does_not_raise_out_of_the_step_that_turns_the_shim_off(fake):
+    """maybe_forward turns the shim off (a refusal agreed by the ranks) outside its try: closing the
+    doorbell there can meet a driver error on a GPU (the page's unregistration). That must not escape
+    the step: the engine gets None, the link is dropped all the same, and the error is logged once."""
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(1)
+
+    class _Doorbell:
+        liveness = type("L", (), {"alive": True})()
+
+        def close(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is not None
+        shim.doorbell = _Doorbell()
+        fake.sidecar.serving, fake.sidecar.state, fake.sidecar.refusal = False, "REFUSED", "not gfx950"
+        shim.connection.close()  # the next step reconnects and reads the refusal
+        assert shim.maybe_forward(ids, pos) is None
+    assert not shim.enabled and shim.doorbell is None and not shim.connection.is_open
+    assert "shim error in closing the data plane: RuntimeError" in shim._logged
+
+
 def test_a_sidecar_rank_whose_peer_is_silent_is_passing_not_a_refusal(fake):
     # On NVIDIA fast_path_refusal is never empty ("not gfx950"): PEER_SILENT must not read as strict mode.
     fake.sidecar.serving, fake.sidecar.state, fake.sidecar.refusal = False, "PEER_SILENT", "not gfx950"
