@@ -16,6 +16,20 @@ from dspark_sidecar.proto.memory import HandleError
 log = logging.getLogger("dspark_sidecar.server")
 
 DOMAIN = "dspark.sidecar.v1"
+# A message quotes the offending input (a shape, a shm name), which can be as long as the request.
+# Unclipped it overflowed gRPC's trailers (16 KiB hard limit: the client saw RESOURCE_EXHAUSTED
+# "received metadata size exceeds hard limit") and the doorbell's 4096-byte answer area (answered
+# RESPONSE_TOO_LARGE). 1024 UTF-8 bytes keep the trailers under gRPC's 8 KiB soft limit: the message
+# goes out percent-encoded (up to 3x) and twice more, base64, in the status details.
+MESSAGE_LIMIT = 1024
+
+
+def _clip(message: str) -> str:
+    raw = message.encode()
+    if len(raw) <= MESSAGE_LIMIT:
+        return message
+    tail = f" ... ({len(raw)} bytes, clipped)"
+    return raw[: MESSAGE_LIMIT - len(tail)].decode(errors="ignore") + tail
 
 
 class SidecarError(Exception):
@@ -26,6 +40,7 @@ class SidecarError(Exception):
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, field: str = "", reason: str = "") -> None:
+        message = _clip(message)
         super().__init__(message)
         self.code, self.message, self.field = code, message, field
         self.reason = reason or code.name

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import platform
 import threading
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,9 @@ def _same_node(peer: str) -> bool:
     """Unix-socket and loopback peers only: an IPC/shm handle is only meaningful on this node."""
     if peer.startswith("unix:"):
         return True
+    # gRPC percent-encodes the brackets of an IPv6 peer ("ipv6:%5B::1%5D:port"): read as is, ::1 was
+    # no address and a sidecar on --tcp-host ::1 refused its own engine (PERMISSION_DENIED).
+    peer = urllib.parse.unquote(peer)
     host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]") if ":" in peer else peer
     try:
         return ipaddress.ip_address(host).is_loopback

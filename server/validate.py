@@ -164,9 +164,20 @@ def _tensors(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, 
 _ROW_OFFS = np.arange(layout.QPR, dtype=np.int64) - layout.QPR  # request rows sit at L-7 .. L-1
 
 
+# Wider tables get their grid built per step: cached, each width's arange stayed for good (a table
+# padded to 2^20 columns left 8 MiB; 64 widths of a 256 MiB message's table, gigabytes).
+GRID_CACHED_WIDTH = 1 << 16
+
+
 @functools.lru_cache(maxsize=64)
+def _grid_cached(R: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.arange(width), np.arange(R)[:, None] * width
+
+
 def _grid(R: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Column numbers [width], and each row's first flat index in an [R, width] table ([R, 1])."""
+    if width <= GRID_CACHED_WIDTH:
+        return _grid_cached(R, width)
     return np.arange(width), np.arange(R)[:, None] * width
 
 

@@ -927,3 +927,42 @@ def test_a_stream_message_that_does_not_parse_ends_the_stream_with_invalid_argum
     start = len(rig.findings)
     rig.checkpoint("an unparseable stream message")
     assert not rig.findings[start:], "\n".join(rig.findings[start:])
+
+
+def test_refusals_that_echo_a_huge_input_stay_invalid_argument(rig):
+    """A refusal's message quotes the offending input (a shape, a shm name). Quoted whole, a shape of
+    thousands of entries or a name of thousands of characters made a status too large for gRPC's
+    trailers: the client saw RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead."""
+    r = rig.step_req()
+    r.positions.ClearField("shape")
+    r.positions.shape.extend([0] * 20_000)
+    code, details, _ = rig.call("DraftStep", r)
+    assert (code, details[:17]) == (grpc.StatusCode.INVALID_ARGUMENT, "positions: shape "), (code, details[:200])
+    for name in ("n" * 50_000, "\U0001F600" * 5_000):  # ASCII, and 4 UTF-8 bytes per character
+        b = rig.bind_req()
+        b.layers[0].memory.shm.name = name
+        code, details, _ = rig.call("BindKV", b)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details[:200])
+        assert details.startswith("layers[0].memory: cannot open shared memory"), details[:200]
+    start = len(rig.findings)
+    rig.checkpoint("refusals quoting huge inputs")
+    assert not rig.findings[start:], "\n".join(rig.findings[start:])
+
+
+def test_doorbell_refusal_quoting_a_huge_shape_is_invalid_argument(rig):
+    """Over the doorbell the same refusal, quoted whole, no longer fit the 4096-byte answer area and
+    was replaced by RESOURCE_EXHAUSTED "register an output region": a wrong, misleading answer."""
+    from dspark_sidecar.client.dataplane import DoorbellChannel
+
+    bell = DoorbellChannel(rig.stub, torch.device("cpu"), capacity=page_words.MIN_CAPACITY, gpu_word=False)
+    try:
+        r = rig.region_req()
+        r.positions.ClearField("shape")
+        r.positions.shape.extend([0] * 1500)
+        bell.send(r)
+        resp = bell.wait(0, TIMEOUT_S)
+    finally:
+        bell.close()
+    assert resp is not None and resp.HasField("error"), resp
+    assert (resp.error.code, resp.error.field, resp.error.message[:17]) == (
+        grpc.StatusCode.INVALID_ARGUMENT.value[0], "positions", "positions: shape "), resp.error

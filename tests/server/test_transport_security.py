@@ -15,7 +15,8 @@ from helpers.sidecar_proc import SidecarProcess, free_port_block
 
 @pytest.mark.parametrize("peer,local", [
     ("unix:/tmp/x/rank0.sock", True), ("unix:", True),
-    ("ipv4:127.0.0.1:51234", True), ("ipv6:[::1]:51234", True),
+    ("ipv4:127.0.0.1:51234", True), ("ipv6:[::1]:51234", True), ("ipv6:%5B::1%5D:51234", True),
+    ("ipv6:%5B2001:db8::1%5D:443", False),
     ("ipv4:10.1.2.3:51234", False), ("ipv6:[2001:db8::1]:443", False), ("dns:example.org:80", False),
 ])
 def test_only_same_node_peers_may_register_memory(peer, local):
@@ -96,5 +97,52 @@ def test_a_stream_refused_before_its_first_step_ends_with_that_status():
             with pytest.raises(grpc.RpcError) as err:
                 list(call(iter([b"x"]), timeout=10))
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "no steps from there" in err.value.details()
+    finally:
+        server.stop(0)
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no ::1 on this host")
+def test_a_peer_on_ipv6_loopback_is_same_node():
+    """gRPC names an IPv6 peer percent-encoded ("ipv6:%5B::1%5D:port"): read as is, a sidecar on
+    --tcp-host ::1 refused every BindKV, RegisterBuffers and step of its own engine (PERMISSION_DENIED)."""
+    from concurrent import futures
+    from types import SimpleNamespace
+
+    import grpc
+
+    from dspark_sidecar.server.errors import StatusInterceptor
+    from dspark_sidecar.server.servicer import DrafterServicer
+
+    fake = SimpleNamespace()
+
+    def bind(request, context):  # what BindKV, RegisterBuffers, DraftStep... check first
+        DrafterServicer._require_same_node(fake, context)
+        return context.peer().encode()
+
+    handler = grpc.method_handlers_generic_handler("t.S", {"Bind": grpc.unary_unary_rpc_method_handler(
+        bind, request_deserializer=lambda b: b, response_serializer=lambda b: b)})
+    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[StatusInterceptor()])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("[::1]:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"[::1]:{port}") as ch:
+            call = ch.unary_unary("/t.S/Bind", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            try:
+                peer = call(b"", timeout=10)
+            except grpc.RpcError as err:
+                pytest.fail(f"{err.code().name}: {err.details()}")
+        assert peer.startswith(b"ipv6:"), peer
     finally:
         server.stop(0)

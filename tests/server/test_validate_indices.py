@@ -136,3 +136,27 @@ def test_a_sequence_length_near_2_31_still_checks_every_page_it_uses():
     assert not _indices_ok(h, ps, pages)
     with pytest.raises(SidecarError, match="block_tables\\[0\\]\\[2047\\] = 1000 outside"):
         _diagnose(h, ps, pages)
+
+
+def test_wide_padded_tables_leave_no_table_sized_memory_behind():
+    """The fast check's column grid was cached per (R, width), up to 64 widths: a step whose table is
+    padded to a million columns (4 MiB inline, valid) left an 8 MiB int64 arange behind for good, so
+    steps of 64 different wide tables (up to the 256 MiB message limit each) held gigabytes."""
+    import gc
+    import tracemalloc
+
+    L = 40
+    p = torch.arange(L - 7, L)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(16):
+            tab = torch.zeros((1, (1 << 20) + i), dtype=torch.int32)  # pages 0..2, then zero padding
+            slots = tab[0, p // PS].to(torch.int64) * PS + p % PS
+            assert _indices_ok(host_meta(p, StepMetadata(torch.tensor([L], dtype=torch.int32), tab, slots)), PS, PAGES)
+            del tab, slots
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert retained < 4 << 20, f"{retained / 2**20:.0f} MiB retained after 16 steps"
