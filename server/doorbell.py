@@ -33,6 +33,7 @@ HALT_POLL_S = 0.05  # how often an idle doorbell looks at its halt flag
 # How long stop() waits for a step in progress: the pre-launch's wait for its copy (READY_TIMEOUT_S)
 # and a rendezvous fit well inside it.
 STOP_S = 10.0
+WORD_ALIGN = 64  # the page's start: its six words in one cache line, each an untorn 8-byte store
 
 
 def _flag_exchange(world: int):
@@ -52,6 +53,11 @@ class Doorbell(threading.Thread):
         if capacity < bell.MIN_CAPACITY:
             raise invalid("capacity_bytes", f"{capacity} is below the {bell.MIN_CAPACITY} bytes an answer may need "
                                             "(an error's message, the step's timings)")
+        if page.storage.data_ptr() % WORD_ALIGN:
+            # The protocol's words are single 8-byte stores that must not tear (a torn sequence number
+            # could serve a step twice), and the GPU word is written by cuStreamWriteValue64.
+            raise invalid("page", f"the page starts {page.storage.data_ptr() % WORD_ALIGN} bytes past a multiple of "
+                                  f"{WORD_ALIGN}: send an offset_bytes that is a multiple of {WORD_ALIGN}")
         try:
             self.page = bell.Page(page.storage.numpy(), capacity)
         except ValueError as err:
@@ -62,7 +68,11 @@ class Doorbell(threading.Thread):
             # Built here, on a gRPC handler thread whose current device may be another GPU: pin it.
             with torch.cuda.device(device):
                 if input_event:
-                    self.input_event = torch.cuda.Event.from_ipc_handle(device, input_event)
+                    try:
+                        self.input_event = torch.cuda.Event.from_ipc_handle(device, input_event)
+                    except RuntimeError as err:  # not 64 bytes, or not an event handle the driver opens
+                        raise invalid("input_event", f"cannot open the engine's interprocess event on {device}: "
+                                                     f"{err}") from None
                 self.output_event = torch.cuda.Event(interprocess=True)
                 self.output_event.record(torch.cuda.current_stream(device))  # materialise it on this GPU
         self.prelaunch: Prelaunch | None = None

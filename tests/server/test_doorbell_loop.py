@@ -238,3 +238,43 @@ def test_a_stopped_doorbell_keeps_its_page_until_the_device_has_passed():
     [done] = loop.held
     done()
     assert pl.closed and db.page.words is None
+
+
+class _OffsetPage(_Page):
+    """A page mapped `offset` bytes into its segment (AttachDoorbell's page.shm.offset_bytes)."""
+
+    def __init__(self, offset: int) -> None:
+        self._whole = torch.zeros(offset + bell.HEADER + 2 * CAPACITY + 64, dtype=torch.uint8)
+        base = (-self._whole.data_ptr()) % 64  # a 64-byte-aligned start, then the request's offset
+        self.storage = self._whole[base + offset : base + offset + bell.HEADER + 2 * CAPACITY]
+
+
+@pytest.mark.parametrize("offset", [4, 8, 32])
+def test_a_page_whose_words_are_not_cache_line_aligned_is_refused(offset):
+    """The ring's words are single 8-byte stores read by another process: a word across two cache
+    lines may be seen half written (a torn sequence number could serve a step twice), and the GPU word
+    is written by cuStreamWriteValue64. A page offset that is not a multiple of 64 is an
+    INVALID_ARGUMENT naming the page; 0 and 64 are served."""
+    from dspark_sidecar.server.errors import SidecarError
+
+    with pytest.raises(SidecarError, match=rf"page: the page starts {offset} bytes past a multiple of 64"):
+        Doorbell(_OffsetPage(offset), CAPACITY, _Loop(), torch.device("cpu"), b"")
+    for ok in (0, 64):
+        Doorbell(_OffsetPage(ok), CAPACITY, _Loop(), torch.device("cpu"), b"")
+
+
+def test_an_input_event_the_driver_will_not_open_is_an_invalid_argument(monkeypatch):
+    """On a GPU sidecar torch raises RuntimeError for bytes that are not an event handle (not 64 bytes,
+    or refused by the driver): it reached the engine as INTERNAL. Now INVALID_ARGUMENT naming the field.
+    The GPU calls are stood in for (no GPU here); the refusal comes before any of them is needed."""
+    from dspark_sidecar.server.errors import SidecarError
+
+    def refuse(device, handle):
+        raise RuntimeError("CUDA error: invalid resource handle")
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", staticmethod(refuse))
+    with pytest.raises(SidecarError, match="input_event: cannot open the engine's interprocess event on cuda:0: "
+                                           "CUDA error: invalid resource handle") as err:
+        Doorbell(_Page(), CAPACITY, _Loop(), torch.device("cuda", 0), b"\x01" * 64)
+    assert err.value.code.name == "INVALID_ARGUMENT"
