@@ -43,7 +43,7 @@ from dspark_sidecar.server.process_group import join_group
 from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_up
 from dspark_sidecar.server.refusal import probe_host
 from dspark_sidecar.server.rendezvous import Board, Rendezvous
-from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle, limits_pb
+from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle, give_back_unopened, limits_pb
 
 log = logging.getLogger("dspark_sidecar.server")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -84,12 +84,16 @@ class LateServicer(pb_grpc.DrafterSidecarServicer):
         return (src or self._target()).GetStatus(request, context)
 
     def BindKV(self, request, context):
+        if self.inner is None:
+            give_back_unopened(context.peer(), [lb.memory for lb in request.layers])
         return self._target().BindKV(request, context)
 
     def UnbindKV(self, request, context):
         return self._target().UnbindKV(request, context)
 
     def RegisterBuffers(self, request, context):
+        if self.inner is None:
+            give_back_unopened(context.peer(), [r.memory for r in request.regions])
         return self._target().RegisterBuffers(request, context)
 
     def DraftStep(self, request, context):

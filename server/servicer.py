@@ -20,7 +20,7 @@ from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.proto.gpu_word import GpuWordOps
-from dspark_sidecar.proto.memory import MappedMemory
+from dspark_sidecar.proto.memory import MappedMemory, discard_handle
 from dspark_sidecar.server.doorbell import Doorbell
 from dspark_sidecar.server.errors import SidecarError, invalid, precondition
 from dspark_sidecar.server.prelaunch import BEHIND_S
@@ -61,6 +61,16 @@ def _same_node(peer: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def give_back_unopened(peer: str, handles) -> None:
+    """A request refused before any of its memory handles was opened: give back the engine's producer
+    reference of each CUDA IPC handle (memory.discard_handle; else the engine's block stays allocated
+    until it exits). Same-node peers only: a remote peer's reference counter names would name files
+    of this node, another engine's counters among them."""
+    if _same_node(peer):
+        for h in handles:
+            discard_handle(h)
 
 
 class DrafterServicer(pb_grpc.DrafterSidecarServicer):
@@ -184,6 +194,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                                f"(x86-64); this host is {platform.machine()}: steps go over the gRPC stream",
                                "STORE_ORDER")
         if request.page.WhichOneof("kind") != "shm":
+            give_back_unopened(context.peer(), [request.page])
             raise invalid("page", "the doorbell page must be POSIX shared memory")
         with self._attach_lock:  # one doorbell per rank: two attaching at once would leave one running unseen
             if self._doorbells_closed:

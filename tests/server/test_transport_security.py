@@ -146,3 +146,49 @@ def test_a_peer_on_ipv6_loopback_is_same_node():
         assert peer.startswith(b"ipv6:"), peer
     finally:
         server.stop(0)
+
+
+def _ipc(counter: bytes) -> "pb.MemoryHandle":
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    return pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(ipc_handle=b"h", storage_size_bytes=64,
+                                                     ref_counter_handle=counter, ref_counter_offset=8))
+
+
+@pytest.mark.parametrize("rpc", ["BindKV", "RegisterBuffers", "AttachDoorbell"])
+@pytest.mark.parametrize("peer,given_back", [("unix:/run/x/rank0.sock", True), ("ipv4:192.0.2.2:40000", False)])
+def test_handles_refused_before_they_are_opened_are_given_back_to_a_same_node_engine(monkeypatch, rpc, peer, given_back):
+    """Each CUDA IPC export holds the engine's block until the sidecar gives the reference back: a
+    request refused before any handle was opened (the rank still loading; a doorbell page that is not
+    shared memory) used to keep the engine's blocks until it exited. A remote peer's counter names would
+    name files of this node, so its references are left alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.app import LateServicer
+    from dspark_sidecar.server.errors import SidecarError
+    from dspark_sidecar.server.servicer import DrafterServicer
+
+    released = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
+                        lambda handle, offset, **kw: released.append((handle, offset)), raising=False)
+    ctx = SimpleNamespace(peer=lambda: peer)
+    if rpc == "BindKV":
+        req = pb.BindKVRequest(layers=[pb.KVLayerBinding(layer=i, memory=_ipc(b"c%d" % i)) for i in range(2)])
+        call = lambda: LateServicer().BindKV(req, ctx)  # noqa: E731
+    elif rpc == "RegisterBuffers":
+        req = pb.RegisterBuffersRequest(regions=[pb.BufferRegion(name="r", memory=_ipc(b"c0")),
+                                                 pb.BufferRegion(name="s", memory=_ipc(b"c1"))])
+        call = lambda: LateServicer().RegisterBuffers(req, ctx)  # noqa: E731
+    else:  # a doorbell page in GPU memory, refused as not shared memory
+        fake = SimpleNamespace(life=SimpleNamespace(host=None))
+        fake._require_same_node = lambda c, what="": None  # the peer check is the test above's
+        req = pb.AttachDoorbellRequest(page=_ipc(b"c0"), capacity_bytes=4096)
+        call = lambda: DrafterServicer.AttachDoorbell(fake, req, ctx)  # noqa: E731
+    with pytest.raises(SidecarError) as err:
+        call()
+    assert err.value.code.name == ("INVALID_ARGUMENT" if rpc == "AttachDoorbell" else "UNAVAILABLE")
+    n = 1 if rpc == "AttachDoorbell" else 2
+    assert released == ([(b"c%d" % i, 8) for i in range(n)] if given_back else [])
