@@ -8,7 +8,7 @@ that one record, so all ranks give the same answer. A rank commits to waiting fo
 it has posted; the coordinator always decides within the deadline of the first post it saw, so a
 missing peer costs at most the deadline, and a collective is entered only after GO.
 
-Layout (int64 words): header [magic, world]; per rank a post slot
+Layout (int64 words): header [magic, world, closed]; per rank a post slot
 [seq, step_id, generation, num_reqs, valid, digest, expires_ns, offers]; a ring of verdict records
 [seq, step_id, verdict, reason, rank_mask, launch_seq, agreed, covered_seq[0..world)]; per rank a
 heartbeat (time.monotonic_ns of its last beat, 0 before the first). `seq` words
@@ -45,6 +45,9 @@ GO, ABORT = 1, 2
 FAST, QUEUED, QUEUE_NEXT = 1, 2, 4
 # Abort reasons
 MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE = range(1, 8)
+# Header words: magic, world, and CLOSED, set once rank 0's coordinator has stopped for good (its
+# thread joined): no verdict comes after it, so a post without one was launched by no rank.
+HEADER, CLOSED = 3, 2
 
 
 def _word(value: int) -> int:
@@ -125,7 +128,7 @@ class Board:
     def __init__(self, name: str | None, world: int, create: bool) -> None:
         self.world = world
         self.rec_len = 7 + world
-        words = 2 + world * SLOT + RING * self.rec_len + world
+        words = HEADER + world * SLOT + RING * self.rec_len + world
         if create:
             self.shm = _create(name, words * 8)
         else:
@@ -137,9 +140,9 @@ class Board:
             self.words[0], self.words[1] = MAGIC, world
         elif self.words[0] != MAGIC or self.words[1] != world:
             raise RuntimeError(f"rendezvous board {name}: not a board for {world} ranks")
-        self.slots = self.words[2 : 2 + world * SLOT].reshape(world, SLOT)
-        ring_end = 2 + world * SLOT + RING * self.rec_len
-        self.ring = self.words[2 + world * SLOT : ring_end].reshape(RING, self.rec_len)
+        self.slots = self.words[HEADER : HEADER + world * SLOT].reshape(world, SLOT)
+        ring_end = HEADER + world * SLOT + RING * self.rec_len
+        self.ring = self.words[HEADER + world * SLOT : ring_end].reshape(RING, self.rec_len)
         self.beats = self.words[ring_end:]
 
     @property
@@ -219,9 +222,11 @@ class Rendezvous:
         slot[0] = seq
         col = 7 + self.rank
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
-        ring = self.board.ring
+        ring, words = self.board.ring, self.board.words
         lower_timer_slack()
         while True:
+            # Read before the ring: a verdict written before the coordinator stopped is found below.
+            closed = words[CLOSED]
             hits = np.flatnonzero(ring[:, col] == seq)
             for i in hits:
                 before = ring[i, 0]
@@ -232,6 +237,12 @@ class Rendezvous:
                                           "" if go else format_reason(int(rec[1]), int(rec[3]), int(rec[4]),
                                                                       self.deadline_ms),
                                           int(rec[5]), int(rec[6]))
+            if closed:
+                # Rank 0's coordinator stopped (its shutdown) with no verdict for this post: a GO would
+                # cover every rank's post, this one included, so no rank launched it. Aborted at once,
+                # instead of waiting out give_up and exiting (a clean stop of the group read as a crash).
+                return Verdict(False, f"step {post.step_id}: rank 0's coordinator has stopped (the sidecar is "
+                                      "shutting down); no rank ran it", 0)
             if time.monotonic() > give_up:
                 # The coordinator (rank 0) is gone or stuck; this rank cannot know whether its
                 # peers launched, so it must not go on serving.
@@ -260,6 +271,10 @@ class Coordinator(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=1.0)
+        # Only once the thread has ended: a verdict it wrote after the mark could be a GO that the
+        # peers who saw the mark would not follow.
+        if not self.is_alive():
+            self.board.words[CLOSED] = 1
 
     def run(self) -> None:
         lower_timer_slack()

@@ -160,3 +160,43 @@ def test_a_board_s_name_is_random_and_never_an_existing_entry():
         a.close()  # no second unlink, no warning
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("posted_first", [False, True])
+def test_a_post_left_without_a_verdict_by_a_stopped_coordinator_is_aborted_at_once(posted_first):
+    """Rank 0 shuts down its coordinator (app.py teardown) while a peer still posts: a step left
+    pending, or one queued behind the shutdown (refused copies are posted too). No verdict can come,
+    and none covering the post was written, so no rank launched it: the peer aborts it. It used to
+    wait out deadline + fatal_after_s (30 s), then exit 3 (a group's clean stop ended as a failure)."""
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    rdv = [Rendezvous(boards[0], 0, DEADLINE_MS), Rendezvous(boards[1], 1, DEADLINE_MS, fatal_after_s=5.0)]
+    out: list = []
+
+    def peer():
+        t = time.monotonic()
+        try:
+            out.append((rdv[1].agree(Post(9, 1, 3, 99, True)), time.monotonic() - t))
+        except Exception as exc:  # noqa: BLE001
+            out.append((exc, time.monotonic() - t))
+
+    try:
+        th = threading.Thread(target=peer)
+        if posted_first:  # posted, not yet decided (rank 0 never posts it) when the coordinator stops
+            th.start()
+            time.sleep(DEADLINE_MS / 1e3 / 10)
+            rdv[0].close()
+        else:
+            rdv[0].close()
+            th.start()
+        th.join(timeout=3)
+        assert out, "the peer still waits for a verdict from a coordinator that has stopped"
+        verdict, dt = out[0]
+        assert not isinstance(verdict, Exception), verdict
+        assert not verdict.go and "step 9" in verdict.reason and "stopped" in verdict.reason
+        assert dt < DEADLINE_MS / 1e3 + 2.0
+    finally:
+        th.join(timeout=10)
+        rdv[1].close()
+        boards[1].close()
+        boards[0].close()
