@@ -87,6 +87,11 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
                 return 1
             if on_ready is not None and not ready_sent and not stopping:
                 ready_sent = on_ready()
+                if ready_sent and stopping:
+                    # The signal came during the probe, which then found every rank serving: they
+                    # drain (drain_s, the teardown), so the serving grace applies, not the start-up
+                    # bound set by on_signal (that would kill them mid-drain and exit 1).
+                    stop_deadline = time.monotonic() + DRAIN_GRACE_S
             time.sleep(poll_s)
     finally:
         for s, h in old.items():

@@ -30,3 +30,37 @@ def test_a_rank_that_refuses_to_start_stops_the_group_with_exit_2_and_no_second_
     err = capfd.readouterr().err
     assert "--seed" in err and "Traceback" not in err
     assert not list(sock.glob("*.sock"))
+
+
+def test_a_stop_during_the_probe_that_finds_the_group_serving_drains_it_and_exits_0(tmp_path, monkeypatch):
+    """SIGTERM while on_ready() runs, and on_ready then reports the group serving: the ranks drain
+    (serving ranks take drain_s and the teardown). The launcher used to keep the start-up stop bound
+    it set when the signal came (STARTUP_STOP_S), kill the draining ranks when it passed, and exit 1
+    ("ranks still running 60 s after SIGTERM")."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from dspark_sidecar.server import launcher
+
+    monkeypatch.setattr(launcher, "STARTUP_STOP_S", 0.5)
+    # A serving rank: it marks its SIGTERM handler installed, then drains for 1.5 s and exits 0.
+    rank = ("import signal, sys, time, pathlib\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0)))\n"
+            f"pathlib.Path({str(tmp_path)!r}, 'ready-' + __import__('os').environ['RANK']).touch()\n"
+            "while True: time.sleep(0.05)\n")
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(launcher.subprocess, "Popen",
+                        lambda argv, **kw: real_popen([sys.executable, "-c", rank], **kw))
+
+    def on_ready() -> bool:
+        if len(list(tmp_path.glob("ready-*"))) < 2:
+            return False
+        os.kill(os.getpid(), signal.SIGTERM)  # handled here, inside the probe, before it returns
+        return True
+
+    t0 = time.monotonic()
+    code = launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=on_ready, poll_s=0.05)
+    assert code == 0, "the draining ranks were killed as if still starting"
+    assert time.monotonic() - t0 < 30
