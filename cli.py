@@ -171,6 +171,8 @@ def cmd_status(a: argparse.Namespace) -> int:
 
     if a.tp < 1:
         raise UsageError(f"--tp: must be at least 1, got {a.tp}")
+    if not 0 < a.timeout < float("inf"):  # 0 or nan: every live rank printed UNREACHABLE DEADLINE_EXCEEDED
+        raise UsageError(f"--timeout: must be a number of seconds above 0, got {a.timeout}")
     rc = 0
     for r in range(a.tp):
         path = a.socket_dir / f"rank{r}.sock"

@@ -32,6 +32,9 @@ def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkey
     (["serve", "--preset", "minimax"], "unknown 'minimax'"),
     (["serve", "--tp", "3"], "not divisible by TP size 3"),
     (["status", "--tp", "0"], "--tp: must be at least 1, got 0"),
+    # 0 or nan: every live rank printed UNREACHABLE DEADLINE_EXCEEDED, exit 1, naming no flag
+    (["status", "--tp", "1", "--timeout", "0"], "--timeout: must be a number of seconds above 0, got 0.0"),
+    (["status", "--tp", "1", "--timeout", "nan"], "--timeout: must be a number of seconds above 0, got nan"),
     (["bench", "--reqs", "1,x"], "--reqs: comma-separated integers, got '1,x'"),
     (["bench", "--reqs", "0", "--device", "cpu"], "--reqs: request counts in 1.."),
     (["bench", "--repeats", "0", "--device", "cpu"], "--repeats: at least 1, got 0"),
