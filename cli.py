@@ -198,6 +198,14 @@ def cmd_step(a: argparse.Namespace) -> int:
     from dspark_sidecar.drafter.parallel import ParallelContext
     from dspark_sidecar.kernels.ops import REFERENCE_OPS
 
+    # Checked before the drafter loads: each ended in a traceback after it (no request, a negative
+    # context for torch.arange, no timed step to report).
+    if a.reqs < 1:
+        raise UsageError(f"--reqs: must be at least 1, got {a.reqs}")
+    if a.context < 0:
+        raise UsageError(f"--context: must be 0 or more, got {a.context}")
+    if a.repeat < 1:
+        raise UsageError(f"--repeat: must be at least 1, got {a.repeat}")
     cfg = load_config(a.preset)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
     dspark_dir, target_dir = ensure_synthetic_checkpoint(cfg)

@@ -35,6 +35,11 @@ def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkey
     # 0 or nan: every live rank printed UNREACHABLE DEADLINE_EXCEEDED, exit 1, naming no flag
     (["status", "--tp", "1", "--timeout", "0"], "--timeout: must be a number of seconds above 0, got 0.0"),
     (["status", "--tp", "1", "--timeout", "nan"], "--timeout: must be a number of seconds above 0, got nan"),
+    # step: each of these loaded the drafter and then ended in a traceback (max() of an empty sequence,
+    # torch.arange's bounds, an UnboundLocalError with no step timed)
+    (["step", "--reqs", "0"], "--reqs: must be at least 1, got 0"),
+    (["step", "--context", "-5"], "--context: must be 0 or more, got -5"),
+    (["step", "--repeat", "0"], "--repeat: must be at least 1, got 0"),
     (["bench", "--reqs", "1,x"], "--reqs: comma-separated integers, got '1,x'"),
     (["bench", "--reqs", "0", "--device", "cpu"], "--reqs: request counts in 1.."),
     (["bench", "--repeats", "0", "--device", "cpu"], "--repeats: at least 1, got 0"),
