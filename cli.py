@@ -234,10 +234,25 @@ def cmd_step(a: argparse.Namespace) -> int:
 def cmd_demo(a: argparse.Namespace) -> int:
     from dspark_sidecar.client.demo import DemoConfig, format_report, run_demo
 
-    cfg = DemoConfig(rounds=a.rounds, tp=a.tp, preset=a.preset, seed=a.seed, max_reqs=a.max_reqs, dtype=a.dtype,
-                     socket_dir=str(a.socket_dir) if a.socket_dir else None, start_sidecar=not a.use_running_sidecar,
-                     verify=a.verify, rendezvous_ms=a.rendezvous_ms, device=a.device, transport=a.transport,
-                     required_tp=a.required_tp, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype)
+    # Checked before anything starts: --tp 0 ended in the harness's traceback after the checkpoint was
+    # written, --required-tp 0 only in the engine ranks, after the sidecar had started.
+    for flag, n in (("--tp", a.tp), ("--required-tp", a.required_tp)):
+        if n < 1:
+            raise UsageError(f"{flag}: must be at least 1, got {n}")
+    if a.use_running_sidecar and a.socket_dir is None:
+        raise UsageError("--use-running-sidecar: needs --socket-dir (the folder the running sidecar serves in)")
+    try:
+        cfg = DemoConfig(rounds=a.rounds, tp=a.tp, preset=a.preset, seed=a.seed, max_reqs=a.max_reqs, dtype=a.dtype,
+                         socket_dir=str(a.socket_dir) if a.socket_dir else None, start_sidecar=not a.use_running_sidecar,
+                         verify=a.verify, rendezvous_ms=a.rendezvous_ms, device=a.device, transport=a.transport,
+                         required_tp=a.required_tp, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype)
+    except ValueError as err:  # DemoConfig names the field ("rounds: ..."): the flag of the same name
+        field, _, why = str(err).partition(": ")
+        raise UsageError(f"--{field.replace('_', '-')}: {why}") from None
+    if cfg.start_sidecar:  # the flags the demo's own sidecar is started with, by serve's rules (else it exits 2 later)
+        from dspark_sidecar.server.config import ServeConfig
+
+        ServeConfig(tp=a.tp, max_reqs=a.max_reqs, rendezvous_ms=a.rendezvous_ms, dtype=a.dtype, device=a.device)
     report = run_demo(cfg)
     print(format_report(report))
     return 0

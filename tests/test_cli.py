@@ -40,6 +40,15 @@ def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkey
     (["step", "--reqs", "0"], "--reqs: must be at least 1, got 0"),
     (["step", "--context", "-5"], "--context: must be 0 or more, got -5"),
     (["step", "--repeat", "0"], "--repeat: must be at least 1, got 0"),
+    # demo: DemoConfig's and the harness's ValueError ended in a traceback naming a field, not the flag
+    (["demo", "--rounds", "0"], "--rounds: must be >= 1, got 0"),
+    (["demo", "--max-reqs", "0"], "--max-reqs: must be 1..256, got 0"),
+    (["demo", "--tp", "0"], "--tp: must be at least 1, got 0"),
+    (["demo", "--required-tp", "0"], "--required-tp: must be at least 1, got 0"),
+    (["demo", "--use-running-sidecar"], "--use-running-sidecar: needs --socket-dir"),
+    # ... and the demo's own sidecar exited 2 after it had been started (a RuntimeError traceback)
+    (["demo", "--rendezvous-ms", "0"], "--rendezvous-ms: must be 1..60000, got 0"),
+    (["demo", "--tp", "65"], "--tp: must be 1..64, got 65"),
     (["bench", "--reqs", "1,x"], "--reqs: comma-separated integers, got '1,x'"),
     (["bench", "--reqs", "0", "--device", "cpu"], "--reqs: request counts in 1.."),
     (["bench", "--repeats", "0", "--device", "cpu"], "--repeats: at least 1, got 0"),
