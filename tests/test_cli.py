@@ -94,3 +94,17 @@ def test_more_ranks_than_gpus_under_nccl_is_refused_before_any_rank_starts(flags
     else:
         backend.check_gpu_placement(cfg)
     backend.check_gpu_placement(cfg, visible=2)  # enough GPUs: never refused
+
+
+def test_the_readme_s_demo_rounds_default_is_the_parser_s(monkeypatch):
+    """README said `--rounds N` (default 60); the command runs 100 rounds."""
+    import re
+    from pathlib import Path
+
+    seen = []
+    monkeypatch.delenv("DSPARK_DEMO_ROUNDS", raising=False)
+    monkeypatch.setattr(cli, "cmd_demo", lambda a: seen.append(a.rounds) or 0)
+    assert cli.main(["demo"]) == 0
+    readme = (Path(cli.__file__).parent / "README.md").read_text()
+    (documented,) = re.findall(r"`--rounds N` \(default (\d+)\)", readme)
+    assert int(documented) == seen[0]
