@@ -171,6 +171,8 @@ def cmd_status(a: argparse.Namespace) -> int:
 
     if a.tp < 1:
         raise UsageError(f"--tp: must be at least 1, got {a.tp}")
+    if not 0 < a.timeout < float("inf"):  # 0 or nan: every live rank printed UNREACHABLE DEADLINE_EXCEEDED
+        raise UsageError(f"--timeout: must be a number of seconds above 0, got {a.timeout}")
     rc = 0
     for r in range(a.tp):
         path = a.socket_dir / f"rank{r}.sock"
@@ -196,6 +198,14 @@ def cmd_step(a: argparse.Namespace) -> int:
     from dspark_sidecar.drafter.parallel import ParallelContext
     from dspark_sidecar.kernels.ops import REFERENCE_OPS
 
+    # Checked before the drafter loads: each ended in a traceback after it (no request, a negative
+    # context for torch.arange, no timed step to report).
+    if a.reqs < 1:
+        raise UsageError(f"--reqs: must be at least 1, got {a.reqs}")
+    if a.context < 0:
+        raise UsageError(f"--context: must be 0 or more, got {a.context}")
+    if a.repeat < 1:
+        raise UsageError(f"--repeat: must be at least 1, got {a.repeat}")
     cfg = load_config(a.preset)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
     dspark_dir, target_dir = ensure_synthetic_checkpoint(cfg)
@@ -224,10 +234,25 @@ def cmd_step(a: argparse.Namespace) -> int:
 def cmd_demo(a: argparse.Namespace) -> int:
     from dspark_sidecar.client.demo import DemoConfig, format_report, run_demo
 
-    cfg = DemoConfig(rounds=a.rounds, tp=a.tp, preset=a.preset, seed=a.seed, max_reqs=a.max_reqs, dtype=a.dtype,
-                     socket_dir=str(a.socket_dir) if a.socket_dir else None, start_sidecar=not a.use_running_sidecar,
-                     verify=a.verify, rendezvous_ms=a.rendezvous_ms, device=a.device, transport=a.transport,
-                     required_tp=a.required_tp, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype)
+    # Checked before anything starts: --tp 0 ended in the harness's traceback after the checkpoint was
+    # written, --required-tp 0 only in the engine ranks, after the sidecar had started.
+    for flag, n in (("--tp", a.tp), ("--required-tp", a.required_tp)):
+        if n < 1:
+            raise UsageError(f"{flag}: must be at least 1, got {n}")
+    if a.use_running_sidecar and a.socket_dir is None:
+        raise UsageError("--use-running-sidecar: needs --socket-dir (the folder the running sidecar serves in)")
+    try:
+        cfg = DemoConfig(rounds=a.rounds, tp=a.tp, preset=a.preset, seed=a.seed, max_reqs=a.max_reqs, dtype=a.dtype,
+                         socket_dir=str(a.socket_dir) if a.socket_dir else None, start_sidecar=not a.use_running_sidecar,
+                         verify=a.verify, rendezvous_ms=a.rendezvous_ms, device=a.device, transport=a.transport,
+                         required_tp=a.required_tp, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype)
+    except ValueError as err:  # DemoConfig names the field ("rounds: ..."): the flag of the same name
+        field, _, why = str(err).partition(": ")
+        raise UsageError(f"--{field.replace('_', '-')}: {why}") from None
+    if cfg.start_sidecar:  # the flags the demo's own sidecar is started with, by serve's rules (else it exits 2 later)
+        from dspark_sidecar.server.config import ServeConfig
+
+        ServeConfig(tp=a.tp, max_reqs=a.max_reqs, rendezvous_ms=a.rendezvous_ms, dtype=a.dtype, device=a.device)
     report = run_demo(cfg)
     print(format_report(report))
     return 0

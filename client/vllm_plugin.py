@@ -33,24 +33,31 @@ def _archs() -> list[str]:
     return [a.strip() for a in raw.split(",") if a.strip()] or list(DEFAULT_ARCHS)
 
 
-def engine_config_from_vllm(vllm_config: Any, rank: int) -> EngineConfig:
-    """The shim's EngineConfig from vLLM's VllmConfig (parallel and speculative config) and the environment."""
+def engine_config_from_vllm(vllm_config: Any, rank: int, environ: Any = os.environ) -> EngineConfig:
+    """The shim's EngineConfig from vLLM's VllmConfig (parallel and speculative config) and the environment.
+    A DSPARK_* value that cannot be used is an EngineConfigError naming the variable."""
     pc, spec = vllm_config.parallel_config, getattr(vllm_config, "speculative_config", None)
-    socket_dir = os.environ.get("DSPARK_SOCKET_DIR", "")
+    socket_dir = environ.get("DSPARK_SOCKET_DIR", "")
     device = getattr(getattr(vllm_config, "device_config", None), "device", "cpu")
     kw: dict[str, Any] = {}
-    raw = os.environ.get("DSPARK_STEP_DEADLINE_MS", "")
+    raw = environ.get("DSPARK_STEP_DEADLINE_MS", "")
     if raw:
         try:
             kw["step_deadline_s"] = float(raw) / 1000
         except ValueError:
             raise EngineConfigError(f"DSPARK_STEP_DEADLINE_MS={raw!r}: expected a number of milliseconds") from None
-    return EngineConfig(
-        tp_size=int(pc.tensor_parallel_size), dp_size=int(getattr(pc, "data_parallel_size", 1)),
-        pp_size=int(getattr(pc, "pipeline_parallel_size", 1)),
-        speculative_method=str(getattr(spec, "method", "") or "") if spec is not None else "",
-        num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0,
-        endpoint=rank_endpoint(socket_dir, rank) if socket_dir else "", device=str(device), **kw)
+    try:
+        return EngineConfig(
+            tp_size=int(pc.tensor_parallel_size), dp_size=int(getattr(pc, "data_parallel_size", 1)),
+            pp_size=int(getattr(pc, "pipeline_parallel_size", 1)),
+            speculative_method=str(getattr(spec, "method", "") or "") if spec is not None else "",
+            num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0,
+            endpoint=rank_endpoint(socket_dir, rank) if socket_dir else "", device=str(device), **kw)
+    except EngineConfigError as err:
+        # 0, -5, nan, inf: EngineConfig names its field (step_deadline_s, in s); the operator set the variable
+        if raw and str(err).startswith("step_deadline_s:"):
+            raise EngineConfigError(f"DSPARK_STEP_DEADLINE_MS={raw!r}: {err}") from None
+        raise
 
 
 def _tp_agreement(group: Any) -> StepAgreement:
@@ -184,8 +191,18 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
             return agreement.all_min(values)
 
     source = ForwardContextSource(vfc.is_forward_context_available, vfc.get_forward_context)
-    return DrafterShim(engine_config_from_vllm(vllm_config, rank), model, kv_cache_provider(model), _Par(),
-                       forward_context=source)
+    # This runs inside vLLM's first drafter forward: a bad DSPARK_* value raised from here failed the
+    # engine's step. It is logged instead, and the shim stays off (the stock layers run every step),
+    # on every rank alike since every rank reads the same environment.
+    try:
+        config, bad_env = engine_config_from_vllm(vllm_config, rank), None
+    except EngineConfigError as err:
+        config, bad_env = engine_config_from_vllm(vllm_config, rank, environ={}), str(err)
+    shim = DrafterShim(config, model, kv_cache_provider(model), _Par(), forward_context=source)
+    if bad_env is not None:
+        log.error("dspark-sidecar: %s; the sidecar stays off and every draft step runs the stock layers", bad_env)
+        shim.enabled, shim.refusal = False, bad_env
+    return shim
 
 
 def make_sidecar_class(stock: type) -> type:

@@ -4,7 +4,8 @@
 #   deploy/launch-tp4.sh [more `dspark-sidecar serve` flags ...]
 #
 # It sets up the environment below, creates the socket directory, and then becomes the
-# server (exec): SIGTERM drains it and it exits 0. Flags given here win over DSPARK_* env.
+# server (exec): SIGTERM drains it and it exits 0. Flags given here win over DSPARK_* env,
+# except --tp and --socket-dir, which are refused: set DSPARK_TP and DSPARK_SOCKET_DIR.
 #
 # Environment read here (all optional):
 #   DSPARK_LAUNCHER      builtin (default: `serve` spawns the rank processes) | torchrun
@@ -45,6 +46,15 @@ case $launcher in
   *) die "DSPARK_LAUNCHER must be builtin or torchrun, got '$launcher'" ;;
 esac
 command -v "$python" >/dev/null || die "no interpreter '$python' (set DSPARK_PYTHON)"
+# --tp and --socket-dir come from DSPARK_TP and DSPARK_SOCKET_DIR only: torchrun's process count and
+# the folder prepared below are taken from them, and a flag appended after ours would win in serve
+# alone (torchrun: N processes serving another --tp; a folder served that was never prepared).
+for arg in "$@"; do
+  case $arg in
+    --tp | --tp=*) die "--tp: set DSPARK_TP instead (it also sizes torchrun)" ;;
+    --socket-dir | --socket-dir=*) die "--socket-dir: set DSPARK_SOCKET_DIR instead (the folder is prepared here)" ;;
+  esac
+done
 export DSPARK_TP=$tp DSPARK_SOCKET_DIR=$socket_dir
 
 # Which GPUs, if any: the device nodes say more than any tool that may be missing.

@@ -115,6 +115,13 @@ class ServeConfig:
                 used[port] = flag
         if self.master_port in used:
             raise ServeConfigError(f"--master-port: port {self.master_port} is also {used[self.master_port]}'s")
+        # gRPC parses the `unix:PATH` target as a URI: '?' and '#' end its path on the client side only
+        # (the ranks bound and went SERVING, no client ever connected, serve waited forever), ',' splits
+        # it into two addresses, and '%XX' is decoded (the bind failed after start-up, as "in use").
+        odd = sorted(set("?#,%") & set(str(self.socket_dir)))
+        if odd:
+            raise ServeConfigError(f"--socket-dir: {self.socket_dir} holds {', '.join(map(repr, odd))}; gRPC reads "
+                                   "'?', '#', ',' or '%' in a unix: target as URI syntax, choose a folder without them")
         longest = str(self.socket_path(self.tp - 1))
         if len(longest.encode()) > 107:  # sun_path holds 108 bytes with its NUL; gRPC's bind error names no flag
             raise ServeConfigError(f"--socket-dir: {longest} is {len(longest.encode())} bytes, a unix socket path "

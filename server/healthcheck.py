@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-ranks", action="store_true", help="check rank0..rank{tp-1}.sock in --socket-dir")
     ap.add_argument("--timeout", type=float, default=2.0)
     a = ap.parse_args(argv)
+    # --tp 0 (or below) checked no rank and exited 0: a probe that passed with no sidecar at all.
+    if a.tp < 1:
+        ap.error(f"--tp: must be at least 1, got {a.tp}")
+    # 0, a negative or nan deadline made every live rank UNREACHABLE (DEADLINE_EXCEEDED), naming no flag.
+    if not 0 < a.timeout < float("inf"):
+        ap.error(f"--timeout: must be a number of seconds above 0, got {a.timeout}")
     paths = [a.socket] if a.socket and not a.all_ranks else [str(a.socket_dir / f"rank{r}.sock") for r in range(a.tp)]
     ok = True
     for p in paths:

@@ -32,6 +32,23 @@ def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkey
     (["serve", "--preset", "minimax"], "unknown 'minimax'"),
     (["serve", "--tp", "3"], "not divisible by TP size 3"),
     (["status", "--tp", "0"], "--tp: must be at least 1, got 0"),
+    # 0 or nan: every live rank printed UNREACHABLE DEADLINE_EXCEEDED, exit 1, naming no flag
+    (["status", "--tp", "1", "--timeout", "0"], "--timeout: must be a number of seconds above 0, got 0.0"),
+    (["status", "--tp", "1", "--timeout", "nan"], "--timeout: must be a number of seconds above 0, got nan"),
+    # step: each of these loaded the drafter and then ended in a traceback (max() of an empty sequence,
+    # torch.arange's bounds, an UnboundLocalError with no step timed)
+    (["step", "--reqs", "0"], "--reqs: must be at least 1, got 0"),
+    (["step", "--context", "-5"], "--context: must be 0 or more, got -5"),
+    (["step", "--repeat", "0"], "--repeat: must be at least 1, got 0"),
+    # demo: DemoConfig's and the harness's ValueError ended in a traceback naming a field, not the flag
+    (["demo", "--rounds", "0"], "--rounds: must be >= 1, got 0"),
+    (["demo", "--max-reqs", "0"], "--max-reqs: must be 1..256, got 0"),
+    (["demo", "--tp", "0"], "--tp: must be at least 1, got 0"),
+    (["demo", "--required-tp", "0"], "--required-tp: must be at least 1, got 0"),
+    (["demo", "--use-running-sidecar"], "--use-running-sidecar: needs --socket-dir"),
+    # ... and the demo's own sidecar exited 2 after it had been started (a RuntimeError traceback)
+    (["demo", "--rendezvous-ms", "0"], "--rendezvous-ms: must be 1..60000, got 0"),
+    (["demo", "--tp", "65"], "--tp: must be 1..64, got 65"),
     (["bench", "--reqs", "1,x"], "--reqs: comma-separated integers, got '1,x'"),
     (["bench", "--reqs", "0", "--device", "cpu"], "--reqs: request counts in 1.."),
     (["bench", "--repeats", "0", "--device", "cpu"], "--repeats: at least 1, got 0"),
@@ -77,3 +94,17 @@ def test_more_ranks_than_gpus_under_nccl_is_refused_before_any_rank_starts(flags
     else:
         backend.check_gpu_placement(cfg)
     backend.check_gpu_placement(cfg, visible=2)  # enough GPUs: never refused
+
+
+def test_the_readme_s_demo_rounds_default_is_the_parser_s(monkeypatch):
+    """README said `--rounds N` (default 60); the command runs 100 rounds."""
+    import re
+    from pathlib import Path
+
+    seen = []
+    monkeypatch.delenv("DSPARK_DEMO_ROUNDS", raising=False)
+    monkeypatch.setattr(cli, "cmd_demo", lambda a: seen.append(a.rounds) or 0)
+    assert cli.main(["demo"]) == 0
+    readme = (Path(cli.__file__).parent / "README.md").read_text()
+    (documented,) = re.findall(r"`--rounds N` \(default (\d+)\)", readme)
+    assert int(documented) == seen[0]

@@ -320,3 +320,16 @@ def test_a_stale_socket_the_rank_may_not_remove_is_one_line(tmp_path, monkeypatc
     monkeypatch.setattr(Path, "unlink", eperm)
     with pytest.raises(ServeConfigError, match="--socket-dir: cannot remove the stale socket .*rank0.sock"):
         preflight.claim_socket(cfg, 0)
+
+
+@pytest.mark.parametrize("name", ["a?b", "c#d", "e,f", "g%41h"])
+def test_a_socket_dir_grpc_would_read_as_another_target_is_one_line(name, tiny_ckpt, tmp_path, capsys):
+    """gRPC parses `unix:PATH` as a URI: with '?' or '#' in the folder the ranks bound the real path and
+    went SERVING, but no client (the launcher's own readiness probe, the engine's shim) could connect,
+    so `serve` waited forever; ',' splits the target into two addresses; '%41' is decoded to 'A', so the
+    rank's bind failed after start-up, blamed on a port "in use"."""
+    d = tmp_path / name
+    _refused(_argv(d, tiny_ckpt), capsys, f"--socket-dir: {d}", "'?', '#', ',' or '%'", sock_dir=d)
+    assert not d.exists()  # refused before the folder is made
+    with pytest.raises(ServeConfigError, match="--socket-dir: "):
+        ServeConfig(socket_dir=d)

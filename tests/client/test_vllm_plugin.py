@@ -288,3 +288,22 @@ def test_the_fp8_view_is_the_same_object_step_after_step_until_vllm_reallocates(
     assert third[1].data_ptr() == model.layers[1].kv_cache.data_ptr()
     model.layers[0]._k_scale_float = 0.5  # scales computed on the fly
     assert caches()[0].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-5", "nan", "inf"])
+def test_a_bad_step_deadline_variable_keeps_the_sidecar_off_instead_of_raising_in_vllm(fake_vllm, monkeypatch,
+                                                                                      caplog, value):
+    """The shim is built at the drafter's first forward, inside vLLM: an EngineConfigError from a bad
+    DSPARK_STEP_DEADLINE_MS raised out of that forward and failed the engine's step. The plug-in must
+    log the variable and run the stock layers, as it does for every other deployment it cannot serve."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    monkeypatch.setenv("DSPARK_STEP_DEADLINE_MS", value)
+    vllm_plugin.register()
+    model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config())
+    md = FlashAttentionMetadata(1)
+    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+    with caplog.at_level("ERROR", logger="dspark_sidecar.client"):
+        out = model(torch.arange(7), md.positions)
+    assert torch.equal(out, torch.full((7, HIDDEN), -1.0)) and model.stock_calls == 1
+    assert model.dspark_shim().refusal.startswith(f"DSPARK_STEP_DEADLINE_MS={value!r}: ")
+    assert f"DSPARK_STEP_DEADLINE_MS={value!r}" in caplog.text

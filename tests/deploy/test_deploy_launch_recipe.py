@@ -63,3 +63,17 @@ def test_bad_settings_stop_before_launching(launch, tmp_path, env):
     res, argv, _ = launch(DSPARK_SOCKET_DIR=str(tmp_path / "s"), **env)
     assert res.returncode == 2 and argv is None
     assert "error" in res.stderr
+
+
+@pytest.mark.parametrize("launcher", ["builtin", "torchrun"])
+@pytest.mark.parametrize("flags, variable", [(["--tp", "2"], "DSPARK_TP"), (["--tp=2"], "DSPARK_TP"),
+                                             (["--socket-dir", "/elsewhere"], "DSPARK_SOCKET_DIR"),
+                                             (["--socket-dir=/elsewhere"], "DSPARK_SOCKET_DIR")])
+def test_tp_and_socket_dir_given_as_flags_are_refused(launch, tmp_path, launcher, flags, variable):
+    """The recipe sizes torchrun (--nproc-per-node) and prepares the socket folder (mode, setgid group)
+    from DSPARK_TP and DSPARK_SOCKET_DIR, then appended the flags: `--tp 2` under torchrun started 4
+    processes serving --tp 2 (each rank: WORLD_SIZE 4 != --tp 2), and `--socket-dir D` served in a
+    folder the recipe had not prepared while the one it had stayed empty."""
+    res, argv, _ = launch(*flags, DSPARK_LAUNCHER=launcher, DSPARK_SOCKET_DIR=str(tmp_path / "s"))
+    assert res.returncode == 2 and argv is None, argv
+    assert f"set {variable}" in res.stderr and flags[0].split("=")[0] in res.stderr
