@@ -320,19 +320,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
                                cfg.prelaunch, cfg.prelaunch_behind_ms / 1e3)
     late.status_source = servicer  # reads only: safe during the warm-up
 
-    def publish() -> None:
-        """Health follows the lifecycle; with --strict-refusal a refused fast path is NOT_SERVING, and
-        a silent peer rank makes it NOT_SERVING until the peer is back."""
-        refused = servicer.refusal() if life.strict else ""
-        if life.state in ("SERVING", "REFUSED", "PEER_SILENT"):
-            life.state = "PEER_SILENT" if life.silent_peers else "REFUSED" if refused else "SERVING"
-        life.reason = silence_reason(life.silent_peers) if life.state == "PEER_SILENT" else ""
-        ctx.refusal = refused or None
-        status = health_pb2.HealthCheckResponse.SERVING if life.serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, status)
-        metrics.set_serving(life.serving)
-
+    publish = HealthPublisher(life, servicer, ctx, health_servicer, metrics)
     life.on_change.append(publish)
     if cfg.warmup:
         secs = warm_up(ctx)
@@ -346,16 +334,14 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
     # collectives among the warm-up's, on this rank only.
     start_up.active = False  # from here a signal drains (the loop below reads `stop`)
     late.inner = servicer
-    life.state = "SERVING"
-    publish()
+    publish("SERVING")
     log.info("rank %d: %s (backend %s, CUDA graphs %s)", rank, life.state, life.backend,
              "on" if graphs is not None else "off")
 
     while not stop.wait(BEAT_S):  # a timed wait keeps the main thread responsive to signals
         watch_peers(board, rank, life, publish)
     log.info("rank %d: draining", rank)
-    life.state = "DRAINING"
-    publish()
+    publish("DRAINING")
     time.sleep(cfg.drain_s)  # health says NOT_SERVING while calls are still accepted: engines move off
     # Teardown must not hang the exit (a peer that left first can wedge an NCCL teardown): after
     # the drain nothing is in flight, so past the limit the process just ends.
@@ -392,6 +378,36 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
     dist.destroy_process_group()
     log.info("rank %d: stopped", rank)
     return 0
+
+
+class HealthPublisher:
+    """Health follows the lifecycle; with --strict-refusal a refused fast path is NOT_SERVING, and a
+    silent peer rank makes it NOT_SERVING until the peer is back.
+
+    Called from the main thread (start, drain, the peers' watch) and from gRPC handler threads (a
+    binding that changes the fast path): one call at a time, with a state change made under the same
+    lock. Otherwise a BindKV's call that had read SERVING could set health SERVING after the drain's
+    NOT_SERVING, and nothing would publish again: SERVING for the whole drain and teardown."""
+
+    def __init__(self, life: Lifecycle, servicer, ctx, health_servicer, metrics: Metrics) -> None:
+        self.life, self.servicer, self.ctx, self.health, self.metrics = life, servicer, ctx, health_servicer, metrics
+        self._lock = threading.Lock()
+
+    def __call__(self, state: str | None = None) -> None:
+        life = self.life
+        with self._lock:
+            if state is not None:
+                life.state = state
+            refused = self.servicer.refusal() if life.strict else ""
+            if life.state in ("SERVING", "REFUSED", "PEER_SILENT"):
+                life.state = "PEER_SILENT" if life.silent_peers else "REFUSED" if refused else "SERVING"
+            life.reason = silence_reason(life.silent_peers) if life.state == "PEER_SILENT" else ""
+            self.ctx.refusal = refused or None
+            serving = health_pb2.HealthCheckResponse.SERVING
+            status = serving if life.serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                self.health.set(name, status)
+            self.metrics.set_serving(life.serving)
 
 
 def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], None],

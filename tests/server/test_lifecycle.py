@@ -95,3 +95,41 @@ def test_strict_refusal_is_not_serving_with_the_reason(tmp_path, tiny_ckpt):
     finally:
         sc.stop()  # SIGTERM, then SIGKILL of the whole process group after a timeout
         log.close()
+
+
+def test_a_binding_s_publish_caught_by_the_drain_cannot_leave_health_serving():
+    """BindKV's gRPC thread publishes health (its binding may change the fast path) while the main
+    thread starts the drain. A publish that had read SERVING and set health after the drain's
+    NOT_SERVING left the rank SERVING for the whole drain and teardown (nothing publishes again).
+    Here the binding's publish is held inside its health write while the drain starts: the drain
+    must wait for it and have the last word."""
+    import threading
+    from types import SimpleNamespace
+
+    from grpc_health.v1 import health_pb2
+
+    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.servicer import Lifecycle
+
+    inside, release, sets = threading.Event(), threading.Event(), []
+
+    class Health:
+        def set(self, name, status):
+            if threading.current_thread().name == "bindkv" and not release.is_set():
+                inside.set()
+                release.wait(5)
+            sets.append(status)
+
+    life = Lifecycle(state="SERVING")
+    publish = HealthPublisher(life, SimpleNamespace(refusal=lambda: ""), SimpleNamespace(refusal=None), Health(),
+                              SimpleNamespace(set_serving=lambda serving: None))
+    binding = threading.Thread(target=publish, name="bindkv")
+    binding.start()
+    assert inside.wait(5)
+    drain = threading.Thread(target=publish, args=("DRAINING",))
+    drain.start()
+    drain.join(0.2)  # the drain waits for the binding's publish (before the fix it ran through)
+    release.set()
+    binding.join(5)
+    drain.join(5)
+    assert life.state == "DRAINING" and sets[-1] == health_pb2.HealthCheckResponse.NOT_SERVING
