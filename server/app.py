@@ -73,8 +73,10 @@ class LateServicer(pb_grpc.DrafterSidecarServicer):
         self.inner: DrafterServicer | None = None
         self.status_source: DrafterServicer | None = None  # GetStatus before `inner` (state LOADING during warm-up)
 
-    def _target(self) -> DrafterServicer:
+    def _target(self, context=None, handles=()) -> DrafterServicer:
         if self.inner is None:
+            if handles:  # refused before any was opened: the engine's references go back (same node only)
+                give_back_unopened(context.peer(), handles)
             raise SidecarError(grpc.StatusCode.UNAVAILABLE, "rank is still loading; retry when health is SERVING",
                                "", "LOADING")
         return self.inner
@@ -84,17 +86,13 @@ class LateServicer(pb_grpc.DrafterSidecarServicer):
         return (src or self._target()).GetStatus(request, context)
 
     def BindKV(self, request, context):
-        if self.inner is None:
-            give_back_unopened(context.peer(), [lb.memory for lb in request.layers])
-        return self._target().BindKV(request, context)
+        return self._target(context, [lb.memory for lb in request.layers]).BindKV(request, context)
 
     def UnbindKV(self, request, context):
         return self._target().UnbindKV(request, context)
 
     def RegisterBuffers(self, request, context):
-        if self.inner is None:
-            give_back_unopened(context.peer(), [r.memory for r in request.regions])
-        return self._target().RegisterBuffers(request, context)
+        return self._target(context, [r.memory for r in request.regions]).RegisterBuffers(request, context)
 
     def DraftStep(self, request, context):
         return self._target().DraftStep(request, context)

@@ -169,16 +169,17 @@ _ROW_OFFS = np.arange(layout.QPR, dtype=np.int64) - layout.QPR  # request rows s
 GRID_CACHED_WIDTH = 1 << 16
 
 
-@functools.lru_cache(maxsize=64)
-def _grid_cached(R: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+def _grid_of(R: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Column numbers [width], and each row's first flat index in an [R, width] table ([R, 1])."""
     return np.arange(width), np.arange(R)[:, None] * width
+
+
+_grid_cached = functools.lru_cache(maxsize=64)(_grid_of)
 
 
 def _grid(R: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Column numbers [width], and each row's first flat index in an [R, width] table ([R, 1])."""
-    if width <= GRID_CACHED_WIDTH:
-        return _grid_cached(R, width)
-    return np.arange(width), np.arange(R)[:, None] * width
+    """_grid_of, cached for widths up to GRID_CACHED_WIDTH."""
+    return (_grid_cached if width <= GRID_CACHED_WIDTH else _grid_of)(R, width)
 
 
 def _indices_ok(h: HostMeta, ps: int, pages: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 
 
 def _addr(hex_addr: str) -> tuple[str, int]:
@@ -45,3 +46,13 @@ def is_loopback(addr: str) -> bool:
     """127/8 and ::1 (listening_tcp reports IPv4-mapped addresses as IPv4)."""
     return ipaddress.ip_address(addr).is_loopback
 
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether this host can bind ::1 (containers often have IPv6 off)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from dspark_sidecar.server.config import ServeConfigError
 from dspark_sidecar.server.process_group import COLLECTIVE_IFNAMES, keep_collectives_local, rendezvous_store
-from helpers.listening import is_loopback, listening_tcp
+from helpers.listening import has_ipv6_loopback, is_loopback, listening_tcp
 
 TIMEOUT = datetime.timedelta(seconds=10)
 
@@ -115,16 +115,7 @@ def test_a_store_that_never_took_the_descriptor_closes_it(monkeypatch):
     assert ("127.0.0.1", port) not in listening_tcp(os.getpid())
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no ::1 on this host")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no ::1 on this host")
 def test_a_bracketed_ipv6_rendezvous_address_works():
     """`[::1]`, as --master-addr took it while it went into torch's tcp:// URL (is_loopback accepts it
     too): torch's store cannot resolve the brackets and waited out its timeout."""

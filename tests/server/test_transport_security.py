@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import pytest
 from dspark_sidecar.server.config import ServeConfig, ServeConfigError
 from dspark_sidecar.server.healthcheck import check
 from dspark_sidecar.server.servicer import _same_node
-from helpers.listening import is_loopback, listening_tcp
+from helpers.listening import has_ipv6_loopback, is_loopback, listening_tcp
 from helpers.sidecar_proc import SidecarProcess, free_port_block
 
 
@@ -73,55 +75,52 @@ def test_draft_steps_from_a_remote_peer_are_refused_before_they_reach_the_rank()
         next(DrafterServicer.DraftSteps(fake, iter([pb.DraftStepRequest(step_id=1)]), remote))
 
 
-def test_a_stream_refused_before_its_first_step_ends_with_that_status():
-    """The interceptor maps a SidecarError raised by a stream handler (not only by parsing) to its status."""
-    from concurrent import futures
-
+@contextlib.contextmanager
+def _one_method_server(method: str, handler, host: str):
+    """A gRPC server on `host` with the sidecar's StatusInterceptor and one method, /t.S/<method>
+    (bytes in, bytes out); yields a channel to it."""
     import grpc
 
-    from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
+    from dspark_sidecar.server.errors import StatusInterceptor
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[StatusInterceptor()])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", {method: handler}),))
+    port = server.add_insecure_port(f"{host}:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"{host}:{port}") as ch:
+            yield ch
+    finally:
+        server.stop(0)
+
+
+def test_a_stream_refused_before_its_first_step_ends_with_that_status():
+    """The interceptor maps a SidecarError raised by a stream handler (not only by parsing) to its status."""
+    import grpc
+
+    from dspark_sidecar.server.errors import SidecarError
 
     def refuse(requests, context):
         raise SidecarError(grpc.StatusCode.PERMISSION_DENIED, "no steps from there", "", "REMOTE_PEER")
         yield b""  # a generator, as DraftSteps is
 
-    handler = grpc.method_handlers_generic_handler("t.S", {"Steps": grpc.stream_stream_rpc_method_handler(
-        refuse, request_deserializer=lambda b: b, response_serializer=lambda b: b)})
-    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[StatusInterceptor()])
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            call = ch.stream_stream("/t.S/Steps", request_serializer=lambda b: b, response_deserializer=lambda b: b)
-            with pytest.raises(grpc.RpcError) as err:
-                list(call(iter([b"x"]), timeout=10))
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "no steps from there" in err.value.details()
-    finally:
-        server.stop(0)
+    handler = grpc.stream_stream_rpc_method_handler(refuse, request_deserializer=lambda b: b,
+                                                    response_serializer=lambda b: b)
+    with _one_method_server("Steps", handler, "127.0.0.1") as ch:
+        call = ch.stream_stream("/t.S/Steps", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(iter([b"x"]), timeout=10))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "no steps from there" in err.value.details()
 
 
-def _has_ipv6_loopback() -> bool:
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no ::1 on this host")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no ::1 on this host")
 def test_a_peer_on_ipv6_loopback_is_same_node():
     """gRPC names an IPv6 peer percent-encoded ("ipv6:%5B::1%5D:port"): read as is, a sidecar on
     --tcp-host ::1 refused every BindKV, RegisterBuffers and step of its own engine (PERMISSION_DENIED)."""
-    from concurrent import futures
     from types import SimpleNamespace
 
     import grpc
 
-    from dspark_sidecar.server.errors import StatusInterceptor
     from dspark_sidecar.server.servicer import DrafterServicer
 
     fake = SimpleNamespace()
@@ -130,22 +129,15 @@ def test_a_peer_on_ipv6_loopback_is_same_node():
         DrafterServicer._require_same_node(fake, context)
         return context.peer().encode()
 
-    handler = grpc.method_handlers_generic_handler("t.S", {"Bind": grpc.unary_unary_rpc_method_handler(
-        bind, request_deserializer=lambda b: b, response_serializer=lambda b: b)})
-    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[StatusInterceptor()])
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("[::1]:0")
-    server.start()
-    try:
-        with grpc.insecure_channel(f"[::1]:{port}") as ch:
-            call = ch.unary_unary("/t.S/Bind", request_serializer=lambda b: b, response_deserializer=lambda b: b)
-            try:
-                peer = call(b"", timeout=10)
-            except grpc.RpcError as err:
-                pytest.fail(f"{err.code().name}: {err.details()}")
-        assert peer.startswith(b"ipv6:"), peer
-    finally:
-        server.stop(0)
+    handler = grpc.unary_unary_rpc_method_handler(bind, request_deserializer=lambda b: b,
+                                                  response_serializer=lambda b: b)
+    with _one_method_server("Bind", handler, "[::1]") as ch:
+        call = ch.unary_unary("/t.S/Bind", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        try:
+            peer = call(b"", timeout=10)
+        except grpc.RpcError as err:
+            pytest.fail(f"{err.code().name}: {err.details()}")
+    assert peer.startswith(b"ipv6:"), peer
 
 
 def _ipc(counter: bytes) -> "pb.MemoryHandle":
