@@ -78,7 +78,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default=_env("dist_backend", d.dist_backend))
     p.add_argument("--dist-timeout-s", type=int, default=_env("dist_timeout_s", d.dist_timeout_s, int))
     p.add_argument("--master-addr", default=_env("master_addr", d.master_addr))
-    p.add_argument("--master-port", type=int, default=_env("master_port", 0, int),
+    p.add_argument("--master-port", type=int, default=_env("master_port", d.master_port, int),
                    help="torch.distributed rendezvous port (0 = pick a free one)")
     p.add_argument("--max-message-bytes", type=int, default=_env("max_message_bytes", d.max_message_bytes, int))
     p.add_argument("--drain-s", type=float, default=_env("drain_s", d.drain_s, float),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 # Query rows per request: the anchor plus 6 noise rows (dspark_block_size, and the
 # engine's num_speculative_tokens).
 QPR = 7
@@ -21,3 +23,31 @@ def launch_groups(num_reqs: int, launch_reqs: int = LAUNCH_REQS) -> list[tuple[i
     if num_reqs < 0:
         raise ValueError(f"num_reqs must be >= 0, got {num_reqs}")
     return [(s, min(s + launch_reqs, num_reqs)) for s in range(0, num_reqs, launch_reqs)]
+
+
+# Sockets: `dspark-sidecar serve --socket-dir DIR` puts rank r on DIR/rank{r}.sock, and an engine
+# rank reaches it as the gRPC target unix:DIR/rank{r}.sock.
+SUN_PATH_MAX = 107  # bytes of a unix socket path: sun_path holds 108 with its NUL
+
+
+def rank_socket(socket_dir: str | Path, rank: int) -> Path:
+    """Rank r's unix socket path in `socket_dir`."""
+    return Path(socket_dir) / f"rank{rank}.sock"
+
+
+def socket_dir_problem(socket_dir: str | Path, tp: int) -> str | None:
+    """Why ranks 0..tp-1's sockets in `socket_dir` cannot be served or reached, or None.
+
+    gRPC parses a `unix:PATH` target as a URI: '?' and '#' end its path on the client side only
+    (the ranks bind and go SERVING while no engine ever connects), ',' splits it into two
+    addresses, and '%XX' is decoded (the bind then fails as "in use"). A path longer than
+    sun_path fails in the kernel, with an error that names no setting."""
+    odd = sorted(set("?#,%") & set(str(socket_dir)))
+    if odd:
+        return (f"{socket_dir} holds {', '.join(map(repr, odd))}; gRPC reads '?', '#', ',' or '%' in a unix: "
+                "target as URI syntax, choose a folder without them")
+    longest = str(rank_socket(socket_dir, tp - 1))
+    if len(longest.encode()) > SUN_PATH_MAX:
+        return (f"{longest} is {len(longest.encode())} bytes, a unix socket path holds at most {SUN_PATH_MAX}; "
+                "choose a shorter folder")
+    return None

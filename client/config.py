@@ -82,7 +82,7 @@ class EngineConfig:
 
 def rank_endpoint(socket_dir: str | Path, rank: int) -> str:
     """Sidecar rank r's unix-socket target, as `dspark-sidecar serve --socket-dir DIR` lays them out."""
-    return f"unix:{Path(socket_dir) / f'rank{rank}.sock'}"
+    return f"unix:{layout.rank_socket(socket_dir, rank)}"
 
 
 def config_refusal(cfg: EngineConfig) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dspark_sidecar import layout
 from dspark_sidecar.client.agreement import StepAgreement, node_agreement
 from dspark_sidecar.client.config import EngineConfig, EngineConfigError, rank_endpoint
 from dspark_sidecar.client.forward_context import ForwardContextSource
@@ -38,6 +39,10 @@ def engine_config_from_vllm(vllm_config: Any, rank: int, environ: Any = os.envir
     A DSPARK_* value that cannot be used is an EngineConfigError naming the variable."""
     pc, spec = vllm_config.parallel_config, getattr(vllm_config, "speculative_config", None)
     socket_dir = environ.get("DSPARK_SOCKET_DIR", "")
+    tp = int(pc.tensor_parallel_size)
+    problem = layout.socket_dir_problem(socket_dir, tp) if socket_dir else None
+    if problem:  # the shim would dial a target gRPC reads otherwise, and fall back every step unexplained
+        raise EngineConfigError(f"DSPARK_SOCKET_DIR={socket_dir!r}: {problem}")
     device = getattr(getattr(vllm_config, "device_config", None), "device", "cpu")
     kw: dict[str, Any] = {}
     raw = environ.get("DSPARK_STEP_DEADLINE_MS", "")
@@ -48,7 +53,7 @@ def engine_config_from_vllm(vllm_config: Any, rank: int, environ: Any = os.envir
             raise EngineConfigError(f"DSPARK_STEP_DEADLINE_MS={raw!r}: expected a number of milliseconds") from None
     try:
         return EngineConfig(
-            tp_size=int(pc.tensor_parallel_size), dp_size=int(getattr(pc, "data_parallel_size", 1)),
+            tp_size=tp, dp_size=int(getattr(pc, "data_parallel_size", 1)),
             pp_size=int(getattr(pc, "pipeline_parallel_size", 1)),
             speculative_method=str(getattr(spec, "method", "") or "") if spec is not None else "",
             num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0,
@@ -137,7 +142,7 @@ def eager_draft_steps() -> str:
     (DSPARK_SOCKET_DIR), unless DSPARK_DRAFT_CUDAGRAPHS=keep."""
     if not os.environ.get("DSPARK_SOCKET_DIR"):
         return "draft CUDA graphs left as vLLM sets them (no sidecar configured)"
-    choice = os.environ.get("DSPARK_DRAFT_CUDAGRAPHS", "eager") or "eager"
+    choice = os.environ.get("DSPARK_DRAFT_CUDAGRAPHS", "").strip().lower() or "eager"  # KEEP, Keep: keep
     if choice == "keep":
         return "draft CUDA graphs kept (DSPARK_DRAFT_CUDAGRAPHS=keep): replayed steps never reach the sidecar"
     if choice != "eager":

@@ -43,7 +43,7 @@ class ServeConfig:
     dist_backend: str = "auto"  # auto | gloo | nccl
     dist_timeout_s: int = 60  # a collective stuck this long (dead peer) ends the rank
     master_addr: str = "127.0.0.1"
-    master_port: int = 29533
+    master_port: int = 0  # 0: the launcher picks a free one (torchrun's MASTER_PORT wins over either)
     max_message_bytes: int = 256 << 20
     warmup: bool = True
     cuda_graphs: bool = True  # replay the step as a CUDA graph per request count (GPU, capturable backend)
@@ -115,17 +115,9 @@ class ServeConfig:
                 used[port] = flag
         if self.master_port in used:
             raise ServeConfigError(f"--master-port: port {self.master_port} is also {used[self.master_port]}'s")
-        # gRPC parses the `unix:PATH` target as a URI: '?' and '#' end its path on the client side only
-        # (the ranks bound and went SERVING, no client ever connected, serve waited forever), ',' splits
-        # it into two addresses, and '%XX' is decoded (the bind failed after start-up, as "in use").
-        odd = sorted(set("?#,%") & set(str(self.socket_dir)))
-        if odd:
-            raise ServeConfigError(f"--socket-dir: {self.socket_dir} holds {', '.join(map(repr, odd))}; gRPC reads "
-                                   "'?', '#', ',' or '%' in a unix: target as URI syntax, choose a folder without them")
-        longest = str(self.socket_path(self.tp - 1))
-        if len(longest.encode()) > 107:  # sun_path holds 108 bytes with its NUL; gRPC's bind error names no flag
-            raise ServeConfigError(f"--socket-dir: {longest} is {len(longest.encode())} bytes, a unix socket path "
-                                   "holds at most 107; choose a shorter folder")
+        problem = layout.socket_dir_problem(self.socket_dir, self.tp)
+        if problem:
+            raise ServeConfigError(f"--socket-dir: {problem}")
 
     @property
     def step_streams(self) -> int:
@@ -133,7 +125,7 @@ class ServeConfig:
         return self.launch_streams or (DEFAULT_LAUNCH_STREAMS if self.tp == 1 else 1)
 
     def socket_path(self, rank: int) -> Path:
-        return self.socket_dir / f"rank{rank}.sock"
+        return layout.rank_socket(self.socket_dir, rank)
 
     def endpoints(self, rank: int) -> list[str]:
         eps = [f"unix:{self.socket_path(rank)}"]

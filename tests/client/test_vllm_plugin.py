@@ -251,6 +251,7 @@ def test_with_a_sidecar_configured_the_draft_steps_run_eagerly_so_each_reaches_t
 @pytest.mark.parametrize("env, said", [
     ({}, "no sidecar configured"),
     ({"DSPARK_SOCKET_DIR": "/run/dspark", "DSPARK_DRAFT_CUDAGRAPHS": "keep"}, "DSPARK_DRAFT_CUDAGRAPHS=keep"),
+    ({"DSPARK_SOCKET_DIR": "/run/dspark", "DSPARK_DRAFT_CUDAGRAPHS": "Keep "}, "DSPARK_DRAFT_CUDAGRAPHS=keep"),
 ])
 def test_the_draft_graphs_are_left_alone_without_a_sidecar_or_when_asked(fake_speculator, monkeypatch, env, said):
     for k, v in env.items():
@@ -307,3 +308,26 @@ def test_a_bad_step_deadline_variable_keeps_the_sidecar_off_instead_of_raising_i
     assert torch.equal(out, torch.full((7, HIDDEN), -1.0)) and model.stock_calls == 1
     assert model.dspark_shim().refusal.startswith(f"DSPARK_STEP_DEADLINE_MS={value!r}: ")
     assert f"DSPARK_STEP_DEADLINE_MS={value!r}" in caplog.text
+
+
+@pytest.mark.parametrize("folder, said", [
+    ("/run/dspark?x", "'?'"),
+    ("/run/dspark,b", "','"),
+    ("/run/" + "d" * 120, "at most 107"),
+])
+def test_a_socket_dir_grpc_cannot_dial_keeps_the_sidecar_off_and_says_why(fake_vllm, monkeypatch, caplog, folder,
+                                                                         said):
+    """`serve` refuses such a folder at start-up; the engine's side read it unchecked and dialled a
+    target gRPC parses otherwise ('?' ends the path, ',' splits it) or the kernel refuses (too long),
+    so every step fell back with no word of the variable. The shim stays off and names it."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", folder)
+    vllm_plugin.register()
+    model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config())
+    md = FlashAttentionMetadata(1)
+    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+    with caplog.at_level("ERROR", logger="dspark_sidecar.client"):
+        out = model(torch.arange(7), md.positions)
+    assert torch.equal(out, torch.full((7, HIDDEN), -1.0)) and model.stock_calls == 1
+    refusal = model.dspark_shim().refusal
+    assert refusal.startswith(f"DSPARK_SOCKET_DIR={folder!r}: ") and said in refusal
+    assert f"DSPARK_SOCKET_DIR={folder!r}" in caplog.text
