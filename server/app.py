@@ -305,7 +305,8 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
         board.unlink()
     rendezvous = Rendezvous(board, rank, cfg.rendezvous_ms, nap_s=nap_for(device.type))
     memory = MemoryBindings(dcfg, model.par.world_size, rank, model.dtype, device)
-    ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs, fast=fast)
+    ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs, fast=fast,
+                      max_message_bytes=cfg.max_message_bytes)
     life = Lifecycle(backend=choice.name, host=host, flydsl_off=choice.flydsl_refusal, strict=cfg.strict_refusal,
                      dist_backend=dist_backend)
     graphs = (StepGraphs(model, lambda: memory.kv.page_size, launch_streams(step_streams(cfg, device, choice.name),
