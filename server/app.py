@@ -43,7 +43,7 @@ from dspark_sidecar.server.process_group import join_group
 from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_up
 from dspark_sidecar.server.refusal import probe_host
 from dspark_sidecar.server.rendezvous import Board, Rendezvous
-from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle, give_back_unopened, limits_pb
+from dspark_sidecar.server.servicer import MAX_STREAMS, DrafterServicer, Lifecycle, give_back_unopened, limits_pb
 
 log = logging.getLogger("dspark_sidecar.server")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -53,6 +53,9 @@ BEAT_S = 0.5  # how often a rank's main thread beats on the rendezvous board and
 # A peer silent this long is stopped or wedged (a beat is due every BEAT_S): the rank reports
 # PEER_SILENT. Long enough that a loaded host's scheduling gaps do not flap health.
 PEER_SILENT_S = 3.0
+# gRPC handler threads: up to MAX_STREAMS open DraftSteps streams hold one each; the rest answer the
+# unary calls and the health check.
+GRPC_THREADS = MAX_STREAMS + 8
 
 
 def _die_with_parent() -> None:
@@ -113,7 +116,7 @@ def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer
     opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"grpc-r{rank}"),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS, thread_name_prefix=f"grpc-r{rank}"),
                          interceptors=[StatusInterceptor()], options=opts)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     pb_grpc.add_DrafterSidecarServicer_to_server(late, server)
@@ -305,7 +308,8 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
         board.unlink()
     rendezvous = Rendezvous(board, rank, cfg.rendezvous_ms, nap_s=nap_for(device.type))
     memory = MemoryBindings(dcfg, model.par.world_size, rank, model.dtype, device)
-    ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs, fast=fast)
+    ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs, fast=fast,
+                      max_message_bytes=cfg.max_message_bytes)
     life = Lifecycle(backend=choice.name, host=host, flydsl_off=choice.flydsl_refusal, strict=cfg.strict_refusal,
                      dist_backend=dist_backend)
     graphs = (StepGraphs(model, lambda: memory.kv.page_size, launch_streams(step_streams(cfg, device, choice.name),

@@ -228,7 +228,7 @@ class Doorbell(threading.Thread):
             if self.input_event is not None:
                 self._stream.wait_event(self.input_event)
             hook = self.prelaunch.hook(seq, req) if self.prelaunch is not None else None
-            resp = self.loop.answer_now(req, hook)
+            resp = self.loop.answer_now(req, hook, self.page.capacity)
             if self.output_event is not None:
                 self.output_event.record(self._stream)
         self._publish(seq, resp)

@@ -136,6 +136,18 @@ class StatusInterceptor(grpc.ServerInterceptor):
 
             return grpc.stream_stream_rpc_method_handler(
                 guarded_stream, request_deserializer=None, response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:  # health's Watch: as the stream, only parsing is ours
+            inner_watch = handler.unary_stream
+
+            def guarded_watch(raw: bytes, context):
+                try:
+                    request = parsed(raw)
+                except SidecarError as err:
+                    context.abort_with_status(rpc_status.to_status(to_status(err)))
+                yield from inner_watch(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                guarded_watch, request_deserializer=None, response_serializer=handler.response_serializer)
         return handler
 
 

@@ -50,6 +50,7 @@ class RankContext:
     max_reqs: int
     refusal: str | None = None  # set when --strict-refusal refuses the deployment
     fast: "FastPath | None" = None  # the FlyDSL step runner's glue (server/fast_path.py), when selected
+    max_message_bytes: int = 0  # gRPC's limit (--max-message-bytes): inline answers past it are refused; 0: none
 
 
 class FastPath(Protocol):
@@ -189,18 +190,20 @@ class RankLoop:
         except Exception as exc:  # noqa: BLE001  (every failure is answered, none ends the stream)
             return pb.DraftStepResponse(step_id=req.step_id, error=to_step_error(as_sidecar_error(exc)))
 
-    def answer_now(self, req: pb.DraftStepRequest, prelaunched: "Queued | None" = None) -> pb.DraftStepResponse:
+    def answer_now(self, req: pb.DraftStepRequest, prelaunched: "Queued | None" = None,
+                   answer_limit: int = 0) -> pb.DraftStepResponse:
         """The doorbell path: run on the calling thread, in one order with the worker's steps.
 
         Handing the step to the worker would cost a thread wake-up (tens of us) on every step of
         the latency-critical path; the lock keeps launches serialized all the same.
         prelaunched: the doorbell's queued copy of this step, if any (server/prelaunch.py).
+        answer_limit: the bytes the doorbell's answer area holds (0: no limit).
         """
         expires = time.monotonic_ns() + req.deadline_ms * 1_000_000 if req.deadline_ms else 0
         t_enq = time.perf_counter_ns()
         with self._lock:
             try:
-                return self._guarded(req, t_enq, expires, prelaunched)
+                return self._guarded(req, t_enq, expires, prelaunched, answer_limit)
             except SidecarError as err:
                 return pb.DraftStepResponse(step_id=req.step_id, error=to_step_error(err))
 
@@ -244,15 +247,16 @@ class RankLoop:
             req, fut, t_enq, expires = item
             with self.exclusive(wait=False):
                 try:
-                    fut.set_result(self._guarded(req, t_enq, expires))
+                    fut.set_result(self._guarded(req, t_enq, expires, answer_limit=self.ctx.max_message_bytes))
                 except SidecarError as err:
                     fut.set_exception(err)
 
-    def _guarded(self, req: pb.DraftStepRequest, t_enq: int, expires: int, prelaunched=None) -> pb.DraftStepResponse:
+    def _guarded(self, req: pb.DraftStepRequest, t_enq: int, expires: int, prelaunched=None,
+                 answer_limit: int = 0) -> pb.DraftStepResponse:
         if self._deferred:
             self._sweep()
         try:
-            return self._run(req, t_enq, expires, prelaunched)
+            return self._run(req, t_enq, expires, prelaunched, answer_limit)
         except SidecarError:
             raise
         except Exception:  # noqa: BLE001
@@ -262,7 +266,8 @@ class RankLoop:
             log.exception("rank %d: draft step %d failed inside its launch; exiting", self.ctx.rank, req.step_id)
             os._exit(3)
 
-    def _run(self, req: pb.DraftStepRequest, t_enq: int, expires_ns: int = 0, prelaunched=None) -> pb.DraftStepResponse:
+    def _run(self, req: pb.DraftStepRequest, t_enq: int, expires_ns: int = 0, prelaunched=None,
+             answer_limit: int = 0) -> pb.DraftStepResponse:
         ctx = self.ctx
         t0 = time.perf_counter_ns()
         step: Step | None = None
@@ -274,7 +279,7 @@ class RankLoop:
                 raise precondition(f"fast path refused: {ctx.refusal} (--strict-refusal)", "REFUSED")
             # A doorbell step's index checks wait for the offer below.
             step = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs, indices=prelaunched is None,
-                                 out_dtype=ctx.model.dtype)
+                                 out_dtype=ctx.model.dtype, answer_limit=answer_limit)
         except SidecarError as err:
             own_error = err
         t_valid = time.perf_counter_ns()

@@ -28,6 +28,10 @@ from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
 
 log = logging.getLogger("dspark_sidecar.server")
+# DraftSteps streams one rank serves at once. Each holds a gRPC handler thread while it is open; the
+# rest of the pool (server/app.py) is kept for the unary calls and the health check, which would
+# otherwise wait for a thread for ever. An engine rank holds one stream (two across a reconnect).
+MAX_STREAMS = 8
 
 
 @dataclass
@@ -89,6 +93,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._attach_lock = threading.Lock()
         self._retiring: list[Doorbell] = []  # replaced doorbells still inside a step (longer than STOP_S)
         self._doorbells_closed = False  # shutdown (close_doorbell): no doorbell attaches any more
+        self._streams = threading.BoundedSemaphore(MAX_STREAMS)  # open DraftSteps streams
         listeners = getattr(ctx.fast, "listeners", None)
         if listeners is not None:  # the fast path's verdict on a binding changes what health says
             listeners.append(self._fast_path_changed)
@@ -249,8 +254,16 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def DraftSteps(self, request_iterator, context):
         self._require_same_node(context, "draft steps")
-        for request in request_iterator:
-            yield self.loop.answer(request)
+        if not self._streams.acquire(blocking=False):
+            raise SidecarError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{MAX_STREAMS} DraftSteps streams are open on this rank, the most it serves at once "
+                               "(an engine rank needs one): close the streams no longer used, then open this one again",
+                               "", "TOO_MANY_STREAMS")
+        try:
+            for request in request_iterator:
+                yield self.loop.answer(request)
+        finally:  # the stream ended (half-close, cancel, transport gone): its place is free again
+            self._streams.release()
 
     def _require_same_node(self, context, what: str = "memory registration") -> None:
         if not _same_node(context.peer()):

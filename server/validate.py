@@ -6,6 +6,7 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import grpc
 import numpy as np
 import torch
 
@@ -14,7 +15,7 @@ from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from dspark_sidecar.server.errors import invalid, out_of_range
+from dspark_sidecar.server.errors import SidecarError, invalid, out_of_range
 from dspark_sidecar.server.kv_binding import KVBinding, MemoryBindings
 
 
@@ -71,14 +72,21 @@ def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: to
         raise invalid(field, str(err).split(": ", 1)[-1]) from None
 
 
+# What a DraftStepResponse carries besides its hidden states' bytes (step id, tensor header, timings):
+# under 300 bytes; the rest is slack.
+ANSWER_OVERHEAD = 1024
+
+
 def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, max_reqs: int,
-                  indices: bool = True, out_dtype: torch.dtype | None = None) -> Step:
+                  indices: bool = True, out_dtype: torch.dtype | None = None, answer_limit: int = 0) -> Step:
     """All checks of issue 3's bad-input list, cheapest first; raises SidecarError naming the field.
 
     indices=False leaves out the index checks (check_indices): the rank loop runs them only when a
     pre-launched copy of the step has not passed the same checks on the GPU (server/rank.py).
     out_dtype: the hidden states' dtype, to check an output region slice before the step runs
-    (found after it, the step would have written its K/V for an answer that is an error)."""
+    (found after it, the step would have written its K/V for an answer that is an error).
+    answer_limit: the most bytes an answer may take where it goes (gRPC's --max-message-bytes, the
+    doorbell's capacity); a step asking for inline hidden states past it is refused (0: no limit)."""
     R = req.num_requests
     if not 1 <= R <= max_reqs:
         raise out_of_range("num_requests", f"{R} outside 1..{max_reqs} (this sidecar's --max-reqs)")
@@ -105,10 +113,26 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
             mem.resolve(output, out_dtype, (layout.QPR * R, cfg.hidden_size), "output")
         except ValueError as err:
             raise invalid("output", str(err).split(": ", 1)[-1]) from None
+    if output is None and answer_limit and out_dtype is not None:
+        _check_answer_size(R, cfg.hidden_size, out_dtype, answer_limit)
     step = Step(req.step_id, R, positions, embeds, ids, meta, kv, output, host, key is not None)
     if indices:
         check_indices(step)
     return step
+
+
+def _check_answer_size(R: int, hidden: int, dtype: torch.dtype, limit: int) -> None:
+    """Inline hidden states that could not be sent: refused before the step runs. Found only as the
+    answer went out, the step had written its K/V, and gRPC ended a DraftSteps stream with it."""
+    row = hidden * dtype.itemsize
+    nbytes = layout.QPR * R * row
+    if nbytes + ANSWER_OVERHEAD > limit:
+        most = max(0, (limit - ANSWER_OVERHEAD) // (layout.QPR * row))
+        raise SidecarError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"output: the inline hidden states of {R} requests are {nbytes} bytes, past the {limit} "
+                           f"an answer may take here (--max-message-bytes, or the doorbell's capacity_bytes): "
+                           f"send an output region slice, or at most {most} requests per step",
+                           "output", "RESPONSE_TOO_LARGE")
 
 
 def check_indices(step: Step) -> None:

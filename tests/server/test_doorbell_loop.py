@@ -93,7 +93,7 @@ def test_a_doorbell_too_small_for_an_error_answer_is_refused():
 class _FailingLoop(_Loop):
     """A loop whose every step raises, with an answer that never fits: the thread must outlive both."""
 
-    def answer_now(self, req, hook=None):
+    def answer_now(self, req, hook=None, answer_limit=0):
         raise RuntimeError("x" * (2 * CAPACITY))
 
 
@@ -170,7 +170,7 @@ def test_attaching_a_doorbell_replaces_the_last_one_even_when_it_does_not_close_
 class _SlowLoop(_Loop):
     """A step that takes longer than stop() used to wait (2 s)."""
 
-    def answer_now(self, req, hook=None):
+    def answer_now(self, req, hook=None, answer_limit=0):
         from dspark_sidecar.proto import sidecar_pb2 as pb
 
         time.sleep(2.5)

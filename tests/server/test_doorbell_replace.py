@@ -38,7 +38,7 @@ class _Loop:
     def sweep_idle(self):
         pass
 
-    def answer_now(self, req, hook=None):  # a step that takes a while (a capture, a slow rendezvous)
+    def answer_now(self, req, hook=None, answer_limit=0):  # a step that takes a while (a capture, a slow rendezvous)
         time.sleep(1.5)
         return pb.DraftStepResponse(step_id=req.step_id)
 
@@ -132,7 +132,7 @@ class _LockLoop(_Loop):
         with self.lock:
             pass
 
-    def answer_now(self, req, hook=None):
+    def answer_now(self, req, hook=None, answer_limit=0):
         if req.step_id == 1:  # D1's step: a long rendezvous (rendezvous_ms of 10 s or more), GO at the end
             time.sleep(0.6)
         else:  # D2's step with inline output: hidden.cpu() waits for the stream
