@@ -61,7 +61,11 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
         while True:
             codes = [p.poll() for p in procs]
             if stopping and all(c is not None for c in codes):
-                return 0 if all(c == 0 for c in codes) else 1
+                # A rank still importing (before serve_rank sets its handlers) ends by the stop's own signal:
+                # -SIGTERM from here, or -SIGINT from a Ctrl-C to the whole foreground group. That is the
+                # start-up stop asked for, exit 0 as documented, not a failed rank.
+                stopped = (0, -signal.SIGTERM, -signal.SIGINT) if not ready_sent else (0,)
+                return 0 if all(c in stopped for c in codes) else 1
             if stopping and not ready_sent and time.monotonic() > stop_deadline:
                 log.warning("rank(s) %s still starting %.0f s after the stop request (blocked in the rendezvous "
                             "or a read); killing them", [r for r, c in enumerate(codes) if c is None], STARTUP_STOP_S)

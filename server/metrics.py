@@ -31,6 +31,11 @@ class Metrics:
         self._step_count = {r: self.steps.labels(result=r, **labels) for r in RESULTS}
         self._phase_hist = {p: self.seconds.labels(phase=p, **labels) for p in PHASES}
         self._prelaunch = {o: self.prelaunched.labels(outcome=o, **labels) for o in ("hit", "miss")}
+        # Made here, so both read 0 from the start: an untouched labelled series is absent, and a query for
+        # binds that stay at 0 or a rank that never serves (OPERATIONS.md) would match nothing.
+        self._binds = self.binds.labels(**labels)
+        self._serving = self.serving.labels(**labels)
+        self._serving.set(0)
         self._lock = threading.Lock()
         self.counts = collections.Counter()
         self._recent = {p: collections.deque(maxlen=window) for p in PHASES}
@@ -56,12 +61,12 @@ class Metrics:
             self.counts["steps_prelaunched" if hit else "prelaunch_misses"] += 1
 
     def bound(self) -> None:
-        self.binds.labels(**self._labels).inc()
+        self._binds.inc()
         with self._lock:
             self.counts["kv_binds"] += 1
 
     def set_serving(self, serving: bool) -> None:
-        self.serving.labels(**self._labels).set(1 if serving else 0)
+        self._serving.set(1 if serving else 0)
 
     def counters_pb(self) -> pb.Counters:
         with self._lock:

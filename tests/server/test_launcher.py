@@ -64,3 +64,37 @@ def test_a_stop_during_the_probe_that_finds_the_group_serving_drains_it_and_exit
     code = launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=on_ready, poll_s=0.05)
     assert code == 0, "the draining ranks were killed as if still starting"
     assert time.monotonic() - t0 < 30
+
+
+def test_a_stop_before_the_ranks_set_their_handlers_exits_0(tmp_path, monkeypatch):
+    """SIGTERM (or Ctrl-C) within the first seconds of `serve`: the ranks are still importing torch, before
+    serve_rank sets their handlers, so the launcher's SIGTERM ends them by the default action (-15).
+    README: during start-up `serve` ends the ranks "also with exit 0"; the launcher counted -15 as a
+    failed rank and exited 1, silently (about 2-6 s into a start on a loaded 2-core host)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from dspark_sidecar.server import launcher
+
+    # A rank still importing: no handler of its own, it only marks that it runs.
+    rank = ("import os, pathlib, time\n"
+            f"pathlib.Path({str(tmp_path)!r}, 'up-' + os.environ['RANK']).touch()\n"
+            "time.sleep(60)\n")
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(launcher.subprocess, "Popen",
+                        lambda argv, **kw: real_popen([sys.executable, "-c", rank], **kw))
+
+    def stop_once_up() -> None:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("up-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_up, daemon=True).start()
+    t0 = time.monotonic()
+    code = launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=lambda: False, poll_s=0.05)
+    assert code == 0, "ranks ended by the stop's own SIGTERM were counted as failures"
+    assert time.monotonic() - t0 < 30
