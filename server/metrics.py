@@ -26,7 +26,6 @@ class Metrics:
         self.serving = Gauge("dspark_serving", "1 when this rank serves draft steps", ["rank"], registry=self.registry)
         self.prelaunched = Counter("dspark_prelaunch", "Pre-launched doorbell steps by outcome (hit: answered from it)",
                                    ["rank", "outcome"], registry=self.registry)
-        self._labels = labels
         # Labelled children resolved once: a labels() lookup costs microseconds on every step.
         self._step_count = {r: self.steps.labels(result=r, **labels) for r in RESULTS}
         self._phase_hist = {p: self.seconds.labels(phase=p, **labels) for p in PHASES}
