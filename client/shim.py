@@ -373,6 +373,12 @@ class DrafterShim:
             self.breaker.record_failure(str(e))
             return None, BAD_ANSWER
         want = self._compute_dtype()
+        if want is None and bell is None:
+            # A compute dtype the shim cannot read (an older sidecar leaves it unset): any floating dtype
+            # passed, and an fp32 engine got bf16 hidden states its next layer cannot take. The answer
+            # must then have the engine's own dtype. (The doorbell's region has one dtype, which
+            # check_answer holds the answer to.)
+            want = embeds.dtype
         if (tuple(hidden.shape) != (positions.numel(), embeds.shape[-1]) or not hidden.is_floating_point()
                 or (want is not None and hidden.dtype != want)):
             self.breaker.record_failure(f"hidden_states {list(hidden.shape)} {hidden.dtype}")

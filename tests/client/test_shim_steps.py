@@ -432,3 +432,44 @@ def test_a_kv_cache_of_another_layout_never_raises_out_of_maybe_forward(fake):
         assert not shim.enabled and "shape [16]: expected planes [2, pages, page_size, heads, head_dim] or records" in shim.refusal
     finally:
         shim.close()
+
+
+class _NoComputeDtype(FakeSidecar):
+    """A sidecar whose GetStatus names no compute dtype the shim knows (an older one: the field unset),
+    answering in `answer_dtype`."""
+
+    answer_dtype = torch.float32
+
+    def GetStatus(self, request, context):
+        st = super().GetStatus(request, context)
+        st.model.compute_dtype = ""
+        return st
+
+    def _step(self, req):
+        from dspark_sidecar.proto import codec
+
+        resp = super()._step(req)
+        if resp.WhichOneof("result") == "hidden_states":
+            h = codec.from_tensor_ref(resp.hidden_states, "h").to(self.answer_dtype)
+            resp.hidden_states.CopyFrom(codec.to_tensor_ref(h))
+        return resp
+
+
+def test_without_a_known_compute_dtype_an_answer_must_have_the_engines_dtype():
+    """With the sidecar's compute dtype unknown the answer check took any floating dtype: an fp32
+    engine got bf16 hidden states, which its next fp32 layer (the LM head) cannot take. The stream's
+    answer must then have the dtype of the engine's own embeddings."""
+    server = FakeServer(_NoComputeDtype(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, model, _ = make_shim(server.endpoint)
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            out = shim.maybe_forward(ids, pos)
+            assert out is not None and out.dtype == torch.float32 and torch.equal(out, model.table[ids] * 2)
+            server.sidecar.answer_dtype = torch.bfloat16
+            out = shim.maybe_forward(ids, pos)
+            assert out is None, f"a {out.dtype} answer was handed to a {model.table.dtype} engine"
+        assert shim.stats.fallbacks == {S.BAD_ANSWER: 1}
+        shim.close()
+    finally:
+        server.stop()
