@@ -219,7 +219,10 @@ class DrafterShim:
         wait in)."""
         if not self.enabled:
             return f"off: {self.refusal}"
-        ready, why, refused = self._prepare(self._layers())
+        try:
+            ready, why, refused = self._prepare(self._layers())
+        except Exception as e:  # noqa: BLE001  (as in maybe_forward: it returns why, it does not raise)
+            ready, why, refused = False, self._internal("prepare", e), False
         if refused:
             self._drop_link()  # the next step's pre-flight opens it again, finds the refusal, and agrees on it
         return None if ready else why

@@ -473,3 +473,18 @@ def test_without_a_known_compute_dtype_an_answer_must_have_the_engines_dtype():
         shim.close()
     finally:
         server.stop()
+
+
+def test_connect_reports_an_unexpected_error_instead_of_raising(fake):
+    """connect() is maybe_forward's phase 2 alone, for an engine at start-up or the bench; it returns
+    why the rank is not ready. An unexpected exception in it (here the cache's export raising OSError
+    inside BindKV's request) escaped to the caller, where maybe_forward catches the same one."""
+    shim, _, _ = make_shim(fake.endpoint)
+    stock = shim.binder.bind
+    shim.binder.bind = lambda *a, **k: (_ for _ in ()).throw(OSError("injected: export failed"))
+    why = shim.connect()
+    assert why == "shim error in prepare: OSError" and shim.enabled
+    shim.binder.bind = stock
+    shim.breaker.record_success()
+    assert shim.connect() is None
+    shim.close()
