@@ -488,3 +488,18 @@ def test_connect_reports_an_unexpected_error_instead_of_raising(fake):
     shim.breaker.record_success()
     assert shim.connect() is None
     shim.close()
+
+
+@pytest.mark.parametrize("field", ["backoff_initial_s", "backoff_max_s", "probe_deadline_s"])
+def test_breaker_times_must_be_finite(field):
+    """EngineConfig bounds its deadlines (at most 3600 s: every wait of the shim is bounded by them);
+    BreakerConfig took inf. An infinite backoff never probes again, and gRPC answers a call with an
+    infinite timeout DEADLINE_EXCEEDED at once, so either kept a recovered sidecar unused for good."""
+    from dspark_sidecar.client.config import BreakerConfig
+
+    kw = {field: float("inf")}
+    if field == "backoff_initial_s":
+        kw["backoff_max_s"] = float("inf")
+    with pytest.raises(EngineConfigError, match=field):
+        BreakerConfig(**kw)
+    BreakerConfig(**{field: 3600.0, "backoff_max_s": 3600.0})  # the same bound as the engine's deadlines
