@@ -28,8 +28,10 @@ class BreakerConfig:
         if self.failure_threshold < 1:
             raise EngineConfigError(f"breaker.failure_threshold: must be >= 1, got {self.failure_threshold}")
         for f in ("backoff_initial_s", "backoff_max_s", "probe_deadline_s"):
-            if not getattr(self, f) > 0:
-                raise EngineConfigError(f"breaker.{f}: must be > 0, got {getattr(self, f)}")
+            # Finite, as EngineConfig's deadlines: an infinite backoff never probes again, and gRPC fails a
+            # call with an infinite timeout at once (DEADLINE_EXCEEDED): a recovered sidecar unused for good.
+            if not 0 < getattr(self, f) <= 3600:
+                raise EngineConfigError(f"breaker.{f}: must be above 0 and at most 3600 s, got {getattr(self, f)}")
         if self.backoff_max_s < self.backoff_initial_s:
             raise EngineConfigError("breaker.backoff_max_s: must be >= backoff_initial_s")
 

@@ -99,5 +99,10 @@ class DoorbellTransport:
         return self.bell.settled(step_id) or not self.liveness.alive
 
     def close(self) -> None:
-        self.bell.close()
-        self.buffers.close()
+        # The buffers whatever the doorbell's close does: it can raise (a driver error unregistering the
+        # page's GPU word; the shim logs it and drops the link all the same), and skipping this left the
+        # three regions registered on the live sidecar, and mapped here, once per dropped link.
+        try:
+            self.bell.close()
+        finally:
+            self.buffers.close()

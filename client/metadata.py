@@ -42,7 +42,11 @@ def step_metadata_from(attn_metadata: Any, num_rows: int, page_size: int | None 
     if seq_lens is None or tables is None or slots is None:
         return None
     r = num_rows // layout.QPR
-    if seq_lens.shape[0] < r or tables.dim() != 2 or tables.shape[0] < r or slots.shape[0] < num_rows:
+    # Ranks checked first: a 0-d tensor has no shape[0] (IndexError) and a 2-D seq_lens no max
+    # (TypeError), which raised out of maybe_forward into the engine's step instead of refusing it.
+    if seq_lens.dim() != 1 or tables.dim() != 2 or slots.dim() != 1:
+        return None
+    if seq_lens.shape[0] < r or tables.shape[0] < r or slots.shape[0] < num_rows:
         return None
     seq_lens = _host(_rows(seq_lens, r), torch.int32)
     tables = _rows(tables, r)

@@ -151,7 +151,7 @@ class DrafterShim:
             return self._fallback(NO_METADATA)
         if self.is_capturing():
             return self._fallback(CAPTURE)
-        layers = list(self._kv_caches() or [])
+        layers = self._layers()
         paging = kv_paging(layers[0]) if layers else None
         meta = step_metadata_from(attn, n, paging[1] if paging else None)
         if meta is None:
@@ -196,6 +196,20 @@ class DrafterShim:
         self.stats.forward_ns.append(time.perf_counter_ns() - start)
         return hidden
 
+    def _layers(self) -> list[torch.Tensor]:
+        """The engine's KV cache layers, or [] when its provider raises. The provider reads this rank's
+        own state (vLLM's layer attributes), not the step's replicated inputs, so an exception here must
+        neither escape maybe_forward nor end the step before the agreements (its peers would wait there
+        for this rank): an empty cache is reported not ready (NO_KV) in the pre-flight instead."""
+        try:
+            return list(self._kv_caches() or [])
+        except Exception as e:  # noqa: BLE001  (see above: the pre-flight turns it into None on every rank)
+            key = f"engine KV cache provider raised {type(e).__name__}"  # the engine's fault: not the breaker's
+            if key not in self._logged:
+                self._logged.add(key)
+                log.exception("DSpark drafter shim: %s (steps fall back while it repeats)", key)
+            return []
+
     def connect(self) -> str | None:
         """This rank's phase 2 alone, ahead of its first step: connect, bind the KV cache, attach the
         data plane. None when ready, else why not. No agreement with the peers is made here, so any rank
@@ -205,7 +219,10 @@ class DrafterShim:
         wait in)."""
         if not self.enabled:
             return f"off: {self.refusal}"
-        ready, why, refused = self._prepare(list(self._kv_caches() or []))
+        try:
+            ready, why, refused = self._prepare(self._layers())
+        except Exception as e:  # noqa: BLE001  (as in maybe_forward: it returns why, it does not raise)
+            ready, why, refused = False, self._internal("prepare", e), False
         if refused:
             self._drop_link()  # the next step's pre-flight opens it again, finds the refusal, and agrees on it
         return None if ready else why
@@ -359,6 +376,12 @@ class DrafterShim:
             self.breaker.record_failure(str(e))
             return None, BAD_ANSWER
         want = self._compute_dtype()
+        if want is None and bell is None:
+            # A compute dtype the shim cannot read (an older sidecar leaves it unset): any floating dtype
+            # passed, and an fp32 engine got bf16 hidden states its next layer cannot take. The answer
+            # must then have the engine's own dtype. (The doorbell's region has one dtype, which
+            # check_answer holds the answer to.)
+            want = embeds.dtype
         if (tuple(hidden.shape) != (positions.numel(), embeds.shape[-1]) or not hidden.is_floating_point()
                 or (want is not None and hidden.dtype != want)):
             self.breaker.record_failure(f"hidden_states {list(hidden.shape)} {hidden.dtype}")

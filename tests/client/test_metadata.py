@@ -63,3 +63,20 @@ def test_metadata_without_what_the_step_needs_is_refused(broken):
     else:
         m = {}
     assert step_metadata_from(m, 14, page_size=16) is None
+
+
+@pytest.mark.parametrize("broken", ["scalar seq_lens", "scalar slots", "2-D seq_lens", "2-D slots"])
+def test_metadata_of_the_wrong_rank_is_refused_not_raised(broken):
+    """A 0-d tensor raised IndexError (shape[0]) and a 2-D seq_lens TypeError (max of lists) out of
+    step_metadata_from, so out of maybe_forward into the engine's step. These fields are the step's
+    replicated inputs: every rank refuses the same step here, before any agreement."""
+    m = _padded()
+    if broken == "scalar seq_lens":
+        m.seq_lens = torch.tensor(35)
+    elif broken == "scalar slots":
+        m.slot_mapping = torch.tensor(3)
+    elif broken == "2-D seq_lens":
+        m.seq_lens = m.seq_lens[:, None].expand(4, 2)
+    else:
+        m.slot_mapping = m.slot_mapping[:, None]
+    assert step_metadata_from(m, 14, page_size=16) is None

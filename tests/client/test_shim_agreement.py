@@ -197,3 +197,27 @@ def test_an_exception_on_one_rank_between_the_agreements_cannot_hang_its_peers(e
     assert engine.step()[0] is None
     assert engine.shims[2].stats.fallbacks["shim error in prepare: OSError"] == 1
     assert engine.shims[0].stats.fallbacks[S.PEER_NOT_READY] == 1
+
+
+def test_an_exception_in_one_ranks_kv_cache_provider_is_a_rank_not_ready_not_a_raise(engine):
+    """The engine's KV cache provider is this rank's own state (vLLM's layer attributes), not the
+    step's replicated inputs: it raised out of maybe_forward before any agreement, so the engine
+    step failed on that rank while its peers waited for it in the pre-flight. It is a rank without
+    a KV cache now: not ready in the pre-flight, so every rank falls back for that step."""
+    assert engine.step()[0] is not None
+    kv = engine.kv[2]
+    calls = []
+
+    def broken() -> list:
+        calls.append(True)
+        raise RuntimeError("injected: the engine's cache attribute is being replaced")
+
+    engine.shims[2]._kv_caches = broken
+    t0 = time.monotonic()
+    outs = engine.step()  # raised RuntimeError from rank 2 before
+    assert outs[0] is None and calls and time.monotonic() - t0 < 2.0
+    assert engine.shims[2].stats.fallbacks == {S.NO_KV: 1}
+    assert all(engine.shims[r].stats.fallbacks == {S.PEER_NOT_READY: 1} for r in (0, 1, 3))
+    engine.shims[2]._kv_caches = lambda: [s.tensor for s in kv]
+    assert engine.step()[0] is not None  # the provider is back: forwarding resumes, no re-bind needed
+    assert engine.servers[2].sidecar.calls["BindKV"] == 1

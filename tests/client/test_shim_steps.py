@@ -432,3 +432,74 @@ def test_a_kv_cache_of_another_layout_never_raises_out_of_maybe_forward(fake):
         assert not shim.enabled and "shape [16]: expected planes [2, pages, page_size, heads, head_dim] or records" in shim.refusal
     finally:
         shim.close()
+
+
+class _NoComputeDtype(FakeSidecar):
+    """A sidecar whose GetStatus names no compute dtype the shim knows (an older one: the field unset),
+    answering in `answer_dtype`."""
+
+    answer_dtype = torch.float32
+
+    def GetStatus(self, request, context):
+        st = super().GetStatus(request, context)
+        st.model.compute_dtype = ""
+        return st
+
+    def _step(self, req):
+        from dspark_sidecar.proto import codec
+
+        resp = super()._step(req)
+        if resp.WhichOneof("result") == "hidden_states":
+            h = codec.from_tensor_ref(resp.hidden_states, "h").to(self.answer_dtype)
+            resp.hidden_states.CopyFrom(codec.to_tensor_ref(h))
+        return resp
+
+
+def test_without_a_known_compute_dtype_an_answer_must_have_the_engines_dtype():
+    """With the sidecar's compute dtype unknown the answer check took any floating dtype: an fp32
+    engine got bf16 hidden states, which its next fp32 layer (the LM head) cannot take. The stream's
+    answer must then have the dtype of the engine's own embeddings."""
+    server = FakeServer(_NoComputeDtype(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, model, _ = make_shim(server.endpoint)
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            out = shim.maybe_forward(ids, pos)
+            assert out is not None and out.dtype == torch.float32 and torch.equal(out, model.table[ids] * 2)
+            server.sidecar.answer_dtype = torch.bfloat16
+            out = shim.maybe_forward(ids, pos)
+            assert out is None, f"a {out.dtype} answer was handed to a {model.table.dtype} engine"
+        assert shim.stats.fallbacks == {S.BAD_ANSWER: 1}
+        shim.close()
+    finally:
+        server.stop()
+
+
+def test_connect_reports_an_unexpected_error_instead_of_raising(fake):
+    """connect() is maybe_forward's phase 2 alone, for an engine at start-up or the bench; it returns
+    why the rank is not ready. An unexpected exception in it (here the cache's export raising OSError
+    inside BindKV's request) escaped to the caller, where maybe_forward catches the same one."""
+    shim, _, _ = make_shim(fake.endpoint)
+    stock = shim.binder.bind
+    shim.binder.bind = lambda *a, **k: (_ for _ in ()).throw(OSError("injected: export failed"))
+    why = shim.connect()
+    assert why == "shim error in prepare: OSError" and shim.enabled
+    shim.binder.bind = stock
+    shim.breaker.record_success()
+    assert shim.connect() is None
+    shim.close()
+
+
+@pytest.mark.parametrize("field", ["backoff_initial_s", "backoff_max_s", "probe_deadline_s"])
+def test_breaker_times_must_be_finite(field):
+    """EngineConfig bounds its deadlines (at most 3600 s: every wait of the shim is bounded by them);
+    BreakerConfig took inf. An infinite backoff never probes again, and gRPC answers a call with an
+    infinite timeout DEADLINE_EXCEEDED at once, so either kept a recovered sidecar unused for good."""
+    from dspark_sidecar.client.config import BreakerConfig
+
+    kw = {field: float("inf")}
+    if field == "backoff_initial_s":
+        kw["backoff_max_s"] = float("inf")
+    with pytest.raises(EngineConfigError, match=field):
+        BreakerConfig(**kw)
+    BreakerConfig(**{field: 3600.0, "backoff_max_s": 3600.0})  # the same bound as the engine's deadlines
