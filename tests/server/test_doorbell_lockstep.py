@@ -3,6 +3,7 @@ device work on one rank (a release of regions) cannot pair its peers' collective
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -112,7 +113,9 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
                 pb.UnregisterBuffersRequest(), SimpleNamespace(peer=lambda: "unix:/engine")), order.append("release")))
             t.start()
             releaser.append(t)
-            time.sleep(0.1)  # the release is waiting for the loop's lock now
+            # The release must be waiting for the loop's lock before this step's answer goes out: a fixed
+            # nap was not enough on a loaded 2-core host (the thread reached the lock after step 2).
+            assert _blocked_in(t, "exclusive"), "the release never reached the loop's lock"
         publish(seq, resp)
         answers[seq] = float(codec.from_tensor_ref(resp.hidden_states, "h")[0, 0])
 
@@ -135,6 +138,20 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
     if rank == 0:
         board.close()
     return {"order": order, "answers": answers}
+
+
+def _blocked_in(thread: threading.Thread, function: str, timeout_s: float = 10.0) -> bool:
+    """Whether `thread` reaches a frame of `function` (RankLoop.exclusive: waiting for its lock) in time."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        frame = sys._current_frames().get(thread.ident)
+        while frame is not None:
+            if frame.f_code.co_name == function:
+                time.sleep(0.01)  # from its first line to the lock's acquire
+                return True
+            frame = frame.f_back
+        time.sleep(0.002)
+    return False
 
 
 def test_a_release_of_regions_on_one_rank_waits_for_the_queueing_after_the_step():
