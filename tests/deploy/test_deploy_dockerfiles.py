@@ -108,3 +108,13 @@ def test_final_stage_installs_the_wheel_built_here_not_a_name_from_the_index(fla
     extra = {"cuda": "triton", "rocm": "flydsl"}[flavour]
     assert argv[-1] == f"{wheels}/dspark_sidecar-0.1.0-py3-none-any.whl[{extra}]", argv
     assert "--find-links" not in argv and "--index-url" not in argv, argv
+
+
+def test_build_context_leaves_out_what_git_ignores(flavour):
+    """`COPY . .` sent a developer's .venv (gigabytes of torch), .whl and .out into the build: the
+    .dockerignore listed none of the local folders the repository's .gitignore keeps out."""
+    ignore = set((DEPLOY / f"Dockerfile.{flavour}.dockerignore").read_text().split())
+    for line in (DEPLOY.parent / ".gitignore").read_text().splitlines():
+        name = line.strip().strip("/")
+        if name and not name.startswith("#"):
+            assert name in ignore or f"**/{name}" in ignore, name
