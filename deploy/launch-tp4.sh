@@ -92,6 +92,10 @@ export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
+# Missing parents as `serve` makes them (server/sockdir.py: 0755, narrowed by the caller's umask),
+# before the umask below: under it they were 0770 in this user's own group, which the engine's
+# DSPARK_SOCKET_GROUP could not pass through to reach the sockets.
+(umask "$(printf '%04o' $(($(umask) | 8#022)))" && mkdir -p -- "$(dirname -- "$socket_dir")")
 # Sockets are created 0660 by the server; the directory admits only its owner and group.
 umask 007
 mkdir -p "$socket_dir"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -84,3 +85,36 @@ def test_hadolint_reports_a_broken_dockerfile(tmp_path):
     bad.write_text("FROM ubuntu\nRUN cd /tmp && make\nUSER root\n")
     res = subprocess.run([HADOLINT, "--no-color", str(bad)], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "DL3002" in res.stdout  # last USER is root
+
+
+def test_final_stage_installs_the_wheel_built_here_not_a_name_from_the_index(flavour, tmp_path):
+    """`pip install --find-links /wheels "dspark-sidecar[...]"` also asked PyPI for that name and took
+    the highest version of either: a later (or anyone's) `dspark-sidecar` there replaced the checkout
+    being built. The install names the build stage's wheel file instead; run with a recording pip."""
+    (install,) = [v for v in _values(_final_stage(DOCKERFILES[flavour]), "RUN") if "pip install" in v]
+    assert not re.search(r"""["'\s]dspark[-_]sidecar\[""", install), install
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "dspark_sidecar-0.1.0-py3-none-any.whl").touch()
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text('#!/bin/sh\n[ "$2 $3" = "pip install" ] && printf "%s\\n" "$@" > "$RECORD"\nexit 0\n')
+    (fake / "python").chmod(0o755)
+    script = install.replace("/wheels", str(wheels)).replace("/tmp/base-constraints.txt", str(tmp_path / "c.txt"))
+    res = subprocess.run(["sh", "-c", script], env={"PATH": f"{fake}:/usr/bin:/bin", "RECORD": str(tmp_path / "argv")},
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()
+    extra = {"cuda": "triton", "rocm": "flydsl"}[flavour]
+    assert argv[-1] == f"{wheels}/dspark_sidecar-0.1.0-py3-none-any.whl[{extra}]", argv
+    assert "--find-links" not in argv and "--index-url" not in argv, argv
+
+
+def test_build_context_leaves_out_what_git_ignores(flavour):
+    """`COPY . .` sent a developer's .venv (gigabytes of torch), .whl and .out into the build: the
+    .dockerignore listed none of the local folders the repository's .gitignore keeps out."""
+    ignore = set((DEPLOY / f"Dockerfile.{flavour}.dockerignore").read_text().split())
+    for line in (DEPLOY.parent / ".gitignore").read_text().splitlines():
+        name = line.strip().strip("/")
+        if name and not name.startswith("#"):
+            assert name in ignore or f"**/{name}" in ignore, name

@@ -49,3 +49,13 @@ def test_guide_and_security_cover_the_required_caveats():
     assert "Circuit breaker" in OPERATIONS or "circuit breaker" in OPERATIONS
     for point in ("0660", "loopback", "--allow-remote", "IPC handle"):
         assert point in SECURITY, point
+
+
+def test_deploy_readme_names_every_file_in_deploy():
+    """deploy/README.md's table is the index of the folder; gpu-check.sh and the .dockerignore files
+    were missing from it."""
+    readme = (DEPLOY / "README.md").read_text()
+    for entry in sorted(DEPLOY.iterdir()):
+        if entry.name == "README.md" or entry.name.startswith((".", "__")):
+            continue
+        assert (f"`{entry.name}/" if entry.is_dir() else f"`{entry.name}`") in readme, entry.name

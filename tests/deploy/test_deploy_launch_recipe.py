@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import stat
 import subprocess
@@ -77,3 +78,19 @@ def test_tp_and_socket_dir_given_as_flags_are_refused(launch, tmp_path, launcher
     res, argv, _ = launch(*flags, DSPARK_LAUNCHER=launcher, DSPARK_SOCKET_DIR=str(tmp_path / "s"))
     assert res.returncode == 2 and argv is None, argv
     assert f"set {variable}" in res.stderr and flags[0].split("=")[0] in res.stderr
+
+
+def test_missing_parents_of_the_socket_dir_let_the_engine_group_through(launch, tmp_path):
+    """The recipe made missing parents under its umask 007: 0770 in this user's own group, so an engine
+    admitted only through DSPARK_SOCKET_GROUP could not reach the sockets (EACCES on connect). They are
+    made as `serve` makes them (server/sockdir.py PARENT_MODE 0755, narrowed by the caller's umask)."""
+    sockets = tmp_path / "srv" / "dspark" / "socks"
+    old = os.umask(0o022)
+    try:
+        res, argv, _ = launch(DSPARK_SOCKET_DIR=str(sockets), DSPARK_SOCKET_GROUP=grp.getgrgid(os.getgid()).gr_name)
+    finally:
+        os.umask(old)
+    assert res.returncode == 0 and argv is not None, res.stderr
+    for parent in (tmp_path / "srv", tmp_path / "srv" / "dspark"):
+        assert stat.S_IMODE(parent.stat().st_mode) == 0o755, (parent, oct(parent.stat().st_mode))
+    assert stat.S_IMODE(sockets.stat().st_mode) == 0o2770

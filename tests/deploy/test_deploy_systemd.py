@@ -163,3 +163,18 @@ def test_environment_file_example_is_a_valid_serve_configuration():
     assert "DSPARK_SOCKET_DIR" not in flags
     serve = serve_config_from_env(flags)
     assert serve.tp == 4 and serve.preset in PRESETS and not serve.strict_refusal
+
+
+def test_stop_timeout_outlasts_the_drain_and_the_launchers_own_grace():
+    """TimeoutStopSec equalled the launcher's DRAIN_GRACE_S (60 s): a rank that hangs in its teardown
+    met systemd's SIGKILL of the whole group at the same moment as the launcher's own kill, its log
+    line and its clean-up. systemd's must come after the launcher's, which covers a default drain."""
+    from dspark_sidecar.server.config import ServeConfig
+    from dspark_sidecar.server.launcher import DRAIN_GRACE_S
+
+    (timeout,) = unit_values(SIDECAR, "TimeoutStopSec")
+    assert timeout.endswith("s") and timeout[:-1].isdigit(), timeout
+    # A rank's worst stop: --drain-s, then the teardown watchdog (app.TEARDOWN_LIMIT_S + rank.STOP_STEPS_S
+    # + app.SERVER_GRACE_S = 30 s); spelled out here so the test does not import torch.
+    assert ServeConfig().drain_s + 30 < DRAIN_GRACE_S < int(timeout[:-1])
+    assert unit_values(SIDECAR, "KillMode") == ["mixed"]  # SIGTERM to the launcher only; it signals the ranks
