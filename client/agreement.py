@@ -55,16 +55,17 @@ def all_min_ints(agree: StepAgreement, values: list[int]) -> list[int]:
     return agree.all_min(torch.tensor(values, dtype=torch.int64)).tolist()
 
 
-def node_agreement(group: dist.ProcessGroup | None = None) -> StepAgreement:
+def node_agreement(group: dist.ProcessGroup | None = None, timeout_s: float = 60.0) -> StepAgreement:
     """The agreement of a CPU group's ranks: through shared memory when they all run on this host
-    (an x86-64 one: see shm_agreement.one_node), else a gloo all-reduce. Collective: every rank of
-    the group calls it at the same point."""
+    (an x86-64 one: see shm_agreement.one_node), else a gloo all-reduce (bounded by the group's own
+    timeout). Collective: every rank of the group calls it at the same point. timeout_s: how long a
+    rank waits for its peers in the shared page (EngineConfig.agreement_timeout_s)."""
     from dspark_sidecar.client.shm_agreement import ShmAgreement, one_node
 
-    return ShmAgreement(group) if one_node(group) else DistAgreement(group)
+    return ShmAgreement(group, timeout_s) if one_node(group) else DistAgreement(group)
 
 
-def agreement_from(par: object) -> StepAgreement:
+def agreement_from(par: object, timeout_s: float = 60.0) -> StepAgreement:
     """A StepAgreement from what the engine passes: one already, or a ParallelContext-like object
     (world_size, and an exchange whose `.group` is the CPU group)."""
     if hasattr(par, "all_min"):
@@ -76,4 +77,4 @@ def agreement_from(par: object) -> StepAgreement:
     if exchange is None or not hasattr(exchange, "group"):
         raise TypeError(f"cannot build a step agreement from {type(par).__name__}: "
                         "pass a StepAgreement or a ParallelContext with a DistExchange")
-    return node_agreement(exchange.group)
+    return node_agreement(exchange.group, timeout_s)

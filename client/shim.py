@@ -104,7 +104,7 @@ class DrafterShim:
                  channel_factory: ChannelFactory = _insecure, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._model, self._kv_caches, self._fc, self.is_capturing = model, kv_caches, forward_context, is_capturing
-        self._agree: StepAgreement = agreement_from(par)
+        self._agree: StepAgreement = agreement_from(par, config.agreement_timeout_s)
         self.rank = int(getattr(par, "rank", 0))
         self.stats = ShimStats()
         self._logged: set[str] = set()

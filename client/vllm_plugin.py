@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dspark_sidecar import layout
-from dspark_sidecar.client.agreement import StepAgreement, node_agreement
+from dspark_sidecar.client.agreement import StepAgreement, all_min_ints, node_agreement
 from dspark_sidecar.client.config import EngineConfig, EngineConfigError, rank_endpoint
 from dspark_sidecar.client.forward_context import ForwardContextSource
 from dspark_sidecar.client.shim import DrafterShim
@@ -65,12 +65,12 @@ def engine_config_from_vllm(vllm_config: Any, rank: int, environ: Any = os.envir
         raise
 
 
-def _tp_agreement(group: Any) -> StepAgreement:
+def _tp_agreement(group: Any, timeout_s: float) -> StepAgreement:
     """vLLM's TP GroupCoordinator -> a MIN over its CPU group's ranks (shared memory on one node, else gloo).
     Collective over the group: every TP rank builds its shim at its first drafter forward."""
     if hasattr(group, "all_min"):
         return group
-    return node_agreement(group.cpu_group)
+    return node_agreement(group.cpu_group, timeout_s)
 
 
 def kv_cache_provider(model: torch.nn.Module):
@@ -185,16 +185,7 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
     from vllm.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
-    agreement = _tp_agreement(group)
     rank = int(getattr(group, "rank_in_group", 0))
-
-    class _Par:  # what DrafterShim reads: rank, and the agreement itself
-        def __init__(self) -> None:
-            self.rank, self.world_size = rank, agreement.world_size
-
-        def all_min(self, values: torch.Tensor) -> torch.Tensor:
-            return agreement.all_min(values)
-
     source = ForwardContextSource(vfc.is_forward_context_available, vfc.get_forward_context)
     # This runs inside vLLM's first drafter forward: a bad DSPARK_* value raised from here failed the
     # engine's step. It is logged instead, and the shim stays off (the stock layers run every step),
@@ -203,6 +194,19 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
         config, bad_env = engine_config_from_vllm(vllm_config, rank), None
     except EngineConfigError as err:
         config, bad_env = engine_config_from_vllm(vllm_config, rank, environ={}), str(err)
+    # After the config: how long a rank waits for its peers follows the deadlines (every rank builds one)
+    agreement = _tp_agreement(group, config.agreement_timeout_s)
+
+    class _Par:  # what DrafterShim reads: rank, and the agreement itself
+        def __init__(self) -> None:
+            self.rank, self.world_size = rank, agreement.world_size
+
+        def all_min(self, values: torch.Tensor) -> torch.Tensor:
+            return agreement.all_min(values)
+
+        def all_min_ints(self, values: list[int]) -> list[int]:  # the shared page's own, without tensors
+            return all_min_ints(agreement, values)
+
     shim = DrafterShim(config, model, kv_cache_provider(model), _Par(), forward_context=source)
     if bad_env is not None:
         log.error("dspark-sidecar: %s; the sidecar stays off and every draft step runs the stock layers", bad_env)
