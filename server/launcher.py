@@ -14,7 +14,9 @@ from dspark_sidecar.server.config import ServeConfig
 from dspark_sidecar.server.preflight import socket_answers
 
 log = logging.getLogger("dspark_sidecar.launcher")
-DRAIN_GRACE_S = 60.0  # a serving rank that has not exited this long after SIGTERM is killed
+# A serving rank that has not exited this long after its --drain-s is killed: its teardown ends itself
+# within 30 s (app.TEARDOWN_LIMIT_S + rank.STOP_STEPS_S + app.SERVER_GRACE_S), so only a wedged one is.
+DRAIN_GRACE_S = 60.0
 # A rank still starting ends at once on SIGTERM (app.StartUp) unless it is blocked in native code
 # (torch's rendezvous connect retries for --dist-timeout-s, a read of a hung filesystem) where no
 # Python signal handler runs: past this it is killed, and a stop requested by the user still exits 0.
@@ -46,12 +48,13 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
                                       env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
     stopping = False
     stop_deadline = float("inf")
+    serving_grace = cfg.drain_s + DRAIN_GRACE_S  # a serving rank's stop: its drain, then its teardown
     ready_sent = on_ready is None  # without a probe, assume serving: the long drain grace applies
 
     def on_signal(signum, _frame):
         nonlocal stopping, stop_deadline
         stopping = True
-        stop_deadline = time.monotonic() + (DRAIN_GRACE_S if ready_sent else STARTUP_STOP_S)
+        stop_deadline = time.monotonic() + (serving_grace if ready_sent else STARTUP_STOP_S)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -72,7 +75,7 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
                 _terminate(procs, grace_s=0.0)
                 return 0
             if stopping and time.monotonic() > stop_deadline:
-                log.error("ranks still running %.0f s after SIGTERM; killing them", DRAIN_GRACE_S)
+                log.error("ranks still running %.0f s after SIGTERM; killing them", serving_grace)
                 _terminate(procs, grace_s=0.0)
                 return 1
             dead = [(r, c) for r, c in enumerate(codes) if c is not None]
@@ -95,7 +98,7 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
                     # The signal came during the probe, which then found every rank serving: they
                     # drain (drain_s, the teardown), so the serving grace applies, not the start-up
                     # bound set by on_signal (that would kill them mid-drain and exit 1).
-                    stop_deadline = time.monotonic() + DRAIN_GRACE_S
+                    stop_deadline = time.monotonic() + serving_grace
             time.sleep(poll_s)
     finally:
         for s, h in old.items():

@@ -98,3 +98,42 @@ def test_a_stop_before_the_ranks_set_their_handlers_exits_0(tmp_path, monkeypatc
     code = launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=lambda: False, poll_s=0.05)
     assert code == 0, "ranks ended by the stop's own SIGTERM were counted as failures"
     assert time.monotonic() - t0 < 30
+
+
+def test_a_serving_group_s_stop_waits_out_a_long_drain(tmp_path, monkeypatch):
+    """--drain-s accepts up to 300 s, and a serving rank's stop takes --drain-s plus its teardown. The
+    launcher's kill came a fixed DRAIN_GRACE_S after SIGTERM, whatever the drain: a drain longer than
+    that was cut short and `serve` exited 1. Here the grace past the drain is 0.5 s, the drain 2 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from dspark_sidecar.server import launcher
+
+    monkeypatch.setattr(launcher, "DRAIN_GRACE_S", 0.5)
+    # A serving rank: handler set, drains for its --drain-s (2 s), then exits 0.
+    rank = ("import signal, sys, time, pathlib\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(2.0), sys.exit(0)))\n"
+            f"pathlib.Path({str(tmp_path)!r}, 'ready-' + __import__('os').environ['RANK']).touch()\n"
+            "while True: time.sleep(0.05)\n")
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(launcher.subprocess, "Popen",
+                        lambda argv, **kw: real_popen([sys.executable, "-c", rank], **kw))
+    serving = threading.Event()
+
+    def on_ready() -> bool:
+        if len(list(tmp_path.glob("ready-*"))) < 2:
+            return False
+        serving.set()
+        return True
+
+    def stop_once_serving() -> None:
+        serving.wait(30)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_serving, daemon=True).start()
+    code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=2.0), [], on_ready=on_ready, poll_s=0.05)
+    assert code == 0, "the ranks were killed inside their drain"
