@@ -120,7 +120,10 @@ class DrafterSidecarServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DraftStep(self, request, context):
-        """One draft step as a unary call (simple, slower: a full HTTP/2 request per step).
+        """One draft step as a unary call (simple, slower: a full HTTP/2 request per step). A step
+        whose inline hidden states would not fit the server's message limit (--max-message-bytes) is
+        refused before it runs: RESOURCE_EXHAUSTED, reason RESPONSE_TOO_LARGE, naming the largest R
+        that fits; send an output RegionSlice instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,7 +133,9 @@ class DrafterSidecarServicer:
         """The hot path: one long-lived bidirectional stream per engine rank. Responses come back in
         request order, one per request. A failed step yields a DraftStepResponse carrying a
         StepError and does NOT end the stream; the stream ends only when the client half-closes it,
-        the server shuts down, or the transport fails.
+        the server shuts down, or the transport fails. A rank serves at most 8 open streams (an
+        engine rank needs one); past that a new stream ends at once with RESOURCE_EXHAUSTED, reason
+        TOO_MANY_STREAMS, so that the unary calls and the health check keep their threads.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
