@@ -255,8 +255,9 @@ class Rendezvous:
                 next_look = time.monotonic() + GONE_CHECK_S
                 if self._coordinator_gone or _exited(int(self.board.pids[0])):
                     # Rank 0 died (SIGKILL, a crash) with this post pending: no verdict will ever come,
-                    # and no rank launched the step (a GO is in the ring, looked at above, before a
-                    # rank launches). Without this the step went unanswered until give_up (30 s past
+                    # and no GO for it was in the ring just above (a GO written in the instant before
+                    # the death launches collectives that cannot complete without rank 0 anyway, so
+                    # nothing is lost by not joining them). Without this the step went unanswered until give_up (30 s past
                     # the deadline) or the launcher's kill ended the engine's stream ~10 s later.
                     # Aborted now, and every later step at once: the group is going down.
                     self._coordinator_gone = True
