@@ -209,6 +209,9 @@ class Rendezvous:
         self._seq = 0
         self._coordinator: Coordinator | None = None
         self._coordinator_gone = False
+        # Rank 0's pid seen alive from here once: only then is "no such process" read as rank 0 gone (a
+        # rank in a pid namespace of its own, sharing /dev/shm, would never find it and abort every step).
+        self._coordinator_seen = rank == 0
         board.pids[rank] = os.getpid()  # before any step: the ranks' start-up barrier follows (server/app.py)
         if rank == 0 and board.world > 1:  # one rank agrees with itself (see agree)
             self._coordinator = Coordinator(board, deadline_ms, nap_s)
@@ -231,6 +234,9 @@ class Rendezvous:
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
         ring, words = self.board.ring, self.board.words
         next_look = time.monotonic() + GONE_CHECK_S
+        if not self._coordinator_seen:  # one look per step until seen (normally the first step only)
+            pid = int(self.board.pids[0])
+            self._coordinator_seen = pid > 0 and not _exited(pid)
         lower_timer_slack()
         while True:
             # Read before the ring: a verdict written before the coordinator stopped is found below.
@@ -251,18 +257,18 @@ class Rendezvous:
                 # instead of waiting out give_up and exiting (a clean stop of the group read as a crash).
                 return Verdict(False, f"step {post.step_id}: rank 0's coordinator has stopped (the sidecar is "
                                       "shutting down); no rank ran it", 0)
-            if self._coordinator_gone or time.monotonic() > next_look:
+            if self._coordinator_gone or self._coordinator_seen and time.monotonic() > next_look:
                 next_look = time.monotonic() + GONE_CHECK_S
                 if self._coordinator_gone or _exited(int(self.board.pids[0])):
                     # Rank 0 died (SIGKILL, a crash) with this post pending: no verdict will ever come,
                     # and no GO for it was in the ring just above (a GO written in the instant before
                     # the death launches collectives that cannot complete without rank 0 anyway, so
-                    # nothing is lost by not joining them). Without this the step went unanswered until give_up (30 s past
-                    # the deadline) or the launcher's kill ended the engine's stream ~10 s later.
-                    # Aborted now, and every later step at once: the group is going down.
+                    # nothing is lost by not joining them). Without this the step went unanswered until
+                    # give_up (30 s past the deadline) or the launcher's kill ended the engine's stream
+                    # ~10 s later. Aborted now, and every later step at once: the group is going down.
                     self._coordinator_gone = True
                     return Verdict(False, f"step {post.step_id}: rank 0 (the rendezvous coordinator) has exited; "
-                                          "no rank ran it and the sidecar group is going down", 0)
+                                          "no verdict can come and the sidecar group is going down", 0)
             if time.monotonic() > give_up:
                 # The coordinator (rank 0) is gone or stuck; this rank cannot know whether its
                 # peers launched, so it must not go on serving.

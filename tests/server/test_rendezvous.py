@@ -214,15 +214,20 @@ def test_a_peer_waiting_on_a_coordinator_whose_process_exited_aborts_at_once_and
     deadline_ms = 5000
     # No Rendezvous for rank 0: nothing decides, as with a coordinator that is gone.
     peer = Rendezvous(boards[1], 1, deadline_ms, fatal_after_s=5.0)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # exited and reaped: its pid names no process
     try:
+        # A pid never seen alive (rank 0 in a pid namespace of its own) is not read as rank 0 gone.
+        boards[0].pids[0] = gone.pid
+        blind = Rendezvous(boards[1], 1, 300, fatal_after_s=0.5)
+        with pytest.raises(RuntimeError, match="no verdict from rank 0"):
+            blind.agree(Post(2, 1, 2, 9, True))  # the old give-up, not an abort
         boards[0].pids[0] = os.getpid()  # alive: the peer keeps waiting (the deadline is the coordinator's)
         out: list = []
         th = threading.Thread(target=lambda: out.append(peer.agree(Post(3, 1, 2, 9, True))), daemon=True)
         th.start()
         th.join(timeout=0.6)
         assert th.is_alive() and not out
-        gone = subprocess.Popen([sys.executable, "-c", "pass"])
-        gone.wait()  # exited and reaped: its pid names no process
         t = time.monotonic()
         boards[0].pids[0] = gone.pid
         th.join(timeout=5)
