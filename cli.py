@@ -181,9 +181,28 @@ def cmd_status(a: argparse.Namespace) -> int:
                 st = pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=a.timeout)
             print(f"== rank {r} ({path})\n{text_format.MessageToString(st)}")
         except grpc.RpcError as err:
-            print(f"== rank {r} ({path}): UNREACHABLE {err.code().name}")
+            # A rank that answered with the sidecar's own error (rich status: still loading, ...) is up
+            # and says why it gives no report; printed as UNREACHABLE it read like a rank that is gone.
+            why = _sidecar_error(err)
+            print(f"== rank {r} ({path}): {why}" if why else f"== rank {r} ({path}): UNREACHABLE {err.code().name}")
             rc = 1
     return rc
+
+
+def _sidecar_error(err) -> str:
+    """"CODE (REASON): message" when the sidecar itself answered `err` (its ErrorInfo), else ""."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    try:
+        st = rpc_status.from_call(err)
+    except ValueError:  # a malformed status: not the sidecar's
+        return ""
+    for d in st.details if st is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if d.Unpack(info):
+            return f"{err.code().name} ({info.reason}): {st.message}"
+    return ""
 
 
 def cmd_step(a: argparse.Namespace) -> int:

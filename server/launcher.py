@@ -53,8 +53,12 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
 
     def on_signal(signum, _frame):
         nonlocal stopping, stop_deadline
+        # The first stop sets the kill's deadline; a second SIGTERM or Ctrl-C (a user who thinks the
+        # stop is stuck, a supervisor repeating its signal) must not push it back, else wedged ranks
+        # were killed only once the signals stopped coming, or never.
+        if not stopping:
+            stop_deadline = time.monotonic() + (serving_grace if ready_sent else STARTUP_STOP_S)
         stopping = True
-        stop_deadline = time.monotonic() + (serving_grace if ready_sent else STARTUP_STOP_S)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -11,7 +11,8 @@ missing peer costs at most the deadline, and a collective is entered only after 
 Layout (int64 words): header [magic, world, closed]; per rank a post slot
 [seq, step_id, generation, num_reqs, valid, digest, expires_ns, offers]; a ring of verdict records
 [seq, step_id, verdict, reason, rank_mask, launch_seq, agreed, covered_seq[0..world)]; per rank a
-heartbeat (time.monotonic_ns of its last beat, 0 before the first). `seq` words
+heartbeat (time.monotonic_ns of its last beat, 0 before the first); per rank its pid (0 before it
+set it: Rendezvous). `seq` words
 are seqlocks: odd while the writer fills the record, even when it is complete. `offers` and
 `agreed` are bit sets of FAST, QUEUED and QUEUE_NEXT: what each rank could do, and what every
 rank will do (a bit is agreed only when every rank offered it, and only with GO).
@@ -20,6 +21,7 @@ rank will do (a bit is agreed only when every rank offered it, and only with GO)
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -48,6 +50,8 @@ MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE = range(1, 8)
 # Header words: magic, world, and CLOSED, set once rank 0's coordinator has stopped for good (its
 # thread joined): no verdict comes after it, so a post without one was launched by no rank.
 HEADER, CLOSED = 3, 2
+# How often a rank waiting for its verdict looks whether rank 0 (the coordinator) still exists.
+GONE_CHECK_S = 0.1
 
 
 def _word(value: int) -> int:
@@ -128,7 +132,7 @@ class Board:
     def __init__(self, name: str | None, world: int, create: bool) -> None:
         self.world = world
         self.rec_len = 7 + world
-        words = HEADER + world * SLOT + RING * self.rec_len + world
+        words = HEADER + world * SLOT + RING * self.rec_len + 2 * world
         if create:
             self.shm = _create(name, words * 8)
         else:
@@ -143,7 +147,8 @@ class Board:
         self.slots = self.words[HEADER : HEADER + world * SLOT].reshape(world, SLOT)
         ring_end = HEADER + world * SLOT + RING * self.rec_len
         self.ring = self.words[HEADER + world * SLOT : ring_end].reshape(RING, self.rec_len)
-        self.beats = self.words[ring_end:]
+        self.beats = self.words[ring_end : ring_end + world]
+        self.pids = self.words[ring_end + world :]
 
     @property
     def name(self) -> str:
@@ -163,7 +168,7 @@ class Board:
                 if r != rank and b and now - int(b) > after_s * 1e9}
 
     def close(self) -> None:
-        self.slots = self.ring = self.words = self.beats = None  # type: ignore[assignment]
+        self.slots = self.ring = self.words = self.beats = self.pids = None  # type: ignore[assignment]
         self.shm.close()
         self.unlink()
 
@@ -203,6 +208,11 @@ class Rendezvous:
         self.fatal_after_s, self.nap_s = fatal_after_s, nap_s  # nap_s: proto.doorbell.nap_for(device)
         self._seq = 0
         self._coordinator: Coordinator | None = None
+        self._coordinator_gone = False
+        # Rank 0's pid seen alive from here once: only then is "no such process" read as rank 0 gone (a
+        # rank in a pid namespace of its own, sharing /dev/shm, would never find it and abort every step).
+        self._coordinator_seen = rank == 0
+        board.pids[rank] = os.getpid()  # before any step: the ranks' start-up barrier follows (server/app.py)
         if rank == 0 and board.world > 1:  # one rank agrees with itself (see agree)
             self._coordinator = Coordinator(board, deadline_ms, nap_s)
             self._coordinator.start()
@@ -223,6 +233,10 @@ class Rendezvous:
         col = 7 + self.rank
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
         ring, words = self.board.ring, self.board.words
+        next_look = time.monotonic() + GONE_CHECK_S
+        if not self._coordinator_seen:  # one look per step until seen (normally the first step only)
+            pid = int(self.board.pids[0])
+            self._coordinator_seen = pid > 0 and not _exited(pid)
         lower_timer_slack()
         while True:
             # Read before the ring: a verdict written before the coordinator stopped is found below.
@@ -243,6 +257,18 @@ class Rendezvous:
                 # instead of waiting out give_up and exiting (a clean stop of the group read as a crash).
                 return Verdict(False, f"step {post.step_id}: rank 0's coordinator has stopped (the sidecar is "
                                       "shutting down); no rank ran it", 0)
+            if self._coordinator_gone or self._coordinator_seen and time.monotonic() > next_look:
+                next_look = time.monotonic() + GONE_CHECK_S
+                if self._coordinator_gone or _exited(int(self.board.pids[0])):
+                    # Rank 0 died (SIGKILL, a crash) with this post pending: no verdict will ever come,
+                    # and no GO for it was in the ring just above (a GO written in the instant before
+                    # the death launches collectives that cannot complete without rank 0 anyway, so
+                    # nothing is lost by not joining them). Without this the step went unanswered until
+                    # give_up (30 s past the deadline) or the launcher's kill ended the engine's stream
+                    # ~10 s later. Aborted now, and every later step at once: the group is going down.
+                    self._coordinator_gone = True
+                    return Verdict(False, f"step {post.step_id}: rank 0 (the rendezvous coordinator) has exited; "
+                                          "no verdict can come and the sidecar group is going down", 0)
             if time.monotonic() > give_up:
                 # The coordinator (rank 0) is gone or stuck; this rank cannot know whether its
                 # peers launched, so it must not go on serving.
@@ -253,6 +279,19 @@ class Rendezvous:
     def close(self) -> None:
         if self._coordinator is not None:
             self._coordinator.stop()
+
+
+def _exited(pid: int) -> bool:
+    """Whether process `pid` (a peer rank on this node) has exited; 0: not known yet, so not."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it exists (another user's, after a pid reuse: not ours, but not provably gone)
+        return False
+    return False
 
 
 class Coordinator(threading.Thread):

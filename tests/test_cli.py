@@ -108,3 +108,30 @@ def test_the_readme_s_demo_rounds_default_is_the_parser_s(monkeypatch):
     readme = (Path(cli.__file__).parent / "README.md").read_text()
     (documented,) = re.findall(r"`--rounds N` \(default (\d+)\)", readme)
     assert int(documented) == seen[0]
+
+
+def test_status_says_a_loading_rank_answered_not_that_it_is_unreachable(tmp_path, capsys):
+    """A half-up group: rank 0 listens but still loads (GetStatus answers UNAVAILABLE, "still loading"),
+    rank 1's socket is not there. Both printed "UNREACHABLE UNAVAILABLE", so an operator could not tell a
+    rank that is coming up from one that is gone. Exit 1 either way: no full report."""
+    from concurrent import futures
+
+    import grpc
+
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+    from dspark_sidecar.server.app import LateServicer
+    from dspark_sidecar.server.errors import StatusInterceptor
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[StatusInterceptor()])
+    pb_grpc.add_DrafterSidecarServicer_to_server(LateServicer(), server)  # no inner yet: loading
+    assert server.add_insecure_port(f"unix:{tmp_path / 'rank0.sock'}")
+    server.start()
+    try:
+        assert cli.main(["status", "--socket-dir", str(tmp_path), "--tp", "2", "--timeout", "5"]) == 1
+    finally:
+        server.stop(None)
+    lines = capsys.readouterr().out.splitlines()
+    rank0 = next(line for line in lines if line.startswith("== rank 0"))
+    rank1 = next(line for line in lines if line.startswith("== rank 1"))
+    assert "UNREACHABLE" not in rank0 and "LOADING" in rank0 and "still loading" in rank0, rank0
+    assert "UNREACHABLE UNAVAILABLE" in rank1, rank1

@@ -137,3 +137,55 @@ def test_a_serving_group_s_stop_waits_out_a_long_drain(tmp_path, monkeypatch):
     threading.Thread(target=stop_once_serving, daemon=True).start()
     code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=2.0), [], on_ready=on_ready, poll_s=0.05)
     assert code == 0, "the ranks were killed inside their drain"
+
+
+def test_a_second_stop_signal_does_not_push_back_the_kill_of_wedged_ranks(tmp_path, monkeypatch):
+    """Ranks that do not end on SIGTERM (wedged in their teardown) are killed --drain-s + DRAIN_GRACE_S
+    after the stop. Every further SIGTERM or Ctrl-C to the launcher restarted that wait: a user pressing
+    Ctrl-C again because the stop seemed stuck (or a supervisor repeating its SIGTERM) got a later kill,
+    and one repeating it often enough none. Here the grace is 1 s and a SIGTERM comes every 0.4 s for 4 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from dspark_sidecar.server import launcher
+
+    monkeypatch.setattr(launcher, "DRAIN_GRACE_S", 1.0)
+    rank = ("import signal, time, pathlib, os\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"  # wedged: never ends by itself
+            f"pathlib.Path({str(tmp_path)!r}, 'ready-' + os.environ['RANK']).touch()\n"
+            "while True: time.sleep(0.05)\n")
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(launcher.subprocess, "Popen",
+                        lambda argv, **kw: real_popen([sys.executable, "-c", rank], **kw))
+    serving = threading.Event()
+    first = []
+
+    def on_ready() -> bool:
+        if len(list(tmp_path.glob("ready-*"))) < 2:
+            return False
+        serving.set()
+        return True
+
+    def stop_again_and_again() -> None:
+        serving.wait(30)
+        first.append(time.monotonic())
+        for _ in range(10):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.4)
+
+    # The launcher puts back the handler it found: the signals still coming after it returned land here.
+    late = []
+    before = signal.signal(signal.SIGTERM, lambda *a: late.append(1))
+    try:
+        th = threading.Thread(target=stop_again_and_again, daemon=True)
+        th.start()
+        code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [], on_ready=on_ready, poll_s=0.05)
+        took = time.monotonic() - first[0]
+        th.join(timeout=10)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert code == 1  # the ranks had to be killed
+    assert took < 2.5, f"killed {took:.1f} s after the first SIGTERM; the grace is 1 s"

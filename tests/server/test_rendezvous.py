@@ -200,3 +200,43 @@ def test_a_post_left_without_a_verdict_by_a_stopped_coordinator_is_aborted_at_on
         rdv[1].close()
         boards[1].close()
         boards[0].close()
+
+
+def test_a_peer_waiting_on_a_coordinator_whose_process_exited_aborts_at_once_and_after():
+    """Rank 0 SIGKILLed with a peer's post pending: no verdict will ever come and no rank launched the
+    step. The peer used to wait out deadline + fatal_after_s, its step unanswered (tests/server/
+    test_coordinator_death.py has the real processes); a coordinator merely slow (alive) is still waited for."""
+    import subprocess
+    import sys
+
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    deadline_ms = 5000
+    # No Rendezvous for rank 0: nothing decides, as with a coordinator that is gone.
+    peer = Rendezvous(boards[1], 1, deadline_ms, fatal_after_s=5.0)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # exited and reaped: its pid names no process
+    try:
+        # A pid never seen alive (rank 0 in a pid namespace of its own) is not read as rank 0 gone.
+        boards[0].pids[0] = gone.pid
+        blind = Rendezvous(boards[1], 1, 300, fatal_after_s=0.5)
+        with pytest.raises(RuntimeError, match="no verdict from rank 0"):
+            blind.agree(Post(2, 1, 2, 9, True))  # the old give-up, not an abort
+        boards[0].pids[0] = os.getpid()  # alive: the peer keeps waiting (the deadline is the coordinator's)
+        out: list = []
+        th = threading.Thread(target=lambda: out.append(peer.agree(Post(3, 1, 2, 9, True))), daemon=True)
+        th.start()
+        th.join(timeout=0.6)
+        assert th.is_alive() and not out
+        t = time.monotonic()
+        boards[0].pids[0] = gone.pid
+        th.join(timeout=5)
+        assert out and not out[0].go and "rank 0 (the rendezvous coordinator) has exited" in out[0].reason, out
+        assert time.monotonic() - t < 2.0
+        t = time.monotonic()
+        later = peer.agree(Post(4, 1, 2, 9, True))  # the next step: at once
+        assert not later.go and "has exited" in later.reason and time.monotonic() - t < 0.5
+    finally:
+        peer.close()
+        boards[1].close()
+        boards[0].close()

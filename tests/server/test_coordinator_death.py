@@ -1,0 +1,65 @@
+"""Rank 0 (the rendezvous coordinator) SIGKILLed while a peer waits for a step's verdict (TP 2, real processes).
+
+No verdict can come from a dead coordinator, and no rank launched the step (a GO would have been in the
+ring before it died). Before the fix the peer waited for one until its 30 s give-up, so the engine's step
+was not answered at all: its stream just ended when the launcher killed the peer ~10 s later.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+import torch
+
+from dspark_sidecar.drafter import scenario
+from helpers.engine_sim import PAGE, DraftStream, EngineSim
+from helpers.sidecar_proc import SidecarProcess, alive
+
+TP = 2
+RDV_MS = 6000  # long: the kill lands while rank 1 still waits for its verdict
+LENS = [5, 40]
+PAGES = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 8
+SLACK_S = 4.0  # a loaded 2-core CI box schedules late
+
+
+@pytest.fixture
+def rig(tmp_path, tiny_ckpt, tiny_cfg, tiny_embed):
+    sc = SidecarProcess(tmp_path, tp=TP, checkpoint=tiny_ckpt, extra_args=["--rendezvous-ms", str(RDV_MS)])
+    sc.start()
+    eng = EngineSim(tiny_cfg, [sc.socket(r) for r in range(TP)], PAGES, torch.float32)
+    streams = []
+    try:
+        eng.bind()
+        step = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, tiny_embed, seed=5)
+        streams = [DraftStream(s) for s in eng.stubs]
+        yield sc, eng, step, streams
+    finally:
+        for s in streams:
+            s.close()
+        eng.close()
+        if sc.proc.poll() is None:
+            os.killpg(sc.proc.pid, signal.SIGKILL)
+            sc.proc.wait()
+
+
+def test_a_peer_waiting_on_a_killed_coordinator_answers_its_step_aborted_at_once(rig):
+    sc, eng, step, streams = rig
+    pids = sc.rank_pids()
+    streams[1].requests.put(eng.request(1, 2, step))  # rank 0's engine never sends step 2: rank 1 waits
+    time.sleep(1.0)  # rank 1 has posted; the coordinator would abort it only at RDV_MS
+    t_kill = time.monotonic()
+    os.kill(pids[0], signal.SIGKILL)
+    ans = streams[1].answers.get(timeout=60)
+    took = time.monotonic() - t_kill
+    assert ans is not None, f"the stream ended without an answer after {took:.1f} s ({streams[1].end})\n{sc.log_tail()}"
+    assert ans.WhichOneof("result") == "error" and ans.error.code == grpc.StatusCode.ABORTED.value[0], ans
+    assert "coordinator" in ans.error.message and "exited" in ans.error.message, ans.error.message
+    # Well before the rendezvous deadline the step would otherwise have waited out, let alone the give-up.
+    assert took < SLACK_S < RDV_MS / 1e3, took
+    # The group still goes down as a whole, and no rank is left behind.
+    assert sc.proc.wait(timeout=60) == 1
+    assert not alive(pids[1])
