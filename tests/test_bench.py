@@ -184,3 +184,15 @@ def test_data_plane_steps_are_pre_launched_again_after_the_engine_was_far_ahead(
     assert "note" not in g and "note" not in d, (g, d)
     assert g["prelaunched_share"] < 0.5, g  # the cooldown was entered (run 134: 0%)
     assert d["prelaunched_share"] == 1.0, d
+
+
+def test_copy_bandwidth_on_a_gpu_is_timed_in_gpu_time(monkeypatch):
+    """The floor is GPU time (README), so its bandwidth must be too: a wall-clock copy with a sync
+    around it carries the host's launch and sync (run on an H200: 0.540 ms wall against 0.507 ms of
+    GPU time for 1 GiB, a 6% lower bandwidth and a 6% higher floor). Timers faked: no GPU needed."""
+    from dspark_sidecar import bench as B
+
+    monkeypatch.setattr(B, "gpu_times", lambda fn, device, repeats, *a: [1.0] * repeats)
+    monkeypatch.setattr(B, "timeit", lambda fn, device, repeats, *a, **k: [1.06] * repeats)
+    monkeypatch.setattr(B.torch, "empty", lambda n, dtype=None, device=None: torch.zeros(0, dtype=dtype))
+    assert B.copy_bandwidth(torch.device("cuda"), 1 << 30) == pytest.approx(2 * (1 << 30) / 1e-3)
