@@ -19,7 +19,7 @@ def test_bench_writes_rows_for_each_mode_it_can_run(tmp_path):
     for mode in ("a", "d", "e", "f", "h"):
         rows = [r for r in data["rows"] if r["mode"] == mode]
         assert [r["R"] for r in rows] == [1, 2]
-        assert all(r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"] and r["floor_ms"] > 0 for r in rows)
+        assert all(r["p50_ms"] > 0 and r["max_ms"] >= r["p50_ms"] and r["floor_ms"] > 0 for r in rows)
     assert all(r["note"] == "n/a: needs a GPU" for r in data["rows"] if r["mode"] in ("b", "g", "i"))
     assert sum(r["mode"] == "g" for r in data["rows"]) == 2 and sum(r["mode"] == "i" for r in data["rows"]) == 2
     for r in data["rows"]:
@@ -196,3 +196,20 @@ def test_copy_bandwidth_on_a_gpu_is_timed_in_gpu_time(monkeypatch):
     monkeypatch.setattr(B, "timeit", lambda fn, device, repeats, *a, **k: [1.06] * repeats)
     monkeypatch.setattr(B.torch, "empty", lambda n, dtype=None, device=None: torch.zeros(0, dtype=dtype))
     assert B.copy_bandwidth(torch.device("cuda"), 1 << 30) == pytest.approx(2 * (1 << 30) / 1e-3)
+
+
+def test_a_p99_is_only_called_so_with_at_least_100_samples(tmp_path, capsys):
+    """Nearest-rank p99 of fewer than 100 samples is their maximum (30 repeats: the slowest of 30).
+    Such a row says so: the maximum and its sample count, not a p99, in the JSON and the printed line."""
+    from dspark_sidecar.bench import _fmt, _latency_fields
+
+    report = run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a",), repeats=5,
+                                   out_dir=tmp_path), torch.device("cpu"))
+    (row,) = report["rows"]
+    assert row["samples"] == 5 and "p99_ms" not in row and row["max_ms"] >= row["p50_ms"]
+    line = capsys.readouterr().out.splitlines()[0]
+    assert "p99" not in line and "max of 5" in line
+    ms = [float(i) for i in range(1, 201)]  # 200 samples: the 198th smallest is the nearest-rank p99
+    assert _latency_fields(ms) == {"samples": 200, "p50_ms": 100.5, "p99_ms": 198.0}
+    assert "p99  198.000 ms (200 samples)" in _fmt({"name": "x", "R": 1, "context": 40, "floor_ms": 1.0, "x_floor": 1.0,
+                                                    "x_b": None, **_latency_fields(ms)})
