@@ -528,6 +528,7 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                 base = results.get("b") if isinstance(results.get("b"), list) else None
                 gpu = results.get("c") if isinstance(results.get("c"), list) else None
                 gpu_time = phases.get("c", {}).get("gpu_p50_ms")  # g is GPU time: against c's GPU time
+                b_gpu_time = phases.get("b", {}).get("gpu_p50_ms")  # ... and b's
                 for mode, ms in results.items():
                     row = {"mode": mode, "name": NAMES[mode], "R": R, "context": ctx, "floor_ms": floor_ms}
                     if isinstance(ms, str):
@@ -535,8 +536,8 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                     else:
                         row |= _latency_fields(ms)
                         p50 = row["p50_ms"]
-                        row |= {"x_floor": p50 / floor_ms,
-                                "x_b": p50 / statistics.median(base) if base else None}
+                        b_ms = b_gpu_time if mode in ("g", "i") else statistics.median(base) if base else None
+                        row |= {"x_floor": p50 / floor_ms, "x_b": p50 / b_ms if b_ms else None}
                         c_ms = gpu_time if mode in ("g", "i") else statistics.median(gpu) if gpu else None
                         if mode in ("d", "e", "f", "g", "h", "i") and c_ms:  # issue 8's sidecar targets are against (c)
                             row |= {"x_c": p50 / c_ms, "over_c_us": (p50 - c_ms) * 1e3}

@@ -213,3 +213,42 @@ def test_a_p99_is_only_called_so_with_at_least_100_samples(tmp_path, capsys):
     assert _latency_fields(ms) == {"samples": 200, "p50_ms": 100.5, "p99_ms": 198.0}
     assert "p99  198.000 ms (200 samples)" in _fmt({"name": "x", "R": 1, "context": 40, "floor_ms": 1.0, "x_floor": 1.0,
                                                     "x_b": None, **_latency_fields(ms)})
+
+
+def test_gpu_time_rows_are_compared_with_the_baselines_gpu_time(tmp_path, monkeypatch):
+    """g and i are GPU time (events on the engine's stream): their ratio to (b), like their ratio to
+    (c), must be against that baseline's GPU time, not its wall-clock median (which adds the host's
+    launch and sync). The wall-clock rows stay against the wall-clock baselines. Measurements faked."""
+    from dspark_sidecar import bench as B
+
+    wall = {"b": 2.0, "c": 0.5, "d": 0.6, "g": 0.55, "h": 0.65, "i": 0.56}
+    gpu = {"b": 1.6, "c": 0.4}
+
+    class FakeBench:
+        def __init__(self, bc, device):
+            self.model = self.cfg = self.embed = None
+            self.pages, self.kv = 1, [torch.zeros(1)]
+
+        def measure(self, mode, case):
+            return [wall[mode]] * 3
+
+        def phase_fields(self, mode):
+            return {"gpu_p50_ms": gpu[mode]} if mode in gpu else {}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(B, "Bench", FakeBench)
+    monkeypatch.setattr(B, "Case", lambda *a, **k: None)
+    monkeypatch.setattr(B, "copy_bandwidth", lambda device: 1e12)
+    monkeypatch.setattr(B, "floor_bytes", lambda *a: 1e8)  # 0.1 ms
+    report = B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=tuple(wall), repeats=3,
+                                     out_dir=tmp_path), torch.device("cpu"))
+    rows = {r["mode"]: r for r in report["rows"]}
+    for m in ("g", "i"):
+        assert rows[m]["x_b"] == pytest.approx(wall[m] / gpu["b"]) and rows[m]["x_c"] == pytest.approx(wall[m] / gpu["c"])
+    for m in ("c", "d", "h"):
+        assert rows[m]["x_b"] == pytest.approx(wall[m] / wall["b"])
+    for m in ("d", "h"):
+        assert rows[m]["x_c"] == pytest.approx(wall[m] / wall["c"])
+    assert rows["c"]["x_floor"] == pytest.approx(5.0) and rows["c"]["gpu_x_floor"] == pytest.approx(4.0)
