@@ -81,7 +81,7 @@ class BenchConfig:
     modes: tuple[str, ...] = MODES
     dtype: str = "bf16"
     weights: str = "bf16"  # or mxfp8: layer weights kept quantized in every mode (and the sidecar)
-    repeats: int = 30
+    repeats: int = 100  # from P99_MIN_SAMPLES up a row's p99 is one (with fewer it is the maximum)
     page_size: int = 16
     out_dir: Path = Path("bench-out")
     sidecar_backend: str = "auto"
