@@ -69,6 +69,17 @@ def test_drafter_the_kernels_are_not_built_for_is_refused():
         choose_backend(ServeConfig(backend="flydsl", dtype="fp32"), GOOD_HOST, CPU, M31, torch.float32)
 
 
+@pytest.mark.parametrize("field,value", [("rms_norm_eps", 1e-5), ("rope_theta", 10_000.0), ("rotary_dim", 128),
+                                         ("swiglu_alpha", 1.0), ("swiglu_limit", 10.0), ("sliding_window", 8192)])
+def test_numerics_the_kernels_hard_code_are_refused_when_the_config_differs(field, value):
+    """The FlyDSL kernels compile eps, theta, rotary dims, SwiGLU alpha/limit and the window in
+    (shapes.py), while the spec has the drafter read them from config.json: a config that differs must
+    send the step to a backend that takes them as arguments, or the kernels serve the wrong numbers."""
+    import dataclasses
+    cfg = dataclasses.replace(M31, **{field: value})
+    assert kernel_mismatch(cfg, torch.bfloat16) == f"drafter {field} {value} != {getattr(M31, field)} of the FlyDSL kernels"
+
+
 def test_portable_backend_asked_for_on_a_good_host_says_so():
     choice = choose_backend(ServeConfig(backend="reference"), GOOD_HOST, CPU, M31)
     assert (choice.name, choice.flydsl_refusal) == ("reference", "--backend reference selected")

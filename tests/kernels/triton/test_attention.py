@@ -44,6 +44,9 @@ CASES = {
     # window - 1 = 64 keys left of the first block row: 4 whole tiles of 16 before the block's own
     # 7 keys, which only the last split's narrow tile holds (at s4, one tile for every split).
     "even-tiles": (4, 1, 32, 8, 65, [200, 64]),
+    # R = 1 (otherwise only in the GPU-only real shapes): row 0's left edge 50 - 28 = 22 mid-page,
+    # each row's edge one key further into the next page.
+    "single-req": (4, 1, 32, 8, 29, [50]),
 }
 
 
