@@ -291,6 +291,19 @@ def test_the_fp8_view_is_the_same_object_step_after_step_until_vllm_reallocates(
     assert caches()[0].dtype == torch.uint8
 
 
+def _first_forward_runs_the_stock_layers(fake_vllm, caplog):
+    """The drafter's first forward under the environment set: it builds the shim, which stays off,
+    and the stock layers answer; returns the model."""
+    vllm_plugin.register()
+    model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config())
+    md = FlashAttentionMetadata(1)
+    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+    with caplog.at_level("ERROR", logger="dspark_sidecar.client"):
+        out = model(torch.arange(7), md.positions)
+    assert torch.equal(out, torch.full((7, HIDDEN), -1.0)) and model.stock_calls == 1
+    return model
+
+
 @pytest.mark.parametrize("value", ["fast", "0", "-5", "nan", "inf"])
 def test_a_bad_step_deadline_variable_keeps_the_sidecar_off_instead_of_raising_in_vllm(fake_vllm, monkeypatch,
                                                                                       caplog, value):
@@ -299,13 +312,7 @@ def test_a_bad_step_deadline_variable_keeps_the_sidecar_off_instead_of_raising_i
     log the variable and run the stock layers, as it does for every other deployment it cannot serve."""
     monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
     monkeypatch.setenv("DSPARK_STEP_DEADLINE_MS", value)
-    vllm_plugin.register()
-    model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config())
-    md = FlashAttentionMetadata(1)
-    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
-    with caplog.at_level("ERROR", logger="dspark_sidecar.client"):
-        out = model(torch.arange(7), md.positions)
-    assert torch.equal(out, torch.full((7, HIDDEN), -1.0)) and model.stock_calls == 1
+    model = _first_forward_runs_the_stock_layers(fake_vllm, caplog)
     assert model.dspark_shim().refusal.startswith(f"DSPARK_STEP_DEADLINE_MS={value!r}: ")
     assert f"DSPARK_STEP_DEADLINE_MS={value!r}" in caplog.text
 
@@ -321,13 +328,7 @@ def test_a_socket_dir_grpc_cannot_dial_keeps_the_sidecar_off_and_says_why(fake_v
     target gRPC parses otherwise ('?' ends the path, ',' splits it) or the kernel refuses (too long),
     so every step fell back with no word of the variable. The shim stays off and names it."""
     monkeypatch.setenv("DSPARK_SOCKET_DIR", folder)
-    vllm_plugin.register()
-    model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config())
-    md = FlashAttentionMetadata(1)
-    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
-    with caplog.at_level("ERROR", logger="dspark_sidecar.client"):
-        out = model(torch.arange(7), md.positions)
-    assert torch.equal(out, torch.full((7, HIDDEN), -1.0)) and model.stock_calls == 1
+    model = _first_forward_runs_the_stock_layers(fake_vllm, caplog)
     refusal = model.dspark_shim().refusal
     assert refusal.startswith(f"DSPARK_SOCKET_DIR={folder!r}: ") and said in refusal
     assert f"DSPARK_SOCKET_DIR={folder!r}" in caplog.text

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -10,6 +15,35 @@ import pytest
 from dspark_sidecar.server.config import ServeConfig
 from dspark_sidecar.server.launcher import EXIT_USAGE, launch
 from helpers.engine_fakes import short_socket_dir
+
+
+def _fake_ranks(monkeypatch, script: str) -> None:
+    """The launcher's rank processes run `script` (python -c) instead of `serve`."""
+    from dspark_sidecar.server import launcher
+
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(launcher.subprocess, "Popen",
+                        lambda argv, **kw: real_popen([sys.executable, "-c", script], **kw))
+
+
+def _serving_rank(tmp_path, on_sigterm: str) -> str:
+    """A serving rank's script: `on_sigterm` is its SIGTERM handler (an expression), it marks
+    tmp_path/ready-RANK once the handler is set, then idles."""
+    return ("import os, signal, sys, time, pathlib\n"
+            f"signal.signal(signal.SIGTERM, {on_sigterm})\n"
+            f"pathlib.Path({str(tmp_path)!r}, 'ready-' + os.environ['RANK']).touch()\n"
+            "while True: time.sleep(0.05)\n")
+
+
+def _ready_when_both_marked(tmp_path, serving: threading.Event):
+    """An on_ready probe: True (and `serving` set) once both ranks marked themselves ready."""
+    def on_ready() -> bool:
+        if len(list(tmp_path.glob("ready-*"))) < 2:
+            return False
+        serving.set()
+        return True
+
+    return on_ready
 
 
 @pytest.mark.parametrize("poll_s", [0.2, 4.0])
@@ -37,22 +71,11 @@ def test_a_stop_during_the_probe_that_finds_the_group_serving_drains_it_and_exit
     (serving ranks take drain_s and the teardown). The launcher used to keep the start-up stop bound
     it set when the signal came (STARTUP_STOP_S), kill the draining ranks when it passed, and exit 1
     ("ranks still running 60 s after SIGTERM")."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
     from dspark_sidecar.server import launcher
 
     monkeypatch.setattr(launcher, "STARTUP_STOP_S", 0.5)
     # A serving rank: it marks its SIGTERM handler installed, then drains for 1.5 s and exits 0.
-    rank = ("import signal, sys, time, pathlib\n"
-            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0)))\n"
-            f"pathlib.Path({str(tmp_path)!r}, 'ready-' + __import__('os').environ['RANK']).touch()\n"
-            "while True: time.sleep(0.05)\n")
-    real_popen = subprocess.Popen
-    monkeypatch.setattr(launcher.subprocess, "Popen",
-                        lambda argv, **kw: real_popen([sys.executable, "-c", rank], **kw))
+    _fake_ranks(monkeypatch, _serving_rank(tmp_path, "lambda *a: (time.sleep(1.5), sys.exit(0))"))
 
     def on_ready() -> bool:
         if len(list(tmp_path.glob("ready-*"))) < 2:
@@ -71,21 +94,11 @@ def test_a_stop_before_the_ranks_set_their_handlers_exits_0(tmp_path, monkeypatc
     serve_rank sets their handlers, so the launcher's SIGTERM ends them by the default action (-15).
     README: during start-up `serve` ends the ranks "also with exit 0"; the launcher counted -15 as a
     failed rank and exited 1, silently (about 2-6 s into a start on a loaded 2-core host)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import threading
-
-    from dspark_sidecar.server import launcher
-
     # A rank still importing: no handler of its own, it only marks that it runs.
     rank = ("import os, pathlib, time\n"
             f"pathlib.Path({str(tmp_path)!r}, 'up-' + os.environ['RANK']).touch()\n"
             "time.sleep(60)\n")
-    real_popen = subprocess.Popen
-    monkeypatch.setattr(launcher.subprocess, "Popen",
-                        lambda argv, **kw: real_popen([sys.executable, "-c", rank], **kw))
+    _fake_ranks(monkeypatch, rank)
 
     def stop_once_up() -> None:
         deadline = time.monotonic() + 30
@@ -104,30 +117,14 @@ def test_a_serving_group_s_stop_waits_out_a_long_drain(tmp_path, monkeypatch):
     """--drain-s accepts up to 300 s, and a serving rank's stop takes --drain-s plus its teardown. The
     launcher's kill came a fixed DRAIN_GRACE_S after SIGTERM, whatever the drain: a drain longer than
     that was cut short and `serve` exited 1. Here the grace past the drain is 0.5 s, the drain 2 s."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import threading
 
     from dspark_sidecar.server import launcher
 
     monkeypatch.setattr(launcher, "DRAIN_GRACE_S", 0.5)
     # A serving rank: handler set, drains for its --drain-s (2 s), then exits 0.
-    rank = ("import signal, sys, time, pathlib\n"
-            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(2.0), sys.exit(0)))\n"
-            f"pathlib.Path({str(tmp_path)!r}, 'ready-' + __import__('os').environ['RANK']).touch()\n"
-            "while True: time.sleep(0.05)\n")
-    real_popen = subprocess.Popen
-    monkeypatch.setattr(launcher.subprocess, "Popen",
-                        lambda argv, **kw: real_popen([sys.executable, "-c", rank], **kw))
+    _fake_ranks(monkeypatch, _serving_rank(tmp_path, "lambda *a: (time.sleep(2.0), sys.exit(0))"))
     serving = threading.Event()
-
-    def on_ready() -> bool:
-        if len(list(tmp_path.glob("ready-*"))) < 2:
-            return False
-        serving.set()
-        return True
+    on_ready = _ready_when_both_marked(tmp_path, serving)
 
     def stop_once_serving() -> None:
         serving.wait(30)
@@ -144,30 +141,14 @@ def test_a_second_stop_signal_does_not_push_back_the_kill_of_wedged_ranks(tmp_pa
     after the stop. Every further SIGTERM or Ctrl-C to the launcher restarted that wait: a user pressing
     Ctrl-C again because the stop seemed stuck (or a supervisor repeating its SIGTERM) got a later kill,
     and one repeating it often enough none. Here the grace is 1 s and a SIGTERM comes every 0.4 s for 4 s."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import threading
 
     from dspark_sidecar.server import launcher
 
     monkeypatch.setattr(launcher, "DRAIN_GRACE_S", 1.0)
-    rank = ("import signal, time, pathlib, os\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"  # wedged: never ends by itself
-            f"pathlib.Path({str(tmp_path)!r}, 'ready-' + os.environ['RANK']).touch()\n"
-            "while True: time.sleep(0.05)\n")
-    real_popen = subprocess.Popen
-    monkeypatch.setattr(launcher.subprocess, "Popen",
-                        lambda argv, **kw: real_popen([sys.executable, "-c", rank], **kw))
+    _fake_ranks(monkeypatch, _serving_rank(tmp_path, "signal.SIG_IGN"))  # wedged: never ends by itself
     serving = threading.Event()
     first = []
-
-    def on_ready() -> bool:
-        if len(list(tmp_path.glob("ready-*"))) < 2:
-            return False
-        serving.set()
-        return True
+    on_ready = _ready_when_both_marked(tmp_path, serving)
 
     def stop_again_and_again() -> None:
         serving.wait(30)
