@@ -88,6 +88,11 @@ def to_step_error(err: SidecarError) -> pb.StepError:
     return pb.StepError(code=err.code.value[0], message=err.message, field=err.field, reason=err.reason)
 
 
+def _abort(context, err: SidecarError) -> None:
+    """End the call with err's status and rich details (raises, as grpc's abort does)."""
+    context.abort_with_status(rpc_status.to_status(to_status(err)))
+
+
 class StatusInterceptor(grpc.ServerInterceptor):
     """Maps exceptions escaping unary handlers to gRPC status with rich details, and requests that do not
     parse to INVALID_ARGUMENT (unary and streaming); servicers stay on the happy path."""
@@ -114,7 +119,7 @@ class StatusInterceptor(grpc.ServerInterceptor):
                 try:
                     return inner(parsed(raw), context)
                 except Exception as exc:  # noqa: BLE001  (every failure becomes a status; none escapes)
-                    context.abort_with_status(rpc_status.to_status(to_status(as_sidecar_error(exc))))
+                    _abort(context, as_sidecar_error(exc))
 
             return grpc.unary_unary_rpc_method_handler(
                 guarded, request_deserializer=None, response_serializer=handler.response_serializer)
@@ -127,12 +132,12 @@ class StatusInterceptor(grpc.ServerInterceptor):
                         try:
                             yield parsed(raw)
                         except SidecarError as err:  # the stream ends with it: no step id to answer under
-                            context.abort_with_status(rpc_status.to_status(to_status(err)))
+                            _abort(context, err)
 
                 try:
                     yield from inner_stream(requests(), context)
                 except SidecarError as err:  # refused before any step (e.g. a remote peer): the stream ends with it
-                    context.abort_with_status(rpc_status.to_status(to_status(err)))
+                    _abort(context, err)
 
             return grpc.stream_stream_rpc_method_handler(
                 guarded_stream, request_deserializer=None, response_serializer=handler.response_serializer)
@@ -143,7 +148,7 @@ class StatusInterceptor(grpc.ServerInterceptor):
                 try:
                     request = parsed(raw)
                 except SidecarError as err:
-                    context.abort_with_status(rpc_status.to_status(to_status(err)))
+                    _abort(context, err)
                 yield from inner_watch(request, context)
 
             return grpc.unary_stream_rpc_method_handler(
