@@ -180,3 +180,14 @@ def test_stop_timeout_outlasts_the_drain_and_the_launchers_own_grace():
     drain = ServeConfig().drain_s
     assert drain + 30 < drain + DRAIN_GRACE_S < int(timeout[:-1])
     assert unit_values(SIDECAR, "KillMode") == ["mixed"]  # SIGTERM to the launcher only; it signals the ranks
+
+
+def test_a_refused_configuration_is_not_restarted_forever():
+    """`serve` exits EXIT_USAGE (2) for a flag, variable, checkpoint or socket folder that cannot be used,
+    after one line naming it. Restart=on-failure alone restarted that every RestartSec for ever (5 s apart,
+    under the start limit's 5 starts in 10 s), burying the line in a loop of weight loads; a restart cannot
+    fix a configuration, so the unit stays failed with the line as its last words."""
+    from dspark_sidecar.server.launcher import EXIT_USAGE
+
+    assert unit_values(SIDECAR, "Restart") == ["on-failure"]
+    assert unit_values(SIDECAR, "RestartPreventExitStatus") == [str(EXIT_USAGE)]
