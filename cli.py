@@ -168,11 +168,10 @@ def cmd_status(a: argparse.Namespace) -> int:
 
     from dspark_sidecar.proto import sidecar_pb2 as pb
     from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+    from dspark_sidecar.server.healthcheck import probe_flags_problem
 
-    if a.tp < 1:
-        raise UsageError(f"--tp: must be at least 1, got {a.tp}")
-    if not 0 < a.timeout < float("inf"):  # 0 or nan: every live rank printed UNREACHABLE DEADLINE_EXCEEDED
-        raise UsageError(f"--timeout: must be a number of seconds above 0, got {a.timeout}")
+    if why := probe_flags_problem(a.tp, a.timeout):
+        raise UsageError(why)
     rc = 0
     for r in range(a.tp):
         path = a.socket_dir / f"rank{r}.sock"

@@ -23,6 +23,17 @@ def check(target: str, timeout_s: float = 2.0, service: str = SERVICE_NAME) -> s
         return f"UNREACHABLE: {err.code().name}"
 
 
+def probe_flags_problem(tp: int, timeout_s: float) -> str | None:
+    """Why a probe of ranks 0..tp-1 cannot use these --tp / --timeout (this module, `dspark-sidecar status`)."""
+    # --tp 0 (or below) checked no rank and exited 0: a probe that passed with no sidecar at all.
+    if tp < 1:
+        return f"--tp: must be at least 1, got {tp}"
+    # 0, a negative or nan deadline made every live rank UNREACHABLE (DEADLINE_EXCEEDED), naming no flag.
+    if not 0 < timeout_s < float("inf"):
+        return f"--timeout: must be a number of seconds above 0, got {timeout_s}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_sidecar.server.healthcheck", description=__doc__)
     ap.add_argument("--socket", help="one rank's unix socket path")
@@ -31,12 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-ranks", action="store_true", help="check rank0..rank{tp-1}.sock in --socket-dir")
     ap.add_argument("--timeout", type=float, default=2.0)
     a = ap.parse_args(argv)
-    # --tp 0 (or below) checked no rank and exited 0: a probe that passed with no sidecar at all.
-    if a.tp < 1:
-        ap.error(f"--tp: must be at least 1, got {a.tp}")
-    # 0, a negative or nan deadline made every live rank UNREACHABLE (DEADLINE_EXCEEDED), naming no flag.
-    if not 0 < a.timeout < float("inf"):
-        ap.error(f"--timeout: must be a number of seconds above 0, got {a.timeout}")
+    if why := probe_flags_problem(a.tp, a.timeout):
+        ap.error(why)
     paths = [a.socket] if a.socket and not a.all_ranks else [str(a.socket_dir / f"rank{r}.sock") for r in range(a.tp)]
     ok = True
     for p in paths:
