@@ -191,3 +191,14 @@ def test_a_refused_configuration_is_not_restarted_forever():
 
     assert unit_values(SIDECAR, "Restart") == ["on-failure"]
     assert unit_values(SIDECAR, "RestartPreventExitStatus") == [str(EXIT_USAGE)]
+
+
+def test_the_mps_unit_is_started_only_once_its_daemon_answers():
+    """With Type=exec alone the unit counted as started when the daemon was exec'd, and the sidecar
+    (After= it) could create its CUDA context before the daemon answered: CUDA then runs without MPS,
+    silently, and every step pays the context switch. The unit waits for the daemon's own probe, the
+    one the Kubernetes startup probe and launch-tp4.sh use."""
+    assert unit_values(MPS, "Type") == ["exec"]
+    (post,) = unit_values(MPS, "ExecStartPost")
+    assert "echo get_server_list | /usr/bin/nvidia-cuda-mps-control" in post and post.startswith("/bin/sh -c 'until ")
+    assert unit_values(SIDECAR_MPS_DROPIN, "After") == [MPS.name]
