@@ -118,3 +118,12 @@ def test_build_context_leaves_out_what_git_ignores(flavour):
         name = line.strip().strip("/")
         if name and not name.startswith("#"):
             assert name in ignore or f"**/{name}" in ignore, name
+
+
+def test_image_keeps_the_jit_caches_under_its_cache_folder(flavour):
+    """Triton and FlyDSL read their own variables, not XDG_CACHE_HOME: without them the kernels were
+    cached under the home folder, not the cache folder the image prepares (and Kubernetes mounts)."""
+    env = " ".join(_values(_final_stage(DOCKERFILES[flavour]), "ENV"))
+    assert "XDG_CACHE_HOME=/var/cache/dspark " in env
+    for name in ("TRITON_CACHE_DIR", "FLYDSL_RUNTIME_CACHE_DIR"):
+        assert f"{name}=/var/cache/dspark/" in env, name

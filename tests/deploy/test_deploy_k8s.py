@@ -214,3 +214,18 @@ def test_amd_and_nvidia_variants_differ_only_in_vendor_pieces():
     amd, nvidia = load_variant("amd"), load_variant("nvidia")
     assert json.dumps(_vendor_neutral(amd), sort_keys=True) == json.dumps(_vendor_neutral(nvidia), sort_keys=True)
     assert amd.one("ConfigMap") == nvidia.one("ConfigMap")
+
+
+# Where each JIT compiler keeps its kernels: Triton reads TRITON_CACHE_DIR (else ~/.triton/cache) and
+# FlyDSL FLYDSL_RUNTIME_CACHE_DIR (else ~/.flydsl/cache); neither reads XDG_CACHE_HOME.
+JIT_CACHE_ENV = ("TRITON_CACHE_DIR", "FLYDSL_RUNTIME_CACHE_DIR")
+
+
+def test_the_jit_caches_are_on_the_cache_volume(variant):
+    """With HOME=/tmp both caches went to the 1 GiB `sidecar-tmp` emptyDir, past whose sizeLimit kubelet
+    evicts the pod, not to the 8 GiB `sidecar-cache` that the manifest's comment said held them."""
+    sidecar = variant.container("dspark-sidecar")
+    cache = mounts_of(sidecar)["sidecar-cache"]
+    env = env_of(sidecar)
+    for name in JIT_CACHE_ENV:
+        assert Path(env[name]["value"]).is_relative_to(cache), (name, env.get(name))

@@ -202,3 +202,12 @@ def test_the_mps_unit_is_started_only_once_its_daemon_answers():
     (post,) = unit_values(MPS, "ExecStartPost")
     assert "echo get_server_list | /usr/bin/nvidia-cuda-mps-control" in post and post.startswith("/bin/sh -c 'until ")
     assert unit_values(SIDECAR_MPS_DROPIN, "After") == [MPS.name]
+
+
+def test_the_jit_caches_are_in_the_units_cache_directory():
+    """Triton and FlyDSL read TRITON_CACHE_DIR and FLYDSL_RUNTIME_CACHE_DIR, not XDG_CACHE_HOME; named,
+    so that the caches do not depend on HOME pointing into the CacheDirectory too."""
+    env = unit_environment(SIDECAR)
+    (cache,) = unit_values(SIDECAR, "CacheDirectory")
+    for name in ("TRITON_CACHE_DIR", "FLYDSL_RUNTIME_CACHE_DIR"):
+        assert env[name].startswith(f"%C/{cache}/"), (name, env.get(name))
