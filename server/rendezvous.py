@@ -48,11 +48,12 @@ GO, ABORT = 1, 2
 # copy of this step that ran on the GPU (server/prelaunch.py); queueing the next step on the GPU.
 FAST, QUEUED, QUEUE_NEXT = 1, 2, 4
 # Abort reasons
-MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE = range(1, 8)
+MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE, EXITED = range(1, 9)
 # Header words: magic, world, and CLOSED, set once rank 0's coordinator has stopped for good (its
 # thread joined): no verdict comes after it, so a post without one was launched by no rank.
 HEADER, CLOSED = 3, 2
-# How often a rank waiting for its verdict looks whether rank 0 (the coordinator) still exists.
+# How often a rank waiting for its verdict looks whether rank 0 (the coordinator) still exists, and
+# the coordinator whether the peers a step waits for still do.
 GONE_CHECK_S = 0.1
 
 
@@ -118,6 +119,9 @@ def format_reason(step_id: int, reason: int, mask: int, deadline_ms: int) -> str
         return f"step {step_id}: rank(s) {_ranks(mask)} rejected their copy of the step's inputs"
     if reason == DEADLINE:
         return f"step {step_id}: its deadline_ms passed on rank(s) {_ranks(mask)} before every rank had it"
+    if reason == EXITED:
+        return (f"step {step_id}: rank(s) {_ranks(mask)} exited; no rank ran it, and the sidecar group cannot run "
+                "steps until it is restarted")
     what = {STEP_ID: "the step id", NUM_REQS: "num_requests", GENERATION: "the KV binding generation",
             DIGEST: "the step's metadata (positions, seq lens, block tables, slots)"}[reason]
     return f"step {step_id}: ranks disagree on {what} (rank(s) {_ranks(mask)} differ from rank 0's view)"
@@ -363,6 +367,11 @@ class PeerProcesses:
                 self.gone(r)
         return dict(self._gone)
 
+    @property
+    def all_seen(self) -> bool:
+        """Every peer was seen alive (or has exited): looks at the board's pids now only find exits."""
+        return len(self._seen) == self.board.world - 1
+
 
 class Coordinator(threading.Thread):
     """Rank 0's decider: watches every rank's slot and writes exactly one verdict per set of posts."""
@@ -376,6 +385,8 @@ class Coordinator(threading.Thread):
         self._first_seen: dict[int, float] = {}  # rank -> when its pending post was first seen
         self._next_rec = 0
         self._launch_seq = 0
+        self._peers = PeerProcesses(board, 0)  # whose missing post will never come: its process exited
+        self._next_look = 0.0
 
     def stop(self) -> None:
         self._halt.set()
@@ -412,9 +423,24 @@ class Coordinator(threading.Thread):
         for r in pending:
             self._first_seen.setdefault(r, now)
         if not pending:
+            if not self._peers.all_seen and now >= self._next_look:
+                # Between steps, until every peer has been seen alive (their pids come with their
+                # Rendezvous): only a peer seen alive is ever judged exited (PeerProcesses).
+                self._next_look = now + GONE_CHECK_S
+                self._peers.exited()
             return False
         world = self.board.world
         if len(pending) < world:
+            if now - min(self._first_seen.values()) >= GONE_CHECK_S and now >= self._next_look:
+                # A rank whose process has exited never posts: the step is aborted now, not at its
+                # deadline (up to 60 s of --rendezvous-ms per step while the group goes down). Only
+                # for a post that has waited a while: the look (a signal and a /proc read per rank)
+                # stays off the path of the steps whose copies all come in time.
+                self._next_look = now + GONE_CHECK_S
+                gone = sum(1 << r for r in range(world) if r not in pending and self._peers.gone(r))
+                if gone:
+                    self._write(pending, int(pending[min(pending)][1]), ABORT, EXITED, gone)
+                    return True
             if now - min(self._first_seen.values()) < self.deadline_s:
                 return False
             missing = sum(1 << r for r in range(world) if r not in pending)

@@ -296,3 +296,45 @@ def test_peer_processes_tell_an_exit_a_zombie_and_a_reused_pid_from_a_stopped_or
             k.kill()  # SIGKILL ends a stopped process too
             k.wait()
         board.close()
+
+
+@pytest.mark.parametrize("when", ["before_the_post", "while_the_post_waits"])
+def test_the_coordinator_aborts_a_step_at_once_when_a_missing_rank_s_process_exited(when):
+    """A rank killed while its peers' copies of a step wait for its post: it never comes. The coordinator
+    waited out the whole deadline (up to 60 s of --rendezvous-ms, every step, while the group went down);
+    now it aborts at once, naming the exited rank. A missing rank that is alive is still waited for."""
+    from dspark_sidecar.server.rendezvous import process_start
+
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    deadline_ms = 8000
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    rank0 = Rendezvous(boards[0], 0, deadline_ms)
+    peer = _child()
+    try:
+        _post_peer(boards[1], 1, peer.pid, process_start(peer.pid))
+        time.sleep(0.5)  # the ranks idle: the coordinator sees rank 1's process alive
+        out: list = []
+        th = threading.Thread(target=lambda: out.append(rank0.agree(Post(7, 1, 2, 9, True))), daemon=True)
+        if when == "before_the_post":  # the common case: a peer never missing until it died
+            t = time.monotonic()
+            peer.kill()
+            peer.wait()
+            th.start()
+        else:
+            th.start()
+            th.join(timeout=1.0)
+            assert th.is_alive() and not out  # rank 1 alive: its post may still come
+            t = time.monotonic()
+            peer.kill()
+            peer.wait()
+        th.join(timeout=deadline_ms / 1e3 + 5)
+        took = time.monotonic() - t
+        assert out and not out[0].go, out
+        assert "rank(s) 1 exited" in out[0].reason and "step 7" in out[0].reason, out[0].reason
+        assert took < 1.0 < deadline_ms / 1e3, took
+    finally:
+        peer.kill()
+        peer.wait()
+        rank0.close()
+        boards[1].close()
+        boards[0].close()
