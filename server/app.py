@@ -392,11 +392,16 @@ class HealthPublisher:
     Called from the main thread (start, drain, the peers' watch) and from gRPC handler threads (a
     binding that changes the fast path): one call at a time, with a state change made under the same
     lock. Otherwise a BindKV's call that had read SERVING could set health SERVING after the drain's
-    NOT_SERVING, and nothing would publish again: SERVING for the whole drain and teardown."""
+    NOT_SERVING, and nothing would publish again: SERVING for the whole drain and teardown.
+
+    Health is set only when its status changes: grpc.health.v1's servicer sends every set to every
+    Watch stream, so the beat-by-beat publish of a silent peer (its reason's seconds) sent each
+    subscriber a duplicate NOT_SERVING twice a second."""
 
     def __init__(self, life: Lifecycle, servicer, ctx, health_servicer, metrics: Metrics) -> None:
         self.life, self.servicer, self.ctx, self.health, self.metrics = life, servicer, ctx, health_servicer, metrics
         self._lock = threading.Lock()
+        self._published = None  # the health status last set (None: not set by this publisher yet)
 
     def __call__(self, state: str | None = None) -> None:
         life = self.life
@@ -412,8 +417,10 @@ class HealthPublisher:
             self.ctx.refusal = refused or None
             serving = health_pb2.HealthCheckResponse.SERVING
             status = serving if life.serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", SERVICE_NAME):
-                self.health.set(name, status)
+            if status != self._published:
+                for name in ("", SERVICE_NAME):
+                    self.health.set(name, status)
+                self._published = status
             self.metrics.set_serving(life.serving)
 
 
