@@ -42,7 +42,7 @@ from dspark_sidecar.server.preflight import claim_socket
 from dspark_sidecar.server.process_group import join_group
 from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_up
 from dspark_sidecar.server.refusal import probe_host
-from dspark_sidecar.server.rendezvous import Board, Rendezvous
+from dspark_sidecar.server.rendezvous import Board, PeerProcesses, Rendezvous
 from dspark_sidecar.server.servicer import MAX_STREAMS, DrafterServicer, Lifecycle, give_back_unopened, limits_pb
 
 log = logging.getLogger("dspark_sidecar.server")
@@ -51,7 +51,8 @@ TEARDOWN_LIMIT_S = 15.0
 SERVER_GRACE_S = 5.0  # in-flight gRPC calls finish within this at shutdown
 BEAT_S = 0.5  # how often a rank's main thread beats on the rendezvous board and looks at its peers'
 # A peer silent this long is stopped or wedged (a beat is due every BEAT_S): the rank reports
-# PEER_SILENT. Long enough that a loaded host's scheduling gaps do not flap health.
+# PEER_SILENT. Long enough that a loaded host's scheduling gaps do not flap health. A peer whose
+# process has exited is reported at the next beat instead (watch_peers).
 PEER_SILENT_S = 3.0
 # gRPC handler threads: up to MAX_STREAMS open DraftSteps streams hold one each; the rest answer the
 # unary calls and the health check.
@@ -332,6 +333,8 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
     board.beat(rank)
     start_up.barrier(cpu_group)  # every rank loaded and warmed up: the group can draft
     board.beat(rank)  # the barrier may have waited long for the slowest peer
+    peers = PeerProcesses(board, rank)
+    peers.exited()  # every peer is past the barrier, so alive: each is seen now (see PeerProcesses)
     # Only now: a step let in during the warm-up (a client that ignores NOT_SERVING) would put its
     # collectives among the warm-up's, on this rank only.
     start_up.active = False  # from here a signal drains (the loop below reads `stop`)
@@ -341,7 +344,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
              "on" if graphs is not None else "off")
 
     while not stop.wait(BEAT_S):  # a timed wait keeps the main thread responsive to signals
-        watch_peers(board, rank, life, publish)
+        watch_peers(board, rank, life, publish, peers)
     log.info("rank %d: draining", rank)
     publish("DRAINING")
     time.sleep(cfg.drain_s)  # health says NOT_SERVING while calls are still accepted: engines move off
@@ -389,11 +392,16 @@ class HealthPublisher:
     Called from the main thread (start, drain, the peers' watch) and from gRPC handler threads (a
     binding that changes the fast path): one call at a time, with a state change made under the same
     lock. Otherwise a BindKV's call that had read SERVING could set health SERVING after the drain's
-    NOT_SERVING, and nothing would publish again: SERVING for the whole drain and teardown."""
+    NOT_SERVING, and nothing would publish again: SERVING for the whole drain and teardown.
+
+    Health is set only when its status changes: grpc.health.v1's servicer sends every set to every
+    Watch stream, so the beat-by-beat publish of a silent peer (its reason's seconds) sent each
+    subscriber a duplicate NOT_SERVING twice a second."""
 
     def __init__(self, life: Lifecycle, servicer, ctx, health_servicer, metrics: Metrics) -> None:
         self.life, self.servicer, self.ctx, self.health, self.metrics = life, servicer, ctx, health_servicer, metrics
         self._lock = threading.Lock()
+        self._published = None  # the health status last set (None: not set by this publisher yet)
 
     def __call__(self, state: str | None = None) -> None:
         life = self.life
@@ -402,31 +410,50 @@ class HealthPublisher:
                 life.state = state
             refused = self.servicer.refusal() if life.strict else ""
             if life.state in ("SERVING", "REFUSED", "PEER_SILENT"):
-                life.state = "PEER_SILENT" if life.silent_peers else "REFUSED" if refused else "SERVING"
-            life.reason = silence_reason(life.silent_peers) if life.state == "PEER_SILENT" else ""
+                peer_out = life.silent_peers or life.exited_peers
+                life.state = "PEER_SILENT" if peer_out else "REFUSED" if refused else "SERVING"
+            life.reason = (peers_reason(life.exited_peers, life.silent_peers) if life.state == "PEER_SILENT"
+                           else "")
             self.ctx.refusal = refused or None
             serving = health_pb2.HealthCheckResponse.SERVING
             status = serving if life.serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", SERVICE_NAME):
-                self.health.set(name, status)
+            if status != self._published:
+                for name in ("", SERVICE_NAME):
+                    self.health.set(name, status)
+                self._published = status
             self.metrics.set_serving(life.serving)
 
 
-def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], None],
+def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], None], peers: PeerProcesses,
                 after_s: float = PEER_SILENT_S) -> None:
-    """Beat, then look at the peers' beats: health leaves SERVING while a peer is silent (each step
-    would wait out the rendezvous deadline and abort) and comes back with the peer."""
+    """Beat, then look at the peers: health leaves SERVING while a peer is silent (each step would
+    wait out the rendezvous deadline and abort) and comes back with the peer. A peer whose process
+    has exited is reported at once, not after after_s, and for good (the group cannot run steps
+    again; its launcher or torchrun's agent takes it down)."""
     board.beat(rank)
-    silent = board.silent(rank, after_s)
-    changed = silent.keys() != life.silent_peers.keys()
-    if changed:
-        (log.warning if silent else log.info)("rank %d: %s", rank, silence_reason(silent) if silent else
+    exited = peers.exited()
+    silent = {r: s for r, s in board.silent(rank, after_s).items() if r not in exited}
+    if exited.keys() != life.exited_peers.keys():
+        log.error("rank %d: %s", rank, peers_reason(exited, {}))
+    if silent.keys() != life.silent_peers.keys():
+        (log.warning if silent else log.info)("rank %d: %s", rank, peers_reason({}, silent) if silent else
                                               "every peer rank signals again")
-    life.silent_peers = silent
+    changed = silent.keys() != life.silent_peers.keys() or exited.keys() != life.exited_peers.keys()
+    life.silent_peers, life.exited_peers = silent, exited
     if changed or silent:  # while silent, publish again: the reason's seconds grow
         publish()
 
 
-def silence_reason(silent: dict[int, float]) -> str:
-    ranks = ", ".join(str(r) for r in sorted(silent))
-    return f"peer rank(s) {ranks} silent for {max(silent.values(), default=0):.1f} s: stopped or hung; steps would abort"
+def peers_reason(exited: dict[int, int], silent: dict[int, float]) -> str:
+    """GetStatus.state_reason for PEER_SILENT: the peers whose process exited ({rank: pid}), then the
+    ones alive but silent ({rank: seconds})."""
+    parts = []
+    if exited:
+        ranks = ", ".join(str(r) for r in sorted(exited))
+        pids = ", ".join(str(exited[r]) for r in sorted(exited))
+        parts.append(f"peer rank(s) {ranks} exited (pid {pids}): steps abort until the sidecar group is restarted")
+    if silent:
+        ranks = ", ".join(str(r) for r in sorted(silent))
+        parts.append(f"peer rank(s) {ranks} silent for {max(silent.values()):.1f} s: stopped or hung; "
+                     "steps would abort")
+    return "; ".join(parts)

@@ -12,7 +12,8 @@ Layout (int64 words): header [magic, world, closed]; per rank a post slot
 [seq, step_id, generation, num_reqs, valid, digest, expires_ns, offers]; a ring of verdict records
 [seq, step_id, verdict, reason, rank_mask, launch_seq, agreed, covered_seq[0..world)]; per rank a
 heartbeat (time.monotonic_ns of its last beat, 0 before the first); per rank its pid (0 before it
-set it: Rendezvous). `seq` words
+set it: Rendezvous); per rank its process's start time (process_start; 0 where not known), which
+tells a peer's exit from another process that took its pid (PeerProcesses). `seq` words
 are seqlocks: odd while the writer fills the record, even when it is complete. `offers` and
 `agreed` are bit sets of FAST, QUEUED and QUEUE_NEXT: what each rank could do, and what every
 rank will do (a bit is agreed only when every rank offered it, and only with GO).
@@ -28,6 +29,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 
 import numpy as np
 
@@ -46,11 +48,12 @@ GO, ABORT = 1, 2
 # copy of this step that ran on the GPU (server/prelaunch.py); queueing the next step on the GPU.
 FAST, QUEUED, QUEUE_NEXT = 1, 2, 4
 # Abort reasons
-MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE = range(1, 8)
+MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE, EXITED = range(1, 9)
 # Header words: magic, world, and CLOSED, set once rank 0's coordinator has stopped for good (its
 # thread joined): no verdict comes after it, so a post without one was launched by no rank.
 HEADER, CLOSED = 3, 2
-# How often a rank waiting for its verdict looks whether rank 0 (the coordinator) still exists.
+# How often a rank waiting for its verdict looks whether rank 0 (the coordinator) still exists, and
+# the coordinator whether the peers a step waits for still do.
 GONE_CHECK_S = 0.1
 
 
@@ -116,6 +119,9 @@ def format_reason(step_id: int, reason: int, mask: int, deadline_ms: int) -> str
         return f"step {step_id}: rank(s) {_ranks(mask)} rejected their copy of the step's inputs"
     if reason == DEADLINE:
         return f"step {step_id}: its deadline_ms passed on rank(s) {_ranks(mask)} before every rank had it"
+    if reason == EXITED:
+        return (f"step {step_id}: rank(s) {_ranks(mask)} exited; no rank ran it, and the sidecar group cannot run "
+                "steps until it is restarted")
     what = {STEP_ID: "the step id", NUM_REQS: "num_requests", GENERATION: "the KV binding generation",
             DIGEST: "the step's metadata (positions, seq lens, block tables, slots)"}[reason]
     return f"step {step_id}: ranks disagree on {what} (rank(s) {_ranks(mask)} differ from rank 0's view)"
@@ -132,7 +138,7 @@ class Board:
     def __init__(self, name: str | None, world: int, create: bool) -> None:
         self.world = world
         self.rec_len = 7 + world
-        words = HEADER + world * SLOT + RING * self.rec_len + 2 * world
+        words = HEADER + world * SLOT + RING * self.rec_len + 3 * world
         if create:
             self.shm = _create(name, words * 8)
         else:
@@ -148,7 +154,8 @@ class Board:
         ring_end = HEADER + world * SLOT + RING * self.rec_len
         self.ring = self.words[HEADER + world * SLOT : ring_end].reshape(RING, self.rec_len)
         self.beats = self.words[ring_end : ring_end + world]
-        self.pids = self.words[ring_end + world :]
+        self.pids = self.words[ring_end + world : ring_end + 2 * world]
+        self.starts = self.words[ring_end + 2 * world :]
 
     @property
     def name(self) -> str:
@@ -168,7 +175,7 @@ class Board:
                 if r != rank and b and now - int(b) > after_s * 1e9}
 
     def close(self) -> None:
-        self.slots = self.ring = self.words = self.beats = self.pids = None  # type: ignore[assignment]
+        self.slots = self.ring = self.words = self.beats = self.pids = self.starts = None  # type: ignore[assignment]
         self.shm.close()
         self.unlink()
 
@@ -209,10 +216,12 @@ class Rendezvous:
         self._seq = 0
         self._coordinator: Coordinator | None = None
         self._coordinator_gone = False
-        # Rank 0's pid seen alive from here once: only then is "no such process" read as rank 0 gone (a
-        # rank in a pid namespace of its own, sharing /dev/shm, would never find it and abort every step).
-        self._coordinator_seen = rank == 0
-        board.pids[rank] = os.getpid()  # before any step: the ranks' start-up barrier follows (server/app.py)
+        # Whether rank 0's process has exited (PeerProcesses: only once it was seen alive from here).
+        self._peers = PeerProcesses(board, rank)
+        # Before any step: the ranks' start-up barrier follows (server/app.py). The start time first: a
+        # peer that reads a pid reads the start time that goes with it.
+        board.starts[rank] = process_start(os.getpid())
+        board.pids[rank] = os.getpid()
         if rank == 0 and board.world > 1:  # one rank agrees with itself (see agree)
             self._coordinator = Coordinator(board, deadline_ms, nap_s)
             self._coordinator.start()
@@ -234,9 +243,8 @@ class Rendezvous:
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
         ring, words = self.board.ring, self.board.words
         next_look = time.monotonic() + GONE_CHECK_S
-        if not self._coordinator_seen:  # one look per step until seen (normally the first step only)
-            pid = int(self.board.pids[0])
-            self._coordinator_seen = pid > 0 and not _exited(pid)
+        if self.rank != 0:  # one look per step until seen alive (normally the first step only)
+            self._peers.gone(0)
         lower_timer_slack()
         while True:
             # Read before the ring: a verdict written before the coordinator stopped is found below.
@@ -257,9 +265,9 @@ class Rendezvous:
                 # instead of waiting out give_up and exiting (a clean stop of the group read as a crash).
                 return Verdict(False, f"step {post.step_id}: rank 0's coordinator has stopped (the sidecar is "
                                       "shutting down); no rank ran it", 0)
-            if self._coordinator_gone or self._coordinator_seen and time.monotonic() > next_look:
+            if self._coordinator_gone or self.rank != 0 and time.monotonic() > next_look:
                 next_look = time.monotonic() + GONE_CHECK_S
-                if self._coordinator_gone or _exited(int(self.board.pids[0])):
+                if self._coordinator_gone or self._peers.gone(0):
                     # Rank 0 died (SIGKILL, a crash) with this post pending: no verdict will ever come,
                     # and no GO for it was in the ring just above (a GO written in the instant before
                     # the death launches collectives that cannot complete without rank 0 anyway, so
@@ -281,17 +289,88 @@ class Rendezvous:
             self._coordinator.stop()
 
 
-def _exited(pid: int) -> bool:
-    """Whether process `pid` (a peer rank on this node) has exited; 0: not known yet, so not."""
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of process `pid`, from /proc/<pid>/stat; None where
+    that cannot be read (no /proc: not Linux; the process just went; a /proc mounted hidepid)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = text[text.rfind(b")") + 1 :].split()  # after the command name, which may hold spaces and ')'
+    try:
+        return fields[0].decode(), int(fields[19])  # fields 3 (state) and 22 (starttime) of proc(5)
+    except (IndexError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def process_start(pid: int) -> int:
+    """Process `pid`'s start time (clock ticks since boot); 0 where not known. With its pid it names one
+    process: a pid reused after the process exited comes with another start time."""
+    stat = _stat(pid)
+    return stat[1] if stat is not None else 0
+
+
+def _exited(pid: int, start: int = 0) -> bool:
+    """Whether process `pid` (a peer rank on this node), started at `start` (process_start; 0: not known),
+    has exited: no such process; a zombie (exited, its parent has not reaped it yet: kill(pid, 0) still
+    succeeds on it, and torchrun's agent reaps only every --monitor-interval); or another process that
+    now has the pid (another start time). pid 0: not known yet, so not."""
     if pid <= 0:
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except PermissionError:  # it exists (another user's, after a pid reuse: not ours, but not provably gone)
+    except PermissionError:  # it exists, another user's: a reused pid if its start time differs (below)
+        pass
+    stat = _stat(pid)
+    if stat is None:  # only the signal's answer: it exists
         return False
-    return False
+    state, started = stat
+    return state in ("Z", "X") or 0 < start != started
+
+
+class PeerProcesses:
+    """Which peer ranks' processes have exited, from the pids and start times on the board.
+
+    A peer is judged only once its process was seen alive from here, with the start time it posted: a
+    rank in a pid namespace of its own (sharing /dev/shm) posts a pid that names no process here, or
+    another one, and must not read as exited (that would abort every step, or report a live group
+    down). An exit is for good: a rank never comes back to a running group. Not thread-safe: one
+    instance per thread that looks."""
+
+    def __init__(self, board: Board, rank: int) -> None:
+        self.board, self.rank = board, rank
+        self._seen: set[int] = set()
+        self._gone: dict[int, int] = {}  # peer rank -> the pid it had
+
+    def gone(self, peer: int) -> bool:
+        """Whether `peer`'s process has exited (False until it was seen alive from here once)."""
+        if peer in self._gone:
+            return True
+        pid, start = int(self.board.pids[peer]), int(self.board.starts[peer])
+        if pid <= 0:
+            return False
+        if peer not in self._seen:
+            if not _exited(pid, start):
+                self._seen.add(peer)
+            return False
+        if _exited(pid, start):
+            self._gone[peer] = pid
+            return True
+        return False
+
+    def exited(self) -> dict[int, int]:
+        """{peer rank: its pid} for every peer whose process has exited."""
+        for r in range(self.board.world):
+            if r != self.rank:
+                self.gone(r)
+        return dict(self._gone)
+
+    @property
+    def all_seen(self) -> bool:
+        """Every peer was seen alive (or has exited): looks at the board's pids now only find exits."""
+        return len(self._seen) == self.board.world - 1
 
 
 class Coordinator(threading.Thread):
@@ -306,6 +385,8 @@ class Coordinator(threading.Thread):
         self._first_seen: dict[int, float] = {}  # rank -> when its pending post was first seen
         self._next_rec = 0
         self._launch_seq = 0
+        self._peers = PeerProcesses(board, 0)  # whose missing post will never come: its process exited
+        self._next_look = 0.0
 
     def stop(self) -> None:
         self._halt.set()
@@ -342,9 +423,24 @@ class Coordinator(threading.Thread):
         for r in pending:
             self._first_seen.setdefault(r, now)
         if not pending:
+            if not self._peers.all_seen and now >= self._next_look:
+                # Between steps, until every peer has been seen alive (their pids come with their
+                # Rendezvous): only a peer seen alive is ever judged exited (PeerProcesses).
+                self._next_look = now + GONE_CHECK_S
+                self._peers.exited()
             return False
         world = self.board.world
         if len(pending) < world:
+            if now - min(self._first_seen.values()) >= GONE_CHECK_S and now >= self._next_look:
+                # A rank whose process has exited never posts: the step is aborted now, not at its
+                # deadline (up to 60 s of --rendezvous-ms per step while the group goes down). Only
+                # for a post that has waited a while: the look (a signal and a /proc read per rank)
+                # stays off the path of the steps whose copies all come in time.
+                self._next_look = now + GONE_CHECK_S
+                gone = sum(1 << r for r in range(world) if r not in pending and self._peers.gone(r))
+                if gone:
+                    self._write(pending, int(pending[min(pending)][1]), ABORT, EXITED, gone)
+                    return True
             if now - min(self._first_seen.values()) < self.deadline_s:
                 return False
             missing = sum(1 << r for r in range(world) if r not in pending)

@@ -41,6 +41,7 @@ class Lifecycle:
     state: str = "LOADING"  # LOADING -> SERVING -> DRAINING (or REFUSED with --strict-refusal, PEER_SILENT)
     reason: str = ""  # why not SERVING, where the state alone does not say (StatusReport.state_reason)
     silent_peers: dict = field(default_factory=dict)  # {peer rank: seconds silent} (server/app.py watch_peers)
+    exited_peers: dict = field(default_factory=dict)  # {peer rank: pid} whose process exited (watch_peers)
     backend: str = "reference"
     host: HostFacts | None = None
     flydsl_off: str | None = None  # why no FlyDSL fast path was built (BackendChoice.flydsl_refusal)

@@ -63,3 +63,23 @@ def test_a_peer_waiting_on_a_killed_coordinator_answers_its_step_aborted_at_once
     # The group still goes down as a whole, and no rank is left behind.
     assert sc.proc.wait(timeout=60) == 1
     assert not alive(pids[1])
+
+
+def test_a_step_waiting_for_a_killed_peer_s_copy_is_aborted_at_once_naming_it(rig):
+    """The other way round: rank 1 SIGKILLed while rank 0's copy of a step waits for its post. Rank 0's
+    coordinator waited out the whole --rendezvous-ms (here 6 s; up to 60 s) and answered "did not
+    receive it"; now it aborts the step at once and says the rank exited."""
+    sc, eng, step, streams = rig
+    pids = sc.rank_pids()
+    streams[0].requests.put(eng.request(0, 2, step))  # rank 1's engine never sends step 2: rank 0 waits
+    time.sleep(1.0)
+    t_kill = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    ans = streams[0].answers.get(timeout=60)
+    took = time.monotonic() - t_kill
+    assert ans is not None, f"the stream ended without an answer after {took:.1f} s ({streams[0].end})\n{sc.log_tail()}"
+    assert ans.WhichOneof("result") == "error" and ans.error.code == grpc.StatusCode.ABORTED.value[0], ans
+    assert "rank(s) 1 exited" in ans.error.message, ans.error.message
+    assert took < SLACK_S < RDV_MS / 1e3, took
+    assert sc.proc.wait(timeout=60) == 1
+    assert not alive(pids[0])

@@ -133,3 +133,50 @@ def test_a_binding_s_publish_caught_by_the_drain_cannot_leave_health_serving():
     binding.join(5)
     drain.join(5)
     assert life.state == "DRAINING" and sets[-1] == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_a_silent_peer_sends_watch_subscribers_one_not_serving_not_one_every_beat():
+    """While a peer is silent, watch_peers publishes every beat (0.5 s) so that GetStatus's reason counts
+    the seconds. Each publish set health again, and grpc.health.v1's servicer sends every set to every
+    Watch stream, changed or not: a subscriber (a Kubernetes-style watcher, the engine's probe) got a
+    duplicate NOT_SERVING twice a second for as long as the peer stayed silent. Now: one per change."""
+    import uuid
+    from types import SimpleNamespace
+
+    from grpc_health.v1 import health, health_pb2
+
+    from dspark_sidecar.server.app import HealthPublisher, watch_peers
+    from dspark_sidecar.server.rendezvous import Board, PeerProcesses
+    from dspark_sidecar.server.servicer import Lifecycle
+
+    hs = health.HealthServicer()
+    life = Lifecycle(state="LOADING")
+    publish = HealthPublisher(life, SimpleNamespace(refusal=lambda: ""), SimpleNamespace(refusal=None), hs,
+                              SimpleNamespace(set_serving=lambda serving: None))
+    publish("SERVING")
+    got: list = []
+    closing: list = []
+    hs.Watch(health_pb2.HealthCheckRequest(service=""), SimpleNamespace(add_callback=closing.append), got.append)
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
+    try:
+        peers = PeerProcesses(board, 0)  # no pids on the board: only the beats speak
+        board.beats[1] = time.monotonic_ns()
+        watch_peers(board, 0, life, publish, peers)
+        reasons = []
+        for age_s in (10, 11, 12, 13):  # four beats of a silent peer
+            board.beats[1] = time.monotonic_ns() - age_s * 10**9
+            watch_peers(board, 0, life, publish, peers)
+            reasons.append(life.reason)
+        assert life.state == "PEER_SILENT"
+        # The reason still counts the seconds (GetStatus reads it) ...
+        assert [r.split("silent for ")[1].split(" s")[0] for r in reasons] == ["10.0", "11.0", "12.0", "13.0"], reasons
+        board.beats[1] = time.monotonic_ns()  # the peer beats again
+        watch_peers(board, 0, life, publish, peers)
+        watch_peers(board, 0, life, publish, peers)
+        assert life.state == "SERVING" and life.reason == ""
+        # ... while the subscriber hears each change once.
+        S, N = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        assert [r.status for r in got] == [S, N, S], got
+        assert hs.Check(health_pb2.HealthCheckRequest(service=""), None).status == S
+    finally:
+        board.close()

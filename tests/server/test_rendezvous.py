@@ -240,3 +240,101 @@ def test_a_peer_waiting_on_a_coordinator_whose_process_exited_aborts_at_once_and
         peer.close()
         boards[1].close()
         boards[0].close()
+
+
+def _child(code: str = "import time; time.sleep(60)"):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _post_peer(board: Board, rank: int, pid: int, start: int) -> None:
+    board.starts[rank] = start
+    board.pids[rank] = pid
+
+
+def test_peer_processes_tell_an_exit_a_zombie_and_a_reused_pid_from_a_stopped_or_foreign_peer():
+    """PeerProcesses (server/app.py watch_peers, the coordinator): a peer is exited when its pid names no
+    process, a zombie (kill(pid, 0) still succeeds on it), or a process with another start time (the pid
+    reused). A stopped peer is alive (the silence timeout is for it); a pid never seen alive with its start
+    time (a rank in a pid namespace of its own) is never judged."""
+    import signal
+
+    from dspark_sidecar.server.rendezvous import PeerProcesses, process_start
+
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    board = Board(name, 5, create=True)
+    kids = [_child() for _ in range(3)]
+    try:
+        stopped, zombie, killed = kids
+        for r, k in ((1, stopped), (2, zombie), (3, killed)):
+            _post_peer(board, r, k.pid, process_start(k.pid))
+            assert process_start(k.pid) > 0
+        # Rank 4 posted this process's pid with a start time that is not ours: another process here.
+        _post_peer(board, 4, os.getpid(), process_start(os.getpid()) + 1)
+        peers = PeerProcesses(board, 0)
+        assert peers.exited() == {}  # all seen alive (but rank 4, never seen)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        os.kill(zombie.pid, signal.SIGKILL)
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait()
+        deadline = time.monotonic() + 5
+        while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert peers.exited() == {2: zombie.pid, 3: killed.pid}
+        # A pid reused by another process: same pid, another start time.
+        board.starts[1] = process_start(stopped.pid) - 1
+        assert 1 in peers.exited()
+        # An exit is for good, whatever the board says later.
+        board.pids[3] = os.getpid()
+        board.starts[3] = process_start(os.getpid())
+        assert 3 in peers.exited()
+    finally:
+        for k in kids:
+            k.kill()  # SIGKILL ends a stopped process too
+            k.wait()
+        board.close()
+
+
+@pytest.mark.parametrize("when", ["before_the_post", "while_the_post_waits"])
+def test_the_coordinator_aborts_a_step_at_once_when_a_missing_rank_s_process_exited(when):
+    """A rank killed while its peers' copies of a step wait for its post: it never comes. The coordinator
+    waited out the whole deadline (up to 60 s of --rendezvous-ms, every step, while the group went down);
+    now it aborts at once, naming the exited rank. A missing rank that is alive is still waited for."""
+    from dspark_sidecar.server.rendezvous import process_start
+
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    deadline_ms = 8000
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    rank0 = Rendezvous(boards[0], 0, deadline_ms)
+    peer = _child()
+    try:
+        _post_peer(boards[1], 1, peer.pid, process_start(peer.pid))
+        time.sleep(0.5)  # the ranks idle: the coordinator sees rank 1's process alive
+        out: list = []
+        th = threading.Thread(target=lambda: out.append(rank0.agree(Post(7, 1, 2, 9, True))), daemon=True)
+        if when == "before_the_post":  # the common case: a peer never missing until it died
+            t = time.monotonic()
+            peer.kill()
+            peer.wait()
+            th.start()
+        else:
+            th.start()
+            th.join(timeout=1.0)
+            assert th.is_alive() and not out  # rank 1 alive: its post may still come
+            t = time.monotonic()
+            peer.kill()
+            peer.wait()
+        th.join(timeout=deadline_ms / 1e3 + 5)
+        took = time.monotonic() - t
+        assert out and not out[0].go, out
+        assert "rank(s) 1 exited" in out[0].reason and "step 7" in out[0].reason, out[0].reason
+        assert took < 1.0 < deadline_ms / 1e3, took
+    finally:
+        peer.kill()
+        peer.wait()
+        rank0.close()
+        boards[1].close()
+        boards[0].close()

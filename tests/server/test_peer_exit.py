@@ -1,0 +1,103 @@
+"""A TP-2 group whose rank 1 is SIGKILLed while serving, with no launcher to take the group down at once
+(as under torchrun, whose agent looks at its workers only every --monitor-interval): rank 0 must say
+promptly that its peer has EXITED, not wait out the silence timeout (PEER_SILENT_S) meant for a peer
+that is alive but stopped or hung (tests/server/test_peer_silence.py keeps that one).
+
+Both cases of the killed process: reaped by its parent at once, and a zombie (exited, not reaped yet:
+`kill(pid, 0)` still succeeds on it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from dspark_sidecar.server.app import PEER_SILENT_S
+from dspark_sidecar.server.healthcheck import check
+from dspark_sidecar.server.launcher import free_port
+
+TP = 2
+PROMPT_S = 1.5  # a beat tick (0.5 s) plus a loaded 2-core box's slack; well under PEER_SILENT_S
+
+
+def _env(rank: int, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("DSPARK_LAUNCHER_PID",)}
+    return dict(env, RANK=str(rank), WORLD_SIZE=str(TP), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port))
+
+
+def _status(sock: str) -> pb.StatusReport:
+    with grpc.insecure_channel(sock) as ch:
+        return pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
+
+
+@pytest.fixture
+def ranks(tmp_path, tiny_ckpt):
+    """Two rank processes started directly, torchrun-style (this test is their parent)."""
+    port = free_port()
+    sock = tmp_path / "sock"
+    logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(TP)]
+    procs = [subprocess.Popen([sys.executable, "-m", "dspark_sidecar", "serve", "--tp", str(TP), "--device", "cpu",
+                               "--socket-dir", str(sock), "--checkpoint", str(tiny_ckpt[0]), "--target-checkpoint",
+                               str(tiny_ckpt[1]), "--drain-s", "0"],
+                              env=_env(r, port), stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True)
+             for r in range(TP)]
+    socks = [f"unix:{sock / f'rank{r}.sock'}" for r in range(TP)]
+
+    def tail() -> str:
+        return "\n".join(f"--- rank {r}\n" + Path(tmp_path / f"rank{r}.log").read_text(errors="replace")[-3000:]
+                         for r in range(TP))
+    try:
+        deadline = time.monotonic() + 120
+        while not all(Path(s[5:]).exists() and check(s, 0.5) == "SERVING" for s in socks):
+            assert all(p.poll() is None for p in procs), tail()
+            assert time.monotonic() < deadline, tail()
+            time.sleep(0.2)
+        yield procs, socks, tail
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        for f in logs:
+            f.close()
+
+
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_a_killed_peer_is_reported_exited_well_before_the_silence_timeout(ranks, reaped):
+    procs, socks, tail = ranks
+    assert _status(socks[0]).state == "SERVING"
+    t_kill = time.monotonic()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    if reaped:
+        procs[1].wait(timeout=10)
+    st, took = None, None
+    while time.monotonic() - t_kill < PEER_SILENT_S + 5:
+        st = _status(socks[0])
+        if st.state != "SERVING":
+            took = time.monotonic() - t_kill
+            break
+        time.sleep(0.05)
+    assert took is not None, tail()
+    assert took < PROMPT_S < PEER_SILENT_S, (took, st)
+    assert st.state == "PEER_SILENT" and not st.serving, st
+    assert "rank(s) 1 exited" in st.state_reason and "silent" not in st.state_reason, st.state_reason
+    assert check(socks[0], 2.0) == "NOT_SERVING"
+    if not reaped:
+        # Still unreaped when rank 0 reported it: a zombie, on which kill(pid, 0) succeeds (poll() would reap it).
+        stat = Path(f"/proc/{procs[1].pid}/stat").read_text()
+        assert stat.rsplit(")", 1)[1].split()[0] == "Z", stat
+    # It stays reported as exited (not flipped to "silent" once the beats are PEER_SILENT_S old).
+    time.sleep(PEER_SILENT_S + 0.5)
+    st = _status(socks[0])
+    assert st.state == "PEER_SILENT" and "rank(s) 1 exited" in st.state_reason, st.state_reason
+    assert procs[0].poll() is None, tail()
