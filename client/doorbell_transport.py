@@ -15,7 +15,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from dspark_sidecar.client.connection import SidecarConnection, StepStream, StreamBroken
-from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers, ipc_group
+from dspark_sidecar.client.dataplane import DataPlaneError, DoorbellChannel, StepBuffers, ipc_group
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
@@ -29,6 +29,11 @@ class DoorbellTransport:
     def __init__(self, conn: SidecarConnection, hidden: int, max_reqs: int, max_pages: int,
                  dtype: torch.dtype, device: torch.device, timeout_s: float) -> None:
         assert conn.stub is not None
+        if hidden < 1 or max_reqs < 1:
+            # Before any remote call: the doorbell would be attached, and its page then dropped here
+            # while the sidecar rank keeps polling it, for buffers that cannot be made (hidden_size 0
+            # in a StatusReport was caught only by torch refusing to view a 1-byte segment as floats).
+            raise DataPlaneError(f"no step buffers for hidden size {hidden} and {max_reqs} requests")
         self.max_reqs, self.max_pages = max_reqs, max_pages
         # The doorbell first: a sidecar that refuses it (an older one, a host without x86-64 store
         # order) is then left with no buffers registered, which it would keep mapped until it exits.

@@ -92,15 +92,18 @@ def shm_empty(shape: tuple[int, ...], dtype: torch.dtype, group: int | None = No
     group's: a sidecar running as another user of the group (its socket's) can map it too."""
     nbytes = max(1, int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
     seg = shared_memory.SharedMemory(create=True, size=nbytes)
-    if group is not None:
-        try:
+    try:
+        if group is not None:
             _share_with_group(seg.name, group)
-        except BaseException:
-            seg.close()
-            seg.unlink()
-            raise
-    t = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-    t.zero_()
+        # Raises for a shape the bytes cannot be viewed as (a zero-element shape of a dtype wider than
+        # the 1-byte minimum segment: a StatusReport's hidden_size 0 sized the doorbell's regions so).
+        t = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+        t.zero_()
+    except BaseException:
+        t = None  # type: ignore[assignment]  # no view may outlive the mapping
+        seg.close()
+        seg.unlink()  # else the segment stayed in /dev/shm until the process exited
+        raise
     with _EXPORTED_LOCK:
         _EXPORTED[t.untyped_storage().data_ptr()] = (seg.name, nbytes)
     return ShmTensor(t, seg)

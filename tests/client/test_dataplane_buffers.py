@@ -242,3 +242,31 @@ def test_the_segments_are_shared_with_the_sidecar_socket_s_group_when_this_proce
         assert dataplane.ipc_group(f"unix:{path}") is None  # not a member: fchown would fail
         monkeypatch.setattr(dataplane.os, "getgroups", lambda: [os.getegid(), other])
         assert dataplane.ipc_group(f"unix:{path}") == other
+
+
+@pytest.mark.parametrize("hidden, max_reqs", [(0, 4), (16, 0)], ids=["hidden_size_0", "max_reqs_0"])
+def test_buffers_that_cannot_be_made_are_refused_before_the_doorbell_is_attached(hidden, max_reqs):
+    """A StatusReport's hidden_size 0 (answer fuzz): the doorbell was attached first, then the buffers failed
+    here (torch cannot view the 1-byte minimum segment as floats) and the page was dropped while the sidecar
+    rank kept polling it. Refused now before any remote call."""
+    from dspark_sidecar.client.dataplane import DataPlaneError
+    from dspark_sidecar.client.doorbell_transport import DoorbellTransport
+
+    class _Recorder:
+        def __init__(self) -> None:
+            self.called: list[str] = []
+
+        def __getattr__(self, rpc):
+            return lambda *a, **k: self.called.append(rpc)
+
+    class _Conn:
+        endpoint = "127.0.0.1:7000"
+        stub = _Recorder()
+
+        def stream(self):
+            raise AssertionError("no step stream for a refused data plane")
+
+    conn = _Conn()
+    with pytest.raises(DataPlaneError, match=f"hidden size {hidden} and {max_reqs} requests"):
+        DoorbellTransport(conn, hidden, max_reqs, 40, torch.float32, torch.device("cpu"), 1.0)
+    assert conn.stub.called == []

@@ -304,3 +304,23 @@ def test_a_segment_shared_with_a_group_is_0660_and_that_group_s():
     finally:
         plain.close()
         shared.close()
+
+
+@pytest.mark.parametrize("group", [None, os.getegid()], ids=["private", "group"])
+def test_a_segment_that_cannot_hold_the_tensor_is_unlinked_not_left_in_dev_shm(monkeypatch, group):
+    """A zero-element shape of a 4-byte dtype gets the 1-byte minimum segment, which torch cannot view as
+    that dtype (RuntimeError: a StatusReport's hidden_size 0 sized the doorbell's regions so). The
+    segment stayed in /dev/shm, one per connect, until the process exited."""
+    made = []
+    real = memory.shared_memory.SharedMemory
+
+    def record(*a, **kw):
+        seg = real(*a, **kw)
+        made.append(seg.name)
+        return seg
+
+    monkeypatch.setattr(memory.shared_memory, "SharedMemory", record)
+    with pytest.raises(RuntimeError):
+        memory.shm_empty((28, 0), torch.float32, group)
+    assert len(made) == 1
+    assert not os.path.exists(f"/dev/shm/{made[0].lstrip('/')}"), f"{made[0]} left in /dev/shm"
