@@ -186,7 +186,7 @@ class DrafterShim:
             else:
                 try:
                     ready, why, refused = self._prepare(layers)
-                except Exception as e:  # noqa: BLE001  (a rank that raised here would leave its peers in the all-reduce)
+                except Exception as e:  # noqa: BLE001  (raising here would leave the peers in the all-reduce)
                     ready, why, refused = False, self._internal("prepare", e), False
             gen = self.binder.generation
             status = self.connection.status
