@@ -50,7 +50,7 @@ def _fuzz():
     return mod
 
 
-DEADLINE_S, GRACE_S = 2.0, 1.0
+DEADLINE_S, GRACE_S = 2.0, 2.0  # a generous grace: close() lets the woken step settle within it
 ANSWER_AFTER_S = 0.6  # the fake answers the step this long after it arrives (well inside the deadline)
 JOIN_S = DEADLINE_S + GRACE_S + 3.0  # a thread still alive after this is a hang
 
