@@ -362,3 +362,30 @@ def test_close_with_a_step_unsettled_past_its_grace_keeps_the_link_until_it_sett
         server.stop()
         for s in kv:
             s.close()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "doorbell"])
+def test_close_on_the_thread_inside_the_step_is_finished_as_the_step_leaves(transport):
+    """close() on the very thread that holds the link (a Python signal handler runs on the main thread, maybe
+    in the middle of its step; here: the fault hook, just before the step is sent). It cannot wait for the
+    link (it would wait for itself, CLOSE_WAIT_S): it returns at once, and the step, woken, finishes the
+    close as it leaves the link."""
+    rig = Rig(transport)
+    try:
+        assert rig.step(1) is not None
+        took: list[float] = []
+
+        def close_here(_step_id: int) -> None:
+            t0 = time.monotonic()
+            rig.shim.close()
+            took.append(time.monotonic() - t0)
+
+        rig.shim.fault_hook = close_here
+        step = Bounded(lambda: rig.step(2), "step-2")
+        step.join(JOIN_S, "maybe_forward")  # None, or the answer if it came before the wake (checked in rig.step)
+        assert took and took[0] < 0.5, f"close() on the link's own thread took {took} s"
+        assert step.secs < GRACE_S + 1.5, f"maybe_forward took {step.secs:.2f} s"
+        assert rig.fake.calls["UnbindKV"] == 1
+        _assert_closed_cleanly(rig)
+    finally:
+        rig.stop()
