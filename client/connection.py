@@ -42,6 +42,11 @@ class StreamBroken(Exception):
         self.code = code
 
 
+class StepInterrupted(Exception):
+    """A step's wait given up because the shim is closing (DrafterShim.close, maybe from another thread).
+    The step was sent and may still run: the shim treats it as unsettled."""
+
+
 class StepStream:
     """The long-lived DraftSteps bidi stream; a reader thread hands answers back by step id.
 
@@ -58,6 +63,7 @@ class StepStream:
         self._waiting: int | None = None
         self.last_answered = 0
         self.alive = True
+        self.interrupted = False  # interrupt(): every wait gives up at once, for good
         self.end: StreamBroken | None = None
         self._call = stub.DraftSteps(self._request_iter())
         self._reader = threading.Thread(target=self._read, name="dspark-shim-stream", daemon=True)
@@ -105,14 +111,25 @@ class StepStream:
         self._requests.put(req)
 
     def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
-        """The answer to `step_id`, None on timeout; StreamBroken when the stream ends first."""
+        """The answer to `step_id`, None on timeout; StreamBroken when the stream ends first,
+        StepInterrupted once interrupt() was called (an answer already in hand is still returned)."""
         with self._cv:
-            ok = self._cv.wait_for(lambda: step_id in self._answers or not self.alive, timeout_s)
+            ok = self._cv.wait_for(lambda: step_id in self._answers or not self.alive or self.interrupted,
+                                   timeout_s)
             if step_id in self._answers:
                 return self._answers.pop(step_id)
+            if self.interrupted:
+                raise StepInterrupted(f"step {step_id}: the shim is closing")
             if not ok:
                 return None
             raise self.end or StreamBroken(None, "stream ended")
+
+    def interrupt(self) -> None:
+        """Wake a wait() now, and make every later one give up at once (the shim is closing). The stream
+        itself stays open: settled() still tells when the sidecar is done with the step."""
+        with self._cv:
+            self.interrupted = True
+            self._cv.notify_all()
 
     def settled(self, step_id: int) -> bool:
         """True once `step_id` (or a later step) was answered, or the stream is gone."""

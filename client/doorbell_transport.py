@@ -14,13 +14,13 @@ import time
 import torch
 from google.protobuf.message import DecodeError
 
-from dspark_sidecar.client.connection import SidecarConnection, StepStream, StreamBroken
+from dspark_sidecar.client.connection import SidecarConnection, StepInterrupted, StepStream, StreamBroken
 from dspark_sidecar.client.dataplane import DataPlaneError, DoorbellChannel, StepBuffers, ipc_group
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 
-POLL_S = 0.05  # how often a waiting step looks at the liveness stream
+POLL_S = 0.05  # how often a waiting step looks at the liveness stream (and at interrupt())
 
 
 class DoorbellTransport:
@@ -46,6 +46,7 @@ class DoorbellTransport:
             raise
         self.liveness: StepStream = conn.stream()
         self._view: torch.Tensor | None = None
+        self.interrupted = False  # interrupt(): every wait gives up within POLL_S, for good
 
     @property
     def alive(self) -> bool:
@@ -81,7 +82,8 @@ class DoorbellTransport:
         self.bell.send_bytes(req.SerializeToString() + staged.fields, staged.launch_key)
 
     def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
-        """The answer, None on timeout, StreamBroken as soon as the sidecar rank is gone."""
+        """The answer, None on timeout, StreamBroken as soon as the sidecar rank is gone, StepInterrupted
+        within POLL_S of interrupt()."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -90,10 +92,17 @@ class DoorbellTransport:
                 raise StreamBroken(None, f"undecodable doorbell answer: {e}") from None
             if resp is not None:
                 return resp
+            if self.interrupted:
+                raise StepInterrupted(f"step {step_id}: the shim is closing")
             if not self.liveness.alive:
                 raise self.liveness.end or StreamBroken(None, "sidecar gone")
             if time.monotonic() >= deadline:
                 return None
+
+    def interrupt(self) -> None:
+        """Make a wait() give up within POLL_S, and every later one at once (the shim is closing). Only a
+        flag: the page and the regions stay mapped, for the waiting thread and for settled()."""
+        self.interrupted = True
 
     def hidden(self) -> torch.Tensor:
         """The last answer's hidden states, copied out of the output region (the next step reuses it)."""

@@ -11,14 +11,21 @@ three phases (FAILURE_MODES.md has the full argument):
    pre-flight MIN all-reduce: one rank not ready -> all return None.
 3. The step on the long-lived stream (bounded by the step deadline), then a post-flight MIN
    all-reduce of "I got a valid answer": one rank without one -> all return None.
+
+`close()` may come from another thread (an engine shutting down) while a step is in either phase.
+Phases 2 and 3 hold the rank's link (`_link`) and close() takes it the same way, after waking a
+step that waits for its answer: nothing is released or unmapped under a step. After close() the rank
+is not ready at every pre-flight (it still takes part in the agreements: its peers wait there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 import torch
@@ -28,7 +35,7 @@ from dspark_sidecar.client.agreement import StepAgreement, agreement_from, all_m
 from dspark_sidecar.client.binding import BindError, KVBinder
 from dspark_sidecar.client.breaker import CircuitBreaker
 from dspark_sidecar.client.config import EngineConfig, config_refusal
-from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, StreamBroken, _insecure
+from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, StepInterrupted, StreamBroken, _insecure
 from dspark_sidecar.client.dataplane import DataPlaneError
 from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
@@ -61,6 +68,7 @@ STREAM = "stream broken"
 DEADLINE = "step deadline exceeded"
 BAD_ANSWER = "malformed answer"
 PEER_FAILED = "peer engine rank got no result"
+CLOSED = "shim closed"
 
 _NO_LIMIT = layout.MAX_REQS_LIMIT + 1
 _NO_GEN = 1 << 62
@@ -74,6 +82,10 @@ _MAX_DOORBELL_PAGES = 8192  # block-table width the registered metadata region i
 # then, and for good after any other refusal on this connection, steps use the gRPC stream.
 DOORBELL_RETRY_S = 5.0
 _PASSING = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+# How long close() waits for a thread using the link to leave it. A step waiting for its answer is woken
+# at once; what is left is a readiness check's own bounded calls (connect, bind, registration). Past
+# this the thread inside finishes the close as it leaves.
+CLOSE_WAIT_S = 5.0
 
 
 @functools.cache
@@ -113,6 +125,14 @@ class DrafterShim:
         self._unsettled: tuple[Any, int] | None = None  # (stream, step id) of a step not yet answered
         self._drop_pending = False  # _drop_link asked for while a step was unsettled: done once it settles
         self.fault_hook: Callable[[int], None] | None = None  # tests: called just before a step is sent
+        # The link (connection, binding, data plane and its shared memory) is used by one thread at a time:
+        # maybe_forward's phases 2 and 3, connect(), and close() (which may run on another thread).
+        self._cv = threading.Condition()  # guards the five below
+        self._inside = False  # a thread holds the link (_link, close)
+        self._holder = 0  # which (threading.get_ident)
+        self._closed = False  # close() was called: final
+        self._close_left = False  # close() gave up waiting for the link: the thread inside finishes it
+        self._waiter: Any = None  # the transport a step waits on now: close() interrupts it
         self.refusal = config_refusal(config)
         self.enabled = self.refusal is None
         self.connection = SidecarConnection(config.endpoint, channel_factory)
@@ -134,7 +154,8 @@ class DrafterShim:
                       inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's final hidden states [n, hidden] from the sidecar, or None for the stock layers."""
         if not self.enabled:
-            self._settle_off()
+            with self._link():
+                self._settle_off()
             return self._fallback(f"off: {self.refusal}")
         n = positions.numel()
         if n % layout.QPR:
@@ -158,24 +179,33 @@ class DrafterShim:
             return self._fallback(BAD_METADATA)
         start = time.perf_counter_ns()
 
-        try:
-            ready, why, refused = self._prepare(layers)
-        except Exception as e:  # noqa: BLE001  (a rank that raised here would leave its peers in the all-reduce)
-            ready, why, refused = False, self._internal("prepare", e), False
-        gen = self.binder.generation
-        view = self.connection.status.limits.max_reqs if self.connection.status else 0
+        with self._link() as is_open:  # not held across the agreements: a close() waits for this rank only
+            if not is_open:
+                self._settle_off()  # a drop close() had to defer for an unsettled step
+                ready, why, refused = False, CLOSED, False
+            else:
+                try:
+                    ready, why, refused = self._prepare(layers)
+                except Exception as e:  # noqa: BLE001  (raising here would leave the peers in the all-reduce)
+                    ready, why, refused = False, self._internal("prepare", e), False
+            gen = self.binder.generation
+            status = self.connection.status
+            view = status.limits.max_reqs if status is not None else 0
         agreed = all_min_ints(self._agree, [int(ready), -int(refused), gen or _NO_GEN, -gen, view or _NO_LIMIT])
         all_ready, any_refused, gen_min, gen_max, limit = agreed[0], -agreed[1], agreed[2], -agreed[3], agreed[4]
         if any_refused:
-            self._disable(why if refused else "a peer engine rank's sidecar refuses")
+            with self._link():
+                self._disable(why if refused else "a peer engine rank's sidecar refuses")
             return self._fallback(f"off: {self.refusal}")
         if limit != _NO_LIMIT:
             self._max_reqs = limit
         if gen_max and gen_min != gen_max:
-            try:
-                self._catch_up(gen_max)
-            except Exception as e:  # noqa: BLE001  (raising here would skip the peers' next agreement)
-                self._internal("catch-up", e)
+            with self._link() as is_open:
+                try:
+                    if is_open:
+                        self._catch_up(gen_max)
+                except Exception as e:  # noqa: BLE001  (raising here would skip the peers' next agreement)
+                    self._internal("catch-up", e)
             return self._fallback(GENERATIONS)
         if not all_ready:
             return self._fallback(why if not ready else PEER_NOT_READY)
@@ -183,12 +213,16 @@ class DrafterShim:
             return self._fallback(REQS)
 
         step_id, self._next_step = self._next_step, self._next_step + 1
-        try:
-            if inputs_embeds is None:
-                inputs_embeds = self._model.embed_input_ids(input_ids)
-            hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
-        except Exception as e:  # noqa: BLE001  (same: every rank must reach the post-flight agreement)
-            hidden, why = None, self._internal("step", e)
+        with self._link() as is_open:  # closed since the pre-flight: nothing is sent
+            try:
+                if not is_open:
+                    hidden, why = None, CLOSED
+                else:
+                    if inputs_embeds is None:
+                        inputs_embeds = self._model.embed_input_ids(input_ids)
+                    hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
+            except Exception as e:  # noqa: BLE001  (same: every rank must reach the post-flight agreement)
+                hidden, why = None, self._internal("step", e)
         if not all_min_ints(self._agree, [int(hidden is not None)])[0]:
             return self._fallback(why or PEER_FAILED)
         self.stats.forwarded += 1
@@ -219,12 +253,15 @@ class DrafterShim:
         wait in)."""
         if not self.enabled:
             return f"off: {self.refusal}"
-        try:
-            ready, why, refused = self._prepare(self._layers())
-        except Exception as e:  # noqa: BLE001  (as in maybe_forward: it returns why, it does not raise)
-            ready, why, refused = False, self._internal("prepare", e), False
-        if refused:
-            self._drop_link()  # the next step's pre-flight opens it again, finds the refusal, and agrees on it
+        with self._link() as is_open:
+            if not is_open:
+                return CLOSED
+            try:
+                ready, why, refused = self._prepare(self._layers())
+            except Exception as e:  # noqa: BLE001  (as in maybe_forward: it returns why, it does not raise)
+                ready, why, refused = False, self._internal("prepare", e), False
+            if refused:
+                self._drop_link()  # the next step's pre-flight opens it again, finds the refusal, and agrees on it
         return None if ready else why
 
     # Phase 2: this rank's readiness ----------------------------------------------------------------
@@ -342,6 +379,10 @@ class DrafterShim:
                 and self.doorbell.fits(r, meta, embeds.shape[-1]) else None)
         req = self._request(step_id, r, positions, embeds, meta, inline=bell is None)
         stream: Any = bell if bell is not None else self.connection.stream()
+        with self._cv:  # either close() finds this waiter and interrupts it, or the step sees the close here
+            if self._closed:
+                return None, CLOSED
+            self._waiter = stream
         try:
             if self.fault_hook is not None:
                 self.fault_hook(step_id)
@@ -360,10 +401,18 @@ class DrafterShim:
                                 "until it settles", self.rank, step_id, cfg.step_deadline_s + cfg.late_grace_s)
                 self.breaker.record_failure(DEADLINE)
                 return None, DEADLINE
+        except StepInterrupted:
+            # close() from another thread: the step was sent and may still run. close() lets it settle
+            # (bounded) before it drops the link, as for any unsettled step.
+            self._unsettled = (stream, step_id)
+            return None, CLOSED
         except StreamBroken as e:
             self.breaker.record_failure(f"{STREAM}: {e}")
             self._drop_link()  # reconnect and re-read the status (a restarted sidecar?)
             return None, STREAM
+        finally:
+            with self._cv:
+                self._waiter = None
         if resp.WhichOneof("result") == "error":
             return None, self._step_error(resp.error)
         try:
@@ -477,7 +526,80 @@ class DrafterShim:
         self.connection.close()
 
     def close(self) -> None:
-        """The engine is about to free or reuse its KV cache: release the binding and the link (a step
-        still unsettled keeps its link until it settles: see _drop_link)."""
-        self._release()
-        self._drop_link()
+        """The engine is done with the sidecar (shutting down, or freeing its KV cache for good): release
+        the binding and the link. Final and idempotent; from any thread, at any time.
+
+        A step waiting for its answer on another thread is woken (its maybe_forward returns None), and
+        close() takes the link only once that thread has left it: nothing is unmapped under it. The
+        step may still run on the sidecar, so close() gives it up to late_grace_s to settle; a step
+        still unsettled then keeps its link (see _drop_link) until a later maybe_forward finds it
+        settled, or the process exits. Every maybe_forward after close() is None (the rank is not
+        ready at the pre-flight, so its peers fall back with it) and makes no remote call. Bounded:
+        CLOSE_WAIT_S for the link, late_grace_s, then the release's own deadlines (UnbindKV,
+        UnregisterBuffers) and, on a GPU, the data plane's CLOSE_WAIT_S."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            waiter = self._waiter
+        if waiter is not None:
+            waiter.interrupt()
+        me = threading.get_ident()
+        with self._cv:
+            # Not on the thread that holds the link (a signal handler runs on the main thread, maybe in
+            # the middle of its step): that thread finishes the close as it leaves the link.
+            if (self._inside and self._holder == me) or not self._cv.wait_for(lambda: not self._inside, CLOSE_WAIT_S):
+                self._close_left = True  # _leave, under this same lock, sees it
+                if self._holder != me:
+                    log.warning("sidecar rank %d: close() found the link still in use after %.0f s; the "
+                                "thread using it releases it as it leaves", self.rank, CLOSE_WAIT_S)
+                return
+            self._inside, self._holder = True, me
+        self._leave(closing=True)
+
+    def _finish_close(self) -> None:
+        """close()'s release, holding the link: an unsettled step (one close() woke) first gets
+        late_grace_s to settle, then the binding and the link go. Never raises (it may run at the end of
+        a maybe_forward, or in an engine's shutdown hook)."""
+        try:
+            if self._unsettled is not None:
+                stream, step_id = self._unsettled
+                deadline = time.monotonic() + self.config.late_grace_s
+                while not stream.settled(step_id) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                if stream.settled(step_id):
+                    self._unsettled = None
+                else:
+                    log.warning("sidecar rank %d: closed with step %d unsettled; its link stays until it "
+                                "settles", self.rank, step_id)
+            self._release()
+        except Exception as e:  # noqa: BLE001  (logged with its trace: see above)
+            self._internal("close", e)
+
+    # The link, one thread at a time ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _link(self) -> Iterator[bool]:
+        """Hold the link for a block; yields whether the shim is still open (after close(): only the
+        bookkeeping of a deferred drop may use it). Waits for another holder, which its own deadlines
+        bound (a step's, a readiness check's calls, close()'s release)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._inside)
+            self._inside, self._holder = True, threading.get_ident()
+            is_open = not self._closed
+        try:
+            yield is_open
+        finally:
+            self._leave()
+
+    def _leave(self, closing: bool = False) -> None:
+        """Give the link back. First finish close()'s release when this is close() itself (closing) or
+        close() left it to the holder (_close_left: decided under the same lock as _inside, so exactly
+        one thread releases)."""
+        while True:
+            with self._cv:
+                finish, self._close_left, closing = closing or self._close_left, False, False
+                if not finish:
+                    self._inside, self._holder = False, 0
+                    self._cv.notify_all()
+                    return
+            self._finish_close()

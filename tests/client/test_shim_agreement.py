@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -240,3 +241,33 @@ def test_a_rank_waits_for_its_peers_longer_than_a_live_peer_can_take(monkeypatch
     longest_live = (cfg.connect_deadline_s + (cfg.max_catchup_binds + 2) * cfg.bind_deadline_s
                     + cfg.step_deadline_s + cfg.late_grace_s)
     assert cfg.agreement_timeout_s > longest_live and cfg.agreement_timeout_s >= 60.0
+
+
+def test_one_rank_closed_from_another_thread_mid_step_makes_every_rank_fall_back(engine):
+    """An engine rank's shim closed on another thread (a shutdown hook) while its step waits for the answer:
+    that rank's step is woken and every rank ends it with None; from then on the closed rank is not ready
+    at each pre-flight (it still takes part: its peers wait there), so every rank falls back, none hangs,
+    and the closed rank calls its sidecar no more."""
+    assert engine.step()[0] is not None
+    shim2, side2 = engine.shims[2], engine.servers[2].sidecar
+    side2.step_delay_s[shim2._next_step] = 1.0  # the answer comes well after the close
+    closer: list[threading.Thread] = []
+
+    def close_soon(_step_id: int) -> None:
+        t = threading.Thread(target=lambda: (time.sleep(0.1), shim2.close()), daemon=True)
+        t.start()
+        closer.append(t)
+
+    shim2.fault_hook = close_soon
+    t0 = time.monotonic()
+    assert engine.step()[0] is None
+    assert time.monotonic() - t0 < 1.0, "the closed rank waited for its answer"
+    closer[0].join(5)
+    assert not closer[0].is_alive(), "close() did not return"
+    calls = side2.remote_calls()
+    for _ in range(3):
+        assert engine.step()[0] is None
+    got = reasons(engine)
+    assert got[2] == {S.CLOSED: 4}, got[2]
+    assert all(got[r].get(S.PEER_NOT_READY) == 3 for r in (0, 1, 3)), got
+    assert side2.remote_calls() == calls and not shim2.connection.is_open

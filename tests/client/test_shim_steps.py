@@ -328,10 +328,11 @@ def _unsettled_step(shim: DrafterShim, ids, pos) -> None:
     assert shim._unsettled is not None and shim.stats.fallbacks[S.DEADLINE] == 1
 
 
-def test_an_unsettled_stream_step_keeps_its_link_through_close_until_its_answer(fake):
-    """close() (the engine frees its cache) while a step is past its deadline and grace: cancelling the
-    stream would read as settled, and forwarding would resume while the sidecar may still write that
-    step's K/V. The link stays until the answer comes; then it is dropped and opened again."""
+def test_an_unsettled_stream_step_keeps_its_link_through_a_drop_until_its_answer(fake):
+    """A drop of the link (a failed catch-up bind, a disable; close() before it became final) while a step
+    is past its deadline and grace: cancelling the stream would read as settled, and forwarding would
+    resume while the sidecar may still write that step's K/V. The link stays until the answer comes;
+    then it is dropped and opened again."""
     shim, model, _ = make_shim(fake.endpoint, step_deadline_s=0.2, late_grace_s=0.2)
     ids, pos, meta = step_inputs(2)
     with set_forward_context(meta):
@@ -339,7 +340,7 @@ def test_an_unsettled_stream_step_keeps_its_link_through_close_until_its_answer(
         fake.sidecar.step_delay_s[shim._next_step] = 1.2  # past deadline + grace
         _unsettled_step(shim, ids, pos)
         opens = shim.connection.opens
-        shim.close()
+        shim._drop_link()
         assert shim.maybe_forward(ids, pos) is None and shim.stats.fallbacks[S.UNSETTLED] == 1
         assert shim.connection.is_open and shim.connection.opens == opens
         deadline = time.monotonic() + 10
@@ -351,7 +352,7 @@ def test_an_unsettled_stream_step_keeps_its_link_through_close_until_its_answer(
 
 
 def test_an_unsettled_doorbell_step_survives_a_dropped_link_and_settles_on_its_answer(tmp_path):
-    """A doorbell step unanswered past deadline and grace, then close(): the doorbell page stays mapped
+    """A doorbell step unanswered past deadline and grace, then a drop of the link: the doorbell page stays mapped
     (closed, its sequence word could never be read again, and the rank would stay not ready for good),
     and the step settles once the answer's sequence lands, ordering the engine's stream after that
     step's writes (the sidecar answers at launch: its kernels may still read the input region)."""
@@ -362,7 +363,7 @@ def test_an_unsettled_doorbell_step_survives_a_dropped_link_and_settles_on_its_a
         with set_forward_context(meta):
             _unsettled_step(shim, ids, pos)
             channel = shim.doorbell.bell
-            shim.close()
+            shim._drop_link()
             assert shim.maybe_forward(ids, pos) is None and shim.stats.fallbacks[S.UNSETTLED] == 1
             assert shim.doorbell is not None and channel.page.words is not None
             ordered = []  # settling orders the engine's stream after the late step's writes (a GPU's event)

@@ -1,0 +1,391 @@
+"""DrafterShim.close() from another thread while maybe_forward is inside a step (an engine shutting down from an
+atexit hook, a signal handler's thread or its executor's shutdown), on both transports.
+
+What must hold: maybe_forward returns the step's hidden states or None, within its bounds, without raising
+or logging a shim error; close() returns within its bounds; nothing is unmapped under the step (the
+doorbell's page and regions are shared memory: a view read after the munmap is a SIGSEGV); nothing is
+re-opened after close() (no binding, no /dev/shm segment, no channel); close() is idempotent and every
+later maybe_forward is a clean None that makes no remote call.
+
+The doorbell scenarios run in a child process: before the fix one of them killed the process (SIGSEGV),
+which would have taken the whole test session with it. Every wait here is bounded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_sidecar.client import shim as S
+from dspark_sidecar.client.config import EngineConfig
+from dspark_sidecar.client.forward_context import set_forward_context
+from dspark_sidecar.client.shim import DrafterShim
+from dspark_sidecar.drafter.parallel import ParallelContext
+from dspark_sidecar.proto import memory
+from dspark_sidecar.proto import doorbell as bell
+from helpers.engine_fakes import (
+    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs,
+)
+
+_HERE = Path(__file__).resolve()
+
+
+def _fuzz():
+    """tests/client/test_answer_fuzz.py, for its FuzzSidecar (a fake whose doorbell really answers) and rig."""
+    mod = sys.modules.get("answer_fuzz")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("answer_fuzz", _HERE.parent / "test_answer_fuzz.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["answer_fuzz"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+DEADLINE_S, GRACE_S = 2.0, 2.0  # a generous grace: close() lets the woken step settle within it
+ANSWER_AFTER_S = 0.6  # the fake answers the step this long after it arrives (well inside the deadline)
+JOIN_S = DEADLINE_S + GRACE_S + 3.0  # a thread still alive after this is a hang
+
+
+class _RecordingSharedMemory:
+    """Stands for proto/memory.py's `shared_memory` module: records the segments this process creates, so
+    that what is left in /dev/shm is told apart from other processes' segments (tests run side by side)."""
+
+    def __init__(self) -> None:
+        self.created: set[str] = set()
+
+    def SharedMemory(self, *args, **kw):  # noqa: N802  (the module's name)
+        seg = shared_memory.SharedMemory(*args, **kw)
+        if kw.get("create"):
+            self.created.add(seg.name.lstrip("/"))
+        return seg
+
+
+class Rig:
+    """One engine rank (a 2-rank agreement whose peer always agrees) against a FuzzSidecar rank."""
+
+    def __init__(self, transport: str, agree=None) -> None:
+        fz = _fuzz()
+        self.fz = fz
+        self.transport = transport
+        self.shm = _RecordingSharedMemory()
+        memory.shared_memory = self.shm  # undone by stop()
+        self.fake = fz.FuzzSidecar(dataplane=transport == "doorbell", max_reqs=4)
+        self.server = FakeServer(self.fake, short_socket_dir() / "rank0.sock").start()
+        self.kv = shm_kv_cache()
+        self.kv_names = {s.segment.name.lstrip("/") for s in self.kv}
+        self.model = FakeModel()
+        cfg = EngineConfig(tp_size=4, endpoint=self.server.endpoint, transport=transport, step_deadline_s=DEADLINE_S,
+                           late_grace_s=GRACE_S, connect_deadline_s=1.0, bind_deadline_s=1.0)
+        self.shim = DrafterShim(cfg, self.model, lambda: [s.tensor for s in self.kv], agree or fz.EchoPeer())
+
+    def step(self, k: int):
+        """maybe_forward of step k on this thread; the result checked against step k's own answer."""
+        ids, pos, meta = self.fz.inputs(k)
+        with set_forward_context(meta):
+            out = self.shim.maybe_forward(ids, pos)
+        if out is not None:
+            want = self.fz.expected(self.model, k)
+            assert out.dtype == want.dtype and torch.equal(out, want), f"step {k}: a wrong tensor"
+        return out
+
+    def new_segments(self) -> set[str]:
+        """Segments this process created (other than the KV cache) still in /dev/shm."""
+        if self.transport == "doorbell":
+            assert self.shm.created - self.kv_names, "no segment recorded: the data plane's were not seen"
+        return (self.shm.created - self.kv_names) & set(os.listdir("/dev/shm"))
+
+    def shim_errors(self) -> dict:
+        return {k: v for k, v in self.shim.stats.fallbacks.items() if k.startswith("shim error")}
+
+    def stop(self) -> None:
+        memory.shared_memory = shared_memory
+        self.fake.stop_bells()
+        self.server.stop()
+        for s in self.kv:
+            s.close()
+
+
+class Bounded:
+    """Run fn on a daemon thread; join() fails the test if it is still running after `limit` seconds."""
+
+    def __init__(self, fn, name: str) -> None:
+        self.out = self.exc = None
+        self.t0 = self.t1 = 0.0
+
+        def run() -> None:
+            self.t0 = time.monotonic()
+            try:
+                self.out = fn()
+            except BaseException as e:  # noqa: BLE001  (reported by join)
+                self.exc = e
+            self.t1 = time.monotonic()
+
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
+        self.thread.start()
+
+    def join(self, limit: float, what: str):
+        self.thread.join(limit)
+        assert not self.thread.is_alive(), f"{what}: still running after {limit} s (hang)"
+        if self.exc is not None:
+            raise AssertionError(f"{what} raised {type(self.exc).__name__}: {self.exc}") from self.exc
+        return self.out
+
+    @property
+    def secs(self) -> float:
+        return self.t1 - self.t0
+
+
+def _assert_closed_cleanly(rig: Rig) -> None:
+    """After close(): no link left, nothing in /dev/shm, and later steps are None without a remote call."""
+    shim = rig.shim
+    assert not shim.connection.is_open, "close() left the channel open"
+    assert shim.doorbell is None, "close() left the data plane attached"
+    assert not rig.new_segments(), f"shared memory left after close(): {sorted(rig.new_segments())}"
+    calls = rig.fake.remote_calls()
+    for k in (50, 51):
+        assert rig.step(k) is None, f"step {k} after close() forwarded: the shim re-opened its link"
+    assert rig.fake.remote_calls() == calls, (
+        f"maybe_forward after close() called the sidecar: {dict(rig.fake.calls)}")
+    assert not shim.connection.is_open and shim.doorbell is None and not rig.new_segments()
+    assert shim.stats.fallbacks[S.CLOSED] >= 2
+    shim.close()  # idempotent: no remote call, no error
+    assert rig.fake.remote_calls() == calls
+    assert not rig.shim_errors(), rig.shim_errors()
+
+
+# ------------------------------------------------------------------------------------------------
+# Scenarios (each also runs alone in a child: see _in_child)
+# ------------------------------------------------------------------------------------------------
+
+def scenario_close_then_step(transport: str) -> None:
+    """close() between steps: final and idempotent; before, the next maybe_forward re-connected, re-bound
+    and (doorbell) mapped a new page and three regions that nothing released."""
+    rig = Rig(transport)
+    try:
+        assert rig.step(1) is not None
+        assert (rig.shim.doorbell is not None) == (transport == "doorbell")
+        rig.shim.close()
+        assert rig.fake.calls["UnbindKV"] == 1
+        _assert_closed_cleanly(rig)
+    finally:
+        rig.stop()
+
+
+def scenario_close_during_a_step(transport: str) -> None:
+    """close() on another thread while maybe_forward waits for its step's answer. Before, on the doorbell
+    the waiting thread read the page close() had just unmapped (a TypeError logged as a shim error, or a
+    SIGSEGV when the munmap landed between two reads)."""
+    rig = Rig(transport)
+    fz = rig.fz
+    try:
+        assert rig.step(1) is not None
+        rig.fake.step_mut = fz.StepMut(resp=fz._late(ANSWER_AFTER_S))
+        step = Bounded(lambda: rig.step(2), "step-2")
+        assert rig.fake.busy.wait(5), "the fake never received step 2"
+        closing = Bounded(rig.shim.close, "close")
+        closing.join(GRACE_S + 4.0, "close()")
+        step.join(JOIN_S, "maybe_forward")  # None or the step's own answer (checked in rig.step)
+        assert step.t1 - closing.t0 < 0.5, f"maybe_forward went on {step.t1 - closing.t0:.2f} s after close()"
+        assert not rig.shim_errors(), rig.shim_errors()
+        assert not rig.fake.thread_errors, rig.fake.thread_errors
+        _assert_closed_cleanly(rig)
+    finally:
+        rig.stop()
+
+
+def scenario_close_while_the_answer_is_read(transport: str) -> None:
+    """close() while maybe_forward holds the doorbell's answer and is about to copy the hidden states out of
+    the output region. Before, close() unmapped the region under it: the copy was a SIGSEGV."""
+    assert transport == "doorbell"
+    rig = Rig(transport)
+    try:
+        assert rig.step(1) is not None
+        transport_ = rig.shim.doorbell
+        check = transport_.check_answer
+        inside, closing = threading.Event(), threading.Event()
+
+        def slow_check(*a, **kw):
+            inside.set()
+            assert closing.wait(5)
+            time.sleep(0.3)  # close() runs meanwhile: before the fix it unmapped the regions here
+            return check(*a, **kw)
+
+        transport_.check_answer = slow_check
+        step = Bounded(lambda: rig.step(2), "step-2")
+        assert inside.wait(5), "step 2 was never answered"
+        closing.set()
+        rig.shim.close()
+        out = step.join(JOIN_S, "maybe_forward")
+        assert out is not None, "the answer in hand was dropped (it was complete and checked)"
+        assert not rig.shim_errors(), rig.shim_errors()
+        _assert_closed_cleanly(rig)
+    finally:
+        rig.stop()
+
+
+class _ClosesInPreflight:
+    """A 2-rank agreement whose pre-flight is where another thread closes the shim: this rank has
+    prepared its link and waits for its peer when the engine shuts down."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.shim: DrafterShim | None = None
+        self.armed = False
+
+    def all_min(self, values: torch.Tensor) -> torch.Tensor:
+        if self.armed and values.numel() == 5:
+            self.armed = False
+            Bounded(self.shim.close, "close").join(10, "close() during the pre-flight")
+        return values.clone()
+
+
+def scenario_close_during_the_preflight(transport: str) -> None:
+    """Before, the step went on with the binding close() had dropped: an AssertionError logged as a shim
+    error (with its trace) and counted against the breaker."""
+    agree = _ClosesInPreflight()
+    rig = Rig(transport, agree)
+    agree.shim = rig.shim
+    try:
+        assert rig.step(1) is not None
+        agree.armed = True
+        assert rig.step(2) is None
+        assert not agree.armed
+        assert not rig.shim_errors(), rig.shim_errors()
+        assert rig.shim.breaker.failures == 0, "a close() was counted against the sidecar"
+        _assert_closed_cleanly(rig)
+    finally:
+        rig.stop()
+
+
+SCENARIOS = {f.__name__: f for f in (scenario_close_then_step, scenario_close_during_a_step,
+                                     scenario_close_while_the_answer_is_read, scenario_close_during_the_preflight)}
+
+_CHILD = """
+import sys, importlib.util
+sys.path.insert(0, {tests!r})
+spec = importlib.util.spec_from_file_location("shim_close", {path!r})
+mod = importlib.util.module_from_spec(spec); sys.modules["shim_close"] = mod; spec.loader.exec_module(mod)
+mod.SCENARIOS[{name!r}]({transport!r})
+print("SCENARIO PASSED", flush=True)
+"""
+
+
+def _in_child(name: str, transport: str) -> None:
+    """Run one scenario in a fresh interpreter: a SIGSEGV there fails this test instead of ending the session."""
+    tests = str(_HERE.parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _CHILD.format(tests=tests, path=str(_HERE), name=name,
+                                                               transport=transport)],
+                          env=env, capture_output=True, text=True, timeout=90)
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0 and "SCENARIO PASSED" in proc.stdout, (
+        f"{name}[{transport}]: child exit {proc.returncode}"
+        f"{' (SIGSEGV)' if proc.returncode == -11 else ' (SIGBUS)' if proc.returncode == -7 else ''}:\n{tail}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Tests
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("transport", ["grpc", "doorbell"])
+def test_close_between_steps_is_final_and_idempotent(transport):
+    scenario_close_then_step(transport)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "doorbell"])
+def test_close_during_a_step_wakes_it_and_unmaps_nothing_under_it(transport):
+    _in_child("scenario_close_during_a_step", transport)
+
+
+def test_close_while_the_doorbell_answer_is_copied_out_waits_for_the_copy():
+    _in_child("scenario_close_while_the_answer_is_read", "doorbell")
+
+
+@pytest.mark.parametrize("transport", ["grpc", "doorbell"])
+def test_close_during_the_preflight_ends_the_step_cleanly(transport):
+    _in_child("scenario_close_during_the_preflight", transport)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "doorbell"])
+def test_close_with_a_step_unsettled_past_its_grace_keeps_the_link_until_it_settles(transport):
+    """A step past its deadline and grace when close() comes: close() gives it late_grace_s more, then keeps
+    its link (the sidecar may still write that step's K/V, and only the link tells when it is done).
+    A later maybe_forward (None, no new link) drops it once the step settles."""
+    fake = (DoorbellNeverAnswered if transport == "doorbell" else FakeSidecar)(max_reqs=4)
+    server = FakeServer(fake, short_socket_dir() / "rank0.sock").start()
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(tp_size=4, endpoint=server.endpoint, transport=transport, step_deadline_s=0.2,
+                                    late_grace_s=0.2), FakeModel(), lambda: [s.tensor for s in kv],
+                       ParallelContext(0, 1))
+    try:
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            if transport == "grpc":
+                fake.step_delay_s[1] = 1.5  # past deadline + grace, and past close()'s grace too
+            assert shim.maybe_forward(ids, pos) is None and shim._unsettled is not None
+            opens = shim.connection.opens
+            t0 = time.monotonic()
+            shim.close()
+            assert time.monotonic() - t0 < 0.2 + 1.5, "close() waited past late_grace_s for the step"
+            assert fake.calls["UnbindKV"] == 1
+            assert shim.connection.is_open and shim._unsettled is not None, "the unsettled step's link was dropped"
+            if transport == "doorbell":
+                channel = shim.doorbell.bell
+                assert channel.page.words is not None
+                assert shim.maybe_forward(ids, pos) is None and shim.connection.is_open  # still unsettled
+                channel.page.words[bell.RESP_SEQ] = channel._seq  # the late answer lands
+            deadline = time.monotonic() + 10
+            while shim.connection.is_open:
+                assert time.monotonic() < deadline, "the settled step's link was never dropped"
+                assert shim.maybe_forward(ids, pos) is None
+                time.sleep(0.05)
+            calls = fake.remote_calls()
+            for _ in range(3):
+                assert shim.maybe_forward(ids, pos) is None
+        assert shim._unsettled is None and shim.doorbell is None and shim.connection.opens == opens
+        assert fake.remote_calls() == calls and shim.stats.fallbacks[S.CLOSED] >= 3
+        if transport == "doorbell":
+            assert fake.calls["UnregisterBuffers"] == 1
+        assert not [k for k in shim.stats.fallbacks if k.startswith("shim error")], dict(shim.stats.fallbacks)
+    finally:
+        server.stop()
+        for s in kv:
+            s.close()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "doorbell"])
+def test_close_on_the_thread_inside_the_step_is_finished_as_the_step_leaves(transport):
+    """close() on the very thread that holds the link (a Python signal handler runs on the main thread, maybe
+    in the middle of its step; here: the fault hook, just before the step is sent). It cannot wait for the
+    link (it would wait for itself, CLOSE_WAIT_S): it returns at once, and the step, woken, finishes the
+    close as it leaves the link."""
+    rig = Rig(transport)
+    try:
+        assert rig.step(1) is not None
+        took: list[float] = []
+
+        def close_here(_step_id: int) -> None:
+            t0 = time.monotonic()
+            rig.shim.close()
+            took.append(time.monotonic() - t0)
+
+        rig.shim.fault_hook = close_here
+        step = Bounded(lambda: rig.step(2), "step-2")
+        step.join(JOIN_S, "maybe_forward")  # None, or the answer if it came before the wake (checked in rig.step)
+        assert took and took[0] < 0.5, f"close() on the link's own thread took {took} s"
+        assert step.secs < GRACE_S + 1.5, f"maybe_forward took {step.secs:.2f} s"
+        assert rig.fake.calls["UnbindKV"] == 1
+        _assert_closed_cleanly(rig)
+    finally:
+        rig.stop()
