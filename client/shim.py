@@ -20,12 +20,11 @@ is not ready at every pre-flight (it still takes part in the agreements: its pee
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 import torch
@@ -133,6 +132,7 @@ class DrafterShim:
         self._closed = False  # close() was called: final
         self._close_left = False  # close() gave up waiting for the link: the thread inside finishes it
         self._waiter: Any = None  # the transport a step waits on now: close() interrupts it
+        self._hold = _LinkHold(self)
         self.refusal = config_refusal(config)
         self.enabled = self.refusal is None
         self.connection = SidecarConnection(config.endpoint, channel_factory)
@@ -577,19 +577,11 @@ class DrafterShim:
             self._internal("close", e)
 
     # The link, one thread at a time ----------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _link(self) -> Iterator[bool]:
-        """Hold the link for a block; yields whether the shim is still open (after close(): only the
-        bookkeeping of a deferred drop may use it). Waits for another holder, which its own deadlines
-        bound (a step's, a readiness check's calls, close()'s release)."""
-        with self._cv:
-            self._cv.wait_for(lambda: not self._inside)
-            self._inside, self._holder = True, threading.get_ident()
-            is_open = not self._closed
-        try:
-            yield is_open
-        finally:
-            self._leave()
+    def _link(self) -> "_LinkHold":
+        """`with self._link() as is_open:` holds the link for the block; is_open: whether the shim is
+        still open (after close(): only the bookkeeping of a deferred drop may use it). Waits for another
+        holder, which its own deadlines bound (a step's, a readiness check's calls, close()'s release)."""
+        return self._hold
 
     def _leave(self, closing: bool = False) -> None:
         """Give the link back. First finish close()'s release when this is close() itself (closing) or
@@ -603,3 +595,25 @@ class DrafterShim:
                     self._cv.notify_all()
                     return
             self._finish_close()
+
+
+class _LinkHold:
+    """DrafterShim._link's context manager: one object per shim, its state in the shim (one holder at a
+    time). A plain class, not a generator-based contextmanager: maybe_forward enters the link twice a
+    step, and on the step's host path the generator's machinery cost about twice the lock's work."""
+
+    __slots__ = ("shim",)
+
+    def __init__(self, shim: DrafterShim) -> None:
+        self.shim = shim
+
+    def __enter__(self) -> bool:
+        s = self.shim
+        with s._cv:
+            while s._inside:
+                s._cv.wait()
+            s._inside, s._holder = True, threading.get_ident()
+            return not s._closed
+
+    def __exit__(self, *exc: object) -> None:
+        self.shim._leave()
