@@ -50,14 +50,14 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     from dspark_sidecar.server.config import BACKENDS, DTYPES, ServeConfig
 
     d = ServeConfig()
-    p.add_argument("--tp", type=int, default=_env("tp", d.tp, int), help="tensor-parallel ranks (default 4)")
+    p.add_argument("--tp", type=int, default=_env("tp", d.tp, int), help="tensor-parallel ranks (default %(default)s)")
     p.add_argument("--socket-dir", type=Path, default=_env("socket_dir", d.socket_dir, Path),
                    help="rank r listens on unix:DIR/rank{r}.sock (default %(default)s)")
     p.add_argument("--tcp-host", default=_env("tcp_host", d.tcp_host))
     p.add_argument("--tcp-base-port", type=int, default=_env("tcp_base_port", d.tcp_base_port, int),
                    help="also listen on TCP HOST:PORT+r (0 = unix sockets only)")
     p.add_argument("--allow-remote", action="store_true", default=_env("allow_remote", False, bool))
-    p.add_argument("--preset", default=_env("preset", d.preset), help="tiny | minimax-m3.1 (default tiny)")
+    p.add_argument("--preset", default=_env("preset", d.preset), help="tiny | minimax-m3.1 (default %(default)s)")
     p.add_argument("--checkpoint", type=Path, default=_env("checkpoint", None, Path),
                    help="the dspark/ folder (default: the preset's synthetic checkpoint)")
     p.add_argument("--target-checkpoint", type=Path, default=_env("target_checkpoint", None, Path),

@@ -135,3 +135,15 @@ def test_status_says_a_loading_rank_answered_not_that_it_is_unreachable(tmp_path
     rank1 = next(line for line in lines if line.startswith("== rank 1"))
     assert "UNREACHABLE" not in rank0 and "LOADING" in rank0 and "still loading" in rank0, rank0
     assert "UNREACHABLE UNAVAILABLE" in rank1, rank1
+
+
+def test_serve_help_shows_the_defaults_the_environment_sets(monkeypatch, capsys):
+    """`serve --help` said "(default 4)" and "(default tiny)" whatever DSPARK_TP and DSPARK_PRESET set."""
+    monkeypatch.setenv("DSPARK_TP", "2")
+    monkeypatch.setenv("DSPARK_PRESET", "minimax-m3.1")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "tensor-parallel ranks (default 2)" in out
+    assert "tiny | minimax-m3.1 (default minimax-m3.1)" in out
