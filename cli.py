@@ -250,7 +250,7 @@ def cmd_step(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from dspark_sidecar.client.demo import DemoConfig, format_report, run_demo
+    from dspark_sidecar.client.demo import DemoConfig, format_report, run_demo, verdict
 
     # Checked before anything starts: --tp 0 ended in the harness's traceback after the checkpoint was
     # written, --required-tp 0 only in the engine ranks, after the sidecar had started.
@@ -273,6 +273,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
         ServeConfig(tp=a.tp, max_reqs=a.max_reqs, rendezvous_ms=a.rendezvous_ms, dtype=a.dtype, device=a.device)
     report = run_demo(cfg)
     print(format_report(report))
+    if failed := verdict(report, cfg.dtype, cfg.kv_dtype):
+        print(f"dspark-sidecar demo: FAILED: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -153,6 +153,39 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
             launcher.stop()
 
 
+# Largest relative L2 (hidden states, block K/V) of a forwarded round against the local stock layers, for
+# a backend that rounds differently from them (Triton, FlyDSL). bf16: a few output ulps (2^-8 relative
+# each) over the whole step, the bound the kernels' parity tests use for their largest error (2^-5); the
+# GPU demo measured 6.5e-3 (runs 220, 232). fp32: only the summation order differs, 2e-5 per kernel.
+REL_L2_LIMIT = {"bf16": 2.0 ** -5, "fp32": 1e-4}
+# An fp8 e4m3 cache: where the two paths' K rounds an ulp apart, the code can differ by one e4m3 step (1/8
+# relative). The GPU demo measured 1.66e-2 (run 227); half a step over the whole block is a bug's size.
+FP8_KV_REL_L2_LIMIT = 2.0 ** -4
+
+
+def verdict(r: DemoReport, dtype: str, kv_dtype: str = "auto") -> str | None:
+    """Why the run's checks failed, or None. The reference backend runs the engine's own ops in its dtype,
+    so its forwarded rounds must be the same bits (draft tokens included); another backend must stay
+    within REL_L2_LIMIT, its draft tokens free to differ at argmax near-ties between two roundings."""
+    if not r.ranks_agree:
+        return "the engine ranks disagreed on a decision or a drafted token"
+    if not r.compared:
+        return None
+    if r.backend == "reference":
+        if r.hidden_mismatch_rounds or r.kv_mismatch_rounds or r.token_mismatch_rounds:
+            return (f"the reference backend differed from the local layers: hidden states in "
+                    f"{r.hidden_mismatch_rounds}, block K/V in {r.kv_mismatch_rounds}, draft tokens in "
+                    f"{r.token_mismatch_rounds} of {r.compared} rounds (they must be the same bits)")
+        return None
+    limit = REL_L2_LIMIT[dtype]
+    kv_limit = FP8_KV_REL_L2_LIMIT if kv_dtype == "fp8" else limit
+    if not (r.max_hidden_rel <= limit and r.max_kv_rel <= kv_limit):  # nan fails too
+        return (f"the {r.backend or 'sidecar'} backend differed from the local layers by more than rounding: "
+                f"relative L2 hidden {r.max_hidden_rel:.2e} (limit {limit:.2e}), K/V {r.max_kv_rel:.2e} "
+                f"(limit {kv_limit:.2e}) for {dtype}" + (" with an fp8 cache" if kv_dtype == "fp8" else ""))
+    return None
+
+
 def format_report(r: DemoReport) -> str:
     def ms(v: float) -> str:
         return "-" if v != v else f"{v:.2f} ms"

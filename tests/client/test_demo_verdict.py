@@ -1,0 +1,66 @@
+"""The demo's exit status: 1 when its own checks fail (ranks disagreeing, forwarded rounds off the local layers)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dspark_sidecar import cli
+from dspark_sidecar.client import demo
+from dspark_sidecar.client.demo import DemoReport, verdict
+
+
+def _report(**over) -> DemoReport:
+    """A clean 20-round run on the reference backend: every round forwarded and the same bits."""
+    base = DemoReport(rounds=20, forwarded=20, fallbacks={}, warmup_fallbacks={}, forwarded_p50_ms=1.0,
+                      forwarded_p99_ms=2.0, local_p50_ms=3.0, local_p99_ms=4.0, compared=20,
+                      hidden_mismatch_rounds=0, max_hidden_diff=0.0, token_mismatch_rounds=0, tokens_differing=0,
+                      kv_mismatch_rounds=0, max_kv_diff=0.0, max_hidden_rel=0.0, max_kv_rel=0.0, ranks_agree=True,
+                      longest_context=5000, requests=30, binds=1, backend="reference")
+    return dataclasses.replace(base, **over)
+
+
+# A GPU backend's run, as measured in runs 220 / 227 (bf16; an fp8 cache's K/V one e4m3 step apart here and there).
+GPU_BF16 = dict(backend="triton", hidden_mismatch_rounds=20, kv_mismatch_rounds=20, token_mismatch_rounds=2,
+                tokens_differing=9, max_hidden_rel=6.5e-3, max_kv_rel=5.2e-3)
+
+
+@pytest.mark.parametrize("over, dtype, kv_dtype", [
+    ({}, "fp32", "auto"),
+    (dict(compared=0, forwarded=0, fallbacks={"no sidecar": 20}), "fp32", "auto"),  # --no-verify, or nothing forwarded
+    (GPU_BF16, "bf16", "auto"),
+    ({**GPU_BF16, "max_kv_rel": 1.66e-2}, "bf16", "fp8"),
+    ({**GPU_BF16, "max_hidden_rel": 3e-5, "max_kv_rel": 2e-5}, "fp32", "auto"),
+])
+def test_a_run_within_its_backend_s_rounding_passes(over, dtype, kv_dtype):
+    assert verdict(_report(**over), dtype, kv_dtype) is None
+
+
+@pytest.mark.parametrize("over, dtype, kv_dtype, words", [
+    (dict(ranks_agree=False), "fp32", "auto", "engine ranks disagreed"),
+    (dict(hidden_mismatch_rounds=1, max_hidden_diff=1e-7), "fp32", "auto", "hidden states in 1"),
+    (dict(kv_mismatch_rounds=2), "bf16", "auto", "block K/V in 2"),
+    (dict(token_mismatch_rounds=1, tokens_differing=3), "fp32", "auto", "draft tokens in 1 of 20"),
+    ({**GPU_BF16, "max_hidden_rel": 0.2}, "bf16", "auto", "hidden 2.00e-01 (limit 3.12e-02)"),
+    ({**GPU_BF16, "max_kv_rel": 4e-2}, "bf16", "auto", "K/V 4.00e-02 (limit 3.12e-02)"),
+    ({**GPU_BF16, "max_kv_rel": 0.1}, "bf16", "fp8", "K/V 1.00e-01 (limit 6.25e-02) for bf16 with an fp8 cache"),
+    ({**GPU_BF16, "max_hidden_rel": float("nan")}, "bf16", "auto", "hidden nan"),
+    ({**GPU_BF16, "max_hidden_rel": 5e-3}, "fp32", "auto", "limit 1.00e-04"),
+])
+def test_a_run_off_the_local_layers_fails(over, dtype, kv_dtype, words):
+    why = verdict(_report(**over), dtype, kv_dtype)
+    assert why is not None and words in why, why
+
+
+def test_the_demo_command_exits_1_with_the_reason_when_its_checks_fail(monkeypatch, capsys):
+    """It printed the report and exited 0 whatever the report said: a sidecar drafting wrong tokens
+    passed as a green run of the main command."""
+    bad = _report(token_mismatch_rounds=3, tokens_differing=5)
+    monkeypatch.setattr(demo, "run_demo", lambda cfg: bad)
+    assert cli.main(["demo", "--rounds", "20"]) == 1
+    out, err = capsys.readouterr()
+    assert "forwarded to the sidecar: 20" in out
+    assert err.startswith("dspark-sidecar demo: FAILED: the reference backend differed") and "draft tokens in 3" in err
+    monkeypatch.setattr(demo, "run_demo", lambda cfg: _report())
+    assert cli.main(["demo", "--rounds", "20"]) == 0
