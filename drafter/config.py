@@ -201,6 +201,13 @@ class DrafterConfig:
             raise ConfigError(f"text_config.layer_types: expected a list of {num_layers} entries, got {layer_types!r}")
         if layer_types is not None and len(layer_types) != num_layers:
             raise ConfigError(f"text_config.layer_types: {len(layer_types)} entries for {num_layers} layers")
+        # Every layer is served as sliding-window attention (spec section 1): a layer the config names as
+        # full attention would be served with another mask, its drafts quietly worse. Other spellings are
+        # not known from the spec, so only the Hugging Face name of the contradicting kind is refused.
+        full = [i for i, t in enumerate(layer_types or []) if t == "full_attention"]
+        if full:
+            raise ConfigError(f"text_config.layer_types: layer(s) {full} are 'full_attention'; this drafter serves "
+                              "sliding-window attention on every layer (draft-step.md section 1)")
         kw: dict[str, Any] = dict(
             name=str(data.get("model_name", name)),
             num_hidden_layers=num_layers,

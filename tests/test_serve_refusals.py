@@ -114,6 +114,16 @@ def test_config_layer_types_not_a_list_is_one_line(tiny_ckpt, tmp_path, capsys):
     _refused(_serve(tmp_path, dspark, target), capsys, tmp_path, "layer_types")
 
 
+def test_a_layer_the_config_names_full_attention_is_refused(tiny_ckpt, tmp_path, capsys):
+    """Every layer is served with the sliding window (spec section 1); a config naming layer 2 full attention
+    was served with the window all the same (only the list's length was checked), its drafts quietly off."""
+    dspark, target = _copy(tiny_ckpt, tmp_path)
+    cj = json.loads((dspark / "config.json").read_text())
+    cj["text_config"]["layer_types"][2] = "full_attention"
+    (dspark / "config.json").write_text(json.dumps(cj))
+    _refused(_serve(tmp_path, dspark, target), capsys, tmp_path, "layer(s) [2] are 'full_attention'")
+
+
 def test_an_unreadable_index_is_one_line(tiny_ckpt, tmp_path, capsys):
     """The index read raised IsADirectoryError or PermissionError as a traceback."""
     dspark, target = _copy(tiny_ckpt, tmp_path)
