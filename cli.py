@@ -315,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     """The command; a flag, environment value, config or checkpoint that cannot be used is one line and exit 2."""
     try:
         return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`status | head`): no traceback for that. Python flushes stdout again at
+        # exit, so point it at /dev/null first; exit 1, as Python itself does on EPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except Exception as err:
         if not isinstance(err, _usage_errors()):
             raise

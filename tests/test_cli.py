@@ -147,3 +147,25 @@ def test_serve_help_shows_the_defaults_the_environment_sets(monkeypatch, capsys)
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
     assert "tensor-parallel ranks (default 2)" in out
     assert "tiny | minimax-m3.1 (default minimax-m3.1)" in out
+
+
+def test_status_into_a_reader_that_goes_away_ends_without_a_traceback(tmp_path):
+    """`status | head -1` printed a BrokenPipeError traceback (two, chained to the rank's RpcError) once
+    head had exited: the command's output is meant for pipes."""
+    import os
+    import subprocess
+    import sys
+
+    sock = tmp_path / "sock"
+    sock.mkdir(mode=0o700)
+    # Unbuffered, so that each rank's line is written as it is printed: the first reaches the reader while
+    # the other 63 ranks are still asked, and those are written after the reader has gone (EPIPE).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dspark_sidecar", "status", "--socket-dir", str(sock), "--tp", "64",
+                             "--timeout", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as head does after its line
+    _, err = proc.communicate(timeout=120)
+    assert first.startswith(b"== rank 0 "), first
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()[-2000:]
+    assert proc.returncode == 1
