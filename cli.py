@@ -109,11 +109,33 @@ def serve_config(a: argparse.Namespace):
     return ServeConfig(**{k: v for k, v in vars(a).items() if k in fields})
 
 
-def cmd_serve(a: argparse.Namespace, argv: list[str]) -> int:
+# DSPARK_* names read outside serve's flags: the log level, the launcher's own, the demo's, and the vLLM
+# plug-in's (client/vllm_plugin.py), which may share the sidecar's environment (one pod spec, one .env).
+OTHER_ENV = frozenset({"DSPARK_LOG_LEVEL", "DSPARK_LAUNCHER_PID", "DSPARK_DEMO_ROUNDS", "DSPARK_DRAFTER_ARCHS",
+                       "DSPARK_STEP_DEADLINE_MS", "DSPARK_DRAFT_CUDAGRAPHS"})
+
+
+def unknown_env(environ: dict[str, str], flag_dests: list[str]) -> list[str]:
+    """One line per DSPARK_* variable that nothing reads (a typo, or DSPARK_NO_X for a --no-x flag,
+    whose variable is DSPARK_X=0): such a value was ignored without a word."""
+    import difflib
+
+    known = {ENV_PREFIX + d.upper() for d in flag_dests} | OTHER_ENV
+    lines = []
+    for name in sorted(n for n in environ if n.startswith(ENV_PREFIX) and n not in known):
+        near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+        lines.append(f"{name} is not read by dspark-sidecar; ignored" + (f" (did you mean {near[0]}?)" if near else ""))
+    return lines
+
+
+def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> int:
     from dspark_sidecar.drafter.checkpoint import check_checkpoint, ensure_synthetic_checkpoint
     from dspark_sidecar.drafter.config import load_config
 
     cfg = serve_config(a)
+    if os.environ.get("RANK", "0") == "0" and "DSPARK_LAUNCHER_PID" not in os.environ:  # once: the parent, or
+        for line in unknown_env(dict(os.environ), flag_dests):  # torchrun's rank 0
+            logging.getLogger("dspark_sidecar.cli").warning(line)
     # Preset, checkpoint config, TP and the checkpoint's tensors checked here, once: in the ranks each
     # would print its own line or traceback, and only after they had started listening.
     dcfg = load_config(cfg.preset, cfg.checkpoint)
@@ -346,7 +368,8 @@ def _main(argv: list[str] | None) -> int:
                                "%(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="dspark-sidecar", description="DSpark drafter sidecar")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    _add_serve_flags(sub.add_parser("serve", help="start the TP sidecar (all ranks) and serve until SIGTERM"))
+    serve_p = sub.add_parser("serve", help="start the TP sidecar (all ranks) and serve until SIGTERM")
+    _add_serve_flags(serve_p)
     st = sub.add_parser("status", help="print every rank's GetStatus")
     st.add_argument("--socket-dir", type=Path, default=_env("socket_dir", Path("/tmp/dspark-sidecar"), Path))
     st.add_argument("--tp", type=int, default=_env("tp", 4, int))
@@ -425,7 +448,7 @@ def _main(argv: list[str] | None) -> int:
     if a.cmd == "demo":
         return cmd_demo(a)
     if a.cmd == "serve":
-        return cmd_serve(a, argv)
+        return cmd_serve(a, argv, [act.dest for act in serve_p._actions])
     if a.cmd == "status":
         return cmd_status(a)
     return cmd_step(a)

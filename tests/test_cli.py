@@ -169,3 +169,27 @@ def test_status_into_a_reader_that_goes_away_ends_without_a_traceback(tmp_path):
     assert first.startswith(b"== rank 0 "), first
     assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()[-2000:]
     assert proc.returncode == 1
+
+
+def test_a_dspark_variable_nothing_reads_is_named_with_the_one_meant():
+    """DSPARK_NO_WARMUP=1 (the variable of --no-warmup is DSPARK_WARMUP=0) and typos were ignored in silence."""
+    dests = ["help", "tp", "socket_dir", "warmup", "prelaunch", "cuda_graphs"]
+    env = {"DSPARK_NO_WARMUP": "1", "DSPARK_SOCKETDIR": "/run/x", "DSPARK_FROBNICATE": "1", "DSPARK_TP": "4",
+           "DSPARK_STEP_DEADLINE_MS": "50", "DSPARK_LOG_LEVEL": "INFO", "HOME": "/root", "XDSPARK_TP": "2"}
+    assert cli.unknown_env(env, dests) == [
+        "DSPARK_FROBNICATE is not read by dspark-sidecar; ignored",
+        "DSPARK_NO_WARMUP is not read by dspark-sidecar; ignored (did you mean DSPARK_WARMUP?)",
+        "DSPARK_SOCKETDIR is not read by dspark-sidecar; ignored (did you mean DSPARK_SOCKET_DIR?)",
+    ]
+
+
+def test_serve_warns_of_an_unread_dspark_variable_before_it_starts(monkeypatch, capsys, caplog):
+    """Named by the parent before anything starts (here: before the TP check refuses --tp 3)."""
+    monkeypatch.setenv("DSPARK_NO_WARMUP", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("DSPARK_LAUNCHER_PID", raising=False)
+    with caplog.at_level("WARNING", logger="dspark_sidecar.cli"):
+        assert cli.main(["serve", "--tp", "3"]) == 2
+    assert [r.getMessage() for r in caplog.records if r.name == "dspark_sidecar.cli"] == [
+        "DSPARK_NO_WARMUP is not read by dspark-sidecar; ignored (did you mean DSPARK_WARMUP?)"]
+    assert "not divisible by TP size 3" in capsys.readouterr().err
