@@ -109,10 +109,12 @@ def serve_config(a: argparse.Namespace):
     return ServeConfig(**{k: v for k, v in vars(a).items() if k in fields})
 
 
-# DSPARK_* names read outside serve's flags: the log level, the launcher's own, the demo's, and the vLLM
-# plug-in's (client/vllm_plugin.py), which may share the sidecar's environment (one pod spec, one .env).
-OTHER_ENV = frozenset({"DSPARK_LOG_LEVEL", "DSPARK_LAUNCHER_PID", "DSPARK_DEMO_ROUNDS", "DSPARK_DRAFTER_ARCHS",
-                       "DSPARK_STEP_DEADLINE_MS", "DSPARK_DRAFT_CUDAGRAPHS"})
+# DSPARK_* names read outside serve's flags: the log level, the launcher's own, the demo's, deploy/launch-tp4.sh's
+# (exported, they reach serve), and the vLLM plug-in's (client/vllm_plugin.py), which may share the sidecar's
+# environment (one pod spec, one .env).
+OTHER_ENV = frozenset({"DSPARK_LOG_LEVEL", "DSPARK_LAUNCHER_PID", "DSPARK_DEMO_ROUNDS",
+                       "DSPARK_LAUNCHER", "DSPARK_PYTHON", "DSPARK_SOCKET_GROUP",
+                       "DSPARK_DRAFTER_ARCHS", "DSPARK_STEP_DEADLINE_MS", "DSPARK_DRAFT_CUDAGRAPHS"})
 
 
 def unknown_env(environ: dict[str, str], flag_dests: list[str]) -> list[str]:

@@ -59,3 +59,14 @@ def test_deploy_readme_names_every_file_in_deploy():
         if entry.name == "README.md" or entry.name.startswith((".", "__")):
             continue
         assert (f"`{entry.name}/" if entry.is_dir() else f"`{entry.name}`") in readme, entry.name
+
+
+def test_every_dspark_variable_the_deploy_files_name_is_one_serve_knows():
+    """serve warns of a DSPARK_* variable nothing reads: the deploy files' own (the launch recipe's
+    DSPARK_LAUNCHER, DSPARK_PYTHON, DSPARK_SOCKET_GROUP, exported around serve) must not be among them."""
+    from dspark_sidecar import cli
+
+    names = {m for f in DEPLOY.rglob("*") if f.is_file() for m in re.findall(r"DSPARK_[A-Z_]*[A-Z]", f.read_text())}
+    dests = [n.removeprefix("DSPARK_").lower() for n in serve_flag_env()]
+    assert "DSPARK_LAUNCHER" in names and "DSPARK_SOCKET_DIR" in names
+    assert cli.unknown_env(dict.fromkeys(names, "1"), dests) == []
