@@ -65,7 +65,8 @@ class AttachedSegment:
             raise ValueError(f"{name!r} is not a shared-memory name (one entry of /dev/shm, no '/')")
         fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR | os.O_NOFOLLOW)
         try:
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self.size, self.file = st.st_size, (st.st_dev, st.st_ino)  # file: which object, whatever its name
             self._mmap = mmap.mmap(fd, self.size)
         finally:
             os.close(fd)
@@ -180,14 +181,25 @@ class MappedMemory:
                 raise HandleError(f"{field}: size_bytes {size} outside the segment's {seg.size} bytes "
                                   f"(or below offset_bytes {lo})")
             self.storage = torch.frombuffer(seg.buf, dtype=torch.uint8)[lo : size or seg.size]
+            self._memory = ("shm", *seg.file)
         elif kind == "cuda_ipc":
             self.storage = _open_cuda_ipc(handle.cuda_ipc, field, device)
+            self._memory = ("device", self.storage.device.index)
         else:
             raise HandleError(f"{field}: memory handle has no kind (shm or cuda_ipc)")
 
     @property
     def nbytes(self) -> int:
         return self.storage.numel()
+
+    def place(self, t: torch.Tensor) -> tuple[tuple, int]:
+        """Where a view of this mapping starts: (the memory object, byte position in it). Two views are in
+        the same memory exactly when their objects are equal: one shared-memory object (by inode, whatever
+        name or mapping reached it), or one device's address space (torch maps an IPC allocation once per
+        process, so every handle to it gives the same addresses)."""
+        if self._memory[0] == "shm":  # the storage begins at the segment's first byte (see __init__)
+            return self._memory, t.data_ptr() - t.untyped_storage().data_ptr()
+        return self._memory, t.data_ptr()
 
     def limit(self, nbytes: int) -> None:
         """Views may reach the first `nbytes` bytes only (a registered region's size_bytes)."""

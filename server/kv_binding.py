@@ -90,6 +90,7 @@ class MemoryBindings:
         On a refusal what was mapped is undone, and the handles not yet opened are given back."""
         mappings: list[MappedMemory] = []
         layers: list[torch.Tensor] = []
+        spans: list[_Span] = []
         num_pages = None
         handed = 0  # layers passed to MappedMemory (which opened them, or gave back its own)
         try:
@@ -122,6 +123,13 @@ class MemoryBindings:
                 if problem is not None:
                     raise invalid(f"{f}.strides", f"{problem}; send the planes view of a planes or records cache "
                                                   "(client/binding.py: kv_planes)")
+                span = _Span.of(m, t)
+                for k, other in enumerate(spans):
+                    if span.overlaps(other):
+                        raise invalid(f"{f}.memory", f"overlaps layers[{k}]'s cache (the same memory, "
+                                      f"{span.describe()} and {other.describe()}): each drafter layer writes "
+                                      "its own K/V, so no element may be in two layers")
+                spans.append(span)
                 layers.append(t)
         except Exception:  # a bad layer (or handle: errors.as_sidecar_error maps it) unmaps the rest
             layers.clear()
@@ -261,6 +269,48 @@ class MemoryBindings:
             self.kv.close()
         for m in self._regions.values():
             m.close()
+
+
+@dataclass(frozen=True)
+class _Span:
+    """The bytes of one layer's view: which memory object, where in it, and their lattice."""
+
+    memory: tuple  # MappedMemory.place: one shm object, or one device's address space
+    start: int  # byte position of the view's first element
+    dims: tuple[tuple[int, int], ...]  # (count, byte stride), ascending strides; bytes of an element included
+    nbytes: int  # from the first byte to past the last
+
+    @staticmethod
+    def of(m: MappedMemory, t: torch.Tensor) -> "_Span":
+        memory, start = m.place(t)
+        item = t.element_size()
+        dims = sorted([(n, s * item) for n, s in zip(t.shape, t.stride()) if n > 1] + [(item, 1)],
+                      key=lambda d: d[1])
+        return _Span(memory, start, tuple(dims), 1 + sum((n - 1) * s for n, s in dims))
+
+    def describe(self) -> str:
+        return f"bytes {self.start}..{self.start + self.nbytes}"
+
+    def overlaps(self, other: "_Span") -> bool:
+        """Whether a byte is in both. Exact for views of one layout (the lattices are equal): every view
+        passed kv_view_problem, so each stride steps past all the smaller ones span, and the difference
+        of the starts has at most two candidate counts per dimension. Views of different layouts
+        overlap where their byte ranges do (no engine lays two layers out differently in one range)."""
+        if self.memory != other.memory:
+            return False
+        if self.start + self.nbytes <= other.start or other.start + other.nbytes <= self.start:
+            return False
+        return self.dims != other.dims or _reaches(other.start - self.start, self.dims)
+
+
+def _reaches(diff: int, dims: tuple[tuple[int, int], ...]) -> bool:
+    """diff = sum(d_k * stride_k) for some |d_k| < count_k (dims ascending, each stride past the span below)."""
+    if not dims:
+        return diff == 0
+    (n, s), rest = dims[-1], dims[:-1]
+    below = sum((c - 1) * t for c, t in rest)
+    lo, hi = max(-(n - 1), -((below - diff) // s)), min(n - 1, (diff + below) // s)
+    return any(_reaches(diff - d * s, rest) for d in range(lo, hi + 1))
 
 
 def _dtype(value: int, field: str) -> torch.dtype:
