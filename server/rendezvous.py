@@ -243,7 +243,7 @@ class Rendezvous:
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
         ring, words = self.board.ring, self.board.words
         next_look = time.monotonic() + GONE_CHECK_S
-        if self.rank != 0:  # one look per step until seen alive (normally the first step only)
+        if self.rank != 0 and not self._peers.seen(0):  # one look per step until seen alive (the first)
             self._peers.gone(0)
         lower_timer_slack()
         while True:
@@ -359,6 +359,10 @@ class PeerProcesses:
             self._gone[peer] = pid
             return True
         return False
+
+    def seen(self, peer: int) -> bool:
+        """Whether `peer`'s process was seen alive from here (no look made)."""
+        return peer in self._seen
 
     def exited(self) -> dict[int, int]:
         """{peer rank: its pid} for every peer whose process has exited."""

@@ -338,3 +338,27 @@ def test_the_coordinator_aborts_a_step_at_once_when_a_missing_rank_s_process_exi
         rank0.close()
         boards[1].close()
         boards[0].close()
+
+
+def test_a_rank_s_step_looks_for_rank_0_s_process_only_until_it_was_seen_alive(ranks, monkeypatch):
+    """agree() is on every step's path: once rank 0's process was seen alive, a step whose verdict comes
+    in time makes no look at it (a signal and a /proc read: tens of microseconds a step on ranks 1..3).
+    Only a step that waits GONE_CHECK_S looks again (made unreachable here, so nothing depends on timing)."""
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+
+    agree_all(ranks, {r: Post(1, 1, 3, 99, True) for r in range(WORLD)})  # rank 0 seen alive from each peer
+    assert all(ranks[r]._peers.seen(0) for r in range(1, WORLD))
+    monkeypatch.setattr(rendezvous_mod, "GONE_CHECK_S", 3600.0)
+    looks: list[str] = []
+    real = rendezvous_mod._exited
+
+    def counted(pid, start=0):
+        if threading.current_thread().name != "dspark-rendezvous":  # the coordinator's own looks aside
+            looks.append(threading.current_thread().name)
+        return real(pid, start)
+
+    monkeypatch.setattr(rendezvous_mod, "_exited", counted)
+    for step in range(2, 12):
+        out = agree_all(ranks, {r: Post(step, 1, 3, 99, True) for r in range(WORLD)})
+        assert all(v.go for v, _ in out.values())
+    assert looks == [], f"{len(looks)} looks at rank 0's process in 10 steps"
