@@ -348,6 +348,8 @@ class PeerProcesses:
         """Whether `peer`'s process has exited (False until it was seen alive from here once)."""
         if peer in self._gone:
             return True
+        if peer == self.rank:  # this process: never a peer (and never counted among those seen)
+            return False
         pid, start = int(self.board.pids[peer]), int(self.board.starts[peer])
         if pid <= 0:
             return False
