@@ -340,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except BrokenPipeError:
+        if not _stdout_gone():  # another pipe (a spawned child's): not the reader of our output
+            raise
         # The reader went away (`status | head`): no traceback for that. Python flushes stdout again at
         # exit, so point it at /dev/null first; exit 1, as Python itself does on EPIPE.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -350,6 +352,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"dspark-sidecar: {err}", file=sys.stderr)
         return 2
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader has gone (poll reports an error or hang-up on it)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fd (a replaced sys.stdout), or no poll()
+        return False
 
 
 def _usage_errors() -> tuple[type, ...]:

@@ -436,8 +436,10 @@ def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], 
     if exited.keys() != life.exited_peers.keys():
         log.error("rank %d: %s", rank, peers_reason(exited, {}))
     if silent.keys() != life.silent_peers.keys():
-        (log.warning if silent else log.info)("rank %d: %s", rank, peers_reason({}, silent) if silent else
-                                              "every peer rank signals again")
+        if silent:
+            log.warning("rank %d: %s", rank, peers_reason({}, silent))
+        elif life.silent_peers.keys() - exited.keys():  # not when the silent peer(s) have exited instead
+            log.info("rank %d: every peer rank signals again", rank)
     changed = silent.keys() != life.silent_peers.keys() or exited.keys() != life.exited_peers.keys()
     life.silent_peers, life.exited_peers = silent, exited
     if changed or silent:  # while silent, publish again: the reason's seconds grow

@@ -243,7 +243,7 @@ class Rendezvous:
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
         ring, words = self.board.ring, self.board.words
         next_look = time.monotonic() + GONE_CHECK_S
-        if self.rank != 0:  # one look per step until seen alive (normally the first step only)
+        if self.rank != 0 and not self._peers.seen(0):  # one look per step until seen alive (the first)
             self._peers.gone(0)
         lower_timer_slack()
         while True:
@@ -348,6 +348,8 @@ class PeerProcesses:
         """Whether `peer`'s process has exited (False until it was seen alive from here once)."""
         if peer in self._gone:
             return True
+        if peer == self.rank:  # this process: never a peer (and never counted among those seen)
+            return False
         pid, start = int(self.board.pids[peer]), int(self.board.starts[peer])
         if pid <= 0:
             return False
@@ -359,6 +361,10 @@ class PeerProcesses:
             self._gone[peer] = pid
             return True
         return False
+
+    def seen(self, peer: int) -> bool:
+        """Whether `peer`'s process was seen alive from here (no look made)."""
+        return peer in self._seen
 
     def exited(self) -> dict[int, int]:
         """{peer rank: its pid} for every peer whose process has exited."""

@@ -193,3 +193,19 @@ def test_serve_warns_of_an_unread_dspark_variable_before_it_starts(monkeypatch, 
     assert [r.getMessage() for r in caplog.records if r.name == "dspark_sidecar.cli"] == [
         "DSPARK_NO_WARMUP is not read by dspark-sidecar; ignored (did you mean DSPARK_WARMUP?)"]
     assert "not divisible by TP size 3" in capsys.readouterr().err
+
+
+def test_a_broken_pipe_that_is_not_stdout_s_is_not_silenced():
+    """Only a reader of stdout that has gone is ended quietly (exit 1, no traceback). Any other
+    BrokenPipeError (a pipe to a child process that died: the demo's and bench's spawned ranks) was
+    swallowed the same way: exit 1 with no word at all, and stdout pointed at /dev/null."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from dspark_sidecar import cli\n"
+            "def boom(argv): raise BrokenPipeError(32, 'Broken pipe (a child process)')\n"
+            "cli._main = boom\n"
+            "sys.exit(cli.main([]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "BrokenPipeError" in proc.stderr and "a child process" in proc.stderr, proc.stderr[-2000:]

@@ -338,3 +338,59 @@ def test_the_coordinator_aborts_a_step_at_once_when_a_missing_rank_s_process_exi
         rank0.close()
         boards[1].close()
         boards[0].close()
+
+
+def test_a_rank_s_step_looks_for_rank_0_s_process_only_until_it_was_seen_alive(ranks, monkeypatch):
+    """agree() is on every step's path: once rank 0's process was seen alive, a step whose verdict comes
+    in time makes no look at it (a signal and a /proc read: tens of microseconds a step on ranks 1..3).
+    Only a step that waits GONE_CHECK_S looks again (made unreachable here, so nothing depends on timing)."""
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+
+    agree_all(ranks, {r: Post(1, 1, 3, 99, True) for r in range(WORLD)})  # rank 0 seen alive from each peer
+    assert all(ranks[r]._peers.seen(0) for r in range(1, WORLD))
+    monkeypatch.setattr(rendezvous_mod, "GONE_CHECK_S", 3600.0)
+    looks: list[str] = []
+    real = rendezvous_mod._exited
+
+    def counted(pid, start=0):
+        if threading.current_thread().name != "dspark-rendezvous":  # the coordinator's own looks aside
+            looks.append(threading.current_thread().name)
+        return real(pid, start)
+
+    monkeypatch.setattr(rendezvous_mod, "_exited", counted)
+    for step in range(2, 12):
+        out = agree_all(ranks, {r: Post(step, 1, 3, 99, True) for r in range(WORLD)})
+        assert all(v.go for v, _ in out.values())
+    assert looks == [], f"{len(looks)} looks at rank 0's process in 10 steps"
+
+
+def test_the_coordinator_stops_looking_between_steps_once_every_peer_was_seen_even_after_rank_0_was_late(
+        monkeypatch):
+    """Between steps the coordinator looks at the peers' processes (every GONE_CHECK_S) only until each was
+    seen alive. A step that rank 0 itself was late for (rank 1's post waiting GONE_CHECK_S) had it look at
+    rank 0's own process too, which counted as one more peer seen: from then on "every peer seen" never
+    held again, and the coordinator thread looked at every peer every 0.1 s for the group's whole life."""
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+    from dspark_sidecar.server.rendezvous import Coordinator, process_start
+
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
+    try:
+        for r in range(2):
+            _post_peer(board, r, os.getpid(), process_start(os.getpid()))
+        c = Coordinator(board, 5000)  # not started: polled by hand
+        assert not c.poll_once() and c._peers.all_seen  # idle: rank 1 seen alive
+        board.slots[1][:] = (2, 7, 1, 2, 1, 9, 0, 0)  # rank 1 posts step 7; rank 0 is late
+        assert not c.poll_once()
+        time.sleep(rendezvous_mod.GONE_CHECK_S + 0.05)
+        assert not c.poll_once()  # the waiting post's look for exited ranks
+        board.slots[0][:] = (2, 7, 1, 2, 1, 9, 0, 0)
+        assert c.poll_once()  # GO
+        looks: list[int] = []
+        real = rendezvous_mod._exited
+        monkeypatch.setattr(rendezvous_mod, "_exited", lambda pid, start=0: looks.append(pid) or real(pid, start))
+        for _ in range(3):
+            c._next_look = 0.0  # as if GONE_CHECK_S had passed
+            assert not c.poll_once()
+        assert looks == [], f"{len(looks)} looks at the peers between steps, every peer long seen"
+    finally:
+        board.close()
