@@ -48,8 +48,9 @@ def _flag_exchange(world: int):
 class Doorbell(threading.Thread):
     def __init__(self, page: MappedMemory, capacity: int, loop: RankLoop, device: torch.device,
                  input_event: bytes, wake_path: str | None = None, word_ops: GpuWordOps | None = None,
-                 window: int = 0, behind_s: float = BEHIND_S) -> None:
+                 window: int = 0, behind_s: float = BEHIND_S, on_close=None) -> None:
         super().__init__(name="dspark-doorbell", daemon=True)
+        self._on_close = on_close  # called once the page is closed (MemoryBindings.release_page)
         if capacity < bell.MIN_CAPACITY:
             raise invalid("capacity_bytes", f"{capacity} is below the {bell.MIN_CAPACITY} bytes an answer may need "
                                             "(an error's message, the step's timings)")
@@ -136,8 +137,12 @@ class Doorbell(threading.Thread):
             self._close_page()
 
     def _close_page(self) -> None:
-        self.page.close()
-        self.memory.close()
+        try:
+            self.page.close()
+            self.memory.close()
+        finally:  # unused from here on, whether or not its mapping could go yet
+            if self._on_close is not None:
+                self._on_close()
 
     def run(self) -> None:
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -30,6 +30,7 @@ class KVBinding:
     page_size: int
     engine: EngineFacts
     mappings: list[MappedMemory]
+    spans: list[_Span] = field(default_factory=list)  # each layer's bytes (_Span.of), for the overlap rule
 
     def close(self) -> None:
         self.layers = []
@@ -38,7 +39,20 @@ class KVBinding:
 
 
 class MemoryBindings:
-    """BindKV / UnbindKV / RegisterBuffers state of one rank; steps check their binding against it."""
+    """BindKV / UnbindKV / RegisterBuffers state of one rank; steps check their binding against it.
+
+    The overlap rule: no byte of the bound cache is in a registered region or in the doorbell
+    page's bytes, and no byte of a registered region is in the doorbell page's. The sidecar writes
+    all three (K/V rows; hidden states into whichever region a step names as its output; answers
+    and header words into the page), so shared bytes would be rewritten by the wrong writer with no
+    error anywhere. Regions are refused whatever they are for: a region has no role when it is
+    registered (any step may name any region as its output), and a region only read is read in
+    place, its indices checked once and then used while the step writes K/V, which would change
+    them. Whichever of BindKV, RegisterBuffers and AttachDoorbell comes second is refused
+    (INVALID_ARGUMENT naming its field and both byte ranges; what is in place stands). The checks
+    and the records they check against change together under the lock, so two calls racing each
+    other cannot both pass. Regions may overlap each other, and a new doorbell page the one it
+    replaces."""
 
     def __init__(self, cfg: DrafterConfig, tp: int, rank: int, dtype: torch.dtype, device: torch.device) -> None:
         self.cfg, self.tp, self.rank, self.dtype, self.device = cfg, tp, rank, dtype, device
@@ -50,6 +64,7 @@ class MemoryBindings:
         self._retired: set[int] = set()  # released region ids: never handed out again by this process
         self._owned: dict[int, list[int]] = {}  # RegisterBuffersRequest.owner -> its live region ids
         self._released_owners: set[int] = set()  # owners released by UnregisterBuffers: register nothing more
+        self._pages: dict[MappedMemory, _Span] = {}  # attached doorbells' pages, until they let go (claim_page)
         self._quiet = QuietStream(device)  # where refused mappings are closed (_discard)
         # Resolved views by (region, offset, dtype, shape): an engine sends the same slices step
         # after step, and building a bounds-checked view costs ~20 us of torch calls each time.
@@ -75,18 +90,26 @@ class MemoryBindings:
         except Exception:  # refused before any layer was opened
             self._discard([], [lb.memory for lb in req.layers])
             raise
-        mappings, layers, num_pages = self._map_layers(req)
+        mappings, layers, spans, num_pages = self._map_layers(req)
         facts = EngineFacts(e.tp_size, e.dp_size, e.pp_size, e.speculative_method, e.num_speculative_tokens)
-        with self._lock:
-            old, self.generation, self.binds = self.kv, self.generation + 1, self.binds + 1
-            self.kv = KVBinding(secrets.randbits(62) or 1, self.generation, layers, num_pages,
-                                req.page_size, facts, mappings)
+        try:
+            with self._lock:
+                for i, span in enumerate(spans):
+                    _refuse_overlap(f"layers[{i}].memory", "the layer's cache", span, self._written_by_others())
+                old, self.generation, self.binds = self.kv, self.generation + 1, self.binds + 1
+                self.kv = KVBinding(secrets.randbits(62) or 1, self.generation, layers, num_pages,
+                                    req.page_size, facts, mappings, spans)
+        except Exception:  # over a region or the doorbell page: the binding in place stands
+            layers.clear()
+            self._discard(mappings, [])
+            raise
         if old is not None:
             retire(old.close)
         return self.kv
 
-    def _map_layers(self, req: pb.BindKVRequest) -> tuple[list[MappedMemory], list[torch.Tensor], int]:
-        """Each layer checked and mapped in order: (mappings, views [2, pages, page, kv_heads, head_dim], pages).
+    def _map_layers(self, req: pb.BindKVRequest) -> tuple[list[MappedMemory], list[torch.Tensor], list[_Span], int]:
+        """Each layer checked and mapped in order: (mappings, views [2, pages, page, kv_heads, head_dim],
+        their spans, pages).
         On a refusal what was mapped is undone, and the handles not yet opened are given back."""
         mappings: list[MappedMemory] = []
         layers: list[torch.Tensor] = []
@@ -135,7 +158,7 @@ class MemoryBindings:
             layers.clear()
             self._discard(mappings, [lb.memory for lb in req.layers[handed:]])
             raise
-        return mappings, layers, int(num_pages)
+        return mappings, layers, spans, int(num_pages)
 
     def _discard(self, opened: list[MappedMemory], unopened: list[pb.MemoryHandle]) -> None:
         """Undo a refused BindKV or RegisterBuffers: close what it mapped, and give back torch's producer
@@ -192,6 +215,9 @@ class MemoryBindings:
                     # token first: what is mapped here would have no one left to release it.
                     raise precondition(f"owner: {req.owner} was released by UnregisterBuffers; register under "
                                        "a new token", "OWNER_RELEASED", "owner")
+                for i, m in enumerate(mapped):
+                    _refuse_overlap(f"regions[{i}].memory", "the region", _Span.bytes_of(m, m.nbytes),
+                                    self._kv_layers() + self._page_spans())
                 ids = []
                 for m in mapped:
                     # Random, like binding ids: an id an engine kept from before a sidecar restart names nothing here.
@@ -233,6 +259,34 @@ class MemoryBindings:
                 self._views.clear()
                 self.layouts.clear()
         return released
+
+    # The overlap rule (class docstring) --------------------------------------------------------
+    def claim_page(self, page: MappedMemory, nbytes: int) -> None:
+        """AttachDoorbell: the page's first `nbytes` bytes (the header and both message areas: what the
+        doorbell reads and writes, not the rest of what the handle maps) are the doorbell's until
+        release_page(page); INVALID_ARGUMENT `page` where they overlap the bound cache or a region."""
+        span = _Span.bytes_of(page, min(nbytes, page.nbytes))
+        with self._lock:
+            _refuse_overlap("page", "the doorbell page", span, self._kv_layers() + self._regions_spans())
+            self._pages[page] = span
+
+    def release_page(self, page: MappedMemory) -> None:
+        """The doorbell no longer uses the page (refused, or stopped and its page closed)."""
+        with self._lock:
+            self._pages.pop(page, None)
+
+    def _kv_layers(self) -> list[tuple[str, _Span]]:
+        kv = self.kv
+        return [(f"layers[{i}]'s KV cache of binding {kv.binding_id}", s) for i, s in enumerate(kv.spans)] if kv else []
+
+    def _regions_spans(self) -> list[tuple[str, _Span]]:
+        return [(f"registered region {rid}", _Span.bytes_of(m, m.nbytes)) for rid, m in self._regions.items()]
+
+    def _page_spans(self) -> list[tuple[str, _Span]]:
+        return [("the doorbell page", s) for s in self._pages.values()]
+
+    def _written_by_others(self) -> list[tuple[str, _Span]]:
+        return self._regions_spans() + self._page_spans()
 
     @property
     def region_count(self) -> int:
@@ -281,6 +335,12 @@ class _Span:
     nbytes: int  # from the first byte to past the last
 
     @staticmethod
+    def bytes_of(m: MappedMemory, nbytes: int) -> "_Span":
+        """The first `nbytes` bytes of a mapping (a region's size_bytes, a doorbell page's used bytes)."""
+        memory, start = m.place(m.storage)
+        return _Span(memory, start, ((nbytes, 1),), nbytes)
+
+    @staticmethod
     def of(m: MappedMemory, t: torch.Tensor) -> "_Span":
         memory, start = m.place(t)
         item = t.element_size()
@@ -295,12 +355,24 @@ class _Span:
         """Whether a byte is in both. Exact for views of one layout (the lattices are equal): every view
         passed kv_view_problem, so each stride steps past all the smaller ones span, and the difference
         of the starts has at most two candidate counts per dimension. Views of different layouts
-        overlap where their byte ranges do (no engine lays two layers out differently in one range)."""
-        if self.memory != other.memory:
+        overlap where their byte ranges do (no engine lays two layers out differently in one range), and
+        so do a layer and a run of bytes (bytes_of): a region in the holes of a strided layer is refused."""
+        if self.memory != other.memory or not self.nbytes or not other.nbytes:
             return False
         if self.start + self.nbytes <= other.start or other.start + other.nbytes <= self.start:
             return False
         return self.dims != other.dims or _reaches(other.start - self.start, self.dims)
+
+
+def _refuse_overlap(field_name: str, what: str, span: _Span, others: list[tuple[str, _Span]]) -> None:
+    """INVALID_ARGUMENT `field_name` where `span` shares a byte with one of `others` ((name, span))."""
+    for name, other in others:
+        if span.overlaps(other):
+            where = "shared-memory object" if span.memory[0] == "shm" else "GPU's address space"
+            raise invalid(field_name, f"{what} ({span.describe()}) overlaps {name} ({other.describe()}) in the same "
+                          f"{where}: the sidecar writes K/V rows into the cache, hidden states into any region a step "
+                          "names as its output and answers into the doorbell page, so none of them may share a "
+                          "byte with another (sidecar.proto: BindKVRequest)")
 
 
 def _reaches(diff: int, dims: tuple[tuple[int, int], ...]) -> bool:

@@ -17,6 +17,7 @@ import torch
 from dspark_sidecar import __version__, layout
 from dspark_sidecar.drafter.config import ARCHITECTURE
 from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import doorbell as page_words
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.proto.gpu_word import GpuWordOps
@@ -209,11 +210,15 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             page = MappedMemory(request.page, "page", torch.device("cpu"))
             self._attached += 1
             wake = str(self.run_dir / f"rank{self.ctx.rank}.wake{self._attached}") if self.run_dir else None
+            mem = self.ctx.memory
             try:
+                # Its bytes are the doorbell's (none of the cache's or a region's) until its page closes.
+                mem.claim_page(page, page_words.HEADER + 2 * request.capacity_bytes)
                 bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event,
                                 wake, self._gpu_word_ops if request.gpu_word else None, self.ctx.cfg.sliding_window,
-                                self.prelaunch_behind_s)
+                                self.prelaunch_behind_s, on_close=functools.partial(mem.release_page, page))
             except BaseException:
+                mem.release_page(page)
                 page.close()  # a refused request leaves the attached doorbell as it was
                 raise
             old = self.doorbell

@@ -133,9 +133,10 @@ def test_attaching_a_doorbell_replaces_the_last_one_even_when_it_does_not_close_
 
     from dspark_sidecar.proto import memory
     from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.kv_binding import MemoryBindings
     from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
 
-    ctx = SimpleNamespace(rank=0, fast=None, memory=SimpleNamespace(kv=None),
+    ctx = SimpleNamespace(rank=0, fast=None, memory=MemoryBindings(None, 1, 0, torch.float32, torch.device("cpu")),
                           model=SimpleNamespace(device=torch.device("cpu")), cfg=SimpleNamespace(sliding_window=64))
     svc = DrafterServicer(ctx, _Loop(), Lifecycle(), None, None, "")  # type: ignore[arg-type]
     context = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")

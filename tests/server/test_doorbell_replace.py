@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from dspark_sidecar.proto import doorbell as bell  # noqa: E402
 from dspark_sidecar.proto import memory  # noqa: E402
 from dspark_sidecar.proto import sidecar_pb2 as pb  # noqa: E402
+from dspark_sidecar.server.kv_binding import MemoryBindings  # noqa: E402
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle  # noqa: E402
 
 CAP = 4096
@@ -44,7 +45,7 @@ class _Loop:
 
 
 def _svc(tmp_path):
-    ctx = SimpleNamespace(rank=0, fast=None, memory=SimpleNamespace(kv=None),
+    ctx = SimpleNamespace(rank=0, fast=None, memory=MemoryBindings(None, 1, 0, torch.float32, torch.device("cpu")),
                           model=SimpleNamespace(device=torch.device("cpu")), cfg=SimpleNamespace(sliding_window=64))
     return DrafterServicer(ctx, _Loop(), Lifecycle(), None, None, "", run_dir=tmp_path)  # type: ignore[arg-type]
 
@@ -173,7 +174,7 @@ def test_a_new_doorbell_serves_only_after_a_replaced_one_still_in_a_long_step_ha
 
     monkeypatch.setattr(db_mod, "STOP_S", 0.2)  # stands for a step longer than STOP_S (10 s)
     loop = _LockLoop()
-    ctx = SimpleNamespace(rank=0, fast=None, memory=SimpleNamespace(kv=None),
+    ctx = SimpleNamespace(rank=0, fast=None, memory=MemoryBindings(None, 1, 0, torch.float32, torch.device("cpu")),
                           model=SimpleNamespace(device=torch.device("cpu")), cfg=SimpleNamespace(sliding_window=64))
     svc = DrafterServicer(ctx, loop, Lifecycle(), None, None, "")  # type: ignore[arg-type]
     pages = [memory.shm_empty((bell.HEADER + 2 * CAP,), torch.uint8) for _ in range(2)]
