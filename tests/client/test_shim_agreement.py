@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -243,31 +244,54 @@ def test_a_rank_waits_for_its_peers_longer_than_a_live_peer_can_take(monkeypatch
     assert cfg.agreement_timeout_s > longest_live and cfg.agreement_timeout_s >= 60.0
 
 
-def test_one_rank_closed_from_another_thread_mid_step_makes_every_rank_fall_back(engine):
+ANSWER_AFTER_S = 2.5  # the closed rank's sidecar answers its step this long after it arrives
+WOKEN_S = 1.5  # the step, woken by close(), ends on every rank within this
+
+
+def test_one_rank_closed_from_another_thread_mid_step_makes_every_rank_fall_back():
     """An engine rank's shim closed on another thread (a shutdown hook) while its step waits for the answer:
     that rank's step is woken and every rank ends it with None; from then on the closed rank is not ready
     at each pre-flight (it still takes part: its peers wait there), so every rank falls back, none hangs,
-    and the closed rank calls its sidecar no more."""
-    assert engine.step()[0] is not None
-    shim2, side2 = engine.shims[2], engine.servers[2].sidecar
-    side2.step_delay_s[shim2._next_step] = 1.0  # the answer comes well after the close
-    closer: list[threading.Thread] = []
+    and the closed rank calls its sidecar no more.
 
-    def close_soon(_step_id: int) -> None:
-        t = threading.Thread(target=lambda: (time.sleep(0.1), shim2.close()), daemon=True)
-        t.start()
-        closer.append(t)
+    The step's bound tells the wake from a wait for the answer: woken, the step ends about 0.3 s in (the
+    close 0.1 s in; the peers' fake sidecars give up their rendezvous after 0.3 s), and WOKEN_S leaves a
+    loaded box room over that; not woken, it would end only ANSWER_AFTER_S in, clearly above WOKEN_S. The
+    step deadline and grace are longer than the answer's delay, so that the answer counts (and close()
+    sees the woken step settle and drops the link)."""
+    engine = Engine(step_deadline_s=ANSWER_AFTER_S + 1.5, late_grace_s=ANSWER_AFTER_S + 1.5)
+    try:
+        assert engine.step()[0] is not None
+        shim2, side2 = engine.shims[2], engine.servers[2].sidecar
+        side2.step_delay_s[shim2._next_step] = ANSWER_AFTER_S  # the answer comes well after the close
+        closer: list[threading.Thread] = []
 
-    shim2.fault_hook = close_soon
-    t0 = time.monotonic()
-    assert engine.step()[0] is None
-    assert time.monotonic() - t0 < 1.0, "the closed rank waited for its answer"
-    closer[0].join(5)
-    assert not closer[0].is_alive(), "close() did not return"
-    calls = side2.remote_calls()
-    for _ in range(3):
-        assert engine.step()[0] is None
-    got = reasons(engine)
-    assert got[2] == {S.CLOSED: 4}, got[2]
-    assert all(got[r].get(S.PEER_NOT_READY) == 3 for r in (0, 1, 3)), got
-    assert side2.remote_calls() == calls and not shim2.connection.is_open
+        def close_soon(_step_id: int) -> None:
+            t = threading.Thread(target=lambda: (time.sleep(0.1), shim2.close()), daemon=True)
+            t.start()
+            closer.append(t)
+
+        shim2.fault_hook = close_soon
+        # No automatic collection while the step is timed: a full one stops every thread of this process
+        # (the suite's, with the heap earlier tests left) for 0.4-1.5 s on a loaded box (see test_answer_fuzz).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            t0 = time.monotonic()
+            assert engine.step()[0] is None
+            took = time.monotonic() - t0
+        finally:
+            if collecting:
+                gc.enable()
+        assert took < WOKEN_S <= ANSWER_AFTER_S - 1.0, f"the closed rank waited for its answer ({took:.2f} s)"
+        closer[0].join(ANSWER_AFTER_S + 5)  # close() lets the woken step settle: its answer comes first
+        assert not closer[0].is_alive(), "close() did not return"
+        calls = side2.remote_calls()
+        for _ in range(3):
+            assert engine.step()[0] is None
+        got = reasons(engine)
+        assert got[2] == {S.CLOSED: 4}, got[2]
+        assert all(got[r].get(S.PEER_NOT_READY) == 3 for r in (0, 1, 3)), got
+        assert side2.remote_calls() == calls and not shim2.connection.is_open
+    finally:
+        engine.close()
