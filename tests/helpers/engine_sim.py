@@ -17,6 +17,7 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
 PAGE = 16
+RIG_PAGES = 16  # pages per layer of the server tests' shared TP-1 rig (tests/server/conftest.py)
 
 
 class DraftStream:
@@ -60,10 +61,13 @@ class EngineSim:
         self.bindings: list[tuple[int, int]] = []
         self.pool = ThreadPoolExecutor(self.tp)
 
-    def bind_request(self, rank: int) -> pb.BindKVRequest:
-        layers = [pb.KVLayerBinding(layer=i, memory=memory.export_handle(t.tensor), dtype=codec.dtype_to_proto(self.dtype),
-                                    shape=list(t.tensor.shape), strides=list(t.tensor.stride()), storage_offset=0)
-                  for i, t in enumerate(self.kv[rank])]
+    def bind_request(self, rank: int, views: list[torch.Tensor] | None = None) -> pb.BindKVRequest:
+        """Rank's BindKVRequest for its own cache, or for per-layer `views` of exported segments (any shapes,
+        strides, offsets: the overlap and bounds tests)."""
+        views = views if views is not None else [t.tensor for t in self.kv[rank]]
+        layers = [pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(self.dtype),
+                                    shape=list(t.shape), strides=list(t.stride()), storage_offset=t.storage_offset())
+                  for i, t in enumerate(views)]
         return pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=rank, **self.facts), layers=layers, page_size=PAGE)
 
     def bind(self) -> list[pb.BindKVResponse]:

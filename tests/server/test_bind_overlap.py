@@ -18,37 +18,10 @@ from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.kv_cache import kv_layer_shape
 from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from helpers.engine_sim import PAGE, EngineSim
-from helpers.sidecar_proc import SidecarProcess
+from helpers.engine_sim import PAGE, RIG_PAGES
 
-PAGES = 16
+PAGES = RIG_PAGES
 TIMEOUT_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory, tiny_cfg, tiny_ckpt, tiny_embed):
-    tmp = tmp_path_factory.mktemp("bind_overlap")
-    with SidecarProcess(tmp, tp=1, checkpoint=tiny_ckpt) as sc:
-        eng = EngineSim(tiny_cfg, [sc.socket(0)], PAGES, torch.float32)
-        eng.bind()
-        held = []
-        try:
-            yield eng, tiny_cfg, tiny_embed, held
-        finally:
-            eng.close()
-            for t in held:
-                t.close()
-
-
-def _bind(eng, views: list[torch.Tensor]) -> pb.BindKVRequest:
-    """A BindKVRequest for per-layer views (any shapes, strides, offsets) of exported segments."""
-    req = eng.bind_request(0)
-    for lb, t in zip(req.layers, views, strict=True):
-        lb.memory.CopyFrom(memory.export_handle(t))
-        lb.ClearField("strides")
-        lb.strides.extend(t.stride())
-        lb.storage_offset = t.storage_offset()
-    return req
 
 
 def _serves(eng, cfg, embed, step_id: int) -> None:
@@ -80,7 +53,7 @@ def test_every_layer_on_the_same_memory_is_refused(rig):
     eng, cfg, embed, held = rig
     one = eng.kv_tensors(0)[0]
     before = eng.stubs[0].GetStatus(pb.GetStatusRequest(), timeout=TIMEOUT_S).kv
-    details = _refused(eng, _bind(eng, [one] * cfg.num_hidden_layers), "layers[1].memory")
+    details = _refused(eng, eng.bind_request(0, [one] * cfg.num_hidden_layers), "layers[1].memory")
     assert "layers[0]" in details, details
     after = eng.stubs[0].GetStatus(pb.GetStatusRequest(), timeout=TIMEOUT_S).kv
     assert (after.binding_id, after.generation) == (before.binding_id, before.generation)  # the binding stands
@@ -93,7 +66,7 @@ def test_a_layer_half_over_another_is_refused(rig):
     n = seg.numel() // 2
     views = [seg[:n].view(kv_layer_shape(cfg, 1, PAGES, PAGE))] + [
         seg[n // 2: n // 2 + n].view(kv_layer_shape(cfg, 1, PAGES, PAGE))] + eng.kv_tensors(0)[2:]
-    _refused(eng, _bind(eng, views), "layers[1].memory")
+    _refused(eng, eng.bind_request(0, views), "layers[1].memory")
     _serves(eng, cfg, embed, 2)
 
 
@@ -104,7 +77,7 @@ def test_one_shared_element_is_refused(rig):
     n = seg.numel() // 2
     shape = kv_layer_shape(cfg, 1, PAGES, PAGE)
     views = eng.kv_tensors(0)[:2] + [seg[:n].view(shape), seg[n - 1: 2 * n - 1].view(shape)] + eng.kv_tensors(0)[4:]
-    _refused(eng, _bind(eng, views), "layers[3].memory")
+    _refused(eng, eng.bind_request(0, views), "layers[3].memory")
     _serves(eng, cfg, embed, 3)
 
 
@@ -114,7 +87,7 @@ def test_a_layer_over_another_in_a_different_layout_is_refused(rig):
     base = eng.kv_tensors(0)[0]
     _, p, pg, h, d = base.shape
     records = base.reshape(-1).as_strided(base.shape, (d, h * pg * 2 * d, 2 * d, pg * 2 * d, 1))
-    _refused(eng, _bind(eng, [base, records] + eng.kv_tensors(0)[2:]), "layers[1].memory")
+    _refused(eng, eng.bind_request(0, [base, records] + eng.kv_tensors(0)[2:]), "layers[1].memory")
     _serves(eng, cfg, embed, 4)
 
 
@@ -123,14 +96,14 @@ def test_layers_sharing_a_segment_but_no_element_bind(rig):
     eng, cfg, embed, held = rig
     L = cfg.num_hidden_layers
     side = _segment(held, cfg, L)
-    resp = eng.stubs[0].BindKV(_bind(eng, [side[i] for i in range(L)]), timeout=TIMEOUT_S)
+    resp = eng.stubs[0].BindKV(eng.bind_request(0, [side[i] for i in range(L)]), timeout=TIMEOUT_S)
     assert resp.binding_id
     two, p, pg, h, d = kv_layer_shape(cfg, 1, PAGES, PAGE)
     seg = memory.shm_empty((p, L, two, pg, h, d), torch.float32)
     held.append(seg)
     views = [seg.tensor[:, i].transpose(0, 1) for i in range(L)]
     assert all(v.shape == (two, p, pg, h, d) for v in views)
-    resp = eng.stubs[0].BindKV(_bind(eng, views), timeout=TIMEOUT_S)
+    resp = eng.stubs[0].BindKV(eng.bind_request(0, views), timeout=TIMEOUT_S)
     assert resp.binding_id
     # Steps run against the interleaved binding, and write each layer's K/V into its own elements only.
     eng.bindings = [(resp.binding_id, resp.generation)]

@@ -24,28 +24,12 @@ from dspark_sidecar.drafter.kv_cache import kv_layer_shape
 from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from helpers.engine_sim import PAGE, EngineSim
-from helpers.sidecar_proc import SidecarProcess
+from helpers.engine_sim import PAGE, RIG_PAGES
 
-PAGES = 16
+PAGES = RIG_PAGES
 TIMEOUT_S = 30.0
 CAP = 4096  # doorbell capacity: the page uses HEADER + 2 * CAP bytes
 LENS = [5, 30]
-
-
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory, tiny_cfg, tiny_ckpt, tiny_embed):
-    tmp = tmp_path_factory.mktemp("kv_overlap_buffers")
-    with SidecarProcess(tmp, tp=1, checkpoint=tiny_ckpt) as sc:
-        eng = EngineSim(tiny_cfg, [sc.socket(0)], PAGES, torch.float32)
-        eng.bind()
-        held = []
-        try:
-            yield eng, tiny_cfg, tiny_embed, held
-        finally:
-            eng.close()
-            for t in held:
-                t.close()
 
 
 def _kv_bytes(cfg) -> int:
@@ -68,16 +52,6 @@ def _layer_view(seg: memory.ShmTensor, cfg, offset: int) -> torch.Tensor:
     """A planes-layout float32 layer at byte `offset` of the segment."""
     n = _kv_bytes(cfg)
     return seg.tensor[offset: offset + n].view(torch.float32).view(kv_layer_shape(cfg, 1, PAGES, PAGE))
-
-
-def _bind(eng, views: list[torch.Tensor]) -> pb.BindKVRequest:
-    req = eng.bind_request(0)
-    for lb, t in zip(req.layers, views, strict=True):
-        lb.memory.CopyFrom(memory.export_handle(t))
-        lb.ClearField("strides")
-        lb.strides.extend(t.stride())
-        lb.storage_offset = t.storage_offset()
-    return req
 
 
 def _refused(call, req, field: str) -> str:
@@ -133,7 +107,7 @@ def test_a_region_over_the_kv_cache_is_refused(rig, name):
     # Its last byte on the layer's first one: refused as well.
     seg = _segment(held, 4096 + _kv_bytes(cfg))
     views = eng.kv_tensors(0)[:4] + [_layer_view(seg, cfg, 4096)] + eng.kv_tensors(0)[5:]
-    eng.stubs[0].BindKV(_bind(eng, views), timeout=TIMEOUT_S)
+    eng.stubs[0].BindKV(eng.bind_request(0, views), timeout=TIMEOUT_S)
     regions = [pb.BufferRegion(name=name, memory=_handle(seg), size_bytes=4097)]
     assert "layers[4]" in _refused(eng.stubs[0].RegisterBuffers, pb.RegisterBuffersRequest(regions=regions),
                                    "regions[0].memory")
@@ -150,7 +124,7 @@ def test_bindkv_over_a_registered_region_is_refused_until_it_is_released(rig):
     seg = _segment(held, 4096 + _kv_bytes(cfg))
     rid, = eng.stubs[0].RegisterBuffers(pb.RegisterBuffersRequest(regions=[
         pb.BufferRegion(name="hidden_states", memory=_handle(seg, 4096), size_bytes=64)]), timeout=TIMEOUT_S).region_ids
-    req = _bind(eng, eng.kv_tensors(0)[:3] + [_layer_view(seg, cfg, 0)] + eng.kv_tensors(0)[4:])
+    req = eng.bind_request(0, eng.kv_tensors(0)[:3] + [_layer_view(seg, cfg, 0)] + eng.kv_tensors(0)[4:])
     details = _refused(eng.stubs[0].BindKV, req, "layers[3].memory")
     assert f"region {rid}" in details and "bytes 4096..4160" in details, details
     after = _status(eng)
@@ -166,12 +140,12 @@ def test_bindkv_over_the_doorbell_page_is_refused_until_it_is_replaced(rig):
     used = bell.HEADER + 2 * CAP
     seg = _segment(held, used + _kv_bytes(cfg))
     eng.stubs[0].AttachDoorbell(pb.AttachDoorbellRequest(page=_handle(seg), capacity_bytes=CAP), timeout=TIMEOUT_S)
-    over = _bind(eng, [_layer_view(seg, cfg, used - 64)] + eng.kv_tensors(0)[1:])
+    over = eng.bind_request(0, [_layer_view(seg, cfg, used - 64)] + eng.kv_tensors(0)[1:])
     details = _refused(eng.stubs[0].BindKV, over, "layers[0].memory")
     assert "doorbell page" in details and f"bytes 0..{used}" in details, details
     # The page's mapping reaches the whole segment (size_bytes 0), but the doorbell uses its first
     # `used` bytes only: a layer right after them binds.
-    assert eng.stubs[0].BindKV(_bind(eng, [_layer_view(seg, cfg, used)] + eng.kv_tensors(0)[1:]),
+    assert eng.stubs[0].BindKV(eng.bind_request(0, [_layer_view(seg, cfg, used)] + eng.kv_tensors(0)[1:]),
                                timeout=TIMEOUT_S).binding_id
     # Re-attached elsewhere, the old page is released (once its doorbell has stopped): the cache may have it.
     other = _segment(held, used)
@@ -219,7 +193,7 @@ def test_one_segment_holding_page_regions_and_cache_side_by_side_serves(rig):
     offs["kv"] = -(-(offs["meta"] + 8192) // 64) * 64
     seg = _segment(held, offs["kv"] + L * _kv_bytes(cfg))
     views = [_layer_view(seg, cfg, offs["kv"] + i * _kv_bytes(cfg)) for i in range(L)]
-    bound = eng.stubs[0].BindKV(_bind(eng, views), timeout=TIMEOUT_S)
+    bound = eng.stubs[0].BindKV(eng.bind_request(0, views), timeout=TIMEOUT_S)
     eng.bindings = [(bound.binding_id, bound.generation)]
     sizes = {"embeds": rows, "hidden": rows, "meta": offs["kv"] - offs["meta"]}
     ids = dict(zip(sizes, eng.stubs[0].RegisterBuffers(pb.RegisterBuffersRequest(regions=[
@@ -257,5 +231,5 @@ def test_one_segment_holding_page_regions_and_cache_side_by_side_serves(rig):
     assert torch.equal(raw[offs["embeds"]: offs["hidden"]], embeds_before)
     assert torch.equal(raw[offs["kv"]:], kv_before)  # the same step again: the same K/V rows, nothing else
     # The reverse order: a new binding of the same layers after the regions and the page.
-    assert eng.stubs[0].BindKV(_bind(eng, views), timeout=TIMEOUT_S).binding_id
+    assert eng.stubs[0].BindKV(eng.bind_request(0, views), timeout=TIMEOUT_S).binding_id
     _serves(eng, cfg, embed, 51)
