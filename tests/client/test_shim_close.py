@@ -33,7 +33,8 @@ from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import memory
 from dspark_sidecar.proto import doorbell as bell
 from helpers.engine_fakes import (
-    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs,
+    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, shm_kv_cache, short_socket_dir,
+    step_inputs,
 )
 
 _HERE = Path(__file__).resolve()
@@ -238,21 +239,12 @@ def scenario_close_while_the_answer_is_read(transport: str) -> None:
         rig.stop()
 
 
-class _ClosesInPreflight:
-    """A 2-rank agreement whose pre-flight is where another thread closes the shim: this rank has
-    prepared its link and waits for its peer when the engine shuts down."""
+class _ClosesInPreflight(PreflightHook):
+    """Another thread closes the shim in the pre-flight: this rank has prepared its link and waits for its
+    peer when the engine shuts down."""
 
-    world_size = 2
-
-    def __init__(self) -> None:
-        self.shim: DrafterShim | None = None
-        self.armed = False
-
-    def all_min(self, values: torch.Tensor) -> torch.Tensor:
-        if self.armed and values.numel() == 5:
-            self.armed = False
-            Bounded(self.shim.close, "close").join(10, "close() during the pre-flight")
-        return values.clone()
+    def at_preflight(self) -> None:
+        Bounded(self.shim.close, "close").join(10, "close() during the pre-flight")
 
 
 def scenario_close_during_the_preflight(transport: str) -> None:

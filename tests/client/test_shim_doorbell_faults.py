@@ -14,7 +14,7 @@ from dspark_sidecar.client.shim import STREAM, DrafterShim
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import doorbell as bell
 from helpers.engine_fakes import (
-    DoorbellNeverAnswered, FakeModel, FakeServer, shm_kv_cache, short_socket_dir, step_inputs,
+    DoorbellNeverAnswered, FakeModel, FakeServer, PreflightHook, shm_kv_cache, short_socket_dir, step_inputs,
 )
 
 
@@ -60,26 +60,17 @@ def test_an_undecodable_answer_still_orders_the_engine_stream_and_drops_the_link
         server.stop()
 
 
-class _EndsLivenessInPreflight:
-    """A 2-rank agreement (values as they are) that ends the doorbell's liveness stream while this rank
-    waits in the pre-flight: as when the sidecar rank restarts while a peer is still binding."""
+class _EndsLivenessInPreflight(PreflightHook):
+    """Ends the doorbell's liveness stream while this rank waits in the pre-flight: as when the sidecar
+    rank restarts while a peer is still binding."""
 
-    world_size = 2
-
-    def __init__(self) -> None:
-        self.shim: DrafterShim | None = None
-        self.armed = False
-
-    def all_min(self, values: torch.Tensor) -> torch.Tensor:
-        if self.armed and values.numel() == 5:
-            self.armed = False
-            live = self.shim.doorbell.liveness
-            live._call.cancel()
-            deadline = time.monotonic() + 5
-            while live.alive and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert not live.alive
-        return values
+    def at_preflight(self) -> None:
+        live = self.shim.doorbell.liveness
+        live._call.cancel()
+        deadline = time.monotonic() + 5
+        while live.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not live.alive
 
 
 def test_a_liveness_stream_that_ends_between_steps_drops_and_reattaches_the_data_plane():

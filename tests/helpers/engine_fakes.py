@@ -237,3 +237,23 @@ def step_inputs(r: int, page_size: int = 16, start: int = 20) -> tuple[torch.Ten
     tables = torch.tensor([[0, 1, 2, 3]] * r, dtype=torch.int32)
     slots = pos.clone()
     return ids, pos, StepMetadata(seq, tables, slots)
+
+
+class PreflightHook:
+    """A 2-rank agreement (values as they are) that, once armed, runs `at_preflight()` inside the next step's
+    pre-flight (its 5-value agreement): where this rank has prepared its link and waits for its peer."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.shim = None  # the DrafterShim it belongs to, set after both are made
+        self.armed = False
+
+    def at_preflight(self) -> None:
+        raise NotImplementedError
+
+    def all_min(self, values: torch.Tensor) -> torch.Tensor:
+        if self.armed and values.numel() == 5:
+            self.armed = False
+            self.at_preflight()
+        return values.clone()

@@ -16,7 +16,7 @@ import torch
 
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.kv_cache import kv_layer_shape
-from dspark_sidecar.proto import codec, memory
+from dspark_sidecar.proto import memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_sim import PAGE, RIG_PAGES
 
