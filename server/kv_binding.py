@@ -147,11 +147,8 @@ class MemoryBindings:
                     raise invalid(f"{f}.strides", f"{problem}; send the planes view of a planes or records cache "
                                                   "(client/binding.py: kv_planes)")
                 span = _Span.of(m, t)
-                for k, other in enumerate(spans):
-                    if span.overlaps(other):
-                        raise invalid(f"{f}.memory", f"overlaps layers[{k}]'s cache (the same memory, "
-                                      f"{span.describe()} and {other.describe()}): each drafter layer writes "
-                                      "its own K/V, so no element may be in two layers")
+                _refuse_overlap(f"{f}.memory", "the layer's cache", span,
+                                [(f"layers[{k}]'s cache", other) for k, other in enumerate(spans)])
                 spans.append(span)
                 layers.append(t)
         except Exception:  # a bad layer (or handle: errors.as_sidecar_error maps it) unmaps the rest
@@ -370,9 +367,9 @@ def _refuse_overlap(field_name: str, what: str, span: _Span, others: list[tuple[
         if span.overlaps(other):
             where = "shared-memory object" if span.memory[0] == "shm" else "GPU's address space"
             raise invalid(field_name, f"{what} ({span.describe()}) overlaps {name} ({other.describe()}) in the same "
-                          f"{where}: the sidecar writes K/V rows into the cache, hidden states into any region a step "
-                          "names as its output and answers into the doorbell page, so none of them may share a "
-                          "byte with another (sidecar.proto: BindKVRequest)")
+                          f"{where}: the sidecar writes each layer's K/V rows into its own cache, hidden states into "
+                          "any region a step names as its output and answers into the doorbell page, so none of "
+                          "them may share a byte with another (sidecar.proto: BindKVRequest)")
 
 
 def _reaches(diff: int, dims: tuple[tuple[int, int], ...]) -> bool:
