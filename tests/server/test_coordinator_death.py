@@ -46,17 +46,26 @@ def rig(tmp_path, tiny_ckpt, tiny_cfg, tiny_embed):
             sc.proc.wait()
 
 
-def test_a_peer_waiting_on_a_killed_coordinator_answers_its_step_aborted_at_once(rig):
+def _aborted_after_killing(rig, waiting: int, killed: int):
+    """Rank `waiting`'s copy of step 2 posted alone (the other engine never sends it), then rank `killed`
+    SIGKILLed: (the ABORTED answer `waiting` got, seconds from the kill to it, the ranks' pids)."""
     sc, eng, step, streams = rig
     pids = sc.rank_pids()
-    streams[1].requests.put(eng.request(1, 2, step))  # rank 0's engine never sends step 2: rank 1 waits
-    time.sleep(1.0)  # rank 1 has posted; the coordinator would abort it only at RDV_MS
+    streams[waiting].requests.put(eng.request(waiting, 2, step))
+    time.sleep(1.0)  # the waiting rank has posted; the coordinator would abort it only at RDV_MS
     t_kill = time.monotonic()
-    os.kill(pids[0], signal.SIGKILL)
-    ans = streams[1].answers.get(timeout=60)
+    os.kill(pids[killed], signal.SIGKILL)
+    ans = streams[waiting].answers.get(timeout=60)
     took = time.monotonic() - t_kill
-    assert ans is not None, f"the stream ended without an answer after {took:.1f} s ({streams[1].end})\n{sc.log_tail()}"
+    assert ans is not None, (f"the stream ended without an answer after {took:.1f} s ({streams[waiting].end})\n"
+                             f"{sc.log_tail()}")
     assert ans.WhichOneof("result") == "error" and ans.error.code == grpc.StatusCode.ABORTED.value[0], ans
+    return ans, took, pids
+
+
+def test_a_peer_waiting_on_a_killed_coordinator_answers_its_step_aborted_at_once(rig):
+    sc = rig[0]
+    ans, took, pids = _aborted_after_killing(rig, waiting=1, killed=0)
     assert "coordinator" in ans.error.message and "exited" in ans.error.message, ans.error.message
     # Well before the rendezvous deadline the step would otherwise have waited out, let alone the give-up.
     assert took < SLACK_S < RDV_MS / 1e3, took
@@ -69,16 +78,8 @@ def test_a_step_waiting_for_a_killed_peer_s_copy_is_aborted_at_once_naming_it(ri
     """The other way round: rank 1 SIGKILLed while rank 0's copy of a step waits for its post. Rank 0's
     coordinator waited out the whole --rendezvous-ms (here 6 s; up to 60 s) and answered "did not
     receive it"; now it aborts the step at once and says the rank exited."""
-    sc, eng, step, streams = rig
-    pids = sc.rank_pids()
-    streams[0].requests.put(eng.request(0, 2, step))  # rank 1's engine never sends step 2: rank 0 waits
-    time.sleep(1.0)
-    t_kill = time.monotonic()
-    os.kill(pids[1], signal.SIGKILL)
-    ans = streams[0].answers.get(timeout=60)
-    took = time.monotonic() - t_kill
-    assert ans is not None, f"the stream ended without an answer after {took:.1f} s ({streams[0].end})\n{sc.log_tail()}"
-    assert ans.WhichOneof("result") == "error" and ans.error.code == grpc.StatusCode.ABORTED.value[0], ans
+    sc = rig[0]
+    ans, took, pids = _aborted_after_killing(rig, waiting=0, killed=1)
     assert "rank(s) 1 exited" in ans.error.message, ans.error.message
     assert took < SLACK_S < RDV_MS / 1e3, took
     assert sc.proc.wait(timeout=60) == 1
