@@ -424,3 +424,61 @@ def test_gpu_a_refused_registration_frees_the_engine_memory(tmp_path, tiny_cfg, 
     held, region_bytes, err = _held_after_failed_buffers(tmp_path, tiny_cfg, tiny_ckpt, _Oversized)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert held < region_bytes // 4, f"{held / 2**20:.1f} MiB still held of {region_bytes / 2**20:.1f}"
+
+
+def test_gpu_overlapping_cuda_ipc_layers_and_regions_are_refused(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
+    """The overlap checks over CUDA IPC handles (the CPU tests cover shared memory). MappedMemory.place
+    compares device addresses, which holds only if torch maps one IPC allocation once per process, so
+    that every handle to it (one per layer, exported separately) gives the same addresses: layers cut
+    from one allocation at the same or half-overlapping offsets must be refused, side by side they bind
+    and serve, and a region over the bound cache is refused while one beside it registers."""
+    import math
+
+    import grpc
+
+    from dspark_sidecar.proto import memory
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    dev = torch.device("cuda", 0)
+    shape = kv_layer_shape(tiny_cfg, 1, PAGES, PAGE)
+    n, layers = math.prod(shape), tiny_cfg.num_hidden_layers
+    pool = torch.randn(layers * n + n, device=dev)  # one allocation: every layer below is a slice of it
+
+    def side_by_side() -> list[torch.Tensor]:
+        return [pool[i * n:(i + 1) * n].view(shape) for i in range(layers)]
+
+    def refused(call, req, field: str) -> str:
+        with pytest.raises(grpc.RpcError) as err:
+            call(req, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.value.code(), err.value.details())
+        details = err.value.details()
+        assert details.startswith(f"{field}: ") and "overlap" in details and "GPU's address space" in details, details
+        return details
+
+    facts = pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1, speculative_method="dspark",
+                           num_speculative_tokens=7, device=str(dev))
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        same = [pool[:n].view(shape)] * layers
+        assert "layers[0]" in refused(stub.BindKV, bind_request(same, facts), "layers[1].memory")
+        half = side_by_side()
+        half[2] = pool[n + n // 2: 2 * n + n // 2].view(shape)  # over the second half of layer 1
+        assert "layers[1]" in refused(stub.BindKV, bind_request(half, facts), "layers[2].memory")
+        b = _bind(stub, side_by_side(), dev)
+        step = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, tiny_embed, seed=5)
+        req = pb.DraftStepRequest(step_id=1, binding_id=b.binding_id, binding_generation=b.generation,
+                                  num_requests=len(LENS))
+        for f, t in (("positions", step.positions), ("inputs_embeds", step.inputs_embeds), ("seq_lens", step.meta.seq_lens),
+                     ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
+            getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
+        assert stub.DraftStep(req, timeout=60).HasField("hidden_states")
+        # A region is a whole storage from its first byte: the pool's own lies on layer 0; a separate
+        # tensor (its own storage, perhaps in the same allocator block) registers.
+        on_cache = pb.BufferRegion(name="hidden_states", memory=memory.export_handle(pool), size_bytes=4096)
+        details = refused(stub.RegisterBuffers, pb.RegisterBuffersRequest(regions=[on_cache]), "regions[0].memory")
+        assert "layers[0]" in details, details
+        other = torch.zeros(4096, dtype=torch.uint8, device=dev)
+        beside = pb.BufferRegion(name="hidden_states", memory=memory.export_handle(other), size_bytes=4096)
+        ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=[beside]), timeout=30).region_ids
+        assert len(ids) == 1
+        assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).kv.binding_id == b.binding_id  # the binding stood
