@@ -336,7 +336,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command; a flag, environment value, config or checkpoint that cannot be used is one line and exit 2."""
+    """The command; a flag, environment value, config or checkpoint that cannot be used is one line and exit 2
+    (75 when it is a port or socket that another process holds now)."""
     try:
         return _main(argv)
     except BrokenPipeError:
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(err, _usage_errors()):
             raise
         print(f"dspark-sidecar: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_status", 2)  # 75 for a port or socket held now (server/config.AddressInUse)
 
 
 def _stdout_gone() -> bool:

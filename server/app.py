@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import platform
@@ -32,13 +33,13 @@ from dspark_sidecar.proto.doorbell import nap_for, stores_in_order
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.backend import BackendUnavailable, choose_backend, resolve_device
-from dspark_sidecar.server.config import ServeConfig, ServeConfigError
+from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
 from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
 from dspark_sidecar.server.fast_path import build_fast_path
 from dspark_sidecar.server.graphs import StepGraphs, launch_streams
 from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
-from dspark_sidecar.server.preflight import claim_socket
+from dspark_sidecar.server.preflight import check_port, claim_socket
 from dspark_sidecar.server.process_group import join_group
 from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_up
 from dspark_sidecar.server.refusal import probe_host
@@ -130,7 +131,12 @@ def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer
         except RuntimeError:
             bound = 0
         if bound == 0:
-            raise ServeConfigError(f"{flag}: rank {rank} cannot listen on {ep} (in use, or not this host's address)")
+            # gRPC does not say why. A host that is not this one's is refused by check_port as such (exit 2);
+            # otherwise the port or socket was taken since the checks (exit 75: it may be free next time).
+            if flag == "--tcp-base-port":
+                check_port(flag, cfg.tcp_host, cfg.tcp_base_port + rank, who=f"rank {rank} ")
+            raise AddressInUse(f"{flag}: rank {rank} cannot listen on {ep}: another process took it since "
+                               "the start-up checks")
     server.start()
     os.chmod(path, 0o660)  # owner and the group shared with the engine only
     return server
@@ -287,8 +293,9 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
         try:
             metrics.serve_http(cfg.metrics_host, cfg.metrics_port + rank)
         except OSError as err:
-            raise ServeConfigError(f"--metrics-port: rank {rank} cannot listen on {cfg.metrics_host}:"
-                                   f"{cfg.metrics_port + rank}: {err.strerror}") from None
+            error = AddressInUse if err.errno == errno.EADDRINUSE else ServeConfigError
+            raise error(f"--metrics-port: rank {rank} cannot listen on {cfg.metrics_host}:"
+                        f"{cfg.metrics_port + rank}: {err.strerror}") from None
     log.info("rank %d/%d: listening on %s (NOT_SERVING while loading)", rank, world, ", ".join(cfg.endpoints(rank)))
 
     dist_backend = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")

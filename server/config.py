@@ -18,7 +18,17 @@ MAX_LAUNCH_STREAMS = 8
 
 
 class ServeConfigError(ValueError):
-    """A serve flag is invalid; the message names the flag."""
+    """A serve flag is invalid; the message names the flag. `serve` exits `exit_status` with that one line."""
+
+    exit_status = 2  # only a change of configuration fixes it: systemd's unit does not restart it
+
+
+class AddressInUse(ServeConfigError):
+    """A port or socket the flag names is held by another process now: a previous instance still letting
+    go, say, or one taken between the parent's check and the rank's bind. It may be free at the next
+    start, so this exits 75 (EX_TEMPFAIL, sysexits.h), which systemd restarts, and not 2, which it does not."""
+
+    exit_status = 75
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from dspark_sidecar.server.config import ServeConfig
+from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
 from dspark_sidecar.server.preflight import socket_answers
 
 log = logging.getLogger("dspark_sidecar.launcher")
@@ -21,7 +21,9 @@ DRAIN_GRACE_S = 60.0
 # (torch's rendezvous connect retries for --dist-timeout-s, a read of a hung filesystem) where no
 # Python signal handler runs: past this it is killed, and a stop requested by the user still exits 0.
 STARTUP_STOP_S = 3.0
-EXIT_USAGE = 2  # cli.main: a flag, value, config or checkpoint that cannot be used, said in one line
+EXIT_USAGE = ServeConfigError.exit_status  # cli.main: a flag, value, config or checkpoint that cannot be used, in one line
+EXIT_TEMPFAIL = AddressInUse.exit_status  # cli.main: the same for a port or socket another process holds now
+_REFUSALS = (EXIT_USAGE, EXIT_TEMPFAIL)
 
 
 def free_port() -> int:
@@ -37,7 +39,7 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
     SIGTERM to the rest, SIGKILL after a grace period, exit code 1. SIGTERM/SIGINT to the
     launcher drains every rank and returns 0 when all exited cleanly; before the group serves
     (on_ready has not reported it yet) it stops them within STARTUP_STOP_S and returns 0. A rank
-    that refuses to start (exit EXIT_USAGE, its one line said) stops the group with that code.
+    that refuses to start (exit EXIT_USAGE or EXIT_TEMPFAIL, its one line said) stops the group with that code.
     """
     port = cfg.master_port or free_port()
     env = dict(os.environ, WORLD_SIZE=str(cfg.tp), MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port),
@@ -85,14 +87,14 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
             dead = [(r, c) for r, c in enumerate(codes) if c is not None]
             if dead and not stopping:
                 # A refusal first: a peer of a refusing rank may have exited 1 already (PeerLost).
-                r, c = next(((r, c) for r, c in dead if c == EXIT_USAGE), dead[0])
-                if c == EXIT_USAGE and not ready_sent:
+                r, c = next(((r, c) for r, c in dead if c in _REFUSALS), dead[0])
+                if c in _REFUSALS and not ready_sent:
                     # The rank refused something at start-up (a port or socket taken since the parent's
                     # check) and said so in its own line: no second line here, and its exit code is the
                     # group's, as the same refusal in the parent gives.
                     log.info("sidecar rank %d refused to start; stopping the group (%d ranks)", r, cfg.tp)
                     _terminate(procs, grace_s=STARTUP_STOP_S)
-                    return EXIT_USAGE
+                    return c
                 log.error("sidecar rank %d exited with code %s; stopping the group (%d ranks)", r, c, cfg.tp)
                 _terminate(procs, grace_s=10.0 if ready_sent else STARTUP_STOP_S)
                 return 1

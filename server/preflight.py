@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 
 from dspark_sidecar.server import sockdir
-from dspark_sidecar.server.config import ServeConfig, ServeConfigError
+from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
 
 PROBE_TIMEOUT_S = 1.0
 
@@ -45,7 +45,7 @@ def _stale(path: Path) -> bool:
     if not stat.S_ISSOCK(mode):
         raise ServeConfigError(f"--socket-dir: {path} exists and is not a socket; remove it or choose another folder")
     if socket_answers(path):
-        raise ServeConfigError(f"--socket-dir: a sidecar is already serving on {path}; stop it first or "
+        raise AddressInUse(f"--socket-dir: a sidecar is already serving on {path}; stop it first or "
                                "choose another --socket-dir")
     return True
 
@@ -77,13 +77,13 @@ def check_socket_dir(cfg: ServeConfig) -> None:
         _stale(cfg.socket_path(r))
 
 
-def check_port(flag: str, host: str, port: int) -> None:
+def check_port(flag: str, host: str, port: int, who: str = "") -> None:
     """Bind host:port as the server will (SO_REUSEADDR, as gRPC and prometheus' HTTP server set it,
-    so a port in TIME_WAIT is not reported busy) and let it go again."""
+    so a port in TIME_WAIT is not reported busy) and let it go again. `who` ("rank 2 ") leads the reason."""
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
-        raise ServeConfigError(f"{flag}: cannot resolve host {host!r}: {err.strerror}") from None
+        raise ServeConfigError(f"{flag}: {who}cannot resolve host {host!r}: {err.strerror}") from None
     errors = []
     for family, kind, proto, _, addr in infos:
         with socket.socket(family, kind, proto) as s:
@@ -91,12 +91,13 @@ def check_port(flag: str, host: str, port: int) -> None:
             try:
                 s.bind(addr)
             except OSError as err:
-                if err.errno in (errno.EADDRINUSE, errno.EACCES):
-                    raise ServeConfigError(f"{flag}: cannot listen on {host}:{port}: {err.strerror}; choose "
-                                           "another port") from None
+                if err.errno in (errno.EADDRINUSE, errno.EACCES):  # held now, or a privileged port
+                    error = AddressInUse if err.errno == errno.EADDRINUSE else ServeConfigError
+                    raise error(f"{flag}: {who}cannot listen on {host}:{port}: {err.strerror}; choose "
+                                "another port") from None
                 errors.append(err)  # e.g. ::1 on a host without IPv6: the server binds the others
     if errors and len(errors) == len(infos):
-        raise ServeConfigError(f"{flag}: cannot listen on {host}:{port}: {bind_failure(errors)}")
+        raise ServeConfigError(f"{flag}: {who}cannot listen on {host}:{port}: {bind_failure(errors)}")
 
 
 def bind_failure(errors: list[OSError]) -> str:

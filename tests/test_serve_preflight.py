@@ -1,5 +1,7 @@
 """`serve` refuses an unusable socket folder, a live sidecar's sockets and busy ports in the parent:
-one line naming the flag, exit 2, before any rank (or socket) exists.
+one line naming the flag, before any rank (or socket) exists. Exit 2 for what only a change of
+configuration fixes; exit 75 (EX_TEMPFAIL) for a port or socket that another process holds now,
+which may be free at the next start (systemd restarts it; RestartPreventExitStatus=2 stops only 2).
 
 These used to start the ranks: a raw traceback per rank (mkdir/unlink in server/app.py, gRPC's bind
 RuntimeError for --tcp-base-port, prometheus' OSError for --metrics-port only after the shard loaded,
@@ -56,7 +58,7 @@ def test_a_port_in_use_is_one_line_naming_the_flag(flag, tiny_ckpt, tmp_path, ca
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        _refused(_argv(tmp_path / "sock", tiny_ckpt, flag, str(port)), capsys, flag, str(port))
+        _refused(_argv(tmp_path / "sock", tiny_ckpt, flag, str(port)), capsys, flag, str(port), status=75)
     assert not list((tmp_path / "sock").glob("*.sock"))
 
 
@@ -85,7 +87,8 @@ def test_a_running_sidecar_on_the_socket_dir_is_not_displaced(tiny_ckpt, tmp_pat
     live.start()
     try:
         ino = (sock_dir / "rank0.sock").stat().st_ino
-        _refused(_argv(sock_dir, tiny_ckpt), capsys, f"--socket-dir: a sidecar is already serving on {sock_dir}")
+        _refused(_argv(sock_dir, tiny_ckpt), capsys, f"--socket-dir: a sidecar is already serving on {sock_dir}",
+                 status=75)
         assert (sock_dir / "rank0.sock").stat().st_ino == ino  # the live socket is left alone
         with grpc.insecure_channel(f"unix:{sock_dir / 'rank0.sock'}") as ch:
             st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from dspark_sidecar.server.config import ServeConfig
-from dspark_sidecar.server.launcher import EXIT_USAGE, launch
+from dspark_sidecar.server.launcher import EXIT_TEMPFAIL, EXIT_USAGE, launch
 from helpers.engine_fakes import short_socket_dir
 
 
@@ -64,6 +64,27 @@ def test_a_rank_that_refuses_to_start_stops_the_group_with_exit_2_and_no_second_
     err = capfd.readouterr().err
     assert "--seed" in err and "Traceback" not in err
     assert not list(sock.glob("*.sock"))
+
+
+def test_a_port_taken_between_the_parent_s_check_and_the_rank_s_bind_exits_75(caplog, capfd):
+    """The race the parent's check cannot close: a rank meets its gRPC port taken. That may pass (a
+    previous instance still letting go), so the group exits 75 (EX_TEMPFAIL), which systemd restarts,
+    not 2, which its unit never restarts; still with the rank's one line and none from the launcher."""
+    import socket
+
+    sock = short_socket_dir()
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = ["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(sock), "--tcp-base-port", str(port)]
+        with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+            code = launch(ServeConfig(tp=1, socket_dir=sock, tcp_base_port=port), argv, on_ready=lambda: False)
+    assert code == EXIT_TEMPFAIL == 75
+    assert "exited with code" not in caplog.text and "refused to start" in caplog.text
+    err = capfd.readouterr().err
+    assert "--tcp-base-port: " in err and str(port) in err and "Traceback" not in err, err
 
 
 def test_a_stop_during_the_probe_that_finds_the_group_serving_drains_it_and_exits_0(tmp_path, monkeypatch):

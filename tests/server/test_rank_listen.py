@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from dspark_sidecar.server.config import ServeConfig, ServeConfigError
+from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
 from dspark_sidecar.server.rendezvous import Board
 
 
@@ -43,8 +43,9 @@ def test_a_busy_tcp_port_in_the_rank_is_one_line_not_grpcs_runtime_error(tmp_pat
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         cfg = ServeConfig(tp=1, socket_dir=tmp_path, tcp_base_port=busy.getsockname()[1])
-        with pytest.raises(ServeConfigError, match="--tcp-base-port: rank 0 cannot listen on 127.0.0.1:"):
+        with pytest.raises(AddressInUse, match="--tcp-base-port: rank 0 cannot listen on 127.0.0.1:") as err:
             _start_grpc(cfg, 0, health.HealthServicer(), LateServicer())
+    assert err.value.exit_status == 75  # held now: systemd's unit restarts it (it does not restart exit 2)
 
 
 def test_the_owner_closing_a_board_someone_removed_is_a_warning_not_a_traceback(caplog):
