@@ -55,6 +55,11 @@ HEADER, CLOSED = 3, 2
 # How often a rank waiting for its verdict looks whether rank 0 (the coordinator) still exists, and
 # the coordinator whether the peers a step waits for still do.
 GONE_CHECK_S = 0.1
+# A post that has waited this long for the other copies of its step when the last one comes: its rank's
+# process is looked at before the GO (Coordinator.poll_once). A look is ~25 us a peer (a signal and a
+# /proc read), so the steps whose copies come together (the steady flow: a rendezvous of 3.6 us median,
+# ~175 us in BENCHMARKS' slow rows) make none, and a step that waited pays a few percent of its wait.
+POSTED_LOOK_S = 0.005
 
 
 def _word(value: int) -> int:
@@ -470,6 +475,16 @@ class Coordinator(threading.Thread):
         if mask:
             self._write(pending, step, ABORT, DIGEST, mask)
             return True
+        if now - min(self._first_seen.values()) >= POSTED_LOOK_S:
+            # A rank that posted, then exited (killed, crashed) while its copy waited for the others: a GO
+            # would send its peers into collectives it never joins (gloo fails them, and the rank exits
+            # with the step unanswered; NCCL waits out --dist-timeout-s). Only the posts that waited are
+            # looked at (POSTED_LOOK_S); an exit after that look, or after the GO, is not caught here.
+            gone = sum(1 << r for r in range(world) if now - self._first_seen[r] >= POSTED_LOOK_S
+                       and self._peers.gone(r))
+            if gone:
+                self._write(pending, step, ABORT, EXITED, gone)
+                return True
         now = time.monotonic_ns()
         late = sum(1 << r for r in range(world) if 0 < pending[r][6] < now)
         if late:  # a step queued behind a stall must not launch (and write K/V) after the engine gave up

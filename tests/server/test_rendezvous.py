@@ -349,6 +349,59 @@ def test_the_coordinator_aborts_a_step_at_once_when_a_missing_rank_s_process_exi
         boards[0].close()
 
 
+def test_a_rank_that_posted_and_then_exited_gets_no_go(monkeypatch):
+    """Rank 1 posts its copy of a step, then its process is SIGKILLed before rank 0's copy comes. Every rank
+    had posted, so the coordinator wrote GO, and rank 0 entered collectives no peer would join: with gloo
+    its all-reduce failed ("Connection closed by peer") and the rank exited 3, the step unanswered; with
+    NCCL it waits out the dist timeout. Now the step is aborted, naming the rank that exited. A post that
+    waited is looked at (rank 1 alive: GO); copies that come together make no look (the steady flow)."""
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+    from dspark_sidecar.server.rendezvous import ABORT, EXITED, GO, POSTED_LOOK_S, Coordinator, format_reason, process_start
+
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
+    peer = _child()
+    looks: list[int] = []
+    real = rendezvous_mod._exited
+    monkeypatch.setattr(rendezvous_mod, "_exited", lambda pid, start=0: looks.append(pid) or real(pid, start))
+
+    def post(rank: int, seq: int, step: int) -> None:
+        board.slots[rank][:] = (seq, step, 1, 2, 1, 9, 0, 0)
+
+    def waited(rank: int) -> None:  # rank's post waits, as one whose peer is late does
+        time.sleep(max(0.0, c._first_seen[rank] + POSTED_LOOK_S - time.monotonic()))
+
+    try:
+        _post_peer(board, 0, os.getpid(), process_start(os.getpid()))
+        _post_peer(board, 1, peer.pid, process_start(peer.pid))
+        c = Coordinator(board, 8000)  # not started: polled by hand
+        assert not c.poll_once() and c._peers.seen(1)  # idle: rank 1 seen alive
+        looks.clear()
+        post(1, 2, 7)
+        post(0, 2, 7)
+        assert c.poll_once() and board.ring[0][2] == GO
+        assert looks == [], "a look at the peers for a step whose copies came together"
+        post(1, 4, 8)
+        assert not c.poll_once()
+        waited(1)
+        post(0, 4, 8)
+        assert c.poll_once() and board.ring[1][2] == GO  # rank 1 alive
+        assert looks == [peer.pid]
+        post(1, 6, 9)
+        assert not c.poll_once()  # rank 1's copy waits for rank 0's
+        peer.kill()
+        peer.wait()
+        waited(1)
+        post(0, 6, 9)
+        assert c.poll_once()
+        rec = board.ring[2]
+        assert (rec[1], rec[2], rec[3], rec[4]) == (9, ABORT, EXITED, 0b10), rec
+        assert "step 9: rank(s) 1 exited" in format_reason(9, int(rec[3]), int(rec[4]), 8000)
+    finally:
+        peer.kill()
+        peer.wait()
+        board.close()
+
+
 def test_a_rank_s_step_looks_for_rank_0_s_process_only_until_it_was_seen_alive(ranks, monkeypatch):
     """agree() is on every step's path: once rank 0's process was seen alive, a step whose verdict comes
     in time makes no look at it (a signal and a /proc read: tens of microseconds a step on ranks 1..3).
