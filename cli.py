@@ -83,6 +83,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int, default=_env("max_message_bytes", d.max_message_bytes, int))
     p.add_argument("--drain-s", type=float, default=_env("drain_s", d.drain_s, float),
                    help="after SIGTERM, report NOT_SERVING this long before closing the listener")
+    p.add_argument("--exit-with-pid", type=int, default=_env("exit_with_pid", d.exit_with_pid, int),
+                   help="stop the ranks (as on SIGTERM) once process PID has exited (0 = never; "
+                        "client/launcher.py passes its own pid)")
     p.add_argument("--random-weights", action="store_true", default=_env("random_weights", False, bool),
                    help="benchmarks: draw weights on the device instead of reading a checkpoint")
     p.add_argument("--shard-of", type=int, default=_env("shard_of", 0, int),
@@ -138,6 +141,9 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
     if os.environ.get("RANK", "0") == "0" and "DSPARK_LAUNCHER_PID" not in os.environ:  # once: the parent, or
         for line in unknown_env(dict(os.environ), flag_dests):  # torchrun's rank 0
             logging.getLogger("dspark_sidecar.cli").warning(line)
+        if "RANK" in os.environ and cfg.exit_with_pid:  # only our launcher watches it
+            logging.getLogger("dspark_sidecar.cli").warning(
+                "--exit-with-pid is ignored under torchrun: its agent, not serve, starts and stops the ranks")
     # Preset, checkpoint config, TP and the checkpoint's tensors checked here, once: in the ranks each
     # would print its own line or traceback, and only after they had started listening.
     dcfg = load_config(cfg.preset, cfg.checkpoint)

@@ -51,3 +51,19 @@ def exited(pid: int, start: int = 0) -> bool:
         return False
     state, started = stat
     return state in ("Z", "X") or 0 < start != started
+
+
+class ExitWith:
+    """The process `serve --exit-with-pid` names (whose end ends the sidecar), by its pid and start time.
+
+    The pid was on serve's command line, so its process started no later than serve itself: a later
+    start time already at the first look is a process that took the pid after the named one had gone,
+    and counts as gone too (as does another start time at a later look: exited)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.start = pid, process_start(pid)
+        mine = process_start(os.getpid())
+        self._reused = 0 < mine < self.start
+
+    def gone(self) -> bool:
+        return self._reused or exited(self.pid, self.start)
