@@ -280,7 +280,7 @@ def cmd_step(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from dspark_sidecar.client.demo import DemoConfig, format_report, run_demo, verdict
+    from dspark_sidecar.client.demo import DemoConfig, format_report, run_demo, unverified_line, verdict
 
     # Checked before anything starts: --tp 0 ended in the harness's traceback after the checkpoint was
     # written, --required-tp 0 only in the engine ranks, after the sidecar had started.
@@ -303,9 +303,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
         ServeConfig(tp=a.tp, max_reqs=a.max_reqs, rendezvous_ms=a.rendezvous_ms, dtype=a.dtype, device=a.device)
     report = run_demo(cfg)
     print(format_report(report))
-    if failed := verdict(report, cfg.dtype, cfg.kv_dtype):
+    if failed := verdict(report, cfg.dtype, cfg.kv_dtype, cfg.verify):
         print(f"dspark-sidecar demo: FAILED: {failed}", file=sys.stderr)
         return 1
+    if not cfg.verify:
+        print(unverified_line(report))
     return 0
 
 
