@@ -429,6 +429,8 @@ def _main(argv: list[str] | None) -> int:
     dp.add_argument("--no-verify", dest="verify", action="store_false",
                     help="skip running the local layers beside forwarded rounds")
     dp.add_argument("--rendezvous-ms", type=int, default=200)
+    from dspark_sidecar import bench_defaults  # torch-free: the parser is built before any command runs
+
     bp = sub.add_parser("bench", help="draft-step latency vs the HBM floor and the stock layers, one run")
     bp.add_argument("--preset", default="minimax-m3.1")
     bp.add_argument("--shard-of", type=int, default=4, help="time rank 0's shard of a TP-N drafter")
@@ -442,8 +444,9 @@ def _main(argv: list[str] | None) -> int:
     bp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     bp.add_argument("--weights", choices=("bf16", "mxfp8"), default="bf16",
                     help="mxfp8: every mode's layer weights kept as MXFP8 (the floor counts their bytes)")
-    bp.add_argument("--repeats", type=int, default=100,
-                    help="timed steps per mode and case (default 100: from 100 samples a p99 is printed)")
+    bp.add_argument("--repeats", type=int, default=bench_defaults.REPEATS,
+                    help="timed steps per mode and case (default %(default)s: from "
+                         f"{bench_defaults.P99_MIN_SAMPLES} samples a p99 is printed)")
     bp.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     bp.add_argument("--sidecar-backend", default="auto")
     bp.add_argument("--no-prelaunch", dest="prelaunch", action="store_false",

@@ -246,3 +246,35 @@ def test_exit_with_pid_under_torchrun_is_said_to_be_ignored(monkeypatch, caplog)
         assert cli.main(["serve", "--tp", "3", "--exit-with-pid", str(os.getpid())]) == 2
     assert [r.getMessage() for r in caplog.records if r.name == "dspark_sidecar.cli"] == [
         "--exit-with-pid is ignored under torchrun: its agent, not serve, starts and stops the ranks"]
+
+
+def test_bench_repeats_default_is_written_once_and_is_bench_config_s(monkeypatch):
+    """--repeats' default was written twice, as a literal in cli.py and in bench.BenchConfig (100 in both, free
+    to drift apart): now both read bench_defaults.REPEATS, and cli.py writes no literal for it."""
+    import ast
+    from pathlib import Path
+
+    from dspark_sidecar import bench_defaults
+    from dspark_sidecar.bench import BenchConfig
+
+    tree = ast.parse(Path(cli.__file__).read_text())
+    (call,) = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.args
+               and isinstance(n.args[0], ast.Constant) and n.args[0].value == "--repeats"]
+    (default,) = [k.value for k in call.keywords if k.arg == "default"]
+    assert not isinstance(default, ast.Constant), "cli.py writes --repeats' default itself"
+    seen = []
+    monkeypatch.setattr(cli, "cmd_bench", lambda a: seen.append(a.repeats) or 0)
+    assert cli.main(["bench"]) == 0
+    assert seen == [BenchConfig().repeats] == [bench_defaults.REPEATS]
+
+
+def test_the_command_line_builds_its_parsers_without_torch():
+    """bench_defaults exists so that cli.py need not import bench.py (torch) for a default: `--help` stays fast."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dspark_sidecar import cli\n"
+            "try:\n    cli.main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "--repeats" in out and out.splitlines()[-1] == "False", out
