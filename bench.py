@@ -234,7 +234,8 @@ class SidecarUnderTest:
                 "--socket-dir", str(self.sock),
                 "--device", device.type, "--backend", bc.sidecar_backend, "--max-reqs", str(max(bc.reqs)),
                 "--seed", str(bc.seed), "--drain-s", "0", *([] if bc.prelaunch else ["--no-prelaunch"]),
-                "--launch-streams", str(bc.launch_streams)]
+                "--launch-streams", str(bc.launch_streams),
+                "--exit-with-pid", str(os.getpid())]  # a bench killed with SIGKILL leaves no sidecar behind
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         self.log = open(work / "sidecar.log", "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
