@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from dspark_sidecar import layout
+from dspark_sidecar.bench_defaults import P99_MIN_SAMPLES, REPEATS
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import DrafterConfig, load_config
@@ -81,7 +82,7 @@ class BenchConfig:
     modes: tuple[str, ...] = MODES
     dtype: str = "bf16"
     weights: str = "bf16"  # or mxfp8: layer weights kept quantized in every mode (and the sidecar)
-    repeats: int = 100  # from P99_MIN_SAMPLES up a row's p99 is one (with fewer it is the maximum)
+    repeats: int = REPEATS  # from P99_MIN_SAMPLES up a row's p99 is one (with fewer it is the maximum)
     page_size: int = 16
     out_dir: Path = Path("bench-out")
     sidecar_backend: str = "auto"
@@ -233,7 +234,8 @@ class SidecarUnderTest:
                 "--socket-dir", str(self.sock),
                 "--device", device.type, "--backend", bc.sidecar_backend, "--max-reqs", str(max(bc.reqs)),
                 "--seed", str(bc.seed), "--drain-s", "0", *([] if bc.prelaunch else ["--no-prelaunch"]),
-                "--launch-streams", str(bc.launch_streams)]
+                "--launch-streams", str(bc.launch_streams),
+                "--exit-with-pid", str(os.getpid())]  # a bench killed with SIGKILL leaves no sidecar behind
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         self.log = open(work / "sidecar.log", "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -557,9 +559,6 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
     (bc.out_dir / "bench.json").write_text(json.dumps(report, indent=1))
     _plot(report, bc.out_dir / "bench.png")
     return report
-
-
-P99_MIN_SAMPLES = 100  # below it a nearest-rank p99 is the maximum: reported as such
 
 
 def _latency_fields(ms: list[float]) -> dict:

@@ -83,6 +83,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int, default=_env("max_message_bytes", d.max_message_bytes, int))
     p.add_argument("--drain-s", type=float, default=_env("drain_s", d.drain_s, float),
                    help="after SIGTERM, report NOT_SERVING this long before closing the listener")
+    p.add_argument("--exit-with-pid", type=int, default=_env("exit_with_pid", d.exit_with_pid, int),
+                   help="stop the ranks (as on SIGTERM) once process PID has exited (0 = never; "
+                        "client/launcher.py passes its own pid)")
     p.add_argument("--random-weights", action="store_true", default=_env("random_weights", False, bool),
                    help="benchmarks: draw weights on the device instead of reading a checkpoint")
     p.add_argument("--shard-of", type=int, default=_env("shard_of", 0, int),
@@ -138,6 +141,9 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
     if os.environ.get("RANK", "0") == "0" and "DSPARK_LAUNCHER_PID" not in os.environ:  # once: the parent, or
         for line in unknown_env(dict(os.environ), flag_dests):  # torchrun's rank 0
             logging.getLogger("dspark_sidecar.cli").warning(line)
+        if "RANK" in os.environ and cfg.exit_with_pid:  # only our launcher watches it
+            logging.getLogger("dspark_sidecar.cli").warning(
+                "--exit-with-pid is ignored under torchrun: its agent, not serve, starts and stops the ranks")
     # Preset, checkpoint config, TP and the checkpoint's tensors checked here, once: in the ranks each
     # would print its own line or traceback, and only after they had started listening.
     dcfg = load_config(cfg.preset, cfg.checkpoint)
@@ -274,7 +280,7 @@ def cmd_step(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from dspark_sidecar.client.demo import DemoConfig, format_report, run_demo, verdict
+    from dspark_sidecar.client.demo import DemoConfig, format_report, run_demo, unverified_line, verdict
 
     # Checked before anything starts: --tp 0 ended in the harness's traceback after the checkpoint was
     # written, --required-tp 0 only in the engine ranks, after the sidecar had started.
@@ -297,9 +303,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
         ServeConfig(tp=a.tp, max_reqs=a.max_reqs, rendezvous_ms=a.rendezvous_ms, dtype=a.dtype, device=a.device)
     report = run_demo(cfg)
     print(format_report(report))
-    if failed := verdict(report, cfg.dtype, cfg.kv_dtype):
+    if failed := verdict(report, cfg.dtype, cfg.kv_dtype, cfg.verify):
         print(f"dspark-sidecar demo: FAILED: {failed}", file=sys.stderr)
         return 1
+    if not cfg.verify:
+        print(unverified_line(report))
     return 0
 
 
@@ -422,6 +430,8 @@ def _main(argv: list[str] | None) -> int:
     dp.add_argument("--no-verify", dest="verify", action="store_false",
                     help="skip running the local layers beside forwarded rounds")
     dp.add_argument("--rendezvous-ms", type=int, default=200)
+    from dspark_sidecar import bench_defaults  # torch-free: the parser is built before any command runs
+
     bp = sub.add_parser("bench", help="draft-step latency vs the HBM floor and the stock layers, one run")
     bp.add_argument("--preset", default="minimax-m3.1")
     bp.add_argument("--shard-of", type=int, default=4, help="time rank 0's shard of a TP-N drafter")
@@ -435,8 +445,9 @@ def _main(argv: list[str] | None) -> int:
     bp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     bp.add_argument("--weights", choices=("bf16", "mxfp8"), default="bf16",
                     help="mxfp8: every mode's layer weights kept as MXFP8 (the floor counts their bytes)")
-    bp.add_argument("--repeats", type=int, default=100,
-                    help="timed steps per mode and case (default 100: from 100 samples a p99 is printed)")
+    bp.add_argument("--repeats", type=int, default=bench_defaults.REPEATS,
+                    help="timed steps per mode and case (default %(default)s: from "
+                         f"{bench_defaults.P99_MIN_SAMPLES} samples a p99 is printed)")
     bp.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     bp.add_argument("--sidecar-backend", default="auto")
     bp.add_argument("--no-prelaunch", dest="prelaunch", action="store_false",

@@ -163,14 +163,23 @@ REL_L2_LIMIT = {"bf16": 2.0 ** -5, "fp32": 1e-4}
 FP8_KV_REL_L2_LIMIT = 2.0 ** -4
 
 
-def verdict(r: DemoReport, dtype: str, kv_dtype: str = "auto") -> str | None:
+def verdict(r: DemoReport, dtype: str, kv_dtype: str = "auto", verify: bool = True) -> str | None:
     """Why the run's checks failed, or None. The reference backend runs the engine's own ops in its dtype,
     so its forwarded rounds must be the same bits (draft tokens included); another backend must stay
-    within REL_L2_LIMIT, its draft tokens free to differ at argmax near-ties between two roundings."""
+    within REL_L2_LIMIT, its draft tokens free to differ at argmax near-ties between two roundings.
+    Verifying, a run that compared no round fails: it checked nothing (a sidecar that refuses every step
+    would pass, the demo's very check unmade); with verify False (--no-verify) that is not a failure."""
     if not r.ranks_agree:
         return "the engine ranks disagreed on a decision or a drafted token"
     if not r.compared:
-        return None
+        if not verify:
+            return None
+        if r.forwarded:
+            return f"{r.forwarded} rounds were forwarded but none was compared with the local layers"
+        reason, n = max(r.fallbacks.items(), key=lambda kv: kv[1], default=("?", 0))
+        return (f"no round was forwarded to the sidecar (all {r.rounds} ran on the local layers, most for "
+                f"{reason!r} {n}), so nothing was compared: the demo checks forwarded rounds against the local "
+                "layers, and a run with none checks nothing")
     if r.backend == "reference":
         if r.hidden_mismatch_rounds or r.kv_mismatch_rounds or r.token_mismatch_rounds:
             return (f"the reference backend differed from the local layers: hidden states in "
@@ -184,6 +193,12 @@ def verdict(r: DemoReport, dtype: str, kv_dtype: str = "auto") -> str | None:
                 f"relative L2 hidden {r.max_hidden_rel:.2e} (limit {limit:.2e}), K/V {r.max_kv_rel:.2e} "
                 f"(limit {kv_limit:.2e}) for {dtype}" + (" with an fp8 cache" if kv_dtype == "fp8" else ""))
     return None
+
+
+def unverified_line(r: DemoReport) -> str:
+    """The last line of a --no-verify run that passed: exit 0, yet nothing was checked against the local layers."""
+    return ("dspark-sidecar demo: --no-verify: nothing was compared with the local layers"
+            + ("" if r.forwarded else " (and no round was forwarded)"))
 
 
 def format_report(r: DemoReport) -> str:

@@ -15,12 +15,19 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 
 
 class SidecarLauncher:
-    """`with SidecarLauncher(socket_dir, ...) as sc:` -> a serving sidecar; its output goes to `log_path`."""
+    """`with SidecarLauncher(socket_dir, ...) as sc:` -> a serving sidecar; its output goes to `log_path`.
+
+    The sidecar runs in a session of its own (a Ctrl-C to the starter's terminal does not reach it; stop()
+    stops it), so a starter that is SIGKILLed would leave it serving for ever: with exit_with_starter it
+    is told this process's pid (`serve --exit-with-pid`) and stops by itself once the starter has gone.
+    Not PR_SET_PDEATHSIG in a preexec_fn: that signal comes when the *thread* that started the sidecar
+    ends (a helper thread's start would stop it early), and preexec_fn is unsafe in a process with threads.
+    """
 
     def __init__(self, socket_dir: str | Path, tp: int = 4, preset: str = "tiny", dtype: str = "fp32",
                  max_reqs: int | None = None, checkpoint: tuple[str, str] | None = None,
                  extra_args: list[str] | None = None, log_path: str | Path | None = None,
-                 ready_timeout_s: float = 180.0) -> None:
+                 ready_timeout_s: float = 180.0, exit_with_starter: bool = True) -> None:
         self.socket_dir, self.tp = Path(socket_dir), tp
         self.argv = [sys.executable, "-m", "dspark_sidecar", "serve", "--tp", str(tp), "--socket-dir",
                      str(self.socket_dir), "--preset", preset, "--dtype", dtype]
@@ -31,6 +38,7 @@ class SidecarLauncher:
         self.argv += list(extra_args or [])
         self.log_path = Path(log_path) if log_path else self.socket_dir / "sidecar.log"
         self.ready_timeout_s = ready_timeout_s
+        self.exit_with_starter = exit_with_starter
         self.proc: subprocess.Popen | None = None
 
     def endpoint(self, rank: int) -> str:
@@ -51,8 +59,10 @@ class SidecarLauncher:
         self.make_socket_dir()
         # RANK/WORLD_SIZE of an enclosing launcher would make the sidecar think it runs under torchrun.
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        # The pid of the process that starts it, now: the object may have been made in another one.
+        argv = self.argv + (["--exit-with-pid", str(os.getpid())] if self.exit_with_starter else [])
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
         deadline = time.monotonic() + self.ready_timeout_s
         while not all(self.healthy()):

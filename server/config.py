@@ -15,6 +15,7 @@ DTYPES = ("bf16", "fp32")
 # order, and 1.32 on 2 (BENCHMARKS.md runs 106-107). More streams than groups are never used.
 DEFAULT_LAUNCH_STREAMS = 4
 MAX_LAUNCH_STREAMS = 8
+PID_MAX = 1 << 22  # Linux's largest pid_max (kernel.pid_max)
 
 
 class ServeConfigError(ValueError):
@@ -65,6 +66,9 @@ class ServeConfig:
     # each extra stream gets its own communicator (app.exchange_lanes); tested on two GPUs but not yet benchmarked, so opt-in.
     launch_streams: int = 0
     drain_s: float = 1.0  # after SIGTERM: NOT_SERVING for this long before the listener closes
+    # The launcher stops the ranks (as on SIGTERM) once this process has gone; 0: never. SidecarLauncher
+    # passes its own pid: a starter that is SIGKILLed (a killed demo or test run) leaks no sidecar.
+    exit_with_pid: int = 0
     seed: int = 0  # of the synthetic checkpoint
     # Benchmark emulation (never for serving an engine's real traffic):
     random_weights: bool = False  # draw weights on the device instead of reading a checkpoint
@@ -103,6 +107,8 @@ class ServeConfig:
             raise ServeConfigError(f"--launch-streams: must be 0..{MAX_LAUNCH_STREAMS}, got {self.launch_streams}")
         if not 0 <= self.drain_s <= 300:
             raise ServeConfigError(f"--drain-s: must be 0..300, got {self.drain_s}")
+        if not 0 <= self.exit_with_pid <= PID_MAX:
+            raise ServeConfigError(f"--exit-with-pid: must be 0 (off) or a process id 1..{PID_MAX}, got {self.exit_with_pid}")
         if not 0 <= self.seed < 1 << 32:  # torch's generator takes seed * 1_000_003 + crc32 (checkpoint.py)
             raise ServeConfigError(f"--seed: must be 0..{(1 << 32) - 1}, got {self.seed}")
         if self.checkpoint is not None and self.target_checkpoint is None and not self.random_weights:

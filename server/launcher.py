@@ -12,6 +12,7 @@ import time
 
 from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
 from dspark_sidecar.server.preflight import socket_answers
+from dspark_sidecar.server.processes import ExitWith
 
 log = logging.getLogger("dspark_sidecar.launcher")
 # A serving rank that has not exited this long after its --drain-s is killed: its teardown ends itself
@@ -40,7 +41,11 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
     launcher drains every rank and returns 0 when all exited cleanly; before the group serves
     (on_ready has not reported it yet) it stops them within STARTUP_STOP_S and returns 0. A rank
     that refuses to start (exit EXIT_USAGE or EXIT_TEMPFAIL, its one line said) stops the group with that code.
+    With cfg.exit_with_pid, the process of that pid going (its starter SIGKILLed) stops the group as
+    SIGTERM does, with one log line: the ranks die with this launcher (PR_SET_PDEATHSIG), but nothing
+    else would end the launcher.
     """
+    watched = ExitWith(cfg.exit_with_pid) if cfg.exit_with_pid else None  # gone already: preflight refused it
     port = cfg.master_port or free_port()
     env = dict(os.environ, WORLD_SIZE=str(cfg.tp), MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port),
                DSPARK_LAUNCHER_PID=str(os.getpid()))
@@ -53,7 +58,7 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
     serving_grace = cfg.drain_s + DRAIN_GRACE_S  # a serving rank's stop: its drain, then its teardown
     ready_sent = on_ready is None  # without a probe, assume serving: the long drain grace applies
 
-    def on_signal(signum, _frame):
+    def stop() -> None:
         nonlocal stopping, stop_deadline
         # The first stop sets the kill's deadline; a second SIGTERM or Ctrl-C (a user who thinks the
         # stop is stuck, a supervisor repeating its signal) must not push it back, else wedged ranks
@@ -65,7 +70,7 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {s: signal.signal(s, lambda _signum, _frame: stop()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -98,12 +103,16 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
                 log.error("sidecar rank %d exited with code %s; stopping the group (%d ranks)", r, c, cfg.tp)
                 _terminate(procs, grace_s=10.0 if ready_sent else STARTUP_STOP_S)
                 return 1
+            if watched is not None and not stopping and watched.gone():
+                log.warning("the process this sidecar exits with (--exit-with-pid %d) has gone; stopping the "
+                            "ranks", watched.pid)
+                stop()
             if on_ready is not None and not ready_sent and not stopping:
                 ready_sent = on_ready()
                 if ready_sent and stopping:
                     # The signal came during the probe, which then found every rank serving: they
                     # drain (drain_s, the teardown), so the serving grace applies, not the start-up
-                    # bound set by on_signal (that would kill them mid-drain and exit 1).
+                    # bound set by stop() (that would kill them mid-drain and exit 1).
                     stop_deadline = time.monotonic() + serving_grace
             time.sleep(poll_s)
     finally:

@@ -1,4 +1,6 @@
-"""Checks of the places `serve` listens on, made before any rank starts (cli.py) and again in each rank.
+"""Checks of the places `serve` listens on, made before any rank starts (cli.py) and again in each rank;
+and, in the parent only, that the process `--exit-with-pid` names still runs (else the sidecar would
+start only to stop again at once).
 
 Why in the parent: a rank that meets a busy port or an unusable socket folder fails after seconds of
 start-up (the metrics port only after loading its shard), once per rank, and the launcher would
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from dspark_sidecar.server import sockdir
 from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
+from dspark_sidecar.server.processes import ExitWith
 
 PROBE_TIMEOUT_S = 1.0
 
@@ -122,6 +125,14 @@ def check_ports(cfg: ServeConfig) -> None:
     check_port("--master-addr/--master-port", cfg.master_addr, cfg.master_port)
 
 
+def check_exit_with(cfg: ServeConfig) -> None:
+    """The process the launcher is to exit with still runs (a pid typed wrong, or a starter gone already)."""
+    if cfg.exit_with_pid and ExitWith(cfg.exit_with_pid).gone():
+        raise ServeConfigError(f"--exit-with-pid: process {cfg.exit_with_pid} is not running (the sidecar would "
+                               "stop as soon as it started)")
+
+
 def check_before_launch(cfg: ServeConfig) -> None:
+    check_exit_with(cfg)
     check_socket_dir(cfg)
     check_ports(cfg)

@@ -29,7 +29,6 @@ import time
 import zlib
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from pathlib import Path
 
 import numpy as np
 
@@ -37,6 +36,8 @@ import numpy as np
 # the coordinator naps while steps flow and sleeps longer once the ranks have been quiet a while.
 from dspark_sidecar.proto.doorbell import NAP_S, lower_timer_slack, pause
 from dspark_sidecar.proto.memory import AttachedSegment
+# A peer's exit, told from another process that took its pid; `_exited` by this name so tests can count the looks.
+from dspark_sidecar.server.processes import exited as _exited, process_start
 
 log = logging.getLogger("dspark_sidecar.rendezvous")
 
@@ -292,47 +293,6 @@ class Rendezvous:
     def close(self) -> None:
         if self._coordinator is not None:
             self._coordinator.stop()
-
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of process `pid`, from /proc/<pid>/stat; None where
-    that cannot be read (no /proc: not Linux; the process just went; a /proc mounted hidepid)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    fields = text[text.rfind(b")") + 1 :].split()  # after the command name, which may hold spaces and ')'
-    try:
-        return fields[0].decode(), int(fields[19])  # fields 3 (state) and 22 (starttime) of proc(5)
-    except (IndexError, ValueError, UnicodeDecodeError):
-        return None
-
-
-def process_start(pid: int) -> int:
-    """Process `pid`'s start time (clock ticks since boot); 0 where not known. With its pid it names one
-    process: a pid reused after the process exited comes with another start time."""
-    stat = _stat(pid)
-    return stat[1] if stat is not None else 0
-
-
-def _exited(pid: int, start: int = 0) -> bool:
-    """Whether process `pid` (a peer rank on this node), started at `start` (process_start; 0: not known),
-    has exited: no such process; a zombie (exited, its parent has not reaped it yet: kill(pid, 0) still
-    succeeds on it, and torchrun's agent reaps only every --monitor-interval); or another process that
-    now has the pid (another start time). pid 0: not known yet, so not."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # it exists, another user's: a reused pid if its start time differs (below)
-        pass
-    stat = _stat(pid)
-    if stat is None:  # only the signal's answer: it exists
-        return False
-    state, started = stat
-    return state in ("Z", "X") or 0 < start != started
 
 
 class PeerProcesses:

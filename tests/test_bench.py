@@ -95,6 +95,36 @@ def test_a_bench_that_cannot_set_up_leaves_no_sidecar_running(tmp_path, monkeypa
     assert len(started) == 1 and started[0].proc.poll() is not None  # the sidecar it started has exited
 
 
+def test_the_bench_s_sidecar_exits_with_the_bench(tmp_path, monkeypatch):
+    """A bench that is SIGKILLed left its sidecar (modes d-i) serving for ever: it is started with the bench's
+    pid as --exit-with-pid (serve's launcher stops once that process has gone, as for client/launcher.py)."""
+    import os
+
+    from dspark_sidecar import bench as B
+
+    argvs = []
+
+    class Exited:  # the sidecar process, ended at once: SidecarUnderTest gives up and closes it
+        def __init__(self, argv, **_kw):
+            argvs.append(argv)
+
+        def poll(self):
+            return 1
+
+        def terminate(self):
+            return None
+
+        def wait(self, timeout=None):
+            return 1
+
+    monkeypatch.setattr(B.subprocess, "Popen", Exited)
+    with pytest.raises(RuntimeError, match="bench sidecar did not start"):
+        B.SidecarUnderTest(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), out_dir=tmp_path),
+                           torch.device("cpu"), tmp_path)
+    (argv,) = argvs
+    assert argv[argv.index("--exit-with-pid") + 1] == str(os.getpid())
+
+
 def test_mxfp8_weights_count_their_stored_bytes_in_the_floor(tmp_path):
     dense = run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a",), repeats=2,
                                   out_dir=tmp_path / "dense"), torch.device("cpu"))

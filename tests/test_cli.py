@@ -28,6 +28,7 @@ def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkey
     (["serve", "--target-checkpoint", "/nonexistent/target"], "--target-checkpoint: given without --checkpoint"),
     (["serve", "--max-message-bytes", str(1 << 32)], "--max-message-bytes: must be 1 MiB..2^31 - 1"),
     (["serve", "--dist-timeout-s", "0"], "--dist-timeout-s: must be 1..86400"),
+    (["serve", "--exit-with-pid", "-1"], "--exit-with-pid: must be 0 (off) or a process id 1..4194304, got -1"),
     (["serve", "--tcp-base-port", "19000", "--metrics-port", "19002"], "--metrics-port: port 19002 is also --tcp-base-port's"),
     (["serve", "--preset", "minimax"], "unknown 'minimax'"),
     (["serve", "--tp", "3"], "not divisible by TP size 3"),
@@ -209,3 +210,71 @@ def test_a_broken_pipe_that_is_not_stdout_s_is_not_silenced():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "BrokenPipeError" in proc.stderr and "a child process" in proc.stderr, proc.stderr[-2000:]
+
+
+def _a_gone_pid() -> int:
+    """The pid of a process that has exited and been reaped (no process has it, barring a reuse)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", ""])
+    p.wait()
+    return p.pid
+
+
+def test_serve_reads_dspark_exit_with_pid_and_refuses_a_process_already_gone(monkeypatch, capsys, caplog, no_launch):
+    """--exit-with-pid's variable is read (no "not read" warning), and a pid that names no running process
+    is one line and exit 2 before any rank: the launcher would stop the sidecar as soon as it started."""
+    from helpers.refusals import refused
+
+    pid = _a_gone_pid()
+    monkeypatch.setenv("DSPARK_EXIT_WITH_PID", str(pid))
+    with caplog.at_level("WARNING", logger="dspark_sidecar.cli"):
+        refused(["serve", "--tp", "1", "--device", "cpu"], capsys, f"--exit-with-pid: process {pid} is not running")
+    assert not [r for r in caplog.records if r.name == "dspark_sidecar.cli"]
+
+
+def test_exit_with_pid_under_torchrun_is_said_to_be_ignored(monkeypatch, caplog):
+    """Under torchrun there is no serve launcher to watch the process: rank 0 says so rather than ignore it
+    in silence (here before the TP check refuses --tp 3, so nothing starts)."""
+    import os
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("DSPARK_LAUNCHER_PID", raising=False)
+    with caplog.at_level("WARNING", logger="dspark_sidecar.cli"):
+        assert cli.main(["serve", "--tp", "3", "--exit-with-pid", str(os.getpid())]) == 2
+    assert [r.getMessage() for r in caplog.records if r.name == "dspark_sidecar.cli"] == [
+        "--exit-with-pid is ignored under torchrun: its agent, not serve, starts and stops the ranks"]
+
+
+def test_bench_repeats_default_is_written_once_and_is_bench_config_s(monkeypatch):
+    """--repeats' default was written twice, as a literal in cli.py and in bench.BenchConfig (100 in both, free
+    to drift apart): now both read bench_defaults.REPEATS, and cli.py writes no literal for it."""
+    import ast
+    from pathlib import Path
+
+    from dspark_sidecar import bench_defaults
+    from dspark_sidecar.bench import BenchConfig
+
+    tree = ast.parse(Path(cli.__file__).read_text())
+    (call,) = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.args
+               and isinstance(n.args[0], ast.Constant) and n.args[0].value == "--repeats"]
+    (default,) = [k.value for k in call.keywords if k.arg == "default"]
+    assert not isinstance(default, ast.Constant), "cli.py writes --repeats' default itself"
+    seen = []
+    monkeypatch.setattr(cli, "cmd_bench", lambda a: seen.append(a.repeats) or 0)
+    assert cli.main(["bench"]) == 0
+    assert seen == [BenchConfig().repeats] == [bench_defaults.REPEATS]
+
+
+def test_the_command_line_builds_its_parsers_without_torch():
+    """bench_defaults exists so that cli.py need not import bench.py (torch) for a default: `--help` stays fast."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dspark_sidecar import cli\n"
+            "try:\n    cli.main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "--repeats" in out and out.splitlines()[-1] == "False", out

@@ -1,4 +1,5 @@
-"""The demo's exit status: 1 when its own checks fail (ranks disagreeing, forwarded rounds off the local layers)."""
+"""The demo's exit status: 1 when its own checks fail (ranks disagreeing, forwarded rounds off the local layers,
+or, verifying, no round forwarded to compare)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ GPU_BF16 = dict(backend="triton", hidden_mismatch_rounds=20, kv_mismatch_rounds=
 
 @pytest.mark.parametrize("over, dtype, kv_dtype", [
     ({}, "fp32", "auto"),
-    (dict(compared=0, forwarded=0, fallbacks={"no sidecar": 20}), "fp32", "auto"),  # --no-verify, or nothing forwarded
     (GPU_BF16, "bf16", "auto"),
     ({**GPU_BF16, "max_kv_rel": 1.66e-2}, "bf16", "fp8"),
     ({**GPU_BF16, "max_hidden_rel": 3e-5, "max_kv_rel": 2e-5}, "fp32", "auto"),
@@ -64,3 +64,35 @@ def test_the_demo_command_exits_1_with_the_reason_when_its_checks_fail(monkeypat
     assert err.startswith("dspark-sidecar demo: FAILED: the reference backend differed") and "draft tokens in 3" in err
     monkeypatch.setattr(demo, "run_demo", lambda cfg: _report())
     assert cli.main(["demo", "--rounds", "20"]) == 0
+
+
+NOTHING_FORWARDED = dict(compared=0, forwarded=0, fallbacks={"BindKV refused": 19, "no sidecar": 1})
+
+
+def test_a_verifying_run_that_forwarded_nothing_fails_and_says_why():
+    """Every round on the local layers (the sidecar refused every step) compared nothing: it passed as green."""
+    why = verdict(_report(**NOTHING_FORWARDED), "fp32")
+    assert why is not None and "no round was forwarded" in why and "nothing was compared" in why, why
+    assert "'BindKV refused' 19" in why, why  # the main fallback reason, so the line says where to look
+    assert verdict(_report(**NOTHING_FORWARDED), "fp32", verify=False) is None  # --no-verify: not a check
+
+
+def test_a_verifying_run_that_compared_no_forwarded_round_fails():
+    why = verdict(_report(compared=0), "fp32")
+    assert why is not None and "20 rounds were forwarded but none was compared" in why, why
+
+
+def test_the_demo_exits_1_when_nothing_was_forwarded_and_0_under_no_verify_saying_so_last(monkeypatch, capsys):
+    monkeypatch.setattr(demo, "run_demo", lambda cfg: _report(**NOTHING_FORWARDED))
+    assert cli.main(["demo", "--rounds", "20"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("dspark-sidecar demo: FAILED: no round was forwarded") and err.count("\n") == 1, err
+    assert cli.main(["demo", "--rounds", "20", "--no-verify"]) == 0
+    out, err = capsys.readouterr()
+    assert not err
+    assert out.splitlines()[-1] == ("dspark-sidecar demo: --no-verify: nothing was compared with the local layers "
+                                    "(and no round was forwarded)"), out
+    monkeypatch.setattr(demo, "run_demo", lambda cfg: _report(compared=0))  # forwarded, not compared
+    assert cli.main(["demo", "--rounds", "20", "--no-verify"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == "dspark-sidecar demo: --no-verify: nothing was compared with the local layers", last

@@ -191,3 +191,30 @@ def test_a_second_stop_signal_does_not_push_back_the_kill_of_wedged_ranks(tmp_pa
         signal.signal(signal.SIGTERM, before)
     assert code == 1  # the ranks had to be killed
     assert took < 2.5, f"killed {took:.1f} s after the first SIGTERM; the grace is 1 s"
+
+
+def test_the_process_to_exit_with_going_stops_a_serving_group_as_sigterm_does(tmp_path, monkeypatch, caplog):
+    """--exit-with-pid: once that process has gone (here a stand-in for processes.ExitWith, gone once the
+    group serves), the ranks get SIGTERM and drain, the launcher says why in one line and exits 0.
+    tests/client/test_launcher_parent_death.py runs the same with a real starter SIGKILLed."""
+    from dspark_sidecar.server import launcher
+
+    serving = threading.Event()
+
+    class GoneOnceServing:
+        def __init__(self, pid: int) -> None:
+            self.pid = pid
+
+        def gone(self) -> bool:
+            return serving.is_set()
+
+    monkeypatch.setattr(launcher, "ExitWith", GoneOnceServing)
+    stopped = f"pathlib.Path({str(tmp_path)!r}, 'stopped-' + os.environ['RANK']).touch()"
+    _fake_ranks(monkeypatch, _serving_rank(tmp_path, f"lambda *a: ({stopped}, sys.exit(0))"))
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+        code = launch(ServeConfig(tp=2, socket_dir=tmp_path, exit_with_pid=4242), [],
+                      on_ready=_ready_when_both_marked(tmp_path, serving), poll_s=0.05)
+    assert code == 0
+    assert sorted(p.name for p in tmp_path.glob("stopped-*")) == ["stopped-0", "stopped-1"]  # drained, not killed
+    assert [r.getMessage() for r in caplog.records] == [
+        "the process this sidecar exits with (--exit-with-pid 4242) has gone; stopping the ranks"]
