@@ -146,6 +146,9 @@ class Waker:
             # select() reports as readable forever.
             self._r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
             self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            # 0660 whatever the umask (mkfifo's mode is narrowed by it): the engine, of the socket
+            # folder's group, must open it for writing. Through the descriptor: the FIFO just made.
+            os.fchmod(self._r, 0o660)
         except OSError:
             os.unlink(path)
             raise

@@ -77,6 +77,9 @@ class MemoryBindings:
         retire(close) (RankLoop.after_device: once the device no longer reads it)."""
         e = req.engine
         try:
+            if e.tp_size == 0:  # proto3's "not set": the whole EngineFacts, often
+                raise invalid("engine.tp_size", "not set: send the engine's facts (EngineFacts: its rank, TP, DP and PP "
+                                                "sizes, speculative config) with every BindKV")
             if e.engine_rank != self.rank:
                 raise precondition(f"engine rank {e.engine_rank} bound to sidecar rank {self.rank}: engine rank r "
                                    "must talk to sidecar rank r (its own socket)", "RANK_MISMATCH", "engine.engine_rank")

@@ -64,6 +64,9 @@ class FastPath(Protocol):
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """embeds [n, hidden], positions int64 [n], meta on the rank's device -> hidden [n, hidden]."""
 
+    def unbound(self, retire: Callable[[Callable[[], None]], None]) -> None:
+        """UnbindKV: let go of whatever it holds of the released cache, closed through retire(close)."""
+
 
 class Queued(Protocol):
     """A doorbell step's copy that may already be queued on the GPU (server/prelaunch.StepHook)."""

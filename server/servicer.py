@@ -155,6 +155,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._require_same_node(context)
         with self.loop.exclusive(wait=False):  # as BindKV
             self.ctx.memory.unbind(request.binding_id, self.loop.after_device)
+            if self.ctx.fast is not None:  # its runner holds views of the cache just released
+                self.ctx.fast.unbound(self.loop.after_device)
         return pb.UnbindKVResponse()
 
     def RegisterBuffers(self, request, context):

@@ -157,3 +157,22 @@ def test_a_fifo_left_by_a_crashed_rank_is_replaced_and_anything_else_kept(tmp_pa
     with pytest.raises(FileExistsError):
         bell.Waker(str(plain))
     assert plain.read_text() == "not a fifo"
+
+
+def test_the_wake_fifo_is_0660_whatever_the_umask(tmp_path):
+    """AttachDoorbellResponse.wake_fifo promises mode 0660: an engine of another user in the socket
+    folder's group opens it for writing. mkfifo's mode is narrowed by the umask, and under the usual
+    022 the FIFO was 0640: that engine could not open it (Ringer: PermissionError), kept no ringer,
+    and every step rung after an idle spell waited out the sleeping doorbell's MISSED_WAKE_S poll."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        waker = bell.Waker(str(tmp_path / "rank0.wake1"))
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.stat(waker.path).st_mode) == 0o660
+    finally:
+        waker.close()

@@ -7,6 +7,7 @@ a real step through the fast path on an MI355X x4 and skips elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -380,6 +381,37 @@ def test_servicer_reports_the_fast_path_reason_and_republishes():
                            Lifecycle(backend="triton", host=GOOD_HOST, flydsl_off="--backend triton selected"),
                            None, None, "")
     assert svc2.refusal() == "--backend triton selected"
+
+
+def test_unbinding_lets_the_runner_drop_the_unbound_caches_views():
+    """UnbindKV is how an engine about to free its cache (or sleep) lets it go, and the binding's
+    mappings are closed, each unmapped once no view of it is left. The runner kept its views of every
+    layer (KVRows) until a step of another binding rebuilt it: after an UnbindKV with no step behind
+    it, never, so the engine's IPC allocation stayed alive in this process for good. Unbound, the
+    runner is closed (once the device is done: through the loop's after_device) and a later binding
+    builds its own."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.kv_binding import MemoryBindings
+
+    class Loop:  # no GPU: nothing queued ahead of a release
+        def exclusive(self, wait=True, quiesce=True):
+            return contextlib.nullcontext()
+
+        def after_device(self, fn, wait=None):
+            fn()
+
+    fp, _ = fast_path()
+    mem = MemoryBindings(M31, 4, 0, torch.bfloat16, CPU)
+    mem.kv = kv = binding()
+    assert fp.ready(kv)
+    runner = fp.runner
+    svc = DrafterServicer(SimpleNamespace(fast=fp, memory=mem, rank=0), Loop(),
+                          Lifecycle(backend="flydsl", host=GOOD_HOST), None, None, "mxfp8")
+    svc.UnbindKV(pb.UnbindKVRequest(binding_id=kv.binding_id), SimpleNamespace(peer=lambda: "unix:/s"))
+    assert mem.kv is None
+    assert fp.runner is None and fp.runner_factory.closed == 1 and runner._kv == []
+    assert fp.ready(binding(gen=2)) and len(fp.runner_factory.built) == 2  # a new binding: a runner of its own
+    fp.close()
 
 
 # On hardware -------------------------------------------------------------------------------------
