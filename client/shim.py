@@ -341,8 +341,9 @@ class DrafterShim:
 
     def _catch_up(self, gen_max: int) -> None:
         """Bring this rank's binding generation up to its peers' (BindKV bumps it by one per call on
-        each sidecar rank, and the sidecar runs a step only when all ranks name the same one)."""
-        layers = list(self._kv_caches() or [])
+        each sidecar rank, and the sidecar runs a step only when all ranks name the same one). The layers
+        through _layers: the engine's provider raising is its own fault, not the sidecar's (no bind)."""
+        layers = self._layers()
         binds = 0
         while (self.connection.is_open and layers and self.binder.generation < gen_max
                and binds < self.config.max_catchup_binds):

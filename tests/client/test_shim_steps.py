@@ -16,7 +16,8 @@ from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import (
-    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs,
+    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, shm_kv_cache, short_socket_dir,
+    step_inputs,
 )
 
 
@@ -504,3 +505,45 @@ def test_breaker_times_must_be_finite(field):
     with pytest.raises(EngineConfigError, match=field):
         BreakerConfig(**kw)
     BreakerConfig(**{field: 3600.0, "backoff_max_s": 3600.0})  # the same bound as the engine's deadlines
+
+
+class _PeerBoundOnceMore(PreflightHook):
+    """A 2-rank agreement whose peer, once armed, names one binding generation more than this rank at
+    every pre-flight (its BindKV went through once more): this rank then catches up."""
+
+    def all_min(self, values):
+        out = values.clone()
+        if self.armed and values.numel() == 5 and values[3] < 0:
+            out[3] = values[3] - 1  # -gen: the peer's larger generation is the MAX
+        return out
+
+
+def test_a_kv_cache_provider_raising_in_a_catch_up_is_not_the_sidecars_failure(fake):
+    """The engine's KV cache provider reads this rank's own state; its exception is the engine's fault, not
+    the sidecar's: phase 1 takes it as no KV cache, uncounted (FAILURE_MODES.md). The catch-up to a peer's
+    generation called the provider directly, and its exception was counted as a shim error against the
+    breaker, which opened on a sidecar that had done nothing wrong (and logged a trace as a shim bug)."""
+    kv = shm_kv_cache()
+    raising = {"on": False}
+
+    def caches():
+        if raising["on"]:
+            raise RuntimeError("injected: the engine's cache is being re-allocated")
+        return [s.tensor for s in kv]
+
+    agree = _PeerBoundOnceMore()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), caches, agree)
+    agree.shim = shim
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            raising["on"], agree.armed = True, True
+            for _ in range(shim.config.breaker.failure_threshold):
+                assert shim.maybe_forward(ids, pos) is None
+        assert shim.stats.fallbacks == {S.GENERATIONS: shim.config.breaker.failure_threshold}
+        assert shim.breaker.failures == 0 and shim.breaker.state.value == "closed", \
+            "the engine's provider raising was counted against the sidecar"
+        assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
+    finally:
+        shim.close()
