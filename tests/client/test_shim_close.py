@@ -33,8 +33,8 @@ from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import memory
 from dspark_sidecar.proto import doorbell as bell
 from helpers.engine_fakes import (
-    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, shm_kv_cache, short_socket_dir,
-    step_inputs,
+    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, RecordingSharedMemory, shm_kv_cache,
+    short_socket_dir, step_inputs,
 )
 
 _HERE = Path(__file__).resolve()
@@ -61,20 +61,6 @@ WAKE_S = 1.0
 JOIN_S = DEADLINE_S + GRACE_S + 3.0  # a thread still alive after this is a hang
 
 
-class _RecordingSharedMemory:
-    """Stands for proto/memory.py's `shared_memory` module: records the segments this process creates, so
-    that what is left in /dev/shm is told apart from other processes' segments (tests run side by side)."""
-
-    def __init__(self) -> None:
-        self.created: set[str] = set()
-
-    def SharedMemory(self, *args, **kw):  # noqa: N802  (the module's name)
-        seg = shared_memory.SharedMemory(*args, **kw)
-        if kw.get("create"):
-            self.created.add(seg.name.lstrip("/"))
-        return seg
-
-
 class Rig:
     """One engine rank (a 2-rank agreement whose peer always agrees) against a FuzzSidecar rank."""
 
@@ -82,7 +68,7 @@ class Rig:
         fz = _fuzz()
         self.fz = fz
         self.transport = transport
-        self.shm = _RecordingSharedMemory()
+        self.shm = RecordingSharedMemory()
         memory.shared_memory = self.shm  # undone by stop()
         self.fake = fz.FuzzSidecar(dataplane=transport == "doorbell", max_reqs=4)
         self.server = FakeServer(self.fake, short_socket_dir() / "rank0.sock").start()

@@ -16,8 +16,8 @@ from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import (
-    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, shm_kv_cache, short_socket_dir,
-    step_inputs,
+    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, recording_shm, shm_kv_cache,
+    short_socket_dir, step_inputs,
 )
 
 
@@ -387,17 +387,15 @@ def test_an_unsettled_doorbell_step_survives_a_dropped_link_and_settles_on_its_a
 def test_a_refused_data_plane_leaves_no_shared_memory_behind(fake):
     """A sidecar without the data plane (here: UNIMPLEMENTED) is asked again at every reconnect; each
     refused attempt releases its doorbell page and buffers at once, not at process exit."""
-    import os
-
     shim, _, _ = make_shim(fake.endpoint, transport="doorbell")
     ids, pos, meta = step_inputs(2)
-    before = set(os.listdir("/dev/shm"))
-    with set_forward_context(meta):
+    with recording_shm() as shm, set_forward_context(meta):
         for _ in range(5):
             assert shim.maybe_forward(ids, pos) is not None  # over the stream
             shim._drop_link()  # as after a broken stream: the next step reconnects and asks again
     assert fake.sidecar.calls["GetStatus"] >= 5
-    assert set(os.listdir("/dev/shm")) - before == set()
+    assert shm.created, "no segment recorded: the refused data planes' were not seen"
+    assert shm.left() == set()
     shim.close()
 
 
