@@ -450,7 +450,12 @@ class DrafterShim:
         for c in grpc.StatusCode:
             if c.value[0] == err.code:
                 code = c
-        if code is grpc.StatusCode.FAILED_PRECONDITION:
+        if code is grpc.StatusCode.FAILED_PRECONDITION and err.reason == "REFUSED":
+            # Strict mode refusing since the status was read (its fast path refuses the binding itself, known
+            # only once bound): re-read the status, whose refusal the next pre-flight agrees on. Taken as a
+            # stale binding, every later step re-bound and was refused again, for good.
+            self._drop_link()
+        elif code is grpc.StatusCode.FAILED_PRECONDITION:
             self.binder.invalidate()  # stale or unknown binding: re-bind before the next step
         elif code is grpc.StatusCode.OUT_OF_RANGE or code is grpc.StatusCode.INVALID_ARGUMENT:
             self._drop_link()  # limits may have changed: re-read the status

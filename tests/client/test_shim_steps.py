@@ -545,3 +545,44 @@ def test_a_kv_cache_provider_raising_in_a_catch_up_is_not_the_sidecars_failure(f
         assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
     finally:
         shim.close()
+
+
+class _RefusesOnceBound(FakeSidecar):
+    """A strict (--strict-refusal) sidecar rank whose fast path refuses the binding itself (found only once the
+    engine's cache is bound): from the first BindKV on its status is REFUSED (NOT_SERVING), and each step is
+    refused FAILED_PRECONDITION, reason REFUSED (server/rank.py)."""
+
+    def BindKV(self, request, context):
+        resp = super().BindKV(request, context)
+        self.serving, self.state, self.refusal = False, "REFUSED", "FlyDSL refuses this KV cache"
+        return resp
+
+    def _step(self, req):
+        if self.state == "REFUSED":
+            self.calls["step"] += 1
+            return pb.DraftStepResponse(step_id=req.step_id, error=pb.StepError(
+                code=code_pb2.FAILED_PRECONDITION, reason="REFUSED",
+                message="fast path refused: FlyDSL refuses this KV cache (--strict-refusal)"))
+        return super()._step(req)
+
+
+def test_a_strict_refusal_found_after_the_bind_turns_the_process_off():
+    """A strict sidecar that refuses only once the cache is bound answers every step FAILED_PRECONDITION
+    (REFUSED). The shim read every FAILED_PRECONDITION as a stale binding: it forgot the binding and bound
+    again, on every step for good (a BindKV and a refused step each time, nothing counted against the
+    breaker), and never re-read the status that says REFUSED, so the agreed turn-off never came."""
+    server = FakeServer(_RefusesOnceBound(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, _, _ = make_shim(server.endpoint)
+        ids, pos, meta = step_inputs(1)
+        with set_forward_context(meta):
+            for _ in range(6):
+                assert shim.maybe_forward(ids, pos) is None
+        assert not shim.enabled and shim.refusal == "sidecar refuses: FlyDSL refuses this KV cache", \
+            (shim.refusal, dict(shim.stats.fallbacks))
+        assert server.sidecar.calls["BindKV"] == 1 and server.sidecar.calls["step"] == 1
+        assert shim.stats.fallbacks == {"sidecar FAILED_PRECONDITION": 1,
+                                        "off: sidecar refuses: FlyDSL refuses this KV cache": 5}
+        shim.close()
+    finally:
+        server.stop()
