@@ -438,7 +438,12 @@ class DrafterShim:
             return None, BAD_ANSWER
         self.breaker.record_success()
         self._via_doorbell = bell is not None
-        return (hidden if hidden.device == embeds.device else hidden.to(embeds.device)), ""
+        if hidden.device != embeds.device or hidden.dtype != embeds.dtype:
+            # The engine's own dtype, as its stock layers return: a sidecar computing in another (bf16 for an
+            # fp16 or fp32 engine, which BindKV allows with an fp8 cache) answered in it, and the engine's
+            # next layer refused those hidden states with a RuntimeError inside its step.
+            hidden = hidden.to(device=embeds.device, dtype=embeds.dtype)
+        return hidden, ""
 
     def _compute_dtype(self) -> torch.dtype | None:
         """The dtype the sidecar computes in (its status), which its hidden states must have."""

@@ -586,3 +586,35 @@ def test_a_strict_refusal_found_after_the_bind_turns_the_process_off():
         shim.close()
     finally:
         server.stop()
+
+
+class _ComputesInBf16(_NoComputeDtype):
+    """A sidecar computing in bf16 (its --dtype) that says so, answering in it: what serves an engine of another
+    dtype whose cache is fp8 (BindKV takes an fp8 cache whatever the engine computes in)."""
+
+    answer_dtype = torch.bfloat16
+
+    def GetStatus(self, request, context):
+        st = FakeSidecar.GetStatus(self, request, context)
+        st.model.compute_dtype = "bfloat16"
+        return st
+
+
+def test_hidden_states_reach_the_engine_in_its_own_dtype():
+    """The stream's answer is held to the sidecar's compute dtype, and was handed to the engine as it is: an
+    fp32 (or fp16) engine got bf16 hidden states, which its next layer (the LM head, in the engine's dtype)
+    refuses with a RuntimeError inside the engine's step. maybe_forward returns what the stock layers would:
+    the engine's dtype."""
+    server = FakeServer(_ComputesInBf16(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, model, _ = make_shim(server.endpoint)
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            out = shim.maybe_forward(ids, pos)
+        assert out is not None, dict(shim.stats.fallbacks)
+        assert out.dtype == model.table.dtype == torch.float32, f"a {out.dtype} answer for a float32 engine"
+        want = (model.table[ids].to(torch.bfloat16).float() * 2).to(torch.bfloat16).float()
+        assert torch.equal(out, want)
+        shim.close()
+    finally:
+        server.stop()
