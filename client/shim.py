@@ -605,7 +605,13 @@ class DrafterShim:
                     self._inside, self._holder = False, 0
                     self._cv.notify_all()
                     return
-            self._finish_close()
+            try:
+                self._finish_close()  # never raises an Exception; a KeyboardInterrupt or SystemExit it lets through
+            except BaseException:
+                with self._cv:  # (Ctrl-C in close()'s grace): the link is given back all the same, or every later
+                    self._inside, self._holder = False, 0  # entry to it would wait for it for ever
+                    self._cv.notify_all()
+                raise
 
 
 class _LinkHold:

@@ -375,3 +375,24 @@ def test_close_on_the_thread_inside_the_step_is_finished_as_the_step_leaves(tran
         _assert_closed_cleanly(rig)
     finally:
         rig.stop()
+
+
+def test_a_close_interrupted_in_its_release_still_gives_the_link_back():
+    """close() on the main thread at shutdown can be interrupted in its release (Ctrl-C while it gives an
+    unsettled step its grace: KeyboardInterrupt out of time.sleep). The link was then never given back: every
+    later entry to it (another thread's maybe_forward or connect(), the engine's step thread) waited for it
+    without a deadline, for ever. The interrupt still goes up; the link is free."""
+    rig = Rig("grpc")
+    try:
+        assert rig.step(1) is not None
+
+        def interrupted() -> None:
+            raise KeyboardInterrupt
+
+        rig.shim._release = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            rig.shim.close()
+        assert Bounded(rig.shim.connect, "connect").join(5.0, "connect() after the interrupted close") == S.CLOSED
+        assert Bounded(lambda: rig.step(2), "step-2").join(5.0, "maybe_forward after the interrupted close") is None
+    finally:
+        rig.stop()
