@@ -341,8 +341,9 @@ class DrafterShim:
 
     def _catch_up(self, gen_max: int) -> None:
         """Bring this rank's binding generation up to its peers' (BindKV bumps it by one per call on
-        each sidecar rank, and the sidecar runs a step only when all ranks name the same one)."""
-        layers = list(self._kv_caches() or [])
+        each sidecar rank, and the sidecar runs a step only when all ranks name the same one). The layers
+        through _layers: the engine's provider raising is its own fault, not the sidecar's (no bind)."""
+        layers = self._layers()
         binds = 0
         while (self.connection.is_open and layers and self.binder.generation < gen_max
                and binds < self.config.max_catchup_binds):
@@ -437,7 +438,12 @@ class DrafterShim:
             return None, BAD_ANSWER
         self.breaker.record_success()
         self._via_doorbell = bell is not None
-        return (hidden if hidden.device == embeds.device else hidden.to(embeds.device)), ""
+        if hidden.device != embeds.device or hidden.dtype != embeds.dtype:
+            # The engine's own dtype, as its stock layers return: a sidecar computing in another (bf16 for an
+            # fp16 or fp32 engine, which BindKV allows with an fp8 cache) answered in it, and the engine's
+            # next layer refused those hidden states with a RuntimeError inside its step.
+            hidden = hidden.to(device=embeds.device, dtype=embeds.dtype)
+        return hidden, ""
 
     def _compute_dtype(self) -> torch.dtype | None:
         """The dtype the sidecar computes in (its status), which its hidden states must have."""
@@ -449,7 +455,12 @@ class DrafterShim:
         for c in grpc.StatusCode:
             if c.value[0] == err.code:
                 code = c
-        if code is grpc.StatusCode.FAILED_PRECONDITION:
+        if code is grpc.StatusCode.FAILED_PRECONDITION and err.reason == "REFUSED":
+            # Strict mode refusing since the status was read (its fast path refuses the binding itself, known
+            # only once bound): re-read the status, whose refusal the next pre-flight agrees on. Taken as a
+            # stale binding, every later step re-bound and was refused again, for good.
+            self._drop_link()
+        elif code is grpc.StatusCode.FAILED_PRECONDITION:
             self.binder.invalidate()  # stale or unknown binding: re-bind before the next step
         elif code is grpc.StatusCode.OUT_OF_RANGE or code is grpc.StatusCode.INVALID_ARGUMENT:
             self._drop_link()  # limits may have changed: re-read the status
@@ -594,7 +605,13 @@ class DrafterShim:
                     self._inside, self._holder = False, 0
                     self._cv.notify_all()
                     return
-            self._finish_close()
+            try:
+                self._finish_close()  # never raises an Exception; a KeyboardInterrupt or SystemExit it lets through
+            except BaseException:
+                with self._cv:  # (Ctrl-C in close()'s grace): the link is given back all the same, or every later
+                    self._inside, self._holder = False, 0  # entry to it would wait for it for ever
+                    self._cv.notify_all()
+                raise
 
 
 class _LinkHold:

@@ -11,7 +11,9 @@ def percentile(samples: list[int] | collections.deque, q: float) -> float:
     if not samples:
         return float("nan")
     s = sorted(samples)
-    k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
+    # The ceil(q/100 * n)-th sample, q * n first so that a whole rank stays whole. (round(x + 0.5) is not
+    # a ceiling: Python rounds halves to even, and the p99 of 100 samples came out as their maximum.)
+    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
     return float(s[k])
 
 

@@ -48,7 +48,9 @@ from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.memory import AttachedSegment
-from helpers.engine_fakes import HIDDEN, FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs
+from helpers.engine_fakes import (
+    HIDDEN, FakeModel, FakeServer, FakeSidecar, recording_shm, shm_kv_cache, short_socket_dir, step_inputs,
+)
 
 SEED = 20240607
 DEADLINE_S = 0.2
@@ -689,10 +691,10 @@ def test_setup_answer_mutation(rig, transport, name, tmp_path):
     fake.status_mut, fake.status_once = mut.status, not mut.persistent
     fake.bind_mut, fake.bind_once = mut.bind, not mut.persistent
     fake.register_mut, fake.attach_mut = mut.register, mut.attach
-    shm_before = set(os.listdir("/dev/shm"))
-    check(call(shim, 1), model, 1, f"{what}: first step")
+    with recording_shm() as shm:
+        check(call(shim, 1), model, 1, f"{what}: first step")
     if mut.register is not None and shim.doorbell is None:  # refused data plane: nothing of it may stay
-        left = set(os.listdir("/dev/shm")) - shm_before
+        left = shm.left()
         assert not left, f"{what}: the refused data plane left {len(left)} shared-memory segments: {sorted(left)}"
     recover(shim, model, 2, what, ok_reasons=mut.ok_reasons, refusal_ok=True)
     assert not fake.thread_errors, fake.thread_errors

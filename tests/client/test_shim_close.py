@@ -33,8 +33,8 @@ from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import memory
 from dspark_sidecar.proto import doorbell as bell
 from helpers.engine_fakes import (
-    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, shm_kv_cache, short_socket_dir,
-    step_inputs,
+    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, RecordingSharedMemory, shm_kv_cache,
+    short_socket_dir, step_inputs,
 )
 
 _HERE = Path(__file__).resolve()
@@ -61,20 +61,6 @@ WAKE_S = 1.0
 JOIN_S = DEADLINE_S + GRACE_S + 3.0  # a thread still alive after this is a hang
 
 
-class _RecordingSharedMemory:
-    """Stands for proto/memory.py's `shared_memory` module: records the segments this process creates, so
-    that what is left in /dev/shm is told apart from other processes' segments (tests run side by side)."""
-
-    def __init__(self) -> None:
-        self.created: set[str] = set()
-
-    def SharedMemory(self, *args, **kw):  # noqa: N802  (the module's name)
-        seg = shared_memory.SharedMemory(*args, **kw)
-        if kw.get("create"):
-            self.created.add(seg.name.lstrip("/"))
-        return seg
-
-
 class Rig:
     """One engine rank (a 2-rank agreement whose peer always agrees) against a FuzzSidecar rank."""
 
@@ -82,7 +68,7 @@ class Rig:
         fz = _fuzz()
         self.fz = fz
         self.transport = transport
-        self.shm = _RecordingSharedMemory()
+        self.shm = RecordingSharedMemory()
         memory.shared_memory = self.shm  # undone by stop()
         self.fake = fz.FuzzSidecar(dataplane=transport == "doorbell", max_reqs=4)
         self.server = FakeServer(self.fake, short_socket_dir() / "rank0.sock").start()
@@ -387,5 +373,26 @@ def test_close_on_the_thread_inside_the_step_is_finished_as_the_step_leaves(tran
         assert step.secs < GRACE_S + 1.5, f"maybe_forward took {step.secs:.2f} s"
         assert rig.fake.calls["UnbindKV"] == 1
         _assert_closed_cleanly(rig)
+    finally:
+        rig.stop()
+
+
+def test_a_close_interrupted_in_its_release_still_gives_the_link_back():
+    """close() on the main thread at shutdown can be interrupted in its release (Ctrl-C while it gives an
+    unsettled step its grace: KeyboardInterrupt out of time.sleep). The link was then never given back: every
+    later entry to it (another thread's maybe_forward or connect(), the engine's step thread) waited for it
+    without a deadline, for ever. The interrupt still goes up; the link is free."""
+    rig = Rig("grpc")
+    try:
+        assert rig.step(1) is not None
+
+        def interrupted() -> None:
+            raise KeyboardInterrupt
+
+        rig.shim._release = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            rig.shim.close()
+        assert Bounded(rig.shim.connect, "connect").join(5.0, "connect() after the interrupted close") == S.CLOSED
+        assert Bounded(lambda: rig.step(2), "step-2").join(5.0, "maybe_forward after the interrupted close") is None
     finally:
         rig.stop()

@@ -14,7 +14,8 @@ from dspark_sidecar.client.shim import STREAM, DrafterShim
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import doorbell as bell
 from helpers.engine_fakes import (
-    DoorbellNeverAnswered, FakeModel, FakeServer, PreflightHook, shm_kv_cache, short_socket_dir, step_inputs,
+    DoorbellNeverAnswered, FakeModel, FakeServer, PreflightHook, recording_shm, shm_kv_cache, short_socket_dir,
+    step_inputs,
 )
 
 
@@ -141,13 +142,12 @@ def test_a_doorbell_whose_page_fails_to_close_still_releases_the_step_buffers():
     driver error unregistering the page's GPU word, which _drop_link catches and logs) skipped the
     buffers, so their three regions stayed registered on the live sidecar (under CUDA IPC about 5.5 MB
     of the engine's memory at 32 requests) and their shared memory stayed mapped, once per drop."""
-    import os
-
     server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
     shim = _shim(server.endpoint, ParallelContext(0, 1))
     try:
-        before = set(os.listdir("/dev/shm"))
-        assert shim.connect() is None and shim.doorbell is not None
+        with recording_shm() as shm:
+            assert shim.connect() is None and shim.doorbell is not None
+        assert shm.created, "no segment recorded: the data plane's were not seen"
         transport = shim.doorbell
         stock_close = transport.bell.close
 
@@ -160,7 +160,7 @@ def test_a_doorbell_whose_page_fails_to_close_still_releases_the_step_buffers():
         assert shim.doorbell is None and not shim.connection.is_open
         assert "shim error in closing the data plane: RuntimeError" in shim._logged
         assert server.sidecar.calls["UnregisterBuffers"] == 1, "the step buffers were never released"
-        assert transport.buffers.embeds is None and set(os.listdir("/dev/shm")) - before == set()
+        assert transport.buffers.embeds is None and shm.left() == set()
     finally:
         shim.close()
         server.stop()

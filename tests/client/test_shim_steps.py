@@ -16,7 +16,8 @@ from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import (
-    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs,
+    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, recording_shm, shm_kv_cache,
+    short_socket_dir, step_inputs,
 )
 
 
@@ -386,17 +387,15 @@ def test_an_unsettled_doorbell_step_survives_a_dropped_link_and_settles_on_its_a
 def test_a_refused_data_plane_leaves_no_shared_memory_behind(fake):
     """A sidecar without the data plane (here: UNIMPLEMENTED) is asked again at every reconnect; each
     refused attempt releases its doorbell page and buffers at once, not at process exit."""
-    import os
-
     shim, _, _ = make_shim(fake.endpoint, transport="doorbell")
     ids, pos, meta = step_inputs(2)
-    before = set(os.listdir("/dev/shm"))
-    with set_forward_context(meta):
+    with recording_shm() as shm, set_forward_context(meta):
         for _ in range(5):
             assert shim.maybe_forward(ids, pos) is not None  # over the stream
             shim._drop_link()  # as after a broken stream: the next step reconnects and asks again
     assert fake.sidecar.calls["GetStatus"] >= 5
-    assert set(os.listdir("/dev/shm")) - before == set()
+    assert shm.created, "no segment recorded: the refused data planes' were not seen"
+    assert shm.left() == set()
     shim.close()
 
 
@@ -504,3 +503,118 @@ def test_breaker_times_must_be_finite(field):
     with pytest.raises(EngineConfigError, match=field):
         BreakerConfig(**kw)
     BreakerConfig(**{field: 3600.0, "backoff_max_s": 3600.0})  # the same bound as the engine's deadlines
+
+
+class _PeerBoundOnceMore(PreflightHook):
+    """A 2-rank agreement whose peer, once armed, names one binding generation more than this rank at
+    every pre-flight (its BindKV went through once more): this rank then catches up."""
+
+    def all_min(self, values):
+        out = values.clone()
+        if self.armed and values.numel() == 5 and values[3] < 0:
+            out[3] = values[3] - 1  # -gen: the peer's larger generation is the MAX
+        return out
+
+
+def test_a_kv_cache_provider_raising_in_a_catch_up_is_not_the_sidecars_failure(fake):
+    """The engine's KV cache provider reads this rank's own state; its exception is the engine's fault, not
+    the sidecar's: phase 1 takes it as no KV cache, uncounted (FAILURE_MODES.md). The catch-up to a peer's
+    generation called the provider directly, and its exception was counted as a shim error against the
+    breaker, which opened on a sidecar that had done nothing wrong (and logged a trace as a shim bug)."""
+    kv = shm_kv_cache()
+    raising = {"on": False}
+
+    def caches():
+        if raising["on"]:
+            raise RuntimeError("injected: the engine's cache is being re-allocated")
+        return [s.tensor for s in kv]
+
+    agree = _PeerBoundOnceMore()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), caches, agree)
+    agree.shim = shim
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            raising["on"], agree.armed = True, True
+            for _ in range(shim.config.breaker.failure_threshold):
+                assert shim.maybe_forward(ids, pos) is None
+        assert shim.stats.fallbacks == {S.GENERATIONS: shim.config.breaker.failure_threshold}
+        assert shim.breaker.failures == 0 and shim.breaker.state.value == "closed", \
+            "the engine's provider raising was counted against the sidecar"
+        assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
+    finally:
+        shim.close()
+
+
+class _RefusesOnceBound(FakeSidecar):
+    """A strict (--strict-refusal) sidecar rank whose fast path refuses the binding itself (found only once the
+    engine's cache is bound): from the first BindKV on its status is REFUSED (NOT_SERVING), and each step is
+    refused FAILED_PRECONDITION, reason REFUSED (server/rank.py)."""
+
+    def BindKV(self, request, context):
+        resp = super().BindKV(request, context)
+        self.serving, self.state, self.refusal = False, "REFUSED", "FlyDSL refuses this KV cache"
+        return resp
+
+    def _step(self, req):
+        if self.state == "REFUSED":
+            self.calls["step"] += 1
+            return pb.DraftStepResponse(step_id=req.step_id, error=pb.StepError(
+                code=code_pb2.FAILED_PRECONDITION, reason="REFUSED",
+                message="fast path refused: FlyDSL refuses this KV cache (--strict-refusal)"))
+        return super()._step(req)
+
+
+def test_a_strict_refusal_found_after_the_bind_turns_the_process_off():
+    """A strict sidecar that refuses only once the cache is bound answers every step FAILED_PRECONDITION
+    (REFUSED). The shim read every FAILED_PRECONDITION as a stale binding: it forgot the binding and bound
+    again, on every step for good (a BindKV and a refused step each time, nothing counted against the
+    breaker), and never re-read the status that says REFUSED, so the agreed turn-off never came."""
+    server = FakeServer(_RefusesOnceBound(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, _, _ = make_shim(server.endpoint)
+        ids, pos, meta = step_inputs(1)
+        with set_forward_context(meta):
+            for _ in range(6):
+                assert shim.maybe_forward(ids, pos) is None
+        assert not shim.enabled and shim.refusal == "sidecar refuses: FlyDSL refuses this KV cache", \
+            (shim.refusal, dict(shim.stats.fallbacks))
+        assert server.sidecar.calls["BindKV"] == 1 and server.sidecar.calls["step"] == 1
+        assert shim.stats.fallbacks == {"sidecar FAILED_PRECONDITION": 1,
+                                        "off: sidecar refuses: FlyDSL refuses this KV cache": 5}
+        shim.close()
+    finally:
+        server.stop()
+
+
+class _ComputesInBf16(_NoComputeDtype):
+    """A sidecar computing in bf16 (its --dtype) that says so, answering in it: what serves an engine of another
+    dtype whose cache is fp8 (BindKV takes an fp8 cache whatever the engine computes in)."""
+
+    answer_dtype = torch.bfloat16
+
+    def GetStatus(self, request, context):
+        st = FakeSidecar.GetStatus(self, request, context)
+        st.model.compute_dtype = "bfloat16"
+        return st
+
+
+def test_hidden_states_reach_the_engine_in_its_own_dtype():
+    """The stream's answer is held to the sidecar's compute dtype, and was handed to the engine as it is: an
+    fp32 (or fp16) engine got bf16 hidden states, which its next layer (the LM head, in the engine's dtype)
+    refuses with a RuntimeError inside the engine's step. maybe_forward returns what the stock layers would:
+    the engine's dtype."""
+    server = FakeServer(_ComputesInBf16(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, model, _ = make_shim(server.endpoint)
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            out = shim.maybe_forward(ids, pos)
+        assert out is not None, dict(shim.stats.fallbacks)
+        assert out.dtype == model.table.dtype == torch.float32, f"a {out.dtype} answer for a float32 engine"
+        want = (model.table[ids].to(torch.bfloat16).float() * 2).to(torch.bfloat16).float()
+        assert torch.equal(out, want)
+        shim.close()
+    finally:
+        server.stop()

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import tempfile
 import threading
 import time
 from concurrent import futures
+from multiprocessing import shared_memory
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 import torch
@@ -16,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dspark_sidecar.drafter.config import PRESETS
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_storage_shape
-from dspark_sidecar.proto import SERVICE_NAME, codec
+from dspark_sidecar.proto import SERVICE_NAME, codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.proto.memory import shm_empty
@@ -257,3 +261,34 @@ class PreflightHook:
             self.armed = False
             self.at_preflight()
         return values.clone()
+
+
+class RecordingSharedMemory:
+    """Stands for proto/memory.py's `shared_memory` module: records the segments this process creates, so
+    that what is left in /dev/shm is told apart from other processes' segments (tests run side by side)."""
+
+    def __init__(self) -> None:
+        self.created: set[str] = set()
+
+    def SharedMemory(self, *args, **kw):  # noqa: N802  (the module's name)
+        seg = shared_memory.SharedMemory(*args, **kw)
+        if kw.get("create"):
+            self.created.add(seg.name.lstrip("/"))
+        return seg
+
+    def left(self) -> set[str]:
+        """The segments recorded that are still in /dev/shm."""
+        return self.created & set(os.listdir("/dev/shm"))
+
+
+@contextlib.contextmanager
+def recording_shm() -> Iterator[RecordingSharedMemory]:
+    """Record the shared-memory segments this process creates inside the block (see RecordingSharedMemory).
+    A diff of /dev/shm before and after also sees every other process's segments: with test runs side by
+    side it failed now and then on a segment that was never this process's."""
+    rec = RecordingSharedMemory()
+    memory.shared_memory = rec
+    try:
+        yield rec
+    finally:
+        memory.shared_memory = shared_memory
