@@ -172,6 +172,13 @@ class FlyDSLFastPath:
                     self.reason = None
                 except FlyDSLUnsupported as exc:
                     self.reason = str(exc)
+                except (RuntimeError, OSError, MemoryError) as exc:
+                    # Out of device memory for the workspaces (torch.OutOfMemoryError is a RuntimeError),
+                    # a HIP/driver error: this binding is refused as above, not a rank exit
+                    # (RankLoop._guarded). Safe to decide alone: ready() runs before the step's
+                    # rendezvous, which runs the fast path only where every rank offers it.
+                    log.exception("rank %d: the FlyDSL runner could not be built", self.rank)
+                    self.reason = f"FlyDSL runner could not be built: {type(exc).__name__}: {exc}"
                 else:
                     if self.compile_ahead:
                         self._building = runner
