@@ -198,13 +198,17 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def AttachDoorbell(self, request, context):
         self._require_same_node(context)
-        if self.life.host is not None and not self.life.host.stores_in_order:
-            raise precondition(f"the shared-memory doorbell relies on stores being seen in the order written "
-                               f"(x86-64); this host is {platform.machine()}: steps go over the gRPC stream",
-                               "STORE_ORDER")
-        if request.page.WhichOneof("kind") != "shm":
+        try:  # refused before the page is opened: a CUDA IPC page handle goes back to its engine
+            if self.life.host is not None and not self.life.host.stores_in_order:
+                raise precondition(f"the shared-memory doorbell relies on stores being seen in the order written "
+                                   f"(x86-64); this host is {platform.machine()}: steps go over the gRPC stream",
+                                   "STORE_ORDER")
+            if request.page.WhichOneof("kind") != "shm":
+                raise invalid("page", "the doorbell page must be POSIX shared memory")
+        except SidecarError:
             give_back_unopened(context.peer(), [request.page])
-            raise invalid("page", "the doorbell page must be POSIX shared memory")
+            raise
+        # From here the page is shared memory, which holds nothing to give back (memory.discard_handle).
         with self._attach_lock:  # one doorbell per rank: two attaching at once would leave one running unseen
             if self._doorbells_closed:
                 raise SidecarError(grpc.StatusCode.UNAVAILABLE, "this rank is shutting down: no doorbell is attached "
