@@ -118,6 +118,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def GetStatus(self, request, context):
         c, kv = self.ctx.cfg, self.ctx.memory.kv
+        # Read once: a BindKV or UnbindKV on another thread may close this binding (layers = []) meanwhile.
+        layers = kv.layers if kv else []
         return pb.StatusReport(
             model=pb.ModelSummary(
                 architecture=ARCHITECTURE, preset=c.name, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
@@ -130,9 +132,9 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             server_version=__version__, state_reason=self.life.reason,
             kv=pb.KVBindingState(
                 bound=kv is not None, binding_id=kv.binding_id if kv else 0, generation=kv.generation if kv else 0,
-                num_layers=len(kv.layers) if kv else 0, num_pages=kv.num_pages if kv else 0,
+                num_layers=len(layers), num_pages=kv.num_pages if kv else 0,
                 page_size=kv.page_size if kv else 0,
-                kv_dtype=codec.dtype_to_proto(kv.layers[0].dtype) if kv and kv.layers else pb.DTYPE_UNSPECIFIED),
+                kv_dtype=codec.dtype_to_proto(layers[0].dtype) if layers else pb.DTYPE_UNSPECIFIED),
             counters=self.ctx.metrics.counters_pb(), latencies=self.ctx.metrics.latencies_pb())
 
     def BindKV(self, request, context):
