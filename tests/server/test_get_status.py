@@ -45,3 +45,22 @@ def test_a_binding_closed_while_status_is_answered_gives_one_consistent_answer(c
     report = svc.GetStatus(pb.GetStatusRequest(), None)
     assert report.kv.bound and report.kv.binding_id == 5
     assert (report.kv.num_layers, report.kv.kv_dtype) == (cfg.num_hidden_layers, pb.DTYPE_FP8_E4M3)
+
+
+def test_compute_dtype_is_sent_as_sidecar_proto_documents_it():
+    """The .proto said e.g. "bf16"; the sidecar sends torch's dtype names ("bfloat16", "float32")."""
+    import re
+    from pathlib import Path
+
+    import dspark_sidecar.proto as proto_pkg
+
+    text = (Path(proto_pkg.__file__).parent / "sidecar.proto").read_text()
+    comment = re.search(r"((?:\s*//[^\n]*\n)+)\s*string compute_dtype = 13;", text).group(1)
+    cfg = load_config("tiny")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        ctx = SimpleNamespace(rank=0, fast=None, cfg=cfg, memory=SimpleNamespace(kv=None),
+                              model=SimpleNamespace(dtype=dtype), metrics=Metrics(0))
+        svc = DrafterServicer(ctx, None, Lifecycle(), pb.Limits(), pb.Parallel(), "bf16")  # type: ignore[arg-type]
+        sent = svc.GetStatus(pb.GetStatusRequest(), None).model.compute_dtype
+        assert f'"{sent}"' in comment, (sent, comment)
+    assert '"bf16"' not in comment
