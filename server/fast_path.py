@@ -5,7 +5,9 @@ shapes); the portable model stays loaded and serves every step `ready()` refuses
 for a binding is a pure function of facts every rank shares (host, engine facts, the cache
 layout the engine binds on every rank alike, the collectively mapped peers), so the 4 ranks take
 the same path on the same step: one rank in the exchange kernel while a peer runs the portable
-all-reduce would never finish.
+all-reduce would never finish. A runner that one rank alone fails to build (out of device memory)
+turns only that rank's verdict off; the step's rendezvous runs the fast path only where every rank
+offers it (Verdict.fast), so the ranks still take one path.
 """
 
 from __future__ import annotations
