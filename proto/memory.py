@@ -317,12 +317,19 @@ def _rebuild(h: pb.CudaIpcHandle, field: str, device: torch.device) -> torch.Ten
         raise HandleError(f"{field}: the CUDA/HIP IPC handle cannot be opened on {device}: {err}") from None
 
 
+def gpu_uuid(device: torch.device) -> str:
+    """The physical GPU's UUID as handles and EngineFacts name it (str of torch's device property), or
+    "" for a CPU device or a torch that does not report one. Handles and BindKV compare against it."""
+    if device.type != "cuda":
+        return ""
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+
+
 def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         _discard_cuda_ipc(h)
         raise HandleError(f"{field}: a CUDA/HIP IPC handle needs a GPU sidecar, this rank runs on {device}")
-    local = torch.cuda.get_device_properties(device)
-    uuid = str(getattr(local, "uuid", ""))
+    uuid = gpu_uuid(device)
     if uuid and h.device_uuid != uuid:  # an empty one too: the exporter (export_handle) always names its GPU
         _discard_cuda_ipc(h)
         raise HandleError(f"{field}: handle is from GPU {h.device_uuid or '(not named)'}, this rank runs on GPU "

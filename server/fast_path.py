@@ -5,7 +5,9 @@ shapes); the portable model stays loaded and serves every step `ready()` refuses
 for a binding is a pure function of facts every rank shares (host, engine facts, the cache
 layout the engine binds on every rank alike, the collectively mapped peers), so the 4 ranks take
 the same path on the same step: one rank in the exchange kernel while a peer runs the portable
-all-reduce would never finish.
+all-reduce would never finish. A runner that one rank alone fails to build (out of device memory)
+turns only that rank's verdict off; the step's rendezvous runs the fast path only where every rank
+offers it (Verdict.fast), so the ranks still take one path.
 """
 
 from __future__ import annotations
@@ -172,6 +174,13 @@ class FlyDSLFastPath:
                     self.reason = None
                 except FlyDSLUnsupported as exc:
                     self.reason = str(exc)
+                except (RuntimeError, OSError, MemoryError) as exc:
+                    # Out of device memory for the workspaces (torch.OutOfMemoryError is a RuntimeError),
+                    # a HIP/driver error: this binding is refused as above, not a rank exit
+                    # (RankLoop._guarded). Safe to decide alone: ready() runs before the step's
+                    # rendezvous, which runs the fast path only where every rank offers it.
+                    log.exception("rank %d: the FlyDSL runner could not be built", self.rank)
+                    self.reason = f"FlyDSL runner could not be built: {type(exc).__name__}: {exc}"
                 else:
                     if self.compile_ahead:
                         self._building = runner

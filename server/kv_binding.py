@@ -13,7 +13,7 @@ from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.drafter.kv_cache import FP8_KV, kv_layer_shape, kv_view_problem
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from dspark_sidecar.proto.memory import MappedMemory, QuietStream, discard_handle
+from dspark_sidecar.proto.memory import MappedMemory, QuietStream, discard_handle, gpu_uuid
 from dspark_sidecar.server.errors import SidecarError, invalid, precondition
 from dspark_sidecar.server.refusal import EngineFacts
 
@@ -86,6 +86,11 @@ class MemoryBindings:
             if e.tp_size != self.tp:
                 raise precondition(f"engine TP {e.tp_size} != sidecar TP {self.tp}: start the sidecar with --tp "
                                    f"{e.tp_size}", "TP_MISMATCH", "engine.tp_size")
+            own = gpu_uuid(self.device) if e.device_uuid else ""  # the engine names its GPU; "" on a CPU rank
+            if own and e.device_uuid != own:  # worded as a layer handle's GPU mismatch (memory._open_cuda_ipc)
+                raise invalid("engine.device_uuid", f"the engine rank runs on GPU {e.device_uuid}, this rank runs on "
+                                                    f"GPU {own} (engine rank r must bind to sidecar rank r on the "
+                                                    "same GPU)")
             if req.page_size <= 0:
                 raise invalid("page_size", "must be positive")
             if len(req.layers) != self.cfg.num_hidden_layers:

@@ -118,6 +118,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def GetStatus(self, request, context):
         c, kv = self.ctx.cfg, self.ctx.memory.kv
+        # Read once: a BindKV or UnbindKV on another thread may close this binding (layers = []) meanwhile.
+        layers = kv.layers if kv else []
         return pb.StatusReport(
             model=pb.ModelSummary(
                 architecture=ARCHITECTURE, preset=c.name, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
@@ -130,9 +132,9 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             server_version=__version__, state_reason=self.life.reason,
             kv=pb.KVBindingState(
                 bound=kv is not None, binding_id=kv.binding_id if kv else 0, generation=kv.generation if kv else 0,
-                num_layers=len(kv.layers) if kv else 0, num_pages=kv.num_pages if kv else 0,
+                num_layers=len(layers), num_pages=kv.num_pages if kv else 0,
                 page_size=kv.page_size if kv else 0,
-                kv_dtype=codec.dtype_to_proto(kv.layers[0].dtype) if kv and kv.layers else pb.DTYPE_UNSPECIFIED),
+                kv_dtype=codec.dtype_to_proto(layers[0].dtype) if layers else pb.DTYPE_UNSPECIFIED),
             counters=self.ctx.metrics.counters_pb(), latencies=self.ctx.metrics.latencies_pb())
 
     def BindKV(self, request, context):
@@ -198,13 +200,17 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def AttachDoorbell(self, request, context):
         self._require_same_node(context)
-        if self.life.host is not None and not self.life.host.stores_in_order:
-            raise precondition(f"the shared-memory doorbell relies on stores being seen in the order written "
-                               f"(x86-64); this host is {platform.machine()}: steps go over the gRPC stream",
-                               "STORE_ORDER")
-        if request.page.WhichOneof("kind") != "shm":
+        try:  # refused before the page is opened: a CUDA IPC page handle goes back to its engine
+            if self.life.host is not None and not self.life.host.stores_in_order:
+                raise precondition(f"the shared-memory doorbell relies on stores being seen in the order written "
+                                   f"(x86-64); this host is {platform.machine()}: steps go over the gRPC stream",
+                                   "STORE_ORDER")
+            if request.page.WhichOneof("kind") != "shm":
+                raise invalid("page", "the doorbell page must be POSIX shared memory")
+        except SidecarError:
             give_back_unopened(context.peer(), [request.page])
-            raise invalid("page", "the doorbell page must be POSIX shared memory")
+            raise
+        # From here the page is shared memory, which holds nothing to give back (memory.discard_handle).
         with self._attach_lock:  # one doorbell per rank: two attaching at once would leave one running unseen
             if self._doorbells_closed:
                 raise SidecarError(grpc.StatusCode.UNAVAILABLE, "this rank is shutting down: no doorbell is attached "

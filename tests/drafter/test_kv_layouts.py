@@ -114,3 +114,23 @@ def test_a_padding_slot_is_refused_not_wrapped_onto_the_last_page():
         write_kv_rows(kv, 0, torch.tensor([5, -1]), torch.ones(2, 1, 4))
     with pytest.raises(IndexError):
         kv_rows(kv, 1, torch.tensor([-1]))
+
+
+def test_layers_of_different_dtypes_are_each_written_and_read_in_their_own(tiny_cfg, tiny_ckpt, tiny_embed):
+    """BindKV takes each layer's dtype (the compute dtype or fp8) as sent, and KVBindingState.kv_dtype
+    reports layer 0's: a mixed binding must not be computed in layer 0's dtype. Layer 0 here matches
+    an all-fp32 run bit for bit, and layer 1 holds that run's layer-1 rows as fp8 codes: its inputs
+    were the same, and it stored them in its own dtype."""
+    model = DSparkDrafter(tiny_cfg, ParallelContext(), REFERENCE_OPS, torch.float32).load(
+        CheckpointReader(tiny_ckpt[0], torch.float32))
+    _, _, kv32 = _step(model, tiny_cfg, tiny_embed, "planes")
+    pages = kv32[0].shape[1]
+    mixed = [torch.zeros_like(kv32[0], dtype=FP8_KV) if i == 1 else torch.zeros_like(kv32[0])
+             for i in range(tiny_cfg.num_hidden_layers)]
+    step = scenario.random_step(tiny_cfg, LENS, PAGE, pages, tiny_embed, seed=3, shuffle_pages=True)
+    pos, slots = scenario.context_rows(step.meta, PAGE)
+    model.commit_context(scenario.random_taps(tiny_cfg, pos.numel(), seed=4), pos, slots, mixed)
+    out = model.draft_step(step.inputs_embeds, step.positions, step.meta, mixed)
+    assert torch.equal(mixed[0], kv32[0])
+    assert torch.equal(mixed[1].view(torch.uint8), to_cache(kv32[1], FP8_KV).view(torch.uint8))
+    assert torch.isfinite(out).all()

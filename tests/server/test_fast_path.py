@@ -438,3 +438,23 @@ def test_real_step_through_the_fast_path_matches_the_reference_on_mi355x_x4(kv_l
         assert out["kv_err"] < 2e-2, f"rank {r}: block K/V rel L2 {out['kv_err']:.3g}"
     for out in res[1:]:  # the exchange sums in rank order: every rank holds the same hidden state
         assert torch.equal(out["hidden"], res[0]["hidden"])
+
+
+def test_a_runner_that_fails_to_build_turns_the_path_off_for_that_binding_with_the_error():
+    """Only FlyDSLUnsupported was caught: out of memory allocating the runner's workspaces (or a HIP
+    error) escaped ready() into RankLoop._guarded, and the rank exited 3. ready() runs before the
+    step's rendezvous, whose fast offer all ranks must make (Verdict.fast), so a rank that answers
+    False keeps every rank on the portable layers: the refusal is reported like any other."""
+    calls = []
+
+    def oom(*args, **kw):
+        calls.append(1)
+        raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 96.00 MiB")
+
+    fp, told = fast_path(factory=oom)
+    kv = binding()
+    assert fp.ready(kv) is False and fp.runner is None
+    assert fp.reason == "FlyDSL runner could not be built: OutOfMemoryError: HIP out of memory. Tried to allocate 96.00 MiB"
+    assert told == [fp.reason] and fp.refusal(kv) == fp.reason  # health / GetStatus say why
+    assert fp.ready(kv) is False and len(calls) == 1  # judged once per binding
+    assert fp.ready(binding(gen=2)) is False and len(calls) == 2  # a re-bind tries again

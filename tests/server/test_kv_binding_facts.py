@@ -27,3 +27,37 @@ def test_a_bind_without_the_engines_tp_size_is_invalid_not_a_tp_mismatch(engine)
     assert (e.code, e.field, e.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "engine.tp_size", "INVALID_FIELD"), e
     assert "--tp 0" not in e.message and "not set" in e.message, e.message
     assert mem.kv is None
+
+
+def _ipc(counter: bytes) -> pb.MemoryHandle:
+    return pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(device_uuid="GPU-other", ipc_handle=b"h", storage_size_bytes=64,
+                                                     ref_counter_handle=counter, ref_counter_offset=8))
+
+
+def test_facts_naming_another_gpu_than_the_ranks_own_are_refused_and_the_handles_given_back(monkeypatch):
+    """EngineFacts.device_uuid was documented as compared with the sidecar's own GPU, and never was
+    (only each IPC handle's). Refused as a handle from another GPU is, before any layer is opened."""
+    from dspark_sidecar.server import kv_binding
+
+    released = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
+                        lambda handle, offset, **kw: released.append((handle, offset)), raising=False)
+    monkeypatch.setattr(kv_binding, "gpu_uuid", lambda device: "GPU-this", raising=False)  # this rank's own GPU
+    cfg = load_config("tiny")
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
+    layers = [pb.KVLayerBinding(layer=i, memory=_ipc(b"c%d" % i)) for i in range(cfg.num_hidden_layers)]
+    req = pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1,
+                                                 device_uuid="GPU-other"), layers=layers, page_size=16)
+    with pytest.raises(SidecarError) as err:
+        mem.bind(req)
+    e = err.value
+    assert (e.code, e.field, e.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "engine.device_uuid", "INVALID_FIELD"), e
+    assert "GPU GPU-other, this rank runs on GPU GPU-this" in e.message, e.message
+    assert released == [(b"c%d" % i, 8) for i in range(cfg.num_hidden_layers)] and mem.kv is None
+    # Not named (the shim sends none today), or named alike: the check passes, and the binding goes on
+    # to its layers (refused here further on: the tiny layers have no shape).
+    for named in ("", "GPU-this"):
+        req.engine.device_uuid = named
+        with pytest.raises(SidecarError) as err:
+            mem.bind(req)
+        assert err.value.field != "engine.device_uuid", err.value

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+import torch
 
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.doorbell import stores_in_order
@@ -50,3 +51,20 @@ def test_ranks_above_one_refuse_to_start_on_a_weakly_ordered_host(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     with pytest.raises(SystemExit, match="--tp 2 on this aarch64 host: .*in the order written"):
         serve_rank(ServeConfig(tp=2), rank=0, world=2, local_rank=0)
+
+
+def test_a_cuda_ipc_page_refused_for_store_order_is_given_back(monkeypatch):
+    """The STORE_ORDER refusal came before the page-kind check, which gives a GPU page back: on a weakly
+    ordered host the engine's block stayed allocated (torch's producer reference) until it exited."""
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    released = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
+                        lambda handle, offset, **kw: released.append((handle, offset)), raising=False)
+    page = pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(ipc_handle=b"h", storage_size_bytes=64,
+                                                     ref_counter_handle=b"c0", ref_counter_offset=8))
+    svc = _servicer(HostFacts(False, False, 1, stores_in_order=False))
+    with pytest.raises(SidecarError) as err:
+        svc.AttachDoorbell(pb.AttachDoorbellRequest(page=page, capacity_bytes=4096),
+                           SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock"))
+    assert err.value.reason == "STORE_ORDER"
+    assert released == [(b"c0", 8)]
