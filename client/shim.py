@@ -342,7 +342,11 @@ class DrafterShim:
     def _catch_up(self, gen_max: int) -> None:
         """Bring this rank's binding generation up to its peers' (BindKV bumps it by one per call on
         each sidecar rank, and the sidecar runs a step only when all ranks name the same one). The layers
-        through _layers: the engine's provider raising is its own fault, not the sidecar's (no bind)."""
+        through _layers: the engine's provider raising is its own fault, not the sidecar's (no bind).
+        Not through an open breaker, as every other call (allow() may send its bounded health probe): the
+        link stays open when steps time out or answer malformed, and the catch-up sent BindKV regardless."""
+        if not self.breaker.allow():
+            return
         layers = self._layers()
         binds = 0
         while (self.connection.is_open and layers and self.binder.generation < gen_max

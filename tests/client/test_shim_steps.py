@@ -547,6 +547,36 @@ def test_a_kv_cache_provider_raising_in_a_catch_up_is_not_the_sidecars_failure(f
         shim.close()
 
 
+def test_a_catch_up_makes_no_bind_while_the_breaker_is_open(fake):
+    """An open breaker means no call to the sidecar until its backoff expires and a health probe passes
+    (FAILURE_MODES.md). The catch-up to a peer's generation called BindKV all the same, once a step, on a
+    link the breaker had given up on (steps that time out or answer malformed open it and keep the link)."""
+    now = [1000.0]
+    agree = _PeerBoundOnceMore()
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       agree, clock=lambda: now[0])
+    agree.shim = shim
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            for _ in range(shim.config.breaker.failure_threshold):  # e.g. steps past their deadline
+                shim.breaker.record_failure(S.DEADLINE)
+            assert shim.breaker.state.value == "open" and shim.connection.is_open
+            binds = fake.sidecar.calls["BindKV"]
+            agree.armed = True  # a peer bound once more: this rank is behind
+            for _ in range(3):
+                assert shim.maybe_forward(ids, pos) is None
+            assert fake.sidecar.calls["BindKV"] == binds, "catch-up binds sent through an open breaker"
+            assert shim.stats.fallbacks == {S.GENERATIONS: 3}
+            now[0] = shim.breaker.retry_at  # the backoff expires; the probe (health SERVING) passes
+            assert shim.maybe_forward(ids, pos) is None
+            assert fake.sidecar.calls["BindKV"] == binds + 1, "no catch-up once the breaker let calls through"
+    finally:
+        shim.close()
+
+
 class _RefusesOnceBound(FakeSidecar):
     """A strict (--strict-refusal) sidecar rank whose fast path refuses the binding itself (found only once the
     engine's cache is bound): from the first BindKV on its status is REFUSED (NOT_SERVING), and each step is
