@@ -38,7 +38,7 @@ from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, 
 from dspark_sidecar.client.dataplane import DataPlaneError
 from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
-from dspark_sidecar.client.metadata import step_metadata_from
+from dspark_sidecar.client.metadata import step_metadata_from, tables_cover
 from dspark_sidecar.client.stats import ShimStats
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_paging
 from dspark_sidecar.proto import codec
@@ -211,6 +211,11 @@ class DrafterShim:
             return self._fallback(why if not ready else PEER_NOT_READY)
         if r > self._max_reqs:
             return self._fallback(REQS)
+        if paging is not None and not tables_cover(meta, paging[1]):
+            # Here, not in phase 1: the page size is this rank's cache's, and a rank whose provider raised
+            # has none; it would go on to the pre-flight alone. All ranks are ready here, so each has read
+            # its cache (the engine's one page size) and all decide alike, with no further agreement.
+            return self._fallback(BAD_METADATA)
 
         step_id, self._next_step = self._next_step, self._next_step + 1
         with self._link() as is_open:  # closed since the pre-flight: nothing is sent
