@@ -512,7 +512,10 @@ class DrafterShim:
                 self._drop_link()
 
     def invalidate_binding(self) -> None:
-        """The engine discarded its KV contents (sleep mode wake-up): re-bind before the next step."""
+        """Forget the binding: re-bind before the next step. For an integration that knows its KV cache was
+        remapped in place (vLLM's sleep mode wake-up keeps the tensors and their addresses, so the identity
+        check cannot see it) and calls this on every rank. Nothing in this package calls it: vLLM gives the
+        draft model no wake-up hook (FAILURE_MODES.md, "vLLM sleep mode")."""
         self.binder.invalidate()
 
     def _release(self) -> None:
