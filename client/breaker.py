@@ -33,7 +33,7 @@ class CircuitBreaker:
         self.failures = 0
         self.backoff_s = cfg.backoff_initial_s
         self.retry_at = 0.0
-        self.opened = 0  # times the breaker opened
+        self.opened = 0  # times the breaker went to OPEN (from CLOSED, or from a failed HALF_OPEN try)
         self.probes = 0  # health probes sent
         self.probes_failed = 0
 
@@ -62,6 +62,11 @@ class CircuitBreaker:
     def record_failure(self, why: str = "") -> None:
         self.failures += 1
         if self.state is BreakerState.HALF_OPEN:
+            # The try after a passing probe failed: open again. Counted, as any opening: before, a sidecar
+            # that passed its probes and failed every step read as one opening for the life of the engine.
+            self.opened += 1
+            log.info("%s: breaker open again, the try after a passing health probe failed (%s)",  # once a backoff
+                     self.name, why or "no detail")
             self._reopen(grow=True)
         elif self.state is BreakerState.CLOSED and self.failures >= self.cfg.failure_threshold:
             self.opened += 1

@@ -229,15 +229,18 @@ class DoorbellChannel:
 
     def __init__(self, stub: pb_grpc.DrafterSidecarStub, device: torch.device, capacity: int = 1 << 16,
                  timeout_s: float = 10.0, gpu_word: bool = True, group: int | None = None) -> None:
-        self._page = memory.shm_empty((bell.HEADER + 2 * capacity,), torch.uint8, group)
-        self.page = bell.Page(self._page.tensor.numpy(), capacity)
         self.capacity, self.device = capacity, device
-        self.input_event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
-        # The GPU word (server/prelaunch.py): offered when this process can write it from its stream.
-        self._ops = GpuWordOps.load(device) if gpu_word else None
         self._header: RegisteredPage | None = None
         self.ringer: bell.Ringer | None = None
+        self.page: bell.Page | None = None
+        self._page = memory.shm_empty((bell.HEADER + 2 * capacity,), torch.uint8, group)
+        # Everything after the page is made inside the try: the page's views, the CUDA event and the GPU
+        # word's probe raised past it before, and the page's segment stayed in /dev/shm until exit.
         try:
+            self.page = bell.Page(self._page.tensor.numpy(), capacity)
+            self.input_event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
+            # The GPU word (server/prelaunch.py): offered when this process can write it from its stream.
+            self._ops = GpuWordOps.load(device) if gpu_word else None
             if self._ops is not None:
                 try:
                     self._header = RegisteredPage(self._ops, self._page.tensor.data_ptr())
@@ -331,7 +334,8 @@ class DoorbellChannel:
                     self._kept = (self._header, self.page, self._page)
                     return
                 self._header.close()  # no queued write can land after the unmap
-        self.page.close()
+        if self.page is not None:  # None: __init__ failed before it was made
+            self.page.close()
         self._page.close()
 
     def _stream_passed(self, timeout_s: float) -> bool:

@@ -67,3 +67,14 @@ def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not t.is_cpu or t.dtype != dtype:
         t = t.to(device="cpu", dtype=dtype)
     return t if t.is_contiguous() else t.contiguous()
+
+
+def tables_cover(meta: StepMetadata, page_size: int) -> bool:
+    """Whether every request's block-table row holds the ceil(seq_len / page_size) pages its keys span.
+
+    A narrower table is the engine's metadata at fault, not the sidecar: sent, the sidecar refuses the
+    step (INVALID_ARGUMENT, block_tables), which the shim reads as its limits changing (the link dropped,
+    a breaker failure), on every such step. The shim asks this after the pre-flight: the page size comes
+    from this rank's KV cache, which only a ready rank is sure to have read, and the answer must be the
+    same on every rank (see DrafterShim.maybe_forward)."""
+    return meta.block_tables.shape[1] * page_size >= max(meta.seq_lens.tolist(), default=0)

@@ -38,7 +38,7 @@ from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, 
 from dspark_sidecar.client.dataplane import DataPlaneError
 from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
-from dspark_sidecar.client.metadata import step_metadata_from
+from dspark_sidecar.client.metadata import step_metadata_from, tables_cover
 from dspark_sidecar.client.stats import ShimStats
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_paging
 from dspark_sidecar.proto import codec
@@ -211,6 +211,11 @@ class DrafterShim:
             return self._fallback(why if not ready else PEER_NOT_READY)
         if r > self._max_reqs:
             return self._fallback(REQS)
+        if paging is not None and not tables_cover(meta, paging[1]):
+            # Here, not in phase 1: the page size is this rank's cache's, and a rank whose provider raised
+            # has none; it would go on to the pre-flight alone. All ranks are ready here, so each has read
+            # its cache (the engine's one page size) and all decide alike, with no further agreement.
+            return self._fallback(BAD_METADATA)
 
         step_id, self._next_step = self._next_step, self._next_step + 1
         with self._link() as is_open:  # closed since the pre-flight: nothing is sent
@@ -342,7 +347,11 @@ class DrafterShim:
     def _catch_up(self, gen_max: int) -> None:
         """Bring this rank's binding generation up to its peers' (BindKV bumps it by one per call on
         each sidecar rank, and the sidecar runs a step only when all ranks name the same one). The layers
-        through _layers: the engine's provider raising is its own fault, not the sidecar's (no bind)."""
+        through _layers: the engine's provider raising is its own fault, not the sidecar's (no bind).
+        Not through an open breaker, as every other call (allow() may send its bounded health probe): the
+        link stays open when steps time out or answer malformed, and the catch-up sent BindKV regardless."""
+        if not self.breaker.allow():
+            return
         layers = self._layers()
         binds = 0
         while (self.connection.is_open and layers and self.binder.generation < gen_max
@@ -503,7 +512,10 @@ class DrafterShim:
                 self._drop_link()
 
     def invalidate_binding(self) -> None:
-        """The engine discarded its KV contents (sleep mode wake-up): re-bind before the next step."""
+        """Forget the binding: re-bind before the next step. For an integration that knows its KV cache was
+        remapped in place (vLLM's sleep mode wake-up keeps the tensors and their addresses, so the identity
+        check cannot see it) and calls this on every rank. Nothing in this package calls it: vLLM gives the
+        draft model no wake-up hook (FAILURE_MODES.md, "vLLM sleep mode")."""
         self.binder.invalidate()
 
     def _release(self) -> None:

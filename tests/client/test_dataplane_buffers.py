@@ -270,3 +270,36 @@ def test_buffers_that_cannot_be_made_are_refused_before_the_doorbell_is_attached
     with pytest.raises(DataPlaneError, match=f"hidden size {hidden} and {max_reqs} requests"):
         DoorbellTransport(conn, hidden, max_reqs, 40, torch.float32, torch.device("cpu"), 1.0)
     assert conn.stub.called == []
+
+
+class _EventRefused(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("fails", ["cuda_event", "page_views"])
+def test_a_doorbell_that_fails_before_it_attaches_leaves_no_shared_memory(monkeypatch, fails):
+    """The doorbell page (a shared-memory segment) is made first; what came after it and before the try
+    (the page's views, the CUDA event, the GPU word's probe) raised past it, and the segment stayed in
+    /dev/shm until the process exited. Each is made to raise here, on a CPU box: the CUDA event through
+    a device of type cuda (torch.cuda.Event replaced), the page's views through bell.Page."""
+    from dspark_sidecar.client import dataplane
+    from helpers.engine_fakes import recording_shm
+
+    def refuse(*a, **k):
+        raise _EventRefused(fails)
+
+    if fails == "cuda_event":
+        monkeypatch.setattr(dataplane.torch.cuda, "Event", refuse)
+        dev = torch.device("cuda", 0)
+    else:
+        monkeypatch.setattr(dataplane.bell, "Page", refuse)
+        dev = torch.device("cpu")
+
+    class _NoCall:
+        def __getattr__(self, rpc):
+            raise AssertionError(f"{rpc}: no remote call before the page and the event exist")
+
+    with recording_shm() as shm, pytest.raises(_EventRefused):
+        dataplane.DoorbellChannel(_NoCall(), dev, gpu_word=False)
+    assert shm.created, "the page's segment was not recorded"
+    assert shm.left() == set()

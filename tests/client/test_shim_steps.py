@@ -12,7 +12,9 @@ from dspark_sidecar.client import shim as S
 from dspark_sidecar.client.config import EngineConfig, EngineConfigError, config_refusal
 from dspark_sidecar.client.forward_context import set_forward_context
 from dspark_sidecar.client.shim import DrafterShim
+from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.drafter.parallel import ParallelContext
+from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import (
@@ -543,6 +545,80 @@ def test_a_kv_cache_provider_raising_in_a_catch_up_is_not_the_sidecars_failure(f
         assert shim.breaker.failures == 0 and shim.breaker.state.value == "closed", \
             "the engine's provider raising was counted against the sidecar"
         assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
+    finally:
+        shim.close()
+
+
+class _ChecksTableWidth(FakeSidecar):
+    """A sidecar rank that refuses, as server/validate.py does, a step whose block-table rows are narrower than
+    its sequence lengths need (INVALID_ARGUMENT naming block_tables)."""
+
+    def _step(self, req):
+        tables = codec.from_tensor_ref(req.block_tables, "block_tables")
+        lens = codec.from_tensor_ref(req.seq_lens, "seq_lens")
+        if tables.shape[1] * 16 < int(lens.max()):
+            self.calls["step"] += 1
+            self.requests.append(req)
+            return pb.DraftStepResponse(step_id=req.step_id, error=pb.StepError(
+                code=code_pb2.INVALID_ARGUMENT, reason="block_tables", message="block_tables: request needs more pages"))
+        return super()._step(req)
+
+
+def test_a_block_table_narrower_than_its_seq_lens_falls_back_unsent_and_uncounted():
+    """The engine's own metadata at fault: a block-table row narrower than ceil(seq_len / page_size) pages.
+    It was sent as it was; the sidecar refused it (INVALID_ARGUMENT), which drops the link and counts
+    against the breaker, so every such step cost a reconnect and a breaker failure and opened the breaker
+    on a sidecar that had done nothing wrong. The shim now falls back on it (attention metadata unusable)
+    after the pre-flight (the page size comes from this rank's cache, which only a ready rank is sure to
+    have read), without sending it."""
+    server = FakeServer(_ChecksTableWidth(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    shim, _, _ = make_shim(server.endpoint)
+    try:
+        ids, pos, meta = step_inputs(2)  # seq_lens 27, 28: two pages of 16 each
+        narrow = StepMetadata(meta.seq_lens, meta.block_tables[:, :1].contiguous(), meta.slot_mapping)
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+        sent, status_reads = len(server.sidecar.requests), server.sidecar.calls["GetStatus"]
+        with set_forward_context(narrow):
+            for _ in range(shim.config.breaker.failure_threshold + 1):
+                assert shim.maybe_forward(ids, pos) is None
+        assert len(server.sidecar.requests) == sent, "a step the sidecar must refuse was sent"
+        assert shim.stats.fallbacks == {S.BAD_METADATA: shim.config.breaker.failure_threshold + 1}
+        assert shim.breaker.failures == 0 and shim.breaker.state.value == "closed"
+        assert shim.connection.is_open and server.sidecar.calls["GetStatus"] == status_reads  # the link was kept
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+    finally:
+        shim.close()
+        server.stop()
+
+
+def test_a_catch_up_makes_no_bind_while_the_breaker_is_open(fake):
+    """An open breaker means no call to the sidecar until its backoff expires and a health probe passes
+    (FAILURE_MODES.md). The catch-up to a peer's generation called BindKV all the same, once a step, on a
+    link the breaker had given up on (steps that time out or answer malformed open it and keep the link)."""
+    now = [1000.0]
+    agree = _PeerBoundOnceMore()
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       agree, clock=lambda: now[0])
+    agree.shim = shim
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            for _ in range(shim.config.breaker.failure_threshold):  # e.g. steps past their deadline
+                shim.breaker.record_failure(S.DEADLINE)
+            assert shim.breaker.state.value == "open" and shim.connection.is_open
+            binds = fake.sidecar.calls["BindKV"]
+            agree.armed = True  # a peer bound once more: this rank is behind
+            for _ in range(3):
+                assert shim.maybe_forward(ids, pos) is None
+            assert fake.sidecar.calls["BindKV"] == binds, "catch-up binds sent through an open breaker"
+            assert shim.stats.fallbacks == {S.GENERATIONS: 3}
+            now[0] = shim.breaker.retry_at  # the backoff expires; the probe (health SERVING) passes
+            assert shim.maybe_forward(ids, pos) is None
+            assert fake.sidecar.calls["BindKV"] == binds + 1, "no catch-up once the breaker let calls through"
     finally:
         shim.close()
 

@@ -1,0 +1,39 @@
+"""The circuit breaker alone, on a fake clock and a scripted health probe."""
+
+from __future__ import annotations
+
+from dspark_sidecar.client.breaker import BreakerState, CircuitBreaker
+from dspark_sidecar.client.config import BreakerConfig
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_opened_counts_every_transition_to_open_including_a_failed_half_open_try():
+    """`opened` is "times the breaker opened". A half-open try that fails opens it again (calls stop
+    until the next probe), and that was not counted: a sidecar that passes its health probe and then
+    fails every step read as one opening for the life of the engine. A failed probe keeps it open: no
+    new opening."""
+    clock, probe_says = _Clock(), [False]
+    b = CircuitBreaker(BreakerConfig(failure_threshold=2), lambda deadline_s: probe_says[0], clock)
+    b.record_failure("x")
+    b.record_failure("x")
+    assert b.state is BreakerState.OPEN and b.opened == 1
+    clock.now = b.retry_at
+    assert not b.allow()  # a failed probe: still open, the same opening
+    assert b.state is BreakerState.OPEN and b.opened == 1 and b.probes_failed == 1
+    probe_says[0] = True
+    for n in (2, 3):
+        clock.now = b.retry_at
+        assert b.allow() and b.state is BreakerState.HALF_OPEN
+        b.record_failure("still failing")
+        assert b.state is BreakerState.OPEN and b.opened == n
+    clock.now = b.retry_at
+    assert b.allow()
+    b.record_success()
+    assert b.state is BreakerState.CLOSED and b.opened == 3
