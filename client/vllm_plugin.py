@@ -208,10 +208,22 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
             return all_min_ints(agreement, values)
 
     shim = DrafterShim(config, model, kv_cache_provider(model), _Par(), forward_context=source)
-    if bad_env is not None:
-        log.error("dspark-sidecar: %s; the sidecar stays off and every draft step runs the stock layers", bad_env)
-        shim.enabled, shim.refusal = False, bad_env
+    off = bad_env or sleep_mode_refusal(vllm_config)
+    if off is not None:
+        log.error("dspark-sidecar: %s; the sidecar stays off and every draft step runs the stock layers", off)
+        shim.enabled, shim.refusal = False, off
     return shim
+
+
+def sleep_mode_refusal(vllm_config: Any) -> str | None:
+    """Why the shim must stay off under vLLM's sleep mode, or None when it is not enabled. A wake-up maps new
+    physical memory under the same KV tensors at the same addresses: the shim's identity check cannot see
+    that and vLLM gives the draft model no hook for it, so the sidecar would go on using the memory it
+    mapped before the sleep (client/FAILURE_MODES.md). Every rank reads the same config: all stay off."""
+    if not getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
+        return None
+    return ("vLLM sleep mode is enabled (model_config.enable_sleep_mode): a wake-up remaps the KV cache "
+            "unseen by the sidecar's binding; run without sleep mode to use the sidecar")
 
 
 def make_sidecar_class(stock: type) -> type:

@@ -84,11 +84,11 @@ def fake_vllm(monkeypatch):
     return SimpleNamespace(registry=registry, fc=fc)
 
 
-def vllm_config(tp: int = 4, method: str = "dspark", k: int = 7):
+def vllm_config(tp: int = 4, method: str = "dspark", k: int = 7, sleep_mode: bool = False):
     return SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=1, pipeline_parallel_size=1),
         speculative_config=SimpleNamespace(method=method, num_speculative_tokens=k),
-        device_config=SimpleNamespace(device="cpu"))
+        device_config=SimpleNamespace(device="cpu"), model_config=SimpleNamespace(enable_sleep_mode=sleep_mode))
 
 
 def test_register_without_vllm_is_a_no_op(monkeypatch):
@@ -291,11 +291,11 @@ def test_the_fp8_view_is_the_same_object_step_after_step_until_vllm_reallocates(
     assert caches()[0].dtype == torch.uint8
 
 
-def _first_forward_runs_the_stock_layers(fake_vllm, caplog):
-    """The drafter's first forward under the environment set: it builds the shim, which stays off,
-    and the stock layers answer; returns the model."""
+def _first_forward_runs_the_stock_layers(fake_vllm, caplog, **config):
+    """The drafter's first forward under the environment set (and vllm_config(**config)): it builds the
+    shim, which stays off, and the stock layers answer; returns the model."""
     vllm_plugin.register()
-    model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config())
+    model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config(**config))
     md = FlashAttentionMetadata(1)
     fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
     with caplog.at_level("ERROR", logger="dspark_sidecar.client"):
@@ -332,3 +332,14 @@ def test_a_socket_dir_grpc_cannot_dial_keeps_the_sidecar_off_and_says_why(fake_v
     refusal = model.dspark_shim().refusal
     assert refusal.startswith(f"DSPARK_SOCKET_DIR={folder!r}: ") and said in refusal
     assert f"DSPARK_SOCKET_DIR={folder!r}" in caplog.text
+
+
+def test_vllm_sleep_mode_keeps_the_sidecar_off(fake_vllm, monkeypatch, caplog):
+    """A wake-up maps new memory under the same KV tensors and addresses, which the shim's identity check
+    cannot see and no vLLM hook reports (client/FAILURE_MODES.md): the sidecar would go on using the
+    memory it mapped before the sleep, and its drafts would not be the stock layers'. So with
+    model_config.enable_sleep_mode the shim is off on every rank alike, and says why."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    model = _first_forward_runs_the_stock_layers(fake_vllm, caplog, sleep_mode=True)
+    assert "sleep mode" in model.dspark_shim().refusal
+    assert "sleep mode" in caplog.text
