@@ -456,9 +456,17 @@ def test_gpu_overlapping_cuda_ipc_layers_and_regions_are_refused(tmp_path, tiny_
         return details
 
     facts = pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1, speculative_method="dspark",
-                           num_speculative_tokens=7, device=str(dev))
+                           num_speculative_tokens=7, device=str(dev), device_uuid=memory.gpu_uuid(dev))
     with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
         stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        # The engine's facts naming another GPU: refused before any layer is opened (kv_binding).
+        elsewhere = pb.BindKVRequest()
+        elsewhere.CopyFrom(bind_request(side_by_side(), facts))
+        elsewhere.engine.device_uuid = "GPU-00000000-0000-0000-0000-000000000000"
+        with pytest.raises(grpc.RpcError) as err:
+            stub.BindKV(elsewhere, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("engine.device_uuid: "), err.value.details()
         same = [pool[:n].view(shape)] * layers
         assert "layers[0]" in refused(stub.BindKV, bind_request(same, facts), "layers[1].memory")
         half = side_by_side()
