@@ -96,7 +96,10 @@ class StepGraphs:
         if embeds is None or self._kv_key != _kv_key(kv):
             return None
         g = self._graphs.get((R, True))
-        return g if g is not None and g.embeds.data_ptr() == embeds.data_ptr() else None
+        # The view itself, not only its address: the ordinary path reads a region in place only in the
+        # model's dtype (rank._execute); the same bytes named in another dtype go through the static buffer.
+        return (g if g is not None and g.embeds.data_ptr() == embeds.data_ptr() and g.embeds.dtype == embeds.dtype
+                and g.embeds.shape == embeds.shape else None)
 
     def run(self, embeds: torch.Tensor, host: HostMeta, kv: list[torch.Tensor], in_place: bool = False) -> torch.Tensor:
         """embeds [n, hidden] on the device; the step's metadata as NumPy on the host (validate.py).

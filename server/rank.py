@@ -170,10 +170,16 @@ class RankLoop:
             log.exception("rank %d: the device failed before a deferred release; exiting", self.ctx.rank)
             os._exit(3)
 
-    def drain(self) -> None:
-        """Run every release whose work is done (shutdown: close(), and again after the device sync)."""
-        with self._lock:
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Run every release whose work is done (shutdown: close(), and again after the device sync).
+        timeout_s: how long to wait for a step that holds the lock; False when it still did (none ran)."""
+        if not self._lock.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
+            return False
+        try:
             self._sweep()
+        finally:
+            self._lock.release()
+        return True
 
     def submit(self, req: pb.DraftStepRequest) -> concurrent.futures.Future:
         """A future of the DraftStepResponse; it raises SidecarError on failure (unary path)."""
@@ -235,7 +241,9 @@ class RankLoop:
         # waits on a peer that is gone, and is left to the process exit.
         deadline = time.monotonic() + DRAIN_S
         while True:
-            self.drain()
+            # Bounded: a step still running (stop_steps gave up on it) holds the lock, maybe for good.
+            if not self.drain(deadline - time.monotonic()):
+                break
             if not self._deferred or time.monotonic() > deadline:
                 break
             time.sleep(0.01)

@@ -30,3 +30,25 @@ def test_a_rebind_that_only_changes_the_dtype_drops_the_graphs():
     fp8 = memory.view(torch.float8_e4m3fn)[: 2 * 4 * 16 * 64].view(2, 4, 16, 1, 64)
     assert bf16.data_ptr() == fp8.data_ptr() and bf16.shape == fp8.shape and bf16.stride() == fp8.stride()
     assert _kv_key([bf16] * 5) != _kv_key([fp8] * 5)
+
+
+def test_the_in_place_graph_a_prelaunch_would_replay_reads_its_inputs_in_its_own_dtype():
+    # StepGraphs.captured: the graph a doorbell step would have queued (server/prelaunch.py). The ordinary
+    # path reads a region in place only when it is already the model's dtype (rank._execute: `embeds is
+    # step.inputs_embeds`); a step whose inputs sit at the captured view's address in another dtype is
+    # converted into the static buffer. The pre-launch must not queue (and then answer from) the in-place
+    # graph for it: that graph reads the region's bytes as the dtype it was captured with.
+    from types import SimpleNamespace
+
+    from dspark_sidecar.server.graphs import StepGraphs
+
+    region = torch.zeros(4 * 7 * 64, dtype=torch.uint8)
+    bf16 = region.view(torch.bfloat16)[: 7 * 64].view(7, 64)
+    fp32 = region.view(torch.float32)[: 7 * 64].view(7, 64)
+    assert bf16.data_ptr() == fp32.data_ptr()
+    kv = [torch.zeros(2, 4, 16, 1, 8)] * 5
+    graphs = StepGraphs.__new__(StepGraphs)  # no CUDA here: only what captured() reads
+    g = SimpleNamespace(embeds=bf16)
+    graphs._graphs, graphs._kv_key = {(1, True): g}, _kv_key(kv)
+    assert graphs.captured(bf16, 1, kv) is g
+    assert graphs.captured(fp32, 1, kv) is None

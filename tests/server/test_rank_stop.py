@@ -93,3 +93,22 @@ def test_a_step_that_outlives_the_bound_is_reported(held):
     t0 = time.monotonic()
     assert held.loop.stop_steps(timeout_s=0.3) is False
     assert time.monotonic() - t0 < 3
+
+
+def test_close_with_a_step_that_outlives_the_bound_returns_without_it(held, monkeypatch):
+    """close() warns that it closes without a step still running (a peer gone); it must then not wait for
+    that step's lock for ever in its drain (the shutdown's watchdog ended the process instead)."""
+    from dspark_sidecar.server import rank as rank_mod
+
+    monkeypatch.setattr(rank_mod, "DRAIN_S", 0.3)
+    real_stop = held.loop.stop_steps
+    monkeypatch.setattr(held.loop, "stop_steps", lambda timeout_s=0.3: real_stop(timeout_s))
+    held.loop.submit(pb.DraftStepRequest(step_id=1))
+    assert held.started.wait(5)
+    closer = threading.Thread(target=held.loop.close, daemon=True)
+    closer.start()
+    closer.join(5)
+    stuck = closer.is_alive()
+    held.release.set()
+    closer.join(5)
+    assert not stuck, "close() waited for the step it said it closes without"
