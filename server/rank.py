@@ -99,6 +99,12 @@ class RankLoop:
         # (after_device); looked at before each step and each exclusive section.
         self._deferred: list[tuple[object, Callable[[], None]]] = []
         self._quiet = QuietStream(ctx.model.device)  # where deferred releases run (_sweep)
+        # A gRPC answer that names an output region on a GPU: the engine has no event to wait on (only the
+        # doorbell's output_event orders its stream after the writes), so the hidden states and the block
+        # K/V must be on the device before the answer leaves (_work).
+        dev = ctx.model.device
+        self._device_done: Callable[[], None] | None = ((lambda: torch.cuda.synchronize(dev))
+                                                         if dev.type == "cuda" else None)
         # Set by stop_steps: later steps are answered UNAVAILABLE at once. Taken with the queueing, so
         # no step can slip in behind the worker's stop marker and never be answered.
         self._gate = threading.Lock()
@@ -258,16 +264,21 @@ class RankLoop:
             req, fut, t_enq, expires = item
             with self.exclusive(wait=False):
                 try:
-                    fut.set_result(self._guarded(req, t_enq, expires, answer_limit=self.ctx.max_message_bytes))
+                    fut.set_result(self._guarded(req, t_enq, expires, answer_limit=self.ctx.max_message_bytes,
+                                                 settle=True))
                 except SidecarError as err:
                     fut.set_exception(err)
 
     def _guarded(self, req: pb.DraftStepRequest, t_enq: int, expires: int, prelaunched=None,
-                 answer_limit: int = 0) -> pb.DraftStepResponse:
+                 answer_limit: int = 0, settle: bool = False) -> pb.DraftStepResponse:
+        """settle: a gRPC answer; one naming an output region waits for the device first (see __init__)."""
         if self._deferred:
             self._sweep()
         try:
-            return self._run(req, t_enq, expires, prelaunched, answer_limit)
+            resp = self._run(req, t_enq, expires, prelaunched, answer_limit)
+            if settle and self._device_done is not None and resp.hidden_states.HasField("region"):
+                self._device_done()  # an inline answer waited already (.cpu())
+            return resp
         except SidecarError:
             raise
         except Exception:  # noqa: BLE001
