@@ -37,3 +37,31 @@ def test_opened_counts_every_transition_to_open_including_a_failed_half_open_try
     assert b.allow()
     b.record_success()
     assert b.state is BreakerState.CLOSED and b.opened == 3
+
+
+def test_backoff_doubles_per_failed_probe_up_to_the_cap_and_a_success_resets_it():
+    """BreakerConfig: the first wait is backoff_initial_s, each failed probe doubles it up to
+    backoff_max_s, and no probe is sent before the wait is over. After a success the next opening
+    starts again from backoff_initial_s. Waits read off retry_at on the fake clock."""
+    clock, probe_says, probed = _Clock(), [False], []
+
+    def probe(deadline_s):
+        probed.append(clock.now)
+        return probe_says[0]
+
+    b = CircuitBreaker(BreakerConfig(failure_threshold=1, backoff_initial_s=0.5, backoff_max_s=3.0), probe, clock)
+    b.record_failure("x")
+    waits = [b.retry_at - clock.now]
+    for _ in range(4):
+        clock.now = b.retry_at - 0.01
+        assert not b.allow() and len(probed) == len(waits) - 1  # still waiting: no probe
+        clock.now = b.retry_at
+        assert not b.allow() and probed[-1] == clock.now  # the probe fails: a longer wait
+        waits.append(b.retry_at - clock.now)
+    assert waits == [0.5, 1.0, 2.0, 3.0, 3.0]
+    probe_says[0] = True
+    clock.now = b.retry_at
+    assert b.allow()
+    b.record_success()
+    b.record_failure("again")
+    assert b.state is BreakerState.OPEN and b.retry_at - clock.now == 0.5
