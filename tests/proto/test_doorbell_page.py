@@ -29,6 +29,9 @@ def test_oversized_messages_and_lengths_are_refused():
     with pytest.raises(ValueError, match="exceeds the doorbell's 16-byte area"):
         p.write(p.resp_area, b"x" * 17, bell.RESP_LEN, bell.RESP_SEQ, 1)
     assert p.word(bell.RESP_SEQ) == 0  # nothing was published
+    full = bytes(range(16))  # exactly the area: the largest message there is, not one too many
+    p.write(p.resp_area, full, bell.RESP_LEN, bell.RESP_SEQ, 2)
+    assert p.word(bell.RESP_SEQ) == 2 and p.read(p.resp_area, bell.RESP_LEN) == full
     p.words[bell.REQ_LEN] = 1 << 40  # a garbled length word must not read past the area
     with pytest.raises(ValueError, match="length"):
         p.read(p.req_area, bell.REQ_LEN)
