@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dspark_sidecar.client.breaker import BreakerState, CircuitBreaker
-from dspark_sidecar.client.config import BreakerConfig
+from dspark_sidecar.client.config import BreakerConfig, EngineConfigError
 
 
 class _Clock:
@@ -65,3 +67,12 @@ def test_backoff_doubles_per_failed_probe_up_to_the_cap_and_a_success_resets_it(
     b.record_success()
     b.record_failure("again")
     assert b.state is BreakerState.OPEN and b.retry_at - clock.now == 0.5
+
+
+def test_breaker_settings_that_cannot_work_are_refused():
+    """No threshold below one failure, and no cap below the first wait (the doubling would start above it)."""
+    with pytest.raises(EngineConfigError, match="breaker.failure_threshold: must be >= 1"):
+        BreakerConfig(failure_threshold=0)
+    with pytest.raises(EngineConfigError, match="breaker.backoff_max_s: must be >= backoff_initial_s"):
+        BreakerConfig(backoff_initial_s=1.0, backoff_max_s=0.5)
+    assert BreakerConfig(failure_threshold=1, backoff_initial_s=0.5, backoff_max_s=0.5).backoff_max_s == 0.5
