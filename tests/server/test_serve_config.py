@@ -91,6 +91,7 @@ def test_a_seed_the_synthetic_writer_cannot_use_is_refused_by_flag(seed):
     ({"tp": 1, "shard_of": 1}, "--shard-of: needs --tp 1 and N >= 2, got --tp 1 --shard-of 1"),
     ({"drain_s": -1}, "--drain-s: must be 0..300, got -1"),
     ({"drain_s": 301}, "--drain-s: must be 0..300, got 301"),
+    ({"checkpoint": "/ckpt/dspark"}, "--target-checkpoint: required with --checkpoint"),
 ], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
 def test_each_setting_outside_its_range_is_refused_naming_its_flag(kw, message):
     """ServeConfig refuses in __post_init__ (flags, DSPARK_* variables, and programmatic use alike): each
