@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dspark_sidecar.client.breaker import BreakerState, CircuitBreaker
-from dspark_sidecar.client.config import BreakerConfig
+from dspark_sidecar.client.config import BreakerConfig, EngineConfigError
 
 
 class _Clock:
@@ -37,3 +39,40 @@ def test_opened_counts_every_transition_to_open_including_a_failed_half_open_try
     assert b.allow()
     b.record_success()
     assert b.state is BreakerState.CLOSED and b.opened == 3
+
+
+def test_backoff_doubles_per_failed_probe_up_to_the_cap_and_a_success_resets_it():
+    """BreakerConfig: the first wait is backoff_initial_s, each failed probe doubles it up to
+    backoff_max_s, and no probe is sent before the wait is over. After a success the next opening
+    starts again from backoff_initial_s. Waits read off retry_at on the fake clock."""
+    clock, probe_says, probed = _Clock(), [False], []
+
+    def probe(deadline_s):
+        probed.append(clock.now)
+        return probe_says[0]
+
+    b = CircuitBreaker(BreakerConfig(failure_threshold=1, backoff_initial_s=0.5, backoff_max_s=3.0), probe, clock)
+    b.record_failure("x")
+    waits = [b.retry_at - clock.now]
+    for _ in range(4):
+        clock.now = b.retry_at - 0.01
+        assert not b.allow() and len(probed) == len(waits) - 1  # still waiting: no probe
+        clock.now = b.retry_at
+        assert not b.allow() and probed[-1] == clock.now  # the probe fails: a longer wait
+        waits.append(b.retry_at - clock.now)
+    assert waits == [0.5, 1.0, 2.0, 3.0, 3.0]
+    probe_says[0] = True
+    clock.now = b.retry_at
+    assert b.allow()
+    b.record_success()
+    b.record_failure("again")
+    assert b.state is BreakerState.OPEN and b.retry_at - clock.now == 0.5
+
+
+def test_breaker_settings_that_cannot_work_are_refused():
+    """No threshold below one failure, and no cap below the first wait (the doubling would start above it)."""
+    with pytest.raises(EngineConfigError, match="breaker.failure_threshold: must be >= 1"):
+        BreakerConfig(failure_threshold=0)
+    with pytest.raises(EngineConfigError, match="breaker.backoff_max_s: must be >= backoff_initial_s"):
+        BreakerConfig(backoff_initial_s=1.0, backoff_max_s=0.5)
+    assert BreakerConfig(failure_threshold=1, backoff_initial_s=0.5, backoff_max_s=0.5).backoff_max_s == 0.5

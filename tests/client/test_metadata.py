@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dspark_sidecar.client.metadata import step_metadata_from
+from dspark_sidecar.client.metadata import step_metadata_from, tables_cover
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 
 
@@ -80,3 +80,12 @@ def test_metadata_of_the_wrong_rank_is_refused_not_raised(broken):
     else:
         m.slot_mapping = m.slot_mapping[:, None]
     assert step_metadata_from(m, 14, page_size=16) is None
+
+
+@pytest.mark.parametrize("lens, cover", [([5, 32], True), ([32, 32], True), ([5, 33], False), ([33, 5], False)])
+def test_tables_cover_is_ceil_of_the_longest_request_s_pages(lens, cover):
+    """Two columns of 16-key pages hold 32 keys: a request of exactly 32 is covered (sent), one of 33 is
+    not (the shim falls back unsent); the longest request decides, wherever it sits in the step."""
+    meta = StepMetadata(torch.tensor(lens, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
+                        torch.zeros(14, dtype=torch.int64))
+    assert tables_cover(meta, 16) is cover

@@ -256,6 +256,11 @@ def test_engine_config_validation():
         EngineConfig(tp_size=0)
     with pytest.raises(EngineConfigError, match="max_reqs"):
         EngineConfig(tp_size=4, max_reqs=0)
+    from dspark_sidecar import layout
+
+    assert EngineConfig(tp_size=4, max_reqs=layout.MAX_REQS_LIMIT).max_reqs == layout.MAX_REQS_LIMIT
+    with pytest.raises(EngineConfigError, match=f"max_reqs: must be 1..{layout.MAX_REQS_LIMIT}"):
+        EngineConfig(tp_size=4, max_reqs=layout.MAX_REQS_LIMIT + 1)
     assert config_refusal(EngineConfig(tp_size=4)) == "no sidecar endpoint configured"
 
 

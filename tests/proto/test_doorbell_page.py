@@ -29,6 +29,9 @@ def test_oversized_messages_and_lengths_are_refused():
     with pytest.raises(ValueError, match="exceeds the doorbell's 16-byte area"):
         p.write(p.resp_area, b"x" * 17, bell.RESP_LEN, bell.RESP_SEQ, 1)
     assert p.word(bell.RESP_SEQ) == 0  # nothing was published
+    full = bytes(range(16))  # exactly the area: the largest message there is, not one too many
+    p.write(p.resp_area, full, bell.RESP_LEN, bell.RESP_SEQ, 2)
+    assert p.word(bell.RESP_SEQ) == 2 and p.read(p.resp_area, bell.RESP_LEN) == full
     p.words[bell.REQ_LEN] = 1 << 40  # a garbled length word must not read past the area
     with pytest.raises(ValueError, match="length"):
         p.read(p.req_area, bell.REQ_LEN)
@@ -121,15 +124,26 @@ def test_a_wake_pipe_whose_sidecar_is_gone_is_not_an_error(tmp_path):
     ringer.close()
 
 
-def test_waker_sets_the_flag_while_it_sleeps_and_sees_a_ring_first(tmp_path):
+def test_waker_sets_the_flag_while_it_sleeps_and_sees_a_ring_first(tmp_path, monkeypatch):
     p = _page()
     waker = bell.Waker(str(tmp_path / "w"))
     seen = []
     waker.sleep(p, lambda: seen.append(p.word(bell.ASLEEP)) or False, 0.001)
     assert seen == [1] and p.word(bell.ASLEEP) == 0  # the flag is up before it looks at the ring again
-    t = time.perf_counter()
-    waker.sleep(p, lambda: True, 5.0)  # rung already: no wait at all
-    assert time.perf_counter() - t < 0.05
+    # Rung already: no wait at all. A wall-clock bound cannot tell (every wait is capped at
+    # MISSED_WAKE_S, 2 ms), so count the waits on the FIFO instead.
+    real_select = bell.select.select
+    waits = []
+
+    def counting_select(*a):
+        waits.append(a)
+        return real_select(*a)
+
+    monkeypatch.setattr(bell.select, "select", counting_select)
+    waker.sleep(p, lambda: False, 0.001)
+    assert len(waits) == 1  # the counter sees a wait when there is one
+    waker.sleep(p, lambda: True, 5.0)
+    assert len(waits) == 1 and p.word(bell.ASLEEP) == 0
     waker.close()
 
 

@@ -487,6 +487,28 @@ def test_gpu_far_behind_stops_queueing_for_a_while(rig, monkeypatch):
     assert rig.pl.cooldown == 5  # 6, doubled, minus this step's
 
 
+def test_the_cooldown_doubles_up_to_max_cooldown(rig, monkeypatch):
+    """Each far-behind wait after a cooldown doubles the next pause, but never past MAX_COOLDOWN: an
+    engine that falls behind now and then for hours must not turn pre-launching off for good."""
+    rig.pl.behind_s = -1.0  # every wait counts as far behind
+    monkeypatch.setattr(prelaunch, "COOLDOWN", 3)
+    monkeypatch.setattr(prelaunch, "MAX_COOLDOWN", 8)
+    rig.pl._next_cooldown = 3
+    _queue(rig)
+    seq, pauses = SEQ + 2, []
+    for _ in range(4):
+        assert _serve(rig, seq) is rig.graphs.graph.out  # queued, and far behind: a cooldown starts
+        pauses.append(rig.pl.cooldown + 1)  # this step's is already counted
+        seq += 1
+        while rig.pl.cooldown:
+            assert _serve(rig, seq) is None and rig.pl.queued is None
+            seq += 1
+        _serve(rig, seq)  # the pause is over: queued again
+        seq += 1
+        assert rig.pl.queued is not None and rig.pl.queued.seq == seq
+    assert pauses == [3, 6, 8, 8]
+
+
 # TP > 1: what the ranks agree on (server/rendezvous.py offers), and the flags' exchange on the GPU ----
 
 @pytest.mark.parametrize("world", [2])

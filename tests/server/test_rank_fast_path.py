@@ -40,6 +40,7 @@ def _loop(fast) -> SimpleNamespace:
 
 def test_a_rank_offers_the_fast_path_only_when_ready_and_within_its_positions():
     assert RankLoop._fast_ready(_loop(FakeFast(ready=True)), _step(50))
+    assert RankLoop._fast_ready(_loop(FakeFast(ready=True)), _step(93))  # rows 93..99: the table's last row
     assert not RankLoop._fast_ready(_loop(FakeFast(ready=True)), _step(94))  # rows 94..100: 100 is outside
     assert not RankLoop._fast_ready(_loop(FakeFast(ready=False)), _step(0))
     assert not RankLoop._fast_ready(_loop(None), _step(0))

@@ -72,6 +72,16 @@ def _short_seq_len(pos, meta):  # below the 7 rows of the block
     meta.seq_lens[0] = 6
 
 
+def _short_seq_len_rows_consistent(pos, meta):  # 6: the rows at -1 .. 5, where positions and slots agree
+    # Only the seq_lens bound refuses this one: the rows are where seq_lens puts them, and the slot of
+    # position -1 is the one a wrapped table lookup (the last entry of the flattened table) gives.
+    meta.seq_lens[0] = 6
+    pos[:7] = torch.arange(-1, 6)
+    p = pos[1:7]
+    meta.slot_mapping[1:7] = meta.block_tables[0, p // PS].to(torch.int64) * PS + p % PS
+    meta.slot_mapping[0] = int(meta.block_tables.reshape(-1)[-1]) * PS + (-1) % PS
+
+
 def _seq_len_past_table(pos, meta):  # needs more pages than the row has
     meta.seq_lens[2] = meta.block_tables.shape[1] * PS + 1
     pos[14:] = torch.arange(int(meta.seq_lens[2]) - 7, int(meta.seq_lens[2]))
@@ -98,7 +108,8 @@ def _slot_past_cache(pos, meta):
 
 
 @pytest.mark.parametrize("corrupt,field", [
-    (_shifted_positions, "positions"), (_short_seq_len, "seq_lens"), (_seq_len_past_table, "block_tables"),
+    (_shifted_positions, "positions"), (_short_seq_len, "seq_lens"), (_short_seq_len_rows_consistent, "seq_lens"),
+    (_seq_len_past_table, "block_tables"),
     (_page_past_cache, "block_tables"), (_negative_page, "block_tables"), (_page_before_window, "block_tables"),
     (_slot_elsewhere, "slot_mapping"),
     (_slot_past_cache, "slot_mapping"),
