@@ -32,6 +32,16 @@ def _bind(stub, kv: list[torch.Tensor], dev: torch.device) -> pb.BindKVResponse:
     return stub.BindKV(bind_request(kv, facts), timeout=30)
 
 
+def _inline_request(step_id: int, b: pb.BindKVResponse, step: scenario.StepInputs) -> pb.DraftStepRequest:
+    """The step as a gRPC DraftStepRequest with every tensor inline, against binding `b`."""
+    req = pb.DraftStepRequest(step_id=step_id, binding_id=b.binding_id, binding_generation=b.generation,
+                              num_requests=step.meta.seq_lens.numel())
+    for f, t in (("positions", step.positions), ("inputs_embeds", step.inputs_embeds), ("seq_lens", step.meta.seq_lens),
+                 ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
+        getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
+    return req
+
+
 def test_gpu_doorbell_equals_grpc_and_reference(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
     import grpc
 
@@ -45,11 +55,7 @@ def test_gpu_doorbell_equals_grpc_and_reference(tmp_path, tiny_cfg, tiny_ckpt, t
         b = _bind(stub, kv, dev)
         step = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, tiny_embed, seed=5)
         before = [t.clone() for t in kv]
-        req = pb.DraftStepRequest(step_id=1, binding_id=b.binding_id, binding_generation=b.generation,
-                                  num_requests=len(LENS))
-        for f, t in (("positions", step.positions), ("inputs_embeds", step.inputs_embeds), ("seq_lens", step.meta.seq_lens),
-                     ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
-            getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
+        req = _inline_request(1, b, step)
         via_grpc = codec.from_tensor_ref(stub.DraftStep(req, timeout=60).hidden_states, "h").to(dev)
         bufs = StepBuffers(stub, tiny_cfg.hidden_size, 4, 300, torch.float32, dev)
         bell = DoorbellChannel(stub, dev)
@@ -308,11 +314,7 @@ def test_gpu_released_buffers_free_the_engine_memory_and_steps_go_on(tmp_path, t
         kv = [torch.randn(kv_layer_shape(tiny_cfg, 1, pages, PAGE), device=dev) for _ in range(tiny_cfg.num_hidden_layers)]
         b = _bind(stub, kv, dev)
         step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=41)
-        req = pb.DraftStepRequest(step_id=1, binding_id=b.binding_id, binding_generation=b.generation,
-                                  num_requests=len(lens))
-        for f, t in (("positions", step.positions), ("inputs_embeds", step.inputs_embeds), ("seq_lens", step.meta.seq_lens),
-                     ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
-            getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
+        req = _inline_request(1, b, step)
         want = codec.from_tensor_ref(stub.DraftStep(req, timeout=60).hidden_states, "h")
         embeds = step.inputs_embeds.to(dev)
         bell = DoorbellChannel(stub, dev)
@@ -474,11 +476,7 @@ def test_gpu_overlapping_cuda_ipc_layers_and_regions_are_refused(tmp_path, tiny_
         assert "layers[1]" in refused(stub.BindKV, bind_request(half, facts), "layers[2].memory")
         b = _bind(stub, side_by_side(), dev)
         step = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, tiny_embed, seed=5)
-        req = pb.DraftStepRequest(step_id=1, binding_id=b.binding_id, binding_generation=b.generation,
-                                  num_requests=len(LENS))
-        for f, t in (("positions", step.positions), ("inputs_embeds", step.inputs_embeds), ("seq_lens", step.meta.seq_lens),
-                     ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
-            getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
+        req = _inline_request(1, b, step)
         assert stub.DraftStep(req, timeout=60).HasField("hidden_states")
         # A region is a whole storage from its first byte: the pool's own lies on layer 0; a separate
         # tensor (its own storage, perhaps in the same allocator block) registers.
