@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
 import platform
@@ -33,7 +32,7 @@ from dspark_sidecar.proto.doorbell import nap_for, stores_in_order
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.backend import BackendUnavailable, choose_backend, resolve_device
-from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
+from dspark_sidecar.server.config import AddressInUse, ServeConfig, bind_refusal
 from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
 from dspark_sidecar.server.fast_path import build_fast_path
 from dspark_sidecar.server.graphs import StepGraphs, launch_streams
@@ -293,9 +292,8 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
         try:
             metrics.serve_http(cfg.metrics_host, cfg.metrics_port + rank)
         except OSError as err:
-            error = AddressInUse if err.errno == errno.EADDRINUSE else ServeConfigError
-            raise error(f"--metrics-port: rank {rank} cannot listen on {cfg.metrics_host}:"
-                        f"{cfg.metrics_port + rank}: {err.strerror}") from None
+            raise bind_refusal(err)(f"--metrics-port: rank {rank} cannot listen on {cfg.metrics_host}:"
+                                    f"{cfg.metrics_port + rank}: {err.strerror}") from None
     log.info("rank %d/%d: listening on %s (NOT_SERVING while loading)", rank, world, ", ".join(cfg.endpoints(rank)))
 
     dist_backend = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,12 @@ class AddressInUse(ServeConfigError):
     start, so this exits 75 (EX_TEMPFAIL, sysexits.h), which systemd restarts, and not 2, which it does not."""
 
     exit_status = 75
+
+
+def bind_refusal(err: OSError) -> type[ServeConfigError]:
+    """The refusal a failed bind raises: AddressInUse (exit 75) where another process holds the address
+    now (EADDRINUSE), else ServeConfigError (exit 2: a privileged port, an address not this host's)."""
+    return AddressInUse if err.errno == errno.EADDRINUSE else ServeConfigError
 
 
 @dataclass(frozen=True)

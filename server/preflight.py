@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from dspark_sidecar.server import sockdir
-from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
+from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError, bind_refusal
 from dspark_sidecar.server.processes import ExitWith
 
 PROBE_TIMEOUT_S = 1.0
@@ -95,9 +95,8 @@ def check_port(flag: str, host: str, port: int, who: str = "") -> None:
                 s.bind(addr)
             except OSError as err:
                 if err.errno in (errno.EADDRINUSE, errno.EACCES):  # held now, or a privileged port
-                    error = AddressInUse if err.errno == errno.EADDRINUSE else ServeConfigError
-                    raise error(f"{flag}: {who}cannot listen on {host}:{port}: {err.strerror}; choose "
-                                "another port") from None
+                    raise bind_refusal(err)(f"{flag}: {who}cannot listen on {host}:{port}: {err.strerror}; "
+                                            "choose another port") from None
                 errors.append(err)  # e.g. ::1 on a host without IPv6: the server binds the others
     if errors and len(errors) == len(infos):
         raise ServeConfigError(f"{flag}: {who}cannot listen on {host}:{port}: {bind_failure(errors)}")

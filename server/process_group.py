@@ -24,7 +24,7 @@ from collections.abc import MutableMapping
 
 import torch.distributed as dist
 
-from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError, is_loopback
+from dspark_sidecar.server.config import ServeConfig, ServeConfigError, bind_refusal, is_loopback
 from dspark_sidecar.server.preflight import bind_failure
 
 log = logging.getLogger("dspark_sidecar.server")
@@ -72,9 +72,8 @@ def _listen(addr: str, port: int) -> socket.socket:
         except OSError as err:
             s.close()
             if err.errno in (errno.EADDRINUSE, errno.EACCES):  # held now (exit 75), or a privileged port
-                error = AddressInUse if err.errno == errno.EADDRINUSE else ServeConfigError
-                raise error(f"--master-port: rank 0 cannot listen on {addr}:{port} for the ranks' "
-                            f"rendezvous: {err.strerror}; choose another port") from None
+                raise bind_refusal(err)(f"--master-port: rank 0 cannot listen on {addr}:{port} for the ranks' "
+                                        f"rendezvous: {err.strerror}; choose another port") from None
             errors.append(err)
     raise ServeConfigError(f"--master-addr: rank 0 cannot listen on {addr}:{port} for the ranks' rendezvous: "
                            f"{bind_failure(errors)}")
