@@ -488,3 +488,45 @@ def test_gpu_overlapping_cuda_ipc_layers_and_regions_are_refused(tmp_path, tiny_
         ids = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=[beside]), timeout=30).region_ids
         assert len(ids) == 1
         assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).kv.binding_id == b.binding_id  # the binding stood
+
+
+def test_gpu_a_grpc_answer_naming_a_region_means_the_region_is_written(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
+    """Over unary gRPC and the DraftSteps stream there is no output event (only the doorbell has one):
+    an answer that names the output region must leave only after the device wrote it
+    (RankLoop._device_done). The engine reads the rows on a stream ordered after nothing, at once,
+    over a NaN fill: each must equal the same step answered inline."""
+    import grpc
+
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    dev = torch.device("cuda", 0)
+    # Long contexts on every request: the step's GPU time is as long as the tiny model allows, so a
+    # premature answer would be read before the attention's writes land.
+    lens = [4096 + 9 + 13 * i for i in range(8)]
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens) + 2
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        kv = [torch.randn(kv_layer_shape(tiny_cfg, 1, pages, PAGE), device=dev) for _ in range(tiny_cfg.num_hidden_layers)]
+        b = _bind(stub, kv, dev)
+        step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=77)
+        # The step writes only its own block rows and reads the context: repeating it gives the same rows.
+        want = codec.from_tensor_ref(stub.DraftStep(_inline_request(1, b, step), timeout=60).hidden_states, "h")
+        bufs = StepBuffers(stub, tiny_cfg.hidden_size, len(lens), 300, torch.float32, dev)
+        embeds = step.inputs_embeds.to(dev)
+        reader = torch.cuda.Stream(dev)  # waits on no event of the sidecar's
+        for i, how in enumerate(["unary"] * 6 + ["stream"] * 6):
+            bufs.hidden.fill_(float("nan"))
+            req = pb.DraftStepRequest(step_id=10 + i, binding_id=b.binding_id, binding_generation=b.generation,
+                                      num_requests=len(lens))
+            view = bufs.fill(req, embeds, step.positions, step.meta)
+            torch.cuda.synchronize(dev)  # the NaNs and the inputs are in place before the sidecar starts
+            if how == "unary":
+                resp = stub.DraftStep(req, timeout=60)
+            else:
+                resp = next(stub.DraftSteps(iter([req]), timeout=60))
+            assert resp.hidden_states.HasField("region"), resp
+            with torch.cuda.stream(reader):
+                got = view.to("cpu")
+            assert not got.isnan().any(), f"{how} step {i}: the answer came before the rows were written"
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{how} step {i}")
+        bufs.close()
