@@ -163,7 +163,7 @@ class KVBindingState(_message.Message):
     def __init__(self, bound: _Optional[bool] = ..., binding_id: _Optional[int] = ..., generation: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("steps_ok", "steps_aborted", "steps_invalid", "steps_failed", "requests", "rows", "launches", "kv_binds", "steps_prelaunched", "prelaunch_misses")
+    __slots__ = ("steps_ok", "steps_aborted", "steps_invalid", "steps_failed", "requests", "rows", "launches", "kv_binds", "steps_prelaunched", "prelaunch_misses", "steps_refused")
     STEPS_OK_FIELD_NUMBER: _ClassVar[int]
     STEPS_ABORTED_FIELD_NUMBER: _ClassVar[int]
     STEPS_INVALID_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class Counters(_message.Message):
     KV_BINDS_FIELD_NUMBER: _ClassVar[int]
     STEPS_PRELAUNCHED_FIELD_NUMBER: _ClassVar[int]
     PRELAUNCH_MISSES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     steps_ok: int
     steps_aborted: int
     steps_invalid: int
@@ -184,7 +185,8 @@ class Counters(_message.Message):
     kv_binds: int
     steps_prelaunched: int
     prelaunch_misses: int
-    def __init__(self, steps_ok: _Optional[int] = ..., steps_aborted: _Optional[int] = ..., steps_invalid: _Optional[int] = ..., steps_failed: _Optional[int] = ..., requests: _Optional[int] = ..., rows: _Optional[int] = ..., launches: _Optional[int] = ..., kv_binds: _Optional[int] = ..., steps_prelaunched: _Optional[int] = ..., prelaunch_misses: _Optional[int] = ...) -> None: ...
+    steps_refused: int
+    def __init__(self, steps_ok: _Optional[int] = ..., steps_aborted: _Optional[int] = ..., steps_invalid: _Optional[int] = ..., steps_failed: _Optional[int] = ..., requests: _Optional[int] = ..., rows: _Optional[int] = ..., launches: _Optional[int] = ..., kv_binds: _Optional[int] = ..., steps_prelaunched: _Optional[int] = ..., prelaunch_misses: _Optional[int] = ..., steps_refused: _Optional[int] = ...) -> None: ...
 
 class LatencySummary(_message.Message):
     __slots__ = ("name", "count", "p50_ns", "p99_ns")

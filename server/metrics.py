@@ -9,7 +9,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from dspark_sidecar.proto import sidecar_pb2 as pb
 
-RESULTS = ("ok", "aborted", "invalid", "failed")
+# invalid: the request was bad (validate.py, a stale binding). refused: the rank turned the step away
+# whatever it held (shutting down, --strict-refusal); counted apart, so a drain or a refused deployment
+# does not read as engines sending bad steps.
+RESULTS = ("ok", "aborted", "invalid", "refused", "failed")
 PHASES = ("queue", "rendezvous", "compute", "total")
 # Draft steps take tens of microseconds (GPU) to tens of milliseconds (CPU reference).
 BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0)
@@ -71,7 +74,7 @@ class Metrics:
         with self._lock:
             c = self.counts
             return pb.Counters(steps_ok=c["ok"], steps_aborted=c["aborted"], steps_invalid=c["invalid"],
-                               steps_failed=c["failed"], requests=c["requests"], rows=c["rows"],
+                               steps_refused=c["refused"], steps_failed=c["failed"], requests=c["requests"], rows=c["rows"],
                                launches=c["launches"], kv_binds=c["kv_binds"],
                                steps_prelaunched=c["steps_prelaunched"], prelaunch_misses=c["prelaunch_misses"])
 

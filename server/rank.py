@@ -34,6 +34,8 @@ from dspark_sidecar.server.validate import Step, check_indices, validate_step
 log = logging.getLogger("dspark_sidecar.server")
 DRAIN_S = 5.0  # how long close() waits for releases held until the device is done (after_device)
 STOP_STEPS_S = 10.0  # how long stop_steps() waits for the steps already accepted to be answered
+# The reasons a step is refused for the rank's own state, not for anything in it (Counters.steps_refused).
+RANK_REFUSALS = frozenset({"SHUTTING_DOWN", "REFUSED"})
 
 
 @dataclass
@@ -193,6 +195,7 @@ class RankLoop:
         expires = time.monotonic_ns() + req.deadline_ms * 1_000_000 if req.deadline_ms else 0
         with self._gate:
             if self._stopping:
+                self.ctx.metrics.step("refused", {})
                 fut.set_exception(_shutting_down())
             else:
                 self._queue.put((req, fut, time.perf_counter_ns(), expires))
@@ -335,7 +338,7 @@ class RankLoop:
         verdict = self.rendezvous.agree(post)
         t1 = time.perf_counter_ns()
         if own_error is not None:
-            ctx.metrics.step("invalid", {})
+            ctx.metrics.step("refused" if own_error.reason in RANK_REFUSALS else "invalid", {})
             log.warning("rank %d: step %d refused: %s", ctx.rank, req.step_id, own_error.message)
             raise own_error
         if not verdict.go:

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from deploy.deploy_files import DEPLOY, serve_flag_env
+from dspark_sidecar.server.metrics import RESULTS
 
 OPERATIONS = (DEPLOY / "OPERATIONS.md").read_text()
 SECURITY = (DEPLOY / "SECURITY.md").read_text()
@@ -32,7 +33,7 @@ def test_guide_lists_refusal_reason_verbatim(reason):
 def test_guide_documents_metrics_with_their_labels():
     for name in METRICS:
         assert f"`{name}" in OPERATIONS, name
-    for result in ("ok", "aborted", "invalid", "failed"):
+    for result in RESULTS:
         assert f'dspark_steps_total{{result="{result}"}}' in OPERATIONS, result
     for phase in ("queue", "rendezvous", "compute", "total"):
         assert f'dspark_step_seconds{{phase="{phase}"}}' in OPERATIONS, phase
