@@ -111,6 +111,7 @@ class RankLoop:
         # no step can slip in behind the worker's stop marker and never be answered.
         self._gate = threading.Lock()
         self._stopping = False
+        self._stop_by = 0.0  # the first stop_steps' deadline (time.monotonic): the later ones wait no longer
         self._worker = threading.Thread(target=self._work, name=f"dspark-rank{ctx.rank}", daemon=True)
         self._worker.start()
 
@@ -227,15 +228,18 @@ class RankLoop:
 
     def stop_steps(self, timeout_s: float = STOP_STEPS_S) -> bool:
         """Refuse every step not yet started (UNAVAILABLE, SHUTTING_DOWN; queued ones are answered so)
-        and wait for the one running to finish; True once none runs. The shutdown calls it before it
+        and wait for the one running to finish, until timeout_s after the first call; True once none runs. The shutdown calls it before it
         ends the engines' streams: an engine reads the end of its stream as "the sidecar is done with
         my step" and then writes those K/V slots itself, so no step may still run when it ends."""
         with self._gate:
             if not self._stopping:
                 self._stopping = True
+                self._stop_by = time.monotonic() + timeout_s
                 self._queue.put(None)  # behind every queued step: the worker answers them (refused), then ends
-        deadline = time.monotonic() + timeout_s
-        self._worker.join(timeout=timeout_s)
+            # One bound for the whole shutdown: the teardown stops the steps (app.py), then close() does again,
+            # and a step stuck on a gone peer cost it the bound twice (past the teardown's watchdog).
+            deadline = min(self._stop_by, time.monotonic() + timeout_s)
+        self._worker.join(timeout=max(0.0, deadline - time.monotonic()))
         # A doorbell step (answer_now) runs under the lock on its own thread, not on the worker.
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return False

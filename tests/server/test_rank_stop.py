@@ -112,3 +112,32 @@ def test_close_with_a_step_that_outlives_the_bound_returns_without_it(held, monk
     held.release.set()
     closer.join(5)
     assert not stuck, "close() waited for the step it said it closes without"
+
+
+@pytest.mark.parametrize("path", ["grpc", "doorbell"])
+def test_the_teardown_waits_one_bound_for_a_stuck_step_not_one_per_stop(held, monkeypatch, path):
+    """app.py's teardown calls stop_steps, then close(), which stops the steps again: with a step stuck
+    (a peer gone) the second call waited out a second STOP_STEPS_S, and the teardown's watchdog fired."""
+    from dspark_sidecar.server import rank as rank_mod
+
+    monkeypatch.setattr(rank_mod, "DRAIN_S", 0.2)
+    bound = 2.0
+    if path == "grpc":  # on the worker
+        held.loop.submit(pb.DraftStepRequest(step_id=1))
+    else:  # on the doorbell's thread, holding the rank's lock
+        threading.Thread(target=held.loop.answer_now, args=(pb.DraftStepRequest(step_id=1),), daemon=True).start()
+    assert held.started.wait(5)
+    t0 = time.monotonic()
+    assert held.loop.stop_steps(timeout_s=bound) is False  # app.py's call
+    t1 = time.monotonic()
+    closer = threading.Thread(target=held.loop.close, daemon=True)  # then app.py's loop.close()
+    closer.start()
+    closer.join(bound + 3)  # well short of the stuck step's own 10 s (the fixture's), which would end the rank
+    t2 = time.monotonic()
+    stuck = closer.is_alive()
+    held.release.set()
+    closer.join(5)
+    assert not stuck, "close() waited a second bound for the step the shutdown already gave up on"
+    assert t1 - t0 >= bound * 0.9
+    # close() waits only for its drain (DRAIN_S): the steps' bound was spent once, by the first call.
+    assert t2 - t1 < bound, f"close() waited {t2 - t1:.1f} s more for the step the shutdown already gave up on"
