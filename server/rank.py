@@ -129,7 +129,15 @@ class RankLoop:
         reads may be unmapped inside). quiesce=False: the lock only (the doorbell queueing its next step)."""
         with self._lock:
             for fn in self._quiesce if quiesce else ():
-                fn(wait)
+                try:
+                    fn(wait)
+                except Exception:  # noqa: BLE001
+                    # A release that failed may have left its queued step's wait blocking the device's stream,
+                    # or met a failed device: nothing after it can be trusted, as after a failed launch
+                    # (_guarded). Raised on, it ended the worker with its step never answered, and every
+                    # gRPC step after it. One clear line, then the rank exits.
+                    log.exception("rank %d: releasing queued device work failed; exiting", self.ctx.rank)
+                    os._exit(3)
             self._sweep()
             yield
 
