@@ -6,6 +6,7 @@ import contextlib
 import logging
 import mmap
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -45,6 +46,27 @@ _EXPORTED: dict[int, tuple[str, int]] = {}  # data_ptr of a segment's first byte
 _EXPORTED_LOCK = threading.Lock()
 
 
+def segment_problem(st_uid: int, st_mode: int, euid: int) -> str | None:
+    """Why a segment with this owner and mode may not be mapped by a process running as `euid` (one
+    clause, with what was found and what to do), or None.
+
+    - writable by every user (o+w): any local user could shrink it under the mapping, and the next
+      access kills this process with SIGBUS (a sidecar rank, and with it the group), or rewrite it.
+    - another user's, not shared read/write with its group: only root's privilege opens it, so a caller
+      who names it (whoever reaches the socket; with --tcp-base-port any local user) would have a root
+      sidecar map, and for a KV binding write into, a segment its owner shares with nobody. The engine's
+      own segments are 0600 under the sidecar's user, or 0660 for its group (shm_empty)."""
+    found = f"(owner uid {st_uid}, mode {stat.S_IMODE(st_mode):04o})"
+    if st_mode & stat.S_IWOTH:
+        return (f"is writable by every user {found}: any of them could shrink it under the mapping (SIGBUS) or "
+                "rewrite it; create it 0600, or 0660 for a group the sidecar is in")
+    if st_uid != euid and st_mode & 0o060 != 0o060:
+        return (f"is private to another user {found}: this process (uid {euid}) opens it only by privilege; "
+                "register segments of the sidecar's user, or ones their owner shares read/write with a group "
+                "(0660)")
+    return None
+
+
 class AttachedSegment:
     """A POSIX shared-memory segment another process created, mapped by name without Python's resource
     tracker (the creator owns it: it unlinks it, and its tracker cleans up after a crash).
@@ -63,9 +85,13 @@ class AttachedSegment:
         # any file this process may write, which it would map and, for a KV cache, write into.
         if not name or "/" in name or name in (".", ".."):
             raise ValueError(f"{name!r} is not a shared-memory name (one entry of /dev/shm, no '/')")
-        fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR | os.O_NOFOLLOW)
+        path = os.path.join("/dev/shm", name)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
+            why = segment_problem(st.st_uid, st.st_mode, os.geteuid())
+            if why:
+                raise ValueError(f"{path} {why}")
             self.size, self.file = st.st_size, (st.st_dev, st.st_ino)  # file: which object, whatever its name
             self._mmap = mmap.mmap(fd, self.size)
         finally:

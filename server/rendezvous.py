@@ -249,7 +249,7 @@ class Rendezvous:
         give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
         ring, words = self.board.ring, self.board.words
         next_look = time.monotonic() + GONE_CHECK_S
-        if self.rank != 0 and not self._peers.seen(0):  # one look per step until seen alive (the first)
+        if self.rank != 0 and not self._peers.seen(0):  # until seen alive (PeerProcesses: once per posted pid)
             self._peers.gone(0)
         lower_timer_slack()
         while True:
@@ -308,6 +308,11 @@ class PeerProcesses:
         self.board, self.rank = board, rank
         self._seen: set[int] = set()
         self._gone: dict[int, int] = {}  # peer rank -> the pid it had
+        # Peer rank -> the (pid, start time) it posted that a look found not to be a live process here
+        # (a rank in a pid namespace of its own, or one already gone). That stays so for the pair: an
+        # exited process does not come back, and one that takes the pid later is not the peer. Without
+        # this, every step on ranks 1..3 looked at such a rank 0 again (a signal and a /proc read).
+        self._not_here: dict[int, tuple[int, int]] = {}
 
     def gone(self, peer: int) -> bool:
         """Whether `peer`'s process has exited (False until it was seen alive from here once)."""
@@ -319,7 +324,11 @@ class PeerProcesses:
         if pid <= 0:
             return False
         if peer not in self._seen:
-            if not _exited(pid, start):
+            if self._not_here.get(peer) == (pid, start):  # looked at already: another pair on the board looks again
+                return False
+            if _exited(pid, start):
+                self._not_here[peer] = (pid, start)
+            else:
                 self._seen.add(peer)
             return False
         if _exited(pid, start):

@@ -115,17 +115,43 @@ def _mkdir(p: Path, mode: int) -> bool:
     return True
 
 
+def _give_group_bits(d: Path) -> None:
+    """Set LEAF_MODE on the folder `_mkdir` just made at `d`: the umask may have taken the group's bits,
+    which the engine needs. A setgid bit inherited from the parent is kept: it is what gives the sockets
+    the engine's group.
+
+    Through a descriptor opened without following a link, and only on a folder of this user's: between
+    the mkdir and here, whoever may rename entries in the parent (its group; anyone where the parent
+    check below refuses it, too late for this) could have put a link or a folder of theirs at `d`, and
+    a chmod by path followed the link (as root: any file's mode made 0770)."""
+    def swapped(why: str) -> ServeConfigError:
+        return ServeConfigError(f"--socket-dir: {d} is not the folder serve just made ({why}): someone who may "
+                                f"change {d.parent} replaced it; choose a socket folder whose parents only this "
+                                "user or root may change")
+
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as err:  # a link (ENOTDIR or ELOOP, neither naming it), a file, or nothing now
+        raise swapped("a symbolic link now" if os.path.islink(d) else err.strerror) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != effective_uid():
+            raise swapped(f"now owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}")
+        os.fchmod(fd, LEAF_MODE | (st.st_mode & stat.S_ISGID))
+    finally:
+        os.close(fd)
+
+
 def prepare(d: Path) -> None:
     """Make `d` if it is missing (mode 0770 whatever the umask), then refuse it under the policy above.
     Runs in the parent before any rank starts and again in each rank before it binds (under torchrun
     there is no parent of ours)."""
     try:
-        if _mkdir(d, LEAF_MODE):
-            # The umask may have taken the group's bits, which the engine needs. A setgid bit inherited
-            # from the parent is kept: it is what gives the sockets the engine's group.
-            os.chmod(d, LEAF_MODE | (os.stat(d).st_mode & stat.S_ISGID))
+        made = _mkdir(d, LEAF_MODE)
     except OSError as err:
         raise ServeConfigError(f"--socket-dir: cannot create {d}: {err.strerror}") from None
+    if made:
+        _give_group_bits(d)
     try:
         st = os.stat(d)
     except OSError as err:

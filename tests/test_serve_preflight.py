@@ -147,6 +147,38 @@ def test_a_setgid_parent_s_group_is_kept_on_the_folder_serve_makes(tmp_path):
     assert stat.S_IMODE((tmp_path / "sock").stat().st_mode) == 0o2770
 
 
+@pytest.mark.parametrize("swap", ["link", "folder"])
+def test_an_entry_swapped_in_just_after_serve_made_the_folder_is_refused_and_left_as_it_was(swap, tmp_path,
+                                                                                           monkeypatch):
+    """Between serve's mkdir and the chmod that gives back the group bits the umask took, whoever may rename
+    entries in the parent (its group; anyone where the parent's own check refuses it, which comes later)
+    could put a link or a folder of theirs at the path. The chmod by path followed the link: a root
+    sidecar gave mode 0770 to whatever the link named (here a folder; a file as well), then served in it."""
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    d = tmp_path / "sock"
+    real_mkdir = os.mkdir
+    uid = None
+
+    def raced(path, mode=0o777, **kw):
+        nonlocal uid
+        real_mkdir(path, mode, **kw)
+        if Path(path) == d:  # the other user's move, right after ours
+            os.rmdir(d)
+            if swap == "link":
+                d.symlink_to(victim)
+            else:
+                real_mkdir(d, 0o700)
+                uid = _owned_by_another_user(d, monkeypatch)
+
+    monkeypatch.setattr(os, "mkdir", raced)
+    with pytest.raises(ServeConfigError) as refused:
+        sockdir.prepare(d)
+    why = "a symbolic link now" if swap == "link" else f"now owner uid {uid}, mode 0700"
+    assert str(refused.value).startswith(f"--socket-dir: {d} is not the folder serve just made ({why})"), refused.value
+    assert stat.S_IMODE((victim if swap == "link" else d).stat().st_mode) == 0o700
+
+
 OK, MINE, ROOT = None, "mine", 0  # MINE: owned by the euid given
 def _case_ids(table) -> list[str]:
     """Test ids for a table of (owner, mode, euid, words): "mine-0770-euid1000", "uid2000-0700-euid0"."""

@@ -324,3 +324,36 @@ def test_a_segment_that_cannot_hold_the_tensor_is_unlinked_not_left_in_dev_shm(m
         memory.shm_empty((28, 0), torch.float32, group)
     assert len(made) == 1
     assert not os.path.exists(f"/dev/shm/{made[0].lstrip('/')}"), f"{made[0]} left in /dev/shm"
+
+
+OTHER_UID = 12345
+
+
+@pytest.mark.parametrize("owner, mode, refusal", [
+    ("mine", 0o600, None),  # the engine as the sidecar's own user (shm_empty)
+    ("other", 0o660, None),  # the engine as another user, shared with the socket's group (shm_empty(group=))
+    ("mine", 0o666, "is writable by every user"),
+    ("mine", 0o662, "is writable by every user"),
+    ("other", 0o600, "is private to another user"),
+    ("other", 0o640, "is private to another user"),
+], ids=lambda v: f"{v:04o}" if isinstance(v, int) else v)
+def test_a_segment_any_user_may_truncate_or_only_privilege_opens_is_refused(segment, owner, mode, refusal):
+    """Mapped, a segment another process shrinks kills the rank with SIGBUS at its next access: one that
+    every user may write (o+w) let any local user do that (or rewrite a step's metadata). And a root sidecar
+    opened any user's private (0600) segment, so whoever reached its socket (with --tcp-base-port, any local
+    user) could have it map, and for a KV binding write into, a segment they could not open themselves."""
+    if owner == "other" and os.geteuid() != 0:
+        pytest.skip("another user's segment needs chown (root)")
+    path = f"/dev/shm/{segment.segment.name.lstrip('/')}"
+    os.chmod(path, mode)
+    if owner == "other":
+        os.chown(path, OTHER_UID, -1)
+    handle = memory.export_handle(segment.tensor)
+    if refusal is None:
+        memory.MappedMemory(handle, "regions[0].memory", torch.device("cpu")).close()
+        return
+    with pytest.raises(memory.HandleError) as refused:
+        memory.MappedMemory(handle, "regions[0].memory", torch.device("cpu"))
+    uid = OTHER_UID if owner == "other" else os.geteuid()
+    assert f"{path} {refusal} (owner uid {uid}, mode {mode:04o})" in str(refused.value), refused.value
+    assert str(refused.value).startswith("regions[0].memory: cannot open shared memory"), refused.value

@@ -426,6 +426,46 @@ def test_a_rank_s_step_looks_for_rank_0_s_process_only_until_it_was_seen_alive(r
     assert looks == [], f"{len(looks)} looks at rank 0's process in 10 steps"
 
 
+@pytest.mark.parametrize("rank_0_pid", ["names no process here", "names another process here"])
+def test_a_rank_0_never_seen_alive_is_looked_at_once_per_posted_pid_not_every_step(ranks, monkeypatch, rank_0_pid):
+    """Rank 0 in a pid namespace of its own posts a pid that names no process here, or another one: never
+    seen alive, so each step on ranks 1..3 looked at it again (a signal, and a /proc read where the pid
+    names a process), for the group's whole life. A pid and start time once found not to be rank 0's
+    process stay so, so they are looked at once; another pair on the board is looked at anew."""
+    import subprocess
+    import sys
+
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+    from dspark_sidecar.server.rendezvous import process_start
+
+    board = ranks[0].board
+    if rank_0_pid == "names no process here":
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()  # reaped: its pid names no process
+        board.starts[0], board.pids[0] = 0, gone.pid
+    else:
+        board.starts[0] = process_start(os.getpid()) + 1  # this pid, another start time: not rank 0's process
+    monkeypatch.setattr(rendezvous_mod, "GONE_CHECK_S", 3600.0)  # only the per-step look, no timed ones
+    looks: list[str] = []
+    real = rendezvous_mod._exited
+
+    def counted(pid, start=0):
+        if threading.current_thread().name != "dspark-rendezvous":  # the coordinator's own looks aside
+            looks.append(threading.current_thread().name)
+        return real(pid, start)
+
+    monkeypatch.setattr(rendezvous_mod, "_exited", counted)
+    for step in range(1, 11):
+        out = agree_all(ranks, {r: Post(step, 1, 3, 99, True) for r in range(WORLD)})
+        assert all(v.go for v, _ in out.values())
+    assert len(looks) == WORLD - 1, f"{len(looks)} looks at rank 0's process in 10 steps on {WORLD - 1} ranks"
+    assert not any(ranks[r]._peers.seen(0) for r in range(1, WORLD))
+    # Another pid and start time on the board (here: a process that runs) is looked at again, and seen.
+    board.starts[0], board.pids[0] = process_start(os.getpid()), os.getpid()
+    agree_all(ranks, {r: Post(11, 1, 3, 99, True) for r in range(WORLD)})
+    assert len(looks) == 2 * (WORLD - 1) and all(ranks[r]._peers.seen(0) for r in range(1, WORLD))
+
+
 def test_the_coordinator_stops_looking_between_steps_once_every_peer_was_seen_even_after_rank_0_was_late(
         monkeypatch):
     """Between steps the coordinator looks at the peers' processes (every GONE_CHECK_S) only until each was
