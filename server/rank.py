@@ -236,9 +236,10 @@ class RankLoop:
 
     def stop_steps(self, timeout_s: float = STOP_STEPS_S) -> bool:
         """Refuse every step not yet started (UNAVAILABLE, SHUTTING_DOWN; queued ones are answered so)
-        and wait for the one running to finish, until timeout_s after the first call; True once none runs. The shutdown calls it before it
-        ends the engines' streams: an engine reads the end of its stream as "the sidecar is done with
-        my step" and then writes those K/V slots itself, so no step may still run when it ends."""
+        and wait for the one running to finish, until timeout_s after the first call; True once none
+        runs. The shutdown calls it before it ends the engines' streams: an engine reads the end of its
+        stream as "the sidecar is done with my step" and then writes those K/V slots itself, so no step
+        may still run when it ends."""
         with self._gate:
             if not self._stopping:
                 self._stopping = True
