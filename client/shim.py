@@ -41,7 +41,7 @@ from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSo
 from dspark_sidecar.client.metadata import step_metadata_from, tables_cover
 from dspark_sidecar.client.stats import ShimStats
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_paging
-from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.memory import HandleError
 
@@ -145,7 +145,10 @@ class DrafterShim:
         self.binder = KVBinder(pb.EngineFacts(
             engine_rank=self.rank, tp_size=config.tp_size, dp_size=config.dp_size, pp_size=config.pp_size,
             speculative_method=config.speculative_method, num_speculative_tokens=config.num_speculative_tokens,
-            device=config.device))
+            device=config.device,
+            # The engine rank's GPU, which the sidecar rank compares with its own at BindKV (an engine rank wired
+            # to another GPU's sidecar rank is refused there, by name); "" on a CPU rank: not compared.
+            device_uuid=memory.gpu_uuid(torch.device(config.device))))
         if self.refusal is not None:
             log.info("DSpark drafter sidecar off: %s", self.refusal)
 

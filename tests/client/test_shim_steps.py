@@ -16,6 +16,7 @@ from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import doorbell as bell
+from dspark_sidecar.proto import memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import (
     DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, recording_shm, shm_kv_cache,
@@ -233,6 +234,32 @@ def test_connect_binds_ahead_of_the_first_step_and_a_refusal_there_is_left_to_th
     with set_forward_context(meta):
         assert other.maybe_forward(ids, pos) is None
     assert not other.enabled and other.refusal == "sidecar refuses: not gfx950"
+
+
+def test_bindkv_names_the_engines_gpu_uuid_on_a_gpu_and_none_on_cpu(fake, monkeypatch):
+    """EngineFacts.device_uuid: the sidecar compares a named uuid with its own GPU's (an engine rank wired to
+    another GPU's sidecar rank is refused at BindKV, not at its first layer handle). The shim left it empty,
+    so that check never ran. On a CPU rank it stays empty (the sidecar does not compare it). The helper is
+    faked: no GPU here; only the device the shim asks about is real."""
+    asked = []
+
+    def uuid(device: torch.device) -> str:
+        asked.append(device)
+        return "GPU-5e1f0c2a" if device.type == "cuda" else ""
+
+    monkeypatch.setattr(memory, "gpu_uuid", uuid)
+    gpu, _, _ = make_shim(fake.endpoint, device="cuda:1")  # the facts only: its KV cache is shm all the same
+    cpu, _, _ = make_shim(fake.endpoint)
+    try:
+        assert gpu.binder.facts.device_uuid == "GPU-5e1f0c2a" and cpu.binder.facts.device_uuid == ""
+        assert torch.device("cuda:1") in asked
+        assert gpu.connect() is None
+        assert fake.sidecar.binds[-1].engine.device_uuid == "GPU-5e1f0c2a"
+        assert cpu.connect() is None
+        assert fake.sidecar.binds[-1].engine.device_uuid == "" and fake.sidecar.binds[-1].engine.device == "cpu"
+    finally:
+        gpu.close()
+        cpu.close()
 
 
 def test_engine_tp_mismatch_at_bind_is_permanent(fake):
