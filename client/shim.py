@@ -31,7 +31,7 @@ import torch
 
 from dspark_sidecar import layout
 from dspark_sidecar.client.agreement import StepAgreement, agreement_from, all_min_ints
-from dspark_sidecar.client.binding import BindError, KVBinder
+from dspark_sidecar.client.binding import BindError, KVBinder, NotShareable
 from dspark_sidecar.client.breaker import CircuitBreaker
 from dspark_sidecar.client.config import EngineConfig, config_refusal
 from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, StepInterrupted, StreamBroken, _insecure
@@ -61,6 +61,7 @@ BREAKER = "sidecar unavailable (breaker open)"
 UNREACHABLE = "sidecar unreachable"
 NOT_SERVING = "sidecar not serving"
 BIND_FAILED = "KV bind failed"
+KV_NOT_SHAREABLE = "KV cache memory cannot be shared (expandable_segments or cuMem allocator)"
 PEER_NOT_READY = "peer engine rank not ready"
 GENERATIONS = "binding generations differ"
 STREAM = "stream broken"
@@ -314,6 +315,15 @@ class DrafterShim:
         if self.binder.needs_bind(layers):
             try:
                 self.binder.bind(self.connection.stub, layers, cfg.bind_deadline_s)
+            except NotShareable as e:
+                # The engine's allocator, not the sidecar: no breaker failure, the link kept, nothing sent. Not
+                # ready until the engine re-allocates the cache (then it is tried again): every rank falls back.
+                if str(e) not in self._logged:
+                    self._logged.add(str(e))
+                    log.warning("sidecar rank %d: %s. Every draft step runs the stock layers until the KV cache is "
+                                "allocated outside expandable segments (PYTORCH_CUDA_ALLOC_CONF="
+                                "expandable_segments:False; deploy/OPERATIONS.md)", self.rank, e)
+                return False, KV_NOT_SHAREABLE, False
             except BindError as e:
                 if e.permanent:
                     return False, f"KV cache cannot be bound: {e}", True
@@ -362,6 +372,8 @@ class DrafterShim:
             binds += 1
             try:
                 self.binder.bind(self.connection.stub, layers, self.config.bind_deadline_s)
+            except NotShareable:
+                return  # nothing was sent; the next readiness check reports it (_prepare)
             except BindError as e:
                 self.breaker.record_failure(str(e))
                 self._drop_link()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -260,6 +261,53 @@ def test_bindkv_names_the_engines_gpu_uuid_on_a_gpu_and_none_on_cpu(fake, monkey
     finally:
         gpu.close()
         cpu.close()
+
+
+def test_a_kv_cache_torch_cannot_share_is_a_named_fallback_not_a_shim_error(fake, monkeypatch, caplog):
+    """torch refuses to take a CUDA IPC handle on memory from expandable segments or a cuMem allocator (a
+    RuntimeError from storage._share_cuda_). It escaped bind_request: counted as "shim error in prepare" on every
+    step, against the breaker, which then opened and reported the sidecar unavailable. Now: one fallback reason
+    naming the cause, logged once, nothing sent, the breaker untouched, the cache not exported again; a
+    re-allocated cache is tried again. (On CPU the refusal is faked; only the identity's segment lookup, which
+    never runs on a GPU, still answers.)"""
+    from dspark_sidecar.client import binding
+
+    real, attempts = binding.export_handle, []
+
+    def export(t):
+        if sys._getframe(1).f_code.co_name == "bind_request" and refusing:
+            attempts.append(t)
+            raise RuntimeError("injected: CUDA IPC handle refused for memory from expandable segments")
+        return real(t)
+
+    refusing = True
+    monkeypatch.setattr(binding, "export_handle", export)
+    kv = shm_kv_cache()
+    shim, _, _ = make_shim(fake.endpoint, kv=kv)
+    ids, pos, meta = step_inputs(2)
+    try:
+        with caplog.at_level("INFO", logger="dspark_sidecar.client"), set_forward_context(meta):
+            for _ in range(5):
+                assert shim.maybe_forward(ids, pos) is None
+            assert shim.connect() == S.KV_NOT_SHAREABLE
+        assert shim.stats.fallbacks == {S.KV_NOT_SHAREABLE: 5}
+        assert "expandable_segments" in S.KV_NOT_SHAREABLE
+        assert shim.breaker.failures == 0 and shim.breaker.state.value == "closed"
+        assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
+        assert len(attempts) == 1, "the same cache was exported again"
+        assert fake.sidecar.calls["BindKV"] == 0
+        warned = [r for r in caplog.records if r.levelname == "WARNING" and "expandable segments" in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+        refusing = False
+        old = list(kv)
+        kv[:] = shm_kv_cache()  # the engine re-allocates (outside expandable segments, say)
+        for s in old:
+            s.close()
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+        assert fake.sidecar.calls["BindKV"] == 1
+    finally:
+        shim.close()
 
 
 def test_engine_tp_mismatch_at_bind_is_permanent(fake):
@@ -577,6 +625,37 @@ def test_a_kv_cache_provider_raising_in_a_catch_up_is_not_the_sidecars_failure(f
         assert shim.breaker.failures == 0 and shim.breaker.state.value == "closed", \
             "the engine's provider raising was counted against the sidecar"
         assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
+    finally:
+        shim.close()
+
+
+def test_a_catch_up_bind_torch_cannot_share_is_not_the_sidecars_failure(fake, monkeypatch):
+    """The catch-up to a peer's generation binds too: memory torch refuses to share there (faked, as above) is
+    the engine's, not a failed BindKV: before, it counted against the breaker and dropped the link."""
+    from dspark_sidecar.client import binding
+
+    real = binding.export_handle
+
+    def export(t):
+        if sys._getframe(1).f_code.co_name == "bind_request" and agree.armed:
+            raise RuntimeError("injected: CUDA IPC handle refused for memory from expandable segments")
+        return real(t)
+
+    monkeypatch.setattr(binding, "export_handle", export)
+    agree = _PeerBoundOnceMore()
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       agree)
+    agree.shim = shim
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            agree.armed = True
+            assert shim.maybe_forward(ids, pos) is None
+        assert shim.stats.fallbacks == {S.GENERATIONS: 1}
+        assert shim.breaker.failures == 0 and shim.connection.is_open
+        assert fake.sidecar.calls["BindKV"] == 1
     finally:
         shim.close()
 
