@@ -16,6 +16,8 @@ three phases (FAILURE_MODES.md has the full argument):
 Phases 2 and 3 hold the rank's link (`_link`) and close() takes it the same way, after waking a
 step that waits for its answer: nothing is released or unmapped under a step. After close() the rank
 is not ready at every pre-flight (it still takes part in the agreements: its peers wait there).
+connect() takes the link too, and changes nothing while a step on another thread is between its
+phase 2 and its end (the peers agree on the link as phase 2 left it).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ DEADLINE = "step deadline exceeded"
 BAD_ANSWER = "malformed answer"
 PEER_FAILED = "peer engine rank got no result"
 CLOSED = "shim closed"
+STEP_IN_FLIGHT = "a step is in flight on another thread"  # connect()'s answer only: never a fallback reason
 
 _NO_LIMIT = layout.MAX_REQS_LIMIT + 1
 _NO_GEN = 1 << 62
@@ -133,6 +136,8 @@ class DrafterShim:
         self._closed = False  # close() was called: final
         self._close_left = False  # close() gave up waiting for the link: the thread inside finishes it
         self._waiter: Any = None  # the transport a step waits on now: close() interrupts it
+        # A maybe_forward is between its readiness check and its end (set and read holding the link; see connect)
+        self._step_open = False
         self._hold = _LinkHold(self)
         self.refusal = config_refusal(config)
         self.enabled = self.refusal is None
@@ -195,49 +200,55 @@ class DrafterShim:
             gen = self.binder.generation
             status = self.connection.status
             view = status.limits.max_reqs if status is not None else 0
-        agreed = all_min_ints(self._agree, [int(ready), -int(refused), gen or _NO_GEN, -gen, view or _NO_LIMIT])
-        all_ready, any_refused, gen_min, gen_max, limit = agreed[0], -agreed[1], agreed[2], -agreed[3], agreed[4]
-        if any_refused:
-            with self._link():
-                self._disable(why if refused else "a peer engine rank's sidecar refuses")
-            return self._fallback(f"off: {self.refusal}")
-        if limit != _NO_LIMIT:
-            self._max_reqs = limit
-        if gen_max and gen_min != gen_max:
-            with self._link() as is_open:
-                try:
-                    if is_open:
-                        self._catch_up(gen_max)
-                except Exception as e:  # noqa: BLE001  (raising here would skip the peers' next agreement)
-                    self._internal("catch-up", e)
-            return self._fallback(GENERATIONS)
-        if not all_ready:
-            return self._fallback(why if not ready else PEER_NOT_READY)
-        if r > self._max_reqs:
-            return self._fallback(REQS)
-        if paging is not None and not tables_cover(meta, paging[1]):
-            # Here, not in phase 1: the page size is this rank's cache's, and a rank whose provider raised
-            # has none; it would go on to the pre-flight alone. All ranks are ready here, so each has read
-            # its cache (the engine's one page size) and all decide alike, with no further agreement.
-            return self._fallback(BAD_METADATA)
+            # Until this step ends, the link stays as its peers are about to agree on it: a connect()
+            # from another thread in between leaves it alone (one attribute store here and one below, ~30 ns).
+            self._step_open = True
+        try:
+            agreed = all_min_ints(self._agree, [int(ready), -int(refused), gen or _NO_GEN, -gen, view or _NO_LIMIT])
+            all_ready, any_refused, gen_min, gen_max, limit = agreed[0], -agreed[1], agreed[2], -agreed[3], agreed[4]
+            if any_refused:
+                with self._link():
+                    self._disable(why if refused else "a peer engine rank's sidecar refuses")
+                return self._fallback(f"off: {self.refusal}")
+            if limit != _NO_LIMIT:
+                self._max_reqs = limit
+            if gen_max and gen_min != gen_max:
+                with self._link() as is_open:
+                    try:
+                        if is_open:
+                            self._catch_up(gen_max)
+                    except Exception as e:  # noqa: BLE001  (raising here would skip the peers' next agreement)
+                        self._internal("catch-up", e)
+                return self._fallback(GENERATIONS)
+            if not all_ready:
+                return self._fallback(why if not ready else PEER_NOT_READY)
+            if r > self._max_reqs:
+                return self._fallback(REQS)
+            if paging is not None and not tables_cover(meta, paging[1]):
+                # Here, not in phase 1: the page size is this rank's cache's, and a rank whose provider raised
+                # has none; it would go on to the pre-flight alone. All ranks are ready here, so each has read
+                # its cache (the engine's one page size) and all decide alike, with no further agreement.
+                return self._fallback(BAD_METADATA)
 
-        step_id, self._next_step = self._next_step, self._next_step + 1
-        with self._link() as is_open:  # closed since the pre-flight: nothing is sent
-            try:
-                if not is_open:
-                    hidden, why = None, CLOSED
-                else:
-                    if inputs_embeds is None:
-                        inputs_embeds = self._model.embed_input_ids(input_ids)
-                    hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
-            except Exception as e:  # noqa: BLE001  (same: every rank must reach the post-flight agreement)
-                hidden, why = None, self._internal("step", e)
-        if not all_min_ints(self._agree, [int(hidden is not None)])[0]:
-            return self._fallback(why or PEER_FAILED)
-        self.stats.forwarded += 1
-        self.stats.via_doorbell += int(self._via_doorbell)
-        self.stats.forward_ns.append(time.perf_counter_ns() - start)
-        return hidden
+            step_id, self._next_step = self._next_step, self._next_step + 1
+            with self._link() as is_open:  # closed since the pre-flight: nothing is sent
+                try:
+                    if not is_open:
+                        hidden, why = None, CLOSED
+                    else:
+                        if inputs_embeds is None:
+                            inputs_embeds = self._model.embed_input_ids(input_ids)
+                        hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
+                except Exception as e:  # noqa: BLE001  (same: every rank must reach the post-flight agreement)
+                    hidden, why = None, self._internal("step", e)
+            if not all_min_ints(self._agree, [int(hidden is not None)])[0]:
+                return self._fallback(why or PEER_FAILED)
+            self.stats.forwarded += 1
+            self.stats.via_doorbell += int(self._via_doorbell)
+            self.stats.forward_ns.append(time.perf_counter_ns() - start)
+            return hidden
+        finally:
+            self._step_open = False
 
     def _layers(self) -> list[torch.Tensor]:
         """The engine's KV cache layers, or [] when its provider raises. The provider reads this rank's
@@ -259,12 +270,20 @@ class DrafterShim:
         may call it at any time (an engine at start-up, the bench); `maybe_forward` still checks and
         agrees on every step. A refusal found here does not turn this rank off: that is decided by all
         ranks together at a step's pre-flight (one rank off alone would skip the agreements its peers
-        wait in)."""
+        wait in).
+
+        From another thread while a step is between its readiness check and its end, it returns
+        STEP_IN_FLIGHT and changes nothing: that step's peers agree on this rank's link as it was (its
+        generation, its limits), and the step then sends on it. A re-bind or a dropped link in that gap sent a
+        generation the peers had not agreed on, or raised inside the step. The step checks the link itself.
+        Two connect() calls at once run one after the other (the link); the second finds it ready."""
         if not self.enabled:
             return f"off: {self.refusal}"
         with self._link() as is_open:
             if not is_open:
                 return CLOSED
+            if self._step_open:
+                return STEP_IN_FLIGHT
             try:
                 ready, why, refused = self._prepare(self._layers())
             except Exception as e:  # noqa: BLE001  (as in maybe_forward: it returns why, it does not raise)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import pytest
@@ -656,6 +657,76 @@ def test_a_catch_up_bind_torch_cannot_share_is_not_the_sidecars_failure(fake, mo
         assert shim.stats.fallbacks == {S.GENERATIONS: 1}
         assert shim.breaker.failures == 0 and shim.connection.is_open
         assert fake.sidecar.calls["BindKV"] == 1
+    finally:
+        shim.close()
+
+
+def _on_threads(fns: list, limit_s: float = 10.0) -> list:
+    """Run each fn on its own thread, all released together; their results (a thread left running fails)."""
+    out: list = [None] * len(fns)
+    go = threading.Barrier(len(fns))
+
+    def run(i: int) -> None:
+        go.wait()
+        out[i] = fns[i]()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit_s)
+        assert not t.is_alive(), "hang"
+    return out
+
+
+class _ConnectsInPreflight(PreflightHook):
+    """In the pre-flight (this rank has prepared its link and waits for its peer), the engine re-allocates its
+    cache and another thread calls connect()."""
+
+    def __init__(self, kv: list) -> None:
+        super().__init__()
+        self.kv, self.connected = kv, "not called"
+
+    def at_preflight(self) -> None:
+        old = list(self.kv)
+        self.kv[:] = shm_kv_cache()
+        for s in old:
+            s.close()
+        (self.connected,) = _on_threads([self.shim.connect])
+
+
+def test_connect_on_another_thread_leaves_a_step_between_its_preflight_and_its_send_alone(fake):
+    """connect() may come from any thread at any time; a step holds the link in its phases 2 and 3 but not across
+    the pre-flight (close() must not wait for the peers). A connect() in that gap re-bound (or dropped and
+    re-opened the link) under the step: it then sent a generation its peers had not agreed on (at TP 4 an
+    ABORTED step), or, over a dropped link, raised an AssertionError counted as a shim error. Now connect() finds
+    the step in flight and leaves the link as the pre-flight saw it; the step's next readiness check re-binds."""
+    kv = shm_kv_cache()
+    agree = _ConnectsInPreflight(kv)
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       agree)
+    agree.shim = shim
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            agree.armed = True
+            assert shim.maybe_forward(ids, pos) is not None
+            assert fake.sidecar.calls["BindKV"] == 1 and fake.sidecar.requests[-1].binding_generation == 1
+            assert agree.connected == S.STEP_IN_FLIGHT
+            assert shim.maybe_forward(ids, pos) is not None  # its own readiness check re-binds the new cache
+        assert fake.sidecar.calls["BindKV"] == 2 and fake.sidecar.requests[-1].binding_generation == 2
+        assert shim.connect() is None  # no step in flight: connect() works as before
+        assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
+    finally:
+        shim.close()
+
+
+def test_two_threads_connecting_at_once_set_the_link_up_once(fake):
+    shim, _, _ = make_shim(fake.endpoint)
+    try:
+        assert _on_threads([shim.connect, shim.connect]) == [None, None]
+        assert fake.sidecar.calls["GetStatus"] == 1 and fake.sidecar.calls["BindKV"] == 1
     finally:
         shim.close()
 
