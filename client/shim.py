@@ -6,7 +6,8 @@ three phases (FAILURE_MODES.md has the full argument):
 
 1. The seed's checks, in the seed's order, on TP-replicated state only (the engine's config and
    the step's inputs, identical on every rank; the agreed limits). No remote call and no
-   collective: every rank takes the same branch, so none waits for a peer.
+   collective: every rank takes the same branch, so none waits for a peer. (One in RELEARN_EVERY
+   steps above the agreed max_reqs goes on to phase 2, on every rank alike, to learn a raised limit.)
 2. This rank's readiness (breaker, connection, KV binding), each bounded by a deadline, then a
    pre-flight MIN all-reduce: one rank not ready -> all return None.
 3. The step on the long-lived stream (bounded by the step deadline), then a post-flight MIN
@@ -73,6 +74,12 @@ PEER_FAILED = "peer engine rank got no result"
 CLOSED = "shim closed"
 STEP_IN_FLIGHT = "a step is in flight on another thread"  # connect()'s answer only: never a fallback reason
 
+# One in this many steps above the agreed max_reqs goes on to the readiness check and the pre-flight instead of
+# returning at phase 1: the limit is learned only there (GetStatus, read at each reconnect), which such steps
+# never reach, so a sidecar restarted with a larger --max-reqs (or one above the engine's first guess) was never
+# learned while every step exceeded the old limit. Costs one pre-flight per this many fallbacks; the others
+# still make no remote call and no agreement.
+RELEARN_EVERY = 64
 _NO_LIMIT = layout.MAX_REQS_LIMIT + 1
 _NO_GEN = 1 << 62
 _TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING", "PEER_SILENT")
@@ -124,6 +131,7 @@ class DrafterShim:
         self.stats = ShimStats()
         self._logged: set[str] = set()
         self._max_reqs = config.max_reqs  # replicated: changed only from agreed values
+        self._over_limit = 0  # replicated: steps above _max_reqs so far (RELEARN_EVERY)
         self._next_step = 1  # replicated: advanced only on agreed steps
         self._unsettled: tuple[Any, int] | None = None  # (stream, step id) of a step not yet answered
         self._drop_pending = False  # _drop_link asked for while a step was unsettled: done once it settles
@@ -171,7 +179,9 @@ class DrafterShim:
             return self._fallback(ROWS)
         r = n // layout.QPR
         if not 0 < r <= self._max_reqs:
-            return self._fallback(REQS)
+            self._over_limit += 1  # replicated: every rank sees the same steps and the same agreed limit
+            if not 0 < r <= layout.MAX_REQS_LIMIT or self._over_limit % RELEARN_EVERY:
+                return self._fallback(REQS)
         if positions.dtype != torch.int64:
             return self._fallback(POSITIONS)
         if not self._fc.available():

@@ -123,6 +123,70 @@ def test_the_sidecar_limit_becomes_the_step_limit_without_remote_calls(fake):
         assert shim.maybe_forward(ids, pos) is not None
 
 
+def test_a_limit_raised_by_a_sidecar_restart_is_learned_again_by_steps_above_the_old_one(fake):
+    """The agreed max_reqs is learned at a pre-flight (GetStatus read at each reconnect), but a step above it
+    returns at phase 1 and never reaches one: after a restart with a larger --max-reqs, an engine whose steps
+    all exceeded the old limit fell back for good (nor did it notice the restart). Now one in RELEARN_EVERY such
+    steps goes on to the readiness check (which reconnects and re-binds) and the pre-flight (which agrees the
+    new limit); the others still make no remote call."""
+    shim, _, _ = make_shim(fake.endpoint)
+    small, pos_s, meta_s = step_inputs(2)
+    try:
+        with set_forward_context(meta_s):
+            assert shim.maybe_forward(small, pos_s) is not None  # learns max_reqs = 4
+        fake.stop()
+        fake.sidecar = FakeSidecar(max_reqs=8)  # restarted with a larger limit
+        fake.start()
+        deadline = time.monotonic() + 5
+        while not shim.connection.stream_ended:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ids, pos, meta = step_inputs(6)
+        forwarded_at = None
+        with set_forward_context(meta):
+            for i in range(200):
+                before = fake.sidecar.remote_calls()
+                if shim.maybe_forward(ids, pos) is not None:
+                    forwarded_at = i + 1
+                    break
+                assert fake.sidecar.remote_calls() == before, f"step {i + 1} above the limit called the sidecar"
+        assert forwarded_at is not None, "a limit raised by the restart was never learned"
+        assert forwarded_at == S.RELEARN_EVERY and shim.stats.fallbacks == {S.REQS: S.RELEARN_EVERY - 1}
+        assert fake.sidecar.calls["GetStatus"] == 1 and fake.sidecar.calls["BindKV"] == 1  # reconnected, re-bound
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None  # the new limit holds from now on
+    finally:
+        shim.close()
+
+
+def test_steps_above_a_limit_that_stays_fall_back_and_only_the_relearning_one_agrees(fake):
+    """A step above the agreed limit that goes on to the pre-flight (one in RELEARN_EVERY) and finds the limit
+    unchanged falls back there, unsent; the steps in between make no remote call and no agreement."""
+    agreements = []
+
+    class _Counting(PreflightHook):
+        def all_min(self, values):
+            agreements.append(values.numel())
+            return values.clone()
+
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       _Counting())
+    small, pos_s, meta_s = step_inputs(2)
+    ids, pos, meta = step_inputs(6)
+    try:
+        with set_forward_context(meta_s):
+            assert shim.maybe_forward(small, pos_s) is not None  # learns max_reqs = 4 (the fake's)
+        agreements.clear()
+        with set_forward_context(meta):
+            for _ in range(2 * S.RELEARN_EVERY):
+                assert shim.maybe_forward(ids, pos) is None
+        assert shim.stats.fallbacks == {S.REQS: 2 * S.RELEARN_EVERY}
+        assert agreements == [5, 5] and len(fake.sidecar.requests) == 1  # two pre-flights, nothing sent
+    finally:
+        shim.close()
+
+
 def test_reallocated_kv_cache_is_detected_and_rebound(fake):
     kv = shm_kv_cache()
     shim, _, _ = make_shim(fake.endpoint, kv=kv)
