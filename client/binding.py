@@ -35,6 +35,16 @@ class BindError(Exception):
         self.permanent = permanent
 
 
+class NotShareable(BindError):
+    """torch cannot export the cache's memory to another process: a legacy CUDA IPC handle cannot be taken on
+    memory from expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or a cuMem / pluggable
+    allocator (vLLM's sleep mode). The engine's allocation, not the sidecar's fault, and no retry exports
+    this cache; a re-allocated one may (KVBinder.bind)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, permanent=False)
+
+
 def error_reason(err: grpc.RpcError) -> str:
     """The ErrorInfo.reason of a rich gRPC status, or '' when there is none."""
     try:
@@ -93,6 +103,9 @@ def bind_request(layers: Sequence[torch.Tensor], facts: pb.EngineFacts) -> pb.Bi
             dtype = codec.dtype_to_proto(t.dtype)
         except (HandleError, ValueError) as e:
             raise BindError(f"KV layer {i}: {e}", permanent=True) from None
+        except RuntimeError as e:  # torch's or the driver's refusal of this memory (see NotShareable)
+            raise NotShareable(f"KV layer {i}: torch cannot share its memory with the sidecar "
+                               f"(expandable segments or cuMem memory?): {e}") from None
         entries.append(pb.KVLayerBinding(layer=i, memory=handle, dtype=dtype, shape=list(t.shape),
                                          strides=list(t.stride()), storage_offset=t.storage_offset()))
     return pb.BindKVRequest(engine=facts, layers=entries, page_size=int(entries[0].shape[2]))
@@ -133,6 +146,9 @@ class KVBinder:
         self.facts = facts
         self.current: Binding | None = None
         self.binds = 0  # successful BindKV calls
+        # (identity, why) of the cache last found NotShareable: not exported again (each try costs every layer's
+        # export, on every step the engine runs while it keeps that cache), only a re-allocated cache is.
+        self._unshareable: tuple[tuple, str] | None = None
 
     @property
     def generation(self) -> int:
@@ -161,7 +177,15 @@ class KVBinder:
     def bind(self, stub, layers: Sequence[torch.Tensor], deadline_s: float) -> Binding:
         """BindKV once; raises BindError (permanent or not)."""
         ident = cache_identity(layers)
-        req = bind_request(layers, self.facts)
+        if self._unshareable is not None and self._unshareable[0] == ident:
+            self.current = None
+            raise NotShareable(self._unshareable[1])
+        try:
+            req = bind_request(layers, self.facts)
+        except NotShareable as e:
+            self.current, self._unshareable = None, (ident, str(e))
+            raise
+        self._unshareable = None
         try:
             resp = stub.BindKV(req, timeout=deadline_s)
         except grpc.RpcError as e:

@@ -6,7 +6,8 @@ three phases (FAILURE_MODES.md has the full argument):
 
 1. The seed's checks, in the seed's order, on TP-replicated state only (the engine's config and
    the step's inputs, identical on every rank; the agreed limits). No remote call and no
-   collective: every rank takes the same branch, so none waits for a peer.
+   collective: every rank takes the same branch, so none waits for a peer. (One in RELEARN_EVERY
+   steps above the agreed max_reqs goes on to phase 2, on every rank alike, to learn a raised limit.)
 2. This rank's readiness (breaker, connection, KV binding), each bounded by a deadline, then a
    pre-flight MIN all-reduce: one rank not ready -> all return None.
 3. The step on the long-lived stream (bounded by the step deadline), then a post-flight MIN
@@ -16,6 +17,8 @@ three phases (FAILURE_MODES.md has the full argument):
 Phases 2 and 3 hold the rank's link (`_link`) and close() takes it the same way, after waking a
 step that waits for its answer: nothing is released or unmapped under a step. After close() the rank
 is not ready at every pre-flight (it still takes part in the agreements: its peers wait there).
+connect() takes the link too, and changes nothing while a step on another thread is between its
+phase 2 and its end (the peers agree on the link as phase 2 left it).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 from dspark_sidecar import layout
 from dspark_sidecar.client.agreement import StepAgreement, agreement_from, all_min_ints
-from dspark_sidecar.client.binding import BindError, KVBinder
+from dspark_sidecar.client.binding import BindError, KVBinder, NotShareable
 from dspark_sidecar.client.breaker import CircuitBreaker
 from dspark_sidecar.client.config import EngineConfig, config_refusal
 from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, StepInterrupted, StreamBroken, _insecure
@@ -41,7 +44,7 @@ from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSo
 from dspark_sidecar.client.metadata import step_metadata_from, tables_cover
 from dspark_sidecar.client.stats import ShimStats
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_paging
-from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.memory import HandleError
 
@@ -61,6 +64,7 @@ BREAKER = "sidecar unavailable (breaker open)"
 UNREACHABLE = "sidecar unreachable"
 NOT_SERVING = "sidecar not serving"
 BIND_FAILED = "KV bind failed"
+KV_NOT_SHAREABLE = "KV cache memory cannot be shared (expandable_segments or cuMem allocator)"
 PEER_NOT_READY = "peer engine rank not ready"
 GENERATIONS = "binding generations differ"
 STREAM = "stream broken"
@@ -68,7 +72,14 @@ DEADLINE = "step deadline exceeded"
 BAD_ANSWER = "malformed answer"
 PEER_FAILED = "peer engine rank got no result"
 CLOSED = "shim closed"
+STEP_IN_FLIGHT = "a step is in flight on another thread"  # connect()'s answer only: never a fallback reason
 
+# One in this many steps above the agreed max_reqs goes on to the readiness check and the pre-flight instead of
+# returning at phase 1: the limit is learned only there (GetStatus, read at each reconnect), which such steps
+# never reach, so a sidecar restarted with a larger --max-reqs (or one above the engine's first guess) was never
+# learned while every step exceeded the old limit. Costs one pre-flight per this many fallbacks; the others
+# still make no remote call and no agreement.
+RELEARN_EVERY = 64
 _NO_LIMIT = layout.MAX_REQS_LIMIT + 1
 _NO_GEN = 1 << 62
 _TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING", "PEER_SILENT")
@@ -120,6 +131,7 @@ class DrafterShim:
         self.stats = ShimStats()
         self._logged: set[str] = set()
         self._max_reqs = config.max_reqs  # replicated: changed only from agreed values
+        self._over_limit = 0  # replicated: steps above _max_reqs so far (RELEARN_EVERY)
         self._next_step = 1  # replicated: advanced only on agreed steps
         self._unsettled: tuple[Any, int] | None = None  # (stream, step id) of a step not yet answered
         self._drop_pending = False  # _drop_link asked for while a step was unsettled: done once it settles
@@ -132,6 +144,8 @@ class DrafterShim:
         self._closed = False  # close() was called: final
         self._close_left = False  # close() gave up waiting for the link: the thread inside finishes it
         self._waiter: Any = None  # the transport a step waits on now: close() interrupts it
+        # A maybe_forward is between its readiness check and its end (set and read holding the link; see connect)
+        self._step_open = False
         self._hold = _LinkHold(self)
         self.refusal = config_refusal(config)
         self.enabled = self.refusal is None
@@ -145,7 +159,10 @@ class DrafterShim:
         self.binder = KVBinder(pb.EngineFacts(
             engine_rank=self.rank, tp_size=config.tp_size, dp_size=config.dp_size, pp_size=config.pp_size,
             speculative_method=config.speculative_method, num_speculative_tokens=config.num_speculative_tokens,
-            device=config.device))
+            device=config.device,
+            # The engine rank's GPU, which the sidecar rank compares with its own at BindKV (an engine rank wired
+            # to another GPU's sidecar rank is refused there, by name); "" on a CPU rank: not compared.
+            device_uuid=memory.gpu_uuid(torch.device(config.device))))
         if self.refusal is not None:
             log.info("DSpark drafter sidecar off: %s", self.refusal)
 
@@ -162,7 +179,9 @@ class DrafterShim:
             return self._fallback(ROWS)
         r = n // layout.QPR
         if not 0 < r <= self._max_reqs:
-            return self._fallback(REQS)
+            self._over_limit += 1  # replicated: every rank sees the same steps and the same agreed limit
+            if not 0 < r <= layout.MAX_REQS_LIMIT or self._over_limit % RELEARN_EVERY:
+                return self._fallback(REQS)
         if positions.dtype != torch.int64:
             return self._fallback(POSITIONS)
         if not self._fc.available():
@@ -191,49 +210,55 @@ class DrafterShim:
             gen = self.binder.generation
             status = self.connection.status
             view = status.limits.max_reqs if status is not None else 0
-        agreed = all_min_ints(self._agree, [int(ready), -int(refused), gen or _NO_GEN, -gen, view or _NO_LIMIT])
-        all_ready, any_refused, gen_min, gen_max, limit = agreed[0], -agreed[1], agreed[2], -agreed[3], agreed[4]
-        if any_refused:
-            with self._link():
-                self._disable(why if refused else "a peer engine rank's sidecar refuses")
-            return self._fallback(f"off: {self.refusal}")
-        if limit != _NO_LIMIT:
-            self._max_reqs = limit
-        if gen_max and gen_min != gen_max:
-            with self._link() as is_open:
-                try:
-                    if is_open:
-                        self._catch_up(gen_max)
-                except Exception as e:  # noqa: BLE001  (raising here would skip the peers' next agreement)
-                    self._internal("catch-up", e)
-            return self._fallback(GENERATIONS)
-        if not all_ready:
-            return self._fallback(why if not ready else PEER_NOT_READY)
-        if r > self._max_reqs:
-            return self._fallback(REQS)
-        if paging is not None and not tables_cover(meta, paging[1]):
-            # Here, not in phase 1: the page size is this rank's cache's, and a rank whose provider raised
-            # has none; it would go on to the pre-flight alone. All ranks are ready here, so each has read
-            # its cache (the engine's one page size) and all decide alike, with no further agreement.
-            return self._fallback(BAD_METADATA)
+            # Until this step ends, the link stays as its peers are about to agree on it: a connect()
+            # from another thread in between leaves it alone (one attribute store here and one below, ~30 ns).
+            self._step_open = True
+        try:
+            agreed = all_min_ints(self._agree, [int(ready), -int(refused), gen or _NO_GEN, -gen, view or _NO_LIMIT])
+            all_ready, any_refused, gen_min, gen_max, limit = agreed[0], -agreed[1], agreed[2], -agreed[3], agreed[4]
+            if any_refused:
+                with self._link():
+                    self._disable(why if refused else "a peer engine rank's sidecar refuses")
+                return self._fallback(f"off: {self.refusal}")
+            if limit != _NO_LIMIT:
+                self._max_reqs = limit
+            if gen_max and gen_min != gen_max:
+                with self._link() as is_open:
+                    try:
+                        if is_open:
+                            self._catch_up(gen_max)
+                    except Exception as e:  # noqa: BLE001  (raising here would skip the peers' next agreement)
+                        self._internal("catch-up", e)
+                return self._fallback(GENERATIONS)
+            if not all_ready:
+                return self._fallback(why if not ready else PEER_NOT_READY)
+            if r > self._max_reqs:
+                return self._fallback(REQS)
+            if paging is not None and not tables_cover(meta, paging[1]):
+                # Here, not in phase 1: the page size is this rank's cache's, and a rank whose provider raised
+                # has none; it would go on to the pre-flight alone. All ranks are ready here, so each has read
+                # its cache (the engine's one page size) and all decide alike, with no further agreement.
+                return self._fallback(BAD_METADATA)
 
-        step_id, self._next_step = self._next_step, self._next_step + 1
-        with self._link() as is_open:  # closed since the pre-flight: nothing is sent
-            try:
-                if not is_open:
-                    hidden, why = None, CLOSED
-                else:
-                    if inputs_embeds is None:
-                        inputs_embeds = self._model.embed_input_ids(input_ids)
-                    hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
-            except Exception as e:  # noqa: BLE001  (same: every rank must reach the post-flight agreement)
-                hidden, why = None, self._internal("step", e)
-        if not all_min_ints(self._agree, [int(hidden is not None)])[0]:
-            return self._fallback(why or PEER_FAILED)
-        self.stats.forwarded += 1
-        self.stats.via_doorbell += int(self._via_doorbell)
-        self.stats.forward_ns.append(time.perf_counter_ns() - start)
-        return hidden
+            step_id, self._next_step = self._next_step, self._next_step + 1
+            with self._link() as is_open:  # closed since the pre-flight: nothing is sent
+                try:
+                    if not is_open:
+                        hidden, why = None, CLOSED
+                    else:
+                        if inputs_embeds is None:
+                            inputs_embeds = self._model.embed_input_ids(input_ids)
+                        hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
+                except Exception as e:  # noqa: BLE001  (same: every rank must reach the post-flight agreement)
+                    hidden, why = None, self._internal("step", e)
+            if not all_min_ints(self._agree, [int(hidden is not None)])[0]:
+                return self._fallback(why or PEER_FAILED)
+            self.stats.forwarded += 1
+            self.stats.via_doorbell += int(self._via_doorbell)
+            self.stats.forward_ns.append(time.perf_counter_ns() - start)
+            return hidden
+        finally:
+            self._step_open = False
 
     def _layers(self) -> list[torch.Tensor]:
         """The engine's KV cache layers, or [] when its provider raises. The provider reads this rank's
@@ -255,12 +280,20 @@ class DrafterShim:
         may call it at any time (an engine at start-up, the bench); `maybe_forward` still checks and
         agrees on every step. A refusal found here does not turn this rank off: that is decided by all
         ranks together at a step's pre-flight (one rank off alone would skip the agreements its peers
-        wait in)."""
+        wait in).
+
+        From another thread while a step is between its readiness check and its end, it returns
+        STEP_IN_FLIGHT and changes nothing: that step's peers agree on this rank's link as it was (its
+        generation, its limits), and the step then sends on it. A re-bind or a dropped link in that gap sent a
+        generation the peers had not agreed on, or raised inside the step. The step checks the link itself.
+        Two connect() calls at once run one after the other (the link); the second finds it ready."""
         if not self.enabled:
             return f"off: {self.refusal}"
         with self._link() as is_open:
             if not is_open:
                 return CLOSED
+            if self._step_open:
+                return STEP_IN_FLIGHT
             try:
                 ready, why, refused = self._prepare(self._layers())
             except Exception as e:  # noqa: BLE001  (as in maybe_forward: it returns why, it does not raise)
@@ -311,6 +344,15 @@ class DrafterShim:
         if self.binder.needs_bind(layers):
             try:
                 self.binder.bind(self.connection.stub, layers, cfg.bind_deadline_s)
+            except NotShareable as e:
+                # The engine's allocator, not the sidecar: no breaker failure, the link kept, nothing sent. Not
+                # ready until the engine re-allocates the cache (then it is tried again): every rank falls back.
+                if str(e) not in self._logged:
+                    self._logged.add(str(e))
+                    log.warning("sidecar rank %d: %s. Every draft step runs the stock layers until the KV cache is "
+                                "allocated outside expandable segments (PYTORCH_CUDA_ALLOC_CONF="
+                                "expandable_segments:False; deploy/OPERATIONS.md)", self.rank, e)
+                return False, KV_NOT_SHAREABLE, False
             except BindError as e:
                 if e.permanent:
                     return False, f"KV cache cannot be bound: {e}", True
@@ -359,6 +401,8 @@ class DrafterShim:
             binds += 1
             try:
                 self.binder.bind(self.connection.stub, layers, self.config.bind_deadline_s)
+            except NotShareable:
+                return  # nothing was sent; the next readiness check reports it (_prepare)
             except BindError as e:
                 self.breaker.record_failure(str(e))
                 self._drop_link()

@@ -127,6 +127,22 @@ def test_generation_catch_up(engine):
     assert [s.binder.generation for s in engine.shims] == [6] * TP
 
 
+def test_a_raised_limit_is_learned_again_by_every_rank_at_the_same_step(engine):
+    """One in RELEARN_EVERY steps above the agreed max_reqs goes on to the pre-flight: counted alike on every
+    rank, so all ranks go on (and agree) at the same step, and none waits in an agreement its peers skip."""
+    assert engine.step()[0] is not None  # learns the fakes' 32
+    for srv, shim in zip(engine.servers, engine.shims):
+        srv.sidecar.max_reqs = 40  # as after a restart with --max-reqs 40: read again at the next reconnect
+        shim.connection.close()
+    calls = engine.group.calls
+    for i in range(1, S.RELEARN_EVERY):
+        assert engine.step(36)[0] is None
+    assert engine.group.calls == calls  # no agreement on the steps in between
+    assert engine.step(36)[0] is not None
+    assert [s._max_reqs for s in engine.shims] == [40] * TP
+    assert reasons(engine) == [{S.REQS: S.RELEARN_EVERY - 1}] * TP
+
+
 def test_whole_sidecar_down_and_back_through_health(engine):
     assert engine.step()[0] is not None
     for s in engine.servers:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 
 import pytest
@@ -16,6 +18,7 @@ from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import doorbell as bell
+from dspark_sidecar.proto import memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import (
     DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, recording_shm, shm_kv_cache,
@@ -118,6 +121,70 @@ def test_the_sidecar_limit_becomes_the_step_limit_without_remote_calls(fake):
     ids, pos, meta = step_inputs(4)
     with set_forward_context(meta):
         assert shim.maybe_forward(ids, pos) is not None
+
+
+def test_a_limit_raised_by_a_sidecar_restart_is_learned_again_by_steps_above_the_old_one(fake):
+    """The agreed max_reqs is learned at a pre-flight (GetStatus read at each reconnect), but a step above it
+    returns at phase 1 and never reaches one: after a restart with a larger --max-reqs, an engine whose steps
+    all exceeded the old limit fell back for good (nor did it notice the restart). Now one in RELEARN_EVERY such
+    steps goes on to the readiness check (which reconnects and re-binds) and the pre-flight (which agrees the
+    new limit); the others still make no remote call."""
+    shim, _, _ = make_shim(fake.endpoint)
+    small, pos_s, meta_s = step_inputs(2)
+    try:
+        with set_forward_context(meta_s):
+            assert shim.maybe_forward(small, pos_s) is not None  # learns max_reqs = 4
+        fake.stop()
+        fake.sidecar = FakeSidecar(max_reqs=8)  # restarted with a larger limit
+        fake.start()
+        deadline = time.monotonic() + 5
+        while not shim.connection.stream_ended:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ids, pos, meta = step_inputs(6)
+        forwarded_at = None
+        with set_forward_context(meta):
+            for i in range(200):
+                before = fake.sidecar.remote_calls()
+                if shim.maybe_forward(ids, pos) is not None:
+                    forwarded_at = i + 1
+                    break
+                assert fake.sidecar.remote_calls() == before, f"step {i + 1} above the limit called the sidecar"
+        assert forwarded_at is not None, "a limit raised by the restart was never learned"
+        assert forwarded_at == S.RELEARN_EVERY and shim.stats.fallbacks == {S.REQS: S.RELEARN_EVERY - 1}
+        assert fake.sidecar.calls["GetStatus"] == 1 and fake.sidecar.calls["BindKV"] == 1  # reconnected, re-bound
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None  # the new limit holds from now on
+    finally:
+        shim.close()
+
+
+def test_steps_above_a_limit_that_stays_fall_back_and_only_the_relearning_one_agrees(fake):
+    """A step above the agreed limit that goes on to the pre-flight (one in RELEARN_EVERY) and finds the limit
+    unchanged falls back there, unsent; the steps in between make no remote call and no agreement."""
+    agreements = []
+
+    class _Counting(PreflightHook):
+        def all_min(self, values):
+            agreements.append(values.numel())
+            return values.clone()
+
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       _Counting())
+    small, pos_s, meta_s = step_inputs(2)
+    ids, pos, meta = step_inputs(6)
+    try:
+        with set_forward_context(meta_s):
+            assert shim.maybe_forward(small, pos_s) is not None  # learns max_reqs = 4 (the fake's)
+        agreements.clear()
+        with set_forward_context(meta):
+            for _ in range(2 * S.RELEARN_EVERY):
+                assert shim.maybe_forward(ids, pos) is None
+        assert shim.stats.fallbacks == {S.REQS: 2 * S.RELEARN_EVERY}
+        assert agreements == [5, 5] and len(fake.sidecar.requests) == 1  # two pre-flights, nothing sent
+    finally:
+        shim.close()
 
 
 def test_reallocated_kv_cache_is_detected_and_rebound(fake):
@@ -233,6 +300,79 @@ def test_connect_binds_ahead_of_the_first_step_and_a_refusal_there_is_left_to_th
     with set_forward_context(meta):
         assert other.maybe_forward(ids, pos) is None
     assert not other.enabled and other.refusal == "sidecar refuses: not gfx950"
+
+
+def test_bindkv_names_the_engines_gpu_uuid_on_a_gpu_and_none_on_cpu(fake, monkeypatch):
+    """EngineFacts.device_uuid: the sidecar compares a named uuid with its own GPU's (an engine rank wired to
+    another GPU's sidecar rank is refused at BindKV, not at its first layer handle). The shim left it empty,
+    so that check never ran. On a CPU rank it stays empty (the sidecar does not compare it). The helper is
+    faked: no GPU here; only the device the shim asks about is real."""
+    asked = []
+
+    def uuid(device: torch.device) -> str:
+        asked.append(device)
+        return "GPU-5e1f0c2a" if device.type == "cuda" else ""
+
+    monkeypatch.setattr(memory, "gpu_uuid", uuid)
+    gpu, _, _ = make_shim(fake.endpoint, device="cuda:1")  # the facts only: its KV cache is shm all the same
+    cpu, _, _ = make_shim(fake.endpoint)
+    try:
+        assert gpu.binder.facts.device_uuid == "GPU-5e1f0c2a" and cpu.binder.facts.device_uuid == ""
+        assert torch.device("cuda:1") in asked
+        assert gpu.connect() is None
+        assert fake.sidecar.binds[-1].engine.device_uuid == "GPU-5e1f0c2a"
+        assert cpu.connect() is None
+        assert fake.sidecar.binds[-1].engine.device_uuid == "" and fake.sidecar.binds[-1].engine.device == "cpu"
+    finally:
+        gpu.close()
+        cpu.close()
+
+
+def test_a_kv_cache_torch_cannot_share_is_a_named_fallback_not_a_shim_error(fake, monkeypatch, caplog):
+    """torch refuses to take a CUDA IPC handle on memory from expandable segments or a cuMem allocator (a
+    RuntimeError from storage._share_cuda_). It escaped bind_request: counted as "shim error in prepare" on every
+    step, against the breaker, which then opened and reported the sidecar unavailable. Now: one fallback reason
+    naming the cause, logged once, nothing sent, the breaker untouched, the cache not exported again; a
+    re-allocated cache is tried again. (On CPU the refusal is faked; only the identity's segment lookup, which
+    never runs on a GPU, still answers.)"""
+    from dspark_sidecar.client import binding
+
+    real, attempts = binding.export_handle, []
+
+    def export(t):
+        if sys._getframe(1).f_code.co_name == "bind_request" and refusing:
+            attempts.append(t)
+            raise RuntimeError("injected: CUDA IPC handle refused for memory from expandable segments")
+        return real(t)
+
+    refusing = True
+    monkeypatch.setattr(binding, "export_handle", export)
+    kv = shm_kv_cache()
+    shim, _, _ = make_shim(fake.endpoint, kv=kv)
+    ids, pos, meta = step_inputs(2)
+    try:
+        with caplog.at_level("INFO", logger="dspark_sidecar.client"), set_forward_context(meta):
+            for _ in range(5):
+                assert shim.maybe_forward(ids, pos) is None
+            assert shim.connect() == S.KV_NOT_SHAREABLE
+        assert shim.stats.fallbacks == {S.KV_NOT_SHAREABLE: 5}
+        assert "expandable_segments" in S.KV_NOT_SHAREABLE
+        assert shim.breaker.failures == 0 and shim.breaker.state.value == "closed"
+        assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
+        assert len(attempts) == 1, "the same cache was exported again"
+        assert fake.sidecar.calls["BindKV"] == 0
+        warned = [r for r in caplog.records if r.levelname == "WARNING" and "expandable segments" in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+        refusing = False
+        old = list(kv)
+        kv[:] = shm_kv_cache()  # the engine re-allocates (outside expandable segments, say)
+        for s in old:
+            s.close()
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+        assert fake.sidecar.calls["BindKV"] == 1
+    finally:
+        shim.close()
 
 
 def test_engine_tp_mismatch_at_bind_is_permanent(fake):
@@ -550,6 +690,107 @@ def test_a_kv_cache_provider_raising_in_a_catch_up_is_not_the_sidecars_failure(f
         assert shim.breaker.failures == 0 and shim.breaker.state.value == "closed", \
             "the engine's provider raising was counted against the sidecar"
         assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
+    finally:
+        shim.close()
+
+
+def test_a_catch_up_bind_torch_cannot_share_is_not_the_sidecars_failure(fake, monkeypatch):
+    """The catch-up to a peer's generation binds too: memory torch refuses to share there (faked, as above) is
+    the engine's, not a failed BindKV: before, it counted against the breaker and dropped the link."""
+    from dspark_sidecar.client import binding
+
+    real = binding.export_handle
+
+    def export(t):
+        if sys._getframe(1).f_code.co_name == "bind_request" and agree.armed:
+            raise RuntimeError("injected: CUDA IPC handle refused for memory from expandable segments")
+        return real(t)
+
+    monkeypatch.setattr(binding, "export_handle", export)
+    agree = _PeerBoundOnceMore()
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       agree)
+    agree.shim = shim
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            agree.armed = True
+            assert shim.maybe_forward(ids, pos) is None
+        assert shim.stats.fallbacks == {S.GENERATIONS: 1}
+        assert shim.breaker.failures == 0 and shim.connection.is_open
+        assert fake.sidecar.calls["BindKV"] == 1
+    finally:
+        shim.close()
+
+
+def _on_threads(fns: list, limit_s: float = 10.0) -> list:
+    """Run each fn on its own thread, all released together; their results (a thread left running fails)."""
+    out: list = [None] * len(fns)
+    go = threading.Barrier(len(fns))
+
+    def run(i: int) -> None:
+        go.wait()
+        out[i] = fns[i]()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit_s)
+        assert not t.is_alive(), "hang"
+    return out
+
+
+class _ConnectsInPreflight(PreflightHook):
+    """In the pre-flight (this rank has prepared its link and waits for its peer), the engine re-allocates its
+    cache and another thread calls connect()."""
+
+    def __init__(self, kv: list) -> None:
+        super().__init__()
+        self.kv, self.connected = kv, "not called"
+
+    def at_preflight(self) -> None:
+        old = list(self.kv)
+        self.kv[:] = shm_kv_cache()
+        for s in old:
+            s.close()
+        (self.connected,) = _on_threads([self.shim.connect])
+
+
+def test_connect_on_another_thread_leaves_a_step_between_its_preflight_and_its_send_alone(fake):
+    """connect() may come from any thread at any time; a step holds the link in its phases 2 and 3 but not across
+    the pre-flight (close() must not wait for the peers). A connect() in that gap re-bound (or dropped and
+    re-opened the link) under the step: it then sent a generation its peers had not agreed on (at TP 4 an
+    ABORTED step), or, over a dropped link, raised an AssertionError counted as a shim error. Now connect() finds
+    the step in flight and leaves the link as the pre-flight saw it; the step's next readiness check re-binds."""
+    kv = shm_kv_cache()
+    agree = _ConnectsInPreflight(kv)
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       agree)
+    agree.shim = shim
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            agree.armed = True
+            assert shim.maybe_forward(ids, pos) is not None
+            assert fake.sidecar.calls["BindKV"] == 1 and fake.sidecar.requests[-1].binding_generation == 1
+            assert agree.connected == S.STEP_IN_FLIGHT
+            assert shim.maybe_forward(ids, pos) is not None  # its own readiness check re-binds the new cache
+        assert fake.sidecar.calls["BindKV"] == 2 and fake.sidecar.requests[-1].binding_generation == 2
+        assert shim.connect() is None  # no step in flight: connect() works as before
+        assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
+    finally:
+        shim.close()
+
+
+def test_two_threads_connecting_at_once_set_the_link_up_once(fake):
+    shim, _, _ = make_shim(fake.endpoint)
+    try:
+        assert _on_threads([shim.connect, shim.connect]) == [None, None]
+        assert fake.sidecar.calls["GetStatus"] == 1 and fake.sidecar.calls["BindKV"] == 1
     finally:
         shim.close()
 
