@@ -112,6 +112,18 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 why = fast.refusal(kv)
         return why or ""
 
+    def status_refusal(self) -> str:
+        """GetStatus.fast_path_refusal: refusal(), or, where that is empty, why the fast path does not serve
+        the binding's steps yet (its kernels compile in the background: FlyDSLFastPath.pending). Health,
+        --strict-refusal and BindKV read refusal() alone: a compile is no refusal, and a strict rank would
+        otherwise leave SERVING for every compile and the shim read it as a refused deployment."""
+        why = self.refusal()
+        if why:
+            return why
+        # Read where the fast path has it: server.rank.FastPath (and the tests' fakes) need not.
+        pending = getattr(self.ctx.fast, "pending", None)
+        return (pending(self.ctx.memory.kv) or "") if pending is not None else ""
+
     def _fast_path_changed(self) -> None:
         for cb in self.life.on_change:
             cb()
@@ -128,7 +140,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 block_size=c.block_size, weight_format=self.weight_format,
                 compute_dtype=str(self.ctx.model.dtype).replace("torch.", "")),
             limits=self.limits, parallel=self.parallel, backend=self.life.backend,
-            fast_path_refusal=self.refusal(), serving=self.life.serving, state=self.life.state,
+            fast_path_refusal=self.status_refusal(), serving=self.life.serving, state=self.life.state,
             server_version=__version__, state_reason=self.life.reason,
             kv=pb.KVBindingState(
                 bound=kv is not None, binding_id=kv.binding_id if kv else 0, generation=kv.generation if kv else 0,

@@ -328,6 +328,58 @@ def test_a_rebind_while_compiling_drops_the_old_runner():
     assert fp.runner is not factory.closed[0]
 
 
+def test_status_says_the_kernels_compile_until_the_runner_serves_and_strict_health_stays_serving():
+    """From BindKV until the background compile ended (every kernel for R = 1..8), GetStatus said
+    fast_path_refusal "" (on) while every step ran the portable layers: ready() offered nothing. Now
+    GetStatus says why the path does not serve yet. That is no refusal of the deployment: BindKV's
+    answer, health and --strict-refusal (servicer.refusal) stay as they were, or a strict rank would be
+    NOT_SERVING for the length of every compile and the shim would read it as refused for good."""
+    from grpc_health.v1 import health, health_pb2
+
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.metrics import Metrics
+
+    factory = GatedCompile()
+    fp, _ = fast_path(factory=factory, compile_ahead=True)
+    kv = binding()
+    ctx = SimpleNamespace(rank=0, fast=fp, cfg=M31, memory=SimpleNamespace(kv=kv),
+                          model=SimpleNamespace(dtype=torch.bfloat16), metrics=Metrics(0))
+    life = Lifecycle(backend="flydsl", host=GOOD_HOST, strict=True)
+    svc = DrafterServicer(ctx, None, life, pb.Limits(), pb.Parallel(), "mxfp8")
+    hs = health.HealthServicer()
+    publish = HealthPublisher(life, svc, ctx, hs, SimpleNamespace(set_serving=lambda serving: None))
+    publish("SERVING")
+
+    def status() -> str:
+        return svc.GetStatus(pb.GetStatusRequest(), None).fast_path_refusal
+
+    def health_status():
+        return hs.Check(health_pb2.HealthCheckRequest(service=""), None).status
+
+    assert status() == ("FlyDSL kernels for binding 7 gen 1 not compiled yet: they compile in the background "
+                        "from the binding's first step; the portable layers serve its steps until then")
+    assert not fp.ready(kv)  # the first step starts the compile and runs the portable layers
+    assert status().startswith("FlyDSL kernels for binding 7 gen 1 compiling (")
+    assert status().endswith("s so far): the portable layers serve its steps until they are ready")
+    assert svc.refusal() == "" and fp.refusal(kv) is None  # BindKV's and health's reading: not refused
+    publish()
+    assert life.state == "SERVING" and health_status() == health_pb2.HealthCheckResponse.SERVING
+    assert ctx.refusal is None  # strict: steps are not refused while the kernels compile
+    factory.gate.set()
+    _until(lambda: fp.ready(kv))
+    assert status() == ""  # served by the fast path now
+    # A re-bind: not compiled for the new binding until its own compile ends.
+    ctx.memory.kv = kv2 = binding(gen=2)
+    assert "binding 7 gen 2 not compiled yet" in status()
+    factory.gate.clear()
+    assert not fp.ready(kv2) and "binding 7 gen 2 compiling" in status()
+    factory.gate.set()
+    _until(lambda: fp.ready(kv2))
+    assert status() == ""
+    fp.close()
+
+
 def test_forward_calls_the_runner_with_the_kernel_tensors():
     calls = []
 
