@@ -219,8 +219,8 @@ class FlyDSLFastPath:
         return ok
 
     def unbound(self, retire: Callable[[Callable[[], None]], None] = lambda close: close()) -> None:
-        """UnbindKV: no binding is current, so no runner may keep a cache's views (each keeps its mapping,
-        and so the engine's IPC allocation, alive). The runner is closed through retire(close)
+        """UnbindKV, or BindKV replacing the binding: no runner may keep the old cache's views (each keeps
+        its mapping, and so the engine's IPC allocation, alive). The runner is closed through retire(close)
         (RankLoop.after_device: once the device no longer reads it); a compile in flight closes its own."""
         with self._lock:
             runner, self._runner, self._building, self._key = self._runner, None, None, None

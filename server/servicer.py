@@ -156,6 +156,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # at the next step (CUDA defers destroying a graph still running).
         with self.loop.exclusive(wait=False):
             kv = self.ctx.memory.bind(request, self.loop.after_device)
+            # As UnbindKV: the runner holds views of the cache just replaced, and so keeps the engine's old
+            # allocation alive. Left to the next step's ready(), it stayed until a step came, and the close
+            # (with the IPC release's stream sync) ran on that step's path.
+            if self.ctx.fast is not None:
+                self.ctx.fast.unbound(self.loop.after_device)
         self.ctx.metrics.bound()
         why = self.refusal()
         log.info("rank %d: KV bound (binding %d, generation %d, %d pages x %d); fast path: %s", self.ctx.rank,

@@ -466,6 +466,47 @@ def test_unbinding_lets_the_runner_drop_the_unbound_caches_views():
     fp.close()
 
 
+def test_a_rebind_closes_the_old_runner_at_once_not_at_the_next_step():
+    """A re-bind left the runner with its views of the replaced cache until a step of the new binding
+    rebuilt it: the close ran inside ready(), on that step's path, and with no step behind the BindKV
+    the engine's old IPC allocation stayed alive in this process. BindKV now retires the old runner as
+    UnbindKV does (through the loop's after_device, once the device no longer reads it)."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    class Memory:  # MemoryBindings.bind's contract: the new binding current, the old one retired
+        def __init__(self, kv):
+            self.kv = kv
+
+        def bind(self, req, retire):
+            old, self.kv = self.kv, binding(gen=self.kv.generation + 1)
+            retire(old.close)
+            return self.kv
+
+    retired = []
+
+    class Loop:
+        def exclusive(self, wait=True, quiesce=True):
+            return contextlib.nullcontext()
+
+        def after_device(self, fn, wait=None):
+            retired.append(fn)
+            fn()
+
+    fp, _ = fast_path()
+    mem = Memory(binding())
+    assert fp.ready(mem.kv)
+    runner = fp.runner
+    ctx = SimpleNamespace(fast=fp, memory=mem, rank=0, metrics=SimpleNamespace(bound=lambda: None))
+    svc = DrafterServicer(ctx, Loop(), Lifecycle(backend="flydsl", host=GOOD_HOST), None, None, "mxfp8")
+    resp = svc.BindKV(pb.BindKVRequest(), SimpleNamespace(peer=lambda: "unix:/s"))
+    assert resp.generation == 2 and resp.fast_path_refusal == ""
+    assert fp.runner is None and fp.runner_factory.closed == 1 and runner._kv == []
+    assert runner.close in retired  # after the device, as the old cache's own mappings
+    assert fp.ready(mem.kv) and len(fp.runner_factory.built) == 2
+    assert fp.runner_factory.closed == 1  # the step built the new runner and closed nothing
+    fp.close()
+
+
 # On hardware -------------------------------------------------------------------------------------
 
 def _four_gfx950() -> bool:
