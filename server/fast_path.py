@@ -221,9 +221,11 @@ class FlyDSLFastPath:
     def unbound(self, retire: Callable[[Callable[[], None]], None] = lambda close: close()) -> None:
         """UnbindKV, or BindKV replacing the binding: no runner may keep the old cache's views (each keeps
         its mapping, and so the engine's IPC allocation, alive). The runner is closed through retire(close)
-        (RankLoop.after_device: once the device no longer reads it); a compile in flight closes its own."""
+        (RankLoop.after_device: once the device no longer reads it); a compile in flight stops at its next
+        kernel and closes its own."""
         with self._lock:
-            runner, self._runner, self._building, self._key = self._runner, None, None, None
+            runner, self._runner, self._key = self._runner, None, None
+            self._abandon_building()
         if runner is not None:
             retire(runner.close)
 
@@ -261,8 +263,16 @@ class FlyDSLFastPath:
                               meta.slot_mapping.to(torch.int64).contiguous(),
                               meta.block_tables.to(torch.int32).contiguous())
 
+    def _abandon_building(self) -> None:
+        """A compile still running for an old binding stops at its next kernel, then closes its runner
+        itself (_compile): left to finish, it kept the old cache mapped through every kernel for R = 1..8.
+        Closed from its own thread, not after the device: that runner never launched anything."""
+        if self._building is not None:
+            self._building.abandon()
+            self._building = None
+
     def _drop_runner(self) -> None:
-        self._building = None  # a compile still running for an old binding closes its runner itself
+        self._abandon_building()
         if self._runner is not None:
             self._runner.close()
             self._runner = None

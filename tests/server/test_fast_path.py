@@ -282,6 +282,9 @@ class GatedCompile:
                 factory.compiled.append(self)
                 return 96
 
+            def abandon(self):
+                pass  # compile_all here is one wait: it stops when its gate opens
+
             def close(self):
                 factory.closed.append(self)
 
@@ -377,6 +380,49 @@ def test_status_says_the_kernels_compile_until_the_runner_serves_and_strict_heal
     factory.gate.set()
     _until(lambda: fp.ready(kv2))
     assert status() == ""
+    fp.close()
+
+
+class GatedKernels(Counting):
+    """Real DrafterRunners whose every kernel compile (_kernel) is recorded and waits for a gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.kernels = threading.Event(), []
+
+    def __call__(self, *args, **kw):
+        r = super().__call__(*args, **kw)
+
+        def kernel(name, num_reqs, exchange, args):
+            self.kernels.append(r)
+            self.gate.wait(10)
+
+        r._kernel = kernel
+        return r
+
+
+@pytest.mark.parametrize("how", ["UnbindKV", "a step of a new binding"])
+def test_a_compile_for_a_binding_that_went_stops_at_its_next_kernel(how):
+    """A runner whose binding went (UnbindKV, BindKV, or a step of a new binding) while its kernels
+    compiled was left to finish every kernel for R = 1..8 before its thread closed it, its views of the
+    old cache keeping the engine's allocation mapped all that while. Now it stops at its next kernel."""
+    factory = GatedKernels()
+    fp, _ = fast_path(factory=factory, compile_ahead=True)
+    assert not fp.ready(binding(gen=1))
+    _until(lambda: factory.kernels)  # inside its first kernel's compile
+    old = factory.built[0]
+    kv2 = binding(gen=2)
+    if how == "UnbindKV":
+        fp.unbound()  # BindKV makes the same call (servicer.BindKV)
+    else:
+        assert not fp.ready(kv2)
+    factory.gate.set()
+    _until(lambda: old._kv == [])  # closed by its own thread once the kernel in hand compiled
+    assert factory.kernels.count(old) == 1
+    if how != "UnbindKV":  # the new binding's compile runs to the end and serves
+        _until(lambda: fp.ready(kv2))
+        new = factory.built[1]
+        assert fp.runner is new and factory.kernels.count(new) > 8 * 10
     fp.close()
 
 
