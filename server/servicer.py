@@ -224,6 +224,14 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                                    "STORE_ORDER")
             if request.page.WhichOneof("kind") != "shm":
                 raise invalid("page", "the doorbell page must be POSIX shared memory")
+            device = self.ctx.model.device
+            if request.input_event and device.type != "cuda":
+                # The field promises a stream that waits on the event before reading a step; a CPU rank has
+                # none, and reading at the ring would race an engine's GPU writes of the inputs.
+                raise precondition(f"input_event: this rank computes on {device.type} and cannot wait on the "
+                                   "engine's GPU event before reading a step's inputs: send input_event empty "
+                                   "(an engine whose inputs are written by its host), or start the sidecar on "
+                                   "the engine's GPUs (--device cuda)", "NO_DEVICE_EVENTS", "input_event")
         except SidecarError:
             give_back_unopened(context.peer(), [request.page])
             raise
