@@ -124,6 +124,7 @@ class FlyDSLFastPath:
         # offers the portable layers, and the rendezvous keeps all ranks on them (Verdict.fast).
         self.compile_ahead = compile_ahead
         self._building: DrafterRunner | None = None
+        self._building_since = 0.0  # time.monotonic() when the compile in flight began (pending())
 
     @property
     def runner(self) -> DrafterRunner | None:
@@ -140,6 +141,27 @@ class FlyDSLFastPath:
             if self._key == (kv.binding_id, kv.generation):
                 return self.reason
             return self._preview(kv)
+
+    def pending(self, kv: KVBinding | None) -> str | None:
+        """Why `kv`, which this path will serve (refusal() is None), is not served yet; None once it is.
+
+        Its kernels compile in the background from the binding's first step (ready()): every kernel for
+        R = 1..8, for as long as that takes (not measured on an MI355X yet), and the portable layers serve
+        its steps meanwhile. For GetStatus only: no refusal of the deployment (BindKV's answer, health
+        and --strict-refusal read refusal())."""
+        with self._lock:
+            if kv is None or self.refusal(kv) is not None:
+                return None
+            name = f"FlyDSL kernels for binding {kv.binding_id} gen {kv.generation}"
+            if self._key != (kv.binding_id, kv.generation):
+                if not self.compile_ahead:  # built at the first step and compiled inside it: served from there
+                    return None
+                return (f"{name} not compiled yet: they compile in the background from the binding's first "
+                        "step; the portable layers serve its steps until then")
+            if self._building is not None:
+                return (f"{name} compiling ({time.monotonic() - self._building_since:.0f} s so far): the "
+                        "portable layers serve its steps until they are ready")
+            return None
 
     def _preview(self, kv: KVBinding) -> str | None:
         why = fast_path_refusal(self.host, kv.engine)
@@ -183,7 +205,7 @@ class FlyDSLFastPath:
                     self.reason = f"FlyDSL runner could not be built: {type(exc).__name__}: {exc}"
                 else:
                     if self.compile_ahead:
-                        self._building = runner
+                        self._building, self._building_since = runner, time.monotonic()
                         threading.Thread(target=self._compile, args=(runner, key), daemon=True,
                                          name=f"dspark-flydsl-compile-{self.rank}").start()
                     else:
@@ -197,11 +219,13 @@ class FlyDSLFastPath:
         return ok
 
     def unbound(self, retire: Callable[[Callable[[], None]], None] = lambda close: close()) -> None:
-        """UnbindKV: no binding is current, so no runner may keep a cache's views (each keeps its mapping,
-        and so the engine's IPC allocation, alive). The runner is closed through retire(close)
-        (RankLoop.after_device: once the device no longer reads it); a compile in flight closes its own."""
+        """UnbindKV, or BindKV replacing the binding: no runner may keep the old cache's views (each keeps
+        its mapping, and so the engine's IPC allocation, alive). The runner is closed through retire(close)
+        (RankLoop.after_device: once the device no longer reads it); a compile in flight stops at its next
+        kernel and closes its own."""
         with self._lock:
-            runner, self._runner, self._building, self._key = self._runner, None, None, None
+            runner, self._runner, self._key = self._runner, None, None
+            self._abandon_building()
         if runner is not None:
             retire(runner.close)
 
@@ -239,8 +263,16 @@ class FlyDSLFastPath:
                               meta.slot_mapping.to(torch.int64).contiguous(),
                               meta.block_tables.to(torch.int32).contiguous())
 
+    def _abandon_building(self) -> None:
+        """A compile still running for an old binding stops at its next kernel, then closes its runner
+        itself (_compile): left to finish, it kept the old cache mapped through every kernel for R = 1..8.
+        Closed from its own thread, not after the device: that runner never launched anything."""
+        if self._building is not None:
+            self._building.abandon()
+            self._building = None
+
     def _drop_runner(self) -> None:
-        self._building = None  # a compile still running for an old binding closes its runner itself
+        self._abandon_building()
         if self._runner is not None:
             self._runner.close()
             self._runner = None

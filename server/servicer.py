@@ -112,6 +112,18 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 why = fast.refusal(kv)
         return why or ""
 
+    def status_refusal(self) -> str:
+        """GetStatus.fast_path_refusal: refusal(), or, where that is empty, why the fast path does not serve
+        the binding's steps yet (its kernels compile in the background: FlyDSLFastPath.pending). Health,
+        --strict-refusal and BindKV read refusal() alone: a compile is no refusal, and a strict rank would
+        otherwise leave SERVING for every compile and the shim read it as a refused deployment."""
+        why = self.refusal()
+        if why:
+            return why
+        # Read where the fast path has it: server.rank.FastPath (and the tests' fakes) need not.
+        pending = getattr(self.ctx.fast, "pending", None)
+        return (pending(self.ctx.memory.kv) or "") if pending is not None else ""
+
     def _fast_path_changed(self) -> None:
         for cb in self.life.on_change:
             cb()
@@ -128,7 +140,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 block_size=c.block_size, weight_format=self.weight_format,
                 compute_dtype=str(self.ctx.model.dtype).replace("torch.", "")),
             limits=self.limits, parallel=self.parallel, backend=self.life.backend,
-            fast_path_refusal=self.refusal(), serving=self.life.serving, state=self.life.state,
+            fast_path_refusal=self.status_refusal(), serving=self.life.serving, state=self.life.state,
             server_version=__version__, state_reason=self.life.reason,
             kv=pb.KVBindingState(
                 bound=kv is not None, binding_id=kv.binding_id if kv else 0, generation=kv.generation if kv else 0,
@@ -144,6 +156,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # at the next step (CUDA defers destroying a graph still running).
         with self.loop.exclusive(wait=False):
             kv = self.ctx.memory.bind(request, self.loop.after_device)
+            # As UnbindKV: the runner holds views of the cache just replaced, and so keeps the engine's old
+            # allocation alive. Left to the next step's ready(), it stayed until a step came, and the close
+            # (with the IPC release's stream sync) ran on that step's path.
+            if self.ctx.fast is not None:
+                self.ctx.fast.unbound(self.loop.after_device)
         self.ctx.metrics.bound()
         why = self.refusal()
         log.info("rank %d: KV bound (binding %d, generation %d, %d pages x %d); fast path: %s", self.ctx.rank,
@@ -207,6 +224,14 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                                    "STORE_ORDER")
             if request.page.WhichOneof("kind") != "shm":
                 raise invalid("page", "the doorbell page must be POSIX shared memory")
+            device = self.ctx.model.device
+            if request.input_event and device.type != "cuda":
+                # The field promises a stream that waits on the event before reading a step; a CPU rank has
+                # none, and reading at the ring would race an engine's GPU writes of the inputs.
+                raise precondition(f"input_event: this rank computes on {device.type} and cannot wait on the "
+                                   "engine's GPU event before reading a step's inputs: send input_event empty "
+                                   "(an engine whose inputs are written by its host), or start the sidecar on "
+                                   "the engine's GPUs (--device cuda)", "NO_DEVICE_EVENTS", "input_event")
         except SidecarError:
             give_back_unopened(context.peer(), [request.page])
             raise

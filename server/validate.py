@@ -86,7 +86,8 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     out_dtype: the hidden states' dtype, to check an output region slice before the step runs
     (found after it, the step would have written its K/V for an answer that is an error).
     answer_limit: the most bytes an answer may take where it goes (gRPC's --max-message-bytes, the
-    doorbell's capacity); a step asking for inline hidden states past it is refused (0: no limit)."""
+    doorbell's capacity); a step asking for inline hidden states past it is refused (0: no limit).
+    Two rows naming one cache slot are refused whatever `indices` (check_distinct_slots)."""
     R = req.num_requests
     if not 1 <= R <= max_reqs:
         raise out_of_range("num_requests", f"{R} outside 1..{max_reqs} (this sidecar's --max-reqs)")
@@ -118,7 +119,37 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     step = Step(req.step_id, R, positions, embeds, ids, meta, kv, output, host, key is not None)
     if indices:
         check_indices(step)
+    # Not one of the index checks: on every path, since a pre-launched step's GPU program checks each
+    # request alone (kernels/triton/step_meta.py) and cannot see that two requests share a slot.
+    check_distinct_slots(host)
     return step
+
+
+# Up to this many slots a Python set finds a repeat fastest (~0.5 us at 7, ~1.7 us at 56 on the 2-core
+# CI box); past it, a sort (~4 us at 56, ~6 at 224, growing slowly).
+DISTINCT_BY_SET = 16 * layout.QPR
+
+
+def check_distinct_slots(h: HostMeta) -> None:
+    """INVALID_ARGUMENT on slot_mapping where two rows of the step name one cache slot: their K/V writes
+    run in parallel, so which one the cache keeps (and the other request's attention reads) would depend
+    on the order they land in. The index checks pass such a step: each slot is its position's place in
+    its own request's table row, and two rows share a page (e.g. a prefix page both reference)."""
+    flat = h.slots.reshape(-1)
+    if flat.size <= DISTINCT_BY_SET:
+        if len(set(flat.tolist())) == flat.size:
+            return
+    else:
+        ordered = np.sort(flat)
+        if not (ordered[1:] == ordered[:-1]).any():
+            return
+    order = np.argsort(flat, kind="stable")  # a refusal only: name the first repeated slot and its rows
+    repeat = int(np.flatnonzero(flat[order][1:] == flat[order][:-1])[0])
+    a, b = sorted((int(order[repeat]), int(order[repeat + 1])))
+    q = layout.QPR
+    raise invalid("slot_mapping", f"rows {a} and {b} (requests {a // q} and {b // q}) both write slot {int(flat[a])}: "
+                                  "every row of a step needs a cache slot of its own (which row's K/V the slot "
+                                  "would hold depends on the order the writes land in)")
 
 
 def _check_answer_size(R: int, hidden: int, dtype: torch.dtype, limit: int) -> None:

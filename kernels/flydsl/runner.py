@@ -205,12 +205,19 @@ class DrafterRunner:
         self._cos_sin = torch.cat([cos, sin], dim=-1).contiguous()
         self._ws = self._workspaces(device)
         self._compiled: dict[tuple[str, int, int | None], object] = {}
+        self._abandoned = False  # abandon(): compile_all stops at its next kernel
 
     # -- binding ------------------------------------------------------------------------
 
     def stale(self, kv_layers: Sequence[torch.Tensor]) -> bool:
         """True when the engine re-bound its draft KV cache (new allocation, shape or dtype)."""
         return [KVIdentity.of(t) for t in kv_layers] != self._kv_ids
+
+    def abandon(self) -> None:
+        """Stop a compile_all running on another thread at its next kernel (its binding went): until it
+        returns, the cache views it compiles against keep the engine's allocation mapped. Only a flag:
+        that thread still owns the runner, and closes it once compile_all returns."""
+        self._abandoned = True
 
     def close(self) -> None:
         self._compiled.clear()
@@ -311,7 +318,7 @@ class DrafterRunner:
     def compile_all(self) -> int:
         """Compile every kernel of every launch size 1..LAUNCH_REQS now, launching nothing, so no live step
         waits for a compiler. Arguments are placeholders of the launch's dtypes and shapes (one page per
-        request). Returns the number of compiled kernels."""
+        request). Returns the number of compiled kernels; fewer once abandon() was called."""
         dev = self._ws["x"].device
         for r in range(1, LAUNCH_REQS + 1):
             n = QPR * r
@@ -320,5 +327,7 @@ class DrafterRunner:
             bt = torch.zeros(r, 1, dtype=torch.int32, device=dev)
             out = torch.empty(rows_for(r), HIDDEN, dtype=torch.bfloat16, device=dev)
             for name, num_reqs, exchange, args in self._calls(r, pos, slots, bt, out):
+                if self._abandoned:
+                    return len(self._compiled)
                 self._kernel(name, num_reqs, exchange, args)
         return len(self._compiled)

@@ -279,3 +279,41 @@ def test_an_input_event_the_driver_will_not_open_is_an_invalid_argument(monkeypa
                                            "CUDA error: invalid resource handle") as err:
         Doorbell(_Page(), CAPACITY, _Loop(), torch.device("cuda", 0), b"\x01" * 64)
     assert err.value.code.name == "INVALID_ARGUMENT"
+
+
+def test_an_input_event_sent_to_a_cpu_rank_is_refused_before_the_page_is_taken():
+    """AttachDoorbellRequest.input_event promises that the sidecar's stream waits on the engine's
+    "inputs written" event before reading a step. A rank on CPU has no stream and opened no event: it
+    dropped the bytes and read each step as soon as it was rung, before an engine on a GPU had finished
+    writing its inputs. Now FAILED_PRECONDITION naming the field, before the page is mapped or claimed;
+    without an event the same page attaches."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.proto import memory
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.errors import SidecarError
+    from dspark_sidecar.server.kv_binding import MemoryBindings
+    from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
+
+    mem = MemoryBindings(None, 1, 0, torch.float32, torch.device("cpu"))
+    ctx = SimpleNamespace(rank=0, fast=None, memory=mem, model=SimpleNamespace(device=torch.device("cpu")),
+                          cfg=SimpleNamespace(sliding_window=64))
+    svc = DrafterServicer(ctx, _Loop(), Lifecycle(), None, None, "")  # type: ignore[arg-type]
+    context = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
+    page = memory.shm_empty((bell.HEADER + 2 * CAPACITY,), torch.uint8)
+    req = pb.AttachDoorbellRequest(page=memory.export_handle(page.tensor), capacity_bytes=CAPACITY,
+                                   input_event=b"\x07" * 64)
+    try:
+        with pytest.raises(SidecarError) as err:
+            svc.AttachDoorbell(req, context)
+        assert (err.value.code.name, err.value.field, err.value.reason) == ("FAILED_PRECONDITION", "input_event",
+                                                                            "NO_DEVICE_EVENTS")
+        assert err.value.message.startswith("input_event: this rank computes on cpu")
+        assert svc.doorbell is None and not mem._pages  # nothing attached, the page not claimed
+        req.input_event = b""
+        svc.AttachDoorbell(req, context)
+        assert svc.doorbell is not None and svc.doorbell.is_alive()
+    finally:
+        if svc.doorbell is not None:
+            svc.doorbell.stop()
+        page.close()

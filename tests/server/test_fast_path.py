@@ -282,6 +282,9 @@ class GatedCompile:
                 factory.compiled.append(self)
                 return 96
 
+            def abandon(self):
+                pass  # compile_all here is one wait: it stops when its gate opens
+
             def close(self):
                 factory.closed.append(self)
 
@@ -326,6 +329,101 @@ def test_a_rebind_while_compiling_drops_the_old_runner():
     _until(lambda: fp.ready(binding(gen=2)))
     _until(lambda: len(factory.closed) == 1)  # the gen-1 runner closed itself when its compile ended
     assert fp.runner is not factory.closed[0]
+
+
+def test_status_says_the_kernels_compile_until_the_runner_serves_and_strict_health_stays_serving():
+    """From BindKV until the background compile ended (every kernel for R = 1..8), GetStatus said
+    fast_path_refusal "" (on) while every step ran the portable layers: ready() offered nothing. Now
+    GetStatus says why the path does not serve yet. That is no refusal of the deployment: BindKV's
+    answer, health and --strict-refusal (servicer.refusal) stay as they were, or a strict rank would be
+    NOT_SERVING for the length of every compile and the shim would read it as refused for good."""
+    from grpc_health.v1 import health, health_pb2
+
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.metrics import Metrics
+
+    factory = GatedCompile()
+    fp, _ = fast_path(factory=factory, compile_ahead=True)
+    kv = binding()
+    ctx = SimpleNamespace(rank=0, fast=fp, cfg=M31, memory=SimpleNamespace(kv=kv),
+                          model=SimpleNamespace(dtype=torch.bfloat16), metrics=Metrics(0))
+    life = Lifecycle(backend="flydsl", host=GOOD_HOST, strict=True)
+    svc = DrafterServicer(ctx, None, life, pb.Limits(), pb.Parallel(), "mxfp8")
+    hs = health.HealthServicer()
+    publish = HealthPublisher(life, svc, ctx, hs, SimpleNamespace(set_serving=lambda serving: None))
+    publish("SERVING")
+
+    def status() -> str:
+        return svc.GetStatus(pb.GetStatusRequest(), None).fast_path_refusal
+
+    def health_status():
+        return hs.Check(health_pb2.HealthCheckRequest(service=""), None).status
+
+    assert status() == ("FlyDSL kernels for binding 7 gen 1 not compiled yet: they compile in the background "
+                        "from the binding's first step; the portable layers serve its steps until then")
+    assert not fp.ready(kv)  # the first step starts the compile and runs the portable layers
+    assert status().startswith("FlyDSL kernels for binding 7 gen 1 compiling (")
+    assert status().endswith("s so far): the portable layers serve its steps until they are ready")
+    assert svc.refusal() == "" and fp.refusal(kv) is None  # BindKV's and health's reading: not refused
+    publish()
+    assert life.state == "SERVING" and health_status() == health_pb2.HealthCheckResponse.SERVING
+    assert ctx.refusal is None  # strict: steps are not refused while the kernels compile
+    factory.gate.set()
+    _until(lambda: fp.ready(kv))
+    assert status() == ""  # served by the fast path now
+    # A re-bind: not compiled for the new binding until its own compile ends.
+    ctx.memory.kv = kv2 = binding(gen=2)
+    assert "binding 7 gen 2 not compiled yet" in status()
+    factory.gate.clear()
+    assert not fp.ready(kv2) and "binding 7 gen 2 compiling" in status()
+    factory.gate.set()
+    _until(lambda: fp.ready(kv2))
+    assert status() == ""
+    fp.close()
+
+
+class GatedKernels(Counting):
+    """Real DrafterRunners whose every kernel compile (_kernel) is recorded and waits for a gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.kernels = threading.Event(), []
+
+    def __call__(self, *args, **kw):
+        r = super().__call__(*args, **kw)
+
+        def kernel(name, num_reqs, exchange, args):
+            self.kernels.append(r)
+            self.gate.wait(10)
+
+        r._kernel = kernel
+        return r
+
+
+@pytest.mark.parametrize("how", ["UnbindKV", "a step of a new binding"])
+def test_a_compile_for_a_binding_that_went_stops_at_its_next_kernel(how):
+    """A runner whose binding went (UnbindKV, BindKV, or a step of a new binding) while its kernels
+    compiled was left to finish every kernel for R = 1..8 before its thread closed it, its views of the
+    old cache keeping the engine's allocation mapped all that while. Now it stops at its next kernel."""
+    factory = GatedKernels()
+    fp, _ = fast_path(factory=factory, compile_ahead=True)
+    assert not fp.ready(binding(gen=1))
+    _until(lambda: factory.kernels)  # inside its first kernel's compile
+    old = factory.built[0]
+    kv2 = binding(gen=2)
+    if how == "UnbindKV":
+        fp.unbound()  # BindKV makes the same call (servicer.BindKV)
+    else:
+        assert not fp.ready(kv2)
+    factory.gate.set()
+    _until(lambda: old._kv == [])  # closed by its own thread once the kernel in hand compiled
+    assert factory.kernels.count(old) == 1
+    if how != "UnbindKV":  # the new binding's compile runs to the end and serves
+        _until(lambda: fp.ready(kv2))
+        new = factory.built[1]
+        assert fp.runner is new and factory.kernels.count(new) > 8 * 10
+    fp.close()
 
 
 def test_forward_calls_the_runner_with_the_kernel_tensors():
@@ -411,6 +509,47 @@ def test_unbinding_lets_the_runner_drop_the_unbound_caches_views():
     assert mem.kv is None
     assert fp.runner is None and fp.runner_factory.closed == 1 and runner._kv == []
     assert fp.ready(binding(gen=2)) and len(fp.runner_factory.built) == 2  # a new binding: a runner of its own
+    fp.close()
+
+
+def test_a_rebind_closes_the_old_runner_at_once_not_at_the_next_step():
+    """A re-bind left the runner with its views of the replaced cache until a step of the new binding
+    rebuilt it: the close ran inside ready(), on that step's path, and with no step behind the BindKV
+    the engine's old IPC allocation stayed alive in this process. BindKV now retires the old runner as
+    UnbindKV does (through the loop's after_device, once the device no longer reads it)."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    class Memory:  # MemoryBindings.bind's contract: the new binding current, the old one retired
+        def __init__(self, kv):
+            self.kv = kv
+
+        def bind(self, req, retire):
+            old, self.kv = self.kv, binding(gen=self.kv.generation + 1)
+            retire(old.close)
+            return self.kv
+
+    retired = []
+
+    class Loop:
+        def exclusive(self, wait=True, quiesce=True):
+            return contextlib.nullcontext()
+
+        def after_device(self, fn, wait=None):
+            retired.append(fn)
+            fn()
+
+    fp, _ = fast_path()
+    mem = Memory(binding())
+    assert fp.ready(mem.kv)
+    runner = fp.runner
+    ctx = SimpleNamespace(fast=fp, memory=mem, rank=0, metrics=SimpleNamespace(bound=lambda: None))
+    svc = DrafterServicer(ctx, Loop(), Lifecycle(backend="flydsl", host=GOOD_HOST), None, None, "mxfp8")
+    resp = svc.BindKV(pb.BindKVRequest(), SimpleNamespace(peer=lambda: "unix:/s"))
+    assert resp.generation == 2 and resp.fast_path_refusal == ""
+    assert fp.runner is None and fp.runner_factory.closed == 1 and runner._kv == []
+    assert runner.close in retired  # after the device, as the old cache's own mappings
+    assert fp.ready(mem.kv) and len(fp.runner_factory.built) == 2
+    assert fp.runner_factory.closed == 1  # the step built the new runner and closed nothing
     fp.close()
 
 

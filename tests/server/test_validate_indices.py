@@ -171,3 +171,69 @@ def test_wide_padded_tables_leave_no_table_sized_memory_behind():
     finally:
         tracemalloc.stop()
     assert retained < 4 << 20, f"{retained / 2**20:.0f} MiB retained after 16 steps"
+
+
+def _shared_page_request():
+    """_valid()'s step with request 1's block rows (positions 33..39, offsets 1..7) moved into request
+    0's page (its rows at offsets 0..6): tables, positions and slots agree, and six slots are each
+    named by two rows, one of each request."""
+    from dspark_sidecar.proto import codec
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    pos, meta = _valid()
+    meta.block_tables[1, 2] = meta.block_tables[0, 0]
+    p = pos[7:14]
+    meta.slot_mapping[7:14] = meta.block_tables[1, p // PS].to(torch.int64) * PS + p % PS
+    req = pb.DraftStepRequest(
+        step_id=1, num_requests=len(LENS), binding_id=3, binding_generation=1,
+        positions=codec.to_tensor_ref(pos), input_ids=codec.to_tensor_ref(torch.zeros(7 * len(LENS), dtype=torch.int64)),
+        seq_lens=codec.to_tensor_ref(meta.seq_lens), block_tables=codec.to_tensor_ref(meta.block_tables),
+        slot_mapping=codec.to_tensor_ref(meta.slot_mapping))
+    return pos, meta, req
+
+
+@pytest.mark.parametrize("indices", [True, False], ids=["host index checks", "pre-launched (GPU index checks)"])
+def test_two_rows_naming_one_slot_are_refused_naming_both_and_the_slot(indices):
+    """Two rows of a step writing one cache slot: which row's K/V the cache then holds depends on the
+    order the writes land in (they run in parallel), and the other request's attention reads it. The
+    index checks pass such a step (each slot is its position's place in its own table row); it was
+    served. Now INVALID_ARGUMENT on slot_mapping naming both rows and the slot, on every path: the
+    pre-launched step's GPU program checks each request alone, so the host checks this one itself."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.proto import codec
+    from dspark_sidecar.server.validate import validate_step
+
+    pos, meta, req = _shared_page_request()
+    assert _check(pos, meta) == (True, None)  # the index checks (host and GPU program) pass it
+    kv = SimpleNamespace(page_size=PS, num_pages=PAGES)
+    mem = SimpleNamespace(check=lambda binding_id, generation: kv, layouts={}, resolve=None)
+    slot = int(meta.block_tables[0, 0]) * PS + 1
+    with pytest.raises(SidecarError) as err:
+        validate_step(req, load_config("tiny"), mem, 8, indices=indices)
+    assert err.value.code.name == "INVALID_ARGUMENT" and err.value.field == "slot_mapping"
+    assert err.value.message.startswith(f"slot_mapping: rows 1 and 7 (requests 0 and 1) both write slot {slot}")
+    # Distinct slots again (request 1 back in its own page): served.
+    pos, meta = _valid()
+    req.slot_mapping.CopyFrom(codec.to_tensor_ref(meta.slot_mapping))
+    req.block_tables.CopyFrom(codec.to_tensor_ref(meta.block_tables))
+    assert validate_step(req, load_config("tiny"), mem, 8, indices=indices).num_reqs == len(LENS)
+
+
+@pytest.mark.parametrize("R", [1, 16, 17, 256], ids=lambda r: f"R={r}")
+def test_distinct_slots_check_finds_a_repeat_at_every_step_size(R):
+    """Both ways of finding a repeat (a set up to 16 requests, a sort past them) refuse the same steps:
+    each request's rows in a page of their own are served; one slot written twice, anywhere, is not."""
+    import numpy as np
+
+    from dspark_sidecar.server.validate import HostMeta, check_distinct_slots
+
+    slots = (np.arange(R, dtype=np.int64)[:, None] * PS + np.arange(7)).copy()
+    h = HostMeta(np.zeros((R, 7), np.int64), np.zeros(R, np.int32), np.zeros((R, 1), np.int32), slots)
+    check_distinct_slots(h)
+    slots[R - 1, 6] = slots[R // 2, 3]  # the last row writes a slot a row before it writes too
+    a = R // 2 * 7 + 3
+    with pytest.raises(SidecarError, match=rf"^slot_mapping: rows {a} and {7 * R - 1} \(requests {R // 2} and "
+                                           rf"{R - 1}\) both write slot {int(slots[R // 2, 3])}: "):
+        check_distinct_slots(h)
