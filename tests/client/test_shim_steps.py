@@ -786,6 +786,51 @@ def test_connect_on_another_thread_leaves_a_step_between_its_preflight_and_its_s
         shim.close()
 
 
+class _JoinsInPostflight(PreflightHook):
+    """Holds the next post-flight (its 1-value agreement) until `thread` has ended: a connect() started during
+    the step's send then finds the step still in flight, whatever the threads' timing."""
+
+    thread: threading.Thread | None = None
+
+    def all_min(self, values):
+        if values.numel() == 1 and self.thread is not None:
+            self.thread.join(10)
+        return values.clone()
+
+
+def test_connect_during_a_steps_send_waits_for_the_link_then_leaves_the_step_alone(fake):
+    """The step holds the link while it sends and waits for its answer (phase 3): a connect() from another thread
+    then waits for it (bounded by the step deadline and late grace), and once it has it finds the step still in
+    flight (its post-flight is pending) and changes nothing."""
+    agree = _JoinsInPostflight()
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       agree)
+    ids, pos, meta = step_inputs(1)
+    got: dict = {}
+
+    def connect() -> None:
+        got["why"], got["at"] = shim.connect(), time.monotonic()
+
+    def during_send(step_id: int) -> None:
+        agree.thread = threading.Thread(target=connect, daemon=True)
+        agree.thread.start()
+        time.sleep(0.2)  # the step still holds the link: connect() waits
+        got["sent"] = time.monotonic()
+
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            shim.fault_hook = during_send
+            assert shim.maybe_forward(ids, pos) is not None
+        assert not agree.thread.is_alive(), "connect() hung"
+        assert got["why"] == S.STEP_IN_FLIGHT and got["at"] >= got["sent"], got
+        assert fake.sidecar.calls["BindKV"] == 1 and fake.sidecar.calls["GetStatus"] == 1
+    finally:
+        shim.fault_hook = None
+        shim.close()
+
+
 def test_two_threads_connecting_at_once_set_the_link_up_once(fake):
     shim, _, _ = make_shim(fake.endpoint)
     try:
