@@ -10,6 +10,7 @@ import pytest
 import torch
 from google.rpc import code_pb2
 
+from dspark_sidecar import layout
 from dspark_sidecar.client import shim as S
 from dspark_sidecar.client.config import EngineConfig, EngineConfigError, config_refusal
 from dspark_sidecar.client.forward_context import set_forward_context
@@ -183,6 +184,34 @@ def test_steps_above_a_limit_that_stays_fall_back_and_only_the_relearning_one_ag
                 assert shim.maybe_forward(ids, pos) is None
         assert shim.stats.fallbacks == {S.REQS: 2 * S.RELEARN_EVERY}
         assert agreements == [5, 5] and len(fake.sidecar.requests) == 1  # two pre-flights, nothing sent
+    finally:
+        shim.close()
+
+
+def test_steps_above_what_any_sidecar_serves_never_go_on_to_relearn_the_limit(fake):
+    """The relearning step (one in RELEARN_EVERY above the agreed limit) is for a limit a restarted sidecar may have
+    raised: no sidecar serves more than layout.MAX_REQS_LIMIT requests, so a step above that (or an empty one) always
+    falls back at once, with no readiness check and no agreement, however many come."""
+    agreements = []
+
+    class _Counting(PreflightHook):
+        def all_min(self, values):
+            agreements.append(values.numel())
+            return values.clone()
+
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       _Counting())
+    huge, pos_h, meta_h = step_inputs(layout.MAX_REQS_LIMIT + 1)
+    empty = torch.zeros(0, dtype=torch.int64)
+    try:
+        with set_forward_context(meta_h):
+            for _ in range(S.RELEARN_EVERY):
+                assert shim.maybe_forward(huge, pos_h) is None
+            for _ in range(S.RELEARN_EVERY):
+                assert shim.maybe_forward(empty, empty) is None
+        assert shim.stats.fallbacks == {S.REQS: 2 * S.RELEARN_EVERY}
+        assert agreements == [] and fake.sidecar.remote_calls() == 0
     finally:
         shim.close()
 
