@@ -283,9 +283,11 @@ class DrafterShim:
         wait in).
 
         From another thread while a step is between its readiness check and its end, it returns
-        STEP_IN_FLIGHT and changes nothing: that step's peers agree on this rank's link as it was (its
-        generation, its limits), and the step then sends on it. A re-bind or a dropped link in that gap sent a
-        generation the peers had not agreed on, or raised inside the step. The step checks the link itself.
+        STEP_IN_FLIGHT and changes nothing, once it has the link (while the step sends and waits for its
+        answer it waits for it, bounded by the step deadline and late_grace_s): that step's peers agree on
+        this rank's link as it was (its generation, its limits), and the step then sends on it. A re-bind or
+        a dropped link in that gap sent a generation the peers had not agreed on, or raised inside the step.
+        The step checks the link itself.
         Two connect() calls at once run one after the other (the link); the second finds it ready."""
         if not self.enabled:
             return f"off: {self.refusal}"

@@ -115,24 +115,52 @@ def _mkdir(p: Path, mode: int) -> bool:
     return True
 
 
-def _give_group_bits(d: Path) -> None:
-    """Set LEAF_MODE on the folder `_mkdir` just made at `d`: the umask may have taken the group's bits,
-    which the engine needs. A setgid bit inherited from the parent is kept: it is what gives the sockets
-    the engine's group.
+def _make_leaf(d: Path) -> tuple[int, int] | None:
+    """mkdir `d` (LEAF_MODE) and its missing parents (PARENT_MODE); the (st_dev, st_ino) of the folder made
+    here, with its mode set (_give_group_bits), or None where `d` existed already.
 
-    Through a descriptor opened without following a link, and only on a folder of this user's: between
-    the mkdir and here, whoever may rename entries in the parent (its group; anyone where the parent
-    check below refuses it, too late for this) could have put a link or a folder of theirs at `d`, and
-    a chmod by path followed the link (as root: any file's mode made 0770)."""
+    The parent is opened before the mkdir, and the folder looked for in it afterwards: the path alone may
+    lead elsewhere by then (below)."""
+    try:
+        parent = os.open(d.parent, os.O_PATH | os.O_DIRECTORY)
+    except FileNotFoundError:
+        _mkdir(d.parent, PARENT_MODE)
+        parent = os.open(d.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        try:
+            os.mkdir(d, LEAF_MODE)
+        except FileExistsError:
+            return None
+        return _give_group_bits(d, parent)
+    finally:
+        os.close(parent)
+
+
+def _give_group_bits(d: Path, parent: int) -> tuple[int, int]:
+    """Set LEAF_MODE on the folder `_make_leaf` just made at `d` in the folder `parent` (a descriptor opened
+    before the mkdir), and return its (st_dev, st_ino): the umask may have taken the group's bits, which the
+    engine needs. A setgid bit inherited from the parent is kept: it is what gives the sockets the engine's
+    group.
+
+    Through a descriptor opened in `parent` without following a link, and only on a folder of this user's:
+    between the mkdir and here, whoever may rename entries in the parent (its group; anyone where the parent
+    check below refuses it, too late for this) could have put a link or a folder of theirs at `d`, and a
+    chmod by path followed the link (as root: any file's mode made 0770). Whoever may rename entries in a
+    folder above could instead have moved the parent away and put a link in its place: the path then named
+    a folder elsewhere, made 0770 as well, so the name is looked up in `parent`, not along the path."""
     def swapped(why: str) -> ServeConfigError:
         return ServeConfigError(f"--socket-dir: {d} is not the folder serve just made ({why}): someone who may "
-                                f"change {d.parent} replaced it; choose a socket folder whose parents only this "
-                                "user or root may change")
+                                f"change {d.parent} or a folder above it replaced it; choose a socket folder whose "
+                                "parents only this user or root may change")
 
     try:
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(d.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
     except OSError as err:  # a link (ENOTDIR or ELOOP, neither naming it), a file, or nothing now
-        raise swapped("a symbolic link now" if os.path.islink(d) else err.strerror) from None
+        try:
+            link = stat.S_ISLNK(os.stat(d.name, dir_fd=parent, follow_symlinks=False).st_mode)
+        except OSError:
+            link = False
+        raise swapped("a symbolic link now" if link else err.strerror) from None
     try:
         st = os.fstat(fd)
         if st.st_uid != effective_uid():
@@ -140,6 +168,7 @@ def _give_group_bits(d: Path) -> None:
         os.fchmod(fd, LEAF_MODE | (st.st_mode & stat.S_ISGID))
     finally:
         os.close(fd)
+    return st.st_dev, st.st_ino
 
 
 def prepare(d: Path) -> None:
@@ -147,15 +176,20 @@ def prepare(d: Path) -> None:
     Runs in the parent before any rank starts and again in each rank before it binds (under torchrun
     there is no parent of ours)."""
     try:
-        made = _mkdir(d, LEAF_MODE)
+        made = _make_leaf(d)
     except OSError as err:
         raise ServeConfigError(f"--socket-dir: cannot create {d}: {err.strerror}") from None
-    if made:
-        _give_group_bits(d)
     try:
         st = os.stat(d)
     except OSError as err:
         raise ServeConfigError(f"--socket-dir: cannot use {d}: {err.strerror}") from None
+    if made is not None and (st.st_dev, st.st_ino) != made:
+        # The path leads elsewhere than to the folder made above (a folder on the way was replaced by a link):
+        # the checks below would judge, and the ranks serve in, that other folder.
+        raise ServeConfigError(f"--socket-dir: {d} is not the folder serve just made (a folder on the way to it "
+                               f"was replaced, and it now leads to {os.path.realpath(d)}): someone who may change "
+                               f"{d.parent} or a folder above it replaced it; choose a socket folder whose parents "
+                               "only this user or root may change")
     if not stat.S_ISDIR(st.st_mode):
         raise ServeConfigError(f"--socket-dir: {d} exists and is not a folder")
     euid = effective_uid()

@@ -179,6 +179,36 @@ def test_an_entry_swapped_in_just_after_serve_made_the_folder_is_refused_and_lef
     assert stat.S_IMODE((victim if swap == "link" else d).stat().st_mode) == 0o700
 
 
+def test_a_parent_swapped_for_a_link_just_after_serve_made_the_folder_changes_nothing_elsewhere(tmp_path,
+                                                                                                monkeypatch):
+    """The descriptor that sets the folder's 0770 is opened without following a link at the folder's own
+    name only: whoever may rename entries in the grandparent could, right after the mkdir, move the parent
+    away and put a link in its place to where a folder of this user's has the same name. The open followed
+    that link, so a root sidecar made that folder (here `elsewhere/sock`, 0700; /var/lib for a socket folder
+    named lib) 0770, and then served in it. Now the folder is opened in the parent serve made it in, and one
+    found at the path afterwards that is not it is refused."""
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "sock").mkdir(parents=True, mode=0o700)
+    (elsewhere / "sock").chmod(0o700)
+    parent = tmp_path / "p"
+    parent.mkdir()
+    d = parent / "sock"
+    real_mkdir = os.mkdir
+
+    def raced(path, mode=0o777, **kw):
+        real_mkdir(path, mode, **kw)
+        if Path(path) == d:  # the other user's move, right after ours: the parent, not the folder
+            parent.rename(tmp_path / "p.moved")
+            parent.symlink_to(elsewhere)
+
+    monkeypatch.setattr(os, "mkdir", raced)
+    with pytest.raises(ServeConfigError) as refused:
+        sockdir.prepare(d)
+    assert str(refused.value).startswith(f"--socket-dir: {d} is not the folder serve just made"), refused.value
+    assert stat.S_IMODE((elsewhere / "sock").stat().st_mode) == 0o700, "a folder elsewhere had its mode changed"
+    assert stat.S_IMODE((tmp_path / "p.moved" / "sock").stat().st_mode) == 0o770  # the one serve made
+
+
 OK, MINE, ROOT = None, "mine", 0  # MINE: owned by the euid given
 def _case_ids(table) -> list[str]:
     """Test ids for a table of (owner, mode, euid, words): "mine-0770-euid1000", "uid2000-0700-euid0"."""

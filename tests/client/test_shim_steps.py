@@ -10,6 +10,7 @@ import pytest
 import torch
 from google.rpc import code_pb2
 
+from dspark_sidecar import layout
 from dspark_sidecar.client import shim as S
 from dspark_sidecar.client.config import EngineConfig, EngineConfigError, config_refusal
 from dspark_sidecar.client.forward_context import set_forward_context
@@ -183,6 +184,34 @@ def test_steps_above_a_limit_that_stays_fall_back_and_only_the_relearning_one_ag
                 assert shim.maybe_forward(ids, pos) is None
         assert shim.stats.fallbacks == {S.REQS: 2 * S.RELEARN_EVERY}
         assert agreements == [5, 5] and len(fake.sidecar.requests) == 1  # two pre-flights, nothing sent
+    finally:
+        shim.close()
+
+
+def test_steps_above_what_any_sidecar_serves_never_go_on_to_relearn_the_limit(fake):
+    """The relearning step (one in RELEARN_EVERY above the agreed limit) is for a limit a restarted sidecar may have
+    raised: no sidecar serves more than layout.MAX_REQS_LIMIT requests, so a step above that (or an empty one) always
+    falls back at once, with no readiness check and no agreement, however many come."""
+    agreements = []
+
+    class _Counting(PreflightHook):
+        def all_min(self, values):
+            agreements.append(values.numel())
+            return values.clone()
+
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       _Counting())
+    huge, pos_h, meta_h = step_inputs(layout.MAX_REQS_LIMIT + 1)
+    empty = torch.zeros(0, dtype=torch.int64)
+    try:
+        with set_forward_context(meta_h):
+            for _ in range(S.RELEARN_EVERY):
+                assert shim.maybe_forward(huge, pos_h) is None
+            for _ in range(S.RELEARN_EVERY):
+                assert shim.maybe_forward(empty, empty) is None
+        assert shim.stats.fallbacks == {S.REQS: 2 * S.RELEARN_EVERY}
+        assert agreements == [] and fake.sidecar.remote_calls() == 0
     finally:
         shim.close()
 
@@ -783,6 +812,51 @@ def test_connect_on_another_thread_leaves_a_step_between_its_preflight_and_its_s
         assert shim.connect() is None  # no step in flight: connect() works as before
         assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
     finally:
+        shim.close()
+
+
+class _JoinsInPostflight(PreflightHook):
+    """Holds the next post-flight (its 1-value agreement) until `thread` has ended: a connect() started during
+    the step's send then finds the step still in flight, whatever the threads' timing."""
+
+    thread: threading.Thread | None = None
+
+    def all_min(self, values):
+        if values.numel() == 1 and self.thread is not None:
+            self.thread.join(10)
+        return values.clone()
+
+
+def test_connect_during_a_steps_send_waits_for_the_link_then_leaves_the_step_alone(fake):
+    """The step holds the link while it sends and waits for its answer (phase 3): a connect() from another thread
+    then waits for it (bounded by the step deadline and late grace), and once it has it finds the step still in
+    flight (its post-flight is pending) and changes nothing."""
+    agree = _JoinsInPostflight()
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       agree)
+    ids, pos, meta = step_inputs(1)
+    got: dict = {}
+
+    def connect() -> None:
+        got["why"], got["at"] = shim.connect(), time.monotonic()
+
+    def during_send(step_id: int) -> None:
+        agree.thread = threading.Thread(target=connect, daemon=True)
+        agree.thread.start()
+        time.sleep(0.2)  # the step still holds the link: connect() waits
+        got["sent"] = time.monotonic()
+
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            shim.fault_hook = during_send
+            assert shim.maybe_forward(ids, pos) is not None
+        assert not agree.thread.is_alive(), "connect() hung"
+        assert got["why"] == S.STEP_IN_FLIGHT and got["at"] >= got["sent"], got
+        assert fake.sidecar.calls["BindKV"] == 1 and fake.sidecar.calls["GetStatus"] == 1
+    finally:
+        shim.fault_hook = None
         shim.close()
 
 
