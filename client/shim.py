@@ -41,7 +41,7 @@ from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, 
 from dspark_sidecar.client.dataplane import DataPlaneError
 from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
-from dspark_sidecar.client.metadata import step_metadata_from, tables_cover
+from dspark_sidecar.client.metadata import read_step_metadata, tables_cover
 from dspark_sidecar.client.stats import ShimStats
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_paging
 from dspark_sidecar.proto import codec, memory
@@ -198,7 +198,7 @@ class DrafterShim:
             return self._fallback(CAPTURE)
         layers = self._layers()
         paging = kv_paging(layers[0]) if layers else None
-        meta = step_metadata_from(attn, n, paging[1] if paging else None)
+        meta, longest = read_step_metadata(attn, n, paging[1] if paging else None)
         if meta is None:
             return self._fallback(BAD_METADATA)
         start = time.perf_counter_ns()
@@ -239,7 +239,7 @@ class DrafterShim:
                 return self._fallback(why if not ready else PEER_NOT_READY)
             if r > self._max_reqs:
                 return self._fallback(REQS)
-            if paging is not None and not tables_cover(meta, paging[1]):
+            if paging is not None and not tables_cover(meta, paging[1], longest):
                 # Here, not in phase 1: the page size is this rank's cache's, and a rank whose provider raised
                 # has none; it would go on to the pre-flight alone. All ranks are ready here, so each has read
                 # its cache (the engine's one page size) and all decide alike, with no further agreement.
