@@ -46,6 +46,7 @@ class DoorbellTransport:
             raise
         self.liveness: StepStream = conn.stream()
         self._view: torch.Tensor | None = None
+        self._answer_ref: dict[tuple[int, int], pb.TensorRef] = {}  # (rows, width): a good answer's hidden_states
         self.interrupted = False  # interrupt(): every wait gives up within POLL_S, for good
 
     @property
@@ -61,15 +62,35 @@ class DoorbellTransport:
         """ValueError unless the answer is this step's, written where this step asked: the output region
         [rows, width] of the compute dtype. Anything else would hand the engine the region as the
         previous step left it, or bytes read as another dtype."""
-        h = resp.hidden_states
         if resp.step_id != step_id:
             raise ValueError(f"answer for step {resp.step_id}, step {step_id} was rung")
+        h = resp.hidden_states
+        # The answer every good step gets, compared whole first: one message comparison instead of seven
+        # field reads (~2 us of the shim's host time after the answer). Equal means every check below
+        # passes; anything else goes through them, and is refused or passes exactly as before.
+        want = self._answer_ref.get((rows, width))
+        if want is None:
+            want = self._good_answer(rows, width)
+        if want is not None and h == want:
+            return
         if (h.WhichOneof("payload") != "region" or h.region.region_id != self.buffers.hidden_id
                 or h.region.offset_bytes != 0):
             raise ValueError("hidden_states: not in the output region the step named")
         if h.dtype != codec.dtype_to_proto(self.buffers.dtype) or tuple(h.shape) != (rows, width):
             raise ValueError(f"hidden_states: {list(h.shape)} of dtype {h.dtype}, expected {[rows, width]} "
                              f"{self.buffers.dtype}")
+
+    def _good_answer(self, rows: int, width: int) -> pb.TensorRef | None:
+        """hidden_states as check_answer wants them for a step of `rows` x `width` (kept per shape), or
+        None where the buffers' dtype has no wire value (the field checks then say what is wrong)."""
+        try:
+            ref = codec.region_tensor_ref(self.buffers.dtype, (rows, width), self.buffers.hidden_id, 0)
+        except ValueError:
+            return None
+        if len(self._answer_ref) >= 64:
+            self._answer_ref.clear()
+        self._answer_ref[(rows, width)] = ref
+        return ref
 
     def send(self, req: pb.DraftStepRequest, embeds: torch.Tensor, positions: torch.Tensor,
              meta: StepMetadata) -> None:

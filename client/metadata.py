@@ -32,33 +32,45 @@ def step_metadata_from(attn_metadata: Any, num_rows: int, page_size: int | None 
     drafter's layers share one, so the first entry is used. With `page_size`, block-table rows are
     trimmed to the pages the longest request reaches (the rest are never read).
     """
+    return read_step_metadata(attn_metadata, num_rows, page_size)[0]
+
+
+def read_step_metadata(attn_metadata: Any, num_rows: int,
+                       page_size: int | None = None) -> tuple[StepMetadata | None, int | None]:
+    """step_metadata_from's answer, and the longest sequence length it read (with a page size, else None),
+    which `tables_cover` then need not read again. Once per draft step, on the shim's host path before the
+    ring: each tensor's shape is read once (every read of it builds a torch.Size), and nothing is called
+    for a field it leaves as it is."""
     if isinstance(attn_metadata, dict):
         if not attn_metadata:
-            return None
+            return None, None
         attn_metadata = next(iter(attn_metadata.values()))
     seq_lens = _first_attr(attn_metadata, _SEQ_LENS)
     tables = _first_attr(attn_metadata, _BLOCK_TABLES)
     slots = _first_attr(attn_metadata, _SLOTS)
     if seq_lens is None or tables is None or slots is None:
-        return None
+        return None, None
     r = num_rows // layout.QPR
+    seq_shape, table_shape, slot_shape = seq_lens.shape, tables.shape, slots.shape
     # Ranks checked first: a 0-d tensor has no shape[0] (IndexError) and a 2-D seq_lens no max
     # (TypeError), which raised out of maybe_forward into the engine's step instead of refusing it.
-    if seq_lens.dim() != 1 or tables.dim() != 2 or slots.dim() != 1:
-        return None
-    if seq_lens.shape[0] < r or tables.shape[0] < r or slots.shape[0] < num_rows:
-        return None
-    seq_lens = _host(_rows(seq_lens, r), torch.int32)
-    tables = _rows(tables, r)
+    if len(seq_shape) != 1 or len(table_shape) != 2 or len(slot_shape) != 1:
+        return None, None
+    if seq_shape[0] < r or table_shape[0] < r or slot_shape[0] < num_rows:
+        return None, None
+    # A step's own tensors are not padded: no view to make.
+    seq_lens = _host(seq_lens if seq_shape[0] == r else seq_lens[:r], torch.int32)
+    if table_shape[0] != r:
+        tables = tables[:r]
+    longest = None
     if page_size:
-        pages = max(-(-max(seq_lens.tolist(), default=0) // page_size), 1)
-        if tables.shape[1] != pages:
+        longest = max(seq_lens.tolist(), default=0)
+        pages = max(-(-longest // page_size), 1)
+        if table_shape[1] != pages:
             tables = tables[:, :pages]
-    return StepMetadata(seq_lens, _host(tables, torch.int32), _host(_rows(slots, num_rows), torch.int64))
-
-
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    return t if t.shape[0] == n else t[:n]  # a step's own tensors are not padded: no view to make
+    if slot_shape[0] != num_rows:
+        slots = slots[:num_rows]
+    return StepMetadata(seq_lens, _host(tables, torch.int32), _host(slots, torch.int64)), longest
 
 
 def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,12 +81,15 @@ def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def tables_cover(meta: StepMetadata, page_size: int) -> bool:
+def tables_cover(meta: StepMetadata, page_size: int, longest: int | None = None) -> bool:
     """Whether every request's block-table row holds the ceil(seq_len / page_size) pages its keys span.
 
     A narrower table is the engine's metadata at fault, not the sidecar: sent, the sidecar refuses the
     step (INVALID_ARGUMENT, block_tables), which the shim reads as its limits changing (the link dropped,
     a breaker failure), on every such step. The shim asks this after the pre-flight: the page size comes
     from this rank's KV cache, which only a ready rank is sure to have read, and the answer must be the
-    same on every rank (see DrafterShim.maybe_forward)."""
-    return meta.block_tables.shape[1] * page_size >= max(meta.seq_lens.tolist(), default=0)
+    same on every rank (see DrafterShim.maybe_forward). longest: the longest of meta's seq_lens, where the
+    caller has it (read_step_metadata's)."""
+    if longest is None:
+        longest = max(meta.seq_lens.tolist(), default=0)
+    return meta.block_tables.shape[1] * page_size >= longest

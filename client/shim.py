@@ -41,7 +41,7 @@ from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, 
 from dspark_sidecar.client.dataplane import DataPlaneError
 from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
-from dspark_sidecar.client.metadata import step_metadata_from, tables_cover
+from dspark_sidecar.client.metadata import read_step_metadata, tables_cover
 from dspark_sidecar.client.stats import ShimStats
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_paging
 from dspark_sidecar.proto import codec, memory
@@ -138,7 +138,12 @@ class DrafterShim:
         self.fault_hook: Callable[[int], None] | None = None  # tests: called just before a step is sent
         # The link (connection, binding, data plane and its shared memory) is used by one thread at a time:
         # maybe_forward's phases 2 and 3, connect(), and close() (which may run on another thread).
-        self._cv = threading.Condition()  # guards the five below
+        # The link's lock, taken as itself on the step's path (a Condition's own `with` and notify_all are Python
+        # code: ~1 us a step of the shim's host time). Re-entrant: a signal handler's close() may run on a thread
+        # that holds it.
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)  # guards the six below
+        self._link_waiters = 0  # threads waiting on _cv for the link to be free (_LinkHold, close): notified only then
         self._inside = False  # a thread holds the link (_link, close)
         self._holder = 0  # which (threading.get_ident)
         self._closed = False  # close() was called: final
@@ -193,7 +198,7 @@ class DrafterShim:
             return self._fallback(CAPTURE)
         layers = self._layers()
         paging = kv_paging(layers[0]) if layers else None
-        meta = step_metadata_from(attn, n, paging[1] if paging else None)
+        meta, longest = read_step_metadata(attn, n, paging[1] if paging else None)
         if meta is None:
             return self._fallback(BAD_METADATA)
         start = time.perf_counter_ns()
@@ -234,7 +239,7 @@ class DrafterShim:
                 return self._fallback(why if not ready else PEER_NOT_READY)
             if r > self._max_reqs:
                 return self._fallback(REQS)
-            if paging is not None and not tables_cover(meta, paging[1]):
+            if paging is not None and not tables_cover(meta, paging[1], longest):
                 # Here, not in phase 1: the page size is this rank's cache's, and a rank whose provider raised
                 # has none; it would go on to the pre-flight alone. All ranks are ready here, so each has read
                 # its cache (the engine's one page size) and all decide alike, with no further agreement.
@@ -435,7 +440,7 @@ class DrafterShim:
                 and self.doorbell.fits(r, meta, embeds.shape[-1]) else None)
         req = self._request(step_id, r, positions, embeds, meta, inline=bell is None)
         stream: Any = bell if bell is not None else self.connection.stream()
-        with self._cv:  # either close() finds this waiter and interrupts it, or the step sees the close here
+        with self._lock:  # either close() finds this waiter and interrupts it, or the step sees the close here
             if self._closed:
                 return None, CLOSED
             self._waiter = stream
@@ -467,7 +472,7 @@ class DrafterShim:
             self._drop_link()  # reconnect and re-read the status (a restarted sidecar?)
             return None, STREAM
         finally:
-            with self._cv:
+            with self._lock:
                 self._waiter = None
         if resp.WhichOneof("result") == "error":
             return None, self._step_error(resp.error)
@@ -617,7 +622,15 @@ class DrafterShim:
         with self._cv:
             # Not on the thread that holds the link (a signal handler runs on the main thread, maybe in
             # the middle of its step): that thread finishes the close as it leaves the link.
-            if (self._inside and self._holder == me) or not self._cv.wait_for(lambda: not self._inside, CLOSE_WAIT_S):
+            mine = self._inside and self._holder == me
+            free = False
+            if not mine:
+                self._link_waiters += 1
+                try:
+                    free = self._cv.wait_for(lambda: not self._inside, CLOSE_WAIT_S)
+                finally:
+                    self._link_waiters -= 1
+            if mine or not free:
                 self._close_left = True  # _leave, under this same lock, sees it
                 if self._holder != me:
                     log.warning("sidecar rank %d: close() found the link still in use after %.0f s; the "
@@ -657,11 +670,12 @@ class DrafterShim:
         close() left it to the holder (_close_left: decided under the same lock as _inside, so exactly
         one thread releases)."""
         while True:
-            with self._cv:
+            with self._lock:
                 finish, self._close_left, closing = closing or self._close_left, False, False
                 if not finish:
                     self._inside, self._holder = False, 0
-                    self._cv.notify_all()
+                    if self._link_waiters:
+                        self._cv.notify_all()
                     return
             try:
                 self._finish_close()  # never raises an Exception; a KeyboardInterrupt or SystemExit it lets through
@@ -684,9 +698,14 @@ class _LinkHold:
 
     def __enter__(self) -> bool:
         s = self.shim
-        with s._cv:
-            while s._inside:
-                s._cv.wait()
+        with s._lock:
+            if s._inside:
+                s._link_waiters += 1  # under the lock, so the holder's _leave sees it and notifies
+                try:
+                    while s._inside:
+                        s._cv.wait()
+                finally:
+                    s._link_waiters -= 1
             s._inside, s._holder = True, threading.get_ident()
             return not s._closed
 

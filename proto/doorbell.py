@@ -105,16 +105,28 @@ class Page:
         self.words = np.ndarray((6,), dtype=np.uint64, buffer=buf[:48])
         self.req_area = buf[HEADER : HEADER + capacity]
         self.resp_area = buf[HEADER + capacity : HEADER + 2 * capacity]
+        # The areas as memoryviews: a slice assignment of bytes into one is a plain copy (~0.1 us), where numpy's
+        # from a bytes object took ~1 us, before every ring (the engine) and every answer (the sidecar).
+        # Released by close(), with the areas: a write after it raises (TypeError) instead of landing in a
+        # mapping its owner is about to close.
+        self._req_view: memoryview | None = memoryview(self.req_area)
+        self._resp_view: memoryview | None = memoryview(self.resp_area)
 
     def word(self, i: int) -> int:
         return int(self.words[i])
 
     def write(self, area: np.ndarray, data: bytes, len_word: int, seq_word: int, seq: int) -> None:
         """Bytes, then their length, then the sequence number: the reader trusts nothing before the sequence."""
-        if len(data) > self.capacity:
-            raise ValueError(f"message of {len(data)} bytes exceeds the doorbell's {self.capacity}-byte area")
-        area[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self.words[len_word] = len(data)
+        n = len(data)
+        if n > self.capacity:
+            raise ValueError(f"message of {n} bytes exceeds the doorbell's {self.capacity}-byte area")
+        if type(data) is bytes and area is self.req_area:
+            self._req_view[:n] = data  # type: ignore[index]
+        elif type(data) is bytes and area is self.resp_area:
+            self._resp_view[:n] = data  # type: ignore[index]
+        else:
+            area[:n] = np.frombuffer(data, dtype=np.uint8)
+        self.words[len_word] = n
         self.words[seq_word] = seq
 
     def read(self, area: np.ndarray, len_word: int) -> bytes:
@@ -124,6 +136,10 @@ class Page:
         return area[:n].tobytes()
 
     def close(self) -> None:
+        for view in (self._req_view, self._resp_view):
+            if view is not None:
+                view.release()
+        self._req_view = self._resp_view = None
         self.words = self.req_area = self.resp_area = None  # type: ignore[assignment]
 
 

@@ -24,6 +24,31 @@ def test_write_then_read_round_trips_and_publishes_sequence_last():
     assert p.word(bell.RESP_SEQ) == 0  # the other area is untouched
 
 
+def test_writes_of_any_buffer_land_alike_and_none_after_close():
+    """bytes go through the areas' memoryviews, other buffers through numpy: the same bytes land, the
+    words published after them. close() lets the views go with the areas: a write after it raises, as
+    before, rather than landing in a mapping that is about to be closed."""
+    import torch
+
+    from dspark_sidecar.proto import memory
+
+    seg = memory.shm_empty((bell.HEADER + 2 * 64,), torch.uint8)
+    p = bell.Page(seg.tensor.numpy(), 64)
+    p.write(p.req_area, b"abc", bell.REQ_LEN, bell.REQ_SEQ, 1)
+    p.write(p.resp_area, bytearray(b"defg"), bell.RESP_LEN, bell.RESP_SEQ, 2)
+    assert p.read(p.req_area, bell.REQ_LEN) == b"abc" and p.read(p.resp_area, bell.RESP_LEN) == b"defg"
+    assert (p.word(bell.REQ_SEQ), p.word(bell.RESP_SEQ), p.word(bell.RESP_LEN)) == (1, 2, 4)
+    other = np.zeros(8, dtype=np.uint8)  # an area of no page's: numpy's copy, as before
+    p.write(other, b"xy", bell.REQ_LEN, bell.REQ_SEQ, 3)
+    assert other[:2].tobytes() == b"xy" and p.word(bell.REQ_SEQ) == 3
+    p.close()
+    p.close()  # idempotent
+    with pytest.raises(TypeError):
+        p.write(p.req_area, b"z", bell.REQ_LEN, bell.REQ_SEQ, 4)
+    assert bytes(seg.tensor[bell.HEADER : bell.HEADER + 3].tolist()) == b"abc"  # nothing landed
+    seg.close()
+
+
 def test_oversized_messages_and_lengths_are_refused():
     p = _page(16)
     with pytest.raises(ValueError, match="exceeds the doorbell's 16-byte area"):
