@@ -78,7 +78,8 @@ ANSWER_OVERHEAD = 1024
 
 
 def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, max_reqs: int,
-                  indices: bool = True, out_dtype: torch.dtype | None = None, answer_limit: int = 0) -> Step:
+                  indices: bool = True, out_dtype: torch.dtype | None = None, answer_limit: int = 0,
+                  private: bool = False) -> Step:
     """All checks of issue 3's bad-input list, cheapest first; raises SidecarError naming the field.
 
     indices=False leaves out the index checks (check_indices): the rank loop runs them only when a
@@ -87,7 +88,9 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     (found after it, the step would have written its K/V for an answer that is an error).
     answer_limit: the most bytes an answer may take where it goes (gRPC's --max-message-bytes, the
     doorbell's capacity); a step asking for inline hidden states past it is refused (0: no limit).
-    Two rows naming one cache slot are refused whatever `indices` (check_distinct_slots)."""
+    Two rows naming one cache slot are refused whatever `indices` (check_distinct_slots).
+    private: the step's index tensors that lie in registered regions are copied out first, and the
+    checks and the step read that copy only (PrivateCopy says why; a CPU rank, server/rank.py)."""
     R = req.num_requests
     if not 1 <= R <= max_reqs:
         raise out_of_range("num_requests", f"{R} outside 1..{max_reqs} (this sidecar's --max-reqs)")
@@ -97,7 +100,7 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     if tensors is None:
         positions, embeds, ids, meta = _tensors(req, cfg, mem, R)
         host = host_meta(positions, meta)
-        tensors = positions, embeds, ids, meta, host
+        tensors = positions, embeds, ids, meta, host, None  # the last: the layout's PrivateCopy, once made
         # Region slices only (their views depend on nothing the step carries), and host views
         # only where they alias the region (a device region's host copy is taken per step).
         if key is not None and all(t.device.type == "cpu"
@@ -105,7 +108,13 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
             if len(mem.layouts) >= 256:
                 mem.layouts.clear()
             mem.layouts[key] = tensors
-    positions, embeds, ids, meta, host = tensors
+    positions, embeds, ids, meta, host, copy = tensors
+    if private and (key is not None or _in_region(req)):  # before any check: what is checked is what runs
+        if copy is None:
+            copy = PrivateCopy(positions, ids, meta, host)
+            if key is not None and mem.layouts.get(key) is tensors:
+                mem.layouts[key] = (*tensors[:5], copy)
+        positions, ids, meta, host = copy.take()
     if ids is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size):
         raise out_of_range("input_ids", f"ids must be in [0, {cfg.vocab_size})")
     output = req.output if req.HasField("output") else None
@@ -123,6 +132,51 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     # request alone (kernels/triton/step_meta.py) and cannot see that two requests share a slot.
     check_distinct_slots(host)
     return step
+
+
+class PrivateCopy:
+    """A step's index tensors (positions, seq_lens, block_tables, slot_mapping, input_ids) in memory of
+    the rank's own, refreshed from the registered region they lie in before the step is checked.
+
+    A region is shared memory the engine may write at any time. Checked in place and then read again
+    by the step, its metadata could be rewritten in between (an engine reusing its buffer early, a bug,
+    or on purpose): the step then indexed past the cache, the vocabulary or a table inside its launch,
+    and a failure there exits the rank (rank.py `_guarded`), taking its TP group down. Copied first, a
+    rewrite after the copy reaches nothing the step reads; one during it leaves a mix of old and new
+    values, which the checks see as the step does. The embeddings are not copied: a rewrite changes
+    numbers the step computes with, never where it reads or writes, and copying them would cost
+    n x hidden values a step.
+
+    One copy per cached layout (validate.py's `mem.layouts`), reused: a CPU rank's step runs to its end
+    under the rank loop's lock before the next is checked. Its cost per step (`take`, timeit on the 2-core
+    CI box): 1.0-1.5 us at R = 1, 1.9-3.3 us at R = 8, 2.5-9.4 us at R = 32, for tables 258 to 2048 pages
+    wide (the table is most of the bytes)."""
+
+    __slots__ = ("positions", "ids", "meta", "host", "_pairs")
+
+    def __init__(self, positions: torch.Tensor, ids: torch.Tensor | None, meta: StepMetadata, h: HostMeta) -> None:
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype)
+
+        self.positions, self.ids = own(positions), None if ids is None else own(ids)
+        self.meta = StepMetadata(own(meta.seq_lens), own(meta.block_tables), own(meta.slot_mapping))
+        self.host = host_meta(self.positions, self.meta)  # views of the copy, as HostMeta
+        pairs = list(zip(self.host, h))
+        if ids is not None:
+            pairs.append((self.ids.numpy(), ids.numpy()))
+        self._pairs = tuple(pairs)  # (the copy's view, the region's), as NumPy: a slice assignment each
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor | None, StepMetadata, HostMeta]:
+        """Refresh the copy from the region; (positions, input_ids, metadata, host views) of the copy."""
+        for dst, src in self._pairs:
+            dst[...] = src
+        return self.positions, self.ids, self.meta, self.host
+
+
+def _in_region(req: pb.DraftStepRequest) -> bool:
+    """Some index tensor of the step is a region slice (inline bytes are a private copy already)."""
+    return any(req.HasField(f) and getattr(req, f).WhichOneof("payload") == "region"
+               for f in (*_FIELDS, "input_ids"))
 
 
 # Up to this many slots a Python set finds a repeat fastest (~0.5 us at 7, ~1.7 us at 56 on the 2-core

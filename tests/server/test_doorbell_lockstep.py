@@ -38,7 +38,7 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
     ctl = dist.new_group(backend="gloo")
     order: list[str] = []  # this rank's device work, in issue order
 
-    def validate(req, cfg, mem, max_reqs, indices=True, out_dtype=None, answer_limit=0):
+    def validate(req, cfg, mem, max_reqs, indices=True, out_dtype=None, answer_limit=0, private=False):
         pos = torch.arange(0, 7)
         meta = StepMetadata(torch.tensor([7], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), pos.clone())
         return Step(req.step_id, 1, pos, torch.full((7, 4), float(req.step_id)), None, meta,

@@ -66,7 +66,7 @@ def run(monkeypatch):
             if not indices_ok:
                 raise invalid("block_tables", "block_tables[0][0] = 99 outside the bound cache's 64 pages")
 
-        def validate(req, cfg, memory, max_reqs, indices=True, out_dtype=None, answer_limit=0):
+        def validate(req, cfg, memory, max_reqs, indices=True, out_dtype=None, answer_limit=0, private=False):
             _run.checks.append(indices)
             if not valid:
                 raise invalid("slot_mapping", "slot 99 outside the cache")

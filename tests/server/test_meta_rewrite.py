@@ -1,0 +1,192 @@
+"""A step's metadata rewritten in shared memory between its checks and its use cannot kill a CPU rank.
+
+On the data plane a step's positions, seq_lens, block_tables and slot_mapping (and input_ids) are
+slices of a region the engine registered: shared memory the engine can write at any time. A rank
+used to check them there (validate.py) and then run the step reading the same bytes again; an
+engine that rewrote them in between (a bug, early reuse of its buffer, or on purpose) had the step
+index out of range inside its launch, and an exception there exits the rank with code 3 (rank.py
+`_guarded`): the whole TP group went down. A CPU rank now checks and runs one private copy of them,
+taken before the checks: a rewrite after the copy changes nothing the step reads, one before it is
+refused with the field named, and the rank serves on.
+
+These run an in-process CPU RankLoop (the tiny drafter, a real MemoryBindings over shm regions); the
+rewrite is injected through a seam, right after validate_step returns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspark_sidecar.drafter import scenario
+from dspark_sidecar.drafter.checkpoint import CheckpointReader
+from dspark_sidecar.drafter.model import DSparkDrafter
+from dspark_sidecar.drafter.parallel import ParallelContext
+from dspark_sidecar.kernels.ops import REFERENCE_OPS
+from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.server import rank as rank_mod
+from dspark_sidecar.server.kv_binding import MemoryBindings
+from dspark_sidecar.server.metrics import Metrics
+from dspark_sidecar.server.rank import RankContext, RankLoop
+from dspark_sidecar.server.rendezvous import Verdict
+from dspark_sidecar.client.dataplane import StepBuffers
+from helpers.engine_sim import PAGE, EngineSim
+
+LENS = [5, 40, 100]
+PAGES = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 2
+BIG = 1 << 40  # far past any cache, vocabulary or table
+
+
+class _Exited(BaseException):
+    """The rank's os._exit, made catchable: the test process must outlive the rank it runs."""
+
+
+class _OneRank:
+    """A world of one: GO for a valid post."""
+
+    def agree(self, post):
+        return Verdict(post.valid, "" if post.valid else f"step {post.step_id}: invalid here", 0)
+
+
+class _Stub:
+    """StepBuffers' RPCs, straight into this process's MemoryBindings."""
+
+    def __init__(self, mem: MemoryBindings) -> None:
+        self.mem = mem
+
+    def RegisterBuffers(self, req, timeout=None):  # noqa: N802  (the gRPC method's name)
+        return pb.RegisterBuffersResponse(region_ids=self.mem.register(req))
+
+    def UnregisterBuffers(self, req, timeout=None):  # noqa: N802
+        for m in self.mem.unregister(list(req.region_ids), req.owner):
+            m.close()
+        return pb.UnregisterBuffersResponse()
+
+
+@pytest.fixture
+def rig(tiny_cfg, tiny_ckpt, tiny_embed, monkeypatch):
+    exits: list[int] = []
+
+    def _exit(code):
+        exits.append(code)
+        raise _Exited(code)
+
+    monkeypatch.setattr(rank_mod.os, "_exit", _exit)
+    cpu = torch.device("cpu")
+    model = DSparkDrafter(tiny_cfg, ParallelContext(0, 1), REFERENCE_OPS, torch.float32, cpu).load(
+        CheckpointReader(tiny_ckpt[0], torch.float32))
+    mem = MemoryBindings(tiny_cfg, 1, 0, torch.float32, cpu)
+    eng = EngineSim(tiny_cfg, ["localhost:1"], PAGES, torch.float32)  # its cache and BindKV requests; no RPCs
+    kv = mem.bind(eng.bind_request(0))
+    bufs = StepBuffers(_Stub(mem), tiny_cfg.hidden_size, 4, 16, torch.float32, cpu)
+    loop = RankLoop(RankContext(0, 1, tiny_cfg, model, tiny_embed, mem, Metrics(0), 4), _OneRank())
+    step = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, tiny_embed, seed=7)
+    try:
+        yield SimpleNamespace(loop=loop, kv=kv, bufs=bufs, eng=eng, step=step, exits=exits)
+    finally:
+        loop.close()
+        bufs.close()
+        mem.kv = None
+        kv.close()
+        eng.close()
+
+
+def _request(rig, step_id: int, ids: bool = False) -> pb.DraftStepRequest:
+    """The step in the registered regions; ids: input_ids (a region slice) instead of inputs_embeds."""
+    bid, gen = rig.kv.binding_id, rig.kv.generation
+    req = pb.DraftStepRequest(step_id=step_id, binding_id=bid, binding_generation=gen, num_requests=len(LENS))
+    rig.bufs.fill(req, rig.step.inputs_embeds, rig.step.positions, rig.step.meta)
+    if ids:
+        n = 7 * len(LENS)
+        rig.bufs.embeds.view(-1)[: 2 * n].view(torch.int64)[:] = torch.arange(n) % 97
+        req.input_ids.CopyFrom(codec.region_tensor_ref(torch.int64, (n,), rig.bufs.embeds_id, 0))
+    return req
+
+
+def _region_views(rig, req: pb.DraftStepRequest) -> dict[str, torch.Tensor]:
+    """The step's index tensors where `req` names them: views of the shared memory the engine writes."""
+    raw = rig.bufs.meta_bytes
+    out = {}
+    for field in ("positions", "seq_lens", "block_tables", "slot_mapping"):
+        ref = getattr(req, field)
+        dtype = codec.dtype_from_proto(ref.dtype, field)
+        nbytes = torch.Size(ref.shape).numel() * dtype.itemsize
+        out[field] = raw[ref.region.offset_bytes : ref.region.offset_bytes + nbytes].view(dtype)
+    out["input_ids"] = rig.bufs.embeds.view(-1)[: 2 * 7 * len(LENS)].view(torch.int64)
+    return out
+
+
+def _bad(field: str) -> int:
+    """A value far out of range for `field` (int32 fields: one that fits)."""
+    return 1 << 30 if field in ("seq_lens", "block_tables") else BIG
+
+
+def _rewrite_after_validation(rig, monkeypatch, field: str) -> list[bool]:
+    """validate_step, then `field` rewritten out of range in the region: the engine's write landing
+    between the checks and the step. Returns a switch: [True] while armed; each rewrite disarms it."""
+    real = rank_mod.validate_step
+    armed = [True]
+
+    def validate(*args, **kwargs):
+        step = real(*args, **kwargs)
+        if armed[0]:
+            _region_views(rig, args[0])[field].fill_(_bad(field))
+            armed[0] = False
+        return step
+
+    monkeypatch.setattr(rank_mod, "validate_step", validate)
+    return armed
+
+
+def _answer(rig, req: pb.DraftStepRequest, grpc_path: bool) -> pb.DraftStepResponse | None:
+    """The rank's answer, or None where the rank exited instead (rig.exits says with which code)."""
+    if not grpc_path:
+        try:
+            return rig.loop.answer_now(req)  # the doorbell's path: in place, on this thread
+        except _Exited:
+            return None
+    fut = rig.loop.submit(req)  # gRPC's: the worker thread, which the exit ends with the step unanswered
+    try:
+        return fut.result(timeout=10)
+    except concurrent.futures.TimeoutError:
+        assert rig.exits, "no answer and no exit"
+        return None
+
+
+@pytest.mark.parametrize("grpc_path", [False, True], ids=["doorbell", "grpc"])
+@pytest.mark.parametrize("field", ["slot_mapping", "block_tables", "seq_lens", "input_ids"])
+def test_metadata_rewritten_after_the_checks_runs_the_checked_step_and_the_rank_serves_on(rig, monkeypatch,
+                                                                                         field, grpc_path):
+    ids = field == "input_ids"
+    want = rig.loop.answer_now(_request(rig, 1, ids))  # the clean step: its answer and the K/V it wrote
+    assert want.HasField("hidden_states"), want
+    want_hidden = rig.bufs.hidden[: 7 * len(LENS)].clone()
+    kv_before = [t.clone() for t in rig.eng.kv_tensors(0)]
+    rig.bufs.hidden.zero_()
+    armed = _rewrite_after_validation(rig, monkeypatch, field)
+    got = _answer(rig, _request(rig, 2, ids), grpc_path)
+    assert armed == [False]  # the region was rewritten after the checks
+    assert rig.exits == [], f"the rank exited (code {rig.exits}) on {field} rewritten after its checks"
+    assert got.HasField("hidden_states"), got  # the checked copy ran: the same step, the same bits
+    assert torch.equal(rig.bufs.hidden[: 7 * len(LENS)], want_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(kv_before, rig.eng.kv_tensors(0)))  # same K/V, same slots
+    again = _answer(rig, _request(rig, 3, ids), grpc_path)  # the rank serves on
+    assert again.HasField("hidden_states"), again
+
+
+# seq_lens past the rows' positions: the positions are named, as disagreeing with them.
+@pytest.mark.parametrize("field,named", [("slot_mapping", "slot_mapping"), ("block_tables", "block_tables"),
+                                         ("seq_lens", "positions"), ("input_ids", "input_ids")])
+def test_metadata_rewritten_before_the_checks_is_refused_naming_the_field(rig, field, named):
+    ids = field == "input_ids"
+    req = _request(rig, 1, ids)
+    _region_views(rig, req)[field].fill_(_bad(field))
+    got = rig.loop.answer_now(req)
+    assert rig.exits == []
+    assert got.HasField("error") and got.error.field == named, got
+    again = rig.loop.answer_now(_request(rig, 2, ids))  # the engine's next step, written properly
+    assert again.HasField("hidden_states"), again
