@@ -215,3 +215,21 @@ def test_the_wake_fifo_is_0660_whatever_the_umask(tmp_path):
         assert stat.S_IMODE(os.stat(waker.path).st_mode) == 0o660
     finally:
         waker.close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64])
+def test_every_size_up_to_the_capacity_lands_whole_in_either_area_and_nothing_past_it(size):
+    """Page.write through the areas' memoryviews at the edges (empty, one byte, capacity - 1, capacity),
+    both areas: the bytes land whole, the length word says so, and the other area and the header's
+    unused words stay as they were (a view one byte short or long would show here)."""
+    p = _page(64)
+    p.req_area[:] = 0xAA
+    p.resp_area[:] = 0xBB
+    data = bytes((i * 7 + 1) % 256 for i in range(size))
+    p.write(p.req_area, data, bell.REQ_LEN, bell.REQ_SEQ, 1)
+    assert p.read(p.req_area, bell.REQ_LEN) == data and p.word(bell.REQ_LEN) == size
+    assert bytes(p.req_area[size:]) == b"\xaa" * (64 - size) and bytes(p.resp_area) == b"\xbb" * 64
+    p.write(p.resp_area, data, bell.RESP_LEN, bell.RESP_SEQ, 2)
+    assert p.read(p.resp_area, bell.RESP_LEN) == data and p.word(bell.RESP_LEN) == size
+    assert bytes(p.resp_area[size:]) == b"\xbb" * (64 - size) and p.word(bell.RESP_SEQ) == 2
+    assert p.read(p.req_area, bell.REQ_LEN) == data  # the answer's write left the request alone
