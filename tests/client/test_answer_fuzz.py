@@ -761,3 +761,31 @@ def test_doorbell_sized_from_absurd_status_limits(kw):
                           capture_output=True, text=True, timeout=60)
     tail = (proc.stdout + proc.stderr)[-1500:]
     assert proc.returncode == 0, f"child exit {proc.returncode}: {tail}"
+
+
+def test_a_good_answer_for_one_shape_is_refused_for_another():
+    """check_answer keeps the good answer per (rows, width): an answer that was good for a step of one
+    shape, sent for a step of another, is refused as the field checks refuse it (a stale or mis-keyed
+    good answer would let it through)."""
+    import types
+
+    import torch
+
+    from dspark_sidecar.client.doorbell_transport import DoorbellTransport
+    from dspark_sidecar.proto import codec
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    t = object.__new__(DoorbellTransport)
+    t.buffers = types.SimpleNamespace(hidden_id=5, dtype=torch.bfloat16)
+    t._answer_ref = {}
+
+    def answer(rows: int, width: int) -> pb.DraftStepResponse:
+        return pb.DraftStepResponse(step_id=1, hidden_states=codec.region_tensor_ref(torch.bfloat16, (rows, width), 5, 0))
+
+    for rows in (7, 14, 7):  # each shape seen, then asked again with the other's answer
+        t.check_answer(answer(rows, 16), 1, rows, 16)
+        other = 21 - rows
+        with pytest.raises(ValueError, match="expected"):
+            t.check_answer(answer(rows, 16), 1, other, 16)
+        with pytest.raises(ValueError, match="expected"):
+            t.check_answer(answer(rows, 16), 1, rows, 32)
