@@ -160,10 +160,9 @@ def test_a_limit_raised_by_a_sidecar_restart_is_learned_again_by_steps_above_the
         shim.close()
 
 
-def test_steps_above_a_limit_that_stays_fall_back_and_only_the_relearning_one_agrees(fake):
-    """A step above the agreed limit that goes on to the pre-flight (one in RELEARN_EVERY) and finds the limit
-    unchanged falls back there, unsent; the steps in between make no remote call and no agreement."""
-    agreements = []
+def _counting_shim(fake) -> tuple[DrafterShim, list[int]]:
+    """A TP-4 shim over a shm cache whose pre-flight agreements are recorded (each one's number of values)."""
+    agreements: list[int] = []
 
     class _Counting(PreflightHook):
         def all_min(self, values):
@@ -171,8 +170,14 @@ def test_steps_above_a_limit_that_stays_fall_back_and_only_the_relearning_one_ag
             return values.clone()
 
     kv = shm_kv_cache()
-    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
-                       _Counting())
+    return DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       _Counting()), agreements
+
+
+def test_steps_above_a_limit_that_stays_fall_back_and_only_the_relearning_one_agrees(fake):
+    """A step above the agreed limit that goes on to the pre-flight (one in RELEARN_EVERY) and finds the limit
+    unchanged falls back there, unsent; the steps in between make no remote call and no agreement."""
+    shim, agreements = _counting_shim(fake)
     small, pos_s, meta_s = step_inputs(2)
     ids, pos, meta = step_inputs(6)
     try:
@@ -192,16 +197,7 @@ def test_steps_above_what_any_sidecar_serves_never_go_on_to_relearn_the_limit(fa
     """The relearning step (one in RELEARN_EVERY above the agreed limit) is for a limit a restarted sidecar may have
     raised: no sidecar serves more than layout.MAX_REQS_LIMIT requests, so a step above that (or an empty one) always
     falls back at once, with no readiness check and no agreement, however many come."""
-    agreements = []
-
-    class _Counting(PreflightHook):
-        def all_min(self, values):
-            agreements.append(values.numel())
-            return values.clone()
-
-    kv = shm_kv_cache()
-    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
-                       _Counting())
+    shim, agreements = _counting_shim(fake)
     huge, pos_h, meta_h = step_inputs(layout.MAX_REQS_LIMIT + 1)
     empty = torch.zeros(0, dtype=torch.int64)
     try:

@@ -402,6 +402,22 @@ def test_a_rank_that_posted_and_then_exited_gets_no_go(monkeypatch):
         board.close()
 
 
+def _count_looks_at_rank_0(monkeypatch) -> list[str]:
+    """Record each look at a process (rendezvous._exited) by a rank's step, the coordinator's own aside."""
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+
+    looks: list[str] = []
+    real = rendezvous_mod._exited
+
+    def counted(pid, start=0):
+        if threading.current_thread().name != "dspark-rendezvous":
+            looks.append(threading.current_thread().name)
+        return real(pid, start)
+
+    monkeypatch.setattr(rendezvous_mod, "_exited", counted)
+    return looks
+
+
 def test_a_rank_s_step_looks_for_rank_0_s_process_only_until_it_was_seen_alive(ranks, monkeypatch):
     """agree() is on every step's path: once rank 0's process was seen alive, a step whose verdict comes
     in time makes no look at it (a signal and a /proc read: tens of microseconds a step on ranks 1..3).
@@ -411,15 +427,7 @@ def test_a_rank_s_step_looks_for_rank_0_s_process_only_until_it_was_seen_alive(r
     agree_all(ranks, {r: Post(1, 1, 3, 99, True) for r in range(WORLD)})  # rank 0 seen alive from each peer
     assert all(ranks[r]._peers.seen(0) for r in range(1, WORLD))
     monkeypatch.setattr(rendezvous_mod, "GONE_CHECK_S", 3600.0)
-    looks: list[str] = []
-    real = rendezvous_mod._exited
-
-    def counted(pid, start=0):
-        if threading.current_thread().name != "dspark-rendezvous":  # the coordinator's own looks aside
-            looks.append(threading.current_thread().name)
-        return real(pid, start)
-
-    monkeypatch.setattr(rendezvous_mod, "_exited", counted)
+    looks = _count_looks_at_rank_0(monkeypatch)
     for step in range(2, 12):
         out = agree_all(ranks, {r: Post(step, 1, 3, 99, True) for r in range(WORLD)})
         assert all(v.go for v, _ in out.values())
@@ -446,15 +454,7 @@ def test_a_rank_0_never_seen_alive_is_looked_at_once_per_posted_pid_not_every_st
     else:
         board.starts[0] = process_start(os.getpid()) + 1  # this pid, another start time: not rank 0's process
     monkeypatch.setattr(rendezvous_mod, "GONE_CHECK_S", 3600.0)  # only the per-step look, no timed ones
-    looks: list[str] = []
-    real = rendezvous_mod._exited
-
-    def counted(pid, start=0):
-        if threading.current_thread().name != "dspark-rendezvous":  # the coordinator's own looks aside
-            looks.append(threading.current_thread().name)
-        return real(pid, start)
-
-    monkeypatch.setattr(rendezvous_mod, "_exited", counted)
+    looks = _count_looks_at_rank_0(monkeypatch)
     for step in range(1, 11):
         out = agree_all(ranks, {r: Post(step, 1, 3, 99, True) for r in range(WORLD)})
         assert all(v.go for v, _ in out.values())
