@@ -136,6 +136,13 @@ def _make_leaf(d: Path) -> tuple[int, int] | None:
         os.close(parent)
 
 
+def _replaced(d: Path, why: str) -> ServeConfigError:
+    """The refusal of a socket folder that is no longer the one serve just made (`why`: what is there now)."""
+    return ServeConfigError(f"--socket-dir: {d} is not the folder serve just made ({why}): someone who may change "
+                            f"{d.parent} or a folder above it replaced it; choose a socket folder whose parents "
+                            "only this user or root may change")
+
+
 def _give_group_bits(d: Path, parent: int) -> tuple[int, int]:
     """Set LEAF_MODE on the folder `_make_leaf` just made at `d` in the folder `parent` (a descriptor opened
     before the mkdir), and return its (st_dev, st_ino): the umask may have taken the group's bits, which the
@@ -148,11 +155,6 @@ def _give_group_bits(d: Path, parent: int) -> tuple[int, int]:
     chmod by path followed the link (as root: any file's mode made 0770). Whoever may rename entries in a
     folder above could instead have moved the parent away and put a link in its place: the path then named
     a folder elsewhere, made 0770 as well, so the name is looked up in `parent`, not along the path."""
-    def swapped(why: str) -> ServeConfigError:
-        return ServeConfigError(f"--socket-dir: {d} is not the folder serve just made ({why}): someone who may "
-                                f"change {d.parent} or a folder above it replaced it; choose a socket folder whose "
-                                "parents only this user or root may change")
-
     try:
         fd = os.open(d.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
     except OSError as err:  # a link (ENOTDIR or ELOOP, neither naming it), a file, or nothing now
@@ -160,11 +162,11 @@ def _give_group_bits(d: Path, parent: int) -> tuple[int, int]:
             link = stat.S_ISLNK(os.stat(d.name, dir_fd=parent, follow_symlinks=False).st_mode)
         except OSError:
             link = False
-        raise swapped("a symbolic link now" if link else err.strerror) from None
+        raise _replaced(d, "a symbolic link now" if link else err.strerror) from None
     try:
         st = os.fstat(fd)
         if st.st_uid != effective_uid():
-            raise swapped(f"now owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}")
+            raise _replaced(d, f"now owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}")
         os.fchmod(fd, LEAF_MODE | (st.st_mode & stat.S_ISGID))
     finally:
         os.close(fd)
@@ -186,10 +188,7 @@ def prepare(d: Path) -> None:
     if made is not None and (st.st_dev, st.st_ino) != made:
         # The path leads elsewhere than to the folder made above (a folder on the way was replaced by a link):
         # the checks below would judge, and the ranks serve in, that other folder.
-        raise ServeConfigError(f"--socket-dir: {d} is not the folder serve just made (a folder on the way to it "
-                               f"was replaced, and it now leads to {os.path.realpath(d)}): someone who may change "
-                               f"{d.parent} or a folder above it replaced it; choose a socket folder whose parents "
-                               "only this user or root may change")
+        raise _replaced(d, f"a folder on the way to it was replaced, and it now leads to {os.path.realpath(d)}")
     if not stat.S_ISDIR(st.st_mode):
         raise ServeConfigError(f"--socket-dir: {d} exists and is not a folder")
     euid = effective_uid()
