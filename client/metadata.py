@@ -24,23 +24,20 @@ def _first_attr(obj: Any, names: tuple[str, ...]) -> torch.Tensor | None:
     return None
 
 
-def step_metadata_from(attn_metadata: Any, num_rows: int, page_size: int | None = None) -> StepMetadata | None:
-    """StepMetadata for a step of `num_rows` = 7R rows, on CPU, or None when the metadata lacks a field.
+def read_step_metadata(attn_metadata: Any, num_rows: int,
+                       page_size: int | None = None) -> tuple[StepMetadata | None, int | None]:
+    """StepMetadata for a step of `num_rows` = 7R rows, on CPU, or None when the metadata lacks a field;
+    and the longest sequence length it read (with a page size, else None), which `tables_cover` then
+    need not read again.
 
     vLLM pads its metadata for CUDA graphs: only the first R sequence lengths and block-table rows
     and the first n slots belong to the step. vLLM V1 passes a dict of per-layer metadata; the
     drafter's layers share one, so the first entry is used. With `page_size`, block-table rows are
     trimmed to the pages the longest request reaches (the rest are never read).
+
+    Once per draft step, on the shim's host path before the ring: each tensor's shape is read once
+    (every read of it builds a torch.Size), and nothing is called for a field it leaves as it is.
     """
-    return read_step_metadata(attn_metadata, num_rows, page_size)[0]
-
-
-def read_step_metadata(attn_metadata: Any, num_rows: int,
-                       page_size: int | None = None) -> tuple[StepMetadata | None, int | None]:
-    """step_metadata_from's answer, and the longest sequence length it read (with a page size, else None),
-    which `tables_cover` then need not read again. Once per draft step, on the shim's host path before the
-    ring: each tensor's shape is read once (every read of it builds a torch.Size), and nothing is called
-    for a field it leaves as it is."""
     if isinstance(attn_metadata, dict):
         if not attn_metadata:
             return None, None

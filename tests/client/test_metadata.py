@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dspark_sidecar.client.metadata import step_metadata_from, tables_cover
+from dspark_sidecar.client.metadata import read_step_metadata, tables_cover
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 
 
@@ -32,7 +32,7 @@ def test_a_step_s_own_host_tensors_pass_through_without_copies():
     seq = torch.tensor([20, 35], dtype=torch.int32)
     tables = torch.arange(6, dtype=torch.int32).reshape(2, 3)
     slots = torch.arange(14, dtype=torch.int64)
-    meta = step_metadata_from(StepMetadata(seq, tables, slots), 14, page_size=16)
+    meta = read_step_metadata(StepMetadata(seq, tables, slots), 14, page_size=16)[0]
     # ceil(35 / 16) = 3 pages: nothing to trim, so the engine's own tensors, no copies
     assert meta.seq_lens is seq and meta.block_tables is tables and meta.slot_mapping is slots
 
@@ -44,7 +44,7 @@ def test_padded_metadata_is_cut_to_the_step_and_converted_on_the_host(device):
     """vLLM's layout (a dict of per-layer metadata, padded, a wide table), on the host or on the GPU
     as vLLM's forward context holds it: the step's rows and pages, as contiguous host tensors."""
     padded = _padded(device)
-    meta = step_metadata_from({"layers.0.attn": padded, "layers.1.attn": padded}, 14, page_size=16)
+    meta = read_step_metadata({"layers.0.attn": padded, "layers.1.attn": padded}, 14, page_size=16)[0]
     assert meta.seq_lens.is_cpu and meta.block_tables.is_cpu and meta.slot_mapping.is_cpu
     assert meta.seq_lens.dtype == torch.int32 and meta.seq_lens.tolist() == [20, 35]
     assert meta.block_tables.tolist() == [[0, 1, 2], [8, 9, 10]] and meta.block_tables.is_contiguous()
@@ -62,13 +62,13 @@ def test_metadata_without_what_the_step_needs_is_refused(broken):
         m.block_table = m.block_table.flatten()
     else:
         m = {}
-    assert step_metadata_from(m, 14, page_size=16) is None
+    assert read_step_metadata(m, 14, page_size=16)[0] is None
 
 
 @pytest.mark.parametrize("broken", ["scalar seq_lens", "scalar slots", "2-D seq_lens", "2-D slots"])
 def test_metadata_of_the_wrong_rank_is_refused_not_raised(broken):
     """A 0-d tensor raised IndexError (shape[0]) and a 2-D seq_lens TypeError (max of lists) out of
-    step_metadata_from, so out of maybe_forward into the engine's step. These fields are the step's
+    read_step_metadata, so out of maybe_forward into the engine's step. These fields are the step's
     replicated inputs: every rank refuses the same step here, before any agreement."""
     m = _padded()
     if broken == "scalar seq_lens":
@@ -79,7 +79,7 @@ def test_metadata_of_the_wrong_rank_is_refused_not_raised(broken):
         m.seq_lens = m.seq_lens[:, None].expand(4, 2)
     else:
         m.slot_mapping = m.slot_mapping[:, None]
-    assert step_metadata_from(m, 14, page_size=16) is None
+    assert read_step_metadata(m, 14, page_size=16)[0] is None
 
 
 @pytest.mark.parametrize("lens, cover", [([5, 32], True), ([32, 32], True), ([5, 33], False), ([33, 5], False)])
