@@ -34,14 +34,17 @@ def fake():
     server.stop()
 
 
-def make_shim(endpoint: str, kv: list | None = None, **cfg) -> tuple[DrafterShim, FakeModel, list]:
+def make_shim(endpoint: str, kv: list | None = None, agree=None, **cfg) -> tuple[DrafterShim, FakeModel, list]:
+    """Rank 0 of a TP-4 engine over a shm cache; the agreement is local (the other ranks are not simulated)
+    unless `agree` (a PreflightHook: a test's stand-in for the peers) is given, which then knows the shim."""
     kv = shm_kv_cache() if kv is None else kv
     cfg.setdefault("tp_size", 4)
     cfg.setdefault("step_deadline_s", 2.0)
     config = EngineConfig(endpoint=endpoint, **cfg)
     model = FakeModel()
-    # rank 0 of a TP-4 engine, but the agreement is local: the other ranks are not simulated here.
-    shim = DrafterShim(config, model, lambda: [s.tensor for s in kv], ParallelContext(0, 1))
+    shim = DrafterShim(config, model, lambda: [s.tensor for s in kv], ParallelContext(0, 1) if agree is None else agree)
+    if agree is not None:
+        agree.shim = shim
     return shim, model, kv
 
 
@@ -169,9 +172,7 @@ def _counting_shim(fake) -> tuple[DrafterShim, list[int]]:
             agreements.append(values.numel())
             return values.clone()
 
-    kv = shm_kv_cache()
-    return DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
-                       _Counting()), agreements
+    return make_shim(fake.endpoint, agree=_Counting())[0], agreements
 
 
 def test_steps_above_a_limit_that_stays_fall_back_and_only_the_relearning_one_agrees(fake):
@@ -733,10 +734,7 @@ def test_a_catch_up_bind_torch_cannot_share_is_not_the_sidecars_failure(fake, mo
 
     monkeypatch.setattr(binding, "export_handle", export)
     agree = _PeerBoundOnceMore()
-    kv = shm_kv_cache()
-    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
-                       agree)
-    agree.shim = shim
+    shim = make_shim(fake.endpoint, agree=agree)[0]
     ids, pos, meta = step_inputs(1)
     try:
         with set_forward_context(meta):
@@ -792,9 +790,7 @@ def test_connect_on_another_thread_leaves_a_step_between_its_preflight_and_its_s
     the step in flight and leaves the link as the pre-flight saw it; the step's next readiness check re-binds."""
     kv = shm_kv_cache()
     agree = _ConnectsInPreflight(kv)
-    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
-                       agree)
-    agree.shim = shim
+    shim = make_shim(fake.endpoint, kv, agree=agree)[0]
     ids, pos, meta = step_inputs(1)
     try:
         with set_forward_context(meta):
