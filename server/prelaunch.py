@@ -184,8 +184,7 @@ class Prelaunch:
         # The launch key promises the same slices (sidecar.proto), output included; checked all the same.
         self._out_ready = self._accepted and q.out is not None and _same_view(q.out, self._output_of(step, q.out))
         streak = self._streak + 1 if self._repeats(req.launch_key, step) else 1
-        host_side = all(t.device.type == "cpu" for t in (step.positions, step.meta.seq_lens,
-                                                          step.meta.block_tables, step.meta.slot_mapping))
+        host_side = all(t.device.type == "cpu" for t in step.region_meta)
         # host_side: the program reads the engine's host region; cooldown: see BEHIND_S.
         nxt = bool(req.launch_key) and streak >= STREAK and graph is not None and host_side and not self.cooldown
         return self._accepted, nxt
@@ -312,8 +311,9 @@ class Prelaunch:
             self._queue(seq + 1, key, step, graph)
 
     def _queue(self, seq: int, key: int, step: Step, graph) -> None:
-        sources = [self._device_view(t) for t in (step.positions, step.meta.seq_lens, step.meta.block_tables,
-                                                  step.meta.slot_mapping)]
+        # The region itself, not the step's private copy (validate.PrivateCopy): the program runs after the
+        # engine's next write there, and checks what it reads.
+        sources = [self._device_view(t) for t in step.region_meta]
         stream = self.graphs.stream
         self._flag_host[: step.num_reqs] = 0
         agree = self._agreement(graph, step.num_reqs) if self._exchange is not None else None
@@ -363,7 +363,7 @@ class Prelaunch:
             self._staging.reserve(sources)
             return (self._staging.buf,)
 
-        hold = (graph.views, step.positions, step.meta.seq_lens, step.meta.block_tables, step.meta.slot_mapping)
+        hold = (graph.views, *step.region_meta)
         return self._replay_of(key, hold, run_metadata, reserve)
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, R: int):

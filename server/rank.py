@@ -107,11 +107,6 @@ class RankLoop:
         dev = ctx.model.device
         self._device_done: Callable[[], None] | None = ((lambda: torch.cuda.synchronize(dev))
                                                          if dev.type == "cuda" else None)
-        # A CPU rank checks and runs a private copy of a step's metadata and input_ids, not the engine's shared
-        # memory, which may change between the checks and the step's reads (validate.PrivateCopy). A GPU rank
-        # copies the metadata to the device; a pre-launched step's program checks the copy it runs
-        # (kernels/triton/step_meta.py), while its host paths (graphs, eager) still read the region again.
-        self._private = dev.type == "cpu"
         # Set by stop_steps: later steps are answered UNAVAILABLE at once. Taken with the queueing, so
         # no step can slip in behind the worker's stop marker and never be answered.
         self._gate = threading.Lock()
@@ -320,9 +315,12 @@ class RankLoop:
                 raise _shutting_down()  # copy posted as refused, so the peers abort without waiting it out
             if ctx.refusal is not None:
                 raise precondition(f"fast path refused: {ctx.refusal} (--strict-refusal)", "REFUSED")
-            # A doorbell step's index checks wait for the offer below.
+            # A doorbell step's index checks wait for the offer below. private: the checks and the step read
+            # a copy of the index tensors, not the engine's shared memory, which may change between the
+            # two (validate.PrivateCopy); a pre-launched step's program reads the region on the device
+            # and checks the copy it runs (kernels/triton/step_meta.py).
             step = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs, indices=prelaunched is None,
-                                 out_dtype=ctx.model.dtype, answer_limit=answer_limit, private=self._private)
+                                 out_dtype=ctx.model.dtype, answer_limit=answer_limit, private=True)
         except SidecarError as err:
             own_error = err
         t_valid = time.perf_counter_ns()

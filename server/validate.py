@@ -50,6 +50,17 @@ class Step:
     output: pb.RegionSlice | None
     host: HostMeta  # the metadata again, as NumPy on the host (graphs.py builds its inputs from it)
     in_region: bool = False  # every tensor is a view of a registered region (the data plane)
+    # Where the step's index tensors above are a private copy (PrivateCopy): the registered region's own
+    # views of positions, seq_lens, block_tables, slot_mapping, which a pre-launched program reads on the
+    # device after the engine's next write (server/prelaunch.py); None: the tensors above are those views.
+    sources: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def region_meta(self) -> tuple[torch.Tensor, ...]:
+        """(positions, seq_lens, block_tables, slot_mapping) where the engine writes them."""
+        if self.sources is not None:
+            return self.sources
+        return self.positions, self.meta.seq_lens, self.meta.block_tables, self.meta.slot_mapping
 
 
 def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: torch.dtype | None,
@@ -90,7 +101,7 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     doorbell's capacity); a step asking for inline hidden states past it is refused (0: no limit).
     Two rows naming one cache slot are refused whatever `indices` (check_distinct_slots).
     private: the step's index tensors that lie in registered regions are copied out first, and the
-    checks and the step read that copy only (PrivateCopy says why; a CPU rank, server/rank.py)."""
+    checks and the step read that copy only (PrivateCopy says why; every rank, server/rank.py)."""
     R = req.num_requests
     if not 1 <= R <= max_reqs:
         raise out_of_range("num_requests", f"{R} outside 1..{max_reqs} (this sidecar's --max-reqs)")
@@ -109,11 +120,13 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
                 mem.layouts.clear()
             mem.layouts[key] = tensors
     positions, embeds, ids, meta, host, copy = tensors
+    sources = None
     if private and (key is not None or _in_region(req)):  # before any check: what is checked is what runs
         if copy is None:
             copy = PrivateCopy(positions, ids, meta, host)
             if key is not None and mem.layouts.get(key) is tensors:
                 mem.layouts[key] = (*tensors[:5], copy)
+        sources = positions, meta.seq_lens, meta.block_tables, meta.slot_mapping
         positions, ids, meta, host = copy.take()
     if ids is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size):
         raise out_of_range("input_ids", f"ids must be in [0, {cfg.vocab_size})")
@@ -125,7 +138,7 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
             raise invalid("output", str(err).split(": ", 1)[-1]) from None
     if output is None and answer_limit and out_dtype is not None:
         _check_answer_size(R, cfg.hidden_size, out_dtype, answer_limit)
-    step = Step(req.step_id, R, positions, embeds, ids, meta, kv, output, host, key is not None)
+    step = Step(req.step_id, R, positions, embeds, ids, meta, kv, output, host, key is not None, sources)
     if indices:
         check_indices(step)
     # Not one of the index checks: on every path, since a pre-launched step's GPU program checks each
@@ -147,12 +160,19 @@ class PrivateCopy:
     numbers the step computes with, never where it reads or writes, and copying them would cost
     n x hidden values a step.
 
-    One copy per cached layout (validate.py's `mem.layouts`), reused: a CPU rank's step runs to its end
-    under the rank loop's lock before the next is checked. Its cost per step (`take`, timeit on the 2-core
-    CI box): 1.0-1.5 us at R = 1, 1.9-3.3 us at R = 8, 2.5-9.4 us at R = 32, for tables 258 to 2048 pages
-    wide (the table is most of the bytes)."""
+    One copy per cached layout (validate.py's `mem.layouts`), reused: steps are checked and run one at a
+    time under the rank loop's lock, and a step has read its copy when its launch returns (a CPU rank's
+    step has run; on a GPU, graphs.py stages it into pinned memory with NumPy, and the eager and kernel
+    paths' pageable host-to-device copies return once their source is read). A pre-launched step's
+    program reads the region itself on the device (Step.sources) and checks what it read. Its cost per
+    step (`take`, timeit on the 2-core CI box): 1.0-1.5 us at R = 1, 1.9-3.3 us at R = 8, 2.5-9.4 us at
+    R = 32, for tables 258 to 2048 pages wide (the table is most of the bytes).
 
-    __slots__ = ("positions", "ids", "meta", "host", "_pairs")
+    Index tensors in a device region (a client registering GPU memory for them) are copied to the host:
+    their layouts are not cached, so `h`, their host copy made for this step, is what is paired; input_ids
+    in a device region are copied with torch at each take."""
+
+    __slots__ = ("positions", "ids", "meta", "host", "_pairs", "_device")
 
     def __init__(self, positions: torch.Tensor, ids: torch.Tensor | None, meta: StepMetadata, h: HostMeta) -> None:
         def own(t: torch.Tensor) -> torch.Tensor:
@@ -162,14 +182,19 @@ class PrivateCopy:
         self.meta = StepMetadata(own(meta.seq_lens), own(meta.block_tables), own(meta.slot_mapping))
         self.host = host_meta(self.positions, self.meta)  # views of the copy, as HostMeta
         pairs = list(zip(self.host, h))
-        if ids is not None:
+        self._device: tuple = ()  # (the copy, the region's device tensor): a torch copy each
+        if ids is not None and ids.device.type == "cpu":
             pairs.append((self.ids.numpy(), ids.numpy()))
+        elif ids is not None:
+            self._device = ((self.ids, ids),)
         self._pairs = tuple(pairs)  # (the copy's view, the region's), as NumPy: a slice assignment each
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor | None, StepMetadata, HostMeta]:
         """Refresh the copy from the region; (positions, input_ids, metadata, host views) of the copy."""
         for dst, src in self._pairs:
             dst[...] = src
+        for dst, src in self._device:
+            dst.copy_(src)
         return self.positions, self.ids, self.meta, self.host
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -529,4 +530,68 @@ def test_gpu_a_grpc_answer_naming_a_region_means_the_region_is_written(tmp_path,
                 got = view.to("cpu")
             assert not got.isnan().any(), f"{how} step {i}: the answer came before the rows were written"
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{how} step {i}")
+        bufs.close()
+
+
+def test_gpu_metadata_rewritten_while_steps_run_never_reaches_the_kernels(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
+    """The engine's metadata region is shared memory it may write at any time. A thread flips one request's
+    slots between their values and far past the cache while the same step is sent again and again: each
+    step must be refused naming slot_mapping, or run the values it checked (the clean answer, bit for
+    bit). A GPU rank that checked the region and then read it again for its graph's inputs wrote K/V
+    far out of bounds on a flip between the two: an illegal address, and the rank exited."""
+    import threading
+
+    import grpc
+
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    dev = torch.device("cuda", 0)
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        kv = [torch.randn(kv_layer_shape(tiny_cfg, 1, PAGES, PAGE), device=dev) for _ in range(tiny_cfg.num_hidden_layers)]
+        b = _bind(stub, kv, dev)
+        step = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, tiny_embed, seed=13)
+        bufs = StepBuffers(stub, tiny_cfg.hidden_size, len(LENS), 300, torch.float32, dev)
+        req = pb.DraftStepRequest(binding_id=b.binding_id, binding_generation=b.generation, num_requests=len(LENS))
+        view = bufs.fill(req, step.inputs_embeds.to(dev), step.positions, step.meta)
+        torch.cuda.synchronize(dev)
+        req.step_id = 1
+        assert stub.DraftStep(req, timeout=60).hidden_states.HasField("region")
+        want = view.cpu()
+        ref = req.slot_mapping.region
+        n = 7 * len(LENS)
+        slots = bufs.meta_bytes[ref.offset_bytes : ref.offset_bytes + 8 * n].view(torch.int64).numpy()
+        good, bad = slots[7:14].copy(), np.full(7, 1 << 40, np.int64)  # request 1's rows
+        stop, flips = threading.Event(), [0]
+
+        def flip() -> None:
+            while not stop.is_set():
+                slots[7:14] = bad
+                slots[7:14] = good
+                flips[0] += 1
+
+        flipper = threading.Thread(target=flip, daemon=True)
+        flipper.start()
+        ran = refused = 0
+        try:
+            for i in range(300):
+                req.step_id = 10 + i
+                try:
+                    resp = stub.DraftStep(req, timeout=60)
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "slot_mapping" in err.details(), err
+                    refused += 1
+                    continue
+                assert resp.hidden_states.HasField("region"), resp
+                torch.testing.assert_close(view.cpu(), want, rtol=0, atol=0, msg=f"step {10 + i}")
+                ran += 1
+        finally:
+            stop.set()
+            flipper.join()
+        assert sc.proc.poll() is None, "the sidecar exited"
+        assert ran and refused and flips[0] > 300, (ran, refused, flips)  # the flips met the checks both ways
+        slots[7:14] = good
+        req.step_id = 1000
+        assert stub.DraftStep(req, timeout=60).hidden_states.HasField("region")  # it serves on
+        torch.testing.assert_close(view.cpu(), want, rtol=0, atol=0)
         bufs.close()

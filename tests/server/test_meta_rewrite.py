@@ -1,15 +1,15 @@
-"""A step's metadata rewritten in shared memory between its checks and its use cannot kill a CPU rank.
+"""A step's metadata rewritten in shared memory between its checks and its use cannot kill a rank.
 
 On the data plane a step's positions, seq_lens, block_tables and slot_mapping (and input_ids) are
 slices of a region the engine registered: shared memory the engine can write at any time. A rank
 used to check them there (validate.py) and then run the step reading the same bytes again; an
 engine that rewrote them in between (a bug, early reuse of its buffer, or on purpose) had the step
 index out of range inside its launch, and an exception there exits the rank with code 3 (rank.py
-`_guarded`): the whole TP group went down. A CPU rank now checks and runs one private copy of them,
+`_guarded`): the whole TP group went down. A rank now checks and runs one private copy of them,
 taken before the checks: a rewrite after the copy changes nothing the step reads, one before it is
 refused with the field named, and the rank serves on.
 
-These run an in-process CPU RankLoop (the tiny drafter, a real MemoryBindings over shm regions); the
+These run an in-process CPU RankLoop (a GPU rank's graphs: tests/server/test_dataplane_gpu.py) (the tiny drafter, a real MemoryBindings over shm regions); the
 rewrite is injected through a seam, right after validate_step returns.
 """
 
@@ -33,6 +33,7 @@ from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.rendezvous import Verdict
+from dspark_sidecar.server.validate import validate_step
 from dspark_sidecar.client.dataplane import StepBuffers
 from helpers.engine_sim import PAGE, EngineSim
 
@@ -190,3 +191,26 @@ def test_metadata_rewritten_before_the_checks_is_refused_naming_the_field(rig, f
     assert got.HasField("error") and got.error.field == named, got
     again = rig.loop.answer_now(_request(rig, 2, ids))  # the engine's next step, written properly
     assert again.HasField("hidden_states"), again
+
+
+def test_the_step_runs_a_copy_and_keeps_the_region_as_its_sources(rig):
+    """What the host checks and runs is the copy; a pre-launched program, which runs after the engine's next
+    write, reads the region (Step.sources, server/prelaunch.py). The engine's write after the checks shows
+    in the sources only."""
+    req = _request(rig, 1)
+    ctx = rig.loop.ctx
+    step = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs, private=True)
+    fields = ("positions", "seq_lens", "block_tables", "slot_mapping")
+    own = (step.positions, step.meta.seq_lens, step.meta.block_tables, step.meta.slot_mapping)
+    ran = [t.clone() for t in own]
+    views = _region_views(rig, req)
+    for f in fields:
+        views[f].fill_(_bad(f))
+    for f, src, t, was in zip(fields, step.region_meta, own, ran):
+        assert (src == _bad(f)).all(), f"{f}: the sources are not the region"
+        assert torch.equal(t, was), f"{f}: the step's tensor changed with the region"
+    _request(rig, 1)  # the engine writes the step again
+    again = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs, private=True)
+    assert again.positions is step.positions  # one copy per layout: a pre-launched step's token (prelaunch.py)
+    inline = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs)
+    assert inline.sources is None and inline.region_meta[0] is inline.positions

@@ -730,3 +730,33 @@ def test_a_prelaunch_the_driver_refuses_halfway_leaves_no_page_registered(rig):
                             event=lambda: Event(ops), program=ops.program)
     assert len(refused) == 1 and ops.registered == [rig.word_addr - bell.GPU_WORD_OFFSET]
     assert ops.unregistered == ops.registered
+
+
+def _private(step: Step) -> Step:
+    """`step` as a rank validates it (validate.PrivateCopy): its index tensors copied out of the region, the
+    region's own views kept as its sources."""
+    own = [t.clone() for t in step.region_meta]
+    meta = StepMetadata(*own[1:])
+    return Step(step.step_id, step.num_reqs, own[0], step.inputs_embeds, None, meta, step.kv, None,
+                host_meta(own[0], meta), True, step.region_meta)
+
+
+def test_a_queued_program_reads_the_region_not_the_step_s_private_copy(rig):
+    """The host checks and runs a copy of the step's metadata; the queued step runs after the engine's next
+    write, so its program must read (and check) the region. Read from the copy, it checked the last step's
+    values: a request the engine made invalid in the region ran, on the copy's stale slots."""
+    step = _private(rig.a)
+    _serve(rig, SEQ, step)
+    _serve(rig, SEQ + 1, step)
+    [(_, _, src, _, _, _)] = rig.gpu.programs
+    region = [t.data_ptr() for t in rig.a.region_meta]
+    if rig.staged:
+        [(src_addr, *_)] = rig.gpu.copies
+        assert src_addr == rig.a.positions.untyped_storage().data_ptr()
+    else:
+        assert [p.address for p in src] == region
+    # The engine's next step, written to the region: request 1's slots far past the cache.
+    rig.a.meta.slot_mapping[Q:] = PAGES * PAGE + 5
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
+    assert _take(rig, SEQ + 2, _req(), step) is None  # not answered from the queued copy
+    assert rig.gpu.flags[-1].tolist() == [FLAG_RAN, FLAG_INVALID]
