@@ -175,13 +175,18 @@ class PrivateCopy:
     __slots__ = ("positions", "ids", "meta", "host", "_pairs", "_device")
 
     def __init__(self, positions: torch.Tensor, ids: torch.Tensor | None, meta: StepMetadata, h: HostMeta) -> None:
-        def own(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype)
-
-        self.positions, self.ids = own(positions), None if ids is None else own(ids)
-        self.meta = StepMetadata(own(meta.seq_lens), own(meta.block_tables), own(meta.slot_mapping))
+        fields = (positions, meta.seq_lens, meta.block_tables, meta.slot_mapping)
+        span = _byte_span(fields)
+        if span is None:
+            own = [torch.empty(t.shape, dtype=t.dtype) for t in fields]
+        else:  # the engine's metadata region packs the four: one copy of their span, views at their offsets
+            region, lo = span
+            buf = torch.empty_like(region)
+            own = [buf[_byte_offset(t) - lo :][: t.nbytes].view(t.dtype).view(t.shape) for t in fields]
+        self.positions, self.ids = own[0], None if ids is None else torch.empty(ids.shape, dtype=ids.dtype)
+        self.meta = StepMetadata(*own[1:])
         self.host = host_meta(self.positions, self.meta)  # views of the copy, as HostMeta
-        pairs = list(zip(self.host, h))
+        pairs = list(zip(self.host, h)) if span is None else [(buf.numpy(), region.numpy())]
         self._device: tuple = ()  # (the copy, the region's device tensor): a torch copy each
         if ids is not None and ids.device.type == "cpu":
             pairs.append((self.ids.numpy(), ids.numpy()))
@@ -196,6 +201,26 @@ class PrivateCopy:
         for dst, src in self._device:
             dst.copy_(src)
         return self.positions, self.ids, self.meta, self.host
+
+
+def _byte_offset(t: torch.Tensor) -> int:
+    return t.storage_offset() * t.element_size()
+
+
+def _byte_span(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int] | None:
+    """(uint8 view of the bytes from the first tensor's start to the last one's end, its offset in the
+    storage) when every tensor is a contiguous view of one host storage packed within twice their bytes
+    (an engine's metadata region: client/dataplane.py); else None. One copy of it costs ~1 us less a step
+    at R = 1..8 than four NumPy assignments."""
+    storage = ts[0].untyped_storage()
+    if any(t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr()
+           for t in ts):
+        return None
+    lo = min(_byte_offset(t) for t in ts)
+    hi = max(_byte_offset(t) + t.nbytes for t in ts)
+    if hi - lo > 2 * sum(t.nbytes for t in ts) + 64:
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage, lo, (hi - lo,)), lo
 
 
 def _in_region(req: pb.DraftStepRequest) -> bool:
