@@ -141,8 +141,8 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     step = Step(req.step_id, R, positions, embeds, ids, meta, kv, output, host, key is not None, sources)
     if indices:
         check_indices(step)
-    # Not one of the index checks: on every path, since a pre-launched step's GPU program checks each
-    # request alone (kernels/triton/step_meta.py) and cannot see that two requests share a slot.
+    # Not one of the index checks: on every path. A pre-launched step's GPU program checks it too
+    # (kernels/triton/step_meta.py), on the bytes it read; this is the copy the host checked.
     check_distinct_slots(host)
     return step
 

@@ -10,17 +10,18 @@ started. So R programs, one per request, read the engine's metadata where the en
 It also guards what the step touches, because nothing has validated the request yet: the
 word must carry the sequence and launch key the step was queued for, positions must be the 7
 rows before each sequence length, each slot must be its position's place in the block table,
-and every page the request uses (ceil(L / page_size) columns of its table row, the window's
-among them) must lie in the bound cache. A request that fails gets no-op rows (slots -1 write
-nothing; a 7-row window over page 0 reads in-bounds memory) and its flag says why; the host then
-runs the whole step the ordinary way, after this one. (The other requests' rows may have run: a
-request's rows depend on its own inputs only, so they wrote the K/V their positions should hold,
-which the ordinary run, or a refused step's fallback, writes again.)
+every page the request uses (ceil(L / page_size) columns of its table row, the window's among
+them) must lie in the bound cache, and no other row of the step may name one of its slots. A
+request that fails gets no-op rows (slots -1 write nothing; a 7-row window over page 0 reads
+in-bounds memory) and its flag says why; the host then runs the whole step the ordinary way,
+after this one. (The other requests' rows may have run: a request's rows depend on its own
+inputs only, so they wrote the K/V their positions should hold, which the ordinary run, or a
+refused step's fallback, writes again.)
 
-These are exactly the host's index checks (validate.check_indices) on the same bytes: the engine
-leaves its region alone until the step is answered. So a step whose every request RAN needs no
-host index check, and the rank loop skips it (server/rank.py); any other step gets it in full,
-and its message names the field.
+These are exactly the host's index checks (validate.check_indices and check_distinct_slots) on
+the bytes the engine wrote for the step. So a step whose every request RAN needs no host index
+check, and the rank loop skips it (server/rank.py); any other step gets it in full, and its
+message names the field.
 
 The program reads device copies (`Staging`): read in place across PCIe, the sources cost the
 step ~4 us per request (see Staging).
@@ -45,7 +46,8 @@ _RAN, _NOT_RUNG, _INVALID = tl.constexpr(FLAG_RAN), tl.constexpr(FLAG_NOT_RUNG),
 def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
                pos_out, rel_out, slot_out, lens_out, tab_out, flag_ptr, mirror_ptr,
                page_size, span, num_pages, width, WW,
-               Q: tl.constexpr, Q_PAD: tl.constexpr, WW_PAD: tl.constexpr, USED_BLOCK: tl.constexpr):
+               Q: tl.constexpr, Q_PAD: tl.constexpr, WW_PAD: tl.constexpr, USED_BLOCK: tl.constexpr,
+               N_PAD: tl.constexpr):
     """Program r: request r's rows and window. One program per request, so the reads across PCIe
     (up to ~260 table entries per request at a 4096 window) go out from R SMs at once."""
     r = tl.program_id(0)
@@ -71,7 +73,15 @@ def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
     k = tl.arange(0, WW_PAD)
     km = k < WW
     wt = tl.load(tab_ptr + r * width + tl.minimum(first + k, width - 1), mask=km, other=0, volatile=True)
-    nbad = tl.sum(bad_row.to(tl.int32), axis=0) + tl.sum(bad_used, axis=0)
+    # A slot another row of the step also names (validate.check_distinct_slots): two requests whose
+    # tables share a page pass every check above, and which row's K/V the slot keeps would depend on
+    # the order the writes land in. Each program compares its 7 rows with the step's 7R.
+    a = tl.arange(0, N_PAD)
+    n = tl.num_programs(0) * Q
+    every = tl.load(slot_ptr + a, mask=a < n, other=-1, volatile=True)  # int64 [N_PAD]
+    same = (S[:, None] == every[None, :]) & m[:, None] & (a[None, :] < n) & (a[None, :] != r * Q + j[:, None])
+    shared = tl.sum(tl.sum(same.to(tl.int32), axis=1), axis=0)
+    nbad = tl.sum(bad_row.to(tl.int32), axis=0) + tl.sum(bad_used, axis=0) + shared
     good = rung & (nbad == 0) & (L >= Q) & (L <= width * page_size)
     off = first * page_size
     j64 = j.to(tl.int64)
@@ -188,7 +198,8 @@ def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int
     ww = out[4].shape[1]
     _step_meta[(num_reqs,)](word, expect, *src, *out, flags, flags if mirror is None else mirror, page_size,
                             window + q - 1, num_pages, width, ww, Q=q, Q_PAD=triton.next_power_of_2(q),
-                            WW_PAD=triton.next_power_of_2(ww), USED_BLOCK=USED_BLOCK)
+                            WW_PAD=triton.next_power_of_2(ww), USED_BLOCK=USED_BLOCK,
+                            N_PAD=triton.next_power_of_2(q * num_reqs))
 
 
 def step_meta_reference(word: int, expect: int, positions: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
@@ -196,7 +207,8 @@ def step_meta_reference(word: int, expect: int, positions: np.ndarray, seq_lens:
     """The program's outputs in NumPy: (positions, rel, slots, lens, tables, flags [R]); its spec.
 
     A request it runs gets graphs.py's host metadata (window_metadata_into) unchanged; a request it
-    refuses gets the no-op rows (positions and rel 0..6, slots -1, length 7, page 0).
+    refuses gets the no-op rows (positions and rel 0..6, slots -1, length 7, page 0). A request one
+    of whose slots another row of the step names is refused (validate.check_distinct_slots).
     """
     q = layout.QPR
     R, width = tables.shape
@@ -205,8 +217,10 @@ def step_meta_reference(word: int, expect: int, positions: np.ndarray, seq_lens:
     window_metadata_into(P, np.clip(seq_lens, 0, None), tables, page_size, window, rel, lens, tab)
     pos_out, slot_out = P.copy(), S.copy()
     flags = np.full(R, FLAG_RAN if word == expect else FLAG_NOT_RUNG, np.int32)
+    values, counts = np.unique(S, return_counts=True)
+    shared = np.isin(S, values[counts > 1]).any(axis=1)  # [R]
     for r in range(R):
-        ok = q <= L[r] <= width * page_size and (P[r] == L[r] - q + np.arange(q)).all()
+        ok = not shared[r] and q <= L[r] <= width * page_size and (P[r] == L[r] - q + np.arange(q)).all()
         if ok:
             tp = tables[r, np.clip(P[r] // page_size, 0, width - 1)].astype(np.int64)
             ok = bool(((tp >= 0) & (tp < num_pages) & (tp * page_size + P[r] % page_size == S[r])).all())

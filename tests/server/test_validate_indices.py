@@ -12,11 +12,12 @@ exactly what the fast check refuses, on every case here.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from dspark_sidecar.drafter.kv_cache import StepMetadata, window_width
-from dspark_sidecar.kernels.triton.step_meta import FLAG_RAN, step_meta_reference
+from dspark_sidecar.kernels.triton.step_meta import FLAG_INVALID, FLAG_RAN, step_meta_reference
 from dspark_sidecar.server.errors import SidecarError
 from dspark_sidecar.server.validate import _diagnose, _indices_ok, host_meta
 
@@ -45,18 +46,25 @@ def _valid(pad: int = -123456):
 
 
 def _check(positions, meta):
-    """(fast check's verdict, the field the diagnosis names or None); the GPU program's spec must agree."""
+    """(fast check's verdict, the field the diagnosis names or None); the GPU program's spec must agree with
+    it and the distinct-slots check (it runs both)."""
     h = host_meta(positions, meta)
     ok = _indices_ok(h, PS, PAGES)
-    word = 5 << 32 | 3  # rung: only the checks decide the flags
-    flags = step_meta_reference(word, word, positions.numpy(), meta.seq_lens.numpy(), meta.block_tables.numpy(),
-                                meta.slot_mapping.numpy(), PS, WINDOW, PAGES, window_width(PS, WINDOW))[5]
-    assert bool((flags == FLAG_RAN).all()) is ok, f"GPU flags {flags.tolist()}, host check {ok}"
+    distinct = np.unique(h.slots).size == h.slots.size
+    flags = _gpu_flags(positions, meta)
+    assert bool((flags == FLAG_RAN).all()) is (ok and distinct), f"GPU flags {flags.tolist()}, host check {ok}"
     try:
         _diagnose(h, PS, PAGES)
     except SidecarError as err:
         return ok, err.field
     return ok, None
+
+
+def _gpu_flags(positions, meta) -> np.ndarray:
+    """The pre-launched step's program's flags [R] for this metadata (its NumPy spec), rung."""
+    word = 5 << 32 | 3  # rung: only the checks decide the flags
+    return step_meta_reference(word, word, positions.numpy(), meta.seq_lens.numpy(), meta.block_tables.numpy(),
+                               meta.slot_mapping.numpy(), PS, WINDOW, PAGES, window_width(PS, WINDOW))[5]
 
 
 @pytest.mark.parametrize("pad", [-123456, 0], ids=["garbage-padded", "zero-padded"])
@@ -197,8 +205,8 @@ def test_two_rows_naming_one_slot_are_refused_naming_both_and_the_slot(indices):
     """Two rows of a step writing one cache slot: which row's K/V the cache then holds depends on the
     order the writes land in (they run in parallel), and the other request's attention reads it. The
     index checks pass such a step (each slot is its position's place in its own table row); it was
-    served. Now INVALID_ARGUMENT on slot_mapping naming both rows and the slot, on every path: the
-    pre-launched step's GPU program checks each request alone, so the host checks this one itself."""
+    served. Now INVALID_ARGUMENT on slot_mapping naming both rows and the slot, on every path; a
+    pre-launched step's GPU program makes both requests no-ops (kernels/triton/step_meta.py)."""
     from types import SimpleNamespace
 
     from dspark_sidecar.drafter.config import load_config
@@ -206,7 +214,8 @@ def test_two_rows_naming_one_slot_are_refused_naming_both_and_the_slot(indices):
     from dspark_sidecar.server.validate import validate_step
 
     pos, meta, req = _shared_page_request()
-    assert _check(pos, meta) == (True, None)  # the index checks (host and GPU program) pass it
+    assert _check(pos, meta) == (True, None)  # the index checks pass it
+    assert _gpu_flags(pos, meta).tolist() == [FLAG_INVALID, FLAG_INVALID, FLAG_RAN]
     kv = SimpleNamespace(page_size=PS, num_pages=PAGES)
     mem = SimpleNamespace(check=lambda binding_id, generation: kv, layouts={}, resolve=None)
     slot = int(meta.block_tables[0, 0]) * PS + 1

@@ -116,6 +116,28 @@ def test_invalid_request_is_a_noop(device, kind, bad):
     _check(_run(device, word, word, P, L, T, S, pages), want)
 
 
+# The first and last requests' lengths agree modulo PAGE: their last rows sit at one offset of their last page.
+@pytest.mark.parametrize("lens", [[40, 300, 104], [5, 17, 100, 1000, 2, 64, 65, 21]], ids=["R3", "R8"])
+def test_requests_sharing_a_slot_are_no_ops(device, lens):
+    """Two requests whose tables share a page (each row still its position's place in its own table: the
+    index checks pass) write one slot from two rows: which K/V it keeps would depend on the order the
+    writes land in. validate.check_distinct_slots refuses such a step on the host; the program makes both
+    requests no-ops, INVALID, so a queued copy never writes the slot; the others run as the host path."""
+    P, L, T, S, pages = _case(lens, seed=5)
+    a, b = 0, len(lens) - 1
+    T[b, (int(L[b]) - 1) // PAGE] = T[a, (int(L[a]) - 1) // PAGE]  # b's last page is a's
+    rows = P.reshape(-1, Q)[b]
+    S = S.copy()
+    S[Q * b : Q * b + Q] = T[b, rows // PAGE].astype(np.int64) * PAGE + rows % PAGE  # b's slots, from its table
+    assert S[Q * b + Q - 1] == S[Q * a + Q - 1] and np.unique(S).size < S.size
+    word = gpu_word(9, 4)
+    want = sm.step_meta_reference(word, word, P, L, T, S, PAGE, WINDOW, pages, window_width(PAGE, WINDOW))
+    assert want[5].tolist() == [sm.FLAG_INVALID if r in (a, b) else sm.FLAG_RAN for r in range(len(lens))]
+    for r in (a, b):
+        assert (want[2][Q * r : Q * r + Q] == -1).all()
+    _check(_run(device, word, word, P, L, T, S, pages), want)
+
+
 @pytest.mark.parametrize("word", [gpu_word(8, 2), gpu_word(7, 5), gpu_word(7, SKIP_KEY)],
                          ids=["next-seq", "other-layout", "released-by-sidecar"])
 def test_word_not_for_this_step_is_a_noop(device, word):
