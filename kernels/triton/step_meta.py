@@ -47,7 +47,7 @@ def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
                pos_out, rel_out, slot_out, lens_out, tab_out, flag_ptr, mirror_ptr,
                page_size, span, num_pages, width, WW,
                Q: tl.constexpr, Q_PAD: tl.constexpr, WW_PAD: tl.constexpr, USED_BLOCK: tl.constexpr,
-               N_PAD: tl.constexpr):
+               DUP_BLOCK: tl.constexpr):
     """Program r: request r's rows and window. One program per request, so the reads across PCIe
     (up to ~260 table entries per request at a 4096 window) go out from R SMs at once."""
     r = tl.program_id(0)
@@ -75,13 +75,17 @@ def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
     wt = tl.load(tab_ptr + r * width + tl.minimum(first + k, width - 1), mask=km, other=0, volatile=True)
     # A slot another row of the step also names (validate.check_distinct_slots): two requests whose
     # tables share a page pass every check above, and which row's K/V the slot keeps would depend on
-    # the order the writes land in. Each program compares its 7 rows with the step's 7R.
-    a = tl.arange(0, N_PAD)
+    # the order the writes land in. Each program compares its 7 rows with the step's 7R, DUP_BLOCK at a time.
     n = tl.num_programs(0) * Q
-    every = tl.load(slot_ptr + a, mask=a < n, other=-1, volatile=True)  # int64 [N_PAD]
-    same = (S[:, None] == every[None, :]) & m[:, None] & (a[None, :] < n) & (a[None, :] != r * Q + j[:, None])
-    shared = tl.sum(tl.sum(same.to(tl.int32), axis=1), axis=0)
-    nbad = tl.sum(bad_row.to(tl.int32), axis=0) + tl.sum(bad_used, axis=0) + shared
+    me = r * Q + j
+    shared = tl.zeros([Q_PAD], tl.int32)
+    for a0 in range(0, n, DUP_BLOCK):
+        a = a0 + tl.arange(0, DUP_BLOCK)
+        every = tl.load(slot_ptr + a, mask=a < n, other=-1, volatile=True)  # int64 [DUP_BLOCK]
+        same = (S[:, None] == every[None, :]) & (a[None, :] < n) & (a[None, :] != me[:, None])
+        shared += tl.sum(same.to(tl.int32), axis=1)
+    nbad = (tl.sum(bad_row.to(tl.int32), axis=0) + tl.sum(bad_used, axis=0)
+            + tl.sum(tl.where(m, shared, 0), axis=0))
     good = rung & (nbad == 0) & (L >= Q) & (L <= width * page_size)
     off = first * page_size
     j64 = j.to(tl.int64)
@@ -96,6 +100,7 @@ def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
 
 
 USED_BLOCK = 256  # table columns per pass of the used-pages check (a 4096 window: 257 columns)
+DUP_BLOCK = 128  # the step's slots per pass of the distinct-slots check (R = 256: 14 passes of [8, 128])
 
 
 def signed64(value: int) -> int:
@@ -198,8 +203,7 @@ def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int
     ww = out[4].shape[1]
     _step_meta[(num_reqs,)](word, expect, *src, *out, flags, flags if mirror is None else mirror, page_size,
                             window + q - 1, num_pages, width, ww, Q=q, Q_PAD=triton.next_power_of_2(q),
-                            WW_PAD=triton.next_power_of_2(ww), USED_BLOCK=USED_BLOCK,
-                            N_PAD=triton.next_power_of_2(q * num_reqs))
+                            WW_PAD=triton.next_power_of_2(ww), USED_BLOCK=USED_BLOCK, DUP_BLOCK=DUP_BLOCK)
 
 
 def step_meta_reference(word: int, expect: int, positions: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,

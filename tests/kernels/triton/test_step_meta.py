@@ -117,7 +117,9 @@ def test_invalid_request_is_a_noop(device, kind, bad):
 
 
 # The first and last requests' lengths agree modulo PAGE: their last rows sit at one offset of their last page.
-@pytest.mark.parametrize("lens", [[40, 300, 104], [5, 17, 100, 1000, 2, 64, 65, 21]], ids=["R3", "R8"])
+# R20: the last request's rows lie past the program's first DUP_BLOCK of slots.
+@pytest.mark.parametrize("lens", [[40, 300, 104], [5, 17, 100, 1000, 2, 64, 65, 21],
+                                  [40] + [3 * i for i in range(18)] + [104]], ids=["R3", "R8", "R20"])
 def test_requests_sharing_a_slot_are_no_ops(device, lens):
     """Two requests whose tables share a page (each row still its position's place in its own table: the
     index checks pass) write one slot from two rows: which K/V it keeps would depend on the order the
