@@ -24,8 +24,9 @@ from typing import Callable
 
 import torch
 
+from dspark_sidecar.drafter.kv_cache import window_width
 from dspark_sidecar.kernels import reference
-from dspark_sidecar.kernels.triton import attention, blas, gemm, runtime
+from dspark_sidecar.kernels.triton import attention, blas, gemm, runtime, step_meta
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS as T
 from dspark_sidecar.kernels.timing import gpu_times
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
@@ -189,6 +190,21 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
         return lambda: T.rms_norm(x, w, EPS)
 
     rec("rms_norm", "-", _per_call(make_norm, 1 << 20), 4 * rows * H)
+
+    def make_step_meta():  # a pre-launched step's metadata program (server/prelaunch.py), rung and valid
+        _, tables, seq_lens, positions, slots = _kv_step(r, context, dev)
+        outs = (torch.empty_like(positions), torch.empty_like(positions), torch.empty_like(slots),
+                torch.empty_like(seq_lens), torch.empty(r, window_width(PAGE, WINDOW), dtype=torch.int32, device=dev))
+        word, flags = torch.ones(1, dtype=torch.int64, device=dev), torch.zeros(r, dtype=torch.int32, device=dev)
+        return lambda: step_meta.step_meta(word, word, (positions, seq_lens, tables, slots), outs, flags, num_reqs=r,
+                                           width=tables.shape[1], page_size=PAGE, window=WINDOW,
+                                           num_pages=tables.numel())
+
+    # Reads positions, slots and the table row; writes five outputs. Its metadata is small and freshly
+    # staged in a real step, so one copy is timed (in L2), unlike the ops above.
+    cols, ww = -(-(context + QPR) // PAGE), window_width(PAGE, WINDOW)
+    meta_bytes = 8 * 5 * rows + 4 * r * (2 + cols + ww)
+    rec("step_meta (pre-launch)", "-", _time(make_step_meta()), meta_bytes)
     return out
 
 
