@@ -208,15 +208,17 @@ def _byte_offset(t: torch.Tensor) -> int:
 
 
 def _byte_span(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int] | None:
-    """(uint8 view of the bytes from the first tensor's start to the last one's end, its offset in the
-    storage) when every tensor is a contiguous view of one host storage packed within twice their bytes
+    """(uint8 view of the bytes from the 8-byte boundary at or before the first tensor's start to the last
+    one's end, its offset in the storage) when every tensor is a contiguous view of one host storage packed within twice their bytes
     (an engine's metadata region: client/dataplane.py); else None. One copy of it costs ~1 us less a step
     at R = 1..8 than four NumPy assignments."""
     storage = ts[0].untyped_storage()
     if any(t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr()
            for t in ts):
         return None
-    lo = min(_byte_offset(t) for t in ts)
+    # From an 8-byte boundary: each field sits at the same offset from it in the copy as in the region,
+    # so an int64 field after an int32 one that starts 4 bytes past a boundary is still aligned there.
+    lo = min(_byte_offset(t) for t in ts) // 8 * 8
     hi = max(_byte_offset(t) + t.nbytes for t in ts)
     if hi - lo > 2 * sum(t.nbytes for t in ts) + 64:
         return None

@@ -214,3 +214,29 @@ def test_the_step_runs_a_copy_and_keeps_the_region_as_its_sources(rig):
     assert again.positions is step.positions  # one copy per layout: a pre-launched step's token (prelaunch.py)
     inline = validate_step(req, ctx.cfg, ctx.memory, ctx.max_reqs)
     assert inline.sources is None and inline.region_meta[0] is inline.positions
+
+
+def _request_packed_from(rig, step_id: int, start: int) -> pb.DraftStepRequest:
+    """The step with its metadata in the region from byte `start`, seq_lens first, each field aligned to its
+    own type only (what the sidecar requires; the project's client aligns every field to 8)."""
+    req = _request(rig, step_id)
+    raw, off, m = rig.bufs.meta_bytes, start, rig.step.meta
+    for field, t in (("seq_lens", m.seq_lens), ("positions", rig.step.positions),
+                     ("block_tables", m.block_tables), ("slot_mapping", m.slot_mapping)):
+        off = -(-off // t.dtype.itemsize) * t.dtype.itemsize
+        raw[off : off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        getattr(req, field).CopyFrom(codec.region_tensor_ref(t.dtype, tuple(t.shape), rig.bufs.meta_id, off))
+        off += t.nbytes
+    return req
+
+
+def test_metadata_packed_from_an_int32_field_off_an_8_byte_boundary_is_served(rig):
+    """seq_lens at byte 4, positions at 16: the private copy's one span must keep positions 8-aligned (it
+    started at seq_lens: a RuntimeError inside validate_step, and the rank exited)."""
+    want = rig.loop.answer_now(_request_packed_from(rig, 1, 0))
+    assert want.HasField("hidden_states"), want
+    want_hidden = rig.bufs.hidden[: 7 * len(LENS)].clone()
+    got = _answer(rig, _request_packed_from(rig, 2, 4), grpc_path=False)
+    assert rig.exits == [], f"the rank exited (code {rig.exits}) on a valid layout"
+    assert got.HasField("hidden_states"), got
+    assert torch.equal(rig.bufs.hidden[: 7 * len(LENS)], want_hidden)

@@ -11,18 +11,23 @@ from dspark_sidecar.server.validate import PrivateCopy, _byte_span, host_meta
 R, W = 3, 5
 
 
-def _fields(packed: bool) -> tuple[torch.Tensor, ...]:
+_SHAPES = [((7 * R,), torch.int64), ((R,), torch.int32), ((R, W), torch.int32), ((7 * R,), torch.int64)]
+
+
+def _fields(packed: bool, start: int = 24, order=(0, 1, 2, 3)) -> tuple[torch.Tensor, ...]:
     """positions i64 [7R], seq_lens i32 [R], block_tables i32 [R, W], slot_mapping i64 [7R]: views of one
-    byte region laid out as client/dataplane.py does, or four tensors of their own."""
-    shapes = [((7 * R,), torch.int64), ((R,), torch.int32), ((R, W), torch.int32), ((7 * R,), torch.int64)]
+    byte region from byte `start`, written in `order`, each aligned to its own type (what the sidecar
+    requires; client/dataplane.py aligns every field to 8), or four tensors of their own."""
     if not packed:
-        return tuple(torch.empty(s, dtype=d) for s, d in shapes)
-    raw, out, off = torch.zeros(4096, dtype=torch.uint8), [], 24  # not at the region's start
-    for shape, dtype in shapes:
+        return tuple(torch.empty(s, dtype=d) for s, d in _SHAPES)
+    raw, out, off = torch.zeros(4096, dtype=torch.uint8), {}, start
+    for i in order:
+        shape, dtype = _SHAPES[i]
+        off = -(-off // dtype.itemsize) * dtype.itemsize
         n = torch.Size(shape).numel() * dtype.itemsize
-        out.append(raw[off : off + n].view(dtype).view(shape))
-        off = -(-(off + n) // 8) * 8
-    return tuple(out)
+        out[i] = raw[off : off + n].view(dtype).view(shape)
+        off += n
+    return tuple(out[i] for i in range(4))
 
 
 def _write(fields, base: int) -> None:
@@ -30,9 +35,14 @@ def _write(fields, base: int) -> None:
         t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape) + base + 1000 * i)
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["one-span", "per-field"])
-def test_take_copies_what_the_region_holds_then_and_nothing_later(packed):
-    fields = _fields(packed)
+# "int32-first": seq_lens 4 bytes past an 8-byte boundary, positions after it at the next boundary; the
+# copy's span must start at that boundary (from seq_lens it held positions at an odd offset: a RuntimeError
+# inside validate_step, which exits the rank).
+@pytest.mark.parametrize("packed,start,order", [(True, 24, (0, 1, 2, 3)), (False, 0, (0, 1, 2, 3)),
+                                               (True, 4, (1, 0, 2, 3)), (True, 12, (2, 1, 3, 0))],
+                         ids=["one-span", "per-field", "int32-first", "int32s-first-at-12"])
+def test_take_copies_what_the_region_holds_then_and_nothing_later(packed, start, order):
+    fields = _fields(packed, start, order)
     assert (_byte_span(fields) is not None) == packed
     pos, meta = fields[0], StepMetadata(*fields[1:])
     ids = torch.zeros(7 * R, dtype=torch.int64)
