@@ -330,8 +330,9 @@ class RankLoop:
         queued, queue_next = (prelaunched.offer(step) if prelaunched is not None and step is not None and not fast
                               else (False, False))
         t_check = time.perf_counter_ns()
-        # A copy that ran passed the index checks on the GPU, on the bytes the host would read
-        # (kernels/triton/step_meta.py): 30-50 us of the answer's path on an H200 host (run 189).
+        # A copy that ran passed the index checks on the GPU, on the bytes it read (kernels/triton/step_meta.py):
+        # 30-50 us of the answer's path on an H200 host (run 189). Should a peer's copy not have run, the
+        # rendezvous aborts the step (SOME_COPIES) rather than have this rank run its unchecked host copy.
         if prelaunched is not None and step is not None and not queued:
             try:
                 check_indices(step)

@@ -49,7 +49,7 @@ GO, ABORT = 1, 2
 # copy of this step that ran on the GPU (server/prelaunch.py); queueing the next step on the GPU.
 FAST, QUEUED, QUEUE_NEXT = 1, 2, 4
 # Abort reasons
-MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE, EXITED = range(1, 9)
+MISSING, STEP_ID, NUM_REQS, GENERATION, DIGEST, INVALID, DEADLINE, EXITED, SOME_COPIES = range(1, 10)
 # Header words: magic, world, and CLOSED, set once rank 0's coordinator has stopped for good (its
 # thread joined): no verdict comes after it, so a post without one was launched by no rank.
 HEADER, CLOSED = 3, 2
@@ -125,6 +125,10 @@ def format_reason(step_id: int, reason: int, mask: int, deadline_ms: int) -> str
         return f"step {step_id}: rank(s) {_ranks(mask)} rejected their copy of the step's inputs"
     if reason == DEADLINE:
         return f"step {step_id}: its deadline_ms passed on rank(s) {_ranks(mask)} before every rank had it"
+    if reason == SOME_COPIES:
+        return (f"step {step_id}: its pre-launched copy ran on rank(s) {_ranks(mask)} but not on every rank; those "
+                "ranks checked its indices on the GPU only, on the bytes read there, so none runs it the ordinary "
+                "way (the engine's own layers do)")
     if reason == EXITED:
         return (f"step {step_id}: rank(s) {_ranks(mask)} exited; no rank ran it, and the sidecar group cannot run "
                 "steps until it is restarted")
@@ -459,10 +463,16 @@ class Coordinator(threading.Thread):
         if late:  # a step queued behind a stall must not launch (and write K/V) after the engine gave up
             self._write(pending, step, ABORT, DEADLINE, late)
             return True
-        self._launch_seq += 1
         agreed = FAST | QUEUED | QUEUE_NEXT
         for r in range(world):
             agreed &= int(pending[r][7])
+        # A rank whose own copy ran skipped the host's index checks (server/rank.py): without QUEUED agreed it
+        # would run the ordinary way on a host copy of the metadata that nobody checked.
+        ran = sum(1 << r for r in range(world) if int(pending[r][7]) & QUEUED)
+        if ran and not agreed & QUEUED:
+            self._write(pending, step, ABORT, SOME_COPIES, ran)
+            return True
+        self._launch_seq += 1
         self._write(pending, step, GO, 0, 0, agreed)
         return True
 

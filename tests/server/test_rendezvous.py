@@ -61,8 +61,8 @@ def test_each_offer_is_agreed_only_when_every_rank_makes_it(ranks):
     step, on every rank or on none; each offer is agreed on its own."""
     out = agree_all(ranks, {r: Post(21, 1, 3, 99, True, queued=True, queue_next=True) for r in range(WORLD)})
     assert all(v.go and v.queued and v.queue_next and not v.fast for v, _ in out.values())
-    out = agree_all(ranks, {r: Post(22, 1, 3, 99, True, queued=r != 1, queue_next=True) for r in range(WORLD)})
-    assert all(v.go and not v.queued and v.queue_next for v, _ in out.values())
+    out = agree_all(ranks, {r: Post(22, 1, 3, 99, True, queued=True, queue_next=r != 1) for r in range(WORLD)})
+    assert all(v.go and v.queued and not v.queue_next for v, _ in out.values())
     out = agree_all(ranks, {r: Post(23, 1, 3, 99, True, queued=True, queue_next=r != 3, fast=True)
                             for r in range(WORLD)})
     assert all(v.go and v.queued and not v.queue_next and v.fast for v, _ in out.values())
@@ -70,6 +70,19 @@ def test_each_offer_is_agreed_only_when_every_rank_makes_it(ranks):
     out = agree_all(ranks, {r: Post(24 if r else 25, 1, 3, 99, True, queued=True, queue_next=True)
                             for r in range(WORLD)})
     assert all(not v.go and not v.queued and not v.queue_next for v, _ in out.values())
+
+
+def test_a_copy_that_ran_on_some_ranks_only_aborts_the_step(ranks):
+    """A rank whose own pre-launched copy ran skipped the host's index checks (its GPU checked the bytes it
+    read; server/rank.py). Were the copies not agreed, it would run the step the ordinary way on a host copy
+    of the metadata nobody checked (an engine write in between indexes past the cache inside the launch):
+    the step is aborted on every rank, naming the ranks whose copy ran."""
+    out = agree_all(ranks, {r: Post(22, 1, 3, 99, True, queued=r != 1, queue_next=True) for r in range(WORLD)})
+    assert all(not v.go and not v.queued and not v.queue_next for v, _ in out.values())
+    reasons = {v.reason for v, _ in out.values()}
+    assert len(reasons) == 1 and "pre-launched copy ran on rank(s) 0, 2, 3 but not on every rank" in reasons.pop()
+    out = agree_all(ranks, {r: Post(23, 1, 3, 99, True, queue_next=True) for r in range(WORLD)})  # none ran
+    assert all(v.go and not v.queued and v.queue_next for v, _ in out.values())
 
 
 def test_one_rank_agrees_with_itself_on_the_fast_path():
