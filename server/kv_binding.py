@@ -70,6 +70,9 @@ class MemoryBindings:
         # after step, and building a bounds-checked view costs ~20 us of torch calls each time.
         self._views: dict[tuple, torch.Tensor] = {}
         self.layouts: dict[tuple, tuple] = {}  # validate.py's checked step tensors per request layout
+        # Bumped, under the lock, whenever released regions clear both caches: a view or layout built from a
+        # region before the bump is not cached after it (keep), so no entry outlives the region it views.
+        self.epoch = 0
 
     # KV -------------------------------------------------------------------------------------
     def bind(self, req: pb.BindKVRequest, retire=lambda close: close()) -> KVBinding:
@@ -263,6 +266,7 @@ class MemoryBindings:
                 # hold a view of a released region (and so its memory).
                 self._views.clear()
                 self.layouts.clear()
+                self.epoch += 1
         return released
 
     # The overlap rule (class docstring) --------------------------------------------------------
@@ -302,11 +306,21 @@ class MemoryBindings:
         key = (region.region_id, region.offset_bytes, dtype, shape)
         view = self._views.get(key)
         if view is None:
+            epoch = self.epoch
             view = self._resolve(region, dtype, shape, field)
-            if len(self._views) >= VIEW_CACHE:
-                self._views.clear()
-            self._views[key] = view
+            self.keep(self._views, key, view, epoch, VIEW_CACHE)
         return view
+
+    def keep(self, cache: dict, key: tuple, value: object, epoch: int, limit: int) -> None:
+        """cache[key] = value (`_views`, or validate.py's `layouts`; a full cache is emptied first), unless
+        regions were released since `epoch` (read before value was built from them): an unregister that
+        ran in between has cleared the caches, and this entry would bring back a view of its regions."""
+        with self._lock:
+            if self.epoch != epoch:
+                return
+            if len(cache) >= limit:
+                cache.clear()
+            cache[key] = value
 
     def _resolve(self, region: pb.RegionSlice, dtype: torch.dtype, shape: tuple[int, ...], field: str) -> torch.Tensor:
         m = self._regions.get(region.region_id)
@@ -322,8 +336,10 @@ class MemoryBindings:
         return m.view(dtype, shape, tuple(reversed(stride)), region.offset_bytes // item, field)  # HandleError is a ValueError
 
     def close(self) -> None:
-        self._views.clear()
-        self.layouts.clear()
+        with self._lock:
+            self._views.clear()
+            self.layouts.clear()
+            self.epoch += 1
         if self.kv is not None:
             self.kv.close()
         for m in self._regions.values():

@@ -107,27 +107,30 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
         raise out_of_range("num_requests", f"{R} outside 1..{max_reqs} (this sidecar's --max-reqs)")
     kv = mem.check(req.binding_id, req.binding_generation)
     key = _layout_key(req)
+    # Region slices only (their views depend on nothing the step carries), and host views only where
+    # they alias the region (a device region's host copy is taken per step). Cached through mem.keep,
+    # with the epoch read before the cache: an UnregisterBuffers on another thread meanwhile leaves no
+    # entry viewing its regions.
+    epoch = mem.epoch if key is not None else 0
     tensors = mem.layouts.get(key) if key is not None else None
+    cache = False  # (re)store the layout's entry: new, or its PrivateCopy made
     if tensors is None:
         positions, embeds, ids, meta = _tensors(req, cfg, mem, R)
         host = host_meta(positions, meta)
         tensors = positions, embeds, ids, meta, host, None  # the last: the layout's PrivateCopy, once made
-        # Region slices only (their views depend on nothing the step carries), and host views
-        # only where they alias the region (a device region's host copy is taken per step).
-        if key is not None and all(t.device.type == "cpu"
-                                   for t in (positions, meta.seq_lens, meta.block_tables, meta.slot_mapping)):
-            if len(mem.layouts) >= 256:
-                mem.layouts.clear()
-            mem.layouts[key] = tensors
+        cache = key is not None and all(t.device.type == "cpu"
+                                        for t in (positions, meta.seq_lens, meta.block_tables, meta.slot_mapping))
     positions, embeds, ids, meta, host, copy = tensors
     sources = None
     if private and (key is not None or _in_region(req)):  # before any check: what is checked is what runs
         if copy is None:
             copy = PrivateCopy(positions, ids, meta, host)
-            if key is not None and mem.layouts.get(key) is tensors:
-                mem.layouts[key] = (*tensors[:5], copy)
+            cache = cache or (key is not None and mem.layouts.get(key) is tensors)
+            tensors = (*tensors[:5], copy)
         sources = positions, meta.seq_lens, meta.block_tables, meta.slot_mapping
         positions, ids, meta, host = copy.take()
+    if cache:
+        mem.keep(mem.layouts, key, tensors, epoch, 256)
     if ids is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size):
         raise out_of_range("input_ids", f"ids must be in [0, {cfg.vocab_size})")
     output = req.output if req.HasField("output") else None

@@ -240,3 +240,32 @@ def test_metadata_packed_from_an_int32_field_off_an_8_byte_boundary_is_served(ri
     assert rig.exits == [], f"the rank exited (code {rig.exits}) on a valid layout"
     assert got.HasField("hidden_states"), got
     assert torch.equal(rig.bufs.hidden[: 7 * len(LENS)], want_hidden)
+
+
+def test_regions_released_while_a_step_is_checked_leave_no_cached_view_of_them(rig, monkeypatch):
+    """UnregisterBuffers runs on a gRPC thread while the rank checks a step on its own. One that lands
+    after the step's views are resolved and before they are cached used to leave cache entries viewing the
+    released regions (MemoryBindings._views, validate's layouts): a later step naming those region ids was
+    served from them instead of refused. Entries built before a release are no longer cached after it."""
+    from dspark_sidecar.server import validate as validate_mod
+
+    mem, ctx = rig.loop.ctx.memory, rig.loop.ctx
+    real = validate_mod._tensors
+    released = []
+
+    def racing(*args):
+        out = real(*args)  # every view of the step resolved (and, before the fix, cached)
+        released.extend(mem.unregister([], owner=rig.bufs.owner))
+        return out
+
+    monkeypatch.setattr(validate_mod, "_tensors", racing)
+    req = _request(rig, 1)
+    validate_step(req, ctx.cfg, mem, ctx.max_reqs, private=True)  # the step in flight still runs
+    assert released and not mem.layouts
+    assert not [k for k in mem._views if k[0] in (rig.bufs.embeds_id, rig.bufs.hidden_id, rig.bufs.meta_id)]
+    monkeypatch.setattr(validate_mod, "_tensors", real)
+    got = rig.loop.answer_now(_request(rig, 2))  # the same slices, in regions released since
+    assert got.HasField("error") and "is not registered" in got.error.message, got
+    rig.bufs._ids = []  # released above: the rig's close has nothing left to unregister
+    for m in released:
+        m.close()
