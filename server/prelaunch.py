@@ -23,9 +23,11 @@ the GPU starts the step with neither host on the path. The host path still runs 
 arrives (parse, validate, rendezvous); the step is answered from the queued graph only when the
 host and the GPU both accept it: same sequence, launch key and layout on the host, the metadata
 program's flag RAN on the GPU. RAN means the request passed the host's index checks there, on the
-same bytes, so the rank loop runs those only for a step not answered this way (server/rank.py).
-Otherwise the queued step was a no-op (the program turned it into one) or ran the same step
-(writes are idempotent), and the step runs the ordinary way after it, on the same stream.
+bytes the engine wrote, so the rank loop runs those only for a step not answered this way
+(server/rank.py). Otherwise the queued step was a no-op (the program turned it into one) or ran the
+same step (writes are idempotent), and the step runs the ordinary way after it, on the same stream;
+at TP > 1, a step whose copy ran on some ranks only is aborted instead (rendezvous SOME_COPIES: those
+ranks skipped the host's checks).
 
 A queued wait blocks the sidecar's stream until it is released, so nothing else may use the
 device while one is pending: every other entry to the device (gRPC steps, bindings, the
@@ -66,7 +68,7 @@ from dspark_sidecar.server.validate import Step
 log = logging.getLogger("dspark_sidecar.server")
 
 STREAK = 2  # queue a layout after this many steps in a row used it: a miss costs one wasted graph run
-READY_TIMEOUT_S = 2.0  # a rung step whose metadata program has not run by then is run the ordinary way
+READY_TIMEOUT_S = 2.0  # a rung step whose metadata program has not run by then is not answered from its copy
 # The answer to a queued step waits until its GPU has started it (see take). An engine whose host
 # runs far ahead of its GPU (e.g. a target forward of many ms queued before the draft step)
 # would be held back by that: a wait longer than BEHIND_S stops queueing for COOLDOWN steps,
@@ -262,7 +264,7 @@ class Prelaunch:
                 break
             if time.perf_counter() > start + READY_TIMEOUT_S:
                 log.warning("prelaunch: step rung but its GPU word (or, at TP > 1, a peer's) never arrived; "
-                            "running it the ordinary way")
+                            "not answering it from its copy")
                 self.start_wait_ns = int((time.perf_counter() - start) * 1e9)
                 if own is None:  # this engine's own word later than behind_s (never, so far): a cooldown, as
                     self._start_cooldown(READY_TIMEOUT_S)  # below; else every step queued waits out this timeout

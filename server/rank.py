@@ -367,6 +367,15 @@ class RankLoop:
         assert step is not None
         hidden = prelaunched.take(verdict.queued, verdict.queue_next) if prelaunched is not None else None
         early = hidden is not None
+        if hidden is None and queued:
+            # GO without QUEUED after this rank's copy ran (its host skipped the index checks): the coordinator
+            # aborts such a step instead (SOME_COPIES), so this is a broken invariant. Checked now; a failure
+            # after GO cannot be answered alone (the peers are in its collectives): it ends the rank.
+            try:
+                check_indices(step)
+            except SidecarError as err:
+                raise RuntimeError(f"step {req.step_id}: told to run the ordinary way after its own copy ran, and "
+                                   f"its unchecked host copy fails the index checks: {err.message}") from None
         if hidden is None:
             hidden = self._execute(step, verdict.fast)
         launches = len(layout.launch_groups(step.num_reqs))

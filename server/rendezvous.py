@@ -95,7 +95,8 @@ class Verdict:
     # peers' kernels, so one rank on the portable layers would leave the others waiting forever.
     fast: bool = False
     # Every rank answers from its pre-launched copy, or none does: the copies exchanged partial
-    # sums with each other, and the ordinary run that replaces a refused copy exchanges them again.
+    # sums with each other, and the ordinary run that replaces refused copies exchanges them again.
+    # Copies that ran on some ranks only abort the step (SOME_COPIES).
     queued: bool = False
     # Every rank pre-launches the next step, or none does: one rank's queued step alone would
     # pair its collectives with a peer's ordinary step.

@@ -108,11 +108,26 @@ def test_the_offer_goes_into_the_post_and_the_verdict_into_take(run):
     assert torch.equal(codec.from_tensor_ref(resp.hidden_states, "hidden"), QUEUED_OUT)
 
 
-def test_a_copy_a_peer_refused_is_not_used_here_and_the_step_runs_the_ordinary_way(run):
+def test_go_without_queued_after_this_rank_s_copy_ran_checks_the_host_copy_first(run, monkeypatch):
+    """The coordinator aborts a step whose copy ran on some ranks only (SOME_COPIES), as this rank skipped
+    the host's index checks. A GO without QUEUED here anyway (a broken invariant) gets them before the
+    ordinary run; failing them after GO, with the peers in the step's collectives, ends the rank."""
     hook = FakeHook(offer=(True, True), hit=True)  # this rank's copy ran
     resp, rdv, model = run(_go(queued=False, queue_next=True), hook)  # a peer's did not
     assert hook.calls == [("offer", 1), ("take", False, True)]
-    assert not resp.timings.prelaunched and model.calls == 1
+    assert run.checks == [False, "check_indices"]
+    assert not resp.timings.prelaunched and model.calls == 1 and resp.HasField("hidden_states")
+
+    exits = []
+
+    def _exit(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(rank_mod.os, "_exit", _exit)
+    with pytest.raises(SystemExit):
+        run(_go(queued=False, queue_next=True), FakeHook(offer=(True, True), hit=True), indices_ok=False)
+    assert exits == [3] and run.checks == [False, "check_indices"]
 
 
 def test_an_invalid_or_aborted_step_never_takes_its_copy(run):
