@@ -542,9 +542,11 @@ def test_tp2_a_request_a_peer_refused_writes_nothing_here(rig):
 
 @pytest.mark.parametrize("world", [2])
 def test_tp2_the_verdict_overrides_this_rank_s_view(rig):
-    """A peer's host refused its copy: this rank's accepted copy is released all the same. And the
-    next step is queued exactly when the verdict says so, even after an error answer here (the
-    peers queue theirs: one rank without would pair their collectives with its ordinary step)."""
+    """A verdict without QUEUED after this rank accepted its copy (the coordinator now aborts a step whose
+    copies ran on some ranks only, SOME_COPIES; rank.py checks the host copy should such a GO come): the
+    accepted copy is released all the same. And the next step is queued exactly when the verdict says so,
+    even after an error answer here (the peers queue theirs: one rank without would pair their
+    collectives with its ordinary step)."""
     _queue(rig)
     rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
     hook = rig.pl.hook(SEQ + 2, _req())
