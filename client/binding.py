@@ -15,6 +15,7 @@ from grpc_status import rpc_status
 from dspark_sidecar.drafter.kv_cache import FP8_KV, kv_planes
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import memory
 from dspark_sidecar.proto.memory import HandleError, export_handle
 
 log = logging.getLogger("dspark_sidecar.client")
@@ -108,7 +109,23 @@ def bind_request(layers: Sequence[torch.Tensor], facts: pb.EngineFacts) -> pb.Bi
                                f"(expandable segments or cuMem memory?): {e}") from None
         entries.append(pb.KVLayerBinding(layer=i, memory=handle, dtype=dtype, shape=list(t.shape),
                                          strides=list(t.stride()), storage_offset=t.storage_offset()))
-    return pb.BindKVRequest(engine=facts, layers=entries, page_size=int(entries[0].shape[2]))
+    return pb.BindKVRequest(engine=on_cache_gpu(facts, layers[0]), layers=entries,
+                            page_size=int(entries[0].shape[2]))
+
+
+def on_cache_gpu(facts: pb.EngineFacts, layer) -> pb.EngineFacts:
+    """`facts` naming the GPU the cache lives on, which the sidecar rank compares with its own at BindKV.
+    The shim names its config's device when it is built; vLLM's plain "cuda" resolves to the device
+    current then, which need not be the cache's: a sidecar on the cache's GPU refused such an engine."""
+    if layer.device.type != "cuda":
+        return facts
+    uuid = memory.gpu_uuid(layer.device)
+    if not uuid or uuid == facts.device_uuid:
+        return facts
+    named = pb.EngineFacts()
+    named.CopyFrom(facts)
+    named.device_uuid = uuid
+    return named
 
 
 @dataclass

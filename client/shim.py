@@ -166,7 +166,8 @@ class DrafterShim:
             speculative_method=config.speculative_method, num_speculative_tokens=config.num_speculative_tokens,
             device=config.device,
             # The engine rank's GPU, which the sidecar rank compares with its own at BindKV (an engine rank wired
-            # to another GPU's sidecar rank is refused there, by name); "" on a CPU rank: not compared.
+            # to another GPU's sidecar rank is refused there, by name); "" on a CPU rank: not compared. Each
+            # BindKV names the GPU its cache lives on instead, where that differs (binding.on_cache_gpu).
             device_uuid=memory.gpu_uuid(torch.device(config.device))))
         if self.refusal is not None:
             log.info("DSpark drafter sidecar off: %s", self.refusal)

@@ -74,3 +74,22 @@ def test_caches_the_sidecar_cannot_address_are_refused_for_good_saying_why():
         with pytest.raises(BindError, match=why) as err:
             bind_request(layers, pb.EngineFacts())
         assert err.value.permanent and "KV layer 0" in str(err.value)
+
+
+def test_bindkv_names_the_gpu_the_cache_lives_on(monkeypatch):
+    """The shim's facts name its config's device, resolved when it was built ("cuda": the device current
+    then). The sidecar compares the named GPU with its own at BindKV, and the cache's GPU is the one that
+    must match: bind_request names the cache's. (No GPU here: the layer is a stand-in with a CUDA device,
+    and the uuid lookup is faked.)"""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.client import binding
+    from dspark_sidecar.proto import memory
+
+    monkeypatch.setattr(memory, "gpu_uuid", lambda d: f"GPU-{d.index}" if d.type == "cuda" else "")
+    facts = pb.EngineFacts(engine_rank=1, device="cuda", device_uuid="GPU-0")  # resolved to cuda:0 at start-up
+    named = binding.on_cache_gpu(facts, SimpleNamespace(device=torch.device("cuda", 1)))
+    assert named.device_uuid == "GPU-1" and named.engine_rank == 1 and facts.device_uuid == "GPU-0"
+    same = binding.on_cache_gpu(facts, SimpleNamespace(device=torch.device("cuda", 0)))
+    assert same is facts
+    assert binding.on_cache_gpu(facts, torch.zeros(1)) is facts  # a CPU cache: the facts as they are
