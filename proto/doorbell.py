@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import platform
 import select
@@ -13,6 +14,8 @@ import threading
 import time
 
 import numpy as np
+
+log = logging.getLogger("dspark_sidecar.doorbell")
 
 HEADER = 64  # bytes: 8 uint64 words, 6 used
 MIN_CAPACITY = 4096  # bytes per direction: room for any error answer (its message and the step's timings)
@@ -199,6 +202,8 @@ class Waker:
             os.unlink(self.path)
         except FileNotFoundError:  # already removed (e.g. the socket folder was cleaned up)
             return
+        except OSError as e:  # the path replaced (a directory: the folder is group-writable); ours is closed
+            log.warning("doorbell: wake FIFO %s not removed: %s", self.path, e)
 
 
 class Ringer:

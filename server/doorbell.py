@@ -129,12 +129,14 @@ class Doorbell(threading.Thread):
             if self._released:
                 return
             self._released = True
-        if self.waker is not None:
-            self.waker.close()
-        if self.prelaunch is not None:  # the page's registration ends, then the page goes: once the device is done
-            self._drop_prelaunch(then=self._close_page)
-        else:
-            self._close_page()
+        try:
+            if self.waker is not None:
+                self.waker.close()
+        finally:  # whatever the FIFO did: the queued GPU wait must be released and the page closed
+            if self.prelaunch is not None:  # the page's registration ends, then the page goes: once the device is done
+                self._drop_prelaunch(then=self._close_page)
+            else:
+                self._close_page()
 
     def _close_page(self) -> None:
         try:
