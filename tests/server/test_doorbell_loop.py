@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 
@@ -22,9 +23,10 @@ class _Page:
 
     def __init__(self) -> None:
         self.storage = torch.zeros(bell.HEADER + 2 * CAPACITY, dtype=torch.uint8)
+        self.closed = False
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 class _Loop:
@@ -317,3 +319,24 @@ def test_an_input_event_sent_to_a_cpu_rank_is_refused_before_the_page_is_taken()
         if svc.doorbell is not None:
             svc.doorbell.stop()
         page.close()
+
+
+def test_a_swapped_wake_fifo_still_releases_the_queued_step_and_the_page(tmp_path):
+    """The wake FIFO lives in the socket folder (mode 0770: the engine's group may write it). Its path
+    replaced by a directory (a buggy engine-side process, a cleanup script), Waker.close's unlink raised
+    IsADirectoryError and Doorbell._release stopped before the pre-launch was dropped and the page closed:
+    the queued GPU wait was never released by this doorbell, and on_close (MemoryBindings.release_page)
+    never ran. Found by helper 72's review."""
+    closed = []
+    page = _Page()
+    db = Doorbell(page, CAPACITY, _Loop(), torch.device("cpu"), b"", wake_path=str(tmp_path / "rank0.wake1"),
+                  on_close=lambda: closed.append(True))
+    pl = db.prelaunch = _Prelaunch()
+    db.start()
+    time.sleep(0.1)
+    os.unlink(db.waker.path)
+    os.mkdir(db.waker.path)  # the folder is group-writable: the path now names a directory
+    db.stop()
+    assert not db.is_alive()
+    assert pl.closed, "the queued step's wait was never released (GPU stream stays blocked)"
+    assert page.closed and closed, "the page was never closed / release_page never ran"
