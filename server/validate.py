@@ -58,9 +58,12 @@ class Step:
     @property
     def region_meta(self) -> tuple[torch.Tensor, ...]:
         """(positions, seq_lens, block_tables, slot_mapping) where the engine writes them."""
-        if self.sources is not None:
-            return self.sources
-        return self.positions, self.meta.seq_lens, self.meta.block_tables, self.meta.slot_mapping
+        return self.sources if self.sources is not None else index_tensors(self.positions, self.meta)
+
+
+def index_tensors(positions: torch.Tensor, meta: StepMetadata) -> tuple[torch.Tensor, ...]:
+    """(positions, seq_lens, block_tables, slot_mapping): what the index checks read and PrivateCopy copies."""
+    return positions, meta.seq_lens, meta.block_tables, meta.slot_mapping
 
 
 def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: torch.dtype | None,
@@ -118,8 +121,7 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
         positions, embeds, ids, meta = _tensors(req, cfg, mem, R)
         host = host_meta(positions, meta)
         tensors = positions, embeds, ids, meta, host, None  # the last: the layout's PrivateCopy, once made
-        cache = key is not None and all(t.device.type == "cpu"
-                                        for t in (positions, meta.seq_lens, meta.block_tables, meta.slot_mapping))
+        cache = key is not None and all(t.device.type == "cpu" for t in index_tensors(positions, meta))
     positions, embeds, ids, meta, host, copy = tensors
     sources = None
     if private and (key is not None or _in_region(req)):  # before any check: what is checked is what runs
@@ -127,7 +129,7 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
             copy = PrivateCopy(positions, ids, meta, host)
             cache = cache or (key is not None and mem.layouts.get(key) is tensors)
             tensors = (*tensors[:5], copy)
-        sources = positions, meta.seq_lens, meta.block_tables, meta.slot_mapping
+        sources = index_tensors(positions, meta)
         positions, ids, meta, host = copy.take()
     if cache:
         mem.keep(mem.layouts, key, tensors, epoch, 256)
@@ -168,8 +170,9 @@ class PrivateCopy:
     step has run; on a GPU, graphs.py stages it into pinned memory with NumPy, and the eager and kernel
     paths' pageable host-to-device copies return once their source is read). A pre-launched step's
     program reads the region itself on the device (Step.sources) and checks what it read. Its cost per
-    step (`take`, timeit on the 2-core CI box): 1.0-1.5 us at R = 1, 1.9-3.3 us at R = 8, 2.5-9.4 us at
-    R = 32, for tables 258 to 2048 pages wide (the table is most of the bytes).
+    step, on `validate_step` with and without it (2-core dev box, ctx 4096, interleaved medians): +1.6 /
+    +2.2 / +3.8 us at R = 1 / 8 / 32 when the four lie packed in one region (one span copied, _byte_span),
+    +2.9 / +3.3 / +6.4 us copied one by one (the table is most of the bytes).
 
     Index tensors in a device region (a client registering GPU memory for them) are copied to the host:
     their layouts are not cached, so `h`, their host copy made for this step, is what is paired; input_ids
@@ -178,7 +181,7 @@ class PrivateCopy:
     __slots__ = ("positions", "ids", "meta", "host", "_pairs", "_device")
 
     def __init__(self, positions: torch.Tensor, ids: torch.Tensor | None, meta: StepMetadata, h: HostMeta) -> None:
-        fields = (positions, meta.seq_lens, meta.block_tables, meta.slot_mapping)
+        fields = index_tensors(positions, meta)
         span = _byte_span(fields)
         if span is None:
             own = [torch.empty(t.shape, dtype=t.dtype) for t in fields]
