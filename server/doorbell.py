@@ -88,6 +88,7 @@ class Doorbell(threading.Thread):
                 log.warning("doorbell: steps are not pre-launched: %s", err)
             else:
                 loop.on_quiesce(self.prelaunch.release)
+                loop.on_device_wait(self.prelaunch.repass)
         self._halt = threading.Event()
         self._predecessors: list[Doorbell] = []  # follow()
         self._release_lock, self._released = threading.Lock(), False
@@ -167,7 +168,9 @@ class Doorbell(threading.Thread):
             if not rung():
                 if self.prelaunch is not None:  # a cooldown step's word, timed as it lands (prelaunch.py)
                     self.prelaunch.watch()
-                self.loop.sweep_idle()  # memory released while the device still read it (RankLoop.after_device)
+                # Memory released while the device still read it (RankLoop.after_device), and a released
+                # queued step's wait that an engine's late word blocked again (Prelaunch.repass).
+                self.loop.sweep_idle(poke=self.prelaunch is not None and self.prelaunch.passing)
                 idle = time.perf_counter() - active
                 if self.waker is not None and idle > bell.DOZE_S:  # between bursts: no polling at all
                     self.waker.sleep(self.page, rung, HALT_POLL_S)
@@ -219,6 +222,7 @@ class Doorbell(threading.Thread):
             finish = pl.detach()
 
             def done() -> None:
+                self.loop.on_device_wait(None, old=pl.repass)  # its page may be closed next
                 finish()
                 if then is not None:
                     then()

@@ -81,6 +81,10 @@ READY_TIMEOUT_S = 2.0  # a rung step whose metadata program has not run by then 
 # run 127); an engine that wants its host back sooner sets serve --prelaunch-behind-ms lower.
 BEHIND_S = ServeConfig.prelaunch_behind_ms / 1e3  # the serve flag's default, in seconds
 COOLDOWN, MAX_COOLDOWN = 256, 1 << 16
+# How long release(wait=True) waits for a released queued step to finish before the rank gives up on
+# its device (the caller exits the rank): re-stored releases (repass) leave only a wedged device, or
+# at TP > 1 a peer that never releases its own copy, to wait for.
+RELEASE_WAIT_S = 60.0
 ON_TIME = 8  # cooldown steps in a row whose word was on time: the cooldown ends (watch)
 
 
@@ -147,6 +151,7 @@ class Prelaunch:
         self._regions: dict[int, RegisteredPage] = {}  # metadata storages registered with the GPU
         self._detached = False  # detach() called: out of use, its memory freed by the finish() it returned
         self.queued: _Queued | None = None
+        self._passed: _Queued | None = None  # the newest released step not yet seen finished (repass)
         self._last: tuple | None = None  # (launch key, layout token, R) of the last step served
         self._streak = 0
         self._served: tuple | None = None  # (seq, key, step, graph) offered during the current step
@@ -430,18 +435,54 @@ class Prelaunch:
 
     # Anything else that uses the device -------------------------------------------------------
     def release(self, wait: bool = False) -> None:
-        """Let a queued step pass as a no-op; wait: until it has finished (before memory it reads goes away)."""
+        """Let a queued step pass as a no-op; wait: until every released step has finished (before
+        memory they read goes away), re-storing the release as repass() says. RuntimeError when they
+        have not after RELEASE_WAIT_S: the device (or a peer's copy) is stuck, and nothing the rank
+        queues after them can be trusted to run."""
         q, self.queued = self.queued, None
         if q is not None:
             self._release(q)
-            if wait:
-                q.done.synchronize()
         self._last, self._streak = None, 0
+        if not wait:
+            return
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while not self.repass():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a released queued step (step {self._passed.seq}) has not finished "
+                                   f"{RELEASE_WAIT_S:.0f} s after its release: the device, or a peer's copy, is stuck")
+            bell.pause(0.0)
+
+    @property
+    def passing(self) -> bool:
+        """A released step not yet seen finished (repass has work)."""
+        return self._passed is not None
+
+    def repass(self) -> bool:
+        """Whether every released step has finished; if not, the release stored again where it was undone.
+
+        The release is a host store into the word the engine's stream also writes, and the two are
+        not ordered: an engine whose GPU runs behind its host can land an older step's word after the
+        store (its word for step s lands after the sidecar released the queued step s+1). The wait
+        then blocks again, for a word the engine may never write (it stopped, or fell back), and with
+        it everything behind it on the stream. Stored again, it passes; once the newest released
+        step has finished, nothing older can land in front of it. Only while nothing is queued: a
+        queued step waits for the engine's word anyway, and the released ones before it with it.
+        Under the rank loop's lock (RankLoop's device waits poll it, server/rank.py)."""
+        q = self._passed
+        if q is None:
+            return True
+        if q.done.query():
+            self._passed = None
+            return True
+        if self.queued is None and not self._word_reached(q.seq):
+            self._pass(q.seq)
+        return False
 
     def _release(self, q: _Queued) -> None:
         self.misses += 1
         self._count(False)
         self._pass(q.seq)
+        self._passed = q  # on the one stream: finished, it has the older released steps behind it
 
     def _pass(self, seq: int) -> None:
         """The sidecar's own store: the wait for step seq passes, and the program sees SKIP_KEY (no
@@ -483,6 +524,7 @@ class Prelaunch:
         self._flag_host = None  # its only view of the flag page's memory: the unmap below needs none left
 
         def finish() -> None:
+            self._passed = None  # finished with everything else; the page may be closed next (repass reads it)
             regions()
             agreements.clear()  # graphs holding collectives go before the communicator does (app.py)
             flag_page.close()

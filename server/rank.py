@@ -97,6 +97,9 @@ class RankLoop:
         # Called, under the lock, before any device work other than a doorbell step: a doorbell may
         # have the next step queued behind a wait on the GPU (server/prelaunch.py), blocking the stream.
         self._quiesce: list[Callable[[bool], None]] = []
+        # Called, under the lock, while a host waits for the device: a released queued step's wait can
+        # be blocked again by an engine's late word, and must be released again (Prelaunch.repass).
+        self._pokes: list[Callable[[], object]] = []
         # (event, fn): fn runs, under the lock, once the device has done the work queued before the event
         # (after_device); looked at before each step and each exclusive section.
         self._deferred: list[tuple[object, Callable[[], None]]] = []
@@ -104,9 +107,7 @@ class RankLoop:
         # A gRPC answer that names an output region on a GPU: the engine has no event to wait on (only the
         # doorbell's output_event orders its stream after the writes), so the hidden states and the block
         # K/V must be on the device before the answer leaves (_work).
-        dev = ctx.model.device
-        self._device_done: Callable[[], None] | None = ((lambda: torch.cuda.synchronize(dev))
-                                                         if dev.type == "cuda" else None)
+        self._device_done: Callable[[], None] | None = self._device_idle if ctx.model.device.type == "cuda" else None
         # Set by stop_steps: later steps are answered UNAVAILABLE at once. Taken with the queueing, so
         # no step can slip in behind the worker's stop marker and never be answered.
         self._gate = threading.Lock()
@@ -122,6 +123,49 @@ class RankLoop:
                 self._quiesce.remove(old)
             if fn is not None:
                 self._quiesce.append(fn)
+
+    def on_device_wait(self, fn: Callable[[], object] | None, old: Callable[[], object] | None = None) -> None:
+        """Add `fn()` to what runs while a host waits for this rank's device (and drop `old`)."""
+        with self._lock:
+            if old is not None and old in self._pokes:
+                self._pokes.remove(old)
+            if fn is not None:
+                self._pokes.append(fn)
+
+    def _poke(self) -> None:
+        for fn in list(self._pokes):  # a deferred release may unhook its own (Doorbell._drop_prelaunch)
+            try:
+                fn()
+            except Exception:  # noqa: BLE001  (an event query failing: the device failed, as in _passed)
+                log.exception("rank %d: the device failed while a release was waited for; exiting", self.ctx.rank)
+                os._exit(3)
+
+    def _wait_for(self, events: list) -> None:
+        """Until the device has passed these events: synchronize, or with pokes registered, a poll that runs them."""
+        if not self._pokes:
+            for e in events:
+                e.synchronize()
+            return
+        while True:
+            self._poke()
+            if all(self._passed(e) for e in events):
+                return
+            time.sleep(20e-6)
+
+    def _device_idle(self) -> None:
+        """Everything queued on the device so far has run (a gRPC answer naming an output region): the
+        step's streams, this thread's and the graphs', which a released queued step may hold up."""
+        dev = self.ctx.model.device
+        if not self._pokes:
+            torch.cuda.synchronize(dev)
+            return
+        streams = [torch.cuda.current_stream(dev)] + ([self.graphs.stream] if self.graphs is not None else [])
+        events = []
+        for stream in streams:
+            e = torch.cuda.Event()
+            e.record(stream)
+            events.append(e)
+        self._wait_for(events)
 
     @contextlib.contextmanager
     def exclusive(self, wait: bool = True, quiesce: bool = True) -> Iterator[None]:
@@ -155,19 +199,22 @@ class RankLoop:
         done.record(self.graphs.stream)
         wait = self.ctx.world == 1 if wait is None else wait
         if wait:
-            done.synchronize()
+            self._wait_for([done])
         self._deferred.append((done, fn))
         self._sweep()
 
-    def sweep_idle(self) -> None:
-        """Between steps (the doorbell's idle loop): run what after_device holds, if the lock is free."""
-        if self._deferred and self._lock.acquire(blocking=False):
+    def sweep_idle(self, poke: bool = False) -> None:
+        """Between steps (the doorbell's idle loop): run what after_device holds, if the lock is free.
+        poke: run the device-wait pokes too (a released queued step not yet seen finished)."""
+        if (self._deferred or poke) and self._lock.acquire(blocking=False):
             try:
-                self._sweep()
+                self._sweep(poke)
             finally:
                 self._lock.release()
 
-    def _sweep(self) -> None:
+    def _sweep(self, poke: bool = False) -> None:
+        if poke or self._deferred:
+            self._poke()
         while self._deferred and self._passed(self._deferred[0][0]):
             _, fn = self._deferred.pop(0)
             try:

@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
 
         def __init__(self, page):
             self.page, self._count = page, lambda hit: None
-            self.queued = self._last = self._served = None
+            self.queued = self._last = self._served = self._passed = None
             self._streak, self._accepted, self._queue_next, self._out_ready = 0, False, False, False
             self.hits = self.misses = self.cooldown = self.word_wait_ns = self.start_wait_ns = 0
             self._replays, self._regions, self._held = {}, {}, []
@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
             order.append(f"queued copy {seq}")
             work = dist.all_reduce(t, async_op=True)
             self._held.append(t)
-            self.queued = SimpleNamespace(seq=seq, done=SimpleNamespace(synchronize=work.wait))
+            self.queued = SimpleNamespace(seq=seq, done=SimpleNamespace(query=work.is_completed))
 
         def _pass(self, seq):
             pass

@@ -37,6 +37,9 @@ class _Loop:
     def on_quiesce(self, fn, old=None) -> None:
         pass
 
+    def on_device_wait(self, fn, old=None) -> None:
+        pass
+
     @contextlib.contextmanager
     def exclusive(self, wait: bool = True, quiesce: bool = True):
         yield
@@ -44,7 +47,7 @@ class _Loop:
     def after_device(self, fn, wait=None) -> None:  # no GPU: nothing queued ahead
         fn()
 
-    def sweep_idle(self) -> None:
+    def sweep_idle(self, poke: bool = False) -> None:
         pass
 
 
@@ -53,6 +56,7 @@ class _Prelaunch:
 
     def __init__(self) -> None:
         self.watches, self.closed, self.seen = 0, False, threading.Event()
+        self.passing = False  # no released step waits (Prelaunch.repass)
 
     def watch(self) -> None:
         self.watches += 1
@@ -61,6 +65,9 @@ class _Prelaunch:
 
     def release(self, wait: bool = False) -> None:
         pass
+
+    def repass(self) -> bool:
+        return True
 
     def detach(self):
         return self.close

@@ -36,7 +36,7 @@ class _Loop:
     def after_device(self, fn, wait=None):
         fn()
 
-    def sweep_idle(self):
+    def sweep_idle(self, poke=False):
         pass
 
     def answer_now(self, req, hook=None, answer_limit=0):  # a step that takes a while (a capture, a slow rendezvous)
@@ -144,6 +144,8 @@ class _LockLoop(_Loop):
 
 
 class _PL:
+    passing = False  # no released step waits (Prelaunch.repass)
+
     def __init__(self, loop):
         self.loop = loop
 

@@ -39,13 +39,14 @@ def _read(ptr, dtype, count: int) -> np.ndarray:
 
 class Event:
     def __init__(self, gpu):
-        self.gpu, self.recorded, self.synced = gpu, 0, 0
+        self.gpu, self.recorded, self.synced, self.passed = gpu, 0, 0, False
 
     def record(self, stream):
-        self.recorded += 1
+        self.recorded, self.passed = self.recorded + 1, False
 
     def query(self):
-        return self.gpu.run()
+        self.passed = self.passed or self.gpu.run()  # seen finished since its last record, by whoever asked
+        return self.passed
 
     def synchronize(self):
         self.synced += 1
@@ -396,11 +397,64 @@ def test_release_from_outside(rig):
     _queue(rig)
     q = rig.pl.queued
     rig.pl.release(wait=True)
-    assert rig.pl.queued is None and q.done.synced == 1 and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    assert rig.pl.queued is None and q.done.passed and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
     _serve(rig, SEQ + 2)  # streak cleared: one step alone does not queue
     assert rig.pl.queued is None and len(rig.gpu.waits) == 1
     rig.pl.release(wait=True)  # nothing queued: the engine's word stays
     assert _word(rig) == bell.gpu_word(SEQ + 2, KEY)
+
+
+def test_a_released_wait_blocked_again_by_an_older_engine_word_is_released_again(rig):
+    """The release is a host store into the word the engine's stream also writes. An engine whose GPU
+    runs behind its host lands its word for step SEQ+1 after the release of the queued SEQ+2: the
+    wait blocks again, for a word that may never come. A host waiting for the step to finish
+    (BindKV, UnregisterBuffers, stop) then waited without bound under the rank loop's lock."""
+    _queue(rig)
+    q = rig.pl.queued
+    rig.pl.release()
+    assert _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY) and rig.pl.passing
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 1, KEY)  # the engine's late word lands
+    assert not q.done.query()  # the model: the stream waits again
+    assert rig.pl.repass() is False and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    assert q.done.query() and rig.pl.repass() is True and not rig.pl.passing
+    assert rig.pl.repass() is True and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)  # nothing left to store
+
+
+def test_release_with_wait_stores_again_until_the_released_step_has_finished(rig):
+    _queue(rig)
+    q = rig.pl.queued
+    rig.pl.release()  # e.g. a gRPC step's quiesce: no wait
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 1, KEY)  # the engine's late word
+    rig.pl.release(wait=True)  # e.g. UnregisterBuffers: nothing queued now, but the released step still waits
+    assert q.done.passed and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY) and not rig.pl.passing
+
+
+def test_release_with_wait_gives_up_on_a_device_that_never_passes(rig, monkeypatch):
+    """A released copy that never finishes (a peer's copy never runs, a wedged device): the wait ends,
+    with an error that says so (RankLoop.exclusive then exits the rank), instead of holding the lock."""
+    monkeypatch.setattr(prelaunch, "RELEASE_WAIT_S", 0.05)
+    _queue(rig)
+    rig.gpu.hold_until = time.perf_counter() + 60  # the queued copy has not started (a peer not there)
+    with pytest.raises(RuntimeError, match="step 42.*has not finished"):
+        rig.pl.release(wait=True)
+    rig.gpu.hold_until = 0.0
+    rig.pl.release(wait=True)
+    assert not rig.pl.passing
+
+
+def test_a_released_step_is_not_stored_again_while_a_newer_one_is_queued(rig):
+    """A queued step waits for the engine's word anyway, and the released ones before it on the stream
+    with it; storing the older release then could only lower a word the engine just wrote."""
+    _queue(rig)
+    first = rig.pl.queued
+    rig.pl.release()
+    _serve(rig, SEQ + 2)
+    _serve(rig, SEQ + 3)  # a new streak: SEQ+4 queued behind the released SEQ+2
+    assert rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 4
+    rig.pl._passed = first  # as if the released step had not been seen finished yet
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 1, KEY)
+    rig.pl.repass()
+    assert _word(rig) == bell.gpu_word(SEQ + 1, KEY)
 
 
 def test_launch_key_zero_never_queues(rig):
@@ -418,7 +472,7 @@ def test_close_unregisters_every_page_once(rig):
     q = rig.pl.queued
     rig.pl.close()
     assert sorted(rig.gpu.unregistered) == sorted(rig.gpu.registered) and len(set(rig.gpu.registered)) == 4
-    assert q.done.synced == 1 and _word(rig) == bell.gpu_word(SEQ + 4, bell.SKIP_KEY)
+    assert q.done.passed and _word(rig) == bell.gpu_word(SEQ + 4, bell.SKIP_KEY)
 
 
 def test_detaching_frees_nothing_before_the_device_has_passed(rig):
@@ -428,7 +482,7 @@ def test_detaching_frees_nothing_before_the_device_has_passed(rig):
     _queue(rig)
     q = rig.pl.queued
     finish = rig.pl.detach()
-    assert rig.pl.queued is None and q.done.synced == 0 and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    assert rig.pl.queued is None and not q.done.passed and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
     assert rig.gpu.unregistered == [] and not rig.pl._flag_buf.closed
     rig.pl.close()  # detached: close() has nothing left to free
     assert rig.gpu.unregistered == []

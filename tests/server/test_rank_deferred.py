@@ -91,6 +91,40 @@ def test_at_tp1_the_release_is_waited_for_in_the_call(gpu):
         lp.close()
 
 
+def test_a_wait_for_the_device_runs_the_registered_pokes_until_it_passes(gpu):
+    """A released queued step's wait can be blocked again by the engine's late word (Prelaunch.repass):
+    a host wait on the device must keep storing the release, not sit in synchronize()."""
+    lp = _loop(1)
+    pokes, ran = [], []
+
+    def repass() -> None:  # the device gets past the step only once the release is stored again
+        pokes.append(1)
+        if len(pokes) == 3:
+            _Event.made[-1].done = True
+
+    try:
+        lp.on_device_wait(repass)
+        with lp.exclusive():
+            lp.after_device(lambda: ran.append(1))
+        assert ran == [1] and len(pokes) >= 3 and _Event.made[-1].synced == 0
+        lp.on_device_wait(None, old=repass)
+        before = len(pokes)
+        with lp.exclusive():
+            lp.after_device(lambda: ran.append(2))
+        assert ran == [1, 2] and _Event.made[-1].synced == 1 and len(pokes) == before  # unhooked: synchronize
+    finally:
+        lp.close()
+
+
+def test_the_idle_doorbell_pokes_only_when_asked(loop):
+    pokes = []
+    loop.on_device_wait(lambda: pokes.append(1))
+    loop.sweep_idle()  # nothing deferred, nothing released: the idle poll costs nothing
+    assert pokes == []
+    loop.sweep_idle(poke=True)
+    assert pokes == [1]
+
+
 def test_the_idle_doorbell_sweeps_unless_a_step_holds_the_lock(loop):
     import threading
 
