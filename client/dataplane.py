@@ -48,6 +48,11 @@ class DataPlaneError(RuntimeError):
     """The data plane cannot be set up or used; the shim falls back to the gRPC stream."""
 
 
+class DoorbellClosed(DataPlaneError):
+    """The sidecar stopped serving this doorbell (another AttachDoorbell replaced it, or the rank is
+    shutting down) without answering the step rung last, which therefore never ran."""
+
+
 def ipc_group(endpoint: str) -> int | None:
     """The group to share this engine's shared-memory segments with: the group of the sidecar rank's
     unix socket (who may connect may map them), if this process may give its files that group. None
@@ -290,10 +295,15 @@ class DoorbellChannel:
         self._sent_at = time.perf_counter()
 
     def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
-        """The answer, None on timeout. On GPU the engine's stream is ordered after the sidecar's writes."""
-        if not bell.wait_until(lambda: self.page.word(bell.RESP_SEQ) == self._seq,
+        """The answer, None on timeout, DoorbellClosed once the sidecar has closed the page without
+        answering. On GPU the engine's stream is ordered after the sidecar's writes."""
+        if not bell.wait_until(lambda: self.page.word(bell.RESP_SEQ) == self._seq or self.page.word(bell.CLOSED),
                                time.perf_counter() + timeout_s, self._sent_at, bell.nap_for(self.device.type)):
             return None
+        if self.page.word(bell.RESP_SEQ) != self._seq:  # read after CLOSED, which the sidecar stores after any answer
+            self.alive = False
+            raise DoorbellClosed(f"the sidecar closed this doorbell without answering step {step_id} (another "
+                                 "AttachDoorbell replaced it, or the rank is shutting down); the step never ran")
         self.answer_seen_mono_ns = time.monotonic_ns()
         # First: an answer means the step was launched, whatever its bytes turn out to say; its
         # kernels may still read the input rows and write the K/V cache.
@@ -304,10 +314,19 @@ class DoorbellChannel:
         """Whether the last step sent was answered. A late answer (one `wait` gave up on) orders this
         stream after that step's writes, as `wait` would have: the sidecar answers once the step is
         launched, and until it has run, the next step's input copy could overwrite what it reads."""
+        closed = self.page.word(bell.CLOSED)  # first: the sidecar stores it after its last answer
         if self.page.word(bell.RESP_SEQ) != self._seq:
+            if closed:  # never answered, and never will be: nothing of the step ran (sidecar.proto)
+                self.alive = False
+                return True
             return False
         self._after_outputs()
         return True
+
+    @property
+    def closed_by_sidecar(self) -> bool:
+        """The sidecar has stopped serving this page for good: the engine should attach again."""
+        return self.page is not None and self.page.words is not None and bool(self.page.word(bell.CLOSED))
 
     def _after_outputs(self) -> None:
         """Make the engine's current stream wait for the sidecar's "outputs written" event."""

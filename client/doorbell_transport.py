@@ -15,7 +15,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from dspark_sidecar.client.connection import SidecarConnection, StepInterrupted, StepStream, StreamBroken
-from dspark_sidecar.client.dataplane import DataPlaneError, DoorbellChannel, StepBuffers, ipc_group
+from dspark_sidecar.client.dataplane import DataPlaneError, DoorbellChannel, DoorbellClosed, StepBuffers, ipc_group
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
@@ -52,6 +52,11 @@ class DoorbellTransport:
     @property
     def alive(self) -> bool:
         return self.bell.alive and self.liveness.alive
+
+    @property
+    def replaced(self) -> bool:
+        """The sidecar closed this doorbell (another AttachDoorbell on the rank): attach again."""
+        return self.bell.closed_by_sidecar
 
     def fits(self, num_reqs: int, meta: StepMetadata, width: int) -> bool:
         """Whether the step fits the registered buffers (else it goes over the gRPC stream)."""
@@ -111,6 +116,8 @@ class DoorbellTransport:
                 resp = self.bell.wait(step_id, max(0.0, min(POLL_S, deadline - time.monotonic())))
             except (DecodeError, ValueError) as e:  # answered (the stream is ordered after it), but unreadable
                 raise StreamBroken(None, f"undecodable doorbell answer: {e}") from None
+            except DoorbellClosed as e:  # settled: the step never ran; the shim attaches again
+                raise StreamBroken(None, str(e)) from None
             if resp is not None:
                 return resp
             if self.interrupted:

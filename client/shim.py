@@ -326,6 +326,10 @@ class DrafterShim:
             return False, NO_KV, False
         if not self.breaker.allow():
             return False, BREAKER, False
+        if self.doorbell is not None and self.doorbell.replaced:
+            log.warning("sidecar rank %d: the sidecar closed this engine's doorbell (another client attached one to "
+                        "the rank, or it is shutting down); attaching again", self.rank)
+            self._drop_link()
         if self.connection.stream_ended or (self.doorbell is not None and not self.doorbell.liveness.alive):
             # Reconnect and re-read the status: a restarted sidecar lost our binding. The doorbell's
             # liveness stream counts too: connection.stream() would quietly replace an ended one, and

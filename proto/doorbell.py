@@ -17,9 +17,10 @@ import numpy as np
 
 log = logging.getLogger("dspark_sidecar.doorbell")
 
-HEADER = 64  # bytes: 8 uint64 words, 6 used
+HEADER = 64  # bytes: 8 uint64 words, 7 used
 MIN_CAPACITY = 4096  # bytes per direction: room for any error answer (its message and the step's timings)
-REQ_SEQ, REQ_LEN, RESP_SEQ, RESP_LEN, ASLEEP, GPU_WORD = range(6)
+REQ_SEQ, REQ_LEN, RESP_SEQ, RESP_LEN, ASLEEP, GPU_WORD, CLOSED = range(7)
+WORDS = 7
 GPU_WORD_OFFSET = 8 * GPU_WORD
 SKIP_KEY = 0xFFFFFFFF  # a launch key no engine sends: the sidecar's own store releases a wait for nothing
 
@@ -105,7 +106,7 @@ class Page:
         if buf.nbytes < HEADER + 2 * capacity:
             raise ValueError(f"page of {buf.nbytes} bytes cannot hold 2 x {capacity} + {HEADER}")
         self.capacity = capacity
-        self.words = np.ndarray((6,), dtype=np.uint64, buffer=buf[:48])
+        self.words = np.ndarray((WORDS,), dtype=np.uint64, buffer=buf[: 8 * WORDS])
         self.req_area = buf[HEADER : HEADER + capacity]
         self.resp_area = buf[HEADER + capacity : HEADER + 2 * capacity]
         # The areas as memoryviews: a slice assignment of bytes into one is a plain copy (~0.1 us), where numpy's

@@ -141,6 +141,9 @@ class Doorbell(threading.Thread):
 
     def _close_page(self) -> None:
         try:
+            # Last, after every answer and once the device has finished this page's work: an engine
+            # still waiting on a ring learns it will never be answered, and attaches again (sidecar.proto).
+            self.page.words[bell.CLOSED] = 1
             self.page.close()
             self.memory.close()
         finally:  # unused from here on, whether or not its mapping could go yet

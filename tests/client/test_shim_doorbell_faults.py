@@ -61,6 +61,57 @@ def test_an_undecodable_answer_still_orders_the_engine_stream_and_drops_the_link
         server.stop()
 
 
+def _close_unanswered(channel) -> None:
+    """Play a sidecar whose doorbell was replaced once the ring lands: it closes the page, no answer."""
+    def run() -> None:
+        deadline = time.monotonic() + 5
+        while (channel._seq == 0 or channel.page.word(bell.REQ_SEQ) != channel._seq) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        channel.page.words[bell.CLOSED] = 1
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def test_a_doorbell_the_sidecar_closes_under_a_step_ends_the_step_settled_and_is_attached_again():
+    """Another client's AttachDoorbell replaces this engine's doorbell on the rank. Before, the sidecar
+    stopped the old one silently: the engine's ring was never answered, the step stayed unsettled for
+    as long as the sidecar lived (liveness still up), and every later step fell back."""
+    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    shim = _shim(server.endpoint, ParallelContext(0, 1), step_deadline_s=5.0, late_grace_s=0.2)
+    try:
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.connect() is None and shim.doorbell is not None
+            channel = shim.doorbell.bell
+            shim.fault_hook = lambda _sid: _close_unanswered(channel)
+            t = time.monotonic()
+            assert shim.maybe_forward(ids, pos) is None
+            assert time.monotonic() - t < 4.0  # told, not timed out (step_deadline_s is 5 s)
+            assert shim._unsettled is None and shim.stats.fallbacks[STREAM] == 1 and shim.doorbell is None
+            shim.fault_hook = None
+            assert shim.connect() is None and shim.doorbell is not None and shim.doorbell.bell is not channel
+        assert server.sidecar.calls["AttachDoorbell"] == 2
+    finally:
+        shim.close()
+        server.stop()
+
+
+def test_a_doorbell_the_sidecar_closed_between_steps_is_attached_again_before_the_next():
+    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    shim = _shim(server.endpoint, ParallelContext(0, 1), step_deadline_s=1.0, late_grace_s=0.2)
+    try:
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.connect() is None and shim.doorbell is not None
+            old = shim.doorbell
+            old.bell.page.words[bell.CLOSED] = 1  # the sidecar attached another client's doorbell meanwhile
+            assert shim.connect() is None and shim.doorbell is not None and shim.doorbell is not old
+        assert server.sidecar.calls["AttachDoorbell"] == 2 and server.sidecar.calls["UnregisterBuffers"] == 1
+    finally:
+        shim.close()
+        server.stop()
+
+
 class _EndsLivenessInPreflight(PreflightHook):
     """Ends the doorbell's liveness stream while this rank waits in the pre-flight: as when the sidecar
     rank restarts while a peer is still binding."""

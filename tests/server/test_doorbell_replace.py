@@ -44,10 +44,10 @@ class _Loop:
         return pb.DraftStepResponse(step_id=req.step_id)
 
 
-def _svc(tmp_path):
+def _svc(tmp_path, loop=None):
     ctx = SimpleNamespace(rank=0, fast=None, memory=MemoryBindings(None, 1, 0, torch.float32, torch.device("cpu")),
                           model=SimpleNamespace(device=torch.device("cpu")), cfg=SimpleNamespace(sliding_window=64))
-    return DrafterServicer(ctx, _Loop(), Lifecycle(), None, None, "", run_dir=tmp_path)  # type: ignore[arg-type]
+    return DrafterServicer(ctx, loop or _Loop(), Lifecycle(), None, None, "", run_dir=tmp_path)  # type: ignore[arg-type]
 
 
 CTX = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
@@ -205,3 +205,35 @@ def test_a_new_doorbell_serves_only_after_a_replaced_one_still_in_a_long_step_ha
         svc.close_doorbell()
         for p in pages:
             p.close()
+
+
+class _QuickLoop(_Loop):
+    def answer_now(self, req, hook=None, answer_limit=0):
+        return pb.DraftStepResponse(step_id=req.step_id)
+
+
+def test_an_engine_whose_doorbell_another_client_replaced_is_told_at_its_next_ring(tmp_path):
+    """One doorbell per rank: a second AttachDoorbell (a second client, a tool) stops the first. Before,
+    the first engine's next ring was never answered and never settled while the sidecar lived."""
+    from dspark_sidecar.client.dataplane import DoorbellChannel, DoorbellClosed
+
+    svc = _svc(tmp_path, _QuickLoop())
+    stub = SimpleNamespace(AttachDoorbell=lambda req, timeout=None: svc.AttachDoorbell(req, CTX))
+    engine = DoorbellChannel(stub, torch.device("cpu"), capacity=CAP, gpu_word=False)
+    other = None
+    try:
+        engine.send(pb.DraftStepRequest(step_id=1))
+        assert engine.wait(1, 5.0).step_id == 1 and not engine.closed_by_sidecar
+        other = DoorbellChannel(stub, torch.device("cpu"), capacity=CAP, gpu_word=False)
+        assert engine.closed_by_sidecar  # set as the old doorbell let its page go
+        engine.send(pb.DraftStepRequest(step_id=2))
+        with pytest.raises(DoorbellClosed, match="without answering step 2"):
+            engine.wait(2, 5.0)
+        assert engine.settled(2) and not engine.alive
+        other.send(pb.DraftStepRequest(step_id=7))
+        assert other.wait(7, 5.0).step_id == 7 and not other.closed_by_sidecar  # the new client is served
+    finally:
+        svc.close_doorbell()
+        for ch in (engine, other):
+            if ch is not None:
+                ch.close()
