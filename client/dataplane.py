@@ -268,6 +268,7 @@ class DoorbellChannel:
             except OSError:  # not reachable from here: the sidecar's idle doorbell still looks every 2 ms
                 self.ringer = None
         self._seq = self.page.word(bell.REQ_SEQ)
+        self._sent_on = 0  # the raw stream the last GPU word was written from (close waits for it)
         self._sent_at = 0.0
         self.rung_mono_ns = self.answer_seen_mono_ns = 0  # the last ring, and when its answer was seen (monotonic)
         self.alive = True
@@ -281,7 +282,7 @@ class DoorbellChannel:
             raise DataPlaneError(f"request of {len(data)} bytes exceeds the doorbell ({self.capacity})")
         self._seq += 1
         if self._ops is not None:  # raw handles: building torch's Stream object costs ~15-25 us at a step's start
-            raw = _raw_stream(self.device)
+            raw = self._sent_on = _raw_stream(self.device)
             if self.word_address:  # after the inputs on this stream: the pre-launched step starts here,
                 # so first (the event is for a step that runs the ordinary way)
                 self._ops.write(raw, self.word_address, bell.gpu_word(self._seq, launch_key))
@@ -291,7 +292,11 @@ class DoorbellChannel:
         self.page.write(self.page.req_area, data, bell.REQ_LEN, bell.REQ_SEQ, self._seq)  # ring: sequence last
         self.rung_mono_ns = time.monotonic_ns()  # with StepTimings' seen/published_mono_ns: where a step's time went
         if self.ringer is not None:  # after the sequence store (see proto/doorbell.py Waker.sleep)
-            self.ringer.wake_if_asleep(self.page)
+            try:
+                self.ringer.wake_if_asleep(self.page)
+            except OSError as err:  # rung all the same: the step is in flight, and its wait must run
+                log.warning("doorbell: could not wake the sidecar's doorbell thread (%s); it finds the ring "
+                            "within %.0f ms all the same", err, bell.MISSED_WAKE_S * 1e3)
         self._sent_at = time.perf_counter()
 
     def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
@@ -358,9 +363,14 @@ class DoorbellChannel:
         self._page.close()
 
     def _stream_passed(self, timeout_s: float) -> bool:
-        """Whether the engine's current stream gets past all its queued work within timeout_s."""
+        """Whether the stream the last step was sent from (its GPU word's write) gets past all its queued
+        work within timeout_s. That stream, not the closing thread's: an engine may close from another
+        thread, whose current stream (non-blocking streams do not order with each other) says nothing
+        of a write still queued on the sender's."""
         done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
+        stream = (torch.cuda.ExternalStream(self._sent_on, device=self.device) if self._sent_on
+                  else torch.cuda.current_stream(self.device))
+        done.record(stream)
         deadline = time.monotonic() + timeout_s
         while not done.query():
             if time.monotonic() >= deadline:

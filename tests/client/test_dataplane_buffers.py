@@ -213,10 +213,30 @@ def test_closing_a_doorbell_waits_for_the_engine_stream_within_a_bound():
 
     dev = torch.device("cuda", 0)
     probe = DoorbellChannel.__new__(DoorbellChannel)
-    probe.device = dev
+    probe.device, probe._sent_on = dev, 0
     with torch.cuda.device(dev):
         torch.cuda._sleep(2_000_000_000)  # about a second of a busy stream
         assert not probe._stream_passed(0.05)
+        assert probe._stream_passed(30.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_closing_a_doorbell_waits_for_the_stream_the_step_was_sent_from():
+    """An engine may close from another thread than the one that rang, whose current stream is another
+    one. The wait must cover the sender's stream, where the GPU word's write may still be queued:
+    before, close() looked at its own idle stream and unmapped the page under that write."""
+    from dspark_sidecar.client.dataplane import DoorbellChannel
+
+    dev = torch.device("cuda", 0)
+    probe = DoorbellChannel.__new__(DoorbellChannel)
+    probe.device = dev
+    with torch.cuda.device(dev):
+        side = torch.cuda.Stream(dev)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000_000)  # the sender's stream, busy for about a second
+        probe._sent_on = side.cuda_stream
+        assert not probe._stream_passed(0.05)  # this thread's current stream is idle all along
         assert probe._stream_passed(30.0)
 
 
