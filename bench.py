@@ -93,6 +93,7 @@ class BenchConfig:
     shim_inputs: str = "host"  # h/i: positions and metadata on the host, or on the GPU as vLLM's forward context has them
     kv_layout: str = "planes"  # the engine's cache allocation (kv_cache.KV_LAYOUTS): records is vLLM 0.34's
     kv_dtype: str = "auto"  # the cache's element type: auto (the compute dtype) or fp8 (e4m3 codes, kv_cache.FP8_KV)
+    shim_phases: bool = False  # h: the shim's host time before the ring split into its phases (bench_phases.py)
     seed: int = 0
     notes: dict = field(default_factory=dict)
 
@@ -308,6 +309,7 @@ class Bench:
         self.mode_misses: int | None = None  # d/f/g: queued steps the sidecar released unused during the mode
         self.side = self.channel = self.bufs = self.bell = self.shim = None
         self.shim_ns: list[tuple[int, int]] = []  # h, i: the shim's own time before the ring, after the answer
+        self.phases = None  # --shim-phases: bench_phases.ShimPhases on the shim
         if {"d", "e", "f", "g", "h", "i"} & set(bc.modes):
             try:
                 self._connect()
@@ -344,6 +346,10 @@ class Bench:
             raise RuntimeError(f"bench: the shim could not set up the data plane: {why or 'no doorbell (see the log)'}")
         self.binding = self.shim.binder.current
         self.bufs, self.bell = self.shim.doorbell.buffers, self.shim.doorbell.bell
+        if bc.shim_phases:
+            from dspark_sidecar.bench_phases import ShimPhases
+
+            self.phases = ShimPhases(self.shim, self.shim.doorbell)
 
     def _eager(self, ops, case: Case, streams: list = ()):
         self.model.set_ops(ops)
@@ -412,6 +418,8 @@ class Bench:
         if out is None:
             raise RuntimeError(f"the shim fell back: {dict(self.shim.stats.fallbacks)}")
         self.shim_ns.append((self.bell.rung_mono_ns - t0, t1 - self.bell.answer_seen_mono_ns))
+        if self.phases is not None:
+            self.phases.step(t0, self.bell.rung_mono_ns)
         return out
 
     def _ring_path(self, resp: pb.DraftStepResponse | None, done: int) -> tuple[int, int, int, int]:
@@ -476,8 +484,10 @@ class Bench:
             return share
         if mode in ("h", "i"):  # the shim's own host time around the data plane's ring -> answer
             shim = self.shim_ns[-self.bc.repeats:]
+            phases = self.phases.medians_us(self.bc.repeats) if self.phases is not None and mode == "h" else {}
             return {"shim_before_ring_after_answer_p50_us": [statistics.median(t[i] for t in shim) / 1e3
                                                               for i in range(2)], "shim_inputs": self.bc.shim_inputs,
+                    **({"shim_phases_p50_us": phases} if phases else {}),
                     **({"prelaunch_misses": self.mode_misses} if self.mode_misses is not None else {})}
         if mode not in ("d", "e", "g"):
             return {}
@@ -596,6 +606,8 @@ def _fmt(row: dict) -> str:
         before, after = row["shim_before_ring_after_answer_p50_us"]
         on = "; positions and metadata on the GPU" if row.get("shim_inputs") == "device" else ""
         extra += f"  (shim before ring {before:.0f} us, after answer {after:.0f} us{on})"
+    if "shim_phases_p50_us" in row:  # --shim-phases: before the ring, phase by phase (bench_phases.py)
+        extra += "\n    shim phases p50 us: " + ", ".join(f"{k} {v:.1f}" for k, v in row["shim_phases_p50_us"].items())
     if "gpu_p50_ms" in row:
         extra += f"  GPU time {row['gpu_p50_ms']:.3f} ms ({row['gpu_x_floor']:.2f}x floor)"
     if "lead_ms" in row:

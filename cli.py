@@ -327,7 +327,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                      modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch,
                      engine_copy=a.engine_copy, launch_streams=a.launch_streams, lead_ms=a.lead_ms,
-                     shim_inputs=a.shim_inputs, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype)
+                     shim_inputs=a.shim_inputs, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype, shim_phases=a.shim_phases)
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
 
@@ -464,6 +464,9 @@ def _main(argv: list[str] | None) -> int:
                     help="the engine's draft KV cache allocation: planes (the spec's) or records (vLLM 0.34's)")
     bp.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
                     help="the draft KV cache's element type: auto (the compute dtype) or fp8 (e4m3 codes)")
+    bp.add_argument("--shim-phases", action="store_true",
+                    help="h: split the shim's host time before the ring into its phases (diagnostic; ~1.5 us of "
+                         "timing wrappers added to mode h)")
     bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
     bp.add_argument("--tp", type=int, default=1,
                     help="N > 1: the sidecar at TP N on N GPUs (N CPU ranks with --device cpu), driven by N engine ranks "

@@ -1,0 +1,67 @@
+"""Bench diagnostic (--shim-phases): where the engine shim's host time before the ring goes, per step.
+
+Mode h reports the shim's time from maybe_forward's start to the doorbell's ring as one figure, and
+that figure moved 50-115 us between fresh processes of the same code on one H200 host (BENCHMARKS.md
+runs 254-259), more than anything the code changes did. This splits it at the shim's own seams by
+wrapping five bound methods of the bench's shim instance (no class is touched, nothing in the shim
+knows): each wrapper reads time.monotonic_ns once or twice and costs ~0.3 us, so the phases add up
+to ~1.5 us more than the unwrapped figure.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+# In step order: maybe_forward's own checks and metadata read; the readiness check; the agreements
+# and the tables' cover; the request built; the step's copies into the regions; the request
+# serialized and joined with the region fields; the GPU word's stream write; the input event's
+# record; and the rest of send_bytes (the raw stream lookups, the page write, the ring).
+PHASES = ("checks", "prepare", "agree", "request", "stage", "serialize", "word", "record", "ring")
+
+
+class ShimPhases:
+    """Stamps taken inside one shim's maybe_forward; `step()` turns one step's into a row of PHASES (ns)."""
+
+    def __init__(self, shim, transport) -> None:
+        self._t: dict[str, int] = {}
+        self.rows: list[tuple[int, ...]] = []
+        self._wrap(shim, "_prepare", "prepare")
+        self._wrap(shim, "_run_step", "run", end=False)
+        self._wrap(transport.buffers, "stage", "stage")
+        self._wrap(transport.bell, "send_bytes", "send", end=False)
+        ops = transport.bell._ops
+        if ops is not None:  # a GPU word and its event record through the driver (proto/gpu_word.py)
+            self._wrap(ops, "write", "word")
+            self._wrap(ops, "record", "record")
+
+    def _wrap(self, obj, name: str, key: str, end: bool = True) -> None:
+        fn, stamps = getattr(obj, name), self._t
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            stamps[key + "0"] = time.monotonic_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if end:
+                    stamps[key + "1"] = time.monotonic_ns()
+
+        setattr(obj, name, timed)  # an instance attribute: found before the class's method
+
+    def step(self, t0: int, rung: int) -> None:
+        """After one maybe_forward that started at t0 and rang at `rung` (both time.monotonic_ns)."""
+        t = dict(self._t)
+        self._t.clear()  # the dict the wrappers write into: emptied, never replaced
+        if not all(k in t for k in ("prepare0", "prepare1", "run0", "stage0", "stage1", "send0")):
+            return  # fell back before sending, or the data plane was set up again (wrappers gone): no row
+        word = t.get("word1", 0) - t.get("word0", 0)
+        record = t.get("record1", 0) - t.get("record0", 0)
+        self.rows.append((t["prepare0"] - t0, t["prepare1"] - t["prepare0"], t["run0"] - t["prepare1"],
+                          t["stage0"] - t["run0"], t["stage1"] - t["stage0"], t["send0"] - t["stage1"],
+                          word, record, rung - t["send0"] - word - record))
+
+    def medians_us(self, last: int) -> dict[str, float]:
+        rows = self.rows[-last:]
+        return {p: statistics.median(r[i] for r in rows) / 1e3 for i, p in enumerate(PHASES)} if rows else {}
