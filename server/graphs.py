@@ -117,10 +117,7 @@ class StepGraphs:
             self._graphs.clear()
             self._kv_key = key
         R = host.seq_lens.shape[0]
-        g = self._graphs.get((R, in_place))
-        if in_place and g is not None and g.embeds.data_ptr() != embeds.data_ptr():
-            in_place = False  # another slice than the one captured on
-            g = self._graphs.get((R, False))
+        g, in_place = self._find(embeds, R, in_place)
         fresh = g is None
         if fresh:
             g = self._buffers(R, window_width(ps, self.model.cfg.sliding_window), embeds if in_place else None)
@@ -131,6 +128,17 @@ class StepGraphs:
             return out  # the warm-up ran this step: a replay now would run its collectives twice
         g.graph.replay()
         return g.out
+
+    def _find(self, embeds: torch.Tensor, R: int, in_place: bool) -> tuple["_Graph | None", bool]:
+        """The graph a step of R requests on `embeds` replays, and whether it reads them in place."""
+        g = self._graphs.get((R, in_place))
+        if in_place and g is not None and g.embeds.data_ptr() != embeds.data_ptr():
+            return self._graphs.get((R, False)), False  # another slice than the one captured on
+        return g, in_place
+
+    def will_capture(self, embeds: torch.Tensor, R: int, kv: list[torch.Tensor], in_place: bool = False) -> bool:
+        """Whether run() with these arguments captures a graph (which synchronizes the device)."""
+        return _kv_key(kv) != self._kv_key or self._find(embeds, R, in_place)[0] is None
 
     def drop_in_place(self) -> list:
         """Take the graphs that read a registered region in place out of use (the region is being

@@ -397,6 +397,7 @@ class Prelaunch:
             self._replays[key] = (hold, None)
             return fn
         held = entry[0] + (reserve() if reserve is not None else ())
+        self._settle()
         replay = self._capture(fn)
         self._replays[key] = (held, replay)
         return replay
@@ -418,6 +419,7 @@ class Prelaunch:
 
             if len(self._agreements) >= 64:  # slot inputs of graphs gone (a rebind drops them)
                 self._agreements.clear()
+            self._settle()
             got = self._agreements[key] = (slots, self._capture(agree))
         return got[1]
 
@@ -443,14 +445,22 @@ class Prelaunch:
         if q is not None:
             self._release(q)
         self._last, self._streak = None, 0
-        if not wait:
-            return
+        if wait:
+            self._wait_released()
+
+    def _wait_released(self) -> None:
         deadline = time.monotonic() + RELEASE_WAIT_S
         while not self.repass():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"a released queued step (step {self._passed.seq}) has not finished "
                                    f"{RELEASE_WAIT_S:.0f} s after its release: the device, or a peer's copy, is stuck")
             bell.pause(0.0)
+
+    def _settle(self) -> None:
+        """Before a capture, which synchronizes the device with nothing to re-store a release meanwhile:
+        until every released step has finished (nothing is queued here: _queue runs after settle())."""
+        if self._passed is not None and self.queued is None:
+            self._wait_released()
 
     @property
     def passing(self) -> bool:

@@ -99,6 +99,7 @@ class RankLoop:
         self._quiesce: list[Callable[[bool], None]] = []
         # Called, under the lock, while a host waits for the device: a released queued step's wait can
         # be blocked again by an engine's late word, and must be released again (Prelaunch.repass).
+        # Each returns whether nothing it released still waits on the device.
         self._pokes: list[Callable[[], object]] = []
         # (event, fn): fn runs, under the lock, once the device has done the work queued before the event
         # (after_device); looked at before each step and each exclusive section.
@@ -139,6 +140,15 @@ class RankLoop:
             except Exception:  # noqa: BLE001  (an event query failing: the device failed, as in _passed)
                 log.exception("rank %d: the device failed while a release was waited for; exiting", self.ctx.rank)
                 os._exit(3)
+
+    def _settle_released(self, timeout_s: float = 60.0) -> None:
+        """Until every poke reports nothing it released still waits on the device (Prelaunch.repass);
+        RuntimeError after timeout_s (the device, or a peer's copy, is stuck: the caller's launch fails)."""
+        deadline = time.monotonic() + timeout_s
+        while not all([fn() for fn in list(self._pokes)]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"released queued work still waits on the device after {timeout_s:.0f} s")
+            time.sleep(20e-6)
 
     def _wait_for(self, events: list) -> None:
         """Until the device has passed these events: synchronize, or with pokes registered, a poll that runs them."""
@@ -461,6 +471,8 @@ class RankLoop:
         if fast:
             return self.ctx.fast.forward(embeds, step.positions.to(dev), step.meta.to(dev))
         if self.graphs is not None:
+            if self._pokes and self.graphs.will_capture(embeds, step.num_reqs, step.kv.layers, in_place):
+                self._settle_released()  # a capture synchronizes the device, with no poke while it waits
             return self.graphs.run(embeds, step.host, step.kv.layers, in_place)
         return m.draft_step(embeds, step.positions.to(dev), step.meta.to(dev), step.kv.layers)
 

@@ -442,6 +442,24 @@ def test_release_with_wait_gives_up_on_a_device_that_never_passes(rig, monkeypat
     assert not rig.pl.passing
 
 
+def test_a_capture_first_waits_for_released_steps_and_keeps_the_streak(rig, monkeypatch):
+    """A capture synchronizes the device with nothing to store the release again meanwhile: the
+    queueing that captures waits for every released step first (the streak it is queueing from stays)."""
+    _queue(rig)
+    q = rig.pl.queued
+    rig.pl.release()
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 1, KEY)  # the engine's late word: blocked again
+    seen = []
+    real = rig.pl._capture
+    monkeypatch.setattr(rig.pl, "_capture", lambda fn: (seen.append(q.done.passed), real(fn))[1])
+    rig.pl._last, rig.pl._streak = ("kept",), 5
+    rig.pl._replay_of(("k",), (), lambda: None)  # first sight: no capture, no wait
+    assert seen == [] and rig.pl.passing
+    rig.pl._replay_of(("k",), (), lambda: None)  # second sight: captured, after the released step finished
+    assert seen == [True] and not rig.pl.passing and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    assert rig.pl._last == ("kept",) and rig.pl._streak == 5
+
+
 def test_a_released_step_is_not_stored_again_while_a_newer_one_is_queued(rig):
     """A queued step waits for the engine's word anyway, and the released ones before it on the stream
     with it; storing the older release then could only lower a word the engine just wrote."""

@@ -116,6 +116,48 @@ def test_a_wait_for_the_device_runs_the_registered_pokes_until_it_passes(gpu):
         lp.close()
 
 
+def test_a_step_that_captures_a_graph_first_waits_for_released_work_and_one_that_replays_does_not(gpu):
+    """A capture synchronizes the device inside torch, where no poke can re-store a release that an
+    engine's late word undid: the step waits (poking) until nothing released still waits."""
+    calls, answers = [], []
+
+    class Graphs:
+        stream = "graphs' stream"
+        capture = True
+
+        def will_capture(self, embeds, R, kv, in_place=False):
+            return self.capture
+
+        def run(self, embeds, host, kv, in_place=False):
+            calls.append("run")
+            return embeds
+
+    graphs = Graphs()
+    model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+    lp = RankLoop(RankContext(0, 1, SimpleNamespace(), model, None, None, Metrics(0), 8), None, graphs)  # type: ignore[arg-type]
+
+    def repass() -> bool:
+        calls.append("poke")
+        return answers.pop(0) if answers else True
+
+    step = SimpleNamespace(inputs_embeds=torch.zeros(7, 4), input_ids=None, in_region=False, num_reqs=1,
+                           host=None, kv=SimpleNamespace(layers=[]))
+    try:
+        lp.on_device_wait(repass)
+        answers[:] = [False, False, True]
+        with lp.exclusive(quiesce=False):
+            lp._execute(step)
+        assert calls == ["poke", "poke", "poke", "run"]
+        calls.clear()
+        graphs.capture = False
+        answers[:] = [False]
+        with lp.exclusive(quiesce=False):
+            lp._execute(step)
+        assert calls == ["run"]  # a replay is ordered on the stream behind the released work: no host wait
+    finally:
+        lp.close()
+
+
 def test_the_idle_doorbell_pokes_only_when_asked(loop):
     pokes = []
     loop.on_device_wait(lambda: pokes.append(1))
