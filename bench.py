@@ -412,6 +412,7 @@ class Bench:
         """One step as the engine's model forward asks for it: the shim's maybe_forward, called inside
         `_forward_context(case)`."""
         host = self.bc.shim_inputs == "host"
+        began = self.phases.start() if self.phases is not None else None
         t0 = time.monotonic_ns()
         out = self.shim.maybe_forward(None, case.host.positions if host else case.positions, self._inputs)
         t1 = time.monotonic_ns()
@@ -419,7 +420,7 @@ class Bench:
             raise RuntimeError(f"the shim fell back: {dict(self.shim.stats.fallbacks)}")
         self.shim_ns.append((self.bell.rung_mono_ns - t0, t1 - self.bell.answer_seen_mono_ns))
         if self.phases is not None:
-            self.phases.step(t0, self.bell.rung_mono_ns)
+            self.phases.step(t0, self.bell.rung_mono_ns, began)
         return out
 
     def _ring_path(self, resp: pb.DraftStepResponse | None, done: int) -> tuple[int, int, int, int]:
@@ -607,7 +608,11 @@ def _fmt(row: dict) -> str:
         on = "; positions and metadata on the GPU" if row.get("shim_inputs") == "device" else ""
         extra += f"  (shim before ring {before:.0f} us, after answer {after:.0f} us{on})"
     if "shim_phases_p50_us" in row:  # --shim-phases: before the ring, phase by phase (bench_phases.py)
-        extra += "\n    shim phases p50 us: " + ", ".join(f"{k} {v:.1f}" for k, v in row["shim_phases_p50_us"].items())
+        ph = dict(row["shim_phases_p50_us"])
+        cpu, pre = ph.pop("on_cpu_share", None), ph.pop("preempted", None)
+        extra += "\n    shim phases p50 us: " + ", ".join(f"{k} {v:.1f}" for k, v in ph.items())
+        if cpu is not None:  # the thread's CPU time over wall time before the send; involuntary switches per step
+            extra += f"; on CPU {cpu:.2f} of it, {pre:.2f} preemptions per step"
     if "gpu_p50_ms" in row:
         extra += f"  GPU time {row['gpu_p50_ms']:.3f} ms ({row['gpu_x_floor']:.2f}x floor)"
     if "lead_ms" in row:

@@ -11,6 +11,7 @@ to ~1.5 us more than the unwrapped figure.
 from __future__ import annotations
 
 import functools
+import resource
 import statistics
 import time
 
@@ -19,6 +20,10 @@ import time
 # serialized and joined with the region fields; the GPU word's stream write; the input event's
 # record; and the rest of send_bytes (the raw stream lookups, the page write, the ring).
 PHASES = ("checks", "prepare", "agree", "request", "stage", "serialize", "word", "record", "ring")
+# Beside them, whether the thread ran all that time: its CPU time over the wall time from maybe_forward's
+# start to send_bytes (1.0: on a CPU throughout, so a slow step was a slow CPU; less: descheduled, or
+# waiting for the GIL), and the involuntary context switches of the thread in the same span.
+EXTRA = ("on_cpu_share", "preempted")
 
 
 class ShimPhases:
@@ -27,6 +32,7 @@ class ShimPhases:
     def __init__(self, shim, transport) -> None:
         self._t: dict[str, int] = {}
         self.rows: list[tuple[int, ...]] = []
+        self.extra: list[tuple[float, int]] = []  # per step: EXTRA
         self._wrap(shim, "_prepare", "prepare")
         self._wrap(shim, "_run_step", "run", end=False)
         self._wrap(transport.buffers, "stage", "stage")
@@ -36,11 +42,17 @@ class ShimPhases:
             self._wrap(ops, "write", "word")
             self._wrap(ops, "record", "record")
 
+    def start(self) -> tuple[int, int]:
+        """At maybe_forward's start: (thread CPU time ns, involuntary switches) for step()."""
+        return time.thread_time_ns(), _switches()
+
     def _wrap(self, obj, name: str, key: str, end: bool = True) -> None:
         fn, stamps = getattr(obj, name), self._t
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            if key == "send":
+                stamps["cpu"], stamps["nivcsw"] = time.thread_time_ns(), _switches()
             stamps[key + "0"] = time.monotonic_ns()
             try:
                 return fn(*args, **kwargs)
@@ -50,8 +62,9 @@ class ShimPhases:
 
         setattr(obj, name, timed)  # an instance attribute: found before the class's method
 
-    def step(self, t0: int, rung: int) -> None:
-        """After one maybe_forward that started at t0 and rang at `rung` (both time.monotonic_ns)."""
+    def step(self, t0: int, rung: int, began: tuple[int, int] | None = None) -> None:
+        """After one maybe_forward that started at t0 and rang at `rung` (both time.monotonic_ns);
+        began: what start() returned at t0."""
         t = dict(self._t)
         self._t.clear()  # the dict the wrappers write into: emptied, never replaced
         if not all(k in t for k in ("prepare0", "prepare1", "run0", "stage0", "stage1", "send0")):
@@ -61,7 +74,21 @@ class ShimPhases:
         self.rows.append((t["prepare0"] - t0, t["prepare1"] - t["prepare0"], t["run0"] - t["prepare1"],
                           t["stage0"] - t["run0"], t["stage1"] - t["stage0"], t["send0"] - t["stage1"],
                           word, record, rung - t["send0"] - word - record))
+        if began is not None and "cpu" in t:
+            self.extra.append(((t["cpu"] - began[0]) / max(1, t["send0"] - t0), t["nivcsw"] - began[1]))
 
     def medians_us(self, last: int) -> dict[str, float]:
-        rows = self.rows[-last:]
-        return {p: statistics.median(r[i] for r in rows) / 1e3 for i, p in enumerate(PHASES)} if rows else {}
+        """PHASES' medians (us) over the last `last` steps, then EXTRA's: the median on-CPU share and the
+        mean involuntary switches per step."""
+        rows, extra = self.rows[-last:], self.extra[-last:]
+        out = {p: statistics.median(r[i] for r in rows) / 1e3 for i, p in enumerate(PHASES)} if rows else {}
+        if extra:
+            out |= {"on_cpu_share": statistics.median(e[0] for e in extra),
+                    "preempted": sum(e[1] for e in extra) / len(extra)}
+        return out
+
+
+def _switches() -> int:
+    """This thread's involuntary context switches so far (Linux; 0 where RUSAGE_THREAD is missing)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return resource.getrusage(who).ru_nivcsw if who is not None else 0

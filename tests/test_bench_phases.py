@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from dspark_sidecar.bench_phases import PHASES, ShimPhases
+from dspark_sidecar.bench_phases import EXTRA, PHASES, ShimPhases
 
 
 class _Clock:
@@ -21,6 +21,8 @@ class _Clock:
 def _rig(monkeypatch, gpu_word: bool = True):
     clock = _Clock()
     monkeypatch.setattr(time, "monotonic_ns", clock)
+    # The thread's CPU time: half the wall clock's pace (descheduled half the time).
+    monkeypatch.setattr(time, "thread_time_ns", lambda: 1_000 + (clock.now - 1_000) // 2)
 
     def takes(ns):
         def fn(*args, **kwargs):
@@ -53,12 +55,13 @@ def _rig(monkeypatch, gpu_word: bool = True):
     phases = ShimPhases(shim, transport)
 
     def maybe_forward():
+        began = phases.start()
         t0 = clock.now
         clock.now += 100_000  # checks
         shim._prepare()
         clock.now += 20_000  # agreements
         shim._run_step()
-        phases.step(t0, bell.rung_mono_ns)
+        phases.step(t0, bell.rung_mono_ns, began)
 
     return phases, maybe_forward
 
@@ -69,7 +72,8 @@ def test_each_phase_is_the_time_between_its_seams(monkeypatch):
     step()
     assert phases.rows[-1] == (100_000, 60_000, 20_000, 5_000, 40_000, 13_000, 7_000, 11_000, 5_000)
     med = phases.medians_us(10)
-    assert list(med) == list(PHASES) and med["stage"] == 40.0 and med["ring"] == 5.0
+    assert list(med) == [*PHASES, *EXTRA] and med["stage"] == 40.0 and med["ring"] == 5.0
+    assert med["on_cpu_share"] == 0.5 and med["preempted"] >= 0
 
 
 def test_without_a_gpu_word_the_driver_phases_are_zero_and_a_step_that_never_rang_leaves_no_row(monkeypatch):
