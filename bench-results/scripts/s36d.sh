@@ -8,6 +8,7 @@ export CUDA_MPS_PIPE_DIRECTORY=/tmp/dspark-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d && echo "MPS up"
 for i in 1 2 3 4; do
+  python3 -c "import time; t=time.perf_counter(); sum(range(3_000_000)); print('py loop %.1f ms' % ((time.perf_counter()-t)*1e3))"
   PYTHONPATH=/tmp/new-pkg:/tmp/dspark-site timeout 90 python3 -m dspark_sidecar bench --modes c,h --reqs 1,8 \
     --contexts 4096 --repeats 100 --shim-phases --out-dir /tmp/q$i 2>&1 | grep -v ' INFO ' > $OUT/cpu-$i.log
   echo "== $i"; grep -E "via the shim|shim phases" $OUT/cpu-$i.log
