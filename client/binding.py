@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -36,11 +37,17 @@ class BindError(Exception):
         self.permanent = permanent
 
 
+# How long a cache torch refused to export stays refused before it is tried again (KVBinder.bind). The
+# usual cause (expandable segments, a cuMem allocator) lasts as long as the cache; torch raises the same
+# RuntimeError for a transient driver failure, which would otherwise keep the sidecar off for good.
+UNSHAREABLE_RETRY_S = 60.0
+
+
 class NotShareable(BindError):
     """torch cannot export the cache's memory to another process: a legacy CUDA IPC handle cannot be taken on
     memory from expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or a cuMem / pluggable
-    allocator (vLLM's sleep mode). The engine's allocation, not the sidecar's fault, and no retry exports
-    this cache; a re-allocated one may (KVBinder.bind)."""
+    allocator (vLLM's sleep mode). The engine's allocation, not the sidecar's fault: this cache is exported
+    again only every UNSHAREABLE_RETRY_S, a re-allocated one at once (KVBinder.bind)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, permanent=False)
@@ -163,9 +170,10 @@ class KVBinder:
         self.facts = facts
         self.current: Binding | None = None
         self.binds = 0  # successful BindKV calls
-        # (identity, why) of the cache last found NotShareable: not exported again (each try costs every layer's
-        # export, on every step the engine runs while it keeps that cache), only a re-allocated cache is.
-        self._unshareable: tuple[tuple, str] | None = None
+        # (identity, why, when to try again) of the cache last found NotShareable: not exported again before
+        # then (each try costs every layer's export, on every step the engine runs while it keeps that cache),
+        # a re-allocated cache at once.
+        self._unshareable: tuple[tuple, str, float] | None = None
 
     @property
     def generation(self) -> int:
@@ -194,13 +202,14 @@ class KVBinder:
     def bind(self, stub, layers: Sequence[torch.Tensor], deadline_s: float) -> Binding:
         """BindKV once; raises BindError (permanent or not)."""
         ident = cache_identity(layers)
-        if self._unshareable is not None and self._unshareable[0] == ident:
+        if (self._unshareable is not None and self._unshareable[0] == ident
+                and time.monotonic() < self._unshareable[2]):
             self.current = None
             raise NotShareable(self._unshareable[1])
         try:
             req = bind_request(layers, self.facts)
         except NotShareable as e:
-            self.current, self._unshareable = None, (ident, str(e))
+            self.current, self._unshareable = None, (ident, str(e), time.monotonic() + UNSHAREABLE_RETRY_S)
             raise
         self._unshareable = None
         try:

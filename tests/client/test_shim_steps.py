@@ -387,6 +387,14 @@ def test_a_kv_cache_torch_cannot_share_is_a_named_fallback_not_a_shim_error(fake
         assert not any(k.startswith("shim error") for k in shim._logged), shim._logged
         assert len(attempts) == 1, "the same cache was exported again"
         assert fake.sidecar.calls["BindKV"] == 0
+        # The same RuntimeError comes from a transient driver failure: the same cache is tried again, rarely.
+        later = time.monotonic() + binding.UNSHAREABLE_RETRY_S + 1
+        monkeypatch.setattr(binding.time, "monotonic", lambda: later)
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is None
+        assert len(attempts) == 2 and shim.stats.fallbacks == {S.KV_NOT_SHAREABLE: 6}
+        monkeypatch.undo()
+        monkeypatch.setattr(binding, "export_handle", export)
         warned = [r for r in caplog.records if r.levelname == "WARNING" and "expandable segments" in r.getMessage()]
         assert len(warned) == 1, [r.getMessage() for r in caplog.records]
         refusing = False
