@@ -3,6 +3,7 @@ link when the shim turns off: the engine's stream stays ordered and nothing is k
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -27,24 +28,40 @@ def _shim(endpoint: str, par, **cfg) -> DrafterShim:
     return shim
 
 
-def _answer_with(channel, payload: bytes) -> None:
-    """Play the sidecar on another thread: once the ring lands, publish `payload` as the answer."""
+@contextlib.contextmanager
+def _never_answered(**cfg):
+    """A shim on the doorbell of a fake sidecar that never answers a ring (tests play its part)."""
+    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    shim = _shim(server.endpoint, ParallelContext(0, 1), **cfg)
+    try:
+        yield server, shim
+    finally:
+        shim.close()
+        server.stop()
+
+
+def _when_rung(channel, then) -> None:
+    """Play the sidecar on another thread: once the ring lands, call then()."""
     def run() -> None:
         deadline = time.monotonic() + 5
         while (channel._seq == 0 or channel.page.word(bell.REQ_SEQ) != channel._seq) and time.monotonic() < deadline:
             time.sleep(0.001)
-        channel.page.write(channel.page.resp_area, payload, bell.RESP_LEN, bell.RESP_SEQ, channel._seq)
+        then()
 
     threading.Thread(target=run, daemon=True).start()
+
+
+def _answer_with(channel, payload: bytes) -> None:
+    """Once the ring lands, publish `payload` as the answer."""
+    _when_rung(channel, lambda: channel.page.write(channel.page.resp_area, payload, bell.RESP_LEN, bell.RESP_SEQ,
+                                                   channel._seq))
 
 
 def test_an_undecodable_answer_still_orders_the_engine_stream_and_drops_the_link():
     """An answer means the sidecar launched the step, whose kernels may still read the input rows and
     write K/V. Bytes that do not decode must not skip ordering the engine's stream after those writes
     (before, the decode raised first), and the link is dropped as a broken stream."""
-    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
-    shim = _shim(server.endpoint, ParallelContext(0, 1), step_deadline_s=1.0, late_grace_s=0.2)
-    try:
+    with _never_answered(step_deadline_s=1.0, late_grace_s=0.2) as (server, shim):
         ids, pos, meta = step_inputs(2)
         with set_forward_context(meta):
             assert shim.connect() is None and shim.doorbell is not None
@@ -56,29 +73,18 @@ def test_an_undecodable_answer_still_orders_the_engine_stream_and_drops_the_link
         assert ordered == [1] and shim._unsettled is None
         assert shim.stats.fallbacks[STREAM] == 1 and shim.doorbell is None  # dropped, re-attached at the next step
         assert server.sidecar.calls["UnregisterBuffers"] == 1
-    finally:
-        shim.close()
-        server.stop()
 
 
 def _close_unanswered(channel) -> None:
-    """Play a sidecar whose doorbell was replaced once the ring lands: it closes the page, no answer."""
-    def run() -> None:
-        deadline = time.monotonic() + 5
-        while (channel._seq == 0 or channel.page.word(bell.REQ_SEQ) != channel._seq) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        channel.page.words[bell.CLOSED] = 1
-
-    threading.Thread(target=run, daemon=True).start()
+    """A sidecar whose doorbell was replaced once the ring lands: it closes the page, no answer."""
+    _when_rung(channel, lambda: channel.page.words.__setitem__(bell.CLOSED, 1))
 
 
 def test_a_doorbell_the_sidecar_closes_under_a_step_ends_the_step_settled_and_is_attached_again():
     """Another client's AttachDoorbell replaces this engine's doorbell on the rank. Before, the sidecar
     stopped the old one silently: the engine's ring was never answered, the step stayed unsettled for
     as long as the sidecar lived (liveness still up), and every later step fell back."""
-    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
-    shim = _shim(server.endpoint, ParallelContext(0, 1), step_deadline_s=5.0, late_grace_s=0.2)
-    try:
+    with _never_answered(step_deadline_s=5.0, late_grace_s=0.2) as (server, shim):
         ids, pos, meta = step_inputs(2)
         with set_forward_context(meta):
             assert shim.connect() is None and shim.doorbell is not None
@@ -91,15 +97,10 @@ def test_a_doorbell_the_sidecar_closes_under_a_step_ends_the_step_settled_and_is
             shim.fault_hook = None
             assert shim.connect() is None and shim.doorbell is not None and shim.doorbell.bell is not channel
         assert server.sidecar.calls["AttachDoorbell"] == 2
-    finally:
-        shim.close()
-        server.stop()
 
 
 def test_a_doorbell_the_sidecar_closed_between_steps_is_attached_again_before_the_next():
-    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
-    shim = _shim(server.endpoint, ParallelContext(0, 1), step_deadline_s=1.0, late_grace_s=0.2)
-    try:
+    with _never_answered(step_deadline_s=1.0, late_grace_s=0.2) as (server, shim):
         ids, pos, meta = step_inputs(2)
         with set_forward_context(meta):
             assert shim.connect() is None and shim.doorbell is not None
@@ -107,9 +108,6 @@ def test_a_doorbell_the_sidecar_closed_between_steps_is_attached_again_before_th
             old.bell.page.words[bell.CLOSED] = 1  # the sidecar attached another client's doorbell meanwhile
             assert shim.connect() is None and shim.doorbell is not None and shim.doorbell is not old
         assert server.sidecar.calls["AttachDoorbell"] == 2 and server.sidecar.calls["UnregisterBuffers"] == 1
-    finally:
-        shim.close()
-        server.stop()
 
 
 class _EndsLivenessInPreflight(PreflightHook):
