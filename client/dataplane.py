@@ -38,6 +38,7 @@ log = logging.getLogger("dspark_sidecar.client")
 
 
 CLOSE_WAIT_S = 5.0  # how long closing a doorbell waits for the engine's stream to pass its last step
+SENT_STREAMS = 4  # how many of the streams steps were sent from close() waits for (an engine uses one or two)
 
 # RegisterBuffers errors after which the regions may be registered on the sidecar all the same.
 _OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -50,7 +51,8 @@ class DataPlaneError(RuntimeError):
 
 class DoorbellClosed(DataPlaneError):
     """The sidecar stopped serving this doorbell (another AttachDoorbell replaced it, or the rank is
-    shutting down) without answering the step rung last, which therefore never ran."""
+    shutting down) without answering the step rung last. Nothing of that step runs on the sidecar any more
+    (sidecar.proto: a pre-launched copy may have run it, and has finished), so it is settled."""
 
 
 def ipc_group(endpoint: str) -> int | None:
@@ -268,7 +270,9 @@ class DoorbellChannel:
             except OSError:  # not reachable from here: the sidecar's idle doorbell still looks every 2 ms
                 self.ringer = None
         self._seq = self.page.word(bell.REQ_SEQ)
-        self._sent_on = 0  # the raw stream the last GPU word was written from (close waits for it)
+        # The raw streams steps were last sent from, newest last (0 is the default stream): close() waits
+        # for each, where a GPU word's write may still be queued.
+        self._sent_on: list[int] = []
         self._sent_at = 0.0
         self.rung_mono_ns = self.answer_seen_mono_ns = 0  # the last ring, and when its answer was seen (monotonic)
         self.alive = True
@@ -282,7 +286,9 @@ class DoorbellChannel:
             raise DataPlaneError(f"request of {len(data)} bytes exceeds the doorbell ({self.capacity})")
         self._seq += 1
         if self._ops is not None:  # raw handles: building torch's Stream object costs ~15-25 us at a step's start
-            raw = self._sent_on = _raw_stream(self.device)
+            raw = _raw_stream(self.device)
+            if not self._sent_on or self._sent_on[-1] != raw:  # a stream not sent from just before: close() waits for it too
+                self._note_stream(raw)
             if self.word_address:  # after the inputs on this stream: the pre-launched step starts here,
                 # so first (the event is for a step that runs the ordinary way)
                 self._ops.write(raw, self.word_address, bell.gpu_word(self._seq, launch_key))
@@ -308,7 +314,7 @@ class DoorbellChannel:
         if self.page.word(bell.RESP_SEQ) != self._seq:  # read after CLOSED, which the sidecar stores after any answer
             self.alive = False
             raise DoorbellClosed(f"the sidecar closed this doorbell without answering step {step_id} (another "
-                                 "AttachDoorbell replaced it, or the rank is shutting down); the step never ran")
+                                 "AttachDoorbell replaced it, or the rank is shutting down); nothing of the step runs there any more")
         self.answer_seen_mono_ns = time.monotonic_ns()
         # First: an answer means the step was launched, whatever its bytes turn out to say; its
         # kernels may still read the input rows and write the K/V cache.
@@ -321,7 +327,7 @@ class DoorbellChannel:
         launched, and until it has run, the next step's input copy could overwrite what it reads."""
         closed = self.page.word(bell.CLOSED)  # first: the sidecar stores it after its last answer
         if self.page.word(bell.RESP_SEQ) != self._seq:
-            if closed:  # never answered, and never will be: nothing of the step ran (sidecar.proto)
+            if closed:  # never answered, and nothing of it runs on the sidecar any more (sidecar.proto)
                 self.alive = False
                 return True
             return False
@@ -362,17 +368,28 @@ class DoorbellChannel:
             self.page.close()
         self._page.close()
 
+    def _note_stream(self, raw: int) -> None:
+        if raw in self._sent_on:
+            self._sent_on.remove(raw)
+        self._sent_on.append(raw)
+        del self._sent_on[:-SENT_STREAMS]
+
     def _stream_passed(self, timeout_s: float) -> bool:
-        """Whether the stream the last step was sent from (its GPU word's write) gets past all its queued
-        work within timeout_s. That stream, not the closing thread's: an engine may close from another
-        thread, whose current stream (non-blocking streams do not order with each other) says nothing
-        of a write still queued on the sender's."""
-        done = torch.cuda.Event()
-        stream = (torch.cuda.ExternalStream(self._sent_on, device=self.device) if self._sent_on
-                  else torch.cuda.current_stream(self.device))
-        done.record(stream)
+        """Whether the streams steps were sent from (their GPU words' writes) and the closing thread's
+        current stream get past all their queued work within timeout_s. The senders', not only the
+        closing thread's: an engine may close from another thread, whose current stream (torch's streams
+        do not order with each other) says nothing of a write still queued on the sender's."""
+        streams = [torch.cuda.current_stream(self.device)]
+        for raw in self._sent_on:
+            streams.append(torch.cuda.default_stream(self.device) if raw == 0
+                           else torch.cuda.ExternalStream(raw, device=self.device))
+        events = []
+        for stream in streams:
+            done = torch.cuda.Event()
+            done.record(stream)
+            events.append(done)
         deadline = time.monotonic() + timeout_s
-        while not done.query():
+        while not all(e.query() for e in events):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.0005)

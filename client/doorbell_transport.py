@@ -116,7 +116,7 @@ class DoorbellTransport:
                 resp = self.bell.wait(step_id, max(0.0, min(POLL_S, deadline - time.monotonic())))
             except (DecodeError, ValueError) as e:  # answered (the stream is ordered after it), but unreadable
                 raise StreamBroken(None, f"undecodable doorbell answer: {e}") from None
-            except DoorbellClosed as e:  # settled: the step never ran; the shim attaches again
+            except DoorbellClosed as e:  # settled: nothing of the step runs any more; the shim attaches again
                 raise StreamBroken(None, str(e)) from None
             if resp is not None:
                 return resp

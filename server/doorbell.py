@@ -219,16 +219,20 @@ class Doorbell(threading.Thread):
         """Unhook the pre-launch; steps then run the ordinary way. Its queued step is released, and its
         memory (and then `then()`) goes once the device has done all work queued so far: waited for at
         TP 1; at TP > 1 a released copy finishes only with its peers' (RankLoop.after_device)."""
-        pl, self.prelaunch = self.prelaunch, None
-        self.loop.on_quiesce(None, old=pl.release)
         with self.loop.exclusive(quiesce=False):
+            # Unhooked under the lock: a gRPC step or binding let in between would no longer release the
+            # queued step before it used the device (helper 73).
+            pl, self.prelaunch = self.prelaunch, None
+            self.loop.on_quiesce(None, old=pl.release)
             finish = pl.detach()
 
             def done() -> None:
                 self.loop.on_device_wait(None, old=pl.repass)  # its page may be closed next
-                finish()
-                if then is not None:
-                    then()
+                try:
+                    finish()
+                finally:  # whatever finish did: the page must close, and its CLOSED word tell the engine
+                    if then is not None:
+                        then()
 
             self.loop.after_device(done)
 

@@ -342,6 +342,7 @@ class Prelaunch:
             done.record(stream)
         except BaseException:
             self._pass(seq)  # the wait is queued: pass it, or the stream stays blocked behind a step nobody runs
+            self._track_pass(seq, key, stream)
             raise
         self.queued = _Queued(seq, key, step.positions, graph, done, out)
 
@@ -487,6 +488,17 @@ class Prelaunch:
         if self.queued is None and not self._word_reached(q.seq):
             self._pass(q.seq)
         return False
+
+    def _track_pass(self, seq: int, key: int, stream) -> None:
+        """A wait passed before its step was queued whole (_queue failed): kept for repass like a released
+        step, behind an event of its own, if the device still takes one."""
+        try:
+            done = self._event()
+            done.record(stream)
+        except Exception:  # noqa: BLE001  (the device failed: the caller's error says so; nothing to track)
+            log.exception("prelaunch: no event behind the passed wait of step %d", seq)
+            return
+        self._passed = _Queued(seq, key, None, None, done)
 
     def _release(self, q: _Queued) -> None:
         self.misses += 1

@@ -32,6 +32,7 @@ from dspark_sidecar.server.rendezvous import Post, Rendezvous, digest
 from dspark_sidecar.server.validate import Step, check_indices, validate_step
 
 log = logging.getLogger("dspark_sidecar.server")
+WAIT_LOG_S = 10.0  # how often a wait for released queued work says it still waits (_settle_released)
 DRAIN_S = 5.0  # how long close() waits for releases held until the device is done (after_device)
 STOP_STEPS_S = 10.0  # how long stop_steps() waits for the steps already accepted to be answered
 # The reasons a step is refused for the rank's own state, not for anything in it (Counters.steps_refused).
@@ -141,13 +142,19 @@ class RankLoop:
                 log.exception("rank %d: the device failed while a release was waited for; exiting", self.ctx.rank)
                 os._exit(3)
 
-    def _settle_released(self, timeout_s: float = 60.0) -> None:
-        """Until every poke reports nothing it released still waits on the device (Prelaunch.repass);
-        RuntimeError after timeout_s (the device, or a peer's copy, is stuck: the caller's launch fails)."""
-        deadline = time.monotonic() + timeout_s
+    def _settle_released(self) -> None:
+        """Until every poke reports nothing it released still waits on the device (Prelaunch.repass).
+
+        Without a bound, as the device wait it stands in for had: at TP > 1 a copy released here alone (a
+        gRPC step from a second client of this rank) finishes only when the peers' engines ring their next
+        step, which may be minutes away. Said every WAIT_LOG_S meanwhile."""
+        start = logged = time.monotonic()
         while not all([fn() for fn in list(self._pokes)]):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"released queued work still waits on the device after {timeout_s:.0f} s")
+            now = time.monotonic()
+            if now - logged > WAIT_LOG_S:
+                logged = now
+                log.warning("rank %d: released queued work still waits on the device after %.0f s (at TP > 1: "
+                            "for the peers' engines to ring)", self.ctx.rank, now - start)
             time.sleep(20e-6)
 
     def _wait_for(self, events: list) -> None:
@@ -348,6 +355,11 @@ class RankLoop:
         if self._deferred:
             self._sweep()
         try:
+            if settle and self._pokes:
+                # A gRPC step waits on the device in torch (its inputs' copies, an inline answer's .cpu(), a
+                # capture), where no poke runs: a released queued step whose wait an engine's late word
+                # blocked again would hold it for good. Finished first, nothing is left that a word can block.
+                self._settle_released()
             resp = self._run(req, t_enq, expires, prelaunched, answer_limit)
             if settle and self._device_done is not None and resp.hidden_states.HasField("region"):
                 self._device_done()  # an inline answer waited already (.cpu())

@@ -213,7 +213,7 @@ def test_closing_a_doorbell_waits_for_the_engine_stream_within_a_bound():
 
     dev = torch.device("cuda", 0)
     probe = DoorbellChannel.__new__(DoorbellChannel)
-    probe.device, probe._sent_on = dev, 0
+    probe.device, probe._sent_on = dev, []
     with torch.cuda.device(dev):
         torch.cuda._sleep(2_000_000_000)  # about a second of a busy stream
         assert not probe._stream_passed(0.05)
@@ -235,7 +235,7 @@ def test_closing_a_doorbell_waits_for_the_stream_the_step_was_sent_from():
         side = torch.cuda.Stream(dev)
         with torch.cuda.stream(side):
             torch.cuda._sleep(2_000_000_000)  # the sender's stream, busy for about a second
-        probe._sent_on = side.cuda_stream
+        probe._sent_on = [side.cuda_stream]
         assert not probe._stream_passed(0.05)  # this thread's current stream is idle all along
         assert probe._stream_passed(30.0)
 
@@ -323,3 +323,34 @@ def test_a_doorbell_that_fails_before_it_attaches_leaves_no_shared_memory(monkey
         dataplane.DoorbellChannel(_NoCall(), dev, gpu_word=False)
     assert shm.created, "the page's segment was not recorded"
     assert shm.left() == set()
+
+
+def test_closing_a_doorbell_waits_for_every_stream_steps_were_sent_from_the_default_one_too(monkeypatch):
+    """The default stream's raw handle is 0, which close() once took for "nothing sent" (helper 73): it then
+    waited on the closing thread's stream only. Now it waits on that one and on each stream a step was sent
+    from (the last SENT_STREAMS), each through an event recorded there (CUDA calls stood in for)."""
+    from dspark_sidecar.client import dataplane
+    from dspark_sidecar.client.dataplane import SENT_STREAMS, DoorbellChannel
+
+    recorded = []
+
+    class Event:
+        def record(self, stream):
+            recorded.append(stream)
+
+        def query(self):
+            return True
+
+    cuda = dataplane.torch.cuda
+    monkeypatch.setattr(cuda, "Event", Event)
+    monkeypatch.setattr(cuda, "current_stream", lambda device=None: "closing thread's")
+    monkeypatch.setattr(cuda, "default_stream", lambda device=None: "default")
+    monkeypatch.setattr(cuda, "ExternalStream", lambda handle, device=None: f"stream {handle:#x}")
+    probe = DoorbellChannel.__new__(DoorbellChannel)
+    probe.device, probe._sent_on = torch.device("cuda", 0), []
+    for raw in (0, 0xA, 0, 0xB, 0xC, 0xD):  # as send_bytes notes them
+        if not probe._sent_on or probe._sent_on[-1] != raw:
+            probe._note_stream(raw)
+    assert probe._sent_on == [0, 0xB, 0xC, 0xD] and len(probe._sent_on) == SENT_STREAMS
+    assert probe._stream_passed(1.0)
+    assert recorded == ["closing thread's", "default", "stream 0xb", "stream 0xc", "stream 0xd"]

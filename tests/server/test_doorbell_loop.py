@@ -90,6 +90,53 @@ def test_the_idle_doorbell_lets_the_prelaunch_watch_between_steps():
     assert pl.watches == n  # stopped: no more polling
 
 
+class _RecordingLoop(_Loop):
+    """Records the idle loop's sweeps and the pokes hooked and unhooked."""
+
+    def __init__(self) -> None:
+        self.sweeps, self.hooks = [], []
+
+    def sweep_idle(self, poke: bool = False) -> None:
+        self.sweeps.append(poke)
+
+    def on_device_wait(self, fn, old=None) -> None:
+        self.hooks.append((fn, old))
+
+
+def test_the_idle_doorbell_pokes_while_a_released_step_waits_and_not_otherwise():
+    loop = _RecordingLoop()
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"")
+    pl = db.prelaunch = _Prelaunch()
+    db.start()
+    try:
+        assert pl.seen.wait(timeout=10)
+        assert loop.sweeps and not any(loop.sweeps)  # nothing released: the plain sweep
+        pl.passing = True  # a released step not yet seen finished (Prelaunch.repass)
+        deadline = time.monotonic() + 10
+        while not any(loop.sweeps):
+            assert time.monotonic() < deadline, "the idle doorbell never poked"
+            time.sleep(0.01)
+    finally:
+        db.stop()
+
+
+def test_a_stopped_doorbell_unhooks_its_poke_and_sets_closed_even_when_its_finish_fails(caplog):
+    """The page's CLOSED word tells the engine to attach again: a pre-launch whose finish raised used to
+    skip the page's close, and the engine's step stayed unsettled for the sidecar's life."""
+    loop, page = _RecordingLoop(), _Page()
+    db = Doorbell(page, CAPACITY, loop, torch.device("cpu"), b"")
+    pl = db.prelaunch = _Prelaunch()
+
+    def failing() -> None:
+        raise RuntimeError("injected: unregistering the header failed")
+
+    pl.detach = lambda: failing
+    with pytest.raises(RuntimeError, match="injected"):
+        db.stop()  # never started: stop releases at once, on this thread
+    assert (None, pl.repass) in loop.hooks and page.closed
+    assert int(page.storage[8 * bell.CLOSED : 8 * bell.CLOSED + 8].view(torch.int64)) == 1
+
+
 def test_a_doorbell_too_small_for_an_error_answer_is_refused():
     """With a 64-byte area even the error answer to a ring cannot be written: the thread died and the
     rank went on reporting SERVING while every ring went unanswered. AttachDoorbell refuses it."""

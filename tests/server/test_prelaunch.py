@@ -460,6 +460,22 @@ def test_a_capture_first_waits_for_released_steps_and_keeps_the_streak(rig, monk
     assert rig.pl._last == ("kept",) and rig.pl._streak == 5
 
 
+@pytest.mark.parametrize("world", [2], ids=["tp2"])
+def test_the_flags_exchange_is_captured_only_after_released_steps_finished(rig, monkeypatch):
+    """At TP > 1 the flags' exchange and gate are captured at their first queued step: the capture
+    synchronizes the device, so a released step blocked again by a late word must be released first."""
+    _queue(rig)
+    q = rig.pl.queued
+    rig.pl.release()
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 1, KEY)  # the engine's late word: blocked again
+    seen = []
+    real = rig.pl._capture
+    monkeypatch.setattr(rig.pl, "_capture", lambda fn: (seen.append(q.done.passed), real(fn))[1])
+    rig.pl._agreements.clear()  # the next queueing captures the exchange again
+    rig.pl._agreement(rig.graphs.graph, len(LENS))
+    assert seen == [True] and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY) and not rig.pl.passing
+
+
 def test_a_released_step_is_not_stored_again_while_a_newer_one_is_queued(rig):
     """A queued step waits for the engine's word anyway, and the released ones before it on the stream
     with it; storing the older release then could only lower a word the engine just wrote."""
@@ -469,10 +485,46 @@ def test_a_released_step_is_not_stored_again_while_a_newer_one_is_queued(rig):
     _serve(rig, SEQ + 2)
     _serve(rig, SEQ + 3)  # a new streak: SEQ+4 queued behind the released SEQ+2
     assert rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 4
-    rig.pl._passed = first  # as if the released step had not been seen finished yet
+    rig.pl._passed = first
+    first.done.passed = False  # not seen finished yet (helper 73: left passed, the guard went untested)
     rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 1, KEY)
-    rig.pl.repass()
+    assert rig.pl.repass() is False  # the guard, not the event, decides here
     assert _word(rig) == bell.gpu_word(SEQ + 1, KEY)
+
+
+def test_detaching_forgets_the_released_step_once_the_device_is_done(rig):
+    """finish() may close the page next (Doorbell._close_page): nothing may read its word after."""
+    _queue(rig)
+    finish = rig.pl.detach()
+    assert rig.pl.passing
+    finish()
+    assert not rig.pl.passing and rig.pl.repass() is True
+
+
+def test_a_queueing_that_fails_after_its_wait_tracks_the_passed_wait(rig, monkeypatch):
+    """The wait is queued before the program and the graph; a failure after it passes the wait (else the
+    stream stays blocked), and that pass can be undone by a late word like any release: repass keeps it."""
+    _serve(rig, SEQ)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: the metadata program failed to launch")
+
+    class WaitEvent:  # finished once the word passes the last queued wait, as the stream would be
+        def record(self, stream):
+            pass
+
+        def query(self):
+            _, addr, value = rig.gpu.waits[-1]
+            return (ctypes.c_uint64.from_address(addr).value - value) % (1 << 64) < 1 << 63
+
+    monkeypatch.setattr(rig.pl, "_program", broken)
+    monkeypatch.setattr(rig.pl, "_event", WaitEvent)
+    with pytest.raises(RuntimeError, match="injected"):
+        _serve(rig, SEQ + 1)  # after() queues SEQ+2: its wait goes in, then the program raises
+    assert rig.pl.queued is None and rig.pl.passing and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 1, KEY)  # the engine's late word
+    assert rig.pl.repass() is False and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    assert rig.pl.repass() is True and not rig.pl.passing
 
 
 def test_launch_key_zero_never_queues(rig):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server import rank as rank_mod
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
@@ -154,6 +155,58 @@ def test_a_step_that_captures_a_graph_first_waits_for_released_work_and_one_that
         with lp.exclusive(quiesce=False):
             lp._execute(step)
         assert calls == ["run"]  # a replay is ordered on the stream behind the released work: no host wait
+    finally:
+        lp.close()
+
+
+def test_a_grpc_step_first_waits_for_released_work_poking(gpu):
+    """Its inputs' copies, an inline answer's .cpu() and a capture wait on the device inside torch, where
+    no poke runs: with a released step still waiting (an engine's late word may block it again, and the
+    idle doorbell cannot poke while this step holds the lock), the rank would hang (helper 73)."""
+    lp = _loop(1)
+    calls, answers = [], [False, False, True]
+
+    def repass() -> bool:
+        calls.append("poke")
+        return answers.pop(0) if answers else True
+
+    answer = pb.DraftStepResponse(step_id=1)
+    lp._run = lambda *a, **k: calls.append("step") or answer
+    try:
+        lp.on_device_wait(repass)
+        with lp.exclusive(wait=False):
+            assert lp._guarded(SimpleNamespace(step_id=1), 0, 0, settle=True) is answer
+        assert calls == ["poke", "poke", "poke", "step"]
+        calls.clear()
+        with lp.exclusive(wait=False):  # a doorbell step (settle=False) is ordered on the stream instead
+            lp._guarded(SimpleNamespace(step_id=2), 0, 0)
+        assert calls == ["step"]
+    finally:
+        lp.close()
+
+
+def test_a_grpc_answer_s_device_wait_pokes_until_the_streams_pass(gpu, monkeypatch):
+    """_device_idle (an answer naming an output region): with pokes registered, events on the step's and
+    the graphs' streams, polled with the pokes, instead of torch.cuda.synchronize."""
+    lp = _loop(1)
+    pokes = []
+    monkeypatch.setattr(rank_mod.torch.cuda, "current_stream", lambda dev: "worker's stream")
+    monkeypatch.setattr(rank_mod.torch.cuda, "synchronize", lambda dev: pytest.fail("synchronize with pokes"))
+
+    def repass() -> bool:
+        pokes.append(1)
+        if len(pokes) == 2:
+            for e in _Event.made:
+                e.done = True
+        return True
+
+    try:
+        lp.on_device_wait(repass)
+        with lp.exclusive(wait=False):
+            lp._device_idle()
+        streams = [e.recorded_on for e in _Event.made[-2:]]
+        assert streams == ["worker's stream", "graphs' stream"] and len(pokes) >= 2
+        assert all(e.synced == 0 for e in _Event.made)
     finally:
         lp.close()
 
