@@ -286,6 +286,7 @@ def test_a_data_plane_that_fails_to_close_does_not_raise_out_of_the_step_that_tu
 
     class _Doorbell:
         liveness = type("L", (), {"alive": True})()
+        replaced = False  # the sidecar has not closed it (DoorbellTransport.replaced)
 
         def close(self):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
