@@ -379,14 +379,18 @@ class DoorbellChannel:
         current stream get past all their queued work within timeout_s. The senders', not only the
         closing thread's: an engine may close from another thread, whose current stream (torch's streams
         do not order with each other) says nothing of a write still queued on the sender's."""
-        streams = [torch.cuda.current_stream(self.device)]
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        events = [done]
         for raw in self._sent_on:
-            streams.append(torch.cuda.default_stream(self.device) if raw == 0
-                           else torch.cuda.ExternalStream(raw, device=self.device))
-        events = []
-        for stream in streams:
-            done = torch.cuda.Event()
-            done.record(stream)
+            try:
+                stream = (torch.cuda.default_stream(self.device) if raw == 0
+                          else torch.cuda.ExternalStream(raw, device=self.device))
+                done = torch.cuda.Event()
+                done.record(stream)
+            except RuntimeError as err:  # a stream the engine has destroyed since: it queues nothing any more
+                log.info("doorbell: not waiting on stream %#x steps were sent from (%s)", raw, err)
+                continue
             events.append(done)
         deadline = time.monotonic() + timeout_s
         while not all(e.query() for e in events):

@@ -33,6 +33,7 @@ HALT_POLL_S = 0.05  # how often an idle doorbell looks at its halt flag
 # How long stop() waits for a step in progress: the pre-launch's wait for its copy (READY_TIMEOUT_S)
 # and a rendezvous fit well inside it.
 STOP_S = 10.0
+_KEPT: list = []  # pages whose GPU registration could not be ended: never unmapped (Doorbell._close_page)
 WORD_ALIGN = 64  # the page's start: its six words in one cache line, each an untorn 8-byte store
 
 
@@ -139,11 +140,15 @@ class Doorbell(threading.Thread):
             else:
                 self._close_page()
 
-    def _close_page(self) -> None:
+    def _close_page(self, unmap: bool = True) -> None:
+        """unmap=False: the page's GPU registration may outlive this (a failed unregister): kept mapped."""
         try:
             # Last, after every answer and once the device has finished this page's work: an engine
             # still waiting on a ring learns it will never be answered, and attaches again (sidecar.proto).
             self.page.words[bell.CLOSED] = 1
+            if not unmap:
+                _KEPT.append(self.memory)  # for the process's life: the driver may still map its pages
+                return
             self.page.close()
             self.memory.close()
         finally:  # unused from here on, whether or not its mapping could go yet
@@ -230,9 +235,14 @@ class Doorbell(threading.Thread):
                 self.loop.on_device_wait(None, old=pl.repass)  # its page may be closed next
                 try:
                     finish()
-                finally:  # whatever finish did: the page must close, and its CLOSED word tell the engine
+                except BaseException:
+                    # Registrations finish could not end may still name the page: it stays mapped (_KEPT),
+                    # but its CLOSED word still tells the engine to attach again.
                     if then is not None:
-                        then()
+                        self._close_page(unmap=False)
+                    raise
+                if then is not None:
+                    then()
 
             self.loop.after_device(done)
 

@@ -355,12 +355,7 @@ class RankLoop:
         if self._deferred:
             self._sweep()
         try:
-            if settle and self._pokes:
-                # A gRPC step waits on the device in torch (its inputs' copies, an inline answer's .cpu(), a
-                # capture), where no poke runs: a released queued step whose wait an engine's late word
-                # blocked again would hold it for good. Finished first, nothing is left that a word can block.
-                self._settle_released()
-            resp = self._run(req, t_enq, expires, prelaunched, answer_limit)
+            resp = self._run(req, t_enq, expires, prelaunched, answer_limit, settle)
             if settle and self._device_done is not None and resp.hidden_states.HasField("region"):
                 self._device_done()  # an inline answer waited already (.cpu())
             return resp
@@ -374,7 +369,7 @@ class RankLoop:
             os._exit(3)
 
     def _run(self, req: pb.DraftStepRequest, t_enq: int, expires_ns: int = 0, prelaunched=None,
-             answer_limit: int = 0) -> pb.DraftStepResponse:
+             answer_limit: int = 0, settle: bool = False) -> pb.DraftStepResponse:
         ctx = self.ctx
         t0 = time.perf_counter_ns()
         step: Step | None = None
@@ -446,7 +441,7 @@ class RankLoop:
                 raise RuntimeError(f"step {req.step_id}: told to run the ordinary way after its own copy ran, and "
                                    f"its unchecked host copy fails the index checks: {err.message}") from None
         if hidden is None:
-            hidden = self._execute(step, verdict.fast)
+            hidden = self._execute(step, verdict.fast, settle)
         launches = len(layout.launch_groups(step.num_reqs))
         t_out = time.perf_counter_ns()
         out = self._output(step, hidden)
@@ -467,11 +462,18 @@ class RankLoop:
         # Positions past the fast path's RoPE table go through the portable layers (any position).
         return fast is not None and fast.ready(step.kv) and int(step.host.positions.max()) < fast.max_positions
 
-    def _execute(self, step: Step, fast: bool = False) -> torch.Tensor:
+    def _execute(self, step: Step, fast: bool = False, settle: bool = False) -> torch.Tensor:
         """The step's 5 layers + final norm in launches of <= LAUNCH_REQS; writes block K/V into the engine cache.
 
         fast: every rank agreed to run this step on the fast path (Verdict.fast).
+        settle: a gRPC step, which first waits (poking) for released queued work: it waits on the device in
+        torch (its inputs' copies, an inline answer's .cpu(), a capture), where no poke runs, and a released
+        step whose wait an engine's late word blocked again would hold it for good. Only here, after GO:
+        every rank has then taken this step and released its own copy, so the copies' collectives all run
+        (before the rendezvous, a rank whose engine never sent the step left this one waiting for good).
         """
+        if settle and self._pokes:
+            self._settle_released()
         m = self.ctx.model
         dev = m.device
         if step.inputs_embeds is not None:

@@ -354,3 +354,31 @@ def test_closing_a_doorbell_waits_for_every_stream_steps_were_sent_from_the_defa
     assert probe._sent_on == [0, 0xB, 0xC, 0xD] and len(probe._sent_on) == SENT_STREAMS
     assert probe._stream_passed(1.0)
     assert recorded == ["closing thread's", "default", "stream 0xb", "stream 0xc", "stream 0xd"]
+
+
+def test_closing_a_doorbell_skips_a_sender_stream_destroyed_since(monkeypatch, caplog):
+    """An engine may destroy a stream an earlier step was sent from: recording on its stale handle raises,
+    and close() raised with it, leaving the header registered and the page mapped (helper 74)."""
+    from dspark_sidecar.client import dataplane
+    from dspark_sidecar.client.dataplane import DoorbellChannel
+
+    recorded = []
+
+    class Event:
+        def record(self, stream):
+            if stream == "stream 0xa":
+                raise RuntimeError("CUDA error: invalid resource handle")
+            recorded.append(stream)
+
+        def query(self):
+            return True
+
+    cuda = dataplane.torch.cuda
+    monkeypatch.setattr(cuda, "Event", Event)
+    monkeypatch.setattr(cuda, "current_stream", lambda device=None: "closing thread's")
+    monkeypatch.setattr(cuda, "ExternalStream", lambda handle, device=None: f"stream {handle:#x}")
+    probe = DoorbellChannel.__new__(DoorbellChannel)
+    probe.device, probe._sent_on = torch.device("cuda", 0), [0xA, 0xB]
+    with caplog.at_level("INFO", logger="dspark_sidecar.client"):
+        assert probe._stream_passed(1.0)
+    assert recorded == ["closing thread's", "stream 0xb"] and "not waiting on stream 0xa" in caplog.text

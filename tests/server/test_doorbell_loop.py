@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")  # the doorbell imports the pre-launch, which imports its metadata program
 
 from dspark_sidecar.proto import doorbell as bell  # noqa: E402
+from dspark_sidecar.server import doorbell as doorbell_mod  # noqa: E402
 from dspark_sidecar.server.doorbell import Doorbell  # noqa: E402
 
 CAPACITY = 4096
@@ -133,8 +134,41 @@ def test_a_stopped_doorbell_unhooks_its_poke_and_sets_closed_even_when_its_finis
     pl.detach = lambda: failing
     with pytest.raises(RuntimeError, match="injected"):
         db.stop()  # never started: stop releases at once, on this thread
-    assert (None, pl.repass) in loop.hooks and page.closed
+    assert (None, pl.repass) in loop.hooks
     assert int(page.storage[8 * bell.CLOSED : 8 * bell.CLOSED + 8].view(torch.int64)) == 1
+    # The registrations finish could not end may still name the page: it stays mapped (helper 74).
+    assert not page.closed and db.memory in doorbell_mod._KEPT
+    doorbell_mod._KEPT.remove(db.memory)
+
+
+class _LockedLoop(_Loop):
+    """A loop whose exclusive section is a real lock, recording whether each unhook ran inside it."""
+
+    def __init__(self) -> None:
+        self.lock, self.seen, self.inside = threading.RLock(), [], 0
+
+    @contextlib.contextmanager
+    def exclusive(self, wait: bool = True, quiesce: bool = True):
+        with self.lock:
+            self.inside += 1
+            try:
+                yield
+            finally:
+                self.inside -= 1
+
+    def on_quiesce(self, fn, old=None) -> None:
+        self.seen.append(("quiesce", self.inside > 0))
+
+
+def test_the_quiesce_is_unhooked_inside_the_section_that_detaches():
+    """Unhooked before the lock, a gRPC step or a binding let in between would use the device without
+    releasing the queued step first (helper 73; this test helper 74's)."""
+    loop = _LockedLoop()
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"")
+    pl = db.prelaunch = _Prelaunch()
+    pl.detach = lambda: (lambda: None)
+    db.stop()
+    assert loop.seen == [("quiesce", True)]
 
 
 def test_a_doorbell_too_small_for_an_error_answer_is_refused():

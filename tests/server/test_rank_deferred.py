@@ -6,6 +6,7 @@ import contextlib
 import logging
 from types import SimpleNamespace
 
+import grpc
 import pytest
 import torch
 
@@ -159,29 +160,61 @@ def test_a_step_that_captures_a_graph_first_waits_for_released_work_and_one_that
         lp.close()
 
 
-def test_a_grpc_step_first_waits_for_released_work_poking(gpu):
+def test_a_grpc_step_waits_for_released_work_poking_after_go_not_before(gpu):
     """Its inputs' copies, an inline answer's .cpu() and a capture wait on the device inside torch, where
     no poke runs: with a released step still waiting (an engine's late word may block it again, and the
-    idle doorbell cannot poke while this step holds the lock), the rank would hang (helper 73)."""
-    lp = _loop(1)
+    idle doorbell cannot poke while this step holds the lock), the rank would hang (helper 73). It waits
+    after GO (in _execute), not before the rendezvous: at TP > 1 its released copy finishes only with the
+    peers' copies, and a step no peer sent is aborted there instead, answered (helper 74)."""
+    import concurrent.futures
+
+    from dspark_sidecar.server.errors import SidecarError
+
     calls, answers = [], [False, False, True]
+
+    class Graphs:
+        stream = "graphs' stream"
+
+        def will_capture(self, embeds, R, kv, in_place=False):
+            return False
+
+        def run(self, embeds, host, kv, in_place=False):
+            calls.append("step")
+            return embeds
+
+    model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+    lp = RankLoop(RankContext(0, 2, SimpleNamespace(), model, None, None, Metrics(0), 8), None, Graphs())  # type: ignore[arg-type]
 
     def repass() -> bool:
         calls.append("poke")
         return answers.pop(0) if answers else True
 
-    answer = pb.DraftStepResponse(step_id=1)
-    lp._run = lambda *a, **k: calls.append("step") or answer
+    step = SimpleNamespace(inputs_embeds=torch.zeros(7, 4), input_ids=None, in_region=False, num_reqs=1,
+                           host=None, kv=SimpleNamespace(layers=[]))
     try:
         lp.on_device_wait(repass)
-        with lp.exclusive(wait=False):
-            assert lp._guarded(SimpleNamespace(step_id=1), 0, 0, settle=True) is answer
+        with lp.exclusive(quiesce=False):
+            lp._execute(step, settle=True)  # a gRPC step after GO
         assert calls == ["poke", "poke", "poke", "step"]
         calls.clear()
-        with lp.exclusive(wait=False):  # a doorbell step (settle=False) is ordered on the stream instead
-            lp._guarded(SimpleNamespace(step_id=2), 0, 0)
+        with lp.exclusive(quiesce=False):
+            lp._execute(step)  # a doorbell step: ordered on the stream behind the released work instead
         assert calls == ["step"]
+        # Before GO nothing waits: a step the rendezvous aborts (a peer's engine never sent it) is answered
+        # at once, whatever the released copy, which only that peer's ring would finish, is doing.
+        answers[:] = [False] * 10**6
+
+        def aborted(*a, **k):
+            raise SidecarError(grpc.StatusCode.ABORTED, "step 7 aborted: rank 1 missing", "", "ABORTED")
+
+        lp._run = aborted
+        try:
+            exc = lp.submit(pb.DraftStepRequest(step_id=7)).exception(timeout=3.0)
+        except concurrent.futures.TimeoutError:
+            pytest.fail("the gRPC step was never answered: it waited for a copy only a peer's ring finishes")
+        assert isinstance(exc, SidecarError) and exc.code == grpc.StatusCode.ABORTED
     finally:
+        answers.clear()
         lp.close()
 
 
