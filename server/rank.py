@@ -145,16 +145,16 @@ class RankLoop:
     def _settle_released(self) -> None:
         """Until every poke reports nothing it released still waits on the device (Prelaunch.repass).
 
-        Without a bound, as the device wait it stands in for had: at TP > 1 a copy released here alone (a
-        gRPC step from a second client of this rank) finishes only when the peers' engines ring their next
-        step, which may be minutes away. Said every WAIT_LOG_S meanwhile."""
+        Without a bound, as the device wait it stands in for had. Its callers come after GO (a gRPC step, a
+        capture), when every rank has released or run its copy, so only a stuck device (or peer) keeps it
+        waiting; at TP > 1 a released copy finishes only with the peers'. Said every WAIT_LOG_S meanwhile."""
         start = logged = time.monotonic()
         while not all([fn() for fn in list(self._pokes)]):
             now = time.monotonic()
             if now - logged > WAIT_LOG_S:
                 logged = now
-                log.warning("rank %d: released queued work still waits on the device after %.0f s (at TP > 1: "
-                            "for the peers' engines to ring)", self.ctx.rank, now - start)
+                log.warning("rank %d: released queued work still waits on the device after %.0f s (a stuck device, "
+                            "or at TP > 1 a peer's copy)", self.ctx.rank, now - start)
             time.sleep(20e-6)
 
     def _wait_for(self, events: list) -> None:
