@@ -325,17 +325,18 @@ def test_a_doorbell_that_fails_before_it_attaches_leaves_no_shared_memory(monkey
     assert shm.left() == set()
 
 
-def test_closing_a_doorbell_waits_for_every_stream_steps_were_sent_from_the_default_one_too(monkeypatch):
-    """The default stream's raw handle is 0, which close() once took for "nothing sent" (helper 73): it then
-    waited on the closing thread's stream only. Now it waits on that one and on each stream a step was sent
-    from (the last SENT_STREAMS), each through an event recorded there (CUDA calls stood in for)."""
+def _closing_probe(monkeypatch, sent_on: list[int], destroyed: tuple[str, ...] = ()):
+    """A DoorbellChannel with only what close()'s stream wait reads, and CUDA's streams and events stood in
+    for: streams are named, each event records into the returned list (a destroyed stream's record raises)."""
     from dspark_sidecar.client import dataplane
-    from dspark_sidecar.client.dataplane import SENT_STREAMS, DoorbellChannel
+    from dspark_sidecar.client.dataplane import DoorbellChannel
 
     recorded = []
 
     class Event:
         def record(self, stream):
+            if stream in destroyed:
+                raise RuntimeError("CUDA error: invalid resource handle")
             recorded.append(stream)
 
         def query(self):
@@ -347,7 +348,17 @@ def test_closing_a_doorbell_waits_for_every_stream_steps_were_sent_from_the_defa
     monkeypatch.setattr(cuda, "default_stream", lambda device=None: "default")
     monkeypatch.setattr(cuda, "ExternalStream", lambda handle, device=None: f"stream {handle:#x}")
     probe = DoorbellChannel.__new__(DoorbellChannel)
-    probe.device, probe._sent_on = torch.device("cuda", 0), []
+    probe.device, probe._sent_on = torch.device("cuda", 0), sent_on
+    return probe, recorded
+
+
+def test_closing_a_doorbell_waits_for_every_stream_steps_were_sent_from_the_default_one_too(monkeypatch):
+    """The default stream's raw handle is 0, which close() once took for "nothing sent" (helper 73): it then
+    waited on the closing thread's stream only. Now it waits on that one and on each stream a step was sent
+    from (the last SENT_STREAMS), each through an event recorded there (CUDA calls stood in for)."""
+    from dspark_sidecar.client.dataplane import SENT_STREAMS
+
+    probe, recorded = _closing_probe(monkeypatch, [])
     for raw in (0, 0xA, 0, 0xB, 0xC, 0xD):  # as send_bytes notes them
         if not probe._sent_on or probe._sent_on[-1] != raw:
             probe._note_stream(raw)
@@ -359,26 +370,7 @@ def test_closing_a_doorbell_waits_for_every_stream_steps_were_sent_from_the_defa
 def test_closing_a_doorbell_skips_a_sender_stream_destroyed_since(monkeypatch, caplog):
     """An engine may destroy a stream an earlier step was sent from: recording on its stale handle raises,
     and close() raised with it, leaving the header registered and the page mapped (helper 74)."""
-    from dspark_sidecar.client import dataplane
-    from dspark_sidecar.client.dataplane import DoorbellChannel
-
-    recorded = []
-
-    class Event:
-        def record(self, stream):
-            if stream == "stream 0xa":
-                raise RuntimeError("CUDA error: invalid resource handle")
-            recorded.append(stream)
-
-        def query(self):
-            return True
-
-    cuda = dataplane.torch.cuda
-    monkeypatch.setattr(cuda, "Event", Event)
-    monkeypatch.setattr(cuda, "current_stream", lambda device=None: "closing thread's")
-    monkeypatch.setattr(cuda, "ExternalStream", lambda handle, device=None: f"stream {handle:#x}")
-    probe = DoorbellChannel.__new__(DoorbellChannel)
-    probe.device, probe._sent_on = torch.device("cuda", 0), [0xA, 0xB]
+    probe, recorded = _closing_probe(monkeypatch, [0xA, 0xB], destroyed=("stream 0xa",))
     with caplog.at_level("INFO", logger="dspark_sidecar.client"):
         assert probe._stream_passed(1.0)
     assert recorded == ["closing thread's", "stream 0xb"] and "not waiting on stream 0xa" in caplog.text

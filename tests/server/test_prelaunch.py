@@ -442,9 +442,9 @@ def test_release_with_wait_gives_up_on_a_device_that_never_passes(rig, monkeypat
     assert not rig.pl.passing
 
 
-def test_a_capture_first_waits_for_released_steps_and_keeps_the_streak(rig, monkeypatch):
-    """A capture synchronizes the device with nothing to store the release again meanwhile: the
-    queueing that captures waits for every released step first (the streak it is queueing from stays)."""
+def _released_then_blocked(rig, monkeypatch) -> list:
+    """SEQ+2 queued, released, then blocked again by the engine's late word; returns the list each capture
+    appends to: whether that released step had finished when the capture began."""
     _queue(rig)
     q = rig.pl.queued
     rig.pl.release()
@@ -452,6 +452,13 @@ def test_a_capture_first_waits_for_released_steps_and_keeps_the_streak(rig, monk
     seen = []
     real = rig.pl._capture
     monkeypatch.setattr(rig.pl, "_capture", lambda fn: (seen.append(q.done.passed), real(fn))[1])
+    return seen
+
+
+def test_a_capture_first_waits_for_released_steps_and_keeps_the_streak(rig, monkeypatch):
+    """A capture synchronizes the device with nothing to store the release again meanwhile: the
+    queueing that captures waits for every released step first (the streak it is queueing from stays)."""
+    seen = _released_then_blocked(rig, monkeypatch)
     rig.pl._last, rig.pl._streak = ("kept",), 5
     rig.pl._replay_of(("k",), (), lambda: None)  # first sight: no capture, no wait
     assert seen == [] and rig.pl.passing
@@ -464,13 +471,7 @@ def test_a_capture_first_waits_for_released_steps_and_keeps_the_streak(rig, monk
 def test_the_flags_exchange_is_captured_only_after_released_steps_finished(rig, monkeypatch):
     """At TP > 1 the flags' exchange and gate are captured at their first queued step: the capture
     synchronizes the device, so a released step blocked again by a late word must be released first."""
-    _queue(rig)
-    q = rig.pl.queued
-    rig.pl.release()
-    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 1, KEY)  # the engine's late word: blocked again
-    seen = []
-    real = rig.pl._capture
-    monkeypatch.setattr(rig.pl, "_capture", lambda fn: (seen.append(q.done.passed), real(fn))[1])
+    seen = _released_then_blocked(rig, monkeypatch)
     rig.pl._agreements.clear()  # the next queueing captures the exchange again
     rig.pl._agreement(rig.graphs.graph, len(LENS))
     assert seen == [True] and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY) and not rig.pl.passing

@@ -118,35 +118,45 @@ def test_a_wait_for_the_device_runs_the_registered_pokes_until_it_passes(gpu):
         lp.close()
 
 
+class _CpuGraphs:
+    """StepGraphs on the CPU: says whether run() would capture, records each run."""
+
+    stream = "graphs' stream"
+
+    def __init__(self, calls: list, capture: bool) -> None:
+        self.calls, self.capture = calls, capture
+
+    def will_capture(self, embeds, R, kv, in_place=False):
+        return self.capture
+
+    def run(self, embeds, host, kv, in_place=False):
+        self.calls.append("run")
+        return embeds
+
+
+def _cpu_loop(world: int, graphs: _CpuGraphs, answers: list) -> tuple[RankLoop, SimpleNamespace]:
+    """A CPU rank with graphs and one poke that records itself and answers from `answers` (True when
+    empty); and a one-request step for its _execute."""
+    model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+    lp = RankLoop(RankContext(0, world, SimpleNamespace(), model, None, None, Metrics(0), 8), None, graphs)  # type: ignore[arg-type]
+
+    def repass() -> bool:
+        graphs.calls.append("poke")
+        return answers.pop(0) if answers else True
+
+    lp.on_device_wait(repass)
+    step = SimpleNamespace(inputs_embeds=torch.zeros(7, 4), input_ids=None, in_region=False, num_reqs=1,
+                           host=None, kv=SimpleNamespace(layers=[]))
+    return lp, step
+
+
 def test_a_step_that_captures_a_graph_first_waits_for_released_work_and_one_that_replays_does_not(gpu):
     """A capture synchronizes the device inside torch, where no poke can re-store a release that an
     engine's late word undid: the step waits (poking) until nothing released still waits."""
-    calls, answers = [], []
-
-    class Graphs:
-        stream = "graphs' stream"
-        capture = True
-
-        def will_capture(self, embeds, R, kv, in_place=False):
-            return self.capture
-
-        def run(self, embeds, host, kv, in_place=False):
-            calls.append("run")
-            return embeds
-
-    graphs = Graphs()
-    model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
-    lp = RankLoop(RankContext(0, 1, SimpleNamespace(), model, None, None, Metrics(0), 8), None, graphs)  # type: ignore[arg-type]
-
-    def repass() -> bool:
-        calls.append("poke")
-        return answers.pop(0) if answers else True
-
-    step = SimpleNamespace(inputs_embeds=torch.zeros(7, 4), input_ids=None, in_region=False, num_reqs=1,
-                           host=None, kv=SimpleNamespace(layers=[]))
+    calls, answers = [], [False, False, True]
+    graphs = _CpuGraphs(calls, capture=True)
+    lp, step = _cpu_loop(1, graphs, answers)
     try:
-        lp.on_device_wait(repass)
-        answers[:] = [False, False, True]
         with lp.exclusive(quiesce=False):
             lp._execute(step)
         assert calls == ["poke", "poke", "poke", "run"]
@@ -171,35 +181,15 @@ def test_a_grpc_step_waits_for_released_work_poking_after_go_not_before(gpu):
     from dspark_sidecar.server.errors import SidecarError
 
     calls, answers = [], [False, False, True]
-
-    class Graphs:
-        stream = "graphs' stream"
-
-        def will_capture(self, embeds, R, kv, in_place=False):
-            return False
-
-        def run(self, embeds, host, kv, in_place=False):
-            calls.append("step")
-            return embeds
-
-    model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
-    lp = RankLoop(RankContext(0, 2, SimpleNamespace(), model, None, None, Metrics(0), 8), None, Graphs())  # type: ignore[arg-type]
-
-    def repass() -> bool:
-        calls.append("poke")
-        return answers.pop(0) if answers else True
-
-    step = SimpleNamespace(inputs_embeds=torch.zeros(7, 4), input_ids=None, in_region=False, num_reqs=1,
-                           host=None, kv=SimpleNamespace(layers=[]))
+    lp, step = _cpu_loop(2, _CpuGraphs(calls, capture=False), answers)
     try:
-        lp.on_device_wait(repass)
         with lp.exclusive(quiesce=False):
             lp._execute(step, settle=True)  # a gRPC step after GO
-        assert calls == ["poke", "poke", "poke", "step"]
+        assert calls == ["poke", "poke", "poke", "run"]
         calls.clear()
         with lp.exclusive(quiesce=False):
             lp._execute(step)  # a doorbell step: ordered on the stream behind the released work instead
-        assert calls == ["step"]
+        assert calls == ["run"]
         # Before GO nothing waits: a step the rendezvous aborts (a peer's engine never sent it) is answered
         # at once, whatever the released copy, which only that peer's ring would finish, is doing.
         answers[:] = [False] * 10**6
