@@ -36,7 +36,7 @@ class ShimPhases:
         self._wrap(shim, "_prepare", "prepare")
         self._wrap(shim, "_run_step", "run", end=False)
         self._wrap(transport.buffers, "stage", "stage")
-        self._wrap(transport.bell, "send_bytes", "send", end=False)
+        self._wrap(transport.bell, "send_bytes", "send", end=False, cpu=True)
         ops = transport.bell._ops
         if ops is not None:  # a GPU word and its event record through the driver (proto/gpu_word.py)
             self._wrap(ops, "write", "word")
@@ -46,12 +46,13 @@ class ShimPhases:
         """At maybe_forward's start: (thread CPU time ns, involuntary switches) for step()."""
         return time.thread_time_ns(), _switches()
 
-    def _wrap(self, obj, name: str, key: str, end: bool = True) -> None:
+    def _wrap(self, obj, name: str, key: str, end: bool = True, cpu: bool = False) -> None:
+        """Stamp `key`0 (and with end, `key`1) around obj.name; cpu: the thread's CPU time and switches too."""
         fn, stamps = getattr(obj, name), self._t
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            if key == "send":
+            if cpu:
                 stamps["cpu"], stamps["nivcsw"] = time.thread_time_ns(), _switches()
             stamps[key + "0"] = time.monotonic_ns()
             try:

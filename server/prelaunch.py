@@ -460,8 +460,8 @@ class Prelaunch:
     def _settle(self) -> None:
         """Before a capture, which synchronizes the device with nothing to re-store a release meanwhile:
         until every released step has finished (nothing is queued here: _queue runs after settle())."""
-        if self._passed is not None and self.queued is None:
-            self._wait_released()
+        if self.queued is None:
+            self._wait_released()  # at once when nothing was released (repass)
 
     @property
     def passing(self) -> bool:
