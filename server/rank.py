@@ -70,6 +70,12 @@ class FastPath(Protocol):
     def unbound(self, retire: Callable[[Callable[[], None]], None]) -> None:
         """UnbindKV: let go of whatever it holds of the released cache, closed through retire(close)."""
 
+    def refusal(self, kv: KVBinding | None) -> str | None:
+        """Why `kv` is (or will be) served by the portable backend; None when this path serves it."""
+
+    def pending(self, kv: KVBinding | None) -> str | None:
+        """Why `kv`, which this path will serve (refusal() is None), is not served yet; None once it is."""
+
 
 class Queued(Protocol):
     """A doorbell step's copy that may already be queued on the GPU (server/prelaunch.StepHook)."""

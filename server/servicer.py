@@ -120,9 +120,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         why = self.refusal()
         if why:
             return why
-        # Read where the fast path has it: server.rank.FastPath (and the tests' fakes) need not.
-        pending = getattr(self.ctx.fast, "pending", None)
-        return (pending(self.ctx.memory.kv) or "") if pending is not None else ""
+        # refusal() is empty only where a fast path is built (without one it says so): ctx.fast is set here.
+        return self.ctx.fast.pending(self.ctx.memory.kv) or ""
 
     def _fast_path_changed(self) -> None:
         for cb in self.life.on_change:
