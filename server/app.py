@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import platform
@@ -274,6 +275,10 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
     start_up = StartUp(rank, stop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, start_up.on_signal)
+    # SIGUSR1 writes every thread's Python stack to stderr (the rank's log), the process going on: what an
+    # operator needs of a rank that seems stuck, with no debugger on the node. faulthandler's C handler
+    # runs even while the main thread is blocked in a native call.
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     _die_with_parent()
     device = resolve_device(cfg, local_rank)
     if device.type == "cpu":

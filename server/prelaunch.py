@@ -117,7 +117,9 @@ class Prelaunch:
         output_of(step, out): the engine's output slice of `step` for hidden states like `out` (a view
         of its region; None: inline, or not resolvable); given, the queued step's rows go there on
         the GPU behind the replay, through copy_out(src, dst, flags, R), gated by the program's flags
-        (step_meta.gated_copy), and the answer's host path copies nothing."""
+        (step_meta.gated_copy), and the answer's host path copies nothing.
+        program, copy_out and staging's launch also take warm=True: compile and load, queue nothing
+        (`_replay_of`)."""
         self.ops, self.page, self.graphs, self.window, self._count = ops, page, graphs, window, count
         self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
         self._capture = capture or (_capture_graph if torch.device(device).type == "cuda" else _uncaptured)
@@ -359,11 +361,11 @@ class Prelaunch:
         key = ("metadata", tuple((ptr.address, nbytes, region) for ptr, nbytes, region in sources),
                tuple(v.data_ptr() for v in graph.views), exchanged, *kw.values())
 
-        def run_metadata() -> None:
+        def run_metadata(warm: bool = False) -> None:
             word, src = self._word, tuple(ptr for ptr, _, _ in sources)
             if self._staging is not None:  # copied once after the wait, then read on the device
-                word, src = self._staging.stage(self._word, sources)
-            self._program(word, self._expect, src, graph.views, flag, mirror=self._dev_flags, **kw)
+                word, src = self._staging.stage(self._word, sources, warm=warm)
+            self._program(word, self._expect, src, graph.views, flag, mirror=self._dev_flags, warm=warm, **kw)
 
         def reserve() -> tuple:  # grown before the capture, which must not allocate: the buffer it bakes in
             if self._staging is None:
@@ -378,23 +380,29 @@ class Prelaunch:
         """The gated copy of the graph's rows src into the engine's slice dst, as one call (_replay_of)."""
         key = ("copy", src.data_ptr(), dst.data_ptr(), tuple(dst.shape), dst.dtype, R)
 
-        def run_copy() -> None:
-            self._copy_out(src, dst, self._dev_flags, R)
+        def run_copy(warm: bool = False) -> None:
+            self._copy_out(src, dst, self._dev_flags, R, warm=warm)
 
         return self._replay_of(key, (src, dst), run_copy)
 
     def _replay_of(self, key: tuple, hold: tuple, fn, reserve=None):
-        """fn itself at a key's first sight, which compiles its kernels and keeps a one-off layout from
-        costing a capture; at the second, fn captured (before the wait is queued: a capture synchronizes
-        the device, and the stream must not be blocked then) and from then on its replay. The entry
-        holds `hold` (and what reserve(), run before the capture, returns), so no address baked into a
-        replay is reused under its key while the entry lives."""
+        """fn itself at a key's first sight, which keeps a one-off layout from costing a capture; at the
+        second, fn captured (before the wait is queued: a capture synchronizes the device, and the stream
+        must not be blocked then) and from then on its replay. The entry holds `hold` (and what
+        reserve(), run before the capture, returns), so no address baked into a replay is reused under
+        its key while the entry lives.
+
+        At first sight fn(warm=True) compiles its kernels and loads their code here, before the caller
+        queues the wait: loaded at fn's launch behind the wait, the code waited for the wait to pass,
+        i.e. for the engine's next step, and an engine whose next call needed the rank lock (a gRPC step,
+        a BindKV) deadlocked with this thread (step_meta._launch, BENCHMARKS.md run 265)."""
         entry = self._replays.get(key)
         if entry is not None and entry[1] is not None:
             return entry[1]
         if entry is None:  # first sight
             if len(self._replays) >= 128:  # layouts gone (a rebind drops their graphs)
                 self._replays.clear()
+            fn(warm=True)
             self._replays[key] = (hold, None)
             return fn
         held = entry[0] + (reserve() if reserve is not None else ())

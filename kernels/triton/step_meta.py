@@ -129,8 +129,28 @@ def _stage(src, dst, word_src, word_dst, BLOCK: tl.constexpr):
         tl.store(word_dst, tl.load(word_src, volatile=True))
 
 
-def _launch_stage(src: DevicePointer, dst: torch.Tensor, blocks: int, word_src, word_dst: torch.Tensor) -> None:
-    _stage[(blocks,)](src, dst, word_src, word_dst, BLOCK=STAGE_WORDS, num_warps=4)
+def _launch(kernel, grid: tuple, args: tuple, warm: bool, **consts) -> None:
+    """kernel[grid](*args, **consts); with warm, only compile it for these arguments and load its code
+    into the context, launching nothing.
+
+    Why warm: CUDA loads a kernel's code at its first launch (Triton's CompiledKernel handles, per
+    specialization: constexprs, and each pointer's 16-byte alignment). On an H200 that load waited
+    until a queued step's wait on the GPU word passed, i.e. until the engine's next step, while the
+    doorbell thread held the rank lock; an engine whose next call was a gRPC step or a BindKV
+    deadlocked with it (BENCHMARKS.md run 265). Prelaunch warms a layout's launches before it queues
+    the wait (server/prelaunch.py `_replay_of`)."""
+    if not warm:
+        kernel[grid](*args, **consts)
+        return
+    compiled = kernel.warmup(*args, grid=grid, **consts)
+    if hasattr(compiled, "result"):  # Triton's asynchronous compile mode hands back a future
+        compiled = compiled.result()
+    compiled.run  # noqa: B018  (the launcher property loads the module: CompiledKernel._init_handles)
+
+
+def _launch_stage(src: DevicePointer, dst: torch.Tensor, blocks: int, word_src, word_dst: torch.Tensor,
+                  warm: bool = False) -> None:
+    _launch(_stage, (blocks,), (src, dst, word_src, word_dst), warm, BLOCK=STAGE_WORDS, num_warps=4)
 
 
 class Staging:
@@ -148,13 +168,15 @@ class Staging:
         self.buf = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._launch = launch
 
-    def stage(self, word: DevicePointer, sources: list[tuple[DevicePointer, int, tuple[int, int]]]) -> tuple:
+    def stage(self, word: DevicePointer, sources: list[tuple[DevicePointer, int, tuple[int, int]]],
+              warm: bool = False) -> tuple:
         """word: the GPU word's device address. sources: per program source (its device address, bytes,
         (device address, bytes) of the page-aligned, page-rounded registration it lies in).
-        Returns (word, src) for step_meta: the same values as flat tensors in device memory."""
+        Returns (word, src) for step_meta: the same values as flat tensors in device memory.
+        warm: the copies compiled and loaded, not queued (_launch)."""
         plan = self.reserve(sources)
         for start, blocks, off in plan.values():
-            self._launch(DevicePointer(start, torch.int64), self.buf[off // 8 :], blocks, word, self.word)
+            self._launch(DevicePointer(start, torch.int64), self.buf[off // 8 :], blocks, word, self.word, warm=warm)
         raw = self.buf.view(torch.uint8)
         src = []
         for ptr, nbytes, region in sources:
@@ -185,7 +207,7 @@ class Staging:
 
 
 def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int, width: int, page_size: int,
-              window: int, num_pages: int, mirror=None) -> None:
+              window: int, num_pages: int, mirror=None, warm: bool = False) -> None:
     """Queue the program on the current stream: R programs, one per request.
 
     word: int64 [1] (the doorbell's GPU word). expect: int64 [1] on the device, the word's value for
@@ -198,12 +220,14 @@ def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int
     mirror: int32 [>= R] in device memory that gets the flags too (default: flags itself). Kernels
     queued after the step read it there: each program's read of host memory (the host's page) cost
     ~4 us, one after another (runs 125 and 186).
+    warm: compiled and loaded for these arguments, not queued (_launch).
     """
     q = layout.QPR
     ww = out[4].shape[1]
-    _step_meta[(num_reqs,)](word, expect, *src, *out, flags, flags if mirror is None else mirror, page_size,
-                            window + q - 1, num_pages, width, ww, Q=q, Q_PAD=triton.next_power_of_2(q),
-                            WW_PAD=triton.next_power_of_2(ww), USED_BLOCK=USED_BLOCK, DUP_BLOCK=DUP_BLOCK)
+    _launch(_step_meta, (num_reqs,), (word, expect, *src, *out, flags, flags if mirror is None else mirror, page_size,
+                                      window + q - 1, num_pages, width, ww), warm,
+            Q=q, Q_PAD=triton.next_power_of_2(q), WW_PAD=triton.next_power_of_2(ww), USED_BLOCK=USED_BLOCK,
+            DUP_BLOCK=DUP_BLOCK)
 
 
 def step_meta_reference(word: int, expect: int, positions: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
@@ -299,14 +323,16 @@ def _gated_copy(src, dst, flag_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
         tl.store(dst + r * ROW + o, tl.load(src + r * ROW + o, mask=m), mask=m)
 
 
-def gated_copy(src: torch.Tensor, dst: torch.Tensor, flags, num_reqs: int) -> None:
+def gated_copy(src: torch.Tensor, dst: torch.Tensor, flags, num_reqs: int, warm: bool = False) -> None:
     """Queue on the current stream: dst[rows of r] = src[rows of r] for each request r < num_reqs whose
-    flag is FLAG_RAN. src, dst: contiguous [7R, hidden] of one dtype; flags: int32 [>= R] in device memory."""
+    flag is FLAG_RAN. src, dst: contiguous [7R, hidden] of one dtype; flags: int32 [>= R] in device memory.
+    warm: compiled and loaded for these arguments, not queued (_launch)."""
     if src.shape != dst.shape or src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError(f"gated_copy: {src.dtype} {list(src.shape)} into {dst.dtype} {list(dst.shape)}, "
                          "both contiguous and alike")
     row = src.numel() // max(1, num_reqs)
-    _gated_copy[(num_reqs, triton.cdiv(row, COPY_BLOCK))](src, dst, flags, ROW=row, BLOCK=COPY_BLOCK, num_warps=4)
+    _launch(_gated_copy, (num_reqs, triton.cdiv(row, COPY_BLOCK)), (src, dst, flags), warm, ROW=row, BLOCK=COPY_BLOCK,
+            num_warps=4)
 
 
 def gated_copy_reference(src: torch.Tensor, dst: torch.Tensor, flags: np.ndarray) -> torch.Tensor:

@@ -13,7 +13,10 @@ before the walk (every case writes only its own block rows, so its answer does n
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import signal
+import time
 
 import pytest
 import torch
@@ -38,6 +41,7 @@ CASES = {"A": ([5, 40], "A", 1), "A2": ([5, 40], "A", 2), "B": ([4096 + 20, 3, 9
 # default (5): a cooldown, which 8 on-time steps in a row end; rarer than that, or pre-launch would stay off.
 LAGS_MS, LAG_WEIGHTS = (0.0, 0.3, 1.0, 3.0, 7.0), (70, 12, 10, 6, 2)
 STEPS = 360
+STEP_WAIT_S = 30.0  # a step of this tiny drafter takes milliseconds (a graph capture ~0.1 s): past this it hangs
 
 
 def _bind(stub, kv: list[torch.Tensor], dev: torch.device) -> pb.BindKVResponse:
@@ -111,7 +115,7 @@ class Engine:
                      ("seq_lens", step.meta.seq_lens), ("block_tables", step.meta.block_tables),
                      ("slot_mapping", step.meta.slot_mapping)):
             getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
-        return codec.from_tensor_ref(self.stub.DraftStep(req, timeout=60).hidden_states, "h")
+        return codec.from_tensor_ref(self.stub.DraftStep(req, timeout=STEP_WAIT_S).hidden_states, "h")
 
     def ring(self, embeds: torch.Tensor, step, meta: StepMetadata, lag_cycles: int):
         """One doorbell step; (answer, a copy of the hidden rows ordered after the sidecar's writes, or None)."""
@@ -120,8 +124,8 @@ class Engine:
         req = self.request(step.meta.num_reqs)
         view = self.bufs.fill(req, embeds, step.positions, meta)
         self.bell.send(req)
-        resp = self.bell.wait(req.step_id, 60.0)
-        assert resp is not None, f"step {req.step_id} unanswered in 60 s"
+        resp = self.bell.wait(req.step_id, STEP_WAIT_S)
+        assert resp is not None, f"step {req.step_id} unanswered in {STEP_WAIT_S} s"
         return resp, (view.clone() if resp.HasField("hidden_states") else None)
 
 
@@ -135,7 +139,38 @@ def _cycles_per_ms(dev: torch.device) -> float:
     return 2_000_000 / start.elapsed_time(end)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+def _walk_one(eng: Engine, op: str, step, embeds: torch.Tensor, case: str, lag_cycles: float, spare: int,
+              got: list) -> int:
+    """One op of the walk; answers go to `got` as (case, hidden rows, how). Returns 1 for a refused step."""
+    if op == "grpc":
+        got.append((case, eng.grpc(step), "grpc"))
+    elif op in ("rebind", "new_cache"):
+        eng.rebind(op == "new_cache")  # a new cache is a copy: the spare page's bytes stay those of spare_then
+    elif op == "reattach":
+        eng.attach()
+    else:
+        meta = step.meta
+        if op == "bad":  # a slot in the spare page: refused on both sides, the page untouched
+            meta = StepMetadata(meta.seq_lens, meta.block_tables, meta.slot_mapping.clone())
+            meta.slot_mapping[-1] = spare * PAGE + 3
+        resp, out = eng.ring(embeds, step, meta, int(lag_cycles))
+        if op == "bad":
+            assert resp.HasField("error") and resp.error.field == "slot_mapping", resp
+            return 1
+        assert resp.HasField("hidden_states"), resp
+        got.append((case, out, "prelaunched" if resp.timings.prelaunched else "ordinary"))
+    return 0
+
+
+def _stacks(sc: SidecarProcess) -> str:
+    """Every sidecar rank's thread stacks (SIGUSR1: faulthandler, server/app.py) and the log's tail."""
+    for pid in sc.rank_pids():
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(2.0)
+    return sc.log_tail(250)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_gpu_random_step_walks_answer_like_grpc(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed, seed):
     import grpc
 
@@ -155,31 +190,17 @@ def test_gpu_random_step_walks_answer_like_grpc(tmp_path, tiny_cfg, tiny_ckpt, t
         spare_then = [t[:, spare].clone() for t in eng.kv]
         got, log, refused = [], [], 0
         case = "A"
-        for _ in range(STEPS):
+        for i in range(STEPS):
             if rng.random() < 0.25:  # else the engine repeats its layout, which queues the next step
                 case = rng.choice(list(CASES))
             op = rng.choices(("ring", "grpc", "bad", "rebind", "new_cache", "reattach"),
                              (80, 6, 5, 3, 3, 3))[0]
             lag = rng.choices(LAGS_MS, LAG_WEIGHTS)[0]
-            log.append((op, case, lag))
-            if op == "grpc":
-                got.append((case, eng.grpc(steps[case]), "grpc"))
-            elif op in ("rebind", "new_cache"):
-                eng.rebind(op == "new_cache")  # a new cache is a copy: the spare page's bytes stay those of spare_then
-            elif op == "reattach":
-                eng.attach()
-            else:
-                meta = steps[case].meta
-                if op == "bad":  # a slot in the spare page: refused on both sides, the page untouched
-                    meta = StepMetadata(meta.seq_lens, meta.block_tables, meta.slot_mapping.clone())
-                    meta.slot_mapping[-1] = spare * PAGE + 3
-                resp, out = eng.ring(embeds[case], steps[case], meta, int(lag * cycles_ms))
-                if op == "bad":
-                    assert resp.HasField("error") and resp.error.field == "slot_mapping", (log[-5:], resp)
-                    refused += 1
-                else:
-                    assert resp.HasField("hidden_states"), (log[-5:], resp)
-                    got.append((case, out, "prelaunched" if resp.timings.prelaunched else "ordinary"))
+            log.append((i, op, case, lag))
+            try:
+                refused += _walk_one(eng, op, steps[case], embeds[case], case, lag * cycles_ms, spare, got)
+            except (AssertionError, grpc.RpcError) as e:
+                raise AssertionError(f"op {i} of the walk failed; its last ops: {log[-8:]}\n{_stacks(sc)}") from e
             if rng.random() < 0.5:
                 torch.cuda.synchronize(dev)
         torch.cuda.synchronize(dev)
@@ -201,3 +222,37 @@ def test_gpu_random_step_walks_answer_like_grpc(tmp_path, tiny_cfg, tiny_ckpt, t
     for old, then in eng.retired:  # nothing reaches a cache once the engine has bound another
         for t, before in zip(old, then):
             assert torch.equal(t, before), "a step wrote a replaced KV cache"
+
+
+def test_gpu_a_grpc_step_or_bind_right_after_a_layout_is_first_queued_is_answered(tmp_path, tiny_cfg, tiny_ckpt,
+                                                                                  tiny_embed):
+    """Run 265's deadlock, on purpose: the sidecar queues a layout's first pre-launched step right after
+    answering the step before, and the engine's next call is not a ring but a gRPC step or a BindKV,
+    which need the rank lock. The queueing used to load its kernels' code behind the wait on the GPU
+    word (that is, until the engine's next ring) while holding the lock: neither call was ever answered."""
+    import grpc
+
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    dev = torch.device("cuda", 0)
+    steps, spare = _cases(tiny_cfg, tiny_embed)
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        eng = Engine(stub, tiny_cfg, dev, spare + 1)
+        want = {k: eng.grpc(steps[k]) for k in ("A", "B", "C")}
+        embeds = {k: steps[k].inputs_embeds.to(dev) for k in want}
+        try:
+            for case, then in (("A", "grpc"), ("B", "bind"), ("C", "grpc")):  # each layout's first queue
+                for _ in range(2):  # a streak of two: the next step is queued after the second answer
+                    resp, out = eng.ring(embeds[case], steps[case], steps[case].meta, 0)
+                    assert torch.equal(out.cpu(), want[case])
+                if then == "grpc":
+                    assert torch.equal(eng.grpc(steps[case]), want[case])
+                else:
+                    eng.rebind(new_cache=False)
+                resp, out = eng.ring(embeds[case], steps[case], steps[case].meta, 0)  # and the doorbell still works
+                assert torch.equal(out.cpu(), want[case])
+        except (AssertionError, grpc.RpcError) as e:
+            raise AssertionError(f"{_stacks(sc)}") from e
+        eng.bell.close()
+        eng.bufs.close()

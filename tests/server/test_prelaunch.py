@@ -64,6 +64,7 @@ class Gpu:
         self.hold_until = 0.0  # perf_counter time before which the copy has not started (a late peer)
         self.writes: list = []  # stream writes: the program's expected word, ahead of each queued step
         self.word_addr = 0  # the doorbell's GPU word (set by the rig): never written from the sidecar's stream
+        self.warmed: list = []  # (what, waits queued by then): launches compiled and loaded, not queued
 
     def register(self, ptr, nbytes):
         self.registered.append(ptr)
@@ -80,14 +81,20 @@ class Gpu:
     def wait_geq(self, stream, addr, value):
         self.waits.append((stream, addr, value))
 
-    def program(self, word, expect, src, out, flag, mirror=None, **kw):
+    def program(self, word, expect, src, out, flag, mirror=None, warm=False, **kw):
         # expect: the device's int64 [1] the stream wrote; the value the program sees when it runs.
         # mirror: the device memory that gets the flags too (Prelaunch's, read by the gated copy).
+        if warm:
+            self.warmed.append(("program", len(self.waits)))
+            return
         self.programs.append((word, int(expect[0]) % (1 << 64), src, out, flag, kw))
         self.mirrors.append(mirror)
 
-    def stage(self, src, dst, blocks, word_src, word_dst):
+    def stage(self, src, dst, blocks, word_src, word_dst, warm=False):
         """Staging.stage's copy, done when the program runs (after the wait), as the stream would."""
+        if warm:
+            self.warmed.append(("stage", len(self.waits)))
+            return
         assert len(self.waits) == len(self.programs) + 1, "copy queued before its wait: it would read a stale region"
         self.copies.append((src.address, dst, blocks, word_src.address, word_dst))
 
@@ -216,7 +223,10 @@ def rig(world, staged):
     # program, after the flags' exchange and gate where there is one (gpu.then), as the stream orders it.
     r = SimpleNamespace(out=None, copies=[])
 
-    def copy_out(src, dst, flag, R):
+    def copy_out(src, dst, flag, R, warm=False):
+        if warm:
+            gpu.warmed.append(("copy", len(gpu.waits)))
+            return
         r.copies.append((src, dst, R))
         assert flag is pl._dev_flags, "the copy reads the flags' device mirror, never the host's page"
         gpu.then.append(lambda: dst.copy_(gated_copy_reference(src, dst, flag[:R].numpy())))
@@ -299,6 +309,25 @@ def test_metadata_launches_are_captured_at_a_layout_s_second_queue(rig):
     _serve(rig, SEQ + 5, step=rig.b)
     _serve(rig, SEQ + 6, step=rig.b)
     assert len(rig.meta_captures) == 1 and rig.pl.queued.seq == SEQ + 7
+
+
+def test_a_layout_s_first_queue_loads_its_kernels_before_the_wait(rig):
+    """At a layout's first queue its staging copy, program and gated copy are compiled and loaded
+    (warm) before the wait on the word is queued: loaded at their launch behind that wait, the code
+    waited for the engine's next step while the doorbell thread held the rank lock, and an engine
+    whose next call was a gRPC step or a BindKV deadlocked with it (run 265). Once per layout: a
+    replay loads nothing."""
+    rig.out = torch.zeros_like(rig.graphs.graph.out)
+    _queue(rig)
+    want = ([("stage", 0)] if rig.staged else []) + [("program", 0), ("copy", 0)]
+    assert rig.gpu.warmed == want and len(rig.gpu.waits) == 1  # all before the one wait
+    for s in (SEQ + 2, SEQ + 3):
+        _serve(rig, s)
+    assert rig.gpu.warmed == want and len(rig.gpu.waits) == 3  # captured at the second queue, then replayed
+    _serve(rig, SEQ + 4, step=rig.b)
+    _serve(rig, SEQ + 5, step=rig.b)  # another layout's first queue: its metadata launches warmed before its
+    # wait (the 4th); the copy into the same output slice is the one captured already
+    assert rig.gpu.warmed[len(want):] == [(w, 3) for w, _ in want[:-1]] and len(rig.gpu.waits) == 4
 
 
 def test_hit_returns_the_queued_output(rig):
@@ -460,9 +489,9 @@ def test_a_capture_first_waits_for_released_steps_and_keeps_the_streak(rig, monk
     queueing that captures waits for every released step first (the streak it is queueing from stays)."""
     seen = _released_then_blocked(rig, monkeypatch)
     rig.pl._last, rig.pl._streak = ("kept",), 5
-    rig.pl._replay_of(("k",), (), lambda: None)  # first sight: no capture, no wait
+    rig.pl._replay_of(("k",), (), lambda warm=False: None)  # first sight: no capture, no wait
     assert seen == [] and rig.pl.passing
-    rig.pl._replay_of(("k",), (), lambda: None)  # second sight: captured, after the released step finished
+    rig.pl._replay_of(("k",), (), lambda warm=False: None)  # second sight: captured, after the released step finished
     assert seen == [True] and not rig.pl.passing and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
     assert rig.pl._last == ("kept",) and rig.pl._streak == 5
 
@@ -507,8 +536,9 @@ def test_a_queueing_that_fails_after_its_wait_tracks_the_passed_wait(rig, monkey
     stream stays blocked), and that pass can be undone by a late word like any release: repass keeps it."""
     _serve(rig, SEQ)
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("injected: the metadata program failed to launch")
+    def broken(*args, warm=False, **kwargs):
+        if not warm:  # compiled and loaded before the wait; its launch after the wait fails
+            raise RuntimeError("injected: the metadata program failed to launch")
 
     class WaitEvent:  # finished once the word passes the last queued wait, as the stream would be
         def record(self, stream):
