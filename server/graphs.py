@@ -203,7 +203,11 @@ class StepGraphs:
             out = self._step(g, kv)
         main.wait_stream(side)
         out.record_stream(main)  # read on the main stream (the output copy) after its side-stream allocation
-        with torch.cuda.graph(g.graph):
+        # thread_local, as Prelaunch's captures: the default ("global") mode makes another thread's
+        # allocation or IPC open during the capture an error that also invalidates the capture, and
+        # RPCs outside the rank lock do both (RegisterBuffers maps regions, AttachDoorbell builds its
+        # Prelaunch): a second client attaching while a step captures would have cost the rank.
+        with torch.cuda.graph(g.graph, capture_error_mode="thread_local"):
             g.out = self._step(g, kv)
         self.captures += 1
         log.info("captured the draft-step graph for R=%d (%d graphs)", g.views[3].numel(), len(self._graphs) + 1)

@@ -256,3 +256,54 @@ def test_gpu_a_grpc_step_or_bind_right_after_a_layout_is_first_queued_is_answere
             raise AssertionError(f"{_stacks(sc)}") from e
         eng.bell.close()
         eng.bufs.close()
+
+
+def test_gpu_step_graphs_capture_while_another_client_registers_and_attaches(tmp_path, tiny_cfg, tiny_ckpt,
+                                                                               tiny_embed):
+    """RegisterBuffers (CUDA IPC opens) and AttachDoorbell (a Prelaunch's device buffers, events, page
+    registration) run outside the rank lock, so a second client's can land during a step's graph
+    capture. Every re-bind drops the step graphs, so each step after one captures again: the answers
+    stay the reference's, the other client's calls all succeed, and the rank lives on."""
+    import threading
+
+    import grpc
+
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    dev = torch.device("cuda", 0)
+    steps, spare = _cases(tiny_cfg, tiny_embed)
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        eng = Engine(stub, tiny_cfg, dev, spare + 1)
+        want = {k: eng.grpc(steps[k]) for k in ("A", "B", "C")}
+        stop, errors, attached = threading.Event(), [], [0]
+
+        def other_client() -> None:
+            other = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+            try:
+                while not stop.is_set():
+                    bufs = StepBuffers(other, tiny_cfg.hidden_size, 4, 300, torch.float32, dev)
+                    bell = DoorbellChannel(other, dev)
+                    attached[0] += 1
+                    bell.close()
+                    bufs.close()
+            except Exception as e:  # noqa: BLE001  (reported by the test below, with its type)
+                errors.append(e)
+
+        t = threading.Thread(target=other_client, daemon=True)
+        t.start()
+        try:
+            for _ in range(12):
+                eng.rebind(new_cache=True)  # the graphs go with the old cache: the next steps capture
+                for k in want:
+                    assert torch.equal(eng.grpc(steps[k]), want[k]), k
+        except (AssertionError, grpc.RpcError) as e:
+            raise AssertionError(f"{_stacks(sc)}") from e
+        finally:
+            stop.set()
+            t.join(60)
+        assert not errors, errors
+        assert attached[0] >= 3, f"the other client attached only {attached[0]} times: the overlap was not tested"
+        assert torch.equal(eng.grpc(steps["A"]), want["A"])
+        eng.bell.close()
+        eng.bufs.close()
