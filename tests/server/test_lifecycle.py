@@ -42,6 +42,15 @@ def _serve_then_drain(sc: SidecarProcess) -> None:
     assert "NOT_SERVING" in seen and seen[-1] == "SERVING", seen
     assert seen.index("NOT_SERVING") < seen.index("SERVING")
     pids = sc.rank_pids()
+    # SIGUSR1 (server/app.py): every thread's stack into the rank's log, and the rank goes on serving.
+    before = sc.log_path.read_text(errors="replace")
+    os.kill(pids[1], signal.SIGUSR1)
+    t = time.monotonic()
+    while "serve_rank" not in sc.log_path.read_text(errors="replace")[len(before):] and time.monotonic() - t < 10:
+        time.sleep(0.05)
+    dump = sc.log_path.read_text(errors="replace")[len(before):]
+    assert "Thread 0x" in dump and "serve_rank" in dump, dump[-2000:]
+    assert _alive(pids[1]) and check(sc.socket(1), 1.0) == "SERVING"
     sc.proc.send_signal(signal.SIGTERM)
     drained = []
     t = time.monotonic()
