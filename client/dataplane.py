@@ -16,6 +16,7 @@ can use either transport.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import secrets
@@ -90,6 +91,18 @@ class Staged(NamedTuple):
     hidden: torch.Tensor  # [n, hidden] view of the output region
 
 
+_LAUNCH_KEYS = itertools.count()  # one sequence per process: see _next_launch_key
+
+
+def _next_launch_key() -> int:
+    """A launch key (sidecar.proto DraftStepRequest.launch_key) no layout of this process has had: 1 ..
+    SKIP_KEY - 1, wrapping after 2^32 - 2 layouts. One sequence for every StepBuffers, not one each:
+    two of them on one doorbell both starting at 1 would name the same key for different slices, and
+    a step queued for one's layout would run, on the GPU, the other's stale step (next() on a count is
+    atomic under the GIL)."""
+    return next(_LAUNCH_KEYS) % (bell.SKIP_KEY - 1) + 1
+
+
 class StepBuffers:
     """The registered regions of one engine rank, sized for `max_reqs` requests."""
 
@@ -130,7 +143,6 @@ class StepBuffers:
             raise
         self._ids = ids
         self.embeds_id, self.hidden_id, self.meta_id = ids
-        self._next_key = 1  # launch keys (sidecar.proto DraftStepRequest.launch_key): never reused
 
     def input_view(self, n: int) -> torch.Tensor:
         """The registered input rows [n, hidden]: an engine that writes its embeddings here (e.g. as
@@ -177,8 +189,7 @@ class StepBuffers:
             raise DataPlaneError(f"step of {R} requests x {pages} pages exceeds the registered buffers")
         template = pb.DraftStepRequest(inputs_embeds=codec.region_tensor_ref(self.dtype, (n, hidden), self.embeds_id, 0),
                                        output=pb.RegionSlice(region_id=self.hidden_id, offset_bytes=0),
-                                       launch_key=self._next_key)
-        self._next_key = self._next_key % (bell.SKIP_KEY - 1) + 1
+                                       launch_key=_next_launch_key())
         raw, dsts, off = self.meta_bytes, [], 0
         for field, t in zip(("positions", "seq_lens", "block_tables", "slot_mapping"), srcs):
             off = -(-off // 8) * 8  # keep every tensor 8-byte aligned

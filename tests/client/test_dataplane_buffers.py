@@ -130,6 +130,23 @@ def test_staged_fields_appended_to_the_step_s_scalars_are_the_filled_request(buf
     assert staged.hidden.data_ptr() == bufs.hidden.data_ptr()
 
 
+def test_launch_keys_are_never_shared_by_two_step_buffers_of_one_process(bufs, tiny_cfg, tiny_embed):
+    """Keys come from one sequence per process: a second StepBuffers (a re-registration, or two on one
+    doorbell) numbering its layouts from 1 again named a key the first had used for other slices, and
+    the GPU would accept a step queued for one's layout on the other's word."""
+    other = StepBuffers(_Stub(), tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    try:
+        keys = []
+        for lens in ([5, 300], [17], [5, 300]):  # the third: a layout each has already, its key again
+            step = _step(tiny_cfg, tiny_embed, lens)
+            keys.append([b.stage(step.inputs_embeds, step.positions, step.meta).launch_key for b in (bufs, other)])
+        assert keys[2] == keys[0]  # the same slices: the same key, every step
+        flat = [k for pair in keys[:2] for k in pair]
+        assert len(set(flat)) == 4 and 0 not in flat, keys
+    finally:
+        other.close()
+
+
 def test_rows_written_in_place_are_not_copied(bufs, tiny_cfg, tiny_embed, monkeypatch):
     """An engine that wrote its embeddings into input_view(n) hands that view back: fill copies nothing
     into the input rows (a copy of the view onto itself would look the same, so copies are counted)."""
