@@ -164,10 +164,11 @@ def _walk_one(eng: Engine, op: str, step, embeds: torch.Tensor, case: str, lag_c
 
 def _stacks(sc: SidecarProcess) -> str:
     """Every sidecar rank's thread stacks (SIGUSR1: faulthandler, server/app.py) and the log's tail."""
-    for pid in sc.rank_pids():
+    pids = sc.rank_pids()
+    for pid in pids:
         os.kill(pid, signal.SIGUSR1)
     time.sleep(2.0)
-    return sc.log_tail(250)
+    return f"SIGUSR1 sent to the rank pids {pids}; the sidecar's log:\n{sc.log_tail(250)}"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
