@@ -15,7 +15,6 @@ from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from dspark_sidecar.proto.memory import QuietStream
 from dspark_sidecar.server.errors import SidecarError, invalid, out_of_range
 from dspark_sidecar.server.kv_binding import KVBinding, MemoryBindings
 
@@ -33,24 +32,8 @@ class HostMeta(NamedTuple):
 def host_meta(positions: torch.Tensor, meta: StepMetadata) -> HostMeta:
     """NumPy views of CPU tensors (copies of device ones) in HostMeta's shapes."""
     R = meta.seq_lens.shape[0]
-    return HostMeta(_host(positions).reshape(R, layout.QPR), _host(meta.seq_lens), _host(meta.block_tables),
-                    _host(meta.slot_mapping).reshape(R, layout.QPR))
-
-
-_QUIET: dict[torch.device, QuietStream] = {}  # per device, made on first use
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    """t as NumPy: a CPU tensor's view, a device tensor (an engine's GPU region) copied on a stream of
-    its own. Not on the thread's current stream: that is the rank's, which may hold a released
-    pre-launched step that an engine's late GPU word blocked again (server/prelaunch.py repass),
-    and a copy queued behind it waited for the engine, holding the rank lock the engine waits for.
-    The region is the engine's: nothing queued on the rank's stream writes it."""
-    if t.device.type != "cuda":
-        return t.numpy()
-    quiet = _QUIET.get(t.device) or _QUIET.setdefault(t.device, QuietStream(t.device))
-    with quiet():
-        return t.cpu().numpy()
+    return HostMeta(positions.cpu().numpy().reshape(R, layout.QPR), meta.seq_lens.cpu().numpy(),
+                    meta.block_tables.cpu().numpy(), meta.slot_mapping.cpu().numpy().reshape(R, layout.QPR))
 
 
 @dataclass(frozen=True)
