@@ -264,7 +264,9 @@ def test_gpu_step_graphs_capture_while_another_client_registers_and_attaches(tmp
     """RegisterBuffers (CUDA IPC opens) and AttachDoorbell (a Prelaunch's device buffers, events, page
     registration) run outside the rank lock, so a second client's can land during a step's graph
     capture. Every re-bind drops the step graphs, so each step after one captures again: the answers
-    stay the reference's, the other client's calls all succeed, and the rank lives on."""
+    stay the reference's, the other client's calls all succeed, and the rank lives on. Whether a call
+    lands inside a capture is left to timing (and torch's cached blocks often spare it a cudaMalloc):
+    this shows the two side by side do no harm; it does not prove the global mode would have failed."""
     import threading
 
     import grpc

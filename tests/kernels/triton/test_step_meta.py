@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import numpy as np
@@ -187,13 +188,34 @@ def test_gated_copy_writes_only_the_requests_the_gpu_ran(device, flags, dtype):
     if device == "cuda":  # warm: compiled and loaded, nothing copied
         sm.gated_copy(src.to(dev), got, torch.tensor(flags, dtype=torch.int32, device=dev), 3, warm=True)
         assert torch.equal(got.cpu(), dst)
-    sm.gated_copy(src.to(dev), got, torch.tensor(flags, dtype=torch.int32, device=dev), 3)
+    with _loads() as loaded:
+        sm.gated_copy(src.to(dev), got, torch.tensor(flags, dtype=torch.int32, device=dev), 3)
+    assert device != "cuda" or loaded == [], f"loaded at launch, after the warm call: {loaded}"
     assert torch.equal(got.cpu(), want)  # a copy: exact
     for r, f in enumerate(flags):
         rows = slice(r * Q, (r + 1) * Q)
         assert torch.equal(want[rows], (src if f == sm.FLAG_RAN else dst)[rows])
     with pytest.raises(ValueError, match="alike"):
         sm.gated_copy(src.to(dev), got[:, :10], torch.tensor(flags, dtype=torch.int32, device=dev), 3)
+
+
+@contextlib.contextmanager
+def _loads():
+    """The names of the kernels whose code Triton loads into the context inside the block (its load hook).
+    After a warm=True call the real launch must load nothing: behind a queued wait on the GPU word a load
+    waited for the engine's next ring (server/prelaunch.py `_replay_of`)."""
+    import triton
+
+    names: list[str] = []
+
+    def hook(module, function, name, *rest):
+        names.append(name)
+
+    triton.knobs.runtime.kernel_load_start_hook.add(hook)
+    try:
+        yield names
+    finally:
+        triton.knobs.runtime.kernel_load_start_hook.remove(hook)
 
 
 def _host_region(arrays) -> tuple[mmap.mmap, list[tuple[int, int]]]:
@@ -254,9 +276,11 @@ def test_staged_sources_give_what_the_program_reads_in_place(device, lens):
             sm.step_meta(word, expect, src, out, flag, warm=True, **kw)
             torch.cuda.synchronize()
             assert int(staging.word[0]) == 0 and all(bool((t == 99).all()) for t in out) and not flag.any()
-        word, src = staging.stage(DevicePointer(word_addr, torch.int64), sources)
-        assert word is staging.word and all(t.device.type == device for t in src)
-        sm.step_meta(word, expect, src, out, flag, **kw)
+        with _loads() as loaded:
+            word, src = staging.stage(DevicePointer(word_addr, torch.int64), sources)
+            assert word is staging.word and all(t.device.type == device for t in src)
+            sm.step_meta(word, expect, src, out, flag, **kw)
+        assert loaded == [], f"loaded at launch, after the warm call: {loaded}"
         _check(tuple(t.cpu().numpy() for t in out) + (flag.cpu().numpy(),), want)
     finally:
         for r in regs:
