@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/dspark-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dspark-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d && echo "MPS up"
-PYTHONPATH=/tmp/new-pkg:/tmp/dspark-site:$PWD/tests timeout -k 10 520 python3 -m pytest -q -s -m gpu --timeout 200 \
+PYTHONPATH=/tmp/new-pkg:/tmp/dspark-site:$PWD/tests timeout -k 10 480 python3 -m pytest -q -s -m gpu --timeout 200 \
   --timeout-method thread -p no:cacheprovider --basetemp=/tmp/bt tests/server/test_dataplane_gpu_stress.py \
   tests/kernels/triton/test_step_meta.py tests/server/test_dataplane_gpu.py tests/server/test_graphs_gpu.py \
   -k "stress or step_meta or graphs_gpu or prelaunched or back_to_back or grpc_answer_naming" > $OUT/t.log 2>&1
