@@ -369,7 +369,7 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
     # gRPC handler thread's current device need not be the rank's.
     try:
         with torch.cuda.device(t.device):
-            room = bytes_left(t.data_ptr() - h.storage_offset_bytes) - h.storage_offset_bytes
+            room = bytes_left(t.data_ptr() - h.storage_offset_bytes, t.device.index) - h.storage_offset_bytes
     except (OSError, AttributeError, AllocationQueryError) as err:  # no driver library, no such symbol, a failed query
         refusal = (f"cannot check the handle's storage against the GPU allocation it opens ({err}); refused "
                    "rather than mapped unchecked")

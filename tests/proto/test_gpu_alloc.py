@@ -35,7 +35,11 @@ def opened(monkeypatch):
                         lambda *a: SimpleNamespace(data_ptr=lambda: 0x10_0000, device=gpu))
     current = []  # the device made current around the driver query: the mapping's, not the thread's
     monkeypatch.setattr(torch.cuda, "device", lambda d: (current.append(d), contextlib.nullcontext())[1])
-    monkeypatch.setattr(memory, "bytes_left", lambda ptr: (current[-1] == gpu or pytest.fail(current)) and 0x10_1000 - ptr)
+    def bytes_left(ptr, device_index=None):  # asked with the mapping's device current, naming its index
+        assert current[-1] == gpu and device_index == gpu.index, (current, device_index)
+        return 0x10_1000 - ptr
+
+    monkeypatch.setattr(memory, "bytes_left", bytes_left)
     monkeypatch.setattr(memory, "QuietStream", lambda device: contextlib.nullcontext)  # no CUDA stream here
     return lambda h: memory._open_cuda_ipc(h, FIELD, torch.device("cuda", 0))
 
@@ -54,7 +58,7 @@ def test_a_storage_past_its_allocation_is_refused_naming_the_sizes(opened, offse
 
 
 def test_a_handle_whose_allocation_cannot_be_asked_is_refused(opened, monkeypatch):
-    def fails(ptr):
+    def fails(ptr, device_index=None):
         raise AllocationQueryError("cuMemGetAddressRange_v2(0x100000) failed with status 1")
     monkeypatch.setattr(memory, "bytes_left", fails)
     with pytest.raises(memory.HandleError, match="cannot check the handle's storage .* refused rather than mapped"):
@@ -270,3 +274,65 @@ def test_a_real_handle_still_mapped_claiming_more_is_refused_and_the_mapping_kep
             memory._open_cuda_ipc(bigger, FIELD, dev)
         assert torch.equal(first[:256].cpu(), torch.arange(256, dtype=torch.uint8))
         del first
+
+
+@pytest.mark.parametrize("current", [0, 0xC0FFEE], ids=["thread-without-context", "context-current"])
+def test_a_thread_without_a_context_gets_the_device_s_primary_one_first(monkeypatch, current):
+    """The driver refuses a thread with no current context (status 201); a gRPC handler thread that
+    re-opened cached IPC handles had none, and BindKV was refused (run 266). bind_context makes the
+    device's primary context current there, and leaves a current one alone."""
+    from dspark_sidecar.proto import gpu_alloc
+
+    calls = []
+
+    def get(ptr):
+        ptr._obj.value = current or None
+        return 0
+
+    def retain(ptr, index):
+        calls.append(("retain", index))
+        ptr._obj.value = 0xAB
+        return 0
+
+    def set_current(ctx):
+        calls.append(("set", ctx.value))
+        return 0
+
+    monkeypatch.setattr(gpu_alloc.torch.version, "hip", None)
+    monkeypatch.setattr(gpu_alloc, "_cuda_context_calls", lambda: (("cuCtxGetCurrent", get),
+                                                                    ("cuDevicePrimaryCtxRetain", retain),
+                                                                    ("cuCtxSetCurrent", set_current)))
+    gpu_alloc.bind_context(3)
+    assert calls == ([] if current else [("retain", 3), ("set", 0xAB)])
+
+
+def test_a_failed_context_call_is_an_allocation_query_error_naming_it(monkeypatch):
+    from dspark_sidecar.proto import gpu_alloc
+
+    def get(ptr):
+        ptr._obj.value = None
+        return 0
+
+    monkeypatch.setattr(gpu_alloc.torch.version, "hip", None)
+    monkeypatch.setattr(gpu_alloc, "_cuda_context_calls", lambda: (("cuCtxGetCurrent", get),
+                                                                    ("cuDevicePrimaryCtxRetain", lambda p, i: 101),
+                                                                    ("cuCtxSetCurrent", lambda c: 0)))
+    with pytest.raises(AllocationQueryError, match=r"cuDevicePrimaryCtxRetain\(7\) failed with status 101"):
+        gpu_alloc.bind_context(7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_fresh_thread_asks_the_driver_with_the_device_named():
+    """Run 266's BindKV: the query from a thread torch's runtime never bound. Named, the device's context
+    is made current and the allocation's extent comes back."""
+    import threading
+
+    from dspark_sidecar.proto.gpu_alloc import allocation_extent
+
+    t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:0")
+    got = []
+    th = threading.Thread(target=lambda: got.append(allocation_extent(t.data_ptr() + 100, 0)))
+    th.start()
+    th.join(30)
+    assert got and got[0][0] <= t.data_ptr() and got[0][0] + got[0][1] >= t.data_ptr() + (1 << 20), got
