@@ -19,6 +19,8 @@ on them (model.draft_step): the fork from the replay's stream and the joins are 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -207,8 +209,27 @@ class StepGraphs:
         # allocation or IPC open during the capture an error that also invalidates the capture, and
         # RPCs outside the rank lock do both (RegisterBuffers maps regions, AttachDoorbell builds its
         # Prelaunch): a second client attaching while a step captures would have cost the rank.
-        with torch.cuda.graph(g.graph, capture_error_mode="thread_local"):
+        with gc_paused(), torch.cuda.graph(g.graph, capture_error_mode="thread_local"):
             g.out = self._step(g, kv)
         self.captures += 1
         log.info("captured the draft-step graph for R=%d (%d graphs)", g.views[3].numel(), len(self._graphs) + 1)
         return out
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for the block (a CUDA graph capture), back on after it.
+
+    A collection can run at any Python allocation, and one inside a capture that frees a tensor
+    mapped from an engine's CUDA IPC handle (a replaced cache or doorbell's step, held in a reference
+    cycle) runs torch's unmap, which synchronizes the current stream: the capture's. That is
+    illegal while capturing, and the error, raised in a destructor, aborted the rank (run 267).
+    torch.cuda.graph collects once before the capture begins; what becomes garbage during it waits
+    for the next collection after it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -62,7 +62,7 @@ from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.gpu_word import DevicePointer, GpuWordOps, RegisteredPage
 from dspark_sidecar.server.config import ServeConfig
-from dspark_sidecar.server.graphs import StepGraphs
+from dspark_sidecar.server.graphs import StepGraphs, gc_paused
 from dspark_sidecar.server.validate import Step
 
 log = logging.getLogger("dspark_sidecar.server")
@@ -603,6 +603,6 @@ def _capture_graph(fn):
     """fn captured in a CUDA graph, returned as its replay. Collectives in a graph replay are not
     tracked by NCCL's watchdog; launched eagerly, a queued one waiting for an idle engine would be."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with gc_paused(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
         fn()
     return graph.replay

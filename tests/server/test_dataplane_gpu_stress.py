@@ -168,7 +168,8 @@ def _stacks(sc: SidecarProcess) -> str:
     for pid in pids:
         os.kill(pid, signal.SIGUSR1)
     time.sleep(2.0)
-    return f"SIGUSR1 sent to the rank pids {pids}; the sidecar's log:\n{sc.log_tail(250)}"
+    alive = "" if pids else " (no rank process is left: it exited or aborted, see the log)"
+    return f"SIGUSR1 sent to the rank pids {pids}{alive}; the sidecar's log:\n{sc.log_tail(250)}"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

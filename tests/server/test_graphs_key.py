@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dspark_sidecar.drafter.kv_cache import kv_planes
@@ -52,3 +53,26 @@ def test_the_in_place_graph_a_prelaunch_would_replay_reads_its_inputs_in_its_own
     graphs._graphs, graphs._kv_key = {(1, True): g}, _kv_key(kv)
     assert graphs.captured(bf16, 1, kv) is g
     assert graphs.captured(fp32, 1, kv) is None
+
+
+def test_the_collector_is_off_inside_a_capture_and_back_after_it():
+    """gc_paused: no cyclic collection inside a capture (one that freed an IPC-mapped tensor there aborted
+    the rank, run 267), the collector's state restored after it, an exception included."""
+    import gc
+
+    from dspark_sidecar.server.graphs import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="capture failed"), gc_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
