@@ -23,6 +23,11 @@ class HandleError(ValueError):
     """A memory handle cannot be exported or mapped; the message says why."""
 
 
+class HandleUncheckable(HandleError):
+    """A handle refused because this process could not check it (the driver's query failed), not
+    because of anything in it: the same handle may pass a moment later (server/errors.py: UNAVAILABLE)."""
+
+
 # Engine side: tensors allocated in named shared memory -----------------------------------------
 
 @dataclass
@@ -373,7 +378,9 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
     except (OSError, AttributeError, AllocationQueryError) as err:  # no driver library, no such symbol, a failed query
         refusal = (f"cannot check the handle's storage against the GPU allocation it opens ({err}); refused "
                    "rather than mapped unchecked")
+        error = HandleUncheckable
     else:
+        error = HandleError
         refusal = None if h.storage_size_bytes <= room else (
             f"storage_size_bytes {h.storage_size_bytes} runs past the end of the GPU allocation the handle opens "
             f"({room} bytes from storage_offset_bytes {h.storage_offset_bytes}, {room + h.storage_offset_bytes} "
@@ -384,4 +391,4 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
     # thread's is the rank's), not whenever the exception's traceback, which would hold `t`, is freed.
     with QuietStream(device)():
         del t
-    raise HandleError(f"{field}: {refusal}")
+    raise error(f"{field}: {refusal}")

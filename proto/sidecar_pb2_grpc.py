@@ -97,7 +97,10 @@ class DrafterSidecarServicer:
 
     def BindKV(self, request, context):
         """Binds (or re-binds, replacing the previous binding) the engine's draft KV cache. Each call
-        that succeeds returns a new generation; steps must name the current one.
+        that succeeds returns a new generation; steps must name the current one. A CUDA IPC handle
+        whose storage the sidecar could not check against its GPU allocation (the driver's query
+        failed) is UNAVAILABLE, reason HANDLE_UNCHECKED (try again), not INVALID_ARGUMENT; the same
+        holds for RegisterBuffers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

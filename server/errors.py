@@ -11,7 +11,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from dspark_sidecar.proto.memory import HandleError
+from dspark_sidecar.proto.memory import HandleError, HandleUncheckable
 
 log = logging.getLogger("dspark_sidecar.server")
 
@@ -62,6 +62,9 @@ def as_sidecar_error(exc: BaseException) -> SidecarError:
     """Any exception as a SidecarError; unexpected ones become INTERNAL (and are logged with a trace)."""
     if isinstance(exc, SidecarError):
         return exc
+    if isinstance(exc, HandleUncheckable):  # our failure to check it, not the engine's input: try again later
+        field, _, msg = str(exc).partition(": ")
+        return SidecarError(grpc.StatusCode.UNAVAILABLE, str(exc), field if msg else "", "HANDLE_UNCHECKED")
     if isinstance(exc, HandleError):  # a memory handle the engine sent cannot be mapped: "field: why"
         field, _, msg = str(exc).partition(": ")
         return invalid(field, msg) if msg else SidecarError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "", "INVALID_FIELD")

@@ -61,7 +61,7 @@ def test_a_handle_whose_allocation_cannot_be_asked_is_refused(opened, monkeypatc
     def fails(ptr, device_index=None):
         raise AllocationQueryError("cuMemGetAddressRange_v2(0x100000) failed with status 1")
     monkeypatch.setattr(memory, "bytes_left", fails)
-    with pytest.raises(memory.HandleError, match="cannot check the handle's storage .* refused rather than mapped"):
+    with pytest.raises(memory.HandleUncheckable, match="cannot check the handle's storage .* refused rather than mapped"):
         opened(_handle(16))
 
 
