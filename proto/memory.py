@@ -378,7 +378,8 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
     except (OSError, AttributeError, AllocationQueryError) as err:  # no driver library, no such symbol, a failed query
         refusal = (f"cannot check the handle's storage against the GPU allocation it opens ({err}); refused "
                    "rather than mapped unchecked")
-        error = HandleUncheckable
+        # A failed query may pass next time (run 266's 201); a missing library or symbol never will.
+        error = HandleUncheckable if isinstance(err, AllocationQueryError) else HandleError
     else:
         error = HandleError
         refusal = None if h.storage_size_bytes <= room else (

@@ -427,7 +427,12 @@ class RankLoop:
         if own_error is not None:
             ctx.metrics.step("refused" if own_error.reason in RANK_REFUSALS else "invalid", {})
             log.warning("rank %d: step %d refused: %s", ctx.rank, req.step_id, own_error.message)
-            raise own_error
+            try:
+                raise own_error
+            finally:  # the traceback keeps this frame: holding the error and the step here made a cycle
+                # (error -> traceback -> frame -> error) that kept the step's region views until a
+                # collection, which then freed them on whatever thread and stream it ran (helper 77)
+                own_error = step = None
         if not verdict.go:
             ctx.metrics.step("aborted", {})
             log.warning("rank %d: step %d aborted: %s", ctx.rank, req.step_id, verdict.reason)

@@ -65,6 +65,17 @@ def test_a_handle_whose_allocation_cannot_be_asked_is_refused(opened, monkeypatc
         opened(_handle(16))
 
 
+def test_a_driver_without_the_query_is_a_refusal_for_good_not_a_transient_one(opened, monkeypatch):
+    """A failed query may pass next time (UNAVAILABLE, retried); a missing library or symbol never will, so
+    it stays the plain refusal (INVALID_ARGUMENT, which the shim reads as permanent)."""
+    def missing(ptr, device_index=None):
+        raise AttributeError("libcuda.so.1: undefined symbol: cuMemGetAddressRange_v2")
+    monkeypatch.setattr(memory, "bytes_left", missing)
+    with pytest.raises(memory.HandleError, match="cannot check the handle's storage") as got:
+        opened(_handle(16))
+    assert not isinstance(got.value, memory.HandleUncheckable)
+
+
 def _export(conn, nbytes: int) -> None:
     """The engine's side, in a process of its own (a process cannot open its own IPC handles)."""
     from dspark_sidecar.proto.memory import export_handle

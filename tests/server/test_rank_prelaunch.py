@@ -178,3 +178,27 @@ def test_the_fast_path_and_the_grpc_path_check_indices_as_ever(run):
     assert run.checks == [False, "check_indices"]  # the fast path never offers: no GPU check to lean on
     run(_go(), None)
     assert run.checks == [True, "check_indices"]  # no doorbell hook: validate_step checks them itself
+
+
+@pytest.mark.parametrize("where", ["validate", "index checks"])
+def test_a_refused_step_leaves_no_reference_cycle_behind(run, where):
+    """A refused step's error, re-raised from _run, kept _run's frame in its traceback while that frame
+    held the error and the step: a cycle that kept the step's region views (GPU IPC memory on the data
+    plane) until a collection freed them, on whatever thread and stream it ran. Refcounting frees it now."""
+    import gc
+
+    from dspark_sidecar.server.errors import SidecarError
+
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        resp, _, _ = run(_go(), FakeHook(offer=(False, False), hit=False), valid=where != "validate", indices_ok=False)
+        assert resp.HasField("error")
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, SidecarError)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cyclic == [], cyclic
