@@ -224,8 +224,11 @@ def gc_paused():
     mapped from an engine's CUDA IPC handle (a replaced cache or doorbell's step, held in a reference
     cycle) runs torch's unmap, which synchronizes the current stream: the capture's. That is
     illegal while capturing, and the error, raised in a destructor, aborted the rank (run 267).
-    torch.cuda.graph collects once before the capture begins; what becomes garbage during it waits
-    for the next collection after it."""
+    So the garbage is collected first, here, where a deleter's synchronization only waits for the
+    step's own queued work (every caller captures with no pre-launched wait pending; torch.cuda.graph
+    collects only under torch.compiler.config.force_cudagraph_gc, off by default), and what becomes
+    garbage during the capture waits for the next collection after it."""
+    gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     try:

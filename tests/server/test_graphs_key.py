@@ -59,12 +59,21 @@ def test_the_collector_is_off_inside_a_capture_and_back_after_it():
     """gc_paused: no cyclic collection inside a capture (one that freed an IPC-mapped tensor there aborted
     the rank, run 267), the collector's state restored after it, an exception included."""
     import gc
+    import weakref
 
     from dspark_sidecar.server.graphs import gc_paused
 
+    class Cycle:  # garbage only a collection frees, made before the capture
+        def __init__(self):
+            self.me = self
+
+    freed = []
+    c = Cycle()
+    weakref.finalize(c, freed.append, True)
+    del c
     assert gc.isenabled()
     with gc_paused():
-        assert not gc.isenabled()
+        assert not gc.isenabled() and freed == [True]  # collected before the capture, at a safe point
     assert gc.isenabled()
     with pytest.raises(RuntimeError, match="capture failed"), gc_paused():
         raise RuntimeError("capture failed")

@@ -917,3 +917,22 @@ def test_a_queued_program_reads_the_region_not_the_step_s_private_copy(rig):
     rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
     assert _take(rig, SEQ + 2, _req(), step) is None  # not answered from the queued copy
     assert rig.gpu.flags[-1].tolist() == [FLAG_RAN, FLAG_INVALID]
+
+
+def test_prelaunch_captures_in_thread_local_mode_with_the_collector_off(monkeypatch):
+    """A collection inside a capture that freed an IPC-mapped tensor aborted the rank (run 267); another
+    thread's allocation during a global-mode capture invalidates it. Both are ruled out at the capture."""
+    import contextlib
+    import gc
+
+    seen = []
+
+    @contextlib.contextmanager
+    def graph(g, capture_error_mode="global"):
+        seen.append(capture_error_mode)
+        yield
+
+    monkeypatch.setattr(prelaunch.torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: "replayed"))
+    monkeypatch.setattr(prelaunch.torch.cuda, "graph", graph)
+    replay = prelaunch._capture_graph(lambda: seen.append(gc.isenabled()))
+    assert seen == ["thread_local", False] and gc.isenabled() and replay() == "replayed"
