@@ -361,11 +361,13 @@ class Prelaunch:
         key = ("metadata", tuple((ptr.address, nbytes, region) for ptr, nbytes, region in sources),
                tuple(v.data_ptr() for v in graph.views), exchanged, *kw.values())
 
+        views = graph.views  # the closure holds these, never the graph: a rebind drops graphs with their memory
+
         def run_metadata(warm: bool = False) -> None:
             word, src = self._word, tuple(ptr for ptr, _, _ in sources)
             if self._staging is not None:  # copied once after the wait, then read on the device
                 word, src = self._staging.stage(self._word, sources, warm=warm)
-            self._program(word, self._expect, src, graph.views, flag, mirror=self._dev_flags, warm=warm, **kw)
+            self._program(word, self._expect, src, views, flag, mirror=self._dev_flags, warm=warm, **kw)
 
         def reserve() -> tuple:  # grown before the capture, which must not allocate: the buffer it bakes in
             if self._staging is None:

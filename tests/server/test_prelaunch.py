@@ -936,3 +936,13 @@ def test_prelaunch_captures_in_thread_local_mode_with_the_collector_off(monkeypa
     monkeypatch.setattr(prelaunch.torch.cuda, "graph", graph)
     replay = prelaunch._capture_graph(lambda: seen.append(gc.isenabled()))
     assert seen == ["thread_local", False] and gc.isenabled() and replay() == "replayed"
+
+
+def test_a_layout_s_metadata_replay_holds_the_graph_s_views_not_the_graph(rig):
+    """An entry of _replays lives until the layout goes or 128 accumulate; holding the step graph itself
+    kept graphs a rebind dropped alive, with their memory pools (helper 77)."""
+    _queue(rig)
+    _serve(rig, SEQ + 2)  # the second queue: captured (the rig's capture returns run_metadata itself)
+    [(held, replay)] = [v for k, v in rig.pl._replays.items() if k[0] == "metadata"]
+    cells = [c.cell_contents for c in replay.__closure__ or ()]
+    assert rig.graphs.graph not in cells and any(c is rig.graphs.graph.views for c in cells)
