@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import faulthandler
 import gc
@@ -354,6 +355,10 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
     # before each capture, which costs tens of ms over the whole start-up heap and ~nothing after this.
     gc.collect()
     gc.freeze()
+    # Back before the interpreter's final collection: frozen objects skip it, and nanobind (Triton's
+    # bindings) then reports each of its live objects as leaked, dozens of lines that buried the
+    # launcher's own last lines in the log.
+    atexit.register(gc.unfreeze)
     late.inner = servicer
     publish("SERVING")
     log.info("rank %d: %s (backend %s, CUDA graphs %s)", rank, life.state, life.backend,

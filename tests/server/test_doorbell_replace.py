@@ -39,6 +39,9 @@ class _Loop:
     def sweep_idle(self, poke=False):
         pass
 
+    def on_device_wait(self, fn, old=None):  # a dropped pre-launch unhooks its repass (Doorbell._drop_prelaunch)
+        pass
+
     def answer_now(self, req, hook=None, answer_limit=0):  # a step that takes a while (a capture, a slow rendezvous)
         time.sleep(1.5)
         return pb.DraftStepResponse(step_id=req.step_id)
@@ -157,6 +160,9 @@ class _PL:
 
     def watch(self):
         pass
+
+    def repass(self):  # the poke the doorbell hooks and unhooks (nothing released to store again)
+        return True
 
     def after(self, seq, resp):  # QUEUE_NEXT agreed: the copy of seq+1 waits on the OLD page's word
         self.loop.stream_free.clear()
