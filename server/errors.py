@@ -62,11 +62,10 @@ def as_sidecar_error(exc: BaseException) -> SidecarError:
     """Any exception as a SidecarError; unexpected ones become INTERNAL (and are logged with a trace)."""
     if isinstance(exc, SidecarError):
         return exc
-    if isinstance(exc, HandleUncheckable):  # our failure to check it, not the engine's input: try again later
-        field, _, msg = str(exc).partition(": ")
-        return SidecarError(grpc.StatusCode.UNAVAILABLE, str(exc), field if msg else "", "HANDLE_UNCHECKED")
     if isinstance(exc, HandleError):  # a memory handle the engine sent cannot be mapped: "field: why"
         field, _, msg = str(exc).partition(": ")
+        if isinstance(exc, HandleUncheckable):  # our failure to check it, not the engine's input: try again later
+            return SidecarError(grpc.StatusCode.UNAVAILABLE, str(exc), field if msg else "", "HANDLE_UNCHECKED")
         return invalid(field, msg) if msg else SidecarError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "", "INVALID_FIELD")
     log.exception("internal error while serving a request")
     return SidecarError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "", "INTERNAL")
