@@ -26,6 +26,7 @@ from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_layer_shape
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from helpers import cycle_probe
 from helpers.engine_sim import PAGE
 from helpers.sidecar_proc import SidecarProcess
 
@@ -172,8 +173,10 @@ def _stacks(sc: SidecarProcess) -> str:
     return f"SIGUSR1 sent to the rank pids {pids}{alive}; the sidecar's log:\n{sc.log_tail(250)}"
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_gpu_random_step_walks_answer_like_grpc(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed, seed):
+@pytest.mark.parametrize("seed, probe", [(0, False), (1, False), (2, False), pytest.param(3, True, id="3-cycle-probe")])
+def test_gpu_random_step_walks_answer_like_grpc(tmp_path, monkeypatch, tiny_cfg, tiny_ckpt, tiny_embed, seed, probe):
+    """probe: the walk also checks that the rank left no tensor to the cyclic collector (helpers.cycle_probe;
+    its collections keep what they find, so a walk under it frees no cycle's IPC mapping)."""
     import grpc
 
     from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
@@ -183,10 +186,13 @@ def test_gpu_random_step_walks_answer_like_grpc(tmp_path, tiny_cfg, tiny_ckpt, t
     assert steps["C"].meta.block_tables.shape == steps["C2"].meta.block_tables.shape  # one layout, two contents
     rng = random.Random(seed)
     cycles_ms = _cycles_per_ms(dev)
+    reports_at = cycle_probe.install(tmp_path, monkeypatch) if probe else None
     with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
         stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
         eng = Engine(stub, tiny_cfg, dev, spare + 1)
         want = {k: eng.grpc(s) for k, s in steps.items()}
+        if probe:  # start-up's garbage set aside: what follows is the walk's
+            cycle_probe.collect(sc, reports_at, 1)
         assert not torch.equal(want["A"], want["A2"]) and not torch.equal(want["C"], want["C2"])
         embeds = {k: s.inputs_embeds.to(dev) for k, s in steps.items()}
         spare_then = [t[:, spare].clone() for t in eng.kv]
@@ -209,6 +215,7 @@ def test_gpu_random_step_walks_answer_like_grpc(tmp_path, tiny_cfg, tiny_ckpt, t
         final = eng.grpc(steps["B"])  # still serving; any queued step released
         torch.cuda.synchronize(dev)
         counters = stub.GetStatus(pb.GetStatusRequest(), timeout=10).counters
+        cycles = cycle_probe.collect(sc, reports_at, 2) if probe else None
         eng.bell.close()
         eng.bufs.close()
     kinds = {k: sum(1 for *_, how in got if how == k) for k in ("prelaunched", "ordinary", "grpc")}
@@ -224,6 +231,8 @@ def test_gpu_random_step_walks_answer_like_grpc(tmp_path, tiny_cfg, tiny_ckpt, t
     for old, then in eng.retired:  # nothing reaches a cache once the engine has bound another
         for t, before in zip(old, then):
             assert torch.equal(t, before), "a step wrote a replaced KV cache"
+    if probe:
+        cycle_probe.assert_none_held(cycles)
 
 
 def test_gpu_a_grpc_step_or_bind_right_after_a_layout_is_first_queued_is_answered(tmp_path, tiny_cfg, tiny_ckpt,
