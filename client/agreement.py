@@ -3,10 +3,13 @@ shared memory on one node: client/shm_agreement.py)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("dspark_sidecar.client")
 
 
 class StepAgreement(Protocol):
@@ -56,13 +59,18 @@ def all_min_ints(agree: StepAgreement, values: list[int]) -> list[int]:
 
 
 def node_agreement(group: dist.ProcessGroup | None = None, timeout_s: float = 60.0) -> StepAgreement:
-    """The agreement of a CPU group's ranks: through shared memory when they all run on this host
-    (an x86-64 one: see shm_agreement.one_node), else a gloo all-reduce (bounded by the group's own
-    timeout). Collective: every rank of the group calls it at the same point. timeout_s: how long a
-    rank waits for its peers in the shared page (EngineConfig.agreement_timeout_s)."""
-    from dspark_sidecar.client.shm_agreement import ShmAgreement, one_node
+    """The agreement of a CPU group's ranks: through a shared-memory page when they all map it (one
+    x86-64 host, one /dev/shm: shm_agreement.shared_page_agreement), else a gloo all-reduce (bounded by
+    the group's own timeout), with the reason logged. Collective: every rank of the group calls it at
+    the same point. timeout_s: how long a rank waits for its peers in the page
+    (EngineConfig.agreement_timeout_s)."""
+    from dspark_sidecar.client.shm_agreement import shared_page_agreement
 
-    return ShmAgreement(group, timeout_s) if one_node(group) else DistAgreement(group)
+    page, why = shared_page_agreement(group, timeout_s)
+    if page is not None:
+        return page
+    log.info("engine ranks agree over gloo, not a shared-memory page (hundreds of us per agreement instead of tens, BENCHMARKS runs 197-198): %s", why)
+    return DistAgreement(group)
 
 
 def agreement_from(par: object, timeout_s: float = 60.0) -> StepAgreement:

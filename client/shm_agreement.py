@@ -13,7 +13,8 @@ then the sequence.
 
 from __future__ import annotations
 
-import socket
+import platform
+import secrets
 import time
 from multiprocessing import shared_memory
 
@@ -33,30 +34,13 @@ class AgreementTimeout(RuntimeError):
 
 
 class ShmAgreement:
-    """StepAgreement (client/agreement.py) over a shared-memory page of the ranks of `group`.
+    """StepAgreement (client/agreement.py) over a shared-memory page of the ranks of a group, built by
+    shared_page_agreement (collectively); the group carried the page's name once, and nothing per step."""
 
-    Built collectively: every rank of `group` (a CPU group) constructs it at the same point; the
-    group carries the page's name once, and nothing per step.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0) -> None:
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.timeout_s = timeout_s
-        words = 2 * self.world_size * (1 + MAX_VALUES)
-        name = [None]
-        seg = None
-        if self.rank == 0:
-            seg = shared_memory.SharedMemory(create=True, size=8 * words)
-            np.ndarray((words,), np.int64, buffer=seg.buf)[:] = 0
-            name = [seg.name]
-        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        if seg is None:
-            seg = AttachedSegment(name[0])  # rank 0's, which it unlinks below
-        dist.barrier(group)
-        if self.rank == 0:
-            seg.unlink()  # every rank has it mapped: the name is no longer needed, and nothing can leak it
+    def __init__(self, seg, world_size: int, rank: int, timeout_s: float = 60.0) -> None:
+        self.world_size, self.rank, self.timeout_s = world_size, rank, timeout_s
         self._seg = seg
-        self._slots = np.ndarray((2, self.world_size, 1 + MAX_VALUES), np.int64, buffer=seg.buf)
+        self._slots = np.ndarray((2, world_size, 1 + MAX_VALUES), np.int64, buffer=seg.buf)
         self._seq = 0
 
     def all_min_ints(self, values: list[int]) -> list[int]:
@@ -88,9 +72,56 @@ class ShmAgreement:
         self._seg.close()
 
 
-def one_node(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether every rank of `group` runs on this host, and the host orders stores as written
-    (x86-64, which this page's protocol relies on). Collective: every rank must call it."""
-    hosts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, (socket.gethostname(), bell.stores_in_order()), group=group)
-    return len(set(hosts)) == 1 and hosts[0][1]
+def _write_page(buf, words: int, token: int) -> None:
+    """Zero the slots and write the token in the last word (no view kept: the segment may be closed)."""
+    page = np.ndarray((words,), np.int64, buffer=buf)
+    page[:] = 0
+    page[-1] = token
+
+
+def _token(buf, words: int) -> int:
+    return int(np.ndarray((words,), np.int64, buffer=buf)[-1])
+
+
+def shared_page_agreement(group: dist.ProcessGroup | None = None,
+                          timeout_s: float = 60.0) -> tuple[ShmAgreement | None, str]:
+    """(the page's agreement, "") when every rank of `group` maps the one page rank 0 made and its host
+    orders stores as written (x86-64: the protocol relies on it); else (None, why), and the caller keeps
+    gloo. Collective: every rank of `group` (a CPU group) calls it at the same point.
+
+    What is checked is what the page needs: not a host name (two containers, or two machines, may share
+    one), but that each rank opens rank 0's segment by name and reads back the token rank 0 wrote in it.
+    Ranks on other hosts, or in containers each with its own /dev/shm, fail that and keep gloo."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    words = 2 * world * (1 + MAX_VALUES) + 1  # the slots, then the token
+    seg, offer, why = None, [None, 0], ""
+    if not bell.stores_in_order():
+        why = f"{platform.machine()} may show other processes its stores out of order"
+    elif rank == 0:
+        try:
+            seg = shared_memory.SharedMemory(create=True, size=8 * words)
+        except OSError as err:  # /dev/shm full or missing: the peers still hear of it (None), no hang
+            why = f"cannot create the page: {err}"
+        else:
+            offer = [seg.name, secrets.randbits(62) + 1]
+            _write_page(seg.buf, words, offer[1])
+    dist.broadcast_object_list(offer, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    name, token = offer
+    if rank != 0 and not why and name is not None:  # (name None: rank 0 gives its own reason)
+        try:
+            seg = AttachedSegment(name)
+        except (OSError, ValueError) as err:  # another host, or another /dev/shm: FileNotFoundError
+            why = f"cannot open rank 0's page {name}: {err}"
+        else:
+            if seg.size < 8 * words or _token(seg.buf, words) != token:
+                why = f"{name} here is not rank 0's page (another /dev/shm with a segment of that name)"
+    verdicts: list = [None] * world
+    dist.all_gather_object(verdicts, why, group=group)  # also: every rank has mapped it, or given up
+    if rank == 0 and seg is not None:
+        seg.unlink()  # the name is no longer needed, and nothing can leak it
+    refusals = [f"rank {r}: {w}" for r, w in enumerate(verdicts) if w]
+    if refusals:
+        if seg is not None:
+            seg.close()
+        return None, "; ".join(refusals)
+    return ShmAgreement(seg, world, rank, timeout_s), ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 import platform
@@ -69,13 +70,19 @@ _PR_SET_TIMERSLACK = 29
 _slack = threading.local()
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """One handle for the process: each CDLL builds a reference cycle (its function-pointer type), which
+    a new one per doorbell thread left to the cyclic collector (run 270's probe)."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def lower_timer_slack() -> None:
     """Make this thread's short sleeps short (prctl PR_SET_TIMERSLACK = 1 us); Linux only, once per thread."""
     if getattr(_slack, "done", False) or not sys.platform.startswith("linux"):
         return
     _slack.done = True
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0) != 0:
+    if _libc().prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_TIMERSLACK) failed")
 
 

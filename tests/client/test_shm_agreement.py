@@ -7,7 +7,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from dspark_sidecar.client.shm_agreement import MAX_VALUES, ShmAgreement
-from helpers.agreement_ranks import free_port, ranks, stalling
+from helpers.agreement_ranks import apart, free_port, ranks, stalling
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_gets_the_element_wise_minimum_of_all_ranks(world):
@@ -33,17 +33,36 @@ def test_too_many_values_are_refused_before_anything_is_written():
 
 def test_only_ranks_on_one_x86_host_share_a_page(tmp_path, monkeypatch):
     """The page's protocol relies on stores being seen in the order written (x86-64); elsewhere the
-    ranks keep gloo. One rank in a group of its own: its host is trivially everyone's."""
+    ranks keep gloo, told why. One rank in a group of its own: its page is trivially everyone's."""
     import platform
 
     import torch.distributed as dist
 
-    from dspark_sidecar.client.shm_agreement import one_node
+    from dspark_sidecar.client.shm_agreement import shared_page_agreement
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         for machine, same in (("x86_64", True), ("AMD64", True), ("aarch64", False), ("arm64", False)):
             monkeypatch.setattr(platform, "machine", lambda m=machine: m)
-            assert one_node() is same, machine
+            page, why = shared_page_agreement()
+            assert (page is not None) is same, (machine, why)
+            if page is None:
+                assert why == f"rank 0: {machine} may show other processes its stores out of order", why
+            else:
+                assert why == "" and page.all_min_ints([4, -2]) == [4, -2]
+                page.close()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("how", ["missing", "other"])
+def test_ranks_that_cannot_map_rank_0_s_page_keep_gloo_and_leave_no_segment(how):
+    """Not a host name but the page itself decides: ranks on two hosts that share a name, or in
+    containers each with its own /dev/shm, cannot open rank 0's segment, or open another of that name."""
+    import os
+
+    errors, names = mp.get_context("spawn").SimpleQueue(), mp.get_context("spawn").SimpleQueue()
+    mp.spawn(apart, args=(free_port(), how, errors, names), nprocs=2, join=True)
+    assert errors.empty(), errors.get()
+    name = names.get()
+    assert not os.path.exists(f"/dev/shm/{name}"), f"rank 0's page {name} was left in /dev/shm"

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from dspark_sidecar.client.agreement import DistAgreement, agreement_from, all_min_ints
-from dspark_sidecar.client.shm_agreement import AgreementTimeout, ShmAgreement
+from dspark_sidecar.client import shm_agreement
+from dspark_sidecar.client.shm_agreement import AgreementTimeout, ShmAgreement, shared_page_agreement
 
 ROUNDS = 400
 
@@ -50,7 +51,8 @@ def ranks(rank: int, world: int, port: int, seed: int, errors) -> None:
 
 def stalling(rank: int, port: int, errors) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    agree = ShmAgreement(timeout_s=0.5)
+    agree, why = shared_page_agreement(timeout_s=0.5)
+    assert agree is not None, why
     assert agree.all_min_ints([rank]) == [0]
     if rank == 0:
         try:
@@ -59,3 +61,36 @@ def stalling(rank: int, port: int, errors) -> None:
             errors.put(str(exc))
     dist.barrier()  # rank 1 waits here until rank 0 has given up
     dist.destroy_process_group()
+
+
+def apart(rank: int, port: int, how: str, errors, names) -> None:
+    """Rank 1 cannot share rank 0's page: `how` = "missing" (another host, or another /dev/shm: the name
+    opens nothing) or "other" (a segment of that name that is not rank 0's). Both ranks must keep gloo,
+    and the gloo agreement must still answer. Rank 1 puts the page's name (from its reason) on `names`."""
+    from multiprocessing import shared_memory
+
+    from dspark_sidecar.client.agreement import node_agreement
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        if rank == 1:
+            def elsewhere(name):
+                if how == "missing":
+                    raise FileNotFoundError(2, "No such file or directory", f"/dev/shm/{name}")
+                own = shared_memory.SharedMemory(create=True, size=4096)  # zeros: no token
+                own.unlink()
+                return own
+            shm_agreement.AttachedSegment = elsewhere
+        page, why = shared_page_agreement()
+        assert page is None, "a page was shared with a rank that cannot see it"
+        want = "cannot open rank 0's page" if how == "missing" else "is not rank 0's page"
+        assert why.startswith("rank 1: ") and want in why, why
+        if rank == 1:
+            names.put(next(w for w in why.replace(":", " ").split() if w.startswith("psm_")))
+        agree = node_agreement()
+        assert isinstance(agree, DistAgreement), type(agree)
+        assert all_min_ints(agree, [rank, 10 - rank]) == [0, 9]
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001  (reported to the test, which fails with it)
+        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
