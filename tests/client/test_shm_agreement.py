@@ -55,6 +55,25 @@ def test_only_ranks_on_one_x86_host_share_a_page(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
+def test_a_page_rank_0_cannot_create_is_a_reason_not_an_exception(tmp_path, monkeypatch):
+    """Rank 0 raising before the broadcast would leave its peers waiting in it for gloo's timeout."""
+    import torch.distributed as dist
+
+    from dspark_sidecar.client import shm_agreement
+
+    def full(**_kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm_agreement.shared_memory, "SharedMemory", full)
+    monkeypatch.setattr(shm_agreement.bell, "stores_in_order", lambda: True)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        page, why = shm_agreement.shared_page_agreement()
+    finally:
+        dist.destroy_process_group()
+    assert page is None and why == "rank 0: cannot create the page: [Errno 28] No space left on device", why
+
+
 @pytest.mark.parametrize("how", ["missing", "other"])
 def test_ranks_that_cannot_map_rank_0_s_page_keep_gloo_and_leave_no_segment(how):
     """Not a host name but the page itself decides: ranks on two hosts that share a name, or in
