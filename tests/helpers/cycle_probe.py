@@ -8,6 +8,7 @@ tensor it frees synchronizes that thread's current stream, perhaps the rank's, b
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -29,7 +30,11 @@ def _report(signum, frame):
     types = collections.Counter(type(o).__module__ + "." + type(o).__qualname__ for o in new)
     out = {"tensors": [[list(o.shape), str(o.device)] for o in new if isinstance(o, torch.Tensor)],
            "frames": sorted({f"{o.f_code.co_filename}:{o.f_code.co_name}" for o in new if type(o).__name__ == "frame"}),
-           "types": types.most_common(30)}
+           "types": types.most_common(30),
+           "ours": collections.Counter("torch.Tensor" if isinstance(o, torch.Tensor) else type(o).__module__ + "." +
+                                       type(o).__qualname__ for o in gc.get_objects() if isinstance(o, torch.Tensor)
+                                       or type(o).__module__.startswith("dspark_sidecar.")
+                                       and not type(o).__module__.endswith("_pb2"))}
     with open(os.environ["DSPARK_TEST_CYCLES_OUT"] + f".{os.getpid()}", "a") as f:
         f.write(json.dumps(out) + "\\n")
 signal.signal(signal.SIGUSR2, _report)
@@ -49,7 +54,9 @@ def install(tmp_path: Path, monkeypatch) -> Path:
 
 def collect(sc: SidecarProcess, out: Path, n: int) -> list[dict]:
     """SIGUSR2 to each rank; its n-th report, rank by rank: {"tensors": [[shape, device]], "frames":
-    [file:function], "types": [[type, count]]} of the garbage its collector found since report n-1."""
+    [file:function], "types": [[type, count]]} of the garbage its collector found since report n-1, and
+    "ours": {type: count} of the tensors and the project's objects (its messages aside) alive then,
+    outside the heap `serve` froze at start-up."""
     pids = sc.rank_pids()
     assert pids, f"no rank process:\n{sc.log_tail()}"
     for pid in pids:
@@ -63,6 +70,11 @@ def collect(sc: SidecarProcess, out: Path, n: int) -> list[dict]:
         assert len(lines) >= n, f"rank pid {pid} wrote no report {n} (is the probe loaded?):\n{sc.log_tail()}"
         reports.append(json.loads(lines[n - 1]))
     return reports
+
+
+def growth(before: list[dict], after: list[dict]) -> list[dict]:
+    """Per rank, the tensors and project types ("ours") of which more were alive at a later report."""
+    return [dict(collections.Counter(b["ours"]) - collections.Counter(a["ours"])) for a, b in zip(before, after)]
 
 
 def assert_none_held(reports: list[dict]) -> None:

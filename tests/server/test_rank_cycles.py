@@ -1,10 +1,13 @@
 """A sidecar rank frees what its steps, bindings and buffers held by reference counting, not through a
 cyclic collection: on a GPU such a collection may run on any thread, and torch's unmap of a CUDA IPC
 tensor it frees synchronizes that thread's current stream, possibly behind a pre-launched wait (session
-37's note). Run against a real CPU sidecar with helpers.cycle_probe; the GPU paths (pre-launched steps,
+37's note). Nor does it keep anything per step: no more tensors or project objects are alive after
+more rounds of steps. Run against a real CPU sidecar with helpers.cycle_probe; the GPU paths (pre-launched steps,
 graphs) under the same probe: test_dataplane_gpu_stress.py."""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import pytest
@@ -22,7 +25,7 @@ LENS = ([5, 40], [300, 3, 90], [17])
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_steps_rebinds_refusals_and_released_buffers_leave_no_tensor_to_the_collector(
+def test_steps_rebinds_refusals_and_released_buffers_leave_nothing_to_the_collector_nor_behind(
         tmp_path, monkeypatch, tiny_cfg, tiny_ckpt, tiny_embed, tp):
     out = cycle_probe.install(tmp_path, monkeypatch)
     pages = max(sum(scenario.pages_needed(c + 7, PAGE) for c in lens) for lens in LENS) + 2
@@ -49,7 +52,8 @@ def test_steps_rebinds_refusals_and_released_buffers_leave_no_tensor_to_the_coll
 
         bufs = [StepBuffers(eng.stubs[r], tiny_cfg.hidden_size, 8, 64, torch.float32, cpu) for r in range(tp)]
         bells = [DoorbellChannel(eng.stubs[r], cpu) for r in range(tp)]
-        for round_ in range(2):
+        reports = []
+        for round_ in range(5):
             for step in steps:
                 assert all(x is not None and x.HasField("hidden_states") for x in ring_all(bufs, bells, step))
                 step_id += 1
@@ -70,9 +74,15 @@ def test_steps_rebinds_refusals_and_released_buffers_leave_no_tensor_to_the_coll
                 b.close()
             bells = new_bells
             bufs = [StepBuffers(eng.stubs[r], tiny_cfg.hidden_size, 8, 64, torch.float32, cpu) for r in range(tp)]
+            if round_ in (0, 4):
+                time.sleep(0.5)  # the last RPCs' server side ends (their state is not the rank's)
+                reports.append(cycle_probe.collect(sc, out, 2 + len(reports)))
         assert all(x is not None and x.HasField("hidden_states") for x in ring_all(bufs, bells, steps[2]))
-        reports = cycle_probe.collect(sc, out, 2)
         for b in bells + bufs:
             b.close()
         eng.close()
-    cycle_probe.assert_none_held(reports)
+    for rep in reports:
+        cycle_probe.assert_none_held(rep)
+    # Nor does a rank keep anything per step: after 4 more rounds of 10 steps, re-binds, attaches and
+    # registrations, no more tensors or project objects are alive than after the first.
+    assert cycle_probe.growth(*reports) == [{}] * tp, cycle_probe.growth(*reports)
