@@ -12,7 +12,6 @@ before the walk (every case writes only its own block rows, so its answer does n
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import signal
@@ -22,11 +21,10 @@ import pytest
 import torch
 
 from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
-from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_layer_shape
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from helpers import cycle_probe
+from helpers import cycle_probe, walk_cases
 from helpers.engine_sim import PAGE
 from helpers.sidecar_proc import SidecarProcess
 
@@ -34,10 +32,6 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA/ROCm GPU", allow_module_level=True)
 
-# name -> (context lens, owner of its pages, seed of its embeddings). A2 is A's metadata with other
-# embeddings and C2 is C's layout (shapes) with other positions and pages: same launch key, new contents.
-CASES = {"A": ([5, 40], "A", 1), "A2": ([5, 40], "A", 2), "B": ([4096 + 20, 3, 90], "B", 3),
-         "C": ([17], "C", 4), "C2": ([20], "C2", 5)}
 # The engine GPU's lag behind its host at a ring (ms) and how often. 7 ms is past serve's --prelaunch-behind-ms
 # default (5): a cooldown, which 8 on-time steps in a row end; rarer than that, or pre-launch would stay off.
 LAGS_MS, LAG_WEIGHTS = (0.0, 0.3, 1.0, 3.0, 7.0), (70, 12, 10, 6, 2)
@@ -51,28 +45,6 @@ def _bind(stub, kv: list[torch.Tensor], dev: torch.device) -> pb.BindKVResponse:
     facts = pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1, speculative_method="dspark",
                            num_speculative_tokens=7, device=str(dev))
     return stub.BindKV(bind_request(kv, facts), timeout=30)
-
-
-def _cases(cfg, embed) -> tuple[dict, int]:
-    """Each case's StepInputs on pages of its own (A2 shares A's), and the first page no case owns."""
-    owners = {own for _, own, _ in CASES.values()}
-    need = {own: max(sum(scenario.pages_needed(c + 7, PAGE) for c in lens)
-                     for lens, o, _ in CASES.values() if o == own) for own in owners}
-    base, at = {}, 0
-    for own in sorted(owners):
-        base[own], at = at, at + need[own]
-    steps = {}
-    for name, (lens, own, seed) in CASES.items():
-        if own != name:  # A2: A's step (its metadata), other embeddings
-            g = torch.Generator().manual_seed(seed)
-            steps[name] = dataclasses.replace(steps[own], inputs_embeds=torch.randn(steps[own].inputs_embeds.shape,
-                                                                                     generator=g))
-            continue
-        st = scenario.random_step(cfg, lens, PAGE, need[own], embed, seed=seed)
-        m = st.meta
-        steps[name] = dataclasses.replace(st, meta=StepMetadata(m.seq_lens, m.block_tables + base[own],
-                                                                m.slot_mapping + base[own] * PAGE))
-    return steps, at
 
 
 class Engine:
@@ -182,7 +154,7 @@ def test_gpu_random_step_walks_answer_like_grpc(tmp_path, monkeypatch, tiny_cfg,
     from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
     dev = torch.device("cuda", 0)
-    steps, spare = _cases(tiny_cfg, tiny_embed)
+    steps, spare = walk_cases.cases(tiny_cfg, tiny_embed)
     assert steps["C"].meta.block_tables.shape == steps["C2"].meta.block_tables.shape  # one layout, two contents
     rng = random.Random(seed)
     cycles_ms = _cycles_per_ms(dev)
@@ -200,7 +172,7 @@ def test_gpu_random_step_walks_answer_like_grpc(tmp_path, monkeypatch, tiny_cfg,
         case = "A"
         for i in range(STEPS):
             if rng.random() < 0.25:  # else the engine repeats its layout, which queues the next step
-                case = rng.choice(list(CASES))
+                case = rng.choice(list(walk_cases.CASES))
             op = rng.choices(("ring", "grpc", "bad", "rebind", "new_cache", "reattach"),
                              (80, 6, 5, 3, 3, 3))[0]
             lag = rng.choices(LAGS_MS, LAG_WEIGHTS)[0]
@@ -246,7 +218,7 @@ def test_gpu_a_grpc_step_or_bind_right_after_a_layout_is_first_queued_is_answere
     from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
     dev = torch.device("cuda", 0)
-    steps, spare = _cases(tiny_cfg, tiny_embed)
+    steps, spare = walk_cases.cases(tiny_cfg, tiny_embed)
     with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
         stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
         eng = Engine(stub, tiny_cfg, dev, spare + 1)
@@ -284,7 +256,7 @@ def test_gpu_step_graphs_capture_while_another_client_registers_and_attaches(tmp
     from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
     dev = torch.device("cuda", 0)
-    steps, spare = _cases(tiny_cfg, tiny_embed)
+    steps, spare = walk_cases.cases(tiny_cfg, tiny_embed)
     with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
         stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
         eng = Engine(stub, tiny_cfg, dev, spare + 1)
