@@ -24,7 +24,7 @@ from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from helpers import walk_cases
+from helpers import cycle_probe, walk_cases
 from helpers.engine_sim import PAGE, EngineSim
 from helpers.sidecar_proc import SidecarProcess
 
@@ -77,10 +77,12 @@ class Plane:
         self.bufs.close()
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_tp2_random_step_walk_answers_like_grpc_and_ranks_never_run_a_step_apart(tmp_path, tiny_cfg, tiny_ckpt,
-                                                                                 tiny_embed, seed):
+@pytest.mark.parametrize("seed, probe", [(0, False), pytest.param(1, True, id="1-cycle-probe")])
+def test_tp2_random_step_walk_answers_like_grpc_and_ranks_never_run_a_step_apart(tmp_path, monkeypatch, tiny_cfg,
+                                                                                 tiny_ckpt, tiny_embed, seed, probe):
+    """probe: the ranks also leave no tensor or frame to the cyclic collector (helpers.cycle_probe)."""
     steps, spare = walk_cases.cases(tiny_cfg, tiny_embed)
+    reports_at = cycle_probe.install(tmp_path, monkeypatch) if probe else None
     rng = random.Random(seed)
     with SidecarProcess(tmp_path, tp=TP, checkpoint=tiny_ckpt) as sc, ThreadPoolExecutor(TP) as pool:
         eng = EngineSim(tiny_cfg, [sc.socket(r) for r in range(TP)], spare + 1, torch.float32)
@@ -89,6 +91,8 @@ def test_tp2_random_step_walk_answers_like_grpc_and_ranks_never_run_a_step_apart
         want = {k: [codec.from_tensor_ref(x.hidden_states, "h") for x in eng.step_all(next(sid), st)]
                 for k, st in steps.items()}
         planes = [Plane(eng, r) for r in range(TP)]
+        if probe:  # start-up's garbage set aside
+            cycle_probe.collect(sc, reports_at, 1)
         log, seen = [], {op: 0 for op in OPS}
         case = "A"
         for i in range(STEPS):
@@ -145,9 +149,12 @@ def test_tp2_random_step_walk_answers_like_grpc_and_ranks_never_run_a_step_apart
                 assert torch.equal(res[1], want[case][r]), f"{where}: rank {r}'s answer differs from gRPC's"
         final = eng.step_all(next(sid), steps["B"])  # still serving
         assert all(torch.equal(codec.from_tensor_ref(x.hidden_states, "h"), w) for x, w in zip(final, want["B"]))
+        cycles = cycle_probe.collect(sc, reports_at, 2) if probe else None
         spare_rows = [[t.tensor[:, spare].clone() for t in eng.kv[r]] for r in range(TP)]  # before the unmap
         for p in planes:
             p.close()
         eng.close()
     assert all(not torch.any(x) for rows in spare_rows for x in rows), "a refused step wrote the spare page"
     assert all(seen[op] for op in OPS), f"the walk left out ops: {seen}"
+    if probe:
+        cycle_probe.assert_none_held(cycles)
