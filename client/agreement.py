@@ -69,7 +69,8 @@ def node_agreement(group: dist.ProcessGroup | None = None, timeout_s: float = 60
     page, why = shared_page_agreement(group, timeout_s)
     if page is not None:
         return page
-    log.info("engine ranks agree over gloo, not a shared-memory page (hundreds of us per agreement instead of tens, BENCHMARKS runs 197-198): %s", why)
+    # Over gloo an agreement takes hundreds of us instead of tens (BENCHMARKS.md runs 197-198): worth a line.
+    log.info("engine ranks agree over gloo, not a shared-memory page: %s", why)
     return DistAgreement(group)
 
 
