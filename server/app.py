@@ -398,8 +398,10 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
         stage[0] = "the FlyDSL fast path"
         fast.close()
     stage[0] = "the rendezvous"
-    rendezvous.close()
-    board.close()
+    if rendezvous.close():
+        board.close()
+    else:
+        board.unlink()  # a thread still reads it: its mapping goes with the process (Rendezvous.close)
     stage[0] = f"destroying the {dist.get_backend()} process group"
     dist.destroy_process_group()
     log.info("rank %d: stopped", rank)

@@ -227,6 +227,8 @@ class Rendezvous:
         self._seq = 0
         self._coordinator: Coordinator | None = None
         self._coordinator_gone = False
+        # agree() calls under way: the rank loop's lock serializes them, close() (another thread) only reads.
+        self._waiting = 0
         # Whether rank 0's process has exited (PeerProcesses: only once it was seen alive from here).
         self._peers = PeerProcesses(board, rank)
         # Before any step: the ranks' start-up barrier follows (server/app.py). The start time first: a
@@ -238,6 +240,13 @@ class Rendezvous:
             self._coordinator.start()
 
     def agree(self, post: Post) -> Verdict:
+        self._waiting += 1
+        try:
+            return self._agree(post)
+        finally:
+            self._waiting -= 1
+
+    def _agree(self, post: Post) -> Verdict:
         if self.board.world == 1:  # nobody to disagree with
             late = post.expires_ns and time.monotonic_ns() > post.expires_ns
             reason = INVALID if not post.valid else DEADLINE if late else 0
@@ -267,7 +276,7 @@ class Rendezvous:
                 if before == ring[i, 0] == rec[0] and rec[0] % 2 == 0 and rec[col] == seq:
                     go = rec[2] == GO
                     return Verdict.agreed(bool(go),
-                                          "" if go else format_reason(int(rec[1]), int(rec[3]), int(rec[4]),
+                                          "" if go else format_reason(int(rec[1]) % (1 << 64), int(rec[3]), int(rec[4]),
                                                                       self.deadline_ms),
                                           int(rec[5]), int(rec[6]))
             if closed:
@@ -295,9 +304,27 @@ class Rendezvous:
                                    f"{self.fatal_after_s + self.deadline_ms / 1e3:.1f} s")
             time.sleep(self.nap_s)  # never a busy spin: see proto/doorbell.py
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.5) -> bool:
+        """Stop rank 0's coordinator; whether the board may now be unmapped (Board.close).
+
+        Not while a step still waits in agree(): the rank's teardown leaves a step it gave up on to the
+        process exit, and that thread reads the board every nap, so unmapping under it was a segfault
+        at what should be a clean stop (a --rendezvous-ms past the teardown's ~15 s, or a wedged
+        coordinator). Rank 0's waiters see CLOSED and leave within a nap; a peer's wait only ends with
+        rank 0's. Nor while the coordinator thread outlived its join. The caller then only unlinks,
+        and the mapping goes with the process."""
         if self._coordinator is not None:
             self._coordinator.stop()
+        until = time.monotonic() + wait_s
+        while self._waiting and time.monotonic() < until:
+            time.sleep(0.005)
+        busy = [what for what, yes in (("a step waiting for its verdict", self._waiting),
+                                       ("the coordinator thread", self._coordinator is not None
+                                        and self._coordinator.is_alive())) if yes]
+        if busy:
+            log.warning("rank %d: the rendezvous board stays mapped until this process exits: %s still reads it",
+                        self.rank, " and ".join(busy))
+        return not busy
 
 
 class PeerProcesses:

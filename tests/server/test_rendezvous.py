@@ -135,7 +135,35 @@ def test_step_ids_and_generations_past_2_63_are_agreed_like_any_other(ranks):
     out = agree_all(ranks, {r: Post(big, gen, 3, 99, True) for r in range(WORLD)})
     assert all(v.go for v, _ in out.values())
     out = agree_all(ranks, {r: Post(big - (r == 1), gen, 3, 99, True) for r in range(WORLD)})
-    assert all(not v.go and "step" in v.reason for v, _ in out.values())
+    # named as the engine sent it, not as the board's int64 word (-1)
+    assert all(not v.go and v.reason.startswith(f"step {big}: ranks disagree on the step id") for v, _ in out.values())
+
+
+@pytest.mark.parametrize("waiter", [0, 1])
+def test_a_board_is_not_unmapped_under_a_step_still_waiting_for_its_verdict(waiter):
+    """A rank's teardown leaves a step it gave up on to the process exit (rank.py); that thread still reads
+    the board every nap, and unmapping it under the thread was a segfault at a clean stop. Rank 0's waiter
+    leaves once its coordinator has stopped (CLOSED); a peer's wait ends only with rank 0's."""
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    rdv = [Rendezvous(boards[r], r, 30_000) for r in range(2)]  # a deadline past any teardown
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("v", rdv[waiter].agree(Post(5, 1, 1, 9, True))))
+    t.start()
+    time.sleep(0.2)  # posted and waiting: its peer never posts
+    try:
+        if waiter == 1:
+            assert rdv[1].close(wait_s=0.2) is False  # its wait goes on: the board must stay mapped
+            assert t.is_alive()
+        assert rdv[0].close() is True  # the coordinator stopped; rank 0 has nobody waiting now
+        t.join(5)
+        assert not t.is_alive(), "the waiting step did not end with the coordinator"
+        assert not out["v"].go and "rank 0's coordinator has stopped" in out["v"].reason, out["v"]
+        assert rdv[1].close() is True
+    finally:
+        t.join(5)
+        boards[1].close()
+        boards[0].close()
 
 
 def test_a_peer_that_stops_beating_is_seen_silent_by_the_others_and_back_when_it_beats(ranks):
