@@ -273,10 +273,15 @@ class MemoryBindings:
     def claim_page(self, page: MappedMemory, nbytes: int) -> None:
         """AttachDoorbell: the page's first `nbytes` bytes (the header and both message areas: what the
         doorbell reads and writes, not the rest of what the handle maps) are the doorbell's until
-        release_page(page); INVALID_ARGUMENT `page` where they overlap the bound cache or a region."""
+        release_page(page); INVALID_ARGUMENT `page` where they overlap the bound cache, a region or a page
+        still attached."""
         span = _Span.bytes_of(page, min(nbytes, page.nbytes))
         with self._lock:
-            _refuse_overlap("page", "the doorbell page", span, self._kv_layers() + self._regions_spans())
+            # A page still attached too: its doorbell marks it CLOSED as it stops, under the new one serving
+            # it (the engine then takes a step still running for settled), and a ring in between is served twice.
+            attached = [("the page of a doorbell still attached (until its thread has stopped)", s)
+                        for s in self._pages.values()]
+            _refuse_overlap("page", "the doorbell page", span, self._kv_layers() + self._regions_spans() + attached)
             self._pages[page] = span
 
     def release_page(self, page: MappedMemory) -> None:

@@ -243,3 +243,36 @@ def test_an_engine_whose_doorbell_another_client_replaced_is_told_at_its_next_ri
         for ch in (engine, other):
             if ch is not None:
                 ch.close()
+
+
+def test_the_page_of_a_doorbell_still_attached_is_refused_and_that_doorbell_serves_on(tmp_path):
+    """Attaching the very page in use again (a client's retry after a timeout, a tool) was accepted: the old
+    doorbell then marked the page CLOSED as it stopped, under the new one serving it, so the engine took a
+    step the new one still ran for settled (helper 79). A new page replaces a doorbell; the same one is refused."""
+    import grpc
+
+    from dspark_sidecar.client.dataplane import DoorbellChannel
+    from dspark_sidecar.server.errors import SidecarError
+
+    svc = _svc(tmp_path, _QuickLoop())
+    sent = []
+
+    def attach(req, timeout=None):
+        sent.append(req)
+        return svc.AttachDoorbell(req, CTX)
+
+    engine = DoorbellChannel(SimpleNamespace(AttachDoorbell=attach), torch.device("cpu"), capacity=CAP, gpu_word=False)
+    try:
+        engine.send(pb.DraftStepRequest(step_id=1))
+        assert engine.wait(1, 5.0).step_id == 1
+        first = svc.doorbell
+        with pytest.raises(SidecarError) as refused:
+            svc.AttachDoorbell(sent[0], CTX)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and refused.value.field == "page"
+        assert "a doorbell still attached" in str(refused.value), refused.value
+        assert svc.doorbell is first and first.is_alive() and not engine.closed_by_sidecar
+        engine.send(pb.DraftStepRequest(step_id=2))
+        assert engine.wait(2, 5.0).step_id == 2 and not engine.closed_by_sidecar
+    finally:
+        svc.close_doorbell()
+        engine.close()
