@@ -170,15 +170,23 @@ class Waker:
         try:
             self.path = path
             # The read end, plus a write end of our own: with no writer a FIFO reads as EOF, which
-            # select() reports as readable forever.
+            # poll() reports as readable forever.
             self._r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
             self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
             # 0660 whatever the umask (mkfifo's mode is narrowed by it): the engine, of the socket
             # folder's group, must open it for writing. Through the descriptor: the FIFO just made.
             os.fchmod(self._r, 0o660)
         except OSError:
+            for fd in (getattr(self, "_r", None), getattr(self, "_w", None)):
+                if fd is not None:
+                    os.close(fd)
             os.unlink(path)
             raise
+        # poll, not select: select refuses a descriptor past 1023 (ValueError), which a rank reaches with
+        # NCCL, gRPC and CUDA's descriptors under a raised limit (the systemd unit's LimitNOFILE=65536);
+        # the doorbell thread then died at its first idle nap, at every attach (helper 79).
+        self._poll = select.poll()
+        self._poll.register(self._r, select.POLLIN)
 
     def sleep(self, page: Page, rung, timeout_s: float) -> None:
         """Block until a wake byte, `rung()` or the timeout (at most MISSED_WAKE_S).
@@ -190,7 +198,7 @@ class Waker:
         page.words[ASLEEP] = 1
         try:
             if not rung():
-                select.select([self._r], [], [], min(timeout_s, MISSED_WAKE_S))
+                self._poll.poll(min(timeout_s, MISSED_WAKE_S) * 1e3)  # ms
                 self._drain()
         finally:
             page.words[ASLEEP] = 0

@@ -149,7 +149,7 @@ def test_a_wake_pipe_whose_sidecar_is_gone_is_not_an_error(tmp_path):
     ringer.close()
 
 
-def test_waker_sets_the_flag_while_it_sleeps_and_sees_a_ring_first(tmp_path, monkeypatch):
+def test_waker_sets_the_flag_while_it_sleeps_and_sees_a_ring_first(tmp_path):
     p = _page()
     waker = bell.Waker(str(tmp_path / "w"))
     seen = []
@@ -157,14 +157,14 @@ def test_waker_sets_the_flag_while_it_sleeps_and_sees_a_ring_first(tmp_path, mon
     assert seen == [1] and p.word(bell.ASLEEP) == 0  # the flag is up before it looks at the ring again
     # Rung already: no wait at all. A wall-clock bound cannot tell (every wait is capped at
     # MISSED_WAKE_S, 2 ms), so count the waits on the FIFO instead.
-    real_select = bell.select.select
-    waits = []
+    real_poll, waits = waker._poll, []
 
-    def counting_select(*a):
-        waits.append(a)
-        return real_select(*a)
+    class CountingPoll:
+        def poll(self, *a):
+            waits.append(a)
+            return real_poll.poll(*a)
 
-    monkeypatch.setattr(bell.select, "select", counting_select)
+    waker._poll = CountingPoll()
     waker.sleep(p, lambda: False, 0.001)
     assert len(waits) == 1  # the counter sees a wait when there is one
     waker.sleep(p, lambda: True, 5.0)
@@ -233,3 +233,38 @@ def test_every_size_up_to_the_capacity_lands_whole_in_either_area_and_nothing_pa
     assert p.read(p.resp_area, bell.RESP_LEN) == data and p.word(bell.RESP_LEN) == size
     assert bytes(p.resp_area[size:]) == b"\xbb" * (64 - size) and p.word(bell.RESP_SEQ) == 2
     assert p.read(p.req_area, bell.REQ_LEN) == data  # the answer's write left the request alone
+
+
+def test_a_wake_fifo_past_descriptor_1023_still_sleeps_and_wakes(tmp_path):
+    """select() refuses a descriptor past 1023 (ValueError), which a rank reaches with NCCL's, gRPC's and
+    CUDA's descriptors under a raised limit (the systemd unit's LimitNOFILE=65536): the doorbell thread
+    died at its first idle nap, at every attach (helper 79). The Waker polls instead."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1100 <= hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1100, hard))
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1100:  # no descriptor past 1023 here: nothing to break
+        pytest.skip(f"this host allows {hard} open descriptors, too few for one past 1023")
+    held, waker, ringer = [], None, None
+    try:
+        while not held or held[-1] < 1030:  # the FIFO's descriptors come after these
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        path = str(tmp_path / "w")
+        waker, ringer = bell.Waker(path), bell.Ringer(path)
+        assert waker._r > 1023
+        p = _page()
+        t = time.perf_counter()
+        waker.sleep(p, lambda: False, 0.01)  # no byte: the timeout (capped at MISSED_WAKE_S)
+        p.words[bell.ASLEEP] = 1
+        assert ringer.wake_if_asleep(p)
+        waker.sleep(p, lambda: False, 1.0)  # the byte: at once
+        assert time.perf_counter() - t < 0.5 and p.word(bell.ASLEEP) == 0
+    finally:
+        for x in (ringer, waker):
+            if x is not None:
+                x.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
