@@ -251,6 +251,13 @@ class DoorbellChannel:
         self._header: RegisteredPage | None = None
         self.ringer: bell.Ringer | None = None
         self.page: bell.Page | None = None
+        # The raw streams steps were last sent from, newest last (0 is the default stream): close() waits
+        # for each, where a GPU word's write may still be queued. Set before the try: close() reads it when
+        # AttachDoorbell is refused after the GPU word was registered (helper 80: an AttributeError hid the
+        # refusal, the shim never fell back to its gRPC stream, and each retry leaked a page).
+        self._sent_on: list[int] = []
+        self._sent_at = 0.0
+        self.alive = False
         self._page = memory.shm_empty((bell.HEADER + 2 * capacity,), torch.uint8, group)
         # Everything after the page is made inside the try: the page's views, the CUDA event and the GPU
         # word's probe raised past it before, and the page's segment stayed in /dev/shm until exit.
@@ -281,10 +288,6 @@ class DoorbellChannel:
             except OSError:  # not reachable from here: the sidecar's idle doorbell still looks every 2 ms
                 self.ringer = None
         self._seq = self.page.word(bell.REQ_SEQ)
-        # The raw streams steps were last sent from, newest last (0 is the default stream): close() waits
-        # for each, where a GPU word's write may still be queued.
-        self._sent_on: list[int] = []
-        self._sent_at = 0.0
         self.rung_mono_ns = self.answer_seen_mono_ns = 0  # the last ring, and when its answer was seen (monotonic)
         self.alive = True
 
