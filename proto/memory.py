@@ -247,9 +247,14 @@ class MappedMemory:
         extent = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0)
         if extent * item > self.nbytes:
             raise HandleError(f"{field}: view needs {extent * item} bytes, mapping has {self.nbytes}")
-        if self.storage.storage_offset() % item:
-            raise HandleError(f"{field}: the region starts {self.storage.storage_offset()} bytes into its memory, "
-                              f"not aligned for {item}-byte {dtype}")
+        # The address, not storage_offset(): a CUDA IPC handle's offset is inside its storage's pointer
+        # (torch's rebuild adds it), storage_offset() 0, and a misaligned K/V or int64 view accepted there
+        # faulted at the first step ("misaligned address", a CUDA error that ends the rank; helper 81).
+        # Segments are page-aligned, so for shared memory this is the handle's offset as before.
+        misaligned = self.storage.data_ptr() % item
+        if misaligned:
+            raise HandleError(f"{field}: the region starts {misaligned} bytes past a multiple of {item} (its "
+                              f"handle's offset), not aligned for {item}-byte {dtype}")
         if self.nbytes % item:
             base = self.storage[: self.nbytes - self.nbytes % item]
         else:

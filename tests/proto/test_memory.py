@@ -28,10 +28,26 @@ def test_a_region_that_starts_misaligned_for_the_dtype_is_refused_not_fatal(segm
     m = memory.MappedMemory(handle, "regions[0].memory", torch.device("cpu"))
     try:
         assert m.view(torch.int32, (4,), (1,), 0, "positions").numel() == 4  # 4-byte aligned: fine
-        with pytest.raises(memory.HandleError, match="positions: the region starts 4 bytes into its memory"):
+        with pytest.raises(memory.HandleError, match="positions: the region starts 4 bytes past a multiple of 8"):
             m.view(torch.int64, (2,), (1,), 0, "positions")
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64])
+def test_a_storage_whose_address_is_misaligned_is_refused_whatever_its_storage_offset(dtype):
+    """A CUDA IPC handle's storage_offset_bytes goes into its storage's pointer (torch's rebuild_cuda_tensor),
+    storage_offset() stays 0: the check read only the latter, so a K/V or int64 view one byte off was
+    accepted, and its first step's write faulted on the GPU (misaligned address), ending the rank
+    (helper 81). Stood in for on CPU: a byte storage at an odd address with storage_offset() 0."""
+    buf = bytearray(4096)
+    m = memory.MappedMemory.__new__(memory.MappedMemory)
+    m._segment, m._memory = None, ("device", 0)
+    m.storage = torch.frombuffer(buf, dtype=torch.uint8, offset=1)
+    assert m.storage.storage_offset() == 0 and m.storage.data_ptr() % 2 == 1
+    with pytest.raises(memory.HandleError, match="layers\\[0\\]: the region starts 1 bytes past"):
+        m.view(dtype, (2, 8), (8, 1), 0, "layers[0]")
+    assert m.view(torch.uint8, (16,), (1,), 0, "layers[0]").numel() == 16  # bytes need no alignment
 
 
 def test_a_region_slice_of_any_size_is_checked_against_the_mapping(segment):
