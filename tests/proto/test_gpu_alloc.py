@@ -122,6 +122,30 @@ def test_the_driver_bounds_a_real_handle_s_storage():
                 memory._open_cuda_ipc(bad, FIELD, dev)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_real_handle_one_byte_past_its_allocation_s_start_is_refused_for_wider_dtypes():
+    """Two processes on one GPU: the exported handle with storage_offset_bytes + 1 maps (the offset lands in
+    the storage's pointer, storage_offset() stays 0), its bytes read as the engine's from byte 1, and a bf16
+    or int64 view of it is a HandleError, not a 'misaligned address' fault at the first step (helper 81)."""
+    nbytes, dev = 4 << 20, torch.device("cuda", 0)
+    with _exported(nbytes) as h:
+        off = _copy(h)
+        off.storage_offset_bytes += 1
+        off.storage_size_bytes -= 1
+        m = memory.MappedMemory(pb.MemoryHandle(cuda_ipc=off), FIELD, dev)
+        try:
+            assert m.storage.storage_offset() == 0 and m.storage.data_ptr() % 2 == 1
+            got = m.view(torch.uint8, (255,), (1,), 0, "layers[0]")
+            assert torch.equal(got.cpu(), torch.arange(1, 256, dtype=torch.uint8))
+            for dtype in (torch.bfloat16, torch.int64):
+                with pytest.raises(memory.HandleError, match="layers\\[0\\]: the region starts 1 bytes past"):
+                    m.view(dtype, (2, 8), (8, 1), 0, "layers[0]")
+            del got
+        finally:
+            m.close()
+
+
 def test_on_rocm_the_query_goes_to_torch_s_own_hip_runtime_first(monkeypatch):
     """A pip ROCm torch carries libamdhip64 in torch/lib. Loaded by its bare name, the library is found
     only on the system's paths: a second HIP runtime (which knows nothing of torch's IPC mappings) or
