@@ -257,6 +257,8 @@ class DoorbellChannel:
         # refusal, the shim never fell back to its gRPC stream, and each retry leaked a page).
         self._sent_on: list[int] = []
         self._sent_at = 0.0
+        # The raw stream last ordered after the sidecar's "outputs written" event (None: no answer yet).
+        self._ordered_on: int | None = None
         self.alive = False
         self._page = memory.shm_empty((bell.HEADER + 2 * capacity,), torch.uint8, group)
         # Everything after the page is made inside the try: the page's views, the CUDA event and the GPU
@@ -353,13 +355,26 @@ class DoorbellChannel:
         """The sidecar has stopped serving this page for good: the engine should attach again."""
         return self.page is not None and self.page.words is not None and bool(self.page.word(bell.CLOSED))
 
+    def order_inputs(self) -> None:
+        """Before the next step's inputs are copied into the regions: the current stream waits for the last
+        answered step's "outputs written" event if it is not the stream `wait` ordered after it.
+
+        `wait` orders only the stream current there. An engine that stages the next step from another
+        stream (torch's streams do not order with each other) would otherwise copy its inputs over rows
+        the previous step's kernels may still read (helper 80's hazard 2). One raw-handle read per step
+        (no Stream object) when the stream is the same, as it is for an engine drafting on one stream."""
+        if self._ordered_on is not None and _raw_stream(self.device) != self._ordered_on:
+            self._after_outputs()
+
     def _after_outputs(self) -> None:
         """Make the engine's current stream wait for the sidecar's "outputs written" event."""
         if self.output_event is not None:
+            raw = _raw_stream(self.device)
             if self._ops is not None:  # raw handles, as in send (torch's current_stream() builds a Stream object)
-                self._ops.wait_event(_raw_stream(self.device), self.output_event)
+                self._ops.wait_event(raw, self.output_event)
             else:
                 torch.cuda.current_stream(self.device).wait_event(self.output_event)
+            self._ordered_on = raw
 
     def close(self) -> None:
         self.alive = False

@@ -102,6 +102,7 @@ class DoorbellTransport:
         """Copy the step into the registered regions and ring (the request carries only region slices)."""
         if not self.liveness.alive:
             raise self.liveness.end or StreamBroken(None, "sidecar gone")
+        self.bell.order_inputs()  # the copies below overwrite what the last step read: after its kernels
         staged = self.buffers.stage(embeds, positions, meta)
         self._view = staged.hidden
         # `req` has the step's scalars only; the staged region fields complete it on the wire.

@@ -445,3 +445,21 @@ def test_closing_a_doorbell_skips_a_sender_stream_destroyed_since(monkeypatch, c
     with caplog.at_level("INFO", logger="dspark_sidecar.client"):
         assert probe._stream_passed(1.0)
     assert recorded == ["closing thread's", "stream 0xb"] and "not waiting on stream 0xa" in caplog.text
+
+
+def test_the_transport_orders_the_stream_after_the_last_answer_before_it_copies_a_step_in():
+    """DoorbellTransport.send: the doorbell's order_inputs comes before the buffers' staging copies, which
+    overwrite the rows the last step read (helper 80's hazard 2); stand-ins record the order."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.client.doorbell_transport import DoorbellTransport
+
+    calls = []
+    t = DoorbellTransport.__new__(DoorbellTransport)
+    t.liveness = SimpleNamespace(alive=True)
+    t.bell = SimpleNamespace(order_inputs=lambda: calls.append("order"),
+                             send_bytes=lambda data, key: calls.append("ring"))
+    t.buffers = SimpleNamespace(stage=lambda *a: calls.append("stage") or SimpleNamespace(
+        hidden=None, fields=b"", launch_key=1))
+    t.send(pb.DraftStepRequest(step_id=1), None, None, None)
+    assert calls == ["order", "stage", "ring"]

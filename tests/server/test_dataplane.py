@@ -166,6 +166,34 @@ def test_the_engine_orders_its_stream_after_the_answer_through_the_driver(tmp_pa
         assert ops.calls == [("record", None, 0xABC), ("wait_event", 0xABC, answered)]
 
 
+def test_a_step_staged_from_another_stream_waits_for_the_last_answer_first(tmp_path, tiny_cfg, tiny_ckpt,
+                                                                            tiny_embed, monkeypatch):
+    """`wait` orders only the stream current there after the answer's event; a next step staged from another
+    stream copied its inputs over rows the last step's kernels might still read (helper 80's hazard 2).
+    order_inputs makes that stream wait for the event first, and costs nothing on the stream that waited."""
+    from dspark_sidecar.client import dataplane
+
+    pages = scenario.pages_needed(60 + 7, PAGE) + 2
+    with _tp1_data_plane(tmp_path, tiny_cfg, tiny_ckpt, pages, 1) as (_, eng, bufs, bell):
+        ops, answered = _RecordingOps(), object()
+        bell._ops, bell.output_event = ops, answered
+        current = {"raw": 0xABC}
+        monkeypatch.setattr(dataplane, "_raw_stream", lambda device: current["raw"])
+        bell.order_inputs()  # no step answered yet: nothing to order after
+        assert ops.calls == []
+        step = scenario.random_step(tiny_cfg, [60], PAGE, pages, tiny_embed, seed=7)
+        _, resp, _ = _ring(bufs, bell, eng.bindings[0], 300, step)
+        assert resp is not None and ops.calls[-1] == ("wait_event", 0xABC, answered)
+        del ops.calls[:]
+        bell.order_inputs()  # the stream that waited: already after the event
+        assert ops.calls == []
+        current["raw"] = 0xDEF
+        bell.order_inputs()
+        assert ops.calls == [("wait_event", 0xDEF, answered)]
+        bell.order_inputs()  # once per stream change, not per call
+        assert ops.calls == [("wait_event", 0xDEF, answered)]
+
+
 def test_a_bad_output_slice_is_refused_before_the_step_writes_its_kv(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
     """An output slice in no registered region used to be found only after the step ran: the engine's
     cache held the step's K/V for an answer that was an error. It is now checked with the request."""
