@@ -7,7 +7,9 @@ times its tight-loop figure. Here the sidecar queues step s+1 right after answer
 assuming the same layout (an engine repeats its batch shape step after step):
 
     expected word := (s+1) << 32 | key (a stream memory write: what the program compares with)
-    wait until word >= (s+1) << 32   (proto/gpu_word.py: a stream memory operation)
+    wait until word >= (s+1) << 32   (proto/gpu_word.py: a stream memory operation; on ROCm a plain >=, which
+                                      passes early once per 2^32 steps, at the wrap: the program then reads
+                                      the last step's word, not the expected one, and runs nothing)
     staging copy                     (step_meta.Staging: the word and the engine's region, to the device)
     metadata program                 (kernels/triton/step_meta.py: reads that copy, checks it)
     graph replay                     (graphs.py: the in-place graph of this layout's R)

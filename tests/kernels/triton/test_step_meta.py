@@ -151,6 +151,23 @@ def test_word_not_for_this_step_is_a_noop(device, word):
     _check(_run(device, word, gpu_word(7, 2), P, L, T, S, pages), want)
 
 
+def test_a_wait_passed_early_at_the_sequence_wrap_finds_the_last_word_and_runs_nothing(device):
+    """The word keeps 32 bits of the sequence. CUDA's wait compares (int64)(word - value) >= 0 and copes with
+    the wrap, but ROCm documents hipStreamWaitValueGte as a plain `word >= value`: waiting for step 2^32
+    (sequence bits 0), the previous step's word (bits 0xFFFFFFFF) passes at once, before the engine writes
+    the inputs (helper 79). The program still compares the whole word with the expected one, so the step
+    it reads then is not rung: every request a no-op, and the step is run the ordinary way."""
+    seq, key = 1 << 32, 2
+    last = gpu_word(seq - 1, key)  # still there when the queued wait is reached
+    assert last >= gpu_word(seq, 0)  # ROCm's unsigned compare: passed
+    assert (last - gpu_word(seq, 0)) % (1 << 64) >= 1 << 63  # CUDA's (and _word_reached's): not reached
+    P, L, T, S, pages = _case([40, 300], seed=6)
+    want = sm.step_meta_reference(last, gpu_word(seq, key), P, L, T, S, PAGE, WINDOW, pages,
+                                  window_width(PAGE, WINDOW))
+    assert (want[5] == sm.FLAG_NOT_RUNG).all() and (want[2] == -1).all()
+    _check(_run(device, last, gpu_word(seq, key), P, L, T, S, pages), want)
+
+
 def test_signed64_round_trips_the_word():
     """Words with the top bit set (sequence >= 2^31) reach the kernel as the same 64 bits."""
     for w in (0, gpu_word(1, 1), gpu_word(0x8000_0000, 7), gpu_word(0xFFFF_FFFF, SKIP_KEY)):
