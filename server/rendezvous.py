@@ -420,8 +420,12 @@ class Coordinator(threading.Thread):
     def _pending(self) -> dict[int, np.ndarray]:
         out = {}
         for r in range(self.board.world):
-            rec = self.board.slots[r].copy()
-            if rec[0] % 2 == 0 and rec[0] > self._handled[r]:
+            slot = self.board.slots[r]
+            rec = slot.copy()
+            # The seqlock's re-check: word 0 read again after the copy. A post begun during the copy (a rank
+            # that gave up on its step posting the next) changed it, and the copy may mix two posts; it is
+            # read whole at the next poll. x86's in-order loads make word 0 read twice enough (helper 78).
+            if rec[0] % 2 == 0 and rec[0] > self._handled[r] and slot[0] == rec[0]:
                 out[r] = rec
         return out
 

@@ -139,6 +139,36 @@ def test_step_ids_and_generations_past_2_63_are_agreed_like_any_other(ranks):
     assert all(not v.go and v.reason.startswith(f"step {big}: ranks disagree on the step id") for v, _ in out.values())
 
 
+def test_a_post_rewritten_while_the_coordinator_copies_it_is_read_at_the_next_poll():
+    """A seqlock's reader checks the sequence again after the copy: a rank that begins its next post while
+    the coordinator copies its slot (word 0 still the old, even sequence when read first) would give a
+    record mixing two posts, judged as one (helper 78). Stood in: the copy sees sequence 4 with half the
+    new post, word 0 is 5 (being written) when read again."""
+    from dspark_sidecar.server.rendezvous import Coordinator
+
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
+    real = board.slots
+    try:
+        coord = Coordinator(board, DEADLINE_MS)
+        torn = real[1].copy()
+        torn[:2] = (4, 8)  # sequence 4, and the step id of the next post already there
+
+        class Rewritten:
+            def copy(self):
+                return torn.copy()
+
+            def __getitem__(self, i):
+                return 5 if i == 0 else torn[i]
+
+        board.slots = [real[0], Rewritten()]
+        assert 1 not in coord._pending()
+        board.slots = [real[0], torn]  # the post completed: read whole
+        assert coord._pending()[1][1] == 8
+    finally:
+        board.slots = real
+        board.close()
+
+
 @pytest.mark.parametrize("waiter", [0, 1])
 def test_a_board_is_not_unmapped_under_a_step_still_waiting_for_its_verdict(waiter):
     """A rank's teardown leaves a step it gave up on to the process exit (rank.py); that thread still reads
