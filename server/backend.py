@@ -68,7 +68,7 @@ def choose_backend(cfg: ServeConfig, host: HostFacts, device: torch.device,
     """auto: FlyDSL when the deployment passes every host check, over Triton on a GPU, else the reference.
 
     Host checks: the seed's (gfx950, FlyDSL importable, TP 4), then that `model` is the drafter
-    the kernels are built for. The engine's checks (DP, PP, method, tokens) and the KV layout
+    the kernels are built for, and that this rank computes on the GPU. The engine's checks (DP, PP, method, tokens) and the KV layout
     wait for BindKV: until a binding passes them the portable ops serve.
     """
     refusal = fast_path_refusal(host, None)
@@ -78,6 +78,10 @@ def choose_backend(cfg: ServeConfig, host: HostFacts, device: torch.device,
         from dspark_sidecar.server.fast_path import kernel_mismatch
 
         host_refusal = kernel_mismatch(model, dtype)
+    if host_refusal is None and device.type != "cuda":
+        # The host checks probe the machine (device 0), not this rank's device: `--device cpu` on a
+        # gfx950 host passes them, and the kernels (GPU code over raw pointers) would get a CPU cache.
+        host_refusal = f"FlyDSL kernels need a GPU (this rank computes on {device.type})"
     want = cfg.backend
     if want == "flydsl" and host_refusal is not None:
         raise BackendUnavailable(f"--backend flydsl: {host_refusal}")

@@ -125,6 +125,9 @@ class FlyDSLFastPath:
         self.compile_ahead = compile_ahead
         self._building: DrafterRunner | None = None
         self._building_since = 0.0  # time.monotonic() when the compile in flight began (pending())
+        # (binding_id, generation) whose last step this rank offered the fast path for and the rendezvous
+        # ran on the portable layers (a peer did not offer it: agreed()); None once a step ran fast.
+        self._declined: tuple[int, int] | None = None
 
     @property
     def runner(self) -> DrafterRunner | None:
@@ -147,8 +150,9 @@ class FlyDSLFastPath:
 
         Its kernels compile in the background from the binding's first step (ready()): every kernel for
         R = 1..8, for as long as that takes (not measured on an MI355X yet), and the portable layers serve
-        its steps meanwhile. For GetStatus only: no refusal of the deployment (BindKV's answer, health
-        and --strict-refusal read refusal())."""
+        its steps meanwhile. Ready here, the steps still run the portable layers while a peer rank does
+        not offer the path (agreed()). For GetStatus only: no refusal of the deployment (BindKV's answer,
+        health and --strict-refusal read refusal())."""
         with self._lock:
             if kv is None or self.refusal(kv) is not None:
                 return None
@@ -161,7 +165,18 @@ class FlyDSLFastPath:
             if self._building is not None:
                 return (f"{name} compiling ({time.monotonic() - self._building_since:.0f} s so far): the "
                         "portable layers serve its steps until they are ready")
+            if self._declined == self._key:
+                # Ready here, but a peer's runner failed to build or compile (its own reason) or still
+                # compiles: the rendezvous runs the fast path only where every rank offers it.
+                return (f"FlyDSL fast path ready on rank {self.rank} for binding {kv.binding_id} gen {kv.generation}, "
+                        "but a peer rank did not offer it at the last step (its GetStatus says why): every rank "
+                        "runs the portable layers")
             return None
+
+    def agreed(self, kv: KVBinding, fast: bool) -> None:
+        """After a GO for a step this rank offered the fast path for: whether every rank did (Verdict.fast)."""
+        with self._lock:
+            self._declined = None if fast else (kv.binding_id, kv.generation)
 
     def _preview(self, kv: KVBinding) -> str | None:
         why = fast_path_refusal(self.host, kv.engine)

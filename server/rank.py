@@ -76,6 +76,9 @@ class FastPath(Protocol):
     def pending(self, kv: KVBinding | None) -> str | None:
         """Why `kv`, which this path will serve (refusal() is None), is not served yet; None once it is."""
 
+    def agreed(self, kv: KVBinding, fast: bool) -> None:
+        """After a GO for a step this rank offered the fast path for: whether every rank did (Verdict.fast)."""
+
 
 class Queued(Protocol):
     """A doorbell step's copy that may already be queued on the GPU (server/prelaunch.StepHook)."""
@@ -440,6 +443,8 @@ class RankLoop:
             raise SidecarError(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.ABORTED, verdict.reason,
                                "deadline_ms" if late else "", "DEADLINE" if late else "ABORTED")
         assert step is not None
+        if fast:  # offered here: a peer that did not keep every rank on the portable layers (GetStatus says so)
+            ctx.fast.agreed(step.kv, verdict.fast)
         hidden = prelaunched.take(verdict.queued, verdict.queue_next) if prelaunched is not None else None
         early = hidden is not None
         if hidden is None and queued:

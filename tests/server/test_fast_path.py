@@ -42,11 +42,30 @@ F16_REFUSAL = "draft KV cache dtype torch.float16: the FlyDSL kernels take torch
 
 # Selection ---------------------------------------------------------------------------------------
 
-def test_every_host_check_passes_selects_flydsl_over_the_portable_ops():
+GPU = torch.device("cuda", 0)  # only named: choose_backend reads its type, nothing touches a device
+
+
+def test_every_host_check_passes_selects_flydsl_over_the_portable_ops(monkeypatch):
+    from dspark_sidecar.server import backend
+
+    monkeypatch.setattr(backend, "_triton_reason", lambda device: "Triton not installed")
     for want in ("auto", "flydsl"):
-        choice = choose_backend(ServeConfig(backend=want), GOOD_HOST, CPU, M31)
+        choice = choose_backend(ServeConfig(backend=want), GOOD_HOST, GPU, M31)
         assert (choice.name, choice.fallback, choice.flydsl_refusal) == ("flydsl", "reference", None)
         assert choice.ops is REFERENCE_OPS  # what serves the steps the fast path refuses
+
+
+def test_a_cpu_rank_on_a_gfx950_host_does_not_select_flydsl():
+    """The host checks probe the machine (device 0 is a gfx950, FlyDSL importable, TP 4), not the rank's
+    device: `--device cpu` on an MI355X host passed them all, so auto chose FlyDSL for a CPU rank. Every
+    rank then allocated and IPC-mapped its exchange buffers on GPU 0 (HipRuntime(cpu) sets device 0),
+    and the runner bound a CPU cache and CPU workspaces, which the FlyDSL kernels (GPU code taking raw
+    pointers) would be launched on. The FlyDSL kernels need the rank's GPU, like the Triton backend."""
+    choice = choose_backend(ServeConfig(device="cpu"), GOOD_HOST, CPU, M31)
+    assert (choice.name, choice.ops) == ("reference", REFERENCE_OPS)
+    assert choice.flydsl_refusal == "FlyDSL kernels need a GPU (this rank computes on cpu)"
+    with pytest.raises(BackendUnavailable, match=r"^--backend flydsl: FlyDSL kernels need a GPU \(this rank"):
+        choose_backend(ServeConfig(backend="flydsl", device="cpu"), GOOD_HOST, CPU, M31)
 
 
 @pytest.mark.parametrize("host, reason", [
@@ -82,7 +101,7 @@ def test_numerics_the_kernels_hard_code_are_refused_when_the_config_differs(fiel
 
 
 def test_portable_backend_asked_for_on_a_good_host_says_so():
-    choice = choose_backend(ServeConfig(backend="reference"), GOOD_HOST, CPU, M31)
+    choice = choose_backend(ServeConfig(backend="reference"), GOOD_HOST, GPU, M31)
     assert (choice.name, choice.flydsl_refusal) == ("reference", "--backend reference selected")
 
 
@@ -380,6 +399,37 @@ def test_status_says_the_kernels_compile_until_the_runner_serves_and_strict_heal
     factory.gate.set()
     _until(lambda: fp.ready(kv2))
     assert status() == ""
+    fp.close()
+
+
+def test_status_says_when_a_peer_rank_keeps_every_rank_off_the_fast_path():
+    """A runner that one rank alone fails to build (out of device memory) or compile turns only that rank's
+    offer off, and the rendezvous then runs every rank's steps on the portable layers (Verdict.fast). The
+    other ranks' GetStatus said fast_path_refusal "" ("empty when it is on") for good while no step ran
+    fast. Now a rank that offered and was outvoted says so (GetStatus only: health, --strict-refusal and
+    BindKV read refusal(), which is about this rank's own verdict), until a step runs fast again."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.metrics import Metrics
+
+    fp, told = fast_path()
+    kv = binding()
+    ctx = SimpleNamespace(rank=0, fast=fp, cfg=M31, memory=SimpleNamespace(kv=kv),
+                          model=SimpleNamespace(dtype=torch.bfloat16), metrics=Metrics(0))
+    svc = DrafterServicer(ctx, None, Lifecycle(backend="flydsl", host=GOOD_HOST), pb.Limits(), pb.Parallel(), "mxfp8")
+
+    def status() -> str:
+        return svc.GetStatus(pb.GetStatusRequest(), None).fast_path_refusal
+
+    assert fp.ready(kv) and status() == ""
+    fp.agreed(kv, False)  # this rank offered, a peer did not: the step ran the portable layers
+    assert status() == ("FlyDSL fast path ready on rank 0 for binding 7 gen 1, but a peer rank did not offer it at the "
+                        "last step (its GetStatus says why): every rank runs the portable layers")
+    assert svc.refusal() == "" and fp.refusal(kv) is None and told == []  # no refusal of this rank's deployment
+    fp.agreed(kv, True)  # the peer caught up (its compile ended): served by the fast path
+    assert status() == ""
+    fp.agreed(kv, False)
+    ctx.memory.kv = kv2 = binding(gen=2)  # a re-bind: the old binding's outcome says nothing of the new one
+    assert fp.ready(kv2) and status() == ""
     fp.close()
 
 

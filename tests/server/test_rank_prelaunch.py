@@ -142,13 +142,27 @@ def test_an_invalid_or_aborted_step_never_takes_its_copy(run):
 
 def test_a_rank_on_the_kernel_fast_path_neither_offers_nor_queues(run):
     fast = SimpleNamespace(max_positions=100, ready=lambda kv: True, calls=0,
-                           forward=lambda e, p, m: torch.full_like(e, 1.0))
+                           forward=lambda e, p, m: torch.full_like(e, 1.0), agreed=lambda kv, fast: None)
     hook = FakeHook(offer=(True, True), hit=True)
     resp, rdv, _ = run(_go(fast=True), hook, fast=fast)
     [post] = rdv.posts
     assert post.fast and not post.queued and not post.queue_next
     assert hook.calls == [("take", False, False)]  # releases whatever was queued
     assert not resp.timings.prelaunched
+
+
+@pytest.mark.parametrize("agreed", [True, False])
+def test_a_rank_that_offered_the_fast_path_learns_whether_every_rank_did(run, agreed):
+    """Verdict.fast goes back to the fast path after GO (FlyDSLFastPath.agreed): outvoted by a peer that did
+    not offer it, this rank's GetStatus says why its steps run the portable layers."""
+    told = []
+    fast = SimpleNamespace(max_positions=100, ready=lambda kv: True, forward=lambda e, p, m: torch.full_like(e, 1.0),
+                           agreed=lambda kv, fast: told.append(fast))
+    resp, rdv, model = run(_go(fast=agreed), None, fast=fast)
+    assert rdv.posts[0].fast and told == [agreed] and not resp.HasField("error")
+    assert model.calls == (0 if agreed else 1)  # the portable layers ran where a peer did not offer
+    run(Verdict(False, "step 1: ranks disagree on num_requests", 0), None, fast=fast)
+    assert told == [agreed]  # an aborted step says nothing of the peers' offers
 
 
 def test_a_copy_that_ran_skips_the_host_index_checks(run):
@@ -173,7 +187,8 @@ def test_a_step_without_a_copy_that_ran_gets_the_index_checks_after_the_offer(ru
 
 
 def test_the_fast_path_and_the_grpc_path_check_indices_as_ever(run):
-    fast = SimpleNamespace(max_positions=100, ready=lambda kv: True, forward=lambda e, p, m: torch.full_like(e, 1.0))
+    fast = SimpleNamespace(max_positions=100, ready=lambda kv: True, forward=lambda e, p, m: torch.full_like(e, 1.0),
+                           agreed=lambda kv, fast: None)
     run(_go(fast=True), FakeHook(offer=(True, True), hit=True), fast=fast)
     assert run.checks == [False, "check_indices"]  # the fast path never offers: no GPU check to lean on
     run(_go(), None)
