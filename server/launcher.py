@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 
 from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
 from dspark_sidecar.server.preflight import socket_answers
@@ -27,10 +28,18 @@ EXIT_TEMPFAIL = AddressInUse.exit_status  # cli.main: the same for a port or soc
 _REFUSALS = (EXIT_USAGE, EXIT_TEMPFAIL)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(avoid: Collection[int] = ()) -> int:
+    """A TCP port free on 127.0.0.1 now and none of `avoid`: the ranks' own gRPC and metrics ports. Those
+    are free until the ranks bind them, so the kernel may hand one out (when they lie in its ephemeral
+    range); the rendezvous and that rank's listener then met on it, and whichever bound second refused
+    to start, blaming a port the user never chose or "another process" (ServeConfig refuses the same
+    overlap for a --master-port given)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float = 0.2) -> int:
@@ -46,7 +55,8 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
     else would end the launcher.
     """
     watched = ExitWith(cfg.exit_with_pid) if cfg.exit_with_pid else None  # gone already: preflight refused it
-    port = cfg.master_port or free_port()
+    own = {base + r for base in (cfg.tcp_base_port, cfg.metrics_port) if base for r in range(cfg.tp)}
+    port = cfg.master_port or free_port(avoid=own)
     env = dict(os.environ, WORLD_SIZE=str(cfg.tp), MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port),
                DSPARK_LAUNCHER_PID=str(os.getpid()))
     procs = []

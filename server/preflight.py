@@ -58,7 +58,7 @@ def claim_socket(cfg: ServeConfig, rank: int) -> None:
     this is the only check; elsewhere the folder may have changed since), then its socket path is made
     free, removing a stale socket file (a restart after kill -9 must keep working) but never a live
     server's socket."""
-    sockdir.prepare(cfg.socket_dir)
+    _usable_dir(cfg.socket_dir)
     path = cfg.socket_path(rank)
     if _stale(path):
         try:
@@ -68,14 +68,21 @@ def claim_socket(cfg: ServeConfig, rank: int) -> None:
                                    f"{path.lstat().st_uid}); remove it as that user or root") from None
 
 
+def _usable_dir(d: Path) -> None:
+    """The folder passes sockdir's policy and this user can create sockets in it. In the parent and again
+    in the rank: under torchrun the rank's is the only check, and gRPC's failed bind names no reason (the
+    rank read it as a socket taken since the checks: exit 75, which is restarted, for a folder it may not
+    write, which no restart fixes)."""
+    sockdir.prepare(d)
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ServeConfigError(f"--socket-dir: {d} is not writable by this user")
+
+
 def check_socket_dir(cfg: ServeConfig) -> None:
     """The folder exists (made here if need be, mode 0770), nobody but this user, root and the folder's
     group can plant sockets in it (sockdir.py), and this user can create sockets in it; no rank's socket
     is served by a running sidecar. Stale socket files are left for the ranks to replace."""
-    d = cfg.socket_dir
-    sockdir.prepare(d)
-    if not os.access(d, os.W_OK | os.X_OK):
-        raise ServeConfigError(f"--socket-dir: {d} is not writable by this user")
+    _usable_dir(cfg.socket_dir)
     for r in range(cfg.tp):
         _stale(cfg.socket_path(r))
 
@@ -89,7 +96,12 @@ def check_port(flag: str, host: str, port: int, who: str = "") -> None:
         raise ServeConfigError(f"{flag}: {who}cannot resolve host {host!r}: {err.strerror}") from None
     errors = []
     for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as s:
+        try:
+            s = socket.socket(family, kind, proto)
+        except OSError as err:  # a family this kernel lacks (IPv6 off at boot: 'localhost' is ::1 first),
+            errors.append(err)  # as rank 0's store skips it (process_group._listen)
+            continue
+        with s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(addr)

@@ -69,6 +69,57 @@ def test_a_master_addr_that_is_not_this_host_s_is_one_line(tiny_ckpt, tmp_path, 
              "192.0.2.1", "not an address of this host")
 
 
+def _no_ipv6_kernel(monkeypatch) -> None:
+    """A host booted with ipv6.disable=1: 'localhost' still resolves to ::1 first (/etc/hosts, no
+    AI_ADDRCONFIG), but no AF_INET6 socket can be made at all (EAFNOSUPPORT), not just bound."""
+    import errno
+
+    real_gai, real_socket = socket.getaddrinfo, socket.socket
+
+    def v6_first(host, port, *a, **kw):
+        if host != "localhost":
+            return real_gai(host, port, *a, **kw)
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    class NoV6(real_socket):
+        def __init__(self, family=-1, *a, **kw):
+            if family == socket.AF_INET6:
+                raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
+            super().__init__(family, *a, **kw)
+
+    monkeypatch.setattr(preflight.socket, "getaddrinfo", v6_first)
+    monkeypatch.setattr(preflight.socket, "socket", NoV6)
+
+
+def test_a_name_with_an_address_family_the_kernel_lacks_is_checked_on_its_other_addresses(monkeypatch):
+    """check_port made a socket per address outside its try: on a kernel without IPv6 'localhost' (::1
+    first) was an OSError traceback from the parent's check, and serve could not start at all, though
+    rank 0 binds the store on the next address (process_group._listen skips such a family)."""
+    _no_ipv6_kernel(monkeypatch)
+    with socket.socket() as busy:  # the IPv4 address is still checked: a busy port there is refused
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ServeConfigError, match=rf"--master-addr/--master-port: cannot listen on localhost:{port}: "
+                                                   r"Address already in use"):
+            preflight.check_port("--master-addr/--master-port", "localhost", port)
+    preflight.check_port("--master-addr/--master-port", "localhost", 0)  # no traceback: 127.0.0.1 will do
+
+
+def test_a_name_whose_every_address_family_the_kernel_lacks_is_one_line(monkeypatch):
+    """No address of the name can even have a socket: one line naming the flag and why, not a traceback."""
+    import errno
+
+    _no_ipv6_kernel(monkeypatch)
+    monkeypatch.setattr(preflight.socket, "getaddrinfo", lambda host, port, *a, **kw: [
+        (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))])
+    with pytest.raises(ServeConfigError, match=rf"--tcp-base-port: cannot listen on ::1:0: "
+                                               rf"{os.strerror(errno.EAFNOSUPPORT)}"):
+        preflight.check_port("--tcp-base-port", "::1", 0)
+
+
 def test_an_empty_master_addr_is_a_config_error(tiny_ckpt, tmp_path, monkeypatch, capsys):
     """torch asserted "hostname cannot be None" in every rank."""
     monkeypatch.setenv("DSPARK_MASTER_ADDR", "")
@@ -299,6 +350,21 @@ def test_a_rank_under_torchrun_refuses_a_socket_dir_another_user_made(tmp_path, 
     uid = _owned_by_another_user(d, monkeypatch)
     with pytest.raises(ServeConfigError, match=f"--socket-dir: {d} belongs to another user \\(owner uid {uid}"):
         preflight.claim_socket(ServeConfig(tp=1, socket_dir=d), 0)
+
+
+def test_a_rank_under_torchrun_refuses_a_socket_dir_it_cannot_create_sockets_in(tmp_path, monkeypatch):
+    """Under torchrun the rank's claim is the only check. It skipped the parent's writability check, so a
+    folder this user may not write (root's 0755 one, a read-only mount: both pass the owner and mode
+    policy) reached gRPC's bind, whose failure names no reason: the rank said "another process took it
+    since the start-up checks" and exited 75, which systemd restarts for ever, not 2. (Run as root on an
+    immutable folder, chattr +i, it did exactly that; here os.access stands for a user it denies.)"""
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o770)
+    real = os.access
+    monkeypatch.setattr(preflight.os, "access", lambda p, mode, **kw: False if Path(p) == d else real(p, mode, **kw))
+    with pytest.raises(ServeConfigError, match=f"--socket-dir: {d} is not writable by this user") as err:
+        preflight.claim_socket(ServeConfig(tp=1, socket_dir=d), 0)
+    assert err.value.exit_status == 2  # a change of folder or mode fixes it, not a restart
 
 
 def test_a_socket_dir_writable_by_every_user_is_refused_not_tightened(tiny_ckpt, tmp_path, capsys):

@@ -218,3 +218,46 @@ def test_the_process_to_exit_with_going_stops_a_serving_group_as_sigterm_does(tm
     assert sorted(p.name for p in tmp_path.glob("stopped-*")) == ["stopped-0", "stopped-1"]  # drained, not killed
     assert [r.getMessage() for r in caplog.records] == [
         "the process this sidecar exits with (--exit-with-pid 4242) has gone; stopping the ranks"]
+
+
+def test_the_rendezvous_port_the_launcher_picks_is_none_of_the_ranks_own_ports(monkeypatch):
+    """With --master-port 0 the launcher asks the kernel for a free port, and the ranks' gRPC and metrics
+    ports are free too until they bind them: the kernel's pick could be one of them (ports in its
+    ephemeral range, 50051 say), and then rank 0's store and that rank's listener met on it, the second
+    refusing to start (exit 75, "--master-port ... choose another port" for a port nobody chose). Here
+    the kernel offers rank 1's gRPC port, then rank 0's metrics port, then a port of nobody's."""
+    import types
+
+    from dspark_sidecar.server import launcher
+
+    cfg = ServeConfig(tp=2, socket_dir=short_socket_dir(), tcp_base_port=50051, metrics_port=50061)
+    picks = iter([50052, 50061, 50099])
+
+    class Kernel:  # a socket whose bind to port 0 gets the next of `picks`
+        def __init__(self, *a):
+            self.port = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, addr):
+            assert addr == ("127.0.0.1", 0)
+            self.port = next(picks)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launcher, "socket", types.SimpleNamespace(socket=Kernel, AF_INET=2, SOCK_STREAM=1))
+    ports = []
+    real_popen = subprocess.Popen
+
+    def rank(argv, env, **kw):
+        ports.append(env["MASTER_PORT"])
+        return real_popen([sys.executable, "-c", "pass"], env=env, **kw)  # exits at once: the launch ends
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", rank)
+    launch(cfg, ["serve"], on_ready=lambda: False)
+    assert ports == ["50099", "50099"]
