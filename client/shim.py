@@ -530,7 +530,11 @@ class DrafterShim:
         elif code is grpc.StatusCode.OUT_OF_RANGE or code is grpc.StatusCode.INVALID_ARGUMENT:
             self._drop_link()  # limits may have changed: re-read the status
             self.breaker.record_failure(err.message)
-        elif code is not grpc.StatusCode.ABORTED:  # ABORTED: a peer's problem, not this sidecar rank's
+        elif code is not grpc.StatusCode.ABORTED and not (
+                code is grpc.StatusCode.RESOURCE_EXHAUSTED and err.reason == "RESPONSE_TOO_LARGE"):
+            # ABORTED: a peer's problem, not this sidecar rank's. RESPONSE_TOO_LARGE: this step's inline answer
+            # would not fit --max-message-bytes (refused before it ran), a function of R and a healthy
+            # sidecar's limit; counted, three such steps opened the breaker and the steps that fit fell back too.
             self.breaker.record_failure(err.message)
         key = f"sidecar {code.name}"
         if key not in self._logged:

@@ -281,7 +281,16 @@ def register() -> list[str]:
         return []
     wrapped = []
     for arch in _archs():
-        stock = _stock_class(ModelRegistry, arch)
+        # vLLM calls every general plug-in in every process, whatever model it serves, and does not catch
+        # what one raises: a draft model class that fails to import here (a lazily registered module whose
+        # dependencies this host lacks) stopped every vLLM process on it from starting. vLLM itself would
+        # fail only when that model is used; so the arch is left unwrapped, and the reason logged.
+        try:
+            stock = _stock_class(ModelRegistry, arch)
+        except Exception as e:  # noqa: BLE001  (any import-time failure of vLLM's model module)
+            log.warning("dspark-sidecar vLLM plug-in: draft model %s not wrapped: loading its class raised %s: %s",
+                        arch, type(e).__name__, e)
+            continue
         if stock is None or getattr(stock, _MARK, False):
             continue
         ModelRegistry.register_model(arch, make_sidecar_class(stock))

@@ -130,7 +130,12 @@ def from_tensor_ref(
             f"{field}: payload has {len(data)} bytes, shape {list(shape)} of {dtype} needs {nbytes}"
         )
     if nbytes == 0:
-        # torch.frombuffer refuses empty buffers.
-        return torch.empty(shape, dtype=dtype)
+        # torch.frombuffer refuses empty buffers. An empty shape can still name dimensions whose
+        # strides overflow int64 ([0, 2**62, 4]): torch raises RuntimeError for it, which escaped as no
+        # ValueError (the shim took a sidecar's such answer for a bug of its own, not a malformed answer).
+        try:
+            return torch.empty(shape, dtype=dtype)
+        except RuntimeError as err:
+            raise ValueError(f"{field}: shape {list(shape)} cannot be laid out ({err})") from None
     t = torch.frombuffer(data, dtype=dtype).reshape(shape)
     return t.clone() if writable else t

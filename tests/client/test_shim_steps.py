@@ -264,6 +264,25 @@ def test_step_errors_fall_back_and_the_stream_goes_on(fake, code, key, trips):
     assert shim.breaker.failures == 0
 
 
+def test_steps_whose_answer_is_too_large_fall_back_without_opening_the_breaker(fake):
+    """A sidecar run with a small --max-message-bytes refuses, before it runs, every step whose inline
+    hidden states would not fit (RESOURCE_EXHAUSTED, reason RESPONSE_TOO_LARGE): a fact of that step's R,
+    not of the sidecar's health. Counted against the breaker, three of them in a row opened it, and
+    every step after them fell back as "sidecar unavailable (breaker open)", those that fit included."""
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(1)
+    threshold = shim.config.breaker.failure_threshold
+    for step_id in range(1, threshold + 2):
+        fake.sidecar.step_errors[step_id] = (code_pb2.RESOURCE_EXHAUSTED, "RESPONSE_TOO_LARGE")
+    with set_forward_context(meta):
+        for _ in range(threshold + 1):
+            assert shim.maybe_forward(ids, pos) is None
+        assert shim.breaker.failures == 0
+        assert shim.maybe_forward(ids, pos) is not None  # a step that fits is still forwarded
+    assert shim.stats.fallbacks == {"sidecar RESOURCE_EXHAUSTED": threshold + 1}
+    assert fake.sidecar.calls["DraftSteps"] == 1  # and the stream went on
+
+
 def test_strict_sidecar_refusal_turns_the_process_off(fake):
     fake.sidecar.serving, fake.sidecar.state, fake.sidecar.refusal = False, "REFUSED", "not gfx950"
     shim, _, _ = make_shim(fake.endpoint)

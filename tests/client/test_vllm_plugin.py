@@ -104,6 +104,25 @@ def test_register_wraps_the_draft_model_once(fake_vllm):
     assert vllm_plugin.engine_config_from_vllm(vllm_config(tp=2), 1).tp_size == 2
 
 
+class BrokenEntry:
+    """A lazily registered model whose module cannot be imported on this host (a dependency missing)."""
+
+    def load_model_cls(self):
+        raise ImportError("No module named 'some_kernel_lib'")
+
+
+def test_a_draft_class_that_fails_to_load_is_left_alone_and_vllm_starts(fake_vllm, caplog):
+    """vLLM calls every general plug-in in every process, whatever model it serves, and lets what one
+    raises through: register() loading a DSpark class whose module cannot import stopped vLLM from
+    starting at all, where vLLM alone fails only if that model is used. That arch stays unwrapped
+    (logged by name) and the others are still wrapped."""
+    fake_vllm.registry.models = {"MiniMaxM3DSparkModel": BrokenEntry(), ARCH: LazyEntry()}
+    with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+        assert vllm_plugin.register() == [ARCH]
+    assert isinstance(fake_vllm.registry.models["MiniMaxM3DSparkModel"], BrokenEntry)
+    assert "MiniMaxM3DSparkModel not wrapped" in caplog.text and "some_kernel_lib" in caplog.text
+
+
 def test_without_a_socket_dir_every_step_runs_the_stock_forward(fake_vllm):
     vllm_plugin.register()
     model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config())

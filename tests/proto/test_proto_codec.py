@@ -106,6 +106,16 @@ def test_negative_dimension_raises_with_field():
         codec.from_tensor_ref(ref, "slot_mapping")
 
 
+@pytest.mark.parametrize("shape", [[0, 2**62, 4], [2**40, 2**40, 0, 2**40]], ids=str)
+def test_an_empty_shape_torch_cannot_lay_out_is_a_value_error_naming_the_field(shape):
+    """Zero elements, so an empty payload matches, but the other dimensions' strides overflow int64:
+    torch.empty raised RuntimeError, outside the codec's contract (every error a ValueError naming the
+    field), and a sidecar's answer so shaped reached the shim as an internal error, not a malformed answer."""
+    ref = pb.TensorRef(dtype=pb.DTYPE_FP32, shape=shape, data=b"")
+    with pytest.raises(ValueError, match=r"^hidden_states: shape .* cannot be laid out"):
+        codec.from_tensor_ref(ref, "hidden_states", writable=True)
+
+
 def test_expect_dtype_mismatch_raises_with_field():
     ref = codec.to_tensor_ref(torch.zeros(7, dtype=torch.int32))
     with pytest.raises(ValueError, match="positions: dtype must be torch.int64, got torch.int32"):
