@@ -22,10 +22,12 @@ from dspark_sidecar.proto.memory import HandleError, export_handle
 log = logging.getLogger("dspark_sidecar.client")
 
 # BindKV failures that no retry can fix: the deployment itself is wrong (engine TP != sidecar
-# TP, rank wiring, cache dtype/layout the sidecar cannot serve).
+# TP, rank wiring, cache dtype/layout the sidecar cannot serve, an engine that reaches the sidecar
+# from another node: PERMISSION_DENIED, REMOTE_PEER, since KV handles name memory on the sidecar's
+# node only; read as passing, it cost a GetStatus and a BindKV every breaker period, for good).
 _PERMANENT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                    grpc.StatusCode.UNIMPLEMENTED)
-_PERMANENT_REASONS = ("TP_MISMATCH", "RANK_MISMATCH")
+                    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED)
+_PERMANENT_REASONS = ("TP_MISMATCH", "RANK_MISMATCH", "REMOTE_PEER")
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, n))
 
 

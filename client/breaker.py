@@ -14,7 +14,7 @@ log = logging.getLogger("dspark_sidecar.client")
 
 class BreakerState(enum.Enum):
     CLOSED = "closed"  # calls flow
-    OPEN = "open"  # no calls until the backoff expires and a health probe says SERVING
+    OPEN = "open"  # no calls until the backoff expires and a health probe passes (SERVING, or a refusal to read)
     HALF_OPEN = "half_open"  # the probe passed: the next call decides (success closes, failure reopens)
 
 
@@ -22,7 +22,8 @@ class CircuitBreaker:
     """Consecutive-failure breaker with exponential backoff between health probes.
 
     The probe runs only from `allow()`, on the caller's thread, at most once per backoff period,
-    and is bounded by its own deadline, so a dead sidecar costs the engine one cheap failed
+    and each of its calls is bounded by its own deadline (the shim's: a health Check, then a GetStatus
+    only when health answers NOT_SERVING), so a dead sidecar costs the engine one cheap failed
     connect per backoff period rather than one per step.
     """
 
@@ -46,7 +47,7 @@ class CircuitBreaker:
         self.probes += 1
         if self._probe(self.cfg.probe_deadline_s):
             self.state = BreakerState.HALF_OPEN
-            log.info("%s: health probe SERVING, trying again", self.name)
+            log.info("%s: health probe passed, trying again", self.name)
             return True
         self.probes_failed += 1
         self._reopen(grow=True)

@@ -196,13 +196,23 @@ class SidecarConnection:
             self._stream.close()
             self._stream = None
 
-    def probe_health(self, deadline_s: float) -> bool:
-        """grpc.health.v1 Check of the sidecar service on a throwaway channel: True iff SERVING."""
+    def probe_health(self, deadline_s: float,
+                     refuses: Callable[[pb.StatusReport], bool] | None = None) -> bool:
+        """grpc.health.v1 Check of the sidecar service on a throwaway channel: True iff SERVING, or, with
+        `refuses`, NOT_SERVING with a StatusReport (read on the same channel, its own deadline_s) that `refuses`
+        finds a refusal for good. Health cannot tell a sidecar still loading from one that refuses for good
+        (--strict-refusal: NOT_SERVING for good): only GetStatus says which, and a caller kept out by its probe
+        would never read it. Each call is bounded by deadline_s."""
         ch = self._factory(self.endpoint, channel_options(self._max_message_bytes))
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=deadline_s)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return True
+            if refuses is None or reply.status != health_pb2.HealthCheckResponse.NOT_SERVING:
+                return False
+            status = pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=deadline_s)
+            return bool(refuses(status))
         except grpc.RpcError:
             return False
         finally:

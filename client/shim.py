@@ -159,8 +159,7 @@ class DrafterShim:
         self._doorbell_off: str | None = None  # why this connection uses the gRPC stream instead
         self._doorbell_retry_at = 0.0  # time.monotonic() before which a passing refusal is not asked again
         self._via_doorbell = False
-        self.breaker = CircuitBreaker(config.breaker, self.connection.probe_health, clock,
-                                      name=f"sidecar rank {self.rank}")
+        self.breaker = CircuitBreaker(config.breaker, self._probe, clock, name=f"sidecar rank {self.rank}")
         self.binder = KVBinder(pb.EngineFacts(
             engine_rank=self.rank, tp_size=config.tp_size, dp_size=config.dp_size, pp_size=config.pp_size,
             speculative_method=config.speculative_method, num_speculative_tokens=config.num_speculative_tokens,
@@ -309,6 +308,14 @@ class DrafterShim:
             if refused:
                 self._drop_link()  # the next step's pre-flight opens it again, finds the refusal, and agrees on it
         return None if ready else why
+
+    def _probe(self, deadline_s: float) -> bool:
+        """The breaker's health probe: SERVING passes, and so does a sidecar that is NOT_SERVING because it
+        refuses for good (its status says so, sidecar_refusal). Health alone kept such a sidecar (strict mode,
+        come up REFUSED after the breaker opened while it loaded) behind the breaker for good: its refusal is
+        read only by the readiness check's GetStatus, which the open breaker never let run, so the ranks never
+        agreed to turn off and every step paid the pre-flight. Let through, the readiness check reads it."""
+        return self.connection.probe_health(deadline_s, refuses=lambda status: sidecar_refusal(status) is not None)
 
     # Phase 2: this rank's readiness ----------------------------------------------------------------
     def _prepare(self, layers: list[torch.Tensor]) -> tuple[bool, str, bool]:

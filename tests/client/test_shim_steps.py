@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 from google.rpc import code_pb2
@@ -1032,5 +1033,74 @@ def test_hidden_states_reach_the_engine_in_its_own_dtype():
         want = (model.table[ids].to(torch.bfloat16).float() * 2).to(torch.bfloat16).float()
         assert torch.equal(out, want)
         shim.close()
+    finally:
+        server.stop()
+
+
+def test_a_sidecar_that_comes_up_refusing_behind_an_open_breaker_turns_the_process_off(fake):
+    """A strict (--strict-refusal) sidecar that refuses for good is NOT_SERVING on grpc.health.v1 for good too
+    (server/app.py HealthPublisher), and its refusal is read only from GetStatus. An engine that stepped while
+    the sidecar was still loading (NOT_SERVING, passing) opened its breaker; from then on only the health probe
+    was sent, which never passed, so GetStatus was never read again: the ranks never agreed to turn off, every
+    step still paid the pre-flight agreement, counted as "breaker open", with a probe every backoff_max_s for
+    the life of the engine. A probe answered NOT_SERVING now reads the status, and a permanent refusal there
+    lets the caller through to learn it; a sidecar still loading keeps the breaker open."""
+    now = [1000.0]
+    kv = shm_kv_cache()
+    fake.sidecar.serving, fake.sidecar.state = False, "LOADING"
+    fake.set_health(False)
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       ParallelContext(0, 1), clock=lambda: now[0])
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            for _ in range(shim.config.breaker.failure_threshold):
+                assert shim.maybe_forward(ids, pos) is None
+            assert shim.breaker.state.value == "open"
+            now[0] = shim.breaker.retry_at  # still loading: the probe fails, the breaker stays open
+            assert shim.maybe_forward(ids, pos) is None
+            assert shim.breaker.state.value == "open" and shim.breaker.probes_failed == 1 and shim.enabled
+            # Loaded, and its fast path refused under --strict-refusal: REFUSED, health NOT_SERVING for good.
+            fake.sidecar.state = "REFUSED"
+            for _ in range(4):
+                now[0] = shim.breaker.retry_at
+                assert shim.maybe_forward(ids, pos) is None
+        assert not shim.enabled and shim.refusal == "sidecar refuses: not gfx950", \
+            (shim.breaker.state, dict(shim.stats.fallbacks))
+        assert fake.sidecar.calls["BindKV"] == 0
+    finally:
+        shim.close()
+
+
+class _RemotePeer(FakeSidecar):
+    """A sidecar reached over a non-loopback transport (--allow-remote): it answers health and GetStatus but
+    refuses every BindKV, PERMISSION_DENIED with reason REMOTE_PEER (server/servicer.py _require_same_node)."""
+
+    def BindKV(self, request, context):
+        from grpc_status import rpc_status
+
+        from dspark_sidecar.server.errors import SidecarError, to_status
+        self.calls["BindKV"] += 1
+        err = SidecarError(grpc.StatusCode.PERMISSION_DENIED, f"memory registration from {context.peer()} refused: "
+                           "only same-node peers (unix socket or loopback) may bind KV caches", "", "REMOTE_PEER")
+        context.abort_with_status(rpc_status.to_status(to_status(err)))
+
+
+def test_a_bind_refused_to_a_remote_engine_is_permanent():
+    """The sidecar takes KV handles from same-node peers only: an engine that reaches it over another transport
+    is refused every BindKV with PERMISSION_DENIED (REMOTE_PEER), which no retry can change. The shim read it
+    as passing: a breaker failure and a dropped link on each try, and through the breaker's probes a GetStatus
+    and a BindKV every backoff period for the life of the engine, never turning off. It is a refusal for good,
+    agreed at the pre-flight like a TP mismatch."""
+    server = FakeServer(_RemotePeer(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, _, _ = make_shim(server.endpoint)
+        ids, pos, meta = step_inputs(1)
+        with set_forward_context(meta):
+            for _ in range(4):
+                assert shim.maybe_forward(ids, pos) is None
+        assert not shim.enabled and "PERMISSION_DENIED REMOTE_PEER" in shim.refusal, \
+            (shim.refusal, dict(shim.stats.fallbacks))
+        assert server.sidecar.calls["BindKV"] == 1
     finally:
         server.stop()
