@@ -28,7 +28,7 @@ log = logging.getLogger("dspark_sidecar.client")
 _PERMANENT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                     grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED)
 _PERMANENT_REASONS = ("TP_MISMATCH", "RANK_MISMATCH", "REMOTE_PEER")
-_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, n))
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, n))
 
 
 class BindError(Exception):
@@ -98,7 +98,7 @@ def bind_request(layers: Sequence[torch.Tensor], facts: pb.EngineFacts) -> pb.Bi
         raise BindError("the engine has no draft KV cache allocated", permanent=False)
     entries = []
     for i, raw in enumerate(layers):
-        if raw.dtype == torch.uint8 or (raw.dtype in _FP8 and raw.dtype != FP8_KV):
+        if raw.dtype == torch.uint8 or (raw.dtype in FP8_DTYPES and raw.dtype != FP8_KV):
             # vLLM holds an fp8 cache as uint8 codes of x / scale; its plug-in passes e4m3 at scale 1
             # as float8_e4m3fn (vllm_plugin.kv_cache_provider). Anything else cannot be read right.
             raise BindError(f"KV layer {i}: {raw.dtype} cache: the sidecar serves an fp8 cache as float8_e4m3fn "

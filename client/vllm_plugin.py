@@ -18,6 +18,7 @@ import torch
 
 from dspark_sidecar import layout
 from dspark_sidecar.client.agreement import StepAgreement, all_min_ints, node_agreement
+from dspark_sidecar.client.binding import FP8_DTYPES
 from dspark_sidecar.client.config import EngineConfig, EngineConfigError, rank_endpoint
 from dspark_sidecar.client.forward_context import ForwardContextSource
 from dspark_sidecar.client.shim import DrafterShim
@@ -97,10 +98,19 @@ def kv_cache_provider(model: torch.nn.Module):
                 if hit is None or hit[0]() is not t:
                     hit = views[i] = (weakref.ref(t), t.view(torch.float8_e4m3fn))
                 t = hit[1]
+            elif t.dtype in FP8_DTYPES and _kv_scaled(m):
+                # Float8 codes of x / scale held in a float8 tensor: read as values, the sidecar would
+                # draft from K/V off by the scale. Its codes go on as uint8, which BindKV refuses by name.
+                t = t.view(torch.uint8)
             out.append(t)
         return out
 
     return caches
+
+
+def _kv_scaled(layer: Any) -> bool:
+    """Whether the layer names a k or v scale other than 1 (vLLM's calibrated or checkpoint KV scales)."""
+    return any(getattr(layer, n, None) not in (None, 1.0) for n in ("_k_scale_float", "_v_scale_float"))
 
 
 def e4m3_at_scale_one(layer: Any, t: torch.Tensor) -> bool:

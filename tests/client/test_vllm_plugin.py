@@ -229,6 +229,34 @@ def test_an_fp8_cache_is_passed_as_e4m3_codes_only_at_scale_one_on_an_e4m3fn_pla
     assert provided(raw) is raw
 
 
+def test_a_float8_cache_with_kv_scales_goes_on_as_its_uint8_codes_which_bindkv_refuses(fake_vllm):
+    """A cache held as float8_e4m3fn itself (not vLLM 0.34's uint8) whose layer has a k or v scale other than
+    1 holds codes of x / scale: passed as is, the sidecar read them as the values and drafted from K/V off by
+    the scale (helper 86). Its uint8 view goes on instead, and BindKV's request refuses it for good, by name;
+    at scale 1, or with no scales at all, the float8 cache is the values and goes on as it is."""
+    from dspark_sidecar.client.binding import BindError, bind_request
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    def provided(raw, **scales):
+        model = nn.Module()
+        model.attn = FakeAttention()
+        model.attn.kv_cache, model.attn.kv_cache_dtype = raw, "fp8"
+        for name, value in scales.items():
+            setattr(model.attn, name, value)
+        (t,) = vllm_plugin.kv_cache_provider(model)()
+        return t
+
+    raw = torch.zeros(2, 4, 16, 1, 8).to(torch.float8_e4m3fn)
+    for scales in (dict(_k_scale_float=0.5, _v_scale_float=1.0), dict(_k_scale_float=1.0, _v_scale_float=3.0)):
+        t = provided(raw, **scales)
+        assert t.dtype == torch.uint8 and t.data_ptr() == raw.data_ptr()
+        with pytest.raises(BindError, match="calibrated KV scales") as err:
+            bind_request([t], pb.EngineFacts())
+        assert err.value.permanent
+    assert provided(raw, _k_scale_float=1.0, _v_scale_float=1.0) is raw
+    assert provided(raw) is raw  # a layer naming no scales
+
+
 @pytest.fixture
 def fake_speculator(fake_vllm, monkeypatch):
     """vLLM 0.34's DSparkSpeculator as far as its CUDA-graph mode goes: init_cudagraph_manager
