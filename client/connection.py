@@ -196,6 +196,11 @@ class SidecarConnection:
             self._stream.close()
             self._stream = None
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest message this end's channels send or take."""
+        return self._max_message_bytes
+
     def probe_health(self, deadline_s: float,
                      refuses: Callable[[pb.StatusReport], bool] | None = None) -> bool:
         """grpc.health.v1 Check of the sidecar service on a throwaway channel: True iff SERVING, or, with

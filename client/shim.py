@@ -70,6 +70,7 @@ GENERATIONS = "binding generations differ"
 STREAM = "stream broken"
 DEADLINE = "step deadline exceeded"
 BAD_ANSWER = "malformed answer"
+TOO_LARGE = "request over the sidecar's max_message_bytes"
 PEER_FAILED = "peer engine rank got no result"
 CLOSED = "shim closed"
 STEP_IN_FLIGHT = "a step is in flight on another thread"  # connect()'s answer only: never a fallback reason
@@ -444,6 +445,12 @@ class DrafterShim:
             req.slot_mapping.CopyFrom(codec.to_tensor_ref(meta.slot_mapping))
         return req
 
+    def _message_limit(self) -> int:
+        """The largest inline request either end takes: this channel's and the sidecar's (StatusReport.limits)."""
+        status = self.connection.status
+        theirs = status.limits.max_message_bytes if status is not None else 0
+        return min(self.connection.max_message_bytes, theirs or self.connection.max_message_bytes)
+
     def _run_step(self, step_id: int, r: int, positions: torch.Tensor, embeds: torch.Tensor,
                   meta: StepMetadata) -> tuple[torch.Tensor | None, str]:
         """Send one step and wait for its answer: (hidden, "") or (None, why)."""
@@ -451,6 +458,11 @@ class DrafterShim:
         bell = (self.doorbell if self.doorbell is not None and self.doorbell.alive
                 and self.doorbell.fits(r, meta, embeds.shape[-1]) else None)
         req = self._request(step_id, r, positions, embeds, meta, inline=bell is None)
+        if bell is None and req.ByteSize() > self._message_limit():
+            # Sent, gRPC would end the whole stream (RESOURCE_EXHAUSTED), read as a broken link: a reconnect
+            # and a breaker failure on every such step, for a fact of the step's size. Not sent; the same on
+            # every rank (same R and table width), else the post-flight agreement makes it so.
+            return None, TOO_LARGE
         stream: Any = bell if bell is not None else self.connection.stream()
         with self._lock:  # either close() finds this waiter and interrupts it, or the step sees the close here
             if self._closed:

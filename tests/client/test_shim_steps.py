@@ -1104,3 +1104,23 @@ def test_a_bind_refused_to_a_remote_engine_is_permanent():
         assert server.sidecar.calls["BindKV"] == 1
     finally:
         server.stop()
+
+
+def test_a_request_over_the_sidecar_s_message_limit_is_not_sent_and_the_stream_goes_on(fake):
+    """An inline request past the sidecar's max_message_bytes (StatusReport.limits: a small --max-message-bytes
+    with wide block tables) made gRPC end the whole stream with RESOURCE_EXHAUSTED, which the shim read as a
+    broken link: a reconnect and a breaker failure on every such step (helper 86). Such a step now falls back
+    unsent, the breaker untouched, and a step that fits goes on over the same stream."""
+    fake.sidecar.max_message_bytes = 1000
+    shim, _, _ = make_shim(fake.endpoint)
+    big, pos_b, meta_b = step_inputs(3)
+    small, pos_s, meta_s = step_inputs(1)
+    with set_forward_context(meta_b):
+        for _ in range(shim.config.breaker.failure_threshold + 1):
+            assert shim.maybe_forward(big, pos_b) is None
+    assert shim.breaker.failures == 0 and fake.sidecar.calls["step"] == 0
+    assert shim.stats.fallbacks == {S.TOO_LARGE: shim.config.breaker.failure_threshold + 1}
+    with set_forward_context(meta_s):
+        assert shim.maybe_forward(small, pos_s) is not None, dict(shim.stats.fallbacks)
+    assert fake.sidecar.calls["step"] == 1 and fake.sidecar.calls["DraftSteps"] == 1
+    assert fake.sidecar.calls["GetStatus"] == 1  # the link was kept

@@ -61,6 +61,7 @@ class FakeSidecar(pb_grpc.DrafterSidecarServicer):
         self.binds: list[pb.BindKVRequest] = []
         self.serving, self.state, self.refusal = True, "SERVING", "not gfx950"
         self.max_reqs = max_reqs
+        self.max_message_bytes = 1 << 26
         self.generation, self.binding_id = 0, 0
         self.step_errors: dict[int, tuple[int, str]] = {}  # step_id -> (google.rpc code, reason)
         self.step_delay_s: dict[int, float] = {}
@@ -72,7 +73,8 @@ class FakeSidecar(pb_grpc.DrafterSidecarServicer):
         self.calls["GetStatus"] += 1
         return pb.StatusReport(
             model=pb.ModelSummary(hidden_size=HIDDEN, compute_dtype="fp32", num_layers=5),
-            limits=pb.Limits(qpr=7, launch_reqs=8, max_reqs=self.max_reqs, max_message_bytes=1 << 26),
+            limits=pb.Limits(qpr=7, launch_reqs=8, max_reqs=self.max_reqs,
+                             max_message_bytes=self.max_message_bytes),
             parallel=pb.Parallel(tp_size=self.tp, tp_rank=self.rank, dist_backend="gloo", device="cpu"),
             backend="reference", fast_path_refusal=self.refusal, serving=self.serving, state=self.state,
             kv=pb.KVBindingState(bound=self.binding_id != 0, binding_id=self.binding_id,
