@@ -23,7 +23,7 @@ from flydsl.expr import math as fmath
 from flydsl.expr import const_expr, range_constexpr
 
 from . import _device as dev
-from .shapes import HEAD_DIM, HIDDEN, KV_DTYPES, Q_HEADS, RMS_EPS, ROTARY_DIM, SCHEDULES, rows_for, row_tiles
+from .shapes import HEAD_DIM, HIDDEN, KV_DTYPES, Q_HEADS, RMS_EPS, ROTARY_DIM, SCHEDULES, rows_for
 
 HEADS = Q_HEADS + 2  # q heads, then k, then v: the column order of the fused qkv projection
 HALF = ROTARY_DIM // 2
@@ -39,7 +39,6 @@ def build_qkv_rope(num_reqs: int, kv_dtype: str = "bf16"):
     sched = SCHEDULES["qkv"]
     rows = rows_for(num_reqs)
     split = sched.split
-    mp = 16 * row_tiles(num_reqs)
 
     @flyc.kernel
     def qkv_rope_kernel(
@@ -63,7 +62,7 @@ def build_qkv_rope(num_reqs: int, kv_dtype: str = "bf16"):
         a_i64 = fx.make_copy_atom(fx.rocdl.BufferCopy64b(), 64)
         a_u8 = fx.make_copy_atom(fx.rocdl.BufferCopy8b(), 8)
         pb = fx.rocdl.make_buffer_tensor(P)
-        ssv = fx.logical_divide(fx.rocdl.make_buffer_tensor(SS), fx.make_layout(1, 1))
+        ssb = fx.rocdl.make_buffer_tensor(SS)
 
         # Split-K sum in split order, then the input layernorm's 1/rms of the row.
         col = head * HEAD_DIM + lane
@@ -71,7 +70,11 @@ def build_qkv_rope(num_reqs: int, kv_dtype: str = "bf16"):
         lo = fx.Float32(0.0)
         hi = fx.Float32(0.0)
         for s in range_constexpr(split):
-            ss = ss + dev.load_vec(a_f32, ssv, s * mp + row, 1, fx.Float32)[0]
+            # SS[s, row] through the split's row view, as linear.py writes it: a flat index into the
+            # 2-D [split, MP] tensor is colexicographic in FlyDSL's layout algebra ((i % split, i // split)),
+            # and SS's row stride is the workspace's 64, not MP.
+            ssv = fx.logical_divide(fx.slice(ssb, (s, None)), fx.make_layout(1, 1))
+            ss = ss + dev.load_vec(a_f32, ssv, row, 1, fx.Float32)[0]
             prow = fx.logical_divide(fx.slice(pb, (s, row, None)), fx.make_layout(1, 1))
             lo = lo + dev.load_vec(a_f32, prow, col, 1, fx.Float32)[0]
             hi = hi + dev.load_vec(a_f32, prow, col + 64, 1, fx.Float32)[0]

@@ -162,6 +162,23 @@ def launch_plan(num_reqs: int, kv_dtype: str = "bf16") -> list[tuple[str, int | 
     return plan
 
 
+def _placeholder(a):
+    """What flyc.compile gets for a launch argument: tensors as meta-device placeholders, the rest as is.
+
+    flyc.compile (FlyDSL 0.5) also *runs* the launcher when every tensor argument is a device tensor
+    (`_compile_or_execute`): compiling against the live ones would launch qkv_rope (K/V written into the
+    engine's cache at the placeholder slots) and the exchanges (flags set to the next launch's tags, so its
+    waits pass before the peers' partials land; a peer not compiling leaves the kernel spinning). A
+    compiled kernel is specialized on each tensor's dtype, rank and unit-stride axis (the first axis of
+    stride 1, static from then on); sizes and the other strides are read at each launch. A contiguous
+    placeholder with every size >= 2 puts that axis last, as in every tensor _calls passes: a [R, 1] block
+    table (stride (1, 1)) would make the row stride a static 1, and request i would read row 0's entries
+    from column i on."""
+    if isinstance(a, torch.Tensor):
+        return torch.empty(tuple(max(2, n) for n in a.shape), dtype=a.dtype, device="meta")
+    return a
+
+
 class DrafterRunner:
     """Binds one TP rank's drafter weights, draft KV layers and peer buffers once; runs draft steps."""
 
@@ -264,7 +281,7 @@ class DrafterRunner:
                 launcher = KERNELS[name].build(num_reqs, self.page_size)
             else:
                 launcher = KERNELS[name].build(num_reqs)
-            fn = flyc.compile(launcher, *args)
+            fn = flyc.compile(launcher, *map(_placeholder, args))
             self._compiled[key] = fn
         return fn
 
@@ -318,7 +335,8 @@ class DrafterRunner:
     def compile_all(self) -> int:
         """Compile every kernel of every launch size 1..LAUNCH_REQS now, launching nothing, so no live step
         waits for a compiler. Arguments are placeholders of the launch's dtypes and shapes (one page per
-        request). Returns the number of compiled kernels; fewer once abandon() was called."""
+        request; _kernel compiles against meta-device copies of them, _placeholder says why). Returns the
+        number of compiled kernels; fewer once abandon() was called."""
         dev = self._ws["x"].device
         for r in range(1, LAUNCH_REQS + 1):
             n = QPR * r

@@ -13,7 +13,7 @@ from flydsl.expr import math as fmath
 from flydsl.expr import range_constexpr
 
 from . import _device as dev
-from .shapes import FFN, HIDDEN, RMS_EPS, SCHEDULES, SWIGLU_ALPHA, SWIGLU_LIMIT, rows_for, row_tiles
+from .shapes import FFN, HIDDEN, RMS_EPS, SCHEDULES, SWIGLU_ALPHA, SWIGLU_LIMIT, rows_for
 
 THREADS = 256
 VEC = 4  # columns per thread and piece: one 16-byte fp32 load, one 8-byte bf16 store
@@ -61,7 +61,6 @@ def build_swiglu_reduce(num_reqs: int):
     sched = SCHEDULES["gate_up"]
     rows = rows_for(num_reqs)
     split = sched.split
-    mp = 16 * row_tiles(num_reqs)
     per_row = FFN // VEC
 
     @flyc.kernel
@@ -70,7 +69,7 @@ def build_swiglu_reduce(num_reqs: int):
         tid = fx.thread_idx.x
         idx = fx.block_idx.y * THREADS + tid
         pb = fx.rocdl.make_buffer_tensor(P)
-        ssv = fx.logical_divide(fx.rocdl.make_buffer_tensor(SS), fx.make_layout(1, 1))
+        ssb = fx.rocdl.make_buffer_tensor(SS)
         out = dev.rows_view(fx.rocdl.make_buffer_tensor(Out), row, VEC)
         a_f32x4 = fx.make_copy_atom(fx.rocdl.BufferCopy128b(), 32)
         a_f32 = fx.make_copy_atom(fx.rocdl.BufferCopy32b(), 32)
@@ -78,7 +77,9 @@ def build_swiglu_reduce(num_reqs: int):
         ss = fx.Float32(0.0)
         gs, us = [], []
         for s in range_constexpr(split):
-            ss = ss + dev.load_vec(a_f32, ssv, s * mp + row, 1, fx.Float32)[0]
+            # SS[s, row] through the split's row view (qkv_rope.py says why not a flat index).
+            ssv = fx.logical_divide(fx.slice(ssb, (s, None)), fx.make_layout(1, 1))
+            ss = ss + dev.load_vec(a_f32, ssv, row, 1, fx.Float32)[0]
             prow = fx.logical_divide(fx.slice(pb, (s, row, None)), fx.make_layout(VEC, 1))
             gs.append(dev.load_vec(a_f32x4, prow, idx, VEC, fx.Float32))
             us.append(dev.load_vec(a_f32x4, prow, idx + per_row, VEC, fx.Float32))

@@ -147,3 +147,28 @@ def test_records_cache_compiles_to_the_planes_code(name, kv_arg, cache_dtype, nu
     assert (kv.slot_rows, kv.v_row0) == (2, 1) and kv.rows.storage_offset() > 0
     assert rep.summary() == planes.summary()
     assert mnemonics(rep) == mnemonics(planes)
+
+
+@pytest.mark.parametrize("num_reqs", [1, 3, 8])
+@pytest.mark.parametrize("name", ["qkv_rope", "swiglu_reduce"])
+def test_split_sums_of_squares_are_read_at_their_split_and_row(name, num_reqs):
+    """qkv_rope and swiglu_reduce sum SS[s, row] over the splits s: the per-row 1/rms of the folded norm.
+
+    The runner's SS is a [split, MP] slice of a [split, 64] workspace (row stride 64) that linear.py
+    writes through SS[s] row views. Read from the compiled kernel's LLVM IR with those runtime strides,
+    the kernel must load exactly bytes 4 (64 s + row): a flat index s * MP + row into the 2-D tensor is
+    colexicographic in FlyDSL ((i % split, i // split)) and read other rows' and splits' sums."""
+    from dspark_sidecar.kernels.flydsl.catalog import KERNELS
+    from dspark_sidecar.kernels.flydsl.shapes import SCHEDULES, row_tiles
+    from helpers.llvm_offsets import buffer_load_offsets, compiled_ir
+
+    spec = KERNELS[name]
+    sched = SCHEDULES["qkv" if name == "qkv_rope" else "gate_up"]
+    mp = 16 * row_tiles(num_reqs)
+    args = list(spec.args(num_reqs))
+    args[0] = torch.zeros(sched.split, 64, sched.n)[:, :mp]  # ws["P_*"][:, :mp], as runner._calls passes it
+    args[1] = torch.zeros(sched.split, 64)[:, :mp]  # ws["SS_*"][:, :mp]
+    ir = compiled_ir(spec.build(num_reqs), *args)
+    for row in sorted({0, 1, 5, 7 * num_reqs - 1}):
+        got = buffer_load_offsets(ir, tuple(args), (row, 0, 0))[1]
+        assert got == [4 * (64 * s + row) for s in range(sched.split)], (row, got)

@@ -295,3 +295,42 @@ def test_compile_all_compiles_what_every_launch_size_will_launch():
               torch.zeros(11, 8, dtype=torch.int32))
     assert len(compiled) == before, "a live step compiled a kernel"
     assert len(launched) == 2 * 51  # 10 kernels per layer x 5 + the final norm, per launch
+
+
+def test_compile_runs_nothing_and_fits_every_launch(monkeypatch):
+    """flyc.compile (FlyDSL 0.5) also runs the launcher when all its tensors are device tensors, and the
+    compiled kernel is specialized on each tensor's unit-stride axis. So every tensor _kernel hands it
+    must be a placeholder that holds no memory (meta device: on a GPU, compiling against the live
+    workspaces, cache rows and peer flags launched qkv_rope into the engine's cache and the exchanges),
+    and must specialize exactly as the tensors of a real launch do: compile_all's one-page block table
+    [R, 1] has strides (1, 1), which made BT's row stride a static 1 for every later multi-page table."""
+    import flydsl.compiler as flyc
+    from flydsl.compiler.jit_argument import TorchTensorJitArg
+    from flydsl.compiler.jit_function import _is_compile_placeholder
+
+    def sig(a):
+        return TorchTensorJitArg(a).__cache_signature__() if isinstance(a, torch.Tensor) else type(a)
+
+    compiled = {}
+
+    def fake_compile(launcher, *args):
+        key = len(compiled)
+        compiled[key] = args
+        return lambda *live: launched.append((key, live))
+
+    monkeypatch.setattr(flyc, "compile", fake_compile)
+    launched = []
+    r = make()
+    r.compile_all()
+    assert compiled
+    for args in compiled.values():
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        assert tensors and all(t.device.type == "meta" for t in tensors)
+        assert all(_is_compile_placeholder(TorchTensorJitArg(t)) for t in tensors)
+    n = 7 * 11  # launches of 8 and 3 requests, 9 pages per request
+    r.forward(torch.arange(n) + 100, torch.zeros(n, 6144, dtype=torch.bfloat16), torch.arange(n),
+              torch.zeros(11, 9, dtype=torch.int32))
+    assert len(launched) == 2 * 51
+    for key, live in launched:
+        assert [sig(a) for a in live] == [sig(a) for a in compiled[key]]
+    r.close()
