@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -26,6 +27,31 @@ class HandleError(ValueError):
 class HandleUncheckable(HandleError):
     """A handle refused because this process could not check it (the driver's query failed), not
     because of anything in it: the same handle may pass a moment later (server/errors.py: UNAVAILABLE)."""
+
+
+class HandleExhausted(HandleError):
+    """A handle this process could not map for want of a resource of its own or of the host (file
+    descriptors, memory or address space: EMFILE, ENFILE, ENOMEM; a driver out of memory opening a CUDA
+    IPC handle), not because of anything in it: the same handle maps once the resource is back
+    (server/errors.py: UNAVAILABLE, which the engine retries; INVALID_ARGUMENT turned its fast path off
+    for good over a passing condition)."""
+
+
+# errno values of a failed open or mmap that say nothing about the handle: the process or host ran short.
+_EXHAUSTED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN})
+# How torch words the same shortages in the RuntimeError of a CUDA/HIP IPC open: the driver's out of
+# memory (cudaErrorMemoryAllocation, hipErrorOutOfMemory), or the strerror of a failed open or mmap of the
+# handle's reference counter file ("unable to open shared memory object ...: Too many open files (24)").
+_EXHAUSTED_WORDS = ("out of memory", *(os.strerror(e).lower() for e in _EXHAUSTED_ERRNOS))
+
+
+def _exhausted(err: BaseException) -> bool:
+    """Whether a failed map or open is a passing shortage of this process or host (HandleExhausted)."""
+    if isinstance(err, OSError):
+        return err.errno in _EXHAUSTED_ERRNOS
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in _EXHAUSTED_WORDS)
 
 
 # Engine side: tensors allocated in named shared memory -----------------------------------------
@@ -203,7 +229,8 @@ class MappedMemory:
             try:
                 seg = AttachedSegment(handle.shm.name)  # the engine's: it owns and unlinks it
             except (FileNotFoundError, OSError, ValueError) as e:
-                raise HandleError(f"{field}: cannot open shared memory {handle.shm.name!r}: {e}") from None
+                error = HandleExhausted if _exhausted(e) else HandleError
+                raise error(f"{field}: cannot open shared memory {handle.shm.name!r}: {e}") from None
             self._segment = seg
             lo, size = handle.shm.offset_bytes, handle.shm.size_bytes
             if lo > seg.size:
@@ -350,7 +377,8 @@ def _rebuild(h: pb.CudaIpcHandle, field: str, device: torch.device) -> torch.Ten
     except RuntimeError as err:  # e.g. bytes that are no IPC handle: the driver refuses to open them
         if held is None and storage_from_cache(torch.UntypedStorage, key) is None:
             _discard_cuda_ipc(h)  # torch mapped nothing, so it gave nothing back
-        raise HandleError(f"{field}: the CUDA/HIP IPC handle cannot be opened on {device}: {err}") from None
+        error = HandleExhausted if _exhausted(err) else HandleError
+        raise error(f"{field}: the CUDA/HIP IPC handle cannot be opened on {device}: {err}") from None
 
 
 def gpu_uuid(device: torch.device) -> str:

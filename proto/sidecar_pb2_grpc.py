@@ -99,8 +99,10 @@ class DrafterSidecarServicer:
         """Binds (or re-binds, replacing the previous binding) the engine's draft KV cache. Each call
         that succeeds returns a new generation; steps must name the current one. A CUDA IPC handle
         whose storage the sidecar could not check against its GPU allocation (the driver's query
-        failed) is UNAVAILABLE, reason HANDLE_UNCHECKED (try again), not INVALID_ARGUMENT; the same
-        holds for RegisterBuffers.
+        failed) is UNAVAILABLE, reason HANDLE_UNCHECKED (try again), not INVALID_ARGUMENT; so is a
+        handle the sidecar could not open or map for want of file descriptors or memory (EMFILE,
+        ENFILE, ENOMEM, the driver out of memory), reason MAP_EXHAUSTED. The same holds for
+        RegisterBuffers, and MAP_EXHAUSTED for AttachDoorbell's page.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

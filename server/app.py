@@ -44,7 +44,7 @@ from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.preflight import check_port, claim_socket
 from dspark_sidecar.server.process_group import join_group
 from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_up
-from dspark_sidecar.server.refusal import probe_host
+from dspark_sidecar.server.refusal import AWAITING_BIND, probe_host
 from dspark_sidecar.server.rendezvous import Board, PeerProcesses, Rendezvous
 from dspark_sidecar.server.servicer import MAX_STREAMS, DrafterServicer, Lifecycle, give_back_unopened, limits_pb
 
@@ -429,14 +429,22 @@ class HealthPublisher:
     def __call__(self, state: str | None = None) -> None:
         life = self.life
         with self._lock:
-            if state is not None:
-                life.state = state
+            # Worked out here and set once: set first, `state` ("SERVING" at the start) was what a
+            # GetStatus on another thread read while the refusal was still being asked, on a rank
+            # that then went REFUSED.
+            state = life.state if state is None else state
             refused = self.servicer.refusal() if life.strict else ""
-            if life.state in ("SERVING", "REFUSED", "PEER_SILENT"):
+            if refused == AWAITING_BIND:
+                # Every host check passed; the engine's checks wait for its BindKV: nothing is refused yet.
+                # Taken for a refusal, a strict rank on the very host the fast path is for came up
+                # REFUSED (NOT_SERVING), which the engine reads as refused for good before it ever binds,
+                # and which keeps a native sidecar's startup probe, and so the engine, from starting.
+                refused = ""
+            if state in ("SERVING", "REFUSED", "PEER_SILENT"):
                 peer_out = life.silent_peers or life.exited_peers
-                life.state = "PEER_SILENT" if peer_out else "REFUSED" if refused else "SERVING"
-            life.reason = (peers_reason(life.exited_peers, life.silent_peers) if life.state == "PEER_SILENT"
-                           else "")
+                state = "PEER_SILENT" if peer_out else "REFUSED" if refused else "SERVING"
+            life.reason = peers_reason(life.exited_peers, life.silent_peers) if state == "PEER_SILENT" else ""
+            life.state = state
             self.ctx.refusal = refused or None
             serving = health_pb2.HealthCheckResponse.SERVING
             status = serving if life.serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -11,7 +11,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from dspark_sidecar.proto.memory import HandleError, HandleUncheckable
+from dspark_sidecar.proto.memory import HandleError, HandleExhausted, HandleUncheckable
 
 log = logging.getLogger("dspark_sidecar.server")
 
@@ -66,6 +66,9 @@ def as_sidecar_error(exc: BaseException) -> SidecarError:
         field, _, msg = str(exc).partition(": ")
         if isinstance(exc, HandleUncheckable):  # our failure to check it, not the engine's input: try again later
             return SidecarError(grpc.StatusCode.UNAVAILABLE, str(exc), field if msg else "", "HANDLE_UNCHECKED")
+        if isinstance(exc, HandleExhausted):  # this process or host ran short (fds, memory): passing, as above
+            return SidecarError(grpc.StatusCode.UNAVAILABLE, f"{exc}; nothing in the handle is wrong: try again",
+                                field if msg else "", "MAP_EXHAUSTED")
         return invalid(field, msg) if msg else SidecarError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "", "INVALID_FIELD")
     log.exception("internal error while serving a request")
     return SidecarError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "", "INTERNAL")

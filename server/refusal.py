@@ -8,6 +8,9 @@ from dspark_sidecar import layout
 
 REQUIRED_TP = 4
 REQUIRED_METHOD = "dspark"
+# fast_path_refusal's last word before any BindKV, where every host check passed: the engine's checks wait
+# for its facts. No refusal of the deployment (health and --strict-refusal leave it out: server/app.py).
+AWAITING_BIND = "no engine bound yet (the DP/PP/speculative checks need BindKV)"
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ def fast_path_refusal(host: HostFacts, engine: EngineFacts | None) -> str | None
         (tp == REQUIRED_TP, f"TP {tp} != {REQUIRED_TP}"),
     ]
     if engine is None:
-        checks.append((False, "no engine bound yet (the DP/PP/speculative checks need BindKV)"))
+        checks.append((False, AWAITING_BIND))
     else:
         checks += [
             (engine.dp_size == 1, "DP > 1"),

@@ -102,7 +102,15 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def refusal(self) -> str:
         """Why the FlyDSL path does not serve the current binding: the seed's checks first, then the fast path's."""
-        kv = self.ctx.memory.kv
+        while True:
+            kv = self.ctx.memory.kv
+            why = self._refusal_of(kv)
+            # A BindKV or UnbindKV on another thread may have replaced and closed `kv` (layers = []) while it
+            # was judged: its verdict ("0 KV layers bound") is no binding's. Judged again, the current one's.
+            if self.ctx.memory.kv is kv:
+                return why
+
+    def _refusal_of(self, kv) -> str:
         why = fast_path_refusal(self.life.host, kv.engine if kv else None) if self.life.host else "host not probed"
         if why is None:
             fast = self.ctx.fast
@@ -175,6 +183,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             self.ctx.memory.unbind(request.binding_id, self.loop.after_device)
             if self.ctx.fast is not None:  # its runner holds views of the cache just released
                 self.ctx.fast.unbound(self.loop.after_device)
+        # As BindKV: health's verdict was the released binding's. Not published again, a strict rank refused
+        # for that binding (an engine's DP > 1, a cache layout) stayed REFUSED with nothing bound: an engine
+        # connecting later, rightly configured, read it as refused for good and never bound.
+        for cb in self.life.on_change:
+            cb()
         return pb.UnbindKVResponse()
 
     def RegisterBuffers(self, request, context):

@@ -373,3 +373,82 @@ def test_a_segment_any_user_may_truncate_or_only_privilege_opens_is_refused(segm
     uid = OTHER_UID if owner == "other" else os.geteuid()
     assert f"{path} {refusal} (owner uid {uid}, mode {mode:04o})" in str(refused.value), refused.value
     assert str(refused.value).startswith("regions[0].memory: cannot open shared memory"), refused.value
+
+
+@pytest.mark.parametrize("code", ["EMFILE", "ENFILE", "ENOMEM"])
+def test_a_segment_that_cannot_be_opened_for_want_of_descriptors_or_memory_is_passing_not_invalid(segment, code,
+                                                                                                  monkeypatch):
+    """Opening or mapping an engine's segment failed with EMFILE/ENFILE (the rank or the host out of file
+    descriptors) or ENOMEM (out of memory or address space): nothing in the handle is wrong, but it was
+    answered INVALID_ARGUMENT, which client/binding.py reads as permanent: the engine's fast path went off
+    for its life over a passing shortage. Now HandleExhausted (UNAVAILABLE: retried). A segment that is not
+    there stays the engine's fault (INVALID_ARGUMENT)."""
+    import errno
+
+    import grpc
+
+    from dspark_sidecar.client.binding import _PERMANENT_CODES
+    from dspark_sidecar.server.errors import as_sidecar_error
+
+    handle = memory.export_handle(segment.tensor)
+    real_open = os.open
+
+    def short_open(path, flags, *args, **kwargs):
+        if path.startswith("/dev/shm/"):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(memory.os, "open", short_open)
+    with pytest.raises(memory.HandleExhausted) as info:
+        memory.MappedMemory(handle, "layers[0].memory", torch.device("cpu"))
+    err = as_sidecar_error(info.value)
+    assert (err.code, err.field, err.reason) == (grpc.StatusCode.UNAVAILABLE, "layers[0].memory", "MAP_EXHAUSTED")
+    assert err.code not in _PERMANENT_CODES
+    # Through BindKV's mapping too: the whole bind is refused as passing.
+    cfg = load_config("tiny")
+    from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+    from dspark_sidecar.proto import codec
+
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
+    layers = [pb.KVLayerBinding(layer=i, memory=handle, dtype=codec.dtype_to_proto(torch.float32),
+                                shape=kv_layer_shape(cfg, 1, 1, 16)) for i in range(cfg.num_hidden_layers)]
+    with pytest.raises(memory.HandleExhausted):
+        mem.bind(pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1), page_size=16, layers=layers))
+    assert mem.kv is None
+    monkeypatch.undo()
+    missing = pb.MemoryHandle(shm=pb.SharedMemoryHandle(name=f"dspark-test-missing-{os.getpid()}"))
+    with pytest.raises(memory.HandleError) as gone:
+        memory.MappedMemory(missing, "layers[0].memory", torch.device("cpu"))
+    assert not isinstance(gone.value, memory.HandleExhausted)
+    assert as_sidecar_error(gone.value).code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("failure", ["CUDA error: out of memory", "HIP error: out of memory",
+                                     "unable to open shared memory object </torch_1_2_3> in read-write mode: "
+                                     "Too many open files (24)"])
+def test_a_cuda_handle_the_driver_cannot_open_for_want_of_memory_is_passing_and_given_back(failure, given_back,
+                                                                                           monkeypatch):
+    """torch's open of a CUDA/HIP IPC handle raised RuntimeError for the driver out of memory, or for its
+    reference counter file that could not be opened (out of descriptors): answered INVALID_ARGUMENT as if
+    the handle were no handle, so the engine turned its fast path off for good. Now HandleExhausted
+    (UNAVAILABLE), the engine's reference given back as before; bytes that are no handle stay invalid."""
+    import grpc
+    import torch.multiprocessing.reductions as reductions
+
+    from dspark_sidecar.server.errors import as_sidecar_error
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(why[0])
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", refuse)
+    why = [failure]
+    with pytest.raises(memory.HandleExhausted) as info:
+        memory._rebuild(_ipc(32).cuda_ipc, "layers[1].memory", torch.device("cuda", 0))
+    assert given_back == [(b"/torch_counter", 32)]
+    err = as_sidecar_error(info.value)
+    assert (err.code, err.reason, err.field) == (grpc.StatusCode.UNAVAILABLE, "MAP_EXHAUSTED", "layers[1].memory")
+    why[0] = "CUDA error: invalid argument"
+    with pytest.raises(memory.HandleError) as bad:
+        memory._rebuild(_ipc(40).cuda_ipc, "layers[1].memory", torch.device("cuda", 0))
+    assert not isinstance(bad.value, memory.HandleExhausted)
+    assert as_sidecar_error(bad.value).code == grpc.StatusCode.INVALID_ARGUMENT

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from dspark_sidecar.proto.memory import HandleError, HandleUncheckable
+from dspark_sidecar.proto.memory import HandleError, HandleExhausted, HandleUncheckable
 from dspark_sidecar.server.errors import as_sidecar_error, to_status, to_step_error
 
 
@@ -22,6 +22,19 @@ def test_a_handle_the_sidecar_could_not_check_is_unavailable_not_invalid():
     err = as_sidecar_error(HandleUncheckable("layers[0].memory: cannot check the handle's storage (status 201)"))
     assert (err.code, err.field, err.reason) == (grpc.StatusCode.UNAVAILABLE, "layers[0].memory", "HANDLE_UNCHECKED")
     assert err.message == "layers[0].memory: cannot check the handle's storage (status 201)"
+
+
+def test_a_handle_not_mapped_for_want_of_descriptors_or_memory_is_unavailable_not_invalid():
+    """EMFILE/ENFILE/ENOMEM opening a segment, or the driver out of memory opening a CUDA IPC handle, was
+    INVALID_ARGUMENT, which client/binding.py reads as permanent: a passing shortage of the sidecar's
+    turned the engine's fast path off for good. UNAVAILABLE (retried), naming the field."""
+    from dspark_sidecar.client.binding import _PERMANENT_CODES
+
+    err = as_sidecar_error(HandleExhausted("layers[3].memory: cannot open shared memory 'psm_x': [Errno 24] Too "
+                                           "many open files"))
+    assert (err.code, err.field, err.reason) == (grpc.StatusCode.UNAVAILABLE, "layers[3].memory", "MAP_EXHAUSTED")
+    assert err.message.startswith("layers[3].memory: cannot open shared memory") and "try again" in err.message
+    assert err.code not in _PERMANENT_CODES
 
 
 def test_unexpected_exception_is_internal():

@@ -232,3 +232,175 @@ def test_a_silent_peer_that_then_exits_is_not_logged_as_signalling_again(caplog)
         peer.kill()
         peer.wait()
         board.close()
+
+
+# --strict-refusal and the binding: a servicer over fakes (no model, no rank loop) -----------------------
+
+class _Fast:
+    """server.fast_path.FlyDSLFastPath's verdicts as it gives them for a binding it has not built for."""
+
+    def __init__(self, on_refusal=None) -> None:
+        self.on_refusal = on_refusal  # called with the binding judged, before its verdict
+
+    def refusal(self, kv):
+        if kv is None:
+            return None  # no start-up reason
+        if self.on_refusal is not None:
+            self.on_refusal(kv)
+        return None if len(kv.layers) == 5 else f"{len(kv.layers)} KV layers bound, kernels need 5"
+
+    def pending(self, kv):
+        return None
+
+    def unbound(self, retire=None):
+        return None
+
+
+class _Memory:
+    """server.kv_binding.MemoryBindings' binding, as BindKV and UnbindKV change it."""
+
+    def __init__(self, kv=None) -> None:
+        self.kv = kv
+
+    def unbind(self, binding_id, retire=lambda close: close()):
+        kv, self.kv = self.kv, None
+        retire(kv.close)
+
+
+def _kv(binding_id, dp_size=1):
+    import torch
+
+    from dspark_sidecar.server.refusal import EngineFacts
+
+    kv = None
+
+    def close():
+        kv.layers = []  # as KVBinding.close
+
+    from types import SimpleNamespace
+
+    kv = SimpleNamespace(binding_id=binding_id, generation=1, layers=[torch.zeros(1, dtype=torch.bfloat16)] * 5,
+                         num_pages=4, page_size=16, engine=EngineFacts(4, dp_size, 1, "dspark", 7), close=close)
+    return kv
+
+
+def _strict_rank(host, kv=None, fast=None):
+    """(servicer, its publisher, ctx, health servicer) of a strict rank, health published as app.py does."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+    from grpc_health.v1 import health
+
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.metrics import Metrics
+    from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
+
+    ctx = SimpleNamespace(rank=0, fast=fast or _Fast(), cfg=load_config("tiny"), memory=_Memory(kv),
+                          model=SimpleNamespace(dtype=torch.bfloat16), metrics=Metrics(0), refusal=None)
+    loop = SimpleNamespace(exclusive=lambda wait=True: contextlib.nullcontext(), after_device=lambda fn: fn(),
+                           graphs=None)
+    life = Lifecycle(backend="flydsl", host=host, strict=True)
+    svc = DrafterServicer(ctx, loop, life, pb.Limits(), pb.Parallel(), "mxfp8")
+    hs = health.HealthServicer()
+    publish = HealthPublisher(life, svc, ctx, hs, ctx.metrics)
+    life.on_change.append(publish)
+    return svc, publish, ctx, hs
+
+
+def _health(hs):
+    from grpc_health.v1 import health_pb2
+
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(
+        hs.Check(health_pb2.HealthCheckRequest(service=""), None).status)
+
+
+def test_a_strict_rank_on_the_fast_path_s_own_host_serves_before_any_bind():
+    """On a gfx950 host with FlyDSL at TP 4 the seed's checks end, before any BindKV, on "no engine bound
+    yet": the engine's checks wait for its facts. --strict-refusal took that for a refusal, so a strict rank
+    on the very host the fast path is for came up REFUSED (NOT_SERVING): the engine reads REFUSED as
+    refused for good (client/shim.py sidecar_refusal) and never binds, and a native sidecar's startup
+    probe never passes. Now it is SERVING until a binding is refused; a host that fails its own checks is
+    still REFUSED from the start."""
+    from dspark_sidecar.client.shim import sidecar_refusal
+    from dspark_sidecar.server.refusal import HostFacts
+
+    svc, publish, ctx, hs = _strict_rank(HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4))
+    publish("SERVING")
+    st = svc.GetStatus(pb.GetStatusRequest(), None)
+    assert (st.state, st.serving, _health(hs), ctx.refusal) == ("SERVING", True, "SERVING", None)
+    assert st.fast_path_refusal.startswith("no engine bound yet")  # GetStatus still says what it waits for
+    assert sidecar_refusal(st) is None
+    svc2, publish2, ctx2, hs2 = _strict_rank(HostFacts(on_gfx950=True, flydsl_available=False, tp_size=4))
+    publish2("SERVING")
+    st2 = svc2.GetStatus(pb.GetStatusRequest(), None)
+    assert (st2.state, _health(hs2), ctx2.refusal) == ("REFUSED", "NOT_SERVING", "FlyDSL not installed")
+    assert sidecar_refusal(st2) == "sidecar refuses: FlyDSL not installed"
+
+
+def test_an_unbind_publishes_health_again_so_a_binding_s_strict_refusal_does_not_outlive_it():
+    """UnbindKV released the binding but, unlike BindKV, did not publish health: a strict rank refused for
+    that binding (here the engine's DP > 1) stayed REFUSED with nothing bound, its steps refused, and the
+    next engine to connect (configured right) read REFUSED as refused for good and never bound."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.client.shim import sidecar_refusal
+    from dspark_sidecar.server.refusal import HostFacts
+
+    svc, publish, ctx, hs = _strict_rank(HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4),
+                                         kv=_kv(7, dp_size=2))
+    publish("SERVING")
+    assert (svc.life.state, _health(hs), ctx.refusal) == ("REFUSED", "NOT_SERVING", "DP > 1")
+    svc.UnbindKV(pb.UnbindKVRequest(binding_id=7), SimpleNamespace(peer=lambda: "unix:/run/dspark/rank0.sock"))
+    st = svc.GetStatus(pb.GetStatusRequest(), None)
+    assert (st.state, st.serving, _health(hs), ctx.refusal) == ("SERVING", True, "SERVING", None)
+    assert not st.kv.bound and sidecar_refusal(st) is None
+
+
+def test_a_publish_that_races_a_rebind_judges_the_binding_in_place_not_the_closed_one():
+    """A publish on another thread (a compile that failed, a silent peer's beat) read the binding, and a
+    BindKV then replaced and closed it (layers = []) before its fast-path verdict: the verdict was "0 KV
+    layers bound", and a strict rank refused steps and went NOT_SERVING (UnbindKV alike, where nothing
+    published again). Now a binding replaced while it was judged is judged again: the current one's."""
+    from dspark_sidecar.server.refusal import HostFacts
+
+    old, new = _kv(7), _kv(8)
+    raced = []
+
+    def rebind(kv):  # BindKV on another thread, between the read of the binding and its verdict
+        if kv is old and not raced:
+            raced.append(kv)
+            ctx.memory.kv = new
+            old.close()
+
+    svc, publish, ctx, hs = _strict_rank(HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4), kv=old,
+                                         fast=_Fast(on_refusal=rebind))
+    publish("SERVING")
+    assert raced == [old] and old.layers == []
+    assert (svc.life.state, _health(hs), ctx.refusal) == ("SERVING", "SERVING", None)
+
+
+def test_get_status_does_not_read_serving_while_a_strict_publish_asks_for_the_refusal():
+    """publish("SERVING") set the state first and asked for the refusal after: a GetStatus on a gRPC thread
+    in between read state SERVING, serving true, on a strict rank that was then REFUSED (an engine took it
+    as ready and bound). The state is now set once, as worked out."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.servicer import Lifecycle
+
+    life = Lifecycle(state="LOADING", strict=True)
+    seen = []
+
+    def refusal():
+        seen.append((life.state, life.serving))  # what a GetStatus would read at this moment
+        return "not gfx950"
+
+    from grpc_health.v1 import health
+
+    publish = HealthPublisher(life, SimpleNamespace(refusal=refusal), SimpleNamespace(refusal=None),
+                              health.HealthServicer(), SimpleNamespace(set_serving=lambda serving: None))
+    publish("SERVING")
+    assert seen == [("LOADING", False)]
+    assert life.state == "REFUSED" and not life.serving
