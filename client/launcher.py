@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from dspark_sidecar import layout
 from dspark_sidecar.client.config import rank_endpoint
 from dspark_sidecar.client.connection import SidecarConnection
 from dspark_sidecar.proto import sidecar_pb2 as pb
@@ -56,9 +57,21 @@ class SidecarLauncher:
         sockdir.prepare(self.socket_dir)
 
     def start(self) -> SidecarLauncher:
+        from dspark_sidecar.server.preflight import socket_answers
+
         self.make_socket_dir()
-        # RANK/WORLD_SIZE of an enclosing launcher would make the sidecar think it runs under torchrun.
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        # A sidecar already answering in the folder: the new one refuses its sockets (exit 75) a few seconds
+        # later, but the old one's health passed the wait below at once, and start() returned that sidecar
+        # (its preset, dtype, checkpoint; stop() not stopping it) as the one it started.
+        taken = [r for r in range(self.tp) if socket_answers(layout.rank_socket(self.socket_dir, r))]
+        if taken:
+            raise RuntimeError(f"a sidecar already answers on {self.socket_dir} (ranks {taken}): stop it first, "
+                               "or start this one in another folder")
+        # RANK/WORLD_SIZE of an enclosing launcher would make the sidecar think it runs under torchrun; so would
+        # torchrun's TORCHELASTIC_USE_AGENT_STORE (its workers carry it): the sidecar's own ranks then joined an
+        # agent's store as clients, rank 0 included, on a port nobody listens on, and never came up.
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("TORCHELASTIC_")}
         # The pid of the process that starts it, now: the object may have been made in another one.
         argv = self.argv + (["--exit-with-pid", str(os.getpid())] if self.exit_with_starter else [])
         with open(self.log_path, "ab") as log:
@@ -72,6 +85,8 @@ class SidecarLauncher:
                 self.stop()
                 raise TimeoutError(f"sidecar not SERVING within {self.ready_timeout_s} s:\n{self.log_tail()}")
             time.sleep(0.2)
+        if self.proc.poll() is not None:  # served by someone else's sidecar, started since the check above
+            raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log_tail()}")
         return self
 
     def status(self, rank: int = 0) -> pb.StatusReport:

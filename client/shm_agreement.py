@@ -7,8 +7,11 @@ slot carries the sequence, each rank takes the element-wise minimum itself.
 
 Two banks of slots, used by odd and even sequence numbers: a rank can start agreement s + 1 while
 a slower one still reads s, but it cannot reach s + 2 (the same bank) before every rank has written
-s + 1, which each does only after reading s. Stores are ordered as written (x86-64's TSO): values,
-then the sequence.
+s + 1, which each does only after reading s. Three orders of x86-64's TSO carry this: a rank's stores
+are seen in the order written (values, then the sequence), its loads in the order made (the sequences,
+then the values), and its loads of s before its store of s + 1 (so a peer's values of s + 2, written
+into the same bank once it sees that store, cannot reach the earlier load). Weakly ordered hosts
+(aarch64, POWER) reorder all three: stores_in_order keeps them on gloo.
 """
 
 from __future__ import annotations
@@ -60,8 +63,12 @@ class ShmAgreement:
             pass  # the spin; then the doorbell's naps, up to the timeout
         if not arrived() and not bell.wait_until(arrived, start + self.timeout_s, start):
             missing = [r for r in range(self.world_size) if int(seqs[r]) != seq]
-            raise AgreementTimeout(f"engine ranks {missing} did not reach step agreement {seq} within "
-                                   f"{self.timeout_s:g} s: a peer engine rank has died or stopped stepping")
+            # Read after the deadline: a peer that wrote its slot since the last poll has agreed, and takes
+            # this minimum itself (it sees every slot); raising here instead left this rank alone out of a step
+            # its peers go on with, naming no rank ("engine ranks []").
+            if missing:
+                raise AgreementTimeout(f"engine ranks {missing} did not reach step agreement {seq} within "
+                                       f"{self.timeout_s:g} s: a peer engine rank has died or stopped stepping")
         return bank[:, 1 : 1 + n].min(axis=0).tolist()
 
     def all_min(self, values: torch.Tensor) -> torch.Tensor:

@@ -208,10 +208,14 @@ def ensure_synthetic_checkpoint(cfg: DrafterConfig, seed: int = 0) -> tuple[Path
         try:
             write_synthetic_checkpoint(cfg, tmp, seed)
             (tmp / "COMPLETE").write_text("ok\n")
-        except OSError as e:  # XDG_CACHE_HOME a file, a full or read-only disk: say where, not a traceback
+        # XDG_CACHE_HOME a file, a full or read-only disk: say where, not a traceback. safetensors'
+        # save_file reports its I/O errors (a disk that fills up mid-shard) as SafetensorError, not
+        # OSError; either way the partial folder (gigabytes for the full preset) is removed, or each
+        # restart would leave another one on the disk that just ran out.
+        except (OSError, SafetensorError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"{out}: cannot write the synthetic checkpoint ({e.strerror or e}); point "
-                                  "XDG_CACHE_HOME at a writable folder, or pass --checkpoint") from None
+            raise CheckpointError(f"{out}: cannot write the synthetic checkpoint ({getattr(e, 'strerror', None) or e}); "
+                                  "point XDG_CACHE_HOME at a writable folder with room, or pass --checkpoint") from None
         try:
             tmp.rename(out)
         except OSError:  # another process finished first: its copy is identical

@@ -146,3 +146,25 @@ def test_a_key_in_two_files_or_a_broken_index_is_named(tmp_path, tiny_ckpt):
         (d / "model.safetensors.index.json").write_text(text)
         with pytest.raises(CheckpointError, match="model.safetensors.index.json: not a safetensors index"):
             CheckpointReader(d, torch.float32)
+
+
+def test_a_disk_that_fills_while_the_synthetic_checkpoint_is_written_is_named_and_cleaned(tmp_path, monkeypatch,
+                                                                                          tiny_cfg):
+    """safetensors' save_file reports an I/O error (ENOSPC mid-shard) as SafetensorError, not OSError: it
+    escaped as a traceback (exit 1, so systemd restarted serve every 5 s) and left the partial
+    `<name>.tmp<pid>` folder behind on the full disk, one more per attempt. It must be the one-line
+    CheckpointError (exit 2) with nothing left in the cache folder."""
+    from safetensors import SafetensorError
+
+    from dspark_sidecar.drafter import checkpoint
+
+    def disk_full(tensors, path, metadata=None):
+        with open(path, "wb") as f:  # what had been written when the disk ran out
+            f.write(b"\0" * 4096)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    with pytest.raises(CheckpointError, match="cannot write the synthetic checkpoint.*No space left on device"):
+        checkpoint.ensure_synthetic_checkpoint(tiny_cfg, seed=0)
+    assert list((tmp_path / "dspark-sidecar").iterdir()) == []  # no partial folder left behind

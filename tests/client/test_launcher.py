@@ -1,0 +1,82 @@
+"""SidecarLauncher.start(): what it hands the `serve` process, and what it takes for its sidecar serving.
+No sidecar is started here: Popen is replaced by a process that records how it was started."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_sidecar.client import launcher as L
+from dspark_sidecar.client.launcher import SidecarLauncher
+from helpers.engine_fakes import FakeServer, FakeSidecar, short_socket_dir
+
+
+class _Started:
+    """A `serve` process as Popen returns it: records its argv and env; exited with `code` (None: running)."""
+
+    calls: list[dict] = []
+
+    def __init__(self, argv, env=None, code=None, **_kw) -> None:
+        _Started.calls.append({"argv": argv, "env": env})
+        self.pid, self.returncode = 0, code
+
+    def poll(self):
+        return self.returncode
+
+
+@pytest.fixture
+def started(monkeypatch):
+    _Started.calls = []
+    return _Started
+
+
+def test_a_sidecar_started_from_a_torchrun_worker_keeps_none_of_its_rendezvous(monkeypatch, started):
+    """torchrun puts TORCHELASTIC_USE_AGENT_STORE=True in every worker's environment. start() took out
+    RANK/WORLD_SIZE/LOCAL_RANK but passed that on: `serve`'s own ranks then joined the group as clients of
+    the agent's store (cli.py, process_group.rendezvous_store), rank 0 included, on the port serve's launcher
+    had picked and nobody listened on; rank 0 timed out after 60 s and the start failed (checked with a real
+    TP-2 sidecar). None of torchrun's variables reach the sidecar now."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_RUN_ID": "none"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(L.subprocess, "Popen", lambda argv, **kw: started(argv, code=2, **kw))
+    with pytest.raises(RuntimeError, match="sidecar exited with 2"):
+        SidecarLauncher(short_socket_dir(), tp=1).start()
+    (call,) = started.calls
+    leaked = sorted(k for k in call["env"] if k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") or k.startswith("TORCHELASTIC_"))
+    assert leaked == [], leaked
+
+
+def test_start_refuses_a_folder_another_sidecar_serves_instead_of_returning_that_one(monkeypatch, started):
+    """With a sidecar already serving in the folder, the new `serve` refuses its sockets (exit 75) only after
+    its imports, while the old sidecar's health passed start()'s wait at once: start() returned at once, the
+    caller then drove the other sidecar (another preset or dtype; checked with two real ones: an fp32 sidecar's
+    status for a bf16 start) and stop() stopped nothing of it. start() now refuses before it starts anything."""
+    folder = short_socket_dir()
+    other = FakeServer(FakeSidecar(0, 1), folder / "rank0.sock").start()
+    monkeypatch.setattr(L.subprocess, "Popen", lambda argv, **kw: started(argv, **kw))  # running, for ever
+    try:
+        with pytest.raises(RuntimeError, match=r"a sidecar already answers on .* \(ranks \[0\]\)"):
+            SidecarLauncher(folder, tp=1, ready_timeout_s=1.0).start()
+    finally:
+        other.stop()
+    assert started.calls == [], "a second serve was started on a folder another sidecar serves"
+
+
+def test_start_does_not_return_a_sidecar_whose_own_serve_has_exited(monkeypatch, started):
+    """The folder free at the check but served by another sidecar by the time every rank's health passes
+    (one started meanwhile): its health is not this launcher's sidecar, whose serve has exited (75)."""
+    folder = short_socket_dir()
+    servers: list[FakeServer] = []
+
+    def popen(argv, **kw):  # the other sidecar comes up just as this serve loses the race and exits
+        servers.append(FakeServer(FakeSidecar(0, 1), folder / "rank0.sock").start())
+        return started(argv, code=75, **kw)
+
+    monkeypatch.setattr(L.subprocess, "Popen", popen)
+    monkeypatch.setattr(SidecarLauncher, "log_tail", lambda self, n=30: "a sidecar is already serving")
+    try:
+        with pytest.raises(RuntimeError, match="sidecar exited with 75"):
+            SidecarLauncher(folder, tp=1, ready_timeout_s=1.0).start()
+    finally:
+        for s in servers:
+            s.stop()
