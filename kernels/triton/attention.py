@@ -15,8 +15,8 @@ to a split that has no more tiles than any other;
 sum_s e^(m_s - M) l_s. On NVIDIA GPUs, with 2..COOP_MAX_SPLITS splits, the split programs merge
 them themselves instead, in the same cooperative launch (one launch less per layer). With
 SPLITS = 1 the split kernel normalises and stores directly.
-Scores and softmax are fp32; P is rounded to the K/V dtype for the P @ V dot (flash-attention's
-usual choice; 2^-9 relative per weight). Softmax runs in base 2 with log2(e) folded in the scale.
+Scores and softmax are fp32; P is rounded to the dot's operand dtype for the P @ V dot (flash-attention's
+usual choice; 2^-9 relative per weight in bf16): the K/V dtype, or q's for an fp8 cache (widened exactly). Softmax runs in base 2 with log2(e) folded in the scale.
 """
 
 from __future__ import annotations
@@ -327,6 +327,11 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
     group = hq // hk
     if n != r * rows_per_req or hq % hk:
         raise ValueError(f"attention: {n} rows for {r} requests of {rows_per_req}; {hq} q heads over {hk}")
+    # The kernels load q and store the output through one set of strides (q's). empty_like keeps a
+    # dense q's strides but makes a non-dense view (q heads sliced out of a wider qkv) contiguous,
+    # so such a q is copied first: with its own strides the stores would land past the output.
+    if not q.is_contiguous():
+        q = q.contiguous()
     out = torch.empty_like(q)
     if r == 0:
         return out

@@ -87,6 +87,44 @@ def test_empty_request_gives_zeros(device):
     torch.testing.assert_close(out[:Q], ref[:Q], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 4], ids=["s1", "s4"])
+def test_table_past_the_used_pages_is_never_read(device, splits, parity):
+    """Engines pad block-table rows past a request's pages with anything (-1, stale ids): columns past
+    (seq_len - 1) // page must not be read, nor pages outside the key range. Here every such column
+    names a page of NaNs or a page id far past the cache, with lengths at page and window edges
+    (R = 6, pages of 5, window 17) and an fp8 cache: one read of them makes the output NaN or crashes."""
+    contexts, page, window = [0, 3, 8, 17, 10, 26], 5, 17
+    q, kv, positions, seq_lens, tables, _, scale = _step(contexts, 4, 1, 32, page, window, torch.bfloat16, device, seed=2)
+    kv = kv.cpu()
+    tables = torch.cat([tables.cpu(), torch.zeros(len(contexts), 2, dtype=torch.int32)], dim=1)
+    used = {int(p) for i, s in enumerate(seq_lens.tolist()) for p in tables[i, : -(-s // page)]}
+    spare = [p for p in range(kv.shape[1]) if p not in used]
+    kv[:, spare] = float("nan")
+    for i, s in enumerate(seq_lens.tolist()):
+        tables[i, -(-s // page):] = torch.tensor([spare[0], 1 << 30])[torch.arange(tables.shape[1] - -(-s // page)) % 2]
+    kv, tables = kv.to(device), tables.to(device)
+    kv8 = kv.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    ref = reference.paged_window_attention(q, kv8, positions, seq_lens, tables, Q, window, scale)
+    out = attention.paged_window_attention(q, kv8, positions, seq_lens, tables, Q, window, scale,
+                                           splits=splits, block_n=16)
+    parity(out, ref)
+
+
+@pytest.mark.parametrize("splits", [1, 2], ids=["s1", "s2"])
+def test_q_view_of_a_wider_buffer(device, splits):
+    """q as a view into a wider buffer (the q heads of a [n, hq + 2 hk, d] qkv: not dense, so
+    empty_like gives a contiguous output): the kernels address q and the output with q's strides,
+    so the output must still be the reference's, not rows written past the output's end."""
+    q, kv, positions, seq_lens, tables, window, scale = _step([39, 20], 4, 1, 32, 8, 33, torch.float32, device, seed=3)
+    qkv = torch.zeros(q.shape[0], q.shape[1] + 2, q.shape[2], device=q.device)
+    qkv[:, :4] = q
+    view = qkv[:, :4]
+    ref = reference.paged_window_attention(view, kv, positions, seq_lens, tables, Q, window, scale)
+    out = attention.paged_window_attention(view, kv, positions, seq_lens, tables, Q, window, scale,
+                                           splits=splits, block_n=16)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_num_splits_covers_an_h200():
     """R = 1 and 1 KV head at a full window: the tiled key range (all but the block's own Q keys, which
     the narrow tile holds) is split over many programs (a power of two)."""
