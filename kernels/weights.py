@@ -39,6 +39,10 @@ class MxFp8Weight:
         out, inp = self.qweight.shape
         if self.qweight.dtype != torch.float8_e4m3fn or self.scale.dtype != torch.uint8:
             raise TypeError(f"MxFp8Weight: need float8_e4m3fn + uint8, got {self.qweight.dtype} + {self.scale.dtype}")
+        if self.block < 1 or self.block & (self.block - 1):
+            # The GEMMs split each weight tile into [rows, tile / block, block] (Triton shapes are powers
+            # of two): any other block (a config.json's weight_block_size [1, 48]) would fail at the first step.
+            raise ValueError(f"MxFp8Weight: block {self.block} is not a power of two (the kernels' tiles need one)")
         if inp % self.block or tuple(self.scale.shape) != (out, inp // self.block):
             raise ValueError(f"MxFp8Weight: scale shape {list(self.scale.shape)} does not match "
                              f"weight {[out, inp]} with block {self.block}")

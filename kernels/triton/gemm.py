@@ -13,7 +13,7 @@ With split_k > 1 the programs write fp32 partials (and partial sums of squares) 
 SwiGLU-OAI or adds the residual stream (o_proj, down_proj: no separate add launch), and
 rounds once to the activation dtype. MXFP8 weights stream 1 byte per weight
 (+1/32 for the E8M0 exponents; the bits by TMA on an H100/H200) and are dequantized in registers,
-tile by tile, to bf16 (exact) for the same dot: by integer ops into fp32 fields (_dequant), or on
+tile by tile, to bf16 (exact; fp32 under fp32 activations) for the same dot: by integer ops into fp32 fields (_dequant), or on
 NVIDIA by inline PTX on packed registers (_dequant_sm90); from 64-row tiles the dequantized tile
 is the dot's left operand, straight from registers (SWAP_AB). (Scaling each 32-wide chunk's
 partial after its own dot instead was measured slower on an H200: 4x at 56 rows, where the wgmma
@@ -432,7 +432,7 @@ def stage_bytes(block_m: int, block_n: int, block_k: int, swiglu: bool, weight_b
 
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
          programs_per_sm: int | None = None, swiglu: bool = False, weight_bytes: int = 2,
-         max_smem: int | None = None, sq_column: bool = False) -> GemmConfig:
+         max_smem: int | None = None, sq_column: bool = False, quant_block: int = 1) -> GemmConfig:
     """Row tile from m (tensor-core dots need >= 16 rows), then split K until the grid covers the SMs.
 
     n: output columns per program's tile set (f for SwiGLU: each program streams gate and up tiles).
@@ -444,9 +444,11 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     max_smem: the device's shared memory per program (default: DEEP_SMEM + SMEM_RESERVE).
     sq_column: a split launch will carry the x^2 column (a folded norm, SQ_COLUMN); with
     PLAN_SQ_COLUMN its programs count among the slots.
+    quant_block: an MXFP8 weight's block; the K tile holds whole blocks (a config.json's
+    weight_block_size [1, 128] needs a tile of 128).
     """
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    bn, bk = block_n or BLOCK_N, block_k or (FP8_BLOCK_K if weight_bytes == 1 else BLOCK_K)
+    bn, bk = block_n or BLOCK_N, block_k or (max(FP8_BLOCK_K, quant_block) if weight_bytes == 1 else BLOCK_K)
     stage = stage_bytes(bm, bn, bk, swiglu, weight_bytes)
     stages = SMEM_PER_PROGRAM // stage
     if DEEP_SMEM and (programs_per_sm == 1 or programs_per_sm is None and stages < MIN_STAGES):
@@ -551,8 +553,11 @@ def _tiling(x: torch.Tensor, weight, n: int, swiglu: bool, config: GemmConfig | 
     """(config, K-ranges actually used, K per range: a multiple of block_k). norm: x is normalized."""
     m, k = x.shape
     wbytes = _stored(weight).element_size()
+    qblock = weight.block if isinstance(weight, MxFp8Weight) else 1
     cfg = config or plan(m, n, k, sms_of(x), swiglu=swiglu, weight_bytes=wbytes, max_smem=smem_of(x),
-                         sq_column=norm and isinstance(weight, NormFolded))
+                         sq_column=norm and isinstance(weight, NormFolded), quant_block=qblock)
+    if cfg.block_k % qblock:  # _dequant splits each [BN, BK] tile into whole blocks (BK // QBLOCK of them)
+        raise ValueError(f"gemm: K tile {cfg.block_k} does not hold whole MXFP8 blocks of {qblock}")
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     return cfg, triton.cdiv(k, k_per), k_per
 
@@ -582,6 +587,11 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
     ddt = dot_dtype(w.dtype)
     if fp8:
         w = w.view(torch.uint8)  # the kernel takes the bits apart itself (_dequant)
+        if x.dtype != torch.bfloat16:
+            # The dequantized tile is exact in bf16, but an fp32 (or fp16) x is not: a bf16 dot would
+            # round every activation to 8 bits (1e-3 relative, not the fp32 reference's 2e-5), so such
+            # x meets the tile in an fp32 (IEEE) dot, where both are exact.
+            ddt = tl.float32
     tma = TMA and w.dtype in (torch.bfloat16, torch.float16, torch.uint8) and sm90_of(x) and _tma_ready(w)
     sq_col = SQ_COLUMN and partial and norm_weight is not None and isinstance(weight, NormFolded)
     _gemm_kernel[(triton.cdiv(n, cfg.block_n) + sq_col, split, triton.cdiv(m, cfg.block_m))](
@@ -596,7 +606,8 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INTERPRET=INTERPRET, TMA=tma, SQ_COL=sq_col,
         SWAP_AB=fp8 and m >= FP8_SWAP_MIN_ROWS,
         # Inline PTX cannot run in the interpreter, where tests fake sm90_of for the TMA path: nvidia_of too.
-        FP8_PTX=fp8 and FP8_PACKED_DEQUANT and nvidia_of(x) and sm90_of(x),
+        # The packed path yields bf16 tiles: only for a bf16 dot.
+        FP8_PTX=fp8 and ddt == tl.bfloat16 and FP8_PACKED_DEQUANT and nvidia_of(x) and sm90_of(x),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x, "gemm"),
     )
 

@@ -42,6 +42,34 @@ def test_tiny_drafter_step(device, tiny_cfg, tiny_ckpt, tiny_embed, parity):
     parity(out, ref)
 
 
+def test_tiny_drafter_fp32_with_mxfp8_weights(device, tiny_cfg, tiny_ckpt, tiny_embed, parity):
+    """--dtype fp32 --weights mxfp8 (server/app.py: prepare_layer_weights) on the Triton ops: the
+    checkpoint is MXFP8, so its weights kept quantized are the dense fp32 weights exactly, and the
+    step and the context commit's K/V must be the fp32 reference's within fp32's tolerance (no
+    activation rounded to bf16 on the way into the dequantized weights' dots)."""
+    from dspark_sidecar.kernels.weights import MxFp8Weight, prepare_layer_weights
+
+    dtype = torch.float32
+    kvs, outs = [], []
+    for ops in (REFERENCE_OPS, TRITON_OPS):
+        model = DSparkDrafter(tiny_cfg, ParallelContext(), ops, dtype, device).load(
+            CheckpointReader(tiny_ckpt[0], dtype, tiny_cfg.quant_block, device=device))
+        if ops is TRITON_OPS:
+            prepare_layer_weights(model, "mxfp8", tiny_cfg.quant_block, fold=True)
+            assert all(isinstance(layer.qkv_proj.weight, MxFp8Weight) for layer in model.layers)
+        kv = allocate_kv_cache(tiny_cfg, 1, PAGES, PAGE, dtype, device)
+        step = scenario.random_step(tiny_cfg, [5, 40], PAGE, PAGES, tiny_embed, seed=3)
+        pos, slots = scenario.context_rows(step.meta, PAGE)
+        taps = scenario.random_taps(tiny_cfg, pos.numel(), seed=4, dtype=dtype)
+        model.commit_context(taps.to(device), pos.to(device), slots.to(device), kv)
+        outs.append(model.draft_step(step.inputs_embeds.to(device, dtype), step.positions.to(device),
+                                     step.meta.to(device), kv))
+        kvs.append(kv)
+    for layer, layer_ref in zip(kvs[1], kvs[0], strict=True):
+        parity(layer, layer_ref)
+    parity(outs[1], outs[0])
+
+
 # Context lengths of the requests in a step: two, and eight (56 rows: the GEMMs' 64-row tiles,
 # the wgmma path on an H200, where a folded-norm bug once hid from the two-request step).
 CONTEXTS = {"2 requests": [5, 40], "8 requests": [5, 40, 12, 3, 30, 7, 20, 25]}

@@ -375,3 +375,42 @@ def test_norm_folded_is_refused_where_it_would_be_wrong():
         gemm._launch(x, folded, nw.clone(), EPS, None, CONFIGS["split1"], 64, x.new_empty(7, 32), x, None)
     with pytest.raises(TypeError, match="dense weight"):
         NormFolded.fold(MxFp8Weight.quantize(w), nw)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["x-left", "swap"])
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_fp8_weights_keep_fp32_activations_exact(device, config, swap, parity, monkeypatch):
+    """--dtype fp32 --weights mxfp8: the dequantized weights (E4M3 times 2^(s - 127) per 1x32 block
+    along the input dim, spec section 1, formed here from the raw codes, not by the code under test)
+    are exact in fp32, so the GEMM must give the fp32 reference's result (2e-5), in every epilogue;
+    a dot that rounds the fp32 activations to bf16 is off by about 2^-9 (1e-3)."""
+    monkeypatch.setattr(gemm, "FP8_SWAP_MIN_ROWS", 0 if swap else 1 << 30)
+    x, w, nw = _inputs(21, 320, 200, torch.float32, device, seed=12)
+    weight = MxFp8Weight.quantize(w)
+    codes, exps = weight.qweight.float().cpu(), weight.scale.float().cpu()
+    dense = (codes * torch.exp2(exps - 127.0).repeat_interleave(32, dim=1)).to(device)
+    cfg = CONFIGS[config]
+    parity(gemm.gemm(x, weight, config=cfg), reference.linear(x, dense))
+    parity(gemm.gemm(x, weight, nw, EPS, config=cfg), reference.norm_linear(x, nw, EPS, dense))
+    parity(gemm.gemm(x, weight, nw, EPS, swiglu=(ALPHA, LIMIT), config=cfg),
+           reference.norm_linear_swiglu(x, nw, EPS, dense, ALPHA, LIMIT))
+
+
+@pytest.mark.parametrize("block", [16, 128])
+def test_fp8_blocks_other_than_32_are_served_or_refused_at_load(device, block, parity):
+    """config.json's weight_block_size [1, B] is read, not pinned to 32: a block wider than the
+    MXFP8 K tile (64) must get a tile holding whole blocks (the kernel splits a tile into
+    tile / B blocks: 0 of them crashed the launch), against the dequantization formed from the raw
+    codes; a block that is no power of two is refused when the weight is built (at start-up), not
+    at the first step; an explicit tile that cuts blocks is refused with why."""
+    x, w, _ = _inputs(7, 384, 64, torch.bfloat16, device, seed=13)
+    weight = MxFp8Weight.quantize(w, block)
+    codes, exps = weight.qweight.float().cpu(), weight.scale.float().cpu()
+    dense = (codes * torch.exp2(exps - 127.0).repeat_interleave(block, dim=1)).to(device, torch.bfloat16)
+    parity(gemm.gemm(x, weight), reference.linear(x, dense))
+    parity(gemm.gemm(x, weight, config=gemm.GemmConfig(16, 32, 128, 2)), reference.linear(x, dense))
+    if block > 64:
+        with pytest.raises(ValueError, match="whole MXFP8 blocks"):
+            gemm.gemm(x, weight, config=gemm.GemmConfig(16, 32, 64, 1))
+    with pytest.raises(ValueError, match="block 48 is not a power of two"):
+        MxFp8Weight.quantize(w, 48)
