@@ -15,8 +15,18 @@ export PYTHONUNBUFFERED=1
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/dspark-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dspark-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 mps=0
-if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
-  mps=1
+if command -v nvidia-cuda-mps-control >/dev/null; then
+  if echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
+    # A daemon already answers on this pipe directory (one a killed run left: `-d` detaches it): every
+    # CUDA process below is its client, so say so, and leave it to whoever started it. `-d` would refuse
+    # to start a second one, and the logs said "MPS daemon: 0" for steps that ran under MPS.
+    mps=1
+  elif nvidia-cuda-mps-control -d; then
+    mps=1
+    # Quit the daemon this run started on any exit, a `timeout` or Ctrl-C included (bash runs the EXIT trap
+    # on SIGTERM and SIGINT): the detached daemon outlived a killed run, and its MPS server with it.
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  fi
 fi
 echo "MPS daemon: $mps" | tee "$out/env.log"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$out/env.log" 2>&1
@@ -36,7 +46,4 @@ python3 -m pytest -q -m gpu -p no:cacheprovider "${timeout_args[@]}" tests "${py
 python3 -m dspark_sidecar bench --out-dir "$out" "${bench_args[@]}" 2>&1 | grep -v ' INFO ' | tee "$out/bench.log" || rc=1
 # The host cost of each CUDA call on the data plane's path, on this machine (BENCHMARKS.md).
 python3 -m dspark_sidecar.bench_host 2>&1 | tee "$out/bench-host.log" || rc=1
-if [[ $mps == 1 ]]; then
-  echo quit | nvidia-cuda-mps-control
-fi
 exit $rc

@@ -4,7 +4,9 @@
 #   deploy/launch-tp4.sh [more `dspark-sidecar serve` flags ...]
 #
 # It sets up the environment below, creates the socket directory, and then becomes the
-# server (exec): SIGTERM drains it and it exits 0. Flags given here win over DSPARK_* env,
+# server (exec): SIGTERM drains it and it exits 0; under DSPARK_LAUNCHER=torchrun the ranks drain
+# as well, but torchrun's agent exits 1 (it reports the signal as its own failure, with a traceback),
+# so a supervisor counts that stop as failed. Flags given here win over DSPARK_* env,
 # except --tp and --socket-dir, which are refused: set DSPARK_TP and DSPARK_SOCKET_DIR.
 #
 # Environment read here (all optional):
@@ -52,7 +54,8 @@ command -v "$python" >/dev/null || die "no interpreter '$python' (set DSPARK_PYT
 for arg in "$@"; do
   case $arg in
     --tp | --tp=*) die "--tp: set DSPARK_TP instead (it also sizes torchrun)" ;;
-    --socket-dir | --socket-dir=*) die "--socket-dir: set DSPARK_SOCKET_DIR instead (the folder is prepared here)" ;;
+    # argparse takes any unique prefix of a flag: --so, --sock=D, --socket-d D are all --socket-dir.
+    --so | --so=* | --soc*) die "--socket-dir: set DSPARK_SOCKET_DIR instead (the folder is prepared here)" ;;
   esac
 done
 export DSPARK_TP=$tp DSPARK_SOCKET_DIR=$socket_dir

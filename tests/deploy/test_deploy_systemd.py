@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -211,3 +215,63 @@ def test_the_jit_caches_are_in_the_units_cache_directory():
     (cache,) = unit_values(SIDECAR, "CacheDirectory")
     for name in ("TRITON_CACHE_DIR", "FLYDSL_RUNTIME_CACHE_DIR"):
         assert env[name].startswith(f"%C/{cache}/"), (name, env.get(name))
+
+
+def _start_post(unit: Path, program: str, stand_in: str) -> list[str]:
+    """The unit's ExecStartPost as the argv systemd runs: `$$` unescaped to the `$` the shell expands, and
+    `program` (not installed here) replaced by `stand_in`."""
+    (post,) = unit_values(unit, "ExecStartPost")
+    return [arg.replace(program, stand_in) for arg in shlex.split(post.replace("$$", "$"))]
+
+
+def _exited_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def _polls_until_main_exits(argv: list[str], env: dict[str, str]) -> None:
+    """`argv` keeps polling while $MAINPID runs, and ends non-zero within seconds once it has exited."""
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        post = subprocess.Popen(argv, env=dict(env, MAINPID=str(live.pid)), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(5)
+            assert post.poll() is None, "ExecStartPost gave up while the main process was still starting"
+        finally:
+            post.kill()
+            post.wait()
+    finally:
+        live.kill()
+        live.wait()
+    try:
+        res = subprocess.run(argv, env=dict(env, MAINPID=str(_exited_pid())), capture_output=True, text=True,
+                             timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("ExecStartPost polled on after the main process had exited: systemd waits for it, so the "
+                    "unit stays activating until TimeoutStartSec")
+    assert res.returncode != 0 and "exited before" in res.stderr, (res.returncode, res.stderr)
+
+
+def test_sidecar_start_post_gives_up_once_the_launcher_has_exited(tmp_path):
+    """systemd waits for ExecStartPost even after the main process has exited (service.c: in START_POST
+    the main process's exit only ends the unit when no control process runs). The health loop polled
+    until it saw SERVING, which a launcher that exited 2 (a refused flag or checkpoint) or 75 (a socket
+    or port held) never gives: the unit sat "activating" for TimeoutStartSec (15 min), the engine's start
+    (After= it) waited as long, and a 75 was retried every 15 min instead of every RestartSec. The loop
+    now ends, non-zero, once $MAINPID is gone, and keeps polling while the launcher loads."""
+    argv = _start_post(SIDECAR, "/opt/dspark-sidecar/bin/python", sys.executable)
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+           "DSPARK_SOCKET_DIR": str(tmp_path), "DSPARK_TP": "4"}
+    _polls_until_main_exits(argv, env)
+
+
+def test_mps_start_post_gives_up_once_the_daemon_has_exited(tmp_path):
+    """The same for nvidia-mps.service: a control daemon that exited at start (another instance on the
+    pipe directory, no GPU) held the unit, and the sidecar that Requires= it, for its TimeoutStartSec."""
+    stub = tmp_path / "nvidia-cuda-mps-control"
+    stub.write_text("#!/bin/sh\ncat >/dev/null\necho 'Cannot find MPS control daemon process' >&2\nexit 1\n")
+    stub.chmod(0o755)
+    argv = _start_post(MPS, "/usr/bin/nvidia-cuda-mps-control", str(stub))
+    _polls_until_main_exits(argv, {"PATH": os.environ["PATH"]})

@@ -1,0 +1,96 @@
+"""deploy/gpu-check.sh with stand-ins for the GPU tools: the MPS daemon it starts does not outlive it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from deploy.deploy_files import DEPLOY
+
+SCRIPT = DEPLOY / "gpu-check.sh"
+# nvidia-cuda-mps-control: `-d` starts "the daemon" (a state file) unless one runs; on stdin,
+# get_server_list answers only while it runs, and quit stops it.
+MPS_CONTROL = """#!/bin/sh
+state="$STUB_DIR/mps-running"
+if [ "$1" = "-d" ]; then
+  [ -e "$state" ] && { echo "An instance of this daemon is already running" >&2; exit 1; }
+  touch "$state"; exit 0
+fi
+read -r cmd
+case $cmd in
+  get_server_list) [ -e "$state" ] ;;
+  quit) rm -f "$state" ;;
+esac
+"""
+# python3: every step prints a line and succeeds at once (the bench's output is filtered through grep,
+# which fails on none), except pytest while STALL is set, which waits to be killed.
+PYTHON = """#!/bin/sh
+case " $* " in
+  *" pytest "*) if [ -n "$STALL" ]; then touch "$STUB_DIR/stalled"; exec sleep 60; fi ;;
+esac
+echo "stand-in python3 $*"
+"""
+
+
+def _run_script(tmp_path: Path, stall: bool) -> subprocess.Popen:
+    """Start a copy of the script whose scratch paths (/tmp/...) lie under tmp_path, with the stand-ins
+    first on PATH, in a session of its own (as `timeout` and a terminal signal it: the whole group)."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir(exist_ok=True)
+    for name, text in (("nvidia-cuda-mps-control", MPS_CONTROL), ("python3", PYTHON), ("nvidia-smi", "#!/bin/sh\n")):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(exist_ok=True)
+    script = tmp_path / "gpu-check.sh"
+    script.write_text(SCRIPT.read_text().replace("/tmp/", f"{scratch}/"))
+    checkout = tmp_path / "checkout"
+    checkout.mkdir(exist_ok=True)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "STUB_DIR": str(tmp_path), "OUT": str(tmp_path / "out")}
+    if stall:
+        env["STALL"] = "1"
+    return subprocess.Popen(["bash", str(script)], cwd=checkout, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def test_a_killed_run_quits_the_mps_daemon_it_started(tmp_path):
+    """`nvidia-cuda-mps-control -d` detaches the daemon, and the script sent `quit` only on its last line:
+    a run ended by `timeout` (BENCHMARKS.md runs it under `timeout 560`) or Ctrl-C left the daemon and its
+    MPS server running on the GPUs. The script quits it from an EXIT trap, which bash runs on SIGTERM."""
+    proc = _run_script(tmp_path, stall=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "stalled").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the script never reached the tests"
+            time.sleep(0.1)
+        assert (tmp_path / "mps-running").exists()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not (tmp_path / "mps-running").exists(), "the MPS daemon outlived the killed run"
+
+
+def test_a_daemon_already_answering_is_reported_and_left_running(tmp_path):
+    """With a daemon already answering on the pipe directory (a killed run's), `-d` refused to start
+    another and the logs said "MPS daemon: 0", while every CUDA process of the run was that daemon's
+    client: benchmark figures under MPS labelled as without it. It is reported as MPS, and not quit by a
+    run that did not start it."""
+    (tmp_path / "mps-running").touch()
+    proc = _run_script(tmp_path, stall=False)
+    assert proc.wait(timeout=60) == 0
+    assert (tmp_path / "out" / "env.log").read_text().splitlines()[0] == "MPS daemon: 1"
+    assert (tmp_path / "mps-running").exists()
+
+
+def test_a_run_that_ends_quits_the_daemon_it_started(tmp_path):
+    """The ordinary run: the daemon it started answers during the run and is gone after it."""
+    proc = _run_script(tmp_path, stall=False)
+    assert proc.wait(timeout=60) == 0
+    assert (tmp_path / "out" / "env.log").read_text().splitlines()[0] == "MPS daemon: 1"
+    assert not (tmp_path / "mps-running").exists()
