@@ -280,7 +280,9 @@ def cmd_step(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from dspark_sidecar.client.demo import DemoConfig, format_report, run_demo, unverified_line, verdict
+    from dspark_sidecar import layout
+    from dspark_sidecar.client.demo import DemoConfig, DemoError, format_report, run_demo, unverified_line, verdict
+    from dspark_sidecar.drafter.config import ConfigError, load_config
 
     # Checked before anything starts: --tp 0 ended in the harness's traceback after the checkpoint was
     # written, --required-tp 0 only in the engine ranks, after the sidecar had started.
@@ -300,8 +302,31 @@ def cmd_demo(a: argparse.Namespace) -> int:
     if cfg.start_sidecar:  # the flags the demo's own sidecar is started with, by serve's rules (else it exits 2 later)
         from dspark_sidecar.server.config import ServeConfig
 
-        ServeConfig(tp=a.tp, max_reqs=a.max_reqs, rendezvous_ms=a.rendezvous_ms, dtype=a.dtype, device=a.device)
-    report = run_demo(cfg)
+        ServeConfig(tp=a.tp, max_reqs=a.max_reqs, rendezvous_ms=a.rendezvous_ms, dtype=a.dtype, device=a.device,
+                    **({"socket_dir": a.socket_dir} if a.socket_dir is not None else {}))
+    # The harness's ranks shard the preset as the sidecar's do: a --tp it does not divide ended in a
+    # traceback once the sidecar, started, had exited 2 (or, with --use-running-sidecar, in the engine ranks).
+    try:
+        load_config(a.preset).check_tp(a.tp)
+    except ConfigError as err:
+        raise UsageError(f"--tp {a.tp}: {err}") from None
+    # The folder the sockets are looked for in (with --use-running-sidecar; the demo's own sidecar's was checked
+    # just above, where serve's default folder used to be): one too long for a unix socket failed in the
+    # launcher, as "a sidecar already answers" there.
+    if a.socket_dir is not None and (problem := layout.socket_dir_problem(a.socket_dir, a.tp)):
+        raise UsageError(f"--socket-dir: {problem}")
+    if a.device == "cuda":  # sidecar rank r and engine rank r both on GPU r (torch.cuda.set_device(r))
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible < a.tp:
+            raise UsageError(f"--device cuda: {visible} GPU(s) visible, --tp {a.tp} needs {a.tp} (sidecar rank r and "
+                             "engine rank r run on GPU r); lower --tp or use --device cpu")
+    try:
+        report = run_demo(cfg)
+    except DemoError as err:  # no sidecar to talk to: README's exit 1, said in one line (a log tail may follow)
+        print(f"dspark-sidecar demo: FAILED: {err}", file=sys.stderr)
+        return 1
     print(format_report(report))
     if failed := verdict(report, cfg.dtype, cfg.kv_dtype, cfg.verify):
         print(f"dspark-sidecar demo: FAILED: {failed}", file=sys.stderr)

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import functools
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import grpc
+
 from dspark_sidecar import layout
 from dspark_sidecar.client.config import BreakerConfig
-from dspark_sidecar.client.harness import HarnessConfig, run_engine
+from dspark_sidecar.client.harness import HarnessConfig, run_engine, worst
 from dspark_sidecar.client.launcher import SidecarLauncher
 from dspark_sidecar.client.stats import percentile
 from dspark_sidecar.client.workload import MixConfig
 from dspark_sidecar.drafter.checkpoint import ensure_synthetic_checkpoint
 from dspark_sidecar.drafter.config import PRESETS
 from dspark_sidecar.drafter.kv_cache import KV_DTYPE_CHOICES, KV_LAYOUTS
+
+
+class DemoError(RuntimeError):
+    """The demo has no sidecar to talk to: its own did not start, or none answers at --use-running-sidecar's
+    folder. The message says why (with the sidecar's log tail); the command prints it and exits 1."""
 
 
 @dataclass(frozen=True)
@@ -106,16 +115,20 @@ def summarise(reports: list[dict], rounds: int, wall_s: float) -> DemoReport:
         warm = {k: v for k, v in r0["shim"]["fallbacks"].items() if k in ("no attention metadata", "CUDA graph capture")}
     agree = len({(r["decisions"], r["digest"]) for r in reports}) == 1
     ms = 1e6
+
+    def largest(key: str) -> float:  # over the ranks, a NaN kept (max() drops one that is not first)
+        return functools.reduce(worst, (r[key] for r in reports))
+
     return DemoReport(
         rounds=rounds, forwarded=r0["decisions"].count("F"), fallbacks=fallbacks, warmup_fallbacks=warm,
         forwarded_p50_ms=percentile(r0["fwd_ns"], 50) / ms, forwarded_p99_ms=percentile(r0["fwd_ns"], 99) / ms,
         local_p50_ms=percentile(r0["local_ns"], 50) / ms, local_p99_ms=percentile(r0["local_ns"], 99) / ms,
         compared=r0["compared"], hidden_mismatch_rounds=max(r["hidden_mismatch"] for r in reports),
-        max_hidden_diff=max(r["max_hidden_diff"] for r in reports),
+        max_hidden_diff=largest("max_hidden_diff"),
         token_mismatch_rounds=max(r["token_mismatch"] for r in reports),
         tokens_differing=max(r["tokens_differing"] for r in reports),
-        kv_mismatch_rounds=max(r["kv_mismatch"] for r in reports), max_kv_diff=max(r["max_kv_diff"] for r in reports),
-        max_hidden_rel=max(r["max_hidden_rel"] for r in reports), max_kv_rel=max(r["max_kv_rel"] for r in reports),
+        kv_mismatch_rounds=max(r["kv_mismatch"] for r in reports), max_kv_diff=largest("max_kv_diff"),
+        max_hidden_rel=largest("max_hidden_rel"), max_kv_rel=largest("max_kv_rel"),
         ranks_agree=agree, longest_context=r0["max_seq_len"], requests=r0["joined"], binds=r0["binds"], wall_s=wall_s)
 
 
@@ -137,9 +150,20 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
                                    checkpoint=ckpt, extra_args=["--rendezvous-ms", str(cfg.rendezvous_ms),
                                                                 "--device", cfg.device],
                                    log_path=work / "sidecar.log")
-        launcher.start()
+        try:
+            launcher.start()
+        except (RuntimeError, TimeoutError) as err:  # exited, never SERVING (stopped), or the folder is taken
+            raise DemoError(f"the sidecar did not start (its log: {launcher.log_path}): {err}") from None
+    finished = False
     try:
-        status = (launcher or SidecarLauncher(sock, tp=cfg.tp)).status(0)
+        try:
+            status = (launcher or SidecarLauncher(sock, tp=cfg.tp)).status(0)
+        except grpc.RpcError as err:
+            raise DemoError(f"no sidecar status from {sock} (rank 0: {err.code().name}: {err.details()}); start one "
+                            "with `dspark-sidecar serve --socket-dir ...` and wait until it is SERVING, or leave out "
+                            "--use-running-sidecar"
+                            if launcher is None else f"the sidecar's rank 0 did not report its status: "
+                            f"{err.code().name}: {err.details()}") from None
         out(f"sidecar SERVING: backend {status.backend}"
             + (f", FlyDSL path off: {status.fast_path_refusal}" if status.fast_path_refusal else ""))
         out(f"running {cfg.rounds} rounds on a TP-{cfg.tp} engine harness ...")
@@ -147,10 +171,16 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
         reports = run_engine(h, work / "engine")
         report = summarise(reports, cfg.rounds, time.monotonic() - t0)
         report.backend, report.fast_path_refusal = status.backend, status.fast_path_refusal
+        finished = True
         return report
     finally:
         if launcher is not None:
             launcher.stop()
+        # The folders made here (not given): every run left two in $TMPDIR, the sidecar's log, the ranks'
+        # reports and the rendezvous file in one. Kept when the run ended in an error, for its log.
+        for made, path in ((cfg.work_dir is None, work), (cfg.socket_dir is None, sock)):
+            if made and finished:  # scratch: a file that will not go must not turn a result into a traceback
+                shutil.rmtree(path, ignore_errors=True)
 
 
 # Largest relative L2 (hidden states, block K/V) of a forwarded round against the local stock layers, for

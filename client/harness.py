@@ -267,6 +267,12 @@ class EngineRank:
         return out
 
 
+def worst(a: float, b: float) -> float:
+    """The larger of two differences, NaN if either is: Python's max(0.0, nan) is 0.0, and a round whose
+    answer held a NaN vanished from the record (a non-reference backend is judged on these numbers alone)."""
+    return a if a != a or a >= b else b
+
+
 @dataclass
 class Record:
     """What one rank saw, round by round."""
@@ -293,7 +299,7 @@ class Record:
                 kv_fwd: torch.Tensor, kv_local: torch.Tensor) -> None:
         self.compared += 1
         diff = (fwd.float() - local.float()).abs().max().item() if fwd.numel() else 0.0
-        self.max_hidden_diff = max(self.max_hidden_diff, diff)
+        self.max_hidden_diff = worst(self.max_hidden_diff, diff)
         self.hidden_mismatch += int(not torch.equal(fwd, local.to(fwd.dtype)) or fwd.dtype != local.dtype)
         n = int((d_fwd != d_local).sum())
         self.token_mismatch += int(n > 0)
@@ -302,10 +308,10 @@ class Record:
         self.kv_mismatch += int(kv_fwd.dtype != kv_local.dtype
                                 or not torch.equal(kv_fwd.view(torch.uint8) if kv_fwd.element_size() == 1 else kv_fwd,
                                                    kv_local.view(torch.uint8) if kv_local.element_size() == 1 else kv_local))
-        self.max_kv_diff = max(self.max_kv_diff, (kv_fwd.float() - kv_local.float()).abs().max().item())
+        self.max_kv_diff = worst(self.max_kv_diff, (kv_fwd.float() - kv_local.float()).abs().max().item())
         if fwd.numel():
-            self.max_hidden_rel = max(self.max_hidden_rel, scenario.rel_l2(fwd, local.to(fwd.dtype)))
-            self.max_kv_rel = max(self.max_kv_rel, scenario.rel_l2(kv_fwd, kv_local))
+            self.max_hidden_rel = worst(self.max_hidden_rel, scenario.rel_l2(fwd, local.to(fwd.dtype)))
+            self.max_kv_rel = worst(self.max_kv_rel, scenario.rel_l2(kv_fwd, kv_local))
 
     def round(self, r: int, forwarded: bool, reason: str, drafts: torch.Tensor, seq_len: int) -> None:
         self.decisions.append("F" if forwarded else "L")

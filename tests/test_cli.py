@@ -278,3 +278,48 @@ def test_the_command_line_builds_its_parsers_without_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "--repeats" in out and out.splitlines()[-1] == "False", out
+
+
+@pytest.mark.parametrize("argv, gpus, words", [
+    # the tiny preset's 8 heads over 3 ranks: the sidecar exited 2 after it was started (a RuntimeError traceback)
+    (["demo", "--tp", "3"], 0, "--tp 3: num_attention_heads: 8 is not divisible by TP size 3"),
+    (["demo", "--tp", "3", "--use-running-sidecar", "--socket-dir", "/tmp/x"], 0, "--tp 3: num_attention_heads"),
+    # serve's rules were checked on its default folder, not the demo's: a folder too long for a unix socket
+    # ended in the launcher's traceback saying "a sidecar already answers" there (connect() fails, ENAMETOOLONG)
+    (["demo", "--socket-dir", "/tmp/" + "d" * 110], 0, "--socket-dir: /tmp/ddd"),
+    (["demo", "--socket-dir", "/tmp/a?b"], 0, "--socket-dir: /tmp/a?b holds '?'"),
+    (["demo", "--use-running-sidecar", "--socket-dir", "/tmp/" + "d" * 110], 0, "--socket-dir: /tmp/ddd"),
+    # sidecar rank r and engine rank r on GPU r: the sidecar's ranks failed in a traceback after it was started
+    (["demo", "--device", "cuda"], 0, "--device cuda: 0 GPU(s) visible, --tp 4 needs 4"),
+    (["demo", "--device", "cuda", "--tp", "2", "--required-tp", "2"], 1,
+     "--device cuda: 1 GPU(s) visible, --tp 2 needs 2"),
+])
+def test_a_demo_flag_the_sidecar_or_harness_would_refuse_is_refused_before_anything_starts(
+        argv, gpus, words, monkeypatch, capsys):
+    """Each of these started the demo (a checkpoint written, a sidecar launched) and ended in a traceback."""
+    import torch
+
+    from dspark_sidecar.client import demo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+
+    def started(cfg):
+        raise AssertionError(f"the demo started with {argv}")
+
+    monkeypatch.setattr(demo, "run_demo", started)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dspark-sidecar: ") and words in err and err.count("\n") == 1, err
+
+
+def test_the_demo_on_a_socket_folder_where_nothing_serves_fails_in_one_line(capsys):
+    """--use-running-sidecar where no sidecar answers ended in gRPC's own traceback (_InactiveRpcError, exit 1
+    by accident): README promises a one-line reason on stderr."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dsp-") as empty:
+        assert cli.main(["demo", "--rounds", "2", "--use-running-sidecar", "--socket-dir", empty]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"dspark-sidecar demo: FAILED: no sidecar status from {empty} (rank 0: UNAVAILABLE"), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from dspark_sidecar import layout
@@ -107,3 +109,78 @@ def test_the_launcher_makes_a_socket_folder_serve_accepts_whatever_the_umask(tmp
         os.umask(old)
     assert stat.S_IMODE(d.stat().st_mode) == 0o770 and not d.parent.stat().st_mode & stat.S_IWOTH
     sockdir.prepare(d)  # what serve's own check does: no refusal
+
+
+def test_a_nan_forwarded_round_is_kept_and_fails_a_gpu_backend_s_verdict():
+    """Python's max(0.0, nan) is 0.0: a forwarded round whose hidden states or block K/V held a NaN (a GPU
+    kernel's bug) left the record's largest relative L2 at the clean rounds' value, and on a non-reference
+    backend (judged on that number alone) the demo passed with exit 0, its report saying 0.00e+00."""
+    from dspark_sidecar.client.demo import verdict
+
+    drafts = torch.zeros(1, 7, dtype=torch.int64)
+    local, kv = torch.tensor([[3.0, 4.0]]), torch.ones(2, 2)
+    bad_hidden = torch.tensor([[3.0, float("nan")]])
+    for fwd, kv_fwd, field_ in ((bad_hidden, kv, "max_hidden_rel"), (local, kv * float("nan"), "max_kv_rel")):
+        rec = Record()
+        rec.compare(local, local, drafts, drafts, kv, kv)  # a clean round first
+        rec.compare(fwd, local, drafts, drafts, kv_fwd, kv)
+        rec.compare(local, local, drafts, drafts, kv, kv)  # and one after: the NaN must stay
+        assert getattr(rec, field_) != getattr(rec, field_), (field_, rec)
+        rank = rec.as_dict() | {"max_seq_len": 100, "joined": 1, "binds": 1, "shim": None}
+        clean = Record()
+        clean.compare(local, local, drafts, drafts, kv, kv)
+        clean = clean.as_dict() | {"max_seq_len": 100, "joined": 1, "binds": 1, "shim": None,
+                                   "decisions": rank["decisions"], "digest": rank["digest"]}
+        for reports in ([clean, rank], [rank, clean]):  # whichever rank saw it, the summary keeps it
+            rep = summarise(reports, rounds=3, wall_s=1.0)
+            rep.backend = "triton"
+            why = verdict(rep, "bf16")
+            assert why is not None and "nan" in why, (field_, why)
+
+
+def test_the_demo_removes_the_folders_it_made_and_keeps_those_it_was_given(tmp_path, monkeypatch):
+    """Every `dspark-sidecar demo` left two folders in $TMPDIR (dspark-demo-*: the sidecar's log, the ranks'
+    reports, the rendezvous file; dsp-*: the emptied socket folder), never named to the user."""
+    import tempfile
+
+    from dspark_sidecar.client import demo
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    rank = {"decisions": "F", "reasons": [""], "digest": 1, "fwd_ns": [1], "local_ns": [1], "compared": 1,
+            "hidden_mismatch": 0, "max_hidden_diff": 0.0, "token_mismatch": 0, "tokens_differing": 0,
+            "kv_mismatch": 0, "max_kv_diff": 0.0, "max_hidden_rel": 0.0, "max_kv_rel": 0.0,
+            "max_seq_len": 10, "joined": 1, "binds": 1, "shim": None}
+
+    class Sidecar:
+        def __init__(self, sock, **kw):
+            self.log_path = kw.get("log_path")
+
+        def start(self):
+            Path(self.log_path).write_text("log\n")
+
+        def status(self, rank):
+            return _Status()
+
+        def stop(self):
+            return 0
+
+    class _Status:
+        backend, fast_path_refusal = "reference", ""
+
+    def engine(h, work):
+        Path(work).mkdir(parents=True)
+        (Path(work) / "rank0.json").write_text("{}")
+        return [rank]
+
+    monkeypatch.setattr(demo, "SidecarLauncher", Sidecar)
+    monkeypatch.setattr(demo, "run_engine", engine)
+    monkeypatch.setattr(demo, "ensure_synthetic_checkpoint", lambda cfg, seed: (tmp_path / "d", tmp_path / "t"))
+    rep = demo.run_demo(demo.DemoConfig(rounds=1, tp=1), out=lambda _line: None)
+    assert rep.compared == 1 and list(scratch.iterdir()) == []
+    given = tmp_path / "given"
+    given.mkdir()
+    demo.run_demo(demo.DemoConfig(rounds=1, tp=1, work_dir=str(given), socket_dir=str(given / "s")),
+                  out=lambda _line: None)
+    assert (given / "sidecar.log").exists() and (given / "engine" / "rank0.json").exists()
