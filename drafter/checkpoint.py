@@ -216,6 +216,9 @@ def ensure_synthetic_checkpoint(cfg: DrafterConfig, seed: int = 0) -> tuple[Path
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{out}: cannot write the synthetic checkpoint ({getattr(e, 'strerror', None) or e}); "
                                   "point XDG_CACHE_HOME at a writable folder with room, or pass --checkpoint") from None
+        except BaseException:  # interrupted while writing (Ctrl-C, any other error): no partial folder either
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         try:
             tmp.rename(out)
         except OSError:  # another process finished first: its copy is identical

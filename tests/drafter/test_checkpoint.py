@@ -168,3 +168,21 @@ def test_a_disk_that_fills_while_the_synthetic_checkpoint_is_written_is_named_an
     with pytest.raises(CheckpointError, match="cannot write the synthetic checkpoint.*No space left on device"):
         checkpoint.ensure_synthetic_checkpoint(tiny_cfg, seed=0)
     assert list((tmp_path / "dspark-sidecar").iterdir()) == []  # no partial folder left behind
+
+
+def test_a_synthetic_checkpoint_write_that_is_interrupted_leaves_no_partial_folder(tmp_path, monkeypatch, tiny_cfg):
+    """A serve interrupted while it writes the synthetic checkpoint (Ctrl-C: KeyboardInterrupt, or any other
+    exception than the I/O errors) left `<name>.tmp<pid>` behind, gigabytes for the full preset, one more per
+    interrupted start (helper 87). The interruption goes on up; the partial folder does not stay."""
+    from dspark_sidecar.drafter import checkpoint
+
+    def interrupted(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(checkpoint, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.ensure_synthetic_checkpoint(tiny_cfg, seed=0)
+    assert list((tmp_path / "dspark-sidecar").iterdir()) == []
