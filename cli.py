@@ -322,6 +322,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
         if visible < a.tp:
             raise UsageError(f"--device cuda: {visible} GPU(s) visible, --tp {a.tp} needs {a.tp} (sidecar rank r and "
                              "engine rank r run on GPU r); lower --tp or use --device cpu")
+    if cfg.verify and a.tp != a.required_tp:
+        # The shim forwards only at --required-tp (the seed's check): every round would run locally, and a
+        # verifying demo that compared nothing fails (exit 1), after starting eight processes to say so.
+        raise UsageError(f"--tp {a.tp}: the shim forwards only at --required-tp {a.required_tp}, so no round would "
+                         f"be compared; pass --required-tp {a.tp} (or --no-verify to watch every round fall back)")
     try:
         report = run_demo(cfg)
     except DemoError as err:  # no sidecar to talk to: README's exit 1, said in one line (a log tail may follow)

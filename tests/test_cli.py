@@ -50,6 +50,8 @@ def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkey
     # ... and the demo's own sidecar exited 2 after it had been started (a RuntimeError traceback)
     (["demo", "--rendezvous-ms", "0"], "--rendezvous-ms: must be 1..60000, got 0"),
     (["demo", "--tp", "65"], "--tp: must be 1..64, got 65"),
+    # a verifying demo at a TP the shim does not forward at compared nothing: exit 1 after eight processes
+    (["demo", "--tp", "2"], "--tp 2: the shim forwards only at --required-tp 4, so no round would be compared"),
     (["bench", "--reqs", "1,x"], "--reqs: comma-separated integers, got '1,x'"),
     (["bench", "--reqs", "0", "--device", "cpu"], "--reqs: request counts in 1.."),
     (["bench", "--repeats", "0", "--device", "cpu"], "--repeats: at least 1, got 0"),
