@@ -87,6 +87,9 @@ _TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING
 # StatusReport.model.compute_dtype: the proto's short names, and torch's, which the sidecar sends.
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# An inline request's bytes past its tensors': five TensorRefs' dtype, shape and field tags, and the step's
+# scalars (under 1 KB at any shape the limits allow).
+_HEADER_BYTES = 4096
 _MAX_DOORBELL_PAGES = 8192  # block-table width the registered metadata region is sized for
 # A data plane refused for a passing reason (a sidecar busy past the deadline, e.g. at TP > 1 waiting
 # on its peers while it releases this rank's old regions) is asked for again after this long; until
@@ -430,26 +433,32 @@ class DrafterShim:
 
     # Phase 3: the step ------------------------------------------------------------------------------
     def _request(self, step_id: int, r: int, positions: torch.Tensor, embeds: torch.Tensor,
-                 meta: StepMetadata, inline: bool) -> pb.DraftStepRequest:
-        """The step; with inline=False the tensors are left for the data plane to fill in as region slices."""
+                 meta: StepMetadata, inline: bool) -> tuple[pb.DraftStepRequest, int]:
+        """(The step, the bytes of its inline tensors); with inline=False the tensors are left for the data plane
+        to fill in as region slices (0 bytes)."""
         b = self.binder.current
         assert b is not None
         req = pb.DraftStepRequest(step_id=step_id, binding_id=b.binding_id, binding_generation=b.generation,
                                   num_requests=r, deadline_ms=int(self.config.step_deadline_s * 1000))
+        payload = 0
         if inline:
             dtype = self._compute_dtype()
-            req.positions.CopyFrom(codec.to_tensor_ref(positions))
-            req.inputs_embeds.CopyFrom(codec.to_tensor_ref(embeds.to(dtype) if dtype is not None else embeds))
-            req.seq_lens.CopyFrom(codec.to_tensor_ref(meta.seq_lens))
-            req.block_tables.CopyFrom(codec.to_tensor_ref(meta.block_tables))
-            req.slot_mapping.CopyFrom(codec.to_tensor_ref(meta.slot_mapping))
-        return req
+            x = embeds.to(dtype) if dtype is not None else embeds
+            for field, t in (("positions", positions), ("inputs_embeds", x),
+                             ("seq_lens", meta.seq_lens), ("block_tables", meta.block_tables),
+                             ("slot_mapping", meta.slot_mapping)):
+                getattr(req, field).CopyFrom(codec.to_tensor_ref(t))
+                payload += t.numel() * t.element_size()  # the ref's data (reading it back would copy it)
+        return req, payload
 
-    def _message_limit(self) -> int:
-        """The largest inline request either end takes: this channel's and the sidecar's (StatusReport.limits)."""
+    def _fits(self, req: pb.DraftStepRequest, payload: int) -> bool:
+        """Whether an inline request, `payload` bytes of tensors, fits the largest message either end takes (this
+        channel's and the sidecar's StatusReport.limits). Its tensors decide, but within _HEADER_BYTES of the
+        limit: ByteSize is a whole serialization (~55 us at R=8, as much as the send's own), paid only there."""
         status = self.connection.status
-        theirs = status.limits.max_message_bytes if status is not None else 0
-        return min(self.connection.max_message_bytes, theirs or self.connection.max_message_bytes)
+        mine = self.connection.max_message_bytes
+        limit = min(mine, (status.limits.max_message_bytes if status is not None else 0) or mine)
+        return payload + _HEADER_BYTES <= limit or (payload <= limit and req.ByteSize() <= limit)
 
     def _run_step(self, step_id: int, r: int, positions: torch.Tensor, embeds: torch.Tensor,
                   meta: StepMetadata) -> tuple[torch.Tensor | None, str]:
@@ -457,8 +466,8 @@ class DrafterShim:
         cfg = self.config
         bell = (self.doorbell if self.doorbell is not None and self.doorbell.alive
                 and self.doorbell.fits(r, meta, embeds.shape[-1]) else None)
-        req = self._request(step_id, r, positions, embeds, meta, inline=bell is None)
-        if bell is None and req.ByteSize() > self._message_limit():
+        req, payload = self._request(step_id, r, positions, embeds, meta, inline=bell is None)
+        if bell is None and not self._fits(req, payload):
             # Sent, gRPC would end the whole stream (RESOURCE_EXHAUSTED), read as a broken link: a reconnect
             # and a breaker failure on every such step, for a fact of the step's size. Not sent; the same on
             # every rank (same R and table width), else the post-flight agreement makes it so.
