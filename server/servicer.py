@@ -98,7 +98,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._streams = threading.BoundedSemaphore(MAX_STREAMS)  # open DraftSteps streams
         listeners = getattr(ctx.fast, "listeners", None)
         if listeners is not None:  # the fast path's verdict on a binding changes what health says
-            listeners.append(self._fast_path_changed)
+            listeners.append(self._publish_health)
 
     def refusal(self) -> str:
         """Why the FlyDSL path does not serve the current binding: the seed's checks first, then the fast path's."""
@@ -131,7 +131,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # refusal() is empty only where a fast path is built (without one it says so): ctx.fast is set here.
         return self.ctx.fast.pending(self.ctx.memory.kv) or ""
 
-    def _fast_path_changed(self) -> None:
+    def _publish_health(self) -> None:
+        """Health judged again (app.HealthPublisher): after a binding changes, or the fast path's verdict on it."""
         for cb in self.life.on_change:
             cb()
 
@@ -172,8 +173,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         why = self.refusal()
         log.info("rank %d: KV bound (binding %d, generation %d, %d pages x %d); fast path: %s", self.ctx.rank,
                  kv.binding_id, kv.generation, kv.num_pages, kv.page_size, why or "on")
-        for cb in self.life.on_change:
-            cb()
+        self._publish_health()
         return pb.BindKVResponse(binding_id=kv.binding_id, generation=kv.generation, fast_path_refusal=why,
                                  backend=self.life.backend)
 
@@ -186,8 +186,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # As BindKV: health's verdict was the released binding's. Not published again, a strict rank refused
         # for that binding (an engine's DP > 1, a cache layout) stayed REFUSED with nothing bound: an engine
         # connecting later, rightly configured, read it as refused for good and never bound.
-        for cb in self.life.on_change:
-            cb()
+        self._publish_health()
         return pb.UnbindKVResponse()
 
     def RegisterBuffers(self, request, context):
