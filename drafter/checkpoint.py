@@ -208,16 +208,16 @@ def ensure_synthetic_checkpoint(cfg: DrafterConfig, seed: int = 0) -> tuple[Path
         try:
             write_synthetic_checkpoint(cfg, tmp, seed)
             (tmp / "COMPLETE").write_text("ok\n")
-        # XDG_CACHE_HOME a file, a full or read-only disk: say where, not a traceback. safetensors'
-        # save_file reports its I/O errors (a disk that fills up mid-shard) as SafetensorError, not
-        # OSError; either way the partial folder (gigabytes for the full preset) is removed, or each
-        # restart would leave another one on the disk that just ran out.
-        except (OSError, SafetensorError) as e:
+        except BaseException as e:
+            # Whatever stopped the write (Ctrl-C too), the partial folder (gigabytes for the full preset) goes,
+            # or each restart would leave another one on a disk that may just have run out.
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"{out}: cannot write the synthetic checkpoint ({getattr(e, 'strerror', None) or e}); "
-                                  "point XDG_CACHE_HOME at a writable folder with room, or pass --checkpoint") from None
-        except BaseException:  # interrupted while writing (Ctrl-C, any other error): no partial folder either
-            shutil.rmtree(tmp, ignore_errors=True)
+            # XDG_CACHE_HOME a file, a full or read-only disk: say where, not a traceback. safetensors'
+            # save_file reports its I/O errors (a disk that fills up mid-shard) as SafetensorError, not OSError.
+            if isinstance(e, (OSError, SafetensorError)):
+                raise CheckpointError(f"{out}: cannot write the synthetic checkpoint "
+                                      f"({getattr(e, 'strerror', None) or e}); point XDG_CACHE_HOME at a writable "
+                                      "folder with room, or pass --checkpoint") from None
             raise
         try:
             tmp.rename(out)
