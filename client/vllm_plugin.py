@@ -168,6 +168,12 @@ def eager_draft_steps() -> str:
     stock_init = DSparkSpeculator.init_cudagraph_manager
 
     def init_cudagraph_manager(self: Any, cudagraph_mode: Any) -> Any:
+        # An engine whose shim is bound to stay off would pay the eager steps for nothing: it keeps its graphs.
+        off = shim_off_reason(getattr(self, "vllm_config", None))
+        if off is not None:
+            log.warning("dspark-sidecar: draft CUDA graphs kept as vLLM sets them, since the sidecar shim will stay "
+                        "off: %s", off)
+            return stock_init(self, cudagraph_mode)
         return stock_init(self, CUDAGraphMode.NONE)
 
     DSparkSpeculator.init_cudagraph_manager = init_cudagraph_manager
@@ -223,6 +229,18 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
         log.error("dspark-sidecar: %s; the sidecar stays off and every draft step runs the stock layers", off)
         shim.enabled, shim.refusal = False, off
     return shim
+
+
+def shim_off_reason(vllm_config: Any) -> str | None:
+    """Why every rank's shim will stay off, known from vLLM's config and the environment alone (a DSPARK_*
+    value it cannot use, or sleep mode), or None; None too without a config to read (nothing known yet)."""
+    if getattr(vllm_config, "parallel_config", None) is None:
+        return None
+    try:
+        engine_config_from_vllm(vllm_config, 0)  # what is refused does not depend on the rank
+    except EngineConfigError as err:
+        return str(err)
+    return sleep_mode_refusal(vllm_config)
 
 
 def sleep_mode_refusal(vllm_config: Any) -> str | None:

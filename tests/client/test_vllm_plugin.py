@@ -295,6 +295,30 @@ def test_with_a_sidecar_configured_the_draft_steps_run_eagerly_so_each_reaches_t
     assert vllm_plugin.eager_draft_steps() == "draft steps already run eagerly"  # once per process
 
 
+@pytest.mark.parametrize("env, sleep_mode, said", [
+    ({"DSPARK_STEP_DEADLINE_MS": "soon"}, False, "DSPARK_STEP_DEADLINE_MS='soon'"),
+    ({}, True, "vLLM sleep mode is enabled"),
+])
+def test_an_engine_whose_shim_will_stay_off_keeps_its_draft_graphs(fake_speculator, monkeypatch, caplog, env,
+                                                                      sleep_mode, said):
+    """The eager steps cost the engine its draft step's graphs; where the shim is bound to stay off (a bad
+    DSPARK_* value, sleep mode), they would buy nothing, so vLLM's own mode is kept, and the log says why."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert "draft steps run eagerly" in vllm_plugin.eager_draft_steps()
+    spec = fake_speculator()
+    spec.vllm_config = vllm_config(sleep_mode=sleep_mode)
+    with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+        spec.init_cudagraph_manager("FULL")
+    assert spec.mode == "FULL" and said in caplog.text
+    healthy = fake_speculator()  # the same process, a config the shim can run with: eager
+    healthy.vllm_config = vllm_config()
+    monkeypatch.delenv("DSPARK_STEP_DEADLINE_MS", raising=False)
+    healthy.init_cudagraph_manager("FULL")
+    assert healthy.mode == "NONE"
+
+
 @pytest.mark.parametrize("env, said", [
     ({}, "no sidecar configured"),
     ({"DSPARK_SOCKET_DIR": "/run/dspark", "DSPARK_DRAFT_CUDAGRAPHS": "keep"}, "DSPARK_DRAFT_CUDAGRAPHS=keep"),
