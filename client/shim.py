@@ -352,40 +352,61 @@ class DrafterShim:
             except grpc.RpcError as e:
                 self.breaker.record_failure(f"connect: {e.code().name}")
                 return False, UNREACHABLE, False
-            refusal = sidecar_refusal(status)
-            if refusal is not None:
-                return False, refusal, True
             b = self.binder.current
             if b is not None and not (status.kv.bound and status.kv.binding_id == b.binding_id
                                       and status.kv.generation == b.generation):
                 self.binder.invalidate()  # a restarted sidecar: our binding is gone
+            refusal = sidecar_refusal(status)
+            if refusal is not None and status.kv.bound and self.binder.current is None:
+                # A strict refusal judged on a binding this engine did not make: an engine gone without
+                # UnbindKV (killed, crashed) whose facts were refused. Read as final, it kept every engine
+                # after it off until the sidecar restarted. Ours are judged once bound: bind, read again.
+                failed = self._bind(layers)
+                if failed is not None:
+                    return failed
+                try:
+                    status = self.connection.refresh_status(cfg.connect_deadline_s)
+                except grpc.RpcError as e:
+                    self.breaker.record_failure(f"status: {e.code().name}")
+                    self._drop_link()
+                    return False, UNREACHABLE, False
+                refusal = sidecar_refusal(status)
+            if refusal is not None:
+                return False, refusal, True
         status = self.connection.status
         if status is not None and not status.serving:
             self._drop_link()  # re-read the status on the next try
             self.breaker.record_failure(f"state {status.state}")
             return False, NOT_SERVING, False
         if self.binder.needs_bind(layers):
-            try:
-                self.binder.bind(self.connection.stub, layers, cfg.bind_deadline_s)
-            except NotShareable as e:
-                # The engine's allocator, not the sidecar: no breaker failure, the link kept, nothing sent. Not
-                # ready until the engine re-allocates the cache (then it is tried again): every rank falls back.
-                if str(e) not in self._logged:
-                    self._logged.add(str(e))
-                    log.warning("sidecar rank %d: %s. Every draft step runs the stock layers until the KV cache is "
-                                "allocated outside expandable segments (PYTORCH_CUDA_ALLOC_CONF="
-                                "expandable_segments:False; deploy/OPERATIONS.md)", self.rank, e)
-                return False, KV_NOT_SHAREABLE, False
-            except BindError as e:
-                if e.permanent:
-                    return False, f"KV cache cannot be bound: {e}", True
-                self.breaker.record_failure(str(e))
-                self._drop_link()
-                return False, BIND_FAILED, False
+            failed = self._bind(layers)
+            if failed is not None:
+                return failed
         if (self.config.transport == "doorbell" and self.doorbell is None and self._doorbell_off is None
                 and time.monotonic() >= self._doorbell_retry_at):
             self._attach_doorbell(layers)
         return True, "", False
+
+    def _bind(self, layers: list[torch.Tensor]) -> tuple[bool, str, bool] | None:
+        """Bind the KV cache: None when bound, else _prepare's (ready, why not, refused for good)."""
+        try:
+            self.binder.bind(self.connection.stub, layers, self.config.bind_deadline_s)
+        except NotShareable as e:
+            # The engine's allocator, not the sidecar: no breaker failure, the link kept, nothing sent. Not
+            # ready until the engine re-allocates the cache (then it is tried again): every rank falls back.
+            if str(e) not in self._logged:
+                self._logged.add(str(e))
+                log.warning("sidecar rank %d: %s. Every draft step runs the stock layers until the KV cache is "
+                            "allocated outside expandable segments (PYTORCH_CUDA_ALLOC_CONF="
+                            "expandable_segments:False; deploy/OPERATIONS.md)", self.rank, e)
+            return False, KV_NOT_SHAREABLE, False
+        except BindError as e:
+            if e.permanent:
+                return False, f"KV cache cannot be bound: {e}", True
+            self.breaker.record_failure(str(e))
+            self._drop_link()
+            return False, BIND_FAILED, False
+        return None
 
     def _attach_doorbell(self, layers: list[torch.Tensor]) -> None:
         """Register the step buffers and attach the doorbell; on refusal use the gRPC stream (logged once)."""

@@ -321,6 +321,49 @@ def test_a_data_plane_that_fails_to_close_does_not_raise_out_of_the_step_that_tu
     assert "shim error in closing the data plane: RuntimeError" in shim._logged
 
 
+class _StrictJudgesTheBinding(FakeSidecar):
+    """A --strict-refusal rank whose verdict is on the bound engine's facts (a KV layout, the engine's DP):
+    REFUSED while the binding of an engine that was refused and is gone (no UnbindKV) stays, judged again
+    at every BindKV."""
+
+    def __init__(self, refuse_next: bool) -> None:
+        super().__init__(max_reqs=4)
+        self.refuse_next = refuse_next
+        self.binding_id, self.generation = 77, 1  # the gone engine's binding
+        self.serving, self.state, self.refusal = False, "REFUSED", "FlyDSL refuses this KV cache's layout"
+
+    def BindKV(self, request, context):
+        resp = super().BindKV(request, context)
+        if not self.refuse_next:
+            self.serving, self.state, self.refusal = True, "SERVING", "not gfx950"
+        return resp
+
+
+@pytest.mark.parametrize("refuse_next", [False, True])
+def test_a_strict_refusal_of_another_engine_s_binding_is_judged_again_on_ours(refuse_next):
+    """An engine refused by a strict sidecar and gone without UnbindKV leaves the rank REFUSED, its binding
+    in place. The next engine read that as its own refusal and stayed off for its whole life (until the
+    sidecar restarted), its own facts never judged. It binds first and reads the verdict on its binding:
+    served if that passes, off for good (one BindKV) if it does not."""
+    server = FakeServer(_StrictJudgesTheBinding(refuse_next), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, _, _ = make_shim(server.endpoint)
+        ids, pos, meta = step_inputs(1)
+        with set_forward_context(meta):
+            outs = [shim.maybe_forward(ids, pos) for _ in range(3)]
+        assert server.sidecar.calls["BindKV"] == 1
+        if refuse_next:
+            assert outs == [None] * 3 and not shim.enabled
+            assert shim.refusal == "sidecar refuses: FlyDSL refuses this KV cache's layout"
+            assert server.sidecar.calls["step"] == 0
+        else:
+            assert all(o is not None for o in outs), dict(shim.stats.fallbacks)
+            assert shim.enabled and shim.stats.fallbacks == {}
+        shim.close()
+    finally:
+        server.stop()
+
+
 def test_a_sidecar_rank_whose_peer_is_silent_is_passing_not_a_refusal(fake):
     # On NVIDIA fast_path_refusal is never empty ("not gfx950"): PEER_SILENT must not read as strict mode.
     fake.sidecar.serving, fake.sidecar.state, fake.sidecar.refusal = False, "PEER_SILENT", "not gfx950"
