@@ -80,6 +80,11 @@ class EngineConfig:
         for f in ("step_deadline_s", "late_grace_s", "connect_deadline_s", "bind_deadline_s"):
             if not 0 < getattr(self, f) <= 3600:  # finite: every wait of the shim is bounded by these
                 raise EngineConfigError(f"{f}: must be above 0 and at most 3600 s, got {getattr(self, f)}")
+        if self.step_deadline_s < 0.001:
+            # DraftStepRequest.deadline_ms is whole milliseconds, and 0 there is the sidecar's "no deadline":
+            # a shorter step deadline went out as 0, and the sidecar ran such a step with none at all.
+            raise EngineConfigError(f"step_deadline_s: must be at least 0.001 s (the step's deadline_ms is whole "
+                                    f"milliseconds), got {self.step_deadline_s}")
 
     @property
     def agreement_timeout_s(self) -> float:

@@ -112,6 +112,11 @@ class Workload:
             req = Request(self.next_rid, p, self.rng.randrange(self.vocab), budget, self.rng.getrandbits(31))
             self.next_rid += 1
             if not self._pages_for(req, p + Q):
+                if not self.active:
+                    # Every page is free with no request in flight: this prompt never fits, and a round
+                    # of no request failed in block_table (max() of nothing).
+                    raise ValueError(f"num_pages {len(self.pool.free)} x page_size {self.page_size} = "
+                                     f"{len(self.pool.free) * self.page_size} rows: a prompt of {p} rows needs {p + Q}")
                 self.pool.give(req.pages)
                 break
             self.active.append(req)

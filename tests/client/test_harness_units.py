@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from dspark_sidecar import layout
@@ -184,3 +185,18 @@ def test_the_demo_removes_the_folders_it_made_and_keeps_those_it_was_given(tmp_p
     demo.run_demo(demo.DemoConfig(rounds=1, tp=1, work_dir=str(given), socket_dir=str(given / "s")),
                   out=lambda _line: None)
     assert (given / "sidecar.log").exists() and (given / "engine" / "rank0.json").exists()
+
+
+def test_a_cache_too_small_for_a_prompt_is_named_not_an_empty_round():
+    """With no request in flight every page is free; a prompt that still does not fit never will. admit()
+    returned no request, and the round's block table raised `max() arg is an empty sequence` (R = 0)."""
+    w = Workload(MixConfig(seed=0), vocab=2048, page_size=16, num_pages=8)  # request 0: 4000 rows
+    with pytest.raises(ValueError, match=r"num_pages 8 x page_size 16 = 128 rows: a prompt of 4000 rows needs 4007"):
+        w.admit()
+    ok = Workload(MixConfig(seed=0, first_long=False, mid_p=0.0, long_p=0.0), vocab=2048, page_size=16, num_pages=11)
+    for _ in range(20):  # short prompts (up to 160 + 7 rows) fit 11 pages, one request at a time
+        ok.admit()
+        assert ok.active and ok.block_table().shape[0] == len(ok.active)
+        for r in ok.active:
+            ok.advance(r, 0, [0] * layout.QPR)
+        ok.retire()

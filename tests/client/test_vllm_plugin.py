@@ -375,7 +375,7 @@ def _first_forward_runs_the_stock_layers(fake_vllm, caplog, **config):
     return model
 
 
-@pytest.mark.parametrize("value", ["fast", "0", "-5", "nan", "inf"])
+@pytest.mark.parametrize("value", ["fast", "0", "0.5", "-5", "nan", "inf"])
 def test_a_bad_step_deadline_variable_keeps_the_sidecar_off_instead_of_raising_in_vllm(fake_vllm, monkeypatch,
                                                                                       caplog, value):
     """The shim is built at the drafter's first forward, inside vLLM: an EngineConfigError from a bad
