@@ -51,8 +51,8 @@ class MemoryBindings:
     them. Whichever of BindKV, RegisterBuffers and AttachDoorbell comes second is refused
     (INVALID_ARGUMENT naming its field and both byte ranges; what is in place stands). The checks
     and the records they check against change together under the lock, so two calls racing each
-    other cannot both pass. Regions may overlap each other, and a new doorbell page the one it
-    replaces."""
+    other cannot both pass. Regions may overlap each other; a doorbell page may not overlap the page
+    of a doorbell still attached, the one it replaces included (claim_page)."""
 
     def __init__(self, cfg: DrafterConfig, tp: int, rank: int, dtype: torch.dtype, device: torch.device) -> None:
         self.cfg, self.tp, self.rank, self.dtype, self.device = cfg, tp, rank, dtype, device
@@ -163,6 +163,9 @@ class MemoryBindings:
                 spans.append(span)
                 layers.append(t)
         except Exception:  # a bad layer (or handle: errors.as_sidecar_error maps it) unmaps the rest
+            # The error's traceback keeps this frame: its last view would keep the refused layer mapped
+            # past _discard, unmapped wherever the error is dropped (on a GPU, off the QuietStream).
+            t = None
             layers.clear()
             self._discard(mappings, [lb.memory for lb in req.layers[handed:]])
             raise
