@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from google.protobuf import text_format
 
 from dspark_sidecar import layout
 from dspark_sidecar.bench_defaults import P99_MIN_SAMPLES, REPEATS
@@ -64,6 +65,7 @@ MODES = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
 NAMES = {"a": "reference eager", "b": "reference graphed", "c": "GPU backend graphed",
          "d": "sidecar data plane", "e": "sidecar gRPC inline", "f": "data plane pipelined",
          "g": "data plane, engine ahead", "h": "sidecar via the shim", "i": "via the shim, engine ahead"}
+REMOTE_MODES = frozenset("defghi")  # the modes that need the sidecar (and, but for e, its data plane)
 PIPELINE = 10  # mode f: steps per timed batch, the engine's host never waiting for the GPU between them
 GRAPHABLE_REFERENCE = dataclasses.replace(REFERENCE_OPS, name="reference-static",
                                           paged_window_attention=reference.paged_window_attention_static)
@@ -117,6 +119,8 @@ class BenchConfig:
             raise BenchConfigError(f"--reqs: request counts in 1..{layout.MAX_REQS_LIMIT}, got {list(self.reqs)}")
         if not self.contexts or min(self.contexts) < 1:
             raise BenchConfigError(f"--contexts: context lengths of at least 1, got {list(self.contexts)}")
+        if self.shard_of < 1:
+            raise BenchConfigError(f"--shard-of: a TP size of at least 1, got {self.shard_of}")
         if self.repeats < 1:
             raise BenchConfigError(f"--repeats: at least 1, got {self.repeats}")
         if self.sidecar_backend not in BACKENDS:
@@ -310,9 +314,13 @@ class Bench:
         self.side = self.channel = self.bufs = self.bell = self.shim = None
         self.shim_ns: list[tuple[int, int]] = []  # h, i: the shim's own time before the ring, after the answer
         self.phases = None  # --shim-phases: bench_phases.ShimPhases on the shim
-        if {"d", "e", "f", "g", "h", "i"} & set(bc.modes):
+        self.no_sidecar: str | None = None  # why d-i cannot run: the sidecar or its data plane was not set up
+        if REMOTE_MODES & set(bc.modes):
             try:
                 self._connect()
+            except Exception as exc:  # noqa: BLE001  (d-i are reported as failed; a, b and c still run)
+                self._close_remote()  # the sidecar process it may have started
+                self.no_sidecar = f"{_error_note(exc)} (setting up the sidecar)"
             except BaseException:
                 self.close()  # the sidecar process it may have started, and the shared memory
                 raise
@@ -390,9 +398,11 @@ class Bench:
                          ("block_tables", m.block_tables), ("slot_mapping", m.slot_mapping)):
                 getattr(req, f).CopyFrom(codec.to_tensor_ref(t))
             resp = self.stub.DraftStep(req, timeout=60)
+        if resp is None or resp.HasField("error"):  # on one line: a row's note keeps only the first (_error_note)
+            why = text_format.MessageToString(resp.error, as_one_line=True) if resp is not None else "timeout"
+            raise RuntimeError(f"sidecar step failed: {why}")
+        if mode != "d":  # decoded once the answer is known not to be an error (which carries no hidden states)
             out = codec.from_tensor_ref(resp.hidden_states, "hidden").to(self.device)
-        if resp is None or resp.HasField("error"):
-            raise RuntimeError(f"sidecar step failed: {resp.error if resp is not None else 'timeout'}")
         tm = resp.timings  # the sidecar's own host time, arrival to launch, in phases
         self.sidecar_ns.append((tm.queue_ns, tm.rendezvous_ns, tm.compute_ns, tm.total_ns, tm.prelaunched,
                                 tm.validate_ns, tm.gpu_word_wait_ns, tm.gpu_start_wait_ns, tm.output_ns))
@@ -418,6 +428,10 @@ class Bench:
         t1 = time.monotonic_ns()
         if out is None:
             raise RuntimeError(f"the shim fell back: {dict(self.shim.stats.fallbacks)}")
+        if self.shim.doorbell is None or self.shim.doorbell.bell is not self.bell:
+            # It dropped the link (a failed step) and answered over another doorbell or the gRPC stream:
+            # not the data plane this mode is named for, and self.bell's time stamps are not this step's.
+            raise RuntimeError("the shim's step left the bench's data plane (it set its link up again after a failure)")
         self.shim_ns.append((self.bell.rung_mono_ns - t0, t1 - self.bell.answer_seen_mono_ns))
         if self.phases is not None:
             self.phases.step(t0, self.bell.rung_mono_ns, began)
@@ -440,6 +454,8 @@ class Bench:
         self.gpu_ms, self.mode_misses = [], None
         if mode in ("b", "c", "g", "i") and self.device.type != "cuda":
             return "n/a: needs a GPU"
+        if mode in REMOTE_MODES and self.no_sidecar is not None:
+            return self.no_sidecar
         if mode in ("b", "c"):
             fn = graphed(self._eager(GRAPHABLE_REFERENCE, case) if mode == "b" else
                          self._eager(self.gpu_ops, case, self.streams), self.device)
@@ -509,13 +525,18 @@ class Bench:
         """The sidecar's prelaunch_misses counter (GetStatus): queued steps it released unused."""
         return self.stub.GetStatus(pb.GetStatusRequest(), timeout=10).counters.prelaunch_misses
 
+    def _close_remote(self) -> None:
+        """The shim, the channel and the sidecar process, each once (what _connect got to set up)."""
+        shim, channel, side, self.shim, self.channel, self.side = self.shim, self.channel, self.side, None, None, None
+        if shim is not None:
+            shim.close()  # its binding, then the data plane
+        if channel is not None:
+            channel.close()
+        if side is not None:
+            side.close()
+
     def close(self) -> None:
-        if self.shim is not None:
-            self.shim.close()  # its binding, then the data plane
-        if self.channel is not None:
-            self.channel.close()
-        if self.side is not None:
-            self.side.close()
+        self._close_remote()
         self.kv = self.kv_raw = []
         for t in self._shm:
             t.close()
@@ -535,9 +556,10 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                 for mode in bc.modes:
                     try:
                         results[mode] = bench.measure(mode, case)
-                        phases[mode] = bench.phase_fields(mode)
+                        if not isinstance(results[mode], str):  # a mode that did not run has no phases to read
+                            phases[mode] = bench.phase_fields(mode)
                     except Exception as exc:  # noqa: BLE001  (a broken mode is reported, the run goes on)
-                        results[mode] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                        results[mode] = _error_note(exc)
                 base = results.get("b") if isinstance(results.get("b"), list) else None
                 gpu = results.get("c") if isinstance(results.get("c"), list) else None
                 gpu_time = phases.get("c", {}).get("gpu_p50_ms")  # g is GPU time: against c's GPU time
@@ -570,6 +592,16 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
     (bc.out_dir / "bench.json").write_text(json.dumps(report, indent=1))
     _plot(report, bc.out_dir / "bench.png")
     return report
+
+
+def _error_note(exc: Exception) -> str:
+    """A failed mode's row note: the exception's type and the first line that says something. A
+    grpc.RpcError's str() opens with "<_InactiveRpcError of RPC that terminated with:", so its status
+    and details are taken instead; an exception with no message (a bare assert) is its type alone."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    text = f"{code()}: {details()}" if callable(code) and callable(details) else str(exc)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"error: {type(exc).__name__}" + (f": {first[:160]}" if first else "")
 
 
 def _latency_fields(ms: list[float]) -> dict:
@@ -640,7 +672,9 @@ def _plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
     for ax, ctx in zip(axes[0], contexts):
         for mode in MODES:
-            pts = [(r["R"], r["p50_ms"]) for r in report["rows"] if r["mode"] == mode and r["context"] == ctx and "p50_ms" in r]
+            # In order of R: rows come in --reqs order (e.g. 8,1,2), which a line would double back over.
+            pts = sorted((r["R"], r["p50_ms"]) for r in report["rows"]
+                         if r["mode"] == mode and r["context"] == ctx and "p50_ms" in r)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"{mode}: {NAMES[mode]}")
         floor = sorted({(r["R"], r["floor_ms"]) for r in report["rows"] if r["context"] == ctx})

@@ -358,6 +358,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                      sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch,
                      engine_copy=a.engine_copy, launch_streams=a.launch_streams, lead_ms=a.lead_ms,
                      shim_inputs=a.shim_inputs, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype, shim_phases=a.shim_phases)
+    if a.tp < 1:  # else read as --tp 1: the one-process bench ran, as if the flag had not been given
+        raise UsageError(f"--tp: at least 1, got {a.tp}")
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
 

@@ -56,6 +56,9 @@ def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkey
     (["bench", "--reqs", "0", "--device", "cpu"], "--reqs: request counts in 1.."),
     (["bench", "--repeats", "0", "--device", "cpu"], "--repeats: at least 1, got 0"),
     (["bench", "--sidecar-backend", "cuda", "--device", "cpu"], "--sidecar-backend: one of"),
+    # --shard-of 0 reached ParallelContext (a traceback); --tp 0 ran the one-process bench as if not given
+    (["bench", "--shard-of", "0", "--device", "cpu"], "--shard-of: a TP size of at least 1, got 0"),
+    (["bench", "--tp", "0", "--device", "cpu"], "--tp: at least 1, got 0"),
 ])
 def test_a_flag_that_cannot_be_used_is_refused_before_anything_starts(argv, words, capsys):
     """Checked in the parent, before a rank, a socket or a sidecar exists (each rank used to print its

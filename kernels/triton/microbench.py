@@ -509,6 +509,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fit-k", type=int, nargs="+", default=[6144, 2048], help="with --fit: the K values")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
+    # Every figure but --fit's GEMMs builds r = rows / 7 requests of 7 query rows: other counts gave
+    # tensors of mismatched rows (8 rows, 7 positions) that failed deep in a kernel launch.
+    if not args.fit and any(r < QPR or r % QPR for r in args.rows):
+        ap.error(f"--rows: multiples of {QPR} (7 query rows per request), got {args.rows}")
+    if args.context < 0:
+        ap.error(f"--context: committed keys per request, at least 0, got {args.context}")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     bw = copy_bandwidth(dev)

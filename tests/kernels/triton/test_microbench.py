@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from dspark_sidecar.kernels.triton.microbench import fit_fixed_and_rate  # noqa: E402
+from dspark_sidecar.kernels.triton.microbench import fit_fixed_and_rate, main  # noqa: E402
 
 
 def test_fit_recovers_fixed_cost_and_rate():
@@ -20,3 +20,12 @@ def test_fit_recovers_fixed_cost_and_rate():
 def test_fit_needs_two_sizes():
     with pytest.raises(ValueError, match="two or more sizes"):
         fit_fixed_and_rate([(1e6, 1e-6), (1e6, 2e-6)])
+
+
+@pytest.mark.parametrize("argv", [["--rows", "8"], ["--rows", "7", "3"], ["--rows", "0"], ["--context", "-1"]])
+def test_rows_that_are_not_whole_requests_are_refused_before_the_gpu(argv, capsys):
+    """r = rows / 7 requests: 8 rows built 8-row activations beside 7 positions and failed deep in a
+    kernel; the flag is refused first, with its name (and on a machine with no GPU, before CUDA)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and argv[0] in capsys.readouterr().err

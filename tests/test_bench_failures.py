@@ -1,0 +1,190 @@
+"""The bench's figures when a mode fails: the run goes on, the note says why, no mode prints a figure it did not measure."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from dspark_sidecar import bench as B
+from dspark_sidecar.bench import BenchConfig, BenchConfigError
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+
+def _fake_bench(monkeypatch, measure):
+    """run_bench over a Bench whose measure() is `measure` (no model, no sidecar, no timing)."""
+
+    class FakeBench:
+        def __init__(self, bc, device):
+            self.model = self.cfg = self.embed = None
+            self.pages, self.kv = 1, [torch.zeros(1)]
+
+        def measure(self, mode, case):
+            return measure(mode)
+
+        def phase_fields(self, mode):
+            return {}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(B, "Bench", FakeBench)
+    monkeypatch.setattr(B, "Case", lambda *a, **k: None)
+    monkeypatch.setattr(B, "copy_bandwidth", lambda device: 1e12)
+    monkeypatch.setattr(B, "floor_bytes", lambda *a: 1e8)
+
+
+def test_a_mode_failing_without_a_message_is_a_note_not_the_end_of_the_run(tmp_path, monkeypatch):
+    """An exception whose str() is empty (a bare assert, queue.Empty, TimeoutError()) made the note's
+    `str(exc).splitlines()[0]` raise IndexError inside the handler: the run ended, no JSON written."""
+    def measure(mode):
+        if mode == "d":
+            raise AssertionError()
+        return [1.0, 2.0]
+
+    _fake_bench(monkeypatch, measure)
+    report = B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a", "d", "e"), repeats=2,
+                                     out_dir=tmp_path), torch.device("cpu"))
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert rows["d"]["note"] == "error: AssertionError" and "note" not in rows["e"]
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"] == report["rows"]
+
+
+def test_a_grpc_failure_s_note_keeps_its_status_and_details(tmp_path, monkeypatch):
+    """grpc's RpcError str() opens with a line that says nothing ("<_InactiveRpcError of RPC that
+    terminated with:"): the note must carry the status code and details that follow it."""
+    import grpc
+
+    class Inactive(grpc.RpcError):
+        def __str__(self):
+            return ("<_InactiveRpcError of RPC that terminated with:\n\tstatus = StatusCode.UNAVAILABLE\n"
+                    '\tdetails = "failed to connect to all addresses"\n>')
+
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "failed to connect to all addresses"
+
+    def measure(mode):
+        raise Inactive()
+
+    _fake_bench(monkeypatch, measure)
+    report = B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("e",), repeats=2,
+                                     out_dir=tmp_path), torch.device("cpu"))
+    (row,) = report["rows"]
+    assert "UNAVAILABLE" in row["note"] and "failed to connect to all addresses" in row["note"], row
+
+
+def test_an_inline_step_s_error_is_reported_as_the_sidecar_s(monkeypatch):
+    """Mode e decoded the hidden states before looking at the answer's error, so a refused step read
+    as "hidden: unsupported dtype DTYPE_UNSPECIFIED" instead of the sidecar's own reason."""
+    bench = object.__new__(B.Bench)
+    bench.device, bench.step_id, bench.sidecar_ns = torch.device("cpu"), 0, []
+    bench.binding = types.SimpleNamespace(binding_id=1, generation=1)
+
+    class Stub:
+        def DraftStep(self, req, timeout):
+            return pb.DraftStepResponse(step_id=req.step_id, error=pb.StepError(code=11, message="seq_lens: too long"))
+
+    bench.stub = Stub()
+    case = types.SimpleNamespace(R=1, embeds=torch.zeros(7, 4), host=types.SimpleNamespace(
+        positions=torch.zeros(7, dtype=torch.int64),
+        meta=types.SimpleNamespace(seq_lens=torch.zeros(1, dtype=torch.int32),
+                                   block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                                   slot_mapping=torch.zeros(7, dtype=torch.int64))))
+    with pytest.raises(RuntimeError, match="sidecar step failed: .*seq_lens: too long") as err:
+        bench._remote("e", case)
+    assert "seq_lens: too long" in B._error_note(err.value)  # the row's note: the reason, on its first line
+
+
+@pytest.mark.parametrize("shard_of", [0, -4])
+def test_shard_of_below_one_is_refused_by_its_flag(shard_of):
+    """--shard-of 0 reached ParallelContext: a traceback ("rank 0 outside world size 0"), not the flag."""
+    with pytest.raises(BenchConfigError, match="--shard-of"):
+        BenchConfig(shard_of=shard_of)
+
+
+def test_the_shim_s_rows_are_refused_once_it_left_the_bench_s_data_plane(tmp_path):
+    """h and i time the shim against the doorbell the bench set up (its ring time stamps). A shim that
+    dropped that link (a failed step: _drop_link) answers the next step over a new doorbell, or the gRPC
+    stream: the row then carried the old doorbell's stamps (a negative "before ring") under the data
+    plane's name. Such a step must fail the mode."""
+    from dspark_sidecar.bench import Bench, Case
+
+    dev = torch.device("cpu")
+    bench = Bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("h",), out_dir=tmp_path), dev)
+    try:
+        case = Case(bench.cfg, 1, 40, 16, bench.pages, bench.embed, dev, seed=3)
+        bench._inputs = bench.bufs.input_view(case.embeds.shape[0])
+        bench._inputs.copy_(case.embeds)
+        with bench._forward_context(case):
+            bench._shimmed(case)  # over the bench's data plane
+            assert bench.shim_ns[-1][0] > 0
+            bench.shim._drop_link()  # as after a failed step
+            with pytest.raises(RuntimeError, match="data plane"):
+                bench._shimmed(case)
+        assert all(before > 0 for before, _ in bench.shim_ns)
+    finally:
+        bench.close()
+
+
+def test_the_plot_draws_each_mode_in_order_of_r(tmp_path, monkeypatch):
+    """--reqs 8,1,2 gave rows in that order, and each mode's line went 8 -> 1 -> 2 (back over itself)."""
+    drawn = []
+
+    class Ax:
+        def plot(self, xs, ys, *a, **k):
+            drawn.append((k.get("label") or a[0], list(xs)))
+
+        def set(self, **k):
+            pass
+
+        def legend(self, **k):
+            pass
+
+    class Fig:
+        def tight_layout(self):
+            pass
+
+        def savefig(self, path, dpi=None):
+            path.write_bytes(b"png")
+
+    plt = types.ModuleType("matplotlib.pyplot")
+    plt.subplots = lambda *a, **k: (Fig(), [[Ax()]])
+    mpl = types.ModuleType("matplotlib")
+    mpl.use, mpl.pyplot = (lambda name: None), plt
+    monkeypatch.setitem(sys.modules, "matplotlib", mpl)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", plt)
+    rows = [{"mode": "a", "R": r, "context": 40, "floor_ms": 0.1 * r, "p50_ms": float(r)} for r in (8, 1, 2)]
+    B._plot({"rows": rows, "device": "cpu"}, tmp_path / "bench.png")
+    assert drawn and all(xs == [1, 2, 8] for _, xs in drawn), drawn
+    assert (tmp_path / "bench.png").exists()
+
+
+def test_a_sidecar_that_cannot_be_set_up_fails_its_modes_not_the_run(tmp_path, monkeypatch):
+    """The sidecar (or its data plane) not set up raised out of Bench(): no row and no JSON at all, the
+    reference figures that need no sidecar lost with the rest. d-i now carry the reason as a note."""
+    from dspark_sidecar.client.shim import DrafterShim
+
+    monkeypatch.setattr(DrafterShim, "connect", lambda self: "refused for the test")
+    report = B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a", "d", "h"), repeats=2,
+                                     out_dir=tmp_path), torch.device("cpu"))
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert rows["a"]["p50_ms"] > 0 and "note" not in rows["a"]
+    for m in ("d", "h"):
+        assert rows[m]["note"].startswith("error: RuntimeError") and "refused for the test" in rows[m]["note"], rows[m]
+        assert "p50_ms" not in rows[m]
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"] == report["rows"]
+
+
+def test_a_mode_that_cannot_run_here_keeps_its_reason(tmp_path):
+    """On CPU g is "n/a: needs a GPU"; its phases were read all the same, from no samples, and the
+    row said "error: StatisticsError: no median for empty data" instead."""
+    report = B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a", "g"), repeats=2,
+                                     out_dir=tmp_path), torch.device("cpu"))
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert rows["g"]["note"] == "n/a: needs a GPU", rows["g"]
