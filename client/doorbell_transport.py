@@ -44,7 +44,11 @@ class DoorbellTransport:
         except BaseException:
             self.bell.close()
             raise
-        self.liveness: StepStream = conn.stream()
+        try:  # the stream too: one that cannot be opened left the page attached and the regions registered
+            self.liveness: StepStream = conn.stream()
+        except BaseException:
+            self.close()
+            raise
         self._view: torch.Tensor | None = None
         self._answer_ref: dict[tuple[int, int], pb.TensorRef] = {}  # (rows, width): a good answer's hidden_states
         self.interrupted = False  # interrupt(): every wait gives up within POLL_S, for good

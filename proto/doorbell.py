@@ -170,9 +170,16 @@ class Waker:
         try:
             self.path = path
             # The read end, plus a write end of our own: with no writer a FIFO reads as EOF, which
-            # poll() reports as readable forever.
-            self._r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-            self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            # poll() reports as readable forever. The folder is group-writable, so the name may have
+            # been swapped since mkfifo: never through a symbolic link, and only the FIFO itself (before,
+            # the fchmod below made the target of a link swapped in, any file this user owns, 0660).
+            self._r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            first = os.fstat(self._r)
+            if not stat.S_ISFIFO(first.st_mode):
+                raise OSError(errno.EINVAL, f"{path} is no longer the FIFO just made")
+            self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            if not os.path.samestat(first, os.fstat(self._w)):
+                raise OSError(errno.EINVAL, f"{path} is no longer the FIFO just made")
             # 0660 whatever the umask (mkfifo's mode is narrowed by it): the engine, of the socket
             # folder's group, must open it for writing. Through the descriptor: the FIFO just made.
             os.fchmod(self._r, 0o660)
@@ -226,9 +233,15 @@ class Ringer:
     """The engine's end of the wake FIFO: one byte after a ring, only while the sidecar sleeps."""
 
     def __init__(self, path: str) -> None:
-        if not stat.S_ISFIFO(os.stat(path).st_mode):
+        # Checked before the open (no device is ever opened) and on the descriptor after it: the name is in
+        # a group-writable folder, and one swapped for a link between the two had every wake byte written
+        # into whatever file of this user the link named.
+        if not stat.S_ISFIFO(os.lstat(path).st_mode):
             raise OSError(errno.EINVAL, f"{path} is not a FIFO")
-        self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        if not stat.S_ISFIFO(os.fstat(self._w).st_mode):
+            os.close(self._w)
+            raise OSError(errno.EINVAL, f"{path} is not a FIFO")
 
     def wake_if_asleep(self, page: Page) -> bool:
         """After the sequence store: wake a sleeping sidecar. True when a byte was written."""

@@ -64,6 +64,12 @@ class Doorbell(threading.Thread):
             self.page = bell.Page(page.storage.numpy(), capacity)
         except ValueError as err:
             raise invalid("capacity_bytes", str(err)) from None
+        if self.page.word(bell.CLOSED):
+            # A doorbell stopped serving this page for good, and its engine reads the word so: a step rung
+            # here is unanswered and never runs. Served again, steps would run that their engine falls back for.
+            self.page.close()
+            raise invalid("page", "its word [6] is set: a doorbell has stopped serving this page for good; "
+                                  "attach a fresh page")
         self.memory, self.loop, self.device = page, loop, device
         self.input_event = self.output_event = None
         if device.type == "cuda":

@@ -463,3 +463,41 @@ def test_the_transport_orders_the_stream_after_the_last_answer_before_it_copies_
         hidden=None, fields=b"", launch_key=1))
     t.send(pb.DraftStepRequest(step_id=1), None, None, None)
     assert calls == ["order", "stage", "ring"]
+
+
+def test_a_liveness_stream_that_cannot_be_opened_releases_the_attached_doorbell_and_buffers():
+    """The idle liveness stream is opened last, after the doorbell is attached and the buffers registered. It
+    was outside the cleanup: a stream that could not be opened (no thread left for its reader, a channel
+    closed under it) left the three regions registered on the sidecar and all four segments in /dev/shm
+    until exit, and the shim turned the data plane off for good on that connection."""
+    from dspark_sidecar.client.doorbell_transport import DoorbellTransport
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from helpers.engine_fakes import recording_shm
+
+    class _Stub:
+        def __init__(self) -> None:
+            self.unregistered: list = []
+
+        def AttachDoorbell(self, req, timeout=None):
+            return pb.AttachDoorbellResponse()
+
+        def RegisterBuffers(self, req, timeout=None):
+            return pb.RegisterBuffersResponse(region_ids=[11, 12, 13])
+
+        def UnregisterBuffers(self, req, timeout=None):
+            self.unregistered.append(sorted(req.region_ids))
+            return pb.UnregisterBuffersResponse()
+
+    class _Conn:
+        endpoint = "127.0.0.1:7000"
+        stub = _Stub()
+
+        def stream(self):
+            raise RuntimeError("can't start new thread")
+
+    conn = _Conn()
+    with recording_shm() as shm, pytest.raises(RuntimeError, match="new thread"):
+        DoorbellTransport(conn, 16, 2, 4, torch.float32, torch.device("cpu"), 1.0)
+    assert len(shm.created) == 4, shm.created  # the page and the three regions
+    assert shm.left() == set()
+    assert conn.stub.unregistered == [[11, 12, 13]]

@@ -268,3 +268,61 @@ def test_a_wake_fifo_past_descriptor_1023_still_sleeps_and_wakes(tmp_path):
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_wake_fifo_name_swapped_for_a_link_after_mkfifo_touches_nothing_it_names(tmp_path, monkeypatch):
+    """The socket folder is group-writable (0770), so between the sidecar's mkfifo and its opens another
+    member of the group can put a symbolic link in the FIFO's place. The Waker followed it and its fchmod
+    made the link's target, any file of the sidecar's user (under root, any file), group read-write."""
+    import os
+    import stat
+
+    secret = tmp_path / "private"
+    secret.write_text("key")
+    secret.chmod(0o600)
+    path = str(tmp_path / "rank0.wake1")
+    real_mkfifo = os.mkfifo
+
+    def mkfifo_then_swap(p, mode=0o666, *a, **k):
+        real_mkfifo(p, mode, *a, **k)
+        os.unlink(p)
+        os.symlink(secret, p)
+
+    monkeypatch.setattr(os, "mkfifo", mkfifo_then_swap)
+    with pytest.raises(OSError):
+        bell.Waker(path)
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and secret.read_text() == "key"
+
+
+def test_a_wake_fifo_swapped_for_a_link_before_the_engine_opens_it_gets_no_wake_byte(tmp_path, monkeypatch):
+    """The engine's end: the name was checked, then opened, in a folder others of the group may write. A
+    link put in the FIFO's place between the two had every wake byte written into the file it named."""
+    import os
+
+    target = tmp_path / "engine-file"
+    target.write_bytes(b"data")
+    path = str(tmp_path / "rank0.wake1")
+    os.mkfifo(path, 0o660)
+    keep = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a reader, as the sidecar's Waker would be
+    real_open = os.open
+
+    def swap_then_open(p, flags, *a, **k):
+        if p == path and os.path.exists(path) and not os.path.islink(path):
+            os.unlink(path)
+            os.symlink(target, path)
+        return real_open(p, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", swap_then_open)
+    try:
+        try:
+            ringer = bell.Ringer(path)
+        except OSError:
+            ringer = None
+        if ringer is not None:
+            p = _page()
+            p.words[bell.ASLEEP] = 1
+            ringer.wake_if_asleep(p)
+            ringer.close()
+        assert ringer is None and target.read_bytes() == b"data"
+    finally:
+        os.close(keep)

@@ -276,3 +276,58 @@ def test_the_page_of_a_doorbell_still_attached_is_refused_and_that_doorbell_serv
     finally:
         svc.close_doorbell()
         engine.close()
+
+
+class _CountingLoop(_QuickLoop):
+    def __init__(self):
+        self.served = []
+
+    def answer_now(self, req, hook=None, answer_limit=0):
+        self.served.append(req.step_id)
+        return super().answer_now(req, hook, answer_limit)
+
+
+def test_a_page_a_doorbell_stopped_serving_for_good_is_refused_when_attached_again(tmp_path):
+    """Word [6] says a doorbell stopped serving the page for good: the engine takes a step rung there as
+    unanswered, never run, and runs its own layers for it. The same page attached again once that doorbell
+    was gone (a client's retry of its attach, after another client replaced it) was accepted with the word
+    still set: the new doorbell ran every step the engine took for never run (the sibling of helper 79's
+    page still attached)."""
+    import grpc
+
+    from dspark_sidecar.client.dataplane import DoorbellChannel, DoorbellClosed
+    from dspark_sidecar.server.errors import SidecarError
+
+    loop = _CountingLoop()
+    svc = _svc(tmp_path, loop)
+    sent = []
+
+    def attach(req, timeout=None):
+        sent.append(req)
+        return svc.AttachDoorbell(req, CTX)
+
+    engine = DoorbellChannel(SimpleNamespace(AttachDoorbell=attach), torch.device("cpu"), capacity=CAP, gpu_word=False)
+    other = None
+    try:
+        other = DoorbellChannel(SimpleNamespace(AttachDoorbell=attach), torch.device("cpu"), capacity=CAP,
+                                gpu_word=False)
+        assert engine.closed_by_sidecar  # replaced: its page is closed for good
+        try:
+            svc.AttachDoorbell(sent[0], CTX)  # the first page again
+        except SidecarError as refused:
+            assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and refused.field == "page"
+            assert "for good" in str(refused), refused
+        else:  # served again: what the engine is told and what runs disagree
+            engine.send(pb.DraftStepRequest(step_id=2))
+            with contextlib.suppress(DoorbellClosed):
+                engine.wait(2, 2.0)
+            time.sleep(0.2)
+            assert 2 not in loop.served, "a step the engine was told never runs was run"
+            pytest.fail("a page closed for good was attached again")
+        other.send(pb.DraftStepRequest(step_id=7))  # the doorbell attached before is still the one serving
+        assert other.wait(7, 5.0).step_id == 7 and not other.closed_by_sidecar
+    finally:
+        svc.close_doorbell()
+        for ch in (engine, other):
+            if ch is not None:
+                ch.close()
