@@ -173,13 +173,15 @@ class GpuWordOps:
         """Page-lock host memory for every GPU of this process; returns its device address."""
         self._bind()
         self._check(self._register, ctypes.c_void_p(host_ptr), nbytes, _REGISTER_PORTABLE | _REGISTER_DEVICEMAP)
-        if self.hip:
-            out = ctypes.c_void_p()
+        out = ctypes.c_void_p() if self.hip else ctypes.c_uint64()
+        try:
             self._check(self._devptr, ctypes.byref(out), ctypes.c_void_p(host_ptr), 0)
-            return int(out.value or 0)
-        out64 = ctypes.c_uint64()
-        self._check(self._devptr, ctypes.byref(out64), ctypes.c_void_p(host_ptr), 0)
-        return out64.value
+        except GpuWordError:
+            # No caller holds the registration yet to undo it: left, the page stayed page-locked after its
+            # memory was freed, and a later registration of the same pages failed as already registered.
+            self.unregister(host_ptr)
+            raise
+        return int(out.value or 0)
 
     def unregister(self, host_ptr: int) -> None:
         self._bind()

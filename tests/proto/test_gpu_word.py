@@ -77,6 +77,7 @@ class _FakeCudaDriver:
         self._tls = __import__("threading").local()
         self.retained: list[int] = []
         self.ops: list[tuple[str, int]] = []  # (call, device of the context current when it ran)
+        self.failing: set[str] = set()  # calls answered with an error
         for name in ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuDevicePrimaryCtxRetain", "cuCtxGetDevice",
                      "cuMemHostRegister_v2", "cuMemHostUnregister", "cuMemHostGetDevicePointer_v2",
                      "cuStreamWriteValue64_v2", "cuEventRecord", "cuStreamWaitValue64_v2", "cuStreamWaitEvent"):
@@ -102,6 +103,8 @@ class _FakeCudaDriver:
                 args[0]._obj.value = ctx - 0x1000
             else:
                 self.ops.append((name, ctx - 0x1000))
+                if name in self.failing:
+                    return 1  # CUDA_ERROR_INVALID_VALUE
                 if name == "cuMemHostGetDevicePointer_v2":
                     args[0]._obj.value = 0xD000
             return 0
@@ -163,3 +166,16 @@ def test_a_new_thread_binds_its_device_once():
     assert seen == [[("cuStreamWaitValue64_v2", 3), ("cuStreamWriteValue64_v2", 3), ("cuMemHostRegister_v2", 3),
                      ("cuMemHostGetDevicePointer_v2", 3)]]
     assert drv.retained == [3]
+
+
+def test_a_registration_whose_device_address_cannot_be_read_is_undone():
+    """register() page-locks, then asks the device address: a failure there raised with the pages still
+    registered and no caller holding them to undo it."""
+    drv = _FakeCudaDriver()
+    ops = GpuWordOps(drv, hip=False, device_index=0)
+    drv.switch(0)
+    drv.failing.add("cuMemHostGetDevicePointer_v2")
+    with pytest.raises(GpuWordError, match="cuMemHostGetDevicePointer_v2 failed with driver code 1"):
+        ops.register(0xA000, mmap.PAGESIZE)
+    assert [op for op, _ in drv.ops] == ["cuMemHostRegister_v2", "cuMemHostGetDevicePointer_v2",
+                                         "cuMemHostUnregister"]
