@@ -46,6 +46,7 @@ from google.protobuf import text_format
 
 from dspark_sidecar import layout
 from dspark_sidecar.bench_defaults import P99_MIN_SAMPLES, REPEATS
+from dspark_sidecar.client.launcher import sidecar_env
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import DrafterConfig, load_config
@@ -241,7 +242,7 @@ class SidecarUnderTest:
                 "--seed", str(bc.seed), "--drain-s", "0", *([] if bc.prelaunch else ["--no-prelaunch"]),
                 "--launch-streams", str(bc.launch_streams),
                 "--exit-with-pid", str(os.getpid())]  # a bench killed with SIGKILL leaves no sidecar behind
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env = sidecar_env()  # its flags are argv's alone
         self.log = open(work / "sidecar.log", "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         from dspark_sidecar.server.healthcheck import check

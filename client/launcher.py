@@ -15,6 +15,23 @@ from dspark_sidecar.client.connection import SidecarConnection
 from dspark_sidecar.proto import sidecar_pb2 as pb
 
 
+def sidecar_env(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
+    """The environment for a sidecar this process starts with its configuration in argv: the starter's, less
+    what would configure it behind argv's back.
+
+    RANK/WORLD_SIZE of an enclosing launcher would make the sidecar think it runs under torchrun; so would
+    torchrun's TORCHELASTIC_USE_AGENT_STORE (its workers carry it): the sidecar's own ranks then joined an
+    agent's store as clients, rank 0 included, on a port nobody listens on, and never came up. And a serve
+    flag's DSPARK_<FLAG> (an operator's shell, a deployment's .env) is the default of every flag argv leaves
+    out: DSPARK_STRICT_REFUSAL, DSPARK_WEIGHTS or DSPARK_BACKEND made the demo's or the bench's sidecar
+    another than the one they compare with. DSPARK_LOG_LEVEL and the other names serve does not take stay."""
+    from dspark_sidecar.server.config import ServeConfig
+
+    flags = {f"DSPARK_{name.upper()}" for name in ServeConfig.__dataclass_fields__}
+    return {k: v for k, v in environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("TORCHELASTIC_") and k not in flags}
+
+
 class SidecarLauncher:
     """`with SidecarLauncher(socket_dir, ...) as sc:` -> a serving sidecar; its output goes to `log_path`.
 
@@ -67,11 +84,7 @@ class SidecarLauncher:
         if taken:
             raise RuntimeError(f"a sidecar already answers on {self.socket_dir} (ranks {taken}): stop it first, "
                                "or start this one in another folder")
-        # RANK/WORLD_SIZE of an enclosing launcher would make the sidecar think it runs under torchrun; so would
-        # torchrun's TORCHELASTIC_USE_AGENT_STORE (its workers carry it): the sidecar's own ranks then joined an
-        # agent's store as clients, rank 0 included, on a port nobody listens on, and never came up.
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("TORCHELASTIC_")}
+        env = sidecar_env()
         # The pid of the process that starts it, now: the object may have been made in another one.
         argv = self.argv + (["--exit-with-pid", str(os.getpid())] if self.exit_with_starter else [])
         with open(self.log_path, "ab") as log:

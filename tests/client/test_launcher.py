@@ -46,6 +46,23 @@ def test_a_sidecar_started_from_a_torchrun_worker_keeps_none_of_its_rendezvous(m
     assert leaked == [], leaked
 
 
+def test_the_starter_s_serve_flag_variables_do_not_configure_the_sidecar_behind_its_argv(monkeypatch, started):
+    """A serve flag's DSPARK_<FLAG> is the default of every flag argv leaves out: an operator's
+    DSPARK_STRICT_REFUSAL=1 or DSPARK_WEIGHTS=mxfp8 reached the demo's sidecar, which then served another
+    drafter than the one the demo compares it with (or refused on NVIDIA), and its metrics port took the
+    production sidecar's. Only argv configures it; the log level and names serve does not read pass."""
+    for k, v in {"DSPARK_STRICT_REFUSAL": "1", "DSPARK_WEIGHTS": "mxfp8", "DSPARK_BACKEND": "flydsl",
+                 "DSPARK_METRICS_PORT": "9400", "DSPARK_CHECKPOINT": "/srv/prod", "DSPARK_LOG_LEVEL": "DEBUG",
+                 "DSPARK_STEP_DEADLINE_MS": "500"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(L.subprocess, "Popen", lambda argv, **kw: started(argv, code=2, **kw))
+    with pytest.raises(RuntimeError, match="sidecar exited with 2"):
+        SidecarLauncher(short_socket_dir(), tp=1).start()
+    (call,) = started.calls
+    passed = sorted(k for k in call["env"] if k.startswith("DSPARK_"))
+    assert passed == ["DSPARK_LOG_LEVEL", "DSPARK_STEP_DEADLINE_MS"], passed
+
+
 def test_start_refuses_a_folder_another_sidecar_serves_instead_of_returning_that_one(monkeypatch, started):
     """With a sidecar already serving in the folder, the new `serve` refuses its sockets (exit 75) only after
     its imports, while the old sidecar's health passed start()'s wait at once: start() returned at once, the
