@@ -90,12 +90,13 @@ class EngineConfig:
     def agreement_timeout_s(self) -> float:
         """How long a rank waits in a step agreement for its peer engine ranks before it gives them up for
         dead (AgreementTimeout). Longer than a live peer can take between two agreements: a reconnect
-        (connect_deadline_s), its catch-up binds and the buffers' and doorbell's registration (each
-        bind_deadline_s), and a step with its late grace; with slack for a loaded host, and 60 s at least.
-        A fixed 60 s was shorter than a step a DSPARK_STEP_DEADLINE_MS of 60000 or more allows: the
-        peers of a rank still waiting for its answer raised into the engine."""
-        live = (self.connect_deadline_s + (self.max_catchup_binds + 2) * self.bind_deadline_s
-                + self.step_deadline_s + self.late_grace_s)
+        (connect_deadline_s), its catch-up binds (each bind_deadline_s), the buffers' and doorbell's
+        registration (each connect_deadline_s: DoorbellTransport's calls; counted at the larger of the two,
+        bind_deadline_s by default), and a step with its late grace; with slack for a loaded host, and 60 s
+        at least. A fixed 60 s was shorter than a step a DSPARK_STEP_DEADLINE_MS of 60000 or more allows:
+        the peers of a rank still waiting for its answer raised into the engine."""
+        live = (self.connect_deadline_s + self.max_catchup_binds * self.bind_deadline_s
+                + 2 * max(self.bind_deadline_s, self.connect_deadline_s) + self.step_deadline_s + self.late_grace_s)
         return max(60.0, live + 10.0)
 
 

@@ -241,21 +241,25 @@ def test_an_exception_in_one_ranks_kv_cache_provider_is_a_rank_not_ready_not_a_r
     assert engine.servers[2].sidecar.calls["BindKV"] == 1
 
 
-@pytest.mark.parametrize("deadline_s", [2.0, 120.0, 600.0])
-def test_a_rank_waits_for_its_peers_longer_than_a_live_peer_can_take(monkeypatch, deadline_s):
+@pytest.mark.parametrize("deadline_s, connect_s", [(2.0, 1.0), (120.0, 1.0), (600.0, 1.0), (2.0, 30.0)])
+def test_a_rank_waits_for_its_peers_longer_than_a_live_peer_can_take(monkeypatch, deadline_s, connect_s):
     """The shared page's agreement gave peers a fixed 60 s. A step may take step_deadline_s plus
     late_grace_s between the two agreements (DSPARK_STEP_DEADLINE_MS allows up to an hour), so with
     a 120 s deadline the peers of a rank still waiting for its answer raised AgreementTimeout into the
-    engine. The wait now follows the config's deadlines."""
+    engine. The wait now follows the config's deadlines. The data plane's two registrations each wait up to
+    connect_deadline_s (DoorbellTransport), which were counted at bind_deadline_s: a connect deadline above
+    the bind deadline made the wait shorter than a live peer's reconnect."""
     from dspark_sidecar.client import agreement
 
     asked = []
     monkeypatch.setattr(agreement, "node_agreement", lambda group, timeout_s=60.0: asked.append(timeout_s) or "page")
-    cfg = EngineConfig(tp_size=TP, endpoint="unix:/nonexistent/rank0.sock", step_deadline_s=deadline_s)
+    cfg = EngineConfig(tp_size=TP, endpoint="unix:/nonexistent/rank0.sock", step_deadline_s=deadline_s,
+                       connect_deadline_s=connect_s)
     par = type("Par", (), {"world_size": TP, "rank": 0, "exchange": type("X", (), {"group": None})()})()
     shim = DrafterShim(cfg, model=None, kv_caches=lambda: [], par=par)
     assert shim._agree == "page" and asked == [cfg.agreement_timeout_s]
-    longest_live = (cfg.connect_deadline_s + (cfg.max_catchup_binds + 2) * cfg.bind_deadline_s
+    # A reconnect, the catch-up binds, the buffers' and the doorbell's registrations, a step and its grace.
+    longest_live = (3 * cfg.connect_deadline_s + cfg.max_catchup_binds * cfg.bind_deadline_s
                     + cfg.step_deadline_s + cfg.late_grace_s)
     assert cfg.agreement_timeout_s > longest_live and cfg.agreement_timeout_s >= 60.0
 
