@@ -33,6 +33,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -233,7 +234,7 @@ class SidecarUnderTest:
     """A one-process sidecar computing the same shard (--tp 1 --shard-of N --random-weights)."""
 
     def __init__(self, bc: BenchConfig, device: torch.device, work: Path, tp: int = 1) -> None:
-        self.sock = work / "sock"
+        self.work, self.sock = work, work / "sock"
         shard = ["--shard-of", str(bc.shard_of)] if tp == 1 else []
         argv = [sys.executable, "-m", "dspark_sidecar", "serve", "--tp", str(tp), *shard,
                 "--random-weights", "--preset", bc.preset, "--dtype", bc.dtype, "--weights", bc.weights,
@@ -266,6 +267,12 @@ class SidecarUnderTest:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+    def discard(self) -> None:
+        """Remove the work folder (the sidecar's log and socket folder) once the sidecar stopped cleanly;
+        a failed one's stays for its log, which the bench's error names. Each run left one in the temp dir."""
+        if self.proc.returncode == 0:
+            shutil.rmtree(self.work)
 
 
 class Bench:
@@ -535,6 +542,7 @@ class Bench:
             channel.close()
         if side is not None:
             side.close()
+            side.discard()
 
     def close(self) -> None:
         self._close_remote()

@@ -220,9 +220,11 @@ def run_tp_bench(bc: BenchConfig, tp: int, single_gpu: bool = True, device_type:
         per_rank = [torch.load(work / f"rank{r}.pt") for r in range(tp)]
         name = torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu"
         tol = PARITY_RTOL if device_type == "cuda" else 0.0  # on CPU both sides run the reference ops
-        return _report(bc, tp, per_rank, single, name, tol)
+        report = _report(bc, tp, per_rank, single, name, tol)
     finally:
         side.close()
+    side.discard()  # the engine ranks' results were read: kept only with a failed sidecar's log
+    return report
 
 
 def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str, tol: float) -> dict:
