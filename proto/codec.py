@@ -81,9 +81,18 @@ def region_tensor_ref(
     )
 
 
+# The most dimensions a TensorRef may name (a step's tensors have 1 or 2; torch's GPU kernels
+# take 25). A peer's shape of many huge dimensions made prod(shape) a bigint that grows with every factor:
+# quadratic time (a 540 KB shape: 11 s; a 256 MiB answer, the shim's receive limit: hours), and an error
+# message whose number Python refuses to print past 4300 digits (a ValueError that named no field).
+MAX_DIMS = 64
+
+
 def nbytes_of(ref: pb.TensorRef, field: str) -> int:
     """Bytes the tensor `ref` describes (prod(shape) * itemsize); ValueError on a bad dtype/shape."""
     dtype = dtype_from_proto(ref.dtype, field)
+    if len(ref.shape) > MAX_DIMS:
+        raise ValueError(f"{field}: shape has {len(ref.shape)} dimensions, at most {MAX_DIMS}")
     shape = tuple(ref.shape)
     if any(d < 0 for d in shape):
         raise ValueError(f"{field}: negative dimension in shape {list(shape)}")

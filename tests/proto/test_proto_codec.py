@@ -144,3 +144,19 @@ def test_region_payload_needs_a_resolver():
     out = codec.from_tensor_ref(ref, "inputs_embeds", resolver=resolver)
     assert seen == [(3, 256, torch.bfloat16, (14, 8), "inputs_embeds")]
     assert out.shape == (14, 8) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dims", [300, 100_000], ids=lambda d: f"{d}-dims")
+def test_a_shape_of_very_many_huge_dimensions_is_refused_at_once_naming_the_field(dims):
+    """prod(shape) over many dimensions of 2^62 is a bigint that grows with each factor: 100k of them
+    took ~30 s (quadratic; a 256 MiB answer, the shim's receive limit, hours), and past ~230 of them the
+    length mismatch's message raised Python's "Exceeds the limit (4300 digits)" ValueError, which named
+    no field. A sidecar's answer so shaped must be a prompt malformed answer, like any other."""
+    ref = pb.TensorRef(dtype=pb.DTYPE_FP32, shape=[2**62] * dims, data=b"\0" * 4)
+    with pytest.raises(ValueError, match=rf"^hidden_states: shape has {dims} dimensions, at most {codec.MAX_DIMS}$"):
+        codec.from_tensor_ref(ref, "hidden_states", writable=True)
+
+
+def test_a_shape_of_max_dims_still_decodes():
+    t = torch.arange(6, dtype=torch.float32).reshape([1] * (codec.MAX_DIMS - 1) + [6])
+    assert torch.equal(codec.from_tensor_ref(codec.to_tensor_ref(t), "x"), t)
