@@ -192,7 +192,7 @@ def test_a_mode_that_cannot_run_here_keeps_its_reason(tmp_path):
 
 def test_the_bench_s_sidecar_folder_goes_with_a_clean_stop_and_stays_with_a_failed_one(tmp_path, monkeypatch):
     """Each bench run with a sidecar left its mkdtemp folder (the sidecar's log and socket folder) in the temp
-    dir, fifty of them after one day's test runs here. It goes now once the sidecar stopped cleanly; a sidecar
+    dir (fifty after two hours of test runs here). It goes now once the sidecar stopped cleanly; a sidecar
     that failed keeps its log for a person to read."""
     started = []
     real = B.SidecarUnderTest
