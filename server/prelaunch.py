@@ -196,8 +196,11 @@ class Prelaunch:
         self._out_ready = self._accepted and q.out is not None and _same_view(q.out, self._output_of(step, q.out))
         streak = self._streak + 1 if self._repeats(req.launch_key, step) else 1
         host_side = all(t.device.type == "cpu" for t in step.region_meta)
-        # host_side: the program reads the engine's host region; cooldown: see BEHIND_S.
-        nxt = bool(req.launch_key) and streak >= STREAK and graph is not None and host_side and not self.cooldown
+        # host_side: the program reads the engine's host region; cooldown: see BEHIND_S. SKIP_KEY is our own
+        # release word (_pass), which the proto does not forbid an engine: a step queued under it would be rung
+        # by its release, and run the old layout's step for an engine that fell back.
+        nxt = (req.launch_key not in (0, bell.SKIP_KEY) and streak >= STREAK and graph is not None and host_side
+               and not self.cooldown)
         return self._accepted, nxt
 
     def _repeats(self, key: int, step: Step) -> bool:

@@ -564,6 +564,21 @@ def test_launch_key_zero_never_queues(rig):
     assert rig.pl.queued is None and rig.gpu.waits == [] and rig.graphs.replays == 0
 
 
+def test_the_release_key_as_a_launch_key_never_queues(rig):
+    """SKIP_KEY is the word the sidecar stores to release a queued step; the proto leaves every nonzero
+    uint32 to the engine. A step queued under it would be rung by its own release: an engine that falls
+    back (never rings) would have the GPU run the old layout's step anyway, writing K/V and output rows
+    it never asked for."""
+    region = torch.zeros_like(rig.graphs.graph.out)
+    rig.out = region
+    for i in range(3):
+        _serve(rig, SEQ + i, key=bell.SKIP_KEY)
+    q = rig.pl.queued
+    rig.pl.release(wait=True)  # the engine fell back: a gRPC step, a BindKV or stopping releases it
+    assert not region.any() and all((f != FLAG_RAN).all() for f in rig.gpu.flags)
+    assert q is None and rig.gpu.waits == [] and rig.graphs.replays == 0
+
+
 def test_close_unregisters_every_page_once(rig):
     _queue(rig)
     _serve(rig, SEQ + 2, rig.b, key=KEY + 1)  # another layout, another region
