@@ -42,7 +42,7 @@ from dspark_sidecar.server.graphs import StepGraphs, launch_streams
 from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.preflight import check_port, claim_socket
-from dspark_sidecar.server.process_group import join_group
+from dspark_sidecar.server.process_group import PeerLost, join_group
 from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_up
 from dspark_sidecar.server.refusal import AWAITING_BIND, probe_host
 from dspark_sidecar.server.rendezvous import Board, PeerProcesses, Rendezvous
@@ -192,10 +192,6 @@ class StartUp:
                            "the peer's own line says why") from None
 
 
-class PeerLost(RuntimeError):
-    """A peer rank ended during start-up; this rank stops too (cli.py: one line, exit 1)."""
-
-
 def graphs_on(cfg: ServeConfig, device: torch.device, backend: str) -> bool:
     """Whether this rank replays steps as CUDA graphs: they need a GPU and capturable ops (the Triton
     backend's are; the reference loop attention is not)."""
@@ -304,7 +300,11 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
     log.info("rank %d/%d: listening on %s (NOT_SERVING while loading)", rank, world, ", ".join(cfg.endpoints(rank)))
 
     dist_backend = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    join_group(cfg, dist_backend, rank, world, agent_attempt)
+    try:
+        join_group(cfg, dist_backend, rank, world, agent_attempt)
+    except PeerLost:
+        start_up.release()  # as a start-up collective's PeerLost does: no stale socket file left behind
+        raise
     cpu_group = dist.new_group(backend="gloo") if dist_backend != "gloo" else None
 
     dcfg, model, embed, choice, host, fast = _load(cfg, rank, world, device, cpu_group, start_up)

@@ -132,8 +132,13 @@ def _identity(fd: int) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+class PeerLost(RuntimeError):
+    """A peer rank ended during start-up; this rank stops too (cli.py: one line, exit 1)."""
+
+
 def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_attempt: int | None = None) -> None:
-    """init_process_group over `rendezvous_store`; a rendezvous that cannot be reached is one line."""
+    """init_process_group over `rendezvous_store`; a rendezvous that cannot be reached is one line
+    (ServeConfigError, exit 2), and so is a peer lost while joining (PeerLost, exit 1)."""
     set_now = keep_collectives_local(cfg.master_addr, os.environ)
     if set_now:
         log.info("rank %d: collectives listen on loopback only (%s)", rank,
@@ -141,7 +146,16 @@ def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_atte
     timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
     try:
         store = rendezvous_store(cfg.master_addr, cfg.master_port, rank, world, timeout, agent_attempt)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     except dist.DistNetworkError as err:  # an address that is not reachable, a store that never came up
         raise ServeConfigError(f"--master-addr/--master-port: rank {rank} cannot join the rendezvous at "
                                f"{cfg.master_addr}:{cfg.master_port}: {str(err).splitlines()[0]}") from None
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    except (dist.DistNetworkError, dist.DistStoreError) as err:
+        # The store was reached: a connection lost now is its host's end (rank 0, or torchrun's agent), and
+        # a wait timeout a peer that never joined. Neither is the flags' fault: as ServeConfigError (exit 2)
+        # the launcher reported the group's failure as this rank's refusal of its configuration, with that
+        # exit code (which systemd's RestartPreventExitStatus=2 never restarts).
+        raise PeerLost(f"rank {rank}: a peer rank left during start-up or did not join the group within "
+                       f"--dist-timeout-s {cfg.dist_timeout_s} s ({str(err).splitlines()[0][:160]}); the peer's "
+                       "own line says why") from None

@@ -24,13 +24,16 @@ later):
 Its parents (`parent_problem`): whoever may rename entries in a parent can move the folder away and
 put theirs in its place. So each must belong to this user or root, and be writable by every user only
 with the sticky bit (as /tmp is: others may not rename what is not theirs). Group-writable parents are
-accepted, as the folder's own group is.
+accepted, as the folder's own group is. The same holds for every folder the path's lookup passes
+through, not only the resolved path's parents: a link of ours (or a folder leading to it) in a folder
+anyone may rename in can be swapped for one of theirs as easily as the folder itself.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from dspark_sidecar.server.config import ServeConfigError
@@ -80,24 +83,40 @@ def parent_problem(d: Path, st_uid: int, st_mode: int, euid: int) -> str | None:
             "whose parents only this user or root may change")
 
 
-def foreign_link(d: Path, euid: int, hops: int = 0) -> tuple[Path, int] | None:
-    """The first symbolic link on the way to `d` that another user (not `euid`, not root) owns, with its
-    owner: `d` and each of its parents, and the same of every link's target in turn (the parents'
-    check sees only the resolved path, on which no link lies). None if there is none."""
-    path = Path(os.path.abspath(d))
+def _on_the_way(d: Path, hops: int = 0) -> Iterator[tuple[Path, os.stat_result]]:
+    """Each entry a lookup of `d` passes, with its lstat: `d` and each of its parents, and the same of every
+    link's target in turn (the parents' check sees only the resolved path, on which no link lies). The path
+    is made absolute but not normalized: the kernel resolves "link/.." through the link, where a textual
+    normalization drops both (and with them a link of another user's)."""
+    path = Path(d).absolute()
     for p in (*reversed(path.parents), path):
         try:
             st = os.lstat(p)  # follows the links above p, not p itself
         except OSError:
-            return None
-        if not stat.S_ISLNK(st.st_mode):
+            return
+        yield p, st
+        if stat.S_ISLNK(st.st_mode) and hops < 40:  # the kernel's own limit on links followed in one lookup
+            yield from _on_the_way(p.parent / os.readlink(p), hops + 1)
+
+
+def foreign_link(d: Path, euid: int) -> tuple[Path, int] | None:
+    """The first symbolic link on the way to `d` that another user (not `euid`, not root) owns, with its
+    owner; None if there is none."""
+    return next(((p, st.st_uid) for p, st in _on_the_way(d) if stat.S_ISLNK(st.st_mode)
+                 and st.st_uid not in (euid, 0)), None)
+
+
+def swappable_entry(d: Path, euid: int) -> tuple[Path, Path, str] | None:
+    """The first entry on the way to `d` (a link of ours, or a folder leading to one) whose folder would
+    let another user rename it away and put theirs in its place (parent_problem), as (entry, folder, why);
+    None if there is none."""
+    for p, _ in _on_the_way(d):
+        if p.name in ("", ".."):  # the root, or ".." (which no one can rename)
             continue
-        if st.st_uid not in (euid, 0):
-            return p, st.st_uid
-        if hops < 40:  # the kernel's own limit on links followed in one lookup
-            found = foreign_link(p.parent / os.readlink(p), euid, hops + 1)
-            if found:
-                return found
+        st = os.stat(p.parent)  # the folder actually holding p: links above it followed
+        why = parent_problem(p, st.st_uid, st.st_mode, euid)
+        if why:
+            return p, p.parent, why
     return None
 
 
@@ -196,7 +215,7 @@ def prepare(d: Path) -> None:
     if found:
         # Its owner can point it elsewhere after the check, and the engine follows it too.
         link, uid = found
-        where = f"{d}" if link == Path(os.path.abspath(d)) else f"{d}: {link}"
+        where = f"{d}" if link == Path(d).absolute() else f"{d}: {link}"
         raise ServeConfigError(f"--socket-dir: {where} is a symbolic link owned by another user (uid {uid}), "
                                f"who could point it elsewhere; give the folder itself ({os.path.realpath(d)})")
     why = problem(d, st.st_uid, st.st_mode, euid)
@@ -207,3 +226,7 @@ def prepare(d: Path) -> None:
         why = parent_problem(d, pst.st_uid, pst.st_mode, euid)
         if why:
             raise ServeConfigError(f"--socket-dir: {d}: its parent {parent} {why}")
+    swappable = swappable_entry(d, euid)
+    if swappable:
+        entry, folder, why = swappable
+        raise ServeConfigError(f"--socket-dir: {d}: the way to it passes {entry}, whose folder {folder} {why}")

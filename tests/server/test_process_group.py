@@ -200,3 +200,65 @@ def test_a_torch_whose_libuv_store_cannot_take_a_listening_socket_gets_the_older
     peer.set("from-1", "x")
     assert store.get("from-1") == b"x" and calls[:2] == [True, False]
     del peer, store
+
+
+# join_group in a process of its own: a failed init_process_group must not leave this one's default group half made.
+JOIN = """
+import sys
+from dspark_sidecar.server.config import ServeConfig, ServeConfigError
+from dspark_sidecar.server.process_group import PeerLost, join_group
+cfg = ServeConfig().replace(master_addr="127.0.0.1", master_port=int(sys.argv[1]), dist_timeout_s=int(sys.argv[4]))
+try:
+    join_group(cfg, "gloo", int(sys.argv[2]), int(sys.argv[3]))
+except (PeerLost, ServeConfigError) as err:
+    print(type(err).__name__, err)
+"""
+STORE_HOST_DIES = """
+import datetime, os, sys, time
+from dspark_sidecar.server.process_group import rendezvous_store
+store = rendezvous_store("127.0.0.1", int(sys.argv[1]), 0, 3, datetime.timedelta(seconds=30))
+before = store.num_keys()
+deadline = time.monotonic() + 30
+while store.num_keys() == before and time.monotonic() < deadline:  # until rank 1 has joined and waits on rank 2
+    time.sleep(0.05)
+time.sleep(0.5)
+os._exit(1)
+"""
+
+
+def _join(port: int, rank: int, world: int, timeout_s: int) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", JOIN, str(port), str(rank), str(world), str(timeout_s)],
+                          capture_output=True, text=True, timeout=60)
+    return done.stdout.strip()
+
+
+def test_a_peer_that_never_joins_is_one_line_naming_the_timeout():
+    """Rank 0 reached its own store; rank 1 never came (still starting past --dist-timeout-s, or dead). torch's
+    DistStoreError ("wait timeout ..., keys: /0//cpu//0/1") went out as a traceback, from every rank that waited."""
+    line = _join(_free_port(), 0, 2, 1)
+    assert line.startswith("PeerLost rank 0: a peer rank left during start-up or did not join the group within "
+                           "--dist-timeout-s 1 s (wait timeout"), line
+
+
+def test_a_store_host_that_dies_while_a_rank_joins_is_a_lost_peer_not_a_refused_flag():
+    """Rank 1 reached rank 0's store, then rank 0 ended: that was ServeConfigError naming --master-addr (exit 2),
+    and the launcher, seeing an exit 2, reported the whole group as refusing its configuration with that code."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST_DIES, str(port)])
+    try:
+        line = _join(port, 1, 3, 30)
+    finally:
+        host.kill()
+        host.wait()
+    assert line.startswith("PeerLost rank 1: a peer rank left during start-up"), line
+
+
+def test_a_rendezvous_that_cannot_be_reached_is_still_the_flags():
+    line = _join(_free_port(), 1, 2, 1)  # nobody hosts the store there
+    assert line.startswith("ServeConfigError --master-addr/--master-port: rank 1 cannot join the rendezvous"), line

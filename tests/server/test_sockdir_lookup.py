@@ -1,0 +1,60 @@
+"""server/sockdir.py on the folders a socket path's lookup passes through, not only the resolved path's."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dspark_sidecar.server import preflight, sockdir
+from dspark_sidecar.server.config import ServeConfig, ServeConfigError
+
+OTHER_UID = 4242
+
+
+@pytest.mark.parametrize("tail", ["", "sock"])  # the link is the folder itself, or one on the way to it
+def test_a_link_of_ours_in_a_folder_every_user_may_rename_in_is_refused(tmp_path, tail):
+    """A folder made directly in such a folder is refused (its parent's check), but a link of ours there to
+    a private folder passed: the resolved path's parents are all private. Anyone may rename the link away
+    and put theirs in its place, and the engine, which connects by the same path, follows theirs."""
+    real = tmp_path / "real"
+    (real / "sock").mkdir(parents=True, mode=0o700)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    scratch.chmod(0o777)  # no sticky bit
+    (scratch / "mine").symlink_to(real)
+    d = scratch / "mine" / tail if tail else scratch / "mine"
+    for check in (preflight.check_socket_dir, lambda cfg: preflight.claim_socket(cfg, 0)):
+        with pytest.raises(ServeConfigError, match=f"--socket-dir: {d}: the way to it passes {scratch / 'mine'}, "
+                                                   f"whose folder {scratch} is writable by every user without the "
+                                                   "sticky bit"):
+            check(ServeConfig(tp=1, socket_dir=d))
+    scratch.chmod(0o1777)  # as /tmp: others may not rename what is not theirs
+    preflight.check_socket_dir(ServeConfig(tp=1, socket_dir=d))
+
+
+def test_a_folder_leading_to_a_link_of_ours_in_a_folder_every_user_may_rename_in_is_refused(tmp_path):
+    """scratch/sub/mine -> a private folder: whoever may rename in scratch can replace sub, and mine with it."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    scratch = tmp_path / "scratch"
+    (scratch / "sub").mkdir(parents=True)
+    scratch.chmod(0o777)
+    (scratch / "sub" / "mine").symlink_to(real)
+    with pytest.raises(ServeConfigError, match=f"passes {scratch / 'sub'}, whose folder {scratch} is writable"):
+        sockdir.prepare(scratch / "sub" / "mine")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a link of another user's needs lchown (root)")
+def test_a_link_of_another_user_s_undone_by_dot_dot_is_still_refused(tmp_path):
+    """The kernel resolves theirs/.. through the link (to the folder above its target); os.path.abspath
+    dropped both textually, so the walk looked at a path that does not exist and never saw their link,
+    which its owner can point elsewhere later."""
+    (tmp_path / "elsewhere" / "deep").mkdir(parents=True, mode=0o700)
+    (tmp_path / "elsewhere").chmod(0o700)
+    theirs = tmp_path / "theirs"
+    theirs.symlink_to(tmp_path / "elsewhere" / "deep")
+    os.lchown(theirs, OTHER_UID, -1)
+    d = theirs / ".." / "sock"  # the kernel's: elsewhere/sock
+    with pytest.raises(ServeConfigError, match=f"{theirs} is a symbolic link owned by another user"):
+        sockdir.prepare(d)
