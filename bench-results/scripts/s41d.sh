@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run 278 (session 41): the last fixes on a GPU: pre-launch never queues under the release key (helper 101), the
-# codec's dimension limit (every inline answer the shim decodes), and helper 100's: the data-plane and graph gpu tests.
+# codec's dimension limit (every inline answer the shim decodes), helper 100's process group and socket folder: the
+# data-plane and graph gpu tests.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site .whl/*.whl 2>/dev/null
 mkdir -p /tmp/new-pkg && ln -sfn "$PWD" /tmp/new-pkg/dspark_sidecar
