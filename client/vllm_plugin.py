@@ -207,9 +207,9 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
     # engine's step. It is logged instead, and the shim stays off (the stock layers run every step),
     # on every rank alike since every rank reads the same environment.
     try:
-        config, bad_env = engine_config_from_vllm(vllm_config, rank), None
-    except EngineConfigError as err:
-        config, bad_env = engine_config_from_vllm(vllm_config, rank, environ={}), str(err)
+        config = engine_config_from_vllm(vllm_config, rank)
+    except EngineConfigError:  # said below (shim_off_reason): the shim is built with no DSPARK_* to stay off
+        config = engine_config_from_vllm(vllm_config, rank, environ={})
     # After the config: how long a rank waits for its peers follows the deadlines (every rank builds one)
     agreement = _tp_agreement(group, config.agreement_timeout_s)
 
@@ -224,7 +224,7 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
             return all_min_ints(agreement, values)
 
     shim = DrafterShim(config, model, kv_cache_provider(model), _Par(), forward_context=source)
-    off = bad_env or sleep_mode_refusal(vllm_config)
+    off = shim_off_reason(vllm_config)  # the verdict eager_draft_steps also reads, to keep the draft graphs
     if off is not None:
         log.error("dspark-sidecar: %s; the sidecar stays off and every draft step runs the stock layers", off)
         shim.enabled, shim.refusal = False, off
