@@ -38,3 +38,18 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(launcher, "launch", refuse)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def bench_sidecars(monkeypatch) -> list:
+    """Every bench.SidecarUnderTest the test starts, in order, for what it left behind (its process, folder)."""
+    from dspark_sidecar import bench
+
+    started, real = [], bench.SidecarUnderTest
+
+    def recording(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(bench, "SidecarUnderTest", recording)
+    return started

@@ -76,18 +76,11 @@ def test_the_shim_s_step_is_the_data_plane_s_step(tmp_path, device, inputs, kv_l
         bench.close()
 
 
-def test_a_bench_that_cannot_set_up_leaves_no_sidecar_running(tmp_path, monkeypatch):
+def test_a_bench_that_cannot_set_up_leaves_no_sidecar_running(tmp_path, monkeypatch, bench_sidecars):
     from dspark_sidecar import bench as B
     from dspark_sidecar.client.shim import DrafterShim
 
-    started = []
-    real = B.SidecarUnderTest
-
-    def recording(*args, **kwargs):
-        started.append(real(*args, **kwargs))
-        return started[-1]
-
-    monkeypatch.setattr(B, "SidecarUnderTest", recording)
+    started = bench_sidecars
     monkeypatch.setattr(DrafterShim, "connect", lambda self: "refused for the test")
     bench = B.Bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("d",), out_dir=tmp_path),
                     torch.device("cpu"))

@@ -190,24 +190,16 @@ def test_a_mode_that_cannot_run_here_keeps_its_reason(tmp_path):
     assert rows["g"]["note"] == "n/a: needs a GPU", rows["g"]
 
 
-def test_the_bench_s_sidecar_folder_goes_with_a_clean_stop_and_stays_with_a_failed_one(tmp_path, monkeypatch):
+def test_the_bench_s_sidecar_folder_goes_with_a_clean_stop_and_stays_with_a_failed_one(tmp_path, bench_sidecars):
     """Each bench run with a sidecar left its mkdtemp folder (the sidecar's log and socket folder) in the temp
     dir (fifty after two hours of test runs here). It goes now once the sidecar stopped cleanly; a sidecar
     that failed keeps its log for a person to read."""
-    started = []
-    real = B.SidecarUnderTest
-
-    def recording(*args, **kwargs):
-        started.append(real(*args, **kwargs))
-        return started[-1]
-
-    monkeypatch.setattr(B, "SidecarUnderTest", recording)
     B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("d",), repeats=2, out_dir=tmp_path),
                 torch.device("cpu"))
-    (side,) = started
+    (side,) = bench_sidecars
     assert side.proc.returncode == 0 and not side.work.exists()
 
-    failed = real.__new__(real)
+    failed = type(side).__new__(type(side))
     failed.work, failed.proc = tmp_path / "failed", types.SimpleNamespace(returncode=1)
     failed.work.mkdir()
     (failed.work / "sidecar.log").write_text("rank 0: CUDA out of memory")
