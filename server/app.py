@@ -188,8 +188,7 @@ class StartUp:
             run()
         except (RuntimeError, dist.DistError) as err:
             self.release()
-            raise PeerLost(f"rank {self.rank}: a peer rank left during start-up ({str(err).splitlines()[0][:160]}); "
-                           "the peer's own line says why") from None
+            raise PeerLost.of(self.rank, err) from None
 
 
 def graphs_on(cfg: ServeConfig, device: torch.device, backend: str) -> bool:

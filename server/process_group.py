@@ -135,6 +135,12 @@ def _identity(fd: int) -> tuple[int, int] | None:
 class PeerLost(RuntimeError):
     """A peer rank ended during start-up; this rank stops too (cli.py: one line, exit 1)."""
 
+    @classmethod
+    def of(cls, rank: int, err: BaseException, what: str = "left during start-up") -> PeerLost:
+        """The one line for this rank, with the first line of the error that showed it (its type if it has none)."""
+        first = next(iter(str(err).splitlines()), "") or type(err).__name__
+        return cls(f"rank {rank}: a peer rank {what} ({first[:160]}); the peer's own line says why")
+
 
 def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_attempt: int | None = None) -> None:
     """init_process_group over `rendezvous_store`; a rendezvous that cannot be reached is one line
@@ -156,6 +162,5 @@ def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_atte
         # a wait timeout a peer that never joined. Neither is the flags' fault: as ServeConfigError (exit 2)
         # the launcher reported the group's failure as this rank's refusal of its configuration, with that
         # exit code (which systemd's RestartPreventExitStatus=2 never restarts).
-        raise PeerLost(f"rank {rank}: a peer rank left during start-up or did not join the group within "
-                       f"--dist-timeout-s {cfg.dist_timeout_s} s ({str(err).splitlines()[0][:160]}); the peer's "
-                       "own line says why") from None
+        raise PeerLost.of(rank, err, "left during start-up or did not join the group within --dist-timeout-s "
+                                     f"{cfg.dist_timeout_s} s") from None
