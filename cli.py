@@ -19,9 +19,14 @@ class UsageError(ValueError):
     """A flag or environment value that cannot be used: printed as one line, exit status 2."""
 
 
+def env_name(dest: str) -> str:
+    """The variable that gives a flag's default: DSPARK_<DEST>."""
+    return ENV_PREFIX + dest.upper()
+
+
 def _env(dest: str, default, kind=str):
     """A flag's default: DSPARK_<DEST> from the environment when set, else the built-in default."""
-    name = ENV_PREFIX + dest.upper()
+    name = env_name(dest)
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -125,7 +130,7 @@ def unknown_env(environ: dict[str, str], flag_dests: list[str]) -> list[str]:
     whose variable is DSPARK_X=0): such a value was ignored without a word."""
     import difflib
 
-    known = {ENV_PREFIX + d.upper() for d in flag_dests} | OTHER_ENV
+    known = {env_name(d) for d in flag_dests} | OTHER_ENV
     lines = []
     for name in sorted(n for n in environ if n.startswith(ENV_PREFIX) and n not in known):
         near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)

@@ -25,9 +25,10 @@ def sidecar_env(environ: dict[str, str] | os._Environ = os.environ) -> dict[str,
     flag's DSPARK_<FLAG> (an operator's shell, a deployment's .env) is the default of every flag argv leaves
     out: DSPARK_STRICT_REFUSAL, DSPARK_WEIGHTS or DSPARK_BACKEND made the demo's or the bench's sidecar
     another than the one they compare with. DSPARK_LOG_LEVEL and the other names serve does not take stay."""
+    from dspark_sidecar.cli import env_name
     from dspark_sidecar.server.config import ServeConfig
 
-    flags = {f"DSPARK_{name.upper()}" for name in ServeConfig.__dataclass_fields__}
+    flags = {env_name(name) for name in ServeConfig.__dataclass_fields__}
     return {k: v for k, v in environ.items()
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("TORCHELASTIC_") and k not in flags}
 
