@@ -354,6 +354,9 @@ class CheckpointReader:
         t = self._slice(key, shape, rows, cols)
         if t.dtype == torch.float8_e4m3fn:
             skey = key + SCALE_SUFFIX
+            if len(shape) != 2:  # MXFP8 blocks run along a linear's input dim; a norm has none
+                raise CheckpointError(f"{key}: F8_E4M3 for a tensor of shape {list(shape)}; only [rows, cols] "
+                                      "linears are stored as MXFP8")
             if cols is not None and (cols.start % self.block or cols.stop % self.block):
                 raise CheckpointError(f"{key}: column slice {cols} cuts MXFP8 blocks of {self.block}")
             scols = slice(cols.start // self.block, cols.stop // self.block) if cols is not None else None

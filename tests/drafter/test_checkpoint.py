@@ -132,6 +132,19 @@ def test_non_finite_weights_are_refused_by_name(tmp_path, tiny_ckpt, tiny_cfg, k
         CheckpointReader(d, torch.bfloat16).read(target, shape)
 
 
+def test_a_norm_stored_as_f8_is_named_not_an_index_error(tmp_path, tiny_ckpt, tiny_cfg):
+    """Only [rows, cols] linears are MXFP8: a 1-D weight stored as F8_E4M3 reached the 2-D
+    dequantization and ended in "IndexError: tuple index out of range" (read is the loader of the
+    ranks and of the engine harness, which does not run check_checkpoint first)."""
+    t = load_file(str(tiny_ckpt[0] / "model.safetensors"))
+    t[NORM] = t[NORM].to(torch.float8_e4m3fn)
+    d = tmp_path / "f8norm"
+    d.mkdir()
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{NORM}: F8_E4M3 for a tensor of shape \[{tiny_cfg.hidden_size}\]"):
+        CheckpointReader(d, torch.float32).read(NORM, (tiny_cfg.hidden_size,))
+
+
 def test_a_key_in_two_files_or_a_broken_index_is_named(tmp_path, tiny_ckpt):
     """Without an index, a key in two files was taken from whichever sorted last (a stale file won)."""
     t = load_file(str(tiny_ckpt[0] / "model.safetensors"))

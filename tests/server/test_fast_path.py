@@ -124,6 +124,32 @@ def test_weight_shards_are_the_checkpoint_bytes_the_portable_model_uses(tiny_ckp
         assert lw.input_norm is layer.input_layernorm.weight and lw.k_norm is layer.k_norm.weight
 
 
+def test_a_checkpoint_of_dense_linears_turns_the_path_off_instead_of_failing_the_rank(tiny_ckpt, tmp_path):
+    """Layer linears saved dequantized carry no `_scale_inv` (check_checkpoint accepts exactly that, and
+    refuses a stale scale beside a dense weight). The missing scale was read before the weight's dtype
+    was looked at: a CheckpointError that stopped the rank, where FlyDSLUnsupported keeps the portable path."""
+    from safetensors.torch import load_file, save_file
+
+    from dspark_sidecar.drafter.checkpoint import SCALE_SUFFIX, check_checkpoint, dequantize_mxfp8
+    from dspark_sidecar.kernels.flydsl.runner import FlyDSLUnsupported
+
+    cfg = PRESETS["tiny"]
+    t = load_file(str(tiny_ckpt[0] / "model.safetensors"))
+    for k in [k for k in t if k.endswith(SCALE_SUFFIX)]:
+        w = k[: -len(SCALE_SUFFIX)]
+        t[w] = dequantize_mxfp8(t[w], t.pop(k), cfg.quant_block).to(torch.bfloat16)
+    d = tmp_path / "dense"
+    d.mkdir()
+    save_file(t, str(d / "model.safetensors"))
+    (d / "config.json").write_text((tiny_ckpt[0] / "config.json").read_text())
+    check_checkpoint(cfg, d, tiny_ckpt[1])  # a servable checkpoint
+    reader = CheckpointReader(d, torch.bfloat16, cfg.quant_block)
+    par = ParallelContext(1, 4)
+    model = DSparkDrafter(cfg, par, REFERENCE_OPS).load(reader)
+    with pytest.raises(FlyDSLUnsupported, match="q_proj.weight: stored as torch.bfloat16, the kernels need F8_E4M3"):
+        layer_weights(reader, cfg, par, model, 0, CPU)
+
+
 def test_random_weights_are_quantized_for_the_kernels():
     cfg = PRESETS["tiny"]
     src = SyntheticSource(cfg, torch.bfloat16)
@@ -148,7 +174,7 @@ def test_start_up_binds_weights_and_maps_peers_on_four_ranks(tiny_ckpt, tmp_path
     res = run_ranks(4, fast_path_rank, str(tmp_path / "w"), str(tiny_ckpt[0]), "weights")
     assert {r["reason"] for r in res} == {
         "rank 0 could not bind its weights: language_model.model.dspark.layers.0.decoder_layer.self_attn.q_proj.weight: "
-        "stored as torch.bfloat16/torch.uint8, the kernels need F8_E4M3 + U8 scales"}
+        "stored as torch.bfloat16, the kernels need F8_E4M3 + U8 scales"}
     assert all(not r["mapped"] and r["live"] == 0 for r in res)
 
 
