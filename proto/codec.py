@@ -88,6 +88,14 @@ def region_tensor_ref(
 MAX_DIMS = 64
 
 
+def shape_text(shape) -> str:
+    """A peer's shape as a message quotes it: listed up to MAX_DIMS dimensions, past that only counted.
+    Listed whole, a shape of millions of dimensions took seconds and gigabytes of Python ints (at 256 MiB,
+    over a minute) for a message then clipped to 1 KiB (server/errors.py), on the rank's step lock."""
+    n = len(shape)
+    return str(list(shape)) if n <= MAX_DIMS else f"of {n} dimensions"
+
+
 def nbytes_of(ref: pb.TensorRef, field: str) -> int:
     """Bytes the tensor `ref` describes (prod(shape) * itemsize); ValueError on a bad dtype/shape."""
     dtype = dtype_from_proto(ref.dtype, field)

@@ -111,9 +111,8 @@ class LateServicer(pb_grpc.DrafterSidecarServicer):
         return self._target().UnregisterBuffers(request, context)
 
     def DraftSteps(self, request_iterator, context):
-        if self.inner is None:  # stream handlers are not wrapped by the unary interceptor
-            context.abort(grpc.StatusCode.UNAVAILABLE, "rank is still loading; retry when health is SERVING")
-        return self.inner.DraftSteps(request_iterator, context)
+        # The interceptor ends the stream with _target's refusal, as it answers a unary call with it.
+        return self._target().DraftSteps(request_iterator, context)
 
 
 def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer) -> grpc.Server:
@@ -262,14 +261,26 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
 def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_attempt: int | None = None) -> int:
     """Run one rank until it is stopped. `agent_attempt`: under torchrun, whose agent hosts the group's
     store, its restart count (None: our launcher, rank 0 hosts the store)."""
+    start_up = StartUp(rank, threading.Event())
+    try:
+        return _serve_rank(cfg, rank, world, local_rank, agent_attempt, start_up)
+    except BaseException:
+        # Any start-up failure (a busy metrics port, a checkpoint error, a lost peer): no socket file nobody
+        # answers on, nor rank 0's board, outlives the rank. Under torchrun nothing else removes them (our
+        # launcher does, launcher._remove_stale_sockets). Past start-up both are gone already or unused.
+        start_up.release()
+        raise
+
+
+def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_attempt: int | None,
+                start_up: StartUp) -> int:
     if world != cfg.tp:
         raise SystemExit(f"WORLD_SIZE {world} != --tp {cfg.tp}")
     if world > 1 and not stores_in_order():
         raise SystemExit(f"--tp {world} on this {platform.machine()} host: the ranks agree on every step through "
                          "a shared-memory board that relies on stores being seen in the order written (x86-64); "
                          "this host does not promise that (see proto/doorbell.py)")
-    stop = threading.Event()  # set by SIGTERM/SIGINT, at any point of the rank's life
-    start_up = StartUp(rank, stop)
+    stop = start_up.stop  # set by SIGTERM/SIGINT, at any point of the rank's life
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, start_up.on_signal)
     # SIGUSR1 writes every thread's Python stack to stderr (the rank's log), the process going on: what an
@@ -299,11 +310,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
     log.info("rank %d/%d: listening on %s (NOT_SERVING while loading)", rank, world, ", ".join(cfg.endpoints(rank)))
 
     dist_backend = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    try:
-        join_group(cfg, dist_backend, rank, world, agent_attempt)
-    except PeerLost:
-        start_up.release()  # as a start-up collective's PeerLost does: no stale socket file left behind
-        raise
+    join_group(cfg, dist_backend, rank, world, agent_attempt)
     cpu_group = dist.new_group(backend="gloo") if dist_backend != "gloo" else None
 
     dcfg, model, embed, choice, host, fast = _load(cfg, rank, world, device, cpu_group, start_up)
@@ -359,9 +366,12 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
     # launcher's own last lines in the log.
     atexit.register(gc.unfreeze)
     late.inner = servicer
-    publish("SERVING")
-    log.info("rank %d: %s (backend %s, CUDA graphs %s)", rank, life.state, life.backend,
-             "on" if graphs is not None else "off")
+    # A stop that came since `active` went (the collection above can take a while) drains at once below:
+    # published, SERVING would show a rank told to stop as ready, to probes and engines, until the drain.
+    if not stop.is_set():
+        publish("SERVING")
+        log.info("rank %d: %s (backend %s, CUDA graphs %s)", rank, life.state, life.backend,
+                 "on" if graphs is not None else "off")
 
     while not stop.wait(BEAT_S):  # a timed wait keeps the main thread responsive to signals
         watch_peers(board, rank, life, publish, peers)

@@ -100,10 +100,13 @@ class ServeConfig:
             raise ServeConfigError(f"--prelaunch-behind-ms: must be above 0 and at most 60000, got {self.prelaunch_behind_ms}")
         if not 1 <= self.rendezvous_ms <= 60_000:
             raise ServeConfigError(f"--rendezvous-ms: must be 1..60000, got {self.rendezvous_ms}")
-        for flag, port in (("--tcp-base-port", self.tcp_base_port), ("--metrics-port", self.metrics_port),
-                           ("--master-port", self.master_port)):
-            if not 0 <= port <= 65535 - self.tp:
-                raise ServeConfigError(f"{flag}: must be 0..{65535 - self.tp}, got {port}")
+        # Rank r listens on base + r, so a base port's range ends where base + tp - 1 is 65535; the
+        # rendezvous port is one port.
+        for flag, port, top in (("--tcp-base-port", self.tcp_base_port, 65536 - self.tp),
+                                ("--metrics-port", self.metrics_port, 65536 - self.tp),
+                                ("--master-port", self.master_port, 65535)):
+            if not 0 <= port <= top:
+                raise ServeConfigError(f"{flag}: must be 0..{top}, got {port}")
         if self.tcp_base_port and not self.allow_remote and not is_loopback(self.tcp_host):
             raise ServeConfigError(
                 f"--tcp-host: {self.tcp_host} is not a loopback address; KV handles grant memory "

@@ -138,9 +138,12 @@ class MemoryBindings:
                                                 "a cache is served in that dtype or as float8 e4m3")
                 pages = lb.shape[1] if len(lb.shape) == 5 else -1
                 want = kv_layer_shape(self.cfg, self.tp, pages, req.page_size)
-                if tuple(lb.shape) != want:
-                    raise invalid(f"{f}.shape", f"{list(lb.shape)}, expected {list(want)} "
+                # Counts first: tuple() of a peer's millions of dimensions alone took seconds, on the step lock.
+                if len(lb.shape) != len(want) or tuple(lb.shape) != want:
+                    raise invalid(f"{f}.shape", f"{codec.shape_text(lb.shape)}, expected {list(want)} "
                                   "[2, num_pages, page_size, kv_heads/tp, head_dim]")
+                if len(lb.strides) != len(want):
+                    raise invalid(f"{f}.strides", f"{len(lb.strides)} strides, one per shape entry ({len(want)})")
                 if pages < 1:
                     raise invalid(f"{f}.shape", f"{list(lb.shape)}: a cache needs at least one page")
                 if num_pages is not None and pages != num_pages:

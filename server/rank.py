@@ -357,6 +357,10 @@ class RankLoop:
                                                  settle=True))
                 except SidecarError as err:
                     fut.set_exception(err)
+            # Answered: nothing of it stays here until the next step comes. A refused step's error keeps, through
+            # its traceback, the frames that held its region and cache views (validate_step's), and the
+            # memory an UnregisterBuffers or a re-bind let go stayed mapped until then.
+            item = req = fut = None
 
     def _guarded(self, req: pb.DraftStepRequest, t_enq: int, expires: int, prelaunched=None,
                  answer_limit: int = 0, settle: bool = False) -> pb.DraftStepResponse:
@@ -440,6 +444,9 @@ class RankLoop:
             ctx.metrics.step("aborted", {})
             log.warning("rank %d: step %d aborted: %s", ctx.rank, req.step_id, verdict.reason)
             late = "deadline_ms passed" in verdict.reason
+            # As above: the error's traceback keeps this frame, and a gRPC step's error lives on with its future;
+            # the step's region and cache views go now, under the lock, not with the error on another thread.
+            step = None
             raise SidecarError(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.ABORTED, verdict.reason,
                                "deadline_ms" if late else "", "DEADLINE" if late else "ABORTED")
         assert step is not None

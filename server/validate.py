@@ -78,8 +78,9 @@ def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: to
     if dtype is not None and got != dtype:
         raise invalid(field, f"dtype must be {codec.pb.DType.Name(codec.dtype_to_proto(dtype))}, "
                              f"got {codec.pb.DType.Name(ref.dtype)}")
-    if shape is not None and tuple(ref.shape) != shape:
-        raise invalid(field, f"shape {list(ref.shape)}, expected {list(shape)}")
+    # The count first: tuple() of a peer's millions of dimensions alone took seconds.
+    if shape is not None and (len(ref.shape) != len(shape) or tuple(ref.shape) != shape):
+        raise invalid(field, f"shape {codec.shape_text(ref.shape)}, expected {list(shape)}")
     try:
         return codec.from_tensor_ref(ref, field, resolver=mem.resolve)
     except ValueError as err:
@@ -322,7 +323,7 @@ def _tensors(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, 
         ids = _tensor(req, "input_ids", mem, torch.int64, (n,))
     seq_lens = _tensor(req, "seq_lens", mem, torch.int32, (R,))
     if not req.HasField("block_tables") or len(req.block_tables.shape) != 2 or req.block_tables.shape[0] != R:
-        raise invalid("block_tables", f"shape {list(req.block_tables.shape)}, expected [{R}, max_pages]")
+        raise invalid("block_tables", f"shape {codec.shape_text(req.block_tables.shape)}, expected [{R}, max_pages]")
     tables = _tensor(req, "block_tables", mem, torch.int32, None)
     slots = _tensor(req, "slot_mapping", mem, torch.int64, (n,))
     return positions, embeds, ids, StepMetadata(seq_lens, tables, slots)

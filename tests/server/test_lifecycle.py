@@ -41,6 +41,10 @@ def _serve_then_drain(sc: SidecarProcess) -> None:
         time.sleep(0.05)
     assert "NOT_SERVING" in seen and seen[-1] == "SERVING", seen
     assert seen.index("NOT_SERVING") < seen.index("SERVING")
+    # Each rank publishes SERVING on its own after the last start-up barrier: rank 1 may still be in its
+    # last collection (app.serve_rank's gc.collect) when rank 0 is SERVING, which failed the check below.
+    while check(sc.socket(1), 1.0) != "SERVING" and time.monotonic() < deadline:
+        time.sleep(0.05)
     pids = sc.rank_pids()
     # SIGUSR1 (server/app.py): every thread's stack into the rank's log, and the rank goes on serving.
     before = sc.log_path.read_text(errors="replace")

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
@@ -80,3 +81,27 @@ def test_a_peer_lost_during_start_up_is_one_line_and_what_start_up_made_goes(tmp
             Board(start_up.board.shm.name, 2, create=False)  # unlinked: a later start finds no stale board
     finally:
         start_up.board.shm.close()
+
+
+def test_a_draft_stream_while_the_rank_loads_ends_unavailable_with_the_loading_reason(tmp_path):
+    """The stream was refused with a bare abort, on the belief that stream handlers miss the interceptor;
+    they do not, and the stream now ends as a unary call does: UNAVAILABLE, the LOADING reason attached."""
+    from grpc_health.v1 import health
+    from grpc_status import rpc_status
+
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+    from dspark_sidecar.server.app import LateServicer, _start_grpc
+
+    cfg = ServeConfig(tp=1, socket_dir=tmp_path)
+    server = _start_grpc(cfg, 0, health.HealthServicer(), LateServicer())
+    try:
+        with grpc.insecure_channel(cfg.endpoints(0)[0]) as ch:
+            stream = pb_grpc.DrafterSidecarStub(ch).DraftSteps(iter([pb.DraftStepRequest(step_id=1)]), timeout=10)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in err.value.details()
+        status = rpc_status.from_call(err.value)
+        assert status is not None and any(b"LOADING" in d.value for d in status.details), status
+    finally:
+        server.stop(None)

@@ -84,9 +84,9 @@ def test_a_seed_the_synthetic_writer_cannot_use_is_refused_by_flag(seed):
     ({"dist_backend": "mpi"}, "--dist-backend: must be auto, gloo or nccl, got 'mpi'"),
     ({"max_reqs": 0}, "--max-reqs: must be 1..256, got 0"),
     ({"max_reqs": 257}, "--max-reqs: must be 1..256, got 257"),
-    ({"tp": 4, "tcp_base_port": 65533}, "--tcp-base-port: must be 0..65531, got 65533"),
-    ({"tp": 1, "metrics_port": -1}, "--metrics-port: must be 0..65534, got -1"),
-    ({"tp": 1, "master_port": 65535}, "--master-port: must be 0..65534, got 65535"),
+    ({"tp": 4, "tcp_base_port": 65533}, "--tcp-base-port: must be 0..65532, got 65533"),
+    ({"tp": 1, "metrics_port": -1}, "--metrics-port: must be 0..65535, got -1"),
+    ({"tp": 4, "master_port": 65536}, "--master-port: must be 0..65535, got 65536"),
     ({"tp": 2, "shard_of": 4}, "--shard-of: needs --tp 1 and N >= 2, got --tp 2 --shard-of 4"),
     ({"tp": 1, "shard_of": 1}, "--shard-of: needs --tp 1 and N >= 2, got --tp 1 --shard-of 1"),
     ({"drain_s": -1}, "--drain-s: must be 0..300, got -1"),
@@ -101,7 +101,8 @@ def test_each_setting_outside_its_range_is_refused_naming_its_flag(kw, message):
 
 
 def test_settings_at_the_edges_of_their_ranges_are_accepted():
-    for kw in ({"max_reqs": 1}, {"max_reqs": 256}, {"tp": 4, "tcp_base_port": 65531}, {"tp": 1, "metrics_port": 65534},
+    for kw in ({"max_reqs": 1}, {"max_reqs": 256}, {"tp": 4, "tcp_base_port": 65532}, {"tp": 1, "metrics_port": 65535},
+               {"tp": 4, "master_port": 65535},  # one port, not one per rank: any port, whatever --tp
                {"tp": 1, "shard_of": 2}, {"drain_s": 0}, {"drain_s": 300}):
         c = ServeConfig(**kw)
         assert all(getattr(c, k) == v for k, v in kw.items()), kw

@@ -133,3 +133,61 @@ def test_sigterm_while_a_rank_loads_ends_it_at_once_without_traceback(tmp_path):
         assert not (sock / "rank0.sock").exists()
     finally:
         _kill(p)
+
+
+def test_a_rank_that_fails_to_start_removes_its_socket_file(tmp_path):
+    """A start-up refusal past the bind (here the metrics port, held by another process) under torchrun,
+    where no launcher of ours removes a failed rank's socket: the rank removed it only on a signal or a
+    lost peer, and left a socket file nobody answers on for every other failure."""
+    sock = tmp_path / "sock"
+    with socket.socket() as s, socket.socket() as held:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        p = subprocess.run([sys.executable, "-m", "dspark_sidecar", "serve", "--tp", "1", "--device", "cpu",
+                            "--socket-dir", str(sock), "--metrics-port", str(held.getsockname()[1])],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 75 and "--metrics-port: rank 0 cannot listen on" in p.stderr, p.stderr
+    assert not list(sock.glob("*.sock")), "a rank that failed to start left its socket file"
+
+
+RANK_SLOW_LAST_COLLECT = """
+import gc, sys, time, types
+from pathlib import Path
+from dspark_sidecar.server import app
+def collect(*a):  # the start-up heap's last collection, long (a large drafter on a loaded host)
+    Path(sys.argv[-1]).touch()
+    time.sleep(2.0)
+    return gc.collect(*a)
+app.gc = types.SimpleNamespace(collect=collect, freeze=gc.freeze, unfreeze=gc.unfreeze)
+from dspark_sidecar import cli
+sys.exit(cli.main(sys.argv[1:-1]))
+"""
+
+
+def test_sigterm_in_the_last_moments_of_start_up_never_shows_serving(tmp_path):
+    """A stop that came after the rank stopped ending at once on a signal (start_up.active) but before it
+    went SERVING: it published SERVING (and logged it) anyway, then drained. A probe or engine saw a rank
+    that was told to stop report SERVING."""
+    sock, marker = tmp_path / "sock", tmp_path / "collecting"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    p = subprocess.Popen([sys.executable, "-c", RANK_SLOW_LAST_COLLECT, "serve", "--tp", "1", "--device", "cpu",
+                          "--socket-dir", str(sock), "--drain-s", "1", str(marker)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(marker.exists, 60, p)
+        p.send_signal(signal.SIGTERM)
+        seen = set()
+        while p.poll() is None:
+            seen.add(check(f"unix:{sock / 'rank0.sock'}", 0.5))
+            time.sleep(0.05)
+        _, err = p.communicate(timeout=10)
+        assert p.returncode == 0 and "Traceback" not in err, err
+        assert "SERVING" not in seen and "rank 0: SERVING" not in err, (seen, err)
+    finally:
+        _kill(p)
