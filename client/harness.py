@@ -54,6 +54,8 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in FAULTS:
             raise ValueError(f"fault kind: one of {FAULTS}, got {self.kind!r}")
+        if self.round < 0 or self.rank < 0:
+            raise ValueError(f"fault round and rank: must be >= 0, got round {self.round}, rank {self.rank}")
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,15 @@ class HarnessConfig:
             raise ValueError(f"device: cpu or cuda, got {self.device!r}")
         if self.rounds < 0 or self.tp < 1:
             raise ValueError("rounds must be >= 0 and tp >= 1")
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset: one of {sorted(PRESETS)}, got {self.preset!r}")
+        if self.page_size < 1 or self.num_pages < 1:
+            raise ValueError(f"page_size and num_pages must be >= 1, got {self.page_size}, {self.num_pages}")
+        for f in self.faults:
+            # A fault past the last round or on a rank that does not exist never fired, silently: the run
+            # passed as if the break, re-allocation or pause (and its on_pause) had been survived.
+            if f.round >= self.rounds or f.rank >= self.tp:
+                raise ValueError(f"faults: {f} never fires in {self.rounds} rounds on ranks 0..{self.tp - 1}")
 
 
 class EngineRank:
@@ -197,6 +208,17 @@ class EngineRank:
             dist.barrier()
 
     def run(self) -> dict:
+        """All rounds, then the rank's report. The shim and the KV cache's segments are released however
+        it ends: an exception mid-run left the segments in /dev/shm and the shim's channel open until exit."""
+        try:
+            return self._rounds()
+        finally:
+            if self.shim is not None:
+                self.shim.close()
+            for s in self.kv:
+                s.close()
+
+    def _rounds(self) -> dict:
         h, rec = self.h, Record()
         for rnd in range(h.rounds):
             faults = [f for f in h.faults if f.round == rnd]
@@ -260,10 +282,6 @@ class EngineRank:
         out.update(rank=self.rank, joined=self.work.joined, left=self.work.left,
                    shim=self.shim.stats.as_dict() if self.shim else None,
                    binds=self.shim.binder.binds if self.shim else 0)
-        if self.shim is not None:
-            self.shim.close()
-        for s in self.kv:
-            s.close()
         return out
 
 
@@ -356,6 +374,10 @@ def run_engine(h: HarnessConfig, work_dir: str | Path, on_pause=None, timeout_s:
     work.mkdir(parents=True, exist_ok=True)
     ctl = work / "control"
     ctl.mkdir(exist_ok=True)
+    for stale in ctl.iterdir():
+        # A reused work_dir's reached-N / go-N of the last run: on_pause ran before the ranks got to round N,
+        # and rank 0, finding go-N, did not wait for it (the "pause" ran beside live rounds).
+        stale.unlink()
     h = dataclasses.replace(h, control_dir=str(ctl))
     store = work / "store"
     if store.exists():

@@ -30,6 +30,16 @@ class MixConfig:
     budget: tuple[int, int] = (8, 80)  # rounds a request stays (if its pages last)
     first_long: bool = True  # request 0 starts just below the window
 
+    def __post_init__(self) -> None:
+        # max_active 0 admitted no request and the round failed in block_table (max() of nothing); a negative
+        # prompt gave negative positions; a reversed range failed only when first drawn from.
+        if self.max_active < 1:
+            raise ValueError(f"max_active: must be >= 1, got {self.max_active}")
+        for name in ("short_prompt", "mid_prompt", "long_prompt", "budget"):
+            lo, hi = getattr(self, name)
+            if not 0 <= lo <= hi:
+                raise ValueError(f"{name}: need 0 <= low <= high, got ({lo}, {hi})")
+
 
 @dataclass
 class Request:

@@ -36,6 +36,11 @@ set -euo pipefail
 log() { printf 'launch-tp4: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 2; }
 
+# Set but empty (`DSPARK_SOCKET_DIR=$UNSET_VAR`) is refused, as serve refuses it (cli._env): these two reach
+# serve as flags, so taken for unset here they would silently become the defaults.
+for var in DSPARK_TP DSPARK_SOCKET_DIR; do
+  [[ ${!var-x} ]] || die "$var is set but empty: unset it for the default or give a value"
+done
 launcher=${DSPARK_LAUNCHER:-builtin}
 tp=${DSPARK_TP:-4}
 socket_dir=${DSPARK_SOCKET_DIR:-/tmp/dspark-sidecar}
@@ -79,8 +84,11 @@ case $vendor in
   nvidia)
     export CUDA_DEVICE_ORDER=${CUDA_DEVICE_ORDER:-PCI_BUS_ID}
     export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
-    if [[ -z ${CUDA_VISIBLE_DEVICES:-} ]]; then
+    # Set but empty hides every GPU: under --device auto the ranks would serve on the CPU.
+    if [[ -z ${CUDA_VISIBLE_DEVICES+set} ]]; then
       log "warning: CUDA_VISIBLE_DEVICES unset: rank r takes the node's GPU r; set the engine's list"
+    elif [[ -z $CUDA_VISIBLE_DEVICES ]]; then
+      die "CUDA_VISIBLE_DEVICES is set but empty: no GPU is visible; set the engine's list, or DSPARK_DEVICE=cpu"
     fi
     # A client that starts while no daemon answers silently runs without MPS.
     if ! command -v nvidia-cuda-mps-control >/dev/null ||

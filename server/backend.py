@@ -60,6 +60,12 @@ def _triton_reason(device: torch.device) -> str | None:
         return "Triton not installed"
     if importlib.util.find_spec("dspark_sidecar.kernels.triton.ops") is None:
         return "Triton kernels not built into this package"
+    from dspark_sidecar.kernels.triton import runtime
+
+    if runtime.INTERPRET:
+        # Triton then runs every kernel in numpy, copying each GPU tensor to the host and back: seconds a
+        # step, and a CUDA graph capture fails. Meant for CI without a GPU, never for a GPU rank.
+        return "TRITON_INTERPRET is set: every Triton kernel would run in the CPU interpreter (unset it on a GPU host)"
     return None
 
 

@@ -129,6 +129,15 @@ def _write_kv_kernel(
         tl.store(base + stride_c0 + offs * stride_cd, cast(v, CACHE, INTERPRET), mask=dmask)
 
 
+def _check_cache_rows(op: str, kv_layer: torch.Tensor, kv_heads: int, d: int, slots: torch.Tensor, n: int) -> None:
+    """ValueError unless n rows of kv_heads heads of d fit the cache's heads and slots has one slot per row:
+    the kernels index by these counts unchecked, so a mismatch wrote into a neighbouring slot's K/V
+    or at a slot read past the end of `slots`, where the reference raises."""
+    if tuple(kv_layer.shape[-2:]) != (kv_heads, d) or tuple(slots.shape) != (n,):
+        raise ValueError(f"{op}: {n} rows of {kv_heads} heads of {d} into a cache of {list(kv_layer.shape)} "
+                         f"at slots {list(slots.shape)}")
+
+
 def _cache_args(kv_layer: torch.Tensor) -> tuple:
     s = kv_layer.stride()
     return (kv_layer, s[0], s[1], s[2], s[3], s[4])
@@ -147,6 +156,7 @@ def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: tor
     n, width = x.shape[-2:]
     if width != (q_heads + 2 * kv_heads) * d:
         raise ValueError(f"attn_prelude: qkv width {width} != ({q_heads} + 2 * {kv_heads}) * {d}")
+    _check_cache_rows("attn_prelude", kv_layer, kv_heads, d, slots, n)
     q = torch.empty((n, q_heads, d), dtype=dtype, device=x.device)
     if n:
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -193,6 +203,9 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     """
     check_device(kv_layer, k, v)
     m, heads, d = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"write_kv: k {list(k.shape)} and v {list(v.shape)} differ")
+    _check_cache_rows("write_kv", kv_layer, heads, d, slots, m)
     if m:
         _write_kv_kernel[(m, heads)](
             k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),

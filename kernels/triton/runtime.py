@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -15,8 +14,10 @@ except ImportError:  # a Triton without grid dependency control: launches withou
     gdc_launch_dependents = gdc_wait = None
 
 # TRITON_INTERPRET=1 (read by triton when a kernel is decorated) runs every kernel in numpy on
-# the CPU: that is how CI, which has no GPU, checks the kernels' indexing and maths.
-INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+# the CPU: that is how CI, which has no GPU, checks the kernels' indexing and maths. Triton's own
+# reading of it (its knobs), not a second parse: one that took fewer spellings (triton's y/Y) said
+# "compiled" while every kernel was interpreted (a CPU tensor refused, mma and cast unfixed).
+INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 
 
 # Programmatic dependent launch (sm_90), a tunable: the step's Triton kernels are launched so that each

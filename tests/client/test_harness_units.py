@@ -200,3 +200,66 @@ def test_a_cache_too_small_for_a_prompt_is_named_not_an_empty_round():
         for r in ok.active:
             ok.advance(r, 0, [0] * layout.QPR)
         ok.retire()
+
+
+def test_a_reused_work_dir_pauses_at_this_run_s_round(tiny_ckpt, tmp_path):
+    """run_engine left reached-N and go-N in work_dir/control: run again there, on_pause ran at once (before the
+    ranks had got to round N, the stale reached-N) and rank 0, finding go-N, did not wait for it."""
+    import os
+
+    from dspark_sidecar.client.harness import run_engine
+
+    h = HarnessConfig(rounds=3, tp=1, checkpoint=(str(tiny_ckpt[0]), str(tiny_ckpt[1])), num_pages=64,
+                      mix=MixConfig(seed=0, max_active=2, short_prompt=(1, 20), mid_p=0.0, long_p=0.0,
+                                    first_long=False), faults=(Fault(2, "pause"),))
+    ctl = tmp_path / "control"
+    reached = []
+
+    def on_pause(rnd: int) -> None:  # this run's rank touched reached-N: its time is after the stale one's
+        reached.append((rnd, (ctl / f"reached-{rnd}").stat().st_mtime))
+
+    run_engine(h, tmp_path, on_pause=on_pause, timeout_s=300)
+    for f in ctl.iterdir():
+        os.utime(f, (1.0, 1.0))  # the last run's files, unmistakably old
+    reached.clear()
+    run_engine(h, tmp_path, on_pause=on_pause, timeout_s=300)
+    assert len(reached) == 1 and reached[0][0] == 2 and reached[0][1] > 1.0, reached
+
+
+def test_faults_that_never_fire_and_unusable_mixes_are_refused():
+    """A fault past the last round or on a rank that does not exist was accepted and never fired: a fault run
+    passed without the fault. A mix with no request in flight, or a reversed or negative range, failed mid-run."""
+    for bad in ({"faults": (Fault(3, "break_stream", rank=4),)}, {"faults": (Fault(10, "pause"),)},
+                {"page_size": 0}, {"preset": "nope"}):
+        with pytest.raises(ValueError):
+            HarnessConfig(rounds=10, tp=4, **bad)
+    with pytest.raises(ValueError, match="round and rank"):
+        Fault(-1, "pause")
+    HarnessConfig(rounds=10, tp=4, faults=(Fault(9, "break_stream", rank=3),))  # the last round, the last rank
+    for bad in ({"max_active": 0}, {"budget": (10, 5)}, {"short_prompt": (-3, -1)}):
+        with pytest.raises(ValueError):
+            MixConfig(**bad)
+    MixConfig(short_prompt=(0, 0))  # an empty prompt is a valid request (P = 0)
+
+
+def test_a_rank_that_raises_mid_run_releases_its_shim_and_kv_segments(tiny_ckpt, tmp_path):
+    """EngineRank.run closed the shim and the KV cache's shared-memory segments only after the last round:
+    an exception mid-run left the segments in /dev/shm (and the channel open) until the process exited."""
+    import os
+
+    h = HarnessConfig(rounds=4, tp=1, required_tp=1, checkpoint=(str(tiny_ckpt[0]), str(tiny_ckpt[1])),
+                      num_pages=64, socket_dir=str(tmp_path / "none"), step_deadline_s=0.5, late_grace_s=0.5,
+                      mix=MixConfig(seed=0, max_active=2, short_prompt=(1, 20), mid_p=0.0, long_p=0.0,
+                                    first_long=False))
+    rank = EngineRank(h, 0)
+    names = [s.segment.name.lstrip("/") for s in rank.kv]
+    assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+
+    def advance(*_a):
+        raise RuntimeError("engine bug")
+
+    rank.work.advance = advance
+    with pytest.raises(RuntimeError, match="engine bug"):
+        rank.run()
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+    assert rank.shim is not None and rank.shim._closed

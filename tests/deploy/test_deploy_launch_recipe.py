@@ -99,3 +99,40 @@ def test_missing_parents_of_the_socket_dir_let_the_engine_group_through(launch, 
     for parent in (tmp_path / "srv", tmp_path / "srv" / "dspark"):
         assert stat.S_IMODE(parent.stat().st_mode) == 0o755, (parent, oct(parent.stat().st_mode))
     assert stat.S_IMODE(sockets.stat().st_mode) == 0o2770
+
+
+@pytest.mark.parametrize("variable", ["DSPARK_TP", "DSPARK_SOCKET_DIR"])
+def test_empty_tp_or_socket_dir_is_refused_as_serve_refuses_it(launch, variable):
+    """serve refuses a DSPARK_* variable that is set but empty (`DSPARK_SOCKET_DIR=$UNSET_VAR`, cli._env):
+    the recipe took it for unset, passed the default on as a flag, and served TP 4 in /tmp/dspark-sidecar
+    while the engine, given the same empty variable, looked elsewhere."""
+    res, argv, _ = launch(**{variable: ""})
+    assert res.returncode == 2 and argv is None, argv
+    assert f"{variable} is set but empty" in res.stderr
+
+
+def test_empty_cuda_visible_devices_on_an_nvidia_node_is_refused(tmp_path):
+    """CUDA_VISIBLE_DEVICES set but empty (`=$GPUS`, GPUS unset) hides every GPU: under DSPARK_DEVICE auto
+    the ranks then served on the CPU, and the recipe's warning said the opposite (unset: rank r takes the
+    node's GPU r). Run on a copy whose NVIDIA device node is a file here."""
+    node = tmp_path / "nvidiactl"
+    node.touch()
+    recipe = tmp_path / "launch-tp4.sh"
+    recipe.write_text(RECIPE.read_text().replace("/dev/nvidiactl", str(node)).replace("/dev/kfd", str(tmp_path / "kfd")))
+    fake = tmp_path / "python"
+    fake.write_text(RECORDER)
+    fake.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DSPARK_", "CUDA_"))}
+
+    def run(**env):
+        return subprocess.run(["bash", str(recipe)], capture_output=True, text=True, timeout=60,
+                              env={**base, "DSPARK_PYTHON": str(fake), "RECORD_DIR": str(tmp_path),
+                                   "DSPARK_SOCKET_DIR": str(tmp_path / "s"), **env})
+
+    res = run(CUDA_VISIBLE_DEVICES="")
+    assert res.returncode == 2 and not (tmp_path / "argv").exists(), res.stderr
+    assert "CUDA_VISIBLE_DEVICES is set but empty" in res.stderr
+    res = run()  # unset: every GPU of the node, in order; a warning only
+    assert res.returncode == 0 and "CUDA_VISIBLE_DEVICES unset" in res.stderr, res.stderr
+    res = run(CUDA_VISIBLE_DEVICES="", DSPARK_DEVICE="cpu")  # on the CPU by choice: no GPU set-up at all
+    assert res.returncode == 0, res.stderr

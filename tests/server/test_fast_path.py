@@ -68,6 +68,21 @@ def test_a_cpu_rank_on_a_gfx950_host_does_not_select_flydsl():
         choose_backend(ServeConfig(backend="flydsl", device="cpu"), GOOD_HOST, CPU, M31)
 
 
+def test_triton_interpret_on_a_gpu_rank_is_not_the_triton_backend(monkeypatch):
+    """TRITON_INTERPRET (CI's switch) set on a GPU host made every Triton kernel run in numpy over copies
+    of the GPU tensors, chosen silently under auto: seconds a step, and a failed graph capture."""
+    pytest.importorskip("triton")
+    from dspark_sidecar.kernels.triton import runtime
+
+    monkeypatch.setattr(runtime, "INTERPRET", True)
+    host = HostFacts(False, True, 4)
+    assert choose_backend(ServeConfig(), host, GPU, M31).name == "reference"
+    with pytest.raises(BackendUnavailable, match="^--backend triton: TRITON_INTERPRET is set: every Triton kernel"):
+        choose_backend(ServeConfig(backend="triton"), host, GPU, M31)
+    monkeypatch.setattr(runtime, "INTERPRET", False)
+    assert choose_backend(ServeConfig(), host, GPU, M31).name == "triton"
+
+
 @pytest.mark.parametrize("host, reason", [
     (HostFacts(False, True, 4), "not gfx950"),
     (HostFacts(True, False, 4), "FlyDSL not installed"),

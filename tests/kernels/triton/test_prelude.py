@@ -134,3 +134,24 @@ def test_real_shapes(cuda, rows, parity):
     x = torch.randn(rows, 6144, device=cuda).to(torch.bfloat16)
     w = (torch.randn(6144, device=cuda) * 0.1).to(torch.bfloat16)
     parity(TRITON_OPS.rms_norm(x, w, EPS), reference.rms_norm(x, w, EPS))
+
+
+def test_rows_that_do_not_fit_the_cache_are_refused(device):
+    """The kernels index the cache by the caller's head count and read one slot per row unchecked:
+    kv_heads above the cache's wrote each row's second head into the next slot's K/V (silently, where
+    the reference raises), and a short `slots` was read past its end for a slot to write at."""
+    qkv, qn, kn, cos, sin, kv, slots = _case(4, 2, 32, 16, 6, torch.float32, device, 0)
+    one_head = kv[:, :, :, :1].clone()
+    before = one_head.clone()
+    with pytest.raises(ValueError, match="attn_prelude: 6 rows of 2 heads of 32 into a cache of"):
+        TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, one_head, slots, 4, 2)
+    with pytest.raises(ValueError, match="at slots \\[5\\]"):
+        TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots[:5], 4, 2)
+    k = v = torch.randn(6, 2, 32, device=device)
+    with pytest.raises(ValueError, match="write_kv: 6 rows of 2 heads of 32"):
+        TRITON_OPS.write_kv(one_head, k, v, slots)
+    with pytest.raises(ValueError, match="at slots \\[5\\]"):
+        TRITON_OPS.write_kv(kv, k, v, slots[:5])
+    with pytest.raises(ValueError, match="write_kv: k \\[6, 2, 32\\] and v \\[6, 1, 32\\] differ"):
+        TRITON_OPS.write_kv(kv, k, v[:, :1], slots)
+    assert torch.equal(one_head, before)

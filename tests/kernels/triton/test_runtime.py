@@ -119,3 +119,23 @@ def test_cast_to_fp8_keeps_a_nan_a_nan(device):
     store[(1,)](x, y, INTERPRET=runtime.INTERPRET)
     got = y.float().cpu()
     assert torch.isnan(got[:2]).all() and got[2:].tolist() == [1.0, 448.0]
+
+
+@pytest.mark.parametrize("value", ["y", "Y", "1", "0"])
+def test_interpret_is_what_triton_decided(value):
+    """INTERPRET must say what triton did when it decorated the kernels. It parsed TRITON_INTERPRET a
+    second time, accepting fewer spellings than triton (which takes y/Y too): with TRITON_INTERPRET=y
+    triton interpreted every kernel while INTERPRET said compiled, so a CPU tensor was refused ("set
+    TRITON_INTERPRET=1", which was set) and on a GPU mma/cast skipped the interpreter's fixes."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from triton.runtime.interpreter import InterpretedFunction\n"
+            "from dspark_sidecar.kernels.triton import prelude, runtime\n"
+            "print(runtime.INTERPRET, isinstance(prelude._prelude_kernel, InterpretedFunction))\n")
+    env = {**os.environ, "TRITON_INTERPRET": value}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    said, did = res.stdout.split()
+    assert said == did, f"TRITON_INTERPRET={value!r}: runtime.INTERPRET {said}, triton interpreted: {did}"
