@@ -91,17 +91,27 @@ class SidecarLauncher:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
+        # Until start() returns, no `with` calls stop(), and the sidecar's own session keeps the starter's
+        # Ctrl-C from it: whatever ends the wait other than SERVING (a timeout, a Ctrl-C) stops it here.
+        try:
+            self._wait_serving()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_serving(self) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + self.ready_timeout_s
         while not all(self.healthy()):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                self.stop()
+                self.stop()  # first, so that the tail below holds its stop's lines too
                 raise TimeoutError(f"sidecar not SERVING within {self.ready_timeout_s} s:\n{self.log_tail()}")
             time.sleep(0.2)
         if self.proc.poll() is not None:  # served by someone else's sidecar, started since the check above
             raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log_tail()}")
-        return self
 
     def status(self, rank: int = 0) -> pb.StatusReport:
         conn = SidecarConnection(self.endpoint(rank))

@@ -19,7 +19,7 @@ import torch
 from dspark_sidecar import layout
 from dspark_sidecar.client.agreement import StepAgreement, all_min_ints, node_agreement
 from dspark_sidecar.client.binding import FP8_DTYPES
-from dspark_sidecar.client.config import EngineConfig, EngineConfigError, rank_endpoint
+from dspark_sidecar.client.config import EngineConfig, EngineConfigError, config_refusal, rank_endpoint
 from dspark_sidecar.client.forward_context import ForwardContextSource
 from dspark_sidecar.client.shim import DrafterShim
 
@@ -192,11 +192,6 @@ def draft_steps_eager() -> bool:
 
 def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
     """The shim of this engine rank, from vLLM's distributed state and forward context."""
-    if full_graph_decode(vllm_config) and not draft_steps_eager():
-        log.warning("dspark-sidecar: vLLM replays the draft's decode steps as full CUDA graphs "
-                    "(compilation_config.cudagraph_mode), which never reach the sidecar shim: only eager steps are "
-                    "forwarded. Unset DSPARK_DRAFT_CUDAGRAPHS=keep (the plug-in then runs the draft steps eagerly), "
-                    "or run with cudagraph_mode PIECEWISE or enforce_eager")
     from vllm import forward_context as vfc
     from vllm.distributed.parallel_state import get_tp_group
 
@@ -228,19 +223,31 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
     if off is not None:
         log.error("dspark-sidecar: %s; the sidecar stays off and every draft step runs the stock layers", off)
         shim.enabled, shim.refusal = False, off
+    # Only a shim that may forward loses the replayed steps: one off for good (no sidecar configured, a refusal
+    # logged above, its graphs kept on purpose) would be told to unset a DSPARK_DRAFT_CUDAGRAPHS never set.
+    if shim.enabled and full_graph_decode(vllm_config) and not draft_steps_eager():
+        log.warning("dspark-sidecar: vLLM replays the draft's decode steps as full CUDA graphs "
+                    "(compilation_config.cudagraph_mode), which never reach the sidecar shim: only eager steps are "
+                    "forwarded. Unset DSPARK_DRAFT_CUDAGRAPHS=keep (the plug-in then runs the draft steps eagerly), "
+                    "or run with cudagraph_mode PIECEWISE or enforce_eager")
     return shim
 
 
 def shim_off_reason(vllm_config: Any) -> str | None:
     """Why every rank's shim will stay off, known from vLLM's config and the environment alone (a DSPARK_*
-    value it cannot use, or sleep mode), or None; None too without a config to read (nothing known yet)."""
+    value it cannot use, a deployment the sidecar cannot serve, or sleep mode), or None; None too without
+    a config to read (nothing known yet)."""
     if getattr(vllm_config, "parallel_config", None) is None:
         return None
     try:
-        engine_config_from_vllm(vllm_config, 0)  # what is refused does not depend on the rank
+        config = engine_config_from_vllm(vllm_config, 0)  # what is refused does not depend on the rank
     except EngineConfigError as err:
         return str(err)
-    return sleep_mode_refusal(vllm_config)
+    # With a sidecar configured, a deployment it cannot serve (TP other than 4, DP or PP > 1, another draft)
+    # keeps the shim off for good: the eager draft steps bought nothing, and the shim's own line is INFO,
+    # below vLLM's default level. Without one, "no sidecar endpoint configured" is the plain, unlogged case.
+    refusal = config_refusal(config) if config.endpoint else None
+    return refusal or sleep_mode_refusal(vllm_config)
 
 
 def sleep_mode_refusal(vllm_config: Any) -> str | None:

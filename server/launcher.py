@@ -59,10 +59,7 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
     port = cfg.master_port or free_port(avoid=own)
     env = dict(os.environ, WORLD_SIZE=str(cfg.tp), MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port),
                DSPARK_LAUNCHER_PID=str(os.getpid()))
-    procs = []
-    for r in range(cfg.tp):
-        procs.append(subprocess.Popen([sys.executable, "-m", "dspark_sidecar", *rank_argv],
-                                      env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
+    procs: list[subprocess.Popen] = []
     stopping = False
     stop_deadline = float("inf")
     serving_grace = cfg.drain_s + DRAIN_GRACE_S  # a serving rank's stop: its drain, then its teardown
@@ -80,8 +77,19 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
-    old = {s: signal.signal(s, lambda _signum, _frame: stop()) for s in (signal.SIGTERM, signal.SIGINT)}
+    # The handlers and the spawning inside the try whose finally terminates the ranks: a Popen that raises
+    # for rank k (EAGAIN, ENOMEM) left ranks 0..k-1 running, and a stop during the spawning killed this
+    # launcher by the signal's default action. A rank not spawned yet when a stop comes is not spawned.
+    old = {}
     try:
+        old = {s: signal.signal(s, lambda _signum, _frame: stop()) for s in (signal.SIGTERM, signal.SIGINT)}
+        for r in range(cfg.tp):
+            if stopping:
+                break
+            procs.append(subprocess.Popen([sys.executable, "-m", "dspark_sidecar", *rank_argv],
+                                          env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
+            if stopping:  # the stop came inside Popen, before this rank was in `procs` for stop() to signal
+                procs[-1].send_signal(signal.SIGTERM)
         while True:
             codes = [p.poll() for p in procs]
             if stopping and all(c is not None for c in codes):

@@ -97,3 +97,42 @@ def test_start_does_not_return_a_sidecar_whose_own_serve_has_exited(monkeypatch,
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_start_interrupted_while_waiting_for_serving_stops_the_sidecar_it_started(monkeypatch):
+    """The sidecar runs in a session of its own, out of reach of the starter's Ctrl-C, and `with` calls
+    __exit__ (stop) only once __enter__ (start) has returned: a Ctrl-C (or any exception) during start()'s
+    wait for SERVING left it running, its sockets held, until the starter process itself ended (or for ever
+    with exit_with_starter=False). Here `serve` is a real process that never serves, and the wait is
+    interrupted at its second look."""
+    import subprocess
+    import sys
+
+    real_popen = subprocess.Popen
+    procs = []
+
+    def popen(argv, **kw):
+        procs.append(real_popen([sys.executable, "-c", "import time; time.sleep(120)"], **kw))
+        return procs[-1]
+
+    monkeypatch.setattr(L.subprocess, "Popen", popen)
+    looks = []
+
+    def healthy(self, deadline_s=1.0):
+        looks.append(1)
+        if len(looks) == 2:
+            raise KeyboardInterrupt
+        return [False] * self.tp
+
+    monkeypatch.setattr(SidecarLauncher, "healthy", healthy)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with SidecarLauncher(short_socket_dir(), tp=1, exit_with_starter=False):
+                pass
+        (proc,) = procs
+        assert proc.poll() is not None, "the interrupted start left its sidecar running"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

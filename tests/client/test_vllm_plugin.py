@@ -414,3 +414,55 @@ def test_vllm_sleep_mode_keeps_the_sidecar_off(fake_vllm, monkeypatch, caplog):
     model = _first_forward_runs_the_stock_layers(fake_vllm, caplog, sleep_mode=True)
     assert "sleep mode" in model.dspark_shim().refusal
     assert "sleep mode" in caplog.text
+
+
+@pytest.mark.parametrize("config, said", [
+    (dict(tp=8), "TP 8 != 4"),
+    (dict(k=5), "7 speculative tokens required"),
+    (dict(method="eagle"), "no DSpark draft"),
+])
+def test_a_deployment_the_sidecar_cannot_serve_keeps_its_draft_graphs_and_says_why(fake_vllm, fake_speculator,
+                                                                                      monkeypatch, caplog, config, said):
+    """A sidecar configured (DSPARK_SOCKET_DIR) for an engine the shim refuses for good (config_refusal: TP other
+    than 4, DP or PP > 1, another draft method or token count): the shim never forwards a step. The plug-in
+    still ran the draft steps eagerly, costing the engine its draft graphs for nothing, and the only word of
+    the refusal was the shim's INFO line, below vLLM's default log level: a sidecar off without a word."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    assert vllm_plugin.register() == [ARCH]
+    spec = fake_speculator()
+    spec.vllm_config = vllm_config(**config)
+    with caplog.at_level("WARNING", logger="dspark_sidecar"):
+        spec.init_cudagraph_manager("FULL")
+        assert spec.mode == "FULL" and said in caplog.text
+        caplog.clear()
+        model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config(**config))
+        md = FlashAttentionMetadata(1)
+        fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+        model(torch.arange(7), md.positions)
+    assert model.stock_calls == 1 and model.dspark_shim().refusal == said
+    assert said in caplog.text and "sidecar stays off" in caplog.text
+
+
+@pytest.mark.parametrize("env, warned", [({}, False), ({"DSPARK_STEP_DEADLINE_MS": "soon"}, False),
+                                         ({"DSPARK_DRAFT_CUDAGRAPHS": "keep"}, True)])
+def test_the_full_graph_warning_is_given_only_where_the_shim_could_forward(fake_vllm, monkeypatch, caplog, env,
+                                                                           warned):
+    """build_shim warned that full CUDA graph decode steps never reach the shim, and told the operator to unset
+    DSPARK_DRAFT_CUDAGRAPHS=keep, on every engine with vLLM's default decode mode FULL: one with no sidecar
+    configured at all (the plug-in is installed in every vLLM process) and one whose shim stays off for good
+    (its graphs kept on purpose, the reason logged beside it). Neither set that variable, nor would forward."""
+    if env:
+        monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    vllm_plugin.register()
+    cfg = vllm_config()
+    mode = SimpleNamespace(decode_mode=lambda: SimpleNamespace(name="FULL"))
+    cfg.compilation_config = SimpleNamespace(cudagraph_mode=mode)
+    model = fake_vllm.registry.models[ARCH](vllm_config=cfg)
+    md = FlashAttentionMetadata(1)
+    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+    with caplog.at_level("WARNING", logger="dspark_sidecar"):
+        model(torch.arange(7), md.positions)
+    assert model.stock_calls == 1 and model.dspark_shim().enabled == warned  # kept: enabled, no sidecar there
+    assert ("full CUDA graphs" in caplog.text) == warned and ("DSPARK_DRAFT_CUDAGRAPHS" in caplog.text) == warned

@@ -261,3 +261,66 @@ def test_the_rendezvous_port_the_launcher_picks_is_none_of_the_ranks_own_ports(m
     monkeypatch.setattr(launcher.subprocess, "Popen", rank)
     launch(cfg, ["serve"], on_ready=lambda: False)
     assert ports == ["50099", "50099"]
+
+
+def test_a_rank_that_cannot_be_spawned_takes_down_the_ranks_already_started(tmp_path, monkeypatch):
+    """The ranks were spawned before the try whose finally terminates them: a Popen that raised for rank 1
+    (fork's EAGAIN under a process limit, ENOMEM) left rank 0 running, waiting for a rendezvous that never
+    came, and the launcher's caller got the exception with a child it could not reach."""
+    from dspark_sidecar.server import launcher
+
+    real_popen = subprocess.Popen
+    started = []
+
+    def popen(argv, **kw):
+        if started:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(120)"], **kw))
+        return started[-1]
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    try:
+        with pytest.raises(BlockingIOError):
+            launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=lambda: False)
+        (rank0,) = started
+        assert rank0.poll() is not None, "rank 0 was left running"
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_stop_while_the_ranks_are_spawned_stops_the_spawning_and_exits_0(tmp_path, monkeypatch):
+    """SIGTERM between two ranks' spawns (a supervisor's stop right after its start): the launcher set its
+    handlers only once every rank was spawned, so the signal took the default action and killed it (exit
+    -15, the ranks left to notice their parent's death). Now the stop is the launcher's: rank 1 is never
+    spawned, rank 0 is stopped at once (not at the start-up stop's kill), exit 0. Here a handler of the
+    test's stands for the default action, and rank 0 would exit 0 by itself after 60 s: ended well before,
+    it got the launcher's SIGTERM (the bound is loose on purpose, a loaded CI box is slow to spawn)."""
+    from dspark_sidecar.server import launcher
+
+    monkeypatch.setattr(launcher, "STARTUP_STOP_S", 30.0)
+    real_popen = subprocess.Popen
+    started = []
+
+    def popen(argv, **kw):
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop comes inside Popen, once rank 0 is spawned
+        return started[-1]
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    missed = []
+    before = signal.signal(signal.SIGTERM, lambda *a: missed.append(1))
+    t0 = time.monotonic()
+    try:
+        code = launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=lambda: False, poll_s=0.05)
+        took = time.monotonic() - t0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert not missed and code == 0 and len(started) == 1
+    assert took < 20, f"rank 0 ended {took:.1f} s after the stop: it never got the launcher's SIGTERM"
