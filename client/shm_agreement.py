@@ -51,10 +51,17 @@ class ShmAgreement:
         n = len(values)
         if n > MAX_VALUES:
             raise ValueError(f"an agreement carries at most {MAX_VALUES} integers, got {n}")
-        self._seq += 1
-        seq, bank = self._seq, self._slots[self._seq & 1]
+        seq = self._seq + 1
+        bank = self._slots[seq & 1]
         mine = bank[self.rank]
-        mine[1 : 1 + n] = values
+        # Before the sequence moves: a value the page cannot hold raised after it, and this rank then waited in
+        # the other bank while its peers waited for it in this one (both timed out naming the other as dead).
+        # What a failed write left in the slot is read by no peer before this rank's next sequence covers it.
+        try:
+            mine[1 : 1 + n] = values
+        except (OverflowError, TypeError, ValueError) as err:
+            raise ValueError(f"an agreement carries int64 integers, got {values}: {err}") from None
+        self._seq = seq
         mine[0] = seq  # last: a peer that sees the sequence sees the values
         seqs = bank[:, 0]
         arrived = lambda: int(seqs.min()) == seq  # noqa: E731  (no slot can be ahead: see the module docstring)

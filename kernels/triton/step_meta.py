@@ -86,7 +86,10 @@ def _step_meta(word_ptr, expect_ptr, pos_ptr, lens_ptr, tab_ptr, slot_ptr,
         shared += tl.sum(same.to(tl.int32), axis=1)
     nbad = (tl.sum(bad_row.to(tl.int32), axis=0) + tl.sum(bad_used, axis=0)
             + tl.sum(tl.where(m, shared, 0), axis=0))
-    good = rung & (nbad == 0) & (L >= Q) & (L <= width * page_size)
+    # The table holds every page the request uses: need <= width, i.e. L <= width * page_size without the
+    # product, which the int32 arguments wrap past 2^31 (a table padded to 2^20 columns of 2048-token
+    # pages), refusing every valid request.
+    good = rung & (nbad == 0) & (L >= Q) & (need <= width)
     off = first * page_size
     j64 = j.to(tl.int64)
     tl.store(pos_out + r * Q + j, tl.where(good, P, j64), mask=m)

@@ -19,6 +19,8 @@ def test_every_rank_gets_the_element_wise_minimum_of_all_ranks(world):
 def test_a_peer_that_stops_stepping_is_an_error_naming_it_not_a_hang():
     errors = mp.get_context("spawn").SimpleQueue()
     mp.spawn(stalling, args=(free_port(), errors), nprocs=2, join=True)
+    # Both ranks have exited: an agreement that returned instead of raising left the queue empty, and get() waited for good.
+    assert not errors.empty(), "rank 0's agreement with a peer that never came returned instead of timing out"
     msg = errors.get()
     assert "engine ranks [1] did not reach step agreement 2 within 0.5 s" in msg
 
@@ -113,5 +115,36 @@ def test_a_peer_arriving_as_the_wait_times_out_is_agreed_with_not_an_error(monke
         assert agree.all_min_ints([3, 4]) == [-7, 4]
         peer.clear()
         agree.close()
+    finally:
+        seg.unlink()
+
+
+def test_a_value_past_int64_is_refused_before_the_sequence_moves():
+    """A value the page cannot hold raised only once the sequence had moved: that rank then waited in the
+    other bank for its peers while they waited for it in this one, and both gave up naming the other
+    ("engine ranks [1] did not reach step agreement 2 ... has died"), where gloo refuses the value and
+    the next agreement goes on. Two ranks of one page in one process, on threads."""
+    import threading
+    from multiprocessing import shared_memory
+
+    seg = shared_memory.SharedMemory(create=True, size=8 * 2 * 2 * (1 + MAX_VALUES))
+    try:
+        agree = [ShmAgreement(seg, world_size=2, rank=r, timeout_s=2.0) for r in range(2)]
+        with pytest.raises(ValueError, match="int64"):
+            agree[0].all_min_ints([1, 1 << 63])
+        out: dict = {}
+
+        def one(r):
+            try:
+                out[r] = agree[r].all_min_ints([r + 5, -r])
+            except Exception as exc:  # noqa: BLE001  (reported below)
+                out[r] = exc
+
+        ts = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+        [t.start() for t in ts]
+        [t.join(timeout=10) for t in ts]
+        assert out == {0: [5, -1], 1: [5, -1]}, out
+        for a in agree:
+            a.close()
     finally:
         seg.unlink()

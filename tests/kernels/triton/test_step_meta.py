@@ -354,3 +354,29 @@ def test_staging_reserve_grows_the_buffer_before_a_capture_bakes_it_in():
     assert staging.buf.data_ptr() == before and [d for _, _, d in launches] == [before, before]
     staging.reserve(large + [(DevicePointer(reg[0] + 3 * page, torch.int64), 8, reg)])
     assert staging.buf.data_ptr() != before and staging.buf.numel() * 8 == -(-(3 * page + 8) // block) * block
+
+
+def test_a_table_of_more_than_2_31_slots_is_not_refused(device):
+    """width * page_size past 2^31 (a table padded to 2^20 columns of 2048-token pages; here 2^15 + 1 of
+    65536, for the interpreter's sake): the host's check and the reference take the valid request, and
+    so must the program. Computed in the kernel's int32 arguments, the product wrapped negative and every
+    request came back INVALID."""
+    page, R = 1 << 16, 1
+    width = (1 << 31) // page + 1
+    L = np.array([40], np.int32)
+    T = np.zeros((R, width), np.int32)
+    T[0, 0] = 3
+    P = (L[:, None].astype(np.int64) - Q + np.arange(Q)).reshape(-1)
+    S = T[0, P // page].astype(np.int64) * page + P % page
+    ww, word, pages = window_width(page, WINDOW), gpu_word(3, 1), 8
+    want = sm.step_meta_reference(word, word, P, L, T, S, page, WINDOW, pages, ww)
+    assert (want[5] == sm.FLAG_RAN).all()
+    dev = torch.device(device)
+    src = [torch.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (P, L, T, S)]
+    out = tuple(torch.full((R * Q,), 99, dtype=torch.int64, device=dev) for _ in range(3)) + (
+        torch.full((R,), 99, dtype=torch.int32, device=dev), torch.full((R, ww), 99, dtype=torch.int32, device=dev))
+    flag = torch.zeros(R, dtype=torch.int32, device=dev)
+    expect = torch.tensor([sm.signed64(word)], device=dev)
+    sm.step_meta(expect.clone(), expect, src, out, flag, num_reqs=R, width=width, page_size=page, window=WINDOW,
+                 num_pages=pages)
+    _check(tuple(t.cpu().numpy() for t in out) + (flag.cpu().numpy(),), want)
