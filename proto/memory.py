@@ -58,7 +58,11 @@ def _exhausted(err: BaseException) -> bool:
 
 @dataclass
 class ShmTensor:
-    """A tensor whose storage is a whole POSIX shared-memory segment the engine created."""
+    """A tensor whose storage is a whole POSIX shared-memory segment the engine created.
+
+    `segment` names the segment (and unlinks it); its own mapping is closed at once. The tensor views
+    a mapping of its own (shm_empty), which goes with the last view of it: a view still held at close()
+    (StepBuffers.input_view, a step's hidden view) stays valid memory, as on the sidecar (MappedMemory)."""
 
     tensor: torch.Tensor
     segment: shared_memory.SharedMemory
@@ -67,7 +71,7 @@ class ShmTensor:
         if self.tensor is not None:
             with _EXPORTED_LOCK:
                 _EXPORTED.pop(self.tensor.untyped_storage().data_ptr(), None)
-        self.tensor = None  # type: ignore[assignment]  # drop the view before the mapping goes
+        self.tensor = None  # type: ignore[assignment]  # unmapped now unless a view of it is still alive
         self.segment.close()
         if unlink:
             self.segment.unlink()
@@ -153,12 +157,18 @@ def shm_empty(shape: tuple[int, ...], dtype: torch.dtype, group: int | None = No
     try:
         if group is not None:
             _share_with_group(seg.name, group)
+        # Viewed through a mapping of its own, not seg.buf: SharedMemory.close() (ShmTensor.close, or its
+        # __del__) unmaps under any tensor made from seg.buf (frombuffer keeps no buffer export), and a view
+        # the engine still held crashed it at its next access. This one goes with its last view.
+        mapping = AttachedSegment(seg.name)
+        seg.close()  # nothing views it
         # Raises for a shape the bytes cannot be viewed as (a zero-element shape of a dtype wider than
         # the 1-byte minimum segment: a StatusReport's hidden_size 0 sized the doorbell's regions so).
-        t = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+        t = torch.frombuffer(mapping.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+        mapping.release()
         t.zero_()
     except BaseException:
-        t = None  # type: ignore[assignment]  # no view may outlive the mapping
+        t = mapping = None  # type: ignore[assignment]  # unmapped now, not with the error's traceback
         seg.close()
         seg.unlink()  # else the segment stayed in /dev/shm until the process exited
         raise
@@ -398,6 +408,10 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
         _discard_cuda_ipc(h)
         raise HandleError(f"{field}: handle is from GPU {h.device_uuid or '(not named)'}, this rank runs on GPU "
                           f"{uuid} (engine rank r must bind to sidecar rank r on the same GPU)")
+    if not h.storage_size_bytes:  # torch would open nothing and keep the counter; the query then fails (uncheckable)
+        _discard_cuda_ipc(h)
+        raise HandleError(f"{field}: storage_size_bytes 0: a CUDA/HIP IPC handle must name a storage of at least "
+                          "one byte")
     with _OPEN_LOCK:
         t = _rebuild(h, field, device)
     # The handle opened the exporter's whole allocation; the storage the message claims must lie in it

@@ -171,6 +171,25 @@ def test_rows_written_in_place_are_not_copied(bufs, tiny_cfg, tiny_embed, monkey
     assert len(into_inputs) == 1 and torch.equal(bufs.embeds[:n], other)
 
 
+def test_views_the_engine_still_holds_stay_valid_memory_after_close(tiny_cfg, tiny_embed):
+    """An engine writes its embeddings into input_view(n) (the out= of its lookup) and may hold it, or a
+    step's hidden view, across a dropped link: close() unmapped the shared memory under them, and the
+    next write crashed the engine (SIGSEGV). The segments are unlinked; the views keep their memory."""
+    b = StepBuffers(_Stub(), tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    step = _step(tiny_cfg, tiny_embed, [5, 300])
+    n = step.positions.numel()
+    inputs = b.input_view(n)
+    hidden = b.fill(pb.DraftStepRequest(step_id=1), step.inputs_embeds, step.positions, step.meta)
+    names = [held.segment.name for held in b._shm]
+    b.close()
+    assert not any((Path("/dev/shm") / name).exists() for name in names)
+    with open("/proc/self/maps") as maps:  # checked before the write: unmapped, it would crash this run
+        mapped = maps.read()
+    assert all(name in mapped for name in names[:2]), "a view's memory was unmapped under it"
+    inputs.copy_(step.inputs_embeds)  # a write: into memory still mapped, nobody else's
+    assert torch.equal(inputs, step.inputs_embeds) and hidden.sum().item() == 0
+
+
 def test_a_step_beyond_the_registered_buffers_is_refused(bufs, tiny_cfg, tiny_embed):
     step = _step(tiny_cfg, tiny_embed, [5, 6, 7, 8, 9])  # 5 requests, 4 registered
     with pytest.raises(DataPlaneError, match="exceeds the registered buffers"):

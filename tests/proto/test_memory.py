@@ -120,6 +120,29 @@ def test_closing_a_mapping_never_unmaps_under_a_live_view(segment):
     assert _maps_of(name) == before  # nothing viewed it: unmapped at close
 
 
+def test_closing_an_exported_tensor_never_unmaps_under_a_live_view():
+    """The engine's side of the same hazard: ShmTensor.close() unmapped the segment under any view still
+    held (StepBuffers.input_view, which an engine writes its embeddings into, or a step's hidden view,
+    across a dropped link), and the next access crashed the process (SIGSEGV) or wrote into whatever was
+    mapped there since. The segment is unlinked at close; its mapping goes with its last view."""
+    held = memory.shm_empty((4096,), torch.uint8)
+    name = held.segment.name
+    held.tensor[:4] = torch.tensor([9, 8, 7, 6], dtype=torch.uint8)
+    view = held.tensor[:4]
+    assert _maps_of(name) == 1
+    held.close()
+    assert not os.path.exists(f"/dev/shm/{name.lstrip('/')}")  # unlinked at once
+    assert _maps_of(name) == 1 and view.tolist() == [9, 8, 7, 6]
+    with pytest.raises(memory.HandleError, match="not in exported shared memory"):
+        memory.export_handle(view)  # no longer names a segment: it was unlinked
+    del view
+    assert _maps_of(name) == 0
+    unviewed = memory.shm_empty((4096,), torch.uint8)
+    name = unviewed.segment.name
+    unviewed.close()
+    assert _maps_of(name) == 0  # nothing viewed it: unmapped at close
+
+
 def test_region_ids_are_random_never_reused_and_released_all_or_none(segment):
     from dspark_sidecar.server.errors import SidecarError
 
@@ -247,6 +270,7 @@ def test_a_refused_bind_gives_back_every_cuda_handle_it_did_not_open(given_back)
     for lb in layers:  # well formed: layer 0 reaches MappedMemory, which refuses it (no GPU here)
         lb.dtype = codec.dtype_to_proto(torch.float32)
         lb.shape[:] = kv_layer_shape(cfg, 1, 4, 16)
+        lb.strides[:] = torch.empty(tuple(lb.shape)).stride()  # BindKV checks the strides' count before any map
     with pytest.raises(ValueError, match=r"layers\[0\].memory: a CUDA/HIP IPC handle needs a GPU sidecar"):
         mem.bind(pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1), page_size=16, layers=layers))
     # Layer 0's counter given back where it was refused, the rest by the undo: each exactly once.
@@ -304,6 +328,31 @@ def test_a_cuda_handle_from_another_gpu_or_naming_none_is_refused_and_given_back
     with pytest.raises(memory.HandleError, match=rf"handle is from GPU {shown}, this rank runs on GPU GPU-this"):
         memory._open_cuda_ipc(h, "regions[0].memory", torch.device("cuda", 0))
     assert given_back == [(b"/torch_counter", 24)]
+
+
+def test_a_cuda_handle_of_no_bytes_is_refused_as_invalid_and_given_back(given_back, monkeypatch):
+    """torch's rebuild_cuda_tensor answers storage_size_bytes 0 with an empty storage: nothing opened, and
+    the producer reference never given back (the engine's block stayed allocated). The allocation query
+    on its null pointer then failed, refusing the handle as uncheckable (UNAVAILABLE): the engine would
+    retry a handle that can never map. Refused before torch is asked, as the engine's fault."""
+    from types import SimpleNamespace
+
+    import torch.multiprocessing.reductions as reductions
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-this"))
+    asked = []
+
+    def rebuild(*args):  # torch's branch for a storage of no bytes: an empty storage, no counter given back
+        asked.append(args)
+        return torch.empty(0, dtype=torch.uint8)
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild)
+    h = _ipc(32).cuda_ipc
+    h.device_uuid, h.storage_size_bytes = "GPU-this", 0
+    with pytest.raises(memory.HandleError, match="regions\\[0\\].memory: storage_size_bytes 0") as err:
+        memory._open_cuda_ipc(h, "regions[0].memory", torch.device("cuda", 0))
+    assert not isinstance(err.value, memory.HandleUncheckable)
+    assert given_back == [(b"/torch_counter", 32)] and asked == []
 
 
 def test_a_segment_shared_with_a_group_is_0660_and_that_group_s():
@@ -411,7 +460,9 @@ def test_a_segment_that_cannot_be_opened_for_want_of_descriptors_or_memory_is_pa
 
     mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
     layers = [pb.KVLayerBinding(layer=i, memory=handle, dtype=codec.dtype_to_proto(torch.float32),
-                                shape=kv_layer_shape(cfg, 1, 1, 16)) for i in range(cfg.num_hidden_layers)]
+                                shape=kv_layer_shape(cfg, 1, 1, 16),
+                                strides=torch.empty(kv_layer_shape(cfg, 1, 1, 16)).stride())
+              for i in range(cfg.num_hidden_layers)]
     with pytest.raises(memory.HandleExhausted):
         mem.bind(pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1), page_size=16, layers=layers))
     assert mem.kv is None
