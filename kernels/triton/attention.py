@@ -327,6 +327,15 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
     group = hq // hk
     if n != r * rows_per_req or hq % hk:
         raise ValueError(f"attention: {n} rows for {r} requests of {rows_per_req}; {hq} q heads over {hk}")
+    # The kernels index the cache, positions and block table by these counts unchecked: a cache of
+    # another head_dim (or without its K|V planes), fewer positions than rows or fewer table rows than
+    # requests read past those tensors (or into a neighbour's) where the reference raises.
+    if (kv_layer.dim() != 5 or kv_layer.shape[0] != 2 or kv_layer.shape[4] != d or tuple(positions.shape) != (n,)
+            or seq_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != r):
+        raise ValueError(f"attention: q {list(q.shape)}, cache {list(kv_layer.shape)}, positions "
+                         f"{list(positions.shape)}, seq_lens {list(seq_lens.shape)} and block tables "
+                         f"{list(block_tables.shape)} do not match ([2, pages, page_size, kv_heads, {d}], [{n}], "
+                         f"[{r}], [{r}, max_pages])")
     # The kernels load q and store the output through one set of strides (q's). empty_like keeps a
     # dense q's strides but makes a non-dense view (q heads sliced out of a wider qkv) contiguous,
     # so such a q is copied first: with its own strides the stores would land past the output.

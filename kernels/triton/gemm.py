@@ -464,7 +464,8 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
         deeper = sm_smem // (per_sm + 1) // stage + 2
         if deeper * stage <= sm_smem // per_sm:
             stages = max(stages, deeper)
-    tiles = (triton.cdiv(n, bn) + (sq_column and SQ_COLUMN and PLAN_SQ_COLUMN)) * triton.cdiv(m, bm)
+    # At least one tile: norm_linear_partials plans its workspace for 0 rows too (an empty step).
+    tiles = max(1, (triton.cdiv(n, bn) + (sq_column and SQ_COLUMN and PLAN_SQ_COLUMN)) * triton.cdiv(m, bm))
     k_tiles = triton.cdiv(k, bk)
     want = per_sm * sms
     split = max(1, min(want // tiles, k_tiles // MIN_K_TILES_PER_SPLIT))
@@ -485,7 +486,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     out: where to write (a row-major [M, N] of x.dtype; it may be the residual itself: each element
     of the residual is read by the program that then writes that element).
     """
-    m, n = _check(x, weight, swiglu)
+    m, n = _check(x, weight, swiglu, norm_weight)
     has_res = residual is not None
     if has_res and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
         raise ValueError(f"gemm: residual {list(residual.shape)} must be a row-major [{m}, {n}] without swiglu")
@@ -525,7 +526,7 @@ class Partials:
 def norm_linear_partials(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch.Tensor,
                          eps: float, config: GemmConfig | None = None) -> Partials:
     """The GEMM of norm_linear without its finalize: x [M, K], weight [N, K] -> Partials of [M, N]."""
-    m, n = _check(x, weight, None)
+    m, n = _check(x, weight, None, norm_weight)
     cfg, split, k_per = _tiling(x, weight, n, False, config, True)
     ws, sq = _workspace(x, weight, split)
     if m:
@@ -540,11 +541,18 @@ def _stored(weight: torch.Tensor | MxFp8Weight | NormFolded) -> torch.Tensor:
     return weight.weight if isinstance(weight, NormFolded) else weight
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu) -> tuple[int, int]:
+def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu,
+           norm_weight: torch.Tensor | None = None) -> tuple[int, int]:
     w = _stored(weight)
     check_device(x, w)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemm: x {list(x.shape)} and weight {list(w.shape)} do not chain")
+    # The kernel loads (1 + w) at x's K offsets, masked by K alone: a shorter norm weight was read
+    # past its end, where the reference raises. An odd gate|up weight would drop its last row unseen.
+    if norm_weight is not None and tuple(norm_weight.shape) != (x.shape[1],):
+        raise ValueError(f"gemm: norm weight {list(norm_weight.shape)} does not match x {list(x.shape)}")
+    if swiglu and w.shape[0] % 2:
+        raise ValueError(f"gemm: gate|up weight {list(w.shape)} has an odd number of rows")
     return x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0]
 
 

@@ -110,6 +110,26 @@ def test_table_past_the_used_pages_is_never_read(device, splits, parity):
     parity(out, ref)
 
 
+@pytest.mark.parametrize("mismatch", ["head_dim", "positions", "table_rows", "planes"])
+def test_shapes_that_do_not_match_are_refused(device, mismatch):
+    """The kernels index the cache by q's head_dim, the positions by row and the block table by
+    request, unchecked: a cache of narrower heads, fewer positions than rows or fewer table rows than
+    requests were read past their ends (a finite, wrong output) where the reference raises."""
+    q, kv, positions, seq_lens, tables, window, scale = _step([9, 30], 4, 1, 32, 8, 40, torch.float32, device, seed=4)
+    if mismatch == "head_dim":
+        kv = kv[..., :16].contiguous()
+    elif mismatch == "positions":
+        positions = positions[:Q]
+    elif mismatch == "table_rows":
+        tables = tables[:1]
+    else:
+        kv = kv[:1]
+    with pytest.raises((ValueError, RuntimeError, IndexError)):
+        reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
+    with pytest.raises(ValueError, match="do not match"):
+        attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale, splits=1, block_n=16)
+
+
 @pytest.mark.parametrize("splits", [1, 2], ids=["s1", "s2"])
 def test_q_view_of_a_wider_buffer(device, splits):
     """q as a view into a wider buffer (the q heads of a [n, hq + 2 hk, d] qkv: not dense, so

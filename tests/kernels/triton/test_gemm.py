@@ -377,6 +377,36 @@ def test_norm_folded_is_refused_where_it_would_be_wrong():
         NormFolded.fold(MxFp8Weight.quantize(w), nw)
 
 
+def test_no_rows(device):
+    """0 rows (an empty launch): every GEMM entry point returns its empty result, as the reference
+    does; the qkv GEMM's partials planned their tiling first and divided by 0 row tiles."""
+    x, w, nw = _inputs(7, 64, 32, torch.float32, device, seed=7)
+    x = x[:0]
+    assert gemm.gemm(x, w, nw, EPS).shape == (0, 32)
+    assert gemm.norm_linear_partials(x, w, nw, EPS).ws.shape[1:] == (0, 32)
+    q_heads, kv_heads, d = 2, 1, 8
+    kv = torch.zeros(2, 4, 4, kv_heads, d, device=device)
+    cos, sin = reference.rope_cos_sin(torch.zeros(0, dtype=torch.int64, device=device), 4, 1e4)
+    slots = torch.zeros(0, dtype=torch.int64, device=device)
+    args = (x, nw, EPS, w, nw[:d], nw[:d], cos, sin, kv, slots, q_heads, kv_heads)
+    assert TRITON_OPS.norm_qkv_prelude(*args).shape == reference.norm_qkv_prelude(*args).shape == (0, q_heads, d)
+
+
+def test_norm_weight_and_gate_up_that_do_not_match_are_refused(device):
+    """A norm weight shorter than x's rows was read past its end (the kernel masks its loads by K
+    alone), and a gate|up weight with an odd row count lost its last row, where the reference raises."""
+    x, w, nw = _inputs(7, 64, 32, torch.float32, device, seed=6)
+    with pytest.raises(RuntimeError):
+        reference.norm_linear(x, nw[:48], EPS, w)
+    for cfg in (CONFIGS["split1"], CONFIGS["split3"]):
+        with pytest.raises(ValueError, match="norm weight"):
+            gemm.gemm(x, w, nw[:48], EPS, config=cfg)
+        with pytest.raises(ValueError, match="odd number of rows"):
+            gemm.gemm(x, w[:31], nw, EPS, swiglu=(ALPHA, LIMIT), config=cfg)
+    with pytest.raises(ValueError, match="norm weight"):
+        gemm.norm_linear_partials(x, w, nw[:48], EPS, config=CONFIGS["split3"])
+
+
 @pytest.mark.parametrize("swap", [False, True], ids=["x-left", "swap"])
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 def test_fp8_weights_keep_fp32_activations_exact(device, config, swap, parity, monkeypatch):
