@@ -138,9 +138,11 @@ class DrafterSidecarServicer:
         """The hot path: one long-lived bidirectional stream per engine rank. Responses come back in
         request order, one per request. A failed step yields a DraftStepResponse carrying a
         StepError and does NOT end the stream; the stream ends only when the client half-closes it,
-        the server shuts down, or the transport fails. A rank serves at most 8 open streams (an
-        engine rank needs one); past that a new stream ends at once with RESOURCE_EXHAUSTED, reason
-        TOO_MANY_STREAMS, so that the unary calls and the health check keep their threads.
+        the server shuts down, the transport fails, or a message does not parse as a DraftStepRequest
+        (INVALID_ARGUMENT: there is no step id to answer it under). A rank serves at most 8 open
+        streams (an engine rank needs one); past that a new stream ends at once with
+        RESOURCE_EXHAUSTED, reason TOO_MANY_STREAMS, so that the unary calls and the health check keep
+        their threads.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

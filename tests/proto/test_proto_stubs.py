@@ -88,28 +88,85 @@ def test_dtype_enum_values():
     }
 
 
-# Field numbers of the hot-path messages, frozen: fields are added, never renumbered.
+# Field numbers of every message, frozen: fields are added, never renumbered, and a removed one's
+# number and name are `reserved` (sidecar.proto's compatibility rules). Only the hot-path messages were
+# listed, so renumbering e.g. BindKVRequest.page_size or DraftStepRequest.launch_key (with the stubs
+# regenerated) passed every test while an engine on the old contract sent garbage. A field or message
+# added to the .proto is added here too, or the test says so.
 FROZEN_NUMBERS = {
     "RegionSlice": {"region_id": 1, "offset_bytes": 2},
     "TensorRef": {"dtype": 1, "shape": 2, "data": 10, "region": 11},
-    "DraftStepRequest": {
-        "step_id": 1, "binding_id": 2, "binding_generation": 3, "num_requests": 4,
-        "positions": 10, "inputs_embeds": 11, "input_ids": 12, "seq_lens": 13,
-        "block_tables": 14, "slot_mapping": 15, "output": 20, "deadline_ms": 21,
-    },
-    "DraftStepResponse": {"step_id": 1, "hidden_states": 2, "error": 3, "timings": 4},
+    "SharedMemoryHandle": {"name": 1, "size_bytes": 2, "offset_bytes": 3},
+    "CudaIpcHandle": {"device_index": 1, "device_uuid": 2, "ipc_handle": 3, "storage_size_bytes": 4,
+        "storage_offset_bytes": 5, "ref_counter_handle": 6, "ref_counter_offset": 7, "event_handle": 8,
+        "event_sync_required": 9},
+    "MemoryHandle": {"shm": 1, "cuda_ipc": 2},
+    "GetStatusRequest": {},
+    "ModelSummary": {"architecture": 1, "preset": 2, "num_layers": 3, "hidden_size": 4,
+        "num_attention_heads": 5, "num_kv_heads": 6, "head_dim": 7, "ffn_hidden_size": 8, "vocab_size": 9,
+        "sliding_window": 10, "block_size": 11, "weight_format": 12, "compute_dtype": 13},
+    "Limits": {"qpr": 1, "launch_reqs": 2, "max_reqs": 3, "max_message_bytes": 4},
+    "Parallel": {"tp_size": 1, "tp_rank": 2, "dist_backend": 3, "device": 4},
+    "KVBindingState": {"bound": 1, "binding_id": 2, "generation": 3, "num_layers": 4, "num_pages": 5,
+        "page_size": 6, "kv_dtype": 7},
+    "Counters": {"steps_ok": 1, "steps_aborted": 2, "steps_invalid": 3, "steps_failed": 4, "requests": 5,
+        "rows": 6, "launches": 7, "kv_binds": 8, "steps_prelaunched": 9, "prelaunch_misses": 10,
+        "steps_refused": 11},
+    "LatencySummary": {"name": 1, "count": 2, "p50_ns": 3, "p99_ns": 4},
+    "StatusReport": {"model": 1, "limits": 2, "parallel": 3, "backend": 10, "fast_path_refusal": 11,
+        "serving": 12, "state": 13, "server_version": 14, "state_reason": 15, "kv": 20, "counters": 21,
+        "latencies": 22},
+    "EngineFacts": {"engine_rank": 1, "tp_size": 2, "dp_size": 3, "pp_size": 4, "speculative_method": 5,
+        "num_speculative_tokens": 6, "device": 7, "device_uuid": 8},
+    "KVLayerBinding": {"layer": 1, "memory": 2, "dtype": 3, "shape": 4, "strides": 5, "storage_offset": 6},
+    "BindKVRequest": {"engine": 1, "layers": 2, "page_size": 3},
+    "BindKVResponse": {"binding_id": 1, "generation": 2, "fast_path_refusal": 3, "backend": 4},
+    "UnbindKVRequest": {"binding_id": 1},
+    "UnbindKVResponse": {},
+    "BufferRegion": {"name": 1, "memory": 2, "size_bytes": 3},
+    "RegisterBuffersRequest": {"regions": 1, "owner": 2},
+    "RegisterBuffersResponse": {"region_ids": 1},
+    "UnregisterBuffersRequest": {"region_ids": 1, "owner": 2},
+    "UnregisterBuffersResponse": {},
+    "DraftStepRequest": {"step_id": 1, "binding_id": 2, "binding_generation": 3, "num_requests": 4,
+        "positions": 10, "inputs_embeds": 11, "input_ids": 12, "seq_lens": 13, "block_tables": 14,
+        "slot_mapping": 15, "output": 20, "deadline_ms": 21, "launch_key": 22},
     "StepError": {"code": 1, "message": 2, "field": 3, "reason": 4},
-    "StepTimings": {"queue_ns": 1, "rendezvous_ns": 2, "compute_ns": 3, "total_ns": 4,
-                    "launches": 5},
+    "StepTimings": {"queue_ns": 1, "rendezvous_ns": 2, "compute_ns": 3, "total_ns": 4, "launches": 5,
+        "prelaunched": 6, "validate_ns": 7, "gpu_start_wait_ns": 8, "output_ns": 9, "gpu_word_wait_ns": 10,
+        "seen_mono_ns": 11, "published_mono_ns": 12},
+    "DraftStepResponse": {"step_id": 1, "hidden_states": 2, "error": 3, "timings": 4},
+    "AttachDoorbellRequest": {"page": 1, "capacity_bytes": 2, "input_event": 3, "gpu_word": 4},
+    "AttachDoorbellResponse": {"output_event": 1, "wake_fifo": 2, "gpu_word": 3},
 }
 
 
+def _reserved(desc) -> tuple[set[int], set[str]]:
+    proto = descriptor_pb2.DescriptorProto()
+    desc.CopyToProto(proto)
+    numbers = {n for r in proto.reserved_range for n in range(r.start, r.end)}  # end exclusive
+    return numbers, set(proto.reserved_name)
+
+
 @pytest.mark.parametrize("message", sorted(FROZEN_NUMBERS))
-def test_hot_path_field_numbers_are_frozen(message):
-    desc = sidecar_pb2.DESCRIPTOR.message_types_by_name[message]
+def test_field_numbers_are_frozen(message):
+    desc = sidecar_pb2.DESCRIPTOR.message_types_by_name.get(message)
+    assert desc is not None, f"message {message} was removed from sidecar.proto: the contract only adds"
     numbers = {f.name: f.number for f in desc.fields}
-    # Every frozen field still has its number; new fields may exist beyond these.
-    assert {k: numbers.get(k) for k in FROZEN_NUMBERS[message]} == FROZEN_NUMBERS[message]
+    reserved_numbers, reserved_names = _reserved(desc)
+    for name, number in FROZEN_NUMBERS[message].items():
+        if name in numbers:
+            assert numbers[name] == number, f"{message}.{name} renumbered {number} -> {numbers[name]}"
+        else:  # removed: its number and name may never come back
+            assert number in reserved_numbers and name in reserved_names, (
+                f"{message}.{name} = {number} was removed without `reserved {number};` and "
+                f"`reserved \"{name}\";`")
+    new = {k: v for k, v in numbers.items() if k not in FROZEN_NUMBERS[message]}
+    assert not new, f"{message}: add {new} to FROZEN_NUMBERS (after checking no number was reused)"
+
+
+def test_every_message_is_frozen():
+    assert sorted(sidecar_pb2.DESCRIPTOR.message_types_by_name) == sorted(FROZEN_NUMBERS)
 
 
 def _source_descriptor(tmp_path) -> descriptor_pb2.FileDescriptorProto:
