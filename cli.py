@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -333,7 +334,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
         raise UsageError(f"--tp {a.tp}: the shim forwards only at --required-tp {a.required_tp}, so no round would "
                          f"be compared; pass --required-tp {a.tp} (or --no-verify to watch every round fall back)")
     try:
-        report = run_demo(cfg)
+        with _sigterm_unwinds():
+            report = run_demo(cfg)
     except DemoError as err:  # no sidecar to talk to: README's exit 1, said in one line (a log tail may follow)
         print(f"dspark-sidecar demo: FAILED: {err}", file=sys.stderr)
         return 1
@@ -344,6 +346,29 @@ def cmd_demo(a: argparse.Namespace) -> int:
     if not cfg.verify:
         print(unverified_line(report))
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While inside, SIGTERM (`timeout`, a cancelled CI job) raises SystemExit(143), so the demo's finally
+    blocks run: killed at once by default, its engine ranks went on drafting every round locally, orphaned
+    (only the sidecar stops by itself, --exit-with-pid), and both its temporary folders stayed."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # signal.signal is the main thread's only
+        yield
+        return
+
+    def stop(signum, _frame):
+        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM, during the unwind, kills as before
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

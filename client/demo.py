@@ -54,6 +54,8 @@ class DemoConfig:
             raise ValueError(f"rounds: must be >= 1, got {self.rounds}")
         if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
             raise ValueError(f"max_reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
+        if not 0 <= self.seed < 1 << 32:  # serve's range (ServeConfig): 2^62 overflowed torch's generator, -1 no serve takes
+            raise ValueError(f"seed: must be 0..{(1 << 32) - 1}, got {self.seed}")
         if self.preset not in PRESETS:
             raise ValueError(f"preset: one of {sorted(PRESETS)}, got {self.preset!r}")
         if not self.start_sidecar and self.socket_dir is None:
@@ -134,28 +136,29 @@ def summarise(reports: list[dict], rounds: int, wall_s: float) -> DemoReport:
 
 def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
     """Start the sidecar (unless one is given), run the harness for cfg.rounds rounds, stop it."""
-    work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="dspark-demo-"))
-    sock = Path(cfg.socket_dir) if cfg.socket_dir else Path(tempfile.mkdtemp(prefix="dsp-"))
+    # The checkpoint first: a write that fails (a full disk) made no folder yet to leave behind.
     dspark_dir, target_dir = ensure_synthetic_checkpoint(PRESETS[cfg.preset], cfg.seed)
     ckpt = (str(dspark_dir), str(target_dir))
+    work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="dspark-demo-"))
+    sock = Path(cfg.socket_dir) if cfg.socket_dir else Path(tempfile.mkdtemp(prefix="dsp-"))
     h = HarnessConfig(rounds=cfg.rounds, tp=cfg.tp, preset=cfg.preset, dtype=cfg.dtype, checkpoint=ckpt,
                       socket_dir=str(sock), mix=demo_mix(cfg), verify=cfg.verify, progress_every=cfg.progress_every,
                       breaker=BreakerConfig(backoff_max_s=1.0), device=cfg.device, transport=cfg.transport,
                       required_tp=cfg.required_tp, kv_layout=cfg.kv_layout, kv_dtype=cfg.kv_dtype)
     launcher = None
-    if cfg.start_sidecar:
-        out(f"starting a TP-{cfg.tp} sidecar ({cfg.preset}, {cfg.dtype}, max {cfg.max_reqs} requests a step) "
-            f"on {sock} ...")
-        launcher = SidecarLauncher(sock, tp=cfg.tp, preset=cfg.preset, dtype=cfg.dtype, max_reqs=cfg.max_reqs,
-                                   checkpoint=ckpt, extra_args=["--rendezvous-ms", str(cfg.rendezvous_ms),
-                                                                "--device", cfg.device],
-                                   log_path=work / "sidecar.log")
-        try:
-            launcher.start()
-        except (RuntimeError, TimeoutError) as err:  # exited, never SERVING (stopped), or the folder is taken
-            raise DemoError(f"the sidecar did not start (its log: {launcher.log_path}): {err}") from None
-    finished = False
+    failed = False
     try:
+        if cfg.start_sidecar:
+            out(f"starting a TP-{cfg.tp} sidecar ({cfg.preset}, {cfg.dtype}, max {cfg.max_reqs} requests a step) "
+                f"on {sock} ...")
+            launcher = SidecarLauncher(sock, tp=cfg.tp, preset=cfg.preset, dtype=cfg.dtype, max_reqs=cfg.max_reqs,
+                                       checkpoint=ckpt, extra_args=["--rendezvous-ms", str(cfg.rendezvous_ms),
+                                                                    "--device", cfg.device],
+                                       log_path=work / "sidecar.log")
+            try:
+                launcher.start()
+            except (RuntimeError, TimeoutError) as err:  # exited, never SERVING (stopped), or the folder is taken
+                raise DemoError(f"the sidecar did not start (its log: {launcher.log_path}): {err}") from None
         try:
             status = (launcher or SidecarLauncher(sock, tp=cfg.tp)).status(0)
         except grpc.RpcError as err:
@@ -171,16 +174,22 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
         reports = run_engine(h, work / "engine")
         report = summarise(reports, cfg.rounds, time.monotonic() - t0)
         report.backend, report.fast_path_refusal = status.backend, status.fast_path_refusal
-        finished = True
         return report
+    except Exception:
+        failed = True
+        raise
     finally:
         if launcher is not None:
             launcher.stop()
         # The folders made here (not given): every run left two in $TMPDIR, the sidecar's log, the ranks'
-        # reports and the rendezvous file in one. Kept when the run ended in an error, for its log.
-        for made, path in ((cfg.work_dir is None, work), (cfg.socket_dir is None, sock)):
-            if made and finished:  # scratch: a file that will not go must not turn a result into a traceback
-                shutil.rmtree(path, ignore_errors=True)
+        # reports and the rendezvous file in one. That one is kept when the run ended in an error, for its log,
+        # but not when it holds nothing (no sidecar answered at --use-running-sidecar's folder: an empty folder
+        # per run) nor after an interrupt (Ctrl-C, SIGTERM: cli.cmd_demo). The socket folder holds no log.
+        # (rmtree's ignore_errors: a scratch file that will not go must not turn a result into a traceback.)
+        if cfg.work_dir is None and not (failed and any(work.iterdir())):
+            shutil.rmtree(work, ignore_errors=True)
+        if cfg.socket_dir is None:
+            shutil.rmtree(sock, ignore_errors=True)
 
 
 # Largest relative L2 (hidden states, block K/V) of a forwarded round against the local stock layers, for

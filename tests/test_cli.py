@@ -294,6 +294,10 @@ def test_the_command_line_builds_its_parsers_without_torch():
     (["demo", "--socket-dir", "/tmp/" + "d" * 110], 0, "--socket-dir: /tmp/ddd"),
     (["demo", "--socket-dir", "/tmp/a?b"], 0, "--socket-dir: /tmp/a?b holds '?'"),
     (["demo", "--use-running-sidecar", "--socket-dir", "/tmp/" + "d" * 110], 0, "--socket-dir: /tmp/ddd"),
+    # the synthetic checkpoint's seed: 2^62 overflowed torch's generator (a traceback, two folders left in
+    # $TMPDIR); -1 ran, though no `serve --seed` takes it for --use-running-sidecar
+    (["demo", "--seed", str(1 << 62)], 0, "--seed: must be 0..4294967295, got 4611686018427387904"),
+    (["demo", "--seed", "-1"], 0, "--seed: must be 0..4294967295, got -1"),
     # sidecar rank r and engine rank r on GPU r: the sidecar's ranks failed in a traceback after it was started
     (["demo", "--device", "cuda"], 0, "--device cuda: 0 GPU(s) visible, --tp 4 needs 4"),
     (["demo", "--device", "cuda", "--tp", "2", "--required-tp", "2"], 1,
