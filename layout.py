@@ -41,12 +41,17 @@ def socket_dir_problem(socket_dir: str | Path, tp: int) -> str | None:
     gRPC parses a `unix:PATH` target as a URI: '?' and '#' end its path on the client side only
     (the ranks bind and go SERVING while no engine ever connects), ',' splits it into two
     addresses, and '%XX' is decoded (the bind then fails as "in use"). A path longer than
-    sun_path fails in the kernel, with an error that names no setting."""
+    sun_path fails in the kernel, with an error that names no setting. A path that starts with '//'
+    (pathlib keeps exactly two) makes unix://NAME/..., which the client refuses as a target with an
+    authority while the ranks bind it and go SERVING."""
     odd = sorted(set("?#,%") & set(str(socket_dir)))
     if odd:
         return (f"{socket_dir} holds {', '.join(map(repr, odd))}; gRPC reads '?', '#', ',' or '%' in a unix: "
                 "target as URI syntax, choose a folder without them")
     longest = str(rank_socket(socket_dir, tp - 1))
+    if longest.startswith("//"):
+        return (f"{socket_dir} starts with '//': gRPC reads unix:{longest} as a target with an authority and "
+                "refuses it; start the folder with a single '/'")
     if len(longest.encode()) > SUN_PATH_MAX:
         return (f"{longest} is {len(longest.encode())} bytes, a unix socket path holds at most {SUN_PATH_MAX}; "
                 "choose a shorter folder")

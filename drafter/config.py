@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,9 @@ class DrafterConfig:
                 raise ConfigError(f"{f}: must be a positive integer, got {v!r}")
         for f in ("rms_norm_eps", "rope_theta", "swiglu_alpha", "swiglu_limit"):
             v = getattr(self, f)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise ConfigError(f"{f}: must be a positive number, got {v!r}")
+            # json reads Infinity too: eps = inf zeroes every norm's output, theta = inf freezes RoPE.
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"{f}: must be a positive finite number, got {v!r}")
         if self.block_size != layout.QPR:
             raise ConfigError(f"dspark_block_size: must be {layout.QPR} (the served block), got {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -71,6 +73,9 @@ class DrafterConfig:
                 raise ConfigError(f"{f}: must be a multiple of the MXFP8 block {self.quant_block}")
         if (self.num_attention_heads * self.head_dim) % self.quant_block:
             raise ConfigError("num_attention_heads * head_dim: must be a multiple of the MXFP8 block")
+        # A float passed the range check and was cut to another token in the block rows; true read as token 1.
+        if not isinstance(self.noise_token_id, int) or isinstance(self.noise_token_id, bool):
+            raise ConfigError(f"dspark_noise_token_id: must be an integer, got {self.noise_token_id!r}")
         if not 0 <= self.noise_token_id < self.vocab_size:
             raise ConfigError(f"dspark_noise_token_id: {self.noise_token_id} outside vocab [0, {self.vocab_size})")
         if len(self.target_layer_ids) == 0:
@@ -199,7 +204,9 @@ class DrafterConfig:
         layer_types = text.get("layer_types")
         if layer_types is not None and not isinstance(layer_types, list):
             raise ConfigError(f"text_config.layer_types: expected a list of {num_layers} entries, got {layer_types!r}")
-        if layer_types is not None and len(layer_types) != num_layers:
+        # A num_hidden_layers that is no count is named by the dataclass's check, not blamed on layer_types.
+        if (layer_types is not None and isinstance(num_layers, int) and not isinstance(num_layers, bool)
+                and len(layer_types) != num_layers):
             raise ConfigError(f"text_config.layer_types: {len(layer_types)} entries for {num_layers} layers")
         # Every layer is served as sliding-window attention (spec section 1): a layer the config names as
         # full attention would be served with another mask, its drafts quietly worse. Other spellings are
@@ -232,8 +239,8 @@ class DrafterConfig:
         for field, key in optional.items():
             if key in text:
                 kw[field] = text[key]
-        if "partial_rotary_factor" in text and "rotary_dim" not in text:
-            kw["rotary_dim"] = int(text["partial_rotary_factor"] * kw["head_dim"])
+        if "partial_rotary_factor" in text:
+            _rotary_from_factor(rotary, kw)
         try:
             return cls(**kw)
         except ConfigError as e:
@@ -252,6 +259,27 @@ class DrafterConfig:
 
     def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _rotary_from_factor(factor: float, kw: dict[str, Any]) -> None:
+    """Set kw["rotary_dim"] from partial_rotary_factor x head_dim, or check it against a rotary_dim given too.
+
+    The product must be a whole number: int() cut 0.3 x 128 = 38.4 to 38 and RoPE rotated a band the
+    checkpoint was never trained with. A head_dim that is no positive integer is left to the dataclass to name."""
+    head_dim = kw["head_dim"]
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        return
+    if not math.isfinite(factor):
+        raise ConfigError(f"text_config.partial_rotary_factor: expected a finite number, got {factor!r}")
+    dims = factor * head_dim
+    whole = round(dims)
+    if abs(dims - whole) > 1e-6:
+        raise ConfigError(f"text_config.partial_rotary_factor: {factor} x head_dim {head_dim} = {dims:g}, "
+                          "not a whole number of rotary dims")
+    if "rotary_dim" in kw and kw["rotary_dim"] != whole:
+        raise ConfigError(f"text_config.partial_rotary_factor: {factor} x head_dim {head_dim} = {whole}, "
+                          f"but rotary_dim is {kw['rotary_dim']!r}")
+    kw.setdefault("rotary_dim", whole)  # a rotary_dim given is kept as given, for the dataclass to check
 
 
 PRESETS: dict[str, DrafterConfig] = {

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from dspark_sidecar import cli
+from dspark_sidecar import cli, layout
 from dspark_sidecar.server import launcher, preflight, sockdir
 from dspark_sidecar.server.config import ServeConfig, ServeConfigError
 from helpers.refusals import refused as _refused
@@ -437,6 +437,19 @@ def test_a_socket_dir_that_passes_reaches_the_launcher_unchanged(tiny_ckpt, tmp_
         assert stat.S_IMODE(d.stat().st_mode) == mode
     (tmp_path / "link").symlink_to(tmp_path / "a")
     assert cli.main(_argv(tmp_path / "link", tiny_ckpt)) == 0 and len(launched) == 4
+
+
+@pytest.mark.parametrize("lead", ["//", "//./"])
+def test_a_socket_dir_with_two_leading_slashes_is_refused(lead, tmp_path):
+    """unix://tmp/x/rank0.sock is a URI with authority 'tmp': grpc refuses it as a client target ("authority-based
+    URIs not supported by the unix scheme") but binds it as a server address, so the ranks went SERVING at
+    /tmp/x/rank0.sock while no client could connect. Three or more slashes are one for pathlib, and pass."""
+    d = lead + str(tmp_path).lstrip("/")
+    assert layout.socket_dir_problem(d, 1) is not None and "'//'" in layout.socket_dir_problem(d, 1)
+    with pytest.raises(ServeConfigError, match="--socket-dir: .* starts with '//'"):
+        ServeConfig(socket_dir=d)
+    assert layout.socket_dir_problem("///" + str(tmp_path).lstrip("/"), 1) is None
+    assert layout.socket_dir_problem(tmp_path, 1) is None
 
 
 def test_a_stale_socket_the_rank_may_not_remove_is_one_line(tmp_path, monkeypatch):

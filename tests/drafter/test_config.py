@@ -88,3 +88,50 @@ def test_fields_of_the_wrong_json_type_are_named(where, key, value, words):
         DrafterConfig.from_hf_json(data)
     with pytest.raises(ConfigError, match="config.json: expected a JSON object, got list"):
         DrafterConfig.from_hf_json([data])  # type: ignore[arg-type]
+
+
+def _without_rotary_dim(**text):
+    data = PRESETS["minimax-m3.1"].to_hf_json()
+    del data["text_config"]["rotary_dim"]
+    data["text_config"].update(text)
+    return data
+
+
+def test_partial_rotary_factor_gives_the_rotary_dim():
+    assert DrafterConfig.from_hf_json(_without_rotary_dim(partial_rotary_factor=0.5)).rotary_dim == 64
+    both = _without_rotary_dim(partial_rotary_factor=0.5, rotary_dim=64)
+    assert DrafterConfig.from_hf_json(both).rotary_dim == 64
+
+
+@pytest.mark.parametrize("text, words", [
+    # 0.3 x 128 = 38.4 rotary dims: used to be served as 38, RoPE on a band the checkpoint never had.
+    ({"partial_rotary_factor": 0.3}, r"partial_rotary_factor: 0.3 x head_dim 128 = 38.4"),
+    # Two fields saying different things: rotary_dim used to win without a word.
+    ({"partial_rotary_factor": 0.25, "rotary_dim": 64}, "partial_rotary_factor: 0.25 x head_dim 128 = 32, "
+                                                        "but rotary_dim is 64"),
+    # Used to escape as a raw ValueError / OverflowError (a traceback, not a config error naming the field).
+    ({"partial_rotary_factor": float("nan")}, "partial_rotary_factor: expected a finite number"),
+    ({"partial_rotary_factor": float("inf")}, "partial_rotary_factor: expected a finite number"),
+    # A head_dim of the wrong type is named as such, not a TypeError from the product.
+    ({"partial_rotary_factor": 0.5, "head_dim": "128"}, "head_dim: must be a positive integer"),
+])
+def test_partial_rotary_factor_that_gives_no_rotary_dim_is_refused(text, words):
+    with pytest.raises(ConfigError, match=words):
+        DrafterConfig.from_hf_json(_without_rotary_dim(**text))
+
+
+@pytest.mark.parametrize("key, value, words", [
+    # Used to be accepted: eps = inf zeroes every norm's output, theta = inf freezes RoPE.
+    ("rms_norm_eps", float("inf"), "rms_norm_eps: must be a positive finite number"),
+    ("rope_theta", float("inf"), "rope_theta: must be a positive finite number"),
+    # Used to be accepted: a float (2.5 became token 2 in the block rows) or a bool (true: token 1).
+    ("dspark_noise_token_id", 2.5, "noise_token_id: must be an integer"),
+    ("dspark_noise_token_id", True, "noise_token_id: must be an integer"),
+    # Used to be blamed on layer_types ("5 entries for 5 layers").
+    ("num_hidden_layers", "5", "num_hidden_layers: must be a positive integer"),
+])
+def test_values_that_used_to_pass_or_be_misnamed(key, value, words):
+    data = PRESETS["tiny"].to_hf_json()
+    data["text_config"][key] = value
+    with pytest.raises(ConfigError, match=words):
+        DrafterConfig.from_hf_json(data)
