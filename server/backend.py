@@ -16,8 +16,9 @@ from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
 log = logging.getLogger("dspark_sidecar.server")
 
 
-class BackendUnavailable(RuntimeError):
-    """An explicitly requested backend cannot run here; the message says why."""
+class BackendUnavailable(ServeConfigError):
+    """An explicitly requested backend or device cannot run here; the message says why. A ServeConfigError:
+    one line and exit 2 (cli.main), in the rank that finds it too, since only another flag or host fixes it."""
 
 
 @dataclass(frozen=True)
@@ -38,15 +39,19 @@ def resolve_device(cfg: ServeConfig, local_rank: int) -> torch.device:
 
 
 def check_gpu_placement(cfg: ServeConfig, visible: int | None = None) -> None:
-    """ServeConfigError when the ranks would share GPUs under NCCL/RCCL, which refuse two ranks of one
-    group on one GPU ("Duplicate GPU detected") at the first collective: after every shard has
-    loaded, as a traceback per rank (run 207). An explicit --dist-backend gloo may share them."""
+    """BackendUnavailable for --device cuda with no GPU visible; ServeConfigError when the ranks would
+    share GPUs under NCCL/RCCL, which refuse two ranks of one group on one GPU ("Duplicate GPU
+    detected") at the first collective: after every shard has loaded, as a traceback per rank (run
+    207). An explicit --dist-backend gloo may share them."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        # Here, before any rank: in the ranks (resolve_device) it came only after each had started.
+        raise BackendUnavailable("--device cuda: no CUDA/ROCm device is visible")
     if cfg.tp == 1 or cfg.device == "cpu" or cfg.dist_backend == "gloo" or cfg.shard_of:
         return
     if visible is None:
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible == 0:
-        return  # --device auto runs on CPU; --device cuda is refused by resolve_device with why
+        return  # --device auto runs on CPU
     if cfg.tp > visible:
         raise ServeConfigError(f"--tp {cfg.tp}: {visible} GPU(s) visible, and NCCL/RCCL cannot run two ranks of "
                                f"one group on one GPU; make {cfg.tp} GPUs visible (CUDA_VISIBLE_DEVICES, "

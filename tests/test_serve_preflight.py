@@ -477,3 +477,38 @@ def test_a_socket_dir_grpc_would_read_as_another_target_is_one_line(name, tiny_c
     assert not d.exists()  # refused before the folder is made
     with pytest.raises(ServeConfigError, match="--socket-dir: "):
         ServeConfig(socket_dir=d)
+
+
+@pytest.mark.parametrize("tp", [("--tp", "1"), ("--tp", "4", "--dist-backend", "gloo")])
+def test_device_cuda_with_no_gpu_visible_is_one_line_before_any_rank(tp, tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """OPERATIONS.md, Flags: a value that cannot be used is refused before any rank starts, in one line, exit 2.
+    `--device cuda` on a host with no GPU visible (CUDA_VISIBLE_DEVICES wrong, the driver not loaded) started
+    every rank, each ended in BackendUnavailable's traceback, and the launcher exited 1, which systemd's unit
+    restarts every 5 s for ever (RestartPreventExitStatus=2), its journal naming no flag."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["serve", *tp, "--device", "cuda", "--socket-dir", str(tmp_path / "sock"),
+            "--checkpoint", str(tiny_ckpt[0]), "--target-checkpoint", str(tiny_ckpt[1])]
+    _refused(argv, capsys, "--device cuda: no CUDA/ROCm device is visible", sock_dir=tmp_path / "sock")
+
+
+def test_a_backend_a_rank_cannot_run_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """`--backend triton` on a rank without a GPU, or `--backend flydsl` on a host that fails FlyDSL's checks, is
+    found in the rank (the host facts are probed there). It was a RuntimeError: a traceback per rank and the
+    launcher's exit 1 (restarted for ever by systemd), where README and OPERATIONS.md promise the flag's one line
+    and exit 2 (the launcher passes a rank's 2 on, adding no line)."""
+    import torch
+
+    from dspark_sidecar.server import app, backend
+    from dspark_sidecar.server.refusal import HostFacts
+
+    def serve_rank(cfg, *_a, **_k):
+        return backend.choose_backend(cfg, HostFacts(on_gfx950=False, flydsl_available=False, tp_size=1),
+                                      torch.device("cpu"))
+
+    monkeypatch.setattr(app, "serve_rank", serve_rank)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    _refused(["serve", "--tp", "1", "--backend", "triton", "--random-weights", "--socket-dir", str(tmp_path / "sock")],
+             capsys, "--backend triton: Triton backend needs a GPU")

@@ -275,3 +275,16 @@ def test_mps_start_post_gives_up_once_the_daemon_has_exited(tmp_path):
     stub.chmod(0o755)
     argv = _start_post(MPS, "/usr/bin/nvidia-cuda-mps-control", str(stub))
     _polls_until_main_exits(argv, {"PATH": os.environ["PATH"]})
+
+
+def test_sidecar_start_post_keeps_the_journal_to_the_refusal_line(tmp_path):
+    """OPERATIONS.md: a refused configuration (exit 2) leaves the unit failed "with the one line naming it last
+    in `journalctl -u dspark-sidecar`". The health loop's stdout goes to that journal too: each poll, every 2 s
+    of a start that may load for 15 minutes, wrote one "rankN.sock: UNREACHABLE: UNAVAILABLE" line per rank,
+    and after a refusal those lines, not serve's, were the journal's last. Only the loop's own line may follow."""
+    argv = _start_post(SIDECAR, "/opt/dspark-sidecar/bin/python", sys.executable)
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+           "DSPARK_SOCKET_DIR": str(tmp_path), "DSPARK_TP": "4", "MAINPID": str(_exited_pid())}
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0
+    assert res.stdout == "" and res.stderr == "dspark-sidecar exited before every rank was SERVING\n", res
