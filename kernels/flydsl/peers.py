@@ -203,6 +203,16 @@ class _Release:
             raise FlyDSLUnsupported("; ".join(errors))
 
 
+def _give_up(release: _Release, why: str) -> str:
+    """`why`, after releasing: a release failure is added to it, never reported instead of it (the
+    reason every rank agreed on is what says why the path is off; this rank's leak is secondary)."""
+    try:
+        release()
+    except FlyDSLUnsupported as more:
+        return f"{why} (and releasing: {more})"
+    return why
+
+
 def _attempt(fn: Callable[[int], None], ptr: int) -> list[str]:
     try:
         fn(ptr)
@@ -241,10 +251,7 @@ def _offer(make_runtime: Callable[[], Runtime]) -> tuple[dict, Runtime | None, l
     except Exception as exc:  # noqa: BLE001  (posted to the peers instead: they must not wait for us)
         why = str(exc) or type(exc).__name__
         if runtime is not None:
-            try:
-                _Release(runtime, [], owned)()
-            except FlyDSLUnsupported as more:
-                why += f" (and releasing: {more})"
+            why = _give_up(_Release(runtime, [], owned), why)
         return {"error": f"could not export its exchange buffers: {why}"}, None, []
 
 
@@ -280,7 +287,8 @@ def map_peers(group: dist.ProcessGroup | None, make_runtime: Callable[[], Runtim
     `make_runtime` is called inside the protocol, so a rank without a HIP runtime still tells its
     peers. `local_failure` (e.g. "could not bind its weights: ...") is posted instead of an offer,
     so a rank that cannot serve the fast path for another reason turns it off on every rank.
-    Raises FlyDSLUnsupported with the same reason on every rank when any rank cannot take part.
+    Raises FlyDSLUnsupported with the same reason on every rank when any rank cannot take part (a rank
+    whose own release then fails adds that to it: "... (and releasing: ...)").
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world != TP:  # same on every rank: nobody allocates, nobody waits
@@ -294,14 +302,14 @@ def map_peers(group: dist.ProcessGroup | None, make_runtime: Callable[[], Runtim
     why = check_offers(offers)
     if why is not None:
         if runtime is not None:
-            _Release(runtime, [], owned)()
+            why = _give_up(_Release(runtime, [], owned), why)
         raise FlyDSLUnsupported(why)
     assert runtime is not None  # its own offer passed the check
 
     opened: list[int] = []
     rx: list[torch.Tensor] = []
     flags: list[torch.Tensor] = []
-    error = None
+    error, r = None, 0
     try:
         for r, o in enumerate(offers):
             if r == rank:
@@ -314,7 +322,8 @@ def map_peers(group: dist.ProcessGroup | None, make_runtime: Callable[[], Runtim
             rx.append(runtime.tensor(rx_ptr, RX_SHAPE, torch.float32))
             flags.append(runtime.tensor(fl_ptr, FLAGS_SHAPE, torch.int32))
     except Exception as exc:  # noqa: BLE001  (posted in round 2: every rank must learn of it)
-        error = f"rank {rank} could not map rank {len(rx)}'s exchange buffers: {exc}"
+        # r, not len(rx): rank r's RX may be wrapped already when its flags fail.
+        error = f"rank {rank} could not map rank {r}'s exchange buffers: {exc}"
     verdicts: list = [None] * world
     dist.all_gather_object(verdicts, error, group=group)
     release = _Release(runtime, opened, owned)
@@ -322,7 +331,6 @@ def map_peers(group: dist.ProcessGroup | None, make_runtime: Callable[[], Runtim
     if failed is not None:
         rx.clear()
         flags.clear()
-        release()
-        raise FlyDSLUnsupported(failed)
+        raise FlyDSLUnsupported(_give_up(release, failed))
     epoch = torch.zeros(1, dtype=torch.int32, device=epoch_device)
     return MappedPeers(rx, flags, rx[rank], flags[rank], epoch, release=release)

@@ -162,6 +162,33 @@ def launch_plan(num_reqs: int, kv_dtype: str = "bf16") -> list[tuple[str, int | 
     return plan
 
 
+def check_step(positions: torch.Tensor, embeds: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor) -> None:
+    """Raise ValueError unless the step's tensors are what DrafterRunner.forward's kernels read.
+
+    Host metadata only (no device sync), checked before any launch: a compiled kernel is keyed by
+    (kernel, R, exchange), not by its arguments, and reads each tensor as the dtype and unit-stride axis
+    it was compiled for (_placeholder). Unchecked, an int32 slot tensor read as int64 writes K/V into
+    other slots of the engine's cache, a step of 7R + k rows leaves its last k output rows unwritten,
+    and a block table of fewer than R rows is read past its end."""
+    n = positions.numel()
+    if positions.dim() != 1 or n % QPR:
+        raise ValueError(f"positions {list(positions.shape)}: {QPR} rows per request, as one dimension")
+    r = n // QPR
+    want = (
+        ("positions", positions, torch.int64, (n,)),
+        ("embeds", embeds, torch.bfloat16, (n, HIDDEN)),
+        ("slots", slots, torch.int64, (n,)),
+        ("block_tables", block_tables, torch.int32, (r, block_tables.shape[-1] if block_tables.dim() else 0)),
+    )
+    for name, t, dtype, shape in want:
+        if t.dtype != dtype:
+            raise ValueError(f"{name} {t.dtype}: the FlyDSL kernels read {dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} {list(t.shape)}: expected {list(shape)} for {r} requests")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} strides {list(t.stride())} are not contiguous")
+
+
 def _placeholder(a):
     """What flyc.compile gets for a launch argument: tensors as meta-device placeholders, the rest as is.
 
@@ -290,6 +317,7 @@ class DrafterRunner:
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """positions i64 [7R], embeds bf16 [7R, 6144], slots i64 [7R], block_tables i32 [R, pages] -> bf16 [7R, 6144]."""
+        check_step(positions, embeds, slots, block_tables)
         out = torch.empty_like(embeds)
         for first, end in launch_groups(positions.numel() // QPR):
             rows = slice(first * QPR, end * QPR)

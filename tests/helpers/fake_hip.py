@@ -17,13 +17,16 @@ import torch.distributed as dist
 from dspark_sidecar.kernels.flydsl.peers import IPC_HANDLE_BYTES, map_peers
 from dspark_sidecar.kernels.flydsl.runner import FlyDSLUnsupported
 
-FAULTS = (None, "alloc", "short_handle", "no_handle", "bogus_handle", "open")
+FAULTS = (None, "alloc", "short_handle", "no_handle", "bogus_handle", "open", "wrap_flags", "free")
 
 
 class FakeHip:
+    """`fault`: one of FAULTS, or several joined by "+" (e.g. "bogus_handle+free")."""
+
     def __init__(self, folder: str, fault: str | None = None) -> None:
-        assert fault in FAULTS
+        assert fault is None or all(f in FAULTS for f in fault.split("+")), fault
         self.folder, self.fault = Path(folder), fault
+        self.faults = set(fault.split("+")) if fault else set()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.calls: list[tuple[str, int]] = []
         self._files: dict[int, Path] = {}  # pointer -> backing file (own allocations and opened handles)
@@ -33,7 +36,7 @@ class FakeHip:
         return (os.getpid() << 24) + next(self._ids) * 4096
 
     def malloc_uncached(self, nbytes: int) -> int:
-        if self.fault == "alloc":
+        if "alloc" in self.faults:
             raise FlyDSLUnsupported("hipExtMallocWithFlags(hipDeviceMallocUncached) failed: out of memory")
         ptr = self._ptr()
         path = self.folder / f"{ptr:x}.mem"
@@ -49,18 +52,20 @@ class FakeHip:
 
     def free(self, ptr: int) -> None:
         self.calls.append(("free", ptr))
+        if "free" in self.faults:  # the driver refuses; the memory stays allocated
+            raise FlyDSLUnsupported("hipFree failed: an illegal memory access was encountered")
         self._files.pop(ptr).unlink()
 
     def ipc_handle(self, ptr: int):
-        if self.fault == "no_handle":
+        if "no_handle" in self.faults:
             return None
-        if self.fault == "short_handle":
+        if "short_handle" in self.faults:
             return b"\x01" * 10
-        name = b"missing.mem" if self.fault == "bogus_handle" else self._files[ptr].name.encode()
+        name = b"missing.mem" if "bogus_handle" in self.faults else self._files[ptr].name.encode()
         return name.ljust(IPC_HANDLE_BYTES, b"\0")
 
     def ipc_open(self, handle: bytes) -> int:
-        if self.fault == "open":
+        if "open" in self.faults:
             raise FlyDSLUnsupported("hipIpcOpenMemHandle failed: invalid argument")
         path = self.folder / handle.rstrip(b"\0").decode()
         if not path.exists():
@@ -75,6 +80,8 @@ class FakeHip:
         del self._files[ptr]
 
     def tensor(self, ptr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if "wrap_flags" in self.faults and dtype == torch.int32 and ("open", ptr) in self.calls:
+            raise FlyDSLUnsupported("torch could not view the IPC-mapped exchange buffer in place")
         numel = 1
         for s in shape:
             numel *= s

@@ -334,3 +334,39 @@ def test_compile_runs_nothing_and_fits_every_launch(monkeypatch):
     for key, live in launched:
         assert [sig(a) for a in live] == [sig(a) for a in compiled[key]]
     r.close()
+
+
+def step_inputs(reqs=2, pages=3):
+    n = 7 * reqs
+    return dict(positions=torch.arange(n) + 100, embeds=torch.zeros(n, 6144, dtype=torch.bfloat16),
+                slots=torch.arange(n), block_tables=torch.zeros(reqs, pages, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad, why", [
+    (dict(positions=torch.arange(17), embeds=torch.zeros(17, 6144, dtype=torch.bfloat16), slots=torch.arange(17)),
+     r"positions \[17\]: 7 rows per request"),
+    (dict(embeds=torch.zeros(13, 6144, dtype=torch.bfloat16)), r"embeds \[13, 6144\]"),
+    (dict(embeds=torch.zeros(14, 4096, dtype=torch.bfloat16)), r"embeds \[14, 4096\]"),
+    (dict(embeds=torch.zeros(14, 6144)), r"embeds torch.float32"),
+    (dict(positions=torch.arange(14, dtype=torch.int32)), r"positions torch.int32"),
+    (dict(slots=torch.arange(14, dtype=torch.int32)), r"slots torch.int32"),
+    (dict(slots=torch.arange(21)), r"slots \[21\]"),
+    (dict(block_tables=torch.zeros(1, 3, dtype=torch.int32)), r"block_tables \[1, 3\]"),
+    (dict(block_tables=torch.zeros(2, 3, dtype=torch.int64)), r"block_tables torch.int64"),
+    (dict(block_tables=torch.zeros(3, 2, dtype=torch.int32).t()), r"block_tables .*not contiguous"),
+], ids=["rows-not-7R", "embeds-rows", "embeds-width", "embeds-dtype", "positions-dtype", "slots-dtype",
+        "slots-rows", "block-table-rows", "block-table-dtype", "block-table-strides"])
+def test_forward_refuses_inputs_the_kernels_would_misread(bad, why):
+    """The compiled kernels are keyed by (kernel, R, exchange) and read every tensor as the dtype and
+    unit-stride axis they were compiled for; forward checks the step before launching anything: a step of
+    7R + 3 rows left its last 3 output rows uninitialized, an int32 slot tensor read as int64 put K/V in
+    other slots of the engine's cache, a short block table read past its end."""
+    r = make()
+    launched = []
+    r._kernel = lambda name, num_reqs, exchange, args: (lambda *a: launched.append(name))
+    with pytest.raises(ValueError, match=why):
+        r.forward(**{**step_inputs(), **bad})
+    assert not launched and int(r.peers.epoch) == 0
+    out = r.forward(**step_inputs())  # the same runner still serves a well-formed step
+    assert out.shape == (14, 6144) and len(launched) == 51
+    r.close()

@@ -102,3 +102,39 @@ def test_ipc_handle_struct_keeps_binary_bytes():
     h = pr._IpcHandle.of(raw)
     assert h.raw() == raw
     assert bytes(memoryview(h)) == raw  # what the C side receives by value
+
+
+FREE_FAILS = "hipFree failed: an illegal memory access was encountered"
+
+
+@pytest.fixture(scope="module")
+def four_ranks_more(tmp_path_factory):
+    """More 4-rank failures in one spawn: a peer's flags that cannot be wrapped, and releases that fail."""
+    scenarios = [("wrap_flags", 0), ("short_handle+free", 2), ("bogus_handle+free", 1)]
+    res = run_ranks(4, exchange_scenarios, str(tmp_path_factory.mktemp("peers_more")), scenarios)
+    return [[res[r][i] for r in range(4)] for i in range(len(scenarios))]
+
+
+def test_unwrappable_peer_flags_name_that_peer(four_ranks_more):
+    # Rank 0 opens rank 1's handles and wraps its RX, then cannot wrap its flags: the reason names rank 1
+    # (the rank being mapped), not the next one.
+    res = four_ranks_more[0]
+    want = ("rank 0 could not map rank 1's exchange buffers: torch could not view the IPC-mapped exchange "
+            "buffer in place")
+    assert [out.get("error") for out in res] == [want] * 4
+    assert all(out["live"] == 0 for out in res)
+
+
+@pytest.mark.parametrize("scenario, faulty, reason", [
+    (1, 2, "rank 2 sent a garbled rx IPC handle (10 bytes, expected 64 bytes)"),
+    (2, 1, "rank 0 could not map rank 1's exchange buffers: hipIpcOpenMemHandle failed: invalid resource handle"),
+], ids=["round1", "round2"])
+def test_failed_release_keeps_the_groups_reason(four_ranks_more, scenario, faulty, reason):
+    # The faulty rank's own frees fail while it gives up: it still reports the reason every rank agreed
+    # on (which says why the path is off), with the release failure added, not the release failure alone.
+    res = four_ranks_more[scenario]
+    for r, out in enumerate(res):
+        if r == faulty:
+            assert out["error"] == f"{reason} (and releasing: {FREE_FAILS}; {FREE_FAILS})"
+        else:
+            assert out["error"] == reason and out["live"] == 0
