@@ -101,8 +101,9 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
             case = scenario.random_step(cfg, [ctx] * R, page, pages, embed, seed=R * 7 + ctx)  # same on every rank
             embeds, positions, meta = case.inputs_embeds.to(dev), case.positions.to(dev), case.meta.to(dev)
             kv_before = [t.clone() for t in kv]
-            times, errors, early = [], 0, 0
-            for i in range(bc.repeats + 3):
+
+            def step() -> tuple[float, pb.DraftStepResponse]:
+                nonlocal step_id, hidden
                 step_id += 1
                 req = pb.DraftStepRequest(step_id=step_id, binding_id=b.binding_id, binding_generation=b.generation,
                                           num_requests=R)
@@ -112,15 +113,16 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
                 bell.send(req)
                 resp = bell.wait(step_id, 60.0)
                 if resp is None:  # a sidecar rank that died answers nothing: stop here, not 60 s per step
-                    raise RuntimeError(f"engine rank {rank}: step {step_id} unanswered after 60 s; see sidecar.log")
+                    raise RuntimeError(f"engine rank {rank}: step {step_id} unanswered after 60 s; see "
+                                       f"{Path(target_dir).parent / 'sidecar.log'}")
                 sync(dev)
-                if i >= 3:
-                    times.append((time.perf_counter() - t) * 1e3)
-                    early += resp.timings.prelaunched
-                errors += resp.HasField("error")
+                return (time.perf_counter() - t) * 1e3, resp
+
+            hidden = None
+            times, errors, early = _timed_steps(step, bc.repeats)
             got = hidden.clone()  # [7R, hidden]: the last step's answer (every repeat is the same step)
-            row = {"R": R, "context": ctx, "kv_layout": allocated, "p50_ms": statistics.median(times),
-                   "errors": errors, "prelaunched_share": early / len(times),
+            row = {"R": R, "context": ctx, "kv_layout": allocated, "p50_ms": _median(times),
+                   "errors": errors, "prelaunched_share": early / max(1, len(times)),
                    **_parity(ref, group, embeds, positions, meta, kv_before, kv, got)}
             shim_times, shimmed = [], None
             for i in range(bc.repeats + 3):  # the same step through the shim (it writes the same K/V again)
@@ -143,6 +145,27 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     for h in held:
         h.close()
     dist.destroy_process_group()
+
+
+def _timed_steps(step, repeats: int, warmup: int = 3) -> tuple[list[float], int, int]:
+    """Run warmup + repeats steps; step() -> (ms, the sidecar's answer). Returns the ms of the timed steps
+    that were answered with hidden states, the steps answered with an error (warm-up included), and how
+    many of those timed ones were pre-launched. An error answer is not a step's time: it comes back
+    before any layer ran, and counted in the median it made a failing case look fast."""
+    times, errors, early = [], 0, 0
+    for i in range(warmup + repeats):
+        ms, resp = step()
+        if resp.HasField("error"):
+            errors += 1
+        elif i >= warmup:
+            times.append(ms)
+            early += resp.timings.prelaunched
+    return times, errors, early
+
+
+def _median(ms: list[float]) -> float:
+    """The median, or NaN where no step was answered (the row's errors say why; its parity fails)."""
+    return statistics.median(ms) if ms else float("nan")
 
 
 def _parity(ref: DSparkDrafter, group, embeds: torch.Tensor, positions: torch.Tensor, meta, kv_before: list,
@@ -214,17 +237,41 @@ def run_tp_bench(bc: BenchConfig, tp: int, single_gpu: bool = True, device_type:
         if single_gpu else {"rows": []}
     work = Path(tempfile.mkdtemp(prefix="dspark-tp-bench-"))
     side = SidecarUnderTest(bc, torch.device(device_type), work, tp=tp)
+    ranks, interrupted = None, False
     try:
-        mp.start_processes(_engine_rank, args=(tp, bc, device_type, str(side.sock), str(work / "store"), str(work)),
-                           nprocs=tp, start_method="spawn")
+        ranks = mp.start_processes(_engine_rank, args=(tp, bc, device_type, str(side.sock), str(work / "store"),
+                                                       str(work)), nprocs=tp, start_method="spawn", join=False)
+        while not ranks.join():
+            pass
         per_rank = [torch.load(work / f"rank{r}.pt") for r in range(tp)]
         name = torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu"
         tol = PARITY_RTOL if device_type == "cuda" else 0.0  # on CPU both sides run the reference ops
         report = _report(bc, tp, per_rank, single, name, tol)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM (cli's _sigterm_unwinds): nothing failed
+        interrupted = True
+        raise
     finally:
+        _stop(ranks)
         side.close()
+        if interrupted:
+            side.discard()  # no failed step's log to keep: the folder goes, as after a finished run
     side.discard()  # the engine ranks' results were read: kept only with a failed sidecar's log
     return report
+
+
+def _stop(ranks) -> None:
+    """End the engine ranks an interrupted join left running: else a SIGTERM'd bench waited at exit for
+    them (multiprocessing joins its children) while each waited 60 s for a step from the stopped sidecar."""
+    if ranks is None:
+        return
+    for p in ranks.processes:
+        if p.is_alive():
+            p.terminate()
+    for p in ranks.processes:
+        p.join(10)
+        if p.is_alive():  # blocked where SIGTERM is not handled
+            p.kill()
+            p.join()
 
 
 def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str, tol: float) -> dict:

@@ -350,9 +350,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _sigterm_unwinds():
-    """While inside, SIGTERM (`timeout`, a cancelled CI job) raises SystemExit(143), so the demo's finally
-    blocks run: killed at once by default, its engine ranks went on drafting every round locally, orphaned
-    (only the sidecar stops by itself, --exit-with-pid), and both its temporary folders stayed."""
+    """While inside, SIGTERM (`timeout`, a cancelled CI job) raises SystemExit(143), so the demo's (and the
+    bench's) finally blocks run: killed at once by default, its engine ranks went on drafting every round
+    locally, orphaned (only the sidecar stops by itself, --exit-with-pid), and both its temporary folders stayed."""
     import signal
     import threading
 
@@ -392,14 +392,25 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise UsageError(f"--tp: at least 1, got {a.tp}")
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
+        from dspark_sidecar.drafter.config import ConfigError, load_config
+
+        # Before any process: with --no-single-gpu nothing else checked the preset or --tp before the sidecar
+        # started, which then failed (a traceback naming its log, its folder left in $TMPDIR) for a flag's value.
+        dcfg = load_config(a.preset)
+        try:
+            dcfg.check_tp(a.tp)
+        except ConfigError as err:
+            raise UsageError(f"--tp {a.tp}: {err}") from None
 
         bc.out_dir.mkdir(parents=True, exist_ok=True)
-        report = run_tp_bench(bc, a.tp, a.single_gpu, device.type)
+        with _sigterm_unwinds():  # as the demo's: killed at once, the engine ranks' folder stayed behind
+            report = run_tp_bench(bc, a.tp, a.single_gpu, device.type)
         bad = [r for r in report["rows"] if not r["parity_ok"]]
         print(f"wrote {a.out_dir / f'bench-tp{a.tp}.json'}; parity "
               + (f"FAILED in {len(bad)} of {len(report['rows'])} cases" if bad else "ok in every case"))
         return 1 if bad else 0
-    report = run_bench(bc, device)
+    with _sigterm_unwinds():  # its sidecar's folder and the cache's shared memory: removed as on Ctrl-C
+        report = run_bench(bc, device)
     print(f"device {report['device']}, copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s; "
           f"wrote {a.out_dir / 'bench.json'}")
     return 0

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from dspark_sidecar.bench import BenchConfig
-from dspark_sidecar.bench_tp import PARITY_RTOL, _report, run_tp_bench
+from dspark_sidecar import bench_tp, cli
+from dspark_sidecar.bench import BenchConfig, SidecarUnderTest
+from dspark_sidecar.bench_tp import PARITY_RTOL, _median, _report, _timed_steps, run_tp_bench
 
 
 def test_tp4_sidecar_from_four_engine_ranks_equals_the_reference_at_tp4(tmp_path):
@@ -63,3 +73,98 @@ def test_kv_layout_records_is_what_the_engine_ranks_allocate_and_bind(tmp_path, 
     (row,) = run_tp_bench(bc, 2, single_gpu=False, device_type="cpu")["rows"]
     assert row["kv_layout"] == ("records fp8" if kv_dtype == "fp8" else "records")
     assert row["errors"] == 0 and row["parity_ok"] and row["kv_rel_l2"] == 0.0
+
+
+class _Answer:
+    """A DraftStepResponse's part _timed_steps reads: an error, or timings.prelaunched."""
+
+    def __init__(self, error: bool = False, prelaunched: bool = False) -> None:
+        self.error, self.timings = error, SimpleNamespace(prelaunched=prelaunched)
+
+    def HasField(self, name: str) -> bool:  # noqa: N802  (protobuf's name)
+        return name == "error" and self.error
+
+
+def test_a_step_answered_with_an_error_is_not_a_timing():
+    """The engine ranks put every timed step's ms into the median, error answers too: those come back
+    before any layer ran, so a case whose steps failed reported a fast p50 (beside its FAIL)."""
+    answers = iter([(9.0, _Answer()), (9.0, _Answer(error=True)), (9.0, _Answer()),  # warm-up
+                    (5.0, _Answer(prelaunched=True)), (0.01, _Answer(error=True)), (0.01, _Answer(error=True)),
+                    (7.0, _Answer())])
+    times, errors, early = _timed_steps(lambda: next(answers), repeats=4)
+    assert times == [5.0, 7.0] and errors == 3 and early == 1
+    assert _median(times) == 6.0
+    # every step failed: no figure (NaN), not a StatisticsError that took the whole run down with it
+    times, errors, _ = _timed_steps(lambda: (0.01, _Answer(error=True)), repeats=2)
+    assert times == [] and errors == 5 and math.isnan(_median(times))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--tp", "3", "--preset", "tiny"], "--tp 3: num_attention_heads: 8 is not divisible by TP size 3"),
+    (["--tp", "2", "--preset", "no-such-preset"], "no-such-preset"),
+])
+def test_a_preset_or_tp_that_cannot_run_is_one_line_before_any_process(argv, words, tmp_path, monkeypatch, capsys):
+    """With --no-single-gpu nothing checked --tp or --preset before the sidecar started: it failed to
+    start (a traceback naming its log) and its folder stayed in $TMPDIR, for a flag's value."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def started(*_a, **_kw):
+        raise AssertionError("a sidecar was started for an unusable flag")
+
+    monkeypatch.setattr(bench_tp, "SidecarUnderTest", started)
+    assert cli.main(["bench", *argv, "--device", "cpu", "--no-single-gpu", "--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dspark-sidecar: ") and words in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+class _QuietSidecar(SidecarUnderTest):
+    """SidecarUnderTest's close and discard over a process that stops cleanly on SIGTERM, as serve does."""
+
+    def __init__(self, bc, device, work, tp=1) -> None:
+        self.work, self.sock = work, work / "sock"
+        self.log = open(work / "sidecar.log", "wb")
+        code = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(600)"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self.log, stderr=subprocess.STDOUT)
+
+
+def _rank_that_sigterms_the_bench(rank, world, bc, device_type, target_dir, store, out) -> None:
+    """An engine rank: says it runs, rank 0 sends the bench SIGTERM, then each waits as for a step."""
+    pids = Path(os.environ["BENCH_TP_TEST_PIDS"])
+    (pids / f"rank{rank}").write_text(str(os.getpid()))
+    if rank == 0:
+        deadline = time.monotonic() + 60
+        while len(list(pids.iterdir())) < world and time.monotonic() < deadline:  # every rank running
+            time.sleep(0.05)
+        os.kill(os.getppid(), signal.SIGTERM)
+    time.sleep(120)  # a step's wait (60 s in the real ranks); left running, it outlives the bench
+
+
+def test_sigterm_stops_the_engine_ranks_and_the_sidecar_and_removes_the_folder(tmp_path, tmp_path_factory,
+                                                                               monkeypatch):
+    """`bench --tp N` under SIGTERM (`timeout`, a cancelled CI job) died at once: its work folder (the
+    sidecar's log and sockets) stayed in $TMPDIR. Now it unwinds as the demo does: the engine ranks are
+    ended, the sidecar stopped, the folder removed, exit status 143."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(bench_tp, "_engine_rank", _rank_that_sigterms_the_bench)
+    pids = tmp_path_factory.mktemp("pids")
+    monkeypatch.setenv("BENCH_TP_TEST_PIDS", str(pids))  # the spawned ranks inherit it
+    sidecars = []
+    monkeypatch.setattr(bench_tp, "SidecarUnderTest", lambda *a, **kw: sidecars.append(_QuietSidecar(*a, **kw))
+                        or sidecars[-1])
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # stands for the default action
+    try:
+        t = time.monotonic()
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["bench", "--tp", "2", "--device", "cpu", "--preset", "tiny", "--no-single-gpu",
+                      "--out-dir", str(tmp_path / "out")])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    # Well under the ranks' 120 s: they were ended, not waited for (loose: a loaded CI box spawns slowly).
+    assert stopped.value.code == 128 + signal.SIGTERM and time.monotonic() - t < 90
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the work folder gone
+    assert sidecars[0].proc.returncode == 0
+    ranks = [int((pids / f"rank{r}").read_text()) for r in range(2)]
+    for pid in ranks:  # ended, not left waiting (the bench's exit would have waited for them)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -332,3 +332,36 @@ def test_the_demo_on_a_socket_folder_where_nothing_serves_fails_in_one_line(caps
     err = capsys.readouterr().err
     assert err.startswith(f"dspark-sidecar demo: FAILED: no sidecar status from {empty} (rank 0: UNAVAILABLE"), err
     assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_sigterm_unwinds_the_one_process_bench(monkeypatch):
+    """`bench` under SIGTERM died at once: its sidecar's folder (dspark-bench-*) stayed in $TMPDIR and, on CPU,
+    the KV cache's shared memory with it. Now run_bench's finally (Bench.close) runs, and the exit is 143."""
+    import os
+    import signal
+    import time
+
+    from dspark_sidecar import bench
+
+    unwound = []
+
+    def run(bc, device):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(3)  # a step: a SIGTERM ends it
+        finally:
+            unwound.append("closed")
+        raise AssertionError("SIGTERM did not stop the bench")
+
+    monkeypatch.setattr(bench, "run_bench", run)
+    def caller_s(signum, frame):  # stands for the default action, which would end pytest too
+        pass
+
+    before = signal.signal(signal.SIGTERM, caller_s)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["bench", "--device", "cpu", "--preset", "tiny"])
+        assert signal.getsignal(signal.SIGTERM) is caller_s  # the command's handler ends with the bench
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stopped.value.code == 128 + signal.SIGTERM and unwound == ["closed"]
