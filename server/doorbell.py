@@ -99,6 +99,9 @@ class Doorbell(threading.Thread):
         self._halt = threading.Event()
         self._predecessors: list[Doorbell] = []  # follow()
         self._release_lock, self._released = threading.Lock(), False
+        # A dropped pre-launch's finish failed: registrations may still name the page, which then stays
+        # mapped when this doorbell closes it (_close_page's unmap=False), as for a stop's own drop.
+        self._page_registered = False
         self._seen_ns = 0  # when the current step's ring was seen (time.monotonic_ns)
         self._last = self.page.word(bell.REQ_SEQ)
         self.waker: bell.Waker | None = None
@@ -144,7 +147,7 @@ class Doorbell(threading.Thread):
             if self.prelaunch is not None:  # the page's registration ends, then the page goes: once the device is done
                 self._drop_prelaunch(then=self._close_page)
             else:
-                self._close_page()
+                self._close_page(unmap=not self._page_registered)
 
     def _close_page(self, unmap: bool = True) -> None:
         """unmap=False: the page's GPU registration may outlive this (a failed unregister): kept mapped."""
@@ -243,7 +246,9 @@ class Doorbell(threading.Thread):
                     finish()
                 except BaseException:
                     # Registrations finish could not end may still name the page: it stays mapped (_KEPT),
-                    # but its CLOSED word still tells the engine to attach again.
+                    # but its CLOSED word still tells the engine to attach again. Dropped while serving on
+                    # (_queue_next), the page closes later (_release): told to keep it mapped then.
+                    self._page_registered = True
                     if then is not None:
                         self._close_page(unmap=False)
                     raise
@@ -275,7 +280,11 @@ class Doorbell(threading.Thread):
         resp.timings.seen_mono_ns, resp.timings.published_mono_ns = self._seen_ns, time.monotonic_ns()
         data = resp.SerializeToString()
         if len(data) > self.page.capacity:
-            data = pb.DraftStepResponse(step_id=resp.step_id, error=pb.StepError(
+            too_large = pb.DraftStepResponse(step_id=resp.step_id, error=pb.StepError(
                 code=8, message=f"response of {len(data)} bytes exceeds the doorbell area; register an output "
-                                "region", reason="RESPONSE_TOO_LARGE")).SerializeToString()
+                                "region", reason="RESPONSE_TOO_LARGE"))
+            # A failed step's doorbell answer carries these too (sidecar.proto StepTimings).
+            too_large.timings.seen_mono_ns = resp.timings.seen_mono_ns
+            too_large.timings.published_mono_ns = resp.timings.published_mono_ns
+            data = too_large.SerializeToString()
         self.page.write(self.page.resp_area, data, bell.RESP_LEN, bell.RESP_SEQ, seq)

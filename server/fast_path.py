@@ -202,7 +202,10 @@ class FlyDSLFastPath:
                 return True
             if self._runner is None and self._key == key:  # refused (the reason stands) or still compiling
                 return False
-            before = self.reason
+            # Told when the verdict differs from `reason` as the last binding left it, or from what BindKV
+            # answered and health published for this one (its preview): compared with the first alone, the
+            # same failure again for a new binding told no one, and a strict rank stayed SERVING.
+            before, previewed = self.reason, self.refusal(kv)
             self._drop_runner()
             self._key = key
             if self.startup_reason is not None:
@@ -229,7 +232,7 @@ class FlyDSLFastPath:
                                          name=f"dspark-flydsl-compile-{self.rank}").start()
                     else:
                         self._runner = runner
-            changed, ok = self.reason != before, self._runner is not None
+            changed, ok = self.reason != before or self.reason != previewed, self._runner is not None
         if changed:
             log.info("rank %d: FlyDSL fast path for binding %d gen %d: %s", self.rank, key[0], key[1],
                      self.reason or "on")

@@ -428,3 +428,87 @@ def test_a_swapped_wake_fifo_still_releases_the_queued_step_and_the_page(tmp_pat
     assert not db.is_alive()
     assert pl.closed, "the queued step's wait was never released (GPU stream stays blocked)"
     assert page.closed and closed, "the page was never closed / release_page never ran"
+
+
+class _LargeAnswerLoop(_Loop):
+    """A step whose inline answer does not fit the page's response area."""
+
+    def answer_now(self, req, hook=None, answer_limit=0):
+        from dspark_sidecar.proto import sidecar_pb2 as pb
+
+        return pb.DraftStepResponse(step_id=req.step_id, hidden_states=pb.TensorRef(data=b"x" * (2 * CAPACITY)))
+
+
+def test_an_answer_too_large_for_the_page_still_carries_the_doorbell_timings():
+    """sidecar.proto StepTimings: over the doorbell a failed step's answer carries seen_mono_ns and
+    published_mono_ns. The RESPONSE_TOO_LARGE answer was built afresh after they were set, so it
+    carried neither, and the engine could not place that step's time."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    db = Doorbell(_Page(), CAPACITY, _LargeAnswerLoop(), torch.device("cpu"), b"")
+    db.start()
+    try:
+        db.page.write(db.page.req_area, pb.DraftStepRequest(step_id=9).SerializeToString(), bell.REQ_LEN,
+                      bell.REQ_SEQ, 1)
+        deadline = time.monotonic() + 10
+        while db.page.word(bell.RESP_SEQ) != 1:
+            assert time.monotonic() < deadline and db.is_alive()
+            time.sleep(0.005)
+        resp = pb.DraftStepResponse.FromString(db.page.read(db.page.resp_area, bell.RESP_LEN))
+    finally:
+        db.stop()
+    assert resp.step_id == 9 and resp.error.reason == "RESPONSE_TOO_LARGE"
+    assert 0 < resp.timings.seen_mono_ns <= resp.timings.published_mono_ns
+
+
+class _SweepingLoop(_Loop):
+    """A TP 1 rank's loop: a step answers, and what after_device runs fails as RankLoop._sweep lets it
+    (logged, its memory left mapped)."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.ctx = SimpleNamespace(world=1)
+
+    def answer_now(self, req, hook=None, answer_limit=0):
+        from dspark_sidecar.proto import sidecar_pb2 as pb
+
+        return pb.DraftStepResponse(step_id=req.step_id)
+
+    def after_device(self, fn, wait=None) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001  (as RankLoop._sweep)
+            doorbell_mod.log.exception("deferred release failed; its memory stays mapped")
+
+
+class _FailingQueuePrelaunch(_QueueingPrelaunch):
+    def after(self, seq, resp) -> None:
+        raise RuntimeError("injected: queueing the next step failed")
+
+    def detach(self):
+        def finish() -> None:
+            raise RuntimeError("injected: unregistering the header failed")
+
+        return finish
+
+
+def test_a_page_whose_registration_outlived_a_dropped_prelaunch_stays_mapped_when_the_doorbell_stops():
+    """A failed queueing drops the pre-launch while the doorbell serves on; when its finish could not end
+    the page's registrations, the page was unmapped at the doorbell's stop all the same (only a stop's own
+    drop kept it, _KEPT), under a registration the driver may still use."""
+    page = _Page()
+    db = Doorbell(page, CAPACITY, _SweepingLoop(), torch.device("cpu"), b"")
+    db.prelaunch = _FailingQueuePrelaunch()
+    db.start()
+    try:
+        db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, 1)
+        deadline = time.monotonic() + 10
+        while db.prelaunch is not None or db.page.word(bell.RESP_SEQ) != 1:
+            assert time.monotonic() < deadline and db.is_alive()
+            time.sleep(0.005)
+    finally:
+        db.stop()
+    assert int(page.storage[8 * bell.CLOSED : 8 * bell.CLOSED + 8].view(torch.int64)) == 1
+    assert not page.closed and db.memory in doorbell_mod._KEPT
+    doorbell_mod._KEPT.remove(db.memory)

@@ -688,3 +688,21 @@ def test_a_runner_that_fails_to_build_turns_the_path_off_for_that_binding_with_t
     assert told == [fp.reason] and fp.refusal(kv) == fp.reason  # health / GetStatus say why
     assert fp.ready(kv) is False and len(calls) == 1  # judged once per binding
     assert fp.ready(binding(gen=2)) is False and len(calls) == 2  # a re-bind tries again
+
+
+def test_health_is_told_when_a_new_binding_fails_to_build_with_the_last_bindings_reason():
+    """ready() compared the new reason with `reason` as the last binding left it, not with what the
+    new binding was judged by (BindKV's preview, health published from it): a runner that failed the
+    same way for the next binding (the same OOM, a deterministic driver error) changed nothing, health
+    was not told, and a strict rank stayed SERVING while GetStatus and BindKV said the path was off."""
+    def oom(*args, **kw):
+        raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 96.00 MiB")
+
+    fp, told = fast_path(factory=oom)
+    assert fp.ready(binding()) is False and told == [fp.reason]
+    fp.unbound()  # BindKV of the next binding: the old runner (none here) goes
+    kv = binding(gen=2)
+    assert fp.refusal(kv) is None  # what BindKV answered and health published for it
+    assert fp.ready(kv) is False
+    assert fp.refusal(kv) == fp.reason is not None
+    assert told == [fp.reason, fp.reason]  # health judged again: the path is off for this binding too
