@@ -171,6 +171,7 @@ class FuzzSidecar(FakeSidecar):
         self.bind_once = True
         self.register_mut: Callable[[list, dict], list] | None = None
         self.attach_mut: Callable[[pb.AttachDoorbellResponse], None] | None = None
+        self.applied: set[str] = set()  # the setup mutations that reached an answer (test_setup_answer_mutation)
         self.last_hidden: torch.Tensor | None = None  # the previous step's (correct) answer: stale material
         self.regions: dict[int, tuple[AttachedSegment, torch.Tensor]] = {}
         self._next_region = 101
@@ -183,6 +184,7 @@ class FuzzSidecar(FakeSidecar):
         st = super().GetStatus(request, context)
         if self.status_mut is not None:
             self.status_mut(st)
+            self.applied.add("status")
             if self.status_once:
                 self.status_mut = None
         return st
@@ -191,6 +193,7 @@ class FuzzSidecar(FakeSidecar):
         resp = super().BindKV(request, context)
         if self.bind_mut is not None:
             self.bind_mut(resp)
+            self.applied.add("bind")
             if self.bind_once:
                 self.bind_mut = None
         return resp
@@ -208,6 +211,7 @@ class FuzzSidecar(FakeSidecar):
             ids.append(rid)
         if self.register_mut is not None:
             ids, self.register_mut = self.register_mut(ids, self.regions), None
+            self.applied.add("register")
         return pb.RegisterBuffersResponse(region_ids=ids)
 
     def UnregisterBuffers(self, request, context):
@@ -231,6 +235,7 @@ class FuzzSidecar(FakeSidecar):
         if self.attach_mut is not None:
             self.attach_mut(resp)
             self.attach_mut = None
+            self.applied.add("attach")
         return resp
 
     def stop_bells(self) -> None:
@@ -695,6 +700,8 @@ def test_setup_answer_mutation(rig, transport, name, tmp_path):
     if mut.register is not None and shim.doorbell is None:  # refused data plane: nothing of it may stay
         left = shm.left()
         assert not left, f"{what}: the refused data plane left {len(left)} shared-memory segments: {sorted(left)}"
+    armed = {k for k in ("status", "bind", "register", "attach") if getattr(mut, k) is not None}
+    assert armed <= fake.applied, f"{what}: the mutation was never applied ({sorted(armed - fake.applied)})"
     recover(shim, model, 2, what, ok_reasons=mut.ok_reasons, refusal_ok=True)
     assert not fake.thread_errors, fake.thread_errors
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from dspark_sidecar.client.binding import Binding
 from dspark_sidecar.client.config import EngineConfig, EngineConfigError
+from dspark_sidecar.client.shim import DrafterShim
+from helpers.engine_fakes import step_inputs
 
 
 @pytest.mark.parametrize("deadline_s", [0.0005, 0.0009999])
@@ -16,6 +22,12 @@ def test_a_step_deadline_under_one_millisecond_is_refused(deadline_s):
         EngineConfig(tp_size=4, step_deadline_s=deadline_s)
 
 
-def test_a_one_millisecond_step_deadline_is_sent_as_one():
-    cfg = EngineConfig(tp_size=4, step_deadline_s=0.001)
-    assert int(cfg.step_deadline_s * 1000) == 1  # DrafterShim._request's deadline_ms
+@pytest.mark.parametrize("deadline_s, sent_ms", [(0.001, 1), (0.5, 500), (2.0, 2000)])
+def test_a_one_millisecond_step_deadline_is_sent_as_one(deadline_s, sent_ms):
+    """Read off the request DrafterShim._request builds: the test recomputed the shim's conversion itself, so
+    a shim sending whole seconds (0 for any deadline under 1 s: no deadline at all) passed it."""
+    shim = SimpleNamespace(config=EngineConfig(tp_size=4, step_deadline_s=deadline_s),
+                           binder=SimpleNamespace(current=Binding(1, 1, ())))
+    _, pos, meta = step_inputs(1)
+    req, _ = DrafterShim._request(shim, 1, 1, pos, torch.zeros(7, 8), meta, inline=False)
+    assert req.deadline_ms == sent_ms
