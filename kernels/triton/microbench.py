@@ -99,6 +99,28 @@ def gemm_cases():
             ("gate_up norm_linear_swiglu", 2 * FFN, H, "swiglu"), ("down_proj linear", H, FFN, "plain")]
 
 
+def gemm_bytes(rows: int, n_out: int, k: int, kind: str, fp8: bool) -> int:
+    """Bytes a GEMM case must move: its weight, x [rows, k] read and the output written, in bf16.
+    SwiGLU's output is f = n_out / 2 wide (the gate and up halves never leave the kernel)."""
+    return _wbytes(n_out, k, fp8) + 2 * rows * (k + (n_out // 2 if kind == "swiglu" else n_out))
+
+
+def gemm_label(x: torch.Tensor, w, kind: str) -> str:
+    """The tiling gemm.gemm runs this case with, from its own `_tiling`: `plan` alone would miss the
+    device's shared memory, a folded norm's x^2 column (one more column tile: fewer K-ranges) and
+    the MXFP8 block, and print a split the launch does not use."""
+    n = gemm._stored(w).shape[0]
+    cfg, split, _ = gemm._tiling(x, w, n // 2 if kind == "swiglu" else n, kind == "swiglu", None, kind != "plain")
+    return f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} s{split} st{cfg.num_stages}"
+
+
+def attention_splits(r: int, context: int, sms: int) -> int:
+    """The splits attention.paged_window_attention picks for `_kv_step`'s cache: its tiled keys come from
+    the block table's width (whole pages), less the narrow tile's QPR keys, not from the keys seen."""
+    table_keys = -(-(context + QPR) // PAGE) * PAGE
+    return attention.num_splits(r, HK, max(1, min(WINDOW + QPR - 1, table_keys) - QPR), sms)
+
+
 def _gemm_fn(x, nw, w, kind, config=None, ops=None):
     if ops is not None:  # reference
         if kind == "norm":
@@ -126,7 +148,8 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
     for fp8 in (False, True):
         wdt = "fp8" if fp8 else "bf16"
         for name, n_out, k, kind in gemm_cases():
-            nbytes = _wbytes(n_out, k, fp8) + 2 * rows * (k + n_out)
+            nbytes = gemm_bytes(rows, n_out, k, kind, fp8)
+            label: list[str] = []
 
             def make(config=None, ref=False, vendor=False):
                 x = torch.randn(rows, k, device=dev).to(torch.bfloat16)
@@ -136,6 +159,8 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
                     return _gemm_fn(x, nw, w.dequantize() if fp8 else w, kind, ops=reference)
                 if FOLD_NORMS and not fp8 and kind != "plain":  # as the sidecar holds them
                     w = NormFolded.fold(w, nw)
+                if not label:
+                    label.append(gemm_label(x, w, kind))
                 if vendor:  # blas.py's route for this GEMM, whatever its tunables say
                     if kind == "plain":
                         return lambda: blas.linear(x, w)
@@ -147,11 +172,7 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
             extra = {}
             if not fp8 and (kind == "plain" or FOLD_NORMS):
                 extra["vendor_us"] = round(_per_call(lambda: make(vendor=True), nbytes) * 1e6, 1)
-            n_cols = n_out // 2 if kind == "swiglu" else n_out
-            cfg = gemm.plan(rows, n_cols, k, torch.cuda.get_device_properties(dev).multi_processor_count,
-                            swiglu=kind == "swiglu", weight_bytes=1 if fp8 else 2)
-            rec(name, wdt, t, nbytes, ref_t,
-                cfg=f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k} st{cfg.num_stages}", **extra)
+            rec(name, wdt, t, nbytes, ref_t, cfg=label[0], **extra)
             if sweep and kind != "plain":  # the two largest weights
                 _sweep(name, rows, n_out, k, kind, fp8, wdt, nbytes, make, rec, dev)
 
@@ -178,7 +199,7 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rec(f"paged_window_attention c{context}", "-", _per_call(make_attn, att_bytes), att_bytes,
-        splits=attention.num_splits(r, HK, keys - QPR, sms))  # the split kernel tiles all but the last QPR keys
+        splits=attention_splits(r, context, sms))
     if sweep:
         for s in (8, 16, 32, 64):
             if s <= -(-keys // attention.BLOCK_N):
@@ -513,6 +534,13 @@ def main(argv: list[str] | None = None) -> None:
     # tensors of mismatched rows (8 rows, 7 positions) that failed deep in a kernel launch.
     if not args.fit and any(r < QPR or r % QPR for r in args.rows):
         ap.error(f"--rows: multiples of {QPR} (7 query rows per request), got {args.rows}")
+    # --fit's GEMMs take any row count, but not none or fewer: 0 rows timed launches that return at
+    # once (a fit of nothing), a negative count failed in torch.randn after the bandwidth copy; a K of
+    # 0 gave every size 0 weight bytes and the fit raised only after all the timings.
+    if args.fit and any(r < 1 for r in args.rows):
+        ap.error(f"--rows: with --fit, at least 1 row each, got {args.rows}")
+    if any(k < 1 for k in args.fit_k):
+        ap.error(f"--fit-k: at least 1 each, got {args.fit_k}")
     if args.context < 0:
         ap.error(f"--context: committed keys per request, at least 0, got {args.context}")
     dev = torch.device("cuda")

@@ -1,12 +1,17 @@
-"""The microbench's arithmetic that runs without a GPU: the fixed-cost and streaming-rate fit."""
+"""The microbench's arithmetic that runs without a GPU: the fit, the floors' bytes, the configs it prints, its CLI."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
-from dspark_sidecar.kernels.triton.microbench import fit_fixed_and_rate, main  # noqa: E402
+from dspark_sidecar.kernels.triton import attention, gemm, microbench  # noqa: E402
+from dspark_sidecar.kernels.triton.microbench import (  # noqa: E402
+    attention_splits, fit_fixed_and_rate, gemm_bytes, gemm_label, main,
+)
+from dspark_sidecar.kernels.weights import NormFolded  # noqa: E402
 
 
 def test_fit_recovers_fixed_cost_and_rate():
@@ -29,3 +34,65 @@ def test_rows_that_are_not_whole_requests_are_refused_before_the_gpu(argv, capsy
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--fit", "--rows", "0"], ["--fit", "--rows", "-7"], ["--fit", "--fit-k", "0"],
+                                  ["--fit", "--fit-k", "6144", "-1"]])
+def test_fit_refuses_rows_or_k_below_one_before_the_gpu(argv, capsys):
+    """--fit skipped the rows check: 0 rows timed launches that return at once, -7 failed in torch.randn
+    after the 2 GB bandwidth copy, and K 0 gave every size 0 bytes, refused by the fit only at the end."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and ("--fit-k" if "--fit-k" in argv else "--rows") in capsys.readouterr().err
+
+
+def test_swiglu_floor_counts_its_half_width_output():
+    """gate|up [2f, k] with SwiGLU writes f columns: the floor counted 2f (too high a floor, too low an x)."""
+    rows, f, k = 56, 3072, 6144
+    assert gemm_bytes(rows, 2 * f, k, "swiglu", False) == 2 * 2 * f * k + 2 * rows * (k + f)
+    assert gemm_bytes(rows, 2 * f, k, "norm", False) == 2 * 2 * f * k + 2 * rows * (k + 2 * f)
+    assert gemm_bytes(rows, 2 * f, k, "plain", True) == 2 * f * k + 2 * f * k // 32 + 2 * rows * (k + 2 * f)
+
+
+@pytest.mark.parametrize("kind", ["norm", "swiglu"])
+def test_printed_gemm_config_is_the_split_the_launch_uses(kind, monkeypatch):
+    """A folded-norm GEMM carries the x^2 column (one more column tile, so fewer K-ranges): the label was
+    `plan` without it and printed 4 K-ranges where the launch ran 2 (4 stand-in SMs under the interpreter;
+    2 column tiles and 2 programs per SM for qkv, 1 gate|up tile pair at 1 program per SM, its deep pipeline)."""
+    rows, k, n_out = 7, 1024, 256
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    nw = torch.randn(k).to(torch.bfloat16)
+    w = NormFolded.fold(torch.randn(n_out, k).to(torch.bfloat16), nw)
+    launched = []
+    # target: a workspace [split, M, N], or out [M, N] itself when there is one K-range
+    monkeypatch.setattr(gemm, "_launch", lambda *a: launched.append(a[7].shape[0] if a[7].dim() == 3 else 1))
+    monkeypatch.setattr(gemm, "_finalize", lambda *a, **kw: None)
+    gemm.gemm(x, w, nw, 1e-6, swiglu=(1.702, 7.0) if kind == "swiglu" else None)
+    assert len(launched) == 1 and launched[0] > 1
+    assert f" s{launched[0]} " in gemm_label(x, w, kind)
+
+
+class _Planned(Exception):
+    pass
+
+
+@pytest.mark.parametrize("context", [0, 60, 100, 4096])
+def test_attention_splits_are_the_kernels(context, monkeypatch):
+    """The kernel tiles the block table's whole pages less the narrow tile (73 keys at context 60: 2 tiles
+    of 64), the label the keys seen less it (60 keys: 1 tile), so it printed 1 split where 2 ran. The
+    kernel's own count is caught where paged_window_attention asks num_splits, before any launch."""
+    asked = []
+
+    def spy(r, hk, keys, sms, *a):
+        asked.append((r, hk, keys, sms))
+        raise _Planned
+
+    kv, tables, seq_lens, positions, _ = microbench._kv_step(1, context, torch.device("cpu"))
+    q = torch.zeros(7, microbench.HQ, microbench.D, dtype=torch.bfloat16)
+    monkeypatch.setattr(attention, "sms_of", lambda t: 132)
+    monkeypatch.setattr(attention, "num_splits", spy)
+    with pytest.raises(_Planned):
+        attention.paged_window_attention(q, kv, positions, seq_lens, tables, 7, microbench.WINDOW, 0.1)
+    with pytest.raises(_Planned):
+        attention_splits(1, context, 132)
+    assert asked[1] == asked[0]
