@@ -105,7 +105,8 @@ class LateServicer(pb_grpc.DrafterSidecarServicer):
         return self._target().DraftStep(request, context)
 
     def AttachDoorbell(self, request, context):
-        return self._target().AttachDoorbell(request, context)
+        # A CUDA IPC page is refused by the servicer too (it must be shared memory), but given back there.
+        return self._target(context, [request.page]).AttachDoorbell(request, context)
 
     def UnregisterBuffers(self, request, context):
         return self._target().UnregisterBuffers(request, context)

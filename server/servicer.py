@@ -26,7 +26,7 @@ from dspark_sidecar.server.doorbell import Doorbell
 from dspark_sidecar.server.errors import SidecarError, invalid, precondition
 from dspark_sidecar.server.prelaunch import BEHIND_S
 from dspark_sidecar.server.rank import RankContext, RankLoop
-from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
+from dspark_sidecar.server.refusal import AWAITING_BIND, HostFacts, fast_path_refusal
 
 log = logging.getLogger("dspark_sidecar.server")
 # DraftSteps streams one rank serves at once. Each holds a gRPC handler thread while it is open; the
@@ -112,12 +112,15 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def _refusal_of(self, kv) -> str:
         why = fast_path_refusal(self.life.host, kv.engine if kv else None) if self.life.host else "host not probed"
-        if why is None:
+        # Unbound, the seed's checks end on AWAITING_BIND where the host passes them; a reason of this
+        # host's own (no path built, or one that failed at start-up) still stands: taken for "waiting", a
+        # strict rank that refuses every binding came up SERVING and its startup probe passed.
+        if why is None or why == AWAITING_BIND:
             fast = self.ctx.fast
             if fast is None:
                 why = self.life.flydsl_off or "FlyDSL fast path not built"
             else:
-                why = fast.refusal(kv)
+                why = fast.refusal(kv) or why
         return why or ""
 
     def status_refusal(self) -> str:

@@ -408,3 +408,30 @@ def test_get_status_does_not_read_serving_while_a_strict_publish_asks_for_the_re
     publish("SERVING")
     assert seen == [("LOADING", False)]
     assert life.state == "REFUSED" and not life.serving
+
+
+@pytest.mark.parametrize("off", ["fast path failed at start-up", "no fast path built"])
+def test_a_strict_rank_whose_fast_path_is_off_for_good_is_refused_before_any_bind(off):
+    """The seed's host checks passed, so before any BindKV they end on "no engine bound yet" - and that
+    hid every host-side reason found after them: the FlyDSL path failed to start (peers or weights:
+    FlyDSLFastPath.startup_reason) or was never built (BackendChoice.flydsl_refusal: a model the kernels
+    are not for, a CPU rank, a portable --backend). A strict rank came up SERVING with GetStatus saying
+    it waited for a binding, passed the startup probe, and refused the engine's binding once it came."""
+    from dspark_sidecar.client.shim import sidecar_refusal
+    from dspark_sidecar.server.refusal import HostFacts
+
+    why = "TP exchange needs 4 ranks, the group has 1" if off.startswith("fast") else "--backend triton selected"
+
+    class Failed(_Fast):
+        def refusal(self, kv):
+            return why  # FlyDSLFastPath.refusal: the start-up reason, for any binding or none
+
+    svc, publish, ctx, hs = _strict_rank(HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4),
+                                         fast=Failed() if off.startswith("fast") else None)
+    if not off.startswith("fast"):
+        ctx.fast, svc.life.flydsl_off = None, why
+    publish("SERVING")
+    st = svc.GetStatus(pb.GetStatusRequest(), None)
+    assert (st.state, st.serving, _health(hs), ctx.refusal) == ("REFUSED", False, "NOT_SERVING", why)
+    assert st.fast_path_refusal == why
+    assert sidecar_refusal(st) == f"sidecar refuses: {why}"

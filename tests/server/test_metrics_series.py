@@ -25,3 +25,27 @@ def test_binds_and_serving_move_as_before():
     assert 'dspark_serving{rank="0"} 1.0' in text
     m.set_serving(False)
     assert 'dspark_serving{rank="0"} 0.0' in generate_latest(m.registry).decode()
+
+
+def test_get_status_percentiles_are_nearest_rank_as_the_bench_s():
+    """latencies_pb took p50 = xs[n // 2] and p99 = xs[int(0.99 n)]: one rank high wherever 0.99 n (or
+    n / 2) is whole. 100 samples gave their maximum as the p99, 200 the 199th smallest, and 2 samples
+    their larger one as the median. Nearest rank, as bench._latency_fields' p99: the ceil(q n)-th smallest."""
+    import math
+
+    def summary(n):
+        m = Metrics(0)
+        for i in range(1, n + 1):  # sample i is i ns
+            m.step("ok", {"total": i})
+        (lat,) = m.latencies_pb()
+        return lat.count, lat.p50_ns, lat.p99_ns
+
+    assert summary(100) == (100, 50, 99)
+    assert summary(200) == (200, 100, 198)
+    assert summary(2) == (2, 1, 2)
+    assert summary(1) == (1, 1, 1)
+    m = Metrics(0)
+    for n in range(1, 2049):  # the whole window, one sample more each time
+        m.step("ok", {"total": n})
+        (lat,) = m.latencies_pb()
+        assert (lat.p50_ns, lat.p99_ns) == (math.ceil(n / 2), -(-99 * n // 100)), n

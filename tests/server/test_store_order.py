@@ -68,3 +68,21 @@ def test_a_cuda_ipc_page_refused_for_store_order_is_given_back(monkeypatch):
                            SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock"))
     assert err.value.reason == "STORE_ORDER"
     assert released == [(b"c0", 8)]
+
+
+def test_a_cuda_ipc_page_refused_while_the_rank_loads_is_given_back(monkeypatch):
+    """While loading, LateServicer refuses every call (UNAVAILABLE, LOADING) and gives BindKV's and
+    RegisterBuffers' handles back; AttachDoorbell's page was not, though the servicer gives a GPU page
+    back on each of its own refusals: the engine's block stayed allocated until it exited."""
+    from dspark_sidecar.server.app import LateServicer
+
+    released = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
+                        lambda handle, offset, **kw: released.append((handle, offset)), raising=False)
+    page = pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(ipc_handle=b"h", storage_size_bytes=64,
+                                                     ref_counter_handle=b"c1", ref_counter_offset=16))
+    with pytest.raises(SidecarError) as err:
+        LateServicer().AttachDoorbell(pb.AttachDoorbellRequest(page=page, capacity_bytes=4096),
+                                      SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock"))
+    assert err.value.reason == "LOADING"
+    assert released == [(b"c1", 16)]
