@@ -182,13 +182,19 @@ def _combine() -> KernelSpec:
     return KernelSpec("attention_combine", build, args, 4, ((r"v_exp_f32", 1, "split weights 2^(m_s - m)"),))
 
 
+# The first exchange of each kind in a launch (runner.launch_plan: o is 2 * layer, down 2 * layer + 1).
+# The index is compiled into the tag, and with it the RX/flag half (parity) the kernel addresses:
+# o and down compile different code, and each entry must be one the runner launches.
+_FIRST_EXCHANGE = {"o": 0, "down": 1}
+
+
 def _exchange(which: str) -> KernelSpec:
     sched = SCHEDULES[which]
 
     def build(num_reqs: int):
         from .exchange import build_reduce_exchange
 
-        return build_reduce_exchange(num_reqs, which, 0)
+        return build_reduce_exchange(num_reqs, which, _FIRST_EXCHANGE[which])
 
     def args(num_reqs: int):
         from .exchange import MP_MAX, NBLK

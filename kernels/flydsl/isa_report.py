@@ -85,29 +85,39 @@ def parse_isa(text: str) -> list[KernelReport]:
     if meta_start < 0:
         raise ValueError("ISA dump has no .amdgpu_metadata section")
     meta = text[meta_start:]
+    if "amdhsa.kernels:" not in meta:
+        raise ValueError("ISA dump's .amdgpu_metadata has no amdhsa.kernels list")
     reports = []
     # Each kernel entry of amdhsa.kernels starts with "  - " at indent 2.
     kernels = meta.split("amdhsa.kernels:", 1)[1]
     kernels = re.split(r"\n(?=\S)", kernels, maxsplit=1)[0]  # up to the next top-level key
     for entry in re.split(r"\n  - ", kernels)[1:]:
+        # The entry's own keys sit at indent 4 (its first one right after "  - "); deeper ones
+        # belong to nested lists: an argument's .name is not the kernel's.
+        entry = "    " + entry
         fields = {}
         for key in _META_INT + ("name",):
-            m = re.search(r"^\s*\.?" + re.escape(key) + r":\s+(\S+)", "  " + entry, re.MULTILINE)
+            m = re.search(r"^    \.?" + re.escape(key) + r":\s+(\S+)", entry, re.MULTILINE)
             if m:
                 fields[key] = m.group(1)
+        # Every field is required: a missing spill count or LDS size read as 0 would pass the
+        # design-budget checks without the code object ever saying so.
+        missing = [f".{key}" for key in _META_INT + ("name",) if key not in fields]
+        if missing:
+            raise ValueError(f"kernel {fields.get('name', '?')}: metadata lacks {', '.join(missing)}")
         name = fields["name"]
         body = _function_body(text, name)
         reports.append(
             KernelReport(
                 name=name,
-                vgpr_count=int(fields.get("vgpr_count", 0)),
-                agpr_count=int(fields.get("agpr_count", 0)),
-                sgpr_count=int(fields.get("sgpr_count", 0)),
-                vgpr_spill_count=int(fields.get("vgpr_spill_count", 0)),
-                sgpr_spill_count=int(fields.get("sgpr_spill_count", 0)),
-                lds_bytes=int(fields.get("group_segment_fixed_size", 0)),
-                scratch_bytes=int(fields.get("private_segment_fixed_size", 0)),
-                workgroup_size=int(fields.get("max_flat_workgroup_size", 0)),
+                vgpr_count=int(fields["vgpr_count"]),
+                agpr_count=int(fields["agpr_count"]),
+                sgpr_count=int(fields["sgpr_count"]),
+                vgpr_spill_count=int(fields["vgpr_spill_count"]),
+                sgpr_spill_count=int(fields["sgpr_spill_count"]),
+                lds_bytes=int(fields["group_segment_fixed_size"]),
+                scratch_bytes=int(fields["private_segment_fixed_size"]),
+                workgroup_size=int(fields["max_flat_workgroup_size"]),
                 isa=body,
             )
         )

@@ -37,6 +37,11 @@ def flydsl_unavailable_reason() -> str | None:
         return f"FlyDSL not installed ({exc})"
     if spec is None:
         return "FlyDSL not installed"
+    if spec.origin is None:
+        # A bare `flydsl` folder on sys.path (an uninstall's leftovers, a checkout in the working
+        # directory) imports as an empty namespace package: flydsl.compiler is not there.
+        where = ", ".join(spec.submodule_search_locations or ())
+        return f"FlyDSL not installed (only a folder without __init__.py at {where})"
     return None
 
 

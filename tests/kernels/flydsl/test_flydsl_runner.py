@@ -370,3 +370,24 @@ def test_forward_refuses_inputs_the_kernels_would_misread(bad, why):
     out = r.forward(**step_inputs())  # the same runner still serves a well-formed step
     assert out.shape == (14, 6144) and len(launched) == 51
     r.close()
+
+
+def test_catalog_exchanges_are_ones_the_launch_plan_runs(monkeypatch):
+    """An exchange's index is compiled in: its tag, and so the RX/flag half (parity) it addresses, is a
+    constant. The catalog entry CI checks for a kernel must be one the runner launches: exchange_down
+    built as exchange 0 had the o exchanges' parity, a code object no launch runs (the down exchanges
+    are 1, 3, ..., 9), so the other parity's code was never compiled in CI."""
+    import types
+
+    from dspark_sidecar.kernels.flydsl.catalog import KERNELS
+
+    built = []
+    fake = types.ModuleType("exchange")
+    fake.build_reduce_exchange = lambda num_reqs, which, exchange: built.append((which, exchange))
+    monkeypatch.setitem(sys.modules, "dspark_sidecar.kernels.flydsl.exchange", fake)
+    plan = rn.launch_plan(1)
+    for name in ("exchange_o", "exchange_down"):
+        built.clear()
+        KERNELS[name].build(1)
+        ((which, exchange),) = built
+        assert name == f"exchange_{which}" and (name, exchange) in plan, (name, exchange)

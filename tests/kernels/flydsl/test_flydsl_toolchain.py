@@ -120,3 +120,52 @@ def test_hbm_floor_figures():
     # The window caps the KV a request reads at 4102 keys.
     assert bench.hbm_floor_seconds(8, 100_000) == bench.hbm_floor_seconds(8, 4095)
     assert 60e-6 < bench.hbm_floor_seconds(8, 4096) < 70e-6
+
+
+@pytest.mark.parametrize("key", isa_report._META_INT)
+def test_parse_isa_refuses_metadata_missing_a_budget_field(key):
+    """A field the budget test asserts on must be read, never assumed: a kernel entry without
+    .vgpr_spill_count (or scratch, LDS, ...) parsed as 0 and passed the spill/scratch/LDS checks."""
+    lines = ISA.splitlines()
+    (i,) = [i for i, line in enumerate(lines) if line.lstrip(" -").startswith(f".{key}:")]
+    if lines[i].startswith("  - "):  # the entry's first field: the next one opens the entry instead
+        lines[i + 1] = "  - " + lines[i + 1].lstrip()
+    dump = "\n".join(lines[:i] + lines[i + 1 :])
+    with pytest.raises(ValueError, match=rf"k_0.*\.{key}"):
+        isa_report.parse_isa(dump)
+
+
+def test_parse_isa_reads_the_kernels_own_fields_not_its_args():
+    """Kernel arguments may carry their own .name (LLVM emits one for each named IR argument);
+    the kernel's name is the entry's top-level key, not the first argument's."""
+    named = ISA.replace("      - .offset:         0\n", "      - .offset:         0\n        .name:           x\n")
+    assert named != ISA
+    (rep,) = isa_report.parse_isa(named)
+    assert rep.name == "k_0" and rep.vgpr_count == 130
+
+
+def test_parse_isa_rejects_metadata_without_a_kernel_list():
+    with pytest.raises(ValueError, match="amdhsa.kernels"):
+        isa_report.parse_isa(ISA.replace("amdhsa.kernels:", "amdhsa.kernelz:"))
+
+
+def test_an_empty_flydsl_directory_is_not_an_installed_flydsl(tmp_path):
+    """A `flydsl` directory without __init__.py on sys.path (a pip uninstall's leftovers, a checkout in
+    the working directory) imports as an empty namespace package: FlyDSL is not installed, and the
+    host check must say so, not report it available and fail at the first compile."""
+    (tmp_path / "flydsl").mkdir()
+    code = (
+        "import importlib.util, os, sys\n"
+        "spec = importlib.util.find_spec('flydsl')\n"
+        "if spec is not None and spec.origin:\n"  # hide a real install: only the empty directory is left
+        "    real = os.path.dirname(os.path.dirname(spec.origin))\n"
+        "    sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != real]\n"
+        f"sys.path.append({str(tmp_path)!r})\n"
+        "from dspark_sidecar.kernels.flydsl import toolchain as t\n"
+        "print(t.flydsl_available()); print(t.flydsl_unavailable_reason())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    available, reason = out.stdout.strip().splitlines()
+    assert available == "False"
+    assert reason.startswith("FlyDSL not installed")
