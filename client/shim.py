@@ -250,13 +250,22 @@ class DrafterShim:
                 return self._fallback(BAD_METADATA)
 
             step_id, self._next_step = self._next_step, self._next_step + 1
+            # Outside the link, on every rank past the pre-flight alike: the engine's embedding is a collective
+            # (vLLM's VocabParallelEmbedding all-reduces over the TP ranks). A rank closed since the pre-flight
+            # skipped it inside the link while its peers ran theirs, which its next all-reduce then matched.
+            embed_error: Exception | None = None
+            if inputs_embeds is None:
+                try:
+                    inputs_embeds = self._model.embed_input_ids(input_ids)
+                except Exception as e:  # noqa: BLE001  (counted below, in the link: the rank reaches the post-flight)
+                    embed_error = e
             with self._link() as is_open:  # closed since the pre-flight: nothing is sent
                 try:
                     if not is_open:
                         hidden, why = None, CLOSED
+                    elif embed_error is not None:
+                        hidden, why = None, self._internal("step", embed_error)
                     else:
-                        if inputs_embeds is None:
-                            inputs_embeds = self._model.embed_input_ids(input_ids)
                         hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
                 except Exception as e:  # noqa: BLE001  (same: every rank must reach the post-flight agreement)
                     hidden, why = None, self._internal("step", e)

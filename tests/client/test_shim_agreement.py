@@ -315,3 +315,45 @@ def test_one_rank_closed_from_another_thread_mid_step_makes_every_rank_fall_back
         assert side2.remote_calls() == calls and not shim2.connection.is_open
     finally:
         engine.close()
+
+
+def test_a_rank_closed_during_the_preflight_still_embeds_its_step_as_its_peers_do():
+    """The engine's embedding is a collective (vLLM's VocabParallelEmbedding all-reduces over the TP ranks), and
+    the shim runs it once every rank is past the pre-flight. A rank closed from another thread while it waited
+    in the pre-flight skipped it (phase 3 found the shim closed first) while its peers ran theirs: their
+    all-reduce was then matched by the closed rank's next one (its stock layers' embedding, or a layer's), so
+    the ranks' collectives fell out of step for the process's life. Every rank past the pre-flight embeds."""
+    engine = Engine()
+    try:
+        calls = [0] * TP
+
+        class Embedding:  # each rank's own count of the collective
+            def __init__(self, rank: int) -> None:
+                self.rank = rank
+
+            def embed_input_ids(self, ids: torch.Tensor) -> torch.Tensor:
+                calls[self.rank] += 1
+                return engine.model.embed_input_ids(ids)
+
+        for r, shim in enumerate(engine.shims):
+            shim._model = Embedding(r)
+        assert engine.step()[0] is not None and calls == [1] * TP
+        shim2 = engine.shims[2]
+        member = shim2._agree
+
+        class CloseInPreflight:  # rank 2's shim closed by another thread while it waits for its peers
+            world_size = member.world_size
+
+            def all_min(self, values: torch.Tensor) -> torch.Tensor:
+                if values.numel() == 5:
+                    closer = threading.Thread(target=shim2.close)
+                    closer.start()
+                    closer.join(10)
+                return member.all_min(values)
+
+        shim2._agree = CloseInPreflight()
+        assert engine.step()[0] is None
+        assert reasons(engine)[2] == {S.CLOSED: 1}
+        assert calls == [2] * TP, f"embedding collectives per rank: {calls}"
+    finally:
+        engine.close()
