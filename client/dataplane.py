@@ -287,7 +287,9 @@ class DoorbellChannel:
         if resp.wake_fifo:
             try:
                 self.ringer = bell.Ringer(resp.wake_fifo)
-            except OSError:  # not reachable from here: the sidecar's idle doorbell still looks every 2 ms
+            # Not reachable from here (a NUL byte in the path is a ValueError: it escaped after the attach and
+            # left the page and its registration to the process's exit): the idle doorbell still looks every 2 ms.
+            except (OSError, ValueError):
                 self.ringer = None
         self._seq = self.page.word(bell.REQ_SEQ)
         self.rung_mono_ns = self.answer_seen_mono_ns = 0  # the last ring, and when its answer was seen (monotonic)

@@ -611,6 +611,9 @@ SETUP_MUTATIONS: dict[str, tuple[tuple, SetupMut]] = {
     "register_one_id_thrice": (BELL, SetupMut(register=lambda ids, regs: [ids[0]] * 3)),
     "attach_wake_fifo_regular_file": (BELL, SetupMut(attach=lambda r: setattr(r, "wake_fifo", "/etc/hostname"))),
     "attach_wake_fifo_missing": (BELL, SetupMut(attach=lambda r: setattr(r, "wake_fifo", "/nonexistent/fifo"))),
+    # os.open raises ValueError (not OSError) for a NUL byte: it escaped the channel after the attach, and the
+    # page and its registration were left to the process's exit
+    "attach_wake_fifo_nul": (BELL, SetupMut(attach=lambda r: setattr(r, "wake_fifo", "/tmp/fifo\x00x"))),
     "attach_gpu_word_and_event_on_cpu": (BELL, SetupMut(attach=lambda r: (setattr(r, "gpu_word", True),
                                                                           setattr(r, "output_event", b"\x01" * 64)))),
 }
@@ -697,7 +700,7 @@ def test_setup_answer_mutation(rig, transport, name, tmp_path):
     fake.register_mut, fake.attach_mut = mut.register, mut.attach
     with recording_shm() as shm:
         check(call(shim, 1), model, 1, f"{what}: first step")
-    if mut.register is not None and shim.doorbell is None:  # refused data plane: nothing of it may stay
+    if (mut.register is not None or mut.attach is not None) and shim.doorbell is None:  # refused data plane: nothing of it may stay
         left = shm.left()
         assert not left, f"{what}: the refused data plane left {len(left)} shared-memory segments: {sorted(left)}"
     armed = {k for k in ("status", "bind", "register", "attach") if getattr(mut, k) is not None}
