@@ -19,6 +19,7 @@ import ctypes
 import logging
 import mmap
 import threading
+import weakref
 
 import torch
 
@@ -216,15 +217,42 @@ class GpuWordOps:
 
 
 class RegisteredPage:
-    """The first page of a mapping registered with the GPU (the doorbell header, the word's home)."""
+    """The first page of a mapping registered with the GPU (the doorbell header, the word's home), or its
+    first `nbytes` (an engine's region, server/prelaunch.py).
+
+    One registration per host address (and ops), shared by every RegisteredPage of it and ended by the last
+    close: the driver refuses pages already registered, and two holders of the same pages overlap in time.
+    A replaced doorbell's pre-launch ends its registrations of the engine's regions only once the device has
+    done its queued work, which at TP > 1 nothing waits for (Doorbell._drop_prelaunch), and the new doorbell's
+    pre-launch registers the same regions at its first queued step: refused, that rank exited.
+    """
+
+    _held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ops -> {host_ptr: [nbytes, device_ptr, holders]}
+    _lock = threading.Lock()  # holders register on the doorbell thread, close wherever the device's release runs
 
     def __init__(self, ops: GpuWordOps, host_ptr: int, nbytes: int = mmap.PAGESIZE) -> None:
         if host_ptr % mmap.PAGESIZE:
             raise GpuWordError(f"{host_ptr:#x} is not page-aligned")
-        self.ops, self.host_ptr = ops, host_ptr
-        self.device_ptr = ops.register(host_ptr, nbytes)
+        self.ops, self.host_ptr = ops, 0
+        with self._lock:
+            held = self._held.setdefault(ops, {})
+            entry = held.get(host_ptr)
+            if entry is None:
+                entry = held[host_ptr] = [nbytes, ops.register(host_ptr, nbytes), 0]
+            elif nbytes > entry[0]:  # another mapping at a reused address while the old registration lives
+                raise GpuWordError(f"{host_ptr:#x} is registered for {entry[0]} bytes, not the {nbytes} asked for")
+            entry[2] += 1
+        self.host_ptr, self.device_ptr = host_ptr, entry[1]
 
     def close(self) -> None:
-        if self.host_ptr:
-            self.ops.unregister(self.host_ptr)
+        if not self.host_ptr:
+            return
+        with self._lock:
+            held = self._held[self.ops]
+            entry = held[self.host_ptr]
+            if entry[2] == 1:
+                self.ops.unregister(self.host_ptr)  # raises: still held, a later close tries again
+                del held[self.host_ptr]
+            else:
+                entry[2] -= 1
             self.host_ptr = 0

@@ -61,6 +61,26 @@ def test_registered_page_is_page_aligned_and_closed_once():
     assert ops.calls == [("register", base, mmap.PAGESIZE), ("unregister", base)]
 
 
+
+def test_registrations_of_the_same_pages_are_shared_until_the_last_close():
+    """The driver refuses pages already registered: a second holder of the same pages (a replaced
+    doorbell's pre-launch and its successor's, server/prelaunch.py) shares the first one's registration,
+    and the last close ends it."""
+    buf = mmap.mmap(-1, 4 * mmap.PAGESIZE)
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    ops = _Ops()
+    old, new = RegisteredPage(ops, base, 4 * mmap.PAGESIZE), RegisteredPage(ops, base, 4 * mmap.PAGESIZE)
+    assert new.device_ptr == old.device_ptr and ops.calls == [("register", base, 4 * mmap.PAGESIZE)]
+    with pytest.raises(GpuWordError, match="registered for"):  # pages past the registration: not covered
+        RegisteredPage(ops, base, 8 * mmap.PAGESIZE)
+    old.close()
+    old.close()
+    assert ops.calls == [("register", base, 4 * mmap.PAGESIZE)]
+    new.close()
+    assert ops.calls[1:] == [("unregister", base)]
+    RegisteredPage(ops, base).close()  # registered afresh once the last holder has closed
+    assert ops.calls[2:] == [("register", base, mmap.PAGESIZE), ("unregister", base)]
+
 def test_device_pointer_is_what_triton_reads():
     p = DevicePointer(0xDEAD000, torch.int64)
     assert p.data_ptr() == 0xDEAD000 and p.dtype == torch.int64

@@ -961,3 +961,52 @@ def test_a_layout_s_metadata_replay_holds_the_graph_s_views_not_the_graph(rig):
     [(held, replay)] = [v for k, v in rig.pl._replays.items() if k[0] == "metadata"]
     cells = [c.cell_contents for c in replay.__closure__ or ()]
     assert rig.graphs.graph not in cells and any(c is rig.graphs.graph.views for c in cells)
+
+
+@pytest.mark.parametrize("world", [1])
+@pytest.mark.parametrize("staged", [False])
+def test_a_replaced_doorbell_s_region_registrations_are_shared_with_the_new_one_s(rig):
+    """A replaced doorbell's pre-launch ends its registrations of the engine's regions once the device has
+    done its queued work, which at TP > 1 nothing waits for (Doorbell._drop_prelaunch: a released copy
+    finishes only with its peers'). The new doorbell's pre-launch registers the same regions for its first
+    queued step, often before then: the driver refuses pages already registered (as this fake does), and
+    at TP > 1 a step that could not be queued exits the rank (Doorbell._queue_next)."""
+    from dspark_sidecar.proto.gpu_word import GpuWordError
+
+    gpu = rig.gpu
+    live = set(gpu.registered) - set(gpu.unregistered)  # the driver's registrations
+    plain_register, plain_unregister = gpu.register, gpu.unregister
+
+    def register(ptr, nbytes):
+        if ptr in live:
+            raise GpuWordError("cuMemHostRegister_v2 failed with driver code 712")
+        live.add(ptr)
+        return plain_register(ptr, nbytes)
+
+    def unregister(ptr):
+        live.remove(ptr)
+        plain_unregister(ptr)
+
+    gpu.register, gpu.unregister = register, unregister
+    _queue(rig)
+    region = rig.a.positions.untyped_storage().data_ptr()
+    assert region in live
+    finish = rig.pl.detach()  # not called yet: the device has not done the released copy (TP > 1)
+    page_buf = mmap.mmap(-1, mmap.PAGESIZE)
+    page = bell.Page(np.frombuffer(page_buf, np.uint8), 1024)
+    new = prelaunch.Prelaunch(gpu, page, np.frombuffer(page_buf, np.uint8).ctypes.data, rig.graphs, WINDOW,
+                              event=lambda: Event(gpu), program=gpu.program)
+    for seq in (1, 2):  # the new page's steps, same layout: the second queues step 3
+        page.words[bell.GPU_WORD] = bell.gpu_word(seq, KEY)
+        hook = new.hook(seq, _req())
+        hook.take(*hook.offer(rig.a))
+        new.after(seq, OK)
+    assert new.queued is not None and new.queued.seq == 3
+    finish()  # the old pre-launch's registrations end; the region's stays, the new one reads it
+    assert region in live
+    page.words[bell.GPU_WORD] = bell.gpu_word(3, KEY)
+    hook = new.hook(3, _req())
+    assert hook.take(*hook.offer(rig.a)) is rig.graphs.graph.out
+    new.after(3, OK)
+    new.close()
+    assert live == set()
