@@ -71,3 +71,23 @@ def test_every_dspark_variable_the_deploy_files_name_is_one_serve_knows():
     dests = [n.removeprefix("DSPARK_").lower() for n in serve_flag_env()]
     assert "DSPARK_LAUNCHER" in names and "DSPARK_SOCKET_DIR" in names
     assert cli.unknown_env(dict.fromkeys(names, "1"), dests) == []
+
+
+def _troubleshooting_rows() -> dict[str, str]:
+    """symptom -> likely cause, from the guide's troubleshooting table."""
+    section = OPERATIONS.split("## Troubleshooting", 1)[1]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    return {symptom.strip(): cause.strip() for symptom, cause in rows[1:]}
+
+
+def test_troubleshooting_gives_mps_under_two_users_its_real_symptom():
+    """The MPS control daemon serves one user at a time: a client of another user is queued until every
+    client of the running server has exited (nvidia-cuda-mps-control(1)). With the sidecar started first
+    (the engine's unit and pod start after it), an engine of another user does not run slower, it waits at
+    its first CUDA call for as long as the sidecar serves. The table listed that cause under "forwarded steps
+    slower", sending an operator whose engine never came up to look at step latencies."""
+    rows = _troubleshooting_rows()
+    slower = [cause for symptom, cause in rows.items() if "slower" in symptom]
+    assert slower and not any("user" in cause for cause in slower), slower
+    hang = [symptom for symptom, cause in rows.items() if "different users" in cause]
+    assert hang and all("engine" in s and ("hangs" in s or "waits" in s) for s in hang), hang
