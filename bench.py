@@ -155,6 +155,11 @@ def _settle_steps() -> int:
     return prelaunch.STREAK + prelaunch.ON_TIME + 2
 
 
+def _pipelined_batches(repeats: int) -> int:
+    """Mode f's timed batches of PIPELINE steps for --repeats (at least 3 batch means to take the median of)."""
+    return max(3, repeats // PIPELINE)
+
+
 def timeit(fn, device: torch.device, repeats: int, warmup: int = 3) -> list[float]:
     """Wall-clock ms per call, the device synchronized around each call, warm-up calls included: an
     engine that syncs after every step (mode d) must do so while warming up too, or its host runs
@@ -376,7 +381,7 @@ class Bench:
         def batch() -> None:
             for _ in range(PIPELINE):
                 self._remote("d", case)
-        return [ms / PIPELINE for ms in timeit(batch, self.device, max(3, self.bc.repeats // PIPELINE))]
+        return [ms / PIPELINE for ms in timeit(batch, self.device, _pipelined_batches(self.bc.repeats))]
 
     def _ahead(self, case: Case, shim: bool = False, warmup: int = 3) -> list[float]:
         """ms of GPU time per mode-d step (mode h with `shim`) queued behind lead_ms of the engine's own
@@ -500,7 +505,9 @@ class Bench:
         """Row fields of the last measure(mode): medians (us) of the timed steps' phases (warm-up excluded)."""
         if mode in ("b", "c"):
             return {"gpu_p50_ms": statistics.median(self.gpu_ms)} if self.gpu_ms else {}
-        last = self.sidecar_ns[-self.bc.repeats:]
+        # f's timed steps are whole batches, not --repeats of them (45: 40): its warm-up kept out of the share.
+        timed = PIPELINE * _pipelined_batches(self.bc.repeats) if mode == "f" else self.bc.repeats
+        last = self.sidecar_ns[-timed:]
         # Misses over the whole mode, warm-up included: queued steps released unused (server/prelaunch.py).
         share = {"prelaunched_share": sum(t[4] for t in last) / max(1, len(last))}
         if self.mode_misses is not None:
