@@ -107,7 +107,7 @@ def wait_until(ready, deadline: float, active_since: float, nap_s: float = NAP_S
 
 
 class Page:
-    """Typed views of a doorbell page: the 4 words and the request / response areas."""
+    """Typed views of a doorbell page: the header's WORDS words and the request / response areas."""
 
     def __init__(self, buf: np.ndarray, capacity: int) -> None:
         if buf.nbytes < HEADER + 2 * capacity:

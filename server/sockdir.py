@@ -65,6 +65,11 @@ def problem(d: Path, st_uid: int, st_mode: int, euid: int) -> str | None:
     risk = f"is writable by every user ({found}): any local user could take a rank's socket name there"
     if st_uid == euid != 0:
         return f"{risk}; chmod o-w {d}, or remove it and let serve make it (mode 0770)"
+    if not st_mode & stat.S_ISVTX:
+        # A folder of ours inside would be refused in turn (parent_problem): anyone may rename it away.
+        return (f"{risk}, and rename away any folder made inside it (no sticky bit); have root chmod o-w {d}, "
+                "or choose a folder whose parents only this user or root may change (serve makes a missing one, "
+                "mode 0770), or in Kubernetes an emptyDir with the pod's fsGroup set")
     return (f"{risk}; use a folder of the sidecar's own inside it, e.g. {d / 'dspark-sidecar'} (serve makes a "
             "missing one, mode 0770), or in Kubernetes an emptyDir with the pod's fsGroup set")
 
@@ -166,7 +171,7 @@ def _give_group_bits(d: Path, parent: int) -> tuple[int, int]:
     """Set LEAF_MODE on the folder `_make_leaf` just made at `d` in the folder `parent` (a descriptor opened
     before the mkdir), and return its (st_dev, st_ino): the umask may have taken the group's bits, which the
     engine needs. A setgid bit inherited from the parent is kept: it is what gives the sockets the engine's
-    group.
+    group (where only a chmod's loss of it could give the group its bits, they are left as the umask made them).
 
     Through a descriptor opened in `parent` without following a link, and only on a folder of this user's:
     between the mkdir and here, whoever may rename entries in the parent (its group; anyone where the parent
@@ -186,14 +191,26 @@ def _give_group_bits(d: Path, parent: int) -> tuple[int, int]:
         st = os.fstat(fd)
         if st.st_uid != effective_uid():
             raise _replaced(d, f"now owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}")
+        if st.st_mode & stat.S_ISGID and not _in_group(st.st_gid):
+            # A chmod by a user outside the folder's group clears its setgid bit (the kernel's rule), and the
+            # sockets then got this user's group, not the engine's that the parent hands down (a parent made
+            # by root for this user with the engine's group): no engine could connect. Kept as mkdir made it:
+            # LEAF_MODE less the umask, so never anything for others.
+            return st.st_dev, st.st_ino
         os.fchmod(fd, LEAF_MODE | (st.st_mode & stat.S_ISGID))
     finally:
         os.close(fd)
     return st.st_dev, st.st_ino
 
 
+def _in_group(gid: int) -> bool:
+    """Whether this process may keep a folder's setgid bit through a chmod: root, or a member of its group `gid`."""
+    return os.geteuid() == 0 or gid == os.getegid() or gid in os.getgroups()
+
+
 def prepare(d: Path) -> None:
-    """Make `d` if it is missing (mode 0770 whatever the umask), then refuse it under the policy above.
+    """Make `d` if it is missing (mode 0770 whatever the umask, unless that would cost it a setgid parent's
+    group: _give_group_bits), then refuse it under the policy above.
     Runs in the parent before any rank starts and again in each rank before it binds (under torchrun
     there is no parent of ours)."""
     try:

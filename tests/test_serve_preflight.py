@@ -12,8 +12,10 @@ taken over. Each test forbids the launcher, so a regression fails in well under 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
+import tempfile
 from concurrent import futures
 from pathlib import Path
 
@@ -198,6 +200,40 @@ def test_a_setgid_parent_s_group_is_kept_on_the_folder_serve_makes(tmp_path):
     assert stat.S_IMODE((tmp_path / "sock").stat().st_mode) == 0o2770
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a parent of another group than the sidecar user's needs chown (root)")
+def test_a_setgid_parent_s_group_is_kept_when_the_sidecar_s_user_is_not_in_it(tmp_path):
+    """Root made the parent for the sidecar's user with the engine's group (setgid), the user not in it. The
+    chmod that gave back the group's bits is one the kernel answers by clearing the setgid bit of a folder
+    whose group the caller is not in: the sockets then got the sidecar's own group, and no engine connected."""
+    uid, engine_gid = OTHER_UID, OTHER_UID + 1
+    top = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is root's 0700: the user could not reach it
+    try:
+        top.chmod(0o755)
+        srv = top / "srv"
+        srv.mkdir()
+        os.chown(srv, uid, engine_gid)
+        srv.chmod(0o2770)
+        d = srv / "sock"
+        pid = os.fork()
+        if pid == 0:  # the sidecar, as that user (no supplementary groups)
+            code = 1
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                os.umask(0o022)
+                sockdir.prepare(d)
+                code = 0
+            finally:
+                os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0, "prepare refused the folder"
+        st = d.stat()
+        assert (st.st_gid, stat.S_IMODE(st.st_mode) & stat.S_ISGID) == (engine_gid, stat.S_ISGID), oct(st.st_mode)
+        assert not st.st_mode & 0o007
+    finally:
+        shutil.rmtree(top)
+
+
 @pytest.mark.parametrize("swap", ["link", "folder"])
 def test_an_entry_swapped_in_just_after_serve_made_the_folder_is_refused_and_left_as_it_was(swap, tmp_path,
                                                                                            monkeypatch):
@@ -281,7 +317,8 @@ POLICY = [
     (MINE, 0o41777, 1000, ["writable by every user", "mode 1777", "chmod o-w /s"]),  # sticky: names still taken
     (MINE, 0o40772, 1000, ["writable by every user", "mode 0772"]),
     (ROOT, 0o41777, 1000, ["writable by every user", "owner uid 0, mode 1777", "/s/dspark-sidecar", "fsGroup"]),  # /tmp
-    (ROOT, 0o40777, 1000, ["writable by every user", "mode 0777", "/s/dspark-sidecar"]),
+    (ROOT, 0o40777, 1000, ["writable by every user", "mode 0777", "have root chmod o-w /s"]),  # no sticky bit:
+    (ROOT, 0o40757, 1000, ["writable by every user", "have root chmod o-w /s"]),  # a folder inside is refused too
     (ROOT, 0o41777, 0, ["writable by every user", "/s/dspark-sidecar"]),  # /tmp for root: not "chmod o-w /tmp"
 ]
 
@@ -294,7 +331,19 @@ def test_the_owner_and_mode_policy(owner, mode, euid, words):
         assert why is None
     else:
         assert why is not None and all(w in why for w in words), why
-        assert "chmod o-w /s" not in why or owner is MINE
+        # Never for a shared scratch folder (sticky, as /tmp): a folder of ours inside it is the way there.
+        assert "chmod o-w /s" not in why or owner is MINE or not mode & stat.S_ISVTX
+
+
+@pytest.mark.parametrize("owner,mode,euid,words", [p for p in POLICY if p[3] is not OK], ids=_case_ids(
+    [p for p in POLICY if p[3] is not OK]))
+def test_a_folder_the_refusal_suggests_inside_the_refused_one_passes_the_parents_check(owner, mode, euid, words):
+    """A root-owned 0777 folder's refusal said to use a folder of the sidecar's own inside it, which the
+    parents' check then refused (no sticky bit: anyone may rename it away): advice that cannot work."""
+    owner = euid if owner is MINE else owner
+    why = sockdir.problem(Path("/s"), owner, mode, euid)
+    if "/s/dspark-sidecar" in why:
+        assert sockdir.parent_problem(Path("/s/dspark-sidecar"), owner, mode, euid) is None, why
 
 
 PARENTS = [
