@@ -59,7 +59,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark_sidecar.kernels.triton.step_meta import FLAG_RAN, Staging, gated_copy, step_gate, step_meta
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.gpu_word import DevicePointer, GpuWordOps, RegisteredPage
@@ -104,15 +103,15 @@ class Prelaunch:
     """One doorbell's queued step: at most one at a time, on the graphs' stream (see the module docstring)."""
 
     def __init__(self, ops: GpuWordOps, page: bell.Page, page_ptr: int, graphs: StepGraphs, window: int,
-                 count=lambda hit: None, event=torch.cuda.Event, program=step_meta, exchange=None,
-                 gate=step_gate, capture=None, device: torch.device | str = "cpu", max_reqs: int = 256,
-                 staging: Staging | None = None, behind_s: float = BEHIND_S, output_of=None,
-                 copy_out=gated_copy) -> None:
+                 count=lambda hit: None, event=torch.cuda.Event, program=None, exchange=None,
+                 gate=None, capture=None, device: torch.device | str = "cpu", max_reqs: int = 256,
+                 staging=None, behind_s: float = BEHIND_S, output_of=None, copy_out=None) -> None:
         """count(hit): told each time a queued step is used or released unused (metrics).
         exchange(t): TP > 1, the ranks' all-reduce MAX of int32 flags t on the current stream; None on one rank.
         device, max_reqs: where the flags are exchanged (the rank's GPU), and for up to how many requests.
         event, program, gate, capture: the CUDA event class, the metadata program, the flags' gate and
-        how a function becomes a replayable graph (tests pass CPU stand-ins).
+        how a function becomes a replayable graph (tests pass CPU stand-ins); program, gate and copy_out
+        default to step_meta's.
         staging: where the program's sources are copied first (step_meta.Staging); on a GPU, the
         device's own, made here unless given; elsewhere none unless given (the program reads in place).
         behind_s: the cooldown's threshold (serve --prelaunch-behind-ms).
@@ -122,11 +121,20 @@ class Prelaunch:
         (step_meta.gated_copy), and the answer's host path copies nothing.
         program, copy_out and staging's launch also take warm=True: compile and load, queue nothing
         (`_replay_of`)."""
+        # Imported here, not with the module: Triton is an optional extra (pyproject.toml), and every rank
+        # imports this module (servicer, doorbell), the CPU's reference-ops ranks included, which never
+        # queue a step. A module-level import ended every rank of a `serve` or `demo` without Triton.
+        from dspark_sidecar.kernels.triton import step_meta as meta
+
+        program = meta.step_meta if program is None else program
+        gate = meta.step_gate if gate is None else gate
+        copy_out = meta.gated_copy if copy_out is None else copy_out
+        self._flag_ran = meta.FLAG_RAN
         self.ops, self.page, self.graphs, self.window, self._count = ops, page, graphs, window, count
         self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
         self._capture = capture or (_capture_graph if torch.device(device).type == "cuda" else _uncaptured)
         if staging is None and torch.device(device).type == "cuda":
-            staging = Staging(device)
+            staging = meta.Staging(device)
         self._staging = staging
         self.behind_s = behind_s
         self._output_of, self._copy_out = output_of, copy_out
@@ -191,7 +199,7 @@ class Prelaunch:
         q = self.queued
         same = (q is not None and q.seq == seq and q.key == req.launch_key and q.token is step.positions
                 and q.graph is graph)
-        self._accepted = same and self._waited_ready(seq) and bool((self._flag_host[: step.num_reqs] == FLAG_RAN).all())
+        self._accepted = same and self._waited_ready(seq) and bool((self._flag_host[: step.num_reqs] == self._flag_ran).all())
         # The launch key promises the same slices (sidecar.proto), output included; checked all the same.
         self._out_ready = self._accepted and q.out is not None and _same_view(q.out, self._output_of(step, q.out))
         streak = self._streak + 1 if self._repeats(req.launch_key, step) else 1
