@@ -34,7 +34,7 @@ HALT_POLL_S = 0.05  # how often an idle doorbell looks at its halt flag
 # and a rendezvous fit well inside it.
 STOP_S = 10.0
 _KEPT: list = []  # pages whose GPU registration could not be ended: never unmapped (Doorbell._close_page)
-WORD_ALIGN = 64  # the page's start: its six words in one cache line, each an untorn 8-byte store
+WORD_ALIGN = 64  # the page's start: its header words (bell.WORDS) in one cache line, each an untorn 8-byte store
 
 
 def _flag_exchange(world: int):

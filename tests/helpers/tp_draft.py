@@ -48,7 +48,7 @@ class CountingExchange:
 def draft_through_lanes(rank: int, world: int, dspark_dir: str, embed: torch.Tensor, dtype: torch.dtype):
     """One launch group (R = 8) summed through the world group (lane 0) and through a lane of its own
     (a second gloo group made the way server/app.exchange_lanes makes it) -> (out lane 0, out lane 1,
-    all-reduces per lane in each run, the lane's probe sum)."""
+    all-reduces per lane in each run, whether each layer's K/V came out the same through both lanes)."""
     import torch.distributed as dist
 
     from dspark_sidecar.server.app import exchange_lanes
