@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import shutil
 import statistics
@@ -58,6 +57,7 @@ from dspark_sidecar.kernels import reference
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
 from dspark_sidecar.kernels.timing import gpu_times
 from dspark_sidecar.kernels.weights import prepare_layer_weights
+from dspark_sidecar.percentiles import percentile
 from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
@@ -624,12 +624,12 @@ def _latency_fields(ms: list[float]) -> dict:
     """The median, and the nearest-rank p99 where there are at least P99_MIN_SAMPLES samples; with
     fewer (30 repeats; mode f's 3 batch means) that p99 is the maximum, so the row gives max_ms
     and the sample count instead of calling it a p99."""
-    n, ordered = len(ms), sorted(ms)
+    n = len(ms)
     out = {"samples": n, "p50_ms": statistics.median(ms)}
     if n >= P99_MIN_SAMPLES:
-        out["p99_ms"] = ordered[math.ceil(0.99 * n) - 1]
+        out["p99_ms"] = percentile(ms, 99)
     else:
-        out["max_ms"] = ordered[-1]
+        out["max_ms"] = max(ms)
     return out
 
 

@@ -16,11 +16,11 @@ from dspark_sidecar import layout
 from dspark_sidecar.client.config import BreakerConfig
 from dspark_sidecar.client.harness import HarnessConfig, run_engine, worst
 from dspark_sidecar.client.launcher import SidecarLauncher
-from dspark_sidecar.client.stats import percentile
 from dspark_sidecar.client.workload import MixConfig
 from dspark_sidecar.drafter.checkpoint import ensure_synthetic_checkpoint
 from dspark_sidecar.drafter.config import PRESETS
 from dspark_sidecar.drafter.kv_cache import KV_DTYPE_CHOICES, KV_LAYOUTS
+from dspark_sidecar.percentiles import percentile
 
 
 class DemoError(RuntimeError):
@@ -54,8 +54,8 @@ class DemoConfig:
             raise ValueError(f"rounds: must be >= 1, got {self.rounds}")
         if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
             raise ValueError(f"max_reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
-        if not 0 <= self.seed < 1 << 32:  # serve's range (ServeConfig): 2^62 overflowed torch's generator, -1 no serve takes
-            raise ValueError(f"seed: must be 0..{(1 << 32) - 1}, got {self.seed}")
+        if not 0 <= self.seed < layout.SEED_LIMIT:  # serve's range: 2^62 overflowed torch's generator, -1 no serve takes
+            raise ValueError(f"seed: must be 0..{layout.SEED_LIMIT - 1}, got {self.seed}")
         if self.preset not in PRESETS:
             raise ValueError(f"preset: one of {sorted(PRESETS)}, got {self.preset!r}")
         if not self.start_sidecar and self.socket_dir is None:

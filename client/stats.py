@@ -5,16 +5,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-
-def percentile(samples: list[int] | collections.deque, q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of integer samples; NaN when empty."""
-    if not samples:
-        return float("nan")
-    s = sorted(samples)
-    # The ceil(q/100 * n)-th sample, q * n first so that a whole rank stays whole. (round(x + 0.5) is not
-    # a ceiling: Python rounds halves to even, and the p99 of 100 samples came out as their maximum.)
-    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
-    return float(s[k])
+from dspark_sidecar.percentiles import percentile
 
 
 @dataclass

@@ -7,6 +7,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from dspark_sidecar.percentiles import percentile
 from dspark_sidecar.proto import sidecar_pb2 as pb
 
 # invalid: the request was bad (validate.py, a stale binding). refused: the rank turned the step away
@@ -82,20 +83,12 @@ class Metrics:
         out = []
         with self._lock:
             for phase, dq in self._recent.items():
-                xs = sorted(dq)
-                if xs:
-                    out.append(pb.LatencySummary(name=phase, count=len(xs), p50_ns=_nearest_rank(xs, 50),
-                                                 p99_ns=_nearest_rank(xs, 99)))
+                if dq:
+                    out.append(pb.LatencySummary(name=phase, count=len(dq), p50_ns=int(percentile(dq, 50)),
+                                                 p99_ns=int(percentile(dq, 99))))
         return out
 
     def serve_http(self, host: str, port: int) -> None:
         """Prometheus text on host:port (default loopback: only the node's own scraper agent)."""
         start_http_server(port, addr=host, registry=self.registry)
 
-
-def _nearest_rank(xs: list[int], pct: int) -> int:
-    """The pct-th percentile of sorted `xs` by nearest rank (the ceil(pct n / 100)-th smallest), as the bench's
-    p99 (bench._latency_fields). xs[int(0.99 n)] was one rank high wherever 0.99 n is whole: the maximum
-    as the p99 of 100 samples, the larger of 2 as their median. Integer arithmetic: 0.99 n in floats
-    lands either side of a whole n."""
-    return xs[-(-pct * len(xs) // 100) - 1]

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from dspark_sidecar.client.stats import ShimStats, percentile
+from dspark_sidecar.client.stats import ShimStats
+from dspark_sidecar.percentiles import percentile
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 7, 10, 99, 100, 101, 200, 1000])
