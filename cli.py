@@ -285,10 +285,20 @@ def cmd_step(a: argparse.Namespace) -> int:
     return 0
 
 
+def _check_tp(preset: str, tp: int) -> None:
+    """UsageError unless `preset` shards over --tp ranks, as the sidecar's and the engine's ranks both shard it."""
+    from dspark_sidecar.drafter.config import ConfigError, load_config
+
+    dcfg = load_config(preset)  # an unknown preset: its own ConfigError, one line too
+    try:
+        dcfg.check_tp(tp)
+    except ConfigError as err:
+        raise UsageError(f"--tp {tp}: {err}") from None
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from dspark_sidecar import layout
     from dspark_sidecar.client.demo import DemoConfig, DemoError, format_report, run_demo, unverified_line, verdict
-    from dspark_sidecar.drafter.config import ConfigError, load_config
 
     # Checked before anything starts: --tp 0 ended in the harness's traceback after the checkpoint was
     # written, --required-tp 0 only in the engine ranks, after the sidecar had started.
@@ -312,10 +322,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
                     **({"socket_dir": a.socket_dir} if a.socket_dir is not None else {}))
     # The harness's ranks shard the preset as the sidecar's do: a --tp it does not divide ended in a
     # traceback once the sidecar, started, had exited 2 (or, with --use-running-sidecar, in the engine ranks).
-    try:
-        load_config(a.preset).check_tp(a.tp)
-    except ConfigError as err:
-        raise UsageError(f"--tp {a.tp}: {err}") from None
+    _check_tp(a.preset, a.tp)
     # The folder the sockets are looked for in (with --use-running-sidecar; the demo's own sidecar's was checked
     # just above, where serve's default folder used to be): one too long for a unix socket failed in the
     # launcher, as "a sidecar already answers" there.
@@ -392,15 +399,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise UsageError(f"--tp: at least 1, got {a.tp}")
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
-        from dspark_sidecar.drafter.config import ConfigError, load_config
 
         # Before any process: with --no-single-gpu nothing else checked the preset or --tp before the sidecar
         # started, which then failed (a traceback naming its log, its folder left in $TMPDIR) for a flag's value.
-        dcfg = load_config(a.preset)
-        try:
-            dcfg.check_tp(a.tp)
-        except ConfigError as err:
-            raise UsageError(f"--tp {a.tp}: {err}") from None
+        _check_tp(a.preset, a.tp)
 
         bc.out_dir.mkdir(parents=True, exist_ok=True)
         with _sigterm_unwinds():  # as the demo's: killed at once, the engine ranks' folder stayed behind

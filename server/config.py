@@ -119,8 +119,8 @@ class ServeConfig:
             raise ServeConfigError(f"--drain-s: must be 0..300, got {self.drain_s}")
         if not 0 <= self.exit_with_pid <= PID_MAX:
             raise ServeConfigError(f"--exit-with-pid: must be 0 (off) or a process id 1..{PID_MAX}, got {self.exit_with_pid}")
-        if not 0 <= self.seed < 1 << 32:  # torch's generator takes seed * 1_000_003 + crc32 (checkpoint.py)
-            raise ServeConfigError(f"--seed: must be 0..{(1 << 32) - 1}, got {self.seed}")
+        if not 0 <= self.seed < layout.SEED_LIMIT:
+            raise ServeConfigError(f"--seed: must be 0..{layout.SEED_LIMIT - 1}, got {self.seed}")
         if self.checkpoint is not None and self.target_checkpoint is None and not self.random_weights:
             raise ServeConfigError("--target-checkpoint: required with --checkpoint (embed_tokens lives in the target)")
         if self.target_checkpoint is not None and self.checkpoint is None:
