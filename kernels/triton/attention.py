@@ -290,6 +290,12 @@ def _lane(device: torch.device, stream: int) -> int | None:
     return lane
 
 
+def tiled_keys(window: int, rows_per_req: int, table_pages: int, page_size: int) -> int:
+    """Keys the split kernel tiles for a block table of `table_pages` columns: what the window reaches in
+    those whole pages, less the last rows_per_req keys (the narrow tile's)."""
+    return max(1, min(window + rows_per_req - 1, table_pages * page_size) - rows_per_req)
+
+
 def num_splits(num_reqs: int, kv_heads: int, max_keys: int, sms: int, block_n: int = BLOCK_N,
                min_tiles: int | None = None, programs_per_sm: int | None = None) -> int:
     """Splits of the key range (a power of two, for the reduce's arange), from shapes alone."""
@@ -345,9 +351,8 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
     if r == 0:
         return out
     bn = block_n or BLOCK_N
-    max_keys = min(window + rows_per_req - 1, block_tables.shape[1] * page_size)
-    tiled_keys = max(1, max_keys - rows_per_req)  # the last rows_per_req keys: the narrow tile
-    sp = splits or num_splits(r, hk, tiled_keys, max(1, sms_of(q) // max(1, concurrent)), bn)
+    keys = tiled_keys(window, rows_per_req, block_tables.shape[1], page_size)
+    sp = splits or num_splits(r, hk, keys, max(1, sms_of(q) // max(1, concurrent)), bn)
     bm = max(16, triton.next_power_of_2(rows_per_req * group))
     bd = max(16, triton.next_power_of_2(d))
     if sp > 1:

@@ -117,8 +117,7 @@ def gemm_label(x: torch.Tensor, w, kind: str) -> str:
 def attention_splits(r: int, context: int, sms: int) -> int:
     """The splits attention.paged_window_attention picks for `_kv_step`'s cache: its tiled keys come from
     the block table's width (whole pages), less the narrow tile's QPR keys, not from the keys seen."""
-    table_keys = -(-(context + QPR) // PAGE) * PAGE
-    return attention.num_splits(r, HK, max(1, min(WINDOW + QPR - 1, table_keys) - QPR), sms)
+    return attention.num_splits(r, HK, attention.tiled_keys(WINDOW, QPR, -(-(context + QPR) // PAGE), PAGE), sms)
 
 
 def _gemm_fn(x, nw, w, kind, config=None, ops=None):
