@@ -83,8 +83,9 @@ def kv_cache_provider(model: torch.nn.Module):
     # An fp8 layer's float8 view, kept while vLLM holds the same uint8 tensor: a fresh view each
     # step would miss the binder's same-objects check (KVBinder.needs_bind) and cost the full
     # identity of every layer on every step. The view holds the cache's storage until vLLM's next
-    # allocation is seen here, one call later.
-    views: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+    # allocation is seen here, one call later. Kept only while the uint8 tensor keeps its memory and
+    # layout too: the binder sees only the view, so a stale one would hide a cache moved in place.
+    views: dict[int, tuple[tuple, torch.Tensor]] = {}
 
     def caches() -> list[torch.Tensor]:
         out = []
@@ -95,8 +96,8 @@ def kv_cache_provider(model: torch.nn.Module):
                 return []
             if e4m3_at_scale_one(m, t):
                 hit = views.get(i)
-                if hit is None or hit[0]() is not t:
-                    hit = views[i] = (weakref.ref(t), t.view(torch.float8_e4m3fn))
+                if hit is None or not _same_place(hit[0], t):
+                    hit = views[i] = (_place(t), t.view(torch.float8_e4m3fn))
                 t = hit[1]
             elif t.dtype in FP8_DTYPES and _kv_scaled(m):
                 # Float8 codes of x / scale held in a float8 tensor: read as values, the sidecar would
@@ -106,6 +107,18 @@ def kv_cache_provider(model: torch.nn.Module):
         return out
 
     return caches
+
+
+def _place(t: torch.Tensor) -> tuple:
+    """What a view of `t` was made from: the object (weakly) and its memory and layout then."""
+    return weakref.ref(t), t.data_ptr(), t.shape, t.stride()
+
+
+def _same_place(place: tuple, t: torch.Tensor) -> bool:
+    """Whether `t` is the object `place` was read from, at the same memory and layout: not changed in
+    place since (`.data =`, `set_`, `as_strided_`). The data pointer includes the storage offset."""
+    ref, ptr, shape, stride = place
+    return ref() is t and t.data_ptr() == ptr and t.shape == shape and t.stride() == stride
 
 
 def _kv_scaled(layer: Any) -> bool:

@@ -362,6 +362,40 @@ def test_the_fp8_view_is_the_same_object_step_after_step_until_vllm_reallocates(
     assert caches()[0].dtype == torch.uint8
 
 
+@pytest.mark.parametrize("change", [
+    lambda t: setattr(t, "data", torch.zeros(8, 1, 16, 256, dtype=torch.uint8)),  # new memory, same object
+    lambda t: t.as_strided_(t.shape, t.stride(), 16 * 256),  # moved within its storage
+    lambda t: t.as_strided_((2, 1, 16, 256), t.stride()),  # fewer pages
+], ids=["new-memory", "offset", "shape"])
+def test_an_fp8_cache_changed_in_place_is_seen_by_the_binder(fake_vllm, monkeypatch, change):
+    """The binder catches a layer that keeps its tensor object but changes its memory or layout in place
+    (test_binding_identity). Over an fp8 cache it watches the provider's float8 view, which was reused for as
+    long as vLLM held the same uint8 object: a cache moved in place kept the stale view, the binder saw the
+    same view unchanged, and the sidecar went on reading and writing the old memory while the engine used
+    the new."""
+    from dspark_sidecar.client.binding import Binding, KVBinder, _watch, cache_identity
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    plat = types.ModuleType("vllm.platforms")
+    plat.current_platform = SimpleNamespace(fp8_dtype=lambda: torch.float8_e4m3fn)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", plat)
+    model = nn.Module()
+    model.attn = FakeAttention()
+    model.attn.kv_cache = torch.zeros(16, 1, 16, 256, dtype=torch.uint8)[:4]
+    model.attn.kv_cache_dtype, model.attn._k_scale_float, model.attn._v_scale_float = "fp8", 1.0, 1.0
+    caches = vllm_plugin.kv_cache_provider(model)
+    bound = caches()
+    binder = KVBinder(pb.EngineFacts())
+    binder.current = Binding(1, 1, cache_identity(bound), _watch(bound))  # as bind() leaves it
+    assert not binder.needs_bind(caches())
+    change(model.attn.kv_cache)
+    (now,) = caches()
+    raw = model.attn.kv_cache
+    assert now.dtype == torch.float8_e4m3fn
+    assert (now.data_ptr(), now.shape, now.stride()) == (raw.data_ptr(), raw.shape, raw.stride())
+    assert binder.needs_bind([now])
+
+
 def _first_forward_runs_the_stock_layers(fake_vllm, caplog, **config):
     """The drafter's first forward under the environment set (and vllm_config(**config)): it builds the
     shim, which stays off, and the stock layers answer; returns the model."""
