@@ -33,9 +33,10 @@ from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
 
 log = logging.getLogger("dspark_sidecar.server")
 
-# RoPE table rows the runner builds (f32 [max_positions, 64]: 256 MB at 2^20). Positions past it
-# would read zeros in qkv_rope, so a step with any such position takes the portable layers
-# (Rank._fast_ready), which take any position.
+# RoPE table rows the runner builds (f32 [max_positions, 64]: 256 MB at 2^20). qkv_rope reads the
+# table through an unbounded descriptor, so a position past it would read whatever memory follows
+# (not zeros): a step with any such position takes the portable layers (Rank._fast_ready), which
+# take any position.
 MAX_POSITIONS = 1 << 20
 
 
