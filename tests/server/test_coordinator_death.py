@@ -23,7 +23,6 @@ TP = 2
 RDV_MS = 6000  # long: the kill lands while rank 1 still waits for its verdict
 LENS = [5, 40]
 PAGES = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 8
-SLACK_S = 4.0  # a loaded 2-core CI box schedules late
 
 
 @pytest.fixture
@@ -66,9 +65,9 @@ def _aborted_after_killing(rig, waiting: int, killed: int):
 def test_a_peer_waiting_on_a_killed_coordinator_answers_its_step_aborted_at_once(rig):
     sc = rig[0]
     ans, took, pids = _aborted_after_killing(rig, waiting=1, killed=0)
-    assert "coordinator" in ans.error.message and "exited" in ans.error.message, ans.error.message
-    # Well before the rendezvous deadline the step would otherwise have waited out, let alone the give-up.
-    assert took < SLACK_S < RDV_MS / 1e3, took
+    # Told by the exit, not at a deadline: the rendezvous deadline's abort says "did not receive it", and
+    # the give-up it would otherwise have waited out answers nothing (the stream just ends, asserted above).
+    assert "coordinator" in ans.error.message and "exited" in ans.error.message, (took, ans.error.message)
     # The group still goes down as a whole, and no rank is left behind.
     assert sc.proc.wait(timeout=60) == 1
     assert not alive(pids[1])
@@ -80,7 +79,8 @@ def test_a_step_waiting_for_a_killed_peer_s_copy_is_aborted_at_once_naming_it(ri
     receive it"; now it aborts the step at once and says the rank exited."""
     sc = rig[0]
     ans, took, pids = _aborted_after_killing(rig, waiting=0, killed=1)
-    assert "rank(s) 1 exited" in ans.error.message, ans.error.message
-    assert took < SLACK_S < RDV_MS / 1e3, took
+    # Not the deadline's "rank(s) 1 did not receive it within 6000 ms": the exit, told at once.
+    assert "rank(s) 1 exited" in ans.error.message and "did not receive" not in ans.error.message, (
+        took, ans.error.message)
     assert sc.proc.wait(timeout=60) == 1
     assert not alive(pids[0])
