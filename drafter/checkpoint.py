@@ -127,6 +127,13 @@ def check_f8_codes(key: str, q: torch.Tensor, where: str = "") -> None:
                               "the checkpoint is corrupt")
 
 
+def stale_scale(key: str, dtype: str) -> CheckpointError:
+    """The error for a dense `key` stored next to a block scale: a converter that cast F8 codes up and kept
+    the scale leaves weights 2^(v - 127) off, which loading as dense would serve silently."""
+    return CheckpointError(f"{key}{SCALE_SUFFIX}: a block scale for {key}, which is stored as {dtype}, not "
+                           "F8_E4M3; a dense linear has none (remove the scale if the weight is dequantized already)")
+
+
 def check_scales(skey: str, s: torch.Tensor) -> None:
     """U8 E8M0 block exponents no larger than MAX_EXPONENT (255, E8M0's NaN, included)."""
     if s.dtype != torch.uint8:
@@ -256,6 +263,8 @@ def check_checkpoint(cfg: DrafterConfig, dspark_dir: str | Path, target_dir: str
             allowed = ("F8_E4M3 (with a U8 scale), " if spec.mxfp8 else "") + ", ".join(DENSE_DTYPES)
             raise CheckpointError(f"{spec.key}: dtype {dtype}, expected {allowed}")
         else:
+            if spec.mxfp8 and reader.has(spec.key + SCALE_SUFFIX):
+                raise stale_scale(spec.key, dtype)
             bad = int((~torch.isfinite(reader.read_stored(spec.key, spec.shape))).sum())
             if bad:
                 raise CheckpointError(f"{spec.key}: {bad} non-finite values (NaN or inf)")
@@ -365,6 +374,8 @@ class CheckpointReader:
             t = dequantize_mxfp8(t, s, self.block)
         elif t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise CheckpointError(f"{key}: unsupported dtype {t.dtype}")
+        elif self.has(key + SCALE_SUFFIX):
+            raise stale_scale(key, str(t.dtype))
         t = t.to(device=self.device, dtype=self.dtype)
         bad = int(t.numel() - torch.isfinite(t).sum())
         if bad:  # a NaN or inf weight would load and serve silently: every draft wrong, nothing said
@@ -393,10 +404,11 @@ class SyntheticSource:
         if spec is None or spec.shape != tuple(shape):
             raise CheckpointError(f"{key}: not a drafter tensor of shape {list(shape)}")
         gen = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
-        full_rows = rows or slice(0, shape[0])
-        out_shape = (full_rows.stop - full_rows.start,) + tuple(shape[1:])
-        t = torch.randn(out_shape, generator=gen, device=self.device, dtype=torch.float32)
-        t = t * spec.init_std + spec.init_mean
+        # Drawn whole, then sliced: rank k's rows are rows k of the one weight. Drawing only the slice's
+        # row count gave every rank rank 0's rows (the same q/k/v heads and FFN columns on all ranks).
+        t = torch.randn(tuple(shape), generator=gen, device=self.device, dtype=torch.float32)
+        if rows is not None:
+            t = t[rows]
         if cols is not None:
             t = t[:, cols]
-        return t.to(self.dtype).contiguous()
+        return (t * spec.init_std + spec.init_mean).to(self.dtype).contiguous()

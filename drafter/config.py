@@ -57,7 +57,7 @@ class DrafterConfig:
         for f in ("rms_norm_eps", "rope_theta", "swiglu_alpha", "swiglu_limit"):
             v = getattr(self, f)
             # json reads Infinity too: eps = inf zeroes every norm's output, theta = inf freezes RoPE.
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 and math.isfinite(v)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 and _finite(v)):
                 raise ConfigError(f"{f}: must be a positive finite number, got {v!r}")
         if self.block_size != layout.QPR:
             raise ConfigError(f"dspark_block_size: must be {layout.QPR} (the served block), got {self.block_size}")
@@ -190,8 +190,11 @@ class DrafterConfig:
         if quant.get("quant_method") != "mxfp8":
             raise ConfigError(f"quantization_config.quant_method: expected 'mxfp8', got {quant.get('quant_method')!r}")
         wbs = quant.get("weight_block_size")
-        if not (isinstance(wbs, list) and len(wbs) == 2 and wbs[0] == 1):
-            raise ConfigError(f"quantization_config.weight_block_size: expected [1, B], got {wbs!r}")
+        # B checked here: the dataclass would name it text_config.quant_block, a key no config.json has.
+        if not (isinstance(wbs, list) and len(wbs) == 2 and wbs[0] == 1 and isinstance(wbs[1], int)
+                and not isinstance(wbs[1], bool) and wbs[1] > 0):
+            raise ConfigError(f"quantization_config.weight_block_size: expected [1, B] with B a positive integer, "
+                              f"got {wbs!r}")
         num_layers = req("num_hidden_layers")
         if not isinstance(req("dspark_target_layer_ids"), list):
             raise ConfigError(f"text_config.dspark_target_layer_ids: expected a list, got {text['dspark_target_layer_ids']!r}")
@@ -253,12 +256,20 @@ class DrafterConfig:
         path = Path(path)
         try:
             data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, and UnicodeDecodeError (a UTF-16 file)
             raise ConfigError(f"{path}: cannot read config.json: {e}") from None
         return cls.from_hf_json(data, name=path.parent.name or "checkpoint")
 
     def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _finite(v: int | float) -> bool:
+    """math.isfinite, False for a JSON integer past a float's range (10**400 raised OverflowError: a traceback)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _rotary_from_factor(factor: float, kw: dict[str, Any]) -> None:
@@ -269,7 +280,7 @@ def _rotary_from_factor(factor: float, kw: dict[str, Any]) -> None:
     head_dim = kw["head_dim"]
     if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
         return
-    if not math.isfinite(factor):
+    if not _finite(factor):
         raise ConfigError(f"text_config.partial_rotary_factor: expected a finite number, got {factor!r}")
     dims = factor * head_dim
     whole = round(dims)

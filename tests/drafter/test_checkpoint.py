@@ -199,3 +199,36 @@ def test_a_synthetic_checkpoint_write_that_is_interrupted_leaves_no_partial_fold
     with pytest.raises(KeyboardInterrupt):
         checkpoint.ensure_synthetic_checkpoint(tiny_cfg, seed=0)
     assert list((tmp_path / "dspark-sidecar").iterdir()) == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_random_weights_give_each_rank_its_own_slice_of_one_weight(world, tiny_cfg):
+    """SyntheticSource (--random-weights) drew only a slice's row count from the key's seed: every rank got
+    rank 0's rows, so a TP-N drafter held the same heads and FFN columns N times and was no TP-1 one."""
+    from dspark_sidecar.drafter.checkpoint import SyntheticSource
+
+    src = SyntheticSource(tiny_cfg, torch.float32)
+    shape_q, shape_o = (tiny_cfg.q_size, tiny_cfg.hidden_size), (tiny_cfg.hidden_size, tiny_cfg.q_size)
+    full_q, full_o = src.read(Q, shape_q), src.read(O, shape_o)
+    for rank in range(world):
+        par = ParallelContext(rank, world)
+        assert torch.equal(src.read(Q, shape_q, rows=par.shard(shape_q[0])), full_q[par.shard(shape_q[0])])
+        assert torch.equal(src.read(O, shape_o, cols=par.shard(shape_o[1])), full_o[:, par.shard(shape_o[1])])
+
+
+def test_a_dense_linear_next_to_a_block_scale_is_named(tmp_path, tiny_ckpt, tiny_cfg):
+    """A converter that casts the F8 codes up to bf16 and keeps `weight_scale_inv` leaves every weight off by its
+    block's 2^(v - 127). check_checkpoint blamed config.json ("is config.json this checkpoint's?") for the scale,
+    and CheckpointReader.read (the engine harness's loader, no check_checkpoint first) loaded the codes as weights."""
+    from dspark_sidecar.drafter.checkpoint import check_checkpoint
+
+    t = load_file(str(tiny_ckpt[0] / "model.safetensors"))
+    t[Q] = t[Q].to(torch.bfloat16)  # cast, not dequantized: the scale is still needed
+    d = tmp_path / "cast"
+    d.mkdir()
+    save_file(t, str(d / "model.safetensors"))
+    shape = (tiny_cfg.q_size, tiny_cfg.hidden_size)
+    with pytest.raises(CheckpointError, match=rf"{Q}_scale_inv: a block scale for {Q}, which is stored as BF16"):
+        check_checkpoint(tiny_cfg, d, tiny_ckpt[1])
+    with pytest.raises(CheckpointError, match=rf"{Q}_scale_inv: a block scale for {Q}, which is stored as torch.bf"):
+        CheckpointReader(d, torch.float32).read(Q, shape, rows=slice(0, 256))

@@ -135,3 +135,37 @@ def test_values_that_used_to_pass_or_be_misnamed(key, value, words):
     data["text_config"][key] = value
     with pytest.raises(ConfigError, match=words):
         DrafterConfig.from_hf_json(data)
+
+
+@pytest.mark.parametrize("block", [0, "32", True, None])
+def test_a_bad_weight_block_size_is_named_by_its_key(block):
+    """A bad B in quantization_config.weight_block_size [1, B] was named "text_config.quant_block", a key
+    that no config.json has (the dataclass's field name, under the text_config prefix)."""
+    data = PRESETS["tiny"].to_hf_json()
+    data["quantization_config"]["weight_block_size"] = [1, block]
+    with pytest.raises(ConfigError, match=r"^quantization_config.weight_block_size: expected \[1, B\]"):
+        DrafterConfig.from_hf_json(data)
+
+
+@pytest.mark.parametrize("key, words", [
+    ("rope_theta", "rope_theta: must be a positive finite number"),
+    ("rms_norm_eps", "rms_norm_eps: must be a positive finite number"),
+    ("partial_rotary_factor", "partial_rotary_factor: expected a finite number"),
+])
+def test_an_integer_past_a_floats_range_is_named(key, words):
+    """JSON reads 1e400 as inf (refused) but 10**400 written out as an integer as an int, which math.isfinite
+    cannot convert: an OverflowError traceback instead of serve's one line and exit 2."""
+    data = PRESETS["tiny"].to_hf_json()
+    if key == "partial_rotary_factor":
+        del data["text_config"]["rotary_dim"]
+    data["text_config"][key] = 10 ** 400
+    with pytest.raises(ConfigError, match=words):
+        DrafterConfig.from_hf_json(json.loads(json.dumps(data)))
+
+
+def test_a_config_json_that_is_not_utf8_is_named(tmp_path):
+    """A config.json saved as UTF-16 (an editor's or PowerShell's default) raised UnicodeDecodeError from
+    read_text: neither OSError nor JSONDecodeError, so a traceback instead of a ConfigError naming the file."""
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"].to_hf_json()), encoding="utf-16")
+    with pytest.raises(ConfigError, match="config.json: cannot read config.json"):
+        load_config(checkpoint=tmp_path)

@@ -127,7 +127,7 @@ def exchange_rank(rank: int, world: int, folder: str, fault: str | None, fault_r
 
 def fast_path_rank(rank: int, world: int, folder: str, ckpt: str, fault: str | None) -> dict:
     """run_ranks body: the server's start-up of the FlyDSL path (weights + peers) on the tiny drafter."""
-    from dspark_sidecar.drafter.checkpoint import CheckpointReader
+    from dspark_sidecar.drafter.checkpoint import SCALE_SUFFIX, CheckpointReader
     from dspark_sidecar.drafter.config import PRESETS
     from dspark_sidecar.drafter.model import DSparkDrafter
     from dspark_sidecar.drafter.parallel import ParallelContext
@@ -141,6 +141,9 @@ def fast_path_rank(rank: int, world: int, folder: str, ckpt: str, fault: str | N
         def _slice(self, key, shape, rows, cols):
             t = super()._slice(key, shape, rows, cols)
             return t.to(torch.bfloat16) if t.dtype == torch.float8_e4m3fn else t
+
+        def has(self, key):  # saved dequantized: no block scales beside them (a kept one is refused)
+            return not key.endswith(SCALE_SUFFIX) and super().has(key)
 
     cfg = PRESETS["tiny"]
     reader = (Bf16Linears if fault == "weights" and rank == 0 else CheckpointReader)(ckpt, torch.bfloat16, cfg.quant_block)
