@@ -116,9 +116,9 @@ class Prelaunch:
         device's own, made here unless given; elsewhere none unless given (the program reads in place).
         behind_s: the cooldown's threshold (serve --prelaunch-behind-ms).
         output_of(step, out): the engine's output slice of `step` for hidden states like `out` (a view
-        of its region; None: inline, or not resolvable); given, the queued step's rows go there on
-        the GPU behind the replay, through copy_out(src, dst, flags, R), gated by the program's flags
-        (step_meta.gated_copy), and the answer's host path copies nothing.
+        of its region; None: inline, or not resolvable); given, and on the graph's device, the queued
+        step's rows go there on the GPU behind the replay, through copy_out(src, dst, flags, R), gated
+        by the program's flags (step_meta.gated_copy), and the answer's host path copies nothing.
         program, copy_out and staging's launch also take warm=True: compile and load, queue nothing
         (`_replay_of`)."""
         # Imported here, not with the module: Triton is an optional extra (pyproject.toml), and every rank
@@ -179,6 +179,9 @@ class Prelaunch:
     # During a step (RankLoop's hook, under its lock) -----------------------------------------
     def hook(self, seq: int, req: pb.DraftStepRequest) -> "StepHook":
         """What the rank loop calls during doorbell step `seq` (server/rank.py)."""
+        # This step's waits (offer's _waited_ready), for its StepTimings: 0 unless offer sees its queued copy.
+        # Here, not in offer: a step on the kernel fast path never offers, and reported the last hit's waits.
+        self.word_wait_ns = self.start_wait_ns = 0
         return StepHook(self, seq, req)
 
     def offer(self, seq: int, req: pb.DraftStepRequest, step: Step) -> tuple[bool, bool]:
@@ -187,7 +190,6 @@ class Prelaunch:
         The first waits until the queued copy has started on the GPU (at TP > 1: until every rank's
         has, and their flags are exchanged); nothing is released here, `take` does what was agreed.
         """
-        self.word_wait_ns = self.start_wait_ns = 0  # this step's waits (_waited_ready), for its StepTimings
         if self._watched is not None:  # the last cooldown step's word had not arrived by this ring: no evidence
             log.debug("prelaunch: cooldown step %d: its word not seen before step %d rang", self._watched[0], seq)
             self._watched, self._on_time = None, 0
@@ -341,6 +343,10 @@ class Prelaunch:
         agree = self._agreement(graph, step.num_reqs) if self._exchange is not None else None
         metadata = self._metadata(step, graph, sources, agree is not None)  # captured before the wait is queued
         out = self._output_of(step, graph.out) if self._output_of is not None else None
+        if out is not None and out.device != graph.out.device:
+            # A slice in host memory (a shared-memory region, which the proto allows): the gated copy is a
+            # GPU kernel that cannot reach it, and failed behind the wait. The answer's host path copies there.
+            out = None
         copy = self._copy(graph.out, out, step.num_reqs) if out is not None else None  # so is this
         # Ahead of the wait, in stream order after the last program that read the previous value.
         self.ops.write(stream.cuda_stream, self._expect.data_ptr(), bell.gpu_word(seq, key))

@@ -744,8 +744,7 @@ def test_a_late_peer_is_no_news_a_late_own_word_is(rig, monkeypatch):
     # StepTimings' split of the wait: the word was there at once, the copy started ~50 ms later. Each
     # wait is timed from when the code under test starts waiting, a few ms after the delay's clock
     # starts here (a 2-core CI host took 1 ms: 48.98 ms), so the bounds are 40 ms, not 50.
-    hook = rig.pl.hook(SEQ + 2, _req())
-    word_ns, start_ns = hook.waits_ns()
+    word_ns, start_ns = rig.pl.word_wait_ns, rig.pl.start_wait_ns  # the served step's (its hook's waits_ns)
     assert word_ns < 0.025e9 and start_ns >= 0.04e9
     late = threading.Timer(0.05, lambda: rig.page.words.__setitem__(bell.GPU_WORD, bell.gpu_word(SEQ + 3, KEY)))
     late.start()  # this engine's stream writes its word 50 ms after the ring
@@ -1010,3 +1009,48 @@ def test_a_replaced_doorbell_s_region_registrations_are_shared_with_the_new_one_
     new.after(3, OK)
     new.close()
     assert live == set()
+
+
+def test_a_step_that_offers_nothing_reports_none_of_an_earlier_step_s_waits(rig):
+    """StepTimings' gpu_word_wait_ns and gpu_start_wait_ns are 0 when nothing was queued for the step
+    (sidecar.proto). A step on the kernel fast path never offers (rank.py), and reported the waits of
+    the last step answered from a queued copy: every fast step after it, until the next offer."""
+    rig.pl.behind_s = 10.0  # the late word below starts no cooldown
+    _queue(rig)
+    late = threading.Timer(0.02, lambda: rig.page.words.__setitem__(bell.GPU_WORD, bell.gpu_word(SEQ + 2, KEY)))
+    late.start()
+    hook = rig.pl.hook(SEQ + 2, _req())
+    assert hook.take(*hook.offer(rig.a)) is rig.graphs.graph.out
+    late.join()
+    assert hook.waits_ns()[0] > 0 and hook.waits_ns()[1] > 0  # this step's own waits
+    rig.pl.after(SEQ + 2, OK)
+    for seq in (SEQ + 3, SEQ + 4):  # on the fast path: no offer, the verdict neither takes nor queues
+        rig.page.words[bell.GPU_WORD] = bell.gpu_word(seq, KEY)
+        hook = rig.pl.hook(seq, _req())
+        assert hook.take(False, False) is None
+        assert hook.waits_ns() == (0, 0)
+        rig.pl.after(seq, OK)
+
+
+def test_an_output_slice_the_gpu_cannot_reach_is_copied_by_the_answer_not_behind_the_wait(rig, monkeypatch):
+    """The proto lets an engine name any registered region for the hidden states, host shared memory
+    included (the ordinary answer copies there from the host). The gated copy is a GPU kernel, and
+    Triton's launcher refuses a pointer the GPU cannot reach ("cannot be accessed from Triton (cpu
+    tensor?)"); its warm-up does not look. Launched behind the wait, the failure passed the wait and
+    raised out of after(): pre-launching stopped at TP 1, and at TP > 1 the rank exited
+    (Doorbell._queue_next). A slice off the graph's device is left to the answer's host path."""
+    plain = rig.pl._copy_out
+
+    def triton_like(src, dst, flags, R, warm=False):
+        if not warm and dst.device != src.device:
+            raise ValueError("Pointer argument (at 1) cannot be accessed from Triton (cpu tensor?)")
+        plain(src, dst, flags, R, warm=warm)
+
+    monkeypatch.setattr(rig.pl, "_copy_out", triton_like)
+    rig.out = torch.empty_like(rig.graphs.graph.out, device="meta")  # stands in for host memory beside a GPU
+    _queue(rig)
+    assert rig.copies == [] and rig.pl.queued.out is None
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
+    assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out  # rank._output copies it where asked
+    rig.pl.after(SEQ + 2, OK)
+    assert rig.pl.queued.seq == SEQ + 3 and rig.copies == []
