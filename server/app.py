@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import datetime
 import faulthandler
 import gc
 import logging
@@ -202,11 +203,14 @@ def step_streams(cfg: ServeConfig, device: torch.device, backend: str) -> int:
     return cfg.step_streams if graphs_on(cfg, device, backend) else 1
 
 
-def exchange_lanes(streams: int, world: int, device: torch.device) -> tuple[DistExchange, ...]:
+def exchange_lanes(streams: int, world: int, device: torch.device,
+                   timeout: datetime.timedelta | None = None) -> tuple[DistExchange, ...]:
     """At TP > 1 with launch groups on `streams` streams: a communicator of its own for each stream
     past the first (ParallelContext.lanes; the first uses the world group). Collective: every rank
     calls it alike. Each is used once here, outside any capture: a communicator first used inside a
-    CUDA graph capture fails it (BENCHMARKS.md run 98)."""
+    CUDA graph capture fails it (BENCHMARKS.md run 98). `timeout`: --dist-timeout-s, as the world
+    group's; without it new_group gives torch's default (10 min for NCCL), and a step's collective on
+    a lane waited that long for a dead peer, not --dist-timeout-s."""
     if world == 1 or streams <= 1:
         return ()
     log.warning("%d launch streams at TP %d: each runs its collectives on a communicator of its own, at the same "
@@ -215,7 +219,7 @@ def exchange_lanes(streams: int, world: int, device: torch.device) -> tuple[Dist
                 "rank), so a step could hang. Tested on two H200s only; --launch-streams 1 avoids it", streams, world)
     lanes = []
     for _ in range(streams - 1):
-        group = dist.new_group()
+        group = dist.new_group(timeout=timeout)
         probe = torch.ones(1, device=device)
         dist.all_reduce(probe, group=group)
         if int(probe.item()) != world:
@@ -245,7 +249,8 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
         weights = CheckpointReader(dspark_dir, dtype, dcfg.quant_block, device)
         embeds = CheckpointReader(target_dir, dtype, device=device)
     par = ParallelContext(rank, shard_world, DistExchange(None) if world > 1 else LocalExchange(),
-                          exchange_lanes(step_streams(cfg, device, choice.name), world, device))
+                          exchange_lanes(step_streams(cfg, device, choice.name), world, device,
+                                         datetime.timedelta(seconds=cfg.dist_timeout_s)))
     model = DSparkDrafter(dcfg, par, choice.ops, dtype, device).load(weights)
     embed = embeds.read(EMBED_KEY, (dcfg.vocab_size, dcfg.hidden_size))
     fast = None
@@ -354,6 +359,7 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     board.beat(rank)  # the barrier may have waited long for the slowest peer
     peers = PeerProcesses(board, rank)
     peers.exited()  # every peer is past the barrier, so alive: each is seen now (see PeerProcesses)
+    rendezvous.peers_started()  # and rank 0 by this rank's step waits, before any step comes
     # Only now: a step let in during the warm-up (a client that ignores NOT_SERVING) would put its
     # collectives among the warm-up's, on this rank only.
     start_up.active = False  # from here a signal drains (the loop below reads `stop`)

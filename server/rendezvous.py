@@ -239,6 +239,15 @@ class Rendezvous:
             self._coordinator = Coordinator(board, deadline_ms, nap_s)
             self._coordinator.start()
 
+    def peers_started(self) -> None:
+        """Every rank is past the start-up barrier, so alive (server/app.py): rank 0's process is looked at
+        now. Left to this rank's first step, a rank 0 that exited before it (killed or crashed while the
+        group was idle) was never seen alive, so never judged exited (PeerProcesses), and that step waited
+        out deadline + fatal_after_s for a verdict that could not come, unanswered until the launcher's kill.
+        Before this rank's steps: its PeerProcesses is the rank loop's from then on."""
+        if self.rank != 0:
+            self._peers.gone(0)
+
     def agree(self, post: Post) -> Verdict:
         self._waiting += 1
         try:

@@ -84,3 +84,25 @@ def test_a_step_waiting_for_a_killed_peer_s_copy_is_aborted_at_once_naming_it(ri
         took, ans.error.message)
     assert sc.proc.wait(timeout=60) == 1
     assert not alive(pids[0])
+
+
+def test_a_step_that_comes_after_rank_0_exited_is_aborted_at_once_not_left_unanswered(rig):
+    """Rank 0 killed while the group is idle, before rank 1's first step: rank 1's rendezvous had never looked
+    at rank 0's process, and only a process seen alive is judged exited (PeerProcesses), so the step waited for
+    a verdict that cannot come, its stream ending unanswered when the launcher killed the rank ~10 s later."""
+    from dspark_sidecar.server.processes import exited
+
+    sc, eng, step, streams = rig
+    pids = sc.rank_pids()
+    t_kill = time.monotonic()
+    os.kill(pids[0], signal.SIGKILL)
+    while not exited(pids[0]):  # a zombie until the launcher reaps it: exited all the same
+        time.sleep(0.005)
+    ans = streams[1].ask(eng.request(1, 2, step), timeout=60)  # within rank 1's --drain-s: still taken
+    took = time.monotonic() - t_kill
+    assert ans is not None, (f"the stream ended without an answer after {took:.1f} s ({streams[1].end})\n"
+                             f"{sc.log_tail()}")
+    # Told by the exit: the deadline's abort would say "did not receive it", the give-up answers nothing.
+    assert ans.WhichOneof("result") == "error" and ans.error.code == grpc.StatusCode.ABORTED.value[0], ans
+    assert "coordinator" in ans.error.message and "exited" in ans.error.message, (took, ans.error.message)
+    assert sc.proc.wait(timeout=60) == 1

@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from dspark_sidecar.server.processes import process_start
 from dspark_sidecar.server.rendezvous import Board, Post, Rendezvous
 
 WORLD, DEADLINE_MS = 4, 150
@@ -308,6 +309,29 @@ def test_a_peer_waiting_on_a_coordinator_whose_process_exited_aborts_at_once_and
         later = peer.agree(Post(4, 1, 2, 9, True))  # the next step: at once
         assert not later.go and "has exited" in later.reason and time.monotonic() - t < 0.5
     finally:
+        peer.close()
+        boards[1].close()
+        boards[0].close()
+
+
+def test_a_rank_0_that_exits_before_a_peer_s_first_step_is_judged_exited_at_that_step():
+    """The peer's rendezvous looks at rank 0 once every rank is past the start-up barrier (peers_started),
+    not first at its first step: a rank 0 already gone then was never seen alive, and the step waited out
+    deadline + fatal_after_s (tests/server/test_coordinator_death.py has the real processes)."""
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    peer = Rendezvous(boards[1], 1, 5000, fatal_after_s=5.0)  # no rank 0 Rendezvous: no verdict comes
+    child = _child()
+    try:
+        _post_peer(boards[0], 0, child.pid, process_start(child.pid))
+        peer.peers_started()  # past the barrier: rank 0 alive
+        child.kill()
+        child.wait()
+        out = peer.agree(Post(2, 1, 2, 9, True))  # the give-up (no rank 0 Rendezvous) would raise instead
+        assert not out.go and "rank 0 (the rendezvous coordinator) has exited" in out.reason, out
+    finally:
+        child.kill()
+        child.wait()
         peer.close()
         boards[1].close()
         boards[0].close()

@@ -58,7 +58,7 @@ def test_exchange_lanes_at_tp_above_one_warn_of_nccls_concurrent_communicators(m
 
     from dspark_sidecar.server import app
 
-    monkeypatch.setattr(app.dist, "new_group", lambda: "group")
+    monkeypatch.setattr(app.dist, "new_group", lambda timeout=None: "group")
     monkeypatch.setattr(app.dist, "all_reduce", lambda t, group=None: t.fill_(2))
     with caplog.at_level("WARNING", logger="dspark_sidecar.server"):
         lanes = app.exchange_lanes(3, 2, torch.device("cpu"))
@@ -68,6 +68,22 @@ def test_exchange_lanes_at_tp_above_one_warn_of_nccls_concurrent_communicators(m
     with caplog.at_level("WARNING", logger="dspark_sidecar.server"):
         assert app.exchange_lanes(1, 2, torch.device("cpu")) == ()
     assert caplog.text == ""
+
+
+def test_exchange_lanes_wait_for_a_dead_peer_as_long_as_the_world_group_does(monkeypatch):
+    """The lanes' communicators get --dist-timeout-s, as init_process_group gave the world group: new_group
+    without one took torch's default (10 min for NCCL), so a step's collective on a lane waited that long."""
+    import datetime
+
+    import torch
+
+    from dspark_sidecar.server import app
+
+    made = []
+    monkeypatch.setattr(app.dist, "new_group", lambda timeout=None: made.append(timeout) or "group")
+    monkeypatch.setattr(app.dist, "all_reduce", lambda t, group=None: t.fill_(2))
+    app.exchange_lanes(3, 2, torch.device("cpu"), datetime.timedelta(seconds=7))
+    assert made == [datetime.timedelta(seconds=7)] * 2
 
 
 @pytest.mark.parametrize("seed", [-1, 1 << 32, 2 ** 70])
