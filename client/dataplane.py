@@ -242,6 +242,11 @@ def _raw_stream(device: torch.device) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
+def _stream(raw: int, device: torch.device) -> torch.cuda.Stream:
+    """The torch stream of a raw handle on `device` (0: the default stream)."""
+    return torch.cuda.default_stream(device) if raw == 0 else torch.cuda.ExternalStream(raw, device=device)
+
+
 class DoorbellChannel:
     """One engine rank's doorbell to its sidecar rank (one step in flight)."""
 
@@ -266,6 +271,11 @@ class DoorbellChannel:
         try:
             self.page = bell.Page(self._page.tensor.numpy(), capacity)
             self.input_event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
+            # Recorded on the stream that waited for the last answer when the next step comes from another
+            # (order_inputs): the engine's reads of that answer's rows queued there come before the next step.
+            self._waited_event = torch.cuda.Event() if device.type == "cuda" else None
+            if self._waited_event is not None:  # made on this GPU now: the driver's calls need its handle
+                self._waited_event.record(torch.cuda.current_stream(device))
             # The GPU word (server/prelaunch.py): offered when this process can write it from its stream.
             self._ops = GpuWordOps.load(device) if gpu_word else None
             if self._ops is not None:
@@ -358,15 +368,37 @@ class DoorbellChannel:
         return self.page is not None and self.page.words is not None and bool(self.page.word(bell.CLOSED))
 
     def order_inputs(self) -> None:
-        """Before the next step's inputs are copied into the regions: the current stream waits for the last
-        answered step's "outputs written" event if it is not the stream `wait` ordered after it.
+        """Before the next step's inputs are copied into the regions: if the current stream is not the one
+        `wait` ordered after the last answer, it waits for that answer's "outputs written" event and for the
+        work queued so far on the stream that waited.
 
         `wait` orders only the stream current there. An engine that stages the next step from another
         stream (torch's streams do not order with each other) would otherwise copy its inputs over rows
-        the previous step's kernels may still read (helper 80's hazard 2). One raw-handle read per step
-        (no Stream object) when the stream is the same, as it is for an engine drafting on one stream."""
+        the previous step's kernels may still read (helper 80's hazard 2), and the next step could write
+        the output region before the engine's read of the last answer there, queued on the stream that
+        waited (the shim's hidden() copy), had run: the engine got the next step's hidden states. One
+        raw-handle read per step (no Stream object) when the stream is the same, as it is for an engine
+        drafting on one stream."""
         if self._ordered_on is not None and _raw_stream(self.device) != self._ordered_on:
+            waited = self._ordered_on
             self._after_outputs()
+            self._after_stream(waited)
+
+    def _after_stream(self, raw: int) -> None:
+        """Make the engine's current stream wait for the work queued so far on stream `raw`."""
+        if self._waited_event is None:  # CPU: every read of a region is done when it returns
+            return
+        try:
+            if self._ops is not None:  # raw handles, as in send
+                self._ops.record(self._waited_event, raw)
+                self._ops.wait_event(_raw_stream(self.device), self._waited_event)
+            else:
+                self._waited_event.record(_stream(raw, self.device))
+                torch.cuda.current_stream(self.device).wait_event(self._waited_event)
+        except RuntimeError as err:  # a stream the engine has destroyed since: its queued work may still run
+            log.info("doorbell: cannot order after stream %#x the last answer was waited on (%s); waiting for "
+                     "the device", raw, err)
+            torch.cuda.synchronize(self.device)
 
     def _after_outputs(self) -> None:
         """Make the engine's current stream wait for the sidecar's "outputs written" event."""
@@ -415,10 +447,8 @@ class DoorbellChannel:
         events = [done]
         for raw in self._sent_on:
             try:
-                stream = (torch.cuda.default_stream(self.device) if raw == 0
-                          else torch.cuda.ExternalStream(raw, device=self.device))
                 done = torch.cuda.Event()
-                done.record(stream)
+                done.record(_stream(raw, self.device))
             except RuntimeError as err:  # a stream the engine has destroyed since: it queues nothing any more
                 log.info("doorbell: not waiting on stream %#x steps were sent from (%s)", raw, err)
                 continue

@@ -194,6 +194,45 @@ def test_a_step_staged_from_another_stream_waits_for_the_last_answer_first(tmp_p
         assert ops.calls == [("wait_event", 0xDEF, answered)]
 
 
+def test_a_step_staged_from_another_stream_waits_for_the_reads_of_the_last_answer_queued_on_the_first(
+        tmp_path, tiny_cfg, tiny_ckpt, tiny_embed, monkeypatch):
+    """The shim reads an answer (hidden(): a copy out of the output region) on the stream that waited for it.
+    A next step staged from another stream waited only for the sidecar's event: its step could then write the
+    output region before that copy, still queued behind the first stream's work, had read it, and the engine
+    got the next step's hidden states as this one's. order_inputs makes the new stream wait for the work queued
+    on the stream that waited too; a stream that cannot be recorded on any more (destroyed) costs a device sync."""
+    from dspark_sidecar.client import dataplane
+    from dspark_sidecar.proto.gpu_word import GpuWordError
+
+    pages = scenario.pages_needed(60 + 7, PAGE) + 2
+    with _tp1_data_plane(tmp_path, tiny_cfg, tiny_ckpt, pages, 1) as (_, eng, bufs, bell):
+        ops, answered, read = _RecordingOps(), object(), object()
+        bell._ops, bell.output_event, bell._waited_event = ops, answered, read
+        current = {"raw": 0xABC}
+        monkeypatch.setattr(dataplane, "_raw_stream", lambda device: current["raw"])
+        step = scenario.random_step(tiny_cfg, [60], PAGE, pages, tiny_embed, seed=7)
+        _, resp, _ = _ring(bufs, bell, eng.bindings[0], 300, step)
+        assert resp is not None and ops.calls[-1] == ("wait_event", 0xABC, answered)
+        del ops.calls[:]
+        current["raw"] = 0xDEF
+        bell.order_inputs()
+        assert ("record", read, 0xABC) in ops.calls  # the first stream's queued reads, then the wait for them
+        assert ops.calls.index(("record", read, 0xABC)) < ops.calls.index(("wait_event", 0xDEF, read))
+        del ops.calls[:]
+        bell.order_inputs()  # once per stream change
+        assert ops.calls == []
+
+        def gone(event, stream):
+            raise GpuWordError(f"cuEventRecord: invalid resource handle (stream {stream:#x})")
+
+        synced = []
+        monkeypatch.setattr(ops, "record", gone)
+        monkeypatch.setattr(dataplane.torch.cuda, "synchronize", lambda device=None: synced.append(device))
+        current["raw"] = 0x123
+        bell.order_inputs()
+        assert synced == [bell.device]  # whatever the destroyed stream still had queued is done
+
+
 def test_a_bad_output_slice_is_refused_before_the_step_writes_its_kv(tmp_path, tiny_cfg, tiny_ckpt, tiny_embed):
     """An output slice in no registered region used to be found only after the step ran: the engine's
     cache held the step's K/V for an answer that was an error. It is now checked with the request."""
