@@ -58,11 +58,19 @@ def test_non_contiguous_and_offset_views_are_packed_c_contiguous():
     assert back.is_contiguous() and torch.equal(back, view)
 
 
-def test_read_only_by_default_writable_gives_a_private_copy():
+def test_read_only_by_default_writable_gives_a_private_copy(monkeypatch):
+    """Each read of ref.data is a new bytes object, so "a later decode still sees the old values" held
+    without the copy too: writable=True must hand back memory of its own, not the tensor over the payload's
+    bytes (writing through that mutates a bytes object, for 1-byte payloads CPython's cached singleton)."""
+    over_bytes = []
+    real = torch.frombuffer
+    monkeypatch.setattr(torch, "frombuffer", lambda *a, **k: over_bytes.append(real(*a, **k)) or over_bytes[-1])
     ref = codec.to_tensor_ref(torch.arange(4, dtype=torch.int32))
     a = codec.from_tensor_ref(ref, "seq_lens", writable=True)
+    assert len(over_bytes) == 1 and a.data_ptr() != over_bytes[0].data_ptr()  # a copy, not the bytes
     a += 100
     b = codec.from_tensor_ref(ref, "seq_lens")
+    assert len(over_bytes) == 2 and b.data_ptr() == over_bytes[1].data_ptr()  # zero-copy: the payload itself
     assert torch.equal(b, torch.arange(4, dtype=torch.int32))
 
 
