@@ -46,7 +46,9 @@ def _env(dest: str, default, kind=str):
 
 def _log_level() -> str:
     level = os.environ.get("DSPARK_LOG_LEVEL", "INFO").upper()
-    if level not in logging.getLevelNamesMapping():  # logging's own names (WARN and FATAL too, as before)
+    # logging's own names (WARN and FATAL too, as before): getLevelName gives a known name's number, else a
+    # string. Not getLevelNamesMapping, which is Python 3.11's: requires-python admits 3.10.
+    if not isinstance(logging.getLevelName(level), int):
         raise UsageError(f"DSPARK_LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
     return level
 

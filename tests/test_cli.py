@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from dspark_sidecar import cli
@@ -21,6 +23,19 @@ def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkey
     assert cli.main(["status", "--tp", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dspark-sidecar: ") and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value, level", [("debug", "DEBUG"), ("warn", "WARN"), ("FATAL", "FATAL")])
+def test_the_log_level_is_read_on_the_oldest_python_pyproject_admits(value, level, monkeypatch):
+    """logging.getLevelNamesMapping is Python 3.11's, and pyproject's requires-python admits 3.10 (Ubuntu 22.04's
+    python3, in which OPERATIONS.md's bare-metal venv is made): there every command, `serve` included, ended in
+    an AttributeError before it read a flag. Removed here, as 3.10 lacks it; logging's names still pass."""
+    monkeypatch.delattr(logging, "getLevelNamesMapping", raising=False)
+    monkeypatch.setenv("DSPARK_LOG_LEVEL", value)
+    assert cli._log_level() == level
+    monkeypatch.setenv("DSPARK_LOG_LEVEL", "verbose")
+    with pytest.raises(cli.UsageError, match="DSPARK_LOG_LEVEL='VERBOSE': expected DEBUG"):
+        cli._log_level()
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -91,3 +91,16 @@ def test_troubleshooting_gives_mps_under_two_users_its_real_symptom():
     assert slower and not any("user" in cause for cause in slower), slower
     hang = [symptom for symptom, cause in rows.items() if "different users" in cause]
     assert hang and all("engine" in s and ("hangs" in s or "waits" in s) for s in hang), hang
+
+
+def test_install_steps_name_this_checkout_not_the_package_name_on_an_index():
+    """The images install the wheel built from the checkout by its file: `pip install "dspark-sidecar[...]"`
+    also asks the package index for that name and takes the highest version found, anyone's
+    (test_deploy_dockerfiles). The bare-metal guide, its troubleshooting row and the engine image's comments
+    still said `pip install "dspark-sidecar[flydsl]"` / `pip install dspark-sidecar`: an operator following them
+    installed whatever the index holds under that name, or nothing."""
+    texts = {f.relative_to(DEPLOY): f.read_text() for f in DEPLOY.rglob("*") if f.is_file() and f.suffix in (".md", ".yaml")}
+    bare = re.compile(r"""pip install[^\n`]*?["'\s]dspark[-_]sidecar(?=[\["'`\s]|$)""", re.M)
+    found = {str(path): bare.findall(text) for path, text in texts.items() if bare.search(text)}
+    assert not found, found
+    assert 'pip install "<this checkout>[flydsl]"' in OPERATIONS

@@ -288,3 +288,21 @@ def test_sidecar_start_post_keeps_the_journal_to_the_refusal_line(tmp_path):
     res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode != 0
     assert res.stdout == "" and res.stderr == "dspark-sidecar exited before every rank was SERVING\n", res
+
+
+# systemd's truth words; a unit's boolean is on for any of them.
+_ON = ("1", "yes", "true", "on")
+
+
+def test_no_hardening_option_shuts_the_ranks_out_of_the_gpu_device_nodes():
+    """ProtectClock=yes implies DeviceAllow=char-rtc r before systemd 252 (systemd PR 25075: "allow-listing a
+    device implicitly blocks everything else"), and under DevicePolicy=auto one DeviceAllow= entry admits no
+    other device: on Ubuntu 22.04 (systemd 249) and Debian 11 the ranks could not open /dev/kfd, /dev/dri/renderD*
+    or /dev/nvidia*, found no GPU, and `serve` refused --device cuda (exit 2; under auto it served on the CPU).
+    The unit leaves PrivateDevices off for that reason already; no setting that makes a device list may be on,
+    in the unit or its NVIDIA drop-in."""
+    for unit in (SIDECAR, SIDECAR_MPS_DROPIN):
+        for _, key, value in parse_unit(unit):
+            assert not (key in ("ProtectClock", "PrivateDevices") and value.lower() in _ON), (unit.name, key, value)
+            assert key != "DeviceAllow" or not value, (unit.name, key, value)
+            assert not (key == "DevicePolicy" and value in ("closed", "strict")), (unit.name, key, value)
