@@ -76,6 +76,9 @@ def _split_kernel(
     Key positions are int32 (a context is far below 2^31 tokens) and PAGE is compile-time, so
     the per-key page lookup (kpos // PAGE, kpos % PAGE) is a shift and a mask: with a run-time
     page size these were 64-bit divisions, a long software sequence per key and per tile.
+    Cache offsets are int64 in every term: the bound cache may be any dense permutation of the
+    planes view (kv_cache.kv_view_problem), so a page slot's or a head's stride may be the large one,
+    and its int32 product wrapped past 2^31 elements (a read ~2^32 elements before the cache).
 
     PDL (runtime.PDL): the positions, sequence lengths and block table, written before the step's
     first layer, are read before the wait for the prelude; q and the block rows' K/V after it.
@@ -102,6 +105,7 @@ def _split_kernel(
     page = tl.load(bt_ptr + req * stride_bt + kpos // PAGE, mask=kpos < tiled_end, other=0)
     last = sp == SPLITS - 1
     bpos = tiled_end + tl.arange(0, BB)
+    kv_h = kv_ptr + h.to(tl.int64) * stride_ch  # this program's KV head
     b_valid = bpos < tl.where(last, seq_len, tiled_end)  # empty on the other splits
     bpage = tl.load(bt_ptr + req * stride_bt + bpos // PAGE, mask=b_valid, other=0)
     dep_wait(PDL)
@@ -109,11 +113,11 @@ def _split_kernel(
                 mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT)
     # The narrow tile's K/V (the prelude has just written the block's own) are gathered before the
     # key tiles, so that their latency hides under them; the other splits' masks load nothing.
-    b_off = (bpage.to(tl.int64) * stride_cp + (bpos % PAGE) * stride_cs + h * stride_ch)[:, None] \
+    b_off = (bpage.to(tl.int64) * stride_cp + (bpos % PAGE).to(tl.int64) * stride_cs)[:, None] \
         + offs_d[None, :] * stride_cd
     b_mask = b_valid[:, None] & d_mask[None, :]
-    kb = tl.load(kv_ptr + b_off, mask=b_mask, other=0.0)
-    vb = tl.load(kv_ptr + stride_c0 + b_off, mask=b_mask, other=0.0)
+    kb = tl.load(kv_h + b_off, mask=b_mask, other=0.0)
+    vb = tl.load(kv_h + stride_c0 + b_off, mask=b_mask, other=0.0)
 
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
@@ -121,11 +125,11 @@ def _split_kernel(
     for t in range(sp, n_tiles, SPLITS):
         kpos = start + t * BN + tl.arange(0, BN)
         k_valid = kpos < tiled_end
-        base = page.to(tl.int64) * stride_cp + (kpos % PAGE) * stride_cs + h * stride_ch
+        base = page.to(tl.int64) * stride_cp + (kpos % PAGE).to(tl.int64) * stride_cs
         kv_off = base[:, None] + offs_d[None, :] * stride_cd
         kv_mask = k_valid[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT)
-        v = tl.load(kv_ptr + stride_c0 + kv_off, mask=kv_mask, other=0.0).to(DOT)
+        k = tl.load(kv_h + kv_off, mask=kv_mask, other=0.0).to(DOT)
+        v = tl.load(kv_h + stride_c0 + kv_off, mask=kv_mask, other=0.0).to(DOT)
         nxt = kpos + SPLITS * BN
         page = tl.load(bt_ptr + req * stride_bt + nxt // PAGE, mask=nxt < tiled_end, other=0)
         m_i, l_i, acc = _online_tile(q, k, v, k_valid[None, :] & (kpos[None, :] >= left[:, None]), m_i, l_i, acc,
@@ -347,6 +351,9 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
     # so such a q is copied first: with its own strides the stores would land past the output.
     if not q.is_contiguous():
         q = q.contiguous()
+    # The positions, sequence lengths and a table row are read as dense (element i at i): a strided view
+    # of them (every other element of a wider tensor) read its neighbours'. Dense ones are not copied.
+    positions, seq_lens, block_tables = positions.contiguous(), seq_lens.contiguous(), block_tables.contiguous()
     out = torch.empty_like(q)
     if r == 0:
         return out

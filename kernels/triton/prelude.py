@@ -102,7 +102,9 @@ def _prelude_kernel(
                            BLOCK_D, PARTIAL, OUT, INTERPRET)
             slot = tl.load(slot_ptr + row)
             if slot >= 0:
-                base = kv_ptr + (slot // PAGE) * stride_cp + (slot % PAGE) * stride_cs + kh * stride_ch
+                # int64 throughout (kh too): a dense permutation of the cache may put the heads outermost,
+                # and kh * stride_ch in int32 wrapped past 2^31 elements (attention._split_kernel).
+                base = kv_ptr + (slot // PAGE) * stride_cp + (slot % PAGE) * stride_cs + kh.to(tl.int64) * stride_ch
                 # Rounded to the activation dtype first, as the reference's k is before write_kv.
                 tl.store(base + offs * stride_cd, cast(cast(y, OUT, INTERPRET), CACHE, INTERPRET), mask=dmask)
                 v = _load_head(head_ptr + KV_HEADS * stride_xh, offs, dmask, stride_xd, stride_xs, inv_in,
@@ -122,7 +124,7 @@ def _write_kv_kernel(
     if slot >= 0:
         offs = tl.arange(0, BLOCK_D)
         dmask = offs < D
-        base = kv_ptr + (slot // PAGE) * stride_cp + (slot % PAGE) * stride_cs + h * stride_ch
+        base = kv_ptr + (slot // PAGE) * stride_cp + (slot % PAGE) * stride_cs + h.to(tl.int64) * stride_ch
         k = tl.load(k_ptr + row * stride_km + h * stride_kh + offs * stride_kd, mask=dmask, other=0.0)
         v = tl.load(v_ptr + row * stride_vm + h * stride_vh + offs * stride_vd, mask=dmask, other=0.0)
         tl.store(base + offs * stride_cd, cast(k, CACHE, INTERPRET), mask=dmask)
@@ -136,6 +138,16 @@ def _check_cache_rows(op: str, kv_layer: torch.Tensor, kv_heads: int, d: int, sl
     if tuple(kv_layer.shape[-2:]) != (kv_heads, d) or tuple(slots.shape) != (n,):
         raise ValueError(f"{op}: {n} rows of {kv_heads} heads of {d} into a cache of {list(kv_layer.shape)} "
                          f"at slots {list(slots.shape)}")
+
+
+def _check_rope(op: str, cos: torch.Tensor, sin: torch.Tensor, n: int, d: int) -> None:
+    """ValueError unless cos and sin are [n, half] with 2 half <= d: the kernel reads row r's table at
+    r * cos.stride(0), unchecked, and pairs dim i with i + half inside the head, so fewer rows read past
+    the tables and a rotary dim above d paired dims with the next head's, where the reference raises."""
+    half = cos.shape[-1] if cos.dim() == 2 else -1
+    if cos.dim() != 2 or tuple(cos.shape) != (n, half) or tuple(sin.shape) != (n, half) or 2 * half > d:
+        raise ValueError(f"{op}: cos {list(cos.shape)} and sin {list(sin.shape)} for {n} rows of heads of {d}: "
+                         f"expected both [{n}, rotary_dim / 2] with rotary_dim <= {d}")
 
 
 def _cache_args(kv_layer: torch.Tensor) -> tuple:
@@ -157,9 +169,12 @@ def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: tor
     if width != (q_heads + 2 * kv_heads) * d:
         raise ValueError(f"attn_prelude: qkv width {width} != ({q_heads} + 2 * {kv_heads}) * {d}")
     _check_cache_rows("attn_prelude", kv_layer, kv_heads, d, slots, n)
+    _check_rope("attn_prelude", cos, sin, n, d)
     q = torch.empty((n, q_heads, d), dtype=dtype, device=x.device)
     if n:
-        cos, sin = cos.contiguous(), sin.contiguous()
+        # The kernel reads row r's slot at r: a strided view of the slots (every other element of a
+        # wider tensor) wrote rows at their neighbours' slots. Dense ones are not copied.
+        cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.contiguous()
         # Partials: workspace [splits, n, width] and sums of squares [splits, n]; else one plain tensor.
         xs, splits, sq, k_in, eps_in = ((x.stride(0), x.shape[0], qkv.sq, qkv.k, qkv.eps) if partial
                                         else (0, 1, x, 1, 0.0))
@@ -180,6 +195,7 @@ def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, 
     """x [n, heads, d] -> same shape and dtype: per-head norm then partial RoPE (the q-head path)."""
     check_device(x)
     n, heads, d = x.shape
+    _check_rope("qk_norm_rope", cos, sin, n, d)
     out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
     if n:
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -207,6 +223,7 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
         raise ValueError(f"write_kv: k {list(k.shape)} and v {list(v.shape)} differ")
     _check_cache_rows("write_kv", kv_layer, heads, d, slots, m)
     if m:
+        slots = slots.contiguous()  # read as dense (attn_prelude)
         _write_kv_kernel[(m, heads)](
             k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             *_cache_args(kv_layer), slots, PAGE=kv_layer.shape[2],

@@ -12,6 +12,7 @@ from dspark_sidecar.drafter.kv_cache import block_slots  # noqa: E402
 from dspark_sidecar.kernels import reference  # noqa: E402
 from dspark_sidecar.kernels.triton import attention  # noqa: E402
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS  # noqa: E402
+from helpers.far_cache import far_cache  # noqa: E402
 
 Q = layout.QPR
 
@@ -253,3 +254,50 @@ def test_refused_cooperative_launch_falls_back(monkeypatch, caplog):
         attention._launch_coop(q, refuse)
     monkeypatch.setattr(attention, "_coop_state", {})
     assert attention._launch_coop(q, calls.append) is True and attention._coop_state[q.device] is True
+
+
+# Caches laid out as permutations of the planes view with the page slot's or the heads' stride outermost
+# (the server binds any dense permutation: kv_cache.kv_view_problem), spread out so that a far element lies
+# past 2^31 without 2^31 elements of data; d 16: [2, 2 pages, page 16, 1 head] with the page slot outermost
+# (slot 15 lies 15 * 143165577 > 2^31 elements in), and [2, 2 pages, page 4, 3 heads] with the heads
+# outermost (head 2 lies 2 * (2^30 + 16) elements in).
+FAR_LAYOUTS = {
+    "slot-outermost": ((2, 2, 16, 1, 16), (16, 32, -(-(1 << 31) // 15), 16, 1)),
+    "head-outermost": ((2, 2, 4, 3, 16), (16, 32, 64, (1 << 30) + 16, 1)),
+}
+
+
+@pytest.mark.parametrize("far", list(FAR_LAYOUTS))
+def test_cache_offsets_past_2_31_elements(device, far):
+    """A key's offset into the cache, page * stride + slot * stride + head * stride, must be int64 in every
+    term: with the page slot's or a head's stride the large one, the slot's or head's int32 product
+    wrapped and the kernel read 2^32 elements before the key (here: inside the buffer, a wrong output)."""
+    shape, strides = FAR_LAYOUTS[far]
+    kv = far_cache(shape, strides, device)
+    page, hk = shape[2], shape[3]
+    seq = 2 * page
+    positions = torch.arange(seq - Q, seq, device=device)
+    seq_lens = torch.tensor([seq], dtype=torch.int32, device=device)
+    tables = torch.tensor([[1, 0]], dtype=torch.int32, device=device)
+    q = torch.randn(Q, 2 * hk, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, 40, 0.25)
+    out = attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, 40, 0.25, splits=1, block_n=16)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strided", ["positions", "seq_lens", "block_tables"])
+def test_strided_index_tensors(device, strided):
+    """The kernel reads positions[i], seq_lens[r] and block_tables[r, c] at i, r and r * stride(0) + c:
+    a view with other strides (every other element of a wider tensor; a column-major table) was read as
+    if dense, so rows took their neighbours' positions, lengths or pages, where the reference indexes it."""
+    q, kv, positions, seq_lens, tables, window, scale = _step([9, 30], 4, 1, 32, 8, 12, torch.float32, device, seed=8)
+    if strided == "positions":
+        positions = torch.stack([positions, positions + 5], dim=1)[:, 0]
+    elif strided == "seq_lens":
+        seq_lens = torch.stack([seq_lens, seq_lens - 3], dim=1)[:, 0]
+    else:
+        tables = tables.t().contiguous().t()
+    assert not (positions.is_contiguous() and seq_lens.is_contiguous() and tables.is_contiguous())
+    ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
+    out = attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale, splits=2, block_n=16)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

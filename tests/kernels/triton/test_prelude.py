@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 from dspark_sidecar.kernels import reference  # noqa: E402
 from dspark_sidecar.kernels.triton import gemm  # noqa: E402
 from dspark_sidecar.kernels.triton.ops import TRITON_OPS  # noqa: E402
+from helpers.far_cache import WRAP, far_cache  # noqa: E402
 
 EPS, THETA = 1e-6, 5_000_000.0
 # (q_heads, kv_heads, head_dim, rotary_dim): the TP-4 rank shard's heads with a small head,
@@ -155,3 +156,58 @@ def test_rows_that_do_not_fit_the_cache_are_refused(device):
     with pytest.raises(ValueError, match="write_kv: k \\[6, 2, 32\\] and v \\[6, 1, 32\\] differ"):
         TRITON_OPS.write_kv(kv, k, v[:, :1], slots)
     assert torch.equal(one_head, before)
+
+
+def test_cache_offsets_past_2_31_elements(device):
+    """The K/V writes address the cache in int64 in every term: in a cache whose heads' stride is the
+    outermost (a permutation of the planes view the server binds), head 2 lies 2 * (2^30 + 16) elements
+    in, and kh * stride_ch in int32 wrapped: head 2's K and V went 2^32 elements before the cache and
+    the cache kept its old values there (attn_prelude and write_kv alike)."""
+    heads, d = 3, 16
+    kv = far_cache((2, 2, 4, heads, d), (d, 2 * d, 4 * d, WRAP // 2 + d, 1), device)
+    qkv, qn, kn, cos, sin, _, _ = _case(heads, heads, d, 8, 5, torch.float32, device, seed=6)
+    slots = torch.tensor([6, 1, 3, 4, 0], device=device)
+    want = kv.clone()  # a dense copy: the reference writes there
+    reference.attn_prelude(qkv, qn, kn, cos, sin, EPS, want, slots, heads, heads)
+    TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, heads, heads)
+    assert torch.equal(kv.float().cpu(), want.float().cpu())
+    k, v = (torch.randn(5, heads, d, generator=torch.Generator().manual_seed(i)).to(device) for i in (1, 2))
+    reference.write_kv(want, k, v, slots)
+    TRITON_OPS.write_kv(kv, k, v, slots)
+    assert torch.equal(kv.float().cpu(), want.float().cpu())
+
+
+@pytest.mark.parametrize("bad", ["rows", "rotary_dim", "sin"])
+def test_rope_tables_that_do_not_fit_are_refused(device, bad):
+    """The kernel reads each row's cos/sin at row * stride and pairs dim i with i + rotary_dim / 2,
+    unchecked: tables of fewer rows than q were read past their end, and a rotary dim above head_dim
+    paired a head's dims with the next head's (a finite, wrong q and K) where the reference raises."""
+    qkv, qn, kn, cos, sin, kv, slots = _case(4, 1, 32, 16, 6, torch.float32, device, 0)
+    if bad == "rows":
+        cos, sin = cos[:5], sin[:5]
+    elif bad == "rotary_dim":
+        cos, sin = reference.rope_cos_sin(torch.arange(6, device=device), 48, THETA)
+    else:
+        sin = sin[:, :4]
+    with pytest.raises(RuntimeError):
+        reference.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv.clone(), slots, 4, 1)
+    with pytest.raises(ValueError, match="attn_prelude: cos"):
+        TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, 4, 1)
+    with pytest.raises(ValueError, match="qk_norm_rope: cos"):
+        TRITON_OPS.qk_norm_rope(qkv[:, :128].view(6, 4, 32), qn, cos, sin, EPS)
+
+
+def test_strided_slots(device):
+    """The kernels read row r's slot at r: slots as a strided view (every other element of a wider tensor)
+    wrote each row's K/V at a neighbour's slot, where the reference indexes the view."""
+    qkv, qn, kn, cos, sin, kv, slots = _case(4, 1, 32, 16, 6, torch.float32, device, 0)
+    strided = torch.stack([slots, slots.flip(0)], dim=1)[:, 0]
+    assert torch.equal(strided, slots) and not strided.is_contiguous()
+    kv_ref = kv.clone()
+    reference.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv_ref, slots, 4, 1)
+    TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, strided, 4, 1)
+    torch.testing.assert_close(kv, kv_ref, rtol=1e-5, atol=1e-5)
+    k, v = (torch.randn(6, 1, 32, generator=torch.Generator().manual_seed(i)).to(device) for i in (1, 2))
+    reference.write_kv(kv_ref, k, v, slots)
+    TRITON_OPS.write_kv(kv, k, v, strided)
+    assert torch.equal(kv.cpu(), kv_ref.cpu())
