@@ -344,8 +344,20 @@ def discard_handle(handle: pb.MemoryHandle) -> None:
         _discard_cuda_ipc(handle.cuda_ipc)
 
 
+# Counters in one of torch's ref-counter files (CUDA_IPC_REF_COUNTER_FILE_SIZE, CudaIPCTypes.h): an
+# export's ref_counter_offset indexes int64s in that file's mapping, and torch decrements the one it
+# names, unchecked, when it gives the reference back (_release_ipc_counter, or an opened storage's unmap).
+_REF_COUNTERS = 10000
+# The largest value torch takes for a size or offset: it unpacks them as int64 (ValueError past that).
+_INT64_MAX = (1 << 63) - 1
+
+
 def _discard_cuda_ipc(h: pb.CudaIpcHandle) -> None:
     if not h.ref_counter_handle:
+        return
+    if h.ref_counter_offset >= _REF_COUNTERS:  # no counter of torch's: the decrement would land past its file
+        log.warning("a refused CUDA IPC handle names ref counter %d, outside torch's %d: nothing given back",
+                    h.ref_counter_offset, _REF_COUNTERS)
         return
     try:
         torch.UntypedStorage._release_ipc_counter(h.ref_counter_handle, h.ref_counter_offset)
@@ -412,6 +424,13 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
         _discard_cuda_ipc(h)
         raise HandleError(f"{field}: storage_size_bytes 0: a CUDA/HIP IPC handle must name a storage of at least "
                           "one byte")
+    if h.ref_counter_offset >= _REF_COUNTERS:  # torch would decrement it, past its counter file, on unmap
+        raise HandleError(f"{field}: ref_counter_offset {h.ref_counter_offset} is outside torch's ref-counter "
+                          f"file of {_REF_COUNTERS} counters; send the exported storage's own counter")
+    if max(h.storage_size_bytes, h.storage_offset_bytes) > _INT64_MAX:  # torch's ValueError, not a HandleError
+        _discard_cuda_ipc(h)
+        raise HandleError(f"{field}: storage_size_bytes {h.storage_size_bytes} or storage_offset_bytes "
+                          f"{h.storage_offset_bytes} past 2^63 - 1: no GPU allocation is that large")
     with _OPEN_LOCK:
         t = _rebuild(h, field, device)
     # The handle opened the exporter's whole allocation; the storage the message claims must lie in it

@@ -355,6 +355,61 @@ def test_a_cuda_handle_of_no_bytes_is_refused_as_invalid_and_given_back(given_ba
     assert given_back == [(b"/torch_counter", 32)] and asked == []
 
 
+def _torch_like_rebuild(monkeypatch, asked: list) -> None:
+    """rebuild_cuda_tensor as torch's unpacks its numbers: int64, a ValueError past it (no RuntimeError)."""
+    import torch.multiprocessing.reductions as reductions
+
+    def rebuild(*args):
+        asked.append(args)
+        if any(isinstance(a, int) and a >= 1 << 63 for a in args):
+            raise ValueError("Overflow when unpacking long long")
+        return torch.empty(args[8], dtype=torch.uint8)
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild)
+
+
+@pytest.mark.parametrize("offset", [10000, (1 << 63) - 1, (1 << 64) - 1])
+def test_a_cuda_handle_naming_a_counter_outside_torch_s_file_is_refused_and_nothing_decremented(
+        offset, given_back, monkeypatch):
+    """torch decrements the int64 at ref_counter_offset in its 10000-counter file's mapping, unchecked, when
+    it gives a reference back (a refused handle's _release_ipc_counter, an opened storage's unmap): a
+    handle naming counter 10000 or more had the sidecar write past that mapping into its own memory
+    (SIGSEGV, or silent corruption). Refused before torch is asked, and nothing is given back."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-this"))
+    asked = []
+    _torch_like_rebuild(monkeypatch, asked)
+    h = _ipc(offset).cuda_ipc
+    h.device_uuid = "GPU-this"
+    with pytest.raises(memory.HandleError, match=rf"layers\[0\].memory: ref_counter_offset {offset} is outside"):
+        memory._open_cuda_ipc(h, "layers[0].memory", torch.device("cuda", 0))
+    h.device_uuid = "GPU-other"  # refused for another reason: its counter is not given back either
+    with pytest.raises(memory.HandleError, match="handle is from GPU GPU-other"):
+        memory._open_cuda_ipc(h, "layers[0].memory", torch.device("cuda", 0))
+    memory.discard_handle(pb.MemoryHandle(cuda_ipc=h))
+    assert asked == [] and given_back == []
+
+
+@pytest.mark.parametrize("size, offset", [(1 << 63, 0), (4096, (1 << 64) - 1)])
+def test_a_cuda_handle_whose_size_or_offset_is_past_int64_is_refused_as_invalid_and_given_back(
+        size, offset, given_back, monkeypatch):
+    """The proto's sizes are uint64, torch unpacks them as int64: past 2^63 - 1 its ValueError escaped
+    _rebuild (which turns RuntimeError only into a HandleError) as INTERNAL, and the engine's producer
+    reference was never given back."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-this"))
+    asked = []
+    _torch_like_rebuild(monkeypatch, asked)
+    h = _ipc(24).cuda_ipc
+    h.device_uuid, h.storage_size_bytes, h.storage_offset_bytes = "GPU-this", size, offset
+    with pytest.raises(memory.HandleError, match=r"layers\[0\].memory: storage_size_bytes .* past 2\^63 - 1") as err:
+        memory._open_cuda_ipc(h, "layers[0].memory", torch.device("cuda", 0))
+    assert not isinstance(err.value, (memory.HandleUncheckable, memory.HandleExhausted))
+    assert asked == [] and given_back == [(b"/torch_counter", 24)]
+
+
 def test_a_segment_shared_with_a_group_is_0660_and_that_group_s():
     """Python makes segments 0600: a sidecar of another user (systemd on AMD) could not map the engine's
     doorbell page or metadata region, and every step went over the gRPC stream."""
