@@ -149,13 +149,21 @@ class StatusInterceptor(grpc.ServerInterceptor):
         if handler.unary_stream is not None:  # health's Watch: as the stream, only parsing is ours
             inner_watch = handler.unary_stream
 
-            def guarded_watch(raw: bytes, context):
+            def guarded_watch(raw: bytes, context, send_response_callback=None):
                 try:
                     request = parsed(raw)
                 except SidecarError as err:
                     _abort(context, err)
-                yield from inner_watch(request, context)
+                if send_response_callback is None:
+                    return inner_watch(request, context)
+                return inner_watch(request, context, send_response_callback)
 
+            # grpc_health's Watch is non-blocking: it answers through grpc's callback and returns. Wrapped
+            # without these marks grpc ran it as a blocking stream, each open Watch holding a handler
+            # thread until it closed: as many subscribers as GRPC_THREADS left the unary calls and the
+            # health Check waiting for a thread for ever.
+            guarded_watch.experimental_non_blocking = getattr(inner_watch, "experimental_non_blocking", False)
+            guarded_watch.experimental_thread_pool = getattr(inner_watch, "experimental_thread_pool", None)
             return grpc.unary_stream_rpc_method_handler(
                 guarded_watch, request_deserializer=None, response_serializer=handler.response_serializer)
         return handler
