@@ -72,6 +72,7 @@ DEADLINE = "step deadline exceeded"
 BAD_ANSWER = "malformed answer"
 TOO_LARGE = "request over the sidecar's max_message_bytes"
 PEER_FAILED = "peer engine rank got no result"
+EMBED_FAILED = "engine embedding raised"  # + the exception's type: the engine's own fault, not the sidecar's
 CLOSED = "shim closed"
 STEP_IN_FLIGHT = "a step is in flight on another thread"  # connect()'s answer only: never a fallback reason
 
@@ -257,14 +258,14 @@ class DrafterShim:
             if inputs_embeds is None:
                 try:
                     inputs_embeds = self._model.embed_input_ids(input_ids)
-                except Exception as e:  # noqa: BLE001  (counted below, in the link: the rank reaches the post-flight)
+                except Exception as e:  # noqa: BLE001  (reported below, in the link: the rank reaches the post-flight)
                     embed_error = e
             with self._link() as is_open:  # closed since the pre-flight: nothing is sent
                 try:
                     if not is_open:
                         hidden, why = None, CLOSED
                     elif embed_error is not None:
-                        hidden, why = None, self._internal("step", embed_error)
+                        hidden, why = None, self._engine_error(EMBED_FAILED, embed_error)
                     else:
                         hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
                 except Exception as e:  # noqa: BLE001  (same: every rank must reach the post-flight agreement)
@@ -286,10 +287,7 @@ class DrafterShim:
         try:
             return list(self._kv_caches() or [])
         except Exception as e:  # noqa: BLE001  (see above: the pre-flight turns it into None on every rank)
-            key = f"engine KV cache provider raised {type(e).__name__}"  # the engine's fault: not the breaker's
-            if key not in self._logged:
-                self._logged.add(key)
-                log.exception("DSpark drafter shim: %s (steps fall back while it repeats)", key)
+            self._engine_error("engine KV cache provider raised", e)
             return []
 
     def connect(self) -> str | None:
@@ -607,6 +605,17 @@ class DrafterShim:
             self._logged.add(key)
             log.exception("DSpark drafter shim: %s (this step and later ones fall back while it repeats)", key)
         self.breaker.record_failure(key)
+        return key
+
+    def _engine_error(self, what: str, e: Exception) -> str:
+        """An exception from the engine's own objects (its KV cache provider, its embedding): logged with its
+        trace once, not counted against the breaker. Counted, the engine's embedding raising for a few steps
+        (an out-of-memory) opened the breaker on a sidecar that had done nothing wrong, and the steps after it
+        recovered fell back as "sidecar unavailable (breaker open)" until a health probe passed."""
+        key = f"{what}: {type(e).__name__}"
+        if key not in self._logged:
+            self._logged.add(key)
+            log.error("DSpark drafter shim: %s (steps fall back while it repeats)", key, exc_info=e)
         return key
 
     def _fallback(self, why: str) -> None:

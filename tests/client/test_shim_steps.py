@@ -1167,3 +1167,37 @@ def test_a_request_over_the_sidecar_s_message_limit_is_not_sent_and_the_stream_g
         assert shim.maybe_forward(small, pos_s) is not None, dict(shim.stats.fallbacks)
     assert fake.sidecar.calls["step"] == 1 and fake.sidecar.calls["DraftSteps"] == 1
     assert fake.sidecar.calls["GetStatus"] == 1  # the link was kept
+
+
+def test_the_engines_embedding_raising_is_not_the_sidecars_failure(fake):
+    """model.embed_input_ids is the engine's own object, as its KV cache provider is: its exception (an
+    out-of-memory, a bad input) is the engine's fault. It was counted as a shim error against the breaker,
+    so after failure_threshold such steps the breaker opened on a sidecar that had done nothing wrong: the
+    steps after the embedding recovered fell back as "sidecar unavailable (breaker open)" until a health
+    probe passed, and each try that failed again doubled the wait."""
+    kv, model = shm_kv_cache(), FakeModel()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), model, lambda: [s.tensor for s in kv],
+                       ParallelContext(0, 1), clock=lambda: 0.0)  # frozen: an open breaker stays open
+    raising = {"on": True}
+    stock = model.embed_input_ids
+
+    def embed(ids):
+        if raising["on"]:
+            raise torch.OutOfMemoryError("injected: the engine's embedding ran out of memory")
+        return stock(ids)
+
+    model.embed_input_ids = embed
+    ids, pos, meta = step_inputs(2)
+    threshold = shim.config.breaker.failure_threshold
+    try:
+        with set_forward_context(meta):
+            for _ in range(threshold):
+                assert shim.maybe_forward(ids, pos) is None
+            assert shim.breaker.failures == 0 and shim.breaker.state.value == "closed", \
+                "the engine's embedding raising was counted against the sidecar"
+            raising["on"] = False
+            assert shim.maybe_forward(ids, pos) is not None
+        assert shim.stats.fallbacks == {f"{S.EMBED_FAILED}: OutOfMemoryError": threshold}, shim.stats.fallbacks
+        assert fake.sidecar.calls["step"] == 1  # nothing was sent while the embedding raised
+    finally:
+        shim.close()
