@@ -25,14 +25,15 @@ def env_name(dest: str) -> str:
     return ENV_PREFIX + dest.upper()
 
 
-def _env(dest: str, default, kind=str):
-    """A flag's default: DSPARK_<DEST> from the environment when set, else the built-in default."""
+def _env(dest: str, default, kind=str, flag: str | None = None):
+    """A flag's default: DSPARK_<DEST> from the environment when set, else the built-in default. `flag`: the
+    flag it is the default of, where that is not --<dest> (DSPARK_DEMO_ROUNDS: demo's --rounds)."""
     name = env_name(dest)
     raw = os.environ.get(name)
     if raw is None:
         return default
     if not raw.strip():  # `DSPARK_SOCKET_DIR=$UNSET_VAR`: as a path '' is the working directory, silently
-        raise UsageError(f"{name} (--{dest.replace('_', '-')}) is set but empty: unset it for the default "
+        raise UsageError(f"{name} ({flag or '--' + dest.replace('_', '-')}) is set but empty: unset it for the default "
                          f"({default}) or give a value")
     if kind is bool:
         if raw.lower() not in _TRUE + _FALSE:
@@ -483,7 +484,7 @@ def _main(argv: list[str] | None) -> int:
     sp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     sp.add_argument("--repeat", type=int, default=5)
     dp = sub.add_parser("demo", help="TP-4 sidecar + TP-4 engine harness: N rounds, forwarded vs local")
-    dp.add_argument("--rounds", type=int, default=_env("demo_rounds", 100, int))
+    dp.add_argument("--rounds", type=int, default=_env("demo_rounds", 100, int, flag="demo --rounds"))
     dp.add_argument("--tp", type=int, default=_env("tp", 4, int))
     dp.add_argument("--preset", default="tiny")
     dp.add_argument("--seed", type=int, default=0)

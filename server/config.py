@@ -94,6 +94,10 @@ class ServeConfig:
             raise ServeConfigError(f"--device: must be auto, cpu or cuda, got {self.device!r}")
         if self.dist_backend not in ("auto", "gloo", "nccl"):
             raise ServeConfigError(f"--dist-backend: must be auto, gloo or nccl, got {self.dist_backend!r}")
+        if self.dist_backend == "nccl" and self.device == "cpu":
+            # NCCL moves GPU tensors only: each rank ended in torch's traceback from init_process_group, exit 1.
+            raise ServeConfigError("--dist-backend nccl: the ranks compute on the CPU (--device cpu), which NCCL "
+                                   "cannot serve; use --dist-backend gloo or auto, or --device cuda")
         if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
             raise ServeConfigError(f"--max-reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
         if not 0 < self.prelaunch_behind_ms <= 60_000:

@@ -11,6 +11,7 @@ parent of ours, and a port can be taken between the parent's check and the rank'
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import socket
 import stat
@@ -53,13 +54,40 @@ def _stale(path: Path) -> bool:
     return True
 
 
+# This process's claims (claim_socket), by socket path: each lock file's descriptor, open until the process ends.
+_claims: dict[Path, int] = {}
+
+
+def _hold_claim(path: Path) -> None:
+    """Lock `path`'s lock file (DIR/rank{r}.sock.lock) for the rest of this process's life, or refuse: gRPC's
+    bind unlinks whatever socket sits at the path, a live server's too, so two serves whose ranks both probed
+    it before either had bound it both bound it, and the later cut the earlier off unseen. The kernel lets
+    go of the lock when the process ends, kill -9 included; the file stays, harmless."""
+    if path in _claims:  # claimed by this process already (tests, a rank that checks again)
+        return
+    lock = path.with_name(path.name + ".lock")
+    try:  # never through a link, nor made readable by others: the folder's policy governs what is in it
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        raise ServeConfigError(f"--socket-dir: cannot open the lock file {lock}: {err.strerror}; remove it "
+                               "(as its owner or root)") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise AddressInUse(f"--socket-dir: another sidecar is starting or serving on {path} (its rank holds "
+                           f"{lock}); stop it first or choose another --socket-dir") from None
+    _claims[path] = fd
+
+
 def claim_socket(cfg: ServeConfig, rank: int) -> None:
     """In the rank, just before it binds: the folder passes the parent's checks again (under torchrun
-    this is the only check; elsewhere the folder may have changed since), then its socket path is made
-    free, removing a stale socket file (a restart after kill -9 must keep working) but never a live
-    server's socket."""
+    this is the only check; elsewhere the folder may have changed since), the path is claimed against
+    other serves' ranks (_hold_claim), then made free, removing a stale socket file (a restart after
+    kill -9 must keep working) but never a live server's socket."""
     _usable_dir(cfg.socket_dir)
     path = cfg.socket_path(rank)
+    _hold_claim(path)
     if _stale(path):
         try:
             path.unlink(missing_ok=True)

@@ -15,6 +15,8 @@ from dspark_sidecar import cli
     ("DSPARK_LOG_LEVEL", "verbose", "DSPARK_LOG_LEVEL='VERBOSE': expected DEBUG"),
     # '' as a path is the working directory: serve listened on ./rank0.sock, saying nothing
     ("DSPARK_SOCKET_DIR", "", "DSPARK_SOCKET_DIR (--socket-dir) is set but empty"),
+    # the demo's variable: it named a --demo-rounds flag that no command has
+    ("DSPARK_DEMO_ROUNDS", "", "DSPARK_DEMO_ROUNDS (demo --rounds) is set but empty"),
 ])
 def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkeypatch, capsys):
     """These used to end in a raw traceback (int('four'), logging's own ValueError), and a misspelt
@@ -115,6 +117,36 @@ def test_more_ranks_than_gpus_under_nccl_is_refused_before_any_rank_starts(flags
     else:
         backend.check_gpu_placement(cfg)
     backend.check_gpu_placement(cfg, visible=2)  # enough GPUs: never refused
+
+
+@pytest.mark.parametrize("flags, gpu", [
+    (["--device", "cpu"], True),  # GPUs there, but the ranks asked to compute on the CPU
+    (["--device", "cpu"], False),
+    ([], False),  # --device auto with no GPU visible: the ranks run on the CPU
+])
+def test_nccl_for_ranks_on_the_cpu_is_refused_before_any_rank_starts(flags, gpu, monkeypatch, capsys, tmp_path,
+                                                                      no_launch):
+    """NCCL moves GPU tensors only: each rank ended in torch's RuntimeError traceback from init_process_group
+    ("Distributed package doesn't have NCCL built in" on a CPU build), and serve exited 1, naming no flag."""
+    import torch
+
+    from helpers.refusals import refused
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if gpu else 0)
+    refused(["serve", "--tp", "2", "--dist-backend", "nccl", "--socket-dir", str(tmp_path / "s"), *flags], capsys,
+            "--dist-backend nccl: ", "the CPU", sock_dir=tmp_path / "s")
+
+
+def test_nccl_with_the_ranks_on_gpus_is_not_refused(monkeypatch):
+    import torch
+
+    from dspark_sidecar.server import backend
+    from dspark_sidecar.server.config import ServeConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device in ("auto", "cuda"):
+        backend.check_gpu_placement(ServeConfig(tp=2, dist_backend="nccl", device=device), visible=2)
 
 
 def test_the_readme_s_demo_rounds_default_is_the_parser_s(monkeypatch):

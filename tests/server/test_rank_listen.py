@@ -35,6 +35,31 @@ def test_a_stale_socket_is_replaced_a_live_one_refused_a_folder_refused(tmp_path
         preflight.claim_socket(cfg, 0)
 
 
+def test_a_socket_another_serve_s_rank_has_claimed_but_not_bound_yet_is_refused(tmp_path):
+    """gRPC's bind unlinks whatever socket sits at the path, a live server's too: two serves on one folder
+    whose ranks both probed rank0.sock before either had bound it both passed claim_socket, and the second's
+    bind cut the first off unseen (its rank serving on a name no longer its). The claim now holds until the
+    rank exits."""
+    from dspark_sidecar.server import preflight
+
+    cfg = ServeConfig(tp=1, socket_dir=tmp_path)
+    first = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from dspark_sidecar.server import preflight; "
+         "from dspark_sidecar.server.config import ServeConfig; "
+         f"preflight.claim_socket(ServeConfig(tp=1, socket_dir=Path({str(tmp_path)!r})), 0); "
+         "print('claimed', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline() == "claimed\n"
+        with pytest.raises(AddressInUse, match="another sidecar is starting or serving on") as err:
+            preflight.claim_socket(cfg, 0)
+        assert err.value.exit_status == 75
+    finally:
+        first.stdin.close()
+        assert first.wait(timeout=30) == 0
+    preflight.claim_socket(cfg, 0)  # the first rank has gone (its claim with it, even after kill -9)
+
+
 def test_a_busy_tcp_port_in_the_rank_is_one_line_not_grpcs_runtime_error(tmp_path):
     from grpc_health.v1 import health
 

@@ -98,6 +98,7 @@ def test_a_seed_the_synthetic_writer_cannot_use_is_refused_by_flag(seed):
     ({"dtype": "fp16"}, "--dtype: must be one of"),
     ({"device": "tpu"}, "--device: must be auto, cpu or cuda, got 'tpu'"),
     ({"dist_backend": "mpi"}, "--dist-backend: must be auto, gloo or nccl, got 'mpi'"),
+    ({"dist_backend": "nccl", "device": "cpu"}, "--dist-backend nccl: the ranks compute on the CPU (--device cpu)"),
     ({"max_reqs": 0}, "--max-reqs: must be 1..256, got 0"),
     ({"max_reqs": 257}, "--max-reqs: must be 1..256, got 257"),
     ({"tp": 4, "tcp_base_port": 65533}, "--tcp-base-port: must be 0..65532, got 65533"),
