@@ -86,6 +86,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rendezvous-ms", type=int, default=_env("rendezvous_ms", d.rendezvous_ms, int))
     p.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default=_env("dist_backend", d.dist_backend))
     p.add_argument("--dist-timeout-s", type=int, default=_env("dist_timeout_s", d.dist_timeout_s, int))
+    p.add_argument("--startup-timeout-s", type=int, default=_env("startup_timeout_s", d.startup_timeout_s, int),
+                   help="how long a rank waits at start-up for its slowest peer (loading, warm-up) before it "
+                        "stops (default %(default)s)")
     p.add_argument("--master-addr", default=_env("master_addr", d.master_addr))
     p.add_argument("--master-port", type=int, default=_env("master_port", d.master_port, int),
                    help="torch.distributed rendezvous port (0 = pick a free one)")

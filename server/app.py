@@ -117,7 +117,8 @@ class LateServicer(pb_grpc.DrafterSidecarServicer):
         return self._target().DraftSteps(request_iterator, context)
 
 
-def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer) -> grpc.Server:
+def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer,
+                start_up: StartUp | None = None) -> grpc.Server:
     opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0)]
@@ -128,6 +129,8 @@ def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server)
     claim_socket(cfg, rank)  # a stale socket of a killed run is replaced; a live server's is refused
     path = cfg.socket_path(rank)
+    if start_up is not None:  # ours from here (claimed): a failed bind of --tcp-base-port below removes it
+        start_up.socket = path
     for ep, flag in zip(cfg.endpoints(rank), ("--socket-dir", "--tcp-base-port")):
         try:  # grpc 1.8x raises on a failed bind; older ones return 0
             bound = server.add_insecure_port(ep)
@@ -156,6 +159,16 @@ class StartUp:
         self.active = True  # until the rank accepts draft calls; from then on a signal drains
         self.socket: Path | None = None
         self.board: Board | None = None
+        self.bound_s: int | None = None  # --startup-timeout-s, once `group` made the start-up group
+
+    def group(self, bound_s: int):
+        """The gloo group of the start-up collectives below, on every backend, waiting up to `bound_s`
+        (--startup-timeout-s) for the slowest rank. Without a timeout new_group gave torch's default (30
+        minutes) whatever --dist-timeout-s said, so on NCCL a peer hung while loading held the others that
+        long; the world group's --dist-timeout-s (on gloo) failed a rank whose load ran a minute behind.
+        Collective: a peer that never comes is PeerLost, as in barrier, not new_group's traceback."""
+        self.bound_s = bound_s
+        return self._collective(lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=bound_s)))
 
     def on_signal(self, signum, _frame) -> None:
         self.stop.set()
@@ -184,12 +197,15 @@ class StartUp:
         self._collective(lambda: dist.broadcast_object_list(box, src=0, group=group))
         return box[0]
 
-    def _collective(self, run: Callable[[], object]) -> None:
+    def _collective(self, run: Callable[[], object]):
         try:
-            run()
+            return run()
         except (RuntimeError, dist.DistError) as err:
             self.release()
-            raise PeerLost.of(self.rank, err) from None
+            what = "left during start-up"
+            if self.bound_s is not None:  # or is alive but hung: the wait timed out
+                what += f" or did not catch up within --startup-timeout-s {self.bound_s} s"
+            raise PeerLost.of(self.rank, err, what) from None
 
 
 def graphs_on(cfg: ServeConfig, device: torch.device, backend: str) -> bool:
@@ -303,8 +319,7 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     late = LateServicer()
-    server = _start_grpc(cfg, rank, health_servicer, late)
-    start_up.socket = cfg.socket_path(rank)
+    server = _start_grpc(cfg, rank, health_servicer, late, start_up)
     # Before the load and the rendezvous: a busy metrics port fails in seconds, not after the shard loaded.
     metrics = Metrics(rank)
     if cfg.metrics_port:
@@ -317,7 +332,7 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
 
     dist_backend = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     join_group(cfg, dist_backend, rank, world, agent_attempt)
-    cpu_group = dist.new_group(backend="gloo") if dist_backend != "gloo" else None
+    cpu_group = start_up.group(cfg.startup_timeout_s)
 
     dcfg, model, embed, choice, host, fast = _load(cfg, rank, world, device, cpu_group, start_up)
 

@@ -60,6 +60,9 @@ class ServeConfig:
     rendezvous_ms: int = 200  # how long ranks wait for each other's copy of a step
     dist_backend: str = "auto"  # auto | gloo | nccl
     dist_timeout_s: int = 60  # a collective stuck this long (dead peer) ends the rank
+    # A start-up barrier (the shard loaded, the warm-up done) waits this long for the slowest rank: longer
+    # than --dist-timeout-s, as one rank's load may run minutes behind another's; a peer hung that long ends it.
+    startup_timeout_s: int = 600
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: the launcher picks a free one (torchrun's MASTER_PORT wins over either)
     max_message_bytes: int = 256 << 20
@@ -137,6 +140,8 @@ class ServeConfig:
                                    "127.0.0.1 on one machine")
         if not 1 <= self.dist_timeout_s <= 86_400:
             raise ServeConfigError(f"--dist-timeout-s: must be 1..86400, got {self.dist_timeout_s}")
+        if not 1 <= self.startup_timeout_s <= 86_400:
+            raise ServeConfigError(f"--startup-timeout-s: must be 1..86400, got {self.startup_timeout_s}")
         used = {}  # every port a rank listens on, by flag: two flags' ranges must not meet
         for flag, base in (("--tcp-base-port", self.tcp_base_port), ("--metrics-port", self.metrics_port)):
             for port in range(base, base + self.tp) if base else ():
