@@ -560,9 +560,9 @@ class Bench:
 
 def run_bench(bc: BenchConfig, device: torch.device) -> dict:
     bench = Bench(bc, device)
-    bw = copy_bandwidth(device)
     rows: list[dict] = []
     try:
+        bw = copy_bandwidth(device)  # inside: a failure or a SIGTERM here still stops the sidecar Bench() started
         for ctx in bc.contexts:
             for R in bc.reqs:
                 case = Case(bench.cfg, R, ctx, bc.page_size, bench.pages, bench.embed, device, seed=R * 7 + ctx)

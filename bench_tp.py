@@ -1,7 +1,8 @@
 """`dspark-sidecar bench --tp N`: the sidecar at TP N across N GPUs, driven by N engine rank processes.
 
 Each engine rank binds its KV shard on its own GPU to its sidecar rank and runs the same steps
-over the data plane; the ranks start every step together (a gloo barrier, outside the timing).
+over the data plane; the ranks start every step together (a gloo barrier between the engine's fill
+and the ring, outside the timing; the fill inside it, as bench's (d) times it).
 Each case then runs again through every rank's shim (`DrafterShim.maybe_forward`, the ranks'
 agreements included, as an engine's forward runs it), which must return the same hidden states.
 Reported beside it, measured on the same machine: rank 0's shard on one GPU with no exchange
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -101,22 +103,33 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
             case = scenario.random_step(cfg, [ctx] * R, page, pages, embed, seed=R * 7 + ctx)  # same on every rank
             embeds, positions, meta = case.inputs_embeds.to(dev), case.positions.to(dev), case.meta.to(dev)
             kv_before = [t.clone() for t in kv]
+            # As bench's (d) and (h), the baseline beside these rows: the embeddings where the engine's lookup
+            # would have written them (the input region), so a fill copies none; --engine-copy: copied every step.
+            inputs = embeds
+            if not bc.engine_copy:
+                inputs = bufs.input_view(embeds.shape[0])
+                inputs.copy_(embeds)
 
             def step() -> tuple[float, pb.DraftStepResponse]:
-                nonlocal step_id, hidden
+                nonlocal step_id
                 step_id += 1
                 req = pb.DraftStepRequest(step_id=step_id, binding_id=b.binding_id, binding_generation=b.generation,
                                           num_requests=R)
-                hidden = bufs.fill(req, embeds, case.positions, case.meta)
-                dist.barrier()
-                t = time.perf_counter()
-                bell.send(req)
-                resp = bell.wait(step_id, 60.0)
-                if resp is None:  # a sidecar rank that died answers nothing: stop here, not 60 s per step
-                    raise RuntimeError(f"engine rank {rank}: step {step_id} unanswered after 60 s; see "
-                                       f"{Path(target_dir).parent / 'sidecar.log'}")
-                sync(dev)
-                return (time.perf_counter() - t) * 1e3, resp
+
+                def fill() -> None:
+                    nonlocal hidden
+                    hidden = bufs.fill(req, inputs, case.positions, case.meta)
+
+                def ring() -> pb.DraftStepResponse:
+                    bell.send(req)
+                    resp = bell.wait(step_id, 60.0)
+                    if resp is None:  # a sidecar rank that died answers nothing: stop here, not 60 s per step
+                        raise RuntimeError(f"engine rank {rank}: step {step_id} unanswered after 60 s; see "
+                                           f"{Path(target_dir).parent / 'sidecar.log'}")
+                    sync(dev)
+                    return resp
+
+                return _step_ms(fill, dist.barrier, ring)
 
             hidden = None
             times, errors, early = _timed_steps(step, bc.repeats)
@@ -129,7 +142,7 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
                 dist.barrier()
                 t = time.perf_counter()
                 with set_forward_context(case.meta):  # the engine's host metadata, as the data plane takes it
-                    shimmed = shim.maybe_forward(None, case.positions, embeds)
+                    shimmed = shim.maybe_forward(None, case.positions, inputs)
                 sync(dev)
                 if shimmed is None:
                     raise RuntimeError(f"engine rank {rank}: the shim fell back: {dict(shim.stats.fallbacks)}")
@@ -145,6 +158,20 @@ def _engine_rank(rank: int, world: int, bc: BenchConfig, device_type: str, targe
     for h in held:
         h.close()
     dist.destroy_process_group()
+
+
+def _step_ms(fill, start, ring) -> tuple[float, object]:
+    """One direct step's ms and answer, counted as bench's (d) counts it, against which it is reported: the
+    engine's fill of the regions, then ring() from the ring to the hidden states on the engine's stream.
+    start() (the ranks' barrier) runs between the two, outside the time. The fill was left out, so the
+    TP step lacked the 22-85 us an H200 host's fill takes (BENCHMARKS.md) that the one-GPU (d) beside it has."""
+    t = time.perf_counter()
+    fill()
+    filled = time.perf_counter() - t
+    start()
+    t = time.perf_counter()
+    resp = ring()
+    return (filled + time.perf_counter() - t) * 1e3, resp
 
 
 def _timed_steps(step, repeats: int, warmup: int = 3) -> tuple[list[float], int, int]:
@@ -166,6 +193,13 @@ def _timed_steps(step, repeats: int, warmup: int = 3) -> tuple[list[float], int,
 def _median(ms: list[float]) -> float:
     """The median, or NaN where no step was answered (the row's errors say why; its parity fails)."""
     return statistics.median(ms) if ms else float("nan")
+
+
+def _slowest(ms) -> float:
+    """The slowest rank's figure, NaN where any rank has none: max() keeps a NaN only in first place, so
+    with rank 0 answered and rank 1 not the step took rank 0's p50 as if every rank had answered."""
+    ms = list(ms)
+    return float("nan") if any(math.isnan(x) for x in ms) else max(ms)
 
 
 def _parity(ref: DSparkDrafter, group, embeds: torch.Tensor, positions: torch.Tensor, meta, kv_before: list,
@@ -280,7 +314,7 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str,
     within `tol` (relative L2) of the reference in hidden states and block K/V."""
     rows = []
     for i, r0 in enumerate(per_rank[0]):
-        step = max(p[i]["p50_ms"] for p in per_rank)
+        step = _slowest(p[i]["p50_ms"] for p in per_rank)
         same = [x for x in single["rows"] if x["R"] == r0["R"] and x["context"] == r0["context"]]
         by_mode = {x["mode"]: x for x in same}
         one, inproc = by_mode.get("d", {}), by_mode.get("c", {})

@@ -205,3 +205,18 @@ def test_the_bench_s_sidecar_folder_goes_with_a_clean_stop_and_stays_with_a_fail
     (failed.work / "sidecar.log").write_text("rank 0: CUDA out of memory")
     failed.discard()
     assert (failed.work / "sidecar.log").exists()
+
+
+def test_a_run_stopped_while_it_measures_the_bandwidth_stops_its_sidecar(tmp_path, bench_sidecars, monkeypatch):
+    """The copy bandwidth was measured after Bench() started the sidecar but outside the try whose finally
+    closes it: a SIGTERM there (cli's _sigterm_unwinds: SystemExit), Ctrl-C or a failed copy left the sidecar
+    serving until the bench's process exited, and its folder (log, sockets) in the temp dir."""
+    def stopped(device):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(B, "copy_bandwidth", stopped)
+    with pytest.raises(SystemExit):
+        B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("d",), repeats=2, out_dir=tmp_path),
+                    torch.device("cpu"))
+    (side,) = bench_sidecars
+    assert side.proc.poll() is not None and not side.work.exists()

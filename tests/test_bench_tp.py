@@ -169,3 +169,33 @@ def test_sigterm_stops_the_engine_ranks_and_the_sidecar_and_removes_the_folder(t
     for pid in ranks:  # ended, not left waiting (the bench's exit would have waited for them)
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_rank_that_answered_no_step_leaves_the_case_without_a_step_time(tmp_path):
+    """The step is the slowest rank's p50; a rank whose every step was answered with an error has none (NaN).
+    max() over the ranks kept or dropped that NaN by rank order: with rank 0 answered and rank 1 not, the row
+    printed rank 0's p50 as the step's time, its ratio to the floor and the exchange's share of it."""
+    bc = BenchConfig(out_dir=tmp_path)
+    single = {"rows": [{"mode": "d", "R": 8, "context": 4096, "p50_ms": 0.6, "floor_ms": 0.25}]}
+    for per_rank in ([[_rank_row()], [_rank_row(p50_ms=math.nan, errors=5)]],
+                     [[_rank_row(p50_ms=math.nan, errors=5)], [_rank_row()]]):
+        row = _report(bc, 2, per_rank, single, "H200", PARITY_RTOL)["rows"][0]
+        assert math.isnan(row["tp_step_p50_ms"]) and not row["parity_ok"], row
+        assert row["x_floor"] is None or math.isnan(row["x_floor"])
+
+
+def test_a_direct_step_counts_the_engine_s_fill_as_the_one_gpu_d_beside_it_does(monkeypatch):
+    """The TP row is read against the one-GPU shard's (d), whose time runs from the engine's fill of the regions
+    to the hidden states. The TP step started its clock after the fill (and the barrier that follows it): the
+    exchange's cost read off the two lacked the fill's 22-85 us. The barrier stays out. Clock faked."""
+    now = [0.0]
+
+    def takes(s, out=None):
+        def fn():
+            now[0] += s
+            return out
+        return fn
+
+    monkeypatch.setattr(bench_tp.time, "perf_counter", lambda: now[0])
+    ms, resp = bench_tp._step_ms(takes(0.002), takes(0.5), takes(0.003, "answer"))
+    assert ms == pytest.approx(5.0) and resp == "answer"  # fill 2 + ring 3; the barrier's 500 left out

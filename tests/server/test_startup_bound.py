@@ -77,19 +77,17 @@ def test_a_rank_loading_past_the_collective_timeout_still_catches_up():
 def test_a_peer_hung_at_the_barrier_ends_the_rank_within_the_start_up_bound():
     """Rank 1 stalls before the barrier (a hung read, a wedged device): rank 0 stops after
     --startup-timeout-s with one line naming it, not after torch's 30-minute default."""
-    out0, _, took = _ranks(120.0, 3, "barrier")
+    out0, _, _ = _ranks(120.0, 3, "barrier")  # with torch's 30 minutes, _ranks' 120 s wait fails it
     assert out0.startswith("PeerLost rank 0: a peer rank left during start-up or did not catch up within "
                            "--startup-timeout-s 3 s ("), out0
-    assert took < 100, took  # torch and gRPC imported on a loaded host; torch alone would wait 1800 s
 
 
 def test_a_peer_that_never_makes_the_start_up_group_is_one_line():
     """Rank 1 joined the world group but never reaches the start-up group: new_group's wait timed out with
     a traceback (after 30 minutes); now it is PeerLost, as the barriers' failures are."""
-    out0, _, took = _ranks(120.0, 3, "group")
+    out0, _, _ = _ranks(120.0, 3, "group")  # with torch's 30 minutes, _ranks' 120 s wait fails it
     assert out0.startswith("PeerLost rank 0: a peer rank left during start-up or did not catch up within "
                            "--startup-timeout-s 3 s ("), out0
-    assert took < 100, took  # torch and gRPC imported on a loaded host; torch alone would wait 1800 s
 
 
 def test_a_rank_refused_its_tcp_port_removes_its_socket_file(tmp_path):
