@@ -474,8 +474,9 @@ class HealthPublisher:
             if state in ("SERVING", "REFUSED", "PEER_SILENT"):
                 peer_out = life.silent_peers or life.exited_peers
                 state = "PEER_SILENT" if peer_out else "REFUSED" if refused else "SERVING"
-            life.reason = peers_reason(life.exited_peers, life.silent_peers) if state == "PEER_SILENT" else ""
-            life.state = state
+            with life.lock:  # one change for GetStatus (Lifecycle.snapshot)
+                life.reason = peers_reason(life.exited_peers, life.silent_peers) if state == "PEER_SILENT" else ""
+                life.state = state
             self.ctx.refusal = refused or None
             serving = health_pb2.HealthCheckResponse.SERVING
             status = serving if life.serving else health_pb2.HealthCheckResponse.NOT_SERVING

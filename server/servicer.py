@@ -49,10 +49,19 @@ class Lifecycle:
     strict: bool = False
     dist_backend: str = "gloo"
     on_change: list = field(default_factory=list)
+    # Held by a publish while it sets state and reason (app.HealthPublisher), and by GetStatus while it reads
+    # them: read apart, a publish in between answered serving false with state SERVING, which the shim takes
+    # for a refusal for good wherever fast_path_refusal is set (any Triton host's "not gfx950").
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def serving(self) -> bool:
         return self.state == "SERVING"
+
+    def snapshot(self) -> tuple[str, str]:
+        """(state, reason) as one publish left them."""
+        with self.lock:
+            return self.state, self.reason
 
 
 def _same_node(peer: str) -> bool:
@@ -143,6 +152,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         c, kv = self.ctx.cfg, self.ctx.memory.kv
         # Read once: a BindKV or UnbindKV on another thread may close this binding (layers = []) meanwhile.
         layers = kv.layers if kv else []
+        state, reason = self.life.snapshot()
         return pb.StatusReport(
             model=pb.ModelSummary(
                 architecture=ARCHITECTURE, preset=c.name, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
@@ -151,8 +161,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 block_size=c.block_size, weight_format=self.weight_format,
                 compute_dtype=str(self.ctx.model.dtype).replace("torch.", "")),
             limits=self.limits, parallel=self.parallel, backend=self.life.backend,
-            fast_path_refusal=self.status_refusal(), serving=self.life.serving, state=self.life.state,
-            server_version=__version__, state_reason=self.life.reason,
+            fast_path_refusal=self.status_refusal(), serving=state == "SERVING", state=state,
+            server_version=__version__, state_reason=reason,
             kv=pb.KVBindingState(
                 bound=kv is not None, binding_id=kv.binding_id if kv else 0, generation=kv.generation if kv else 0,
                 num_layers=len(layers), num_pages=kv.num_pages if kv else 0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -64,3 +65,63 @@ def test_compute_dtype_is_sent_as_sidecar_proto_documents_it():
         sent = svc.GetStatus(pb.GetStatusRequest(), None).model.compute_dtype
         assert f'"{sent}"' in comment, (sent, comment)
     assert '"bf16"' not in comment
+
+
+
+class PublishedMidAnswer(Lifecycle):
+    """A Lifecycle that, at GetStatus's first read of its state, has the rank's publisher (HealthPublisher, on
+    the main thread: LOADING -> SERVING at start-up, PEER_SILENT -> SERVING when the peer is back) publish
+    SERVING on another thread, given `wait_s` to land before the read goes on."""
+
+    def __getattribute__(self, name):
+        value = object.__getattribute__(self, name)
+        if name == "state" and object.__getattribute__(self, "__dict__").get("publisher") is not None:
+            publisher, self.publisher = self.publisher, None
+            self.published = threading.Thread(target=publisher, args=("SERVING",))
+            self.published.start()
+            self.published.join(self.wait_s)
+        return value
+
+
+@pytest.mark.parametrize("before, reason", [("LOADING", ""), ("PEER_SILENT", "peer rank(s) 1 silent for 3.5 s")])
+def test_a_state_published_while_status_is_answered_gives_one_state(before, reason):
+    """GetStatus read the state twice (serving, then state) and the reason apart from both: a publish in
+    between answered serving false with state SERVING (or PEER_SILENT with no reason). With a
+    fast_path_refusal (any Triton host's "not gfx950"), the shim reads a rank not serving in a state that is
+    no transient one as refused for good (client/shim.py sidecar_refusal), and turned the sidecar off for the
+    life of the engine. The answer is now the state and reason as one publish left them."""
+    from grpc_health.v1 import health
+
+    from dspark_sidecar.client.shim import sidecar_refusal
+    from dspark_sidecar.server.app import HealthPublisher
+
+    cfg = load_config("tiny")
+    ctx = SimpleNamespace(rank=0, fast=None, cfg=cfg, memory=SimpleNamespace(kv=None), refusal=None,
+                          model=SimpleNamespace(dtype=torch.float32), metrics=Metrics(0))
+    life = PublishedMidAnswer(state=before, reason=reason)
+    svc = DrafterServicer(ctx, None, life, pb.Limits(), pb.Parallel(), "bf16")  # type: ignore[arg-type]
+    life.wait_s, life.publisher = 0.5, HealthPublisher(life, svc, ctx, health.HealthServicer(), ctx.metrics)
+    st = svc.GetStatus(pb.GetStatusRequest(), None)
+    life.published.join(5)
+    assert life.state == "SERVING" and life.reason == ""  # the publish itself went through
+    assert st.fast_path_refusal and sidecar_refusal(st) is None, (st.serving, st.state, st.fast_path_refusal)
+    assert (st.state, st.serving, st.state_reason) in ((before, False, reason), ("SERVING", True, "")), st
+
+
+def test_the_backends_sidecar_proto_names_are_the_ones_the_sidecar_sends():
+    """StatusReport.backend said e.g. "torch"; the sidecar sends "reference" for its pure-torch ops
+    (BackendChoice.name), which the demo's verdict switches on."""
+    import re
+    from pathlib import Path
+
+    import dspark_sidecar.proto as proto_pkg
+    from dspark_sidecar.server import backend
+
+    text = (Path(proto_pkg.__file__).parent / "sidecar.proto").read_text()
+    comment = re.search(r"((?:\s*//[^\n]*\n)+)\s*string backend = 10;", text).group(1)
+    source = Path(backend.__file__).read_text()
+    sent = set(re.findall(r'BackendChoice\("(\w+)"', source)) | set(re.findall(r'portable, ops = "(\w+)"', source))
+    assert sent == {"flydsl", "triton", "reference"}, sent
+    for name in sent:
+        assert f'"{name}"' in comment, (name, comment)
+    assert '"torch"' not in comment
