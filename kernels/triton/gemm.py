@@ -38,9 +38,11 @@ from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
 @triton.jit
 def _swiglu_oai(g, u, alpha, limit, OUT: tl.constexpr, INTERPRET: tl.constexpr):
-    """The gate/up halves are first rounded to the activation dtype, as the reference's linear output is."""
-    g = tl.minimum(cast(g, OUT, INTERPRET).to(tl.float32), limit)
-    u = tl.minimum(tl.maximum(cast(u, OUT, INTERPRET).to(tl.float32), -limit), limit)
+    """The gate/up halves are first rounded to the activation dtype, as the reference's linear output is.
+    The clamps keep NaN, as torch's do (tl.minimum's default returns the other operand: a NaN gate
+    came out as the limit, a finite activation)."""
+    g = tl.minimum(cast(g, OUT, INTERPRET).to(tl.float32), limit, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.clamp(cast(u, OUT, INTERPRET).to(tl.float32), -limit, limit, propagate_nan=tl.PropagateNan.ALL)
     return g * tl.sigmoid(alpha * g) * (u + 1.0)
 
 
@@ -547,6 +549,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu,
     check_device(x, w)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemm: x {list(x.shape)} and weight {list(w.shape)} do not chain")
+    # A dense weight sets the dot's operand dtype (runtime.dot_dtype): fp32 x met a bf16 weight in a
+    # bf16 dot (x rounded to 8 bits under an fp32 result), bf16 x an fp16 one (inf past 65504), where
+    # the reference's F.linear raises. MXFP8 weights take any activation dtype (see _launch).
+    if not isinstance(weight, MxFp8Weight) and w.dtype != x.dtype:
+        raise ValueError(f"gemm: weight dtype {w.dtype} is not the activations' {x.dtype}")
     # The kernel loads (1 + w) at x's K offsets, masked by K alone: a shorter norm weight was read
     # past its end, where the reference raises. An odd gate|up weight would drop its last row unseen.
     if norm_weight is not None and tuple(norm_weight.shape) != (x.shape[1],):
@@ -603,7 +610,8 @@ def _launch(x, weight, norm_weight, eps, swiglu, cfg: GemmConfig, k_per: int, ta
     tma = TMA and w.dtype in (torch.bfloat16, torch.float16, torch.uint8) and sm90_of(x) and _tma_ready(w)
     sq_col = SQ_COLUMN and partial and norm_weight is not None and isinstance(weight, NormFolded)
     _gemm_kernel[(triton.cdiv(n, cfg.block_n) + sq_col, split, triton.cdiv(m, cfg.block_m))](
-        x, x if norm_weight is None else norm_weight,
+        # The kernel reads (1 + w) at unit stride: a strided view read its neighbours' elements.
+        x, x if norm_weight is None else norm_weight.contiguous(),
         TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]) if tma else w,
         scale, target, sq, res, m, n, k, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
@@ -644,6 +652,10 @@ def _finalize(ws: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, n: int, k: 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """Standalone SwiGLU-OAI: gate_up [n, 2f] (gate first) -> [n, f], through the finalize kernel."""
     check_device(gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        # An odd width has no halves: gate column j was paired with column f + j of a floored f and
+        # the last column dropped unseen, where the reference raises.
+        raise ValueError(f"swiglu_oai: gate|up {list(gate_up.shape)} is not [n, 2f] (2-D, no odd width)")
     g = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     m, f = g.shape[0], g.shape[1] // 2
     out = torch.empty((m, f), dtype=g.dtype, device=g.device)

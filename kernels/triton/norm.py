@@ -51,6 +51,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., K] -> same shape and dtype."""
     check_device(x, weight)
     k = x.shape[-1]
+    # The kernel loads (1 + w) at the row's offsets masked by K alone, at unit stride: a shorter
+    # weight was read past its end, a longer one cut short (the reference raises on both), and a
+    # strided view read its neighbours' elements.
+    if tuple(weight.shape) != (k,):
+        raise ValueError(f"rms_norm: norm weight {list(weight.shape)} does not match x {list(x.shape)}")
+    weight = weight.contiguous()
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

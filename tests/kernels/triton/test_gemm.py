@@ -444,3 +444,57 @@ def test_fp8_blocks_other_than_32_are_served_or_refused_at_load(device, block, p
             gemm.gemm(x, weight, config=gemm.GemmConfig(16, 32, 64, 1))
     with pytest.raises(ValueError, match="block 48 is not a power of two"):
         MxFp8Weight.quantize(w, 48)
+
+
+def test_strided_norm_weight_is_read_as_the_reference_reads_it(device, parity):
+    """The GEMM loads (1 + w) at x's K offsets as a contiguous vector: a strided view of the norm
+    weight (the right length) was read from its neighbours' elements, a silently different product."""
+    x, w, _ = _inputs(7, 64, 32, torch.float32, device, seed=14)
+    nw = (torch.randn(128, generator=torch.Generator().manual_seed(15)) * 0.1).to(device)[::2]
+    for cfg in (CONFIGS["split1"], CONFIGS["split3"]):
+        parity(gemm.gemm(x, w, nw, EPS, config=cfg), reference.norm_linear(x, nw, EPS, w))
+        parity(gemm.gemm(x, torch.cat([w, w.flip(0)]), nw, EPS, swiglu=(ALPHA, LIMIT), config=cfg),
+               reference.norm_linear_swiglu(x, nw, EPS, torch.cat([w, w.flip(0)]), ALPHA, LIMIT))
+
+
+def test_weight_dtype_must_be_the_activations(device):
+    """A dense weight in another dtype than x: the reference's F.linear raises, while the GEMM fed
+    the dot in the weight's dtype, rounding fp32 activations to bf16 (1e-3, not the fp32 path's
+    2e-5) under an fp32 result, or bf16 ones to fp16 (inf past 65504). Folded weights alike.
+    MXFP8 weights take any activation dtype (test_fp8_weights_keep_fp32_activations_exact)."""
+    x, w, nw = _inputs(7, 64, 32, torch.float32, device, seed=16)
+    with pytest.raises(RuntimeError):
+        reference.linear(x, w.bfloat16())
+    for xx, ww in ((x, w.bfloat16()), (x.bfloat16(), w.half()), (x.bfloat16(), w)):
+        with pytest.raises(ValueError, match="dtype"):
+            gemm.gemm(xx, ww)
+        with pytest.raises(ValueError, match="dtype"):
+            gemm.gemm(xx, NormFolded.fold(ww, nw), nw, EPS)
+        with pytest.raises(ValueError, match="dtype"):
+            gemm.norm_linear_partials(xx, ww, nw, EPS)
+
+
+def test_swiglu_oai_refuses_an_odd_width(device):
+    """gate_up [n, 2f]: an odd width has no gate/up halves. The reference raises; the kernel paired
+    gate column j with column f + j of a width it floored and dropped the last column unseen."""
+    gu = torch.randn(7, 9, generator=torch.Generator().manual_seed(17)).to(device)
+    with pytest.raises(RuntimeError):
+        reference.swiglu_oai(gu, ALPHA, LIMIT)
+    with pytest.raises(ValueError, match="odd"):
+        TRITON_OPS.swiglu_oai(gu, ALPHA, LIMIT)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_swiglu_keeps_a_nan_a_nan(device, config):
+    """The reference's clamps (torch) keep NaN; tl.minimum / tl.maximum by default return the other
+    operand (minnum: a NaN gate became the limit, 7, a NaN up -7 or 7), so a NaN gate|up product
+    came out of the MLP as a finite value. Both epilogues and the standalone op."""
+    x, w, nw = _inputs(7, 64, 32, torch.float32, device, seed=18)
+    w = torch.cat([w, w.flip(0)])
+    w[3] = float("nan")  # gate column 3
+    w[32 + 5] = float("nan")  # up column 5
+    ref = reference.norm_linear_swiglu(x, nw, EPS, w, ALPHA, LIMIT)
+    out = gemm.gemm(x, w, nw, EPS, swiglu=(ALPHA, LIMIT), config=CONFIGS[config])
+    assert torch.equal(out.isnan(), ref.isnan()) and ref[:, [3, 5]].isnan().all()
+    gu = reference.linear(x, w)
+    assert torch.equal(TRITON_OPS.swiglu_oai(gu, ALPHA, LIMIT).isnan(), reference.swiglu_oai(gu, ALPHA, LIMIT).isnan())

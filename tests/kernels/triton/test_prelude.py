@@ -123,6 +123,22 @@ def test_rms_norm(device, width, dtype, parity):
     parity(TRITON_OPS.rms_norm(x, w, EPS), reference.rms_norm(x, w, EPS))
 
 
+def test_rms_norm_weight_must_match_the_row(device, parity):
+    """The kernel loads (1 + w) at the row's offsets, masked by the row's width alone: a shorter
+    weight was read past its end and a longer one cut short, where the reference raises; a strided
+    view of the right width was read as if contiguous (its neighbours' values), where the reference
+    takes it."""
+    gen = torch.Generator().manual_seed(21)
+    x = (torch.randn(7, 64, generator=gen) * 5.0).to(device)
+    w = (torch.randn(128, generator=gen) * 0.1).to(device)
+    for bad in (w[:48], w):
+        with pytest.raises(RuntimeError):
+            reference.rms_norm(x, bad, EPS)
+        with pytest.raises(ValueError, match="norm weight"):
+            TRITON_OPS.rms_norm(x, bad, EPS)
+    parity(TRITON_OPS.rms_norm(x, w[::2], EPS), reference.rms_norm(x, w[::2], EPS))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [7, 56])
 def test_real_shapes(cuda, rows, parity):
