@@ -158,7 +158,9 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
             try:
                 launcher.start()
             except (RuntimeError, TimeoutError) as err:  # exited, never SERVING (stopped), or the folder is taken
-                raise DemoError(f"the sidecar did not start (its log: {launcher.log_path}): {err}") from None
+                # A taken folder is refused before anything starts: no log to name (its folder is removed below).
+                log = f" (its log: {launcher.log_path})" if launcher.log_path.exists() else ""
+                raise DemoError(f"the sidecar did not start{log}: {err}") from None
         try:
             status = (launcher or SidecarLauncher(sock, tp=cfg.tp)).status(0)
         except grpc.RpcError as err:

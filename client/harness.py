@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
+import os
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -349,7 +352,31 @@ class Record:
 
 
 # Processes ------------------------------------------------------------------------------------------
+def _exit_with_starter(rank: int) -> None:
+    """End this rank at once when the process that spawned it has gone, however it went.
+
+    run_engine's finally kills the ranks when the starter unwinds, but a SIGKILLed starter runs none, and
+    torch's parent-death SIGINT (set in its spawn wrapper) misses two cases: a starter killed before the
+    wrapper runs (the rank's imports, seconds) left its ranks drafting every round, orphaned; and a rank
+    blocked in a gloo collective does not run the KeyboardInterrupt, while its peer, interrupted between two,
+    may leave it there until gloo's timeout (30 minutes). The spawn parent's sentinel is a pipe whose other
+    end only the starter holds: it reads EOF once the starter has gone, even before this thread waits on it.
+    A thread (not a check per round) and os._exit (not an exception), for the blocked collective; the KV
+    cache's segments are unlinked by the starter's resource tracker once its last process has exited."""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not a spawned rank
+        return
+
+    def watch() -> None:
+        parent.join()
+        os.write(2, f"engine rank {rank}: its starter (pid {parent.pid}) has gone; exiting\n".encode())
+        os._exit(1)
+
+    threading.Thread(target=watch, name=f"engine-rank{rank}-starter", daemon=True).start()
+
+
 def _rank_entry(rank: int, h: HarnessConfig, store_path: str, out_dir: str) -> None:
+    _exit_with_starter(rank)
     torch.set_num_threads(1)  # same reductions as the sidecar's ranks: bit-identical results
     if h.device == "cuda":
         torch.cuda.set_device(rank)

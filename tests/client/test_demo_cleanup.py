@@ -129,3 +129,19 @@ def test_an_interrupted_demo_removes_its_folders(scratch, fake_launcher, monkeyp
     with pytest.raises(KeyboardInterrupt):
         run_demo(DemoConfig(rounds=1, tp=1, required_tp=1), out=lambda _: None)
     assert fake_launcher.made[0].stopped and list(scratch.iterdir()) == []
+
+
+def test_a_socket_folder_another_sidecar_serves_names_no_log_it_never_wrote(scratch):
+    """The launcher refuses a folder where a sidecar already answers before it starts anything (no log written),
+    yet the line said "its log: .../sidecar.log", a file that never was, in a folder then removed as empty."""
+    from helpers.engine_fakes import FakeServer, FakeSidecar
+
+    with tempfile.TemporaryDirectory(prefix="dsp-", dir="/tmp") as folder:  # not in $TMPDIR (scratch)
+        other = FakeServer(FakeSidecar(0, 1), Path(folder) / "rank0.sock").start()
+        try:
+            with pytest.raises(DemoError, match="a sidecar already answers") as err:
+                run_demo(DemoConfig(rounds=1, tp=1, required_tp=1, socket_dir=folder), out=lambda _: None)
+        finally:
+            other.stop()
+    assert "its log" not in str(err.value), err.value
+    assert list(scratch.iterdir()) == []
