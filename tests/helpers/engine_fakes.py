@@ -65,6 +65,7 @@ class FakeSidecar(pb_grpc.DrafterSidecarServicer):
         self.generation, self.binding_id = 0, 0
         self.step_errors: dict[int, tuple[int, str]] = {}  # step_id -> (google.rpc code, reason)
         self.step_delay_s: dict[int, float] = {}
+        self.step_holds: dict[int, threading.Event] = {}  # step_id -> answered only once the test sets it
         self.bind_error: tuple[grpc.StatusCode, str] | None = None
         self.answered: list[int] = []
         self._lock = threading.Lock()
@@ -101,6 +102,9 @@ class FakeSidecar(pb_grpc.DrafterSidecarServicer):
         delay = self.step_delay_s.get(req.step_id)
         if delay:
             time.sleep(delay)
+        hold = self.step_holds.get(req.step_id)
+        if hold is not None:
+            hold.wait(300)  # a hang guard only: the test sets it
 
         def fail(code: int, reason: str) -> pb.DraftStepResponse:
             return pb.DraftStepResponse(step_id=req.step_id, error=pb.StepError(code=code, message=reason,

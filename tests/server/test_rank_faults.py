@@ -4,8 +4,9 @@
   written, and the late copy never pairs with a newer step; the next common step is bit-identical;
 - a sidecar rank SIGSTOPped past the rendezvous deadline, then SIGCONT: the peer aborts within the deadline,
   the stopped rank's stale step is aborted, and the group drafts the same bits again;
-- a sidecar rank SIGKILLed mid-stream: the peer's stream is answered within the deadline or ends, health goes
-  NOT_SERVING within seconds, the launcher exits 1 and leaves no rank behind.
+- a sidecar rank SIGKILLed mid-stream: each of the peer's steps is answered by the deadline's or the exit's
+  abort, or refused as shutting down, or its stream ends with the peer's own stop (none waits on the dead
+  rank until the teardown); health goes NOT_SERVING, the launcher exits 1 and leaves no rank behind.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from helpers.sidecar_proc import SidecarProcess, alive as _alive
 TP, RDV_MS = 2, 200
 LENS = [5, 40, 200, 33]
 PAGES = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 8
-SLACK_S = 5.0  # bounded, not fast: a loaded 2-core CI box schedules late
 
 
 def _both(streams, reqs, timeout: float = 30.0):
@@ -126,14 +126,13 @@ def test_sigkilled_rank_mid_stream_peer_answered_group_down_no_orphans(rig):
     sc, eng, step, streams, ref = rig
     pids = sc.rank_pids()
     stop = threading.Event()
-    worst = [0.0]
+    answers: list = []  # rank 0's answer to each step, None once its stream ended
 
     def pump() -> None:  # rank 0's engine keeps stepping
         sid = 100
         while not stop.is_set():
-            t = time.monotonic()
             ans = streams[0].ask(eng.request(0, sid, step), timeout=60)
-            worst[0] = max(worst[0], time.monotonic() - t)
+            answers.append(ans)
             if ans is None:
                 return
             sid += 1
@@ -155,6 +154,15 @@ def test_sigkilled_rank_mid_stream_peer_answered_group_down_no_orphans(rig):
     stop.set()
     th.join(timeout=30)
     assert not th.is_alive()
-    assert worst[0] < RDV_MS / 1e3 + SLACK_S, worst[0]  # each step answered (ABORTED) or its stream ended
+    # Each step answered by a path that does not wait on the dead rank, or its stream ended by rank 0's own
+    # stop. A step left waiting on rank 1 would be answered only by the teardown stopping the coordinator
+    # ("coordinator has stopped"), or not at all (its stream ended by the launcher's SIGKILL of rank 0).
+    assert answers and answers[-1] is None, answers[-3:]
+    prompt = ("rank(s) 1 did not receive it within", "rank(s) 1 exited; no rank ran it", "shutting down")
+    for ans in answers[:-1]:
+        err = _error(ans)
+        assert err is None or any(why in err.message for why in prompt), ans
+    log = sc.log_path.read_text(errors="replace")
+    assert "rank 0: stopped" in log and "teardown exceeded" not in log, sc.log_tail()
     time.sleep(0.5)
     assert not any(_alive(p) for p in pids)

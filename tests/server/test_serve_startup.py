@@ -85,16 +85,18 @@ def test_sigterm_while_the_ranks_wait_in_the_rendezvous_ends_the_group_promptly(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p = _serve(sock, tiny_ckpt, "--master-port", str(port), env={"TORCHELASTIC_USE_AGENT_STORE": "True"})
+    # The connect would retry for an hour: the group can end before the hang guard only by the launcher's kill.
+    p = _serve(sock, tiny_ckpt, "--master-port", str(port), "--dist-timeout-s", "3600",
+               env={"TORCHELASTIC_USE_AGENT_STORE": "True"})
     try:
         _wait_for(lambda: (sock / "rank0.sock").exists(), 30, p)
         time.sleep(1.0)  # into init_process_group
-        t = time.monotonic()
         p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=15)
-        took = time.monotonic() - t
-        assert took < 6, f"the group took {took:.1f} s to stop"
+        _, err = p.communicate(timeout=60)  # a hang guard only
         assert p.returncode == 0 and "Traceback" not in err, err
+        # Killed by the start-up stop (STARTUP_STOP_S), not the serving drain's grace (DRAIN_GRACE_S, exit 1).
+        assert "still starting 3 s after the stop request" in err and "killing them" in err, err
+        assert "ranks still running" not in err, err
         assert not _group_alive(p.pid), "a rank outlived the launcher"
         assert not list(sock.glob("*.sock")), "a killed rank's socket file was left behind"
     finally:
@@ -104,7 +106,7 @@ def test_sigterm_while_the_ranks_wait_in_the_rendezvous_ends_the_group_promptly(
 RANK_BLOCKED_IN_LOAD = """
 import sys, time
 from dspark_sidecar.server import app
-app._load = lambda *a, **k: time.sleep(120)  # a load that takes long (a slow disk, a hung NFS read)
+app._load = lambda *a, **k: time.sleep(3600)  # a load that takes long (a slow disk, a hung NFS read)
 from dspark_sidecar import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
@@ -124,10 +126,9 @@ def test_sigterm_while_a_rank_loads_ends_it_at_once_without_traceback(tmp_path):
     try:
         _wait_for(lambda: (sock / "rank0.sock").exists(), 30, p)
         time.sleep(1.0)  # past init_process_group (world 1: immediate), into the load
-        t = time.monotonic()
         p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=10)
-        assert time.monotonic() - t < 3
+        # A hang guard only: a rank that let its load (an hour) run on before it ended is still running here.
+        _, err = p.communicate(timeout=60)
         assert p.returncode == 0 and "Traceback" not in err, err
         assert "SIGTERM during start-up" in err, err
         assert not (sock / "rank0.sock").exists()
