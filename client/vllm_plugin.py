@@ -9,6 +9,7 @@ and the stock forward runs every step.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import weakref
@@ -274,10 +275,23 @@ def sleep_mode_refusal(vllm_config: Any) -> str | None:
             "unseen by the sidecar's binding; run without sleep mode to use the sidecar")
 
 
+def _embeds_slot(forward: Any) -> int | None:
+    """Where the stock `forward(self, input_ids, positions, ...)` takes inputs_embeds among the inputs after
+    positions, when it may be passed by position (the DSpark drafters': `forward(input_ids, positions,
+    inputs_embeds)`), or None."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C-level forward: keyword only, as before
+        return None
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names.index("inputs_embeds") - 3 if "inputs_embeds" in names[3:] else None
+
+
 def make_sidecar_class(stock: type) -> type:
     """A subclass of vLLM's draft model whose forward asks the shim first and runs the stock forward on None."""
     if getattr(stock, _MARK, False):
         return stock
+    embeds_slot = _embeds_slot(stock.forward)
 
     class SidecarDrafter(stock):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -297,7 +311,12 @@ def make_sidecar_class(stock: type) -> type:
             return self._dspark_shim
 
         def forward(self, input_ids: Any, positions: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            out = self.dspark_shim().maybe_forward(input_ids, positions, kwargs.get("inputs_embeds"))
+            # By keyword (vLLM's DSpark speculator) or by position, as the stock forward takes it: one dropped
+            # here had the shim embed input_ids instead, and the sidecar drafted from other inputs than the stock.
+            embeds = kwargs.get("inputs_embeds")
+            if embeds is None and embeds_slot is not None and len(args) > embeds_slot:
+                embeds = args[embeds_slot]
+            out = self.dspark_shim().maybe_forward(input_ids, positions, embeds)
             if out is not None:
                 return out
             return super().forward(input_ids, positions, *args, **kwargs)

@@ -500,3 +500,41 @@ def test_the_full_graph_warning_is_given_only_where_the_shim_could_forward(fake_
         model(torch.arange(7), md.positions)
     assert model.stock_calls == 1 and model.dspark_shim().enabled == warned  # kept: enabled, no sidecar there
     assert ("full CUDA graphs" in caplog.text) == warned and ("DSPARK_DRAFT_CUDAGRAPHS" in caplog.text) == warned
+
+
+class PositionalEmbedsDrafter(StockDrafter):
+    """A draft model with the DSpark/DFlash drafters' own forward signature: inputs_embeds is the third input."""
+
+    def forward(self, input_ids, positions, inputs_embeds=None):
+        self.stock_calls += 1
+        return torch.full((positions.numel(), HIDDEN), -1.0)
+
+
+def test_inputs_embeds_given_by_position_are_the_ones_sent(fake_vllm, monkeypatch):
+    """The wrapper read inputs_embeds only as a keyword: a caller passing it by position, as the stock
+    forward(input_ids, positions, inputs_embeds) allows, had it dropped, and the shim sent the embedding of
+    input_ids instead, so the sidecar drafted from other inputs than the stock layers would have (and with
+    input_ids None, every such step fell back on an embedding error)."""
+    fake_vllm.registry.models = {ARCH: PositionalEmbedsDrafter}
+    folder = short_socket_dir()
+    server = FakeServer(FakeSidecar(0, 4), folder / "rank0.sock").start()
+    try:
+        monkeypatch.setenv("DSPARK_SOCKET_DIR", str(folder))
+        assert vllm_plugin.register() == [ARCH]
+        model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config())
+        md = FlashAttentionMetadata(3)
+        fake_vllm.fc.ctx = SimpleNamespace(attn_metadata={"layers.0.attn": md})
+        kv = shm_kv_cache()
+        for layer, seg in zip(model.layers, kv):
+            layer.kv_cache = seg.tensor
+        ids = torch.arange(21) % 64
+        emb = torch.ones(21, HIDDEN)
+        assert torch.equal(model(ids, md.positions, emb), emb * 2)  # not model.table[ids] * 2
+        assert torch.equal(model(None, md.positions, emb), emb * 2)
+        assert torch.equal(model(ids, md.positions), model.table[ids] * 2)  # none given: embedded here
+        assert model.stock_calls == 0
+        model.dspark_shim().close()
+        for seg in kv:
+            seg.close()
+    finally:
+        server.stop()
