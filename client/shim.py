@@ -76,6 +76,13 @@ EMBED_FAILED = "engine embedding raised"  # + the exception's type: the engine's
 CLOSED = "shim closed"
 STEP_IN_FLIGHT = "a step is in flight on another thread"  # connect()'s answer only: never a fallback reason
 
+# Fields of a step's attention metadata, which the engine wrote: a step the sidecar refuses naming one of them
+# is the engine's at fault for that step, not the sidecar's limits or health. vLLM's DSpark speculator clamps a
+# request's block positions at max_model_len - 1 within 7 tokens of its end, and writes -1 slots for null blocks;
+# taken as the other refusals are (the link dropped, a breaker failure), a few such steps opened the breaker for
+# every request. The shim cannot check positions itself without reading them back from the engine's GPU.
+_ENGINE_METADATA = frozenset({"positions", "seq_lens", "block_tables", "slot_mapping"})
+
 # One in this many steps above the agreed max_reqs goes on to the readiness check and the pre-flight instead of
 # returning at phase 1: the limit is learned only there (GetStatus, read at each reconnect), which such steps
 # never reach, so a sidecar restarted with a larger --max-reqs (or one above the engine's first guess) was never
@@ -583,6 +590,9 @@ class DrafterShim:
             self._drop_link()
         elif code is grpc.StatusCode.FAILED_PRECONDITION:
             self.binder.invalidate()  # stale or unknown binding: re-bind before the next step
+        elif (code is grpc.StatusCode.OUT_OF_RANGE or code is grpc.StatusCode.INVALID_ARGUMENT) \
+                and err.field in _ENGINE_METADATA:
+            pass  # the engine's metadata for this step: it falls back; the link and the breaker are not at fault
         elif code is grpc.StatusCode.OUT_OF_RANGE or code is grpc.StatusCode.INVALID_ARGUMENT:
             self._drop_link()  # limits may have changed: re-read the status
             self.breaker.record_failure(err.message)

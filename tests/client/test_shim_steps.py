@@ -1201,3 +1201,44 @@ def test_the_engines_embedding_raising_is_not_the_sidecars_failure(fake):
         assert fake.sidecar.calls["step"] == 1  # nothing was sent while the embedding raised
     finally:
         shim.close()
+
+
+class _RefusesPositions(FakeSidecar):
+    """A sidecar rank that refuses, as server/validate.py does, steps whose positions are not each request's
+    seq_len - 7 .. seq_len - 1 (here: while `refuse` is set), naming the field."""
+
+    refuse = False
+
+    def _step(self, req):
+        if self.refuse:
+            self.calls["step"] += 1
+            self.requests.append(req)
+            return pb.DraftStepResponse(step_id=req.step_id, error=pb.StepError(
+                code=code_pb2.INVALID_ARGUMENT, field="positions", reason="INVALID_FIELD",
+                message="positions: request 0's rows are not seq_len - 7 .. seq_len - 1"))
+        return super()._step(req)
+
+
+def test_a_step_refused_for_its_own_metadata_falls_back_without_a_breaker_failure_or_a_reconnect():
+    """vLLM's DSpark speculator clamps block positions at max_model_len - 1 within 7 tokens of a request's end:
+    the sidecar refuses such a step naming positions. Read as the other INVALID_ARGUMENT answers (the sidecar's
+    limits changed), each dropped the link and counted a breaker failure, so a few requests reaching the model's
+    length opened the breaker for every request. The engine's metadata is at fault for that step only."""
+    server = FakeServer(_RefusesPositions(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    shim, _, _ = make_shim(server.endpoint)
+    try:
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            status_reads = server.sidecar.calls["GetStatus"]
+            server.sidecar.refuse = True
+            for _ in range(shim.config.breaker.failure_threshold + 1):
+                assert shim.maybe_forward(ids, pos) is None
+            assert shim.stats.fallbacks == {"sidecar INVALID_ARGUMENT": shim.config.breaker.failure_threshold + 1}
+            assert shim.breaker.failures == 0 and shim.breaker.state.value == "closed"
+            assert shim.connection.is_open and server.sidecar.calls["GetStatus"] == status_reads  # the link was kept
+            server.sidecar.refuse = False
+            assert shim.maybe_forward(ids, pos) is not None
+    finally:
+        shim.close()
+        server.stop()
