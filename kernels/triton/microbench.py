@@ -105,6 +105,17 @@ def gemm_bytes(rows: int, n_out: int, k: int, kind: str, fp8: bool) -> int:
     return _wbytes(n_out, k, fp8) + 2 * rows * (k + (n_out // 2 if kind == "swiglu" else n_out))
 
 
+def prelude_bytes(rows: int) -> int:
+    """Bytes the attention prelude must move: per row, qkv read, q and the row's K and V written, in bf16,
+    its fp32 cos and sin and its int64 slot read; and the q and k norm weights (bf16) once."""
+    return rows * (2 * (HQ + 2 * HK) * D + 2 * HQ * D + 2 * 2 * HK * D + 2 * 4 * (ROT // 2) + 8) + 2 * 2 * D
+
+
+def norm_bytes(rows: int) -> int:
+    """Bytes rms_norm over [rows, H] must move: x read and y written, and its weight read once, in bf16."""
+    return 2 * 2 * rows * H + 2 * H
+
+
 def gemm_label(x: torch.Tensor, w, kind: str) -> str:
     """The tiling gemm.gemm runs this case with, from its own `_tiling`: `plan` alone would miss the
     device's shared memory, a folded norm's x^2 column (one more column tile: fewer K-ranges) and
@@ -185,7 +196,7 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
         cos, sin = reference.rope_cos_sin(positions, ROT, THETA)
         return lambda: T.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, HQ, HK)
 
-    rec("attn_prelude", "-", _per_call(make_prelude, 1 << 20), rows * (2 * qkv_w + 2 * HQ * D + kv_bytes))
+    rec("attn_prelude", "-", _per_call(make_prelude, 1 << 20), prelude_bytes(rows))
 
     keys = min(context + QPR, WINDOW + QPR - 1)
     att_bytes = r * keys * kv_bytes + 2 * 2 * rows * HQ * D
@@ -209,7 +220,7 @@ def bench_ops(rows: int, context: int, bw: float, dev: torch.device, sweep: bool
         w = torch.randn(H, device=dev).to(torch.bfloat16)
         return lambda: T.rms_norm(x, w, EPS)
 
-    rec("rms_norm", "-", _per_call(make_norm, 1 << 20), 4 * rows * H)
+    rec("rms_norm", "-", _per_call(make_norm, 1 << 20), norm_bytes(rows))
 
     def make_step_meta():  # a pre-launched step's metadata program (server/prelaunch.py), rung and valid
         _, tables, seq_lens, positions, slots = _kv_step(r, context, dev)

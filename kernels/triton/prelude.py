@@ -150,6 +150,16 @@ def _check_rope(op: str, cos: torch.Tensor, sin: torch.Tensor, n: int, d: int) -
                          f"expected both [{n}, rotary_dim / 2] with rotary_dim <= {d}")
 
 
+def _norm_weights(op: str, d: int, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The q/k norm weights, dense; ValueError unless each is [d]. The kernel loads (1 + w) at the head's
+    offsets masked by d alone, at unit stride: a shorter weight was read past its end, a longer one cut
+    short (the reference raises on both), and a strided view read its neighbours' elements (norm.py)."""
+    for w in weights:
+        if tuple(w.shape) != (d,):
+            raise ValueError(f"{op}: norm weight {list(w.shape)} does not match heads of {d}")
+    return tuple(w.contiguous() for w in weights)
+
+
 def _cache_args(kv_layer: torch.Tensor) -> tuple:
     s = kv_layer.stride()
     return (kv_layer, s[0], s[1], s[2], s[3], s[4])
@@ -170,6 +180,7 @@ def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: tor
         raise ValueError(f"attn_prelude: qkv width {width} != ({q_heads} + 2 * {kv_heads}) * {d}")
     _check_cache_rows("attn_prelude", kv_layer, kv_heads, d, slots, n)
     _check_rope("attn_prelude", cos, sin, n, d)
+    q_norm, k_norm = _norm_weights("attn_prelude", d, q_norm, k_norm)
     q = torch.empty((n, q_heads, d), dtype=dtype, device=x.device)
     if n:
         # The kernel reads row r's slot at r: a strided view of the slots (every other element of a
@@ -196,6 +207,7 @@ def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, 
     check_device(x)
     n, heads, d = x.shape
     _check_rope("qk_norm_rope", cos, sin, n, d)
+    (norm_weight,) = _norm_weights("qk_norm_rope", d, norm_weight)
     out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
     if n:
         cos, sin = cos.contiguous(), sin.contiguous()

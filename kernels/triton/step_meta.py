@@ -209,7 +209,7 @@ class Staging:
         return plan
 
 
-def step_meta(word, expect: int, src: tuple, out: tuple, flags, *, num_reqs: int, width: int, page_size: int,
+def step_meta(word, expect: torch.Tensor, src: tuple, out: tuple, flags, *, num_reqs: int, width: int, page_size: int,
               window: int, num_pages: int, mirror=None, warm: bool = False) -> None:
     """Queue the program on the current stream: R programs, one per request.
 

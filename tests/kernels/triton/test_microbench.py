@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from dspark_sidecar.kernels.triton import attention, gemm, microbench  # noqa: E402
 from dspark_sidecar.kernels.triton.microbench import (  # noqa: E402
-    attention_splits, fit_fixed_and_rate, gemm_bytes, gemm_label, main,
+    attention_splits, fit_fixed_and_rate, gemm_bytes, gemm_label, main, norm_bytes, prelude_bytes,
 )
 from dspark_sidecar.kernels.weights import NormFolded  # noqa: E402
 
@@ -52,6 +52,17 @@ def test_swiglu_floor_counts_its_half_width_output():
     assert gemm_bytes(rows, 2 * f, k, "swiglu", False) == 2 * 2 * f * k + 2 * rows * (k + f)
     assert gemm_bytes(rows, 2 * f, k, "norm", False) == 2 * 2 * f * k + 2 * rows * (k + 2 * f)
     assert gemm_bytes(rows, 2 * f, k, "plain", True) == 2 * f * k + 2 * f * k // 32 + 2 * rows * (k + 2 * f)
+
+
+def test_norm_and_prelude_floors_count_every_operand():
+    """Floor = bytes the op must move, as the GEMMs' count weight, x and output: rms_norm's floor left out
+    its weight (7% of its bytes at 7 rows), the prelude's its fp32 cos/sin rows, slots and norm weights."""
+    h, d, hq, hk, rot = microbench.H, microbench.D, microbench.HQ, microbench.HK, microbench.ROT
+    assert (h, d, hq, hk, rot) == (6144, 128, 16, 1, 64)
+    assert norm_bytes(7) == 7 * h * 2 + 7 * h * 2 + h * 2  # x, y, weight in bf16
+    # per row: qkv [2304] read, q [16, 128] written, K and V [1, 128] written (bf16); cos and sin [32]
+    # (fp32), the int64 slot; then q_norm and k_norm [128] (bf16) once
+    assert prelude_bytes(56) == 56 * (2304 * 2 + 2048 * 2 + 2 * 128 * 2 + 2 * 32 * 4 + 8) + 2 * 128 * 2
 
 
 @pytest.mark.parametrize("kind", ["norm", "swiglu"])

@@ -227,3 +227,31 @@ def test_strided_slots(device):
     reference.write_kv(kv_ref, k, v, slots)
     TRITON_OPS.write_kv(kv, k, v, strided)
     assert torch.equal(kv.cpu(), kv_ref.cpu())
+
+
+def test_qk_norm_weights_must_match_the_head(device, parity):
+    """The prelude loads (1 + w) at the head's offsets, masked by head_dim alone, at unit stride: a shorter
+    q/k norm weight was read past its end and a longer one cut short, where the reference raises; a
+    strided view of the right length was read as if contiguous (its neighbours' values), where the
+    reference takes it. As rms_norm's weight (norm.py)."""
+    q_heads, kv_heads, d, rot = 4, 1, 32, 16
+    qkv, qn, kn, cos, sin, kv, slots = _case(q_heads, kv_heads, d, rot, 9, torch.float32, device, seed=22)
+    wide = (torch.randn(2 * d, generator=torch.Generator().manual_seed(23)) * 0.1).to(device)
+    for bad in (wide[: d - 8], wide):
+        for args in ((bad, kn), (qn, bad)):
+            with pytest.raises(RuntimeError):
+                reference.attn_prelude(qkv, *args, cos, sin, EPS, kv.clone(), slots, q_heads, kv_heads)
+            with pytest.raises(ValueError, match="norm weight"):
+                TRITON_OPS.attn_prelude(qkv, *args, cos, sin, EPS, kv.clone(), slots, q_heads, kv_heads)
+        x = qkv[:, : q_heads * d].reshape(-1, q_heads, d)
+        with pytest.raises(RuntimeError):
+            reference.qk_norm_rope(x, bad, cos, sin, EPS)
+        with pytest.raises(ValueError, match="norm weight"):
+            TRITON_OPS.qk_norm_rope(x, bad, cos, sin, EPS)
+    for args in ((wide[::2], kn), (qn, wide[1::2])):
+        kv_ref, kv_got = kv.clone(), kv.clone()
+        q_ref = reference.attn_prelude(qkv, *args, cos, sin, EPS, kv_ref, slots, q_heads, kv_heads)
+        parity(TRITON_OPS.attn_prelude(qkv, *args, cos, sin, EPS, kv_got, slots, q_heads, kv_heads), q_ref)
+        parity(kv_got, kv_ref)
+    x = qkv[:, : q_heads * d].reshape(-1, q_heads, d)
+    parity(TRITON_OPS.qk_norm_rope(x, wide[::2], cos, sin, EPS), reference.qk_norm_rope(x, wide[::2], cos, sin, EPS))
