@@ -13,6 +13,7 @@ import pytest
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.healthcheck import check
+from helpers.peer_watch import watched_peer
 from helpers.sidecar_proc import SidecarProcess, alive as _alive
 
 
@@ -200,42 +201,19 @@ def test_a_silent_peer_that_then_exits_is_not_logged_as_signalling_again(caplog)
     silent peers to the exited ones. The log said "every peer rank signals again" at that moment, the
     line meant for a peer that came back, just after the error naming it exited."""
     import logging
-    import sys
-    import uuid
-    from types import SimpleNamespace
 
-    from grpc_health.v1 import health
-
-    from dspark_sidecar.server.app import HealthPublisher, watch_peers
-    from dspark_sidecar.server.rendezvous import Board, PeerProcesses, process_start
-    from dspark_sidecar.server.servicer import Lifecycle
-
-    life = Lifecycle(state="LOADING")
-    publish = HealthPublisher(life, SimpleNamespace(refusal=lambda: ""), SimpleNamespace(refusal=None),
-                              health.HealthServicer(), SimpleNamespace(set_serving=lambda serving: None))
-    publish("SERVING")
-    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
-    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        board.starts[1], board.pids[1] = process_start(peer.pid), peer.pid
-        board.beats[1] = time.monotonic_ns()
-        peers = PeerProcesses(board, 0)
-        watch_peers(board, 0, life, publish, peers)  # seen alive
+    with watched_peer() as (life, _, board, peer, look):
         board.beats[1] = time.monotonic_ns() - 10 * 10**9  # silent for 10 s
-        watch_peers(board, 0, life, publish, peers)
+        look()
         assert life.state == "PEER_SILENT" and "silent" in life.reason, life.reason
         peer.kill()
         peer.wait()
         with caplog.at_level(logging.INFO, logger="dspark_sidecar.server"):
-            watch_peers(board, 0, life, publish, peers)
+            look()
         assert life.state == "PEER_SILENT" and "rank(s) 1 exited" in life.reason, life.reason
         lines = [r.getMessage() for r in caplog.records if r.name == "dspark_sidecar.server"]
         assert any("exited" in line for line in lines), lines
         assert not any("signals again" in line for line in lines), lines
-    finally:
-        peer.kill()
-        peer.wait()
-        board.close()
 
 
 # --strict-refusal and the binding: a servicer over fakes (no model, no rank loop) -----------------------

@@ -23,6 +23,7 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.healthcheck import check
 from dspark_sidecar.server.launcher import free_port
+from helpers.peer_watch import watched_peer
 
 TP = 2
 # The ranks run with a silence timeout of an hour: a kill reported only through the silence (the path meant for
@@ -105,36 +106,14 @@ def test_a_killed_peer_is_reported_exited_well_before_the_silence_timeout(ranks,
 def test_an_exited_peer_stays_reported_exited_once_its_beats_are_old():
     """Not flipped to "silent" once the dead rank's last beat is PEER_SILENT_S old (the ranks above run with an
     hour's silence timeout, so this is looked at here, on a board whose beats are set)."""
-    import uuid
-    from types import SimpleNamespace
+    from dspark_sidecar.server.app import PEER_SILENT_S
 
-    from grpc_health.v1 import health
-
-    from dspark_sidecar.server.app import PEER_SILENT_S, HealthPublisher, watch_peers
-    from dspark_sidecar.server.processes import process_start
-    from dspark_sidecar.server.rendezvous import Board, PeerProcesses
-    from dspark_sidecar.server.servicer import Lifecycle
-
-    life = Lifecycle(state="LOADING")
-    publish = HealthPublisher(life, SimpleNamespace(refusal=lambda: ""), SimpleNamespace(refusal=None),
-                              health.HealthServicer(), SimpleNamespace(set_serving=lambda serving: None))
-    publish("SERVING")
-    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
-    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        board.starts[1], board.pids[1] = process_start(peer.pid), peer.pid
-        board.beats[1] = time.monotonic_ns()
-        peers = PeerProcesses(board, 0)
-        watch_peers(board, 0, life, publish, peers)  # seen alive
+    with watched_peer() as (life, _, board, peer, look):
         peer.kill()
         peer.wait()
-        watch_peers(board, 0, life, publish, peers)
+        look()
         assert life.state == "PEER_SILENT" and "rank(s) 1 exited" in life.reason, life.reason
         board.beats[1] = time.monotonic_ns() - int((PEER_SILENT_S + 10) * 1e9)  # its last beat, long ago
-        watch_peers(board, 0, life, publish, peers)
+        look()
         assert life.state == "PEER_SILENT" and "rank(s) 1 exited" in life.reason, life.reason
         assert "silent" not in life.reason, life.reason
-    finally:
-        peer.kill()
-        peer.wait()
-        board.close()
