@@ -487,17 +487,15 @@ class HealthPublisher:
             self.metrics.set_serving(life.serving)
 
 
-def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], None], peers: PeerProcesses,
-                after_s: float | None = None) -> None:
+def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], None], peers: PeerProcesses) -> None:
     """Beat, then look at the peers: health leaves SERVING while a peer is silent (each step would
     wait out the rendezvous deadline and abort) and comes back with the peer. A peer whose process
-    has exited is reported at once, not after after_s, and for good (the group cannot run steps
-    again; its launcher or torchrun's agent takes it down). after_s: PEER_SILENT_S, read at each call
+    has exited is reported at once, not after PEER_SILENT_S, and for good (the group cannot run steps
+    again; its launcher or torchrun's agent takes it down). PEER_SILENT_S is read at each call
     (tests/server/test_peer_exit.py sets it to an hour in the rank processes)."""
     board.beat(rank)
     exited = peers.exited()
-    silent = {r: s for r, s in board.silent(rank, PEER_SILENT_S if after_s is None else after_s).items()
-              if r not in exited}
+    silent = {r: s for r, s in board.silent(rank, PEER_SILENT_S).items() if r not in exited}
     if exited.keys() != life.exited_peers.keys():
         log.error("rank %d: %s", rank, peers_reason(exited, {}))
     if silent.keys() != life.silent_peers.keys():
