@@ -30,8 +30,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, dep_release, dep_wait, dot_dtype, mma, nvidia_of, pdl_kwargs, rms_inv,
-    sm90_of, sms_of, smem_of, tl_dtype,
+    INTERPRET, cast, check_device, check_norm_weight, dep_release, dep_wait, dot_dtype, mma, nvidia_of, pdl_kwargs,
+    rms_inv, sm90_of, sms_of, smem_of, tl_dtype,
 )
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
@@ -554,10 +554,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu,
     # the reference's F.linear raises. MXFP8 weights take any activation dtype (see _launch).
     if not isinstance(weight, MxFp8Weight) and w.dtype != x.dtype:
         raise ValueError(f"gemm: weight dtype {w.dtype} is not the activations' {x.dtype}")
-    # The kernel loads (1 + w) at x's K offsets, masked by K alone: a shorter norm weight was read
-    # past its end, where the reference raises. An odd gate|up weight would drop its last row unseen.
-    if norm_weight is not None and tuple(norm_weight.shape) != (x.shape[1],):
-        raise ValueError(f"gemm: norm weight {list(norm_weight.shape)} does not match x {list(x.shape)}")
+    if norm_weight is not None:
+        check_norm_weight("gemm", norm_weight, x.shape[1], f"x {list(x.shape)}")
+    # An odd gate|up weight would drop its last row unseen.
     if swiglu and w.shape[0] % 2:
         raise ValueError(f"gemm: gate|up weight {list(w.shape)} has an odd number of rows")
     return x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0]

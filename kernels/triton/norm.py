@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, dep_release, dep_wait, pdl_kwargs, rms_inv, tl_dtype,
+    INTERPRET, cast, check_device, check_norm_weight, dep_release, dep_wait, pdl_kwargs, rms_inv, tl_dtype,
 )
 
 
@@ -51,11 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., K] -> same shape and dtype."""
     check_device(x, weight)
     k = x.shape[-1]
-    # The kernel loads (1 + w) at the row's offsets masked by K alone, at unit stride: a shorter
-    # weight was read past its end, a longer one cut short (the reference raises on both), and a
-    # strided view read its neighbours' elements.
-    if tuple(weight.shape) != (k,):
-        raise ValueError(f"rms_norm: norm weight {list(weight.shape)} does not match x {list(x.shape)}")
+    check_norm_weight("rms_norm", weight, k, f"x {list(x.shape)}")
     weight = weight.contiguous()
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from dspark_sidecar.kernels.triton.gemm import Partials, row_norm_scale
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cache_dtype, cast, check_device, dep_release, dep_wait, pdl_kwargs, rms_inv, tl_dtype,
+    INTERPRET, cache_dtype, cast, check_device, check_norm_weight, dep_release, dep_wait, pdl_kwargs, rms_inv,
+    tl_dtype,
 )
 
 
@@ -151,12 +152,9 @@ def _check_rope(op: str, cos: torch.Tensor, sin: torch.Tensor, n: int, d: int) -
 
 
 def _norm_weights(op: str, d: int, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The q/k norm weights, dense; ValueError unless each is [d]. The kernel loads (1 + w) at the head's
-    offsets masked by d alone, at unit stride: a shorter weight was read past its end, a longer one cut
-    short (the reference raises on both), and a strided view read its neighbours' elements (norm.py)."""
+    """The q/k norm weights, each checked to be [d] and dense (runtime.check_norm_weight)."""
     for w in weights:
-        if tuple(w.shape) != (d,):
-            raise ValueError(f"{op}: norm weight {list(w.shape)} does not match heads of {d}")
+        check_norm_weight(op, w, d, f"heads of {d}")
     return tuple(w.contiguous() for w in weights)
 
 

@@ -183,6 +183,15 @@ def sms_of(t: torch.Tensor) -> int:
     return num_sms(t.device.index if t.device.type == "cuda" else None)
 
 
+def check_norm_weight(op: str, w: torch.Tensor, k: int, of: str) -> None:
+    """ValueError unless the norm weight `w` is [k] (`of`: what k is, for the message). Every norm kernel
+    loads (1 + w) at offsets masked by k alone, at unit stride: a shorter weight was read past its end, a
+    longer one cut short (the reference raises on both); its callers pass it dense, as a strided view read
+    its neighbours' elements."""
+    if tuple(w.shape) != (k,):
+        raise ValueError(f"{op}: norm weight {list(w.shape)} does not match {of}")
+
+
 def check_device(*tensors: torch.Tensor) -> None:
     """The kernels run on CUDA tensors, or on CPU tensors only under the interpreter."""
     for t in tensors:
