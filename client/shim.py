@@ -590,12 +590,10 @@ class DrafterShim:
             self._drop_link()
         elif code is grpc.StatusCode.FAILED_PRECONDITION:
             self.binder.invalidate()  # stale or unknown binding: re-bind before the next step
-        elif (code is grpc.StatusCode.OUT_OF_RANGE or code is grpc.StatusCode.INVALID_ARGUMENT) \
-                and err.field in _ENGINE_METADATA:
-            pass  # the engine's metadata for this step: it falls back; the link and the breaker are not at fault
         elif code is grpc.StatusCode.OUT_OF_RANGE or code is grpc.StatusCode.INVALID_ARGUMENT:
-            self._drop_link()  # limits may have changed: re-read the status
-            self.breaker.record_failure(err.message)
+            if err.field not in _ENGINE_METADATA:  # the engine's own metadata: that step falls back, nothing more
+                self._drop_link()  # limits may have changed: re-read the status
+                self.breaker.record_failure(err.message)
         elif code is not grpc.StatusCode.ABORTED and not (
                 code is grpc.StatusCode.RESOURCE_EXHAUSTED and err.reason == "RESPONSE_TOO_LARGE"):
             # ABORTED: a peer's problem, not this sidecar rank's. RESPONSE_TOO_LARGE: this step's inline answer
