@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from dspark_sidecar.server.launcher import free_port
+
 # Two ranks on gloo with --dist-timeout-s 1: join, make the start-up group, meet at a barrier. Rank 1 is
 # `late` s late: before the barrier (mode "barrier": a slow load, or a hung one) or before the group ("group").
 RANK = """
@@ -40,15 +42,9 @@ except app.PeerLost as err:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ranks(late: float, bound: int, mode: str) -> tuple[str, str, float]:
     """Both ranks' last lines, and how long rank 0 took (rank 1 is killed once rank 0 is done)."""
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(port), str(r), str(late), str(bound), mode],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     t = time.monotonic()
