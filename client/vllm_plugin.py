@@ -9,9 +9,11 @@ and the stock forward runs every step.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import os
+import re
 import weakref
 from typing import Any
 
@@ -326,6 +328,39 @@ def make_sidecar_class(stock: type) -> type:
     return SidecarDrafter
 
 
+# A stock class vLLM registered lazily ("<module>:<Class>", imported only where a process loads that model) is
+# wrapped lazily too: the registry gets "<this module>:<_LAZY><tag>__<module>.<Class>", which this module's
+# __getattr__ resolves on first use. Loading it in register() imported a model module (and whatever it imports)
+# into every vLLM process, the API server too, which vLLM's lazy entries exist to avoid (a module that touches
+# CUDA there breaks the workers vLLM forks). <tag> is vLLM's version: vLLM caches a lazy class's interface flags
+# under its module's file hash, here this file's, so without it a vLLM upgrade would reuse the old stock's flags.
+_LAZY = "Sidecar__"
+
+
+def _lazy_name(module_name: str, class_name: str, vllm_version: str) -> str:
+    tag = re.sub(r"[^0-9A-Za-z]+", "_", vllm_version) or "0"  # no "__" inside: the parse splits on the first
+    return f"{_LAZY}{tag}__{module_name}.{class_name}"
+
+
+def __getattr__(name: str) -> type:
+    """The wrapped class behind a lazy registry entry `_lazy_name(...)` (PEP 562), made once."""
+    _tag, sep, target = name[len(_LAZY):].partition("__")
+    if not name.startswith(_LAZY) or not sep or "." not in target:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name, _, class_name = target.rpartition(".")
+    wrapped = make_sidecar_class(getattr(importlib.import_module(module_name), class_name))
+    globals()[name] = wrapped  # vLLM loads an entry more than once (inspection, then the model): one class
+    return wrapped
+
+
+def _lazy_target(entry: Any) -> tuple[str, str] | None:
+    """(module, class) of a lazily registered entry (vLLM's _LazyRegisteredModel), or None for a loaded one."""
+    module_name, class_name = getattr(entry, "module_name", None), getattr(entry, "class_name", None)
+    if isinstance(module_name, str) and isinstance(class_name, str) and module_name and class_name:
+        return module_name, class_name
+    return None
+
+
 def _stock_class(registry: Any, arch: str) -> type | None:
     """The class vLLM has registered for `arch` (loading a lazily registered one), or None."""
     entry = getattr(registry, "models", {}).get(arch)
@@ -342,12 +377,20 @@ def _stock_class(registry: Any, arch: str) -> type | None:
 def register() -> list[str]:
     """vllm.general_plugins hook: wrap every registered DSpark draft architecture; returns those wrapped."""
     try:
+        import vllm
         from vllm import ModelRegistry
     except ImportError:
         log.info("dspark-sidecar vLLM plug-in: vLLM is not installed, nothing registered")
         return []
     wrapped = []
     for arch in _archs():
+        lazy = _lazy_target(getattr(ModelRegistry, "models", {}).get(arch))
+        if lazy is not None:
+            if lazy[0] != __name__:  # else wrapped already (vLLM calls the plug-in again in each process)
+                version = str(getattr(vllm, "__version__", ""))
+                ModelRegistry.register_model(arch, f"{__name__}:{_lazy_name(*lazy, version)}")
+                wrapped.append(arch)
+            continue
         # vLLM calls every general plug-in in every process, whatever model it serves, and does not catch
         # what one raises: a draft model class that fails to import here (a lazily registered module whose
         # dependencies this host lacks) stopped every vLLM process on it from starting. vLLM itself would

@@ -104,6 +104,52 @@ def test_register_wraps_the_draft_model_once(fake_vllm):
     assert vllm_plugin.engine_config_from_vllm(vllm_config(tp=2), 1).tp_size == 2
 
 
+class VllmLazyEntry:
+    """vLLM's _LazyRegisteredModel as vLLM builds it: two strings, the module imported by load_model_cls."""
+
+    def __init__(self, module_name: str, class_name: str) -> None:
+        self.module_name, self.class_name = module_name, class_name
+
+    def load_model_cls(self):
+        import importlib
+
+        return getattr(importlib.import_module(self.module_name), self.class_name)
+
+
+def test_a_lazily_registered_draft_class_is_wrapped_without_importing_it(fake_vllm, monkeypatch):
+    """vLLM registers its models as "<module>:<Class>" so that a process imports a model's module only when it
+    loads that model (a module touching CUDA in the API server breaks the workers vLLM forks). register()
+    loaded the stock class in every process; now the registry gets a lazy entry of this plug-in's, resolved
+    (and the stock module imported) only where vLLM loads the class, once per process, and re-registering
+    in a process that already has it changes nothing."""
+    stock_module = types.ModuleType("fake_vllm_dspark_model")
+    stock_module.StockDrafter = StockDrafter
+    monkeypatch.delitem(sys.modules, "fake_vllm_dspark_model", raising=False)
+    monkeypatch.setattr(fake_vllm.registry, "register_model", lambda arch, cls: fake_vllm.registry.models.__setitem__(
+        arch, VllmLazyEntry(*cls.split(":")) if isinstance(cls, str) else cls))
+    fake_vllm.registry.models = {ARCH: VllmLazyEntry("fake_vllm_dspark_model", "StockDrafter")}
+    sys.modules["vllm"].__version__ = "0.34.0+cu128"
+
+    assert vllm_plugin.register() == [ARCH]
+    entry = fake_vllm.registry.models[ARCH]
+    assert entry.module_name == "dspark_sidecar.client.vllm_plugin"
+    assert "fake_vllm_dspark_model" not in sys.modules  # nothing of the stock model imported by the plug-in
+    assert vllm_plugin.register() == []  # a second call (another process's plug-in load) leaves it as is
+    assert fake_vllm.registry.models[ARCH] is entry
+
+    monkeypatch.setitem(sys.modules, "fake_vllm_dspark_model", stock_module)
+    cls = entry.load_model_cls()  # what vLLM does where it builds the model
+    assert issubclass(cls, StockDrafter) and cls.__name__ == "SidecarStockDrafter"
+    assert entry.load_model_cls() is cls
+    model = cls(vllm_config=vllm_config())
+    md = FlashAttentionMetadata(1)
+    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+    model(torch.arange(7), md.positions)
+    assert model.stock_calls == 1 and model.dspark_shim().refusal == "no sidecar endpoint configured"
+    with pytest.raises(AttributeError, match="no attribute 'Sidecar__'"):
+        vllm_plugin.Sidecar__  # noqa: B018  (only well-formed names resolve)
+
+
 class BrokenEntry:
     """A lazily registered model whose module cannot be imported on this host (a dependency missing)."""
 
