@@ -9,7 +9,8 @@ stubs under DIR/dspark_sidecar/proto/ of a scratch folder; they are then moved f
 
 The stubs embed the generator's versions and check them at import (protobuf runtime >= the
 bundled protoc's, grpcio >= grpcio-tools'), so regenerate with grpcio-tools of the SAME minor
-as the deployed grpcio (1.84.x) to keep the committed files identical across machines.
+as the deployed grpcio (1.84.x) to keep the committed files identical across machines; the
+generator refuses another (TOOLS_MINOR).
 """
 
 from __future__ import annotations
@@ -24,13 +25,24 @@ PROTO_NAME = "sidecar.proto"
 # The import path the .proto has inside protoc: it becomes the stubs' module path.
 VIRTUAL_DIR = "dspark_sidecar/proto"
 GENERATED = ("sidecar_pb2.py", "sidecar_pb2.pyi", "sidecar_pb2_grpc.py")
+# The grpcio-tools minor the stubs are generated with. The device's grpcio 1.84 refuses, at import, stubs
+# stamped by a newer grpcio-tools, and its protobuf those of the newer protoc such a release bundles; pip's
+# pick for a bare `grpcio-tools` is newer, and nothing stopped it overwriting the committed stubs (the
+# byte-identity test regenerates with the same tools, so it passes on the machine that wrote them).
+TOOLS_MINOR = "1.84"
 
 
 def generate(out_dir: Path | str = PROTO_DIR) -> list[Path]:
     """Compile sidecar.proto into `out_dir`; returns the paths written (GENERATED order)."""
     # Imported here so importing the stubs never needs grpcio-tools.
-    from grpc_tools import protoc
+    from grpc_tools import grpc_version, protoc
 
+    if grpc_version.VERSION.split(".")[:2] != TOOLS_MINOR.split("."):  # before anything is written
+        raise RuntimeError(
+            f"grpcio-tools {grpc_version.VERSION} is not {TOOLS_MINOR}.x: its stubs would differ from the "
+            f"committed ones, and a newer one's do not import with the deployed grpcio {TOOLS_MINOR}; install "
+            f"grpcio-tools=={TOOLS_MINOR}.0 (the test extra's pin) and run this again"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dspark-protoc-") as scratch:

@@ -179,6 +179,8 @@ def test_a_refused_storage_is_unmapped_at_once_on_a_quiet_stream(opened, monkeyp
     quiet, freed = [False], []
 
     class Mapping:
+        device = torch.device("cuda", 1)  # the fixture's mapping device: without it `t.device` was the refusal
+
         def data_ptr(self):
             return 0x10_0000
 
@@ -195,14 +197,15 @@ def test_a_refused_storage_is_unmapped_at_once_on_a_quiet_stream(opened, monkeyp
             yield
             quiet[0] = False
 
-    def fails(ptr):
+    def fails(ptr, device_index=None):
         raise AllocationQueryError("cuMemGetAddressRange_v2(0x100000) failed with status 1")
 
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: Mapping())
     monkeypatch.setattr(memory, "QuietStream", Quiet)
     if why == "driver not asked":
         monkeypatch.setattr(memory, "bytes_left", fails)
-    with pytest.raises(memory.HandleError) as err:
+    refusal = "runs past the end" if why == "past its allocation" else "failed with status 1"
+    with pytest.raises(memory.HandleError, match=refusal) as err:  # each refusal, not the stand-in's missing attribute
         opened(_handle(4097))
     assert freed == [True], err.value  # while the exception (and its traceback) is still alive
 

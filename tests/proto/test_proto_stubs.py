@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import tomllib
 from pathlib import Path
 
 import grpc
@@ -16,7 +18,7 @@ PROTO_DIR = Path(proto_pkg.__file__).resolve().parent
 
 def test_regenerated_stubs_are_byte_identical_to_committed(tmp_path):
     """THE stubs-match-the-.proto check: regenerate with the same generator and compare bytes."""
-    import grpc_tools
+    from grpc_tools import grpc_version
 
     written = generate.generate(tmp_path)
     assert [p.name for p in written] == list(generate.GENERATED)
@@ -24,9 +26,49 @@ def test_regenerated_stubs_are_byte_identical_to_committed(tmp_path):
         committed = (PROTO_DIR / path.name).read_bytes()
         assert path.read_bytes() == committed, (
             f"{path.name} differs from a fresh generation with grpcio-tools "
-            f"{getattr(grpc_tools, '__version__', '?')}: run `python -m dspark_sidecar.proto.generate`"
+            f"{grpc_version.VERSION}: run `python -m dspark_sidecar.proto.generate`"
             " (with grpcio-tools 1.84.x) and commit the result"
         )
+
+
+def test_the_generator_refuses_a_grpcio_tools_of_another_minor_and_writes_nothing(tmp_path, monkeypatch):
+    """pip's pick for a bare `grpcio-tools` is 1.85: it stamps its version into sidecar_pb2_grpc.py (and its
+    protoc's into sidecar_pb2.py), which the device's grpcio 1.84 refuses at import. The generator wrote them
+    over the committed stubs all the same; the byte-identity test above, regenerating with those tools, passed
+    on that machine (only the test extra's pin check, tests/test_readme_install.py, told, until it was bumped)."""
+    from grpc_tools import grpc_version
+
+    monkeypatch.setattr(grpc_version, "VERSION", "1.85.0")
+    out = tmp_path / "stubs"
+    with pytest.raises(RuntimeError, match=r"^grpcio-tools 1\.85\.0 is not 1\.84\.x: .*grpcio-tools==1\.84\.0"):
+        generate.generate(out)
+    assert not out.exists()
+
+
+def _floor(dist: str) -> tuple[int, ...]:
+    """The lowest version of `dist` the package's runtime dependencies accept (pyproject.toml)."""
+    deps = tomllib.loads((PROTO_DIR.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if re.match(rf"{dist}\s*>=", d)]
+    return tuple(int(x) for x in re.search(r">=\s*([\d.]+)", spec)[1].split("."))
+
+
+def _padded(v: tuple[int, ...]) -> tuple[int, ...]:
+    return v + (0,) * (3 - len(v))
+
+
+def test_the_committed_stubs_import_with_the_oldest_grpcio_and_protobuf_the_package_accepts():
+    """The stubs refuse, at import, a grpcio older than the grpcio-tools that wrote them and a protobuf older
+    than its protoc. The byte-identity test compares them with whatever grpcio-tools is installed, so stubs
+    written by a newer one (with the test extra's pin bumped to match) passed it and failed on the device."""
+    grpc_src = (PROTO_DIR / "sidecar_pb2_grpc.py").read_text()
+    stamped = tuple(int(x) for x in re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_src)[1].split("."))
+    assert _padded(stamped) <= _padded(_floor("grpcio")), (
+        f"sidecar_pb2_grpc.py needs grpcio >= {stamped}, the package accepts {_floor('grpcio')}")
+    pb2_src = (PROTO_DIR / "sidecar_pb2.py").read_text()
+    gencode = re.search(r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", pb2_src)
+    protoc = tuple(int(x) for x in gencode.groups())
+    assert _padded(protoc) <= _padded(_floor("protobuf")), (
+        f"sidecar_pb2.py needs protobuf >= {protoc}, the package accepts {_floor('protobuf')}")
 
 
 def test_generator_cli_writes_to_out(tmp_path):
