@@ -25,8 +25,11 @@ class BreakerConfig:
     probe_deadline_s: float = 0.25  # deadline of one grpc.health.v1 Check
 
     def __post_init__(self) -> None:
-        if self.failure_threshold < 1:
-            raise EngineConfigError(f"breaker.failure_threshold: must be >= 1, got {self.failure_threshold}")
+        v = self.failure_threshold
+        # A whole number, as EngineConfig's counts: `failures >= nan` (or inf) is never true, so such a threshold
+        # passed a bare `< 1` and the breaker never opened, calling a dead sidecar on every step.
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise EngineConfigError(f"breaker.failure_threshold: must be >= 1 (a whole number of failures), got {v!r}")
         for f in ("backoff_initial_s", "backoff_max_s", "probe_deadline_s"):
             # Finite, as EngineConfig's deadlines: an infinite backoff never probes again, and gRPC fails a
             # call with an infinite timeout at once (DEADLINE_EXCEEDED): a recovered sidecar unused for good.

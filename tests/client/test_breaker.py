@@ -76,3 +76,12 @@ def test_breaker_settings_that_cannot_work_are_refused():
     with pytest.raises(EngineConfigError, match="breaker.backoff_max_s: must be >= backoff_initial_s"):
         BreakerConfig(backoff_initial_s=1.0, backoff_max_s=0.5)
     assert BreakerConfig(failure_threshold=1, backoff_initial_s=0.5, backoff_max_s=0.5).backoff_max_s == 0.5
+
+
+@pytest.mark.parametrize("threshold", [float("nan"), float("inf"), 2.5, True])
+def test_a_failure_threshold_that_is_not_a_whole_number_is_refused(threshold):
+    """`failures >= nan` and `failures >= inf` are never true: such a threshold passed the `< 1` check and
+    the breaker never opened, so a dead sidecar was called on every step, not behind its backoff. A fraction
+    or a bool only worked by accident of the comparison. A positive integer, as EngineConfig's counts."""
+    with pytest.raises(EngineConfigError, match="breaker.failure_threshold: must be >= 1"):
+        BreakerConfig(failure_threshold=threshold)
