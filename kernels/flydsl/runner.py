@@ -123,6 +123,24 @@ def check_kv_layer(t: torch.Tensor, page_size: int) -> str | None:
     return None
 
 
+# The width of each norm weight the kernels read (1 + w) from: the folded input and post-attention norms
+# (linear.py) and the final norm (rmsnorm.py) over the hidden size, q/k norms (qkv_rope.py) over a head.
+NORM_WIDTHS = {"input_norm": HIDDEN, "post_norm": HIDDEN, "q_norm": HEAD_DIM, "k_norm": HEAD_DIM}
+
+
+def check_norm_weight(name: str, w: torch.Tensor, k: int) -> str | None:
+    """Why norm weight `name` cannot be bound, or None: the kernels read it as k dense bf16 values.
+
+    Through an unbounded buffer descriptor, and compiled for the weight first given (keyed by kernel and R,
+    not by arguments): a shorter weight was read past its end, a strided one read its neighbours', another
+    dtype's bits were read as bf16. Triton's norms refuse the same (triton/runtime.check_norm_weight)."""
+    if tuple(w.shape) != (k,) or w.dtype != torch.bfloat16:
+        return f"{name} weight {list(w.shape)} {w.dtype}: the FlyDSL kernels read [{k}] {torch.bfloat16}"
+    if w.stride() != (1,):
+        return f"{name} weight strides {list(w.stride())}: the FlyDSL kernels read it dense"
+    return None
+
+
 @dataclass(frozen=True)
 class KVRows:
     """One layer's cache as the kernels take it: rows [2 * num_slots, 128] over the engine's memory,
@@ -230,6 +248,11 @@ class DrafterRunner:
             raise FlyDSLUnsupported(f"drafter has {len(layers)} layers / {len(kv_layers)} KV layers, kernels need {NUM_LAYERS}")
         for t in kv_layers:
             why = check_kv_layer(t, page_size)
+            if why is not None:
+                raise FlyDSLUnsupported(why)
+        norms = [(f"layer {i} {f}", getattr(lw, f), k) for i, lw in enumerate(layers) for f, k in NORM_WIDTHS.items()]
+        for name, w, k in norms + [("final norm", final_norm, HIDDEN)]:
+            why = check_norm_weight(name, w, k)
             if why is not None:
                 raise FlyDSLUnsupported(why)
         if peers is None or len(peers.rx) != TP or len(peers.flags) != TP:

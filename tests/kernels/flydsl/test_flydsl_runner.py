@@ -91,6 +91,33 @@ def test_refuses_unbindable_kv_and_missing_peers():
         make(peer=False)
 
 
+def with_norm(field, w):
+    """make()'s layers and final norm with one norm weight replaced by `w`."""
+    lw = layer()
+    if field == "final":
+        return [lw] * 5, w
+    return [lw] * 4 + [rn.LayerWeights(**{**lw.__dict__, field: w})], torch.zeros(6144, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("field, w, why", [
+    ("final", torch.zeros(128, dtype=torch.bfloat16), r"final norm weight \[128\] torch.bfloat16: .* \[6144\]"),
+    ("final", torch.zeros(6144), r"final norm weight \[6144\] torch.float32: .* torch.bfloat16"),
+    ("q_norm", torch.zeros(6144, dtype=torch.bfloat16), r"layer 4 q_norm weight \[6144\] .* \[128\]"),
+    ("k_norm", torch.zeros(256, dtype=torch.bfloat16)[::2], r"layer 4 k_norm weight strides \[2\]"),
+    ("input_norm", torch.zeros(3072, dtype=torch.bfloat16), r"layer 4 input_norm weight \[3072\]"),
+    ("post_norm", torch.zeros(1, 6144, dtype=torch.bfloat16), r"layer 4 post_norm weight \[1, 6144\]"),
+], ids=["final-short", "final-fp32", "q-norm-long", "k-norm-strided", "input-norm-short", "post-norm-2d"])
+def test_refuses_norm_weights_the_kernels_would_misread(field, w, why):
+    """The kernels read each norm's (1 + w) as dense bf16 [6144] (the folded input/post norms, the final
+    norm) or [128] (q/k) through unbounded buffer descriptors, compiled for the first weights they are given:
+    a short weight was read past its end, a strided one read its neighbours', fp32 bits were read as bf16.
+    Triton's norms refuse such weights (runtime.check_norm_weight); the runner refuses to bind them."""
+    layers, final = with_norm(field, w)
+    with pytest.raises(rn.FlyDSLUnsupported, match=why):
+        rn.DrafterRunner(layers, final, kv_layers(), peers(), rank=0, page_size=PAGE, max_positions=64,
+                         engine=GOOD_ENGINE, host=GOOD_HOST)
+
+
 def records_layers(pages=4, offset=0, dtype=torch.bfloat16):
     """vLLM 0.34 caches [pages, 1, page_size, 256] as the sidecar binds them (their planes views), each
     starting `offset` records into its storage (a layer carved out of a larger allocation)."""
