@@ -40,7 +40,7 @@ def test_amdgpu_linker_is_the_compile_roots_ld_lld():
     """Where gfx950 code objects can be built, the linker is an executable ld.lld under the root the
     compile-only setup uses (what Triton's AMD backend is pointed at in test_codegen_gfx950.py)."""
     if toolchain._compile_root()[0] is None:
-        assert toolchain.amdgpu_linker() is None
+        assert toolchain.amdgpu_linker() == toolchain._system_lld()
         return
     lld = toolchain.amdgpu_linker()
     assert lld.name == "ld.lld" and lld.parent.parent.parent == Path(toolchain._compile_root()[0])
@@ -169,3 +169,63 @@ def test_an_empty_flydsl_directory_is_not_an_installed_flydsl(tmp_path):
     available, reason = out.stdout.strip().splitlines()
     assert available == "False"
     assert reason.startswith("FlyDSL not installed")
+
+
+@pytest.fixture
+def lite_host(tmp_path, monkeypatch):
+    """A host without a ROCm install whose system ld.lld (and, unless removed, device bitcode) lie
+    under tmp_path; the rocm-lite root goes under tmp_path/cache. _compile_root is recomputed here
+    and again afterwards, so the other tests see this machine's real answer."""
+    lld = tmp_path / "llvm-19" / "bin" / "ld.lld"
+    lld.parent.mkdir(parents=True)
+    lld.write_text("#!/bin/sh\n")
+    bitcode = tmp_path / "amdgcn" / "bitcode"
+    bitcode.mkdir(parents=True)
+    monkeypatch.setattr(toolchain, "_has_toolkit", lambda root: False)
+    monkeypatch.setattr(toolchain, "_LLD_CANDIDATES", (str(lld),))
+    monkeypatch.setattr(toolchain, "_BITCODE_CANDIDATES", (str(bitcode),))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    toolchain._compile_root.cache_clear()
+    yield lld, bitcode
+    toolchain._compile_root.cache_clear()
+
+
+def test_amdgpu_linker_does_not_need_the_device_bitcode(lite_host, monkeypatch):
+    """Triton's AMD backend brings its own ocml/ockl: it needs only ld.lld. With lld-19 installed and
+    rocm-device-libs not, the linker is there (FlyDSL's compile-only setup is not): None sent the
+    Triton gfx950 test to skip with 'no ld.lld for AMDGPU code objects'."""
+    lld, _ = lite_host
+    monkeypatch.setattr(toolchain, "_BITCODE_CANDIDATES", ("/nonexistent/amdgcn/bitcode",))
+    assert toolchain._compile_root() == (None, f"no AMDGPU device bitcode ({toolchain.INSTALL_HINT})")
+    assert toolchain.amdgpu_linker() is not None and toolchain.amdgpu_linker().resolve() == lld.resolve()
+
+
+def test_lite_root_tolerates_a_concurrent_process_laying_it_out(lite_host, monkeypatch):
+    """Two processes (two pytest runs, a test's child) lay out the same ~/.cache root: the other one
+    may create a link between this one's check and its own symlink call. That raised FileExistsError
+    out of compile_only_unavailable_reason() instead of using the (correct) link."""
+    lld, bitcode = lite_host
+    root = toolchain._lite_root_dir()
+    (root / "llvm" / "bin").mkdir(parents=True)
+    (root / "amdgcn").mkdir(parents=True)
+    (root / "llvm" / "bin" / "ld.lld").symlink_to(lld)  # the other process's links, made
+    (root / "amdgcn" / "bitcode").symlink_to(bitcode)  # just after this one looked
+    real_exists, real_is_symlink = Path.exists, Path.is_symlink
+    monkeypatch.setattr(Path, "exists", lambda p, *a, **k: root not in p.parents and real_exists(p, *a, **k))
+    monkeypatch.setattr(Path, "is_symlink", lambda p: root not in p.parents and real_is_symlink(p))
+    assert toolchain._compile_root() == (str(root), None)
+    monkeypatch.undo()
+    assert (root / "llvm" / "bin" / "ld.lld").resolve() == lld.resolve()
+    assert (root / "amdgcn" / "bitcode").resolve() == bitcode.resolve()
+    assert sorted(p.name for p in (root / "llvm" / "bin").iterdir()) == ["ld.lld"]  # no temporary left
+
+
+def test_unwritable_cache_is_a_reason_not_a_crash(lite_host, monkeypatch, tmp_path):
+    """compile_only_unavailable_reason() runs at the compile tests' import: a cache folder that cannot
+    be written (read-only home, XDG_CACHE_HOME a file) must make them skip saying so, not raise."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    root, why = toolchain._compile_root()
+    assert root is None and "XDG_CACHE_HOME" in why and str(blocker) in why
+    assert toolchain.amdgpu_linker().resolve() == lite_host[0].resolve()  # linking needs no cache folder
