@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # Query rows per request: the anchor plus 6 noise rows (dspark_block_size, and the
@@ -46,7 +47,7 @@ def socket_dir_problem(socket_dir: str | Path, tp: int) -> str | None:
     addresses, and '%XX' is decoded (the bind then fails as "in use"). A path longer than
     sun_path fails in the kernel, with an error that names no setting. A path that starts with '//'
     (pathlib keeps exactly two) makes unix://NAME/..., which the client refuses as a target with an
-    authority while the ranks bind it and go SERVING."""
+    authority while the ranks bind it and go SERVING. A name that is not UTF-8 cannot be a gRPC target at all."""
     odd = sorted(set("?#,%") & set(str(socket_dir)))
     if odd:
         return (f"{socket_dir} holds {', '.join(map(repr, odd))}; gRPC reads '?', '#', ',' or '%' in a unix: "
@@ -55,7 +56,11 @@ def socket_dir_problem(socket_dir: str | Path, tp: int) -> str | None:
     if longest.startswith("//"):
         return (f"{socket_dir} starts with '//': gRPC reads unix:{longest} as a target with an authority and "
                 "refuses it; start the folder with a single '/'")
-    if len(longest.encode()) > SUN_PATH_MAX:
-        return (f"{longest} is {len(longest.encode())} bytes, a unix socket path holds at most {SUN_PATH_MAX}; "
-                "choose a shorter folder")
+    try:
+        size = len(longest.encode())
+    except UnicodeEncodeError:  # a byte of the name that is not UTF-8 (argv and os.listdir keep it as a surrogate)
+        return (f"{os.fsencode(str(socket_dir))!r} is not UTF-8: gRPC takes a unix: target as UTF-8 text, so no "
+                "client could reach a socket there; choose a folder whose name is UTF-8")
+    if size > SUN_PATH_MAX:
+        return (f"{longest} is {size} bytes, a unix socket path holds at most {SUN_PATH_MAX}; choose a shorter folder")
     return None

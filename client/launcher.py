@@ -75,8 +75,14 @@ class SidecarLauncher:
         sockdir.prepare(self.socket_dir)
 
     def start(self) -> SidecarLauncher:
+        from dspark_sidecar.server.config import ServeConfigError
         from dspark_sidecar.server.preflight import socket_answers
 
+        # serve's own refusal of the folder's socket paths (over sun_path, URI syntax), here: the probe below
+        # cannot connect to a path too long for a unix socket, and counts that as a sidecar answering there.
+        problem = layout.socket_dir_problem(self.socket_dir, self.tp)
+        if problem:
+            raise ServeConfigError(f"--socket-dir: {problem}")
         self.make_socket_dir()
         # A sidecar already answering in the folder: the new one refuses its sockets (exit 75) a few seconds
         # later, but the old one's health passed the wait below at once, and start() returned that sidecar

@@ -528,6 +528,17 @@ def test_a_socket_dir_grpc_would_read_as_another_target_is_one_line(name, tiny_c
         ServeConfig(socket_dir=d)
 
 
+def test_a_socket_dir_whose_name_is_not_utf8_is_one_line(tiny_ckpt, tmp_path, capsys):
+    """A folder name with a byte that is not UTF-8 (argv keeps it as a surrogate): gRPC takes a `unix:` target
+    as UTF-8 text, so no rank could ever be reached there. The length check's encode() raised
+    UnicodeEncodeError instead: a traceback and exit 1 from `serve`, and from the engine's plug-in (the same
+    check, client/vllm_plugin.py)."""
+    d = tmp_path / os.fsdecode(b"sock\xff")
+    assert "UTF-8" in layout.socket_dir_problem(d, 4)
+    _refused(_argv(d, tiny_ckpt), capsys, "--socket-dir: ", "UTF-8", sock_dir=d)
+    assert not d.exists()  # refused before the folder is made
+
+
 @pytest.mark.parametrize("tp", [("--tp", "1"), ("--tp", "4", "--dist-backend", "gloo")])
 def test_device_cuda_with_no_gpu_visible_is_one_line_before_any_rank(tp, tiny_ckpt, tmp_path, monkeypatch, capsys):
     """OPERATIONS.md, Flags: a value that cannot be used is refused before any rank starts, in one line, exit 2.

@@ -79,6 +79,18 @@ def test_start_refuses_a_folder_another_sidecar_serves_instead_of_returning_that
     assert started.calls == [], "a second serve was started on a folder another sidecar serves"
 
 
+def test_start_refuses_a_folder_whose_socket_paths_are_too_long_in_words_that_say_so(monkeypatch, started):
+    """A folder whose rank{r}.sock paths pass sun_path's 107 bytes: start()'s probe for a sidecar already there
+    could not connect ("AF_UNIX path too long", an OSError it counts as someone serving), so start() said "a
+    sidecar already answers on ... stop it first" for a folder nobody serves in, or ever could. It now gives
+    serve's own refusal, before it makes the folder or starts anything."""
+    folder = short_socket_dir() / ("x" * 100)
+    monkeypatch.setattr(L.subprocess, "Popen", lambda argv, **kw: started(argv, **kw))
+    with pytest.raises(ValueError, match=r"--socket-dir: .*rank3\.sock is \d+ bytes, a unix socket path holds at most 107"):
+        SidecarLauncher(folder, tp=4, ready_timeout_s=1.0).start()
+    assert started.calls == [] and not folder.exists()
+
+
 def test_start_does_not_return_a_sidecar_whose_own_serve_has_exited(monkeypatch, started):
     """The folder free at the check but served by another sidecar by the time every rank's health passes
     (one started meanwhile): its health is not this launcher's sidecar, whose serve has exited (75)."""
