@@ -17,6 +17,31 @@ from dspark_sidecar.drafter.parallel import (
 from dspark_sidecar.kernels.ops import Ops
 
 
+def step_shape_problem(inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
+                       attn: tuple[torch.Tensor, StepMetadata] | None, hidden: int) -> str | None:
+    """Why a step's tensors are not 7 rows per request of `meta`, or None.
+
+    Torch would not say: positions of length 1 broadcast over every row (one RoPE angle and window
+    edge for an R = 1 step), rows past 7R are sliced off the answer, and rows that no request of
+    the (attention) metadata owns keep uninitialised attention outputs. Shapes only: no host read.
+    """
+    R = meta.seq_lens.shape[0] if meta.seq_lens.dim() == 1 else None
+    if R is None:
+        return f"seq_lens shape {list(meta.seq_lens.shape)}, expected [R]"
+    n = layout.QPR * R
+    want = [("inputs_embeds", inputs_embeds, (n, hidden)), ("positions", positions, (n,)),
+            ("slot_mapping", meta.slot_mapping, (n,))]
+    if attn is not None:
+        want += [("attention positions", attn[0], (n,)), ("attention seq_lens", attn[1].seq_lens, (R,))]
+    for name, t, shape in want:
+        if tuple(t.shape) != shape:
+            return f"{name} shape {list(t.shape)}, expected {list(shape)} ({n} rows for {R} request(s))"
+    for name, m in (("block_tables", meta), ("attention block_tables", attn[1] if attn is not None else None)):
+        if m is not None and (m.block_tables.dim() != 2 or m.block_tables.shape[0] != R):
+            return f"{name} shape {list(m.block_tables.shape)}, expected [{R}, max_pages]"
+    return None
+
+
 class Norm(nn.Module):
     """A Gemma RMSNorm weight (replicated on every rank)."""
 
@@ -179,6 +204,7 @@ class DSparkDrafter(nn.Module):
         attn: optional window-relative (positions, metadata) for the attention (static shapes for
         CUDA graphs); by default the absolute ones. lane: the exchange lane of the partial sums.
         concurrent: launches running at once beside this one (DecoderLayer.forward)."""
+        self._check_step(inputs_embeds, positions, meta, attn)
         cos, sin = self._rope(positions)
         a_pos, a_meta = attn if attn is not None else (positions, meta)
         a_meta = StepMetadata(a_meta.seq_lens, a_meta.block_tables, meta.slot_mapping)
@@ -201,6 +227,7 @@ class DSparkDrafter(nn.Module):
         issued from several streams.
         """
         q = layout.QPR
+        self._check_step(inputs_embeds, positions, meta, attn)  # whole: a launch's slices hide rows past 7R
         groups = layout.launch_groups(meta.num_reqs, launch_reqs)
 
         def group(s: int, e: int, lane: int = 0, concurrent: int = 1) -> torch.Tensor:
@@ -217,6 +244,12 @@ class DSparkDrafter(nn.Module):
         else:
             outs = [group(s, e) for s, e in groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _check_step(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
+                    attn: tuple[torch.Tensor, StepMetadata] | None) -> None:
+        problem = step_shape_problem(inputs_embeds, positions, meta, attn, self.cfg.hidden_size)
+        if problem is not None:
+            raise ValueError(f"draft step: {problem}")
 
     def _side_by_side(self, groups: list[tuple[int, int]], group, streams: Sequence[torch.cuda.Stream]) -> list:
         """Each launch group on its own stream, forked from the current stream and joined back to it.
@@ -253,6 +286,11 @@ class DSparkDrafter(nn.Module):
                        kv_caches: list[torch.Tensor]) -> None:
         """Spec 3A: committed rows' taps [m, num_taps * hidden] -> every layer's K/V at `slots` (int64 [m];
         -1 = padding, skipped). Context rows never pass through the layers or input_layernorm."""
+        m = slots.shape[0] if slots.dim() == 1 else -1
+        # Checked, not broadcast: a single position rotated every row's K at it, without an error.
+        if slots.dim() != 1 or tuple(positions.shape) != (m,) or tuple(taps.shape) != (m, self.cfg.tap_size):
+            raise ValueError(f"context commit: taps {list(taps.shape)}, positions {list(positions.shape)} and slots "
+                             f"{list(slots.shape)}; expected [m, {self.cfg.tap_size}], [m] and [m], one row per slot")
         keep = slots >= 0  # padding rows (slot -1) are dropped here, once, not in every write
         if not bool(keep.all()):
             taps, positions, slots = taps[keep], positions[keep], slots[keep]
