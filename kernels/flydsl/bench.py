@@ -81,11 +81,14 @@ def bench_rank(num_reqs: int, context_len: int, iters: int = 20, page_size: int 
         fn = flyc.compile(KERNELS[name].build(num_reqs), *dev_args)
         calls.append((name, fn, dev_args))
     by_name = {name: (fn, a) for name, fn, a in calls}
+    # A compiled launcher takes every parameter positionally, its stream last (runner.DrafterRunner._run):
+    # called without it, FlyDSL's argument packing raised IndexError before the first launch.
+    stream = torch.cuda.current_stream(dev)
 
     def one_launch():
         for name in plan:
             fn, a = by_name[name]
-            fn(*a)
+            fn(*a, stream)
 
     one_launch()
     torch.cuda.synchronize()

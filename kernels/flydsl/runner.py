@@ -264,7 +264,7 @@ class DrafterRunner:
         self.page_size = page_size
         self._kv_ids = [KVIdentity.of(t) for t in kv_layers]
         self._kv = [KVRows.of(t) for t in kv_layers]
-        device = kv_layers[0].device
+        self.device = device = kv_layers[0].device
         # Same angles as the stock layers: reference.rope_cos_sin forms them in float64.
         from ..reference import rope_cos_sin
 
@@ -332,11 +332,23 @@ class DrafterRunner:
             else:
                 launcher = KERNELS[name].build(num_reqs)
             fn = flyc.compile(launcher, *map(_placeholder, args))
+            if fn is None:  # kept, the first live step called None and every rank exited mid-launch
+                raise FlyDSLUnsupported(f"flyc.compile returned no launcher for {name}: COMPILE_ONLY is set in this "
+                                        "environment (FlyDSL then builds code objects without loading them)")
             self._compiled[key] = fn
         return fn
 
-    def _run(self, name: str, num_reqs: int, exchange: int | None, *args) -> None:
-        self._kernel(name, num_reqs, exchange, args)(*args)
+    def _run(self, name: str, num_reqs: int, exchange: int | None, stream, *args) -> None:
+        """Launch on `stream`. A compiled launcher takes every parameter of the launcher positionally, its
+        last one the stream (FlyDSL 0.5 fills that slot from the call's args, so a call without it raised
+        IndexError before launching anything)."""
+        self._kernel(name, num_reqs, exchange, args)(*args, stream)
+
+    def _stream(self):
+        """torch's current stream on the runner's device: the kernels are then ordered with the launch's torch
+        ops (the embeds copy, the epoch bump) and captured with them. None (FlyDSL's default queue) off the
+        GPU, where only the CPU tests run a runner."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """positions i64 [7R], embeds bf16 [7R, 6144], slots i64 [7R], block_tables i32 [R, pages] -> bf16 [7R, 6144]."""
@@ -351,8 +363,9 @@ class DrafterRunner:
         x = self._ws["x"][: rows_for(r)]
         x.copy_(embeds)
         out = torch.empty_like(x)
+        stream = self._stream()
         for name, num_reqs, exchange, args in self._calls(r, pos, slots, bt, out):
-            self._run(name, num_reqs, exchange, *args)
+            self._run(name, num_reqs, exchange, stream, *args)
         # Device-side: the next launch's tags differ from every tag of this one (exchange.py).
         self.peers.epoch.add_(1)
         return out

@@ -360,7 +360,8 @@ def test_compile_runs_nothing_and_fits_every_launch(monkeypatch):
               torch.zeros(11, 9, dtype=torch.int32))
     assert len(launched) == 2 * 51
     for key, live in launched:
-        assert [sig(a) for a in live] == [sig(a) for a in compiled[key]]
+        # Then the stream, the launcher's last parameter (None: FlyDSL's default queue, off the GPU).
+        assert [sig(a) for a in live[:-1]] == [sig(a) for a in compiled[key]] and live[-1] is None
     r.close()
 
 
@@ -419,3 +420,80 @@ def test_catalog_exchanges_are_ones_the_launch_plan_runs(monkeypatch):
         KERNELS[name].build(1)
         ((which, exchange),) = built
         assert name == f"exchange_{which}" and (name, exchange) in plan, (name, exchange)
+
+
+def final_norm_args(r):
+    """The final norm's arguments in a launch of one request, as _calls hands them to _kernel."""
+    n = 7
+    calls = list(r._calls(1, torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
+                          torch.zeros(1, 1, dtype=torch.int32), torch.empty(n, 6144, dtype=torch.bfloat16)))
+    assert calls[-1][:3] == ("final_norm", 1, None)
+    return calls[-1][3]
+
+
+def gfx950_compile_env(compile_only: bool) -> dict:
+    """The compile-only toolchain's variables, with or without FlyDSL's COMPILE_ONLY."""
+    why = toolchain.compile_only_unavailable_reason()
+    if why is not None:
+        pytest.skip(f"gfx950 compile-only toolchain missing: {why}")
+    env = toolchain._compile_only_vars(toolchain.TARGET_ARCH)
+    return env if compile_only else {k: v for k, v in env.items() if k != "COMPILE_ONLY"}
+
+
+def test_compiled_launchers_are_called_with_every_parameter(monkeypatch):
+    """A kernel compiled for real (meta placeholders: nothing runs) and called the way a step calls it,
+    through FlyDSL's own argument packing with a recording stand-in for the loaded code object. The
+    packing fills each ABI slot from the call's positional args, the launcher's `stream` included: a call
+    without it raised IndexError at the first kernel of every fast step (and every rank exited)."""
+    from flydsl.compiler.jit_executor import CallState
+
+    monkeypatch.delenv("COMPILE_ONLY", raising=False)
+    env = gfx950_compile_env(compile_only=False)
+    r = make()
+    real_kernel, states, launched = r._kernel, [], []
+
+    def kernel(name, num_reqs, exchange, args):
+        if name != "final_norm":
+            return lambda *a: None
+        with toolchain.scoped_env(env):
+            fn = real_kernel(name, num_reqs, exchange, args)
+        state = CallState(fn._call_spec, lambda packed: launched.append(name))
+        states.append(state)
+        return lambda *a: state(a)  # CompiledFunction.__call__ minus loading the code object
+
+    r._kernel = kernel
+    r.forward(**step_inputs(reqs=1))
+    assert launched == ["final_norm"]
+    x, w, _ = final_norm_args(r)
+    slots = states[0]._tls.storages  # per tensor: its pointer, then its layout's bytes; then the stream
+    assert slots[0].value == x.data_ptr() and slots[2].value == w.data_ptr()
+    assert slots[-1].value is None  # the stream: NULL, FlyDSL's default queue, for a runner off the GPU
+    r.close()
+
+
+def test_compile_only_environment_turns_the_path_off_with_the_reason(monkeypatch):
+    """Under FlyDSL's COMPILE_ONLY flyc.compile builds the code object and returns None. Kept as the
+    launcher, compile_all reported success and the first fast step called None inside its launch (every
+    rank exits then); refused at compile time, the fast path is off with the reason instead."""
+    env = gfx950_compile_env(compile_only=True)
+    r = make()
+    args = final_norm_args(r)
+    with toolchain.scoped_env(env), pytest.raises(rn.FlyDSLUnsupported, match="COMPILE_ONLY is set"):
+        r._kernel("final_norm", 1, None, args)
+    assert r._compiled == {}
+    r.close()
+
+
+def test_every_launcher_takes_its_stream_last():
+    """The runner and kernels/flydsl/bench.py append the launch's stream to each compiled launcher's
+    arguments: that is right only while every catalog launcher declares `stream: fx.Stream` as its last
+    parameter (FlyDSL fills the stream slot from that position of the call's arguments)."""
+    import inspect
+
+    from dspark_sidecar.kernels.flydsl.catalog import KERNELS
+
+    for name, entry in KERNELS.items():
+        last = list(inspect.signature(entry.build(1).func).parameters.values())[-1]
+        stream_type = last.annotation if not isinstance(last.annotation, str) else None
+        assert last.name == "stream" and (getattr(stream_type, "_is_stream_param", False)
+                                          or last.annotation in ("fx.Stream", "Stream")), (name, last)
