@@ -6,9 +6,10 @@ and the ring, outside the timing; the fill inside it, as bench's (d) times it).
 Each case then runs again through every rank's shim (`DrafterShim.maybe_forward`, the ranks'
 agreements included, as an engine's forward runs it), which must return the same hidden states.
 Reported beside it, measured on the same machine: rank 0's shard on one GPU with no exchange
-(modes c and d of `bench` with --shard-of N) and its HBM floor, and the time of the step's
-all-reduces between the engine processes' GPUs, i.e. the partial-sum exchange's share: 10 per
-launch group of up to 8 requests, [7r, hidden] each, over NCCL. They run as the sidecar runs them: inside one CUDA graph, timed by CUDA events
+(modes c and d of `bench` with --shard-of N, its launch groups on as many streams as the TP
+sidecar's) and its HBM floor, and the time of the step's all-reduces between the engine processes'
+GPUs, i.e. the partial-sum exchange's share: 10 per launch group of up to 8 requests, [7r, hidden]
+each, over NCCL. They run as the sidecar runs them: inside one CUDA graph, timed by CUDA events
 (eager launches timed from the host cost about 4x more: BENCHMARKS.md run 43).
 
 Parity: after each case's timed steps the engine ranks run the same step through the reference
@@ -195,11 +196,12 @@ def _median(ms: list[float]) -> float:
     return statistics.median(ms) if ms else float("nan")
 
 
-def _slowest(ms) -> float:
-    """The slowest rank's figure, NaN where any rank has none: max() keeps a NaN only in first place, so
-    with rank 0 answered and rank 1 not the step took rank 0's p50 as if every rank had answered."""
-    ms = list(ms)
-    return float("nan") if any(math.isnan(x) for x in ms) else max(ms)
+def _worst(xs) -> float:
+    """The worst rank's figure (the slowest step, the largest drift), NaN where any rank's is NaN: max() keeps
+    a NaN only in first place, so with rank 0 answered and rank 1 not the step took rank 0's p50 as if every
+    rank had answered, and a rank past 0 whose K/V came back NaN passed parity on rank 0's drift."""
+    xs = list(xs)
+    return float("nan") if any(math.isnan(x) for x in xs) else max(xs)
 
 
 def _parity(ref: DSparkDrafter, group, embeds: torch.Tensor, positions: torch.Tensor, meta, kv_before: list,
@@ -265,7 +267,10 @@ def run_tp_bench(bc: BenchConfig, tp: int, single_gpu: bool = True, device_type:
     from dspark_sidecar.bench import run_bench
 
     modes = ("c", "d") if device_type == "cuda" else ("d",)
-    single = run_bench(BenchConfig(**{**bc.__dict__, "modes": modes, "shard_of": tp,
+    # The shard's launch groups as the TP-N sidecar runs them: --launch-streams 0 is serve's default, 4 streams
+    # side by side at --tp 1 but 1 (in order) above, so at R > 8 the gap between the two was not the exchange.
+    streams = bc.launch_streams or 1
+    single = run_bench(BenchConfig(**{**bc.__dict__, "modes": modes, "shard_of": tp, "launch_streams": streams,
                                       "out_dir": bc.out_dir / "single-gpu"}),
                        torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")) \
         if single_gpu else {"rows": []}
@@ -314,14 +319,15 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str,
     within `tol` (relative L2) of the reference in hidden states and block K/V."""
     rows = []
     for i, r0 in enumerate(per_rank[0]):
-        step = _slowest(p[i]["p50_ms"] for p in per_rank)
+        step = _worst(p[i]["p50_ms"] for p in per_rank)
         same = [x for x in single["rows"] if x["R"] == r0["R"] and x["context"] == r0["context"]]
         by_mode = {x["mode"]: x for x in same}
         one, inproc = by_mode.get("d", {}), by_mode.get("c", {})
         floor = one.get("floor_ms")
         ar = max(p[i]["exchange_p50_ms"] for p in per_rank)
-        hid, kv = max(p[i]["hidden_rel_l2"] for p in per_rank), max(p[i]["kv_rel_l2"] for p in per_rank)
-        shim = max(p[i].get("shim_p50_ms", float("nan")) for p in per_rank)  # the slowest rank, as for the step
+        hid = _worst(p[i]["hidden_rel_l2"] for p in per_rank)
+        kv = _worst(p[i]["kv_rel_l2"] for p in per_rank)
+        shim = _worst(p[i].get("shim_p50_ms", float("nan")) for p in per_rank)  # the slowest rank, as for the step
         row = {"R": r0["R"], "context": r0["context"], "kv_layout": r0.get("kv_layout"),
                "tp_step_p50_ms": step, "tp_shim_step_p50_ms": shim,
                "shim_matches": all(p[i].get("shim_matches", False) for p in per_rank),

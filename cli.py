@@ -409,6 +409,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
         # Before any process: with --no-single-gpu nothing else checked the preset or --tp before the sidecar
         # started, which then failed (a traceback naming its log, its folder left in $TMPDIR) for a flag's value.
         _check_tp(a.preset, a.tp)
+        if device.type == "cuda":  # engine rank r and sidecar rank r on GPU r, as the demo's
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if visible < a.tp:  # run_tp_bench's own check exited 1, a parity failure's status, unprefixed
+                raise UsageError(f"--tp {a.tp}: {visible} GPU(s) visible, it needs {a.tp} (sidecar rank r and engine "
+                                 "rank r run on GPU r); lower --tp, make more GPUs visible, or use --device cpu")
 
         bc.out_dir.mkdir(parents=True, exist_ok=True)
         with _sigterm_unwinds():  # as the demo's: killed at once, the engine ranks' folder stayed behind
@@ -540,7 +545,8 @@ def _main(argv: list[str] | None) -> int:
                          "data plane's regions want them) or on the GPU (as vLLM's forward context holds them)")
     bp.add_argument("--launch-streams", type=int, default=0,
                     help="c and the sidecar: launch groups side by side on N streams (0: the serve default, 4 at "
-                         "--tp 1 and 1 above; with --tp N > 1 each extra stream gets its own communicator)")
+                         "--tp 1 and 1 above, the one-GPU shard beside --tp N > 1 included; with --tp N > 1 each "
+                         "extra stream gets its own communicator)")
     bp.add_argument("--kv-layout", choices=("planes", "records"), default="planes",
                     help="the engine's draft KV cache allocation: planes (the spec's) or records (vLLM 0.34's)")
     bp.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",

@@ -199,3 +199,93 @@ def test_a_direct_step_counts_the_engine_s_fill_as_the_one_gpu_d_beside_it_does(
     monkeypatch.setattr(bench_tp.time, "perf_counter", lambda: now[0])
     ms, resp = bench_tp._step_ms(takes(0.002), takes(0.5), takes(0.003, "answer"))
     assert ms == pytest.approx(5.0) and resp == "answer"  # fill 2 + ring 3; the barrier's 500 left out
+
+
+def test_a_nan_drift_on_any_rank_fails_the_case(tmp_path):
+    """The case's drift is the worst rank's; max() keeps a NaN only in first place, so a rank past 0 whose block
+    K/V (or hidden states) came back NaN (garbage codes in an fp8 cache read as NaN) left rank 0's figure as the
+    case's: parity ok."""
+    bc = BenchConfig(out_dir=tmp_path)
+    single = {"rows": [{"mode": "d", "R": 8, "context": 4096, "p50_ms": 0.6, "floor_ms": 0.25}]}
+    for field in ("kv_rel_l2", "hidden_rel_l2"):
+        for per_rank in ([[_rank_row()], [_rank_row(**{field: math.nan})]],
+                         [[_rank_row(**{field: math.nan})], [_rank_row()]]):
+            row = _report(bc, 2, per_rank, single, "H200", PARITY_RTOL)["rows"][0]
+            assert math.isnan(row[field]) and not row["parity_ok"], (field, row)
+
+
+def test_fewer_gpus_than_tp_is_one_line_and_exit_2_before_any_process(tmp_path, monkeypatch, capsys):
+    """`bench --tp 2` where one GPU is visible raised SystemExit from run_tp_bench: exit 1 (a parity failure's
+    status) and a bare line without the command's prefix. Now a usage error, as the demo's, before anything runs."""
+    import torch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def started(*_a, **_kw):
+        raise AssertionError("something was started with too few GPUs")
+
+    monkeypatch.setattr(bench_tp, "SidecarUnderTest", started)
+    assert cli.main(["bench", "--tp", "2", "--device", "cuda", "--preset", "tiny",
+                     "--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dspark-sidecar: ") and "1 GPU(s) visible" in err and "--tp 2" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+class _Stop(Exception):
+    """Raised by a stand-in once it has seen what it was given."""
+
+
+@pytest.mark.parametrize("asked, runs", [(0, 1), (2, 2)])
+def test_the_one_gpu_shard_runs_its_launch_groups_as_the_tp_sidecar_does(tmp_path, monkeypatch, asked, runs):
+    """The one-GPU shard beside a TP row is that row's step less the exchange. --launch-streams 0 is serve's
+    default, 4 streams side by side at --tp 1 and 1 (in order) above: at R = 16 and 32 the shard ran its launch
+    groups side by side while the TP-N sidecar ran them in order, and the gap read as the exchange's."""
+    from dspark_sidecar import bench
+
+    seen = []
+
+    def single(bc, device):
+        seen.append(bc)
+        raise _Stop
+
+    monkeypatch.setattr(bench, "run_bench", single)
+    with pytest.raises(_Stop):
+        run_tp_bench(BenchConfig(preset="tiny", out_dir=tmp_path, launch_streams=asked), 2, device_type="cpu")
+    assert seen[0].shard_of == 2 and seen[0].launch_streams == runs
+
+
+def _rank_that_dies_before_its_peer_s_barrier(rank, world, bc, device_type, target_dir, store, out) -> None:
+    """An engine rank: rank 1 fails at once; rank 0 waits for it in the ranks' gloo barrier (300 s timeout)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    (Path(os.environ["BENCH_TP_TEST_PIDS"]) / f"rank{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        raise RuntimeError("engine rank 1 failed")
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    dist.barrier()
+
+
+def test_a_failed_engine_rank_ends_the_run_and_its_waiting_peer(tmp_path, tmp_path_factory, monkeypatch):
+    """Real spawned ranks over gloo: one that raises is the run's error, its peer (waiting for it in a collective)
+    is ended, not left to its 300 s timeout, and the sidecar is stopped."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(bench_tp, "_engine_rank", _rank_that_dies_before_its_peer_s_barrier)
+    pids = tmp_path_factory.mktemp("pids")
+    monkeypatch.setenv("BENCH_TP_TEST_PIDS", str(pids))
+    sidecars = []
+    monkeypatch.setattr(bench_tp, "SidecarUnderTest", lambda *a, **kw: sidecars.append(_QuietSidecar(*a, **kw))
+                        or sidecars[-1])
+    with pytest.raises(mp.ProcessRaisedException, match="engine rank 1 failed"):
+        run_tp_bench(BenchConfig(preset="tiny", out_dir=tmp_path / "out"), 2, single_gpu=False, device_type="cpu")
+    assert sidecars[0].proc.returncode == 0
+    for pid in (int((pids / f"rank{r}").read_text()) for r in range(2)):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
