@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10, which requires-python admits: the test extra's backport
+    import tomli as tomllib
 
 import grpc
 import pytest

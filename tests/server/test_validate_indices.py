@@ -16,10 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_sidecar.drafter.kv_cache import StepMetadata, window_width
-from dspark_sidecar.kernels.triton.step_meta import FLAG_INVALID, FLAG_RAN, step_meta_reference
-from dspark_sidecar.server.errors import SidecarError
-from dspark_sidecar.server.validate import _diagnose, _indices_ok, host_meta
+# step_meta.py (the GPU program's NumPy spec, which every case here checks against) imports triton, the
+# optional `triton` extra: without it this file failed at collection, and stopped the README's whole run.
+pytest.importorskip("triton")
+
+from dspark_sidecar.drafter.kv_cache import StepMetadata, window_width  # noqa: E402
+from dspark_sidecar.kernels.triton.step_meta import FLAG_INVALID, FLAG_RAN, step_meta_reference  # noqa: E402
+from dspark_sidecar.server.errors import SidecarError  # noqa: E402
+from dspark_sidecar.server.validate import _diagnose, _indices_ok, host_meta  # noqa: E402
 
 PS, PAGES = 16, 64
 LENS = [7, 40, 100]  # a request with no context, one mid-page, one over several pages
