@@ -241,13 +241,18 @@ class MappedMemory:
             except (FileNotFoundError, OSError, ValueError) as e:
                 error = HandleExhausted if _exhausted(e) else HandleError
                 raise error(f"{field}: cannot open shared memory {handle.shm.name!r}: {e}") from None
-            self._segment = seg
             lo, size = handle.shm.offset_bytes, handle.shm.size_bytes
+            problem = None
             if lo > seg.size:
-                raise HandleError(f"{field}: offset {lo} beyond segment size {seg.size}")
-            if size and not lo <= size <= seg.size:
-                raise HandleError(f"{field}: size_bytes {size} outside the segment's {seg.size} bytes "
-                                  f"(or below offset_bytes {lo})")
+                problem = f"offset {lo} beyond segment size {seg.size}"
+            elif size and not lo <= size <= seg.size:
+                problem = f"size_bytes {size} outside the segment's {seg.size} bytes (or below offset_bytes {lo})"
+            if problem is not None:
+                # Unmapped now (nothing views it yet): the error's traceback keeps this frame and `seg`, which
+                # stayed mapped past the refusal until whoever held the error dropped it (MemoryBindings._discard).
+                seg.close()
+                raise HandleError(f"{field}: {problem}")
+            self._segment = seg
             self.storage = torch.frombuffer(seg.buf, dtype=torch.uint8)[lo : size or seg.size]
             self._memory = ("shm", *seg.file)
         elif kind == "cuda_ipc":
