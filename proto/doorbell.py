@@ -158,6 +158,12 @@ class Waker:
     """The sidecar's end of the wake FIFO: an idle doorbell thread blocks here instead of polling."""
 
     def __init__(self, path: str) -> None:
+        # Absolute (not normalized: "link/.." goes through the link, as the kernel reads it): the name is handed to
+        # the engine (AttachDoorbellResponse.wake_fifo), which works from a directory of its own. `serve
+        # --socket-dir socks` gave it "socks/rank0.wake1", which it could not open: it kept no ringer, and each
+        # step rung after an idle spell waited out the sleeping doorbell's MISSED_WAKE_S poll.
+        if not os.path.isabs(path):  # (getcwd only then: it fails once the directory is removed)
+            path = os.path.join(os.getcwd(), path)
         try:
             os.mkfifo(path, 0o660)
         except FileExistsError:

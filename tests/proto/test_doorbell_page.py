@@ -343,3 +343,33 @@ def test_a_wake_fifo_swapped_for_a_link_before_the_engine_opens_it_gets_no_wake_
         assert ringer is None and target.read_bytes() == b"data"
     finally:
         os.close(keep)
+
+
+def test_a_wake_fifo_made_under_a_relative_folder_is_named_to_the_engine_by_its_absolute_path(tmp_path, monkeypatch):
+    """`serve --socket-dir socks` makes the FIFO under a folder relative to the sidecar's working directory,
+    and AttachDoorbellResponse.wake_fifo handed the engine that relative name: an engine working elsewhere
+    could not open it (the channel then keeps no ringer, silently), and each step rung after an idle spell
+    waited out the sleeping doorbell's MISSED_WAKE_S poll. The name given out works from any directory."""
+    import os
+
+    sidecar_cwd, engine_cwd = tmp_path / "sidecar", tmp_path / "engine"
+    (sidecar_cwd / "socks").mkdir(parents=True)
+    engine_cwd.mkdir()
+    monkeypatch.chdir(sidecar_cwd)
+    waker = bell.Waker(os.path.join("socks", "rank0.wake1"))
+    ringer = None
+    try:
+        assert os.path.isabs(waker.path) and os.path.samefile(waker.path, sidecar_cwd / "socks" / "rank0.wake1")
+        monkeypatch.chdir(engine_cwd)  # the engine's process, started from another directory
+        ringer = bell.Ringer(waker.path)
+        p = _page()
+        p.words[bell.ASLEEP] = 1
+        assert ringer.wake_if_asleep(p)
+        woke = _polls(waker)
+        waker.sleep(p, lambda: False, 1.0)
+        assert woke == [True]
+    finally:
+        if ringer is not None:
+            ringer.close()
+        waker.close()
+    assert not os.path.exists(sidecar_cwd / "socks" / "rank0.wake1")
