@@ -29,7 +29,7 @@ from dspark_sidecar.server.prelaunch import BEHIND_S, Prelaunch
 from dspark_sidecar.server.rank import RankLoop
 
 log = logging.getLogger("dspark_sidecar.server")
-HALT_POLL_S = 0.05  # how often an idle doorbell looks at its halt flag
+HALT_POLL_S = 0.05  # an idle doorbell's wait for a wake; Waker.sleep caps it at bell.MISSED_WAKE_S (2 ms)
 # How long stop() waits for a step in progress: the pre-launch's wait for its copy (READY_TIMEOUT_S)
 # and a rendezvous fit well inside it.
 STOP_S = 10.0
@@ -189,7 +189,7 @@ class Doorbell(threading.Thread):
                 # queued step's wait that an engine's late word blocked again (Prelaunch.repass).
                 self.loop.sweep_idle(poke=self.prelaunch is not None and self.prelaunch.passing)
                 idle = time.perf_counter() - active
-                if self.waker is not None and idle > bell.DOZE_S:  # between bursts: no polling at all
+                if self.waker is not None and idle > bell.DOZE_S:  # between bursts: blocked, waking every MISSED_WAKE_S
                     self.waker.sleep(self.page, rung, HALT_POLL_S)
                 else:
                     bell.pause(idle, nap)
