@@ -271,7 +271,9 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
     embed = embeds.read(EMBED_KEY, (dcfg.vocab_size, dcfg.hidden_size))
     fast = None
     if choice.name == "flydsl":  # collective: every rank chose alike (same host facts)
-        fast = build_fast_path(dcfg, model, weights, host, cpu_group, rank)
+        # Its own failures, on any rank, are the path's reason on every rank; what it raises is a peer lost in
+        # its collectives (a rank killed while binding its shards): one line, as at the barriers.
+        fast = start_up._collective(lambda: build_fast_path(dcfg, model, weights, host, cpu_group, rank))
         if fast.startup_reason is not None and cfg.backend == "flydsl":
             raise BackendUnavailable(f"--backend flydsl: {fast.startup_reason}")
     prepare_layer_weights(model, cfg.weights, dcfg.quant_block, fold=choice.ops.name == "triton")

@@ -19,7 +19,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from dspark_sidecar.drafter.checkpoint import SCALE_SUFFIX, CheckpointReader, layer_prefix, quantize_mxfp8
+from dspark_sidecar.drafter.checkpoint import (
+    SCALE_SUFFIX, CheckpointError, CheckpointReader, layer_prefix, quantize_mxfp8,
+)
 from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.drafter.model import DSparkDrafter
@@ -315,7 +317,8 @@ def build_fast_path(cfg: DrafterConfig, model: DSparkDrafter, source: WeightSour
     """Start-up, collectively on every rank of `group` (a CPU group): weight shards, then the peer mapping.
 
     A failure of the weights or of the mapping (made the same on every rank by peers.map_peers)
-    becomes the path's permanent reason, so the portable backend serves and health says why."""
+    becomes the path's permanent reason, so the portable backend serves and health says why. Only a
+    peer lost in the mapping's collectives raises (RuntimeError from gloo), on the ranks still there."""
     from dspark_sidecar.kernels.flydsl.peers import HipRuntime, map_peers
 
     device = model.device
@@ -325,6 +328,12 @@ def build_fast_path(cfg: DrafterConfig, model: DSparkDrafter, source: WeightSour
         layers = [layer_weights(source, cfg, par, model, i, device) for i in range(cfg.num_hidden_layers)]
     except FlyDSLUnsupported as exc:  # posted in the peer protocol: the other ranks must turn it off too
         local = f"could not bind its weights: {exc}"
+    except (RuntimeError, OSError, MemoryError, CheckpointError) as exc:
+        # Out of device memory for the shards (torch.OutOfMemoryError is a RuntimeError), a HIP error, a
+        # read that fails: posted as above. Raised here, it stopped this rank alone while its peers waited
+        # in map_peers' collective; the portable model, loaded already, serves without these shards.
+        log.exception("rank %d: the FlyDSL weight shards could not be bound", rank)
+        local = f"could not bind its weights: {type(exc).__name__}: {exc}"
     peers, why = None, None
     try:
         peers = map_peers(group, make_runtime or (lambda: HipRuntime(device)), device, local_failure=local)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import socket
 import threading
@@ -41,6 +42,7 @@ from ...layout import LAUNCH_REQS
 from .runner import FlyDSLUnsupported, PeerBuffers
 from .shapes import HIDDEN, TP, row_tiles
 
+log = logging.getLogger("dspark_sidecar.kernels")
 # Sizes of exchange.py (imported from there only with flydsl; tests check they agree).
 MP_MAX = 16 * row_tiles(LAUNCH_REQS)  # 64 rows: the largest launch's padded row tiles
 NBLK = HIDDEN // 64  # one workgroup per 64-column block
@@ -213,6 +215,24 @@ def _give_up(release: _Release, why: str) -> str:
     return why
 
 
+def _gather(group: dist.ProcessGroup | None, world: int, mine, release: _Release | None) -> list:
+    """Every rank's `mine`, in rank order (all_gather_object). A collective that raises (a peer lost:
+    gloo's connection closed, or the group's timeout) releases this rank's buffers first, then raises
+    as it came: the caller gets no mapping to close, and its start-up reports the lost peer (app.PeerLost)."""
+    out: list = [None] * world
+    try:
+        dist.all_gather_object(out, mine, group=group)
+    except BaseException:
+        if release is not None:
+            try:
+                release()
+            except FlyDSLUnsupported as more:  # secondary: the lost peer is what stops this rank
+                log.warning("rank %d: releasing the exchange buffers after a failed collective: %s",
+                            dist.get_rank(group), more)
+        raise
+    return out
+
+
 def _attempt(fn: Callable[[int], None], ptr: int) -> list[str]:
     try:
         fn(ptr)
@@ -288,7 +308,8 @@ def map_peers(group: dist.ProcessGroup | None, make_runtime: Callable[[], Runtim
     peers. `local_failure` (e.g. "could not bind its weights: ...") is posted instead of an offer,
     so a rank that cannot serve the fast path for another reason turns it off on every rank.
     Raises FlyDSLUnsupported with the same reason on every rank when any rank cannot take part (a rank
-    whose own release then fails adds that to it: "... (and releasing: ...)").
+    whose own release then fails adds that to it: "... (and releasing: ...)"). A collective that fails (a
+    peer lost) raises its own error, once this rank released what it had allocated and mapped.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world != TP:  # same on every rank: nobody allocates, nobody waits
@@ -297,18 +318,19 @@ def map_peers(group: dist.ProcessGroup | None, make_runtime: Callable[[], Runtim
         offer, runtime, owned = {"error": local_failure}, None, []
     else:
         offer, runtime, owned = _offer(make_runtime)
-    offers: list = [None] * world
-    dist.all_gather_object(offers, offer, group=group)
+    opened: list[int] = []  # appended to below: `release` undoes what is opened by then
+    release = _Release(runtime, opened, owned) if runtime is not None else None
+    offers = _gather(group, world, offer, release)
     why = check_offers(offers)
     if why is not None:
-        if runtime is not None:
-            why = _give_up(_Release(runtime, [], owned), why)
+        if release is not None:
+            why = _give_up(release, why)
         raise FlyDSLUnsupported(why)
-    assert runtime is not None  # its own offer passed the check
+    assert runtime is not None and release is not None  # its own offer passed the check
 
-    opened: list[int] = []
     rx: list[torch.Tensor] = []
     flags: list[torch.Tensor] = []
+    epoch: torch.Tensor | None = None
     error, r = None, 0
     try:
         for r, o in enumerate(offers):
@@ -324,13 +346,18 @@ def map_peers(group: dist.ProcessGroup | None, make_runtime: Callable[[], Runtim
     except Exception as exc:  # noqa: BLE001  (posted in round 2: every rank must learn of it)
         # r, not len(rx): rank r's RX may be wrapped already when its flags fail.
         error = f"rank {rank} could not map rank {r}'s exchange buffers: {exc}"
-    verdicts: list = [None] * world
-    dist.all_gather_object(verdicts, error, group=group)
-    release = _Release(runtime, opened, owned)
+    if error is None:
+        # Before round 2, in its verdict: allocated after it, a failure (out of device memory) raised on
+        # this rank alone while its peers went on with the mapping it had just agreed to.
+        try:
+            epoch = torch.zeros(1, dtype=torch.int32, device=epoch_device)
+        except Exception as exc:  # noqa: BLE001  (posted in round 2, as above)
+            error = f"rank {rank} could not allocate its exchange epoch: {type(exc).__name__}: {exc}"
+    verdicts = _gather(group, world, error, release)
     failed = next((v for v in verdicts if v is not None), None)
     if failed is not None:
         rx.clear()
         flags.clear()
         raise FlyDSLUnsupported(_give_up(release, failed))
-    epoch = torch.zeros(1, dtype=torch.int32, device=epoch_device)
+    assert epoch is not None  # this rank's own verdict was None
     return MappedPeers(rx, flags, rx[rank], flags[rank], epoch, release=release)

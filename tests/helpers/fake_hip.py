@@ -145,10 +145,18 @@ def fast_path_rank(rank: int, world: int, folder: str, ckpt: str, fault: str | N
         def has(self, key):  # saved dequantized: no block scales beside them (a kept one is refused)
             return not key.endswith(SCALE_SUFFIX) and super().has(key)
 
+    class OomLinears(CheckpointReader):
+        """The device runs out of memory for the shards (torch raises OutOfMemoryError, a RuntimeError)."""
+
+        def read_stored(self, key, shape, rows=None, cols=None):
+            raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 96.00 MiB")
+
     cfg = PRESETS["tiny"]
-    reader = (Bf16Linears if fault == "weights" and rank == 0 else CheckpointReader)(ckpt, torch.bfloat16, cfg.quant_block)
+    readers = {"weights": Bf16Linears, "weights_oom": OomLinears}
+    reader = (readers.get(fault, CheckpointReader) if rank == 0 else CheckpointReader)(ckpt, torch.bfloat16,
+                                                                                       cfg.quant_block)
     model = DSparkDrafter(cfg, ParallelContext(rank, world), REFERENCE_OPS).load(reader)
-    rt = FakeHip(folder, fault if rank == 0 and fault != "weights" else None)
+    rt = FakeHip(folder, fault if rank == 0 and fault not in readers else None)
     fast = build_fast_path(cfg, model, reader, HostFacts(True, True, world), None, rank, make_runtime=lambda: rt)
     out = {"reason": fast.startup_reason, "layers": len(fast.layers),
            "qkv": tuple(fast.layers[0].qkv.bits.shape) if fast.layers else None, "mapped": fast.peers is not None}

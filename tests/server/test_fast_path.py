@@ -193,6 +193,39 @@ def test_start_up_binds_weights_and_maps_peers_on_four_ranks(tiny_ckpt, tmp_path
     assert all(not r["mapped"] and r["live"] == 0 for r in res)
 
 
+def test_a_weight_shard_out_of_memory_on_one_rank_turns_the_path_off_on_every_rank(tiny_ckpt, tmp_path):
+    # Rank 0 runs out of device memory for its shards (or a HIP error, a failed read). Only FlyDSLUnsupported
+    # was posted: this raised on rank 0 alone, which exited while its 3 peers sat in map_peers' all_gather.
+    # timeout_s: were it still raised, the peers would fail within seconds instead of gloo's 30 minutes.
+    res = run_ranks(4, fast_path_rank, str(tmp_path), str(tiny_ckpt[0]), "weights_oom", timeout_s=60)
+    assert {r["reason"] for r in res} == {
+        "rank 0 could not bind its weights: OutOfMemoryError: HIP out of memory. Tried to allocate 96.00 MiB"}
+    assert all(not r["mapped"] and r["live"] == 0 for r in res)
+
+
+def test_a_peer_lost_while_the_path_is_built_is_one_line(tiny_ckpt, monkeypatch):
+    # A peer killed while binding its shards (the OOM killer) reaches the others in map_peers' all_gather as
+    # gloo's RuntimeError: it escaped as a traceback that reads as a second failure, not PeerLost as at the
+    # start-up barriers (StartUp._collective).
+    from dspark_sidecar.server import app
+    from dspark_sidecar.server.backend import BackendChoice
+
+    def lost(*_a, **_k):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:49330. This is "
+                           "typically caused by a remote worker crashing.")
+
+    monkeypatch.setattr(app, "probe_host", lambda world: GOOD_HOST)
+    choice = BackendChoice("flydsl", REFERENCE_OPS, CPU, None, "reference")
+    monkeypatch.setattr(app, "choose_backend", lambda *a: choice)
+    monkeypatch.setattr(app, "build_fast_path", lost)
+    cfg = ServeConfig(tp=4, device="cpu", dtype="fp32", checkpoint=tiny_ckpt[0], target_checkpoint=tiny_ckpt[1])
+    start_up = app.StartUp(0, threading.Event())
+    start_up.bound_s = 600
+    with pytest.raises(app.PeerLost, match=r"^rank 0: a peer rank left during start-up or did not catch up within "
+                                           r"--startup-timeout-s 600 s \(\[gloo.*Connection closed by peer"):
+        app._load(cfg, 0, 4, CPU, None, start_up)
+
+
 # Binding and routing -----------------------------------------------------------------------------
 
 def mx(n, k):

@@ -8,7 +8,7 @@ import torch
 from dspark_sidecar.kernels.flydsl import peers as pr
 from dspark_sidecar.kernels.flydsl import shapes
 from dspark_sidecar.kernels.flydsl.runner import FlyDSLUnsupported
-from helpers.fake_hip import exchange_rank, exchange_scenarios
+from helpers.fake_hip import FakeHip, exchange_rank, exchange_scenarios
 from helpers.ranks import run_ranks
 
 
@@ -138,3 +138,55 @@ def test_failed_release_keeps_the_groups_reason(four_ranks_more, scenario, fault
             assert out["error"] == f"{reason} (and releasing: {FREE_FAILS}; {FREE_FAILS})"
         else:
             assert out["error"] == reason and out["live"] == 0
+
+
+class OneRankOfFour:
+    """torch.distributed for map_peers run as rank 0 alone: ranks 1-3 are FakeHips of this process that offer
+    their buffers and map fine. Round `lost` raises as gloo does once a peer's process ended."""
+
+    def __init__(self, folder: str, lost: int | None) -> None:
+        self.peers, self.lost, self.rounds = [FakeHip(folder) for _ in range(3)], lost, 0
+
+    def get_world_size(self, group) -> int:
+        return 4
+
+    def get_rank(self, group) -> int:
+        return 0
+
+    def all_gather_object(self, out: list, mine, group=None) -> None:
+        self.rounds += 1
+        if self.rounds == self.lost:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:49330")
+        out[:] = [mine] + ([pr._offer(lambda rt=rt: rt)[0] for rt in self.peers] if self.rounds == 1 else [None] * 3)
+
+
+@pytest.mark.parametrize("lost", [1, 2], ids=["round1", "round2"])
+def test_a_peer_lost_in_a_collective_releases_this_ranks_buffers(tmp_path, monkeypatch, lost):
+    # The gloo error stops the rank's start-up (app: PeerLost), but the buffers it had allocated, and in
+    # round 2 the 3 peers' it had mapped, were left behind: nothing else holds them to close.
+    monkeypatch.setattr(pr, "dist", OneRankOfFour(str(tmp_path), lost))
+    rt = FakeHip(str(tmp_path))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        pr.map_peers(None, lambda: rt, torch.device("cpu"))
+    kinds = [k for k, _ in rt.calls]
+    assert kinds.count("open") == kinds.count("close") == (6 if lost == 2 else 0)
+    assert kinds.count("free") == 2 and rt.live() == 0
+
+
+def test_an_epoch_that_cannot_be_allocated_is_posted_in_round_2(tmp_path, monkeypatch):
+    # Allocated after round 2, its failure (out of device memory) raised on this rank alone, its buffers
+    # mapped, while its peers had agreed to serve through them.
+    zeros, gpu = torch.zeros, torch.device("cuda", 7)
+
+    def zeros_oom(*a, device=None, **k):
+        if device == gpu:
+            raise torch.OutOfMemoryError("HIP out of memory")
+        return zeros(*a, device=device, **k)
+
+    monkeypatch.setattr(pr, "dist", OneRankOfFour(str(tmp_path), None))
+    monkeypatch.setattr(torch, "zeros", zeros_oom)
+    rt = FakeHip(str(tmp_path))
+    with pytest.raises(FlyDSLUnsupported, match=r"^rank 0 could not allocate its exchange epoch: OutOfMemoryError: "
+                                                r"HIP out of memory$"):
+        pr.map_peers(None, lambda: rt, gpu)
+    assert rt.live() == 0
