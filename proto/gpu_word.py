@@ -26,7 +26,9 @@ import torch
 log = logging.getLogger("dspark_sidecar")
 
 _REGISTER_PORTABLE, _REGISTER_DEVICEMAP = 0x1, 0x2  # CU_MEMHOSTREGISTER_* (hipHostRegister* match)
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ / hipStreamWaitValueGte: (int64)(*addr - value) >= 0
+# CU_STREAM_WAIT_VALUE_GEQ: (int64)(*addr - value) >= 0, cyclic. hipStreamWaitValueGte (same 0x0) is a plain
+# (*addr & mask) >= value, which passes early at the sequence's wrap (server/prelaunch.py says what that costs).
+_WAIT_GEQ = 0x0
 
 
 class GpuWordError(RuntimeError):
@@ -58,6 +60,8 @@ class GpuWordOps:
             self._record = self._fn(lib, "hipEventRecord", [vp, vp])
             self._wait = self._fn(lib, "hipStreamWaitValue64", [vp, vp, u64, uint, u64])
             self._wait_event = self._fn(lib, "hipStreamWaitEvent", [vp, vp, uint])
+            self._get_device = self._fn(lib, "hipGetDevice", [ctypes.POINTER(ctypes.c_int)])
+            self._set_device = self._fn(lib, "hipSetDevice", [ctypes.c_int])
         else:
             # The driver acts on the calling thread's current context, which torch's runtime binds
             # lazily; each thread makes the device's primary context current before its first call.
@@ -111,13 +115,63 @@ class GpuWordOps:
         if cur and cur == self._ctx:
             return
         if cur:  # torch's runtime (or the caller) made a context current: it must be this device's
-            dev = ctypes.c_int()
-            self._check(self._ctx_device, ctypes.byref(dev))
-            if dev.value != self.device_index:
-                raise GpuWordError(f"this thread's CUDA context is device {dev.value}, not {self.device_index}")
+            dev = self._current_device()
+            if dev != self.device_index:
+                raise GpuWordError(f"this thread's CUDA context is device {dev}, not {self.device_index}")
             self._ctx = cur
         else:
             self._retain_primary()
+
+    def _current_device(self) -> int:
+        """The device of the calling thread's current context (HIP: its current device)."""
+        dev = ctypes.c_int()
+        self._check(self._get_device if self.hip else self._ctx_device, ctypes.byref(dev))
+        return dev.value
+
+    def _stream_call(self, stream: int, fn, *args) -> None:
+        """fn(*args), an operation queued on `stream`, with a context current that the driver reads `stream` in.
+
+        Stream handle 0 (torch's default stream, as the engine's raw handle gives it) is the NULL stream of
+        the thread's *current* context (HIP: current device), not of this device: with another GPU's current
+        (torch.cuda.device(...), or a thread torch bound to its default device) the word's write went to that
+        GPU's stream, ahead of this one's input copies, and the engine's wait for the sidecar's outputs held
+        up the other GPU. So on handle 0 this device is made current for the call, as torch's Event.record
+        does under its device guard, and the caller's is restored after (0.6-0.9 us more, that stream only).
+        """
+        if stream:
+            self._any_context()
+            self._check(fn, *args)
+            return
+        prev = self._make_current()
+        try:
+            self._check(fn, *args)
+        finally:
+            if prev is not None:
+                self._check(self._set_device if self.hip else self._ctx_set, prev)
+
+    def _make_current(self):
+        """Make this device current on the calling thread; returns what to restore after, or None."""
+        if self.hip:
+            dev = self._current_device()
+            if dev == self.device_index:
+                return None
+            self._check(self._set_device, self.device_index)
+            return dev
+        cur = self._current_context()
+        if not cur:  # a thread torch has not bound yet: bound now, as _any_context would
+            self._retain_primary()
+            self._thread.has_context = True
+            return None
+        if cur == self._ctx:
+            return None
+        if self._current_device() == self.device_index:  # another context of this GPU (torch's primary)
+            self._ctx = cur
+            return None
+        if self._ctx is None:
+            self._retain_primary()
+        else:
+            self._check(self._ctx_set, ctypes.c_void_p(self._ctx))
+        return ctypes.c_void_p(cur)
 
     def _any_context(self) -> None:
         """Give the calling thread a current context if it has none, for a stream operation (CUDA).
@@ -126,7 +180,8 @@ class GpuWordOps:
         a write, a wait and an event record on a primary-context stream, issued with a second
         context of the GPU current, returned success and the word landed), but the driver refuses
         any call from a thread with no context at all. So once per thread is enough, and the
-        per-step path pays a thread-local lookup (0.14 us) rather than the driver query.
+        per-step path pays a thread-local lookup (0.14 us) rather than the driver query. Not for
+        stream handle 0, which names the current context's NULL stream (_stream_call).
         """
         if self.hip or getattr(self._thread, "has_context", False):
             return
@@ -159,9 +214,11 @@ class GpuWordOps:
                 page = RegisteredPage(self, word.data_ptr())
                 try:
                     stream = torch.cuda.current_stream(device)
-                    self.write(stream.cuda_stream, page.device_ptr, 7 << 32)
-                    self.wait_geq(stream.cuda_stream, page.device_ptr, 7 << 32)
-                    stream.synchronize()  # this stream only: the engine's other streams go on
+                    try:
+                        self.write(stream.cuda_stream, page.device_ptr, 7 << 32)
+                        self.wait_geq(stream.cuda_stream, page.device_ptr, 7 << 32)
+                    finally:  # also when the wait is refused: the queued write lands before the unregister and unmap
+                        stream.synchronize()  # this stream only: the engine's other streams go on
                     if int(word[0]) != 7 << 32:
                         raise GpuWordError(f"probe: the GPU wrote {int(word[0]):#x}, not {7 << 32:#x}")
                 finally:
@@ -190,30 +247,25 @@ class GpuWordOps:
 
     def write(self, stream: int, addr: int, value: int) -> None:
         """Queue `*addr = value` on `stream` (after the work queued before it)."""
-        self._any_context()
-        if self.hip:
-            self._check(self._write, ctypes.c_void_p(stream), ctypes.c_void_p(addr), value, 0)
-        else:
-            self._check(self._write, ctypes.c_void_p(stream), addr, value, 0)
+        self._stream_call(stream, self._write, ctypes.c_void_p(stream), ctypes.c_void_p(addr) if self.hip else addr,
+                          value, 0)
 
     def record(self, event: torch.cuda.Event, stream: int) -> None:
         """event.record() on a raw stream handle (torch's current_stream() costs ~15-25 us at a step's start)."""
-        self._any_context()
-        self._check(self._record, ctypes.c_void_p(event.cuda_event), ctypes.c_void_p(stream))
+        self._stream_call(stream, self._record, ctypes.c_void_p(event.cuda_event), ctypes.c_void_p(stream))
 
     def wait_event(self, stream: int, event: torch.cuda.Event) -> None:
         """Queue on `stream` a wait for `event`'s last record: stream.wait_event(event) on a raw handle."""
-        self._any_context()
-        self._check(self._wait_event, ctypes.c_void_p(stream), ctypes.c_void_p(event.cuda_event), 0)
+        self._stream_call(stream, self._wait_event, ctypes.c_void_p(stream), ctypes.c_void_p(event.cuda_event), 0)
 
     def wait_geq(self, stream: int, addr: int, value: int) -> None:
-        """Queue a wait on `stream` until (int64)(*addr - value) >= 0; later work on it starts after."""
-        self._any_context()
+        """Queue a wait on `stream` until (int64)(*addr - value) >= 0 (HIP: *addr >= value, see _WAIT_GEQ);
+        later work on it starts after."""
         if self.hip:
-            self._check(self._wait, ctypes.c_void_p(stream), ctypes.c_void_p(addr), value, _WAIT_GEQ,
-                        0xFFFFFFFFFFFFFFFF)
+            self._stream_call(stream, self._wait, ctypes.c_void_p(stream), ctypes.c_void_p(addr), value, _WAIT_GEQ,
+                              0xFFFFFFFFFFFFFFFF)
         else:
-            self._check(self._wait, ctypes.c_void_p(stream), addr, value, _WAIT_GEQ)
+            self._stream_call(stream, self._wait, ctypes.c_void_p(stream), addr, value, _WAIT_GEQ)
 
 
 class RegisteredPage:

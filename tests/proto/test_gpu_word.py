@@ -161,11 +161,114 @@ def test_stream_operations_need_only_some_context_on_the_thread():
     drv = _FakeCudaDriver()
     gpu0 = GpuWordOps(drv, hip=False, device_index=0)
     drv.switch(1)  # another GPU's context is current: no refusal, nothing retained
-    gpu0.write(0, 0xD000, 1)
-    gpu0.record(type("E", (), {"cuda_event": 0})(), 0)
-    gpu0.wait_event(0, type("E", (), {"cuda_event": 0})())
+    gpu0.write(0x5, 0xD000, 1)
+    gpu0.record(type("E", (), {"cuda_event": 0})(), 0x5)
+    gpu0.wait_event(0x5, type("E", (), {"cuda_event": 0})())
     assert [op for op, _ in drv.ops] == ["cuStreamWriteValue64_v2", "cuEventRecord", "cuStreamWaitEvent"]
     assert drv.retained == []
+
+
+_EVENT = type("E", (), {"cuda_event": 0x77})()
+
+
+def _null_stream_calls(ops):
+    """Every stream operation, each on stream handle 0: torch's default stream, as _raw_stream gives it."""
+    ops.write(0, 0xD000, 1)
+    ops.record(_EVENT, 0)
+    ops.wait_event(0, _EVENT)
+    ops.wait_geq(0, 0xD000, 1)
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["context_not_seen_yet", "context_seen_before"])
+def test_null_stream_operations_run_with_this_device_s_context_current(known):
+    """Stream handle 0 is the NULL stream of the thread's current context, not of the ops' GPU: with
+    another GPU's context current the word's write went to that GPU (ahead of this one's input copies),
+    and the engine's wait for the sidecar's outputs held up the other GPU's stream instead of its own."""
+    drv = _FakeCudaDriver()
+    gpu0 = GpuWordOps(drv, hip=False, device_index=0)
+    if known:  # a registration made device 0's context current once
+        drv.switch(0)
+        gpu0.register(0xA000, mmap.PAGESIZE)
+        drv.ops.clear()
+    drv.switch(1)  # torch.cuda.device(1), or a thread torch bound to its default device
+    _null_stream_calls(gpu0)
+    assert drv.ops == [("cuStreamWriteValue64_v2", 0), ("cuEventRecord", 0), ("cuStreamWaitEvent", 0),
+                       ("cuStreamWaitValue64_v2", 0)]
+    assert drv._current() == 0x1001, "the caller's context is current again after each call"
+    assert drv.retained == ([] if known else [0]), "device 0's context is retained once, and only if unseen"
+
+    drv.ops.clear()
+    drv.switch(0)  # this device's context already current: nothing switched
+    _null_stream_calls(gpu0)
+    assert [dev for _, dev in drv.ops] == [0, 0, 0, 0] and drv._current() == 0x1000
+
+
+def test_a_null_stream_operation_refused_still_restores_the_caller_s_context():
+    drv = _FakeCudaDriver()
+    gpu0 = GpuWordOps(drv, hip=False, device_index=0)
+    drv.switch(1)
+    drv.failing.add("cuStreamWriteValue64_v2")
+    with pytest.raises(GpuWordError, match="cuStreamWriteValue64_v2 failed"):
+        gpu0.write(0, 0xD000, 1)
+    assert drv.ops == [("cuStreamWriteValue64_v2", 0)] and drv._current() == 0x1001
+
+
+class _FakeHipDriver:
+    """HIP's entry points: the NULL stream is the thread's current device's (hipSetDevice)."""
+
+    def __init__(self, device=0):
+        self.device, self.ops = device, []
+        for name in ("hipHostRegister", "hipHostUnregister", "hipHostGetDevicePointer", "hipStreamWriteValue64",
+                     "hipEventRecord", "hipStreamWaitValue64", "hipStreamWaitEvent", "hipGetDevice", "hipSetDevice"):
+            setattr(self, name, self._entry(name))
+
+    def _entry(self, name):
+        def call(*args):
+            if name == "hipGetDevice":
+                args[0]._obj.value = self.device
+            elif name == "hipSetDevice":
+                self.device = args[0]
+            else:
+                self.ops.append((name, self.device))
+            return 0
+
+        return call
+
+
+def test_hip_null_stream_operations_run_on_this_device():
+    drv = _FakeHipDriver(device=1)
+    gpu0 = GpuWordOps(drv, hip=True, device_index=0)
+    _null_stream_calls(gpu0)
+    assert drv.ops == [("hipStreamWriteValue64", 0), ("hipEventRecord", 0), ("hipStreamWaitEvent", 0),
+                       ("hipStreamWaitValue64", 0)]
+    assert drv.device == 1
+    drv.ops.clear()
+    gpu0.write(0x5, 0xD000, 1)  # a stream of its own: no device switch
+    assert drv.ops == [("hipStreamWriteValue64", 1)]
+
+
+def test_a_failed_probe_waits_for_its_queued_write_before_unregistering(monkeypatch):
+    """The probe queues a write to its page, then a wait: a wait the driver refuses (a device without 64-bit
+    waits, hipDeviceAttributeCanUseStreamWaitValue) left the write queued while the page was unregistered
+    and unmapped under it."""
+    drv = _FakeCudaDriver()
+    ops = GpuWordOps(drv, hip=False, device_index=0)
+    drv.switch(0)
+    drv.failing.add("cuStreamWaitValue64_v2")
+
+    class Stream:
+        cuda_stream = 0x5
+
+        def synchronize(self):
+            drv.ops.append(("synchronize", 0))
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    with pytest.raises(GpuWordError, match="cuStreamWaitValue64_v2 failed"):
+        ops._probe(torch.device("cuda", 0))
+    assert [op for op, _ in drv.ops] == ["cuMemHostRegister_v2", "cuMemHostGetDevicePointer_v2",
+                                         "cuStreamWriteValue64_v2", "cuStreamWaitValue64_v2", "synchronize",
+                                         "cuMemHostUnregister"]
 
 
 def test_a_new_thread_binds_its_device_once():
