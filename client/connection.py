@@ -183,17 +183,18 @@ class SidecarConnection:
         return self.status
 
     def stream(self) -> StepStream:
-        """The live step stream, opened on first use and after the previous one ended."""
+        """The step stream, opened on first use. One that ended is handed back as it is (its send raises its
+        StreamBroken), never replaced on this channel: it ends when the sidecar process does, and a new stream
+        would reach the restarted one with this link's status (limits, compute dtype) read from the old. The
+        caller drops the link (close) and opens it again, which re-reads the status."""
         assert self.stub is not None
-        if self._stream is None or not self._stream.alive:
-            if self._stream is not None:
-                self._stream.close()  # ends its request iterator, whose thread would wait for ever
+        if self._stream is None:
             self._stream = StepStream(self.stub)
         return self._stream
 
     def drop_stream(self) -> None:
         if self._stream is not None:
-            self._stream.close()
+            self._stream.close()  # ends its request iterator, whose thread would wait for ever
             self._stream = None
 
     @property

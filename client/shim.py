@@ -357,8 +357,8 @@ class DrafterShim:
             self._drop_link()
         if self.connection.stream_ended or (self.doorbell is not None and not self.doorbell.liveness.alive):
             # Reconnect and re-read the status: a restarted sidecar lost our binding. The doorbell's
-            # liveness stream counts too: connection.stream() would quietly replace an ended one, and
-            # the dead data plane would then be kept, unreleased, with every step on the gRPC stream.
+            # liveness stream counts too: kept, the dead data plane stayed unreleased. (connection.stream()
+            # hands an ended stream back as it is, so one that ends after this check breaks its step.)
             self._drop_link()
         if not self.connection.is_open:
             try:
@@ -399,6 +399,11 @@ class DrafterShim:
         if (self.config.transport == "doorbell" and self.doorbell is None and self._doorbell_off is None
                 and time.monotonic() >= self._doorbell_retry_at):
             self._attach_doorbell(layers)
+        # The step stream opens with a ready link, not at the first step sent: it ends when the sidecar process does
+        # (stream_ended, above), the only sign that the status read at open() is an old process's. Opened at the
+        # first step, a restart in between (connect() then a warm-up, or steps the peers kept back) went unseen,
+        # and the restarted sidecar was served under the old status (its limits) for the link's life.
+        self.connection.stream()
         return True, "", False
 
     def _bind(self, layers: list[torch.Tensor]) -> tuple[bool, str, bool] | None:

@@ -124,9 +124,10 @@ class _EndsLivenessInPreflight(PreflightHook):
 
 
 def test_a_liveness_stream_that_ends_between_steps_drops_and_reattaches_the_data_plane():
-    """The step then goes over the gRPC stream (whose connection.stream() replaces the ended one),
-    and before the fix the dead data plane was kept for good: its page and regions never released,
-    never attached again, every later step on the gRPC stream."""
+    """The step then goes over the gRPC stream, which ended with the liveness stream (one stream per link):
+    a broken stream, the link dropped. Before the fix connection.stream() replaced the ended stream quietly,
+    and the dead data plane was kept for good: its page and regions never released, never attached again,
+    every later step on the gRPC stream."""
     server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
     agree = _EndsLivenessInPreflight()
     shim = _shim(server.endpoint, agree)
@@ -137,7 +138,7 @@ def test_a_liveness_stream_that_ends_between_steps_drops_and_reattaches_the_data
             assert shim.connect() is None and shim.doorbell is not None
             dead = shim.doorbell
             agree.armed = True
-            assert shim.maybe_forward(ids, pos) is not None  # over the gRPC stream
+            assert shim.maybe_forward(ids, pos) is None and shim.stats.fallbacks[STREAM] == 1
             for _ in range(3):
                 shim.maybe_forward(ids, pos)
         calls = server.sidecar.calls

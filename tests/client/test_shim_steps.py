@@ -644,10 +644,12 @@ def test_a_refused_data_plane_leaves_no_shared_memory_behind(fake):
     shim.close()
 
 
-def test_a_stream_that_ended_is_closed_when_it_is_replaced(fake):
-    """Its request iterator waits on a queue until it is told to stop: a replaced stream left open
-    would keep that thread (one per reconnect) for the life of the engine."""
-    from dspark_sidecar.client.connection import SidecarConnection
+def test_a_stream_that_ended_is_kept_until_the_link_drops_and_closed_then(fake):
+    """An ended stream is not replaced on the same channel (a new one would reach a restarted sidecar with
+    the old one's status): its send raises its StreamBroken. Its request iterator waits on a queue until it
+    is told to stop: the drop closes it, else it would keep that thread (one per reconnect) for the life of
+    the engine; the link opened again has a new stream."""
+    from dspark_sidecar.client.connection import SidecarConnection, StreamBroken
 
     conn = SidecarConnection(fake.endpoint)
     conn.open(5.0)
@@ -657,11 +659,84 @@ def test_a_stream_that_ended_is_closed_when_it_is_replaced(fake):
     while first.alive:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    assert conn.stream() is first and conn.stream_ended
+    with pytest.raises(StreamBroken):
+        first.send(pb.DraftStepRequest(step_id=1))
     closed = []
-    first.close = lambda: closed.append(True)  # type: ignore[method-assign]
+    close = first.close
+    first.close = lambda: (closed.append(True), close())  # type: ignore[method-assign]
+    conn.open(5.0)
+    assert closed == [True]
     second = conn.stream()
-    assert second is not first and second.alive and closed == [True]
+    assert second is not first and second.alive
     conn.close()
+
+
+class _RestartsInPreflight(PreflightHook):
+    """Restarts the sidecar with a larger --max-reqs while this rank waits in the pre-flight (its peers still
+    binding), and waits until this rank's step stream has seen it go."""
+
+    def __init__(self, server: FakeServer) -> None:
+        super().__init__()
+        self.server = server
+
+    def at_preflight(self) -> None:
+        self.server.stop()
+        self.server.sidecar = FakeSidecar(max_reqs=8)
+        self.server.start()
+        deadline = time.monotonic() + 5
+        while not self.shim.connection.stream_ended:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+
+def test_a_stream_that_ends_after_the_readiness_check_is_not_replaced_on_the_stale_link(fake):
+    """The step stream ends between the readiness check and the send (the sidecar restarted during the
+    pre-flight). connection.stream() used to open a new stream on the same channel, to the new process,
+    quietly: the restart went unseen, the status (limits, compute dtype) read from the old process was kept
+    for the link's life, and a limit the restart raised was never learned, RELEARN_EVERY or not (its
+    readiness check found the link open and read the same stale status). Now that step's stream is broken:
+    the link drops, and the next step reconnects and reads the new process's status."""
+    agree = _RestartsInPreflight(fake)
+    shim, _, _ = make_shim(fake.endpoint, agree=agree)
+    small, pos_s, meta_s = step_inputs(2)
+    try:
+        with set_forward_context(meta_s):
+            assert shim.maybe_forward(small, pos_s) is not None  # learns max_reqs = 4, opens the stream
+            agree.armed = True
+            assert shim.maybe_forward(small, pos_s) is None
+            assert shim.stats.fallbacks[S.STREAM] == 1, dict(shim.stats.fallbacks)
+            assert shim.maybe_forward(small, pos_s) is not None  # reconnected, re-bound
+        assert fake.sidecar.calls["GetStatus"] == 1, "the restarted sidecar's status was never read"
+        assert shim.connection.status.limits.max_reqs == 8
+        ids, pos, meta = step_inputs(6)
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None  # the raised limit holds
+    finally:
+        shim.close()
+
+
+def test_a_sidecar_restarted_between_connect_and_the_first_step_is_seen_by_its_status(fake):
+    """connect() at start-up opens the link and binds; the step stream used to be opened only by the first
+    step sent, so nothing watched the sidecar process in between (an engine's warm-up, or steps its peers kept
+    from being sent). A restart there went unseen: the first step's new stream reached the new process, and
+    the old process's status (its limits) was kept for the link's life. The stream now opens with a ready link."""
+    shim, _, _ = make_shim(fake.endpoint)
+    try:
+        assert shim.connect() is None
+        fake.stop()
+        fake.sidecar = FakeSidecar(max_reqs=8)  # restarted with a larger limit
+        fake.start()
+        deadline = time.monotonic() + 5  # not asserted: before the fix no stream was there to end
+        while not shim.connection.stream_ended and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+        assert fake.sidecar.calls["GetStatus"] == 1, "the restarted sidecar's status was never read"
+        assert shim.connection.status.limits.max_reqs == 8
+    finally:
+        shim.close()
 
 
 def test_a_kv_cache_of_another_layout_never_raises_out_of_maybe_forward(fake):
