@@ -467,8 +467,13 @@ class DrafterShim:
             except NotShareable:
                 return  # nothing was sent; the next readiness check reports it (_prepare)
             except BindError as e:
-                self.breaker.record_failure(str(e))
-                self._drop_link()
+                if not e.permanent:
+                    self.breaker.record_failure(str(e))
+                    self._drop_link()
+                # A refusal for good is the deployment's, not the sidecar's health (as in _bind): the binding is
+                # forgotten, so the next readiness check binds, is refused the same way, and the pre-flight turns
+                # every rank off. Counted, it opened the breaker on a rank a failure or two in, whose steps then
+                # fell back as "breaker open" until a probe passed, and dropped the link for nothing.
                 return
 
     # Phase 3: the step ------------------------------------------------------------------------------

@@ -895,6 +895,34 @@ def test_a_catch_up_bind_torch_cannot_share_is_not_the_sidecars_failure(fake, mo
         shim.close()
 
 
+def test_a_catch_up_bind_refused_for_good_turns_the_ranks_off_at_the_next_pre_flight(fake):
+    """A BindKV refused for good (INVALID_ARGUMENT: the deployment, not the sidecar's health) in the catch-up to
+    a peer's generation was counted against the breaker and dropped the link, as a passing failure: on a rank
+    already a failure or two in (a failed bind is what leaves a rank behind), it opened the breaker, and the next
+    steps fell back as "breaker open" instead of the ranks agreeing to turn off. Now the catch-up leaves it to
+    the next readiness check, which binds, is refused the same way, and reports it in the pre-flight."""
+    agree = _PeerBoundOnceMore()
+    shim = make_shim(fake.endpoint, agree=agree)[0]
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            for _ in range(shim.config.breaker.failure_threshold - 1):  # e.g. steps past their deadline
+                shim.breaker.record_failure(S.DEADLINE)
+            failures, opens = shim.breaker.failures, shim.connection.opens
+            fake.sidecar.bind_error = (grpc.StatusCode.INVALID_ARGUMENT, "layers[0].dtype: cache is bf16")
+            agree.armed = True  # a peer bound once more: this rank catches up, and is refused
+            assert shim.maybe_forward(ids, pos) is None
+            assert shim.breaker.failures == failures and shim.breaker.state.value == "closed", \
+                "a refusal for good counted against the sidecar's health"
+            assert shim.connection.is_open and shim.connection.opens == opens
+            assert shim.maybe_forward(ids, pos) is None
+        assert not shim.enabled and "KV cache cannot be bound" in shim.refusal, shim.stats.fallbacks
+        assert shim.stats.fallbacks[S.GENERATIONS] == 1 and S.BREAKER not in shim.stats.fallbacks
+    finally:
+        shim.close()
+
+
 def _on_threads(fns: list, limit_s: float = 10.0) -> list:
     """Run each fn on its own thread, all released together; their results (a thread left running fails)."""
     out: list = [None] * len(fns)
