@@ -117,7 +117,7 @@ class RankLoop:
         self._quiet = QuietStream(ctx.model.device)  # where deferred releases run (_sweep)
         # A gRPC answer that names an output region on a GPU: the engine has no event to wait on (only the
         # doorbell's output_event orders its stream after the writes), so the hidden states and the block
-        # K/V must be on the device before the answer leaves (_work).
+        # K/V must be on the device before the answer leaves (_run).
         self._device_done: Callable[[], None] | None = self._device_idle if ctx.model.device.type == "cuda" else None
         # Set by stop_steps: later steps are answered UNAVAILABLE at once. Taken with the queueing, so
         # no step can slip in behind the worker's stop marker and never be answered.
@@ -364,14 +364,11 @@ class RankLoop:
 
     def _guarded(self, req: pb.DraftStepRequest, t_enq: int, expires: int, prelaunched=None,
                  answer_limit: int = 0, settle: bool = False) -> pb.DraftStepResponse:
-        """settle: a gRPC answer; one naming an output region waits for the device first (see __init__)."""
+        """settle: a gRPC answer; one naming an output region waits for the device first (see __init__, _run)."""
         if self._deferred:
             self._sweep()
         try:
-            resp = self._run(req, t_enq, expires, prelaunched, answer_limit, settle)
-            if settle and self._device_done is not None and resp.hidden_states.HasField("region"):
-                self._device_done()  # an inline answer waited already (.cpu())
-            return resp
+            return self._run(req, t_enq, expires, prelaunched, answer_limit, settle)
         except SidecarError:
             raise
         except Exception:  # noqa: BLE001
@@ -468,6 +465,11 @@ class RankLoop:
         launches = len(layout.launch_groups(step.num_reqs))
         t_out = time.perf_counter_ns()
         out = self._output(step, hidden)
+        if settle and self._device_done is not None and step.output is not None:
+            # A gRPC answer in a region leaves once the device has written it (see __init__); an inline one
+            # waited in .cpu(). Inside compute and output, as that .cpu() is: waited after the timings, a GPU
+            # rank's answer reported only the launch, and the step's device time in no phase.
+            self._device_done()
         t2 = time.perf_counter_ns()
         timings = {"queue": t0 - t_enq, "rendezvous": t1 - t0, "compute": t2 - t1, "total": t2 - t_enq}
         ctx.metrics.step("ok", timings, step.num_reqs, launches)
