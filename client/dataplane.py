@@ -165,7 +165,9 @@ class StepBuffers:
         if got is None:
             got = self._layout(key, srcs, embeds.shape[1])
         staged, dsts, inputs = got
-        if embeds.data_ptr() != inputs.data_ptr() or embeds.shape != inputs.shape:  # not written in place
+        if embeds.shape != inputs.shape:  # the request names [n, hidden] rows: copy_ would broadcast one row into all
+            raise DataPlaneError(f"inputs_embeds {list(embeds.shape)} for a step of {list(inputs.shape)} input rows")
+        if embeds.data_ptr() != inputs.data_ptr() or embeds.stride() != inputs.stride():  # not written in place
             inputs.copy_(embeds, non_blocking=True)
         for (dst, addr, nbytes), t in zip(dsts, srcs):  # same dtypes and shapes (the layout's key): a plain copy
             if t.is_cpu and t.is_contiguous():  # bytes into shm: torch's dispatch costs several us at a step's start

@@ -520,3 +520,21 @@ def test_a_liveness_stream_that_cannot_be_opened_releases_the_attached_doorbell_
     assert len(shm.created) == 4, shm.created  # the page and the three regions
     assert shm.left() == set()
     assert conn.stub.unregistered == [[11, 12, 13]]
+
+
+def test_input_rows_of_another_shape_are_refused_not_broadcast(bufs, tiny_cfg, tiny_embed):
+    """The request always names [n, hidden] input rows (n from the positions). A copy_ of embeddings of another
+    shape broadcast where it could: one row [1, hidden] filled all n registered rows, and the step ran on that
+    row n times (the K/V it wrote and the hidden states it answered were wrong) where the gRPC path refuses the
+    shape (INVALID_ARGUMENT inputs_embeds). A same-address view with other strides was taken as written in
+    place, and the sidecar read rows the engine never wrote."""
+    step = _step(tiny_cfg, tiny_embed, [5, 300])
+    n = step.positions.numel()
+    for bad in (step.inputs_embeds[:1], step.inputs_embeds[:, :1]):
+        with pytest.raises(DataPlaneError, match="inputs_embeds"):
+            bufs.stage(bad, step.positions, step.meta)
+    assert not bufs.embeds.any()  # nothing was copied in
+    strided = bufs.embeds[: 2 * n : 2]  # the registered rows' address and shape, every other row
+    strided.copy_(step.inputs_embeds)
+    bufs.stage(strided, step.positions, step.meta)
+    assert torch.equal(bufs.embeds[:n], step.inputs_embeds)
