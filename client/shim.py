@@ -73,6 +73,7 @@ BAD_ANSWER = "malformed answer"
 TOO_LARGE = "request over the sidecar's max_message_bytes"
 PEER_FAILED = "peer engine rank got no result"
 EMBED_FAILED = "engine embedding raised"  # + the exception's type: the engine's own fault, not the sidecar's
+BAD_EMBEDS = "inputs_embeds not the step's [n, hidden] rows"  # the engine's input: nothing sent, not counted
 CLOSED = "shim closed"
 STEP_IN_FLIGHT = "a step is in flight on another thread"  # connect()'s answer only: never a fallback reason
 
@@ -273,6 +274,10 @@ class DrafterShim:
                         hidden, why = None, CLOSED
                     elif embed_error is not None:
                         hidden, why = None, self._engine_error(EMBED_FAILED, embed_error)
+                    elif inputs_embeds.dim() != 2 or inputs_embeds.shape[0] != n:
+                        # The engine's own input (replicated: every rank alike). Sent, the data plane refused it
+                        # (it had broadcast one row into all n) as a shim error against the breaker.
+                        hidden, why = None, BAD_EMBEDS
                     else:
                         hidden, why = self._run_step(step_id, r, positions, inputs_embeds, meta)
                 except Exception as e:  # noqa: BLE001  (same: every rank must reach the post-flight agreement)

@@ -23,7 +23,7 @@ from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import (
-    DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, recording_shm, shm_kv_cache,
+    HIDDEN, DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, recording_shm, shm_kv_cache,
     short_socket_dir, step_inputs,
 )
 
@@ -1302,6 +1302,26 @@ def test_the_engines_embedding_raising_is_not_the_sidecars_failure(fake):
             assert shim.maybe_forward(ids, pos) is not None
         assert shim.stats.fallbacks == {f"{S.EMBED_FAILED}: OutOfMemoryError": threshold}, shim.stats.fallbacks
         assert fake.sidecar.calls["step"] == 1  # nothing was sent while the embedding raised
+    finally:
+        shim.close()
+
+
+@pytest.mark.parametrize("rows", [1, 13], ids=["one-row", "one-short"])
+def test_engine_embeddings_of_another_row_count_fall_back_without_a_breaker_failure(fake, rows):
+    """inputs_embeds the engine passes must be the step's [7R, hidden] rows. One row was broadcast into all 7R
+    by the data plane's copy (the sidecar drafted from it, every check passing); now the data plane refuses it,
+    and the shim must not count that against the sidecar: the engine's input is at fault, nothing is sent."""
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(2)
+    threshold = shim.config.breaker.failure_threshold
+    try:
+        with set_forward_context(meta):
+            for _ in range(threshold):
+                assert shim.maybe_forward(ids, pos, torch.ones(rows, HIDDEN)) is None
+            assert shim.breaker.failures == 0 and shim.breaker.state.value == "closed"
+            assert shim.maybe_forward(ids, pos) is not None
+        assert shim.stats.fallbacks == {S.BAD_EMBEDS: threshold}, shim.stats.fallbacks
+        assert fake.sidecar.calls["step"] == 1
     finally:
         shim.close()
 
