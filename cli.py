@@ -208,15 +208,20 @@ def cmd_status(a: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import text_format
 
+    from dspark_sidecar import layout
     from dspark_sidecar.proto import sidecar_pb2 as pb
     from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
-    from dspark_sidecar.server.healthcheck import probe_flags_problem
+    from dspark_sidecar.server.healthcheck import probe_flags_problem, unreachable
 
     if why := probe_flags_problem(a.tp, a.timeout):
         raise UsageError(why)
+    # As serve's and the probe's (server/healthcheck.py): a folder no gRPC client can reach printed every rank
+    # UNREACHABLE UNKNOWN under gRPC's log lines, naming nothing, or ('%XX', ',') asked another folder's ranks.
+    if problem := layout.socket_dir_problem(a.socket_dir, a.tp):
+        raise UsageError(f"--socket-dir: {problem}")
     rc = 0
     for r in range(a.tp):
-        path = a.socket_dir / f"rank{r}.sock"
+        path = layout.rank_socket(a.socket_dir, r)
         try:
             with grpc.insecure_channel(f"unix:{path}") as ch:
                 st = pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=a.timeout)
@@ -225,7 +230,7 @@ def cmd_status(a: argparse.Namespace) -> int:
             # A rank that answered with the sidecar's own error (rich status: still loading, ...) is up
             # and says why it gives no report; printed as UNREACHABLE it read like a rank that is gone.
             why = _sidecar_error(err)
-            print(f"== rank {r} ({path}): {why}" if why else f"== rank {r} ({path}): UNREACHABLE {err.code().name}")
+            print(f"== rank {r} ({path}): {why or 'UNREACHABLE ' + unreachable(err, a.timeout)}")
             rc = 1
     return rc
 

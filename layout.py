@@ -48,19 +48,26 @@ def socket_dir_problem(socket_dir: str | Path, tp: int) -> str | None:
     sun_path fails in the kernel, with an error that names no setting. A path that starts with '//'
     (pathlib keeps exactly two) makes unix://NAME/..., which the client refuses as a target with an
     authority while the ranks bind it and go SERVING. A name that is not UTF-8 cannot be a gRPC target at all."""
-    odd = sorted(set("?#,%") & set(str(socket_dir)))
+    return socket_path_problem(rank_socket(socket_dir, tp - 1), socket_dir)
+
+
+def socket_path_problem(path: str | Path, folder: str | Path | None = None) -> str | None:
+    """Why the gRPC target unix:`path` cannot reach a socket at `path` (socket_dir_problem's reasons), or None.
+    `folder`: the socket folder that holds it, which the words then name (serve's --socket-dir)."""
+    named, noun = (path, "path") if folder is None else (folder, "folder")
+    path = str(Path(path))  # as socket_dir_problem's: '///x' is '/x' (unix:///x is a valid target), '//x' stays
+    odd = sorted(set("?#,%") & set(path))
     if odd:
-        return (f"{socket_dir} holds {', '.join(map(repr, odd))}; gRPC reads '?', '#', ',' or '%' in a unix: "
-                "target as URI syntax, choose a folder without them")
-    longest = str(rank_socket(socket_dir, tp - 1))
-    if longest.startswith("//"):
-        return (f"{socket_dir} starts with '//': gRPC reads unix:{longest} as a target with an authority and "
-                "refuses it; start the folder with a single '/'")
+        return (f"{named} holds {', '.join(map(repr, odd))}; gRPC reads '?', '#', ',' or '%' in a unix: "
+                f"target as URI syntax, choose a {noun} without them")
+    if path.startswith("//"):
+        return (f"{named} starts with '//': gRPC reads unix:{path} as a target with an authority and "
+                f"refuses it; start the {noun} with a single '/'")
     try:
-        size = len(longest.encode())
+        size = len(path.encode())
     except UnicodeEncodeError:  # a byte of the name that is not UTF-8 (argv and os.listdir keep it as a surrogate)
-        return (f"{os.fsencode(str(socket_dir))!r} is not UTF-8: gRPC takes a unix: target as UTF-8 text, so no "
-                "client could reach a socket there; choose a folder whose name is UTF-8")
+        return (f"{os.fsencode(str(named))!r} is not UTF-8: gRPC takes a unix: target as UTF-8 text, so no "
+                f"client could reach a socket there; choose a {noun} whose name is UTF-8")
     if size > SUN_PATH_MAX:
-        return (f"{longest} is {size} bytes, a unix socket path holds at most {SUN_PATH_MAX}; choose a shorter folder")
+        return f"{path} is {size} bytes, a unix socket path holds at most {SUN_PATH_MAX}; choose a shorter {noun}"
     return None

@@ -9,18 +9,29 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dspark_sidecar import layout
 from dspark_sidecar.proto import SERVICE_NAME
 
 
 def check(target: str, timeout_s: float = 2.0, service: str = SERVICE_NAME) -> str:
-    """The health status name of one endpoint ("SERVING", "NOT_SERVING", or "UNREACHABLE: ...")."""
+    """The health status name of one endpoint ("SERVING", "NOT_SERVING", or "UNREACHABLE: CODE: why")."""
     try:
         with grpc.insecure_channel(target) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                        timeout=timeout_s)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     except grpc.RpcError as err:
-        return f"UNREACHABLE: {err.code().name}"
+        return f"UNREACHABLE: {unreachable(err, timeout_s)}"
+
+
+def unreachable(err: grpc.RpcError, timeout_s: float) -> str:
+    """"CODE: why" for a call that reached no sidecar (this module, `dspark-sidecar status`). The code alone read
+    the same (UNAVAILABLE) for a socket file that is not there, a stale one nobody listens on (connection
+    refused) and one the caller may not open (permission denied: not in the socket group)."""
+    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # gRPC's words are the code's ("Deadline Exceeded")
+        return f"DEADLINE_EXCEEDED: no answer within {timeout_s:g} s (--timeout): a stopped or hung rank?"
+    details = err.details()
+    return f"{err.code().name}: {details}" if details else err.code().name
 
 
 def probe_flags_problem(tp: int, timeout_s: float) -> str | None:
@@ -44,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if why := probe_flags_problem(a.tp, a.timeout):
         ap.error(why)
-    paths = [a.socket] if a.socket and not a.all_ranks else [str(a.socket_dir / f"rank{r}.sock") for r in range(a.tp)]
+    one = a.socket and not a.all_ranks
+    # A path no gRPC client can reach (longer than sun_path, '?', ',', '%XX', a leading '//'): every rank read
+    # UNREACHABLE (UNKNOWN) under gRPC's own log lines, or, with ',' or '%XX', the probe asked another
+    # folder's socket, whose SERVING passed it. serve refuses such a folder; so does the probe, saying why.
+    if why := (layout.socket_path_problem(a.socket) if one else layout.socket_dir_problem(a.socket_dir, a.tp)):
+        ap.error(f"{'--socket' if one else '--socket-dir'}: {why}")
+    paths = [a.socket] if one else [str(layout.rank_socket(a.socket_dir, r)) for r in range(a.tp)]
     ok = True
     for p in paths:
         status = check(f"unix:{p}", a.timeout)

@@ -412,3 +412,21 @@ def test_sigterm_unwinds_the_one_process_bench(monkeypatch):
     finally:
         signal.signal(signal.SIGTERM, before)
     assert stopped.value.code == 128 + signal.SIGTERM and unwound == ["closed"]
+
+
+@pytest.mark.parametrize("name", ["x" * 120, "a%41b", "a?b"])
+def test_status_refuses_a_folder_no_client_can_reach_saying_why(name, tmp_path, capsys):
+    """A folder serve refuses (past sun_path, or URI syntax gRPC reads in a unix: target): every rank printed
+    "UNREACHABLE UNKNOWN" (or UNAVAILABLE) under gRPC's own log lines, naming nothing ('%41' even asked
+    another folder's ranks). One line naming --socket-dir, exit 2, as serve and demo say it."""
+    assert cli.main(["status", "--socket-dir", str(tmp_path / name), "--tp", "1", "--timeout", "0.5"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("dspark-sidecar: --socket-dir: "), (out, err)
+
+
+def test_status_says_why_a_rank_is_unreachable(tmp_path, capsys):
+    """"UNREACHABLE UNAVAILABLE" alone for a socket that is not there: the OS's words name it (no such file,
+    connection refused, permission denied: OPERATIONS.md's first troubleshooting line)."""
+    assert cli.main(["status", "--socket-dir", str(tmp_path), "--tp", "1", "--timeout", "2"]) == 1
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("== rank 0") and "UNREACHABLE UNAVAILABLE: " in line and "No such file" in line, line

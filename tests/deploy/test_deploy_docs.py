@@ -104,3 +104,26 @@ def test_install_steps_name_this_checkout_not_the_package_name_on_an_index():
     found = {str(path): bare.findall(text) for path, text in texts.items() if bare.search(text)}
     assert not found, found
     assert 'pip install "<this checkout>[flydsl]"' in OPERATIONS
+
+
+def test_guide_lists_the_sidecars_own_reasons_verbatim():
+    """The guide says alert on the reasons verbatim, and listed only the seed's seven: on the very host the path
+    is for, `status` showed "no engine bound yet (...)" before any engine (no refusal at all: an alert on it
+    paged for every start), "--backend triton selected" (README's tested choice there), and on a CPU rank or
+    another drafter/dtype words the guide never named."""
+    import torch
+
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.server.backend import choose_backend
+    from dspark_sidecar.server.config import ServeConfig
+    from dspark_sidecar.server.fast_path import kernel_mismatch
+    from dspark_sidecar.server.refusal import AWAITING_BIND, HostFacts
+
+    host = HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4)
+    chosen = choose_backend(ServeConfig(backend="reference"), host, torch.device("cuda")).flydsl_refusal
+    assert chosen == "--backend reference selected" and "`--backend B selected`" in OPERATIONS, chosen
+    assert "`--backend triton selected`" in OPERATIONS
+    on_cpu = choose_backend(ServeConfig(), host, torch.device("cpu")).flydsl_refusal
+    dtype = kernel_mismatch(load_config("minimax-m3.1"), torch.float32)
+    for reason in (AWAITING_BIND, on_cpu, dtype):
+        assert f"`{reason}`" in OPERATIONS, reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from dspark_sidecar.server import healthcheck
@@ -26,3 +27,70 @@ def test_a_probe_flag_that_cannot_be_used_is_refused_not_answered(flags, words, 
 def test_no_sidecar_is_not_healthy(tmp_path, capsys):
     assert healthcheck.main(["--all-ranks", "--socket-dir", str(tmp_path), "--tp", "1", "--timeout", "0.2"]) == 1
     assert "UNREACHABLE" in capsys.readouterr().out
+
+
+def _serving(sock) -> grpc.Server:
+    """A health service on unix:`sock` that answers SERVING (a sidecar rank, to the probe)."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from dspark_sidecar.proto import SERVICE_NAME
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    svc = health.HealthServicer()
+    svc.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(svc, server)
+    assert server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    return server
+
+
+def test_a_folder_grpc_decodes_into_another_is_refused_not_passed_on_that_ones_health(tmp_path, capsys):
+    """gRPC decodes '%XX' in a unix: target: --socket-dir .../a%41b asked .../aAb's ranks, and their SERVING
+    passed the probe (exit 0) for a folder where no sidecar can even listen (serve refuses it)."""
+    (tmp_path / "aAb").mkdir()
+    server = _serving(tmp_path / "aAb" / "rank0.sock")
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            healthcheck.main(["--all-ranks", "--socket-dir", str(tmp_path / "a%41b"), "--tp", "1"])
+    finally:
+        server.stop(None)
+    assert exit_.value.code == 2
+    assert "--socket-dir: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("one", [False, True])
+def test_a_socket_path_past_sun_path_is_refused_saying_so(one, tmp_path, capsys):
+    """Every rank read "UNREACHABLE: UNKNOWN" under gRPC's own log lines, naming no setting."""
+    folder = tmp_path / ("x" * 120)
+    flags = ["--socket", str(folder / "rank0.sock")] if one else ["--all-ranks", "--socket-dir", str(folder)]
+    with pytest.raises(SystemExit) as exit_:
+        healthcheck.main([*flags, "--tp", "1", "--timeout", "0.2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert ("--socket: " if one else "--socket-dir: ") in err and "a unix socket path holds at most 107" in err, err
+
+
+def test_a_socket_path_that_only_starts_with_three_slashes_is_probed(tmp_path, capsys):
+    """unix:///PATH is a valid target: only a leading '//' (an authority) is refused."""
+    server = _serving(tmp_path / "rank0.sock")
+    try:
+        assert healthcheck.main(["--socket", "//" + str(tmp_path / "rank0.sock"), "--timeout", "5"]) == 0
+    finally:
+        server.stop(None)
+    assert "SERVING" in capsys.readouterr().out
+
+
+def test_an_unreachable_rank_says_why(tmp_path, capsys):
+    """A socket file not there, and one left by a killed rank (nobody listens), both printed
+    "UNREACHABLE: UNAVAILABLE": the probe's line could not tell a rank never started from a dead one."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as stale:
+        stale.bind(str(tmp_path / "rank1.sock"))  # closed unlistened: connecting is refused
+    assert healthcheck.main(["--all-ranks", "--socket-dir", str(tmp_path), "--tp", "2", "--timeout", "2"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    gone, stale = lines
+    assert gone.startswith(f"{tmp_path}/rank0.sock: UNREACHABLE: UNAVAILABLE: ") and "No such file" in gone, lines
+    assert stale.startswith(f"{tmp_path}/rank1.sock: UNREACHABLE: UNAVAILABLE: ") and "refused" in stale, lines
