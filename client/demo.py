@@ -24,8 +24,9 @@ from dspark_sidecar.percentiles import percentile
 
 
 class DemoError(RuntimeError):
-    """The demo has no sidecar to talk to: its own did not start, or none answers at --use-running-sidecar's
-    folder. The message says why (with the sidecar's log tail); the command prints it and exits 1."""
+    """The demo has no sidecar to talk to: its own did not start or ended with a status other than 0, or none
+    answers at --use-running-sidecar's folder. The message says why (with the sidecar's log tail); the command
+    prints it and exits 1."""
 
 
 @dataclass(frozen=True)
@@ -141,13 +142,14 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
     ckpt = (str(dspark_dir), str(target_dir))
     work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="dspark-demo-"))
     sock = Path(cfg.socket_dir) if cfg.socket_dir else Path(tempfile.mkdtemp(prefix="dsp-"))
-    h = HarnessConfig(rounds=cfg.rounds, tp=cfg.tp, preset=cfg.preset, dtype=cfg.dtype, checkpoint=ckpt,
-                      socket_dir=str(sock), mix=demo_mix(cfg), verify=cfg.verify, progress_every=cfg.progress_every,
-                      breaker=BreakerConfig(backoff_max_s=1.0), device=cfg.device, transport=cfg.transport,
-                      required_tp=cfg.required_tp, kv_layout=cfg.kv_layout, kv_dtype=cfg.kv_dtype)
     launcher = None
     failed = False
     try:
+        # Inside the clean-up: its checks (the dtype, the TP) raised with both folders made, and both stayed.
+        h = HarnessConfig(rounds=cfg.rounds, tp=cfg.tp, preset=cfg.preset, dtype=cfg.dtype, checkpoint=ckpt,
+                          socket_dir=str(sock), mix=demo_mix(cfg), verify=cfg.verify, progress_every=cfg.progress_every,
+                          breaker=BreakerConfig(backoff_max_s=1.0), device=cfg.device, transport=cfg.transport,
+                          required_tp=cfg.required_tp, kv_layout=cfg.kv_layout, kv_dtype=cfg.kv_dtype)
         if cfg.start_sidecar:
             out(f"starting a TP-{cfg.tp} sidecar ({cfg.preset}, {cfg.dtype}, max {cfg.max_reqs} requests a step) "
                 f"on {sock} ...")
@@ -176,6 +178,12 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
         reports = run_engine(h, work / "engine")
         report = summarise(reports, cfg.rounds, time.monotonic() - t0)
         report.backend, report.fast_path_refusal = status.backend, status.fast_path_refusal
+        # Stopped here to read how it ended: one that exited mid-run (a rank crashed: the group exits 1) left
+        # the later rounds on the local layers and the earlier ones compared, and the demo passed without it.
+        # Stopped by this SIGTERM, a sidecar drains and exits 0 (server/launcher.launch).
+        if launcher is not None and (code := launcher.stop()) != 0:
+            raise DemoError(f"the sidecar exited with status {code} ({report.forwarded} of {cfg.rounds} rounds "
+                            f"forwarded; its log: {launcher.log_path}):\n{launcher.log_tail()}")
         return report
     except Exception:
         failed = True

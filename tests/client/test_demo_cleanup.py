@@ -145,3 +145,12 @@ def test_a_socket_folder_another_sidecar_serves_names_no_log_it_never_wrote(scra
             other.stop()
     assert "its log" not in str(err.value), err.value
     assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("over", [dict(dtype="fp16"), dict(tp=0)])
+def test_a_config_the_harness_refuses_leaves_no_folder(scratch, fake_launcher, over):
+    """The harness's own checks (DemoConfig leaves the dtype and the TP to them) raised after both folders were
+    made and before the clean-up: two folders in $TMPDIR per call."""
+    with pytest.raises(ValueError):
+        run_demo(DemoConfig(rounds=1, required_tp=1, **over), out=lambda _: None)
+    assert list(scratch.iterdir()) == [] and fake_launcher.made == []
