@@ -29,7 +29,9 @@ class DrafterSidecarStub:
     """The sidecar's RPCs. Unary calls report failure through the gRPC status with rich details
     (google.rpc.Status carrying google.rpc.BadRequest for invalid fields and google.rpc.ErrorInfo
     with a machine-readable reason), as produced by grpcio-status. The DraftSteps stream reports a
-    failed step inside its DraftStepResponse (StepError) and keeps going.
+    failed step inside its DraftStepResponse (StepError) and keeps going. One failure is gRPC's own,
+    before any handler: a request larger than Limits.max_message_bytes ends its call (a stream
+    included) with RESOURCE_EXHAUSTED "Received message larger than max" and no rich details.
     """
 
     def __init__(self, channel):
@@ -84,7 +86,9 @@ class DrafterSidecarServicer:
     """The sidecar's RPCs. Unary calls report failure through the gRPC status with rich details
     (google.rpc.Status carrying google.rpc.BadRequest for invalid fields and google.rpc.ErrorInfo
     with a machine-readable reason), as produced by grpcio-status. The DraftSteps stream reports a
-    failed step inside its DraftStepResponse (StepError) and keeps going.
+    failed step inside its DraftStepResponse (StepError) and keeps going. One failure is gRPC's own,
+    before any handler: a request larger than Limits.max_message_bytes ends its call (a stream
+    included) with RESOURCE_EXHAUSTED "Received message larger than max" and no rich details.
     """
 
     def GetStatus(self, request, context):
@@ -138,8 +142,9 @@ class DrafterSidecarServicer:
         """The hot path: one long-lived bidirectional stream per engine rank. Responses come back in
         request order, one per request. A failed step yields a DraftStepResponse carrying a
         StepError and does NOT end the stream; the stream ends only when the client half-closes it,
-        the server shuts down, the transport fails, or a message does not parse as a DraftStepRequest
-        (INVALID_ARGUMENT: there is no step id to answer it under). A rank serves at most 8 open
+        the server shuts down, the transport fails, a message does not parse as a DraftStepRequest
+        (INVALID_ARGUMENT: there is no step id to answer it under), or a message is larger than
+        Limits.max_message_bytes (RESOURCE_EXHAUSTED, from gRPC itself). A rank serves at most 8 open
         streams (an engine rank needs one); past that a new stream ends at once with
         RESOURCE_EXHAUSTED, reason TOO_MANY_STREAMS, so that the unary calls and the health check keep
         their threads.
@@ -222,7 +227,9 @@ class DrafterSidecar:
     """The sidecar's RPCs. Unary calls report failure through the gRPC status with rich details
     (google.rpc.Status carrying google.rpc.BadRequest for invalid fields and google.rpc.ErrorInfo
     with a machine-readable reason), as produced by grpcio-status. The DraftSteps stream reports a
-    failed step inside its DraftStepResponse (StepError) and keeps going.
+    failed step inside its DraftStepResponse (StepError) and keeps going. One failure is gRPC's own,
+    before any handler: a request larger than Limits.max_message_bytes ends its call (a stream
+    included) with RESOURCE_EXHAUSTED "Received message larger than max" and no rich details.
     """
 
     @staticmethod

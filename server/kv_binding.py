@@ -14,11 +14,16 @@ from dspark_sidecar.drafter.kv_cache import FP8_KV, kv_layer_shape, kv_view_prob
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.memory import MappedMemory, QuietStream, discard_handle, gpu_uuid
-from dspark_sidecar.server.errors import SidecarError, invalid, precondition
+from dspark_sidecar.server.errors import SidecarError, invalid, out_of_range, precondition
 from dspark_sidecar.server.refusal import EngineFacts
 
 
 VIEW_CACHE = 1024  # resolved region views kept (a few per request count the engine uses)
+# Regions one RegisterBuffers may name (the shim registers 3). Each mapping holds one of the rank's file
+# descriptors (Python's mmap keeps a dup) and one of its mappings (vm.max_map_count): a request naming tens
+# of thousands, mapped before any check, ran the rank out of them while it lasted and was answered
+# UNAVAILABLE MAP_EXHAUSTED, "try again", for a request that fails the same way every time.
+MAX_REGIONS = 64
 
 
 @dataclass
@@ -215,6 +220,10 @@ class MemoryBindings:
         mapped: list[MappedMemory] = []
         handed = 0  # regions passed to MappedMemory (which opened them, or gave back its own)
         try:
+            if len(req.regions) > MAX_REGIONS:  # counted before any is opened
+                raise out_of_range("regions", f"{len(req.regions)} regions in one request, at most {MAX_REGIONS}: "
+                                              "each costs the rank a file descriptor and a mapping (the shim "
+                                              "registers 3 buffers)")
             for i, region in enumerate(req.regions):
                 handed = i + 1
                 m = MappedMemory(region.memory, f"regions[{i}].memory", self.device)

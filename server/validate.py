@@ -322,7 +322,8 @@ def _tensors(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, 
     else:
         ids = _tensor(req, "input_ids", mem, torch.int64, (n,))
     seq_lens = _tensor(req, "seq_lens", mem, torch.int32, (R,))
-    if not req.HasField("block_tables") or len(req.block_tables.shape) != 2 or req.block_tables.shape[0] != R:
+    # Only a table that is there: an absent one is "missing" (_tensor), not a scalar "shape []".
+    if req.HasField("block_tables") and (len(req.block_tables.shape) != 2 or req.block_tables.shape[0] != R):
         raise invalid("block_tables", f"shape {codec.shape_text(req.block_tables.shape)}, expected [{R}, max_pages]")
     tables = _tensor(req, "block_tables", mem, torch.int32, None)
     slots = _tensor(req, "slot_mapping", mem, torch.int64, (n,))

@@ -1,13 +1,14 @@
-"""Seeded fuzzing of the unary RPCs of a real TP-1 CPU sidecar.
+"""Seeded fuzzing of the RPCs of a real TP-1 CPU sidecar (the unary ones, and DraftSteps' steps).
 
 A few hundred deterministic mutations of valid DraftStep, BindKV, UnbindKV, RegisterBuffers,
 UnregisterBuffers, AttachDoorbell and GetStatus requests: wrong dtypes, bad shapes, truncated
 bytes, offsets past the end, indices outside the bound cache, missing fields, bad handles. For
 each, the answer must not be INTERNAL or UNKNOWN (bad input is the client's fault), must not be
-OK where the input is clearly invalid, and must carry details a person can act on. A refused
-step must leave the engine's KV cache untouched. Every CHECK_EVERY calls a valid step (inline
-bytes, and one through registered regions) must still answer with bit-identical hidden states,
-and GetStatus must say SERVING. Every problem is collected, and the test fails once with them all.
+OK where the input is clearly invalid, and must carry details a person can act on: rich status
+details grpcio-status parses, an ErrorInfo reason, a BadRequest field the message names
+(rich_status_problem). A refused step must leave the engine's KV cache untouched. Every
+CHECK_EVERY calls a valid step (inline bytes, and one through registered regions) must still
+answer with bit-identical hidden states, and GetStatus must say SERVING. Every problem is collected, and the test fails once with them all.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Callable
 import grpc
 import pytest
 import torch
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from dspark_sidecar import layout
 from dspark_sidecar.drafter import scenario
@@ -170,6 +173,7 @@ class Rig:
 
     # Calls ----------------------------------------------------------------------------------
     def call(self, rpc: str, req) -> tuple[grpc.StatusCode, str, object]:
+        """(code, details, the response, or the RpcError of a failed call)."""
         try:
             if isinstance(req, bytes):
                 fn = self.channel.unary_unary(SERVICE + rpc)  # raw bytes both ways
@@ -178,7 +182,7 @@ class Rig:
                 resp = getattr(self.stub, rpc)(req, timeout=TIMEOUT_S)
             return grpc.StatusCode.OK, "", resp
         except grpc.RpcError as err:
-            return err.code(), err.details() or "", None
+            return err.code(), err.details() or "", err
 
     def run(self, case: Case) -> None:
         req = case.make()
@@ -202,6 +206,10 @@ class Rig:
                 case.after_ok(resp)
         elif not details.strip():
             self.findings.append(f"{where}: {code.name} with empty details")
+        if code not in (grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED) and not self.dead:
+            problem = rich_status_problem(resp)
+            if problem:
+                self.findings.append(f"{where}: {code.name} {details[:120]!r}: {problem}")
         if kv_before is not None and code != grpc.StatusCode.OK and not _same(kv_before, self._kv()):
             pages = sorted({p for a, b in zip(kv_before, self._kv())
                             for p in torch.nonzero(_bits(a) != _bits(b))[:, 1].tolist()})
@@ -281,6 +289,43 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b, strict=True))
+
+
+# Codes a refusal may carry (sidecar.proto): bad input, a count or index past its bounds, a stale or
+# missing binding, too large, not now; NOT_FOUND only for an unregistered region id.
+REFUSAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION,
+                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND}
+FIELD_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}  # always about one field
+
+
+def _top(field: str) -> str:
+    """The request field a violation's path starts with ("layers[2].memory" -> "layers")."""
+    return field.split(".", 1)[0].split("[", 1)[0]
+
+
+def rich_status_problem(err: grpc.RpcError) -> str:
+    """What is wrong with a refusal's rich status (sidecar.proto: google.rpc.Status with ErrorInfo, and
+    BadRequest for a bad field), or '' when nothing is: a code from REFUSAL_CODES, details grpcio-status
+    parses, an ErrorInfo reason in our domain, and for a bad field a violation the message names."""
+    if err.code() not in REFUSAL_CODES:
+        return f"code {err.code().name} is none a refusal carries"
+    try:
+        status = rpc_status.from_call(err)
+    except ValueError as exc:  # its code or message differ from the call's
+        return f"rich status does not match the call's: {exc}"
+    if status is None:
+        return "no rich status details (grpc-status-details-bin)"
+    info, bad = error_details_pb2.ErrorInfo(), error_details_pb2.BadRequest()
+    infos = [d for d in status.details if d.Unpack(info)]
+    if len(infos) != 1 or info.domain != "dspark.sidecar.v1" or not info.reason:
+        return f"no ErrorInfo with a reason in our domain: {[d.type_url for d in status.details]}"
+    if [d for d in status.details if d.Unpack(bad)]:
+        fields = [v.field for v in bad.field_violations]
+        if len(fields) != 1 or _top(fields[0]) not in status.message or info.metadata["field"] != fields[0]:
+            return f"BadRequest {fields} (ErrorInfo field {info.metadata['field']!r}) not named by the message"
+    elif err.code() in FIELD_CODES:
+        return "no BadRequest naming the field"
+    return ""
 
 
 # Mutations ------------------------------------------------------------------------------------
@@ -898,6 +943,55 @@ def test_doorbell_answers_fuzzed_steps_without_internal_errors(rig):
     rig.checkpoint("the doorbell fuzz")
     findings += rig.findings[start:]
     assert not findings, f"{len(findings)} findings:\n" + "\n".join(findings)
+
+
+def test_fuzzed_steps_on_one_stream_get_step_errors_and_the_stream_goes_on(rig):
+    """DraftSteps, the RPC the unary fuzz leaves out: every clearly invalid step mutation on one stream is
+    answered in order with a StepError (a refusal's code, its reason, a message naming its field), the
+    stream stays open for the valid step sent last, which answers the canary's bits, and the rank serves on."""
+    muts = [(label, fn) for field in STEP_FIELDS for label, fn, bad in _ref_mutations(rig, field, region=False) if bad]
+    muts += [(label, fn) for label, fn, bad in _value_mutations(rig) if bad]
+    reqs = []
+    for _, fn in muts:
+        r = rig.step_req()
+        fn(r)
+        reqs.append(r)
+    reqs.append(rig.eng.request(0, next(rig._ids), rig.canary))
+    answers = list(rig.stub.DraftSteps(iter(reqs), timeout=60))
+    assert len(answers) == len(reqs), (len(answers), len(reqs))
+    codes = {c.value[0] for c in REFUSAL_CODES}
+    bad = []
+    for (label, _), req, resp in zip(muts, reqs, answers):
+        e = resp.error
+        if (resp.step_id != req.step_id or not resp.HasField("error") or e.code not in codes or not e.reason
+                or not e.field or _top(e.field) not in e.message):
+            bad.append(f"DraftSteps [{label}]: {resp.step_id} {resp.WhichOneof('result')} {e}"[:300])
+    last = answers[-1]
+    assert last.HasField("hidden_states"), last
+    assert torch.equal(codec.from_tensor_ref(last.hidden_states, "hidden_states"), rig.want_inline)
+    start = len(rig.findings)
+    rig.checkpoint(f"{len(muts)} invalid steps on one stream")
+    bad += rig.findings[start:]
+    assert not bad, f"{len(bad)} of {len(muts)}:\n" + "\n".join(bad)
+
+
+def test_a_registration_of_more_regions_than_a_call_may_map_is_refused_before_any_is_mapped(rig):
+    """RegisterBuffers maps every region of the request first: one of 70,000 regions (2 MB, well under
+    --max-message-bytes) ran the rank out of descriptors or mappings (each mapping holds one of each) and
+    was answered UNAVAILABLE MAP_EXHAUSTED, "nothing in the handle is wrong: try again": an engine retried it
+    for ever, and while it lasted the rank had no descriptor left for its other calls. Refused by count first."""
+    seg = rig._shm(4096)
+    region = pb.BufferRegion(name="many", memory=memory.export_handle(seg.tensor), size_bytes=4096)
+    code, details, err = rig.call("RegisterBuffers", pb.RegisterBuffersRequest(regions=[region] * 70_000))
+    assert code == grpc.StatusCode.OUT_OF_RANGE, (code, details[:300])
+    assert details.startswith("regions: 70000 regions"), details
+    assert not rich_status_problem(err), rich_status_problem(err)
+    code, details, resp = rig.call("RegisterBuffers", pb.RegisterBuffersRequest(regions=[region] * 3))
+    assert code == grpc.StatusCode.OK, (code, details)
+    rig.stub.UnregisterBuffers(pb.UnregisterBuffersRequest(region_ids=list(resp.region_ids)), timeout=TIMEOUT_S)
+    start = len(rig.findings)
+    rig.checkpoint("a registration of 70000 regions")
+    assert not rig.findings[start:], "\n".join(rig.findings[start:])
 
 
 @pytest.mark.parametrize("rpc", ["GetStatus", "DraftStep", "BindKV", "UnbindKV", "RegisterBuffers",
