@@ -12,6 +12,9 @@ from typing import Any
 from dspark_sidecar import layout
 
 ARCHITECTURE = "DSparkMiniMaxDraftModel"
+# Fields whose config.json key is not the attribute's name: errors name the key, which is what the operator edits.
+JSON_KEYS = {"ffn_hidden_size": "dspark_ffn_hidden_size", "markov_rank": "dspark_markov_rank",
+             "block_size": "dspark_block_size"}
 
 
 class ConfigError(ValueError):
@@ -53,7 +56,7 @@ class DrafterConfig:
         for f in positive:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"{f}: must be a positive integer, got {v!r}")
+                raise ConfigError(f"{JSON_KEYS.get(f, f)}: must be a positive integer, got {v!r}")
         for f in ("rms_norm_eps", "rope_theta", "swiglu_alpha", "swiglu_limit"):
             v = getattr(self, f)
             # json reads Infinity too: eps = inf zeroes every norm's output, theta = inf freezes RoPE.
@@ -70,7 +73,7 @@ class DrafterConfig:
             raise ConfigError(f"rotary_dim: must be even and <= head_dim {self.head_dim}, got {self.rotary_dim}")
         for f in ("hidden_size", "ffn_hidden_size"):
             if getattr(self, f) % self.quant_block:
-                raise ConfigError(f"{f}: must be a multiple of the MXFP8 block {self.quant_block}")
+                raise ConfigError(f"{JSON_KEYS.get(f, f)}: must be a multiple of the MXFP8 block {self.quant_block}")
         if (self.num_attention_heads * self.head_dim) % self.quant_block:
             raise ConfigError("num_attention_heads * head_dim: must be a multiple of the MXFP8 block")
         # A float passed the range check and was cut to another token in the block rows; true read as token 1.
@@ -108,13 +111,13 @@ class DrafterConfig:
         checks = (
             ("num_attention_heads", self.num_attention_heads),
             ("num_key_value_heads", self.num_key_value_heads),
-            ("ffn_hidden_size", self.ffn_hidden_size),
+            ("dspark_ffn_hidden_size", self.ffn_hidden_size),
         )
         for f, v in checks:
             if v % world_size:
                 raise ConfigError(f"{f}: {v} is not divisible by TP size {world_size}")
         # Row-parallel inputs are sharded along the MXFP8 block axis: keep whole blocks.
-        for f, v in (("q_size", self.q_size), ("ffn_hidden_size", self.ffn_hidden_size)):
+        for f, v in (("num_attention_heads * head_dim", self.q_size), ("dspark_ffn_hidden_size", self.ffn_hidden_size)):
             if (v // world_size) % self.quant_block:
                 raise ConfigError(f"{f}: per-rank slice {v // world_size} is not a multiple of {self.quant_block}")
 
@@ -173,6 +176,7 @@ class DrafterConfig:
         text = data.get("text_config")
         if not isinstance(text, dict):
             raise ConfigError("text_config: missing or not an object")
+        text = _plain_rope(text)
 
         def req(key: str) -> Any:
             if key not in text:
@@ -282,6 +286,10 @@ def _rotary_from_factor(factor: float, kw: dict[str, Any]) -> None:
         return
     if not _finite(factor):
         raise ConfigError(f"text_config.partial_rotary_factor: expected a finite number, got {factor!r}")
+    # A fraction of head_dim: 1e307 x 128 is inf, whose round() raised OverflowError (a traceback), and a factor
+    # above 1 or not above 0 was blamed on rotary_dim, a key this config.json need not have.
+    if not 0 < factor <= 1:
+        raise ConfigError(f"text_config.partial_rotary_factor: expected a fraction of head_dim in (0, 1], got {factor!r}")
     dims = factor * head_dim
     whole = round(dims)
     if abs(dims - whole) > 1e-6:
@@ -291,6 +299,32 @@ def _rotary_from_factor(factor: float, kw: dict[str, Any]) -> None:
         raise ConfigError(f"text_config.partial_rotary_factor: {factor} x head_dim {head_dim} = {whole}, "
                           f"but rotary_dim is {kw['rotary_dim']!r}")
     kw.setdefault("rotary_dim", whole)  # a rotary_dim given is kept as given, for the dataclass to check
+
+
+def _plain_rope(text: dict[str, Any]) -> dict[str, Any]:
+    """`text` with rope_parameters' rope_theta and partial_rotary_factor (where transformers 5 writes them) as
+    top-level keys; refuses scaled RoPE positions (YaRN, linear, dynamic, llama3, ...), as the layers rotate by
+    plain RoPE from rope_theta and the rotary dims only: such a checkpoint was served without its scaling, and
+    a theta given only inside rope_parameters was replaced by the default. Absent, null or "default" is plain."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = text.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise ConfigError(f"text_config.{key}: expected an object or null, got {rope!r}")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ConfigError(f"text_config.{key}: rope type {kind!r} is not served; this drafter rotates by plain "
+                              "RoPE from rope_theta (draft-step.md section 1)")
+    lifted = dict(text)
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key not in (text.get("rope_parameters") or {}):
+            continue
+        value = text["rope_parameters"][key]
+        if key in text and text[key] != value:
+            raise ConfigError(f"text_config.rope_parameters.{key}: {value!r}, but text_config.{key} is {text[key]!r}")
+        lifted[key] = value
+    return lifted
 
 
 PRESETS: dict[str, DrafterConfig] = {

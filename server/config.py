@@ -135,6 +135,12 @@ class ServeConfig:
                                    "preset's synthetic drafter served; pass the dspark/ folder too")
         if not 1 << 20 <= self.max_message_bytes <= (1 << 31) - 1:
             raise ServeConfigError(f"--max-message-bytes: must be 1 MiB..2^31 - 1 (gRPC's limit), got {self.max_message_bytes}")
+        for flag, host in (("--tcp-host", self.tcp_host), ("--metrics-host", self.metrics_host)):
+            # getaddrinfo reads an empty host as every interface: `--metrics-host "$UNSET"` served metrics
+            # off-node, where an empty DSPARK_METRICS_HOST is refused (cli._env). 0.0.0.0 says it on purpose.
+            if not host.strip():
+                raise ServeConfigError(f"{flag}: empty; give a host or address (127.0.0.1, or 0.0.0.0 for every "
+                                       "interface)")
         if not self.master_addr.strip():  # torch's rendezvous would fail with "hostname cannot be None"
             raise ServeConfigError("--master-addr: empty (an empty DSPARK_MASTER_ADDR?); give a host or address, "
                                    "127.0.0.1 on one machine")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -169,3 +170,73 @@ def test_a_config_json_that_is_not_utf8_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"].to_hf_json()), encoding="utf-16")
     with pytest.raises(ConfigError, match="config.json: cannot read config.json"):
         load_config(checkpoint=tmp_path)
+
+
+@pytest.mark.parametrize("factor", [1e307, -1e307, 2.0, 0.0, -0.5])
+def test_a_partial_rotary_factor_outside_0_to_1_is_named_by_its_key(factor):
+    """1e307 x head_dim is inf, and round(inf) raised OverflowError: a traceback, not serve's one line. A factor
+    above 1 or not above 0 was blamed on text_config.rotary_dim, a key that config.json does not have then."""
+    with pytest.raises(ConfigError, match=r"^text_config.partial_rotary_factor: .*\(0, 1\]"):
+        DrafterConfig.from_hf_json(_without_rotary_dim(partial_rotary_factor=factor))
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("dspark_ffn_hidden_size", 0, "text_config.dspark_ffn_hidden_size: must be a positive integer"),
+    ("dspark_ffn_hidden_size", 500, "text_config.dspark_ffn_hidden_size: must be a multiple of the MXFP8 block"),
+    ("dspark_markov_rank", -1, "text_config.dspark_markov_rank: must be a positive integer"),
+    ("dspark_block_size", 0, "text_config.dspark_block_size: must be a positive integer"),
+])
+def test_a_dspark_field_is_named_by_its_config_json_key(key, value, words):
+    """These were named by the dataclass's attribute (text_config.ffn_hidden_size, ...), keys no config.json has."""
+    data = PRESETS["tiny"].to_hf_json()
+    data["text_config"][key] = value
+    with pytest.raises(ConfigError, match="^" + re.escape(words)):
+        DrafterConfig.from_hf_json(data)
+
+
+def test_check_tp_names_the_config_json_keys():
+    """A per-rank slice that cuts an MXFP8 block was blamed on "q_size", which is no field anywhere, and the FFN
+    on "ffn_hidden_size" (config.json's key is dspark_ffn_hidden_size)."""
+    heads = dataclasses.replace(PRESETS["tiny"], num_attention_heads=4, head_dim=16, rotary_dim=16)
+    with pytest.raises(ConfigError, match=r"^num_attention_heads \* head_dim: per-rank slice 16 is not a multiple of 32"):
+        heads.check_tp(4)
+    narrow = dataclasses.replace(PRESETS["tiny"], ffn_hidden_size=96, hidden_size=96)
+    with pytest.raises(ConfigError, match=r"^dspark_ffn_hidden_size: per-rank slice 48 is not a multiple of 32"):
+        narrow.check_tp(2)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}),
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e6}),
+    ("rope_scaling", "yarn"),
+])
+def test_a_scaled_rope_is_refused_not_served_as_plain_rope(key, value):
+    """The layers rotate with plain RoPE (theta, rotary dims): a config.json asking for scaled positions (YaRN,
+    linear, ...) was served without it, every draft from positions the checkpoint was not trained with."""
+    data = PRESETS["tiny"].to_hf_json()
+    data["text_config"][key] = value
+    with pytest.raises(ConfigError, match=f"^text_config.{key}: "):
+        DrafterConfig.from_hf_json(data)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("rope_scaling", None), ("rope_scaling", {"rope_type": "default"}), ("rope_parameters", {"rope_type": "default"}),
+])
+def test_plain_rope_spelled_out_is_accepted(key, value):
+    data = PRESETS["tiny"].to_hf_json()
+    data["text_config"][key] = value
+    assert DrafterConfig.from_hf_json(data) == PRESETS["tiny"]
+
+
+def test_rope_parameters_theta_is_read_and_a_disagreeing_one_refused():
+    """transformers 5 writes rope_theta (and partial_rotary_factor) inside rope_parameters: a theta given only
+    there was ignored and the spec's default 5e6 served instead."""
+    data = PRESETS["tiny"].to_hf_json()
+    del data["text_config"]["rope_theta"], data["text_config"]["rotary_dim"]
+    data["text_config"]["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
+    c = DrafterConfig.from_hf_json(data)
+    assert (c.rope_theta, c.rotary_dim) == (1e6, 32)
+    data["text_config"]["rope_theta"] = 5e6
+    with pytest.raises(ConfigError, match=r"^text_config.rope_parameters.rope_theta: 1000000.0, but text_config.rope_theta"):
+        DrafterConfig.from_hf_json(data)

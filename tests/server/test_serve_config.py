@@ -123,3 +123,18 @@ def test_settings_at_the_edges_of_their_ranges_are_accepted():
                {"tp": 1, "shard_of": 2}, {"drain_s": 0}, {"drain_s": 300}):
         c = ServeConfig(**kw)
         assert all(getattr(c, k) == v for k, v in kw.items()), kw
+
+
+@pytest.mark.parametrize("kw, flag", [
+    ({"metrics_port": 9400, "metrics_host": ""}, "--metrics-host"),
+    ({"metrics_port": 9400, "metrics_host": "  "}, "--metrics-host"),
+    ({"tcp_base_port": 50000, "tcp_host": "", "allow_remote": True}, "--tcp-host"),
+])
+def test_an_empty_listen_host_is_refused(kw, flag):
+    """An empty host binds every interface (getaddrinfo's AI_PASSIVE): `--metrics-host "$UNSET"` served metrics
+    off-node while the docs say loopback. DSPARK_METRICS_HOST='' was already refused (cli._env); the flag was not."""
+    with pytest.raises(ServeConfigError, match=f"^{flag}: empty"):
+        ServeConfig(**kw)
+    with pytest.raises(ServeConfigError, match=f"^{flag}: empty"):
+        _parse([f"--{k.replace('_', '-')}={v}" for k, v in kw.items() if k != "allow_remote"]
+               + (["--allow-remote"] if kw.get("allow_remote") else []))
