@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run 288 (session 44): the review fixes on a GPU: gpu_word's stream-0 calls under this device's context and the
+# Run 288 (prepared in session 44, NOT RUN: no device was lent that session): the review fixes on a GPU: gpu_word's stream-0 calls under this device's context and the
 # probe's synchronize (helper 178), the model's step-shape checks (164), the doorbell's absolute FIFO path (174):
 # the gpu tests of tests/client, tests/proto, tests/drafter, the data-plane, graph and pre-launch server tests and
 # test_bench.py, the demo, and a bench of c,h (does (h) move with the stream-0 context check?).
