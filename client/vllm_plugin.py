@@ -42,7 +42,11 @@ def engine_config_from_vllm(vllm_config: Any, rank: int, environ: Any = os.envir
     """The shim's EngineConfig from vLLM's VllmConfig (parallel and speculative config) and the environment.
     A DSPARK_* value that cannot be used is an EngineConfigError naming the variable."""
     pc, spec = vllm_config.parallel_config, getattr(vllm_config, "speculative_config", None)
-    socket_dir = environ.get("DSPARK_SOCKET_DIR", "")
+    socket_dir = environ.get("DSPARK_SOCKET_DIR")
+    if socket_dir is not None and not socket_dir.strip():  # as `serve` refuses it (cli._env): '   ' is no folder
+        raise EngineConfigError(f"DSPARK_SOCKET_DIR={socket_dir!r} is set but empty: unset it to run without the "
+                                "sidecar, or give the folder `dspark-sidecar serve` uses (--socket-dir)")
+    socket_dir = socket_dir or ""
     tp = int(pc.tensor_parallel_size)
     problem = layout.socket_dir_problem(socket_dir, tp) if socket_dir else None
     if problem:  # the shim would dial a target gRPC reads otherwise, and fall back every step unexplained
@@ -166,7 +170,7 @@ def eager_draft_steps() -> str:
     (vllm/v1/worker/gpu/spec_decode/dflash/speculator.py: "PIECEWISE cudagraphs are not supported
     for dflash", so the only other mode is NONE). Applied only with a sidecar configured
     (DSPARK_SOCKET_DIR), unless DSPARK_DRAFT_CUDAGRAPHS=keep."""
-    if not os.environ.get("DSPARK_SOCKET_DIR"):
+    if not os.environ.get("DSPARK_SOCKET_DIR", "").strip():  # set but blank: refused (engine_config_from_vllm)
         return "draft CUDA graphs left as vLLM sets them (no sidecar configured)"
     choice = os.environ.get("DSPARK_DRAFT_CUDAGRAPHS", "").strip().lower() or "eager"  # KEEP, Keep: keep
     if choice == "keep":
@@ -338,7 +342,8 @@ _LAZY = "Sidecar__"
 
 
 def _lazy_name(module_name: str, class_name: str, vllm_version: str) -> str:
-    tag = re.sub(r"[^0-9A-Za-z]+", "_", vllm_version) or "0"  # no "__" inside: the parse splits on the first
+    # No "__" inside, nor a "_" at its end ("0.34.0+"): the parse splits on the first "__" after the prefix
+    tag = re.sub(r"[^0-9A-Za-z]+", "_", vllm_version).strip("_") or "0"
     return f"{_LAZY}{tag}__{module_name}.{class_name}"
 
 

@@ -485,6 +485,34 @@ def test_a_socket_dir_grpc_cannot_dial_keeps_the_sidecar_off_and_says_why(fake_v
     assert f"DSPARK_SOCKET_DIR={folder!r}" in caplog.text
 
 
+@pytest.mark.parametrize("blank", ["", "   ", "\t"], ids=["empty", "spaces", "tab"])
+def test_a_blank_socket_dir_keeps_the_sidecar_off_as_serve_refuses_it(fake_vllm, fake_speculator, monkeypatch, caplog,
+                                                                      blank):
+    """`serve` refuses DSPARK_SOCKET_DIR set but blank (`=$UNSET_VAR`, a stray space) as "set but empty". The
+    plug-in took '' as no sidecar, unsaid, and '   ' as a folder: each rank dialled the relative unix:   /rank{r}.sock,
+    its draft steps ran without their CUDA graphs, and every step fell back with no word of the variable. Both
+    sides agree now: the shim stays off naming the variable, and the draft graphs are kept."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", blank)
+    model = _first_forward_runs_the_stock_layers(fake_vllm, caplog)
+    refusal = model.dspark_shim().refusal
+    assert refusal.startswith(f"DSPARK_SOCKET_DIR={blank!r} is set but empty") and refusal in caplog.text
+    spec = fake_speculator()
+    spec.vllm_config = vllm_config()
+    spec.init_cudagraph_manager("FULL")
+    assert spec.mode == "FULL"
+
+
+def test_a_lazy_entry_resolves_whatever_vllm_version_tags_it(monkeypatch):
+    """The tag is vLLM's version with its runs of other characters made '_'; one ending in such a character
+    ('0.34.0+') left '_' before the '__' that ends the tag, and the parse took the stock module as '_<module>'."""
+    stock_module = types.ModuleType("fake_vllm_dspark_model")
+    stock_module.StockDrafter = StockDrafter
+    monkeypatch.setitem(sys.modules, "fake_vllm_dspark_model", stock_module)
+    for version in ("0.34.0+", "+0.34.0", "0.34.0rc1.dev7+g1a2b3c.d20261204"):
+        name = vllm_plugin._lazy_name("fake_vllm_dspark_model", "StockDrafter", version)
+        assert name.count(":") == 0 and issubclass(getattr(vllm_plugin, name), StockDrafter)
+
+
 def test_vllm_sleep_mode_keeps_the_sidecar_off(fake_vllm, monkeypatch, caplog):
     """A wake-up maps new memory under the same KV tensors and addresses, which the shim's identity check
     cannot see and no vLLM hook reports (client/FAILURE_MODES.md): the sidecar would go on using the
