@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -153,8 +155,22 @@ class DoorbellNeverAnswered(FakeSidecar):
 
 
 def short_socket_dir() -> Path:
-    """A socket folder with a short path (sun_path holds 108 bytes)."""
-    return Path(tempfile.mkdtemp(prefix="dsp-"))
+    """A socket folder with a short path (sun_path holds 108 bytes), under the system's temp folder rather than
+    pytest's tmp_path (too long a path); removed when this process exits (a CI run left ~2,000 behind)."""
+    folder = Path(tempfile.mkdtemp(prefix="dsp-"))
+    _SOCKET_DIRS.append((os.getpid(), folder))
+    return folder
+
+
+_SOCKET_DIRS: list[tuple[int, Path]] = []
+
+
+@atexit.register
+def _remove_socket_dirs() -> None:
+    # Only this process's own: a forked child inherits the list, and the folders are its parent's.
+    for pid, folder in _SOCKET_DIRS:
+        if pid == os.getpid():
+            shutil.rmtree(folder, ignore_errors=True)  # a server that never stopped may still hold its socket
 
 
 class FakeServer:
