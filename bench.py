@@ -436,6 +436,7 @@ class Bench:
         `_forward_context(case)`."""
         host = self.bc.shim_inputs == "host"
         began = self.phases.start() if self.phases is not None else None
+        rung = self.shim.stats.via_doorbell
         t0 = time.monotonic_ns()
         out = self.shim.maybe_forward(None, case.host.positions if host else case.positions, self._inputs)
         t1 = time.monotonic_ns()
@@ -445,6 +446,11 @@ class Bench:
             # It dropped the link (a failed step) and answered over another doorbell or the gRPC stream:
             # not the data plane this mode is named for, and self.bell's time stamps are not this step's.
             raise RuntimeError("the shim's step left the bench's data plane (it set its link up again after a failure)")
+        if self.shim.stats.via_doorbell == rung:
+            # Its doorbell kept, it sent a step that does not fit the registered buffers (more pages than
+            # they hold) over the gRPC stream inline: timed as h, that is (e)'s path, under self.bell's old stamps.
+            raise RuntimeError("the shim sent the step over the gRPC stream, not the bench's data plane "
+                               "(the step does not fit its registered buffers)")
         self.shim_ns.append((self.bell.rung_mono_ns - t0, t1 - self.bell.answer_seen_mono_ns))
         if self.phases is not None:
             self.phases.step(t0, self.bell.rung_mono_ns, began)
@@ -585,7 +591,7 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
                     if isinstance(ms, str):
                         row["note"] = ms
                     else:
-                        row |= _latency_fields(ms)
+                        row |= _latency_fields(ms, per_step=mode != "f")
                         p50 = row["p50_ms"]
                         b_ms = b_gpu_time if mode in ("g", "i") else statistics.median(base) if base else None
                         row |= {"x_floor": p50 / floor_ms, "x_b": p50 / b_ms if b_ms else None}
@@ -620,13 +626,14 @@ def _error_note(exc: Exception) -> str:
     return f"error: {type(exc).__name__}" + (f": {first[:160]}" if first else "")
 
 
-def _latency_fields(ms: list[float]) -> dict:
+def _latency_fields(ms: list[float], per_step: bool = True) -> dict:
     """The median, and the nearest-rank p99 where there are at least P99_MIN_SAMPLES samples; with
     fewer (30 repeats; mode f's 3 batch means) that p99 is the maximum, so the row gives max_ms
-    and the sample count instead of calling it a p99."""
+    and the sample count instead of calling it a p99. Samples that are not per step (mode f's means of
+    PIPELINE steps, which average a step's tail away) give max_ms at any count, as README says."""
     n = len(ms)
     out = {"samples": n, "p50_ms": statistics.median(ms)}
-    if n >= P99_MIN_SAMPLES:
+    if per_step and n >= P99_MIN_SAMPLES:
         out["p99_ms"] = percentile(ms, 99)
     else:
         out["max_ms"] = max(ms)

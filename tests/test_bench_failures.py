@@ -220,3 +220,39 @@ def test_a_run_stopped_while_it_measures_the_bandwidth_stops_its_sidecar(tmp_pat
                     torch.device("cpu"))
     (side,) = bench_sidecars
     assert side.proc.poll() is not None and not side.work.exists()
+
+
+def test_the_shim_s_rows_are_refused_when_its_step_went_over_the_grpc_stream(tmp_path):
+    """A step too large for the registered buffers (a block table wider than the data plane's 8192 pages:
+    a context past 131k at pages of 16) is sent by the shim over the gRPC stream, its doorbell kept. The
+    row was timed and printed as "sidecar via the shim" (the data plane) anyway, with the doorbell's time
+    stamps of no step of this mode (a "before ring" of -40,000 s), while (d) failed the same case with the
+    data plane's error. Such a step must fail the mode: it is the inline gRPC path, not h's."""
+    from dspark_sidecar.bench import Bench, Case
+
+    dev, ctx = torch.device("cpu"), 140_000
+    bench = Bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(ctx,), modes=("h",), out_dir=tmp_path), dev)
+    try:
+        case = Case(bench.cfg, 1, ctx, 16, bench.pages, bench.embed, dev, seed=3)
+        assert not bench.shim.doorbell.fits(1, case.host.meta, bench.cfg.hidden_size)  # the case the test is about
+        bench._inputs = case.embeds
+        with bench._forward_context(case), pytest.raises(RuntimeError, match="gRPC stream"):
+            bench._shimmed(case)
+        assert bench.shim.stats.forwarded == 1 and bench.shim.stats.via_doorbell == 0  # it did forward, inline
+        assert not bench.shim_ns
+    finally:
+        bench.close()
+
+
+def test_mode_f_s_batch_means_never_give_a_p99(tmp_path, monkeypatch, capsys):
+    """f's samples are means of PIPELINE steps: at --repeats 1000 there are 100 of them, and the row gave a
+    "p99" of batch means (a step's tail averaged with nine others) beside the other modes' per-step p99s.
+    README: "mode f's batch means always do" give max_ms and the sample count instead."""
+    _fake_bench(monkeypatch, lambda mode: [float(i) for i in range(1, 101)])
+    report = B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a", "f"), repeats=1000,
+                                     out_dir=tmp_path), torch.device("cpu"))
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert rows["a"]["p99_ms"] == 99.0  # 100 steps: a p99
+    assert "p99_ms" not in rows["f"] and rows["f"]["max_ms"] == 100.0 and rows["f"]["samples"] == 100
+    f_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(B.NAMES["f"]))
+    assert "p99" not in f_line and "max of 100" in f_line
