@@ -376,7 +376,7 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     board.beat(rank)  # the barrier may have waited long for the slowest peer
     peers = PeerProcesses(board, rank)
     peers.exited()  # every peer is past the barrier, so alive: each is seen now (see PeerProcesses)
-    rendezvous.peers_started()  # and rank 0 by this rank's step waits, before any step comes
+    rendezvous.peers_started()  # and rank 0 by this rank's step waits (on rank 0: the peers, by its coordinator)
     # Only now: a step let in during the warm-up (a client that ignores NOT_SERVING) would put its
     # collectives among the warm-up's, on this rank only.
     start_up.active = False  # from here a signal drains (the loop below reads `stop`)

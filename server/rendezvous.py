@@ -32,8 +32,9 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
-# Polling (with 1 us timer slack, see proto/doorbell.py): a rank waiting for its verdict naps;
-# the coordinator naps while steps flow and sleeps longer once the ranks have been quiet a while.
+# Polling (with 1 us timer slack, see proto/doorbell.py): a rank waiting for its verdict naps, and sleeps
+# longer once it has waited a while; the coordinator naps while steps flow and sleeps longer once the
+# ranks have been quiet a while.
 from dspark_sidecar.proto.doorbell import NAP_S, lower_timer_slack, pause
 from dspark_sidecar.proto.memory import AttachedSegment
 # A peer's exit, told from another process that took its pid; `_exited` by this name so tests can count the looks.
@@ -244,9 +245,15 @@ class Rendezvous:
         now. Left to this rank's first step, a rank 0 that exited before it (killed or crashed while the
         group was idle) was never seen alive, so never judged exited (PeerProcesses), and that step waited
         out deadline + fatal_after_s for a verdict that could not come, unanswered until the launcher's kill.
-        Before this rank's steps: its PeerProcesses is the rank loop's from then on."""
+        Before this rank's steps: its PeerProcesses is the rank loop's from then on. On rank 0 its coordinator's
+        looks at the peers, for the same reason: those come every GONE_CHECK_S between steps, and a start-up
+        shorter than that (--no-warmup) served before the look that sees a peer alive. A peer that exited
+        then was never judged exited, and every step waited out --rendezvous-ms for its copy ("did not
+        receive it") instead of being aborted at once, naming it."""
         if self.rank != 0:
             self._peers.gone(0)
+        elif self._coordinator is not None:
+            self._coordinator.peers_started()
 
     def agree(self, post: Post) -> Verdict:
         self._waiting += 1
@@ -269,7 +276,8 @@ class Rendezvous:
                      post.expires_ns, post.offers)
         slot[0] = seq
         col = 7 + self.rank
-        give_up = time.monotonic() + self.deadline_ms / 1e3 + self.fatal_after_s
+        posted = time.monotonic()
+        give_up = posted + self.deadline_ms / 1e3 + self.fatal_after_s
         ring, words = self.board.ring, self.board.words
         next_look = time.monotonic() + GONE_CHECK_S
         if self.rank != 0 and not self._peers.seen(0):  # until seen alive (PeerProcesses: once per posted pid)
@@ -311,7 +319,10 @@ class Rendezvous:
                 # peers launched, so it must not go on serving.
                 raise RuntimeError(f"rank {self.rank}: no verdict from rank 0's coordinator in "
                                    f"{self.fatal_after_s + self.deadline_ms / 1e3:.1f} s")
-            time.sleep(self.nap_s)  # never a busy spin: see proto/doorbell.py
+            # Never a busy spin (see proto/doorbell.py), and a nap only for WARM_S: a verdict long in coming (a
+            # peer missing: up to --rendezvous-ms, 60 s; a stalled coordinator: fatal_after_s more) is looked for
+            # every SLEEP_S after that. Napping all along took about half a core per waiting rank on a GPU host.
+            pause(time.monotonic() - posted, self.nap_s)
 
     def close(self, wait_s: float = 0.5) -> bool:
         """Stop rank 0's coordinator; whether the board may now be unmapped (Board.close).
@@ -342,8 +353,9 @@ class PeerProcesses:
     A peer is judged only once its process was seen alive from here, with the start time it posted: a
     rank in a pid namespace of its own (sharing /dev/shm) posts a pid that names no process here, or
     another one, and must not read as exited (that would abort every step, or report a live group
-    down). An exit is for good: a rank never comes back to a running group. Not thread-safe: one
-    instance per thread that looks."""
+    down). An exit is for good: a rank never comes back to a running group. One look at a time (a lock):
+    rank 0's coordinator thread shares its instance with rank 0's main thread at the start-up barrier
+    (Rendezvous.peers_started)."""
 
     def __init__(self, board: Board, rank: int) -> None:
         self.board, self.rank = board, rank
@@ -354,9 +366,14 @@ class PeerProcesses:
         # exited process does not come back, and one that takes the pid later is not the peer. Without
         # this, every step on ranks 1..3 looked at such a rank 0 again (a signal and a /proc read).
         self._not_here: dict[int, tuple[int, int]] = {}
+        self._lock = threading.Lock()
 
     def gone(self, peer: int) -> bool:
         """Whether `peer`'s process has exited (False until it was seen alive from here once)."""
+        with self._lock:
+            return self._look(peer)
+
+    def _look(self, peer: int) -> bool:
         if peer in self._gone:
             return True
         if peer == self.rank:  # this process: never a peer (and never counted among those seen)
@@ -408,6 +425,11 @@ class Coordinator(threading.Thread):
         self._launch_seq = 0
         self._peers = PeerProcesses(board, 0)  # whose missing post will never come: its process exited
         self._next_look = 0.0
+
+    def peers_started(self) -> None:
+        """Every peer is past the start-up barrier, so alive: each is looked at now (Rendezvous.peers_started),
+        on the caller's thread (PeerProcesses takes one look at a time)."""
+        self._peers.exited()
 
     def stop(self) -> None:
         self._halt.set()

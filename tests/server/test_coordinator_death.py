@@ -25,8 +25,34 @@ LENS = [5, 40]
 PAGES = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 8
 
 
+# Loaded by every process of a test's sidecar (sitecustomize): rank 0's coordinator makes none of its timed looks
+# at the peers' processes between steps (every GONE_CHECK_S until each was seen alive), as with a start-up shorter
+# than GONE_CHECK_S (--no-warmup), where the group serves before the first look that finds every peer's pid.
+NO_TIMED_LOOKS = """
+from dspark_sidecar.server import rendezvous
+rendezvous.PeerProcesses.all_seen = property(lambda self: True)
+"""
+
+
+@pytest.fixture
+def no_timed_looks(tmp_path, monkeypatch):
+    site = tmp_path / "no-timed-looks"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_TIMED_LOOKS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+
+
 @pytest.fixture
 def rig(tmp_path, tiny_ckpt, tiny_cfg, tiny_embed):
+    yield from _rig(tmp_path, tiny_ckpt, tiny_cfg, tiny_embed)
+
+
+@pytest.fixture
+def rig_no_timed_looks(no_timed_looks, tmp_path, tiny_ckpt, tiny_cfg, tiny_embed):
+    yield from _rig(tmp_path, tiny_ckpt, tiny_cfg, tiny_embed)
+
+
+def _rig(tmp_path, tiny_ckpt, tiny_cfg, tiny_embed):
     sc = SidecarProcess(tmp_path, tp=TP, checkpoint=tiny_ckpt, extra_args=["--rendezvous-ms", str(RDV_MS)])
     sc.start()
     eng = EngineSim(tiny_cfg, [sc.socket(r) for r in range(TP)], PAGES, torch.float32)
@@ -105,4 +131,28 @@ def test_a_step_that_comes_after_rank_0_exited_is_aborted_at_once_not_left_unans
     # Told by the exit: the deadline's abort would say "did not receive it", the give-up answers nothing.
     assert ans.WhichOneof("result") == "error" and ans.error.code == grpc.StatusCode.ABORTED.value[0], ans
     assert "coordinator" in ans.error.message and "exited" in ans.error.message, (took, ans.error.message)
+    assert sc.proc.wait(timeout=60) == 1
+
+
+def test_a_step_waiting_for_a_peer_that_exited_before_the_coordinator_s_first_look_is_aborted_naming_it(
+        rig_no_timed_looks):
+    """Rank 1 killed while the group is idle, rank 0's coordinator having made no look at its process yet (only a
+    process seen alive is judged exited, PeerProcesses). Rank 0's step then waited out the whole --rendezvous-ms
+    (here 6 s; up to 60 s) and answered "did not receive it", or went unanswered in the group's shutdown. Rank 0's
+    peers_started has its coordinator look at every peer once all are past the start-up barrier."""
+    from dspark_sidecar.server.processes import exited
+
+    sc, eng, step, streams = rig_no_timed_looks
+    pids = sc.rank_pids()
+    t_kill = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    while not exited(pids[1]):  # a zombie until the launcher reaps it: exited all the same
+        time.sleep(0.005)
+    ans = streams[0].ask(eng.request(0, 2, step), timeout=60)  # within rank 0's --drain-s: still taken
+    took = time.monotonic() - t_kill
+    assert ans is not None, (f"the stream ended without an answer after {took:.1f} s ({streams[0].end})\n"
+                             f"{sc.log_tail()}")
+    assert ans.WhichOneof("result") == "error" and ans.error.code == grpc.StatusCode.ABORTED.value[0], ans
+    assert "rank(s) 1 exited" in ans.error.message and "did not receive" not in ans.error.message, (
+        took, ans.error.message)
     assert sc.proc.wait(timeout=60) == 1

@@ -604,3 +604,77 @@ def test_the_coordinator_stops_looking_between_steps_once_every_peer_was_seen_ev
         assert looks == [], f"{len(looks)} looks at the peers between steps, every peer long seen"
     finally:
         board.close()
+
+
+def test_a_rank_whose_verdict_is_long_in_coming_stops_napping_after_warm_s(monkeypatch):
+    """README: waiting threads poll every ~15 us while steps flow and every 1 ms after 0.2 s of quiet. A rank
+    waiting for its verdict napped NAP_S for the whole wait: a peer missing (up to --rendezvous-ms, 60 s) or a
+    stalled coordinator (fatal_after_s more) cost about half a core per waiting rank on a GPU host."""
+    from dspark_sidecar.proto.doorbell import NAP_S, SLEEP_S, WARM_S
+
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    deadline_ms = int((WARM_S + 0.4) * 1e3)  # rank 0 never posts: MISSING at its deadline, WARM_S and more
+    rdv = [Rendezvous(boards[r], r, deadline_ms, nap_s=NAP_S) for r in range(2)]
+    sleeps: list[tuple[float, float]] = []
+    real = time.sleep
+
+    def sleep(s: float) -> None:
+        if threading.current_thread().name == "waiter":
+            sleeps.append((time.monotonic(), s))
+        real(s)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    out: list = []
+    th = threading.Thread(target=lambda: out.append(rdv[1].agree(Post(3, 1, 1, 9, True))), name="waiter")
+    try:
+        th.start()
+        th.join(timeout=30)
+        assert out and "did not receive it" in out[0].reason, out
+        posted_by = sleeps[0][0]  # the first sleep comes after the post: any later one waited at least this long
+        late = [s for t, s in sleeps if t - posted_by > WARM_S]
+        assert late, "no sleep past WARM_S: the wait ended too soon to tell"
+        naps = sum(s < SLEEP_S for s in late)
+        assert naps == 0, f"{naps} of {len(late)} sleeps past WARM_S were naps of {NAP_S * 1e6:.0f} us, not {SLEEP_S} s"
+    finally:
+        monkeypatch.undo()
+        th.join(timeout=10)
+        for r in rdv:
+            r.close()
+        boards[1].close()
+        boards[0].close()
+
+
+def test_a_peer_that_exits_before_the_coordinator_s_first_look_is_judged_exited_at_the_next_step(monkeypatch):
+    """The coordinator looks at its peers' processes every GONE_CHECK_S between steps until each was seen alive,
+    and only a peer seen alive is ever judged exited. A start-up shorter than that (--no-warmup) served before
+    the look that would see a peer: one that exited then (killed or crashed while the group was idle) was never
+    judged exited, and every step waited out --rendezvous-ms for its copy and said "did not receive it". Rank 0's
+    peers_started (past the start-up barrier: every peer alive) has the coordinator look at once, as each peer
+    looks at rank 0 (helper 139). The coordinator is polled by hand, so nothing depends on its thread's timing."""
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+    from dspark_sidecar.server.rendezvous import ABORT, EXITED, GONE_CHECK_S
+
+    monkeypatch.setattr(rendezvous_mod.Coordinator, "start", lambda self: None)
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    rank0 = Rendezvous(boards[0], 0, 3_600_000)  # the deadline an hour away: MISSING never comes in this test
+    c = rank0._coordinator
+    peer = _child()
+    try:
+        assert not c.poll_once() and not c._peers.seen(1)  # idle: its first look, before rank 1 posted its pid
+        _post_peer(boards[1], 1, peer.pid, process_start(peer.pid))  # rank 1's Rendezvous, then the barrier
+        rank0.peers_started()
+        peer.kill()
+        peer.wait()
+        boards[0].slots[0][:] = (2, 7, 1, 2, 1, 9, 0, 0)  # rank 0 posts step 7; rank 1's copy never comes
+        assert not c.poll_once()
+        time.sleep(GONE_CHECK_S + 0.05)  # the waiting post's look at the missing rank's process
+        assert c.poll_once(), "the step was left to its deadline: rank 1 never seen alive, so never judged exited"
+        rec = boards[0].ring[0]
+        assert (rec[1], rec[2], rec[3], rec[4]) == (7, ABORT, EXITED, 0b10), rec
+    finally:
+        peer.kill()
+        peer.wait()
+        boards[1].close()
+        boards[0].close()  # no coordinator thread reads it (never started)
