@@ -27,7 +27,7 @@ log = logging.getLogger("dspark_sidecar")
 
 _REGISTER_PORTABLE, _REGISTER_DEVICEMAP = 0x1, 0x2  # CU_MEMHOSTREGISTER_* (hipHostRegister* match)
 # CU_STREAM_WAIT_VALUE_GEQ: (int64)(*addr - value) >= 0, cyclic. hipStreamWaitValueGte (same 0x0) is a plain
-# (*addr & mask) >= value, which passes early at the sequence's wrap (server/prelaunch.py says what that costs).
+# (*addr & mask) >= value, wrong at the sequence's wrap: server/prelaunch.py queues no step near it (WRAP_GUARD).
 _WAIT_GEQ = 0x0
 
 

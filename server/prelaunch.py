@@ -7,9 +7,8 @@ times its tight-loop figure. Here the sidecar queues step s+1 right after answer
 assuming the same layout (an engine repeats its batch shape step after step):
 
     expected word := (s+1) << 32 | key (a stream memory write: what the program compares with)
-    wait until word >= (s+1) << 32   (proto/gpu_word.py: a stream memory operation; on ROCm a plain >=, which
-                                      passes early once per 2^32 steps, at the wrap: the program then reads
-                                      the last step's word, not the expected one, and runs nothing)
+    wait until word >= (s+1) << 32   (proto/gpu_word.py: a stream memory operation; on ROCm a plain >=, not
+                                      cyclic: no step near the sequence's wrap is queued there, WRAP_GUARD)
     staging copy                     (step_meta.Staging: the word and the engine's region, to the device)
     metadata program                 (kernels/triton/step_meta.py: reads that copy, checks it)
     graph replay                     (graphs.py: the in-place graph of this layout's R)
@@ -87,6 +86,14 @@ COOLDOWN, MAX_COOLDOWN = 256, 1 << 16
 # at TP > 1 a peer that never releases its own copy, to wait for.
 RELEASE_WAIT_S = 60.0
 ON_TIME = 8  # cooldown steps in a row whose word was on time: the cooldown ends (watch)
+# HIP's wait is a plain >= on the word (proto/gpu_word.py), where CUDA's and the host's (_word_reached) compare
+# cyclically. Near the 32-bit sequence's wrap they disagree: a wait for the first steps after it passes on an
+# older step's word (its staging copy may then read the region as the engine rewrites it), and a released wait
+# for a step just before it, reached by the stream only once the engine's next word (0 << 32 | key) is there,
+# never passes, while repass sees it passed and stores nothing: the rank's stream blocked for good. So on HIP
+# no step within WRAP_GUARD steps of the wrap is queued (nor of 2^31, the edge a signed compare would have: no
+# AMD GPU here to tell which ROCm's is); the words a wait meets are from a few steps around its own.
+WRAP_GUARD = 1 << 16
 
 
 @dataclass
@@ -130,6 +137,7 @@ class Prelaunch:
         gate = meta.step_gate if gate is None else gate
         copy_out = meta.gated_copy if copy_out is None else copy_out
         self._flag_ran = meta.FLAG_RAN
+        self._hip = ops.hip  # the GPU's wait on the word is not cyclic (WRAP_GUARD)
         self.ops, self.page, self.graphs, self.window, self._count = ops, page, graphs, window, count
         self._event, self._program, self._exchange, self._gate = event, program, exchange, gate
         self._capture = capture or (_capture_graph if torch.device(device).type == "cuda" else _uncaptured)
@@ -210,8 +218,15 @@ class Prelaunch:
         # release word (_pass), which the proto does not forbid an engine: a step queued under it would be rung
         # by its release, and run the old layout's step for an engine that fell back.
         nxt = (req.launch_key not in (0, bell.SKIP_KEY) and streak >= STREAK and graph is not None and host_side
-               and not self.cooldown)
+               and not self.cooldown and not self._near_wrap(seq + 1))
         return self._accepted, nxt
+
+    def _near_wrap(self, seq: int) -> bool:
+        """On HIP: step seq's wait could meet words its plain >= orders unlike the host (WRAP_GUARD)."""
+        if not self._hip:
+            return False
+        r = seq % (1 << 31)  # the distance to 0 (the wrap) or to 2^31, whichever is nearer
+        return r < WRAP_GUARD or r > (1 << 31) - WRAP_GUARD
 
     def _repeats(self, key: int, step: Step) -> bool:
         """The last step served had this layout: the same key and the very same cached views

@@ -56,6 +56,8 @@ class Gpu:
     """Word ops and metadata program: the program runs (via the reference) once the wait before it passes,
     so a test sets the engine's word before take(), as the engine's stream would."""
 
+    hip = False  # GpuWordOps.hip: True, the wait is HIP's plain unsigned >= (run), not CUDA's cyclic compare
+
     def __init__(self):
         self.registered, self.unregistered, self.waits, self.programs, self.flags = [], [], [], [], []
         self.copies: list = []  # staged copies queued before the program (staged rigs)
@@ -110,8 +112,9 @@ class Gpu:
         if time.perf_counter() < self.hold_until:  # a peer not there yet (TP > 1)
             return False
         _, addr, value = self.waits[-1]
-        if (ctypes.c_uint64.from_address(addr).value - value) % (1 << 64) >= 1 << 63:
-            return False  # (int64)(word - value) < 0: the stream is still blocked
+        word = ctypes.c_uint64.from_address(addr).value
+        if (word < value) if self.hip else (word - value) % (1 << 64) >= 1 << 63:
+            return False  # HIP: word < value; CUDA: (int64)(word - value) < 0. The stream is still blocked
         self._copy()
         word, expect, (p, lens, tab, s), out, flag, kw = self.programs[-1]
         R, width = kw["num_reqs"], kw["width"]
@@ -1054,3 +1057,42 @@ def test_an_output_slice_the_gpu_cannot_reach_is_copied_by_the_answer_not_behind
     assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out  # rank._output copies it where asked
     rig.pl.after(SEQ + 2, OK)
     assert rig.pl.queued.seq == SEQ + 3 and rig.copies == []
+
+
+@pytest.mark.parametrize("world", [1])
+@pytest.mark.parametrize("boundary", [1 << 32, 1 << 31], ids=["wrap", "2^31"])
+def test_hip_queues_no_step_next_to_the_sequence_wrap(rig, boundary, monkeypatch):
+    """HIP's wait is a plain >= on the word (proto/gpu_word.py), the host's view of it (repass) cyclic, as
+    CUDA's is. A step queued as the last before the 32-bit sequence wraps, then released (the engine rang
+    another layout), waits for word >= 0xFFFFFFFF << 32: the engine's next word, 0 << 32 | key, there
+    before the stream reaches that wait, never passes it, and repass saw it passed and stored nothing: the
+    rank's stream blocked for good (here release(wait=True) gave up). At 2^31, a signed compare's own edge,
+    the same: no step that near either is queued on HIP."""
+    monkeypatch.setattr(prelaunch, "RELEASE_WAIT_S", 0.05)
+    monkeypatch.setattr(prelaunch, "WRAP_GUARD", 3, raising=False)
+    rig.gpu.hip = rig.pl._hip = True
+    last = boundary - 1  # the step whose successor is the first after the edge
+    _serve(rig, last - 2)
+    _serve(rig, last - 1)  # a streak: on CUDA `last` would be queued now
+    _serve(rig, last, key=KEY + 1)  # another layout: a queued `last` would have been released here
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(last + 1, KEY + 1)  # the engine's next word lands
+    rig.pl.release(wait=True)  # e.g. a BindKV: nothing released may still wait on the device
+    assert rig.pl.misses == 0 and len(rig.gpu.waits) == 0  # nothing was queued
+    for s in range(last + 1, last + 3):  # a streak again, still within the guard
+        _serve(rig, s, key=KEY + 1)
+        assert rig.pl.queued is None
+    seq = last + 3  # the next one, boundary + 3, is WRAP_GUARD past the edge: queued again, and a hit
+    _serve(rig, seq, key=KEY + 1)
+    assert rig.pl.queued is not None and rig.pl.queued.seq == seq + 1
+    assert _serve(rig, seq + 1, key=KEY + 1) is rig.graphs.graph.out
+
+
+@pytest.mark.parametrize("world", [1])
+def test_cuda_queues_across_the_sequence_wrap(rig):
+    """CUDA's wait compares cyclically, as the host does: steps are queued and answered across the wrap."""
+    seq = (1 << 32) - 3
+    _serve(rig, seq)
+    _serve(rig, seq + 1)
+    for s in range(seq + 2, seq + 6):
+        assert rig.pl.queued.seq == s and _serve(rig, s) is rig.graphs.graph.out
+    assert rig.pl.hits == 4 and rig.pl.misses == 0
