@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -16,7 +17,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import grpc
 import torch
@@ -152,7 +153,8 @@ class StartUp:
     """SIGTERM/SIGINT while the rank is still starting (loading, the rendezvous, the warm-up) ends it
     at once: the serving loop that reads `stop` is not reached yet, and a load can take minutes. What
     start-up made that outlives the process (its socket file, rank 0's board) is removed first; the
-    process ends with os._exit so no half-made collective or CUDA state has to be torn down."""
+    process ends with os._exit so no half-made collective or CUDA state has to be torn down (inside
+    `unwinding`, where a write has its own cleanup to run, it raises SystemExit(0) instead)."""
 
     def __init__(self, rank: int, stop: threading.Event) -> None:
         self.rank, self.stop = rank, stop
@@ -160,6 +162,8 @@ class StartUp:
         self.socket: Path | None = None
         self.board: Board | None = None
         self.bound_s: int | None = None  # --startup-timeout-s, once `group` made the start-up group
+        self.unwind = False  # inside `unwinding`: a signal raises SystemExit(0) instead of ending the process
+        self._unwinding = False  # that SystemExit was raised: the process is on its way out
 
     def group(self, bound_s: int):
         """The gloo group of the start-up collectives below, on every backend, waiting up to `bound_s`
@@ -172,11 +176,26 @@ class StartUp:
 
     def on_signal(self, signum, _frame) -> None:
         self.stop.set()
-        if not self.active:
+        if not self.active or self._unwinding:  # (a second signal must not cut the unwinding's cleanup short)
             return
         log.info("rank %d: %s during start-up; stopping (exit 0)", self.rank, signal.Signals(signum).name)
+        if self.unwind:
+            self._unwinding = True
+            raise SystemExit(0)  # serve_rank releases the rest on its way out
         self.release()
         os._exit(0)
+
+    @contextlib.contextmanager
+    def unwinding(self) -> Iterator[None]:
+        """Inside, a stop raises SystemExit(0) where the main thread is, as Ctrl-C's KeyboardInterrupt
+        would, so that the work's own cleanup runs: os._exit skipped it, and rank 0 stopped while writing
+        the embedded synthetic checkpoint (under torchrun) left its partial folder, gigabytes for a full
+        preset, beside the cache, one more at each stop."""
+        self.unwind = True
+        try:
+            yield
+        finally:
+            self.unwind = False
 
     def release(self) -> None:
         """Remove what start-up made that would outlive the process: rank 0's board, the socket file."""
@@ -197,6 +216,19 @@ class StartUp:
         self._collective(lambda: dist.broadcast_object_list(box, src=0, group=group))
         return box[0]
 
+    def warm_up(self, ctx: RankContext) -> float:
+        """rank.warm_up, whose step exchanges partial sums with the peers (the world group): a peer lost in
+        one of those collectives is PeerLost, as in barrier, not gloo's traceback from inside the step. A
+        failure of this rank's own compute (out of memory, a kernel error) is raised as it is: taken for a
+        peer lost, its one line would send the reader to a peer that printed nothing."""
+        try:
+            return warm_up(ctx)
+        except (RuntimeError, dist.DistError) as err:
+            if not _raised_by_collective(err):
+                raise
+            self.release()
+            raise PeerLost.of(self.rank, err, "left during the warm-up step") from None
+
     def _collective(self, run: Callable[[], object]):
         try:
             return run()
@@ -206,6 +238,20 @@ class StartUp:
             if self.bound_s is not None:  # or is alive but hung: the wait timed out
                 what += f" or did not catch up within --startup-timeout-s {self.bound_s} s"
             raise PeerLost.of(self.rank, err, what) from None
+
+
+_DIST_DIR = os.path.dirname(dist.__file__) + os.sep
+
+
+def _raised_by_collective(err: BaseException) -> bool:
+    """Whether `err` came out of a torch.distributed call (gloo's error for a peer gone mid-collective
+    is a plain RuntimeError, like any other): its innermost frame is torch.distributed's."""
+    if isinstance(err, dist.DistError):
+        return True
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_DIST_DIR)
 
 
 def graphs_on(cfg: ServeConfig, device: torch.device, backend: str) -> bool:
@@ -257,7 +303,8 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
     else:
         if cfg.checkpoint is None:  # the embedded synthetic checkpoint: rank 0 writes it once
             if rank == 0:
-                ensure_synthetic_checkpoint(dcfg, cfg.seed)
+                with start_up.unwinding():  # its partial folder goes if the rank is stopped meanwhile
+                    ensure_synthetic_checkpoint(dcfg, cfg.seed)
             start_up.barrier(cpu_group)
             dspark_dir, target_dir = ensure_synthetic_checkpoint(dcfg, cfg.seed)
         else:
@@ -367,7 +414,7 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     publish = HealthPublisher(life, servicer, ctx, health_servicer, metrics)
     life.on_change.append(publish)
     if cfg.warmup:
-        secs = warm_up(ctx)
+        secs = start_up.warm_up(ctx)
         log.info("rank %d: warm-up step (8 requests) took %.1f ms", rank, secs * 1e3)
     # A first beat before the barrier: past it every peer has beaten at least once, so a peer that
     # stops before its first timed beat is still seen (watch_peers skips peers that never beat).

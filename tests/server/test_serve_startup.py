@@ -4,6 +4,8 @@
   from the first one's socket (cli.py `ready`), and left the first one unreachable for good.
 - SIGTERM / Ctrl-C during start-up was ignored until the rank was SERVING (its handler only set an
   event read by the serving loop) and the launcher waited DRAIN_GRACE_S (60 s) before killing.
+- A peer lost inside the warm-up step reached the others as gloo's traceback, not PeerLost's one line.
+- SIGTERM while rank 0 wrote the embedded synthetic checkpoint (under torchrun) left its partial folder.
 """
 
 from __future__ import annotations
@@ -190,5 +192,102 @@ def test_sigterm_in_the_last_moments_of_start_up_never_shows_serving(tmp_path):
         _, err = p.communicate(timeout=10)
         assert p.returncode == 0 and "Traceback" not in err, err
         assert "SERVING" not in seen and "rank 0: SERVING" not in err, (seen, err)
+    finally:
+        _kill(p)
+
+
+RANK_DIES_IN_WARM_UP = """
+import os, sys
+from dspark_sidecar.server import app
+real = app.warm_up
+def warm_up(ctx):
+    if ctx.rank == 1:  # a peer that fails inside the warm-up step (out of device memory, say): its line, then gone
+        print("rank 1: failed in its warm-up", file=sys.stderr, flush=True)
+        os._exit(1)
+    return real(ctx)
+app.warm_up = warm_up
+from dspark_sidecar import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_peer_lost_in_the_warm_up_step_is_one_line_not_gloo_s_traceback(tmp_path):
+    """The warm-up step exchanges partial sums with the peers. A peer that failed inside it reached the
+    others as gloo's error from deep in the step, a traceback that reads as a second failure; every other
+    start-up collective says it in one line (PeerLost), as OPERATIONS.md promises for start-up."""
+    sock = tmp_path / "sock"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_DIES_IN_WARM_UP, "serve", "--tp", "2", "--device", "cpu",
+                               "--socket-dir", str(sock)],
+                              env=dict(_env(), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        _, err = procs[0].communicate(timeout=120)  # a hang guard only
+        assert procs[0].returncode == 1, err
+        assert "Traceback" not in err, err
+        assert "dspark-sidecar: rank 0: a peer rank left during the warm-up step (" in err, err
+        assert not (sock / "rank0.sock").exists()
+    finally:
+        for p in procs:
+            _kill(p)
+
+
+def test_a_failure_of_the_rank_s_own_warm_up_is_not_blamed_on_a_peer(monkeypatch):
+    """Only an error out of a collective is a peer lost: this rank's own (out of memory, a kernel that fails)
+    is raised as it is, with its traceback; as PeerLost it would send the reader to a peer that printed nothing."""
+    import threading
+
+    import pytest
+
+    from dspark_sidecar.server import app
+
+    def oom(ctx):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(app, "warm_up", oom)
+    with pytest.raises(RuntimeError, match="out of memory") as info:
+        app.StartUp(0, threading.Event()).warm_up(None)
+    assert not isinstance(info.value, app.PeerLost)
+
+
+RANK_STOPPED_WRITING_THE_CHECKPOINT = """
+import sys, time
+from pathlib import Path
+from dspark_sidecar.drafter import checkpoint
+def write(cfg, out, seed=0):  # the embedded checkpoint's write, long (a full preset: gigabytes)
+    Path(out).mkdir(parents=True)
+    (Path(out) / "model.safetensors").write_bytes(bytes(4096))
+    Path(sys.argv[-1]).touch()
+    time.sleep(3600)
+checkpoint.write_synthetic_checkpoint = write
+from dspark_sidecar import cli
+sys.exit(cli.main(sys.argv[1:-1]))
+"""
+
+
+def test_sigterm_while_rank_0_writes_the_synthetic_checkpoint_leaves_no_partial_folder(tmp_path):
+    """Under torchrun rank 0 writes the embedded synthetic checkpoint itself (serve's parent does not run).
+    A stop then ended it with os._exit, which skipped the writer's cleanup: its partial folder stayed in
+    the cache, one more at each stop."""
+    sock, cache, marker = tmp_path / "sock", tmp_path / "cache", tmp_path / "writing"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               XDG_CACHE_HOME=str(cache))
+    p = subprocess.Popen([sys.executable, "-c", RANK_STOPPED_WRITING_THE_CHECKPOINT, "serve", "--tp", "1", "--device",
+                          "cpu", "--socket-dir", str(sock), str(marker)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(marker.exists, 60, p)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)  # a hang guard only
+        assert p.returncode == 0 and "Traceback" not in err, err
+        assert "SIGTERM during start-up" in err, err
+        assert not list((cache / "dspark-sidecar").iterdir()), "a partial synthetic checkpoint was left behind"
+        assert not (sock / "rank0.sock").exists()
     finally:
         _kill(p)
