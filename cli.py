@@ -163,7 +163,10 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
     if cfg.checkpoint is not None:  # again in each rank under torchrun
         check_checkpoint(dcfg, cfg.checkpoint, cfg.target_checkpoint)
     elif not cfg.random_weights and "RANK" not in os.environ:  # the embedded synthetic one: written here, once
-        ensure_synthetic_checkpoint(dcfg, cfg.seed)
+        # Before any handler of serve's: SIGTERM (a systemd stop at a first start) killed this process at once,
+        # and the writer's partial folder (gigabytes for a full preset) stayed. Unwound, exit 0 as a stopped start.
+        with _sigterm_unwinds(status=0):
+            ensure_synthetic_checkpoint(dcfg, cfg.seed)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun or our own launcher
         from dspark_sidecar.server.app import PeerLost, serve_rank
 
@@ -367,9 +370,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _sigterm_unwinds():
-    """While inside, SIGTERM (`timeout`, a cancelled CI job) raises SystemExit(143), so the demo's (and the
-    bench's) finally blocks run: killed at once by default, its engine ranks went on drafting every round
+def _sigterm_unwinds(status: int | None = None):
+    """While inside, SIGTERM (`timeout`, a cancelled CI job) raises SystemExit(143, or `status`), so the demo's
+    (and the bench's) finally blocks run: killed at once by default, its engine ranks went on drafting every round
     locally, orphaned (only the sidecar stops by itself, --exit-with-pid), and both its temporary folders stayed."""
     import signal
     import threading
@@ -380,7 +383,7 @@ def _sigterm_unwinds():
 
     def stop(signum, _frame):
         signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM, during the unwind, kills as before
-        raise SystemExit(128 + signum)
+        raise SystemExit(128 + signum if status is None else status)
 
     old = signal.signal(signal.SIGTERM, stop)
     try:

@@ -430,3 +430,35 @@ def test_status_says_why_a_rank_is_unreachable(tmp_path, capsys):
     assert cli.main(["status", "--socket-dir", str(tmp_path), "--tp", "1", "--timeout", "2"]) == 1
     line = capsys.readouterr().out.strip()
     assert line.startswith("== rank 0") and "UNREACHABLE UNAVAILABLE: " in line and "No such file" in line, line
+
+
+
+def test_sigterm_while_serve_writes_the_synthetic_checkpoint_unwinds_its_cleanup():
+    """serve's parent writes the embedded synthetic checkpoint before any rank (and so any handler) exists: a
+    SIGTERM there (a systemd stop during a first start) killed it at once, skipping the writer's removal of its
+    partial folder, gigabytes for a full preset. It now unwinds as Ctrl-C does, and exits 0 as a stopped
+    start-up. (In a child process: before the fix the signal killed whatever process ran it.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, sys\n"
+        "from dspark_sidecar import cli\n"
+        "from dspark_sidecar.drafter import checkpoint\n"
+        "def writing(cfg, seed):\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)  # delivered here, in the main thread, mid-write\n"
+        "        print('the write went on after SIGTERM')\n"
+        "    finally:\n"
+        "        print('partial folder removed', flush=True)  # the writer's own clean-up\n"
+        "checkpoint.ensure_synthetic_checkpoint = writing\n"
+        "try:\n"
+        "    cli.main(['serve', '--tp', '1', '--device', 'cpu', '--preset', 'tiny'])\n"
+        "finally:\n"
+        "    print('handler restored', signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "DSPARK_LAUNCHER_PID")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout.splitlines() == ["partial folder removed", "handler restored True"], proc.stdout
