@@ -133,12 +133,14 @@ def _write_kv_kernel(
 
 
 def _check_cache_rows(op: str, kv_layer: torch.Tensor, kv_heads: int, d: int, slots: torch.Tensor, n: int) -> None:
-    """ValueError unless n rows of kv_heads heads of d fit the cache's heads and slots has one slot per row:
+    """ValueError unless the cache is [2, pages, page_size, kv_heads, d] and slots has one slot per row:
     the kernels index by these counts unchecked, so a mismatch wrote into a neighbouring slot's K/V
-    or at a slot read past the end of `slots`, where the reference raises."""
-    if tuple(kv_layer.shape[-2:]) != (kv_heads, d) or tuple(slots.shape) != (n,):
+    or at a slot read past the end of `slots`, and into a cache without its V plane (a K plane
+    alone) each V row went one plane past the tensor's end, where the reference raises."""
+    if (kv_layer.dim() != 5 or kv_layer.shape[0] != 2 or tuple(kv_layer.shape[-2:]) != (kv_heads, d)
+            or tuple(slots.shape) != (n,)):
         raise ValueError(f"{op}: {n} rows of {kv_heads} heads of {d} into a cache of {list(kv_layer.shape)} "
-                         f"at slots {list(slots.shape)}")
+                         f"at slots {list(slots.shape)} (expected [2, pages, page_size, {kv_heads}, {d}] and [{n}])")
 
 
 def _check_rope(op: str, cos: torch.Tensor, sin: torch.Tensor, n: int, d: int) -> None:

@@ -301,3 +301,41 @@ def test_strided_index_tensors(device, strided):
     ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
     out = attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale, splits=2, block_n=16)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype,splits", [(torch.float32, 2), (torch.float8_e4m3fn, 1)], ids=["fp32-s2", "fp8-s1"])
+def test_window_edges_exact_at_4096(device, kv_dtype, splits):
+    """Every row's window edge at the served window (4096, pages of 16, 64-key tiles, 16 q heads on 1 KV
+    head), exactly: a parity tolerance hides one key of 4102 (1/4102 of an output). q = 0 makes each row's
+    output the mean of V over the keys it sees; V's dim j < 8 marks key P - 4096 + j, dim 8 counts every key
+    and dims 9.. mark the block's own keys P..P+6. Row r (at P + r) must see keys P - 4095 + r .. P + 6:
+    dim j exactly when j > r (and its key exists), every block key. Anchors past the window, at 4095 (row
+    0's edge at key 0, row r's at key r) and at 0 (the block alone). V's 0s and 1s are exact in fp8."""
+    d, page, window, contexts = 16, 16, 4096, [4100, 4095, 0]
+    seq = [c + Q for c in contexts]
+    need = [-(-s // page) for s in seq]
+    order = torch.randperm(sum(need), generator=torch.Generator().manual_seed(12)).to(torch.int32)
+    tables = torch.zeros(len(contexts), max(need), dtype=torch.int32)
+    kv = torch.zeros(2, sum(need) * page, 1, d)
+    for i, (c, k) in enumerate(zip(contexts, need)):
+        tables[i, :k] = order[sum(need[:i]) : sum(need[:i]) + k]
+        pos = torch.arange(c + Q)
+        v = torch.stack([(pos == c - window + j) for j in range(8)] + [pos >= 0]
+                        + [(pos == c + j) for j in range(Q)], dim=1).float()
+        slots = block_slots(tables[i], pos, page)
+        kv[0, slots] = torch.randn(c + Q, 1, d, generator=torch.Generator().manual_seed(i))
+        kv[1, slots] = v[:, None]
+    kv = kv.view(2, -1, page, 1, d).to(device, kv_dtype)
+    positions = torch.cat([torch.arange(c, c + Q) for c in contexts]).to(device)
+    q = torch.zeros(len(contexts) * Q, 16, d, device=device)
+    out = attention.paged_window_attention(q, kv, positions, torch.tensor(seq, dtype=torch.int32, device=device),
+                                           tables.to(device), Q, window, d ** -0.5, splits=splits)
+    want = torch.zeros(len(contexts), Q, d)
+    for i, c in enumerate(contexts):
+        for r in range(Q):
+            edge = max(0, c + r - (window - 1))
+            seen = c + Q - edge
+            want[i, r, :8] = torch.tensor([float(c - window + j >= edge) for j in range(8)]) / seen
+            want[i, r, 8], want[i, r, 9:] = 1.0, 1.0 / seen
+    want = want.view(-1, 1, d).expand(-1, 16, -1)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-7)

@@ -174,6 +174,24 @@ def test_rows_that_do_not_fit_the_cache_are_refused(device):
     assert torch.equal(one_head, before)
 
 
+@pytest.mark.parametrize("cache", ["k_plane_only", "no_planes"])
+def test_a_cache_without_its_two_planes_is_refused(device, cache):
+    """The kernels write V one plane (stride 0) past K, unchecked: into a cache of its K plane alone (here
+    a view of a wider buffer's first plane) each V row went past the tensor's end, where the reference
+    raises; a 4-D cache failed on a stride lookup (IndexError) rather than with the shapes named."""
+    qkv, qn, kn, cos, sin, kv, slots = _case(4, 1, 32, 16, 6, torch.float32, device, 0)
+    store = torch.zeros_like(kv)
+    bad = store[:1] if cache == "k_plane_only" else store[0]
+    k = v = torch.randn(6, 1, 32, device=device)
+    with pytest.raises((RuntimeError, IndexError)):
+        reference.attn_prelude(qkv, qn, kn, cos, sin, EPS, bad.clone(), slots, 4, 1)
+    with pytest.raises(ValueError, match=r"attn_prelude: 6 rows of 1 heads of 32 into a cache of .*expected \[2, "):
+        TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, bad, slots, 4, 1)
+    with pytest.raises(ValueError, match=r"write_kv: 6 rows of 1 heads of 32 into a cache of .*expected \[2, "):
+        TRITON_OPS.write_kv(bad, k, v, slots)
+    assert not store.any(), "a refused write reached the buffer"
+
+
 def test_cache_offsets_past_2_31_elements(device):
     """The K/V writes address the cache in int64 in every term: in a cache whose heads' stride is the
     outermost (a permutation of the planes view the server binds), head 2 lies 2 * (2^30 + 16) elements
