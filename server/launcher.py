@@ -26,6 +26,9 @@ STARTUP_STOP_S = 3.0
 EXIT_USAGE = ServeConfigError.exit_status  # cli.main: a flag, value, config or checkpoint that cannot be used, in one line
 EXIT_TEMPFAIL = AddressInUse.exit_status  # cli.main: the same for a port or socket another process holds now
 _REFUSALS = (EXIT_USAGE, EXIT_TEMPFAIL)
+# How a rank still starting ends on a stop: its handler's exit 0, or the signal's default action before its
+# handlers are set (-SIGTERM from the launcher, -SIGINT from a Ctrl-C to the whole foreground group).
+_STARTUP_STOPPED = (0, -signal.SIGTERM, -signal.SIGINT)
 
 
 def free_port(avoid: Collection[int] = ()) -> int:
@@ -96,13 +99,15 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
                 # A rank still importing (before serve_rank sets its handlers) ends by the stop's own signal:
                 # -SIGTERM from here, or -SIGINT from a Ctrl-C to the whole foreground group. That is the
                 # start-up stop asked for, exit 0 as documented, not a failed rank.
-                stopped = (0, -signal.SIGTERM, -signal.SIGINT) if not ready_sent else (0,)
+                stopped = _STARTUP_STOPPED if not ready_sent else (0,)
                 return 0 if all(c in stopped for c in codes) else 1
             if stopping and not ready_sent and time.monotonic() > stop_deadline:
                 log.warning("rank(s) %s still starting %.0f s after the stop request (blocked in the rendezvous "
                             "or a read); killing them", [r for r, c in enumerate(codes) if c is None], STARTUP_STOP_S)
                 _terminate(procs, grace_s=0.0)
-                return 0
+                # The kill is the stop asked for; a rank that had already exited otherwise (a traceback, exit 1)
+                # failed all the same, as when every rank exits by itself (above): 0 here hid it.
+                return 0 if all(c in _STARTUP_STOPPED for c in codes if c is not None) else 1
             if stopping and time.monotonic() > stop_deadline:
                 log.error("ranks still running %.0f s after SIGTERM; killing them", serving_grace)
                 _terminate(procs, grace_s=0.0)

@@ -66,11 +66,18 @@ def _hold_claim(path: Path) -> None:
     if path in _claims:  # claimed by this process already (tests, a rank that checks again)
         return
     lock = path.with_name(path.name + ".lock")
-    try:  # never through a link, nor made readable by others: the folder's policy governs what is in it
-        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # Never through a link, nor made readable by others: the folder's policy governs what is in it. O_NONBLOCK:
+    # a FIFO at that name (the engine's group may create entries here, its wake FIFOs among them) blocked
+    # the open until a writer came, a rank hung before it listened; it is refused below instead.
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     except OSError as err:
         raise ServeConfigError(f"--socket-dir: cannot open the lock file {lock}: {err.strerror}; remove it "
                                "(as its owner or root)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ServeConfigError(f"--socket-dir: the lock file {lock} is not a regular file; remove it (as its "
+                               "owner or root)")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

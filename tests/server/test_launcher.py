@@ -328,3 +328,30 @@ def test_a_stop_while_the_ranks_are_spawned_stops_the_spawning_and_exits_0(tmp_p
     assert not missed and code == 0 and len(started) == 1
     assert "killing them" not in caplog.text, "rank 0 never got the launcher's SIGTERM: the start-up stop killed it"
     assert started[0].returncode == -signal.SIGTERM, started[0].returncode
+
+
+def test_a_rank_that_failed_during_a_start_up_stop_is_not_hidden_by_the_kill_of_a_wedged_peer(tmp_path, monkeypatch,
+                                                                                               caplog):
+    """A stop during start-up: rank 0 exits 1 by itself (a failure, its own traceback), rank 1 is blocked where no
+    handler runs and is killed STARTUP_STOP_S later. With every rank exiting by itself the launcher said 1; with
+    one killed it returned 0 whatever the others' codes, so the failed rank went unreported."""
+    from dspark_sidecar.server import launcher
+
+    monkeypatch.setattr(launcher, "STARTUP_STOP_S", 0.5)
+    rank = ("import os, pathlib, signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, (lambda *a: sys.exit(1)) if os.environ['RANK'] == '0' else signal.SIG_IGN)\n"
+            f"pathlib.Path({str(tmp_path)!r}, 'up-' + os.environ['RANK']).touch()\n"
+            "time.sleep(60)\n")
+    _fake_ranks(monkeypatch, rank)
+
+    def stop_once_up() -> None:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("up-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_up, daemon=True).start()
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+        code = launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=lambda: False, poll_s=0.05)
+    assert "killing them" in caplog.text, caplog.text  # rank 1 was killed, as a start-up stop does
+    assert code == 1, "rank 0's exit 1 was reported as a clean stop"

@@ -6,6 +6,7 @@ raise raw tracebacks for a folder it could not make or a port gRPC could not bin
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -130,3 +131,16 @@ def test_a_draft_stream_while_the_rank_loads_ends_unavailable_with_the_loading_r
         assert status is not None and any(b"LOADING" in d.value for d in status.details), status
     finally:
         server.stop(None)
+
+
+def test_a_fifo_at_the_lock_file_s_name_is_refused_not_waited_on(tmp_path):
+    """The claim opened DIR/rank{r}.sock.lock read-only, which on a FIFO (the engine's group may create
+    entries in the folder) waits for a writer: the rank hung before it listened, saying nothing."""
+    os.mkfifo(tmp_path / "rank0.sock.lock")
+    probe = subprocess.run(
+        [sys.executable, "-c", "from pathlib import Path; from dspark_sidecar.server import preflight; "
+         "from dspark_sidecar.server.config import ServeConfig; "
+         f"preflight.claim_socket(ServeConfig(tp=1, socket_dir=Path({str(tmp_path)!r})), 0)"],
+        capture_output=True, text=True, timeout=20)
+    assert probe.returncode == 1
+    assert "is not a regular file; remove it" in probe.stderr
