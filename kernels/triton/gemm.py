@@ -492,6 +492,10 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     has_res = residual is not None
     if has_res and (swiglu or residual.shape != (m, n) or residual.stride(-1) != 1):
         raise ValueError(f"gemm: residual {list(residual.shape)} must be a row-major [{m}, {n}] without swiglu")
+    # The sum is written in x.dtype: a wider residual (fp32 under bf16 x) came back rounded to bf16,
+    # where the reference's `residual + y` promotes and returns the wider sum.
+    if has_res and residual.dtype != x.dtype:
+        raise ValueError(f"gemm: residual dtype {residual.dtype} is not the activations' {x.dtype}")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride() != (n, 1):

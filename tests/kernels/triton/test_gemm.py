@@ -70,6 +70,20 @@ def test_residual_in_epilogue(device, config, parity):
         gemm.gemm(x, w, residual=res[:, :100])
 
 
+def test_residual_dtype_must_be_the_activations(device):
+    """A residual wider than x (fp32 under bf16 activations): the reference's `residual + y` returns
+    the fp32 sum, while the GEMM wrote it in x.dtype, the residual stream silently rounded to bf16
+    (and with accumulate, over an fp32 residual, was refused as a wrong `out`). Refused, named."""
+    x, w, _ = _inputs(7, 64, 32, torch.bfloat16, device, seed=19)
+    res = torch.randn(7, 32, generator=torch.Generator().manual_seed(20)).to(device)
+    assert reference.linear(x, w, res).dtype == torch.float32
+    for cfg in (CONFIGS["split1"], CONFIGS["split3"]):
+        with pytest.raises(ValueError, match="residual dtype"):
+            gemm.gemm(x, w, residual=res, config=cfg)
+    with pytest.raises(ValueError, match="residual dtype"):
+        gemm.gemm(x, w, residual=res, out=res)  # Ops.linear's accumulate
+
+
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 def test_sum_written_over_the_residual(device, config):
     """out=residual (Ops.linear's accumulate): each residual element is read by the program that
@@ -165,8 +179,10 @@ def test_plan_fills_an_h200():
     for rows in (7, 56):
         for n, k in ((2304, 6144), (6144, 2048), (3072, 6144), (6144, 3072)):  # gate_up: 3072 per half
             cfg = gemm.plan(rows, n, k, 132)
-            k_per = -(-k // cfg.split_k)
-            assert (cfg.split_k - 1) * k_per < k
+            # The K per range gemm._tiling launches (whole K tiles): every range holds some of K.
+            # (With ceil(k / split_k), not rounded to whole tiles, the check held for any split_k here.)
+            k_per = -(-(-(-k // cfg.split_k)) // cfg.block_k) * cfg.block_k
+            assert (cfg.split_k - 1) * k_per < k <= cfg.split_k * k_per
             assert -(-n // cfg.block_n) * -(-rows // cfg.block_m) * cfg.split_k >= 132
             assert cfg.block_m >= rows or cfg.block_m == 64
 
