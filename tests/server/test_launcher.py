@@ -9,12 +9,27 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from dspark_sidecar.server.config import ServeConfig
 from dspark_sidecar.server.launcher import EXIT_TEMPFAIL, EXIT_USAGE, launch
 from helpers.engine_fakes import short_socket_dir
+
+
+def _launch_and_stop_once_up(tmp_path: Path, caplog) -> int:
+    """launch() of two fake ranks that each touch tmp_path/up-RANK, with this process sent SIGTERM (the stop)
+    once both have: a stop during start-up, by state rather than by time. The launcher's exit code."""
+    def stop_once_up() -> None:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("up-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_up, daemon=True).start()
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+        return launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=lambda: False, poll_s=0.05)
 
 
 def _fake_ranks(monkeypatch, script: str) -> None:
@@ -119,15 +134,7 @@ def test_a_stop_before_the_ranks_set_their_handlers_exits_0(tmp_path, monkeypatc
             "sys.exit(3)\n")
     _fake_ranks(monkeypatch, rank)
 
-    def stop_once_up() -> None:
-        deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("up-*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=stop_once_up, daemon=True).start()
-    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
-        code = launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=lambda: False, poll_s=0.05)
+    code = _launch_and_stop_once_up(tmp_path, caplog)
     assert code == 0, "ranks ended by the stop's own SIGTERM were counted as failures"
     # Ended by the stop's SIGTERM, not by the start-up stop's kill (STARTUP_STOP_S later).
     assert "killing them" not in caplog.text, caplog.text
@@ -344,14 +351,6 @@ def test_a_rank_that_failed_during_a_start_up_stop_is_not_hidden_by_the_kill_of_
             "time.sleep(60)\n")
     _fake_ranks(monkeypatch, rank)
 
-    def stop_once_up() -> None:
-        deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("up-*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=stop_once_up, daemon=True).start()
-    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
-        code = launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=lambda: False, poll_s=0.05)
+    code = _launch_and_stop_once_up(tmp_path, caplog)
     assert "killing them" in caplog.text, caplog.text  # rank 1 was killed, as a start-up stop does
     assert code == 1, "rank 0's exit 1 was reported as a clean stop"
