@@ -112,22 +112,30 @@ def test_a_step_waiting_for_a_killed_peer_s_copy_is_aborted_at_once_naming_it(ri
     assert not alive(pids[0])
 
 
-def test_a_step_that_comes_after_rank_0_exited_is_aborted_at_once_not_left_unanswered(rig):
-    """Rank 0 killed while the group is idle, before rank 1's first step: rank 1's rendezvous had never looked
-    at rank 0's process, and only a process seen alive is judged exited (PeerProcesses), so the step waited for
-    a verdict that cannot come, its stream ending unanswered when the launcher killed the rank ~10 s later."""
+def _kill_idle_then_ask(rig, killed: int, asking: int):
+    """SIGKILL rank `killed` while the group is idle, wait until it has exited (a zombie until the launcher reaps
+    it counts), then send rank `asking` its next step: (its answer, seconds since the kill). An answer is required."""
     from dspark_sidecar.server.processes import exited
 
     sc, eng, step, streams = rig
     pids = sc.rank_pids()
     t_kill = time.monotonic()
-    os.kill(pids[0], signal.SIGKILL)
-    while not exited(pids[0]):  # a zombie until the launcher reaps it: exited all the same
+    os.kill(pids[killed], signal.SIGKILL)
+    while not exited(pids[killed]):
         time.sleep(0.005)
-    ans = streams[1].ask(eng.request(1, 2, step), timeout=60)  # within rank 1's --drain-s: still taken
+    ans = streams[asking].ask(eng.request(asking, 2, step), timeout=60)  # within its --drain-s: still taken
     took = time.monotonic() - t_kill
-    assert ans is not None, (f"the stream ended without an answer after {took:.1f} s ({streams[1].end})\n"
+    assert ans is not None, (f"the stream ended without an answer after {took:.1f} s ({streams[asking].end})\n"
                              f"{sc.log_tail()}")
+    return ans, took
+
+
+def test_a_step_that_comes_after_rank_0_exited_is_aborted_at_once_not_left_unanswered(rig):
+    """Rank 0 killed while the group is idle, before rank 1's first step: rank 1's rendezvous had never looked
+    at rank 0's process, and only a process seen alive is judged exited (PeerProcesses), so the step waited for
+    a verdict that cannot come, its stream ending unanswered when the launcher killed the rank ~10 s later."""
+    sc = rig[0]
+    ans, took = _kill_idle_then_ask(rig, killed=0, asking=1)
     # Told by the exit: the deadline's abort would say "did not receive it", the give-up answers nothing.
     assert ans.WhichOneof("result") == "error" and ans.error.code == grpc.StatusCode.ABORTED.value[0], ans
     assert "coordinator" in ans.error.message and "exited" in ans.error.message, (took, ans.error.message)
@@ -140,18 +148,8 @@ def test_a_step_waiting_for_a_peer_that_exited_before_the_coordinator_s_first_lo
     process seen alive is judged exited, PeerProcesses). Rank 0's step then waited out the whole --rendezvous-ms
     (here 6 s; up to 60 s) and answered "did not receive it", or went unanswered in the group's shutdown. Rank 0's
     peers_started has its coordinator look at every peer once all are past the start-up barrier."""
-    from dspark_sidecar.server.processes import exited
-
-    sc, eng, step, streams = rig_no_timed_looks
-    pids = sc.rank_pids()
-    t_kill = time.monotonic()
-    os.kill(pids[1], signal.SIGKILL)
-    while not exited(pids[1]):  # a zombie until the launcher reaps it: exited all the same
-        time.sleep(0.005)
-    ans = streams[0].ask(eng.request(0, 2, step), timeout=60)  # within rank 0's --drain-s: still taken
-    took = time.monotonic() - t_kill
-    assert ans is not None, (f"the stream ended without an answer after {took:.1f} s ({streams[0].end})\n"
-                             f"{sc.log_tail()}")
+    sc = rig_no_timed_looks[0]
+    ans, took = _kill_idle_then_ask(rig_no_timed_looks, killed=1, asking=0)
     assert ans.WhichOneof("result") == "error" and ans.error.code == grpc.StatusCode.ABORTED.value[0], ans
     assert "rank(s) 1 exited" in ans.error.message and "did not receive" not in ans.error.message, (
         took, ans.error.message)
