@@ -310,6 +310,17 @@ def _check_tp(preset: str, tp: int) -> None:
         raise UsageError(f"--tp {tp}: {err}") from None
 
 
+def _check_gpus(tp: int) -> None:
+    """UsageError unless --tp GPUs are visible: sidecar rank r and engine rank r both run on GPU r
+    (torch.cuda.set_device(r)); with fewer, the ranks failed in tracebacks after the sidecar had started."""
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < tp:
+        raise UsageError(f"--device cuda: {visible} GPU(s) visible, --tp {tp} needs {tp} (sidecar rank r and engine "
+                         "rank r run on GPU r); lower --tp, make more GPUs visible, or use --device cpu")
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from dspark_sidecar import layout
     from dspark_sidecar.client.demo import DemoConfig, DemoError, format_report, run_demo, unverified_line, verdict
@@ -342,13 +353,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     # launcher, as "a sidecar already answers" there.
     if a.socket_dir is not None and (problem := layout.socket_dir_problem(a.socket_dir, a.tp)):
         raise UsageError(f"--socket-dir: {problem}")
-    if a.device == "cuda":  # sidecar rank r and engine rank r both on GPU r (torch.cuda.set_device(r))
-        import torch
-
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if visible < a.tp:
-            raise UsageError(f"--device cuda: {visible} GPU(s) visible, --tp {a.tp} needs {a.tp} (sidecar rank r and "
-                             "engine rank r run on GPU r); lower --tp or use --device cpu")
+    if a.device == "cuda":
+        _check_gpus(a.tp)
     if cfg.verify and a.tp != a.required_tp:
         # The shim forwards only at --required-tp (the seed's check): every round would run locally, and a
         # verifying demo that compared nothing fails (exit 1), after starting eight processes to say so.
@@ -417,11 +423,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         # Before any process: with --no-single-gpu nothing else checked the preset or --tp before the sidecar
         # started, which then failed (a traceback naming its log, its folder left in $TMPDIR) for a flag's value.
         _check_tp(a.preset, a.tp)
-        if device.type == "cuda":  # engine rank r and sidecar rank r on GPU r, as the demo's
-            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if visible < a.tp:  # run_tp_bench's own check exited 1, a parity failure's status, unprefixed
-                raise UsageError(f"--tp {a.tp}: {visible} GPU(s) visible, it needs {a.tp} (sidecar rank r and engine "
-                                 "rank r run on GPU r); lower --tp, make more GPUs visible, or use --device cpu")
+        if device.type == "cuda":  # run_tp_bench's own check exited 1, a parity failure's status, unprefixed
+            _check_gpus(a.tp)
 
         bc.out_dir.mkdir(parents=True, exist_ok=True)
         with _sigterm_unwinds():  # as the demo's: killed at once, the engine ranks' folder stayed behind
