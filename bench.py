@@ -436,7 +436,7 @@ class Bench:
         `_forward_context(case)`."""
         host = self.bc.shim_inputs == "host"
         began = self.phases.start() if self.phases is not None else None
-        rung = self.shim.stats.via_doorbell
+        doorbell_steps = self.shim.stats.via_doorbell  # this step counts here only if it went by the doorbell
         t0 = time.monotonic_ns()
         out = self.shim.maybe_forward(None, case.host.positions if host else case.positions, self._inputs)
         t1 = time.monotonic_ns()
@@ -446,7 +446,7 @@ class Bench:
             # It dropped the link (a failed step) and answered over another doorbell or the gRPC stream:
             # not the data plane this mode is named for, and self.bell's time stamps are not this step's.
             raise RuntimeError("the shim's step left the bench's data plane (it set its link up again after a failure)")
-        if self.shim.stats.via_doorbell == rung:
+        if self.shim.stats.via_doorbell == doorbell_steps:
             # Its doorbell kept, it sent a step that does not fit the registered buffers (more pages than
             # they hold) over the gRPC stream inline: timed as h, that is (e)'s path, under self.bell's old stamps.
             raise RuntimeError("the shim sent the step over the gRPC stream, not the bench's data plane "

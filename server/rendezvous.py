@@ -279,7 +279,7 @@ class Rendezvous:
         posted = time.monotonic()
         give_up = posted + self.deadline_ms / 1e3 + self.fatal_after_s
         ring, words = self.board.ring, self.board.words
-        next_look = time.monotonic() + GONE_CHECK_S
+        next_look = posted + GONE_CHECK_S
         if self.rank != 0 and not self._peers.seen(0):  # until seen alive (PeerProcesses: once per posted pid)
             self._peers.gone(0)
         lower_timer_slack()
