@@ -20,6 +20,7 @@ import json
 import math
 import statistics
 import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -260,7 +261,8 @@ def _sweep(name, rows, n_out, k, kind, fp8, wdt, nbytes, make, rec, dev):
         cfg = gemm.GemmConfig(p.block_m, bn, bk, p.split_k, warps, stages or p.num_stages)
         t = _per_call(lambda cfg=cfg: make(cfg), nbytes)
         rec(f"  {name.split()[0]} sweep", wdt, t, nbytes,
-            cfg=f"bn{bn} bk{bk} pps{pps} w{warps} st{stages} s{cfg.split_k}")
+            # st: the launch's stages (SWEEP's None printed "stNone" for every MXFP8 row, not plan's count)
+            cfg=f"bn{bn} bk{bk} pps{pps} w{warps} st{cfg.num_stages} s{cfg.split_k}")
 
 
 def make_step(rows: int, context: int, dev: torch.device, fp8: bool, ops) -> Callable[[], torch.Tensor]:
@@ -531,12 +533,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--sweep", action="store_true", help="also time a few GEMM tilings and attention splits")
     ap.add_argument("--no-step", action="store_true", help="skip the 5-layer step figures")
-    ap.add_argument("--tune", action="store_true", help="only time the step under each TUNE row of tunables")
+    # One "only" mode at a time: --fit with --profile skipped the rows check and profiled 8 rows into a
+    # kernel's shape error; --fit or --profile with --tune dropped the tuning without a word.
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--tune", action="store_true", help="only time the step under each TUNE row of tunables")
     ap.add_argument("--tune-match", nargs="+", help="with --tune: only TUNE rows whose label contains one of these (and the first)")
     ap.add_argument("--tune-fp8", action="store_true", help="with --tune or --profile: the step with MXFP8 layer weights")
-    ap.add_argument("--profile", action="store_true", help="only print the step's per-kernel GPU times")
-    ap.add_argument("--fit", action="store_true",
-                    help="only fit one GEMM launch's fixed cost and streaming rate (Triton and cuBLAS) over N")
+    mode.add_argument("--profile", action="store_true", help="only print the step's per-kernel GPU times")
+    mode.add_argument("--fit", action="store_true",
+                      help="only fit one GEMM launch's fixed cost and streaming rate (Triton and cuBLAS) over N")
     ap.add_argument("--fit-k", type=int, nargs="+", default=[6144, 2048], help="with --fit: the K values")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
@@ -553,6 +558,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--fit-k: at least 1 each, got {args.fit_k}")
     if args.context < 0:
         ap.error(f"--context: committed keys per request, at least 0, got {args.context}")
+    if args.json and args.profile:  # profile() prints its figures only: the run ended with no file written
+        ap.error("--json: --profile prints its figures and writes none")
+    if args.json:  # here, not after the GPU work: a missing folder raised at the end and lost every figure
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--json: cannot make the folder of {args.json}: {e}")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     bw = copy_bandwidth(dev)

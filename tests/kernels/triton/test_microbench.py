@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -44,6 +47,55 @@ def test_fit_refuses_rows_or_k_below_one_before_the_gpu(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and ("--fit-k" if "--fit-k" in argv else "--rows") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--fit", "--profile", "--rows", "8"], ["--tune", "--fit"], ["--profile", "--tune"]])
+def test_only_modes_are_refused_together_before_the_gpu(argv, capsys):
+    """--tune, --profile and --fit each run only themselves: --fit --profile skipped the rows check (8 rows
+    profiled into a kernel's shape error after the bandwidth copy), and --fit or --profile with --tune
+    dropped the tuning without a word."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_json_with_profile_is_refused_before_the_gpu(capsys):
+    """--profile prints its figures only: with --json the run ended well and wrote no file."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--profile", "--json", "profile.json"])
+    assert exit_.value.code == 2 and "--json" in capsys.readouterr().err
+
+
+def test_json_folder_is_made_before_the_gpu_work(tmp_path, monkeypatch, capsys):
+    """The figures were written after every timing, into a folder that had to exist: a missing one raised
+    FileNotFoundError at the end, and one that cannot be made is refused by name before the GPU."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--fit", "--rows", "7", "--json", str(blocker / "fit.json")])
+    assert exit_.value.code == 2 and "--json" in capsys.readouterr().err
+    monkeypatch.setattr(microbench, "copy_bandwidth", lambda dev: 4e12)
+    monkeypatch.setattr(microbench, "bench_fit", lambda rows, k, bw, dev: [dict(op="fit triton", rows=rows, k=k)])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "stand-in")
+    out = tmp_path / "new" / "fit.json"
+    main(["--fit", "--rows", "7", "--fit-k", "6144", "--json", str(out)])
+    assert json.loads(out.read_text())["results"] == [dict(op="fit triton", rows=7, k=6144)]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "mxfp8"])
+def test_sweep_labels_are_the_configs_launched(fp8, monkeypatch):
+    """The MXFP8 SWEEP rows leave their stages to the planner (None): the label printed "stNone" for every
+    one of them, not the stage count the launch ran."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(microbench, "_per_call", lambda make, nbytes: (make(), 1e-6)[1])
+    launched, printed = [], []
+    wdt = "fp8" if fp8 else "bf16"
+    microbench._sweep("gate_up norm_linear_swiglu", 56, 6144, 6144, "swiglu", fp8, wdt, 1, launched.append,
+                      lambda *a, cfg: printed.append(cfg), None)
+    assert len(launched) == len(printed) == len(microbench.SWEEP[wdt])
+    for c, label in zip(launched, printed, strict=True):
+        assert label == (f"bn{c.block_n} bk{c.block_k} pps{label.split('pps')[1].split()[0]} w{c.num_warps} "
+                         f"st{c.num_stages} s{c.split_k}")
 
 
 def test_swiglu_floor_counts_its_half_width_output():
