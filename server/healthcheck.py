@@ -11,6 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dspark_sidecar import layout
 from dspark_sidecar.proto import SERVICE_NAME
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
 
 def check(target: str, timeout_s: float = 2.0, service: str = SERVICE_NAME) -> str:
@@ -22,6 +24,39 @@ def check(target: str, timeout_s: float = 2.0, service: str = SERVICE_NAME) -> s
             return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     except grpc.RpcError as err:
         return f"UNREACHABLE: {unreachable(err, timeout_s)}"
+
+
+def not_serving_why(target: str, timeout_s: float = 2.0) -> str:
+    """The rank's own words for its NOT_SERVING ("STATE" or "STATE: why", from GetStatus), or "" when it gives
+    none. Health reads the same for a rank still loading, draining, refused for good (--strict-refusal) or
+    waiting on a peer that exited; the probe's line is all a person sees of a failed probe (a Kubernetes
+    probe's event), so it says which, and why, as the shim reads it (client/connection.py probe_health)."""
+    try:
+        with grpc.insecure_channel(target) as ch:
+            st = pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
+    except grpc.RpcError as err:
+        # Loading its shard, a rank has no status to give yet and says so in its error (ErrorInfo reason LOADING,
+        # server/app.py LateServicer); a rank gone since the health check says nothing: health's word stands.
+        return _error_reason(err)
+    # REFUSED's why is the fast path's refusal; PEER_SILENT's is state_reason (proto StatusReport).
+    why = st.state_reason or (st.fast_path_refusal if st.state == "REFUSED" else "")
+    return f"{st.state}: {why}" if why else st.state
+
+
+def _error_reason(err: grpc.RpcError) -> str:
+    """The sidecar's ErrorInfo reason in `err` ("LOADING"), or "" for an error that is not the sidecar's."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    try:
+        st = rpc_status.from_call(err)
+    except ValueError:  # a malformed status: not the sidecar's
+        return ""
+    for d in st.details if st is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if d.Unpack(info):
+            return info.reason
+    return ""
 
 
 def unreachable(err: grpc.RpcError, timeout_s: float) -> str:
@@ -65,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for p in paths:
         status = check(f"unix:{p}", a.timeout)
-        print(f"{p}: {status}")
         ok &= status == "SERVING"
+        if status == "NOT_SERVING" and (why := not_serving_why(f"unix:{p}", a.timeout)):
+            status += f" ({why})"
+        print(f"{p}: {status}")
     return 0 if ok else 1
 
 

@@ -90,5 +90,7 @@ class Metrics:
 
     def serve_http(self, host: str, port: int) -> None:
         """Prometheus text on host:port (default loopback: only the node's own scraper agent)."""
-        start_http_server(port, addr=host, registry=self.registry)
+        # An IPv6 literal may come bracketed ("[::1]"), as --tcp-host and the parent's port check take it:
+        # the HTTP server looks the text up as is, and every rank failed to start on a host the check passed.
+        start_http_server(port, addr=host.strip("[]"), registry=self.registry)
 

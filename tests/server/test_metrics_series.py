@@ -49,3 +49,27 @@ def test_get_status_percentiles_are_nearest_rank_as_the_bench_s():
         m.step("ok", {"total": n})
         (lat,) = m.latencies_pb()
         assert (lat.p50_ns, lat.p99_ns) == (math.ceil(n / 2), -(-99 * n // 100)), n
+
+
+def test_a_bracketed_ipv6_metrics_host_the_start_up_check_passes_is_served(tmp_path):
+    """`--metrics-host [::1]`, as --tcp-host and the parent's port check (preflight.check_port) take an IPv6
+    literal: the check passed, then every rank failed to start (exit 2, "Name or service not known"), since
+    the HTTP server looked the bracketed text up as a host name."""
+    import socket
+    import urllib.request
+
+    import pytest
+
+    from dspark_sidecar.server.preflight import check_port
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            port = s.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback on this host")
+    check_port("--metrics-port", "[::1]", port)  # the parent's check: passes
+    m = Metrics(3)
+    m.serve_http("[::1]", port)
+    with urllib.request.urlopen(f"http://[::1]:{port}/", timeout=5) as resp:
+        assert 'dspark_serving{rank="3"} 0.0' in resp.read().decode()
