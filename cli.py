@@ -240,18 +240,11 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 def _sidecar_error(err) -> str:
     """"CODE (REASON): message" when the sidecar itself answered `err` (its ErrorInfo), else ""."""
-    from google.rpc import error_details_pb2
-    from grpc_status import rpc_status
+    from dspark_sidecar.proto.rich_status import error_reason
 
-    try:
-        st = rpc_status.from_call(err)
-    except ValueError:  # a malformed status: not the sidecar's
-        return ""
-    for d in st.details if st is not None else ():
-        info = error_details_pb2.ErrorInfo()
-        if d.Unpack(info):
-            return f"{err.code().name} ({info.reason}): {st.message}"
-    return ""
+    reason = error_reason(err)
+    # details() is the rich status's message: rpc_status.from_call refuses a status whose message differs.
+    return f"{err.code().name} ({reason}): {err.details()}" if reason else ""
 
 
 def cmd_step(a: argparse.Namespace) -> int:

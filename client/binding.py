@@ -10,13 +10,12 @@ from typing import Sequence
 
 import grpc
 import torch
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from dspark_sidecar.drafter.kv_cache import FP8_KV, kv_planes
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import memory
+from dspark_sidecar.proto.rich_status import error_reason
 from dspark_sidecar.proto.memory import HandleError, export_handle
 
 log = logging.getLogger("dspark_sidecar.client")
@@ -53,21 +52,6 @@ class NotShareable(BindError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, permanent=False)
-
-
-def error_reason(err: grpc.RpcError) -> str:
-    """The ErrorInfo.reason of a rich gRPC status, or '' when there is none."""
-    try:
-        status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    except (AttributeError, ValueError, TypeError):
-        return ""
-    if status is None:
-        return ""
-    for detail in status.details:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason
-    return ""
 
 
 def layer_identity(t: torch.Tensor) -> tuple:

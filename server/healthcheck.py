@@ -13,6 +13,7 @@ from dspark_sidecar import layout
 from dspark_sidecar.proto import SERVICE_NAME
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from dspark_sidecar.proto.rich_status import error_reason
 
 
 def check(target: str, timeout_s: float = 2.0, service: str = SERVICE_NAME) -> str:
@@ -37,26 +38,10 @@ def not_serving_why(target: str, timeout_s: float = 2.0) -> str:
     except grpc.RpcError as err:
         # Loading its shard, a rank has no status to give yet and says so in its error (ErrorInfo reason LOADING,
         # server/app.py LateServicer); a rank gone since the health check says nothing: health's word stands.
-        return _error_reason(err)
+        return error_reason(err)
     # REFUSED's why is the fast path's refusal; PEER_SILENT's is state_reason (proto StatusReport).
     why = st.state_reason or (st.fast_path_refusal if st.state == "REFUSED" else "")
     return f"{st.state}: {why}" if why else st.state
-
-
-def _error_reason(err: grpc.RpcError) -> str:
-    """The sidecar's ErrorInfo reason in `err` ("LOADING"), or "" for an error that is not the sidecar's."""
-    from google.rpc import error_details_pb2
-    from grpc_status import rpc_status
-
-    try:
-        st = rpc_status.from_call(err)
-    except ValueError:  # a malformed status: not the sidecar's
-        return ""
-    for d in st.details if st is not None else ():
-        info = error_details_pb2.ErrorInfo()
-        if d.Unpack(info):
-            return info.reason
-    return ""
 
 
 def unreachable(err: grpc.RpcError, timeout_s: float) -> str:
