@@ -6,6 +6,9 @@ set -uo pipefail
 out=${OUT:-/tmp/dspark-gpu-check}
 mkdir -p "$out"
 if [[ -d .whl ]]; then  # packages the host lacks, carried as wheels
+  # Into an empty folder: `--target` skips every package already there, so on a warm machine a newer
+  # wheel than the last run's was not installed, and that run's package was imported instead.
+  rm -rf /tmp/dspark-site
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/dspark-site
 fi

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
+import zipfile
 from pathlib import Path
 
 from deploy.deploy_files import DEPLOY
@@ -26,8 +28,10 @@ case $cmd in
 esac
 """
 # python3: every step prints a line and succeeds at once (the bench's output is filtered through grep,
-# which fails on none), except pytest while STALL is set, which waits to be killed.
-PYTHON = """#!/bin/sh
+# which fails on none), except pytest while STALL is set, which waits to be killed, and pip, which is the
+# real one (the carried wheels of .whl/ are installed for real).
+PYTHON = f"""#!/bin/sh
+[ "$1 $2" = "-m pip" ] && exec {sys.executable} "$@"
 case " $* " in
   *" pytest "*) if [ -n "$STALL" ]; then touch "$STUB_DIR/stalled"; exec sleep 60; fi ;;
 esac
@@ -94,3 +98,37 @@ def test_a_run_that_ends_quits_the_daemon_it_started(tmp_path):
     assert proc.wait(timeout=60) == 0
     assert (tmp_path / "out" / "env.log").read_text().splitlines()[0] == "MPS daemon: 1"
     assert not (tmp_path / "mps-running").exists()
+
+
+def _wheel(folder: Path, version: int) -> None:
+    """A pure-Python wheel of the module `carried` at `version`, as the runs carry in .whl/."""
+    import base64
+    import hashlib
+
+    files = {"carried.py": f"VERSION = {version}\n",
+             f"carried-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: carried\nVersion: {version}\n",
+             f"carried-{version}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                     "Tag: py3-none-any\n"}
+    record = f"carried-{version}.dist-info/RECORD"
+    lines = [f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+             f"{len(text.encode())}" for name, text in files.items()]
+    with zipfile.ZipFile(folder / f"carried-{version}-py3-none-any.whl", "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(record, "\n".join([*lines, f"{record},,"]) + "\n")
+
+
+def test_a_second_run_imports_the_wheels_it_carries_not_an_earlier_runs(tmp_path):
+    """The carried wheels were installed with `pip install --target /tmp/dspark-site`, which skips (with a
+    warning) every package already in the folder: on a warm machine a run carrying a newer wheel than the
+    run before it imported the earlier run's package, with both versions' metadata beside it."""
+    carried = tmp_path / "checkout" / ".whl"
+    carried.mkdir(parents=True)
+    for version in (1, 2):
+        for old in carried.iterdir():
+            old.unlink()
+        _wheel(carried, version)
+        assert _run_script(tmp_path, stall=False).wait(timeout=120) == 0
+    site = tmp_path / "scratch" / "dspark-site"
+    assert (site / "carried.py").read_text() == "VERSION = 2\n"
+    assert sorted(p.name for p in site.glob("*.dist-info")) == ["carried-2.dist-info"]
