@@ -284,9 +284,7 @@ class DrafterShim:
                     hidden, why = None, self._internal("step", e)
             if not all_min_ints(self._agree, [int(hidden is not None)])[0]:
                 return self._fallback(why or PEER_FAILED)
-            self.stats.forwarded += 1
-            self.stats.via_doorbell += int(self._via_doorbell)
-            self.stats.forward_ns.append(time.perf_counter_ns() - start)
+            self.stats.record_forward(time.perf_counter_ns() - start, self._via_doorbell)
             return hidden
         finally:
             self._step_open = False
@@ -642,7 +640,7 @@ class DrafterShim:
         return key
 
     def _fallback(self, why: str) -> None:
-        self.stats.fallbacks[why] += 1
+        self.stats.record_fallback(why)
         if why not in self._logged:
             self._logged.add(why)
             log.info("DSpark drafter step on the stock layers: %s (logged once)", why)
