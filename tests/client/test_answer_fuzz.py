@@ -788,3 +788,29 @@ def test_a_good_answer_for_one_shape_is_refused_for_another():
             t.check_answer(answer(rows, 16), 1, other, 16)
         with pytest.raises(ValueError, match="expected"):
             t.check_answer(answer(rows, 16), 1, rows, 32)
+
+
+@pytest.mark.parametrize("transport", BOTH)
+def test_a_forwarded_answer_is_the_engines_to_keep(rig, transport, monkeypatch):
+    """maybe_forward's tensor is memory of the engine's own. An fp32 engine on CPU gets the answer with no dtype
+    or device conversion, which would copy it. Without the shim's own copy it would be, over the stream, a
+    tensor over the message's immutable bytes (codec.from_tensor_ref without writable=True) and, over the
+    doorbell, a view of the output region that the next step's answer overwrites. Kept across a step, it
+    must still be its own step's answer. Nothing pinned either copy: test_shim_steps.py wrote into a result
+    ("not aliasing the message bytes") and checked nothing, and every other check reads a result at once."""
+    over_bytes: list[torch.Tensor] = []
+    real = torch.frombuffer
+    monkeypatch.setattr(torch, "frombuffer", lambda *a, **k: over_bytes.append(real(*a, **k)) or over_bytes[-1])
+    fake, shim, model = rig(transport)
+    first = call(shim, 1)
+    check(first, model, 1, f"[{transport}] step 1")
+    assert first.out is not None, dict(shim.stats.fallbacks)
+    assert (shim.doorbell is not None) == (transport == "doorbell")
+    if transport == "grpc":  # (the doorbell's regions are shared memory, which frombuffer maps too)
+        lo, hi = first.out.data_ptr(), first.out.data_ptr() + first.out.nbytes
+        shared = [t for t in over_bytes if t.numel() and t.data_ptr() < hi and lo < t.data_ptr() + t.nbytes]
+        assert not shared, "the answer is a tensor over the message's bytes, not memory of its own"
+    k = recover(shim, model, 2, f"[{transport}] after step 1", refusal_ok=False)  # a later step answered
+    assert torch.equal(first.out, expected(model, 1)), f"step 1's answer changed under the engine at step {k}"
+    first.out.fill_(-1.0)  # the engine's to write: nothing the shim reads or answers changes
+    recover(shim, model, k + 1, f"[{transport}] after the engine wrote step 1's answer", refusal_ok=False)
