@@ -127,6 +127,8 @@ class BenchConfig:
             raise BenchConfigError(f"--repeats: at least 1, got {self.repeats}")
         if self.sidecar_backend not in BACKENDS:
             raise BenchConfigError(f"--sidecar-backend: one of {BACKENDS}, got {self.sidecar_backend!r}")
+        if self.shim_phases and "h" not in self.modes:  # it splits h's time: without h it was ignored
+            raise BenchConfigError(f"--shim-phases: splits mode h's time, and --modes {''.join(self.modes)} has no h")
 
 
 class Case:
@@ -326,7 +328,7 @@ class Bench:
         self.mode_misses: int | None = None  # d/f/g: queued steps the sidecar released unused during the mode
         self.side = self.channel = self.bufs = self.bell = self.shim = None
         self.shim_ns: list[tuple[int, int]] = []  # h, i: the shim's own time before the ring, after the answer
-        self.phases = None  # --shim-phases: bench_phases.ShimPhases on the shim
+        self.phases = None  # --shim-phases: bench_phases.ShimPhases on the shim, made for each mode h (measure)
         self.no_sidecar: str | None = None  # why d-i cannot run: the sidecar or its data plane was not set up
         if REMOTE_MODES & set(bc.modes):
             try:
@@ -367,10 +369,6 @@ class Bench:
             raise RuntimeError(f"bench: the shim could not set up the data plane: {why or 'no doorbell (see the log)'}")
         self.binding = self.shim.binder.current
         self.bufs, self.bell = self.shim.doorbell.buffers, self.shim.doorbell.bell
-        if bc.shim_phases:
-            from dspark_sidecar.bench_phases import ShimPhases
-
-            self.phases = ShimPhases(self.shim, self.shim.doorbell)
 
     def _eager(self, ops, case: Case, streams: list = ()):
         self.model.set_ops(ops)
@@ -470,7 +468,7 @@ class Bench:
         """ms per step of one mode, or why it did not run."""
         if mode == "a":
             return timeit(self._eager(REFERENCE_OPS, case), self.device, self.bc.repeats)
-        self.gpu_ms, self.mode_misses = [], None
+        self.gpu_ms, self.mode_misses, self.phases = [], None, None
         if mode in ("b", "c", "g", "i") and self.device.type != "cuda":
             return "n/a: needs a GPU"
         if mode in REMOTE_MODES and self.no_sidecar is not None:
@@ -498,9 +496,19 @@ class Bench:
             with self._forward_context(case):
                 out = self._ahead(case, shim=True)
         elif mode == "h":
-            with self._forward_context(case):
-                out = timeit(lambda: self._shimmed(case), self.device, self.bc.repeats,
-                             warmup=_settle_steps() if self.device.type == "cuda" else 3)
+            if self.bc.shim_phases:
+                from dspark_sidecar.bench_phases import ShimPhases
+
+                # Wrapped for h's steps alone: made once at connect, the wrappers stayed on the data plane's
+                # stage and send_bytes, which d, f and g call too, and timed those modes with them.
+                self.phases = ShimPhases(self.shim, self.shim.doorbell)
+            try:
+                with self._forward_context(case):
+                    out = timeit(lambda: self._shimmed(case), self.device, self.bc.repeats,
+                                 warmup=_settle_steps() if self.device.type == "cuda" else 3)
+            finally:
+                if self.phases is not None:
+                    self.phases.close()
         else:
             out = timeit(lambda: self._remote(mode, case), self.device, self.bc.repeats,
                          warmup=_settle_steps() if self.device.type == "cuda" else 3)

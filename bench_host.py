@@ -35,7 +35,10 @@ def timed(name: str, fn, n: int = 200) -> float:
     return us
 
 
-def _peer(handle: bytes, done) -> None:
+PEER_TIMEOUT_S = 300  # the peer's two timed calls take well under a second; its start (a CUDA context) seconds
+
+
+def _peer(handle: bytes) -> None:
     """The second process: what the other end of the data plane pays for the shared event."""
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -44,7 +47,24 @@ def _peer(handle: bytes, done) -> None:
     timed("peer: stream.wait_event(IPC event)", lambda: s.wait_event(ev))
     own = torch.cuda.Event(interprocess=True)
     timed("peer: interprocess event.record", lambda: own.record(s))
-    done.put(True)
+
+
+def _joined(p, timeout_s: float) -> int:
+    """0 once the peer process exited cleanly within timeout_s, else 1 with why on stderr (a peer that
+    raised printed its traceback there). Waiting on its exit, not on a queue it fills at the end: a peer
+    that died (no IPC events on this driver, MPS not reachable) left the queue empty, and the bench waited
+    out the whole timeout and then ended in a bare `_queue.Empty` traceback, its status ignored."""
+    p.join(timeout_s)
+    if p.exitcode is None:
+        p.terminate()
+        p.join()
+        print(f"bench_host: the peer process did not finish within {timeout_s:.0f} s", file=sys.stderr)
+        return 1
+    if p.exitcode != 0:
+        print(f"bench_host: the peer process failed (exit status {p.exitcode}); its lines are missing",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def _gpu_word_calls(dev: torch.device, s: torch.cuda.Stream) -> None:
@@ -102,13 +122,9 @@ def main() -> int:
     _gpu_word_calls(dev, s)
     arr = np.arange(64)
     timed("NumPy: (arr == arr).all(), for scale", lambda: (arr == arr).all())
-    ctx = mp.get_context("spawn")
-    done = ctx.Queue()
-    p = ctx.Process(target=_peer, args=(ipc.ipc_handle(), done))
+    p = mp.get_context("spawn").Process(target=_peer, args=(ipc.ipc_handle(),))
     p.start()
-    done.get(timeout=300)
-    p.join()
-    return 0
+    return _joined(p, PEER_TIMEOUT_S)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 Mode h reports the shim's time from maybe_forward's start to the doorbell's ring as one figure, and
 that figure moved 50-115 us between fresh processes of the same code on one H200 host (BENCHMARKS.md
 runs 254-259), more than anything the code changes did. This splits it at the shim's own seams by
-wrapping five bound methods of the bench's shim instance (no class is touched, nothing in the shim
-knows): each wrapper reads time.monotonic_ns once or twice and costs ~0.3 us, so the phases add up
-to ~1.5 us more than the unwrapped figure.
+wrapping bound methods of the bench's shim instance and its data plane (six; four without a GPU word)
+while mode h runs, and unwrapping them after (`close`): no class is touched, nothing in the shim
+knows, and the modes timed after h (d, f and g go through the same data plane) carry no wrapper. Each
+wrapper reads time.monotonic_ns once or twice and costs ~0.3 us, so the phases add up to ~1.5 us more
+than the unwrapped figure.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ PHASES = ("checks", "prepare", "agree", "request", "stage", "serialize", "word",
 # start to send_bytes (1.0: on a CPU throughout, so a slow step was a slow CPU; less: descheduled, or
 # waiting for the GIL), and the involuntary context switches of the thread in the same span.
 EXTRA = ("on_cpu_share", "preempted")
+_ABSENT = object()  # a wrapped name that had no instance attribute (the class's method alone)
 
 
 class ShimPhases:
@@ -31,6 +34,7 @@ class ShimPhases:
 
     def __init__(self, shim, transport) -> None:
         self._t: dict[str, int] = {}
+        self._undo: list[tuple[object, str, object, object]] = []  # (obj, name, wrapper, instance attribute before)
         self.rows: list[tuple[int, ...]] = []
         self.extra: list[tuple[float, int]] = []  # per step: EXTRA
         self._wrap(shim, "_prepare", "prepare")
@@ -61,7 +65,20 @@ class ShimPhases:
                 if end:
                     stamps[key + "1"] = time.monotonic_ns()
 
+        self._undo.append((obj, name, timed, vars(obj).get(name, _ABSENT)))
         setattr(obj, name, timed)  # an instance attribute: found before the class's method
+
+    def close(self) -> None:
+        """Unwrap: each method is again what it was (the class's), so the steps timed after mode h (d, f
+        and g call the same stage and send_bytes) pay no wrapper. The rows stay, for medians_us."""
+        for obj, name, wrapper, before in reversed(self._undo):
+            if vars(obj).get(name) is not wrapper:  # replaced since by someone else: theirs stays
+                continue
+            if before is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, before)
+        self._undo.clear()
 
     def step(self, t0: int, rung: int, began: tuple[int, int] | None = None) -> None:
         """After one maybe_forward that started at t0 and rang at `rung` (both time.monotonic_ns);

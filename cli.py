@@ -391,6 +391,15 @@ def _sigterm_unwinds(status: int | None = None):
         signal.signal(signal.SIGTERM, old)
 
 
+def _bench_out_dir(path: Path) -> None:
+    """Make --out-dir before the run: run_bench made it at its end, where a file of that name (or a parent
+    it cannot be made in) ended a whole bench in a traceback with bench.json unwritten."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--out-dir: cannot make {str(path)!r} a folder ({err.strerror or err})") from None
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     import torch
 
@@ -410,6 +419,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                      shim_inputs=a.shim_inputs, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype, shim_phases=a.shim_phases)
     if a.tp < 1:  # else read as --tp 1: the one-process bench ran, as if the flag had not been given
         raise UsageError(f"--tp: at least 1, got {a.tp}")
+    if a.tp > 1 and a.shim_phases:  # run_tp_bench has no phase split: the flag was ignored
+        raise UsageError(f"--shim-phases: the one-process bench's mode h only, not --tp {a.tp}")
     if a.tp > 1:
         from dspark_sidecar.bench_tp import run_tp_bench
 
@@ -419,13 +430,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if device.type == "cuda":  # run_tp_bench's own check exited 1, a parity failure's status, unprefixed
             _check_gpus(a.tp)
 
-        bc.out_dir.mkdir(parents=True, exist_ok=True)
+        _bench_out_dir(bc.out_dir)
         with _sigterm_unwinds():  # as the demo's: killed at once, the engine ranks' folder stayed behind
             report = run_tp_bench(bc, a.tp, a.single_gpu, device.type)
         bad = [r for r in report["rows"] if not r["parity_ok"]]
         print(f"wrote {a.out_dir / f'bench-tp{a.tp}.json'}; parity "
               + (f"FAILED in {len(bad)} of {len(report['rows'])} cases" if bad else "ok in every case"))
         return 1 if bad else 0
+    _bench_out_dir(bc.out_dir)
     with _sigterm_unwinds():  # its sidecar's folder and the cache's shared memory: removed as on Ctrl-C
         report = run_bench(bc, device)
     print(f"device {report['device']}, copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s; "

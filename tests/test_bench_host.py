@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import multiprocessing
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,25 @@ def test_the_expected_line_count_is_bench_hosts():
 def test_bench_host_says_it_needs_a_gpu():
     r = _run()
     assert r.returncode == 2 and "needs a CUDA/ROCm GPU" in r.stderr
+
+
+def test_a_peer_that_dies_or_hangs_ends_the_bench_with_a_status_not_a_wait(capsys):
+    """The peer process signalled with a queue it filled at its end: one that died (no IPC events on the
+    driver) left the bench waiting out 300 s, then a bare `_queue.Empty` traceback. Its exit is awaited now."""
+    ctx = multiprocessing.get_context("spawn")
+
+    def started(target, *args):
+        p = ctx.Process(target=target, args=args)
+        p.start()
+        return p
+
+    t = time.monotonic()
+    assert bench_host._joined(started(sys.exit, 3), 120) == 1
+    assert time.monotonic() - t < 60 and "exit status 3" in capsys.readouterr().err  # at its exit, not the timeout
+    hung = started(time.sleep, 120)
+    assert bench_host._joined(hung, 1) == 1 and not hung.is_alive()
+    assert "did not finish within 1 s" in capsys.readouterr().err
+    assert bench_host._joined(started(time.sleep, 0), 120) == 0
 
 
 @pytest.mark.gpu

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import torch
+
 from dspark_sidecar.bench_phases import EXTRA, PHASES, ShimPhases
 
 
@@ -82,3 +84,42 @@ def test_without_a_gpu_word_the_driver_phases_are_zero_and_a_step_that_never_ran
     assert phases.rows == [(100_000, 60_000, 20_000, 5_000, 40_000, 13_000, 0, 0, 5_000)]
     phases.step(0, 0)  # a fallback: nothing was stamped since
     assert len(phases.rows) == 1
+
+
+def test_close_unwraps_every_method_and_later_steps_add_no_row(monkeypatch):
+    phases, step = _rig(monkeypatch)
+    step()
+    wrapped = phases.rows[:]
+    phases.close()
+    step()  # as d, f and g after h: the data plane's own methods, no stamps
+    assert phases.rows == wrapped and phases.medians_us(10)["stage"] == 40.0
+
+    class Buffers:  # a method the class has, no instance attribute: unwrapped, the class's is found again
+        def stage(self):
+            return "class"
+
+    buffers = Buffers()
+    transport = SimpleNamespace(buffers=buffers, bell=SimpleNamespace(_ops=None, send_bytes=lambda *a: None))
+    ShimPhases(SimpleNamespace(_prepare=lambda: None, _run_step=lambda: None), transport).close()
+    assert "stage" not in vars(buffers) and buffers.stage() == "class"
+
+
+def test_only_mode_h_runs_wrapped(tmp_path):
+    """--shim-phases wraps the data plane's stage and send_bytes, which modes d, f and g call too: made once
+    at connect, the wrappers (and the send's getrusage) stayed on for every mode after it, though the flag
+    adds them to mode h. A real sidecar on CPU: h's row has its phases, and d after it runs unwrapped."""
+    from dspark_sidecar.bench import Bench, BenchConfig, Case
+
+    bench = Bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("d", "h"), repeats=3,
+                              shim_phases=True, out_dir=tmp_path), torch.device("cpu"))
+    try:
+        assert bench.no_sidecar is None, bench.no_sidecar
+        case = Case(bench.cfg, 1, 40, 16, bench.pages, bench.embed, bench.device, seed=0)
+        assert not isinstance(bench.measure("h", case), str)
+        assert list(bench.phase_fields("h")["shim_phases_p50_us"])[:len(PHASES)] == list(PHASES)
+        for obj, name in ((bench.bufs, "stage"), (bench.bell, "send_bytes"), (bench.shim, "_prepare"),
+                          (bench.shim, "_run_step")):
+            assert name not in vars(obj), f"{name} still wrapped after mode h"
+        assert not isinstance(bench.measure("d", case), str) and bench.phases is None
+    finally:
+        bench.close()

@@ -40,6 +40,9 @@ def test_the_log_level_is_read_on_the_oldest_python_pyproject_admits(value, leve
         cli._log_level()
 
 
+_TINY_BENCH = ["--device", "cpu", "--preset", "tiny", "--reqs", "1", "--contexts", "40", "--repeats", "1"]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["serve", "--tp", "0"], "--tp: must be 1..64, got 0"),
     (["serve", "--target-checkpoint", "/nonexistent/target"], "--target-checkpoint: given without --checkpoint"),
@@ -76,6 +79,10 @@ def test_the_log_level_is_read_on_the_oldest_python_pyproject_admits(value, leve
     # --shard-of 0 reached ParallelContext (a traceback); --tp 0 ran the one-process bench as if not given
     (["bench", "--shard-of", "0", "--device", "cpu"], "--shard-of: a TP size of at least 1, got 0"),
     (["bench", "--tp", "0", "--device", "cpu"], "--tp: at least 1, got 0"),
+    # --shim-phases split nothing, silently, where no mode h runs: without h in --modes, or at --tp N (a tiny
+    # bench, so that a regression that runs it fails soon)
+    (["bench", "--modes", "acd", "--shim-phases", *_TINY_BENCH], "--shim-phases: splits mode h's time, and --modes acd"),
+    (["bench", "--tp", "2", "--shim-phases", *_TINY_BENCH], "--shim-phases: the one-process bench's mode h only"),
 ])
 def test_a_flag_that_cannot_be_used_is_refused_before_anything_starts(argv, words, capsys):
     """Checked in the parent, before a rank, a socket or a sidecar exists (each rank used to print its
@@ -83,6 +90,19 @@ def test_a_flag_that_cannot_be_used_is_refused_before_anything_starts(argv, word
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
+
+
+def test_a_bench_out_dir_that_cannot_be_a_folder_is_refused_before_the_run(tmp_path, monkeypatch, capsys):
+    """run_bench made --out-dir after every mode had run: a file there ended the bench in a traceback."""
+    from dspark_sidecar import bench
+
+    monkeypatch.setattr(bench, "run_bench", lambda *a: pytest.fail("the bench ran"))
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    for out in (taken, taken / "sub"):
+        assert cli.main(["bench", "--device", "cpu", "--out-dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out-dir: cannot make '{out}' a folder" in err and err.count("\n") == 1, err
 
 
 def test_a_socket_folder_too_long_for_a_unix_socket_is_named(capsys):
