@@ -110,3 +110,13 @@ def test_ranks_with_exchange_lanes_keep_the_attention_out_of_cooperative_launche
         kv = allocate_kv_cache(tiny_cfg, 2, 2, 16, torch.float32)
         model.draft_step(step.inputs_embeds, step.positions, step.meta, kv)
         assert asked == [want] * tiny_cfg.num_hidden_layers, (lanes, asked)
+
+
+def test_the_exchange_sums_over_its_own_group_not_the_world():
+    """Real processes over gloo: a DistExchange given a group of 2 of the 4 ranks sums those 2 only.
+    The lane test above counts calls in wrappers and compares bits with the world group, which is
+    the same set of ranks: an exchange that summed over the world group would pass it."""
+    from helpers.tp_draft import sum_in_halves
+
+    outs = run_ranks(4, sum_in_halves, timeout_s=60)
+    assert [float(o[0]) for o in outs] == [3.0, 3.0, 7.0, 7.0], outs

@@ -65,3 +65,16 @@ def draft_through_lanes(rank: int, world: int, dspark_dir: str, embed: torch.Ten
     calls1 = (ex0.calls - calls0[0], ex1.calls - calls0[1])
     assert dist.get_world_size(lane.group) == world
     return out0, out1, calls0, calls1, [torch.equal(a, b) for a, b in zip(kv, kv0)]
+
+
+def sum_in_halves(rank: int, world: int):
+    """Each rank's (rank + 1) summed by a DistExchange over its half of the world (ranks [0, w/2) and
+    [w/2, w), groups made on every rank alike): what the exchange's group, not the world's, sums."""
+    import torch.distributed as dist
+
+    from dspark_sidecar.drafter.parallel import DistExchange
+
+    half = world // 2
+    groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, world)))]
+    t = torch.full((3,), float(rank + 1))
+    return DistExchange(groups[rank // half]).all_reduce(t)
