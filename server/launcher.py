@@ -29,6 +29,8 @@ _REFUSALS = (EXIT_USAGE, EXIT_TEMPFAIL)
 # How a rank still starting ends on a stop: its handler's exit 0, or the signal's default action before its
 # handlers are set (-SIGTERM from the launcher, -SIGINT from a Ctrl-C to the whole foreground group).
 _STARTUP_STOPPED = (0, -signal.SIGTERM, -signal.SIGINT)
+# How a rank ends once a peer has left during start-up: by itself at once, one line (PeerLost, cli.cmd_serve).
+EXIT_PEER_LOST = 1
 
 
 def free_port(avoid: Collection[int] = ()) -> int:
@@ -50,9 +52,10 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
 
     A rank that exits while the group is serving takes the group down: one log line naming it,
     SIGTERM to the rest, SIGKILL after a grace period, exit code 1. SIGTERM/SIGINT to the
-    launcher drains every rank and returns 0 when all exited cleanly; before the group serves
-    (on_ready has not reported it yet) it stops them within STARTUP_STOP_S and returns 0. A rank
-    that refuses to start (exit EXIT_USAGE or EXIT_TEMPFAIL, its one line said) stops the group with that code.
+    launcher drains every rank and returns 0 when all exited cleanly (else 1, with a line naming the ranks
+    that did not); before the group serves (on_ready has not reported it yet) it stops them within
+    STARTUP_STOP_S and returns 0. A rank that refuses to start (exit EXIT_USAGE or EXIT_TEMPFAIL, its one
+    line said) stops the group with that code.
     With cfg.exit_with_pid, the process of that pid going (its starter SIGKILLed) stops the group as
     SIGTERM does, with one log line: the ranks die with this launcher (PR_SET_PDEATHSIG), but nothing
     else would end the launcher.
@@ -100,22 +103,25 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
                 # -SIGTERM from here, or -SIGINT from a Ctrl-C to the whole foreground group. That is the
                 # start-up stop asked for, exit 0 as documented, not a failed rank.
                 stopped = _STARTUP_STOPPED if not ready_sent else (0,)
-                return 0 if all(c in stopped for c in codes) else 1
+                return _stop_result(codes, stopped)
             if stopping and not ready_sent and time.monotonic() > stop_deadline:
                 log.warning("rank(s) %s still starting %.0f s after the stop request (blocked in the rendezvous "
                             "or a read); killing them", [r for r, c in enumerate(codes) if c is None], STARTUP_STOP_S)
                 _terminate(procs, grace_s=0.0)
                 # The kill is the stop asked for; a rank that had already exited otherwise (a traceback, exit 1)
                 # failed all the same, as when every rank exits by itself (above): 0 here hid it.
-                return 0 if all(c in _STARTUP_STOPPED for c in codes if c is not None) else 1
+                return _stop_result(codes, _STARTUP_STOPPED)
             if stopping and time.monotonic() > stop_deadline:
                 log.error("ranks still running %.0f s after SIGTERM; killing them", serving_grace)
                 _terminate(procs, grace_s=0.0)
                 return 1
             dead = [(r, c) for r, c in enumerate(codes) if c is not None]
             if dead and not stopping:
-                # A refusal first: a peer of a refusing rank may have exited 1 already (PeerLost).
-                r, c = next(((r, c) for r, c in dead if c in _REFUSALS), dead[0])
+                # The rank that failed, not a peer it took down: a peer of a rank gone during start-up exits 1 by
+                # itself at once (PeerLost), so where a slow probe or poll found several gone, the lowest was often
+                # such a peer and the failed rank (killed by a signal, -9 from the OOM killer, it says nothing
+                # itself) went unnamed. A refusal first (its code is the group's), then any exit but PeerLost's.
+                r, c = min(dead, key=lambda rc: (rc[1] not in _REFUSALS, rc[1] == EXIT_PEER_LOST))
                 if c in _REFUSALS and not ready_sent:
                     # The rank refused something at start-up (a port or socket taken since the parent's
                     # check) and said so in its own line: no second line here, and its exit code is the
@@ -143,6 +149,16 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
             signal.signal(s, h)
         _terminate(procs)
         _remove_stale_sockets(cfg, procs)
+
+
+def _stop_result(codes: list[int | None], stopped: Collection[int]) -> int:
+    """The launcher's exit code for a stop the ranks have ended (None: killed by the stop): 0 when each ended as
+    the stop asks, else 1 with one line naming the ranks that did not (killed by a signal, -9 from the OOM
+    killer, a rank prints nothing of its own: exit 1 alone said no rank failed, nor which)."""
+    failed = [(r, c) for r, c in enumerate(codes) if c is not None and c not in stopped]
+    if failed:
+        log.error("%s during the stop", "; ".join(f"sidecar rank {r} exited with code {c}" for r, c in failed))
+    return 1 if failed else 0
 
 
 def _remove_stale_sockets(cfg: ServeConfig, procs: list[subprocess.Popen]) -> None:

@@ -354,3 +354,67 @@ def test_a_rank_that_failed_during_a_start_up_stop_is_not_hidden_by_the_kill_of_
     code = _launch_and_stop_once_up(tmp_path, caplog)
     assert "killing them" in caplog.text, caplog.text  # rank 1 was killed, as a start-up stop does
     assert code == 1, "rank 0's exit 1 was reported as a clean stop"
+
+
+def _ranks_with_a_slow_probe(monkeypatch, script: str):
+    """The launcher's ranks run `script`; the on_ready probe returned only once every rank has exited (a probe
+    that took its time: up to 1 s a rank on a loaded host), so the launcher's next look finds them all gone."""
+    from dspark_sidecar.server import launcher
+
+    real_popen = subprocess.Popen
+    started: list[subprocess.Popen] = []
+
+    def popen(argv, **kw):
+        started.append(real_popen([sys.executable, "-c", script], **kw))
+        return started[-1]
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+
+    def on_ready() -> bool:
+        for p in started:
+            p.wait(timeout=60)
+        return False
+
+    return on_ready
+
+
+def test_the_rank_named_for_a_failed_start_is_the_one_that_failed_not_a_peer_it_took_down(tmp_path, monkeypatch,
+                                                                                             caplog):
+    """Rank 1 dies during start-up by a signal (the OOM killer's SIGKILL: it prints no line of its own); rank 0,
+    its peer in a start-up collective, then exits 1 by itself (PeerLost: "a peer rank left during start-up").
+    Seen gone in the same look, the launcher named the lowest rank, rank 0 with code 1, and the rank that failed
+    appeared nowhere in the log."""
+    rank = ("import os, pathlib, signal, sys, time\n"
+            f"d = pathlib.Path({str(tmp_path)!r})\n"
+            "if os.environ['RANK'] == '1':\n"
+            "    (d / 'dying-1').touch()\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "deadline = time.monotonic() + 30\n"
+            "while not (d / 'dying-1').exists() and time.monotonic() < deadline:\n"
+            "    time.sleep(0.02)\n"
+            "sys.exit(1)\n")
+    on_ready = _ranks_with_a_slow_probe(monkeypatch, rank)
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+        code = launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=on_ready, poll_s=0.05)
+    assert code == 1
+    assert "sidecar rank 1 exited with code -9; stopping the group" in caplog.text, caplog.text
+
+
+def test_a_rank_that_fails_during_the_stop_of_a_serving_group_is_named(tmp_path, monkeypatch, caplog):
+    """A serving group stopped: rank 0 drains and exits 0, rank 1 dies in its drain (here it exits 3; the OOM
+    killer's -9 alike). The launcher exited 1 with no line at all: nothing said which rank failed, or how."""
+    rank1 = "sys.exit(3) if os.environ['RANK'] == '1' else sys.exit(0)"
+    _fake_ranks(monkeypatch, _serving_rank(tmp_path, f"lambda *a: {rank1}"))
+    serving = threading.Event()
+
+    def stop_once_serving() -> None:
+        serving.wait(30)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_serving, daemon=True).start()
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+        code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [],
+                      on_ready=_ready_when_both_marked(tmp_path, serving), poll_s=0.05)
+    assert code == 1
+    assert "sidecar rank 1 exited with code 3 during the stop" in caplog.text, caplog.text
+    assert "rank 0" not in caplog.text, caplog.text
