@@ -39,6 +39,8 @@ class KernelReport:
     @property
     def waves_per_simd(self) -> int:
         """Resident waves per SIMD allowed by registers and LDS (the occupancy)."""
+        # No agpr_count added: on gfx90a and later (gfx950) AGPRs share the 512-entry file, and the code object's
+        # .vgpr_count is already the total, align(VGPRs, 4) + AGPRs (LLVM's TotalNumVgprs).
         granules = -(-max(self.vgpr_count, 1) // VGPR_GRANULE) * VGPR_GRANULE
         by_vgpr = min(MAX_WAVES_PER_SIMD, VGPRS_PER_SIMD // granules)
         waves_per_wg = -(-self.workgroup_size // WAVE_SIZE)
