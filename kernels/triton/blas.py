@@ -92,6 +92,10 @@ def norm_linear(x: torch.Tensor, weight: NormFolded, norm_weight: torch.Tensor, 
                 swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """rms_norm(x) then the linear [then SwiGLU-OAI] with a folded weight: x [M, K] -> [M, N or f]."""
     weight.check(norm_weight)
+    # An odd gate|up weight has no halves: the floored f paired gate j with column f + j and dropped
+    # the last row unseen, where the Triton GEMM (gemm._check) and the reference refuse it.
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(f"norm_linear: gate|up weight {list(weight.shape)} has an odd number of rows")
     x = x.contiguous()
     m, k = x.shape
     ws = product_fp32(x, weight.weight)  # [M, N or 2f], fp32

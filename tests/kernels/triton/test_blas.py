@@ -45,6 +45,18 @@ def test_vendor_norm_linear_refuses_another_norm(device):
         blas.norm_linear(x, NormFolded.fold(w, nw), nw.clone(), EPS)
 
 
+def test_vendor_norm_linear_refuses_an_odd_gate_up(device):
+    """An odd gate|up weight has no halves: the vendor route paired gate column j with column f + j of a
+    floored f and dropped the last row unseen, where the Triton GEMM (gemm._check) and the reference refuse."""
+    x, w, nw, _ = _inputs(7, 256, 97, torch.bfloat16, device, 0)
+    with pytest.raises(RuntimeError):
+        reference.norm_linear_swiglu(x, nw, EPS, w, ALPHA, LIMIT)
+    with pytest.raises(ValueError, match="odd number of rows"):
+        gemm.gemm(x, NormFolded.fold(w, nw), nw, EPS, swiglu=(ALPHA, LIMIT))
+    with pytest.raises(ValueError, match="odd number of rows"):
+        blas.norm_linear(x, NormFolded.fold(w, nw), nw, EPS, (ALPHA, LIMIT))
+
+
 @pytest.mark.gpu
 def test_ops_route_dense_gpu_linears_to_the_vendor(cuda, monkeypatch, parity):
     """On a GPU, with the tunables on: a plain linear is the reference's bits (the same torch ops);
