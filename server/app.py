@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import signal
+import stat
 import sys
 import threading
 import time
@@ -145,8 +146,33 @@ def _start_grpc(cfg: ServeConfig, rank: int, health_servicer, late: LateServicer
             raise AddressInUse(f"{flag}: rank {rank} cannot listen on {ep}: another process took it since "
                                "the start-up checks")
     server.start()
-    os.chmod(path, 0o660)  # owner and the group shared with the engine only
+    _give_socket_mode(path, rank)
     return server
+
+
+def _give_socket_mode(path: Path, rank: int) -> None:
+    """Make the socket gRPC just bound at `path` 0660 (owner and the group shared with the engine only; bind
+    made it 0777 less the umask), never through a link: the folder's group may create and rename entries in
+    it, and a link renamed over the socket had a chmod by path make its target (any file of this user's; as
+    root, any file) 0660. The name is opened without following a link, and only a socket of this user's is
+    changed, through /proc (Linux has no lchmod, and fchmod refuses an O_PATH descriptor)."""
+    def replaced(what: str) -> AddressInUse:
+        return AddressInUse(f"--socket-dir: rank {rank}'s socket {path} is no longer the one it bound ({what}): "
+                            "another process replaced it since the bind")
+
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise replaced("removed") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):
+            raise replaced("a symbolic link now")
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise replaced(f"now {'a socket' if stat.S_ISSOCK(st.st_mode) else 'not a socket'}, owner uid {st.st_uid}")
+        os.chmod(f"/proc/self/fd/{fd}", 0o660)
+    finally:
+        os.close(fd)
 
 
 class StartUp:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Collection
 
 from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
-from dspark_sidecar.server.preflight import socket_answers
+from dspark_sidecar.server.preflight import remove_stale_socket
 from dspark_sidecar.server.processes import ExitWith
 
 log = logging.getLogger("dspark_sidecar.launcher")
@@ -163,11 +163,11 @@ def _stop_result(codes: list[int | None], stopped: Collection[int]) -> int:
 
 def _remove_stale_sockets(cfg: ServeConfig, procs: list[subprocess.Popen]) -> None:
     """A rank that failed or was killed leaves its socket file; remove it unless something answers on
-    it (never a live server's), so the folder shows no sidecar that is not there."""
+    it or another serve's rank has claimed it (never a live server's: preflight.remove_stale_socket), so
+    the folder shows no sidecar that is not there."""
     for r, p in enumerate(procs):
-        path = cfg.socket_path(r)
-        if p.returncode != 0 and path.is_socket() and not socket_answers(path):
-            path.unlink(missing_ok=True)
+        if p.returncode != 0:
+            remove_stale_socket(cfg.socket_path(r))
 
 
 def _terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:

@@ -1,6 +1,7 @@
 """Checks of the places `serve` listens on, made before any rank starts (cli.py) and again in each rank;
 and, in the parent only, that the process `--exit-with-pid` names still runs (else the sidecar would
-start only to stop again at once).
+start only to stop again at once). The launcher's removal of a failed rank's socket file takes the rank's
+claim too (remove_stale_socket).
 
 Why in the parent: a rank that meets a busy port or an unusable socket folder fails after seconds of
 start-up (the metrics port only after loading its shard), once per rank, and the launcher would
@@ -65,7 +66,21 @@ def _hold_claim(path: Path) -> None:
     go of the lock when the process ends, kill -9 included; the file stays, harmless."""
     if path in _claims:  # claimed by this process already (tests, a rank that checks again)
         return
-    lock = path.with_name(path.name + ".lock")
+    fd = _open_lock(path)
+    if not _lock(fd):
+        os.close(fd)
+        raise AddressInUse(f"--socket-dir: another sidecar is starting or serving on {path} (its rank holds "
+                           f"{_lock_path(path)}); stop it first or choose another --socket-dir")
+    _claims[path] = fd
+
+
+def _lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+def _open_lock(path: Path) -> int:
+    """A descriptor of `path`'s lock file, made if missing; refused (ServeConfigError) if it cannot be used."""
+    lock = _lock_path(path)
     # Never through a link, nor made readable by others: the folder's policy governs what is in it. O_NONBLOCK:
     # a FIFO at that name (the engine's group may create entries here, its wake FIFOs among them) blocked
     # the open until a writer came, a rank hung before it listened; it is refused below instead.
@@ -78,13 +93,34 @@ def _hold_claim(path: Path) -> None:
         os.close(fd)
         raise ServeConfigError(f"--socket-dir: the lock file {lock} is not a regular file; remove it (as its "
                                "owner or root)")
+    return fd
+
+
+def _lock(fd: int) -> bool:
+    """Take the lock on a lock file's descriptor; False if another process (another open of it) holds it."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        return False
+    return True
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Remove the socket file at `path` if nobody answers on it, holding its rank's claim meanwhile (the
+    launcher, once its own ranks have gone). A claim another serve's rank holds leaves it: that rank may be
+    between its bind and its listen, or have just put its socket where a stale one was, and a file that did
+    not answer yet was removed, the rank serving on for no engine. An unusable lock file leaves it too."""
+    if not path.is_socket():  # (no lock file made for a rank that failed before its claim)
+        return
+    try:
+        fd = _open_lock(path)
+    except ServeConfigError:
+        return
+    try:
+        if _lock(fd) and path.is_socket() and not socket_answers(path):
+            path.unlink(missing_ok=True)
+    finally:
         os.close(fd)
-        raise AddressInUse(f"--socket-dir: another sidecar is starting or serving on {path} (its rank holds "
-                           f"{lock}); stop it first or choose another --socket-dir") from None
-    _claims[path] = fd
 
 
 def claim_socket(cfg: ServeConfig, rank: int) -> None:

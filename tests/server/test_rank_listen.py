@@ -144,3 +144,98 @@ def test_a_fifo_at_the_lock_file_s_name_is_refused_not_waited_on(tmp_path):
         capture_output=True, text=True, timeout=20)
     assert probe.returncode == 1
     assert "is not a regular file; remove it" in probe.stderr
+
+
+def test_the_socket_s_0660_is_never_given_through_a_link_swapped_in_after_the_bind(tmp_path, monkeypatch):
+    """The folder's group (the engine's) may create and rename entries in it. Between gRPC's bind and the
+    chmod that gives the socket its 0660, one of them could rename a symbolic link over rank0.sock: the
+    chmod by path followed it, and made the link's target (any file the sidecar's user owns; as root, any
+    file at all) 0660, readable and writable by that group. The doorbell's FIFO and the folder itself were
+    closed against the same swap; the socket was not."""
+    import stat
+
+    from grpc_health.v1 import health
+
+    from dspark_sidecar.server.app import LateServicer, _start_grpc
+
+    victim = tmp_path / "private"
+    victim.write_text("secret")
+    victim.chmod(0o600)
+    cfg = ServeConfig(tp=1, socket_dir=tmp_path / "sock")
+    real_server, started = grpc.server, []
+
+    class Swapped:  # the server, whose start is followed at once by the group's rename of a link over the socket
+        def __init__(self, *a, **kw):
+            self.inner = real_server(*a, **kw)
+            started.append(self.inner)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def start(self):
+            self.inner.start()
+            link = cfg.socket_dir / "planted"
+            link.symlink_to(victim)
+            os.replace(link, cfg.socket_path(0))
+
+    monkeypatch.setattr(grpc, "server", Swapped)
+    try:
+        with pytest.raises(AddressInUse, match=r"rank 0's socket .*rank0\.sock is no longer the one it bound "
+                                               r"\(a symbolic link now\)") as err:
+            _start_grpc(cfg, 0, health.HealthServicer(), LateServicer())
+        assert err.value.exit_status == 75
+        assert stat.S_IMODE(victim.stat().st_mode) == 0o600  # was 0660
+    finally:
+        for s in started:
+            s.stop(None)
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077])
+def test_the_socket_is_0660_whatever_the_umask(tmp_path, umask):
+    """SECURITY.md: the socket is 0660 (the engine's group connects; bind made it 0777 less the umask)."""
+    import stat
+
+    from grpc_health.v1 import health
+
+    from dspark_sidecar.server.app import LateServicer, _start_grpc
+
+    cfg = ServeConfig(tp=1, socket_dir=tmp_path / "sock")
+    old = os.umask(umask)
+    try:
+        server = _start_grpc(cfg, 0, health.HealthServicer(), LateServicer())
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(cfg.socket_path(0).lstat().st_mode) == 0o660
+    finally:
+        server.stop(None)
+
+
+def test_a_failed_serve_s_launcher_leaves_the_socket_of_a_rank_another_serve_has_claimed(tmp_path):
+    """A second serve on the folder of one starting: its ranks exit 75 (the first's claim), and its launcher
+    then removed each rank's socket file that did not answer. The first serve's rank, holding the claim,
+    may be between its bind and its listen (or have just replaced a stale file of a killed run): the file
+    not answering yet was removed, and that rank served on a name no longer its, reached by no engine."""
+    import types
+
+    from dspark_sidecar.server import launcher
+
+    cfg = ServeConfig(tp=1, socket_dir=tmp_path)
+    path = cfg.socket_path(0)
+    first = subprocess.Popen(
+        [sys.executable, "-c", "import socket, sys; from pathlib import Path; from dspark_sidecar.server import "
+         "preflight; from dspark_sidecar.server.config import ServeConfig; "
+         f"cfg = ServeConfig(tp=1, socket_dir=Path({str(tmp_path)!r})); preflight.claim_socket(cfg, 0); "
+         "s = socket.socket(socket.AF_UNIX); s.bind(str(cfg.socket_path(0))); "  # bound, not listening yet
+         "print('bound', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    refused = types.SimpleNamespace(returncode=75)  # the second serve's rank 0, gone
+    try:
+        assert first.stdout.readline() == "bound\n"
+        launcher._remove_stale_sockets(cfg, [refused])
+        assert path.is_socket()  # the first serve's, left alone
+    finally:
+        first.stdin.close()
+        assert first.wait(timeout=30) == 0
+    launcher._remove_stale_sockets(cfg, [refused])  # nobody claims it now: a stale file, removed
+    assert not path.exists()
