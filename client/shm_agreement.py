@@ -119,18 +119,28 @@ def shared_page_agreement(group: dist.ProcessGroup | None = None,
         else:
             offer = [seg.name, secrets.randbits(62) + 1]
             _write_page(seg.buf, words, offer[1])
-    dist.broadcast_object_list(offer, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    name, token = offer
-    if rank != 0 and not why and name is not None:  # (name None: rank 0 gives its own reason)
-        try:
-            seg = AttachedSegment(name)
-        except (OSError, ValueError) as err:  # another host, or another /dev/shm: FileNotFoundError
-            why = f"cannot open rank 0's page {name}: {err}"
-        else:
-            if seg.size < 8 * words or _token(seg.buf, words) != token:
-                why = f"{name} here is not rank 0's page (another /dev/shm with a segment of that name)"
-    verdicts: list = [None] * world
-    dist.all_gather_object(verdicts, why, group=group)  # also: every rank has mapped it, or given up
+    try:
+        dist.broadcast_object_list(offer, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                   group=group)
+        name, token = offer
+        if rank != 0 and not why and name is not None:  # (name None: rank 0 gives its own reason)
+            try:
+                seg = AttachedSegment(name)
+            except (OSError, ValueError) as err:  # another host, or another /dev/shm: FileNotFoundError
+                why = f"cannot open rank 0's page {name}: {err}"
+            else:
+                if seg.size < 8 * words or _token(seg.buf, words) != token:
+                    why = f"{name} here is not rank 0's page (another /dev/shm with a segment of that name)"
+        verdicts: list = [None] * world
+        dist.all_gather_object(verdicts, why, group=group)  # also: every rank has mapped it, or given up
+    except BaseException:
+        # A peer gone during the set-up fails these collectives here: rank 0's page was left in /dev/shm for as
+        # long as the process lived (its resource tracker unlinks it only at exit), as each rank's mapping was.
+        if seg is not None:
+            if rank == 0:
+                seg.unlink()
+            seg.close()
+        raise
     if rank == 0 and seg is not None:
         seg.unlink()  # the name is no longer needed, and nothing can leak it
     refusals = [f"rank {r}: {w}" for r, w in enumerate(verdicts) if w]

@@ -7,7 +7,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from dspark_sidecar.client.shm_agreement import MAX_VALUES, ShmAgreement
-from helpers.agreement_ranks import apart, free_port, ranks, stalling
+from helpers.agreement_ranks import apart, deserted, free_port, ranks, stalling
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_gets_the_element_wise_minimum_of_all_ranks(world):
@@ -87,6 +87,18 @@ def test_ranks_that_cannot_map_rank_0_s_page_keep_gloo_and_leave_no_segment(how)
     assert errors.empty(), errors.get()
     name = names.get()
     assert not os.path.exists(f"/dev/shm/{name}"), f"rank 0's page {name} was left in /dev/shm"
+
+
+def test_a_peer_gone_during_the_set_up_leaves_no_page_behind():
+    """A rank that dies before (or during) shared_page_agreement fails its peers' collectives there. Rank 0's
+    page, unlinked only once those had passed, stayed in /dev/shm for as long as rank 0's process lived (its
+    resource tracker removes it only at exit), though nothing could use it any more."""
+    errors, names = mp.get_context("spawn").SimpleQueue(), mp.get_context("spawn").SimpleQueue()
+    mp.spawn(deserted, args=(free_port(), errors, names), nprocs=2, join=True)
+    assert errors.empty(), errors.get()
+    assert not names.empty(), "rank 0 reported nothing"
+    name, left = names.get()
+    assert not left, f"rank 0's page {name} was left in /dev/shm after its peer was gone"
 
 
 def test_a_peer_arriving_as_the_wait_times_out_is_agreed_with_not_an_error(monkeypatch):

@@ -94,3 +94,31 @@ def apart(rank: int, port: int, how: str, errors, names) -> None:
     except BaseException as exc:  # noqa: BLE001  (reported to the test, which fails with it)
         errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
         raise
+
+
+def deserted(rank: int, port: int, errors, names) -> None:
+    """Rank 1 dies (exits) before the page's set-up: rank 0's collectives there raise, and rank 0, still alive,
+    reports whether its page is still in /dev/shm (on `names`: the page's name and whether it exists)."""
+    import datetime
+    import os
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    if rank == 1:
+        os._exit(0)  # as a killed rank: no clean-up, no goodbye to the group
+    made = []
+    real = shm_agreement.shared_memory.SharedMemory
+
+    def recorded(*args, **kwargs):
+        seg = real(*args, **kwargs)
+        made.append(seg.name)
+        return seg
+
+    shm_agreement.shared_memory.SharedMemory = recorded
+    try:
+        shared_page_agreement()
+    except RuntimeError:  # gloo: the peer closed the connection
+        names.put((made[0], os.path.exists(f"/dev/shm/{made[0]}")))
+    else:
+        errors.put("rank 0: shared_page_agreement returned with its peer gone")
+    os._exit(0)  # the group cannot be destroyed cleanly with its peer gone
