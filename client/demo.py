@@ -193,10 +193,12 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
             launcher.stop()
         # The folders made here (not given): every run left two in $TMPDIR, the sidecar's log, the ranks'
         # reports and the rendezvous file in one. That one is kept when the run ended in an error, for its log,
-        # but not when it holds nothing (no sidecar answered at --use-running-sidecar's folder: an empty folder
-        # per run) nor after an interrupt (Ctrl-C, SIGTERM: cli.cmd_demo). The socket folder holds no log.
+        # but not when it holds none (--use-running-sidecar writes no log: a folder per failed run, holding only
+        # the engine's rendezvous file, named nowhere) nor after an interrupt (Ctrl-C, SIGTERM: cli.cmd_demo).
+        # The socket folder holds no log.
         # (rmtree's ignore_errors: a scratch file that will not go must not turn a result into a traceback.)
-        if cfg.work_dir is None and not (failed and any(work.iterdir())):
+        has_log = launcher is not None and launcher.log_path.exists()
+        if cfg.work_dir is None and not (failed and has_log):
             shutil.rmtree(work, ignore_errors=True)
         if cfg.socket_dir is None:
             shutil.rmtree(sock, ignore_errors=True)

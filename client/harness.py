@@ -106,6 +106,8 @@ class HarnessConfig:
             # passed as if the break, re-allocation or pause (and its on_pause) had been survived.
             if f.round >= self.rounds or f.rank >= self.tp:
                 raise ValueError(f"faults: {f} never fires in {self.rounds} rounds on ranks 0..{self.tp - 1}")
+            if f.kind == "break_stream" and self.socket_dir is None:  # no shim: its hook is never called
+                raise ValueError(f"faults: {f} never fires without a sidecar (socket_dir None): no stream to break")
 
 
 class EngineRank:

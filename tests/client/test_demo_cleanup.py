@@ -154,3 +154,26 @@ def test_a_config_the_harness_refuses_leaves_no_folder(scratch, fake_launcher, o
     with pytest.raises(ValueError):
         run_demo(DemoConfig(rounds=1, required_tp=1, **over), out=lambda _: None)
     assert list(scratch.iterdir()) == [] and fake_launcher.made == []
+
+
+def test_an_engine_failure_at_use_running_sidecar_s_folder_leaves_no_folder(scratch, fake_launcher, monkeypatch):
+    """Kept "for its log" when the run ended in an error, but a --use-running-sidecar run writes no log: each
+    engine failure (a rank that raised, the harness's timeout) left a dspark-demo-* folder in $TMPDIR holding only
+    the ranks' rendezvous file and pause folder, named nowhere."""
+    def engine(h, work_dir):
+        (Path(work_dir) / "control").mkdir(parents=True)
+        (Path(work_dir) / "store").write_text("")
+        raise RuntimeError("engine rank 1 raised")
+
+    monkeypatch.setattr(demo, "run_engine", engine)
+    with tempfile.TemporaryDirectory(prefix="dsp-", dir="/tmp") as running:
+        with pytest.raises(RuntimeError, match="engine rank 1 raised"):
+            run_demo(DemoConfig(rounds=1, tp=1, required_tp=1, socket_dir=running, start_sidecar=False),
+                     out=lambda _: None)
+    assert list(scratch.iterdir()) == []
+    # Its own sidecar's run still keeps the folder, for the log in it (the real launcher's start writes one).
+    monkeypatch.setattr(FakeLauncher, "start", lambda self: self.log_path.write_text("rank 0: SERVING\n") and self)
+    with pytest.raises(RuntimeError, match="engine rank 1 raised"):
+        run_demo(DemoConfig(rounds=1, tp=1, required_tp=1), out=lambda _: None)
+    (kept,) = scratch.iterdir()
+    assert kept.name.startswith("dspark-demo-") and (kept / "sidecar.log").exists()

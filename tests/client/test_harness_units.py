@@ -235,7 +235,11 @@ def test_faults_that_never_fire_and_unusable_mixes_are_refused():
             HarnessConfig(rounds=10, tp=4, **bad)
     with pytest.raises(ValueError, match="round and rank"):
         Fault(-1, "pause")
-    HarnessConfig(rounds=10, tp=4, faults=(Fault(9, "break_stream", rank=3),))  # the last round, the last rank
+    HarnessConfig(rounds=10, tp=4, socket_dir="/tmp/s", faults=(Fault(9, "break_stream", rank=3),))  # the last ones
+    # No sidecar (socket_dir None): no stream to break, no shim to call the hook; the run passed as if it had
+    # survived the break.
+    with pytest.raises(ValueError, match="break_stream"):
+        HarnessConfig(rounds=10, tp=4, faults=(Fault(3, "break_stream"),))
     for bad in ({"max_active": 0}, {"budget": (10, 5)}, {"short_prompt": (-3, -1)}):
         with pytest.raises(ValueError):
             MixConfig(**bad)
