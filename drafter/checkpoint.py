@@ -151,6 +151,10 @@ def _synthetic(spec: TensorSpec, seed: int) -> torch.Tensor:
 
 
 def _save_sharded(tensors: list[tuple[str, torch.Tensor]], folder: Path, max_shard_bytes: int) -> None:
+    # A folder written again: the reader follows an index and otherwise reads every *.safetensors, so an earlier
+    # layout's index (or shards) would be read instead of, or beside, these tensors.
+    for old in [folder / "model.safetensors.index.json", *folder.glob("model*.safetensors")]:
+        old.unlink(missing_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, t in tensors:
@@ -206,11 +210,30 @@ def default_checkpoint_dir(cfg: DrafterConfig, seed: int = 0) -> Path:
     return root / "dspark-sidecar" / f"{cfg.name}-seed{seed}"
 
 
+def _remove_unfinished(out: Path) -> None:
+    """Remove `out` if it has no COMPLETE. A finished copy arrives by one rename with COMPLETE inside, so such a
+    folder is what is left of one (a removal cut short; in /tmp, tmpfiles aging out COMPLETE, only ever stat'ed,
+    before the shards every start reads): never to be trusted, and in the way of any new copy's rename."""
+    if not out.is_dir():  # none (or a file, which the new copy's rename then names)
+        return
+    stale = out.with_name(out.name + f".stale{os.getpid()}")
+    shutil.rmtree(stale, ignore_errors=True)  # what a killed run of this pid left
+    try:
+        out.rename(stale)  # first, so that it is gone from `out` at once, whatever the removal then takes
+    except OSError:  # another process moved it first, or this one may not: the new copy's rename says so
+        return
+    if (stale / "COMPLETE").exists():  # another process's copy, finished since this one looked: it stays
+        with contextlib.suppress(OSError):  # unless a third put one back already
+            stale.rename(out)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
 def ensure_synthetic_checkpoint(cfg: DrafterConfig, seed: int = 0) -> tuple[Path, Path]:
     """The embedded synthetic checkpoint's (dspark_dir, target_dir), writing it once if absent."""
     out = default_checkpoint_dir(cfg, seed)
     done = out / "COMPLETE"
     if not done.exists():
+        _remove_unfinished(out)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         try:
             write_synthetic_checkpoint(cfg, tmp, seed)
@@ -228,8 +251,11 @@ def ensure_synthetic_checkpoint(cfg: DrafterConfig, seed: int = 0) -> tuple[Path
             raise
         try:
             tmp.rename(out)
-        except OSError:  # another process finished first: its copy is identical
+        except OSError as e:  # another process finished first: its copy is identical
             shutil.rmtree(tmp, ignore_errors=True)
+            if not done.exists():  # something else holds the name: not a checkpoint to hand out
+                raise CheckpointError(f"{out}: cannot put the synthetic checkpoint in place ({e.strerror or e}); "
+                                      "remove it") from None
     return out / "dspark", out / "target"
 
 

@@ -232,3 +232,34 @@ def test_a_dense_linear_next_to_a_block_scale_is_named(tmp_path, tiny_ckpt, tiny
         check_checkpoint(tiny_cfg, d, tiny_ckpt[1])
     with pytest.raises(CheckpointError, match=rf"{Q}_scale_inv: a block scale for {Q}, which is stored as torch.bf"):
         CheckpointReader(d, torch.float32).read(Q, shape, rows=slice(0, 256))
+
+
+def test_a_synthetic_checkpoint_folder_without_its_complete_mark_is_replaced_not_trusted(tmp_path, monkeypatch,
+                                                                                        tiny_cfg):
+    """A finished synthetic checkpoint arrives by one rename with COMPLETE inside, so a folder without it is what
+    is left of one (a removal cut short; in /tmp, tmpfiles aging out COMPLETE, which is only ever stat'ed, before
+    the shards that every start reads). ensure wrote a whole new copy, could not rename it over the old folder,
+    took that for another process's finished copy, deleted the new one and returned the old one: every start
+    failed on its cut files (or rewrote gigabytes and threw them away), and nothing ever repaired it."""
+    from dspark_sidecar.drafter import checkpoint
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = checkpoint.default_checkpoint_dir(tiny_cfg, seed=0)
+    (out / "dspark").mkdir(parents=True)
+    (out / "dspark" / "model.safetensors").write_bytes(b"\0" * 64)  # cut short
+    dspark, target = checkpoint.ensure_synthetic_checkpoint(tiny_cfg, seed=0)
+    assert (out / "COMPLETE").exists()
+    checkpoint.check_checkpoint(tiny_cfg, dspark, target)
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no new copy, nor the old folder, left beside it
+
+
+def test_a_folder_written_again_unsharded_reads_the_new_tensors_not_the_old_index(tmp_path, tiny_cfg):
+    """The writer left a sharded write's model.safetensors.index.json in place when it wrote the folder again as
+    one file: the reader follows an index, so it read the old shards (another seed's weights) without a word."""
+    shape = (tiny_cfg.q_size, tiny_cfg.hidden_size)
+    d, _ = write_synthetic_checkpoint(tiny_cfg, tmp_path / "w", seed=1, max_shard_bytes=1 << 20)
+    d, _ = write_synthetic_checkpoint(tiny_cfg, tmp_path / "w", seed=2)
+    fresh, _ = write_synthetic_checkpoint(tiny_cfg, tmp_path / "fresh", seed=2)
+    assert sorted(p.name for p in d.iterdir()) == sorted(p.name for p in fresh.iterdir())
+    assert torch.equal(CheckpointReader(d, torch.float32).read(Q, shape),
+                       CheckpointReader(fresh, torch.float32).read(Q, shape))
