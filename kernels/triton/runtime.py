@@ -119,8 +119,12 @@ def cast(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
         if DTYPE == tl.bfloat16:
             if x.dtype == tl.float32:
                 b = x.to(tl.uint32, bitcast=True)
-                b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-                x = b.to(tl.float32, bitcast=True)
+                r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+                # A NaN is not rounded: the carry took one whose payload lies in the low 16 bits to
+                # +-inf, and one with every mantissa bit set past the sign bit to +-0 (the GPU keeps
+                # it NaN). With its quiet bit set, its truncation is a NaN too.
+                r = tl.where(x != x, b | 0x400000, r)
+                x = r.to(tl.float32, bitcast=True)
     return x.to(DTYPE)
 
 

@@ -121,6 +121,31 @@ def test_cast_to_fp8_keeps_a_nan_a_nan(device):
     assert torch.isnan(got[:2]).all() and got[2:].tolist() == [1.0, 448.0]
 
 
+def test_cast_to_bf16_keeps_a_nan_a_nan_and_rounds_the_rest_as_torch_does(device):
+    """cast(x, bfloat16) from fp32: torch's (and the GPU's) round to nearest even, and a NaN stays NaN
+    whatever its payload. The interpreter's software rounding added 0x7FFF to the bits of a NaN too:
+    one whose payload lies in the low 16 bits carried into the exponent's all-ones (+-inf), and one
+    with every mantissa bit set carried past the sign bit (+-0), so a NaN hidden state became finite."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store(x_ptr, y_ptr, n, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(y_ptr + o, runtime.cast(tl.load(x_ptr + o, mask=o < n), tl.bfloat16, INTERPRET), mask=o < n)
+
+    nan_bits = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF807FFF, 0x7F808000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000]
+    finite_bits = [0x3F808000, 0x3F818000, 0x3F800001, 0x7F7FFFFF, 0xFF7F8000, 0xBF828000, 0xC0FF8000, 0x7F800000]
+    bits = torch.tensor(nan_bits + finite_bits, dtype=torch.int64)
+    x = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    y = torch.empty(x.numel(), dtype=torch.bfloat16, device=device)
+    store[(1,)](x.to(device), y, x.numel(), BLOCK=16, INTERPRET=runtime.INTERPRET)
+    got = y.cpu()
+    k = len(nan_bits)
+    assert torch.isnan(got[:k]).all(), f"NaNs {[hex(b) for b in nan_bits]} stored as {got[:k].tolist()}"
+    assert torch.equal(got[k:].view(torch.int16), x[k:].to(torch.bfloat16).view(torch.int16)), got[k:].tolist()
+
+
 @pytest.mark.parametrize("value", ["y", "Y", "1", "0"])
 def test_interpret_is_what_triton_decided(value):
     """INTERPRET must say what triton did when it decorated the kernels. It parsed TRITON_INTERPRET a
