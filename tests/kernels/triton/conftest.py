@@ -15,7 +15,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+# As Triton itself reads it (runtime.INTERPRET does the same): a spelling it accepts and a list here did not
+# ("y") skipped every CPU kernel test as "TRITON_INTERPRET is not 1".
+import triton  # noqa: E402  (after the setdefault above)
+
+INTERPRETING = bool(triton.knobs.runtime.interpret)
 _EARLY = "dspark_sidecar.kernels.triton.runtime" in sys.modules  # imported before this conftest ran
 
 def _cpu_skip_reason() -> str | None:
