@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,12 @@ TRANSPORTS = ("grpc", "doorbell")
 
 class EngineConfigError(ValueError):
     """An EngineConfig field is invalid; the message names the field."""
+
+
+def _seconds(v: object) -> bool:
+    """Whether `v` is a usable wait: a number (not a bool) above 0 and at most 3600 s. A string raised
+    TypeError from the comparison, a traceback naming no field; True passed as a 1 s wait."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v <= 3600
 
 
 @dataclass(frozen=True)
@@ -33,8 +40,8 @@ class BreakerConfig:
         for f in ("backoff_initial_s", "backoff_max_s", "probe_deadline_s"):
             # Finite, as EngineConfig's deadlines: an infinite backoff never probes again, and gRPC fails a
             # call with an infinite timeout at once (DEADLINE_EXCEEDED): a recovered sidecar unused for good.
-            if not 0 < getattr(self, f) <= 3600:
-                raise EngineConfigError(f"breaker.{f}: must be above 0 and at most 3600 s, got {getattr(self, f)}")
+            if not _seconds(getattr(self, f)):
+                raise EngineConfigError(f"breaker.{f}: must be above 0 and at most 3600 s, got {getattr(self, f)!r}")
         if self.backoff_max_s < self.backoff_initial_s:
             raise EngineConfigError("breaker.backoff_max_s: must be >= backoff_initial_s")
 
@@ -76,13 +83,15 @@ class EngineConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise EngineConfigError(f"{f}: must be a positive integer, got {v!r}")
+        if not isinstance(self.breaker, BreakerConfig):  # read by agreement_timeout_s and the breaker itself
+            raise EngineConfigError(f"breaker: must be a BreakerConfig, got {self.breaker!r}")
         if self.transport not in TRANSPORTS:
             raise EngineConfigError(f"transport: one of {TRANSPORTS}, got {self.transport!r}")
         if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
             raise EngineConfigError(f"max_reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
         for f in ("step_deadline_s", "late_grace_s", "connect_deadline_s", "bind_deadline_s"):
-            if not 0 < getattr(self, f) <= 3600:  # finite: every wait of the shim is bounded by these
-                raise EngineConfigError(f"{f}: must be above 0 and at most 3600 s, got {getattr(self, f)}")
+            if not _seconds(getattr(self, f)):  # finite: every wait of the shim is bounded by these
+                raise EngineConfigError(f"{f}: must be above 0 and at most 3600 s, got {getattr(self, f)!r}")
         if self.step_deadline_s < 0.001:
             # DraftStepRequest.deadline_ms is whole milliseconds, and 0 there is the sidecar's "no deadline":
             # a shorter step deadline went out as 0, and the sidecar ran such a step with none at all.
@@ -95,11 +104,15 @@ class EngineConfig:
         dead (AgreementTimeout). Longer than a live peer can take between two agreements: a reconnect
         (connect_deadline_s), its catch-up binds (each bind_deadline_s), the buffers' and doorbell's
         registration (each connect_deadline_s: DoorbellTransport's calls; counted at the larger of the two,
-        bind_deadline_s by default), and a step with its late grace; with slack for a loaded host, and 60 s
-        at least. A fixed 60 s was shorter than a step a DSPARK_STEP_DEADLINE_MS of 60000 or more allows:
-        the peers of a rank still waiting for its answer raised into the engine."""
+        bind_deadline_s by default), a step with its late grace, and the breaker's health probes (one in the
+        catch-up, one in the next readiness check: each a health Check and a GetStatus, each probe_deadline_s);
+        with slack for a loaded host, and 60 s at least. A fixed 60 s was shorter than a step a
+        DSPARK_STEP_DEADLINE_MS of 60000 or more allows: the peers of a rank still waiting for its answer raised
+        into the engine. Uncounted, the probes did the same from a probe_deadline_s of about 15 s up (BreakerConfig
+        allows 3600): two probes of a slow sidecar (four calls of 15 s), a reconnect and a bind passed the 65 s wait."""
         live = (self.connect_deadline_s + self.max_catchup_binds * self.bind_deadline_s
-                + 2 * max(self.bind_deadline_s, self.connect_deadline_s) + self.step_deadline_s + self.late_grace_s)
+                + 2 * max(self.bind_deadline_s, self.connect_deadline_s) + self.step_deadline_s + self.late_grace_s
+                + 4 * self.breaker.probe_deadline_s)
         return max(60.0, live + 10.0)
 
 

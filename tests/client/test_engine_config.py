@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dspark_sidecar.client.binding import Binding
-from dspark_sidecar.client.config import EngineConfig, EngineConfigError
+from dspark_sidecar.client.config import BreakerConfig, EngineConfig, EngineConfigError
 from dspark_sidecar.client.shim import DrafterShim
 from helpers.engine_fakes import step_inputs
 
@@ -31,3 +32,34 @@ def test_a_one_millisecond_step_deadline_is_sent_as_one(deadline_s, sent_ms):
     _, pos, meta = step_inputs(1)
     req, _ = DrafterShim._request(shim, 1, 1, pos, torch.zeros(7, 8), meta, inline=False)
     assert req.deadline_ms == sent_ms
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda v: EngineConfig(tp_size=4, step_deadline_s=v), "step_deadline_s"),
+    (lambda v: EngineConfig(tp_size=4, bind_deadline_s=v), "bind_deadline_s"),
+    (lambda v: BreakerConfig(backoff_initial_s=v), "breaker.backoff_initial_s"),
+    (lambda v: BreakerConfig(probe_deadline_s=v), "breaker.probe_deadline_s"),
+])
+@pytest.mark.parametrize("value", ["2", None, True])
+def test_a_wait_that_is_no_number_is_named(make, field, value):
+    """The waits were only range-checked: a string or None raised TypeError from `0 < v` (a traceback naming
+    no field, which the vLLM plug-in's EngineConfigError handler let through), and True passed as a 1 s wait.
+    The int fields beside them already refused a bool."""
+    with pytest.raises(EngineConfigError, match=f"^{re.escape(field)}: must be above 0"):
+        make(value)
+
+
+def test_the_agreement_outwaits_a_live_peer_probing_its_sidecar():
+    """A rank whose breaker is open probes its sidecar before the pre-flight (a health Check, then a GetStatus
+    when it answers NOT_SERVING, each bounded by probe_deadline_s), and again in a catch-up after it: its peers
+    wait at the next agreement meanwhile. The wait counted the binds, registrations and the step but not the
+    probes, so with a probe_deadline_s of 30 s (BreakerConfig takes up to 3600) it stayed 65 s while a live
+    peer could take two probes (120 s) and a reconnect: its peers raised AgreementTimeout into the engine."""
+    cfg = EngineConfig(tp_size=4, breaker=BreakerConfig(probe_deadline_s=30.0, backoff_max_s=30.0))
+    probes = 2 * 2 * cfg.breaker.probe_deadline_s
+    live = probes + cfg.connect_deadline_s + cfg.bind_deadline_s
+    assert cfg.agreement_timeout_s > live
+    # The defaults' probes (0.25 s) add one second: 66 s, as README and FAILURE_MODES.md say.
+    assert EngineConfig(tp_size=4).agreement_timeout_s == 66.0
+    with pytest.raises(EngineConfigError, match="^breaker: must be a BreakerConfig"):
+        EngineConfig(tp_size=4, breaker={"probe_deadline_s": 30.0})  # type: ignore[arg-type]
