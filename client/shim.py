@@ -486,8 +486,11 @@ class DrafterShim:
         to fill in as region slices (0 bytes)."""
         b = self.binder.current
         assert b is not None
+        # Whole milliseconds, floored (the sidecar gives up no later than the shim), but not below a whole
+        # number the engine gave: DSPARK_STEP_DEADLINE_MS=1001 is 1.001 s, and 1.001 * 1000 is 1000.999...
+        deadline_ms = int(self.config.step_deadline_s * 1000 + 1e-6)
         req = pb.DraftStepRequest(step_id=step_id, binding_id=b.binding_id, binding_generation=b.generation,
-                                  num_requests=r, deadline_ms=int(self.config.step_deadline_s * 1000))
+                                  num_requests=r, deadline_ms=deadline_ms)
         payload = 0
         if inline:
             dtype = self._compute_dtype()

@@ -23,7 +23,7 @@ def test_a_step_deadline_under_one_millisecond_is_refused(deadline_s):
         EngineConfig(tp_size=4, step_deadline_s=deadline_s)
 
 
-@pytest.mark.parametrize("deadline_s, sent_ms", [(0.001, 1), (0.5, 500), (2.0, 2000)])
+@pytest.mark.parametrize("deadline_s, sent_ms", [(0.001, 1), (0.5, 500), (2.0, 2000), (1.001, 1001), (0.0015, 1)])
 def test_a_one_millisecond_step_deadline_is_sent_as_one(deadline_s, sent_ms):
     """Read off the request DrafterShim._request builds: the test recomputed the shim's conversion itself, so
     a shim sending whole seconds (0 for any deadline under 1 s: no deadline at all) passed it."""
