@@ -350,8 +350,10 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
         if fast.startup_reason is not None and cfg.backend == "flydsl":
             raise BackendUnavailable(f"--backend flydsl: {fast.startup_reason}")
     prepare_layer_weights(model, cfg.weights, dcfg.quant_block, fold=choice.ops.name == "triton")
+    # A path the choice selected may have failed to start (weights, peers): its reason, not the choice's "on".
+    off = fast.startup_reason if fast is not None else choice.flydsl_refusal
     log.info("rank %d: %s shard loaded in %.1f s on %s (%s, backend %s; FlyDSL path: %s)", rank, dcfg.name,
-             time.perf_counter() - t, device, cfg.dtype, choice.name, choice.flydsl_refusal or "on")
+             time.perf_counter() - t, device, cfg.dtype, choice.name, off or "on")
     return dcfg, model, embed, choice, host, fast
 
 
@@ -425,8 +427,8 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     memory = MemoryBindings(dcfg, model.par.world_size, rank, model.dtype, device)
     ctx = RankContext(rank, world, dcfg, model, embed, memory, metrics, cfg.max_reqs, fast=fast,
                       max_message_bytes=cfg.max_message_bytes)
-    life = Lifecycle(backend=choice.name, host=host, flydsl_off=choice.flydsl_refusal, strict=cfg.strict_refusal,
-                     dist_backend=dist_backend)
+    life = Lifecycle(backend=choice.name, fallback=choice.fallback, host=host, flydsl_off=choice.flydsl_refusal,
+                     strict=cfg.strict_refusal, dist_backend=dist_backend)
     graphs = (StepGraphs(model, lambda: memory.kv.page_size, launch_streams(step_streams(cfg, device, choice.name),
                                                                           device))
               if graphs_on(cfg, device, choice.name) else None)

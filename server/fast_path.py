@@ -341,4 +341,7 @@ def build_fast_path(cfg: DrafterConfig, model: DSparkDrafter, source: WeightSour
         why = str(exc)
     if why is not None:
         log.warning("rank %d: FlyDSL fast path off: %s", rank, why)
+        # Off for good (ready() never builds a runner): kept, the shards this rank did bind held ~430 MB of
+        # device memory a rank (M3.1) for the rank's life, beside the portable model that serves every step.
+        layers = []
     return FlyDSLFastPath(layers, model.final_norm.weight, peers, rank, host, why)

@@ -44,6 +44,7 @@ class Lifecycle:
     silent_peers: dict = field(default_factory=dict)  # {peer rank: seconds silent} (server/app.py watch_peers)
     exited_peers: dict = field(default_factory=dict)  # {peer rank: pid} whose process exited (watch_peers)
     backend: str = "reference"
+    fallback: str | None = None  # under "flydsl": the portable backend of the steps it refuses (BackendChoice.fallback)
     host: HostFacts | None = None
     flydsl_off: str | None = None  # why no FlyDSL fast path was built (BackendChoice.flydsl_refusal)
     strict: bool = False
@@ -187,8 +188,10 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         log.info("rank %d: KV bound (binding %d, generation %d, %d pages x %d); fast path: %s", self.ctx.rank,
                  kv.binding_id, kv.generation, kv.num_pages, kv.page_size, why or "on")
         self._publish_health()
+        # The backend that serves this binding's steps (proto): a binding the FlyDSL path refuses runs on its fallback.
+        backend = self.life.fallback if why and self.life.fallback else self.life.backend
         return pb.BindKVResponse(binding_id=kv.binding_id, generation=kv.generation, fast_path_refusal=why,
-                                 backend=self.life.backend)
+                                 backend=backend)
 
     def UnbindKV(self, request, context):
         self._require_same_node(context)

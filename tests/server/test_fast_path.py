@@ -203,6 +203,35 @@ def test_a_weight_shard_out_of_memory_on_one_rank_turns_the_path_off_on_every_ra
     assert all(not r["mapped"] and r["live"] == 0 for r in res)
 
 
+def test_a_path_off_for_good_at_start_up_keeps_no_weight_shards(tiny_ckpt, tmp_path):
+    """A start-up reason is permanent (ready() never builds a runner), yet every rank that had bound its
+    MXFP8 shards kept them on the device for the life of the rank: ~430 MB a rank at the M3.1 shard, beside
+    the portable model that serves every step. One rank's export failing, or one rank's weights, leaves
+    none bound anywhere now."""
+    res = run_ranks(4, fast_path_rank, str(tmp_path), str(tiny_ckpt[0]), "alloc")
+    assert all(r["reason"] is not None for r in res)
+    assert [r["layers"] for r in res] == [0] * 4
+
+
+def test_the_start_up_line_says_the_path_is_off_when_it_failed_to_start(tiny_ckpt, monkeypatch, caplog):
+    """The rank's "shard loaded" line read the backend choice's reason alone: a path that the choice
+    selected and whose weights or peer mapping then failed (its permanent reason, warned just before)
+    was logged as "FlyDSL path: on"."""
+    from dspark_sidecar.server import app
+    from dspark_sidecar.server.backend import BackendChoice
+
+    why = "rank 0 could not export its exchange buffers: out of memory"
+    monkeypatch.setattr(app, "probe_host", lambda world: GOOD_HOST)
+    choice = BackendChoice("flydsl", REFERENCE_OPS, CPU, None, "reference")
+    monkeypatch.setattr(app, "choose_backend", lambda *a: choice)
+    monkeypatch.setattr(app, "build_fast_path", lambda *a, **k: SimpleNamespace(startup_reason=why))
+    cfg = ServeConfig(tp=4, device="cpu", dtype="fp32", checkpoint=tiny_ckpt[0], target_checkpoint=tiny_ckpt[1])
+    with caplog.at_level("INFO", logger="dspark_sidecar.server"):
+        app._load(cfg, 0, 1, CPU, None, app.StartUp(0, threading.Event()))
+    loaded = [r.getMessage() for r in caplog.records if "shard loaded" in r.getMessage()]
+    assert len(loaded) == 1 and loaded[0].endswith(f"backend flydsl; FlyDSL path: {why})"), loaded
+
+
 def test_a_peer_lost_while_the_path_is_built_is_one_line(tiny_ckpt, monkeypatch):
     # A peer killed while binding its shards (the OOM killer) reaches the others in map_peers' all_gather as
     # gloo's RuntimeError: it escaped as a traceback that reads as a second failure, not PeerLost as at the
@@ -674,6 +703,43 @@ def test_a_rebind_closes_the_old_runner_at_once_not_at_the_next_step():
     assert runner.close in retired  # after the device, as the old cache's own mappings
     assert fp.ready(mem.kv) and len(fp.runner_factory.built) == 2
     assert fp.runner_factory.closed == 1  # the step built the new runner and closed nothing
+    fp.close()
+
+
+def test_bindkv_names_the_portable_backend_that_serves_a_binding_the_fast_path_refuses():
+    """BindKVResponse.backend is "the kernel backend that will serve steps against this binding" (proto), but
+    it was the start-up choice whatever the binding: "flydsl" for a binding the fast path refuses (the engine
+    logged "backend flydsl, FlyDSL off: DP > 1") while every one of its steps ran on the Triton or reference
+    layers. It now names that portable backend (BackendChoice.fallback), and "flydsl" where the path serves."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    class Memory:
+        def __init__(self):
+            self.kv, self.next = None, None
+
+        def bind(self, req, retire):
+            self.kv = self.next
+            return self.kv
+
+    class Loop:
+        def exclusive(self, wait=True, quiesce=True):
+            return contextlib.nullcontext()
+
+        def after_device(self, fn, wait=None):
+            fn()
+
+    fp, _ = fast_path()
+    mem = Memory()
+    ctx = SimpleNamespace(fast=fp, memory=mem, rank=0, metrics=SimpleNamespace(bound=lambda: None))
+    svc = DrafterServicer(ctx, Loop(), Lifecycle(backend="flydsl", fallback="triton", host=GOOD_HOST), None, None,
+                          "mxfp8")
+    peer = SimpleNamespace(peer=lambda: "unix:/s")
+    mem.next = binding(gen=1, engine=EngineFacts(4, 2, 1, "dspark", 7))
+    resp = svc.BindKV(pb.BindKVRequest(), peer)
+    assert (resp.fast_path_refusal, resp.backend) == ("DP > 1", "triton")
+    mem.next = binding(gen=2)
+    resp = svc.BindKV(pb.BindKVRequest(), peer)
+    assert (resp.fast_path_refusal, resp.backend) == ("", "flydsl")
     fp.close()
 
 
