@@ -155,6 +155,11 @@ class KVBinder:
     def __init__(self, facts: pb.EngineFacts) -> None:
         self.facts = facts
         self.current: Binding | None = None
+        # The binding the sidecar holds for this engine as far as it knows: `current`, or, once a re-bind
+        # failed or the binding was invalidated, the one bound before. A refused BindKV leaves the
+        # sidecar's binding in place (MemoryBindings.bind), so release() must still name it: forgotten with
+        # `current`, the engine's old cache stayed mapped by the sidecar until the sidecar restarted.
+        self.held: Binding | None = None
         self.binds = 0  # successful BindKV calls
         # (identity, why, when to try again) of the cache last found NotShareable: not exported again before
         # then (each try costs every layer's export, on every step the engine runs while it keeps that cache),
@@ -185,6 +190,17 @@ class KVBinder:
         """Forget the binding (the sidecar lost it, or the engine's cache contents were discarded)."""
         self.current = None
 
+    def release(self, stub, deadline_s: float) -> None:
+        """UnbindKV the binding the sidecar holds for this engine (`held`), best effort, and forget it.
+        One the sidecar no longer has (it restarted, or was re-bound since) is refused UNKNOWN_BINDING."""
+        b, self.current, self.held = self.held, None, None
+        if b is None or stub is None:
+            return
+        try:
+            stub.UnbindKV(pb.UnbindKVRequest(binding_id=b.binding_id), timeout=deadline_s)
+        except grpc.RpcError as e:
+            log.info("UnbindKV: %s (the sidecar drops the binding when it restarts anyway)", e.code().name)
+
     def bind(self, stub, layers: Sequence[torch.Tensor], deadline_s: float) -> Binding:
         """BindKV once; raises BindError (permanent or not)."""
         ident = cache_identity(layers)
@@ -210,7 +226,7 @@ class KVBinder:
             self.current = None
             raise BindError(f"BindKV: answer names binding {resp.binding_id} generation {resp.generation}, "
                             "outside what a sidecar hands out", False)
-        self.current = Binding(resp.binding_id, resp.generation, ident, _watch(layers))
+        self.current = self.held = Binding(resp.binding_id, resp.generation, ident, _watch(layers))
         self.binds += 1
         log.info("KV cache bound: binding %d generation %d (%d layers, backend %s%s)", resp.binding_id,
                  resp.generation, len(layers), resp.backend or "?",

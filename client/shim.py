@@ -670,13 +670,7 @@ class DrafterShim:
         self.binder.invalidate()
 
     def _release(self) -> None:
-        b, stub = self.binder.current, self.connection.stub
-        if b is not None and stub is not None:
-            try:
-                stub.UnbindKV(pb.UnbindKVRequest(binding_id=b.binding_id), timeout=self.config.connect_deadline_s)
-            except grpc.RpcError as e:
-                log.info("UnbindKV: %s (the sidecar drops the binding when it restarts anyway)", e.code().name)
-        self.binder.invalidate()
+        self.binder.release(self.connection.stub, self.config.connect_deadline_s)
         self._drop_link()
 
     def _drop_link(self) -> None:

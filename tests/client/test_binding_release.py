@@ -1,0 +1,87 @@
+"""A re-bind that fails leaves the sidecar's binding as it was: the shim still releases it when it lets go.
+
+A refused BindKV changes nothing on the sidecar (MemoryBindings.bind: "the binding in place stands"), but
+KVBinder.bind forgot the binding on any failure, and the shim's release (UnbindKV) names only the binding
+it knows. An engine whose re-bind failed (its cache re-allocated, then the BindKV refused for good, or the
+new cache not exportable) and which was then turned off or closed the shim sent no UnbindKV: the sidecar
+kept the engine's old cache mapped (on a GPU, through torch's IPC limbo, still allocated on the engine's
+side) until the sidecar restarted.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+import pytest
+
+from dspark_sidecar.client import shim as S
+from dspark_sidecar.client.config import EngineConfig
+from dspark_sidecar.client.forward_context import set_forward_context
+from dspark_sidecar.client.shim import DrafterShim
+from dspark_sidecar.drafter.parallel import ParallelContext
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from helpers.engine_fakes import FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs
+
+
+class _Recording(FakeSidecar):
+    """Unbinds only the binding it holds, by id, as the sidecar does; records what it was asked to unbind."""
+
+    def __init__(self) -> None:
+        super().__init__(max_reqs=4)
+        self.unbound: list[int] = []
+
+    def UnbindKV(self, request, context):
+        self.calls["UnbindKV"] += 1
+        self.unbound.append(request.binding_id)
+        if request.binding_id != self.binding_id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_BINDING")
+        self.binding_id = 0
+        return pb.UnbindKVResponse()
+
+
+@pytest.mark.parametrize("failure", ["refused for good", "not shareable"])
+def test_a_binding_left_by_a_failed_rebind_is_released(failure, monkeypatch):
+    """The engine re-allocates its cache and the re-bind fails: refused for good (INVALID_ARGUMENT: the shim
+    turns itself off at once), or the new cache cannot be exported (the shim stays on, falling back, until
+    close()). Either way the sidecar still holds the old binding, and the release names it."""
+    from dspark_sidecar.client import binding
+
+    server = FakeServer(_Recording(), short_socket_dir() / "rank0.sock").start()
+    fake = server.sidecar
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=server.endpoint, tp_size=4, step_deadline_s=2.0), FakeModel(),
+                       lambda: [s.tensor for s in kv], ParallelContext(0, 1))
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            held = fake.binding_id
+            assert held
+            old = list(kv)
+            kv[:] = shm_kv_cache(num_pages=12)  # the engine re-allocates
+            for s in old:
+                s.close()
+            if failure == "refused for good":
+                fake.bind_error = (grpc.StatusCode.INVALID_ARGUMENT, "layers[0].dtype: refused")
+            else:
+                real = binding.export_handle
+
+                def refuse(t):  # the export only (the identity's segment lookup goes through it too, on CPU)
+                    if sys._getframe(1).f_code.co_name == "bind_request":
+                        raise RuntimeError("injected: CUDA IPC handle refused for memory from expandable segments")
+                    return real(t)
+                monkeypatch.setattr(binding, "export_handle", refuse)
+            assert shim.maybe_forward(ids, pos) is None
+        if failure == "refused for good":  # turned off: the release has run
+            assert not shim.enabled and fake.calls["BindKV"] == 2
+        else:
+            assert shim.enabled and fake.calls["BindKV"] == 1 and fake.binding_id == held
+            assert shim.stats.fallbacks == {S.KV_NOT_SHAREABLE: 1}, shim.stats.fallbacks
+            shim.close()
+        assert fake.unbound == [held] and fake.binding_id == 0
+    finally:
+        shim.close()
+        for s in kv:
+            s.close()
+        server.stop()
