@@ -135,7 +135,7 @@ def validate_step(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindi
     if cache:
         mem.keep(mem.layouts, key, tensors, epoch, 256)
     if ids is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size):
-        raise out_of_range("input_ids", f"ids must be in [0, {cfg.vocab_size})")
+        _refuse_ids(ids, cfg.vocab_size)
     output = req.output if req.HasField("output") else None
     if output is not None and out_dtype is not None:
         try:
@@ -265,6 +265,15 @@ def check_distinct_slots(h: HostMeta) -> None:
                                   "would hold depends on the order the writes land in)")
 
 
+def _refuse_ids(ids: torch.Tensor, vocab: int) -> None:
+    """OUT_OF_RANGE on input_ids naming the first id outside the vocabulary, its row and request (a refusal
+    only: "ids must be in [0, V)" alone left the engine to search the step's n ids itself)."""
+    flat = ids.reshape(-1).cpu()
+    k = int(torch.nonzero((flat < 0) | (flat >= vocab))[0])
+    raise out_of_range("input_ids", f"row {k} (request {k // layout.QPR}) has id {int(flat[k])}, outside the "
+                                    f"vocabulary [0, {vocab})")
+
+
 def _check_answer_size(R: int, hidden: int, dtype: torch.dtype, limit: int) -> None:
     """Inline hidden states that could not be sent: refused before the step runs. Found only as the
     answer went out, the step had written its K/V, and gRPC ended a DraftSteps stream with it."""
@@ -384,7 +393,8 @@ def _diagnose(h: HostMeta, ps: int, pages: int) -> None:
     pos, tab, slot = h.positions, h.tables, h.slots
     lens = h.seq_lens.astype(np.int64)
     if lens.min() < q:
-        raise invalid("seq_lens", f"every sequence length must be >= {q} (P + 7), got {int(lens.min())}")
+        i = int(np.flatnonzero(lens < q)[0])  # the first, as the messages below name theirs
+        raise invalid("seq_lens", f"seq_lens[{i}] = {int(lens[i])}: every sequence length must be >= {q} (P + 7)")
     expect = lens[:, None] - q + np.arange(q)[None, :]
     if not np.array_equal(pos, expect):
         i = int(np.flatnonzero((pos != expect).any(axis=1))[0])
