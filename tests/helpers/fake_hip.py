@@ -17,6 +17,9 @@ import torch.distributed as dist
 from dspark_sidecar.kernels.flydsl.peers import IPC_HANDLE_BYTES, map_peers
 from dspark_sidecar.kernels.flydsl.runner import FlyDSLUnsupported
 
+# What a fresh allocation holds: memory a previous sidecar's exchange left behind, every word 1, the tag
+# the first exchange of a new process waits for (epoch 0, exchange 0), so unzeroed flags read as ready.
+STALE_WORD = (1).to_bytes(4, "little")
 FAULTS = (None, "alloc", "short_handle", "no_handle", "bogus_handle", "open", "wrap_flags", "free")
 
 
@@ -40,8 +43,8 @@ class FakeHip:
             raise FlyDSLUnsupported("hipExtMallocWithFlags(hipDeviceMallocUncached) failed: out of memory")
         ptr = self._ptr()
         path = self.folder / f"{ptr:x}.mem"
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
+        with open(path, "wb") as f:  # not zeroed, as hipExtMallocWithFlags' memory is not
+            f.write(STALE_WORD * (nbytes // 4))
         self._files[ptr] = path
         self.calls.append(("malloc", ptr))
         return ptr

@@ -41,6 +41,8 @@ def test_four_ranks_map_each_other(four_ranks, scenario):
         # Every rank's push landed in this rank's own buffers, in its slot.
         assert out["seen_rx"] == [1.0, 2.0, 3.0, 4.0]
         assert out["seen_flags"] == [100, 101, 102, 103]
+        # Parity 1 was never written: zeroed at allocation (FakeHip's memory starts stale, every flag at
+        # the first exchange's tag: unzeroed, a new process's first exchange read its peers as ready).
         assert out["untouched"] and out["own_is_local"] and out["epoch"] == [0]
         kinds = [k for k, _ in out["calls"]]
         # 2 own allocations, 3 peers x 2 opened; close: the 6 mappings first, then the 2 frees.
