@@ -438,8 +438,9 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     """Row tile from m (tensor-core dots need >= 16 rows), then split K until the grid covers the SMs.
 
     n: output columns per program's tile set (f for SwiGLU: each program streams gate and up tiles).
-    Pipeline depth: as many stages of (x tile + weight tiles) as fit SMEM_PER_PROGRAM, so that two
-    programs share an SM (one hides the other's load latency), at least 2 and at most MAX_STAGES;
+    Pipeline depth: as many stages of (x tile + weight tiles) as fit SMEM_PER_PROGRAM (and the
+    device's max_smem less SMEM_RESERVE), so that two programs share an SM (one hides the other's
+    load latency), at least 2 and at most MAX_STAGES;
     or, when fewer than MIN_STAGES fit (or programs_per_sm is 1), one program per SM with the deep
     budget (see DEEP_SMEM); then, for MXFP8 weights, deep enough that no more than the planned
     programs fit on an SM (EXACT_RESIDENCY).
@@ -452,7 +453,9 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bn, bk = block_n or BLOCK_N, block_k or (max(FP8_BLOCK_K, quant_block) if weight_bytes == 1 else BLOCK_K)
     stage = stage_bytes(bm, bn, bk, swiglu, weight_bytes)
-    stages = SMEM_PER_PROGRAM // stage
+    # Never more than the device gives a program: an MI300X has 64 KB of LDS, where stages counted
+    # from SMEM_PER_PROGRAM alone (the 7-row qkv: 5 of 18 KB) compiled to more than that and did not launch.
+    stages = (SMEM_PER_PROGRAM if max_smem is None else min(SMEM_PER_PROGRAM, max_smem - SMEM_RESERVE)) // stage
     if DEEP_SMEM and (programs_per_sm == 1 or programs_per_sm is None and stages < MIN_STAGES):
         budget = min(DEEP_SMEM, (max_smem or DEEP_SMEM + SMEM_RESERVE) - SMEM_RESERVE)
         programs_per_sm, stages = 1, max(stages, budget // stage)

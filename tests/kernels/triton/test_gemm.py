@@ -214,6 +214,20 @@ def test_plan_deep_pipeline_within_the_device(max_smem):
     assert qkv.split_k * (2304 // 128) > 132  # two per SM
 
 
+@pytest.mark.parametrize("weight_bytes", [2, 1], ids=["bf16w", "fp8w"])
+@pytest.mark.parametrize("rows", [7, 56])
+def test_plan_fits_a_device_with_less_shared_memory_than_a_program_budget(rows, weight_bytes):
+    """An MI300X (the Triton backend serves it: not gfx950) gives a program 64 KB of LDS, less than
+    SMEM_PER_PROGRAM: the two-per-SM stages were counted from that budget alone, and the 7-row qkv
+    (5 stages of 18 KB) compiled for gfx942 to 66 KB, the 7-row down_proj to 72 KB, which do not
+    launch. Every stage beyond the 2 a pipeline needs fits the device (below the compiler's reserve)."""
+    max_smem = 64 << 10
+    for n, k, swiglu in ((2304, 6144, False), (6144, 2048, False), (3072, 6144, True), (6144, 3072, False)):
+        cfg = gemm.plan(rows, n, k, 304, swiglu=swiglu, weight_bytes=weight_bytes, max_smem=max_smem)
+        stage = gemm.stage_bytes(cfg.block_m, cfg.block_n, cfg.block_k, swiglu, weight_bytes)
+        assert cfg.num_stages == 2 or cfg.num_stages * stage <= max_smem - gemm.SMEM_RESERVE, (n, k, cfg)
+
+
 def test_mxfp8_weight_from_checkpoint(tiny_ckpt, tiny_cfg):
     """The raw F8/U8 slices read by the loader path dequantize to what CheckpointReader.read returns."""
     from dspark_sidecar.drafter.checkpoint import CheckpointReader, layer_prefix
