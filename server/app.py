@@ -33,6 +33,7 @@ from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
 from dspark_sidecar.kernels.weights import prepare_layer_weights
+from dspark_sidecar.layout import LAUNCH_REQS
 from dspark_sidecar.proto import SERVICE_NAME
 from dspark_sidecar.proto.doorbell import nap_for, stores_in_order
 from dspark_sidecar.proto import sidecar_pb2 as pb
@@ -46,7 +47,7 @@ from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.preflight import check_port, claim_socket
 from dspark_sidecar.server.process_group import PeerLost, join_group
-from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_up
+from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_sizes, warm_up
 from dspark_sidecar.server.refusal import AWAITING_BIND, probe_host
 from dspark_sidecar.server.rendezvous import Board, PeerProcesses, Rendezvous
 from dspark_sidecar.server.servicer import MAX_STREAMS, DrafterServicer, Lifecycle, give_back_unopened, limits_pb
@@ -242,13 +243,13 @@ class StartUp:
         self._collective(lambda: dist.broadcast_object_list(box, src=0, group=group))
         return box[0]
 
-    def warm_up(self, ctx: RankContext) -> float:
-        """rank.warm_up, whose step exchanges partial sums with the peers (the world group): a peer lost in
-        one of those collectives is PeerLost, as in barrier, not gloo's traceback from inside the step. A
+    def warm_up(self, ctx: RankContext, **kw) -> float:
+        """rank.warm_up(ctx, **kw), whose steps exchange partial sums with the peers (the world group): a peer
+        lost in one of those collectives is PeerLost, as in barrier, not gloo's traceback from inside a step. A
         failure of this rank's own compute (out of memory, a kernel error) is raised as it is: taken for a
         peer lost, its one line would send the reader to a peer that printed nothing."""
         try:
-            return warm_up(ctx)
+            return warm_up(ctx, **kw)
         except (RuntimeError, dist.DistError) as err:
             if not _raised_by_collective(err):
                 raise
@@ -284,6 +285,15 @@ def graphs_on(cfg: ServeConfig, device: torch.device, backend: str) -> bool:
     """Whether this rank replays steps as CUDA graphs: they need a GPU and capturable ops (the Triton
     backend's are; the reference loop attention is not)."""
     return cfg.cuda_graphs and device.type == "cuda" and backend == "triton"
+
+
+def warm_plan(cfg: ServeConfig, device: torch.device, graphs: StepGraphs | None) -> list[int]:
+    """The request counts of the warm-up's steps. On a GPU, every launch shape served (rank.warm_sizes):
+    the kernels compile per shape, and a shape first met in a served step compiled inside it, past the
+    engine's step deadline. A CPU rank's kernels compile nothing per shape: one step, as the group's proof."""
+    if device.type != "cuda":
+        return [LAUNCH_REQS]
+    return warm_sizes(cfg.max_reqs, len(graphs.streams) if graphs is not None else 0)
 
 
 def step_streams(cfg: ServeConfig, device: torch.device, backend: str) -> int:
@@ -442,8 +452,9 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     publish = HealthPublisher(life, servicer, ctx, health_servicer, metrics)
     life.on_change.append(publish)
     if cfg.warmup:
-        secs = start_up.warm_up(ctx)
-        log.info("rank %d: warm-up step (8 requests) took %.1f ms", rank, secs * 1e3)
+        sizes = warm_plan(cfg, device, graphs)
+        secs = start_up.warm_up(ctx, sizes=sizes, graphs=graphs)
+        log.info("rank %d: warm-up steps (%s requests) took %.1f ms", rank, ", ".join(map(str, sizes)), secs * 1e3)
     # A first beat before the barrier: past it every peer has beaten at least once, so a peer that
     # stops before its first timed beat is still seen (watch_peers skips peers that never beat).
     board.beat(rank)

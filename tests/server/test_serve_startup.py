@@ -200,11 +200,11 @@ RANK_DIES_IN_WARM_UP = """
 import os, sys
 from dspark_sidecar.server import app
 real = app.warm_up
-def warm_up(ctx):
+def warm_up(ctx, **kw):
     if ctx.rank == 1:  # a peer that fails inside the warm-up step (out of device memory, say): its line, then gone
         print("rank 1: failed in its warm-up", file=sys.stderr, flush=True)
         os._exit(1)
-    return real(ctx)
+    return real(ctx, **kw)
 app.warm_up = warm_up
 from dspark_sidecar import cli
 sys.exit(cli.main(sys.argv[1:]))
