@@ -355,6 +355,34 @@ def discard_handle(handle: pb.MemoryHandle) -> None:
 _REF_COUNTERS = 10000
 # The largest value torch takes for a size or offset: it unpacks them as int64 (ValueError past that).
 _INT64_MAX = (1 << 63) - 1
+# Bytes of a cudaIpcEventHandle_t / hipIpcEventHandle_t (CUDA_IPC_HANDLE_SIZE): torch reads that many from
+# an event handle it must wait on, whatever the length of the bytes it was given.
+_IPC_EVENT_HANDLE_BYTES = 64
+# Bytes of torch's ref-counter file: its counters after the 64-byte header of its mapping (RefcountedMapAllocator).
+_REF_COUNTER_FILE_BYTES = 8 * _REF_COUNTERS + 64
+
+
+def counter_file_problem(name: bytes) -> str | None:
+    """Why torch must not be handed `name` as a CUDA IPC handle's ref-counter file, or None.
+
+    torch opens the name in /dev/shm read/write on the caller's word, unchecked (a give-back, an opened
+    storage's unmap): a file shorter than its counter file it grows to that size and zeroes the first byte
+    of, it bumps and drops the int at its start and unlinks the file if that reaches 0, and it decrements
+    an int64 inside it. Named so, any segment this process may open (another engine's page or KV cache,
+    the ranks' rendezvous board, as root any user's) was rewritten or removed. torch names its counter
+    files torch_* (NewProcessWideShmHandle) and makes them that size; a name that is not there is no
+    harm (torch's open fails, quietly)."""
+    text = name.decode("utf-8", "replace").lstrip("/")
+    if not text.startswith("torch_") or "/" in text or "\0" in text:
+        return f"{text!r} is not the name of one of torch's ref-counter files (torch_*, one entry of /dev/shm)"
+    try:
+        st = os.lstat(os.path.join("/dev/shm", text))
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size < _REF_COUNTER_FILE_BYTES:
+        return (f"/dev/shm/{text} is not one of torch's ref-counter files (a regular file of at least "
+                f"{_REF_COUNTER_FILE_BYTES} bytes; found mode {st.st_mode:o}, {st.st_size} bytes)")
+    return None
 
 
 def _discard_cuda_ipc(h: pb.CudaIpcHandle) -> None:
@@ -363,6 +391,10 @@ def _discard_cuda_ipc(h: pb.CudaIpcHandle) -> None:
     if h.ref_counter_offset >= _REF_COUNTERS:  # no counter of torch's: the decrement would land past its file
         log.warning("a refused CUDA IPC handle names ref counter %d, outside torch's %d: nothing given back",
                     h.ref_counter_offset, _REF_COUNTERS)
+        return
+    why = counter_file_problem(h.ref_counter_handle)
+    if why:  # torch would write into (or remove) whatever file it names
+        log.warning("a refused CUDA IPC handle's ref_counter_handle %s: nothing given back", why)
         return
     try:
         torch.UntypedStorage._release_ipc_counter(h.ref_counter_handle, h.ref_counter_offset)
@@ -400,7 +432,7 @@ def _rebuild(h: pb.CudaIpcHandle, field: str, device: torch.device) -> torch.Ten
             torch.Tensor, (h.storage_size_bytes,), (1,), 0, torch.UntypedStorage, torch.uint8,
             device.index if device.index is not None else torch.cuda.current_device(), h.ipc_handle,
             h.storage_size_bytes, h.storage_offset_bytes, False, h.ref_counter_handle, h.ref_counter_offset,
-            h.event_handle or None, h.event_sync_required)
+            h.event_handle, h.event_sync_required)  # bytes even when empty: torch's open takes no None (TypeError)
     except RuntimeError as err:  # e.g. bytes that are no IPC handle: the driver refuses to open them
         if held is None and storage_from_cache(torch.UntypedStorage, key) is None:
             _discard_cuda_ipc(h)  # torch mapped nothing, so it gave nothing back
@@ -429,9 +461,21 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
         _discard_cuda_ipc(h)
         raise HandleError(f"{field}: storage_size_bytes 0: a CUDA/HIP IPC handle must name a storage of at least "
                           "one byte")
+    # torch's open answers an empty handle, or a sync with no event, with no storage and no exception (Python's
+    # SystemError: INTERNAL, the counter kept); an event handle of another length it reads past its bytes.
+    if not h.ipc_handle:
+        _discard_cuda_ipc(h)
+        raise HandleError(f"{field}: ipc_handle is empty: send the exported storage's handle")
+    if h.event_sync_required and len(h.event_handle) != _IPC_EVENT_HANDLE_BYTES:
+        _discard_cuda_ipc(h)
+        raise HandleError(f"{field}: event_sync_required with an event_handle of {len(h.event_handle)} bytes, not "
+                          f"{_IPC_EVENT_HANDLE_BYTES}: send the exported event's handle")
     if h.ref_counter_offset >= _REF_COUNTERS:  # torch would decrement it, past its counter file, on unmap
         raise HandleError(f"{field}: ref_counter_offset {h.ref_counter_offset} is outside torch's ref-counter "
                           f"file of {_REF_COUNTERS} counters; send the exported storage's own counter")
+    why = counter_file_problem(h.ref_counter_handle) if h.ref_counter_handle else None
+    if why:  # torch would write into (or remove) that file on unmap: refused, and nothing given back to it
+        raise HandleError(f"{field}: ref_counter_handle {why}; send the exported storage's own counter")
     if max(h.storage_size_bytes, h.storage_offset_bytes) > _INT64_MAX:  # torch's ValueError, not a HandleError
         _discard_cuda_ipc(h)
         raise HandleError(f"{field}: storage_size_bytes {h.storage_size_bytes} or storage_offset_bytes "

@@ -236,7 +236,7 @@ def test_a_handle_opened_before_claiming_more_than_its_storage_is_refused_before
     monkeypatch.setattr(reductions, "storage_from_cache", lambda cls, key: _held(4096) if key == (b"h", 0) else None)
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: pytest.fail("torch asked to open it"))
     h = _handle(8192)
-    h.ref_counter_handle = b"counter"
+    h.ref_counter_handle = b"/torch_counter"  # torch names its counter files /torch_*
     with pytest.raises(memory.HandleError, match=rf"{re.escape(FIELD)}: storage_size_bytes 8192 exceeds the 4096 "
                                                  "bytes of the storage this handle opened"):
         opened(h)
@@ -286,7 +286,7 @@ def test_a_handle_torch_cannot_open_is_an_invalid_argument_given_back_once(opene
     monkeypatch.setattr(reductions, "storage_from_cache", lambda cls, key: cache.get("k"))
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild)
     h = _handle(4096)
-    h.ref_counter_handle = b"counter"
+    h.ref_counter_handle = b"/torch_counter"  # torch names its counter files /torch_*
     with pytest.raises(memory.HandleError, match=rf"{re.escape(FIELD)}: the CUDA/HIP IPC handle cannot be opened "
                                                  r"on cuda:0: CUDA error: invalid argument"):
         opened(h)

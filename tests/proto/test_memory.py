@@ -410,6 +410,120 @@ def test_a_cuda_handle_whose_size_or_offset_is_past_int64_is_refused_as_invalid_
     assert asked == [] and given_back == [(b"/torch_counter", 24)]
 
 
+@pytest.fixture
+def counter_file():
+    """A file in /dev/shm named as torch names its ref-counter files, of the size given (0: none made)."""
+    made = []
+
+    def make(nbytes: int) -> bytes:
+        name = f"torch_{os.getpid()}_{len(made)}_dspark_test"
+        made.append(f"/dev/shm/{name}")
+        if nbytes:
+            with open(made[-1], "wb") as f:
+                f.truncate(nbytes)
+        return f"/{name}".encode()
+
+    yield make
+    for path in made:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_a_refused_handle_s_counter_is_given_back_only_into_a_torch_counter_file(segment, counter_file, given_back):
+    """torch's give-back opens the ref_counter_handle it is handed in /dev/shm, read/write, unchecked: a file
+    shorter than its counter file it grows and zeroes the first byte of, it drops the int64 the offset names,
+    and it unlinks the file if the int at its start counts 0. Any caller could name any segment this rank may
+    open (an engine's KV cache or doorbell page, the ranks' rendezvous board, as root anyone's) in a handle
+    refused on purpose (here: a CUDA handle on a CPU rank), and have it rewritten or removed."""
+    victim = f"/{segment.segment.name.lstrip('/')}".encode()  # an engine's zero-filled segment (psm_*)
+    short, torch_s, absent = counter_file(4096), counter_file(memory._REF_COUNTER_FILE_BYTES), counter_file(0)
+    for name in (victim, short, torch_s, absent):
+        h = _ipc(7)
+        h.cuda_ipc.ref_counter_handle = name
+        with pytest.raises(memory.HandleError, match="needs a GPU sidecar"):
+            memory.MappedMemory(h, "regions[0].memory", torch.device("cpu"))
+    # torch's own counter file, and a name that is not there (torch's open fails, quietly): given back.
+    assert given_back == [(torch_s, 7), (absent, 7)]
+
+
+def test_a_cuda_handle_naming_a_file_that_is_no_torch_counter_is_refused_before_torch(segment, counter_file,
+                                                                                      given_back, monkeypatch):
+    """Opened, the storage's unmap decrements the same counter through the same unchecked open."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-this"))
+    asked = []
+    _torch_like_rebuild(monkeypatch, asked)
+    for name in (f"/{segment.segment.name.lstrip('/')}".encode(), counter_file(4096), b"/rendezvous-board"):
+        h = _ipc(24).cuda_ipc
+        h.device_uuid, h.ref_counter_handle = "GPU-this", name
+        with pytest.raises(memory.HandleError, match=r"layers\[0\].memory: ref_counter_handle .* is not"):
+            memory._open_cuda_ipc(h, "layers[0].memory", torch.device("cuda", 0))
+    assert asked == [] and given_back == []
+
+
+@pytest.fixture
+def torch_open(monkeypatch):
+    """torch's own rebuild_cuda_tensor, with only its C++ open (UntypedStorage._new_shared_cuda) stood in by
+    the checks it makes before the driver is asked (torch/csrc/StorageSharing.cpp): arguments of another
+    type are a TypeError; an empty handle, or a sync with an empty event handle, returns NULL with no
+    exception set, which Python raises as SystemError. Otherwise a CPU storage of the size asked. Returns
+    the opens torch got that far with."""
+    import torch.multiprocessing.reductions as reductions
+
+    opened = []
+
+    def new_shared_cuda(device, handle, size, offset, counter, counter_offset, event, sync):
+        if not (all(isinstance(v, int) for v in (device, size, offset, counter_offset))
+                and all(isinstance(v, bytes) for v in (handle, counter, event)) and isinstance(sync, bool)):
+            raise TypeError("_new_shared in CUDA mode received an invalid combination of arguments")
+        if (sync and not event) or not handle:
+            raise SystemError("<built-in method _new_shared_cuda> returned NULL without setting an exception")
+        opened.append((handle, event, sync))
+        return torch.UntypedStorage(size)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", staticmethod(new_shared_cuda), raising=False)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    before = set(reductions.shared_cache)
+    yield opened
+    for key in set(reductions.shared_cache) - before:
+        reductions.shared_cache.pop(key, None)
+
+
+def test_a_cuda_handle_with_no_event_opens_as_the_proto_allows(torch_open, given_back):
+    """sidecar.proto: event_handle is "empty when none". _rebuild passed an empty one on as None, which
+    torch's open refuses (TypeError: it takes bytes only): a handle with no event was answered INTERNAL
+    instead of mapped, and the engine's producer reference was never given back."""
+    h = _ipc(40).cuda_ipc
+    h.event_handle, h.event_sync_required = b"", False
+    t = memory._rebuild(h, "layers[0].memory", torch.device("cuda", 0))
+    assert t.numel() == 4096 and torch_open == [(b"h", b"", False)] and given_back == []
+
+
+@pytest.mark.parametrize("ipc, event, why", [
+    (b"", b"", "ipc_handle is empty"),
+    (b"h", b"", "event_sync_required with an event_handle of 0 bytes, not 64"),
+    (b"h", b"e" * 8, "event_sync_required with an event_handle of 8 bytes, not 64"),
+])
+def test_a_cuda_handle_torch_would_open_as_nothing_is_refused_as_invalid_and_given_back(
+        ipc, event, why, torch_open, given_back, monkeypatch):
+    """An empty ipc_handle (the proto's default), or a sync asked with an empty event handle: torch's open
+    returned NULL with no exception, a SystemError that escaped as INTERNAL with the engine's producer
+    reference kept. An event handle shorter than a cudaIpcEventHandle_t torch reads past its bytes.
+    Refused before torch is asked, as the engine's fault, and given back once."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.server.errors import as_sidecar_error
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-this"))
+    h = _ipc(48).cuda_ipc
+    h.device_uuid, h.ipc_handle, h.event_handle, h.event_sync_required = "GPU-this", ipc, event, True
+    with pytest.raises(memory.HandleError, match=rf"layers\[0\].memory: {why}") as err:
+        memory._open_cuda_ipc(h, "layers[0].memory", torch.device("cuda", 0))
+    assert as_sidecar_error(err.value).code.name == "INVALID_ARGUMENT"
+    assert torch_open == [] and given_back == [(b"/torch_counter", 48)]
+
+
 def test_a_segment_shared_with_a_group_is_0660_and_that_group_s():
     """Python makes segments 0600: a sidecar of another user (systemd on AMD) could not map the engine's
     doorbell page or metadata region, and every step went over the gRPC stream."""

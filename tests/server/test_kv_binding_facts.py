@@ -45,7 +45,7 @@ def test_facts_naming_another_gpu_than_the_ranks_own_are_refused_and_the_handles
     monkeypatch.setattr(kv_binding, "gpu_uuid", lambda device: "GPU-this", raising=False)  # this rank's own GPU
     cfg = load_config("tiny")
     mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
-    layers = [pb.KVLayerBinding(layer=i, memory=_ipc(b"c%d" % i)) for i in range(cfg.num_hidden_layers)]
+    layers = [pb.KVLayerBinding(layer=i, memory=_ipc(b"/torch_c%d" % i)) for i in range(cfg.num_hidden_layers)]
     req = pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1,
                                                  device_uuid="GPU-other"), layers=layers, page_size=16)
     with pytest.raises(SidecarError) as err:
@@ -53,7 +53,7 @@ def test_facts_naming_another_gpu_than_the_ranks_own_are_refused_and_the_handles
     e = err.value
     assert (e.code, e.field, e.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "engine.device_uuid", "INVALID_FIELD"), e
     assert "GPU GPU-other, this rank runs on GPU GPU-this" in e.message, e.message
-    assert released == [(b"c%d" % i, 8) for i in range(cfg.num_hidden_layers)] and mem.kv is None
+    assert released == [(b"/torch_c%d" % i, 8) for i in range(cfg.num_hidden_layers)] and mem.kv is None
     # Not named (the shim sends none today), or named alike: the check passes, and the binding goes on
     # to its layers (refused here further on: the tiny layers have no shape).
     for named in ("", "GPU-this"):

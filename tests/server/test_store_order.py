@@ -61,13 +61,13 @@ def test_a_cuda_ipc_page_refused_for_store_order_is_given_back(monkeypatch):
     monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
                         lambda handle, offset, **kw: released.append((handle, offset)), raising=False)
     page = pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(ipc_handle=b"h", storage_size_bytes=64,
-                                                     ref_counter_handle=b"c0", ref_counter_offset=8))
+                                                     ref_counter_handle=b"/torch_c0", ref_counter_offset=8))
     svc = _servicer(HostFacts(False, False, 1, stores_in_order=False))
     with pytest.raises(SidecarError) as err:
         svc.AttachDoorbell(pb.AttachDoorbellRequest(page=page, capacity_bytes=4096),
                            SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock"))
     assert err.value.reason == "STORE_ORDER"
-    assert released == [(b"c0", 8)]
+    assert released == [(b"/torch_c0", 8)]
 
 
 def test_a_cuda_ipc_page_refused_while_the_rank_loads_is_given_back(monkeypatch):
@@ -80,9 +80,9 @@ def test_a_cuda_ipc_page_refused_while_the_rank_loads_is_given_back(monkeypatch)
     monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
                         lambda handle, offset, **kw: released.append((handle, offset)), raising=False)
     page = pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(ipc_handle=b"h", storage_size_bytes=64,
-                                                     ref_counter_handle=b"c1", ref_counter_offset=16))
+                                                     ref_counter_handle=b"/torch_c1", ref_counter_offset=16))
     with pytest.raises(SidecarError) as err:
         LateServicer().AttachDoorbell(pb.AttachDoorbellRequest(page=page, capacity_bytes=4096),
                                       SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock"))
     assert err.value.reason == "LOADING"
-    assert released == [(b"c1", 16)]
+    assert released == [(b"/torch_c1", 16)]

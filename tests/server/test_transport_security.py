@@ -168,19 +168,19 @@ def test_handles_refused_before_they_are_opened_are_given_back_to_a_same_node_en
                         lambda handle, offset, **kw: released.append((handle, offset)), raising=False)
     ctx = SimpleNamespace(peer=lambda: peer)
     if rpc == "BindKV":
-        req = pb.BindKVRequest(layers=[pb.KVLayerBinding(layer=i, memory=_ipc(b"c%d" % i)) for i in range(2)])
+        req = pb.BindKVRequest(layers=[pb.KVLayerBinding(layer=i, memory=_ipc(b"/torch_c%d" % i)) for i in range(2)])
         call = lambda: LateServicer().BindKV(req, ctx)  # noqa: E731
     elif rpc == "RegisterBuffers":
-        req = pb.RegisterBuffersRequest(regions=[pb.BufferRegion(name="r", memory=_ipc(b"c0")),
-                                                 pb.BufferRegion(name="s", memory=_ipc(b"c1"))])
+        req = pb.RegisterBuffersRequest(regions=[pb.BufferRegion(name="r", memory=_ipc(b"/torch_c0")),
+                                                 pb.BufferRegion(name="s", memory=_ipc(b"/torch_c1"))])
         call = lambda: LateServicer().RegisterBuffers(req, ctx)  # noqa: E731
     else:  # a doorbell page in GPU memory, refused as not shared memory
         fake = SimpleNamespace(life=SimpleNamespace(host=None))
         fake._require_same_node = lambda c, what="": None  # the peer check is the test above's
-        req = pb.AttachDoorbellRequest(page=_ipc(b"c0"), capacity_bytes=4096)
+        req = pb.AttachDoorbellRequest(page=_ipc(b"/torch_c0"), capacity_bytes=4096)
         call = lambda: DrafterServicer.AttachDoorbell(fake, req, ctx)  # noqa: E731
     with pytest.raises(SidecarError) as err:
         call()
     assert err.value.code.name == ("INVALID_ARGUMENT" if rpc == "AttachDoorbell" else "UNAVAILABLE")
     n = 1 if rpc == "AttachDoorbell" else 2
-    assert released == ([(b"c%d" % i, 8) for i in range(n)] if given_back else [])
+    assert released == ([(b"/torch_c%d" % i, 8) for i in range(n)] if given_back else [])
