@@ -101,7 +101,9 @@ def _prelude_kernel(
             kh = j - Q_HEADS
             y = _norm_rope(head_ptr, stride_xd, stride_xs, inv_in, kn_ptr, cos_row, sin_row, eps, SPLITS, D, HALF,
                            BLOCK_D, PARTIAL, OUT, INTERPRET)
-            slot = tl.load(slot_ptr + row)
+            # int64 whatever the slots' dtype: int32 slots (the reference takes them) made (slot % PAGE) *
+            # stride_cs int32, which wrapped where the page slot's stride is the large one.
+            slot = tl.load(slot_ptr + row).to(tl.int64)
             if slot >= 0:
                 # int64 throughout (kh too): a dense permutation of the cache may put the heads outermost,
                 # and kh * stride_ch in int32 wrapped past 2^31 elements (attention._split_kernel).
@@ -121,7 +123,7 @@ def _write_kv_kernel(
 ):
     """Program (row, kv head): copy one K and one V head into the cache at the row's slot."""
     row, h = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slot_ptr + row)
+    slot = tl.load(slot_ptr + row).to(tl.int64)  # int64 whatever the slots' dtype (_prelude_kernel)
     if slot >= 0:
         offs = tl.arange(0, BLOCK_D)
         dmask = offs < D

@@ -211,6 +211,25 @@ def test_cache_offsets_past_2_31_elements(device):
     assert torch.equal(kv.float().cpu(), want.float().cpu())
 
 
+def test_int32_slots_past_2_31_elements(device):
+    """Slots given as int32 (the reference indexes with them as with int64): the kernels formed
+    (slot % page) * stride in the slots' own dtype, so with the page slot's stride the large one
+    (a dense permutation the server binds) slot 15's offset wrapped in int32 and its K/V went 2^32
+    elements before the cache, the cache keeping its old values (attn_prelude and write_kv alike)."""
+    d = 16
+    kv = far_cache((2, 2, 16, 1, d), (d, 2 * d, -(-WRAP // 15), d, 1), device)
+    qkv, qn, kn, cos, sin, _, _ = _case(1, 1, d, 8, 3, torch.float32, device, seed=7)
+    slots = torch.tensor([15, 31, 2], dtype=torch.int32, device=device)
+    want = kv.clone()
+    reference.attn_prelude(qkv, qn, kn, cos, sin, EPS, want, slots, 1, 1)
+    TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, 1, 1)
+    assert torch.equal(kv.float().cpu(), want.float().cpu())
+    k, v = (torch.randn(3, 1, d, generator=torch.Generator().manual_seed(i)).to(device) for i in (1, 2))
+    reference.write_kv(want, k, v, slots)
+    TRITON_OPS.write_kv(kv, k, v, slots)
+    assert torch.equal(kv.float().cpu(), want.float().cpu())
+
+
 @pytest.mark.parametrize("bad", ["rows", "rotary_dim", "sin"])
 def test_rope_tables_that_do_not_fit_are_refused(device, bad):
     """The kernel reads each row's cos/sin at row * stride and pairs dim i with i + rotary_dim / 2,
