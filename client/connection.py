@@ -172,7 +172,7 @@ class SidecarConnection:
         self.opens += 1
         try:
             self.status = self.stub.GetStatus(pb.GetStatusRequest(), timeout=deadline_s)
-        except grpc.RpcError:
+        except BaseException:  # not only RpcError: an interrupt here left the link open with no status read
             self.close()
             raise
         return self.status

@@ -117,8 +117,11 @@ class DoorbellTransport:
         within POLL_S of interrupt()."""
         deadline = time.monotonic() + timeout_s
         while True:
+            # Interrupted: one look, no wait (an answer already there is still returned, as StepStream.wait does).
+            # Polled for POLL_S first, a wait after interrupt() (a closing shim's late grace) gave up only then.
+            poll_s = 0.0 if self.interrupted else max(0.0, min(POLL_S, deadline - time.monotonic()))
             try:
-                resp = self.bell.wait(step_id, max(0.0, min(POLL_S, deadline - time.monotonic())))
+                resp = self.bell.wait(step_id, poll_s)
             except (DecodeError, ValueError) as e:  # answered (the stream is ordered after it), but unreadable
                 raise StreamBroken(None, f"undecodable doorbell answer: {e}") from None
             except DoorbellClosed as e:  # settled: nothing of the step runs any more; the shim attaches again

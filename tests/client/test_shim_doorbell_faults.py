@@ -7,6 +7,7 @@ import contextlib
 import threading
 import time
 
+import pytest
 import torch
 
 from dspark_sidecar.client.config import EngineConfig
@@ -214,3 +215,40 @@ def test_a_doorbell_whose_page_fails_to_close_still_releases_the_step_buffers():
     finally:
         shim.close()
         server.stop()
+
+
+class _UnansweredBell:
+    """A doorbell never answered: each wait sleeps its timeout and finds nothing (records the timeouts)."""
+
+    def __init__(self, answer=None) -> None:
+        self.timeouts: list[float] = []
+        self.answer = answer
+
+    def wait(self, step_id: int, timeout_s: float):
+        self.timeouts.append(timeout_s)
+        if self.answer is not None:
+            return self.answer
+        time.sleep(timeout_s)
+        return None
+
+
+def test_a_doorbell_wait_after_interrupt_gives_up_at_once_and_still_returns_an_answer_in_hand():
+    """DoorbellTransport.interrupt: "every later wait gives up at once". A later wait polled the page for
+    POLL_S first (50 ms more of a closing shim's late-grace wait); it now looks once, without waiting,
+    and still returns an answer already there, as StepStream.wait does."""
+    import types
+
+    from dspark_sidecar.client import doorbell_transport as dt
+    from dspark_sidecar.client.connection import StepInterrupted
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    t = object.__new__(dt.DoorbellTransport)
+    t.bell, t.liveness, t.interrupted = _UnansweredBell(), types.SimpleNamespace(alive=True, end=None), False
+    t.interrupt()
+    with pytest.raises(StepInterrupted):
+        t.wait(7, 2.0)
+    assert t.bell.timeouts == [0.0], f"polled {t.bell.timeouts} after interrupt(), not once at once"
+
+    answer = pb.DraftStepResponse(step_id=7)
+    t.bell = _UnansweredBell(answer)
+    assert t.wait(7, 2.0) is answer and t.bell.timeouts == [0.0]
