@@ -434,7 +434,15 @@ class DrafterShim:
         """Register the step buffers and attach the doorbell; on refusal use the gRPC stream (logged once)."""
         status = self.connection.status
         assert status is not None
-        dtype = _COMPUTE_DTYPES.get(status.model.compute_dtype, layers[0].dtype)
+        dtype = _COMPUTE_DTYPES.get(status.model.compute_dtype)
+        if dtype is None:
+            # The step buffers hold the embeddings and the answer in the sidecar's compute dtype. Sized in the KV
+            # cache's instead (an fp8 cache: embeddings squeezed to fp8), and an answer in them was held to no
+            # dtype: the stream holds an unknown compute dtype's answer to the engine's own (_run_step).
+            self._doorbell_off = (f"the sidecar names no compute dtype this shim knows "
+                                  f"({status.model.compute_dtype!r}): using the gRPC stream")
+            log.warning("sidecar rank %d: %s", self.rank, self._doorbell_off)
+            return
         try:
             self.doorbell = DoorbellTransport(
                 self.connection, int(status.model.hidden_size),

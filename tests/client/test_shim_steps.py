@@ -794,6 +794,36 @@ def test_without_a_known_compute_dtype_an_answer_must_have_the_engines_dtype():
         server.stop()
 
 
+class _NoComputeDtypeWithDataPlane(_NoComputeDtype):
+    """_NoComputeDtype that would take the data plane (and never answer a ring)."""
+
+    def RegisterBuffers(self, request, context):
+        self.calls["RegisterBuffers"] += 1
+        return pb.RegisterBuffersResponse(region_ids=[1, 2, 3])
+
+    def AttachDoorbell(self, request, context):
+        self.calls["AttachDoorbell"] += 1
+        return pb.AttachDoorbellResponse()
+
+
+def test_without_a_known_compute_dtype_the_doorbell_is_not_used():
+    """The doorbell's buffers hold embeddings and answer in the sidecar's compute dtype; with none known they
+    were sized in the KV cache's dtype (an fp8 cache: the embeddings squeezed to fp8), and the answer read
+    from them was held to no dtype. Only the stream holds such a sidecar's answer to the engine's dtype."""
+    server = FakeServer(_NoComputeDtypeWithDataPlane(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, model, _ = make_shim(server.endpoint, transport="doorbell", step_deadline_s=0.5, late_grace_s=0.2)
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            out = shim.maybe_forward(ids, pos)
+        assert shim.doorbell is None and "no compute dtype" in (shim._doorbell_off or ""), shim._doorbell_off
+        assert server.sidecar.calls["RegisterBuffers"] == 0
+        assert out is not None and out.dtype == torch.float32 and torch.equal(out, model.table[ids] * 2)
+        shim.close()
+    finally:
+        server.stop()
+
+
 def test_connect_reports_an_unexpected_error_instead_of_raising(fake):
     """connect() is maybe_forward's phase 2 alone, for an engine at start-up or the bench; it returns
     why the rank is not ready. An unexpected exception in it (here the cache's export raising OSError
