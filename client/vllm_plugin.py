@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dspark_sidecar import layout
-from dspark_sidecar.client.agreement import StepAgreement, all_min_ints, node_agreement
+from dspark_sidecar.client.agreement import LocalAgreement, StepAgreement, all_min_ints, node_agreement
 from dspark_sidecar.client.binding import FP8_DTYPES
 from dspark_sidecar.client.config import EngineConfig, EngineConfigError, config_refusal, rank_endpoint
 from dspark_sidecar.client.forward_context import ForwardContextSource
@@ -225,8 +225,15 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
         config = engine_config_from_vllm(vllm_config, rank)
     except EngineConfigError:  # said below (shim_off_reason): the shim is built with no DSPARK_* to stay off
         config = engine_config_from_vllm(vllm_config, rank, environ={})
-    # After the config: how long a rank waits for its peers follows the deadlines (every rank builds one)
-    agreement = _tp_agreement(group, config.agreement_timeout_s)
+    off = shim_off_reason(vllm_config)  # the verdict eager_draft_steps also reads, to keep the draft graphs
+    if off is not None or config_refusal(config) is not None:
+        # Off for good, known from the config and environment alone (so on every rank alike): it never agrees on
+        # a step. Every vLLM serving a DSpark draft without a sidecar (the plug-in is loaded in every process) ran
+        # the page's collectives over the TP group here and kept its shared page mapped, for nothing, and a
+        # failure there raised out of the drafter's first forward.
+        agreement: StepAgreement = LocalAgreement()
+    else:  # after the config: how long a rank waits for its peers follows the deadlines (every rank builds one)
+        agreement = _tp_agreement(group, config.agreement_timeout_s)
 
     class _Par:  # what DrafterShim reads: rank, and the agreement itself
         def __init__(self) -> None:
@@ -239,7 +246,6 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
             return all_min_ints(agreement, values)
 
     shim = DrafterShim(config, model, kv_cache_provider(model), _Par(), forward_context=source)
-    off = shim_off_reason(vllm_config)  # the verdict eager_draft_steps also reads, to keep the draft graphs
     if off is not None:
         log.error("dspark-sidecar: %s; the sidecar stays off and every draft step runs the stock layers", off)
         shim.enabled, shim.refusal = False, off

@@ -612,3 +612,33 @@ def test_inputs_embeds_given_by_position_are_the_ones_sent(fake_vllm, monkeypatc
             seg.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("env, config", [(None, {}), ({"DSPARK_STEP_DEADLINE_MS": "soon"}, {}), ({}, dict(tp=8))],
+                         ids=["no-sidecar", "bad-variable", "refused-deployment"])
+def test_a_shim_off_for_good_runs_no_collective_over_the_tp_group(fake_vllm, monkeypatch, caplog, env, config):
+    """The plug-in is loaded in every vLLM process: an engine serving a DSpark draft without a sidecar (or one the
+    shim refuses for good, on every rank alike) never agrees on a step. Its first drafter forward still built the
+    ranks' agreement (the shared page's broadcast and gather over vLLM's TP CPU group, and the page kept mapped),
+    and a failure there raised out of the forward into the engine. The stock layers answer, with no collective."""
+    calls = []
+
+    def node_agreement(group, timeout_s):
+        calls.append(group)
+        raise RuntimeError("gloo: connection reset by peer")
+
+    monkeypatch.setattr(vllm_plugin, "node_agreement", node_agreement)
+    sys.modules["vllm.distributed.parallel_state"].get_tp_group = lambda: SimpleNamespace(
+        rank_in_group=0, world_size=4, cpu_group="tp-cpu-group")  # vLLM's GroupCoordinator: no all_min of its own
+    if env is not None:
+        monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+    model = _first_forward_runs_the_stock_layers(fake_vllm, caplog, **config)
+    assert calls == [] and not model.dspark_shim().enabled
+    # A shim that may forward still agrees over the TP group (and a failure there is a peer gone: it is raised).
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    monkeypatch.delenv("DSPARK_STEP_DEADLINE_MS", raising=False)
+    with pytest.raises(RuntimeError, match="gloo"):
+        vllm_plugin.build_shim(model, vllm_config())
+    assert calls == ["tp-cpu-group"]
