@@ -263,4 +263,7 @@ class Ringer:
         return True
 
     def close(self) -> None:
-        os.close(self._w)
+        # Once: a second os.close of the number closed whatever file the process had opened under it since.
+        w, self._w = self._w, -1
+        if w >= 0:
+            os.close(w)

@@ -136,6 +136,23 @@ def test_ringer_wakes_only_a_sleeping_waker_and_the_fifo_is_removed(tmp_path):
     assert not os.path.exists(path)
 
 
+def test_a_ringer_closed_twice_closes_no_other_file(tmp_path):
+    """The second close closed the descriptor number again: by then, whatever the process opened under it."""
+    import os
+
+    path = str(tmp_path / "rank0.wake1")
+    waker = bell.Waker(path)
+    ringer = bell.Ringer(path)
+    ringer.close()
+    other = os.open(os.devnull, os.O_RDONLY)  # the lowest free number: most likely the ringer's old one
+    try:
+        ringer.close()
+        os.fstat(other)  # still open
+    finally:
+        os.close(other)
+        waker.close()
+
+
 def test_a_full_wake_pipe_is_not_an_error(tmp_path):
     p = _page()
     path = str(tmp_path / "w")
