@@ -204,7 +204,7 @@ class DSparkDrafter(nn.Module):
         attn: optional window-relative (positions, metadata) for the attention (static shapes for
         CUDA graphs); by default the absolute ones. lane: the exchange lane of the partial sums.
         concurrent: launches running at once beside this one (DecoderLayer.forward)."""
-        self._check_step(inputs_embeds, positions, meta, attn)
+        self._check_step(inputs_embeds, positions, meta, attn, kv_caches)
         cos, sin = self._rope(positions)
         a_pos, a_meta = attn if attn is not None else (positions, meta)
         a_meta = StepMetadata(a_meta.seq_lens, a_meta.block_tables, meta.slot_mapping)
@@ -227,7 +227,7 @@ class DSparkDrafter(nn.Module):
         issued from several streams.
         """
         q = layout.QPR
-        self._check_step(inputs_embeds, positions, meta, attn)  # whole: a launch's slices hide rows past 7R
+        self._check_step(inputs_embeds, positions, meta, attn, kv_caches)  # whole: a launch's slices hide rows past 7R
         groups = layout.launch_groups(meta.num_reqs, launch_reqs)
 
         def group(s: int, e: int, lane: int = 0, concurrent: int = 1) -> torch.Tensor:
@@ -246,10 +246,18 @@ class DSparkDrafter(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _check_step(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
-                    attn: tuple[torch.Tensor, StepMetadata] | None) -> None:
-        problem = step_shape_problem(inputs_embeds, positions, meta, attn, self.cfg.hidden_size)
+                    attn: tuple[torch.Tensor, StepMetadata] | None, kv_caches: Sequence[torch.Tensor]) -> None:
+        problem = (step_shape_problem(inputs_embeds, positions, meta, attn, self.cfg.hidden_size)
+                   or self._caches_problem(kv_caches))
         if problem is not None:
             raise ValueError(f"draft step: {problem}")
+
+    def _caches_problem(self, kv_caches: Sequence[torch.Tensor]) -> str | None:
+        """Why kv_caches is not one cache per layer, or None. Checked up front: the layers' zip(strict=True)
+        said so only after the layers before the missing cache (or all of them) had written their K/V."""
+        if len(kv_caches) != len(self.layers):
+            return f"{len(kv_caches)} KV cache layers for the drafter's {len(self.layers)}, expected one per layer"
+        return None
 
     def _side_by_side(self, groups: list[tuple[int, int]], group, streams: Sequence[torch.cuda.Stream]) -> list:
         """Each launch group on its own stream, forked from the current stream and joined back to it.
@@ -291,6 +299,9 @@ class DSparkDrafter(nn.Module):
         if slots.dim() != 1 or tuple(positions.shape) != (m,) or tuple(taps.shape) != (m, self.cfg.tap_size):
             raise ValueError(f"context commit: taps {list(taps.shape)}, positions {list(positions.shape)} and slots "
                              f"{list(slots.shape)}; expected [m, {self.cfg.tap_size}], [m] and [m], one row per slot")
+        problem = self._caches_problem(kv_caches)
+        if problem is not None:
+            raise ValueError(f"context commit: {problem}")
         keep = slots >= 0  # padding rows (slot -1) are dropped here, once, not in every write
         if not bool(keep.all()):
             taps, positions, slots = taps[keep], positions[keep], slots[keep]

@@ -93,3 +93,22 @@ def test_context_commit_refuses_rows_of_different_counts(cut, model, tiny_cfg, t
     with pytest.raises(ValueError, match=r"context commit: taps \[.*expected \[m, 1280\], \[m\] and \[m\]"):
         model.commit_context(args["taps"], args["positions"], args["slots"], kv)
     assert all(bool((t == 0).all()) for t in kv)
+
+
+@pytest.mark.parametrize("count", [4, 6])
+@pytest.mark.parametrize("entry", ["draft_step", "forward", "commit_context"])
+def test_a_cache_list_of_another_layer_count_is_refused_before_any_write(entry, count, model, tiny_cfg, tiny_embed):
+    """The layers zip their caches strictly, which said so only at the end: 4 caches for 5 layers had
+    4 layers' K/V written first, 6 a whole step's, before a ValueError naming neither the caches nor the layers."""
+    step, kv = _step(tiny_cfg, tiny_embed, [40, 20])
+    kv = (kv + [t.clone() for t in kv])[:count]
+    for t in kv:
+        t.fill_(-3.0)
+    if entry == "commit_context":
+        pos, slots = scenario.context_rows(step.meta, PAGE)
+        args = (scenario.random_taps(tiny_cfg, pos.numel(), seed=2, dtype=torch.float32), pos, slots, kv)
+    else:
+        args = (step.inputs_embeds, step.positions, step.meta, kv)
+    with pytest.raises(ValueError, match=rf"{count} KV cache layers for the drafter's 5, expected one per layer"):
+        getattr(model, entry)(*args)
+    assert all(bool((t == -3.0).all()) for t in kv), "a refused call wrote the cache"
