@@ -45,6 +45,14 @@ def _env(dest: str, default, kind=str, flag: str | None = None):
         raise UsageError(f"{name}={raw!r}: expected {'an integer' if kind is int else 'a number' if kind is float else kind.__name__}") from None
 
 
+def _folder(text: str) -> Path:
+    """A --socket-dir: Path('') is the working directory, so `--socket-dir "$UNSET_VAR"` served (or probed) there
+    in silence, where the same empty DSPARK_SOCKET_DIR is refused (_env). argparse says it, exit 2."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty; give a folder (the working directory is '.')")
+    return Path(text)
+
+
 def _log_level() -> str:
     level = os.environ.get("DSPARK_LOG_LEVEL", "INFO").upper()
     # logging's own names (WARN and FATAL too, as before): getLevelName gives a known name's number, else a
@@ -60,7 +68,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
 
     d = ServeConfig()
     p.add_argument("--tp", type=int, default=_env("tp", d.tp, int), help="tensor-parallel ranks (default %(default)s)")
-    p.add_argument("--socket-dir", type=Path, default=_env("socket_dir", d.socket_dir, Path),
+    p.add_argument("--socket-dir", type=_folder, default=_env("socket_dir", d.socket_dir, Path),
                    help="rank r listens on unix:DIR/rank{r}.sock (default %(default)s)")
     p.add_argument("--tcp-host", default=_env("tcp_host", d.tcp_host))
     p.add_argument("--tcp-base-port", type=int, default=_env("tcp_base_port", d.tcp_base_port, int),
@@ -160,13 +168,20 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
     # would print its own line or traceback, and only after they had started listening.
     dcfg = load_config(cfg.preset, cfg.checkpoint)
     dcfg.check_tp(cfg.shard_of or cfg.tp)
-    if cfg.checkpoint is not None:  # again in each rank under torchrun
-        check_checkpoint(dcfg, cfg.checkpoint, cfg.target_checkpoint)
+    if cfg.checkpoint is not None:
+        # Once: in this parent, or in each rank under torchrun, where no parent checked it. A rank of our own
+        # launcher (its parent, whose pid it is given) read every tensor again, TP + 1 full reads at each start;
+        # it checks its own slices as it loads them.
+        if not ("RANK" in os.environ and os.environ.get("DSPARK_LAUNCHER_PID") == str(os.getppid())):
+            check_checkpoint(dcfg, cfg.checkpoint, cfg.target_checkpoint)
     elif not cfg.random_weights and "RANK" not in os.environ:  # the embedded synthetic one: written here, once
         # Before any handler of serve's: SIGTERM (a systemd stop at a first start) killed this process at once,
         # and the writer's partial folder (gigabytes for a full preset) stayed. Unwound, exit 0 as a stopped start.
-        with _sigterm_unwinds(status=0):
-            ensure_synthetic_checkpoint(dcfg, cfg.seed)
+        try:
+            with _sigterm_unwinds(status=0):
+                ensure_synthetic_checkpoint(dcfg, cfg.seed)
+        except KeyboardInterrupt:  # Ctrl-C, the same stopped start (README): exit 0, not main's interrupt
+            return 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun or our own launcher
         from dspark_sidecar.server.app import PeerLost, serve_rank
 
@@ -311,7 +326,8 @@ def _check_gpus(tp: int) -> None:
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible < tp:
         raise UsageError(f"--device cuda: {visible} GPU(s) visible, --tp {tp} needs {tp} (sidecar rank r and engine "
-                         "rank r run on GPU r); lower --tp, make more GPUs visible, or use --device cpu")
+                         f"rank r run on GPU r); {'lower --tp, ' if tp > 1 else ''}make more GPUs visible, or use "
+                         "--device cpu")
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -419,6 +435,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                      shim_inputs=a.shim_inputs, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype, shim_phases=a.shim_phases)
     if a.tp < 1:  # else read as --tp 1: the one-process bench ran, as if the flag had not been given
         raise UsageError(f"--tp: at least 1, got {a.tp}")
+    if device.type == "cuda":  # at --tp 1 too: the weights' first CUDA allocation ended it in torch's traceback
+        _check_gpus(a.tp)
     if a.tp > 1 and a.shim_phases:  # run_tp_bench has no phase split: the flag was ignored
         raise UsageError(f"--shim-phases: the one-process bench's mode h only, not --tp {a.tp}")
     if a.tp > 1:
@@ -426,9 +444,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         # Before any process: with --no-single-gpu nothing else checked the preset or --tp before the sidecar
         # started, which then failed (a traceback naming its log, its folder left in $TMPDIR) for a flag's value.
-        _check_tp(a.preset, a.tp)
-        if device.type == "cuda":  # run_tp_bench's own check exited 1, a parity failure's status, unprefixed
-            _check_gpus(a.tp)
+        _check_tp(a.preset, a.tp)  # (the GPUs were counted above: run_tp_bench's own check exited 1, unprefixed)
 
         _bench_out_dir(bc.out_dir)
         with _sigterm_unwinds():  # as the demo's: killed at once, the engine ranks' folder stayed behind
@@ -450,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
     (75 when it is a port or socket that another process holds now)."""
     try:
         return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C: the finally blocks (the demo's ranks and folders, the bench's sidecar) have run, and Python's
+        # traceback through them named no fault. One line, then the end SIGINT gives, as Python's own after its
+        # traceback: a shell, and serve's launcher for a rank still starting (-SIGINT), see an interrupt.
+        print("dspark-sidecar: interrupted", file=sys.stderr)
+        return _die_of_sigint()
     except BrokenPipeError:
         if not _stdout_gone():  # another pipe (a spawned child's): not the reader of our output
             raise
@@ -463,6 +485,20 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"dspark-sidecar: {err}", file=sys.stderr)
         return getattr(err, "exit_status", 2)  # 75 for a port or socket held now (server/config.AddressInUse)
+
+
+def _die_of_sigint() -> int:
+    """End this process by SIGINT's default action, stdout flushed first (the kill skips Python's exit flush)."""
+    import signal
+
+    with contextlib.suppress(OSError, ValueError):  # a reader gone (EPIPE) or a closed stream: nothing to deliver
+        sys.stdout.flush()
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    except ValueError:  # main() called off the main thread, which may not set handlers: the shell's 130
+        return 128 + signal.SIGINT
+    os.kill(os.getpid(), signal.SIGINT)
+    return 128 + signal.SIGINT  # not reached: the signal's default action ends the process at once
 
 
 def _stdout_gone() -> bool:
@@ -498,7 +534,7 @@ def _main(argv: list[str] | None) -> int:
     serve_p = sub.add_parser("serve", help="start the TP sidecar (all ranks) and serve until SIGTERM")
     _add_serve_flags(serve_p)
     st = sub.add_parser("status", help="print every rank's GetStatus")
-    st.add_argument("--socket-dir", type=Path, default=_env("socket_dir", Path("/tmp/dspark-sidecar"), Path))
+    st.add_argument("--socket-dir", type=_folder, default=_env("socket_dir", Path("/tmp/dspark-sidecar"), Path))
     st.add_argument("--tp", type=int, default=_env("tp", 4, int))
     st.add_argument("--timeout", type=float, default=3.0)
     sp = sub.add_parser("step", help="one draft step on the embedded synthetic drafter, in-process")
@@ -514,7 +550,7 @@ def _main(argv: list[str] | None) -> int:
     dp.add_argument("--seed", type=int, default=0)
     dp.add_argument("--max-reqs", type=int, default=8, help="the sidecar's --max-reqs; the mix goes above it")
     dp.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
-    dp.add_argument("--socket-dir", type=Path, default=None, help="default: a fresh temporary folder")
+    dp.add_argument("--socket-dir", type=_folder, default=None, help="default: a fresh temporary folder")
     dp.add_argument("--use-running-sidecar", action="store_true",
                     help="talk to a sidecar already serving at --socket-dir instead of starting one")
     dp.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

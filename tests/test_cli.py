@@ -482,3 +482,95 @@ def test_sigterm_while_serve_writes_the_synthetic_checkpoint_unwinds_its_cleanup
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert proc.stdout.splitlines() == ["partial folder removed", "handler restored True"], proc.stdout
+
+
+def test_bench_on_cuda_with_no_gpu_visible_is_one_line_before_the_run(monkeypatch, capsys):
+    """`bench --device cuda` at --tp 1 (the default) on a host with no GPU went on into Bench(): the weights'
+    first CUDA allocation ended it in torch's traceback ("Torch not compiled with CUDA enabled"), exit 1.
+    --tp N > 1 and the demo already said it in one line (_check_gpus)."""
+    import torch
+
+    from dspark_sidecar import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(bench, "run_bench", lambda *a: pytest.fail("the bench ran"))
+    assert cli.main(["bench", "--device", "cuda", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dspark-sidecar: --device cuda: 0 GPU(s) visible") and err.count("\n") == 1, err
+
+
+def _interrupted(patch: str, *argv: str):
+    """Run `dspark-sidecar ARGV` in a child whose `patch` (Python lines) makes a Ctrl-C land mid-command."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"import sys\nfrom dspark_sidecar import cli\n{patch}\nsys.exit(cli.main({list(argv)!r}))\n"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "DSPARK_LAUNCHER_PID")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_ctrl_c_ends_a_command_in_one_line_not_a_traceback():
+    """Ctrl-C in `demo` (or status, step, bench) printed Python's KeyboardInterrupt traceback through
+    run_demo, the harness and torch's spawn. The unwinding still runs; the command then says so in one line
+    and ends by SIGINT as before (a shell, and serve's launcher for a rank still starting, see an interrupt),
+    with what it had printed to a pipe still delivered."""
+    import signal
+
+    proc = _interrupted("def demo(a):\n    print('round 10/100')\n    raise KeyboardInterrupt\n"
+                        "cli.cmd_demo = demo", "demo")
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout == "round 10/100\n"
+    assert proc.stderr == "dspark-sidecar: interrupted\n", proc.stderr[-2000:]
+
+
+def test_ctrl_c_while_serve_writes_the_synthetic_checkpoint_is_a_stopped_start_up():
+    """README: Ctrl-C or SIGTERM during serve's start-up exits 0. SIGTERM while the parent wrote the embedded
+    checkpoint did (its unwind test above); Ctrl-C there printed a KeyboardInterrupt traceback instead."""
+    proc = _interrupted("from dspark_sidecar.drafter import checkpoint\n"
+                        "def writing(cfg, seed):\n    try:\n        raise KeyboardInterrupt\n"
+                        "    finally:\n        print('partial folder removed', flush=True)\n"
+                        "checkpoint.ensure_synthetic_checkpoint = writing",
+                        "serve", "--tp", "1", "--device", "cpu", "--preset", "tiny")
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout == "partial folder removed\n" and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("launcher_pid, checked", [(True, False), (False, True)])
+def test_a_rank_of_serve_s_own_launcher_does_not_read_the_whole_checkpoint_again(
+        launcher_pid, checked, tiny_ckpt, tmp_path, monkeypatch):
+    """README and OPERATIONS.md: serve reads every tensor of dspark/ once before it starts the ranks, which
+    then check their own slices as they load. Each rank of the built-in launcher (RANK, WORLD_SIZE and
+    DSPARK_LAUNCHER_PID set) read the whole checkpoint again too: TP + 1 full reads at every start. Under
+    torchrun no parent has checked it, so each rank still does."""
+    import os
+
+    from dspark_sidecar.drafter import checkpoint
+    from dspark_sidecar.server import app
+
+    seen = []
+    monkeypatch.setattr(checkpoint, "check_checkpoint", lambda *a: seen.append(a))
+    monkeypatch.setattr(app, "serve_rank", lambda *a, **k: 0)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    if launcher_pid:
+        monkeypatch.setenv("DSPARK_LAUNCHER_PID", str(os.getppid()))
+    else:
+        monkeypatch.delenv("DSPARK_LAUNCHER_PID", raising=False)
+    assert cli.main(["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(tmp_path / "s"),
+                     "--checkpoint", str(tiny_ckpt[0]), "--target-checkpoint", str(tiny_ckpt[1])]) == 0
+    assert bool(seen) == checked
+
+
+@pytest.mark.parametrize("argv", [["serve", "--tp", "1", "--device", "cpu"], ["status", "--tp", "1"], ["demo"]])
+def test_an_empty_socket_dir_flag_is_refused_as_its_variable_is(argv, monkeypatch, capsys, no_launch):
+    """`--socket-dir "$UNSET_VAR"` is Path(''), the working directory: serve's ranks listened on ./rank0.sock (and
+    status and the demo looked there), saying nothing, where an empty DSPARK_SOCKET_DIR is refused."""
+    from dspark_sidecar.client import demo
+
+    monkeypatch.setattr(demo, "run_demo", lambda cfg: pytest.fail("the demo started"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, "--socket-dir", ""])
+    assert exc.value.code == 2
+    assert "argument --socket-dir: empty" in capsys.readouterr().err

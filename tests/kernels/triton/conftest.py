@@ -17,9 +17,11 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # As Triton itself reads it (runtime.INTERPRET does the same): a spelling it accepts and a list here did not
 # ("y") skipped every CPU kernel test as "TRITON_INTERPRET is not 1".
-import triton  # noqa: E402  (after the setdefault above)
-
-INTERPRETING = bool(triton.knobs.runtime.interpret)
+try:
+    import triton  # noqa: E402  (after the setdefault above)
+except ModuleNotFoundError:  # no `triton` extra (README's `.[test]` install): each module here importorskips it,
+    triton = None  # and an unguarded import stopped the whole suite's collection with one error
+INTERPRETING = triton is not None and bool(triton.knobs.runtime.interpret)
 _EARLY = "dspark_sidecar.kernels.triton.runtime" in sys.modules  # imported before this conftest ran
 
 def _cpu_skip_reason() -> str | None:
