@@ -92,7 +92,8 @@ ON_TIME = 8  # cooldown steps in a row whose word was on time: the cooldown ends
 # for a step just before it, reached by the stream only once the engine's next word (0 << 32 | key) is there,
 # never passes, while repass sees it passed and stores nothing: the rank's stream blocked for good. So on HIP
 # no step within WRAP_GUARD steps of the wrap is queued (nor of 2^31, the edge a signed compare would have: no
-# AMD GPU here to tell which ROCm's is); the words a wait meets are from a few steps around its own.
+# AMD GPU here to tell which ROCm's is); the words a wait meets are from a few steps around its own. A page's
+# first WRAP_GUARD steps are queued: its sequence starts at 0, so they follow no edge (_near_wrap).
 WRAP_GUARD = 1 << 16
 
 
@@ -223,7 +224,9 @@ class Prelaunch:
 
     def _near_wrap(self, seq: int) -> bool:
         """On HIP: step seq's wait could meet words its plain >= orders unlike the host (WRAP_GUARD)."""
-        if not self._hip:
+        if not self._hip or seq < WRAP_GUARD:
+            # A page's first steps (its sequence starts at 0, its word 0) cross no edge, and every word their
+            # waits meet is of step 0 or later: guarded, HIP queued nothing before each attach's 65536th step.
             return False
         r = seq % (1 << 31)  # the distance to 0 (the wrap) or to 2^31, whichever is nearer
         return r < WRAP_GUARD or r > (1 << 31) - WRAP_GUARD
@@ -302,9 +305,12 @@ class Prelaunch:
             if time.perf_counter() > start + READY_TIMEOUT_S:
                 log.warning("prelaunch: step rung but its GPU word (or, at TP > 1, a peer's) never arrived; "
                             "not answering it from its copy")
-                self.start_wait_ns = int((time.perf_counter() - start) * 1e9)
-                if own is None:  # this engine's own word later than behind_s (never, so far): a cooldown, as
-                    self._start_cooldown(READY_TIMEOUT_S)  # below; else every step queued waits out this timeout
+                waited = time.perf_counter() - start
+                self.word_wait_ns, self.start_wait_ns = int((waited if own is None else own) * 1e9), int(waited * 1e9)
+                # This engine's own word later than behind_s (or never, so far): a cooldown, as below, whatever
+                # kept the peers; else every step queued waits out this timeout. Seen late, it once started none.
+                if own is None or own > self.behind_s:
+                    self._start_cooldown(waited if own is None else own)
                 return False
             bell.pause(0.0)
         waited = time.perf_counter() - start
@@ -315,6 +321,9 @@ class Prelaunch:
         return True
 
     def _start_cooldown(self, own: float) -> None:
+        # A late word breaks the row (watch): on-time steps of a cooldown that ran out before ON_TIME of
+        # them, counted on, ended this one after a single on-time step and reset the doubling.
+        self._on_time = 0
         self.cooldown, self._next_cooldown = self._next_cooldown, min(2 * self._next_cooldown, MAX_COOLDOWN)
         log.info("prelaunch: the engine's GPU reached a rung step %.1f ms late (or not yet); not queueing for %d "
                  "steps", own * 1e3, self.cooldown)

@@ -414,6 +414,24 @@ def test_an_own_word_that_never_arrives_stops_queueing_like_a_late_one(rig, monk
         assert rig.pl.cooldown == 0 and rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 5
 
 
+@pytest.mark.parametrize("world", [2])
+def test_a_late_own_word_starts_a_cooldown_when_a_peer_times_out_too(rig, monkeypatch):
+    """The cooldown is judged on this engine's own word, whatever the peers do: a word past behind_s starts
+    one. Seen late and then a peer's copy never started (the timeout), it started none, and this rank went
+    on queueing steps behind an engine far behind its host."""
+    monkeypatch.setattr(prelaunch, "READY_TIMEOUT_S", 0.2)
+    rig.pl.behind_s = 0.01
+    _queue(rig)
+    rig.gpu.hold_until = time.perf_counter() + 60  # a peer's copy never starts
+    late = threading.Timer(0.05, lambda: rig.page.words.__setitem__(bell.GPU_WORD, bell.gpu_word(SEQ + 2, KEY)))
+    late.start()  # this engine's own word lands 50 ms after the ring: far behind
+    assert _take(rig, SEQ + 2, _req(), rig.a) is None
+    late.join()
+    assert rig.pl.word_wait_ns >= 0.04e9
+    rig.pl.after(SEQ + 2, OK)
+    assert rig.pl.cooldown > 0 and rig.pl.queued is None
+
+
 def test_error_response_releases_and_resets_the_streak(rig):
     _queue(rig)
     rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
@@ -808,6 +826,35 @@ def test_a_cooldown_ends_once_the_engine_s_words_arrive_on_time_again(rig, monke
     assert _serve(rig, seq + 1) is rig.graphs.graph.out
 
 
+def test_a_late_word_starts_the_on_time_count_over(rig):
+    """ON_TIME cooldown steps *in a row* end a cooldown early. The on-time steps of a cooldown that ran out
+    before reaching ON_TIME, with the late word that starts the next cooldown after them, are not such a
+    row: counted on, the next cooldown ended after one on-time step (and reset the doubling)."""
+    rig.pl.behind_s = 0.01
+    rig.pl.cooldown = prelaunch.ON_TIME - 1  # a cooldown about to run out
+    seq = SEQ
+    for _ in range(prelaunch.ON_TIME - 1):  # on time, one too few to end it early: it runs out instead
+        _cooldown_step(rig, seq, on_time=True, behind_s=rig.pl.behind_s)
+        seq += 1
+    assert rig.pl.cooldown == 0
+    _serve(rig, seq)  # the streak held: the next step is queued
+    seq += 1
+    assert rig.pl.queued is not None and rig.pl.queued.seq == seq
+    late = threading.Timer(0.03, lambda: rig.page.words.__setitem__(bell.GPU_WORD, bell.gpu_word(seq, KEY)))
+    late.start()  # this engine's word lands 30 ms after the ring: far behind again
+    assert _take(rig, seq, _req(), rig.a) is rig.graphs.graph.out
+    late.join()
+    rig.pl.after(seq, OK)
+    assert rig.pl.cooldown == prelaunch.COOLDOWN - 1
+    for _ in range(prelaunch.ON_TIME - 1):  # on time again, but not yet ON_TIME in a row since the late word
+        seq += 1
+        _cooldown_step(rig, seq, on_time=True, behind_s=rig.pl.behind_s)
+        assert rig.pl.cooldown > 0 and rig.pl.queued is None
+    seq += 1
+    _cooldown_step(rig, seq, on_time=True, behind_s=rig.pl.behind_s)  # the ON_TIME-th since the late word
+    assert rig.pl.cooldown == 0 and rig.pl._next_cooldown == prelaunch.COOLDOWN
+
+
 def test_watch_outside_a_cooldown_does_nothing(rig):
     _queue(rig)
     rig.pl.watch()
@@ -1085,6 +1132,20 @@ def test_hip_queues_no_step_next_to_the_sequence_wrap(rig, boundary, monkeypatch
     _serve(rig, seq, key=KEY + 1)
     assert rig.pl.queued is not None and rig.pl.queued.seq == seq + 1
     assert _serve(rig, seq + 1, key=KEY + 1) is rig.graphs.graph.out
+
+
+@pytest.mark.parametrize("world", [1])
+def test_hip_queues_the_first_steps_of_a_page(rig):
+    """A page starts at step 0 with its word 0 (the engine's fresh, zeroed page): the first steps' waits meet
+    only words of steps 0 and on, and cross no edge of the sequence, so HIP's plain >= is right there. Guarded
+    as if next to the wrap, HIP queued no step before the 65536th of each AttachDoorbell."""
+    rig.gpu.hip = rig.pl._hip = True
+    _serve(rig, 1)
+    _serve(rig, 2)
+    for s in range(3, 6):
+        assert rig.pl.queued is not None and rig.pl.queued.seq == s
+        assert _serve(rig, s) is rig.graphs.graph.out
+    assert rig.pl.hits == 3 and rig.pl.misses == 0
 
 
 @pytest.mark.parametrize("world", [1])
