@@ -694,7 +694,9 @@ def test_setup_answer_mutation(rig, transport, name, tmp_path):
         assert not left, f"{what}: the refused data plane left {len(left)} shared-memory segments: {sorted(left)}"
     armed = {k for k in ("status", "bind", "register", "attach") if getattr(mut, k) is not None}
     assert armed <= fake.applied, f"{what}: the mutation was never applied ({sorted(armed - fake.applied)})"
-    recover(shim, model, 2, what, ok_reasons=mut.ok_reasons, refusal_ok=True)
+    # Only a lie that stays may turn the shim off for good: with refusal_ok=True for every case, a shim that
+    # read a one-off LOADING status as a refusal (off for the process) passed as "recovered".
+    recover(shim, model, 2, what, ok_reasons=mut.ok_reasons, refusal_ok=mut.persistent)
     assert not fake.thread_errors, fake.thread_errors
 
 

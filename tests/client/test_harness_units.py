@@ -229,10 +229,13 @@ def test_a_reused_work_dir_pauses_at_this_run_s_round(tiny_ckpt, tmp_path):
 def test_faults_that_never_fire_and_unusable_mixes_are_refused():
     """A fault past the last round or on a rank that does not exist was accepted and never fired: a fault run
     passed without the fault. A mix with no request in flight, or a reversed or negative range, failed mid-run."""
-    for bad in ({"faults": (Fault(3, "break_stream", rank=4),)}, {"faults": (Fault(10, "pause"),)},
-                {"page_size": 0}, {"preset": "nope"}):
-        with pytest.raises(ValueError):
-            HarnessConfig(rounds=10, tp=4, **bad)
+    # With a sidecar, so that the rank-4 break is refused for its rank alone (without one, the no-sidecar check
+    # below refused it too, and the test passed with no rank check at all); each refusal is matched for its reason.
+    for bad, why in (({"faults": (Fault(3, "break_stream", rank=4),)}, "never fires in 10 rounds on ranks 0..3"),
+                     ({"faults": (Fault(10, "pause"),)}, "never fires in 10 rounds"),
+                     ({"page_size": 0}, "page_size and num_pages"), ({"preset": "nope"}, "preset: one of")):
+        with pytest.raises(ValueError, match=why):
+            HarnessConfig(rounds=10, tp=4, socket_dir="/tmp/s", **bad)
     with pytest.raises(ValueError, match="round and rank"):
         Fault(-1, "pause")
     HarnessConfig(rounds=10, tp=4, socket_dir="/tmp/s", faults=(Fault(9, "break_stream", rank=3),))  # the last ones
