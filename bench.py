@@ -91,7 +91,7 @@ class BenchConfig:
     out_dir: Path = Path("bench-out")
     sidecar_backend: str = "auto"
     prelaunch: bool = True  # the sidecar may queue doorbell steps behind the GPU word (server/prelaunch.py)
-    engine_copy: bool = False  # d/f: the engine's embeddings copied into the input region each step
+    engine_copy: bool = False  # d, f-i: the engine's embeddings copied into the input region each step
     launch_streams: int = 0  # c and the sidecar: launch groups side by side on N streams (ServeConfig's; 0 = its default)
     lead_ms: float = 8.0  # g: the engine's GPU work queued before each step (server/prelaunch.py BEHIND_S: 5 ms)
     shim_inputs: str = "host"  # h/i: positions and metadata on the host, or on the GPU as vLLM's forward context has them

@@ -17,7 +17,7 @@ import pytest
 
 from dspark_sidecar import bench_tp, cli
 from dspark_sidecar.bench import BenchConfig, SidecarUnderTest
-from dspark_sidecar.bench_tp import PARITY_RTOL, _median, _report, _timed_steps, run_tp_bench
+from dspark_sidecar.bench_tp import PARITY_RTOL, _median, _parity, _report, _timed_steps, run_tp_bench
 
 
 def test_tp4_sidecar_from_four_engine_ranks_equals_the_reference_at_tp4(tmp_path):
@@ -289,3 +289,42 @@ def test_a_failed_engine_rank_ends_the_run_and_its_waiting_peer(tmp_path, tmp_pa
     for pid in (int((pids / f"rank{r}").read_text()) for r in range(2)):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_nan_block_k_v_in_any_layer_fails_the_case(monkeypatch):
+    """A rank's K/V drift is its worst layer's. max() over the layers keeps a NaN only in first place: a layer past
+    the first whose block K/V came back NaN (garbage codes in an fp8 cache read as NaN, the hidden states fine)
+    left layer 0's drift as the rank's: parity ok."""
+    import torch
+
+    from dspark_sidecar.drafter.kv_cache import StepMetadata
+
+    monkeypatch.setattr(bench_tp.dist, "broadcast", lambda *a, **k: None)  # one rank: rank 0's answer is its own
+    slots = torch.tensor([3, 4], dtype=torch.int64)
+    meta = StepMetadata(torch.tensor([9], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32), slots)
+    want = torch.ones(2, 4)
+
+    class Ref:  # the reference layers: writes the block K/V into the copy it is given, returns the hidden states
+        def draft_step(self, embeds, positions, meta, kv):
+            for t in kv:
+                t[:, 0, 3:5] = 1.0
+            return want
+
+    for bad in (0, 1):
+        kv = [torch.zeros(2, 1, 16, 1, 4) for _ in range(2)]
+        for t in kv:
+            t[:, 0, 3:5] = 1.0
+        kv[bad][:, 0, 3:5] = math.nan  # what the sidecar wrote in layer `bad`
+        got = _parity(Ref(), None, None, None, meta, [torch.zeros_like(t) for t in kv], kv, want.clone())
+        assert math.isnan(got["kv_rel_l2"]) and got["hidden_rel_l2"] == 0.0, (bad, got)
+
+
+def test_mxfp8_weights_are_the_reference_s_too(tmp_path):
+    """--weights mxfp8: the sidecar computes with its layer weights quantized to MXFP8; the engine ranks' reference
+    kept the dense weights it drew, so every case failed parity on CPU (drift 3e-2, against a bound of 0) and on
+    GPUs drifted by the quantization's error besides the kernels'. The reference must hold the same weights."""
+    bc = BenchConfig(preset="tiny", reqs=(2,), contexts=(40,), dtype="fp32", repeats=1, out_dir=tmp_path,
+                     weights="mxfp8")
+    (row,) = run_tp_bench(bc, 2, single_gpu=False, device_type="cpu")["rows"]
+    assert row["errors"] == 0 and row["parity_ok"], row
+    assert row["hidden_rel_l2"] == 0.0 and row["kv_rel_l2"] == 0.0
