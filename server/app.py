@@ -39,7 +39,7 @@ from dspark_sidecar.proto.doorbell import nap_for, stores_in_order
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.backend import BackendUnavailable, choose_backend, resolve_device
-from dspark_sidecar.server.config import AddressInUse, ServeConfig, bind_refusal
+from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError, bind_refusal
 from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
 from dspark_sidecar.server.fast_path import build_fast_path
 from dspark_sidecar.server.graphs import StepGraphs, launch_streams
@@ -383,12 +383,15 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
 
 def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_attempt: int | None,
                 start_up: StartUp) -> int:
+    # A --tp this rank cannot serve is refused as a flag is (exit 2, one line): no restart changes it. As
+    # SystemExit it was exit 1, which the launcher reported as a rank's failure and systemd restarted for ever.
     if world != cfg.tp:
-        raise SystemExit(f"WORLD_SIZE {world} != --tp {cfg.tp}")
+        raise ServeConfigError(f"--tp {cfg.tp}: {world} ranks were started (WORLD_SIZE {world}); start as many "
+                               "as --tp says (torchrun --nproc-per-node)")
     if world > 1 and not stores_in_order():
-        raise SystemExit(f"--tp {world} on this {platform.machine()} host: the ranks agree on every step through "
-                         "a shared-memory board that relies on stores being seen in the order written (x86-64); "
-                         "this host does not promise that (see proto/doorbell.py)")
+        raise ServeConfigError(f"--tp {world} on this {platform.machine()} host: the ranks agree on every step "
+                               "through a shared-memory board that relies on stores being seen in the order written "
+                               "(x86-64); this host does not promise that (see proto/doorbell.py)")
     stop = start_up.stop  # set by SIGTERM/SIGINT, at any point of the rank's life
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, start_up.on_signal)

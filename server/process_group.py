@@ -142,10 +142,25 @@ class PeerLost(RuntimeError):
         return cls(f"rank {rank}: a peer rank {what} ({first[:160]}); the peer's own line says why")
 
 
+def check_gloo_interfaces(environ: MutableMapping[str, str]) -> None:
+    """GLOO_SOCKET_IFNAME (gloo's comma-separated interface names) names interfaces of this host. Else gloo's
+    device fails in this rank alone, on a GPU rank first in the start-up group (app.StartUp.group), where a
+    failure reads as a peer lost: every rank blamed a peer that printed nothing. ServeConfigError (exit 2)."""
+    value = environ.get("GLOO_SOCKET_IFNAME", "")
+    if not value:
+        return
+    have = sorted(name for _, name in socket.if_nameindex())
+    missing = [name for name in value.split(",") if name not in have]
+    if missing:
+        raise ServeConfigError(f"GLOO_SOCKET_IFNAME={value}: this host has no network interface "
+                               f"{', '.join(repr(n) if not n else n for n in missing)} (it has {', '.join(have)})")
+
+
 def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_attempt: int | None = None) -> None:
     """init_process_group over `rendezvous_store`; a rendezvous that cannot be reached is one line
     (ServeConfigError, exit 2), and so is a peer lost while joining (PeerLost, exit 1)."""
     set_now = keep_collectives_local(cfg.master_addr, os.environ)
+    check_gloo_interfaces(os.environ)  # after the default: "lo" where that is what gloo gets
     if set_now:
         log.info("rank %d: collectives listen on loopback only (%s)", rank,
                  ", ".join(f"{k}={v}" for k, v in sorted(set_now.items())))

@@ -262,3 +262,23 @@ def test_a_store_host_that_dies_while_a_rank_joins_is_a_lost_peer_not_a_refused_
 def test_a_rendezvous_that_cannot_be_reached_is_still_the_flags():
     line = _join(_free_port(), 1, 2, 1)  # nobody hosts the store there
     assert line.startswith("ServeConfigError --master-addr/--master-port: rank 1 cannot join the rendezvous"), line
+
+
+@pytest.mark.parametrize("value, missing", [("bogus0", "bogus0"), ("lo,bogus0", "bogus0")])
+def test_a_gloo_interface_this_host_lacks_is_one_line_naming_the_variable(monkeypatch, value, missing):
+    """GLOO_SOCKET_IFNAME naming no interface of this host fails gloo's device in this rank alone. On a GPU
+    rank the first gloo group is the start-up group (app.StartUp.group), where every error is a peer lost: each
+    rank printed "a peer rank left during start-up ... the peer's own line says why" and exited 1 (restarted
+    for ever), and no peer had a line; on a CPU rank init_process_group's traceback. It is the operator's
+    value: one line naming it, exit 2, before the rendezvous."""
+    if "lo" not in {name for _, name in socket.if_nameindex()}:
+        pytest.skip("no loopback interface named lo")
+    from dspark_sidecar.server.config import ServeConfig
+    from dspark_sidecar.server.process_group import join_group
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", value)
+    cfg = ServeConfig(tp=1, master_addr="127.0.0.1", master_port=_free_port(), dist_timeout_s=5)
+    with pytest.raises(ServeConfigError, match=rf"^GLOO_SOCKET_IFNAME={value}: this host has no network "
+                                               rf"interface {missing} \(it has .*\blo\b"):
+        join_group(cfg, "gloo", 0, 1)
+    assert not dist.is_initialized()

@@ -12,7 +12,7 @@ import torch
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.doorbell import stores_in_order
 from dspark_sidecar.server.app import serve_rank
-from dspark_sidecar.server.config import ServeConfig
+from dspark_sidecar.server.config import ServeConfig, ServeConfigError
 from dspark_sidecar.server.errors import SidecarError
 from dspark_sidecar.server.refusal import HostFacts
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
@@ -49,8 +49,27 @@ def test_ranks_above_one_refuse_to_start_on_a_weakly_ordered_host(monkeypatch):
     """The ranks' step rendezvous is a shared-memory board with the same protocol: TP > 1 exits at
     once with why (before any signal handler, process group or weights); TP 1 has no board to share."""
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    with pytest.raises(SystemExit, match="--tp 2 on this aarch64 host: .*in the order written"):
+    with pytest.raises(ServeConfigError, match="--tp 2 on this aarch64 host: .*in the order written"):
         serve_rank(ServeConfig(tp=2), rank=0, world=2, local_rank=0)
+
+
+@pytest.mark.parametrize("world,machine,words", [
+    ("2", "aarch64", ("--tp 2 on this aarch64 host", "in the order written")),
+    ("3", "x86_64", ("--tp 2", "WORLD_SIZE 3")),
+])
+def test_a_rank_refusing_its_tp_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path, world, machine, words):
+    """A --tp the rank cannot serve (a weakly ordered host; torchrun starting another number of ranks) was a
+    SystemExit with the reason: exit 1, the line without its "dspark-sidecar: ", which the launcher reports as
+    a rank's failure and systemd restarts every 5 s for ever, on a host no restart changes. A rank's refusal of
+    a flag its host cannot run is one line and exit 2 (OPERATIONS.md, "Stopping"; as --backend's)."""
+    from helpers.refusals import refused
+
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", world)
+    sock = tmp_path / "sock"
+    refused(["serve", "--tp", "2", "--random-weights", "--device", "cpu", "--socket-dir", str(sock)], capsys, *words,
+            sock_dir=sock)
 
 
 def test_a_cuda_ipc_page_refused_for_store_order_is_given_back(monkeypatch):
