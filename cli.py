@@ -53,6 +53,11 @@ def _folder(text: str) -> Path:
     return Path(text)
 
 
+def _builtin(dest: str, default, kind=str, flag: str | None = None):
+    """A flag's built-in default, its variable unread: the defaults of a command that is not the one running."""
+    return default
+
+
 def _log_level() -> str:
     level = os.environ.get("DSPARK_LOG_LEVEL", "INFO").upper()
     # logging's own names (WARN and FATAL too, as before): getLevelName gives a known name's number, else a
@@ -62,67 +67,68 @@ def _log_level() -> str:
     return level
 
 
-def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+def _add_serve_flags(p: argparse.ArgumentParser, env=_env) -> None:
+    """serve's flags; `env` gives each its default (_env: DSPARK_<FLAG> where set, _builtin: never read)."""
     from dspark_sidecar import layout
     from dspark_sidecar.server.config import BACKENDS, DTYPES, ServeConfig
 
     d = ServeConfig()
-    p.add_argument("--tp", type=int, default=_env("tp", d.tp, int), help="tensor-parallel ranks (default %(default)s)")
-    p.add_argument("--socket-dir", type=_folder, default=_env("socket_dir", d.socket_dir, Path),
+    p.add_argument("--tp", type=int, default=env("tp", d.tp, int), help="tensor-parallel ranks (default %(default)s)")
+    p.add_argument("--socket-dir", type=_folder, default=env("socket_dir", d.socket_dir, Path),
                    help="rank r listens on unix:DIR/rank{r}.sock (default %(default)s)")
-    p.add_argument("--tcp-host", default=_env("tcp_host", d.tcp_host))
-    p.add_argument("--tcp-base-port", type=int, default=_env("tcp_base_port", d.tcp_base_port, int),
+    p.add_argument("--tcp-host", default=env("tcp_host", d.tcp_host))
+    p.add_argument("--tcp-base-port", type=int, default=env("tcp_base_port", d.tcp_base_port, int),
                    help="also listen on TCP HOST:PORT+r (0 = unix sockets only)")
-    p.add_argument("--allow-remote", action="store_true", default=_env("allow_remote", False, bool))
-    p.add_argument("--preset", default=_env("preset", d.preset), help="tiny | minimax-m3.1 (default %(default)s)")
-    p.add_argument("--checkpoint", type=Path, default=_env("checkpoint", None, Path),
+    p.add_argument("--allow-remote", action="store_true", default=env("allow_remote", False, bool))
+    p.add_argument("--preset", default=env("preset", d.preset), help="tiny | minimax-m3.1 (default %(default)s)")
+    p.add_argument("--checkpoint", type=Path, default=env("checkpoint", None, Path),
                    help="the dspark/ folder (default: the preset's synthetic checkpoint)")
-    p.add_argument("--target-checkpoint", type=Path, default=_env("target_checkpoint", None, Path),
+    p.add_argument("--target-checkpoint", type=Path, default=env("target_checkpoint", None, Path),
                    help="folder holding embed_tokens (the target model's checkpoint)")
-    p.add_argument("--backend", choices=BACKENDS, default=_env("backend", d.backend))
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=_env("device", d.device))
-    p.add_argument("--dtype", choices=DTYPES, default=_env("dtype", d.dtype))
-    p.add_argument("--weights", choices=("bf16", "mxfp8"), default=_env("weights", d.weights),
+    p.add_argument("--backend", choices=BACKENDS, default=env("backend", d.backend))
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=env("device", d.device))
+    p.add_argument("--dtype", choices=DTYPES, default=env("dtype", d.dtype))
+    p.add_argument("--weights", choices=("bf16", "mxfp8"), default=env("weights", d.weights),
                    help="layer weights dense in --dtype, or kept as MXFP8 and dequantized inside the kernels")
-    p.add_argument("--max-reqs", type=int, default=_env("max_reqs", layout.DEFAULT_MAX_REQS, int))
-    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", d.metrics_port, int),
+    p.add_argument("--max-reqs", type=int, default=env("max_reqs", layout.DEFAULT_MAX_REQS, int))
+    p.add_argument("--metrics-port", type=int, default=env("metrics_port", d.metrics_port, int),
                    help="Prometheus text on HOST:PORT+r (0 = off)")
-    p.add_argument("--metrics-host", default=_env("metrics_host", d.metrics_host),
+    p.add_argument("--metrics-host", default=env("metrics_host", d.metrics_host),
                    help="address of the metrics endpoint (default loopback; 0.0.0.0 in a pod)")
-    p.add_argument("--strict-refusal", action="store_true", default=_env("strict_refusal", False, bool),
+    p.add_argument("--strict-refusal", action="store_true", default=env("strict_refusal", False, bool),
                    help="a refused fast path makes health NOT_SERVING instead of serving the portable backend")
-    p.add_argument("--rendezvous-ms", type=int, default=_env("rendezvous_ms", d.rendezvous_ms, int))
-    p.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default=_env("dist_backend", d.dist_backend))
-    p.add_argument("--dist-timeout-s", type=int, default=_env("dist_timeout_s", d.dist_timeout_s, int))
-    p.add_argument("--startup-timeout-s", type=int, default=_env("startup_timeout_s", d.startup_timeout_s, int),
+    p.add_argument("--rendezvous-ms", type=int, default=env("rendezvous_ms", d.rendezvous_ms, int))
+    p.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default=env("dist_backend", d.dist_backend))
+    p.add_argument("--dist-timeout-s", type=int, default=env("dist_timeout_s", d.dist_timeout_s, int))
+    p.add_argument("--startup-timeout-s", type=int, default=env("startup_timeout_s", d.startup_timeout_s, int),
                    help="how long a rank waits at start-up for its slowest peer (loading, warm-up) before it "
                         "stops (default %(default)s)")
-    p.add_argument("--master-addr", default=_env("master_addr", d.master_addr))
-    p.add_argument("--master-port", type=int, default=_env("master_port", d.master_port, int),
+    p.add_argument("--master-addr", default=env("master_addr", d.master_addr))
+    p.add_argument("--master-port", type=int, default=env("master_port", d.master_port, int),
                    help="torch.distributed rendezvous port (0 = pick a free one)")
-    p.add_argument("--max-message-bytes", type=int, default=_env("max_message_bytes", d.max_message_bytes, int))
-    p.add_argument("--drain-s", type=float, default=_env("drain_s", d.drain_s, float),
+    p.add_argument("--max-message-bytes", type=int, default=env("max_message_bytes", d.max_message_bytes, int))
+    p.add_argument("--drain-s", type=float, default=env("drain_s", d.drain_s, float),
                    help="after SIGTERM, report NOT_SERVING this long before closing the listener")
-    p.add_argument("--exit-with-pid", type=int, default=_env("exit_with_pid", d.exit_with_pid, int),
+    p.add_argument("--exit-with-pid", type=int, default=env("exit_with_pid", d.exit_with_pid, int),
                    help="stop the ranks (as on SIGTERM) once process PID has exited (0 = never; "
                         "client/launcher.py passes its own pid)")
-    p.add_argument("--random-weights", action="store_true", default=_env("random_weights", False, bool),
+    p.add_argument("--random-weights", action="store_true", default=env("random_weights", False, bool),
                    help="benchmarks: draw weights on the device instead of reading a checkpoint")
-    p.add_argument("--shard-of", type=int, default=_env("shard_of", 0, int),
+    p.add_argument("--shard-of", type=int, default=env("shard_of", 0, int),
                    help="benchmarks: with --tp 1, compute rank 0's shard of a TP-N drafter (no exchange)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   default=_env("cuda_graphs", True, bool), help="run steps eagerly on the GPU")
-    p.add_argument("--no-prelaunch", dest="prelaunch", action="store_false", default=_env("prelaunch", True, bool),
+                   default=env("cuda_graphs", True, bool), help="run steps eagerly on the GPU")
+    p.add_argument("--no-prelaunch", dest="prelaunch", action="store_false", default=env("prelaunch", True, bool),
                    help="never queue a doorbell step on the GPU before it is rung (server/prelaunch.py)")
-    p.add_argument("--prelaunch-behind-ms", type=float, default=_env("prelaunch_behind_ms", d.prelaunch_behind_ms, float),
+    p.add_argument("--prelaunch-behind-ms", type=float, default=env("prelaunch_behind_ms", d.prelaunch_behind_ms, float),
                    help="stop queueing steps for a while when the engine's GPU reaches a rung step this many ms "
                         "late (its host runs ahead; a queued step's answer would hold it that long)")
-    p.add_argument("--launch-streams", type=int, default=_env("launch_streams", d.launch_streams, int),
+    p.add_argument("--launch-streams", type=int, default=env("launch_streams", d.launch_streams, int),
                    help="run a step's launch groups (8 requests each) side by side on N CUDA streams; "
                         "0 = 4 at --tp 1, 1 (in order) above; at --tp > 1, N > 1 gives each extra stream its own "
                         "communicator (opt-in: not yet benchmarked)")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false", default=_env("warmup", True, bool))
-    p.add_argument("--seed", type=int, default=_env("seed", d.seed, int), help="seed of the synthetic checkpoint")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", default=env("warmup", True, bool))
+    p.add_argument("--seed", type=int, default=env("seed", d.seed, int), help="seed of the synthetic checkpoint")
 
 
 def serve_config(a: argparse.Namespace):
@@ -530,12 +536,21 @@ def _main(argv: list[str] | None) -> int:
                         format=f"%(asctime)s %(levelname)s [pid {os.getpid()} rank {os.environ.get('RANK', '-')}] "
                                "%(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="dspark-sidecar", description="DSpark drafter sidecar")
+    # Only the command being run reads its DSPARK_* defaults (its parser is built with _env, the others with
+    # _builtin): every parser read them, so `step --help`, the bench and the demo (whose sidecar gets none of
+    # serve's variables) exited 2 for a DSPARK_WARMUP=ture only serve reads, and serve for DSPARK_DEMO_ROUNDS.
+    # The top-level parser takes no option but -h, so the command is argv's first word that is not one.
+    chosen = next((w for w in argv if not w.startswith("-")), None)
+
+    def env(cmd: str):
+        return _env if cmd == chosen else _builtin
+
     sub = ap.add_subparsers(dest="cmd", required=True)
     serve_p = sub.add_parser("serve", help="start the TP sidecar (all ranks) and serve until SIGTERM")
-    _add_serve_flags(serve_p)
+    _add_serve_flags(serve_p, env("serve"))
     st = sub.add_parser("status", help="print every rank's GetStatus")
-    st.add_argument("--socket-dir", type=_folder, default=_env("socket_dir", Path("/tmp/dspark-sidecar"), Path))
-    st.add_argument("--tp", type=int, default=_env("tp", 4, int))
+    st.add_argument("--socket-dir", type=_folder, default=env("status")("socket_dir", Path("/tmp/dspark-sidecar"), Path))
+    st.add_argument("--tp", type=int, default=env("status")("tp", 4, int))
     st.add_argument("--timeout", type=float, default=3.0)
     sp = sub.add_parser("step", help="one draft step on the embedded synthetic drafter, in-process")
     sp.add_argument("--preset", default="tiny")
@@ -544,8 +559,8 @@ def _main(argv: list[str] | None) -> int:
     sp.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     sp.add_argument("--repeat", type=int, default=5)
     dp = sub.add_parser("demo", help="TP-4 sidecar + TP-4 engine harness: N rounds, forwarded vs local")
-    dp.add_argument("--rounds", type=int, default=_env("demo_rounds", 100, int, flag="demo --rounds"))
-    dp.add_argument("--tp", type=int, default=_env("tp", 4, int))
+    dp.add_argument("--rounds", type=int, default=env("demo")("demo_rounds", 100, int, flag="demo --rounds"))
+    dp.add_argument("--tp", type=int, default=env("demo")("tp", 4, int))
     dp.add_argument("--preset", default="tiny")
     dp.add_argument("--seed", type=int, default=0)
     dp.add_argument("--max-reqs", type=int, default=8, help="the sidecar's --max-reqs; the mix goes above it")

@@ -9,22 +9,47 @@ import pytest
 from dspark_sidecar import cli
 
 
-@pytest.mark.parametrize("env, value, words", [
-    ("DSPARK_TP", "four", "DSPARK_TP='four': expected an integer"),
-    ("DSPARK_WARMUP", "ture", "DSPARK_WARMUP='ture': expected one of 1, true"),
-    ("DSPARK_LOG_LEVEL", "verbose", "DSPARK_LOG_LEVEL='VERBOSE': expected DEBUG"),
+@pytest.mark.parametrize("env, value, words, argv", [
+    ("DSPARK_TP", "four", "DSPARK_TP='four': expected an integer", ["status"]),
+    ("DSPARK_WARMUP", "ture", "DSPARK_WARMUP='ture': expected one of 1, true", ["serve"]),
+    ("DSPARK_LOG_LEVEL", "verbose", "DSPARK_LOG_LEVEL='VERBOSE': expected DEBUG", ["step"]),
     # '' as a path is the working directory: serve listened on ./rank0.sock, saying nothing
-    ("DSPARK_SOCKET_DIR", "", "DSPARK_SOCKET_DIR (--socket-dir) is set but empty"),
+    ("DSPARK_SOCKET_DIR", "", "DSPARK_SOCKET_DIR (--socket-dir) is set but empty", ["status", "--tp", "1"]),
     # the demo's variable: it named a --demo-rounds flag that no command has
-    ("DSPARK_DEMO_ROUNDS", "", "DSPARK_DEMO_ROUNDS (demo --rounds) is set but empty"),
+    ("DSPARK_DEMO_ROUNDS", "", "DSPARK_DEMO_ROUNDS (demo --rounds) is set but empty", ["demo"]),
 ])
-def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, monkeypatch, capsys):
+def test_a_bad_environment_value_is_one_line_naming_it(env, value, words, argv, monkeypatch, capsys):
     """These used to end in a raw traceback (int('four'), logging's own ValueError), and a misspelt
-    boolean silently read as false (DSPARK_WARMUP=ture turned warm-up off)."""
+    boolean silently read as false (DSPARK_WARMUP=ture turned warm-up off). Each is refused by a command
+    that reads it, before anything starts."""
     monkeypatch.setenv(env, value)
-    assert cli.main(["status", "--tp", "1"]) == 2
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("dspark-sidecar: ") and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("env, value, readers", [
+    ("DSPARK_WARMUP", "ture", {"serve"}),
+    ("DSPARK_MAX_REQS", "64x", {"serve"}),
+    ("DSPARK_CHECKPOINT", "", {"serve"}),
+    ("DSPARK_DEMO_ROUNDS", "", {"demo"}),
+    ("DSPARK_TP", "four", {"serve", "status", "demo"}),
+    ("DSPARK_SOCKET_DIR", "", {"serve", "status"}),
+])
+@pytest.mark.parametrize("cmd", ["serve", "status", "step", "demo", "bench"])
+def test_a_command_is_not_refused_for_a_variable_only_another_command_reads(env, value, readers, cmd, monkeypatch,
+                                                                             capsys):
+    """Every command built every command's flags, and with them their DSPARK_* defaults: `step --help`, the
+    bench or the demo (whose sidecar gets none of serve's variables: README) exited 2 for a DSPARK_WARMUP=ture
+    or an empty DSPARK_CHECKPOINT that only serve reads, and serve for the demo's DSPARK_DEMO_ROUNDS."""
+    monkeypatch.setenv(env, value)
+    if cmd in readers:
+        assert cli.main([cmd, "--help"]) == 2
+        assert env in capsys.readouterr().err
+        return
+    with pytest.raises(SystemExit) as exc:
+        cli.main([cmd, "--help"])
+    assert exc.value.code == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value, level", [("debug", "DEBUG"), ("warn", "WARN"), ("FATAL", "FATAL")])

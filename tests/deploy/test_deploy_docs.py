@@ -127,3 +127,42 @@ def test_guide_lists_the_sidecars_own_reasons_verbatim():
     dtype = kernel_mismatch(load_config("minimax-m3.1"), torch.float32)
     for reason in (AWAITING_BIND, on_cpu, dtype):
         assert f"`{reason}`" in OPERATIONS, reason
+
+
+def _flag_row(flag: str) -> str:
+    """The guide's flag table row of `flag`."""
+    (row,) = [line for line in OPERATIONS.splitlines() if line.startswith(f"| `{flag}")]
+    return row
+
+
+def test_the_tcp_row_says_what_serve_listens_on():
+    """The guide's row said "TCP instead of, or besides, sockets": no flag turns the unix sockets off, every
+    rank listens on its socket and, with --tcp-base-port, on a TCP port as well."""
+    from dspark_sidecar.server.config import ServeConfig
+
+    eps = ServeConfig(tp=2, tcp_base_port=19000).endpoints(1)
+    assert eps[0].startswith("unix:") and eps[1].endswith(":19001"), eps
+    row = _flag_row("--tcp-host")
+    assert "instead" not in row and "besides" in row, row
+
+
+def test_the_target_checkpoint_row_names_only_what_serve_reads_of_it(tmp_path):
+    """The guide's row called the target folder the "embed_tokens / lm_head source": the sidecar reads (and
+    checks) only embed_tokens there; lm_head is the engine's."""
+    from safetensors.torch import load_file, save_file
+
+    from dspark_sidecar.drafter.checkpoint import EMBED_KEY, check_checkpoint, ensure_synthetic_checkpoint
+    from dspark_sidecar.drafter.config import load_config
+
+    cfg = load_config("tiny")
+    dspark_dir, target_dir = ensure_synthetic_checkpoint(cfg)
+    embed_only = tmp_path / "target"
+    embed_only.mkdir()
+    tensors = {}
+    for f in target_dir.glob("*.safetensors"):
+        tensors |= {k: v for k, v in load_file(f).items() if k == EMBED_KEY}
+    assert set(tensors) == {EMBED_KEY}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(embed_only / "model.safetensors"))
+    check_checkpoint(cfg, dspark_dir, embed_only)  # no lm_head: nothing missing for the sidecar
+    row = _flag_row("--target-checkpoint")
+    assert "embed_tokens" in row and "lm_head" not in row, row
