@@ -8,9 +8,9 @@ package-qualified import that works without putting proto/ on sys.path). protoc 
 stubs under DIR/dspark_sidecar/proto/ of a scratch folder; they are then moved flat into DIR.
 
 The stubs embed the generator's versions and check them at import (protobuf runtime >= the
-bundled protoc's, grpcio >= grpcio-tools'), so regenerate with grpcio-tools of the SAME minor
-as the deployed grpcio (1.84.x) to keep the committed files identical across machines; the
-generator refuses another (TOOLS_MINOR).
+bundled protoc's, grpcio >= grpcio-tools'), so regenerate with exactly the grpcio-tools the
+committed stubs were written with (TOOLS_VERSION, the test extra's pin) to keep them identical
+across machines; the generator refuses any other.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ GENERATED = ("sidecar_pb2.py", "sidecar_pb2.pyi", "sidecar_pb2_grpc.py")
 # stamped by a newer grpcio-tools, and its protobuf those of the newer protoc such a release bundles; pip's
 # pick for a bare `grpcio-tools` is newer, and nothing stopped it overwriting the committed stubs (the
 # byte-identity test regenerates with the same tools, so it passes on the machine that wrote them).
-TOOLS_MINOR = "1.84"
+# The whole version, not its minor: the stubs stamp the tools' full version (GRPC_GENERATED_VERSION),
+# so a 1.84.1 wrote stubs that differ from the committed ones and that grpcio 1.84.0 refuses at import.
+TOOLS_VERSION = "1.84.0"
 
 
 def generate(out_dir: Path | str = PROTO_DIR) -> list[Path]:
@@ -37,11 +39,11 @@ def generate(out_dir: Path | str = PROTO_DIR) -> list[Path]:
     # Imported here so importing the stubs never needs grpcio-tools.
     from grpc_tools import grpc_version, protoc
 
-    if grpc_version.VERSION.split(".")[:2] != TOOLS_MINOR.split("."):  # before anything is written
+    if grpc_version.VERSION != TOOLS_VERSION:  # before anything is written
         raise RuntimeError(
-            f"grpcio-tools {grpc_version.VERSION} is not {TOOLS_MINOR}.x: its stubs would differ from the "
-            f"committed ones, and a newer one's do not import with the deployed grpcio {TOOLS_MINOR}; install "
-            f"grpcio-tools=={TOOLS_MINOR}.0 (the test extra's pin) and run this again"
+            f"grpcio-tools {grpc_version.VERSION} is not {TOOLS_VERSION}: its stubs would differ from the "
+            f"committed ones, and a newer one's do not import with the deployed grpcio {TOOLS_VERSION}; install "
+            f"grpcio-tools=={TOOLS_VERSION} (the test extra's pin) and run this again"
         )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

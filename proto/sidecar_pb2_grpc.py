@@ -32,6 +32,10 @@ class DrafterSidecarStub:
     failed step inside its DraftStepResponse (StepError) and keeps going. One failure is gRPC's own,
     before any handler: a request larger than Limits.max_message_bytes ends its call (a stream
     included) with RESOURCE_EXHAUSTED "Received message larger than max" and no rich details.
+    Every RPC but GetStatus serves same-node peers only (a unix socket, or TCP from a loopback
+    address): they map the engine's memory or run the steps that write it. Any other peer is
+    PERMISSION_DENIED, reason REMOTE_PEER, before the request is looked at. While the rank is still
+    loading they are UNAVAILABLE, reason LOADING (health is NOT_SERVING until then).
     """
 
     def __init__(self, channel):
@@ -89,6 +93,10 @@ class DrafterSidecarServicer:
     failed step inside its DraftStepResponse (StepError) and keeps going. One failure is gRPC's own,
     before any handler: a request larger than Limits.max_message_bytes ends its call (a stream
     included) with RESOURCE_EXHAUSTED "Received message larger than max" and no rich details.
+    Every RPC but GetStatus serves same-node peers only (a unix socket, or TCP from a loopback
+    address): they map the engine's memory or run the steps that write it. Any other peer is
+    PERMISSION_DENIED, reason REMOTE_PEER, before the request is looked at. While the rank is still
+    loading they are UNAVAILABLE, reason LOADING (health is NOT_SERVING until then).
     """
 
     def GetStatus(self, request, context):
@@ -147,7 +155,8 @@ class DrafterSidecarServicer:
         Limits.max_message_bytes (RESOURCE_EXHAUSTED, from gRPC itself). A rank serves at most 8 open
         streams (an engine rank needs one); past that a new stream ends at once with
         RESOURCE_EXHAUSTED, reason TOO_MANY_STREAMS, so that the unary calls and the health check keep
-        their threads.
+        their threads. A new stream also ends at once, before any answer, from a peer off this node
+        (PERMISSION_DENIED, reason REMOTE_PEER) and on a rank still loading (UNAVAILABLE, reason LOADING).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -230,6 +239,10 @@ class DrafterSidecar:
     failed step inside its DraftStepResponse (StepError) and keeps going. One failure is gRPC's own,
     before any handler: a request larger than Limits.max_message_bytes ends its call (a stream
     included) with RESOURCE_EXHAUSTED "Received message larger than max" and no rich details.
+    Every RPC but GetStatus serves same-node peers only (a unix socket, or TCP from a loopback
+    address): they map the engine's memory or run the steps that write it. Any other peer is
+    PERMISSION_DENIED, reason REMOTE_PEER, before the request is looked at. While the rank is still
+    loading they are UNAVAILABLE, reason LOADING (health is NOT_SERVING until then).
     """
 
     @staticmethod

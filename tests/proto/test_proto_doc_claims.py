@@ -73,3 +73,67 @@ def test_the_draft_steps_stream_s_documented_ends_include_a_message_that_does_no
     server/errors.py, tests/server/test_rpc_fuzz.py); the .proto listed the ways it ends "only" without it."""
     doc = _comment("rpc DraftSteps(stream DraftStepRequest)")
     assert "ends only when" in doc and "does not parse" in doc, doc
+
+
+def test_steps_failed_is_documented_as_the_count_no_living_rank_makes(loop, monkeypatch):
+    """A step that fails inside its launch ends the rank (exit 3: a peer may be inside a collective), so
+    Counters.steps_failed stays 0 (deploy/OPERATIONS.md says so of dspark_steps_total{result="failed"}). The
+    .proto said it counts "Steps that failed while computing", and an operator watching it saw no failure."""
+    exits = []
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("kernel fault")
+
+    def exit_(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(loop, "_run", fail)
+    monkeypatch.setattr("dspark_sidecar.server.rank.os._exit", exit_)
+    with pytest.raises(SystemExit):
+        loop.answer_now(pb.DraftStepRequest(step_id=4, num_requests=1))
+    assert exits == [3] and loop.ctx.metrics.counters_pb().steps_failed == 0
+    doc = _comment("uint64 steps_failed = 4;")
+    assert "stays 0" in doc and "ends the rank" in doc, doc
+
+
+# Every RPC but GetStatus starts with servicer._require_same_node (memory, and the steps that write it).
+SAME_NODE_RPCS = ("BindKV", "UnbindKV", "RegisterBuffers", "UnregisterBuffers", "AttachDoorbell", "DraftStep",
+                  "DraftSteps")
+
+
+def test_the_same_node_rule_and_the_stream_s_refusals_at_open_are_documented():
+    """A peer off this node gets PERMISSION_DENIED (REMOTE_PEER) from every RPC but GetStatus, and a rank still
+    loading ends a DraftSteps stream at once with UNAVAILABLE (LOADING). The .proto said "Same-node peers only"
+    of AttachDoorbell and UnregisterBuffers alone, and listed the ways a DraftSteps stream ends "only" without
+    either: an engine reading it took a stream that opened as a stream that serves."""
+    import grpc
+
+    from dspark_sidecar.server.app import LateServicer
+    from dspark_sidecar.server.errors import SidecarError
+    from dspark_sidecar.server.servicer import DrafterServicer
+
+    def never(*_a, **_k):
+        raise AssertionError("a remote peer's call got past the same-node check")
+
+    fake = SimpleNamespace(loop=SimpleNamespace(submit=never, answer=never, exclusive=never), ctx=never)
+    fake._require_same_node = lambda ctx, what="memory registration": DrafterServicer._require_same_node(
+        fake, ctx, what)
+    remote = SimpleNamespace(peer=lambda: "ipv4:192.0.2.2:40000")
+    requests = {"DraftSteps": iter([pb.DraftStepRequest(step_id=1)])}
+    for name in SAME_NODE_RPCS:
+        method = getattr(DrafterServicer, name)
+        with pytest.raises(SidecarError) as err:
+            out = method(fake, requests.get(name, None), remote)
+            next(out)  # DraftSteps is a generator: its checks run at the first step
+        assert (err.value.code, err.value.reason) == (grpc.StatusCode.PERMISSION_DENIED, "REMOTE_PEER"), name
+    with pytest.raises(SidecarError) as err:
+        LateServicer().DraftSteps(iter([]), SimpleNamespace(peer=lambda: "unix:"))
+    assert (err.value.code, err.value.reason) == (grpc.StatusCode.UNAVAILABLE, "LOADING")
+
+    service = _comment("service DrafterSidecar {")
+    assert "GetStatus" in service and "PERMISSION_DENIED" in service and "REMOTE_PEER" in service, service
+    stream = _comment("rpc DraftSteps(stream DraftStepRequest)")
+    assert "ends only when" in stream, stream
+    for words in ("UNAVAILABLE", "LOADING", "REMOTE_PEER"):
+        assert words in stream, (words, stream)

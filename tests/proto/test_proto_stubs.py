@@ -31,7 +31,7 @@ def test_regenerated_stubs_are_byte_identical_to_committed(tmp_path):
         assert path.read_bytes() == committed, (
             f"{path.name} differs from a fresh generation with grpcio-tools "
             f"{grpc_version.VERSION}: run `python -m dspark_sidecar.proto.generate`"
-            " (with grpcio-tools 1.84.x) and commit the result"
+            " (with grpcio-tools 1.84.0) and commit the result"
         )
 
 
@@ -44,9 +44,31 @@ def test_the_generator_refuses_a_grpcio_tools_of_another_minor_and_writes_nothin
 
     monkeypatch.setattr(grpc_version, "VERSION", "1.85.0")
     out = tmp_path / "stubs"
-    with pytest.raises(RuntimeError, match=r"^grpcio-tools 1\.85\.0 is not 1\.84\.x: .*grpcio-tools==1\.84\.0"):
+    with pytest.raises(RuntimeError, match=r"^grpcio-tools 1\.85\.0 is not 1\.84\.0: .*grpcio-tools==1\.84\.0"):
         generate.generate(out)
     assert not out.exists()
+
+
+def test_the_generator_refuses_another_patch_release_of_the_pinned_minor(tmp_path, monkeypatch):
+    """The stubs stamp grpcio-tools' whole version (GRPC_GENERATED_VERSION = '1.84.1'), not its minor: a 1.84.1
+    wrote stubs that differ from the committed ones and that grpcio 1.84.0, which the package accepts, refuses
+    at import. The generator checked the minor only and wrote them."""
+    from grpc_tools import grpc_version
+
+    monkeypatch.setattr(grpc_version, "VERSION", "1.84.1")
+    out = tmp_path / "stubs"
+    with pytest.raises(RuntimeError, match=r"^grpcio-tools 1\.84\.1 is not 1\.84\.0: .*grpcio-tools==1\.84\.0"):
+        generate.generate(out)
+    assert not out.exists()
+
+
+def test_the_generator_requires_the_grpcio_tools_the_test_extra_pins():
+    """One version in both places: the test extra installs what the generator accepts, and the stubs say it."""
+    extras = tomllib.loads((PROTO_DIR.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (pin,) = [d for d in extras["test"] if d.startswith("grpcio-tools")]
+    assert pin == f"grpcio-tools=={generate.TOOLS_VERSION}"
+    grpc_src = (PROTO_DIR / "sidecar_pb2_grpc.py").read_text()
+    assert f"GRPC_GENERATED_VERSION = '{generate.TOOLS_VERSION}'" in grpc_src
 
 
 def _floor(dist: str) -> tuple[int, ...]:
