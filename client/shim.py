@@ -320,6 +320,11 @@ class DrafterShim:
         with self._link() as is_open:
             if not is_open:
                 return CLOSED
+            if not self.enabled:
+                # Again, holding the link: the ranks may have agreed to turn off while this call waited for it
+                # (a step's _disable released the link). Read only above, it re-bound the cache after the
+                # turn-off's UnbindKV, and nothing released that binding or channel before close().
+                return f"off: {self.refusal}"
             if self._step_open:
                 return STEP_IN_FLIGHT
             try:

@@ -1394,3 +1394,57 @@ def test_a_step_refused_for_its_own_metadata_falls_back_without_a_breaker_failur
     finally:
         shim.close()
         server.stop()
+
+
+class _PeerRefuses(PreflightHook):
+    """A peer engine rank whose sidecar refuses for good: the next pre-flight carries its refusal."""
+
+    def all_min(self, values):
+        out = values.clone()
+        if self.armed and values.numel() == 5:
+            self.armed = False
+            out[1] = -1
+        return out
+
+
+def test_connect_that_waited_for_the_link_while_the_ranks_turned_off_stays_off(fake):
+    """connect() read `enabled` before it took the link. One from another thread that passed that check while a
+    step held the link and the ranks agreed to turn off (a peer's sidecar refuses) then ran the readiness check
+    on the off shim: it re-opened the link, bound the cache again after the turn-off's UnbindKV and answered
+    ready, and nothing released that binding or channel before close(), since an off shim never prepares again."""
+    agree = _PeerRefuses()
+    shim = make_shim(fake.endpoint, agree=agree)[0]
+    assert shim.connect() is None and fake.sidecar.calls["BindKV"] == 1
+    hold, arrived, go = shim._hold, threading.Event(), threading.Event()
+    connector: list[threading.Thread] = []
+
+    class Gate:  # holds the connect() thread just before it takes the link, after its `enabled` check
+        def __enter__(self):
+            if connector and threading.current_thread() is connector[0] and not go.is_set():
+                arrived.set()
+                go.wait(10)
+            return hold.__enter__()
+
+        def __exit__(self, *exc):
+            return hold.__exit__(*exc)
+
+    shim._link = lambda: Gate()
+    got: list = []
+    connector.append(threading.Thread(target=lambda: got.append(shim.connect()), daemon=True))
+    connector[0].start()
+    assert arrived.wait(10)
+    ids, pos, meta = step_inputs(1)
+    try:
+        agree.armed = True
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is None
+        assert not shim.enabled and fake.sidecar.calls["UnbindKV"] == 1 and not shim.connection.is_open
+        calls = fake.sidecar.remote_calls()
+        go.set()
+        connector[0].join(10)
+        assert got == ["off: a peer engine rank's sidecar refuses"]
+        assert fake.sidecar.remote_calls() == calls and not shim.connection.is_open
+        assert shim.binder.current is None
+    finally:
+        go.set()
+        shim.close()
