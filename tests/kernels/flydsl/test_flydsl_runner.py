@@ -501,3 +501,35 @@ def test_every_launcher_takes_its_stream_last():
         stream_type = last.annotation if not isinstance(last.annotation, str) else None
         assert last.name == "stream" and (getattr(stream_type, "_is_stream_param", False)
                                           or last.annotation in ("fx.Stream", "Stream")), (name, last)
+
+
+def test_launch_groups_chain_the_residual_and_keep_every_exchange_tag_unique():
+    """Launchers faked with the residual arithmetic the kernels do (exchange: OUT = RES + partials; final norm:
+    reads x): a step of R > 8 requests is split into launches whose outputs land in request order, each launch
+    starts from its own embeds though all share one workspace, and the exchange tags (epoch x 16 + index + 1)
+    of all launches are distinct and increasing: a repeated tag would let an exchange pass on a stale flag."""
+    r = make()
+    tags = []
+
+    def kernel(name, num_reqs, exchange, args):
+        def run(*a):
+            a = a[:-1]  # the stream
+            if name.startswith("exchange_"):
+                tags.append(int(a[13][0]) * 16 + exchange + 1)  # EPOCH, as the kernel reads it at its start
+                a[2].copy_(a[1] + 1 if name == "exchange_o" else a[1] * 2)
+            elif name == "final_norm":
+                a[2].copy_(a[0])
+        return run
+
+    r._kernel = kernel
+    for reqs in (1, 8, 11, 17):
+        step = step_inputs(reqs=reqs)
+        step["embeds"] = (torch.arange(7 * reqs) % 5).to(torch.bfloat16)[:, None].expand(-1, 6144).contiguous()
+        want = step["embeds"].float()
+        for _ in range(5):  # per layer: h = x + 1 (o exchange), x = 2h (down exchange)
+            want = (want + 1) * 2
+        assert torch.equal(r.forward(**step).float(), want), reqs
+    launches = 1 + 1 + 2 + 3
+    assert int(r.peers.epoch) == launches and len(tags) == 10 * launches
+    assert tags == sorted(set(tags))
+    r.close()
