@@ -259,12 +259,12 @@ def test_attaching_a_doorbell_replaces_the_last_one_even_when_it_does_not_close_
 
 
 class _SlowLoop(_Loop):
-    """A step that takes longer than stop() used to wait (2 s)."""
+    """A step that takes longer than stop() waits (STOP_S, cut to 0.2 s by the test)."""
 
     def answer_now(self, req, hook=None, answer_limit=0):
         from dspark_sidecar.proto import sidecar_pb2 as pb
 
-        time.sleep(2.5)
+        time.sleep(1.0)
         return pb.DraftStepResponse(step_id=req.step_id)
 
 
@@ -288,11 +288,14 @@ class _QueueingPrelaunch(_Prelaunch):
         super().close()
 
 
-def test_stop_during_a_step_lets_it_queue_the_next_before_the_prelaunch_goes():
+def test_stop_during_a_step_lets_it_queue_the_next_before_the_prelaunch_goes(monkeypatch):
     """stop() (AttachDoorbell replacing this doorbell, or shutdown) waited 2 s, then closed the
     pre-launch under a step still running: that step then skipped the queueing its peers did after
     it (or raised on the closed pre-launch), and at TP > 1 the ranks' collectives paired with the
-    wrong steps. The thread now releases the pre-launch itself, after its step."""
+    wrong steps. The thread now releases the pre-launch itself, after its step. The step must outlast
+    stop()'s wait: against STOP_S's 10 s the 2.5 s step this test had ended inside it, and a stop()
+    that dropped the pre-launch after its wait passed here."""
+    monkeypatch.setattr(doorbell_mod, "STOP_S", 0.2)
     page = _Page()
     db = Doorbell(page, CAPACITY, _SlowLoop(), torch.device("cpu"), b"")
     pl = db.prelaunch = _QueueingPrelaunch()
@@ -302,7 +305,9 @@ def test_stop_during_a_step_lets_it_queue_the_next_before_the_prelaunch_goes():
     while db._seen_ns == 0:  # the step is under way
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    db.stop()
+    db.stop()  # returns after STOP_S, the step still running
+    assert db.is_alive() and pl.events == [], pl.events  # nothing dropped under the step
+    db.join(10)
     assert not db.is_alive() and pl.events == ["queued after 1", "closed"] and db.prelaunch is None
     assert int(page.storage[: bell.HEADER].view(torch.int64)[bell.RESP_SEQ]) == 1  # answered, then released
 
