@@ -81,6 +81,25 @@ def test_dtype_maps_are_inverse_and_cover_the_enum():
         assert codec.dtype_from_proto(codec.dtype_to_proto(d)) == d
 
 
+# The contract's table (proto/sidecar.proto, enum DType), written out here: the round trips above and
+# dtype_to_proto/dtype_from_proto being inverse hold for any one-to-one map, so a codec that sent bf16
+# as DTYPE_FP16 (or fp32 as DTYPE_INT32), decoding it back the same way, passed every test in tests/proto
+# while a client built from the .proto alone would read those bytes as another type.
+CONTRACT = {
+    torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_FP16", torch.float32: "DTYPE_FP32",
+    torch.int32: "DTYPE_INT32", torch.int64: "DTYPE_INT64", torch.float8_e4m3fn: "DTYPE_FP8_E4M3",
+    torch.uint8: "DTYPE_UINT8",
+}
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_each_dtype_goes_on_the_wire_as_the_contract_names_it(dtype):
+    wire = pb.DType.Value(CONTRACT[dtype])
+    assert codec.to_tensor_ref(torch.zeros(2, dtype=dtype)).dtype == wire
+    ref = pb.TensorRef(dtype=wire, shape=[2], data=b"\0" * (2 * torch.empty(0, dtype=dtype).element_size()))
+    assert codec.from_tensor_ref(ref, "x").dtype == dtype
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bool, torch.int16, torch.float8_e4m3fnuz])
 def test_unsupported_torch_dtype_raises(dtype):
     with pytest.raises(ValueError, match="no wire DType"):

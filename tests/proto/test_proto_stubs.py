@@ -233,6 +233,86 @@ def test_field_numbers_are_frozen(message):
     assert not new, f"{message}: add {new} to FROZEN_NUMBERS (after checking no number was reused)"
 
 
+# Each field's type, frozen like its number: a field whose wire type changes (uint64 -> fixed64, a scalar ->
+# a message) is skipped as unknown by a peer on the old contract, which then reads the default (0, empty).
+# With the stubs regenerated, RegionSlice.offset_bytes as a fixed64 passed every test in tests/proto.
+FROZEN_TYPES = {
+    "RegionSlice": {"region_id": "uint64", "offset_bytes": "uint64"},
+    "TensorRef": {"dtype": "DType", "shape": "repeated int64", "data": "bytes", "region": "RegionSlice"},
+    "SharedMemoryHandle": {"name": "string", "size_bytes": "uint64", "offset_bytes": "uint64"},
+    "CudaIpcHandle": {"device_index": "int32", "device_uuid": "string", "ipc_handle": "bytes",
+        "storage_size_bytes": "uint64", "storage_offset_bytes": "uint64", "ref_counter_handle": "bytes",
+        "ref_counter_offset": "uint64", "event_handle": "bytes", "event_sync_required": "bool"},
+    "MemoryHandle": {"shm": "SharedMemoryHandle", "cuda_ipc": "CudaIpcHandle"},
+    "GetStatusRequest": {},
+    "ModelSummary": {"architecture": "string", "preset": "string", "num_layers": "uint32", "hidden_size": "uint32",
+        "num_attention_heads": "uint32", "num_kv_heads": "uint32", "head_dim": "uint32",
+        "ffn_hidden_size": "uint32", "vocab_size": "uint32", "sliding_window": "uint32", "block_size": "uint32",
+        "weight_format": "string", "compute_dtype": "string"},
+    "Limits": {"qpr": "uint32", "launch_reqs": "uint32", "max_reqs": "uint32", "max_message_bytes": "uint64"},
+    "Parallel": {"tp_size": "uint32", "tp_rank": "uint32", "dist_backend": "string", "device": "string"},
+    "KVBindingState": {"bound": "bool", "binding_id": "uint64", "generation": "uint64", "num_layers": "uint32",
+        "num_pages": "uint64", "page_size": "uint32", "kv_dtype": "DType"},
+    "Counters": {"steps_ok": "uint64", "steps_aborted": "uint64", "steps_invalid": "uint64",
+        "steps_failed": "uint64", "requests": "uint64", "rows": "uint64", "launches": "uint64",
+        "kv_binds": "uint64", "steps_prelaunched": "uint64", "prelaunch_misses": "uint64", "steps_refused": "uint64"},
+    "LatencySummary": {"name": "string", "count": "uint64", "p50_ns": "uint64", "p99_ns": "uint64"},
+    "StatusReport": {"model": "ModelSummary", "limits": "Limits", "parallel": "Parallel", "backend": "string",
+        "fast_path_refusal": "string", "serving": "bool", "state": "string", "server_version": "string",
+        "state_reason": "string", "kv": "KVBindingState", "counters": "Counters",
+        "latencies": "repeated LatencySummary"},
+    "EngineFacts": {"engine_rank": "uint32", "tp_size": "uint32", "dp_size": "uint32", "pp_size": "uint32",
+        "speculative_method": "string", "num_speculative_tokens": "uint32", "device": "string",
+        "device_uuid": "string"},
+    "KVLayerBinding": {"layer": "uint32", "memory": "MemoryHandle", "dtype": "DType", "shape": "repeated int64",
+        "strides": "repeated int64", "storage_offset": "int64"},
+    "BindKVRequest": {"engine": "EngineFacts", "layers": "repeated KVLayerBinding", "page_size": "uint32"},
+    "BindKVResponse": {"binding_id": "uint64", "generation": "uint64", "fast_path_refusal": "string",
+        "backend": "string"},
+    "UnbindKVRequest": {"binding_id": "uint64"},
+    "UnbindKVResponse": {},
+    "BufferRegion": {"name": "string", "memory": "MemoryHandle", "size_bytes": "uint64"},
+    "RegisterBuffersRequest": {"regions": "repeated BufferRegion", "owner": "uint64"},
+    "RegisterBuffersResponse": {"region_ids": "repeated uint64"},
+    "UnregisterBuffersRequest": {"region_ids": "repeated uint64", "owner": "uint64"},
+    "UnregisterBuffersResponse": {},
+    "DraftStepRequest": {"step_id": "uint64", "binding_id": "uint64", "binding_generation": "uint64",
+        "num_requests": "uint32", "positions": "TensorRef", "inputs_embeds": "TensorRef", "input_ids": "TensorRef",
+        "seq_lens": "TensorRef", "block_tables": "TensorRef", "slot_mapping": "TensorRef", "output": "RegionSlice",
+        "deadline_ms": "uint32", "launch_key": "uint32"},
+    "StepError": {"code": "int32", "message": "string", "field": "string", "reason": "string"},
+    "StepTimings": {"queue_ns": "uint64", "rendezvous_ns": "uint64", "compute_ns": "uint64", "total_ns": "uint64",
+        "launches": "uint32", "prelaunched": "bool", "validate_ns": "uint64", "gpu_start_wait_ns": "uint64",
+        "output_ns": "uint64", "gpu_word_wait_ns": "uint64", "seen_mono_ns": "uint64", "published_mono_ns": "uint64"},
+    "DraftStepResponse": {"step_id": "uint64", "hidden_states": "TensorRef", "error": "StepError",
+        "timings": "StepTimings"},
+    "AttachDoorbellRequest": {"page": "MemoryHandle", "capacity_bytes": "uint64", "input_event": "bytes",
+        "gpu_word": "bool"},
+    "AttachDoorbellResponse": {"output_event": "bytes", "wake_fifo": "string", "gpu_word": "bool"},
+}
+
+
+def _types(desc) -> dict[str, str]:
+    """Each field's type as FROZEN_TYPES writes it, from the descriptor proto (label and type name
+    are there in every protobuf runtime)."""
+    proto = descriptor_pb2.DescriptorProto()
+    desc.CopyToProto(proto)
+    f = descriptor_pb2.FieldDescriptorProto
+    kinds = {}
+    for field in proto.field:
+        kind = field.type_name.rsplit(".", 1)[-1] if field.type_name else f.Type.Name(field.type)[len("TYPE_"):].lower()
+        kinds[field.name] = ("repeated " if field.label == f.LABEL_REPEATED else "") + kind
+    return kinds
+
+
+@pytest.mark.parametrize("message", sorted(FROZEN_TYPES))
+def test_field_types_are_frozen(message):
+    assert set(FROZEN_TYPES[message]) == set(FROZEN_NUMBERS[message]), f"{message}: add its fields to both tables"
+    for name, kind in _types(sidecar_pb2.DESCRIPTOR.message_types_by_name[message]).items():
+        was = FROZEN_TYPES[message].get(name, "absent from FROZEN_TYPES")
+        assert kind == was, f"{message}.{name} changed type {was} -> {kind}: a peer on the old contract drops it"
+
+
 def test_every_message_is_frozen():
     assert sorted(sidecar_pb2.DESCRIPTOR.message_types_by_name) == sorted(FROZEN_NUMBERS)
 
