@@ -17,6 +17,11 @@ DTYPES = ("bf16", "fp32")
 DEFAULT_LAUNCH_STREAMS = 4
 MAX_LAUNCH_STREAMS = 8
 PID_MAX = 1 << 22  # Linux's largest pid_max (kernel.pid_max)
+# What a field of each annotated type takes, and the words its refusal uses. bool is an int to isinstance, so
+# it is refused where a number is meant (--tp True reached the launcher's WORLD_SIZE=True).
+_KINDS = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "True or False"),
+          "str": (str, "text")}
+_NEGATED = ("warmup", "cuda_graphs", "prelaunch")  # the bool fields whose flag is --no-<field>
 
 
 class ServeConfigError(ValueError):
@@ -85,6 +90,7 @@ class ServeConfig:
     shard_of: int = 0  # with --tp 1: compute rank 0's shard of a TP-N drafter, partial sums not exchanged
 
     def __post_init__(self) -> None:
+        self._check_kinds()
         if not 1 <= self.tp <= 64:
             raise ServeConfigError(f"--tp: must be 1..64, got {self.tp}")
         if self.backend not in BACKENDS:
@@ -114,6 +120,11 @@ class ServeConfig:
                                 ("--master-port", self.master_port, 65535)):
             if not 0 <= port <= top:
                 raise ServeConfigError(f"{flag}: must be 0..{top}, got {port}")
+        if self.tcp_base_port and _misbracketed(self.tcp_host):
+            # gRPC parses [IPV6]:PORT only, where the checks strip the brackets: every rank's bind failed after
+            # the parent's check had passed, read as a port taken since (exit 75, which systemd restarts).
+            raise ServeConfigError(f"--tcp-host: {self.tcp_host!r}: brackets go around an IPv6 address only "
+                                   "([::1]); give an IPv4 address or a host name without them")
         if self.tcp_base_port and not self.allow_remote and not is_loopback(self.tcp_host):
             raise ServeConfigError(
                 f"--tcp-host: {self.tcp_host} is not a loopback address; KV handles grant memory "
@@ -160,6 +171,26 @@ class ServeConfig:
         if problem:
             raise ServeConfigError(f"--socket-dir: {problem}")
 
+    def _check_kinds(self) -> None:
+        """Each field holds its type, the paths made Path (frozen: object.__setattr__). The flags and DSPARK_*
+        variables always give it; the demo, the bench and tests build ServeConfig themselves, and a path given
+        as text failed in the parent's folder check (d.parent) or a rank's AttachDoorbell (run_dir / name)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flag = "--" + ("no-" if f.name in _NEGATED else "") + f.name.replace("_", "-")
+            if f.type in ("Path", "Path | None"):
+                if value is None and f.type != "Path":
+                    continue
+                if not isinstance(value, (str, Path)):
+                    raise ServeConfigError(f"{flag}: expected a path, got {value!r}")
+                if isinstance(value, str) and not value.strip():  # Path('') is the working directory, silently
+                    raise ServeConfigError(f"{flag}: empty; give a folder (the working directory is '.')")
+                object.__setattr__(self, f.name, Path(value))
+                continue
+            kind, words = _KINDS[f.type]
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise ServeConfigError(f"{flag}: expected {words}, got {value!r}")
+
     @property
     def step_streams(self) -> int:
         """Streams a step's launch groups run on (1: in order); --launch-streams 0 resolved."""
@@ -177,6 +208,19 @@ class ServeConfig:
 
     def replace(self, **kw) -> ServeConfig:
         return dataclasses.replace(self, **kw)
+
+
+def _misbracketed(host: str) -> bool:
+    """Whether `host` has a bracket but is not one bracketed IPv6 address ("[::1]" is fine, "::1" too)."""
+    if not (host.startswith("[") or host.endswith("]")):
+        return False
+    if not (host.startswith("[") and host.endswith("]")):
+        return True
+    try:
+        ipaddress.IPv6Address(host[1:-1])
+    except ValueError:
+        return True
+    return False
 
 
 def is_loopback(host: str) -> bool:

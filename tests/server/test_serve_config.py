@@ -138,3 +138,60 @@ def test_an_empty_listen_host_is_refused(kw, flag):
     with pytest.raises(ServeConfigError, match=f"^{flag}: empty"):
         _parse([f"--{k.replace('_', '-')}={v}" for k, v in kw.items() if k != "allow_remote"]
                + (["--allow-remote"] if kw.get("allow_remote") else []))
+
+
+def test_a_folder_given_as_text_is_a_path_and_an_empty_one_is_refused(tmp_path):
+    """The demo, the bench and tests build ServeConfig themselves: a socket folder given as text stayed text,
+    and the parent's folder check (sockdir.prepare: d.parent) and a rank's AttachDoorbell (run_dir / name) ended
+    in a traceback; '' served in the working directory, which the CLI's --socket-dir refuses (cli._folder)."""
+    from pathlib import Path
+
+    from dspark_sidecar.server import preflight
+
+    cfg = ServeConfig(tp=1, socket_dir=str(tmp_path / "sock"), checkpoint=str(tmp_path / "d"),
+                      target_checkpoint=str(tmp_path / "t"))
+    paths = (cfg.socket_dir, cfg.checkpoint, cfg.target_checkpoint)
+    assert paths == (tmp_path / "sock", tmp_path / "d", tmp_path / "t")
+    assert all(isinstance(p, Path) for p in paths)
+    preflight.check_socket_dir(cfg)
+    for kw in ({"socket_dir": ""}, {"socket_dir": " "}, {"checkpoint": "", "target_checkpoint": str(tmp_path)},
+               {"checkpoint": str(tmp_path), "target_checkpoint": ""}):
+        flag = "--" + next(k for k, v in kw.items() if not v.strip()).replace("_", "-")
+        with pytest.raises(ServeConfigError, match=f"^{flag}: empty"):
+            ServeConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"tp": True}, "--tp: expected an integer, got True"),
+    ({"tp": 2.0}, "--tp: expected an integer, got 2.0"),
+    ({"max_reqs": 8.5}, "--max-reqs: expected an integer, got 8.5"),
+    ({"tp": 1, "tcp_base_port": 50000.5}, "--tcp-base-port: expected an integer, got 50000.5"),
+    ({"seed": 1.5}, "--seed: expected an integer, got 1.5"),
+    ({"drain_s": True}, "--drain-s: expected a number, got True"),
+    ({"strict_refusal": "no"}, "--strict-refusal: expected True or False, got 'no'"),
+    ({"warmup": 0}, "--no-warmup: expected True or False, got 0"),
+    ({"preset": None}, "--preset: expected text, got None"),
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x!r}" for k, x in v.items()))
+def test_a_value_of_the_wrong_type_is_refused_naming_its_flag(kw, message):
+    """A programmatic ServeConfig (the flags and DSPARK_* variables always give the field's type): --tp True
+    reached the launcher's WORLD_SIZE=True, a rank's int() of it a traceback; a float port or --max-reqs
+    ended in range()'s TypeError, a float seed in torch's generator; strict_refusal='no' was on."""
+    with pytest.raises(ServeConfigError, match=re.escape(message)):
+        ServeConfig(**kw)
+
+
+def test_a_float_setting_takes_an_integer():
+    assert ServeConfig(drain_s=2, prelaunch_behind_ms=3).drain_s == 2
+
+
+@pytest.mark.parametrize("host", ["[127.0.0.1]", "[::1", "::1]", "[localhost]"])
+def test_brackets_around_anything_but_an_ipv6_address_are_refused(host):
+    """gRPC parses only [IPV6]:PORT: '[127.0.0.1]' passed ServeConfig and the parent's check (both strip the
+    brackets), then every rank's bind failed, read as a port taken since the checks: exit 75, restarted for ever."""
+    with pytest.raises(ServeConfigError, match=r"^--tcp-host: .*brackets"):
+        ServeConfig(tp=1, tcp_base_port=50000, tcp_host=host, allow_remote=True)
+
+
+@pytest.mark.parametrize("host", ["[::1]", "::1", "127.0.0.1", "localhost"])
+def test_an_ipv6_address_bracketed_or_not_is_served(host):
+    assert ServeConfig(tp=2, tcp_base_port=50000, tcp_host=host).endpoints(1)[1] in ("[::1]:50001", f"{host}:50001")
