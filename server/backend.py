@@ -95,7 +95,7 @@ def choose_backend(cfg: ServeConfig, host: HostFacts, device: torch.device,
 
         host_refusal = kernel_mismatch(model, dtype)
     if host_refusal is None and device.type != "cuda":
-        # The host checks probe the machine (device 0), not this rank's device: `--device cpu` on a
+        # The host checks probe torch's current GPU, not this rank's device: `--device cpu` on a
         # gfx950 host passes them, and the kernels (GPU code over raw pointers) would get a CPU cache.
         host_refusal = f"FlyDSL kernels need a GPU (this rank computes on {device.type})"
     want = cfg.backend

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from ...layout import QPR
+from ...layout import LAUNCH_REQS, QPR
 from .runner import NUM_LAYERS, launch_plan
 from .shapes import HEAD_DIM, KV_HEADS, KV_LAYOUTS, MX_BLOCK, SCHEDULES, SLIDING_WINDOW, kv_row_map
 
@@ -31,6 +31,17 @@ def hbm_floor_seconds(num_reqs: int, context_len: int) -> float:
     """Bytes one launch must read (weights once, each request's windowed KV) / 8 TB/s."""
     keys = min(context_len + QPR, SLIDING_WINDOW + QPR - 1)
     return (weight_bytes_per_rank() + num_reqs * keys * KV_BYTES_PER_TOKEN) / HBM_BYTES_PER_S
+
+
+def launcher(name: str, num_reqs: int, page_size: int):
+    """Catalog kernel `name`'s launcher for `num_reqs` requests; a paged one (attention) for `page_size`-slot pages.
+
+    The attention's page size is compiled into its block-table arithmetic (as runner.DrafterRunner builds it):
+    built at the catalog's default 16 over a cache of larger pages, it read past each request's block-table row."""
+    from .catalog import KERNELS
+
+    spec = KERNELS[name]
+    return spec.build(num_reqs, page_size) if spec.paged else spec.build(num_reqs)
 
 
 def bench_rank(num_reqs: int, context_len: int, iters: int = 20, page_size: int = 16,
@@ -78,7 +89,7 @@ def bench_rank(num_reqs: int, context_len: int, iters: int = 20, page_size: int 
             else:
                 dev_args[4] = torch.randn(context_len + 64, 64, device=dev)
                 dev_args[6] = torch.arange(num_reqs * QPR, device=dev, dtype=torch.int64)
-        fn = flyc.compile(KERNELS[name].build(num_reqs), *dev_args)
+        fn = flyc.compile(launcher(name, num_reqs, page_size), *dev_args)
         calls.append((name, fn, dev_args))
     by_name = {name: (fn, a) for name, fn, a in calls}
     # A compiled launcher takes every parameter positionally, its stream last (runner.DrafterRunner._run):
@@ -111,6 +122,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default="planes")
     opts = ap.parse_args(argv)
+    # Here, not after the compiles: --iters 0 divided by zero, a request count past a launch raised from
+    # launch_plan, and a negative context put negative positions into the RoPE table and the block table.
+    if any(not 1 <= r <= LAUNCH_REQS for r in opts.reqs):
+        ap.error(f"--reqs: 1..{LAUNCH_REQS} requests per launch each, got {opts.reqs}")
+    if opts.context < 0:
+        ap.error(f"--context: committed keys per request, at least 0, got {opts.context}")
+    if opts.iters < 1:
+        ap.error(f"--iters: at least 1, got {opts.iters}")
     print(f"{'reqs':>4} {'context':>7} {'step ms':>8} {'floor ms':>8} {'x floor':>7}")
     for r in opts.reqs:
         res = bench_rank(r, opts.context, opts.iters, kv_layout=opts.kv_layout)

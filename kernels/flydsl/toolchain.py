@@ -51,8 +51,12 @@ def flydsl_available() -> bool:
     return flydsl_unavailable_reason() is None
 
 
-def on_gfx950() -> bool:
-    """True when device 0 is a gfx950 (MI350/MI355X) through a ROCm torch; False on CPU."""
+def on_gfx950(device: int | None = None) -> bool:
+    """True when `device` is a gfx950 (MI350/MI355X) through a ROCm torch; False on CPU.
+
+    `device` defaults to torch's current device: a rank asks after torch.cuda.set_device(its GPU), so
+    the answer is about the GPU its kernels run on, not device 0 (another GPU model on a mixed host).
+    """
     try:
         import torch
     except ImportError:
@@ -60,7 +64,8 @@ def on_gfx950() -> bool:
     if getattr(torch.version, "hip", None) is None or not torch.cuda.is_available():
         return False
     try:
-        arch = torch.cuda.get_device_properties(0).gcnArchName
+        index = torch.cuda.current_device() if device is None else device
+        arch = torch.cuda.get_device_properties(index).gcnArchName
     except (RuntimeError, AttributeError):
         return False
     # gcnArchName carries target features after a colon, e.g. "gfx950:sramecc+:xnack-".

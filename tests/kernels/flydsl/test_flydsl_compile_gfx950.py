@@ -65,6 +65,20 @@ def test_isa_is_gfx950():
     assert rep.count("v_mfma_f32_16x16x32_bf16") > 0
 
 
+def test_a_launcher_compiled_before_is_reported_again():
+    """FlyDSL reuses a launcher's in-memory code object for the same arguments without compiling, so
+    without dumping its ISA: a second report of one launcher (or of one the runner compiled) raised
+    "FlyDSL produced no ISA dump"."""
+    from dspark_sidecar.kernels.flydsl.catalog import KERNELS
+    from dspark_sidecar.kernels.flydsl.isa_report import compile_reports
+
+    spec = KERNELS["final_norm"]
+    launcher = spec.build(1)
+    (first,) = compile_reports(launcher, *spec.args(1))
+    (again,) = compile_reports(launcher, *spec.args(1))
+    assert again.summary() == first.summary()
+
+
 def test_linear_mfma_count_follows_row_tiles():
     """One MFMA per (row tile, column tile, 32-column step) of a chunk: the row tiling follows R.
 

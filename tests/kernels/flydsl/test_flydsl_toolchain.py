@@ -20,6 +20,24 @@ def test_on_gfx950_is_false_without_an_amd_gpu():
     assert toolchain.on_gfx950() is False
 
 
+def test_on_gfx950_asks_the_ranks_gpu_not_device_0(monkeypatch):
+    """A rank asks after torch.cuda.set_device(its GPU): on a host whose device 0 is a gfx950 and device 1
+    is not, the rank on device 1 was told gfx950 (the FlyDSL path on a GPU its code objects do not fit),
+    and the other way round a gfx950 rank was refused with "not gfx950"."""
+    import torch
+
+    archs = {0: "gfx950:sramecc+:xnack-", 1: "gfx942:sramecc+:xnack-"}
+    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"gcnArchName": archs[i]}))
+    current = [1]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    assert toolchain.on_gfx950() is False
+    current[0] = 0
+    assert toolchain.on_gfx950() is True
+    assert toolchain.on_gfx950(1) is False
+
+
 def test_flydsl_missing_reason_is_the_seed_words():
     code = (
         "import sys; sys.modules['flydsl'] = None\n"
@@ -120,6 +138,35 @@ def test_hbm_floor_figures():
     # The window caps the KV a request reads at 4102 keys.
     assert bench.hbm_floor_seconds(8, 100_000) == bench.hbm_floor_seconds(8, 4095)
     assert 60e-6 < bench.hbm_floor_seconds(8, 4096) < 70e-6
+
+
+def test_bench_builds_the_attention_for_its_page_size(monkeypatch):
+    """bench_rank(page_size=P) builds a block table of P-slot pages; the attention it timed was compiled for
+    the catalog's 16 (its page size is compiled in), so it read past each request's block-table row."""
+    pytest.importorskip("flydsl")  # attention.py is FlyDSL code: the optional `flydsl` extra
+    from dspark_sidecar.kernels.flydsl import attention, bench
+
+    built = []
+    monkeypatch.setattr(attention, "build_attention", lambda num_reqs, page_size, kv_dtype="bf16": built.append(
+        (num_reqs, page_size)))
+    bench.launcher("attention", 3, 32)
+    assert built == [(3, 32)]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--iters", "0"], "--iters"),
+    (["--context", "-1"], "--context"),
+    (["--reqs", "1", "9"], "--reqs"),
+    (["--reqs", "0"], "--reqs"),
+])
+def test_bench_refuses_figures_it_cannot_time(argv, words, capsys):
+    """Refused before anything is compiled or timed: --iters 0 divided by zero after every compile, a
+    request count past a launch raised from launch_plan, a negative context gave negative positions."""
+    from dspark_sidecar.kernels.flydsl import bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2 and words in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("key", isa_report._META_INT)
