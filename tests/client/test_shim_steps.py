@@ -794,16 +794,8 @@ def test_without_a_known_compute_dtype_an_answer_must_have_the_engines_dtype():
         server.stop()
 
 
-class _NoComputeDtypeWithDataPlane(_NoComputeDtype):
+class _NoComputeDtypeWithDataPlane(_NoComputeDtype, DoorbellNeverAnswered):
     """_NoComputeDtype that would take the data plane (and never answer a ring)."""
-
-    def RegisterBuffers(self, request, context):
-        self.calls["RegisterBuffers"] += 1
-        return pb.RegisterBuffersResponse(region_ids=[1, 2, 3])
-
-    def AttachDoorbell(self, request, context):
-        self.calls["AttachDoorbell"] += 1
-        return pb.AttachDoorbellResponse()
 
 
 def test_without_a_known_compute_dtype_the_doorbell_is_not_used():

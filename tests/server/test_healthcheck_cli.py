@@ -96,6 +96,29 @@ def test_an_unreachable_rank_says_why(tmp_path, capsys):
     assert stale.startswith(f"{tmp_path}/rank1.sock: UNREACHABLE: UNAVAILABLE: ") and "refused" in stale, lines
 
 
+def _probe_not_serving(tmp_path, servicer, interceptors=()) -> int:
+    """The probe's exit status against one rank whose health says NOT_SERVING and whose DrafterSidecar is
+    `servicer` (what the probe then asks why)."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from dspark_sidecar.proto import SERVICE_NAME
+    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=list(interceptors))
+    svc = health.HealthServicer()
+    svc.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(svc, server)
+    pb_grpc.add_DrafterSidecarServicer_to_server(servicer, server)
+    assert server.add_insecure_port(f"unix:{tmp_path / 'rank0.sock'}")
+    server.start()
+    try:
+        return healthcheck.main(["--all-ranks", "--socket-dir", str(tmp_path), "--tp", "1", "--timeout", "5"])
+    finally:
+        server.stop(None)
+
+
 @pytest.mark.parametrize("state, state_reason, refusal, words", [
     ("PEER_SILENT", "peer rank(s) 1 exited (pid 42): steps abort until the sidecar group is restarted", "",
      "NOT_SERVING (PEER_SILENT: peer rank(s) 1 exited (pid 42)"),
@@ -106,11 +129,6 @@ def test_a_rank_that_is_not_serving_says_why(state, state_reason, refusal, words
     """The probe's line is what a person sees of a failed probe (a Kubernetes probe's event, the systemd
     unit's start): it read "NOT_SERVING" alike for a rank still loading, draining, refused for good
     (--strict-refusal) or waiting on a peer that exited, while the rank's GetStatus says which, and why."""
-    from concurrent import futures
-
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    from dspark_sidecar.proto import SERVICE_NAME
     from dspark_sidecar.proto import sidecar_pb2 as pb
     from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
@@ -118,17 +136,7 @@ def test_a_rank_that_is_not_serving_says_why(state, state_reason, refusal, words
         def GetStatus(self, request, context):
             return pb.StatusReport(state=state, state_reason=state_reason, fast_path_refusal=refusal)
 
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    svc = health.HealthServicer()
-    svc.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(svc, server)
-    pb_grpc.add_DrafterSidecarServicer_to_server(Status(), server)
-    assert server.add_insecure_port(f"unix:{tmp_path / 'rank0.sock'}")
-    server.start()
-    try:
-        assert healthcheck.main(["--all-ranks", "--socket-dir", str(tmp_path), "--tp", "1", "--timeout", "5"]) == 1
-    finally:
-        server.stop(None)
+    assert _probe_not_serving(tmp_path, Status()) == 1
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith(f"{tmp_path}/rank0.sock: {words}"), line
 
@@ -136,24 +144,8 @@ def test_a_rank_that_is_not_serving_says_why(state, state_reason, refusal, words
 def test_a_rank_still_loading_its_shard_says_so(tmp_path, capsys):
     """Before its shard is loaded a rank has no status (app.LateServicer answers GetStatus UNAVAILABLE,
     reason LOADING): the startup probe's line says LOADING, not a bare NOT_SERVING for up to 15 minutes."""
-    from concurrent import futures
-
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    from dspark_sidecar.proto import SERVICE_NAME
-    from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
     from dspark_sidecar.server.app import LateServicer
     from dspark_sidecar.server.errors import StatusInterceptor
 
-    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[StatusInterceptor()])
-    svc = health.HealthServicer()
-    svc.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(svc, server)
-    pb_grpc.add_DrafterSidecarServicer_to_server(LateServicer(), server)
-    assert server.add_insecure_port(f"unix:{tmp_path / 'rank0.sock'}")
-    server.start()
-    try:
-        assert healthcheck.main(["--all-ranks", "--socket-dir", str(tmp_path), "--tp", "1", "--timeout", "5"]) == 1
-    finally:
-        server.stop(None)
+    assert _probe_not_serving(tmp_path, LateServicer(), [StatusInterceptor()]) == 1
     assert capsys.readouterr().out == f"{tmp_path}/rank0.sock: NOT_SERVING (LOADING)\n"
