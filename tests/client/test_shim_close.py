@@ -205,11 +205,18 @@ def scenario_close_while_the_answer_is_read(transport: str) -> None:
         transport_ = rig.shim.doorbell
         check = transport_.check_answer
         inside, closing = threading.Event(), threading.Event()
+        released_under_the_step: list[bool] = []
 
         def slow_check(*a, **kw):
             inside.set()
             assert closing.wait(5)
-            time.sleep(0.3)  # close() runs meanwhile: before the fix it unmapped the regions here
+            # close() runs meanwhile: before the fix it released the regions here. Until close() either waits
+            # for the link or has released them (bounded). A SIGSEGV alone cannot tell: the regions' mappings
+            # now go with their last view (memory.shm_empty), so a release under the step no longer crashes.
+            shim, until = rig.shim, time.monotonic() + 5
+            while not shim._link_waiters and transport_.buffers.hidden is not None and time.monotonic() < until:
+                time.sleep(0.005)
+            released_under_the_step.append(shim.doorbell is None or transport_.buffers.hidden is None)
             return check(*a, **kw)
 
         transport_.check_answer = slow_check
@@ -219,6 +226,7 @@ def scenario_close_while_the_answer_is_read(transport: str) -> None:
         rig.shim.close()
         out = step.join(JOIN_S, "maybe_forward")
         assert out is not None, "the answer in hand was dropped (it was complete and checked)"
+        assert released_under_the_step == [False], "close() released the data plane while the step copied out of it"
         assert not rig.shim_errors(), rig.shim_errors()
         _assert_closed_cleanly(rig)
     finally:
