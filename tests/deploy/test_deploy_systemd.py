@@ -138,7 +138,10 @@ def test_socket_dir_is_the_runtime_directory_shared_with_the_engine_group():
     (group,) = unit_values(SIDECAR, "Group")
     assert unit_values(ENGINE_DROPIN, "SupplementaryGroups") == [group]
     assert unit_environment(ENGINE_DROPIN)["DSPARK_SOCKET_DIR"] == f"/run/{runtime_dir}"
-    assert f"m dspark {group}" in SYSUSERS.read_text()
+    (user,) = unit_values(SIDECAR, "User")
+    # A line, not a substring of the file: the commented engine example `#m vllm ...` must not count.
+    entries = [line.split()[:3] for line in SYSUSERS.read_text().splitlines() if line.strip() and line[0] != "#"]
+    assert ["m", user, group] in entries, entries
 
 
 def test_sidecar_unit_waits_for_serving_and_drains_on_sigterm():
