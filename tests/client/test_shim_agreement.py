@@ -301,6 +301,8 @@ def test_one_rank_closed_from_another_thread_mid_step_makes_every_rank_fall_back
         release.set()
         closer[0].join(30)  # close() lets the woken step settle: its answer comes first
         assert not closer[0].is_alive(), "close() did not return"
+        # close() itself saw the step settle and dropped the link: not a later maybe_forward (_settle_off)
+        assert shim2._unsettled is None and not shim2.connection.is_open, "close() did not wait for the step"
         calls = side2.remote_calls()
         for _ in range(3):
             assert engine.step()[0] is None
@@ -353,3 +355,19 @@ def test_a_rank_closed_during_the_preflight_still_embeds_its_step_as_its_peers_d
         assert calls == [2] * TP, f"embedding collectives per rank: {calls}"
     finally:
         engine.close()
+
+
+def test_one_rank_rejecting_an_answer_its_peers_got_makes_every_rank_fall_back(engine):
+    """The post-flight agreement on its own. Every other test's lone failing rank kept its sidecar rank out of
+    the fake sidecars' rendezvous, so the peers' sidecars aborted too and every rank already had None: the
+    post-flight's verdict was never read (ignoring it passed them all). Here every sidecar rank runs the step
+    and answers; only rank 2 rejects its answer (a compute dtype its status did not name), so its peers hold
+    valid hidden states and must still return None."""
+    assert engine.step()[0] is not None
+    step_id = engine.shims[2]._next_step
+    engine.shims[2].connection.status.model.compute_dtype = "bf16"  # the fake answers fp32: malformed to rank 2
+    assert engine.step()[0] is None
+    assert all(step_id in s.sidecar.answered for s in engine.servers)
+    got = reasons(engine)
+    assert got[2] == {S.BAD_ANSWER: 1}, got[2]
+    assert all(got[r] == {S.PEER_FAILED: 1} for r in (0, 1, 3)), got

@@ -252,3 +252,31 @@ def test_a_doorbell_wait_after_interrupt_gives_up_at_once_and_still_returns_an_a
     answer = pb.DraftStepResponse(step_id=7)
     t.bell = _UnansweredBell(answer)
     assert t.wait(7, 2.0) is answer and t.bell.timeouts == [0.0]
+
+
+def test_a_liveness_stream_that_ended_before_the_readiness_check_is_attached_again_before_the_step():
+    """The readiness check's own look at the ended stream. The test above ends it inside the pre-flight,
+    where the step's broken gRPC stream drops the link anyway: deleting the check passed it. Ended while
+    no step runs, the link is dropped and the data plane attached again before the step, which then goes
+    out on the new doorbell, not as a broken stream."""
+    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    shim = _shim(server.endpoint, ParallelContext(0, 1), step_deadline_s=0.2, late_grace_s=0.2)
+    try:
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.connect() is None and shim.doorbell is not None
+            dead = shim.doorbell
+            dead.liveness._call.cancel()
+            deadline = time.monotonic() + 5
+            while dead.liveness.alive and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not dead.liveness.alive
+            assert shim.maybe_forward(ids, pos) is None  # the fake never answers a ring
+        assert STREAM not in shim.stats.fallbacks, dict(shim.stats.fallbacks)
+        calls = server.sidecar.calls
+        assert calls["UnregisterBuffers"] == 1 and calls["AttachDoorbell"] == 2
+        assert shim.doorbell is not None and shim.doorbell is not dead
+    finally:
+        shim._unsettled = None
+        shim.close()
+        server.stop()
