@@ -315,6 +315,8 @@ def fast_path(factory=None, startup_reason=None, compile_ahead=False):
 @pytest.mark.parametrize("kv, reason", [
     (binding(dtype=torch.float16), F16_REFUSAL),
     (binding(engine=EngineFacts(4, 2, 1, "dspark", 7)), "DP > 1"),
+    # The seed's checks before the cache's: with only one failing, either order passed.
+    (binding(dtype=torch.float16, engine=EngineFacts(4, 1, 2, "dspark", 7)), "PP > 1"),
     (binding(engine=EngineFacts(4, 1, 1, "dspark", 5)), "7 speculative tokens required"),
     (binding(layout="pages"), "draft KV cache strides [2048, 4096, 128, 128, 1] are neither the contiguous planes "
                               "layout nor vLLM 0.34's records layout [128, 4096, 256, 4096, 1]: the FlyDSL kernels "
@@ -625,7 +627,8 @@ def test_servicer_reports_the_fast_path_reason_and_republishes():
     ctx.memory.kv = kv
     assert svc.refusal() == F16_REFUSAL
     assert not fp.ready(kv) and published == [1]  # the verdict at bind time reached health
-    ctx.memory.kv = binding(gen=2, engine=EngineFacts(4, 1, 2, "dspark", 7))
+    # An f16 cache too: with a servable cache, "the seed's checks come first" held whatever the order.
+    ctx.memory.kv = binding(gen=2, dtype=torch.float16, engine=EngineFacts(4, 1, 2, "dspark", 7))
     assert svc.refusal() == "PP > 1"  # the seed's checks come first
     # No fast path built (a portable backend was asked for): the choice's reason.
     svc2 = DrafterServicer(SimpleNamespace(fast=None, memory=SimpleNamespace(kv=binding())), None,

@@ -25,7 +25,28 @@ def test_each_refusal_reason(host, engine, reason):
     assert fast_path_refusal(host, EngineFacts(**engine)) == reason
 
 
+# The seed's order: each check failing together with the one after it. The table above pins only "not gfx950"
+# as first, so swapping any later pair of checks (FlyDSL vs TP, DP vs PP, ...) went unnoticed.
+ORDER = [
+    ({"on_gfx950": False}, {}, "not gfx950"),
+    ({"flydsl_available": False}, {}, "FlyDSL not installed"),
+    ({}, {"tp_size": 2}, "TP 2 != 4"),
+    ({}, {"dp_size": 2}, "DP > 1"),
+    ({}, {"pp_size": 3}, "PP > 1"),
+    ({}, {"speculative_method": "eagle"}, "no DSpark draft"),
+    ({}, {"num_speculative_tokens": 5}, "7 speculative tokens required"),
+]
+
+
+@pytest.mark.parametrize("first, then", zip(ORDER, ORDER[1:]), ids=[r for _, _, r in ORDER[:-1]])
+def test_of_two_failing_checks_the_earlier_in_the_seed_order_is_reported(first, then):
+    host = dict(on_gfx950=True, flydsl_available=True, tp_size=4) | first[0] | then[0]
+    engine = GOOD | first[1] | then[1]
+    assert fast_path_refusal(HostFacts(**host), EngineFacts(**engine)) == first[2]
+
+
 def test_before_bind_host_checks_then_waiting_for_engine():
     assert fast_path_refusal(HostFacts(False, True, 4), None) == "not gfx950"
+    assert fast_path_refusal(HostFacts(True, False, 2), None) == "FlyDSL not installed"
     assert fast_path_refusal(HostFacts(True, True, 2), None) == "TP 2 != 4"
     assert fast_path_refusal(GOOD_HOST, None).startswith("no engine bound yet")

@@ -89,6 +89,12 @@ def test_refuses_unbindable_kv_and_missing_peers():
         make(kv=[torch.zeros(2, 4, 32, 1, 128, dtype=torch.bfloat16)] * 5)
     with pytest.raises(rn.FlyDSLUnsupported, match="exchange buffers"):
         make(peer=False)
+    # One rank's RX missing: the exchange kernels take all 4 ranks' pointers (only None was tested).
+    p = peers()
+    with pytest.raises(rn.FlyDSLUnsupported, match="exchange buffers"):
+        rn.DrafterRunner([layer()] * 5, torch.zeros(6144, dtype=torch.bfloat16), kv_layers(),
+                         rn.PeerBuffers(p.rx[:3], p.flags, p.rx_local, p.flags_local, p.epoch),
+                         rank=0, page_size=PAGE, max_positions=64, engine=GOOD_ENGINE, host=GOOD_HOST)
 
 
 def with_norm(field, w):
@@ -282,6 +288,9 @@ def test_stale_kv_binding_detected():
     assert r.stale(moved)
     grown = kv_layers(pages=8)
     assert r.stale(grown)
+    # Same memory, another shape or dtype (a narrower view, a re-typed cache): the data pointer alone says nothing.
+    assert r.stale([*kv[:3], kv[3][:, :2], kv[4]])
+    assert r.stale([*kv[:3], kv[3].view(torch.float16), kv[4]])
     r.close()
 
 
@@ -353,7 +362,9 @@ def test_compile_runs_nothing_and_fits_every_launch(monkeypatch):
     launched = []
     r = make()
     r.compile_all()
-    assert compiled
+    # One compile per (kernel, R, exchange) of the launch plan: the exchange index is compiled in (its tag),
+    # so a cache keyed without it would launch exchange 0's code for all ten.
+    assert len(compiled) == len(set(rn.launch_plan(1))) * 8
     for args in compiled.values():
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         assert tensors and all(t.device.type == "meta" for t in tensors)
@@ -362,6 +373,7 @@ def test_compile_runs_nothing_and_fits_every_launch(monkeypatch):
     r.forward(torch.arange(n) + 100, torch.zeros(n, 6144, dtype=torch.bfloat16), torch.arange(n),
               torch.zeros(11, 9, dtype=torch.int32))
     assert len(launched) == 2 * 51
+    assert len(compiled) == len(set(rn.launch_plan(1))) * 8, "a live step compiled a kernel"
     for key, live in launched:
         # Then the stream, the launcher's last parameter (None: FlyDSL's default queue, off the GPU).
         assert [sig(a) for a in live[:-1]] == [sig(a) for a in compiled[key]] and live[-1] is None
