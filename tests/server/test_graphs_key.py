@@ -85,3 +85,24 @@ def test_the_collector_is_off_inside_a_capture_and_back_after_it():
         assert not gc.isenabled()  # off before: left off
     finally:
         gc.enable()
+
+
+def test_the_in_place_graph_is_offered_only_for_its_own_view_and_cache():
+    """StepGraphs.captured's other guards (the dtype test above reaches none of them): a step whose inputs
+    sit elsewhere, or at the same address in another shape, or whose cache was re-bound, gets no in-place
+    graph to queue: it would read the captured slice, or K/V through the old cache's addresses."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.server.graphs import StepGraphs
+
+    region = torch.zeros(14, 64)
+    view = region[:7]
+    kv = [torch.zeros(2, 4, 16, 1, 8)] * 5
+    graphs = StepGraphs.__new__(StepGraphs)
+    g = SimpleNamespace(embeds=view)
+    graphs._graphs, graphs._kv_key = {(1, True): g}, _kv_key(kv)
+    assert graphs.captured(region[:7], 1, kv) is g  # the same view, rebuilt as another object
+    assert graphs.captured(region[7:], 1, kv) is None  # another slice
+    assert graphs.captured(region[:6], 1, kv) is None  # the same address, fewer rows
+    assert graphs.captured(view, 1, [torch.zeros(2, 4, 16, 1, 8)] * 5) is None  # another cache
+    assert graphs.captured(view, 2, kv) is None and graphs.captured(None, 1, kv) is None

@@ -1157,3 +1157,52 @@ def test_cuda_queues_across_the_sequence_wrap(rig):
     for s in range(seq + 2, seq + 6):
         assert rig.pl.queued.seq == s and _serve(rig, s) is rig.graphs.graph.out
     assert rig.pl.hits == 4 and rig.pl.misses == 0
+
+
+def test_an_error_answer_to_a_served_step_resets_the_streak(rig):
+    """The error branch of after() itself: the step's hook ran (offer set what it served), the answer was an
+    error. test_error_response_releases_and_resets_the_streak refuses before the hook ran, where the
+    served-step check resets the streak first, so it passed with the error check deleted."""
+    _queue(rig)
+    _serve(rig, SEQ + 2, resp=ERR)  # a hit, answered with an error: the verdict still queues SEQ+3
+    assert rig.pl._streak == 0 and rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 3
+    _serve(rig, SEQ + 3)  # the first step of a new streak: nothing queued behind it
+    assert rig.pl.queued is None
+    _serve(rig, SEQ + 4)
+    assert rig.pl.queued.seq == SEQ + 5
+
+
+def test_after_for_another_step_than_the_one_served_queues_nothing(rig):
+    """after(seq) with a seq whose hook never ran (the last hook was another step's): nothing of that other
+    step may be queued as seq+1, and the streak starts over."""
+    _queue(rig)
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY)
+    assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out
+    rig.pl.after(SEQ + 5, OK)
+    assert rig.pl.queued is None and rig.pl._streak == 0 and len(rig.gpu.waits) == 1
+
+
+def test_repass_never_lowers_a_newer_engine_word(rig):
+    """A released step not yet finished (its copy not started: a peer late at TP > 1) while the engine's stream
+    has already written a later step's word: the wait passes on that word, and storing the release again
+    would lower it under the engine's next queued wait."""
+    _queue(rig)
+    rig.gpu.hold_until = time.perf_counter() + 60  # the released copy has not started
+    rig.pl.release()
+    newer = bell.gpu_word(SEQ + 3, KEY)
+    rig.page.words[bell.GPU_WORD] = newer
+    assert rig.pl.repass() is False and _word(rig) == newer
+    rig.gpu.hold_until = 0.0
+    assert rig.pl.repass() is True and _word(rig) == newer
+
+
+def test_metadata_outside_host_memory_is_never_queued(rig):
+    """The program reads the engine's region through host registrations (_device_view): metadata in device
+    memory cannot be registered, and a step of it is served the ordinary way, never queued."""
+    own = [t.to("meta") for t in rig.a.region_meta]
+    step = Step(rig.a.step_id, rig.a.num_reqs, rig.a.positions, rig.a.inputs_embeds, None, rig.a.meta, rig.a.kv,
+                None, rig.a.host, True, tuple(own))
+    rig.pl._device_view = lambda t: pytest.fail(f"queued from metadata on {t.device}")  # (a fake's read would crash)
+    for s in (SEQ, SEQ + 1, SEQ + 2):
+        _serve(rig, s, step)
+    assert rig.pl.queued is None and rig.gpu.waits == [] and len(rig.gpu.registered) == 2

@@ -169,6 +169,8 @@ def test_a_copy_that_ran_skips_the_host_index_checks(run):
     """The GPU program checked the same bytes (kernels/triton/step_meta.py): a hit is not checked again."""
     resp, rdv, model = run(_go(queued=True), FakeHook(offer=(True, False), hit=True))
     assert run.checks == [False] and resp.timings.prelaunched and rdv.posts[0].valid
+    # The offer's two halves travel apart (with (True, True) everywhere else, either could stand for both).
+    assert rdv.posts[0].queued and not rdv.posts[0].queue_next
 
 
 @pytest.mark.parametrize("indices_ok", [True, False])
@@ -179,6 +181,7 @@ def test_a_step_without_a_copy_that_ran_gets_the_index_checks_after_the_offer(ru
     resp, rdv, model = run(_go(), hook, indices_ok=indices_ok)
     assert run.checks == [False, "check_indices"]
     assert rdv.posts[0].valid is indices_ok
+    assert not rdv.posts[0].queued and rdv.posts[0].queue_next  # the offer's own halves, not one for both
     if indices_ok:
         assert not resp.HasField("error") and model.calls == 1
     else:
