@@ -140,7 +140,7 @@ def test_a_peer_on_ipv6_loopback_is_same_node():
     assert peer.startswith(b"ipv6:"), peer
 
 
-def _ipc(counter: bytes) -> "pb.MemoryHandle":
+def _ipc(counter: bytes):  # -> pb.MemoryHandle
     from dspark_sidecar.proto import sidecar_pb2 as pb
 
     return pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(ipc_handle=b"h", storage_size_bytes=64,
