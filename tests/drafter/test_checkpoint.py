@@ -61,6 +61,10 @@ def test_mxfp8_dequantization_hand_computed_block():
     w = torch.randn(4, 64) * 3
     qq, ss = quantize_mxfp8(w, 32)
     assert (dequantize_mxfp8(qq, ss, 32) - w).abs().max() <= w.abs().max() * 2 ** -3
+    # The round trip alone passes with a scale one step too large (coarser, still within tolerance): pin the bytes.
+    # amax 448 * 8 needs exactly 2^3 (byte 130); a hair above it 2^4 (131); amax 1 needs 2^ceil(log2(1/448)) = 2^-8.
+    rows = torch.tensor([[448.0 * 8] + [0.0] * 31, [448.0 * 8 + 64] + [0.0] * 31, [1.0] + [0.0] * 31])
+    assert quantize_mxfp8(rows, 32)[1].flatten().tolist() == [130, 131, 119]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -130,6 +134,27 @@ def test_non_finite_weights_are_refused_by_name(tmp_path, tiny_ckpt, tiny_cfg, k
     shape = (tiny_cfg.q_size, tiny_cfg.hidden_size) if target == Q else (tiny_cfg.hidden_size,)
     with pytest.raises(CheckpointError, match=match):
         CheckpointReader(d, torch.bfloat16).read(target, shape)
+
+
+def test_the_largest_allowed_block_exponent_loads(tmp_path, tiny_ckpt, tiny_cfg):
+    """MAX_EXPONENT (134, 2^7) is the last exponent the kernels take: refused from 135, loaded at 134."""
+    t = load_file(str(tiny_ckpt[0] / "model.safetensors"))
+    t[Q + "_scale_inv"].flatten()[0] = 134
+    d = tmp_path / "e134"
+    d.mkdir()
+    save_file(t, str(d / "model.safetensors"))
+    w = CheckpointReader(d, torch.float32).read(Q, (tiny_cfg.q_size, tiny_cfg.hidden_size))
+    assert torch.equal(w[0, :32], t[Q][0, :32].float() * 2.0 ** 7)
+
+
+def test_a_column_slice_that_cuts_an_mxfp8_block_is_named(tiny_ckpt, tiny_cfg):
+    """A row-parallel slice must keep whole blocks: one that starts or ends inside a block would pair its
+    columns with the wrong scales."""
+    r = CheckpointReader(tiny_ckpt[0], torch.float32)
+    shape = (tiny_cfg.hidden_size, tiny_cfg.q_size)
+    for cols in (slice(16, 64), slice(0, 48)):
+        with pytest.raises(CheckpointError, match=rf"{O}: column slice .* cuts MXFP8 blocks of 32"):
+            r.read(O, shape, cols=cols)
 
 
 def test_a_norm_stored_as_f8_is_named_not_an_index_error(tmp_path, tiny_ckpt, tiny_cfg):

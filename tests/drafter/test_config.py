@@ -41,17 +41,19 @@ def test_json_round_trip_and_defaults_for_missing_optional_fields():
         c.hidden_size = 1  # type: ignore[misc]
 
 
+# The field alone matched a later check's error too: without the positivity check, hidden_size -1 was
+# refused as "hidden_size: must be a multiple of the MXFP8 block" and the test still passed.
 @pytest.mark.parametrize("key,value,field", [
-    ("num_key_value_heads", 5, "num_key_value_heads"),
-    ("dspark_block_size", 8, "dspark_block_size"),
-    ("hidden_size", -1, "hidden_size"),
-    ("dspark_noise_token_id", 10**9, "dspark_noise_token_id"),
-    ("head_dim", "128", "head_dim"),
+    ("num_key_value_heads", 5, "text_config.num_key_value_heads: 5 must divide num_attention_heads"),
+    ("dspark_block_size", 8, "text_config.dspark_block_size: must be 7"),
+    ("hidden_size", -1, "text_config.hidden_size: must be a positive integer, got -1"),
+    ("dspark_noise_token_id", 10**9, "text_config.dspark_noise_token_id: 1000000000 outside vocab"),
+    ("head_dim", "128", "text_config.head_dim: must be a positive integer, got '128'"),
 ])
 def test_bad_field_is_named(key, value, field):
     data = PRESETS["tiny"].to_hf_json()
     data["text_config"][key] = value
-    with pytest.raises(ConfigError, match=field):
+    with pytest.raises(ConfigError, match="^" + re.escape(field)):
         DrafterConfig.from_hf_json(data)
 
 

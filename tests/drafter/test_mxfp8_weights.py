@@ -62,3 +62,15 @@ def test_weights_the_kernels_cannot_take_are_refused_naming_the_layer(tiny_cfg, 
             model.layers[1].o_proj.weight[3, 5] = poison
         with pytest.raises(ValueError, match=match):
             model.convert_layer_weights(quantize)
+
+
+def test_a_weight_needing_exactly_the_largest_block_scale_is_kept(tiny_cfg):
+    """2^7 (exponent byte 134) is the last scale the kernels take: a block of amax 448 * 2^7 quantizes, exactly;
+    one a hair larger needs 2^8 and is refused."""
+    w = torch.zeros(2, tiny_cfg.quant_block)
+    w[0, 0] = 448.0 * 2 ** 7
+    q = MxFp8Weight.quantize(w, tiny_cfg.quant_block)
+    assert q.scale.flatten().tolist() == [134, 0] and torch.equal(q.dequantize(torch.float32), w)
+    w[0, 0] = 448.0 * 2 ** 7 + 1024
+    with pytest.raises(ValueError, match="block exponent 135 above 134"):
+        MxFp8Weight.quantize(w, tiny_cfg.quant_block)

@@ -140,3 +140,12 @@ def test_numpy_window_metadata_matches_torch(tiny_cfg, tiny_embed, seed):
     assert np.array_equal(rel_np, rel.numpy())
     assert np.array_equal(lens_np, wmeta.seq_lens.numpy())
     assert np.array_equal(table_np, wmeta.block_tables.numpy())
+
+
+def test_block_slots_hand_computed():
+    """The scenario's slot_mapping (where K/V is written) and the reference attention's reads both come from
+    block_slots, so a wrong offset moved both together and every test above still passed: pin it by hand."""
+    from dspark_sidecar.drafter.kv_cache import block_slots
+
+    table = torch.tensor([7, 3], dtype=torch.int32)
+    assert block_slots(table, torch.tensor([0, 15, 16, 17]), PAGE).tolist() == [7 * 16, 7 * 16 + 15, 3 * 16, 3 * 16 + 1]
