@@ -37,14 +37,18 @@ def test_a_one_millisecond_step_deadline_is_sent_as_one(deadline_s, sent_ms):
 @pytest.mark.parametrize("make, field", [
     (lambda v: EngineConfig(tp_size=4, step_deadline_s=v), "step_deadline_s"),
     (lambda v: EngineConfig(tp_size=4, bind_deadline_s=v), "bind_deadline_s"),
+    (lambda v: EngineConfig(tp_size=4, late_grace_s=v), "late_grace_s"),
+    (lambda v: EngineConfig(tp_size=4, connect_deadline_s=v), "connect_deadline_s"),
     (lambda v: BreakerConfig(backoff_initial_s=v), "breaker.backoff_initial_s"),
+    (lambda v: BreakerConfig(backoff_max_s=v), "breaker.backoff_max_s"),
     (lambda v: BreakerConfig(probe_deadline_s=v), "breaker.probe_deadline_s"),
 ])
-@pytest.mark.parametrize("value", ["2", None, True])
+@pytest.mark.parametrize("value", ["2", None, True, float("inf"), 3601.0])
 def test_a_wait_that_is_no_number_is_named(make, field, value):
     """The waits were only range-checked: a string or None raised TypeError from `0 < v` (a traceback naming
     no field, which the vLLM plug-in's EngineConfigError handler let through), and True passed as a 1 s wait.
-    The int fields beside them already refused a bool."""
+    The int fields beside them already refused a bool. Every wait is bounded (at most 3600 s): an infinite one
+    never ends, and gRPC fails a call with an infinite timeout at once."""
     with pytest.raises(EngineConfigError, match=f"^{re.escape(field)}: must be above 0"):
         make(value)
 
@@ -61,5 +65,7 @@ def test_the_agreement_outwaits_a_live_peer_probing_its_sidecar():
     assert cfg.agreement_timeout_s > live
     # The defaults' probes (0.25 s) add one second: 66 s, as README and FAILURE_MODES.md say.
     assert EngineConfig(tp_size=4).agreement_timeout_s == 66.0
+    short = dict(step_deadline_s=0.1, late_grace_s=0.1, connect_deadline_s=0.1, bind_deadline_s=0.1)
+    assert EngineConfig(tp_size=4, **short).agreement_timeout_s == 60.0  # 60 s at least, no more
     with pytest.raises(EngineConfigError, match="^breaker: must be a BreakerConfig"):
         EngineConfig(tp_size=4, breaker={"probe_deadline_s": 30.0})  # type: ignore[arg-type]

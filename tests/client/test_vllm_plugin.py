@@ -84,9 +84,9 @@ def fake_vllm(monkeypatch):
     return SimpleNamespace(registry=registry, fc=fc)
 
 
-def vllm_config(tp: int = 4, method: str = "dspark", k: int = 7, sleep_mode: bool = False):
+def vllm_config(tp: int = 4, method: str = "dspark", k: int = 7, sleep_mode: bool = False, dp: int = 1, pp: int = 1):
     return SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=1, pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp),
         speculative_config=SimpleNamespace(method=method, num_speculative_tokens=k),
         device_config=SimpleNamespace(device="cpu"), model_config=SimpleNamespace(enable_sleep_mode=sleep_mode))
 
@@ -101,6 +101,7 @@ def test_register_wraps_the_draft_model_once(fake_vllm):
     cls = fake_vllm.registry.models[ARCH]
     assert issubclass(cls, StockDrafter) and cls.__name__ == "SidecarStockDrafter"
     assert vllm_plugin.register() == []  # already wrapped
+    assert vllm_plugin.make_sidecar_class(cls) is cls  # and never wrapped twice, whoever asks
     assert vllm_plugin.engine_config_from_vllm(vllm_config(tp=2), 1).tp_size == 2
 
 
@@ -148,20 +149,28 @@ def test_a_lazily_registered_draft_class_is_wrapped_without_importing_it(fake_vl
     assert model.stock_calls == 1 and model.dspark_shim().refusal == "no sidecar endpoint configured"
     with pytest.raises(AttributeError, match="no attribute 'Sidecar__'"):
         vllm_plugin.Sidecar__  # noqa: B018  (only well-formed names resolve)
+    with pytest.raises(AttributeError, match="no attribute 'NotOurs__x__collections.OrderedDict'"):
+        getattr(vllm_plugin, "NotOurs__x__collections.OrderedDict")  # only this plug-in's prefix imports anything
 
 
 class BrokenEntry:
-    """A lazily registered model whose module cannot be imported on this host (a dependency missing)."""
+    """A lazily registered model whose module cannot be imported on this host (a dependency missing, or
+    a module that fails as it runs)."""
+
+    error: Exception = ImportError("No module named 'some_kernel_lib'")
 
     def load_model_cls(self):
-        raise ImportError("No module named 'some_kernel_lib'")
+        raise self.error
 
 
-def test_a_draft_class_that_fails_to_load_is_left_alone_and_vllm_starts(fake_vllm, caplog):
+@pytest.mark.parametrize("error", [ImportError("No module named 'some_kernel_lib'"),
+                                   RuntimeError("some_kernel_lib: no GPU found")], ids=["import", "runtime"])
+def test_a_draft_class_that_fails_to_load_is_left_alone_and_vllm_starts(fake_vllm, monkeypatch, caplog, error):
     """vLLM calls every general plug-in in every process, whatever model it serves, and lets what one
     raises through: register() loading a DSpark class whose module cannot import stopped vLLM from
     starting at all, where vLLM alone fails only if that model is used. That arch stays unwrapped
-    (logged by name) and the others are still wrapped."""
+    (logged by name) and the others are still wrapped, whatever the module raised."""
+    monkeypatch.setattr(BrokenEntry, "error", error)
     fake_vllm.registry.models = {"MiniMaxM3DSparkModel": BrokenEntry(), ARCH: LazyEntry()}
     with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
         assert vllm_plugin.register() == [ARCH]
@@ -169,14 +178,18 @@ def test_a_draft_class_that_fails_to_load_is_left_alone_and_vllm_starts(fake_vll
     assert "MiniMaxM3DSparkModel not wrapped" in caplog.text and "some_kernel_lib" in caplog.text
 
 
-def test_without_a_socket_dir_every_step_runs_the_stock_forward(fake_vllm):
+def test_without_a_socket_dir_every_step_runs_the_stock_forward(fake_vllm, caplog):
+    """The plug-in is loaded in every vLLM process: one without a sidecar configured is the plain case, with
+    no WARNING or ERROR of the sidecar staying off (shim_off_reason leaves it unsaid)."""
     vllm_plugin.register()
     model = fake_vllm.registry.models[ARCH](vllm_config=vllm_config())
     md = FlashAttentionMetadata(2)
     fake_vllm.fc.ctx = SimpleNamespace(attn_metadata={"layers.0.attn": md})
-    out = model(torch.arange(14) % 64, md.positions)
+    with caplog.at_level("WARNING", logger="dspark_sidecar"):
+        out = model(torch.arange(14) % 64, md.positions)
     assert torch.equal(out, torch.full((14, HIDDEN), -1.0)) and model.stock_calls == 1
     assert model.dspark_shim().refusal == "no sidecar endpoint configured"
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize("as_list,kv_layout", [(False, "records"), (True, "planes")],
@@ -379,6 +392,15 @@ def test_the_draft_graphs_are_left_alone_without_a_sidecar_or_when_asked(fake_sp
     assert spec.mode == "FULL" and not vllm_plugin.draft_steps_eager()
 
 
+def test_a_vllm_serving_no_dspark_draft_keeps_its_draft_graphs(fake_vllm, fake_speculator, monkeypatch):
+    """The plug-in is loaded in every vLLM process: where no DSpark draft model is registered, nothing is
+    wrapped and nothing else changed, the speculator's CUDA graphs included, a sidecar configured or not."""
+    fake_vllm.registry.models = {}
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    assert vllm_plugin.register() == []
+    assert not vllm_plugin.draft_steps_eager()
+
+
 def test_a_vllm_without_the_dspark_speculator_is_left_alone(fake_vllm, monkeypatch):
     monkeypatch.setenv("DSPARK_SOCKET_DIR", "/run/dspark")
     monkeypatch.setitem(sys.modules, "vllm.v1", None)  # import -> ImportError
@@ -412,7 +434,8 @@ def test_the_fp8_view_is_the_same_object_step_after_step_until_vllm_reallocates(
     lambda t: setattr(t, "data", torch.zeros(8, 1, 16, 256, dtype=torch.uint8)),  # new memory, same object
     lambda t: t.as_strided_(t.shape, t.stride(), 16 * 256),  # moved within its storage
     lambda t: t.as_strided_((2, 1, 16, 256), t.stride()),  # fewer pages
-], ids=["new-memory", "offset", "shape"])
+    lambda t: t.as_strided_(t.shape, (2 * t.stride(0),) + t.stride()[1:]),  # same pages, spaced out
+], ids=["new-memory", "offset", "shape", "stride"])
 def test_an_fp8_cache_changed_in_place_is_seen_by_the_binder(fake_vllm, monkeypatch, change):
     """The binder catches a layer that keeps its tensor object but changes its memory or layout in place
     (test_binding_identity). Over an fp8 cache it watches the provider's float8 view, which was reused for as
@@ -496,6 +519,8 @@ def test_a_blank_socket_dir_keeps_the_sidecar_off_as_serve_refuses_it(fake_vllm,
     model = _first_forward_runs_the_stock_layers(fake_vllm, caplog)
     refusal = model.dspark_shim().refusal
     assert refusal.startswith(f"DSPARK_SOCKET_DIR={blank!r} is set but empty") and refusal in caplog.text
+    # Left alone by register() itself, not only undone per engine by init_cudagraph_manager's own check below.
+    assert not vllm_plugin.draft_steps_eager()
     spec = fake_speculator()
     spec.vllm_config = vllm_config()
     spec.init_cudagraph_manager("FULL")
@@ -528,6 +553,8 @@ def test_vllm_sleep_mode_keeps_the_sidecar_off(fake_vllm, monkeypatch, caplog):
     (dict(tp=8), "TP 8 != 4"),
     (dict(k=5), "7 speculative tokens required"),
     (dict(method="eagle"), "no DSpark draft"),
+    (dict(dp=2), "DP > 1"),  # read from vLLM's parallel_config, not assumed 1
+    (dict(pp=2), "PP > 1"),
 ])
 def test_a_deployment_the_sidecar_cannot_serve_keeps_its_draft_graphs_and_says_why(fake_vllm, fake_speculator,
                                                                                       monkeypatch, caplog, config, said):
