@@ -106,19 +106,14 @@ def deserted(rank: int, port: int, errors, names) -> None:
                             timeout=datetime.timedelta(seconds=20))
     if rank == 1:
         os._exit(0)  # as a killed rank: no clean-up, no goodbye to the group
-    made = []
-    real = shm_agreement.shared_memory.SharedMemory
+    from helpers.engine_fakes import recording_shm
 
-    def recorded(*args, **kwargs):
-        seg = real(*args, **kwargs)
-        made.append(seg.name)
-        return seg
-
-    shm_agreement.shared_memory.SharedMemory = recorded
-    try:
-        shared_page_agreement()
-    except RuntimeError:  # gloo: the peer closed the connection
-        names.put((made[0], os.path.exists(f"/dev/shm/{made[0]}")))
-    else:
-        errors.put("rank 0: shared_page_agreement returned with its peer gone")
+    with recording_shm(shm_agreement) as rec:
+        try:
+            shared_page_agreement()
+        except RuntimeError:  # gloo: the peer closed the connection
+            (name,) = rec.created
+            names.put((name, bool(rec.left())))
+        else:
+            errors.put("rank 0: shared_page_agreement returned with its peer gone")
     os._exit(0)  # the group cannot be destroyed cleanly with its peer gone

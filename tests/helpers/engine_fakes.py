@@ -304,13 +304,14 @@ class RecordingSharedMemory:
 
 
 @contextlib.contextmanager
-def recording_shm() -> Iterator[RecordingSharedMemory]:
-    """Record the shared-memory segments this process creates inside the block (see RecordingSharedMemory).
+def recording_shm(module=memory) -> Iterator[RecordingSharedMemory]:
+    """Record the shared-memory segments `module` (proto/memory.py by default) creates in this process inside the
+    block (see RecordingSharedMemory).
     A diff of /dev/shm before and after also sees every other process's segments: with test runs side by
     side it failed now and then on a segment that was never this process's."""
     rec = RecordingSharedMemory()
-    memory.shared_memory = rec
+    module.shared_memory = rec
     try:
         yield rec
     finally:
-        memory.shared_memory = shared_memory
+        module.shared_memory = shared_memory
