@@ -8,8 +8,10 @@ the rank can really draft), with GetStatus naming the silent peer (server/app.py
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -21,7 +23,7 @@ from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.app import PEER_SILENT_S
 from dspark_sidecar.server.healthcheck import check
 from helpers.engine_sim import PAGE, EngineSim
-from helpers.sidecar_proc import SidecarProcess
+from helpers.sidecar_proc import SidecarProcess, free_port_block
 
 TP = 2
 LENS = [5, 40, 200, 33]
@@ -31,6 +33,16 @@ PAGES = sum(scenario.pages_needed(c + 7, PAGE) for c in LENS) + 8
 def _status(sc: SidecarProcess, rank: int) -> pb.StatusReport:
     with grpc.insecure_channel(sc.socket(rank)) as ch:
         return pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
+
+
+def _gauge(port: int) -> str:
+    """Rank 0's Prometheus dspark_serving sample ("1.0" / "0.0")."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return re.search(r'^dspark_serving\{rank="0"\} (\S+)$', text, re.M).group(1)
+
+
+def _silent_s(reason: str) -> float:
+    return float(re.search(r"silent for ([0-9.]+) s", reason).group(1))
 
 
 def _wait(cond, timeout_s: float, what: str):
@@ -44,7 +56,9 @@ def _wait(cond, timeout_s: float, what: str):
 
 
 def test_a_stopped_peer_takes_rank_0_out_of_serving_until_it_is_back(tmp_path, tiny_ckpt, tiny_cfg, tiny_embed):
-    sc = SidecarProcess(tmp_path, tp=TP, checkpoint=tiny_ckpt, extra_args=["--rendezvous-ms", "200"])
+    port = free_port_block(TP)
+    sc = SidecarProcess(tmp_path, tp=TP, checkpoint=tiny_ckpt,
+                        extra_args=["--rendezvous-ms", "200", "--metrics-port", str(port)])
     sc.start()
     eng = EngineSim(tiny_cfg, [sc.socket(r) for r in range(TP)], PAGES, torch.float32)
     stopped = sc.rank_pids()[1]
@@ -52,19 +66,25 @@ def test_a_stopped_peer_takes_rank_0_out_of_serving_until_it_is_back(tmp_path, t
         eng.bind()
         step = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, tiny_embed, seed=5)
         assert all(not isinstance(o, grpc.RpcError) for o in eng.step_all(1, step))
-        assert _status(sc, 0).state == "SERVING"
+        assert _status(sc, 0).state == "SERVING" and _gauge(port) == "1.0"
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
         st = _wait(lambda: (s := _status(sc, 0)).state == "PEER_SILENT" and s, PEER_SILENT_S + 10,
                    "rank 0 reports PEER_SILENT")
         assert time.monotonic() - t0 >= PEER_SILENT_S - 0.5  # not before the peer could have beaten
         assert not st.serving and "rank(s) 1 silent" in st.state_reason, st.state_reason
-        assert check(sc.socket(0), 2.0) == "NOT_SERVING"
+        # Every face of health says so: both health services (a Kubernetes gRPC probe asks for ""), the gauge.
+        assert check(sc.socket(0), 2.0) == "NOT_SERVING" and check(sc.socket(0), 2.0, service="") == "NOT_SERVING"
+        assert _gauge(port) == "0.0"
+        # The reason is kept current while the peer stays silent (its seconds grow, beat by beat).
+        first = _silent_s(st.state_reason)
+        _wait(lambda: _silent_s(_status(sc, 0).state_reason) >= first + 0.9, 5, "the silent seconds grow")
         os.kill(stopped, signal.SIGCONT)
         stopped = 0
         _wait(lambda: _status(sc, 0).state == "SERVING", 10, "rank 0 SERVING again once its peer beats")
         assert _status(sc, 0).state_reason == ""
-        assert check(sc.socket(0), 2.0) == "SERVING"
+        assert check(sc.socket(0), 2.0) == "SERVING" and check(sc.socket(0), 2.0, service="") == "SERVING"
+        assert _gauge(port) == "1.0"
         out = eng.step_all(2, step)
         assert all(not isinstance(o, grpc.RpcError) for o in out), out
     finally:
