@@ -1,4 +1,4 @@
-"""The reference draft step against the independent float64 drafter of tests/helpers."""
+"""The reference draft step, its output and its cache writes, against the independent float64 drafter of tests/helpers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from dspark_sidecar import layout
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import CheckpointReader
-from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
+from dspark_sidecar.drafter.kv_cache import allocate_kv_cache, block_slots, kv_rows
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
@@ -16,7 +16,7 @@ from helpers.f64_drafter import F64Drafter
 
 PAGE = 16
 
-# Relative L2 error of the [n, hidden] output against float64.
+# Relative L2 error against float64 of the [n, hidden] output (and of each request's cached K/V per layer).
 # fp32: every op rounds at 2^-24; 5 layers of K <= 2560 dot products and a softmax over <= 4103
 # keys stay far below 1e-4 (measured ~1e-6).
 # bf16: activations are rounded to 8 bits of mantissa after every op (2^-9 = 2e-3 per rounding)
@@ -36,6 +36,19 @@ def context_lens(R: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def f64(tiny_ckpt):
     return F64Drafter(tiny_ckpt[0])
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.to(torch.float64) - want).norm() / want.norm())
+
+
+def test_the_float64_step_runs_at_the_spec_constants(f64):
+    """The float64 drafter takes its constants from the checkpoint's config.json, which the package itself
+    writes (DrafterConfig.to_hf_json): a constant wrong there is met on both sides of the comparison below.
+    Spec section 1's values, written out here: window 4096, theta 5e6 over 64 rotary dims of 128, SwiGLU
+    alpha 1.702 and limit 7, eps 1e-6."""
+    got = (f64.window, f64.head_dim, f64.rotary_dim, f64.theta, f64.alpha, f64.limit, f64.eps)
+    assert got == (4096, 128, 64, 5_000_000.0, 1.702, 7.0, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -61,9 +74,19 @@ def test_draft_step_matches_float64(R, dtype, tiny_cfg, tiny_ckpt, tiny_embed, f
         ctx = f64.context_kv(taps64[start : start + P], torch.arange(P))
         start += P
         rows = slice(7 * i, 7 * i + 7)
-        ref, _ = f64.step(step.inputs_embeds[rows].to(dtype), P, ctx)
-        err = (out[rows].to(torch.float64) - ref).norm() / ref.norm()
+        ref, block_kv = f64.step(step.inputs_embeds[rows].to(dtype), P, ctx)
+        err = rel_err(out[rows], ref)
         assert err < TOL[dtype], f"request {i} (P={P}): relative error {err:.2e} >= {TOL[dtype]}"
+        # The K/V in the cache too: attention scores depend on position differences only, so a RoPE
+        # phase off by the same amount for every Q and K leaves the hidden output as it is, while the
+        # engine's own context commit (spec 3A) writes K at the absolute phase.
+        at = (("block", step.meta.slot_mapping[rows], block_kv),
+              ("context", block_slots(step.meta.block_tables[i], torch.arange(P), PAGE), ctx))
+        for layer, cache in enumerate(kv):
+            for what, slots, ref_kv in at:
+                for plane, name in enumerate("KV"):
+                    err = rel_err(kv_rows(cache, plane, slots), ref_kv[layer][plane])
+                    assert err < TOL[dtype], f"request {i} (P={P}) layer {layer}: {what} {name} relative error {err:.2e}"
 
 
 def test_draft_step_leaves_the_callers_inputs_alone(tiny_cfg, tiny_ckpt, tiny_embed):

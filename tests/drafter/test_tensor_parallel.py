@@ -49,6 +49,10 @@ def test_launch_groups_side_by_side_need_an_exchange_lane_per_stream(tiny_cfg):
     kv = allocate_kv_cache(tiny_cfg, 2, 9, 16, torch.float32)
     with pytest.raises(ValueError, match="exchange lane per stream; this rank .* has 2"):
         model.draft_step(step.inputs_embeds, step.positions, step.meta, kv, streams=[object()] * 3)
+    # A rank given no lanes at all (an exchange only) has one: two streams are already one too many.
+    model = DSparkDrafter(tiny_cfg, ParallelContext(0, 2, Summing()), REFERENCE_OPS, torch.float32)
+    with pytest.raises(ValueError, match="exchange lane per stream; this rank .* has 1"):
+        model.draft_step(step.inputs_embeds, step.positions, step.meta, kv, streams=[object()] * 2)
 
 
 def test_exchange_lanes_are_addressed_by_stream_index():
@@ -57,6 +61,7 @@ def test_exchange_lanes_are_addressed_by_stream_index():
     a, b, c = object(), object(), object()
     par = ParallelContext(1, 4, a, (b, c))
     assert par.num_lanes == 3 and not par.local
+    assert ParallelContext(1, 4, a).num_lanes == 1  # no lanes: the exchange alone
     assert [par.exchange_of(i) for i in range(3)] == [a, b, c]
     for bad in (-1, 3):
         with pytest.raises(ValueError, match=f"exchange lane {bad} outside the 3"):

@@ -96,6 +96,23 @@ def test_swiglu_oai_clamps_and_the_plus_one_on_the_up_half():
     assert abs(f(-7.0, -7.0)) > 100 * abs(want[0])
 
 
+def test_swiglu_oai_is_computed_in_fp32_and_rounded_once():
+    """The spec's SwiGLU-OAI is "fp32": bf16 gate|up in, the whole formula in fp32, one rounding to bf16.
+    Against float64 rounded once (the exact products here are nowhere near a bf16 tie), every output
+    agrees; computed in bf16 op by op, 22 of these 49 come out one or more ulps off (within the step's
+    bf16 tolerance, so only a pin of the op sees it)."""
+    gate = torch.linspace(-6, 6, 49).to(torch.bfloat16)
+    up = torch.linspace(-3, 5, 49).to(torch.bfloat16)
+    out = reference.swiglu_oai(torch.cat([gate, up])[None], 1.702, 7.0)[0]
+    assert out.dtype == torch.bfloat16
+
+    def f(g, u):
+        return g / (1.0 + math.exp(-1.702 * g)) * (u + 1.0)
+
+    want = torch.tensor([f(g, u) for g, u in zip(gate.tolist(), up.tolist())], dtype=torch.float64)
+    assert torch.equal(out, want.to(torch.bfloat16))
+
+
 def _position_valued_cache(table: torch.Tensor, seq_lens: list[int], page: int, num_pages: int,
                            kv_heads: int) -> torch.Tensor:
     """A planes cache whose V of KV head k at absolute position p is [p + 100 k, 1]; K is 0."""
