@@ -77,13 +77,15 @@ def test_window_edge_is_per_row(device):
     assert torch.all(changed[3:] == 0)
 
 
-def test_empty_request_gives_zeros(device):
-    """A padding request (seq_len 0, no keys) yields zeros, as the reference's empty softmax does."""
+@pytest.mark.parametrize("splits", [None, 2], ids=["auto", "s2"])
+def test_empty_request_gives_zeros(device, splits):
+    """A padding request (seq_len 0, no keys) yields zeros, as the reference's empty softmax does: also where
+    the splits are merged (every split saw no key: its max is -inf, and the merge must not take -inf - -inf)."""
     q, kv, positions, seq_lens, tables, window, scale = _step([12, 0], 2, 1, 32, 8, 64, torch.float32, device, seed=5)
     seq_lens[1] = 0
     positions[Q:] = torch.arange(Q, device=positions.device)
     ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
-    out = TRITON_OPS.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
+    out = attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale, splits=splits)
     assert torch.all(out[Q:] == 0) and torch.all(ref[Q:] == 0)
     torch.testing.assert_close(out[:Q], ref[:Q], rtol=2e-5, atol=2e-5)
 
@@ -111,7 +113,7 @@ def test_table_past_the_used_pages_is_never_read(device, splits, parity):
     parity(out, ref)
 
 
-@pytest.mark.parametrize("mismatch", ["head_dim", "positions", "table_rows", "planes"])
+@pytest.mark.parametrize("mismatch", ["head_dim", "positions", "table_rows", "planes", "q_heads"])
 def test_shapes_that_do_not_match_are_refused(device, mismatch):
     """The kernels index the cache by q's head_dim, the positions by row and the block table by
     request, unchecked: a cache of narrower heads, fewer positions than rows or fewer table rows than
@@ -123,11 +125,13 @@ def test_shapes_that_do_not_match_are_refused(device, mismatch):
         positions = positions[:Q]
     elif mismatch == "table_rows":
         tables = tables[:1]
+    elif mismatch == "q_heads":  # 3 q heads over 2 KV heads: a group of 1, and q head 2 never written
+        q, kv = q[:, :3], torch.cat([kv, kv], dim=3)
     else:
         kv = kv[:1]
     with pytest.raises((ValueError, RuntimeError, IndexError)):
         reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match="q heads over" if mismatch == "q_heads" else "do not match"):
         attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale, splits=1, block_n=16)
 
 
@@ -143,6 +147,16 @@ def test_q_view_of_a_wider_buffer(device, splits):
     ref = reference.paged_window_attention(view, kv, positions, seq_lens, tables, Q, window, scale)
     out = attention.paged_window_attention(view, kv, positions, seq_lens, tables, Q, window, scale,
                                            splits=splits, block_n=16)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [1, 2], ids=["s1", "s2"])
+def test_window_narrower_than_the_block(device, splits):
+    """A window of 3 keys (below the block's 7 rows): row r sees keys P + r - 2 .. P + 6, so the block's own
+    keys, which the last split's narrow tile holds, are cut per row too; a window of 7 or more hides this."""
+    q, kv, positions, seq_lens, tables, _, scale = _step([20, 0], 4, 1, 32, 8, 0, torch.float32, device, seed=13)
+    ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, 3, scale)
+    out = attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, 3, scale, splits=splits, block_n=16)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -259,11 +273,14 @@ def test_refused_cooperative_launch_falls_back(monkeypatch, caplog):
 # Caches laid out as permutations of the planes view with the page slot's or the heads' stride outermost
 # (the server binds any dense permutation: kv_cache.kv_view_problem), spread out so that a far element lies
 # past 2^31 without 2^31 elements of data; d 16: [2, 2 pages, page 16, 1 head] with the page slot outermost
-# (slot 15 lies 15 * 143165577 > 2^31 elements in), and [2, 2 pages, page 4, 3 heads] with the heads
-# outermost (head 2 lies 2 * (2^30 + 16) elements in).
+# (slot 15 lies 15 * 143165577 > 2^31 elements in), [2, 2 pages, page 4, 3 heads] with the heads
+# outermost (head 2 lies 2 * (2^30 + 16) elements in), and [2, 3 pages, page 16, 1 head] with the pages far
+# apart (page 2 lies 2 * (2^30 + 512) elements in: a planes cache of over 2^31 elements, and the page the
+# table's second column names holds tiled keys and the narrow tile's alike). Each with its block table.
 FAR_LAYOUTS = {
-    "slot-outermost": ((2, 2, 16, 1, 16), (16, 32, -(-(1 << 31) // 15), 16, 1)),
-    "head-outermost": ((2, 2, 4, 3, 16), (16, 32, 64, (1 << 30) + 16, 1)),
+    "slot-outermost": ((2, 2, 16, 1, 16), (16, 32, -(-(1 << 31) // 15), 16, 1), [1, 0]),
+    "head-outermost": ((2, 2, 4, 3, 16), (16, 32, 64, (1 << 30) + 16, 1), [1, 0]),
+    "page-far": ((2, 3, 16, 1, 16), (256, (1 << 30) + 512, 16, 16, 1), [0, 2]),
 }
 
 
@@ -272,13 +289,13 @@ def test_cache_offsets_past_2_31_elements(device, far):
     """A key's offset into the cache, page * stride + slot * stride + head * stride, must be int64 in every
     term: with the page slot's or a head's stride the large one, the slot's or head's int32 product
     wrapped and the kernel read 2^32 elements before the key (here: inside the buffer, a wrong output)."""
-    shape, strides = FAR_LAYOUTS[far]
+    shape, strides, table = FAR_LAYOUTS[far]
     kv = far_cache(shape, strides, device)
     page, hk = shape[2], shape[3]
     seq = 2 * page
     positions = torch.arange(seq - Q, seq, device=device)
     seq_lens = torch.tensor([seq], dtype=torch.int32, device=device)
-    tables = torch.tensor([[1, 0]], dtype=torch.int32, device=device)
+    tables = torch.tensor([table], dtype=torch.int32, device=device)
     q = torch.randn(Q, 2 * hk, 16, generator=torch.Generator().manual_seed(1)).to(device)
     ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, 40, 0.25)
     out = attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, 40, 0.25, splits=1, block_n=16)

@@ -46,3 +46,14 @@ def test_rope_cos_sin_theta_keeps_fp64_bits(device):
 def test_rope_cos_sin_empty(device):
     cos, sin = rope_cos_sin(torch.empty(0, dtype=torch.int64, device=device), 64, 5e6)
     assert cos.shape == sin.shape == (0, 32)
+
+
+def test_rope_cos_sin_strided_positions(device):
+    """The kernel reads positions[i] at i: a strided view (every other element of a wider tensor, as the
+    reference takes) must give the table of those positions, not of its neighbours'."""
+    wide = torch.randint(0, 3_000_000, (9, 2), generator=torch.Generator().manual_seed(3)).to(device)
+    positions = wide[:, 0]
+    assert not positions.is_contiguous()
+    cos_ref, sin_ref = reference.rope_cos_sin(positions, 16, 10_000.0)
+    cos, sin = rope_cos_sin(positions, 16, 10_000.0)
+    assert (cos - cos_ref).abs().max() <= ULP and (sin - sin_ref).abs().max() <= ULP

@@ -59,7 +59,10 @@ def _check(got, want) -> None:
         np.testing.assert_array_equal(g, w, err_msg=name)
 
 
-@pytest.mark.parametrize("lens", [[0], [40, 5, 300], [3, 17, 100, 1000, 2, 64, 65, 9]], ids=["R1", "R3", "R8"])
+# window-page-edge: L - (WINDOW + Q - 1) a whole number of pages (86 - 70 = 16, 118 - 70 = 48), where a window
+# span one key longer or shorter moves the window's first page column.
+@pytest.mark.parametrize("lens", [[0], [40, 5, 300], [3, 17, 100, 1000, 2, 64, 65, 9], [79, 111]],
+                         ids=["R1", "R3", "R8", "window-page-edge"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_valid_step_equals_host_path(device, lens, seed):
     """A rung, valid step: exactly graphs.py's host metadata (window_metadata_into) and flag RAN."""
@@ -76,25 +79,50 @@ def test_valid_step_equals_host_path(device, lens, seed):
     _check(_run(device, word, word, P, L, T, S, pages), want)
 
 
+def _kernel_slots(P, T, r):
+    """Request r's slots as the program computes each row's place (C-style // and %, the column clamped to
+    the table), so that only the check a case aims at can refuse it."""
+    col = np.clip(np.trunc(P / PAGE).astype(np.int64), 0, T.shape[1] - 1)
+    return T[r, col].astype(np.int64) * PAGE + np.fmod(P, PAGE)
+
+
 def _corrupt(kind: str, P, L, T, S, pages):
     P, L, T, S = P.copy(), L.copy(), T.copy(), S.copy()
     if kind == "position":
         P[4] += 1
-    elif kind == "short-len":
+    elif kind == "rows-shifted":  # rows one key early, each slot its position's place: only the position check
+        P[:Q] -= 1
+        S[:Q] = _kernel_slots(P[:Q], T, 0)
+    elif kind == "short-len":  # rows -1..5 before a length of 6, slots as the program places them
         L[0] = Q - 1
+        P[:Q] = np.arange(-1, Q - 1)
+        S[:Q] = _kernel_slots(P[:Q], T, 0)
+    elif kind == "past-table":  # rows at the table's last slot and one past it (a full table, slots where the
+        L[1] = T.shape[1] * PAGE + 1  # program's clamped column puts them): the table lacks a page the rows use
+        P[Q : 2 * Q] = L[1] - Q + np.arange(Q)
+        spare = [p for p in range(pages) if p not in set(T[T >= 0].tolist())]
+        free = np.flatnonzero(T[1] < 0)
+        T[1, free] = spare[: free.size]
+        S[Q : 2 * Q] = _kernel_slots(P[Q : 2 * Q], T, 1)
+    elif kind == "wild-position":  # positions far outside the table: the column read stays in it (no fault)
+        P[4], P[5] = -(1 << 40), 1 << 40
     elif kind == "slot":
         S[-1] += 1
     elif kind == "page-out-of-cache":  # the page holding the last row's slot
         last = (int(L[-1]) - 1) // PAGE
         T[-1, last] = pages
     elif kind == "negative-window-page":  # a page the window reads, not one the slots use
-        T[1, max(0, (int(L[1]) - 1) // PAGE - 1)] = -3
+        rows = P[Q : 2 * Q] // PAGE  # request 1's rows lie in columns 18 and 19 (300..306)
+        col = int(rows.min()) - 1
+        assert col >= max(int(L[1]) - (WINDOW + Q - 1), 0) // PAGE and col not in rows
+        T[1, col] = -3
     elif kind == "page-before-window":  # a page the request uses that its window does not read (as validate.py)
         T[1, 0] = pages
     return P, L, T, S
 
 
-@pytest.mark.parametrize("kind,bad", [("position", 0), ("short-len", 0), ("slot", 2), ("page-out-of-cache", 2),
+@pytest.mark.parametrize("kind,bad", [("position", 0), ("rows-shifted", 0), ("short-len", 0), ("past-table", 1),
+                                      ("wild-position", 0), ("slot", 2), ("page-out-of-cache", 2),
                                       ("negative-window-page", 1), ("page-before-window", 1)])
 def test_invalid_request_is_a_noop(device, kind, bad):
     """Whatever the GPU would touch wrongly turns that request into no-op rows: no slot written (-1),
