@@ -11,6 +11,7 @@ from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.proto import memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.kv_binding import MemoryBindings
+from helpers.engine_fakes import recording_shm
 
 
 @pytest.fixture
@@ -541,23 +542,15 @@ def test_a_segment_shared_with_a_group_is_0660_and_that_group_s():
 
 
 @pytest.mark.parametrize("group", [None, os.getegid()], ids=["private", "group"])
-def test_a_segment_that_cannot_hold_the_tensor_is_unlinked_not_left_in_dev_shm(monkeypatch, group):
+def test_a_segment_that_cannot_hold_the_tensor_is_unlinked_not_left_in_dev_shm(group):
     """A zero-element shape of a 4-byte dtype gets the 1-byte minimum segment, which torch cannot view as
     that dtype (RuntimeError: a StatusReport's hidden_size 0 sized the doorbell's regions so). The
     segment stayed in /dev/shm, one per connect, until the process exited."""
-    made = []
-    real = memory.shared_memory.SharedMemory
-
-    def record(*a, **kw):
-        seg = real(*a, **kw)
-        made.append(seg.name)
-        return seg
-
-    monkeypatch.setattr(memory.shared_memory, "SharedMemory", record)
-    with pytest.raises(RuntimeError):
-        memory.shm_empty((28, 0), torch.float32, group)
-    assert len(made) == 1
-    assert not os.path.exists(f"/dev/shm/{made[0].lstrip('/')}"), f"{made[0]} left in /dev/shm"
+    with recording_shm() as shm:
+        with pytest.raises(RuntimeError):
+            memory.shm_empty((28, 0), torch.float32, group)
+    assert len(shm.created) == 1
+    assert shm.left() == set(), f"{shm.left()} left in /dev/shm"
 
 
 OTHER_UID = 12345
