@@ -146,7 +146,7 @@ def test_records_cache_compiles_to_the_planes_code(name, kv_arg, cache_dtype, nu
     for a bf16 and for an fp8 cache (whose rows the runner hands over as uint8 codes).
     (Not its text: LLVM orders commutative operands differently from one compile to the next.)"""
     from dspark_sidecar.drafter.kv_cache import kv_planes
-    from dspark_sidecar.kernels.flydsl.catalog import KERNELS, PAGE_SIZE, PLACEHOLDER_PAGES
+    from dspark_sidecar.kernels.flydsl.catalog import PAGE_SIZE, PLACEHOLDER_PAGES
     from dspark_sidecar.kernels.flydsl.isa_report import compile_reports
     from dspark_sidecar.kernels.flydsl.runner import KVRows
 
