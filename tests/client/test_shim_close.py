@@ -163,7 +163,10 @@ def scenario_close_then_step(transport: str) -> None:
     and (doorbell) mapped a new page and three regions that nothing released."""
     rig = Rig(transport)
     try:
-        assert rig.step(1) is not None
+        first = rig.step(1)
+        assert first is not None and rig.step(2) is not None
+        # Step 1's tensor is the engine's own: the next step's answer (in the doorbell's output region) leaves it be.
+        assert torch.equal(first, rig.fz.expected(rig.model, 1)), "step 2's answer overwrote step 1's hidden states"
         assert (rig.shim.doorbell is not None) == (transport == "doorbell")
         rig.shim.close()
         assert rig.fake.calls["UnbindKV"] == 1
@@ -183,11 +186,21 @@ def scenario_close_during_a_step(transport: str) -> None:
         rig.fake.step_mut = fz.StepMut(resp=fz._late(ANSWER_AFTER_S))
         step = Bounded(lambda: rig.step(2), "step-2")
         assert rig.fake.busy.wait(5), "the fake never received step 2"
+        # The step woken by close() may still run on the sidecar: the release waits for it to settle (in the grace).
+        release, settled_at_release = rig.shim._release, []
+
+        def recording_release() -> None:
+            settled_at_release.append((rig.shim.doorbell or rig.shim.connection._stream).settled(2))
+            release()
+
+        rig.shim._release = recording_release
         closing = Bounded(rig.shim.close, "close")
         closing.join(GRACE_S + 4.0, "close()")
         step.join(JOIN_S, "maybe_forward")  # None or the step's own answer (checked in rig.step)
         assert step.t1 - closing.t0 < WAKE_S <= ANSWER_AFTER_S - 0.5, (
             f"maybe_forward went on {step.t1 - closing.t0:.2f} s after close()")
+        assert settled_at_release == [True], "close() released the link under a step the sidecar still ran"
+        assert rig.shim.breaker.failures == 0, "a close() was counted against the sidecar"
         assert not rig.shim_errors(), rig.shim_errors()
         assert not rig.fake.thread_errors, rig.fake.thread_errors
         _assert_closed_cleanly(rig)
@@ -409,4 +422,49 @@ def test_a_close_interrupted_in_its_release_still_gives_the_link_back():
         assert Bounded(rig.shim.connect, "connect").join(5.0, "connect() after the interrupted close") == S.CLOSED
         assert Bounded(lambda: rig.step(2), "step-2").join(5.0, "maybe_forward after the interrupted close") is None
     finally:
+        rig.stop()
+
+
+def test_close_on_the_step_thread_before_the_step_is_sent_sends_nothing():
+    """close() on the link's own thread (a signal handler) after the step entered the link, before it is sent:
+    no waiter to wake yet, so the step itself must see the close and send nothing (else it ran on a closing
+    shim, and handed the engine its tensor)."""
+    rig = Rig("grpc")
+    try:
+        assert rig.step(1) is not None
+        request = rig.shim._request
+
+        def closing_request(*a, **kw):
+            rig.shim.close()
+            return request(*a, **kw)
+
+        rig.shim._request = closing_request
+        sent = len(rig.fake.requests)
+        assert Bounded(lambda: rig.step(2), "step-2").join(JOIN_S, "maybe_forward") is None
+        assert len(rig.fake.requests) == sent, "the step was sent after close()"
+        assert S.CLOSED in rig.shim.stats.fallbacks and S.DEADLINE not in rig.shim.stats.fallbacks
+        _assert_closed_cleanly(rig)
+    finally:
+        rig.stop()
+
+
+def test_a_connect_that_waited_for_the_link_while_the_ranks_turned_off_does_nothing():
+    """connect() reads `enabled` before it waits for the link; a step's turn-off (its _disable, holding the
+    link) releases the binding meanwhile. connect() must look again once it has the link, or it re-opens and
+    re-binds a shim that is off, and nothing releases that before close()."""
+    rig = Rig("grpc")
+    try:
+        assert rig.step(1) is not None
+        binds = rig.fake.calls["BindKV"]
+        with rig.shim._link():
+            connecting = Bounded(rig.shim.connect, "connect")
+            deadline = time.monotonic() + 5
+            while not rig.shim._link_waiters and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert rig.shim._link_waiters == 1, "connect() never waited for the link"
+            rig.shim._disable("a peer engine rank's sidecar refuses")  # as a step's turn-off does, in the link
+        assert connecting.join(5.0, "connect()") == "off: a peer engine rank's sidecar refuses"
+        assert rig.fake.calls["BindKV"] == binds and not rig.shim.connection.is_open
+    finally:
+        rig.shim.close()
         rig.stop()

@@ -7,14 +7,17 @@ import contextlib
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
 from dspark_sidecar.client.config import EngineConfig
 from dspark_sidecar.client.forward_context import set_forward_context
-from dspark_sidecar.client.shim import STREAM, DrafterShim
+from dspark_sidecar.client.shim import BAD_ANSWER, DEADLINE, STREAM, UNSETTLED, DrafterShim
 from dspark_sidecar.drafter.parallel import ParallelContext
+from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import doorbell as bell
+from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import (
     DoorbellNeverAnswered, FakeModel, FakeServer, PreflightHook, recording_shm, shm_kv_cache, short_socket_dir,
     step_inputs,
@@ -278,5 +281,122 @@ def test_a_liveness_stream_that_ended_before_the_readiness_check_is_attached_aga
         assert shim.doorbell is not None and shim.doorbell is not dead
     finally:
         shim._unsettled = None
+        shim.close()
+        server.stop()
+
+
+def _good_answer(transport, step_id: int, rows: int) -> bytes:
+    """A well-formed answer naming `step_id`, its hidden states in the output region (whatever is there)."""
+    b = transport.buffers
+    ref = codec.region_tensor_ref(b.dtype, (rows, b.embeds.shape[1]), b.hidden_id, 0)
+    return pb.DraftStepResponse(step_id=step_id, hidden_states=ref).SerializeToString()
+
+
+def test_an_answer_naming_another_step_is_no_result_and_counts_against_the_breaker():
+    """The output region then holds what the previous step (or nothing) left there: handed back, the engine
+    got a wrong tensor."""
+    with _never_answered(step_deadline_s=2.0, late_grace_s=0.2) as (server, shim):
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.connect() is None and shim.doorbell is not None
+            t = shim.doorbell
+            shim.fault_hook = lambda sid: _answer_with(t.bell, _good_answer(t, sid + 1, pos.numel()))
+            assert shim.maybe_forward(ids, pos) is None
+        assert dict(shim.stats.fallbacks) == {BAD_ANSWER: 1} and shim.breaker.failures == 1
+
+
+def test_a_liveness_stream_that_ends_during_the_wait_ends_the_step_at_once():
+    """A sidecar rank that dies never answers the ring: its liveness stream, not the step deadline, says so
+    (a broken stream, counted; the link dropped and nothing left unsettled, since a dead process writes nothing)."""
+    with _never_answered(step_deadline_s=3.0, late_grace_s=0.2) as (server, shim):
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.connect() is None and shim.doorbell is not None
+            t = shim.doorbell
+            shim.fault_hook = lambda _sid: _when_rung(t.bell, t.liveness._call.cancel)
+            t0 = time.monotonic()
+            assert shim.maybe_forward(ids, pos) is None
+            took = time.monotonic() - t0
+        assert dict(shim.stats.fallbacks) == {STREAM: 1}, dict(shim.stats.fallbacks)
+        assert took < 2.0, f"waited {took:.2f} s for a dead sidecar's answer"
+        assert shim._unsettled is None and shim.doorbell is None and shim.breaker.failures == 1
+
+
+def test_a_late_answer_in_the_grace_settles_the_step_and_is_still_no_result():
+    """Past the step deadline the engine has given up on the step: an answer in late_grace_s only settles it
+    (nothing kept unsettled), and the step is a counted deadline fallback, never the late tensor."""
+    with _never_answered(step_deadline_s=0.2, late_grace_s=2.0) as (server, shim):
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.connect() is None and shim.doorbell is not None
+            t = shim.doorbell
+
+            def late(sid: int) -> None:
+                payload = _good_answer(t, sid, pos.numel())
+                _when_rung(t.bell, lambda: (time.sleep(0.6), t.bell.page.write(
+                    t.bell.page.resp_area, payload, bell.RESP_LEN, bell.RESP_SEQ, t.bell._seq)))
+
+            shim.fault_hook = late
+            t0 = time.monotonic()
+            assert shim.maybe_forward(ids, pos) is None
+            took = time.monotonic() - t0
+        assert dict(shim.stats.fallbacks) == {DEADLINE: 1}, dict(shim.stats.fallbacks)
+        assert shim._unsettled is None, "an answer inside the grace left the step unsettled"
+        assert took < 1.8 and shim.breaker.failures == 1
+
+
+@pytest.mark.parametrize("how", ["liveness ends", "sidecar closes the page"])
+def test_an_unsettled_step_settles_when_the_sidecar_goes_or_closes_the_doorbell(how):
+    """After either, nothing of the step runs on the sidecar any more. Read as still unsettled, every later
+    step fell back (UNSETTLED) and the link was never dropped, for as long as the sidecar lived."""
+    with _never_answered(step_deadline_s=0.2, late_grace_s=0.2) as (server, shim):
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is None and shim._unsettled is not None
+            assert shim.breaker.failures == 1  # the deadline counts
+            old = shim.doorbell
+            if how == "liveness ends":
+                old.liveness._call.cancel()
+                deadline = time.monotonic() + 5
+                while old.liveness.alive and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            else:
+                old.bell.page.words[bell.CLOSED] = 1
+            shim.maybe_forward(ids, pos)  # the new doorbell never answers either
+        assert UNSETTLED not in shim.stats.fallbacks, dict(shim.stats.fallbacks)
+        assert shim.doorbell is not None and shim.doorbell is not old
+        assert server.sidecar.calls["AttachDoorbell"] == 2 and server.sidecar.calls["UnregisterBuffers"] == 1
+        shim._unsettled = None  # the second step's
+
+
+def test_a_doorbell_wait_never_polls_past_its_deadline():
+    """DoorbellTransport.wait's polls add up to its timeout at most (each at most POLL_S), and it returns then."""
+    import types
+
+    from dspark_sidecar.client import doorbell_transport as dt
+
+    t = object.__new__(dt.DoorbellTransport)
+    t.bell, t.liveness, t.interrupted = _UnansweredBell(), types.SimpleNamespace(alive=True, end=None), False
+    t0 = time.monotonic()
+    assert t.wait(7, 0.12) is None
+    assert time.monotonic() - t0 < 1.0  # loose: the polls' sum below is the exact check
+    assert sum(t.bell.timeouts) <= 0.12 + 1e-6 and max(t.bell.timeouts) <= dt.POLL_S, t.bell.timeouts
+
+
+class _RefusesBuffers(DoorbellNeverAnswered):
+    def RegisterBuffers(self, request, context):
+        self.calls["RegisterBuffers"] += 1
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "no data plane here")
+
+
+def test_step_buffers_refused_after_the_doorbell_attached_leave_no_page_behind():
+    server = FakeServer(_RefusesBuffers(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    shim = _shim(server.endpoint, ParallelContext(0, 1))
+    try:
+        with recording_shm() as shm:
+            assert shim.connect() is None and shim.doorbell is None  # the gRPC stream instead
+        assert server.sidecar.calls["AttachDoorbell"] == 1 and server.sidecar.calls["RegisterBuffers"] == 1
+        assert shm.created and shm.left() == set(), f"left in /dev/shm: {sorted(shm.left())}"
+    finally:
         shim.close()
         server.stop()
