@@ -1,7 +1,9 @@
-"""A refused BindKV unmaps every layer it mapped at once (MemoryBindings._discard), the refused one included."""
+"""A refused BindKV unmaps every layer it mapped at once (MemoryBindings._discard), the refused one included;
+a replaced or released binding is unmapped through retire, and its generation is refused."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
@@ -53,5 +55,142 @@ def test_the_refused_layer_s_mapping_does_not_outlive_the_refusal(refusal):
         assert err.value.__traceback__ is not None  # held, as a handler thread holds it until its call ends
         assert [_maps_of(s.segment.name) for s in segs] == before and mem.kv is None
     finally:
+        for s in segs:
+            s.close()
+
+
+def _bind_request(layers) -> pb.BindKVRequest:
+    return pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1),
+                            page_size=16, layers=layers)
+
+
+def _shorten(layer: pb.KVLayerBinding) -> None:
+    del layer.strides[-1]
+
+
+def _place(layer: pb.KVLayerBinding, offset_bytes: int, size_bytes: int, storage_offset: int = 0) -> None:
+    layer.memory.shm.offset_bytes, layer.memory.shm.size_bytes = offset_bytes, size_bytes
+    layer.storage_offset = storage_offset
+
+
+# Each refusal of a layer's facts: (edit of a valid request, code, field, reason). A check dropped here
+# bound a cache the steps then index past (pages, shape, count) or read in the wrong dtype or order.
+_IPA, _FP = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+_REFUSALS = {
+    "engine_rank": (lambda r, kv: setattr(r.engine, "engine_rank", 1), _FP, "engine.engine_rank", "RANK_MISMATCH"),
+    "tp_size": (lambda r, kv: setattr(r.engine, "tp_size", 2), _FP, "engine.tp_size", "TP_MISMATCH"),
+    "page_size": (lambda r, kv: setattr(r, "page_size", 0), _IPA, "page_size", "INVALID_FIELD"),
+    "count": (lambda r, kv: r.layers.pop(), _IPA, "layers", "INVALID_FIELD"),
+    "order": (lambda r, kv: setattr(r.layers[1], "layer", 2), _IPA, "layers[1].layer", "INVALID_FIELD"),
+    "dtype": (lambda r, kv: setattr(r.layers[2], "dtype", pb.DTYPE_BF16), _IPA, "layers[2].dtype", "INVALID_FIELD"),
+    "unknown dtype": (lambda r, kv: setattr(r.layers[2], "dtype", 999), _IPA, "layers[2].dtype", "INVALID_FIELD"),
+    "heads": (lambda r, kv: r.layers[2].shape.__setitem__(3, 2), _IPA, "layers[2].shape", "INVALID_FIELD"),
+    "strides count": (lambda r, kv: _shorten(r.layers[2]), _IPA, "layers[2].strides", "INVALID_FIELD"),
+    "no pages": (lambda r, kv: r.layers[0].shape.__setitem__(1, 0), _IPA, "layers[0].shape", "INVALID_FIELD"),
+    "fewer pages": (lambda r, kv: r.layers[2].shape.__setitem__(1, 2), _IPA, "layers[2].shape", "INVALID_FIELD"),
+    # The handle maps fewer bytes than the view needs (the segment has them: torch alone would allow it).
+    "short": (lambda r, kv: _place(r.layers[2], 0, kv - 4), _IPA, "layers[2]", "INVALID_FIELD"),
+    # A negative offset reached the bytes before the handle's offset_bytes.
+    "negative offset": (lambda r, kv: _place(r.layers[2], 4096, kv, -1024), _IPA, "layers[2]", "INVALID_FIELD"),
+    "offset past the end": (lambda r, kv: _place(r.layers[2], kv + 1, 0), _IPA, "layers[2].memory", "INVALID_FIELD"),
+    "size below offset": (lambda r, kv: _place(r.layers[2], 4096, 64), _IPA, "layers[2].memory", "INVALID_FIELD"),
+}
+
+
+@pytest.mark.parametrize("case", [*_REFUSALS, "over a region"])
+def test_a_refused_bind_names_its_field_maps_nothing_and_the_binding_in_place_stands(case):
+    cfg = load_config("tiny")
+    shape = kv_layer_shape(cfg, 1, 4, 16)
+    segs = [memory.shm_empty(shape, torch.float32) for _ in range(2 * cfg.num_hidden_layers)]
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
+    try:
+        L = cfg.num_hidden_layers
+        kv = mem.bind(_bind_request([_layer(i, s.tensor) for i, s in enumerate(segs[:L])]))
+        req = _bind_request([_layer(i, s.tensor) for i, s in enumerate(segs[L:])])
+        if case == "over a region":  # the cache over a registered region: mapped, then refused under the lock
+            mem.register(pb.RegisterBuffersRequest(regions=[pb.BufferRegion(
+                name="hidden_states", memory=memory.export_handle(segs[L + 3].tensor), size_bytes=64)]))
+            code, field, reason = _IPA, "layers[3].memory", "INVALID_FIELD"
+        else:
+            edit, code, field, reason = _REFUSALS[case]
+            edit(req, segs[0].tensor.numel() * 4)
+        before = [_maps_of(s.segment.name) for s in segs]
+        with pytest.raises((SidecarError, memory.HandleError)) as err:
+            mem.bind(req)
+        e = as_sidecar_error(err.value)
+        assert (e.code, e.field, e.reason) == (code, field, reason), e
+        assert [_maps_of(s.segment.name) for s in segs] == before
+        assert mem.kv is kv and mem.check(kv.binding_id, kv.generation) is kv and len(kv.layers) == L
+    finally:
+        mem.close()
+        for s in segs:
+            s.close()
+
+
+@pytest.mark.parametrize("where", ["before mapping", "by MappedMemory"])
+def test_each_handle_a_refused_bind_never_opened_is_given_back_once(monkeypatch, where):
+    """Layer 2 refused, before MappedMemory saw its handle (a dtype) or by MappedMemory itself (a CUDA IPC
+    handle on a CPU rank: it gives that one back): layers 2.. go back to the engine, each exactly once (a
+    second give-back of torch's producer reference frees a block another consumer still maps)."""
+    released = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
+                        lambda handle, offset, **kw: released.append(handle), raising=False)
+    cfg = load_config("tiny")
+    segs = [memory.shm_empty(kv_layer_shape(cfg, 1, 4, 16), torch.float32) for _ in range(2)]
+    try:
+        layers = [_layer(i, s.tensor) for i, s in enumerate(segs)]
+        for i in range(2, cfg.num_hidden_layers):
+            layer = _layer(i, segs[0].tensor)
+            layer.memory.CopyFrom(pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(
+                ipc_handle=b"h", storage_size_bytes=64, ref_counter_handle=b"/torch_c%d" % i, ref_counter_offset=8)))
+            layers.append(layer)
+        if where == "before mapping":
+            layers[2].dtype = pb.DTYPE_BF16
+        mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
+        with pytest.raises((SidecarError, memory.HandleError)) as err:
+            mem.bind(_bind_request(layers))
+        assert as_sidecar_error(err.value).field.startswith("layers[2]"), err.value
+        assert released == [b"/torch_c%d" % i for i in range(2, cfg.num_hidden_layers)] and mem.kv is None
+    finally:
+        for s in segs:
+            s.close()
+
+
+def test_a_replaced_or_released_binding_is_unmapped_and_its_generation_refused():
+    """BindKV again: the old cache is closed (through retire), the new generation is greater and the old
+    one is STALE; UnbindKV of another id changes nothing, of the current one unmaps it."""
+    cfg = load_config("tiny")
+    L = cfg.num_hidden_layers
+    segs = [memory.shm_empty(kv_layer_shape(cfg, 1, 4, 16), torch.float32) for _ in range(2 * L)]
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
+    try:
+        idle = [_maps_of(s.segment.name) for s in segs]
+        first = mem.bind(_bind_request([_layer(i, s.tensor) for i, s in enumerate(segs[:L])]))
+        gen1, id1 = first.generation, first.binding_id
+        del first
+        retired = []  # RankLoop.after_device: the old cache is closed once the device no longer reads it
+        second = mem.bind(_bind_request([_layer(i, s.tensor) for i, s in enumerate(segs[L:])]), retired.append)
+        assert len(retired) == 1 and [_maps_of(s.segment.name) for s in segs] == [n + 1 for n in idle]
+        retired.pop()()
+        assert [_maps_of(s.segment.name) for s in segs] == idle[:L] + [n + 1 for n in idle[L:]]
+        assert second.generation > gen1 and mem.check(second.binding_id, second.generation) is second
+        for bid, gen, reason, field in ((second.binding_id, gen1, "STALE_BINDING", "binding_generation"),
+                                        (id1, second.generation, "UNKNOWN_BINDING", "binding_id")):
+            with pytest.raises(SidecarError) as err:
+                mem.check(bid, gen)
+            assert (err.value.code, err.value.reason, err.value.field) == (_FP, reason, field), err.value
+        with pytest.raises(SidecarError) as err:
+            mem.unbind(id1)
+        assert (err.value.code, err.value.reason) == (_FP, "UNKNOWN_BINDING") and mem.kv is second
+        mem.unbind(second.binding_id, retired.append)
+        del second
+        assert len(retired) == 1 and mem.kv is None
+        retired.pop()()
+        assert [_maps_of(s.segment.name) for s in segs] == idle and mem.kv is None
+        with pytest.raises(SidecarError) as err:
+            mem.check(id1, gen1)
+        assert err.value.reason == "NOT_BOUND"
+    finally:
+        mem.close()
         for s in segs:
             s.close()

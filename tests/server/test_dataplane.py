@@ -364,3 +364,82 @@ def test_a_registration_whose_answer_the_engine_lost_is_released_by_its_owner(tm
             assert eng.stubs[0].GetStatus(pb.GetStatusRequest(), timeout=10).serving
         finally:
             eng.close()
+
+
+def _maps_here(name: str) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(name in line for line in maps)
+
+
+@pytest.mark.parametrize("refusal", ["count", "size 0", "size past the mapping", "handle"])
+def test_a_refused_registration_maps_nothing_and_gives_each_unopened_handle_back_once(monkeypatch, refusal):
+    """RegisterBuffers is all or none: a refused request leaves none of its regions mapped, names the
+    field, and gives the engine back each CUDA IPC handle it never opened exactly once (MappedMemory gives
+    back the one it refuses itself; a second give-back frees a block another consumer still maps)."""
+    import grpc
+
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.server.errors import SidecarError, as_sidecar_error
+    from dspark_sidecar.server.kv_binding import MAX_REGIONS, MemoryBindings
+
+    released = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
+                        lambda handle, offset, **kw: released.append(handle), raising=False)
+    seg = memory.shm_empty((4096,), torch.uint8)
+    mem = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    try:
+        def shm(size=4096):
+            return pb.BufferRegion(name="shm", memory=memory.export_handle(seg.tensor), size_bytes=size)
+
+        def ipc(i):
+            return pb.BufferRegion(name="ipc", size_bytes=64, memory=pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(
+                ipc_handle=b"h", storage_size_bytes=64, ref_counter_handle=b"/torch_r%d" % i, ref_counter_offset=8)))
+
+        ids = mem.register(pb.RegisterBuffersRequest(regions=[shm() for _ in range(MAX_REGIONS)]))  # the most
+        assert len(set(ids)) == MAX_REGIONS
+        mem.unregister(ids)
+        before = _maps_here(seg.segment.name)
+        if refusal == "count":
+            regions, want = [shm(), *(ipc(i) for i in range(1, MAX_REGIONS + 1))], (grpc.StatusCode.OUT_OF_RANGE, "regions")
+            given = list(range(1, MAX_REGIONS + 1))
+        elif refusal == "handle":
+            regions, want, given = [shm(), ipc(1), ipc(2)], (grpc.StatusCode.INVALID_ARGUMENT, "regions[1].memory"), [1, 2]
+        else:
+            size = 0 if refusal == "size 0" else 4097
+            regions, want, given = [shm(), shm(size), ipc(2)], (grpc.StatusCode.INVALID_ARGUMENT, "regions[1].size_bytes"), [2]
+        with pytest.raises((SidecarError, memory.HandleError)) as err:
+            mem.register(pb.RegisterBuffersRequest(regions=regions))
+        e = as_sidecar_error(err.value)
+        assert (e.code, e.field) == want, e
+        assert released == [b"/torch_r%d" % i for i in given]
+        assert _maps_here(seg.segment.name) == before and mem.region_count == 0
+    finally:
+        mem.close()
+        seg.close()
+
+
+def test_a_region_slice_is_resolved_at_its_own_bytes_or_refused():
+    """MemoryBindings.resolve: a slice is viewed at exactly its offset_bytes, inside the region's size_bytes;
+    an offset not aligned for the dtype is refused, not rounded down to the element before it (which
+    would read or write the bytes in front of the slice the step named)."""
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.server.kv_binding import MemoryBindings
+
+    seg = memory.shm_empty((4096,), torch.uint8)
+    mem = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    try:
+        h = memory.export_handle(seg.tensor)
+        h.shm.offset_bytes = 1024
+        rid, = mem.register(pb.RegisterBuffersRequest(regions=[pb.BufferRegion(name="r", memory=h, size_bytes=256)]))
+        seg.tensor.view(torch.float32).copy_(torch.arange(1024, dtype=torch.float32))  # float k at byte 4k
+        view = mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=8), torch.float32, (2, 3), "output")
+        assert view.is_contiguous() and view.flatten().tolist() == [258.0 + k for k in range(6)], view
+        for offset, shape, why in ((6, (2,), "not aligned"), (0, (65,), "view needs"), (252, (2,), "view needs")):
+            with pytest.raises(ValueError, match=why):
+                mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=offset), torch.float32, shape, "output")
+        with pytest.raises(ValueError, match="not registered"):
+            mem.resolve(pb.RegionSlice(region_id=rid + 1), torch.float32, (2,), "output")
+        del view
+    finally:
+        mem.close()
+        seg.close()

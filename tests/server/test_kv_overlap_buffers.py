@@ -111,6 +111,10 @@ def test_a_region_over_the_kv_cache_is_refused(rig, name):
     regions = [pb.BufferRegion(name=name, memory=_handle(seg), size_bytes=4097)]
     assert "layers[4]" in _refused(eng.stubs[0].RegisterBuffers, pb.RegisterBuffersRequest(regions=regions),
                                    "regions[0].memory")
+    # Its first byte on the layer's last one (the high byte of its last float): refused too.
+    regions = [pb.BufferRegion(name=name, memory=_handle(seg, 4096 + _kv_bytes(cfg) - 1), size_bytes=1)]
+    assert "layers[4]" in _refused(eng.stubs[0].RegisterBuffers, pb.RegisterBuffersRequest(regions=regions),
+                                   "regions[0].memory")
     # Side by side, it registers.
     regions = [pb.BufferRegion(name=name, memory=_handle(seg), size_bytes=4096)]
     assert len(eng.stubs[0].RegisterBuffers(pb.RegisterBuffersRequest(regions=regions), timeout=TIMEOUT_S).region_ids) == 1
@@ -233,3 +237,30 @@ def test_one_segment_holding_page_regions_and_cache_side_by_side_serves(rig):
     # The reverse order: a new binding of the same layers after the regions and the page.
     assert eng.stubs[0].BindKV(eng.bind_request(0, views), timeout=TIMEOUT_S).binding_id
     _serves(eng, cfg, embed, 51)
+
+
+def test_a_page_over_a_page_still_attached_is_refused_until_it_lets_go():
+    """claim_page: a replaced doorbell's page is its own until its thread stops (release_page); a new page
+    over it meanwhile is refused, one beside it is not."""
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.server.errors import SidecarError
+    from dspark_sidecar.server.kv_binding import MemoryBindings
+
+    cpu = torch.device("cpu")
+    mem = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, cpu)
+    used = bell.HEADER + 2 * CAP
+    seg = memory.shm_empty((2 * used,), torch.uint8)
+    pages = [memory.MappedMemory(_handle(seg, off), "page", cpu) for off in (0, 64, used)]
+    try:
+        mem.claim_page(pages[0], used)
+        with pytest.raises(SidecarError) as err:
+            mem.claim_page(pages[1], used)
+        assert (err.value.code, err.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, "page"), err.value
+        assert "still attached" in err.value.message and f"bytes 0..{used}" in err.value.message, err.value.message
+        mem.claim_page(pages[2], used)  # beside it
+        mem.release_page(pages[0])
+        mem.claim_page(pages[1], used - 64)  # its bytes are free now (and end where the third page starts)
+    finally:
+        for p in pages:
+            p.close()
+        seg.close()
