@@ -112,8 +112,12 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
                 # failed all the same, as when every rank exits by itself (above): 0 here hid it.
                 return _stop_result(codes, _STARTUP_STOPPED)
             if stopping and time.monotonic() > stop_deadline:
-                log.error("ranks still running %.0f s after SIGTERM; killing them", serving_grace)
+                # Named, as the start-up stop's kill names them: the wedged rank(s), and (_stop_result) any that
+                # failed in its drain meanwhile; "ranks still running" alone said neither which nor how.
+                log.error("rank(s) %s still running %.0f s after SIGTERM; killing them",
+                          [r for r, c in enumerate(codes) if c is None], serving_grace)
                 _terminate(procs, grace_s=0.0)
+                _stop_result(codes, (0,))
                 return 1
             dead = [(r, c) for r, c in enumerate(codes) if c is not None]
             if dead and not stopping:

@@ -576,3 +576,92 @@ def test_a_backend_a_rank_cannot_run_is_one_line_and_exit_2(tmp_path, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "1")
     _refused(["serve", "--tp", "1", "--backend", "triton", "--random-weights", "--socket-dir", str(tmp_path / "sock")],
              capsys, "--backend triton: Triton backend needs a GPU")
+
+
+def test_a_port_this_user_may_not_bind_is_exit_2_not_75(monkeypatch):
+    """A privileged port for a user without CAP_NET_BIND_SERVICE (EACCES): no restart frees it, so exit 2
+    (ServeConfigError), which systemd's unit does not restart; 75 (AddressInUse) is for a port held now."""
+    import errno
+
+    from dspark_sidecar.server.config import AddressInUse
+
+    class Denied(socket.socket):
+        def bind(self, addr):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(preflight.socket, "socket", Denied)
+    with pytest.raises(ServeConfigError, match=r"--tcp-base-port: cannot listen on 127\.0\.0\.1:80: Permission denied; "
+                                               "choose another port") as err:
+        preflight.check_port("--tcp-base-port", "127.0.0.1", 80)
+    assert not isinstance(err.value, AddressInUse) and err.value.exit_status == 2
+
+
+def test_serve_reports_the_group_serving_only_once_every_rank_serves(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """The launcher's readiness probe (cli.py): with rank 0 SERVING and rank 1 still loading the group does not
+    serve yet. Taken for serving, "TP 2 serving" went out early (a script waiting for it then reached a rank
+    still loading) and the launcher stopped the group with the serving drain's grace, not the start-up stop."""
+    from dspark_sidecar.server import healthcheck
+
+    states = {"rank0.sock": "SERVING", "rank1.sock": "NOT_SERVING"}
+    monkeypatch.setattr(healthcheck, "check", lambda target, timeout: states[Path(target).name])
+    probes = []
+    monkeypatch.setattr(launcher, "launch", lambda cfg, argv, on_ready=None: probes.append(on_ready) or 0)
+    argv = ["serve", "--tp", "2", "--device", "cpu", "--socket-dir", str(tmp_path / "sock"),
+            "--checkpoint", str(tiny_ckpt[0]), "--target-checkpoint", str(tiny_ckpt[1])]
+    assert cli.main(argv) == 0
+    (ready,) = probes
+    assert ready() is False and "serving" not in capsys.readouterr().out
+    states["rank1.sock"] = "SERVING"
+    assert ready() is True and "dspark-sidecar: TP 2 serving" in capsys.readouterr().out
+
+
+def test_every_rank_s_ports_are_checked_not_rank_0_s_only(monkeypatch):
+    """Rank r listens on BASE + r: a check of rank 0's port alone let a busy BASE + 1 through, and rank 1
+    refused it only seconds into its start, once per serve."""
+    checked = []
+    monkeypatch.setattr(preflight, "check_port", lambda flag, host, port, who="": checked.append((flag, port)))
+    preflight.check_ports(ServeConfig(tp=2, tcp_base_port=50051, metrics_port=50061))
+    assert checked == [("--tcp-base-port", 50051), ("--tcp-base-port", 50052), ("--metrics-port", 50061),
+                       ("--metrics-port", 50062), ("--master-addr/--master-port", 0)]
+
+
+def test_a_live_socket_of_any_rank_is_refused_before_launch(tmp_path):
+    """Not rank 0's socket only: a sidecar serving on rank1.sock is refused in the parent (exit 75), its
+    socket left alone."""
+    cfg = ServeConfig(tp=2, socket_dir=tmp_path)
+    with socket.socket(socket.AF_UNIX) as live:
+        live.bind(str(cfg.socket_path(1)))
+        live.listen()
+        with pytest.raises(ServeConfigError, match=f"a sidecar is already serving on {cfg.socket_path(1)}") as err:
+            preflight.check_socket_dir(cfg)
+        assert err.value.exit_status == 75 and cfg.socket_path(1).is_socket()
+
+
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"), TimeoutError("timed out")])
+def test_a_socket_that_gives_no_clear_answer_is_taken_for_live_and_kept(error, tmp_path, monkeypatch):
+    """Only a refused connection makes a socket file stale. Another user's socket (EACCES) or one whose server
+    is too busy to accept in time may be served on: removed, that server was cut off for good."""
+    cfg = ServeConfig(tp=1, socket_dir=tmp_path)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(cfg.socket_path(0)))  # not listening: only the connect's answer below says otherwise
+
+    class Unclear(socket.socket):
+        def connect(self, addr):
+            raise error
+
+    monkeypatch.setattr(preflight.socket, "socket", Unclear)
+    preflight.remove_stale_socket(cfg.socket_path(0))  # the launcher's, after its ranks have gone
+    assert cfg.socket_path(0).is_socket()
+    with pytest.raises(ServeConfigError, match="a sidecar is already serving on"):  # a rank's (claims it)
+        preflight.claim_socket(cfg, 0)
+    assert cfg.socket_path(0).is_socket()
+
+
+def test_a_rank_started_with_another_world_size_than_tp_is_exit_2(tmp_path):
+    """torchrun --nproc-per-node 2 with --tp 4: every rank refuses in one line, exit 2 (no restart fixes it),
+    before it listens; the group of 2 otherwise waited for ranks that were never started."""
+    from dspark_sidecar.server import app
+
+    with pytest.raises(ServeConfigError, match=r"--tp 4: 2 ranks were started \(WORLD_SIZE 2\)") as err:
+        app.serve_rank(ServeConfig(tp=4, device="cpu", socket_dir=tmp_path), 0, 2, 0)
+    assert err.value.exit_status == 2 and not list(tmp_path.iterdir())

@@ -148,6 +148,8 @@ def test_a_serving_group_s_stop_waits_out_a_long_drain(tmp_path, monkeypatch):
     from dspark_sidecar.server import launcher
 
     monkeypatch.setattr(launcher, "DRAIN_GRACE_S", 0.5)
+    # Shorter than the drain: a serving group stopped under the start-up bound is killed inside it.
+    monkeypatch.setattr(launcher, "STARTUP_STOP_S", 0.5)
     # A serving rank: handler set, drains for its --drain-s (2 s), then exits 0.
     _fake_ranks(monkeypatch, _serving_rank(tmp_path, "lambda *a: (time.sleep(2.0), sys.exit(0))"))
     serving = threading.Event()
@@ -418,3 +420,70 @@ def test_a_rank_that_fails_during_the_stop_of_a_serving_group_is_named(tmp_path,
     assert code == 1
     assert "sidecar rank 1 exited with code 3 during the stop" in caplog.text, caplog.text
     assert "rank 0" not in caplog.text, caplog.text
+
+
+def test_a_rank_that_dies_while_the_group_serves_is_named_and_takes_the_group_down(tmp_path, monkeypatch, caplog):
+    """Rank 1 exits by itself while the group serves (here with code 2, which a start-up refusal also has):
+    the launcher names it, stops rank 0 and exits 1, so a supervisor restarts the group. Passing the 2 on
+    (a refusal's code, which systemd's unit never restarts) or not looking at the ranks once serving left a
+    group that can never step again running, or stopped for good."""
+    rank = ("import os, pathlib, signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+            f"d = pathlib.Path({str(tmp_path)!r})\n"
+            "(d / ('ready-' + os.environ['RANK'])).touch()\n"
+            "if os.environ['RANK'] == '1':\n"
+            "    deadline = time.monotonic() + 30\n"
+            "    while not (d / 'serving').exists() and time.monotonic() < deadline:\n"
+            "        time.sleep(0.02)\n"
+            "    sys.exit(2)\n"
+            "while True: time.sleep(0.05)\n")
+    _fake_ranks(monkeypatch, rank)
+    serving = threading.Event()
+    ready = _ready_when_both_marked(tmp_path, serving)
+
+    def on_ready() -> bool:
+        if ready():
+            (tmp_path / "serving").touch()  # rank 1 dies only once the launcher has seen the group serving
+            return True
+        return False
+
+    returned = threading.Event()
+
+    def hang_guard() -> None:  # a launcher that never noticed: stopped, so the test fails rather than hangs
+        if not returned.wait(30):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=hang_guard, daemon=True).start()
+    try:
+        with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+            code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [], on_ready=on_ready, poll_s=0.05)
+    finally:
+        returned.set()
+    assert code == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "sidecar rank 1 exited with code 2; stopping the group (2 ranks)"], caplog.text
+
+
+
+def test_the_kill_of_a_wedged_serving_rank_names_it_and_a_rank_that_failed_in_its_drain(tmp_path, monkeypatch, caplog):
+    """A serving group stopped: rank 0 fails in its drain (exits 3), rank 1 is wedged and killed --drain-s +
+    DRAIN_GRACE_S later. The launcher's one line was "ranks still running 60 s after SIGTERM": neither the
+    wedged rank nor the failed one was named (the docstring and a stop without the kill name both)."""
+    from dspark_sidecar.server import launcher
+
+    monkeypatch.setattr(launcher, "DRAIN_GRACE_S", 0.5)
+    on_sigterm = "(lambda *a: sys.exit(3)) if os.environ['RANK'] == '0' else signal.SIG_IGN"
+    _fake_ranks(monkeypatch, _serving_rank(tmp_path, on_sigterm))
+    serving = threading.Event()
+
+    def stop_once_serving() -> None:
+        serving.wait(30)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_serving, daemon=True).start()
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+        code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [],
+                      on_ready=_ready_when_both_marked(tmp_path, serving), poll_s=0.05)
+    assert code == 1
+    assert "rank(s) [1] still running" in caplog.text and "killing them" in caplog.text, caplog.text
+    assert "sidecar rank 0 exited with code 3 during the stop" in caplog.text, caplog.text

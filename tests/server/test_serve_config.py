@@ -109,6 +109,10 @@ def test_a_seed_the_synthetic_writer_cannot_use_is_refused_by_flag(seed):
     ({"drain_s": -1}, "--drain-s: must be 0..300, got -1"),
     ({"drain_s": 301}, "--drain-s: must be 0..300, got 301"),
     ({"checkpoint": "/ckpt/dspark"}, "--target-checkpoint: required with --checkpoint"),
+    ({"startup_timeout_s": 0}, "--startup-timeout-s: must be 1..86400, got 0"),  # new_group's 0: every wait fails
+    ({"startup_timeout_s": 86_401}, "--startup-timeout-s: must be 1..86400, got 86401"),
+    # Rank 0's store and rank 1's gRPC listener would meet on it: the second to bind refused to start.
+    ({"tp": 2, "tcp_base_port": 50051, "master_port": 50052}, "--master-port: port 50052 is also --tcp-base-port's"),
 ], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
 def test_each_setting_outside_its_range_is_refused_naming_its_flag(kw, message):
     """ServeConfig refuses in __post_init__ (flags, DSPARK_* variables, and programmatic use alike): each

@@ -38,6 +38,13 @@ def _group_alive(pgid: int) -> bool:
     return any(stat[:1] != "Z" for stat in out.split())
 
 
+def _board_mappings(launcher_pid: int) -> list[str]:
+    """The rendezvous board's lines in /proc/PID/maps of the launcher's ranks."""
+    ranks = subprocess.run(["ps", "-o", "pid=", "--ppid", str(launcher_pid)], capture_output=True, text=True).stdout
+    return [line for pid in ranks.split() for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if "/dev/shm/dspark-rdv-" in line]
+
+
 def _kill(p: subprocess.Popen) -> None:
     try:
         os.killpg(p.pid, signal.SIGKILL)
@@ -60,6 +67,10 @@ def test_a_second_serve_on_a_live_socket_dir_is_refused_and_the_first_keeps_serv
     second = None
     try:
         _wait_for(lambda: check(f"unix:{sock / 'rank0.sock'}", 0.5) == "SERVING", 60, first)
+        # Rank 0 removes the rendezvous board's name once every rank has it mapped: a serving group leaves
+        # nothing in /dev/shm that a kill -9 would leave behind (rendezvous.Board).
+        boards = _board_mappings(first.pid)
+        assert boards and all(m.endswith("(deleted)") for m in boards), boards
         ino = (sock / "rank0.sock").stat().st_ino
         second = _serve(sock, tiny_ckpt)
         out, err = second.communicate(timeout=30)

@@ -102,3 +102,34 @@ def test_a_rank_refused_its_tcp_port_removes_its_socket_file(tmp_path):
                            env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 75 and "--tcp-base-port: rank 0 cannot listen on" in p.stderr, p.stderr
     assert not list(sock.glob("*.sock")), "a rank refused its TCP port left its socket file"
+
+
+def test_serve_rank_bounds_the_start_up_group_by_startup_timeout_s(tmp_path, monkeypatch):
+    """The tests above give StartUp.group their bound themselves: serve_rank passing another one (the world
+    group's --dist-timeout-s, 60 s) failed a rank whose load ran a minute behind its peers', and a larger one
+    held the group past the bound README gives --startup-timeout-s. Here up to the start-up group, stubbed."""
+    from dspark_sidecar.server import app
+    from dspark_sidecar.server.config import ServeConfig
+
+    class Made(Exception):
+        pass
+
+    bounds = []
+
+    def group(self, bound_s):
+        bounds.append(bound_s)
+        raise Made
+
+    monkeypatch.setattr(app.StartUp, "group", group)
+    monkeypatch.setattr(app, "join_group", lambda *a, **k: None)
+    monkeypatch.setattr(app, "_start_grpc", lambda *a, **k: None)  # no listener in the test process
+    monkeypatch.setattr(app.signal, "signal", lambda *a: None)  # nor the rank's signal handlers
+    monkeypatch.setattr(app.faulthandler, "register", lambda *a, **k: None)
+    monkeypatch.setattr(app.torch, "set_num_threads", lambda n: None)
+    monkeypatch.delenv("DSPARK_LAUNCHER_PID", raising=False)
+    cfg = ServeConfig(tp=1, device="cpu", socket_dir=tmp_path, dist_timeout_s=7, startup_timeout_s=42)
+    try:
+        app.serve_rank(cfg, 0, 1, 0)
+    except Made:
+        pass
+    assert bounds == [42]
