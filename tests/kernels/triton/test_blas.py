@@ -37,6 +37,9 @@ def test_vendor_norm_linear(device, shape, swiglu, seed, parity):
            else reference.norm_linear(x, nw, EPS, w))
     out = blas.norm_linear(x, NormFolded.fold(w, nw), nw, EPS, (ALPHA, LIMIT) if swiglu else None)
     parity(out, ref)
+    # x as a view of a wider tensor (row stride past k): the finalize reads each row of x at k apart.
+    wide = torch.cat([x, x.flip(0)], dim=1)[:, :k]
+    assert torch.equal(blas.norm_linear(wide, NormFolded.fold(w, nw), nw, EPS, (ALPHA, LIMIT) if swiglu else None), out)
 
 
 def test_vendor_norm_linear_refuses_another_norm(device):
@@ -118,6 +121,22 @@ def test_what_the_vendor_route_takes(monkeypatch):
     monkeypatch.setattr(blas, "PLAIN_MIN_ROWS", 9)
     assert not blas.norm_applies(meta, NormFolded(wm, torch.empty(256, dtype=torch.bfloat16, device="meta")))
     assert not blas.plain_applies(meta, wm)  # 8 rows, below the threshold
+    monkeypatch.setattr(blas, "NORM_MIN_ROWS", 0)  # 0: never, whatever the rows
+    monkeypatch.setattr(blas, "PLAIN_MIN_ROWS", 0)
+    assert not blas.norm_applies(meta, NormFolded(wm, torch.empty(256, dtype=torch.bfloat16, device="meta")))
+    assert not blas.plain_applies(meta, wm)
+
+
+@pytest.mark.parametrize("addmm", [False, True])
+def test_vendor_linear_accumulates_over_the_residual(monkeypatch, addmm):
+    """accumulate=True: the sum written over the residual itself (Ops.linear's contract, no copy of it
+    first), on either route (addmm's epilogue or the reference's maths); the plain torch ops, on the CPU."""
+    monkeypatch.setattr(blas, "ADDMM", addmm)
+    x, w, _, res = _inputs(7, 64, 32, torch.bfloat16, "cpu", 5)
+    fresh = blas.linear(x, w, res)
+    acc = res.clone()
+    assert blas.linear(x, w, acc, accumulate=True).data_ptr() == acc.data_ptr()
+    assert torch.equal(acc, fresh) and not torch.equal(acc, res)
 
 
 def test_the_out_dtype_probe(monkeypatch):

@@ -66,8 +66,14 @@ def test_residual_in_epilogue(device, config, parity):
     out = gemm.gemm(x, w, residual=res, config=CONFIGS[config])
     parity(out, ref)
     assert (out - reference.linear(x, w)).abs().max() > 0.5  # the add happened
+    # Two roundings, as the reference's: the product rounded to bf16, then the sum. Adding the residual
+    # to the fp32 product (one rounding) stays within parity's tolerance but is not the reference's maths.
+    assert torch.equal(out, (gemm.gemm(x, w, config=CONFIGS[config]).float() + res.float()).to(torch.bfloat16))
     with pytest.raises(ValueError, match="residual"):
         gemm.gemm(x, w, residual=res[:, :100])
+    # The kernels read the residual at unit column stride: a column-strided one is refused, not misread.
+    with pytest.raises(ValueError, match="residual"):
+        gemm.gemm(x, w, residual=res.t().contiguous().t())
 
 
 def test_residual_dtype_must_be_the_activations(device):
@@ -97,6 +103,9 @@ def test_sum_written_over_the_residual(device, config):
     assert torch.equal(TRITON_OPS.linear(x, w, res.clone(), accumulate=True), TRITON_OPS.linear(x, w, res))
     with pytest.raises(ValueError, match="out"):
         gemm.gemm(x, w, residual=res, out=torch.empty(21, 200, dtype=torch.float32, device=device))
+    # The right shape and dtype but column-major: written as if row-major, every element misplaced.
+    with pytest.raises(ValueError, match="out"):
+        gemm.gemm(x, w, residual=res, out=torch.empty(200, 21, dtype=torch.bfloat16, device=device).t())
 
 
 @pytest.mark.parametrize(("fp8", "swap"), [(False, False), (True, False), (True, True)],
@@ -171,7 +180,26 @@ def test_swiglu_oai(device, dtype, parity):
     """Gates and ups well past +-7, so both clamps and the unclamped negative gate are exercised."""
     gu = (torch.randn(14, 2 * 96, generator=torch.Generator().manual_seed(4)) * 6.0).to(device, dtype)
     assert (gu[:, :96] > LIMIT).any() and (gu[:, 96:] < -LIMIT).any() and (gu[:, :96] < -LIMIT).any()
-    parity(TRITON_OPS.swiglu_oai(gu, ALPHA, LIMIT), reference.swiglu_oai(gu, ALPHA, LIMIT))
+    out = TRITON_OPS.swiglu_oai(gu, ALPHA, LIMIT)
+    parity(out, reference.swiglu_oai(gu, ALPHA, LIMIT))
+    # A column-major gate|up (the kernel reads rows at unit stride): the same result.
+    assert torch.equal(TRITON_OPS.swiglu_oai(gu.t().contiguous().t(), ALPHA, LIMIT), out)
+
+
+@pytest.mark.parametrize("config", ["split1", "split3"])
+def test_norm_eps_counts_for_rows_of_small_magnitude(device, config, parity):
+    """rsqrt(mean(x^2) + eps) on rows whose mean square is about eps (x ~ 1e-3), and a zero row (0, where
+    rsqrt(0) would make it NaN): at unit-size activations an eps dropped or misscaled in the direct
+    epilogue or the finalize is invisible. One column tile (32 <= block_n) with three K-ranges: the
+    partial sums of squares are stored by the only column tile there is."""
+    x, w, nw = _inputs(7, 192, 32, torch.float32, device, seed=21)
+    x = x * 5e-4
+    x[2] = 0.0
+    cfg = CONFIGS[config]
+    assert gemm._tiling(x, w, 32, False, cfg)[1] == cfg.split_k
+    parity(gemm.gemm(x, w, nw, EPS, config=cfg), reference.norm_linear(x, nw, EPS, w))
+    parity(gemm.gemm(x, NormFolded.fold(w, nw), nw, EPS, swiglu=(ALPHA, LIMIT), config=cfg),
+           reference.norm_linear_swiglu(x, nw, EPS, w, ALPHA, LIMIT))
 
 
 def test_plan_fills_an_h200():

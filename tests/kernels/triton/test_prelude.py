@@ -15,7 +15,9 @@ from helpers.far_cache import WRAP, far_cache  # noqa: E402
 EPS, THETA = 1e-6, 5_000_000.0
 # (q_heads, kv_heads, head_dim, rotary_dim): the TP-4 rank shard's heads with a small head,
 # and the tiny preset's 128-wide head (64 rotary dims) with GQA group 2.
-HEADS = [(4, 1, 32, 16), (2, 1, 128, 64), (8, 4, 128, 64)]
+# A head of 96 (not a power of two: masked tails) rotated over all its dims (rotary_dim == head_dim,
+# which the config allows).
+HEADS = [(4, 1, 32, 16), (2, 1, 128, 64), (8, 4, 128, 64), (2, 1, 96, 96)]
 PAGE, PAGES = 16, 12
 
 
@@ -121,6 +123,30 @@ def test_rms_norm(device, width, dtype, parity):
     x = (torch.randn(7, width, generator=gen) * 5.0).to(device, dtype)
     w = (torch.randn(width, generator=gen) * 0.1).to(device, dtype)
     parity(TRITON_OPS.rms_norm(x, w, EPS), reference.rms_norm(x, w, EPS))
+
+
+def test_norm_eps_counts_for_rows_of_small_magnitude(device, parity):
+    """rsqrt(mean(x^2) + eps) with heads and rows whose mean square is about eps (values ~ 1e-3) and a
+    zero row: at unit-size activations an eps dropped from the q/k norm, the qkv input norm finished in
+    the prelude, or rms_norm is invisible."""
+    qkv, qn, kn, cos, sin, kv, slots = _case(4, 1, 32, 16, 6, torch.float32, device, seed=24)
+    qkv = qkv * 3e-4
+    qkv[1] = 0.0
+    kv_ref = kv.clone()
+    q_ref = reference.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv_ref, slots, 4, 1)
+    parity(TRITON_OPS.attn_prelude(qkv, qn, kn, cos, sin, EPS, kv, slots, 4, 1), q_ref)
+    parity(kv, kv_ref)
+    gen = torch.Generator().manual_seed(25)
+    x = (torch.randn(6, 192, generator=gen) * 1e-3).to(device)
+    x[4] = 0.0
+    nw = (torch.randn(192, generator=gen) * 0.1).to(device)
+    parity(TRITON_OPS.rms_norm(x, nw, EPS), reference.rms_norm(x, nw, EPS))
+    w = (torch.randn(6 * 32, 192, generator=gen) * 192 ** -0.5).to(device)
+    kv_ref = kv.clone()
+    parts = gemm.norm_linear_partials(x, w, nw, EPS, config=gemm.GemmConfig(16, 64, 64, 3))
+    q_ref = reference.norm_qkv_prelude(x, nw, EPS, w, qn, kn, cos, sin, kv_ref, slots, 4, 1)
+    parity(TRITON_OPS.attn_prelude(parts, qn, kn, cos, sin, EPS, kv, slots, 4, 1), q_ref)
+    parity(kv, kv_ref)
 
 
 def test_rms_norm_weight_must_match_the_row(device, parity):
