@@ -151,3 +151,21 @@ def test_the_teardown_waits_one_bound_for_a_stuck_step_not_one_per_stop(held, mo
     assert not stuck, "close() waited a second bound for the step the shutdown already gave up on"
     assert not step_ended  # close() returned while the step still ran: it did not wait for it
     assert t1 - t0 >= bound * 0.9  # the first call did wait its bound
+
+
+def test_close_alone_stops_the_steps(held):
+    """close() without the teardown's stop_steps first (it calls it itself): no worker is left to take a step."""
+    held.loop.close()
+    assert not held.loop._worker.is_alive(), "close() left the worker taking steps"
+    _refused(held.loop.submit(pb.DraftStepRequest(step_id=2)))
+
+
+def test_a_drain_whose_bound_has_passed_returns_at_once(held):
+    """close() passes drain the time left to its deadline, which may have passed by the call (its sleep):
+    a negative bound means no wait, not a ValueError out of the teardown."""
+    assert held.loop.drain(-0.5) is True  # the lock is free: the sweep ran
+    held.loop.submit(pb.DraftStepRequest(step_id=1))
+    assert held.started.wait(5)
+    t0 = time.monotonic()
+    assert held.loop.drain(-0.5) is False  # a step holds the lock
+    assert time.monotonic() - t0 < 1
