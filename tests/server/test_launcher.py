@@ -61,6 +61,16 @@ def _ready_when_both_marked(tmp_path, serving: threading.Event):
     return on_ready
 
 
+def _sigterm_once_serving(serving: threading.Event, after_s: float = 0.0) -> None:
+    """Stop the launcher (SIGTERM to this process, as a supervisor would) once `serving` is set, after_s later."""
+    def stop() -> None:
+        serving.wait(30)
+        time.sleep(after_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
+
+
 @pytest.mark.parametrize("poll_s", [0.2, 4.0])
 def test_a_rank_that_refuses_to_start_stops_the_group_with_exit_2_and_no_second_line(caplog, capfd, poll_s):
     # The parent checks flags, sockets and ports before launch; a rank can still refuse (a port taken
@@ -155,12 +165,7 @@ def test_a_serving_group_s_stop_waits_out_a_long_drain(tmp_path, monkeypatch):
     serving = threading.Event()
     on_ready = _ready_when_both_marked(tmp_path, serving)
 
-    def stop_once_serving() -> None:
-        serving.wait(30)
-        time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=stop_once_serving, daemon=True).start()
+    _sigterm_once_serving(serving, after_s=0.2)
     code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=2.0), [], on_ready=on_ready, poll_s=0.05)
     assert code == 0, "the ranks were killed inside their drain"
 
@@ -408,12 +413,7 @@ def test_a_rank_that_fails_during_the_stop_of_a_serving_group_is_named(tmp_path,
     rank1 = "sys.exit(3) if os.environ['RANK'] == '1' else sys.exit(0)"
     _fake_ranks(monkeypatch, _serving_rank(tmp_path, f"lambda *a: {rank1}"))
     serving = threading.Event()
-
-    def stop_once_serving() -> None:
-        serving.wait(30)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=stop_once_serving, daemon=True).start()
+    _sigterm_once_serving(serving)
     with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
         code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [],
                       on_ready=_ready_when_both_marked(tmp_path, serving), poll_s=0.05)
@@ -464,7 +464,6 @@ def test_a_rank_that_dies_while_the_group_serves_is_named_and_takes_the_group_do
         "sidecar rank 1 exited with code 2; stopping the group (2 ranks)"], caplog.text
 
 
-
 def test_the_kill_of_a_wedged_serving_rank_names_it_and_a_rank_that_failed_in_its_drain(tmp_path, monkeypatch, caplog):
     """A serving group stopped: rank 0 fails in its drain (exits 3), rank 1 is wedged and killed --drain-s +
     DRAIN_GRACE_S later. The launcher's one line was "ranks still running 60 s after SIGTERM": neither the
@@ -475,12 +474,7 @@ def test_the_kill_of_a_wedged_serving_rank_names_it_and_a_rank_that_failed_in_it
     on_sigterm = "(lambda *a: sys.exit(3)) if os.environ['RANK'] == '0' else signal.SIG_IGN"
     _fake_ranks(monkeypatch, _serving_rank(tmp_path, on_sigterm))
     serving = threading.Event()
-
-    def stop_once_serving() -> None:
-        serving.wait(30)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=stop_once_serving, daemon=True).start()
+    _sigterm_once_serving(serving)
     with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
         code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [],
                       on_ready=_ready_when_both_marked(tmp_path, serving), poll_s=0.05)
