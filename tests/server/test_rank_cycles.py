@@ -57,8 +57,12 @@ def test_steps_rebinds_refusals_and_released_buffers_leave_nothing_to_the_collec
             for step in steps:
                 assert all(x is not None and x.HasField("hidden_states") for x in ring_all(bufs, bells, step))
                 step_id += 1
-                assert all(isinstance(x, pb.DraftStepResponse) and x.HasField("hidden_states")
-                           for x in eng.step_all(step_id, step))
+                grpc_answers = eng.step_all(step_id, step)
+                assert all(isinstance(x, pb.DraftStepResponse) and x.HasField("hidden_states") for x in grpc_answers)
+                # The doorbell's answer is the output region's rows: the same bits as the inline answer
+                n = step.inputs_embeds.shape[0]
+                inline = [codec.from_tensor_ref(x.hidden_states, "hidden") for x in grpc_answers]
+                assert all(torch.equal(bufs[r].hidden[:n], inline[r]) for r in range(tp))
             # refused on the doorbell (a stale binding) and over gRPC (a bad tensor)
             stale = ring_all(bufs, bells, steps[0], binding_generation=99)
             assert all(x is not None and x.error.reason == "STALE_BINDING" for x in stale), stale

@@ -208,6 +208,21 @@ def test_a_grpc_step_waits_for_released_work_poking_after_go_not_before(gpu):
         lp.close()
 
 
+def test_a_settle_waits_until_every_poke_has_nothing_waiting(gpu):
+    """Two pokes: a replaced doorbell's old pre-launch stays hooked until its own release has run
+    (Doorbell._drop_prelaunch). The new one passing first must not end the wait for the old one's step."""
+    lp = _loop(1)
+    old = [False, False, True]
+    try:
+        lp.on_device_wait(lambda: True)
+        lp.on_device_wait(lambda: old.pop(0) if old else True)
+        with lp.exclusive(quiesce=False):
+            lp._settle_released()
+        assert old == []
+    finally:
+        lp.close()
+
+
 def test_a_grpc_answer_s_device_wait_pokes_until_the_streams_pass(gpu, monkeypatch):
     """_device_idle (an answer naming an output region): with pokes registered, events on the step's and
     the graphs' streams, polled with the pokes, instead of torch.cuda.synchronize."""
@@ -232,6 +247,18 @@ def test_a_grpc_answer_s_device_wait_pokes_until_the_streams_pass(gpu, monkeypat
         assert all(e.synced == 0 for e in _Event.made)
     finally:
         lp.close()
+
+
+def test_a_doorbell_step_first_runs_the_releases_the_device_has_passed(loop):
+    """A doorbell step (answer_now) takes no exclusive section: its own look (_guarded) is what lets a busy
+    doorbell's released memory go between its steps, not only when its idle loop comes round."""
+    ran = []
+    with loop.exclusive():
+        loop.after_device(lambda: ran.append("release"))
+    _Event.made[0].done = True
+    loop._run = lambda req, *a, **k: ran.append("step") or pb.DraftStepResponse(step_id=req.step_id)
+    assert loop.answer_now(pb.DraftStepRequest(step_id=1)).step_id == 1
+    assert ran == ["release", "step"]
 
 
 def test_the_idle_doorbell_pokes_only_when_asked(loop):

@@ -1,7 +1,8 @@
 """A TP-2 sidecar under one rank's faults, driven over the engines' DraftSteps streams (real processes).
 
 - an engine rank that stops sending: its peer's steps abort within --rendezvous-ms, every time, nothing is
-  written, and the late copy never pairs with a newer step; the next common step is bit-identical;
+  written, and the late copy never pairs with a newer step; the next common step is bit-identical; a copy
+  with other metadata (cache slots) is aborted on both ranks, nothing written (the digest is posted at TP 2 too);
 - a sidecar rank SIGSTOPped past the rendezvous deadline, then SIGCONT: the peer aborts within the deadline,
   the stopped rank's stale step is aborted, and the group drafts the same bits again;
 - a sidecar rank SIGKILLed mid-stream: each of the peer's steps is answered by the deadline's or the exit's
@@ -76,7 +77,7 @@ def _error(ans):
     return ans.error if ans is not None and ans.WhichOneof("result") == "error" else None
 
 
-def test_engine_rank_that_stops_sending_peer_aborts_within_deadline_then_same_bits(rig):
+def test_engine_rank_that_stops_sending_peer_aborts_within_deadline_then_same_bits(rig, tiny_cfg, tiny_embed):
     sc, eng, step, streams, ref = rig
     before = _kv(eng)
     for sid in range(2, 6):  # rank 1's engine has stopped; rank 0's keeps stepping
@@ -98,6 +99,15 @@ def test_engine_rank_that_stops_sending_peer_aborts_within_deadline_then_same_bi
     for r in range(TP):
         assert _error(again[r]) is None, again[r]
         assert torch.equal(codec.from_tensor_ref(again[r].hidden_states, "hidden"), ref[r])
+    # Rank 1's engine sends its copy of step 8 with other (valid, in-bounds) cache slots: no rank may launch it
+    before = _kv(eng)
+    other = scenario.random_step(tiny_cfg, LENS, PAGE, PAGES, tiny_embed, seed=6)
+    split = _both(streams, [eng.request(0, 8, step), eng.request(1, 8, other)])
+    for ans in split:
+        err = _error(ans)
+        assert err is not None and err.code == grpc.StatusCode.ABORTED.value[0], ans
+        assert "ranks disagree on the step's metadata" in err.message, err.message
+    assert _same_kv(eng, before)
 
 
 def test_sigstopped_rank_peer_aborts_in_time_and_group_recovers_after_sigcont(rig):
