@@ -723,15 +723,24 @@ def test_a_sidecar_restarted_between_connect_and_the_first_step_is_seen_by_its_s
     shim, _, _ = make_shim(fake.endpoint)
     try:
         assert shim.connect() is None
+        # The stream is opened at connect() but reaches the sidecar a moment later: one that had not yet when the
+        # sidecar stopped went (gRPC's transparent retry) to the restarted process, so it never ended, and the
+        # step ran there under the old status, unbound (FAILED_PRECONDITION: 2 of 8 runs on a loaded 2-core box).
+        # Before the fix there was no stream at all until the first step: this wait then fails.
+        deadline = time.monotonic() + 10
+        while fake.sidecar.calls["DraftSteps"] == 0:
+            assert time.monotonic() < deadline, "connect() opened no step stream to watch the sidecar process"
+            time.sleep(0.01)
         fake.stop()
         fake.sidecar = FakeSidecar(max_reqs=8)  # restarted with a larger limit
         fake.start()
-        deadline = time.monotonic() + 5  # not asserted: before the fix no stream was there to end
-        while not shim.connection.stream_ended and time.monotonic() < deadline:
+        deadline = time.monotonic() + 10
+        while not shim.connection.stream_ended:
+            assert time.monotonic() < deadline, "the step stream did not end with the sidecar process"
             time.sleep(0.01)
         ids, pos, meta = step_inputs(2)
         with set_forward_context(meta):
-            assert shim.maybe_forward(ids, pos) is not None
+            assert shim.maybe_forward(ids, pos) is not None, dict(shim.stats.fallbacks)
         assert fake.sidecar.calls["GetStatus"] == 1, "the restarted sidecar's status was never read"
         assert shim.connection.status.limits.max_reqs == 8
     finally:

@@ -76,7 +76,10 @@ def test_teardown_during_a_reattach_waits_for_it_and_closes_each_fifo_once(tmp_p
             time.sleep(0.005)
         t = threading.Thread(target=_attach, args=(svc, pages[1]))
         t.start()  # the engine re-attaches: D2 waits in D1.stop() for D1's step
-        time.sleep(0.1)
+        deadline = time.monotonic() + 10  # by state, not by a nap: a teardown first refuses the attach instead
+        while not svc._attach_lock.locked():
+            assert time.monotonic() < deadline, "the re-attach never took the attach lock"
+            time.sleep(0.005)
         svc.close_doorbell()  # SIGTERM's teardown: waits for the attach, then stops D2 (and D1)
         t.join(10)
         d2 = svc.doorbell

@@ -41,6 +41,11 @@ def _gauge(port: int) -> str:
     return re.search(r'^dspark_serving\{rank="0"\} (\S+)$', text, re.M).group(1)
 
 
+def _faces(sc: SidecarProcess, port: int) -> tuple[str, str, str]:
+    """Rank 0's health, as both health services and the gauge say it."""
+    return check(sc.socket(0), 2.0), check(sc.socket(0), 2.0, service=""), _gauge(port)
+
+
 def _silent_s(reason: str) -> float:
     return float(re.search(r"silent for ([0-9.]+) s", reason).group(1))
 
@@ -74,8 +79,8 @@ def test_a_stopped_peer_takes_rank_0_out_of_serving_until_it_is_back(tmp_path, t
         assert time.monotonic() - t0 >= PEER_SILENT_S - 0.5  # not before the peer could have beaten
         assert not st.serving and "rank(s) 1 silent" in st.state_reason, st.state_reason
         # Every face of health says so: both health services (a Kubernetes gRPC probe asks for ""), the gauge.
-        assert check(sc.socket(0), 2.0) == "NOT_SERVING" and check(sc.socket(0), 2.0, service="") == "NOT_SERVING"
-        assert _gauge(port) == "0.0"
+        # They are set by the same publish as the state, just after it (app.HealthPublisher): waited for.
+        _wait(lambda: _faces(sc, port) == ("NOT_SERVING", "NOT_SERVING", "0.0"), 5, "health and the gauge follow")
         # The reason is kept current while the peer stays silent (its seconds grow, beat by beat).
         first = _silent_s(st.state_reason)
         _wait(lambda: _silent_s(_status(sc, 0).state_reason) >= first + 0.9, 5, "the silent seconds grow")
@@ -83,8 +88,7 @@ def test_a_stopped_peer_takes_rank_0_out_of_serving_until_it_is_back(tmp_path, t
         stopped = 0
         _wait(lambda: _status(sc, 0).state == "SERVING", 10, "rank 0 SERVING again once its peer beats")
         assert _status(sc, 0).state_reason == ""
-        assert check(sc.socket(0), 2.0) == "SERVING" and check(sc.socket(0), 2.0, service="") == "SERVING"
-        assert _gauge(port) == "1.0"
+        _wait(lambda: _faces(sc, port) == ("SERVING", "SERVING", "1.0"), 5, "health and the gauge follow")
         out = eng.step_all(2, step)
         assert all(not isinstance(o, grpc.RpcError) for o in out), out
     finally:

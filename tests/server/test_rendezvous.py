@@ -181,7 +181,12 @@ def test_a_board_is_not_unmapped_under_a_step_still_waiting_for_its_verdict(wait
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("v", rdv[waiter].agree(Post(5, 1, 1, 9, True))))
     t.start()
-    time.sleep(0.2)  # posted and waiting: its peer never posts
+    # Posted (its slot's seqlock word even: its first post's) and waiting, its peer never posting. By state, not
+    # by a nap: a close() that came first (a loaded box) found no step waiting, which is not this case.
+    deadline = time.monotonic() + 10
+    while not (rdv[waiter]._waiting and boards[waiter].slots[waiter][0] == 2):
+        assert time.monotonic() < deadline, "the step never posted its copy"
+        time.sleep(0.005)
     try:
         if waiter == 1:
             assert rdv[1].close(wait_s=0.2) is False  # its wait goes on: the board must stay mapped
