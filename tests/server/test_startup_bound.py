@@ -27,6 +27,8 @@ from dspark_sidecar.server.config import ServeConfig
 from dspark_sidecar.server.process_group import join_group
 port, rank, late, bound, mode = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 cfg = ServeConfig(tp=2).replace(master_addr="127.0.0.1", master_port=port, dist_timeout_s=1, startup_timeout_s=bound)
+print("imported", flush=True)
+sys.stdin.readline()  # both ranks join together: their imports' skew is not the 1 s join's to absorb
 join_group(cfg, "gloo", rank, 2)
 start_up = app.StartUp(rank, threading.Event())
 try:
@@ -46,9 +48,19 @@ def _ranks(late: float, bound: int, mode: str) -> tuple[str, str, float]:
     """Both ranks' last lines, and how long rank 0 took (rank 1 is killed once rank 0 is done)."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(port), str(r), str(late), str(bound), mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    t = time.monotonic()
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
     try:
+        # Each rank imports torch first (seconds on a loaded box, and not alike): with --dist-timeout-s 1 the
+        # slower import alone failed the world group's join (2 of 4 cases on a 2-core box under load).
+        if [p.stdout.readline() for p in procs] != ["imported\n"] * 2:  # one died importing: say why
+            for p in procs:
+                p.kill()
+            raise AssertionError("a rank did not start: " + " | ".join(p.communicate()[1] for p in procs))
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        t = time.monotonic()
         out0, err0 = procs[0].communicate(timeout=120)
         took = time.monotonic() - t
         if late > bound:  # hung: it would sleep on
