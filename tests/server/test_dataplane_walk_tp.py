@@ -30,7 +30,10 @@ from helpers.sidecar_proc import SidecarProcess
 
 TP = 2
 STEPS = 160
-SKEW_MS = 15.0  # well inside serve's --rendezvous-ms (200): skewed ranks still meet
+SKEW_MS = 15.0  # well inside RDV_MS: skewed ranks still meet
+# Not serve's 200 ms: on a 2-core box at a load average of 7 one rank's copy came later than that (an ABORTED "ok"
+# step, both walks). Each "absent" op waits it out (about 6 a walk: ~5 s, no slower at a 2x load than with 200 ms).
+RDV_MS = 1000
 OPS, WEIGHTS = ("ring", "grpc", "mixed", "stale", "bad", "absent", "rebind", "reattach"), (50, 10, 12, 5, 5, 3, 4, 5)
 WAIT_S = 30.0
 
@@ -84,7 +87,8 @@ def test_tp2_random_step_walk_answers_like_grpc_and_ranks_never_run_a_step_apart
     steps, spare = walk_cases.cases(tiny_cfg, tiny_embed)
     reports_at = cycle_probe.install(tmp_path, monkeypatch) if probe else None
     rng = random.Random(seed)
-    with SidecarProcess(tmp_path, tp=TP, checkpoint=tiny_ckpt) as sc, ThreadPoolExecutor(TP) as pool:
+    with (SidecarProcess(tmp_path, tp=TP, checkpoint=tiny_ckpt, extra_args=["--rendezvous-ms", str(RDV_MS)]) as sc,
+          ThreadPoolExecutor(TP) as pool):
         eng = EngineSim(tiny_cfg, [sc.socket(r) for r in range(TP)], spare + 1, torch.float32)
         eng.bind()
         sid = itertools.count(1)
