@@ -146,6 +146,9 @@ class StepMut:
     resp: Callable[[pb.DraftStepRequest, pb.DraftStepResponse, torch.Tensor], list] | None = None  # -> [(delay, resp)]
     compute: bool = True  # doorbell: write the output region at all
     page: Callable[[Any, bytes, int, random.Random], None] | None = None  # doorbell: custom publish(page, bytes, seq)
+    # The lie is one the shim must not act on (a later sequence's words): the step forwards its own answer, or at
+    # worst misses its deadline, and is never read as broken or malformed.
+    ignored: bool = False
 
 
 class FuzzSidecar(FakeSidecar):
@@ -445,6 +448,14 @@ def _page_seq(fn, then_correct_after: float | None = None):
     return f
 
 
+def _page_future_then_right(page, data, seq, rng):
+    """Garbage published under the next sequence, then this step's answer under its own: only the latter is it."""
+    junk = bytes(rng.randrange(256) for _ in range(64))
+    page.write(page.resp_area, junk, bell.RESP_LEN, bell.RESP_SEQ, (seq + 1) & U64)
+    time.sleep(0.02)
+    page.write(page.resp_area, data, bell.RESP_LEN, bell.RESP_SEQ, seq)
+
+
 def _page_seq_first(page, data, seq, rng):
     """The sequence word before the bytes (a torn publish): the engine may read the previous answer."""
     page.words[bell.RESP_SEQ] = seq
@@ -524,7 +535,8 @@ STEP_MUTATIONS: dict[str, tuple[tuple, StepMut]] = {
     "bell_len_capacity": (BELL, StepMut(page=_page_len(lambda n, cap: cap))),
     "bell_garbage_bytes": (BELL, StepMut(page=_page_garbage)),
     "bell_seq_before_bytes": (BELL, StepMut(page=_page_seq_first)),
-    "bell_seq_future_then_right": (BELL, StepMut(page=_page_seq(lambda s: s + 1, then_correct_after=0.05))),
+    "bell_seq_future_then_right": (BELL, StepMut(page=_page_seq(lambda s: s + 1, then_correct_after=0.05), ignored=True)),
+    "bell_seq_future_garbage_then_right": (BELL, StepMut(page=_page_future_then_right, ignored=True)),
     "bell_seq_old_then_right_late": (BELL, StepMut(page=_page_seq(lambda s: s - 1,
                                                                  then_correct_after=DEADLINE_S + GRACE_S + 0.3))),
 }
@@ -660,6 +672,13 @@ def recover(shim: DrafterShim, model: FakeModel, k: int, what: str, ok_reasons: 
                          f"enabled={shim.enabled} refusal={shim.refusal!r} fallbacks={dict(shim.stats.fallbacks)}")
 
 
+def no_shim_error(shim: DrafterShim, what: str) -> None:
+    """A lying sidecar is the sidecar's fault: its answer falls back under a reason of its own (malformed
+    answer, stream broken), never as an error of the shim's (a trace logged, as for a bug here)."""
+    errs = {k: v for k, v in shim.stats.fallbacks.items() if k.startswith("shim error")}
+    assert not errs, f"{what}: the sidecar's lie read as a shim error: {errs}"
+
+
 def _cases(table):
     return [pytest.param(t, name, id=f"{t}-{name}") for name, (ts, _) in table.items() for t in ts]
 
@@ -672,10 +691,17 @@ def test_step_answer_mutation(rig, transport, name):
     check(res, model, 1, f"{what}: warm-up")
     assert res.out is not None, f"{what}: the warm-up step did not forward: {dict(shim.stats.fallbacks)}"
     assert (shim.doorbell is not None) == (transport == "doorbell")
-    fake.step_mut = STEP_MUTATIONS[name][1]
+    mut = fake.step_mut = STEP_MUTATIONS[name][1]
+    before = dict(shim.stats.fallbacks)
     check(call(shim, 2), model, 2, f"{what}: the mutated step")
     assert fake.step_mut is None, f"{what}: the mutation was never applied"
+    grew = {k for k, v in shim.stats.fallbacks.items() if v > before.get(k, 0)}
+    if mut.ignored:
+        assert not grew & {S.STREAM, S.BAD_ANSWER}, f"{what}: the shim took the lie for its answer: {sorted(grew)}"
+    if S.BAD_ANSWER in grew:  # counted against the sidecar: a few such steps open its breaker
+        assert shim.breaker.failures >= 1, f"{what}: a malformed answer not counted against the breaker"
     recover(shim, model, 3, what, refusal_ok=False)
+    no_shim_error(shim, what)
     assert not fake.thread_errors, fake.thread_errors
 
 
@@ -697,6 +723,7 @@ def test_setup_answer_mutation(rig, transport, name, tmp_path):
     # Only a lie that stays may turn the shim off for good: with refusal_ok=True for every case, a shim that
     # read a one-off LOADING status as a refusal (off for the process) passed as "recovered".
     recover(shim, model, 2, what, ok_reasons=mut.ok_reasons, refusal_ok=mut.persistent)
+    no_shim_error(shim, what)
     assert not fake.thread_errors, fake.thread_errors
 
 
@@ -717,6 +744,25 @@ def test_an_answer_for_a_later_step_does_not_settle_a_step_still_running(rig):
     assert shim.stats.fallbacks[S.UNSETTLED] >= 1 and shim.stats.fallbacks[S.DEADLINE] == deadlines, (
         "a new step was sent while the sidecar was still running the unsettled one "
         f"(settled() trusted last_answered={shim.connection._stream.last_answered}); fallbacks={dict(shim.stats.fallbacks)}")
+
+
+def test_a_doorbell_step_stalled_past_its_grace_keeps_the_next_one_back(rig):
+    """The doorbell's settled(k) is the page's answer to k (or the sidecar closing the page, or its process
+    ending), as the stream's is its answer. A step the sidecar is still inside after its deadline and grace may
+    still write its K/V and read its input rows: the next step is not rung over them until it answers."""
+    fake, shim, model = rig("doorbell")
+    first = call(shim, 1)
+    check(first, model, 1, "warm-up")
+    assert first.out is not None and shim.doorbell is not None, dict(shim.stats.fallbacks)
+    fake.step_mut = StepMut(resp=_late(DEADLINE_S + GRACE_S + 1.0))  # a real stall, past deadline and grace
+    check(call(shim, 2), model, 2, "stalled step")
+    assert fake.busy.is_set(), "the fake should still be inside the stalled step"
+    deadlines, rung = shim.stats.fallbacks[S.DEADLINE], fake.calls["step"]
+    check(call(shim, 3), model, 3, "step after the stall")
+    assert shim.stats.fallbacks[S.UNSETTLED] >= 1 and fake.calls["step"] == rung, (
+        f"a step was rung while the sidecar was still inside the unsettled one; fallbacks={dict(shim.stats.fallbacks)}")
+    assert shim.stats.fallbacks[S.DEADLINE] == deadlines
+    recover(shim, model, 4, "after the stall", refusal_ok=False)
 
 
 _HUGE_DOORBELL = textwrap.dedent("""

@@ -79,13 +79,18 @@ def test_oversized_messages_and_lengths_are_refused():
         p.read(p.req_area, bell.REQ_LEN)
     with pytest.raises(ValueError, match="cannot hold"):
         bell.Page(np.zeros(bell.HEADER + 10, dtype=np.uint8), 16)
+    with pytest.raises(ValueError, match="cannot hold"):  # room for the request area, one byte short of the answer's
+        bell.Page(np.zeros(bell.HEADER + 2 * 16 - 1, dtype=np.uint8), 16)
 
 
 def test_wait_until_times_out_and_wakes_on_a_write_from_another_thread():
     p = _page()
     t0 = time.perf_counter()
     assert not bell.wait_until(lambda: p.word(bell.REQ_SEQ) == 1, t0 + 0.05, t0)
-    assert time.perf_counter() - t0 >= 0.05
+    waited = time.perf_counter() - t0
+    # Gives up at its deadline, give or take one poll (a busy 2-core CI box: a generous bound). Without an upper
+    # bound, a wait_until that overshot its deadline by a whole second passed here and in the answer fuzz.
+    assert 0.05 <= waited < 0.9, waited  # the overshoot it catches is 1 s
     writer = threading.Timer(0.02, lambda: p.write(p.req_area, b"go", bell.REQ_LEN, bell.REQ_SEQ, 1))
     writer.start()
     t1 = time.perf_counter()
@@ -206,11 +211,20 @@ def test_waker_sets_the_flag_while_it_sleeps_and_sees_a_ring_first(tmp_path):
     waker.close()
 
 
-def test_ringer_refuses_a_path_that_is_not_a_fifo(tmp_path):
+def test_ringer_refuses_a_path_that_is_not_a_fifo(tmp_path, monkeypatch):
+    """Refused by its name before any open: the engine opens no device or file the answer names (a tty opened
+    without O_NOCTTY could become the engine's controlling terminal). The check after the open alone refused it
+    too, but only once it had been opened."""
+    import os
+
     f = tmp_path / "plain"
     f.write_bytes(b"")
+    opened: list = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k))
     with pytest.raises(OSError, match="not a FIFO"):
         bell.Ringer(str(f))
+    assert opened == []
 
 
 def test_a_fifo_left_by_a_crashed_rank_is_replaced_and_anything_else_kept(tmp_path):
@@ -390,3 +404,144 @@ def test_a_wake_fifo_made_under_a_relative_folder_is_named_to_the_engine_by_its_
             ringer.close()
         waker.close()
     assert not os.path.exists(sidecar_cwd / "socks" / "rank0.wake1")
+
+
+def test_the_length_is_stored_after_the_bytes_and_the_sequence_after_both():
+    """The reader trusts nothing before it sees the sequence (sidecar.proto's page layout): each header store
+    is checked at the moment it is made. Reordered, a peer polling the sequence could read the previous
+    message's length, or bytes not yet copied."""
+    p = _page()
+    real, stores = p.words, []
+
+    class Recording:
+        def __getitem__(self, i):
+            return real[i]
+
+        def __setitem__(self, i, v):
+            stores.append((i, int(v), p.read(p.req_area, bell.REQ_LEN) if i == bell.REQ_SEQ else bytes(p.req_area[:5])))
+            real[i] = v
+
+    p.words = Recording()
+    p.write(p.req_area, b"hello", bell.REQ_LEN, bell.REQ_SEQ, 9)
+    assert stores == [(bell.REQ_LEN, 5, b"hello"), (bell.REQ_SEQ, 9, b"hello")]
+
+
+def test_a_sleep_on_the_fifo_is_capped_at_the_missed_wake_bound_in_milliseconds(tmp_path):
+    """poll() takes milliseconds. Each wait ends after MISSED_WAKE_S at most (the bound on a missed wake,
+    sidecar.proto AttachDoorbellResponse.wake_fifo); a shorter timeout asked for is kept. In seconds, the idle
+    doorbell thread would spin; uncapped, a missed wake would cost the whole timeout."""
+    p = _page()
+    waker = bell.Waker(str(tmp_path / "w"))
+    real_poll, asked = waker._poll, []
+
+    class Recording:
+        def poll(self, timeout_ms):
+            asked.append(timeout_ms)
+            return real_poll.poll(timeout_ms)
+
+    waker._poll = Recording()
+    try:
+        t0 = time.perf_counter()
+        waker.sleep(p, lambda: False, 5.0)
+        slept = time.perf_counter() - t0
+        waker.sleep(p, lambda: False, 0.0005)
+    finally:
+        waker.close()
+    assert asked == [pytest.approx(bell.MISSED_WAKE_S * 1e3), pytest.approx(0.5)]
+    assert slept >= bell.MISSED_WAKE_S * 0.5  # it slept: no byte came
+
+
+def test_a_wake_fifo_swapped_for_a_plain_file_after_mkfifo_is_refused_untouched(tmp_path, monkeypatch):
+    """O_NOFOLLOW stops a link put in the FIFO's place; a plain file renamed there (the folder is group-writable)
+    is stopped only by the check on the opened descriptor. Without it the Waker took the file: its fchmod made it
+    group read-write, and poll() finds a file always readable, so the idle doorbell thread never slept."""
+    import os
+    import stat
+
+    path = str(tmp_path / "rank0.wake1")
+    planted = tmp_path / "planted"
+    planted.write_text("x")
+    planted.chmod(0o600)
+    keep = tmp_path / "keep"
+    os.link(planted, keep)  # the same file, to look at once the Waker has removed the name
+    real_mkfifo = os.mkfifo
+
+    def mkfifo_then_swap(p, mode=0o666, *a, **k):
+        real_mkfifo(p, mode, *a, **k)
+        os.rename(planted, p)
+
+    monkeypatch.setattr(os, "mkfifo", mkfifo_then_swap)
+    with pytest.raises(OSError, match="no longer the FIFO"):
+        bell.Waker(path)
+    assert stat.S_IMODE(keep.stat().st_mode) == 0o600 and keep.read_text() == "x"
+
+
+def test_a_wake_fifo_swapped_for_a_plain_file_before_the_engine_opens_it_gets_no_wake_byte(tmp_path, monkeypatch):
+    """The engine's end, as above: a plain file renamed over the FIFO between the check of the name and the
+    open passes O_NOFOLLOW; the check on the descriptor refuses it, or every wake byte landed in the file."""
+    import os
+
+    target = tmp_path / "engine-file"
+    target.write_bytes(b"data")
+    keep = tmp_path / "keep"
+    os.link(target, keep)
+    path = str(tmp_path / "rank0.wake1")
+    os.mkfifo(path, 0o660)
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    real_open = os.open
+
+    def swap_then_open(p, flags, *a, **k):
+        if p == path and os.path.exists(target):
+            os.rename(target, path)
+        return real_open(p, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", swap_then_open)
+    try:
+        with pytest.raises(OSError, match="not a FIFO"):
+            ringer = bell.Ringer(path)
+            p = _page()
+            p.words[bell.ASLEEP] = 1
+            ringer.wake_if_asleep(p)
+            ringer.close()
+        assert keep.read_bytes() == b"data"
+    finally:
+        os.close(reader)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timer slack is a Linux per-thread setting")
+def test_wait_until_lowers_the_waiting_threads_timer_slack():
+    """The doorbell's waits go through wait_until; with Linux's default 50 us slack each "10 us" nap took ~75 us."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    seen: list[int] = []
+
+    def waiter() -> None:
+        bell.wait_until(lambda: True, time.perf_counter() + 1.0, time.perf_counter())
+        seen.append(libc.prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    t.join()
+    assert seen == [1000]
+
+
+def test_polls_nap_while_the_other_end_is_active_and_sleep_longer_once_it_is_quiet(monkeypatch):
+    """A step's host path is a few hundred us on GPU (NAP_S polls) and milliseconds on CPU, where polling
+    threads would take the cores it computes on (CPU_NAP_S); after WARM_S of quiet, SLEEP_S."""
+    slept: list[float] = []
+    monkeypatch.setattr(bell.time, "sleep", slept.append)
+    bell.pause(0.0, 7e-6)
+    bell.pause(bell.WARM_S / 2, 7e-6)
+    bell.pause(bell.WARM_S * 2, 7e-6)
+    assert slept == [7e-6, 7e-6, bell.SLEEP_S]
+    assert (bell.nap_for("cuda"), bell.nap_for("cpu")) == (bell.NAP_S, bell.CPU_NAP_S)
+    assert bell.NAP_S < bell.CPU_NAP_S < bell.SLEEP_S
+
+
+def test_the_gpu_word_is_the_sequence_over_the_launch_key():
+    """sidecar.proto AttachDoorbellResponse.gpu_word: sequence << 32 | launch_key, each 32 bits; the
+    sidecar's pre-launched step waits for word [5] >= (s + 1) << 32, so the sequence must be the high half."""
+    assert bell.gpu_word(3, 5) == (3 << 32) | 5
+    assert bell.gpu_word((1 << 32) + 2, bell.SKIP_KEY + 1 + 7) == (2 << 32) | 7  # each half wraps at 32 bits
+    assert bell.gpu_word(4, 0) > bell.gpu_word(3, bell.SKIP_KEY)
