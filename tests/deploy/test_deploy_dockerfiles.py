@@ -57,6 +57,31 @@ def test_image_health_check_asks_every_rank(flavour):
     assert "DSPARK_SOCKET_DIR=" in env and "DSPARK_TP=4" in env
 
 
+def test_image_health_check_probes_the_socket_folder_the_image_prepares(flavour, tmp_path):
+    """The health check is the image's only word on its ranks: run as Docker runs it (the image's ENV, a
+    recording `python`), it must ask DSPARK_TP ranks in DSPARK_SOCKET_DIR, a folder the image makes for its
+    user. Without --socket-dir it asked the probe's default /tmp/dspark-sidecar, where no rank listens, and the
+    container never became healthy; a DSPARK_SOCKET_DIR the image does not make is refused by a non-root serve."""
+    stage = _final_stage(DOCKERFILES[flavour])
+    env = dict(pair.split("=", 1) for value in _values(stage, "ENV") for pair in value.split())
+    (health,) = _values(stage, "HEALTHCHECK")
+    command = json.loads(health.split(" CMD ", 1)[1])
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$RECORD"\n')
+    (fake / "python").chmod(0o755)
+    # The image's ENV, and `docker run -e` overrides of it (serve reads those too).
+    for given in (env, {**env, "DSPARK_TP": "2", "DSPARK_SOCKET_DIR": "/run/elsewhere"}):
+        subprocess.run(command, env={**given, "PATH": f"{fake}:/usr/bin:/bin", "RECORD": str(tmp_path / "argv")},
+                       check=True, timeout=60)
+        argv = (tmp_path / "argv").read_text().splitlines()
+        assert argv == ["-m", HEALTHCHECK_MODULE, "--all-ranks", "--socket-dir", given["DSPARK_SOCKET_DIR"],
+                        "--tp", given["DSPARK_TP"]], argv
+    made = [d for v in _values(stage, "RUN") for m in re.findall(r"install -d -o dspark -g dspark -m 0770 ([^&\\]+)", v)
+            for d in m.split()]
+    assert env["DSPARK_SOCKET_DIR"] in made, made
+
+
 def test_rocm_image_brings_flydsl_and_keeps_the_base_torch():
     install = [v for v in _values(_final_stage(DOCKERFILES["rocm"]), "RUN") if "pip install" in v]
     assert install and "[flydsl]" in install[0] and "-c " in install[0]

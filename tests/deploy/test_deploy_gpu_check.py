@@ -28,18 +28,20 @@ case $cmd in
 esac
 """
 # python3: every step prints a line and succeeds at once (the bench's output is filtered through grep,
-# which fails on none), except pytest while STALL is set, which waits to be killed, and pip, which is the
+# which fails on none), except pytest while STALL is set, which waits to be killed, or fails while
+# FAIL_TESTS is set, and pip, which is the
 # real one (the carried wheels of .whl/ are installed for real).
 PYTHON = f"""#!/bin/sh
 [ "$1 $2" = "-m pip" ] && exec {sys.executable} "$@"
 case " $* " in
-  *" pytest "*) if [ -n "$STALL" ]; then touch "$STUB_DIR/stalled"; exec sleep 60; fi ;;
+  *" pytest "*) if [ -n "$STALL" ]; then touch "$STUB_DIR/stalled"; exec sleep 60; fi
+               if [ -n "$FAIL_TESTS" ]; then echo "1 failed"; exit 1; fi ;;
 esac
 echo "stand-in python3 $*"
 """
 
 
-def _run_script(tmp_path: Path, stall: bool) -> subprocess.Popen:
+def _run_script(tmp_path: Path, stall: bool, fail_tests: bool = False) -> subprocess.Popen:
     """Start a copy of the script whose scratch paths (/tmp/...) lie under tmp_path, with the stand-ins
     first on PATH, in a session of its own (as `timeout` and a terminal signal it: the whole group)."""
     stubs = tmp_path / "bin"
@@ -56,6 +58,8 @@ def _run_script(tmp_path: Path, stall: bool) -> subprocess.Popen:
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "STUB_DIR": str(tmp_path), "OUT": str(tmp_path / "out")}
     if stall:
         env["STALL"] = "1"
+    if fail_tests:
+        env["FAIL_TESTS"] = "1"
     return subprocess.Popen(["bash", str(script)], cwd=checkout, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
@@ -98,6 +102,16 @@ def test_a_run_that_ends_quits_the_daemon_it_started(tmp_path):
     assert proc.wait(timeout=60) == 0
     assert (tmp_path / "out" / "env.log").read_text().splitlines()[0] == "MPS daemon: 1"
     assert not (tmp_path / "mps-running").exists()
+
+
+def test_a_failed_step_fails_the_run_after_the_rest_has_run(tmp_path):
+    """Each step's output goes through `tee` (and the bench's through grep): without pipefail, or without the
+    step's `|| rc=1`, the pipe's status is tee's, and a run whose GPU tests failed exited 0, read as passed.
+    The steps after it still run (their logs are the run's record)."""
+    proc = _run_script(tmp_path, stall=False, fail_tests=True)
+    assert proc.wait(timeout=60) == 1
+    assert "1 failed" in (tmp_path / "out" / "gpu-tests.log").read_text()
+    assert "bench_host" in (tmp_path / "out" / "bench-host.log").read_text()
 
 
 def _wheel(folder: Path, version: int) -> None:

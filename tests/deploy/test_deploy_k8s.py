@@ -165,6 +165,39 @@ def test_resources_and_security_context(variant):
     assert variant.container("dspark-sidecar")["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_engine_arguments_pass_the_shims_deployment_checks(variant):
+    """The engine's TP size and speculative config are what the client shim checks before forwarding (the seed's
+    "TP n != 4", "no DSpark draft", "7 speculative tokens required"): any other value, or a draft model other than
+    the sidecar's checkpoint, leaves the sidecar serving while every draft step runs the stock layers."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.client.config import config_refusal
+    from dspark_sidecar.client.vllm_plugin import engine_config_from_vllm
+
+    cfg, engine = variant.config, variant.container("engine")
+    args = engine["args"]
+    spec = json.loads(_flag(args, "--speculative-config"))
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=int(_flag(args, "--tensor-parallel-size"))),
+        speculative_config=SimpleNamespace(**spec))
+    assert env_of(engine)["DSPARK_SOCKET_DIR"]["valueFrom"]["configMapKeyRef"]["key"] == "DSPARK_SOCKET_DIR"
+    shim = engine_config_from_vllm(vllm_config, 0, {"DSPARK_SOCKET_DIR": cfg["DSPARK_SOCKET_DIR"]})
+    assert config_refusal(shim) is None, config_refusal(shim)
+    assert shim.tp_size == int(cfg["DSPARK_TP"])
+    assert (args[0], spec["model"]) == (cfg["DSPARK_TARGET_CHECKPOINT"], cfg["DSPARK_CHECKPOINT"])
+
+
+def test_amd_pod_joins_the_groups_of_the_gpu_device_nodes():
+    """/dev/kfd and /dev/dri/renderD* are group video / render on the node, not world-accessible as NVIDIA's
+    nodes are: a pod without those GIDs sees no GPU, and `serve --device cuda` refuses to start (exit 2)."""
+    groups = load_variant("amd").pod["securityContext"].get("supplementalGroups", [])
+    assert groups and all(isinstance(g, int) and g > 0 for g in groups), groups
+
+
 def test_engine_keeps_registered_memory_out_of_expandable_segments(variant):
     env = env_of(variant.container("engine"))
     key = "PYTORCH_HIP_ALLOC_CONF" if variant.name == "amd" else "PYTORCH_CUDA_ALLOC_CONF"
@@ -179,6 +212,26 @@ def test_metrics_ports_one_per_rank_and_admitted_by_the_network_policy(variant):
     rules = variant.one("NetworkPolicy")["spec"]["ingress"]
     metrics = [p for rule in rules if "from" in rule for p in rule["ports"]]
     assert any(p["port"] == base and p["endPort"] == base + tp - 1 for p in metrics)
+
+
+def test_metrics_listen_on_the_pod_address_the_network_policy_opens(variant):
+    """The ports are declared and the NetworkPolicy admits the `monitoring` namespace to them, but serve binds
+    its metrics to --metrics-host, 127.0.0.1 by default: without DSPARK_METRICS_HOST in the ConfigMap nothing
+    listens on the pod's address, and every scrape from outside the pod is refused."""
+    from dspark_sidecar.server.config import is_loopback
+
+    serve = serve_config_from_env(variant.config)
+    assert serve.metrics_port and not is_loopback(serve.metrics_host), serve.metrics_host
+
+
+def test_the_pods_grace_period_outlasts_the_sidecars_stop(variant):
+    """The native sidecar is sent SIGTERM only after the engine has exited, within the pod's one grace period;
+    kubelet's SIGKILL at its end cut the ranks' drain and teardown short (the launcher's own limit for a rank
+    is --drain-s + DRAIN_GRACE_S after SIGTERM), as TimeoutStopSec is set past it in the systemd unit."""
+    from dspark_sidecar.server.launcher import DRAIN_GRACE_S
+
+    serve = serve_config_from_env(variant.config)
+    assert serve.drain_s + DRAIN_GRACE_S < variant.pod["terminationGracePeriodSeconds"]
 
 
 def test_nvidia_mps_pipe_is_shared_by_daemon_and_clients():

@@ -90,7 +90,9 @@ def test_missing_parents_of_the_socket_dir_let_the_engine_group_through(launch, 
     admitted only through DSPARK_SOCKET_GROUP could not reach the sockets (EACCES on connect). They are
     made as `serve` makes them (server/sockdir.py PARENT_MODE 0755, narrowed by the caller's umask)."""
     sockets = tmp_path / "srv" / "dspark" / "socks"
-    old = os.umask(0o022)
+    # 002, not 022: under a caller's 022 a plain `mkdir -p` makes the same 0755 parents, and the narrowing
+    # to serve's mode went untested.
+    old = os.umask(0o002)
     try:
         res, argv, _ = launch(DSPARK_SOCKET_DIR=str(sockets), DSPARK_SOCKET_GROUP=grp.getgrgid(os.getgid()).gr_name)
     finally:
@@ -99,6 +101,13 @@ def test_missing_parents_of_the_socket_dir_let_the_engine_group_through(launch, 
     for parent in (tmp_path / "srv", tmp_path / "srv" / "dspark"):
         assert stat.S_IMODE(parent.stat().st_mode) == 0o755, (parent, oct(parent.stat().st_mode))
     assert stat.S_IMODE(sockets.stat().st_mode) == 0o2770
+
+
+def test_a_socket_group_that_cannot_be_given_stops_before_launching(launch, tmp_path):
+    """The folder could not be handed to DSPARK_SOCKET_GROUP (no such group): serving on regardless, in a folder
+    the engine's group cannot open, would turn every connect of the engine into EACCES."""
+    res, argv, _ = launch(DSPARK_SOCKET_DIR=str(tmp_path / "s"), DSPARK_SOCKET_GROUP="no-such-group-dspark")
+    assert res.returncode != 0 and argv is None, res.stderr
 
 
 @pytest.mark.parametrize("variable", ["DSPARK_TP", "DSPARK_SOCKET_DIR"])
@@ -134,5 +143,8 @@ def test_empty_cuda_visible_devices_on_an_nvidia_node_is_refused(tmp_path):
     assert "CUDA_VISIBLE_DEVICES is set but empty" in res.stderr
     res = run()  # unset: every GPU of the node, in order; a warning only
     assert res.returncode == 0 and "CUDA_VISIBLE_DEVICES unset" in res.stderr, res.stderr
+    # The header's NVIDIA defaults: cuda:r is the engine's GPU r only if both number the GPUs by bus id.
+    env = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps", env
     res = run(CUDA_VISIBLE_DEVICES="", DSPARK_DEVICE="cpu")  # on the CPU by choice: no GPU set-up at all
     assert res.returncode == 0, res.stderr

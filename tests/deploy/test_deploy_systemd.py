@@ -160,6 +160,9 @@ def test_nvidia_dropin_makes_the_sidecar_an_mps_client_of_the_mps_unit():
     assert unit_environment(SIDECAR_MPS_DROPIN)["CUDA_MPS_PIPE_DIRECTORY"] == pipe
     assert unit_environment(ENGINE_DROPIN)["CUDA_MPS_PIPE_DIRECTORY"] == pipe
     assert unit_values(MPS, "RuntimeDirectory") == [pipe.removeprefix("/run/")]
+    # cuda:r is the same physical GPU in both processes only if both number the GPUs by bus id.
+    for dropin in (SIDECAR_MPS_DROPIN, ENGINE_DROPIN):
+        assert unit_environment(dropin)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID", dropin.name
 
 
 def test_environment_file_example_is_a_valid_serve_configuration():
@@ -278,6 +281,25 @@ def test_mps_start_post_gives_up_once_the_daemon_has_exited(tmp_path):
     stub.chmod(0o755)
     argv = _start_post(MPS, "/usr/bin/nvidia-cuda-mps-control", str(stub))
     _polls_until_main_exits(argv, {"PATH": os.environ["PATH"]})
+
+
+def test_sidecar_start_post_probes_the_ranks_and_folder_the_sidecar_serves(tmp_path):
+    """The health loop must ask DSPARK_TP ranks in DSPARK_SOCKET_DIR, as serve reads them (sidecar.env sets
+    DSPARK_TP): a probe of 4 ranks beside a `DSPARK_TP=2` sidecar never saw rank2 SERVING, and the unit, and the
+    engine's start behind it, sat "activating" until TimeoutStartSec failed it. Unset, it asks serve's default."""
+    from dspark_sidecar.server.config import ServeConfig
+
+    recorder = tmp_path / "python"
+    recorder.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$RECORD"\n')
+    recorder.chmod(0o755)
+    argv = _start_post(SIDECAR, "/opt/dspark-sidecar/bin/python", str(recorder))
+    record = tmp_path / "argv"
+    base = {"PATH": os.environ["PATH"], "RECORD": str(record), "DSPARK_SOCKET_DIR": str(tmp_path / "s"),
+            "MAINPID": str(os.getpid())}
+    for env, tp in (({"DSPARK_TP": "2"}, "2"), ({}, str(ServeConfig().tp))):
+        subprocess.run(argv, env={**base, **env}, check=True, timeout=30)
+        assert record.read_text().splitlines() == ["-m", HEALTHCHECK_MODULE, "--all-ranks",
+                                                   "--socket-dir", str(tmp_path / "s"), "--tp", tp]
 
 
 def test_sidecar_start_post_keeps_the_journal_to_the_refusal_line(tmp_path):

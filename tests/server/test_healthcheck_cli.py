@@ -46,6 +46,22 @@ def _serving(sock) -> grpc.Server:
     return server
 
 
+def test_all_ranks_passes_only_when_every_rank_is_serving(tmp_path, capsys):
+    """The deploy probes' contract (exit 0 iff every rank is SERVING): one rank answering, first or last, is not
+    a healthy sidecar group, whichever rank it is."""
+    argv = ["--all-ranks", "--socket-dir", str(tmp_path), "--tp", "2", "--timeout", "2"]
+    servers = {}
+    try:
+        for rank in (1, 0):  # the last rank alone, then both
+            servers[rank] = _serving(tmp_path / f"rank{rank}.sock")
+            assert healthcheck.main(argv) == (0 if len(servers) == 2 else 1), capsys.readouterr().out
+        servers.pop(1).stop(None)  # the first rank alone
+        assert healthcheck.main(argv) == 1, capsys.readouterr().out
+    finally:
+        for server in servers.values():
+            server.stop(None)
+
+
 def test_a_folder_grpc_decodes_into_another_is_refused_not_passed_on_that_ones_health(tmp_path, capsys):
     """gRPC decodes '%XX' in a unix: target: --socket-dir .../a%41b asked .../aAb's ranks, and their SERVING
     passed the probe (exit 0) for a folder where no sidecar can even listen (serve refuses it)."""
