@@ -247,7 +247,7 @@ def test_gpu_time_rows_are_compared_with_the_baselines_gpu_time(tmp_path, monkey
     launch and sync). The wall-clock rows stay against the wall-clock baselines. Measurements faked."""
     from dspark_sidecar import bench as B
 
-    wall = {"b": 2.0, "c": 0.5, "d": 0.6, "g": 0.55, "h": 0.65, "i": 0.56}
+    wall = {"b": 2.0, "c": 0.5, "d": 0.6, "e": 0.8, "f": 0.3, "g": 0.55, "h": 0.65, "i": 0.56}
     gpu = {"b": 1.6, "c": 0.4}
 
     class FakeBench:
@@ -273,8 +273,33 @@ def test_gpu_time_rows_are_compared_with_the_baselines_gpu_time(tmp_path, monkey
     rows = {r["mode"]: r for r in report["rows"]}
     for m in ("g", "i"):
         assert rows[m]["x_b"] == pytest.approx(wall[m] / gpu["b"]) and rows[m]["x_c"] == pytest.approx(wall[m] / gpu["c"])
-    for m in ("c", "d", "h"):
+    for m in ("c", "d", "e", "f", "h"):
         assert rows[m]["x_b"] == pytest.approx(wall[m] / wall["b"])
-    for m in ("d", "h"):
+    for m in ("d", "e", "f", "h"):
         assert rows[m]["x_c"] == pytest.approx(wall[m] / wall["c"])
     assert rows["c"]["x_floor"] == pytest.approx(5.0) and rows["c"]["gpu_x_floor"] == pytest.approx(4.0)
+
+
+def test_floor_byte_counts_are_spec_section_5_s():
+    """Spec section 5 at TP 4, per rank: the layer weights 0.83 GB in bf16, and a request's draft K/V
+    2560 B a token (K and V, 1 KV head of 128, 5 layers, bf16). A step reads the K/V its rows see: the
+    context and the 7 block rows, at most a full window (the first row's 4095 keys to the left and the
+    7 block rows: 4102 tokens, as the attention kernels read them; the spec rounds it to 4103).
+    The model is built on the meta device: byte counts alone, nothing allocated."""
+    from dspark_sidecar.bench import floor_bytes
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.drafter.model import DSparkDrafter
+    from dspark_sidecar.drafter.parallel import ParallelContext
+    from dspark_sidecar.kernels.ops import REFERENCE_OPS
+
+    cfg = load_config("minimax-m3.1")
+    model = DSparkDrafter(cfg, ParallelContext(0, 4), REFERENCE_OPS, torch.bfloat16, torch.device("meta"))
+
+    def per_request(ctx: int) -> int:
+        return floor_bytes(model, cfg, 2, ctx) - floor_bytes(model, cfg, 1, ctx)
+
+    assert per_request(100) == (100 + 7) * 2560
+    assert per_request(4096) == per_request(100_000) == (4095 + 7) * 2560  # ~10.5 MB: the window caps it
+    weights = floor_bytes(model, cfg, 1, 100) - per_request(100)
+    assert abs(weights / 1e9 - 0.83) < 0.01, weights
+    assert floor_bytes(model, cfg, 32, 100) == 4 * weights + 32 * per_request(100)  # 4 launch groups

@@ -14,13 +14,13 @@ from dspark_sidecar.bench import BenchConfig, BenchConfigError
 from dspark_sidecar.proto import sidecar_pb2 as pb
 
 
-def _fake_bench(monkeypatch, measure):
+def _fake_bench(monkeypatch, measure, kv_dtype=torch.float32):
     """run_bench over a Bench whose measure() is `measure` (no model, no sidecar, no timing)."""
 
     class FakeBench:
         def __init__(self, bc, device):
             self.model = self.cfg = self.embed = None
-            self.pages, self.kv = 1, [torch.zeros(1)]
+            self.pages, self.kv = 1, [torch.zeros(1, dtype=kv_dtype)]
 
         def measure(self, mode, case):
             return measure(mode)
@@ -256,3 +256,26 @@ def test_mode_f_s_batch_means_never_give_a_p99(tmp_path, monkeypatch, capsys):
     assert "p99_ms" not in rows["f"] and rows["f"]["max_ms"] == 100.0 and rows["f"]["samples"] == 100
     f_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(B.NAMES["f"]))
     assert "p99" not in f_line and "max of 100" in f_line
+
+
+def test_a_row_s_p50_is_the_median_of_its_samples_not_their_mean(tmp_path, monkeypatch, capsys):
+    """The rows say p50: one slow step in five (a GC pause, a preemption) must not move it, where a mean
+    would (1, 1, 1, 1, 11: a median of 1, a mean of 3). Batch means (f) are medianed the same way."""
+    _fake_bench(monkeypatch, lambda mode: [1.0, 1.0, 11.0, 1.0, 1.0])
+    report = B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a", "f"), repeats=5,
+                                     out_dir=tmp_path), torch.device("cpu"))
+    for row in report["rows"]:
+        # The floor is 0.1 ms (1e8 bytes at 1e12 B/s): ten times under the median.
+        assert row["p50_ms"] == 1.0 and row["max_ms"] == 11.0 and row["x_floor"] == pytest.approx(10.0), row
+    assert "p50    1.000 ms" in capsys.readouterr().out
+
+
+def test_the_floor_counts_the_cache_s_own_element_size(tmp_path, monkeypatch):
+    """An fp8 cache (--kv-dtype fp8) is read at 1 byte a K/V value: run_bench must hand floor_bytes the
+    cache's element size, or the floor counts the compute dtype's 2 bytes and the x_floor ratio drops."""
+    _fake_bench(monkeypatch, lambda mode: [1.0, 1.0], kv_dtype=torch.float8_e4m3fn)
+    seen = []
+    monkeypatch.setattr(B, "floor_bytes", lambda model, cfg, R, ctx, kv_itemsize=None: seen.append(kv_itemsize) or 1e8)
+    B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a",), repeats=2, kv_dtype="fp8",
+                            out_dir=tmp_path), torch.device("cpu"))
+    assert seen == [1]

@@ -43,3 +43,34 @@ def test_pipelined_prelaunched_share_leaves_out_the_warm_up(tmp_path, monkeypatc
         assert fields["prelaunched_share"] == 1.0, fields
     finally:
         bench.close()
+
+
+def test_pipelined_figures_are_ms_per_step_over_at_least_three_batches(monkeypatch):
+    """f times batches of PIPELINE steps: each sample is a batch's ms over PIPELINE (the row is ms per step,
+    beside d's), and --repeats below 3 batches' worth still gives 3 batch means to take a median of."""
+    bench = object.__new__(Bench)
+    bench.device = torch.device("cpu")
+    steps = []
+    bench._remote = lambda mode, case: steps.append(mode)
+
+    def batch_timeit(fn, device, repeats, warmup=3):
+        fn()  # one batch, untimed here: each sample below is a batch's ms
+        return [20.0 * B.PIPELINE] * repeats
+
+    monkeypatch.setattr(B, "timeit", batch_timeit)
+    for repeats, batches in ((2, 3), (45, 4), (1000, 100)):
+        bench.bc, steps[:] = BenchConfig(preset="tiny", repeats=repeats), []
+        assert bench._pipelined(None) == [20.0] * batches
+        assert steps == ["d"] * B.PIPELINE
+
+
+def test_the_sidecar_s_phases_are_read_from_their_own_fields():
+    """A remote row's sidecar host time is the step's total (arrival to launch), beside its phases, each from
+    its own field of the step's timings, over the timed steps alone (a warm-up step's figures left out)."""
+    bench = object.__new__(Bench)
+    bench.bc, bench.mode_misses = BenchConfig(preset="tiny", repeats=2), None
+    warm_up = (9_000,) * 4 + (False,) + (9_000,) * 4
+    bench.sidecar_ns = [warm_up, *[(1_000, 2_000, 3_000, 10_000, False, 4_000, 5_000, 6_000, 7_000)] * 2]
+    fields = bench.phase_fields("e")
+    assert fields == {"sidecar_host_p50_us": 10.0, "sidecar_queue_rendezvous_launch_p50_us": [1.0, 2.0, 3.0],
+                      "sidecar_validate_word_start_output_p50_us": [4.0, 5.0, 6.0, 7.0]}, fields

@@ -73,6 +73,7 @@ def test_kv_layout_records_is_what_the_engine_ranks_allocate_and_bind(tmp_path, 
     (row,) = run_tp_bench(bc, 2, single_gpu=False, device_type="cpu")["rows"]
     assert row["kv_layout"] == ("records fp8" if kv_dtype == "fp8" else "records")
     assert row["errors"] == 0 and row["parity_ok"] and row["kv_rel_l2"] == 0.0
+    assert row["parity_rtol"] == 0.0  # on CPU both sides run the reference ops: bit-identical or a failure
 
 
 class _Answer:
@@ -328,3 +329,26 @@ def test_mxfp8_weights_are_the_reference_s_too(tmp_path):
     (row,) = run_tp_bench(bc, 2, single_gpu=False, device_type="cpu")["rows"]
     assert row["errors"] == 0 and row["parity_ok"], row
     assert row["hidden_rel_l2"] == 0.0 and row["kv_rel_l2"] == 0.0
+
+
+def test_the_report_s_exchange_share_and_counts_are_over_every_rank(tmp_path):
+    """The exchange is the slowest rank's (the step waits for it), its share is of the step's time; the errors
+    are every rank's together, and the pre-launched share is the least any rank got (a step is early only
+    where every rank's was)."""
+    bc = BenchConfig(out_dir=tmp_path)
+    single = {"rows": [{"mode": "d", "R": 8, "context": 4096, "p50_ms": 0.6, "floor_ms": 0.25}]}
+    per_rank = [[_rank_row(exchange_p50_ms=0.3, errors=1, prelaunched_share=0.9)],
+                [_rank_row(p50_ms=1.5, exchange_p50_ms=0.1, errors=2, prelaunched_share=0.5)]]
+    row = _report(bc, 2, per_rank, single, "H200", PARITY_RTOL)["rows"][0]
+    assert row["exchange_ms"] == 0.3 and row["exchange_share"] == pytest.approx(0.2), row
+    assert row["errors"] == 3 and row["prelaunched_share"] == 0.5, row
+
+
+def test_a_case_that_fails_parity_exits_1(tmp_path, monkeypatch, capsys):
+    """`bench --tp N` is run by CI as a parity check: a failed case must be its exit status, not a line alone."""
+    for ok, code in ((True, 0), (False, 1)):
+        monkeypatch.setattr(bench_tp, "run_tp_bench", lambda bc, tp, single, dev: {"rows": [{"parity_ok": True},
+                                                                                               {"parity_ok": ok}]})
+        assert cli.main(["bench", "--tp", "2", "--device", "cpu", "--preset", "tiny",
+                         "--out-dir", str(tmp_path / "out")]) == code
+        assert ("FAILED in 1 of 2 cases" in capsys.readouterr().out) is not ok
