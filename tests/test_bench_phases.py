@@ -78,6 +78,19 @@ def test_each_phase_is_the_time_between_its_seams(monkeypatch):
     assert med["on_cpu_share"] == 0.5 and med["preempted"] >= 0
 
 
+def test_the_medians_are_over_the_last_steps_only_not_the_warm_up(monkeypatch):
+    """bench.py asks for the last --repeats steps: the warm-up before them (first touches, a graph's capture)
+    is slower by design and must not move the figures (review 262: medians over every row passed)."""
+    phases, step = _rig(monkeypatch)
+    for _ in range(3):
+        step()
+    phases.rows[:0] = [tuple(10**9 for _ in PHASES)] * 4  # four slow warm-up steps, stamped first
+    phases.extra[:0] = [(1.0, 50)] * 4
+    med = phases.medians_us(3)
+    assert med["stage"] == 40.0 and med["checks"] == 100.0 and med["on_cpu_share"] == 0.5, med
+    assert med["preempted"] < 50, med
+
+
 def test_without_a_gpu_word_the_driver_phases_are_zero_and_a_step_that_never_rang_leaves_no_row(monkeypatch):
     phases, step = _rig(monkeypatch, gpu_word=False)
     step()
