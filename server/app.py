@@ -47,6 +47,7 @@ from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.preflight import check_port, claim_socket
 from dspark_sidecar.server.process_group import PeerLost, join_group
+from dspark_sidecar.server.processes import ExitWith
 from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_sizes, warm_up
 from dspark_sidecar.server.refusal import AWAITING_BIND, probe_host
 from dspark_sidecar.server.rendezvous import Board, PeerProcesses, Rendezvous
@@ -400,6 +401,12 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     # runs even while the main thread is blocked in a native call.
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     _die_with_parent()
+    # Under torchrun the agent is this rank's parent and alone stops it; its workers run in sessions of their
+    # own, so an agent killed outright (SIGKILL, the OOM killer) left every rank serving as an orphan, SERVING
+    # to engines with nobody to stop or restart it. Watched from the beat below, by pid and start time (not
+    # PR_SET_PDEATHSIG: that fires when the agent's spawning *thread* ends, which torch does not promise is
+    # its main one). Our launcher's ranks have PDEATHSIG (_die_with_parent).
+    agent = ExitWith(os.getppid()) if agent_attempt is not None else None
     device = resolve_device(cfg, local_rank)
     if device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores; also makes CPU results deterministic
@@ -486,8 +493,14 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
         log.info("rank %d: %s (backend %s, CUDA graphs %s)", rank, life.state, life.backend,
                  "on" if graphs is not None else "off")
 
+    code = 0
     while not stop.wait(BEAT_S):  # a timed wait keeps the main thread responsive to signals
         watch_peers(board, rank, life, publish, peers)
+        if agent is not None and agent.gone():
+            log.error("rank %d: torchrun's agent (pid %d) has exited without stopping this rank: draining, "
+                      "as it would have", rank, agent.pid)
+            code = 1
+            break
     log.info("rank %d: draining", rank)
     publish("DRAINING")
     time.sleep(cfg.drain_s)  # health says NOT_SERVING while calls are still accepted: engines move off
@@ -527,7 +540,7 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     stage[0] = f"destroying the {dist.get_backend()} process group"
     dist.destroy_process_group()
     log.info("rank %d: stopped", rank)
-    return 0
+    return code
 
 
 class HealthPublisher:

@@ -51,3 +51,62 @@ def test_launch_recipe_brings_every_rank_to_serving(launcher, tmp_path, tiny_ckp
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (from /proc/<pid>/stat's ppid field)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_bytes()
+        except OSError:  # the process went while we looked
+            continue
+        if int(text[text.rfind(b")") + 1:].split()[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def test_under_torchrun_ranks_whose_agent_was_killed_drain_and_exit(tmp_path, tiny_ckpt):
+    """torchrun starts its workers in sessions of their own, so its agent killed outright (SIGKILL: nothing
+    of it runs to stop them) used to leave every rank serving as an orphan. Each rank watches its agent."""
+    from dspark_sidecar.server.processes import exited
+
+    sock = tmp_path / "sock"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(DSPARK_LAUNCHER="torchrun", DSPARK_SOCKET_DIR=str(sock), DSPARK_DEVICE="cpu", DSPARK_TP="2",
+               DSPARK_PYTHON=sys.executable, DSPARK_CHECKPOINT=str(tiny_ckpt[0]),
+               DSPARK_TARGET_CHECKPOINT=str(tiny_ckpt[1]), DSPARK_DTYPE="fp32", DSPARK_DRAIN_S="0")
+    log = open(tmp_path / "launch.log", "wb")
+    proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 150
+        states: list[str] = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            states = [check(f"unix:{sock}/rank{r}.sock", 1.0) for r in range(2)]
+            if all(s == "SERVING" for s in states):
+                break
+            time.sleep(0.3)
+        assert states == ["SERVING"] * 2, f"{states}\n{(tmp_path / 'launch.log').read_text()[-3000:]}"
+        ranks = _children(proc.pid)  # the script exec'd torchrun, whose agent runs in its main process
+        assert len(ranks) == 2, ranks
+        assert all(os.getsid(r) != os.getsid(proc.pid) for r in ranks)  # why the session's kill misses them
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while not all(exited(r) for r in ranks):
+            assert time.monotonic() < deadline, (f"ranks {[r for r in ranks if not exited(r)]} still run with "
+                                                 f"their agent gone\n{(tmp_path / 'launch.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+        text = (tmp_path / "launch.log").read_text()
+        assert text.count("torchrun's agent (pid") == 2, text[-3000:]  # each rank said why it stopped
+        assert not any(sock.glob("rank*.sock")), sorted(sock.iterdir())  # drained and let go, as on SIGTERM
+    finally:
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
