@@ -92,7 +92,7 @@ _ENGINE_METADATA = frozenset({"positions", "seq_lens", "block_tables", "slot_map
 RELEARN_EVERY = 64
 _NO_LIMIT = layout.MAX_REQS_LIMIT + 1
 _NO_GEN = 1 << 62
-_TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING", "PEER_SILENT")
+_TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING", "PEER_SILENT", "STEP_STUCK")
 # StatusReport.model.compute_dtype: the proto's short names, and torch's, which the sidecar sends.
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -62,6 +62,11 @@ BEAT_S = 0.5  # how often a rank's main thread beats on the rendezvous board and
 # PEER_SILENT. Long enough that a loaded host's scheduling gaps do not flap health. A peer whose
 # process has exited is reported at the next beat instead (watch_peers).
 PEER_SILENT_S = 3.0
+# A draft step running this long is stuck (on the device, or in a collective with a wedged peer): the rank
+# reports STEP_STUCK, NOT_SERVING, until it ends. Steps take milliseconds, their waits on peers are bounded
+# by the rendezvous deadline, and warm-up compiles every launch shape before SERVING; the bound leaves room
+# for a first launch's compile under --no-warmup. Read at each call, as PEER_SILENT_S.
+STEP_STUCK_S = 15.0
 # gRPC handler threads: up to MAX_STREAMS open DraftSteps streams hold one each; the rest answer the
 # unary calls and the health check.
 GRPC_THREADS = MAX_STREAMS + 8
@@ -496,6 +501,7 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     code = 0
     while not stop.wait(BEAT_S):  # a timed wait keeps the main thread responsive to signals
         watch_peers(board, rank, life, publish, peers)
+        watch_steps(loop, rank, life, publish)
         if agent is not None and agent.gone():
             log.error("rank %d: torchrun's agent (pid %d) has exited without stopping this rank: draining, "
                       "as it would have", rank, agent.pid)
@@ -575,11 +581,15 @@ class HealthPublisher:
                 # REFUSED (NOT_SERVING), which the engine reads as refused for good before it ever binds,
                 # and which keeps a native sidecar's startup probe, and so the engine, from starting.
                 refused = ""
-            if state in ("SERVING", "REFUSED", "PEER_SILENT"):
+            if state in ("SERVING", "REFUSED", "PEER_SILENT", "STEP_STUCK"):
+                # A peer out first: a step stuck in a collective is most often stuck on that peer.
                 peer_out = life.silent_peers or life.exited_peers
-                state = "PEER_SILENT" if peer_out else "REFUSED" if refused else "SERVING"
+                stuck = life.stuck_step
+                state = ("PEER_SILENT" if peer_out else "STEP_STUCK" if stuck else "REFUSED" if refused
+                         else "SERVING")
             with life.lock:  # one change for GetStatus (Lifecycle.snapshot)
-                life.reason = peers_reason(life.exited_peers, life.silent_peers) if state == "PEER_SILENT" else ""
+                life.reason = (peers_reason(life.exited_peers, life.silent_peers) if state == "PEER_SILENT"
+                               else stuck_reason(*life.stuck_step) if state == "STEP_STUCK" else "")
                 life.state = state
             self.ctx.refusal = refused or None
             serving = health_pb2.HealthCheckResponse.SERVING
@@ -611,6 +621,26 @@ def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], 
     life.silent_peers, life.exited_peers = silent, exited
     if changed or silent:  # while silent, publish again: the reason's seconds grow
         publish()
+
+
+def watch_steps(loop: RankLoop, rank: int, life: Lifecycle, publish: Callable[[], None]) -> None:
+    """From the beat: health leaves SERVING while a draft step has run past STEP_STUCK_S (engines stop
+    sending steps that would queue behind it; a probe, or Kubernetes' liveness, sees why) and comes back
+    when it ends. The rank beats on meanwhile: its peers' health says nothing of a step stuck here."""
+    stuck, was = loop.stuck_step(STEP_STUCK_S), life.stuck_step
+    life.stuck_step = stuck
+    if stuck is not None and was is None:
+        log.error("rank %d: %s", rank, stuck_reason(*stuck))
+    elif stuck is None and was is not None:
+        log.info("rank %d: the stuck draft step %d has ended", rank, was[0])
+    if stuck is not None or was is not None:  # while stuck, publish again: the reason's seconds grow
+        publish()
+
+
+def stuck_reason(step_id: int, secs: float) -> str:
+    """GetStatus.state_reason for STEP_STUCK."""
+    return (f"draft step {step_id} has run for {secs:.1f} s (steps take milliseconds): stuck on the device or in "
+            "a collective; steps wait behind it until it ends")
 
 
 def peers_reason(exited: dict[int, int], silent: dict[int, float]) -> str:

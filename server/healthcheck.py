@@ -39,7 +39,7 @@ def not_serving_why(target: str, timeout_s: float = 2.0) -> str:
         # Loading its shard, a rank has no status to give yet and says so in its error (ErrorInfo reason LOADING,
         # server/app.py LateServicer); a rank gone since the health check says nothing: health's word stands.
         return error_reason(err)
-    # REFUSED's why is the fast path's refusal; PEER_SILENT's is state_reason (proto StatusReport).
+    # REFUSED's why is the fast path's refusal; PEER_SILENT's and STEP_STUCK's are state_reason (proto StatusReport).
     why = st.state_reason or (st.fast_path_refusal if st.state == "REFUSED" else "")
     return f"{st.state}: {why}" if why else st.state
 

@@ -124,6 +124,10 @@ class RankLoop:
         self._gate = threading.Lock()
         self._stopping = False
         self._stop_by = 0.0  # the first stop_steps' deadline (time.monotonic): the later ones wait no longer
+        # (step id, time.monotonic() at its start) of the step running now, whichever thread runs it: read by
+        # the rank's beat (server/app.py watch_steps) through stuck_step. One tuple, replaced whole: read
+        # without the lock, which a stuck step holds.
+        self._running: tuple[int, float] | None = None
         self._worker = threading.Thread(target=self._work, name=f"dspark-rank{ctx.rank}", daemon=True)
         self._worker.start()
 
@@ -367,6 +371,7 @@ class RankLoop:
         """settle: a gRPC answer; one naming an output region waits for the device first (see __init__, _run)."""
         if self._deferred:
             self._sweep()
+        self._running = (req.step_id, time.monotonic())
         try:
             return self._run(req, t_enq, expires, prelaunched, answer_limit, settle)
         except SidecarError:
@@ -377,6 +382,18 @@ class RankLoop:
             # launcher stops the group; engines see UNAVAILABLE and fall back.
             log.exception("rank %d: draft step %d failed inside its launch; exiting", self.ctx.rank, req.step_id)
             os._exit(3)
+        finally:
+            self._running = None
+
+    def stuck_step(self, after_s: float) -> tuple[int, float] | None:
+        """(step id, seconds it has run) of the step running now if it has run longer than after_s, else None.
+        A step takes milliseconds and its waits on peers are bounded (the rendezvous deadline); one past
+        after_s is stuck on the device or in a collective, and the rank cannot draft until it ends."""
+        running = self._running
+        if running is None:
+            return None
+        secs = time.monotonic() - running[1]
+        return (running[0], secs) if secs > after_s else None
 
     def _run(self, req: pb.DraftStepRequest, t_enq: int, expires_ns: int = 0, prelaunched=None,
              answer_limit: int = 0, settle: bool = False) -> pb.DraftStepResponse:

@@ -39,10 +39,11 @@ MAX_STREAMS = 8
 class Lifecycle:
     """What health and GetStatus say about this rank; changed only by server/app.py and BindKV."""
 
-    state: str = "LOADING"  # LOADING -> SERVING -> DRAINING (or REFUSED with --strict-refusal, PEER_SILENT)
+    state: str = "LOADING"  # LOADING -> SERVING -> DRAINING (or REFUSED with --strict-refusal, PEER_SILENT, STEP_STUCK)
     reason: str = ""  # why not SERVING, where the state alone does not say (StatusReport.state_reason)
     silent_peers: dict = field(default_factory=dict)  # {peer rank: seconds silent} (server/app.py watch_peers)
     exited_peers: dict = field(default_factory=dict)  # {peer rank: pid} whose process exited (watch_peers)
+    stuck_step: tuple | None = None  # (step id, seconds) of a step running past STEP_STUCK_S (app.watch_steps)
     backend: str = "reference"
     fallback: str | None = None  # under "flydsl": the portable backend of the steps it refuses (BackendChoice.fallback)
     host: HostFacts | None = None

@@ -1,0 +1,114 @@
+"""A draft step stuck past STEP_STUCK_S takes the rank out of SERVING (state STEP_STUCK, with why) until it ends."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from grpc_health.v1 import health, health_pb2
+
+from dspark_sidecar.client.shim import sidecar_refusal
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.server import app
+from dspark_sidecar.server.app import HealthPublisher, watch_steps
+from dspark_sidecar.server.metrics import Metrics
+from dspark_sidecar.server.rank import RankContext, RankLoop
+from dspark_sidecar.server.servicer import Lifecycle
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture
+def rank(monkeypatch):
+    """A SERVING CPU rank's loop, lifecycle and health, whose step 7 runs until the test lets it end."""
+    monkeypatch.setattr(app, "STEP_STUCK_S", 0.3)
+    ctx = RankContext(0, 1, SimpleNamespace(), SimpleNamespace(device=torch.device("cpu")), None, None, Metrics(0), 8)
+    loop = RankLoop(ctx, SimpleNamespace(), None)  # type: ignore[arg-type]
+    started, release = threading.Event(), threading.Event()
+
+    def run(req, *args, **kwargs):
+        started.set()
+        assert release.wait(60)
+        return pb.DraftStepResponse(step_id=req.step_id)
+
+    loop._run = run  # type: ignore[method-assign]
+    life = Lifecycle(state="SERVING")
+    hs = health.HealthServicer()
+    publish = HealthPublisher(life, SimpleNamespace(refusal=lambda: ""), SimpleNamespace(refusal=None), hs,
+                              SimpleNamespace(set_serving=lambda serving: None))
+    publish("SERVING")
+    r = SimpleNamespace(loop=loop, life=life, publish=publish, started=started, release=release,
+                        health=lambda: hs.Check(health_pb2.HealthCheckRequest(service=""), None).status,
+                        watch=lambda: watch_steps(loop, 0, life, publish))
+    yield r
+    release.set()
+    loop.close()
+
+
+def _stuck(r) -> None:
+    """Beat (as the rank's main thread does) until the running step counts as stuck."""
+    deadline = time.monotonic() + 10
+    while r.life.state != "STEP_STUCK":
+        assert time.monotonic() < deadline, r.life.snapshot()
+        r.watch()
+        time.sleep(0.05)
+
+
+def test_a_step_running_past_the_bound_is_not_serving_with_why_until_it_ends(rank, caplog):
+    caplog.set_level(logging.INFO, "dspark_sidecar.server")
+    fut = rank.loop.submit(pb.DraftStepRequest(step_id=7))
+    assert rank.started.wait(5)
+    rank.watch()  # just started: a step's own milliseconds are not stuck
+    assert rank.life.snapshot() == ("SERVING", "") and rank.health() == SERVING
+    _stuck(rank)
+    state, reason = rank.life.snapshot()
+    assert "draft step 7 has run for" in reason and "stuck on the device or in a collective" in reason, reason
+    assert rank.health() == NOT_SERVING and not rank.life.serving
+    assert any("draft step 7 has run for" in m for m in caplog.messages)  # the operator's log says so once
+    rank.release.set()
+    assert fut.result(5).step_id == 7
+    rank.watch()
+    assert rank.life.snapshot() == ("SERVING", "") and rank.health() == SERVING
+    assert any("stuck draft step 7 has ended" in m for m in caplog.messages)
+
+
+def test_the_reason_s_seconds_grow_while_the_step_stays_stuck(rank):
+    rank.loop.submit(pb.DraftStepRequest(step_id=7))
+    _stuck(rank)
+    first = float(rank.life.reason.split("has run for ")[1].split(" s")[0])
+    time.sleep(0.3)
+    rank.watch()
+    assert float(rank.life.reason.split("has run for ")[1].split(" s")[0]) >= first + 0.25, rank.life.reason
+
+
+def test_a_peer_out_is_said_before_a_stuck_step(rank):
+    """A step stuck in a collective is most often stuck on a gone peer: PEER_SILENT names the cause."""
+    rank.loop.submit(pb.DraftStepRequest(step_id=7))
+    _stuck(rank)
+    rank.life.exited_peers = {1: 4242}
+    rank.publish()
+    state, reason = rank.life.snapshot()
+    assert state == "PEER_SILENT" and "peer rank(s) 1 exited" in reason, (state, reason)
+    rank.life.exited_peers = {}
+    rank.watch()
+    assert rank.life.state == "STEP_STUCK"
+
+
+def test_a_drain_is_not_undone_by_a_stuck_step(rank):
+    rank.loop.submit(pb.DraftStepRequest(step_id=7))
+    _stuck(rank)
+    rank.publish("DRAINING")
+    rank.watch()
+    assert rank.life.state == "DRAINING" and rank.health() == NOT_SERVING
+
+
+def test_the_engine_reads_a_stuck_step_as_passing_not_as_a_refusal_for_good():
+    """On NVIDIA fast_path_refusal is never empty ("not gfx950"): STEP_STUCK must not read as strict mode,
+    which turns the engine's sidecar path off for good."""
+    status = pb.StatusReport(serving=False, state="STEP_STUCK", fast_path_refusal="not gfx950")
+    assert sidecar_refusal(status) is None
+    assert sidecar_refusal(pb.StatusReport(serving=False, state="REFUSED", fast_path_refusal="not gfx950"))
