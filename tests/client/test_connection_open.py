@@ -10,6 +10,7 @@ import pytest
 
 from dspark_sidecar.client.connection import SidecarConnection, StepStream
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from helpers.waiting import wait_until
 
 
 class _Channel:
@@ -112,10 +113,8 @@ def test_a_step_left_unanswered_is_settled_once_the_stream_ends():
     stream.send(pb.DraftStepRequest(step_id=1))
     assert stream.wait(1, 0.01) is None and not stream.settled(1)
     stub.call.answers.put(None)  # the sidecar process ends
-    deadline = time.monotonic() + 5
-    while stream.alive and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert not stream.alive and stream.settled(1)
+    wait_until(lambda: not stream.alive, 5, "the stream ended with the sidecar process", interval_s=0.005)
+    assert stream.settled(1)
     stream.close()
 
 

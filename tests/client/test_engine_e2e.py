@@ -12,6 +12,7 @@ from dspark_sidecar.client.harness import Fault, HarnessConfig, run_engine
 from dspark_sidecar.client.launcher import SidecarLauncher
 from dspark_sidecar.client.workload import MixConfig
 from helpers.engine_fakes import short_socket_dir
+from helpers.waiting import wait_until
 
 MAX_REQS = 4  # the sidecar's limit: the mix goes above it, so some steps are ineligible
 BREAKER = BreakerConfig(failure_threshold=1, backoff_initial_s=0.05, backoff_max_s=0.3, probe_deadline_s=1.0)
@@ -58,10 +59,8 @@ def fault_run(sidecar, tiny_ckpt, tmp_path_factory):
     def on_pause(rnd: int) -> None:
         if rnd == KILL:
             sidecar.kill_rank(1)
-            deadline = time.monotonic() + 60
-            while sidecar.proc.poll() is None:  # a dead rank takes the whole sidecar down
-                assert time.monotonic() < deadline, "sidecar survived a dead rank"
-                time.sleep(0.1)
+            wait_until(lambda: sidecar.proc.poll() is not None, 60, "a dead rank takes the whole sidecar down",
+                       interval_s=0.1)
             events["killed_rc"] = sidecar.proc.returncode
         else:
             t0 = time.monotonic()

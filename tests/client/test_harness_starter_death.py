@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.waiting import wait_until
+
 # The starter: TP-2 engine ranks, no sidecar, more rounds than any test waits for; rank 0 prints every round.
 STARTER = """
 import sys
@@ -52,12 +54,14 @@ def test_a_sigkilled_starter_takes_its_engine_ranks_down(tiny_ckpt, tmp_path, wh
         starter = subprocess.Popen([sys.executable, "-c", STARTER, str(tiny_ckpt[0]), str(tiny_ckpt[1]),
                                     str(tmp_path / "engine")], stdout=sink, stderr=subprocess.STDOUT)
     pidfds: dict[int, int] = {}
+
+    def started() -> list[int]:
+        ranks = _rank_pids(starter.pid)
+        return ranks if len(ranks) >= 2 and (when != "drafting" or b"round 3/" in out.read_bytes()) else []
+
     try:
-        deadline = time.monotonic() + 300
-        while len(ranks := _rank_pids(starter.pid)) < 2 or (when == "drafting" and b"round 3/" not in out.read_bytes()):
-            assert starter.poll() is None, out.read_text()
-            assert time.monotonic() < deadline, out.read_text()
-            time.sleep(0.05)
+        ranks = wait_until(started, 300, lambda: f"two engine ranks {when}:\n{out.read_text()}", watch=starter,
+                           interval_s=0.05)
         pidfds = {p: os.pidfd_open(p) for p in ranks}
         starter.kill()
         starter.wait()

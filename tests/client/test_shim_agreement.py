@@ -17,6 +17,7 @@ from dspark_sidecar.client.shim import DrafterShim
 from helpers.engine_fakes import (
     FakeModel, FakeServer, FakeSidecar, ThreadGroup, ThreadRendezvous, shm_kv_cache, short_socket_dir, step_inputs,
 )
+from helpers.waiting import wait_until
 
 TP = 4
 
@@ -110,10 +111,8 @@ def test_one_sidecar_rank_down_then_back(engine):
     engine.servers[3].start()
     for r in range(3):
         engine.shims[r].binder.invalidate()
-    deadline = time.monotonic() + 10
-    while engine.step()[0] is None:
-        assert time.monotonic() < deadline, reasons(engine)
-        time.sleep(0.02)
+    wait_until(lambda: engine.step()[0] is not None, 10, lambda: f"a step forwarded: {reasons(engine)}",
+               interval_s=0.02)
     gens = [s.binder.generation for s in engine.shims]
     assert len(set(gens)) == 1 and gens[0] >= 2
     assert engine.servers[3].sidecar.calls["BindKV"] >= 2  # caught up from 1
@@ -150,10 +149,8 @@ def test_whole_sidecar_down_and_back_through_health(engine):
     # A rank learns its sidecar went away when its stream's reader thread sees the stream end. Until then it is
     # ready, and falls back with its peers as PEER_NOT_READY: on a loaded 2-core CI box one rank's reader came
     # after the first step (CI of 407807a). Wait for every rank's, as the single-rank tests do.
-    deadline = time.monotonic() + 10
-    while not all(s.connection.stream_ended for s in engine.shims):
-        assert time.monotonic() < deadline, [s.connection.stream_ended for s in engine.shims]
-        time.sleep(0.01)
+    wait_until(lambda: all(s.connection.stream_ended for s in engine.shims), 10,
+               lambda: f"every rank's stream ended: {[s.connection.stream_ended for s in engine.shims]}")
     for _ in range(10):
         assert engine.step()[0] is None
     assert all(s.breaker.state is BreakerState.OPEN for s in engine.shims)
@@ -171,10 +168,8 @@ def test_whole_sidecar_down_and_back_through_health(engine):
     assert sum(s.breaker.probes_failed for s in engine.shims) >= TP
     for s in engine.servers:
         s.set_health(True)
-    deadline = time.monotonic() + 10
-    while engine.step()[0] is None:
-        assert time.monotonic() < deadline, reasons(engine)
-        time.sleep(0.02)
+    wait_until(lambda: engine.step()[0] is not None, 10, lambda: f"a step forwarded: {reasons(engine)}",
+               interval_s=0.02)
     assert all(s.breaker.state is BreakerState.CLOSED for s in engine.shims)
     assert [s.sidecar.calls["BindKV"] for s in engine.servers] == [1] * TP  # re-bound the new sidecar
 
@@ -187,20 +182,17 @@ def test_late_answer_within_grace_settles_and_a_later_one_pauses_forwarding():
         assert engine.step()[0] is None
         assert engine.shims[0].stats.fallbacks == {S.DEADLINE: 1}
         assert engine.shims[0]._unsettled is None
-        deadline = time.monotonic() + 10
-        while engine.step()[0] is None:  # the breaker opened on the timeout: wait until it closes
-            assert time.monotonic() < deadline, reasons(engine)
-            time.sleep(0.05)
+        # The breaker opened on the timeout: wait until it closes.
+        wait_until(lambda: engine.step()[0] is not None, 10, lambda: f"a step forwarded: {reasons(engine)}",
+                   interval_s=0.05)
         engine.servers[0].sidecar.step_delay_s[engine.shims[0]._next_step] = 1.5  # past deadline + grace
         assert engine.step()[0] is None
         assert engine.shims[0]._unsettled is not None
         outs = engine.step()
         assert outs[0] is None and engine.shims[0].stats.fallbacks[S.UNSETTLED] == 1
         time.sleep(0.6)  # the late answer arrives: settled
-        deadline = time.monotonic() + 10
-        while engine.step()[0] is None:
-            assert time.monotonic() < deadline, reasons(engine)
-            time.sleep(0.05)
+        wait_until(lambda: engine.step()[0] is not None, 10, lambda: f"a step forwarded: {reasons(engine)}",
+                   interval_s=0.05)
         assert engine.shims[0]._unsettled is None
     finally:
         engine.close()

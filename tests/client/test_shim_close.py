@@ -36,6 +36,7 @@ from helpers.engine_fakes import (
     DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, RecordingSharedMemory, shm_kv_cache,
     short_socket_dir, step_inputs,
 )
+from helpers.waiting import wait_until
 
 _HERE = Path(__file__).resolve()
 
@@ -458,9 +459,7 @@ def test_a_connect_that_waited_for_the_link_while_the_ranks_turned_off_does_noth
         binds = rig.fake.calls["BindKV"]
         with rig.shim._link():
             connecting = Bounded(rig.shim.connect, "connect")
-            deadline = time.monotonic() + 5
-            while not rig.shim._link_waiters and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_until(lambda: rig.shim._link_waiters, 5, "connect() waits for the link", interval_s=0.005)
             assert rig.shim._link_waiters == 1, "connect() never waited for the link"
             rig.shim._disable("a peer engine rank's sidecar refuses")  # as a step's turn-off does, in the link
         assert connecting.join(5.0, "connect()") == "off: a peer engine rank's sidecar refuses"

@@ -22,6 +22,7 @@ from helpers.engine_fakes import (
     DoorbellNeverAnswered, FakeModel, FakeServer, PreflightHook, recording_shm, shm_kv_cache, short_socket_dir,
     step_inputs,
 )
+from helpers.waiting import wait_until
 
 
 def _shim(endpoint: str, par, **cfg) -> DrafterShim:
@@ -121,10 +122,7 @@ class _EndsLivenessInPreflight(PreflightHook):
     def at_preflight(self) -> None:
         live = self.shim.doorbell.liveness
         live._call.cancel()
-        deadline = time.monotonic() + 5
-        while live.alive and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not live.alive
+        wait_until(lambda: not live.alive, 5, "the cancelled liveness stream ended")
 
 
 def test_a_liveness_stream_that_ends_between_steps_drops_and_reattaches_the_data_plane():
@@ -270,10 +268,7 @@ def test_a_liveness_stream_that_ended_before_the_readiness_check_is_attached_aga
             assert shim.connect() is None and shim.doorbell is not None
             dead = shim.doorbell
             dead.liveness._call.cancel()
-            deadline = time.monotonic() + 5
-            while dead.liveness.alive and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert not dead.liveness.alive
+            wait_until(lambda: not dead.liveness.alive, 5, "the cancelled liveness stream ended")
             assert shim.maybe_forward(ids, pos) is None  # the fake never answers a ring
         assert STREAM not in shim.stats.fallbacks, dict(shim.stats.fallbacks)
         calls = server.sidecar.calls
@@ -357,9 +352,7 @@ def test_an_unsettled_step_settles_when_the_sidecar_goes_or_closes_the_doorbell(
             old = shim.doorbell
             if how == "liveness ends":
                 old.liveness._call.cancel()
-                deadline = time.monotonic() + 5
-                while old.liveness.alive and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                wait_until(lambda: not old.liveness.alive, 5, "the cancelled liveness stream ended")
             else:
                 old.bell.page.words[bell.CLOSED] = 1
             shim.maybe_forward(ids, pos)  # the new doorbell never answers either

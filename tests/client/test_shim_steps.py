@@ -26,6 +26,7 @@ from helpers.engine_fakes import (
     HIDDEN, DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, recording_shm, shm_kv_cache,
     short_socket_dir, step_inputs,
 )
+from helpers.waiting import wait_until
 
 
 @pytest.fixture
@@ -141,10 +142,7 @@ def test_a_limit_raised_by_a_sidecar_restart_is_learned_again_by_steps_above_the
         fake.stop()
         fake.sidecar = FakeSidecar(max_reqs=8)  # restarted with a larger limit
         fake.start()
-        deadline = time.monotonic() + 5
-        while not shim.connection.stream_ended:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: shim.connection.stream_ended, 5, "the step stream ended with the sidecar process")
         ids, pos, meta = step_inputs(6)
         forwarded_at = None
         with set_forward_context(meta):
@@ -502,8 +500,6 @@ def test_engine_config_validation():
 
 
 def test_sidecar_restarted_between_steps_is_rebound_without_losing_a_step(fake):
-    import time
-
     shim, _, _ = make_shim(fake.endpoint)
     ids, pos, meta = step_inputs(2)
     with set_forward_context(meta):
@@ -511,10 +507,7 @@ def test_sidecar_restarted_between_steps_is_rebound_without_losing_a_step(fake):
         fake.stop()
         fake.sidecar = FakeSidecar(max_reqs=4)  # a new process: no binding, generation from 0
         fake.start()
-        deadline = time.monotonic() + 5
-        while not shim.connection.stream_ended:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: shim.connection.stream_ended, 5, "the step stream ended with the sidecar process")
         assert shim.maybe_forward(ids, pos) is not None
     assert fake.sidecar.calls["GetStatus"] == 1 and fake.sidecar.calls["BindKV"] == 1
     assert shim.stats.fallbacks == {} and shim.binder.generation == 1
@@ -588,10 +581,9 @@ def test_an_unsettled_stream_step_keeps_its_link_through_a_drop_until_its_answer
         shim._drop_link()
         assert shim.maybe_forward(ids, pos) is None and shim.stats.fallbacks[S.UNSETTLED] == 1
         assert shim.connection.is_open and shim.connection.opens == opens
-        deadline = time.monotonic() + 10
-        while shim.maybe_forward(ids, pos) is None:  # the answer lands; the link is dropped and opened again
-            assert time.monotonic() < deadline, dict(shim.stats.fallbacks)
-            time.sleep(0.05)
+        # The answer lands; the link is dropped and opened again.
+        wait_until(lambda: shim.maybe_forward(ids, pos) is not None, 10,
+                   lambda: f"a step forwarded after the answer: {dict(shim.stats.fallbacks)}", interval_s=0.05)
     assert shim._unsettled is None and shim.connection.opens == opens + 1
     assert not [k for k in shim.stats.fallbacks if k.startswith("shim error")], dict(shim.stats.fallbacks)
 
@@ -654,10 +646,7 @@ def test_a_stream_that_ended_is_kept_until_the_link_drops_and_closed_then(fake):
     conn.open(5.0)
     first = conn.stream()
     first._call.cancel()  # the stream ends from the transport's side, as when the sidecar goes away
-    deadline = time.monotonic() + 5
-    while first.alive:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: not first.alive, 5, "the cancelled stream ended")
     assert conn.stream() is first and conn.stream_ended
     with pytest.raises(StreamBroken):
         first.send(pb.DraftStepRequest(step_id=1))
@@ -683,10 +672,7 @@ class _RestartsInPreflight(PreflightHook):
         self.server.stop()
         self.server.sidecar = FakeSidecar(max_reqs=8)
         self.server.start()
-        deadline = time.monotonic() + 5
-        while not self.shim.connection.stream_ended:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: self.shim.connection.stream_ended, 5, "the step stream ended with the sidecar process")
 
 
 def test_a_stream_that_ends_after_the_readiness_check_is_not_replaced_on_the_stale_link(fake):
@@ -727,17 +713,12 @@ def test_a_sidecar_restarted_between_connect_and_the_first_step_is_seen_by_its_s
         # sidecar stopped went (gRPC's transparent retry) to the restarted process, so it never ended, and the
         # step ran there under the old status, unbound (FAILED_PRECONDITION: 2 of 8 runs on a loaded 2-core box).
         # Before the fix there was no stream at all until the first step: this wait then fails.
-        deadline = time.monotonic() + 10
-        while fake.sidecar.calls["DraftSteps"] == 0:
-            assert time.monotonic() < deadline, "connect() opened no step stream to watch the sidecar process"
-            time.sleep(0.01)
+        wait_until(lambda: fake.sidecar.calls["DraftSteps"], 10,
+                   "connect() opened a step stream to watch the sidecar process")
         fake.stop()
         fake.sidecar = FakeSidecar(max_reqs=8)  # restarted with a larger limit
         fake.start()
-        deadline = time.monotonic() + 10
-        while not shim.connection.stream_ended:
-            assert time.monotonic() < deadline, "the step stream did not end with the sidecar process"
-            time.sleep(0.01)
+        wait_until(lambda: shim.connection.stream_ended, 10, "the step stream ended with the sidecar process")
         ids, pos, meta = step_inputs(2)
         with set_forward_context(meta):
             assert shim.maybe_forward(ids, pos) is not None, dict(shim.stats.fallbacks)

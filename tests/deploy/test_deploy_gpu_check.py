@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
 from deploy.deploy_files import DEPLOY
+from helpers.waiting import wait_until
 
 SCRIPT = DEPLOY / "gpu-check.sh"
 # nvidia-cuda-mps-control: `-d` starts "the daemon" (a state file) unless one runs; on stdin,
@@ -70,10 +70,7 @@ def test_a_killed_run_quits_the_mps_daemon_it_started(tmp_path):
     MPS server running on the GPUs. The script quits it from an EXIT trap, which bash runs on SIGTERM."""
     proc = _run_script(tmp_path, stall=True)
     try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "stalled").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the script never reached the tests"
-            time.sleep(0.1)
+        wait_until((tmp_path / "stalled").exists, 30, "the script reached the tests", watch=proc, interval_s=0.1)
         assert (tmp_path / "mps-running").exists()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)

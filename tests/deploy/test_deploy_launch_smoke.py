@@ -7,14 +7,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from dspark_sidecar.server.healthcheck import check
+from helpers.waiting import wait_until
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "launch-tp4.sh"
+
+
+def _states(sock: Path, tp: int) -> list[str]:
+    """Each rank's health ("SERVING", "NOT_SERVING", "UNREACHABLE: ...")."""
+    return [check(f"unix:{sock}/rank{r}.sock", 1.0) for r in range(tp)]
 
 
 @pytest.mark.parametrize("launcher", ["builtin", "torchrun"])
@@ -28,14 +33,9 @@ def test_launch_recipe_brings_every_rank_to_serving(launcher, tmp_path, tiny_ckp
     proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 150
-        states: list[str] = []
-        while time.monotonic() < deadline and proc.poll() is None:
-            states = [check(f"unix:{sock}/rank{r}.sock", 1.0) for r in range(4)]
-            if all(s == "SERVING" for s in states):
-                break
-            time.sleep(0.3)
-        assert states == ["SERVING"] * 4, f"{states}\n{(tmp_path / 'launch.log').read_text()[-3000:]}"
+        wait_until(lambda: _states(sock, 4) == ["SERVING"] * 4, 150,
+                   lambda: f"every rank SERVING: {_states(sock, 4)}\n{(tmp_path / 'launch.log').read_text()[-3000:]}",
+                   watch=proc, interval_s=0.3)
         assert oct((sock / "rank0.sock").stat().st_mode & 0o777) == "0o660"
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
@@ -81,24 +81,17 @@ def test_under_torchrun_ranks_whose_agent_was_killed_drain_and_exit(tmp_path, ti
                             start_new_session=True)
     ranks: list[int] = []
     try:
-        deadline = time.monotonic() + 150
-        states: list[str] = []
-        while time.monotonic() < deadline and proc.poll() is None:
-            states = [check(f"unix:{sock}/rank{r}.sock", 1.0) for r in range(2)]
-            if all(s == "SERVING" for s in states):
-                break
-            time.sleep(0.3)
-        assert states == ["SERVING"] * 2, f"{states}\n{(tmp_path / 'launch.log').read_text()[-3000:]}"
+        wait_until(lambda: _states(sock, 2) == ["SERVING"] * 2, 150,
+                   lambda: f"every rank SERVING: {_states(sock, 2)}\n{(tmp_path / 'launch.log').read_text()[-3000:]}",
+                   watch=proc, interval_s=0.3)
         ranks = _children(proc.pid)  # the script exec'd torchrun, whose agent runs in its main process
         assert len(ranks) == 2, ranks
         assert all(os.getsid(r) != os.getsid(proc.pid) for r in ranks)  # why the session's kill misses them
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 60
-        while not all(exited(r) for r in ranks):
-            assert time.monotonic() < deadline, (f"ranks {[r for r in ranks if not exited(r)]} still run with "
-                                                 f"their agent gone\n{(tmp_path / 'launch.log').read_text()[-3000:]}")
-            time.sleep(0.2)
+        wait_until(lambda: all(exited(r) for r in ranks), 60,
+                   lambda: (f"the ranks exit with their agent gone: {[r for r in ranks if not exited(r)]} still run\n"
+                            f"{(tmp_path / 'launch.log').read_text()[-3000:]}"), interval_s=0.2)
         text = (tmp_path / "launch.log").read_text()
         assert text.count("torchrun's agent (pid") == 2, text[-3000:]  # each rank said why it stopped
         assert not any(sock.glob("rank*.sock")), sorted(sock.iterdir())  # drained and let go, as on SIGTERM

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dspark_sidecar.client.launcher import SidecarLauncher
 from dspark_sidecar.server.healthcheck import check
+from helpers.waiting import wait_until
 
 
 def alive(pid: int) -> bool:
@@ -39,12 +40,8 @@ class SidecarProcess(SidecarLauncher):
         return [check(self.socket(r), 1.0) for r in range(self.tp)]
 
     def wait_health(self, want: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if all(s == want for s in self.health()):
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"sidecar not {want} within {timeout_s} s: {self.health()}\n{self.log_tail()}")
+        wait_until(lambda: all(s == want for s in self.health()), timeout_s,
+                   lambda: f"sidecar {want}: {self.health()}\n{self.log_tail()}", watch=self.proc, interval_s=0.2)
 
 
 def free_port_block(n: int, start: int = 20000, end: int = 60000) -> int:

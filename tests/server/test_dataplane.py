@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
 from helpers.engine_sim import PAGE, EngineSim
 from helpers.sidecar_proc import SidecarProcess
+from helpers.waiting import wait_until
 
 TP = 4
 LENS = [3, 90, 4096 + 20, 17, 250]
@@ -120,10 +120,9 @@ def test_idle_doorbell_sleeps_on_its_fifo_and_wakes_for_the_next_step(tmp_path, 
         step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=3)
         (want,) = (codec.from_tensor_ref(x.hidden_states, "h") for x in eng.step_all(1, step))
         for i in range(2):
-            deadline = time.monotonic() + 5
-            while not bell.page.word(page_words.ASLEEP):  # the sidecar dozes off a few ms after a step
-                assert time.monotonic() < deadline, "the idle doorbell never slept on its FIFO"
-                time.sleep(0.001)
+            # The sidecar dozes off a few ms after a step.
+            wait_until(lambda: bell.page.word(page_words.ASLEEP), 5, "the idle doorbell sleeps on its FIFO",
+                       interval_s=0.001)
             _, resp, view = _ring(bufs, bell, eng.bindings[0], 10 + i, step)
             assert resp is not None and resp.HasField("hidden_states"), resp
             assert torch.equal(view, want)

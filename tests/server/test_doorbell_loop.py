@@ -15,6 +15,7 @@ pytest.importorskip("triton")  # the doorbell imports the pre-launch, which impo
 from dspark_sidecar.proto import doorbell as bell  # noqa: E402
 from dspark_sidecar.server import doorbell as doorbell_mod  # noqa: E402
 from dspark_sidecar.server.doorbell import Doorbell  # noqa: E402
+from helpers.waiting import wait_until  # noqa: E402
 
 CAPACITY = 4096
 
@@ -113,10 +114,7 @@ def test_the_idle_doorbell_pokes_while_a_released_step_waits_and_not_otherwise()
         assert pl.seen.wait(timeout=10)
         assert loop.sweeps and not any(loop.sweeps)  # nothing released: the plain sweep
         pl.passing = True  # a released step not yet seen finished (Prelaunch.repass)
-        deadline = time.monotonic() + 10
-        while not any(loop.sweeps):
-            assert time.monotonic() < deadline, "the idle doorbell never poked"
-            time.sleep(0.01)
+        wait_until(lambda: any(loop.sweeps), 10, "the idle doorbell pokes")
     finally:
         db.stop()
 
@@ -203,14 +201,9 @@ def test_the_doorbell_thread_outlives_a_failed_step_and_a_failed_error_answer(mo
     try:
         for seq in (1, 2):  # two rings: the first answer is lost, the second one gets through
             db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, seq)
-            deadline = time.monotonic() + 10
-            while seq not in published:
-                assert time.monotonic() < deadline and db.is_alive()
-                time.sleep(0.01)
-        deadline = time.monotonic() + 10
-        while db.page.word(bell.RESP_SEQ) != 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+            wait_until(lambda: seq in published, 10, lambda: f"ring {seq} published: {published}", watch=db)
+        wait_until(lambda: db.page.word(bell.RESP_SEQ) == 2, 10,
+                   lambda: f"the second ring answered: RESP_SEQ {db.page.word(bell.RESP_SEQ)}")
         assert db.is_alive()
     finally:
         db.stop()
@@ -301,10 +294,7 @@ def test_stop_during_a_step_lets_it_queue_the_next_before_the_prelaunch_goes(mon
     pl = db.prelaunch = _QueueingPrelaunch()
     db.start()
     db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, 1)
-    deadline = time.monotonic() + 5
-    while db._seen_ns == 0:  # the step is under way
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_until(lambda: db._seen_ns != 0, 5, "the step under way", interval_s=0.005)
     db.stop()  # returns after STOP_S, the step still running
     assert db.is_alive() and pl.events == [], pl.events  # nothing dropped under the step
     db.join(10)
@@ -455,10 +445,7 @@ def test_an_answer_too_large_for_the_page_still_carries_the_doorbell_timings():
     try:
         db.page.write(db.page.req_area, pb.DraftStepRequest(step_id=9).SerializeToString(), bell.REQ_LEN,
                       bell.REQ_SEQ, 1)
-        deadline = time.monotonic() + 10
-        while db.page.word(bell.RESP_SEQ) != 1:
-            assert time.monotonic() < deadline and db.is_alive()
-            time.sleep(0.005)
+        wait_until(lambda: db.page.word(bell.RESP_SEQ) == 1, 10, "the step answered", watch=db, interval_s=0.005)
         resp = pb.DraftStepResponse.FromString(db.page.read(db.page.resp_area, bell.RESP_LEN))
     finally:
         db.stop()
@@ -508,10 +495,9 @@ def test_a_page_whose_registration_outlived_a_dropped_prelaunch_stays_mapped_whe
     db.start()
     try:
         db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, 1)
-        deadline = time.monotonic() + 10
-        while db.prelaunch is not None or db.page.word(bell.RESP_SEQ) != 1:
-            assert time.monotonic() < deadline and db.is_alive()
-            time.sleep(0.005)
+        wait_until(lambda: db.prelaunch is None and db.page.word(bell.RESP_SEQ) == 1, 10,
+                   lambda: f"the step answered, the pre-launch dropped: prelaunch {db.prelaunch}, "
+                           f"RESP_SEQ {db.page.word(bell.RESP_SEQ)}", watch=db, interval_s=0.005)
     finally:
         db.stop()
     assert int(page.storage[8 * bell.CLOSED : 8 * bell.CLOSED + 8].view(torch.int64)) == 1

@@ -19,6 +19,7 @@ from dspark_sidecar.proto import memory  # noqa: E402
 from dspark_sidecar.proto import sidecar_pb2 as pb  # noqa: E402
 from dspark_sidecar.server.kv_binding import MemoryBindings  # noqa: E402
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle  # noqa: E402
+from helpers.waiting import wait_until  # noqa: E402
 
 CAP = 4096
 
@@ -76,10 +77,8 @@ def test_teardown_during_a_reattach_waits_for_it_and_closes_each_fifo_once(tmp_p
             time.sleep(0.005)
         t = threading.Thread(target=_attach, args=(svc, pages[1]))
         t.start()  # the engine re-attaches: D2 waits in D1.stop() for D1's step
-        deadline = time.monotonic() + 10  # by state, not by a nap: a teardown first refuses the attach instead
-        while not svc._attach_lock.locked():
-            assert time.monotonic() < deadline, "the re-attach never took the attach lock"
-            time.sleep(0.005)
+        # By state, not by a nap: a teardown first refuses the attach instead.
+        wait_until(svc._attach_lock.locked, 10, "the re-attach takes the attach lock", interval_s=0.005)
         svc.close_doorbell()  # SIGTERM's teardown: waits for the attach, then stops D2 (and D1)
         t.join(10)
         d2 = svc.doorbell
@@ -204,10 +203,8 @@ def test_a_new_doorbell_serves_only_after_a_replaced_one_still_in_a_long_step_ha
         d2.page.write(d2.page.req_area, pb.DraftStepRequest(step_id=2).SerializeToString(), bell.REQ_LEN,
                       bell.REQ_SEQ, 1)
         d1.join(5)
-        deadline = time.monotonic() + 5
-        while "D2 step" not in loop.events or d2.page.word(bell.RESP_SEQ) != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: "D2 step" in loop.events and d2.page.word(bell.RESP_SEQ) == 1, 5,
+                   lambda: f"D2's step answered: {loop.events}, RESP_SEQ {d2.page.word(bell.RESP_SEQ)}")
         # Before: D2's step ran (and waited on the stream) between D1's queued copy and its release.
         assert not loop.hung and loop.events == ["D1 queued", "D1 released", "D2 step"], loop.events
     finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +30,7 @@ from dspark_sidecar.server.refusal import EngineFacts, HostFacts
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
 from helpers.fake_hip import fast_path_rank
 from helpers.ranks import run_ranks
+from helpers.waiting import wait_until
 
 GOOD_HOST = HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4)
 GOOD_ENGINE = EngineFacts(tp_size=4, dp_size=1, pp_size=1, speculative_method="dspark", num_speculative_tokens=7)
@@ -415,13 +415,6 @@ class GatedCompile:
         return Runner()
 
 
-def _until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
-
-
 def test_kernels_compile_off_the_step_path_before_the_runner_serves():
     factory = GatedCompile()
     fp, told = fast_path(factory=factory, compile_ahead=True)
@@ -429,7 +422,7 @@ def test_kernels_compile_off_the_step_path_before_the_runner_serves():
     assert not fp.ready(kv) and not fp.ready(kv)  # compiling: this rank offers the portable layers
     assert fp.reason is None and told == []  # nothing is wrong: health stays as it is
     factory.gate.set()
-    _until(lambda: fp.ready(kv))
+    wait_until(lambda: fp.ready(kv), 5, "the fast path ready once its kernels compiled")
     assert len(factory.compiled) == 1 and fp.runner is factory.compiled[0]
 
 
@@ -439,7 +432,7 @@ def test_a_compile_failure_turns_the_path_off_with_the_reason():
     kv = binding()
     factory.gate.set()
     assert not fp.ready(kv)
-    _until(lambda: fp.reason is not None)
+    wait_until(lambda: fp.reason is not None, 5, "the failed compile gives the fast path a reason")
     assert fp.reason == "FlyDSL kernels failed to compile: RuntimeError: ld.lld: undefined symbol"
     assert told == [fp.reason] and not fp.ready(kv) and len(factory.closed) == 1
 
@@ -450,8 +443,9 @@ def test_a_rebind_while_compiling_drops_the_old_runner():
     assert not fp.ready(binding(gen=1))
     assert not fp.ready(binding(gen=2))  # re-bound before the first compile finished
     factory.gate.set()
-    _until(lambda: fp.ready(binding(gen=2)))
-    _until(lambda: len(factory.closed) == 1)  # the gen-1 runner closed itself when its compile ended
+    wait_until(lambda: fp.ready(binding(gen=2)), 5, "the fast path ready for the gen-2 binding")
+    # The gen-1 runner closed itself when its compile ended.
+    wait_until(lambda: len(factory.closed) == 1, 5, lambda: f"one runner closed: {factory.closed}")
     assert fp.runner is not factory.closed[0]
 
 
@@ -494,7 +488,7 @@ def test_status_says_the_kernels_compile_until_the_runner_serves_and_strict_heal
     assert life.state == "SERVING" and health_status() == health_pb2.HealthCheckResponse.SERVING
     assert ctx.refusal is None  # strict: steps are not refused while the kernels compile
     factory.gate.set()
-    _until(lambda: fp.ready(kv))
+    wait_until(lambda: fp.ready(kv), 5, "the fast path ready once its kernels compiled")
     assert status() == ""  # served by the fast path now
     # A re-bind: not compiled for the new binding until its own compile ends.
     ctx.memory.kv = kv2 = binding(gen=2)
@@ -502,7 +496,7 @@ def test_status_says_the_kernels_compile_until_the_runner_serves_and_strict_heal
     factory.gate.clear()
     assert not fp.ready(kv2) and "binding 7 gen 2 compiling" in status()
     factory.gate.set()
-    _until(lambda: fp.ready(kv2))
+    wait_until(lambda: fp.ready(kv2), 5, "the fast path ready for the new binding")
     assert status() == ""
     fp.close()
 
@@ -564,7 +558,7 @@ def test_a_compile_for_a_binding_that_went_stops_at_its_next_kernel(how):
     factory = GatedKernels()
     fp, _ = fast_path(factory=factory, compile_ahead=True)
     assert not fp.ready(binding(gen=1))
-    _until(lambda: factory.kernels)  # inside its first kernel's compile
+    wait_until(lambda: factory.kernels, 5, "inside its first kernel's compile")
     old = factory.built[0]
     kv2 = binding(gen=2)
     if how == "UnbindKV":
@@ -572,10 +566,10 @@ def test_a_compile_for_a_binding_that_went_stops_at_its_next_kernel(how):
     else:
         assert not fp.ready(kv2)
     factory.gate.set()
-    _until(lambda: old._kv == [])  # closed by its own thread once the kernel in hand compiled
+    wait_until(lambda: old._kv == [], 5, "the old runner closed by its own thread once the kernel in hand compiled")
     assert factory.kernels.count(old) == 1
     if how != "UnbindKV":  # the new binding's compile runs to the end and serves
-        _until(lambda: fp.ready(kv2))
+        wait_until(lambda: fp.ready(kv2), 5, "the fast path ready for the new binding")
         new = factory.built[1]
         assert fp.runner is new and factory.kernels.count(new) > 8 * 10
     fp.close()

@@ -12,8 +12,6 @@ Layouts that share a segment but no byte (page, regions and layers side by side)
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 import torch
@@ -25,6 +23,7 @@ from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_sim import PAGE, RIG_PAGES
+from helpers.waiting import wait_until
 
 PAGES = RIG_PAGES
 TIMEOUT_S = 30.0
@@ -154,14 +153,18 @@ def test_bindkv_over_the_doorbell_page_is_refused_until_it_is_replaced(rig):
     # Re-attached elsewhere, the old page is released (once its doorbell has stopped): the cache may have it.
     other = _segment(held, used)
     eng.stubs[0].AttachDoorbell(pb.AttachDoorbellRequest(page=_handle(other), capacity_bytes=CAP), timeout=TIMEOUT_S)
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
+    refusals: list[str] = []
+
+    def binds() -> bool:
         try:
             eng.stubs[0].BindKV(over, timeout=TIMEOUT_S)
-            break
-        except grpc.RpcError as err:
-            assert "doorbell page" in err.details() and time.monotonic() < deadline, err.details()
-            time.sleep(0.05)
+            return True
+        except grpc.RpcError as err:  # refused while the old page's doorbell still stops
+            assert "doorbell page" in err.details(), err.details()
+            refusals.append(err.details())
+            return False
+
+    wait_until(binds, TIMEOUT_S, lambda: f"BindKV over the released page binds: {refusals[-1:]}", interval_s=0.05)
     _serves(eng, cfg, embed, 4)
 
 
@@ -224,10 +227,7 @@ def test_one_segment_holding_page_regions_and_cache_side_by_side_serves(rig):
     page = bell.Page(raw[:used].numpy(), CAP)
     seq = page.word(bell.REQ_SEQ) + 1
     page.write(page.req_area, req.SerializeToString(), bell.REQ_LEN, bell.REQ_SEQ, seq)
-    deadline = time.monotonic() + TIMEOUT_S
-    while page.word(bell.RESP_SEQ) != seq:
-        assert time.monotonic() < deadline, "no answer on the doorbell"
-        time.sleep(0.005)
+    wait_until(lambda: page.word(bell.RESP_SEQ) == seq, TIMEOUT_S, "an answer on the doorbell", interval_s=0.005)
     resp = pb.DraftStepResponse.FromString(page.read(page.resp_area, bell.RESP_LEN))
     assert resp.HasField("hidden_states") and resp.hidden_states.HasField("region"), resp
     got = raw[offs["hidden"]: offs["hidden"] + rows].view(torch.float32).view(n, hidden)

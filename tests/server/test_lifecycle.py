@@ -15,6 +15,7 @@ from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.healthcheck import check
 from helpers.peer_watch import watched_peer
 from helpers.sidecar_proc import SidecarProcess, alive as _alive
+from helpers.waiting import wait_until
 
 
 def test_health_not_serving_then_serving_then_not_serving_on_drain(tmp_path, tiny_ckpt):
@@ -92,18 +93,21 @@ def test_strict_refusal_is_not_serving_with_the_reason(tmp_path, tiny_ckpt):
     log = open(sc.log_path, "ab")
     sc.proc = subprocess.Popen(sc.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        st = None
-        while time.monotonic() < deadline:
+        seen: list[str] = []
+
+        def loaded() -> pb.StatusReport | None:
             try:
                 with grpc.insecure_channel(sc.socket(0)) as ch:
                     st = pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=2)
-                if st.state != "LOADING":
-                    break
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        assert st is not None and st.state == "REFUSED" and not st.serving
+            except grpc.RpcError as err:  # not listening yet
+                seen.append(err.code().name)
+                return None
+            seen.append(st.state)
+            return st if st.state != "LOADING" else None
+
+        st = wait_until(loaded, 120, lambda: f"rank 0 past LOADING: {seen[-1:]}\n{sc.log_tail()}", watch=sc.proc,
+                        interval_s=0.2)
+        assert st.state == "REFUSED" and not st.serving, st
         assert st.fast_path_refusal == "not gfx950"
         assert check(sc.socket(0)) == "NOT_SERVING"
     finally:

@@ -24,6 +24,7 @@ from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.healthcheck import check
 from dspark_sidecar.server.launcher import free_port
 from helpers.peer_watch import watched_peer
+from helpers.waiting import wait_until
 
 TP = 2
 # The ranks run with a silence timeout of an hour: a kill reported only through the silence (the path meant for
@@ -66,12 +67,13 @@ def ranks(tmp_path, tiny_ckpt):
     def tail() -> str:
         return "\n".join(f"--- rank {r}\n" + Path(tmp_path / f"rank{r}.log").read_text(errors="replace")[-3000:]
                          for r in range(TP))
+
+    def serving() -> bool:
+        assert all(p.poll() is None for p in procs), tail()  # a rank that died never serves: fail now
+        return all(Path(s[5:]).exists() and check(s, 0.5) == "SERVING" for s in socks)
+
     try:
-        deadline = time.monotonic() + 120
-        while not all(Path(s[5:]).exists() and check(s, 0.5) == "SERVING" for s in socks):
-            assert all(p.poll() is None for p in procs), tail()
-            assert time.monotonic() < deadline, tail()
-            time.sleep(0.2)
+        wait_until(serving, 120, lambda: f"both ranks SERVING\n{tail()}", interval_s=0.2)
         yield procs, socks, tail
     finally:
         for p in procs:
@@ -89,17 +91,16 @@ def test_a_killed_peer_is_reported_exited_well_before_the_silence_timeout(ranks,
     os.kill(procs[1].pid, signal.SIGKILL)
     if reaped:
         procs[1].wait(timeout=10)
-    deadline = time.monotonic() + HANG_S
-    while (st := _status(socks[0])).state == "SERVING":
-        assert time.monotonic() < deadline, "the exited peer was never reported (only the silence would)\n" + tail()
-        time.sleep(0.05)
+    killed_at = time.monotonic()
+    st = wait_until(lambda: (s := _status(socks[0])).state != "SERVING" and s, HANG_S,
+                    lambda: "the exited peer reported (not only by the silence)\n" + tail(), interval_s=0.05)
     assert st.state == "PEER_SILENT" and not st.serving, st
     assert "rank(s) 1 exited" in st.state_reason and "silent" not in st.state_reason, st.state_reason
     # Health is set by the same publish as the state, just after it (app.HealthPublisher): a GetStatus on
-    # another of the rank's threads can read the new state first.
-    while (health := check(socks[0], 2.0)) != "NOT_SERVING":
-        assert time.monotonic() < deadline, f"health says {health} with the peer reported exited\n" + tail()
-        time.sleep(0.05)
+    # another of the rank's threads can read the new state first. Within what is left of the same bound.
+    wait_until(lambda: check(socks[0], 2.0) == "NOT_SERVING", HANG_S - (time.monotonic() - killed_at),
+               lambda: f"health NOT_SERVING with the peer reported exited: {check(socks[0], 2.0)}\n{tail()}",
+               interval_s=0.05)
     if not reaped:
         # Still unreaped when rank 0 reported it: a zombie, on which kill(pid, 0) succeeds (poll() would reap it).
         stat = Path(f"/proc/{procs[1].pid}/stat").read_text()

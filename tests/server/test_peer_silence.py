@@ -14,7 +14,6 @@ import time
 import urllib.request
 
 import grpc
-import pytest
 import torch
 
 from dspark_sidecar.drafter import scenario
@@ -24,6 +23,7 @@ from dspark_sidecar.server.app import PEER_SILENT_S
 from dspark_sidecar.server.healthcheck import check
 from helpers.engine_sim import PAGE, EngineSim
 from helpers.sidecar_proc import SidecarProcess, free_port_block
+from helpers.waiting import wait_until
 
 TP = 2
 LENS = [5, 40, 200, 33]
@@ -50,16 +50,6 @@ def _silent_s(reason: str) -> float:
     return float(re.search(r"silent for ([0-9.]+) s", reason).group(1))
 
 
-def _wait(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.1)
-    pytest.fail(f"not within {timeout_s} s: {what}")
-
-
 def test_a_stopped_peer_takes_rank_0_out_of_serving_until_it_is_back(tmp_path, tiny_ckpt, tiny_cfg, tiny_embed):
     port = free_port_block(TP)
     sc = SidecarProcess(tmp_path, tp=TP, checkpoint=tiny_ckpt,
@@ -74,21 +64,25 @@ def test_a_stopped_peer_takes_rank_0_out_of_serving_until_it_is_back(tmp_path, t
         assert _status(sc, 0).state == "SERVING" and _gauge(port) == "1.0"
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
-        st = _wait(lambda: (s := _status(sc, 0)).state == "PEER_SILENT" and s, PEER_SILENT_S + 10,
-                   "rank 0 reports PEER_SILENT")
+        st = wait_until(lambda: (s := _status(sc, 0)).state == "PEER_SILENT" and s, PEER_SILENT_S + 10,
+                        "rank 0 reports PEER_SILENT", interval_s=0.1)
         assert time.monotonic() - t0 >= PEER_SILENT_S - 0.5  # not before the peer could have beaten
         assert not st.serving and "rank(s) 1 silent" in st.state_reason, st.state_reason
         # Every face of health says so: both health services (a Kubernetes gRPC probe asks for ""), the gauge.
         # They are set by the same publish as the state, just after it (app.HealthPublisher): waited for.
-        _wait(lambda: _faces(sc, port) == ("NOT_SERVING", "NOT_SERVING", "0.0"), 5, "health and the gauge follow")
+        wait_until(lambda: _faces(sc, port) == ("NOT_SERVING", "NOT_SERVING", "0.0"), 5,
+                   lambda: f"health and the gauge follow: {_faces(sc, port)}", interval_s=0.1)
         # The reason is kept current while the peer stays silent (its seconds grow, beat by beat).
         first = _silent_s(st.state_reason)
-        _wait(lambda: _silent_s(_status(sc, 0).state_reason) >= first + 0.9, 5, "the silent seconds grow")
+        wait_until(lambda: _silent_s(_status(sc, 0).state_reason) >= first + 0.9, 5,
+                   lambda: f"the silent seconds grow from {first}: {_status(sc, 0).state_reason}", interval_s=0.1)
         os.kill(stopped, signal.SIGCONT)
         stopped = 0
-        _wait(lambda: _status(sc, 0).state == "SERVING", 10, "rank 0 SERVING again once its peer beats")
+        wait_until(lambda: _status(sc, 0).state == "SERVING", 10, "rank 0 SERVING again once its peer beats",
+                   interval_s=0.1)
         assert _status(sc, 0).state_reason == ""
-        _wait(lambda: _faces(sc, port) == ("SERVING", "SERVING", "1.0"), 5, "health and the gauge follow")
+        wait_until(lambda: _faces(sc, port) == ("SERVING", "SERVING", "1.0"), 5,
+                   lambda: f"health and the gauge follow: {_faces(sc, port)}", interval_s=0.1)
         out = eng.step_all(2, step)
         assert all(not isinstance(o, grpc.RpcError) for o in out), out
     finally:

@@ -10,7 +10,6 @@ outside the rank lock.
 from __future__ import annotations
 
 import gc
-import time
 import weakref
 from types import SimpleNamespace
 
@@ -24,6 +23,7 @@ from dspark_sidecar.server import rank as rank_mod
 from dspark_sidecar.server.errors import SidecarError, out_of_range
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
+from helpers.waiting import wait_until
 
 
 class _Rendezvous:
@@ -75,9 +75,7 @@ def test_an_aborted_or_refused_step_holds_no_view_after_its_answer(monkeypatch, 
             assert [v() is None for v in views] == [True, True], "the aborted step's views live on in its error"
         del fut, err  # the engine has its answer
         assert loop.answer(pb.DraftStepRequest(step_id=2, num_requests=1)).HasField("error")  # the stream path
-        deadline = time.monotonic() + 2
-        while any(v() is not None for v in views) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert [v() is None for v in views] == [True] * 4, "a failed step's views outlived its answer"
+        wait_until(lambda: [v() is None for v in views] == [True] * 4, 2,
+                   lambda: f"a failed step's views released after its answer: {[v() is None for v in views]}")
     finally:
         loop.close()

@@ -14,6 +14,7 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.errors import SidecarError
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
+from helpers.waiting import wait_until
 
 
 class _Rendezvous:
@@ -67,9 +68,7 @@ def test_the_shutdown_waits_for_the_running_step_and_refuses_the_rest(held):
     result: list[bool] = []
     stopper = threading.Thread(target=lambda: result.append(held.loop.stop_steps(timeout_s=10)))
     stopper.start()
-    deadline = time.monotonic() + 5
-    while not held.loop._stopping and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_until(lambda: held.loop._stopping, 5, "stop_steps began", interval_s=0.005)
     late = held.loop.submit(pb.DraftStepRequest(step_id=3))
     # Refused at once, though a step still runs: nothing queued behind the worker's end is left unanswered.
     assert "shutting down" in _refused(late).message

@@ -11,6 +11,7 @@ import pytest
 
 from dspark_sidecar.server.processes import process_start
 from dspark_sidecar.server.rendezvous import Board, Post, Rendezvous
+from helpers.waiting import wait_until
 
 WORLD, DEADLINE_MS = 4, 150
 
@@ -183,10 +184,8 @@ def test_a_board_is_not_unmapped_under_a_step_still_waiting_for_its_verdict(wait
     t.start()
     # Posted (its slot's seqlock word even: its first post's) and waiting, its peer never posting. By state, not
     # by a nap: a close() that came first (a loaded box) found no step waiting, which is not this case.
-    deadline = time.monotonic() + 10
-    while not (rdv[waiter]._waiting and boards[waiter].slots[waiter][0] == 2):
-        assert time.monotonic() < deadline, "the step never posted its copy"
-        time.sleep(0.005)
+    wait_until(lambda: rdv[waiter]._waiting and boards[waiter].slots[waiter][0] == 2, 10,
+               "the step posted its copy and waits", interval_s=0.005)
     try:
         if waiter == 1:
             assert rdv[1].close(wait_s=0.2) is False  # its wait goes on: the board must stay mapped
@@ -366,6 +365,12 @@ def _child(code: str = "import time; time.sleep(60)"):
     return subprocess.Popen([sys.executable, "-c", code])
 
 
+def _proc_state(pid: int) -> str:
+    """The one-letter state of /proc/PID/stat ("Z": a zombie)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def _post_peer(board: Board, rank: int, pid: int, start: int) -> None:
     board.starts[rank] = start
     board.pids[rank] = pid
@@ -396,10 +401,8 @@ def test_peer_processes_tell_an_exit_a_zombie_and_a_reused_pid_from_a_stopped_or
         os.kill(zombie.pid, signal.SIGKILL)
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait()
-        deadline = time.monotonic() + 5
-        while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: _proc_state(zombie.pid) == "Z", 5,
+                   lambda: f"the killed child a zombie: state {_proc_state(zombie.pid)}")
         assert peers.exited() == {2: zombie.pid, 3: killed.pid}
         # A pid reused by another process: same pid, another start time.
         board.starts[1] = process_start(stopped.pid) - 1

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from dspark_sidecar.server.healthcheck import check
+from helpers.waiting import wait_until
 
 
 def _env() -> dict[str, str]:
@@ -53,20 +54,13 @@ def _kill(p: subprocess.Popen) -> None:
     p.communicate(timeout=10)
 
 
-def _wait_for(pred, timeout_s: float, p: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert p.poll() is None, p.communicate()
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def test_a_second_serve_on_a_live_socket_dir_is_refused_and_the_first_keeps_serving(tiny_ckpt, tmp_path):
     sock = tmp_path / "sock"
     first = _serve(sock, tiny_ckpt)
     second = None
     try:
-        _wait_for(lambda: check(f"unix:{sock / 'rank0.sock'}", 0.5) == "SERVING", 60, first)
+        wait_until(lambda: check(f"unix:{sock / 'rank0.sock'}", 0.5) == "SERVING", 60, "the first serve SERVING",
+                   watch=first, interval_s=0.1)
         # Rank 0 removes the rendezvous board's name once every rank has it mapped: a serving group leaves
         # nothing in /dev/shm that a kill -9 would leave behind (rendezvous.Board).
         boards = _board_mappings(first.pid)
@@ -102,7 +96,7 @@ def test_sigterm_while_the_ranks_wait_in_the_rendezvous_ends_the_group_promptly(
     p = _serve(sock, tiny_ckpt, "--master-port", str(port), "--dist-timeout-s", "3600",
                env={"TORCHELASTIC_USE_AGENT_STORE": "True"})
     try:
-        _wait_for(lambda: (sock / "rank0.sock").exists(), 30, p)
+        wait_until((sock / "rank0.sock").exists, 30, "rank 0's socket", watch=p, interval_s=0.1)
         time.sleep(1.0)  # into init_process_group
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=60)  # a hang guard only
@@ -137,7 +131,7 @@ def test_sigterm_while_a_rank_loads_ends_it_at_once_without_traceback(tmp_path):
                           "--socket-dir", str(sock)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
     try:
-        _wait_for(lambda: (sock / "rank0.sock").exists(), 30, p)
+        wait_until((sock / "rank0.sock").exists, 30, "rank 0's socket", watch=p, interval_s=0.1)
         time.sleep(1.0)  # past init_process_group (world 1: immediate), into the load
         p.send_signal(signal.SIGTERM)
         # A hang guard only: a rank that let its load (an hour) run on before it ended is still running here.
@@ -194,7 +188,7 @@ def test_sigterm_in_the_last_moments_of_start_up_never_shows_serving(tmp_path):
                           "--socket-dir", str(sock), "--drain-s", "1", str(marker)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _wait_for(marker.exists, 60, p)
+        wait_until(marker.exists, 60, f"the rank's marker {marker.name}", watch=p, interval_s=0.1)
         p.send_signal(signal.SIGTERM)
         seen = set()
         while p.poll() is None:
@@ -293,7 +287,7 @@ def test_sigterm_while_rank_0_writes_the_synthetic_checkpoint_leaves_no_partial_
                           "cpu", "--socket-dir", str(sock), str(marker)], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _wait_for(marker.exists, 60, p)
+        wait_until(marker.exists, 60, f"the rank's marker {marker.name}", watch=p, interval_s=0.1)
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=60)  # a hang guard only
         assert p.returncode == 0 and "Traceback" not in err, err

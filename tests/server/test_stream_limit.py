@@ -10,7 +10,7 @@ the rank keeps answering everything else.
 
 from __future__ import annotations
 
-import time
+import queue
 
 import grpc
 import pytest
@@ -21,6 +21,7 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.servicer import MAX_STREAMS
 from helpers.engine_sim import PAGE, DraftStream, EngineSim
 from helpers.sidecar_proc import SidecarProcess
+from helpers.waiting import wait_until
 
 OPENED = 20  # more than the rank's 16 gRPC threads
 
@@ -37,15 +38,6 @@ def rig(tmp_path_factory, tiny_cfg, tiny_ckpt, tiny_embed):
             eng.close()
 
 
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_idle_streams_past_the_limit_are_refused_and_the_rank_answers_on(rig):
     sc, eng, cfg, embed = rig
     stub = eng.stubs[0]
@@ -53,7 +45,8 @@ def test_idle_streams_past_the_limit_are_refused_and_the_rank_answers_on(rig):
     streams = [DraftStream(stub) for _ in range(OPENED)]
     try:
         # The refused ones end by themselves; the others stay open, each holding a handler thread.
-        _wait(lambda: sum(s.end is not None for s in streams) >= OPENED - MAX_STREAMS, 10.0)
+        wait_until(lambda: sum(s.end is not None for s in streams) >= OPENED - MAX_STREAMS, 10.0,
+                   lambda: f"{OPENED - MAX_STREAMS} streams refused: {[s.end for s in streams]}", interval_s=0.05)
         status = stub.GetStatus(pb.GetStatusRequest(), timeout=5.0)  # hung (DEADLINE_EXCEEDED) before
         assert status.serving, status.state
         assert sc.health() == ["SERVING"]
@@ -70,7 +63,7 @@ def test_idle_streams_past_the_limit_are_refused_and_the_rank_answers_on(rig):
         for s in streams:
             s.close()
     # Closed streams give their places back: a new one is served.
-    assert _wait(lambda: _opens(stub), 10.0), "no stream could be opened after the others closed"
+    wait_until(lambda: _opens(stub), 10.0, "a stream opened after the others closed is served", interval_s=0.05)
     fresh = DraftStream(stub)
     try:
         resp = fresh.ask(eng.request(0, 2, step), timeout=30.0)
@@ -80,9 +73,12 @@ def test_idle_streams_past_the_limit_are_refused_and_the_rank_answers_on(rig):
 
 
 def _opens(stub) -> bool:
-    """Whether a stream opened now is served (not refused for the limit)."""
+    """Whether a stream opened now is served (not refused for the limit): still open half a second on."""
     s = DraftStream(stub)
     try:
-        return not _wait(lambda: s.end is not None, 0.5)
+        s.answers.get(timeout=0.5)  # its end's None, as nothing was asked: refused
+        return False
+    except queue.Empty:
+        return True
     finally:
         s.close()
