@@ -95,6 +95,21 @@ def test_refuses_unbindable_kv_and_missing_peers():
         rn.DrafterRunner([layer()] * 5, torch.zeros(6144, dtype=torch.bfloat16), kv_layers(),
                          rn.PeerBuffers(p.rx[:3], p.flags, p.rx_local, p.flags_local, p.epoch),
                          rank=0, page_size=PAGE, max_positions=64, engine=GOOD_ENGINE, host=GOOD_HOST)
+    # Or one rank's flags: the kernels poll and set all 4.
+    with pytest.raises(rn.FlyDSLUnsupported, match="exchange buffers"):
+        rn.DrafterRunner([layer()] * 5, torch.zeros(6144, dtype=torch.bfloat16), kv_layers(),
+                         rn.PeerBuffers(p.rx, p.flags[:3], p.rx_local, p.flags_local, p.epoch),
+                         rank=0, page_size=PAGE, max_positions=64, engine=GOOD_ENGINE, host=GOOD_HOST)
+
+
+def test_a_layer_of_4_gib_is_refused():
+    """The kernels address a layer through one buffer descriptor of 32-bit byte extent: 2^32 bytes do not
+    fit it (the last byte's offset does, the size does not), one page fewer does. Meta tensors: no memory."""
+    pages = 2**32 // (2 * PAGE * 128 * 2)
+    full = torch.empty(2, pages, PAGE, 1, 128, dtype=torch.bfloat16, device="meta")
+    assert rn.check_kv_layer(full, PAGE) == "draft KV cache layer >= 4 GiB (32-bit buffer offsets)"
+    under = torch.empty(2, pages - 1, PAGE, 1, 128, dtype=torch.bfloat16, device="meta")
+    assert rn.check_kv_layer(under, PAGE) is None
 
 
 def with_norm(field, w):
@@ -334,6 +349,23 @@ def test_compile_all_compiles_what_every_launch_size_will_launch():
               torch.zeros(11, 8, dtype=torch.int32))
     assert len(compiled) == before, "a live step compiled a kernel"
     assert len(launched) == 2 * 51  # 10 kernels per layer x 5 + the final norm, per launch
+
+
+def test_abandon_stops_compile_all_at_its_next_kernel():
+    """A binding that went (BindKV, UnbindKV) abandons its runner's compile on the other thread: it stops at
+    its next kernel, not after every kernel for R = 1..8 (minutes, the engine's old cache mapped all along)."""
+    r = make()
+    compiled = []
+
+    def fake_kernel(name, num_reqs, exchange, args):
+        compiled.append((name, num_reqs, exchange))
+        r._compiled[compiled[-1]] = object()
+        if len(compiled) == 3:
+            r.abandon()
+
+    r._kernel = fake_kernel
+    assert r.compile_all() == 3 and len(compiled) == 3
+    r.close()
 
 
 def test_compile_runs_nothing_and_fits_every_launch(monkeypatch):

@@ -45,6 +45,17 @@ def test_kernel_dequant_matches_checkpoint_dequant():
     assert torch.equal(got.to(torch.bfloat16).float(), got)
 
 
+@pytest.mark.parametrize("n, k, nsub, split, why", [
+    (256, 6144, 1, 5, "not a multiple of 128 x split 5"),  # 48 chunks over 5 splits: 9 each, 3 chunks never summed
+    (288, 6144, 1, 8, "workgroup width 64"),  # 4.5 workgroups: the grid's 4 leave 32 columns unwritten
+])
+def test_schedule_that_leaves_columns_out_is_refused(n, k, nsub, split, why):
+    """chunks_per_wg and grid floor their divisions: a schedule they do not divide would drop K chunks or
+    output columns from the GEMM without a word."""
+    with pytest.raises(ValueError, match=why):
+        shapes.LinearSchedule("x", n, k, nsub, split, norm=False).validate()
+
+
 @pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
 @pytest.mark.parametrize("num_reqs", [1, 8])
 def test_linear_model_matches_reference(name, num_reqs):

@@ -122,6 +122,40 @@ def test_parse_isa_metadata_and_occupancy():
     assert rep.count("v_mfma_scale_f32_16x16x128_f8f6f4") == 0
 
 
+def kernel_report(vgprs: int, lds: int, threads: int) -> isa_report.KernelReport:
+    return isa_report.KernelReport("k", vgprs, 0, 16, 0, 0, lds, 0, threads, isa="")
+
+
+@pytest.mark.parametrize("vgprs, lds, threads, waves", [
+    (100, 0, 256, 4),  # allocated in granules of 8: 104 VGPRs, 512 // 104 = 4 (not 512 // 100 = 5)
+    (64, 64 * 1024, 256, 2),  # LDS-bound: 2 workgroups of 4 waves per CU, 2 waves per SIMD (VGPRs allow 8)
+    (32, 16 * 1024, 64, 2),  # 10 one-wave workgroups per CU over 4 SIMDs
+], ids=["vgpr-granule", "lds-bound", "one-wave-workgroups"])
+def test_occupancy_counts_vgpr_granules_and_lds_per_workgroup(vgprs, lds, threads, waves):
+    """waves_per_simd is what the compile test holds each kernel's design minimum against: an estimate
+    that ignored the allocation granule or the LDS bound passed kernels that cannot reach that occupancy."""
+    assert kernel_report(vgprs, lds, threads).waves_per_simd == waves
+
+
+def test_count_lines_skips_comment_lines():
+    """The budget's instruction checks count instructions; a comment that names one is not one."""
+    commented = "\t; buffer_store_dwordx4 v[4:7], v1 sc0 sc1\n\ts_endpgm\n"
+    (rep,) = isa_report.parse_isa(ISA.replace("\ts_endpgm\n", commented))
+    assert rep.count_lines(r"buffer_store_dwordx4\s.*\bsc0 sc1\b") == 1
+
+
+def test_parse_isa_gives_each_kernel_its_own_body():
+    """A dump of two kernels: each report's ISA runs from its own label to its own .Lfunc_end."""
+    second = ("k_1:\n\tv_exp_f32_e32 v1, v2\n\tv_exp_f32_e32 v3, v4\n\ts_endpgm\n.Lfunc_end1:\n"
+              "\t.amdgpu_metadata")
+    entry = ISA[ISA.index("  - .agpr_count"):ISA.index("amdhsa.target")].replace("k_0", "k_1")
+    dump = ISA.replace("\t.amdgpu_metadata", second, 1).replace("amdhsa.target", entry + "amdhsa.target", 1)
+    first, other = isa_report.parse_isa(dump)
+    assert (first.name, other.name) == ("k_0", "k_1")
+    assert (first.count("v_exp_f32"), other.count("v_exp_f32")) == (1, 2)
+    assert other.count("v_mfma_f32_16x16x32_bf16") == 0
+
+
 def test_parse_isa_rejects_a_dump_without_metadata():
     with pytest.raises(ValueError):
         isa_report.parse_isa("\tv_nop\n")
@@ -276,3 +310,21 @@ def test_unwritable_cache_is_a_reason_not_a_crash(lite_host, monkeypatch, tmp_pa
     root, why = toolchain._compile_root()
     assert root is None and "XDG_CACHE_HOME" in why and str(blocker) in why
     assert toolchain.amdgpu_linker().resolve() == lite_host[0].resolve()  # linking needs no cache folder
+
+
+def test_rocm_path_is_the_toolkit_only_with_both_linker_and_bitcode(tmp_path, monkeypatch):
+    """A ROCm install at $ROCM_PATH (not /opt/rocm) is used as it is; one without the device bitcode
+    (a partial install) is not: compiles that link ocml/ockl would fail there."""
+    rocm = tmp_path / "rocm"
+    (rocm / "llvm" / "bin").mkdir(parents=True)
+    (rocm / "llvm" / "bin" / "ld.lld").write_text("#!/bin/sh\n")
+    monkeypatch.setenv("ROCM_PATH", str(rocm))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    toolchain._compile_root.cache_clear()
+    try:
+        assert toolchain._compile_root()[0] != str(rocm)
+        (rocm / "amdgcn" / "bitcode").mkdir(parents=True)
+        toolchain._compile_root.cache_clear()
+        assert toolchain._compile_root() == (str(rocm), None)
+    finally:
+        toolchain._compile_root.cache_clear()

@@ -11,6 +11,10 @@ from dspark_sidecar.kernels.flydsl.runner import FlyDSLUnsupported
 from helpers.fake_hip import FakeHip, exchange_rank, exchange_scenarios
 from helpers.ranks import run_ranks
 
+# A collective one rank leaves unmatched (ranks that disagree on a verdict) fails the test after this long,
+# not after gloo's 30 minutes. Every collective here completes in seconds.
+RANK_TIMEOUT_S = 120
+
 
 def test_buffer_sizes_match_the_exchange_kernel():
     ex = pytest.importorskip("dspark_sidecar.kernels.flydsl.exchange")
@@ -30,7 +34,7 @@ BAD_OFFERS = [
 def four_ranks(tmp_path_factory):
     """Every 4-rank scenario in one spawn of 4 gloo processes: [scenario][rank] -> result."""
     scenarios = [(None, -1)] + [(f, 2) for f, _ in BAD_OFFERS] + [("bogus_handle", 1), (None, -1)]
-    res = run_ranks(4, exchange_scenarios, str(tmp_path_factory.mktemp("peers")), scenarios)
+    res = run_ranks(4, exchange_scenarios, str(tmp_path_factory.mktemp("peers")), scenarios, timeout_s=RANK_TIMEOUT_S)
     return [[res[r][i] for r in range(4)] for i in range(len(scenarios))]
 
 
@@ -73,7 +77,7 @@ def test_unopenable_handle_refused_on_every_rank_and_unmapped(four_ranks):
 
 
 def test_group_of_two_refused_before_allocating(tmp_path):
-    res = run_ranks(2, exchange_rank, str(tmp_path), None, -1)
+    res = run_ranks(2, exchange_rank, str(tmp_path), None, -1, timeout_s=RANK_TIMEOUT_S)
     assert [out["error"] for out in res] == ["TP exchange needs 4 ranks, the group has 2"] * 2
     assert all(out["calls"] == [] for out in res)
 
@@ -85,6 +89,8 @@ def test_check_offers_names_the_bad_rank():
     assert pr.check_offers([good, good, None, good]) == "rank 2 sent no exchange offer (NoneType)"
     assert "rank 3 speaks exchange protocol 0" in pr.check_offers([good] * 3 + [{**good, "protocol": 0}])
     assert "rank 1 exchange buffers are 8/" in pr.check_offers([good, {**good, "rx_bytes": 8}, good, good])
+    short_flags = [good, good, {**good, "flags_bytes": 8}, good]
+    assert f"rank 2 exchange buffers are {pr.RX_BYTES}/8 bytes" in pr.check_offers(short_flags)
     assert pr.check_offers([good] * 3 + [{**good, "flags": "x" * 64}]) == \
         "rank 3 sent a garbled flags IPC handle (str, expected 64 bytes)"
     assert "HIP IPC maps memory of one node only" in pr.check_offers([good] * 3 + [{**good, "host": "other"}])
@@ -113,7 +119,8 @@ FREE_FAILS = "hipFree failed: an illegal memory access was encountered"
 def four_ranks_more(tmp_path_factory):
     """More 4-rank failures in one spawn: a peer's flags that cannot be wrapped, and releases that fail."""
     scenarios = [("wrap_flags", 0), ("short_handle+free", 2), ("bogus_handle+free", 1)]
-    res = run_ranks(4, exchange_scenarios, str(tmp_path_factory.mktemp("peers_more")), scenarios)
+    res = run_ranks(4, exchange_scenarios, str(tmp_path_factory.mktemp("peers_more")), scenarios,
+                    timeout_s=RANK_TIMEOUT_S)
     return [[res[r][i] for r in range(4)] for i in range(len(scenarios))]
 
 
