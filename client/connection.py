@@ -10,7 +10,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dspark_sidecar.proto import SERVICE_NAME
+from dspark_sidecar.proto import INSTANCE_METADATA, SERVICE_NAME
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 
@@ -55,7 +55,14 @@ class StepStream:
     touch the KV cache.
     """
 
-    def __init__(self, stub: pb_grpc.DrafterSidecarStub) -> None:
+    def __init__(self, stub: pb_grpc.DrafterSidecarStub, instance: str = "") -> None:
+        """instance: the StatusReport.instance of the server whose status the link read ("": not checked). A
+        stream that reached another instance ends at once, before any step is sent on it (see confirm)."""
+        self._instance = instance
+        # Set once the server's instance has been read from the stream's initial metadata (or the stream ended).
+        self.opened = threading.Event()
+        if not instance:
+            self.opened.set()
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._answers: dict[int, pb.DraftStepResponse] = {}
@@ -79,6 +86,17 @@ class StepStream:
     def _read(self) -> None:
         end = StreamBroken(None, "stream closed by the server")
         try:
+            if self._instance:
+                # The server sends its instance before any answer (sidecar.proto DraftSteps). A call that failed
+                # has none: the loop below raises its error. Another instance is a sidecar restarted since the
+                # status was read, to which gRPC carried a call that had not yet reached the old process.
+                got = dict(self._call.initial_metadata() or ()).get(INSTANCE_METADATA, "")
+                if got and got != self._instance:
+                    end = StreamBroken(None, f"the step stream reached sidecar instance {got}, not {self._instance} "
+                                             "whose status this link read (restarted in between)")
+                    self._call.cancel()
+                    return
+                self.opened.set()
             for resp in self._call:
                 with self._cv:
                     # One answer per request, in request order: anything else is a sidecar that
@@ -98,8 +116,18 @@ class StepStream:
         finally:
             with self._cv:
                 self.alive = False
-                self.end = end
+                self.end = self.end or end  # give_up's reason stands over the cancel it caused
                 self._cv.notify_all()
+            self.opened.set()
+
+    def give_up(self, reason: str) -> None:
+        """End the stream now, for `reason` (its StreamBroken's detail): every wait and send sees it ended."""
+        with self._cv:
+            if self.alive:
+                self.alive = False
+                self.end = StreamBroken(None, reason)
+                self._cv.notify_all()
+        self._call.cancel()
 
     def send(self, req: pb.DraftStepRequest) -> None:
         with self._cv:
@@ -154,6 +182,7 @@ class SidecarConnection:
         self._stream: StepStream | None = None
         self.status: pb.StatusReport | None = None
         self.opens = 0
+        self._deadline_s = 0.0  # open()'s: also how long a new step stream's opening is waited for (stream)
 
     @property
     def is_open(self) -> bool:
@@ -170,6 +199,7 @@ class SidecarConnection:
         self._channel = self._factory(self.endpoint, channel_options(self._max_message_bytes))
         self.stub = pb_grpc.DrafterSidecarStub(self._channel)
         self.opens += 1
+        self._deadline_s = deadline_s
         try:
             self.status = self.stub.GetStatus(pb.GetStatusRequest(), timeout=deadline_s)
         except BaseException:  # not only RpcError: an interrupt here left the link open with no status read
@@ -186,10 +216,17 @@ class SidecarConnection:
         """The step stream, opened on first use. One that ended is handed back as it is (its send raises its
         StreamBroken), never replaced on this channel: it ends when the sidecar process does, and a new stream
         would reach the restarted one with this link's status (limits, compute dtype) read from the old. The
-        caller drops the link (close) and opens it again, which re-reads the status."""
+        caller drops the link (close) and opens it again, which re-reads the status.
+
+        A new stream is confirmed to have reached the server instance whose status the link read, within
+        open()'s deadline; one that reached another (a restart since the status was read) or gave no word in
+        time is handed back ended (StepStream.give_up)."""
         assert self.stub is not None
         if self._stream is None:
-            self._stream = StepStream(self.stub)
+            instance = self.status.instance if self.status is not None else ""
+            self._stream = StepStream(self.stub, instance)
+            if not self._stream.opened.wait(self._deadline_s):
+                self._stream.give_up(f"the sidecar did not take the step stream within {self._deadline_s:g} s")
         return self._stream
 
     def drop_stream(self) -> None:

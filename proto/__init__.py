@@ -3,3 +3,7 @@
 # The fully qualified service name, used by health checks and reflection. Spelled out (rather
 # than read from the stubs' descriptor) so importing the package stays free of protobuf.
 SERVICE_NAME = "dspark.sidecar.v1.DrafterSidecar"
+# The initial-metadata key under which DraftSteps names the server instance that took the stream
+# (StatusReport.instance): a client tells a stream that reached a restarted sidecar from one that reached
+# the process whose status it read.
+INSTANCE_METADATA = "dspark-instance"

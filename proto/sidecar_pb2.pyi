@@ -201,7 +201,7 @@ class LatencySummary(_message.Message):
     def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., p50_ns: _Optional[int] = ..., p99_ns: _Optional[int] = ...) -> None: ...
 
 class StatusReport(_message.Message):
-    __slots__ = ("model", "limits", "parallel", "backend", "fast_path_refusal", "serving", "state", "server_version", "state_reason", "kv", "counters", "latencies")
+    __slots__ = ("model", "limits", "parallel", "backend", "fast_path_refusal", "serving", "state", "server_version", "state_reason", "instance", "kv", "counters", "latencies")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class StatusReport(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     LATENCIES_FIELD_NUMBER: _ClassVar[int]
@@ -223,10 +224,11 @@ class StatusReport(_message.Message):
     state: str
     server_version: str
     state_reason: str
+    instance: str
     kv: KVBindingState
     counters: Counters
     latencies: _containers.RepeatedCompositeFieldContainer[LatencySummary]
-    def __init__(self, model: _Optional[_Union[ModelSummary, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., parallel: _Optional[_Union[Parallel, _Mapping]] = ..., backend: _Optional[str] = ..., fast_path_refusal: _Optional[str] = ..., serving: _Optional[bool] = ..., state: _Optional[str] = ..., server_version: _Optional[str] = ..., state_reason: _Optional[str] = ..., kv: _Optional[_Union[KVBindingState, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., latencies: _Optional[_Iterable[_Union[LatencySummary, _Mapping]]] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[ModelSummary, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., parallel: _Optional[_Union[Parallel, _Mapping]] = ..., backend: _Optional[str] = ..., fast_path_refusal: _Optional[str] = ..., serving: _Optional[bool] = ..., state: _Optional[str] = ..., server_version: _Optional[str] = ..., state_reason: _Optional[str] = ..., instance: _Optional[str] = ..., kv: _Optional[_Union[KVBindingState, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., latencies: _Optional[_Iterable[_Union[LatencySummary, _Mapping]]] = ...) -> None: ...
 
 class EngineFacts(_message.Message):
     __slots__ = ("engine_rank", "tp_size", "dp_size", "pp_size", "speculative_method", "num_speculative_tokens", "device", "device_uuid")

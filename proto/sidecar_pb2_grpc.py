@@ -157,6 +157,8 @@ class DrafterSidecarServicer:
         RESOURCE_EXHAUSTED, reason TOO_MANY_STREAMS, so that the unary calls and the health check keep
         their threads. A new stream also ends at once, before any answer, from a peer off this node
         (PERMISSION_DENIED, reason REMOTE_PEER) and on a rank still loading (UNAVAILABLE, reason LOADING).
+        An accepted stream's initial metadata, sent before any answer, names the server instance that
+        took it under "dspark-instance" (StatusReport.instance).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

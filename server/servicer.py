@@ -6,6 +6,7 @@ import functools
 import ipaddress
 import logging
 import platform
+import secrets
 import threading
 import urllib.parse
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import torch
 
 from dspark_sidecar import __version__, layout
 from dspark_sidecar.drafter.config import ARCHITECTURE
-from dspark_sidecar.proto import codec
+from dspark_sidecar.proto import INSTANCE_METADATA, codec
 from dspark_sidecar.proto import doorbell as page_words
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
@@ -107,6 +108,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._retiring: list[Doorbell] = []  # replaced doorbells still inside a step (longer than STOP_S)
         self._doorbells_closed = False  # shutdown (close_doorbell): no doorbell attaches any more
         self._streams = threading.BoundedSemaphore(MAX_STREAMS)  # open DraftSteps streams
+        self.instance = secrets.token_hex(8)  # StatusReport.instance: this start of the rank's server, no other
         listeners = getattr(ctx.fast, "listeners", None)
         if listeners is not None:  # the fast path's verdict on a binding changes what health says
             listeners.append(self._publish_health)
@@ -164,7 +166,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 compute_dtype=str(self.ctx.model.dtype).replace("torch.", "")),
             limits=self.limits, parallel=self.parallel, backend=self.life.backend,
             fast_path_refusal=self.status_refusal(), serving=state == "SERVING", state=state,
-            server_version=__version__, state_reason=reason,
+            server_version=__version__, state_reason=reason, instance=self.instance,
             kv=pb.KVBindingState(
                 bound=kv is not None, binding_id=kv.binding_id if kv else 0, generation=kv.generation if kv else 0,
                 num_layers=len(layers), num_pages=kv.num_pages if kv else 0,
@@ -327,6 +329,9 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                                "(an engine rank needs one): close the streams no longer used, then open this one again",
                                "", "TOO_MANY_STREAMS")
         try:
+            # Before any answer, and before the first request comes: the client confirms at once which server
+            # instance took its stream (StatusReport.instance).
+            context.send_initial_metadata(((INSTANCE_METADATA, self.instance),))
             for request in request_iterator:
                 yield self.loop.answer(request)
         finally:  # the stream ended (half-close, cancel, transport gone): its place is free again

@@ -5,11 +5,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent import futures
 
+import grpc
 import pytest
 
-from dspark_sidecar.client.connection import SidecarConnection, StepStream
+from dspark_sidecar.client.connection import SidecarConnection, StepStream, StreamBroken
+from dspark_sidecar.proto import INSTANCE_METADATA
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from helpers.waiting import wait_until
 
 
@@ -128,3 +132,84 @@ def test_a_closed_step_stream_ends_its_request_iterator():
     t.start()
     t.join(2)
     assert ended == [True], "the request iterator still waits after close()"
+
+
+class _Sidecar(pb_grpc.DrafterSidecarServicer):
+    """A sidecar rank whose GetStatus names `status_instance` and whose step stream says it was taken by
+    `stream_instance` (None: says nothing until the first answer, as a server that never confirms)."""
+
+    def __init__(self, status_instance: str, stream_instance: str | None) -> None:
+        self.status_instance, self.stream_instance = status_instance, stream_instance
+
+    def GetStatus(self, request, context):
+        return pb.StatusReport(serving=True, state="SERVING", instance=self.status_instance)
+
+    def DraftSteps(self, request_iterator, context):
+        if self.stream_instance is not None:
+            context.send_initial_metadata(((INSTANCE_METADATA, self.stream_instance),))
+        for req in request_iterator:
+            yield pb.DraftStepResponse(step_id=req.step_id)
+
+
+@pytest.fixture
+def serve(tmp_path):
+    servers = []
+
+    def start(status_instance: str, stream_instance: str | None) -> tuple[str, _Sidecar]:
+        sidecar = _Sidecar(status_instance, stream_instance)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_DrafterSidecarServicer_to_server(sidecar, server)
+        target = f"unix:{tmp_path / f's{len(servers)}.sock'}"
+        server.add_insecure_port(target)
+        server.start()
+        servers.append(server)
+        return target, sidecar
+
+    yield start
+    for s in servers:
+        s.stop(None)
+
+
+@pytest.mark.parametrize("instance", ["a1", ""], ids=["confirmed", "server_without_instances"])
+def test_a_step_stream_that_reached_the_status_s_server_serves(serve, instance):
+    target, _ = serve(instance, instance)
+    conn = SidecarConnection(target)
+    try:
+        conn.open(5.0)
+        stream = conn.stream()
+        assert stream.alive, stream.end
+        stream.send(pb.DraftStepRequest(step_id=1))
+        assert stream.wait(1, 5).step_id == 1
+    finally:
+        conn.close()
+
+
+def test_a_step_stream_that_reached_a_restarted_sidecar_ends_before_any_step(serve):
+    """The status was read from one server instance; the stream reached another (a sidecar restarted in between,
+    to which gRPC carries a call that had not yet reached the old process). Served, its steps would run under the
+    old process's status (limits, compute dtype) on a server that holds none of this link's bindings."""
+    target, sidecar = serve("a1", "a1")
+    conn = SidecarConnection(target)
+    try:
+        conn.open(5.0)
+        sidecar.stream_instance = "b2"  # the restart, as the stream sees it
+        stream = conn.stream()
+        assert not stream.alive and conn.stream_ended
+        assert "reached sidecar instance b2, not a1" in str(stream.end), stream.end
+        with pytest.raises(StreamBroken, match="restarted in between"):
+            stream.send(pb.DraftStepRequest(step_id=1))
+    finally:
+        conn.close()
+
+
+def test_a_step_stream_the_sidecar_does_not_take_in_time_ends_at_open_s_deadline(serve):
+    target, _ = serve("a1", None)
+    conn = SidecarConnection(target)
+    try:
+        conn.open(0.5)
+        t0 = time.monotonic()
+        stream = conn.stream()
+        assert 0.45 <= time.monotonic() - t0 < 4, "not bounded by open()'s deadline"
+        assert not stream.alive and "did not take the step stream within 0.5 s" in str(stream.end), stream.end
+    finally:
+        conn.close()

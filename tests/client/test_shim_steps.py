@@ -728,6 +728,27 @@ def test_a_sidecar_restarted_between_connect_and_the_first_step_is_seen_by_its_s
         shim.close()
 
 
+def test_a_step_stream_that_reached_another_sidecar_instance_is_dropped_before_any_step(fake):
+    """The status was read from one start of the sidecar, the step stream taken by the next (a restart in between:
+    gRPC carries a call that had not yet reached the old process to the new one). Its steps would have run on a
+    server holding none of this link's bindings, under the old status: the readiness check drops the link instead,
+    nothing sent, and the next step reads the status again."""
+    fake.sidecar.instance, fake.sidecar.stream_instance = "a1", "b2"
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, meta = step_inputs(2)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is None
+        assert shim.stats.fallbacks[S.STREAM] == 1 and fake.sidecar.calls["step"] == 0, dict(shim.stats.fallbacks)
+        assert not shim.connection.is_open  # dropped: the next readiness check reads the status again
+        fake.sidecar.stream_instance = None  # the stream and the status now name the same start
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None, dict(shim.stats.fallbacks)
+        assert fake.sidecar.calls["GetStatus"] == 2
+    finally:
+        shim.close()
+
+
 def test_a_kv_cache_of_another_layout_never_raises_out_of_maybe_forward(fake):
     """The page size is read from the cache's shape (planes [2, pages, page, heads, dim] or records
     [pages, heads, page, 2 dim]); a cache laid out otherwise once raised IndexError out of

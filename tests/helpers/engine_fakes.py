@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dspark_sidecar.drafter.config import PRESETS
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_storage_shape
-from dspark_sidecar.proto import SERVICE_NAME, codec, memory
+from dspark_sidecar.proto import INSTANCE_METADATA, SERVICE_NAME, codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.proto.memory import shm_empty
@@ -70,6 +70,8 @@ class FakeSidecar(pb_grpc.DrafterSidecarServicer):
         self.step_holds: dict[int, threading.Event] = {}  # step_id -> answered only once the test sets it
         self.bind_error: tuple[grpc.StatusCode, str] | None = None
         self.answered: list[int] = []
+        self.instance = ""  # StatusReport.instance ("": an older sidecar's, nothing checked)
+        self.stream_instance: str | None = None  # what a step stream's initial metadata names (None: `instance`)
         self._lock = threading.Lock()
 
     def GetStatus(self, request, context):
@@ -80,7 +82,7 @@ class FakeSidecar(pb_grpc.DrafterSidecarServicer):
                              max_message_bytes=self.max_message_bytes),
             parallel=pb.Parallel(tp_size=self.tp, tp_rank=self.rank, dist_backend="gloo", device="cpu"),
             backend="reference", fast_path_refusal=self.refusal, serving=self.serving, state=self.state,
-            kv=pb.KVBindingState(bound=self.binding_id != 0, binding_id=self.binding_id,
+            instance=self.instance, kv=pb.KVBindingState(bound=self.binding_id != 0, binding_id=self.binding_id,
                                  generation=self.generation))
 
     def BindKV(self, request, context):
@@ -128,6 +130,9 @@ class FakeSidecar(pb_grpc.DrafterSidecarServicer):
 
     def DraftSteps(self, request_iterator, context):
         self.calls["DraftSteps"] += 1
+        said = self.instance if self.stream_instance is None else self.stream_instance
+        if said:
+            context.send_initial_metadata(((INSTANCE_METADATA, said),))
         for req in request_iterator:
             resp = self._step(req)
             self.answered.append(req.step_id)

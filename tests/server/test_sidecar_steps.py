@@ -259,3 +259,16 @@ def test_a_step_of_max_reqs_requests_is_served(engine, tiny_cfg, tiny_ckpt):
     ok = engine.step_all(800, full)
     assert all(isinstance(x, pb.DraftStepResponse) for x in ok), [getattr(x, "details", lambda: x)() for x in ok]
     assert all(x.timings.launches == 2 for x in ok)
+
+
+def test_a_step_stream_names_the_instance_that_get_status_names(engine):
+    """Each rank's server picks its own instance token at start-up and sends it as the stream's initial metadata
+    before any step: the shim's check that its stream reached the server whose status it read (client/connection.py
+    StepStream) holds only if both say the same."""
+    from dspark_sidecar.proto import INSTANCE_METADATA
+
+    tokens = [engine.stubs[r].GetStatus(pb.GetStatusRequest(), timeout=5).instance for r in range(TP)]
+    assert all(tokens) and len(set(tokens)) == TP, tokens
+    call = engine.stubs[1].DraftSteps(iter(()), timeout=30)  # no request: the metadata comes all the same
+    assert dict(call.initial_metadata())[INSTANCE_METADATA] == tokens[1]
+    assert list(call) == []
