@@ -38,6 +38,7 @@ def test_a_layer_changed_in_place_or_replaced_needs_a_bind():
         lambda ls: ls[3].as_strided_(ls[3].shape, ls[3].stride(), 8),  # storage offset only
         lambda ls: ls[0].as_strided_(ls[0].shape, (1024, 256, 16, 8, 1)),  # strides only
         lambda ls: setattr(ls[1], "data", ls[1].data.view(torch.float16)),  # dtype, same bytes and shape
+        lambda ls: ls[2].set_(torch.zeros_like(ls[2]).untyped_storage(), 0, ls[2].shape, ls[2].stride()),  # moved only
         lambda ls: ls.__setitem__(4, torch.zeros_like(ls[4])),  # re-allocated
         lambda ls: ls.pop(),  # one layer fewer
     ):

@@ -361,14 +361,16 @@ def test_a_strict_refusal_of_another_engine_s_binding_is_judged_again_on_ours(re
         server.stop()
 
 
-def test_a_sidecar_rank_whose_peer_is_silent_is_passing_not_a_refusal(fake):
-    # On NVIDIA fast_path_refusal is never empty ("not gfx950"): PEER_SILENT must not read as strict mode.
-    fake.sidecar.serving, fake.sidecar.state, fake.sidecar.refusal = False, "PEER_SILENT", "not gfx950"
+@pytest.mark.parametrize("state", ["PEER_SILENT", "STEP_STUCK"])
+def test_a_sidecar_rank_whose_peer_is_silent_is_passing_not_a_refusal(fake, state):
+    # On NVIDIA fast_path_refusal is never empty ("not gfx950"): PEER_SILENT (a peer rank stopped or hung) and
+    # STEP_STUCK (one of its steps running 15 s or more) must not read as strict mode, which is off for good.
+    fake.sidecar.serving, fake.sidecar.state, fake.sidecar.refusal = False, state, "not gfx950"
     shim, _, _ = make_shim(fake.endpoint)
     ids, pos, meta = step_inputs(1)
     with set_forward_context(meta):
         assert shim.maybe_forward(ids, pos) is None
-        fake.sidecar.serving, fake.sidecar.state = True, "SERVING"  # the peer is back
+        fake.sidecar.serving, fake.sidecar.state = True, "SERVING"  # the peer is back, the step ended
         assert shim.maybe_forward(ids, pos) is not None
     assert shim.enabled and shim.stats.fallbacks == {"sidecar not serving": 1}
 
@@ -556,6 +558,23 @@ def test_a_data_plane_refused_for_a_passing_reason_is_asked_for_again(monkeypatc
         assert server.sidecar.calls["AttachDoorbell"] == 2 and shim.doorbell is not None
         shim._unsettled = None  # let close() drop this test's link
         monkeypatch.undo()
+        shim.close()
+    finally:
+        server.stop()
+
+
+def test_step_buffers_are_sized_for_the_engines_max_reqs_where_the_sidecar_serves_more():
+    """A StatusReport max_reqs above the engine's own (a sidecar run with a larger --max-reqs, or one naming an
+    absurd count) sizes the doorbell's step buffers for EngineConfig.max_reqs at most; a larger step goes over
+    the gRPC stream. Uncapped, 1 << 31 had the shim create and zero-fill about a TB of shared memory (SIGBUS).
+    test_answer_fuzz's child runs under RLIMIT_AS, where the uncapped allocation fails cleanly and the steps
+    go over the stream: it passed without the cap."""
+    server = FakeServer(DoorbellNeverAnswered(max_reqs=16), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, _, _ = make_shim(server.endpoint, transport="doorbell", max_reqs=4)
+        assert shim.connect() is None
+        assert shim.doorbell is not None and shim.doorbell.max_reqs == 4
+        assert shim.doorbell.buffers.embeds.shape[0] == shim.doorbell.buffers.hidden.shape[0] == 7 * 4
         shim.close()
     finally:
         server.stop()
@@ -953,6 +972,42 @@ def test_a_catch_up_bind_refused_for_good_turns_the_ranks_off_at_the_next_pre_fl
         assert shim.stats.fallbacks[S.GENERATIONS] == 1 and S.BREAKER not in shim.stats.fallbacks
     finally:
         shim.close()
+
+
+class _PeersAtGenerations(PreflightHook):
+    """A 3-rank agreement whose peers, once armed, hold binding generations 4 and 5 at every pre-flight."""
+
+    world_size = 3
+
+    def all_min(self, values):
+        out = values.clone()
+        if self.armed and values.numel() == 5:
+            out[2], out[3] = min(int(values[2]), 4), min(int(values[3]), -5)
+        return out
+
+
+def test_a_closed_rank_whose_unsettled_step_keeps_the_link_makes_no_catch_up_bind(fake):
+    """After close() a rank makes no remote call, but a step unsettled past close()'s grace keeps its link open
+    (only it tells when the sidecar is done with the step). A pre-flight whose peers name another generation
+    must still not bind through that link: a BindKV after close()'s UnbindKV maps the engine's cache on the
+    sidecar again, and nothing would unbind it before the sidecar exits."""
+    agree = _PeersAtGenerations()
+    shim = make_shim(fake.endpoint, agree=agree, step_deadline_s=0.2, late_grace_s=0.2)[0]
+    answer = threading.Event()
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            fake.sidecar.step_holds[1] = answer  # past deadline and grace, and past close()'s grace too
+            assert shim.maybe_forward(ids, pos) is None and shim._unsettled is not None
+            shim.close()
+            assert shim.connection.is_open and fake.sidecar.calls["UnbindKV"] == 1  # the link kept for the step
+            calls = fake.sidecar.remote_calls()
+            agree.armed = True
+            assert shim.maybe_forward(ids, pos) is None
+        assert shim.stats.fallbacks[S.GENERATIONS] == 1  # the peers disagreed: a catch-up was called for
+        assert fake.sidecar.remote_calls() == calls and fake.sidecar.calls["BindKV"] == 1
+    finally:
+        answer.set()
 
 
 def _on_threads(fns: list, limit_s: float = 10.0) -> list:
