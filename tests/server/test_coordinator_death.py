@@ -18,6 +18,7 @@ import torch
 from dspark_sidecar.drafter import scenario
 from helpers.engine_sim import PAGE, DraftStream, EngineSim
 from helpers.sidecar_proc import SidecarProcess, alive
+from helpers.waiting import wait_until
 
 TP = 2
 RDV_MS = 6000  # long: the kill lands while rank 1 still waits for its verdict
@@ -121,8 +122,7 @@ def _kill_idle_then_ask(rig, killed: int, asking: int):
     pids = sc.rank_pids()
     t_kill = time.monotonic()
     os.kill(pids[killed], signal.SIGKILL)
-    while not exited(pids[killed]):
-        time.sleep(0.005)
+    wait_until(lambda: exited(pids[killed]), 10, f"rank {killed} exited after SIGKILL", interval_s=0.005)
     ans = streams[asking].ask(eng.request(asking, 2, step), timeout=60)  # within its --drain-s: still taken
     took = time.monotonic() - t_kill
     assert ans is not None, (f"the stream ended without an answer after {took:.1f} s ({streams[asking].end})\n"

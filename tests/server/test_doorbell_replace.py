@@ -73,8 +73,7 @@ def test_teardown_during_a_reattach_waits_for_it_and_closes_each_fifo_once(tmp_p
         _attach(svc, pages[0])
         d1 = svc.doorbell
         d1.page.write(d1.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, 1)  # D1 is now inside a step
-        while d1._seen_ns == 0:
-            time.sleep(0.005)
+        wait_until(lambda: d1._seen_ns != 0, 10, "the doorbell thread saw the ring", interval_s=0.005)
         t = threading.Thread(target=_attach, args=(svc, pages[1]))
         t.start()  # the engine re-attaches: D2 waits in D1.stop() for D1's step
         # By state, not by a nap: a teardown first refuses the attach instead.
@@ -196,8 +195,7 @@ def test_a_new_doorbell_serves_only_after_a_replaced_one_still_in_a_long_step_ha
         monkeypatch.setattr(d1, "_drop_prelaunch", lambda then=None: (time.sleep(0.05), real_drop(then)))
         req = pb.DraftStepRequest(step_id=1).SerializeToString()
         d1.page.write(d1.page.req_area, req, bell.REQ_LEN, bell.REQ_SEQ, 1)
-        while d1._seen_ns == 0:
-            time.sleep(0.005)
+        wait_until(lambda: d1._seen_ns != 0, 10, "the doorbell thread saw the ring", interval_s=0.005)
         _attach(svc, pages[1])  # returns after STOP_S with D1 still in its step
         d2 = svc.doorbell
         d2.page.write(d2.page.req_area, pb.DraftStepRequest(step_id=2).SerializeToString(), bell.REQ_LEN,
