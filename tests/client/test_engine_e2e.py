@@ -116,7 +116,7 @@ def test_killed_sidecar_falls_back_without_hanging_then_forwarding_resumes(fault
 
 @pytest.mark.parametrize("rounds", [
     pytest.param(int(os.environ.get("DSPARK_SOAK_ROUNDS", "120")), id="ci"),
-    pytest.param(1000, id="1000", marks=pytest.mark.slow),
+    pytest.param(1000, id="1000", marks=[pytest.mark.slow, pytest.mark.timeout(3600)]),
 ])
 def test_soak_mixed_eligibility_growing_contexts_zero_mismatches(sidecar, tiny_ckpt, tmp_path, rounds):
     if not all(sidecar.healthy()):  # the fault run may have left it restarting
