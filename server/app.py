@@ -64,8 +64,8 @@ BEAT_S = 0.5  # how often a rank's main thread beats on the rendezvous board and
 PEER_SILENT_S = 3.0
 # A draft step running this long is stuck (on the device, or in a collective with a wedged peer): the rank
 # reports STEP_STUCK, NOT_SERVING, until it ends. Steps take milliseconds, their waits on peers are bounded
-# by the rendezvous deadline, and warm-up compiles every launch shape before SERVING; the bound leaves room
-# for a first launch's compile under --no-warmup. Read at each call, as PEER_SILENT_S.
+# by the rendezvous deadline (added to this bound: watch_steps), and warm-up compiles every launch shape before
+# SERVING; the bound leaves room for a first launch's compile under --no-warmup. Read at each call, as PEER_SILENT_S.
 STEP_STUCK_S = 15.0
 # gRPC handler threads: up to MAX_STREAMS open DraftSteps streams hold one each; the rest answer the
 # unary calls and the health check.
@@ -581,15 +581,17 @@ class HealthPublisher:
                 # REFUSED (NOT_SERVING), which the engine reads as refused for good before it ever binds,
                 # and which keeps a native sidecar's startup probe, and so the engine, from starting.
                 refused = ""
+            # Read once: the beat (watch_steps, on the main thread, not under this lock) clears it when the step
+            # ends, and read again below, a publish from a gRPC thread failed on the None (TypeError in BindKV).
+            stuck = life.stuck_step
             if state in ("SERVING", "REFUSED", "PEER_SILENT", "STEP_STUCK"):
                 # A peer out first: a step stuck in a collective is most often stuck on that peer.
                 peer_out = life.silent_peers or life.exited_peers
-                stuck = life.stuck_step
                 state = ("PEER_SILENT" if peer_out else "STEP_STUCK" if stuck else "REFUSED" if refused
                          else "SERVING")
             with life.lock:  # one change for GetStatus (Lifecycle.snapshot)
                 life.reason = (peers_reason(life.exited_peers, life.silent_peers) if state == "PEER_SILENT"
-                               else stuck_reason(*life.stuck_step) if state == "STEP_STUCK" else "")
+                               else stuck_reason(*stuck) if state == "STEP_STUCK" else "")
                 life.state = state
             self.ctx.refusal = refused or None
             serving = health_pb2.HealthCheckResponse.SERVING
@@ -626,8 +628,13 @@ def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], 
 def watch_steps(loop: RankLoop, rank: int, life: Lifecycle, publish: Callable[[], None]) -> None:
     """From the beat: health leaves SERVING while a draft step has run past STEP_STUCK_S (engines stop
     sending steps that would queue behind it; a probe, or Kubernetes' liveness, sees why) and comes back
-    when it ends. The rank beats on meanwhile: its peers' health says nothing of a step stuck here."""
-    stuck, was = loop.stuck_step(STEP_STUCK_S), life.stuck_step
+    when it ends. The rank beats on meanwhile: its peers' health says nothing of a step stuck here.
+
+    A step may wait out the rendezvous deadline for a peer's copy (--rendezvous-ms, up to 60 s) and then be
+    answered ABORTED: that wait is bounded, not stuck, so the bound is STEP_STUCK_S past it. Counted from the
+    step's start alone, a rank waiting out a --rendezvous-ms above 15 s went STEP_STUCK ("stuck on the device
+    or in a collective") for a peer's missing copy."""
+    stuck, was = loop.stuck_step(STEP_STUCK_S + loop.rendezvous.deadline_ms / 1e3), life.stuck_step
     life.stuck_step = stuck
     if stuck is not None and was is None:
         log.error("rank %d: %s", rank, stuck_reason(*stuck))

@@ -18,6 +18,7 @@ from dspark_sidecar.server.app import HealthPublisher, watch_steps
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.servicer import Lifecycle
+from helpers.waiting import wait_until
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -28,7 +29,7 @@ def rank(monkeypatch):
     # 1 s: the first beat, just after the step started, must see it not yet stuck, on a loaded 2-core CI box too.
     monkeypatch.setattr(app, "STEP_STUCK_S", 1.0)
     ctx = RankContext(0, 1, SimpleNamespace(), SimpleNamespace(device=torch.device("cpu")), None, None, Metrics(0), 8)
-    loop = RankLoop(ctx, SimpleNamespace(), None)  # type: ignore[arg-type]
+    loop = RankLoop(ctx, SimpleNamespace(deadline_ms=200), None)  # type: ignore[arg-type]  (--rendezvous-ms's default)
     started, release = threading.Event(), threading.Event()
 
     def run(req, *args, **kwargs):
@@ -114,3 +115,56 @@ def test_the_engine_reads_a_stuck_step_as_passing_not_as_a_refusal_for_good():
     status = pb.StatusReport(serving=False, state="STEP_STUCK", fast_path_refusal="not gfx950")
     assert sidecar_refusal(status) is None
     assert sidecar_refusal(pb.StatusReport(serving=False, state="REFUSED", fast_path_refusal="not gfx950"))
+
+
+class _GateLock:
+    """Lifecycle.lock that holds its taker at the door until the test opens it (a GetStatus holding it)."""
+
+    def __init__(self) -> None:
+        self._lock, self.waiting, self.open = threading.Lock(), threading.Event(), threading.Event()
+
+    def __enter__(self):
+        self.waiting.set()
+        assert self.open.wait(10)
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self._lock.__exit__(*exc)
+
+
+def test_a_stuck_step_that_ends_while_a_binding_publishes_does_not_fail_that_publish():
+    """A BindKV's publish (a gRPC thread) reads the stuck step, then waits for the lifecycle's lock (held by a
+    GetStatus); meanwhile the beat (the main thread, not under the publisher's lock) sees the step end and clears
+    it. The publish must go on with what it read, not fail on the cleared value."""
+    life = Lifecycle(state="STEP_STUCK", stuck_step=(7, 16.0))
+    gate = life.lock = _GateLock()  # type: ignore[assignment]
+    hs = health.HealthServicer()
+    publish = HealthPublisher(life, SimpleNamespace(refusal=lambda: ""), SimpleNamespace(refusal=None), hs,
+                              SimpleNamespace(set_serving=lambda serving: None))
+    errors: list[BaseException] = []
+
+    def bind_publish():
+        try:
+            publish()
+        except BaseException as exc:  # noqa: BLE001  (the test reports it)
+            errors.append(exc)
+
+    t = threading.Thread(target=bind_publish)
+    t.start()
+    assert gate.waiting.wait(10)
+    life.stuck_step = None  # watch_steps: the step has ended
+    gate.open.set()
+    t.join(10)
+    assert not t.is_alive() and not errors, errors
+    assert life.state == "STEP_STUCK" and "draft step 7 has run for 16.0 s" in life.reason, life.snapshot()
+
+
+def test_a_step_waiting_out_a_long_rendezvous_deadline_is_not_stuck(rank):
+    """--rendezvous-ms goes up to 60 s: a step may wait that long for a peer's copy (an engine rank whose stream broke
+    after the pre-flight), and is then answered ABORTED. Waiting out the configured deadline is not stuck."""
+    rank.loop.rendezvous.deadline_ms = 60_000
+    rank.loop.submit(pb.DraftStepRequest(step_id=7))
+    assert rank.started.wait(5)
+    wait_until(lambda: rank.loop.stuck_step(app.STEP_STUCK_S), 10, "the step has run past STEP_STUCK_S")
+    rank.watch()
+    assert rank.life.snapshot() == ("SERVING", "") and rank.health() == SERVING
