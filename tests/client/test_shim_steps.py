@@ -364,7 +364,7 @@ def test_a_strict_refusal_of_another_engine_s_binding_is_judged_again_on_ours(re
 @pytest.mark.parametrize("state", ["PEER_SILENT", "STEP_STUCK"])
 def test_a_sidecar_rank_whose_peer_is_silent_is_passing_not_a_refusal(fake, state):
     # On NVIDIA fast_path_refusal is never empty ("not gfx950"): PEER_SILENT (a peer rank stopped or hung) and
-    # STEP_STUCK (one of its steps running 15 s or more) must not read as strict mode, which is off for good.
+    # STEP_STUCK (one of its steps running 15 s past the rendezvous deadline) must not read as strict mode, which is off for good.
     fake.sidecar.serving, fake.sidecar.state, fake.sidecar.refusal = False, state, "not gfx950"
     shim, _, _ = make_shim(fake.endpoint)
     ids, pos, meta = step_inputs(1)
