@@ -122,6 +122,14 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
     db._publish = answered
     db.start()
     for seq in (1, 2, 3):
+        if release_on_rank0 and rank == 0 and seq == 2:
+            # Step 2 rings only once the release is through: on a loaded 2-core CI host the doorbell thread took the
+            # loop's lock back for step 2 before the waiting release thread ran (CI of 7db9e79: order step 2 <
+            # release), and the test then checked nothing. The order that matters is queued copy 2 < release.
+            deadline = time.monotonic() + 20
+            while "release" not in order and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert "release" in order, f"the release never went through: {order}"
         dist.barrier(group=ctl)
         db.page.write(db.page.req_area, pb.DraftStepRequest(step_id=seq, num_requests=1, launch_key=1)
                       .SerializeToString(), bell.REQ_LEN, bell.REQ_SEQ, seq)
