@@ -57,7 +57,7 @@ class StepStream:
 
     def __init__(self, stub: pb_grpc.DrafterSidecarStub, instance: str = "") -> None:
         """instance: the StatusReport.instance of the server whose status the link read ("": not checked). A
-        stream that reached another instance ends at once, before any step is sent on it (see confirm)."""
+        stream that reached another instance ends at once, before any step is sent on it (_read)."""
         self._instance = instance
         # Set once the server's instance has been read from the stream's initial metadata (or the stream ended).
         self.opened = threading.Event()
