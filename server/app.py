@@ -67,6 +67,7 @@ PEER_SILENT_S = 3.0
 # by the rendezvous deadline (added to this bound: watch_steps), and warm-up compiles every launch shape before
 # SERVING; the bound leaves room for a first launch's compile under --no-warmup. Read at each call, as PEER_SILENT_S.
 STEP_STUCK_S = 15.0
+STUCK_EXIT = 1  # a rank whose shutdown found a step stuck (teardown): not a clean stop, for its supervisor
 # gRPC handler threads: up to MAX_STREAMS open DraftSteps streams hold one each; the rest answer the
 # unary calls and the health check.
 GRPC_THREADS = MAX_STREAMS + 8
@@ -510,6 +511,19 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     log.info("rank %d: draining", rank)
     publish("DRAINING")
     time.sleep(cfg.drain_s)  # health says NOT_SERVING while calls are still accepted: engines move off
+    teardown(rank, servicer, loop, server, graphs, fast, rendezvous, board)
+    return code
+
+
+def teardown(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grpc.Server, graphs: StepGraphs | None,
+             fast, rendezvous: Rendezvous, board: Board) -> None:
+    """A drained rank's end: the doorbell, the steps, the streams, then the device's and the group's resources.
+
+    A step still running once stop_steps gives up is stuck (on the device, or in a collective with a wedged
+    peer: steps take milliseconds): everything after the streams would wait on it (graphs.close() and the
+    fast path synchronize the device; the group's destroy waits for its collectives) until the watchdog
+    ended the process with status 0, a clean stop to its supervisor. The rank ends the streams and then
+    the process at once, status 1; the driver frees its device memory and IPC mappings at exit."""
     # Teardown must not hang the exit (a peer that left first can wedge an NCCL teardown): after
     # the drain nothing is in flight, so past the limit the process just ends.
     stage = ["the doorbell"]  # what the teardown is doing, for the watchdog's line
@@ -524,11 +538,15 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     # Then the steps, for the same reason: the streams end only once no step runs. Steps that
     # arrive from here on are answered UNAVAILABLE (SHUTTING_DOWN) on their still-open streams.
     stage[0] = "the steps in flight"
-    if not loop.stop_steps():
-        log.warning("rank %d: a step still runs %.0f s into the shutdown (a peer gone?); ending the streams "
-                    "anyway", rank, STOP_STEPS_S)
+    stuck = not loop.stop_steps()
     stage[0] = "the gRPC server"
     server.stop(grace=SERVER_GRACE_S).wait()  # then refuse new calls and end the streams
+    if stuck:
+        log.error("rank %d: a step still runs %.0f s into the shutdown (stuck on the device or in a collective: "
+                  "a peer gone?); the streams are ended, and the process ends now with status 1, its device "
+                  "resources left to the exit", rank, STOP_STEPS_S)
+        logging.shutdown()  # os._exit skips the handlers' flush
+        os._exit(STUCK_EXIT)
     stage[0] = "the rank loop"
     loop.close()
     if graphs is not None:
@@ -546,7 +564,6 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     stage[0] = f"destroying the {dist.get_backend()} process group"
     dist.destroy_process_group()
     log.info("rank %d: stopped", rank)
-    return code
 
 
 class HealthPublisher:

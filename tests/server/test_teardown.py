@@ -1,0 +1,66 @@
+"""server/app.py teardown: a drained rank's end, in order; one whose step is stuck ends the streams and exits 1."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from dspark_sidecar.server import app
+
+
+class Exited(Exception):
+    """os._exit, made catchable: the test process must outlive the rank's teardown."""
+
+
+@pytest.fixture
+def rig(monkeypatch):
+    """Fakes of everything teardown touches, each recording its call in `calls`, in order."""
+    calls: list[str] = []
+
+    def rec(name, result=None):
+        return lambda *a, **kw: (calls.append(name), result)[1]
+
+    def fake_exit(code):
+        calls.append(f"exit {code}")
+        raise Exited(code)
+
+    monkeypatch.setattr(app.os, "_exit", fake_exit)
+    monkeypatch.setattr(app, "dist", SimpleNamespace(get_backend=lambda: "gloo",
+                                                     destroy_process_group=rec("destroy group")))
+    monkeypatch.setattr(app, "TEARDOWN_LIMIT_S", 60.0)  # the watchdog (a daemon timer) never fires in a test
+    stopped = SimpleNamespace(wait=rec("streams ended"))
+    r = SimpleNamespace(
+        calls=calls, steps_stop=True,
+        servicer=SimpleNamespace(close_doorbell=rec("doorbell")),
+        server=SimpleNamespace(stop=lambda grace: (calls.append("server stop"), stopped)[1]),
+        graphs=SimpleNamespace(close=rec("graphs")),
+        fast=SimpleNamespace(close=rec("fast path")),
+        rendezvous=SimpleNamespace(close=rec("rendezvous", True)),
+        board=SimpleNamespace(close=rec("board"), unlink=rec("board unlink")),
+    )
+    r.loop = SimpleNamespace(stop_steps=lambda: (calls.append("steps"), r.steps_stop)[1], close=rec("loop"),
+                             drain=rec("drain"))
+    r.run = lambda: app.teardown(0, r.servicer, r.loop, r.server, r.graphs, r.fast, r.rendezvous, r.board)
+    return r
+
+
+def test_a_clean_teardown_ends_the_streams_only_once_no_step_runs_then_frees_the_device(rig, caplog):
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.server"):
+        rig.run()
+    assert rig.calls == ["doorbell", "steps", "server stop", "streams ended", "loop", "graphs", "drain", "fast path",
+                         "rendezvous", "board", "destroy group"]
+    assert "rank 0: stopped" in caplog.text
+
+
+def test_a_step_stuck_at_shutdown_ends_the_streams_then_the_process_with_status_1(rig, caplog):
+    """Before, the teardown went on to graphs.close() and the fast path's close, which synchronize the device
+    the stuck step holds, and the group's destroy: the watchdog ended the rank 30 s later with status 0."""
+    rig.steps_stop = False
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.server"), pytest.raises(Exited):
+        rig.run()
+    assert rig.calls == ["doorbell", "steps", "server stop", "streams ended", f"exit {app.STUCK_EXIT}"]
+    assert app.STUCK_EXIT != 0
+    assert "a step still runs" in caplog.text and "status 1" in caplog.text
+    assert "rank 0: stopped" not in caplog.text
