@@ -136,15 +136,22 @@ def test_a_closed_step_stream_ends_its_request_iterator():
 
 class _Sidecar(pb_grpc.DrafterSidecarServicer):
     """A sidecar rank whose GetStatus names `status_instance` and whose step stream says it was taken by
-    `stream_instance` (None: says nothing until the first answer, as a server that never confirms)."""
+    `stream_instance` (None: says nothing until the first answer, as a server that never confirms), or refuses
+    it with `refuse` (a status code). `stream_ended` is set once the server sees its last stream end."""
 
     def __init__(self, status_instance: str, stream_instance: str | None) -> None:
         self.status_instance, self.stream_instance = status_instance, stream_instance
+        self.refuse: grpc.StatusCode | None = None
+        self.stream_ended = threading.Event()
 
     def GetStatus(self, request, context):
         return pb.StatusReport(serving=True, state="SERVING", instance=self.status_instance)
 
     def DraftSteps(self, request_iterator, context):
+        self.stream_ended.clear()
+        context.add_callback(self.stream_ended.set)
+        if self.refuse is not None:
+            context.abort(self.refuse, "rank is still loading; retry when health is SERVING")
         if self.stream_instance is not None:
             context.send_initial_metadata(((INSTANCE_METADATA, self.stream_instance),))
         for req in request_iterator:
@@ -191,13 +198,36 @@ def test_a_step_stream_that_reached_a_restarted_sidecar_ends_before_any_step(ser
     target, sidecar = serve("a1", "a1")
     conn = SidecarConnection(target)
     try:
-        conn.open(5.0)
+        conn.open(20.0)
         sidecar.stream_instance = "b2"  # the restart, as the stream sees it
+        t0 = time.monotonic()
         stream = conn.stream()
+        # Known as soon as the metadata came: waiting out open()'s deadline held the engine's pre-flight that long.
+        assert time.monotonic() - t0 < 10, "the ended stream was handed back only at open()'s deadline"
         assert not stream.alive and conn.stream_ended
         assert "reached sidecar instance b2, not a1" in str(stream.end), stream.end
         with pytest.raises(StreamBroken, match="restarted in between"):
             stream.send(pb.DraftStepRequest(step_id=1))
+        # Ended on the server too, the link still open: left open, it held one of the new sidecar's few stream
+        # places (and a handler thread) until the link dropped.
+        wait_until(sidecar.stream_ended.is_set, 5, "the stream to the other instance was cancelled", interval_s=0.01)
+    finally:
+        conn.close()
+
+
+def test_a_step_stream_the_sidecar_refuses_ends_at_once_with_the_sidecar_s_refusal(serve):
+    """A sidecar restarted since the status was read refuses the stream while it loads (UNAVAILABLE: no instance
+    sent). The stream ends at once with that refusal: not at open()'s deadline, nor as another instance's."""
+    target, sidecar = serve("a1", "a1")
+    conn = SidecarConnection(target)
+    try:
+        conn.open(20.0)
+        sidecar.refuse = grpc.StatusCode.UNAVAILABLE
+        t0 = time.monotonic()
+        stream = conn.stream()
+        assert time.monotonic() - t0 < 10, "the refused stream was handed back only at open()'s deadline"
+        assert not stream.alive and stream.end.code == grpc.StatusCode.UNAVAILABLE, stream.end
+        assert "still loading" in str(stream.end), stream.end
     finally:
         conn.close()
 
@@ -211,5 +241,8 @@ def test_a_step_stream_the_sidecar_does_not_take_in_time_ends_at_open_s_deadline
         stream = conn.stream()
         assert 0.45 <= time.monotonic() - t0 < 4, "not bounded by open()'s deadline"
         assert not stream.alive and "did not take the step stream within 0.5 s" in str(stream.end), stream.end
+        # The reader then sees its call cancelled: that end must not replace the reason given (the fallback's log).
+        wait_until(lambda: not stream._reader.is_alive(), 5, "the reader saw the cancel", interval_s=0.01)
+        assert "did not take the step stream within 0.5 s" in str(stream.end), stream.end
     finally:
         conn.close()

@@ -7,8 +7,10 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
-from dspark_sidecar.server.processes import ExitWith
+from dspark_sidecar.server import processes
+from dspark_sidecar.server.processes import ExitWith, exited, process_start
 
 # A watcher started after the watched process (as serve is after its starter): for each line on stdin,
 # whether the process argv[1] names is gone.
@@ -52,3 +54,42 @@ def test_a_process_started_after_this_one_is_not_the_one_named():
     finally:
         later.kill()
         later.wait()
+
+
+def test_the_watched_pid_taken_by_another_process_is_gone(monkeypatch):
+    """The process exited and its pid was taken again between two looks (the agent watch beats every half
+    second): kill(pid, 0) finds the newcomer, only the start time tells. Missed, the sidecar served on as an
+    orphan of a process that no longer ran."""
+    parent = os.getppid()  # started before this process, as the one serve watches is
+    w = ExitWith(parent)
+    assert w.start and not w.gone()
+    real = processes._stat
+    monkeypatch.setattr(processes, "_stat", lambda pid: ("S", w.start + 1) if pid == parent else real(pid))
+    assert w.gone()
+
+
+def test_a_process_whose_name_holds_a_parenthesis_is_read_right():
+    """/proc/<pid>/stat puts the name in parentheses and does not escape it: read up to its first ')', a name
+    such as "w) Z 1 2 3" (prctl, setproctitle) read the running process as a zombie, so as gone."""
+    renamed = subprocess.Popen([sys.executable, "-c", "open('/proc/self/comm', 'w').write('w) Z 1 2 3'); "
+                                "print(flush=True); import sys; sys.stdin.read()"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        renamed.stdout.readline()  # renamed
+        assert Path(f"/proc/{renamed.pid}/comm").read_text().strip() == "w) Z 1 2 3"
+        start = process_start(renamed.pid)
+        assert start >= process_start(os.getpid()) and not exited(renamed.pid, start)
+    finally:
+        renamed.kill()
+        renamed.wait()
+
+
+def test_a_process_started_in_the_same_clock_tick_as_this_one_is_the_one_named(monkeypatch):
+    """Start times count clock ticks (10 ms): `engine & serve --exit-with-pid $!` forks both within one. That
+    process is not a later one that took the pid; read as gone, serve refused to start beside it."""
+    parent = os.getppid()
+    real = processes._stat
+    tick = real(os.getpid())[1]
+    monkeypatch.setattr(processes, "_stat",
+                        lambda pid: ("S", tick) if pid in (parent, os.getpid()) else real(pid))
+    assert not ExitWith(parent).gone()

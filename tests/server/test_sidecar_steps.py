@@ -261,10 +261,11 @@ def test_a_step_of_max_reqs_requests_is_served(engine, tiny_cfg, tiny_ckpt):
     assert all(x.timings.launches == 2 for x in ok)
 
 
-def test_a_step_stream_names_the_instance_that_get_status_names(engine):
+def test_a_step_stream_names_the_instance_that_get_status_names(sidecar, engine):
     """Each rank's server picks its own instance token at start-up and sends it as the stream's initial metadata
     before any step: the shim's check that its stream reached the server whose status it read (client/connection.py
     StepStream) holds only if both say the same."""
+    from dspark_sidecar.client.connection import SidecarConnection
     from dspark_sidecar.proto import INSTANCE_METADATA
 
     tokens = [engine.stubs[r].GetStatus(pb.GetStatusRequest(), timeout=5).instance for r in range(TP)]
@@ -272,3 +273,13 @@ def test_a_step_stream_names_the_instance_that_get_status_names(engine):
     call = engine.stubs[1].DraftSteps(iter(()), timeout=30)  # no request: the metadata comes all the same
     assert dict(call.initial_metadata())[INSTANCE_METADATA] == tokens[1]
     assert list(call) == []
+    # The shim's own link: the stream is confirmed before any step is sent, its requests still open (the call
+    # above half-closed at once, so metadata sent only as the stream ended passed it; the shim's stream, never
+    # confirmed, was given up at open()'s deadline and no step was ever sent).
+    conn = SidecarConnection(sidecar.socket(1))
+    try:
+        assert conn.open(10.0).instance == tokens[1]
+        stream = conn.stream()
+        assert stream.alive, stream.end
+    finally:
+        conn.close()
