@@ -49,7 +49,7 @@ from dspark_sidecar.server.preflight import check_port, claim_socket
 from dspark_sidecar.server.process_group import PeerLost, join_group
 from dspark_sidecar.server.processes import ExitWith
 from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_sizes, warm_up
-from dspark_sidecar.server.refusal import AWAITING_BIND, probe_host
+from dspark_sidecar.server.refusal import AWAITING_BIND, probe_host, shared_host
 from dspark_sidecar.server.rendezvous import Board, PeerProcesses, Rendezvous
 from dspark_sidecar.server.servicer import MAX_STREAMS, DrafterServicer, Lifecycle, give_back_unopened, limits_pb
 
@@ -339,6 +339,13 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
     dtype = DTYPES[cfg.dtype]
     shard_world = cfg.shard_of or world  # --shard-of: one process computes rank 0's shard of TP N
     host = probe_host(shard_world)
+    if world > 1:
+        # The backend below must be the same on every rank (build_fast_path is collective), and on_gfx950 asks
+        # this rank's GPU alone: taken as it was, the gfx950 ranks of a mixed host entered build_fast_path's
+        # collectives while the others went on to the next, and start-up hung until --startup-timeout-s.
+        facts = [None] * world
+        start_up._collective(lambda: dist.all_gather_object(facts, host, group=cpu_group))
+        host = shared_host(facts)
     choice = choose_backend(cfg, host, device, dcfg, dtype)
     t = time.perf_counter()
     if cfg.random_weights:

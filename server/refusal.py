@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 from dspark_sidecar import layout
 
@@ -40,6 +41,15 @@ def probe_host(tp_size: int) -> HostFacts:
 
     return HostFacts(on_gfx950=on_gfx950(), flydsl_available=flydsl_available(), tp_size=tp_size,
                      stores_in_order=stores_in_order())
+
+
+def shared_host(facts: Sequence[HostFacts]) -> HostFacts:
+    """The TP group's host facts from every rank's own (in rank order): a check passes only where it passes on
+    every rank. on_gfx950 asks the rank's own GPU (another model on a mixed host), and the backend chosen from
+    it must be the same on every rank: the FlyDSL path is built collectively and exchanges between the ranks'
+    kernels."""
+    return replace(facts[0], on_gfx950=all(f.on_gfx950 for f in facts),
+                   flydsl_available=all(f.flydsl_available for f in facts))
 
 
 def fast_path_refusal(host: HostFacts, engine: EngineFacts | None) -> str | None:

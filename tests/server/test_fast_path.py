@@ -115,6 +115,24 @@ def test_numerics_the_kernels_hard_code_are_refused_when_the_config_differs(fiel
     assert kernel_mismatch(cfg, torch.bfloat16) == f"drafter {field} {value} != {getattr(M31, field)} of the FlyDSL kernels"
 
 
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", 6), ("hidden_size", 4096), ("head_dim", 64),
+                                         ("num_attention_heads", 32), ("num_key_value_heads", 8),
+                                         ("ffn_hidden_size", 6144), ("quant_block", 64)])
+def test_shapes_the_kernels_are_built_for_are_refused_when_the_config_differs(field, value):
+    """The kernels are compiled for the M3.1 rank shard (shapes.py). Past this check nothing compares the
+    KV heads, query heads, FFN width or MX block with them: such a drafter's shards bind and the kernels read
+    them with the M3.1 tiling (wrong numbers, scales read past their end). The tiny preset differs first in
+    hidden_size, so a shape field dropped from kernel_mismatch's table went unnoticed."""
+    import dataclasses
+    cfg = dataclasses.replace(M31, **{field: value})
+    assert kernel_mismatch(cfg, torch.bfloat16) == f"drafter {field} {value} != {getattr(M31, field)} of the FlyDSL kernels"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_compute_dtype_other_than_bfloat16_is_refused(dtype):
+    assert kernel_mismatch(M31, dtype) == f"FlyDSL kernels compute in bfloat16, not {dtype} (--dtype)"
+
+
 def test_portable_backend_asked_for_on_a_good_host_says_so():
     choice = choose_backend(ServeConfig(backend="reference"), GOOD_HOST, GPU, M31)
     assert (choice.name, choice.flydsl_refusal) == ("reference", "--backend reference selected")
@@ -136,7 +154,10 @@ def test_weight_shards_are_the_checkpoint_bytes_the_portable_model_uses(tiny_ckp
             assert mx.scale.shape == (w.shape[0], w.shape[1] // 32)
             # Dequantized as the kernel does, the shard is exactly the model's bf16 weight.
             assert torch.equal(dequant_like_kernel(mx.bits, mx.scale).to(torch.bfloat16), w)
-        assert lw.input_norm is layer.input_layernorm.weight and lw.k_norm is layer.k_norm.weight
+        # Each norm the kernel applies where the model does: a swapped pair is silently wrong numbers.
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.q_norm.weight,
+                 layer.k_norm.weight)
+        assert [a is b for a, b in zip((lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm), norms)] == [True] * 4
 
 
 def test_a_checkpoint_of_dense_linears_turns_the_path_off_instead_of_failing_the_rank(tiny_ckpt, tmp_path):
@@ -232,6 +253,73 @@ def test_the_start_up_line_says_the_path_is_off_when_it_failed_to_start(tiny_ckp
     assert len(loaded) == 1 and loaded[0].endswith(f"backend flydsl; FlyDSL path: {why})"), loaded
 
 
+def test_the_ranks_of_a_mixed_host_choose_their_backend_from_facts_every_rank_shares(tiny_ckpt, monkeypatch):
+    """on_gfx950 asks the rank's own GPU (toolchain: another GPU model on a mixed host), and each rank chose its
+    backend from its own answer: the ranks on a gfx950 chose FlyDSL and entered build_fast_path's collectives
+    while the others went on to the next start-up collective, which hung until --startup-timeout-s ("a peer
+    rank left" on every rank). The exchange needs every rank's kernels: a check fails for all where it fails on one."""
+    from dspark_sidecar.server import app
+    from dspark_sidecar.server.backend import BackendChoice
+
+    other = HostFacts(on_gfx950=False, flydsl_available=True, tp_size=4)  # rank 2's GPU is another model
+    monkeypatch.setattr(app, "probe_host", lambda world: GOOD_HOST)
+    monkeypatch.setattr(app.dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(
+        slice(None), [obj, obj, other, obj]))
+    seen = []
+    choice = BackendChoice("reference", REFERENCE_OPS, CPU, "not gfx950")
+    monkeypatch.setattr(app, "choose_backend", lambda cfg, host, *a: seen.append(host) or choice)
+    cfg = ServeConfig(tp=4, device="cpu", dtype="fp32", checkpoint=tiny_ckpt[0], target_checkpoint=tiny_ckpt[1])
+    host = app._load(cfg, 0, 4, CPU, None, app.StartUp(0, threading.Event()))[4]
+    assert seen == [other] and host == other  # the backend, and health's reasons (Lifecycle.host), alike on every rank
+
+
+def test_backend_flydsl_whose_path_failed_to_start_is_unavailable(tiny_ckpt, monkeypatch):
+    """--backend flydsl asks for the FlyDSL path or nothing: a path that the choice selected and whose weights or
+    peer mapping then failed must stop the rank with its reason, not serve every step on the portable layers."""
+    import re
+
+    from dspark_sidecar.server import app
+    from dspark_sidecar.server.backend import BackendChoice
+
+    why = "rank 0 could not export its exchange buffers: out of memory"
+    monkeypatch.setattr(app, "probe_host", lambda world: GOOD_HOST)
+    choice = BackendChoice("flydsl", REFERENCE_OPS, CPU, None, "reference")
+    monkeypatch.setattr(app, "choose_backend", lambda *a: choice)
+    monkeypatch.setattr(app, "build_fast_path", lambda *a, **k: SimpleNamespace(startup_reason=why))
+    cfg = ServeConfig(tp=4, backend="flydsl", device="cpu", dtype="fp32", checkpoint=tiny_ckpt[0],
+                      target_checkpoint=tiny_ckpt[1])
+    with pytest.raises(BackendUnavailable, match=f"^--backend flydsl: {re.escape(why)}$"):
+        app._load(cfg, 0, 1, CPU, None, app.StartUp(0, threading.Event()))
+
+
+def test_a_weight_shard_read_error_is_posted_to_the_peers_not_raised(monkeypatch):
+    """A read that fails while this rank binds its shards (CheckpointError, a ValueError) must reach map_peers
+    as this rank's failure, so every rank turns the path off together. Raised instead, it stopped this rank
+    alone while its peers waited in map_peers' collective."""
+    from dspark_sidecar.drafter.checkpoint import CheckpointError
+    from dspark_sidecar.kernels.flydsl import peers as peers_mod
+    from dspark_sidecar.server.fast_path import build_fast_path
+
+    cfg = PRESETS["tiny"]
+    err = "language_model.model.dspark.layers.0.decoder_layer.self_attn.q_proj.weight: unreadable in model.safetensors"
+
+    class Unreadable(SyntheticSource):
+        def read(self, key, shape, rows=None, cols=None):
+            raise CheckpointError(err)
+
+    posted = []
+
+    def map_peers(group, make_runtime, device, local_failure=None):
+        posted.append(local_failure)  # what peers.map_peers posts in place of an offer
+        raise rn.FlyDSLUnsupported(f"rank 0 {local_failure}")
+
+    monkeypatch.setattr(peers_mod, "map_peers", map_peers)
+    model = DSparkDrafter(cfg, ParallelContext(0, 4), REFERENCE_OPS).load(SyntheticSource(cfg, torch.bfloat16))
+    fast = build_fast_path(cfg, model, Unreadable(cfg, torch.bfloat16), GOOD_HOST, None, 0)
+    assert posted == [f"could not bind its weights: CheckpointError: {err}"]
+    assert fast.startup_reason == f"rank 0 {posted[0]}" and fast.layers == [] and fast.peers is None
+
+
 def test_a_peer_lost_while_the_path_is_built_is_one_line(tiny_ckpt, monkeypatch):
     # A peer killed while binding its shards (the OOM killer) reaches the others in map_peers' all_gather as
     # gloo's RuntimeError: it escaped as a traceback that reads as a second failure, not PeerLost as at the
@@ -247,6 +335,9 @@ def test_a_peer_lost_while_the_path_is_built_is_one_line(tiny_ckpt, monkeypatch)
     choice = BackendChoice("flydsl", REFERENCE_OPS, CPU, None, "reference")
     monkeypatch.setattr(app, "choose_backend", lambda *a: choice)
     monkeypatch.setattr(app, "build_fast_path", lost)
+    # The ranks' host facts, gathered before the choice (every rank on the same host): no group here.
+    monkeypatch.setattr(app.dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(
+        slice(None), [obj] * len(out)))
     cfg = ServeConfig(tp=4, device="cpu", dtype="fp32", checkpoint=tiny_ckpt[0], target_checkpoint=tiny_ckpt[1])
     start_up = app.StartUp(0, threading.Event())
     start_up.bound_s = 600
@@ -447,6 +538,47 @@ def test_a_rebind_while_compiling_drops_the_old_runner():
     # The gen-1 runner closed itself when its compile ended.
     wait_until(lambda: len(factory.closed) == 1, 5, lambda: f"one runner closed: {factory.closed}")
     assert fp.runner is not factory.closed[0]
+
+
+def test_a_failed_compile_of_a_binding_that_went_leaves_the_new_binding_alone():
+    """The old binding's runner, abandoned mid-compile, can still fail on the kernel in hand. That failure is
+    the old binding's: taken for the current one, it turned the path off for the new binding (refusal, health)
+    and dropped the new runner's compile in flight, so the new binding was never served."""
+    gates, closed, built = [threading.Event(), threading.Event()], [], []
+
+    class Runner:
+        def __init__(self, i):
+            self.i = i
+
+        def stale(self, kv_layers):
+            return False
+
+        def compile_all(self):
+            gates[self.i].wait(10)
+            if self.i == 0:
+                raise RuntimeError("ld.lld: undefined symbol")
+            return 96
+
+        def abandon(self):
+            pass  # compile_all here is one wait: it ends when its gate opens
+
+        def close(self):
+            closed.append(self.i)
+
+    def factory(*args, **kw):
+        built.append(Runner(len(built)))
+        return built[-1]
+
+    fp, _ = fast_path(factory=factory, compile_ahead=True)
+    kv2 = binding(gen=2)
+    assert not fp.ready(binding(gen=1)) and not fp.ready(kv2)  # re-bound while gen 1 compiles
+    gates[0].set()
+    wait_until(lambda: closed == [0], 5, lambda: f"the gen-1 runner closed after its failed compile: {closed}")
+    assert fp.reason is None and fp.refusal(kv2) is None
+    gates[1].set()
+    wait_until(lambda: fp.ready(kv2), 5, "the fast path ready for the gen-2 binding")
+    assert fp.runner is built[1] and closed == [0]
+    fp.close()
 
 
 def test_status_says_the_kernels_compile_until_the_runner_serves_and_strict_health_stays_serving():

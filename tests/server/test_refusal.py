@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_sidecar.server.refusal import EngineFacts, HostFacts, fast_path_refusal
+from dspark_sidecar.server.refusal import EngineFacts, HostFacts, fast_path_refusal, shared_host
 
 GOOD_HOST = HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4)
 GOOD = dict(tp_size=4, dp_size=1, pp_size=1, speculative_method="dspark", num_speculative_tokens=7)
@@ -19,6 +19,9 @@ GOOD = dict(tp_size=4, dp_size=1, pp_size=1, speculative_method="dspark", num_sp
     (GOOD_HOST, GOOD | {"pp_size": 3}, "PP > 1"),
     (GOOD_HOST, GOOD | {"speculative_method": "eagle"}, "no DSpark draft"),
     (GOOD_HOST, GOOD | {"num_speculative_tokens": 5}, "7 speculative tokens required"),
+    # The seed asks for equality: above the required value is refused as well as below it.
+    (HostFacts(True, True, 8), GOOD | {"tp_size": 8}, "TP 8 != 4"),
+    (GOOD_HOST, GOOD | {"num_speculative_tokens": 8}, "7 speculative tokens required"),
     (GOOD_HOST, GOOD, None),
 ])
 def test_each_refusal_reason(host, engine, reason):
@@ -49,4 +52,13 @@ def test_before_bind_host_checks_then_waiting_for_engine():
     assert fast_path_refusal(HostFacts(False, True, 4), None) == "not gfx950"
     assert fast_path_refusal(HostFacts(True, False, 2), None) == "FlyDSL not installed"
     assert fast_path_refusal(HostFacts(True, True, 2), None) == "TP 2 != 4"
+    assert fast_path_refusal(HostFacts(True, True, 8), None) == "TP 8 != 4"
     assert fast_path_refusal(GOOD_HOST, None).startswith("no engine bound yet")
+
+
+def test_the_groups_host_facts_fail_a_check_that_fails_on_any_rank():
+    """on_gfx950 asks each rank's own GPU: the group's facts, which every rank chooses its backend from, pass a
+    check only where every rank passes it (server/app.py gathers them at start-up)."""
+    assert shared_host([GOOD_HOST] * 4) == GOOD_HOST
+    assert shared_host([GOOD_HOST, GOOD_HOST, HostFacts(False, True, 4), GOOD_HOST]) == HostFacts(False, True, 4)
+    assert shared_host([HostFacts(True, False, 4), GOOD_HOST, GOOD_HOST, GOOD_HOST]) == HostFacts(True, False, 4)
