@@ -246,6 +246,7 @@ def test_stale_binding_falls_back_then_rebinds(fake):
     (code_pb2.ABORTED, "sidecar ABORTED", False),
     (code_pb2.INTERNAL, "sidecar INTERNAL", True),
     (code_pb2.UNAVAILABLE, "sidecar UNAVAILABLE", True),
+    (code_pb2.RESOURCE_EXHAUSTED, "sidecar RESOURCE_EXHAUSTED", True),  # only RESPONSE_TOO_LARGE goes uncounted
 ])
 def test_step_errors_fall_back_and_the_stream_goes_on(fake, code, key, trips):
     shim, _, _ = make_shim(fake.endpoint)
@@ -292,6 +293,18 @@ def test_strict_sidecar_refusal_turns_the_process_off(fake):
     assert not shim.enabled and shim.refusal == "sidecar refuses: not gfx950"
     assert fake.sidecar.remote_calls() == calls == 1  # one GetStatus, then nothing
     assert shim.stats.fallbacks == {"off: sidecar refuses: not gfx950": 2}
+
+
+@pytest.mark.parametrize("serving, state, refusal, want", [
+    (True, "SERVING", "not gfx950", None),  # a refusal the backend's fallback serves
+    (False, "REFUSED", "not gfx950", "sidecar refuses: not gfx950"),
+    (False, "REFUSED", "", "sidecar refuses: REFUSED"),  # strict mode says so even where the reason is gone
+    *[(False, st, "not gfx950", None) for st in ("LOADING", "DRAINING", "PEER_SILENT", "STEP_STUCK")],
+    (False, "LOADING", "", None),
+])
+def test_only_a_strict_refusal_reads_as_the_sidecar_refusing_for_good(serving, state, refusal, want):
+    status = pb.StatusReport(serving=serving, state=state, fast_path_refusal=refusal)
+    assert S.sidecar_refusal(status) == want
 
 
 def test_a_data_plane_that_fails_to_close_does_not_raise_out_of_the_step_that_turns_the_shim_off(fake):
@@ -528,22 +541,29 @@ def test_doorbell_transport_refused_by_the_sidecar_falls_back_to_the_stream(fake
 
 
 class _BusyOnceThenAttaching(DoorbellNeverAnswered):
-    """AttachDoorbell past the engine's deadline once (a sidecar rank waiting on its peers while it
-    releases this engine rank's old regions), then attaching."""
+    """AttachDoorbell refused once for a passing reason (`code`), then attaching."""
+
+    code = "DEADLINE_EXCEEDED"
 
     def AttachDoorbell(self, request, context):
         self.calls["AttachDoorbell"] += 1
         if self.calls["AttachDoorbell"] == 1:
             import grpc
 
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "busy")
+            context.abort(getattr(grpc.StatusCode, self.code), "busy")
         return pb.AttachDoorbellResponse()
 
 
-def test_a_data_plane_refused_for_a_passing_reason_is_asked_for_again(monkeypatch):
+# DEADLINE_EXCEEDED: a sidecar rank past the engine's deadline, waiting on its peers while it releases this engine
+# rank's old regions. UNAVAILABLE: a handle the sidecar could not check or map for want of descriptors or memory
+# (server/errors.py HANDLE_UNCHECKED, MAP_EXHAUSTED).
+@pytest.mark.parametrize("code", ["DEADLINE_EXCEEDED", "UNAVAILABLE"])
+def test_a_data_plane_refused_for_a_passing_reason_is_asked_for_again(monkeypatch, code):
     """It fell back to the gRPC stream until the link next dropped, which in a healthy run is never:
     at TP > 1 one rank on the stream also turns pre-launched steps off for every rank."""
-    server = FakeServer(_BusyOnceThenAttaching(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    sidecar = _BusyOnceThenAttaching(max_reqs=4)
+    sidecar.code = code
+    server = FakeServer(sidecar, short_socket_dir() / "rank0.sock").start()
     try:
         shim, model, _ = make_shim(server.endpoint, transport="doorbell", step_deadline_s=0.2, late_grace_s=0.2)
         ids, pos, meta = step_inputs(2)
