@@ -14,6 +14,22 @@ class Exited(Exception):
     """os._exit, made catchable: the test process must outlive the rank's teardown."""
 
 
+class _Watchdog:
+    """threading.Timer's stand-in: records its limit and whether it was started as a daemon."""
+
+    made: list["_Watchdog"] = []
+
+    def __init__(self, interval, function) -> None:
+        self.interval, self.function, self.daemon, self.started = interval, function, False, False
+        _Watchdog.made.append(self)
+
+    def start(self) -> None:
+        self.started = True
+
+    def cancel(self) -> None:
+        pass
+
+
 @pytest.fixture
 def rig(monkeypatch):
     """Fakes of everything teardown touches, each recording its call in `calls`, in order."""
@@ -29,7 +45,9 @@ def rig(monkeypatch):
     monkeypatch.setattr(app.os, "_exit", fake_exit)
     monkeypatch.setattr(app, "dist", SimpleNamespace(get_backend=lambda: "gloo",
                                                      destroy_process_group=rec("destroy group")))
-    monkeypatch.setattr(app, "TEARDOWN_LIMIT_S", 60.0)  # the watchdog (a daemon timer) never fires in a test
+    # The watchdog: a daemon timer whose os._exit(0) would end the whole test session once its limit had passed
+    # (teardown leaves it running, to bound the interpreter's own exit too). Recorded, never started.
+    monkeypatch.setattr(app.threading, "Timer", _Watchdog)
     stopped = SimpleNamespace(wait=rec("streams ended"))
     r = SimpleNamespace(
         calls=calls, steps_stop=True,
@@ -52,6 +70,9 @@ def test_a_clean_teardown_ends_the_streams_only_once_no_step_runs_then_frees_the
     assert rig.calls == ["doorbell", "steps", "server stop", "streams ended", "loop", "graphs", "drain", "fast path",
                          "rendezvous", "board", "destroy group"]
     assert "rank 0: stopped" in caplog.text
+    dog = _Watchdog.made[-1]
+    # Started first, bounding the whole teardown and the exit after it: past its limit the process just ends.
+    assert dog.started and dog.daemon and dog.interval == app.TEARDOWN_LIMIT_S + app.STOP_STEPS_S + app.SERVER_GRACE_S
 
 
 def test_a_step_stuck_at_shutdown_ends_the_streams_then_the_process_with_status_1(rig, caplog):
