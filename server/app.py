@@ -250,6 +250,12 @@ class StartUp:
         self._collective(lambda: dist.broadcast_object_list(box, src=0, group=group))
         return box[0]
 
+    def gather(self, value, world: int, group) -> list:
+        """Every starting rank's `value`, in rank order (an all-gather; a peer lost is PeerLost, as in barrier)."""
+        out = [None] * world
+        self._collective(lambda: dist.all_gather_object(out, value, group=group))
+        return out
+
     def warm_up(self, ctx: RankContext, **kw) -> float:
         """rank.warm_up(ctx, **kw), whose steps exchange partial sums with the peers (the world group): a peer
         lost in one of those collectives is PeerLost, as in barrier, not gloo's traceback from inside a step. A
@@ -343,9 +349,7 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
         # The backend below must be the same on every rank (build_fast_path is collective), and on_gfx950 asks
         # this rank's GPU alone: taken as it was, the gfx950 ranks of a mixed host entered build_fast_path's
         # collectives while the others went on to the next, and start-up hung until --startup-timeout-s.
-        facts = [None] * world
-        start_up._collective(lambda: dist.all_gather_object(facts, host, group=cpu_group))
-        host = shared_host(facts)
+        host = shared_host(start_up.gather(host, world, cpu_group))
     choice = choose_backend(cfg, host, device, dcfg, dtype)
     t = time.perf_counter()
     if cfg.random_weights:
@@ -550,8 +554,8 @@ def teardown(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grpc.
     server.stop(grace=SERVER_GRACE_S).wait()  # then refuse new calls and end the streams
     if stuck:
         log.error("rank %d: a step still runs %.0f s into the shutdown (stuck on the device or in a collective: "
-                  "a peer gone?); the streams are ended, and the process ends now with status 1, its device "
-                  "resources left to the exit", rank, STOP_STEPS_S)
+                  "a peer gone?); the streams are ended, and the process ends now with status %d, its device "
+                  "resources left to the exit", rank, STOP_STEPS_S, STUCK_EXIT)
         logging.shutdown()  # os._exit skips the handlers' flush
         os._exit(STUCK_EXIT)
     stage[0] = "the rank loop"
