@@ -46,6 +46,7 @@ from google.protobuf import text_format
 
 from dspark_sidecar import layout
 from dspark_sidecar.bench_defaults import P99_MIN_SAMPLES, REPEATS
+from dspark_sidecar.bench_phases import AFTER, ShimPhases
 from dspark_sidecar.client.launcher import sidecar_env
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
@@ -97,7 +98,7 @@ class BenchConfig:
     shim_inputs: str = "host"  # h/i: positions and metadata on the host, or on the GPU as vLLM's forward context has them
     kv_layout: str = "planes"  # the engine's cache allocation (kv_cache.KV_LAYOUTS): records is vLLM 0.34's
     kv_dtype: str = "auto"  # the cache's element type: auto (the compute dtype) or fp8 (e4m3 codes, kv_cache.FP8_KV)
-    shim_phases: bool = False  # h: the shim's host time before the ring split into its phases (bench_phases.py)
+    shim_phases: bool = False  # h: the shim's host time before the ring and after the answer, in phases (bench_phases.py)
     seed: int = 0
     notes: dict = field(default_factory=dict)
 
@@ -451,7 +452,7 @@ class Bench:
                                "(the step does not fit its registered buffers)")
         self.shim_ns.append((self.bell.rung_mono_ns - t0, t1 - self.bell.answer_seen_mono_ns))
         if self.phases is not None:
-            self.phases.step(t0, self.bell.rung_mono_ns, began)
+            self.phases.step(t0, self.bell.rung_mono_ns, began, self.bell.answer_seen_mono_ns, t1)
         return out
 
     def _ring_path(self, resp: pb.DraftStepResponse | None, done: int) -> tuple[int, int, int, int]:
@@ -497,8 +498,6 @@ class Bench:
                 out = self._ahead(case, shim=True)
         elif mode == "h":
             if self.bc.shim_phases:
-                from dspark_sidecar.bench_phases import ShimPhases
-
                 # Wrapped for h's steps alone: made once at connect, the wrappers stayed on the data plane's
                 # stage and send_bytes, which d, f and g call too, and timed those modes with them.
                 self.phases = ShimPhases(self.shim, self.shim.doorbell)
@@ -670,12 +669,15 @@ def _fmt(row: dict) -> str:
         before, after = row["shim_before_ring_after_answer_p50_us"]
         on = "; positions and metadata on the GPU" if row.get("shim_inputs") == "device" else ""
         extra += f"  (shim before ring {before:.0f} us, after answer {after:.0f} us{on})"
-    if "shim_phases_p50_us" in row:  # --shim-phases: before the ring, phase by phase (bench_phases.py)
+    if "shim_phases_p50_us" in row:  # --shim-phases: before the ring and after the answer, phase by phase (bench_phases.py)
         ph = dict(row["shim_phases_p50_us"])
         cpu, pre = ph.pop("on_cpu_share", None), ph.pop("preempted", None)
+        after = {k: ph.pop(k) for k in AFTER if k in ph}
         extra += "\n    shim phases p50 us: " + ", ".join(f"{k} {v:.1f}" for k, v in ph.items())
         if cpu is not None:  # the thread's CPU time over wall time before the send; involuntary switches per step
             extra += f"; on CPU {cpu:.2f} of it, {pre:.2f} preemptions per step"
+        if after:
+            extra += "\n    after the answer p50 us: " + ", ".join(f"{k} {v:.1f}" for k, v in after.items())
     if "gpu_p50_ms" in row:
         extra += f"  GPU time {row['gpu_p50_ms']:.3f} ms ({row['gpu_x_floor']:.2f}x floor)"
     if "lead_ms" in row:

@@ -1,13 +1,13 @@
-"""Bench diagnostic (--shim-phases): where the engine shim's host time before the ring goes, per step.
+"""Bench diagnostic (--shim-phases): where the engine shim's host time around the ring and answer goes, per step.
 
-Mode h reports the shim's time from maybe_forward's start to the doorbell's ring as one figure, and
-that figure moved 50-115 us between fresh processes of the same code on one H200 host (BENCHMARKS.md
-runs 254-259), more than anything the code changes did. This splits it at the shim's own seams by
-wrapping bound methods of the bench's shim instance and its data plane (six; four without a GPU word)
-while mode h runs, and unwrapping them after (`close`): no class is touched, nothing in the shim
-knows, and the modes timed after h (d, f and g go through the same data plane) carry no wrapper. Each
-wrapper reads time.monotonic_ns once or twice and costs ~0.3 us, so the phases add up to ~1.5 us more
-than the unwrapped figure.
+Mode h reports the shim's time from maybe_forward's start to the doorbell's ring, and from the answer
+seen to maybe_forward's return, as two figures, and the first moved 50-115 us between fresh processes
+of the same code on one H200 host (BENCHMARKS.md runs 254-259), more than anything the code changes
+did. This splits both at the shim's own seams by wrapping bound methods of the bench's shim instance
+and its data plane (nine; seven without a GPU word) while mode h runs, and unwrapping them after
+(`close`): no class is touched, nothing in the shim knows, and the modes timed after h (d, f and g go
+through the same data plane) carry no wrapper. Each wrapper reads time.monotonic_ns once or twice and
+costs ~0.3 us, so each span's phases add up to ~1.5 us more than its unwrapped figure.
 """
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ import time
 # serialized and joined with the region fields; the GPU word's stream write; the input event's
 # record; and the rest of send_bytes (the raw stream lookups, the page write, the ring).
 PHASES = ("checks", "prepare", "agree", "request", "stage", "serialize", "word", "record", "ring")
+# After the answer, in step order, from the moment the data plane saw it (the bench's "after answer" figure):
+# the answer's page read and decoded; the transport's wait returning and check_answer; the output region's
+# copy-out (a clone launched on the engine's stream); the rest of _run_step (shape and dtype checks, the
+# breaker); and maybe_forward's end (the post-flight agreement, the stats).
+AFTER = ("parse", "check", "copy", "finish", "post")
 # Beside them, whether the thread ran all that time: its CPU time over the wall time from maybe_forward's
 # start to send_bytes (1.0: on a CPU throughout, so a slow step was a slow CPU; less: descheduled, or
 # waiting for the GIL), and the involuntary context switches of the thread in the same span.
@@ -36,11 +41,15 @@ class ShimPhases:
         self._t: dict[str, int] = {}
         self._undo: list[tuple[object, str, object, object]] = []  # (obj, name, wrapper, instance attribute before)
         self.rows: list[tuple[int, ...]] = []
+        self.after: list[tuple[int, ...]] = []  # per answered step: AFTER (ns)
         self.extra: list[tuple[float, int]] = []  # per step: EXTRA
         self._wrap(shim, "_prepare", "prepare")
-        self._wrap(shim, "_run_step", "run", end=False)
+        self._wrap(shim, "_run_step", "run")
         self._wrap(transport.buffers, "stage", "stage")
         self._wrap(transport.bell, "send_bytes", "send", end=False, cpu=True)
+        self._wrap(transport.bell, "wait", "answer")  # each poll stamps; the last one's end is the answer's
+        self._wrap(transport, "check_answer", "check")
+        self._wrap(transport, "hidden", "copy")
         ops = transport.bell._ops
         if ops is not None:  # a GPU word and its event record through the driver (proto/gpu_word.py)
             self._wrap(ops, "write", "word")
@@ -80,9 +89,10 @@ class ShimPhases:
                 setattr(obj, name, before)
         self._undo.clear()
 
-    def step(self, t0: int, rung: int, began: tuple[int, int] | None = None) -> None:
+    def step(self, t0: int, rung: int, began: tuple[int, int] | None = None, seen: int = 0, done: int = 0) -> None:
         """After one maybe_forward that started at t0 and rang at `rung` (both time.monotonic_ns);
-        began: what start() returned at t0."""
+        began: what start() returned at t0; seen and done: when the data plane saw its answer and when
+        maybe_forward returned (0: not known, no AFTER row)."""
         t = dict(self._t)
         self._t.clear()  # the dict the wrappers write into: emptied, never replaced
         if not all(k in t for k in ("prepare0", "prepare1", "run0", "stage0", "stage1", "send0")):
@@ -94,12 +104,17 @@ class ShimPhases:
                           word, record, rung - t["send0"] - word - record))
         if began is not None and "cpu" in t:
             self.extra.append(((t["cpu"] - began[0]) / max(1, t["send0"] - t0), t["nivcsw"] - began[1]))
+        if seen and done and all(k in t for k in ("answer1", "check1", "copy1", "run1")):
+            self.after.append((t["answer1"] - seen, t["check1"] - t["answer1"], t["copy1"] - t["check1"],
+                               t["run1"] - t["copy1"], done - t["run1"]))
 
     def medians_us(self, last: int) -> dict[str, float]:
-        """PHASES' medians (us) over the last `last` steps, then EXTRA's: the median on-CPU share and the
-        mean involuntary switches per step."""
-        rows, extra = self.rows[-last:], self.extra[-last:]
+        """PHASES' medians (us) over the last `last` steps, then AFTER's, then EXTRA's: the median on-CPU share
+        and the mean involuntary switches per step."""
+        rows, after, extra = self.rows[-last:], self.after[-last:], self.extra[-last:]
         out = {p: statistics.median(r[i] for r in rows) / 1e3 for i, p in enumerate(PHASES)} if rows else {}
+        if after:
+            out |= {p: statistics.median(r[i] for r in after) / 1e3 for i, p in enumerate(AFTER)}
         if extra:
             out |= {"on_cpu_share": statistics.median(e[0] for e in extra),
                     "preempted": sum(e[1] for e in extra) / len(extra)}

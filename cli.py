@@ -619,8 +619,8 @@ def _main(argv: list[str] | None) -> int:
     bp.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
                     help="the draft KV cache's element type: auto (the compute dtype) or fp8 (e4m3 codes)")
     bp.add_argument("--shim-phases", action="store_true",
-                    help="h: split the shim's host time before the ring into its phases (diagnostic; ~1.5 us of "
-                         "timing wrappers added to mode h)")
+                    help="h: split the shim's host time before the ring and after the answer into phases "
+                         "(diagnostic; ~3 us of timing wrappers added to mode h)")
     bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
     bp.add_argument("--tp", type=int, default=1,
                     help="N > 1: the sidecar at TP N on N GPUs (N CPU ranks with --device cpu), driven by N engine ranks "

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dspark_sidecar.bench_phases import EXTRA, PHASES, ShimPhases
+from dspark_sidecar.bench_phases import AFTER, EXTRA, PHASES, ShimPhases
 
 
 class _Clock:
@@ -45,13 +45,32 @@ def _rig(monkeypatch, gpu_word: bool = True):
         bell.rung_mono_ns = clock.now
 
     bell.send_bytes = send_bytes
-    transport = SimpleNamespace(bell=bell, buffers=buffers)
+    polls = []
+
+    def wait(step_id, timeout_s):
+        # Two polls: the first sees nothing (the stamps it leaves must not count), the second the answer.
+        polls.append(step_id)
+        clock.now += 50_000
+        if len(polls) % 2:
+            return None
+        bell.answer_seen_mono_ns = clock.now
+        clock.now += 9_000  # the page read and decoded
+        return "answer"
+
+    bell.wait = wait
+    transport = SimpleNamespace(bell=bell, buffers=buffers, check_answer=takes(2_000), hidden=takes(6_000))
 
     def run_step():
         clock.now += 5_000  # the request built
         transport.buffers.stage()
         clock.now += 13_000  # serialized
         transport.bell.send_bytes(b"", 1)
+        while transport.bell.wait(1, 0.05) is None:
+            pass
+        clock.now += 1_000  # the transport's wait returning
+        transport.check_answer()
+        transport.hidden()
+        clock.now += 4_000  # shape and dtype checks, the breaker
 
     shim = SimpleNamespace(_prepare=takes(60_000), _run_step=run_step)
     phases = ShimPhases(shim, transport)
@@ -63,7 +82,8 @@ def _rig(monkeypatch, gpu_word: bool = True):
         shim._prepare()
         clock.now += 20_000  # agreements
         shim._run_step()
-        phases.step(t0, bell.rung_mono_ns, began)
+        clock.now += 8_000  # the post-flight agreement, the stats
+        phases.step(t0, bell.rung_mono_ns, began, bell.answer_seen_mono_ns, clock.now)
 
     return phases, maybe_forward
 
@@ -73,8 +93,11 @@ def test_each_phase_is_the_time_between_its_seams(monkeypatch):
     step()
     step()
     assert phases.rows[-1] == (100_000, 60_000, 20_000, 5_000, 40_000, 13_000, 7_000, 11_000, 5_000)
+    # After the answer: the decode, the wait's return with the check, the clone, the step's end, the post-flight.
+    assert phases.after[-1] == (9_000, 3_000, 6_000, 4_000, 8_000)
     med = phases.medians_us(10)
-    assert list(med) == [*PHASES, *EXTRA] and med["stage"] == 40.0 and med["ring"] == 5.0
+    assert list(med) == [*PHASES, *AFTER, *EXTRA] and med["stage"] == 40.0 and med["ring"] == 5.0
+    assert med["copy"] == 6.0 and med["post"] == 8.0
     assert med["on_cpu_share"] == 0.5 and med["preempted"] >= 0
 
 
@@ -96,7 +119,21 @@ def test_without_a_gpu_word_the_driver_phases_are_zero_and_a_step_that_never_ran
     step()
     assert phases.rows == [(100_000, 60_000, 20_000, 5_000, 40_000, 13_000, 0, 0, 5_000)]
     phases.step(0, 0)  # a fallback: nothing was stamped since
-    assert len(phases.rows) == 1
+    assert len(phases.rows) == 1 and len(phases.after) == 1
+
+
+def test_a_step_without_its_answer_times_leaves_no_after_row(monkeypatch):
+    """The bench passes when the data plane saw the answer and when maybe_forward returned; without them (0)
+    the before-ring row still counts, and the after-answer medians are not made up from other steps' stamps."""
+    phases, step = _rig(monkeypatch)
+    step()
+    assert not phases._t  # emptied by the step
+    phases.rows.clear()
+    phases.after.clear()
+    phases._t.update({"prepare0": 1, "prepare1": 2, "run0": 3, "stage0": 4, "stage1": 5, "send0": 6})
+    phases.step(0, 10)
+    assert len(phases.rows) == 1 and phases.after == []
+    assert not set(AFTER) & set(phases.medians_us(10)), phases.medians_us(10)
 
 
 def test_close_unwraps_every_method_and_later_steps_add_no_row(monkeypatch):
@@ -112,7 +149,9 @@ def test_close_unwraps_every_method_and_later_steps_add_no_row(monkeypatch):
             return "class"
 
     buffers = Buffers()
-    transport = SimpleNamespace(buffers=buffers, bell=SimpleNamespace(_ops=None, send_bytes=lambda *a: None))
+    transport = SimpleNamespace(buffers=buffers, bell=SimpleNamespace(_ops=None, send_bytes=lambda *a: None,
+                                                                      wait=lambda *a: None),
+                                check_answer=lambda *a: None, hidden=lambda: None)
     ShimPhases(SimpleNamespace(_prepare=lambda: None, _run_step=lambda: None), transport).close()
     assert "stage" not in vars(buffers) and buffers.stage() == "class"
 
@@ -129,9 +168,10 @@ def test_only_mode_h_runs_wrapped(tmp_path):
         assert bench.no_sidecar is None, bench.no_sidecar
         case = Case(bench.cfg, 1, 40, 16, bench.pages, bench.embed, bench.device, seed=0)
         assert not isinstance(bench.measure("h", case), str)
-        assert list(bench.phase_fields("h")["shim_phases_p50_us"])[:len(PHASES)] == list(PHASES)
+        assert list(bench.phase_fields("h")["shim_phases_p50_us"])[:len(PHASES) + len(AFTER)] == [*PHASES, *AFTER]
         for obj, name in ((bench.bufs, "stage"), (bench.bell, "send_bytes"), (bench.shim, "_prepare"),
-                          (bench.shim, "_run_step")):
+                          (bench.shim, "_run_step"), (bench.bell, "wait"), (bench.shim.doorbell, "check_answer"),
+                          (bench.shim.doorbell, "hidden")):
             assert name not in vars(obj), f"{name} still wrapped after mode h"
         assert not isinstance(bench.measure("d", case), str) and bench.phases is None
     finally:
