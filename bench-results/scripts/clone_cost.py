@@ -1,6 +1,8 @@
-"""Run 293 (session 50): the host time of the shim's copy-out (DoorbellTransport.hidden: the output region's
+"""Runs 293-294 (session 50): the host time of the shim's copy-out (DoorbellTransport.hidden: the output region's
 clone) against other ways to make the same copy, at a step's [7R, 6144] bf16 rows, after the stream was made to
-wait on an event as the shim's _after_outputs does. Prints medians (us) of 400 calls each, interleaved."""
+wait on an event as the shim's _after_outputs does. Prints medians (us) of 400 calls each, interleaved. Then
+(run 294) the clone's host time right after 400 us of waiting as the doorbell waits for an answer (10 us naps,
+the thread's timer slack lowered) against 400 us of spinning, and back to back."""
 
 import statistics
 import time
@@ -54,3 +56,37 @@ for rows in (7, 56):
             keep.clear()
     torch.cuda.synchronize()
     print(f"rows {rows}: " + ", ".join(f"{k} {statistics.median(t) / 1e3:.1f} us" for k, t in times.items()))
+
+
+from dspark_sidecar.proto import doorbell as bell  # noqa: E402
+
+bell.lower_timer_slack()
+v = region[:7]
+
+
+def nap(us):
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        bell.pause(0.0, bell.NAP_S)
+
+
+def spin(us):
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+WAITS = {"after 400 us of naps": lambda: nap(400), "after 400 us of spin": lambda: spin(400), "back to back": lambda: None}
+times = {k: [] for k in WAITS}
+for i in range(300):
+    for name, wait in WAITS.items():
+        ev.record(s)
+        s.wait_event(ev)
+        wait()
+        t0 = time.perf_counter_ns()
+        out = v.clone()
+        t1 = time.perf_counter_ns()
+        if i >= 30:
+            times[name].append(t1 - t0)
+    torch.cuda.synchronize()
+print("clone of 7 rows: " + ", ".join(f"{k} {statistics.median(t) / 1e3:.1f} us" for k, t in times.items()))
