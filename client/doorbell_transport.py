@@ -9,6 +9,7 @@ settles a step that timed out (a dead process writes nothing).
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -19,6 +20,8 @@ from dspark_sidecar.client.dataplane import DataPlaneError, DoorbellChannel, Doo
 from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
+
+log = logging.getLogger("dspark_sidecar.client")
 
 POLL_S = 0.05  # how often a waiting step looks at the liveness stream (and at interrupt())
 
@@ -50,6 +53,7 @@ class DoorbellTransport:
             self.close()
             raise
         self._view: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None  # the tensor hidden() hands the engine, made while the step runs
         self._answer_ref: dict[tuple[int, int], pb.TensorRef] = {}  # (rows, width): a good answer's hidden_states
         self.interrupted = False  # interrupt(): every wait gives up within POLL_S, for good
 
@@ -107,10 +111,19 @@ class DoorbellTransport:
         if not self.liveness.alive:
             raise self.liveness.end or StreamBroken(None, "sidecar gone")
         self.bell.order_inputs()  # the copies below overwrite what the last step read: after its kernels
-        staged = self.buffers.stage(embeds, positions, meta)
+        staged = self.buffers.stage(embeds, positions, meta, self.bell.copy_rows if self.bell.copies_raw else None)
         self._view = staged.hidden
         # `req` has the step's scalars only; the staged region fields complete it on the wire.
         self.bell.send_bytes(req.SerializeToString() + staged.fields, staged.launch_key)
+        self._out = None
+        if self.bell.copies_raw:
+            # The engine's copy of the answer, allocated now, on its stream, while the step runs: after the
+            # answer only the copy is left (hidden). Rung, the step must reach its wait: an allocation that
+            # fails leaves hidden() to clone, as without the driver's copy.
+            try:
+                self._out = torch.empty(staged.hidden.shape, dtype=staged.hidden.dtype, device=staged.hidden.device)
+            except RuntimeError as err:
+                log.debug("doorbell: no output tensor ahead of the answer (%s); it is cloned after", err)
 
     def wait(self, step_id: int, timeout_s: float) -> pb.DraftStepResponse | None:
         """The answer, None on timeout, StreamBroken as soon as the sidecar rank is gone, StepInterrupted
@@ -141,9 +154,14 @@ class DoorbellTransport:
         self.interrupted = True
 
     def hidden(self) -> torch.Tensor:
-        """The last answer's hidden states, copied out of the output region (the next step reuses it)."""
+        """The last answer's hidden states, copied out of the output region (the next step reuses it) into a
+        tensor of the engine's own, a new one each step: the engine may keep it as long as it likes."""
         assert self._view is not None
-        return self._view.clone()
+        out, self._out = self._out, None
+        if out is None:
+            return self._view.clone()
+        self.bell.copy_rows(out, self._view)  # on the stream the answer's wait ordered after the sidecar's writes
+        return out
 
     def settled(self, step_id: int) -> bool:
         return self.bell.settled(step_id) or not self.liveness.alive

@@ -9,7 +9,9 @@ sidecar's host can also store to it (to release a wait it no longer wants) and b
 register it with their own GPU context (`cuMemHostRegister`): host memory needs no IPC handle.
 
 torch exposes none of these calls, so they go through ctypes to the driver library torch has
-already loaded. `GpuWordOps.load` returns None where they are not available (no driver, an old
+already loaded. The same binding queues the one device-to-device copy on the engine's step path (the
+answer's copy out of the output region): torch's clone there cost 18-35 us of host time in a step
+against ~5 us for the driver's own call (BENCHMARKS.md runs 292-296). `GpuWordOps.load` returns None where they are not available (no driver, an old
 one, a device without 64-bit stream memory operations): the doorbell then works as before.
 """
 
@@ -46,7 +48,8 @@ class DevicePointer:
 
 
 class GpuWordOps:
-    """Host registration and 64-bit stream write/wait for one vendor's driver (CUDA or HIP)."""
+    """Host registration, 64-bit stream write/wait, event record/wait and a device copy, for one vendor's driver
+    (CUDA or HIP)."""
 
     def __init__(self, lib: ctypes.CDLL, hip: bool, device_index: int = 0) -> None:
         self.hip, self.device_index = hip, device_index
@@ -60,6 +63,7 @@ class GpuWordOps:
             self._record = self._fn(lib, "hipEventRecord", [vp, vp])
             self._wait = self._fn(lib, "hipStreamWaitValue64", [vp, vp, u64, uint, u64])
             self._wait_event = self._fn(lib, "hipStreamWaitEvent", [vp, vp, uint])
+            self._copy = self._fn(lib, "hipMemcpyDtoDAsync", [vp, vp, ctypes.c_size_t, vp])
             self._get_device = self._fn(lib, "hipGetDevice", [ctypes.POINTER(ctypes.c_int)])
             self._set_device = self._fn(lib, "hipSetDevice", [ctypes.c_int])
         else:
@@ -76,6 +80,7 @@ class GpuWordOps:
             self._record = self._fn(lib, "cuEventRecord", [vp, vp])
             self._wait = self._fn(lib, "cuStreamWaitValue64_v2", [vp, u64, u64, uint])
             self._wait_event = self._fn(lib, "cuStreamWaitEvent", [vp, vp, uint])
+            self._copy = self._fn(lib, "cuMemcpyDtoDAsync_v2", [u64, u64, ctypes.c_size_t, vp])
 
     @staticmethod
     def _fn(lib: ctypes.CDLL, name: str, argtypes: list):
@@ -257,6 +262,15 @@ class GpuWordOps:
     def wait_event(self, stream: int, event: torch.cuda.Event) -> None:
         """Queue on `stream` a wait for `event`'s last record: stream.wait_event(event) on a raw handle."""
         self._stream_call(stream, self._wait_event, ctypes.c_void_p(stream), ctypes.c_void_p(event.cuda_event), 0)
+
+    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
+        """Queue a copy of `nbytes` from device address `src` to `dst` on `stream`: dst.copy_(src) of two
+        contiguous tensors of one dtype on this device, without torch's dispatch."""
+        if self.hip:
+            self._stream_call(stream, self._copy, ctypes.c_void_p(dst), ctypes.c_void_p(src), nbytes,
+                              ctypes.c_void_p(stream))
+        else:
+            self._stream_call(stream, self._copy, dst, src, nbytes, ctypes.c_void_p(stream))
 
     def wait_geq(self, stream: int, addr: int, value: int) -> None:
         """Queue a wait on `stream` until (int64)(*addr - value) >= 0 (HIP: *addr >= value, see _WAIT_GEQ);

@@ -70,7 +70,19 @@ def test_the_shim_s_step_is_the_data_plane_s_step(tmp_path, device, inputs, kv_l
             shimmed = bench._shimmed(case)
         assert shimmed.data_ptr() != bench._inputs.data_ptr() and shimmed.shape == direct.shape
         assert torch.equal(shimmed, direct)
-        assert bench.shim.stats.forwarded == 1 and bench.shim.stats.via_doorbell == 1
+        # The engine's own copy (on a GPU, the driver's copy into a tensor made while the step ran): the next
+        # step rewrites the output region, not what the engine was handed.
+        assert shimmed.data_ptr() != bench.bufs.hidden.data_ptr()
+        kept = shimmed.clone()
+        # A second step from rows of the engine's own (not the input region's view): copied in by the data plane
+        # (on a GPU, the driver's copy), and answered as the data plane driven directly answers them.
+        other = Case(bench.cfg, 2, 40, 16, bench.pages, bench.embed, dev, seed=4)
+        bench._inputs = other.embeds.clone()
+        with bench._forward_context(other):
+            second = bench._shimmed(other)
+        again = bench._remote("d", other).clone()
+        assert torch.equal(second, again) and not torch.equal(second, kept) and torch.equal(shimmed, kept)
+        assert bench.shim.stats.forwarded == 2 and bench.shim.stats.via_doorbell == 2
         assert not bench.shim.stats.fallbacks
     finally:
         bench.close()

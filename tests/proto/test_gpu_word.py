@@ -100,7 +100,8 @@ class _FakeCudaDriver:
         self.failing: set[str] = set()  # calls answered with an error
         for name in ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuDevicePrimaryCtxRetain", "cuCtxGetDevice",
                      "cuMemHostRegister_v2", "cuMemHostUnregister", "cuMemHostGetDevicePointer_v2",
-                     "cuStreamWriteValue64_v2", "cuEventRecord", "cuStreamWaitValue64_v2", "cuStreamWaitEvent"):
+                     "cuStreamWriteValue64_v2", "cuEventRecord", "cuStreamWaitValue64_v2", "cuStreamWaitEvent",
+                     "cuMemcpyDtoDAsync_v2"):
             setattr(self, name, self._entry(name))
 
     def switch(self, device):
@@ -164,7 +165,9 @@ def test_stream_operations_need_only_some_context_on_the_thread():
     gpu0.write(0x5, 0xD000, 1)
     gpu0.record(type("E", (), {"cuda_event": 0})(), 0x5)
     gpu0.wait_event(0x5, type("E", (), {"cuda_event": 0})())
-    assert [op for op, _ in drv.ops] == ["cuStreamWriteValue64_v2", "cuEventRecord", "cuStreamWaitEvent"]
+    gpu0.copy(0x5, 0xE000, 0xF000, 64)
+    assert [op for op, _ in drv.ops] == ["cuStreamWriteValue64_v2", "cuEventRecord", "cuStreamWaitEvent",
+                                         "cuMemcpyDtoDAsync_v2"]
     assert drv.retained == []
 
 
@@ -177,6 +180,7 @@ def _null_stream_calls(ops):
     ops.record(_EVENT, 0)
     ops.wait_event(0, _EVENT)
     ops.wait_geq(0, 0xD000, 1)
+    ops.copy(0, 0xE000, 0xF000, 64)
 
 
 @pytest.mark.parametrize("known", [False, True], ids=["context_not_seen_yet", "context_seen_before"])
@@ -193,14 +197,14 @@ def test_null_stream_operations_run_with_this_device_s_context_current(known):
     drv.switch(1)  # torch.cuda.device(1), or a thread torch bound to its default device
     _null_stream_calls(gpu0)
     assert drv.ops == [("cuStreamWriteValue64_v2", 0), ("cuEventRecord", 0), ("cuStreamWaitEvent", 0),
-                       ("cuStreamWaitValue64_v2", 0)]
+                       ("cuStreamWaitValue64_v2", 0), ("cuMemcpyDtoDAsync_v2", 0)]
     assert drv._current() == 0x1001, "the caller's context is current again after each call"
     assert drv.retained == ([] if known else [0]), "device 0's context is retained once, and only if unseen"
 
     drv.ops.clear()
     drv.switch(0)  # this device's context already current: nothing switched
     _null_stream_calls(gpu0)
-    assert [dev for _, dev in drv.ops] == [0, 0, 0, 0] and drv._current() == 0x1000
+    assert [dev for _, dev in drv.ops] == [0, 0, 0, 0, 0] and drv._current() == 0x1000
 
 
 def test_a_null_stream_operation_refused_still_restores_the_caller_s_context():
@@ -219,7 +223,8 @@ class _FakeHipDriver:
     def __init__(self, device=0):
         self.device, self.ops = device, []
         for name in ("hipHostRegister", "hipHostUnregister", "hipHostGetDevicePointer", "hipStreamWriteValue64",
-                     "hipEventRecord", "hipStreamWaitValue64", "hipStreamWaitEvent", "hipGetDevice", "hipSetDevice"):
+                     "hipEventRecord", "hipStreamWaitValue64", "hipStreamWaitEvent", "hipGetDevice", "hipSetDevice",
+                     "hipMemcpyDtoDAsync"):
             setattr(self, name, self._entry(name))
 
     def _entry(self, name):
@@ -240,7 +245,7 @@ def test_hip_null_stream_operations_run_on_this_device():
     gpu0 = GpuWordOps(drv, hip=True, device_index=0)
     _null_stream_calls(gpu0)
     assert drv.ops == [("hipStreamWriteValue64", 0), ("hipEventRecord", 0), ("hipStreamWaitEvent", 0),
-                       ("hipStreamWaitValue64", 0)]
+                       ("hipStreamWaitValue64", 0), ("hipMemcpyDtoDAsync", 0)]
     assert drv.device == 1
     drv.ops.clear()
     gpu0.write(0x5, 0xD000, 1)  # a stream of its own: no device switch
