@@ -16,7 +16,8 @@ OLD=/tmp/old-pkg:/tmp/dspark-site
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
 PYTHONPATH=$NEW:$PWD/tests timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_bench.py \
-  tests/client tests/proto tests/server/test_dataplane_gpu.py > $OUT/gputests.log 2>&1; echo "gpu tests rc $? in $(( $(date +%s) - t0 )) s"
+  tests/server/test_dataplane_gpu.py -k "shim_s_step or equals_grpc or back_to_back or prelaunched_steps_equal" \
+  > $OUT/gputests.log 2>&1; echo "gpu tests rc $? in $(( $(date +%s) - t0 )) s"
 tail -4 $OUT/gputests.log
 for way in OLD NEW OLD NEW; do
   pp=$NEW; [ $way = OLD ] && pp=$OLD
