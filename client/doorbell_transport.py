@@ -111,7 +111,7 @@ class DoorbellTransport:
         if not self.liveness.alive:
             raise self.liveness.end or StreamBroken(None, "sidecar gone")
         self.bell.order_inputs()  # the copies below overwrite what the last step read: after its kernels
-        staged = self.buffers.stage(embeds, positions, meta, self.bell.copy_rows if self.bell.copies_raw else None)
+        staged = self.buffers.stage(embeds, positions, meta)
         self._view = staged.hidden
         # `req` has the step's scalars only; the staged region fields complete it on the wire.
         self.bell.send_bytes(req.SerializeToString() + staged.fields, staged.launch_key)

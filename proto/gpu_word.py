@@ -9,9 +9,9 @@ sidecar's host can also store to it (to release a wait it no longer wants) and b
 register it with their own GPU context (`cuMemHostRegister`): host memory needs no IPC handle.
 
 torch exposes none of these calls, so they go through ctypes to the driver library torch has
-already loaded. The same binding queues the one device-to-device copy on the engine's step path (the
-answer's copy out of the output region): torch's clone there cost 18-35 us of host time in a step
-against ~5 us for the driver's own call (BENCHMARKS.md runs 292-296). `GpuWordOps.load` returns None where they are not available (no driver, an old
+already loaded. The same binding queues the answer's copy out of the output region on the engine's
+step path: with torch's clone there the copy was 1.26-1.42x the answer's decode in host time, with
+the driver's call 1.05-1.11x, 4-8 us less (BENCHMARKS.md runs 296-297). `GpuWordOps.load` returns None where they are not available (no driver, an old
 one, a device without 64-bit stream memory operations): the doorbell then works as before.
 """
 

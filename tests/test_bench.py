@@ -74,8 +74,8 @@ def test_the_shim_s_step_is_the_data_plane_s_step(tmp_path, device, inputs, kv_l
         # step rewrites the output region, not what the engine was handed.
         assert shimmed.data_ptr() != bench.bufs.hidden.data_ptr()
         kept = shimmed.clone()
-        # A second step from rows of the engine's own (not the input region's view): copied in by the data plane
-        # (on a GPU, the driver's copy), and answered as the data plane driven directly answers them.
+        # A second step from rows of the engine's own (not the input region's view): copied in by the data plane,
+        # and answered as the data plane driven directly answers them.
         other = Case(bench.cfg, 2, 40, 16, bench.pages, bench.embed, dev, seed=4)
         bench._inputs = other.embeds.clone()
         with bench._forward_context(other):

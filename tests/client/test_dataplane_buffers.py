@@ -171,31 +171,6 @@ def test_rows_written_in_place_are_not_copied(bufs, tiny_cfg, tiny_embed, monkey
     assert len(into_inputs) == 1 and torch.equal(bufs.embeds[:n], other)
 
 
-def test_input_rows_go_through_the_given_copy_only_where_a_byte_copy_is_right(bufs, tiny_cfg, tiny_embed):
-    """DoorbellTransport hands stage the driver's copy (DoorbellChannel.copy_rows) on a GPU: it takes rows of
-    the region's dtype, contiguous; a cast (an fp16 engine into fp32 regions) or strided rows need torch's
-    copy_, which converts and gathers (a byte copy would write fp16 bits as fp32, or the wrong rows)."""
-    step = _step(tiny_cfg, tiny_embed, [5, 300])
-    n = step.positions.numel()
-    assert step.inputs_embeds.dtype == bufs.embeds.dtype == torch.float32
-    copies = []
-
-    def copy_rows(dst, src):
-        copies.append(src)
-        dst.copy_(src)
-
-    bufs.stage(step.inputs_embeds, step.positions, step.meta, copy_rows)
-    assert len(copies) == 1 and torch.equal(bufs.embeds[:n], step.inputs_embeds)
-    half = (step.inputs_embeds * 2).half()
-    bufs.stage(half, step.positions, step.meta, copy_rows)
-    assert len(copies) == 1 and torch.equal(bufs.embeds[:n], half.float())
-    wide = torch.stack([step.inputs_embeds + 3, step.inputs_embeds], dim=2).flatten(1)  # [n, 2 * hidden]
-    strided = wide[:, ::2]  # every other column: the rows + 3, not contiguous
-    assert not strided.is_contiguous()
-    bufs.stage(strided, step.positions, step.meta, copy_rows)
-    assert len(copies) == 1 and torch.equal(bufs.embeds[:n], step.inputs_embeds + 3)
-
-
 def test_views_the_engine_still_holds_stay_valid_memory_after_close(tiny_cfg, tiny_embed):
     """An engine writes its embeddings into input_view(n) (the out= of its lookup) and may hold it, or a
     step's hidden view, across a dropped link: close() unmapped the shared memory under them, and the
