@@ -119,11 +119,17 @@ def _slot_past_cache(pos, meta):
     meta.slot_mapping[20] = PAGES * PS
 
 
+def _slot_off_its_offset(pos, meta):  # the right page, another offset in it (no other row's slot)
+    # Request 0 (L = 7) fills offsets 0..6 of its page: a check of the page alone let its K/V land at
+    # offset 10, where its attention (reading by position) never looks.
+    meta.slot_mapping[4] = int(meta.block_tables[0, 0]) * PS + 10
+
+
 @pytest.mark.parametrize("corrupt,field", [
     (_shifted_positions, "positions"), (_short_seq_len, "seq_lens"), (_short_seq_len_rows_consistent, "seq_lens"),
     (_seq_len_past_table, "block_tables"),
     (_page_past_cache, "block_tables"), (_negative_page, "block_tables"), (_page_before_window, "block_tables"),
-    (_slot_elsewhere, "slot_mapping"),
+    (_slot_elsewhere, "slot_mapping"), (_slot_off_its_offset, "slot_mapping"),
     (_slot_past_cache, "slot_mapping"),
 ], ids=lambda x: getattr(x, "__name__", x))
 @pytest.mark.parametrize("pad", [-123456, 0], ids=["garbage-padded", "zero-padded"])
