@@ -64,6 +64,12 @@ def _nan_norm(t):
     t[P + "final_norm.weight"] = n
 
 
+def _f8_nan_code(t):
+    w = t[L0 + "self_attn.k_proj.weight"].clone()
+    w.view(torch.uint8)[1, 2] = 0xFF  # E4M3's negative NaN (S.1111.111): the sign bit set
+    t[L0 + "self_attn.k_proj.weight"] = w
+
+
 TENSOR_CASES = {
     "missing": (lambda t: t.pop(P + "final_norm.weight"), (), ("final_norm.weight", "missing")),
     "shape": (lambda t: t.__setitem__(P + "hidden_norm.weight", torch.zeros(255, dtype=torch.bfloat16)), (),
@@ -75,6 +81,11 @@ TENSOR_CASES = {
     # README, --weights: "a block exponent above 134 (a scale over 2^7) is refused at load"
     "scale_over_2^7_bf16": (_scale_200, ("--weights", "bf16"), ("q_proj.weight_scale_inv", "134")),
     "scale_over_2^7_mxfp8": (_scale_200, ("--weights", "mxfp8"), ("q_proj.weight_scale_inv", "134")),
+    # a NaN code in the F8 bits would otherwise stop each rank at load, one traceback per rank
+    "f8_nan_code": (_f8_nan_code, (), ("k_proj.weight", "1 NaN F8_E4M3 codes", "[1, 2]")),
+    # only the layer linears are MXFP8: a norm stored as F8 has no block axis to read a scale along
+    "f8_norm": (lambda t: t.__setitem__(P + "final_norm.weight", t[P + "final_norm.weight"].to(torch.float8_e4m3fn)),
+                (), ("final_norm.weight", "dtype F8_E4M3")),
     # config says 5 layers; a 6th layer's tensors mean config.json and tensors disagree
     "unexpected_layer": (lambda t: t.__setitem__(P + "layers.5.decoder_layer.input_layernorm.weight",
                                                  torch.zeros(256, dtype=torch.bfloat16)), (), ("layers.5",)),
@@ -93,6 +104,13 @@ def test_a_target_without_embed_tokens_is_refused_before_any_rank(tiny_ckpt, tmp
     dspark, target = _copy(tiny_ckpt, tmp_path)
     _edit_tensors(target, lambda t: t.pop(EMBED))
     _refused(_serve(tmp_path, dspark, target), capsys, tmp_path, "embed_tokens", "missing")
+
+
+def test_a_target_embed_tokens_of_a_dtype_the_ranks_cannot_load_is_refused_before_any_rank(tiny_ckpt, tmp_path,
+                                                                                              capsys):
+    dspark, target = _copy(tiny_ckpt, tmp_path)
+    _edit_tensors(target, lambda t: t.__setitem__(EMBED, t[EMBED].to(torch.int32)))
+    _refused(_serve(tmp_path, dspark, target), capsys, tmp_path, "embed_tokens", "dtype I32")
 
 
 def test_config_with_fewer_layers_than_the_tensors_is_refused(tiny_ckpt, tmp_path, capsys):

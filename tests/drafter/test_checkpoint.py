@@ -157,6 +157,33 @@ def test_a_column_slice_that_cuts_an_mxfp8_block_is_named(tiny_ckpt, tiny_cfg):
             r.read(O, shape, cols=cols)
 
 
+@pytest.mark.parametrize("world", [1, 4])
+def test_a_block_scale_of_the_wrong_shape_is_named(world, tmp_path, tiny_ckpt, tiny_cfg):
+    """A scale of 1 x 16 blocks (another converter's layout) has the rows of the 1 x 32 one: every rank's
+    slice of it, column-parallel (rows) and row-parallel (columns), and the check before the ranks start,
+    must refuse it by name rather than dequantize it against the wrong columns or fail in a broadcast."""
+    from dspark_sidecar.drafter.checkpoint import check_checkpoint
+
+    t = load_file(str(tiny_ckpt[0] / "model.safetensors"))
+    for key in (Q, O):
+        t[key + "_scale_inv"] = torch.cat([t[key + "_scale_inv"]] * 2, dim=1)
+    d = tmp_path / "scale16"
+    d.mkdir()
+    save_file(t, str(d / "model.safetensors"))
+    r = CheckpointReader(d, torch.float32)
+    shape_q, shape_o = (tiny_cfg.q_size, tiny_cfg.hidden_size), (tiny_cfg.hidden_size, tiny_cfg.q_size)
+    for rank in range(world):
+        par = ParallelContext(rank, world)
+        for key, shape, cut in ((Q, shape_q, {"rows": par.shard(shape_q[0])}),
+                                (O, shape_o, {"cols": par.shard(shape_o[1])})):
+            rows, cols = shape
+            want = rf"{key}_scale_inv: shape \[{rows}, {cols // 16}\], expected \[{rows}, {cols // 32}\]"
+            with pytest.raises(CheckpointError, match=want):
+                r.read(key, shape, **cut)
+    with pytest.raises(CheckpointError, match=rf"{Q}_scale_inv: shape \[{shape_q[0]}, {shape_q[1] // 16}\]"):
+        check_checkpoint(tiny_cfg, d, tiny_ckpt[1])
+
+
 def test_a_norm_stored_as_f8_is_named_not_an_index_error(tmp_path, tiny_ckpt, tiny_cfg):
     """Only [rows, cols] linears are MXFP8: a 1-D weight stored as F8_E4M3 reached the 2-D
     dequantization and ended in "IndexError: tuple index out of range" (read is the loader of the

@@ -70,6 +70,19 @@ def test_exchange_lanes_are_addressed_by_stream_index():
     assert local.local and all(local.exchange_of(i) is local.exchange for i in range(8))
 
 
+def test_a_rank_outside_its_group_or_a_dimension_that_does_not_split_is_refused():
+    """A rank numbered past its group would shard past the weights' ends, and a dimension that does not
+    split evenly would leave its last rows on no rank: both refused where the slice is made."""
+    from dspark_sidecar.drafter.parallel import ParallelContext
+
+    for rank, world in ((4, 4), (-1, 4), (0, 0)):
+        with pytest.raises(ValueError, match=f"rank {rank} outside world size {world}"):
+            ParallelContext(rank, world)
+    assert ParallelContext(3, 4).shard(12) == slice(9, 12)
+    with pytest.raises(ValueError, match="dimension 10 not divisible by TP size 4"):
+        ParallelContext(3, 4).shard(10)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_launch_group_summed_through_its_own_lane_gives_the_same_bits(world, tiny_ckpt, tiny_embed):
     """Real processes over gloo: a lane made as the server makes them (app.exchange_lanes: a new group,
