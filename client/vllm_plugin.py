@@ -9,6 +9,7 @@ and the stock forward runs every step.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -42,12 +43,18 @@ def engine_config_from_vllm(vllm_config: Any, rank: int, environ: Any = os.envir
     """The shim's EngineConfig from vLLM's VllmConfig (parallel and speculative config) and the environment.
     A DSPARK_* value that cannot be used is an EngineConfigError naming the variable."""
     pc, spec = vllm_config.parallel_config, getattr(vllm_config, "speculative_config", None)
+    # vLLM 0.34 builds the draft with a parallel_config of its own (spec_decode/dspark/utils.py
+    # _get_dspark_parallel_config): the draft's TP, PP forced to 1. The draft's TP and the target's PP and DP
+    # are read from speculative_config where it has them, alike from the draft's config (build_shim) and the
+    # speculator's (init_cudagraph_manager, whose parallel_config is the target's).
+    draft_pc = getattr(spec, "draft_parallel_config", None) or pc
+    target_pc = getattr(spec, "target_parallel_config", None) or pc
     socket_dir = environ.get("DSPARK_SOCKET_DIR")
     if socket_dir is not None and not socket_dir.strip():  # as `serve` refuses it (cli._env): '   ' is no folder
         raise EngineConfigError(f"DSPARK_SOCKET_DIR={socket_dir!r} is set but empty: unset it to run without the "
                                 "sidecar, or give the folder `dspark-sidecar serve` uses (--socket-dir)")
     socket_dir = socket_dir or ""
-    tp = int(pc.tensor_parallel_size)
+    tp = int(draft_pc.tensor_parallel_size)
     problem = layout.socket_dir_problem(socket_dir, tp) if socket_dir else None
     if problem:  # the shim would dial a target gRPC reads otherwise, and fall back every step unexplained
         raise EngineConfigError(f"DSPARK_SOCKET_DIR={socket_dir!r}: {problem}")
@@ -61,8 +68,8 @@ def engine_config_from_vllm(vllm_config: Any, rank: int, environ: Any = os.envir
             raise EngineConfigError(f"DSPARK_STEP_DEADLINE_MS={raw!r}: expected a number of milliseconds") from None
     try:
         return EngineConfig(
-            tp_size=tp, dp_size=int(getattr(pc, "data_parallel_size", 1)),
-            pp_size=int(getattr(pc, "pipeline_parallel_size", 1)),
+            tp_size=tp, dp_size=max(int(getattr(c, "data_parallel_size", 1)) for c in (pc, target_pc)),
+            pp_size=max(int(getattr(c, "pipeline_parallel_size", 1)) for c in (pc, target_pc)),
             speculative_method=str(getattr(spec, "method", "") or "") if spec is not None else "",
             num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0,
             endpoint=rank_endpoint(socket_dir, rank) if socket_dir else "", device=str(device), **kw)
@@ -306,6 +313,9 @@ def make_sidecar_class(stock: type) -> type:
     embeds_slot = _embeds_slot(stock.forward)
 
     class SidecarDrafter(stock):  # type: ignore[misc, valid-type]
+        # The stock signature, which vLLM reads to build the class (model_loader/utils.py initialize_model): one
+        # naming neither vllm_config nor prefix was taken for an old-style class and built with no arguments.
+        @functools.wraps(stock.__init__)
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             vllm_config = kwargs.get("vllm_config")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from types import SimpleNamespace
@@ -669,3 +670,50 @@ def test_a_shim_off_for_good_runs_no_collective_over_the_tp_group(fake_vllm, mon
     with pytest.raises(RuntimeError, match="gloo"):
         vllm_plugin.build_shim(model, vllm_config())
     assert calls == ["tp-cpu-group"]
+
+
+def _vllm_initialize_model(model_class, vllm_config, prefix: str = ""):
+    """vLLM 0.34's initialize_model (model_executor/model_loader/utils.py:96-133) as far as it calls the class:
+    with vllm_config and prefix only where the signature of its __init__ names both; else as an old-style class,
+    with those of prefix, config, cache_config, ... it names (none a DSpark drafter takes but prefix)."""
+    params = [p.name for p in inspect.signature(model_class.__init__).parameters.values()]
+    if "vllm_config" in params and "prefix" in params:
+        return model_class(vllm_config=vllm_config, prefix=prefix)
+    return model_class(**({"prefix": prefix} if "prefix" in params else {}))
+
+
+def test_vllm_builds_the_wrapped_draft_model_with_its_config(fake_vllm):
+    """vLLM reads the model class's __init__ signature to decide how to build it. The wrapper's (*args, **kwargs)
+    named neither vllm_config nor prefix, so vLLM took it for an old-style class and built it with no arguments:
+    the stock __init__ (keyword-only vllm_config) raised TypeError, and no DSpark engine with the plug-in
+    installed could load its draft model, a sidecar configured or not."""
+    vllm_plugin.register()
+    cls = fake_vllm.registry.models[ARCH]
+    cfg = vllm_config()
+    model = _vllm_initialize_model(cls, cfg, prefix="draft")
+    assert isinstance(model, StockDrafter) and model._dspark_vllm_config is cfg
+    assert list(inspect.signature(cls.__init__).parameters) == ["self", "vllm_config", "prefix"]
+
+
+def test_the_deployment_is_read_from_the_configs_vllm_hands_the_draft_and_the_speculator():
+    """vLLM 0.34 builds the DSpark draft with a parallel_config of its own (spec_decode/dspark/utils.py
+    _get_dspark_parallel_config): the draft's TP, and PP forced to 1. Read from it alone, a PP-2 deployment
+    was never refused (the seed's PP == 1); and the speculator's config (the target's TP) ran the draft steps
+    eagerly, without their graphs, for a draft at TP 1 whose shim then refused it (TP 1 != 4)."""
+    target = SimpleNamespace(tensor_parallel_size=4, data_parallel_size=1, pipeline_parallel_size=2)
+    draft_pc = SimpleNamespace(tensor_parallel_size=4, data_parallel_size=1, pipeline_parallel_size=1)
+    spec = SimpleNamespace(method="dspark", num_speculative_tokens=7, target_parallel_config=target,
+                           draft_parallel_config=draft_pc)
+    draft_side = SimpleNamespace(parallel_config=draft_pc, speculative_config=spec,
+                                 device_config=SimpleNamespace(device="cpu"))
+    cfg = vllm_plugin.engine_config_from_vllm(draft_side, 0, environ={"DSPARK_SOCKET_DIR": "/run/dspark"})
+    assert (cfg.tp_size, cfg.pp_size) == (4, 2) and vllm_plugin.config_refusal(cfg) == "PP > 1"
+
+    target = SimpleNamespace(tensor_parallel_size=4, data_parallel_size=1, pipeline_parallel_size=1)
+    draft_pc = SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1, pipeline_parallel_size=1)
+    spec = SimpleNamespace(method="dspark", num_speculative_tokens=7, target_parallel_config=target,
+                           draft_parallel_config=draft_pc)
+    for pc in (target, draft_pc):  # the speculator's (init_cudagraph_manager) and the draft model's
+        seen = SimpleNamespace(parallel_config=pc, speculative_config=spec, device_config=SimpleNamespace(device="cpu"))
+        cfg = vllm_plugin.engine_config_from_vllm(seen, 0, environ={"DSPARK_SOCKET_DIR": "/run/dspark"})
+        assert vllm_plugin.config_refusal(cfg) == "TP 1 != 4"
