@@ -70,6 +70,32 @@ def read_step_metadata(attn_metadata: Any, num_rows: int,
     return StepMetadata(seq_lens, _host(tables, torch.int32), _host(slots, torch.int64)), longest
 
 
+def spans_kv_groups(attn_metadata: Any) -> bool:
+    """Whether vLLM's per-layer metadata of the draft step comes from more than one KV cache group.
+
+    vLLM 0.34 may put the draft's layers in several groups (v1/core/kv_cache_planning.py splits layers of one kind
+    into groups of equal size), each with its own block table and slot mapping (its row of BlockTables.slot_mappings),
+    and its DSpark speculator prepares the step's slots for each. A step carries one table and one slot mapping for
+    every layer: sent, the other groups' layers would be read and written at pages their group does not own. The
+    layers of one attention group share one metadata object, and those of one KV cache group one slot mapping
+    (v1/worker/gpu/attn_utils.py build_attn_metadata), so the usual case is settled by identity alone."""
+    if not isinstance(attn_metadata, dict) or len(attn_metadata) < 2:
+        return False
+    values = iter(attn_metadata.values())
+    first = next(values)
+    ptr = None
+    for m in values:
+        if m is first:
+            continue
+        if ptr is None:
+            s = _first_attr(first, _SLOTS)
+            ptr = s.data_ptr() if s is not None else None
+        s = _first_attr(m, _SLOTS)
+        if ptr is None or s is None or s.data_ptr() != ptr:  # one without slots: no telling, so not one group
+            return True
+    return False
+
+
 def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` as a contiguous host tensor of `dtype`; itself when it is one already. The checks cost a
     fraction of `.to()` and `.contiguous()` on a tensor they leave alone (run per step, per field)."""

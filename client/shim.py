@@ -41,7 +41,7 @@ from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, 
 from dspark_sidecar.client.dataplane import DataPlaneError
 from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
-from dspark_sidecar.client.metadata import read_step_metadata, tables_cover
+from dspark_sidecar.client.metadata import read_step_metadata, spans_kv_groups, tables_cover
 from dspark_sidecar.client.stats import ShimStats
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_paging
 from dspark_sidecar.proto import codec, memory
@@ -58,6 +58,7 @@ NO_CONTEXT = "no forward context"
 NO_METADATA = "no attention metadata"
 CAPTURE = "CUDA graph capture"
 BAD_METADATA = "attention metadata unusable"
+KV_GROUPS = "draft layers span several KV cache groups"  # a step carries one table and slot mapping for all layers
 NO_KV = "KV cache not allocated"
 UNSETTLED = "previous step unsettled"
 BREAKER = "sidecar unavailable (breaker open)"
@@ -209,6 +210,13 @@ class DrafterShim:
             return self._fallback(NO_METADATA)
         if self.is_capturing():
             return self._fallback(CAPTURE)
+        if spans_kv_groups(attn):
+            if KV_GROUPS not in self._logged:  # the engine's KV cache layout: every step falls back, so said loudly
+                self._logged.add(KV_GROUPS)
+                log.warning("DSpark drafter sidecar unused: vLLM placed the draft's attention layers in several KV "
+                            "cache groups, each with its own block table, and a step carries one; every draft step "
+                            "runs the stock layers")
+            return self._fallback(KV_GROUPS)
         layers = self._layers()
         paging = kv_paging(layers[0]) if layers else None
         meta, longest = read_step_metadata(attn, n, paging[1] if paging else None)

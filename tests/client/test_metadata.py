@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dspark_sidecar.client.metadata import read_step_metadata, tables_cover
+from dspark_sidecar.client.metadata import read_step_metadata, spans_kv_groups, tables_cover
 from dspark_sidecar.drafter.kv_cache import StepMetadata
+from helpers.engine_fakes import step_inputs, vllm_draft_metadata
 
 
 @dataclass
@@ -89,3 +90,24 @@ def test_tables_cover_is_ceil_of_the_longest_request_s_pages(lens, cover):
     meta = StepMetadata(torch.tensor(lens, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
                         torch.zeros(14, dtype=torch.int64))
     assert tables_cover(meta, 16) is cover
+
+
+def test_draft_layers_of_one_kv_cache_group_are_one_step():
+    """vLLM 0.34's draft metadata with two attention groups (two backends) in one KV cache group: two metadata
+    objects, one table and one slot mapping. Read as the step's, as before."""
+    attn = vllm_draft_metadata(2, [[["layers.0.attn", "layers.2.attn"], ["layers.1.attn"]]])
+    assert not spans_kv_groups(attn)
+    meta = read_step_metadata(attn, 14, page_size=16)[0]
+    assert meta.slot_mapping.tolist() == step_inputs(2)[1].tolist() and meta.block_tables.tolist() == [[0, 1]] * 2
+
+
+def test_draft_layers_spanning_several_kv_cache_groups_are_told_apart():
+    """vLLM 0.34 splits layers of one kind into KV cache groups of equal size (v1/core/kv_cache_planning.py
+    _get_kv_cache_groups_uniform_page_size: layers[i::num_groups]), each with its own block table and slot mapping,
+    and its DSpark speculator prepares the draft step's slots for each (dflash/speculator.py propose,
+    draft_kv_cache_group_ids). The first layer's table and slots, sent for every layer, had the sidecar read and
+    write the other groups' layers at pages their group does not own."""
+    attn = vllm_draft_metadata(2, [[["layers.0.attn", "layers.2.attn"]], [["layers.1.attn", "layers.3.attn"]]])
+    assert spans_kv_groups(attn)
+    assert not spans_kv_groups({"layers.0.attn": attn["layers.0.attn"]})
+    assert not spans_kv_groups(step_inputs(2)[2])  # one metadata object, not vLLM's dict

@@ -24,7 +24,7 @@ from dspark_sidecar.proto import memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import (
     HIDDEN, DoorbellNeverAnswered, FakeModel, FakeServer, FakeSidecar, PreflightHook, recording_shm, shm_kv_cache,
-    short_socket_dir, step_inputs,
+    short_socket_dir, step_inputs, vllm_draft_metadata,
 )
 from helpers.waiting import wait_until
 
@@ -1526,3 +1526,19 @@ def test_connect_that_waited_for_the_link_while_the_ranks_turned_off_stays_off(f
     finally:
         go.set()
         shim.close()
+
+
+def test_a_step_whose_draft_layers_span_several_kv_cache_groups_falls_back_unsent(fake):
+    """vLLM 0.34 hands the draft forward one metadata per KV cache group the draft's layers lie in, each group with its
+    own table and slots (tests/client/test_metadata.py). The shim read the first layer's and sent them for every
+    layer: each group's step is self-consistent, so the sidecar ran it, reading and writing the other groups' layers'
+    K/V at pages of the first group's. Now it falls back, nothing sent, not counted against the breaker."""
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, _ = step_inputs(2)
+    with set_forward_context(vllm_draft_metadata(2, [[["layers.0.attn"], ["layers.1.attn"]]])):
+        assert shim.maybe_forward(ids, pos) is not None  # one KV cache group, two attention groups: sent
+    sent = len(fake.sidecar.requests)
+    with set_forward_context(vllm_draft_metadata(2, [[["layers.0.attn"]], [["layers.1.attn"]]])):
+        assert shim.maybe_forward(ids, pos) is None
+    assert len(fake.sidecar.requests) == sent, "sent with one KV cache group's table and slots for every layer"
+    assert shim.stats.fallbacks == {S.KV_GROUPS: 1} and shim.breaker.failures == 0

@@ -270,6 +270,40 @@ def step_inputs(r: int, page_size: int = 16, start: int = 20) -> tuple[torch.Ten
     return ids, pos, StepMetadata(seq, tables, slots)
 
 
+class FlashAttentionMetadata034:
+    """vLLM 0.34's FlashAttentionMetadata (v1/attention/backends/flash_attn.py:525), the fields the shim may read."""
+
+    def __init__(self, num_actual_tokens: int, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        self.num_actual_tokens, self.max_query_len = num_actual_tokens, 7
+        self.seq_lens, self.block_table, self.slot_mapping = seq_lens, block_table, slot_mapping
+
+
+def vllm_draft_metadata(r: int, groups: list[list[list[str]]], page_size: int = 16, start: int = 20) -> dict:
+    """step_inputs(r)'s step as vLLM 0.34 hands it to the draft forward (eager): worker/gpu/attn_utils.py
+    build_attn_metadata, called from DFlashSpeculator.propose. `groups`: per KV cache group, its attention groups'
+    layer names. One metadata object per attention group, every layer of it mapped to that object; KV cache group g
+    has its own table, input_block_tables[g][:R] ([max_num_reqs, width] int32, group g's pages 4g..4g+3 here), and
+    its own slot mapping, row g of BlockTables.slot_mappings ([groups, max_num_batched_tokens] int64, -1 past the
+    step); seq_lens one view of input_buffers.seq_lens for all."""
+    n = 7 * r
+    _, pos, meta = step_inputs(r, page_size, start)
+    seq_lens = torch.zeros(8, dtype=torch.int32)
+    seq_lens[:r] = meta.seq_lens
+    slot_mappings = torch.full((len(groups), 64), -1, dtype=torch.int64)
+    out: dict = {}
+    for g, attn_groups in enumerate(groups):
+        table = torch.zeros(8, 6, dtype=torch.int32)
+        table[:r, :4] = meta.block_tables + 4 * g
+        pages = table[torch.arange(n) // 7, pos // page_size].to(torch.int64)
+        slot_mappings[g, :n] = pages * page_size + pos % page_size
+        slot_mapping = slot_mappings[:, :n][g]
+        for names in attn_groups:
+            md = FlashAttentionMetadata034(n, seq_lens[:r], table[:r], slot_mapping)
+            out.update(dict.fromkeys(names, md))
+    return out
+
+
 class PreflightHook:
     """A 2-rank agreement (values as they are) that, once armed, runs `at_preflight()` inside the next step's
     pre-flight (its 5-value agreement): where this rank has prepared its link and waits for its peer."""
