@@ -279,8 +279,26 @@ def shim_off_reason(vllm_config: Any) -> str | None:
     # With a sidecar configured, a deployment it cannot serve (TP other than 4, DP or PP > 1, another draft)
     # keeps the shim off for good: the eager draft steps bought nothing, and the shim's own line is INFO,
     # below vLLM's default level. Without one, "no sidecar endpoint configured" is the plain, unlogged case.
-    refusal = config_refusal(config) if config.endpoint else None
+    refusal = (config_refusal(config) or draft_layout_refusal(vllm_config)) if config.endpoint else None
     return refusal or sleep_mode_refusal(vllm_config)
+
+
+def draft_layout_refusal(vllm_config: Any) -> str | None:
+    """Why vLLM's draft steps will never have the layout the sidecar serves, from its speculative config, or None.
+    vLLM 0.34's DSpark speculator drafts 1 + num_speculative_tokens rows per request for a checkpoint with
+    sample_from_anchor false (dspark/speculator.py), and splits the draft's KV cache over the ranks with a draft
+    decode-context-parallel size above 1 (speculator_config.py resolves it into the field read here). The shim
+    would refuse or fall back on every such step, the draft's graphs given away for nothing: off, said once."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    hf = getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
+    if getattr(hf, "sample_from_anchor", True) is False:
+        return ("the DSpark checkpoint has sample_from_anchor false: vLLM drafts 1 + 7 rows per request, and the "
+                "sidecar serves the spec's 7")
+    dcp = int(getattr(spec, "draft_decode_context_parallel_size", None) or 1)
+    if dcp > 1:
+        return (f"draft decode context parallel size {dcp}: each rank holds part of the draft KV cache, and the "
+                "sidecar binds whole caches (set draft_decode_context_parallel_size 1)")
+    return None
 
 
 def sleep_mode_refusal(vllm_config: Any) -> str | None:

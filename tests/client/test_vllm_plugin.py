@@ -85,10 +85,16 @@ def fake_vllm(monkeypatch):
     return SimpleNamespace(registry=registry, fc=fc)
 
 
-def vllm_config(tp: int = 4, method: str = "dspark", k: int = 7, sleep_mode: bool = False, dp: int = 1, pp: int = 1):
+def vllm_config(tp: int = 4, method: str = "dspark", k: int = 7, sleep_mode: bool = False, dp: int = 1, pp: int = 1,
+                anchor: bool | None = None, draft_dcp: int | None = None):
+    """anchor: the draft checkpoint's sample_from_anchor (None: unset, as MiniMax's, vLLM's default True); draft_dcp:
+    speculative_config.draft_decode_context_parallel_size as vLLM resolves it (None: not set yet)."""
+    hf = SimpleNamespace() if anchor is None else SimpleNamespace(sample_from_anchor=anchor)
     return SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp),
-        speculative_config=SimpleNamespace(method=method, num_speculative_tokens=k),
+        speculative_config=SimpleNamespace(method=method, num_speculative_tokens=k,
+                                           draft_model_config=SimpleNamespace(hf_config=hf),
+                                           draft_decode_context_parallel_size=draft_dcp),
         device_config=SimpleNamespace(device="cpu"), model_config=SimpleNamespace(enable_sleep_mode=sleep_mode))
 
 
@@ -556,6 +562,12 @@ def test_vllm_sleep_mode_keeps_the_sidecar_off(fake_vllm, monkeypatch, caplog):
     (dict(method="eagle"), "no DSpark draft"),
     (dict(dp=2), "DP > 1"),  # read from vLLM's parallel_config, not assumed 1
     (dict(pp=2), "PP > 1"),
+    # vLLM 0.34 drafts 8 rows per request for such a checkpoint (dspark/speculator.py), and splits the draft's cache
+    # with a draft DCP above 1: every step would fall back, the graphs given away for nothing.
+    (dict(anchor=False), "the DSpark checkpoint has sample_from_anchor false: vLLM drafts 1 + 7 rows per request, "
+                         "and the sidecar serves the spec's 7"),
+    (dict(draft_dcp=2), "draft decode context parallel size 2: each rank holds part of the draft KV cache, and the "
+                        "sidecar binds whole caches (set draft_decode_context_parallel_size 1)"),
 ])
 def test_a_deployment_the_sidecar_cannot_serve_keeps_its_draft_graphs_and_says_why(fake_vllm, fake_speculator,
                                                                                       monkeypatch, caplog, config, said):
@@ -717,3 +729,8 @@ def test_the_deployment_is_read_from_the_configs_vllm_hands_the_draft_and_the_sp
         seen = SimpleNamespace(parallel_config=pc, speculative_config=spec, device_config=SimpleNamespace(device="cpu"))
         cfg = vllm_plugin.engine_config_from_vllm(seen, 0, environ={"DSPARK_SOCKET_DIR": "/run/dspark"})
         assert vllm_plugin.config_refusal(cfg) == "TP 1 != 4"
+
+
+@pytest.mark.parametrize("config", [dict(anchor=True), dict(draft_dcp=1), dict()])
+def test_a_draft_layout_the_sidecar_serves_is_not_refused(config):
+    assert vllm_plugin.draft_layout_refusal(vllm_config(**config)) is None
