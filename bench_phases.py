@@ -24,8 +24,8 @@ import time
 PHASES = ("checks", "prepare", "agree", "request", "stage", "serialize", "word", "record", "ring")
 # After the answer, in step order, from the moment the data plane saw it (the bench's "after answer" figure):
 # the answer's page read and decoded; the transport's wait returning and check_answer; the output region's
-# copy-out (a clone launched on the engine's stream); the rest of _run_step (shape and dtype checks, the
-# breaker); and maybe_forward's end (the post-flight agreement, the stats).
+# copy-out (queued on the engine's stream: the driver's copy, or a clone without it); the rest of _run_step
+# (shape and dtype checks, the breaker); and maybe_forward's end (the post-flight agreement, the stats).
 AFTER = ("parse", "check", "copy", "finish", "post")
 # Beside them, whether the thread ran all that time: its CPU time over the wall time from maybe_forward's
 # start to send_bytes (1.0: on a CPU throughout, so a slow step was a slow CPU; less: descheduled, or

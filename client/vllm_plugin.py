@@ -291,7 +291,7 @@ def draft_layout_refusal(vllm_config: Any) -> str | None:
     would refuse or fall back on every such step, the draft's graphs given away for nothing: off, said once."""
     spec = getattr(vllm_config, "speculative_config", None)
     hf = getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
-    if getattr(hf, "sample_from_anchor", True) is False:
+    if not getattr(hf, "sample_from_anchor", True):  # read as vLLM reads it: any false value (0, null) too
         return ("the DSpark checkpoint has sample_from_anchor false: vLLM drafts 1 + 7 rows per request, and the "
                 "sidecar serves the spec's 7")
     dcp = int(getattr(spec, "draft_decode_context_parallel_size", None) or 1)

@@ -734,3 +734,11 @@ def test_the_deployment_is_read_from_the_configs_vllm_hands_the_draft_and_the_sp
 @pytest.mark.parametrize("config", [dict(anchor=True), dict(draft_dcp=1), dict()])
 def test_a_draft_layout_the_sidecar_serves_is_not_refused(config):
     assert vllm_plugin.draft_layout_refusal(vllm_config(**config)) is None
+
+
+@pytest.mark.parametrize("anchor", [0, None, False])
+def test_sample_from_anchor_is_read_as_vllm_reads_it(anchor):
+    """vLLM tests the checkpoint's value for truth (dspark/speculator.py): a 0 or null there drafts 8 rows too."""
+    cfg = vllm_config()
+    cfg.speculative_config.draft_model_config.hf_config.sample_from_anchor = anchor
+    assert "sample_from_anchor" in vllm_plugin.draft_layout_refusal(cfg)
