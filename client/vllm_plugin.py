@@ -196,7 +196,7 @@ def eager_draft_steps() -> str:
 
     def init_cudagraph_manager(self: Any, cudagraph_mode: Any) -> Any:
         # An engine whose shim is bound to stay off would pay the eager steps for nothing: it keeps its graphs.
-        off = shim_off_reason(getattr(self, "vllm_config", None))
+        off = shim_off_reason(getattr(self, "vllm_config", None)) or kv_groups_refusal(self)
         if off is not None:
             log.warning("dspark-sidecar: draft CUDA graphs kept as vLLM sets them, since the sidecar shim will stay "
                         "off: %s", off)
@@ -299,6 +299,19 @@ def draft_layout_refusal(vllm_config: Any) -> str | None:
         return (f"draft decode context parallel size {dcp}: each rank holds part of the draft KV cache, and the "
                 "sidecar binds whole caches (set draft_decode_context_parallel_size 1)")
     return None
+
+
+def kv_groups_refusal(speculator: Any) -> str | None:
+    """Why every draft step will fall back for the draft's KV cache layout, from vLLM's speculator once its
+    attention is set (vLLM 0.34 calls init_cudagraph_manager after set_attn, which lists the KV cache groups the
+    draft's layers lie in: dflash/speculator.py draft_kv_cache_group_ids), or None. A step carries one block
+    table and one slot mapping for all layers, so the shim falls back on every step of a draft spanning several
+    (metadata.spans_kv_groups); its draft graphs would be given away for nothing."""
+    ids = getattr(speculator, "draft_kv_cache_group_ids", None)
+    if ids is None or len(ids) < 2:
+        return None
+    return (f"the draft's attention layers span {len(ids)} KV cache groups, each with its own block table, and a "
+            "sidecar step carries one")
 
 
 def sleep_mode_refusal(vllm_config: Any) -> str | None:

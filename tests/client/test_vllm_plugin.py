@@ -742,3 +742,20 @@ def test_sample_from_anchor_is_read_as_vllm_reads_it(anchor):
     cfg = vllm_config()
     cfg.speculative_config.draft_model_config.hf_config.sample_from_anchor = anchor
     assert "sample_from_anchor" in vllm_plugin.draft_layout_refusal(cfg)
+
+
+def test_a_draft_spanning_several_kv_cache_groups_keeps_its_graphs_and_says_why(fake_speculator, monkeypatch, caplog):
+    """vLLM 0.34 sets the speculator's attention (draft_kv_cache_group_ids) before init_cudagraph_manager. A draft
+    whose layers span several KV cache groups falls back on every step (a step carries one table:
+    metadata.spans_kv_groups), so running it eagerly would give the draft's graphs away for nothing."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    assert "draft steps run eagerly" in vllm_plugin.eager_draft_steps()
+    spec = fake_speculator()
+    spec.vllm_config, spec.draft_kv_cache_group_ids = vllm_config(), [1, 3]
+    with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+        spec.init_cudagraph_manager("FULL")
+    assert spec.mode == "FULL" and "span 2 KV cache groups" in caplog.text
+    one = fake_speculator()
+    one.vllm_config, one.draft_kv_cache_group_ids = vllm_config(), [2]
+    one.init_cudagraph_manager("FULL")
+    assert one.mode == "NONE"
