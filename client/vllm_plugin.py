@@ -196,7 +196,9 @@ def eager_draft_steps() -> str:
 
     def init_cudagraph_manager(self: Any, cudagraph_mode: Any) -> Any:
         # An engine whose shim is bound to stay off would pay the eager steps for nothing: it keeps its graphs.
-        off = shim_off_reason(getattr(self, "vllm_config", None)) or kv_groups_refusal(self)
+        # self.model: the draft model, loaded before the attention is set (vLLM 0.34 load_model, then set_attn)
+        off = (shim_off_reason(getattr(self, "vllm_config", None), getattr(self, "model", None))
+               or kv_groups_refusal(self))
         if off is not None:
             log.warning("dspark-sidecar: draft CUDA graphs kept as vLLM sets them, since the sidecar shim will stay "
                         "off: %s", off)
@@ -232,7 +234,7 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
         config = engine_config_from_vllm(vllm_config, rank)
     except EngineConfigError:  # said below (shim_off_reason): the shim is built with no DSPARK_* to stay off
         config = engine_config_from_vllm(vllm_config, rank, environ={})
-    off = shim_off_reason(vllm_config)  # the verdict eager_draft_steps also reads, to keep the draft graphs
+    off = shim_off_reason(vllm_config, model)  # the verdict eager_draft_steps also reads, to keep the draft graphs
     if off is not None or config_refusal(config) is not None:
         # Off for good, known from the config and environment alone (so on every rank alike): it never agrees on
         # a step. Every vLLM serving a DSpark draft without a sidecar (the plug-in is loaded in every process) ran
@@ -266,10 +268,10 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
     return shim
 
 
-def shim_off_reason(vllm_config: Any) -> str | None:
-    """Why every rank's shim will stay off, known from vLLM's config and the environment alone (a DSPARK_*
-    value it cannot use, a deployment the sidecar cannot serve, or sleep mode), or None; None too without
-    a config to read (nothing known yet)."""
+def shim_off_reason(vllm_config: Any, model: Any = None) -> str | None:
+    """Why every rank's shim will stay off, known from vLLM's config, the environment and the draft model vLLM
+    built (`model`, where given: its layers' attention) alone (a DSPARK_* value it cannot use, a deployment the
+    sidecar cannot serve, or sleep mode), or None; None too without a config to read (nothing known yet)."""
     if getattr(vllm_config, "parallel_config", None) is None:
         return None
     try:
@@ -279,7 +281,8 @@ def shim_off_reason(vllm_config: Any) -> str | None:
     # With a sidecar configured, a deployment it cannot serve (TP other than 4, DP or PP > 1, another draft)
     # keeps the shim off for good: the eager draft steps bought nothing, and the shim's own line is INFO,
     # below vLLM's default level. Without one, "no sidecar endpoint configured" is the plain, unlogged case.
-    refusal = (config_refusal(config) or draft_layout_refusal(vllm_config)) if config.endpoint else None
+    refusal = (config_refusal(config) or draft_layout_refusal(vllm_config)
+               or draft_attention_refusal(model, vllm_config)) if config.endpoint else None
     return refusal or sleep_mode_refusal(vllm_config)
 
 
@@ -298,6 +301,41 @@ def draft_layout_refusal(vllm_config: Any) -> str | None:
     if dcp > 1:
         return (f"draft decode context parallel size {dcp}: each rank holds part of the draft KV cache, and the "
                 "sidecar binds whole caches (set draft_decode_context_parallel_size 1)")
+    return None
+
+
+def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
+    """Why the attention vLLM built for the draft's layers is not the one the sidecar serves, or None (None too
+    for a model whose layers do not say). The stock forward attends as vLLM resolved the checkpoint's config
+    (vLLM 0.34 models/qwen3_dflash.py _resolve_layer_attention: a window only on "sliding_attention" layers, and
+    transformers fills "full_attention" where config.json has no layer_types; causal where dflash_config says so;
+    dflash_config.swa_window_size over sliding_window; rotary dims from partial_rotary_factor, rotary_dim unread).
+    The sidecar serves the spec's non-causal block over its config's sliding_window with its rotary_dim, read from
+    the same config.json: where they differ, a forwarded step returned other hidden states and wrote other block
+    K/V than the stock layers it replaced, without a word."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return None
+    hf = getattr(getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None),
+                 "hf_config", None)
+    window, rotary = getattr(hf, "sliding_window", None), getattr(hf, "rotary_dim", None)
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not hasattr(attn, "causal") or not hasattr(attn, "sliding_window"):
+            return None
+        if attn.causal:
+            return (f"vLLM serves draft layer {i} causally (the checkpoint's dflash_config.causal or is_causal), "
+                    "and the sidecar serves the spec's non-causal block")
+        if attn.sliding_window is None:
+            return (f"vLLM serves draft layer {i} with full attention (its config.json's layer_types do not name it "
+                    f"sliding_attention), and the sidecar a {window}-token window")
+        if window is not None and attn.sliding_window != window:
+            return (f"vLLM serves draft layer {i} with a {attn.sliding_window}-token window "
+                    f"(dflash_config.swa_window_size), and the sidecar the config's sliding_window {window}")
+        dims = getattr(getattr(attn, "rotary_emb", None), "rotary_dim", None)
+        if rotary is not None and dims is not None and dims != rotary:
+            return (f"vLLM rotates {dims} dims of each head in draft layer {i} (head_dim x partial_rotary_factor), "
+                    f"and the sidecar the config's rotary_dim {rotary}")
     return None
 
 

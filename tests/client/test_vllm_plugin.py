@@ -759,3 +759,64 @@ def test_a_draft_spanning_several_kv_cache_groups_keeps_its_graphs_and_says_why(
     one.vllm_config, one.draft_kv_cache_group_ids = vllm_config(), [2]
     one.init_cudagraph_manager("FULL")
     assert one.mode == "NONE"
+
+
+def _draft_attention(model, causal=False, window=4096, rotary_dim=64):
+    """The attention vLLM 0.34 resolved for the draft's layers, on the fake draft model: DFlashQwen3Attention's
+    causal and sliding_window (models/qwen3_dflash.py, from _resolve_layer_attention) and its rotary_emb's
+    rotary_dim (get_rope: head_dim x rope_parameters' partial_rotary_factor, 0.5 unset)."""
+    attn = SimpleNamespace(causal=causal, sliding_window=window, rotary_emb=SimpleNamespace(rotary_dim=rotary_dim))
+    model.model = SimpleNamespace(layers=[SimpleNamespace(self_attn=attn) for _ in range(5)])
+    return model
+
+
+def _draft_config(sliding_window=4096, rotary_dim=64):
+    """vllm_config() whose draft hf_config names what the sidecar reads from the same config.json."""
+    cfg = vllm_config()
+    hf = cfg.speculative_config.draft_model_config.hf_config
+    hf.sliding_window, hf.rotary_dim = sliding_window, rotary_dim
+    return cfg
+
+
+@pytest.mark.parametrize("attention, said", [
+    # No layer_types in config.json: transformers' MiniMaxM3VLTextConfig fills "full_attention", and vLLM's
+    # _resolve_layer_attention windows only "sliding_attention" layers (or dflash_config.use_swa).
+    (dict(window=None), "vLLM serves draft layer 0 with full attention"),
+    (dict(causal=True), "vLLM serves draft layer 0 causally"),  # dflash_config.causal / is_causal true
+    (dict(window=2048), "vLLM serves draft layer 0 with a 2048-token window"),  # dflash_config.swa_window_size
+    (dict(rotary_dim=32), "vLLM rotates 32 dims of each head in draft layer 0"),  # partial_rotary_factor 0.25
+])
+def test_a_draft_whose_attention_vllm_resolved_otherwise_keeps_the_sidecar_off(fake_vllm, fake_speculator,
+                                                                               monkeypatch, caplog, attention, said):
+    """The stock forward attends as vLLM resolved the checkpoint's config (per layer: causal or not, the window
+    or full attention, the rotary dims); the sidecar always serves the spec's non-causal block over the config's
+    sliding_window with its rotary_dim. Where vLLM resolved otherwise, every forwarded step returned other hidden
+    states (and wrote the block K/V) than the stock layers it replaced, without a word."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    assert vllm_plugin.register() == [ARCH]
+    cfg = _draft_config()
+    model = _draft_attention(fake_vllm.registry.models[ARCH](vllm_config=cfg), **attention)
+    spec = fake_speculator()
+    spec.vllm_config, spec.model = cfg, model
+    with caplog.at_level("WARNING", logger="dspark_sidecar"):
+        spec.init_cudagraph_manager("FULL")
+        assert spec.mode == "FULL" and said in caplog.text  # the graphs kept: no step would be forwarded
+        md = FlashAttentionMetadata(1)
+        fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+        model(torch.arange(7), md.positions)
+    assert model.stock_calls == 1 and said in (model.dspark_shim().refusal or "")
+
+
+def test_the_attention_the_sidecar_serves_is_not_refused(fake_vllm, fake_speculator, monkeypatch):
+    """Non-causal, the config's window and rotary dims on every layer: eager draft steps, a shim that may forward."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    assert vllm_plugin.register() == [ARCH]
+    cfg = _draft_config()
+    model = _draft_attention(fake_vllm.registry.models[ARCH](vllm_config=cfg))
+    spec = fake_speculator()
+    spec.vllm_config, spec.model = cfg, model
+    spec.init_cudagraph_manager("FULL")
+    assert spec.mode == "NONE" and vllm_plugin.build_shim(model, cfg).enabled
+    assert vllm_plugin.draft_attention_refusal(model, cfg) is None
+    # A model whose layers say nothing of their attention (another build of the class) is not judged by it.
+    assert vllm_plugin.draft_attention_refusal(SimpleNamespace(), cfg) is None
