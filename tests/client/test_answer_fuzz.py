@@ -170,6 +170,10 @@ class FuzzSidecar(FakeSidecar):
         self._bells: list[threading.Event] = []
         self.thread_errors: list[str] = []
         self.busy = threading.Event()
+        # Step ids in the order their requests arrived (either transport). Not `busy`: the gRPC fake clears that
+        # only when gRPC resumes its generator after the previous answer's yield, so a step sent right after an
+        # answer can find it still set from that answer's step.
+        self.received: list[int] = []
 
     # --- control RPCs -----------------------------------------------------------------------------
     def GetStatus(self, request, context):
@@ -242,6 +246,7 @@ class FuzzSidecar(FakeSidecar):
         self.calls["DraftSteps"] += 1
         for req in request_iterator:
             mut, self.step_mut = self.step_mut, None
+            self.received.append(req.step_id)
             self.busy.set()
             items = self._grpc_answer(req, mut)
             for delay, resp in items:
@@ -318,6 +323,7 @@ class FuzzSidecar(FakeSidecar):
             try:
                 req = pb.DraftStepRequest.FromString(page.read(page.req_area, bell.REQ_LEN))
                 mut, self.step_mut = self.step_mut, None
+                self.received.append(req.step_id)
                 self.busy.set()
                 prev = self.last_hidden
                 resp = self._bell_compute(req, mut)
