@@ -289,7 +289,7 @@ def check_checkpoint(cfg: DrafterConfig, dspark_dir: str | Path, target_dir: str
             allowed = ("F8_E4M3 (with a U8 scale), " if spec.mxfp8 else "") + ", ".join(DENSE_DTYPES)
             raise CheckpointError(f"{spec.key}: dtype {dtype}, expected {allowed}")
         else:
-            if spec.mxfp8 and reader.has(spec.key + SCALE_SUFFIX):
+            if reader.has(spec.key + SCALE_SUFFIX):  # any dense tensor: named as the scale it is, not as a stray key
                 raise stale_scale(spec.key, dtype)
             bad = int((~torch.isfinite(reader.read_stored(spec.key, spec.shape))).sum())
             if bad:

@@ -86,6 +86,10 @@ TENSOR_CASES = {
     # only the layer linears are MXFP8: a norm stored as F8 has no block axis to read a scale along
     "f8_norm": (lambda t: t.__setitem__(P + "final_norm.weight", t[P + "final_norm.weight"].to(torch.float8_e4m3fn)),
                 (), ("final_norm.weight", "dtype F8_E4M3")),
+    # a dense-only tensor (fc is never MXFP8) beside a block scale: named as a stale scale, not as a tensor config.json
+    # does not name ("is config.json this checkpoint's?" sent the operator to the wrong file: review 271)
+    "fc_with_scale": (lambda t: t.__setitem__(P + "fc.weight_scale_inv", torch.zeros(4, dtype=torch.uint8)), (),
+                      ("fc.weight_scale_inv", "a block scale for", "remove the scale")),
     # config says 5 layers; a 6th layer's tensors mean config.json and tensors disagree
     "unexpected_layer": (lambda t: t.__setitem__(P + "layers.5.decoder_layer.input_layernorm.weight",
                                                  torch.zeros(256, dtype=torch.bfloat16)), (), ("layers.5",)),
