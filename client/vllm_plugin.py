@@ -281,7 +281,7 @@ def shim_off_reason(vllm_config: Any, model: Any = None) -> str | None:
     # With a sidecar configured, a deployment it cannot serve (TP other than 4, DP or PP > 1, another draft)
     # keeps the shim off for good: the eager draft steps bought nothing, and the shim's own line is INFO,
     # below vLLM's default level. Without one, "no sidecar endpoint configured" is the plain, unlogged case.
-    refusal = (config_refusal(config) or draft_layout_refusal(vllm_config)
+    refusal = (config_refusal(config) or draft_layout_refusal(vllm_config) or kv_memory_refusal(vllm_config)
                or draft_attention_refusal(model, vllm_config)) if config.endpoint else None
     return refusal or sleep_mode_refusal(vllm_config)
 
@@ -336,6 +336,18 @@ def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
         if rotary is not None and dims is not None and dims != rotary:
             return (f"vLLM rotates {dims} dims of each head in draft layer {i} (head_dim x partial_rotary_factor), "
                     f"and the sidecar the config's rotary_dim {rotary}")
+    return None
+
+
+def kv_memory_refusal(vllm_config: Any) -> str | None:
+    """Why the engine's KV cache cannot be shared with the sidecar, from vLLM's cache config, or None. vLLM 0.34
+    turns its extensible KV cache on by default on CUDA and ROCm (config/vllm.py _resolve_extensible_kv_cache):
+    the cache is driver-mapped virtual memory, which legacy CUDA/HIP IPC handles (torch's tensor sharing, BindKV)
+    cannot export, as vLLM itself says of connectors that share that way. Every BindKV would fail, every step fall
+    back, and the draft's graphs be given away for nothing. None while vLLM has not resolved the setting."""
+    if getattr(getattr(vllm_config, "cache_config", None), "enable_extensible_kv_cache", None):
+        return ("vLLM's extensible KV cache is on (driver-mapped memory, which CUDA/HIP IPC cannot share with the "
+                "sidecar): start vLLM with --no-enable-extensible-kv-cache to use it")
     return None
 
 

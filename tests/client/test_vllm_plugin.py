@@ -86,16 +86,19 @@ def fake_vllm(monkeypatch):
 
 
 def vllm_config(tp: int = 4, method: str = "dspark", k: int = 7, sleep_mode: bool = False, dp: int = 1, pp: int = 1,
-                anchor: bool | None = None, draft_dcp: int | None = None):
+                anchor: bool | None = None, draft_dcp: int | None = None, extensible: bool | None = False):
     """anchor: the draft checkpoint's sample_from_anchor (None: unset, as MiniMax's, vLLM's default True); draft_dcp:
-    speculative_config.draft_decode_context_parallel_size as vLLM resolves it (None: not set yet)."""
+    speculative_config.draft_decode_context_parallel_size as vLLM resolves it (None: not set yet); extensible:
+    cache_config.enable_extensible_kv_cache as vLLM resolves it (on by default on CUDA and ROCm; False here, as the
+    deployments start vLLM with --no-enable-extensible-kv-cache; None: not resolved yet)."""
     hf = SimpleNamespace() if anchor is None else SimpleNamespace(sample_from_anchor=anchor)
     return SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp),
         speculative_config=SimpleNamespace(method=method, num_speculative_tokens=k,
                                            draft_model_config=SimpleNamespace(hf_config=hf),
                                            draft_decode_context_parallel_size=draft_dcp),
-        device_config=SimpleNamespace(device="cpu"), model_config=SimpleNamespace(enable_sleep_mode=sleep_mode))
+        device_config=SimpleNamespace(device="cpu"), model_config=SimpleNamespace(enable_sleep_mode=sleep_mode),
+        cache_config=SimpleNamespace(enable_extensible_kv_cache=extensible))
 
 
 def test_register_without_vllm_is_a_no_op(monkeypatch):
@@ -568,6 +571,9 @@ def test_vllm_sleep_mode_keeps_the_sidecar_off(fake_vllm, monkeypatch, caplog):
                          "and the sidecar serves the spec's 7"),
     (dict(draft_dcp=2), "draft decode context parallel size 2: each rank holds part of the draft KV cache, and the "
                         "sidecar binds whole caches (set draft_decode_context_parallel_size 1)"),
+    # vLLM 0.34's default on CUDA and ROCm: a driver-mapped cache, which no BindKV could share
+    (dict(extensible=True), "vLLM's extensible KV cache is on (driver-mapped memory, which CUDA/HIP IPC cannot share "
+                            "with the sidecar): start vLLM with --no-enable-extensible-kv-cache to use it"),
 ])
 def test_a_deployment_the_sidecar_cannot_serve_keeps_its_draft_graphs_and_says_why(fake_vllm, fake_speculator,
                                                                                       monkeypatch, caplog, config, said):
@@ -820,3 +826,9 @@ def test_the_attention_the_sidecar_serves_is_not_refused(fake_vllm, fake_specula
     assert vllm_plugin.draft_attention_refusal(model, cfg) is None
     # A model whose layers say nothing of their attention (another build of the class) is not judged by it.
     assert vllm_plugin.draft_attention_refusal(SimpleNamespace(), cfg) is None
+
+
+@pytest.mark.parametrize("extensible", [False, None])
+def test_a_kv_cache_of_plain_device_memory_or_a_setting_not_yet_resolved_is_not_refused(extensible):
+    assert vllm_plugin.kv_memory_refusal(vllm_config(extensible=extensible)) is None
+    assert vllm_plugin.kv_memory_refusal(SimpleNamespace()) is None  # a config without cache_config says nothing

@@ -172,21 +172,25 @@ def _flag(args: list[str], name: str) -> str:
 def test_engine_arguments_pass_the_shims_deployment_checks(variant):
     """The engine's TP size and speculative config are what the client shim checks before forwarding (the seed's
     "TP n != 4", "no DSpark draft", "7 speculative tokens required"): any other value, or a draft model other than
-    the sidecar's checkpoint, leaves the sidecar serving while every draft step runs the stock layers."""
+    the sidecar's checkpoint, leaves the sidecar serving while every draft step runs the stock layers. So does
+    vLLM 0.34's default extensible KV cache (driver-mapped memory no IPC handle shares): the engine turns it off."""
     from types import SimpleNamespace
 
     from dspark_sidecar.client.config import config_refusal
-    from dspark_sidecar.client.vllm_plugin import engine_config_from_vllm
+    from dspark_sidecar.client.vllm_plugin import engine_config_from_vllm, kv_memory_refusal
 
     cfg, engine = variant.config, variant.container("engine")
     args = engine["args"]
     spec = json.loads(_flag(args, "--speculative-config"))
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=int(_flag(args, "--tensor-parallel-size"))),
-        speculative_config=SimpleNamespace(**spec))
+        speculative_config=SimpleNamespace(**spec),
+        # vLLM 0.34 turns the extensible (driver-mapped) KV cache on unless told not to: no IPC could share it
+        cache_config=SimpleNamespace(enable_extensible_kv_cache="--no-enable-extensible-kv-cache" not in args))
     assert env_of(engine)["DSPARK_SOCKET_DIR"]["valueFrom"]["configMapKeyRef"]["key"] == "DSPARK_SOCKET_DIR"
     shim = engine_config_from_vllm(vllm_config, 0, {"DSPARK_SOCKET_DIR": cfg["DSPARK_SOCKET_DIR"]})
     assert config_refusal(shim) is None, config_refusal(shim)
+    assert kv_memory_refusal(vllm_config) is None, kv_memory_refusal(vllm_config)
     assert shim.tp_size == int(cfg["DSPARK_TP"])
     assert (args[0], spec["model"]) == (cfg["DSPARK_TARGET_CHECKPOINT"], cfg["DSPARK_CHECKPOINT"])
 
