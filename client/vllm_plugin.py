@@ -323,6 +323,12 @@ def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
         attn = getattr(layer, "self_attn", None)
         if attn is None or not hasattr(attn, "causal") or not hasattr(attn, "sliding_window"):
             return None
+        backend = _backend_name(attn)
+        if backend in _KV_HEAD_GROUP_BACKENDS:
+            return (f"vLLM's {backend} attention backend holds draft layer {i}'s KV cache as K and V head groups with "
+                    "an x-packed key interior (ROCm's default), which the sidecar cannot read: it binds the "
+                    "[pages, kv_heads, page_size, 2 x head_dim] cache; choose the draft's attention backend with the "
+                    "speculative config's attention_backend (which ROCm backend keeps that layout is unverified)")
         if attn.causal:
             return (f"vLLM serves draft layer {i} causally (the checkpoint's dflash_config.causal or is_causal), "
                     "and the sidecar serves the spec's non-causal block")
@@ -337,6 +343,20 @@ def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
             return (f"vLLM rotates {dims} dims of each head in draft layer {i} (head_dim x partial_rotary_factor), "
                     f"and the sidecar the config's rotary_dim {rotary}")
     return None
+
+
+# Backends whose per-layer cache is not the records layout [pages, kv_heads, page_size, 2 * head_dim] the binding
+# reads (kv_cache.kv_planes): vLLM 0.34's ROCM_ATTN (customize_spec: num_head_slots=2, K then V each
+# [page_size, kv_heads * head_dim] in shape, the key x-packed inside, paged_attn.py split_kv_cache). Its view is
+# 4-D too, so kv_planes took it for records: a BindKV refused for its shape, or, at 2 KV heads a rank, one
+# accepted that reads K and V of head 0 as K of heads 0 and 1.
+_KV_HEAD_GROUP_BACKENDS = frozenset({"ROCM_ATTN"})
+
+
+def _backend_name(self_attn: Any) -> str | None:
+    """The name of the attention backend vLLM picked for a draft layer (self_attn.attn.attn_backend), or None."""
+    get_name = getattr(getattr(getattr(self_attn, "attn", None), "attn_backend", None), "get_name", None)
+    return str(get_name()) if callable(get_name) else None
 
 
 def kv_memory_refusal(vllm_config: Any) -> str | None:

@@ -767,11 +767,13 @@ def test_a_draft_spanning_several_kv_cache_groups_keeps_its_graphs_and_says_why(
     assert one.mode == "NONE"
 
 
-def _draft_attention(model, causal=False, window=4096, rotary_dim=64):
+def _draft_attention(model, causal=False, window=4096, rotary_dim=64, backend=None):
     """The attention vLLM 0.34 resolved for the draft's layers, on the fake draft model: DFlashQwen3Attention's
     causal and sliding_window (models/qwen3_dflash.py, from _resolve_layer_attention) and its rotary_emb's
     rotary_dim (get_rope: head_dim x rope_parameters' partial_rotary_factor, 0.5 unset)."""
     attn = SimpleNamespace(causal=causal, sliding_window=window, rotary_emb=SimpleNamespace(rotary_dim=rotary_dim))
+    if backend is not None:  # vLLM's Attention layer (self_attn.attn) and the backend its selector picked
+        attn.attn = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend))
     model.model = SimpleNamespace(layers=[SimpleNamespace(self_attn=attn) for _ in range(5)])
     return model
 
@@ -791,6 +793,9 @@ def _draft_config(sliding_window=4096, rotary_dim=64):
     (dict(causal=True), "vLLM serves draft layer 0 causally"),  # dflash_config.causal / is_causal true
     (dict(window=2048), "vLLM serves draft layer 0 with a 2048-token window"),  # dflash_config.swa_window_size
     (dict(rotary_dim=32), "vLLM rotates 32 dims of each head in draft layer 0"),  # partial_rotary_factor 0.25
+    # ROCm's default (platforms/rocm.py _get_backend_priorities: ROCM_ATTN first): K and V as two head groups
+    # (customize_spec num_head_slots=2) with an x-packed key interior, which the records view misreads.
+    (dict(backend="ROCM_ATTN"), "vLLM's ROCM_ATTN attention backend"),
 ])
 def test_a_draft_whose_attention_vllm_resolved_otherwise_keeps_the_sidecar_off(fake_vllm, fake_speculator,
                                                                                monkeypatch, caplog, attention, said):
@@ -818,7 +823,7 @@ def test_the_attention_the_sidecar_serves_is_not_refused(fake_vllm, fake_specula
     monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
     assert vllm_plugin.register() == [ARCH]
     cfg = _draft_config()
-    model = _draft_attention(fake_vllm.registry.models[ARCH](vllm_config=cfg))
+    model = _draft_attention(fake_vllm.registry.models[ARCH](vllm_config=cfg), backend="FLASH_ATTN")
     spec = fake_speculator()
     spec.vllm_config, spec.model = cfg, model
     spec.init_cudagraph_manager("FULL")
