@@ -26,6 +26,8 @@ from dspark_sidecar.client.binding import FP8_DTYPES
 from dspark_sidecar.client.config import EngineConfig, EngineConfigError, config_refusal, rank_endpoint
 from dspark_sidecar.client.forward_context import ForwardContextSource
 from dspark_sidecar.client.shim import DrafterShim
+from dspark_sidecar.client.vllm_refusals import (draft_attention_refusal, draft_layout_refusal, kv_groups_refusal,
+                                                 kv_memory_refusal, sleep_mode_refusal)
 
 log = logging.getLogger("dspark_sidecar.client")
 
@@ -284,115 +286,6 @@ def shim_off_reason(vllm_config: Any, model: Any = None) -> str | None:
     refusal = (config_refusal(config) or draft_layout_refusal(vllm_config) or kv_memory_refusal(vllm_config)
                or draft_attention_refusal(model, vllm_config)) if config.endpoint else None
     return refusal or sleep_mode_refusal(vllm_config)
-
-
-def draft_layout_refusal(vllm_config: Any) -> str | None:
-    """Why vLLM's draft steps will never have the layout the sidecar serves, from its speculative config, or None.
-    vLLM 0.34's DSpark speculator drafts 1 + num_speculative_tokens rows per request for a checkpoint with
-    sample_from_anchor false (dspark/speculator.py), and splits the draft's KV cache over the ranks with a draft
-    decode-context-parallel size above 1 (speculator_config.py resolves it into the field read here). The shim
-    would refuse or fall back on every such step, the draft's graphs given away for nothing: off, said once."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    hf = getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
-    if not getattr(hf, "sample_from_anchor", True):  # read as vLLM reads it: any false value (0, null) too
-        return ("the DSpark checkpoint has sample_from_anchor false: vLLM drafts 1 + 7 rows per request, and the "
-                "sidecar serves the spec's 7")
-    dcp = int(getattr(spec, "draft_decode_context_parallel_size", None) or 1)
-    if dcp > 1:
-        return (f"draft decode context parallel size {dcp}: each rank holds part of the draft KV cache, and the "
-                "sidecar binds whole caches (set draft_decode_context_parallel_size 1)")
-    return None
-
-
-def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
-    """Why the attention vLLM built for the draft's layers is not the one the sidecar serves, or None (None too
-    for a model whose layers do not say). The stock forward attends as vLLM resolved the checkpoint's config
-    (vLLM 0.34 models/qwen3_dflash.py _resolve_layer_attention: a window only on "sliding_attention" layers, and
-    transformers fills "full_attention" where config.json has no layer_types; causal where dflash_config says so;
-    dflash_config.swa_window_size over sliding_window; rotary dims from partial_rotary_factor, rotary_dim unread).
-    The sidecar serves the spec's non-causal block over its config's sliding_window with its rotary_dim, read from
-    the same config.json: where they differ, a forwarded step returned other hidden states and wrote other block
-    K/V than the stock layers it replaced, without a word."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        return None
-    hf = getattr(getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None),
-                 "hf_config", None)
-    window, rotary = getattr(hf, "sliding_window", None), getattr(hf, "rotary_dim", None)
-    for i, layer in enumerate(layers):
-        attn = getattr(layer, "self_attn", None)
-        if attn is None or not hasattr(attn, "causal") or not hasattr(attn, "sliding_window"):
-            return None
-        backend = _backend_name(attn)
-        if backend in _KV_HEAD_GROUP_BACKENDS:
-            return (f"vLLM's {backend} attention backend holds draft layer {i}'s KV cache as K and V head groups with "
-                    "an x-packed key interior (ROCm's default), which the sidecar cannot read: it binds the "
-                    "[pages, kv_heads, page_size, 2 x head_dim] cache; choose the draft's attention backend with the "
-                    "speculative config's attention_backend (which ROCm backend keeps that layout is unverified)")
-        if attn.causal:
-            return (f"vLLM serves draft layer {i} causally (the checkpoint's dflash_config.causal or is_causal), "
-                    "and the sidecar serves the spec's non-causal block")
-        if attn.sliding_window is None:
-            return (f"vLLM serves draft layer {i} with full attention (its config.json's layer_types do not name it "
-                    f"sliding_attention), and the sidecar a {window}-token window")
-        if window is not None and attn.sliding_window != window:
-            return (f"vLLM serves draft layer {i} with a {attn.sliding_window}-token window "
-                    f"(dflash_config.swa_window_size), and the sidecar the config's sliding_window {window}")
-        dims = getattr(getattr(attn, "rotary_emb", None), "rotary_dim", None)
-        if rotary is not None and dims is not None and dims != rotary:
-            return (f"vLLM rotates {dims} dims of each head in draft layer {i} (head_dim x partial_rotary_factor), "
-                    f"and the sidecar the config's rotary_dim {rotary}")
-    return None
-
-
-# Backends whose per-layer cache is not the records layout [pages, kv_heads, page_size, 2 * head_dim] the binding
-# reads (kv_cache.kv_planes): vLLM 0.34's ROCM_ATTN (customize_spec: num_head_slots=2, K then V each
-# [page_size, kv_heads * head_dim] in shape, the key x-packed inside, paged_attn.py split_kv_cache). Its view is
-# 4-D too, so kv_planes took it for records: a BindKV refused for its shape, or, at 2 KV heads a rank, one
-# accepted that reads K and V of head 0 as K of heads 0 and 1.
-_KV_HEAD_GROUP_BACKENDS = frozenset({"ROCM_ATTN"})
-
-
-def _backend_name(self_attn: Any) -> str | None:
-    """The name of the attention backend vLLM picked for a draft layer (self_attn.attn.attn_backend), or None."""
-    get_name = getattr(getattr(getattr(self_attn, "attn", None), "attn_backend", None), "get_name", None)
-    return str(get_name()) if callable(get_name) else None
-
-
-def kv_memory_refusal(vllm_config: Any) -> str | None:
-    """Why the engine's KV cache cannot be shared with the sidecar, from vLLM's cache config, or None. vLLM 0.34
-    turns its extensible KV cache on by default on CUDA and ROCm (config/vllm.py _resolve_extensible_kv_cache):
-    the cache is driver-mapped virtual memory, which legacy CUDA/HIP IPC handles (torch's tensor sharing, BindKV)
-    cannot export, as vLLM itself says of connectors that share that way. Every BindKV would fail, every step fall
-    back, and the draft's graphs be given away for nothing. None while vLLM has not resolved the setting."""
-    if getattr(getattr(vllm_config, "cache_config", None), "enable_extensible_kv_cache", None):
-        return ("vLLM's extensible KV cache is on (driver-mapped memory, which CUDA/HIP IPC cannot share with the "
-                "sidecar): start vLLM with --no-enable-extensible-kv-cache to use it")
-    return None
-
-
-def kv_groups_refusal(speculator: Any) -> str | None:
-    """Why every draft step will fall back for the draft's KV cache layout, from vLLM's speculator once its
-    attention is set (vLLM 0.34 calls init_cudagraph_manager after set_attn, which lists the KV cache groups the
-    draft's layers lie in: dflash/speculator.py draft_kv_cache_group_ids), or None. A step carries one block
-    table and one slot mapping for all layers, so the shim falls back on every step of a draft spanning several
-    (metadata.spans_kv_groups); its draft graphs would be given away for nothing."""
-    ids = getattr(speculator, "draft_kv_cache_group_ids", None)
-    if ids is None or len(ids) < 2:
-        return None
-    return (f"the draft's attention layers span {len(ids)} KV cache groups, each with its own block table, and a "
-            "sidecar step carries one")
-
-
-def sleep_mode_refusal(vllm_config: Any) -> str | None:
-    """Why the shim must stay off under vLLM's sleep mode, or None when it is not enabled. A wake-up maps new
-    physical memory under the same KV tensors at the same addresses: the shim's identity check cannot see
-    that and vLLM gives the draft model no hook for it, so the sidecar would go on using the memory it
-    mapped before the sleep (client/FAILURE_MODES.md). Every rank reads the same config: all stay off."""
-    if not getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
-        return None
-    return ("vLLM sleep mode is enabled (model_config.enable_sleep_mode): a wake-up remaps the KV cache "
-            "unseen by the sidecar's binding; run without sleep mode to use the sidecar")
 
 
 def _embeds_slot(forward: Any) -> int | None:

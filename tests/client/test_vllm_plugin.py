@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dspark_sidecar.client import shim as S
-from dspark_sidecar.client import vllm_plugin
+from dspark_sidecar.client import vllm_plugin, vllm_refusals
 from dspark_sidecar.proto import codec
 from helpers.engine_fakes import HIDDEN, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir
 
@@ -739,7 +739,7 @@ def test_the_deployment_is_read_from_the_configs_vllm_hands_the_draft_and_the_sp
 
 @pytest.mark.parametrize("config", [dict(anchor=True), dict(draft_dcp=1), dict()])
 def test_a_draft_layout_the_sidecar_serves_is_not_refused(config):
-    assert vllm_plugin.draft_layout_refusal(vllm_config(**config)) is None
+    assert vllm_refusals.draft_layout_refusal(vllm_config(**config)) is None
 
 
 @pytest.mark.parametrize("anchor", [0, None, False])
@@ -747,7 +747,7 @@ def test_sample_from_anchor_is_read_as_vllm_reads_it(anchor):
     """vLLM tests the checkpoint's value for truth (dspark/speculator.py): a 0 or null there drafts 8 rows too."""
     cfg = vllm_config()
     cfg.speculative_config.draft_model_config.hf_config.sample_from_anchor = anchor
-    assert "sample_from_anchor" in vllm_plugin.draft_layout_refusal(cfg)
+    assert "sample_from_anchor" in vllm_refusals.draft_layout_refusal(cfg)
 
 
 def test_a_draft_spanning_several_kv_cache_groups_keeps_its_graphs_and_says_why(fake_speculator, monkeypatch, caplog):
@@ -828,12 +828,12 @@ def test_the_attention_the_sidecar_serves_is_not_refused(fake_vllm, fake_specula
     spec.vllm_config, spec.model = cfg, model
     spec.init_cudagraph_manager("FULL")
     assert spec.mode == "NONE" and vllm_plugin.build_shim(model, cfg).enabled
-    assert vllm_plugin.draft_attention_refusal(model, cfg) is None
+    assert vllm_refusals.draft_attention_refusal(model, cfg) is None
     # A model whose layers say nothing of their attention (another build of the class) is not judged by it.
-    assert vllm_plugin.draft_attention_refusal(SimpleNamespace(), cfg) is None
+    assert vllm_refusals.draft_attention_refusal(SimpleNamespace(), cfg) is None
 
 
 @pytest.mark.parametrize("extensible", [False, None])
 def test_a_kv_cache_of_plain_device_memory_or_a_setting_not_yet_resolved_is_not_refused(extensible):
-    assert vllm_plugin.kv_memory_refusal(vllm_config(extensible=extensible)) is None
-    assert vllm_plugin.kv_memory_refusal(SimpleNamespace()) is None  # a config without cache_config says nothing
+    assert vllm_refusals.kv_memory_refusal(vllm_config(extensible=extensible)) is None
+    assert vllm_refusals.kv_memory_refusal(SimpleNamespace()) is None  # a config without cache_config says nothing

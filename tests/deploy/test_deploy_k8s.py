@@ -177,7 +177,8 @@ def test_engine_arguments_pass_the_shims_deployment_checks(variant):
     from types import SimpleNamespace
 
     from dspark_sidecar.client.config import config_refusal
-    from dspark_sidecar.client.vllm_plugin import engine_config_from_vllm, kv_memory_refusal
+    from dspark_sidecar.client.vllm_plugin import engine_config_from_vllm
+    from dspark_sidecar.client.vllm_refusals import kv_memory_refusal
 
     cfg, engine = variant.config, variant.container("engine")
     args = engine["args"]
