@@ -10,17 +10,24 @@ from __future__ import annotations
 from typing import Any
 
 
+def _draft_hf_config(vllm_config: Any) -> Any:
+    """The draft checkpoint's config.json as vLLM loaded it (speculative_config.draft_model_config.hf_config),
+    or None."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
+
+
 def draft_layout_refusal(vllm_config: Any) -> str | None:
     """Why vLLM's draft steps will never have the layout the sidecar serves, from its speculative config, or None.
     vLLM 0.34's DSpark speculator drafts 1 + num_speculative_tokens rows per request for a checkpoint with
     sample_from_anchor false (dspark/speculator.py), and splits the draft's KV cache over the ranks with a draft
     decode-context-parallel size above 1 (speculator_config.py resolves it into the field read here). The shim
     would refuse or fall back on every such step, the draft's graphs given away for nothing: off, said once."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    hf = getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
-    if not getattr(hf, "sample_from_anchor", True):  # read as vLLM reads it: any false value (0, null) too
+    # Read as vLLM reads it: any false value (0, null) too.
+    if not getattr(_draft_hf_config(vllm_config), "sample_from_anchor", True):
         return ("the DSpark checkpoint has sample_from_anchor false: vLLM drafts 1 + 7 rows per request, and the "
                 "sidecar serves the spec's 7")
+    spec = getattr(vllm_config, "speculative_config", None)
     dcp = int(getattr(spec, "draft_decode_context_parallel_size", None) or 1)
     if dcp > 1:
         return (f"draft decode context parallel size {dcp}: each rank holds part of the draft KV cache, and the "
@@ -40,8 +47,7 @@ def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         return None
-    hf = getattr(getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None),
-                 "hf_config", None)
+    hf = _draft_hf_config(vllm_config)
     window, rotary = getattr(hf, "sliding_window", None), getattr(hf, "rotary_dim", None)
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)

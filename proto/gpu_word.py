@@ -11,8 +11,9 @@ register it with their own GPU context (`cuMemHostRegister`): host memory needs 
 torch exposes none of these calls, so they go through ctypes to the driver library torch has
 already loaded. The same binding queues the answer's copy out of the output region on the engine's
 step path: with torch's clone there the copy was 1.26-1.42x the answer's decode in host time, with
-the driver's call 1.05-1.11x, 4-8 us less (BENCHMARKS.md runs 296-297). `GpuWordOps.load` returns None where they are not available (no driver, an old
-one, a device without 64-bit stream memory operations): the doorbell then works as before.
+the driver's call 1.05-1.11x, 4-8 us less (BENCHMARKS.md runs 296-297). `GpuWordOps.load` returns
+None where they are not available (no driver, an old one, a device without 64-bit stream memory
+operations): the doorbell then works as before.
 """
 
 from __future__ import annotations
