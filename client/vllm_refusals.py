@@ -97,7 +97,7 @@ def kv_memory_refusal(vllm_config: Any) -> str | None:
     back, and the draft's graphs be given away for nothing. None while vLLM has not resolved the setting."""
     if getattr(getattr(vllm_config, "cache_config", None), "enable_extensible_kv_cache", None):
         return ("vLLM's extensible KV cache is on (driver-mapped memory, which CUDA/HIP IPC cannot share with the "
-                "sidecar): start vLLM with --no-enable-extensible-kv-cache to use it")
+                "sidecar): start vLLM with --disable-extensible-kv-cache to use it")
     return None
 
 

@@ -90,7 +90,7 @@ def vllm_config(tp: int = 4, method: str = "dspark", k: int = 7, sleep_mode: boo
     """anchor: the draft checkpoint's sample_from_anchor (None: unset, as MiniMax's, vLLM's default True); draft_dcp:
     speculative_config.draft_decode_context_parallel_size as vLLM resolves it (None: not set yet); extensible:
     cache_config.enable_extensible_kv_cache as vLLM resolves it (on by default on CUDA and ROCm; False here, as the
-    deployments start vLLM with --no-enable-extensible-kv-cache; None: not resolved yet)."""
+    deployments start vLLM with --disable-extensible-kv-cache; None: not resolved yet)."""
     hf = SimpleNamespace() if anchor is None else SimpleNamespace(sample_from_anchor=anchor)
     return SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp),
@@ -573,7 +573,7 @@ def test_vllm_sleep_mode_keeps_the_sidecar_off(fake_vllm, monkeypatch, caplog):
                         "sidecar binds whole caches (set draft_decode_context_parallel_size 1)"),
     # vLLM 0.34's default on CUDA and ROCm: a driver-mapped cache, which no BindKV could share
     (dict(extensible=True), "vLLM's extensible KV cache is on (driver-mapped memory, which CUDA/HIP IPC cannot share "
-                            "with the sidecar): start vLLM with --no-enable-extensible-kv-cache to use it"),
+                            "with the sidecar): start vLLM with --disable-extensible-kv-cache to use it"),
 ])
 def test_a_deployment_the_sidecar_cannot_serve_keeps_its_draft_graphs_and_says_why(fake_vllm, fake_speculator,
                                                                                       monkeypatch, caplog, config, said):

@@ -165,6 +165,15 @@ def test_resources_and_security_context(variant):
     assert variant.container("dspark-sidecar")["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def _vllm_switch(args: list[str], name: str) -> bool | None:
+    """An --enable-<name> switch as vLLM 0.34's parser reads it (utils/argparse_utils.py EnableDisableAction: the
+    last of --enable-, --disable-, and the hidden --no-enable- / --no-disable- spellings wins), None if absent."""
+    spellings = {f"--enable-{name}": True, f"--no-disable-{name}": True,
+                 f"--disable-{name}": False, f"--no-enable-{name}": False}
+    seen = [spellings[a] for a in args if a in spellings]
+    return seen[-1] if seen else None
+
+
 def _flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
@@ -187,7 +196,7 @@ def test_engine_arguments_pass_the_shims_deployment_checks(variant):
         parallel_config=SimpleNamespace(tensor_parallel_size=int(_flag(args, "--tensor-parallel-size"))),
         speculative_config=SimpleNamespace(**spec),
         # vLLM 0.34 turns the extensible (driver-mapped) KV cache on unless told not to: no IPC could share it
-        cache_config=SimpleNamespace(enable_extensible_kv_cache="--no-enable-extensible-kv-cache" not in args))
+        cache_config=SimpleNamespace(enable_extensible_kv_cache=_vllm_switch(args, "extensible-kv-cache") is not False))
     assert env_of(engine)["DSPARK_SOCKET_DIR"]["valueFrom"]["configMapKeyRef"]["key"] == "DSPARK_SOCKET_DIR"
     shim = engine_config_from_vllm(vllm_config, 0, {"DSPARK_SOCKET_DIR": cfg["DSPARK_SOCKET_DIR"]})
     assert config_refusal(shim) is None, config_refusal(shim)
