@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from deploy.deploy_files import (
@@ -178,12 +179,33 @@ def _flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
+# The attention backend vLLM 0.34 gives a non-causal draft that names none: the first of its platform's priorities
+# (platforms/rocm.py _get_backend_priorities: ROCM_ATTN first; platforms/cuda.py: FLASH_ATTN first below SM100).
+_DEFAULT_DRAFT_BACKEND = {"amd": "ROCM_ATTN", "nvidia": "FLASH_ATTN"}
+
+
+def test_the_draft_attention_backend_each_engine_gets_is_one_the_sidecar_reads(variant):
+    """The backend lays out the draft's KV cache; the plug-in keeps the shim off for one the sidecar cannot read
+    (ROCm's default among them). A manifest that left the draft to ROCm's default shipped a fast path that never
+    engaged on MI355X, the platform it is for."""
+    from dspark_sidecar.client.vllm_refusals import draft_attention_refusal
+
+    spec = json.loads(_flag(variant.container("engine")["args"], "--speculative-config"))
+    backend = spec.get("attention_backend") or _DEFAULT_DRAFT_BACKEND[variant.name]
+    # The draft's layers as vLLM builds them: the spec's non-causal block over the window, the backend's name.
+    attn = SimpleNamespace(causal=False, sliding_window=4096, rotary_emb=SimpleNamespace(rotary_dim=64),
+                           attn=SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend)))
+    model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=attn)] * 5))
+    hf = SimpleNamespace(sliding_window=4096, rotary_dim=64)
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf)))
+    assert draft_attention_refusal(model, vllm_config) is None, (backend, draft_attention_refusal(model, vllm_config))
+
+
 def test_engine_arguments_pass_the_shims_deployment_checks(variant):
     """The engine's TP size and speculative config are what the client shim checks before forwarding (the seed's
     "TP n != 4", "no DSpark draft", "7 speculative tokens required"): any other value, or a draft model other than
     the sidecar's checkpoint, leaves the sidecar serving while every draft step runs the stock layers. So does
     vLLM 0.34's default extensible KV cache (driver-mapped memory no IPC handle shares): the engine turns it off."""
-    from types import SimpleNamespace
 
     from dspark_sidecar.client.config import config_refusal
     from dspark_sidecar.client.vllm_plugin import engine_config_from_vllm
@@ -274,6 +296,11 @@ def _vendor_neutral(variant) -> dict:
         c.pop("image")
         c["env"] = [e for e in c.get("env", []) if not e["name"].startswith(("CUDA_", "PYTORCH_"))]
         c["volumeMounts"] = [m for m in c["volumeMounts"] if not m["name"].startswith("mps-")]
+        if "--speculative-config" in c.get("args", []):  # the draft's attention backend is the platform's choice
+            i = c["args"].index("--speculative-config") + 1
+            spec = json.loads(c["args"][i])
+            spec.pop("attention_backend", None)
+            c["args"][i] = json.dumps(spec, sort_keys=True)
     return dep
 
 
