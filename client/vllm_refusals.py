@@ -90,14 +90,21 @@ def _backend_name(self_attn: Any) -> str | None:
 
 
 def kv_memory_refusal(vllm_config: Any) -> str | None:
-    """Why the engine's KV cache cannot be shared with the sidecar, from vLLM's cache config, or None. vLLM 0.34
+    """Why the engine's KV cache cannot be shared with the sidecar, from vLLM's config, or None. vLLM 0.34
     turns its extensible KV cache on by default on CUDA and ROCm (config/vllm.py _resolve_extensible_kv_cache):
     the cache is driver-mapped virtual memory, which legacy CUDA/HIP IPC handles (torch's tensor sharing, BindKV)
-    cannot export, as vLLM itself says of connectors that share that way. Every BindKV would fail, every step fall
-    back, and the draft's graphs be given away for nothing. None while vLLM has not resolved the setting."""
+    cannot export, as vLLM itself says of connectors that share that way. So is a cache allocated in vLLM's
+    CuMemAllocator pool (cuMemCreate / cuMemMap), as it is with model_config.enable_cumem_allocator
+    (v1/worker/gpu_worker.py _maybe_get_memory_pool_context(tag="kv_cache")). Every BindKV would fail, every
+    step fall back, and the draft's graphs be given away for nothing. None while vLLM has not resolved the
+    setting. Sleep mode, which turns the cumem allocator on, is sleep_mode_refusal's to name."""
     if getattr(getattr(vllm_config, "cache_config", None), "enable_extensible_kv_cache", None):
         return ("vLLM's extensible KV cache is on (driver-mapped memory, which CUDA/HIP IPC cannot share with the "
                 "sidecar): start vLLM with --disable-extensible-kv-cache to use it")
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "enable_cumem_allocator", False) and not getattr(model, "enable_sleep_mode", False):
+        return ("vLLM's cumem allocator is on (--enable-cumem-allocator: the KV cache is driver-mapped memory, which "
+                "CUDA/HIP IPC cannot share with the sidecar): start vLLM without it to use it")
     return None
 
 

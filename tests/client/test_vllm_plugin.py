@@ -86,18 +86,22 @@ def fake_vllm(monkeypatch):
 
 
 def vllm_config(tp: int = 4, method: str = "dspark", k: int = 7, sleep_mode: bool = False, dp: int = 1, pp: int = 1,
-                anchor: bool | None = None, draft_dcp: int | None = None, extensible: bool | None = False):
+                anchor: bool | None = None, draft_dcp: int | None = None, extensible: bool | None = False,
+                cumem: bool = False):
     """anchor: the draft checkpoint's sample_from_anchor (None: unset, as MiniMax's, vLLM's default True); draft_dcp:
     speculative_config.draft_decode_context_parallel_size as vLLM resolves it (None: not set yet); extensible:
     cache_config.enable_extensible_kv_cache as vLLM resolves it (on by default on CUDA and ROCm; False here, as the
-    deployments start vLLM with --disable-extensible-kv-cache; None: not resolved yet)."""
+    deployments start vLLM with --disable-extensible-kv-cache; None: not resolved yet); cumem:
+    model_config.enable_cumem_allocator (--enable-cumem-allocator; vLLM 0.34 turns it on for sleep mode too,
+    config/model.py)."""
     hf = SimpleNamespace() if anchor is None else SimpleNamespace(sample_from_anchor=anchor)
     return SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp),
         speculative_config=SimpleNamespace(method=method, num_speculative_tokens=k,
                                            draft_model_config=SimpleNamespace(hf_config=hf),
                                            draft_decode_context_parallel_size=draft_dcp),
-        device_config=SimpleNamespace(device="cpu"), model_config=SimpleNamespace(enable_sleep_mode=sleep_mode),
+        device_config=SimpleNamespace(device="cpu"),
+        model_config=SimpleNamespace(enable_sleep_mode=sleep_mode, enable_cumem_allocator=cumem or sleep_mode),
         cache_config=SimpleNamespace(enable_extensible_kv_cache=extensible))
 
 
@@ -574,6 +578,10 @@ def test_vllm_sleep_mode_keeps_the_sidecar_off(fake_vllm, monkeypatch, caplog):
     # vLLM 0.34's default on CUDA and ROCm: a driver-mapped cache, which no BindKV could share
     (dict(extensible=True), "vLLM's extensible KV cache is on (driver-mapped memory, which CUDA/HIP IPC cannot share "
                             "with the sidecar): start vLLM with --disable-extensible-kv-cache to use it"),
+    # Without sleep mode too, the flag allocates the KV cache in vLLM's CuMemAllocator pool (gpu_worker.py
+    # _maybe_get_memory_pool_context(tag="kv_cache")): cuMemCreate / cuMemMap memory, which no BindKV could export.
+    (dict(cumem=True), "vLLM's cumem allocator is on (--enable-cumem-allocator: the KV cache is driver-mapped memory, "
+                       "which CUDA/HIP IPC cannot share with the sidecar): start vLLM without it to use it"),
 ])
 def test_a_deployment_the_sidecar_cannot_serve_keeps_its_draft_graphs_and_says_why(fake_vllm, fake_speculator,
                                                                                       monkeypatch, caplog, config, said):
