@@ -16,6 +16,13 @@ _BLOCK_TABLES = ("block_tables", "block_table", "block_table_tensor")
 _SLOTS = ("slot_mapping",)
 
 
+def fields_missing(field_names: set[str]) -> list[str]:
+    """What read_step_metadata needs that a metadata class with these fields lacks: of "seq_lens", "block table",
+    "slot_mapping", in that order (empty: it can be read)."""
+    return [what for what, names in (("seq_lens", _SEQ_LENS), ("block table", _BLOCK_TABLES),
+                                      ("slot_mapping", _SLOTS)) if field_names.isdisjoint(names)]
+
+
 def _first_attr(obj: Any, names: tuple[str, ...]) -> torch.Tensor | None:
     for n in names:
         v = getattr(obj, n, None)

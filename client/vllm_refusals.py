@@ -7,7 +7,11 @@ does not say (another vLLM, a fake) is not refused for it.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any
+
+from dspark_sidecar.client.metadata import fields_missing
 
 
 def _draft_hf_config(vllm_config: Any) -> Any:
@@ -59,6 +63,11 @@ def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
                     "an x-packed key interior (ROCm's default), which the sidecar cannot read: it binds the "
                     "[pages, kv_heads, page_size, 2 x head_dim] cache; choose the draft's attention backend with the "
                     "speculative config's attention_backend (which ROCm backend keeps that layout is unverified)")
+        missing = fields_missing(fields) if (fields := _metadata_fields(attn)) is not None else []
+        if missing:
+            return (f"vLLM's {backend} attention backend keeps no {', '.join(missing)} in its step metadata, which "
+                    "the shim reads each step: every step would fall back; choose the draft's attention backend "
+                    "with the speculative config's attention_backend (FLASH_ATTN or TRITON_ATTN)")
         if attn.causal:
             return (f"vLLM serves draft layer {i} causally (the checkpoint's dflash_config.causal or is_causal), "
                     "and the sidecar serves the spec's non-causal block")
@@ -87,6 +96,21 @@ def _backend_name(self_attn: Any) -> str | None:
     """The name of the attention backend vLLM picked for a draft layer (self_attn.attn.attn_backend), or None."""
     get_name = getattr(getattr(getattr(self_attn, "attn", None), "attn_backend", None), "get_name", None)
     return str(get_name()) if callable(get_name) else None
+
+
+def _metadata_fields(self_attn: Any) -> set[str] | None:
+    """The field names of the metadata class the draft layer's attention backend builds, or None where it does not
+    say. vLLM 0.34 names it as the type argument of the backend's builder (AttentionMetadataBuilder[M], perhaps on
+    a base class: RocmAiterUnifiedAttentionMetadataBuilder(RocmAttentionMetadataBuilder)); M is a dataclass."""
+    get_builder = getattr(getattr(getattr(self_attn, "attn", None), "attn_backend", None), "get_builder_cls", None)
+    if not callable(get_builder):
+        return None
+    for klass in getattr(get_builder(), "__mro__", ()):
+        for base in getattr(klass, "__orig_bases__", ()):
+            for arg in typing.get_args(base):
+                if dataclasses.is_dataclass(arg):
+                    return {f.name for f in dataclasses.fields(arg)}
+    return None
 
 
 def kv_memory_refusal(vllm_config: Any) -> str | None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import inspect
 import sys
 import types
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Generic, TypeVar
 
 import pytest
 import torch
@@ -775,13 +777,51 @@ def test_a_draft_spanning_several_kv_cache_groups_keeps_its_graphs_and_says_why(
     assert one.mode == "NONE"
 
 
+M = TypeVar("M")
+
+
+class _MetadataBuilder(Generic[M]):
+    """vLLM's AttentionMetadataBuilder[M] (v1/attention/backend.py): the metadata class is its type argument."""
+
+
+@dataclass
+class _RecordsMetadata:  # FlashAttentionMetadata / TritonAttentionMetadata / RocmAttentionMetadata's fields read
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+@dataclass
+class _FlashInferMetadata:  # v1/attention/backends/flashinfer.py FlashInferMetadata: tables inside prefill / decode
+    slot_mapping: torch.Tensor
+    prefill: object
+    decode: object
+
+
+class _RecordsBuilder(_MetadataBuilder[_RecordsMetadata]):
+    pass
+
+
+class _SubclassedBuilder(_RecordsBuilder):  # as RocmAiterUnifiedAttentionMetadataBuilder(RocmAttentionMetadataBuilder)
+    pass
+
+
+class _FlashInferBuilder(_MetadataBuilder[_FlashInferMetadata]):
+    pass
+
+
+_BUILDERS = {"FLASHINFER": _FlashInferBuilder, "ROCM_AITER_UNIFIED_ATTN": _SubclassedBuilder}
+
+
 def _draft_attention(model, causal=False, window=4096, rotary_dim=64, backend=None):
     """The attention vLLM 0.34 resolved for the draft's layers, on the fake draft model: DFlashQwen3Attention's
     causal and sliding_window (models/qwen3_dflash.py, from _resolve_layer_attention) and its rotary_emb's
     rotary_dim (get_rope: head_dim x rope_parameters' partial_rotary_factor, 0.5 unset)."""
     attn = SimpleNamespace(causal=causal, sliding_window=window, rotary_emb=SimpleNamespace(rotary_dim=rotary_dim))
     if backend is not None:  # vLLM's Attention layer (self_attn.attn) and the backend its selector picked
-        attn.attn = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend))
+        builder = _BUILDERS.get(backend, _RecordsBuilder)
+        attn.attn = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend,
+                                                                 get_builder_cls=lambda: builder))
     model.model = SimpleNamespace(layers=[SimpleNamespace(self_attn=attn) for _ in range(5)])
     return model
 
@@ -804,6 +844,9 @@ def _draft_config(sliding_window=4096, rotary_dim=64):
     # ROCm's default (platforms/rocm.py _get_backend_priorities: ROCM_ATTN first): K and V as two head groups
     # (customize_spec num_head_slots=2) with an x-packed key interior, which the records view misreads.
     (dict(backend="ROCM_ATTN"), "vLLM's ROCM_ATTN attention backend"),
+    # Named by the user, or CUDA's pick where FlashAttention cannot serve (an fp8_e5m2 cache): its metadata keeps
+    # the tables inside its prefill / decode plans, with no seq_lens, so every step fell back, the graphs given away.
+    (dict(backend="FLASHINFER"), "vLLM's FLASHINFER attention backend keeps no seq_lens, block table"),
 ])
 def test_a_draft_whose_attention_vllm_resolved_otherwise_keeps_the_sidecar_off(fake_vllm, fake_speculator,
                                                                                monkeypatch, caplog, attention, said):
@@ -826,12 +869,13 @@ def test_a_draft_whose_attention_vllm_resolved_otherwise_keeps_the_sidecar_off(f
     assert model.stock_calls == 1 and said in (model.dspark_shim().refusal or "")
 
 
-def test_the_attention_the_sidecar_serves_is_not_refused(fake_vllm, fake_speculator, monkeypatch):
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_UNIFIED_ATTN"])
+def test_the_attention_the_sidecar_serves_is_not_refused(fake_vllm, fake_speculator, monkeypatch, backend):
     """Non-causal, the config's window and rotary dims on every layer: eager draft steps, a shim that may forward."""
     monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
     assert vllm_plugin.register() == [ARCH]
     cfg = _draft_config()
-    model = _draft_attention(fake_vllm.registry.models[ARCH](vllm_config=cfg), backend="FLASH_ATTN")
+    model = _draft_attention(fake_vllm.registry.models[ARCH](vllm_config=cfg), backend=backend)
     spec = fake_speculator()
     spec.vllm_config, spec.model = cfg, model
     spec.init_cudagraph_manager("FULL")
