@@ -39,6 +39,11 @@ def rank_socket(socket_dir: str | Path, rank: int) -> Path:
     return Path(socket_dir) / f"rank{rank}.sock"
 
 
+def rank_lease_socket(socket_dir: str | Path, rank: int) -> Path:
+    """Rank r's lease socket path in `socket_dir` (server/lease.py, StatusReport.lease_socket)."""
+    return Path(socket_dir) / f"rank{rank}.lease"
+
+
 def socket_dir_problem(socket_dir: str | Path, tp: int) -> str | None:
     """Why ranks 0..tp-1's sockets in `socket_dir` cannot be served or reached, or None.
 

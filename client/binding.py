@@ -11,6 +11,7 @@ from typing import Sequence
 import grpc
 import torch
 
+from dspark_sidecar.client.lease import EngineLease
 from dspark_sidecar.drafter.kv_cache import FP8_KV, kv_planes
 from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
@@ -165,6 +166,8 @@ class KVBinder:
         # then (each try costs every layer's export, on every step the engine runs while it keeps that cache),
         # a re-allocated cache at once.
         self._unshareable: tuple[tuple, str, float] | None = None
+        # Named in each BindKV: the sidecar releases the binding when this process ends (client/lease.py).
+        self.lease = EngineLease()
 
     @property
     def generation(self) -> int:
@@ -191,18 +194,24 @@ class KVBinder:
         self.current = None
 
     def release(self, stub, deadline_s: float) -> None:
-        """UnbindKV the binding the sidecar holds for this engine (`held`), best effort, and forget it.
-        One the sidecar no longer has (it restarted, or was re-bound since) is refused UNKNOWN_BINDING."""
+        """UnbindKV the binding the sidecar holds for this engine (`held`), best effort, and forget it; then end
+        the lease, which releases it where the call did not reach the sidecar. One the sidecar no longer has (it
+        restarted, or was re-bound since) is refused UNKNOWN_BINDING."""
         b, self.current, self.held = self.held, None, None
-        if b is None or stub is None:
-            return
         try:
-            stub.UnbindKV(pb.UnbindKVRequest(binding_id=b.binding_id), timeout=deadline_s)
-        except grpc.RpcError as e:
-            log.info("UnbindKV: %s (the sidecar drops the binding when it restarts anyway)", e.code().name)
+            if b is None or stub is None:
+                return
+            try:
+                stub.UnbindKV(pb.UnbindKVRequest(binding_id=b.binding_id), timeout=deadline_s)
+            except grpc.RpcError as e:
+                log.info("UnbindKV: %s (the lease's end releases the binding where the sidecar gave it one)",
+                         e.code().name)
+        finally:
+            self.lease.close()
 
-    def bind(self, stub, layers: Sequence[torch.Tensor], deadline_s: float) -> Binding:
-        """BindKV once; raises BindError (permanent or not)."""
+    def bind(self, stub, layers: Sequence[torch.Tensor], deadline_s: float, lease_socket: str = "") -> Binding:
+        """BindKV once, under a lease from `lease_socket` (StatusReport.lease_socket; "": none); raises BindError
+        (permanent or not)."""
         ident = cache_identity(layers)
         if (self._unshareable is not None and self._unshareable[0] == ident
                 and time.monotonic() < self._unshareable[2]):
@@ -214,6 +223,7 @@ class KVBinder:
             self.current, self._unshareable = None, (ident, str(e), time.monotonic() + UNSHAREABLE_RETRY_S)
             raise
         self._unshareable = None
+        req.lease = self.lease.token(lease_socket, deadline_s)
         try:
             resp = stub.BindKV(req, timeout=deadline_s)
         except grpc.RpcError as e:

@@ -343,6 +343,11 @@ class DrafterShim:
                 self._drop_link()  # the next step's pre-flight opens it again, finds the refusal, and agrees on it
         return None if ready else why
 
+    def _lease_socket(self) -> str:
+        """Where the sidecar rank hands out leases (StatusReport.lease_socket, read at each reconnect); ""."""
+        status = self.connection.status
+        return status.lease_socket if status is not None else ""
+
     def _probe(self, deadline_s: float) -> bool:
         """The breaker's health probe: SERVING passes, and so does a sidecar that is NOT_SERVING because it
         refuses for good (its status says so, sidecar_refusal). Health alone kept such a sidecar (strict mode,
@@ -425,7 +430,7 @@ class DrafterShim:
     def _bind(self, layers: list[torch.Tensor]) -> tuple[bool, str, bool] | None:
         """Bind the KV cache: None when bound, else _prepare's (ready, why not, refused for good)."""
         try:
-            self.binder.bind(self.connection.stub, layers, self.config.bind_deadline_s)
+            self.binder.bind(self.connection.stub, layers, self.config.bind_deadline_s, self._lease_socket())
         except NotShareable as e:
             # The engine's allocator, not the sidecar: no breaker failure, the link kept, nothing sent. Not
             # ready until the engine re-allocates the cache (then it is tried again): every rank falls back.
@@ -487,7 +492,7 @@ class DrafterShim:
                and binds < self.config.max_catchup_binds):
             binds += 1
             try:
-                self.binder.bind(self.connection.stub, layers, self.config.bind_deadline_s)
+                self.binder.bind(self.connection.stub, layers, self.config.bind_deadline_s, self._lease_socket())
             except NotShareable:
                 return  # nothing was sent; the next readiness check reports it (_prepare)
             except BindError as e:

@@ -7,3 +7,6 @@ SERVICE_NAME = "dspark.sidecar.v1.DrafterSidecar"
 # (StatusReport.instance): a client tells a stream that reached a restarted sidecar from one that reached
 # the process whose status it read.
 INSTANCE_METADATA = "dspark-instance"
+# The one message of a lease connection (StatusReport.lease_socket): the sidecar's token, uint64 little-endian,
+# never 0. struct's format, so that importing the package stays free of protobuf.
+LEASE_TOKEN_FORMAT = "<Q"

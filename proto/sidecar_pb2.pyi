@@ -201,7 +201,7 @@ class LatencySummary(_message.Message):
     def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., p50_ns: _Optional[int] = ..., p99_ns: _Optional[int] = ...) -> None: ...
 
 class StatusReport(_message.Message):
-    __slots__ = ("model", "limits", "parallel", "backend", "fast_path_refusal", "serving", "state", "server_version", "state_reason", "instance", "kv", "counters", "latencies")
+    __slots__ = ("model", "limits", "parallel", "backend", "fast_path_refusal", "serving", "state", "server_version", "state_reason", "instance", "lease_socket", "kv", "counters", "latencies")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class StatusReport(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SOCKET_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     LATENCIES_FIELD_NUMBER: _ClassVar[int]
@@ -225,10 +226,11 @@ class StatusReport(_message.Message):
     server_version: str
     state_reason: str
     instance: str
+    lease_socket: str
     kv: KVBindingState
     counters: Counters
     latencies: _containers.RepeatedCompositeFieldContainer[LatencySummary]
-    def __init__(self, model: _Optional[_Union[ModelSummary, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., parallel: _Optional[_Union[Parallel, _Mapping]] = ..., backend: _Optional[str] = ..., fast_path_refusal: _Optional[str] = ..., serving: _Optional[bool] = ..., state: _Optional[str] = ..., server_version: _Optional[str] = ..., state_reason: _Optional[str] = ..., instance: _Optional[str] = ..., kv: _Optional[_Union[KVBindingState, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., latencies: _Optional[_Iterable[_Union[LatencySummary, _Mapping]]] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[ModelSummary, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., parallel: _Optional[_Union[Parallel, _Mapping]] = ..., backend: _Optional[str] = ..., fast_path_refusal: _Optional[str] = ..., serving: _Optional[bool] = ..., state: _Optional[str] = ..., server_version: _Optional[str] = ..., state_reason: _Optional[str] = ..., instance: _Optional[str] = ..., lease_socket: _Optional[str] = ..., kv: _Optional[_Union[KVBindingState, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., latencies: _Optional[_Iterable[_Union[LatencySummary, _Mapping]]] = ...) -> None: ...
 
 class EngineFacts(_message.Message):
     __slots__ = ("engine_rank", "tp_size", "dp_size", "pp_size", "speculative_method", "num_speculative_tokens", "device", "device_uuid")
@@ -267,14 +269,16 @@ class KVLayerBinding(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ...) -> None: ...
 
 class BindKVRequest(_message.Message):
-    __slots__ = ("engine", "layers", "page_size")
+    __slots__ = ("engine", "layers", "page_size", "lease")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     engine: EngineFacts
     layers: _containers.RepeatedCompositeFieldContainer[KVLayerBinding]
     page_size: int
-    def __init__(self, engine: _Optional[_Union[EngineFacts, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[KVLayerBinding, _Mapping]]] = ..., page_size: _Optional[int] = ...) -> None: ...
+    lease: int
+    def __init__(self, engine: _Optional[_Union[EngineFacts, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[KVLayerBinding, _Mapping]]] = ..., page_size: _Optional[int] = ..., lease: _Optional[int] = ...) -> None: ...
 
 class BindKVResponse(_message.Message):
     __slots__ = ("binding_id", "generation", "fast_path_refusal", "backend")

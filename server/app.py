@@ -474,6 +474,8 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
                                pb.Parallel(tp_size=world, tp_rank=rank, dist_backend=dist_backend, device=str(device)),
                                f"mxfp8->{cfg.dtype}" if cfg.weights == "bf16" else "mxfp8", cfg.socket_dir,
                                cfg.prelaunch, cfg.prelaunch_behind_ms / 1e3)
+    if servicer.leases is not None:  # the lease socket beside the gRPC one, with its mode
+        _give_socket_mode(Path(servicer.leases.path), rank)
     late.status_source = servicer  # reads only: safe during the warm-up
 
     publish = HealthPublisher(life, servicer, ctx, health_servicer, metrics)
@@ -552,6 +554,7 @@ def teardown(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grpc.
     stuck = not loop.stop_steps()
     stage[0] = "the gRPC server"
     server.stop(grace=SERVER_GRACE_S).wait()  # then refuse new calls and end the streams
+    servicer.close_leases()  # engines read end of file: the next sidecar hands out leases of its own
     if stuck:
         log.error("rank %d: a step still runs %.0f s into the shutdown (stuck on the device or in a collective: "
                   "a peer gone?); the streams are ended, and the process ends now with status %d, its device "

@@ -36,6 +36,7 @@ class KVBinding:
     engine: EngineFacts
     mappings: list[MappedMemory]
     spans: list[_Span] = field(default_factory=list)  # each layer's bytes (_Span.of), for the overlap rule
+    lease: int = 0  # BindKVRequest.lease: released when that lease's connection ends (server/lease.py); 0: none
 
     def close(self) -> None:
         self.layers = []
@@ -114,7 +115,7 @@ class MemoryBindings:
                     _refuse_overlap(f"layers[{i}].memory", "the layer's cache", span, self._written_by_others())
                 old, self.generation, self.binds = self.kv, self.generation + 1, self.binds + 1
                 self.kv = KVBinding(secrets.randbits(62) or 1, self.generation, layers, num_pages,
-                                    req.page_size, facts, mappings, spans)
+                                    req.page_size, facts, mappings, spans, req.lease)
         except Exception:  # over a region or the doorbell page: the binding in place stands
             layers.clear()
             self._discard(mappings, [])

@@ -25,6 +25,7 @@ from dspark_sidecar.proto.gpu_word import GpuWordOps
 from dspark_sidecar.proto.memory import MappedMemory, discard_handle
 from dspark_sidecar.server.doorbell import Doorbell
 from dspark_sidecar.server.errors import SidecarError, invalid, precondition
+from dspark_sidecar.server.lease import LeaseKeeper
 from dspark_sidecar.server.prelaunch import BEHIND_S
 from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.refusal import AWAITING_BIND, HostFacts, fast_path_refusal
@@ -95,6 +96,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     def __init__(self, ctx: RankContext, loop: RankLoop, life: Lifecycle, limits: pb.Limits,
                  parallel: pb.Parallel, weight_format: str, run_dir: Path | None = None,
                  prelaunch: bool = False, prelaunch_behind_s: float = BEHIND_S) -> None:
+        """run_dir: the rank's socket folder, where its doorbell wake FIFOs and its lease socket go (None: neither;
+        steps are polled for, and bindings last until UnbindKV, a re-bind or the exit)."""
         self.ctx, self.loop, self.life = ctx, loop, life
         # Pre-launched doorbell steps (server/prelaunch.py): on a GPU with graphs; at TP > 1 the ranks
         # agree on queueing and on answering from the queue at each step (server/rendezvous.py).
@@ -109,6 +112,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._doorbells_closed = False  # shutdown (close_doorbell): no doorbell attaches any more
         self._streams = threading.BoundedSemaphore(MAX_STREAMS)  # open DraftSteps streams
         self.instance = secrets.token_hex(8)  # StatusReport.instance: this start of the rank's server, no other
+        self.leases = (LeaseKeeper(layout.rank_lease_socket(run_dir, ctx.rank), self.lease_lost)
+                       if run_dir is not None else None)
         listeners = getattr(ctx.fast, "listeners", None)
         if listeners is not None:  # the fast path's verdict on a binding changes what health says
             listeners.append(self._publish_health)
@@ -167,6 +172,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             limits=self.limits, parallel=self.parallel, backend=self.life.backend,
             fast_path_refusal=self.status_refusal(), serving=state == "SERVING", state=state,
             server_version=__version__, state_reason=reason, instance=self.instance,
+            lease_socket=self.leases.path if self.leases is not None else "",
             kv=pb.KVBindingState(
                 bound=kv is not None, binding_id=kv.binding_id if kv else 0, generation=kv.generation if kv else 0,
                 num_layers=len(layers), num_pages=kv.num_pages if kv else 0,
@@ -176,6 +182,9 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def BindKV(self, request, context):
         self._require_same_node(context)
+        if request.lease and not self._lease_live(request.lease):
+            give_back_unopened(context.peer(), [lb.memory for lb in request.layers])
+            raise self._lease_lost_error(request.lease)
         # No host wait for a queued copy (wait=False; at TP > 1 it finishes only with its peers'): the old
         # cache is unmapped once the device no longer reads it, and a step graph bound to it is dropped
         # at the next step (CUDA defers destroying a graph still running).
@@ -186,6 +195,15 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             # (with the IPC release's stream sync) ran on that step's path.
             if self.ctx.fast is not None:
                 self.ctx.fast.unbound(self.loop.after_device)
+            # The lease ended while this call mapped the cache: its loss found no binding under it to release
+            # (lease_lost waits for this section, and the keeper marks a lease gone before calling it), so
+            # the binding goes here, or the gone engine's cache would stay mapped.
+            lost = bool(request.lease) and not self._lease_live(request.lease)
+            if lost:
+                self._release_binding(kv.binding_id)
+        if lost:
+            self._publish_health()  # the binding it replaced is gone too: no binding's verdict stands
+            raise self._lease_lost_error(request.lease)
         self.ctx.metrics.bound()
         why = self.refusal()
         log.info("rank %d: KV bound (binding %d, generation %d, %d pages x %d); fast path: %s", self.ctx.rank,
@@ -199,14 +217,47 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     def UnbindKV(self, request, context):
         self._require_same_node(context)
         with self.loop.exclusive(wait=False):  # as BindKV
-            self.ctx.memory.unbind(request.binding_id, self.loop.after_device)
-            if self.ctx.fast is not None:  # its runner holds views of the cache just released
-                self.ctx.fast.unbound(self.loop.after_device)
+            self._release_binding(request.binding_id)
         # As BindKV: health's verdict was the released binding's. Not published again, a strict rank refused
         # for that binding (an engine's DP > 1, a cache layout) stayed REFUSED with nothing bound: an engine
         # connecting later, rightly configured, read it as refused for good and never bound.
         self._publish_health()
         return pb.UnbindKVResponse()
+
+    def _release_binding(self, binding_id: int) -> None:
+        """Unbind `binding_id` (UNKNOWN_BINDING if it is not the current one); inside loop.exclusive."""
+        self.ctx.memory.unbind(binding_id, self.loop.after_device)
+        if self.ctx.fast is not None:  # its runner holds views of the cache just released
+            self.ctx.fast.unbound(self.loop.after_device)
+
+    # Leases (server/lease.py) ------------------------------------------------------------------
+    def _lease_live(self, token: int) -> bool:
+        return self.leases is not None and self.leases.live(token)
+
+    def _lease_lost_error(self, token: int) -> SidecarError:
+        where = (f"{self.leases.path} has" if self.leases is not None
+                 else "this rank serves no lease socket (no socket folder), so it has")
+        return precondition(f"lease: {token} names no open lease ({where} none by that token: its connection "
+                            "closed, or it came from another sidecar start); connect to StatusReport.lease_socket "
+                            "for a new lease and bind again", "LEASE_LOST", "lease")
+
+    def lease_lost(self, token: int) -> None:
+        """A lease's connection ended (the keeper's thread): the engine that held it closed it or is gone, so
+        the binding made under it is released, as UnbindKV would, and its cache unmapped once the device is
+        done with it. A binding made since under another lease, or none, is left as it is."""
+        with self.loop.exclusive(wait=False):
+            kv = self.ctx.memory.kv
+            if kv is None or kv.lease != token:
+                return
+            self._release_binding(kv.binding_id)
+        log.warning("rank %d: the engine that bound KV binding %d (generation %d) closed its lease (it exited?): "
+                    "the binding is released and its cache unmapped", self.ctx.rank, kv.binding_id, kv.generation)
+        self._publish_health()
+
+    def close_leases(self) -> None:
+        """Shutdown: the lease socket and every lease closed (no binding is released for it: the exit unmaps)."""
+        if self.leases is not None:
+            self.leases.close()
 
     def RegisterBuffers(self, request, context):
         self._require_same_node(context)

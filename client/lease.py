@@ -1,0 +1,77 @@
+"""The engine rank's lease on its sidecar rank: a unix connection that ends with this process (server/lease.py).
+
+The sidecar releases the KV binding made under the lease once the connection ends, so a cache the engine can no
+longer release itself (the process exited or was killed) does not stay mapped, and allocated, by the sidecar.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import struct
+
+from dspark_sidecar.proto import LEASE_TOKEN_FORMAT
+
+TOKEN = struct.Struct(LEASE_TOKEN_FORMAT)
+
+log = logging.getLogger("dspark_sidecar.client")
+
+
+class EngineLease:
+    """One lease at a time, taken from the sidecar's lease socket when a BindKV needs one (`token`)."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+        self._path = ""
+        self._token = 0
+
+    def token(self, path: str, deadline_s: float) -> int:
+        """The token of a live lease from `path` (StatusReport.lease_socket), taken now if the one held is from
+        another path or has ended (the sidecar restarted or closed it); 0 where `path` is empty (a sidecar
+        without leases) or none could be taken, which is said: the binding then outlives this process."""
+        if not path:
+            self.close()
+            return 0
+        if self._sock is not None and path == self._path and self._open():
+            return self._token
+        self.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(deadline_s)
+            sock.connect(path)
+            token = TOKEN.unpack(_read_exactly(sock, TOKEN.size))[0]
+        except (OSError, EOFError) as err:  # no socket there, refused, full (closed before the token), too slow
+            sock.close()
+            log.warning("no lease from the sidecar's %s (%s): this binding will outlive this process if it dies "
+                        "(the sidecar keeps its KV cache mapped until a re-bind or its own exit)", path, err)
+            return 0
+        if not token:  # the protocol's tokens are never 0; a peer sending one is no sidecar's lease socket
+            sock.close()
+            log.warning("the sidecar's %s sent lease token 0: not a lease; binding without one", path)
+            return 0
+        self._sock, self._path, self._token = sock, path, token
+        return token
+
+    def _open(self) -> bool:
+        """Whether the lease's connection is still open: the sidecar writes nothing after the token, so a
+        readable socket means end of file (its end closed it)."""
+        poller = select.poll()  # not select(): an engine's descriptor numbers may pass 1023
+        poller.register(self._sock, select.POLLIN)
+        return not poller.poll(0)
+
+    def close(self) -> None:
+        """End the lease: the sidecar releases a binding still held under it."""
+        if self._sock is not None:
+            self._sock.close()
+        self._sock, self._path, self._token = None, "", 0
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError(f"the connection closed after {len(data)} of the token's {n} bytes")
+        data += chunk
+    return data

@@ -1,0 +1,138 @@
+"""Engine leases: a unix stream connection per engine process whose end tells the rank that the engine is gone.
+
+A CUDA/HIP IPC mapping keeps the exporter's memory allocated after the exporter exits (run 299: 16 GiB still
+held after the exporting process exited or was SIGKILLed, freed only when the importer closed its mapping). A
+sidecar rank that kept a dead engine's KV cache bound therefore held most of the GPU's memory, and the engine,
+restarted, failed its start-up memory check until the sidecar restarted too. gRPC tells a server nothing about
+a client process's end; a socket does: the kernel closes an exiting process's descriptors, and the peer reads
+end of file. So the engine takes a lease here before BindKV (StatusReport.lease_socket documents the protocol),
+and the rank releases the binding made under the lease when its connection ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+from pathlib import Path
+from typing import Callable
+
+from dspark_sidecar.proto import LEASE_TOKEN_FORMAT
+
+log = logging.getLogger("dspark_sidecar.server")
+
+TOKEN = struct.Struct(LEASE_TOKEN_FORMAT)  # the one message: the lease token
+# Leases one rank holds at once. An engine rank needs one (two across a re-connect); each holds a descriptor of
+# the rank's, so a client that only connects could otherwise use them all up.
+MAX_LEASES = 16
+
+
+class LeaseKeeper:
+    """The listening socket at `path` and its open leases, served by one thread. `on_lost(token)` runs on that
+    thread after a lease's connection ended; `live(token)` is already False by then."""
+
+    def __init__(self, path: str | Path, on_lost: Callable[[int], None]) -> None:
+        self.path = str(path)
+        self._on_lost = on_lost
+        self._lock = threading.Lock()
+        self._live: set[int] = set()
+        if os.path.lexists(self.path):  # a killed run's: the rank claimed its gRPC socket beside it first
+            os.unlink(self.path)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)  # its mode is the caller's to set, as the gRPC socket's (app._give_socket_mode)
+        self._listener.listen(MAX_LEASES)
+        self._listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the thread out of select
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"lease:{Path(self.path).name}", daemon=True)
+        self._thread.start()
+
+    def live(self, token: int) -> bool:
+        """Whether `token` names a lease of this keeper whose connection is still open."""
+        with self._lock:
+            return token in self._live
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            for key, _ in self._sel.select():
+                if key.fileobj is self._wake_r:
+                    return
+                if key.fileobj is self._listener:
+                    self._accept()
+                else:
+                    self._read(key.fileobj, key.data)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):  # the client gave up between the event and the accept
+            return
+        except OSError as err:  # EMFILE and the like: the connection waits in the backlog; said, not spun on
+            log.warning("lease socket %s: cannot accept a lease: %s", self.path, err)
+            return
+        with self._lock:
+            full = len(self._live) >= MAX_LEASES
+            token = 0 if full else (secrets.randbits(63) or 1)
+            if token:
+                self._live.add(token)
+        if full:
+            log.warning("lease socket %s: %d leases open, the most a rank holds: a new one refused (closed before "
+                        "its token)", self.path, MAX_LEASES)
+            conn.close()
+            return
+        try:
+            conn.sendall(TOKEN.pack(token))  # 8 bytes into an empty socket buffer: never blocks
+        except OSError:  # the engine closed it already: a lease that never was
+            conn.close()
+            self._end(token)
+            return
+        conn.setblocking(False)
+        self._sel.register(conn, selectors.EVENT_READ, token)
+
+    def _read(self, conn: socket.socket, token: int) -> None:
+        try:
+            data = conn.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # ECONNRESET and the like: the connection is gone as surely as at end of file
+            data = b""
+        if data:  # the protocol has the engine write nothing: read and dropped, the lease stands
+            return
+        self._sel.unregister(conn)
+        conn.close()
+        self._end(token)
+        try:
+            self._on_lost(token)
+        except Exception:  # noqa: BLE001 - raised on, it would end this thread, and no later lease would be watched
+            log.exception("lease socket %s: releasing what lease %d held failed", self.path, token)
+
+    def _end(self, token: int) -> None:
+        with self._lock:
+            self._live.discard(token)
+
+    def close(self) -> None:
+        """Stop serving: the listener and every lease closed (the engines read end of file), the path removed.
+        No on_lost for those: the rank is shutting down, and its exit releases every mapping."""
+        self._stopping = True
+        self._wake_w.send(b"x")
+        self._thread.join()
+        for key in list(self._sel.get_map().values()):
+            key.fileobj.close()
+        self._sel.close()
+        self._wake_w.close()
+        with self._lock:
+            self._live.clear()
+        if os.path.lexists(self.path):
+            os.unlink(self.path)

@@ -1,0 +1,38 @@
+"""An engine rank in its own process for the lease tests: binds a shared-memory KV cache to sidecar rank 0 through
+the shim's KVBinder, under the lease its status names, prints the binding and segment names, then waits on stdin.
+
+`python -m helpers.lease_engine <target> <num_pages> <dtype> [--no-lease]` (run with tests/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+import torch
+
+from dspark_sidecar.client.binding import KVBinder
+from dspark_sidecar.drafter.config import PRESETS
+from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+from dspark_sidecar.proto import memory
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from helpers.engine_sim import PAGE
+
+
+def main() -> None:
+    target, pages, dtype = sys.argv[1], int(sys.argv[2]), getattr(torch, sys.argv[3])
+    cfg = PRESETS["tiny"]
+    kv = [memory.shm_empty(kv_layer_shape(cfg, 1, pages, PAGE), dtype) for _ in range(cfg.num_hidden_layers)]
+    stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(target))
+    status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    lease = "" if "--no-lease" in sys.argv else status.lease_socket
+    binder = KVBinder(pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1, speculative_method="dspark",
+                                     num_speculative_tokens=7, device="cpu"))
+    b = binder.bind(stub, [t.tensor for t in kv], 10.0, lease)
+    print(b.binding_id, " ".join(memory.export_handle(t.tensor).shm.name for t in kv), flush=True)
+    sys.stdin.readline()  # until the test says (or kills this process)
+
+
+if __name__ == "__main__":
+    main()

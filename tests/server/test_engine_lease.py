@@ -1,0 +1,108 @@
+"""A real sidecar releases the KV binding of an engine process that ended, however it ended (server/lease.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from dspark_sidecar.proto.rich_status import error_reason
+from helpers.sidecar_proc import SidecarProcess
+from helpers.waiting import wait_until
+
+TESTS = Path(__file__).resolve().parents[1]
+PAGES = 16
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants (the launcher's rank processes)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").iterdir():
+            todo += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _mapped(pids: list[int], names: list[str]) -> set[str]:
+    """Which of the shared-memory segments `names` any of `pids` still maps."""
+    found = set()
+    for p in pids:
+        maps = Path(f"/proc/{p}/maps").read_text()
+        found |= {n for n in names if f"/dev/shm{n if n.startswith('/') else '/' + n}" in maps}
+    return found
+
+
+def _engine(sc: SidecarProcess, *extra: str) -> tuple[subprocess.Popen, int, list[str]]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, "-m", "helpers.lease_engine", sc.socket(0), str(PAGES), "float32",
+                              *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    line = child.stdout.readline().split()
+    assert line, f"the engine process ended before binding (rc {child.wait()})"
+    return child, int(line[0]), line[1:]
+
+
+def _status(stub) -> pb.StatusReport:
+    return stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+
+
+def _unlink(names: list[str]) -> None:
+    for n in names:  # what a killed engine left in /dev/shm
+        Path("/dev/shm", n.lstrip("/")).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "exit"])
+def test_the_binding_of_an_engine_that_ended_is_released_and_its_cache_unmapped(tmp_path, tiny_ckpt, how):
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        assert _status(stub).lease_socket.endswith("rank0.lease")
+        child, binding, segments = _engine(sc)
+        try:
+            pids = _tree(sc.proc.pid)
+            kv = _status(stub).kv
+            assert kv.bound and kv.binding_id == binding
+            assert _mapped(pids, segments) == set(segments)  # the sidecar maps the engine's cache
+            if how == "SIGKILL":
+                child.send_signal(signal.SIGKILL)
+            else:
+                child.stdin.write("\n")
+                child.stdin.flush()
+            child.wait(10)
+            wait_until(lambda: not _status(stub).kv.bound, 10, lambda: f"still bound:\n{sc.log_tail()}")
+            wait_until(lambda: not _mapped(pids, segments), 10, lambda: f"still mapped: {_mapped(pids, segments)}")
+            assert "closed its lease" in sc.log_tail()
+            assert sc.health() == ["SERVING"]  # the rank serves on, for the engine's next start
+        finally:
+            child.kill()
+            child.wait()
+            _unlink(segments)
+
+
+def test_a_binding_made_without_a_lease_outlives_its_engine_and_a_lost_lease_is_refused(tmp_path, tiny_ckpt):
+    """Lease 0 keeps the old contract (bound until UnbindKV, a re-bind or the exit); a token the rank never handed
+    out is FAILED_PRECONDITION LEASE_LOST, and binds nothing."""
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        child, binding, segments = _engine(sc, "--no-lease")
+        try:
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+            kv = _status(stub).kv
+            assert kv.bound and kv.binding_id == binding  # no lease: nothing tells the sidecar
+            with pytest.raises(grpc.RpcError) as err:
+                stub.BindKV(pb.BindKVRequest(lease=12345), timeout=10)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and error_reason(err.value) == "LEASE_LOST"
+            assert "StatusReport.lease_socket" in err.value.details()
+            assert _status(stub).kv.binding_id == binding  # the refusal left the binding in place
+        finally:
+            child.kill()
+            child.wait()
+            _unlink(segments)
