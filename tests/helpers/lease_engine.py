@@ -1,7 +1,9 @@
 """An engine rank in its own process for the lease tests: binds a shared-memory KV cache to sidecar rank 0 through
 the shim's KVBinder, under the lease its status names, prints the binding and segment names, then waits on stdin.
 
-`python -m helpers.lease_engine <target> <num_pages> <dtype> [--no-lease]` (run with tests/ on sys.path).
+`python -m helpers.lease_engine <target> <num_pages> <dtype> [--no-lease] [--cuda GIB]` (run with tests/ on sys.path).
+--cuda: the cache on GPU 0 as vLLM 0.34 allocates it (every layer a view of one int8 allocation), GIB GiB more of
+which stand for the rest of the engine's cache; the segment names printed are then empty.
 """
 
 from __future__ import annotations
@@ -23,14 +25,27 @@ from helpers.engine_sim import PAGE
 def main() -> None:
     target, pages, dtype = sys.argv[1], int(sys.argv[2]), getattr(torch, sys.argv[3])
     cfg = PRESETS["tiny"]
-    kv = [memory.shm_empty(kv_layer_shape(cfg, 1, pages, PAGE), dtype) for _ in range(cfg.num_hidden_layers)]
+    shape = kv_layer_shape(cfg, 1, pages, PAGE)
+    if "--cuda" in sys.argv:
+        ballast = int(float(sys.argv[sys.argv.index("--cuda") + 1]) * (1 << 30))
+        per = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        raw = torch.zeros(ballast + per * cfg.num_hidden_layers, dtype=torch.uint8, device="cuda:0")
+        layers = [raw[ballast + i * per: ballast + (i + 1) * per].view(dtype).view(shape)
+                  for i in range(cfg.num_hidden_layers)]
+        torch.cuda.synchronize()
+        names = []
+    else:
+        kv = [memory.shm_empty(shape, dtype) for _ in range(cfg.num_hidden_layers)]
+        layers = [t.tensor for t in kv]
+        names = [memory.export_handle(t).shm.name for t in layers]
     stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(target))
     status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
     lease = "" if "--no-lease" in sys.argv else status.lease_socket
     binder = KVBinder(pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1, speculative_method="dspark",
-                                     num_speculative_tokens=7, device="cpu"))
-    b = binder.bind(stub, [t.tensor for t in kv], 10.0, lease)
-    print(b.binding_id, " ".join(memory.export_handle(t.tensor).shm.name for t in kv), flush=True)
+                                     num_speculative_tokens=7, device=str(layers[0].device),
+                                     device_uuid=memory.gpu_uuid(layers[0].device)))
+    b = binder.bind(stub, layers, 10.0, lease)
+    print(b.binding_id, " ".join(names), flush=True)
     sys.stdin.readline()  # until the test says (or kills this process)
 
 

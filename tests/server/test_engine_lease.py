@@ -106,3 +106,31 @@ def test_a_binding_made_without_a_lease_outlives_its_engine_and_a_lost_lease_is_
             child.kill()
             child.wait()
             _unlink(segments)
+
+
+@pytest.mark.gpu
+def test_a_killed_engine_s_gpu_cache_is_freed_while_the_sidecar_serves_on(tmp_path, tiny_ckpt):
+    """The case leases are for: CUDA IPC keeps an exporter's memory allocated while an importer maps it (run 299),
+    so the killed engine's cache (here 4 GiB, one allocation as vLLM's) came back only when the sidecar let go."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gib = 4
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
+        stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
+        base = torch.cuda.mem_get_info(0)[0]
+        child, binding, _ = _engine(sc, "--cuda", str(gib))
+        try:
+            assert _status(stub).kv.binding_id == binding
+            held = base - torch.cuda.mem_get_info(0)[0]
+            assert held >= gib << 30, f"the engine holds {held / 2**30:.2f} GiB"
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+            wait_until(lambda: base - torch.cuda.mem_get_info(0)[0] < (1 << 30), 15,
+                       lambda: f"{(base - torch.cuda.mem_get_info(0)[0]) / 2**30:.2f} GiB still held; bound: "
+                               f"{_status(stub).kv.bound}\n{sc.log_tail()}")
+            assert not _status(stub).kv.bound and sc.health() == ["SERVING"]
+        finally:
+            child.kill()
+            child.wait()
