@@ -194,20 +194,18 @@ class KVBinder:
         self.current = None
 
     def release(self, stub, deadline_s: float) -> None:
-        """UnbindKV the binding the sidecar holds for this engine (`held`), best effort, and forget it; then end
-        the lease, which releases it where the call did not reach the sidecar. One the sidecar no longer has (it
-        restarted, or was re-bound since) is refused UNKNOWN_BINDING."""
+        """UnbindKV the binding the sidecar holds for this engine (`held`), best effort, and forget it. One the
+        sidecar no longer has (it restarted, or was re-bound since) is refused UNKNOWN_BINDING. The lease stays
+        for the caller to end (`lease.close()`) once it has released what else it registered under it: its end
+        releases whatever a failed call left."""
         b, self.current, self.held = self.held, None, None
+        if b is None or stub is None:
+            return
         try:
-            if b is None or stub is None:
-                return
-            try:
-                stub.UnbindKV(pb.UnbindKVRequest(binding_id=b.binding_id), timeout=deadline_s)
-            except grpc.RpcError as e:
-                log.info("UnbindKV: %s (the lease's end releases the binding where the sidecar gave it one)",
-                         e.code().name)
-        finally:
-            self.lease.close()
+            stub.UnbindKV(pb.UnbindKVRequest(binding_id=b.binding_id), timeout=deadline_s)
+        except grpc.RpcError as e:
+            log.info("UnbindKV: %s (the lease's end releases the binding where the sidecar gave it one)",
+                     e.code().name)
 
     def bind(self, stub, layers: Sequence[torch.Tensor], deadline_s: float, lease_socket: str = "") -> Binding:
         """BindKV once, under a lease from `lease_socket` (StatusReport.lease_socket; "": none); raises BindError

@@ -107,7 +107,10 @@ class StepBuffers:
     """The registered regions of one engine rank, sized for `max_reqs` requests."""
 
     def __init__(self, stub: pb_grpc.DrafterSidecarStub, hidden: int, max_reqs: int, max_pages: int,
-                 dtype: torch.dtype, device: torch.device, timeout_s: float = 10.0, group: int | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, timeout_s: float = 10.0, group: int | None = None,
+                 lease: int = 0) -> None:
+        """lease: the engine's lease token (client/lease.py), under which the sidecar releases the regions
+        should this process end without close(); 0: none."""
         n = layout.QPR * max_reqs
         self._stub, self._timeout_s = stub, timeout_s
         self._ids: list[int] = []  # registered with the sidecar: released there by close()
@@ -128,7 +131,7 @@ class StepBuffers:
             regions = [pb.BufferRegion(name=name, memory=memory.export_handle(t), size_bytes=t.numel() * t.element_size())
                        for name, t in (("inputs_embeds", self.embeds), ("hidden_states", self.hidden),
                                        ("metadata", self.meta_bytes))]
-            ids = list(stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions, owner=self.owner),
+            ids = list(stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=regions, owner=self.owner, lease=lease),
                                             timeout=timeout_s).region_ids)
             if len(ids) != 3 or len(set(ids)) != 3 or 0 in ids:
                 self._release_owner()  # whatever it did register, it did under our token

@@ -30,7 +30,7 @@ class DoorbellTransport:
     """send/wait/settled like StepStream, over the data plane of one engine rank."""
 
     def __init__(self, conn: SidecarConnection, hidden: int, max_reqs: int, max_pages: int,
-                 dtype: torch.dtype, device: torch.device, timeout_s: float) -> None:
+                 dtype: torch.dtype, device: torch.device, timeout_s: float, lease: int = 0) -> None:
         assert conn.stub is not None
         if hidden < 1 or max_reqs < 1:
             # Before any remote call: the doorbell would be attached, and its page then dropped here
@@ -43,7 +43,7 @@ class DoorbellTransport:
         group = ipc_group(conn.endpoint)  # a sidecar of another user in the socket's group maps them too
         self.bell = DoorbellChannel(conn.stub, device, timeout_s=timeout_s, group=group)
         try:
-            self.buffers = StepBuffers(conn.stub, hidden, max_reqs, max_pages, dtype, device, timeout_s, group)
+            self.buffers = StepBuffers(conn.stub, hidden, max_reqs, max_pages, dtype, device, timeout_s, group, lease)
         except BaseException:
             self.bell.close()
             raise

@@ -53,6 +53,12 @@ class EngineLease:
         self._sock, self._path, self._token = sock, path, token
         return token
 
+    @property
+    def held(self) -> int:
+        """The token of the lease held now (0: none), not checked nor taken again: for what is registered
+        right after the bind that took it (StepBuffers)."""
+        return self._token
+
     def _open(self) -> bool:
         """Whether the lease's connection is still open: the sidecar writes nothing after the token, so a
         readable socket means end of file (its end closed it)."""

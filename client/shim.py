@@ -466,7 +466,7 @@ class DrafterShim:
                 self.connection, int(status.model.hidden_size),
                 min(int(status.limits.max_reqs or self._max_reqs), self.config.max_reqs),
                 min((kv_paging(layers[0]) or (0, 0))[0], _MAX_DOORBELL_PAGES), dtype, layers[0].device,
-                self.config.connect_deadline_s)
+                self.config.connect_deadline_s, self.binder.lease.held)
             log.info("sidecar rank %d: steps go through the shared-memory doorbell", self.rank)
         except (grpc.RpcError, DataPlaneError, HandleError, ValueError, RuntimeError, OSError, MemoryError) as e:
             detail = e.code().name if isinstance(e, grpc.RpcError) else str(e)
@@ -698,6 +698,9 @@ class DrafterShim:
     def _release(self) -> None:
         self.binder.release(self.connection.stub, self.config.connect_deadline_s)
         self._drop_link()
+        # Last: its end releases at the sidecar what the calls above did not (a call that failed; buffers whose
+        # release waits for an unsettled step), and it was taken for this link's sidecar only.
+        self.binder.lease.close()
 
     def _drop_link(self) -> None:
         """Close the data plane and the channel; the next step reconnects (and re-reads the status).

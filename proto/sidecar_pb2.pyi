@@ -313,12 +313,14 @@ class BufferRegion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterBuffersRequest(_message.Message):
-    __slots__ = ("regions", "owner")
+    __slots__ = ("regions", "owner", "lease")
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     regions: _containers.RepeatedCompositeFieldContainer[BufferRegion]
     owner: int
-    def __init__(self, regions: _Optional[_Iterable[_Union[BufferRegion, _Mapping]]] = ..., owner: _Optional[int] = ...) -> None: ...
+    lease: int
+    def __init__(self, regions: _Optional[_Iterable[_Union[BufferRegion, _Mapping]]] = ..., owner: _Optional[int] = ..., lease: _Optional[int] = ...) -> None: ...
 
 class RegisterBuffersResponse(_message.Message):
     __slots__ = ("region_ids",)

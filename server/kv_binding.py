@@ -70,6 +70,7 @@ class MemoryBindings:
         self._retired: set[int] = set()  # released region ids: never handed out again by this process
         self._owned: dict[int, list[int]] = {}  # RegisterBuffersRequest.owner -> its live region ids
         self._released_owners: set[int] = set()  # owners released by UnregisterBuffers: register nothing more
+        self._leased: dict[int, list[int]] = {}  # RegisterBuffersRequest.lease -> its live region ids
         self._pages: dict[MappedMemory, _Span] = {}  # attached doorbells' pages, until they let go (claim_page)
         self._quiet = QuietStream(device)  # where refused mappings are closed (_discard)
         # Resolved views by (region, offset, dtype, shape): an engine sends the same slices step
@@ -251,6 +252,8 @@ class MemoryBindings:
                     ids.append(rid)
                 if req.owner:
                     self._owned.setdefault(req.owner, []).extend(ids)
+                if req.lease:
+                    self._leased.setdefault(req.lease, []).extend(ids)
         except Exception:  # a bad region (or handle: errors.as_sidecar_error maps it) undoes the others
             self._discard(mapped, [r.memory for r in req.regions[handed:]])
             raise
@@ -275,6 +278,10 @@ class MemoryBindings:
                 self._owned[o] = [rid for rid in self._owned[o] if rid not in gone]
                 if not self._owned[o]:
                     del self._owned[o]  # the token stays usable: only a release by owner retires it
+            for lease in list(self._leased):  # nor by their lease
+                self._leased[lease] = [rid for rid in self._leased[lease] if rid not in gone]
+                if not self._leased[lease]:
+                    del self._leased[lease]
             released = [self._regions.pop(rid) for rid in dict.fromkeys(ids)]
             self._retired.update(ids)
             if released:
@@ -284,6 +291,12 @@ class MemoryBindings:
                 self.layouts.clear()
                 self.epoch += 1
         return released
+
+    def leased_regions(self, lease: int) -> list[int]:
+        """The regions still registered under `lease`, handed to one caller only (whoever releases them: the
+        lease's end, or the registration that saw its lease end while it mapped them)."""
+        with self._lock:
+            return [rid for rid in self._leased.pop(lease, []) if rid in self._regions]
 
     # The overlap rule (class docstring) --------------------------------------------------------
     def claim_page(self, page: MappedMemory, nbytes: int) -> None:

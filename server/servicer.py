@@ -243,8 +243,15 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def lease_lost(self, token: int) -> None:
         """A lease's connection ended (the keeper's thread): the engine that held it closed it or is gone, so
-        the binding made under it is released, as UnbindKV would, and its cache unmapped once the device is
-        done with it. A binding made since under another lease, or none, is left as it is."""
+        the binding and the buffer regions made under it are released, as UnbindKV and UnregisterBuffers would,
+        and unmapped once the device is done with them. A binding made since under another lease, or none, is
+        left as it is."""
+        regions = self.ctx.memory.leased_regions(token)
+        if regions:
+            try:
+                self._release_regions(regions)
+            except SidecarError as err:  # the engine's own UnregisterBuffers took one in between: its to release
+                log.info("rank %d: lease %d's regions: %s", self.ctx.rank, token, err.message)
         with self.loop.exclusive(wait=False):
             kv = self.ctx.memory.kv
             if kv is None or kv.lease != token:
@@ -261,11 +268,23 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def RegisterBuffers(self, request, context):
         self._require_same_node(context)
-        return pb.RegisterBuffersResponse(region_ids=self.ctx.memory.register(request))
+        if request.lease and not self._lease_live(request.lease):
+            give_back_unopened(context.peer(), [r.memory for r in request.regions])
+            raise self._lease_lost_error(request.lease)
+        ids = self.ctx.memory.register(request)
+        if request.lease and not self._lease_live(request.lease):  # ended while they were mapped: as BindKV
+            self._release_regions(self.ctx.memory.leased_regions(request.lease))
+            raise self._lease_lost_error(request.lease)
+        return pb.RegisterBuffersResponse(region_ids=ids)
 
     def UnregisterBuffers(self, request, context):
         self._require_same_node(context)
-        ids = list(request.region_ids)
+        self._release_regions(list(request.region_ids), request.owner)
+        return pb.UnregisterBuffersResponse()
+
+    def _release_regions(self, ids: list[int], owner: int = 0) -> None:
+        """Release the regions `ids` and those registered under `owner` (MemoryBindings.unregister: NOT_FOUND,
+        all or none, for an id not registered)."""
         # The doorbell stays as it is (no new one may attach meanwhile), and nothing else runs on the
         # device. What reads the regions is taken out of use at once; it is let go, and the regions
         # closed, once the device has done everything queued so far (RankLoop.after_device). At TP 1
@@ -274,9 +293,9 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # engines wait for this one, which is inside this call.
         with self._attach_lock, self.loop.exclusive(wait=False):
             # First: NOT_FOUND (all or none) before anything is dropped.
-            released = self.ctx.memory.unregister(ids, request.owner)
+            released = self.ctx.memory.unregister(ids, owner)
             if not released:  # an owner whose registration never arrived: nothing reads anything of it
-                return pb.UnregisterBuffersResponse()
+                return
             finish = []
             for d in (self.doorbell, *self._retiring):  # a replaced one still in a step has its pre-launch too
                 pl = d.prelaunch if d is not None else None  # read once: its thread may drop it meanwhile
@@ -294,7 +313,6 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             self.loop.after_device(done)
         log.info("rank %d: %d buffer regions released (%d still registered)", self.ctx.rank, len(released),
                  self.ctx.memory.region_count)
-        return pb.UnregisterBuffersResponse()
 
     def AttachDoorbell(self, request, context):
         self._require_same_node(context)

@@ -64,12 +64,13 @@ def test_the_binding_of_an_engine_that_ended_is_released_and_its_cache_unmapped(
     with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt) as sc:
         stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
         assert _status(stub).lease_socket.endswith("rank0.lease")
-        child, binding, segments = _engine(sc)
+        child, binding, segments = _engine(sc, "--buffers")  # the cache's segments and the step buffers'
         try:
+            assert len(segments) == 8  # 5 layers, 3 regions
             pids = _tree(sc.proc.pid)
             kv = _status(stub).kv
             assert kv.bound and kv.binding_id == binding
-            assert _mapped(pids, segments) == set(segments)  # the sidecar maps the engine's cache
+            assert _mapped(pids, segments) == set(segments)  # the sidecar maps the engine's cache and buffers
             if how == "SIGKILL":
                 child.send_signal(signal.SIGKILL)
             else:
@@ -101,6 +102,9 @@ def test_a_binding_made_without_a_lease_outlives_its_engine_and_a_lost_lease_is_
                 stub.BindKV(pb.BindKVRequest(lease=12345), timeout=10)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and error_reason(err.value) == "LEASE_LOST"
             assert "StatusReport.lease_socket" in err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.RegisterBuffers(pb.RegisterBuffersRequest(lease=12345), timeout=10)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and error_reason(err.value) == "LEASE_LOST"
             assert _status(stub).kv.binding_id == binding  # the refusal left the binding in place
         finally:
             child.kill()

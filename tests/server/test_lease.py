@@ -151,6 +151,9 @@ class _Memory:
         self.kv = SimpleNamespace(binding_id=7, generation=1, lease=req.lease, num_pages=8, page_size=16)
         return self.kv
 
+    def leased_regions(self, lease):
+        return []
+
     def unbind(self, binding_id, retire):
         assert self.kv is not None and self.kv.binding_id == binding_id
         self.kv = None
