@@ -7,9 +7,11 @@ longer release itself (the process exited or was killed) does not stay mapped, a
 from __future__ import annotations
 
 import logging
+import os
 import select
 import socket
 import struct
+import weakref
 
 from dspark_sidecar.proto import LEASE_TOKEN_FORMAT
 
@@ -25,6 +27,7 @@ class EngineLease:
         self._sock: socket.socket | None = None
         self._path = ""
         self._token = 0
+        _ALL.add(self)
 
     def token(self, path: str, deadline_s: float) -> int:
         """The token of a live lease from `path` (StatusReport.lease_socket), taken now if the one held is from
@@ -71,6 +74,20 @@ class EngineLease:
         if self._sock is not None:
             self._sock.close()
         self._sock, self._path, self._token = None, "", 0
+
+
+def _forget_in_child() -> None:
+    """A forked child's copies of the leases' descriptors closed (the parent's stay open): a lease ends only
+    when its last descriptor does, so a child the engine forked (a worker pool, a helper) that kept it kept the
+    engine's binding at the sidecar after the engine ended. A lease the child needs, it takes itself."""
+    for lease in list(_ALL):
+        if lease._sock is not None:
+            lease._sock.close()
+        lease._sock, lease._path, lease._token = None, "", 0
+
+
+_ALL: weakref.WeakSet[EngineLease] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:

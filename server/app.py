@@ -554,7 +554,9 @@ def teardown(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grpc.
     stuck = not loop.stop_steps()
     stage[0] = "the gRPC server"
     server.stop(grace=SERVER_GRACE_S).wait()  # then refuse new calls and end the streams
-    servicer.close_leases()  # engines read end of file: the next sidecar hands out leases of its own
+    # Engines read end of file: the next sidecar hands out leases of its own. With a step stuck, a lease's release
+    # waiting for the loop that step holds is not waited for: joined, it hung the teardown past the exit below.
+    servicer.close_leases(0.0 if stuck else None)
     if stuck:
         log.error("rank %d: a step still runs %.0f s into the shutdown (stuck on the device or in a collective: "
                   "a peer gone?); the streams are ended, and the process ends now with status %d, its device "

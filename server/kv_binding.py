@@ -259,9 +259,11 @@ class MemoryBindings:
             raise
         return ids
 
-    def unregister(self, ids: list[int], owner: int = 0) -> list[MappedMemory]:
+    def unregister(self, ids: list[int], owner: int = 0, lease: int = 0) -> list[MappedMemory]:
         """Release the regions `ids` and those registered under `owner`, all or none: steps can no
-        longer name them, and the owner registers nothing more. The cached views and checked layouts
+        longer name them, and the owner registers nothing more; and those still registered under `lease`
+        (its end, or the registration that saw it end while mapping), taken here, under the lock, so that an
+        UnregisterBuffers of some of them just before makes this no NOT_FOUND. The cached views and checked layouts
         go here; the mappings are returned for the caller to close once the device no longer reads
         them (servicer.UnregisterBuffers)."""
         with self._lock:
@@ -273,6 +275,8 @@ class MemoryBindings:
             if owner:
                 self._released_owners.add(owner)
                 ids = ids + [rid for rid in self._owned.pop(owner, []) if rid in self._regions]
+            if lease:
+                ids = ids + [rid for rid in self._leased.pop(lease, []) if rid in self._regions]
             gone = set(ids)
             for o in list(self._owned):  # released by id: no longer anyone's to release by owner
                 self._owned[o] = [rid for rid in self._owned[o] if rid not in gone]
@@ -291,12 +295,6 @@ class MemoryBindings:
                 self.layouts.clear()
                 self.epoch += 1
         return released
-
-    def leased_regions(self, lease: int) -> list[int]:
-        """The regions still registered under `lease`, handed to one caller only (whoever releases them: the
-        lease's end, or the registration that saw its lease end while it mapped them)."""
-        with self._lock:
-            return [rid for rid in self._leased.pop(lease, []) if rid in self._regions]
 
     # The overlap rule (class docstring) --------------------------------------------------------
     def claim_page(self, page: MappedMemory, nbytes: int) -> None:

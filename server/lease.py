@@ -29,6 +29,10 @@ TOKEN = struct.Struct(LEASE_TOKEN_FORMAT)  # the one message: the lease token
 # Leases one rank holds at once. An engine rank needs one (two across a re-connect); each holds a descriptor of
 # the rank's, so a client that only connects could otherwise use them all up.
 MAX_LEASES = 16
+# After an accept failed for want of descriptors (EMFILE, ENFILE): how long the listener goes unwatched unless a
+# lease's end frees one first. Watched on, it stayed readable (the connection waits in the backlog) and the
+# thread spun, a warning per turn.
+ACCEPT_RETRY_S = 1.0
 
 
 class LeaseKeeper:
@@ -51,6 +55,7 @@ class LeaseKeeper:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._stopping = False
+        self._accept_paused = False  # the listener out of the selector (_accept's EMFILE) until _resume_accept
         self._thread = threading.Thread(target=self._run, name=f"lease:{Path(self.path).name}", daemon=True)
         self._thread.start()
 
@@ -66,8 +71,11 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         while not self._stopping:
-            for key, _ in self._sel.select():
-                if key.fileobj is self._wake_r:
+            events = self._sel.select(ACCEPT_RETRY_S if self._accept_paused else None)
+            if not events:  # the pause's bound: descriptors freed elsewhere in the process count too
+                self._resume_accept()
+            for key, _ in events:
+                if key.fileobj is self._wake_r or self._stopping:
                     return
                 if key.fileobj is self._listener:
                     self._accept()
@@ -80,7 +88,10 @@ class LeaseKeeper:
         except (BlockingIOError, InterruptedError):  # the client gave up between the event and the accept
             return
         except OSError as err:  # EMFILE and the like: the connection waits in the backlog; said, not spun on
-            log.warning("lease socket %s: cannot accept a lease: %s", self.path, err)
+            log.warning("lease socket %s: cannot accept a lease: %s (tried again once a lease ends, or in %.0f s)",
+                        self.path, err, ACCEPT_RETRY_S)
+            self._sel.unregister(self._listener)
+            self._accept_paused = True
             return
         with self._lock:
             full = len(self._live) >= MAX_LEASES
@@ -113,26 +124,39 @@ class LeaseKeeper:
         self._sel.unregister(conn)
         conn.close()
         self._end(token)
+        self._resume_accept()  # a descriptor freed
         try:
             self._on_lost(token)
         except Exception:  # noqa: BLE001 - raised on, it would end this thread, and no later lease would be watched
             log.exception("lease socket %s: releasing what lease %d held failed", self.path, token)
 
+    def _resume_accept(self) -> None:
+        if self._accept_paused:
+            self._accept_paused = False
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
+
     def _end(self, token: int) -> None:
         with self._lock:
             self._live.discard(token)
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
         """Stop serving: the listener and every lease closed (the engines read end of file), the path removed.
-        No on_lost for those: the rank is shutting down, and its exit releases every mapping."""
+        No on_lost for those: the rank is shutting down, and its exit releases every mapping. wait_s: how long
+        to wait for a release already running (None: until it ends). One still running past it (it waits on
+        the rank's loop, which a step stuck at shutdown holds for good) keeps the descriptors it uses: they
+        go with the process, which the teardown then ends."""
         self._stopping = True
         self._wake_w.send(b"x")
-        self._thread.join()
+        self._thread.join(wait_s)
+        if os.path.lexists(self.path):
+            os.unlink(self.path)
+        if self._thread.is_alive():
+            return
         for key in list(self._sel.get_map().values()):
             key.fileobj.close()
         self._sel.close()
         self._wake_w.close()
+        if self._accept_paused:  # out of the selector's map
+            self._listener.close()
         with self._lock:
             self._live.clear()
-        if os.path.lexists(self.path):
-            os.unlink(self.path)

@@ -246,12 +246,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         the binding and the buffer regions made under it are released, as UnbindKV and UnregisterBuffers would,
         and unmapped once the device is done with them. A binding made since under another lease, or none, is
         left as it is."""
-        regions = self.ctx.memory.leased_regions(token)
-        if regions:
-            try:
-                self._release_regions(regions)
-            except SidecarError as err:  # the engine's own UnregisterBuffers took one in between: its to release
-                log.info("rank %d: lease %d's regions: %s", self.ctx.rank, token, err.message)
+        self._release_regions([], lease=token)
         with self.loop.exclusive(wait=False):
             kv = self.ctx.memory.kv
             if kv is None or kv.lease != token:
@@ -261,10 +256,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                     "the binding is released and its cache unmapped", self.ctx.rank, kv.binding_id, kv.generation)
         self._publish_health()
 
-    def close_leases(self) -> None:
-        """Shutdown: the lease socket and every lease closed (no binding is released for it: the exit unmaps)."""
+    def close_leases(self, wait_s: float | None = None) -> None:
+        """Shutdown: the lease socket and every lease closed (no binding is released for it: the exit unmaps);
+        wait_s bounds the wait for a release already running (LeaseKeeper.close)."""
         if self.leases is not None:
-            self.leases.close()
+            self.leases.close(wait_s)
 
     def RegisterBuffers(self, request, context):
         self._require_same_node(context)
@@ -273,7 +269,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             raise self._lease_lost_error(request.lease)
         ids = self.ctx.memory.register(request)
         if request.lease and not self._lease_live(request.lease):  # ended while they were mapped: as BindKV
-            self._release_regions(self.ctx.memory.leased_regions(request.lease))
+            self._release_regions([], lease=request.lease)
             raise self._lease_lost_error(request.lease)
         return pb.RegisterBuffersResponse(region_ids=ids)
 
@@ -282,9 +278,9 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._release_regions(list(request.region_ids), request.owner)
         return pb.UnregisterBuffersResponse()
 
-    def _release_regions(self, ids: list[int], owner: int = 0) -> None:
-        """Release the regions `ids` and those registered under `owner` (MemoryBindings.unregister: NOT_FOUND,
-        all or none, for an id not registered)."""
+    def _release_regions(self, ids: list[int], owner: int = 0, lease: int = 0) -> None:
+        """Release the regions `ids` and those registered under `owner` or `lease` (MemoryBindings.unregister:
+        NOT_FOUND, all or none, for an id not registered)."""
         # The doorbell stays as it is (no new one may attach meanwhile), and nothing else runs on the
         # device. What reads the regions is taken out of use at once; it is let go, and the regions
         # closed, once the device has done everything queued so far (RankLoop.after_device). At TP 1
@@ -293,8 +289,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # engines wait for this one, which is inside this call.
         with self._attach_lock, self.loop.exclusive(wait=False):
             # First: NOT_FOUND (all or none) before anything is dropped.
-            released = self.ctx.memory.unregister(ids, owner)
-            if not released:  # an owner whose registration never arrived: nothing reads anything of it
+            released = self.ctx.memory.unregister(ids, owner, lease)
+            if not released:  # an owner (a lease) whose registration never arrived: nothing reads anything of it
                 return
             finish = []
             for d in (self.doorbell, *self._retiring):  # a replaced one still in a step has its pre-launch too

@@ -79,3 +79,97 @@ def test_a_peer_that_closes_before_the_whole_token_gives_no_lease(caplog):
         assert "closed after 3 of the token's 8 bytes" in caplog.text
     finally:
         srv.close()
+
+
+def test_a_child_the_engine_forks_does_not_hold_its_lease():
+    """The lease ends when its last descriptor closes: a forked child (a worker pool, a helper) that inherited it
+    kept it, and with it the engine's binding, after the engine itself had ended."""
+    import os
+
+    path = short_socket_dir() / "rank0.lease"
+    k = _keeper(path)
+    lease = EngineLease()
+    r, w = os.pipe()
+    try:
+        token = lease.token(str(path), 5)
+        pid = os.fork()
+        if pid == 0:  # the child: lives until the parent says
+            os.read(r, 1)
+            os._exit(0)
+        try:
+            lease.close()  # as the engine's exit would
+            assert k.lost.get(timeout=5) == token
+        finally:
+            os.write(w, b"x")
+            os.waitpid(pid, 0)
+    finally:
+        os.close(r)
+        os.close(w)
+        lease.close()
+        k.close()
+
+
+def test_a_lease_from_another_socket_is_given_up_for_one_from_the_socket_named():
+    """The sidecar's status named another lease socket (another rank, a new socket folder): a token of the old
+    one's is LEASE_LOST there, and kept open the old lease held its binding."""
+    first_path, second_path = short_socket_dir() / "rank0.lease", short_socket_dir() / "rank0.lease"
+    first, second = _keeper(first_path), _keeper(second_path)
+    lease = EngineLease()
+    try:
+        old = lease.token(str(first_path), 5)
+        new = lease.token(str(second_path), 5)
+        assert second.live(new) and first.lost.get(timeout=5) == old
+    finally:
+        lease.close()
+        first.close()
+        second.close()
+
+
+def test_a_peer_that_sends_token_0_gives_no_lease_and_is_let_go(caplog):
+    path = short_socket_dir() / "rank0.lease"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+    lease = EngineLease()
+    try:
+        with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+            def zero():
+                c, _ = srv.accept()
+                c.sendall(bytes(8))
+                c.settimeout(5)
+                got.append(c.recv(1))  # b"": the engine closed it
+                c.close()
+
+            got: list[bytes] = []
+            t = threading.Thread(target=zero)
+            t.start()
+            assert lease.token(str(path), 5) == 0 and lease.held == 0
+            t.join(10)
+        assert got == [b""] and "sent lease token 0" in caplog.text
+    finally:
+        srv.close()
+
+
+def test_the_shim_s_release_ends_its_lease_last():
+    """close() (or a turn-off) ends the lease after UnbindKV and the link: kept, the engine held a lease, and a
+    binding an UnbindKV that failed left, for as long as it ran."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.client.shim import DrafterShim
+
+    path = short_socket_dir() / "rank0.lease"
+    k = _keeper(path)
+    order: list[str] = []
+    lease = EngineLease()
+    try:
+        token = lease.token(str(path), 5)
+        binder = SimpleNamespace(lease=lease, release=lambda stub, deadline: order.append("unbind"))
+        shim = SimpleNamespace(binder=binder, connection=SimpleNamespace(stub=None),
+                               config=SimpleNamespace(connect_deadline_s=1.0),
+                               _drop_link=lambda: order.append(f"link (lease {k.live(token)})"))
+        DrafterShim._release(shim)  # type: ignore[arg-type]
+        assert order == ["unbind", "link (lease True)"]
+        assert k.lost.get(timeout=5) == token and lease.held == 0
+    finally:
+        lease.close()
+        k.close()

@@ -17,6 +17,7 @@ import pytest
 
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.errors import SidecarError
+from dspark_sidecar.server import lease as lease_mod
 from dspark_sidecar.server.lease import MAX_LEASES, TOKEN, LeaseKeeper
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
 from helpers.engine_fakes import short_socket_dir
@@ -151,8 +152,8 @@ class _Memory:
         self.kv = SimpleNamespace(binding_id=7, generation=1, lease=req.lease, num_pages=8, page_size=16)
         return self.kv
 
-    def leased_regions(self, lease):
-        return []
+    def unregister(self, ids, owner=0, lease=0):
+        return []  # no regions registered in these tests
 
     def unbind(self, binding_id, retire):
         assert self.kv is not None and self.kv.binding_id == binding_id
@@ -161,6 +162,8 @@ class _Memory:
 
 
 class _Loop:
+    graphs = None  # no CUDA graphs: nothing to drop when regions go
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
 
@@ -225,3 +228,155 @@ def test_a_lost_lease_releases_only_the_binding_made_under_it():
         assert memory.kv is None
     finally:
         svc.close_leases()
+
+
+def test_close_that_must_not_wait_leaves_a_release_blocked_on_a_stuck_step_behind():
+    """A release waits for the rank's loop, which a step stuck at shutdown holds for good: the teardown's
+    close(wait_s=0) must return (and remove the socket) rather than join that thread, or the rank hung until its
+    watchdog ended it with status 0 instead of STUCK_EXIT."""
+    entered, stuck = threading.Event(), threading.Event()
+
+    def on_lost(token: int) -> None:
+        entered.set()
+        stuck.wait()  # the loop's lock, held by the stuck step
+
+    k = LeaseKeeper(short_socket_dir() / "rank0.lease", on_lost)
+    s, _ = _take(k.path)
+    s.close()
+    assert entered.wait(5)
+    closer = threading.Thread(target=k.close, kwargs={"wait_s": 0})
+    closer.start()
+    closer.join(5)
+    try:
+        assert not closer.is_alive(), "close(wait_s=0) joined the keeper's thread blocked in its release"
+        assert not os.path.lexists(k.path)
+    finally:
+        stuck.set()
+        closer.join(5)
+
+
+def _no_descriptors(monkeypatch, keeper, times: int) -> list[int]:
+    """The keeper's accepts fail EMFILE `times` times (the connection stays in the backlog); each try recorded."""
+    tries: list[int] = []
+    real_accept = socket.socket.accept
+
+    def accept(self):
+        if self.fileno() == keeper._listener.fileno() and len(tries) < times:
+            tries.append(1)
+            raise OSError(24, "Too many open files")
+        return real_accept(self)
+
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    return tries
+
+
+def _token_of(waiting: socket.socket) -> int:
+    data = waiting.recv(TOKEN.size)
+    assert len(data) == TOKEN.size, data
+    return TOKEN.unpack(data)[0]
+
+
+def test_a_connection_it_cannot_accept_for_want_of_descriptors_is_not_spun_on(keeper, monkeypatch):
+    """EMFILE leaves the connection in the backlog and the listener readable: watched on, select returned at once
+    and the keeper logged a warning per turn, a core's worth. It waits for a lease to end (a descriptor freed)."""
+    monkeypatch.setattr(lease_mod, "ACCEPT_RETRY_S", 60.0)  # only a lease's end brings the listener back here
+    held, token = _take(keeper.path)
+    tries = _no_descriptors(monkeypatch, keeper, 1000)
+    waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    waiting.settimeout(5)
+    waiting.connect(keeper.path)
+    wait_until(lambda: tries, 5, "the keeper to try the accept")
+    with pytest.raises(pytest.fail.Exception):  # the bound is the assertion: 50 tries in 0.5 s is a spin
+        wait_until(lambda: len(tries) >= 50, 0.5, "")
+    tries.extend([1] * 1000)  # descriptors again
+    held.close()  # a lease ends: a descriptor is free again
+    assert keeper.lost.get(timeout=5) == token
+    assert keeper.live(_token_of(waiting))  # the waiting engine got its lease
+    waiting.close()
+
+
+def test_a_connection_it_could_not_accept_is_tried_again_though_no_lease_ends(keeper, monkeypatch):
+    """Descriptors freed elsewhere in the rank (no lease of its own ended) are found by the retry's bound."""
+    monkeypatch.setattr(lease_mod, "ACCEPT_RETRY_S", 0.05)
+    tries = _no_descriptors(monkeypatch, keeper, 1)
+    waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    waiting.settimeout(5)
+    waiting.connect(keeper.path)
+    assert keeper.live(_token_of(waiting)) and tries == [1]
+    waiting.close()
+
+
+def test_a_lost_lease_releases_its_regions_though_the_engine_released_some_of_them_meanwhile():
+    """The lease's release took its region ids first and released them later, all or none: an UnregisterBuffers of
+    the engine's (one that timed out at the engine, say, then ran) that took some of them in between made it
+    NOT_FOUND, and the lease's other regions (a data plane registered again under the same lease) stayed mapped."""
+    import torch
+
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.proto import memory as mem_handles
+    from dspark_sidecar.server.kv_binding import MemoryBindings
+
+    memory = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    svc = _servicer(memory)
+    segs = [mem_handles.shm_empty((4096,), torch.uint8) for _ in range(2)]
+    try:
+        s, token = _take(svc.leases.path)
+        for owner, seg in enumerate(segs, 1):  # the first data plane, then the one registered after a reconnect
+            svc.RegisterBuffers(pb.RegisterBuffersRequest(
+                regions=[pb.BufferRegion(name="r", memory=mem_handles.export_handle(seg.tensor), size_bytes=4096)],
+                owner=owner, lease=token), _Context())
+        assert memory.region_count == 2
+        real = memory.unregister
+
+        def engine_first(ids, owner=0, *args):
+            if threading.current_thread().name.startswith("lease:") and memory.region_count == 2:
+                real([], 1)  # the engine's release of its first data plane got the locks first
+            return real(ids, owner, *args)
+
+        memory.unregister = engine_first
+        s.close()
+        wait_until(lambda: memory.region_count == 0, 5, lambda: f"{memory.region_count} regions still registered")
+    finally:
+        svc.close_leases()
+        for seg in segs:
+            seg.close()
+
+
+def test_a_lease_that_ends_while_registerbuffers_maps_the_regions_releases_them():
+    """As BindKV: the lease's own release ran before the regions were recorded under it and found none, so the
+    registration must see the loss itself, or the gone engine's buffers stayed mapped."""
+    import torch
+
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.proto import memory as mem_handles
+    from dspark_sidecar.server.kv_binding import MemoryBindings
+
+    memory = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    svc = _servicer(memory)
+    seg = mem_handles.shm_empty((4096,), torch.uint8)
+    released_by_keeper = threading.Event()
+    real_register, real_unregister = memory.register, memory.unregister
+
+    def unregister(ids, owner=0, lease=0):
+        released = real_unregister(ids, owner, lease)
+        if threading.current_thread().name.startswith("lease:"):
+            released_by_keeper.set()  # once it has found (and released) what it found
+        return released
+
+    def register(req):
+        conn.close()  # the engine dies while its regions are mapped
+        assert released_by_keeper.wait(5)  # and the lease's release has run, finding nothing yet
+        return real_register(req)
+
+    memory.register, memory.unregister = register, unregister
+    try:
+        conn, token = _take(svc.leases.path)
+        with pytest.raises(SidecarError) as err:
+            svc.RegisterBuffers(pb.RegisterBuffersRequest(
+                regions=[pb.BufferRegion(name="r", memory=mem_handles.export_handle(seg.tensor), size_bytes=4096)],
+                lease=token), _Context())
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "LEASE_LOST"
+        assert memory.region_count == 0
+    finally:
+        svc.close_leases()
+        seg.close()

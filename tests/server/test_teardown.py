@@ -51,7 +51,8 @@ def rig(monkeypatch):
     stopped = SimpleNamespace(wait=rec("streams ended"))
     r = SimpleNamespace(
         calls=calls, steps_stop=True,
-        servicer=SimpleNamespace(close_doorbell=rec("doorbell")),
+        servicer=SimpleNamespace(close_doorbell=rec("doorbell"),
+                                 close_leases=lambda wait_s=None: calls.append(f"leases (wait {wait_s})")),
         server=SimpleNamespace(stop=lambda grace: (calls.append("server stop"), stopped)[1]),
         graphs=SimpleNamespace(close=rec("graphs")),
         fast=SimpleNamespace(close=rec("fast path")),
@@ -67,7 +68,7 @@ def rig(monkeypatch):
 def test_a_clean_teardown_ends_the_streams_only_once_no_step_runs_then_frees_the_device(rig, caplog):
     with caplog.at_level(logging.INFO, logger="dspark_sidecar.server"):
         rig.run()
-    assert rig.calls == ["doorbell", "steps", "server stop", "streams ended", "loop", "graphs", "drain", "fast path",
+    assert rig.calls == ["doorbell", "steps", "server stop", "streams ended", "leases (wait None)", "loop", "graphs", "drain", "fast path",
                          "rendezvous", "board", "destroy group"]
     assert "rank 0: stopped" in caplog.text
     dog = _Watchdog.made[-1]
@@ -81,7 +82,9 @@ def test_a_step_stuck_at_shutdown_ends_the_streams_then_the_process_with_status_
     rig.steps_stop = False
     with caplog.at_level(logging.INFO, logger="dspark_sidecar.server"), pytest.raises(Exited):
         rig.run()
-    assert rig.calls == ["doorbell", "steps", "server stop", "streams ended", f"exit {app.STUCK_EXIT}"]
+    # The leases closed without waiting: a lease's release may wait for the loop the stuck step holds.
+    assert rig.calls == ["doorbell", "steps", "server stop", "streams ended", "leases (wait 0.0)",
+                         f"exit {app.STUCK_EXIT}"]
     assert app.STUCK_EXIT != 0
     assert "a step still runs" in caplog.text and "status 1" in caplog.text
     assert "rank 0: stopped" not in caplog.text
