@@ -58,24 +58,35 @@ def test_no_lease_where_the_sidecar_has_none_or_it_cannot_be_had(caplog):
     assert "no lease from the sidecar's" in caplog.text and "outlive this process" in caplog.text
 
 
+def _peer(sends: bytes) -> tuple[str, list[bytes], threading.Thread, socket.socket]:
+    """A listener at a lease path that is no keeper: it accepts one connection, sends `sends`, reads what the
+    engine does next (b"": it closed its end) into the list, and closes. (path, that list, its thread, listener)."""
+    path = str(short_socket_dir() / "rank0.lease")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    got: list[bytes] = []
+
+    def serve() -> None:
+        c, _ = srv.accept()
+        c.sendall(sends)
+        c.settimeout(5)
+        if len(sends) == 8:
+            got.append(c.recv(1))
+        c.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    return path, got, t, srv
+
+
 def test_a_peer_that_closes_before_the_whole_token_gives_no_lease(caplog):
     """What a full keeper does (MAX_LEASES), and what a stranger listening at the path might."""
-    path = short_socket_dir() / "rank0.lease"
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(path))
-    srv.listen(1)
-    lease = EngineLease()
+    path, _, t, srv = _peer(b"\x01\x02\x03")
     try:
         with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
-            def half():
-                c, _ = srv.accept()
-                c.sendall(b"\x01\x02\x03")
-                c.close()
-
-            t = threading.Thread(target=half)
-            t.start()
-            assert lease.token(str(path), 5) == 0
-            t.join()
+            assert EngineLease().token(path, 5) == 0
+            t.join(10)
         assert "closed after 3 of the token's 8 bytes" in caplog.text
     finally:
         srv.close()
@@ -126,24 +137,11 @@ def test_a_lease_from_another_socket_is_given_up_for_one_from_the_socket_named()
 
 
 def test_a_peer_that_sends_token_0_gives_no_lease_and_is_let_go(caplog):
-    path = short_socket_dir() / "rank0.lease"
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(path))
-    srv.listen(1)
+    path, got, t, srv = _peer(bytes(8))
     lease = EngineLease()
     try:
         with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
-            def zero():
-                c, _ = srv.accept()
-                c.sendall(bytes(8))
-                c.settimeout(5)
-                got.append(c.recv(1))  # b"": the engine closed it
-                c.close()
-
-            got: list[bytes] = []
-            t = threading.Thread(target=zero)
-            t.start()
-            assert lease.token(str(path), 5) == 0 and lease.held == 0
+            assert lease.token(path, 5) == 0 and lease.held == 0
             t.join(10)
         assert got == [b""] and "sent lease token 0" in caplog.text
     finally:
