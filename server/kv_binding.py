@@ -333,6 +333,11 @@ class MemoryBindings:
     def region_count(self) -> int:
         return len(self._regions)
 
+    def leases_regions(self, lease: int) -> bool:
+        """Whether regions registered under `lease` are still registered."""
+        with self._lock:
+            return bool(self._leased.get(lease))
+
     def resolve(self, region: pb.RegionSlice, dtype: torch.dtype, shape: tuple[int, ...], field: str) -> torch.Tensor:
         """codec.RegionResolver: a contiguous view into a registered region, bounds checked (once per slice)."""
         key = (region.region_id, region.offset_bytes, dtype, shape)

@@ -35,6 +35,9 @@ log = logging.getLogger("dspark_sidecar.server")
 WAIT_LOG_S = 10.0  # how often a wait for released queued work says it still waits (_settle_released)
 DRAIN_S = 5.0  # how long close() waits for releases held until the device is done (after_device)
 STOP_STEPS_S = 10.0  # how long stop_steps() waits for the steps already accepted to be answered
+# How often a release left to after_device is looked at while nothing else comes to the rank (_reap): no step, no
+# section, no doorbell thread (the gRPC transport), as after a lease's end took a killed engine's binding.
+REAP_S = 0.01
 # The reasons a step is refused for the rank's own state, not for anything in it (Counters.steps_refused).
 RANK_REFUSALS = frozenset({"SHUTTING_DOWN", "REFUSED"})
 
@@ -114,6 +117,9 @@ class RankLoop:
         # (event, fn): fn runs, under the lock, once the device has done the work queued before the event
         # (after_device); looked at before each step and each exclusive section.
         self._deferred: list[tuple[object, Callable[[], None]]] = []
+        # The thread that sweeps _deferred while nothing else does (_reap); set and cleared under the lock.
+        self._reaper: threading.Thread | None = None
+        self._reap_stop = False  # close(): no reaper from here on (the teardown drops graphs and the group next)
         self._quiet = QuietStream(ctx.model.device)  # where deferred releases run (_sweep)
         # A gRPC answer that names an output region on a GPU: the engine has no event to wait on (only the
         # doorbell's output_event orders its stream after the writes), so the hidden states and the block
@@ -218,8 +224,8 @@ class RankLoop:
     def after_device(self, fn: Callable[[], None], wait: bool | None = None) -> None:
         """Run fn once the device has done every step and queued copy launched so far (on the graphs'
         stream): at once if it has, or with wait; else before a later step or exclusive section, or
-        from the idle doorbell (sweep_idle). wait=None: wait at TP 1 only, where nothing queued waits
-        on a peer. Called under the lock (exclusive)."""
+        from the idle doorbell (sweep_idle), or the reaper while none of those comes (_reap). wait=None:
+        wait at TP 1 only, where nothing queued waits on a peer. Called under the lock (exclusive)."""
         if self.graphs is None:
             # No graphs, so no pre-launch: eager GPU steps are asynchronous, but torch's IPC deleter
             # synchronizes before unmapping, and host shared memory is copied synchronously.
@@ -232,6 +238,29 @@ class RankLoop:
             self._wait_for([done])
         self._deferred.append((done, fn))
         self._sweep()
+        with self._lock:  # held already (exclusive): re-entered, so that _reap's exit and this start never cross
+            if self._deferred and self._reaper is None and not self._reap_stop:
+                self._reaper = threading.Thread(target=self._reap, name=f"dspark-reap{self.ctx.rank}", daemon=True)
+                self._reaper.start()
+
+    def _reap(self) -> None:
+        """Sweep what after_device holds until none is left, whenever the lock is free. A step, a section and the
+        idle doorbell sweep too; without them (an engine killed at TP > 1 on the gRPC transport) nothing did, and
+        the gone engine's cache, released by its lease, stayed mapped until the next engine's BindKV."""
+        if self.ctx.model.device.type == "cuda":  # the events are queried, and the releases run, on the rank's GPU
+            torch.cuda.set_device(self.ctx.model.device)
+        while True:
+            time.sleep(REAP_S)
+            if not self._lock.acquire(blocking=False):  # a step or a section runs: it sweeps itself
+                continue
+            try:
+                if not self._reap_stop:
+                    self._sweep()
+                if self._reap_stop or not self._deferred:
+                    self._reaper = None  # under the lock: the next deferral (after_device) starts another
+                    return
+            finally:
+                self._lock.release()
 
     def sweep_idle(self, poke: bool = False) -> None:
         """Between steps (the doorbell's idle loop): run what after_device holds, if the lock is free.
@@ -333,6 +362,7 @@ class RankLoop:
         return not self._worker.is_alive()
 
     def close(self) -> None:
+        self._reap_stop = True  # not under the lock, which a stuck step may hold: read at the reaper's next turn
         if not self.stop_steps():
             log.warning("rank %d: a step still runs %.0f s after the shutdown began (a peer gone?); closing "
                         "without it", self.ctx.rank, STOP_STEPS_S)

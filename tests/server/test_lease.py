@@ -155,6 +155,9 @@ class _Memory:
     def unregister(self, ids, owner=0, lease=0):
         return []  # no regions registered in these tests
 
+    def leases_regions(self, lease):
+        return False
+
     def unbind(self, binding_id, retire):
         assert self.kv is not None and self.kv.binding_id == binding_id
         self.kv = None
@@ -226,6 +229,37 @@ def test_a_lost_lease_releases_only_the_binding_made_under_it():
         b.close()
         wait_until(lambda: memory.unbound == [7], 5, lambda: f"unbound {memory.unbound}")
         assert memory.kv is None
+    finally:
+        svc.close_leases()
+
+
+def test_a_lease_that_holds_nothing_ends_without_an_exclusive_section():
+    """Every exclusive section quiesces the rank: it releases the pre-launched step the live engine's doorbell has
+    queued (at TP > 1 on this rank only, so a copy that ran on the peers aborts that step, SOME_COPIES). A lease
+    whose binding and regions are gone already (the shim's own close releases them first, then ends the lease; a
+    re-bound engine's old lease; a client that only connects) has nothing to release, and must not cost the engine
+    that serves on a step."""
+    memory = _Memory()
+    svc = _servicer(memory)
+    sections = []
+    real = svc.loop.exclusive
+
+    def exclusive(wait=True):
+        sections.append(wait)
+        return real(wait)
+
+    svc.loop.exclusive = exclusive
+    try:
+        a, ta = _take(svc.leases.path)
+        b, tb = _take(svc.leases.path)
+        svc.BindKV(pb.BindKVRequest(lease=tb), _Context())  # the live engine's binding, under its own lease
+        sections.clear()
+        a.close()  # a lease that never bound anything ends
+        wait_until(lambda: not svc.leases.live(ta), 5, "lease a to end")
+        svc.lease_lost(ta)  # as the keeper's thread does (again: it may still be running it)
+        assert sections == [] and memory.kv is not None and memory.kv.lease == tb
+        b.close()
+        wait_until(lambda: memory.unbound == [7], 5, lambda: f"unbound {memory.unbound}")  # one holding some releases
     finally:
         svc.close_leases()
 
@@ -355,7 +389,7 @@ def test_a_lease_that_ends_while_registerbuffers_maps_the_regions_releases_them(
     svc = _servicer(memory)
     seg = mem_handles.shm_empty((4096,), torch.uint8)
     released_by_keeper = threading.Event()
-    real_register, real_unregister = memory.register, memory.unregister
+    real_register, real_unregister, real_holds = memory.register, memory.unregister, memory.leases_regions
 
     def unregister(ids, owner=0, lease=0):
         released = real_unregister(ids, owner, lease)
@@ -363,12 +397,18 @@ def test_a_lease_that_ends_while_registerbuffers_maps_the_regions_releases_them(
             released_by_keeper.set()  # once it has found (and released) what it found
         return released
 
+    def leases_regions(lease):
+        held = real_holds(lease)
+        if not held and threading.current_thread().name.startswith("lease:"):
+            released_by_keeper.set()  # it found none: its release ends here (nothing bound under it either)
+        return held
+
     def register(req):
         conn.close()  # the engine dies while its regions are mapped
         assert released_by_keeper.wait(5)  # and the lease's release has run, finding nothing yet
         return real_register(req)
 
-    memory.register, memory.unregister = register, unregister
+    memory.register, memory.unregister, memory.leases_regions = register, unregister, leases_regions
     try:
         conn, token = _take(svc.leases.path)
         with pytest.raises(SidecarError) as err:

@@ -306,6 +306,21 @@ def test_shutdown_runs_what_the_device_has_passed(loop):
     assert ran == [1]
 
 
+def test_a_release_deferred_at_tp_above_1_runs_once_the_device_gets_there_though_nothing_else_comes(loop):
+    """A lease's end (its engine killed) or an UnbindKV at TP > 1 leaves the cache's unmapping to after_device, with
+    no host wait. It ran only at a later step, exclusive section or idle doorbell's sweep: with the gRPC transport
+    (the shim's default, no doorbell thread) and no engine left to call, the dead engine's cache stayed mapped, and
+    under CUDA IPC allocated, until the next engine's BindKV, which comes after that engine's start-up memory check."""
+    import threading
+
+    unmapped = threading.Event()
+    with loop.exclusive(wait=False):
+        loop.after_device(unmapped.set)
+    assert not unmapped.is_set()  # the device has not got there
+    _Event.made[-1].done = True  # it gets there; nothing else happens on the rank
+    assert unmapped.wait(5), "the release still waits for a step, a section or a doorbell"
+
+
 def test_released_memory_waits_for_the_device_not_for_the_host(loop):
     """At TP > 1 UnregisterBuffers cannot wait on the host: the released pre-launched copy finishes only
     when the peers' copies run, after their engines ring, and they wait for this engine rank."""
