@@ -134,3 +134,54 @@ def test_layers_of_different_dtypes_are_each_written_and_read_in_their_own(tiny_
     assert torch.equal(mixed[0], kv32[0])
     assert torch.equal(mixed[1].view(torch.uint8), to_cache(kv32[1], FP8_KV).view(torch.uint8))
     assert torch.isfinite(out).all()
+
+
+# vLLM 0.34 views every layer of one int8 allocation as [blocks, kv_heads, block_size, C] bytes, C = 2 x head_dim
+# elements (K then V), in a stride order resolved for the whole model (v1/kv_cache_interface.py
+# compute_layout_strides / create_kv_cache_views; the orders of v1/attention/backends/utils.py). L: layer, B: block,
+# H: KV head, N: token in the block, C: content; the letters in memory order, outermost first.
+VLLM_LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC", "LHBNC")
+
+
+def _vllm_layer_views(order: str, layers: int, blocks: int, heads: int, head_dim: int, dtype: torch.dtype):
+    """(the flat int8 allocation, one records view per layer) as vLLM 0.34 lays them out in `order`."""
+    item = torch.empty((), dtype=dtype).element_size()
+    shape = {"L": layers, "B": blocks, "H": heads, "N": PAGE, "C": 2 * head_dim * item}
+    strides, step = {}, 1
+    for dim in reversed(order):  # innermost first, as compute_layout_strides walks the order
+        strides[dim] = step
+        step *= shape[dim]
+    raw = torch.zeros(step + 64, dtype=torch.int8)  # 64 bytes past the end: a view that overran would reach them
+    five = torch.as_strided(raw, [shape[d] for d in "LBHNC"], [strides[d] for d in "LBHNC"], 0)
+    return raw, [five[i].view(dtype) for i in range(layers)]
+
+
+@pytest.mark.parametrize("order", VLLM_LAYOUTS)
+@pytest.mark.parametrize("heads", [1, 2])
+def test_every_vllm_stride_order_reads_and_writes_k_then_v_of_its_own_layer_only(order, heads):
+    """FlashAttention and Triton attention read K as a record's first head_dim values and V as the rest
+    (flash_attn.py: kv_cache.transpose(1, 2).split(head_size, -1) on [B, H, N, C]); the binding's planes view must
+    name the same elements in every order vLLM may resolve, and a write through it touch one layer's records at the
+    step's slots, nothing else."""
+    d, blocks, layers = 8, 5, 3
+    raw, views = _vllm_layer_views(order, layers, blocks, heads, d, torch.float32)
+    target = views[1]
+    for i, v in enumerate(views):  # each layer's records hold distinct values
+        v.copy_(torch.arange(v.numel(), dtype=torch.float32).view(v.shape) + 1000 * i)
+    kv = kv_planes(target)
+    assert kv_view_problem(kv.shape, kv.stride()) is None
+    k, v = target.transpose(1, 2).split(d, -1)  # [B, N, H, D] each, FlashAttention's reading
+    assert torch.equal(kv[0], k) and torch.equal(kv[1], v)
+    before = raw.clone()
+    slots = torch.tensor([0, PAGE + 3, blocks * PAGE - 1])
+    newk, newv = torch.randn(3, heads, d), torch.randn(3, heads, d)
+    write_kv_rows(kv, 0, slots, newk)
+    write_kv_rows(kv, 1, slots, newv)
+    assert torch.equal(kv_rows(kv, 0, slots), newk) and torch.equal(kv_rows(kv, 1, slots), newv)
+    k, v = target.transpose(1, 2).split(d, -1)
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(k[s // PAGE, s % PAGE], newk[i]) and torch.equal(v[s // PAGE, s % PAGE], newv[i])
+    changed = int((raw != before).sum())
+    assert 0 < changed <= 3 * heads * 2 * d * 4  # bytes of the written records only
+    for i in (0, 2):  # the other layers' records, byte for byte
+        assert torch.equal(views[i], torch.arange(views[i].numel(), dtype=torch.float32).view(views[i].shape) + 1000 * i)
