@@ -246,14 +246,15 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         the binding and the buffer regions made under it are released, as UnbindKV and UnregisterBuffers would,
         and unmapped once the device is done with them. A binding made since under another lease, or none, is
         left as it is."""
-        kv = self.ctx.memory.kv
-        if (kv is None or kv.lease != token) and not self.ctx.memory.leases_regions(token):
+        kv, regions = self.ctx.memory.kv, self.ctx.memory.leases_regions(token)
+        if (kv is None or kv.lease != token) and not regions:
             # Nothing under it (released first by its engine, or never bound): no section, whose quiesce would
             # release the live engine's pre-launched step, at TP > 1 on this rank alone (a SOME_COPIES abort).
             # A BindKV or RegisterBuffers still mapping under it sees the loss itself: the keeper ended the
             # lease before this call, and both look after they have recorded what they mapped.
             return
-        self._release_regions([], lease=token)
+        if regions:  # else no section for them: its quiesce would run twice for one lease's end
+            self._release_regions([], lease=token)
         with self.loop.exclusive(wait=False):
             kv = self.ctx.memory.kv
             if kv is None or kv.lease != token:
