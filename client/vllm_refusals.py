@@ -92,9 +92,14 @@ def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
 _KV_HEAD_GROUP_BACKENDS = frozenset({"ROCM_ATTN"})
 
 
+def _attn_backend(self_attn: Any) -> Any:
+    """The attention backend class vLLM's selector picked for a draft layer (self_attn.attn.attn_backend), or None."""
+    return getattr(getattr(self_attn, "attn", None), "attn_backend", None)
+
+
 def _backend_name(self_attn: Any) -> str | None:
     """The name of the attention backend vLLM picked for a draft layer (self_attn.attn.attn_backend), or None."""
-    get_name = getattr(getattr(getattr(self_attn, "attn", None), "attn_backend", None), "get_name", None)
+    get_name = getattr(_attn_backend(self_attn), "get_name", None)
     return str(get_name()) if callable(get_name) else None
 
 
@@ -102,7 +107,7 @@ def _metadata_fields(self_attn: Any) -> set[str] | None:
     """The field names of the metadata class the draft layer's attention backend builds, or None where it does not
     say. vLLM 0.34 names it as the type argument of the backend's builder (AttentionMetadataBuilder[M], perhaps on
     a base class: RocmAiterUnifiedAttentionMetadataBuilder(RocmAttentionMetadataBuilder)); M is a dataclass."""
-    get_builder = getattr(getattr(getattr(self_attn, "attn", None), "attn_backend", None), "get_builder_cls", None)
+    get_builder = getattr(_attn_backend(self_attn), "get_builder_cls", None)
     if not callable(get_builder):
         return None
     for klass in getattr(get_builder(), "__mro__", ()):
