@@ -256,7 +256,8 @@ class DoorbellChannel:
     """One engine rank's doorbell to its sidecar rank (one step in flight)."""
 
     def __init__(self, stub: pb_grpc.DrafterSidecarStub, device: torch.device, capacity: int = 1 << 16,
-                 timeout_s: float = 10.0, gpu_word: bool = True, group: int | None = None) -> None:
+                 timeout_s: float = 10.0, gpu_word: bool = True, group: int | None = None, lease: int = 0) -> None:
+        """lease: the engine's lease token (client/lease.py), whose end stops the sidecar's doorbell (0: none)."""
         self.capacity, self.device = capacity, device
         self._header: RegisteredPage | None = None
         self.ringer: bell.Ringer | None = None
@@ -291,7 +292,7 @@ class DoorbellChannel:
             resp = stub.AttachDoorbell(pb.AttachDoorbellRequest(
                 page=memory.export_handle(self._page.tensor), capacity_bytes=capacity,
                 input_event=self.input_event.ipc_handle() if self.input_event is not None else b"",
-                gpu_word=self._header is not None), timeout=timeout_s)
+                gpu_word=self._header is not None, lease=lease), timeout=timeout_s)
             self.output_event = (torch.cuda.Event.from_ipc_handle(device, resp.output_event)
                                  if device.type == "cuda" else None)
         except BaseException:  # refused: the page and its GPU registration go now, not at exit

@@ -41,7 +41,7 @@ class DoorbellTransport:
         # The doorbell first: a sidecar that refuses it (an older one, a host without x86-64 store
         # order) is then left with no buffers registered, which it would keep mapped until it exits.
         group = ipc_group(conn.endpoint)  # a sidecar of another user in the socket's group maps them too
-        self.bell = DoorbellChannel(conn.stub, device, timeout_s=timeout_s, group=group)
+        self.bell = DoorbellChannel(conn.stub, device, timeout_s=timeout_s, group=group, lease=lease)
         try:
             self.buffers = StepBuffers(conn.stub, hidden, max_reqs, max_pages, dtype, device, timeout_s, group, lease)
         except BaseException:

@@ -423,16 +423,18 @@ class DraftStepResponse(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., hidden_states: _Optional[_Union[TensorRef, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
 
 class AttachDoorbellRequest(_message.Message):
-    __slots__ = ("page", "capacity_bytes", "input_event", "gpu_word")
+    __slots__ = ("page", "capacity_bytes", "input_event", "gpu_word", "lease")
     PAGE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     INPUT_EVENT_FIELD_NUMBER: _ClassVar[int]
     GPU_WORD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     page: MemoryHandle
     capacity_bytes: int
     input_event: bytes
     gpu_word: bool
-    def __init__(self, page: _Optional[_Union[MemoryHandle, _Mapping]] = ..., capacity_bytes: _Optional[int] = ..., input_event: _Optional[bytes] = ..., gpu_word: _Optional[bool] = ...) -> None: ...
+    lease: int
+    def __init__(self, page: _Optional[_Union[MemoryHandle, _Mapping]] = ..., capacity_bytes: _Optional[int] = ..., input_event: _Optional[bytes] = ..., gpu_word: _Optional[bool] = ..., lease: _Optional[int] = ...) -> None: ...
 
 class AttachDoorbellResponse(_message.Message):
     __slots__ = ("output_event", "wake_fifo", "gpu_word")

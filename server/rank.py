@@ -36,7 +36,8 @@ WAIT_LOG_S = 10.0  # how often a wait for released queued work says it still wai
 DRAIN_S = 5.0  # how long close() waits for releases held until the device is done (after_device)
 STOP_STEPS_S = 10.0  # how long stop_steps() waits for the steps already accepted to be answered
 # How often a release left to after_device is looked at while nothing else comes to the rank (_reap): no step, no
-# section, no doorbell thread (the gRPC transport), as after a lease's end took a killed engine's binding.
+# section, no doorbell thread (the gRPC transport, or a lease's end that stopped it), as after a lease's end took
+# a killed engine's binding.
 REAP_S = 0.01
 # The reasons a step is refused for the rank's own state, not for anything in it (Counters.steps_refused).
 RANK_REFUSALS = frozenset({"SHUTTING_DOWN", "REFUSED"})

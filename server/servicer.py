@@ -106,6 +106,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self.limits, self.parallel, self.weight_format = limits, parallel, weight_format
         self.run_dir = run_dir  # where doorbell wake FIFOs go (the socket folder); None: polling only
         self.doorbell: Doorbell | None = None
+        self._doorbell_lease = 0  # the lease self.doorbell was attached under (AttachDoorbellRequest.lease); 0: none
         self._attached = 0
         self._attach_lock = threading.Lock()
         self._retiring: list[Doorbell] = []  # replaced doorbells still inside a step (longer than STOP_S)
@@ -243,15 +244,20 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def lease_lost(self, token: int) -> None:
         """A lease's connection ended (the keeper's thread): the engine that held it closed it or is gone, so
-        the binding and the buffer regions made under it are released, as UnbindKV and UnregisterBuffers would,
-        and unmapped once the device is done with them. A binding made since under another lease, or none, is
-        left as it is."""
+        the doorbell attached under it is stopped, as a replacing AttachDoorbell would stop it, and the binding
+        and the buffer regions made under it are released, as UnbindKV and UnregisterBuffers would, and unmapped
+        once the device is done with them. What was made since under another lease, or none, is left as it is."""
+        # The doorbell first: it reads no more of the gone engine's steps while what they name is released.
+        stopped = self._stop_doorbell_of(token)
         kv, regions = self.ctx.memory.kv, self.ctx.memory.leases_regions(token)
         if (kv is None or kv.lease != token) and not regions:
             # Nothing under it (released first by its engine, or never bound): no section, whose quiesce would
             # release the live engine's pre-launched step, at TP > 1 on this rank alone (a SOME_COPIES abort).
             # A BindKV or RegisterBuffers still mapping under it sees the loss itself: the keeper ended the
             # lease before this call, and both look after they have recorded what they mapped.
+            if stopped:
+                log.warning("rank %d: the engine that attached the doorbell closed its lease (it exited?): the "
+                            "doorbell is stopped", self.ctx.rank)
             return
         if regions:  # else no section for them: its quiesce would run twice for one lease's end
             self._release_regions([], lease=token)
@@ -263,6 +269,18 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         log.warning("rank %d: the engine that bound KV binding %d (generation %d) closed its lease (it exited?): "
                     "the binding is released and its cache unmapped", self.ctx.rank, kv.binding_id, kv.generation)
         self._publish_health()
+
+    def _stop_doorbell_of(self, token: int) -> bool:
+        """Stop the doorbell attached under lease `token`, if it is still the rank's; whether it was. Under the
+        attach lock: an AttachDoorbell under that lease either published its doorbell before (stopped here) or
+        checks the lease after this (and stops its own)."""
+        with self._attach_lock:
+            old = self.doorbell
+            if old is None or self._doorbell_lease != token:
+                return False
+            self.doorbell, self._doorbell_lease = None, 0
+            self._retire(old)
+        return True
 
     def close_leases(self, wait_s: float | None = None) -> None:
         """Shutdown: the lease socket and every lease closed (no binding is released for it: the exit unmaps);
@@ -343,6 +361,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             if self._doorbells_closed:
                 raise SidecarError(grpc.StatusCode.UNAVAILABLE, "this rank is shutting down: no doorbell is attached "
                                    "any more; steps go over the gRPC stream until it ends", "", "SHUTTING_DOWN")
+            # Under the lock, which lease_lost takes to stop the doorbell of a lease: a lease that ends after this
+            # check finds the doorbell published; one that ended before is refused here (the keeper marks a lease
+            # gone before its lease_lost runs), so no doorbell outlives its lease.
+            if request.lease and not self._lease_live(request.lease):
+                raise self._lease_lost_error(request.lease)
             page = MappedMemory(request.page, "page", torch.device("cpu"))
             self._attached += 1
             wake = str(self.run_dir / f"rank{self.ctx.rank}.wake{self._attached}") if self.run_dir else None
@@ -357,21 +380,27 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 mem.release_page(page)
                 page.close()  # a refused request leaves the attached doorbell as it was
                 raise
-            old = self.doorbell
-            if old is not None:
-                try:
-                    old.stop()
-                except Exception:  # noqa: BLE001  (it is halted: the new one must start all the same)
-                    log.exception("rank %d: the replaced doorbell did not close cleanly", self.ctx.rank)
-                self._retiring.append(old)
-            self._retiring = [d for d in self._retiring if d.is_alive()]
+            if self.doorbell is not None:
+                self._retire(self.doorbell)
+                self.doorbell, self._doorbell_lease = None, 0
             # A replaced doorbell still inside a step may queue the next one behind its old page's GPU
             # word and release it only as it ends: the new one serves after that (Doorbell.run).
             bell.follow(self._retiring)
             bell.start()
-            self.doorbell = bell  # published once started: close_doorbell stops only started doorbells
+            # Published once started: close_doorbell stops only started doorbells.
+            self.doorbell, self._doorbell_lease = bell, request.lease
         return pb.AttachDoorbellResponse(output_event=bell.output_event_handle(), wake_fifo=bell.wake_fifo,
                                          gpu_word=bell.prelaunch is not None)
+
+    def _retire(self, old: Doorbell) -> None:
+        """Stop a doorbell that is no longer the rank's (under the attach lock); one still inside a step is kept
+        among the retiring until it ends, for a new doorbell to follow."""
+        try:
+            old.stop()
+        except Exception:  # noqa: BLE001  (it is halted: a new one must start all the same)
+            log.exception("rank %d: the replaced doorbell did not close cleanly", self.ctx.rank)
+        self._retiring.append(old)
+        self._retiring = [d for d in self._retiring if d.is_alive()]
 
     def close_doorbell(self) -> None:
         """Shutdown: stop the doorbell (and any it replaced that is still in a step), and attach none

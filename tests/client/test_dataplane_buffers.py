@@ -538,3 +538,36 @@ def test_input_rows_of_another_shape_are_refused_not_broadcast(bufs, tiny_cfg, t
     strided.copy_(step.inputs_embeds)
     bufs.stage(strided, step.positions, step.meta)
     assert torch.equal(bufs.embeds[:n], step.inputs_embeds)
+
+
+def test_the_transport_names_the_engine_s_lease_in_its_doorbell_and_its_buffers():
+    """Both under the lease: its end (the engine gone) stops the sidecar's doorbell and releases the regions. The
+    doorbell went without one, and a gone engine's doorbell polled its page on until the next attach."""
+    from dspark_sidecar.client.doorbell_transport import DoorbellTransport
+
+    leases: dict[str, int] = {}
+
+    class _Stub:
+        def AttachDoorbell(self, req, timeout=None):
+            leases["AttachDoorbell"] = req.lease
+            return pb.AttachDoorbellResponse()
+
+        def RegisterBuffers(self, req, timeout=None):
+            leases["RegisterBuffers"] = req.lease
+            return pb.RegisterBuffersResponse(region_ids=[11, 12, 13])
+
+        def UnregisterBuffers(self, req, timeout=None):
+            return pb.UnregisterBuffersResponse()
+
+    class _Conn:
+        endpoint = "127.0.0.1:7000"
+        stub = _Stub()
+
+        def stream(self):
+            return None
+
+    t = DoorbellTransport(_Conn(), 16, 2, 4, torch.float32, torch.device("cpu"), 1.0, lease=0x5EED)
+    try:
+        assert leases == {"AttachDoorbell": 0x5EED, "RegisterBuffers": 0x5EED}
+    finally:
+        t.close()

@@ -2,7 +2,8 @@
 the shim's KVBinder, under the lease its status names, prints the binding and segment names, then waits on stdin.
 
 `python -m helpers.lease_engine <target> <num_pages> <dtype> [--no-lease] [--cuda GIB] [--buffers]` (run with tests/
-on sys.path). --buffers: the data plane's step buffers registered too, under the same lease (their segments printed).
+on sys.path). --buffers: the data plane under the same lease too, the doorbell and the step buffers (their segments
+printed: the doorbell's page, then the buffers').
 --cuda: the cache on GPU 0 as vLLM 0.34 allocates it (every layer a view of one int8 allocation), GIB GiB more of
 which stand for the rest of the engine's cache; the segment names printed are then empty.
 """
@@ -15,7 +16,7 @@ import grpc
 import torch
 
 from dspark_sidecar.client.binding import KVBinder
-from dspark_sidecar.client.dataplane import StepBuffers
+from dspark_sidecar.client.dataplane import DoorbellChannel, StepBuffers
 from dspark_sidecar.drafter.config import PRESETS
 from dspark_sidecar.drafter.kv_cache import kv_layer_shape
 from dspark_sidecar.proto import memory
@@ -48,8 +49,9 @@ def main() -> None:
                                      device_uuid=memory.gpu_uuid(layers[0].device)))
     b = binder.bind(stub, layers, 10.0, lease)
     if "--buffers" in sys.argv:
+        bell = DoorbellChannel(stub, torch.device("cpu"), 4096, gpu_word=False, lease=binder.lease.held)
         bufs = StepBuffers(stub, cfg.hidden_size, 2, pages, dtype, torch.device("cpu"), lease=binder.lease.held)
-        names += [memory.export_handle(t).shm.name for t in (bufs.embeds, bufs.hidden, bufs.meta_bytes)]
+        names += [memory.export_handle(t).shm.name for t in (bell._page.tensor, bufs.embeds, bufs.hidden, bufs.meta_bytes)]
     print(b.binding_id, " ".join(names), flush=True)
     sys.stdin.readline()  # until the test says (or kills this process)
 

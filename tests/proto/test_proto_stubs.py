@@ -204,7 +204,7 @@ FROZEN_NUMBERS = {
         "prelaunched": 6, "validate_ns": 7, "gpu_start_wait_ns": 8, "output_ns": 9, "gpu_word_wait_ns": 10,
         "seen_mono_ns": 11, "published_mono_ns": 12},
     "DraftStepResponse": {"step_id": 1, "hidden_states": 2, "error": 3, "timings": 4},
-    "AttachDoorbellRequest": {"page": 1, "capacity_bytes": 2, "input_event": 3, "gpu_word": 4},
+    "AttachDoorbellRequest": {"page": 1, "capacity_bytes": 2, "input_event": 3, "gpu_word": 4, "lease": 5},
     "AttachDoorbellResponse": {"output_event": 1, "wake_fifo": 2, "gpu_word": 3},
 }
 
@@ -289,7 +289,7 @@ FROZEN_TYPES = {
     "DraftStepResponse": {"step_id": "uint64", "hidden_states": "TensorRef", "error": "StepError",
         "timings": "StepTimings"},
     "AttachDoorbellRequest": {"page": "MemoryHandle", "capacity_bytes": "uint64", "input_event": "bytes",
-        "gpu_word": "bool"},
+        "gpu_word": "bool", "lease": "uint64"},
     "AttachDoorbellResponse": {"output_event": "bytes", "wake_fifo": "string", "gpu_word": "bool"},
 }
 

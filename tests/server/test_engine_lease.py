@@ -64,13 +64,13 @@ def test_the_binding_of_an_engine_that_ended_is_released_and_its_cache_unmapped(
     with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt) as sc:
         stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
         assert _status(stub).lease_socket.endswith("rank0.lease")
-        child, binding, segments = _engine(sc, "--buffers")  # the cache's segments and the step buffers'
+        child, binding, segments = _engine(sc, "--buffers")  # the cache, the doorbell and the step buffers
         try:
-            assert len(segments) == 8  # 5 layers, 3 regions
+            assert len(segments) == 9  # 5 layers, the doorbell's page, 3 regions
             pids = _tree(sc.proc.pid)
             kv = _status(stub).kv
             assert kv.bound and kv.binding_id == binding
-            assert _mapped(pids, segments) == set(segments)  # the sidecar maps the engine's cache and buffers
+            assert _mapped(pids, segments) == set(segments)  # the sidecar maps the engine's cache, page and buffers
             if how == "SIGKILL":
                 child.send_signal(signal.SIGKILL)
             else:
