@@ -8,13 +8,13 @@ export PYTHONUNBUFFERED=1
 NEW=/tmp/new-pkg:/tmp/dspark-site
 nvidia-smi --query-gpu=name --format=csv,noheader
 for how in alive exit kill; do
-  PYTHONPATH=$NEW timeout 90 python3 bench-results/scripts/dead_event.py $how 5 2>&1 | tail -4; echo "rc $?"
+  PYTHONPATH=$NEW timeout 90 python3 bench-results/scripts/dead_event.py $how 5 2>&1 | tail -4; echo "rc ${PIPESTATUS[0]}"
 done
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/dspark-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dspark-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d && echo "MPS up"
 for how in kill exit; do
-  echo "under MPS:"; PYTHONPATH=$NEW timeout 90 python3 bench-results/scripts/dead_event.py $how 5 2>&1 | tail -4; echo "rc $?"
+  echo "under MPS:"; PYTHONPATH=$NEW timeout 90 python3 bench-results/scripts/dead_event.py $how 5 2>&1 | tail -4; echo "rc ${PIPESTATUS[0]}"
 done
 t0=$(date +%s)
 PYTHONPATH=$NEW:$PWD/tests timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/server/test_engine_lease.py \
