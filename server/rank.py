@@ -250,6 +250,8 @@ class RankLoop:
         the gone engine's cache, released by its lease, stayed mapped until the next engine's BindKV."""
         if self.ctx.model.device.type == "cuda":  # the events are queried, and the releases run, on the rank's GPU
             torch.cuda.set_device(self.ctx.model.device)
+        head, since = None, 0.0  # the oldest release waiting, and since when it has been the oldest
+        logged = 0.0
         while True:
             time.sleep(REAP_S)
             if not self._lock.acquire(blocking=False):  # a step or a section runs: it sweeps itself
@@ -260,6 +262,14 @@ class RankLoop:
                 if self._reap_stop or not self._deferred:
                     self._reaper = None  # under the lock: the next deferral (after_device) starts another
                     return
+                now = time.monotonic()
+                if self._deferred[0] is not head:
+                    head, since, logged = self._deferred[0], now, now
+                elif now - logged > WAIT_LOG_S:  # as _settle_released says it: the memory stays mapped meanwhile
+                    logged = now
+                    log.warning("rank %d: %d released memory mappings still wait on the device after %.0f s (a "
+                                "stuck device, or at TP > 1 a peer's copy not yet run): they stay mapped meanwhile",
+                                self.ctx.rank, len(self._deferred), now - since)
             finally:
                 self._lock.release()
 

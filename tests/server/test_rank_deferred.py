@@ -14,6 +14,7 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server import rank as rank_mod
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
+from helpers.waiting import wait_until
 
 
 class _Event:
@@ -372,3 +373,17 @@ def test_without_graphs_nothing_is_queued_ahead_so_nothing_waits():
         assert ran == [1]
     finally:
         lp.close()
+
+
+def test_the_reaper_says_when_a_release_waits_on_the_device_for_long(loop, monkeypatch, caplog):
+    """A release the device never gets to (a stuck device, a peer's copy that never runs) keeps its memory mapped,
+    and under CUDA IPC allocated: said every WAIT_LOG_S, as _settle_released says its wait. The reaper was silent."""
+    monkeypatch.setattr(rank_mod, "WAIT_LOG_S", 0.05)
+    ran = []
+    with caplog.at_level(logging.WARNING, logger="dspark_sidecar.server"):
+        with loop.exclusive(wait=False):
+            loop.after_device(lambda: ran.append(1))
+        wait_until(lambda: "still wait on the device" in caplog.text, 5, "the reaper's line")
+    assert ran == [] and "1 released memory mappings" in caplog.text
+    _Event.made[-1].done = True  # the device gets there: the release runs, the reaper ends
+    wait_until(lambda: ran == [1], 5, "the release")
