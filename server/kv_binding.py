@@ -277,15 +277,9 @@ class MemoryBindings:
                 ids = ids + [rid for rid in self._owned.pop(owner, []) if rid in self._regions]
             if lease:
                 ids = ids + [rid for rid in self._leased.pop(lease, []) if rid in self._regions]
-            gone = set(ids)
-            for o in list(self._owned):  # released by id: no longer anyone's to release by owner
-                self._owned[o] = [rid for rid in self._owned[o] if rid not in gone]
-                if not self._owned[o]:
-                    del self._owned[o]  # the token stays usable: only a release by owner retires it
-            for lease in list(self._leased):  # nor by their lease
-                self._leased[lease] = [rid for rid in self._leased[lease] if rid not in gone]
-                if not self._leased[lease]:
-                    del self._leased[lease]
+            gone = set(ids)  # released by id too: no longer anyone's to release by owner or lease
+            _forget(self._owned, gone)
+            _forget(self._leased, gone)
             released = [self._regions.pop(rid) for rid in dict.fromkeys(ids)]
             self._retired.update(ids)
             if released:
@@ -431,6 +425,15 @@ def _refuse_overlap(field_name: str, what: str, span: _Span, others: list[tuple[
                           f"{where}: the sidecar writes each layer's K/V rows into its own cache, hidden states into "
                           "any region a step names as its output and answers into the doorbell page, so none of "
                           "them may share a byte with another (sidecar.proto: BindKVRequest)")
+
+
+def _forget(by_token: dict[int, list[int]], gone: set[int]) -> None:
+    """Drop released region ids from each token's list (owner or lease), and a token left with none. An owner token
+    stays usable for registering all the same: only a release by owner retires it (_released_owners)."""
+    for token in list(by_token):
+        by_token[token] = [rid for rid in by_token[token] if rid not in gone]
+        if not by_token[token]:
+            del by_token[token]
 
 
 def _reaches(diff: int, dims: tuple[tuple[int, int], ...]) -> bool:
