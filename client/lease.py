@@ -76,6 +76,17 @@ class EngineLease:
         self._sock, self._path, self._token = None, "", 0
 
 
+def lease_path(endpoint: str, lease_socket: str) -> str:
+    """Where this process reaches the lease socket a sidecar rank's status names: beside the rank's gRPC socket as
+    this process reaches that (the protocol puts it there), where such a socket exists; else the status's path.
+    The status's path is the server's own view: an engine container that mounts the socket folder at another
+    path found nothing there, took no lease, and its bindings outlived it. "" stays "" (no leases)."""
+    if not lease_socket or not endpoint.startswith("unix:"):  # a TCP endpoint: no folder of ours to look in
+        return lease_socket
+    beside = os.path.join(os.path.dirname(endpoint[len("unix:"):]), os.path.basename(lease_socket))
+    return beside if os.path.exists(beside) else lease_socket
+
+
 def _forget_in_child() -> None:
     """A forked child's copies of the leases' descriptors closed (the parent's stay open): a lease ends only
     when its last descriptor does, so a child the engine forked (a worker pool, a helper) that kept it kept the

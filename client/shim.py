@@ -41,6 +41,7 @@ from dspark_sidecar.client.connection import ChannelFactory, SidecarConnection, 
 from dspark_sidecar.client.dataplane import DataPlaneError
 from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
+from dspark_sidecar.client.lease import lease_path
 from dspark_sidecar.client.metadata import read_step_metadata, spans_kv_groups, tables_cover
 from dspark_sidecar.client.stats import ShimStats
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_paging
@@ -344,9 +345,10 @@ class DrafterShim:
         return None if ready else why
 
     def _lease_socket(self) -> str:
-        """Where the sidecar rank hands out leases (StatusReport.lease_socket, read at each reconnect); ""."""
+        """Where the sidecar rank hands out leases (StatusReport.lease_socket, read at each reconnect, as this
+        process reaches it: client/lease.lease_path); "": none."""
         status = self.connection.status
-        return status.lease_socket if status is not None else ""
+        return lease_path(self.connection.endpoint, status.lease_socket) if status is not None else ""
 
     def _probe(self, deadline_s: float) -> bool:
         """The breaker's health probe: SERVING passes, and so does a sidecar that is NOT_SERVING because it

@@ -8,6 +8,7 @@ import socket
 import threading
 
 from dspark_sidecar.client.lease import EngineLease
+from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.lease import LeaseKeeper
 from helpers.engine_fakes import short_socket_dir
 from helpers.waiting import wait_until
@@ -168,6 +169,37 @@ def test_the_shim_s_release_ends_its_lease_last():
         DrafterShim._release(shim)  # type: ignore[arg-type]
         assert order == ["unbind", "link (lease True)"]
         assert k.lost.get(timeout=5) == token and lease.held == 0
+    finally:
+        lease.close()
+        k.close()
+
+
+def test_the_lease_socket_is_found_beside_the_grpc_socket_as_this_engine_reaches_it(tmp_path):
+    """StatusReport.lease_socket is the server's path. An engine container that mounts the socket folder elsewhere
+    found nothing there and bound without a lease (its binding then outlived it); the protocol puts the lease
+    socket beside the rank's gRPC socket, which the engine reaches by its own path."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.client.lease import lease_path
+    from dspark_sidecar.client.shim import DrafterShim
+
+    here = short_socket_dir()
+    k = _keeper(here / "rank0.lease")
+    lease = EngineLease()
+    try:
+        theirs = "/run/dspark-elsewhere/rank0.lease"  # the sidecar's mount of the folder, absent in the engine's
+        endpoint = f"unix:{here}/rank0.sock"
+        assert lease_path(endpoint, theirs) == str(here / "rank0.lease")
+        shim = SimpleNamespace(connection=SimpleNamespace(endpoint=endpoint,
+                                                          status=pb.StatusReport(lease_socket=theirs)))
+        path = DrafterShim._lease_socket(shim)  # type: ignore[arg-type]
+        token = lease.token(path, 5)
+        assert token and k.live(token)
+        # Where nothing is beside the endpoint (a TCP target, or a link to a socket in another folder): the
+        # status's path as it is; no leases stays no leases.
+        assert lease_path("127.0.0.1:7000", theirs) == theirs
+        assert lease_path(f"unix:{tmp_path}/rank0.sock", theirs) == theirs
+        assert lease_path(endpoint, "") == ""
     finally:
         lease.close()
         k.close()
