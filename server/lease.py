@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import secrets
 import selectors
 import socket
@@ -36,8 +37,11 @@ ACCEPT_RETRY_S = 1.0
 
 
 class LeaseKeeper:
-    """The listening socket at `path` and its open leases, served by one thread. `on_lost(token)` runs on that
-    thread after a lease's connection ended; `live(token)` is already False by then."""
+    """The listening socket at `path` and its open leases, served by one thread. `on_lost(token)` runs on a second
+    thread, in the order the leases ended, after a lease's connection ended; `live(token)` is already False by
+    then. On its own thread, because a release waits for the rank's loop (a step in progress, a doorbell's step
+    for up to its stop bound): run by the serving thread, no lease was handed out meanwhile, and a restarted
+    engine whose connect waited past its bind deadline bound without one (its binding then outlived it)."""
 
     def __init__(self, path: str | Path, on_lost: Callable[[int], None]) -> None:
         self.path = str(path)
@@ -56,8 +60,12 @@ class LeaseKeeper:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._stopping = False
         self._accept_paused = False  # the listener out of the selector (_accept's EMFILE) until _resume_accept
-        self._thread = threading.Thread(target=self._run, name=f"lease:{Path(self.path).name}", daemon=True)
+        self._ended: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # leases ended, for _release; None: stop
+        name = Path(self.path).name
+        self._thread = threading.Thread(target=self._run, name=f"lease:{name}", daemon=True)
+        self._releaser = threading.Thread(target=self._release, name=f"lease-release:{name}", daemon=True)
         self._thread.start()
+        self._releaser.start()
 
     def live(self, token: int) -> bool:
         """Whether `token` names a lease of this keeper whose connection is still open."""
@@ -125,10 +133,15 @@ class LeaseKeeper:
         conn.close()
         self._end(token)
         self._resume_accept()  # a descriptor freed
-        try:
-            self._on_lost(token)
-        except Exception:  # noqa: BLE001 - raised on, it would end this thread, and no later lease would be watched
-            log.exception("lease socket %s: releasing what lease %d held failed", self.path, token)
+        self._ended.put(token)
+
+    def _release(self) -> None:
+        """The releasing thread: on_lost for each lease ended, until close()."""
+        while (token := self._ended.get()) is not None and not self._stopping:
+            try:
+                self._on_lost(token)
+            except Exception:  # noqa: BLE001 - raised on, it would end this thread, and no later lease would be released
+                log.exception("lease socket %s: releasing what lease %d held failed", self.path, token)
 
     def _resume_accept(self) -> None:
         if self._accept_paused:
@@ -141,17 +154,17 @@ class LeaseKeeper:
 
     def close(self, wait_s: float | None = None) -> None:
         """Stop serving: the listener and every lease closed (the engines read end of file), the path removed.
-        No on_lost for those: the rank is shutting down, and its exit releases every mapping. wait_s: how long
-        to wait for a release already running (None: until it ends). One still running past it (it waits on
-        the rank's loop, which a step stuck at shutdown holds for good) keeps the descriptors it uses: they
-        go with the process, which the teardown then ends."""
+        No on_lost for those, nor for leases ended but not yet released: the rank is shutting down, and its exit
+        releases every mapping. wait_s: how long to wait for a release already running (None: until it ends);
+        one still running past it (it waits on the rank's loop, which a step stuck at shutdown holds for good)
+        is left to the process's end, which the teardown then brings."""
         self._stopping = True
         self._wake_w.send(b"x")
-        self._thread.join(wait_s)
+        self._thread.join()  # it never waits on anything but its selector: back at once
+        self._ended.put(None)
+        self._releaser.join(wait_s)
         if os.path.lexists(self.path):
             os.unlink(self.path)
-        if self._thread.is_alive():
-            return
         for key in list(self._sel.get_map().values()):
             key.fileobj.close()
         self._sel.close()

@@ -275,6 +275,7 @@ def test_close_that_must_not_wait_leaves_a_release_blocked_on_a_stuck_step_behin
         stuck.wait()  # the loop's lock, held by the stuck step
 
     k = LeaseKeeper(short_socket_dir() / "rank0.lease", on_lost)
+    other, _ = _take(k.path)
     s, _ = _take(k.path)
     s.close()
     assert entered.wait(5)
@@ -284,9 +285,39 @@ def test_close_that_must_not_wait_leaves_a_release_blocked_on_a_stuck_step_behin
     try:
         assert not closer.is_alive(), "close(wait_s=0) joined the keeper's thread blocked in its release"
         assert not os.path.lexists(k.path)
+        assert other.recv(1) == b""  # the other engine reads end of file: every lease closed all the same
     finally:
         stuck.set()
         closer.join(5)
+        other.close()
+
+
+def test_leases_are_handed_out_while_a_release_waits_for_the_rank():
+    """A release waits for the rank's loop (a step in progress; a doorbell's step, up to its stop bound). Run on
+    the serving thread, it kept the keeper from accepting: a restarted engine's connect waited in the backlog,
+    past its bind deadline, and it bound without a lease, so its binding outlived it."""
+    entered, go_on = threading.Event(), threading.Event()
+    released: list[int] = []
+
+    def on_lost(token: int) -> None:
+        entered.set()
+        assert go_on.wait(10)
+        released.append(token)
+
+    k = LeaseKeeper(short_socket_dir() / "rank0.lease", on_lost)
+    try:
+        old, t_old = _take(k.path)
+        old.close()  # the engine dies: its release waits for the rank
+        assert entered.wait(5)
+        new, t_new = _take(k.path)  # its restart takes a lease meanwhile (_take's 5 s bound)
+        assert k.live(t_new) and t_new != t_old
+        go_on.set()
+        wait_until(lambda: released == [t_old], 5, lambda: f"released {released}")
+        new.close()
+        wait_until(lambda: released == [t_old, t_new], 5, lambda: f"released {released}")  # one at a time, in order
+    finally:
+        go_on.set()
+        k.close()
 
 
 def _no_descriptors(monkeypatch, keeper, times: int) -> list[int]:
@@ -363,7 +394,7 @@ def test_a_lost_lease_releases_its_regions_though_the_engine_released_some_of_th
         real = memory.unregister
 
         def engine_first(ids, owner=0, *args):
-            if threading.current_thread().name.startswith("lease:") and memory.region_count == 2:
+            if threading.current_thread().name.startswith("lease-release:") and memory.region_count == 2:
                 real([], 1)  # the engine's release of its first data plane got the locks first
             return real(ids, owner, *args)
 
@@ -393,13 +424,13 @@ def test_a_lease_that_ends_while_registerbuffers_maps_the_regions_releases_them(
 
     def unregister(ids, owner=0, lease=0):
         released = real_unregister(ids, owner, lease)
-        if threading.current_thread().name.startswith("lease:"):
+        if threading.current_thread().name.startswith("lease-release:"):
             released_by_keeper.set()  # once it has found (and released) what it found
         return released
 
     def leases_regions(lease):
         held = real_holds(lease)
-        if not held and threading.current_thread().name.startswith("lease:"):
+        if not held and threading.current_thread().name.startswith("lease-release:"):
             released_by_keeper.set()  # it found none: its release ends here (nothing bound under it either)
         return held
 
