@@ -248,16 +248,15 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         and the buffer regions made under it are released, as UnbindKV and UnregisterBuffers would, and unmapped
         once the device is done with them. What was made since under another lease, or none, is left as it is."""
         # The doorbell first: it reads no more of the gone engine's steps while what they name is released.
-        stopped = self._stop_doorbell_of(token)
+        if self._stop_doorbell_of(token):
+            log.warning("rank %d: the engine that attached the doorbell closed its lease (it exited?): the doorbell "
+                        "is stopped", self.ctx.rank)
         kv, regions = self.ctx.memory.kv, self.ctx.memory.leases_regions(token)
         if (kv is None or kv.lease != token) and not regions:
             # Nothing under it (released first by its engine, or never bound): no section, whose quiesce would
             # release the live engine's pre-launched step, at TP > 1 on this rank alone (a SOME_COPIES abort).
             # A BindKV or RegisterBuffers still mapping under it sees the loss itself: the keeper ended the
             # lease before this call, and both look after they have recorded what they mapped.
-            if stopped:
-                log.warning("rank %d: the engine that attached the doorbell closed its lease (it exited?): the "
-                            "doorbell is stopped", self.ctx.rank)
             return
         if regions:  # else no section for them: its quiesce would run twice for one lease's end
             self._release_regions([], lease=token)

@@ -2,8 +2,8 @@
 the shim's KVBinder, under the lease its status names, prints the binding and segment names, then waits on stdin.
 
 `python -m helpers.lease_engine <target> <num_pages> <dtype> [--no-lease] [--cuda GIB] [--buffers]` (run with tests/
-on sys.path). --buffers: the data plane under the same lease too, the doorbell and the step buffers (their segments
-printed: the doorbell's page, then the buffers').
+on sys.path). --buffers: the data plane under the same lease too, the doorbell and the step buffers (the shared-memory
+segments printed: the doorbell's page, then the buffers' where they are on the CPU).
 --cuda: the cache on GPU 0 as vLLM 0.34 allocates it (every layer a view of one int8 allocation), GIB GiB more of
 which stand for the rest of the engine's cache; the segment names printed are then empty.
 """
@@ -49,9 +49,11 @@ def main() -> None:
                                      device_uuid=memory.gpu_uuid(layers[0].device)))
     b = binder.bind(stub, layers, 10.0, lease)
     if "--buffers" in sys.argv:
-        bell = DoorbellChannel(stub, torch.device("cpu"), 4096, gpu_word=False, lease=binder.lease.held)
-        bufs = StepBuffers(stub, cfg.hidden_size, 2, pages, dtype, torch.device("cpu"), lease=binder.lease.held)
-        names += [memory.export_handle(t).shm.name for t in (bell._page.tensor, bufs.embeds, bufs.hidden, bufs.meta_bytes)]
+        dev = layers[0].device  # on a GPU: the input event, the GPU word (a pre-launching sidecar) and CUDA regions
+        bell = DoorbellChannel(stub, dev, 4096, gpu_word=dev.type == "cuda", lease=binder.lease.held)
+        bufs = StepBuffers(stub, cfg.hidden_size, 2, pages, dtype, dev, lease=binder.lease.held)
+        names += [h.shm.name for h in map(memory.export_handle, (bell._page.tensor, bufs.embeds, bufs.hidden,
+                                                                 bufs.meta_bytes)) if h.WhichOneof("kind") == "shm"]
     print(b.binding_id, " ".join(names), flush=True)
     sys.stdin.readline()  # until the test says (or kills this process)
 

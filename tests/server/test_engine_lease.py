@@ -79,7 +79,7 @@ def test_the_binding_of_an_engine_that_ended_is_released_and_its_cache_unmapped(
             child.wait(10)
             wait_until(lambda: not _status(stub).kv.bound, 10, lambda: f"still bound:\n{sc.log_tail()}")
             wait_until(lambda: not _mapped(pids, segments), 10, lambda: f"still mapped: {_mapped(pids, segments)}")
-            assert "closed its lease" in sc.log_tail()
+            assert "closed its lease" in sc.log_tail() and "the doorbell is stopped" in sc.log_tail()
             assert sc.health() == ["SERVING"]  # the rank serves on, for the engine's next start
         finally:
             child.kill()
@@ -113,9 +113,12 @@ def test_a_binding_made_without_a_lease_outlives_its_engine_and_a_lost_lease_is_
 
 
 @pytest.mark.gpu
-def test_a_killed_engine_s_gpu_cache_is_freed_while_the_sidecar_serves_on(tmp_path, tiny_ckpt):
+@pytest.mark.parametrize("data_plane", [False, True], ids=["cache", "cache+doorbell+buffers"])
+def test_a_killed_engine_s_gpu_cache_is_freed_while_the_sidecar_serves_on(tmp_path, tiny_ckpt, data_plane):
     """The case leases are for: CUDA IPC keeps an exporter's memory allocated while an importer maps it (run 299),
-    so the killed engine's cache (here 4 GiB, one allocation as vLLM's) came back only when the sidecar let go."""
+    so the killed engine's cache (here 4 GiB, one allocation as vLLM's) came back only when the sidecar let go.
+    With the data plane: its doorbell (input event, GPU word, a pre-launching rank) and CUDA regions under the
+    same lease, stopped and released with the cache."""
     import torch
 
     if not torch.cuda.is_available():
@@ -124,7 +127,7 @@ def test_a_killed_engine_s_gpu_cache_is_freed_while_the_sidecar_serves_on(tmp_pa
     with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
         stub = pb_grpc.DrafterSidecarStub(grpc.insecure_channel(sc.socket(0)))
         base = torch.cuda.mem_get_info(0)[0]
-        child, binding, _ = _engine(sc, "--cuda", str(gib))
+        child, binding, segments = _engine(sc, "--cuda", str(gib), *(["--buffers"] if data_plane else []))
         try:
             assert _status(stub).kv.binding_id == binding
             held = base - torch.cuda.mem_get_info(0)[0]
@@ -135,6 +138,10 @@ def test_a_killed_engine_s_gpu_cache_is_freed_while_the_sidecar_serves_on(tmp_pa
                        lambda: f"{(base - torch.cuda.mem_get_info(0)[0]) / 2**30:.2f} GiB still held; bound: "
                                f"{_status(stub).kv.bound}\n{sc.log_tail()}")
             assert not _status(stub).kv.bound and sc.health() == ["SERVING"]
+            if data_plane:  # the doorbell stopped: its page unmapped by the rank
+                wait_until(lambda: not _mapped(_tree(sc.proc.pid), segments), 10, "the doorbell's page unmapped")
+                assert "the doorbell is stopped" in sc.log_tail()
         finally:
             child.kill()
             child.wait()
+            _unlink(segments)
