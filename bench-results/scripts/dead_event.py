@@ -24,11 +24,13 @@ import torch
 def engine(path: str, seconds: float) -> None:
     torch.cuda.init()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)  # the spin kernel's module loaded (lazily) before it is timed
+    torch.cuda.synchronize()
     start.record()
-    torch.cuda._sleep(1_000_000)
+    torch.cuda._sleep(100_000_000)
     end.record()
     end.synchronize()
-    cycles_per_ms = 1_000_000 / start.elapsed_time(end)
+    cycles_per_ms = 100_000_000 / start.elapsed_time(end)
     ev = torch.cuda.Event(interprocess=True)
     torch.cuda._sleep(int(seconds * 1000 * cycles_per_ms))
     ev.record()
