@@ -54,6 +54,7 @@ def main() -> None:
     child = subprocess.Popen([sys.executable, __file__, "--engine", path, str(seconds), how])
     while not os.path.exists(path):
         time.sleep(0.005)
+    t_handle = time.perf_counter()
     theirs = torch.cuda.Event.from_ipc_handle(dev, open(path, "rb").read())
     s = torch.cuda.Stream(dev)
     x = torch.zeros(1, device=dev)
@@ -63,6 +64,8 @@ def main() -> None:
         x.add_(1)
         done.record(s)
     t0 = time.perf_counter()
+    print(f"[{how}] the wait queued {t0 - t_handle:.2f} s after the event's handle came; the spin is {seconds:.0f} s",
+          flush=True)
     if how == "kill":
         child.send_signal(signal.SIGKILL)
     else:
