@@ -3,7 +3,7 @@
 The doorbell's sidecar stream waits on the engine's "inputs written" event (AttachDoorbellRequest.input_event)
 before it reads a step's inputs. If the engine is killed after recording that event behind GPU work its GPU had
 not yet done, does the driver ever complete the wait, or is the sidecar's stream (and every later step on it)
-stuck for good? Run on a GPU host: `python3 bench-results/scripts/dead_event.py [alive|exit|kill] [seconds]`.
+stuck for good? Run on a GPU host: `python3 bench-results/scripts/dead_event.py [alive|exit|kill] [seconds] [nowait]`.
 
 The engine (a child process) queues `seconds` of GPU spinning (torch.cuda._sleep), records an interprocess event
 behind it, hands the event over and then finishes normally (alive), exits at once (exit: os._exit with the spin
@@ -48,6 +48,7 @@ def engine(path: str, seconds: float) -> None:
 def main() -> None:
     how = sys.argv[1] if len(sys.argv) > 1 else "kill"
     seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
+    nowait = len(sys.argv) > 3 and sys.argv[3] == "nowait"
     torch.cuda.init()
     dev = torch.device("cuda", 0)
     path = os.path.join(tempfile.mkdtemp(), "event")
@@ -65,7 +66,8 @@ def main() -> None:
     torch.cuda.synchronize(dev)
     done = torch.cuda.Event()
     with torch.cuda.stream(s):
-        s.wait_event(theirs)
+        if not nowait:  # nowait: the control, the event opened but never waited on
+            s.wait_event(theirs)
         x.add_(1)
         done.record(s)
     t0 = time.perf_counter()
