@@ -3,7 +3,7 @@
 The doorbell's sidecar stream waits on the engine's "inputs written" event (AttachDoorbellRequest.input_event)
 before it reads a step's inputs. If the engine is killed after recording that event behind GPU work its GPU had
 not yet done, does the driver ever complete the wait, or is the sidecar's stream (and every later step on it)
-stuck for good? Run on a GPU host: `python3 bench-results/scripts/dead_event.py [alive|exit|kill] [seconds] [nowait]`.
+stuck for good? Run on a GPU host: `python3 bench-results/scripts/dead_event.py [alive|exit|kill] [seconds] [nowait|noopen]`.
 
 The engine (a child process) queues `seconds` of GPU spinning (torch.cuda._sleep), records an interprocess event
 behind it, hands the event over and then finishes normally (alive), exits at once (exit: os._exit with the spin
@@ -48,7 +48,8 @@ def engine(path: str, seconds: float) -> None:
 def main() -> None:
     how = sys.argv[1] if len(sys.argv) > 1 else "kill"
     seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
-    nowait = len(sys.argv) > 3 and sys.argv[3] == "nowait"
+    nowait = len(sys.argv) > 3 and sys.argv[3] in ("nowait", "noopen")
+    noopen = len(sys.argv) > 3 and sys.argv[3] == "noopen"
     torch.cuda.init()
     dev = torch.device("cuda", 0)
     path = os.path.join(tempfile.mkdtemp(), "event")
@@ -56,7 +57,8 @@ def main() -> None:
     while not os.path.exists(path):
         time.sleep(0.005)
     t_handle = time.perf_counter()
-    theirs = torch.cuda.Event.from_ipc_handle(dev, open(path, "rb").read())
+    # noopen: the control of the control, a process with nothing of the engine's (under MPS: a co-resident client)
+    theirs = None if noopen else torch.cuda.Event.from_ipc_handle(dev, open(path, "rb").read())
     s = torch.cuda.Stream(dev)
     # Both kernels loaded before the wait is queued: a lazily loaded kernel's first launch synchronizes the
     # context, and behind the wait that is the engine's whole spin (s52b's first run: 19.99 s of "set-up").
