@@ -72,6 +72,7 @@ class Doorbell(threading.Thread):
                                   "attach a fresh page")
         self.memory, self.loop, self.device = page, loop, device
         self.input_event = self.output_event = None
+        self._stream = None  # the doorbell thread's stream (_ring_loop): where each step waits on input_event
         if device.type == "cuda":
             # Built here, on a gRPC handler thread whose current device may be another GPU: pin it.
             with torch.cuda.device(device):
@@ -134,6 +135,22 @@ class Doorbell(threading.Thread):
         if self.is_alive():
             log.error("doorbell: still inside a step %.0f s after stop; it releases its page when that step ends",
                       STOP_S)
+
+    def device_gets_past(self, within_s: float) -> bool:
+        """Whether the device gets past everything this doorbell has queued on its stream within `within_s`,
+        polled (a host wait on it could never end). True at once without an input event: nothing queued here
+        waits on the engine. What the driver raises (a context lost to a sticky error) is raised."""
+        stream = self._stream
+        if self.input_event is None or stream is None:
+            return True
+        mark = torch.cuda.Event()
+        mark.record(stream)
+        deadline = time.monotonic() + within_s
+        while not mark.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1e-3)
+        return True
 
     def _release(self) -> None:
         with self._release_lock:  # once: stop() before start(), then the thread's own end, must not close twice

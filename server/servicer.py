@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import logging
+import os
 import platform
 import secrets
 import threading
@@ -35,6 +36,10 @@ log = logging.getLogger("dspark_sidecar.server")
 # rest of the pool (server/app.py) is kept for the unary calls and the health check, which would
 # otherwise wait for a thread for ever. An engine rank holds one stream (two across a reconnect).
 MAX_STREAMS = 8
+# How long the device may take to get past a gone engine's doorbell steps (_past_gone_engine) before the rank gives
+# up on it. Steps take milliseconds; at TP > 1 a released queued copy finishes with its peers', which their engines'
+# own ends release (each a lease's end on its rank).
+GONE_ENGINE_DEVICE_S = 30.0
 
 
 @dataclass
@@ -279,7 +284,29 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 return False
             self.doorbell, self._doorbell_lease = None, 0
             self._retire(old)
+        self._past_gone_engine(old)
         return True
+
+    def _past_gone_engine(self, bell: Doorbell) -> None:
+        """The rank exits (3, for its supervisor to restart it) unless its device gets past the steps a gone
+        engine's doorbell queued. Each waited on the engine's "inputs written" event; if the engine died before
+        its GPU recorded that, no driver ever completes the wait (run 301: 45 s and on, exit or SIGKILL alike,
+        without MPS), and everything the rank queues behind it waits with it, for good: its later steps, the
+        releases of the gone engine's memory. Under MPS an engine that ends with GPU work in flight leaves the
+        other clients' contexts with a sticky error (run 301, and NVIDIA's MPS guide): the check raises."""
+        try:
+            passed = bell.device_gets_past(GONE_ENGINE_DEVICE_S)
+        except Exception:  # noqa: BLE001  (the context is lost: nothing on this device runs again)
+            log.exception("rank %d: the device failed after the engine's end (under MPS an engine that ends with GPU "
+                          "work in flight takes the other clients' contexts with it); exiting for a restart",
+                          self.ctx.rank)
+            os._exit(3)
+        if not passed:
+            log.error("rank %d: the device has not got past the gone engine's last doorbell step in %.0f s: it waits "
+                      "on the engine's 'inputs written' event, which no driver completes once the engine died before "
+                      "its GPU recorded it, and every later step would wait behind it; exiting for a restart",
+                      self.ctx.rank, GONE_ENGINE_DEVICE_S)
+            os._exit(3)
 
     def close_leases(self, wait_s: float | None = None) -> None:
         """Shutdown: the lease socket and every lease closed (no binding is released for it: the exit unmaps);

@@ -45,7 +45,15 @@ class _Loop:
 
 
 @pytest.fixture
-def rank():
+def exits(monkeypatch):
+    """The rank's os._exit codes, recorded instead (the servicer goes on past one, which the real exit ends)."""
+    codes: list[int] = []
+    monkeypatch.setattr(servicer_mod.os, "_exit", codes.append)
+    return codes
+
+
+@pytest.fixture
+def rank(exits):
     """A CPU rank's servicer with a lease socket, and the pages attached to it (closed after the test)."""
     ctx = SimpleNamespace(rank=0, fast=None, memory=MemoryBindings(None, 1, 0, torch.float32, torch.device("cpu")),
                           model=SimpleNamespace(device=torch.device("cpu")), cfg=SimpleNamespace(sliding_window=64),
@@ -83,7 +91,7 @@ def _stopped(svc, words) -> bool:
     return svc.doorbell is None and bool(words.word(bell.CLOSED))
 
 
-def test_the_doorbell_stops_when_the_lease_it_was_attached_under_ends(rank):
+def test_the_doorbell_stops_when_the_lease_it_was_attached_under_ends(rank, exits):
     """Before: doorbells carried no lease, so a gone engine's doorbell kept polling its page (a thread, the page,
     its FIFO and events) until the next AttachDoorbell."""
     conn, token = _lease(rank)
@@ -93,6 +101,7 @@ def test_the_doorbell_stops_when_the_lease_it_was_attached_under_ends(rank):
     conn.close()  # the engine ends (its process's descriptors closed by the kernel)
     wait_until(lambda: _stopped(rank, words), 10, "the doorbell to stop")
     wait_until(lambda: not d.is_alive(), 10, "its thread to end")
+    assert exits == []  # the device got past its steps (none wait on an engine's event on a CPU rank)
 
 
 def test_another_lease_s_end_or_none_leaves_the_doorbell_serving(rank):
@@ -140,3 +149,56 @@ def test_a_lease_that_ends_while_its_doorbell_attaches_stops_it(rank, monkeypatc
     monkeypatch.setattr(servicer_mod, "Doorbell", doorbell_while_the_engine_dies)
     words = _attach(rank, token)
     wait_until(lambda: _stopped(rank, words), 10, "the doorbell attached meanwhile to stop")
+
+
+@pytest.mark.parametrize("device", ["stuck", "lost"])
+def test_a_rank_whose_device_cannot_get_past_a_gone_engine_s_steps_exits_for_a_restart(rank, exits, monkeypatch,
+                                                                                       caplog, device):
+    """Run 301 (an H100): a stream waiting on a killed engine's event that its GPU had not yet recorded never goes
+    on (without MPS), and under MPS the engine's end with GPU work in flight leaves this process's context with a
+    sticky error. Either way nothing the rank queues runs again: it must not serve on as if it could."""
+    def gets_past(self, within_s):
+        if device == "lost":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return False
+
+    monkeypatch.setattr(servicer_mod.Doorbell, "device_gets_past", gets_past)
+    conn, token = _lease(rank)
+    words = _attach(rank, token)
+    with caplog.at_level("ERROR", logger="dspark_sidecar.server"):
+        conn.close()
+        wait_until(lambda: exits, 10, "the rank to exit")
+    assert exits == [3] and _stopped(rank, words)
+    assert ("has not got past the gone engine" if device == "stuck" else "the device failed after") in caplog.text
+
+
+class _Mark:
+    """torch.cuda.Event on a stream: passed after `after` queries (None: never)."""
+
+    after: int | None = 0
+    made: list["_Mark"] = []
+
+    def __init__(self) -> None:
+        self.queries, self.on = 0, None
+        _Mark.made.append(self)
+
+    def record(self, stream) -> None:
+        self.on = stream
+
+    def query(self) -> bool:
+        self.queries += 1
+        return _Mark.after is not None and self.queries > _Mark.after
+
+
+@pytest.mark.parametrize("after, expected", [(3, True), (None, False)])
+def test_the_device_check_polls_a_mark_on_the_doorbell_s_stream_within_its_bound(monkeypatch, after, expected):
+    from dspark_sidecar.server import doorbell as doorbell_mod
+
+    _Mark.after, _Mark.made = after, []
+    monkeypatch.setattr(doorbell_mod.torch.cuda, "Event", _Mark)
+    d = doorbell_mod.Doorbell.__new__(doorbell_mod.Doorbell)
+    d.input_event, d._stream = object(), "the doorbell's stream"
+    assert d.device_gets_past(0.2) is expected
+    assert [m.on for m in _Mark.made] == ["the doorbell's stream"] and _Mark.made[0].queries > (after or 1)
+    d.input_event = None  # nothing it queued waits on an engine: nothing to look at
+    assert d.device_gets_past(0.2) and len(_Mark.made) == 1
