@@ -5,7 +5,9 @@ the shim's KVBinder, under the lease its status names, prints the binding and se
 on sys.path). --buffers: the data plane under the same lease too, the doorbell and the step buffers (the shared-memory
 segments printed: the doorbell's page, then the buffers' where they are on the CPU).
 --cuda: the cache on GPU 0 as vLLM 0.34 allocates it (every layer a view of one int8 allocation), GIB GiB more of
-which stand for the rest of the engine's cache; the segment names printed are then empty.
+which stand for the rest of the engine's cache; the segment names printed are then empty. --ring-behind S (with --cuda
+--buffers): the doorbell (no GPU word) rung once, its input event recorded behind S seconds of GPU work, and its
+answer waited for before the line is printed: the sidecar's stream then waits on an event the GPU has not reached.
 """
 
 from __future__ import annotations
@@ -50,12 +52,29 @@ def main() -> None:
     b = binder.bind(stub, layers, 10.0, lease)
     if "--buffers" in sys.argv:
         dev = layers[0].device  # on a GPU: the input event, the GPU word (a pre-launching sidecar) and CUDA regions
-        bell = DoorbellChannel(stub, dev, 4096, gpu_word=dev.type == "cuda", lease=binder.lease.held)
+        behind = float(sys.argv[sys.argv.index("--ring-behind") + 1]) if "--ring-behind" in sys.argv else 0.0
+        bell = DoorbellChannel(stub, dev, 4096, gpu_word=dev.type == "cuda" and not behind, lease=binder.lease.held)
         bufs = StepBuffers(stub, cfg.hidden_size, 2, pages, dtype, dev, lease=binder.lease.held)
         names += [h.shm.name for h in map(memory.export_handle, (bell._page.tensor, bufs.embeds, bufs.hidden,
                                                                  bufs.meta_bytes)) if h.WhichOneof("kind") == "shm"]
+    if "--buffers" in sys.argv and behind:
+        _spin(behind)  # the engine's GPU still busy when the step's "inputs written" event is recorded (send)
+        bell.send(pb.DraftStepRequest(step_id=1))  # answered refused (no inputs), its event wait queued all the same
+        assert bell.wait(1, 30.0) is not None, "the sidecar did not answer the ring"
     print(b.binding_id, " ".join(names), flush=True)
     sys.stdin.readline()  # until the test says (or kills this process)
+
+
+def _spin(seconds: float) -> None:
+    """Queue `seconds` of GPU work on the current stream (torch.cuda._sleep, timed once its kernel is loaded)."""
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    torch.cuda._sleep(int(seconds * 1e3 * 10_000_000 / start.elapsed_time(end)))
 
 
 if __name__ == "__main__":

@@ -145,3 +145,31 @@ def test_a_killed_engine_s_gpu_cache_is_freed_while_the_sidecar_serves_on(tmp_pa
             child.kill()
             child.wait()
             _unlink(segments)
+
+
+@pytest.mark.gpu
+def test_a_rank_whose_stream_waits_on_a_killed_engine_s_event_exits_for_a_restart(tmp_path, tiny_ckpt):
+    """Run 301 (an H100): a stream waiting on a killed engine's interprocess event that its GPU had not yet
+    recorded never goes on (without MPS), so the rank's later steps and releases would wait behind it for good;
+    under MPS the engine's end with GPU work in flight leaves the sidecar's context with a sticky error. Either
+    way the rank exits 3 for its supervisor to restart it, within the doorbell's stop and the device bound."""
+    import torch
+
+    from dspark_sidecar.server.doorbell import STOP_S
+    from dspark_sidecar.server.servicer import GONE_ENGINE_DEVICE_S
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    with SidecarProcess(tmp_path, tp=1, checkpoint=tiny_ckpt, extra_args=["--device", "cuda"]) as sc:
+        child, _, segments = _engine(sc, "--cuda", "0", "--buffers", "--ring-behind", "300")
+        try:
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+            rc = sc.proc.wait(STOP_S + GONE_ENGINE_DEVICE_S + 30)
+            log = sc.log_tail()
+            assert rc != 0, log
+            assert "has not got past the gone engine" in log or "the device failed" in log, log
+        finally:
+            child.kill()
+            child.wait()
+            _unlink(segments)
