@@ -78,12 +78,16 @@ class EngineLease:
 
 def lease_path(endpoint: str, lease_socket: str) -> str:
     """Where this process reaches the lease socket a sidecar rank's status names: beside the rank's gRPC socket as
-    this process reaches that (the protocol puts it there), where such a socket exists; else the status's path.
+    this process reaches that (the protocol puts it there; a link to it resolved), where such a socket exists; else
+    the status's path.
     The status's path is the server's own view: an engine container that mounts the socket folder at another
     path found nothing there, took no lease, and its bindings outlived it. "" stays "" (no leases)."""
     if not lease_socket or not endpoint.startswith("unix:"):  # a TCP endpoint: no folder of ours to look in
         return lease_socket
-    beside = os.path.join(os.path.dirname(endpoint[len("unix:"):]), os.path.basename(lease_socket))
+    # The folder of the socket the endpoint leads to, not of a link to it: the one the sidecar checked and serves
+    # from. Beside a link (in /tmp, say), whoever put a socket of that name there held this engine's lease.
+    sock = os.path.realpath(endpoint[len("unix:"):])  # unix:///abs too (its extra slashes collapse)
+    beside = os.path.join(os.path.dirname(sock), os.path.basename(lease_socket))
     return beside if os.path.exists(beside) else lease_socket
 
 

@@ -267,8 +267,8 @@ class RankLoop:
                     head, since, logged = self._deferred[0], now, now
                 elif now - logged > WAIT_LOG_S:  # as _settle_released says it: the memory stays mapped meanwhile
                     logged = now
-                    log.warning("rank %d: %d released memory mappings still wait on the device after %.0f s (a "
-                                "stuck device, or at TP > 1 a peer's copy not yet run): they stay mapped meanwhile",
+                    log.warning("rank %d: %d releases still wait on the device after %.0f s (a stuck device, or "
+                                "at TP > 1 a peer's copy not yet run): what they unmap stays mapped meanwhile",
                                 self.ctx.rank, len(self._deferred), now - since)
             finally:
                 self._lock.release()

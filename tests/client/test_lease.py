@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import threading
@@ -189,17 +190,63 @@ def test_the_lease_socket_is_found_beside_the_grpc_socket_as_this_engine_reaches
     try:
         theirs = "/run/dspark-elsewhere/rank0.lease"  # the sidecar's mount of the folder, absent in the engine's
         endpoint = f"unix:{here}/rank0.sock"
-        assert lease_path(endpoint, theirs) == str(here / "rank0.lease")
+        assert lease_path(endpoint, theirs) == os.path.realpath(here / "rank0.lease")  # links resolved (below)
         shim = SimpleNamespace(connection=SimpleNamespace(endpoint=endpoint,
                                                           status=pb.StatusReport(lease_socket=theirs)))
         path = DrafterShim._lease_socket(shim)  # type: ignore[arg-type]
         token = lease.token(path, 5)
         assert token and k.live(token)
-        # Where nothing is beside the endpoint (a TCP target, or a link to a socket in another folder): the
+        # Where nothing is beside the endpoint (a TCP target, or a folder with no lease socket in it): the
         # status's path as it is; no leases stays no leases.
         assert lease_path("127.0.0.1:7000", theirs) == theirs
         assert lease_path(f"unix:{tmp_path}/rank0.sock", theirs) == theirs
         assert lease_path(endpoint, "") == ""
     finally:
         lease.close()
+        k.close()
+
+
+def test_a_link_to_the_grpc_socket_leads_to_the_lease_socket_beside_the_real_one():
+    """An endpoint that is a link (in a folder others may add entries to: /tmp, sticky) to the sidecar's socket:
+    the lease socket is the one beside the socket the link leads to, in the sidecar's own folder. Looked for
+    beside the link, whoever put a socket of that name next to it there held the engine's lease (ending it at
+    will, or keeping the gone engine's binding mapped by never ending it)."""
+    from dspark_sidecar.client.lease import lease_path
+
+    real, other = short_socket_dir(), short_socket_dir()
+    k = _keeper(real / "rank0.lease")
+    grpc_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    grpc_sock.bind(str(real / "rank0.sock"))  # stands for the rank's gRPC socket
+    (other / "rank0.sock").symlink_to(real / "rank0.sock")
+    hostile = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hostile.bind(str(other / "rank0.lease"))
+    hostile.listen(1)
+    lease = EngineLease()
+    try:
+        path = lease_path(f"unix:{other}/rank0.sock", "/run/dspark-elsewhere/rank0.lease")
+        assert os.path.samefile(path, real / "rank0.lease")
+        token = lease.token(path, 5)
+        assert token and k.live(token)
+        # gRPC's other spelling of an absolute path, unix:///abs: the same folder.
+        assert lease_path(f"unix://{other}/rank0.sock", "/run/dspark-elsewhere/rank0.lease") == path
+    finally:
+        lease.close()
+        hostile.close()
+        grpc_sock.close()
+        k.close()
+
+
+def test_an_abstract_or_tcp_endpoint_has_no_folder_to_look_in(monkeypatch):
+    """unix-abstract:NAME names no file (and dns:, ipv4: no socket folder): the status's path stands, never a
+    socket of that name in whatever folder this process runs in."""
+    from dspark_sidecar.client.lease import lease_path
+
+    here = short_socket_dir()
+    k = _keeper(here / "rank0.lease")
+    monkeypatch.chdir(here)
+    try:
+        theirs = "/run/dspark-elsewhere/rank0.lease"
+        for endpoint in ("unix-abstract:rank0.sock", "dns:localhost:7000", "ipv4:127.0.0.1:7000", "localhost:7000"):
+            assert lease_path(endpoint, theirs) == theirs, endpoint
+    finally:
         k.close()

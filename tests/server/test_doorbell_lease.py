@@ -122,6 +122,19 @@ def test_another_lease_s_end_or_none_leaves_the_doorbell_serving(rank):
     assert rank.doorbell is d2 and d2.is_alive() and not unleased.word(bell.CLOSED)
 
 
+def test_doorbells_replaced_or_stopped_and_ended_are_not_kept(rank):
+    """Kept among the retiring only while still inside a step: each attach (an engine's reconnect) otherwise kept
+    one more ended doorbell, with its events, for the process's life."""
+    for _ in range(3):
+        _attach(rank)
+    conn, token = _lease(rank)
+    _attach(rank, token)
+    conn.close()
+    wait_until(lambda: rank.doorbell is None, 10, "the doorbell to stop")
+    with rank._attach_lock:  # the stop's _retire done
+        assert rank._retiring == []
+
+
 def test_a_doorbell_under_a_lease_already_ended_is_refused_and_the_attached_one_stands(rank):
     words = _attach(rank)
     d = rank.doorbell

@@ -407,6 +407,30 @@ def test_a_lost_lease_releases_its_regions_though_the_engine_released_some_of_th
             seg.close()
 
 
+def test_regions_the_engine_released_are_no_longer_its_lease_s():
+    """Released by owner (the engine's own UnregisterBuffers), they are off the lease's list too: left on it, the
+    lease's end still found regions under it and ran a section for nothing, whose quiesce releases the live
+    engine's pre-launched step (at TP > 1 on this rank alone)."""
+    import torch
+
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.proto import memory as mem_handles
+    from dspark_sidecar.server.kv_binding import MemoryBindings
+
+    memory = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    seg = mem_handles.shm_empty((4096,), torch.uint8)
+    try:
+        memory.register(pb.RegisterBuffersRequest(
+            regions=[pb.BufferRegion(name="r", memory=mem_handles.export_handle(seg.tensor), size_bytes=4096)],
+            owner=1, lease=5))
+        assert memory.leases_regions(5)
+        for m in memory.unregister([], owner=1):
+            m.close()
+        assert not memory.leases_regions(5) and memory.region_count == 0
+    finally:
+        seg.close()
+
+
 def test_a_lease_that_ends_while_registerbuffers_maps_the_regions_releases_them():
     """As BindKV: the lease's own release ran before the regions were recorded under it and found none, so the
     registration must see the loss itself, or the gone engine's buffers stayed mapped."""

@@ -384,6 +384,44 @@ def test_the_reaper_says_when_a_release_waits_on_the_device_for_long(loop, monke
         with loop.exclusive(wait=False):
             loop.after_device(lambda: ran.append(1))
         wait_until(lambda: "still wait on the device" in caplog.text, 5, "the reaper's line")
-    assert ran == [] and "1 released memory mappings" in caplog.text
+    assert ran == [] and "1 releases still wait" in caplog.text
     _Event.made[-1].done = True  # the device gets there: the release runs, the reaper ends
+    wait_until(lambda: ran == [1], 5, "the release")
+
+
+def test_the_reaper_says_it_once_each_wait_log_s_not_at_each_turn(loop, monkeypatch, caplog):
+    """Its turns come every REAP_S (10 ms): a line per turn, or one at the first, would flood the log of a rank whose
+    released memory waits on a peer for minutes. The clock here runs as the real one plus what the test adds."""
+    import time as real_time
+
+    ahead, turns = [0.0], [0]
+
+    class _Time:
+        def __getattr__(self, name):
+            return getattr(real_time, name)
+
+        def monotonic(self):
+            return real_time.monotonic() + ahead[0]
+
+        def sleep(self, s):
+            turns[0] += 1
+            real_time.sleep(s)
+
+    monkeypatch.setattr(rank_mod, "time", _Time())
+
+    def look_several_times():
+        n = turns[0]
+        wait_until(lambda: turns[0] > n + 5, 5, "the reaper's turns")
+
+    ran = []
+    with caplog.at_level(logging.WARNING, logger="dspark_sidecar.server"):
+        with loop.exclusive(wait=False):
+            loop.after_device(lambda: ran.append(1))
+        look_several_times()
+        assert "still wait on the device" not in caplog.text  # not WAIT_LOG_S yet
+        ahead[0] += rank_mod.WAIT_LOG_S + 1
+        wait_until(lambda: "still wait on the device" in caplog.text, 5, "the reaper's line")
+        look_several_times()
+    assert caplog.text.count("still wait on the device") == 1 and "after 11 s" in caplog.text
+    _Event.made[-1].done = True
     wait_until(lambda: ran == [1], 5, "the release")
