@@ -253,9 +253,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         and the buffer regions made under it are released, as UnbindKV and UnregisterBuffers would, and unmapped
         once the device is done with them. What was made since under another lease, or none, is left as it is."""
         # The doorbell first: it reads no more of the gone engine's steps while what they name is released.
-        if self._stop_doorbell_of(token):
+        bell = self._stop_doorbell_of(token)
+        if bell is not None:
             log.warning("rank %d: the engine that attached the doorbell closed its lease (it exited?): the doorbell "
                         "is stopped", self.ctx.rank)
+        self._past_gone_engine(bell)
         kv, regions = self.ctx.memory.kv, self.ctx.memory.leases_regions(token)
         if (kv is None or kv.lease != token) and not regions:
             # Nothing under it (released first by its engine, or never bound): no section, whose quiesce would
@@ -274,28 +276,29 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                     "the binding is released and its cache unmapped", self.ctx.rank, kv.binding_id, kv.generation)
         self._publish_health()
 
-    def _stop_doorbell_of(self, token: int) -> bool:
-        """Stop the doorbell attached under lease `token`, if it is still the rank's; whether it was. Under the
+    def _stop_doorbell_of(self, token: int) -> Doorbell | None:
+        """Stop the doorbell attached under lease `token`, if it is still the rank's, and return it. Under the
         attach lock: an AttachDoorbell under that lease either published its doorbell before (stopped here) or
         checks the lease after this (and stops its own)."""
         with self._attach_lock:
             old = self.doorbell
             if old is None or self._doorbell_lease != token:
-                return False
+                return None
             self.doorbell, self._doorbell_lease = None, 0
             self._retire(old)
-        self._past_gone_engine(old)
-        return True
+        return old
 
-    def _past_gone_engine(self, bell: Doorbell) -> None:
+    def _past_gone_engine(self, bell: Doorbell | None) -> None:
         """The rank exits (3, for its supervisor to restart it) unless its device gets past the steps a gone
-        engine's doorbell queued. Each waited on the engine's "inputs written" event; if the engine died before
-        its GPU recorded that, no driver ever completes the wait (run 301: 45 s and on, exit or SIGKILL alike,
-        without MPS), and everything the rank queues behind it waits with it, for good: its later steps, the
-        releases of the gone engine's memory. Under MPS an engine that ends with GPU work in flight leaves the
-        other clients' contexts with a sticky error (run 301, and NVIDIA's MPS guide): the check raises."""
+        engine's doorbell (`bell`, None: the engine had none) queued, and still answers. Each step waited on the
+        engine's "inputs written" event; if the engine died before its GPU recorded that, no driver ever
+        completes the wait (run 301: 45 s and on, exit or SIGKILL alike, without MPS), and everything the rank
+        queues behind it waits with it, for good: its later steps, the releases of the gone engine's memory.
+        Under MPS an engine that ends with GPU work in flight leaves the other clients' contexts with a sticky
+        error (run 301, and NVIDIA's MPS guide), whatever they held of it: the check raises."""
         try:
-            passed = bell.device_gets_past(GONE_ENGINE_DEVICE_S)
+            passed = (bell.device_gets_past(GONE_ENGINE_DEVICE_S) if bell is not None
+                      else _device_answers(self.ctx.model.device))
         except Exception:  # noqa: BLE001  (the context is lost: nothing on this device runs again)
             log.exception("rank %d: the device failed after the engine's end (under MPS an engine that ends with GPU "
                           "work in flight takes the other clients' contexts with it); exiting for a restart",
@@ -471,6 +474,17 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                                f"{what} from {context.peer()} refused: only same-node peers (unix socket or "
                                "loopback) may bind KV caches or buffers, or send the steps that write them",
                                "", "REMOTE_PEER")
+
+
+def _device_answers(device: torch.device) -> bool:
+    """True, or what the driver raises where this process's context on `device` is lost (a sticky error): an event
+    recorded on an idle stream and queried, never waited for."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            mark = torch.cuda.Event()
+            mark.record(torch.cuda.Stream(device))
+            mark.query()
+    return True
 
 
 def limits_pb(max_reqs: int, max_message_bytes: int) -> pb.Limits:

@@ -215,3 +215,18 @@ def test_the_device_check_polls_a_mark_on_the_doorbell_s_stream_within_its_bound
     assert [m.on for m in _Mark.made] == ["the doorbell's stream"] and _Mark.made[0].queries > (after or 1)
     d.input_event = None  # nothing it queued waits on an engine: nothing to look at
     assert d.device_gets_past(0.2) and len(_Mark.made) == 1
+
+
+def test_a_lease_without_a_doorbell_still_has_its_rank_exit_when_the_device_is_lost(rank, exits, monkeypatch, caplog):
+    """Under MPS an engine that ends with GPU work in flight leaves the other clients' contexts with a sticky error
+    (run 301) whatever they held of it: an engine on the gRPC transport too. Its lease's release hit the error
+    unmapping the cache, logged it as a failed release, and the rank served on (health SERVING) with a lost context."""
+    def lost(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(servicer_mod, "_device_answers", lost)
+    conn, _ = _lease(rank)
+    with caplog.at_level("ERROR", logger="dspark_sidecar.server"):
+        conn.close()
+        wait_until(lambda: exits, 10, "the rank to exit")
+    assert exits == [3] and "the device failed after" in caplog.text

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+import torch
 
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.errors import SidecarError
@@ -180,7 +181,8 @@ class _Loop:
 
 
 def _servicer(memory) -> DrafterServicer:
-    ctx = SimpleNamespace(rank=0, memory=memory, fast=None, metrics=SimpleNamespace(bound=lambda: None))
+    ctx = SimpleNamespace(rank=0, memory=memory, fast=None, metrics=SimpleNamespace(bound=lambda: None),
+                          model=SimpleNamespace(device=torch.device("cpu")))
     svc = DrafterServicer(ctx, _Loop(), Lifecycle(), pb.Limits(), pb.Parallel(), "bf16",  # type: ignore[arg-type]
                           run_dir=short_socket_dir())
     svc.refusal = lambda: ""  # the deployment checks are not what these tests are about
