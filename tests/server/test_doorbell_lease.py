@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 from types import SimpleNamespace
 
 import grpc
@@ -213,7 +214,10 @@ def test_the_device_check_polls_a_mark_on_the_doorbell_s_stream_within_its_bound
     d.input_event, d._stream = object(), "the doorbell's stream"
     assert d.device_gets_past(0.2) is expected
     assert [m.on for m in _Mark.made] == ["the doorbell's stream"] and _Mark.made[0].queries > (after or 1)
+    assert _Mark.made[0].queries <= 0.2 / 1e-3 + 2  # polled with a nap: a bare spin held a core and the GIL for 30 s
     d.input_event = None  # nothing it queued waits on an engine: nothing to look at
+    assert d.device_gets_past(0.2) and len(_Mark.made) == 1
+    d.input_event, d._stream = object(), None  # stopped before its thread served: it queued nothing on any stream
     assert d.device_gets_past(0.2) and len(_Mark.made) == 1
 
 
@@ -230,3 +234,57 @@ def test_a_lease_without_a_doorbell_still_has_its_rank_exit_when_the_device_is_l
         conn.close()
         wait_until(lambda: exits, 10, "the rank to exit")
     assert exits == [3] and "the device failed after" in caplog.text
+
+
+def test_the_device_check_runs_on_the_stopped_doorbell_with_its_bound_and_holds_up_no_attach(rank, exits,
+                                                                                             monkeypatch):
+    """The check looks once the gone engine's doorbell has ended (its queued step released and its page closed:
+    looked at before, a pre-launched step still waiting on the dead engine's GPU word would read as stuck), for
+    GONE_ENGINE_DEVICE_S, and outside the attach lock: a restarted engine's AttachDoorbell is not held up for the
+    check's bound."""
+    seen, entered, go_on = [], threading.Event(), threading.Event()
+    pages = []
+
+    def gets_past(self, within_s):
+        seen.append((self.is_alive(), bool(pages[0].word(bell.CLOSED)), within_s))
+        entered.set()
+        go_on.wait(10)
+        return True
+
+    monkeypatch.setattr(servicer_mod.Doorbell, "device_gets_past", gets_past)
+    conn, token = _lease(rank)
+    pages.append(_attach(rank, token))
+    conn.close()
+    try:
+        assert entered.wait(10), "the lease's end never checked the device"
+        assert seen == [(False, True, servicer_mod.GONE_ENGINE_DEVICE_S)]
+        conn2, token2 = _lease(rank)  # the engine, restarted, attaches again while the check still polls
+        attach = threading.Thread(target=_attach, args=(rank, token2))
+        attach.start()
+        attach.join(5)
+        assert not attach.is_alive(), "AttachDoorbell waited on the gone engine's device check"
+    finally:
+        go_on.set()
+    d2 = rank.doorbell
+    wait_until(lambda: not rank.leases.live(token) and d2.is_alive(), 5, "the new doorbell to serve on")
+    assert exits == [] and rank.doorbell is d2 and len(seen) == 1
+    conn2.close()
+
+
+def test_a_gpu_doorbell_s_thread_names_its_stream_for_the_check(monkeypatch):
+    """The check marks the stream each step's wait on the input event went to: the doorbell thread's, looked up as
+    its loop starts. Left unset, the check would read "nothing queued" on every GPU rank and never look."""
+    from dspark_sidecar.server import doorbell as doorbell_mod
+
+    cuda = doorbell_mod.torch.cuda
+    current = []
+    monkeypatch.setattr(cuda, "set_device", current.append)
+    monkeypatch.setattr(cuda, "current_stream", lambda device: ("the stream of", current[-1], device))
+    d = doorbell_mod.Doorbell.__new__(doorbell_mod.Doorbell)
+    d.device, d._stream, d._halt = torch.device("cuda", 1), None, threading.Event()
+    d._halt.set()  # stopped before its first ring: the loop sets up, then ends
+    t = threading.Thread(target=d._ring_loop)  # on a thread of its own: it lowers that thread's timer slack
+    t.start()
+    t.join(10)
+    dev = torch.device("cuda", 1)
+    assert not t.is_alive() and d._stream == ("the stream of", dev, dev)
