@@ -1,6 +1,8 @@
-"""Stand-ins for the rank loop's tests: the portable layers, counting their calls."""
+"""Stand-ins for the rank loop's tests: the portable layers, counting their calls; a loop with no device work."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -16,3 +18,23 @@ class FakeModel:
     def draft_step(self, embeds, positions, meta, kv):
         self.calls += 1
         return torch.full_like(embeds, 2.0)
+
+
+class IdleLoop:
+    """RankLoop for a CPU servicer's doorbells (no graphs, so no pre-launch): sections and device waits are
+    immediate, and nothing is queued on a device."""
+
+    graphs = None
+
+    def on_quiesce(self, fn, old=None):
+        pass
+
+    @contextlib.contextmanager
+    def exclusive(self, wait=True, quiesce=True):
+        yield
+
+    def after_device(self, fn, wait=None):
+        fn()
+
+    def sweep_idle(self, poke=False):
+        pass

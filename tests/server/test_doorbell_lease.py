@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 from types import SimpleNamespace
@@ -22,27 +21,11 @@ from dspark_sidecar.server.kv_binding import MemoryBindings  # noqa: E402
 from dspark_sidecar.server.lease import TOKEN  # noqa: E402
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle  # noqa: E402
 from helpers.engine_fakes import short_socket_dir  # noqa: E402
+from helpers.rank_fakes import IdleLoop  # noqa: E402
 from helpers.waiting import wait_until  # noqa: E402
 
 CAP = 4096
 CTX = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
-
-
-class _Loop:
-    graphs = None
-
-    def on_quiesce(self, fn, old=None):
-        pass
-
-    @contextlib.contextmanager
-    def exclusive(self, wait=True, quiesce=True):
-        yield
-
-    def after_device(self, fn, wait=None):
-        fn()
-
-    def sweep_idle(self, poke=False):
-        pass
 
 
 @pytest.fixture
@@ -59,7 +42,7 @@ def rank(exits):
     ctx = SimpleNamespace(rank=0, fast=None, memory=MemoryBindings(None, 1, 0, torch.float32, torch.device("cpu")),
                           model=SimpleNamespace(device=torch.device("cpu")), cfg=SimpleNamespace(sliding_window=64),
                           metrics=SimpleNamespace(bound=lambda: None))
-    svc = DrafterServicer(ctx, _Loop(), Lifecycle(), None, None, "",  # type: ignore[arg-type]
+    svc = DrafterServicer(ctx, IdleLoop(), Lifecycle(), None, None, "",  # type: ignore[arg-type]
                           run_dir=short_socket_dir())
     svc.pages = []
     yield svc

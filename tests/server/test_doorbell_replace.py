@@ -19,27 +19,13 @@ from dspark_sidecar.proto import memory  # noqa: E402
 from dspark_sidecar.proto import sidecar_pb2 as pb  # noqa: E402
 from dspark_sidecar.server.kv_binding import MemoryBindings  # noqa: E402
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle  # noqa: E402
+from helpers.rank_fakes import IdleLoop  # noqa: E402
 from helpers.waiting import wait_until  # noqa: E402
 
 CAP = 4096
 
 
-class _Loop:
-    graphs = None
-
-    def on_quiesce(self, fn, old=None):
-        pass
-
-    @contextlib.contextmanager
-    def exclusive(self, wait=True, quiesce=True):
-        yield
-
-    def after_device(self, fn, wait=None):
-        fn()
-
-    def sweep_idle(self, poke=False):
-        pass
-
+class _Loop(IdleLoop):
     def on_device_wait(self, fn, old=None):  # a dropped pre-launch unhooks its repass (Doorbell._drop_prelaunch)
         pass
 
