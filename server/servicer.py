@@ -280,12 +280,21 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         """Stop the doorbell attached under lease `token`, if it is still the rank's, and return it. Under the
         attach lock: an AttachDoorbell under that lease either published its doorbell before (stopped here) or
         checks the lease after this (and stops its own)."""
-        with self._attach_lock:
+        if not self._attach_lock.acquire(timeout=GONE_ENGINE_DEVICE_S):
+            # Held this long: by a release of regions waiting in it on the device (at TP 1 it waits there), which
+            # never lets go if that device waits on the gone engine's event. The doorbell judged as it stands.
+            held = self.doorbell
+            if held is not None and self._doorbell_lease == token:
+                self._past_gone_engine(held)
+            self._attach_lock.acquire()
+        try:
             old = self.doorbell
             if old is None or self._doorbell_lease != token:
                 return None
             self.doorbell, self._doorbell_lease = None, 0
             self._retire(old)
+        finally:
+            self._attach_lock.release()
         return old
 
     def _past_gone_engine(self, bell: Doorbell | None) -> None:

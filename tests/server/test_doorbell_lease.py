@@ -271,3 +271,17 @@ def test_a_gpu_doorbell_s_thread_names_its_stream_for_the_check(monkeypatch):
     t.join(10)
     dev = torch.device("cuda", 1)
     assert not t.is_alive() and d._stream == ("the stream of", dev, dev)
+
+
+def test_the_check_is_not_held_up_for_good_by_a_release_waiting_in_the_attach_lock(rank, exits, monkeypatch):
+    """At TP 1 a release of regions waits on the device inside the attach lock (review 285): with the device
+    waiting on the gone engine's unrecorded event it never lets go, and the lease's release waited on that lock for
+    good, the rank serving on. Past the bound, the doorbell is judged as it stands."""
+    monkeypatch.setattr(servicer_mod, "GONE_ENGINE_DEVICE_S", 0.2)
+    monkeypatch.setattr(servicer_mod.Doorbell, "device_gets_past", lambda self, within_s: False)
+    conn, token = _lease(rank)
+    _attach(rank, token)
+    with rank._attach_lock:  # the stuck release's hold
+        conn.close()
+        wait_until(lambda: exits, 10, "the rank to exit though the attach lock stays held")
+    assert exits[0] == 3
