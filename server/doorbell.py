@@ -145,12 +145,8 @@ class Doorbell(threading.Thread):
             return True
         mark = torch.cuda.Event()
         mark.record(stream)
-        deadline = time.monotonic() + within_s
-        while not mark.query():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(1e-3)
-        return True
+        # The doorbell's own poll, as long idle (every bell.SLEEP_S): nothing here is on a step's path.
+        return bell.wait_until(mark.query, time.perf_counter() + within_s, active_since=float("-inf"))
 
     def _release(self) -> None:
         with self._release_lock:  # once: stop() before start(), then the thread's own end, must not close twice
