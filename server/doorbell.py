@@ -49,9 +49,10 @@ def _flag_exchange(world: int):
 class Doorbell(threading.Thread):
     def __init__(self, page: MappedMemory, capacity: int, loop: RankLoop, device: torch.device,
                  input_event: bytes, wake_path: str | None = None, word_ops: GpuWordOps | None = None,
-                 window: int = 0, behind_s: float = BEHIND_S, on_close=None) -> None:
+                 window: int = 0, behind_s: float = BEHIND_S, on_close=None, lease: int = 0) -> None:
         super().__init__(name="dspark-doorbell", daemon=True)
         self._on_close = on_close  # called once the page is closed (MemoryBindings.release_page)
+        self.lease = lease  # the engine lease it was attached under (AttachDoorbellRequest.lease); 0: none
         if capacity < bell.MIN_CAPACITY:
             raise invalid("capacity_bytes", f"{capacity} is below the {bell.MIN_CAPACITY} bytes an answer may need "
                                             "(an error's message, the step's timings)")

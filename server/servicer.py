@@ -111,7 +111,6 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self.limits, self.parallel, self.weight_format = limits, parallel, weight_format
         self.run_dir = run_dir  # where doorbell wake FIFOs go (the socket folder); None: polling only
         self.doorbell: Doorbell | None = None
-        self._doorbell_lease = 0  # the lease self.doorbell was attached under (AttachDoorbellRequest.lease); 0: none
         self._attached = 0
         self._attach_lock = threading.Lock()
         self._retiring: list[Doorbell] = []  # replaced doorbells still inside a step (longer than STOP_S)
@@ -284,14 +283,14 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             # Held this long: by a release of regions waiting in it on the device (at TP 1 it waits there), which
             # never lets go if that device waits on the gone engine's event. The doorbell judged as it stands.
             held = self.doorbell
-            if held is not None and self._doorbell_lease == token:
+            if held is not None and held.lease == token:
                 self._past_gone_engine(held)
             self._attach_lock.acquire()
         try:
             old = self.doorbell
-            if old is None or self._doorbell_lease != token:
+            if old is None or old.lease != token:
                 return None
-            self.doorbell, self._doorbell_lease = None, 0
+            self.doorbell = None
             self._retire(old)
         finally:
             self._attach_lock.release()
@@ -414,20 +413,21 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 mem.claim_page(page, page_words.HEADER + 2 * request.capacity_bytes)
                 bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event,
                                 wake, self._gpu_word_ops if request.gpu_word else None, self.ctx.cfg.sliding_window,
-                                self.prelaunch_behind_s, on_close=functools.partial(mem.release_page, page))
+                                self.prelaunch_behind_s, on_close=functools.partial(mem.release_page, page),
+                                lease=request.lease)
             except BaseException:
                 mem.release_page(page)
                 page.close()  # a refused request leaves the attached doorbell as it was
                 raise
             if self.doorbell is not None:
                 self._retire(self.doorbell)
-                self.doorbell, self._doorbell_lease = None, 0
+                self.doorbell = None
             # A replaced doorbell still inside a step may queue the next one behind its old page's GPU
             # word and release it only as it ends: the new one serves after that (Doorbell.run).
             bell.follow(self._retiring)
             bell.start()
             # Published once started: close_doorbell stops only started doorbells.
-            self.doorbell, self._doorbell_lease = bell, request.lease
+            self.doorbell = bell
         return pb.AttachDoorbellResponse(output_event=bell.output_event_handle(), wake_fifo=bell.wake_fifo,
                                          gpu_word=bell.prelaunch is not None)
 
