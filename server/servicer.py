@@ -276,25 +276,36 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._publish_health()
 
     def _stop_doorbell_of(self, token: int) -> Doorbell | None:
-        """Stop the doorbell attached under lease `token`, if it is still the rank's, and return it. Under the
-        attach lock: an AttachDoorbell under that lease either published its doorbell before (stopped here) or
-        checks the lease after this (and stops its own)."""
+        """Stop the doorbell attached under lease `token`, if it is still the rank's, and return it (or the one
+        replaced since, still ending: _doorbell_under). Under the attach lock: an AttachDoorbell under that lease
+        either published its doorbell before (stopped here) or checks the lease after this (and is refused)."""
         if not self._attach_lock.acquire(timeout=GONE_ENGINE_DEVICE_S):
             # Held this long: by a release of regions waiting in it on the device (at TP 1 it waits there), which
             # never lets go if that device waits on the gone engine's event. The doorbell judged as it stands.
-            held = self.doorbell
-            if held is not None and held.lease == token:
+            held = self._doorbell_under(token)
+            if held is not None:
                 self._past_gone_engine(held)
             self._attach_lock.acquire()
         try:
-            old = self.doorbell
-            if old is None or old.lease != token:
-                return None
-            self.doorbell = None
-            self._retire(old)
+            old = self._doorbell_under(token)
+            if old is not None and old is self.doorbell:
+                self.doorbell = None
+                self._retire(old)
         finally:
             self._attach_lock.release()
         return old
+
+    def _doorbell_under(self, token: int) -> Doorbell | None:
+        """The doorbell attached under lease `token` that its end judges: the rank's, or one an AttachDoorbell
+        replaced since (it took the attach lock before the lease's release did: the gone engine's restart) that
+        is still inside its end. Missed, the release judged no doorbell: one whose end waits on a device stuck on
+        the gone engine's event (at TP 1 its release waits there) was never judged, and the rank, its new
+        doorbell following that one and never serving, stayed up for good. An ended one is not looked at: the
+        doorbell that follows it may have queued a step of a live engine's since, which a mark would wait behind."""
+        bell = self.doorbell
+        if bell is not None and bell.lease == token:
+            return bell
+        return next((d for d in self._retiring if d.lease == token and d.is_alive()), None)
 
     def _past_gone_engine(self, bell: Doorbell | None) -> None:
         """The rank exits (3, for its supervisor to restart it) unless its device gets past the steps a gone
@@ -305,8 +316,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         Under MPS an engine that ends with GPU work in flight leaves the other clients' contexts with a sticky
         error (run 301, and NVIDIA's MPS guide), whatever they held of it: the check raises."""
         try:
-            passed = (bell.device_gets_past(GONE_ENGINE_DEVICE_S) if bell is not None
-                      else _device_answers(self.ctx.model.device))
+            passed = bell is None or bell.device_gets_past(GONE_ENGINE_DEVICE_S)
+            # With a doorbell too: one whose steps wait on no engine event (an engine whose host writes the inputs),
+            # or that served none, is passed at once without a look at the device, whose context the engine's end
+            # may have lost all the same (under MPS): the rank served on with it.
+            passed = passed and _device_answers(self.ctx.model.device)
         except Exception:  # noqa: BLE001  (the context is lost: nothing on this device runs again)
             log.exception("rank %d: the device failed after the engine's end (under MPS an engine that ends with GPU "
                           "work in flight takes the other clients' contexts with it); exiting for a restart",

@@ -285,3 +285,111 @@ def test_the_check_is_not_held_up_for_good_by_a_release_waiting_in_the_attach_lo
         conn.close()
         wait_until(lambda: exits, 10, "the rank to exit though the attach lock stays held")
     assert exits[0] == 3
+
+
+def test_a_lease_whose_doorbell_waits_on_no_engine_event_still_has_the_device_asked(rank, exits, monkeypatch, caplog):
+    """A doorbell attached without an input event (an engine whose host writes the inputs), or stopped before its
+    thread served (no stream yet), queued nothing that waits on its engine, so its own check passes at once. The
+    device must still be asked, as for a lease without a doorbell: under MPS the engine's end leaves this context
+    with a sticky error whatever it held of the engine's, and the rank served on with a lost context."""
+    def lost(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(servicer_mod, "_device_answers", lost)
+    conn, token = _lease(rank)
+    words = _attach(rank, token)  # a CPU rank's doorbell: no input event
+    with caplog.at_level("ERROR", logger="dspark_sidecar.server"):
+        conn.close()
+        wait_until(lambda: exits, 10, "the rank to exit")
+    assert exits == [3] and _stopped(rank, words) and "the device failed after" in caplog.text
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_a_gone_engine_s_doorbell_replaced_before_its_lease_s_release_is_still_judged(rank, exits, monkeypatch,
+                                                                                       ended):
+    """Another engine's AttachDoorbell (the gone one's restart) can retire the gone engine's doorbell before that
+    engine's lease's release runs (the releases run one at a time, and this one waits for the attach lock the
+    attach holds). The release then found no doorbell of its lease and asked the device only whether it answers,
+    not whether it gets past the steps that doorbell queued: a doorbell still inside its end (at TP 1 its release
+    waits on a device stuck on the gone engine's event, for good) was never judged, and the rank, the new doorbell
+    following the stuck one and never serving, stayed up for good. One that has ended is not judged: the live
+    engine's doorbell serves after it, and may have queued a step behind which a mark would wait."""
+    from dspark_sidecar.server import doorbell as doorbell_mod
+
+    monkeypatch.setattr(doorbell_mod, "STOP_S", 0.1)  # the stuck doorbell's stop gives up at once
+    judged = []
+
+    def gets_past(self, within_s):
+        judged.append(self)
+        return False  # the device waits on the gone engine's event
+
+    monkeypatch.setattr(servicer_mod.Doorbell, "device_gets_past", gets_past)
+    rank.leases._on_lost = lambda token: None  # the releases by hand, in the order the race gives them
+    conn_a, ta = _lease(rank)
+    _attach(rank, ta)
+    gone, unstuck = rank.doorbell, threading.Event()
+    real_release = gone._release
+    gone._release = lambda: (unstuck.wait(10), real_release())  # its end waits on the stuck device
+    conn_a.close()
+    wait_until(lambda: not rank.leases.live(ta), 5, "lease a to end")
+    conn_b, tb = _lease(rank)
+    _attach(rank, tb)  # the restarted engine's attach takes the lock first
+    new = rank.doorbell
+    try:
+        assert gone.is_alive() and new is not gone and gone in rank._retiring
+        if ended:  # after the attach's retire: still among the retiring
+            unstuck.set()
+            wait_until(lambda: not gone.is_alive(), 5, "the gone engine's doorbell to end")
+        rank.lease_lost(ta)  # the gone engine's release, after the attach
+        assert (judged, exits) == (([], []) if ended else ([gone], [3]))
+        assert rank.doorbell is new and new.is_alive()  # the live engine's doorbell stands
+    finally:
+        unstuck.set()
+    wait_until(lambda: not gone.is_alive(), 5, "the gone engine's doorbell to end")
+    conn_b.close()
+
+
+def test_a_lease_that_ends_just_after_attachdoorbell_checked_it_still_stops_the_doorbell(rank, monkeypatch):
+    """The lease is checked under the attach lock, which the lease's release takes to stop its doorbell: checked
+    outside it, a lease that ended between the check and the publishing had its release find no doorbell and
+    return, and the doorbell then published served a gone engine's page for good."""
+    conn, token = _lease(rank)
+    released = threading.Event()
+    on_lost = rank.leases._on_lost
+    rank.leases._on_lost = lambda t: (on_lost(t), released.set())
+    real_live = rank._lease_live
+
+    def live_then_the_engine_dies(t):
+        live = real_live(t)
+        conn.close()
+        wait_until(lambda: not real_live(t), 5, "the keeper to see the lease end")
+        released.wait(0.3)  # the release may not run to its end now (it waits for the attach lock)
+        return live
+
+    rank._lease_live = live_then_the_engine_dies
+    words = _attach(rank, token)
+    wait_until(lambda: _stopped(rank, words), 10, "the doorbell attached meanwhile to stop")
+
+
+def test_the_device_is_asked_with_a_mark_on_an_idle_stream_of_its_own_never_waited_for(monkeypatch):
+    """_device_answers: a lost context raises from the query; a busy device (the mark not yet passed) answers."""
+    import contextlib
+
+    cuda = servicer_mod.torch.cuda
+    streams = []
+    monkeypatch.setattr(cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "Stream", lambda device: streams.append(device) or f"a new stream on {device}")
+    monkeypatch.setattr(cuda, "Event", _Mark)
+    gpu = torch.device("cuda", 1)
+    _Mark.after, _Mark.made = None, []  # never passes: busy, not lost
+    assert servicer_mod._device_answers(gpu) is True
+    assert streams == [gpu] and [(m.on, m.queries) for m in _Mark.made] == [(f"a new stream on {gpu}", 1)]
+
+    class Lost(_Mark):
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(cuda, "Event", Lost)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        servicer_mod._device_answers(gpu)
+    assert servicer_mod._device_answers(torch.device("cpu")) is True  # a CPU rank has no context to lose
