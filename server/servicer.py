@@ -439,7 +439,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             # A replaced doorbell still inside a step may queue the next one behind its old page's GPU
             # word and release it only as it ends: the new one serves after that (Doorbell.run).
             bell.follow(self._retiring)
-            bell.start()
+            try:
+                bell.start()
+            except BaseException:  # no thread ("can't start new thread"): it releases its page as a never-started one
+                bell.stop()
+                raise
             # Published once started: close_doorbell stops only started doorbells.
             self.doorbell = bell
         return pb.AttachDoorbellResponse(output_event=bell.output_event_handle(), wake_fifo=bell.wake_fifo,

@@ -404,6 +404,53 @@ def test_an_input_event_sent_to_a_cpu_rank_is_refused_before_the_page_is_taken()
         page.close()
 
 
+def test_a_doorbell_whose_thread_cannot_start_gives_its_page_back(monkeypatch):
+    """AttachDoorbell claims the page, builds the doorbell, retires the old one and starts the new one's thread. A
+    start that raised (RuntimeError "can't start new thread": a process at its thread limit) left the page claimed
+    and mapped, with no doorbell to release it: a range of the engine's memory that no later attach, region or
+    binding could use. Now the failed doorbell releases it as a never-started one does, and the error goes to the
+    caller. Found by
+    helper 286's review."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.proto import memory
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.kv_binding import MemoryBindings
+    from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
+
+    mem = MemoryBindings(None, 1, 0, torch.float32, torch.device("cpu"))
+    ctx = SimpleNamespace(rank=0, fast=None, memory=mem, model=SimpleNamespace(device=torch.device("cpu")),
+                          cfg=SimpleNamespace(sliding_window=64))
+    svc = DrafterServicer(ctx, _Loop(), Lifecycle(), None, None, "")  # type: ignore[arg-type]
+    context = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
+    page = memory.shm_empty((bell.HEADER + 2 * CAPACITY,), torch.uint8)
+    pages = [page]
+    req = pb.AttachDoorbellRequest(page=memory.export_handle(page.tensor), capacity_bytes=CAPACITY)
+    real_start = Doorbell.start
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    try:
+        monkeypatch.setattr(Doorbell, "start", no_thread)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            svc.AttachDoorbell(req, context)
+        assert svc.doorbell is None
+        assert not mem._pages, "the page stayed claimed by a doorbell that never ran"
+        monkeypatch.setattr(Doorbell, "start", real_start)
+        # The page is marked closed for good (a stopped doorbell's word): the engine attaches a fresh one.
+        fresh = memory.shm_empty((bell.HEADER + 2 * CAPACITY,), torch.uint8)
+        pages.append(fresh)
+        req.page.CopyFrom(memory.export_handle(fresh.tensor))
+        svc.AttachDoorbell(req, context)
+        assert svc.doorbell is not None and svc.doorbell.is_alive()
+    finally:
+        if svc.doorbell is not None:
+            svc.doorbell.stop()
+        for p in pages:
+            p.close()
+
+
 def test_a_swapped_wake_fifo_still_releases_the_queued_step_and_the_page(tmp_path):
     """The wake FIFO lives in the socket folder (mode 0770: the engine's group may write it). Its path
     replaced by a directory (a buggy engine-side process, a cleanup script), Waker.close's unlink raised
