@@ -684,11 +684,15 @@ class DrafterShim:
 
     def _settle_off(self) -> None:
         """Off for good, so _prepare never runs again: a drop deferred by an unsettled step is made
-        here, once the step settles (else the page, the regions and the channel stay until exit)."""
-        if self._unsettled is not None and self._unsettled[0].settled(self._unsettled[1]):
-            self._unsettled = None
-            if self._drop_pending:
-                self._drop_link()
+        here, once the step settles (else the page, the regions and the channel stay until exit). Never raises:
+        maybe_forward calls it outside its try, and after close() before the pre-flight its peers wait in."""
+        try:
+            if self._unsettled is not None and self._unsettled[0].settled(self._unsettled[1]):
+                self._unsettled = None
+                if self._drop_pending:
+                    self._drop_link()
+        except Exception as e:  # noqa: BLE001  (a driver refusing the wait a late answer queues: tried again next call)
+            self._internal("settling a late step", e)
 
     def invalidate_binding(self) -> None:
         """Forget the binding: re-bind before the next step. For an integration that knows its KV cache was
@@ -779,8 +783,14 @@ class DrafterShim:
                 else:
                     log.warning("sidecar rank %d: closed with step %d unsettled; its link stays until it "
                                 "settles", self.rank, step_id)
-            self._release()
         except Exception as e:  # noqa: BLE001  (logged with its trace: see above)
+            self._internal("close", e)  # the step stays unsettled: its link is kept, the rest released below
+        # Whatever the look at the step did (a driver refusing the wait a late answer queues): skipped, no UnbindKV
+        # was sent and the lease was never ended, so the sidecar kept the binding, the regions and the doorbell
+        # made under it for the rest of the engine's life (close() is final: nothing releases them later).
+        try:
+            self._release()
+        except Exception as e:  # noqa: BLE001  (as above)
             self._internal("close", e)
 
     # The link, one thread at a time ----------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """client/lease.py: the engine holds one live lease, takes a new one when the sidecar's ends, binds without one
-(said) where none can be had."""
+(said) where none can be had; the shim binds and attaches its data plane under it, and its close() ends it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,19 @@ import queue
 import socket
 import threading
 
+import grpc
+
+from dspark_sidecar.client.config import EngineConfig
+from dspark_sidecar.client.forward_context import set_forward_context
 from dspark_sidecar.client.lease import EngineLease
+from dspark_sidecar.client.shim import DrafterShim
+from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto.gpu_word import GpuWordError
 from dspark_sidecar.server.lease import LeaseKeeper
-from helpers.engine_fakes import short_socket_dir
+from helpers.engine_fakes import (
+    DoorbellNeverAnswered, FakeModel, FakeServer, shm_kv_cache, short_socket_dir, step_inputs,
+)
 from helpers.waiting import wait_until
 
 
@@ -60,6 +69,41 @@ def test_no_lease_where_the_sidecar_has_none_or_it_cannot_be_had(caplog):
     assert "no lease from the sidecar's" in caplog.text and "outlive this process" in caplog.text
 
 
+
+def test_a_sidecar_that_names_no_lease_socket_ends_the_lease_held():
+    """A sidecar restarted without leases (an older one, or one with no socket folder) names none: the lease held is
+    the old start's, and its token, still `held`, named in the data plane's attach, is refused LEASE_LOST by a
+    sidecar that serves no lease socket (and the doorbell was then off for the link's life)."""
+    path = short_socket_dir() / "rank0.lease"
+    k = _keeper(path)
+    lease = EngineLease()
+    try:
+        token = lease.token(str(path), 5)
+        assert token and lease.token("", 5) == 0 and lease.held == 0
+        assert k.lost.get(timeout=5) == token
+    finally:
+        lease.close()
+        k.close()
+
+
+def test_a_lease_socket_that_never_sends_its_token_gives_no_lease_within_the_deadline(caplog):
+    """A listener at the path that takes the connection and sends nothing (a keeper whose thread is stuck, a stranger):
+    the bind waits for the token no longer than its deadline, then goes on without a lease, said."""
+    path = str(short_socket_dir() / "rank0.lease")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)  # never accepts: the connection waits in the backlog, which the kernel completes
+    got: list[int] = []
+    taking = threading.Thread(target=lambda: got.append(EngineLease().token(path, 0.2)), daemon=True)
+    try:
+        with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+            taking.start()
+            taking.join(10)  # a hang guard only: the deadline is 0.2 s
+            assert not taking.is_alive(), "the lease's token was waited for past the bind deadline"
+        assert got == [0] and "no lease from the sidecar's" in caplog.text
+    finally:
+        srv.close()
+
 def _peer(sends: bytes) -> tuple[str, list[bytes], threading.Thread, socket.socket]:
     """A listener at a lease path that is no keeper: it accepts one connection, sends `sends`, reads what the
     engine does next (b"": it closed its end) into the list, and closes. (path, that list, its thread, listener)."""
@@ -85,11 +129,16 @@ def _peer(sends: bytes) -> tuple[str, list[bytes], threading.Thread, socket.sock
 def test_a_peer_that_closes_before_the_whole_token_gives_no_lease(caplog):
     """What a full keeper does (MAX_LEASES), and what a stranger listening at the path might."""
     path, _, t, srv = _peer(b"\x01\x02\x03")
+    got: list[int] = []
+    # On a thread: an end of file read as "no bytes yet" is a loop no deadline ends (recv returns at once).
+    taking = threading.Thread(target=lambda: got.append(EngineLease().token(path, 5)), daemon=True)
     try:
         with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
-            assert EngineLease().token(path, 5) == 0
+            taking.start()
+            taking.join(10)  # a hang guard only
+            assert not taking.is_alive(), "the token's read went on past the peer's end of file"
             t.join(10)
-        assert "closed after 3 of the token's 8 bytes" in caplog.text
+        assert got == [0] and "closed after 3 of the token's 8 bytes" in caplog.text
     finally:
         srv.close()
 
@@ -163,12 +212,14 @@ def test_the_shim_s_release_ends_its_lease_last():
     lease = EngineLease()
     try:
         token = lease.token(str(path), 5)
-        binder = SimpleNamespace(lease=lease, release=lambda stub, deadline: order.append("unbind"))
+        # This end's view of the lease at each call (the keeper's would lag: it reads the end on its own thread).
+        binder = SimpleNamespace(lease=lease, release=lambda stub, deadline: order.append(
+            f"unbind (lease {lease.held == token})"))
         shim = SimpleNamespace(binder=binder, connection=SimpleNamespace(stub=None),
                                config=SimpleNamespace(connect_deadline_s=1.0),
-                               _drop_link=lambda: order.append(f"link (lease {k.live(token)})"))
+                               _drop_link=lambda: order.append(f"link (lease {lease.held == token})"))
         DrafterShim._release(shim)  # type: ignore[arg-type]
-        assert order == ["unbind", "link (lease True)"]
+        assert order == ["unbind (lease True)", "link (lease True)"]
         assert k.lost.get(timeout=5) == token and lease.held == 0
     finally:
         lease.close()
@@ -236,6 +287,26 @@ def test_a_link_to_the_grpc_socket_leads_to_the_lease_socket_beside_the_real_one
         k.close()
 
 
+
+def test_a_relative_endpoint_leads_to_the_lease_socket_beside_it_by_an_absolute_path(monkeypatch):
+    """unix:RELATIVE (gRPC's own form for a path from the working folder): the lease socket beside it, named from the
+    root, so the lease held is the same socket's whatever folder this process is in at its next bind."""
+    from dspark_sidecar.client.lease import lease_path
+
+    here = short_socket_dir()
+    k = _keeper(here / "rank0.lease")
+    monkeypatch.chdir(here.parent)
+    lease = EngineLease()
+    try:
+        path = lease_path(f"unix:{here.name}/rank0.sock", "/run/dspark-elsewhere/rank0.lease")
+        assert os.path.isabs(path) and os.path.samefile(path, here / "rank0.lease")
+        token = lease.token(path, 5)
+        monkeypatch.chdir(here)
+        assert token and k.live(token) and lease.token(path, 5) == token
+    finally:
+        lease.close()
+        k.close()
+
 def test_an_abstract_or_tcp_endpoint_has_no_folder_to_look_in(monkeypatch):
     """unix-abstract:NAME names no file (and dns:, ipv4: no socket folder): the status's path stands, never a
     socket of that name in whatever folder this process runs in."""
@@ -250,3 +321,155 @@ def test_an_abstract_or_tcp_endpoint_has_no_folder_to_look_in(monkeypatch):
             assert lease_path(endpoint, theirs) == theirs, endpoint
     finally:
         k.close()
+
+
+# The shim under a lease ---------------------------------------------------------------------------------------------
+
+class _LeasedRank(DoorbellNeverAnswered):
+    """A fake sidecar rank that takes the data plane and answers no ring, with a lease socket beside its gRPC socket
+    as server/lease.py and the servicer have it: its status names the socket, and BindKV, RegisterBuffers and
+    AttachDoorbell must name a lease it handed out that is still open, or are refused LEASE_LOST. `seen`: (call,
+    lease) as they came."""
+
+    def __init__(self, folder) -> None:
+        super().__init__(max_reqs=4)
+        self.seen: list[tuple[str, int]] = []
+        self.keeper = _keeper(folder / "rank0.lease")
+        self.server = FakeServer(self, folder / "rank0.sock").start()
+
+    def restart(self) -> None:
+        """Stop and start again at the same paths: the old leases end, and the binding with them."""
+        self.server.stop()
+        self.keeper.close()
+        self.binding_id = 0
+        self.keeper = _keeper(self.keeper.path)
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.keeper.close()
+
+    def GetStatus(self, request, context):
+        st = super().GetStatus(request, context)
+        st.lease_socket = "/run/dspark-elsewhere/rank0.lease"  # the server's view: the shim looks beside the socket
+        return st
+
+    def _leased(self, call: str, lease: int, context) -> None:
+        self.seen.append((call, lease))
+        if not (lease and self.keeper.live(lease)):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LEASE_LOST")
+
+    def BindKV(self, request, context):
+        self._leased("BindKV", request.lease, context)
+        return super().BindKV(request, context)
+
+    def RegisterBuffers(self, request, context):
+        self._leased("RegisterBuffers", request.lease, context)
+        return super().RegisterBuffers(request, context)
+
+    def AttachDoorbell(self, request, context):
+        self._leased("AttachDoorbell", request.lease, context)
+        return super().AttachDoorbell(request, context)
+
+
+def _doorbell_shim(endpoint: str, agree=None, **cfg) -> DrafterShim:
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(tp_size=4, endpoint=endpoint, transport="doorbell", **cfg), FakeModel(),
+                       lambda: [s.tensor for s in kv], agree or ParallelContext(0, 1))
+    shim._test_kv = kv  # kept alive with the shim
+    return shim
+
+
+def test_the_data_plane_is_attached_under_the_binding_s_lease_and_a_restart_gives_a_new_one():
+    """The doorbell and the step buffers stop and go with the lease the binding was made under: attached under none,
+    a gone engine's doorbell polled its page on and its regions stayed mapped. A restarted sidecar ended the old
+    lease: the shim binds and attaches again under a new one, which its close() ends."""
+    rank = _LeasedRank(short_socket_dir())
+    shim = _doorbell_shim(rank.server.endpoint)
+    try:
+        assert shim.connect() is None and shim.doorbell is not None
+        token = shim.binder.lease.held
+        assert token and rank.keeper.live(token)
+        assert rank.seen == [("BindKV", token), ("AttachDoorbell", token), ("RegisterBuffers", token)]
+        rank.restart()
+        wait_until(lambda: shim.connection.stream_ended, 10, "the shim to see the old sidecar's stream end")
+        rank.seen.clear()
+        assert shim.connect() is None and shim.doorbell is not None
+        new = shim.binder.lease.held
+        assert new != token and rank.keeper.live(new)
+        assert rank.seen == [("BindKV", new), ("AttachDoorbell", new), ("RegisterBuffers", new)]
+        shim.close()
+        assert rank.keeper.lost.get(timeout=5) == new and shim.binder.lease.held == 0
+    finally:
+        shim.close()
+        rank.stop()
+
+
+class _CountingPeer:
+    """A 2-rank agreement whose peer holds the same values; counts the pre-flights (the 5-value agreements)."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.preflights = 0
+
+    def all_min(self, values):
+        self.preflights += values.numel() == 5
+        return values.clone()
+
+
+def _unsettled_then_failing_check(shim: DrafterShim) -> None:
+    """A doorbell step past its deadline and grace (the fake answers no ring), then a driver that refuses what
+    looking at it queues (a late answer's ordering wait, DoorbellChannel.settled on a GPU): every look raises."""
+    ids, pos, meta = step_inputs(2)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is None and shim._unsettled is not None
+
+    def refused(step_id: int) -> bool:
+        raise GpuWordError("cuStreamWaitEvent failed with driver code 999")
+
+    shim.doorbell.settled = refused
+
+
+def test_close_ends_the_lease_though_the_woken_step_cannot_be_looked_at():
+    """close() gives an unsettled step its grace, then releases; the lease's end is the release of last resort
+    (the sidecar stops the doorbell and drops the binding and the regions made under it). A look at the step that
+    raised skipped the whole release: no UnbindKV, and the lease, with the binding, the regions and the doorbell
+    the sidecar keeps mapped under it, held for the rest of the engine's life."""
+    rank = _LeasedRank(short_socket_dir())
+    shim = _doorbell_shim(rank.server.endpoint, step_deadline_s=0.2, late_grace_s=0.2)
+    try:
+        assert shim.connect() is None
+        token = shim.binder.lease.held
+        _unsettled_then_failing_check(shim)
+        shim.close()
+        assert shim.binder.lease.held == 0 and rank.keeper.lost.get(timeout=5) == token
+        assert rank.calls["UnbindKV"] == 1
+        assert shim._unsettled is not None and shim.doorbell is not None  # its link stays until it settles
+    finally:
+        shim.close()
+        shim._unsettled = None
+        shim._drop_link()  # the page and the regions, which the step kept
+        rank.stop()
+
+
+def test_a_closed_shim_whose_late_step_cannot_be_looked_at_still_agrees_and_returns_none():
+    """After close() every maybe_forward is None and still takes part in the pre-flight (its peers wait there for
+    this rank). The look at a late step it makes first raised out of maybe_forward, before the pre-flight."""
+    rank = _LeasedRank(short_socket_dir())
+    peer = _CountingPeer()
+    shim = _doorbell_shim(rank.server.endpoint, agree=peer, step_deadline_s=0.2, late_grace_s=0.2)
+    try:
+        assert shim.connect() is None
+        _unsettled_then_failing_check(shim)
+        shim.close()
+        ids, pos, meta = step_inputs(2)
+        preflights = peer.preflights
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is None
+        assert peer.preflights == preflights + 1
+    finally:
+        shim.close()
+        shim._unsettled = None
+        shim._drop_link()  # the page and the regions, which the step kept
+        rank.stop()
