@@ -366,17 +366,10 @@ def test_an_input_event_the_driver_will_not_open_is_an_invalid_argument(monkeypa
     assert err.value.code.name == "INVALID_ARGUMENT"
 
 
-def test_an_input_event_sent_to_a_cpu_rank_is_refused_before_the_page_is_taken():
-    """AttachDoorbellRequest.input_event promises that the sidecar's stream waits on the engine's
-    "inputs written" event before reading a step. A rank on CPU has no stream and opened no event: it
-    dropped the bytes and read each step as soon as it was rung, before an engine on a GPU had finished
-    writing its inputs. Now FAILED_PRECONDITION naming the field, before the page is mapped or claimed;
-    without an event the same page attaches."""
+def _cpu_servicer():
+    """(A rank's servicer on CPU with the test loop, its MemoryBindings, an engine's RPC context) for AttachDoorbell."""
     from types import SimpleNamespace
 
-    from dspark_sidecar.proto import memory
-    from dspark_sidecar.proto import sidecar_pb2 as pb
-    from dspark_sidecar.server.errors import SidecarError
     from dspark_sidecar.server.kv_binding import MemoryBindings
     from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
 
@@ -384,7 +377,20 @@ def test_an_input_event_sent_to_a_cpu_rank_is_refused_before_the_page_is_taken()
     ctx = SimpleNamespace(rank=0, fast=None, memory=mem, model=SimpleNamespace(device=torch.device("cpu")),
                           cfg=SimpleNamespace(sliding_window=64))
     svc = DrafterServicer(ctx, _Loop(), Lifecycle(), None, None, "")  # type: ignore[arg-type]
-    context = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
+    return svc, mem, SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
+
+
+def test_an_input_event_sent_to_a_cpu_rank_is_refused_before_the_page_is_taken():
+    """AttachDoorbellRequest.input_event promises that the sidecar's stream waits on the engine's
+    "inputs written" event before reading a step. A rank on CPU has no stream and opened no event: it
+    dropped the bytes and read each step as soon as it was rung, before an engine on a GPU had finished
+    writing its inputs. Now FAILED_PRECONDITION naming the field, before the page is mapped or claimed;
+    without an event the same page attaches."""
+    from dspark_sidecar.proto import memory
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.errors import SidecarError
+
+    svc, mem, context = _cpu_servicer()
     page = memory.shm_empty((bell.HEADER + 2 * CAPACITY,), torch.uint8)
     req = pb.AttachDoorbellRequest(page=memory.export_handle(page.tensor), capacity_bytes=CAPACITY,
                                    input_event=b"\x07" * 64)
@@ -409,20 +415,11 @@ def test_a_doorbell_whose_thread_cannot_start_gives_its_page_back(monkeypatch):
     start that raised (RuntimeError "can't start new thread": a process at its thread limit) left the page claimed
     and mapped, with no doorbell to release it: a range of the engine's memory that no later attach, region or
     binding could use. Now the failed doorbell releases it as a never-started one does, and the error goes to the
-    caller. Found by
-    helper 286's review."""
-    from types import SimpleNamespace
-
+    caller. Found by helper 286's review."""
     from dspark_sidecar.proto import memory
     from dspark_sidecar.proto import sidecar_pb2 as pb
-    from dspark_sidecar.server.kv_binding import MemoryBindings
-    from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
 
-    mem = MemoryBindings(None, 1, 0, torch.float32, torch.device("cpu"))
-    ctx = SimpleNamespace(rank=0, fast=None, memory=mem, model=SimpleNamespace(device=torch.device("cpu")),
-                          cfg=SimpleNamespace(sliding_window=64))
-    svc = DrafterServicer(ctx, _Loop(), Lifecycle(), None, None, "")  # type: ignore[arg-type]
-    context = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
+    svc, mem, context = _cpu_servicer()
     page = memory.shm_empty((bell.HEADER + 2 * CAPACITY,), torch.uint8)
     pages = [page]
     req = pb.AttachDoorbellRequest(page=memory.export_handle(page.tensor), capacity_bytes=CAPACITY)
