@@ -194,6 +194,7 @@ class StartUp:
         self.rank, self.stop = rank, stop
         self.active = True  # until the rank accepts draft calls; from then on a signal drains
         self.socket: Path | None = None
+        self.lease: Path | None = None  # the engine-lease socket, bound with the servicer (before the warm-up)
         self.board: Board | None = None
         self.bound_s: int | None = None  # --startup-timeout-s, once `group` made the start-up group
         self.unwind = False  # inside `unwinding`: a signal raises SystemExit(0) instead of ending the process
@@ -232,11 +233,13 @@ class StartUp:
             self.unwind = False
 
     def release(self) -> None:
-        """Remove what start-up made that would outlive the process: rank 0's board, the socket file."""
+        """Remove what start-up made that would outlive the process: rank 0's board, the socket files (the
+        gRPC one and the engine-lease one)."""
         if self.board is not None:
             self.board.unlink()
-        if self.socket is not None:
-            self.socket.unlink(missing_ok=True)
+        for path in (self.socket, self.lease):
+            if path is not None:
+                path.unlink(missing_ok=True)
 
     def barrier(self, group) -> None:
         """dist.barrier among the starting ranks. A peer that failed to start has printed its own line
@@ -475,7 +478,9 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
                                f"mxfp8->{cfg.dtype}" if cfg.weights == "bf16" else "mxfp8", cfg.socket_dir,
                                cfg.prelaunch, cfg.prelaunch_behind_ms / 1e3)
     if servicer.leases is not None:  # the lease socket beside the gRPC one, with its mode
-        _give_socket_mode(Path(servicer.leases.path), rank)
+        # Ours from here, as the gRPC socket (claimed with it): a stop or failure before serving removes it too.
+        start_up.lease = Path(servicer.leases.path)
+        _give_socket_mode(start_up.lease, rank)
     late.status_source = servicer  # reads only: safe during the warm-up
 
     publish = HealthPublisher(life, servicer, ctx, health_servicer, metrics)

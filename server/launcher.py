@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Collection
 
+from dspark_sidecar import layout
 from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
 from dspark_sidecar.server.preflight import remove_stale_socket
 from dspark_sidecar.server.processes import ExitWith
@@ -166,12 +167,13 @@ def _stop_result(codes: list[int | None], stopped: Collection[int]) -> int:
 
 
 def _remove_stale_sockets(cfg: ServeConfig, procs: list[subprocess.Popen]) -> None:
-    """A rank that failed or was killed leaves its socket file; remove it unless something answers on
-    it or another serve's rank has claimed it (never a live server's: preflight.remove_stale_socket), so
-    the folder shows no sidecar that is not there."""
+    """A rank that failed or was killed (os._exit(3), SIGKILL) leaves its socket files, the gRPC one and the
+    engine-lease one; remove them unless something answers on them or another serve's rank has claimed the
+    rank's name (never a live server's: preflight.remove_stale_socket), so the folder shows no sidecar that is
+    not there."""
     for r, p in enumerate(procs):
         if p.returncode != 0:
-            remove_stale_socket(cfg.socket_path(r))
+            remove_stale_socket(cfg.socket_path(r), layout.rank_lease_socket(cfg.socket_dir, r))
 
 
 def _terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:

@@ -105,20 +105,24 @@ def _lock(fd: int) -> bool:
     return True
 
 
-def remove_stale_socket(path: Path) -> None:
-    """Remove the socket file at `path` if nobody answers on it, holding its rank's claim meanwhile (the
-    launcher, once its own ranks have gone). A claim another serve's rank holds leaves it: that rank may be
-    between its bind and its listen, or have just put its socket where a stale one was, and a file that did
-    not answer yet was removed, the rank serving on for no engine. An unusable lock file leaves it too."""
-    if not path.is_socket():  # (no lock file made for a rank that failed before its claim)
+def remove_stale_socket(path: Path, *beside: Path) -> None:
+    """Remove the socket file at `path`, and each of `beside` (the rank's other sockets: its engine-lease socket),
+    if nobody answers on it, holding the rank's claim on `path` meanwhile (the launcher, once its own ranks have
+    gone). A claim another serve's rank holds leaves them: that rank may be between its bind and its listen, or
+    have just put its socket where a stale one was, and a file that did not answer yet was removed, the rank
+    serving on for no engine. An unusable lock file leaves them too."""
+    paths = (path, *beside)
+    if not any(p.is_socket() for p in paths):  # (no lock file made for a rank that failed before its claim)
         return
     try:
         fd = _open_lock(path)
     except ServeConfigError:
         return
     try:
-        if _lock(fd) and path.is_socket() and not socket_answers(path):
-            path.unlink(missing_ok=True)
+        if _lock(fd):
+            for p in paths:
+                if p.is_socket() and not socket_answers(p):
+                    p.unlink(missing_ok=True)
     finally:
         os.close(fd)
 

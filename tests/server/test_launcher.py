@@ -481,3 +481,58 @@ def test_the_kill_of_a_wedged_serving_rank_names_it_and_a_rank_that_failed_in_it
     assert code == 1
     assert "rank(s) [1] still running" in caplog.text and "killing them" in caplog.text, caplog.text
     assert "sidecar rank 0 exited with code 3 during the stop" in caplog.text, caplog.text
+
+
+def test_a_rank_that_exits_3_while_serving_is_named_and_leaves_no_socket_of_its_own(monkeypatch, caplog):
+    """Rank 1 ends with os._exit(3) while the group serves (the gone-engine device check, servicer.py): it removes
+    nothing itself, so its gRPC socket and its engine-lease socket (DIR/rank1.lease) stay in the folder. The
+    launcher names it, stops rank 0, exits 1 for the supervisor's restart, and removed the gRPC socket only: the
+    lease socket stayed, a socket nobody answers on, until a next start replaced it."""
+    sock = short_socket_dir()
+    rank = ("import os, pathlib, signal, socket, sys, time\n"
+            f"d = pathlib.Path({str(sock)!r})\n"
+            "r = os.environ['RANK']\n"
+            "held = []\n"
+            "for name in ('rank%s.sock' % r, 'rank%s.lease' % r):\n"
+            "    s = socket.socket(socket.AF_UNIX)\n"
+            "    s.bind(str(d / name))\n"
+            "    s.listen()\n"
+            "    held.append(s)\n"
+            "def stop(*a):\n"  # a clean stop removes both (the teardown's close of the server and the leases)
+            "    for n in ('rank%s.sock' % r, 'rank%s.lease' % r):\n"
+            "        (d / n).unlink()\n"
+            "    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            "(d / ('ready-' + r)).touch()\n"
+            "if r == '1':\n"
+            "    deadline = time.monotonic() + 30\n"
+            "    while not (d / 'serving').exists() and time.monotonic() < deadline:\n"
+            "        time.sleep(0.02)\n"
+            "    os._exit(3)\n"
+            "while True: time.sleep(0.05)\n")
+    _fake_ranks(monkeypatch, rank)
+    serving = threading.Event()
+    ready = _ready_when_both_marked(sock, serving)
+
+    def on_ready() -> bool:
+        if ready():
+            (sock / "serving").touch()  # rank 1 exits only once the launcher has seen the group serving
+            return True
+        return False
+
+    returned = threading.Event()
+
+    def hang_guard() -> None:  # a launcher that never noticed: stopped, so the test fails rather than hangs
+        if not returned.wait(30):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=hang_guard, daemon=True).start()
+    try:
+        with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+            code = launch(ServeConfig(tp=2, socket_dir=sock, drain_s=0.0), [], on_ready=on_ready, poll_s=0.05)
+    finally:
+        returned.set()
+    assert code == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "sidecar rank 1 exited with code 3; stopping the group (2 ranks)"], caplog.text
+    assert sorted(p.name for p in sock.iterdir() if p.is_socket()) == []

@@ -296,3 +296,60 @@ def test_sigterm_while_rank_0_writes_the_synthetic_checkpoint_leaves_no_partial_
         assert not (sock / "rank0.sock").exists()
     finally:
         _kill(p)
+
+
+RANK_IN_ITS_WARM_UP = """
+import sys, time
+from pathlib import Path
+from dspark_sidecar.server import app
+def warm_up(ctx, **kw):  # past the servicer (its lease socket bound), in the warm-up: a stop, or a failure
+    Path(sys.argv[-1]).touch()
+    if sys.argv[-2] == "fail":
+        raise MemoryError("the warm-up ran out of memory")
+    time.sleep(3600)
+app.warm_up = warm_up
+from dspark_sidecar import cli
+sys.exit(cli.main(sys.argv[1:-2]))
+"""
+
+
+def _rank_in_its_warm_up(sock: Path, marker: Path, how: str) -> subprocess.Popen:
+    """Rank 0 of a TP-1 group (as under torchrun, no launcher of ours) that stops in its warm-up (`how`: "wait"
+    for a signal, or "fail"), its marker touched once the warm-up began."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return subprocess.Popen([sys.executable, "-c", RANK_IN_ITS_WARM_UP, "serve", "--tp", "1", "--device", "cpu",
+                             "--socket-dir", str(sock), how, str(marker)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_a_rank_stopped_in_its_warm_up_leaves_no_lease_socket(tmp_path):
+    """The lease socket (DIR/rank{r}.lease) is bound with the servicer, before the warm-up and the last barrier.
+    A stop there ended the rank (exit 0, its gRPC socket removed) with the lease socket left in the folder, a
+    socket nobody answers on until the next start; SECURITY.md says it is removed at shutdown."""
+    sock, marker = tmp_path / "sock", tmp_path / "warming"
+    p = _rank_in_its_warm_up(sock, marker, "wait")
+    try:
+        wait_until(marker.exists, 60, f"the rank's marker {marker.name}", watch=p, interval_s=0.1)
+        assert (sock / "rank0.lease").is_socket()  # bound before the warm-up: the case this test is about
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)  # a hang guard only
+        assert p.returncode == 0 and "SIGTERM during start-up" in err, err
+        assert sorted(f.name for f in sock.iterdir() if f.is_socket()) == [], err
+    finally:
+        _kill(p)
+
+
+def test_a_rank_that_fails_in_its_warm_up_leaves_no_lease_socket(tmp_path):
+    """The same for a failure in the warm-up (out of memory, say): serve_rank removes "what start-up made" on its
+    way out, which was the gRPC socket and rank 0's board, not the lease socket beside them."""
+    sock, marker = tmp_path / "sock", tmp_path / "warming"
+    p = _rank_in_its_warm_up(sock, marker, "fail")
+    try:
+        _, err = p.communicate(timeout=120)  # a hang guard only
+        assert marker.exists() and p.returncode == 1 and "the warm-up ran out of memory" in err, err
+        assert sorted(f.name for f in sock.iterdir() if f.is_socket()) == [], err
+    finally:
+        _kill(p)
