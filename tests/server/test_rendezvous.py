@@ -103,6 +103,20 @@ def test_one_rank_agrees_with_itself_on_the_fast_path():
         board.close()
 
 
+def test_one_rank_refuses_a_step_whose_deadline_passed():
+    """TP 1 agrees with itself, the step's deadline_ms included: a step queued behind a stall must not launch (and
+    write K/V) after the engine gave up on it, as at TP > 1 (the coordinator's DEADLINE)."""
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 1, create=True)
+    rdv = Rendezvous(board, 0, DEADLINE_MS)
+    try:
+        late = rdv.agree(Post(8, 1, 1, 0, True, expires_ns=time.monotonic_ns() - 1, fast=True))
+        assert not late.go and not late.fast and "step 8: its deadline_ms passed on rank(s) 0" in late.reason, late
+        assert rdv.agree(Post(9, 1, 1, 0, True, expires_ns=time.monotonic_ns() + 60 * 10**9)).go
+    finally:
+        rdv.close()
+        board.close()
+
+
 @pytest.mark.parametrize("posts,words", [
     ({r: Post(2, 1, 3 if r != 2 else 4, 99, True) for r in range(WORLD)}, "disagree on num_requests"),
     ({r: Post(3, 1 if r != 1 else 2, 3, 99, True) for r in range(WORLD)}, "KV binding generation"),
@@ -125,9 +139,11 @@ def test_missing_rank_aborts_the_others_within_the_deadline(ranks):
     assert len(out) == WORLD - 1
     assert {v.reason for v, _ in out.values()} == {f"step 7: rank(s) 3 did not receive it within {DEADLINE_MS} ms"}
     assert max(dt for _, dt in out.values()) < DEADLINE_MS / 1e3 + 2.0
-    # the late copy cannot launch alone either
+    # the late copy cannot launch alone either; it is answered on its own post (the ranks it waited for are
+    # named), never by the record written for the others' copies, which does not cover it
     late = agree_all(ranks, {3: Post(7, 1, 3, 99, True)})
     assert not late[3][0].go
+    assert late[3][0].reason == f"step 7: rank(s) 0, 1, 2 did not receive it within {DEADLINE_MS} ms", late[3][0]
 
 
 def test_step_ids_and_generations_past_2_63_are_agreed_like_any_other(ranks):
@@ -686,3 +702,159 @@ def test_a_peer_that_exits_before_the_coordinator_s_first_look_is_judged_exited_
         peer.wait()
         boards[1].close()
         boards[0].close()  # no coordinator thread reads it (never started)
+
+
+def _stopped_clock(monkeypatch):
+    """The coordinator's time.monotonic as a clock the test sets ([seconds]); its other clocks stay real."""
+    import types
+
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(rendezvous_mod, "time", types.SimpleNamespace(
+        monotonic=lambda: now[0], monotonic_ns=time.monotonic_ns, perf_counter=time.perf_counter, sleep=time.sleep))
+    return now
+
+
+def test_a_missing_copy_is_waited_for_from_the_step_s_first_post_and_each_step_s_copies_anew(monkeypatch):
+    """The deadline runs from the first copy of the step the coordinator saw: a missing rank costs its peers
+    --rendezvous-ms, not more for each copy that came later. And each post is timed from its own sighting: a
+    rank that posts its next step before the coordinator's next poll does not inherit its last post's time (its
+    step would be aborted "did not receive it within" before its peers had had the deadline to send theirs).
+    Polled by hand on a clock the test sets: nothing here depends on timing."""
+    from dspark_sidecar.server.rendezvous import ABORT, MISSING, Coordinator
+
+    now = _stopped_clock(monkeypatch)
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 3, create=True)  # no pids posted: no process is looked at
+    try:
+        c = Coordinator(board, 1000)  # not started: polled by hand
+
+        def post(rank: int, seq: int, step: int) -> None:
+            board.slots[rank][:] = (seq, step, 1, 2, 1, 9, 0, 0)
+
+        t0 = now[0]
+        post(0, 2, 7)
+        assert not c.poll_once()
+        now[0] = t0 + 0.6
+        post(1, 2, 7)  # rank 2's copy never comes
+        assert not c.poll_once()
+        now[0] = t0 + 0.999
+        assert not c.poll_once()
+        now[0] = t0 + 1.0  # the deadline of rank 0's copy, the first seen
+        assert c.poll_once(), "the step waited past the deadline of its first copy"
+        rec = board.ring[0]
+        assert (rec[1], rec[2], rec[3], rec[4]) == (7, ABORT, MISSING, 0b100), rec
+        # Both answered: their next step's copies come before the coordinator's next poll.
+        post(0, 4, 8)
+        post(1, 4, 8)
+        now[0] = t0 + 1.5
+        assert not c.poll_once(), "step 8 aborted 0.5 s into its deadline: timed from step 7's copies"
+        now[0] = t0 + 2.499
+        assert not c.poll_once()
+        now[0] = t0 + 2.5
+        assert c.poll_once()
+        rec = board.ring[1]
+        assert (rec[1], rec[2], rec[3], rec[4]) == (8, ABORT, MISSING, 0b100), rec
+    finally:
+        board.close()
+
+
+def test_a_rank_gives_up_on_its_verdict_only_past_the_deadline_and_fatal_after_s():
+    """A verdict may take the whole --rendezvous-ms (a peer's copy missing): the give-up (the rank exits, taking the
+    coordinator for gone or stuck) counts from the deadline's end, so a --rendezvous-ms past fatal_after_s is
+    waited out and answered ABORTED, not a rank lost."""
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    # fatal_after_s under the deadline, with half a second to spare past it for a loaded box's scheduling
+    rdv = [Rendezvous(boards[0], 0, 1000), Rendezvous(boards[1], 1, 1000, fatal_after_s=0.5)]
+    try:
+        verdict = rdv[1].agree(Post(3, 1, 2, 9, True))  # rank 0 never posts: MISSING at 1 s
+        assert not verdict.go and "rank(s) 0 did not receive it within 1000 ms" in verdict.reason, verdict
+    finally:
+        for r in rdv:
+            r.close()
+        boards[1].close()
+        boards[0].close()
+
+
+def test_a_verdict_record_rewritten_while_a_rank_copies_it_is_not_taken():
+    """The ring's records are seqlocks too: the coordinator reuses a record (RING later) while a slow rank may be
+    copying it. A copy that read the new verdict's words beside the old record's covered sequence (this rank's
+    post) would take another step's verdict, a GO perhaps, for its own. Stood in: the first copy is torn (the
+    sequence word 10 before the copy, 11 after it) and says GO; the record then completes as this post's ABORT."""
+    import numpy as np
+
+    from dspark_sidecar.server.rendezvous import ABORT, GO, NUM_REQS
+
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    # Rank 1 alone (nothing decides but the record below); the give-up an hour away.
+    rdv = Rendezvous(boards[1], 1, DEADLINE_MS, fatal_after_s=3600.0)
+    seq, col = 2, 7 + 1  # rank 1's first post, and its column in a record
+
+    class Ring:
+        def __init__(self) -> None:
+            self.scans = 0
+            self.words: list[int] = []
+
+        def record(self):
+            if self.scans == 1:  # torn: another step's GO with this post's covered sequence
+                return np.array([10, 99, GO, 0, 0, 5, 0, 0, seq], dtype=np.int64)
+            return np.array([12, 3, ABORT, NUM_REQS, 0b10, 5, 0, 0, seq], dtype=np.int64)
+
+        def __getitem__(self, key):
+            if not isinstance(key, tuple):  # ring[i]: the record, to copy
+                assert int(key) == 0, key
+                return self.record()
+            if isinstance(key[0], slice):  # ring[:, col]: a scan for this rank's column
+                assert key[1] == col, key
+                self.scans += 1
+                self.words = [10, 11] if self.scans == 1 else [12, 12]
+                return np.array([seq])
+            assert (int(key[0]), key[1]) == (0, 0), key  # the record's sequence word: before the copy, then after
+            return self.words.pop(0) if len(self.words) > 1 else self.words[0]
+
+    ring = Ring()
+    boards[1].ring = ring
+    try:
+        verdict = rdv.agree(Post(3, 1, 2, 9, True))
+        assert ring.scans >= 2 and not verdict.go, f"a torn record taken for this post's verdict: {verdict}"
+        assert "step 3: ranks disagree on num_requests" in verdict.reason, verdict
+    finally:
+        rdv.close()
+        boards[1].close()
+        boards[0].close()
+
+
+def test_a_coordinator_that_outlives_its_join_leaves_the_board_open(monkeypatch):
+    """CLOSED tells the peers that no verdict comes any more, so they abort their posts at once. A coordinator
+    still running after stop()'s join (wedged in a look) may yet write a GO for those posts, which the ranks that
+    had not looked yet would follow into collectives that the aborted ones never join: CLOSED is set only once the
+    thread has ended, and Rendezvous.close() says the board is still read."""
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+    from dspark_sidecar.server.rendezvous import CLOSED
+
+    wedged, entered = threading.Event(), threading.Event()
+    real = rendezvous_mod.Coordinator.poll_once
+
+    def poll_once(self):
+        entered.set()
+        wedged.wait(30)  # a hang guard only
+        return real(self)
+
+    monkeypatch.setattr(rendezvous_mod.Coordinator, "poll_once", poll_once)
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
+    rdv = Rendezvous(board, 0, DEADLINE_MS)
+    try:
+        wait_until(entered.is_set, 10, "the coordinator polls")
+        assert rdv.close(wait_s=0.0) is False  # its join (1 s) ends with the thread still in its poll
+        assert board.words[CLOSED] == 0, "CLOSED set while the coordinator can still write a verdict"
+        wedged.set()
+        assert rdv.close() is True and board.words[CLOSED] == 1  # the thread has ended now: closed
+    finally:
+        wedged.set()
+        rdv._coordinator.join(10)
+        if rdv._coordinator.is_alive():  # it still reads the board: only the name goes
+            board.unlink()
+        else:
+            board.close()
