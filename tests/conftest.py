@@ -43,6 +43,14 @@ def pytest_configure(config) -> None:
     _capture = config.pluginmanager.getplugin("capturemanager")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked ends_mps_clients run last, in their own order. Each kills an engine process with GPU work in
+    flight; under MPS that gives every other client's context a sticky error (BENCHMARKS.md run 301), the pytest
+    process's own included once any test has used CUDA: in one `pytest -m gpu` every CUDA test after it failed
+    (run 305: two data-plane tests that pass alone)."""
+    items.sort(key=lambda item: item.get_closest_marker("ends_mps_clients") is not None)  # stable: False first
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     return PRESETS["tiny"]

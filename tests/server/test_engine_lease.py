@@ -148,6 +148,7 @@ def test_a_killed_engine_s_gpu_cache_is_freed_while_the_sidecar_serves_on(tmp_pa
 
 
 @pytest.mark.gpu
+@pytest.mark.ends_mps_clients
 def test_a_rank_whose_stream_waits_on_a_killed_engine_s_event_exits_for_a_restart(tmp_path, tiny_ckpt):
     """Run 301 (an H100): a stream waiting on a killed engine's interprocess event that its GPU had not yet
     recorded never goes on (without MPS), so the rank's later steps and releases would wait behind it for good;
