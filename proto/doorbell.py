@@ -79,12 +79,23 @@ def _libc() -> ctypes.CDLL:
 
 
 def lower_timer_slack() -> None:
-    """Make this thread's short sleeps short (prctl PR_SET_TIMERSLACK = 1 us); Linux only, once per thread."""
+    """Make this thread's short sleeps short (prctl PR_SET_TIMERSLACK = 1 us); Linux only, once per thread.
+
+    Never raises: the slack only tightens the polls' naps. A prctl refused (a sandbox's seccomp filter, gVisor)
+    raised OSError at the first poll of each thread, which ended the rendezvous coordinator's thread without a word
+    (every step then waited its deadline and more before the ranks exited) and a doorbell's. Said once per process;
+    the thread polls on with the kernel's default slack (50 us), its naps that much longer."""
     if getattr(_slack, "done", False) or not sys.platform.startswith("linux"):
         return
     _slack.done = True
     if _libc().prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_TIMERSLACK) failed")
+        _slack_refused(ctypes.get_errno())
+
+
+@functools.cache
+def _slack_refused(err: int) -> None:
+    log.warning("prctl(PR_SET_TIMERSLACK) refused (%s): the doorbell's and the rendezvous' polls keep the default "
+                "timer slack (about 50 us longer naps)", os.strerror(err))
 
 
 def pause(idle_s: float, nap_s: float = NAP_S) -> None:

@@ -119,6 +119,41 @@ def test_waiting_threads_lower_their_own_timer_slack_only():
     assert libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0) == before  # other threads keep theirs
 
 
+def test_a_refused_timer_slack_is_said_once_and_the_wait_goes_on(monkeypatch, caplog):
+    """A prctl the sandbox refuses (seccomp, gVisor) raised OSError out of every thread's first poll: the rendezvous
+    coordinator's thread ended without a word (found by helper 289's review). Now the wait runs with the default
+    slack and the refusal is logged once per process, however many threads poll."""
+    import errno as errno_mod
+    from types import SimpleNamespace
+
+    def refused(*_args):
+        import ctypes
+        ctypes.set_errno(errno_mod.EPERM)
+        return -1
+
+    monkeypatch.setattr(bell, "_libc", lambda: SimpleNamespace(prctl=refused))
+    bell._slack_refused.cache_clear()
+    results: list[bool] = []
+
+    def waiter() -> None:
+        flag = threading.Event()
+        threading.Timer(0.01, flag.set).start()
+        results.append(bell.wait_until(flag.is_set, time.perf_counter() + 5.0, time.perf_counter()))
+
+    try:
+        with caplog.at_level("WARNING", logger="dspark_sidecar.doorbell"):
+            threads = [threading.Thread(target=waiter) for _ in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+        assert results == [True, True, True]
+        said = [r.getMessage() for r in caplog.records if "PR_SET_TIMERSLACK" in r.getMessage()]
+        assert len(said) == 1 and "refused" in said[0], said
+    finally:
+        bell._slack_refused.cache_clear()
+
+
 def test_ringer_wakes_only_a_sleeping_waker_and_the_fifo_is_removed(tmp_path):
     import os
     import select
