@@ -438,30 +438,36 @@ def test_a_rank_that_dies_while_the_group_serves_is_named_and_takes_the_group_do
             "    sys.exit(2)\n"
             "while True: time.sleep(0.05)\n")
     _fake_ranks(monkeypatch, rank)
+    assert _launch_until_a_rank_dies(tmp_path, caplog) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "sidecar rank 1 exited with code 2; stopping the group (2 ranks)"], caplog.text
+
+
+def _launch_until_a_rank_dies(folder, caplog) -> int:
+    """launch() of two fake ranks in `folder` whose rank 1 ends once `folder/serving` exists, made here as soon as
+    the launcher sees the group serving; the launcher's code. A launcher that never notices is SIGTERMed after
+    30 s, so the test fails rather than hangs."""
     serving = threading.Event()
-    ready = _ready_when_both_marked(tmp_path, serving)
+    ready = _ready_when_both_marked(folder, serving)
 
     def on_ready() -> bool:
         if ready():
-            (tmp_path / "serving").touch()  # rank 1 dies only once the launcher has seen the group serving
+            (folder / "serving").touch()  # rank 1 ends only once the launcher has seen the group serving
             return True
         return False
 
     returned = threading.Event()
 
-    def hang_guard() -> None:  # a launcher that never noticed: stopped, so the test fails rather than hangs
+    def hang_guard() -> None:
         if not returned.wait(30):
             os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=hang_guard, daemon=True).start()
     try:
         with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
-            code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [], on_ready=on_ready, poll_s=0.05)
+            return launch(ServeConfig(tp=2, socket_dir=folder, drain_s=0.0), [], on_ready=on_ready, poll_s=0.05)
     finally:
         returned.set()
-    assert code == 1
-    assert [r.getMessage() for r in caplog.records] == [
-        "sidecar rank 1 exited with code 2; stopping the group (2 ranks)"], caplog.text
 
 
 def test_the_kill_of_a_wedged_serving_rank_names_it_and_a_rank_that_failed_in_its_drain(tmp_path, monkeypatch, caplog):
@@ -511,28 +517,7 @@ def test_a_rank_that_exits_3_while_serving_is_named_and_leaves_no_socket_of_its_
             "    os._exit(3)\n"
             "while True: time.sleep(0.05)\n")
     _fake_ranks(monkeypatch, rank)
-    serving = threading.Event()
-    ready = _ready_when_both_marked(sock, serving)
-
-    def on_ready() -> bool:
-        if ready():
-            (sock / "serving").touch()  # rank 1 exits only once the launcher has seen the group serving
-            return True
-        return False
-
-    returned = threading.Event()
-
-    def hang_guard() -> None:  # a launcher that never noticed: stopped, so the test fails rather than hangs
-        if not returned.wait(30):
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=hang_guard, daemon=True).start()
-    try:
-        with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
-            code = launch(ServeConfig(tp=2, socket_dir=sock, drain_s=0.0), [], on_ready=on_ready, poll_s=0.05)
-    finally:
-        returned.set()
-    assert code == 1
+    assert _launch_until_a_rank_dies(sock, caplog) == 1
     assert [r.getMessage() for r in caplog.records] == [
         "sidecar rank 1 exited with code 3; stopping the group (2 ranks)"], caplog.text
     assert sorted(p.name for p in sock.iterdir() if p.is_socket()) == []
