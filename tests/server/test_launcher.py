@@ -430,17 +430,23 @@ def test_a_rank_that_dies_while_the_group_serves_is_named_and_takes_the_group_do
     rank = ("import os, pathlib, signal, sys, time\n"
             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
             f"d = pathlib.Path({str(tmp_path)!r})\n"
-            "(d / ('ready-' + os.environ['RANK'])).touch()\n"
-            "if os.environ['RANK'] == '1':\n"
-            "    deadline = time.monotonic() + 30\n"
-            "    while not (d / 'serving').exists() and time.monotonic() < deadline:\n"
-            "        time.sleep(0.02)\n"
-            "    sys.exit(2)\n"
-            "while True: time.sleep(0.05)\n")
+            "r = os.environ['RANK']\n"
+            + _RANK_1_ENDS_ONCE_SERVING.format(end="sys.exit(2)"))
     _fake_ranks(monkeypatch, rank)
     assert _launch_until_a_rank_dies(tmp_path, caplog) == 1
     assert [r.getMessage() for r in caplog.records] == [
         "sidecar rank 1 exited with code 2; stopping the group (2 ranks)"], caplog.text
+
+
+# The tail of a fake rank's script for _launch_until_a_rank_dies (`d`: the folder, `r`: the RANK, os and time
+# imported): marks itself ready; rank 1 then waits for the launcher to see the group serving and ends with `end`.
+_RANK_1_ENDS_ONCE_SERVING = ("(d / ('ready-' + r)).touch()\n"
+                             "if r == '1':\n"
+                             "    deadline = time.monotonic() + 30\n"
+                             "    while not (d / 'serving').exists() and time.monotonic() < deadline:\n"
+                             "        time.sleep(0.02)\n"
+                             "    {end}\n"
+                             "while True: time.sleep(0.05)\n")
 
 
 def _launch_until_a_rank_dies(folder, caplog) -> int:
@@ -509,13 +515,7 @@ def test_a_rank_that_exits_3_while_serving_is_named_and_leaves_no_socket_of_its_
             "        (d / n).unlink()\n"
             "    sys.exit(0)\n"
             "signal.signal(signal.SIGTERM, stop)\n"
-            "(d / ('ready-' + r)).touch()\n"
-            "if r == '1':\n"
-            "    deadline = time.monotonic() + 30\n"
-            "    while not (d / 'serving').exists() and time.monotonic() < deadline:\n"
-            "        time.sleep(0.02)\n"
-            "    os._exit(3)\n"
-            "while True: time.sleep(0.05)\n")
+            + _RANK_1_ENDS_ONCE_SERVING.format(end="os._exit(3)"))
     _fake_ranks(monkeypatch, rank)
     assert _launch_until_a_rank_dies(sock, caplog) == 1
     assert [r.getMessage() for r in caplog.records] == [
