@@ -41,7 +41,7 @@ ORDER = [
 ]
 
 
-@pytest.mark.parametrize("first, then", zip(ORDER, ORDER[1:]), ids=[r for _, _, r in ORDER[:-1]])
+@pytest.mark.parametrize("first, then", list(zip(ORDER, ORDER[1:])), ids=[r for _, _, r in ORDER[:-1]])
 def test_of_two_failing_checks_the_earlier_in_the_seed_order_is_reported(first, then):
     host = dict(on_gfx950=True, flydsl_available=True, tp_size=4) | first[0] | then[0]
     engine = GOOD | first[1] | then[1]
