@@ -726,6 +726,9 @@ class DrafterShim:
             except Exception as e:  # noqa: BLE001  (e.g. the driver refusing the page's unregistration: maybe_forward
                 self._internal("closing the data plane", e)  # reaches this outside its try (_disable), and must not raise)
         self._doorbell_off = None
+        # A passing refusal's wait was the old link's sidecar's: the next link's (maybe a restarted process) is asked
+        # at its first step, not up to DOORBELL_RETRY_S later with its steps on the gRPC stream meanwhile.
+        self._doorbell_retry_at = 0.0
         self.connection.close()
 
     def close(self) -> None:

@@ -583,6 +583,29 @@ def test_a_data_plane_refused_for_a_passing_reason_is_asked_for_again(monkeypatc
         server.stop()
 
 
+def test_a_restarted_sidecar_is_asked_for_its_data_plane_at_once_after_the_old_one_refused_it_for_now():
+    """The wait before asking again (DOORBELL_RETRY_S) is the refusing process's: a link dropped since (here the
+    sidecar restarted) ends it. Kept, the restarted sidecar's steps went over the gRPC stream for up to 5 s, and at
+    TP > 1 that one rank on the stream turned pre-launched steps off for every rank meanwhile."""
+    server = FakeServer(_BusyOnceThenAttaching(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    try:
+        shim, model, _ = make_shim(server.endpoint, transport="doorbell", step_deadline_s=0.2, late_grace_s=0.2)
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None  # refused for now: over the stream
+            assert server.sidecar.calls["AttachDoorbell"] == 1 and shim.doorbell is None
+            server.stop()
+            server.sidecar = DoorbellNeverAnswered(max_reqs=4)  # a new process that attaches
+            server.start()
+            wait_until(lambda: shim.connection.stream_ended, 5, "the step stream ended with the sidecar process")
+            shim.maybe_forward(ids, pos)  # the new process is asked at once (it then never answers the ring)
+        assert server.sidecar.calls["AttachDoorbell"] == 1 and shim.doorbell is not None
+        shim._unsettled = None  # let close() drop this test's link
+        shim.close()
+    finally:
+        server.stop()
+
+
 def test_step_buffers_are_sized_for_the_engines_max_reqs_where_the_sidecar_serves_more():
     """A StatusReport max_reqs above the engine's own (a sidecar run with a larger --max-reqs, or one naming an
     absurd count) sizes the doorbell's step buffers for EngineConfig.max_reqs at most; a larger step goes over
