@@ -81,30 +81,43 @@ def bind_request(layers: Sequence[torch.Tensor], facts: pb.EngineFacts) -> pb.Bi
     sidecar addresses both through the same strides."""
     if not layers:
         raise BindError("the engine has no draft KV cache allocated", permanent=False)
-    entries = []
-    for i, raw in enumerate(layers):
-        if raw.dtype == torch.uint8 or (raw.dtype in FP8_DTYPES and raw.dtype != FP8_KV):
-            # vLLM holds an fp8 cache as uint8 codes of x / scale; its plug-in passes e4m3 at scale 1
-            # as float8_e4m3fn (vllm_plugin.kv_cache_provider). Anything else cannot be read right.
-            raise BindError(f"KV layer {i}: {raw.dtype} cache: the sidecar serves an fp8 cache as float8_e4m3fn "
-                            "codes at k/v scale 1 only (not e5m2, fnuz or calibrated KV scales); run the draft "
-                            "with kv_cache_dtype fp8 (e4m3, no KV scales), auto or bfloat16", permanent=True)
-        try:
-            t = kv_planes(raw)
-        except ValueError as e:
-            raise BindError(f"KV layer {i}: {e}", permanent=True) from None
-        try:
-            handle = export_handle(t)
-            dtype = codec.dtype_to_proto(t.dtype)
-        except (HandleError, ValueError) as e:
-            raise BindError(f"KV layer {i}: {e}", permanent=True) from None
-        except RuntimeError as e:  # torch's or the driver's refusal of this memory (see NotShareable)
-            raise NotShareable(f"KV layer {i}: torch cannot share its memory with the sidecar "
-                               f"(expandable segments or cuMem memory?): {e}") from None
-        entries.append(pb.KVLayerBinding(layer=i, memory=handle, dtype=dtype, shape=list(t.shape),
-                                         strides=list(t.stride()), storage_offset=t.storage_offset()))
-    return pb.BindKVRequest(engine=on_cache_gpu(facts, layers[0]), layers=entries,
-                            page_size=int(entries[0].shape[2]))
+    entries: list[pb.KVLayerBinding] = []
+    try:
+        for i, raw in enumerate(layers):
+            if raw.dtype == torch.uint8 or (raw.dtype in FP8_DTYPES and raw.dtype != FP8_KV):
+                # vLLM holds an fp8 cache as uint8 codes of x / scale; its plug-in passes e4m3 at scale 1
+                # as float8_e4m3fn (vllm_plugin.kv_cache_provider). Anything else cannot be read right.
+                raise BindError(f"KV layer {i}: {raw.dtype} cache: the sidecar serves an fp8 cache as float8_e4m3fn "
+                                "codes at k/v scale 1 only (not e5m2, fnuz or calibrated KV scales); run the draft "
+                                "with kv_cache_dtype fp8 (e4m3, no KV scales), auto or bfloat16", permanent=True)
+            try:
+                t = kv_planes(raw)
+                dtype = codec.dtype_to_proto(t.dtype)  # before the export: a refusal here leaves none to give back
+            except ValueError as e:
+                raise BindError(f"KV layer {i}: {e}", permanent=True) from None
+            try:
+                handle = export_handle(t)
+            except (HandleError, ValueError) as e:
+                raise BindError(f"KV layer {i}: {e}", permanent=True) from None
+            except RuntimeError as e:  # torch's or the driver's refusal of this memory (see NotShareable)
+                raise NotShareable(f"KV layer {i}: torch cannot share its memory with the sidecar "
+                                   f"(expandable segments or cuMem memory?): {e}") from None
+            entries.append(pb.KVLayerBinding(layer=i, memory=handle, dtype=dtype, shape=list(t.shape),
+                                             strides=list(t.stride()), storage_offset=t.storage_offset()))
+        return pb.BindKVRequest(engine=on_cache_gpu(facts, layers[0]), layers=entries,
+                                page_size=int(entries[0].shape[2]))
+    except BaseException:
+        give_back(entries)  # exported for the layers before the one refused, and never to be sent
+        raise
+
+
+def give_back(entries: Sequence[pb.KVLayerBinding]) -> None:
+    """Give back torch's producer reference of each layer handle exported for a BindKV that is never sent. Each
+    CUDA IPC export counts the sidecar as a consumer of the block until it lets go (memory.discard_handle): the
+    sidecar gives back what it is sent and does not open, but a handle that never reached it kept the engine's
+    block allocated (torch's IPC limbo) after the engine freed that cache, until the engine exited."""
+    for entry in entries:
+        memory.discard_handle(entry.memory)
 
 
 def on_cache_gpu(facts: pb.EngineFacts, layer) -> pb.EngineFacts:
@@ -221,7 +234,12 @@ class KVBinder:
             self.current, self._unshareable = None, (ident, str(e), time.monotonic() + UNSHAREABLE_RETRY_S)
             raise
         self._unshareable = None
-        req.lease = self.lease.token(lease_socket, deadline_s)
+        try:
+            req.lease = self.lease.token(lease_socket, deadline_s)
+        except BaseException:
+            self.current = None
+            give_back(req.layers)  # nothing was sent
+            raise
         try:
             resp = stub.BindKV(req, timeout=deadline_s)
         except grpc.RpcError as e:

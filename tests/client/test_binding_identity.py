@@ -94,3 +94,23 @@ def test_bindkv_names_the_gpu_the_cache_lives_on(monkeypatch):
     same = binding.on_cache_gpu(facts, SimpleNamespace(device=torch.device("cuda", 0)))
     assert same is facts
     assert binding.on_cache_gpu(facts, torch.zeros(1)) is facts  # a CPU cache: the facts as they are
+
+
+def test_another_segment_at_a_freed_ones_address_needs_a_bind(monkeypatch):
+    """On CPU the segment is part of the identity: a segment mapped where a freed one was (the same address,
+    shape and strides) is another cache, which the sidecar, still mapping the old one, does not see."""
+    from dspark_sidecar.proto import memory
+    from helpers.engine_fakes import shm_kv_cache
+
+    kv = shm_kv_cache()
+    try:
+        layers = [s.tensor for s in kv]
+        b = _bound(layers)
+        assert not b.needs_bind([t.view(t.shape) for t in layers])  # new tensor objects, the same segments
+        ptr = layers[2].untyped_storage().data_ptr()
+        _, size = memory._EXPORTED[ptr]
+        monkeypatch.setitem(memory._EXPORTED, ptr, ("psm_another", size))  # as a new segment mapped at that address
+        assert b.needs_bind([t.view(t.shape) for t in layers])
+    finally:
+        for s in kv:
+            s.close()

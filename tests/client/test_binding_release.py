@@ -85,3 +85,70 @@ def test_a_binding_left_by_a_failed_rebind_is_released(failure, monkeypatch):
         for s in kv:
             s.close()
         server.stop()
+
+
+def _counting_exports(monkeypatch, fail_at: int | None = None) -> tuple[list, list]:
+    """binding.export_handle faked as a CUDA IPC export (each one counts a consumer in torch's ref-counter file),
+    refusing the export of layer `fail_at`; memory.discard_handle records what is given back. (The identity's
+    segment lookup on CPU goes through export_handle too, and is answered by the real one.)"""
+    from dspark_sidecar.client import binding
+    from dspark_sidecar.proto import memory
+
+    real, exported, given_back = binding.export_handle, [], []
+
+    def export(t):
+        if sys._getframe(1).f_code.co_name != "bind_request":
+            return real(t)
+        if len(exported) == fail_at:
+            raise RuntimeError("injected: the driver refused the IPC handle")
+        h = pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(
+            ipc_handle=b"h", storage_size_bytes=64, ref_counter_handle=b"torch_1_2", ref_counter_offset=len(exported)))
+        exported.append(h)
+        return h
+
+    monkeypatch.setattr(binding, "export_handle", export)
+    monkeypatch.setattr(memory, "discard_handle", given_back.append)
+    return exported, given_back
+
+
+def test_handles_exported_for_layers_before_one_that_fails_are_given_back(monkeypatch):
+    """Each CUDA IPC export counts the sidecar as a consumer of the block until it lets go (torch's IPC limbo);
+    the sidecar gives back the handles it is sent but never opens (MemoryBindings._discard), but handles a failed
+    bind_request exported and never sent had no one to give them back: the engine's blocks stayed allocated after
+    it freed that cache, until it exited (and each retry of the same cache, every UNSHAREABLE_RETRY_S, added one)."""
+    import torch
+
+    from dspark_sidecar.client import binding
+
+    exported, given_back = _counting_exports(monkeypatch, fail_at=3)
+    layers = [torch.zeros(2, 4, 16, 1, 8, dtype=torch.bfloat16) for _ in range(5)]
+    with pytest.raises(binding.NotShareable, match="KV layer 3"):
+        binding.bind_request(layers, pb.EngineFacts())
+    assert len(exported) == 3 and given_back == exported
+    # A layer whose dtype the wire has no name for: refused before its memory is exported, not after.
+    exported[:], given_back[:] = [], []
+    with pytest.raises(binding.BindError, match="KV layer 0.*no wire DType") as err:
+        binding.bind_request([torch.zeros(2, 4, 16, 1, 8, dtype=torch.float64)] * 5, pb.EngineFacts())
+    assert err.value.permanent and given_back == exported == []
+
+
+def test_handles_of_a_bindkv_never_sent_are_given_back(monkeypatch):
+    """The lease is taken after the layers are exported; a lease that raises (socket() out of descriptors) ended
+    bind() with the request's handles exported and never sent."""
+    import torch
+
+    from dspark_sidecar.client.binding import KVBinder
+
+    exported, given_back = _counting_exports(monkeypatch)
+    binder = KVBinder(pb.EngineFacts())
+
+    def no_lease(path, deadline_s):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(binder.lease, "token", no_lease)
+    sent = []
+    stub = type("Stub", (), {"BindKV": lambda self, req, timeout: sent.append(req)})()
+    with pytest.raises(OSError):
+        binder.bind(stub, [torch.zeros(2, 4, 16, 1, 8, dtype=torch.bfloat16) for _ in range(5)], 1.0, "/x/rank0.lease")
+    assert not sent and len(exported) == 5 and given_back == exported
+    assert binder.current is None and binder.held is None
