@@ -198,8 +198,7 @@ class MemoryBindings:
         with self._lock:
             kv = self.kv
             if kv is None or kv.binding_id != binding_id:
-                raise precondition(f"binding_id: {binding_id} is not the current binding", "UNKNOWN_BINDING",
-                                   "binding_id")
+                raise unknown_binding(binding_id)
             self.kv = None
         retire(kv.close)
 
@@ -425,6 +424,11 @@ def _refuse_overlap(field_name: str, what: str, span: _Span, others: list[tuple[
                           f"{where}: the sidecar writes each layer's K/V rows into its own cache, hidden states into "
                           "any region a step names as its output and answers into the doorbell page, so none of "
                           "them may share a byte with another (sidecar.proto: BindKVRequest)")
+
+
+def unknown_binding(binding_id: int) -> SidecarError:
+    """UnbindKV's refusal of an id that is not the binding in place (released, replaced, or never this rank's)."""
+    return precondition(f"binding_id: {binding_id} is not the current binding", "UNKNOWN_BINDING", "binding_id")
 
 
 def _forget(by_token: dict[int, list[int]], gone: set[int]) -> None:

@@ -26,6 +26,7 @@ from dspark_sidecar.proto.gpu_word import GpuWordOps
 from dspark_sidecar.proto.memory import MappedMemory, discard_handle
 from dspark_sidecar.server.doorbell import Doorbell
 from dspark_sidecar.server.errors import SidecarError, invalid, precondition
+from dspark_sidecar.server.kv_binding import unknown_binding
 from dspark_sidecar.server.lease import LeaseKeeper
 from dspark_sidecar.server.prelaunch import BEHIND_S
 from dspark_sidecar.server.rank import RankContext, RankLoop
@@ -221,6 +222,12 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def UnbindKV(self, request, context):
         self._require_same_node(context)
+        kv = self.ctx.memory.kv
+        if kv is None or kv.binding_id != request.binding_id:
+            # Nothing of it to release (a second UnbindKV, an engine's late release of a binding a re-bind replaced):
+            # refused before any section, whose quiesce would release the live engine's pre-launched step, at TP > 1
+            # on this rank alone (a SOME_COPIES abort), as lease_lost. Still current here, unbind checks it again.
+            raise unknown_binding(request.binding_id)
         with self.loop.exclusive(wait=False):  # as BindKV
             self._release_binding(request.binding_id)
         # As BindKV: health's verdict was the released binding's. Not published again, a strict rank refused

@@ -194,3 +194,56 @@ def test_a_replaced_or_released_binding_is_unmapped_and_its_generation_refused()
         mem.close()
         for s in segs:
             s.close()
+
+
+def test_a_binding_mixing_the_compute_dtype_and_fp8_codes_is_bound_each_layer_in_its_own():
+    """sidecar.proto: each layer's dtype stands alone, the compute dtype or DTYPE_FP8_E4M3 (vLLM's kv_cache_dtype
+    fp8). Refused, an fp8 deployment's every BindKV was INVALID_ARGUMENT and its engine drafted without the
+    sidecar; taken in layer 0's dtype, the fp8 layers' codes were read as floats. Another dtype is refused."""
+    cfg = load_config("tiny")
+    L = cfg.num_hidden_layers
+    segs = [memory.shm_empty(kv_layer_shape(cfg, 1, 4, 16), torch.float8_e4m3fn if i % 2 else torch.float32)
+            for i in range(L)]
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for s in segs:  # each layer's own bytes, to tell its view from another layer's or another dtype's
+            raw = s.tensor.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+        kv = mem.bind(_bind_request([_layer(i, s.tensor) for i, s in enumerate(segs)]))
+        assert [t.dtype for t in kv.layers] == [s.tensor.dtype for s in segs]
+        assert all(torch.equal(t.view(torch.uint8), s.tensor.view(torch.uint8)) for t, s in zip(kv.layers, segs))
+        req = _bind_request([_layer(i, s.tensor) for i, s in enumerate(segs)])
+        req.layers[1].dtype = pb.DTYPE_UINT8  # the same bytes, as vLLM holds fp8 codes: not a served dtype
+        with pytest.raises(SidecarError) as err:
+            mem.bind(req)
+        assert (err.value.code, err.value.field) == (_IPA, "layers[1].dtype") and mem.kv is kv, err.value
+    finally:
+        mem.close()
+        for s in segs:
+            s.close()
+
+
+def test_a_host_memory_cache_bound_on_a_gpu_rank_is_refused_and_unmapped():
+    """A GPU rank's steps write K/V with device kernels: a cache in host shared memory (an engine on the CPU, or
+    one that sent shm handles for its GPU cache) is INVALID_ARGUMENT naming the layer's memory, and what the call
+    mapped goes at once. Bound, the first step's kernels were handed host pointers (an illegal address that ends
+    the rank). Stood in for on this CPU host: a rank whose device is cuda:0, its refusals closed in place."""
+    import contextlib
+
+    cfg = load_config("tiny")
+    L = cfg.num_hidden_layers
+    segs = [memory.shm_empty(kv_layer_shape(cfg, 1, 4, 16), torch.float32) for _ in range(L)]
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cuda", 0))
+    mem._quiet = contextlib.nullcontext  # no CUDA here: the QuietStream a GPU rank closes refused mappings in
+    try:
+        before = [_maps_of(s.segment.name) for s in segs]
+        with pytest.raises(SidecarError) as err:
+            mem.bind(_bind_request([_layer(i, s.tensor) for i, s in enumerate(segs)]))
+        e = err.value
+        assert (e.code, e.field, e.reason) == (_IPA, "layers[0].memory", "INVALID_FIELD"), e
+        assert "cpu memory" in e.message and "CUDA/HIP IPC" in e.message, e.message
+        assert [_maps_of(s.segment.name) for s in segs] == before and mem.kv is None
+    finally:
+        for s in segs:
+            s.close()

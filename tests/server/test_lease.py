@@ -18,6 +18,7 @@ import torch
 
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.errors import SidecarError
+from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server import lease as lease_mod
 from dspark_sidecar.server.lease import MAX_LEASES, TOKEN, LeaseKeeper
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
@@ -592,3 +593,101 @@ def test_a_lost_lease_that_held_regions_leaves_the_binding_of_another_lease():
         b.close()
     finally:
         svc.close_leases()
+
+
+
+class _ShmCache:
+    """A tiny drafter's KV cache in shared memory, as an engine on the CPU binds it (MemoryBindings, not _Memory)."""
+
+    def __init__(self) -> None:
+        from dspark_sidecar.drafter.config import load_config
+        from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+        from dspark_sidecar.proto import memory
+
+        self.cfg = load_config("tiny")
+        self.segs = [memory.shm_empty(kv_layer_shape(self.cfg, 1, 4, 16), torch.float32)
+                     for _ in range(self.cfg.num_hidden_layers)]
+
+    def request(self, lease: int = 0) -> pb.BindKVRequest:
+        from dspark_sidecar.proto import codec, memory
+
+        return pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1), page_size=16,
+                                lease=lease, layers=[pb.KVLayerBinding(
+                                    layer=i, memory=memory.export_handle(s.tensor), dtype=codec.dtype_to_proto(
+                                        s.tensor.dtype), shape=list(s.tensor.shape), strides=list(s.tensor.stride()))
+                                    for i, s in enumerate(self.segs)])
+
+    def maps(self) -> list[int]:
+        """How many mappings of each layer's segment this process holds."""
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+        return [sum(s.segment.name in line for line in lines) for s in self.segs]
+
+    def close(self) -> None:
+        for s in self.segs:
+            s.close()
+
+
+def test_the_binding_memorybindings_records_is_the_one_its_lease_s_end_releases_and_unmaps():
+    """MemoryBindings itself, not the stand-in above: the binding BindKV made under a lease carries that token, so
+    the lease's end (its engine exited) releases it and unmaps the gone engine's cache; one re-bound with no lease
+    is left to UnbindKV, a re-bind or the exit. Dropped, the binding named no lease, every lease end found nothing
+    under it, and a killed engine's cache stayed mapped (its memory held) until the next engine bound."""
+    cache = _ShmCache()
+    mem = MemoryBindings(cache.cfg, 1, 0, torch.float32, torch.device("cpu"))
+    svc = _servicer(mem)
+    try:
+        idle = cache.maps()
+        a, ta = _take(svc.leases.path)
+        resp = svc.BindKV(cache.request(ta), _Context())
+        assert mem.kv is not None and (mem.kv.binding_id, mem.kv.lease) == (resp.binding_id, ta)
+        assert cache.maps() == [n + 1 for n in idle]
+        a.close()  # the engine is gone: its lease's end releases the binding and unmaps its cache
+        wait_until(lambda: mem.kv is None, 5, "the lease's end to release the binding")
+        assert cache.maps() == idle
+        b, tb = _take(svc.leases.path)
+        svc.BindKV(cache.request(0), _Context())  # no lease: this binding outlives any lease's end
+        b.close()
+        wait_until(lambda: not svc.leases.live(tb), 5, "lease b to end")
+        svc.lease_lost(tb)  # as the keeper's thread does (again: idempotent)
+        assert mem.kv is not None and mem.kv.lease == 0 and cache.maps() == [n + 1 for n in idle]
+    finally:
+        svc.close_leases()
+        mem.close()
+        cache.close()
+
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_an_unbindkv_of_a_binding_not_in_place_is_refused_without_an_exclusive_section(bound):
+    """As a lease that holds nothing (above): an UnbindKV naming a binding that is not the rank's (an engine's
+    late release of one a re-bind replaced, a second UnbindKV, a sidecar restarted since) releases nothing, and
+    its section's quiesce released the live engine's pre-launched step on this rank alone (at TP > 1 the copy
+    that ran on the peers aborts that step, SOME_COPIES). It is FAILED_PRECONDITION UNKNOWN_BINDING with no
+    section; the binding in place stands, and an UnbindKV of it still releases it and unmaps its cache."""
+    cache = _ShmCache()
+    mem = MemoryBindings(cache.cfg, 1, 0, torch.float32, torch.device("cpu"))
+    svc = _servicer(mem)
+    sections = []
+    real = svc.loop.exclusive
+
+    def exclusive(wait=True):
+        sections.append(wait)
+        return real(wait)
+
+    svc.loop.exclusive = exclusive
+    try:
+        idle = cache.maps()
+        bid = svc.BindKV(cache.request(), _Context()).binding_id if bound else 0  # the live engine's binding
+        sections.clear()
+        with pytest.raises(SidecarError) as err:
+            svc.UnbindKV(pb.UnbindKVRequest(binding_id=bid + 1), _Context())
+        e = err.value
+        assert (e.code, e.reason, e.field) == (grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_BINDING", "binding_id"), e
+        assert sections == [] and (mem.kv is not None and mem.kv.binding_id == bid) == bound
+        if bound:
+            svc.UnbindKV(pb.UnbindKVRequest(binding_id=bid), _Context())
+            assert sections == [False] and mem.kv is None and cache.maps() == idle
+    finally:
+        svc.close_leases()
+        mem.close()
+        cache.close()
