@@ -16,6 +16,7 @@ into the same bank once it sees that store, cannot reach the earlier load). Weak
 
 from __future__ import annotations
 
+import os
 import platform
 import secrets
 import time
@@ -86,6 +87,20 @@ class ShmAgreement:
         self._seg.close()
 
 
+def _create_page(size: int):
+    """A new segment of `size` bytes with its memory reserved now. A full /dev/shm still creates one (ftruncate
+    reserves nothing), and rank 0's first store into it was a SIGBUS that killed the engine rank; reserved
+    here, it is ENOSPC (OSError), and the ranks keep gloo."""
+    seg = shared_memory.SharedMemory(create=True, size=size)
+    try:
+        os.posix_fallocate(seg._fd, 0, size)  # the segment's own descriptor (POSIX SharedMemory keeps it open)
+    except BaseException:
+        seg.unlink()
+        seg.close()
+        raise
+    return seg
+
+
 def _write_page(buf, words: int, token: int) -> None:
     """Zero the slots and write the token in the last word (no view kept: the segment may be closed)."""
     page = np.ndarray((words,), np.int64, buffer=buf)
@@ -113,7 +128,7 @@ def shared_page_agreement(group: dist.ProcessGroup | None = None,
         why = f"{platform.machine()} may show other processes its stores out of order"
     elif rank == 0:
         try:
-            seg = shared_memory.SharedMemory(create=True, size=8 * words)
+            seg = _create_page(8 * words)
         except OSError as err:  # /dev/shm full or missing: the peers still hear of it (None), no hang
             why = f"cannot create the page: {err}"
         else:

@@ -7,7 +7,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from dspark_sidecar.client.shm_agreement import MAX_VALUES, ShmAgreement
-from helpers.agreement_ranks import apart, deserted, free_port, ranks, stalling
+from helpers.agreement_ranks import apart, deserted, free_port, ranks, stalling, subgroup, uncreated
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_gets_the_element_wise_minimum_of_all_ranks(world):
@@ -76,10 +76,11 @@ def test_a_page_rank_0_cannot_create_is_a_reason_not_an_exception(tmp_path, monk
     assert page is None and why == "rank 0: cannot create the page: [Errno 28] No space left on device", why
 
 
-@pytest.mark.parametrize("how", ["missing", "other"])
+@pytest.mark.parametrize("how", ["missing", "other", "small"])
 def test_ranks_that_cannot_map_rank_0_s_page_keep_gloo_and_leave_no_segment(how):
     """Not a host name but the page itself decides: ranks on two hosts that share a name, or in
-    containers each with its own /dev/shm, cannot open rank 0's segment, or open another of that name."""
+    containers each with its own /dev/shm, cannot open rank 0's segment, or open another of that name (smaller
+    than the page, "small": reading its token past its end raised out of the set-up)."""
     import os
 
     errors, names = mp.get_context("spawn").SimpleQueue(), mp.get_context("spawn").SimpleQueue()
@@ -160,3 +161,158 @@ def test_a_value_past_int64_is_refused_before_the_sequence_moves():
             a.close()
     finally:
         seg.unlink()
+
+
+def _page(world: int):
+    from multiprocessing import shared_memory
+
+    return shared_memory.SharedMemory(create=True, size=8 * (2 * world * (1 + MAX_VALUES) + 1))
+
+
+def test_as_many_values_as_the_page_holds_are_agreed():
+    seg = _page(1)
+    try:
+        agree = ShmAgreement(seg, world_size=1, rank=0, timeout_s=1.0)
+        assert agree.all_min_ints(list(range(-MAX_VALUES, 0))) == list(range(-MAX_VALUES, 0))
+        agree.close()
+        assert seg.buf is None, "close() left the page mapped"
+    finally:
+        seg.unlink()
+
+
+def test_a_rank_writes_its_values_before_its_sequence_number():
+    """A peer that sees the sequence reads the values at once: written after it, the peer could take the
+    previous agreement's values for this one's (nothing else orders them)."""
+    import numpy as np
+
+    class Recording(np.ndarray):
+        stores: list = []
+
+        def __setitem__(self, key, value):
+            Recording.stores.append(key)
+            super().__setitem__(key, value)
+
+    seg = _page(1)
+    try:
+        agree = ShmAgreement(seg, world_size=1, rank=0, timeout_s=1.0)
+        agree._slots = agree._slots.view(Recording)
+        assert agree.all_min_ints([5, -3]) == [5, -3]
+        assert Recording.stores == [slice(1, 3), 0], Recording.stores
+        agree.close()
+    finally:
+        seg.unlink()
+
+
+def test_a_rank_starting_the_next_agreement_leaves_the_values_a_slower_peer_still_reads():
+    """Rank 0 goes on to agreement 2 as soon as rank 1 has written agreement 1, while rank 1 has not read
+    agreement 1's values yet: those must still be there (the other bank), not rank 0's values of agreement 2.
+    Two ranks of one page in one process, on threads; rank 1's read waits until rank 0 has written agreement 2."""
+    import threading
+
+    import numpy as np
+
+    seg = _page(2)
+    raw = np.ndarray((2, 2, 1 + MAX_VALUES), np.int64, buffer=seg.buf)  # the slots, as a third process sees them
+    try:
+        agree = [ShmAgreement(seg, world_size=2, rank=r, timeout_s=5.0) for r in range(2)]
+
+        class SlowReader(np.ndarray):
+            def min(self, *args, **kw):
+                if self.ndim == 2:  # the values (a 1-D view is the sequence numbers)
+                    for _ in range(5000):
+                        if (raw[:, 0, 0] == 2).any():
+                            break
+                        threading.Event().wait(0.001)
+                return super().min(*args, **kw)
+
+        agree[1]._slots = agree[1]._slots.view(SlowReader)
+        out: dict = {}
+
+        def one(r, calls):
+            try:
+                out[r] = [agree[r].all_min_ints(v) for v in calls]
+            except Exception as exc:  # noqa: BLE001  (reported below)
+                out[r] = exc
+
+        ts = [threading.Thread(target=one, args=(0, [[3, 7], [100, 100]])),
+              threading.Thread(target=one, args=(1, [[4, 6], [100, 100]]))]
+        [t.start() for t in ts]
+        [t.join(timeout=20) for t in ts]
+        assert out == {0: [[3, 6], [100, 100]], 1: [[3, 6], [100, 100]]}, out
+        for a in agree:
+            a.close()
+    finally:
+        seg.unlink()
+
+
+def test_the_page_s_name_leaves_dev_shm_once_every_rank_has_mapped_it(tmp_path, monkeypatch):
+    """Nothing opens it by name again: kept, it stayed in /dev/shm for as long as rank 0's process lived
+    (and after it, where that process was killed along with its resource tracker)."""
+    import torch.distributed as dist
+
+    from dspark_sidecar.client import shm_agreement
+    from helpers.engine_fakes import recording_shm
+
+    monkeypatch.setattr(shm_agreement.bell, "stores_in_order", lambda: True)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with recording_shm(shm_agreement) as rec:
+            page, why = shm_agreement.shared_page_agreement()
+        assert page is not None, why
+        assert len(rec.created) == 1 and not rec.left(), rec.created
+        assert page.all_min_ints([2, -9]) == [2, -9]  # still mapped
+        page.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_whose_rank_0_cannot_create_the_page_all_keep_gloo():
+    """Rank 0's reason travels as a page name of None: a peer that tried to open it raised (AttributeError)
+    out of the set-up instead of agreeing over gloo with rank 0."""
+    errors = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(uncreated, args=(free_port(), errors), nprocs=2, join=True)
+    assert errors.empty(), errors.get()
+
+
+def test_a_page_of_a_group_whose_first_rank_is_not_global_rank_0():
+    """vLLM's TP group of a second DP or PP replica: its rank 0 is some other global rank, whose page name
+    the broadcast carries."""
+    errors = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(subgroup, args=(free_port(), errors), nprocs=3, join=True)
+    assert errors.empty(), errors.get()
+
+
+def test_a_full_dev_shm_is_a_reason_not_a_bus_error(tmp_path):
+    """A tmpfs with no page left still creates a segment (ftruncate reserves nothing): rank 0's first store into
+    the page then killed its process with SIGBUS, instead of the ranks keeping gloo. Run in a mount namespace of
+    its own (unshare -rm) whose /dev/shm is a full 64 KiB tmpfs, so no other process sees it."""
+    import shutil
+    import subprocess
+    import sys
+    import textwrap
+
+    from dspark_sidecar.proto import doorbell as bell
+
+    if not bell.stores_in_order() or shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs an x86-64 host and user namespaces (unshare -rm)")
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent("""
+        import os
+        import sys
+
+        import torch.distributed as dist
+        from dspark_sidecar.client.shm_agreement import shared_page_agreement
+        dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+        page, why = shared_page_agreement()
+        print("page" if page is not None else "none", why, sorted(os.listdir("/dev/shm")), sep="|")
+        dist.destroy_process_group()
+    """))
+    script = ('mount -t tmpfs -o size=64k tmpfs /dev/shm && (dd if=/dev/zero of=/dev/shm/fill bs=4k count=64 '
+              '2>/dev/null || true) && exec "$0" "$1" "$2"')
+    proc = subprocess.run(["unshare", "-rm", "bash", "-c", script, sys.executable, str(probe), str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"rc {proc.returncode} (-7 or 135: SIGBUS): {proc.stderr[-2000:]}"
+    kind, why, left = proc.stdout.strip().splitlines()[-1].split("|")
+    assert kind == "none" and why == "rank 0: cannot create the page: [Errno 28] No space left on device", why
+    assert left == "['fill']", f"the page that could not be filled was left in /dev/shm: {left}"

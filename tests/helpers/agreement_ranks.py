@@ -39,8 +39,9 @@ def ranks(rank: int, world: int, port: int, seed: int, errors) -> None:
             expected = [min(v) for v in zip(*(values(seed, i, r) for r in range(world)))]
             got = all_min_ints(shm, mine)
             assert got == expected, (i, got, expected)
-            if i % 50 == 0:  # the gloo all-reduce agrees, interleaved with it
-                assert gloo.all_min(torch.tensor(mine)).tolist() == expected
+            if i % 50 == 0:  # the gloo all-reduce agrees, interleaved with it, and leaves the caller's tensor alone
+                sent = torch.tensor(mine)
+                assert gloo.all_min(sent).tolist() == expected and sent.tolist() == mine
         assert shm.all_min(torch.tensor([rank, -rank])).tolist() == [0, -(world - 1)]
         shm.close()
         dist.destroy_process_group()
@@ -65,8 +66,9 @@ def stalling(rank: int, port: int, errors) -> None:
 
 def apart(rank: int, port: int, how: str, errors, names) -> None:
     """Rank 1 cannot share rank 0's page: `how` = "missing" (another host, or another /dev/shm: the name
-    opens nothing) or "other" (a segment of that name that is not rank 0's). Both ranks must keep gloo,
-    and the gloo agreement must still answer. Rank 1 puts the page's name (from its reason) on `names`."""
+    opens nothing), "other" (a segment of that name that is not rank 0's) or "small" (one smaller than the
+    page). Both ranks must keep gloo, and the gloo agreement must still answer. Rank 1 puts the page's name
+    (from its reason) on `names`."""
     from multiprocessing import shared_memory
 
     from dspark_sidecar.client.agreement import node_agreement
@@ -77,7 +79,7 @@ def apart(rank: int, port: int, how: str, errors, names) -> None:
             def elsewhere(name):
                 if how == "missing":
                     raise FileNotFoundError(2, "No such file or directory", f"/dev/shm/{name}")
-                own = shared_memory.SharedMemory(create=True, size=4096)  # zeros: no token
+                own = shared_memory.SharedMemory(create=True, size=8 if how == "small" else 4096)  # zeros: no token
                 own.unlink()
                 return own
             shm_agreement.AttachedSegment = elsewhere
@@ -117,3 +119,42 @@ def deserted(rank: int, port: int, errors, names) -> None:
         else:
             errors.put("rank 0: shared_page_agreement returned with its peer gone")
     os._exit(0)  # the group cannot be destroyed cleanly with its peer gone
+
+
+def uncreated(rank: int, port: int, errors) -> None:
+    """Rank 0 cannot create the page (/dev/shm full or missing): both ranks keep gloo, told rank 0's reason."""
+    from dspark_sidecar.client.agreement import node_agreement
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        if rank == 0:
+            def full(**_kw):
+                raise OSError(28, "No space left on device")
+            shm_agreement.shared_memory = type("NoShm", (), {"SharedMemory": staticmethod(full)})
+        shm_agreement.bell.stores_in_order = lambda machine=None: True
+        page, why = shared_page_agreement()
+        assert page is None and why == "rank 0: cannot create the page: [Errno 28] No space left on device", why
+        agree = node_agreement()
+        assert isinstance(agree, DistAgreement), type(agree)
+        assert all_min_ints(agree, [rank, 10 - rank]) == [0, 9]
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001  (reported to the test, which fails with it)
+        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+
+
+def subgroup(rank: int, port: int, errors) -> None:
+    """Global ranks 1 and 2 agree through a page of their own group (group ranks 0 and 1), rank 0 outside it."""
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+        group = dist.new_group([1, 2])  # collective: every rank makes it
+        if rank != 0:
+            page, why = shared_page_agreement(group, timeout_s=20.0)
+            assert page is not None, why
+            assert page.all_min_ints([rank, -rank]) == [1, -2]
+            page.close()
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001  (reported to the test, which fails with it)
+        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise

@@ -1,0 +1,61 @@
+"""What client/agreement.py builds from what the engine passes, and which agreement node_agreement picks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dspark_sidecar.client import agreement, shm_agreement
+from dspark_sidecar.client.agreement import DistAgreement, LocalAgreement, agreement_from, node_agreement
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_single_rank_context_agrees_with_nobody_and_needs_no_group():
+    """TP 1: no exchange to agree over, and no page made for nothing (a collective of one)."""
+    got = agreement_from(type("Par", (), {"world_size": 1})())
+    assert isinstance(got, LocalAgreement) and got.all_min([3, -1]) == [3, -1]
+
+
+def test_a_step_agreement_passed_in_is_used_as_it_is():
+    class Member:
+        world_size = 4
+
+        def all_min(self, values):
+            return values
+
+    member = Member()
+    assert agreement_from(member) is member
+
+
+def test_a_context_without_an_exchange_is_refused_by_name():
+    with pytest.raises(TypeError, match="cannot build a step agreement from Par"):
+        agreement_from(type("Par", (), {"world_size": 2})())
+
+
+def test_the_page_waits_for_its_peers_as_long_as_the_engine_config_says(one_rank_group, monkeypatch):
+    """EngineConfig.agreement_timeout_s follows the step's deadlines (a 60 s step deadline allows more than 60 s
+    between two agreements); a page built with the default 60 s had the peers of a live, slow rank give it up
+    for dead and raise AgreementTimeout into the engine."""
+    monkeypatch.setattr(shm_agreement.bell, "stores_in_order", lambda: True)
+    page = node_agreement(None, timeout_s=431.5)
+    try:
+        assert isinstance(page, shm_agreement.ShmAgreement) and page.timeout_s == 431.5
+    finally:
+        page.close()
+
+
+def test_ranks_that_cannot_share_a_page_keep_gloo_and_say_why(one_rank_group, monkeypatch, caplog):
+    monkeypatch.setattr(shm_agreement.bell, "stores_in_order", lambda: False)
+    with caplog.at_level(logging.INFO, logger=agreement.log.name):
+        got = node_agreement(None, timeout_s=5.0)
+    assert isinstance(got, DistAgreement) and got.all_min(torch.tensor([4, -2])).tolist() == [4, -2]
+    assert "engine ranks agree over gloo, not a shared-memory page: rank 0: " in caplog.text, caplog.text
