@@ -16,18 +16,16 @@ into the same bank once it sees that store, cannot reach the earlier load). Weak
 
 from __future__ import annotations
 
-import os
 import platform
 import secrets
 import time
-from multiprocessing import shared_memory
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from dspark_sidecar.proto import doorbell as bell
-from dspark_sidecar.proto.memory import AttachedSegment
+from dspark_sidecar.proto.memory import AttachedSegment, new_segment
 
 MAX_VALUES = 8  # integers per agreement (the shim's largest has 5)
 SPIN_S = 30e-6  # poll without sleeping this long first: the ranks run the same step and arrive close together
@@ -87,20 +85,6 @@ class ShmAgreement:
         self._seg.close()
 
 
-def _create_page(size: int):
-    """A new segment of `size` bytes with its memory reserved now. A full /dev/shm still creates one (ftruncate
-    reserves nothing), and rank 0's first store into it was a SIGBUS that killed the engine rank; reserved
-    here, it is ENOSPC (OSError), and the ranks keep gloo."""
-    seg = shared_memory.SharedMemory(create=True, size=size)
-    try:
-        os.posix_fallocate(seg._fd, 0, size)  # the segment's own descriptor (POSIX SharedMemory keeps it open)
-    except BaseException:
-        seg.unlink()
-        seg.close()
-        raise
-    return seg
-
-
 def _write_page(buf, words: int, token: int) -> None:
     """Zero the slots and write the token in the last word (no view kept: the segment may be closed)."""
     page = np.ndarray((words,), np.int64, buffer=buf)
@@ -128,7 +112,7 @@ def shared_page_agreement(group: dist.ProcessGroup | None = None,
         why = f"{platform.machine()} may show other processes its stores out of order"
     elif rank == 0:
         try:
-            seg = _create_page(8 * words)
+            seg = new_segment(8 * words)  # its pages reserved: a full /dev/shm is ENOSPC, not a SIGBUS
         except OSError as err:  # /dev/shm full or missing: the peers still hear of it (None), no hang
             why = f"cannot create the page: {err}"
         else:

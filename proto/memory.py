@@ -147,13 +147,27 @@ class AttachedSegment:
         self.buf = self._mmap = None  # type: ignore[assignment]
 
 
+def new_segment(size: int) -> shared_memory.SharedMemory:
+    """A new shared-memory segment of `size` bytes whose pages are reserved now. ftruncate reserves none: on a full
+    /dev/shm (a container's 64 MiB default, shared with NCCL and the engine) the segment was still made, and the
+    first store into it was a SIGBUS that killed the process. Reserved here, it is OSError ENOSPC, a refusal."""
+    seg = shared_memory.SharedMemory(create=True, size=size)
+    try:
+        os.posix_fallocate(seg._fd, 0, size)  # the segment's own descriptor (POSIX SharedMemory keeps it open)
+    except BaseException:
+        seg.unlink()
+        seg.close()
+        raise
+    return seg
+
+
 def shm_empty(shape: tuple[int, ...], dtype: torch.dtype, group: int | None = None) -> ShmTensor:
     """A zero-filled tensor in a fresh shared-memory segment, exportable with `export_handle`.
 
     Python makes the segment 0600: only this user opens it. With `group`, it is made 0660 and that
     group's: a sidecar running as another user of the group (its socket's) can map it too."""
     nbytes = max(1, int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
-    seg = shared_memory.SharedMemory(create=True, size=nbytes)
+    seg = new_segment(nbytes)
     try:
         if group is not None:
             _share_with_group(seg.name, group)

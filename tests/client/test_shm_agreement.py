@@ -7,7 +7,9 @@ import pytest
 import torch.multiprocessing as mp
 
 from dspark_sidecar.client.shm_agreement import MAX_VALUES, ShmAgreement
+from dspark_sidecar.proto import memory
 from helpers.agreement_ranks import apart, deserted, free_port, ranks, stalling, subgroup, uncreated
+from helpers.full_shm import run_on_full_dev_shm
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_gets_the_element_wise_minimum_of_all_ranks(world):
@@ -66,7 +68,7 @@ def test_a_page_rank_0_cannot_create_is_a_reason_not_an_exception(tmp_path, monk
     def full(**_kw):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(shm_agreement.shared_memory, "SharedMemory", full)
+    monkeypatch.setattr(memory.shared_memory, "SharedMemory", full)
     monkeypatch.setattr(shm_agreement.bell, "stores_in_order", lambda: True)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
@@ -256,7 +258,7 @@ def test_the_page_s_name_leaves_dev_shm_once_every_rank_has_mapped_it(tmp_path, 
     monkeypatch.setattr(shm_agreement.bell, "stores_in_order", lambda: True)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        with recording_shm(shm_agreement) as rec:
+        with recording_shm() as rec:
             page, why = shm_agreement.shared_page_agreement()
         assert page is not None, why
         assert len(rec.created) == 1 and not rec.left(), rec.created
@@ -284,18 +286,13 @@ def test_a_page_of_a_group_whose_first_rank_is_not_global_rank_0():
 
 def test_a_full_dev_shm_is_a_reason_not_a_bus_error(tmp_path):
     """A tmpfs with no page left still creates a segment (ftruncate reserves nothing): rank 0's first store into
-    the page then killed its process with SIGBUS, instead of the ranks keeping gloo. Run in a mount namespace of
-    its own (unshare -rm) whose /dev/shm is a full 64 KiB tmpfs, so no other process sees it."""
-    import shutil
-    import subprocess
-    import sys
+    the page then killed its process with SIGBUS, instead of the ranks keeping gloo."""
     import textwrap
 
     from dspark_sidecar.proto import doorbell as bell
 
-    if not bell.stores_in_order() or shutil.which("unshare") is None or subprocess.run(
-            ["unshare", "-rm", "true"], capture_output=True).returncode != 0:
-        pytest.skip("needs an x86-64 host and user namespaces (unshare -rm)")
+    if not bell.stores_in_order():
+        pytest.skip("the page is used on x86-64 hosts only")
     probe = tmp_path / "probe.py"
     probe.write_text(textwrap.dedent("""
         import os
@@ -308,10 +305,7 @@ def test_a_full_dev_shm_is_a_reason_not_a_bus_error(tmp_path):
         print("page" if page is not None else "none", why, sorted(os.listdir("/dev/shm")), sep="|")
         dist.destroy_process_group()
     """))
-    script = ('mount -t tmpfs -o size=64k tmpfs /dev/shm && (dd if=/dev/zero of=/dev/shm/fill bs=4k count=64 '
-              '2>/dev/null || true) && exec "$0" "$1" "$2"')
-    proc = subprocess.run(["unshare", "-rm", "bash", "-c", script, sys.executable, str(probe), str(tmp_path / "store")],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_on_full_dev_shm(probe, str(tmp_path / "store"))
     assert proc.returncode == 0, f"rc {proc.returncode} (-7 or 135: SIGBUS): {proc.stderr[-2000:]}"
     kind, why, left = proc.stdout.strip().splitlines()[-1].split("|")
     assert kind == "none" and why == "rank 0: cannot create the page: [Errno 28] No space left on device", why

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from dspark_sidecar.client.agreement import DistAgreement, agreement_from, all_min_ints
 from dspark_sidecar.client import shm_agreement
 from dspark_sidecar.client.shm_agreement import AgreementTimeout, ShmAgreement, shared_page_agreement
+from dspark_sidecar.proto import memory
 
 ROUNDS = 400
 
@@ -110,7 +111,7 @@ def deserted(rank: int, port: int, errors, names) -> None:
         os._exit(0)  # as a killed rank: no clean-up, no goodbye to the group
     from helpers.engine_fakes import recording_shm
 
-    with recording_shm(shm_agreement) as rec:
+    with recording_shm() as rec:
         try:
             shared_page_agreement()
         except RuntimeError:  # gloo: the peer closed the connection
@@ -130,7 +131,7 @@ def uncreated(rank: int, port: int, errors) -> None:
         if rank == 0:
             def full(**_kw):
                 raise OSError(28, "No space left on device")
-            shm_agreement.shared_memory = type("NoShm", (), {"SharedMemory": staticmethod(full)})
+            memory.shared_memory = type("NoShm", (), {"SharedMemory": staticmethod(full)})
         shm_agreement.bell.stores_in_order = lambda machine=None: True
         page, why = shared_page_agreement()
         assert page is None and why == "rank 0: cannot create the page: [Errno 28] No space left on device", why

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import textwrap
 
 import pytest
 import torch
@@ -665,3 +667,27 @@ def test_a_cuda_handle_the_driver_cannot_open_for_want_of_memory_is_passing_and_
         memory._rebuild(_ipc(40).cuda_ipc, "layers[1].memory", torch.device("cuda", 0))
     assert not isinstance(bad.value, memory.HandleExhausted)
     assert as_sidecar_error(bad.value).code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_shm_empty_on_a_full_dev_shm_raises_enospc_not_a_bus_error(tmp_path):
+    """The engine's step metadata and doorbell page (client/dataplane.py) on a /dev/shm with no page left (a
+    container's 64 MiB default, shared with NCCL): the segment was still created, and zero_() was a SIGBUS that
+    killed the engine process. Now OSError ENOSPC (the shim then keeps the gRPC stream), and no segment left."""
+    from helpers.full_shm import run_on_full_dev_shm
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent("""
+        import os
+        import torch
+        from dspark_sidecar.proto import memory
+        try:
+            memory.shm_empty((1 << 20,), torch.uint8)
+        except OSError as e:
+            print("refused", e.errno, sorted(os.listdir("/dev/shm")), sep="|")
+        else:
+            print("made")
+    """))
+    proc = run_on_full_dev_shm(probe)
+    assert proc.returncode == 0, f"rc {proc.returncode} (-7 or 135: SIGBUS): {proc.stderr[-2000:]}"
+    kind, err, left = proc.stdout.strip().splitlines()[-1].split("|")
+    assert kind == "refused" and int(err) == errno.ENOSPC and left == "['fill']", proc.stdout
