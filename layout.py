@@ -52,8 +52,10 @@ def socket_dir_problem(socket_dir: str | Path, tp: int) -> str | None:
     addresses, and '%XX' is decoded (the bind then fails as "in use"). A path longer than
     sun_path fails in the kernel, with an error that names no setting. A path that starts with '//'
     (pathlib keeps exactly two) makes unix://NAME/..., which the client refuses as a target with an
-    authority while the ranks bind it and go SERVING. A name that is not UTF-8 cannot be a gRPC target at all."""
-    return socket_path_problem(rank_socket(socket_dir, tp - 1), socket_dir)
+    authority while the ranks bind it and go SERVING. A name that is not UTF-8 cannot be a gRPC target at all.
+    The longest of a rank's socket names is judged: its lease socket's, one byte longer than its gRPC socket's
+    (a folder whose gRPC sockets just fitted failed each rank on the lease socket's bind, after its shard loaded)."""
+    return socket_path_problem(rank_lease_socket(socket_dir, tp - 1), socket_dir)
 
 
 def socket_path_problem(path: str | Path, folder: str | Path | None = None) -> str | None:

@@ -113,6 +113,21 @@ class ServeConfig:
             raise ServeConfigError(f"--prelaunch-behind-ms: must be above 0 and at most 60000, got {self.prelaunch_behind_ms}")
         if not 1 <= self.rendezvous_ms <= 60_000:
             raise ServeConfigError(f"--rendezvous-ms: must be 1..60000, got {self.rendezvous_ms}")
+        for flag, host in (("--tcp-host", self.tcp_host), ("--metrics-host", self.metrics_host)):
+            # getaddrinfo reads an empty host as every interface: `--metrics-host "$UNSET"` served metrics
+            # off-node, where an empty DSPARK_METRICS_HOST is refused (cli._env). 0.0.0.0 says it on purpose.
+            if not host.strip():
+                raise ServeConfigError(f"{flag}: empty; give a host or address (127.0.0.1, or 0.0.0.0 for every "
+                                       "interface)")
+        if not self.master_addr.strip():  # torch's rendezvous would fail with "hostname cannot be None"
+            raise ServeConfigError("--master-addr: empty (an empty DSPARK_MASTER_ADDR?); give a host or address, "
+                                   "127.0.0.1 on one machine")
+        for flag, host in (("--tcp-host", self.tcp_host), ("--metrics-host", self.metrics_host),
+                           ("--master-addr", self.master_addr)):
+            # No name or address holds white space (a variable copied from a file with its newline). Before the
+            # loopback check below: a padded 127.0.0.1 was "not a loopback address ... needs --allow-remote".
+            if host != host.strip():
+                raise ServeConfigError(f"{flag}: {host!r} has white space around it; give the host or address alone")
         # Rank r listens on base + r, so a base port's range ends where base + tp - 1 is 65535; the
         # rendezvous port is one port.
         for flag, port, top in (("--tcp-base-port", self.tcp_base_port, 65536 - self.tp),
@@ -146,15 +161,6 @@ class ServeConfig:
                                    "preset's synthetic drafter served; pass the dspark/ folder too")
         if not 1 << 20 <= self.max_message_bytes <= (1 << 31) - 1:
             raise ServeConfigError(f"--max-message-bytes: must be 1 MiB..2^31 - 1 (gRPC's limit), got {self.max_message_bytes}")
-        for flag, host in (("--tcp-host", self.tcp_host), ("--metrics-host", self.metrics_host)):
-            # getaddrinfo reads an empty host as every interface: `--metrics-host "$UNSET"` served metrics
-            # off-node, where an empty DSPARK_METRICS_HOST is refused (cli._env). 0.0.0.0 says it on purpose.
-            if not host.strip():
-                raise ServeConfigError(f"{flag}: empty; give a host or address (127.0.0.1, or 0.0.0.0 for every "
-                                       "interface)")
-        if not self.master_addr.strip():  # torch's rendezvous would fail with "hostname cannot be None"
-            raise ServeConfigError("--master-addr: empty (an empty DSPARK_MASTER_ADDR?); give a host or address, "
-                                   "127.0.0.1 on one machine")
         if not 1 <= self.dist_timeout_s <= 86_400:
             raise ServeConfigError(f"--dist-timeout-s: must be 1..86400, got {self.dist_timeout_s}")
         if not 1 <= self.startup_timeout_s <= 86_400:

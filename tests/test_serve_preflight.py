@@ -234,6 +234,42 @@ def test_a_setgid_parent_s_group_is_kept_when_the_sidecar_s_user_is_not_in_it(tm
         shutil.rmtree(top)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a parent of a group root is not in needs chown (root)")
+def test_a_root_sidecar_keeps_a_setgid_parent_s_group_and_gives_it_the_folder_s_bits(tmp_path):
+    """Root keeps a setgid bit through a chmod whatever the folder's group (kubelet's fsGroup emptyDir, the
+    sidecar running as root, not in that group): the umask's 0750 is given back its group bits, 2770 as documented,
+    not left as for a user the kernel would strip the bit from."""
+    engine_gid = OTHER_UID + 1
+    assert engine_gid not in os.getgroups() and engine_gid != os.getegid()
+    os.chown(tmp_path, 0, engine_gid)
+    tmp_path.chmod(0o2770)
+    old = os.umask(0o027)
+    try:
+        sockdir.prepare(tmp_path / "sock")
+    finally:
+        os.umask(old)
+    st = (tmp_path / "sock").stat()
+    assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (engine_gid, 0o2770), oct(st.st_mode)
+
+
+def test_a_port_another_socket_left_in_time_wait_is_not_reported_busy():
+    """The server binds with SO_REUSEADDR (gRPC, prometheus' HTTP server), so a port whose last connection is in
+    TIME_WAIT (a sidecar just stopped, its engine connected) is free to it: the check binding without it refused
+    the restart as 'Address already in use' (exit 75) until the kernel let the port go, a minute later."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the stopped sidecar's, as gRPC sets it
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            conn, _ = listener.accept()
+            conn.close()  # the server's end closes first: its side of the connection stays in TIME_WAIT
+            assert client.recv(1) == b""
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # what a bind without SO_REUSEADDR meets
+    preflight.check_port("--tcp-base-port", "127.0.0.1", port)
+
+
 @pytest.mark.parametrize("swap", ["link", "folder"])
 def test_an_entry_swapped_in_just_after_serve_made_the_folder_is_refused_and_left_as_it_was(swap, tmp_path,
                                                                                            monkeypatch):
@@ -316,6 +352,8 @@ POLICY = [
     (MINE, 0o40777, 1000, ["writable by every user", "owner uid 1000, mode 0777", "chmod o-w /s"]),
     (MINE, 0o41777, 1000, ["writable by every user", "mode 1777", "chmod o-w /s"]),  # sticky: names still taken
     (MINE, 0o40772, 1000, ["writable by every user", "mode 0772"]),
+    # setgid marks a folder root provisioned for a group (kubelet's emptyDir): not one of this user's own
+    (MINE, 0o42777, 1000, ["writable by every user", "owner uid 1000, mode 2777", "chmod o-w /s"]),
     (ROOT, 0o41777, 1000, ["writable by every user", "owner uid 0, mode 1777", "/s/dspark-sidecar", "fsGroup"]),  # /tmp
     (ROOT, 0o40777, 1000, ["writable by every user", "mode 0777", "have root chmod o-w /s"]),  # no sticky bit:
     (ROOT, 0o40757, 1000, ["writable by every user", "have root chmod o-w /s"]),  # a folder inside is refused too

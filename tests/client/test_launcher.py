@@ -86,7 +86,7 @@ def test_start_refuses_a_folder_whose_socket_paths_are_too_long_in_words_that_sa
     serve's own refusal, before it makes the folder or starts anything."""
     folder = short_socket_dir() / ("x" * 100)
     monkeypatch.setattr(L.subprocess, "Popen", lambda argv, **kw: started(argv, **kw))
-    with pytest.raises(ValueError, match=r"--socket-dir: .*rank3\.sock is \d+ bytes, a unix socket path holds at most 107"):
+    with pytest.raises(ValueError, match=r"--socket-dir: .*rank3\.lease is \d+ bytes, a unix socket path holds at most 107"):
         SidecarLauncher(folder, tp=4, ready_timeout_s=1.0).start()
     assert started.calls == [] and not folder.exists()
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +111,10 @@ def test_a_seed_the_synthetic_writer_cannot_use_is_refused_by_flag(seed):
     ({"drain_s": -1}, "--drain-s: must be 0..300, got -1"),
     ({"drain_s": 301}, "--drain-s: must be 0..300, got 301"),
     ({"checkpoint": "/ckpt/dspark"}, "--target-checkpoint: required with --checkpoint"),
+    ({"target_checkpoint": "/ckpt"}, "--target-checkpoint: given without --checkpoint"),
+    ({"exit_with_pid": -1}, "--exit-with-pid: must be 0 (off) or a process id 1..4194304, got -1"),
+    ({"exit_with_pid": (1 << 22) + 1}, "--exit-with-pid: must be 0 (off) or a process id 1..4194304, got 4194305"),
+    ({"tp": 65}, "--tp: must be 1..64, got 65"),
     ({"startup_timeout_s": 0}, "--startup-timeout-s: must be 1..86400, got 0"),  # new_group's 0: every wait fails
     ({"startup_timeout_s": 86_401}, "--startup-timeout-s: must be 1..86400, got 86401"),
     # Rank 0's store and rank 1's gRPC listener would meet on it: the second to bind refused to start.
@@ -199,3 +205,46 @@ def test_brackets_around_anything_but_an_ipv6_address_are_refused(host):
 @pytest.mark.parametrize("host", ["[::1]", "::1", "127.0.0.1", "localhost"])
 def test_an_ipv6_address_bracketed_or_not_is_served(host):
     assert ServeConfig(tp=2, tcp_base_port=50000, tcp_host=host).endpoints(1)[1] in ("[::1]:50001", f"{host}:50001")
+
+
+@pytest.mark.parametrize("tp", [1, 12])
+def test_a_socket_dir_whose_lease_socket_would_not_fit_a_unix_path_is_refused(tp):
+    """Each rank binds DIR/rank{r}.lease (the engine's lease socket) beside DIR/rank{r}.sock, one byte longer: a
+    folder whose rank socket filled sun_path exactly passed the check, and every rank bound its gRPC socket, loaded
+    its shard (minutes for a full preset) and then failed in a traceback ("AF_UNIX path too long"), at each restart."""
+    import socket
+
+    from dspark_sidecar import layout
+    from helpers.engine_fakes import short_socket_dir
+
+    top = str(short_socket_dir())  # pytest's tmp_path may leave too little room below 107 bytes
+    last = f"/rank{tp - 1}.sock"
+    d = top + "/" + "d" * (layout.SUN_PATH_MAX - len(top) - 1 - len(last))
+    assert len(d + last) == layout.SUN_PATH_MAX  # the gRPC socket alone fits
+    lease = layout.rank_lease_socket(d, tp - 1)
+    with socket.socket(socket.AF_UNIX) as s, pytest.raises(OSError, match="too long"):
+        s.bind(str(lease))  # what the rank's LeaseKeeper does, after its shard is loaded
+    with pytest.raises(ServeConfigError, match=rf"^--socket-dir: .*{re.escape(str(lease))} is 108 bytes"):
+        ServeConfig(tp=tp, socket_dir=d)
+    shorter = d[:-1]  # both of a rank's sockets fit
+    assert ServeConfig(tp=tp, socket_dir=shorter).socket_dir == Path(shorter)
+    with socket.socket(socket.AF_UNIX) as s:
+        os.makedirs(shorter)
+        s.bind(str(layout.rank_lease_socket(shorter, tp - 1)))
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"tcp_host": ""}, "--tcp-host: empty"),
+    ({"tcp_host": "127.0.0.1 "}, "--tcp-host: '127.0.0.1 ' has white space around it"),
+    ({"tcp_host": "localhost\n"}, "--tcp-host: 'localhost\\n' has white space around it"),
+    ({"metrics_port": 9400, "metrics_host": " 0.0.0.0"}, "--metrics-host: ' 0.0.0.0' has white space around it"),
+    ({"master_addr": "127.0.0.1\t"}, "--master-addr: '127.0.0.1\\t' has white space around it"),
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x!r}" for k, x in v.items()))
+def test_a_listen_host_with_white_space_or_none_is_refused_as_such_not_as_remote(kw, message):
+    """No host name or address holds white space (a DSPARK_TCP_HOST copied from a file with its newline): an empty
+    or padded loopback --tcp-host was refused as "not a loopback address ... needs --allow-remote", advice that
+    opened the endpoint off-node and still failed (the parent's resolve of '127.0.0.1 '), and a padded
+    --metrics-host passed to fail in the parent's check, or under torchrun only in each rank."""
+    with pytest.raises(ServeConfigError, match=f"^{re.escape(message)}"):
+        ServeConfig(tp=1, tcp_base_port=50000, **kw)
+    assert "--allow-remote" not in message

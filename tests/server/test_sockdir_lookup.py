@@ -58,3 +58,17 @@ def test_a_link_of_another_user_s_undone_by_dot_dot_is_still_refused(tmp_path):
     d = theirs / ".." / "sock"  # the kernel's: elsewhere/sock
     with pytest.raises(ServeConfigError, match=f"{theirs} is a symbolic link owned by another user"):
         sockdir.prepare(d)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a folder of another user's needs chown (root)")
+def test_dot_dot_after_a_link_of_ours_is_not_judged_by_the_link_target_s_owner(tmp_path):
+    """mine/.. is the folder above mine's target, which nobody can rename away: that target may belong to another
+    user (a folder they made beside ours) without letting them move what the path reaches. Judged as an entry
+    of the target, the lookup refused a socket folder no one else could change."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, OTHER_UID, -1)
+    (tmp_path / "mine").symlink_to(theirs)
+    d = tmp_path / "mine" / ".." / "sock"  # the kernel's: tmp_path/sock
+    sockdir.prepare(d)
+    assert (tmp_path / "sock").is_dir()
