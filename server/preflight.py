@@ -18,6 +18,7 @@ import socket
 import stat
 from pathlib import Path
 
+from dspark_sidecar import layout
 from dspark_sidecar.server import sockdir
 from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError, bind_refusal
 from dspark_sidecar.server.processes import ExitWith
@@ -43,16 +44,30 @@ def socket_answers(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
 def _stale(path: Path) -> bool:
     """Whether a socket file nobody answers on is at `path`; refuses a live server's socket and a path
     that is not a socket (neither may be replaced)."""
+    if not _socket_or_none(path):
+        return False
+    if socket_answers(path):
+        raise AddressInUse(f"--socket-dir: a sidecar is already serving on {path}; stop it first or "
+                               "choose another --socket-dir")
+    return True
+
+
+def _socket_or_none(path: Path) -> bool:
+    """Whether a socket file is at `path` (False: nothing); refuses anything else, which a bind would replace."""
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
         return False
     if not stat.S_ISSOCK(mode):
         raise ServeConfigError(f"--socket-dir: {path} exists and is not a socket; remove it or choose another folder")
-    if socket_answers(path):
-        raise AddressInUse(f"--socket-dir: a sidecar is already serving on {path}; stop it first or "
-                               "choose another --socket-dir")
     return True
+
+
+def _check_lease_path(cfg: ServeConfig, rank: int) -> None:
+    """The rank's engine-lease socket path holds nothing or a socket. The lease socket is bound after the shard
+    loads (server/lease.py), and it replaces a socket there (a killed run's; the gRPC socket's claim shows no
+    live rank has it); anything else there is refused now, not removed then (a folder was a traceback then)."""
+    _socket_or_none(layout.rank_lease_socket(cfg.socket_dir, rank))
 
 
 # This process's claims (claim_socket), by socket path: each lock file's descriptor, open until the process ends.
@@ -135,6 +150,7 @@ def claim_socket(cfg: ServeConfig, rank: int) -> None:
     _usable_dir(cfg.socket_dir)
     path = cfg.socket_path(rank)
     _hold_claim(path)
+    _check_lease_path(cfg, rank)
     if _stale(path):
         try:
             path.unlink(missing_ok=True)
@@ -160,6 +176,7 @@ def check_socket_dir(cfg: ServeConfig) -> None:
     _usable_dir(cfg.socket_dir)
     for r in range(cfg.tp):
         _stale(cfg.socket_path(r))
+        _check_lease_path(cfg, r)
 
 
 def check_port(flag: str, host: str, port: int, who: str = "") -> None:

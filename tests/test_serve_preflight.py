@@ -53,6 +53,22 @@ def test_a_rank_socket_path_that_is_a_folder_is_one_line(tiny_ckpt, tmp_path, ca
     _refused(_argv(tmp_path / "sock", tiny_ckpt), capsys, "--socket-dir", "rank0.sock", "not a socket")
 
 
+@pytest.mark.parametrize("what", ["folder", "file"])
+@pytest.mark.parametrize("where", ["parent", "rank"])  # cli's check before launch; claim_socket under torchrun
+def test_a_rank_lease_socket_path_that_is_not_a_socket_is_refused_before_the_shard_loads(what, where, tmp_path):
+    """The engine-lease socket (DIR/rank{r}.lease) is bound after the shard loads (server/lease.py), and it removed
+    whatever sat at its path: a file of someone's silently, a folder with a traceback and exit 1 on every restart.
+    Refused up front as the gRPC socket's path is; the file is kept."""
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o770)
+    lease = d / "rank1.lease"
+    lease.mkdir() if what == "folder" else lease.write_text("notes")
+    cfg = ServeConfig(tp=2, socket_dir=d)
+    with pytest.raises(ServeConfigError, match=r"rank1\.lease exists and is not a socket"):
+        preflight.check_socket_dir(cfg) if where == "parent" else preflight.claim_socket(cfg, 1)
+    assert lease.is_dir() if what == "folder" else lease.read_text() == "notes"
+
+
 @pytest.mark.parametrize("flag", ["--tcp-base-port", "--metrics-port", "--master-port"])
 def test_a_port_in_use_is_one_line_naming_the_flag(flag, tiny_ckpt, tmp_path, capsys):
     with socket.socket() as busy:
