@@ -65,14 +65,22 @@ def stalling(rank: int, port: int, errors) -> None:
     dist.destroy_process_group()
 
 
+def _agree_over_gloo(rank: int) -> None:
+    """Of two ranks left without a page: node_agreement gives gloo's, which agrees; the group then ends."""
+    from dspark_sidecar.client.agreement import node_agreement
+
+    agree = node_agreement()
+    assert isinstance(agree, DistAgreement), type(agree)
+    assert all_min_ints(agree, [rank, 10 - rank]) == [0, 9]
+    dist.destroy_process_group()
+
+
 def apart(rank: int, port: int, how: str, errors, names) -> None:
     """Rank 1 cannot share rank 0's page: `how` = "missing" (another host, or another /dev/shm: the name
     opens nothing), "other" (a segment of that name that is not rank 0's) or "small" (one smaller than the
     page). Both ranks must keep gloo, and the gloo agreement must still answer. Rank 1 puts the page's name
     (from its reason) on `names`."""
     from multiprocessing import shared_memory
-
-    from dspark_sidecar.client.agreement import node_agreement
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -90,10 +98,7 @@ def apart(rank: int, port: int, how: str, errors, names) -> None:
         assert why.startswith("rank 1: ") and want in why, why
         if rank == 1:
             names.put(next(w for w in why.replace(":", " ").split() if w.startswith("psm_")))
-        agree = node_agreement()
-        assert isinstance(agree, DistAgreement), type(agree)
-        assert all_min_ints(agree, [rank, 10 - rank]) == [0, 9]
-        dist.destroy_process_group()
+        _agree_over_gloo(rank)
     except BaseException as exc:  # noqa: BLE001  (reported to the test, which fails with it)
         errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
         raise
@@ -124,8 +129,6 @@ def deserted(rank: int, port: int, errors, names) -> None:
 
 def uncreated(rank: int, port: int, errors) -> None:
     """Rank 0 cannot create the page (/dev/shm full or missing): both ranks keep gloo, told rank 0's reason."""
-    from dspark_sidecar.client.agreement import node_agreement
-
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         if rank == 0:
@@ -135,10 +138,7 @@ def uncreated(rank: int, port: int, errors) -> None:
         shm_agreement.bell.stores_in_order = lambda machine=None: True
         page, why = shared_page_agreement()
         assert page is None and why == "rank 0: cannot create the page: [Errno 28] No space left on device", why
-        agree = node_agreement()
-        assert isinstance(agree, DistAgreement), type(agree)
-        assert all_min_ints(agree, [rank, 10 - rank]) == [0, 9]
-        dist.destroy_process_group()
+        _agree_over_gloo(rank)
     except BaseException as exc:  # noqa: BLE001  (reported to the test, which fails with it)
         errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
         raise

@@ -195,6 +195,19 @@ class _Context:
         return "unix:"
 
 
+def _record_sections(svc) -> list[bool]:
+    """The `wait` of each exclusive section svc's rank loop enters from now on, in order."""
+    sections = []
+    real = svc.loop.exclusive
+
+    def exclusive(wait=True):
+        sections.append(wait)
+        return real(wait)
+
+    svc.loop.exclusive = exclusive
+    return sections
+
+
 def test_a_lease_that_ends_while_bindkv_maps_the_cache_releases_what_it_bound():
     """The keeper marks the lease gone before its release runs, and the release waits for BindKV's section: found
     no binding under the lease there, so BindKV must see the loss itself, or the gone engine's cache stayed bound."""
@@ -244,14 +257,7 @@ def test_a_lease_that_holds_nothing_ends_without_an_exclusive_section():
     that serves on a step."""
     memory = _Memory()
     svc = _servicer(memory)
-    sections = []
-    real = svc.loop.exclusive
-
-    def exclusive(wait=True):
-        sections.append(wait)
-        return real(wait)
-
-    svc.loop.exclusive = exclusive
+    sections = _record_sections(svc)
     try:
         a, ta = _take(svc.leases.path)
         b, tb = _take(svc.leases.path)
@@ -667,14 +673,7 @@ def test_an_unbindkv_of_a_binding_not_in_place_is_refused_without_an_exclusive_s
     cache = _ShmCache()
     mem = MemoryBindings(cache.cfg, 1, 0, torch.float32, torch.device("cpu"))
     svc = _servicer(mem)
-    sections = []
-    real = svc.loop.exclusive
-
-    def exclusive(wait=True):
-        sections.append(wait)
-        return real(wait)
-
-    svc.loop.exclusive = exclusive
+    sections = _record_sections(svc)
     try:
         idle = cache.maps()
         bid = svc.BindKV(cache.request(), _Context()).binding_id if bound else 0  # the live engine's binding
