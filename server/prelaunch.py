@@ -554,10 +554,12 @@ class Prelaunch:
         self._passed = _Queued(seq, key, None, None, done)
 
     def _release(self, q: _Queued) -> None:
-        self.misses += 1
-        self._count(False)
+        # The word and its tracking first: a count that raised (the metrics callback) left the step's stream
+        # waiting on a word nobody writes, and repass() with nothing to store again.
         self._pass(q.seq)
         self._passed = q  # on the one stream: finished, it has the older released steps behind it
+        self.misses += 1
+        self._count(False)
 
     def _pass(self, seq: int) -> None:
         """The sidecar's own store: the wait for step seq passes, and the program sees SKIP_KEY (no

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import threading
 import time
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -152,8 +154,9 @@ class Graphs:
         return self.graph if embeds is self.embeds and R == len(LENS) and not self.uncaptured else None
 
 
-def _step(buf: mmap.mmap, embeds: torch.Tensor) -> Step:
-    """A valid step whose metadata tensors are views of one page-aligned region, like validate.py's cached ones."""
+def _step(buf: mmap.mmap, embeds: torch.Tensor, nbytes: int = -1) -> Step:
+    """A valid step whose metadata tensors are views of one page-aligned region, like validate.py's cached ones
+    (of `nbytes`, -1: the whole buffer)."""
     R, n = len(LENS), Q * len(LENS)
     L = np.array(LENS, np.int32) + Q
     need = -(-L // PAGE)
@@ -164,7 +167,7 @@ def _step(buf: mmap.mmap, embeds: torch.Tensor) -> Step:
         tables[i, :k], used = perm[used : used + k], used + k
     P = L[:, None].astype(np.int64) - Q + np.arange(Q)
     S = tables[np.arange(R)[:, None], P // PAGE].astype(np.int64) * PAGE + P % PAGE
-    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
     pos, slots = raw[: 8 * n].view(torch.int64), raw[8 * n : 16 * n].view(torch.int64)
     lens, tab = raw[16 * n : 16 * n + 4 * R].view(torch.int32), raw[16 * n + 4 * R :][: 4 * R * width].view(torch.int32)
     pos.copy_(torch.from_numpy(P.reshape(-1)))
@@ -474,6 +477,20 @@ def test_a_released_wait_blocked_again_by_an_older_engine_word_is_released_again
     assert rig.pl.repass() is False and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
     assert q.done.query() and rig.pl.repass() is True and not rig.pl.passing
     assert rig.pl.repass() is True and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)  # nothing left to store
+
+
+def test_a_release_whose_miss_count_raises_still_stores_the_word(rig):
+    """The release's word comes before its bookkeeping: a counter that raised (the metrics callback) left the
+    queued step's stream waiting for a word nobody would write, and every later host wait on the device hung."""
+    _queue(rig)
+
+    def broken(hit):
+        raise RuntimeError("counter")
+
+    rig.pl._count = broken
+    with pytest.raises(RuntimeError, match="counter"):
+        rig.pl.release()
+    assert _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY) and rig.pl.passing  # and repass() keeps it
 
 
 def test_release_with_wait_stores_again_until_the_released_step_has_finished(rig):
@@ -1213,3 +1230,187 @@ def test_metadata_outside_host_memory_is_never_queued(rig):
     for s in (SEQ, SEQ + 1, SEQ + 2):
         _serve(rig, s, step)
     assert rig.pl.queued is None and rig.gpu.waits == [] and len(rig.gpu.registered) == 2
+
+
+def test_a_queued_step_goes_on_the_stream_in_the_order_its_parts_read_each_other(rig, monkeypatch):
+    """The stream order of one queued step: the expected word, the wait, the program (it reads the word and
+    the region once the wait passes), at TP > 1 the flags' exchange and gate, the ready mark the host waits on
+    (after the gate: the host reads the agreed flags), the graph (it reads what the program wrote), the gated
+    copy of its rows, and the done mark that repass and release(wait=True) trust (the copy writes the
+    engine's memory, so it must lie behind that mark). The CPU stand-ins run a step's parts at once, so
+    this order is what the host queues."""
+    rig.out = torch.zeros_like(rig.graphs.graph.out)
+    _serve(rig, SEQ)
+    order = []
+
+    class Marked(Event):
+        def __init__(self, gpu, name):
+            super().__init__(gpu)
+            self.name = name
+
+        def record(self, stream):
+            order.append(self.name)
+            super().record(stream)
+
+    def logged(name, fn, skip_warm=False):
+        def call(*args, **kwargs):
+            if not (skip_warm and kwargs.get("warm")):
+                order.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    gpu = rig.gpu
+    monkeypatch.setattr(gpu, "write", logged("expect", gpu.write))
+    monkeypatch.setattr(gpu, "wait_geq", logged("wait", gpu.wait_geq))
+    monkeypatch.setattr(rig.pl, "_program", logged("program", rig.pl._program, skip_warm=True))
+    monkeypatch.setattr(rig.pl, "_copy_out", logged("copy", rig.pl._copy_out, skip_warm=True))
+    monkeypatch.setattr(rig.graphs.graph.graph, "replay", logged("replay", rig.graphs.graph.graph.replay))
+    monkeypatch.setattr(rig.pl, "_ready", Marked(gpu, "ready"))
+    monkeypatch.setattr(rig.pl, "_event", lambda: Marked(gpu, "done"))
+    agreement = rig.pl._agreement
+    monkeypatch.setattr(rig.pl, "_agreement", lambda graph, R: logged("agree", agreement(graph, R)))
+    _serve(rig, SEQ + 1)  # queues SEQ+2: the layout's first queue (its launches run as they are)
+    _serve(rig, SEQ + 2)  # a hit; queues SEQ+3: the second (captured, then replayed)
+    agree = ["agree"] if rig.world > 1 else []
+    one = ["expect", "wait", "program", *agree, "ready", "replay", "copy", "done"]
+    assert order == one + one
+
+
+def test_a_verdict_that_says_queued_is_not_answered_from_a_copy_this_rank_refused(rig):
+    """take() answers from the copy only when this rank's own offer accepted it: a verdict saying QUEUED
+    for a copy whose program refused the step here (the GPU word of another layout) would answer with the
+    rows of a no-op. It releases the copy instead, and the step runs the ordinary way."""
+    _queue(rig)
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 2, KEY + 1)
+    hook = rig.pl.hook(SEQ + 2, _req())
+    assert hook.offer(rig.a)[0] is False
+    assert hook.take(True, False) is None
+    assert (rig.pl.hits, rig.pl.misses) == (0, 1) and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+
+
+def test_detaching_twice_frees_nothing_before_the_first_finish(rig):
+    """A second detach() (its doorbell dropped twice) is a no-op: a second finish() run ahead of the first,
+    which waits for the device, unregistered the flag page and the header and unmapped the flag page while
+    the released copy could still write through them."""
+    _queue(rig)
+    first = rig.pl.detach()
+    rig.pl.detach()()
+    assert rig.gpu.unregistered == [] and not rig.pl._flag_buf.closed
+    first()
+    assert sorted(rig.gpu.unregistered) == sorted(rig.gpu.registered) and rig.pl._flag_buf.closed
+
+
+@pytest.mark.parametrize("world", [2])
+def test_the_flags_gate_of_a_new_graph_of_the_same_size_writes_that_graph_s_slots(rig):
+    """The exchange and gate are captured per step graph's slot input, not per request count: a graph captured
+    again for the same R (a rebind, a region released) has slots of its own, and a gate replayed from the old
+    graph's capture left a request a peer refused running here, its K/V summed with the peer's no-op."""
+    _queue(rig)  # SEQ+2 queued on the first graph
+    packed = _Packed(len(LENS), window_width(PAGE, WINDOW))
+    old = rig.graphs.graph
+    rig.graphs.graph = SimpleNamespace(graph=old.graph, out=torch.randn(packed.n, 8),
+                                       views=packed.views(torch.zeros(packed.nbytes, dtype=torch.uint8)))
+    _serve(rig, SEQ + 2)  # another graph than the queued one's: released; SEQ+3 queued on the new graph
+    assert rig.pl.queued.graph is rig.graphs.graph
+    rig.peer[1] = FLAG_INVALID
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 3, KEY)
+    assert rig.pl.hook(SEQ + 3, _req()).offer(rig.a) == (False, True)
+    slots = rig.graphs.graph.views[2].numpy().reshape(len(LENS), Q)
+    np.testing.assert_array_equal(slots[0], rig.a.meta.slot_mapping.numpy()[:Q])
+    assert (slots[1] == -1).all()
+
+
+@pytest.mark.parametrize("world", [2])
+def test_a_finish_lets_go_of_what_the_captured_copies_and_exchanges_held(rig):
+    """finish() runs where the device's releases run (RankLoop._sweep, on an idle stream) and lets the
+    captured launches go there, with the engine's output slice and the graphs' inputs they hold: kept in
+    its closure, the slice's mapping outlived MappedMemory.close until the closure was dropped, outside
+    that stream, and the graphs holding collectives outlived the point app.py drops them before the group."""
+    packed = _Packed(len(LENS), window_width(PAGE, WINDOW))
+    graph = rig.graphs.graph = SimpleNamespace(graph=rig.graphs.graph.graph, out=torch.randn(packed.n, 8),
+                                               views=packed.views(torch.zeros(packed.nbytes, dtype=torch.uint8)))
+    region = rig.out = torch.zeros_like(graph.out)
+    _queue(rig)
+    _serve(rig, SEQ + 2)  # the layout's second queue: its launches captured
+    assert len(rig.pl._agreements) == 1
+    exchange_ref = weakref.ref(next(iter(rig.pl._agreements.values()))[1])  # the exchange + gate's replay
+    finish = rig.pl.detach()
+    gc.collect()
+    assert exchange_ref() is not None  # the released copy replays it: kept until the device is done (finish)
+    assert rig.pl.repass() is True  # the released copy has finished (the stand-ins run it here)
+    slice_ref, slots_ref = weakref.ref(region), weakref.ref(graph.views[2])
+    for kept in (rig.copies, rig.captures, rig.meta_captures, rig.copy_captures, rig.gpu.programs):
+        kept.clear()  # the stand-ins' own records of what was queued
+    rig.out = rig.graphs.graph = region = graph = None
+    gc.collect()
+    assert slice_ref() is not None and slots_ref() is not None  # held by the captured launches until finish
+    finish()
+    gc.collect()
+    assert slice_ref() is None and slots_ref() is None and exchange_ref() is None
+
+
+@pytest.mark.parametrize("world", [2])
+def test_the_captured_launches_and_exchanges_kept_are_bounded(rig):
+    """Layouts and graphs that are gone leave their entries behind until a bound: 128 layouts' launches,
+    64 graphs' exchanges. Unbounded, an engine that changes layouts for hours kept every one's captures."""
+    for i in range(200):
+        rig.pl._replay_of(("layout", i), (), lambda warm=False: None)
+    assert 0 < len(rig.pl._replays) <= 128
+    packed = _Packed(len(LENS), window_width(PAGE, WINDOW))
+    for _ in range(100):
+        graph = SimpleNamespace(views=packed.views(torch.zeros(packed.nbytes, dtype=torch.uint8)))
+        rig.pl._agreement(graph, len(LENS))
+    assert 0 < len(rig.pl._agreements) <= 64
+
+
+def test_a_queueing_whose_device_takes_no_event_tracks_nothing_for_repass(rig, monkeypatch):
+    """The queued step's done mark cannot be recorded (the device failed): the wait is passed all the same and
+    the launch's error is raised, and no pass is tracked behind an event that was never recorded (its query
+    would say finished, or raise on the failed device at every poke)."""
+    _serve(rig, SEQ)
+
+    class Lost:
+        def record(self, stream):
+            raise RuntimeError("injected: the device is lost")
+
+        def query(self):
+            raise RuntimeError("injected: the device is lost")
+
+    monkeypatch.setattr(rig.pl, "_event", Lost)
+    with pytest.raises(RuntimeError, match="injected"):
+        _serve(rig, SEQ + 1)  # after() queues SEQ+2: the wait goes in, then the done mark fails
+    assert rig.pl.queued is None and not rig.pl.passing and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+
+
+@pytest.mark.parametrize("world", [1])
+@pytest.mark.parametrize("staged", [True])
+def test_a_metadata_region_of_a_size_that_is_no_multiple_of_the_staging_block_is_staged(rig):
+    """A region's registration is rounded up to whole pages (its mapping's): the staging copy reads whole
+    2 KB blocks from the registration's base, and a region of, say, 1000 bytes registered at its own size
+    left its first block past the registration: the queueing failed (at TP > 1 the rank exited)."""
+    step = _step(mmap.mmap(-1, mmap.PAGESIZE), rig.a.inputs_embeds, nbytes=1000)
+    assert step.positions.untyped_storage().nbytes() == 1000
+    _serve(rig, SEQ, step)
+    _serve(rig, SEQ + 1, step)
+    assert rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 2
+    assert _serve(rig, SEQ + 2, step) is rig.graphs.graph.out
+
+
+def _cuda_geq(word: int, value: int) -> bool:
+    """cuStreamWaitValue64's CU_STREAM_WAIT_VALUE_GEQ: (int64_t)(*addr - value) >= 0."""
+    d = (word - value) % (1 << 64)
+    return (d - (1 << 64) if d >= 1 << 63 else d) >= 0
+
+
+@pytest.mark.parametrize("world", [1])
+@pytest.mark.parametrize("staged", [False])
+@pytest.mark.parametrize("seq", [SEQ, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32])
+@pytest.mark.parametrize("delta", [0, 1, 5, -1, -5, 1 << 31, (1 << 31) - 1, -(1 << 31), -((1 << 31) - 1)])
+@pytest.mark.parametrize("key", [0, bell.SKIP_KEY])
+def test_the_host_reads_the_word_as_the_gpu_s_wait_compares_it(rig, seq, delta, key):
+    """repass and the cooldown judge whether a wait has passed by _word_reached, which must agree with the
+    stream's cyclic compare on every word, also half the sequence away (where the signed difference flips):
+    judged passed while the wait still blocks, a release undone by a late word was never stored again."""
+    word = bell.gpu_word(seq + delta, key)
+    rig.page.words[bell.GPU_WORD] = word
+    assert rig.pl._word_reached(seq) == _cuda_geq(word, bell.gpu_word(seq, 0))
