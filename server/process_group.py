@@ -112,6 +112,22 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datet
     return store
 
 
+def _is_this_hosts(addr: str) -> bool:
+    """Whether `addr` names an address of this host: one of its addresses can be bound (on any free port)."""
+    try:
+        infos = socket.getaddrinfo(addr.strip("[]"), 0, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(sockaddr)
+                return True
+        except OSError:  # a family this kernel lacks, or an address that is not this host's
+            continue
+    return False
+
+
 def _store_on(fd: int, host: str, port: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
     """torch's store, serving on the listening socket `fd`. The libuv store, torch's default since 2.4,
     refused a listening socket until pytorch#150215 (2025): NotImplementedError, raised before the
@@ -158,7 +174,8 @@ def check_gloo_interfaces(environ: MutableMapping[str, str]) -> None:
 
 def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_attempt: int | None = None) -> None:
     """init_process_group over `rendezvous_store`; a rendezvous that cannot be reached is one line
-    (ServeConfigError, exit 2), and so is a peer lost while joining (PeerLost, exit 1)."""
+    (ServeConfigError, exit 2), and so is a peer lost while joining (PeerLost, exit 1), rank 0 not hosting
+    the store in time on an address of this host's among them."""
     set_now = keep_collectives_local(cfg.master_addr, os.environ)
     check_gloo_interfaces(os.environ)  # after the default: "lo" where that is what gloo gets
     if set_now:
@@ -168,6 +185,13 @@ def join_group(cfg: ServeConfig, backend: str, rank: int, world: int, agent_atte
     try:
         store = rendezvous_store(cfg.master_addr, cfg.master_port, rank, world, timeout, agent_attempt)
     except dist.DistNetworkError as err:  # an address that is not reachable, a store that never came up
+        if rank != 0 and agent_attempt is None and _is_this_hosts(cfg.master_addr):
+            # Rank 0, on this node as every rank, hosts the store on this address (or refuses it itself, exit 2):
+            # nobody there within the timeout is rank 0 dead or behind this rank, not the flags. As
+            # ServeConfigError (exit 2) the launcher stopped the group as refusing its configuration, with the
+            # exit code systemd's RestartPreventExitStatus=2 never restarts, while rank 0 was only slower.
+            raise PeerLost.of(rank, err, f"(rank 0) did not host the rendezvous at {cfg.master_addr}:"
+                                         f"{cfg.master_port} within --dist-timeout-s {cfg.dist_timeout_s} s") from None
         raise ServeConfigError(f"--master-addr/--master-port: rank {rank} cannot join the rendezvous at "
                                f"{cfg.master_addr}:{cfg.master_port}: {str(err).splitlines()[0]}") from None
     try:

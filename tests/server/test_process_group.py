@@ -207,7 +207,7 @@ JOIN = """
 import sys
 from dspark_sidecar.server.config import ServeConfig, ServeConfigError
 from dspark_sidecar.server.process_group import PeerLost, join_group
-cfg = ServeConfig().replace(master_addr="127.0.0.1", master_port=int(sys.argv[1]), dist_timeout_s=int(sys.argv[4]))
+cfg = ServeConfig().replace(master_addr=sys.argv[5], master_port=int(sys.argv[1]), dist_timeout_s=int(sys.argv[4]))
 try:
     join_group(cfg, "gloo", int(sys.argv[2]), int(sys.argv[3]))
 except (PeerLost, ServeConfigError) as err:
@@ -226,11 +226,11 @@ os._exit(1)
 """
 
 
-def _join(port: int, rank: int, world: int, timeout_s: int) -> str:
+def _join(port: int, rank: int, world: int, timeout_s: int, addr: str = "127.0.0.1") -> str:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", JOIN, str(port), str(rank), str(world), str(timeout_s)],
+    done = subprocess.run([sys.executable, "-c", JOIN, str(port), str(rank), str(world), str(timeout_s), addr],
                           capture_output=True, text=True, timeout=60)
     return done.stdout.strip()
 
@@ -260,8 +260,19 @@ def test_a_store_host_that_dies_while_a_rank_joins_is_a_lost_peer_not_a_refused_
 
 
 def test_a_rendezvous_that_cannot_be_reached_is_still_the_flags():
-    line = _join(_free_port(), 1, 2, 1)  # nobody hosts the store there
+    """An address that is not this host's: rank 0, on this node as every rank, can never host the store there."""
+    line = _join(_free_port(), 1, 2, 1, addr="192.0.2.1")  # TEST-NET-1: no host of ours
     assert line.startswith("ServeConfigError --master-addr/--master-port: rank 1 cannot join the rendezvous"), line
+
+
+def test_a_rank_0_not_hosting_the_store_in_time_on_this_host_s_address_is_a_lost_peer():
+    """The address is this host's (rank 0 binds it, or refuses it itself, exit 2): nobody hosting there within
+    --dist-timeout-s is rank 0, dead or slower than this rank (reproduced: rank 0 twelve seconds behind with
+    --dist-timeout-s 2). As ServeConfigError (exit 2) the launcher stopped the group as refusing its flags, with
+    exit 2, which systemd's RestartPreventExitStatus=2 never restarts, while rank 0 was alive."""
+    line = _join(_free_port(), 1, 2, 1)  # nobody hosts the store there
+    assert line.startswith("PeerLost rank 1: a peer rank (rank 0) did not host the rendezvous at 127.0.0.1:"), line
+    assert "within --dist-timeout-s 1 s" in line, line
 
 
 @pytest.mark.parametrize("value, missing", [("bogus0", "bogus0"), ("lo,bogus0", "bogus0")])
@@ -282,3 +293,49 @@ def test_a_gloo_interface_this_host_lacks_is_one_line_naming_the_variable(monkey
                                                rf"interface {missing} \(it has .*\blo\b"):
         join_group(cfg, "gloo", 0, 1)
     assert not dist.is_initialized()
+
+
+def test_rank_0_s_store_port_is_free_again_at_once_after_it_closed_connections():
+    """Rank 0 closes its store's connections first as it ends, which leaves them in TIME_WAIT on its port for a
+    minute: without SO_REUSEADDR a rank 0 restarted on a fixed --master-port could not listen there (exit 75)."""
+    from dspark_sidecar.server.process_group import _listen
+
+    port = _free_port()
+    listener = _listen("127.0.0.1", port)
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the server's end first: TIME_WAIT on 127.0.0.1:port
+    client.close()
+    listener.close()
+    _listen("127.0.0.1", port).close()
+
+
+def test_a_peer_lost_line_is_one_line_of_bounded_length():
+    """torch's errors can run over many lines (TORCH_SHOW_CPP_STACKTRACES adds the C++ frames): the line keeps the
+    first, cut short, so the launcher's log stays one line per rank."""
+    from dspark_sidecar.server.process_group import PeerLost
+
+    line = str(PeerLost.of(1, RuntimeError("wait timeout after 1000ms\nException raised from ...\nframe #0 " + "x" * 400)))
+    assert "\n" not in line and "wait timeout after 1000ms" in line and "frame #0" not in line
+    assert str(PeerLost.of(1, RuntimeError("q" * 400))).count("q") == 160
+    assert "(RuntimeError)" in str(PeerLost.of(1, RuntimeError()))
+
+
+def test_rank_0_that_cannot_reach_the_store_it_hosts_is_not_a_lost_peer(monkeypatch):
+    """Only ranks that join rank 0's store blame rank 0 for its absence: rank 0 failing on its own store is the
+    address's (ServeConfigError), not 'a peer rank (rank 0)'."""
+    from dspark_sidecar.server import process_group
+    from dspark_sidecar.server.config import ServeConfig
+
+    def unreachable(*a, **kw):
+        raise dist.DistNetworkError("The client socket has timed out after 1000ms")
+
+    monkeypatch.setattr(process_group, "rendezvous_store", unreachable)
+    monkeypatch.setattr(process_group, "keep_collectives_local", lambda addr, env: {})
+    cfg = ServeConfig(tp=2, master_addr="127.0.0.1", master_port=_free_port(), dist_timeout_s=1)
+    with pytest.raises(ServeConfigError, match="rank 0 cannot join the rendezvous"):
+        process_group.join_group(cfg, "gloo", 0, 2)
+    with pytest.raises(process_group.PeerLost, match=r"rank 1: a peer rank \(rank 0\) did not host"):
+        process_group.join_group(cfg, "gloo", 1, 2)
+    with pytest.raises(ServeConfigError, match="rank 1 cannot join the rendezvous"):  # torchrun's agent hosts it
+        process_group.join_group(cfg, "gloo", 1, 2, agent_attempt=0)

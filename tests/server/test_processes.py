@@ -93,3 +93,37 @@ def test_a_process_started_in_the_same_clock_tick_as_this_one_is_the_one_named(m
     monkeypatch.setattr(processes, "_stat",
                         lambda pid: ("S", tick) if pid in (parent, os.getpid()) else real(pid))
     assert not ExitWith(parent).gone()
+
+
+def test_a_process_that_exited_and_was_reaped_is_gone():
+    """No such process any more (the usual end: its parent reaped it): kill(pid, 0) says so at once."""
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = process_start(done.pid)
+    done.wait()
+    assert exited(done.pid, start) and exited(done.pid)
+
+
+def test_a_running_process_whose_start_time_is_not_known_is_not_gone():
+    """start 0 (not known: /proc unreadable when it was taken, a peer's board slot not written yet) compares
+    with nothing: read as another start time, every live peer and watched process was gone."""
+    assert not exited(os.getpid(), 0) and not exited(os.getppid(), 0)
+
+
+def test_pid_0_is_not_known_yet_so_not_gone():
+    """A peer's board slot before it wrote its pid: kill(0, 0) would ask about this process group instead."""
+    assert not exited(0) and not exited(0, 123)
+
+
+def test_another_user_s_process_under_the_pid_is_judged_by_its_start_time(monkeypatch):
+    """kill(pid, 0) is EPERM for another user's process: it exists, but may be one that took the pid."""
+    parent = os.getppid()
+    w = ExitWith(parent)
+
+    def eperm(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(processes.os, "kill", eperm)
+    assert not w.gone()
+    real = processes._stat
+    monkeypatch.setattr(processes, "_stat", lambda pid: ("S", w.start + 1) if pid == parent else real(pid))
+    assert w.gone()
