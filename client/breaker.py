@@ -45,7 +45,15 @@ class CircuitBreaker:
         if self._clock() < self.retry_at:
             return False
         self.probes += 1
-        if self._probe(self.cfg.probe_deadline_s):
+        try:
+            passed = self._probe(self.cfg.probe_deadline_s)
+        except BaseException:
+            # A failed probe all the same: let through with retry_at already past, every later allow() (every
+            # step) probed again at once, with no backoff between.
+            self.probes_failed += 1
+            self._reopen(grow=True)
+            raise
+        if passed:
             self.state = BreakerState.HALF_OPEN
             log.info("%s: health probe passed, trying again", self.name)
             return True

@@ -85,3 +85,38 @@ def test_a_failure_threshold_that_is_not_a_whole_number_is_refused(threshold):
     or a bool only worked by accident of the comparison. A positive integer, as EngineConfig's counts."""
     with pytest.raises(EngineConfigError, match="breaker.failure_threshold: must be >= 1"):
         BreakerConfig(failure_threshold=threshold)
+
+
+def test_a_probe_that_raises_counts_as_failed_and_waits_out_a_longer_backoff():
+    """The probe is the caller's (the shim's channel factory, a health Check, a refusal reader) and may raise
+    something other than an RpcError. allow() let it through with the breaker OPEN and retry_at already past,
+    so every later allow() (every step) probed again at once: no backoff at all, against "at most once per
+    backoff period". A raise is a failed probe: counted, the wait doubled, and the error still reaches the
+    caller (the shim logs it as its own)."""
+    clock, probed = _Clock(), []
+
+    def probe(deadline_s):
+        probed.append(clock.now)
+        raise OSError("the channel factory could not read its credentials")
+
+    b = CircuitBreaker(BreakerConfig(failure_threshold=1, backoff_initial_s=0.5, backoff_max_s=3.0), probe, clock)
+    b.record_failure("x")
+    clock.now = b.retry_at
+    with pytest.raises(OSError):
+        b.allow()
+    assert b.state is BreakerState.OPEN and b.probes == 1 and b.probes_failed == 1
+    assert b.retry_at - clock.now == 1.0, "no backoff after a probe that raised"
+    assert not b.allow() and probed == [clock.now], "probed again before the backoff expired"
+
+
+def test_a_half_open_breaker_lets_calls_through_without_probing_again_until_a_result():
+    """HALF_OPEN: the probe passed and the next call decides. Another allow() before that result (the readiness
+    check on the next step, when the peers were not ready for this one) is let through with no second probe."""
+    clock, probed = _Clock(), []
+    b = CircuitBreaker(BreakerConfig(failure_threshold=1), lambda deadline_s: probed.append(clock.now) or True, clock)
+    b.record_failure("x")
+    clock.now = b.retry_at + 10
+    assert b.allow() and b.state is BreakerState.HALF_OPEN and len(probed) == 1
+    assert b.allow() and b.allow() and len(probed) == 1 and b.probes == 1
+    b.record_failure("the try failed")
+    assert b.state is BreakerState.OPEN and not b.allow() and len(probed) == 1

@@ -9,8 +9,9 @@ from concurrent import futures
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
-from dspark_sidecar.client.connection import SidecarConnection, StepStream, StreamBroken
+from dspark_sidecar.client.connection import SidecarConnection, StepInterrupted, StepStream, StreamBroken
 from dspark_sidecar.proto import INSTANCE_METADATA
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
@@ -246,3 +247,130 @@ def test_a_step_stream_the_sidecar_does_not_take_in_time_ends_at_open_s_deadline
         assert "did not take the step stream within 0.5 s" in str(stream.end), stream.end
     finally:
         conn.close()
+
+
+def test_a_wait_in_progress_wakes_with_stream_broken_when_the_stream_ends():
+    """The sidecar process gone while a step waits: the wait ends with StreamBroken at once (the shim drops the
+    link and reconnects), not at the step's deadline with the step then taken as a timeout (a late grace more,
+    the step unsettled, the breaker counting a DEADLINE)."""
+    stub = _Stub()
+    stream = StepStream(stub)  # type: ignore[arg-type]
+    try:
+        stream.send(pb.DraftStepRequest(step_id=1))
+        threading.Timer(0.2, stub.call.answers.put, (None,)).start()  # the sidecar process ends mid-wait
+        t0 = time.monotonic()
+        with pytest.raises(StreamBroken, match="closed by the server"):
+            stream.wait(1, 30)
+        assert time.monotonic() - t0 < 15, "the wait ran to its deadline after the stream ended"
+    finally:
+        stream.close()
+
+
+def test_a_late_answer_settles_its_step_and_is_not_kept_past_the_next_step():
+    """A step past its deadline is settled by its own late answer (the next step may go), and that answer, up to
+    max_message_bytes of inline hidden states, is dropped when the next step is sent: kept, every late answer
+    stayed in memory for the stream's life. The next step's wait sees only its own answer."""
+    stub = _Stub()
+    stream = StepStream(stub)  # type: ignore[arg-type]
+    try:
+        stream.send(pb.DraftStepRequest(step_id=1))
+        assert stream.wait(1, 0.01) is None and not stream.settled(1)
+        stub.call.answers.put(pb.DraftStepResponse(step_id=1))
+        wait_until(lambda: stream.settled(1), 5, "the late answer settled step 1", interval_s=0.005)
+        assert stream.alive, "settled by the answer, not by the stream ending"
+        stream.send(pb.DraftStepRequest(step_id=2))
+        assert stream.wait(2, 0.01) is None and not stream.settled(2)
+        assert 1 not in stream._answers, "the late answer of step 1 is still held"
+        stub.call.answers.put(pb.DraftStepResponse(step_id=2))
+        assert stream.wait(2, 5).step_id == 2
+    finally:
+        stream.close()
+
+
+def test_an_answer_out_of_request_order_ends_the_stream():
+    """Answers come one per request, in order: an answer for a step other than the oldest unanswered one is a
+    sidecar that cannot be trusted with settled() (an answer for step 2 would settle step 1 still running)."""
+    stub = _Stub()
+    stream = StepStream(stub)  # type: ignore[arg-type]
+    try:
+        stream.send(pb.DraftStepRequest(step_id=1))
+        assert stream.wait(1, 0.01) is None
+        stub.call.answers.put(pb.DraftStepResponse(step_id=2))
+        with pytest.raises(StreamBroken, match="answer for step 2 out of order"):
+            stream.wait(1, 5)
+    finally:
+        stream.close()
+
+
+def test_an_interrupted_wait_still_returns_an_answer_in_hand():
+    """interrupt() (the shim closing) gives up a wait, but an answer already there is the step's result: raised
+    as StepInterrupted instead, a step that had its answer fell back and was left unsettled for close() to wait on."""
+    stub = _Stub()
+    stream = StepStream(stub)  # type: ignore[arg-type]
+    try:
+        stream.send(pb.DraftStepRequest(step_id=1))
+        stub.call.answers.put(pb.DraftStepResponse(step_id=1))
+        wait_until(lambda: stream.settled(1), 5, "the answer came", interval_s=0.005)
+        stream.interrupt()
+        assert stream.wait(1, 5).step_id == 1
+        stream.send(pb.DraftStepRequest(step_id=2))
+        with pytest.raises(StepInterrupted):
+            stream.wait(2, 30)  # at once: no answer in hand
+    finally:
+        stream.close()
+
+
+class _HealthChannel(_Channel):
+    """A channel whose health Check answers `health` (an int enum value, or an RpcError to raise) and whose
+    GetStatus answers `status`; counts the calls of each method."""
+
+    def __init__(self, health, status: pb.StatusReport) -> None:
+        super().__init__(None)  # type: ignore[arg-type]
+        self.health, self.status, self.calls = health, status, []
+
+    def unary_unary(self, method, *args, **kw):
+        def call(request, timeout=None):
+            self.calls.append((method.rsplit("/", 1)[-1], timeout))
+            if method.endswith("/Check"):
+                if isinstance(self.health, BaseException):
+                    raise self.health
+                return health_pb2.HealthCheckResponse(status=self.health)
+            return self.status
+        return call
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+
+_SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+_REFUSED = pb.StatusReport(serving=False, state="REFUSED")
+_LOADING = pb.StatusReport(serving=False, state="LOADING")
+
+
+@pytest.mark.parametrize("health,status,refuses,passes,calls", [
+    (_SERVING, _LOADING, None, True, ["Check"]),
+    (_NOT_SERVING, _REFUSED, None, False, ["Check"]),  # no refusal reader: NOT_SERVING fails, no GetStatus
+    (_NOT_SERVING, _REFUSED, True, True, ["Check", "GetStatus"]),  # refuses for good: let through to read it
+    (_NOT_SERVING, _LOADING, True, False, ["Check", "GetStatus"]),  # still loading: keep waiting
+    (health_pb2.HealthCheckResponse.SERVICE_UNKNOWN, _REFUSED, True, False, ["Check"]),
+    (_Unavailable(), _REFUSED, True, False, ["Check"]),
+], ids=["serving", "not_serving", "refuses", "loading", "unknown", "unreachable"])
+def test_the_health_probe_passes_serving_or_a_refusal_for_good_and_closes_its_channel(health, status, refuses,
+                                                                                     passes, calls):
+    """probe_health: SERVING passes; NOT_SERVING passes only with a StatusReport its reader finds a refusal for good
+    (only GetStatus tells a loading sidecar from one that refuses). Each call carries the deadline, and the
+    throwaway channel is closed whatever the answer: left open, one channel (and its socket) per probe, one probe
+    per backoff period for as long as the sidecar is down."""
+    channels: list[_HealthChannel] = []
+
+    def factory(target: str, options: list) -> _HealthChannel:
+        channels.append(_HealthChannel(health, status))
+        return channels[-1]
+
+    conn = SidecarConnection("unix:/nonexistent", channel_factory=factory)  # type: ignore[arg-type]
+    reader = None if refuses is None else (lambda s: s.state == "REFUSED")
+    assert conn.probe_health(0.25, refuses=reader) is passes
+    assert len(channels) == 1 and channels[0].closed, "the probe's channel was left open"
+    assert channels[0].calls == [(m, 0.25) for m in calls]
