@@ -25,7 +25,7 @@ from collections.abc import MutableMapping
 import torch.distributed as dist
 
 from dspark_sidecar.server.config import ServeConfig, ServeConfigError, bind_refusal, is_loopback
-from dspark_sidecar.server.preflight import bind_failure
+from dspark_sidecar.server.preflight import bind_failure, check_port
 
 log = logging.getLogger("dspark_sidecar.server")
 COLLECTIVE_IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -115,17 +115,10 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datet
 def _is_this_hosts(addr: str) -> bool:
     """Whether `addr` names an address of this host: one of its addresses can be bound (on any free port)."""
     try:
-        infos = socket.getaddrinfo(addr.strip("[]"), 0, type=socket.SOCK_STREAM)
-    except socket.gaierror:
+        check_port("--master-addr", addr, 0)
+    except ServeConfigError:  # not resolved, or no address of it this host's
         return False
-    for family, kind, proto, _, sockaddr in infos:
-        try:
-            with socket.socket(family, kind, proto) as s:
-                s.bind(sockaddr)
-                return True
-        except OSError:  # a family this kernel lacks, or an address that is not this host's
-            continue
-    return False
+    return True
 
 
 def _store_on(fd: int, host: str, port: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
