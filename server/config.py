@@ -113,17 +113,16 @@ class ServeConfig:
             raise ServeConfigError(f"--prelaunch-behind-ms: must be above 0 and at most 60000, got {self.prelaunch_behind_ms}")
         if not 1 <= self.rendezvous_ms <= 60_000:
             raise ServeConfigError(f"--rendezvous-ms: must be 1..60000, got {self.rendezvous_ms}")
-        for flag, host in (("--tcp-host", self.tcp_host), ("--metrics-host", self.metrics_host)):
-            # getaddrinfo reads an empty host as every interface: `--metrics-host "$UNSET"` served metrics
-            # off-node, where an empty DSPARK_METRICS_HOST is refused (cli._env). 0.0.0.0 says it on purpose.
+        listen_hint = "; give a host or address (127.0.0.1, or 0.0.0.0 for every interface)"
+        for flag, host, if_empty in (("--tcp-host", self.tcp_host, listen_hint),
+                                     ("--metrics-host", self.metrics_host, listen_hint),
+                                     ("--master-addr", self.master_addr, " (an empty DSPARK_MASTER_ADDR?); give a host "
+                                      "or address, 127.0.0.1 on one machine")):
+            # Empty: getaddrinfo reads it as every interface (`--metrics-host "$UNSET"` served metrics off-node,
+            # where an empty DSPARK_METRICS_HOST is refused, cli._env; 0.0.0.0 says it on purpose), and torch's
+            # rendezvous fails with "hostname cannot be None".
             if not host.strip():
-                raise ServeConfigError(f"{flag}: empty; give a host or address (127.0.0.1, or 0.0.0.0 for every "
-                                       "interface)")
-        if not self.master_addr.strip():  # torch's rendezvous would fail with "hostname cannot be None"
-            raise ServeConfigError("--master-addr: empty (an empty DSPARK_MASTER_ADDR?); give a host or address, "
-                                   "127.0.0.1 on one machine")
-        for flag, host in (("--tcp-host", self.tcp_host), ("--metrics-host", self.metrics_host),
-                           ("--master-addr", self.master_addr)):
+                raise ServeConfigError(f"{flag}: empty{if_empty}")
             # No name or address holds white space (a variable copied from a file with its newline). Before the
             # loopback check below: a padded 127.0.0.1 was "not a loopback address ... needs --allow-remote".
             if host != host.strip():
