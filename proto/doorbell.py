@@ -92,8 +92,17 @@ def lower_timer_slack() -> None:
         _slack_refused(ctypes.get_errno())
 
 
-@functools.cache
+_slack_said = threading.Lock()
+_slack_errnos: set[int] = set()
+
+
 def _slack_refused(err: int) -> None:
+    """Say a refused prctl once per errno per process. Not functools.cache: two threads missing the cache at
+    once both ran the body (CI saw the warning twice), so the check and the note share a lock."""
+    with _slack_said:
+        if err in _slack_errnos:
+            return
+        _slack_errnos.add(err)
     log.warning("prctl(PR_SET_TIMERSLACK) refused (%s): the doorbell's and the rendezvous' polls keep the default "
                 "timer slack (about 50 us longer naps)", os.strerror(err))
 
