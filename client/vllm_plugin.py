@@ -190,8 +190,8 @@ def eager_draft_steps() -> str:
     try:
         from vllm.config.compilation import CUDAGraphMode
         from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
-    except ImportError as e:
-        return f"draft CUDA graphs left as vLLM sets them (no DSparkSpeculator to adjust: {e})"
+    except Exception as e:  # noqa: BLE001  (any import-time failure: raised out of register(), vLLM did not start)
+        return f"draft CUDA graphs left as vLLM sets them (no DSparkSpeculator to adjust: {type(e).__name__}: {e})"
     if getattr(DSparkSpeculator, _MARK, False):
         return "draft steps already run eagerly"
     stock_init = DSparkSpeculator.init_cudagraph_manager
@@ -216,7 +216,7 @@ def draft_steps_eager() -> bool:
     """Whether eager_draft_steps has adjusted vLLM's DSpark speculator in this process."""
     try:
         from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
-    except ImportError:
+    except Exception:  # noqa: BLE001  (as eager_draft_steps: asked inside the drafter's first forward)
         return False
     return bool(getattr(DSparkSpeculator, _MARK, False))
 
@@ -273,7 +273,8 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
 def shim_off_reason(vllm_config: Any, model: Any = None) -> str | None:
     """Why every rank's shim will stay off, known from vLLM's config, the environment and the draft model vLLM
     built (`model`, where given: its layers' attention) alone (a DSPARK_* value it cannot use, a deployment the
-    sidecar cannot serve, or sleep mode), or None; None too without a config to read (nothing known yet)."""
+    sidecar cannot serve, or sleep mode), or None; None too without a config to read (nothing known yet) and
+    without a sidecar configured (off for that plain reason, unsaid)."""
     if getattr(vllm_config, "parallel_config", None) is None:
         return None
     try:
@@ -282,10 +283,12 @@ def shim_off_reason(vllm_config: Any, model: Any = None) -> str | None:
         return str(err)
     # With a sidecar configured, a deployment it cannot serve (TP other than 4, DP or PP > 1, another draft)
     # keeps the shim off for good: the eager draft steps bought nothing, and the shim's own line is INFO,
-    # below vLLM's default level. Without one, "no sidecar endpoint configured" is the plain, unlogged case.
-    refusal = (config_refusal(config) or draft_layout_refusal(vllm_config) or kv_memory_refusal(vllm_config)
-               or draft_attention_refusal(model, vllm_config)) if config.endpoint else None
-    return refusal or sleep_mode_refusal(vllm_config)
+    # below vLLM's default level. Without one, "no sidecar endpoint configured" is the plain, unlogged case,
+    # sleep mode too: it was logged at ERROR on every rank of every vLLM serving a DSpark draft in sleep mode.
+    if not config.endpoint:
+        return None
+    return (config_refusal(config) or draft_layout_refusal(vllm_config) or kv_memory_refusal(vllm_config)
+            or draft_attention_refusal(model, vllm_config) or sleep_mode_refusal(vllm_config))
 
 
 def _embeds_slot(forward: Any) -> int | None:

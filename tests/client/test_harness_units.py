@@ -270,3 +270,59 @@ def test_a_rank_that_raises_mid_run_releases_its_shim_and_kv_segments(tiny_ckpt,
         rank.run()
     assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
     assert rank.shim is not None and rank.shim._closed
+
+
+def _short_mix(**kw) -> MixConfig:
+    """Short prompts only, no long first request: each field under test set by the caller."""
+    return MixConfig(**{"seed": 0, "first_long": False, "mid_p": 0.0, "long_p": 0.0, "short_prompt": (1, 20), **kw})
+
+
+def test_the_page_pool_hands_out_its_last_pages_and_no_more():
+    from dspark_sidecar.client.workload import PagePool
+
+    pool = PagePool(3)
+    assert pool.take(3) == [0, 1, 2] and pool.take(1) is None and pool.take(0) == []
+    pool.give([0, 1, 2])
+    assert sorted(pool.take(3)) == [0, 1, 2]
+
+
+def test_requests_stay_their_budget_and_long_ones_long_enough_to_cross_the_window():
+    """A request leaves once it has stayed its budget's rounds, no later; a long prompt's budget is at least 40
+    rounds, so that its context grows across the 4096 window (the mix's reason to draw long prompts)."""
+    w = Workload(_short_mix(budget=(1, 1), max_active=1), vocab=2048, page_size=16, num_pages=64)
+    (r,) = w.admit()
+    w.advance(r, 0, [0] * layout.QPR)
+    assert w.retire() == [r] and w.active == [] and len(w.pool.free) == 64
+    long = Workload(MixConfig(seed=0, budget=(1, 1), long_prompt=(10, 10)), vocab=2048, page_size=16, num_pages=64)
+    (first,) = long.admit()
+    assert first.pos == 10 and first.budget == 40
+
+
+def test_advance_commits_only_rows_its_pages_hold_and_the_next_anchor_follows_them():
+    """With no page left for all accepted rows, fewer are accepted: a committed row past the request's pages
+    has no slot in the draft KV cache. The next anchor is the row after the last one committed."""
+    w = Workload(_short_mix(short_prompt=(9, 9), max_active=1), vocab=2048, page_size=16, num_pages=1)
+    (r,) = w.admit()  # 9 prompt rows + 7 block rows: the one page
+    drafts, anchor = list(range(1, layout.QPR + 1)), r.anchor
+    p, t = w.advance(r, layout.QPR, drafts)  # 8 rows wanted, 7 fit
+    assert p.tolist() == list(range(9, 16)) and t.tolist() == [anchor] + drafts[:6]
+    assert int(w.slots(r, p).max()) < 16 and r.pos == 16
+    ok = Workload(_short_mix(short_prompt=(9, 9), max_active=1), vocab=2048, page_size=16, num_pages=4)
+    (q,) = ok.admit()
+    p, _ = ok.advance(q, 3, drafts)
+    assert p.tolist() == [9, 10, 11, 12] and q.pos == 13
+
+
+def test_a_burst_fills_the_mix_up_to_max_active():
+    w = Workload(_short_mix(burst_p=1.0, max_active=5), vocab=2048, page_size=16, num_pages=64)
+    assert len(w.admit()) == 1  # none in flight: one joins
+    assert len(w.admit()) == 4 and len(w.active) == 5
+
+
+def test_taps_are_the_requests_own():
+    from dspark_sidecar.client.workload import taps_for
+
+    pos, tok = torch.arange(5), torch.tensor([3, 1, 4, 1, 5])
+    assert torch.equal(taps_for(7, pos, tok, 8), taps_for(7, pos, tok, 8))
+    assert not torch.equal(taps_for(7, pos, tok, 8), taps_for(8, pos, tok, 8))
+    assert not torch.equal(taps_for(7, pos, tok, 8), taps_for(7, pos, tok + 1, 8))

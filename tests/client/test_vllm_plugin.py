@@ -889,3 +889,122 @@ def test_the_attention_the_sidecar_serves_is_not_refused(fake_vllm, fake_specula
 def test_a_kv_cache_of_plain_device_memory_or_a_setting_not_yet_resolved_is_not_refused(extensible):
     assert vllm_refusals.kv_memory_refusal(vllm_config(extensible=extensible)) is None
     assert vllm_refusals.kv_memory_refusal(SimpleNamespace()) is None  # a config without cache_config says nothing
+
+
+def test_sleep_mode_without_a_sidecar_configured_is_the_plain_unsaid_case(fake_vllm, caplog):
+    """The plug-in is loaded in every vLLM process, sleep mode common among them (RL trainers): one with no
+    sidecar configured logged an ERROR on every rank telling the operator the sidecar stays off and to run
+    without sleep mode "to use the sidecar", which it never asked for. Sleep mode is a reason only where a
+    sidecar is configured; without one the shim is off for the plain reason, unsaid."""
+    vllm_plugin.register()
+    cfg = vllm_config(sleep_mode=True)
+    model = fake_vllm.registry.models[ARCH](vllm_config=cfg)
+    md = FlashAttentionMetadata(1)
+    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+    with caplog.at_level("WARNING", logger="dspark_sidecar"):
+        out = model(torch.arange(7), md.positions)
+    assert torch.equal(out, torch.full((7, HIDDEN), -1.0)) and model.stock_calls == 1
+    assert model.dspark_shim().refusal == "no sidecar endpoint configured"
+    assert vllm_plugin.shim_off_reason(cfg, model) is None
+    assert caplog.records == []
+
+
+_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.dspark.speculator"
+
+
+class _FailingSpeculatorModule:
+    """A meta-path finder whose import of vLLM's DSpark speculator module raises as that module runs (a kernel
+    library of another version, a driver the host lacks): not an ImportError."""
+
+    def find_spec(self, name, path, target=None):
+        import importlib.util
+
+        return importlib.util.spec_from_loader(name, self) if name == _SPECULATOR else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise AttributeError("module 'triton.language' has no attribute 'fancy_op'")
+
+
+def test_a_speculator_module_that_fails_to_import_leaves_vllm_starting_and_the_drafter_forwarding(fake_vllm,
+                                                                                               monkeypatch, caplog):
+    """register() imports vLLM's DSpark speculator module in every vLLM process with a sidecar configured (a DSpark
+    arch is registered in every vLLM, whatever model it serves), and caught only ImportError there: any other
+    exception raised as that module ran went out of register() and stopped vLLM from starting, as a draft class
+    failing to load did before (vLLM does not catch what a plug-in raises). The graphs are left as vLLM sets them,
+    and the reason said; the drafter's first forward, which asks again, runs too."""
+    compilation = types.ModuleType("vllm.config.compilation")
+    compilation.CUDAGraphMode = SimpleNamespace(NONE="NONE", FULL="FULL")
+    names = ["vllm.config", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.spec_decode",
+             "vllm.v1.worker.gpu.spec_decode.dspark"]
+    for name in names:
+        package = types.ModuleType(name)
+        package.__path__ = []  # a package: the speculator module below is looked up on sys.meta_path
+        monkeypatch.setitem(sys.modules, name, package)
+    monkeypatch.setitem(sys.modules, "vllm.config.compilation", compilation)
+    monkeypatch.delitem(sys.modules, _SPECULATOR, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_FailingSpeculatorModule(), *sys.meta_path])
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    with caplog.at_level("INFO", logger="dspark_sidecar.client"):
+        assert vllm_plugin.register() == [ARCH]
+    assert "no DSparkSpeculator to adjust" in caplog.text and "fancy_op" in caplog.text
+    assert not vllm_plugin.draft_steps_eager()
+    cfg = vllm_config()
+    cfg.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(
+        decode_mode=lambda: SimpleNamespace(name="FULL")))
+    model = fake_vllm.registry.models[ARCH](vllm_config=cfg)
+    md = FlashAttentionMetadata(1)
+    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+    with caplog.at_level("WARNING", logger="dspark_sidecar"):
+        model(torch.arange(7), md.positions)  # no KV cache yet: the stock layers, the shim on
+    assert model.stock_calls == 1 and model.dspark_shim().enabled
+    assert "full CUDA graphs" in caplog.text
+
+
+def test_a_dp_deployment_is_refused_though_the_drafts_own_config_says_dp_1():
+    """vLLM 0.34's draft parallel config is the draft's own; DP is the target's (speculative_config's
+    target_parallel_config, or the speculator's parallel_config). Read from the draft's alone, a DP-2 engine
+    would be taken for DP 1 and served, the ranks of both replicas dialling the one sidecar's sockets."""
+    target = SimpleNamespace(tensor_parallel_size=4, data_parallel_size=2, pipeline_parallel_size=1)
+    draft_pc = SimpleNamespace(tensor_parallel_size=4, data_parallel_size=1, pipeline_parallel_size=1)
+    spec = SimpleNamespace(method="dspark", num_speculative_tokens=7, target_parallel_config=target,
+                           draft_parallel_config=draft_pc)
+    for pc in (draft_pc, target):  # the draft model's config, and the speculator's
+        seen = SimpleNamespace(parallel_config=pc, speculative_config=spec, device_config=SimpleNamespace(device="cpu"))
+        cfg = vllm_plugin.engine_config_from_vllm(seen, 0, environ={"DSPARK_SOCKET_DIR": "/run/dspark"})
+        assert cfg.dp_size == 2 and vllm_plugin.config_refusal(cfg) == "DP > 1"
+
+
+def test_an_fp8_e4m3_named_cache_at_scale_one_is_passed_as_e4m3_codes(fake_vllm, monkeypatch):
+    """kv_cache_dtype "fp8_e4m3" is vLLM's explicit name for the platform fp8 that "fp8" means on NVIDIA and
+    gfx950: its uint8 cache at scale 1 holds the values' e4m3fn codes just the same, and goes on as them."""
+    plat = types.ModuleType("vllm.platforms")
+    plat.current_platform = SimpleNamespace(fp8_dtype=lambda: torch.float8_e4m3fn)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", plat)
+    model = nn.Module()
+    model.attn = FakeAttention()
+    model.attn.kv_cache = torch.tensor([[0x38, 0x40]], dtype=torch.uint8)  # e4m3fn codes of 1.0, 2.0
+    model.attn.kv_cache_dtype, model.attn._k_scale_float, model.attn._v_scale_float = "fp8_e4m3", 1.0, 1.0
+    (t,) = vllm_plugin.kv_cache_provider(model)()
+    assert t.dtype == torch.float8_e4m3fn and t.float().tolist() == [[1.0, 2.0]]
+
+
+def test_draft_steps_made_eager_are_not_reported_as_full_graph_replays(fake_vllm, fake_speculator, monkeypatch,
+                                                                       caplog):
+    """With the plug-in's eager draft steps in place, vLLM's decode mode still reads FULL (the target keeps its
+    graphs): the shim must not tell the operator its steps are replayed and to unset DSPARK_DRAFT_CUDAGRAPHS=keep,
+    which was never set."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    assert vllm_plugin.register() == [ARCH] and vllm_plugin.draft_steps_eager()
+    cfg = vllm_config()
+    cfg.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(
+        decode_mode=lambda: SimpleNamespace(name="FULL")))
+    model = fake_vllm.registry.models[ARCH](vllm_config=cfg)
+    md = FlashAttentionMetadata(1)
+    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+    with caplog.at_level("WARNING", logger="dspark_sidecar"):
+        model(torch.arange(7), md.positions)  # no KV cache yet: the stock layers, the shim on
+    assert model.stock_calls == 1 and model.dspark_shim().enabled
+    assert "full CUDA graphs" not in caplog.text and "DSPARK_DRAFT_CUDAGRAPHS" not in caplog.text
