@@ -378,6 +378,9 @@ def _indices_ok(h: HostMeta, ps: int, pages: int) -> bool:
         return False
     cols, base = _grid(R, width)
     ids = tab.view(np.uint32)  # a negative id is huge: one compare covers both bounds
+    # ...against at most 2^31 (no int32 page id reaches it): num_pages is a uint64, and from 2^32 on
+    # every uint32 was below it, a negative id among them.
+    pages = min(pages, 1 << 31)
     # Pages each row uses, in int64: L + ps - 1 in L's int32 wraps negative near 2^31, and a row
     # would then check none of its pages (the slot equality below only ties slots to the table).
     used = np.add(L[:, None], ps - 1, dtype=np.int64) // ps

@@ -12,6 +12,7 @@ exactly what the fast check refuses, on every case here.
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -139,6 +140,33 @@ def test_each_corruption_fails_the_fast_check_and_is_named(corrupt, field, pad):
     assert _check(pos, meta) == (False, field)
 
 
+# sidecar.proto (StepError.code): a page or slot outside the bound cache is OUT_OF_RANGE; any other fault of the
+# metadata (rows, lengths and slots that disagree) is INVALID_ARGUMENT.
+_OUTSIDE_THE_CACHE = (_page_past_cache, _negative_page, _page_before_window, _slot_past_cache)
+
+
+@pytest.mark.parametrize("corrupt", [
+    _shifted_positions, _short_seq_len, _seq_len_past_table, _page_past_cache, _negative_page, _page_before_window,
+    _slot_elsewhere, _slot_off_its_offset, _slot_past_cache], ids=lambda x: x.__name__)
+def test_an_index_outside_the_cache_is_out_of_range_and_any_other_fault_invalid(corrupt):
+    pos, meta = _valid()
+    corrupt(pos, meta)
+    with pytest.raises(SidecarError) as err:
+        _diagnose(host_meta(pos, meta), PS, PAGES)
+    want = grpc.StatusCode.OUT_OF_RANGE if corrupt in _OUTSIDE_THE_CACHE else grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code == want, err.value.message
+
+
+def test_a_sequence_that_fills_its_table_row_to_the_last_slot_passes():
+    """seq_len = width x page_size: its last row sits in the row's last page, at its last offset; a table
+    exactly as wide as the pages a request uses is what an engine sizing it per step sends."""
+    L = 2 * PS
+    tables = torch.tensor([[5, 9]], dtype=torch.int32)
+    pos = torch.arange(L - 7, L)
+    slots = tables[0, pos // PS].to(torch.int64) * PS + pos % PS
+    assert _check(pos, StepMetadata(torch.tensor([L], dtype=torch.int32), tables, slots)) == (True, None)
+
+
 def test_host_views_alias_the_tensors():
     """A layout's views are built once (validate.py caches them) and must see each step's values."""
     pos, meta = _valid()
@@ -165,6 +193,19 @@ def test_a_sequence_length_near_2_31_still_checks_every_page_it_uses():
     assert not _indices_ok(h, ps, pages)
     with pytest.raises(SidecarError, match="block_tables\\[0\\]\\[2047\\] = 1000 outside"):
         _diagnose(h, ps, pages)
+
+
+@pytest.mark.parametrize("pages", [2**32, 2**32 + 5, 2**40])
+def test_a_negative_page_id_is_refused_however_many_pages_the_cache_has(pages):
+    """The fast check reads the table as uint32 (a negative id is huge); num_pages is a uint64, and from
+    2^32 pages on every uint32 was below it: -1 with its matching (negative) slots passed the host check,
+    which the diagnosis and the GPU program refuse, and the step's K/V write landed before the cache."""
+    pos = torch.arange(7, dtype=torch.int64)
+    tab = torch.full((1, 1), -1, dtype=torch.int32)
+    h = host_meta(pos, StepMetadata(torch.tensor([7], dtype=torch.int32), tab, -PS + pos % PS))
+    assert not _indices_ok(h, PS, pages)
+    with pytest.raises(SidecarError, match="block_tables\\[0\\]\\[0\\] = -1 outside"):
+        _diagnose(h, PS, pages)
 
 
 def test_wide_padded_tables_leave_no_table_sized_memory_behind():

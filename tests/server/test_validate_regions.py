@@ -80,3 +80,24 @@ def test_index_tensors_partly_in_a_region_are_checked_and_run_from_a_private_cop
     seg.tensor[: slots.nbytes].view(torch.int64).fill_(PAGES * PS * 1000)  # the engine writes after the checks
     assert torch.equal(checked.meta.slot_mapping, slots)  # the step reads what was checked
     assert torch.equal(checked.region_meta[3], seg.tensor[: slots.nbytes].view(torch.int64))  # the region, as sources
+
+
+def test_a_cached_layout_named_again_with_another_request_count_is_refused(rig):
+    """A step whose tensors all lie in regions has its checked views cached by layout. The same slices under
+    another num_requests must be checked again, not served from that entry: its tensors hold the rows of the
+    first count, and a step of 1 request over 2 requests' rows passed every check."""
+    cfg, step, mem, seg, register = rig
+    refs, off = {}, 0
+    for name, t in (("positions", step.positions), ("input_ids", step.input_ids), ("seq_lens", step.meta.seq_lens),
+                    ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
+        seg.tensor[off : off + t.nbytes].view(t.dtype).copy_(t.reshape(-1))
+        refs[name] = (t.dtype, tuple(t.shape), off)
+        off += -(-t.nbytes // 64) * 64
+    rid = register(off)
+    req = _request(step, **{k: codec.region_tensor_ref(d, s, rid, o) for k, (d, s, o) in refs.items()})
+    assert validate_step(req, cfg, mem, 8, private=True).num_reqs == len(LENS)
+    assert mem.layouts  # the layout is cached: what follows is checked against the entry
+    req.num_requests = 1
+    with pytest.raises(SidecarError) as err:
+        validate_step(req, cfg, mem, 8, private=True)
+    assert (err.value.code, err.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, "positions"), err.value.message
