@@ -425,3 +425,131 @@ def test_the_reaper_says_it_once_each_wait_log_s_not_at_each_turn(loop, monkeypa
     assert caplog.text.count("still wait on the device") == 1 and "after 11 s" in caplog.text
     _Event.made[-1].done = True
     wait_until(lambda: ran == [1], 5, "the release")
+
+
+def test_close_ends_the_reaper_and_leaves_what_the_device_reaches_later_to_the_teardown_s_drain(loop, monkeypatch):
+    """close() stops the reaper: the teardown drops the graphs and the process group next (app.teardown), and a
+    release run meanwhile on a thread left behind would race them. What the device gets to after close() runs at the
+    teardown's own drain (after its device sync), on the caller's thread."""
+    import threading
+
+    monkeypatch.setattr(rank_mod, "DRAIN_S", 0.1)
+    ran = []
+    with loop.exclusive(wait=False):
+        loop.after_device(lambda: ran.append(threading.current_thread()))
+    reaper = loop._reaper
+    assert reaper is not None and reaper.is_alive()  # a release waits on the device: the reaper looks at it
+    loop.close()  # the release still waits (the device has not got there): left to the teardown
+    reaper.join(5)
+    assert not reaper.is_alive(), "the reaper outlived close(), still sweeping while the teardown goes on"
+    _Event.made[-1].done = True
+    assert ran == []
+    assert loop.drain() and ran == [threading.current_thread()]
+
+
+def test_a_release_deferred_after_the_reaper_ended_gets_a_reaper_of_its_own(loop):
+    """The reaper ends once nothing waits; a release deferred after that must start another, or it waited again for
+    a step, a section or a doorbell that may never come (a killed engine's cache, released by its lease)."""
+    import threading
+
+    first, second = threading.Event(), threading.Event()
+    with loop.exclusive(wait=False):
+        loop.after_device(first.set)
+    reaper = loop._reaper
+    _Event.made[-1].done = True
+    assert first.wait(5), "the first release never ran"
+    reaper.join(5)
+    assert not reaper.is_alive()  # nothing waits any more: it ended
+    with loop.exclusive(wait=False):
+        loop.after_device(second.set)
+    _Event.made[-1].done = True  # the device gets there; nothing else comes to the rank
+    assert second.wait(5), "the second release waits for a step, a section or a doorbell: no reaper took it"
+
+
+def test_a_sweep_pokes_the_released_work_a_deferred_release_waits_behind(loop):
+    """A deferred release waits for the device to pass a released queued step, whose wait an engine's late word can
+    block again until the release is stored again (Prelaunch.repass): every sweep with releases waiting pokes first,
+    the reaper's too, or such a release waited for good on a rank with no step or doorbell poll coming."""
+    pokes, ran = [], []
+
+    def repass() -> bool:  # the device gets past the released step once the release is stored again
+        pokes.append(1)
+        for e in _Event.made:
+            e.done = True
+        return True
+
+    loop.on_device_wait(repass)
+    with loop.exclusive(wait=False):
+        loop.after_device(lambda: ran.append(1))
+    wait_until(lambda: ran == [1], 5, lambda: f"the release behind the released step: ran {ran}, pokes {len(pokes)}")
+    assert pokes
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_device_error_found_before_a_deferred_release_exits_the_rank(loop, monkeypatch, caplog):
+    """An event query that raises is a failed device (a fault in a step or a queued copy): nothing queued can be
+    trusted, as after a failed launch, so the rank exits (3) with one line; taken for "not yet", the release
+    waited for good and the rank served on a broken device."""
+    import os
+    import threading
+
+    codes, called = [], threading.Event()
+
+    def fake_exit(code):
+        codes.append(code)
+        called.set()
+        raise SystemExit(code)  # ends the calling thread (the reaper's silently)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    ran = []
+    with loop.exclusive(wait=False):
+        loop.after_device(lambda: ran.append(1))
+    ev = _Event.made[-1]
+
+    def broken() -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    ev.query = broken
+    with caplog.at_level(logging.ERROR, logger="dspark_sidecar.server"), contextlib.suppress(SystemExit):
+        loop.drain()
+    assert called.wait(5), "a device error read as a release not yet reached"
+    assert set(codes) == {3} and ran == [] and "the device failed before a deferred release" in caplog.text
+    ev.query = lambda: True  # the fixture's close() drains it
+
+
+@pytest.mark.parametrize("pokes", [False, True])
+def test_a_device_error_met_waiting_for_a_release_at_tp1_exits_the_rank(gpu, monkeypatch, caplog, pokes):
+    """At TP 1 after_device waits for the device in the call (a BindKV's, an UnbindKV's or an UnregisterBuffers'
+    section). An asynchronous fault of an earlier doorbell step (which no host wait follows) surfaces there: the
+    device is gone, as _passed says, and the rank exits (3) with one line, with pokes registered or not. Raised
+    instead, the RPC was answered INTERNAL after its binding had already been replaced, the old cache's release
+    was dropped, and the rank stayed SERVING on a broken device until a later step's launch failed."""
+    import os
+
+    codes = []
+
+    def fake_exit(code):
+        codes.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+
+    class _Failed(_Event):
+        """An event on a device that has failed: every look at it raises, as CUDA's sticky error does."""
+
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        synchronize = query
+
+    monkeypatch.setattr(rank_mod.torch.cuda, "Event", _Failed)
+    lp = _loop(1)
+    try:
+        if pokes:
+            lp.on_device_wait(lambda: True)
+        with caplog.at_level(logging.ERROR, logger="dspark_sidecar.server"), pytest.raises(SystemExit):
+            with lp.exclusive(wait=False):
+                lp.after_device(lambda: pytest.fail("released on a failed device"))
+        assert codes == [3] and "the device failed" in caplog.text
+    finally:
+        lp.close()
