@@ -512,42 +512,59 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     late.inner = servicer
     # A stop that came since `active` went (the collection above can take a while) drains at once below:
     # published, SERVING would show a rank told to stop as ready, to probes and engines, until the drain.
-    if not stop.is_set():
-        publish("SERVING")
-        log.info("rank %d: %s (backend %s, CUDA graphs %s)", rank, life.state, life.backend,
-                 "on" if graphs is not None else "off")
-
     code = 0
-    while not stop.wait(BEAT_S):  # a timed wait keeps the main thread responsive to signals
-        watch_peers(board, rank, life, publish, peers)
-        watch_steps(loop, rank, life, publish)
-        if agent is not None and agent.gone():
-            log.error("rank %d: torchrun's agent (pid %d) has exited without stopping this rank: draining, "
-                      "as it would have", rank, agent.pid)
-            code = 1
-            break
+    try:
+        if not stop.is_set():
+            publish("SERVING")
+            log.info("rank %d: %s (backend %s, CUDA graphs %s)", rank, life.state, life.backend,
+                     "on" if graphs is not None else "off")
+        while not stop.wait(BEAT_S):  # a timed wait keeps the main thread responsive to signals
+            watch_peers(board, rank, life, publish, peers)
+            watch_steps(loop, rank, life, publish)
+            if agent is not None and agent.gone():
+                log.error("rank %d: torchrun's agent (pid %d) has exited without stopping this rank: draining, "
+                          "as it would have", rank, agent.pid)
+                code = 1
+                break
+    except Exception:
+        # A beat that fails (what it reads, a health publish, the first one included): raised from here, it
+        # skipped the teardown, and the gRPC server, never stopped, held the interpreter's exit for good on every
+        # open DraftSteps stream's handler thread: a rank that neither served nor exited. It drains and ends as
+        # a stop does, status 1.
+        log.exception("rank %d: the serving loop failed; draining (exit 1)", rank)
+        code = 1
     log.info("rank %d: draining", rank)
-    publish("DRAINING")
+    try:
+        publish("DRAINING")
+    except Exception:
+        # The loop's failure may be publish's own: health still leaves SERVING before the drain.
+        log.exception("rank %d: publishing the drain failed; health set NOT_SERVING directly (exit 1)", rank)
+        code = 1
+        with life.lock:
+            life.state, life.reason = "DRAINING", ""
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     time.sleep(cfg.drain_s)  # health says NOT_SERVING while calls are still accepted: engines move off
-    teardown(rank, servicer, loop, server, graphs, fast, rendezvous, board)
+    teardown(rank, servicer, loop, server, graphs, fast, rendezvous, board, status=code)
     return code
 
 
 def teardown(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grpc.Server, graphs: StepGraphs | None,
-             fast, rendezvous: Rendezvous, board: Board) -> None:
+             fast, rendezvous: Rendezvous, board: Board, status: int = 0) -> None:
     """A drained rank's end: the doorbell, the steps, the streams, then the device's and the group's resources.
 
     A step still running once stop_steps gives up is stuck (on the device, or in a collective with a wedged
     peer: steps take milliseconds): everything after the streams would wait on it (graphs.close() and the
     fast path synchronize the device; the group's destroy waits for its collectives) until the watchdog
     ended the process with status 0, a clean stop to its supervisor. The rank ends the streams and then
-    the process at once, status 1; the driver frees its device memory and IPC mappings at exit."""
+    the process at once, status 1; the driver frees its device memory and IPC mappings at exit. `status`: the
+    rank's exit status (1: it failed, or torchrun's agent left), which the watchdog ends the process with too."""
     # Teardown must not hang the exit (a peer that left first can wedge an NCCL teardown): after
     # the drain nothing is in flight, so past the limit the process just ends.
     stage = ["the doorbell"]  # what the teardown is doing, for the watchdog's line
     limit = TEARDOWN_LIMIT_S + STOP_STEPS_S + SERVER_GRACE_S
     watchdog = threading.Timer(limit, lambda: (log.warning("rank %d: teardown exceeded %.0f s in %s; exiting",
-                                                           rank, limit, stage[0]), os._exit(0)))
+                                                           rank, limit, stage[0]), os._exit(status)))
     watchdog.daemon = True
     watchdog.start()
     # The doorbell before the streams: an engine reads the end of its idle liveness stream as "the

@@ -88,3 +88,13 @@ def test_a_step_stuck_at_shutdown_ends_the_streams_then_the_process_with_status_
     assert app.STUCK_EXIT != 0
     assert "a step still runs" in caplog.text and "status 1" in caplog.text
     assert "rank 0: stopped" not in caplog.text
+
+
+@pytest.mark.parametrize("status", [0, 1])
+def test_a_teardown_past_its_limit_ends_the_process_with_the_rank_s_status(rig, status):
+    """A rank that failed (its serving loop, or torchrun's agent gone) exits 1; a teardown that then hung (a
+    wedged NCCL destroy) was ended by the watchdog with status 0, a clean stop to its supervisor."""
+    app.teardown(0, rig.servicer, rig.loop, rig.server, rig.graphs, rig.fast, rig.rendezvous, rig.board, status=status)
+    with pytest.raises(Exited):
+        _Watchdog.made[-1].function()
+    assert rig.calls[-1] == f"exit {status}"

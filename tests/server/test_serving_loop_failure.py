@@ -1,0 +1,110 @@
+"""server/app.py's serving loop: a failure in a beat drains and tears the rank down (exit 1), never hangs it.
+
+Before, an exception out of watch_peers, watch_steps or their health publish left the loop without the
+teardown: the gRPC server was never stopped, and the interpreter's exit waited for good on the handler thread
+of every open DraftSteps stream (an engine keeps one open), so the rank neither served nor exited: no exit
+for its launcher or torchrun to see, health hung (no answer), the socket file already removed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from dspark_sidecar.server.healthcheck import check
+from helpers.waiting import wait_until
+
+# Rank 0 of TP 1 under torchrun's variables, its beat failing once SERVING: in watch_peers itself ("beat"), or
+# in every health publish from then on ("publish"), the drain's own included; or ("drain") a SIGTERM stop whose
+# drain publish alone fails.
+RANK_WHOSE_BEAT_FAILS = """
+import sys
+from pathlib import Path
+from dspark_sidecar.server import app
+how, marker = sys.argv[-2], Path(sys.argv[-1])
+real_watch, real_publish = app.watch_peers, app.HealthPublisher.__call__
+def watch_peers(board, rank, life, publish, peers):
+    if marker.exists() and how != "drain":  # the test holds a stream open: the next beat fails
+        if how == "beat":
+            raise OSError(24, "Too many open files")
+        publish()
+    return real_watch(board, rank, life, publish, peers)
+def publish(self, state=None):
+    if (how == "publish" and marker.exists()) or (how == "drain" and state == "DRAINING"):
+        raise RuntimeError("publish failed")
+    return real_publish(self, state)
+app.watch_peers = watch_peers
+app.HealthPublisher.__call__ = publish
+from dspark_sidecar import cli
+sys.exit(cli.main(sys.argv[1:-2]))
+"""
+
+
+@pytest.mark.parametrize("how", ["beat", "publish", "drain"])
+def test_a_failed_beat_drains_the_rank_and_exits_1_with_a_stream_open(tmp_path, how):
+    sock, marker = tmp_path / "sock", tmp_path / "fail"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    p = subprocess.Popen([sys.executable, "-c", RANK_WHOSE_BEAT_FAILS, "serve", "--tp", "1", "--device", "cpu",
+                          "--socket-dir", str(sock), "--drain-s", "1", how, str(marker)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    target = f"unix:{sock / 'rank0.sock'}"
+    release = threading.Event()
+    ended: list[object] = []
+    try:
+        wait_until(lambda: check(target, 1.0) == "SERVING", 120, "rank 0 SERVING", watch=p, interval_s=0.1)
+        channel = grpc.insecure_channel(target)
+
+        def requests():  # an engine's idle stream: no step, held open
+            release.wait()
+            return
+            yield
+
+        call = pb_grpc.DrafterSidecarStub(channel).DraftSteps(requests())
+
+        def read() -> None:
+            try:
+                ended.append(list(call))
+            except grpc.RpcError as err:
+                ended.append(err.code())
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        time.sleep(0.5)  # the stream reaches its handler thread before the beat fails
+        if how == "drain":
+            p.send_signal(signal.SIGTERM)
+        else:
+            marker.touch()
+        seen = set()
+        deadline = time.monotonic() + 45
+        while p.poll() is None and time.monotonic() < deadline:
+            seen.add(check(target, 0.5).split(":")[0])
+            time.sleep(0.05)
+        assert p.poll() is not None, "the rank neither served nor exited after its beat failed"
+        _, err = p.communicate(timeout=10)
+        assert p.returncode == 1, err[-3000:]
+        said = {"beat": "the serving loop failed; draining (exit 1)", "publish": "the serving loop failed",
+                "drain": "publishing the drain failed; health set NOT_SERVING directly (exit 1)"}[how]
+        assert f"rank 0: {said}" in err, err[-3000:]
+        assert "rank 0: stopped" in err, err[-3000:]  # the teardown ran to its end
+        assert "NOT_SERVING" in seen, seen  # drained: health left SERVING before the server stopped
+        reader.join(10)
+        assert ended, "the engine's stream was not ended"
+        assert not list(sock.glob("*.sock")), "the rank left a socket file behind"
+    finally:
+        release.set()
+        if p.returncode is None:  # a failed check must not leave the rank behind
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=10)
