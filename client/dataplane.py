@@ -40,6 +40,10 @@ log = logging.getLogger("dspark_sidecar.client")
 
 CLOSE_WAIT_S = 5.0  # how long closing a doorbell waits for the engine's stream to pass its last step
 SENT_STREAMS = 4  # how many of the streams steps were sent from close() waits for (an engine uses one or two)
+# Pages whose GPU registration outlived their channel's close() (a stream that never passed, a refused unregister):
+# mapped until the process exits. Not on the channel, which the shim drops right after close(): collected with it,
+# the page was unmapped under the live registration, whose range a later page mapped at that address then meets.
+_KEPT: list = []
 
 # RegisterBuffers errors after which the regions may be registered on the sidecar all the same.
 _OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -448,9 +452,13 @@ class DoorbellChannel:
                     log.warning("doorbell: the engine's stream has not passed its last step after %.0f s (a "
                                 "wedged sidecar?); its doorbell page stays mapped until the process exits",
                                 CLOSE_WAIT_S)
-                    self._kept = (self._header, self.page, self._page)
+                    _KEPT.append((self._header, self.page, self._page))
                     return
-                self._header.close()  # no queued write can land after the unmap
+                try:
+                    self._header.close()  # no queued write can land after the unmap
+                except BaseException:  # still registered (RegisteredPage.close): the page must stay mapped
+                    _KEPT.append((self._header, self.page, self._page))
+                    raise
         if self.page is not None:  # None: __init__ failed before it was made
             self.page.close()
         self._page.close()

@@ -571,3 +571,91 @@ def test_the_transport_names_the_engine_s_lease_in_its_doorbell_and_its_buffers(
         assert leases == {"AttachDoorbell": 0x5EED, "RegisterBuffers": 0x5EED}
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("ids", [[0, 8, 9], [7, 7, 9], [7, 8]], ids=["a zero id", "a repeated id", "two ids"])
+def test_region_ids_that_cannot_name_three_regions_are_refused_and_released_by_owner(tiny_cfg, ids):
+    """A sidecar answering ids a request cannot use (0 reads as unset in a RegionSlice, two regions under one id):
+    refused, and whatever it did register is released by the registration's owner token, with nothing left here."""
+    from helpers.engine_fakes import recording_shm
+
+    class Stub(_Stub):
+        def RegisterBuffers(self, req, timeout=None):  # noqa: N802
+            self.owners.append(req.owner)
+            return pb.RegisterBuffersResponse(region_ids=ids)
+
+    stub = Stub()
+    with recording_shm() as shm, pytest.raises(DataPlaneError, match="not three distinct ones"):
+        StepBuffers(stub, tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    assert stub.released == [[]] and len(stub.owners) == 2 and stub.owners[0] == stub.owners[1] > 0
+    assert len(shm.created) == 3 and shm.left() == set()
+
+
+def test_metadata_that_does_not_fit_the_registered_region_is_refused(bufs, tiny_cfg, tiny_embed):
+    """The region is sized for int32 seq lens and block tables: wider ones (the StepBuffers API takes any dtype)
+    are a DataPlaneError naming the field, not a torch error from viewing a slice cut short at the region's end."""
+    step = _step(tiny_cfg, tiny_embed, [5, 6, 7, 8])  # 4 requests, as registered
+    wide = torch.zeros(4, 40, dtype=torch.int64)  # 40 pages, as registered, of int64
+    wide[:, : step.meta.block_tables.shape[1]] = step.meta.block_tables
+    meta = type(step.meta)(step.meta.seq_lens, wide, step.meta.slot_mapping)
+    with pytest.raises(DataPlaneError, match="block_tables \\[4, 40\\] does not fit the registered metadata region"):
+        bufs.stage(step.inputs_embeds, step.positions, meta)
+
+
+def test_closed_buffers_hold_no_mapping_of_their_regions(tiny_cfg, tiny_embed):
+    """close() drops the cached layouts with the regions: each holds views of them (the metadata slots, the input
+    and hidden rows), which kept the three mappings alive as long as the closed StepBuffers was."""
+    b = StepBuffers(_Stub(), tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    step = _step(tiny_cfg, tiny_embed, [5, 300])
+    b.fill(pb.DraftStepRequest(step_id=1), step.inputs_embeds, step.positions, step.meta)
+    names = [held.segment.name for held in b._shm]
+    b.close()
+    with open("/proc/self/maps") as maps:
+        mapped = maps.read()
+    assert not [name for name in names if name in mapped]
+    with pytest.raises(AttributeError):  # nothing left to stage into
+        b.stage(step.inputs_embeds, step.positions, step.meta)
+
+
+def test_launch_keys_are_never_0_nor_the_sidecar_s_skip_key_even_past_the_wrap(monkeypatch):
+    """0 is "no key" (never pre-launched) and SKIP_KEY the sidecar's own release word, which would ring a step
+    queued under it (server/prelaunch.py): the keys run 1 .. SKIP_KEY - 1 and wrap to 1."""
+    import itertools
+
+    from dspark_sidecar.client import dataplane
+    from dspark_sidecar.proto import doorbell as bell
+
+    monkeypatch.setattr(dataplane, "_LAUNCH_KEYS", itertools.count())
+    assert [dataplane._next_launch_key() for _ in range(2)] == [1, 2]
+    monkeypatch.setattr(dataplane, "_LAUNCH_KEYS", itertools.count(bell.SKIP_KEY - 3))
+    assert [dataplane._next_launch_key() for _ in range(3)] == [bell.SKIP_KEY - 2, bell.SKIP_KEY - 1, 1]
+
+
+def test_the_layout_cache_is_bounded(bufs, tiny_cfg, tiny_embed):
+    """An engine's block-table width follows its longest request page by page: one layout per width and request
+    count, without a bound a long run's cache (each entry with views and a serialized template) only grew."""
+    step = _step(tiny_cfg, tiny_embed, [5])
+    tables = torch.zeros(1, 40, dtype=step.meta.block_tables.dtype)
+    for width in range(1, 41):
+        for r in (1, 2):  # 80 layouts
+            meta = type(step.meta)(step.meta.seq_lens.repeat(r), tables[:, :width].repeat(r, 1),
+                                   step.meta.slot_mapping.repeat(r))
+            bufs.stage(step.inputs_embeds.repeat(r, 1), step.positions.repeat(r), meta)
+            assert len(bufs._layouts) <= 64
+
+
+def test_an_engine_user_s_own_group_is_shared_with_when_the_group_list_leaves_it_out(tmp_path, monkeypatch):
+    """getgroups() need not list the effective group (POSIX leaves it open): a socket of this process's own group
+    is still one it may give its segments. A process not root is stood in for (root may give any group)."""
+    import os
+    import socket
+
+    from dspark_sidecar.client import dataplane
+
+    path = tmp_path / "rank0.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        os.chown(path, -1, os.getegid())
+        monkeypatch.setattr(dataplane.os, "geteuid", lambda: 1000)
+        monkeypatch.setattr(dataplane.os, "getgroups", lambda: [])
+        assert dataplane.ipc_group(f"unix:{path}") == os.getegid()

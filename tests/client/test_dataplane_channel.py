@@ -1,0 +1,192 @@
+"""DoorbellChannel on a CPU page, stubs and CUDA stood in for: the ring, late answers, the wake FIFO, close."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import pytest
+import torch
+
+from dspark_sidecar.client import dataplane
+from dspark_sidecar.client.dataplane import DataPlaneError, DoorbellChannel
+from dspark_sidecar.proto import doorbell as bell
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+CAP = 4096
+
+
+class _Stub:
+    def __init__(self, resp: pb.AttachDoorbellResponse | None = None) -> None:
+        self.resp = resp or pb.AttachDoorbellResponse()
+
+    def AttachDoorbell(self, req, timeout=None):  # noqa: N802  (the gRPC method's name)
+        assert timeout is not None
+        return self.resp
+
+
+@pytest.fixture
+def channel():
+    ch = DoorbellChannel(_Stub(), torch.device("cpu"), capacity=CAP, gpu_word=False)
+    yield ch
+    ch.close()
+
+
+def _answer(ch: DoorbellChannel, step_id: int) -> None:
+    """The sidecar's part: answer the step rung last."""
+    ch.page.write(ch.page.resp_area, pb.DraftStepResponse(step_id=step_id).SerializeToString(), bell.RESP_LEN,
+                  bell.RESP_SEQ, ch.page.word(bell.REQ_SEQ))
+
+
+def test_a_request_filling_the_doorbell_s_area_exactly_is_rung_and_a_byte_more_is_refused(channel):
+    channel.send_bytes(b"\x08\x01" + b"\x00" * (CAP - 2), 1)
+    assert channel.page.word(bell.REQ_SEQ) == 1 and channel.page.word(bell.REQ_LEN) == CAP
+    with pytest.raises(DataPlaneError, match=f"exceeds the doorbell \\({CAP}\\)"):
+        channel.send_bytes(b"\x00" * (CAP + 1), 1)
+    assert channel.page.word(bell.REQ_SEQ) == 1  # not rung
+
+
+def test_a_late_answer_settles_the_step_and_orders_the_engine_s_stream_after_it(channel):
+    """settled() after a wait that gave up: once the answer is there, the step was launched and its kernels may
+    still read the input rows and write K/V; the engine's stream must wait for its "outputs written" event, as
+    wait() would."""
+    ordered = []
+    channel._after_outputs = lambda: ordered.append(channel.page.word(bell.RESP_SEQ))  # the event wait, recorded
+    channel.send(pb.DraftStepRequest(step_id=5))
+    assert channel.rung_mono_ns > 0
+    assert channel.wait(5, 0.01) is None
+    assert not channel.settled(5) and ordered == []
+    _answer(channel, 5)
+    assert channel.settled(5) and ordered == [1] and channel.alive
+    channel.send(pb.DraftStepRequest(step_id=6))
+    _answer(channel, 6)
+    assert channel.wait(6, 1.0).step_id == 6 and ordered == [1, 2]
+    assert channel.answer_seen_mono_ns >= channel.rung_mono_ns  # bench.py's phases read the two
+
+
+def test_a_wake_that_cannot_be_written_still_leaves_the_step_rung(channel, caplog):
+    """The sidecar's FIFO refusing the wake byte: the ring is already in the page, so the step is in flight and its
+    wait must run. Raised out of the send, the shim took the step for never sent (not unsettled)."""
+    class Ringer:
+        def wake_if_asleep(self, page):
+            raise OSError(5, "Input/output error")
+
+        def close(self):
+            pass
+
+    channel.ringer = Ringer()
+    with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+        channel.send(pb.DraftStepRequest(step_id=1))
+    assert channel.page.word(bell.REQ_SEQ) == 1 and "could not wake the sidecar's doorbell thread" in caplog.text
+    _answer(channel, 1)
+    assert channel.wait(1, 1.0).step_id == 1
+
+
+def test_a_wake_fifo_this_process_cannot_open_leaves_the_channel_polled_not_refused():
+    """A NUL byte in the answered path is a ValueError, not an OSError: it escaped after the attach succeeded and
+    left the page and its registration to the process's exit."""
+    ch = DoorbellChannel(_Stub(pb.AttachDoorbellResponse(wake_fifo="/tmp/no\0fifo")), torch.device("cpu"),
+                         capacity=CAP, gpu_word=False)
+    try:
+        assert ch.alive and ch.ringer is None
+    finally:
+        ch.close()
+
+
+def test_waiting_for_a_stream_that_never_passes_gives_up_at_the_bound(monkeypatch):
+    """close()'s wait for the engine's stream (which may wait on a wedged sidecar's event) must end: False, and
+    the page is kept, rather than a close() that never returns. CUDA's events stood in for: never complete."""
+    class Event:
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return False
+
+    monkeypatch.setattr(dataplane.torch.cuda, "Event", Event)
+    monkeypatch.setattr(dataplane.torch.cuda, "current_stream", lambda device=None: "stream")
+    probe = DoorbellChannel.__new__(DoorbellChannel)
+    probe.device, probe._sent_on = torch.device("cuda", 0), []
+    assert not probe._stream_passed(0.05)
+
+
+def _cuda_stood_in(monkeypatch, unregistered: list) -> None:
+    """CUDA's events, device and streams, the GPU word's ops and the page's registration stood in for on a CPU box."""
+    class Event:
+        def __init__(self, *a, **k):
+            pass
+
+        @classmethod
+        def from_ipc_handle(cls, device, handle):
+            return cls()
+
+        def ipc_handle(self):
+            return b"x" * 64
+
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return True
+
+    class Header:
+        def __init__(self, ops, ptr):
+            self.device_ptr = 0x7000
+
+        def close(self):
+            unregistered.append(True)
+
+    monkeypatch.setattr(dataplane.torch.cuda, "Event", Event)
+    monkeypatch.setattr(dataplane.torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(dataplane.torch.cuda, "current_stream", lambda device=None: "stream")
+    monkeypatch.setattr(dataplane.GpuWordOps, "load", classmethod(lambda cls, d: object()))
+    monkeypatch.setattr(dataplane, "RegisteredPage", Header)
+
+
+@pytest.mark.parametrize("accepted", [True, False], ids=["pre-launching", "declined"])
+def test_the_gpu_word_is_written_only_where_the_sidecar_pre_launches(monkeypatch, accepted):
+    """sidecar.proto AttachDoorbellResponse.gpu_word: False, "the engine writes nothing" (an older sidecar, one
+    started with --no-prelaunch); the page is registered all the same when offered, and unregistered at close."""
+    unregistered: list = []
+    _cuda_stood_in(monkeypatch, unregistered)
+    ch = DoorbellChannel(_Stub(pb.AttachDoorbellResponse(gpu_word=accepted, output_event=b"e" * 64)),
+                         torch.device("cuda", 0))
+    try:
+        assert ch.copies_raw
+        assert ch.word_address == (0x7000 + bell.GPU_WORD_OFFSET if accepted else 0)
+    finally:
+        ch.close()
+    assert unregistered == [True]
+
+
+@pytest.mark.parametrize("why", ["stream not passed", "unregister refused"])
+def test_a_page_kept_for_its_gpu_registration_stays_mapped_once_the_channel_is_dropped(monkeypatch, why):
+    """close() keeps the page mapped while its GPU registration lives: the engine's stream has not passed a queued
+    write of its word within CLOSE_WAIT_S (a wedged sidecar's event), or the driver refused the unregistration. It
+    kept it on the channel itself, which the shim drops right after close (_drop_link): collected, the page was
+    unmapped under the live registration ("stays mapped until the process exits", the warning said), whose range a
+    later page mapped at that address then meets. CUDA stood in for."""
+    closed = []
+
+    class Header:
+        def close(self):
+            closed.append(True)
+            if why == "unregister refused":
+                raise dataplane.GpuWordError("cuMemHostUnregister: CUDA_ERROR_UNKNOWN (test)")
+
+    ch = DoorbellChannel(_Stub(), torch.device("cpu"), capacity=CAP, gpu_word=False)
+    name = ch._page.segment.name
+    ch._header = Header()  # as registered for the GPU word
+    monkeypatch.setattr(dataplane.torch.cuda, "device", lambda d: contextlib.nullcontext())
+    ch._stream_passed = lambda timeout_s: why != "stream not passed"  # not monkeypatch: it would hold the channel
+    raised = None
+    try:
+        ch.close()
+    except dataplane.GpuWordError as err:
+        raised = str(err)  # not the exception: its traceback would hold the channel
+    assert (raised is not None, closed) == ((True, [True]) if why == "unregister refused" else (False, []))
+    del ch
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        assert name in maps.read(), "the page was unmapped while its GPU registration lived"
+    dataplane._KEPT.pop()[2].close()  # the test's own: its segment goes now, not at exit
