@@ -280,10 +280,14 @@ class Doorbell(threading.Thread):
         else:
             if self.input_event is not None:
                 self._stream.wait_event(self.input_event)
-            hook = self.prelaunch.hook(seq, req) if self.prelaunch is not None else None
-            resp = self.loop.answer_now(req, hook, self.page.capacity)
-            if self.output_event is not None:
-                self.output_event.record(self._stream)
+            try:
+                hook = self.prelaunch.hook(seq, req) if self.prelaunch is not None else None
+                resp = self.loop.answer_now(req, hook, self.page.capacity)
+            finally:
+                # Every answer after the ring is read, an error one too (_ring_loop's): the engine orders its
+                # stream after this event whatever the answer says, and the step may have launched work.
+                if self.output_event is not None:
+                    self.output_event.record(self._stream)
         self._publish(seq, resp)
         return resp
 

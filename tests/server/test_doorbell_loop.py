@@ -209,6 +209,40 @@ def test_the_doorbell_thread_outlives_a_failed_step_and_a_failed_error_answer(mo
         db.stop()
 
 
+class _Event:
+    """Stands in for the doorbell's output event: records each record() in the shared order list."""
+
+    def __init__(self, order: list) -> None:
+        self.order = order
+
+    def record(self, stream=None) -> None:
+        self.order.append("record")
+
+
+def test_a_step_that_raises_still_records_the_output_event_before_its_error_answer(monkeypatch):
+    """The engine orders its stream after the output event for every answer, an error one included (an
+    answer means the step may have launched: client/dataplane.py's wait). A step that raised out of
+    answer_now skipped the record: the engine's fallback then ran after only the previous step's event, beside
+    whatever this step had queued on the K/V cache (review 300's left-alone)."""
+    db = Doorbell(_Page(), CAPACITY, _FailingLoop(), torch.device("cpu"), b"")
+    order: list = []
+    db.output_event = _Event(order)  # on a GPU, the interprocess event the engine waits on
+    real = db._publish
+
+    def publish(seq, resp):
+        order.append(("publish", seq, resp.error.reason))
+        real(seq, resp)
+
+    monkeypatch.setattr(db, "_publish", publish)
+    db.start()
+    try:
+        db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, 1)
+        wait_until(lambda: db.page.word(bell.RESP_SEQ) == 1, 10, lambda: f"the ring answered: {order}", watch=db)
+    finally:
+        db.stop()
+    assert order == ["record", ("publish", 1, "INTERNAL")], order
+
+
 def test_attaching_a_doorbell_replaces_the_last_one_even_when_it_does_not_close_cleanly():
     """One doorbell per rank, attached one at a time: the replaced one is stopped (its failure to close
     is logged), the new one runs, and concurrent attaches end with exactly one running."""
