@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import torch
 
@@ -18,6 +19,18 @@ class FakeModel:
     def draft_step(self, embeds, positions, meta, kv):
         self.calls += 1
         return torch.full_like(embeds, 2.0)
+
+
+class RefusingRendezvous:
+    """A rendezvous no peer agrees in: every posted copy is recorded (its expiry, its step) and refused with
+    `reason`, as when a peer never received the step; only refused copies reach it in the rank's CPU tests."""
+
+    def __init__(self, reason: str = "no peers in this test") -> None:
+        self.reason, self.posts = reason, []
+
+    def agree(self, post):
+        self.posts.append(post)
+        return SimpleNamespace(go=False, reason=self.reason)
 
 
 class IdleLoop:

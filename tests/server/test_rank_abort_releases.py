@@ -23,17 +23,8 @@ from dspark_sidecar.server import rank as rank_mod
 from dspark_sidecar.server.errors import SidecarError, out_of_range
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
+from helpers.rank_fakes import RefusingRendezvous
 from helpers.waiting import wait_until
-
-
-class _Rendezvous:
-    """Every step aborted, as when a peer never received it (or its deadline passed)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def agree(self, post):
-        return SimpleNamespace(go=False, reason=self.reason)
 
 
 @pytest.fixture
@@ -65,7 +56,7 @@ def test_an_aborted_or_refused_step_holds_no_view_after_its_answer(monkeypatch, 
 
     monkeypatch.setattr(rank_mod, "validate_step", validate)
     model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
-    loop = RankLoop(RankContext(0, 2, SimpleNamespace(), model, None, None, Metrics(0), 8), _Rendezvous(reason), None)
+    loop = RankLoop(RankContext(0, 2, SimpleNamespace(), model, None, None, Metrics(0), 8), RefusingRendezvous(reason), None)
     try:
         fut = loop.submit(pb.DraftStepRequest(step_id=1, num_requests=1))
         err = fut.exception(timeout=10)

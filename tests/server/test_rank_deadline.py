@@ -16,23 +16,13 @@ import torch
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
-
-
-class _Rendezvous:
-    """Records each posted copy (refused here: num_requests 0), whose expiry is what these look at."""
-
-    def __init__(self) -> None:
-        self.posts: list = []
-
-    def agree(self, post):
-        self.posts.append(post)
-        return SimpleNamespace(go=False, reason="no peers in this test")
+from helpers.rank_fakes import RefusingRendezvous
 
 
 @pytest.fixture
 def loop():
     model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
-    rdv = _Rendezvous()
+    rdv = RefusingRendezvous()
     ctx = RankContext(0, 2, SimpleNamespace(), model, None, None, Metrics(0), 8)
     lp = RankLoop(ctx, rdv, None)  # type: ignore[arg-type]
     yield lp, rdv

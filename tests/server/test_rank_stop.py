@@ -14,25 +14,15 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.errors import SidecarError
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
+from helpers.rank_fakes import RefusingRendezvous
 from helpers.waiting import wait_until
-
-
-class _Rendezvous:
-    """Records each rank's posted copy; no peer agrees (only refused copies reach it here)."""
-
-    def __init__(self) -> None:
-        self.posts: list = []
-
-    def agree(self, post):
-        self.posts.append(post)
-        return SimpleNamespace(go=False, reason="no peers in this test")
 
 
 @pytest.fixture
 def held():
     """A CPU rank loop whose step 1 runs until the test lets it finish; other steps take the real path."""
     ctx = RankContext(0, 2, SimpleNamespace(), SimpleNamespace(device=torch.device("cpu")), None, None, Metrics(0), 8)
-    rdv = _Rendezvous()
+    rdv = RefusingRendezvous()
     loop = RankLoop(ctx, rdv, None)  # type: ignore[arg-type]
     started, release, finished = threading.Event(), threading.Event(), threading.Event()
     real_run = loop._run

@@ -14,20 +14,14 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server.errors import SidecarError
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
-
-
-class _Rendezvous:
-    """No peer agrees: only refused copies reach it in these tests."""
-
-    def agree(self, post):
-        return SimpleNamespace(go=False, reason="no peers in this test")
+from helpers.rank_fakes import RefusingRendezvous
 
 
 @pytest.fixture
 def loop():
     model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
     ctx = RankContext(0, 2, SimpleNamespace(), model, None, None, Metrics(0), 8)
-    loop = RankLoop(ctx, _Rendezvous(), None)  # type: ignore[arg-type]
+    loop = RankLoop(ctx, RefusingRendezvous(), None)  # type: ignore[arg-type]
     yield loop
     loop.close()
 
