@@ -928,6 +928,20 @@ class _FailingSpeculatorModule:
         raise AttributeError("module 'triton.language' has no attribute 'fancy_op'")
 
 
+def _first_forward_under_full_decode_graphs(fake_vllm, caplog) -> None:
+    """The draft model's first forward where vLLM's decode mode reads FULL: the stock layers (no KV cache yet),
+    the shim built and on; what the shim logged at WARNING is in caplog."""
+    cfg = vllm_config()
+    cfg.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(
+        decode_mode=lambda: SimpleNamespace(name="FULL")))
+    model = fake_vllm.registry.models[ARCH](vllm_config=cfg)
+    md = FlashAttentionMetadata(1)
+    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
+    with caplog.at_level("WARNING", logger="dspark_sidecar"):
+        model(torch.arange(7), md.positions)
+    assert model.stock_calls == 1 and model.dspark_shim().enabled
+
+
 def test_a_speculator_module_that_fails_to_import_leaves_vllm_starting_and_the_drafter_forwarding(fake_vllm,
                                                                                                monkeypatch, caplog):
     """register() imports vLLM's DSpark speculator module in every vLLM process with a sidecar configured (a DSpark
@@ -951,15 +965,7 @@ def test_a_speculator_module_that_fails_to_import_leaves_vllm_starting_and_the_d
         assert vllm_plugin.register() == [ARCH]
     assert "no DSparkSpeculator to adjust" in caplog.text and "fancy_op" in caplog.text
     assert not vllm_plugin.draft_steps_eager()
-    cfg = vllm_config()
-    cfg.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(
-        decode_mode=lambda: SimpleNamespace(name="FULL")))
-    model = fake_vllm.registry.models[ARCH](vllm_config=cfg)
-    md = FlashAttentionMetadata(1)
-    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
-    with caplog.at_level("WARNING", logger="dspark_sidecar"):
-        model(torch.arange(7), md.positions)  # no KV cache yet: the stock layers, the shim on
-    assert model.stock_calls == 1 and model.dspark_shim().enabled
+    _first_forward_under_full_decode_graphs(fake_vllm, caplog)
     assert "full CUDA graphs" in caplog.text
 
 
@@ -998,13 +1004,5 @@ def test_draft_steps_made_eager_are_not_reported_as_full_graph_replays(fake_vllm
     which was never set."""
     monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
     assert vllm_plugin.register() == [ARCH] and vllm_plugin.draft_steps_eager()
-    cfg = vllm_config()
-    cfg.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(
-        decode_mode=lambda: SimpleNamespace(name="FULL")))
-    model = fake_vllm.registry.models[ARCH](vllm_config=cfg)
-    md = FlashAttentionMetadata(1)
-    fake_vllm.fc.ctx = SimpleNamespace(attn_metadata=md)
-    with caplog.at_level("WARNING", logger="dspark_sidecar"):
-        model(torch.arange(7), md.positions)  # no KV cache yet: the stock layers, the shim on
-    assert model.stock_calls == 1 and model.dspark_shim().enabled
+    _first_forward_under_full_decode_graphs(fake_vllm, caplog)
     assert "full CUDA graphs" not in caplog.text and "DSPARK_DRAFT_CUDAGRAPHS" not in caplog.text
