@@ -14,13 +14,19 @@ from dspark_sidecar.server.rendezvous import Board, Post, Rendezvous
 from helpers.waiting import wait_until
 
 WORLD, DEADLINE_MS = 4, 150
+# The `ranks` fixture's deadline, for steps every rank posts (a test that waits one out asks for DEADLINE_MS):
+# agree_all starts the ranks' threads one after another, and a stall of 150 ms between two posts (a full
+# collection late in the suite, a loaded 2-core box) aborted a step the test expects to go, or to abort for
+# another reason. Below agree_all's join bound, so that a post that never comes still fails there.
+ALL_POST_MS = 5000
+SILENT_S = 5.0  # Board.silent's bound in the beat test: a fresh beat is read as silent only after a 5 s stall
 
 
 @pytest.fixture()
-def ranks():
+def ranks(request):
     name = f"dspark-test-{uuid.uuid4().hex[:8]}"
     boards = [Board(name, WORLD, create=True)] + [Board(name, WORLD, create=False) for _ in range(WORLD - 1)]
-    rdv = [Rendezvous(boards[r], r, DEADLINE_MS) for r in range(WORLD)]
+    rdv = [Rendezvous(boards[r], r, getattr(request, "param", ALL_POST_MS)) for r in range(WORLD)]
     yield rdv
     for r in rdv:
         r.close()
@@ -134,6 +140,7 @@ def test_every_rank_aborts_with_one_reason(ranks, posts, words):
     assert len(reasons) == 1 and words in reasons.pop()
 
 
+@pytest.mark.parametrize("ranks", [DEADLINE_MS], indirect=True)
 def test_missing_rank_aborts_the_others_within_the_deadline(ranks):
     out = agree_all(ranks, {r: Post(7, 1, 3, 99, True) for r in range(WORLD - 1)})
     assert len(out) == WORLD - 1
@@ -218,19 +225,25 @@ def test_a_board_is_not_unmapped_under_a_step_still_waiting_for_its_verdict(wait
 
 
 def test_a_peer_that_stops_beating_is_seen_silent_by_the_others_and_back_when_it_beats(ranks):
+    """Silence is judged past SILENT_S, far above any stall of this thread, and rank 1's last beat is made
+    10 s old through its own mapping instead of slept for: with a 50 ms bound and a 0.1 s nap, a stall of
+    50 ms between a fresh beat and the look (a full collection late in the suite, a descheduled thread on
+    a loaded 2-core box) read the fresh beat as a silent peer."""
     boards = [r.board for r in ranks]
     for r in range(WORLD - 1):  # rank 3 has not beaten yet (still starting): not counted
         boards[r].beat(r)
-    assert boards[0].silent(0, 0.05) == {}
-    time.sleep(0.1)
+    assert boards[0].silent(0, SILENT_S) == {}
+    boards[1].beats[1] = time.monotonic_ns() - 10 * 10**9  # rank 1 stopped beating 10 s ago
     boards[0].beat(0)
     boards[2].beat(2)
-    # Seen through rank 2's own mapping of the board: rank 1's last beat is 0.1 s old.
-    silent = boards[2].silent(2, 0.05)
-    assert list(silent) == [1] and 0.05 < silent[1] < 5
-    assert list(boards[0].silent(0, 0.05)) == [1] and boards[1].silent(1, 0.05) == {}  # own beat never counts
+    # Seen through rank 2's own mapping of the board: rank 1's last beat is 10 s old.
+    silent = boards[2].silent(2, SILENT_S)
+    assert list(silent) == [1] and 10 <= silent[1] < 60, silent
+    assert list(boards[0].silent(0, SILENT_S)) == [1] and boards[1].silent(1, SILENT_S) == {}  # own beat never counts
+    t0 = time.monotonic_ns()
     boards[1].beat(1)
-    assert boards[2].silent(2, 0.05) == {}
+    assert t0 <= boards[2].beats[1] <= time.monotonic_ns()  # the beat is the time now, seen by the peers
+    assert boards[2].silent(2, SILENT_S) == {}
 
 
 def test_a_board_s_name_is_random_and_never_an_existing_entry():
