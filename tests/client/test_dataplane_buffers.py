@@ -11,6 +11,7 @@ import torch
 from dspark_sidecar.client.dataplane import DataPlaneError, StepBuffers
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from helpers.engine_fakes import FakeIpcEvent
 
 PAGE = 16
 
@@ -382,19 +383,6 @@ def test_an_attach_refused_after_the_gpu_word_was_registered_is_the_refusal_and_
             assert req.gpu_word  # the page was registered first
             raise Unimplemented()
 
-    class Event:
-        def __init__(self, *a, **k):
-            pass
-
-        def ipc_handle(self):
-            return b"x" * 64
-
-        def record(self, stream=None):
-            pass
-
-        def query(self):
-            return True
-
     unregistered = []
 
     class Header:
@@ -404,7 +392,7 @@ def test_an_attach_refused_after_the_gpu_word_was_registered_is_the_refusal_and_
         def close(self):
             unregistered.append(True)
 
-    monkeypatch.setattr(dataplane.torch.cuda, "Event", Event)
+    monkeypatch.setattr(dataplane.torch.cuda, "Event", FakeIpcEvent)
     monkeypatch.setattr(dataplane.torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(dataplane.torch.cuda, "current_stream", lambda device=None: "stream")
     monkeypatch.setattr(dataplane.GpuWordOps, "load", classmethod(lambda cls, d: object()))

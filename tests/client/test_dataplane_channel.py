@@ -12,6 +12,7 @@ from dspark_sidecar.client import dataplane
 from dspark_sidecar.client.dataplane import DataPlaneError, DoorbellChannel
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from helpers.engine_fakes import FakeIpcEvent
 
 CAP = 4096
 
@@ -112,23 +113,6 @@ def test_waiting_for_a_stream_that_never_passes_gives_up_at_the_bound(monkeypatc
 
 def _cuda_stood_in(monkeypatch, unregistered: list) -> None:
     """CUDA's events, device and streams, the GPU word's ops and the page's registration stood in for on a CPU box."""
-    class Event:
-        def __init__(self, *a, **k):
-            pass
-
-        @classmethod
-        def from_ipc_handle(cls, device, handle):
-            return cls()
-
-        def ipc_handle(self):
-            return b"x" * 64
-
-        def record(self, stream=None):
-            pass
-
-        def query(self):
-            return True
-
     class Header:
         def __init__(self, ops, ptr):
             self.device_ptr = 0x7000
@@ -136,7 +120,7 @@ def _cuda_stood_in(monkeypatch, unregistered: list) -> None:
         def close(self):
             unregistered.append(True)
 
-    monkeypatch.setattr(dataplane.torch.cuda, "Event", Event)
+    monkeypatch.setattr(dataplane.torch.cuda, "Event", FakeIpcEvent)
     monkeypatch.setattr(dataplane.torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(dataplane.torch.cuda, "current_stream", lambda device=None: "stream")
     monkeypatch.setattr(dataplane.GpuWordOps, "load", classmethod(lambda cls, d: object()))

@@ -242,6 +242,27 @@ class _Member:
         return self.group.all_min(self.rank, values)
 
 
+class FakeIpcEvent:
+    """torch.cuda.Event where there is no GPU, for the data plane's channels: made, opened from a handle, exported
+    and recorded freely; every query says its work has passed."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    @classmethod
+    def from_ipc_handle(cls, device, handle):
+        return cls()
+
+    def ipc_handle(self) -> bytes:
+        return b"x" * 64
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class FakeModel:
     """The engine's stock draft model as the shim sees it: only embed_input_ids."""
 
