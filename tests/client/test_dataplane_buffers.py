@@ -11,7 +11,6 @@ import torch
 from dspark_sidecar.client.dataplane import DataPlaneError, StepBuffers
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from helpers.engine_fakes import FakeIpcEvent
 
 PAGE = 16
 
@@ -360,47 +359,6 @@ def test_a_doorbell_that_fails_before_it_attaches_leaves_no_shared_memory(monkey
         dataplane.DoorbellChannel(_NoCall(), dev, gpu_word=False)
     assert shm.created, "the page's segment was not recorded"
     assert shm.left() == set()
-
-
-def test_an_attach_refused_after_the_gpu_word_was_registered_is_the_refusal_and_frees_the_page(monkeypatch):
-    """AttachDoorbell refused (an older sidecar's UNIMPLEMENTED, a busy one's DEADLINE_EXCEEDED) after the page
-    was registered for the GPU word: close() read the stream list __init__ made only after the try, so an
-    AttributeError replaced the refusal. The shim, which turns a refused attach into its gRPC stream, then
-    never fell back, and each retry left a page and its registration behind (helper 80). CUDA stood in for."""
-    import contextlib
-
-    import grpc
-
-    from dspark_sidecar.client import dataplane
-    from helpers.engine_fakes import recording_shm
-
-    class Unimplemented(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.UNIMPLEMENTED
-
-    class Stub:
-        def AttachDoorbell(self, req, timeout=None):
-            assert req.gpu_word  # the page was registered first
-            raise Unimplemented()
-
-    unregistered = []
-
-    class Header:
-        def __init__(self, ops, ptr):
-            self.device_ptr = ptr
-
-        def close(self):
-            unregistered.append(True)
-
-    monkeypatch.setattr(dataplane.torch.cuda, "Event", FakeIpcEvent)
-    monkeypatch.setattr(dataplane.torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(dataplane.torch.cuda, "current_stream", lambda device=None: "stream")
-    monkeypatch.setattr(dataplane.GpuWordOps, "load", classmethod(lambda cls, d: object()))
-    monkeypatch.setattr(dataplane, "RegisteredPage", Header)
-    with recording_shm() as shm, pytest.raises(Unimplemented):
-        dataplane.DoorbellChannel(Stub(), torch.device("cuda", 0))
-    assert unregistered == [True], "the page's GPU registration was not ended"
-    assert shm.created and shm.left() == set()
 
 
 def _closing_probe(monkeypatch, sent_on: list[int], destroyed: tuple[str, ...] = ()):

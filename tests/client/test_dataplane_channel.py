@@ -127,6 +127,32 @@ def _cuda_stood_in(monkeypatch, unregistered: list) -> None:
     monkeypatch.setattr(dataplane, "RegisteredPage", Header)
 
 
+def test_an_attach_refused_after_the_gpu_word_was_registered_is_the_refusal_and_frees_the_page(monkeypatch):
+    """AttachDoorbell refused (an older sidecar's UNIMPLEMENTED, a busy one's DEADLINE_EXCEEDED) after the page
+    was registered for the GPU word: close() read the stream list __init__ made only after the try, so an
+    AttributeError replaced the refusal. The shim, which turns a refused attach into its gRPC stream, then
+    never fell back, and each retry left a page and its registration behind (helper 80). CUDA stood in for."""
+    import grpc
+
+    from helpers.engine_fakes import recording_shm
+
+    class Unimplemented(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNIMPLEMENTED
+
+    class Stub:
+        def AttachDoorbell(self, req, timeout=None):
+            assert req.gpu_word  # the page was registered first
+            raise Unimplemented()
+
+    unregistered: list = []
+    _cuda_stood_in(monkeypatch, unregistered)
+    with recording_shm() as shm, pytest.raises(Unimplemented):
+        DoorbellChannel(Stub(), torch.device("cuda", 0))
+    assert unregistered == [True], "the page's GPU registration was not ended"
+    assert shm.created and shm.left() == set()
+
+
 @pytest.mark.parametrize("accepted", [True, False], ids=["pre-launching", "declined"])
 def test_the_gpu_word_is_written_only_where_the_sidecar_pre_launches(monkeypatch, accepted):
     """sidecar.proto AttachDoorbellResponse.gpu_word: False, "the engine writes nothing" (an older sidecar, one
