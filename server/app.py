@@ -540,10 +540,7 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
         # The loop's failure may be publish's own: health still leaves SERVING before the drain.
         log.exception("rank %d: publishing the drain failed; health set NOT_SERVING directly (exit 1)", rank)
         code = 1
-        with life.lock:
-            life.state, life.reason = "DRAINING", ""
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        publish.draining_anyway()
     time.sleep(cfg.drain_s)  # health says NOT_SERVING while calls are still accepted: engines move off
     teardown(rank, servicer, loop, server, graphs, fast, rendezvous, board, status=code)
     return code
@@ -651,11 +648,22 @@ class HealthPublisher:
             self.ctx.refusal = refused or None
             serving = health_pb2.HealthCheckResponse.SERVING
             status = serving if life.serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            if status != self._published:
-                for name in ("", SERVICE_NAME):
-                    self.health.set(name, status)
-                self._published = status
+            self._set(status)
             self.metrics.set_serving(life.serving)
+
+    def draining_anyway(self) -> None:
+        """DRAINING and NOT_SERVING set as they are, for a drain whose publish failed (its refusal, a peer's
+        reason): health must still leave SERVING before the drain. Under the lock, as every publish."""
+        with self._lock:
+            with self.life.lock:
+                self.life.state, self.life.reason = "DRAINING", ""
+            self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _set(self, status) -> None:
+        if status != self._published:
+            for name in ("", SERVICE_NAME):
+                self.health.set(name, status)
+            self._published = status
 
 
 def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], None], peers: PeerProcesses) -> None:
