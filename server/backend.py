@@ -70,7 +70,15 @@ def _triton_reason(device: torch.device) -> str | None:
         return "Triton not installed"
     if importlib.util.find_spec("dspark_sidecar.kernels.triton.ops") is None:
         return "Triton kernels not built into this package"
-    from dspark_sidecar.kernels.triton import runtime
+    try:
+        from dspark_sidecar.kernels.triton import ops, runtime  # noqa: F401  (ops: what the backend then imports)
+    except (ImportError, AttributeError) as err:
+        # find_spec sees a Triton installed, not one the kernels load with: one older than 3.4 (torch <= 2.7's CUDA
+        # wheels bring 3.0-3.3) has no triton.knobs (runtime.py). Raised from here, under auto every rank of such a
+        # host died at start-up (a traceback, exit 1) instead of serving on the reference ops.
+        why = f"Triton cannot load the kernels here ({type(err).__name__}: {err}): they need triton>=3.4"
+        log.warning("%s", why)  # under auto nothing else says why a GPU rank serves on the reference ops
+        return why
 
     if runtime.INTERPRET:
         # Triton then runs every kernel in numpy, copying each GPU tensor to the host and back: seconds a

@@ -187,3 +187,24 @@ def test_a_shape_of_very_many_huge_dimensions_is_refused_at_once_naming_the_fiel
 def test_a_shape_of_max_dims_still_decodes():
     t = torch.arange(6, dtype=torch.float32).reshape([1] * (codec.MAX_DIMS - 1) + [6])
     assert torch.equal(codec.from_tensor_ref(codec.to_tensor_ref(t), "x"), t)
+
+
+def test_the_dimension_limit_is_the_one_sidecar_proto_promises():
+    """sidecar.proto tells every client "At most 64 entries" in a TensorRef's shape: a limit that moved below it
+    refused a shape the contract allows, one above it took shapes the contract says are refused."""
+    import re
+    from pathlib import Path
+
+    text = (Path(codec.__file__).parent / "sidecar.proto").read_text()
+    promised = int(re.search(r"At most (\d+) entries \(proto/codec\.py MAX_DIMS\)", text).group(1))
+    ok = pb.TensorRef(dtype=pb.DTYPE_FP32, shape=[1] * promised, data=b"\0" * 4)
+    assert codec.from_tensor_ref(ok, "x").shape == (1,) * promised
+    over = pb.TensorRef(dtype=pb.DTYPE_FP32, shape=[1] * (promised + 1), data=b"\0" * 4)
+    with pytest.raises(ValueError, match=rf"^x: shape has {promised + 1} dimensions, at most {promised}$"):
+        codec.from_tensor_ref(over, "x")
+
+
+def test_shape_text_lists_every_shape_the_codec_accepts_and_counts_the_rest():
+    """A refusal quotes any shape nbytes_of lets through in full (up to MAX_DIMS dimensions), longer ones by count."""
+    assert codec.shape_text([3] * codec.MAX_DIMS) == str([3] * codec.MAX_DIMS)
+    assert codec.shape_text([3] * (codec.MAX_DIMS + 1)) == f"of {codec.MAX_DIMS + 1} dimensions"

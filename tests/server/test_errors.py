@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from dspark_sidecar.proto.memory import HandleError, HandleExhausted, HandleUncheckable
-from dspark_sidecar.server.errors import as_sidecar_error, to_status, to_step_error
+from dspark_sidecar.server.errors import as_sidecar_error, precondition, to_status, to_step_error
 
 
 def test_unmappable_handle_is_invalid_argument_naming_the_field():
@@ -40,3 +40,19 @@ def test_a_handle_not_mapped_for_want_of_descriptors_or_memory_is_unavailable_no
 def test_unexpected_exception_is_internal():
     err = as_sidecar_error(KeyError("boom"))
     assert err.code == grpc.StatusCode.INTERNAL and "KeyError" in err.message
+
+
+def test_a_precondition_carries_its_reason_and_its_field():
+    """precondition(message, reason, field): the engine switches on the reason (REFUSED, STORE_ORDER,
+    NO_DEVICE_EVENTS...) and reads the field from BadRequest; swapped, it switched on a field name."""
+    err = precondition("input_event: this rank computes on cpu", "NO_DEVICE_EVENTS", "input_event")
+    assert (err.code, err.reason, err.field) == (grpc.StatusCode.FAILED_PRECONDITION, "NO_DEVICE_EVENTS", "input_event")
+    assert precondition("fast path refused", "REFUSED").field == ""
+
+
+def test_a_handle_error_that_names_no_field_is_invalid_argument_with_no_field():
+    """No "field: " prefix: the whole text is the message, and no BadRequest names a field (a field made of the
+    message would send the engine after a request field that does not exist)."""
+    err = as_sidecar_error(HandleError("cannot export memory of device type meta"))
+    assert (err.code, err.field, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "", "INVALID_FIELD")
+    assert err.message == "cannot export memory of device type meta" and len(to_status(err).details) == 1
