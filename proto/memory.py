@@ -147,11 +147,12 @@ class AttachedSegment:
         self.buf = self._mmap = None  # type: ignore[assignment]
 
 
-def new_segment(size: int) -> shared_memory.SharedMemory:
-    """A new shared-memory segment of `size` bytes whose pages are reserved now. ftruncate reserves none: on a full
+def new_segment(size: int, name: str | None = None) -> shared_memory.SharedMemory:
+    """A new shared-memory segment of `size` bytes (named `name`, else a random name; created exclusively:
+    FileExistsError for a name taken) whose pages are reserved now. ftruncate reserves none: on a full
     /dev/shm (a container's 64 MiB default, shared with NCCL and the engine) the segment was still made, and the
     first store into it was a SIGBUS that killed the process. Reserved here, it is OSError ENOSPC, a refusal."""
-    seg = shared_memory.SharedMemory(create=True, size=size)
+    seg = shared_memory.SharedMemory(name=name, create=True, size=size)
     try:
         os.posix_fallocate(seg._fd, 0, size)  # the segment's own descriptor (POSIX SharedMemory keeps it open)
     except BaseException:

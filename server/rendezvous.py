@@ -36,7 +36,7 @@ import numpy as np
 # longer once it has waited a while; the coordinator naps while steps flow and sleeps longer once the
 # ranks have been quiet a while.
 from dspark_sidecar.proto.doorbell import NAP_S, lower_timer_slack, pause
-from dspark_sidecar.proto.memory import AttachedSegment
+from dspark_sidecar.proto.memory import AttachedSegment, new_segment
 # A peer's exit, told from another process that took its pid; `_exited` by this name so tests can count the looks.
 from dspark_sidecar.server.processes import exited as _exited, process_start
 
@@ -208,14 +208,15 @@ class Board:
 
 def _create(name: str | None, size: int) -> shared_memory.SharedMemory:
     """A new segment, created exclusively (O_EXCL): `name`, or a random one (retried on the unlikely
-    collision with an existing entry). Never an existing segment, whoever made it."""
-    if name is not None:
-        return shared_memory.SharedMemory(name=name, create=True, size=size)
+    collision with an existing entry). Never an existing segment, whoever made it. Its pages are reserved
+    (new_segment): on a full /dev/shm the board's first store was a SIGBUS that killed rank 0 without a
+    line; now OSError ENOSPC, and no segment left behind."""
     while True:
         try:
-            return shared_memory.SharedMemory(name=f"dspark-rdv-{secrets.token_hex(8)}", create=True, size=size)
+            return new_segment(size, name if name is not None else f"dspark-rdv-{secrets.token_hex(8)}")
         except FileExistsError:
-            continue
+            if name is not None:
+                raise
 
 
 class Rendezvous:

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from dspark_sidecar.server.processes import process_start
-from dspark_sidecar.server.rendezvous import Board, Post, Rendezvous
+from dspark_sidecar.server.rendezvous import Board, Post, Rendezvous, _create
 from helpers.waiting import wait_until
 
 WORLD, DEADLINE_MS = 4, 150
@@ -194,6 +194,78 @@ def test_a_post_rewritten_while_the_coordinator_copies_it_is_read_at_the_next_po
         board.close()
 
 
+class _Recorded:
+    """A slot or ring record whose writes are recorded with the sequence word they were made under."""
+
+    def __init__(self, row, writes: list) -> None:
+        self.row, self.writes = row, writes
+
+    def __getitem__(self, key):
+        return self.row[key]
+
+    def __setitem__(self, key, value) -> None:
+        self.writes.append(("seq", int(value)) if key == 0 else ("fields", int(self.row[0])))
+        self.row[key] = value
+
+
+def test_a_post_and_a_verdict_are_each_written_under_an_odd_sequence_word():
+    """The writers' half of the seqlocks: a post's and a verdict's words are written while their sequence word is
+    odd, and the even one comes last. Written under the old, even word, a coordinator (or a rank) copying the
+    record meanwhile took half of one post (or verdict) and half of the next for one."""
+    from dspark_sidecar.server.rendezvous import Coordinator
+
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    rank1 = Rendezvous(boards[1], 1, DEADLINE_MS, fatal_after_s=3600.0)  # no rank 0 Rendezvous: decided by hand
+    real_slots, real_ring = boards[1].slots, boards[0].ring
+    post_writes: list = []
+    verdict_writes: list = []
+    boards[1].slots = [real_slots[0], _Recorded(real_slots[1], post_writes)]
+    c = Coordinator(boards[0], DEADLINE_MS)  # not started: polled by hand
+    out: list = []
+    th = threading.Thread(target=lambda: out.append(rank1.agree(Post(4, 1, 2, 9, True))), daemon=True)
+    try:
+        th.start()
+        wait_until(lambda: real_slots[1][0] == 2, 10, "rank 1 posted", interval_s=0.005)
+        assert post_writes == [("seq", 1), ("fields", 1), ("seq", 2)], post_writes
+        boards[0].slots[0][:] = (2, 4, 1, 2, 1, 9, 0, 0)  # rank 0's copy of step 4
+        boards[0].ring = type("Ring", (), {"__getitem__": lambda _, i: _Recorded(real_ring[i], verdict_writes)})()
+        assert c.poll_once()
+        assert verdict_writes == [("seq", 1), ("fields", 1), ("fields", 1), ("seq", 2)], verdict_writes
+        th.join(10)
+        assert out and out[0].go, out
+    finally:
+        boards[0].ring, boards[1].slots = real_ring, real_slots
+        th.join(10)
+        _close_unless_read(th, rank1, boards)
+
+
+def test_a_copy_that_just_came_costs_no_look_at_the_missing_ranks_processes(monkeypatch):
+    """The look at a missing rank's process (a signal and a /proc read a rank) is made only for a post that has
+    waited GONE_CHECK_S: a step whose first copy the coordinator has just seen (its peers' come microseconds
+    later in the steady flow) makes none, however long ago the last look was."""
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+    from dspark_sidecar.server.rendezvous import Coordinator, process_start
+
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
+    try:
+        for r in range(2):
+            _post_peer(board, r, os.getpid(), process_start(os.getpid()))
+        c = Coordinator(board, 5000)  # not started: polled by hand
+        assert not c.poll_once() and c._peers.all_seen  # idle: rank 1 seen alive
+        looks: list[int] = []
+        real = rendezvous_mod._exited
+        monkeypatch.setattr(rendezvous_mod, "_exited", lambda pid, start=0: looks.append(pid) or real(pid, start))
+        c._next_look = 0.0  # as if GONE_CHECK_S had passed since the last look
+        board.slots[0][:] = (2, 7, 1, 2, 1, 9, 0, 0)  # rank 0's copy of step 7, seen now; rank 1's to come
+        assert not c.poll_once()
+        assert looks == [], "a look at the missing rank's process for a copy seen this very poll"
+        board.slots[1][:] = (2, 7, 1, 2, 1, 9, 0, 0)
+        assert c.poll_once() and looks == []
+    finally:
+        board.close()
+
+
 @pytest.mark.parametrize("waiter", [0, 1])
 def test_a_board_is_not_unmapped_under_a_step_still_waiting_for_its_verdict(waiter):
     """A rank's teardown leaves a step it gave up on to the process exit (rank.py); that thread still reads
@@ -265,6 +337,81 @@ def test_a_board_s_name_is_random_and_never_an_existing_entry():
         a.close()  # no second unlink, no warning
     finally:
         b.close()
+
+
+def test_only_the_board_s_maker_removes_its_name_when_it_closes_it():
+    """A peer's close unmaps its own view only (rank 0 owns the board); the maker's close removes a name it has
+    not removed yet, so that a board closed before start-up's unlink leaves nothing in /dev/shm."""
+    a = Board(None, 2, create=True)
+    peer = Board(a.name, 2, create=False)
+    try:
+        peer.close()
+        assert os.path.exists(f"/dev/shm/{a.name}"), "a peer's close removed rank 0's board"
+    finally:
+        a.close()
+    assert not os.path.exists(f"/dev/shm/{a.name}"), "the maker's close left its board in /dev/shm"
+
+
+def test_a_board_removed_by_someone_else_is_not_reported_leaked_at_exit(tmp_path):
+    """An operator cleaning /dev/shm removed the board's name first: the maker's unlink says so, and takes the
+    board off the resource tracker's books. Left on them, the tracker warned of a "leaked" segment at the
+    process's exit and tried to remove it again."""
+    import subprocess
+    import sys
+
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os\n"
+                     "from dspark_sidecar.server.rendezvous import Board\n"
+                     "b = Board(None, 2, create=True)\n"
+                     "os.unlink(f'/dev/shm/{b.name}')\n"
+                     "b.close()\n")
+    proc = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "was removed by another process" in proc.stderr, proc.stderr[-2000:]
+    assert "leaked shared_memory" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_segment_that_is_not_a_board_for_this_many_ranks_is_refused_at_attach():
+    """Every rank reads the words at the offsets its world gives: a board made for another world (or another
+    segment) would be read as slots and verdicts that no coordinator wrote."""
+    a = Board(None, 2, create=True)
+    other = _create(None, 8 * 1024)  # zeroed: no magic word
+    try:
+        with pytest.raises(RuntimeError, match="not a board for 1 ranks"):
+            Board(a.name, 1, create=False)  # a board for 2 ranks
+        with pytest.raises(RuntimeError, match="not a board for 2 ranks"):
+            Board(other.name, 2, create=False)
+    finally:
+        other.close()
+        other.unlink()
+        a.close()
+
+
+def test_a_board_on_a_full_dev_shm_is_refused_with_enospc_not_a_bus_error(tmp_path):
+    """Rank 0 makes the board at start-up on a /dev/shm that NCCL and the engine share (a container's 64 MiB
+    default): ftruncate reserves no page, so the segment was still made and zeroing it was a SIGBUS that killed
+    rank 0 without a line. Its pages are reserved now (as proto.memory.new_segment's): OSError ENOSPC, a reason
+    the rank prints, and no segment left behind."""
+    import errno
+    import textwrap
+
+    from helpers.full_shm import run_on_full_dev_shm
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent("""
+        import os
+        from dspark_sidecar.server.rendezvous import Board
+        try:
+            Board(None, 4, create=True)
+        except OSError as e:
+            print("refused", e.errno, sorted(os.listdir("/dev/shm")), sep="|")
+        else:
+            print("made")
+    """))
+    proc = run_on_full_dev_shm(probe)
+    assert proc.returncode == 0, f"rc {proc.returncode} (-7 or 135: SIGBUS): {proc.stderr[-2000:]}"
+    kind, err, left = proc.stdout.strip().splitlines()[-1].split("|")
+    assert kind == "refused" and int(err) == errno.ENOSPC and left == "['fill']", proc.stdout
 
 
 def _close_unless_read(th: threading.Thread | None, rdv: Rendezvous, boards: list[Board]) -> None:
@@ -790,11 +937,13 @@ def test_a_rank_gives_up_on_its_verdict_only_past_the_deadline_and_fatal_after_s
         boards[0].close()
 
 
-def test_a_verdict_record_rewritten_while_a_rank_copies_it_is_not_taken():
+@pytest.mark.parametrize("first_words", [(10, 11), (11, 11)], ids=["rewritten_during_the_copy", "half_written"])
+def test_a_verdict_record_rewritten_while_a_rank_copies_it_is_not_taken(first_words):
     """The ring's records are seqlocks too: the coordinator reuses a record (RING later) while a slow rank may be
     copying it. A copy that read the new verdict's words beside the old record's covered sequence (this rank's
     post) would take another step's verdict, a GO perhaps, for its own. Stood in: the first copy is torn (the
-    sequence word 10 before the copy, 11 after it) and says GO; the record then completes as this post's ABORT."""
+    sequence word 10 before the copy, 11 after it; or 11, odd, all along: the coordinator paused between its
+    words) and says GO; the record then completes as this post's ABORT."""
     import numpy as np
 
     from dspark_sidecar.server.rendezvous import ABORT, GO, NUM_REQS
@@ -812,7 +961,7 @@ def test_a_verdict_record_rewritten_while_a_rank_copies_it_is_not_taken():
 
         def record(self):
             if self.scans == 1:  # torn: another step's GO with this post's covered sequence
-                return np.array([10, 99, GO, 0, 0, 5, 0, 0, seq], dtype=np.int64)
+                return np.array([first_words[0], 99, GO, 0, 0, 5, 0, 0, seq], dtype=np.int64)
             return np.array([12, 3, ABORT, NUM_REQS, 0b10, 5, 0, 0, seq], dtype=np.int64)
 
         def __getitem__(self, key):
@@ -822,7 +971,7 @@ def test_a_verdict_record_rewritten_while_a_rank_copies_it_is_not_taken():
             if isinstance(key[0], slice):  # ring[:, col]: a scan for this rank's column
                 assert key[1] == col, key
                 self.scans += 1
-                self.words = [10, 11] if self.scans == 1 else [12, 12]
+                self.words = list(first_words) if self.scans == 1 else [12, 12]
                 return np.array([seq])
             assert (int(key[0]), key[1]) == (0, 0), key  # the record's sequence word: before the copy, then after
             return self.words.pop(0) if len(self.words) > 1 else self.words[0]
