@@ -794,6 +794,33 @@ def test_unbinding_lets_the_runner_drop_the_unbound_caches_views():
     fp.close()
 
 
+def test_close_closes_the_runner_then_the_peer_mappings_once():
+    """The rank's teardown: the runner (whose kernels address the peers' exchange buffers) goes first, then the
+    mappings (peers.MappedPeers.close: the peers' IPC handles closed, this rank's buffers freed). Left open, a
+    stopped rank kept every peer's exchange buffers mapped; closed twice, a handle was closed again."""
+    order = []
+
+    class Mapped(rn.PeerBuffers):
+        def close(self):
+            order.append("peers")
+
+    class Runners(Counting):
+        def __call__(self, *args, **kw):
+            r = super().__call__(*args, **kw)
+            close = r.close
+            r.close = lambda: (order.append("runner"), close())
+            return r
+
+    fp, _ = fast_path(factory=Runners())
+    p = fp.peers
+    fp.peers = Mapped(p.rx, p.flags, p.rx_local, p.flags_local, p.epoch)
+    assert fp.ready(binding()) and fp.runner.peers is fp.peers
+    fp.close()
+    assert order == ["runner", "peers"] and fp.runner is None and fp.peers is None
+    fp.close()
+    assert order == ["runner", "peers"]
+
+
 def test_a_rebind_closes_the_old_runner_at_once_not_at_the_next_step():
     """A re-bind left the runner with its views of the replaced cache until a step of the new binding
     rebuilt it: the close ran inside ready(), on that step's path, and with no step behind the BindKV
