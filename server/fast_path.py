@@ -303,7 +303,14 @@ class FlyDSLFastPath:
             self._runner = None
 
     def close(self) -> None:
-        """Runner first (it holds the peer tensors), then the peer mappings."""
+        """The device first, then the runner (it holds the peer tensors), then the peer mappings.
+
+        The teardown's only device wait on a FlyDSL rank: it has no step graphs (whose close synchronizes), and a
+        step's answer is an event, not a wait, so the last step's kernels may still read the exchange buffers
+        this frees and the peers' memory it unmaps. Their exchange is symmetric: once this rank's kernels are
+        done, no peer's kernel still writes into this rank's buffers."""
+        if self.final_norm.device.type == "cuda":
+            torch.cuda.synchronize(self.final_norm.device)
         with self._lock:
             self._drop_runner()
             close = getattr(self.peers, "close", None)

@@ -24,6 +24,7 @@ from dspark_sidecar.kernels.flydsl.tiling_model import dequant_like_kernel
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
 from dspark_sidecar.server.backend import BackendUnavailable, choose_backend
 from dspark_sidecar.server.config import ServeConfig
+from dspark_sidecar.server import fast_path as fast_path_mod
 from dspark_sidecar.server.fast_path import FlyDSLFastPath, kernel_mismatch, layer_weights
 from dspark_sidecar.server.kv_binding import KVBinding
 from dspark_sidecar.server.refusal import EngineFacts, HostFacts
@@ -819,6 +820,28 @@ def test_close_closes_the_runner_then_the_peer_mappings_once():
     assert order == ["runner", "peers"] and fp.runner is None and fp.peers is None
     fp.close()
     assert order == ["runner", "peers"]
+
+
+def test_close_waits_for_the_device_before_it_closes_the_runner_and_the_mappings(monkeypatch):
+    """A FlyDSL rank has no step graphs, so nothing in the teardown synchronized the device before this close:
+    the last step's kernels (queued, not waited for: its answer is an event) could still read the exchange
+    buffers the close frees and the peers' memory it unmaps. The device is waited for first."""
+    order = []
+    monkeypatch.setattr(fast_path_mod.torch.cuda, "synchronize", lambda device=None: order.append(("sync", device)))
+
+    class Runners(Counting):
+        def __call__(self, *args, **kw):
+            r = super().__call__(*args, **kw)
+            close = r.close
+            r.close = lambda: (order.append("runner"), close())
+            return r
+
+    fp, _ = fast_path(factory=Runners())
+    assert fp.ready(binding())
+    cpu_close_order = list(order)
+    fp.final_norm = SimpleNamespace(device=torch.device("cuda", 2))  # a GPU rank's weights, without a GPU here
+    fp.close()
+    assert cpu_close_order == [] and order == [("sync", torch.device("cuda", 2)), "runner"]
 
 
 def test_a_rebind_closes_the_old_runner_at_once_not_at_the_next_step():
