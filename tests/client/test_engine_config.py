@@ -53,6 +53,32 @@ def test_a_wait_that_is_no_number_is_named(make, field, value):
         make(value)
 
 
+@pytest.mark.parametrize("make, field", [
+    (lambda v: EngineConfig(tp_size=4, step_deadline_s=v), "step_deadline_s"),
+    (lambda v: EngineConfig(tp_size=4, bind_deadline_s=v), "bind_deadline_s"),
+    (lambda v: EngineConfig(tp_size=4, late_grace_s=v), "late_grace_s"),
+    (lambda v: EngineConfig(tp_size=4, connect_deadline_s=v), "connect_deadline_s"),
+    (lambda v: BreakerConfig(backoff_initial_s=v), "breaker.backoff_initial_s"),
+    (lambda v: BreakerConfig(backoff_max_s=v), "breaker.backoff_max_s"),
+    (lambda v: BreakerConfig(probe_deadline_s=v), "breaker.probe_deadline_s"),
+])
+@pytest.mark.parametrize("value", [0, 0.0, -0.5])
+def test_a_wait_of_zero_or_less_is_refused(make, field, value):
+    """A gRPC call with a timeout of 0 fails at once (DEADLINE_EXCEEDED): a connect or bind deadline of 0
+    never reaches the sidecar, and a backoff of 0 stays 0 as it doubles, so an open breaker probed on every
+    step. Refused by name, as the waits above."""
+    with pytest.raises(EngineConfigError, match=f"^{re.escape(field)}: must be above 0"):
+        make(value)
+
+
+@pytest.mark.parametrize("field", ["tp_size", "dp_size", "pp_size", "required_tp", "max_catchup_binds", "max_reqs"])
+def test_a_count_given_as_true_is_refused(field):
+    """bool is an int to isinstance: True passed as a count of 1 (a TP size, a request limit)."""
+    kw = {"tp_size": 4, field: True}
+    with pytest.raises(EngineConfigError, match=f"^{field}: must be a positive integer, got True"):
+        EngineConfig(**kw)
+
+
 def test_the_agreement_outwaits_a_live_peer_probing_its_sidecar():
     """A rank whose breaker is open probes its sidecar before the pre-flight (a health Check, then a GetStatus
     when it answers NOT_SERVING, each bounded by probe_deadline_s), and again in a catch-up after it: its peers

@@ -119,6 +119,15 @@ def test_a_seed_the_synthetic_writer_cannot_use_is_refused_by_flag(seed):
     ({"startup_timeout_s": 86_401}, "--startup-timeout-s: must be 1..86400, got 86401"),
     # Rank 0's store and rank 1's gRPC listener would meet on it: the second to bind refused to start.
     ({"tp": 2, "tcp_base_port": 50051, "master_port": 50052}, "--master-port: port 50052 is also --tcp-base-port's"),
+    # Each rank serves metrics on port + rank: at --tp 4 a base of 65533 put rank 3 on 65536, which the HTTP
+    # server refuses with an OverflowError (not the OSError the rank turns into one line): a traceback.
+    ({"tp": 4, "metrics_port": 65533}, "--metrics-port: must be 0..65532, got 65533"),
+    # gRPC takes its message limits as a C int: 2^31 raised OverflowError from grpc.server() in every rank.
+    ({"max_message_bytes": 1 << 31}, "--max-message-bytes: must be 1 MiB..2^31 - 1 (gRPC's limit), got 2147483648"),
+    ({"max_message_bytes": (1 << 20) - 1}, "--max-message-bytes: must be 1 MiB..2^31 - 1 (gRPC's limit), got 1048575"),
+    ({"rendezvous_ms": 60_001}, "--rendezvous-ms: must be 1..60000, got 60001"),
+    ({"prelaunch_behind_ms": 60_001}, "--prelaunch-behind-ms: must be above 0 and at most 60000, got 60001"),
+    ({"dist_timeout_s": 86_401}, "--dist-timeout-s: must be 1..86400, got 86401"),
 ], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
 def test_each_setting_outside_its_range_is_refused_naming_its_flag(kw, message):
     """ServeConfig refuses in __post_init__ (flags, DSPARK_* variables, and programmatic use alike): each
@@ -130,7 +139,12 @@ def test_each_setting_outside_its_range_is_refused_naming_its_flag(kw, message):
 def test_settings_at_the_edges_of_their_ranges_are_accepted():
     for kw in ({"max_reqs": 1}, {"max_reqs": 256}, {"tp": 4, "tcp_base_port": 65532}, {"tp": 1, "metrics_port": 65535},
                {"tp": 4, "master_port": 65535},  # one port, not one per rank: any port, whatever --tp
-               {"tp": 1, "shard_of": 2}, {"drain_s": 0}, {"drain_s": 300}):
+               {"tp": 1, "shard_of": 2}, {"drain_s": 0}, {"drain_s": 300},
+               {"tp": 4, "metrics_port": 65532}, {"launch_streams": 8}, {"rendezvous_ms": 60_000},
+               {"prelaunch_behind_ms": 60_000}, {"dist_timeout_s": 86_400},
+               {"max_message_bytes": 1 << 20}, {"max_message_bytes": (1 << 31) - 1},
+               # --random-weights draws the weights: a --checkpoint gives only its config.json, no target needed
+               {"checkpoint": Path("/ckpt/dspark"), "random_weights": True}):
         c = ServeConfig(**kw)
         assert all(getattr(c, k) == v for k, v in kw.items()), kw
 
