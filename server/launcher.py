@@ -170,10 +170,15 @@ def _remove_stale_sockets(cfg: ServeConfig, procs: list[subprocess.Popen]) -> No
     """A rank that failed or was killed (os._exit(3), SIGKILL) leaves its socket files, the gRPC one and the
     engine-lease one; remove them unless something answers on them or another serve's rank has claimed the
     rank's name (never a live server's: preflight.remove_stale_socket), so the folder shows no sidecar that is
-    not there."""
+    not there. One that cannot be removed (another user's in a sticky folder: EPERM) is left with a line: this
+    runs in launch's finally, where an OSError replaced the group's exit code (a refusal's 2) with a traceback."""
     for r, p in enumerate(procs):
         if p.returncode != 0:
-            remove_stale_socket(cfg.socket_path(r), layout.rank_lease_socket(cfg.socket_dir, r))
+            try:
+                remove_stale_socket(cfg.socket_path(r), layout.rank_lease_socket(cfg.socket_dir, r))
+            except OSError as err:
+                log.warning("cannot remove rank %d's stale socket %s: %s; remove it as its owner or root", r,
+                            err.filename or cfg.socket_path(r), err.strerror or err)
 
 
 def _terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:

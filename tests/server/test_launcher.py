@@ -521,3 +521,124 @@ def test_a_rank_that_exits_3_while_serving_is_named_and_leaves_no_socket_of_its_
     assert [r.getMessage() for r in caplog.records] == [
         "sidecar rank 1 exited with code 3; stopping the group (2 ranks)"], caplog.text
     assert sorted(p.name for p in sock.iterdir() if p.is_socket()) == []
+
+
+def test_a_stale_socket_the_launcher_may_not_remove_keeps_the_group_s_exit_code(monkeypatch, caplog):
+    """A rank refuses to start because the stale socket at its name is another user's in a sticky folder (a pod
+    whose containers' uids differ: unlink is EPERM; preflight.claim_socket's one line, exit 2). The launcher's
+    clean-up after the failed rank then tried the same unlink in its finally: the PermissionError replaced the
+    group's exit 2 with a traceback (exit 1, which systemd restarts for ever). The socket is left, with a line."""
+    sock = short_socket_dir()
+    rank = ("import os, pathlib, socket, sys\n"
+            f"d = pathlib.Path({str(sock)!r})\n"
+            "if os.environ['RANK'] == '0':\n"  # a socket file nobody answers on, then the refusal
+            "    socket.socket(socket.AF_UNIX).bind(str(d / 'rank0.sock'))\n"
+            "    sys.exit(2)\n"
+            "import time; time.sleep(60)\n")
+    _fake_ranks(monkeypatch, rank)
+    real_unlink = Path.unlink
+
+    def eperm(self, missing_ok=False):
+        if self.name == "rank0.sock":
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", eperm)
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+        code = launch(ServeConfig(tp=2, socket_dir=sock), [], on_ready=lambda: False, poll_s=0.05)
+    assert code == EXIT_USAGE
+    assert (sock / "rank0.sock").is_socket()
+    assert "cannot remove" in caplog.text and "rank0.sock" in caplog.text, caplog.text
+
+
+def test_a_ctrl_c_to_the_whole_group_during_start_up_exits_0(tmp_path, monkeypatch, caplog):
+    """A Ctrl-C in serve's terminal reaches every process of the foreground group: ranks still importing (no
+    handler of their own yet) die of the SIGINT itself (-2), and the launcher stops. That is the stop asked for,
+    exit 0, as the launcher's own SIGTERM's -15 is. Here the probe sends the SIGINT, to the ranks first (each has
+    ended before the launcher hears of it: the order the launcher cannot count on) and then to this process."""
+    from dspark_sidecar.server import launcher
+
+    rank = ("import os, pathlib, sys, time\n"
+            f"pathlib.Path({str(tmp_path)!r}, 'up-' + os.environ['RANK']).touch()\n"
+            "time.sleep(60)\n"
+            "sys.exit(3)\n")
+    real_popen = subprocess.Popen
+    started: list[subprocess.Popen] = []
+
+    def popen(argv, **kw):
+        started.append(real_popen([sys.executable, "-c", rank], **kw))
+        return started[-1]
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+
+    def on_ready() -> bool:
+        if len(list(tmp_path.glob("up-*"))) < 2:
+            return False
+        for p in started:
+            p.send_signal(signal.SIGINT)
+        for p in started:
+            p.wait(timeout=30)
+        os.kill(os.getpid(), signal.SIGINT)  # handled here, inside the probe, before it returns
+        return False
+
+    try:
+        with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+            code = launch(ServeConfig(tp=2, socket_dir=tmp_path), [], on_ready=on_ready, poll_s=0.05)
+    except KeyboardInterrupt:
+        pytest.fail("the launcher's SIGINT was not its stop: KeyboardInterrupt")
+    assert [p.returncode for p in started] == [-signal.SIGINT] * 2
+    assert code == 0, caplog.text
+    assert "exited with code" not in caplog.text, caplog.text
+
+
+def test_a_rank_killed_by_a_signal_while_serving_leaves_no_socket_of_its_own(monkeypatch, caplog):
+    """Rank 1 is SIGKILLed while the group serves (the OOM killer): it removes nothing, so its gRPC socket and its
+    engine-lease socket stay. The launcher names it with the signal's code and removes both, as for an exit 3."""
+    sock = short_socket_dir()
+    rank = ("import os, pathlib, signal, socket, sys, time\n"
+            f"d = pathlib.Path({str(sock)!r})\n"
+            "r = os.environ['RANK']\n"
+            "held = []\n"
+            "for name in ('rank%s.sock' % r, 'rank%s.lease' % r):\n"
+            "    s = socket.socket(socket.AF_UNIX)\n"
+            "    s.bind(str(d / name))\n"
+            "    s.listen()\n"
+            "    held.append(s)\n"
+            "def stop(*a):\n"
+            "    for n in ('rank%s.sock' % r, 'rank%s.lease' % r):\n"
+            "        (d / n).unlink()\n"
+            "    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            + _RANK_1_ENDS_ONCE_SERVING.format(end="os.kill(os.getpid(), signal.SIGKILL)"))
+    _fake_ranks(monkeypatch, rank)
+    assert _launch_until_a_rank_dies(sock, caplog) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "sidecar rank 1 exited with code -9; stopping the group (2 ranks)"], caplog.text
+    assert sorted(p.name for p in sock.iterdir() if p.is_socket()) == []
+
+
+def test_each_rank_gets_its_rank_the_world_the_rendezvous_and_the_launcher_s_pid(tmp_path, monkeypatch):
+    """What a rank reads from its environment (cli.cmd_serve, app._die_with_parent): RANK and LOCAL_RANK (its GPU),
+    WORLD_SIZE, MASTER_ADDR/MASTER_PORT, and DSPARK_LAUNCHER_PID, without which a rank never set PR_SET_PDEATHSIG
+    and outlived a SIGKILLed launcher, and checked the checkpoint again in every rank. The launcher puts back the
+    signal handlers it found."""
+    import json
+
+    from dspark_sidecar.server import launcher
+
+    seen = []
+    real_popen = subprocess.Popen
+
+    def rank(argv, env, **kw):
+        seen.append({k: env.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                             "DSPARK_LAUNCHER_PID")})
+        return real_popen([sys.executable, "-c", "pass"], env=env, **kw)  # exits at once: the launch ends
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", rank)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    launch(ServeConfig(tp=2, socket_dir=tmp_path, master_port=29511), ["serve"], on_ready=lambda: False)
+    assert {s: signal.getsignal(s) for s in before} == before
+    cfg = ServeConfig(tp=2, socket_dir=tmp_path)
+    want = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": cfg.master_addr,
+             "MASTER_PORT": "29511", "DSPARK_LAUNCHER_PID": str(os.getpid())} for r in range(2)]
+    assert seen == want, json.dumps(seen)

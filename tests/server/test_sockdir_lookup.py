@@ -72,3 +72,17 @@ def test_dot_dot_after_a_link_of_ours_is_not_judged_by_the_link_target_s_owner(t
     d = tmp_path / "mine" / ".." / "sock"  # the kernel's: tmp_path/sock
     sockdir.prepare(d)
     assert (tmp_path / "sock").is_dir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a link of root's needs root")
+def test_a_link_of_root_s_on_the_way_is_not_another_user_s(tmp_path, monkeypatch):
+    """A sidecar of its own user whose socket folder is reached through a link that root made (/var/run -> /run on
+    most distributions): root can change anything anyway, so its link is trusted as its folders are, not refused
+    as one another user could point elsewhere."""
+    (tmp_path / "run" / "dspark").mkdir(parents=True, mode=0o770)
+    (tmp_path / "run" / "dspark").chmod(0o770)
+    (tmp_path / "var-run").symlink_to(tmp_path / "run")  # made by root: owner uid 0
+    monkeypatch.setattr(sockdir, "effective_uid", lambda: OTHER_UID)  # the sidecar runs as another user than root
+    d = tmp_path / "var-run" / "dspark"
+    assert sockdir.foreign_link(d, OTHER_UID) is None
+    sockdir.prepare(d)
