@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import mmap
@@ -10,7 +11,7 @@ import os
 import stat
 import threading
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
@@ -66,15 +67,30 @@ class ShmTensor:
 
     tensor: torch.Tensor
     segment: shared_memory.SharedMemory
+    unlinked: bool = dataclasses.field(default=False, repr=False)
 
     def close(self, unlink: bool = True) -> None:
+        """Idempotent: the name is removed (and dropped from the resource tracker) once, whoever removed it."""
         if self.tensor is not None:
             with _EXPORTED_LOCK:
                 _EXPORTED.pop(self.tensor.untyped_storage().data_ptr(), None)
         self.tensor = None  # type: ignore[assignment]  # unmapped now unless a view of it is still alive
         self.segment.close()
-        if unlink:
-            self.segment.unlink()
+        if unlink and not self.unlinked:
+            self.unlinked = True
+            unlink_segment(self.segment, "shared-memory segment")
+
+
+def unlink_segment(seg: shared_memory.SharedMemory, what: str) -> None:
+    """Remove a segment's name this process made, also when someone else removed it first (an operator cleaning
+    /dev/shm, systemd's RemoveIPC): a warning naming `what`, not FileNotFoundError."""
+    try:
+        seg.unlink()
+    except FileNotFoundError:
+        log.warning("%s %s was removed by another process", what, seg.name)
+        # SharedMemory.unlink unregisters only after a successful unlink: without this the resource
+        # tracker warns of a "leaked" segment at exit and tries to unlink it again.
+        resource_tracker.unregister(seg._name, "shared_memory")
 
 
 _EXPORTED: dict[int, tuple[str, int]] = {}  # data_ptr of a segment's first byte -> (name, size)
@@ -121,7 +137,14 @@ class AttachedSegment:
         if not name or "/" in name or name in (".", ".."):
             raise ValueError(f"{name!r} is not a shared-memory name (one entry of /dev/shm, no '/')")
         path = os.path.join("/dev/shm", name)
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            # O_NOFOLLOW's refusal reads "Too many levels of symbolic links": say what it is and what to send.
+            raise OSError(errno.ELOOP, f"{path} is a symbolic link, refused (its target could change under the "
+                                       "mapping); send the segment's own name") from None
         try:
             st = os.fstat(fd)
             why = segment_problem(st.st_uid, st.st_mode, os.geteuid())

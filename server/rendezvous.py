@@ -28,7 +28,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -36,7 +36,7 @@ import numpy as np
 # longer once it has waited a while; the coordinator naps while steps flow and sleeps longer once the
 # ranks have been quiet a while.
 from dspark_sidecar.proto.doorbell import NAP_S, lower_timer_slack, pause
-from dspark_sidecar.proto.memory import AttachedSegment, new_segment
+from dspark_sidecar.proto.memory import AttachedSegment, new_segment, unlink_segment
 # A peer's exit, told from another process that took its pid; `_exited` by this name so tests can count the looks.
 from dspark_sidecar.server.processes import exited as _exited, process_start
 
@@ -197,13 +197,7 @@ class Board:
         if not self.owner:
             return
         self.owner = False
-        try:
-            self.shm.unlink()
-        except FileNotFoundError:  # removed already, by someone else (an operator cleaning /dev/shm)
-            log.warning("rendezvous board %s was removed by another process", self.shm.name)
-            # SharedMemory.unlink unregisters only after a successful unlink: without this the
-            # resource tracker warns of a "leaked" segment at exit and tries to unlink it again.
-            resource_tracker.unregister(self.shm._name, "shared_memory")
+        unlink_segment(self.shm, "rendezvous board")
 
 
 def _create(name: str | None, size: int) -> shared_memory.SharedMemory:

@@ -691,3 +691,99 @@ def test_shm_empty_on_a_full_dev_shm_raises_enospc_not_a_bus_error(tmp_path):
     assert proc.returncode == 0, f"rc {proc.returncode} (-7 or 135: SIGBUS): {proc.stderr[-2000:]}"
     kind, err, left = proc.stdout.strip().splitlines()[-1].split("|")
     assert kind == "refused" and int(err) == errno.ENOSPC and left == "['fill']", proc.stdout
+
+
+def test_closing_an_exported_tensor_twice_or_after_its_segment_was_removed_raises_nothing(monkeypatch):
+    """ShmTensor.close() unlinked on every call: a second close(), or one after someone else removed the
+    segment (an operator cleaning /dev/shm, systemd's RemoveIPC), raised FileNotFoundError, and a caller
+    closing several (StepBuffers.close) left the rest in /dev/shm. SharedMemory.unlink unregisters only
+    after a successful unlink, so the resource tracker also kept the name: at exit it warned of a leak and
+    unlinked it again. Each name is now removed and unregistered once."""
+    from multiprocessing import resource_tracker
+
+    real_unregister, unregistered = resource_tracker.unregister, []
+
+    def unregister(name, rtype):
+        unregistered.append(name)
+        real_unregister(name, rtype)
+
+    monkeypatch.setattr(resource_tracker, "unregister", unregister)
+    twice, removed, kept = (memory.shm_empty((64,), torch.uint8) for _ in range(3))
+    twice.close()
+    twice.close()
+    os.unlink(f"/dev/shm/{removed.segment.name}")
+    removed.close()
+    kept.close(unlink=False)
+    assert os.path.exists(f"/dev/shm/{kept.segment.name}")  # not unlinked: still the caller's to remove
+    kept.close()
+    assert not os.path.exists(f"/dev/shm/{kept.segment.name}")
+    assert unregistered == [f"/{m.segment.name}" for m in (twice, removed, kept)]
+
+
+def test_a_symbolic_link_is_refused_as_one(segment, tmp_path):
+    """O_NOFOLLOW refuses a link with ELOOP, whose words ("Too many levels of symbolic links") name neither
+    the link nor what to send instead."""
+    link = f"dspark-test-link-{os.getpid()}"
+    os.symlink(f"/dev/shm/{segment.segment.name}", f"/dev/shm/{link}")
+    try:
+        with pytest.raises(memory.HandleError, match=f"/dev/shm/{link} is a symbolic link.*the segment's own name"):
+            memory.MappedMemory(pb.MemoryHandle(shm=pb.SharedMemoryHandle(name=link)), "page", torch.device("cpu"))
+    finally:
+        os.unlink(f"/dev/shm/{link}")
+
+
+def test_a_handle_s_offset_places_its_views_and_bounds_what_they_reach(segment):
+    """offset_bytes starts the storage inside the segment: a view's element 0 is the byte at offset_bytes,
+    never one before it (a negative view offset would reach engine memory in front of the region), and two
+    mappings of one segment place the same byte at the same position (how overlapping regions are found)."""
+    segment.tensor[:] = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
+    handle = memory.export_handle(segment.tensor)
+    handle.shm.offset_bytes = 64
+    first = memory.MappedMemory(handle, "regions[0].memory", torch.device("cpu"))
+    second = memory.MappedMemory(memory.export_handle(segment.tensor), "regions[1].memory", torch.device("cpu"))
+    try:
+        view = first.view(torch.uint8, (4,), (1,), 0, "positions")
+        assert view.tolist() == [64, 65, 66, 67]
+        same = second.view(torch.uint8, (4,), (1,), 64, "positions")
+        assert first.place(view) == second.place(same) and first.place(view)[1] == 64
+        with pytest.raises(memory.HandleError, match="positions: negative shape, stride or offset"):
+            first.view(torch.uint8, (4,), (1,), -4, "positions")
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("offset, size, why", [
+    (4097, 0, "offset 4097 beyond segment size 4096"),
+    (0, 4097, "size_bytes 4097 outside the segment's 4096 bytes"),
+    (64, 32, "size_bytes 32 outside the segment's 4096 bytes \\(or below offset_bytes 64\\)"),
+])
+def test_a_handle_claiming_more_than_its_segment_is_refused_and_unmapped_at_once(segment, offset, size, why):
+    """A handle that claims bytes past the segment's end (a smaller segment under that name) is refused,
+    and the mapping made to check it goes at once, not with the error's traceback."""
+    handle = memory.export_handle(segment.tensor)
+    handle.shm.offset_bytes, handle.shm.size_bytes = offset, size
+    name, before = segment.segment.name, _maps_of(segment.segment.name)
+    with pytest.raises(memory.HandleError, match=f"regions\\[0\\].memory: {why}") as refused:
+        memory.MappedMemory(handle, "regions[0].memory", torch.device("cpu"))
+    assert _maps_of(name) == before, refused.traceback  # the traceback still holds the refusing frame
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a segment a group this process is not in needs root")
+def test_a_segment_shared_with_a_group_gets_that_group_not_the_process_s():
+    """The group named, not the creator's own: the test above names the process's group, which the segment
+    has anyway."""
+    other_gid = os.getegid() + 12345
+    shared = memory.shm_empty((64,), torch.uint8, group=other_gid)
+    try:
+        assert os.stat(f"/dev/shm/{shared.segment.name}").st_gid == other_gid
+    finally:
+        shared.close()
+
+
+def test_a_counter_file_one_byte_short_of_torch_s_is_not_given_back_into(counter_file, given_back):
+    """torch grows a shorter file to its counter file's size: the bound is the whole file, to the byte."""
+    short = counter_file(memory._REF_COUNTER_FILE_BYTES - 1)
+    assert "is not one of torch's ref-counter files" in memory.counter_file_problem(short)
+    memory.discard_handle(pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(ref_counter_handle=short, ref_counter_offset=3)))
+    assert given_back == []
