@@ -41,7 +41,8 @@ def draft_layout_refusal(vllm_config: Any) -> str | None:
 
 def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
     """Why the attention vLLM built for the draft's layers is not the one the sidecar serves, or None (None too
-    for a model whose layers do not say). The stock forward attends as vLLM resolved the checkpoint's config
+    for a model whose layers do not say; a layer is judged on each part it says, none refused for one it leaves
+    out). The stock forward attends as vLLM resolved the checkpoint's config
     (vLLM 0.34 models/qwen3_dflash.py _resolve_layer_attention: a window only on "sliding_attention" layers, and
     transformers fills "full_attention" where config.json has no layer_types; causal where dflash_config says so;
     dflash_config.swa_window_size over sliding_window; rotary dims from partial_rotary_factor, rotary_dim unread).
@@ -55,8 +56,11 @@ def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
     window, rotary = getattr(hf, "sliding_window", None), getattr(hf, "rotary_dim", None)
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
-        if attn is None or not hasattr(attn, "causal") or not hasattr(attn, "sliding_window"):
+        if attn is None:
             return None
+        # Each part judged where the layer says it, alone: a vLLM that keeps no `causal` on the module (one where it
+        # is still unused) still has its backend, window and rotary dims read. Both were required before, and such
+        # a draft was forwarded unchecked: on ROCM_ATTN (its cache misread) or with full attention.
         backend = _backend_name(attn)
         if backend in _KV_HEAD_GROUP_BACKENDS:
             return (f"vLLM's {backend} attention backend holds draft layer {i}'s KV cache as K and V head groups with "
@@ -68,20 +72,24 @@ def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
             return (f"vLLM's {backend} attention backend keeps no {', '.join(missing)} in its step metadata, which "
                     "the shim reads each step: every step would fall back; choose the draft's attention backend "
                     "with the speculative config's attention_backend (FLASH_ATTN or TRITON_ATTN)")
-        if attn.causal:
+        if getattr(attn, "causal", False):
             return (f"vLLM serves draft layer {i} causally (the checkpoint's dflash_config.causal or is_causal), "
                     "and the sidecar serves the spec's non-causal block")
-        if attn.sliding_window is None:
+        served = getattr(attn, "sliding_window", _UNSAID)
+        if served is None:
             return (f"vLLM serves draft layer {i} with full attention (its config.json's layer_types do not name it "
                     f"sliding_attention), and the sidecar a {window}-token window")
-        if window is not None and attn.sliding_window != window:
-            return (f"vLLM serves draft layer {i} with a {attn.sliding_window}-token window "
+        if served is not _UNSAID and window is not None and served != window:
+            return (f"vLLM serves draft layer {i} with a {served}-token window "
                     f"(dflash_config.swa_window_size), and the sidecar the config's sliding_window {window}")
         dims = getattr(getattr(attn, "rotary_emb", None), "rotary_dim", None)
         if rotary is not None and dims is not None and dims != rotary:
             return (f"vLLM rotates {dims} dims of each head in draft layer {i} (head_dim x partial_rotary_factor), "
                     f"and the sidecar the config's rotary_dim {rotary}")
     return None
+
+
+_UNSAID = object()  # a layer's attention that has no sliding_window (None there is full attention)
 
 
 # Backends whose per-layer cache is not the records layout [pages, kv_heads, page_size, 2 * head_dim] the binding

@@ -120,3 +120,46 @@ def test_a_half_open_breaker_lets_calls_through_without_probing_again_until_a_re
     assert b.allow() and b.allow() and len(probed) == 1 and b.probes == 1
     b.record_failure("the try failed")
     assert b.state is BreakerState.OPEN and not b.allow() and len(probed) == 1
+
+
+def test_a_sidecar_that_passes_its_probes_and_fails_every_try_is_tried_ever_less_often():
+    """Each failed try after a passing probe doubles the wait (up to backoff_max_s), as a failed probe does: a
+    sidecar healthy to its health check whose steps all fail is not tried again every backoff_initial_s, each try
+    a step sent into its deadline, for as long as it stays so."""
+    clock, probed = _Clock(), []
+    b = CircuitBreaker(BreakerConfig(failure_threshold=1, backoff_initial_s=0.5, backoff_max_s=3.0),
+                       lambda deadline_s: probed.append(clock.now) or True, clock)
+    b.record_failure("x")
+    waits = [b.retry_at - clock.now]
+    for _ in range(4):
+        clock.now = b.retry_at
+        assert b.allow() and b.state is BreakerState.HALF_OPEN
+        b.record_failure("the try failed")
+        waits.append(b.retry_at - clock.now)
+    assert waits == [0.5, 1.0, 2.0, 3.0, 3.0] and len(probed) == 4
+
+
+def test_failures_recorded_while_open_neither_reopen_it_nor_put_its_probe_off():
+    """Once open, a failure the caller still records (a shim error while settling a late step, closing the data
+    plane) is counted, but it is no new opening, and the probe stays due when the wait set at the opening ends:
+    pushed back by each such failure, a rank that keeps recording them would never be probed again."""
+    clock = _Clock()
+    b = CircuitBreaker(BreakerConfig(failure_threshold=2, backoff_initial_s=0.5), lambda deadline_s: True, clock)
+    b.record_failure("x")
+    b.record_failure("x")
+    retry_at = b.retry_at
+    clock.now += 0.4
+    b.record_failure("while open")
+    assert b.state is BreakerState.OPEN and b.opened == 1 and b.failures == 3 and b.retry_at == retry_at
+    clock.now = retry_at
+    assert b.allow() and b.state is BreakerState.HALF_OPEN
+
+
+def test_the_probe_is_bounded_by_probe_deadline_s():
+    """The probe runs on the engine's step thread: each of its calls gets probe_deadline_s, not a wait of its own."""
+    clock, deadlines = _Clock(), []
+    b = CircuitBreaker(BreakerConfig(failure_threshold=1, backoff_max_s=3.0, probe_deadline_s=0.125),
+                       lambda deadline_s: deadlines.append(deadline_s) or False, clock)
+    b.record_failure("x")
+    clock.now = b.retry_at
+    assert not b.allow() and deadlines == [0.125]

@@ -885,6 +885,70 @@ def test_the_attention_the_sidecar_serves_is_not_refused(fake_vllm, fake_specula
     assert vllm_refusals.draft_attention_refusal(SimpleNamespace(), cfg) is None
 
 
+@pytest.mark.parametrize("unsaid, attention, said", [
+    # vLLM's qwen3_dflash resolves `causal` per layer, but a build where it is still unused keeps only
+    # sliding_window on the attention module ("causal is currently unused here"): every other check was skipped.
+    ("causal", dict(backend="ROCM_ATTN"), "vLLM's ROCM_ATTN attention backend"),
+    ("causal", dict(backend="FLASHINFER"), "keeps no seq_lens, block table"),
+    ("causal", dict(window=None), "vLLM serves draft layer 0 with full attention"),
+    ("causal", dict(window=2048), "vLLM serves draft layer 0 with a 2048-token window"),
+    ("causal", dict(rotary_dim=32), "vLLM rotates 32 dims of each head in draft layer 0"),
+    ("sliding_window", dict(causal=True), "vLLM serves draft layer 0 causally"),
+    ("sliding_window", dict(backend="ROCM_ATTN"), "vLLM's ROCM_ATTN attention backend"),
+])
+def test_what_a_draft_layer_says_of_its_attention_is_judged_though_it_leaves_out_another_part(unsaid, attention, said):
+    """An attention module that does not say whether it is causal (or what its window is) is not refused for that,
+    but still for what it does say. Both had to be there for any check to run: a vLLM that keeps no `causal` on the
+    layer had its draft forwarded on ROCm's default backend (the cache misread), or with full attention."""
+    cfg = _draft_config()
+    model = _draft_attention(SimpleNamespace(), **attention)
+    delattr(model.model.layers[0].self_attn, unsaid)  # one attention object on every layer (_draft_attention)
+    assert said in (vllm_refusals.draft_attention_refusal(model, cfg) or "")
+    # Saying neither, and using a backend the sidecar reads, such a layer is not refused.
+    served = _draft_attention(SimpleNamespace(), backend="FLASH_ATTN")
+    for name in ("causal", "sliding_window"):
+        delattr(served.model.layers[0].self_attn, name)
+    assert vllm_refusals.draft_attention_refusal(served, cfg) is None
+
+
+@pytest.mark.parametrize("attention, said", [
+    (dict(window=None), "vLLM serves draft layer 3 with full attention"),
+    (dict(causal=True), "vLLM serves draft layer 3 causally"),
+    (dict(rotary_dim=32), "vLLM rotates 32 dims of each head in draft layer 3"),
+    (dict(backend="ROCM_ATTN"), "holds draft layer 3's KV cache"),
+])
+def test_every_draft_layer_is_judged_not_the_first_alone(attention, said):
+    """vLLM resolves the attention per layer (layer_types, per-layer windows): one layer of five built otherwise
+    than the sidecar serves is enough, and the reason names it."""
+    cfg = _draft_config()
+    model = _draft_attention(SimpleNamespace(), backend="FLASH_ATTN")
+    assert vllm_refusals.draft_attention_refusal(model, cfg) is None
+    other = _draft_attention(SimpleNamespace(), **({"backend": "FLASH_ATTN"} | attention))
+    model.model.layers[3] = other.model.layers[3]
+    assert said in (vllm_refusals.draft_attention_refusal(model, cfg) or "")
+
+
+class _GenericFlashInferBuilder(_FlashInferBuilder, Generic[M]):  # its own __orig_bases__ name no metadata class
+    pass
+
+
+def test_the_metadata_class_is_found_on_a_base_of_a_builder_that_is_generic_itself():
+    """The builder's own type arguments need not name the metadata class (a subclass that is generic again): the
+    bases are read in turn, and a FlashInfer-like metadata class found there keeps the shim off all the same."""
+    cfg = _draft_config()
+    model = _draft_attention(SimpleNamespace(), backend="FLASH_ATTN")
+    attn = model.model.layers[0].self_attn
+    attn.attn.attn_backend.get_builder_cls = lambda: _GenericFlashInferBuilder
+    assert "keeps no seq_lens, block table" in (vllm_refusals.draft_attention_refusal(model, cfg) or "")
+
+
+def test_a_config_that_does_not_say_whether_sleep_mode_is_on_is_not_refused_for_it():
+    """An object that does not say (another vLLM, a fake) is not refused for what it leaves out (module docstring)."""
+    assert vllm_refusals.sleep_mode_refusal(SimpleNamespace()) is None
+    assert vllm_refusals.sleep_mode_refusal(SimpleNamespace(model_config=SimpleNamespace())) is None
+    assert "sleep mode" in vllm_refusals.sleep_mode_refusal(vllm_config(sleep_mode=True))
+
+
 @pytest.mark.parametrize("extensible", [False, None])
 def test_a_kv_cache_of_plain_device_memory_or_a_setting_not_yet_resolved_is_not_refused(extensible):
     assert vllm_refusals.kv_memory_refusal(vllm_config(extensible=extensible)) is None
