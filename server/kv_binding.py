@@ -90,6 +90,9 @@ class MemoryBindings:
             if e.tp_size == 0:  # proto3's "not set": the whole EngineFacts, often
                 raise invalid("engine.tp_size", "not set: send the engine's facts (EngineFacts: its rank, TP, DP and PP "
                                                 "sizes, speculative config) with every BindKV")
+            for name in ("dp_size", "pp_size"):  # else the fast path's refusal read 0 as "DP > 1" / "PP > 1"
+                if getattr(e, name) == 0:
+                    raise invalid(f"engine.{name}", "not set: send the engine's size (1 for none)")
             if e.engine_rank != self.rank:
                 raise precondition(f"engine rank {e.engine_rank} bound to sidecar rank {self.rank}: engine rank r "
                                    "must talk to sidecar rank r (its own socket)", "RANK_MISMATCH", "engine.engine_rank")

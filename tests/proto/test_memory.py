@@ -262,7 +262,8 @@ def test_a_refused_bind_gives_back_every_cuda_handle_it_did_not_open(given_back)
     cfg = load_config("tiny")
     mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
     layers = [pb.KVLayerBinding(layer=i, memory=_ipc(8 * i)) for i in range(cfg.num_hidden_layers)]
-    wrong_tp = pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=4), page_size=16, layers=layers)
+    wrong_tp = pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=4, dp_size=1, pp_size=1), page_size=16,
+                               layers=layers)
     with pytest.raises(SidecarError, match="TP_MISMATCH|engine TP 4"):
         mem.bind(wrong_tp)
     assert sorted(o for _, o in given_back) == [8 * i for i in range(cfg.num_hidden_layers)]
@@ -275,7 +276,7 @@ def test_a_refused_bind_gives_back_every_cuda_handle_it_did_not_open(given_back)
         lb.shape[:] = kv_layer_shape(cfg, 1, 4, 16)
         lb.strides[:] = torch.empty(tuple(lb.shape)).stride()  # BindKV checks the strides' count before any map
     with pytest.raises(ValueError, match=r"layers\[0\].memory: a CUDA/HIP IPC handle needs a GPU sidecar"):
-        mem.bind(pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1), page_size=16, layers=layers))
+        mem.bind(pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1), page_size=16, layers=layers))
     # Layer 0's counter given back where it was refused, the rest by the undo: each exactly once.
     assert sorted(o for _, o in given_back) == [8 * i for i in range(cfg.num_hidden_layers)]
     assert mem.kv is None
@@ -628,7 +629,7 @@ def test_a_segment_that_cannot_be_opened_for_want_of_descriptors_or_memory_is_pa
                                 strides=torch.empty(kv_layer_shape(cfg, 1, 1, 16)).stride())
               for i in range(cfg.num_hidden_layers)]
     with pytest.raises(memory.HandleExhausted):
-        mem.bind(pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1), page_size=16, layers=layers))
+        mem.bind(pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1), page_size=16, layers=layers))
     assert mem.kv is None
     monkeypatch.undo()
     missing = pb.MemoryHandle(shm=pb.SharedMemoryHandle(name=f"dspark-test-missing-{os.getpid()}"))

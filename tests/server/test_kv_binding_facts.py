@@ -29,6 +29,22 @@ def test_a_bind_without_the_engines_tp_size_is_invalid_not_a_tp_mismatch(engine)
     assert mem.kv is None
 
 
+@pytest.mark.parametrize("field", ["dp_size", "pp_size"])
+def test_a_bind_without_the_engines_dp_or_pp_size_is_invalid_not_a_dp_or_pp_above_one(field):
+    """dp_size or pp_size left 0 (proto3's "not set") was bound, and the fast path's refusal then read "DP > 1" or
+    "PP > 1" of an engine that never said so. Refused as tp_size 0 is, naming the field, before any layer opens."""
+    cfg = load_config("tiny")
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
+    facts = dict(engine_rank=0, tp_size=1, dp_size=1, pp_size=1)
+    facts[field] = 0
+    with pytest.raises(SidecarError) as err:
+        mem.bind(pb.BindKVRequest(engine=pb.EngineFacts(**facts), page_size=16))
+    e = err.value
+    assert (e.code, e.field, e.reason) == (grpc.StatusCode.INVALID_ARGUMENT, f"engine.{field}", "INVALID_FIELD"), e
+    assert "not set" in e.message and "1 for none" in e.message, e.message
+    assert mem.kv is None
+
+
 def _ipc(counter: bytes) -> pb.MemoryHandle:
     return pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(device_uuid="GPU-other", ipc_handle=b"h", storage_size_bytes=64,
                                                      ref_counter_handle=counter, ref_counter_offset=8))
