@@ -16,7 +16,7 @@ import torch
 
 from dspark_sidecar.drafter.checkpoint import dequantize_mxfp8
 from dspark_sidecar.kernels import reference
-from dspark_sidecar.kernels.weights import MxFp8Weight
+from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
 
 def test_gemma_norm_forms_one_plus_w_in_fp32():
@@ -77,6 +77,59 @@ def test_rope_angle_uses_theta_five_million_at_large_positions():
         ang = p * theta ** (-2.0 * i / 64)
         assert cos[0, i].item() == pytest.approx(math.cos(ang), abs=1e-6)
         assert sin[0, i].item() == pytest.approx(math.sin(ang), abs=1e-6)
+
+
+def test_qk_norm_and_rope_are_computed_in_fp32_and_rounded_once():
+    """Per-head Gemma norm then partial NeoX RoPE, the whole in fp32 and rounded once to bf16 (the module's
+    contract, which the kernels' prelude is held to): against float64 of the spec's formula rounded once,
+    every value agrees. Rounded to bf16 between the norm and the RoPE, 31 of these 240 come out an ulp or
+    more off: within the step's bf16 tolerance, so only a pin of the op sees it. The case is checked to
+    have no float64 value within 1e-6 of its head's max of a bf16 rounding boundary, so fp32's own
+    rounding cannot flip one."""
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(5, 3, 16, generator=gen) * 3).to(torch.bfloat16)  # [rows, heads, head_dim]
+    w = (torch.randn(16, generator=gen) * 0.3).to(torch.bfloat16)
+    pos = torch.tensor([0, 1, 7, 1000, 123457])
+    cos, sin = reference.rope_cos_sin(pos, 8, 10_000.0)
+    got = reference.qk_norm_rope(x, w, cos, sin, 1e-6)
+    assert got.dtype == torch.bfloat16
+
+    xd = x.double()
+    n = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-6) * (1 + w.double())
+    ang = pos.double()[:, None] * 10_000.0 ** (-2.0 * torch.arange(4, dtype=torch.float64) / 8)
+    c, s = torch.cos(ang)[:, None], torch.sin(ang)[:, None]
+    a, b = n[..., :4], n[..., 4:8]
+    want = torch.cat([a * c - b * s, b * c + a * s, n[..., 8:]], -1)
+    margin = 1e-6 * want.abs().amax(-1, keepdim=True)
+    assert torch.equal((want + margin).to(torch.bfloat16), (want - margin).to(torch.bfloat16))
+    assert torch.equal(got, want.to(torch.bfloat16))
+
+
+def test_a_norm_folded_weight_computes_the_spec_norm_then_linear():
+    """kernels.weights.NormFolded (the Triton backend's qkv and gate|up weights): W' = W * (1 + w) along
+    the input dim, and the reference's norm_linear(_swiglu) over it must still be the spec's
+    linear(gemma_norm(x)) (and its SwiGLU-OAI): fp32 against float64, a non-square weight. Without this
+    pin only the Triton tests (which skip where triton is not installed) held the reference's folded form.
+    Folding in bf16 forms (1 + w) in fp32 and rounds the product once: W = 1.5, w = 2^-8 gives 1.5078125
+    (1.5 if 1 + w were rounded to bf16 first, as in the Gemma norm pin above)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(7, 64, generator=gen) * 2
+    nw = torch.randn(64, generator=gen) * 0.3
+    w = torch.randn(40, 64, generator=gen) / 8
+    eps = 1e-6
+    xd = x.double()
+    normed = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps) * (1 + nw.double())
+    want = normed @ w.double().T
+    got = reference.norm_linear(x, nw, eps, NormFolded.fold(w, nw))
+    assert float((got.double() - want).abs().max()) < 1e-5 * float(want.abs().max())
+    g, u = want[:, :20].clamp(max=7.0), want[:, 20:].clamp(-7.0, 7.0)
+    want_act = g * torch.sigmoid(1.702 * g) * (u + 1)
+    got_act = reference.norm_linear_swiglu(x, nw, eps, NormFolded.fold(w, nw), 1.702, 7.0)
+    assert float((got_act.double() - want_act).abs().max()) < 1e-5 * float(want_act.abs().max())
+
+    bf16 = torch.bfloat16
+    folded = NormFolded.fold(torch.full((1, 2), 1.5, dtype=bf16), torch.full((2,), 2.0 ** -8, dtype=bf16))
+    assert folded.weight.dtype == torch.bfloat16 and folded.weight.float().tolist() == [[1.5078125, 1.5078125]]
 
 
 def test_swiglu_oai_clamps_and_the_plus_one_on_the_up_half():
