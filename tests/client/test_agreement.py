@@ -41,6 +41,17 @@ def test_a_context_without_an_exchange_is_refused_by_name():
         agreement_from(type("Par", (), {"world_size": 2})())
 
 
+def test_a_parallel_context_agrees_over_its_exchange_s_group_for_as_long_as_the_engine_config_says(monkeypatch):
+    """The group is the engine's TP CPU group (vLLM's of a second DP or PP replica is not the default group), and the
+    wait is EngineConfig.agreement_timeout_s: the default group's page agreed with ranks of other replicas, and one
+    built with the default 60 s gave a live, slow peer up for dead."""
+    group, calls = object(), []
+    monkeypatch.setattr(agreement, "node_agreement", lambda g, t: calls.append((g, t)) or LocalAgreement())
+    par = type("Par", (), {"world_size": 2, "exchange": type("X", (), {"group": group})()})()
+    agreement_from(par, timeout_s=431.5)
+    assert len(calls) == 1 and calls[0][0] is group and calls[0][1] == 431.5, calls
+
+
 def test_the_page_waits_for_its_peers_as_long_as_the_engine_config_says(one_rank_group, monkeypatch):
     """EngineConfig.agreement_timeout_s follows the step's deadlines (a 60 s step deadline allows more than 60 s
     between two agreements); a page built with the default 60 s had the peers of a live, slow rank give it up

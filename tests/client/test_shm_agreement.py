@@ -78,7 +78,7 @@ def test_a_page_rank_0_cannot_create_is_a_reason_not_an_exception(tmp_path, monk
     assert page is None and why == "rank 0: cannot create the page: [Errno 28] No space left on device", why
 
 
-@pytest.mark.parametrize("how", ["missing", "other", "small"])
+@pytest.mark.parametrize("how", ["missing", "foreign", "other", "small"])
 def test_ranks_that_cannot_map_rank_0_s_page_keep_gloo_and_leave_no_segment(how):
     """Not a host name but the page itself decides: ranks on two hosts that share a name, or in
     containers each with its own /dev/shm, cannot open rank 0's segment, or open another of that name (smaller
@@ -100,8 +100,9 @@ def test_a_peer_gone_during_the_set_up_leaves_no_page_behind():
     mp.spawn(deserted, args=(free_port(), errors, names), nprocs=2, join=True)
     assert errors.empty(), errors.get()
     assert not names.empty(), "rank 0 reported nothing"
-    name, left = names.get()
+    name, left, mapped = names.get()
     assert not left, f"rank 0's page {name} was left in /dev/shm after its peer was gone"
+    assert not mapped, f"rank 0 still mapped its page {name} while the set-up's error was handled"
 
 
 def test_a_peer_arriving_as_the_wait_times_out_is_agreed_with_not_an_error(monkeypatch):
@@ -310,3 +311,57 @@ def test_a_full_dev_shm_is_a_reason_not_a_bus_error(tmp_path):
     kind, why, left = proc.stdout.strip().splitlines()[-1].split("|")
     assert kind == "none" and why == "rank 0: cannot create the page: [Errno 28] No space left on device", why
     assert left == "['fill']", f"the page that could not be filled was left in /dev/shm: {left}"
+
+
+def test_a_rank_gives_its_peers_up_after_its_own_timeout_from_its_arrival(monkeypatch):
+    """The wait ends agreement_timeout_s after this rank wrote its slot (which follows the step's deadlines): a fixed
+    or shorter wait gave a live, slow peer up for dead, a longer one left the engine waiting on a dead peer. One
+    process, rank 0 of a page whose rank 1 never comes; the doorbell's wait reports the deadline it was given."""
+    from dspark_sidecar.client import shm_agreement
+    from dspark_sidecar.client.shm_agreement import AgreementTimeout
+
+    waits = []
+
+    def never(ready, deadline, active_since):
+        waits.append(deadline - active_since)
+        return False
+
+    monkeypatch.setattr(shm_agreement.bell, "wait_until", never)
+    seg = _page(2)
+    try:
+        agree = ShmAgreement(seg, world_size=2, rank=0, timeout_s=431.5)
+        with pytest.raises(AgreementTimeout, match=r"engine ranks \[1\] did not reach step agreement 1 within 431.5 s"):
+            agree.all_min_ints([1])
+        assert waits == [pytest.approx(431.5, abs=1e-6)], waits
+        agree.close()
+    finally:
+        seg.unlink()
+
+
+def test_a_closed_page_refuses_an_agreement_instead_of_touching_the_unmapped_page(tmp_path):
+    """numpy's view of the page holds no export of its buffer, so close() unmaps under it without a BufferError: a
+    view kept past close() then read or wrote memory no longer mapped (SIGSEGV, or whatever the address now maps).
+    In a child process: a segmentation fault there fails this test instead of ending the run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent("""
+        from multiprocessing import shared_memory
+        from dspark_sidecar.client.shm_agreement import MAX_VALUES, ShmAgreement
+        seg = shared_memory.SharedMemory(create=True, size=8 * (2 * (1 + MAX_VALUES) + 1))
+        seg.unlink()
+        agree = ShmAgreement(seg, world_size=1, rank=0, timeout_s=1.0)
+        assert agree.all_min_ints([3]) == [3]
+        agree.close()
+        try:
+            agree.all_min_ints([4])
+        except Exception as exc:  # noqa: BLE001  (which error it is does not matter, only that it is one)
+            print("refused", type(exc).__name__)
+        else:
+            print("agreed on an unmapped page")
+    """))
+    proc = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"rc {proc.returncode} (-11: SIGSEGV): {proc.stderr[-2000:]}"
+    assert proc.stdout.startswith("refused"), proc.stdout

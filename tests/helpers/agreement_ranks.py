@@ -75,29 +75,43 @@ def _agree_over_gloo(rank: int) -> None:
     dist.destroy_process_group()
 
 
+def mapped(name: str) -> bool:
+    """Whether this process still maps the shared-memory segment `name` (unlinked or not)."""
+    with open("/proc/self/maps") as maps:
+        return f"/dev/shm/{name}" in maps.read()
+
+
 def apart(rank: int, port: int, how: str, errors, names) -> None:
     """Rank 1 cannot share rank 0's page: `how` = "missing" (another host, or another /dev/shm: the name
-    opens nothing), "other" (a segment of that name that is not rank 0's) or "small" (one smaller than the
-    page). Both ranks must keep gloo, and the gloo agreement must still answer. Rank 1 puts the page's name
-    (from its reason) on `names`."""
+    opens nothing), "foreign" (a segment of that name it may not map: another user's, AttachedSegment's
+    ValueError), "other" (a segment of that name that is not rank 0's) or "small" (one smaller than the
+    page). Both ranks must keep gloo, and the gloo agreement must still answer; neither still maps a page
+    it will not use. Rank 1 puts the page's name (from its reason) on `names`."""
     from multiprocessing import shared_memory
 
+    opened: list[str] = []  # the segments rank 1 mapped in place of rank 0's
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         if rank == 1:
             def elsewhere(name):
                 if how == "missing":
                     raise FileNotFoundError(2, "No such file or directory", f"/dev/shm/{name}")
+                if how == "foreign":
+                    raise ValueError(f"/dev/shm/{name} is private to another user (owner uid 1, mode 0600)")
                 own = shared_memory.SharedMemory(create=True, size=8 if how == "small" else 4096)  # zeros: no token
                 own.unlink()
+                opened.append(own.name)
                 return own
             shm_agreement.AttachedSegment = elsewhere
         page, why = shared_page_agreement()
         assert page is None, "a page was shared with a rank that cannot see it"
-        want = "cannot open rank 0's page" if how == "missing" else "is not rank 0's page"
+        want = "cannot open rank 0's page" if how in ("missing", "foreign") else "is not rank 0's page"
         assert why.startswith("rank 1: ") and want in why, why
+        name = next(w for w in why.replace(":", " ").split() if w.startswith("psm_"))
+        left = [n for n in [name, *opened] if mapped(n)]
+        assert not left, f"rank {rank} still maps {left} after the ranks chose gloo"
         if rank == 1:
-            names.put(next(w for w in why.replace(":", " ").split() if w.startswith("psm_")))
+            names.put(name)
         _agree_over_gloo(rank)
     except BaseException as exc:  # noqa: BLE001  (reported to the test, which fails with it)
         errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
@@ -121,7 +135,8 @@ def deserted(rank: int, port: int, errors, names) -> None:
             shared_page_agreement()
         except RuntimeError:  # gloo: the peer closed the connection
             (name,) = rec.created
-            names.put((name, bool(rec.left())))
+            # Asked while the error (and with it the set-up's frame) is alive, as it is while the engine handles it.
+            names.put((name, bool(rec.left()), mapped(name)))
         else:
             errors.put("rank 0: shared_page_agreement returned with its peer gone")
     os._exit(0)  # the group cannot be destroyed cleanly with its peer gone
@@ -152,6 +167,7 @@ def subgroup(rank: int, port: int, errors) -> None:
         if rank != 0:
             page, why = shared_page_agreement(group, timeout_s=20.0)
             assert page is not None, why
+            assert DistAgreement(group).world_size == 2  # the group's ranks, not the world's (gloo's fallback)
             assert page.all_min_ints([rank, -rank]) == [1, -2]
             page.close()
         dist.barrier()
