@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 56, run 311: run 310 again on an H200 if one comes (issue 8 names it); then the gpu tests of the graphs
-# and of tests/client (review 304-310 changes: graphs tests on CPU, the rendezvous board's reserved pages, the fast path's close).
+# of tests/client, tests/proto and the data plane (review 304-312 changes: memory.py's close, BindKV's facts, the board's pages).
 set -uo pipefail
 rm -rf /tmp/dspark-site
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site .whl/*.whl 2>/dev/null
@@ -23,6 +23,6 @@ timeout 120 python3 -m dspark_sidecar bench --modes c,h --reqs 1,8 --contexts 40
   --out-dir $OUT/ch > $OUT/bench-ch.log 2>&1
 echo "bench c,h rc $? in $(( $(date +%s) - t0 )) s"; grep -v " INFO " $OUT/bench-ch.log | tail -30
 t0=$(date +%s)
-timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 150 --timeout-method thread \
-  tests/server/test_graphs_gpu.py tests/client > $OUT/gpu-tests.log 2>&1
+timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 150 --timeout-method thread \
+  tests/client tests/proto tests/server/test_dataplane_gpu.py tests/server/test_graphs_gpu.py > $OUT/gpu-tests.log 2>&1
 echo "gpu tests rc $? in $(( $(date +%s) - t0 )) s"; grep -E "FAILED|ERROR|passed|failed" $OUT/gpu-tests.log | tail -12
