@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import textwrap
 
 import pytest
 import torch
@@ -597,7 +596,6 @@ def test_a_segment_that_cannot_be_opened_for_want_of_descriptors_or_memory_is_pa
     answered INVALID_ARGUMENT, which client/binding.py reads as permanent: the engine's fast path went off
     for its life over a passing shortage. Now HandleExhausted (UNAVAILABLE: retried). A segment that is not
     there stays the engine's fault (INVALID_ARGUMENT)."""
-    import errno
 
     import grpc
 
@@ -674,24 +672,10 @@ def test_shm_empty_on_a_full_dev_shm_raises_enospc_not_a_bus_error(tmp_path):
     """The engine's step metadata and doorbell page (client/dataplane.py) on a /dev/shm with no page left (a
     container's 64 MiB default, shared with NCCL): the segment was still created, and zero_() was a SIGBUS that
     killed the engine process. Now OSError ENOSPC (the shim then keeps the gRPC stream), and no segment left."""
-    from helpers.full_shm import run_on_full_dev_shm
+    from helpers.full_shm import assert_refused_with_enospc
 
-    probe = tmp_path / "probe.py"
-    probe.write_text(textwrap.dedent("""
-        import os
-        import torch
-        from dspark_sidecar.proto import memory
-        try:
-            memory.shm_empty((1 << 20,), torch.uint8)
-        except OSError as e:
-            print("refused", e.errno, sorted(os.listdir("/dev/shm")), sep="|")
-        else:
-            print("made")
-    """))
-    proc = run_on_full_dev_shm(probe)
-    assert proc.returncode == 0, f"rc {proc.returncode} (-7 or 135: SIGBUS): {proc.stderr[-2000:]}"
-    kind, err, left = proc.stdout.strip().splitlines()[-1].split("|")
-    assert kind == "refused" and int(err) == errno.ENOSPC and left == "['fill']", proc.stdout
+    assert_refused_with_enospc(tmp_path, "import torch; from dspark_sidecar.proto import memory",
+                               "memory.shm_empty((1 << 20,), torch.uint8)")
 
 
 def test_closing_an_exported_tensor_twice_or_after_its_segment_was_removed_raises_nothing(monkeypatch):

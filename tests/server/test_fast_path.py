@@ -795,11 +795,14 @@ def test_unbinding_lets_the_runner_drop_the_unbound_caches_views():
     fp.close()
 
 
-def test_close_closes_the_runner_then_the_peer_mappings_once():
+def test_close_waits_for_the_device_then_closes_the_runner_then_the_peer_mappings_once(monkeypatch):
     """The rank's teardown: the runner (whose kernels address the peers' exchange buffers) goes first, then the
     mappings (peers.MappedPeers.close: the peers' IPC handles closed, this rank's buffers freed). Left open, a
-    stopped rank kept every peer's exchange buffers mapped; closed twice, a handle was closed again."""
+    stopped rank kept every peer's exchange buffers mapped; closed twice, a handle was closed again. Before both,
+    the device: a FlyDSL rank has no step graphs, so nothing in the teardown synchronized it before this close,
+    and the last step's kernels (queued, not waited for: its answer is an event) could still read what it frees."""
     order = []
+    monkeypatch.setattr(fast_path_mod.torch.cuda, "synchronize", lambda device=None: order.append(("sync", device)))
 
     class Mapped(rn.PeerBuffers):
         def close(self):
@@ -815,33 +818,13 @@ def test_close_closes_the_runner_then_the_peer_mappings_once():
     fp, _ = fast_path(factory=Runners())
     p = fp.peers
     fp.peers = Mapped(p.rx, p.flags, p.rx_local, p.flags_local, p.epoch)
-    assert fp.ready(binding()) and fp.runner.peers is fp.peers
-    fp.close()
-    assert order == ["runner", "peers"] and fp.runner is None and fp.peers is None
-    fp.close()
-    assert order == ["runner", "peers"]
-
-
-def test_close_waits_for_the_device_before_it_closes_the_runner_and_the_mappings(monkeypatch):
-    """A FlyDSL rank has no step graphs, so nothing in the teardown synchronized the device before this close:
-    the last step's kernels (queued, not waited for: its answer is an event) could still read the exchange
-    buffers the close frees and the peers' memory it unmaps. The device is waited for first."""
-    order = []
-    monkeypatch.setattr(fast_path_mod.torch.cuda, "synchronize", lambda device=None: order.append(("sync", device)))
-
-    class Runners(Counting):
-        def __call__(self, *args, **kw):
-            r = super().__call__(*args, **kw)
-            close = r.close
-            r.close = lambda: (order.append("runner"), close())
-            return r
-
-    fp, _ = fast_path(factory=Runners())
-    assert fp.ready(binding())
-    cpu_close_order = list(order)
+    assert fp.ready(binding()) and fp.runner.peers is fp.peers and order == []
     fp.final_norm = SimpleNamespace(device=torch.device("cuda", 2))  # a GPU rank's weights, without a GPU here
     fp.close()
-    assert cpu_close_order == [] and order == [("sync", torch.device("cuda", 2)), "runner"]
+    sync = ("sync", torch.device("cuda", 2))
+    assert order == [sync, "runner", "peers"] and fp.runner is None and fp.peers is None
+    fp.close()
+    assert order == [sync, "runner", "peers", sync]  # the device again; nothing closed twice
 
 
 def test_a_rebind_closes_the_old_runner_at_once_not_at_the_next_step():

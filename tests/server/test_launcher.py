@@ -495,11 +495,13 @@ def test_the_kill_of_a_wedged_serving_rank_names_it_and_a_rank_that_failed_in_it
     assert "sidecar rank 0 exited with code 3 during the stop" in caplog.text, caplog.text
 
 
-def test_a_rank_that_exits_3_while_serving_is_named_and_leaves_no_socket_of_its_own(monkeypatch, caplog):
-    """Rank 1 ends with os._exit(3) while the group serves (the gone-engine device check, servicer.py): it removes
-    nothing itself, so its gRPC socket and its engine-lease socket (DIR/rank1.lease) stay in the folder. The
-    launcher names it, stops rank 0, exits 1 for the supervisor's restart, and removed the gRPC socket only: the
-    lease socket stayed, a socket nobody answers on, until a next start replaced it."""
+@pytest.mark.parametrize("end, code", [("os._exit(3)", 3), ("os.kill(os.getpid(), signal.SIGKILL)", -9)])
+def test_a_rank_that_ends_while_serving_is_named_and_leaves_no_socket_of_its_own(monkeypatch, caplog, end, code):
+    """Rank 1 ends with os._exit(3) while the group serves (the gone-engine device check, servicer.py), or is
+    SIGKILLed (the OOM killer): it removes nothing itself, so its gRPC socket and its engine-lease socket
+    (DIR/rank1.lease) stay in the folder. The launcher names it with its code, stops rank 0, exits 1 for the
+    supervisor's restart, and removed the gRPC socket only: the lease socket stayed, a socket nobody answers on,
+    until a next start replaced it."""
     sock = short_socket_dir()
     rank = ("import os, pathlib, signal, socket, sys, time\n"
             f"d = pathlib.Path({str(sock)!r})\n"
@@ -515,11 +517,11 @@ def test_a_rank_that_exits_3_while_serving_is_named_and_leaves_no_socket_of_its_
             "        (d / n).unlink()\n"
             "    sys.exit(0)\n"
             "signal.signal(signal.SIGTERM, stop)\n"
-            + _RANK_1_ENDS_ONCE_SERVING.format(end="os._exit(3)"))
+            + _RANK_1_ENDS_ONCE_SERVING.format(end=end))
     _fake_ranks(monkeypatch, rank)
     assert _launch_until_a_rank_dies(sock, caplog) == 1
     assert [r.getMessage() for r in caplog.records] == [
-        "sidecar rank 1 exited with code 3; stopping the group (2 ranks)"], caplog.text
+        f"sidecar rank 1 exited with code {code}; stopping the group (2 ranks)"], caplog.text
     assert sorted(p.name for p in sock.iterdir() if p.is_socket()) == []
 
 
@@ -589,32 +591,6 @@ def test_a_ctrl_c_to_the_whole_group_during_start_up_exits_0(tmp_path, monkeypat
     assert [p.returncode for p in started] == [-signal.SIGINT] * 2
     assert code == 0, caplog.text
     assert "exited with code" not in caplog.text, caplog.text
-
-
-def test_a_rank_killed_by_a_signal_while_serving_leaves_no_socket_of_its_own(monkeypatch, caplog):
-    """Rank 1 is SIGKILLed while the group serves (the OOM killer): it removes nothing, so its gRPC socket and its
-    engine-lease socket stay. The launcher names it with the signal's code and removes both, as for an exit 3."""
-    sock = short_socket_dir()
-    rank = ("import os, pathlib, signal, socket, sys, time\n"
-            f"d = pathlib.Path({str(sock)!r})\n"
-            "r = os.environ['RANK']\n"
-            "held = []\n"
-            "for name in ('rank%s.sock' % r, 'rank%s.lease' % r):\n"
-            "    s = socket.socket(socket.AF_UNIX)\n"
-            "    s.bind(str(d / name))\n"
-            "    s.listen()\n"
-            "    held.append(s)\n"
-            "def stop(*a):\n"
-            "    for n in ('rank%s.sock' % r, 'rank%s.lease' % r):\n"
-            "        (d / n).unlink()\n"
-            "    sys.exit(0)\n"
-            "signal.signal(signal.SIGTERM, stop)\n"
-            + _RANK_1_ENDS_ONCE_SERVING.format(end="os.kill(os.getpid(), signal.SIGKILL)"))
-    _fake_ranks(monkeypatch, rank)
-    assert _launch_until_a_rank_dies(sock, caplog) == 1
-    assert [r.getMessage() for r in caplog.records] == [
-        "sidecar rank 1 exited with code -9; stopping the group (2 ranks)"], caplog.text
-    assert sorted(p.name for p in sock.iterdir() if p.is_socket()) == []
 
 
 def test_each_rank_gets_its_rank_the_world_the_rendezvous_and_the_launcher_s_pid(tmp_path, monkeypatch):

@@ -245,14 +245,10 @@ def test_a_copy_that_just_came_costs_no_look_at_the_missing_ranks_processes(monk
     waited GONE_CHECK_S: a step whose first copy the coordinator has just seen (its peers' come microseconds
     later in the steady flow) makes none, however long ago the last look was."""
     import dspark_sidecar.server.rendezvous as rendezvous_mod
-    from dspark_sidecar.server.rendezvous import Coordinator, process_start
 
     board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
     try:
-        for r in range(2):
-            _post_peer(board, r, os.getpid(), process_start(os.getpid()))
-        c = Coordinator(board, 5000)  # not started: polled by hand
-        assert not c.poll_once() and c._peers.all_seen  # idle: rank 1 seen alive
+        c = _idle_coordinator(board)
         looks: list[int] = []
         real = rendezvous_mod._exited
         monkeypatch.setattr(rendezvous_mod, "_exited", lambda pid, start=0: looks.append(pid) or real(pid, start))
@@ -392,26 +388,10 @@ def test_a_board_on_a_full_dev_shm_is_refused_with_enospc_not_a_bus_error(tmp_pa
     default): ftruncate reserves no page, so the segment was still made and zeroing it was a SIGBUS that killed
     rank 0 without a line. Its pages are reserved now (as proto.memory.new_segment's): OSError ENOSPC, a reason
     the rank prints, and no segment left behind."""
-    import errno
-    import textwrap
+    from helpers.full_shm import assert_refused_with_enospc
 
-    from helpers.full_shm import run_on_full_dev_shm
-
-    probe = tmp_path / "probe.py"
-    probe.write_text(textwrap.dedent("""
-        import os
-        from dspark_sidecar.server.rendezvous import Board
-        try:
-            Board(None, 4, create=True)
-        except OSError as e:
-            print("refused", e.errno, sorted(os.listdir("/dev/shm")), sep="|")
-        else:
-            print("made")
-    """))
-    proc = run_on_full_dev_shm(probe)
-    assert proc.returncode == 0, f"rc {proc.returncode} (-7 or 135: SIGBUS): {proc.stderr[-2000:]}"
-    kind, err, left = proc.stdout.strip().splitlines()[-1].split("|")
-    assert kind == "refused" and int(err) == errno.ENOSPC and left == "['fill']", proc.stdout
+    assert_refused_with_enospc(tmp_path, "from dspark_sidecar.server.rendezvous import Board",
+                               "Board(None, 4, create=True)")
 
 
 def _close_unless_read(th: threading.Thread | None, rdv: Rendezvous, boards: list[Board]) -> None:
@@ -545,6 +525,18 @@ def _proc_state(pid: int) -> str:
     """The one-letter state of /proc/PID/stat ("Z": a zombie)."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _idle_coordinator(board: Board):
+    """A Coordinator of `board`'s two ranks (both this process), not started (polled by hand), its first poll
+    made: nothing posted, rank 1 seen alive."""
+    from dspark_sidecar.server.rendezvous import Coordinator, process_start
+
+    for r in range(2):
+        _post_peer(board, r, os.getpid(), process_start(os.getpid()))
+    c = Coordinator(board, 5000)
+    assert not c.poll_once() and c._peers.all_seen
+    return c
 
 
 def _post_peer(board: Board, rank: int, pid: int, start: int) -> None:
@@ -765,14 +757,10 @@ def test_the_coordinator_stops_looking_between_steps_once_every_peer_was_seen_ev
     rank 0's own process too, which counted as one more peer seen: from then on "every peer seen" never
     held again, and the coordinator thread looked at every peer every 0.1 s for the group's whole life."""
     import dspark_sidecar.server.rendezvous as rendezvous_mod
-    from dspark_sidecar.server.rendezvous import Coordinator, process_start
 
     board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
     try:
-        for r in range(2):
-            _post_peer(board, r, os.getpid(), process_start(os.getpid()))
-        c = Coordinator(board, 5000)  # not started: polled by hand
-        assert not c.poll_once() and c._peers.all_seen  # idle: rank 1 seen alive
+        c = _idle_coordinator(board)
         board.slots[1][:] = (2, 7, 1, 2, 1, 9, 0, 0)  # rank 1 posts step 7; rank 0 is late
         assert not c.poll_once()
         time.sleep(rendezvous_mod.GONE_CHECK_S + 0.05)
