@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import ipaddress
 import logging
@@ -41,6 +42,9 @@ MAX_STREAMS = 8
 # up on it. Steps take milliseconds; at TP > 1 a released queued copy finishes with its peers', which their engines'
 # own ends release (each a lease's end on its rank).
 GONE_ENGINE_DEVICE_S = 30.0
+# How often a handler waiting for its step's turn looks whether its client is still there (_awaited): a step may
+# wait behind one that waits out the rendezvous deadline, or is stuck for good (STEP_STUCK).
+CLIENT_CHECK_S = 0.2
 
 
 @dataclass
@@ -485,7 +489,12 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     # read) another process's memory.
     def DraftStep(self, request, context):
         self._require_same_node(context, "draft steps")
-        return self.loop.submit(request).result()
+        fut = self.loop.submit(request)
+        if not _awaited(fut, context):
+            raise SidecarError(grpc.StatusCode.CANCELLED, f"step {request.step_id}: the client is gone (cancelled, or "
+                               "its deadline passed) before the step's turn came; it runs in its turn all the same",
+                               "", "CANCELLED")
+        return fut.result()
 
     def DraftSteps(self, request_iterator, context):
         self._require_same_node(context, "draft steps")
@@ -499,7 +508,10 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             # instance took its stream (StatusReport.instance).
             context.send_initial_metadata(((INSTANCE_METADATA, self.instance),))
             for request in request_iterator:
-                yield self.loop.answer(request)
+                fut = self.loop.submit(request)
+                if not _awaited(fut, context):  # the client is gone: this thread and the stream's place go back
+                    return
+                yield self.loop.answer(request, fut)
         finally:  # the stream ended (half-close, cancel, transport gone): its place is free again
             self._streams.release()
 
@@ -509,6 +521,18 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                                f"{what} from {context.peer()} refused: only same-node peers (unix socket or "
                                "loopback) may bind KV caches or buffers, or send the steps that write them",
                                "", "REMOTE_PEER")
+
+
+def _awaited(fut, context) -> bool:
+    """Wait for a step's answer while its client is there: False once the client is gone (a cancel, a passed
+    deadline, the transport, the server's stop). Waited for whatever the client did, a handler held its thread
+    of the rank's small pool (and a stream its place) until the step ended: behind a stuck step, for good, and
+    a few such calls left GetStatus and the health check no thread. The step is not taken back: it keeps its
+    place in the rank's order (at TP > 1 its peers run their copies), and its answer goes to nobody."""
+    while not concurrent.futures.wait([fut], CLIENT_CHECK_S).done:
+        if not context.is_active():
+            return False
+    return True
 
 
 def _device_answers(device: torch.device) -> bool:

@@ -158,11 +158,18 @@ def test_a_stream_s_place_is_free_again_once_it_ends():
     place. Kept, every stream an engine ever opened held one, and after MAX_STREAMS reconnects the rank
     refused every stream for good."""
     answered = []
-    fake = SimpleNamespace(_streams=threading.BoundedSemaphore(MAX_STREAMS),
-                           instance="i0", loop=SimpleNamespace(answer=lambda r: answered.append(r.step_id) or r),
+
+    def submitted(r):
+        fut = futures.Future()
+        fut.set_result(r)
+        return fut
+
+    fake = SimpleNamespace(_streams=threading.BoundedSemaphore(MAX_STREAMS), instance="i0",
+                           loop=SimpleNamespace(submit=submitted,
+                                                answer=lambda r, fut: answered.append(r.step_id) or fut.result()),
                            _require_same_node=lambda ctx, what="": None)
     sent = []
-    context = SimpleNamespace(send_initial_metadata=sent.append)
+    context = SimpleNamespace(send_initial_metadata=sent.append, is_active=lambda: True)
 
     def opened(step_id: int):
         stream = DrafterServicer.DraftSteps(fake, iter([pb.DraftStepRequest(step_id=step_id)]), context)
