@@ -342,8 +342,11 @@ class MappedMemory:
         try:
             typed = base.view(dtype)
             return typed.as_strided(shape, stride, typed.storage_offset() + offset)
-        except RuntimeError as err:  # whatever torch still refuses: the request's fault, not the rank's
-            raise HandleError(f"{field}: {err}") from None
+        # Whatever torch still refuses: the request's fault, not the rank's. TypeError too: its argument parser's
+        # "Overflow when unpacking long" for a stride past int64 (a zero-element shape passes the bounds check).
+        except (RuntimeError, TypeError) as err:
+            why = str(err).split("\n", 1)[0]  # the parser's error goes on with a C++ trace: its first line
+            raise HandleError(f"{field}: {why}") from None
 
     def close(self) -> None:
         """Drop this mapping: unmapped at once, or (a view of it still alive, e.g. a step's tensor

@@ -5,12 +5,14 @@ from __future__ import annotations
 import errno
 import os
 
+import grpc
 import pytest
 import torch
 
 from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.proto import memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.server.errors import as_sidecar_error
 from dspark_sidecar.server.kv_binding import MemoryBindings
 from helpers.engine_fakes import recording_shm
 
@@ -63,6 +65,27 @@ def test_a_region_slice_of_any_size_is_checked_against_the_mapping(segment):
         assert ok.shape == (2, 8) and ok.stride() == (8, 1)
         with pytest.raises(ValueError, match="block_tables: view needs"):
             mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=0), torch.int32, (1, 1 << 62), "block_tables")
+    finally:
+        mem.close()
+
+
+def test_a_zero_element_region_slice_whose_strides_pass_int64_is_refused_naming_its_field(segment):
+    """A shape with a 0 needs no bytes, so the bounds check passes it, but its contiguous strides are still the
+    product of the dimensions after each: [0, 2^62, 4] asks as_strided for a stride of 2^64, which torch's
+    argument parser refuses with TypeError, not RuntimeError. It escaped resolve() (a codec.RegionResolver, which
+    raises ValueError naming the field), as no refusal at all. validate_step does not reach it today (its one
+    shape a request sizes, block_tables', is 2-D, so its strides fit); a 3-D slice there would have been an
+    exception its callers catch as no bad request: the rank loop's "failed inside its launch" exit."""
+    mem = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    try:
+        (rid,) = mem.register(pb.RegisterBuffersRequest(regions=[pb.BufferRegion(
+            name="metadata", memory=memory.export_handle(segment.tensor), size_bytes=4096)]))
+        with pytest.raises(memory.HandleError, match="^block_tables: ") as err:
+            mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=0), torch.int64, (0, 1 << 62, 4), "block_tables")
+        refusal = as_sidecar_error(err.value)
+        assert (refusal.code, refusal.field) == (grpc.StatusCode.INVALID_ARGUMENT, "block_tables"), refusal
+        # A zero-element slice whose strides fit is still a view, as before.
+        assert mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=0), torch.int64, (0, 4), "f").shape == (0, 4)
     finally:
         mem.close()
 
