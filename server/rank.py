@@ -342,6 +342,10 @@ class RankLoop:
             return (self.submit(req) if fut is None else fut).result()
         except Exception as exc:  # noqa: BLE001  (every failure is answered, none ends the stream)
             return pb.DraftStepResponse(step_id=req.step_id, error=to_step_error(as_sidecar_error(exc)))
+        finally:
+            # The future holds the step's exception, whose traceback holds this frame: not the future too (a
+            # reference cycle, the failed step's tensors left to the cyclic collector: test_rank_cycles.py).
+            del fut
 
     def answer_now(self, req: pb.DraftStepRequest, prelaunched: "Queued | None" = None,
                    answer_limit: int = 0) -> pb.DraftStepResponse:

@@ -490,11 +490,17 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     def DraftStep(self, request, context):
         self._require_same_node(context, "draft steps")
         fut = self.loop.submit(request)
-        if not _awaited(fut, context):
-            raise SidecarError(grpc.StatusCode.CANCELLED, f"step {request.step_id}: the client is gone (cancelled, or "
-                               "its deadline passed) before the step's turn came; it runs in its turn all the same",
-                               "", "CANCELLED")
-        return fut.result()
+        try:
+            if not _awaited(fut, context):
+                raise SidecarError(grpc.StatusCode.CANCELLED, f"step {request.step_id}: the client is gone (cancelled, "
+                                   "or its deadline passed) before the step's turn came; it runs in its turn all the "
+                                   "same", "", "CANCELLED")
+            return fut.result()
+        finally:
+            # A failed step's exception lives in the future, and its traceback holds this frame: a frame still
+            # holding the future made a reference cycle, and every failed step left its request's tensors (KV
+            # views, mappings) to the cyclic collector (tests/server/test_rank_cycles.py).
+            del fut
 
     def DraftSteps(self, request_iterator, context):
         self._require_same_node(context, "draft steps")
