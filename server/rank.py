@@ -334,12 +334,11 @@ class RankLoop:
                 self._queue.put((req, fut, time.perf_counter_ns(), expires))
         return fut
 
-    def answer(self, req: pb.DraftStepRequest,
-               fut: concurrent.futures.Future | None = None) -> pb.DraftStepResponse:
-        """The stream path: failures become the response's StepError and the stream goes on.
-        fut: the step's future, if already submitted (the stream waits for it while its client is there)."""
+    def answer(self, req: pb.DraftStepRequest, fut: concurrent.futures.Future) -> pb.DraftStepResponse:
+        """The stream path: `fut`, the step's submit(), as its response; failures become the response's StepError
+        and the stream goes on. Submitted by the caller, which waits for it only while its client is there."""
         try:
-            return (self.submit(req) if fut is None else fut).result()
+            return fut.result()
         except Exception as exc:  # noqa: BLE001  (every failure is answered, none ends the stream)
             return pb.DraftStepResponse(step_id=req.step_id, error=to_step_error(as_sidecar_error(exc)))
         finally:

@@ -65,7 +65,8 @@ def test_an_aborted_or_refused_step_holds_no_view_after_its_answer(monkeypatch, 
         if not refuse:  # the abort's views went on the worker, under the rank lock, not later with the error
             assert [v() is None for v in views] == [True, True], "the aborted step's views live on in its error"
         del fut, err  # the engine has its answer
-        assert loop.answer(pb.DraftStepRequest(step_id=2, num_requests=1)).HasField("error")  # the stream path
+        req = pb.DraftStepRequest(step_id=2, num_requests=1)
+        assert loop.answer(req, loop.submit(req)).HasField("error")  # the stream path
         wait_until(lambda: [v() is None for v in views] == [True] * 4, 2,
                    lambda: f"a failed step's views released after its answer: {[v() is None for v in views]}")
     finally:

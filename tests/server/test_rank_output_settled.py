@@ -74,7 +74,8 @@ def _req(step_id: int, region: bool) -> pb.DraftStepRequest:
 def test_a_unary_or_stream_answer_in_a_region_waits_for_the_device(loop):
     assert loop.rank.submit(_req(1, region=True)).result(timeout=10).hidden_states.HasField("region")
     assert loop.waits == [1]
-    assert loop.rank.answer(_req(2, region=True)).hidden_states.HasField("region")  # the stream path
+    req = _req(2, region=True)
+    assert loop.rank.answer(req, loop.rank.submit(req)).hidden_states.HasField("region")  # the stream path
     assert loop.waits == [1, 1]
     assert torch.all(loop.memory.buf == 2.0)  # the step's rows are in the region
 

@@ -44,8 +44,8 @@ class StuckLoop:
         self.futures.append(fut)
         return fut
 
-    def answer(self, req: pb.DraftStepRequest) -> pb.DraftStepResponse:
-        return self.submit(req).result()
+    def answer(self, req: pb.DraftStepRequest, fut: concurrent.futures.Future) -> pb.DraftStepResponse:
+        return fut.result()
 
     def release(self) -> None:
         for fut in self.futures:
