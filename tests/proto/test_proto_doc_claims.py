@@ -61,7 +61,7 @@ def test_a_failed_step_s_timings_are_documented_as_sent(loop, path):
     """A failed step's answer carries no StepTimings from the rank loop (the doorbell adds only its two
     CLOCK_MONOTONIC stamps); the .proto said they were "also set, as far as it got, on failure"."""
     req = pb.DraftStepRequest(step_id=3, num_requests=0)
-    resp = loop.answer(req) if path == "stream" else loop.answer_now(req)
+    resp = loop.answer(req, loop.submit(req)) if path == "stream" else loop.answer_now(req)
     assert resp.WhichOneof("result") == "error"
     assert not resp.HasField("timings")
     doc = _comment("StepTimings timings = 4;")
