@@ -13,6 +13,7 @@ import socket
 import struct
 import weakref
 
+from dspark_sidecar.layout import SUN_PATH_MAX
 from dspark_sidecar.proto import LEASE_TOKEN_FORMAT
 
 TOKEN = struct.Struct(LEASE_TOKEN_FORMAT)
@@ -42,7 +43,7 @@ class EngineLease:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(deadline_s)
-            sock.connect(path)
+            _connect(sock, path)
             token = TOKEN.unpack(_read_exactly(sock, TOKEN.size))[0]
         except (OSError, EOFError) as err:  # no socket there, refused, full (closed before the token), too slow
             sock.close()
@@ -89,6 +90,23 @@ def lease_path(endpoint: str, lease_socket: str) -> str:
     sock = os.path.realpath(endpoint[len("unix:"):])  # unix:///abs too (its extra slashes collapse)
     beside = os.path.join(os.path.dirname(sock), os.path.basename(lease_socket))
     return beside if os.path.exists(beside) else lease_socket
+
+
+def _connect(sock: socket.socket, path: str) -> None:
+    """connect() to the unix socket at `path`, of any length. lease_path resolves links, so the path it gives may
+    pass sun_path's 108 bytes where the one serve bound (and the engine reaches the gRPC socket by) fit: a socket
+    folder reached through a short link to a deep one, a relative endpoint under a deep working folder. Refused
+    "AF_UNIX path too long", the engine bound without a lease. Such a path is reached through its folder's
+    descriptor (/proc/self/fd/N/NAME, short), which names that very folder: no lookup by another path."""
+    if len(os.fsencode(path)) <= SUN_PATH_MAX:
+        sock.connect(path)
+        return
+    folder, name = os.path.split(path)
+    fd = os.open(folder or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sock.connect(f"/proc/self/fd/{fd}/{name}")
+    finally:
+        os.close(fd)
 
 
 def _forget_in_child() -> None:

@@ -287,6 +287,35 @@ def test_a_link_to_the_grpc_socket_leads_to_the_lease_socket_beside_the_real_one
         k.close()
 
 
+def test_a_lease_socket_whose_resolved_path_passes_the_unix_limit_still_gives_a_lease():
+    """A socket folder reached through a short link to a deep folder (the usual way round sun_path's 108 bytes;
+    serve checks --socket-dir as given), or a relative endpoint under a deep working folder: the gRPC socket is
+    reached by the short path, but lease_path resolves it, and the resolved path is too long for connect(). No
+    lease was taken ("AF_UNIX path too long"), so a killed engine's binding stayed mapped, its memory held."""
+    from dspark_sidecar import layout
+    from dspark_sidecar.client.lease import lease_path
+
+    top = short_socket_dir()
+    deep = top / ("d" * (layout.SUN_PATH_MAX - len(str(top))))
+    deep.mkdir()
+    (top / "s").symlink_to(deep)  # --socket-dir TOP/s: its rank0.lease fits, the resolved one does not
+    k = _keeper(top / "s" / "rank0.lease")
+    lease = EngineLease()
+    try:
+        path = lease_path(f"unix:{top}/s/rank0.sock", "/run/dspark-elsewhere/rank0.lease")
+        assert len(path) > layout.SUN_PATH_MAX and os.path.samefile(path, k.path)
+        fds = len(os.listdir("/proc/self/fd"))
+        token = lease.token(path, 5)
+        assert token and k.live(token) and lease.token(path, 5) == token  # held, not taken again
+        lease.close()
+        assert k.lost.get(timeout=5) == token  # the keeper closed its end before it reported the loss
+        # And the folder's descriptor is closed again too (waited for: another thread's may come and go meanwhile).
+        wait_until(lambda: len(os.listdir("/proc/self/fd")) == fds, 2, lambda: os.listdir("/proc/self/fd"))
+    finally:
+        lease.close()
+        k.close()
+
+
 
 def test_a_relative_endpoint_leads_to_the_lease_socket_beside_it_by_an_absolute_path(monkeypatch):
     """unix:RELATIVE (gRPC's own form for a path from the working folder): the lease socket beside it, named from the

@@ -380,6 +380,22 @@ def test_a_connection_it_could_not_accept_is_tried_again_though_no_lease_ends(ke
     waiting.close()
 
 
+def test_close_while_accepts_are_paused_closes_the_listener_too(monkeypatch):
+    """A paused listener is out of the selector's map, which close() closes: it must be closed on its own, or the
+    rank kept its descriptor (the keeper still holds it) for the rest of its life."""
+    monkeypatch.setattr(lease_mod, "ACCEPT_RETRY_S", 60.0)
+    k = LeaseKeeper(short_socket_dir() / "rank0.lease", lambda token: None)
+    tries = _no_descriptors(monkeypatch, k, 1)
+    waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        waiting.connect(k.path)
+        wait_until(lambda: tries and k._accept_paused, 5, "the keeper to pause its accepts")
+        k.close()
+        assert k._listener.fileno() == -1 and not os.path.lexists(k.path)
+    finally:
+        waiting.close()
+
+
 def test_a_lost_lease_releases_its_regions_though_the_engine_released_some_of_them_meanwhile():
     """The lease's release took its region ids first and released them later, all or none: an UnregisterBuffers of
     the engine's (one that timed out at the engine, say, then ran) that took some of them in between made it
