@@ -32,11 +32,6 @@ class ShimStats:
         with self._lock:
             self.fallbacks[why] += 1
 
-    @property
-    def total_fallbacks(self) -> int:
-        with self._lock:
-            return sum(self.fallbacks.values())
-
     def as_dict(self) -> dict:
         """One moment's counters, whichever thread asks."""
         with self._lock:

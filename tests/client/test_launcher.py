@@ -148,3 +148,49 @@ def test_a_start_interrupted_while_waiting_for_serving_stops_the_sidecar_it_star
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+# A `serve` that ignores SIGTERM (SIG_IGN is inherited across exec: its rank ignores it too), with one rank in its
+# process group; prints the rank's pid once both ignore the signal.
+_DEAF_SERVE = """
+import signal, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+rank = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"],
+                        stdout=subprocess.PIPE, text=True)
+rank.stdout.readline()
+print(rank.pid, flush=True)
+rank.wait()
+"""
+
+
+def test_stop_kills_the_whole_group_of_a_sidecar_that_ignores_sigterm():
+    """stop() sends SIGTERM and, when the sidecar has not exited within its timeout (a wedged launcher, ranks
+    blocked in native code), SIGKILLs the whole process group: the launcher and its ranks. Without the kill it
+    waited on the launcher for ever, and the ranks kept their GPU memory and sockets."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from helpers.sidecar_proc import alive
+    from helpers.waiting import wait_until
+
+    sc = SidecarLauncher(short_socket_dir(), tp=1, exit_with_starter=False)
+    sc.proc = subprocess.Popen([sys.executable, "-c", _DEAF_SERVE], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    rank_pid = 0
+    try:
+        rank_pid = int(sc.proc.stdout.readline())
+        codes: list[int | None] = []
+        stopper = threading.Thread(target=lambda: codes.append(sc.stop(timeout_s=0.5)), daemon=True)
+        stopper.start()
+        stopper.join(30.0)  # a bound on a hang, not a timing: the kill comes 0.5 s in
+        assert codes == [-9], "stop() did not end a sidecar that ignores SIGTERM"
+        wait_until(lambda: not alive(rank_pid), 10.0, lambda: f"rank {rank_pid} of the stopped sidecar still runs")
+    finally:
+        if sc.proc.poll() is None:
+            sc.proc.kill()
+            sc.proc.wait()
+        if rank_pid and alive(rank_pid):
+            os.kill(rank_pid, 9)
+        sc.proc.stdout.close()

@@ -52,13 +52,21 @@ def test_padded_metadata_is_cut_to_the_step_and_converted_on_the_host(device):
     assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.tolist() == list(range(14))
 
 
-@pytest.mark.parametrize("broken", ["no slots", "too few rows", "flat table", "empty dict"])
+@pytest.mark.parametrize("broken", ["no slots", "too few rows", "too few table rows", "too few slots", "flat table",
+                                    "empty dict"])
 def test_metadata_without_what_the_step_needs_is_refused(broken):
+    """A table with fewer rows than the step's requests, or fewer slots than its 7R rows, is refused here: cut
+    to the step, it would describe fewer requests (or rows) than the step sends, and the sidecar would refuse
+    it a round trip and a rendezvous later."""
     m = _padded()
     if broken == "no slots":
         m = StepMetadata(m.seq_lens, m.block_table, None)  # type: ignore[arg-type]
     elif broken == "too few rows":
         m.seq_lens = m.seq_lens[:1]
+    elif broken == "too few table rows":
+        m.block_table = m.block_table[:1]
+    elif broken == "too few slots":
+        m.slot_mapping = m.slot_mapping[:13]
     elif broken == "flat table":
         m.block_table = m.block_table.flatten()
     else:
@@ -111,3 +119,12 @@ def test_draft_layers_spanning_several_kv_cache_groups_are_told_apart():
     assert spans_kv_groups(attn)
     assert not spans_kv_groups({"layers.0.attn": attn["layers.0.attn"]})
     assert not spans_kv_groups(step_inputs(2)[2])  # one metadata object, not vLLM's dict
+
+
+def test_a_draft_layer_whose_metadata_has_no_slot_mapping_is_not_taken_for_the_first_s_group():
+    """Another layer's metadata object without a slot mapping cannot be told to share the first layer's KV cache
+    group: read as one step, that layer would be written through the first layer's slots, so it counts as apart."""
+    attn = vllm_draft_metadata(2, [[["layers.0.attn"]]])
+    first = attn["layers.0.attn"]
+    no_slots = VllmLikeMetadata(first.seq_lens, first.block_table, None)  # type: ignore[arg-type]
+    assert spans_kv_groups({"layers.0.attn": first, "layers.1.attn": no_slots})
