@@ -191,8 +191,11 @@ class DrafterShim:
                       inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's final hidden states [n, hidden] from the sidecar, or None for the stock layers."""
         if not self.enabled:
-            with self._link():
-                self._settle_off()
+            # Not inside CUDA graph capture: a settled look orders the engine's stream after the sidecar's event,
+            # and the drop it may make records and queries events there, which invalidates the capture.
+            if self._unsettled is not None and not self.is_capturing():
+                with self._link():
+                    self._settle_off()
             return self._fallback(f"off: {self.refusal}")
         n = positions.numel()
         if n % layout.QPR:

@@ -212,6 +212,11 @@ def scenario_close_during_a_step(transport: str) -> None:
         assert out is None, "step 2 returned hidden states its sidecar had not answered"
         assert S.DEADLINE not in rig.shim.stats.fallbacks and rig.shim.stats.fallbacks[S.CLOSED] == 1, (
             f"close() did not wake the step waiting for its answer: {dict(rig.shim.stats.fallbacks)}")
+        # Waited for, not raced: close() either holds the link now, giving the woken step its grace (its answer is
+        # held), or has released it. A close() that took the woken step for settled released at once, most often
+        # before this line ran, but not always (a loaded host), and the answer then landed before its release.
+        wait_until(lambda: released_early or (rig.shim._inside and rig.shim._holder == closing.thread.ident), 5.0,
+                   "close() took the link")
         assert not released_early, "close() released the link while the sidecar still ran step 2 (its answer held)"
         answer.set()
         closing.join(GRACE_S + 4.0, "close()")
@@ -483,4 +488,31 @@ def test_a_connect_that_waited_for_the_link_while_the_ranks_turned_off_does_noth
         assert rig.fake.calls["BindKV"] == binds and not rig.shim.connection.is_open
     finally:
         rig.shim.close()
+        rig.stop()
+
+
+def test_a_close_that_finds_the_link_held_past_its_wait_leaves_the_release_to_the_holder(monkeypatch):
+    """close() waits CLOSE_WAIT_S for a thread using the link (a readiness check's bounded calls, on another
+    thread); past that it returns and the thread inside releases as it leaves: nothing is released under it."""
+    monkeypatch.setattr(S, "CLOSE_WAIT_S", 0.05)
+    rig = Rig("grpc")
+    try:
+        assert rig.step(1) is not None
+        inside, leave = threading.Event(), threading.Event()
+
+        def hold() -> bool:
+            with rig.shim._link():
+                inside.set()
+                assert leave.wait(10)
+                return rig.shim.connection.is_open and rig.fake.calls["UnbindKV"] == 0
+
+        holder = Bounded(hold, "the link's holder")
+        assert inside.wait(5)
+        rig.shim.close()  # gives up waiting for the link after CLOSE_WAIT_S
+        assert rig.fake.calls["UnbindKV"] == 0 and rig.shim.connection.is_open, "close() released under the holder"
+        leave.set()
+        assert holder.join(5, "the link's holder") is True, "the link was released while its holder used it"
+        assert rig.fake.calls["UnbindKV"] == 1  # released by the holder as it left
+        _assert_closed_cleanly(rig)
+    finally:
         rig.stop()

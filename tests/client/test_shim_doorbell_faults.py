@@ -189,6 +189,40 @@ def test_a_shim_turned_off_with_a_step_unsettled_releases_its_link_once_the_step
         server.stop()
 
 
+def test_a_shim_turned_off_with_a_step_unsettled_touches_no_data_plane_inside_cuda_graph_capture():
+    """An off shim settles a deferred drop at the top of maybe_forward, ahead of the seed's checks: inside
+    CUDA graph capture that looked at the step (its settled() orders the engine's stream after the
+    sidecar's "outputs written" event) and closed the data plane (events recorded and queried on the
+    capturing stream), work that invalidates the engine's capture. It waits for a call outside capture."""
+    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    agree = _PeerRefusesWhenAsked()
+    shim = _shim(server.endpoint, agree, step_deadline_s=0.2, late_grace_s=0.2)
+    try:
+        ids, pos, meta = step_inputs(2)
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is None and shim._unsettled is not None
+            agree.refuse = True
+            assert shim.maybe_forward(ids, pos) is None and not shim.enabled
+            transport = shim._unsettled[0]
+            looks = []
+            settled = transport.settled
+            transport.settled = lambda step_id: looks.append(step_id) or settled(step_id)
+            channel = shim.doorbell.bell
+            channel.page.words[bell.RESP_SEQ] = channel._seq  # the late answer lands: the step settles
+            shim.is_capturing = lambda: True
+            assert shim.maybe_forward(ids, pos) is None
+            assert looks == [] and shim._unsettled is not None and shim.doorbell is not None
+            assert server.sidecar.calls["UnregisterBuffers"] == 0
+            shim.is_capturing = lambda: False
+            assert shim.maybe_forward(ids, pos) is None  # out of capture: the drop is made
+        assert looks and shim._unsettled is None and shim.doorbell is None and not shim.connection.is_open
+        assert server.sidecar.calls["UnregisterBuffers"] == 1
+    finally:
+        shim._unsettled = None
+        shim.close()
+        server.stop()
+
+
 def test_a_doorbell_whose_page_fails_to_close_still_releases_the_step_buffers():
     """DoorbellTransport.close closed the doorbell, then the buffers: a doorbell close that raised (a
     driver error unregistering the page's GPU word, which _drop_link catches and logs) skipped the

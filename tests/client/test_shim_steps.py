@@ -161,7 +161,7 @@ def test_a_limit_raised_by_a_sidecar_restart_is_learned_again_by_steps_above_the
         shim.close()
 
 
-def _counting_shim(fake) -> tuple[DrafterShim, list[int]]:
+def _counting_shim(fake, endpoint: str = "", **cfg) -> tuple[DrafterShim, list[int]]:
     """A TP-4 shim over a shm cache whose pre-flight agreements are recorded (each one's number of values)."""
     agreements: list[int] = []
 
@@ -170,7 +170,7 @@ def _counting_shim(fake) -> tuple[DrafterShim, list[int]]:
             agreements.append(values.numel())
             return values.clone()
 
-    return make_shim(fake.endpoint, agree=_Counting())[0], agreements
+    return make_shim(endpoint or fake.endpoint, agree=_Counting(), **cfg)[0], agreements
 
 
 def test_steps_above_a_limit_that_stays_fall_back_and_only_the_relearning_one_agrees(fake):
@@ -207,6 +207,49 @@ def test_steps_above_what_any_sidecar_serves_never_go_on_to_relearn_the_limit(fa
                 assert shim.maybe_forward(empty, empty) is None
         assert shim.stats.fallbacks == {S.REQS: 2 * S.RELEARN_EVERY}
         assert agreements == [] and fake.sidecar.remote_calls() == 0
+    finally:
+        shim.close()
+
+
+def test_a_pre_flight_with_no_rank_connected_leaves_the_step_limit_as_it_was():
+    """A pre-flight where no rank has read a sidecar status (every one unreachable) agrees on no limit: the
+    engine's own max_reqs stays the step limit, and steps above it still fall back at phase 1, with no readiness
+    check (no connect attempt) and no agreement."""
+    shim, agreements = _counting_shim(None, endpoint=f"unix:{short_socket_dir() / 'nobody.sock'}", max_reqs=4)
+    small, pos_s, meta_s = step_inputs(2)
+    big, pos_b, meta_b = step_inputs(5)
+    try:
+        with set_forward_context(meta_s):
+            assert shim.maybe_forward(small, pos_s) is None  # not ready: nothing listens there
+        with set_forward_context(meta_b):
+            for _ in range(3):
+                assert shim.maybe_forward(big, pos_b) is None
+        assert shim.stats.fallbacks == {S.UNREACHABLE: 1, S.REQS: 3}
+        assert agreements == [5] and shim.connection.opens == 1
+    finally:
+        shim.close()
+
+
+def test_a_catch_up_makes_at_most_max_catchup_binds_binds_in_one_step(fake):
+    """A peer far ahead (its generation many binds past this rank's): one step's catch-up binds no more than
+    max_catchup_binds times, the bound the agreement timeout counts a live peer's catch-up at."""
+    class _PeerFarAhead(PreflightHook):
+        def all_min(self, values):
+            out = values.clone()
+            if self.armed and values.numel() == 5 and values[3] < 0:
+                out[3] = values[3] - 100  # -gen: the peer is 100 generations ahead
+            return out
+
+    agree = _PeerFarAhead()
+    shim, _, _ = make_shim(fake.endpoint, agree=agree, max_catchup_binds=3)
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            binds = fake.sidecar.calls["BindKV"]
+            agree.armed = True
+            assert shim.maybe_forward(ids, pos) is None
+        assert fake.sidecar.calls["BindKV"] == binds + 3 and shim.stats.fallbacks == {S.GENERATIONS: 1}
     finally:
         shim.close()
 
