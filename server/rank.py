@@ -43,6 +43,23 @@ REAP_S = 0.01
 RANK_REFUSALS = frozenset({"SHUTTING_DOWN", "REFUSED"})
 
 
+@contextlib.contextmanager
+def held(lock, give_up: Callable[[], float] | None = None) -> Iterator[None]:
+    """`lock` held for the block; with give_up, the wait for it goes in turns of give_up() seconds, each asking it
+    first: it raises (the caller's client is gone) to stop waiting, the lock not taken and the block not run. A
+    gRPC handler waiting for a lock that a stuck step holds (itself, or a section waiting behind it) otherwise
+    held its thread for good."""
+    if give_up is None:
+        lock.acquire()
+    elif not lock.acquire(blocking=False):  # free: taken as before, the client not asked about
+        while not lock.acquire(timeout=give_up()):
+            pass
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 @dataclass
 class RankContext:
     """What the loop computes with; built once by the rank process (server/app.py)."""
@@ -212,10 +229,12 @@ class RankLoop:
         self._wait_for(events)
 
     @contextlib.contextmanager
-    def exclusive(self, wait: bool = True, quiesce: bool = True) -> Iterator[None]:
+    def exclusive(self, wait: bool = True, quiesce: bool = True,
+                  give_up: Callable[[], float] | None = None) -> Iterator[None]:
         """The device to oneself, between steps. wait: queued doorbell work has also finished (memory it
-        reads may be unmapped inside). quiesce=False: the lock only (the doorbell queueing its next step)."""
-        with self._lock:
+        reads may be unmapped inside). quiesce=False: the lock only (the doorbell queueing its next step).
+        give_up: bounds the wait for the lock (held): it raises to give up, before anything here ran."""
+        with held(self._lock, give_up):
             for fn in self._quiesce if quiesce else ():
                 try:
                     fn(wait)

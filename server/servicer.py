@@ -30,7 +30,7 @@ from dspark_sidecar.server.errors import SidecarError, invalid, precondition
 from dspark_sidecar.server.kv_binding import unknown_binding
 from dspark_sidecar.server.lease import LeaseKeeper
 from dspark_sidecar.server.prelaunch import BEHIND_S
-from dspark_sidecar.server.rank import RankContext, RankLoop
+from dspark_sidecar.server.rank import RankContext, RankLoop, held
 from dspark_sidecar.server.refusal import AWAITING_BIND, HostFacts, fast_path_refusal
 
 log = logging.getLogger("dspark_sidecar.server")
@@ -42,8 +42,9 @@ MAX_STREAMS = 8
 # up on it. Steps take milliseconds; at TP > 1 a released queued copy finishes with its peers', which their engines'
 # own ends release (each a lease's end on its rank).
 GONE_ENGINE_DEVICE_S = 30.0
-# How often a handler waiting for its step's turn looks whether its client is still there (_awaited): a step may
-# wait behind one that waits out the rendezvous deadline, or is stuck for good (STEP_STUCK).
+# How often a handler waiting for its step's turn, or for the rank's lock, looks whether its client is still there
+# (_awaited, _until_gone): a step may wait behind one that waits out the rendezvous deadline, or is stuck for good
+# (STEP_STUCK).
 CLIENT_CHECK_S = 0.2
 
 
@@ -197,8 +198,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             raise self._lease_lost_error(request.lease)
         # No host wait for a queued copy (wait=False; at TP > 1 it finishes only with its peers'): the old
         # cache is unmapped once the device no longer reads it, and a step graph bound to it is dropped
-        # at the next step (CUDA defers destroying a graph still running).
-        with self.loop.exclusive(wait=False):
+        # at the next step (CUDA defers destroying a graph still running). Its client gone while it waits for the
+        # rank (behind a stuck step), it gives up with nothing opened: each handle goes back to the engine.
+        gone = self._until_gone(context, "BindKV", "nothing was bound, the binding in place stands",
+                                lambda: give_back_unopened(context.peer(), [lb.memory for lb in request.layers]))
+        with self.loop.exclusive(wait=False, give_up=gone):
             kv = self.ctx.memory.bind(request, self.loop.after_device)
             # As UnbindKV: the runner holds views of the cache just replaced, and so keeps the engine's old
             # allocation alive. Left to the next step's ready(), it stayed until a step came, and the close
@@ -232,13 +236,37 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             # refused before any section, whose quiesce would release the live engine's pre-launched step, at TP > 1
             # on this rank alone (a SOME_COPIES abort), as lease_lost. Still current here, unbind checks it again.
             raise unknown_binding(request.binding_id)
-        with self.loop.exclusive(wait=False):  # as BindKV
+        gone = self._until_gone(context, "UnbindKV", f"nothing was released, binding {request.binding_id} stays "
+                                "bound (until UnbindKV again, a re-bind, or its lease's end)")
+        with self.loop.exclusive(wait=False, give_up=gone):  # as BindKV
             self._release_binding(request.binding_id)
         # As BindKV: health's verdict was the released binding's. Not published again, a strict rank refused
         # for that binding (an engine's DP > 1, a cache layout) stayed REFUSED with nothing bound: an engine
         # connecting later, rightly configured, read it as refused for good and never bound.
         self._publish_health()
         return pb.UnbindKVResponse()
+
+    def _until_gone(self, context, call: str, unchanged: str, undo=lambda: None):
+        """rank.held's give_up for `call` while its client waits for the rank's lock: CLIENT_CHECK_S turns (fewer
+        near its deadline); once the deadline has passed DEADLINE_EXCEEDED, once the client is gone otherwise
+        (a cancel, the transport) CANCELLED, after undo(). `unchanged` says what stands, for the person reading."""
+        def turn() -> float:
+            left = context.time_remaining()
+            if left is not None and left <= 0:
+                code, why = grpc.StatusCode.DEADLINE_EXCEEDED, "its deadline passed"
+            elif not context.is_active():
+                code, why = grpc.StatusCode.CANCELLED, "it was cancelled (its client gone, or the server stopping)"
+            else:
+                return CLIENT_CHECK_S if left is None else min(CLIENT_CHECK_S, left)
+            undo()
+            running = self.loop.stuck_step(0.0)
+            holder = (f"draft step {running[0]}, running for {running[1]:.1f} s" if running is not None
+                      else "another binding, buffer or doorbell change (itself waiting on the device or a step)")
+            raise SidecarError(code, f"{call}: {why} while it waited for this rank, held by {holder}; {unchanged}. "
+                               "A step that stays stuck (a peer rank hung in a collective, or the device stalled) "
+                               "shows as STEP_STUCK in GetStatus: call again once GetStatus says SERVING, or "
+                               "restart the sidecar if it does not", "", code.name)
+        return turn
 
     def _release_binding(self, binding_id: int) -> None:
         """Unbind `binding_id` (UNKNOWN_BINDING if it is not the current one); inside loop.exclusive."""
@@ -364,19 +392,22 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def UnregisterBuffers(self, request, context):
         self._require_same_node(context)
-        self._release_regions(list(request.region_ids), request.owner)
+        gone = self._until_gone(context, "UnregisterBuffers", "nothing was released, the regions stay registered "
+                                "(until UnregisterBuffers again, or their lease's end)")
+        self._release_regions(list(request.region_ids), request.owner, give_up=gone)
         return pb.UnregisterBuffersResponse()
 
-    def _release_regions(self, ids: list[int], owner: int = 0, lease: int = 0) -> None:
+    def _release_regions(self, ids: list[int], owner: int = 0, lease: int = 0, give_up=None) -> None:
         """Release the regions `ids` and those registered under `owner` or `lease` (MemoryBindings.unregister:
-        NOT_FOUND, all or none, for an id not registered)."""
+        NOT_FOUND, all or none, for an id not registered). give_up: bounds the waits for the attach lock and the
+        rank's (rank.held), given up before anything is released."""
         # The doorbell stays as it is (no new one may attach meanwhile), and nothing else runs on the
         # device. What reads the regions is taken out of use at once; it is let go, and the regions
         # closed, once the device has done everything queued so far (RankLoop.after_device). At TP 1
         # that is waited for here. At TP > 1 it is not: a released pre-launched copy finishes only
         # when its peers' copies do, which start when their engines ring the next step, and those
         # engines wait for this one, which is inside this call.
-        with self._attach_lock, self.loop.exclusive(wait=False):
+        with held(self._attach_lock, give_up), self.loop.exclusive(wait=False, give_up=give_up):
             # First: NOT_FOUND (all or none) before anything is dropped.
             released = self.ctx.memory.unregister(ids, owner, lease)
             if not released:  # an owner (a lease) whose registration never arrived: nothing reads anything of it

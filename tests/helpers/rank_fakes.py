@@ -43,7 +43,7 @@ class IdleLoop:
         pass
 
     @contextlib.contextmanager
-    def exclusive(self, wait=True, quiesce=True):
+    def exclusive(self, wait=True, quiesce=True, give_up=None):
         yield
 
     def after_device(self, fn, wait=None):

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from helpers.ranks import run_ranks
 
 CAP = 4096
+# The release's gRPC context: a same-node engine still waiting for its answer (no deadline).
+ENGINE = SimpleNamespace(peer=lambda: "unix:/engine", is_active=lambda: True, time_remaining=lambda: None)
 
 
 def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dict:
@@ -110,7 +112,7 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
     def answered(seq, resp):
         if release_on_rank0 and rank == 0 and seq == 1:
             t = threading.Thread(target=lambda: (svc.UnregisterBuffers(
-                pb.UnregisterBuffersRequest(), SimpleNamespace(peer=lambda: "unix:/engine")), order.append("release")))
+                pb.UnregisterBuffersRequest(), ENGINE), order.append("release")))
             t.start()
             releaser.append(t)
             # The release must be waiting for the loop's lock before this step's answer goes out: a fixed

@@ -43,7 +43,7 @@ class _Loop:
         pass
 
     @contextlib.contextmanager
-    def exclusive(self, wait: bool = True, quiesce: bool = True):
+    def exclusive(self, wait: bool = True, quiesce: bool = True, give_up=None):
         yield
 
     def after_device(self, fn, wait=None) -> None:  # no GPU: nothing queued ahead
@@ -146,7 +146,7 @@ class _LockedLoop(_Loop):
         self.lock, self.seen, self.inside = threading.RLock(), [], 0
 
     @contextlib.contextmanager
-    def exclusive(self, wait: bool = True, quiesce: bool = True):
+    def exclusive(self, wait: bool = True, quiesce: bool = True, give_up=None):
         with self.lock:
             self.inside += 1
             try:

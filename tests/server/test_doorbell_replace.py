@@ -115,7 +115,7 @@ class _LockLoop(_Loop):
         self.hung = False
 
     @contextlib.contextmanager
-    def exclusive(self, wait=True, quiesce=True):
+    def exclusive(self, wait=True, quiesce=True, give_up=None):
         with self.lock:
             yield
 

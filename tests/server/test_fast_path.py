@@ -775,7 +775,7 @@ def test_unbinding_lets_the_runner_drop_the_unbound_caches_views():
     from dspark_sidecar.server.kv_binding import MemoryBindings
 
     class Loop:  # no GPU: nothing queued ahead of a release
-        def exclusive(self, wait=True, quiesce=True):
+        def exclusive(self, wait=True, quiesce=True, give_up=None):
             return contextlib.nullcontext()
 
         def after_device(self, fn, wait=None):
@@ -846,7 +846,7 @@ def test_a_rebind_closes_the_old_runner_at_once_not_at_the_next_step():
     retired = []
 
     class Loop:
-        def exclusive(self, wait=True, quiesce=True):
+        def exclusive(self, wait=True, quiesce=True, give_up=None):
             return contextlib.nullcontext()
 
         def after_device(self, fn, wait=None):
@@ -884,7 +884,7 @@ def test_bindkv_names_the_portable_backend_that_serves_a_binding_the_fast_path_r
             return self.kv
 
     class Loop:
-        def exclusive(self, wait=True, quiesce=True):
+        def exclusive(self, wait=True, quiesce=True, give_up=None):
             return contextlib.nullcontext()
 
         def after_device(self, fn, wait=None):

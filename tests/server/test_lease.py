@@ -173,7 +173,7 @@ class _Loop:
         self.lock = threading.Lock()
 
     @contextlib.contextmanager
-    def exclusive(self, wait=True):
+    def exclusive(self, wait=True, give_up=None):
         with self.lock:
             yield
 
@@ -200,9 +200,9 @@ def _record_sections(svc) -> list[bool]:
     sections = []
     real = svc.loop.exclusive
 
-    def exclusive(wait=True):
+    def exclusive(wait=True, give_up=None):
         sections.append(wait)
-        return real(wait)
+        return real(wait, give_up=give_up)
 
     svc.loop.exclusive = exclusive
     return sections

@@ -285,7 +285,7 @@ def _strict_rank(host, kv=None, fast=None):
 
     ctx = SimpleNamespace(rank=0, fast=fast or _Fast(), cfg=load_config("tiny"), memory=_Memory(kv),
                           model=SimpleNamespace(dtype=torch.bfloat16), metrics=Metrics(0), refusal=None)
-    loop = SimpleNamespace(exclusive=lambda wait=True: contextlib.nullcontext(), after_device=lambda fn: fn(),
+    loop = SimpleNamespace(exclusive=lambda wait=True, give_up=None: contextlib.nullcontext(), after_device=lambda fn: fn(),
                            graphs=None)
     life = Lifecycle(backend="flydsl", host=host, strict=True)
     svc = DrafterServicer(ctx, loop, life, pb.Limits(), pb.Parallel(), "mxfp8")

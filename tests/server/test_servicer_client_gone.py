@@ -1,4 +1,4 @@
-"""A draft step's client that is gone (cancel, deadline) frees the gRPC handler thread and stream place it held.
+"""A client that is gone (cancel, deadline) frees the gRPC handler thread (and stream place) its call held.
 
 A step waits its turn behind the one running, which can take as long as the rendezvous deadline (a peer's
 missing copy) or for ever (STEP_STUCK). Its handler thread waited on the step's answer with no regard for its
@@ -11,22 +11,30 @@ itself still runs in its turn (its peers run theirs); only its answer, which nob
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import gc
 import os
 import tempfile
 import threading
+import weakref
 from concurrent import futures
 from types import SimpleNamespace
+from typing import Iterator
 
 import grpc
 import pytest
 import torch
 
 from dspark_sidecar.drafter.config import load_config
+from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server import servicer as servicer_mod
-from dspark_sidecar.server.errors import StatusInterceptor
+from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
+from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
+from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
 from helpers.waiting import wait_until
 
@@ -53,14 +61,9 @@ class StuckLoop:
                 fut.set_result(pb.DraftStepResponse())
 
 
-@pytest.fixture
-def rank(monkeypatch):
-    monkeypatch.setattr(servicer_mod, "MAX_STREAMS", 1)
-    cfg = load_config("tiny")
-    ctx = SimpleNamespace(rank=0, fast=None, cfg=cfg, memory=SimpleNamespace(kv=None),
-                          model=SimpleNamespace(dtype=torch.float32), metrics=Metrics(0))
-    loop = StuckLoop()
-    svc = DrafterServicer(ctx, loop, Lifecycle(state="SERVING"), pb.Limits(), pb.Parallel(), "bf16")  # type: ignore[arg-type]
+@contextlib.contextmanager
+def _served(svc: DrafterServicer, release) -> Iterator[pb_grpc.DrafterSidecarStub]:
+    """`svc` on a unix socket with a pool of THREADS handler threads; release() lets its stuck work end."""
     folder = tempfile.mkdtemp(prefix="gone", dir="/tmp")
     path = os.path.join(folder, "r0.sock")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=THREADS), interceptors=[StatusInterceptor()])
@@ -69,14 +72,26 @@ def rank(monkeypatch):
     server.start()
     channel = grpc.insecure_channel(f"unix:{path}")
     try:
-        yield pb_grpc.DrafterSidecarStub(channel), loop
+        yield pb_grpc.DrafterSidecarStub(channel)
     finally:
         channel.close()
-        loop.release()  # else the handler threads wait for ever and hold the interpreter's exit
+        release()  # else the handler threads wait for ever and hold the interpreter's exit
         server.stop(None).wait()
         if os.path.exists(path):
             os.unlink(path)
         os.rmdir(folder)
+
+
+@pytest.fixture
+def rank(monkeypatch):
+    monkeypatch.setattr(servicer_mod, "MAX_STREAMS", 1)
+    cfg = load_config("tiny")
+    ctx = SimpleNamespace(rank=0, fast=None, cfg=cfg, memory=SimpleNamespace(kv=None),
+                          model=SimpleNamespace(dtype=torch.float32), metrics=Metrics(0))
+    loop = StuckLoop()
+    svc = DrafterServicer(ctx, loop, Lifecycle(state="SERVING"), pb.Limits(), pb.Parallel(), "bf16")  # type: ignore[arg-type]
+    with _served(svc, loop.release) as stub:
+        yield stub, loop
 
 
 def test_unary_steps_whose_clients_gave_up_leave_the_threads_to_get_status(rank):
@@ -119,3 +134,151 @@ def _taken(stub) -> bool:
         return True
     except grpc.RpcError as err:
         return err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# A binding or buffer call that changes what steps read waits for the rank's lock, which a running step holds: behind
+# a stuck one (a peer hung in a collective, a stalled device) for good. Its handler waited whatever its client did.
+GONE_CODES = {"deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "cancel": grpc.StatusCode.CANCELLED}
+
+
+def _recorded(method, answers: list):
+    """`method` noting how each of its calls ended on the server: (code, message), or ("OK", "")."""
+    def handler(request, context):
+        try:
+            out = method(request, context)
+        except SidecarError as err:
+            answers.append((err.code, err.message))
+            raise
+        answers.append(("OK", ""))
+        return out
+    return handler
+
+
+def _layer(i: int, t: torch.Tensor) -> pb.KVLayerBinding:
+    return pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(t.dtype),
+                             shape=list(t.shape), strides=list(t.stride()), storage_offset=t.storage_offset())
+
+
+@pytest.fixture
+def held():
+    """A CPU rank (a real RankLoop and MemoryBindings) with a KV binding and one buffer region, whose draft step 7
+    then runs until the test lets it end: it holds the rank's lock, as a step stuck on the device or a peer."""
+    cfg = load_config("tiny")
+    cpu = torch.device("cpu")
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, cpu)
+    model = SimpleNamespace(device=cpu, dtype=torch.float32)
+    ctx = RankContext(0, 1, cfg, model, None, mem, Metrics(0), 8)  # type: ignore[arg-type]
+    loop = RankLoop(ctx, SimpleNamespace(deadline_ms=200), None)  # type: ignore[arg-type]
+    started, release = threading.Event(), threading.Event()
+
+    def run(req, *args, **kwargs):
+        started.set()
+        assert release.wait(60)
+        return pb.DraftStepResponse(step_id=req.step_id)
+
+    loop._run = run  # type: ignore[method-assign]
+    asked = []  # the sections asked for (each call that reached the rank's lock)
+    section = loop.exclusive
+    loop.exclusive = lambda *a, **kw: asked.append(1) or section(*a, **kw)  # type: ignore[method-assign]
+    svc = DrafterServicer(ctx, loop, Lifecycle(state="SERVING"), pb.Limits(), pb.Parallel(), "fp32")
+    answers: dict[str, list] = {}
+    for name in ("BindKV", "UnbindKV", "UnregisterBuffers"):
+        setattr(svc, name, _recorded(getattr(svc, name), answers.setdefault(name, [])))
+    L = cfg.num_hidden_layers
+    segs = [memory.shm_empty(kv_layer_shape(cfg, 1, 4, 16), torch.float32) for _ in range(2 * L + 1)]
+    facts = pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1)
+    try:
+        with _served(svc, release.set) as stub:
+            first = [_layer(i, s.tensor) for i, s in enumerate(segs[:L])]
+            bound = stub.BindKV(pb.BindKVRequest(engine=facts, page_size=16, layers=first), timeout=10)
+            region = pb.BufferRegion(name="hidden", memory=memory.export_handle(segs[-1].tensor), size_bytes=256)
+            rid, = stub.RegisterBuffers(pb.RegisterBuffersRequest(regions=[region], owner=77), timeout=10).region_ids
+            answers["BindKV"].clear()
+            step = loop.submit(pb.DraftStepRequest(step_id=7))
+            assert started.wait(10)
+            asked.clear()  # the worker's own, for step 7
+            rebind = pb.BindKVRequest(engine=facts, page_size=16,
+                                      layers=[_layer(i, s.tensor) for i, s in enumerate(segs[L:2 * L])])
+            yield SimpleNamespace(stub=stub, mem=mem, bound=bound, kv=mem.kv, rid=rid, rebind=rebind, step=step,
+                                  release=release, answers=answers, asked=asked, svc=svc)
+    finally:
+        release.set()
+        loop.close()
+        mem.close()
+        for seg in segs:
+            seg.close()
+
+
+def _requests(h) -> dict:
+    return {"BindKV": h.rebind, "UnbindKV": pb.UnbindKVRequest(binding_id=h.bound.binding_id),
+            "UnregisterBuffers": pb.UnregisterBuffersRequest(region_ids=[h.rid], owner=77)}
+
+
+@pytest.mark.parametrize("how", GONE_CODES)
+@pytest.mark.parametrize("rpc", ["BindKV", "UnbindKV", "UnregisterBuffers"])
+def test_a_binding_or_buffer_call_whose_client_is_gone_stops_waiting_behind_a_stuck_step(held, monkeypatch, rpc, how):
+    h = held
+    given_back = []
+    monkeypatch.setattr(servicer_mod, "give_back_unopened", lambda peer, handles: given_back.extend(handles))
+    call = getattr(h.stub, rpc)
+    for i in range(THREADS):  # as many as the pool has threads: before, each held one for as long as the step ran
+        if how == "deadline":
+            with pytest.raises(grpc.RpcError):
+                call(_requests(h)[rpc], timeout=0.3)
+        else:
+            pending = call.future(_requests(h)[rpc])
+            wait_until(lambda: len(h.asked) > i, 10.0, f"{rpc} {i} waits for the rank's lock")
+            pending.cancel()
+        wait_until(lambda: len(h.answers[rpc]) > i, 10.0, f"{rpc} {i} ended on the server while the step runs")
+    assert [code for code, _ in h.answers[rpc]] == [GONE_CODES[how]] * THREADS, h.answers[rpc]
+    message = h.answers[rpc][0][1]
+    # Says what held the rank, that nothing changed, and what to do.
+    assert "step 7" in message and "nothing was" in message and "GetStatus" in message, message
+    # The rank serves on, and nothing the calls asked for was done, nor half done.
+    status = h.stub.GetStatus(pb.GetStatusRequest(), timeout=5.0)
+    assert status.kv.binding_id == h.bound.binding_id and status.kv.generation == h.bound.generation
+    assert h.mem.kv is h.kv and len(h.kv.layers) == 5 and h.mem.binds == 1 and h.mem.region_count == 1
+    assert 77 not in h.mem._released_owners  # the owner's registrations are not refused either
+    # A BindKV given up never opens its handles: each goes back to the engine (a CUDA IPC producer reference).
+    assert given_back == (list(h.rebind.layers[i].memory for i in range(5)) * THREADS if rpc == "BindKV" else [])
+    assert not h.step.done()
+    h.release.set()
+    assert h.step.result(10).step_id == 7
+    # The lock was never taken by a call that gave up: with the step done, the same calls go through.
+    for name in ("UnregisterBuffers", "UnbindKV", "BindKV"):
+        getattr(h.stub, name)(_requests(h)[name], timeout=10)
+    assert h.mem.region_count == 0 and h.mem.kv is not None and h.mem.kv.binding_id != h.bound.binding_id
+
+
+def test_an_unregister_waiting_for_the_attach_lock_gives_up_when_its_deadline_passes(held):
+    """UnregisterBuffers takes the doorbell's attach lock before the rank's: held by a lease's release waiting on
+    the device, or by an UnregisterBuffers waiting behind the stuck step, it waited there for good too."""
+    h = held
+    h.release.set()
+    assert h.step.result(10).step_id == 7
+    with h.svc._attach_lock:
+        with pytest.raises(grpc.RpcError):
+            h.stub.UnregisterBuffers(_requests(h)["UnregisterBuffers"], timeout=0.3)
+        wait_until(lambda: h.answers["UnregisterBuffers"], 10.0, "UnregisterBuffers ended with the attach lock held")
+    assert h.answers["UnregisterBuffers"][0][0] == grpc.StatusCode.DEADLINE_EXCEEDED, h.answers
+    assert h.mem.region_count == 1
+    h.stub.UnregisterBuffers(_requests(h)["UnregisterBuffers"], timeout=10)
+    assert h.mem.region_count == 0
+
+
+@pytest.mark.parametrize("rpc", ["BindKV", "UnbindKV", "UnregisterBuffers"])
+def test_a_given_up_call_s_error_is_freed_by_reference_counting(held, rpc):
+    """Its traceback holds the handler's frames (the request, the give-up's closure): none may hold the error
+    back (test_rank_cycles.py: what a rank frees must go without the cyclic collector)."""
+    h = held
+    past = SimpleNamespace(time_remaining=lambda: 0.0, is_active=lambda: False, peer=lambda: "unix:/engine")
+    gc.disable()
+    try:
+        try:
+            getattr(h.svc, rpc)(_requests(h)[rpc], past)
+        except SidecarError as exc:
+            assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+            gone = weakref.ref(exc)
+        assert gone() is None, "the given-up call's error outlived its handler: a reference cycle"
+    finally:
+        gc.enable()

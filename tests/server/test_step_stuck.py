@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -168,3 +170,43 @@ def test_a_step_waiting_out_a_long_rendezvous_deadline_is_not_stuck(rank):
     wait_until(lambda: rank.loop.stuck_step(app.STEP_STUCK_S), 10, "the step has run past STEP_STUCK_S")
     rank.watch()
     assert rank.life.snapshot() == ("SERVING", "") and rank.health() == SERVING
+
+
+class _Gone(Exception):
+    """A waiting section's client is gone (the servicer's give_up raises a SidecarError)."""
+
+
+def test_a_section_that_gives_up_behind_a_stuck_step_takes_nothing_and_leaves_nothing_to_the_collector(rank):
+    """RankLoop.exclusive(give_up=...): the wait for the lock a stuck step holds ends when give_up raises, before
+    the section's quiesce, sweep or body ran, with the lock still the step's. The error is freed by reference
+    counting: a frame of the wait holding it (a cycle through its traceback) would leave it to the collector."""
+    quiesced, entered, turns = [], [], []
+    rank.loop.on_quiesce(quiesced.append)
+    fut = rank.loop.submit(pb.DraftStepRequest(step_id=7))
+    assert rank.started.wait(5)
+    quiesced.clear()  # the step's own section
+
+    def give_up() -> float:
+        turns.append(1)
+        if len(turns) == 3:
+            raise _Gone()
+        return 0.01
+
+    gc.disable()
+    try:
+        try:
+            with rank.loop.exclusive(wait=False, give_up=give_up):
+                entered.append(1)
+        except _Gone as exc:
+            gone = weakref.ref(exc)
+        assert gone() is None, "the given-up wait's error outlived its handler: a reference cycle"
+    finally:
+        gc.enable()
+    assert len(turns) == 3 and not entered and not quiesced
+    assert not fut.done()
+    rank.release.set()
+    assert fut.result(5).step_id == 7
+    # The lock was never taken by the section that gave up: free now, the next one takes it without asking.
+    with rank.loop.exclusive(wait=False, give_up=give_up):
+        entered.append(1)
+    assert entered == [1] and len(turns) == 3 and quiesced == [False]
