@@ -581,3 +581,90 @@ def test_a_page_whose_registration_outlived_a_dropped_prelaunch_stays_mapped_whe
     assert int(page.storage[8 * bell.CLOSED : 8 * bell.CLOSED + 8].view(torch.int64)) == 1
     assert not page.closed and db.memory in doorbell_mod._KEPT
     doorbell_mod._KEPT.remove(db.memory)
+
+
+class _CountingLoop(_Loop):
+    """Answers every step it is given, and counts them."""
+
+    def __init__(self) -> None:
+        self.served: list[int] = []
+
+    def answer_now(self, req, hook=None, answer_limit=0):
+        from dspark_sidecar.proto import sidecar_pb2 as pb
+
+        self.served.append(req.step_id)
+        return pb.DraftStepResponse(step_id=req.step_id)
+
+
+def test_a_garbled_ring_is_answered_invalid_argument_naming_the_request_and_the_thread_serves_on():
+    """Bytes that do not decode, or a length past the request area, are the engine's fault: INVALID_ARGUMENT
+    naming the request (the shim drops the link and re-reads the limits), not INTERNAL, and never a step run.
+    The next ring is served as usual."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    loop = _CountingLoop()
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"")
+    db.start()
+    answers = []
+    try:
+        for seq, data, length in ((1, b"\xff" * 16, None), (2, b"", (1 << 64) - 1),
+                                  (3, pb.DraftStepRequest(step_id=9).SerializeToString(), None)):
+            db.page.write(db.page.req_area, data, bell.REQ_LEN, bell.REQ_SEQ, seq)
+            if length is not None:  # after the ring: the length word as a broken engine leaves it
+                db.page.words[bell.REQ_LEN] = length
+            wait_until(lambda: db.page.word(bell.RESP_SEQ) == seq, 10, lambda: f"ring {seq} answered", watch=db)
+            answers.append(pb.DraftStepResponse.FromString(db.page.read(db.page.resp_area, bell.RESP_LEN)))
+        assert db.is_alive()
+    finally:
+        db.stop()
+    for resp in answers[:2]:
+        assert (resp.error.code, resp.error.field, resp.error.reason) == (3, "request", "INVALID_FIELD"), resp
+        assert resp.error.message.startswith("request: unreadable: ")
+    assert "exceeds the doorbell's 4096-byte area" in answers[1].error.message
+    assert answers[2].step_id == 9 and not answers[2].HasField("error") and loop.served == [9]
+
+
+class _SettlingPrelaunch(_QueueingPrelaunch):
+    """Records, at each settle(), the response sequence the engine could read then."""
+
+    def __init__(self, page) -> None:
+        super().__init__()
+        self.page = page
+
+    def settle(self) -> None:
+        self.events.append(("settle", self.page.word(bell.RESP_SEQ)))
+
+
+def test_what_a_step_left_queued_is_settled_before_its_answer_is_published():
+    """Prelaunch.settle releases a queued step the ring did not take. After the answer the engine's stream
+    may already write the next step's word, which the release's store would lower: it runs before the
+    answer is out, while the engine still reads the previous sequence."""
+    db = Doorbell(_Page(), CAPACITY, _CountingLoop(), torch.device("cpu"), b"")
+    pl = db.prelaunch = _SettlingPrelaunch(db.page)
+    db.start()
+    try:
+        db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, 1)
+        wait_until(lambda: "queued after 1" in pl.events, 10, lambda: f"step 1 answered: {pl.events}", watch=db)
+    finally:
+        db.stop()
+    assert pl.events[:2] == [("settle", 0), "queued after 1"], pl.events
+
+
+def test_a_wake_fifo_that_fails_to_close_still_closes_the_page_and_releases_the_prelaunch():
+    """_release closes the FIFO first; whatever that raises, the queued step's wait is released and the
+    page is closed (its CLOSED word tells a waiting engine to attach again), and the error is not lost."""
+    from types import SimpleNamespace
+
+    closed = []
+    page = _Page()
+    db = Doorbell(page, CAPACITY, _Loop(), torch.device("cpu"), b"", on_close=lambda: closed.append(True))
+    pl = db.prelaunch = _Prelaunch()
+
+    def failing_close() -> None:
+        raise OSError(5, "injected: closing the wake FIFO failed")
+
+    db.waker = SimpleNamespace(close=failing_close, path="")
+    with pytest.raises(OSError, match="injected"):
+        db.stop()  # never started: released on this thread
+    assert pl.closed and page.closed and closed
+    assert int(page.storage[8 * bell.CLOSED : 8 * bell.CLOSED + 8].view(torch.int64)) == 1
