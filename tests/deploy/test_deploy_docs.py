@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -166,3 +167,105 @@ def test_the_target_checkpoint_row_names_only_what_serve_reads_of_it(tmp_path):
     check_checkpoint(cfg, dspark_dir, embed_only)  # no lm_head: nothing missing for the sidecar
     row = _flag_row("--target-checkpoint")
     assert "embed_tokens" in row and "lm_head" not in row, row
+    # The ConfigMap's comment on the two variables said the same ("the target model (embed_tokens / lm_head)").
+    lines = (DEPLOY / "k8s" / "base" / "configmap.yaml").read_text().split("  DSPARK_CHECKPOINT:", 1)[0].splitlines()
+    comment = []
+    while lines and lines[-1].strip().startswith("#"):  # the comment block just above DSPARK_CHECKPOINT
+        comment.insert(0, lines.pop())
+    assert any("embed_tokens" in c for c in comment) and not any("lm_head" in c for c in comment), comment
+
+
+def _default_matches(text: str, default) -> bool:
+    """Whether a flag table's default cell (one value, its parenthetical dropped) reads as the parser's default."""
+    words = text.replace("`", "").strip()
+    if words in ("", "synthetic"):  # no value: the preset's synthetic checkpoint
+        return default is None
+    if words.split()[-1] in ("on", "off"):  # "off", "graphs on", "warm-up on": a switch (or 0 = off)
+        return default == (words.split()[-1] == "on") and (isinstance(default, bool) or words.endswith("off"))
+    if words.endswith(" MiB"):
+        return default == int(words.removesuffix(" MiB")) << 20
+    if isinstance(default, Path):
+        return str(default) == words
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        return float(words) == default
+    return words == default
+
+
+def _table_defaults(text: str, default_col: int, sep: str) -> dict[str, str]:
+    """flag -> its default cell's text, from a flag table whose rows start with "| `--"; a row naming two flags
+    gives each its part of the cell (split on `sep`), or the whole cell when it has one part for both."""
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith("| `--"):
+            continue
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        flags = re.findall(r"`(--[a-z-]+)", cells[0])
+        values = [v.strip() for v in re.sub(r"\s*\([^)]*\)", "", cells[default_col]).split(sep)]
+        for flag, value in zip(flags, values * len(flags) if len(values) == 1 else values, strict=True):
+            out[flag] = value
+    return out
+
+
+@pytest.mark.parametrize("doc, heading, default_col, sep", [("deploy/OPERATIONS.md", "## Flags", 2, " / "),
+                                                           ("README.md", "### `serve` flags", 1, ", ")])
+def test_flag_tables_give_the_parsers_defaults(doc, heading, default_col, sep):
+    """Both flag tables say each serve flag's default, which an operator leaves out of the ConfigMap or
+    sidecar.env on its word; the table check above covered only the variable names, so a default changed in
+    cli.py / ServeConfig could leave the guide stating the old one. Each cell is read against the parser."""
+    from deploy.deploy_files import REPO, serve_parser
+
+    section = (REPO / doc).read_text().split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0]
+    cells = _table_defaults(section, default_col, sep)
+    actions = [a for a in serve_parser()._actions if a.option_strings and a.dest != "help"]
+    assert {a.option_strings[0] for a in actions} <= set(cells), {a.option_strings[0] for a in actions} - set(cells)
+    wrong = {a.option_strings[0]: (cells[a.option_strings[0]], a.default) for a in actions
+             if not _default_matches(cells[a.option_strings[0]], a.default)}
+    assert not wrong, wrong
+
+
+def test_flag_default_reader_refuses_a_stale_default():
+    """The reader above must fail a cell that no longer matches: a number, a switch, a size, a path."""
+    assert not _default_matches("2.0", 1.0) and _default_matches("1.0", 1.0)
+    assert not _default_matches("on", False) and _default_matches("graphs on", True)
+    assert not _default_matches("off", True) and _default_matches("off", 0)
+    assert not _default_matches("128 MiB", 256 << 20) and _default_matches("256 MiB", 256 << 20)
+    assert not _default_matches("/run/dspark", Path("/tmp/dspark-sidecar"))
+    assert not _default_matches("synthetic", Path("/x")) and not _default_matches("tiny", "minimax-m3.1")
+
+
+def test_the_guide_quotes_the_launchers_line_after_a_rank_refused(tmp_path, caplog):
+    """A rank that refuses at start-up exits 2 (or 75) with its one line, and the launcher passes the code on.
+    The guide said the launcher added "no line of its own" and that the refusal stood last in the unit's journal;
+    the launcher logs one INFO line after it (and the peers it stops log theirs). The line quoted is the one the
+    launcher writes, read from a launch whose only rank exits 2 at once."""
+    import logging
+    from unittest import mock
+
+    from dspark_sidecar.server import launcher
+    from dspark_sidecar.server.config import ServeConfig
+
+    class Refused:
+        returncode = 2
+
+        def __init__(self, *_args, **_kwargs):
+            pass
+
+        def poll(self):
+            return 2
+
+        def wait(self, timeout=None):
+            return 2
+
+        def send_signal(self, _signum):
+            pass
+
+        kill = send_signal
+
+    with mock.patch.object(launcher.subprocess, "Popen", Refused), \
+            caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+        assert launcher.launch(ServeConfig(tp=1, socket_dir=tmp_path), ["serve"], on_ready=lambda: False) == 2
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "dspark_sidecar.launcher"]
+    quoted = re.sub(r"rank \d+", "rank N", said.split(" (", 1)[0])
+    assert quoted.startswith("sidecar rank N refused to start"), said
+    assert f'"{quoted}"' in " ".join(OPERATIONS.split()), quoted
+    assert "no line of its own" not in OPERATIONS
