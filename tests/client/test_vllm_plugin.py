@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import sys
 import types
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Generic, TypeVar
@@ -85,6 +86,19 @@ def fake_vllm(monkeypatch):
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.delenv("DSPARK_SOCKET_DIR", raising=False)
     return SimpleNamespace(registry=registry, fc=fc)
+
+
+@pytest.fixture
+def roomy_deadlines(monkeypatch):
+    """The plugin's EngineConfig with 30 s connect / bind / step deadlines. Why: a CI box under load (load 16
+    beside other suites) once took more than the 1 s default connect deadline for the in-process fake, and a test
+    of the forwarding path fell back instead; the deadlines' own behaviour is tested in tests/client/test_shim_*."""
+    real = vllm_plugin.engine_config_from_vllm
+
+    def roomy(*args, **kwargs):
+        return dataclasses.replace(real(*args, **kwargs), connect_deadline_s=30.0, bind_deadline_s=30.0,
+                                   step_deadline_s=30.0)
+    monkeypatch.setattr(vllm_plugin, "engine_config_from_vllm", roomy)
 
 
 def vllm_config(tp: int = 4, method: str = "dspark", k: int = 7, sleep_mode: bool = False, dp: int = 1, pp: int = 1,
@@ -210,7 +224,8 @@ def test_without_a_socket_dir_every_step_runs_the_stock_forward(fake_vllm, caplo
 
 @pytest.mark.parametrize("as_list,kv_layout", [(False, "records"), (True, "planes")],
                          ids=["kv_cache-tensor-records", "kv_cache-list-planes"])
-def test_forward_goes_through_the_sidecar_with_vllm_metadata(fake_vllm, monkeypatch, as_list, kv_layout):
+def test_forward_goes_through_the_sidecar_with_vllm_metadata(fake_vllm, roomy_deadlines, monkeypatch, as_list,
+                                                              kv_layout):
     """vLLM 0.34 (one tensor per layer, K | V records) and older releases (a list, K and V planes)."""
     monkeypatch.setitem(KV_FORM, "list", as_list)
     folder = short_socket_dir()
@@ -231,12 +246,14 @@ def test_forward_goes_through_the_sidecar_with_vllm_metadata(fake_vllm, monkeypa
         assert model.stock_calls == 2 and server.sidecar.remote_calls() == 0
         shim = model.dspark_shim()
         assert shim.stats.fallbacks == {S.NO_METADATA: 1, S.NO_KV: 1}
+        assert shim.config.connect_deadline_s == 30.0  # roomy_deadlines reached the shim
 
         kv = shm_kv_cache(kv_layout=kv_layout)
         for layer, seg in zip(model.layers, kv):
             layer.kv_cache = [seg.tensor] if as_list else seg.tensor
         out = model(ids, md.positions)
-        assert model.stock_calls == 2 and torch.equal(out, model.table[ids] * 2)
+        assert model.stock_calls == 2, f"fell back: {shim.stats.fallbacks}"
+        assert torch.equal(out, model.table[ids] * 2)
         (req,) = server.sidecar.requests
         (bound,) = server.sidecar.binds  # always the planes view [2, pages, page_size, heads, head_dim]
         assert list(bound.layers[0].shape) == [2, 8, 16, 1, 128] and bound.page_size == 16
