@@ -15,6 +15,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import signal
 import threading
 import time
 import zlib
@@ -43,6 +44,8 @@ from dspark_sidecar.proto.memory import exportable_zeros
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FAULTS = ("realloc_kv", "break_stream", "pause")
+# How long run_engine waits for the ranks it stops to release their shim and KV segments before killing them.
+RANK_UNWIND_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -357,7 +360,7 @@ class Record:
 def _exit_with_starter(rank: int) -> None:
     """End this rank at once when the process that spawned it has gone, however it went.
 
-    run_engine's finally kills the ranks when the starter unwinds, but a SIGKILLed starter runs none, and
+    run_engine's finally stops the ranks when the starter unwinds, but a SIGKILLed starter runs none, and
     torch's parent-death SIGINT (set in its spawn wrapper) misses two cases: a starter killed before the
     wrapper runs (the rank's imports, seconds) left its ranks drafting every round, orphaned; and a rank
     blocked in a gloo collective does not run the KeyboardInterrupt, while its peer, interrupted between two,
@@ -377,8 +380,27 @@ def _exit_with_starter(rank: int) -> None:
     threading.Thread(target=watch, name=f"engine-rank{rank}-starter", daemon=True).start()
 
 
+def _unwinding(_signum: int, _frame) -> None:
+    """SIGINT or SIGTERM in a rank already unwinding from one: nothing more to do."""
+
+
+def _stop_rank(signum: int, _frame) -> None:
+    """SIGINT (a terminal's Ctrl-C) or SIGTERM (run_engine's stop; torch's, when a peer rank failed) in an engine
+    rank: unwind, so that EngineRank.run's finally releases the shim and the KV cache's segments (SIGTERM's default
+    ended the rank where it stood, leaving them to the starter's resource tracker). Once: the other signal, which
+    follows a Ctrl-C from the starter, must not cut that unwind short (run_engine kills a rank that takes too long)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        # Not SIG_IGN: a signal that came beside this one, already caught, then printed "ignored due to race".
+        signal.signal(s, _unwinding)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt  # torch's spawn wrapper takes it as its parent's stop: exit 0, as before
+    raise SystemExit(128 + signum)  # a failure to torch's join, as the signal's own end was
+
+
 def _rank_entry(rank: int, h: HarnessConfig, store_path: str, out_dir: str) -> None:
     _exit_with_starter(rank)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _stop_rank)
     torch.set_num_threads(1)  # same reductions as the sidecar's ranks: bit-identical results
     if h.device == "cuda":
         torch.cuda.set_device(rank)
@@ -425,7 +447,21 @@ def run_engine(h: HarnessConfig, work_dir: str | Path, on_pause=None, timeout_s:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine harness did not finish in {timeout_s} s")
     finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+        # Ranks still running here (an error or an interrupt in this process: Ctrl-C, the demo's SIGTERM) are asked
+        # to unwind first (_stop_rank): EngineRank.run's finally closes the shim and unlinks the KV cache's
+        # segments. SIGKILLed at once, they left those in /dev/shm until this process exited, its resource tracker
+        # then warning of "leaked shared_memory objects" after the demo's one line. One that cannot unwind in time
+        # (blocked in a gloo collective) is killed, as is every one still alive if a second interrupt cuts the
+        # wait short.
+        alive = [p for p in ctx.processes if p.is_alive()]
+        try:
+            for p in alive:
+                p.terminate()
+            unwind_by = time.monotonic() + RANK_UNWIND_S
+            for p in alive:
+                p.join(max(0.0, unwind_by - time.monotonic()))
+        finally:
+            for p in alive:
+                if p.is_alive():
+                    p.kill()
     return [json.loads((work / f"rank{r}.json").read_text()) for r in range(h.tp)]

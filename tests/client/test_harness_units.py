@@ -326,3 +326,72 @@ def test_taps_are_the_requests_own():
     assert torch.equal(taps_for(7, pos, tok, 8), taps_for(7, pos, tok, 8))
     assert not torch.equal(taps_for(7, pos, tok, 8), taps_for(8, pos, tok, 8))
     assert not torch.equal(taps_for(7, pos, tok, 8), taps_for(7, pos, tok + 1, 8))
+
+
+def test_ranks_stopped_by_an_error_or_interrupt_release_their_kv_segments_first(tiny_ckpt, tmp_path):
+    """run_engine's finally SIGKILLed the ranks still running when it unwound (Ctrl-C, the demo's SIGTERM, an
+    error here): EngineRank.run's finally never ran, the KV cache's segments stayed in /dev/shm until the starter
+    exited, and the starter's resource tracker then warned of "leaked shared_memory objects" after the demo's one
+    `interrupted` line. Now they unwind as on their own Ctrl-C, and only one that cannot is killed."""
+    import os
+
+    from dspark_sidecar.client.harness import run_engine
+
+    h = HarnessConfig(rounds=3, tp=1, checkpoint=(str(tiny_ckpt[0]), str(tiny_ckpt[1])), num_pages=64,
+                      mix=MixConfig(seed=0, max_active=2, short_prompt=(1, 20), mid_p=0.0, long_p=0.0,
+                                    first_long=False), faults=(Fault(1, "pause"),))
+    held: list[str] = []
+
+    def on_pause(_rnd: int) -> None:  # the rank waits in its pause: its KV cache is mapped now
+        for child in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
+            try:
+                if b"spawn_main" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                    continue
+                maps = Path(f"/proc/{child}/maps").read_text()
+            except OSError:
+                continue
+            held.extend(sorted({line.split()[-1] for line in maps.splitlines() if "/dev/shm/" in line}))
+        raise RuntimeError("the controller failed")
+
+    with pytest.raises(RuntimeError, match="the controller failed"):
+        run_engine(h, tmp_path, on_pause=on_pause, timeout_s=300)
+    assert held, "no engine rank held a KV segment at the pause"
+    left = [p for p in held if os.path.exists(p)]
+    assert not left, f"the stopped rank's KV segments are still in /dev/shm: {left}"
+
+
+def test_a_round_with_one_differing_draft_token_counts_as_a_token_mismatch():
+    """The reference backend must draft the same tokens: one token off in one round is a mismatched round."""
+    rec = Record()
+    hidden, kv = torch.ones(7, 4), torch.ones(2, 2)
+    local = torch.zeros(1, 7, dtype=torch.int64)
+    one_off = local.clone()
+    one_off[0, 3] = 5
+    rec.compare(hidden, hidden, one_off, local, kv, kv)
+    assert (rec.token_mismatch, rec.tokens_differing) == (1, 1)
+    rec.compare(hidden, hidden, local, local, kv, kv)
+    three_off = local + torch.tensor([[1, 0, 1, 0, 1, 0, 0]])
+    rec.compare(hidden, hidden, three_off, local, kv, kv)
+    assert (rec.token_mismatch, rec.tokens_differing, rec.compared) == (2, 4, 3)
+
+
+def test_the_demo_s_mix_goes_above_max_reqs_first_at_the_round_the_readme_names():
+    """README: the mix has more requests than --max-reqs on purpose, "with the default --seed and --max-reqs the
+    first is round 45" (1-based, as the progress lines count), and never more than max_reqs + 4."""
+    from dspark_sidecar.client.demo import DemoConfig, demo_mix
+    from dspark_sidecar.drafter.config import PRESETS
+
+    cfg = DemoConfig()
+    vocab = PRESETS[cfg.preset].vocab_size  # the anchors' draws take the RNG's bits by the vocabulary's size
+    w = Workload(demo_mix(cfg), vocab=vocab, page_size=16, num_pages=1024)  # the harness's default cache
+    first = None
+    for rnd in range(100):
+        w.admit()
+        assert len(w.active) <= cfg.max_reqs + 4
+        if first is None and len(w.active) > cfg.max_reqs:
+            first = rnd + 1
+        for r in w.active:
+            drafts = [(r.anchor + j) % vocab for j in range(layout.QPR)]
+            w.advance(r, w.accepted(r, drafts, rnd), drafts)
+        w.retire()
+    assert first == 45, first
