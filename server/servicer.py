@@ -451,7 +451,12 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             give_back_unopened(context.peer(), [request.page])
             raise
         # From here the page is shared memory, which holds nothing to give back (memory.discard_handle).
-        with self._attach_lock:  # one doorbell per rank: two attaching at once would leave one running unseen
+        # One doorbell per rank: two attaching at once would leave one running unseen. The attach lock may be held
+        # for long (a lease's release waiting on the device, an UnregisterBuffers behind a stuck step): its client
+        # gone, the call gives up before the lock is taken, so before its page is opened.
+        gone = self._until_gone(context, "AttachDoorbell", "nothing was attached, the doorbell in place (if any) "
+                                "serves on")
+        with held(self._attach_lock, gone):
             if self._doorbells_closed:
                 raise SidecarError(grpc.StatusCode.UNAVAILABLE, "this rank is shutting down: no doorbell is attached "
                                    "any more; steps go over the gRPC stream until it ends", "", "SHUTTING_DOWN")

@@ -25,7 +25,7 @@ from helpers.rank_fakes import IdleLoop  # noqa: E402
 from helpers.waiting import wait_until  # noqa: E402
 
 CAP = 4096
-CTX = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
+CTX = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock", is_active=lambda: True, time_remaining=lambda: None)
 
 
 @pytest.fixture

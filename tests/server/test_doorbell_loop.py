@@ -256,7 +256,8 @@ def test_attaching_a_doorbell_replaces_the_last_one_even_when_it_does_not_close_
     ctx = SimpleNamespace(rank=0, fast=None, memory=MemoryBindings(None, 1, 0, torch.float32, torch.device("cpu")),
                           model=SimpleNamespace(device=torch.device("cpu")), cfg=SimpleNamespace(sliding_window=64))
     svc = DrafterServicer(ctx, _Loop(), Lifecycle(), None, None, "")  # type: ignore[arg-type]
-    context = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
+    # Four attaches at once wait for the attach lock, asking their client on the way (servicer._until_gone).
+    context = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock", is_active=lambda: True, time_remaining=lambda: None)
     pages = [memory.shm_empty((bell.HEADER + 2 * CAPACITY,), torch.uint8) for _ in range(6)]
     try:
         def attach(i):
@@ -411,7 +412,8 @@ def _cpu_servicer():
     ctx = SimpleNamespace(rank=0, fast=None, memory=mem, model=SimpleNamespace(device=torch.device("cpu")),
                           cfg=SimpleNamespace(sliding_window=64))
     svc = DrafterServicer(ctx, _Loop(), Lifecycle(), None, None, "")  # type: ignore[arg-type]
-    return svc, mem, SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
+    return svc, mem, SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock", is_active=lambda: True,
+                                     time_remaining=lambda: None)
 
 
 def test_an_input_event_sent_to_a_cpu_rank_is_refused_before_the_page_is_taken():

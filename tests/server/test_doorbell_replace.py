@@ -40,7 +40,7 @@ def _svc(tmp_path, loop=None):
     return DrafterServicer(ctx, loop or _Loop(), Lifecycle(), None, None, "", run_dir=tmp_path)  # type: ignore[arg-type]
 
 
-CTX = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock")
+CTX = SimpleNamespace(peer=lambda: "unix:/tmp/engine.sock", is_active=lambda: True, time_remaining=lambda: None)
 
 
 def _attach(svc, page):

@@ -28,6 +28,7 @@ import torch
 from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.kv_cache import kv_layer_shape
 from dspark_sidecar.proto import codec, memory
+from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server import servicer as servicer_mod
@@ -182,7 +183,7 @@ def held():
     loop.exclusive = lambda *a, **kw: asked.append(1) or section(*a, **kw)  # type: ignore[method-assign]
     svc = DrafterServicer(ctx, loop, Lifecycle(state="SERVING"), pb.Limits(), pb.Parallel(), "fp32")
     answers: dict[str, list] = {}
-    for name in ("BindKV", "UnbindKV", "UnregisterBuffers"):
+    for name in ("BindKV", "UnbindKV", "UnregisterBuffers", "AttachDoorbell"):
         setattr(svc, name, _recorded(getattr(svc, name), answers.setdefault(name, [])))
     L = cfg.num_hidden_layers
     segs = [memory.shm_empty(kv_layer_shape(cfg, 1, 4, 16), torch.float32) for _ in range(2 * L + 1)]
@@ -282,3 +283,98 @@ def test_a_given_up_call_s_error_is_freed_by_reference_counting(held, rpc):
         assert gone() is None, "the given-up call's error outlived its handler: a reference cycle"
     finally:
         gc.enable()
+
+
+CAP = bell.MIN_CAPACITY
+
+
+@contextlib.contextmanager
+def _doorbell_page() -> Iterator[pb.AttachDoorbellRequest]:
+    page = memory.shm_empty((bell.HEADER + 2 * CAP,), torch.uint8)
+    try:
+        yield pb.AttachDoorbellRequest(page=memory.export_handle(page.tensor), capacity_bytes=CAP)
+    finally:
+        page.close()
+
+
+def _turns(svc) -> list:
+    """Per call of svc's that bounds a wait (_until_gone), in order: how many times it asked whether its client is
+    still there."""
+    calls: list = []
+    until_gone = svc._until_gone
+
+    def noted(*args, **kwargs):
+        turn, i = until_gone(*args, **kwargs), len(calls)
+        calls.append(0)
+
+        def asked():
+            calls[i] += 1
+            return turn()
+        return asked
+    svc._until_gone = noted
+    return calls
+
+
+@pytest.mark.parametrize("how", GONE_CODES)
+def test_an_attach_waiting_for_the_attach_lock_gives_up_once_its_client_is_gone(held, how):
+    """AttachDoorbell waits for the attach lock, which a lease's release holds while it waits on the device (up
+    to GONE_ENGINE_DEVICE_S) or behind a stuck step, as does an UnregisterBuffers behind a stuck step: its handler
+    waited whatever its client did, and a few such calls took every thread of the rank's pool."""
+    h = held
+    h.release.set()
+    assert h.step.result(10).step_id == 7
+    turns = _turns(h.svc)
+    with _doorbell_page() as request:
+        try:
+            with h.svc._attach_lock:  # as another thread's lease release or UnregisterBuffers holds it
+                for i in range(THREADS):  # as many as the pool has threads
+                    if how == "deadline":
+                        with pytest.raises(grpc.RpcError):
+                            h.stub.AttachDoorbell(request, timeout=0.3)
+                    else:
+                        pending = h.stub.AttachDoorbell.future(request)
+                        wait_until(lambda: len(turns) > i and turns[i], 10.0, f"attach {i} waits for the attach lock")
+                        pending.cancel()
+                    wait_until(lambda: len(h.answers["AttachDoorbell"]) > i, 10.0,
+                               f"attach {i} ended on the server while the attach lock is held")
+                # Every pool thread served one of those calls: GetStatus is served all the same.
+                assert h.stub.GetStatus(pb.GetStatusRequest(), timeout=5.0).state == "SERVING"
+            answers = h.answers["AttachDoorbell"]
+            assert [code for code, _ in answers] == [GONE_CODES[how]] * THREADS, answers
+            assert "AttachDoorbell" in answers[0][1] and "nothing was attached" in answers[0][1], answers[0][1]
+            # Nothing opened, claimed or attached by the calls that gave up.
+            assert h.svc.doorbell is None and h.svc._attached == 0 and not h.mem._pages
+            # With the lock free, the same call attaches.
+            attached = h.stub.AttachDoorbell(request, timeout=10)
+            assert h.svc.doorbell is not None and h.svc.doorbell.is_alive() and h.svc._attached == 1
+            assert attached.wake_fifo == "" and not attached.gpu_word  # a CPU rank without a socket folder
+        finally:
+            h.svc.close_doorbell()  # its thread stops, and closes its mapping, before the page goes
+
+
+def test_a_given_up_attach_s_error_is_freed_by_reference_counting(held):
+    """As test_a_given_up_call_s_error_is_freed_by_reference_counting, for AttachDoorbell's wait for the attach lock
+    (called on a thread of its own: before, it waited there for as long as the lock was held)."""
+    h = held
+    past = SimpleNamespace(time_remaining=lambda: 0.0, is_active=lambda: False, peer=lambda: "unix:/engine")
+    ended: list = []
+
+    def attach(request) -> None:
+        try:
+            h.svc.AttachDoorbell(request, past)
+        except SidecarError as exc:
+            ended.append((exc.code, weakref.ref(exc)))
+
+    with _doorbell_page() as request, h.svc._attach_lock:
+        gc.disable()
+        try:
+            caller = threading.Thread(target=attach, args=(request,), daemon=True)
+            caller.start()
+            caller.join(10)
+            assert not caller.is_alive(), "AttachDoorbell still waits for the attach lock past its deadline"
+            (code, gone), = ended
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert gone() is None, "the given-up call's error outlived its handler: a reference cycle"
+        finally:
+            gc.enable()
+    assert h.svc.doorbell is None and not h.mem._pages
