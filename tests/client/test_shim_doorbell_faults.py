@@ -164,9 +164,10 @@ class _PeerRefusesWhenAsked:
         return values
 
 
-def test_a_shim_turned_off_with_a_step_unsettled_releases_its_link_once_the_step_settles():
-    """The drop asked for while the step was unsettled used to wait for a _prepare that an off shim
-    never runs again: the page, the three regions and the channel stayed until the process exited."""
+@contextlib.contextmanager
+def _turning_off_with_a_step_unsettled():
+    """(server, shim, ids, pos), inside the step's forward context: one step sent on the doorbell and never
+    answered (unsettled past its late grace), and the ranks' next agreement turns every one off."""
     server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
     agree = _PeerRefusesWhenAsked()
     shim = _shim(server.endpoint, agree, step_deadline_s=0.2, late_grace_s=0.2)
@@ -175,18 +176,26 @@ def test_a_shim_turned_off_with_a_step_unsettled_releases_its_link_once_the_step
         with set_forward_context(meta):
             assert shim.maybe_forward(ids, pos) is None and shim._unsettled is not None
             agree.refuse = True
-            assert shim.maybe_forward(ids, pos) is None and not shim.enabled  # every rank turns off
-            channel = shim.doorbell.bell
-            assert shim.maybe_forward(ids, pos) is None
-            assert server.sidecar.calls["UnregisterBuffers"] == 0  # unsettled: the link is kept
-            channel.page.words[bell.RESP_SEQ] = channel._seq  # the late answer lands: the step settles
-            assert shim.maybe_forward(ids, pos) is None
-        assert server.sidecar.calls["UnregisterBuffers"] == 1 and not shim.connection.is_open
-        assert shim.doorbell is None
+            yield server, shim, ids, pos
     finally:
         shim._unsettled = None
         shim.close()
         server.stop()
+
+
+def test_a_shim_turned_off_with_a_step_unsettled_releases_its_link_once_the_step_settles():
+    """The drop asked for while the step was unsettled used to wait for a _prepare that an off shim
+    never runs again: the page, the three regions and the channel stayed until the process exited."""
+    with _turning_off_with_a_step_unsettled() as (server, shim, ids, pos):
+        assert shim.maybe_forward(ids, pos) is None and not shim.enabled  # every rank turns off
+        channel = shim.doorbell.bell
+        assert shim.maybe_forward(ids, pos) is None
+        assert server.sidecar.calls["UnregisterBuffers"] == 0  # unsettled: the link is kept
+        channel.page.words[bell.RESP_SEQ] = channel._seq  # the late answer lands: the step settles
+        assert shim.maybe_forward(ids, pos) is None
+        # Before the helper's close: the drop, not the close, released the link.
+        assert server.sidecar.calls["UnregisterBuffers"] == 1 and not shim.connection.is_open
+        assert shim.doorbell is None
 
 
 def test_a_shim_turned_off_with_a_step_unsettled_touches_no_data_plane_inside_cuda_graph_capture():
@@ -194,33 +203,22 @@ def test_a_shim_turned_off_with_a_step_unsettled_touches_no_data_plane_inside_cu
     CUDA graph capture that looked at the step (its settled() orders the engine's stream after the
     sidecar's "outputs written" event) and closed the data plane (events recorded and queried on the
     capturing stream), work that invalidates the engine's capture. It waits for a call outside capture."""
-    server = FakeServer(DoorbellNeverAnswered(max_reqs=4), short_socket_dir() / "rank0.sock").start()
-    agree = _PeerRefusesWhenAsked()
-    shim = _shim(server.endpoint, agree, step_deadline_s=0.2, late_grace_s=0.2)
-    try:
-        ids, pos, meta = step_inputs(2)
-        with set_forward_context(meta):
-            assert shim.maybe_forward(ids, pos) is None and shim._unsettled is not None
-            agree.refuse = True
-            assert shim.maybe_forward(ids, pos) is None and not shim.enabled
-            transport = shim._unsettled[0]
-            looks = []
-            settled = transport.settled
-            transport.settled = lambda step_id: looks.append(step_id) or settled(step_id)
-            channel = shim.doorbell.bell
-            channel.page.words[bell.RESP_SEQ] = channel._seq  # the late answer lands: the step settles
-            shim.is_capturing = lambda: True
-            assert shim.maybe_forward(ids, pos) is None
-            assert looks == [] and shim._unsettled is not None and shim.doorbell is not None
-            assert server.sidecar.calls["UnregisterBuffers"] == 0
-            shim.is_capturing = lambda: False
-            assert shim.maybe_forward(ids, pos) is None  # out of capture: the drop is made
+    with _turning_off_with_a_step_unsettled() as (server, shim, ids, pos):
+        assert shim.maybe_forward(ids, pos) is None and not shim.enabled
+        transport = shim._unsettled[0]
+        looks = []
+        settled = transport.settled
+        transport.settled = lambda step_id: looks.append(step_id) or settled(step_id)
+        channel = shim.doorbell.bell
+        channel.page.words[bell.RESP_SEQ] = channel._seq  # the late answer lands: the step settles
+        shim.is_capturing = lambda: True
+        assert shim.maybe_forward(ids, pos) is None
+        assert looks == [] and shim._unsettled is not None and shim.doorbell is not None
+        assert server.sidecar.calls["UnregisterBuffers"] == 0
+        shim.is_capturing = lambda: False
+        assert shim.maybe_forward(ids, pos) is None  # out of capture: the drop is made
         assert looks and shim._unsettled is None and shim.doorbell is None and not shim.connection.is_open
         assert server.sidecar.calls["UnregisterBuffers"] == 1
-    finally:
-        shim._unsettled = None
-        shim.close()
-        server.stop()
 
 
 def test_a_doorbell_whose_page_fails_to_close_still_releases_the_step_buffers():

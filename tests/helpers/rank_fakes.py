@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -19,6 +20,22 @@ class FakeModel:
     def draft_step(self, embeds, positions, meta, kv):
         self.calls += 1
         return torch.full_like(embeds, 2.0)
+
+
+def hold_steps(loop) -> tuple[threading.Event, threading.Event]:
+    """(started, release): `loop`'s steps, from now on, set `started` and run until the test sets `release`,
+    holding the rank's lock as a step stuck on the device or in a peer's collective; each answers empty."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    started, release = threading.Event(), threading.Event()
+
+    def run(req, *args, **kwargs):
+        started.set()
+        assert release.wait(60)
+        return pb.DraftStepResponse(step_id=req.step_id)
+
+    loop._run = run
+    return started, release
 
 
 class RefusingRendezvous:

@@ -37,6 +37,7 @@ from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
+from helpers.rank_fakes import hold_steps
 from helpers.waiting import wait_until
 
 THREADS = 2  # the rank's pool, small: two waiting handlers take all of it
@@ -170,14 +171,7 @@ def held():
     model = SimpleNamespace(device=cpu, dtype=torch.float32)
     ctx = RankContext(0, 1, cfg, model, None, mem, Metrics(0), 8)  # type: ignore[arg-type]
     loop = RankLoop(ctx, SimpleNamespace(deadline_ms=200), None)  # type: ignore[arg-type]
-    started, release = threading.Event(), threading.Event()
-
-    def run(req, *args, **kwargs):
-        started.set()
-        assert release.wait(60)
-        return pb.DraftStepResponse(step_id=req.step_id)
-
-    loop._run = run  # type: ignore[method-assign]
+    started, release = hold_steps(loop)
     asked = []  # the sections asked for (each call that reached the rank's lock)
     section = loop.exclusive
     loop.exclusive = lambda *a, **kw: asked.append(1) or section(*a, **kw)  # type: ignore[method-assign]

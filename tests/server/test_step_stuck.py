@@ -20,6 +20,7 @@ from dspark_sidecar.server.app import HealthPublisher, watch_steps
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.servicer import Lifecycle
+from helpers.rank_fakes import hold_steps
 from helpers.waiting import wait_until
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -32,14 +33,7 @@ def rank(monkeypatch):
     monkeypatch.setattr(app, "STEP_STUCK_S", 1.0)
     ctx = RankContext(0, 1, SimpleNamespace(), SimpleNamespace(device=torch.device("cpu")), None, None, Metrics(0), 8)
     loop = RankLoop(ctx, SimpleNamespace(deadline_ms=200), None)  # type: ignore[arg-type]  (--rendezvous-ms's default)
-    started, release = threading.Event(), threading.Event()
-
-    def run(req, *args, **kwargs):
-        started.set()
-        assert release.wait(60)
-        return pb.DraftStepResponse(step_id=req.step_id)
-
-    loop._run = run  # type: ignore[method-assign]
+    started, release = hold_steps(loop)
     life = Lifecycle(state="SERVING")
     hs = health.HealthServicer()
     publish = HealthPublisher(life, SimpleNamespace(refusal=lambda: ""), SimpleNamespace(refusal=None), hs,
