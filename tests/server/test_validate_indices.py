@@ -297,3 +297,15 @@ def test_distinct_slots_check_finds_a_repeat_at_every_step_size(R):
     with pytest.raises(SidecarError, match=rf"^slot_mapping: rows {a} and {7 * R - 1} \(requests {R // 2} and "
                                            rf"{R - 1}\) both write slot {int(slots[R // 2, 3])}: "):
         check_distinct_slots(h)
+
+
+@pytest.mark.parametrize("pad", [-1, PAGES], ids=["padded with -1", "padded past the cache"])
+def test_a_sequence_ending_on_a_page_boundary_is_not_held_to_the_padding_after_its_pages(pad):
+    """seq_len = 2 x page_size uses exactly 2 pages: the column after them is padding the request never reads
+    (an engine pads with -1 or any garbage). Counting one page too many there checked that padding as a page,
+    and the fast check refused a valid step that the diagnosis then could not name."""
+    L = 2 * PS
+    tables = torch.tensor([[5, 9, pad, pad]], dtype=torch.int32)
+    pos = torch.arange(L - 7, L)
+    slots = tables[0, pos // PS].to(torch.int64) * PS + pos % PS
+    assert _check(pos, StepMetadata(torch.tensor([L], dtype=torch.int32), tables, slots)) == (True, None)

@@ -82,3 +82,16 @@ def test_positions_of_a_row_count_no_multiple_of_the_block_say_so():
     err = _refusal(edit=put)
     assert (err.code, err.field) == (grpc.StatusCode.INVALID_ARGUMENT, "positions"), err.message
     assert "15 rows is not a multiple of 7" in err.message, err.message
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["one row for two requests", "three rows for two requests"])
+def test_a_block_table_whose_row_count_is_not_num_requests_is_invalid_argument(rows):
+    """[R, max_pages] (sidecar.proto): a table of another row count, its bytes matching its own shape, is refused
+    as block_tables. Let through to the index checks, 3 rows met the 2 requests' lengths in a NumPy broadcast that
+    raised ValueError (no SidecarError: the rank exits), and 1 row was broadcast: checked as both requests' row."""
+    def put(req):
+        tables = codec.from_tensor_ref(req.block_tables, "block_tables")
+        req.block_tables.CopyFrom(codec.to_tensor_ref(tables[:1] if rows == 1 else torch.cat([tables, tables[:1]])))
+    err = _refusal(edit=put)
+    assert (err.code, err.field) == (grpc.StatusCode.INVALID_ARGUMENT, "block_tables"), err.message
+    assert f"shape [{rows}, " in err.message and "expected [2, max_pages]" in err.message, err.message
