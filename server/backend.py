@@ -21,6 +21,15 @@ class BackendUnavailable(ServeConfigError):
     one line and exit 2 (cli.main), in the rank that finds it too, since only another flag or host fixes it."""
 
 
+class GpusNotVisible(BackendUnavailable):
+    """--device cuda, or ranks that must each have a GPU, and fewer GPUs visible than that. One line, and exit 75
+    (EX_TEMPFAIL) instead of 2: the host may show them at the next start (a GPU driver still loading when the
+    unit starts at boot, a GPU being reset), so systemd's unit restarts it every 5 s, the line in its journal each
+    time, where a 2 (RestartPreventExitStatus=2) would leave it failed for good."""
+
+    exit_status = 75
+
+
 @dataclass(frozen=True)
 class BackendChoice:
     name: str  # "flydsl", "triton" or "reference"
@@ -34,19 +43,19 @@ def resolve_device(cfg: ServeConfig, local_rank: int) -> torch.device:
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise BackendUnavailable("--device cuda: no CUDA/ROCm device is visible")
+        raise GpusNotVisible("--device cuda: no CUDA/ROCm device is visible")
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
 def check_gpu_placement(cfg: ServeConfig, visible: int | None = None) -> None:
-    """BackendUnavailable for --device cuda with no GPU visible; ServeConfigError for --dist-backend nccl where
-    --device auto puts the ranks on the CPU (no GPU visible), and when the ranks would share GPUs under
+    """GpusNotVisible for --device cuda with no GPU visible; ServeConfigError for --dist-backend nccl where
+    --device auto puts the ranks on the CPU (no GPU visible); GpusNotVisible when the ranks would share GPUs under
     NCCL/RCCL, which refuse two ranks of one group on one GPU ("Duplicate GPU detected") at the first
     collective: after every shard has loaded, as a traceback per rank (run 207). An explicit --dist-backend
     gloo may share them."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         # Here, before any rank: in the ranks (resolve_device) it came only after each had started.
-        raise BackendUnavailable("--device cuda: no CUDA/ROCm device is visible")
+        raise GpusNotVisible("--device cuda: no CUDA/ROCm device is visible")
     if cfg.dist_backend == "nccl" and cfg.device == "auto" and not torch.cuda.is_available():
         # --device cpu is ServeConfig's to refuse; auto resolves to the CPU only here (resolve_device).
         raise ServeConfigError("--dist-backend nccl: no CUDA/ROCm device is visible, so --device auto runs the ranks "
@@ -58,7 +67,7 @@ def check_gpu_placement(cfg: ServeConfig, visible: int | None = None) -> None:
     if visible == 0:
         return  # --device auto runs on CPU
     if cfg.tp > visible:
-        raise ServeConfigError(f"--tp {cfg.tp}: {visible} GPU(s) visible, and NCCL/RCCL cannot run two ranks of "
+        raise GpusNotVisible(f"--tp {cfg.tp}: {visible} GPU(s) visible, and NCCL/RCCL cannot run two ranks of "
                                f"one group on one GPU; make {cfg.tp} GPUs visible (CUDA_VISIBLE_DEVICES, "
                                "HIP_VISIBLE_DEVICES), lower --tp, or use --device cpu")
 

@@ -599,16 +599,17 @@ def test_a_socket_dir_whose_name_is_not_utf8_is_one_line(tiny_ckpt, tmp_path, ca
 
 @pytest.mark.parametrize("tp", [("--tp", "1"), ("--tp", "4", "--dist-backend", "gloo")])
 def test_device_cuda_with_no_gpu_visible_is_one_line_before_any_rank(tp, tiny_ckpt, tmp_path, monkeypatch, capsys):
-    """OPERATIONS.md, Flags: a value that cannot be used is refused before any rank starts, in one line, exit 2.
-    `--device cuda` on a host with no GPU visible (CUDA_VISIBLE_DEVICES wrong, the driver not loaded) started
-    every rank, each ended in BackendUnavailable's traceback, and the launcher exited 1, which systemd's unit
-    restarts every 5 s for ever (RestartPreventExitStatus=2), its journal naming no flag."""
+    """`--device cuda` on a host with no GPU visible (CUDA_VISIBLE_DEVICES wrong, the driver not loaded) started
+    every rank, each ended in BackendUnavailable's traceback, and the launcher exited 1, its journal naming no
+    flag. Now one line before any rank, and exit 75 (EX_TEMPFAIL), not 2 (review 321): a unit started at boot
+    before the GPU driver has loaded would otherwise stay failed for good (RestartPreventExitStatus=2), where a
+    restart 5 s later finds the GPUs."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     argv = ["serve", *tp, "--device", "cuda", "--socket-dir", str(tmp_path / "sock"),
             "--checkpoint", str(tiny_ckpt[0]), "--target-checkpoint", str(tiny_ckpt[1])]
-    _refused(argv, capsys, "--device cuda: no CUDA/ROCm device is visible", sock_dir=tmp_path / "sock")
+    _refused(argv, capsys, "--device cuda: no CUDA/ROCm device is visible", sock_dir=tmp_path / "sock", status=75)
 
 
 def test_a_backend_a_rank_cannot_run_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
