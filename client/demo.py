@@ -100,9 +100,13 @@ class DemoReport:
 
 def demo_mix(cfg: DemoConfig) -> MixConfig:
     """Up to max_reqs + 4 requests in flight (so some steps are too large to forward), short and
-    middle prompts, and a few long ones that grow past the 4096-token window."""
+    middle prompts, and a few long ones that grow past the 4096-token window.
+
+    Joins and stays are set so that a burst now and then goes above max_reqs and drains below it again: with
+    MixConfig's own rates (a join in 35% of rounds, 8-80 rounds each) the mix filled to max_reqs + 4 and stayed
+    there, so ~88% of rounds were too large to forward (review 318: 49 forwarded of 400)."""
     return MixConfig(seed=cfg.seed, max_active=cfg.max_reqs + 4, long_p=0.03 if cfg.long_contexts else 0.0,
-                     first_long=cfg.long_contexts)
+                     first_long=cfg.long_contexts, join_p=0.2, burst_p=0.01, budget=(8, 40))
 
 
 def summarise(reports: list[dict], rounds: int, wall_s: float) -> DemoReport:

@@ -377,21 +377,25 @@ def test_a_round_with_one_differing_draft_token_counts_as_a_token_mismatch():
 
 def test_the_demo_s_mix_goes_above_max_reqs_first_at_the_round_the_readme_names():
     """README: the mix has more requests than --max-reqs on purpose, "with the default --seed and --max-reqs the
-    first is round 45" (1-based, as the progress lines count), and never more than max_reqs + 4."""
+    first is round 75" (1-based, as the progress lines count), and never more than max_reqs + 4. And such rounds
+    are the exception (review 318): the mix filled up and stayed above max_reqs in ~88% of a 400-round run, so
+    the demo forwarded 49 rounds of 400."""
     from dspark_sidecar.client.demo import DemoConfig, demo_mix
     from dspark_sidecar.drafter.config import PRESETS
 
     cfg = DemoConfig()
     vocab = PRESETS[cfg.preset].vocab_size  # the anchors' draws take the RNG's bits by the vocabulary's size
     w = Workload(demo_mix(cfg), vocab=vocab, page_size=16, num_pages=1024)  # the harness's default cache
-    first = None
-    for rnd in range(100):
+    first, over = None, 0
+    for rnd in range(400):
         w.admit()
         assert len(w.active) <= cfg.max_reqs + 4
-        if first is None and len(w.active) > cfg.max_reqs:
-            first = rnd + 1
+        if len(w.active) > cfg.max_reqs:
+            over += 1
+            first = first or rnd + 1
         for r in w.active:
             drafts = [(r.anchor + j) % vocab for j in range(layout.QPR)]
             w.advance(r, w.accepted(r, drafts, rnd), drafts)
         w.retire()
-    assert first == 45, first
+    assert first == 75, first
+    assert 0.05 <= over / 400 <= 0.35, over  # some rounds too large to forward, most not
