@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import ipaddress
 import logging
@@ -465,21 +466,29 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             # gone before its lease_lost runs), so no doorbell outlives its lease.
             if request.lease and not self._lease_live(request.lease):
                 raise self._lease_lost_error(request.lease)
-            page = MappedMemory(request.page, "page", torch.device("cpu"))
-            self._attached += 1
-            wake = str(self.run_dir / f"rank{self.ctx.rank}.wake{self._attached}") if self.run_dir else None
-            mem = self.ctx.memory
-            try:
-                # Its bytes are the doorbell's (none of the cache's or a region's) until its page closes.
-                mem.claim_page(page, page_words.HEADER + 2 * request.capacity_bytes)
-                bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device, request.input_event,
-                                wake, self._gpu_word_ops if request.gpu_word else None, self.ctx.cfg.sliding_window,
-                                self.prelaunch_behind_s, on_close=functools.partial(mem.release_page, page),
-                                lease=request.lease)
-            except BaseException:
-                mem.release_page(page)
-                page.close()  # a refused request leaves the attached doorbell as it was
-                raise
+            word_ops = self._gpu_word_ops if request.gpu_word else None
+            # A doorbell that pre-launches hooks its release into the rank loop (on_quiesce), under the rank's lock,
+            # which a stuck step holds for good: taken here first, bounded as the attach lock is, so that a call
+            # whose client has gone gives up before its page is opened. The section ends before an old doorbell
+            # is stopped below (its step, if one runs, needs the lock to end).
+            prelaunching = word_ops is not None and self.loop.graphs is not None
+            with (self.loop.exclusive(wait=False, quiesce=False, give_up=gone) if prelaunching
+                  else contextlib.nullcontext()):
+                page = MappedMemory(request.page, "page", torch.device("cpu"))
+                self._attached += 1
+                wake = str(self.run_dir / f"rank{self.ctx.rank}.wake{self._attached}") if self.run_dir else None
+                mem = self.ctx.memory
+                try:
+                    # Its bytes are the doorbell's (none of the cache's or a region's) until its page closes.
+                    mem.claim_page(page, page_words.HEADER + 2 * request.capacity_bytes)
+                    bell = Doorbell(page, request.capacity_bytes, self.loop, self.ctx.model.device,
+                                    request.input_event, wake, word_ops, self.ctx.cfg.sliding_window,
+                                    self.prelaunch_behind_s, on_close=functools.partial(mem.release_page, page),
+                                    lease=request.lease)
+                except BaseException:
+                    mem.release_page(page)
+                    page.close()  # a refused request leaves the attached doorbell as it was
+                    raise
             if self.doorbell is not None:
                 self._retire(self.doorbell)
                 self.doorbell = None

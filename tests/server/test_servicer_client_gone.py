@@ -372,3 +372,55 @@ def test_a_given_up_attach_s_error_is_freed_by_reference_counting(held):
         finally:
             gc.enable()
     assert h.svc.doorbell is None and not h.mem._pages
+
+
+class HookingDoorbell:
+    """Doorbell's stand-in where steps are pre-launched: its constructor hooks the pre-launch's release into the rank
+    loop (loop.on_quiesce and on_device_wait, as server/doorbell.py does), which takes the rank's lock."""
+
+    built: list = []
+
+    def __init__(self, page, capacity, loop, *args, **kwargs) -> None:
+        loop.on_quiesce(self.release)
+        loop.on_device_wait(self.repass)
+        HookingDoorbell.built.append(self)
+        self._on_close = kwargs["on_close"]
+
+    def release(self, wait: bool) -> None:
+        pass
+
+    def repass(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("how", GONE_CODES)
+def test_a_pre_launching_attach_gives_up_behind_a_stuck_step_before_it_opens_the_page(held, how, monkeypatch):
+    """Review 322's left-alone: on a GPU rank whose steps are pre-launched, the Doorbell's constructor hooks its
+    pre-launch into the rank loop (on_quiesce, on_device_wait), which take the rank's lock: behind a stuck step,
+    AttachDoorbell's handler waited there for good, under the attach lock (its own wait for which is bounded), with
+    the page opened and claimed. Now the call takes the rank's lock first, bounded as the other waits are, and
+    gives up with nothing opened."""
+    h = held
+    HookingDoorbell.built = []
+    monkeypatch.setattr(servicer_mod, "Doorbell", HookingDoorbell)
+    h.svc.prelaunch = True
+    h.svc.__dict__["_gpu_word_ops"] = object()  # the driver's stream memory operations, as probed on a GPU
+    h.svc.loop.graphs = object()  # step graphs: what a Doorbell pre-launches into
+    turns = _turns(h.svc)
+    with _doorbell_page() as page:
+        request = pb.AttachDoorbellRequest(page=page.page, capacity_bytes=CAP, gpu_word=True)
+        if how == "deadline":
+            with pytest.raises(grpc.RpcError) as err:
+                h.stub.AttachDoorbell(request, timeout=0.5)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        else:
+            pending = h.stub.AttachDoorbell.future(request)
+            wait_until(lambda: turns and turns[0] > 1, 10.0, "the attach waits for the rank's lock")
+            pending.cancel()
+        wait_until(lambda: h.answers["AttachDoorbell"], 10.0, "the attach ended on the server behind the stuck step")
+        (code, message), = h.answers["AttachDoorbell"]
+        assert code == GONE_CODES[how] and "draft step 7" in message and "nothing was attached" in message, message
+        # Nothing opened, claimed, hooked or attached, and the attach lock is free again.
+        assert HookingDoorbell.built == [] and h.svc.doorbell is None and h.svc._attached == 0 and not h.mem._pages
+        assert h.svc._attach_lock.acquire(timeout=5)
+        h.svc._attach_lock.release()
