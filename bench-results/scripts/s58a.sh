@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 58, run 311: the gpu checks of sessions 56-57's changes (the proto's memory, BindKV's facts, graphs; the
+# engine lease; the client's gpu tests), the demo on a GPU (doorbell, then SIGTERM mid-run: review 318's unwind
+# must leave no /dev/shm segment), and issue 8's (c)/(h) line on this card.
+set -uo pipefail
+rm -rf /tmp/dspark-site
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site .whl/*.whl 2>/dev/null
+mkdir -p /tmp/new-pkg && ln -sfn "$PWD" /tmp/new-pkg/dspark_sidecar
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/new-pkg:/tmp/dspark-site:$PWD/tests
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/dspark-mps-pipe9 CUDA_MPS_LOG_DIRECTORY=/tmp/dspark-mps-log9
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+nvidia-cuda-mps-control -d && echo "MPS up"
+trap 'echo quit | nvidia-cuda-mps-control' EXIT
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+t0=$(date +%s)
+timeout ${TESTS_S:-250} python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 120 --timeout-method thread \
+  tests/proto tests/server/test_dataplane_gpu.py tests/server/test_graphs_gpu.py tests/server/test_engine_lease.py \
+  tests/client > $OUT/gpu-tests.log 2>&1
+echo "gpu tests rc $? in $(( $(date +%s) - t0 )) s"; grep -E "FAILED|ERROR|passed|failed" $OUT/gpu-tests.log | tail -12
+ls /dev/shm | wc -l > /tmp/shm0
+t0=$(date +%s)
+timeout 120 python3 -m dspark_sidecar demo --device cuda --tp 1 --required-tp 1 --transport doorbell --dtype bf16 \
+  --rounds 40 > $OUT/demo.log 2>&1
+echo "demo rc $? in $(( $(date +%s) - t0 )) s"; tail -14 $OUT/demo.log | cut -c1-220
+python3 -m dspark_sidecar demo --device cuda --tp 1 --required-tp 1 --transport doorbell --dtype bf16 \
+  --rounds 100000 > $OUT/demo-term.log 2>&1 & dp=$!
+sleep 45; kill -TERM $dp; wait $dp; echo "demo SIGTERM rc $?"; tail -5 $OUT/demo-term.log | cut -c1-220
+sleep 2; echo "shm before $(cat /tmp/shm0) after $(ls /dev/shm | wc -l)"; ls /dev/shm | head
+t0=$(date +%s)
+timeout 110 python3 -m dspark_sidecar bench --modes c,h --reqs 1,8 --contexts 4096 --repeats 100 --shim-phases \
+  --out-dir $OUT/ch > $OUT/bench-ch.log 2>&1
+echo "bench c,h rc $? in $(( $(date +%s) - t0 )) s"; grep -v " INFO " $OUT/bench-ch.log | tail -24 | cut -c1-240
