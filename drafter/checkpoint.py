@@ -206,7 +206,8 @@ def write_synthetic_checkpoint(cfg: DrafterConfig, out_dir: str | Path, seed: in
 
 def default_checkpoint_dir(cfg: DrafterConfig, seed: int = 0) -> Path:
     """Where the embedded synthetic checkpoint of a preset lives (written on first use)."""
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path(tempfile.gettempdir())))
+    # Set but empty is unset (XDG spec): Path("") is the working folder, gigabytes written wherever serve started.
+    root = Path(os.environ.get("XDG_CACHE_HOME") or tempfile.gettempdir())
     return root / "dspark-sidecar" / f"{cfg.name}-seed{seed}"
 
 

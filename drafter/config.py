@@ -83,6 +83,11 @@ class DrafterConfig:
             raise ConfigError(f"dspark_noise_token_id: {self.noise_token_id} outside vocab [0, {self.vocab_size})")
         if len(self.target_layer_ids) == 0:
             raise ConfigError("dspark_target_layer_ids: must not be empty")
+        # Only their count is used here (fc's input width), but each names a layer whose output the engine taps:
+        # null, "3", 3.5, true or -1 is no layer, and a nested list left this frozen config unhashable.
+        bad = [i for i in self.target_layer_ids if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+        if bad:
+            raise ConfigError(f"dspark_target_layer_ids: {bad[0]!r} is not a target layer (a non-negative integer)")
 
     # Derived sizes ---------------------------------------------------------------
     @property

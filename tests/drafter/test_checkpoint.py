@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -315,3 +316,50 @@ def test_a_folder_written_again_unsharded_reads_the_new_tensors_not_the_old_inde
     assert sorted(p.name for p in d.iterdir()) == sorted(p.name for p in fresh.iterdir())
     assert torch.equal(CheckpointReader(d, torch.float32).read(Q, shape),
                        CheckpointReader(fresh, torch.float32).read(Q, shape))
+
+
+def test_an_empty_xdg_cache_home_is_unset_not_the_working_folder(tmp_path, monkeypatch, tiny_cfg):
+    """XDG_CACHE_HOME set but empty (an `Environment=XDG_CACHE_HOME=` or `ENV XDG_CACHE_HOME=` line) was taken as
+    the path "", so the synthetic checkpoint (gigabytes for the full preset) went into the working folder, or
+    failed there (a unit's "/"), naming a relative path. Empty means unset (XDG spec), as kernels/flydsl does."""
+    import tempfile
+
+    from dspark_sidecar.drafter import checkpoint
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    assert checkpoint.default_checkpoint_dir(tiny_cfg, seed=3) == tmp_path / "tmp" / "dspark-sidecar" / "tiny-seed3"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert checkpoint.default_checkpoint_dir(tiny_cfg, seed=3) == tmp_path / "cache" / "dspark-sidecar" / "tiny-seed3"
+
+
+def test_a_synthetic_copy_finished_first_by_another_process_is_used_and_a_foreign_name_refused(tmp_path, monkeypatch,
+                                                                                                tiny_cfg):
+    """Two serves starting at once both write a copy; the one whose rename loses must hand out the winner's (same cfg
+    and seed: the same tensors) and drop its own, not fail. A name held by something that is no finished copy (a
+    file) is refused by name instead."""
+    from dspark_sidecar.drafter import checkpoint
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = checkpoint.default_checkpoint_dir(tiny_cfg, seed=0)
+    write = checkpoint.write_synthetic_checkpoint
+
+    def the_other_finishes_first(cfg, tmp, seed):
+        write(cfg, tmp, seed)
+        write(cfg, out, seed)  # the other process's copy, renamed into place while this one wrote
+        (out / "COMPLETE").write_text("ok\n")
+
+    monkeypatch.setattr(checkpoint, "write_synthetic_checkpoint", the_other_finishes_first)
+    assert checkpoint.ensure_synthetic_checkpoint(tiny_cfg, seed=0) == (out / "dspark", out / "target")
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # this process's copy is gone
+    shutil.rmtree(out)
+    monkeypatch.setattr(checkpoint, "write_synthetic_checkpoint", write)
+
+    def a_file_takes_the_name(path):  # after the stale-folder sweep, before the rename
+        out.write_text("not a checkpoint")
+
+    monkeypatch.setattr(checkpoint, "_remove_unfinished", a_file_takes_the_name)
+    with pytest.raises(CheckpointError, match=rf"{out}: cannot put the synthetic checkpoint in place"):
+        checkpoint.ensure_synthetic_checkpoint(tiny_cfg, seed=0)
+    assert [p.name for p in out.parent.iterdir()] == [out.name]

@@ -242,3 +242,64 @@ def test_rope_parameters_theta_is_read_and_a_disagreeing_one_refused():
     data["text_config"]["rope_theta"] = 5e6
     with pytest.raises(ConfigError, match=r"^text_config.rope_parameters.rope_theta: 1000000.0, but text_config.rope_theta"):
         DrafterConfig.from_hf_json(data)
+
+
+@pytest.mark.parametrize("ids", [
+    [1, 3, 5, 7, None], ["1", "3", "5", "7", "9"], [1, 3, 5, 7, 9.5], [True, 3, 5, 7, 9], [-1, 3, 5, 7, 9],
+    [[1], [3], [5], [7], [9]],
+])
+def test_target_layer_ids_that_name_no_target_layer_are_named(ids):
+    """Only the ids' count was checked (it sizes fc's input): null, a string, a float, a bool, a negative or a
+    nested list was served as a tap of the target model, and a nested list left the frozen config unhashable."""
+    data = PRESETS["tiny"].to_hf_json()
+    data["text_config"]["dspark_target_layer_ids"] = ids
+    with pytest.raises(ConfigError, match=r"^text_config.dspark_target_layer_ids: .*non-negative integer"):
+        DrafterConfig.from_hf_json(data)
+    data["text_config"]["dspark_target_layer_ids"] = [0, 3, 5, 7, 9]  # layer 0 is a layer
+    assert DrafterConfig.from_hf_json(data).target_layer_ids == (0, 3, 5, 7, 9)
+
+
+@pytest.mark.parametrize("where, key, value, words", [
+    ("text_config", "use_gemma_norm", False, "text_config.use_gemma_norm: only Gemma RMSNorm"),
+    ("text_config", "dspark_markov_head_type", "gated", "text_config.dspark_markov_head_type: only 'vanilla'"),
+    ("quantization_config", "quant_method", "fp8", "quantization_config.quant_method: expected 'mxfp8', got 'fp8'"),
+    # DeepSeek-style 128 x 128 blocks: the 1 x B dequantization would pair rows with the wrong scales.
+    ("quantization_config", "weight_block_size", [128, 128], "quantization_config.weight_block_size: expected [1, B]"),
+    ("text_config", "layer_types", ["sliding_attention"] * 4, "text_config.layer_types: 4 entries for 5 layers"),
+    ("text_config", "dspark_target_layer_ids", [], "text_config.dspark_target_layer_ids: must not be empty"),
+    # Odd: RoPE rotates pairs (i, i + rotary_dim / 2).
+    ("text_config", "rotary_dim", 63, "text_config.rotary_dim: must be even and <= head_dim 128, got 63"),
+    ("text_config", "dspark_noise_token_id", 2048, "text_config.dspark_noise_token_id: 2048 outside vocab [0, 2048)"),
+])
+def test_a_config_the_drafter_cannot_serve_is_named(where, key, value, words):
+    """Each check's removal passed every other test: a config.json the layers would serve wrongly (another norm,
+    Markov head, quantization or RoPE band, a noise token past the embedding) or that contradicts itself."""
+    data = PRESETS["tiny"].to_hf_json()
+    data[where][key] = value
+    with pytest.raises(ConfigError, match="^" + re.escape(words)):
+        DrafterConfig.from_hf_json(data)
+
+
+def test_the_edges_of_the_noise_token_and_rotary_checks_are_accepted():
+    data = PRESETS["tiny"].to_hf_json()
+    data["text_config"].update(dspark_noise_token_id=2047, rotary_dim=128)  # the last token; every dim rotates
+    c = DrafterConfig.from_hf_json(data)
+    assert (c.noise_token_id, c.rotary_dim) == (2047, 128)
+
+
+def test_query_heads_that_cut_an_mxfp8_block_are_named():
+    """o_proj's input is num_attention_heads * head_dim wide: 3 x 80 = 240 is 7.5 blocks of 32, which no 1 x 32
+    scale row covers (check_tp only looks at it when sharding)."""
+    data = PRESETS["tiny"].to_hf_json()
+    data["text_config"].update(num_attention_heads=3, num_key_value_heads=1, head_dim=80)
+    with pytest.raises(ConfigError, match=r"^text_config.num_attention_heads \* head_dim: must be a multiple of"):
+        DrafterConfig.from_hf_json(data)
+
+
+def test_check_tp_names_an_ffn_that_does_not_split_evenly():
+    """Heads that split over 3 ranks and an FFN of 512 that does not: uneven, which is what to say (the per-rank
+    block check only refused it by accident, as a slice of 170)."""
+    three = dataclasses.replace(PRESETS["tiny"], num_attention_heads=12, num_key_value_heads=3)
+    with pytest.raises(ConfigError, match=r"^dspark_ffn_hidden_size: 512 is not divisible by TP size 3"):
+        three.check_tp(3)
+    dataclasses.replace(three, ffn_hidden_size=768).check_tp(3)
