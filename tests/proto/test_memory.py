@@ -190,6 +190,26 @@ def test_region_ids_are_random_never_reused_and_released_all_or_none(segment):
         mem.close()
 
 
+def test_an_id_drawn_again_is_never_handed_out_while_registered_or_once_released(segment, monkeypatch):
+    """Random ids collide only by chance; when one does, the draw is made again. A released id is never handed
+    out again by this process: an engine's late step or UnregisterBuffers naming a region it released would
+    otherwise reach (write into, or release) another engine's region registered since."""
+    from dspark_sidecar.server import kv_binding
+
+    draws = iter([11, 11, 12, 11, 12, 13])  # 11 live, then 11 released and 12 live: each drawn again
+    monkeypatch.setattr(kv_binding.secrets, "randbits", lambda bits: next(draws))
+    mem = MemoryBindings(load_config("tiny"), 1, 0, torch.float32, torch.device("cpu"))
+    region = pb.BufferRegion(name="metadata", memory=memory.export_handle(segment.tensor), size_bytes=4096)
+    try:
+        assert mem.register(pb.RegisterBuffersRequest(regions=[region, region])) == [11, 12]
+        for m in mem.unregister([11]):
+            m.close()
+        assert mem.register(pb.RegisterBuffersRequest(regions=[region])) == [13]
+        assert sorted(mem._regions) == [12, 13]
+    finally:
+        mem.close()
+
+
 def test_regions_are_released_by_their_owner_token_and_a_released_token_registers_nothing(segment):
     """An engine whose RegisterBuffers timed out never saw the ids; it releases by the token it chose
     (client/dataplane.StepBuffers). The token is then retired, so a registration still under way on

@@ -160,3 +160,28 @@ def test_the_overlap_check_agrees_with_the_elements():
         checked += 1
         hits += want
     assert 50 < hits < checked - 50, hits
+
+
+def test_a_one_element_dimension_s_stride_does_not_make_a_layout_different():
+    """A dimension of one element (the KV heads at TP 4, one page) is never stepped along, and torch leaves
+    its stride free: two layers interleaved page by page in one allocation, equal in every other stride,
+    share no byte and are compared exactly. Taken as different layouts, they were compared by byte range,
+    which interleaved layers share, and a valid binding was refused."""
+    from dspark_sidecar.server.kv_binding import _Span
+
+    pages, layers, page, d = 3, 2, 2, 4
+    alloc = torch.zeros(pages, layers, 2, page, 1, d)  # [pages, layers, K/V, page_size, heads, head_dim]
+
+    class M:  # MappedMemory.place for views of `alloc`
+        @staticmethod
+        def place(t):
+            return ("shm", 0, 0), t.data_ptr() - alloc.data_ptr()
+
+    a, b = (alloc[:, i].transpose(0, 1) for i in range(layers))  # [2, pages, page_size, 1, head_dim] each
+    b = b.as_strided(b.shape, (*b.stride()[:3], 12345, 1), b.storage_offset())  # its heads stride, never used
+    assert a.stride()[:3] == b.stride()[:3] and a.stride()[3] != b.stride()[3]
+    a.fill_(1)
+    assert not b.any()  # the layers share no element
+    assert not _Span.of(M, a).overlaps(_Span.of(M, b)) and not _Span.of(M, b).overlaps(_Span.of(M, a))
+    restrided = a.as_strided(b.shape, b.stride(), a.storage_offset())  # a's elements, b's free stride
+    assert _Span.of(M, a).overlaps(_Span.of(M, restrided))

@@ -196,6 +196,79 @@ def test_a_replaced_or_released_binding_is_unmapped_and_its_generation_refused()
             s.close()
 
 
+def test_a_generation_other_than_the_binding_s_is_refused_whether_older_or_newer():
+    """A step names its binding by id and generation together: the rank posts the step's generation to the
+    rendezvous (rank.py), so one naming the current id with any other generation, a newer one included (an
+    engine rank that took a peer rank's generation, or its own counter gone wrong), is STALE_BINDING, never run
+    against a binding it does not name."""
+    cfg = load_config("tiny")
+    L = cfg.num_hidden_layers
+    segs = [memory.shm_empty(kv_layer_shape(cfg, 1, 4, 16), torch.float32) for _ in range(L)]
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
+    try:
+        mem.bind(_bind_request([_layer(i, s.tensor) for i, s in enumerate(segs)]))
+        kv = mem.bind(_bind_request([_layer(i, s.tensor) for i, s in enumerate(segs)]))  # generation 2
+        assert mem.check(kv.binding_id, kv.generation) is kv
+        for gen in (kv.generation - 1, kv.generation + 1, 0):
+            with pytest.raises(SidecarError) as err:
+                mem.check(kv.binding_id, gen)
+            e = err.value
+            assert (e.code, e.reason, e.field) == (_FP, "STALE_BINDING", "binding_generation"), (gen, e)
+    finally:
+        mem.close()
+        for s in segs:
+            s.close()
+
+
+def test_a_region_registered_while_bindkv_records_its_cache_is_refused_where_it_overlaps(monkeypatch):
+    """The overlap rule's check and the binding it checks are one step under the bindings' lock: a RegisterBuffers
+    of a region over the new cache, arriving after BindKV's check but before the binding is recorded, waits and is
+    then refused (the second of the two). Checked and recorded apart, it passed against the binding in place (none),
+    was registered, and steps wrote hidden states into cache rows that K/V writes rewrote, with no error anywhere."""
+    import threading
+
+    from dspark_sidecar.server import kv_binding
+
+    cfg = load_config("tiny")
+    L = cfg.num_hidden_layers
+    segs = [memory.shm_empty(kv_layer_shape(cfg, 1, 4, 16), torch.float32) for _ in range(L)]
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
+    region = pb.RegisterBuffersRequest(regions=[pb.BufferRegion(
+        name="hidden_states", memory=memory.export_handle(segs[3].tensor), size_bytes=64)])  # layer 3's first bytes
+    outcome: list = []
+
+    def register() -> None:
+        try:
+            outcome.append(mem.register(region))
+        except SidecarError as err:
+            outcome.append(err)
+
+    real = kv_binding.KVBinding
+    racer = threading.Thread(target=register)
+
+    def recorded_after_a_register(*args, **kwargs):
+        # BindKV's layers checked, its binding about to be recorded: a RegisterBuffers comes in. Waited for a
+        # while, not forever: under the lock it cannot finish until bind() lets go.
+        racer.start()
+        racer.join(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kv_binding, "KVBinding", recorded_after_a_register)
+    try:
+        before = _maps_of(segs[3].segment.name)
+        kv = mem.bind(_bind_request([_layer(i, s.tensor) for i, s in enumerate(segs)]))
+        racer.join(10)
+        assert not racer.is_alive() and len(outcome) == 1
+        e = outcome[0]
+        assert isinstance(e, SidecarError), f"registered over the bound cache: region ids {e}"
+        assert (e.code, e.field) == (_IPA, "regions[0].memory") and "KV cache of binding" in e.message, e
+        assert mem.region_count == 0 and mem.kv is kv and _maps_of(segs[3].segment.name) == before + 1  # the cache's
+    finally:
+        mem.close()
+        for s in segs:
+            s.close()
+
+
 def test_a_binding_mixing_the_compute_dtype_and_fp8_codes_is_bound_each_layer_in_its_own():
     """sidecar.proto: each layer's dtype stands alone, the compute dtype or DTYPE_FP8_E4M3 (vLLM's kv_cache_dtype
     fp8). Refused, an fp8 deployment's every BindKV was INVALID_ARGUMENT and its engine drafted without the
