@@ -201,8 +201,14 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
                               agent_attempt=(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
                                              if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None))
         except PeerLost as err:  # the peer printed why; this rank's traceback would only add noise
-            print(f"dspark-sidecar: {err}", file=sys.stderr)
-            return 1
+            print(f"dspark-sidecar: {err}", file=sys.stderr, flush=True)
+            # Ended here, not by returning: the group lost its peer inside a collective, and gloo's threads may
+            # still wait in it. The interpreter's exit destroyed them running (CI: SIGABRT, "terminate called
+            # without an active exception", after this line), and a thread of ours in it would hold the exit for
+            # good. serve_rank has removed the rank's files (StartUp.release), as a stop during start-up does.
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(1)
     from dspark_sidecar.server.backend import check_gpu_placement
     from dspark_sidecar.server.healthcheck import check
     from dspark_sidecar.server.launcher import launch

@@ -353,3 +353,36 @@ def test_a_rank_that_fails_in_its_warm_up_leaves_no_lease_socket(tmp_path):
         assert sorted(f.name for f in sock.iterdir() if f.is_socket()) == [], err
     finally:
         _kill(p)
+
+
+PEER_LOST_WITH_A_THREAD_IN_THE_COLLECTIVE = """
+import sys, threading
+from dspark_sidecar.server import app
+def serve_rank(*a, **k):
+    # A thread of the group still inside the collective the peer left (gloo's own are C++ threads, which the
+    # interpreter's exit destroyed while they ran: SIGABRT, "terminate called without an active exception").
+    threading.Thread(target=threading.Event().wait, name="in-the-lost-collective").start()
+    raise app.PeerLost("rank 0: a peer rank left during the warm-up step (Connection closed by peer)")
+app.serve_rank = serve_rank
+from dspark_sidecar import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_that_lost_a_peer_exits_1_without_the_interpreter_s_teardown(tmp_path):
+    """After PeerLost the rank's group is broken mid-collective: CI (session 58) saw rank 0 print its one line
+    and then die of SIGABRT ("terminate called without an active exception") in the interpreter's exit, which
+    destroyed gloo's threads still waiting in the lost collective, so the launcher saw -6, not 1. The line is
+    printed and the process ends with exit 1 at once (StartUp.release has removed its files already); a thread
+    still in the collective neither aborts nor holds the exit."""
+    p = subprocess.Popen([sys.executable, "-c", PEER_LOST_WITH_A_THREAD_IN_THE_COLLECTIVE, "serve", "--tp", "2",
+                          "--device", "cpu", "--socket-dir", str(tmp_path / "sock")],
+                         env=dict(_env(), RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = p.communicate(timeout=60)  # before: the interpreter's exit waited on the thread for good
+        assert p.returncode == 1, err
+        assert err.strip().splitlines()[-1] == ("dspark-sidecar: rank 0: a peer rank left during the warm-up step "
+                                                "(Connection closed by peer)"), err
+    finally:
+        _kill(p)
