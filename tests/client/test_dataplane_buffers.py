@@ -68,6 +68,45 @@ def test_a_registration_whose_answer_is_lost_is_released_by_its_owner(tiny_cfg):
     assert stub.released == [[]] and len(stub.owners) == 2 and stub.owners[0] == stub.owners[1] > 0
 
 
+@pytest.mark.parametrize("code", [grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN])
+def test_a_registration_cut_off_on_its_way_back_is_released_by_its_owner(tiny_cfg, code):
+    """As a timeout, these say nothing of whether the sidecar registered the regions: a connection that broke
+    after the request went out (CANCELLED, UNAVAILABLE), a handler that raised past its own undo (UNKNOWN).
+    Were they not released by the owner token, the sidecar would keep the three regions (and, under CUDA IPC, the
+    engine's buffers) mapped until it exited, once per such try."""
+    stub = _Stub(register_error=_Error(code))
+    with pytest.raises(grpc.RpcError):
+        StepBuffers(stub, tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    assert stub.released == [[]] and len(stub.owners) == 2 and stub.owners[0] == stub.owners[1] > 0
+
+
+def test_buffers_whose_metadata_segment_cannot_be_made_leave_no_shared_memory(tiny_cfg, monkeypatch):
+    """/dev/shm full at the third segment (memory.new_segment's ENOSPC): the input and hidden segments made
+    before it go at once, nothing is sent. Left to the error's traceback, they would stay in /dev/shm until exit,
+    once per try of the data plane."""
+    import errno
+
+    from dspark_sidecar.client import dataplane
+    from helpers.engine_fakes import recording_shm
+
+    made = []
+    real = dataplane.memory.shm_empty
+
+    def shm_empty(*args, **kw):
+        made.append(args[0])
+        if len(made) == 3:  # the metadata region (the input and hidden rows come first)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(dataplane.memory, "shm_empty", shm_empty)
+    stub = _Stub()
+    with recording_shm() as shm, pytest.raises(OSError, match="No space"):
+        StepBuffers(stub, tiny_cfg.hidden_size, 4, 40, torch.float32, torch.device("cpu"))
+    assert len(made) == 3 and len(shm.created) == 2, (made, shm.created)
+    assert shm.left() == set()
+    assert stub.owners == [], "a remote call for buffers that could not be made"
+
+
 def test_a_refused_registration_releases_nothing(tiny_cfg):
     """A refusal (a handle the sidecar cannot map) registered none of the regions: no second call."""
     stub = _Stub(register_error=_Error(grpc.StatusCode.INVALID_ARGUMENT))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dspark_sidecar.client import dataplane
-from dspark_sidecar.client.dataplane import DataPlaneError, DoorbellChannel
+from dspark_sidecar.client.dataplane import DataPlaneError, DoorbellChannel, DoorbellClosed
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from helpers.engine_fakes import FakeIpcEvent
@@ -63,6 +64,118 @@ def test_a_late_answer_settles_the_step_and_orders_the_engine_s_stream_after_it(
     _answer(channel, 6)
     assert channel.wait(6, 1.0).step_id == 6 and ordered == [1, 2]
     assert channel.answer_seen_mono_ns >= channel.rung_mono_ns  # bench.py's phases read the two
+
+
+def test_a_doorbell_the_sidecar_closed_without_an_answer_is_dead_and_its_step_settled(channel):
+    """The CLOSED word with no answer (another AttachDoorbell replaced this one, or the rank stops): the wait ends
+    with DoorbellClosed, the channel is no longer alive (the shim rings it no more: its steps go over the gRPC
+    stream until it attaches again) and the step is settled (nothing of it runs there any more)."""
+    channel.send(pb.DraftStepRequest(step_id=3))
+    channel.page.words[bell.CLOSED] = 1
+    with pytest.raises(DoorbellClosed, match="without answering step 3"):
+        channel.wait(3, 5.0)
+    assert not channel.alive and channel.closed_by_sidecar and channel.settled(3)
+
+
+def test_a_closed_doorbell_holds_no_mapping_of_its_page():
+    """close() releases the page's views with its segment: the views (header words, request and response areas)
+    hold the mapping, which would stay as long as the closed channel did, and a write through them after close()
+    would land in it instead of raising."""
+    ch = DoorbellChannel(_Stub(), torch.device("cpu"), capacity=CAP, gpu_word=False)
+    name = ch._page.segment.name
+    ch.send(pb.DraftStepRequest(step_id=1))
+    ch.close()
+    with open("/proc/self/maps") as maps:
+        assert name not in maps.read(), "the closed doorbell's page is still mapped"
+    assert not ch.alive and ch.page.words is None
+
+
+def _stood_in_ops(monkeypatch, current: list[int]):
+    """The GPU word's driver ops on a CPU box: writes and records are recorded with the raw stream they were queued
+    on, which `current[0]` names (dataplane._raw_stream)."""
+    class Ops:
+        def __init__(self) -> None:
+            self.queued: list[tuple[str, int]] = []
+
+        def write(self, raw, address, value):
+            self.queued.append(("word", raw))
+
+        def record(self, event, raw):
+            self.queued.append(("event", raw))
+
+    ops = Ops()
+    _cuda_stood_in(monkeypatch, [])
+    monkeypatch.setattr(dataplane.GpuWordOps, "load", classmethod(lambda cls, d: ops))
+    monkeypatch.setattr(dataplane, "_raw_stream", lambda device: current[0])
+    return ops
+
+
+def test_each_stream_a_step_is_rung_from_is_one_close_waits_for(monkeypatch):
+    """send_bytes notes the stream each step's GPU word is queued on, whenever it is another than the last one's:
+    close() must not unmap the page under a write still queued there. Were it noted only at the first ring, a
+    step rung from a second stream (an engine staging from two) would leave close() waiting on the first alone."""
+    current = [0xA]
+    ops = _stood_in_ops(monkeypatch, current)
+    ch = DoorbellChannel(_Stub(pb.AttachDoorbellResponse(gpu_word=True, output_event=b"e" * 64)),
+                         torch.device("cuda", 0))
+    try:
+        for raw in (0xA, 0xB, 0xB, 0xA):
+            current[0] = raw
+            ch.send_bytes(b"\x08\x01", 1)
+        assert ch._sent_on == [0xB, 0xA]
+        assert [raw for what, raw in ops.queued if what == "word"] == [0xA, 0xB, 0xB, 0xA]
+    finally:
+        ch._stream_passed = lambda timeout_s: True  # CUDA's streams are not there to wait on
+        ch.close()
+
+
+def test_a_step_staged_from_another_stream_waits_for_the_last_answer_and_its_reader(monkeypatch):
+    """order_inputs, before the next step's inputs are copied in: from the stream the last answer was waited on,
+    nothing to do; from another, that stream waits for the sidecar's "outputs written" event and for the work
+    queued on the waiting stream (the engine's copy of the answer). Skipped, the next step's copies would
+    overwrite rows the last step's kernels still read, and its answer could land before the engine had copied the
+    last one out (helper 80's hazard 2)."""
+    current = [0xA]
+    monkeypatch.setattr(dataplane, "_raw_stream", lambda device: current[0])
+    ch = DoorbellChannel(_Stub(), torch.device("cpu"), capacity=CAP, gpu_word=False)
+    try:
+        ordered: list = []
+        ch._after_outputs = lambda: ordered.append("outputs")
+        ch._after_stream = lambda raw: ordered.append(raw)
+        ch.order_inputs()
+        assert ordered == []  # no answer waited on yet
+        ch._ordered_on = 0xA  # where wait() ordered the engine after the last answer
+        ch.order_inputs()
+        assert ordered == []  # the same stream: ordered already
+        current[0] = 0xB
+        ch.order_inputs()
+        assert ordered == ["outputs", 0xA]
+    finally:
+        ch.close()
+
+
+def test_waiting_for_a_stream_that_never_passes_ends_at_its_bound_not_later(monkeypatch):
+    """The bound itself, on a clock of the test's own (no wall-clock timing): _stream_passed gives up once its
+    timeout has passed, within one poll of it. CUDA's events stood in for: never complete."""
+    class Event:
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return False
+
+    now = [100.0]
+
+    def sleep(s):
+        now[0] += s
+
+    monkeypatch.setattr(dataplane.torch.cuda, "Event", Event)
+    monkeypatch.setattr(dataplane.torch.cuda, "current_stream", lambda device=None: "stream")
+    monkeypatch.setattr(dataplane, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=sleep))
+    probe = DoorbellChannel.__new__(DoorbellChannel)
+    probe.device, probe._sent_on = torch.device("cuda", 0), []
+    assert not probe._stream_passed(2.0)
+    assert 102.0 <= now[0] <= 102.01, now[0]
 
 
 def test_a_wake_that_cannot_be_written_still_leaves_the_step_rung(channel, caplog):
