@@ -68,6 +68,11 @@ PEER_SILENT_S = 3.0
 # SERVING; the bound leaves room for a first launch's compile under --no-warmup. Read at each call, as PEER_SILENT_S.
 STEP_STUCK_S = 15.0
 STUCK_EXIT = 1  # a rank whose shutdown found a step stuck (teardown): not a clean stop, for its supervisor
+# How long the teardown waits for the doorbells' attach lock before it stops the steps. A lease's release (an
+# engine gone) and an UnregisterBuffers take that lock and then wait for the rank's, which a stuck step holds:
+# unbounded, the teardown waited there until its watchdog ended the rank with status 0, never finding the step
+# stuck. Within TEARDOWN_LIMIT_S, beside a doorbell's own stop (doorbell.STOP_S).
+DOORBELL_LOCK_S = 5.0
 # gRPC handler threads: up to MAX_STREAMS open DraftSteps streams hold one each; the rest answer the
 # unary calls and the health check.
 GRPC_THREADS = MAX_STREAMS + 8
@@ -566,11 +571,17 @@ def teardown(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grpc.
     watchdog.start()
     # The doorbell before the streams: an engine reads the end of its idle liveness stream as "the
     # sidecar is done with my step", so no doorbell step may still be running when the streams end.
-    servicer.close_doorbell()
+    closed = servicer.close_doorbell(DOORBELL_LOCK_S)
     # Then the steps, for the same reason: the streams end only once no step runs. Steps that
     # arrive from here on are answered UNAVAILABLE (SHUTTING_DOWN) on their still-open streams.
     stage[0] = "the steps in flight"
     stuck = not loop.stop_steps()
+    if not closed and not stuck:
+        # The attach lock's holder waited behind a step that has ended since: it lets go now, and the doorbells
+        # stop before the streams end. (With the step stuck, the process ends below: no doorbell step starts,
+        # stop_steps refuses them.)
+        stage[0] = "the doorbell"
+        servicer.close_doorbell()
     stage[0] = "the gRPC server"
     server.stop(grace=SERVER_GRACE_S).wait()  # then refuse new calls and end the streams
     # Engines read end of file: the next sidecar hands out leases of its own. With a step stuck, a lease's release

@@ -515,14 +515,21 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._retiring.append(old)
         self._retiring = [d for d in self._retiring if d.is_alive()]
 
-    def close_doorbell(self) -> None:
+    def close_doorbell(self, wait_s: float | None = None) -> bool:
         """Shutdown: stop the doorbell (and any it replaced that is still in a step), and attach none
-        again. Under the attach lock, so a re-attach in progress is either done or refused."""
-        with self._attach_lock:
+        again. Under the attach lock, so a re-attach in progress is either done or refused. wait_s bounds
+        the wait for that lock (None: until it is free); False, with nothing done, when it was still held:
+        by a lease's release or an UnregisterBuffers that waits for the rank's lock behind a stuck step."""
+        if not self._attach_lock.acquire(timeout=-1 if wait_s is None else max(0.0, wait_s)):
+            return False
+        try:
             self._doorbells_closed = True
             for d in (self.doorbell, *self._retiring):
                 if d is not None:
                     d.stop()
+        finally:
+            self._attach_lock.release()
+        return True
 
     @functools.cached_property
     def _gpu_word_ops(self) -> GpuWordOps | None:

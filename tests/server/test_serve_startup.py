@@ -258,6 +258,33 @@ def test_a_failure_of_the_rank_s_own_warm_up_is_not_blamed_on_a_peer(monkeypatch
     assert not isinstance(info.value, app.PeerLost)
 
 
+def test_a_second_signal_during_the_unwinding_does_not_cut_its_cleanup_short(monkeypatch):
+    """A stop while rank 0 writes the synthetic checkpoint raises SystemExit(0) for the writer's cleanup (its
+    partial folder goes). A second signal meanwhile (a supervisor repeating SIGTERM, a Ctrl-C on top) must let
+    that cleanup run on: raised again, it cut the cleanup short; as a plain start-up stop, os._exit skipped it."""
+    import threading
+
+    import pytest
+
+    from dspark_sidecar.server import app
+
+    start_up = app.StartUp(0, threading.Event())
+    ended: list[object] = []
+    monkeypatch.setattr(app.os, "_exit", ended.append)
+    monkeypatch.setattr(start_up, "release", lambda: ended.append("release"))
+    cleaned = []
+    with pytest.raises(SystemExit) as info:
+        with start_up.unwinding():
+            try:
+                start_up.on_signal(signal.SIGTERM, None)
+            finally:  # the writer's cleanup, which a second signal reaches
+                start_up.on_signal(signal.SIGINT, None)
+                cleaned.append("inside")
+    start_up.on_signal(signal.SIGTERM, None)  # and one more once the unwinding has left the writer
+    assert info.value.code == 0 and cleaned == ["inside"] and start_up.stop.is_set()
+    assert ended == [], "a later signal ended the process past the unwinding's cleanup"
+
+
 RANK_STOPPED_WRITING_THE_CHECKPOINT = """
 import sys, time
 from pathlib import Path

@@ -108,3 +108,52 @@ def test_a_failed_beat_drains_the_rank_and_exits_1_with_a_stream_open(tmp_path, 
         if p.returncode is None:  # a failed check must not leave the rank behind
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate(timeout=10)
+
+
+# Rank 0 of TP 1 as under torchrun (TORCHELASTIC_USE_AGENT_STORE), its agent watched by a stand-in that reports it
+# gone once the test touches the marker; the rank hosts its store itself, as under our launcher (no agent here).
+RANK_WHOSE_AGENT_GOES = """
+import sys
+from pathlib import Path
+from dspark_sidecar.server import app
+marker = Path(sys.argv[-1])
+real_join = app.join_group
+def join_group(cfg, backend, rank, world, agent_attempt=None):
+    assert agent_attempt == 0  # the rank took itself for torchrun's
+    return real_join(cfg, backend, rank, world, None)
+class Agent:
+    def __init__(self, pid):
+        self.pid = pid
+    def gone(self):
+        return marker.exists()
+app.join_group, app.ExitWith = join_group, Agent
+from dspark_sidecar import cli
+sys.exit(cli.main(sys.argv[1:-1]))
+"""
+
+
+def test_a_rank_whose_torchrun_agent_has_gone_drains_and_exits_1(tmp_path):
+    """torchrun's agent killed outright leaves its ranks running (sessions of their own): each drains by itself, as
+    the agent would have had it, and exits 1, not a clean stop's 0, for whatever supervises it."""
+    sock, marker = tmp_path / "sock", tmp_path / "agent-gone"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    p = subprocess.Popen([sys.executable, "-c", RANK_WHOSE_AGENT_GOES, "serve", "--tp", "1", "--device", "cpu",
+                          "--socket-dir", str(sock), "--drain-s", "0", str(marker)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    target = f"unix:{sock / 'rank0.sock'}"
+    try:
+        wait_until(lambda: check(target, 1.0) == "SERVING", 120, "rank 0 SERVING", watch=p, interval_s=0.1)
+        marker.touch()
+        _, err = p.communicate(timeout=60)  # a hang guard only
+        assert p.returncode == 1, err[-3000:]
+        assert "rank 0: torchrun's agent (pid" in err and "rank 0: stopped" in err, err[-3000:]
+        assert not list(sock.glob("*.sock")), "the rank left a socket file behind"
+    finally:
+        if p.returncode is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=10)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
 
 from dspark_sidecar.server import app
+from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
+from helpers.waiting import wait_until
 
 
 class Exited(Exception):
@@ -51,7 +55,7 @@ def rig(monkeypatch):
     stopped = SimpleNamespace(wait=rec("streams ended"))
     r = SimpleNamespace(
         calls=calls, steps_stop=True,
-        servicer=SimpleNamespace(close_doorbell=rec("doorbell"),
+        servicer=SimpleNamespace(close_doorbell=rec("doorbell", True),
                                  close_leases=lambda wait_s=None: calls.append(f"leases (wait {wait_s})")),
         server=SimpleNamespace(stop=lambda grace: (calls.append("server stop"), stopped)[1]),
         graphs=SimpleNamespace(close=rec("graphs")),
@@ -98,3 +102,114 @@ def test_a_teardown_past_its_limit_ends_the_process_with_the_rank_s_status(rig, 
     with pytest.raises(Exited):
         _Watchdog.made[-1].function()
     assert rig.calls[-1] == f"exit {status}"
+
+
+class _StuckLoop:
+    """The rank loop with a step stuck in it (a collective with a wedged peer): the rank's lock is held until
+    `step_ends` is set, so an exclusive section waits behind it, and stop_steps gives up."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls, self.step_ends, self.graphs = calls, threading.Event(), None
+
+    @contextlib.contextmanager
+    def exclusive(self, wait=True, quiesce=True, give_up=None):
+        self.step_ends.wait()
+        yield
+
+    def stop_steps(self):
+        self.calls.append("steps")
+        return self.step_ends.is_set()
+
+    def close(self):
+        self.calls.append("loop")
+
+    def drain(self):
+        self.calls.append("drain")
+
+
+def test_a_stuck_step_at_shutdown_exits_1_though_a_lease_s_release_holds_the_attach_lock_behind_it(rig, caplog,
+                                                                                                    monkeypatch):
+    """An engine that ends (Kubernetes stops it before the sidecar) while a step is stuck: its lease's release takes
+    the attach lock, then waits for the rank's lock behind the step, with no bound. The teardown's first stage,
+    close_doorbell, waited for the attach lock for as long: the rank never reached the stuck step's exit 1, and the
+    watchdog ended it 30 s into the teardown with status 0, a clean stop to its supervisor."""
+    monkeypatch.setattr(app, "DOORBELL_LOCK_S", 0.2, raising=False)  # stands for its 5 s
+    loop = _StuckLoop(rig.calls)
+    svc = DrafterServicer(SimpleNamespace(rank=0, fast=None,  # type: ignore[arg-type]
+                                          memory=SimpleNamespace(unregister=lambda *a: [], region_count=0)),
+                          loop, Lifecycle(), None, None, "")
+    releasing = threading.Thread(target=svc._release_regions, args=([],), kwargs={"lease": 7}, daemon=True)
+    releasing.start()  # the gone engine's lease: its regions released under the attach lock, behind the step
+    wait_until(svc._attach_lock.locked, 10, "the lease's release takes the attach lock", interval_s=0.005)
+    ended: list[object] = []
+
+    def run() -> None:
+        try:
+            app.teardown(0, svc, loop, rig.server, rig.graphs, rig.fast, rig.rendezvous, rig.board)
+        except Exited as err:
+            ended.append(err.args[0])
+
+    t = threading.Thread(target=run, daemon=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="dspark_sidecar.server"):
+            t.start()
+            t.join(10)
+            assert not t.is_alive(), f"the teardown waited for the attach lock behind the stuck step: {rig.calls}"
+        assert ended == [app.STUCK_EXIT], (ended, rig.calls)
+        assert rig.calls == ["steps", "server stop", "streams ended", f"exit {app.STUCK_EXIT}"], rig.calls
+        assert "a step still runs" in caplog.text
+    finally:
+        loop.step_ends.set()  # the step ends: the release, then a teardown still waiting, go on
+        releasing.join(10)
+        t.join(10)
+
+
+def test_a_teardown_that_could_not_take_the_attach_lock_stops_the_doorbells_once_the_steps_have_ended(rig,
+                                                                                                     monkeypatch):
+    """The attach lock held past the bound by a wait that the step's end lets go: the doorbells are stopped, under
+    the lock, once stop_steps finds no step running, and still before the streams end."""
+    monkeypatch.setattr(app, "DOORBELL_LOCK_S", 0.2, raising=False)
+    lock = threading.Lock()
+    lock.acquire()  # held by a release waiting behind the step
+    closes: list[float | None] = []
+
+    def close_doorbell(wait_s=None):
+        closes.append(wait_s)
+        if not lock.acquire(timeout=10 if wait_s is None else wait_s):  # (10 s: a hang guard only)
+            return False
+        lock.release()
+        rig.calls.append("doorbell")
+        return True
+
+    def stop_steps():
+        rig.calls.append("steps")
+        lock.release()  # the step ends: the release that held the attach lock finishes
+        return True
+
+    rig.servicer.close_doorbell = close_doorbell
+    rig.loop.stop_steps = stop_steps
+    rig.run()
+    assert closes == [app.DOORBELL_LOCK_S, None]
+    assert rig.calls[:4] == ["steps", "doorbell", "server stop", "streams ended"], rig.calls
+    assert rig.calls[-1] == "destroy group"
+
+
+def test_a_board_a_step_still_reads_is_unlinked_not_unmapped(rig):
+    """Rendezvous.close says a step still waits for its verdict (a --rendezvous-ms past the teardown's bound):
+    unmapped under that thread, the board was a segfault at a clean stop; its name goes, its mapping with the exit."""
+    rig.rendezvous.close = lambda: (rig.calls.append("rendezvous"), False)[1]
+    rig.run()
+    assert rig.calls[-3:] == ["rendezvous", "board unlink", "destroy group"], rig.calls
+
+
+def test_close_doorbell_says_whether_it_took_the_attach_lock_within_its_bound():
+    """The teardown's second close_doorbell (above) runs only where the first said it could not take the lock."""
+    svc = DrafterServicer(SimpleNamespace(rank=0, fast=None), None, Lifecycle(), None, None, "")  # type: ignore[arg-type]
+    svc._attach_lock.acquire()  # a release waiting behind a stuck step
+    try:
+        assert svc.close_doorbell(0.05) is False
+        assert not svc._doorbells_closed  # nothing done without the lock
+    finally:
+        svc._attach_lock.release()
+    assert svc.close_doorbell(0.05) is True and svc._doorbells_closed
+    assert not svc._attach_lock.locked()
