@@ -46,8 +46,9 @@ def _env(dest: str, default, kind=str, flag: str | None = None):
 
 
 def _folder(text: str) -> Path:
-    """A --socket-dir: Path('') is the working directory, so `--socket-dir "$UNSET_VAR"` served (or probed) there
-    in silence, where the same empty DSPARK_SOCKET_DIR is refused (_env). argparse says it, exit 2."""
+    """A folder flag (--socket-dir, --checkpoint, --out-dir, ...): Path('') is the working directory, so
+    `--socket-dir "$UNSET_VAR"` served (or probed) there in silence, and `--checkpoint "$UNSET_VAR"` read whatever
+    checkpoint lay there, where the same empty DSPARK_* variable is refused (_env). argparse says it, exit 2."""
     if not text.strip():
         raise argparse.ArgumentTypeError("empty; give a folder (the working directory is '.')")
     return Path(text)
@@ -81,9 +82,9 @@ def _add_serve_flags(p: argparse.ArgumentParser, env=_env) -> None:
                    help="also listen on TCP HOST:PORT+r (0 = unix sockets only)")
     p.add_argument("--allow-remote", action="store_true", default=env("allow_remote", False, bool))
     p.add_argument("--preset", default=env("preset", d.preset), help="tiny | minimax-m3.1 (default %(default)s)")
-    p.add_argument("--checkpoint", type=Path, default=env("checkpoint", None, Path),
+    p.add_argument("--checkpoint", type=_folder, default=env("checkpoint", None, Path),
                    help="the dspark/ folder (default: the preset's synthetic checkpoint)")
-    p.add_argument("--target-checkpoint", type=Path, default=env("target_checkpoint", None, Path),
+    p.add_argument("--target-checkpoint", type=_folder, default=env("target_checkpoint", None, Path),
                    help="folder holding embed_tokens (the target model's checkpoint)")
     p.add_argument("--backend", choices=BACKENDS, default=env("backend", d.backend))
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=env("device", d.device))
@@ -173,8 +174,11 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
     # Preset, checkpoint config, TP and the checkpoint's tensors checked here, once: in the ranks each
     # would print its own line or traceback, and only after they had started listening.
     dcfg = load_config(cfg.preset, cfg.checkpoint)
-    dcfg.check_tp(cfg.shard_of or cfg.tp)
-    if cfg.checkpoint is not None:
+    # --shard-of N: one process computes rank 0's shard of TP N, so N is the TP the drafter must split over
+    _check_tp(dcfg, cfg.shard_of or cfg.tp, "--shard-of" if cfg.shard_of else "--tp")
+    # --random-weights draws every weight on the device (app._load): of a --checkpoint only its config.json
+    # (read above) is used, so its tensors were read for nothing, and a folder of config.json alone refused.
+    if cfg.checkpoint is not None and not cfg.random_weights:
         # Once: in this parent, or in each rank under torchrun, where no parent checked it. A rank of our own
         # launcher (its parent, whose pid it is given) read every tensor again, TP + 1 full reads at each start;
         # it checks its own slices as it loads them.
@@ -319,15 +323,16 @@ def cmd_step(a: argparse.Namespace) -> int:
     return 0
 
 
-def _check_tp(preset: str, tp: int) -> None:
-    """UsageError unless `preset` shards over --tp ranks, as the sidecar's and the engine's ranks both shard it."""
+def _check_tp(preset, tp: int, flag: str = "--tp") -> None:
+    """UsageError unless `preset` (a name, or serve's loaded DrafterConfig) shards over `tp` ranks, as the sidecar's
+    and the engine's ranks both shard it; the line names `flag`, the one that gave `tp`."""
     from dspark_sidecar.drafter.config import ConfigError, load_config
 
-    dcfg = load_config(preset)  # an unknown preset: its own ConfigError, one line too
+    dcfg = load_config(preset) if isinstance(preset, str) else preset  # an unknown preset: its own ConfigError
     try:
         dcfg.check_tp(tp)
     except ConfigError as err:
-        raise UsageError(f"--tp {tp}: {err}") from None
+        raise UsageError(f"{flag} {tp}: {err}") from None
 
 
 def _check_gpus(tp: int) -> None:
@@ -627,7 +632,7 @@ def _main(argv: list[str] | None) -> int:
     bp.add_argument("--shim-phases", action="store_true",
                     help="h: split the shim's host time before the ring and after the answer into phases "
                          "(diagnostic; ~3 us of timing wrappers added to mode h)")
-    bp.add_argument("--out-dir", type=Path, default=Path("bench-out"))
+    bp.add_argument("--out-dir", type=_folder, default=Path("bench-out"))
     bp.add_argument("--tp", type=int, default=1,
                     help="N > 1: the sidecar at TP N on N GPUs (N CPU ranks with --device cpu), driven by N engine ranks "
                          "over the data plane, checked against the reference layers at TP N")

@@ -107,6 +107,11 @@ class ServeConfig:
             # NCCL moves GPU tensors only: each rank ended in torch's traceback from init_process_group, exit 1.
             raise ServeConfigError("--dist-backend nccl: the ranks compute on the CPU (--device cpu), which NCCL "
                                    "cannot serve; use --dist-backend gloo or auto, or --device cuda")
+        if self.backend in ("triton", "flydsl") and self.device == "cpu":
+            # Both run their kernels on the rank's GPU: each rank refused it only once started (choose_backend),
+            # after it had listened and joined the group, in a line of its own.
+            raise ServeConfigError(f"--backend {self.backend}: its kernels run on a GPU, and --device cpu puts the "
+                                   "ranks on the CPU; use --backend auto or reference, or --device cuda")
         if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:
             raise ServeConfigError(f"--max-reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {self.max_reqs}")
         if not 0 < self.prelaunch_behind_ms <= 60_000:

@@ -109,9 +109,11 @@ _TINY_BENCH = ["--device", "cpu", "--preset", "tiny", "--reqs", "1", "--contexts
     (["bench", "--modes", "acd", "--shim-phases", *_TINY_BENCH], "--shim-phases: splits mode h's time, and --modes acd"),
     (["bench", "--tp", "2", "--shim-phases", *_TINY_BENCH], "--shim-phases: the one-process bench's mode h only"),
 ])
-def test_a_flag_that_cannot_be_used_is_refused_before_anything_starts(argv, words, capsys):
+def test_a_flag_that_cannot_be_used_is_refused_before_anything_starts(argv, words, capsys, no_launch):
     """Checked in the parent, before a rank, a socket or a sidecar exists (each rank used to print its
-    own traceback, some after loading the weights, or a flag was ignored: --target-checkpoint alone)."""
+    own traceback, some after loading the weights, or a flag was ignored: --target-checkpoint alone). no_launch:
+    a check lost (a mutation of ServeConfig's) started a real TP-4 sidecar in the default /tmp/dspark-sidecar,
+    shared by every run on the host, and the test hung in it."""
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
@@ -590,15 +592,16 @@ def test_a_rank_of_serve_s_own_launcher_does_not_read_the_whole_checkpoint_again
     assert bool(seen) == checked
 
 
+@pytest.mark.parametrize("value", ["", "  "])  # blank: what `"$A $B"` of two unset variables gives
 @pytest.mark.parametrize("argv", [["serve", "--tp", "1", "--device", "cpu"], ["status", "--tp", "1"], ["demo"]])
-def test_an_empty_socket_dir_flag_is_refused_as_its_variable_is(argv, monkeypatch, capsys, no_launch):
+def test_an_empty_socket_dir_flag_is_refused_as_its_variable_is(argv, value, monkeypatch, capsys, no_launch):
     """`--socket-dir "$UNSET_VAR"` is Path(''), the working directory: serve's ranks listened on ./rank0.sock (and
     status and the demo looked there), saying nothing, where an empty DSPARK_SOCKET_DIR is refused."""
     from dspark_sidecar.client import demo
 
     monkeypatch.setattr(demo, "run_demo", lambda cfg: pytest.fail("the demo started"))
     with pytest.raises(SystemExit) as exc:
-        cli.main([*argv, "--socket-dir", ""])
+        cli.main([*argv, "--socket-dir", value])
     assert exc.value.code == 2
     assert "argument --socket-dir: empty" in capsys.readouterr().err
 
@@ -618,3 +621,86 @@ def test_a_rank_that_finds_no_gpu_exits_75_as_the_launcher_does(monkeypatch):
     assert err.value.exit_status == 75
     # An explicit backend this host cannot run is still a flag to change: 2, never restarted.
     assert backend.BackendUnavailable("--backend triton: x").exit_status == 2
+
+
+@pytest.mark.parametrize("flag, at", [("--checkpoint", 0), ("--target-checkpoint", 1)])
+def test_an_empty_checkpoint_flag_is_refused_not_read_as_the_working_directory(flag, at, tiny_ckpt, tmp_path,
+                                                                              monkeypatch, capsys, no_launch):
+    """`--checkpoint "$UNSET_VAR"` is Path(''), the working directory: serve read (and its ranks would have served)
+    whatever checkpoint lay where it was started, or failed naming config.json alone, where an empty
+    DSPARK_CHECKPOINT is refused (cli._env), and an empty --socket-dir too."""
+    monkeypatch.chdir(tiny_ckpt[at])  # a checkpoint there: the empty flag was served from it, in silence
+    paths = {"--checkpoint": str(tiny_ckpt[0]), "--target-checkpoint": str(tiny_ckpt[1]), flag: ""}
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(tmp_path / "s"),
+                  *(w for kv in paths.items() for w in kv)])
+    assert exc.value.code == 2
+    assert f"argument {flag}: empty" in capsys.readouterr().err
+
+
+def test_an_empty_bench_out_dir_is_refused_not_read_as_the_working_directory(monkeypatch, capsys):
+    """`bench --out-dir ""` wrote bench.json (and its figures) into the working directory, saying nothing."""
+    from dspark_sidecar import bench
+
+    monkeypatch.setattr(bench, "run_bench", lambda *a: pytest.fail("the bench ran"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--device", "cpu", "--out-dir", ""])
+    assert exc.value.code == 2
+    assert "argument --out-dir: empty" in capsys.readouterr().err
+
+
+def test_random_weights_with_a_checkpoint_read_only_its_config(tmp_path, tiny_ckpt, monkeypatch):
+    """--random-weights draws every weight on the device (app._load): a --checkpoint gives its config.json alone,
+    and ServeConfig takes it without --target-checkpoint. The parent still read every tensor of the folder, so a
+    folder of config.json alone (a real drafter's shape, its weights elsewhere) was refused ("no safetensors
+    files"), and a full one was read for nothing (minutes for the real shape) before any rank started."""
+    import shutil
+
+    from dspark_sidecar.drafter import checkpoint
+    from dspark_sidecar.server import launcher
+
+    only = tmp_path / "dspark"
+    only.mkdir()
+    shutil.copy(tiny_ckpt[0] / "config.json", only)
+    started = []
+    monkeypatch.setattr(launcher, "launch", lambda cfg, argv, on_ready=None: started.append(cfg) or 0)
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.main(["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(tmp_path / "s"),
+                     "--random-weights", "--checkpoint", str(only)]) == 0
+    assert [c.checkpoint for c in started] == [only]
+    # Without --random-weights the folder's tensors are still checked, before any rank.
+    monkeypatch.setattr(checkpoint, "check_checkpoint", lambda *a: pytest.fail("checked"))
+    with pytest.raises(pytest.fail.Exception, match="checked"):
+        cli.main(["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(tmp_path / "s"),
+                  "--checkpoint", str(tiny_ckpt[0]), "--target-checkpoint", str(tiny_ckpt[1])])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--tp", "3"], "--tp 3: num_attention_heads: 8 is not divisible by TP size 3"),
+    # --shard-of's N is the TP size the preset must split over: the line said "TP size 3" for a --tp 1
+    (["--tp", "1", "--shard-of", "3"], "--shard-of 3: num_attention_heads: 8 is not divisible by TP size 3"),
+])
+def test_a_tp_the_drafter_cannot_split_over_names_its_flag(argv, words, capsys, no_launch):
+    """The demo's and the bench's refusal named --tp; serve's gave the drafter's words alone, naming no flag
+    (with --shard-of, a TP size the command line never gave as --tp)."""
+    from helpers.refusals import refused
+
+    refused(["serve", "--device", "cpu", *argv], capsys, words)
+
+
+def test_a_rank_meets_its_peers_where_its_launcher_says_not_where_the_flags_say(tmp_path, monkeypatch):
+    """Serve's launcher picks a free rendezvous port for --master-port 0 (torchrun brings its own) and hands it to
+    every rank as MASTER_ADDR/MASTER_PORT, while the rank's argv still says 0: the rank must take the environment's,
+    or rank 0 would host the store on a port of its own choosing that no peer knows."""
+    import os
+
+    from dspark_sidecar.server import app
+
+    seen = []
+    monkeypatch.setattr(app, "serve_rank", lambda cfg, *a, **k: seen.append(cfg) or 0)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "29517",
+                 "DSPARK_LAUNCHER_PID": str(os.getppid())}.items():
+        monkeypatch.setenv(k, v)
+    assert cli.main(["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(tmp_path / "s"), "--random-weights",
+                     "--master-addr", "127.0.0.1", "--master-port", "0"]) == 0
+    assert [(c.master_addr, c.master_port) for c in seen] == [("localhost", 29517)]

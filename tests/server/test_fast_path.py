@@ -66,7 +66,8 @@ def test_a_cpu_rank_on_a_gfx950_host_does_not_select_flydsl():
     assert (choice.name, choice.ops) == ("reference", REFERENCE_OPS)
     assert choice.flydsl_refusal == "FlyDSL kernels need a GPU (this rank computes on cpu)"
     with pytest.raises(BackendUnavailable, match=r"^--backend flydsl: FlyDSL kernels need a GPU \(this rank"):
-        choose_backend(ServeConfig(backend="flydsl", device="cpu"), GOOD_HOST, CPU, M31)
+        # (ServeConfig refuses --backend flydsl with --device cpu itself: here the rank's device is the CPU)
+        choose_backend(ServeConfig(backend="flydsl"), GOOD_HOST, CPU, M31)
 
 
 def test_triton_interpret_on_a_gpu_rank_is_not_the_triton_backend(monkeypatch):
@@ -287,7 +288,7 @@ def test_backend_flydsl_whose_path_failed_to_start_is_unavailable(tiny_ckpt, mon
     choice = BackendChoice("flydsl", REFERENCE_OPS, CPU, None, "reference")
     monkeypatch.setattr(app, "choose_backend", lambda *a: choice)
     monkeypatch.setattr(app, "build_fast_path", lambda *a, **k: SimpleNamespace(startup_reason=why))
-    cfg = ServeConfig(tp=4, backend="flydsl", device="cpu", dtype="fp32", checkpoint=tiny_ckpt[0],
+    cfg = ServeConfig(tp=4, backend="flydsl", dtype="fp32", checkpoint=tiny_ckpt[0],
                       target_checkpoint=tiny_ckpt[1])
     with pytest.raises(BackendUnavailable, match=f"^--backend flydsl: {re.escape(why)}$"):
         app._load(cfg, 0, 1, CPU, None, app.StartUp(0, threading.Event()))

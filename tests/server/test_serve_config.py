@@ -22,6 +22,7 @@ def _parse(argv: list[str]) -> ServeConfig:
 def test_default_is_side_by_side_at_tp1_and_in_order_above():
     assert _parse(["--tp", "1"]).step_streams == DEFAULT_LAUNCH_STREAMS > 1
     assert _parse(["--tp", "4"]).step_streams == 1
+    assert _parse(["--tp", "2"]).step_streams == 1  # every TP above 1, not only the deployment's 4
     assert _parse(["--tp", "1", "--launch-streams", "2"]).step_streams == 2
     assert _parse(["--tp", "4", "--launch-streams", "1"]).step_streams == 1
 
@@ -194,6 +195,9 @@ def test_a_folder_given_as_text_is_a_path_and_an_empty_one_is_refused(tmp_path):
     ({"drain_s": True}, "--drain-s: expected a number, got True"),
     ({"strict_refusal": "no"}, "--strict-refusal: expected True or False, got 'no'"),
     ({"warmup": 0}, "--no-warmup: expected True or False, got 0"),
+    ({"prelaunch": 0}, "--no-prelaunch: expected True or False, got 0"),  # each --no-X flag named as given
+    ({"cuda_graphs": 1}, "--no-cuda-graphs: expected True or False, got 1"),
+    ({"socket_dir": None}, "--socket-dir: expected a path, got None"),  # only the checkpoints may be None
     ({"preset": None}, "--preset: expected text, got None"),
 ], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x!r}" for k, x in v.items()))
 def test_a_value_of_the_wrong_type_is_refused_naming_its_flag(kw, message):
@@ -262,3 +266,30 @@ def test_a_listen_host_with_white_space_or_none_is_refused_as_such_not_as_remote
     with pytest.raises(ServeConfigError, match=f"^{re.escape(message)}"):
         ServeConfig(tp=1, tcp_base_port=50000, **kw)
     assert "--allow-remote" not in message
+
+
+@pytest.mark.parametrize("backend", ["triton", "flydsl"])
+def test_a_gpu_backend_for_ranks_on_the_cpu_is_refused_by_the_config(backend):
+    """Both backends' kernels run on the rank's GPU: with --device cpu every rank started, listened, joined the
+    group and only then refused the flag in a line of its own (choose_backend), where README promises one line
+    before any rank starts (as for --dist-backend nccl with --device cpu)."""
+    with pytest.raises(ServeConfigError, match=f"^--backend {backend}: .*--device cpu"):
+        ServeConfig(backend=backend, device="cpu")
+    with pytest.raises(ServeConfigError, match=f"^--backend {backend}: "):
+        _parse(["--backend", backend, "--device", "cpu"])
+    for ok in ({"backend": backend}, {"backend": backend, "device": "cuda"}, {"backend": "reference", "device": "cpu"},
+               {"backend": "auto", "device": "cpu"}):
+        assert ServeConfig(**ok).backend == ok["backend"]
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("TRUE", True), ("yes", True), ("On", True),
+                                       ("0", False), ("false", False), ("No", False), ("off", False)])
+def test_a_boolean_variable_sets_its_setting_either_way(value, on, monkeypatch):
+    """DSPARK_<X> of a --x flag, and of a --no-x flag (README: DSPARK_WARMUP=0 turns the warm-up off), read as
+    written: the words of each kind, in any case. Only a misspelt one was tested (refused)."""
+    names = ("strict_refusal", "allow_remote", "random_weights", "warmup", "prelaunch", "cuda_graphs")
+    for name in names:
+        monkeypatch.setenv(cli.env_name(name), value)
+    c = _parse([])
+    assert {name: getattr(c, name) for name in names} == dict.fromkeys(names, on)
+    assert _parse(["--no-warmup"]).warmup is False  # the flag, where given, over its variable
