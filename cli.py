@@ -176,6 +176,14 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
     dcfg = load_config(cfg.preset, cfg.checkpoint)
     # --shard-of N: one process computes rank 0's shard of TP N, so N is the TP the drafter must split over
     _check_tp(dcfg, cfg.shard_of or cfg.tp, "--shard-of" if cfg.shard_of else "--tp")
+    if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):  # this process launches the ranks (below)
+        from dspark_sidecar.server.backend import check_gpu_placement
+
+        # Our launcher spawns every rank on this machine's visible GPUs (not torchrun, which may give each rank
+        # GPUs of its own: a scheduler's per-rank CUDA_VISIBLE_DEVICES). Counted before the checkpoint is read:
+        # GPUs not visible yet exit 75, restarted every 5 s while a booting host's driver loads, and each try
+        # read every tensor of --checkpoint (GBs) first.
+        check_gpu_placement(cfg)
     # --random-weights draws every weight on the device (app._load): of a --checkpoint only its config.json
     # (read above) is used, so its tensors were read for nothing, and a folder of config.json alone refused.
     if cfg.checkpoint is not None and not cfg.random_weights:
@@ -213,14 +221,10 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
             logging.shutdown()
             sys.stdout.flush()
             os._exit(1)
-    from dspark_sidecar.server.backend import check_gpu_placement
     from dspark_sidecar.server.healthcheck import check
     from dspark_sidecar.server.launcher import launch
     from dspark_sidecar.server.preflight import check_before_launch
 
-    # Our launcher spawns every rank on this machine's visible GPUs. Not under torchrun, which may
-    # give each rank GPUs of its own (a scheduler's per-rank CUDA_VISIBLE_DEVICES).
-    check_gpu_placement(cfg)
     # A live sidecar on the socket dir, an unusable folder or a busy port: one line here, before any
     # rank (which would otherwise take over a live server's socket or fail once per rank, some after loading).
     check_before_launch(cfg)
