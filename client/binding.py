@@ -43,6 +43,8 @@ class BindError(Exception):
 # usual cause (expandable segments, a cuMem allocator) lasts as long as the cache; torch raises the same
 # RuntimeError for a transient driver failure, which would otherwise keep the sidecar off for good.
 UNSHAREABLE_RETRY_S = 60.0
+# The least a lease is waited for when the export left the bind less (a socket timeout of 0 would not wait at all).
+_MIN_WAIT_S = 0.001
 
 
 class NotShareable(BindError):
@@ -222,7 +224,9 @@ class KVBinder:
 
     def bind(self, stub, layers: Sequence[torch.Tensor], deadline_s: float, lease_socket: str = "") -> Binding:
         """BindKV once, under a lease from `lease_socket` (StatusReport.lease_socket; "": none); raises BindError
-        (permanent or not)."""
+        (permanent or not). The lease and BindKV share `deadline_s`: each given a whole one, a sidecar slow to hand
+        out its token held the engine's step for twice it (EngineConfig.agreement_timeout_s counts one per bind)."""
+        until = time.monotonic() + deadline_s
         ident = cache_identity(layers)
         if (self._unshareable is not None and self._unshareable[0] == ident
                 and time.monotonic() < self._unshareable[2]):
@@ -235,13 +239,17 @@ class KVBinder:
             raise
         self._unshareable = None
         try:
-            req.lease = self.lease.token(lease_socket, deadline_s)
+            req.lease = self.lease.token(lease_socket, max(until - time.monotonic(), _MIN_WAIT_S))
+            left = until - time.monotonic()
+            if left <= 0:
+                raise BindError(f"BindKV: DEADLINE_EXCEEDED the bind's {deadline_s:g} s went by before it was "
+                                "sent (waiting for the sidecar's lease)", False)
         except BaseException:
             self.current = None
             give_back(req.layers)  # nothing was sent
             raise
         try:
-            resp = stub.BindKV(req, timeout=deadline_s)
+            resp = stub.BindKV(req, timeout=left)
         except grpc.RpcError as e:
             code, reason = e.code(), error_reason(e)
             permanent = code in _PERMANENT_CODES or reason in _PERMANENT_REASONS

@@ -132,3 +132,45 @@ def test_an_fp8_e4m3_cache_is_bound_as_it_is():
     finally:
         for s in layers:
             s.close()
+
+
+class _Clock:
+    """binding's monotonic clock, moved on by hand (a lease socket that is slow to hand out its token)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_the_lease_is_taken_inside_the_binds_deadline_not_before_it(kv, monkeypatch):
+    """bind() waited for the lease up to deadline_s, then gave BindKV a whole deadline_s again: a sidecar slow to
+    hand out its token held the engine's step for twice bind_deadline_s, past what agreement_timeout_s counts for
+    each bind (a peer waiting in the agreement gave this rank up for dead). BindKV gets what the lease left."""
+    clock = _Clock()
+    monkeypatch.setattr(binding, "time", clock)
+    binder, stub = KVBinder(pb.EngineFacts()), _Stub(pb.BindKVResponse(binding_id=7, generation=1))
+    timeouts = []
+
+    def slow_lease(path, deadline_s):
+        clock.now += 0.75
+        return 0  # timed out: no lease (lease.token says so and binds without one)
+
+    real_bind = stub.BindKV
+    stub.BindKV = lambda req, timeout: (timeouts.append(timeout), real_bind(req, timeout))[1]
+    monkeypatch.setattr(binder.lease, "token", slow_lease)
+    assert binder.bind(stub, [s.tensor for s in kv], 1.0, "/x/rank0.lease").binding_id == 7
+    assert timeouts == [pytest.approx(0.25)]
+
+
+def test_release_unbinds_the_binding_held_once_and_forgets_it(kv):
+    """release() names the binding the sidecar holds, then forgets it: a second release (a close after a turn-off)
+    sends nothing, where it named a binding the sidecar no longer has."""
+    binder, stub = KVBinder(pb.EngineFacts()), _Stub(pb.BindKVResponse(binding_id=7, generation=1))
+    unbound = []
+    stub.UnbindKV = lambda req, timeout: unbound.append(req.binding_id)
+    binder.bind(stub, [s.tensor for s in kv], 1.0)
+    binder.release(stub, 1.0)
+    binder.release(stub, 1.0)
+    assert unbound == [7] and binder.held is None and binder.current is None and binder.generation == 0

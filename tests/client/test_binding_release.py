@@ -152,3 +152,29 @@ def test_handles_of_a_bindkv_never_sent_are_given_back(monkeypatch):
         binder.bind(stub, [torch.zeros(2, 4, 16, 1, 8, dtype=torch.bfloat16) for _ in range(5)], 1.0, "/x/rank0.lease")
     assert not sent and len(exported) == 5 and given_back == exported
     assert binder.current is None and binder.held is None
+
+
+def test_a_lease_that_takes_the_whole_deadline_sends_nothing_and_gives_the_handles_back(monkeypatch):
+    """The bind's deadline spent waiting for the lease: BindKV is not sent with a deadline already past (or, before,
+    with a fresh one: the bind ran past bind_deadline_s), the bind fails as passing, and its handles go back."""
+    import torch
+
+    from dspark_sidecar.client import binding
+    from dspark_sidecar.client.binding import KVBinder
+
+    exported, given_back = _counting_exports(monkeypatch)
+    now = [50.0]
+    monkeypatch.setattr(binding, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
+    binder = KVBinder(pb.EngineFacts())
+
+    def slow_lease(path, deadline_s):
+        now[0] += deadline_s
+        return 0
+
+    monkeypatch.setattr(binder.lease, "token", slow_lease)
+    sent = []
+    stub = type("Stub", (), {"BindKV": lambda self, req, timeout: sent.append(req)})()
+    with pytest.raises(binding.BindError, match="DEADLINE_EXCEEDED") as err:
+        binder.bind(stub, [torch.zeros(2, 4, 16, 1, 8, dtype=torch.bfloat16) for _ in range(5)], 1.0, "/x/rank0.lease")
+    assert not err.value.permanent and not sent and len(exported) == 5 and given_back == exported
+    assert binder.current is None
