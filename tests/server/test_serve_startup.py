@@ -228,7 +228,8 @@ def test_a_peer_lost_in_the_warm_up_step_is_one_line_not_gloo_s_traceback(tmp_pa
                                "--socket-dir", str(sock)],
                               env=dict(_env(), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                                        MASTER_PORT=str(port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for r in (0, 1)]
     try:
         _, err = procs[0].communicate(timeout=120)  # a hang guard only
         assert procs[0].returncode == 1, err
@@ -405,7 +406,7 @@ def test_a_rank_that_lost_a_peer_exits_1_without_the_interpreter_s_teardown(tmp_
     p = subprocess.Popen([sys.executable, "-c", PEER_LOST_WITH_A_THREAD_IN_THE_COLLECTIVE, "serve", "--tp", "2",
                           "--device", "cpu", "--socket-dir", str(tmp_path / "sock")],
                          env=dict(_env(), RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, err = p.communicate(timeout=60)  # before: the interpreter's exit waited on the thread for good
         assert p.returncode == 1, err
