@@ -174,9 +174,10 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
     # Preset, checkpoint config, TP and the checkpoint's tensors checked here, once: in the ranks each
     # would print its own line or traceback, and only after they had started listening.
     dcfg = load_config(cfg.preset, cfg.checkpoint)
+    in_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # under torchrun or our own launcher
     # --shard-of N: one process computes rank 0's shard of TP N, so N is the TP the drafter must split over
     _check_tp(dcfg, cfg.shard_of or cfg.tp, "--shard-of" if cfg.shard_of else "--tp")
-    if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):  # this process launches the ranks (below)
+    if not in_rank:  # this process launches the ranks (below)
         from dspark_sidecar.server.backend import check_gpu_placement
 
         # Our launcher spawns every rank on this machine's visible GPUs (not torchrun, which may give each rank
@@ -200,7 +201,7 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
                 ensure_synthetic_checkpoint(dcfg, cfg.seed)
         except KeyboardInterrupt:  # Ctrl-C, the same stopped start (README): exit 0, not main's interrupt
             return 0
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun or our own launcher
+    if in_rank:
         from dspark_sidecar.server.app import PeerLost, serve_rank
 
         # torchrun's (and our launcher's) rendezvous address wins over the flags

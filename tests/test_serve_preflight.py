@@ -603,13 +603,19 @@ def test_device_cuda_with_no_gpu_visible_is_one_line_before_any_rank(tp, tiny_ck
     every rank, each ended in BackendUnavailable's traceback, and the launcher exited 1, its journal naming no
     flag. Now one line before any rank, and exit 75 (EX_TEMPFAIL), not 2 (review 321): a unit started at boot
     before the GPU driver has loaded would otherwise stay failed for good (RestartPreventExitStatus=2), where a
-    restart 5 s later finds the GPUs."""
+    restart 5 s later finds the GPUs. The GPUs are counted before the checkpoint is read: each such restart read
+    every tensor of --checkpoint first (about 3 GB for minimax-m3.1, review 328) only to find no GPU."""
     import torch
 
+    from dspark_sidecar.drafter import checkpoint
+
+    read: list = []
+    monkeypatch.setattr(checkpoint, "check_checkpoint", lambda *a, **k: read.append(a))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     argv = ["serve", *tp, "--device", "cuda", "--socket-dir", str(tmp_path / "sock"),
             "--checkpoint", str(tiny_ckpt[0]), "--target-checkpoint", str(tiny_ckpt[1])]
     _refused(argv, capsys, "--device cuda: no CUDA/ROCm device is visible", sock_dir=tmp_path / "sock", status=75)
+    assert read == []
 
 
 def test_a_backend_a_rank_cannot_run_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
@@ -721,19 +727,3 @@ def test_a_rank_started_with_another_world_size_than_tp_is_exit_2(tmp_path):
         app.serve_rank(ServeConfig(tp=4, device="cpu", socket_dir=tmp_path), 0, 2, 0)
     assert err.value.exit_status == 2 and not list(tmp_path.iterdir())
 
-
-def test_gpus_not_visible_are_refused_before_the_checkpoint_is_read(tiny_ckpt, tmp_path, monkeypatch, capsys):
-    """Exit 75 restarts the unit every 5 s while a booting host's GPU driver loads (review 321): each try read every
-    tensor of --checkpoint first (about 3 GB for minimax-m3.1, review 328) only to find no GPU. The GPUs are
-    counted first."""
-    import torch
-
-    from dspark_sidecar.drafter import checkpoint
-
-    read: list = []
-    monkeypatch.setattr(checkpoint, "check_checkpoint", lambda *a, **k: read.append(a))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = ["serve", "--tp", "1", "--device", "cuda", "--socket-dir", str(tmp_path / "sock"),
-            "--checkpoint", str(tiny_ckpt[0]), "--target-checkpoint", str(tiny_ckpt[1])]
-    _refused(argv, capsys, "--device cuda: no CUDA/ROCm device is visible", status=75)
-    assert read == []
