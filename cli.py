@@ -45,15 +45,6 @@ def _env(dest: str, default, kind=str, flag: str | None = None):
         raise UsageError(f"{name}={raw!r}: expected {'an integer' if kind is int else 'a number' if kind is float else kind.__name__}") from None
 
 
-def _folder(text: str) -> Path:
-    """A folder flag (--socket-dir, --checkpoint, --out-dir, ...): Path('') is the working directory, so
-    `--socket-dir "$UNSET_VAR"` served (or probed) there in silence, and `--checkpoint "$UNSET_VAR"` read whatever
-    checkpoint lay there, where the same empty DSPARK_* variable is refused (_env). argparse says it, exit 2."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("empty; give a folder (the working directory is '.')")
-    return Path(text)
-
-
 def _builtin(dest: str, default, kind=str, flag: str | None = None):
     """A flag's built-in default, its variable unread: the defaults of a command that is not the one running."""
     return default
@@ -75,16 +66,16 @@ def _add_serve_flags(p: argparse.ArgumentParser, env=_env) -> None:
 
     d = ServeConfig()
     p.add_argument("--tp", type=int, default=env("tp", d.tp, int), help="tensor-parallel ranks (default %(default)s)")
-    p.add_argument("--socket-dir", type=_folder, default=env("socket_dir", d.socket_dir, Path),
+    p.add_argument("--socket-dir", type=layout.folder_flag, default=env("socket_dir", d.socket_dir, Path),
                    help="rank r listens on unix:DIR/rank{r}.sock (default %(default)s)")
     p.add_argument("--tcp-host", default=env("tcp_host", d.tcp_host))
     p.add_argument("--tcp-base-port", type=int, default=env("tcp_base_port", d.tcp_base_port, int),
                    help="also listen on TCP HOST:PORT+r (0 = unix sockets only)")
     p.add_argument("--allow-remote", action="store_true", default=env("allow_remote", False, bool))
     p.add_argument("--preset", default=env("preset", d.preset), help="tiny | minimax-m3.1 (default %(default)s)")
-    p.add_argument("--checkpoint", type=_folder, default=env("checkpoint", None, Path),
+    p.add_argument("--checkpoint", type=layout.folder_flag, default=env("checkpoint", None, Path),
                    help="the dspark/ folder (default: the preset's synthetic checkpoint)")
-    p.add_argument("--target-checkpoint", type=_folder, default=env("target_checkpoint", None, Path),
+    p.add_argument("--target-checkpoint", type=layout.folder_flag, default=env("target_checkpoint", None, Path),
                    help="folder holding embed_tokens (the target model's checkpoint)")
     p.add_argument("--backend", choices=BACKENDS, default=env("backend", d.backend))
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=env("device", d.device))
@@ -547,6 +538,8 @@ def _usage_errors() -> tuple[type, ...]:
 
 
 def _main(argv: list[str] | None) -> int:
+    from dspark_sidecar import layout  # torch-free, as bench_defaults below: for the folder flags' type
+
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=_log_level(),
                         format=f"%(asctime)s %(levelname)s [pid {os.getpid()} rank {os.environ.get('RANK', '-')}] "
@@ -565,7 +558,7 @@ def _main(argv: list[str] | None) -> int:
     serve_p = sub.add_parser("serve", help="start the TP sidecar (all ranks) and serve until SIGTERM")
     _add_serve_flags(serve_p, env("serve"))
     st = sub.add_parser("status", help="print every rank's GetStatus")
-    st.add_argument("--socket-dir", type=_folder, default=env("status")("socket_dir", Path("/tmp/dspark-sidecar"), Path))
+    st.add_argument("--socket-dir", type=layout.folder_flag, default=env("status")("socket_dir", Path("/tmp/dspark-sidecar"), Path))
     st.add_argument("--tp", type=int, default=env("status")("tp", 4, int))
     st.add_argument("--timeout", type=float, default=3.0)
     sp = sub.add_parser("step", help="one draft step on the embedded synthetic drafter, in-process")
@@ -581,7 +574,7 @@ def _main(argv: list[str] | None) -> int:
     dp.add_argument("--seed", type=int, default=0)
     dp.add_argument("--max-reqs", type=int, default=8, help="the sidecar's --max-reqs; the mix goes above it")
     dp.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
-    dp.add_argument("--socket-dir", type=_folder, default=None, help="default: a fresh temporary folder")
+    dp.add_argument("--socket-dir", type=layout.folder_flag, default=None, help="default: a fresh temporary folder")
     dp.add_argument("--use-running-sidecar", action="store_true",
                     help="talk to a sidecar already serving at --socket-dir instead of starting one")
     dp.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -637,7 +630,7 @@ def _main(argv: list[str] | None) -> int:
     bp.add_argument("--shim-phases", action="store_true",
                     help="h: split the shim's host time before the ring and after the answer into phases "
                          "(diagnostic; ~3 us of timing wrappers added to mode h)")
-    bp.add_argument("--out-dir", type=_folder, default=Path("bench-out"))
+    bp.add_argument("--out-dir", type=layout.folder_flag, default=Path("bench-out"))
     bp.add_argument("--tp", type=int, default=1,
                     help="N > 1: the sidecar at TP N on N GPUs (N CPU ranks with --device cpu), driven by N engine ranks "
                          "over the data plane, checked against the reference layers at TP N")

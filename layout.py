@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -32,6 +33,16 @@ def launch_groups(num_reqs: int, launch_reqs: int = LAUNCH_REQS) -> list[tuple[i
 # Sockets: `dspark-sidecar serve --socket-dir DIR` puts rank r on DIR/rank{r}.sock, and an engine
 # rank reaches it as the gRPC target unix:DIR/rank{r}.sock.
 SUN_PATH_MAX = 107  # bytes of a unix socket path: sun_path holds 108 with its NUL
+
+
+def folder_flag(text: str) -> Path:
+    """A folder flag's value (--socket-dir, --checkpoint, --out-dir, ...) as argparse's `type`: Path('') is the
+    working directory, so `--socket-dir "$UNSET_VAR"` served (or probed) there in silence, and
+    `--checkpoint "$UNSET_VAR"` read whatever checkpoint lay there, where the same empty DSPARK_* variable is
+    refused (cli.py _env). argparse says it, exit 2."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty; give a folder (the working directory is '.')")
+    return Path(text)
 
 
 def rank_socket(socket_dir: str | Path, rank: int) -> Path:

@@ -16,6 +16,9 @@ from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.proto.rich_status import error_reason
 
 
+MAX_PROBE_TIMEOUT_S = 86400
+
+
 def check(target: str, timeout_s: float = 2.0, service: str = SERVICE_NAME) -> str:
     """The health status name of one endpoint ("SERVING", "NOT_SERVING", or "UNREACHABLE: CODE: why")."""
     try:
@@ -62,13 +65,17 @@ def probe_flags_problem(tp: int, timeout_s: float) -> str | None:
     # 0, a negative or nan deadline made every live rank UNREACHABLE (DEADLINE_EXCEEDED), naming no flag.
     if not 0 < timeout_s < float("inf"):
         return f"--timeout: must be a number of seconds above 0, got {timeout_s}"
+    # gRPC holds a deadline as int64 nanoseconds: past ~292 years it overflowed and expired at once, a live rank
+    # UNREACHABLE "within 1e+10 s". A probe that waits a day is already a typo.
+    if timeout_s > MAX_PROBE_TIMEOUT_S:
+        return f"--timeout: at most {MAX_PROBE_TIMEOUT_S} s, got {timeout_s:g}"
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_sidecar.server.healthcheck", description=__doc__)
     ap.add_argument("--socket", help="one rank's unix socket path")
-    ap.add_argument("--socket-dir", type=Path, default=Path("/tmp/dspark-sidecar"))
+    ap.add_argument("--socket-dir", type=layout.folder_flag, default=Path("/tmp/dspark-sidecar"))
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--all-ranks", action="store_true", help="check rank0..rank{tp-1}.sock in --socket-dir")
     ap.add_argument("--timeout", type=float, default=2.0)

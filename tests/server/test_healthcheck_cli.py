@@ -13,11 +13,15 @@ from dspark_sidecar.server import healthcheck
     (["--tp", "-2"], "--tp: must be at least 1, got -2"),
     (["--timeout", "0"], "--timeout: must be a number of seconds above 0, got 0.0"),
     (["--timeout", "nan"], "--timeout: must be a number of seconds above 0, got nan"),
+    (["--timeout", "1e10"], "--timeout: at most 86400 s, got 1e+10"),
+    (["--socket-dir", ""], "--socket-dir: empty; give a folder"),
 ])
 def test_a_probe_flag_that_cannot_be_used_is_refused_not_answered(flags, words, tmp_path, capsys):
     """--tp 0 checked no rank and exited 0: a probe that passed with no sidecar at all (a typo in a
     manifest marked the pod healthy). A timeout of 0 or nan reported every live rank UNREACHABLE
-    (DEADLINE_EXCEEDED) instead of naming the flag."""
+    (DEADLINE_EXCEEDED) instead of naming the flag, and so did one past gRPC's deadline (int64 nanoseconds,
+    ~292 years: 1e10 s expired at once, "no answer within 1e+10 s"). An empty --socket-dir (an unset variable
+    in a manifest) probed the working directory's rank sockets, where serve refuses the same folder."""
     with pytest.raises(SystemExit) as exit_:
         healthcheck.main(["--all-ranks", "--socket-dir", str(tmp_path), *flags])
     assert exit_.value.code == 2

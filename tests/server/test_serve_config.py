@@ -168,7 +168,7 @@ def test_an_empty_listen_host_is_refused(kw, flag):
 def test_a_folder_given_as_text_is_a_path_and_an_empty_one_is_refused(tmp_path):
     """The demo, the bench and tests build ServeConfig themselves: a socket folder given as text stayed text,
     and the parent's folder check (sockdir.prepare: d.parent) and a rank's AttachDoorbell (run_dir / name) ended
-    in a traceback; '' served in the working directory, which the CLI's --socket-dir refuses (cli._folder)."""
+    in a traceback; '' served in the working directory, which the CLI's --socket-dir refuses (layout.folder_flag)."""
     from pathlib import Path
 
     from dspark_sidecar.server import preflight
