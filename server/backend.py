@@ -48,14 +48,20 @@ def resolve_device(cfg: ServeConfig, local_rank: int) -> torch.device:
 
 
 def check_gpu_placement(cfg: ServeConfig, visible: int | None = None) -> None:
-    """GpusNotVisible for --device cuda with no GPU visible; ServeConfigError for --dist-backend nccl where
-    --device auto puts the ranks on the CPU (no GPU visible); GpusNotVisible when the ranks would share GPUs under
+    """GpusNotVisible for --device cuda, or --backend triton/flydsl under --device auto, with no GPU visible;
+    ServeConfigError for --dist-backend nccl where --device auto puts the ranks on the CPU (no GPU visible);
+    GpusNotVisible when the ranks would share GPUs under
     NCCL/RCCL, which refuse two ranks of one group on one GPU ("Duplicate GPU detected") at the first
     collective: after every shard has loaded, as a traceback per rank (run 207). An explicit --dist-backend
     gloo may share them."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         # Here, before any rank: in the ranks (resolve_device) it came only after each had started.
         raise GpusNotVisible("--device cuda: no CUDA/ROCm device is visible")
+    if cfg.backend in ("triton", "flydsl") and cfg.device == "auto" and not torch.cuda.is_available():
+        # Both flags ask for a GPU: auto put the ranks on the CPU, each refused the backend after it had started
+        # (exit 2, left failed by systemd), where --device cuda on the same booting host is restarted (75).
+        raise GpusNotVisible(f"--backend {cfg.backend}: no CUDA/ROCm device is visible, and it runs only on a GPU "
+                             "(--device auto would put the ranks on the CPU)")
     if cfg.dist_backend == "nccl" and cfg.device == "auto" and not torch.cuda.is_available():
         # --device cpu is ServeConfig's to refuse; auto resolves to the CPU only here (resolve_device).
         raise ServeConfigError("--dist-backend nccl: no CUDA/ROCm device is visible, so --device auto runs the ranks "

@@ -618,6 +618,20 @@ def test_device_cuda_with_no_gpu_visible_is_one_line_before_any_rank(tp, tiny_ck
     assert read == []
 
 
+@pytest.mark.parametrize("backend", ["triton", "flydsl"])
+def test_a_gpu_backend_with_no_gpu_visible_under_device_auto_is_one_line_before_any_rank(backend, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """`--backend triton` (or flydsl) with `--device auto` on a host that shows no GPU yet: auto put the ranks on
+    the CPU, and each refused the backend only after it had started and listened (exit 2, which systemd's unit
+    does not restart), where the same host with `--device cuda` exits 75 before any rank and is restarted until
+    the driver shows the GPUs. Both flags ask for a GPU: the same line's kind, before any rank."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _refused(["serve", "--tp", "1", "--backend", backend, "--random-weights", "--socket-dir", str(tmp_path / "sock")],
+             capsys, f"--backend {backend}: no CUDA/ROCm device is visible", sock_dir=tmp_path / "sock", status=75)
+
+
 def test_a_backend_a_rank_cannot_run_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """`--backend triton` on a rank without a GPU, or `--backend flydsl` on a host that fails FlyDSL's checks, is
     found in the rank (the host facts are probed there). It was a RuntimeError: a traceback per rank and the
