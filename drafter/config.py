@@ -15,6 +15,7 @@ ARCHITECTURE = "DSparkMiniMaxDraftModel"
 # Fields whose config.json key is not the attribute's name: errors name the key, which is what the operator edits.
 JSON_KEYS = {"ffn_hidden_size": "dspark_ffn_hidden_size", "markov_rank": "dspark_markov_rank",
              "block_size": "dspark_block_size"}
+SLIDING_WINDOW_MAX = 1 << 20  # tokens (DrafterConfig.__post_init__ says why)
 
 
 class ConfigError(ValueError):
@@ -62,6 +63,11 @@ class DrafterConfig:
             # json reads Infinity too: eps = inf zeroes every norm's output, theta = inf freezes RoPE.
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 and _finite(v)):
                 raise ConfigError(f"{f}: must be a positive finite number, got {v!r}")
+        # The step's window-relative block tables hold the window's pages for every request (kv_cache.window_width,
+        # the graphs' buffers, at warm-up): 2**32 asked 256 Mi pages of each. A million tokens is past any context
+        # served here (4096 in the spec) and StatusReport's uint32.
+        if self.sliding_window > SLIDING_WINDOW_MAX:
+            raise ConfigError(f"sliding_window: at most {SLIDING_WINDOW_MAX} tokens, got {self.sliding_window}")
         if self.block_size != layout.QPR:
             raise ConfigError(f"dspark_block_size: must be {layout.QPR} (the served block), got {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:

@@ -49,6 +49,10 @@ def test_json_round_trip_and_defaults_for_missing_optional_fields():
     ("hidden_size", -1, "text_config.hidden_size: must be a positive integer, got -1"),
     ("dspark_noise_token_id", 10**9, "text_config.dspark_noise_token_id: 1000000000 outside vocab"),
     ("head_dim", "128", "text_config.head_dim: must be a positive integer, got '128'"),
+    # The step's window-relative block tables hold window / page_size pages per request (kv_cache.window_width,
+    # graphs.py's buffers); 2**32 asked 256 Mi pages of every request at warm-up, and StatusReport's uint32
+    # sliding_window raised in GetStatus (INTERNAL) for it.
+    ("sliding_window", 1 << 32, "text_config.sliding_window: at most 1048576 tokens, got 4294967296"),
 ])
 def test_bad_field_is_named(key, value, field):
     data = PRESETS["tiny"].to_hf_json()
