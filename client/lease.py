@@ -11,6 +11,7 @@ import os
 import select
 import socket
 import struct
+import time
 import weakref
 
 from dspark_sidecar.layout import SUN_PATH_MAX
@@ -41,10 +42,13 @@ class EngineLease:
             return self._token
         self.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # One deadline for the whole take, not each socket call's: a peer sending the token a byte at a time,
+        # each within the timeout, held the bind up to 9x its deadline (connect's wait, then each of 8 recvs).
+        end = time.monotonic() + deadline_s
         try:
             sock.settimeout(deadline_s)
             _connect(sock, path)
-            token = TOKEN.unpack(_read_exactly(sock, TOKEN.size))[0]
+            token = TOKEN.unpack(_read_exactly(sock, TOKEN.size, end))[0]
         except (OSError, EOFError) as err:  # no socket there, refused, full (closed before the token), too slow
             sock.close()
             log.warning("no lease from the sidecar's %s (%s): this binding will outlive this process if it dies "
@@ -123,9 +127,14 @@ _ALL: weakref.WeakSet[EngineLease] = weakref.WeakSet()
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
+def _read_exactly(sock: socket.socket, n: int, end: float) -> bytes:
+    """n bytes from `sock` by time.monotonic() `end` (TimeoutError past it), EOFError where it closes first."""
     data = b""
     while len(data) < n:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{len(data)} of the token's {n} bytes within the deadline")
+        sock.settimeout(left)
         chunk = sock.recv(n - len(data))
         if not chunk:
             raise EOFError(f"the connection closed after {len(data)} of the token's {n} bytes")

@@ -104,6 +104,40 @@ def test_a_lease_socket_that_never_sends_its_token_gives_no_lease_within_the_dea
     finally:
         srv.close()
 
+def test_a_token_sent_a_byte_at_a_time_is_waited_for_no_longer_than_the_deadline(caplog):
+    """The deadline was each socket call's timeout: a peer that sent the token's 8 bytes 0.3 s apart (each recv
+    within a 0.5 s deadline) held the bind 2.4 s, with connect's own wait besides: up to 9x the deadline the
+    BindKV it serves shares (client/binding.py). Now it is the whole take's."""
+    path = str(short_socket_dir() / "rank0.lease")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    stop = threading.Event()
+
+    def drip() -> None:
+        c, _ = srv.accept()
+        with c:
+            for b in (1).to_bytes(8, "little"):
+                if stop.wait(0.3):
+                    return
+                c.sendall(bytes([b]))
+
+    peer = threading.Thread(target=drip, daemon=True)
+    peer.start()
+    got: list[int] = []
+    taking = threading.Thread(target=lambda: got.append(EngineLease().token(path, 0.5)), daemon=True)
+    try:
+        with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+            taking.start()
+            taking.join(1.5)  # the deadline (0.5 s) with room for a loaded CI host; the old wait was 2.4 s
+            assert not taking.is_alive(), "the token was waited for past the deadline, a byte at a time"
+        assert got == [0] and "no lease from the sidecar's" in caplog.text
+    finally:
+        stop.set()
+        peer.join(5)
+        srv.close()
+
+
 def _peer(sends: bytes) -> tuple[str, list[bytes], threading.Thread, socket.socket]:
     """A listener at a lease path that is no keeper: it accepts one connection, sends `sends`, reads what the
     engine does next (b"": it closed its end) into the list, and closes. (path, that list, its thread, listener)."""
