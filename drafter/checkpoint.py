@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -208,7 +209,10 @@ def default_checkpoint_dir(cfg: DrafterConfig, seed: int = 0) -> Path:
     """Where the embedded synthetic checkpoint of a preset lives (written on first use)."""
     # Set but empty is unset (XDG spec): Path("") is the working folder, gigabytes written wherever serve started.
     root = Path(os.environ.get("XDG_CACHE_HOME") or tempfile.gettempdir())
-    return root / "dspark-sidecar" / f"{cfg.name}-seed{seed}"
+    # The config's digest in the name: a preset whose shapes changed in a release (or two configs of one name)
+    # would otherwise read the other's copy, every rank then refusing a tensor's shape until it was removed.
+    digest = hashlib.sha256(json.dumps(cfg.to_hf_json(), sort_keys=True).encode()).hexdigest()[:12]
+    return root / "dspark-sidecar" / f"{cfg.name}-seed{seed}-{digest}"
 
 
 def _remove_unfinished(out: Path) -> None:

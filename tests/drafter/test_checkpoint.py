@@ -329,9 +329,24 @@ def test_an_empty_xdg_cache_home_is_unset_not_the_working_folder(tmp_path, monke
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", "")
-    assert checkpoint.default_checkpoint_dir(tiny_cfg, seed=3) == tmp_path / "tmp" / "dspark-sidecar" / "tiny-seed3"
+    assert checkpoint.default_checkpoint_dir(tiny_cfg, seed=3).parent == tmp_path / "tmp" / "dspark-sidecar"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert checkpoint.default_checkpoint_dir(tiny_cfg, seed=3) == tmp_path / "cache" / "dspark-sidecar" / "tiny-seed3"
+    assert checkpoint.default_checkpoint_dir(tiny_cfg, seed=3).parent == tmp_path / "cache" / "dspark-sidecar"
+
+
+def test_the_synthetic_checkpoint_s_folder_is_its_config_s_and_seed_s(tiny_cfg):
+    """Keyed by the preset's name and the seed alone, a cache written by a release whose preset had other shapes
+    was read by the next (every rank refused a tensor's shape, naming the cached folder, until someone removed
+    it); two configs of one name (a test's, a patched preset) shared one folder."""
+    import dataclasses
+
+    from dspark_sidecar.drafter import checkpoint
+
+    here = checkpoint.default_checkpoint_dir(tiny_cfg, seed=3)
+    assert here.name.startswith("tiny-seed3-")
+    assert checkpoint.default_checkpoint_dir(tiny_cfg, seed=3) == here  # the same config and seed: the same folder
+    assert checkpoint.default_checkpoint_dir(tiny_cfg, seed=4) != here
+    assert checkpoint.default_checkpoint_dir(dataclasses.replace(tiny_cfg, ffn_hidden_size=64), seed=3) != here
 
 
 def test_a_synthetic_copy_finished_first_by_another_process_is_used_and_a_foreign_name_refused(tmp_path, monkeypatch,
