@@ -669,6 +669,7 @@ class HealthPublisher:
             with self.life.lock:
                 self.life.state, self.life.reason = "DRAINING", ""
             self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.metrics.set_serving(False)  # dspark_serving stayed 1 for the whole drain and teardown
 
     def _set(self, status) -> None:
         if status != self._published:

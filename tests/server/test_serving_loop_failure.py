@@ -157,3 +157,25 @@ def test_a_rank_whose_torchrun_agent_has_gone_drains_and_exits_1(tmp_path):
         if p.returncode is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate(timeout=10)
+
+
+def test_a_drain_whose_publish_failed_still_says_not_serving_in_the_metrics():
+    """draining_anyway set health NOT_SERVING and left the metrics' serving gauge at 1: a dashboard (or an alert
+    on dspark_serving) read the draining rank as serving for the whole drain and teardown."""
+    from types import SimpleNamespace
+
+    from grpc_health.v1 import health, health_pb2
+
+    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.servicer import Lifecycle
+
+    life = Lifecycle(state="SERVING")
+    seen: list[bool] = []
+    hs = health.HealthServicer()
+    publish = HealthPublisher(life, SimpleNamespace(refusal=lambda: ""), SimpleNamespace(refusal=None), hs,
+                              SimpleNamespace(set_serving=seen.append))
+    publish("SERVING")
+    assert seen == [True]
+    publish.draining_anyway()
+    assert seen[-1] is False and life.state == "DRAINING"
+    assert hs.Check(health_pb2.HealthCheckRequest(service=""), None).status == health_pb2.HealthCheckResponse.NOT_SERVING
