@@ -594,3 +594,76 @@ def test_the_gpu_word_is_the_sequence_over_the_launch_key():
     assert bell.gpu_word(3, 5) == (3 << 32) | 5
     assert bell.gpu_word((1 << 32) + 2, bell.SKIP_KEY + 1 + 7) == (2 << 32) | 7  # each half wraps at 32 bits
     assert bell.gpu_word(4, 0) > bell.gpu_word(3, bell.SKIP_KEY)
+
+
+def _proto_text() -> str:
+    from pathlib import Path
+
+    return (Path(bell.__file__).parent / "sidecar.proto").read_text()
+
+
+def test_the_page_s_words_and_areas_sit_where_sidecar_proto_s_layout_puts_them():
+    """The engine's end may be written from the .proto alone (AttachDoorbellRequest's page layout): each header
+    word at its documented index, the request at byte 64, the answer capacity bytes later. Every other test here
+    names the words by this module's constants, so a reordering (the sleep flag and the GPU word swapped) or
+    another header size passed them all while an engine built from the contract rang words the sidecar never read."""
+    import re
+
+    text = _proto_text()
+    layout = dict(re.findall(r"//\s+\[(\d)\] ([^\n]+)", text))
+    by_words = {
+        bell.REQ_SEQ: "request sequence", bell.REQ_LEN: "request length", bell.RESP_SEQ: "response sequence",
+        bell.RESP_LEN: "response length", bell.ASLEEP: "1 while the sidecar's doorbell thread sleeps",
+        bell.GPU_WORD: "the GPU word", bell.CLOSED: "nonzero once the sidecar has stopped serving",
+    }
+    assert sorted(by_words) == list(range(bell.WORDS)) and len(layout) == bell.WORDS
+    for index, words in by_words.items():
+        assert layout[str(index)].startswith(words), (index, layout[str(index)])
+    assert "bytes [64 .. 64 + capacity)" in text and "bytes [64 + capacity .. 64 + 2 capacity)" in text
+    assert bell.GPU_WORD_OFFSET == 8 * int(re.search(r"\[(\d)\] the GPU word", text).group(1))
+    # The bytes themselves, as an engine's own code would find them in the shared page.
+    capacity = 64
+    buf = np.zeros(64 + 2 * capacity, dtype=np.uint8)
+    p = bell.Page(buf, capacity)
+    p.write(p.req_area, b"ask", bell.REQ_LEN, bell.REQ_SEQ, 5)
+    p.write(p.resp_area, b"answer", bell.RESP_LEN, bell.RESP_SEQ, 5)
+    word = lambda i: int.from_bytes(buf[8 * i : 8 * i + 8].tobytes(), "little")  # noqa: E731
+    assert [word(i) for i in range(4)] == [5, 3, 5, 6]
+    assert buf[64:67].tobytes() == b"ask" and buf[64 + capacity : 64 + capacity + 6].tobytes() == b"answer"
+    p.words[bell.ASLEEP], p.words[bell.GPU_WORD], p.words[bell.CLOSED] = 1, bell.gpu_word(5, 9), 1
+    assert (word(4), word(5), word(6)) == (1, (5 << 32) | 9, 1)
+
+
+def test_the_capacity_floor_the_missed_wake_bound_and_the_release_key_are_the_ones_sidecar_proto_promises():
+    """AttachDoorbellRequest.capacity_bytes "at least 4096", wake_fifo "A wake that is missed still arrives within
+    2 ms", DraftStepRequest.launch_key "0xFFFFFFFF is the sidecar's own release word": an engine sizes its page,
+    bounds its idle latency and picks its keys by these. Moved here alone, every test in tests/proto passed."""
+    import re
+
+    text = " ".join(line.strip().lstrip("/").strip() for line in _proto_text().splitlines())
+    floor = int(re.search(r"Bytes available for each serialized message; at least (\d+)", text).group(1))
+    assert bell.MIN_CAPACITY == floor
+    missed_ms = float(re.search(r"A wake that is missed still arrives within (\d+(?:\.\d+)?) ms", text).group(1))
+    assert bell.MISSED_WAKE_S * 1e3 == pytest.approx(missed_ms)
+    key = int(re.search(r"(0x[0-9A-Fa-f]+) is the sidecar's own release word", text).group(1), 16)
+    assert bell.SKIP_KEY == key
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timer slack is a Linux per-thread setting")
+def test_a_thread_lowers_its_timer_slack_once_not_at_every_wait(monkeypatch):
+    """lower_timer_slack runs at the start of every wait_until, which the engine's doorbell wait calls each step:
+    a prctl per call would be one more system call on the step's path. One per thread."""
+    from types import SimpleNamespace
+
+    calls: list[int] = []
+    monkeypatch.setattr(bell, "_libc", lambda: SimpleNamespace(prctl=lambda *a: calls.append(a[0]) or 0))
+
+    def waiter() -> None:
+        for _ in range(3):
+            bell.wait_until(lambda: True, time.perf_counter() + 1.0, time.perf_counter())
+
+    for _ in range(2):  # a fresh thread each: each lowers its own once
+        t = threading.Thread(target=waiter)
+        t.start()
+        t.join()
+    assert calls == [bell._PR_SET_TIMERSLACK] * 2

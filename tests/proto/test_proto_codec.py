@@ -208,3 +208,13 @@ def test_shape_text_lists_every_shape_the_codec_accepts_and_counts_the_rest():
     """A refusal quotes any shape nbytes_of lets through in full (up to MAX_DIMS dimensions), longer ones by count."""
     assert codec.shape_text([3] * codec.MAX_DIMS) == str([3] * codec.MAX_DIMS)
     assert codec.shape_text([3] * (codec.MAX_DIMS + 1)) == f"of {codec.MAX_DIMS + 1} dimensions"
+
+
+def test_a_one_dimensional_strided_view_is_packed_before_its_bytes_are_taken():
+    """A column of a matrix (or x[::2]) is 1-D and not contiguous: flattening it is no copy, and viewing its
+    elements as bytes needs a unit stride (torch's RuntimeError). The codec packs it first, whatever its rank."""
+    base = torch.arange(12, dtype=torch.int64).reshape(4, 3)
+    for view in (base[:, 1], base.reshape(-1)[::5]):
+        assert view.dim() == 1 and not view.is_contiguous()
+        back = codec.from_tensor_ref(codec.to_tensor_ref(view), "slot_mapping")
+        assert torch.equal(back, view)
