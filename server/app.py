@@ -560,15 +560,29 @@ def teardown(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grpc.
     fast path synchronize the device; the group's destroy waits for its collectives) until the watchdog
     ended the process with status 0, a clean stop to its supervisor. The rank ends the streams and then
     the process at once, status 1; the driver frees its device memory and IPC mappings at exit. `status`: the
-    rank's exit status (1: it failed, or torchrun's agent left), which the watchdog ends the process with too."""
+    rank's exit status (1: it failed, or torchrun's agent left), which the watchdog ends the process with too (1 once
+    the teardown itself has raised)."""
     # Teardown must not hang the exit (a peer that left first can wedge an NCCL teardown): after
     # the drain nothing is in flight, so past the limit the process just ends.
     stage = ["the doorbell"]  # what the teardown is doing, for the watchdog's line
+    code = [status]  # the watchdog's exit status: 1 once the teardown itself has failed
     limit = TEARDOWN_LIMIT_S + STOP_STEPS_S + SERVER_GRACE_S
     watchdog = threading.Timer(limit, lambda: (log.warning("rank %d: teardown exceeded %.0f s in %s; exiting",
-                                                           rank, limit, stage[0]), os._exit(status)))
+                                                           rank, limit, stage[0]), os._exit(code[0])))
     watchdog.daemon = True
     watchdog.start()
+    try:
+        _tear_down(rank, servicer, loop, server, graphs, fast, rendezvous, board, stage)
+    except BaseException:
+        # Raised through serve_rank, the interpreter's exit may then wait for good (a gRPC server never stopped):
+        # the watchdog's end must not read as the clean stop of a drained rank.
+        code[0] = 1
+        raise
+
+
+def _tear_down(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grpc.Server, graphs: StepGraphs | None,
+               fast, rendezvous: Rendezvous, board: Board, stage: list[str]) -> None:
+    """teardown's stages, in order; `stage[0]` names the one running (the watchdog's line)."""
     # The doorbell before the streams: an engine reads the end of its idle liveness stream as "the
     # sidecar is done with my step", so no doorbell step may still be running when the streams end.
     closed = servicer.close_doorbell(DOORBELL_LOCK_S)

@@ -104,6 +104,22 @@ def test_a_teardown_past_its_limit_ends_the_process_with_the_rank_s_status(rig, 
     assert rig.calls[-1] == f"exit {status}"
 
 
+def test_a_teardown_that_raises_leaves_the_watchdog_exiting_1_not_the_clean_stop_s_0(rig):
+    """An exception inside the teardown (graphs.close on a device that failed) went up through serve_rank, and the
+    interpreter's exit could then wait for good on the gRPC server it never stopped: the watchdog ended that with
+    the drained rank's status, 0, a clean stop to its supervisor, where the rank had failed."""
+    def broken():
+        rig.calls.append("graphs")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    rig.graphs.close = broken
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        rig.run()
+    with pytest.raises(Exited):
+        _Watchdog.made[-1].function()
+    assert rig.calls[-1] == "exit 1"
+
+
 class _StuckLoop:
     """The rank loop with a step stuck in it (a collective with a wedged peer): the rank's lock is held until
     `step_ends` is set, so an exclusive section waits behind it, and stop_steps gives up."""
