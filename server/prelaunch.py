@@ -333,9 +333,11 @@ class Prelaunch:
         """Before the answer goes out: release what the step left queued (never taken: refused, aborted,
         or served by a fast path). Not after: once answered, the engine's stream may already have written
         the next step's word, which this store would lower."""
-        if self.queued is not None:
-            self._release(self.queued)
-            self.queued = None
+        # Out of `queued` first, as in release() and take(): left there by a count that raised, the step
+        # was both queued and released, and repass stores nothing while a step is queued.
+        q, self.queued = self.queued, None
+        if q is not None:
+            self._release(q)
 
     def after(self, seq: int, resp: pb.DraftStepResponse) -> None:
         """After the answer: queue step seq+1 if the verdict said so (every rank does the same)."""

@@ -546,6 +546,27 @@ def test_a_release_whose_miss_count_raises_still_stores_the_word(rig):
     assert _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY) and rig.pl.passing  # and repass() keeps it
 
 
+def test_a_settle_whose_miss_count_raises_leaves_the_step_released_not_queued(rig):
+    """settle() (the step was refused, aborted or served by a fast path, so its queued copy was never taken)
+    takes the step out of `queued` before its bookkeeping, as release() and take() do. A counter that raised
+    there left the released step in `queued` as well as in `_passed`; repass, which stores nothing while a step
+    is queued, then never stored the release again once an engine's late word undid it: the stream stayed
+    blocked, and every host wait on the device behind it."""
+    _queue(rig)
+    q = rig.pl.queued
+
+    def broken(hit):
+        raise RuntimeError("counter")
+
+    rig.pl._count = broken
+    with pytest.raises(RuntimeError, match="counter"):
+        rig.pl.settle()
+    assert rig.pl.queued is None and rig.pl.passing and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(SEQ + 1, KEY)  # the engine's late word: blocked again
+    assert rig.pl.repass() is False and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
+    assert q.done.query() and rig.pl.repass() is True and not rig.pl.passing
+
+
 def test_release_with_wait_stores_again_until_the_released_step_has_finished(rig):
     _queue(rig)
     q = rig.pl.queued
@@ -725,6 +746,29 @@ def test_forgetting_the_regions_unregisters_their_pages_and_queues_nothing_from_
     _serve(rig, SEQ + 3)
     _serve(rig, SEQ + 4)  # a new streak: its region registered again, the next step queued
     assert rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 5 and len(rig.gpu.registered) == 4
+
+
+def test_a_late_finish_of_forgotten_regions_lets_go_of_their_launches_only(rig):
+    """forget_regions takes the layouts' captured launches out of use at once (they hold views of the regions,
+    which stay mapped while they live) and lets them go in finish(), once the device has passed what was
+    queued: at TP > 1 nothing waits for that, and steps of the regions still registered are served, queued
+    and captured meanwhile. finish() lets go of the launches captured before the release only; had it dropped
+    those captured since, a layout's replay (maybe queued on the stream that moment) went with them, and its
+    next queue warmed up and captured again."""
+    _queue(rig)
+    _serve(rig, SEQ + 2)  # the layout's second queue: its metadata launches captured
+    assert len(rig.meta_captures) == 1
+    finish = rig.pl.forget_regions()  # e.g. another region of the engine's released: this one stays
+    for s in range(SEQ + 3, SEQ + 6):  # a new streak: SEQ+5 queued, then SEQ+6, its launches captured again
+        _serve(rig, s)
+    assert rig.pl.queued.seq == SEQ + 6 and len(rig.meta_captures) == 2
+    captured = dict(rig.pl._replays)
+    warmed = list(rig.gpu.warmed)
+    finish()  # the device has passed the release (RankLoop.after_device)
+    assert captured and rig.pl._replays.keys() == captured.keys()
+    assert all(rig.pl._replays[k] is v for k, v in captured.items())
+    assert _serve(rig, SEQ + 6) is rig.graphs.graph.out
+    assert len(rig.meta_captures) == 2 and rig.gpu.warmed == warmed  # replayed, not warmed or captured again
 
 
 def test_the_threshold_is_the_serve_flag_s_or_behind_s(rig):
