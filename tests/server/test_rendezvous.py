@@ -194,6 +194,28 @@ def test_a_post_rewritten_while_the_coordinator_copies_it_is_read_at_the_next_po
         board.close()
 
 
+def test_a_post_still_being_written_is_not_judged():
+    """The seqlock's reader half, its first check: a post whose sequence word is odd is still being written (its rank
+    stores the fields between the odd word and the even one). Taken as it was, the coordinator judged fields half of
+    the new post and half of the last, and its verdict covered a sequence its rank never waits for: the peers could
+    go on a GO that the writing rank never saw, its own copy then judged again alone (and aborted). The TP-2 walk
+    (test_dataplane_walk_tp.py) catches it only as timing falls; here it is stood in, polled by hand."""
+    from dspark_sidecar.server.rendezvous import GO, Coordinator
+
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)  # no pids posted: no process is looked at
+    try:
+        c = Coordinator(board, 3_600_000)  # not started; the deadline an hour away: nothing is due but a GO
+        board.slots[0][:] = (2, 7, 1, 2, 1, 9, 0, 0)  # rank 0's copy of step 7
+        board.slots[1][:] = (1, 7, 1, 2, 1, 9, 0, 0)  # rank 1's, its sequence word odd: still being written
+        assert not c.poll_once(), f"a verdict over a post still being written: {board.ring[0]}"
+        board.slots[1][0] = 2  # written whole
+        assert c.poll_once()
+        rec = board.ring[0]
+        assert rec[2] == GO and list(rec[7:]) == [2, 2], rec  # it covers the sequence rank 1 waits for
+    finally:
+        board.close()
+
+
 class _Recorded:
     """A slot or ring record whose writes are recorded with the sequence word they were made under."""
 
@@ -718,6 +740,30 @@ def test_a_rank_s_step_looks_for_rank_0_s_process_only_until_it_was_seen_alive(r
     assert looks == [], f"{len(looks)} looks at rank 0's process in 10 steps"
 
 
+def test_a_rank_waiting_for_its_verdict_looks_at_rank_0_s_process_once_per_gone_check_s(monkeypatch):
+    """A verdict long in coming (a peer's copy missing: up to --rendezvous-ms, 60 s; a stalled coordinator:
+    fatal_after_s more) is waited for with a look at rank 0's process every GONE_CHECK_S, not at every poll: a look
+    is a signal and a /proc read, and the wait polls every nap while warm (~15 us), every SLEEP_S after. Counted
+    against the time the wait took, so a slow box only makes fewer looks."""
+    from dspark_sidecar.server.rendezvous import GONE_CHECK_S
+
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
+    _post_peer(boards[0], 0, os.getpid(), process_start(os.getpid()))  # rank 0's process: this one, alive
+    rank1 = Rendezvous(boards[1], 1, 300, fatal_after_s=0.5)  # no rank 0 Rendezvous: no verdict; gives up at 0.8 s
+    looks = _count_looks_at_rank_0(monkeypatch)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="no verdict from rank 0"):
+            rank1.agree(Post(2, 1, 2, 9, True))
+        waited = time.monotonic() - t0
+        assert 1 <= len(looks) <= waited / GONE_CHECK_S + 2, f"{len(looks)} looks at rank 0's process in {waited:.2f} s"
+    finally:
+        rank1.close()
+        boards[1].close()
+        boards[0].close()
+
+
 @pytest.mark.parametrize("rank_0_pid", ["names no process here", "names another process here"])
 def test_a_rank_0_never_seen_alive_is_looked_at_once_per_posted_pid_not_every_step(ranks, monkeypatch, rank_0_pid):
     """Rank 0 in a pid namespace of its own posts a pid that names no process here, or another one: never
@@ -925,13 +971,15 @@ def test_a_rank_gives_up_on_its_verdict_only_past_the_deadline_and_fatal_after_s
         boards[0].close()
 
 
-@pytest.mark.parametrize("first_words", [(10, 11), (11, 11)], ids=["rewritten_during_the_copy", "half_written"])
-def test_a_verdict_record_rewritten_while_a_rank_copies_it_is_not_taken(first_words):
+@pytest.mark.parametrize("first_words,covers", [((10, 11), True), ((11, 11), True), ((10, 10), False)],
+                         ids=["rewritten_during_the_copy", "half_written", "reused_before_the_copy"])
+def test_a_verdict_record_rewritten_while_a_rank_copies_it_is_not_taken(first_words, covers):
     """The ring's records are seqlocks too: the coordinator reuses a record (RING later) while a slow rank may be
     copying it. A copy that read the new verdict's words beside the old record's covered sequence (this rank's
     post) would take another step's verdict, a GO perhaps, for its own. Stood in: the first copy is torn (the
     sequence word 10 before the copy, 11 after it; or 11, odd, all along: the coordinator paused between its
-    words) and says GO; the record then completes as this post's ABORT."""
+    words) and says GO; or the record is whole, but was already reused for another step between the scan that found
+    it and the copy (its column no longer this post's sequence). The record then completes as this post's ABORT."""
     import numpy as np
 
     from dspark_sidecar.server.rendezvous import ABORT, GO, NUM_REQS
@@ -949,7 +997,7 @@ def test_a_verdict_record_rewritten_while_a_rank_copies_it_is_not_taken(first_wo
 
         def record(self):
             if self.scans == 1:  # torn: another step's GO with this post's covered sequence
-                return np.array([first_words[0], 99, GO, 0, 0, 5, 0, 0, seq], dtype=np.int64)
+                return np.array([first_words[0], 99, GO, 0, 0, 5, 0, 0, seq if covers else 0], dtype=np.int64)
             return np.array([12, 3, ABORT, NUM_REQS, 0b10, 5, 0, 0, seq], dtype=np.int64)
 
         def __getitem__(self, key):
