@@ -128,3 +128,51 @@ def test_a_draft_layer_whose_metadata_has_no_slot_mapping_is_not_taken_for_the_f
     first = attn["layers.0.attn"]
     no_slots = VllmLikeMetadata(first.seq_lens, first.block_table, None)  # type: ignore[arg-type]
     assert spans_kv_groups({"layers.0.attn": first, "layers.1.attn": no_slots})
+
+
+def test_a_field_name_that_holds_no_tensor_is_passed_over_for_the_next():
+    """Each field is the first of its names that holds a tensor: a metadata class may keep `block_table` as
+    something else (an object, a list) and its tensor under `block_table_tensor`. Taken as it is, the other
+    value's missing .shape raised out of read_step_metadata, so out of maybe_forward into the engine's step."""
+    padded = _padded()
+
+    @dataclass
+    class TensorUnderAnotherName:
+        seq_lens: torch.Tensor
+        block_table: object
+        block_table_tensor: torch.Tensor
+        slot_mapping: torch.Tensor
+
+    m = TensorUnderAnotherName(padded.seq_lens, [[0, 1, 2]], padded.block_table, padded.slot_mapping)
+    meta = read_step_metadata(m, 14, page_size=16)[0]
+    assert meta is not None and meta.block_tables.tolist() == [[0, 1, 2], [8, 9, 10]]
+    m.block_table_tensor = None  # type: ignore[assignment]  # no tensor under any name: unusable, not raised
+    assert read_step_metadata(m, 14, page_size=16) == (None, None)
+
+
+def test_the_longest_seq_len_read_is_returned_and_tables_cover_takes_it_as_given():
+    """read_step_metadata hands the longest sequence length it read (with a page size) to tables_cover, which then
+    reads no seq_lens again: the answer is the one for that length."""
+    assert read_step_metadata(_padded(), 14, page_size=16)[1] == 35  # the step's rows only: not the padding's 0s
+    assert read_step_metadata(_padded(), 14)[1] is None  # no page size: nothing trimmed, nothing read
+    meta = StepMetadata(torch.tensor([5, 5], dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
+                        torch.zeros(14, dtype=torch.int64))
+    assert tables_cover(meta, 16) and not tables_cover(meta, 16, longest=33)
+
+
+def test_fields_missing_names_what_a_metadata_class_lacks_under_any_of_its_names():
+    from dspark_sidecar.client.metadata import fields_missing
+
+    assert fields_missing({"seq_lens", "block_table_tensor", "slot_mapping", "num_actual_tokens"}) == []
+    assert fields_missing({"seq_lens", "block_tables", "slot_mapping"}) == []
+    assert fields_missing({"slot_mapping", "paged_kv_indices"}) == ["seq_lens", "block table"]
+    assert fields_missing(set()) == ["seq_lens", "block table", "slot_mapping"]
+
+
+def test_every_layer_on_one_metadata_object_is_one_group_whatever_that_object_holds():
+    """Layers mapped to one metadata object share its table and slots by identity: one KV cache group, even when
+    it has no slot mapping to compare (that metadata is unusable, and the shim says so: BAD_METADATA, not a
+    warning that vLLM placed the draft's layers in several KV cache groups)."""
+    first = vllm_draft_metadata(2, [[["layers.0.attn"]]])["layers.0.attn"]
+    no_slots = VllmLikeMetadata(first.seq_lens, first.block_table, None)  # type: ignore[arg-type]
+    assert not spans_kv_groups(dict.fromkeys(["layers.0.attn", "layers.1.attn", "layers.2.attn"], no_slots))

@@ -23,6 +23,18 @@ def test_a_rebind_that_only_changes_the_strides_drops_the_graphs():
     assert _kv_key([planes] * 5) == _kv_key([memory.view(2, 4, 16, 1, 128)] * 5)  # the same view: kept
 
 
+def test_a_rebind_that_only_changes_the_number_of_pages_drops_the_graphs():
+    # The records layout's view strides (d, heads*page*2d, 2d, page*2d, 1) do not depend on the number of
+    # pages: a re-bind of a larger (or smaller) cache at the same address in that layout differs from the last
+    # one by its shape alone. A graph captured for the old one checks its slots' pages against the old count.
+    memory = torch.zeros(8 * 1 * 16 * 256)
+    small = kv_planes(memory[: 4 * 16 * 256].view(4, 1, 16, 256))
+    large = kv_planes(memory.view(8, 1, 16, 256))
+    assert small.data_ptr() == large.data_ptr() and small.stride() == large.stride() and small.dtype == large.dtype
+    assert small.shape != large.shape
+    assert _kv_key([small] * 5) != _kv_key([large] * 5)
+
+
 def test_a_rebind_that_only_changes_the_dtype_drops_the_graphs():
     # The same bytes bound as fp8 e4m3 codes (vLLM's kv_cache_dtype fp8) after bf16, or back: the
     # kernels' loads and stores are compiled for the cache's dtype.

@@ -74,35 +74,35 @@ class CpuGraphs(StepGraphs):
         return g.embeds + 1  # the warm-up's hidden states, as if it had run the step
 
 
-def host_meta(lens: list[int], seed: int) -> HostMeta:
+def host_meta(lens: list[int], seed: int, page: int = PAGE) -> HostMeta:
     """A valid step's host metadata: the last Q positions of each sequence, their slots in shuffled pages."""
     R, L = len(lens), np.array(lens, np.int32)
-    width = int((-(-L // PAGE)).max())
+    width = int((-(-L // page)).max())
     tables = np.random.default_rng(seed).permutation(R * width).astype(np.int32).reshape(R, width)
     P = L[:, None].astype(np.int64) - Q + np.arange(Q)
-    S = tables[np.arange(R)[:, None], P // PAGE].astype(np.int64) * PAGE + P % PAGE
+    S = tables[np.arange(R)[:, None], P // page].astype(np.int64) * page + P % page
     return HostMeta(P, L, tables, S)
 
 
-def cache() -> list[torch.Tensor]:
-    return [torch.zeros(2, 4, PAGE, 1, 8) for _ in range(5)]
+def cache(page: int = PAGE) -> list[torch.Tensor]:
+    return [torch.zeros(2, 4, page, 1, 8) for _ in range(5)]
 
 
 def staged(views) -> list[np.ndarray]:
     return [(v.numpy() if isinstance(v, torch.Tensor) else v).copy() for v in views]
 
 
-def expected(h: HostMeta) -> list[np.ndarray]:
+def expected(h: HostMeta, page: int = PAGE) -> list[np.ndarray]:
     """What the step's metadata views must hold: positions, window-relative positions, slots, lens, tables."""
     R = h.seq_lens.shape[0]
     rel, lens = np.empty(Q * R, np.int64), np.empty(R, np.int32)
-    tables = np.empty((R, window_width(PAGE, WINDOW)), np.int32)
-    window_metadata_into(h.positions, h.seq_lens, h.tables, PAGE, WINDOW, rel, lens, tables)
+    tables = np.empty((R, window_width(page, WINDOW)), np.int32)
+    window_metadata_into(h.positions, h.seq_lens, h.tables, page, WINDOW, rel, lens, tables)
     return [h.positions.reshape(-1), rel, h.slots.reshape(-1), lens, tables]
 
 
-def assert_holds(views, h: HostMeta) -> None:
-    for got, want in zip(staged(views), expected(h), strict=True):
+def assert_holds(views, h: HostMeta, page: int = PAGE) -> None:
+    for got, want in zip(staged(views), expected(h, page), strict=True):
         np.testing.assert_array_equal(got, want)
 
 
@@ -149,6 +149,24 @@ def test_a_new_cache_drops_every_graph_and_the_next_step_captures_again():
     assert first.graph.replays == 0
     graphs.run(e, h, new)
     assert graphs.captures == 3 and graphs._graphs[(2, False)].graph.replays == 1
+
+
+def test_a_cache_of_another_page_size_gets_graphs_sized_and_filled_for_it():
+    """The window-relative tables' width and every step's window metadata follow the bound cache's page size,
+    read at each step: after a re-bind to pages of 4, a graph sized for pages of 16 (4 columns, not 13) would
+    address the window through too few pages, and metadata computed with the old size through the wrong ones."""
+    graphs, h16, h4 = CpuGraphs(), host_meta([9, 70], 0), host_meta([9, 70], 0, page=4)
+    e = torch.randn(Q * 2, HIDDEN)
+    graphs.run(e, h16, cache())
+    assert_holds(graphs._graphs[(2, False)].views, h16)
+    graphs._page_size_of, kv4 = (lambda: 4), cache(4)
+    graphs.run(e, h4, kv4)
+    g = graphs._graphs[(2, False)]
+    assert graphs.captures == 2 and g.views[4].shape == (2, window_width(4, WINDOW)) == (2, 13)
+    assert_holds(g.views, h4, page=4)
+    graphs.run(e, h4, kv4)
+    assert g.graph.replays == 1 and graphs.captures == 2
+    assert_holds(g.views, h4, page=4)
 
 
 def test_a_regions_graph_reads_it_in_place_and_another_slice_goes_through_the_static_buffer():
