@@ -186,6 +186,8 @@ def check_port(flag: str, host: str, port: int, who: str = "") -> None:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
         raise ServeConfigError(f"{flag}: {who}cannot resolve host {host!r}: {err.strerror}") from None
+    except UnicodeError as err:  # an empty label (a typo's "..") or one past 63 characters: IDNA fails, no lookup
+        raise ServeConfigError(f"{flag}: {who}cannot resolve host {host!r}: not a valid host name ({err})") from None
     errors = []
     for family, kind, proto, _, addr in infos:
         try:

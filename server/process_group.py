@@ -57,6 +57,8 @@ def _listen(addr: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(addr.strip("[]"), port, type=socket.SOCK_STREAM)
     except socket.gaierror as err:
         raise ServeConfigError(f"--master-addr: cannot resolve {addr!r}: {err.strerror}") from None
+    except UnicodeError as err:  # as preflight.check_port: an empty label or one past 63 characters fails IDNA
+        raise ServeConfigError(f"--master-addr: cannot resolve {addr!r}: not a valid host name ({err})") from None
     errors = []
     for family, kind, proto, _, sockaddr in infos:
         try:

@@ -138,6 +138,20 @@ def test_a_name_whose_every_address_family_the_kernel_lacks_is_one_line(monkeypa
         preflight.check_port("--tcp-base-port", "::1", 0)
 
 
+@pytest.mark.parametrize("flag, host", [("--metrics-port", "pod..svc"), ("--master-port", "a" * 64)])
+def test_a_host_name_the_resolver_cannot_encode_is_one_line(flag, host, tiny_ckpt, tmp_path, capsys):
+    """A name with an empty label (a typo's double dot) or a label past 63 characters fails before any
+    lookup, in Python's IDNA encoding: a UnicodeError, not a gaierror, and check_port let it out as a
+    traceback from the parent (and from a rank under torchrun, whose bind failure asks check_port why)."""
+    host_flag = {"--metrics-port": "--metrics-host", "--master-port": "--master-addr"}[flag]
+    port = ["--metrics-port", "50070"] if flag == "--metrics-port" else []
+    line = _refused(_argv(tmp_path / "sock", tiny_ckpt, host_flag, host, *port), capsys, "cannot resolve host",
+                    repr(host))
+    assert ("--metrics-port" if flag == "--metrics-port" else "--master-addr") in line
+    with pytest.raises(ServeConfigError, match=r"^--tcp-base-port: rank 2 cannot resolve host"):
+        preflight.check_port("--tcp-base-port", host, 50070, who="rank 2 ")
+
+
 def test_an_empty_master_addr_is_a_config_error(tiny_ckpt, tmp_path, monkeypatch, capsys):
     """torch asserted "hostname cannot be None" in every rank."""
     monkeypatch.setenv("DSPARK_MASTER_ADDR", "")

@@ -744,6 +744,19 @@ def test_forward_calls_the_runner_with_the_kernel_tensors():
     assert torch.equal(out, emb + 1)
 
 
+def test_forward_without_a_ready_binding_is_refused_with_the_reason():
+    """forward() runs only where ready() said so; called otherwise (no binding served, or a refused one), it says
+    so in its own words rather than an AttributeError on a runner that is not there."""
+    fp, _ = fast_path()
+    meta = StepMetadata(torch.tensor([7], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int64),
+                        torch.arange(7, dtype=torch.int64))
+    for kv in (None, binding(dtype=torch.float16)):
+        if kv is not None:
+            assert not fp.ready(kv)
+        with pytest.raises(RuntimeError, match="^FlyDSL fast path: forward without a ready binding$"):
+            fp.forward(torch.zeros(7, 6144), torch.arange(7), meta)
+
+
 def test_servicer_reports_the_fast_path_reason_and_republishes():
     fp, _ = fast_path()
     kv = binding(dtype=torch.float16)

@@ -56,9 +56,12 @@ def test_a_busy_rendezvous_port_is_one_line_naming_the_flag():
             rendezvous_store("127.0.0.1", port, 0, 2, TIMEOUT)
 
 
-def test_an_unresolvable_rendezvous_address_is_one_line():
+@pytest.mark.parametrize("addr", ["no-such-host.invalid", "pod..svc", "a" * 64])
+def test_an_unresolvable_rendezvous_address_is_one_line(addr):
+    """An empty label or one past 63 characters fails IDNA before any lookup: UnicodeError, a traceback from
+    rank 0 started by hand (serve's parent and torchrun resolve the name first)."""
     with pytest.raises(ServeConfigError, match="--master-addr: cannot resolve"):
-        rendezvous_store("no-such-host.invalid", _free_port(), 0, 2, TIMEOUT)
+        rendezvous_store(addr, _free_port(), 0, 2, TIMEOUT)
 
 
 @pytest.mark.parametrize("addr,expect_lo", [("127.0.0.1", True), ("localhost", True), ("::1", True),
