@@ -31,16 +31,21 @@ class _Refusing(pb_grpc.DrafterSidecarServicer):
 
 @pytest.mark.parametrize("rich, want", [(True, "LOADING"), (False, "")])
 def test_error_reason_of_a_real_call(rich, want):
+    assert error_reason(_failed_get_status(_Refusing(rich))) == want
+
+
+def _failed_get_status(servicer) -> grpc.RpcError:
+    """The error of a GetStatus to `servicer`, served on a real unix socket; it must fail UNAVAILABLE."""
     folder = Path(tempfile.mkdtemp(prefix="dsp-"))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_DrafterSidecarServicer_to_server(_Refusing(rich), server)
+    pb_grpc.add_DrafterSidecarServicer_to_server(servicer, server)
     server.add_insecure_port(f"unix:{folder}/s.sock")
     server.start()
     try:
         with grpc.insecure_channel(f"unix:{folder}/s.sock") as ch, pytest.raises(grpc.RpcError) as err:
             pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert error_reason(err.value) == want
+        return err.value
     finally:
         server.stop(0).wait()
         (folder / "s.sock").unlink(missing_ok=True)
@@ -71,20 +76,7 @@ def test_error_reason_of_details_that_do_not_parse_is_no_reason_not_a_decode_err
     trailer, or an ErrorInfo in it, that does not parse raised protobuf's DecodeError (no ValueError): out of
     BindKV's error path (client/binding.py) in place of its BindError, and out of the health probe's and the
     CLI's status line. An ErrorInfo that does parse after one that does not is still read."""
-    folder = Path(tempfile.mkdtemp(prefix="dsp-"))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_DrafterSidecarServicer_to_server(_Garbled(how), server)
-    server.add_insecure_port(f"unix:{folder}/s.sock")
-    server.start()
-    try:
-        with grpc.insecure_channel(f"unix:{folder}/s.sock") as ch, pytest.raises(grpc.RpcError) as err:
-            pb_grpc.DrafterSidecarStub(ch).GetStatus(pb.GetStatusRequest(), timeout=10)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert error_reason(err.value) == want
-    finally:
-        server.stop(0).wait()
-        (folder / "s.sock").unlink(missing_ok=True)
-        folder.rmdir()
+    assert error_reason(_failed_get_status(_Garbled(how))) == want
 
 
 def test_error_reason_of_something_that_is_not_a_call():
