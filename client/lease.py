@@ -18,6 +18,7 @@ from dspark_sidecar.layout import SUN_PATH_MAX
 from dspark_sidecar.proto import LEASE_TOKEN_FORMAT
 
 TOKEN = struct.Struct(LEASE_TOKEN_FORMAT)
+CONNECT_RETRY_S = 0.01  # between connects to a lease socket whose backlog is full (_connect_by)
 
 log = logging.getLogger("dspark_sidecar.client")
 
@@ -47,7 +48,7 @@ class EngineLease:
         end = time.monotonic() + deadline_s
         try:
             sock.settimeout(deadline_s)
-            _connect(sock, path)
+            _connect(sock, path, end)
             token = TOKEN.unpack(_read_exactly(sock, TOKEN.size, end))[0]
         except (OSError, EOFError) as err:  # no socket there, refused, full (closed before the token), too slow
             sock.close()
@@ -96,21 +97,37 @@ def lease_path(endpoint: str, lease_socket: str) -> str:
     return beside if os.path.exists(beside) else lease_socket
 
 
-def _connect(sock: socket.socket, path: str) -> None:
-    """connect() to the unix socket at `path`, of any length. lease_path resolves links, so the path it gives may
-    pass sun_path's 108 bytes where the one serve bound (and the engine reaches the gRPC socket by) fit: a socket
-    folder reached through a short link to a deep one, a relative endpoint under a deep working folder. Refused
-    "AF_UNIX path too long", the engine bound without a lease. Such a path is reached through its folder's
-    descriptor (/proc/self/fd/N/NAME, short), which names that very folder: no lookup by another path."""
+def _connect(sock: socket.socket, path: str, end: float) -> None:
+    """connect() to the unix socket at `path`, of any length, by time.monotonic() `end`. lease_path resolves links,
+    so the path it gives may pass sun_path's 108 bytes where the one serve bound (and the engine reaches the gRPC
+    socket by) fit: a socket folder reached through a short link to a deep one, a relative endpoint under a deep
+    working folder. Refused "AF_UNIX path too long", the engine bound without a lease. Such a path is reached
+    through its folder's descriptor (/proc/self/fd/N/NAME, short), which names that very folder: no lookup by
+    another path."""
     if len(os.fsencode(path)) <= SUN_PATH_MAX:
-        sock.connect(path)
+        _connect_by(sock, path, end)
         return
     folder, name = os.path.split(path)
     fd = os.open(folder or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        sock.connect(f"/proc/self/fd/{fd}/{name}")
+        _connect_by(sock, f"/proc/self/fd/{fd}/{name}", end)
     finally:
         os.close(fd)
+
+
+def _connect_by(sock: socket.socket, address: str, end: float) -> None:
+    """sock.connect(address), room in a full backlog waited for until `end`: a unix connect() with a timeout fails
+    at once (EAGAIN) there, where a blocking one waits, and a keeper whose accepts wait (EMFILE, a burst of
+    connects) gave the engine no lease at once, well inside its deadline."""
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the lease socket's backlog stayed full within the deadline") from None
+            time.sleep(min(CONNECT_RETRY_S, left))
 
 
 def _forget_in_child() -> None:

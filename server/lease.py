@@ -19,6 +19,7 @@ import selectors
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -60,6 +61,7 @@ class LeaseKeeper:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._stopping = False
         self._accept_paused = False  # the listener out of the selector (_accept's EMFILE) until _resume_accept
+        self._resume_at = 0.0  # time.monotonic() by which a paused listener is watched again
         self._ended: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # leases ended, for _release; None: stop
         name = Path(self.path).name
         self._thread = threading.Thread(target=self._run, name=f"lease:{name}", daemon=True)
@@ -79,8 +81,10 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         while not self._stopping:
-            events = self._sel.select(ACCEPT_RETRY_S if self._accept_paused else None)
-            if not events:  # the pause's bound: descriptors freed elsewhere in the process count too
+            events = self._sel.select(max(0.0, self._resume_at - time.monotonic()) if self._accept_paused else None)
+            # The pause's bound (descriptors freed elsewhere in the process count too), from the pause, not from the
+            # last event: a lease's connection that writes wakes the selector again and again.
+            if self._accept_paused and time.monotonic() >= self._resume_at:
                 self._resume_accept()
             for key, _ in events:
                 if key.fileobj is self._wake_r or self._stopping:
@@ -100,6 +104,7 @@ class LeaseKeeper:
                         self.path, err, ACCEPT_RETRY_S)
             self._sel.unregister(self._listener)
             self._accept_paused = True
+            self._resume_at = time.monotonic() + ACCEPT_RETRY_S
             return
         with self._lock:
             full = len(self._live) >= MAX_LEASES

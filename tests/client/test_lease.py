@@ -138,6 +138,54 @@ def test_a_token_sent_a_byte_at_a_time_is_waited_for_no_longer_than_the_deadline
         srv.close()
 
 
+def test_a_lease_socket_whose_backlog_is_full_is_waited_on_within_the_deadline(monkeypatch):
+    """A unix connect() with a timeout fails at once (EAGAIN) where the listener's backlog is full, where a blocking
+    one waits for room: a keeper whose accepts wait (EMFILE: it leaves connections in the backlog and tries again,
+    server/lease.py) or that a burst of connects outran gave the engine no lease at once, well inside its bind
+    deadline, and its binding then outlived it. The room is waited for within the deadline."""
+    path = str(short_socket_dir() / "rank0.lease")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(0)
+    srv.settimeout(10)
+    queued = []
+    while True:  # fill the backlog, as connections the keeper has not accepted yet do
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(path)
+        except BlockingIOError:
+            c.close()
+            break
+        queued.append(c)
+    tried = threading.Event()
+    real_connect = socket.socket.connect
+
+    def connect(self, address):
+        try:
+            return real_connect(self, address)
+        finally:
+            tried.set()
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    got: list[int] = []
+    taking = threading.Thread(target=lambda: got.append(EngineLease().token(path, 10)), daemon=True)
+    try:
+        taking.start()
+        assert tried.wait(10)  # the engine has met the full backlog
+        for _ in queued:  # the keeper accepts again, the queued connections first
+            srv.accept()[0].close()
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall((7).to_bytes(8, "little"))
+            taking.join(10)
+            assert got == [7]
+    finally:
+        for c in queued:
+            c.close()
+        srv.close()
+
+
 def _peer(sends: bytes) -> tuple[str, list[bytes], threading.Thread, socket.socket]:
     """A listener at a lease path that is no keeper: it accepts one connection, sends `sends`, reads what the
     engine does next (b"": it closed its end) into the list, and closes. (path, that list, its thread, listener)."""

@@ -135,10 +135,15 @@ def test_close_ends_every_lease_and_removes_the_socket():
     path.write_text("a killed run's socket")  # replaced at start
     k = LeaseKeeper(path, lost.put)
     s, token = _take(path)
+    wait_until(lambda: len(k._sel.get_map()) == 3, 5, "the lease to be watched")  # registered after its token
+    held = [key.fileobj for key in k._sel.get_map().values()]  # the listener, the wake pipe, the lease
     k.close()
     s.settimeout(5)
     assert s.recv(8) == b""  # the engine reads end of file
     assert not os.path.lexists(path) and not k.live(token)
+    # Each closed by close() itself, the listener and the wake pipe too (the keeper's attributes keep them; left
+    # open, the rank held their descriptors for the rest of its teardown).
+    assert len(held) == 3 and all(f.fileno() == -1 for f in held + [k._listener, k._wake_r, k._wake_w])
     assert lost.empty()  # a shutdown releases nothing itself: the exit unmaps everything
     s.close()
 
@@ -378,6 +383,76 @@ def test_a_connection_it_could_not_accept_is_tried_again_though_no_lease_ends(ke
     waiting.connect(keeper.path)
     assert keeper.live(_token_of(waiting)) and tries == [1]
     waiting.close()
+
+
+def test_a_connection_it_could_not_accept_is_tried_again_within_the_bound_though_a_lease_writes(keeper, monkeypatch):
+    """The retry's bound was a second with no event at all: a lease's connection that wrote (a client outside the
+    protocol) woke the selector each time, and the listener stayed unwatched, every new engine left in the backlog,
+    until some lease ended."""
+    monkeypatch.setattr(lease_mod, "ACCEPT_RETRY_S", 0.2)
+    chatty, _ = _take(keeper.path)
+    tries = _no_descriptors(monkeypatch, keeper, 1)
+    stop = threading.Event()
+
+    def chatter() -> None:
+        while not stop.wait(0.02):  # well within the bound: each write a new event
+            chatty.sendall(b"x")
+
+    writer = threading.Thread(target=chatter)
+    writer.start()
+    waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    waiting.settimeout(5)
+    try:
+        waiting.connect(keeper.path)
+        assert keeper.live(_token_of(waiting)) and tries == [1]
+    finally:
+        stop.set()
+        writer.join(5)
+        waiting.close()
+        chatty.close()
+
+
+def test_while_accepts_wait_a_whole_engine_s_connections_wait_in_the_backlog(keeper, monkeypatch):
+    """Accepts paused (EMFILE) leave connections in the listener's backlog, which is what lets them be served once
+    descriptors free up: where it is full, a connect with a timeout (the engine's, client/lease.py) fails at once
+    (EAGAIN) rather than wait. It holds MAX_LEASES, the leases a rank serves."""
+    monkeypatch.setattr(lease_mod, "ACCEPT_RETRY_S", 60.0)
+    _no_descriptors(monkeypatch, keeper, 1000)
+    waiting = []
+    try:
+        for _ in range(MAX_LEASES):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            waiting.append(s)
+            s.setblocking(False)
+            s.connect(keeper.path)  # BlockingIOError where the backlog is full
+        assert keeper.count == 0
+    finally:
+        for s in waiting:
+            s.close()
+
+
+def test_an_accept_with_nothing_to_accept_does_not_pause_the_listener(keeper, monkeypatch, caplog):
+    """EAGAIN from accept (the connection went between the event and the accept) is no want of descriptors: the
+    listener stays watched, and the next engine gets its lease at once, not after the pause's bound."""
+    monkeypatch.setattr(lease_mod, "ACCEPT_RETRY_S", 60.0)
+    real_accept = socket.socket.accept
+    raised: list[int] = []
+
+    def accept(self):
+        if self.fileno() == keeper._listener.fileno() and not raised:
+            raised.append(1)
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return real_accept(self)
+
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    waiting.settimeout(5)
+    try:
+        waiting.connect(keeper.path)
+        assert keeper.live(_token_of(waiting)) and raised == [1]
+        assert "cannot accept a lease" not in caplog.text
+    finally:
+        waiting.close()
 
 
 def test_close_while_accepts_are_paused_closes_the_listener_too(monkeypatch):
@@ -665,8 +740,8 @@ def test_the_binding_memorybindings_records_is_the_one_its_lease_s_end_releases_
         assert mem.kv is not None and (mem.kv.binding_id, mem.kv.lease) == (resp.binding_id, ta)
         assert cache.maps() == [n + 1 for n in idle]
         a.close()  # the engine is gone: its lease's end releases the binding and unmaps its cache
-        wait_until(lambda: mem.kv is None, 5, "the lease's end to release the binding")
-        assert cache.maps() == idle
+        # The binding is taken out of use (kv None) before its cache is unmapped, on the keeper's releasing thread.
+        wait_until(lambda: mem.kv is None and cache.maps() == idle, 5, lambda: f"maps {cache.maps()} of {idle}")
         b, tb = _take(svc.leases.path)
         svc.BindKV(cache.request(0), _Context())  # no lease: this binding outlives any lease's end
         b.close()
