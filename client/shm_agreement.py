@@ -44,12 +44,18 @@ class ShmAgreement:
         self._seg = seg
         self._slots = np.ndarray((2, world_size, 1 + MAX_VALUES), np.int64, buffer=seg.buf)
         self._seq = 0
+        # Set by a timeout: this rank gave up an agreement its peers may still take (its slot says it came), so its
+        # sequence is no longer theirs. Agreeing on after it, a slow peer took this rank's next values (written
+        # into the other bank) as the answer to its own next agreement: ranks on different branches, silently.
+        self._lost: str | None = None
 
     def all_min_ints(self, values: list[int]) -> list[int]:
         """The element-wise minimum of every rank's `values` (the same length on every rank)."""
         n = len(values)
         if n > MAX_VALUES:
             raise ValueError(f"an agreement carries at most {MAX_VALUES} integers, got {n}")
+        if self._lost is not None:  # nothing written: a peer's next agreement times out naming this rank
+            raise AgreementTimeout(f"{self._lost} (no agreement on this page since)")
         seq = self._seq + 1
         bank = self._slots[seq & 1]
         mine = bank[self.rank]
@@ -73,8 +79,9 @@ class ShmAgreement:
             # this minimum itself (it sees every slot); raising here instead left this rank alone out of a step
             # its peers go on with, naming no rank ("engine ranks []").
             if missing:
-                raise AgreementTimeout(f"engine ranks {missing} did not reach step agreement {seq} within "
-                                       f"{self.timeout_s:g} s: a peer engine rank has died or stopped stepping")
+                self._lost = (f"engine ranks {missing} did not reach step agreement {seq} within "
+                              f"{self.timeout_s:g} s: a peer engine rank has died or stopped stepping")
+                raise AgreementTimeout(self._lost)
         return bank[:, 1 : 1 + n].min(axis=0).tolist()
 
     def all_min(self, values: torch.Tensor) -> torch.Tensor:

@@ -163,3 +163,29 @@ def test_the_probe_is_bounded_by_probe_deadline_s():
     b.record_failure("x")
     clock.now = b.retry_at
     assert not b.allow() and deadlines == [0.125]
+
+
+def test_only_consecutive_failures_open_the_breaker():
+    """A success starts the count again: failures spread over a healthy run (one timed-out step now and then) must
+    not add up to an opening, or every sidecar would be cut off once its engine had run long enough."""
+    clock = _Clock()
+    b = CircuitBreaker(BreakerConfig(failure_threshold=3), lambda deadline_s: True, clock)
+    for _ in range(4):
+        b.record_failure("x")
+        b.record_failure("x")
+        b.record_success()
+    b.record_failure("x")
+    b.record_failure("x")
+    assert b.state is BreakerState.CLOSED and b.opened == 0 and b.failures == 2
+    b.record_failure("x")
+    assert b.state is BreakerState.OPEN and b.opened == 1
+
+
+def test_a_breaker_waits_on_the_monotonic_clock_unless_given_one():
+    """retry_at is read against this clock: on the wall clock, an NTP step or an operator setting the time back by
+    an hour kept an open breaker from probing for that hour (every step fell back), and one set forward ended its
+    backoff at once."""
+    import inspect
+    import time
+
+    assert inspect.signature(CircuitBreaker).parameters["clock"].default is time.monotonic

@@ -315,7 +315,7 @@ def _in_child(name: str, transport: str) -> None:
     env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", _CHILD.format(tests=tests, path=str(_HERE), name=name,
                                                                transport=transport)],
-                          env=env, capture_output=True, text=True, timeout=90)
+                          env=env, capture_output=True, text=True, timeout=90, start_new_session=True)
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0 and "SCENARIO PASSED" in proc.stdout, (
         f"{name}[{transport}]: child exit {proc.returncode}"

@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 
 from dspark_sidecar.client.shm_agreement import MAX_VALUES, ShmAgreement
 from dspark_sidecar.proto import memory
-from helpers.agreement_ranks import apart, deserted, free_port, ranks, stalling, subgroup, uncreated
+from helpers.agreement_ranks import apart, deserted, free_port, peer_deserted, ranks, stalling, subgroup, uncreated
 from helpers.full_shm import run_on_full_dev_shm
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -103,6 +103,19 @@ def test_a_peer_gone_during_the_set_up_leaves_no_page_behind():
     name, left, mapped = names.get()
     assert not left, f"rank 0's page {name} was left in /dev/shm after its peer was gone"
     assert not mapped, f"rank 0 still mapped its page {name} while the set-up's error was handled"
+
+
+def test_a_peer_whose_rank_0_dies_during_the_set_up_unmaps_the_page():
+    """Rank 0 gone after the offer fails its peers' last collective, each with rank 0's page mapped: that mapping
+    must go with the error, as rank 0's own does, not stay for as long as the engine keeps the error (its frame)."""
+    ctx = mp.get_context("spawn")
+    errors, names, opened = ctx.SimpleQueue(), ctx.SimpleQueue(), ctx.Event()
+    mp.spawn(peer_deserted, args=(free_port(), errors, names, opened), nprocs=2, join=True)
+    assert errors.empty(), errors.get()
+    assert not names.empty(), "rank 1 reported nothing"
+    name, still_mapped = names.get()
+    assert name, "rank 1 never mapped rank 0's page"
+    assert not still_mapped, f"rank 1 still mapped rank 0's page {name} while the set-up's error was handled"
 
 
 def test_a_peer_arriving_as_the_wait_times_out_is_agreed_with_not_an_error(monkeypatch):
@@ -362,6 +375,32 @@ def test_a_closed_page_refuses_an_agreement_instead_of_touching_the_unmapped_pag
         else:
             print("agreed on an unmapped page")
     """))
-    proc = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=120,
+                          start_new_session=True)
     assert proc.returncode == 0, f"rc {proc.returncode} (-11: SIGSEGV): {proc.stderr[-2000:]}"
     assert proc.stdout.startswith("refused"), proc.stdout
+
+
+def test_a_rank_that_timed_out_never_agrees_on_that_page_again():
+    """After AgreementTimeout this rank's sequence is no longer its peers': it wrote agreement s, which a slow peer
+    may still take, and gave it up. A caller that went on (its engine caught the error) wrote agreement s + 1 into
+    the other bank, and the slow peer, arriving at s and then s + 1, took those values as the answer to its own
+    s + 1 (a post-flight "every rank got a result" read from a next step's pre-flight): ranks on different branches,
+    with no error anywhere. Every later call on the timed-out rank must refuse, writing nothing, so the peer's next
+    agreement times out naming it. One process, both slots of a page, one rank after the other."""
+    from dspark_sidecar.client.shm_agreement import AgreementTimeout
+
+    seg = _page(2)
+    try:
+        late, slow = ShmAgreement(seg, 2, 0, timeout_s=0.05), ShmAgreement(seg, 2, 1, timeout_s=0.2)
+        with pytest.raises(AgreementTimeout, match=r"engine ranks \[1\]"):
+            late.all_min_ints([1])  # agreement 1: rank 1 is not there yet
+        with pytest.raises(AgreementTimeout):
+            late.all_min_ints([1])  # the caller went on: agreement 2 on a page it can no longer share
+        assert slow.all_min_ints([7]) == [1]  # rank 1 arrives at agreement 1, which rank 0 had written
+        with pytest.raises(AgreementTimeout, match=r"engine ranks \[0\] did not reach step agreement 2"):
+            slow.all_min_ints([9])  # rank 0 gave agreement 2 up: nothing of it may be taken as rank 0's answer
+        late.close()
+        slow.close()
+    finally:
+        seg.unlink()

@@ -175,3 +175,48 @@ def subgroup(rank: int, port: int, errors) -> None:
     except BaseException as exc:  # noqa: BLE001  (reported to the test, which fails with it)
         errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
         raise
+
+
+def peer_deserted(rank: int, port: int, errors, names, opened) -> None:
+    """Rank 0 dies (exits) once rank 1 has mapped its page, before the set-up's last collective: rank 1's fails, and
+    rank 1, still alive, reports (on `names`) the page's name and whether it still maps it while the error is alive.
+    `opened`: an Event rank 1 sets once it has mapped the page, which rank 0 waits for."""
+    import datetime
+    import os
+    from multiprocessing import shared_memory
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    if rank == 0:
+        from helpers.engine_fakes import recording_shm
+
+        def gone(*_args, **_kw):
+            opened.wait(30)
+            for name in rec.created:  # the name goes as its resource tracker would take it: nothing left in /dev/shm
+                seg = shared_memory.SharedMemory(name)
+                seg.unlink()
+                seg.close()
+            os._exit(0)  # as a killed rank: no clean-up, no goodbye to the group
+
+        shm_agreement.dist.all_gather_object = gone
+        with recording_shm() as rec:
+            shared_page_agreement()
+        os._exit(0)
+    seen: list[str] = []
+    attach = shm_agreement.AttachedSegment
+
+    def attached(name):
+        seg = attach(name)
+        seen.append(seg.name)
+        opened.set()
+        return seg
+
+    shm_agreement.AttachedSegment = attached
+    try:
+        shared_page_agreement()
+    except RuntimeError:  # gloo: the peer closed the connection
+        # Asked while the error (and with it the set-up's frame) is alive, as it is while the engine handles it.
+        names.put((seen[0] if seen else "", bool(seen) and mapped(seen[0])))
+    else:
+        errors.put("rank 1: shared_page_agreement returned with its peer gone")
+    os._exit(0)  # the group cannot be destroyed cleanly with its peer gone
