@@ -16,6 +16,7 @@ from dspark_sidecar import layout
 from dspark_sidecar.client.config import BreakerConfig
 from dspark_sidecar.client.harness import HarnessConfig, run_engine, worst
 from dspark_sidecar.client.launcher import SidecarLauncher
+from dspark_sidecar.client.shim import BAD_ANSWER
 from dspark_sidecar.client.workload import MixConfig
 from dspark_sidecar.drafter.checkpoint import ensure_synthetic_checkpoint
 from dspark_sidecar.drafter.config import PRESETS
@@ -184,10 +185,13 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
         report.backend, report.fast_path_refusal = status.backend, status.fast_path_refusal
         # Stopped here to read how it ended: one that exited mid-run (a rank crashed: the group exits 1) left
         # the later rounds on the local layers and the earlier ones compared, and the demo passed without it.
-        # Stopped by this SIGTERM, a sidecar drains and exits 0 (server/launcher.launch).
-        if launcher is not None and (code := launcher.stop()) != 0:
-            raise DemoError(f"the sidecar exited with status {code} ({report.forwarded} of {cfg.rounds} rounds "
-                            f"forwarded; its log: {launcher.log_path}):\n{launcher.log_tail()}")
+        # Stopped by this SIGTERM, a sidecar drains and exits 0 (server/launcher.launch). One that had already
+        # ended failed the run whatever its status: stopped by another's SIGTERM it drained and exited 0 too, its
+        # later rounds on the local layers, and the demo passed on its own stop's 0.
+        early = launcher is not None and launcher.proc is not None and launcher.proc.poll() is not None
+        if launcher is not None and ((code := launcher.stop()) != 0 or early):
+            raise DemoError(f"the sidecar exited {'mid-run ' if early else ''}with status {code} ({report.forwarded} "
+                            f"of {cfg.rounds} rounds forwarded; its log: {launcher.log_path}):\n{launcher.log_tail()}")
         return report
     except Exception:
         failed = True
@@ -216,6 +220,16 @@ REL_L2_LIMIT = {"bf16": 2.0 ** -5, "fp32": 1e-4}
 # An fp8 e4m3 cache: where the two paths' K rounds an ulp apart, the code can differ by one e4m3 step (1/8
 # relative). The GPU demo measured 1.66e-2 (run 227); half a step over the whole block is a bug's size.
 FP8_KV_REL_L2_LIMIT = 2.0 ** -4
+# Fallback reasons that are the sidecar's (or the shim's) own fault, whatever the mix: an unexpected exception
+# in its step (INTERNAL, UNKNOWN: client/shim._step_error's keys), an answer of the wrong shape or dtype, the
+# shim's own. Not a peer's abort, a late step or a step over the limits, which a healthy run can see.
+FAULT_REASONS = ("sidecar INTERNAL", "sidecar UNKNOWN", BAD_ANSWER)
+FAULT_PREFIXES = ("shim error in ",)
+
+
+def sidecar_faults(fallbacks: dict[str, int]) -> dict[str, int]:
+    """The rounds that fell back because the sidecar or the shim failed, by reason."""
+    return {k: n for k, n in fallbacks.items() if k in FAULT_REASONS or k.startswith(FAULT_PREFIXES)}
 
 
 def verdict(r: DemoReport, dtype: str, kv_dtype: str = "auto", verify: bool = True) -> str | None:
@@ -223,9 +237,15 @@ def verdict(r: DemoReport, dtype: str, kv_dtype: str = "auto", verify: bool = Tr
     so its forwarded rounds must be the same bits (draft tokens included); another backend must stay
     within REL_L2_LIMIT, its draft tokens free to differ at argmax near-ties between two roundings.
     Verifying, a run that compared no round fails: it checked nothing (a sidecar that refuses every step
-    would pass, the demo's very check unmade); with verify False (--no-verify) that is not a failure."""
+    would pass, the demo's very check unmade); with verify False (--no-verify) that is not a failure.
+    A step the sidecar failed (FAULT_REASONS) fails the run either way."""
     if not r.ranks_agree:
         return "the engine ranks disagreed on a decision or a drafted token"
+    # Before the comparison, and with --no-verify too: such a round ran on the local layers, so it was never
+    # compared, and the demo passed with the sidecar raising in every step past the window, say.
+    if faults := sidecar_faults(r.fallbacks):
+        return (f"the sidecar failed {sum(faults.values())} steps, which ran on the local layers instead ("
+                + ", ".join(f"{k!r} {n}" for k, n in sorted(faults.items(), key=lambda kv: -kv[1])) + ")")
     if not r.compared:
         if not verify:
             return None

@@ -56,7 +56,30 @@ def test_a_sidecar_that_dies_mid_run_fails_the_demo(own_sidecar, monkeypatch, ca
     monkeypatch.setattr(demo, "run_engine", engine)
     assert cli.main(DEMO) == 1
     out, err = capsys.readouterr()
-    assert err.startswith("dspark-sidecar demo: FAILED: the sidecar exited with status 1"), err
+    assert err.startswith("dspark-sidecar demo: FAILED: the sidecar exited mid-run with status 1"), err
     assert "2 of 4 rounds forwarded" in err, err
     (kept,) = scratch.iterdir()  # the log, named in the line; the socket folder removed
     assert (kept / "sidecar.log").exists() and str(kept / "sidecar.log") in err, err
+
+
+def test_a_sidecar_that_stops_by_itself_mid_run_fails_the_demo_though_it_exits_0(own_sidecar, monkeypatch, capsys):
+    """Stopped mid-run by another's SIGTERM (an operator, a supervisor), the sidecar drains and exits 0: the later
+    rounds fell back ("sidecar unreachable"), the earlier ones matched, and the demo read its own stop's 0 and passed."""
+    import signal
+
+    scratch, started = own_sidecar
+
+    def stopped_elsewhere(_round: int) -> None:
+        started[0].proc.send_signal(signal.SIGTERM)
+        assert started[0].proc.wait(timeout=60) == 0  # a clean drain: its status alone says nothing
+
+    def engine(h, work_dir):
+        return run_engine(dataclasses.replace(h, faults=(Fault(2, "pause"),)), work_dir, on_pause=stopped_elsewhere)
+
+    monkeypatch.setattr(demo, "run_engine", engine)
+    assert cli.main(DEMO) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("dspark-sidecar demo: FAILED: the sidecar exited mid-run with status 0"), err
+    assert "2 of 4 rounds forwarded" in err, err
+    (kept,) = scratch.iterdir()
+    assert str(kept / "sidecar.log") in err, err

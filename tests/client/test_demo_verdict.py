@@ -32,6 +32,7 @@ GPU_BF16 = dict(backend="triton", hidden_mismatch_rounds=20, kv_mismatch_rounds=
     (GPU_BF16, "bf16", "auto"),
     ({**GPU_BF16, "max_kv_rel": 1.66e-2}, "bf16", "fp8"),
     ({**GPU_BF16, "max_hidden_rel": 3e-5, "max_kv_rel": 2e-5}, "fp32", "auto"),
+    ({**GPU_BF16, "max_hidden_rel": 2.0 ** -5, "max_kv_rel": 2.0 ** -5}, "bf16", "auto"),  # within: the limit itself
 ])
 def test_a_run_within_its_backend_s_rounding_passes(over, dtype, kv_dtype):
     assert verdict(_report(**over), dtype, kv_dtype) is None
@@ -96,3 +97,33 @@ def test_the_demo_exits_1_when_nothing_was_forwarded_and_0_under_no_verify_sayin
     assert cli.main(["demo", "--rounds", "20", "--no-verify"]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last == "dspark-sidecar demo: --no-verify: nothing was compared with the local layers", last
+
+
+# Steps the sidecar answered with its own fault, each then run on the local layers: never compared, so never counted.
+SIDECAR_FAULTS = dict(forwarded=12, compared=12, fallbacks={"sidecar INTERNAL": 6, "malformed answer": 1,
+                                                             "sidecar unavailable (breaker open)": 1})
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_steps_the_sidecar_failed_fail_the_run_though_the_forwarded_ones_matched(verify):
+    """A sidecar raising (INTERNAL) in its step past the 4096 window, say, or answering hidden states of another
+    shape: those rounds fell back, the rest matched, and the demo passed with the fault in its fallback lines."""
+    why = verdict(_report(**SIDECAR_FAULTS), "fp32", verify=verify)
+    assert why is not None and "'sidecar INTERNAL' 6" in why and "'malformed answer' 1" in why, why
+    assert "breaker" not in why, why  # what followed the faults, not one of them
+    for name in ("sidecar UNKNOWN", "shim error in phase 2: KeyError"):
+        assert verdict(_report(forwarded=19, fallbacks={name: 1}), "fp32", verify=verify) is not None, name
+
+
+def test_fallbacks_of_the_mix_s_own_making_do_not_fail_the_run():
+    """Steps above --max-reqs (on purpose), a peer's abort, a late step on a loaded machine: the shim's to take."""
+    ok = {"R outside 1..max_reqs": 4, "sidecar ABORTED": 1, "step deadline exceeded": 1}
+    assert verdict(_report(forwarded=14, fallbacks=ok), "fp32") is None
+
+
+def test_the_demo_command_exits_1_when_the_sidecar_failed_steps(monkeypatch, capsys):
+    monkeypatch.setattr(demo, "run_demo", lambda cfg: _report(**SIDECAR_FAULTS))
+    assert cli.main(["demo", "--rounds", "20"]) == 1
+    out, err = capsys.readouterr()
+    assert "fallback: sidecar INTERNAL: 6" in out
+    assert err.startswith("dspark-sidecar demo: FAILED: the sidecar failed 7 steps"), err

@@ -81,6 +81,22 @@ def test_summary_and_report_text():
     assert isinstance(rep, DemoReport)
 
 
+def test_the_summary_counts_the_mismatches_any_rank_saw():
+    """Each engine rank compares its own shard of the block K/V and its own copy of the hidden states: a sidecar
+    rank that wrote wrong K/V shows on that rank alone, its tokens (and so the ranks' digests) agreeing."""
+    clean = {"decisions": "FF", "reasons": ["", ""], "digest": 7, "fwd_ns": [1], "local_ns": [1], "compared": 2,
+             "hidden_mismatch": 0, "max_hidden_diff": 0.0, "token_mismatch": 0, "tokens_differing": 0,
+             "kv_mismatch": 0, "max_kv_diff": 0.0, "max_hidden_rel": 0.0, "max_kv_rel": 0.0,
+             "max_seq_len": 20, "joined": 1, "binds": 1, "shim": None}
+    off = dict(clean, hidden_mismatch=1, max_hidden_diff=0.5, token_mismatch=1, tokens_differing=2,
+               kv_mismatch=2, max_kv_diff=0.25, max_hidden_rel=0.1, max_kv_rel=0.2)
+    rep = summarise([clean, off], rounds=2, wall_s=1.0)
+    assert rep.ranks_agree
+    assert (rep.hidden_mismatch_rounds, rep.token_mismatch_rounds, rep.tokens_differing, rep.kv_mismatch_rounds) == (
+        1, 1, 2, 2)
+    assert (rep.max_hidden_diff, rep.max_kv_diff, rep.max_hidden_rel, rep.max_kv_rel) == (0.5, 0.25, 0.1, 0.2)
+
+
 def test_record_reports_relative_differences_beside_exact_ones():
     """The GPU backend rounds differently from the stock layers: the relative L2 is what is judged there."""
     rec = Record()
@@ -155,6 +171,8 @@ def test_the_demo_removes_the_folders_it_made_and_keeps_those_it_was_given(tmp_p
             "max_seq_len": 10, "joined": 1, "binds": 1, "shim": None}
 
     class Sidecar:
+        proc = None
+
         def __init__(self, sock, **kw):
             self.log_path = kw.get("log_path")
 
