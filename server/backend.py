@@ -50,10 +50,9 @@ def resolve_device(cfg: ServeConfig, local_rank: int) -> torch.device:
 def check_gpu_placement(cfg: ServeConfig, visible: int | None = None) -> None:
     """GpusNotVisible for --device cuda, or --backend triton/flydsl under --device auto, with no GPU visible;
     ServeConfigError for --dist-backend nccl where --device auto puts the ranks on the CPU (no GPU visible);
-    GpusNotVisible when the ranks would share GPUs under
-    NCCL/RCCL, which refuse two ranks of one group on one GPU ("Duplicate GPU detected") at the first
-    collective: after every shard has loaded, as a traceback per rank (run 207). An explicit --dist-backend
-    gloo may share them."""
+    GpusNotVisible when the ranks would share GPUs under NCCL/RCCL, which refuse two ranks of one group on one
+    GPU ("Duplicate GPU detected") at the first collective: after every shard has loaded, as a traceback per
+    rank (run 207). An explicit --dist-backend gloo may share them."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         # Here, before any rank: in the ranks (resolve_device) it came only after each had started.
         raise GpusNotVisible("--device cuda: no CUDA/ROCm device is visible")
