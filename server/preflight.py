@@ -179,15 +179,22 @@ def check_socket_dir(cfg: ServeConfig) -> None:
         _check_lease_path(cfg, r)
 
 
-def check_port(flag: str, host: str, port: int, who: str = "") -> None:
-    """Bind host:port as the server will (SO_REUSEADDR, as gRPC and prometheus' HTTP server set it,
-    so a port in TIME_WAIT is not reported busy) and let it go again. `who` ("rank 2 ") leads the reason."""
+def resolve(flag: str, host: str, port: int, who: str = "", passive: bool = True) -> list:
+    """getaddrinfo's stream addresses of host:port (a bracketed IPv6 address unbracketed), or ServeConfigError naming
+    `flag` for a name that does not resolve (check_port here, rank 0's store in process_group._listen)."""
     try:
-        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        return socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                  flags=socket.AI_PASSIVE if passive else 0)
     except socket.gaierror as err:
         raise ServeConfigError(f"{flag}: {who}cannot resolve host {host!r}: {err.strerror}") from None
     except UnicodeError as err:  # an empty label (a typo's "..") or one past 63 characters: IDNA fails, no lookup
         raise ServeConfigError(f"{flag}: {who}cannot resolve host {host!r}: not a valid host name ({err})") from None
+
+
+def check_port(flag: str, host: str, port: int, who: str = "") -> None:
+    """Bind host:port as the server will (SO_REUSEADDR, as gRPC and prometheus' HTTP server set it,
+    so a port in TIME_WAIT is not reported busy) and let it go again. `who` ("rank 2 ") leads the reason."""
+    infos = resolve(flag, host, port, who)
     errors = []
     for family, kind, proto, _, addr in infos:
         try:

@@ -25,7 +25,7 @@ from collections.abc import MutableMapping
 import torch.distributed as dist
 
 from dspark_sidecar.server.config import ServeConfig, ServeConfigError, bind_refusal, is_loopback
-from dspark_sidecar.server.preflight import bind_failure, check_port
+from dspark_sidecar.server.preflight import bind_failure, check_port, resolve
 
 log = logging.getLogger("dspark_sidecar.server")
 COLLECTIVE_IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -53,12 +53,7 @@ def _listen(addr: str, port: int) -> socket.socket:
     """A TCP socket listening on addr:port only (SO_REUSEADDR, as torch's own store sets it): on the
     first of the name's addresses that can be bound ('localhost' is often ::1 first, which a host
     without IPv6 cannot bind; the store's clients try every address, as preflight.check_port does)."""
-    try:
-        infos = socket.getaddrinfo(addr.strip("[]"), port, type=socket.SOCK_STREAM)
-    except socket.gaierror as err:
-        raise ServeConfigError(f"--master-addr: cannot resolve {addr!r}: {err.strerror}") from None
-    except UnicodeError as err:  # as preflight.check_port: an empty label or one past 63 characters fails IDNA
-        raise ServeConfigError(f"--master-addr: cannot resolve {addr!r}: not a valid host name ({err})") from None
+    infos = resolve("--master-addr", addr, port, passive=False)
     errors = []
     for family, kind, proto, _, sockaddr in infos:
         try:
