@@ -16,7 +16,7 @@ from dspark_sidecar import layout
 from dspark_sidecar.client.config import BreakerConfig
 from dspark_sidecar.client.harness import HarnessConfig, run_engine, worst
 from dspark_sidecar.client.launcher import SidecarLauncher
-from dspark_sidecar.client.shim import BAD_ANSWER
+from dspark_sidecar.client.shim import BAD_ANSWER, SHIM_ERROR, sidecar_error
 from dspark_sidecar.client.workload import MixConfig
 from dspark_sidecar.drafter.checkpoint import ensure_synthetic_checkpoint
 from dspark_sidecar.drafter.config import PRESETS
@@ -188,7 +188,7 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> DemoReport:
         # Stopped by this SIGTERM, a sidecar drains and exits 0 (server/launcher.launch). One that had already
         # ended failed the run whatever its status: stopped by another's SIGTERM it drained and exited 0 too, its
         # later rounds on the local layers, and the demo passed on its own stop's 0.
-        early = launcher is not None and launcher.proc is not None and launcher.proc.poll() is not None
+        early = launcher is not None and launcher.exited
         if launcher is not None and ((code := launcher.stop()) != 0 or early):
             raise DemoError(f"the sidecar exited {'mid-run ' if early else ''}with status {code} ({report.forwarded} "
                             f"of {cfg.rounds} rounds forwarded; its log: {launcher.log_path}):\n{launcher.log_tail()}")
@@ -222,14 +222,13 @@ REL_L2_LIMIT = {"bf16": 2.0 ** -5, "fp32": 1e-4}
 FP8_KV_REL_L2_LIMIT = 2.0 ** -4
 # Fallback reasons that are the sidecar's (or the shim's) own fault, whatever the mix: an unexpected exception
 # in its step (INTERNAL, UNKNOWN: client/shim._step_error's keys), an answer of the wrong shape or dtype, the
-# shim's own. Not a peer's abort, a late step or a step over the limits, which a healthy run can see.
-FAULT_REASONS = ("sidecar INTERNAL", "sidecar UNKNOWN", BAD_ANSWER)
-FAULT_PREFIXES = ("shim error in ",)
+# shim's own (SHIM_ERROR). Not a peer's abort, a late step or a step over the limits, which a healthy run can see.
+FAULT_REASONS = (sidecar_error(grpc.StatusCode.INTERNAL), sidecar_error(grpc.StatusCode.UNKNOWN), BAD_ANSWER)
 
 
 def sidecar_faults(fallbacks: dict[str, int]) -> dict[str, int]:
     """The rounds that fell back because the sidecar or the shim failed, by reason."""
-    return {k: n for k, n in fallbacks.items() if k in FAULT_REASONS or k.startswith(FAULT_PREFIXES)}
+    return {k: n for k, n in fallbacks.items() if k in FAULT_REASONS or k.startswith(SHIM_ERROR)}
 
 
 def verdict(r: DemoReport, dtype: str, kv_dtype: str = "auto", verify: bool = True) -> str | None:

@@ -119,6 +119,11 @@ class SidecarLauncher:
         if self.proc.poll() is not None:  # served by someone else's sidecar, started since the check above
             raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log_tail()}")
 
+    @property
+    def exited(self) -> bool:
+        """Whether the sidecar this launcher started has ended (by itself, or stopped)."""
+        return self.proc is not None and self.proc.poll() is not None
+
     def status(self, rank: int = 0) -> pb.StatusReport:
         conn = SidecarConnection(self.endpoint(rank))
         try:

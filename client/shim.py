@@ -78,6 +78,12 @@ EMBED_FAILED = "engine embedding raised"  # + the exception's type: the engine's
 BAD_EMBEDS = "inputs_embeds not the step's [n, hidden] rows"  # the engine's input: nothing sent, not counted
 CLOSED = "shim closed"
 STEP_IN_FLIGHT = "a step is in flight on another thread"  # connect()'s answer only: never a fallback reason
+SHIM_ERROR = "shim error in "  # + where and the exception's type (_internal): an unexpected error of the shim's own
+
+
+def sidecar_error(code: grpc.StatusCode) -> str:
+    """The fallback reason of a step the sidecar answered with a StepError of `code` (_step_error)."""
+    return f"sidecar {code.name}"
 
 # Fields of a step's attention metadata, which the engine wrote: a step the sidecar refuses naming one of them
 # is the engine's at fault for that step, not the sidecar's limits or health. vLLM's DSpark speculator clamps a
@@ -647,7 +653,7 @@ class DrafterShim:
             # would not fit --max-message-bytes (refused before it ran), a function of R and a healthy
             # sidecar's limit; counted, three such steps opened the breaker and the steps that fit fell back too.
             self.breaker.record_failure(err.message)
-        key = f"sidecar {code.name}"
+        key = sidecar_error(code)
         if key not in self._logged:
             log.info("sidecar rank %d: step failed: %s %s (%s)", self.rank, code.name, err.reason, err.message)
         return key
@@ -655,7 +661,7 @@ class DrafterShim:
     # Bookkeeping -------------------------------------------------------------------------------------
     def _internal(self, where: str, e: Exception) -> str:
         """An unexpected error between the agreements: counted against the breaker, logged with its trace once."""
-        key = f"shim error in {where}: {type(e).__name__}"
+        key = f"{SHIM_ERROR}{where}: {type(e).__name__}"
         if key not in self._logged:
             self._logged.add(key)
             log.exception("DSpark drafter shim: %s (this step and later ones fall back while it repeats)", key)

@@ -31,7 +31,7 @@ class FakeLauncher:
 
     made: list[FakeLauncher] = []
     fail = False
-    proc = None  # no process: none that could have exited before stop()
+    exited = False  # no process: none that could have ended before stop()
 
     def __init__(self, socket_dir, tp=4, log_path=None, **_kw) -> None:
         self.log_path, self.stopped = Path(log_path) if log_path else None, False

@@ -171,7 +171,7 @@ def test_the_demo_removes_the_folders_it_made_and_keeps_those_it_was_given(tmp_p
             "max_seq_len": 10, "joined": 1, "binds": 1, "shim": None}
 
     class Sidecar:
-        proc = None
+        exited = False
 
         def __init__(self, sock, **kw):
             self.log_path = kw.get("log_path")
