@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import generate_latest
 
 from dspark_sidecar.server.metrics import Metrics
@@ -58,8 +59,6 @@ def test_a_bracketed_ipv6_metrics_host_the_start_up_check_passes_is_served(tmp_p
     import socket
     import urllib.request
 
-    import pytest
-
     from dspark_sidecar.server.preflight import check_port
 
     try:
@@ -73,3 +72,75 @@ def test_a_bracketed_ipv6_metrics_host_the_start_up_check_passes_is_served(tmp_p
     m.serve_http("[::1]", port)
     with urllib.request.urlopen(f"http://[::1]:{port}/", timeout=5) as resp:
         assert 'dspark_serving{rank="3"} 0.0' in resp.read().decode()
+
+
+def _value(m: Metrics, name: str, **labels: str) -> float | None:
+    """One sample's value on the rank's endpoint (None: no such series)."""
+    return m.registry.get_sample_value(name, labels)
+
+
+def test_get_status_counters_count_each_result_in_its_own_field():
+    """Each Counters field from its own count: requests, rows (7 per request) and launches from `ok` steps alone,
+    so an aborted or refused step's size is not read as drafted work."""
+    m = Metrics(0)
+    for result, times in (("ok", 1), ("aborted", 2), ("invalid", 3), ("refused", 4), ("failed", 5)):
+        for _ in range(times):
+            m.step(result, {"total": 10} if result == "ok" else {}, num_reqs=3, launches=2)
+    m.bound()
+    c = m.counters_pb()
+    assert (c.steps_ok, c.steps_aborted, c.steps_invalid, c.steps_refused, c.steps_failed) == (1, 2, 3, 4, 5)
+    assert (c.requests, c.rows, c.launches, c.kv_binds) == (3, 21, 2, 1)
+    for result, times in (("ok", 1), ("aborted", 2), ("invalid", 3), ("refused", 4), ("failed", 5)):
+        assert _value(m, "dspark_steps_total", rank="0", result=result) == times
+
+
+def test_prelaunch_hits_and_misses_are_counted_apart():
+    m = Metrics(1)
+    m.prelaunch(True)
+    m.prelaunch(False)
+    m.prelaunch(False)
+    c = m.counters_pb()
+    assert (c.steps_prelaunched, c.prelaunch_misses) == (1, 2)
+    assert _value(m, "dspark_prelaunch_total", rank="1", outcome="hit") == 1
+    assert _value(m, "dspark_prelaunch_total", rank="1", outcome="miss") == 2
+
+
+def test_latencies_come_from_ok_steps_only_and_the_latest_window():
+    """No summary for a phase with no sample yet (GetStatus before the first step); a refused or aborted
+    step's timings are not latencies; the window holds the latest samples only."""
+    m = Metrics(0, window=4)
+    assert m.latencies_pb() == []
+    m.step("aborted", {"total": 10**9})
+    m.step("refused", {"total": 10**9})
+    assert m.latencies_pb() == []
+    for ns in (10**9, 10**9, 1, 2, 3, 4):  # the first two leave the window
+        m.step("ok", {"total": ns, "queue": ns})
+    lat = {s.name: s for s in m.latencies_pb()}
+    assert set(lat) == {"total", "queue"}
+    assert (lat["total"].count, lat["total"].p50_ns, lat["total"].p99_ns) == (4, 2, 4)
+
+
+def test_the_latency_histogram_is_in_seconds_and_of_ok_steps_only():
+    m = Metrics(0)
+    m.step("ok", {"compute": 2_000_000})  # 2 ms
+    m.step("aborted", {"compute": 5_000_000_000})
+    assert _value(m, "dspark_step_seconds_count", rank="0", phase="compute") == 1
+    assert _value(m, "dspark_step_seconds_sum", rank="0", phase="compute") == pytest.approx(2e-3)
+    assert _value(m, "dspark_step_seconds_bucket", rank="0", phase="compute", le="0.0025") == 1
+    assert _value(m, "dspark_step_seconds_bucket", rank="0", phase="compute", le="0.001") == 0
+
+
+def test_get_status_counters_are_read_as_one_snapshot():
+    """counters_pb reads under the lock step() counts under: read without it, a GetStatus could give a step's
+    steps_ok without its requests and rows (a rate of requests per step that no step had)."""
+    import threading
+
+    m = Metrics(0)
+    got = []
+    with m._lock:  # a step being counted
+        reader = threading.Thread(target=lambda: got.append(m.counters_pb()))
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive() and not got  # waits for the step's counts
+    reader.join(5)
+    assert len(got) == 1

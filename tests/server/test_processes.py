@@ -127,3 +127,28 @@ def test_another_user_s_process_under_the_pid_is_judged_by_its_start_time(monkey
     real = processes._stat
     monkeypatch.setattr(processes, "_stat", lambda pid: ("S", w.start + 1) if pid == parent else real(pid))
     assert w.gone()
+
+
+def test_a_process_whose_stat_cannot_be_read_is_judged_by_the_signal_alone(monkeypatch):
+    """/proc mounted hidepid (another user's process), or no /proc at all: the stat file does not read. The start
+    time is then not known (0), and a process kill(pid, 0) finds runs: an error out of the watch ended the
+    launcher's poll or the rank's beat, and a live process read as gone stopped the sidecar."""
+    parent = os.getppid()
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(processes.Path, "read_bytes", unreadable)
+    assert process_start(parent) == 0
+    assert not exited(parent) and not exited(parent, 12345)
+    assert not ExitWith(parent).gone()
+
+
+def test_the_named_process_is_not_read_as_reused_when_this_one_s_start_is_not_known(monkeypatch):
+    """0 is "not known", not a start before every other: compared as a time, the process serve was told to exit
+    with read as one that took the pid after serve started, and serve stopped at once."""
+    parent, me = os.getppid(), os.getpid()
+    real = processes._stat
+    monkeypatch.setattr(processes, "_stat", lambda pid: None if pid == me else real(pid))
+    w = ExitWith(parent)
+    assert w.start > 0 and not w.gone()
