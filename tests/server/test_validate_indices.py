@@ -309,3 +309,52 @@ def test_a_sequence_ending_on_a_page_boundary_is_not_held_to_the_padding_after_i
     pos = torch.arange(L - 7, L)
     slots = tables[0, pos // PS].to(torch.int64) * PS + pos % PS
     assert _check(pos, StepMetadata(torch.tensor([L], dtype=torch.int32), tables, slots)) == (True, None)
+
+
+def _host_passes(P, L, tables, S, ps, pages) -> bool:
+    """validate.check_indices and check_distinct_slots both let the step through."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.server.validate import HostMeta, check_distinct_slots, check_indices
+
+    h = HostMeta(P.reshape(-1, 7), L, tables, S.reshape(-1, 7))
+    try:
+        check_indices(SimpleNamespace(host=h, kv=SimpleNamespace(page_size=ps, num_pages=pages)))
+        check_distinct_slots(h)
+    except SidecarError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_gpu_programs_spec_runs_exactly_the_requests_the_host_checks_pass(seed):
+    """Random steps, valid and faulty: the program's spec (step_meta_reference) marks request r RAN exactly when r
+    alone passes the host's index checks and no other row of the step names one of its slots; so every request
+    RAN exactly when the whole step passes check_indices and check_distinct_slots, which the rank loop then skips
+    (server/rank.py). A RAN request gets graphs.py's metadata (window_metadata_into), a refused one the no-op rows."""
+    from dspark_sidecar.drafter.kv_cache import window_metadata_into
+    from helpers.step_cases import random_step
+
+    rng = np.random.default_rng(seed)
+    word = 9 << 32 | 2
+    for _ in range(250):
+        P, L, tables, S, ps, window, pages = random_step(rng)
+        R, ww = L.shape[0], window_width(ps, window)
+        pos, rel, slots, lens, tab, flags = step_meta_reference(word, word, P, L, tables, S, ps, window, pages, ww)
+        case = f"L={L.tolist()} ps={ps} pages={pages} tables={tables.tolist()} P={P.tolist()} S={S.tolist()}"
+        assert bool((flags == FLAG_RAN).all()) is _host_passes(P, L, tables, S, ps, pages), case
+        rows = S.reshape(R, 7)
+        want_rel, want_lens, want_tab = np.zeros((R, 7), np.int64), np.zeros(R, np.int32), np.zeros((R, ww), np.int32)
+        window_metadata_into(P, np.clip(L, 0, None), tables, ps, window, want_rel, want_lens, want_tab)
+        for r in range(R):
+            alone = _host_passes(P.reshape(R, 7)[r], L[r : r + 1], tables[r : r + 1], rows[r], ps, pages)
+            shared = bool(np.isin(rows[r], np.delete(rows, r, axis=0)).any())
+            assert bool(flags[r] == FLAG_RAN) is (alone and not shared), f"request {r}: {case}"
+            got = (pos.reshape(R, 7)[r], rel.reshape(R, 7)[r], slots.reshape(R, 7)[r], lens[r], tab[r])
+            if flags[r] == FLAG_RAN:
+                want = (P.reshape(R, 7)[r], want_rel[r], rows[r], want_lens[r], want_tab[r])
+            else:
+                assert flags[r] == FLAG_INVALID
+                want = (np.arange(7), np.arange(7), np.full(7, -1), 7, np.zeros(ww))
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w, err_msg=f"request {r}: {case}")

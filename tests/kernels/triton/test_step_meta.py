@@ -242,6 +242,11 @@ def test_gated_copy_writes_only_the_requests_the_gpu_ran(device, flags, dtype):
         assert torch.equal(want[rows], (src if f == sm.FLAG_RAN else dst)[rows])
     with pytest.raises(ValueError, match="alike"):
         sm.gated_copy(src.to(dev), got[:, :10], torch.tensor(flags, dtype=torch.int32, device=dev), 3)
+    # Contiguous and of one dtype, but another shape: the rows' length comes from src, so a slice of fewer
+    # rows would be written past its end (here one of more rows, which the copy would not overrun).
+    with pytest.raises(ValueError, match="alike"):
+        sm.gated_copy(src.to(dev), torch.zeros(4 * Q, 5000, dtype=dtype, device=dev),
+                      torch.tensor(flags, dtype=torch.int32, device=dev), 3)
 
 
 @contextlib.contextmanager
@@ -355,6 +360,10 @@ def test_staging_copies_whole_blocks_inside_each_registration():
     assert [t.numel() * t.element_size() for t in src] == [56, 4, 4000, 56]
     with pytest.raises(ValueError, match="not inside their registration"):
         staging.stage(word, [(DevicePointer(b[0] + page - 8, torch.int64), 16, b)])
+    # Bytes inside a registration that is not a whole number of blocks, whose last block would pass its end.
+    odd = (0x7F00_2000_0000, block + 100)
+    with pytest.raises(ValueError, match="not inside their registration"):
+        staging.stage(word, [(DevicePointer(odd[0] + block + 8, torch.int64), 16, odd)])
     assert len(launches) == 2
 
 
@@ -408,3 +417,128 @@ def test_a_table_of_more_than_2_31_slots_is_not_refused(device):
     sm.step_meta(expect.clone(), expect, src, out, flag, num_reqs=R, width=width, page_size=page, window=WINDOW,
                  num_pages=pages)
     _check(tuple(t.cpu().numpy() for t in out) + (flag.cpu().numpy(),), want)
+
+
+def _program(device, P, L, T, S, page, window, pages, word=gpu_word(5, 1)):
+    """The program's outputs (positions, rel, slots, lens, tables, flags) for this step, rung."""
+    R, ww, dev = L.shape[0], window_width(page, window), torch.device(device)
+    src = [torch.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (P, L, T, S)]
+    out = tuple(torch.full((R * Q,), 99, dtype=torch.int64, device=dev) for _ in range(3)) + (
+        torch.full((R,), 99, dtype=torch.int32, device=dev), torch.full((R, ww), 99, dtype=torch.int32, device=dev))
+    flag = torch.zeros(R, dtype=torch.int32, device=dev)
+    expect = torch.tensor([sm.signed64(word)], device=dev)
+    sm.step_meta(expect.clone(), expect, src, out, flag, num_reqs=R, width=T.shape[1], page_size=page, window=window,
+                 num_pages=pages)
+    return tuple(t.cpu().numpy() for t in out) + (flag.cpu().numpy(),)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_steps_give_the_references_outputs(device, seed):
+    """Random steps, valid and faulty (page sizes 1-16, requests sharing slots, lengths filling or passing the
+    table, pages outside the cache, slots -1): the program's every output equals its spec's, which runs exactly
+    what the host's checks pass (tests/server/test_validate_indices.py)."""
+    from helpers.step_cases import random_step
+
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(12):
+        P, L, T, S, page, window, pages = random_step(rng)
+        want = sm.step_meta_reference(gpu_word(5, 1), gpu_word(5, 1), P, L, T, S, page, window, pages,
+                                      window_width(page, window))
+        case = f"L={L.tolist()} page={page} pages={pages} T={T.tolist()} P={P.tolist()} S={S.tolist()}"
+        for g, w, name in zip(_program(device, P, L, T, S, page, window, pages), want,
+                              ("positions", "rel", "slots", "lens", "tables", "flag")):
+            np.testing.assert_array_equal(g, w, err_msg=f"{name}: {case}")
+
+
+def _one_request(L: int, T: np.ndarray, page: int):
+    P = np.arange(L - Q, L, dtype=np.int64)
+    return P, np.array([L], np.int32), T, T[0, P // page].astype(np.int64) * page + P % page
+
+
+@pytest.mark.parametrize("table,pages,ran", [
+    ([[2**31 - 1, 5]], 2**31, True),  # the largest int32 page id, one below the cache's end
+    ([[2**31 - 1, 5]], 2**31 - 1, False),  # ... at it
+    ([[2**31 - 1, 5]], 2**40, True),  # a cache of more pages than an int32 counts (a 64-bit argument)
+    ([[-1, 5]], 2**40, False),  # a negative page id, whatever the cache's size
+    ([[-(2**31), 5]], 2**40, False),
+    ([[1, 2]], 1, False),  # one page: the argument Triton specializes as the constant 1
+], ids=["last-page-id", "page-id-at-the-end", "pages-past-2^31", "negative-page", "int32-min-page", "one-page"])
+def test_page_ids_at_the_int32_edges_are_checked_as_the_host_checks(device, table, pages, ran):
+    P, L, T, S = _one_request(10, np.array(table, np.int32), PAGE)
+    want = sm.step_meta_reference(gpu_word(5, 1), gpu_word(5, 1), P, L, T, S, PAGE, WINDOW, pages,
+                                  window_width(PAGE, WINDOW))
+    assert want[5].tolist() == [sm.FLAG_RAN if ran else sm.FLAG_INVALID]
+    _check(_program(device, P, L, T, S, PAGE, WINDOW, pages), want)
+
+
+@pytest.mark.parametrize("row,value", [(0, -(2**63)), (6, 2**63 - 1)], ids=["int64-min", "int64-max"])
+@pytest.mark.parametrize("field", ["positions", "slots"])
+def test_positions_and_slots_at_the_int64_edges_are_refused(device, field, row, value):
+    """A row at an extreme int64 (its column clamped into the table, // and % as C's): INVALID, no-op rows."""
+    P, L, T, S = _one_request(10, np.array([[1, 2]], np.int32), PAGE)
+    (P if field == "positions" else S)[row] = value
+    want = sm.step_meta_reference(gpu_word(5, 1), gpu_word(5, 1), P, L, T, S, PAGE, WINDOW, 4,
+                                  window_width(PAGE, WINDOW))
+    assert want[5].tolist() == [sm.FLAG_INVALID] and (want[2] == -1).all()
+    _check(_program(device, P, L, T, S, PAGE, WINDOW, 4), want)
+
+
+def test_page_size_one_checks_every_position_s_own_page(device):
+    """page_size 1 (the argument Triton specializes as the constant 1): each row its own page; two rows of one
+    request on one page (a table naming it twice) share a slot and are refused."""
+    T = np.arange(12, dtype=np.int32)[None].copy()
+    P, L, T, S = _one_request(12, T, 1)
+    word = gpu_word(5, 1)
+    assert sm.step_meta_reference(word, word, P, L, T, S, 1, 1, 12, window_width(1, 1))[5].tolist() == [sm.FLAG_RAN]
+    _check(_program(device, P, L, T, S, 1, 1, 12), sm.step_meta_reference(word, word, P, L, T, S, 1, 1, 12,
+                                                                        window_width(1, 1)))
+    T[0, 11] = T[0, 10]
+    P, L, T, S = _one_request(12, T, 1)
+    want = sm.step_meta_reference(word, word, P, L, T, S, 1, 1, 12, window_width(1, 1))
+    assert want[5].tolist() == [sm.FLAG_INVALID]
+    _check(_program(device, P, L, T, S, 1, 1, 12), want)
+
+
+def test_signed64_keeps_every_word_s_64_bits():
+    """Every uint64 word, the edges and random ones: an int64 with the same bits (what Triton passes)."""
+    rng = np.random.default_rng(0)
+    words = [0, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**63 + 1, 2**64 - 1]
+    words += [int(w) for w in rng.integers(0, 2**64 - 1, 200, dtype=np.uint64, endpoint=True)]
+    for w in words:
+        s = sm.signed64(w)
+        assert -(2**63) <= s < 2**63 and s % 2**64 == w, hex(w)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_staging_views_hold_each_source_s_bytes(seed):
+    """Random sources in up to three page-aligned registrations of fake device memory, copied as the launches
+    ask (whole blocks, from each launch's start): every view stage returns holds exactly its source's bytes,
+    every launch reads whole blocks inside its registration, and nothing is copied twice."""
+    rng = np.random.default_rng(seed)
+    page, block = mmap.PAGESIZE, sm.STAGE_WORDS * 8
+    regs = [(0x7F00_0000_0000 + i * (1 << 24), int(rng.integers(1, 4)) * page) for i in range(int(rng.integers(1, 4)))]
+    memory = {base: rng.integers(0, 256, size, dtype=np.uint8) for base, size in regs}
+    copied = []
+
+    def launch(src, dst, blocks, word_src, word_dst, warm=False):
+        base, size = next(r for r in regs if r[0] <= src.address < r[0] + r[1])
+        lo = src.address - base
+        assert lo % block == 0 and lo + blocks * block <= size and not warm
+        dst.view(torch.uint8)[: blocks * block] = torch.from_numpy(memory[base][lo : lo + blocks * block].copy())
+        copied.append((base, lo, blocks))
+
+    sources = []
+    for _ in range(int(rng.integers(1, 8))):
+        base, size = regs[int(rng.integers(0, len(regs)))]
+        dt = [torch.int32, torch.int64][int(rng.integers(0, 2))]
+        nbytes = int(rng.integers(1, 64)) * dt.itemsize
+        off = int(rng.integers(0, (size - nbytes) // dt.itemsize + 1)) * dt.itemsize
+        sources.append((DevicePointer(base + off, dt), nbytes, (base, size)))
+    staging = sm.Staging("cpu", launch=launch)
+    word, src = staging.stage(DevicePointer(0x1000, torch.int64), sources)
+    assert len(copied) == len({region for _, _, region in sources})
+    for (ptr, nbytes, (base, _)), view in zip(sources, src):
+        lo = ptr.address - base
+        assert view.dtype == ptr.dtype and view.numel() * view.element_size() == nbytes
+        np.testing.assert_array_equal(view.view(torch.uint8).numpy(), memory[base][lo : lo + nbytes])
+    assert staging.buf.numel() * 8 == sum(blocks for _, _, blocks in copied) * block
