@@ -107,6 +107,16 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # before the umask below: under it they were 0770 in this user's own group, which the engine's
 # DSPARK_SOCKET_GROUP could not pass through to reach the sockets.
 (umask "$(printf '%04o' $(($(umask) | 8#022)))" && mkdir -p -- "$(dirname -- "$socket_dir")")
+# Never through a link of another user's: serve refuses one (server/sockdir.py: its owner can point it
+# elsewhere), but only after the chmod and chgrp below had followed it, opening to the group whatever folder
+# of this user's it named (a member of a group-writable parent's group, which serve accepts, can plant one).
+entry=$socket_dir
+while [[ $entry == */ && $entry != / ]]; do entry=${entry%/}; done  # "dir/" would name the link's target
+if [[ -L $entry ]]; then
+  owner=$(stat -c %u -- "$entry")
+  [[ $owner == "$EUID" || $owner == 0 ]] ||
+    die "DSPARK_SOCKET_DIR: $entry is a symbolic link owned by another user (uid $owner), who could point it elsewhere; give the folder itself"
+fi
 # Sockets are created 0660 by the server; the directory admits only its owner and group.
 umask 007
 mkdir -p "$socket_dir"

@@ -12,6 +12,7 @@ import pytest
 from deploy.deploy_files import DEPLOY, serve_parser
 
 RECIPE = DEPLOY / "launch-tp4.sh"
+OTHER_UID = 54321  # owns the links of another user's
 # Prints its argv (one per line) and then its environment, in place of the real interpreter.
 RECORDER = '#!/bin/sh\nprintf "%s\\n" "$@" > "$RECORD_DIR/argv"\nenv > "$RECORD_DIR/env"\n'
 
@@ -108,6 +109,25 @@ def test_a_socket_group_that_cannot_be_given_stops_before_launching(launch, tmp_
     the engine's group cannot open, would turn every connect of the engine into EACCES."""
     res, argv, _ = launch(DSPARK_SOCKET_DIR=str(tmp_path / "s"), DSPARK_SOCKET_GROUP="no-such-group-dspark")
     assert res.returncode != 0 and argv is None, res.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a link of another user's needs lchown (root)")
+@pytest.mark.parametrize("group", [False, True])
+def test_a_socket_dir_that_is_another_users_link_is_refused_before_any_chmod(launch, tmp_path, group):
+    """serve refuses a DSPARK_SOCKET_DIR that is a link of another user's (sockdir.foreign_link), but the recipe's
+    chmod 0770 (and chgrp, chmod 2770) had already followed it: a member of a group-writable parent's group (which
+    serve accepts) made DIR a link to a folder of this user's, and that folder was opened to the group."""
+    shared, victim = tmp_path / "shared", tmp_path / "victim"
+    shared.mkdir(mode=0o775)
+    victim.mkdir(mode=0o700)
+    link = shared / "dspark"
+    link.symlink_to(victim)
+    os.lchown(link, OTHER_UID, -1)
+    env = {"DSPARK_SOCKET_GROUP": grp.getgrgid(os.getgid()).gr_name} if group else {}
+    res, argv, _ = launch(DSPARK_SOCKET_DIR=str(link), **env)
+    assert res.returncode == 2 and argv is None, res.stderr
+    assert f"{link} is a symbolic link owned by another user (uid {OTHER_UID})" in res.stderr
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o700, oct(victim.stat().st_mode)
 
 
 @pytest.mark.parametrize("variable", ["DSPARK_TP", "DSPARK_SOCKET_DIR"])
