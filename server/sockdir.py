@@ -88,20 +88,27 @@ def parent_problem(d: Path, st_uid: int, st_mode: int, euid: int) -> str | None:
             "whose parents only this user or root may change")
 
 
-def _on_the_way(d: Path, hops: int = 0) -> Iterator[tuple[Path, os.stat_result]]:
+def _on_the_way(d: Path, hops: int = 0, seen: set[Path] | None = None) -> Iterator[tuple[Path, os.stat_result]]:
     """Each entry a lookup of `d` passes, with its lstat: `d` and each of its parents, and the same of every
     link's target in turn (the parents' check sees only the resolved path, on which no link lies). The path
     is made absolute but not normalized: the kernel resolves "link/.." through the link, where a textual
-    normalization drops both (and with them a link of another user's)."""
+    normalization drops both (and with them a link of another user's).
+
+    Each entry once (`seen`): a link's target walks its parents again, which the walk has mostly passed
+    already, and re-walking them made n links "l -> ." in a row cost ~2**n lookups (minutes at n = 18)."""
+    seen = set() if seen is None else seen
     path = Path(d).absolute()
     for p in (*reversed(path.parents), path):
+        if p in seen:  # looked up already, and its link's target walked then: nothing new
+            continue
+        seen.add(p)
         try:
             st = os.lstat(p)  # follows the links above p, not p itself
         except OSError:
             return
         yield p, st
         if stat.S_ISLNK(st.st_mode) and hops < 40:  # the kernel's own limit on links followed in one lookup
-            yield from _on_the_way(p.parent / os.readlink(p), hops + 1)
+            yield from _on_the_way(p.parent / os.readlink(p), hops + 1, seen)
 
 
 def foreign_link(d: Path, euid: int) -> tuple[Path, int] | None:

@@ -86,3 +86,19 @@ def test_a_link_of_root_s_on_the_way_is_not_another_user_s(tmp_path, monkeypatch
     d = tmp_path / "var-run" / "dspark"
     assert sockdir.foreign_link(d, OTHER_UID) is None
     sockdir.prepare(d)
+
+
+def test_each_entry_on_the_way_is_looked_up_once_however_many_links_lead_back_to_it(tmp_path, monkeypatch):
+    """Each link's target was walked from the root again, and with it every link on that walk: n links
+    "l -> ." in a row cost ~2**n lstat calls (103 s at n = 18), a preflight and a client launch that never
+    ended. Walked once per entry, the same answers come in a number of calls that grows with the path."""
+    d = tmp_path
+    for i in range(16):
+        (d / f"l{i}").symlink_to(".")
+        d = d / f"l{i}"
+    calls = []
+    real = os.lstat
+    monkeypatch.setattr(sockdir.os, "lstat", lambda p: calls.append(p) or real(p))
+    assert sockdir.foreign_link(d / "sock", os.geteuid()) is None
+    assert sockdir.swappable_entry(d / "sock", os.geteuid()) is None
+    assert len(calls) < 40 * (len(tmp_path.parts) + 17)
