@@ -106,7 +106,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # Missing parents as `serve` makes them (server/sockdir.py: 0755, narrowed by the caller's umask),
 # before the umask below: under it they were 0770 in this user's own group, which the engine's
 # DSPARK_SOCKET_GROUP could not pass through to reach the sockets.
-(umask "$(printf '%04o' $(($(umask) | 8#022)))" && mkdir -p -- "$(dirname -- "$socket_dir")")
+# A folder that cannot be made or handed over is a setting to mend (exit 2, as serve's refusal of it), not
+# set -e's exit 1, which a unit's Restart= takes for a crash and retries; the tool's own line says why above ours.
+(umask "$(printf '%04o' $(($(umask) | 8#022)))" && mkdir -p -- "$(dirname -- "$socket_dir")") ||
+  die "DSPARK_SOCKET_DIR: cannot make the parents of $socket_dir"
 # Never through a link of another user's: serve refuses one (server/sockdir.py: its owner can point it
 # elsewhere), but only after the chmod and chgrp below had followed it, opening to the group whatever folder
 # of this user's it named (a member of a group-writable parent's group, which serve accepts, can plant one).
@@ -119,13 +122,13 @@ if [[ -L $entry ]]; then
 fi
 # Sockets are created 0660 by the server; the directory admits only its owner and group.
 umask 007
-mkdir -p "$socket_dir"
+mkdir -p -- "$socket_dir" || die "DSPARK_SOCKET_DIR: cannot make $socket_dir"
 if [[ -O $socket_dir ]]; then
-  chmod 0770 "$socket_dir"
+  chmod 0770 -- "$socket_dir" || die "DSPARK_SOCKET_DIR: cannot set the mode of $socket_dir"
 fi
 if [[ -n ${DSPARK_SOCKET_GROUP:-} ]]; then
-  chgrp "$DSPARK_SOCKET_GROUP" "$socket_dir"
-  chmod 2770 "$socket_dir"
+  { chgrp -- "$DSPARK_SOCKET_GROUP" "$socket_dir" && chmod 2770 -- "$socket_dir"; } ||
+    die "DSPARK_SOCKET_GROUP: cannot give $socket_dir to group '$DSPARK_SOCKET_GROUP' (does it exist, and is this user in it?)"
 fi
 
 log "launcher=$launcher tp=$tp gpus=$vendor sockets=$socket_dir/rank{0..$((tp - 1))}.sock"

@@ -108,7 +108,19 @@ def test_a_socket_group_that_cannot_be_given_stops_before_launching(launch, tmp_
     """The folder could not be handed to DSPARK_SOCKET_GROUP (no such group): serving on regardless, in a folder
     the engine's group cannot open, would turn every connect of the engine into EACCES."""
     res, argv, _ = launch(DSPARK_SOCKET_DIR=str(tmp_path / "s"), DSPARK_SOCKET_GROUP="no-such-group-dspark")
-    assert res.returncode != 0 and argv is None, res.stderr
+    assert res.returncode == 2 and argv is None, res.stderr
+    assert "error: DSPARK_SOCKET_GROUP" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("where", ["leaf", "parent"])
+def test_a_socket_dir_that_cannot_be_made_is_a_setting_error(launch, tmp_path, where):
+    """A file where the folder or one of its parents should be: exit 2 and a line naming the setting, as serve's
+    refusal of the same folder (not set -e's exit 1, which a unit's Restart= takes for a crash and retries)."""
+    (tmp_path / "f").write_text("")
+    target = tmp_path / "f" if where == "leaf" else tmp_path / "f" / "s"
+    res, argv, _ = launch(DSPARK_SOCKET_DIR=str(target))
+    assert res.returncode == 2 and argv is None, res.stderr
+    assert "error: DSPARK_SOCKET_DIR" in res.stderr, res.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a link of another user's needs lchown (root)")
