@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import shutil
 import statistics
@@ -300,13 +301,27 @@ class Bench:
         gen = torch.Generator(device).manual_seed(bc.seed)
         self._shm = []
         kv_dtype = kv_cache_dtype(bc.kv_dtype, self.dtype)
-        if device.type == "cuda":
-            raw = [torch.randn(shape, generator=gen, device=device).to(kv_dtype) for _ in range(cfg.num_hidden_layers)]
-        else:  # the sidecar maps the engine's cache: on CPU it must live in shared memory
-            self._shm = [memory.shm_empty(shape, kv_dtype) for _ in range(cfg.num_hidden_layers)]
-            raw = [t.tensor for t in self._shm]
-            for t in raw:
-                t.copy_(torch.randn(shape, generator=gen))
+        try:
+            if device.type == "cuda":
+                raw = [torch.randn(shape, generator=gen, device=device).to(kv_dtype)
+                       for _ in range(cfg.num_hidden_layers)]
+            else:  # the sidecar maps the engine's cache: on CPU it must live in shared memory
+                for _ in range(cfg.num_hidden_layers):
+                    self._shm.append(memory.shm_empty(shape, kv_dtype))
+                raw = [t.tensor for t in self._shm]
+                for t in raw:
+                    t.copy_(torch.randn(shape, generator=gen))
+        except BaseException as err:
+            # The layers made so far go now: they stayed in /dev/shm (GBs at a large --contexts) until exit.
+            for t in self._shm:
+                t.close()
+            if not isinstance(err, (OSError, torch.OutOfMemoryError)):
+                raise
+            # A cache that does not fit (/dev/shm's ENOSPC, the GPU's OOM) is the flags' size: one line, not a traceback.
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=kv_dtype).element_size()
+            raise BenchConfigError(
+                f"--reqs/--contexts: the KV cache for {max(bc.reqs)} requests of {max(bc.contexts)} tokens "
+                f"({cfg.num_hidden_layers} x {nbytes / 2**30:.2f} GiB) could not be allocated: {err}") from None
         self.kv_raw = raw  # as the engine holds it (the shim's view of the cache)
         self.kv = [kv_planes(t) for t in raw]  # [2, pages, page_size, heads, head_dim] views, any layout
         self.gpu_ops = None
@@ -472,6 +487,10 @@ class Bench:
         self.gpu_ms, self.mode_misses, self.phases = [], None, None
         if mode in ("b", "c", "g", "i") and self.device.type != "cuda":
             return "n/a: needs a GPU"
+        if mode in REMOTE_MODES and self.no_sidecar is None and self.side is not None and self.side.proc.poll() is not None:
+            # Gone for good (killed, crashed): every later remote row says so, not gRPC's "failed to connect".
+            self.no_sidecar = (f"error: the sidecar exited (status {self.side.proc.returncode}) during the bench; "
+                               f"see {self.side.work / 'sidecar.log'}")
         if mode in REMOTE_MODES and self.no_sidecar is not None:
             return self.no_sidecar
         if mode in ("b", "c"):
@@ -618,9 +637,26 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "copy_bandwidth_GBps": bw / 1e9, "rows": rows}
     bc.out_dir.mkdir(parents=True, exist_ok=True)
-    (bc.out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    (bc.out_dir / "bench.json").write_text(json_text(report))
     _plot(report, bc.out_dir / "bench.png")
     return report
+
+
+def _finite(obj):
+    """obj with every NaN or infinite float as None, in dicts and lists at any depth."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_text(report: dict) -> str:
+    """A report as strict JSON: a figure that is not one (NaN: a case no step of which was answered) is null.
+    json.dumps wrote a bare NaN, which strict readers (JavaScript, Go, serde) refuse for the whole file."""
+    return json.dumps(_finite(report), indent=1, allow_nan=False)
 
 
 def _error_note(exc: Exception) -> str:

@@ -21,7 +21,6 @@ reference ops on both sides) the two must be bit-identical; that run is what the
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import statistics
 import tempfile
@@ -33,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dspark_sidecar import layout
-from dspark_sidecar.bench import BenchConfig, SidecarUnderTest
+from dspark_sidecar.bench import BenchConfig, SidecarUnderTest, json_text
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import load_config
@@ -357,5 +356,5 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str,
               f"-> {'ok' if row['parity_ok'] else 'FAIL'}", flush=True)
     report = {"tp": tp, "device": device, "rows": rows,
               "exchange": "eager gloo" if device == "cpu" else "graphed NCCL, 10 all-reduces per launch group"}
-    (bc.out_dir / f"bench-tp{tp}.json").write_text(json.dumps(report, indent=1))
+    (bc.out_dir / f"bench-tp{tp}.json").write_text(json_text(report))
     return report

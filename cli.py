@@ -423,10 +423,17 @@ def _sigterm_unwinds(status: int | None = None):
 def _bench_out_dir(path: Path) -> None:
     """Make --out-dir before the run: run_bench made it at its end, where a file of that name (or a parent
     it cannot be made in) ended a whole bench in a traceback with bench.json unwritten."""
+    import tempfile
+
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"--out-dir: cannot make {str(path)!r} a folder ({err.strerror or err})") from None
+    try:  # a folder that takes no files (read-only, another user's) failed the same way, at the end
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise UsageError(f"--out-dir: cannot write into {str(path)!r} ({err.strerror or err})") from None
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

@@ -192,6 +192,9 @@ def test_bench_options_outside_their_range_are_refused():
         BenchConfig(shim_inputs="gpu")
     with pytest.raises(ValueError, match="--kv-layout: one of planes, records"):
         BenchConfig(kv_layout="vllm")
+    for contexts in ((), (0,), (512, 0)):  # a context of 0 tokens has no step to draft
+        with pytest.raises(ValueError, match="--contexts"):
+            BenchConfig(contexts=contexts)
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import types
 
@@ -279,3 +280,79 @@ def test_the_floor_counts_the_cache_s_own_element_size(tmp_path, monkeypatch):
     B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a",), repeats=2, kv_dtype="fp8",
                             out_dir=tmp_path), torch.device("cpu"))
     assert seen == [1]
+
+
+def test_a_kv_cache_that_cannot_be_allocated_is_one_line_and_leaves_no_segment(tmp_path, monkeypatch, capsys):
+    """A --contexts (or --reqs) whose cache does not fit /dev/shm failed at a later layer's segment with OSError
+    ENOSPC: a traceback, and the layers already made stayed in /dev/shm (GBs of them) until the process exited."""
+    import errno
+
+    from dspark_sidecar import cli
+    from dspark_sidecar.proto import memory
+
+    made, real = [], memory.shm_empty
+
+    def shm_empty(shape, dtype, group=None):
+        if len(made) == 2:  # the third layer's does not fit
+            raise OSError(errno.ENOSPC, "No space left on device")
+        made.append(real(shape, dtype, group))
+        return made[-1]
+
+    monkeypatch.setattr(memory, "shm_empty", shm_empty)
+    with pytest.raises(BenchConfigError, match="--contexts") as err:
+        B.Bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a",), out_dir=tmp_path),
+                torch.device("cpu"))
+    assert "No space left on device" in str(err.value)
+    assert len(made) == 2 and all(m.unlinked for m in made)
+    made.clear()
+    assert cli.main(["bench", "--device", "cpu", "--preset", "tiny", "--reqs", "1", "--contexts", "40", "--modes", "a",
+                     "--repeats", "1", "--out-dir", str(tmp_path / "out")]) == 2
+    out = capsys.readouterr().err
+    assert out.startswith("dspark-sidecar: --reqs/--contexts:") and out.count("\n") == 1, out
+    assert all(m.unlinked for m in made)
+
+
+def test_a_sidecar_that_dies_mid_bench_is_named_in_the_later_rows(tmp_path, monkeypatch, bench_sidecars):
+    """A sidecar killed between cases (the OOM killer, a crash) left every later remote row with gRPC's
+    "UNAVAILABLE: failed to connect to all addresses" and no word of the sidecar's exit or its log, which stays."""
+    import signal
+
+    real, cases = B.Case, []
+
+    def case(*a, **k):
+        cases.append(1)
+        if len(cases) == 2:  # after the first case's rows
+            bench_sidecars[0].proc.send_signal(signal.SIGKILL)
+            bench_sidecars[0].proc.wait()
+        return real(*a, **k)
+
+    monkeypatch.setattr(B, "Case", case)
+    try:
+        report = B.run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40, 48), modes=("a", "d", "e"),
+                                         repeats=2, out_dir=tmp_path), torch.device("cpu"))
+        rows = {(r["mode"], r["context"]): r for r in report["rows"]}
+        assert all("p50_ms" in rows[m, 40] for m in "ade") and "p50_ms" in rows["a", 48]
+        log = bench_sidecars[0].work / "sidecar.log"
+        for m in "de":
+            assert rows[m, 48]["note"] == f"error: the sidecar exited (status -9) during the bench; see {log}", \
+                rows[m, 48]
+        assert log.exists()  # kept for the operator
+    finally:
+        if bench_sidecars and bench_sidecars[0].work.exists():  # kept by the bench for its log: this test's to remove
+            shutil.rmtree(bench_sidecars[0].work)
+
+
+def test_a_note_is_the_first_line_that_says_something():
+    """A row's note is one line: a message opening with a blank line and going on for several kept only its first
+    line with text, never the lines after it (they broke the printed table) nor an empty first line."""
+    assert B._error_note(RuntimeError("\n  sidecar step failed: timeout\nsee the log\n")) == \
+        "error: RuntimeError: sidecar step failed: timeout"
+
+
+def test_the_percentile_of_no_samples_is_nan_not_a_figure():
+    import math
+
+    from dspark_sidecar.percentiles import percentile
+
+    assert math.isnan(percentile([], 99))
+    assert percentile([3.0], 99) == 3.0 and percentile([2.0, 1.0], 99) == 2.0 and percentile([2.0, 1.0], 50) == 1.0

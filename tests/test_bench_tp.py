@@ -352,3 +352,21 @@ def test_a_case_that_fails_parity_exits_1(tmp_path, monkeypatch, capsys):
         assert cli.main(["bench", "--tp", "2", "--device", "cpu", "--preset", "tiny",
                          "--out-dir", str(tmp_path / "out")]) == code
         assert ("FAILED in 1 of 2 cases" in capsys.readouterr().out) is not ok
+
+
+def test_a_case_without_a_step_time_is_written_as_strict_json(tmp_path):
+    """A rank that answered no step leaves the row's step time NaN (and its ratios with it); json.dumps wrote that
+    as a bare NaN, which strict JSON readers (JavaScript, Go, serde, jq --strict) refuse: the whole file unreadable
+    for the failed case it was meant to report. The file carries null there; the row in memory keeps its NaN."""
+    bc = BenchConfig(out_dir=tmp_path)
+    single = {"rows": [{"mode": "d", "R": 8, "context": 4096, "p50_ms": 0.6, "floor_ms": 0.25}]}
+    report = _report(bc, 2, [[_rank_row()], [_rank_row(p50_ms=math.nan, errors=5, hidden_rel_l2=math.nan)]],
+                     single, "H200", PARITY_RTOL)
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    written = json.loads((tmp_path / "bench-tp2.json").read_text(), parse_constant=refuse)["rows"][0]
+    assert written["tp_step_p50_ms"] is None and written["hidden_rel_l2"] is None and written["exchange_share"] is None
+    assert written["R"] == 8 and written["parity_ok"] is False
+    assert math.isnan(report["rows"][0]["tp_step_p50_ms"])

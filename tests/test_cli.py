@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -704,3 +705,15 @@ def test_a_rank_meets_its_peers_where_its_launcher_says_not_where_the_flags_say(
     assert cli.main(["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(tmp_path / "s"), "--random-weights",
                      "--master-addr", "127.0.0.1", "--master-port", "0"]) == 0
     assert [(c.master_addr, c.master_port) for c in seen] == [("localhost", 29517)]
+
+
+def test_a_bench_out_dir_that_cannot_be_written_into_is_refused_before_the_run(monkeypatch, capsys):
+    """A folder that exists but takes no files (a read-only mount, another user's folder; /proc/self here, which
+    refuses even root) passed the mkdir check: every mode ran, then writing bench.json ended it in a traceback."""
+    from dspark_sidecar import bench
+
+    monkeypatch.setattr(bench, "run_bench", lambda *a: pytest.fail("the bench ran"))
+    assert os.path.isdir("/proc/self")
+    assert cli.main(["bench", "--device", "cpu", "--out-dir", "/proc/self"]) == 2
+    err = capsys.readouterr().err
+    assert "--out-dir: cannot write into '/proc/self'" in err and err.count("\n") == 1, err
