@@ -14,6 +14,8 @@ from dspark_sidecar.drafter.kv_cache import StepMetadata
 _SEQ_LENS = ("seq_lens",)
 _BLOCK_TABLES = ("block_tables", "block_table", "block_table_tensor")
 _SLOTS = ("slot_mapping",)
+# What the fields may hold: each is cast to int32 / int64 for the sidecar, exactly only from an integer dtype.
+_INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
 
 def fields_missing(field_names: set[str]) -> list[str]:
@@ -33,7 +35,8 @@ def _first_attr(obj: Any, names: tuple[str, ...]) -> torch.Tensor | None:
 
 def read_step_metadata(attn_metadata: Any, num_rows: int,
                        page_size: int | None = None) -> tuple[StepMetadata | None, int | None]:
-    """StepMetadata for a step of `num_rows` = 7R rows, on CPU, or None when the metadata lacks a field;
+    """StepMetadata for a step of `num_rows` = 7R rows, on CPU, or None when the metadata lacks a field (or
+    holds one of another rank, too few rows or a non-integer dtype);
     and the longest sequence length it read (with a page size, else None), which `tables_cover` then
     need not read again.
 
@@ -61,6 +64,10 @@ def read_step_metadata(attn_metadata: Any, num_rows: int,
     if len(seq_shape) != 1 or len(table_shape) != 2 or len(slot_shape) != 1:
         return None, None
     if seq_shape[0] < r or table_shape[0] < r or slot_shape[0] < num_rows:
+        return None, None
+    # A float or bool field was cast like an integer one: a seq_len of 20.7 sent as 20, a bool table as pages
+    # 0 and 1, a step the engine never described, which the sidecar (refusing these dtypes by name) never saw.
+    if seq_lens.dtype not in _INTEGER or tables.dtype not in _INTEGER or slots.dtype not in _INTEGER:
         return None, None
     # A step's own tensors are not padded: no view to make.
     seq_lens = _host(seq_lens if seq_shape[0] == r else seq_lens[:r], torch.int32)

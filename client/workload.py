@@ -39,6 +39,14 @@ class MixConfig:
             lo, hi = getattr(self, name)
             if not 0 <= lo <= hi:
                 raise ValueError(f"{name}: need 0 <= low <= high, got ({lo}, {hi})")
+        # Each is compared with a uniform draw: a NaN one never fired, one outside [0, 1] acted as 0 or 1, and
+        # mid_p + long_p above 1 drew no short prompt, a mix other than the one asked for, silently.
+        for name in ("join_p", "burst_p", "mid_p", "long_p"):
+            p = getattr(self, name)
+            if not 0.0 <= p <= 1.0:  # a NaN fails the comparison, so is refused too
+                raise ValueError(f"{name}: a probability in [0, 1], got {p}")
+        if self.mid_p + self.long_p > 1.0 + 1e-9:  # slack for the rounding of a sum meant as 1
+            raise ValueError(f"mid_p + long_p: at most 1, got {self.mid_p} + {self.long_p}")
 
 
 @dataclass

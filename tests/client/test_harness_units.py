@@ -290,6 +290,22 @@ def test_a_rank_that_raises_mid_run_releases_its_shim_and_kv_segments(tiny_ckpt,
     assert rank.shim is not None and rank.shim._closed
 
 
+def test_a_mix_whose_probabilities_are_not_probabilities_is_refused():
+    """join_p, burst_p, mid_p and long_p were never checked: a NaN one never fired (`u < nan` is False, so a NaN
+    join_p left one request in flight at a time, and the run's verdict covered no step of several), a negative one
+    acted as 0 and one above 1 as 1, and mid_p + long_p above 1 silently drew no short prompt and fewer mid ones
+    than asked. The run went on with a mix other than the one configured, and said nothing."""
+    for bad in ({"join_p": float("nan")}, {"burst_p": -0.1}, {"join_p": 1.5}, {"long_p": float("inf")},
+                {"mid_p": 0.6, "long_p": 0.6}):
+        name = next(iter(bad)) if len(bad) == 1 else "mid_p + long_p"
+        with pytest.raises(ValueError, match="^" + name.replace("+", r"\+") + ":"):
+            MixConfig(**bad)
+    # The edges are probabilities: never, always, and mid and long prompts only.
+    MixConfig(join_p=0.0, burst_p=1.0, mid_p=0.0, long_p=1.0)
+    MixConfig(mid_p=0.7, long_p=0.3)
+    MixConfig(mid_p=0.15, long_p=0.85)
+
+
 def _short_mix(**kw) -> MixConfig:
     """Short prompts only, no long first request: each field under test set by the caller."""
     return MixConfig(**{"seed": 0, "first_long": False, "mid_p": 0.0, "long_p": 0.0, "short_prompt": (1, 20), **kw})
@@ -310,7 +326,7 @@ def test_requests_stay_their_budget_and_long_ones_long_enough_to_cross_the_windo
     w = Workload(_short_mix(budget=(1, 1), max_active=1), vocab=2048, page_size=16, num_pages=64)
     (r,) = w.admit()
     w.advance(r, 0, [0] * layout.QPR)
-    assert w.retire() == [r] and w.active == [] and len(w.pool.free) == 64
+    assert w.retire() == [r] and w.active == [] and len(w.pool.free) == 64 and (w.joined, w.left) == (1, 1)
     long = Workload(MixConfig(seed=0, budget=(1, 1), long_prompt=(10, 10)), vocab=2048, page_size=16, num_pages=64)
     (first,) = long.admit()
     assert first.pos == 10 and first.budget == 40
@@ -329,6 +345,36 @@ def test_advance_commits_only_rows_its_pages_hold_and_the_next_anchor_follows_th
     (q,) = ok.admit()
     p, _ = ok.advance(q, 3, drafts)
     assert p.tolist() == [9, 10, 11, 12] and q.pos == 13
+
+
+def test_the_block_table_and_prompts_address_each_request_s_own_pages():
+    """The step's block table holds each request's pages in order, zeros after them (as vLLM pads), and a
+    prompt's rows are 0..P-1 at their places in those pages: the step reads the rows the commits wrote. Two
+    requests' prompts are their own tokens, not one stream."""
+    from dspark_sidecar.drafter.scenario import block_rows
+
+    w = Workload(_short_mix(burst_p=1.0, max_active=3, short_prompt=(5, 40)), vocab=2048, page_size=16,
+                 num_pages=64)
+    w.pool.free.reverse()  # pages handed out from the top: no request's page ids are 0, 1, 2, ...
+    w.admit()
+    w.admit()
+    reqs = w.active
+    assert len(reqs) == 3 and len({p for r in reqs for p in r.pages}) == sum(len(r.pages) for r in reqs)
+    t = w.block_table()
+    assert t.dtype == torch.int32 and t.shape == (3, max(len(r.pages) for r in reqs))
+    for i, r in enumerate(reqs):
+        assert t[i].tolist() == r.pages + [0] * (t.shape[1] - len(r.pages))
+        pos, tokens, slots = w.prompt(r)
+        assert pos.tolist() == list(range(r.pos)) and tokens.shape == (r.pos,)
+        assert slots.tolist() == [r.pages[p // 16] * 16 + p % 16 for p in range(r.pos)]
+        assert torch.equal(tokens, w.prompt(r)[1])  # the same on every rank
+    a, b = (w.prompt(r)[1] for r in reqs[:2])
+    k = min(a.numel(), b.numel())
+    assert not torch.equal(a[:k], b[:k])
+    seq_lens = torch.tensor([r.pos + layout.QPR for r in reqs], dtype=torch.int32)
+    _, pos, slots = block_rows(torch.zeros(3, dtype=torch.int64), seq_lens, t, 16, 0)
+    want = [w.slots(r, torch.arange(r.pos, r.pos + layout.QPR)).tolist() for r in reqs]
+    assert slots.view(3, layout.QPR).tolist() == want  # the block rows' slots are the requests' own pages
 
 
 def test_a_burst_fills_the_mix_up_to_max_active():

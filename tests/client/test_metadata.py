@@ -176,3 +176,26 @@ def test_every_layer_on_one_metadata_object_is_one_group_whatever_that_object_ho
     first = vllm_draft_metadata(2, [[["layers.0.attn"]]])["layers.0.attn"]
     no_slots = VllmLikeMetadata(first.seq_lens, first.block_table, None)  # type: ignore[arg-type]
     assert not spans_kv_groups(dict.fromkeys(["layers.0.attn", "layers.1.attn", "layers.2.attn"], no_slots))
+
+
+@pytest.mark.parametrize("field", ["seq_lens", "block_table", "slot_mapping"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_metadata_of_a_non_integer_dtype_is_refused_not_truncated(field, dtype):
+    """Each field was cast to int32 / int64 whatever its dtype: a float seq_lens of 20.7 was sent as 20 and a
+    bool table as pages 0 and 1, a step the engine never described that the sidecar's checks, reading the cast
+    values, could pass. The sidecar refuses these dtypes by name (validate._tensor); the shim falls back."""
+    m = _padded()
+    setattr(m, field, getattr(m, field).to(dtype))
+    assert read_step_metadata(m, 14, page_size=16) == (None, None)
+
+
+def test_int64_tables_and_strided_fields_are_read_as_the_step_s_values():
+    """vLLM keeps int32 tables, other engines int64; padded rows and strided views (a column of a wider buffer):
+    the step's rows and pages, in the sidecar's dtypes, contiguous."""
+    wide = torch.arange(64, dtype=torch.int64).reshape(8, 8)
+    m = VllmLikeMetadata(torch.tensor([20, 9, 35, 9, 0, 9, 0, 9])[::2], wide[::2], torch.arange(56)[::2])
+    meta, longest = read_step_metadata(m, 14, page_size=16)
+    assert longest == 35 and meta.seq_lens.dtype == torch.int32 and meta.seq_lens.tolist() == [20, 35]
+    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.tolist() == [[0, 1, 2], [16, 17, 18]]
+    assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.tolist() == list(range(0, 28, 2))
+    assert all(t.is_contiguous() for t in (meta.seq_lens, meta.block_tables, meta.slot_mapping))
