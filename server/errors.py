@@ -25,9 +25,11 @@ MESSAGE_LIMIT = 1024
 
 
 def _clip(message: str) -> str:
-    raw = message.encode()
+    # backslashreplace: a lone surrogate (an OS string's undecodable byte, surrogateescape) made encode() raise
+    # here, inside the mapping, and the engine got UNKNOWN instead of the status; now it shows as "\udcff".
+    raw = message.encode(errors="backslashreplace")
     if len(raw) <= MESSAGE_LIMIT:
-        return message
+        return raw.decode()
     tail = f" ... ({len(raw)} bytes, clipped)"
     return raw[: MESSAGE_LIMIT - len(tail)].decode(errors="ignore") + tail
 

@@ -374,3 +374,31 @@ def test_a_fresh_thread_asks_the_driver_with_the_device_named():
     th.start()
     th.join(30)
     assert got and got[0][0] <= t.data_ptr() and got[0][0] + got[0][1] >= t.data_ptr() + (1 << 20), got
+
+
+def _driver(monkeypatch, status: int, base: int = 0x10_0000, size: int = 0x1000):
+    """gpu_alloc's address-range query stood in by a driver answering `status` and, on success, (base, size)."""
+    from dspark_sidecar.proto import gpu_alloc
+
+    def query(pbase, psize, ptr):
+        if status == 0:
+            pbase._obj.value, psize._obj.value = base, size
+        return status
+
+    monkeypatch.setattr(gpu_alloc, "_address_range", lambda: ("cuMemGetAddressRange_v2", query))
+    return gpu_alloc
+
+
+def test_bytes_left_counts_from_the_pointer_to_the_allocation_s_end(monkeypatch):
+    """Not the allocation's size: a storage at an offset inside it has only the rest (memory.py's bound)."""
+    gpu_alloc = _driver(monkeypatch, 0)
+    assert gpu_alloc.allocation_extent(0x10_0800) == (0x10_0000, 0x1000)
+    assert gpu_alloc.bytes_left(0x10_0800) == 0x800 and gpu_alloc.bytes_left(0x10_0000) == 0x1000
+
+
+@pytest.mark.parametrize("status", [1, 201])  # CUDA_ERROR_INVALID_VALUE (no allocation holds it), INVALID_CONTEXT
+def test_a_driver_status_other_than_success_is_an_allocation_query_error(monkeypatch, status):
+    """Any non-zero status: taken as success, the untouched (0, 0) extent read as a zero-byte allocation."""
+    gpu_alloc = _driver(monkeypatch, status)
+    with pytest.raises(AllocationQueryError, match=rf"cuMemGetAddressRange_v2\(0x100800\) failed with status {status}"):
+        gpu_alloc.bytes_left(0x10_0800)

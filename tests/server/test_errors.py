@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from dspark_sidecar.proto.memory import HandleError, HandleExhausted, HandleUncheckable
-from dspark_sidecar.server.errors import as_sidecar_error, precondition, to_status, to_step_error
+from dspark_sidecar.server.errors import as_sidecar_error, invalid, precondition, to_status, to_step_error
 
 
 def test_unmappable_handle_is_invalid_argument_naming_the_field():
@@ -56,3 +56,11 @@ def test_a_handle_error_that_names_no_field_is_invalid_argument_with_no_field():
     err = as_sidecar_error(HandleError("cannot export memory of device type meta"))
     assert (err.code, err.field, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "", "INVALID_FIELD")
     assert err.message == "cannot export memory of device type meta" and len(to_status(err).details) == 1
+
+
+def test_a_step_failure_whose_text_has_a_lone_surrogate_is_still_answered():
+    """The stream's path (rank.answer): as_sidecar_error and to_step_error must not raise on a message UTF-8
+    cannot encode, or the exception ends the engine's whole DraftSteps stream instead of one step."""
+    step = to_step_error(as_sidecar_error(RuntimeError("socket dir /run/\udcffx is gone")))
+    assert step.code == grpc.StatusCode.INTERNAL.value[0] and "/run/\\udcffx" in step.message
+    assert to_status(invalid("f", "\udcff")).message == "f: \\udcff"

@@ -222,3 +222,32 @@ def test_every_rpc_but_get_status_refuses_a_remote_peer_before_it_looks_at_the_r
         getattr(svc, rpc)(req, remote)
     assert (err.value.code, err.value.reason) == (grpc.StatusCode.PERMISSION_DENIED, "REMOTE_PEER")
     assert "ipv4:192.0.2.2:40000 refused" in err.value.message
+
+
+@pytest.mark.parametrize("make", [lambda: RuntimeError("cannot open /dev/shm/psm_\udcff"),
+                                  lambda: invalid("layers[0].memory", "segment '/dev/shm/psm_\udcff' is gone")],
+                         ids=["internal", "invalid"])
+def test_a_message_with_an_undecodable_byte_still_goes_out_with_its_status(rig, make):
+    """An OS string Python decoded with surrogateescape (a path or name with a non-UTF-8 byte) carries a lone
+    surrogate, which UTF-8 refuses: _clip's encode raised UnicodeEncodeError from inside the mapping, and the
+    engine got UNKNOWN "Exception calling application" instead of the status and its reason (on the stream,
+    rank.answer raised it too, ending the whole stream)."""
+    svc, stub = rig
+    exc = svc.exc = make()  # built in the test: an invalid() that raises fails it, not the collection
+    err = _refused(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10))
+    want = grpc.StatusCode.INTERNAL if isinstance(exc, RuntimeError) else grpc.StatusCode.INVALID_ARGUMENT
+    assert err.code() == want, (err.code(), err.details())
+    assert "psm_\\udcff" in err.details()  # the byte shown, escaped, not dropped
+    assert _rich(err)[0].reason == ("INTERNAL" if want == grpc.StatusCode.INTERNAL else "INVALID_FIELD")
+    svc.exc = None
+    assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
+
+
+def test_a_method_the_server_does_not_have_is_unimplemented_and_the_server_serves_on(rig):
+    """A newer engine calling an RPC this sidecar lacks must read UNIMPLEMENTED (and fall back), not UNKNOWN: the
+    interceptor passes grpc's "no handler" through untouched instead of wrapping it."""
+    _, stub = rig
+    missing = stub.channel.unary_unary("/dspark.sidecar.v1.DrafterSidecar/NoSuchRpc")
+    err = _refused(lambda: missing(b"", timeout=10))
+    assert err.code() == grpc.StatusCode.UNIMPLEMENTED, (err.code(), err.details())
+    assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
