@@ -320,8 +320,21 @@ class DrafterRunner:
         fn = self._compiled.get(key)
         if fn is None:
             import flydsl.compiler as flyc
+            from flydsl.compiler.backends import current_target
 
             from .catalog import KERNELS
+            from .toolchain import TARGET_ARCH
+
+            # FlyDSL's target is not this rank's GPU (which the host checks found a gfx950) but ARCH, else
+            # FLYDSL_GPU_ARCH / HSA_OVERRIDE_GFX_VERSION, else the first GPU rocm_agent_enumerator lists, else
+            # gfx942. Another arch's code objects compile fine and fail to load at the first fast step's first
+            # launch, after every rank agreed to run it.
+            arch = current_target().arch
+            if arch != TARGET_ARCH:
+                raise FlyDSLUnsupported(f"FlyDSL would compile for {arch}, not {TARGET_ARCH} (its target is ARCH, "
+                                        "else FLYDSL_GPU_ARCH or HSA_OVERRIDE_GFX_VERSION, else the first GPU "
+                                        "rocm_agent_enumerator lists, else gfx942): unset ARCH and set "
+                                        f"FLYDSL_GPU_ARCH={TARGET_ARCH}")
 
             if exchange is not None:
                 from .exchange import build_reduce_exchange

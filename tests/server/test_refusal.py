@@ -62,3 +62,5 @@ def test_the_groups_host_facts_fail_a_check_that_fails_on_any_rank():
     assert shared_host([GOOD_HOST] * 4) == GOOD_HOST
     assert shared_host([GOOD_HOST, GOOD_HOST, HostFacts(False, True, 4), GOOD_HOST]) == HostFacts(False, True, 4)
     assert shared_host([HostFacts(True, False, 4), GOOD_HOST, GOOD_HOST, GOOD_HOST]) == HostFacts(True, False, 4)
+    # Not rank 0's word alone: a later rank that cannot import FlyDSL fails the check for the group.
+    assert shared_host([GOOD_HOST, GOOD_HOST, GOOD_HOST, HostFacts(True, False, 4)]) == HostFacts(True, False, 4)

@@ -391,6 +391,8 @@ def test_compile_runs_nothing_and_fits_every_launch(monkeypatch):
         return lambda *live: launched.append((key, live))
 
     monkeypatch.setattr(flyc, "compile", fake_compile)
+    monkeypatch.delenv("ARCH", raising=False)
+    monkeypatch.setenv("FLYDSL_GPU_ARCH", "gfx950")  # the target the runner checks before compiling
     launched = []
     r = make()
     r.compile_all()
@@ -531,6 +533,36 @@ def test_compile_only_environment_turns_the_path_off_with_the_reason(monkeypatch
     r.close()
 
 
+@pytest.mark.parametrize("env, arch", [
+    ({}, "gfx942"),  # no override, no rocm_agent_enumerator (pip-installed ROCm torch): FlyDSL's fallback
+    ({"FLYDSL_GPU_ARCH": "gfx942"}, "gfx942"),
+    ({"FLYDSL_GPU_ARCH": "gfx950", "ARCH": "gfx942"}, "gfx942"),  # ARCH overrides FLYDSL_GPU_ARCH
+], ids=["fallback", "flydsl-gpu-arch", "arch-overrides"])
+def test_kernels_for_another_arch_are_refused_before_compiling(monkeypatch, env, arch):
+    """FlyDSL picks its target from ARCH, else FLYDSL_GPU_ARCH / HSA_OVERRIDE_GFX_VERSION, else the first
+    GPU rocm_agent_enumerator lists, else gfx942: not from the rank's GPU, which the host checks found to
+    be a gfx950. Compiled for another arch, compile_all succeeded (nothing is loaded until the first call)
+    and the first fast step failed to load its first kernel on every rank, after the rendezvous' GO; the
+    runner refuses such a target with the reason instead, before compiling anything."""
+    flyc = pytest.importorskip("flydsl.compiler")
+    if env == {} and toolchain.on_gfx950():
+        pytest.skip("rocm_agent_enumerator answers on this gfx950 host")
+    for k in ("ARCH", "FLYDSL_GPU_ARCH", "HSA_OVERRIDE_GFX_VERSION"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    compiled = []
+    monkeypatch.setattr(flyc, "compile", lambda launcher, *args: compiled.append(launcher) or (lambda *a: None))
+    r = make()
+    with pytest.raises(rn.FlyDSLUnsupported, match=f"compile for {arch}, not gfx950.*FLYDSL_GPU_ARCH=gfx950"):
+        r.compile_all()
+    assert compiled == [] and r._compiled == {}
+    monkeypatch.delenv("ARCH", raising=False)
+    monkeypatch.setenv("FLYDSL_GPU_ARCH", "gfx950")  # the operator's fix: every kernel compiles
+    assert r.compile_all() == len(set(rn.launch_plan(1))) * 8
+    r.close()
+
+
 def test_every_launcher_takes_its_stream_last():
     """The runner and kernels/flydsl/bench.py append the launch's stream to each compiled launcher's
     arguments: that is right only while every catalog launcher declares `stream: fx.Stream` as its last
@@ -577,3 +609,50 @@ def test_launch_groups_chain_the_residual_and_keep_every_exchange_tag_unique():
     assert int(r.peers.epoch) == launches and len(tags) == 10 * launches
     assert tags == sorted(set(tags))
     r.close()
+
+
+def test_each_launch_of_a_step_gets_its_own_requests_rows():
+    """A step of R > 8 requests runs in launches of <= 8 (layout.launch_groups): each launch's qkv_rope and
+    attention must get that launch's positions, slots and block-table rows. Handed the whole table, the
+    second launch of an 11-request step read requests 0..2's pages for requests 8..10 (their attention ran
+    over other sequences' K/V, with no error anywhere)."""
+    r = make()
+    seen = []
+
+    def kernel(name, num_reqs, exchange, args):
+        def run(*a):
+            if name == "qkv_rope":
+                seen.append(("qkv_rope", num_reqs, a[5].clone(), a[6].clone()))  # POS, SLOT
+            elif name == "attention":
+                seen.append(("attention", num_reqs, a[2].clone(), a[3].clone()))  # POS, BT
+        return run
+
+    r._kernel = kernel
+    reqs, pages = 11, 3
+    step = step_inputs(reqs=reqs, pages=pages)
+    step["slots"] = torch.arange(7 * reqs) * 5
+    step["block_tables"] = torch.arange(reqs * pages, dtype=torch.int32).reshape(reqs, pages)
+    r.forward(**step)
+    groups = [(0, 8), (8, 11)]
+    for first, end in groups:
+        rows = slice(7 * first, 7 * end)
+        qkv = [s for s in seen if s[0] == "qkv_rope" and s[1] == end - first]
+        attn = [s for s in seen if s[0] == "attention" and s[1] == end - first]
+        assert len(qkv) == len(attn) == 5
+        for _, _, pos, slots in qkv:
+            assert torch.equal(pos, step["positions"][rows]) and torch.equal(slots, step["slots"][rows])
+        for _, _, pos, bt in attn:
+            assert torch.equal(pos, step["positions"][rows]) and torch.equal(bt, step["block_tables"][first:end])
+    r.close()
+
+
+def test_a_launch_holds_one_to_eight_requests():
+    """rows_for guards every kernel builder (catalog, exchange): a launch of 0 requests compiled kernels of 0
+    rows, one of 9 overran the workspaces sized for 8 (4 row tiles of 16, 64 exchange rows per rank)."""
+    from dspark_sidecar.kernels.flydsl import shapes
+
+    assert [shapes.rows_for(r) for r in (1, 8)] == [7, 56]
+    assert [shapes.row_tiles(r) for r in (1, 2, 3, 8)] == [1, 1, 2, 4]
+    for bad in (0, 9, -1):
+        with pytest.raises(ValueError, match=r"1\.\.8 requests"):
+            shapes.rows_for(bad)
