@@ -7,7 +7,7 @@ import torch
 
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import CheckpointReader
-from dspark_sidecar.drafter.kv_cache import (FP8_KV, allocate_kv_cache, kv_planes, kv_rows, kv_storage_shape,
+from dspark_sidecar.drafter.kv_cache import (FP8_KV, allocate_kv_cache, kv_paging, kv_planes, kv_rows, kv_storage_shape,
                                              kv_view_problem, to_cache, write_kv_rows)
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
@@ -185,3 +185,14 @@ def test_every_vllm_stride_order_reads_and_writes_k_then_v_of_its_own_layer_only
     assert 0 < changed <= 3 * heads * 2 * d * 4  # bytes of the written records only
     for i in (0, 2):  # the other layers' records, byte for byte
         assert torch.equal(views[i], torch.arange(views[i].numel(), dtype=torch.float32).view(views[i].shape) + 1000 * i)
+
+
+def test_paging_is_read_from_either_layouts_shape_and_nothing_else_is_taken_for_a_cache():
+    """kv_paging: (num_pages, page_size) from the shape alone, as the shim asks each step; a page size read
+    from the wrong axis (heads, or pages) addressed every slot through the wrong pages."""
+    planes = torch.zeros(2, 5, 3, 2, 4)  # [2, pages, page_size, heads, d]
+    records = torch.zeros(5, 2, 3, 8)  # [pages, heads, page_size, 2 d]
+    assert kv_paging(planes) == (5, 3) == tuple(kv_planes(records).shape[1:3])
+    assert kv_paging(records) == (5, 3)
+    for odd in (torch.zeros(5, 3, 8), torch.zeros(1, 2, 5, 3, 2, 4)):
+        assert kv_paging(odd) is None
