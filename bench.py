@@ -221,7 +221,7 @@ def floor_bytes(model: DSparkDrafter, cfg: DrafterConfig, R: int, ctx: int, kv_i
                 w += lin.weight.nbytes
     keys = min(ctx + layout.QPR, cfg.sliding_window + layout.QPR - 1)
     kv_local = cfg.num_key_value_heads // model.par.world_size
-    kv = R * keys * 2 * kv_local * cfg.head_dim * (kv_itemsize or torch.empty((), dtype=model.dtype).element_size())
+    kv = R * keys * 2 * kv_local * cfg.head_dim * (kv_itemsize or model.dtype.itemsize)
     return w * len(layout.launch_groups(R)) + kv * cfg.num_hidden_layers
 
 
@@ -318,7 +318,7 @@ class Bench:
             if not isinstance(err, (OSError, torch.OutOfMemoryError)):
                 raise
             # A cache that does not fit (/dev/shm's ENOSPC, the GPU's OOM) is the flags' size: one line, not a traceback.
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=kv_dtype).element_size()
+            nbytes = math.prod(shape) * kv_dtype.itemsize
             raise BenchConfigError(
                 f"--reqs/--contexts: the KV cache for {max(bc.reqs)} requests of {max(bc.contexts)} tokens "
                 f"({cfg.num_hidden_layers} x {nbytes / 2**30:.2f} GiB) could not be allocated: {err}") from None

@@ -17,7 +17,11 @@ def random_step(rng: np.random.Generator):
     width = max(1, int((-(-L // ps)).max() + rng.integers(-1, 3)))
     tables = (rng.permutation(max(pages, R * width))[: R * width].reshape(R, width) % pages).astype(np.int32)
     P = L[:, None].astype(np.int64) - q + np.arange(q)
-    S = tables[np.arange(R)[:, None], np.clip(P // ps, 0, width - 1)].astype(np.int64) * ps + P % ps
+
+    def slots(r, p):  # each position's place through request r's row (rows [R, 1] or one request's index)
+        return tables[r, np.clip(p // ps, 0, width - 1)].astype(np.int64) * ps + p % ps
+
+    S = slots(np.arange(R)[:, None], P)
     for _ in range(int(rng.integers(0, 3))):
         k, r, j = int(rng.integers(0, 8)), int(rng.integers(0, R)), int(rng.integers(0, q))
         if k == 0:  # a row off by a key; half the time its slot follows it (only the positions rule refuses it)
@@ -36,7 +40,7 @@ def random_step(rng: np.random.Generator):
         elif k == 5:  # rows and slots at a length that fills the table, or passes it by a key or two
             L[r] = width * ps + int(rng.integers(-1, 3))
             P[r] = L[r] - q + np.arange(q)
-            S[r] = tables[r, np.clip(P[r] // ps, 0, width - 1)].astype(np.int64) * ps + P[r] % ps
+            S[r] = slots(r, P[r])
         elif k == 6:
             P[r] -= ps
         else:
