@@ -193,7 +193,8 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
         except KeyboardInterrupt:  # Ctrl-C, the same stopped start (README): exit 0, not main's interrupt
             return 0
     if in_rank:
-        from dspark_sidecar.server.app import PeerLost, serve_rank
+        from dspark_sidecar.server.app import serve_rank
+        from dspark_sidecar.server.process_group import PeerLost
 
         # torchrun's (and our launcher's) rendezvous address wins over the flags
         cfg = cfg.replace(master_addr=os.environ.get("MASTER_ADDR", cfg.master_addr),

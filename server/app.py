@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -18,7 +17,6 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Callable, Iterator
 
 import grpc
 import torch
@@ -43,36 +41,22 @@ from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigE
 from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
 from dspark_sidecar.server.fast_path import build_fast_path
 from dspark_sidecar.server.graphs import StepGraphs, launch_streams
+from dspark_sidecar.server.health import HealthPublisher, watch_peers, watch_steps
 from dspark_sidecar.server.kv_binding import MemoryBindings
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.preflight import check_port, claim_socket
-from dspark_sidecar.server.process_group import PeerLost, join_group
+from dspark_sidecar.server.process_group import join_group
 from dspark_sidecar.server.processes import ExitWith
-from dspark_sidecar.server.rank import STOP_STEPS_S, RankContext, RankLoop, warm_sizes, warm_up
-from dspark_sidecar.server.refusal import AWAITING_BIND, probe_host, shared_host
+from dspark_sidecar.server.rank import RankContext, RankLoop, warm_sizes
+from dspark_sidecar.server.refusal import probe_host, shared_host
 from dspark_sidecar.server.rendezvous import Board, PeerProcesses, Rendezvous
 from dspark_sidecar.server.servicer import MAX_STREAMS, DrafterServicer, Lifecycle, give_back_unopened, limits_pb
+from dspark_sidecar.server.startup import StartUp
+from dspark_sidecar.server.teardown import teardown
 
 log = logging.getLogger("dspark_sidecar.server")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-TEARDOWN_LIMIT_S = 15.0
-SERVER_GRACE_S = 5.0  # in-flight gRPC calls finish within this at shutdown
 BEAT_S = 0.5  # how often a rank's main thread beats on the rendezvous board and looks at its peers'
-# A peer silent this long is stopped or wedged (a beat is due every BEAT_S): the rank reports
-# PEER_SILENT. Long enough that a loaded host's scheduling gaps do not flap health. A peer whose
-# process has exited is reported at the next beat instead (watch_peers).
-PEER_SILENT_S = 3.0
-# A draft step running this long is stuck (on the device, or in a collective with a wedged peer): the rank
-# reports STEP_STUCK, NOT_SERVING, until it ends. Steps take milliseconds, their waits on peers are bounded
-# by the rendezvous deadline (added to this bound: watch_steps), and warm-up compiles every launch shape before
-# SERVING; the bound leaves room for a first launch's compile under --no-warmup. Read at each call, as PEER_SILENT_S.
-STEP_STUCK_S = 15.0
-STUCK_EXIT = 1  # a rank whose shutdown found a step stuck (teardown): not a clean stop, for its supervisor
-# How long the teardown waits for the doorbells' attach lock before it stops the steps. A lease's release (an
-# engine gone) and an UnregisterBuffers take that lock and then wait for the rank's, which a stuck step holds:
-# unbounded, the teardown waited there until its watchdog ended the rank with status 0, never finding the step
-# stuck. Within TEARDOWN_LIMIT_S, beside a doorbell's own stop (doorbell.STOP_S).
-DOORBELL_LOCK_S = 5.0
 # gRPC handler threads: up to MAX_STREAMS open DraftSteps streams hold one each; the rest answer the
 # unary calls and the health check.
 GRPC_THREADS = MAX_STREAMS + 8
@@ -186,120 +170,6 @@ def _give_socket_mode(path: Path, rank: int) -> None:
         os.chmod(f"/proc/self/fd/{fd}", 0o660)
     finally:
         os.close(fd)
-
-
-class StartUp:
-    """SIGTERM/SIGINT while the rank is still starting (loading, the rendezvous, the warm-up) ends it
-    at once: the serving loop that reads `stop` is not reached yet, and a load can take minutes. What
-    start-up made that outlives the process (its socket file, rank 0's board) is removed first; the
-    process ends with os._exit so no half-made collective or CUDA state has to be torn down (inside
-    `unwinding`, where a write has its own cleanup to run, it raises SystemExit(0) instead)."""
-
-    def __init__(self, rank: int, stop: threading.Event) -> None:
-        self.rank, self.stop = rank, stop
-        self.active = True  # until the rank accepts draft calls; from then on a signal drains
-        self.socket: Path | None = None
-        self.lease: Path | None = None  # the engine-lease socket, bound with the servicer (before the warm-up)
-        self.board: Board | None = None
-        self.bound_s: int | None = None  # --startup-timeout-s, once `group` made the start-up group
-        self.unwind = False  # inside `unwinding`: a signal raises SystemExit(0) instead of ending the process
-        self._unwinding = False  # that SystemExit was raised: the process is on its way out
-
-    def group(self, bound_s: int):
-        """The gloo group of the start-up collectives below, on every backend, waiting up to `bound_s`
-        (--startup-timeout-s) for the slowest rank. Without a timeout new_group gave torch's default (30
-        minutes) whatever --dist-timeout-s said, so on NCCL a peer hung while loading held the others that
-        long; the world group's --dist-timeout-s (on gloo) failed a rank whose load ran a minute behind.
-        Collective: a peer that never comes is PeerLost, as in barrier, not new_group's traceback."""
-        self.bound_s = bound_s
-        return self._collective(lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=bound_s)))
-
-    def on_signal(self, signum, _frame) -> None:
-        self.stop.set()
-        if not self.active or self._unwinding:  # (a second signal must not cut the unwinding's cleanup short)
-            return
-        log.info("rank %d: %s during start-up; stopping (exit 0)", self.rank, signal.Signals(signum).name)
-        if self.unwind:
-            self._unwinding = True
-            raise SystemExit(0)  # serve_rank releases the rest on its way out
-        self.release()
-        os._exit(0)
-
-    @contextlib.contextmanager
-    def unwinding(self) -> Iterator[None]:
-        """Inside, a stop raises SystemExit(0) where the main thread is, as Ctrl-C's KeyboardInterrupt
-        would, so that the work's own cleanup runs: os._exit skipped it, and rank 0 stopped while writing
-        the embedded synthetic checkpoint (under torchrun) left its partial folder, gigabytes for a full
-        preset, beside the cache, one more at each stop."""
-        self.unwind = True
-        try:
-            yield
-        finally:
-            self.unwind = False
-
-    def release(self) -> None:
-        """Remove what start-up made that would outlive the process: rank 0's board, the socket files (the
-        gRPC one and the engine-lease one)."""
-        if self.board is not None:
-            self.board.unlink()
-        for path in (self.socket, self.lease):
-            if path is not None:
-                path.unlink(missing_ok=True)
-
-    def barrier(self, group) -> None:
-        """dist.barrier among the starting ranks. A peer that failed to start has printed its own line
-        and exited, which reaches the others here as a gloo error: they say so in one line (PeerLost)
-        rather than with a traceback that reads as a second, unrelated failure."""
-        self._collective(lambda: dist.barrier(group=group))
-
-    def share(self, value, group):
-        """Rank 0's `value` on every starting rank (a broadcast; a peer lost is PeerLost, as in barrier)."""
-        box = [value]
-        self._collective(lambda: dist.broadcast_object_list(box, src=0, group=group))
-        return box[0]
-
-    def gather(self, value, world: int, group) -> list:
-        """Every starting rank's `value`, in rank order (an all-gather; a peer lost is PeerLost, as in barrier)."""
-        out = [None] * world
-        self._collective(lambda: dist.all_gather_object(out, value, group=group))
-        return out
-
-    def warm_up(self, ctx: RankContext, **kw) -> float:
-        """rank.warm_up(ctx, **kw), whose steps exchange partial sums with the peers (the world group): a peer
-        lost in one of those collectives is PeerLost, as in barrier, not gloo's traceback from inside a step. A
-        failure of this rank's own compute (out of memory, a kernel error) is raised as it is: taken for a
-        peer lost, its one line would send the reader to a peer that printed nothing."""
-        try:
-            return warm_up(ctx, **kw)
-        except (RuntimeError, dist.DistError) as err:
-            if not _raised_by_collective(err):
-                raise
-            self.release()
-            raise PeerLost.of(self.rank, err, "left during the warm-up step") from None
-
-    def _collective(self, run: Callable[[], object]):
-        try:
-            return run()
-        except (RuntimeError, dist.DistError) as err:
-            self.release()
-            what = "left during start-up"
-            if self.bound_s is not None:  # or is alive but hung: the wait timed out
-                what += f" or did not catch up within --startup-timeout-s {self.bound_s} s"
-            raise PeerLost.of(self.rank, err, what) from None
-
-
-_DIST_DIR = os.path.dirname(dist.__file__) + os.sep
-
-
-def _raised_by_collective(err: BaseException) -> bool:
-    """Whether `err` came out of a torch.distributed call (gloo's error for a peer gone mid-collective
-    is a plain RuntimeError, like any other): its innermost frame is torch.distributed's."""
-    if isinstance(err, dist.DistError):
-        return True
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_DIST_DIR)
 
 
 def graphs_on(cfg: ServeConfig, device: torch.device, backend: str) -> bool:
@@ -549,206 +419,3 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     time.sleep(cfg.drain_s)  # health says NOT_SERVING while calls are still accepted: engines move off
     teardown(rank, servicer, loop, server, graphs, fast, rendezvous, board, status=code)
     return code
-
-
-def teardown(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grpc.Server, graphs: StepGraphs | None,
-             fast, rendezvous: Rendezvous, board: Board, status: int = 0) -> None:
-    """A drained rank's end: the doorbell, the steps, the streams, then the device's and the group's resources.
-
-    A step still running once stop_steps gives up is stuck (on the device, or in a collective with a wedged
-    peer: steps take milliseconds): everything after the streams would wait on it (graphs.close() and the
-    fast path synchronize the device; the group's destroy waits for its collectives) until the watchdog
-    ended the process with status 0, a clean stop to its supervisor. The rank ends the streams and then
-    the process at once, status 1; the driver frees its device memory and IPC mappings at exit. `status`: the
-    rank's exit status (1: it failed, or torchrun's agent left), which the watchdog ends the process with too (1 once
-    the teardown itself has raised)."""
-    # Teardown must not hang the exit (a peer that left first can wedge an NCCL teardown): after
-    # the drain nothing is in flight, so past the limit the process just ends.
-    stage = ["the doorbell"]  # what the teardown is doing, for the watchdog's line
-    code = [status]  # the watchdog's exit status: 1 once the teardown itself has failed
-    limit = TEARDOWN_LIMIT_S + STOP_STEPS_S + SERVER_GRACE_S
-    watchdog = threading.Timer(limit, lambda: (log.warning("rank %d: teardown exceeded %.0f s in %s; exiting",
-                                                           rank, limit, stage[0]), os._exit(code[0])))
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        _tear_down(rank, servicer, loop, server, graphs, fast, rendezvous, board, stage)
-    except BaseException:
-        # Raised through serve_rank, the interpreter's exit may then wait for good (a gRPC server never stopped):
-        # the watchdog's end must not read as the clean stop of a drained rank.
-        code[0] = 1
-        raise
-
-
-def _tear_down(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grpc.Server, graphs: StepGraphs | None,
-               fast, rendezvous: Rendezvous, board: Board, stage: list[str]) -> None:
-    """teardown's stages, in order; `stage[0]` names the one running (the watchdog's line)."""
-    # The doorbell before the streams: an engine reads the end of its idle liveness stream as "the
-    # sidecar is done with my step", so no doorbell step may still be running when the streams end.
-    closed = servicer.close_doorbell(DOORBELL_LOCK_S)
-    # Then the steps, for the same reason: the streams end only once no step runs. Steps that
-    # arrive from here on are answered UNAVAILABLE (SHUTTING_DOWN) on their still-open streams.
-    stage[0] = "the steps in flight"
-    stuck = not loop.stop_steps()
-    if not closed and not stuck:
-        # The attach lock's holder waited behind a step that has ended since: it lets go now, and the doorbells
-        # stop before the streams end. (With the step stuck, the process ends below: no doorbell step starts,
-        # stop_steps refuses them.)
-        stage[0] = "the doorbell"
-        servicer.close_doorbell()
-    stage[0] = "the gRPC server"
-    server.stop(grace=SERVER_GRACE_S).wait()  # then refuse new calls and end the streams
-    # Engines read end of file: the next sidecar hands out leases of its own. With a step stuck, a lease's release
-    # waiting for the loop that step holds is not waited for: joined, it hung the teardown past the exit below.
-    servicer.close_leases(0.0 if stuck else None)
-    if stuck:
-        log.error("rank %d: a step still runs %.0f s into the shutdown (stuck on the device or in a collective: "
-                  "a peer gone?); the streams are ended, and the process ends now with status %d, its device "
-                  "resources left to the exit", rank, STOP_STEPS_S, STUCK_EXIT)
-        logging.shutdown()  # os._exit skips the handlers' flush
-        os._exit(STUCK_EXIT)
-    stage[0] = "the rank loop"
-    loop.close()
-    if graphs is not None:
-        stage[0] = "dropping the CUDA graphs"
-        graphs.close()
-        loop.drain()  # the device is synchronized: releases still held (at TP > 1) go before the group does
-    if fast is not None:
-        stage[0] = "the FlyDSL fast path"
-        fast.close()
-    stage[0] = "the rendezvous"
-    if rendezvous.close():
-        board.close()
-    else:
-        board.unlink()  # a thread still reads it: its mapping goes with the process (Rendezvous.close)
-    stage[0] = f"destroying the {dist.get_backend()} process group"
-    dist.destroy_process_group()
-    log.info("rank %d: stopped", rank)
-
-
-class HealthPublisher:
-    """Health follows the lifecycle; with --strict-refusal a refused fast path is NOT_SERVING, and a
-    silent peer rank makes it NOT_SERVING until the peer is back.
-
-    Called from the main thread (start, drain, the peers' watch) and from gRPC handler threads (a
-    binding that changes the fast path): one call at a time, with a state change made under the same
-    lock. Otherwise a BindKV's call that had read SERVING could set health SERVING after the drain's
-    NOT_SERVING, and nothing would publish again: SERVING for the whole drain and teardown.
-
-    Health is set only when its status changes: grpc.health.v1's servicer sends every set to every
-    Watch stream, so the beat-by-beat publish of a silent peer (its reason's seconds) sent each
-    subscriber a duplicate NOT_SERVING twice a second."""
-
-    def __init__(self, life: Lifecycle, servicer, ctx, health_servicer, metrics: Metrics) -> None:
-        self.life, self.servicer, self.ctx, self.health, self.metrics = life, servicer, ctx, health_servicer, metrics
-        self._lock = threading.Lock()
-        self._published = None  # the health status last set (None: not set by this publisher yet)
-
-    def __call__(self, state: str | None = None) -> None:
-        life = self.life
-        with self._lock:
-            # Worked out here and set once: set first, `state` ("SERVING" at the start) was what a
-            # GetStatus on another thread read while the refusal was still being asked, on a rank
-            # that then went REFUSED.
-            state = life.state if state is None else state
-            refused = self.servicer.refusal() if life.strict else ""
-            if refused == AWAITING_BIND:
-                # Every host check passed; the engine's checks wait for its BindKV: nothing is refused yet.
-                # Taken for a refusal, a strict rank on the very host the fast path is for came up
-                # REFUSED (NOT_SERVING), which the engine reads as refused for good before it ever binds,
-                # and which keeps a native sidecar's startup probe, and so the engine, from starting.
-                refused = ""
-            # Read once: the beat (watch_steps, on the main thread, not under this lock) clears it when the step
-            # ends, and read again below, a publish from a gRPC thread failed on the None (TypeError in BindKV).
-            stuck = life.stuck_step
-            if state in ("SERVING", "REFUSED", "PEER_SILENT", "STEP_STUCK"):
-                # A peer out first: a step stuck in a collective is most often stuck on that peer.
-                peer_out = life.silent_peers or life.exited_peers
-                state = ("PEER_SILENT" if peer_out else "STEP_STUCK" if stuck else "REFUSED" if refused
-                         else "SERVING")
-            with life.lock:  # one change for GetStatus (Lifecycle.snapshot)
-                life.reason = (peers_reason(life.exited_peers, life.silent_peers) if state == "PEER_SILENT"
-                               else stuck_reason(*stuck) if state == "STEP_STUCK" else "")
-                life.state = state
-            self.ctx.refusal = refused or None
-            serving = health_pb2.HealthCheckResponse.SERVING
-            status = serving if life.serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            self._set(status)
-            self.metrics.set_serving(life.serving)
-
-    def draining_anyway(self) -> None:
-        """DRAINING and NOT_SERVING set as they are, for a drain whose publish failed (its refusal, a peer's
-        reason): health must still leave SERVING before the drain. Under the lock, as every publish."""
-        with self._lock:
-            with self.life.lock:
-                self.life.state, self.life.reason = "DRAINING", ""
-            self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
-            self.metrics.set_serving(False)  # dspark_serving stayed 1 for the whole drain and teardown
-
-    def _set(self, status) -> None:
-        if status != self._published:
-            for name in ("", SERVICE_NAME):
-                self.health.set(name, status)
-            self._published = status
-
-
-def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], None], peers: PeerProcesses) -> None:
-    """Beat, then look at the peers: health leaves SERVING while a peer is silent (each step would
-    wait out the rendezvous deadline and abort) and comes back with the peer. A peer whose process
-    has exited is reported at once, not after PEER_SILENT_S, and for good (the group cannot run steps
-    again; its launcher or torchrun's agent takes it down). PEER_SILENT_S is read at each call
-    (tests/server/test_peer_exit.py sets it to an hour in the rank processes)."""
-    board.beat(rank)
-    exited = peers.exited()
-    silent = {r: s for r, s in board.silent(rank, PEER_SILENT_S).items() if r not in exited}
-    if exited.keys() != life.exited_peers.keys():
-        log.error("rank %d: %s", rank, peers_reason(exited, {}))
-    if silent.keys() != life.silent_peers.keys():
-        if silent:
-            log.warning("rank %d: %s", rank, peers_reason({}, silent))
-        elif life.silent_peers.keys() - exited.keys():  # not when the silent peer(s) have exited instead
-            log.info("rank %d: every peer rank signals again", rank)
-    changed = silent.keys() != life.silent_peers.keys() or exited.keys() != life.exited_peers.keys()
-    life.silent_peers, life.exited_peers = silent, exited
-    if changed or silent:  # while silent, publish again: the reason's seconds grow
-        publish()
-
-
-def watch_steps(loop: RankLoop, rank: int, life: Lifecycle, publish: Callable[[], None]) -> None:
-    """From the beat: health leaves SERVING while a draft step has run past STEP_STUCK_S (engines stop
-    sending steps that would queue behind it; a probe, or Kubernetes' liveness, sees why) and comes back
-    when it ends. The rank beats on meanwhile: its peers' health says nothing of a step stuck here.
-
-    A step may wait out the rendezvous deadline for a peer's copy (--rendezvous-ms, up to 60 s) and then be
-    answered ABORTED: that wait is bounded, not stuck, so the bound is STEP_STUCK_S past it. Counted from the
-    step's start alone, a rank waiting out a --rendezvous-ms above 15 s went STEP_STUCK ("stuck on the device
-    or in a collective") for a peer's missing copy."""
-    stuck, was = loop.stuck_step(STEP_STUCK_S + loop.rendezvous.deadline_ms / 1e3), life.stuck_step
-    life.stuck_step = stuck
-    if stuck is not None and was is None:
-        log.error("rank %d: %s", rank, stuck_reason(*stuck))
-    elif stuck is None and was is not None:
-        log.info("rank %d: the stuck draft step %d has ended", rank, was[0])
-    if stuck is not None or was is not None:  # while stuck, publish again: the reason's seconds grow
-        publish()
-
-
-def stuck_reason(step_id: int, secs: float) -> str:
-    """GetStatus.state_reason for STEP_STUCK."""
-    return (f"draft step {step_id} has run for {secs:.1f} s (steps take milliseconds): stuck on the device or in "
-            "a collective; steps wait behind it until it ends")
-
-
-def peers_reason(exited: dict[int, int], silent: dict[int, float]) -> str:
-    """GetStatus.state_reason for PEER_SILENT: the peers whose process exited ({rank: pid}), then the
-    ones alive but silent ({rank: seconds})."""
-    parts = []
-    if exited:
-        ranks = ", ".join(str(r) for r in sorted(exited))
-        pids = ", ".join(str(exited[r]) for r in sorted(exited))
-        parts.append(f"peer rank(s) {ranks} exited (pid {pids}): steps abort until the sidecar group is restarted")
-    if silent:
-        ranks = ", ".join(str(r) for r in sorted(silent))
-        parts.append(f"peer rank(s) {ranks} silent for {max(silent.values()):.1f} s: stopped or hung; "
-                     "steps would abort")
-    return "; ".join(parts)

@@ -18,9 +18,9 @@ from dspark_sidecar.server.processes import ExitWith
 
 log = logging.getLogger("dspark_sidecar.launcher")
 # A serving rank that has not exited this long after its --drain-s is killed: its teardown ends itself
-# within 30 s (app.TEARDOWN_LIMIT_S + rank.STOP_STEPS_S + app.SERVER_GRACE_S), so only a wedged one is.
+# within 30 s (teardown.TEARDOWN_LIMIT_S + rank.STOP_STEPS_S + teardown.SERVER_GRACE_S), so only a wedged one is.
 DRAIN_GRACE_S = 60.0
-# A rank still starting ends at once on SIGTERM (app.StartUp) unless it is blocked in native code
+# A rank still starting ends at once on SIGTERM (startup.StartUp) unless it is blocked in native code
 # (torch's rendezvous connect retries for --dist-timeout-s, a read of a hung filesystem) where no
 # Python signal handler runs: past this it is killed, and a stop requested by the user still exits 0.
 STARTUP_STOP_S = 3.0

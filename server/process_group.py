@@ -150,7 +150,7 @@ class PeerLost(RuntimeError):
 
 def check_gloo_interfaces(environ: MutableMapping[str, str]) -> None:
     """GLOO_SOCKET_IFNAME (gloo's comma-separated interface names) names interfaces of this host. Else gloo's
-    device fails in this rank alone, on a GPU rank first in the start-up group (app.StartUp.group), where a
+    device fails in this rank alone, on a GPU rank first in the start-up group (startup.StartUp.group), where a
     failure reads as a peer lost: every rank blamed a peer that printed nothing. ServeConfigError (exit 2)."""
     value = environ.get("GLOO_SOCKET_IFNAME", "")
     if not value:

@@ -149,7 +149,7 @@ class RankLoop:
         self._stopping = False
         self._stop_by = 0.0  # the first stop_steps' deadline (time.monotonic): the later ones wait no longer
         # (step id, time.monotonic() at its start) of the step running now, whichever thread runs it: read by
-        # the rank's beat (server/app.py watch_steps) through stuck_step. One tuple, replaced whole: read
+        # the rank's beat (server/health.py watch_steps) through stuck_step. One tuple, replaced whole: read
         # without the lock, which a stuck step holds.
         self._running: tuple[int, float] | None = None
         self._worker = threading.Thread(target=self._work, name=f"dspark-rank{ctx.rank}", daemon=True)

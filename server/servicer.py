@@ -51,13 +51,13 @@ CLIENT_CHECK_S = 0.2
 
 @dataclass
 class Lifecycle:
-    """What health and GetStatus say about this rank; changed only by server/app.py and BindKV."""
+    """What health and GetStatus say about this rank; changed only by server/app.py, server/health.py and BindKV."""
 
     state: str = "LOADING"  # LOADING -> SERVING -> DRAINING (or REFUSED with --strict-refusal, PEER_SILENT, STEP_STUCK)
     reason: str = ""  # why not SERVING, where the state alone does not say (StatusReport.state_reason)
-    silent_peers: dict = field(default_factory=dict)  # {peer rank: seconds silent} (server/app.py watch_peers)
+    silent_peers: dict = field(default_factory=dict)  # {peer rank: seconds silent} (server/health.py watch_peers)
     exited_peers: dict = field(default_factory=dict)  # {peer rank: pid} whose process exited (watch_peers)
-    stuck_step: tuple | None = None  # (step id, seconds) of a step running past STEP_STUCK_S (app.watch_steps)
+    stuck_step: tuple | None = None  # (step id, seconds) of a step running past STEP_STUCK_S (health.watch_steps)
     backend: str = "reference"
     fallback: str | None = None  # under "flydsl": the portable backend of the steps it refuses (BackendChoice.fallback)
     host: HostFacts | None = None
@@ -65,7 +65,7 @@ class Lifecycle:
     strict: bool = False
     dist_backend: str = "gloo"
     on_change: list = field(default_factory=list)
-    # Held by a publish while it sets state and reason (app.HealthPublisher), and by GetStatus while it reads
+    # Held by a publish while it sets state and reason (health.HealthPublisher), and by GetStatus while it reads
     # them: read apart, a publish in between answered serving false with state SERVING, which the shim takes
     # for a refusal for good wherever fast_path_refusal is set (any Triton host's "not gfx950").
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -165,7 +165,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         return self.ctx.fast.pending(self.ctx.memory.kv) or ""
 
     def _publish_health(self) -> None:
-        """Health judged again (app.HealthPublisher): after a binding changes, or the fast path's verdict on it."""
+        """Health judged again (health.HealthPublisher): after a binding changes, or the fast path's verdict on it."""
         for cb in self.life.on_change:
             cb()
 

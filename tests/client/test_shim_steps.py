@@ -1358,7 +1358,7 @@ def test_hidden_states_reach_the_engine_in_its_own_dtype():
 
 def test_a_sidecar_that_comes_up_refusing_behind_an_open_breaker_turns_the_process_off(fake):
     """A strict (--strict-refusal) sidecar that refuses for good is NOT_SERVING on grpc.health.v1 for good too
-    (server/app.py HealthPublisher), and its refusal is read only from GetStatus. An engine that stepped while
+    (server/health.py HealthPublisher), and its refusal is read only from GetStatus. An engine that stepped while
     the sidecar was still loading (NOT_SERVING, passing) opened its breaker; from then on only the health probe
     was sent, which never passed, so GetStatus was never read again: the ranks never agreed to turn off, every
     step still paid the pre-flight agreement, counted as "breaker open", with a probe every backoff_max_s for

@@ -184,8 +184,8 @@ def test_stop_timeout_outlasts_the_drain_and_the_launchers_own_grace():
 
     (timeout,) = unit_values(SIDECAR, "TimeoutStopSec")
     assert timeout.endswith("s") and timeout[:-1].isdigit(), timeout
-    # A rank's worst stop: --drain-s, then the teardown watchdog (app.TEARDOWN_LIMIT_S + rank.STOP_STEPS_S
-    # + app.SERVER_GRACE_S = 30 s); spelled out here so the test does not import torch.
+    # A rank's worst stop: --drain-s, then the teardown watchdog (teardown.TEARDOWN_LIMIT_S + rank.STOP_STEPS_S
+    # + teardown.SERVER_GRACE_S = 30 s); spelled out here so the test does not import torch.
     # The launcher kills a rank still running --drain-s + DRAIN_GRACE_S after SIGTERM.
     drain = ServeConfig().drain_s
     assert drain + 30 < drain + DRAIN_GRACE_S < int(timeout[:-1])

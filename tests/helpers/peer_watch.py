@@ -1,4 +1,4 @@
-"""A rank's peer watch (server/app.py watch_peers) over a real board and a live peer process, for one test."""
+"""A rank's peer watch (server/health.py watch_peers) over a real board and a live peer process, for one test."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def watched_peer():
     process, beating now); look() is one watch_peers pass of rank 0, the first already made (peer seen alive)."""
     from grpc_health.v1 import health
 
-    from dspark_sidecar.server.app import HealthPublisher, watch_peers
+    from dspark_sidecar.server.health import HealthPublisher, watch_peers
     from dspark_sidecar.server.processes import process_start
     from dspark_sidecar.server.rendezvous import Board, PeerProcesses
     from dspark_sidecar.server.servicer import Lifecycle

@@ -343,7 +343,9 @@ def test_a_peer_lost_while_the_path_is_built_is_one_line(tiny_ckpt, monkeypatch)
     cfg = ServeConfig(tp=4, device="cpu", dtype="fp32", checkpoint=tiny_ckpt[0], target_checkpoint=tiny_ckpt[1])
     start_up = app.StartUp(0, threading.Event())
     start_up.bound_s = 600
-    with pytest.raises(app.PeerLost, match=r"^rank 0: a peer rank left during start-up or did not catch up within "
+    from dspark_sidecar.server.process_group import PeerLost
+
+    with pytest.raises(PeerLost, match=r"^rank 0: a peer rank left during start-up or did not catch up within "
                                            r"--startup-timeout-s 600 s \(\[gloo.*Connection closed by peer"):
         app._load(cfg, 0, 4, CPU, None, start_up)
 
@@ -592,7 +594,7 @@ def test_status_says_the_kernels_compile_until_the_runner_serves_and_strict_heal
     from grpc_health.v1 import health, health_pb2
 
     from dspark_sidecar.proto import sidecar_pb2 as pb
-    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.health import HealthPublisher
     from dspark_sidecar.server.metrics import Metrics
 
     factory = GatedCompile()

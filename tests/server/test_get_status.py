@@ -93,7 +93,7 @@ def test_a_state_published_while_status_is_answered_gives_one_state(before, reas
     from grpc_health.v1 import health
 
     from dspark_sidecar.client.shim import sidecar_refusal
-    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.health import HealthPublisher
 
     cfg = load_config("tiny")
     ctx = SimpleNamespace(rank=0, fast=None, cfg=cfg, memory=SimpleNamespace(kv=None), refusal=None,

@@ -126,7 +126,7 @@ def test_a_binding_s_publish_caught_by_the_drain_cannot_leave_health_serving():
 
     from grpc_health.v1 import health_pb2
 
-    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.health import HealthPublisher
     from dspark_sidecar.server.servicer import Lifecycle
 
     inside, release, sets = threading.Event(), threading.Event(), []
@@ -163,7 +163,7 @@ def test_a_silent_peer_sends_watch_subscribers_one_not_serving_not_one_every_bea
 
     from grpc_health.v1 import health, health_pb2
 
-    from dspark_sidecar.server.app import HealthPublisher, watch_peers
+    from dspark_sidecar.server.health import HealthPublisher, watch_peers
     from dspark_sidecar.server.rendezvous import Board, PeerProcesses
     from dspark_sidecar.server.servicer import Lifecycle
 
@@ -279,7 +279,7 @@ def _strict_rank(host, kv=None, fast=None):
     from grpc_health.v1 import health
 
     from dspark_sidecar.drafter.config import load_config
-    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.health import HealthPublisher
     from dspark_sidecar.server.metrics import Metrics
     from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
 
@@ -373,7 +373,7 @@ def test_get_status_does_not_read_serving_while_a_strict_publish_asks_for_the_re
     as ready and bound). The state is now set once, as worked out."""
     from types import SimpleNamespace
 
-    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.health import HealthPublisher
     from dspark_sidecar.server.servicer import Lifecycle
 
     life = Lifecycle(state="LOADING", strict=True)

@@ -32,8 +32,8 @@ TP = 2
 # the next beat, BEAT_S after the kill).
 RANK_SILENT_FOR_AN_HOUR = """
 import sys
-from dspark_sidecar.server import app
-app.PEER_SILENT_S = 3600.0
+from dspark_sidecar.server import health
+health.PEER_SILENT_S = 3600.0
 from dspark_sidecar import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
@@ -96,7 +96,7 @@ def test_a_killed_peer_is_reported_exited_well_before_the_silence_timeout(ranks,
                     lambda: "the exited peer reported (not only by the silence)\n" + tail(), interval_s=0.05)
     assert st.state == "PEER_SILENT" and not st.serving, st
     assert "rank(s) 1 exited" in st.state_reason and "silent" not in st.state_reason, st.state_reason
-    # Health is set by the same publish as the state, just after it (app.HealthPublisher): a GetStatus on
+    # Health is set by the same publish as the state, just after it (health.HealthPublisher): a GetStatus on
     # another of the rank's threads can read the new state first. Within what is left of the same bound.
     wait_until(lambda: check(socks[0], 2.0) == "NOT_SERVING", HANG_S - (time.monotonic() - killed_at),
                lambda: f"health NOT_SERVING with the peer reported exited: {check(socks[0], 2.0)}\n{tail()}",
@@ -111,7 +111,7 @@ def test_a_killed_peer_is_reported_exited_well_before_the_silence_timeout(ranks,
 def test_an_exited_peer_stays_reported_exited_once_its_beats_are_old():
     """Not flipped to "silent" once the dead rank's last beat is PEER_SILENT_S old (the ranks above run with an
     hour's silence timeout, so this is looked at here, on a board whose beats are set)."""
-    from dspark_sidecar.server.app import PEER_SILENT_S
+    from dspark_sidecar.server.health import PEER_SILENT_S
 
     with watched_peer() as (life, _, board, peer, look):
         peer.kill()

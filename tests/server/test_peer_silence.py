@@ -2,7 +2,7 @@
 
 A stopped peer never posts its copies, so every step on rank 0 would wait out the rendezvous
 deadline and abort: rank 0 cannot draft, and health must say so (grpc.health.v1 SERVING only when
-the rank can really draft), with GetStatus naming the silent peer (server/app.py watch_peers).
+the rank can really draft), with GetStatus naming the silent peer (server/health.py watch_peers).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
-from dspark_sidecar.server.app import PEER_SILENT_S
+from dspark_sidecar.server.health import PEER_SILENT_S
 from dspark_sidecar.server.healthcheck import check
 from helpers.engine_sim import PAGE, EngineSim
 from helpers.sidecar_proc import SidecarProcess, free_port_block
@@ -69,7 +69,7 @@ def test_a_stopped_peer_takes_rank_0_out_of_serving_until_it_is_back(tmp_path, t
         assert time.monotonic() - t0 >= PEER_SILENT_S - 0.5  # not before the peer could have beaten
         assert not st.serving and "rank(s) 1 silent" in st.state_reason, st.state_reason
         # Every face of health says so: both health services (a Kubernetes gRPC probe asks for ""), the gauge.
-        # They are set by the same publish as the state, just after it (app.HealthPublisher): waited for.
+        # They are set by the same publish as the state, just after it (health.HealthPublisher): waited for.
         wait_until(lambda: _faces(sc, port) == ("NOT_SERVING", "NOT_SERVING", "0.0"), 5,
                    lambda: f"health and the gauge follow: {_faces(sc, port)}", interval_s=0.1)
         # The reason is kept current while the peer stays silent (its seconds grow, beat by beat).

@@ -281,7 +281,7 @@ def test_a_rank_0_not_hosting_the_store_in_time_on_this_host_s_address_is_a_lost
 @pytest.mark.parametrize("value, missing", [("bogus0", "bogus0"), ("lo,bogus0", "bogus0")])
 def test_a_gloo_interface_this_host_lacks_is_one_line_naming_the_variable(monkeypatch, value, missing):
     """GLOO_SOCKET_IFNAME naming no interface of this host fails gloo's device in this rank alone. On a GPU
-    rank the first gloo group is the start-up group (app.StartUp.group), where every error is a peer lost: each
+    rank the first gloo group is the start-up group (startup.StartUp.group), where every error is a peer lost: each
     rank printed "a peer rank left during start-up ... the peer's own line says why" and exited 1 (restarted
     for ever), and no peer had a line; on a CPU rank init_process_group's traceback. It is the operator's
     value: one line naming it, exit 2, before the rendezvous."""

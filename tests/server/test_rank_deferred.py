@@ -428,7 +428,7 @@ def test_the_reaper_says_it_once_each_wait_log_s_not_at_each_turn(loop, monkeypa
 
 
 def test_close_ends_the_reaper_and_leaves_what_the_device_reaches_later_to_the_teardown_s_drain(loop, monkeypatch):
-    """close() stops the reaper: the teardown drops the graphs and the process group next (app.teardown), and a
+    """close() stops the reaper: the teardown drops the graphs and the process group next (server/teardown.py), and a
     release run meanwhile on a thread left behind would race them. What the device gets to after close() runs at the
     teardown's own drain (after its device sync), on the caller's thread."""
     import threading

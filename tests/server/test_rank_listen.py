@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from dspark_sidecar.server.config import AddressInUse, ServeConfig, ServeConfigError
+from dspark_sidecar.server.process_group import PeerLost
 from dspark_sidecar.server.rendezvous import Board
 
 
@@ -100,7 +101,7 @@ def test_a_peer_lost_during_start_up_is_one_line_and_what_start_up_made_goes(tmp
     start_up.socket.touch()
     start_up.board = Board(None, 2, create=True)
     try:
-        with pytest.raises(app.PeerLost, match=r"rank 0: a peer rank left during start-up \(.*Connection closed"):
+        with pytest.raises(PeerLost, match=r"rank 0: a peer rank left during start-up \(.*Connection closed"):
             start_up.barrier(None)
         assert not start_up.socket.exists()
         with pytest.raises(FileNotFoundError):

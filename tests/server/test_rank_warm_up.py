@@ -25,7 +25,7 @@ from dspark_sidecar.drafter.kv_cache import allocate_kv_cache, window_width
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
-from dspark_sidecar.server import app, rank
+from dspark_sidecar.server import app, rank, startup
 from dspark_sidecar.server.graphs import StepGraphs, _Packed
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext
@@ -72,7 +72,7 @@ def test_the_gpu_warm_up_launches_every_shape_the_step_graphs_launch(model, tiny
     ctx = RankContext(0, 1, tiny_cfg, model, tiny_embed, None, Metrics(0), max_reqs)
     graphs = SimpleNamespace(streams=[])  # TP > 1's default: launch groups in order
     sizes = app.warm_plan(SimpleNamespace(max_reqs=max_reqs), torch.device("cuda", 0), graphs)
-    app.StartUp(0, None).warm_up(ctx, sizes=sizes, graphs=graphs)
+    startup.StartUp(0, None).warm_up(ctx, sizes=sizes, graphs=graphs)
     warmed = set(seen)
     seen.clear()
     _graph_launches(model, tiny_cfg, max_reqs)

@@ -431,7 +431,7 @@ def _close_unless_read(th: threading.Thread | None, rdv: Rendezvous, boards: lis
 
 @pytest.mark.parametrize("posted_first", [False, True])
 def test_a_post_left_without_a_verdict_by_a_stopped_coordinator_is_aborted_at_once(posted_first):
-    """Rank 0 shuts down its coordinator (app.py teardown) while a peer still posts: a step left
+    """Rank 0 shuts down its coordinator (server/teardown.py) while a peer still posts: a step left
     pending, or one queued behind the shutdown (refused copies are posted too). No verdict can come,
     and none covering the post was written, so no rank launched it: the peer aborts it. It used to
     wait out deadline + fatal_after_s (30 s), then exit 3 (a group's clean stop ended as a failure)."""
@@ -567,7 +567,7 @@ def _post_peer(board: Board, rank: int, pid: int, start: int) -> None:
 
 
 def test_peer_processes_tell_an_exit_a_zombie_and_a_reused_pid_from_a_stopped_or_foreign_peer():
-    """PeerProcesses (server/app.py watch_peers, the coordinator): a peer is exited when its pid names no
+    """PeerProcesses (server/health.py watch_peers, the coordinator): a peer is exited when its pid names no
     process, a zombie (kill(pid, 0) still succeeds on it), or a process with another start time (the pid
     reused). A stopped peer is alive (the silence timeout is for it); a pid never seen alive with its start
     time (a rank in a pid namespace of its own) is never judged."""

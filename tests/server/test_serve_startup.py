@@ -203,14 +203,14 @@ def test_sigterm_in_the_last_moments_of_start_up_never_shows_serving(tmp_path):
 
 RANK_DIES_IN_WARM_UP = """
 import os, sys
-from dspark_sidecar.server import app
-real = app.warm_up
+from dspark_sidecar.server import startup
+real = startup.warm_up
 def warm_up(ctx, **kw):
     if ctx.rank == 1:  # a peer that fails inside the warm-up step (out of device memory, say): its line, then gone
         print("rank 1: failed in its warm-up", file=sys.stderr, flush=True)
         os._exit(1)
     return real(ctx, **kw)
-app.warm_up = warm_up
+startup.warm_up = warm_up
 from dspark_sidecar import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
@@ -248,15 +248,16 @@ def test_a_failure_of_the_rank_s_own_warm_up_is_not_blamed_on_a_peer(monkeypatch
 
     import pytest
 
-    from dspark_sidecar.server import app
+    from dspark_sidecar.server import startup
+    from dspark_sidecar.server.process_group import PeerLost
 
     def oom(ctx):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(app, "warm_up", oom)
+    monkeypatch.setattr(startup, "warm_up", oom)
     with pytest.raises(RuntimeError, match="out of memory") as info:
-        app.StartUp(0, threading.Event()).warm_up(None)
-    assert not isinstance(info.value, app.PeerLost)
+        startup.StartUp(0, threading.Event()).warm_up(None)
+    assert not isinstance(info.value, PeerLost)
 
 
 def test_a_second_signal_during_the_unwinding_does_not_cut_its_cleanup_short(monkeypatch):
@@ -267,11 +268,11 @@ def test_a_second_signal_during_the_unwinding_does_not_cut_its_cleanup_short(mon
 
     import pytest
 
-    from dspark_sidecar.server import app
+    from dspark_sidecar.server import startup
 
-    start_up = app.StartUp(0, threading.Event())
+    start_up = startup.StartUp(0, threading.Event())
     ended: list[object] = []
-    monkeypatch.setattr(app.os, "_exit", ended.append)
+    monkeypatch.setattr(startup.os, "_exit", ended.append)
     monkeypatch.setattr(start_up, "release", lambda: ended.append("release"))
     cleaned = []
     with pytest.raises(SystemExit) as info:
@@ -329,13 +330,13 @@ def test_sigterm_while_rank_0_writes_the_synthetic_checkpoint_leaves_no_partial_
 RANK_IN_ITS_WARM_UP = """
 import sys, time
 from pathlib import Path
-from dspark_sidecar.server import app
+from dspark_sidecar.server import startup
 def warm_up(ctx, **kw):  # past the servicer (its lease socket bound), in the warm-up: a stop, or a failure
     Path(sys.argv[-1]).touch()
     if sys.argv[-2] == "fail":
         raise MemoryError("the warm-up ran out of memory")
     time.sleep(3600)
-app.warm_up = warm_up
+startup.warm_up = warm_up
 from dspark_sidecar import cli
 sys.exit(cli.main(sys.argv[1:-2]))
 """
@@ -386,11 +387,12 @@ def test_a_rank_that_fails_in_its_warm_up_leaves_no_lease_socket(tmp_path):
 PEER_LOST_WITH_A_THREAD_IN_THE_COLLECTIVE = """
 import sys, threading
 from dspark_sidecar.server import app
+from dspark_sidecar.server.process_group import PeerLost
 def serve_rank(*a, **k):
     # A thread of the group still inside the collective the peer left (gloo's own are C++ threads, which the
     # interpreter's exit destroyed while they ran: SIGABRT, "terminate called without an active exception").
     threading.Thread(target=threading.Event().wait, name="in-the-lost-collective").start()
-    raise app.PeerLost("rank 0: a peer rank left during the warm-up step (Connection closed by peer)")
+    raise PeerLost("rank 0: a peer rank left during the warm-up step (Connection closed by peer)")
 app.serve_rank = serve_rank
 from dspark_sidecar import cli
 sys.exit(cli.main(sys.argv[1:]))

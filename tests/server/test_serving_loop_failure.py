@@ -166,7 +166,7 @@ def test_a_drain_whose_publish_failed_still_says_not_serving_in_the_metrics():
 
     from grpc_health.v1 import health, health_pb2
 
-    from dspark_sidecar.server.app import HealthPublisher
+    from dspark_sidecar.server.health import HealthPublisher
     from dspark_sidecar.server.servicer import Lifecycle
 
     life = Lifecycle(state="SERVING")

@@ -22,15 +22,15 @@ from dspark_sidecar.server.launcher import free_port
 # `late` s late: before the barrier (mode "barrier": a slow load, or a hung one) or before the group ("group").
 RANK = """
 import sys, threading, time
-from dspark_sidecar.server import app
+from dspark_sidecar.server import startup
 from dspark_sidecar.server.config import ServeConfig
-from dspark_sidecar.server.process_group import join_group
+from dspark_sidecar.server.process_group import PeerLost, join_group
 port, rank, late, bound, mode = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 cfg = ServeConfig(tp=2).replace(master_addr="127.0.0.1", master_port=port, dist_timeout_s=1, startup_timeout_s=bound)
 print("imported", flush=True)
 sys.stdin.readline()  # both ranks join together: their imports' skew is not the 1 s join's to absorb
 join_group(cfg, "gloo", rank, 2)
-start_up = app.StartUp(rank, threading.Event())
+start_up = startup.StartUp(rank, threading.Event())
 try:
     if rank == 1 and mode == "group":
         time.sleep(late)
@@ -39,7 +39,7 @@ try:
         time.sleep(late)
     start_up.barrier(group)
     print("ok", flush=True)
-except app.PeerLost as err:
+except PeerLost as err:
     print("PeerLost", err, flush=True)
 """
 

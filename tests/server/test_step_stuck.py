@@ -15,8 +15,8 @@ from grpc_health.v1 import health, health_pb2
 
 from dspark_sidecar.client.shim import sidecar_refusal
 from dspark_sidecar.proto import sidecar_pb2 as pb
-from dspark_sidecar.server import app
-from dspark_sidecar.server.app import HealthPublisher, watch_steps
+from dspark_sidecar.server import health as rank_health
+from dspark_sidecar.server.health import HealthPublisher, watch_steps
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
 from dspark_sidecar.server.servicer import Lifecycle
@@ -30,7 +30,7 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 def rank(monkeypatch):
     """A SERVING CPU rank's loop, lifecycle and health, whose step 7 runs until the test lets it end."""
     # 1 s: the first beat, just after the step started, must see it not yet stuck, on a loaded 2-core CI box too.
-    monkeypatch.setattr(app, "STEP_STUCK_S", 1.0)
+    monkeypatch.setattr(rank_health, "STEP_STUCK_S", 1.0)
     ctx = RankContext(0, 1, SimpleNamespace(), SimpleNamespace(device=torch.device("cpu")), None, None, Metrics(0), 8)
     loop = RankLoop(ctx, SimpleNamespace(deadline_ms=200), None)  # type: ignore[arg-type]  (--rendezvous-ms's default)
     started, release = hold_steps(loop)
@@ -161,7 +161,7 @@ def test_a_step_waiting_out_a_long_rendezvous_deadline_is_not_stuck(rank):
     rank.loop.rendezvous.deadline_ms = 60_000
     rank.loop.submit(pb.DraftStepRequest(step_id=7))
     assert rank.started.wait(5)
-    wait_until(lambda: rank.loop.stuck_step(app.STEP_STUCK_S), 10, "the step has run past STEP_STUCK_S")
+    wait_until(lambda: rank.loop.stuck_step(rank_health.STEP_STUCK_S), 10, "the step has run past STEP_STUCK_S")
     rank.watch()
     assert rank.life.snapshot() == ("SERVING", "") and rank.health() == SERVING
 

@@ -1,4 +1,4 @@
-"""server/app.py teardown: a drained rank's end, in order; one whose step is stuck ends the streams and exits 1."""
+"""server/teardown.py: a drained rank's end, in order; one whose step is stuck ends the streams and exits 1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dspark_sidecar.server import app
+from dspark_sidecar.server import teardown
+from dspark_sidecar.server.rank import STOP_STEPS_S
 from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
 from helpers.waiting import wait_until
 
@@ -46,12 +47,12 @@ def rig(monkeypatch):
         calls.append(f"exit {code}")
         raise Exited(code)
 
-    monkeypatch.setattr(app.os, "_exit", fake_exit)
-    monkeypatch.setattr(app, "dist", SimpleNamespace(get_backend=lambda: "gloo",
+    monkeypatch.setattr(teardown.os, "_exit", fake_exit)
+    monkeypatch.setattr(teardown, "dist", SimpleNamespace(get_backend=lambda: "gloo",
                                                      destroy_process_group=rec("destroy group")))
     # The watchdog: a daemon timer whose os._exit(0) would end the whole test session once its limit had passed
     # (teardown leaves it running, to bound the interpreter's own exit too). Recorded, never started.
-    monkeypatch.setattr(app.threading, "Timer", _Watchdog)
+    monkeypatch.setattr(teardown.threading, "Timer", _Watchdog)
     stopped = SimpleNamespace(wait=rec("streams ended"))
     r = SimpleNamespace(
         calls=calls, steps_stop=True,
@@ -65,7 +66,7 @@ def rig(monkeypatch):
     )
     r.loop = SimpleNamespace(stop_steps=lambda: (calls.append("steps"), r.steps_stop)[1], close=rec("loop"),
                              drain=rec("drain"))
-    r.run = lambda: app.teardown(0, r.servicer, r.loop, r.server, r.graphs, r.fast, r.rendezvous, r.board)
+    r.run = lambda: teardown.teardown(0, r.servicer, r.loop, r.server, r.graphs, r.fast, r.rendezvous, r.board)
     return r
 
 
@@ -77,7 +78,7 @@ def test_a_clean_teardown_ends_the_streams_only_once_no_step_runs_then_frees_the
     assert "rank 0: stopped" in caplog.text
     dog = _Watchdog.made[-1]
     # Started first, bounding the whole teardown and the exit after it: past its limit the process just ends.
-    assert dog.started and dog.daemon and dog.interval == app.TEARDOWN_LIMIT_S + app.STOP_STEPS_S + app.SERVER_GRACE_S
+    assert dog.started and dog.daemon and dog.interval == teardown.TEARDOWN_LIMIT_S + STOP_STEPS_S + teardown.SERVER_GRACE_S
 
 
 def test_a_step_stuck_at_shutdown_ends_the_streams_then_the_process_with_status_1(rig, caplog):
@@ -88,8 +89,8 @@ def test_a_step_stuck_at_shutdown_ends_the_streams_then_the_process_with_status_
         rig.run()
     # The leases closed without waiting: a lease's release may wait for the loop the stuck step holds.
     assert rig.calls == ["doorbell", "steps", "server stop", "streams ended", "leases (wait 0.0)",
-                         f"exit {app.STUCK_EXIT}"]
-    assert app.STUCK_EXIT != 0
+                         f"exit {teardown.STUCK_EXIT}"]
+    assert teardown.STUCK_EXIT != 0
     assert "a step still runs" in caplog.text and "status 1" in caplog.text
     assert "rank 0: stopped" not in caplog.text
 
@@ -98,7 +99,7 @@ def test_a_step_stuck_at_shutdown_ends_the_streams_then_the_process_with_status_
 def test_a_teardown_past_its_limit_ends_the_process_with_the_rank_s_status(rig, status):
     """A rank that failed (its serving loop, or torchrun's agent gone) exits 1; a teardown that then hung (a
     wedged NCCL destroy) was ended by the watchdog with status 0, a clean stop to its supervisor."""
-    app.teardown(0, rig.servicer, rig.loop, rig.server, rig.graphs, rig.fast, rig.rendezvous, rig.board, status=status)
+    teardown.teardown(0, rig.servicer, rig.loop, rig.server, rig.graphs, rig.fast, rig.rendezvous, rig.board, status=status)
     with pytest.raises(Exited):
         _Watchdog.made[-1].function()
     assert rig.calls[-1] == f"exit {status}"
@@ -149,7 +150,7 @@ def test_a_stuck_step_at_shutdown_exits_1_though_a_lease_s_release_holds_the_att
     the attach lock, then waits for the rank's lock behind the step, with no bound. The teardown's first stage,
     close_doorbell, waited for the attach lock for as long: the rank never reached the stuck step's exit 1, and the
     watchdog ended it 30 s into the teardown with status 0, a clean stop to its supervisor."""
-    monkeypatch.setattr(app, "DOORBELL_LOCK_S", 0.2, raising=False)  # stands for its 5 s
+    monkeypatch.setattr(teardown, "DOORBELL_LOCK_S", 0.2)  # stands for its 5 s
     loop = _StuckLoop(rig.calls)
     svc = DrafterServicer(SimpleNamespace(rank=0, fast=None,  # type: ignore[arg-type]
                                           memory=SimpleNamespace(unregister=lambda *a: [], region_count=0)),
@@ -161,7 +162,7 @@ def test_a_stuck_step_at_shutdown_exits_1_though_a_lease_s_release_holds_the_att
 
     def run() -> None:
         try:
-            app.teardown(0, svc, loop, rig.server, rig.graphs, rig.fast, rig.rendezvous, rig.board)
+            teardown.teardown(0, svc, loop, rig.server, rig.graphs, rig.fast, rig.rendezvous, rig.board)
         except Exited as err:
             ended.append(err.args[0])
 
@@ -171,8 +172,8 @@ def test_a_stuck_step_at_shutdown_exits_1_though_a_lease_s_release_holds_the_att
             t.start()
             t.join(10)
             assert not t.is_alive(), f"the teardown waited for the attach lock behind the stuck step: {rig.calls}"
-        assert ended == [app.STUCK_EXIT], (ended, rig.calls)
-        assert rig.calls == ["steps", "server stop", "streams ended", f"exit {app.STUCK_EXIT}"], rig.calls
+        assert ended == [teardown.STUCK_EXIT], (ended, rig.calls)
+        assert rig.calls == ["steps", "server stop", "streams ended", f"exit {teardown.STUCK_EXIT}"], rig.calls
         assert "a step still runs" in caplog.text
     finally:
         loop.step_ends.set()  # the step ends: the release, then a teardown still waiting, go on
@@ -184,7 +185,7 @@ def test_a_teardown_that_could_not_take_the_attach_lock_stops_the_doorbells_once
                                                                                                      monkeypatch):
     """The attach lock held past the bound by a wait that the step's end lets go: the doorbells are stopped, under
     the lock, once stop_steps finds no step running, and still before the streams end."""
-    monkeypatch.setattr(app, "DOORBELL_LOCK_S", 0.2, raising=False)
+    monkeypatch.setattr(teardown, "DOORBELL_LOCK_S", 0.2)
     lock = threading.Lock()
     lock.acquire()  # held by a release waiting behind the step
     closes: list[float | None] = []
@@ -205,7 +206,7 @@ def test_a_teardown_that_could_not_take_the_attach_lock_stops_the_doorbells_once
     rig.servicer.close_doorbell = close_doorbell
     rig.loop.stop_steps = stop_steps
     rig.run()
-    assert closes == [app.DOORBELL_LOCK_S, None]
+    assert closes == [teardown.DOORBELL_LOCK_S, None]
     assert rig.calls[:4] == ["steps", "doorbell", "server stop", "streams ended"], rig.calls
     assert rig.calls[-1] == "destroy group"
 
