@@ -246,7 +246,11 @@ class Waker:
                 return
 
     def close(self) -> None:
-        for fd in (self._r, self._w):
+        # Once, as Ringer.close: a second os.close of the numbers closed whatever the process opened under them since.
+        fds, self._r, self._w = (self._r, self._w), -1, -1
+        if fds[0] < 0:
+            return
+        for fd in fds:
             os.close(fd)
         try:
             os.unlink(self.path)

@@ -175,12 +175,21 @@ def new_segment(size: int, name: str | None = None) -> shared_memory.SharedMemor
     FileExistsError for a name taken) whose pages are reserved now. ftruncate reserves none: on a full
     /dev/shm (a container's 64 MiB default, shared with NCCL and the engine) the segment was still made, and the
     first store into it was a SIGBUS that killed the process. Reserved here, it is OSError ENOSPC, a refusal."""
+    # Larger than /dev/shm itself: refused before the name is made. SharedMemory cleans up after an OSError only,
+    # and past 2^63 - 1 (ftruncate's off_t) its OverflowError left the name in /dev/shm for good.
+    try:
+        fs = os.statvfs("/dev/shm")
+        room = fs.f_blocks * fs.f_frsize or _INT64_MAX  # 0 blocks: a tmpfs mounted without a size limit
+    except OSError:
+        room = _INT64_MAX
+    if size > room:
+        raise OSError(errno.ENOSPC, f"a shared-memory segment of {size} bytes cannot fit /dev/shm ({room} bytes)")
     seg = shared_memory.SharedMemory(name=name, create=True, size=size)
     try:
         os.posix_fallocate(seg._fd, 0, size)  # the segment's own descriptor (POSIX SharedMemory keeps it open)
     except BaseException:
-        seg.unlink()
         seg.close()
+        unlink_segment(seg, "refused shared-memory segment")  # one removed by someone else: the refusal is raised
         raise
     return seg
 

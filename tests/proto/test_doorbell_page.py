@@ -207,6 +207,53 @@ def test_a_ringer_closed_twice_closes_no_other_file(tmp_path):
         waker.close()
 
 
+def test_a_waker_closed_twice_closes_no_other_file(tmp_path):
+    """As the ringer's: a second close closed both descriptor numbers again, by then whatever the process had
+    opened under them (Doorbell._release closes it once today; nothing here made that safe)."""
+    import os
+
+    path = str(tmp_path / "rank0.wake1")
+    waker = bell.Waker(path)
+    waker.close()
+    assert not os.path.exists(path)
+    others = [os.open(os.devnull, os.O_RDONLY) for _ in range(2)]  # the lowest free numbers: the waker's old ones
+    try:
+        waker.close()
+        for fd in others:
+            os.fstat(fd)  # still open
+    finally:
+        for fd in others:
+            os.close(fd)
+
+
+def test_a_wake_fifo_swapped_for_a_link_to_another_fifo_before_the_engine_opens_it_is_refused(tmp_path, monkeypatch):
+    """The check on the descriptor sees only a FIFO: a link to another FIFO (another rank's wake FIFO) put in the
+    name's place between the check and the open passes it, and only O_NOFOLLOW keeps the wake bytes from it."""
+    import os
+    import select
+
+    path, other = str(tmp_path / "rank0.wake1"), str(tmp_path / "rank1.wake1")
+    os.mkfifo(path, 0o660)
+    os.mkfifo(other, 0o660)
+    readers = [os.open(p, os.O_RDONLY | os.O_NONBLOCK) for p in (path, other)]
+    real_open = os.open
+
+    def swap_then_open(p, flags, *a, **k):
+        if p == path and not os.path.islink(path):
+            os.unlink(path)
+            os.symlink(other, path)
+        return real_open(p, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", swap_then_open)
+    try:
+        with pytest.raises(OSError):
+            bell.Ringer(path)
+        assert select.select([readers[1]], [], [], 0)[0] == []
+    finally:
+        for fd in readers:
+            os.close(fd)
+
+
 def test_a_full_wake_pipe_is_not_an_error(tmp_path):
     p = _page()
     path = str(tmp_path / "w")

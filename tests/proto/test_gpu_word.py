@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import numpy as np
@@ -296,6 +297,29 @@ def test_a_new_thread_binds_its_device_once():
     assert drv.retained == [3]
 
 
+def test_a_thread_with_no_context_gets_one_before_its_first_operation_on_its_own_stream():
+    """The driver refuses any call from a thread with no current context (_any_context): a thread torch never
+    bound (an engine's own, the doorbell's before torch's first call there) retains the device's primary
+    context for its first operation on a stream of its own, and a thread that has one keeps it."""
+    drv = _FakeCudaDriver()
+    ops = GpuWordOps(drv, hip=False, device_index=2)
+    seen = []
+
+    def worker(start):
+        drv.switch(start)
+        ops.write(0x5, 0xD000, 6)
+        ops.wait_geq(0x5, 0xD000, 6)
+        seen.append((list(drv.ops), list(drv.retained)))
+        drv.ops.clear()
+
+    for start in (None, 1):  # a fresh thread each: no context, then another GPU's (kept: the stream's own is used)
+        t = __import__("threading").Thread(target=worker, args=(start,))
+        t.start()
+        t.join()
+    assert seen == [([("cuStreamWriteValue64_v2", 2), ("cuStreamWaitValue64_v2", 2)], [2]),
+                    ([("cuStreamWriteValue64_v2", 1), ("cuStreamWaitValue64_v2", 1)], [2])]
+
+
 def test_a_registration_whose_device_address_cannot_be_read_is_undone():
     """register() page-locks, then asks the device address: a failure there raised with the pages still
     registered and no caller holding them to undo it."""
@@ -307,3 +331,101 @@ def test_a_registration_whose_device_address_cannot_be_read_is_undone():
         ops.register(0xA000, mmap.PAGESIZE)
     assert [op for op, _ in drv.ops] == ["cuMemHostRegister_v2", "cuMemHostGetDevicePointer_v2",
                                          "cuMemHostUnregister"]
+
+
+class _CDriver:
+    """Entry points that are real C functions of the driver's own prototypes (ctypes callbacks), reached as
+    foreign functions the way ctypes.CDLL hands them out: what GpuWordOps declares (argtypes) is what ctypes
+    marshals by, and each entry records what C received. The Python fakes above take any argument as it is
+    given, so a 64-bit value or pointer declared as (or left to default to) a C int passed them unchanged."""
+
+    VP, U64, UINT, SIZE, INT = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_int
+    CUDA = {
+        "cuCtxGetCurrent": [ctypes.POINTER(VP)], "cuCtxSetCurrent": [VP],
+        "cuDevicePrimaryCtxRetain": [ctypes.POINTER(VP), INT], "cuCtxGetDevice": [ctypes.POINTER(INT)],
+        "cuMemHostRegister_v2": [VP, SIZE, UINT], "cuMemHostUnregister": [VP],
+        "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(U64), VP, UINT],
+        "cuStreamWriteValue64_v2": [VP, U64, U64, UINT], "cuEventRecord": [VP, VP],
+        "cuStreamWaitValue64_v2": [VP, U64, U64, UINT], "cuStreamWaitEvent": [VP, VP, UINT],
+        "cuMemcpyDtoDAsync_v2": [U64, U64, SIZE, VP],
+    }
+    HIP = {
+        "hipHostRegister": [VP, SIZE, UINT], "hipHostUnregister": [VP],
+        "hipHostGetDevicePointer": [ctypes.POINTER(VP), VP, UINT],
+        "hipStreamWriteValue64": [VP, VP, U64, UINT], "hipEventRecord": [VP, VP],
+        "hipStreamWaitValue64": [VP, VP, U64, UINT, U64], "hipStreamWaitEvent": [VP, VP, UINT],
+        "hipMemcpyDtoDAsync": [VP, VP, SIZE, VP], "hipGetDevice": [ctypes.POINTER(INT)], "hipSetDevice": [INT],
+    }
+    CTX, PRIMARY, DEVICE_PTR = 0x7F88_0000_1000, 0x7F99_0000_2000, 0x7F77_0000_0000  # all past 4 GiB
+
+    def __init__(self, hip: bool):
+        self.calls: list[tuple] = []
+        self.ctx, self.device = self.CTX, 1  # the thread's current context (HIP: device), another GPU's
+        self._keep = []
+        for name, proto in (self.HIP if hip else self.CUDA).items():
+            cb = ctypes.CFUNCTYPE(ctypes.c_int, *proto)(self._entry(name))
+            self._keep.append(cb)
+            setattr(self, name, ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(cb, ctypes.c_void_p).value))
+
+    def _entry(self, name):
+        def call(*args):
+            if name in ("cuCtxGetCurrent",):
+                args[0][0] = self.ctx
+            elif name == "cuDevicePrimaryCtxRetain":
+                args[0][0] = self.PRIMARY
+            elif name == "cuCtxGetDevice":
+                args[0][0] = 1 if self.ctx == self.CTX else 0
+            elif name == "hipGetDevice":
+                args[0][0] = self.device
+            elif name in ("cuMemHostGetDevicePointer_v2", "hipHostGetDevicePointer"):
+                args[0][0] = self.DEVICE_PTR
+                self.calls.append((name, *args[1:]))
+            else:
+                if name == "cuCtxSetCurrent":
+                    self.ctx = args[0]
+                elif name == "hipSetDevice":
+                    self.device = args[0]
+                self.calls.append((name, *args))
+            return 0
+
+        return call
+
+
+@pytest.mark.parametrize("hip", [False, True], ids=["cuda", "hip"])
+def test_every_driver_call_gets_64_bit_values_and_pointers_past_4_gib_whole(hip):
+    drv = _CDriver(hip)
+    ops = GpuWordOps(drv, hip=hip, device_index=0)
+    stream, addr, value = 0x7F12_0000_0010, 0x7F34_5678_9008, 0xFFFF_FFFE_0000_0007  # the value past 2^63
+    event = type("E", (), {"cuda_event": 0x7F55_0000_0040})()
+    host, nbytes = 0x7F66_0000_0000, 5 << 32
+    drv.calls.clear()
+    if not hip:
+        drv.ctx = _CDriver.PRIMARY  # device 0's context current for the registration (_bind)
+    assert ops.register(host, nbytes) == _CDriver.DEVICE_PTR
+    ops.unregister(host)
+    ops.write(stream, addr, value)
+    ops.wait_geq(stream, addr, value)
+    ops.record(event, stream)
+    ops.wait_event(stream, event)
+    ops.copy(stream, addr, addr + (1 << 33), nbytes)
+    n = "hip" if hip else "cu"
+    v2 = "" if hip else "_v2"
+    wait = (f"{n}StreamWaitValue64{v2}", stream, addr, value, 0) + ((0xFFFF_FFFF_FFFF_FFFF,) if hip else ())
+    assert drv.calls == [
+        ("hipHostRegister" if hip else "cuMemHostRegister_v2", host, nbytes, 3),
+        ("hipHostGetDevicePointer" if hip else "cuMemHostGetDevicePointer_v2", host, 0),
+        ("hipHostUnregister" if hip else "cuMemHostUnregister", host),
+        (f"{n}StreamWriteValue64{v2}", stream, addr, value, 0),
+        wait,
+        (f"{n}EventRecord", event.cuda_event, stream),
+        (f"{n}StreamWaitEvent", stream, event.cuda_event, 0),
+        ("hipMemcpyDtoDAsync" if hip else "cuMemcpyDtoDAsync_v2", addr, addr + (1 << 33), nbytes, stream),
+    ]
+    # Stream handle 0 with another GPU current: this device's context (HIP: device) for the call, the caller's after.
+    drv.calls.clear()
+    drv.ctx, drv.device = _CDriver.CTX, 1
+    fresh = GpuWordOps(drv, hip=hip, device_index=0)
+    fresh.write(0, addr, value)
+    switch = [("hipSetDevice", 0)] if hip else [("cuCtxSetCurrent", _CDriver.PRIMARY)]
+    back = [("hipSetDevice", 1)] if hip else [("cuCtxSetCurrent", _CDriver.CTX)]
+    assert drv.calls == [*switch, (f"{n}StreamWriteValue64{v2}", None, addr, value, 0), *back]

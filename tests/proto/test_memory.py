@@ -721,6 +721,63 @@ def test_shm_empty_on_a_full_dev_shm_raises_enospc_not_a_bus_error(tmp_path):
                                "memory.shm_empty((1 << 20,), torch.uint8)")
 
 
+@pytest.mark.parametrize("size", [1 << 63, 1 << 70], ids=["2^63", "2^70"])
+def test_a_segment_larger_than_dev_shm_is_refused_before_its_name_is_made(size):
+    """SharedMemory cleans up after an OSError only: past ftruncate's off_t (2^63 - 1, a shape's bytes that
+    overflow) its OverflowError ("Python int too large to convert to C long") left the name in /dev/shm for good
+    (never registered with the resource tracker, so not even removed at exit). Now ENOSPC naming the sizes, and
+    nothing made."""
+    name = f"dspark-test-huge-{os.getpid()}"
+    try:
+        with pytest.raises(OSError, match=f"segment of {size} bytes.*/dev/shm") as refused:
+            memory.new_segment(size, name)
+        assert refused.value.errno == errno.ENOSPC
+        assert not os.path.exists(f"/dev/shm/{name}")
+    finally:
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("statvfs", ["no_size_limit", "refused"])
+def test_a_dev_shm_whose_size_cannot_be_read_refuses_only_what_off_t_cannot_hold(statvfs, monkeypatch):
+    """A tmpfs mounted without a size limit reports 0 blocks, and statvfs may be refused: neither is a /dev/shm
+    too small for every segment."""
+    real_statvfs = os.statvfs
+
+    def fake(path):
+        if statvfs == "refused":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        st = real_statvfs(path)
+        return type("St", (), {"f_blocks": 0, "f_frsize": st.f_frsize})()
+
+    monkeypatch.setattr(os, "statvfs", fake)
+    seg = memory.new_segment(4096)
+    seg.close()
+    seg.unlink()
+    with pytest.raises(OSError, match="segment of 9223372036854775808 bytes"):
+        memory.new_segment(1 << 63)
+
+
+def test_a_segment_removed_by_another_process_while_refused_raises_the_refusal(monkeypatch, caplog):
+    """new_segment's clean-up unlinked the refused segment with SharedMemory.unlink: a name removed first by
+    someone else (an operator cleaning /dev/shm, systemd's RemoveIPC) raised FileNotFoundError in place of
+    the ENOSPC, skipped the close, and left the name with the resource tracker (a "leaked" warning at exit)."""
+    from multiprocessing import resource_tracker
+
+    def full_and_removed(fd, offset, size):
+        os.unlink(f"/dev/shm/{os.readlink(f'/proc/self/fd/{fd}').rsplit('/', 1)[1]}")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    unregistered = []
+    real_unregister = resource_tracker.unregister
+    monkeypatch.setattr(resource_tracker, "unregister", lambda n, t: (unregistered.append(n), real_unregister(n, t)))
+    monkeypatch.setattr(os, "posix_fallocate", full_and_removed)
+    with pytest.raises(OSError) as refused:
+        memory.new_segment(4096)
+    assert refused.value.errno == errno.ENOSPC
+    assert len(unregistered) == 1 and "was removed by another process" in caplog.text
+
+
 def test_closing_an_exported_tensor_twice_or_after_its_segment_was_removed_raises_nothing(monkeypatch):
     """ShmTensor.close() unlinked on every call: a second close(), or one after someone else removed the
     segment (an operator cleaning /dev/shm, systemd's RemoveIPC), raised FileNotFoundError, and a caller
