@@ -144,3 +144,24 @@ def test_get_status_counters_are_read_as_one_snapshot():
         assert reader.is_alive() and not got  # waits for the step's counts
     reader.join(5)
     assert len(got) == 1
+
+
+def test_latencies_are_summarised_outside_the_lock_steps_count_under(monkeypatch):
+    """latencies_pb sorted every phase's window (~2.8 ms for full windows) under the lock that each step's
+    `step` takes: a GetStatus delayed the steps. The windows are copied under it and summarised after."""
+    from dspark_sidecar.server import metrics
+
+    m = Metrics(0, window=8)
+    for ns in (5, 1, 3):
+        m.step("ok", {"total": ns})
+    held = []
+    real = metrics.percentile
+
+    def watched(xs, q):
+        held.append(m._lock.locked())
+        return real(xs, q)
+
+    monkeypatch.setattr(metrics, "percentile", watched)
+    (lat,) = m.latencies_pb()
+    assert held == [False, False], held
+    assert (lat.count, lat.p50_ns, lat.p99_ns) == (3, 3, 5)
