@@ -123,6 +123,10 @@ class BenchConfig:
             raise BenchConfigError(f"--reqs: request counts in 1..{layout.MAX_REQS_LIMIT}, got {list(self.reqs)}")
         if not self.contexts or min(self.contexts) < 1:
             raise BenchConfigError(f"--contexts: context lengths of at least 1, got {list(self.contexts)}")
+        for flag, values in (("--modes", self.modes), ("--reqs", self.reqs), ("--contexts", self.contexts)):
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:  # a case run twice: two rows for it in the table and the JSON, the plot's line through both
+                raise BenchConfigError(f"{flag}: {', '.join(map(str, twice))} given more than once")
         if self.shard_of < 1:
             raise BenchConfigError(f"--shard-of: a TP size of at least 1, got {self.shard_of}")
         if self.repeats < 1:

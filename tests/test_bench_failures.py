@@ -109,6 +109,15 @@ def test_shard_of_below_one_is_refused_by_its_flag(shard_of):
         BenchConfig(shard_of=shard_of)
 
 
+@pytest.mark.parametrize("field,values,flag", [("reqs", (1, 8, 1), "--reqs: 1 given"),
+                                               ("contexts", (512, 4096, 4096), "--contexts: 4096 given"),
+                                               ("modes", ("a", "d", "a"), "--modes: a given")])
+def test_a_value_given_twice_is_refused_by_its_flag(field, values, flag):
+    """--reqs 1,8,1 ran R = 1 twice: two rows for one case in the table and the JSON, and a plot line through both."""
+    with pytest.raises(BenchConfigError, match=flag):
+        BenchConfig(**{field: values})
+
+
 def test_the_shim_s_rows_are_refused_once_it_left_the_bench_s_data_plane(tmp_path):
     """h and i time the shim against the doorbell the bench set up (its ring time stamps). A shim that
     dropped that link (a failed step: _drop_link) answers the next step over a new doorbell, or the gRPC
