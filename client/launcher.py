@@ -59,6 +59,7 @@ class SidecarLauncher:
         self.ready_timeout_s = ready_timeout_s
         self.exit_with_starter = exit_with_starter
         self.proc: subprocess.Popen | None = None
+        self._log_from = 0  # where this start's lines begin in log_path (log_tail)
 
     def endpoint(self, rank: int) -> str:
         return rank_endpoint(self.socket_dir, rank)
@@ -95,6 +96,7 @@ class SidecarLauncher:
         # The pid of the process that starts it, now: the object may have been made in another one.
         argv = self.argv + (["--exit-with-pid", str(os.getpid())] if self.exit_with_starter else [])
         with open(self.log_path, "ab") as log:
+            self._log_from = log.tell()
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
         # Until start() returns, no `with` calls stop(), and the sidecar's own session keeps the starter's
@@ -150,8 +152,12 @@ class SidecarLauncher:
         os.kill(self.rank_pids()[rank], signal.SIGKILL)
 
     def log_tail(self, n: int = 30) -> str:
+        """The last n lines this start's sidecar wrote. The log is appended to (a folder used again): its whole
+        tail quoted an earlier start's traceback as the cause of a sidecar that died without a word (SIGKILL)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_from)
+                return "\n".join(log.read().decode(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
 

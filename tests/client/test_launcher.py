@@ -194,3 +194,137 @@ def test_stop_kills_the_whole_group_of_a_sidecar_that_ignores_sigterm():
         if rank_pid and alive(rank_pid):
             os.kill(rank_pid, 9)
         sc.proc.stdout.close()
+
+
+def test_a_failed_start_quotes_its_own_sidecar_s_lines_not_an_earlier_start_s(monkeypatch, started):
+    """The log is appended to (a socket folder or --work-dir used again): a sidecar that died without a word (SIGKILL,
+    the OOM killer) was reported with the tail of the previous start's log, "sidecar exited with -9" over another
+    start's traceback, which then read as this one's cause. The tail is of what this start's sidecar wrote."""
+    folder = short_socket_dir()
+    (folder / "sidecar.log").write_text("ModuleNotFoundError: an earlier start's cause\n")
+
+    def popen(argv, stdout=None, **kw):  # says one line, or nothing, and has exited
+        if says:
+            stdout.write(says.encode())
+        return started(argv, code=code, **kw)
+
+    monkeypatch.setattr(L.subprocess, "Popen", popen)
+    for says, code in (("", -9), ("dspark-sidecar: this start's refusal\n", 2)):
+        with pytest.raises(RuntimeError) as err:
+            SidecarLauncher(folder, tp=1).start()
+        assert str(err.value) == f"sidecar exited with {code}:\n{says.strip()}", str(err.value)
+    says, code = "".join(f"line {i}\n" for i in range(40)), 1  # the last 30 lines, where the cause is
+    with pytest.raises(RuntimeError) as err:
+        SidecarLauncher(folder, tp=1).start()
+    assert str(err.value).splitlines()[1:] == [f"line {i}" for i in range(10, 40)], str(err.value)
+    assert "an earlier start's cause" in (folder / "sidecar.log").read_text()  # appended to, not replaced
+
+
+def test_start_returns_only_once_every_rank_is_serving(monkeypatch, started):
+    """Rank 0 SERVING with rank 1 still loading is not a serving TP-2 sidecar: its first step would fail."""
+    monkeypatch.setattr(L.subprocess, "Popen", lambda argv, **kw: started(argv, **kw))  # running
+    looks: list[list[bool]] = []
+
+    def healthy(self, deadline_s=1.0):
+        looks.append([True, len(looks) >= 2])  # rank 1 serves from the third look on
+        return looks[-1]
+
+    monkeypatch.setattr(SidecarLauncher, "healthy", healthy)
+    SidecarLauncher(short_socket_dir(), tp=2).start()
+    assert looks == [[True, False], [True, False], [True, True]]
+
+
+# A `serve` that never serves: says so, and one line more on SIGTERM before it exits (as serve's drain does).
+_NEVER_SERVES = """
+import signal, sys, time
+def stop(*_):
+    print("stopping on SIGTERM", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("loading", flush=True)
+time.sleep(120)
+"""
+
+
+def _real_serve(monkeypatch, script: str) -> list:
+    """Popen replaced by a real process running `script`, started as start() starts serve (its log, its session)."""
+    import subprocess
+    import sys
+
+    real_popen, procs = subprocess.Popen, []
+
+    def popen(argv, **kw):
+        procs.append(real_popen([sys.executable, "-c", script], **kw))
+        return procs[-1]
+
+    monkeypatch.setattr(L.subprocess, "Popen", popen)
+    return procs
+
+
+def test_a_sidecar_never_serving_is_stopped_at_the_bound_and_its_stop_s_lines_are_quoted(monkeypatch):
+    """Past ready_timeout_s start() stops the sidecar before it raises, so the tail it quotes ends with what the
+    sidecar said while it stopped (where a wedged start-up shows itself), and nothing of it runs on."""
+    from helpers.waiting import wait_until
+
+    procs = _real_serve(monkeypatch, _NEVER_SERVES)
+
+    def healthy(self, deadline_s=1.0):  # not serving, looked at once its handler is set (a loaded host's start)
+        wait_until(lambda: "loading" in self.log_tail(), 30, "the sidecar's first line", watch=procs[0])
+        return [False] * self.tp
+
+    monkeypatch.setattr(SidecarLauncher, "healthy", healthy)
+    sc = SidecarLauncher(short_socket_dir(), tp=1, ready_timeout_s=0.5, exit_with_starter=False)
+    try:
+        with pytest.raises(TimeoutError, match=r"sidecar not SERVING within 0\.5 s:\nloading\nstopping on SIGTERM$"):
+            sc.start()
+        (proc,) = procs
+        assert proc.returncode == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_the_sidecar_runs_in_a_session_of_its_own(monkeypatch):
+    """Its own session and process group: the starter's Ctrl-C (sent to the terminal's foreground group) does not
+    reach it, and stop()'s SIGKILL to its group reaches its ranks (which share its group) and nothing else."""
+    import os
+
+    procs = _real_serve(monkeypatch, _NEVER_SERVES)
+    monkeypatch.setattr(SidecarLauncher, "healthy", lambda self, deadline_s=1.0: [True] * self.tp)
+    sc = SidecarLauncher(short_socket_dir(), tp=1, exit_with_starter=False).start()
+    try:
+        pid = sc.proc.pid
+        assert os.getsid(pid) == pid and os.getpgid(pid) == pid and os.getsid(pid) != os.getsid(0)
+    finally:
+        sc.stop(timeout_s=10)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_health_is_each_rank_s_own():
+    """healthy() looks at every rank's socket: a folder where rank 0 serves and rank 1 nothing yet is not serving."""
+    folder = short_socket_dir()
+    rank0 = FakeServer(FakeSidecar(0, 2), folder / "rank0.sock").start()
+    try:
+        assert SidecarLauncher(folder, tp=2).healthy() == [True, False]
+    finally:
+        rank0.stop()
+
+
+def test_stop_before_start_twice_and_after_the_sidecar_exited_by_itself(monkeypatch):
+    """stop() is safe to call whatever came before (a `finally` after a start that raised, a second __exit__): None
+    before any start; the sidecar's exit code, the same each time, once it has ended by itself, which `exited`
+    tells without anyone having waited for it (the demo reads it to fail a run whose sidecar died mid-way)."""
+    from helpers.waiting import wait_until
+
+    sc = SidecarLauncher(short_socket_dir(), tp=1, exit_with_starter=False)
+    assert sc.stop() is None and not sc.exited
+    procs = _real_serve(monkeypatch, "import sys; sys.exit(3)")
+    monkeypatch.setattr(SidecarLauncher, "_wait_serving", lambda self: None)  # returned as serving, then it exits
+    sc.start()
+    wait_until(lambda: sc.exited, 30, "the sidecar's exit, seen through `exited`")
+    assert sc.stop() == 3 and sc.stop() == 3 and procs[0].returncode == 3

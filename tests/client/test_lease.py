@@ -186,6 +186,58 @@ def test_a_lease_socket_whose_backlog_is_full_is_waited_on_within_the_deadline(m
         srv.close()
 
 
+
+def test_a_lease_socket_whose_backlog_stays_full_gives_no_lease_at_the_deadline(caplog):
+    """The wait for room in a full backlog (above) ends with the deadline: a keeper that never accepts again (its
+    thread wedged) holds the bind no longer than that, and the engine binds without a lease, said."""
+    path = str(short_socket_dir() / "rank0.lease")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(0)
+    queued = []
+    while True:  # fill the backlog, and nobody accepts
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(path)
+        except BlockingIOError:
+            c.close()
+            break
+        queued.append(c)
+    got: list[int] = []
+    taking = threading.Thread(target=lambda: got.append(EngineLease().token(path, 0.2)), daemon=True)
+    try:
+        with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+            taking.start()
+            taking.join(10)  # a hang guard only: the deadline is 0.2 s
+            assert not taking.is_alive(), "a full backlog was waited on past the bind deadline"
+        assert got == [0] and "backlog stayed full" in caplog.text
+    finally:
+        for c in queued:
+            c.close()
+        srv.close()
+
+
+def test_each_read_of_the_token_waits_only_for_what_is_left_of_the_deadline(monkeypatch):
+    """The drip above, read closely: each recv's wait is what is left of the take's deadline, never the whole of
+    it again (a first byte late in the deadline, then silence, held the bind up to twice the deadline)."""
+    path, _, t, srv = _peer(b"\x01")  # one byte, then end of file
+    waits: list[float] = []
+    real_recv = socket.socket.recv
+
+    def recv(self, n):
+        waits.append(self.gettimeout())
+        return real_recv(self, n)
+
+    monkeypatch.setattr(socket.socket, "recv", recv)
+    try:
+        assert EngineLease().token(path, 5) == 0
+        t.join(10)
+        assert len(waits) == 2 and all(0 < w < 5 for w in waits), waits
+    finally:
+        srv.close()
+
+
 def _peer(sends: bytes) -> tuple[str, list[bytes], threading.Thread, socket.socket]:
     """A listener at a lease path that is no keeper: it accepts one connection, sends `sends`, reads what the
     engine does next (b"": it closed its end) into the list, and closes. (path, that list, its thread, listener)."""
