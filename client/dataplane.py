@@ -15,6 +15,7 @@ can use either transport.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
@@ -280,25 +281,31 @@ class DoorbellChannel:
         # word's probe raised past it before, and the page's segment stayed in /dev/shm until exit.
         try:
             self.page = bell.Page(self._page.tensor.numpy(), capacity)
-            self.input_event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
-            # Recorded on the stream that waited for the last answer when the next step comes from another
-            # (order_inputs): the engine's reads of that answer's rows queued there come before the next step.
-            self._waited_event = torch.cuda.Event() if device.type == "cuda" else None
-            if self._waited_event is not None:  # made on this GPU now: the driver's calls need its handle
-                self._waited_event.record(torch.cuda.current_stream(device))
-            # The GPU word (server/prelaunch.py): offered when this process can write it from its stream.
-            self._ops = GpuWordOps.load(device) if gpu_word else None
-            if self._ops is not None:
-                try:
-                    self._header = RegisteredPage(self._ops, self._page.tensor.data_ptr())
-                except GpuWordError:
-                    self._ops = None
-            resp = stub.AttachDoorbell(pb.AttachDoorbellRequest(
-                page=memory.export_handle(self._page.tensor), capacity_bytes=capacity,
-                input_event=self.input_event.ipc_handle() if self.input_event is not None else b"",
-                gpu_word=self._header is not None, lease=lease), timeout=timeout_s)
-            self.output_event = (torch.cuda.Event.from_ipc_handle(device, resp.output_event)
-                                 if device.type == "cuda" else None)
+            # On this channel's GPU whatever the calling thread's current one is (connect() may run on another
+            # thread than the engine's, which set its device on its own): the page's registration is made in the
+            # current context (GpuWordOps._bind refuses another GPU's: the GPU word was dropped), and torch makes
+            # the input event, at ipc_handle(), on the current GPU, where every send's record of it then raised.
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                self.input_event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
+                # Recorded on the stream that waited for the last answer when the next step comes from another
+                # (order_inputs): the engine's reads of that answer's rows queued there come before the next step.
+                self._waited_event = torch.cuda.Event() if device.type == "cuda" else None
+                if self._waited_event is not None:  # made on this GPU now: the driver's calls need its handle
+                    self._waited_event.record(torch.cuda.current_stream(device))
+                # The GPU word (server/prelaunch.py): offered when this process can write it from its stream.
+                self._ops = GpuWordOps.load(device) if gpu_word else None
+                if self._ops is not None:
+                    try:
+                        self._header = RegisteredPage(self._ops, self._page.tensor.data_ptr())
+                    except GpuWordError as err:  # said: the steps are then not pre-launched
+                        log.warning("GPU word unavailable on %s (%s): steps are not pre-launched", device, err)
+                        self._ops = None
+                resp = stub.AttachDoorbell(pb.AttachDoorbellRequest(
+                    page=memory.export_handle(self._page.tensor), capacity_bytes=capacity,
+                    input_event=self.input_event.ipc_handle() if self.input_event is not None else b"",
+                    gpu_word=self._header is not None, lease=lease), timeout=timeout_s)
+                self.output_event = (torch.cuda.Event.from_ipc_handle(device, resp.output_event)
+                                     if device.type == "cuda" else None)
         except BaseException:  # refused: the page and its GPU registration go now, not at exit
             self.close()
             raise

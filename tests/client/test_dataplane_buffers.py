@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import grpc
@@ -10,6 +11,7 @@ import torch
 
 from dspark_sidecar.client.dataplane import DataPlaneError, StepBuffers
 from dspark_sidecar.drafter import scenario
+from dspark_sidecar.drafter.kv_cache import StepMetadata
 from dspark_sidecar.proto import sidecar_pb2 as pb
 
 PAGE = 16
@@ -385,6 +387,7 @@ def test_a_doorbell_that_fails_before_it_attaches_leaves_no_shared_memory(monkey
 
     if fails == "cuda_event":
         monkeypatch.setattr(dataplane.torch.cuda, "Event", refuse)
+        monkeypatch.setattr(dataplane.torch.cuda, "device", lambda d: contextlib.nullcontext())  # no GPU here
         dev = torch.device("cuda", 0)
     else:
         monkeypatch.setattr(dataplane.bell, "Page", refuse)
@@ -644,3 +647,22 @@ def test_an_engine_user_s_own_group_is_shared_with_when_the_group_list_leaves_it
         monkeypatch.setattr(dataplane.os, "geteuid", lambda: 1000)
         monkeypatch.setattr(dataplane.os, "getgroups", lambda: [])
         assert dataplane.ipc_group(f"unix:{path}") == os.getegid()
+
+
+def test_metadata_filling_the_registered_region_to_its_last_byte_is_staged_and_a_wider_one_refused():
+    """The metadata region's bound is inclusive: 1 request of 7 pages, every field int64, fills the region sized for
+    it (2 x 7 x 8 + 4 + 7 x 4 + 32 bytes) exactly, and is written there whole; a slot more does not fit."""
+    b = StepBuffers(_Stub(), 8, 1, 7, torch.float32, torch.device("cpu"))
+    try:
+        assert b.meta_bytes.numel() == 176
+        wide = torch.int64
+        positions, slots = torch.arange(7, dtype=wide) + 100, torch.arange(7, dtype=wide) + 200
+        seq_lens, tables = torch.tensor([107], dtype=wide), torch.arange(7, dtype=wide).reshape(1, 7) + 300
+        req = pb.DraftStepRequest.FromString(
+            b.stage(torch.zeros(7, 8), positions, StepMetadata(seq_lens, tables, slots)).fields)
+        assert req.slot_mapping.region.offset_bytes + 7 * 8 == 176
+        assert torch.equal(b.meta_bytes[120:].view(wide), slots) and torch.equal(b.meta_bytes[64:120].view(wide), tables[0])
+        with pytest.raises(DataPlaneError, match="slot_mapping \\[8\\] does not fit"):
+            b.stage(torch.zeros(7, 8), positions, StepMetadata(seq_lens, tables, torch.arange(8, dtype=wide)))
+    finally:
+        b.close()

@@ -313,3 +313,115 @@ def test_a_page_kept_for_its_gpu_registration_stays_mapped_once_the_channel_is_d
     with open("/proc/self/maps") as maps:
         assert name in maps.read(), "the page was unmapped while its GPU registration lived"
     dataplane._KEPT.pop()[2].close()  # the test's own: its segment goes now, not at exit
+
+
+def test_a_channel_made_on_a_thread_whose_current_gpu_is_another_registers_its_word_and_event_on_its_own(monkeypatch):
+    """A TP rank's channel on cuda:1 made from a thread whose current device is cuda:0 (connect() from another
+    thread than the engine's, which set its device on its own): the page's registration went to the current context
+    (GpuWordOps._bind refuses another GPU's: the GPU word was dropped without a word) and torch made the input event,
+    lazily at ipc_handle(), on the current GPU, where recording it on the engine's stream at each send raised. Both
+    are made under this channel's device now, and the caller's device is left as it was. CUDA stood in for: the
+    thread's current device, torch's lazy event, the driver's refusal of another GPU's context."""
+    current = [0]
+
+    @contextlib.contextmanager
+    def device(d):
+        prev, current[0] = current[0], d.index
+        try:
+            yield
+        finally:
+            current[0] = prev
+
+    class Event(FakeIpcEvent):
+        made_on: list = []
+
+        def __init__(self, *args, **kwargs) -> None:
+            self.on = None
+
+        def _made(self, index):
+            if self.on is None:
+                self.on = index
+                Event.made_on.append(index)
+
+        def ipc_handle(self) -> bytes:
+            self._made(current[0])  # torch: created on the current device if no record made it yet
+            return super().ipc_handle()
+
+        def record(self, stream=None) -> None:
+            self._made(current[0] if stream is None else stream)
+
+    class Header:
+        def __init__(self, ops, ptr):
+            if current[0] != 1:
+                raise dataplane.GpuWordError(f"this thread's CUDA context is device {current[0]}, not 1")
+            self.device_ptr = 0x7000
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(dataplane.torch.cuda, "Event", Event)
+    monkeypatch.setattr(dataplane.torch.cuda, "device", device)
+    monkeypatch.setattr(dataplane.torch.cuda, "current_stream", lambda device=None: device.index)
+    monkeypatch.setattr(dataplane.GpuWordOps, "load", classmethod(lambda cls, d: object()))
+    monkeypatch.setattr(dataplane, "RegisteredPage", Header)
+    ch = DoorbellChannel(_Stub(pb.AttachDoorbellResponse(gpu_word=True, output_event=b"e" * 64)),
+                         torch.device("cuda", 1))
+    try:
+        assert ch.copies_raw and ch.word_address == 0x7000 + bell.GPU_WORD_OFFSET, "the GPU word was dropped"
+        assert ch.input_event.on == 1 and Event.made_on == [1, 1]  # the waited and the input event
+        assert current == [0]  # the caller's device, as it was
+    finally:
+        ch._stream_passed = lambda timeout_s: True
+        ch.close()
+
+
+def test_a_page_the_driver_will_not_register_offers_no_gpu_word_and_says_so(monkeypatch, caplog):
+    """The page's registration refused (GpuWordError): the channel works the ordinary way (torch's copies, no word
+    written), tells the sidecar it writes no word, and the warning says the steps are not pre-launched (it said
+    nothing: the GPU word was lost without a trace). CUDA stood in for."""
+    sent = []
+
+    class Stub(_Stub):
+        def AttachDoorbell(self, req, timeout=None):  # noqa: N802
+            sent.append(req)
+            return super().AttachDoorbell(req, timeout)
+
+    class Refused:
+        def __init__(self, ops, ptr):
+            raise dataplane.GpuWordError("cuMemHostRegister_v2 failed with driver code 201")
+
+    _cuda_stood_in(monkeypatch, [])
+    monkeypatch.setattr(dataplane, "RegisteredPage", Refused)
+    with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+        ch = DoorbellChannel(Stub(pb.AttachDoorbellResponse(gpu_word=True, output_event=b"e" * 64)),
+                             torch.device("cuda", 0))
+    try:
+        assert not ch.copies_raw and ch.word_address == 0 and not sent[0].gpu_word
+        assert "driver code 201" in caplog.text and "not pre-launched" in caplog.text
+    finally:
+        ch.close()
+
+
+def test_the_stream_an_answer_was_waited_on_is_the_one_a_step_from_another_stream_orders_after(monkeypatch):
+    """wait() orders the current stream after the sidecar's "outputs written" event and remembers it: a step staged
+    next from another stream then waits there for that event and for the stream that waited (order_inputs), and
+    one staged from the same stream queues nothing more. Unremembered, order_inputs never saw another stream. CUDA
+    stood in for: the driver's waits and records are recorded with the raw stream they were queued on."""
+    current = [0xA]
+    ops = _stood_in_ops(monkeypatch, current)
+    ops.wait_event = lambda raw, event: ops.queued.append(("wait", raw))
+    ch = DoorbellChannel(_Stub(pb.AttachDoorbellResponse(output_event=b"e" * 64)), torch.device("cuda", 0))
+    try:
+        ch.send(pb.DraftStepRequest(step_id=1))
+        _answer(ch, 1)
+        assert ch.wait(1, 1.0).step_id == 1
+        assert ops.queued[-1] == ("wait", 0xA)  # the answer's outputs, on the waiting stream
+        del ops.queued[:]
+        ch.order_inputs()
+        assert ops.queued == []  # the same stream: ordered already
+        current[0] = 0xB
+        ch.order_inputs()
+        assert ops.queued == [("wait", 0xB), ("event", 0xA), ("wait", 0xB)]  # the outputs, then the waiting stream
+    finally:
+        ch._stream_passed = lambda timeout_s: True
+        ch.close()

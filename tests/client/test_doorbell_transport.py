@@ -10,6 +10,7 @@ import torch
 from dspark_sidecar.client.connection import StreamBroken
 from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.drafter.kv_cache import StepMetadata
+from dspark_sidecar.proto import codec
 from dspark_sidecar.proto import sidecar_pb2 as pb
 
 MAX_REQS, MAX_PAGES, WIDTH = 4, 8, 32
@@ -63,3 +64,32 @@ def test_no_step_is_rung_once_the_liveness_stream_has_ended():
     with pytest.raises(StreamBroken, match="the sidecar's stream ended"):
         t.send(pb.DraftStepRequest(step_id=3), torch.zeros(7, WIDTH), torch.zeros(7, dtype=torch.int64), _meta(1, 1))
     assert t.bell.events == []
+
+
+@pytest.mark.parametrize("change, refused", [
+    ({}, None),
+    ({"offset_bytes": 8}, "not in the output region the step named"),
+    ({"region_id": 5}, "not in the output region the step named"),
+    ({"dtype": pb.DTYPE_BF16}, "of dtype"),
+    ({"shape": [7, WIDTH + 1]}, "of dtype"),
+], ids=["good", "another offset", "another region", "another dtype", "another shape"])
+def test_an_answer_is_taken_only_where_and_as_the_step_asked_for_it(change, refused):
+    """check_answer: the hidden states must be the output region from offset 0, [rows, width] of the buffers'
+    dtype. Each of these otherwise good answers read the region at the wrong rows, or its bytes as another dtype or
+    shape; the whole-message comparison that passes a good answer at once must not pass any of them."""
+    t = _transport()
+    t.buffers.hidden_id, t.buffers.dtype, t._answer_ref = 6, torch.float32, {}
+    h = codec.region_tensor_ref(torch.float32, (7, WIDTH), 6, 0)
+    for field in ("offset_bytes", "region_id"):
+        if field in change:
+            setattr(h.region, field, change[field])
+    if "dtype" in change:
+        h.dtype = change["dtype"]
+    if "shape" in change:
+        h.shape[:] = change["shape"]
+    for _ in range(2):  # the second time through the kept reference answer
+        if refused is None:
+            t.check_answer(pb.DraftStepResponse(step_id=4, hidden_states=h), 4, 7, WIDTH)
+        else:
+            with pytest.raises(ValueError, match=refused):
+                t.check_answer(pb.DraftStepResponse(step_id=4, hidden_states=h), 4, 7, WIDTH)
