@@ -66,23 +66,32 @@ class ShmAgreement:
             mine[1 : 1 + n] = values
         except (OverflowError, TypeError, ValueError) as err:
             raise ValueError(f"an agreement carries int64 integers, got {values}: {err}") from None
-        self._seq = seq
-        mine[0] = seq  # last: a peer that sees the sequence sees the values
-        seqs = bank[:, 0]
-        arrived = lambda: int(seqs.min()) == seq  # noqa: E731  (no slot can be ahead: see the module docstring)
-        start = time.perf_counter()
-        while not arrived() and time.perf_counter() - start <= SPIN_S:
-            pass  # the spin; then the doorbell's naps, up to the timeout
-        if not arrived() and not bell.wait_until(arrived, start + self.timeout_s, start):
-            missing = [r for r in range(self.world_size) if int(seqs[r]) != seq]
-            # Read after the deadline: a peer that wrote its slot since the last poll has agreed, and takes
-            # this minimum itself (it sees every slot); raising here instead left this rank alone out of a step
-            # its peers go on with, naming no rank ("engine ranks []").
-            if missing:
-                self._lost = (f"engine ranks {missing} did not reach step agreement {seq} within "
-                              f"{self.timeout_s:g} s: a peer engine rank has died or stopped stepping")
-                raise AgreementTimeout(self._lost)
-        return bank[:, 1 : 1 + n].min(axis=0).tolist()
+        try:
+            self._seq = seq
+            mine[0] = seq  # last: a peer that sees the sequence sees the values
+            seqs = bank[:, 0]
+            arrived = lambda: int(seqs.min()) == seq  # noqa: E731  (no slot can be ahead: see the module docstring)
+            start = time.perf_counter()
+            while not arrived() and time.perf_counter() - start <= SPIN_S:
+                pass  # the spin; then the doorbell's naps, up to the timeout
+            if not arrived() and not bell.wait_until(arrived, start + self.timeout_s, start):
+                missing = [r for r in range(self.world_size) if int(seqs[r]) != seq]
+                # Read after the deadline: a peer that wrote its slot since the last poll has agreed, and takes
+                # this minimum itself (it sees every slot); raising here instead left this rank alone out of a step
+                # its peers go on with, naming no rank ("engine ranks []").
+                if missing:
+                    self._lost = (f"engine ranks {missing} did not reach step agreement {seq} within "
+                                  f"{self.timeout_s:g} s: a peer engine rank has died or stopped stepping")
+                    raise AgreementTimeout(self._lost)
+            return bank[:, 1 : 1 + n].min(axis=0).tolist()
+        except BaseException as err:
+            # Any other way out once the sequence moved (KeyboardInterrupt, a signal handler's exception) gives the
+            # agreement up as a timeout does: a slow peer still takes it, and a caller that went on answered that
+            # peer's post-flight with its next pre-flight: the ranks decided apart, silently.
+            if self._lost is None:
+                self._lost = (f"step agreement {seq} was interrupted ({type(err).__name__}) after this rank came "
+                              "to it: its peers may still take it")
+            raise
 
     def all_min(self, values: torch.Tensor) -> torch.Tensor:
         return torch.tensor(self.all_min_ints([int(v) for v in values.tolist()]), dtype=torch.int64)

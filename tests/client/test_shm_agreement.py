@@ -395,12 +395,51 @@ def test_a_rank_that_timed_out_never_agrees_on_that_page_again():
         late, slow = ShmAgreement(seg, 2, 0, timeout_s=0.05), ShmAgreement(seg, 2, 1, timeout_s=0.2)
         with pytest.raises(AgreementTimeout, match=r"engine ranks \[1\]"):
             late.all_min_ints([1])  # agreement 1: rank 1 is not there yet
-        with pytest.raises(AgreementTimeout):
-            late.all_min_ints([1])  # the caller went on: agreement 2 on a page it can no longer share
+        # the caller went on: agreement 2 on a page it can no longer share, refused with the timeout's own reason
+        with pytest.raises(AgreementTimeout, match=r"engine ranks \[1\] did not reach step agreement 1 .*no agreement"):
+            late.all_min_ints([1])
         assert slow.all_min_ints([7]) == [1]  # rank 1 arrives at agreement 1, which rank 0 had written
         with pytest.raises(AgreementTimeout, match=r"engine ranks \[0\] did not reach step agreement 2"):
             slow.all_min_ints([9])  # rank 0 gave agreement 2 up: nothing of it may be taken as rank 0's answer
         late.close()
+        slow.close()
+    finally:
+        seg.unlink()
+
+
+def test_a_rank_whose_wait_is_interrupted_never_agrees_on_that_page_again(monkeypatch):
+    """An exception that ends the wait other than the timeout (KeyboardInterrupt, a signal handler's own) gives up
+    the agreement just the same: this rank's slot says it came, so a slower peer still takes it. A caller that
+    went on (its engine caught the exception) then answered that peer's post-flight with its next step's
+    pre-flight, whose first value is "ready": the peer forwarded a step this rank had no answer for, and the ranks
+    decided apart with no error anywhere (run for real with SIGINT in two processes, review 347). Every later
+    call must refuse, writing nothing, as after a timeout. One process, both slots of a page."""
+    import numpy as np
+
+    from dspark_sidecar.client import shm_agreement
+    from dspark_sidecar.client.shm_agreement import AgreementTimeout
+
+    seg = _page(2)
+    seqs = np.ndarray((2, 2, 1 + MAX_VALUES), np.int64, buffer=seg.buf)[:, 0, 0]  # each bank's rank 0 sequence
+    try:
+        hit, slow = ShmAgreement(seg, 2, 0, timeout_s=0.05), ShmAgreement(seg, 2, 1, timeout_s=0.2)
+
+        def interrupted(ready, deadline, active_since):
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as m:
+            m.setattr(shm_agreement.bell, "wait_until", interrupted)
+            m.setattr(shm_agreement, "SPIN_S", 0.0)
+            with pytest.raises(KeyboardInterrupt):
+                hit.all_min_ints([1, 0, 5])  # a pre-flight: rank 1 is not there yet
+        with pytest.raises(AgreementTimeout, match="interrupted"):
+            hit.all_min_ints([1, 0, 5])  # the caller went on to its next step's pre-flight
+        assert seqs.tolist() == [0, 1], "the rank wrote an agreement after it had given one up"
+        assert slow.all_min_ints([1, 0, 7]) == [1, 0, 5]  # rank 1 takes the pre-flight rank 0 wrote
+        with pytest.raises(AgreementTimeout, match=r"engine ranks \[0\] did not reach step agreement 2"):
+            slow.all_min_ints([0])  # its post-flight: nothing of rank 0's next step may answer it
+        seqs = None
+        hit.close()
         slow.close()
     finally:
         seg.unlink()
