@@ -101,18 +101,34 @@ class EngineConfig:
     @property
     def agreement_timeout_s(self) -> float:
         """How long a rank waits in a step agreement for its peer engine ranks before it gives them up for
-        dead (AgreementTimeout). Longer than a live peer can take between two agreements: a reconnect
-        (connect_deadline_s), its catch-up binds (each bind_deadline_s), the buffers' and doorbell's
-        registration (each connect_deadline_s: DoorbellTransport's calls; counted at the larger of the two,
-        bind_deadline_s by default), a step with its late grace, and the breaker's health probes (one in the
-        catch-up, one in the next readiness check: each a health Check and a GetStatus, each probe_deadline_s);
-        with slack for a loaded host, and 60 s at least. A fixed 60 s was shorter than a step a
-        DSPARK_STEP_DEADLINE_MS of 60000 or more allows: the peers of a rank still waiting for its answer raised
-        into the engine. Uncounted, the probes did the same from a probe_deadline_s of about 15 s up (BreakerConfig
-        allows 3600): two probes of a slow sidecar (four calls of 15 s), a reconnect and a bind passed the 65 s wait."""
-        live = (self.connect_deadline_s + self.max_catchup_binds * self.bind_deadline_s
-                + 2 * max(self.bind_deadline_s, self.connect_deadline_s) + self.step_deadline_s + self.late_grace_s
-                + 4 * self.breaker.probe_deadline_s)
+        dead (AgreementTimeout). Longer than a live peer can take between two agreements, its sidecar rank
+        answering every call just inside its deadline, with slack for a loaded host, and 60 s at least. Two kinds
+        of interval, summed (an upper bound of either):
+
+        - a catch-up, then the next step's readiness check: two breaker probes (a health Check and a GetStatus
+          each, probe_deadline_s), the catch-up's binds (its last one failing and dropping the link: the data
+          plane's UnregisterBuffers), the readiness check's reconnect (GetStatus), bind and status re-read (a
+          strict refusal judged on another engine's binding), the data plane's AttachDoorbell, RegisterBuffers
+          and the release after one that timed out, the step stream's opening (each of those connect_deadline_s,
+          a bind bind_deadline_s), and a close() from another thread that the rank finishes as it leaves the
+          link (UnbindKV). Counted as one reconnect, the binds and two registrations at the larger of
+          bind_deadline_s and connect_deadline_s, a sidecar slow but answering at connect and bind deadlines of
+          400 s took 1860 s (measured at a thousandth of that), past the 1670 s its peers waited: AgreementTimeout
+          turned a healthy rank off.
+        - a step: its deadline and late grace, the drop of a broken link (UnregisterBuffers), and a close()
+          from another thread waiting out the late grace once more.
+
+        With the doorbell transport each close of its page waits up to the data plane's CLOSE_WAIT_S for the
+        engine's stream (three in the two intervals). A fixed 60 s was shorter than a step a
+        DSPARK_STEP_DEADLINE_MS of 60000 or more allows; uncounted, the probes did the same from a
+        probe_deadline_s of about 15 s up (BreakerConfig allows 3600)."""
+        c, b, p = self.connect_deadline_s, self.bind_deadline_s, self.breaker.probe_deadline_s
+        readiness = 4 * p + (self.max_catchup_binds + 1) * b + 8 * c
+        step = self.step_deadline_s + 2 * self.late_grace_s + c
+        live = readiness + step
+        if self.transport == "doorbell":
+            from dspark_sidecar.client.dataplane import CLOSE_WAIT_S  # torch's: imported only where it counts
+            live += 3 * CLOSE_WAIT_S
         return max(60.0, live + 10.0)
 
 

@@ -287,6 +287,41 @@ def test_a_late_answer_settles_its_step_and_is_not_kept_past_the_next_step():
         stream.close()
 
 
+def test_an_answer_to_a_step_sent_before_the_one_waited_for_is_not_kept():
+    """Only the step last sent is waited for: an earlier one's answer settles it and is dropped (kept, it held
+    up to max_message_bytes of hidden states that no wait would ever take)."""
+    stub = _Stub()
+    stream = StepStream(stub)  # type: ignore[arg-type]
+    try:
+        stream.send(pb.DraftStepRequest(step_id=1))
+        stream.send(pb.DraftStepRequest(step_id=2))
+        stub.call.answers.put(pb.DraftStepResponse(step_id=1))
+        wait_until(lambda: stream.settled(1), 5, "step 1 answered", interval_s=0.005)
+        assert stream._answers == {} and stream.wait(1, 0.01) is None
+        stub.call.answers.put(pb.DraftStepResponse(step_id=2))
+        assert stream.wait(2, 5).step_id == 2
+    finally:
+        stream.close()
+
+
+def test_every_channel_takes_the_message_size_the_link_was_made_with():
+    """Sent and received alike, on the link's channel and the health probe's: the sidecar's
+    --max-message-bytes may be set above or below the default on both ends."""
+    made: list[dict] = []
+
+    def factory(target: str, options: list) -> _Channel:
+        made.append(dict(options))
+        return _Channel(grpc.RpcError())
+
+    conn = SidecarConnection("unix:/nonexistent/rank0.sock", factory, max_message_bytes=3 << 20)
+    with pytest.raises(grpc.RpcError):
+        conn.open(0.1)
+    assert conn.max_message_bytes == 3 << 20 and not conn.probe_health(0.1)
+    assert len(made) == 2
+    for options in made:
+        assert options["grpc.max_send_message_length"] == options["grpc.max_receive_message_length"] == 3 << 20
+
+
 def test_an_answer_out_of_request_order_ends_the_stream():
     """Answers come one per request, in order: an answer for a step other than the oldest unanswered one is a
     sidecar that cannot be trusted with settled() (an answer for step 2 would settle step 1 still running)."""

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import re
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from dspark_sidecar.client import shim as S
 from dspark_sidecar.client.binding import Binding
 from dspark_sidecar.client.config import BreakerConfig, EngineConfig, EngineConfigError
+from dspark_sidecar.client.forward_context import set_forward_context
 from dspark_sidecar.client.shim import DrafterShim
-from helpers.engine_fakes import step_inputs
+from helpers.engine_fakes import FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs
 
 
 @pytest.mark.parametrize("deadline_s", [0.0005, 0.0009999])
@@ -73,9 +76,125 @@ def test_the_agreement_outwaits_a_live_peer_probing_its_sidecar():
     probes = 2 * 2 * cfg.breaker.probe_deadline_s
     live = probes + cfg.connect_deadline_s + cfg.bind_deadline_s
     assert cfg.agreement_timeout_s > live
-    # The defaults' probes (0.25 s) add one second: 66 s, as README and FAILURE_MODES.md say.
-    assert EngineConfig(tp_size=4).agreement_timeout_s == 66.0
+    # With the defaults 71 s (86 s with the doorbell), as README and FAILURE_MODES.md say.
+    assert EngineConfig(tp_size=4).agreement_timeout_s == 71.0
     short = dict(step_deadline_s=0.1, late_grace_s=0.1, connect_deadline_s=0.1, bind_deadline_s=0.1)
     assert EngineConfig(tp_size=4, **short).agreement_timeout_s == 60.0  # 60 s at least, no more
     with pytest.raises(EngineConfigError, match="^breaker: must be a BreakerConfig"):
         EngineConfig(tp_size=4, breaker={"probe_deadline_s": 30.0})  # type: ignore[arg-type]
+
+
+class _SlowSidecar(FakeSidecar):
+    """Answers the calls of a script, in order, each after its delay (a live sidecar, slow but within deadlines)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_reqs=4)
+        self.instance = "one"  # the step stream's opening is waited for (its initial metadata)
+        self.script: list[tuple[str, float, dict]] = []  # (method, delay, status fields set first)
+
+    def _slow(self, method: str) -> None:
+        if self.script and self.script[0][0] == method:
+            _, delay, status = self.script.pop(0)
+            for k, v in status.items():
+                setattr(self, k, v)
+            time.sleep(delay)
+
+    def GetStatus(self, request, context):
+        self._slow("GetStatus")
+        return super().GetStatus(request, context)
+
+    def BindKV(self, request, context):
+        self._slow("BindKV")
+        return super().BindKV(request, context)
+
+    def DraftSteps(self, request_iterator, context):
+        self._slow("DraftSteps")
+        yield from super().DraftSteps(request_iterator, context)
+
+
+class _TimedPeer:
+    """A peer rank's stand-in: agrees on this rank's values, once naming a higher binding generation (a catch-up),
+    and notes when each agreement was reached."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.at: list[float] = []
+        self.peer_generation = 0
+
+    def all_min(self, values: torch.Tensor) -> torch.Tensor:
+        self.at.append(time.monotonic())
+        out = values.clone()
+        if self.peer_generation and values.numel() == 5:
+            out[3], self.peer_generation = -self.peer_generation, 0
+        return out
+
+
+def test_the_agreement_outwaits_a_live_peer_s_catch_up_and_readiness_check():
+    """Measured on the shim against a live sidecar that answers each call just inside its deadline: a catch-up
+    bind that times out (the link dropped), then the next readiness check's reconnect, a strict refusal judged on
+    another engine's binding (bind ours, read the status again) and the step stream's opening. The formula
+    counted one reconnect, the binds and two registrations at the larger of the bind and connect deadlines,
+    not the status re-read, the readiness check's own bind or the stream's opening: every deadline of the path
+    scaled by 1000 (connect and bind 400 s, which EngineConfig allows), the interval took 1860 s and the peers
+    waited 1670 s, then gave the healthy rank up for dead (AgreementTimeout). Every wait of the path is one of
+    the config's deadlines, so the interval scales with them and the scaled config must outwait it."""
+    c = b = 0.4
+    small = dict(connect_deadline_s=c, bind_deadline_s=b, step_deadline_s=0.01, late_grace_s=0.01,
+                 max_catchup_binds=1)
+    sidecar = _SlowSidecar()
+    server = FakeServer(sidecar, short_socket_dir() / "rank0.sock").start()
+    kv = shm_kv_cache()
+    peer = _TimedPeer()
+    shim = DrafterShim(EngineConfig(tp_size=4, endpoint=server.endpoint, **small,
+                                    breaker=BreakerConfig(probe_deadline_s=0.01)),
+                       FakeModel(), lambda: [s.tensor for s in kv], peer)
+    ids, pos, meta = step_inputs(2)
+    try:
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None
+            refused, serving = dict(serving=False, state="REFUSED"), dict(serving=True, state="SERVING")
+            sidecar.script = [("BindKV", b * 1.3, {}),  # the catch-up's bind: past its deadline, the link dropped
+                              ("GetStatus", c * 0.9, refused), ("BindKV", b * 0.9, {}), ("GetStatus", c * 0.9, serving),
+                              ("DraftSteps", c * 0.9, {})]
+            peer.peer_generation = shim.binder.generation + 1
+            assert shim.maybe_forward(ids, pos) is None  # the catch-up
+            assert shim.maybe_forward(ids, pos) is not None  # healthy: the next step forwards
+        assert not sidecar.script and shim.stats.fallbacks == {S.GENERATIONS: 1}
+    finally:
+        shim.close()
+        server.stop()
+    longest = max(later - earlier for earlier, later in zip(peer.at, peer.at[1:]))
+    assert longest > 4 * 0.9 * c  # the path ran: four calls just inside their deadlines
+    k = 1000
+    scaled = EngineConfig(tp_size=4, **{f: v * k if f != "max_catchup_binds" else v for f, v in small.items()},
+                          breaker=BreakerConfig(probe_deadline_s=0.01 * k, backoff_max_s=10.0))
+    assert scaled.agreement_timeout_s > k * longest, (scaled.agreement_timeout_s, k * longest)
+
+
+@pytest.mark.parametrize("c, b, s", [(3600, 0.001, 0.001), (400, 400, 0.001), (0.001, 3600, 0.001), (1, 5, 2),
+                                     (2, 5, 0.001), (3600, 3600, 3600)])
+@pytest.mark.parametrize("transport", ["grpc", "doorbell"])
+def test_the_agreement_outwaits_every_bounded_wait_between_two_agreements(c, b, s, transport):
+    """The longest a live rank can take between two agreements, each wait at its bound, at the extremes the
+    validation allows. A catch-up then a readiness check: two probes (Check and GetStatus each), the catch-up's
+    binds and the readiness check's bind, and connect_deadline_s for each of UnregisterBuffers (the catch-up's
+    drop), GetStatus, the status re-read, AttachDoorbell, RegisterBuffers, its release, the step stream's
+    opening and a close()'s UnbindKV. A step: its deadline, the late grace (twice with a close() from another
+    thread) and the broken link's UnregisterBuffers. With the doorbell, three page closes waiting for the engine's
+    stream (the data plane's CLOSE_WAIT_S)."""
+    from dspark_sidecar.client.dataplane import CLOSE_WAIT_S
+
+    cfg = EngineConfig(tp_size=4, connect_deadline_s=c, bind_deadline_s=b, step_deadline_s=s, late_grace_s=s,
+                       transport=transport, breaker=BreakerConfig(probe_deadline_s=c, backoff_initial_s=c, backoff_max_s=c))
+    p, n, g = cfg.breaker.probe_deadline_s, cfg.max_catchup_binds, cfg.late_grace_s
+    readiness = 2 * 2 * p + (n + 1) * b + 8 * c
+    step = s + 2 * g + c
+    closes = 3 * CLOSE_WAIT_S if transport == "doorbell" else 0.0
+    assert cfg.agreement_timeout_s >= readiness + step + closes + 10.0  # and the slack for a loaded host
+
+
+@pytest.mark.parametrize("transport", ["", "GRPC", "shm", None])
+def test_a_transport_the_shim_has_not_is_named(transport):
+    with pytest.raises(EngineConfigError, match="^transport: one of"):
+        EngineConfig(tp_size=4, transport=transport)
