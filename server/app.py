@@ -31,6 +31,7 @@ from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
 from dspark_sidecar.kernels.weights import prepare_layer_weights
+from dspark_sidecar import layout
 from dspark_sidecar.layout import LAUNCH_REQS
 from dspark_sidecar.proto import SERVICE_NAME
 from dspark_sidecar.proto.doorbell import nap_for, stores_in_order
@@ -348,13 +349,15 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
                                                                           device))
               if graphs_on(cfg, device, choice.name) else None)
     loop = RankLoop(ctx, rendezvous, graphs)
+    # The servicer binds the lease socket (beside the gRPC one, claimed with it) in its constructor: ours from
+    # before it, as the gRPC socket is from before its bind. Taken only once the constructor had returned, a
+    # stop or a failure of the rest of it (out of descriptors) left the socket behind.
+    start_up.lease = layout.rank_lease_socket(cfg.socket_dir, rank)
     servicer = DrafterServicer(ctx, loop, life, limits_pb(cfg.max_reqs, cfg.max_message_bytes),
                                pb.Parallel(tp_size=world, tp_rank=rank, dist_backend=dist_backend, device=str(device)),
                                f"mxfp8->{cfg.dtype}" if cfg.weights == "bf16" else "mxfp8", cfg.socket_dir,
                                cfg.prelaunch, cfg.prelaunch_behind_ms / 1e3)
     if servicer.leases is not None:  # the lease socket beside the gRPC one, with its mode
-        # Ours from here, as the gRPC socket (claimed with it): a stop or failure before serving removes it too.
-        start_up.lease = Path(servicer.leases.path)
         _give_socket_mode(start_up.lease, rank)
     late.status_source = servicer  # reads only: safe during the warm-up
 

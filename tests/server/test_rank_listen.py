@@ -191,6 +191,42 @@ def test_the_socket_s_0660_is_never_given_through_a_link_swapped_in_after_the_bi
             s.stop(None)
 
 
+def test_get_status_in_the_warm_up_answers_from_the_servicer_while_draft_calls_are_still_refused():
+    """During the warm-up the servicer exists but takes no draft calls yet: GetStatus reads it (state LOADING),
+    so `status` shows the rank's backend and model while it warms up; every other call is still UNAVAILABLE."""
+    from dspark_sidecar.server.app import LateServicer
+    from dspark_sidecar.server.errors import SidecarError
+
+    class Warming:  # the servicer made before the warm-up (app._serve_rank: late.status_source)
+        def GetStatus(self, request, context):
+            return "its report"
+
+    late = LateServicer()
+    late.status_source = Warming()
+    assert late.GetStatus(None, None) == "its report"
+    with pytest.raises(SidecarError) as err:
+        late.DraftStep(None, None)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.reason == "LOADING"
+
+
+def test_the_socket_s_0660_is_never_given_to_another_user_s_socket_put_in_its_place(tmp_path, monkeypatch):
+    """A member of the folder's group may rename a socket of its own over rank0.sock after the bind: the rank must
+    refuse it (its engines would talk to that user's server), not make it 0660 (as root the chmod succeeds)."""
+    import stat
+
+    from dspark_sidecar.server import app
+
+    path = tmp_path / "rank0.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        path.chmod(0o600)
+        owner = path.lstat().st_uid
+        monkeypatch.setattr(app.os, "geteuid", lambda: owner + 1)  # the rank runs as another user than the socket's
+        with pytest.raises(AddressInUse, match=rf"no longer the one it bound \(now a socket, owner uid {owner}\)"):
+            app._give_socket_mode(path, 0)
+        assert stat.S_IMODE(path.lstat().st_mode) == 0o600
+
+
 @pytest.mark.parametrize("umask", [0o000, 0o077])
 def test_the_socket_is_0660_whatever_the_umask(tmp_path, umask):
     """SECURITY.md: the socket is 0660 (the engine's group connects; bind made it 0777 less the umask)."""

@@ -287,6 +287,23 @@ def test_a_second_signal_during_the_unwinding_does_not_cut_its_cleanup_short(mon
     assert ended == [], "a later signal ended the process past the unwinding's cleanup"
 
 
+def test_a_signal_after_the_unwinding_ends_the_rank_as_any_stop_during_start_up(monkeypatch):
+    """Past the synthetic checkpoint's write, a stop ends the rank at once again (its files released, os._exit):
+    left raising SystemExit, it unwound from wherever the main thread was, a half-made collective included."""
+    import threading
+
+    from dspark_sidecar.server import startup
+
+    start_up = startup.StartUp(0, threading.Event())
+    ended: list[object] = []
+    monkeypatch.setattr(startup.os, "_exit", ended.append)
+    monkeypatch.setattr(start_up, "release", lambda: ended.append("release"))
+    with start_up.unwinding():
+        pass  # the write, done
+    start_up.on_signal(signal.SIGTERM, None)  # raised SystemExit(0) with `unwind` left set
+    assert ended == ["release", 0] and start_up.stop.is_set()
+
+
 RANK_STOPPED_WRITING_THE_CHECKPOINT = """
 import sys, time
 from pathlib import Path
@@ -416,3 +433,42 @@ def test_a_rank_that_lost_a_peer_exits_1_without_the_interpreter_s_teardown(tmp_
                                                 "(Connection closed by peer)"), err
     finally:
         _kill(p)
+
+
+RANK_WHOSE_LEASE_KEEPER_FAILS = """
+import errno, sys, types
+from dspark_sidecar.server import lease
+def no_selector():  # past the lease socket's bind, inside the servicer's making: out of descriptors (epoll_create1)
+    raise OSError(errno.EMFILE, "Too many open files")
+lease.selectors = types.SimpleNamespace(DefaultSelector=no_selector, EVENT_READ=lease.selectors.EVENT_READ)
+from dspark_sidecar import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_that_fails_while_its_servicer_is_made_leaves_no_lease_socket(tmp_path):
+    """The servicer binds the lease socket in its constructor; the rank took it for its own (StartUp.lease) only
+    once the constructor had returned. A failure of the rest of the constructor (here out of descriptors), or a
+    stop meanwhile, left the lease socket in the folder, nobody answering on it until the next start."""
+    sock = tmp_path / "sock"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    p = subprocess.run([sys.executable, "-c", RANK_WHOSE_LEASE_KEEPER_FAILS, "serve", "--tp", "1", "--device", "cpu",
+                        "--socket-dir", str(sock)], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "Too many open files" in p.stderr, p.stderr
+    assert sorted(f.name for f in sock.iterdir() if f.is_socket()) == [], p.stderr[-2000:]
+
+
+def test_a_rank_whose_world_size_is_not_its_tp_is_refused_as_a_flag_before_it_listens(tmp_path):
+    """torchrun --nproc-per-node 2 with --tp 1: each rank would take a shard of a TP it is not in. Refused as a flag
+    (exit 2, one line, nothing in the socket folder), which no restart changes, before any socket is bound."""
+    sock = tmp_path / "sock"
+    env = dict(_env(), RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    p = subprocess.run([sys.executable, "-m", "dspark_sidecar", "serve", "--tp", "1", "--device", "cpu",
+                        "--socket-dir", str(sock)], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr == ("dspark-sidecar: --tp 1: 2 ranks were started (WORLD_SIZE 2); start as many as --tp says "
+                        "(torchrun --nproc-per-node)\n")
+    assert not sock.exists() or not list(sock.iterdir())
