@@ -11,6 +11,11 @@ import time
 from pathlib import Path
 
 ENV_PREFIX = "DSPARK_"
+# The process that started this one, read at import, before anything slow: under torchrun its agent, which a rank
+# watches (server/app.py). Read in serve_rank, after the imports and a rank's check_checkpoint (a full read of
+# the checkpoint: minutes), an agent gone meanwhile had re-parented the rank, which then watched init or a
+# subreaper instead, and served on as an orphan for good.
+PARENT_AT_START = os.getppid()
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -204,7 +209,8 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
             return serve_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                               int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
                               agent_attempt=(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-                                             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None))
+                                             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None),
+                              agent_pid=PARENT_AT_START)
         except PeerLost as err:  # the peer printed why; this rank's traceback would only add noise
             print(f"dspark-sidecar: {err}", file=sys.stderr, flush=True)
             # Ended here, not by returning: the group lost its peer inside a collective, and gloo's threads may

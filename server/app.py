@@ -264,12 +264,14 @@ def _load(cfg: ServeConfig, rank: int, world: int, device: torch.device, cpu_gro
     return dcfg, model, embed, choice, host, fast
 
 
-def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_attempt: int | None = None) -> int:
+def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_attempt: int | None = None,
+               agent_pid: int | None = None) -> int:
     """Run one rank until it is stopped. `agent_attempt`: under torchrun, whose agent hosts the group's
-    store, its restart count (None: our launcher, rank 0 hosts the store)."""
+    store, its restart count (None: our launcher, rank 0 hosts the store). `agent_pid`: the agent's pid as the
+    process read it at its start (cli.PARENT_AT_START; None: this process's parent now)."""
     start_up = StartUp(rank, threading.Event())
     try:
-        return _serve_rank(cfg, rank, world, local_rank, agent_attempt, start_up)
+        return _serve_rank(cfg, rank, world, local_rank, agent_attempt, start_up, agent_pid)
     except BaseException:
         # Any start-up failure (a busy metrics port, a checkpoint error, a lost peer): no socket file nobody
         # answers on, nor rank 0's board, outlives the rank. Under torchrun nothing else removes them (our
@@ -279,7 +281,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
 
 
 def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_attempt: int | None,
-                start_up: StartUp) -> int:
+                start_up: StartUp, agent_pid: int | None = None) -> int:
     # A --tp this rank cannot serve is refused as a flag is (exit 2, one line): no restart changes it. As
     # SystemExit it was exit 1, which the launcher reported as a rank's failure and systemd restarted for ever.
     if world != cfg.tp:
@@ -302,7 +304,7 @@ def _serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_
     # to engines with nobody to stop or restart it. Watched from the beat below, by pid and start time (not
     # PR_SET_PDEATHSIG: that fires when the agent's spawning *thread* ends, which torch does not promise is
     # its main one). Our launcher's ranks have PDEATHSIG (_die_with_parent).
-    agent = ExitWith(os.getppid()) if agent_attempt is not None else None
+    agent = ExitWith(os.getppid() if agent_pid is None else agent_pid) if agent_attempt is not None else None
     device = resolve_device(cfg, local_rank)
     if device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores; also makes CPU results deterministic

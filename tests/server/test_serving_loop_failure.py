@@ -179,3 +179,49 @@ def test_a_drain_whose_publish_failed_still_says_not_serving_in_the_metrics():
     publish.draining_anyway()
     assert seen[-1] is False and life.state == "DRAINING"
     assert hs.Check(health_pb2.HealthCheckRequest(service=""), None).status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_the_agent_watched_is_the_parent_the_rank_process_started_with(tmp_path, monkeypatch):
+    """Under torchrun the rank watches its agent by pid. Read as os.getppid() in serve_rank, after the imports and
+    check_checkpoint's full read, an agent killed meanwhile had the rank re-parented: it watched init (or a
+    subreaper), alive for good, and served on as an orphan. The pid read at the process's start is the one watched."""
+    from dspark_sidecar.server import app
+    from dspark_sidecar.server.config import ServeConfig
+
+    class Watched(Exception):
+        pass
+
+    pids = []
+
+    def exit_with(pid):
+        pids.append(pid)
+        raise Watched  # start-up stops here: nothing else of the rank is needed
+
+    monkeypatch.setattr(app, "ExitWith", exit_with)
+    monkeypatch.setattr(app.signal, "signal", lambda *a: None)  # not the test process's handlers
+    monkeypatch.setattr(app.faulthandler, "register", lambda *a, **k: None)
+    monkeypatch.delenv("DSPARK_LAUNCHER_PID", raising=False)
+    cfg = ServeConfig(tp=1, device="cpu", socket_dir=tmp_path)
+    with pytest.raises(Watched):
+        app.serve_rank(cfg, 0, 1, 0, agent_attempt=0, agent_pid=4242)
+    with pytest.raises(Watched):
+        app.serve_rank(cfg, 0, 1, 0, agent_attempt=0)  # no pid given: the parent now
+    assert pids == [4242, os.getppid()]
+
+
+def test_serve_under_torchrun_hands_its_rank_the_parent_read_at_import(tmp_path, monkeypatch):
+    """cli reads the parent's pid first thing (PARENT_AT_START) and serve_rank watches that one, with the
+    agent's restart count; a rank of our own launcher watches no agent."""
+    from dspark_sidecar import cli
+    from dspark_sidecar.server import app
+
+    seen = []
+    monkeypatch.setattr(app, "serve_rank", lambda cfg, *a, **k: seen.append(k) or 0)
+    monkeypatch.setattr(cli, "PARENT_AT_START", 4242)
+    monkeypatch.delenv("DSPARK_LAUNCHER_PID", raising=False)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                 "TORCHELASTIC_RESTART_COUNT": "3"}.items():
+        monkeypatch.setenv(k, v)
+    argv = ["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(tmp_path / "s"), "--random-weights"]
+    assert cli.main(argv) == 0
+    assert seen == [{"agent_attempt": 3, "agent_pid": 4242}], seen
