@@ -533,6 +533,56 @@ def test_an_answer_too_large_for_the_page_still_carries_the_doorbell_timings():
     assert 0 < resp.timings.seen_mono_ns <= resp.timings.published_mono_ns
 
 
+class _SizedAnswerLoop(_Loop):
+    """A step whose answer, with the timings the doorbell adds, is `CAPACITY + over` bytes."""
+
+    def __init__(self, over: int) -> None:
+        self.over = over
+
+    def answer_now(self, req, hook=None, answer_limit=0):
+        from dspark_sidecar.proto import sidecar_pb2 as pb
+
+        def sized(n: int) -> pb.DraftStepResponse:
+            return pb.DraftStepResponse(step_id=req.step_id, hidden_states=pb.TensorRef(data=b"x" * n))
+
+        now = time.monotonic_ns()  # the timings' varints: as long as the doorbell's, set around this step
+        probe = sized(0)
+        probe.timings.seen_mono_ns = probe.timings.published_mono_ns = now
+        n = CAPACITY + self.over - probe.ByteSize()
+        while True:  # the data's length prefix grows with it
+            probe = sized(n)
+            probe.timings.seen_mono_ns = probe.timings.published_mono_ns = now
+            if probe.ByteSize() <= CAPACITY + self.over:
+                break
+            n -= 1
+        assert probe.ByteSize() == CAPACITY + self.over
+        return sized(n)
+
+
+@pytest.mark.parametrize("over", [0, 1, 20])
+def test_an_answer_that_fills_the_response_area_is_published_and_one_byte_more_is_response_too_large(over):
+    """The bound is the area itself: an answer of exactly `capacity` bytes goes out as it is; past it, by one
+    byte or a few, the answer is RESPONSE_TOO_LARGE (register an output region), never an INTERNAL error from
+    the page's own refusal of the write."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    db = Doorbell(_Page(), CAPACITY, _SizedAnswerLoop(over), torch.device("cpu"), b"")
+    db.start()
+    try:
+        db.page.write(db.page.req_area, pb.DraftStepRequest(step_id=9).SerializeToString(), bell.REQ_LEN,
+                      bell.REQ_SEQ, 1)
+        wait_until(lambda: db.page.word(bell.RESP_SEQ) == 1, 10, "the step answered", watch=db, interval_s=0.005)
+        length = db.page.word(bell.RESP_LEN)
+        resp = pb.DraftStepResponse.FromString(db.page.read(db.page.resp_area, bell.RESP_LEN))
+    finally:
+        db.stop()
+    assert resp.step_id == 9
+    if over == 0:
+        assert not resp.HasField("error") and length == CAPACITY, (length, resp.error)
+    else:
+        assert resp.error.reason == "RESPONSE_TOO_LARGE", resp.error
+
+
 class _SweepingLoop(_Loop):
     """A TP 1 rank's loop: a step answers, and what after_device runs fails as RankLoop._sweep lets it
     (logged, its memory left mapped)."""

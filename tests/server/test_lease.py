@@ -148,6 +148,57 @@ def test_close_ends_every_lease_and_removes_the_socket():
     s.close()
 
 
+def test_close_waits_for_a_release_already_running_before_it_closes_the_leases():
+    """close(None): a release already running (it waits on the rank's loop) ends before the socket goes and the
+    leases close; only close(wait_s) with a bound leaves it behind (the teardown's stuck step)."""
+    path = short_socket_dir() / "rank0.lease"
+    started, go, seen = threading.Event(), threading.Event(), []
+
+    def on_lost(token: int) -> None:
+        started.set()
+        go.wait(10)
+        seen.append(os.path.lexists(path))  # close() has not gone past its wait yet
+
+    k = LeaseKeeper(path, on_lost)
+    s, _ = _take(path)
+    s.close()
+    assert started.wait(5), "the release to start"
+    closer = threading.Thread(target=k.close, name="closer")
+    closer.start()
+    try:
+        closer.join(0.5)
+        assert closer.is_alive(), "close() returned while a release was still running"
+    finally:
+        go.set()
+        closer.join(10)
+    assert not closer.is_alive() and seen == [True] and not os.path.lexists(path)
+
+
+def test_close_ends_every_lease_though_the_socket_s_name_was_replaced_by_what_it_cannot_remove(caplog):
+    """The socket folder is group-writable: the engine's group may replace the name (as the wake FIFO's, which
+    Waker.close says and leaves). The unlink raised (IsADirectoryError; PermissionError for another user's file in
+    a sticky folder) before anything was closed: no lease ended (the engines never read end of file), the listener
+    and the wake pipe stayed open, and the teardown itself failed there."""
+    path = short_socket_dir() / "rank0.lease"
+    k = LeaseKeeper(path, lambda token: None)
+    s, token = _take(path)
+    wait_until(lambda: len(k._sel.get_map()) == 3, 5, "the lease to be watched")
+    os.unlink(path)
+    os.mkdir(path)  # what unlink cannot remove
+    try:
+        with caplog.at_level("WARNING", logger="dspark_sidecar.server"):
+            k.close()
+        s.settimeout(5)
+        assert s.recv(8) == b""  # the engine reads end of file all the same
+        assert not k.live(token) and k._listener.fileno() == -1 and k._wake_w.fileno() == -1
+        assert path.is_dir()  # not ours: left as it is, and said
+        assert any(str(path) in r.getMessage() and "not removed" in r.getMessage() for r in caplog.records), \
+            caplog.text
+    finally:
+        s.close()
+        os.rmdir(path)
+
+
 class _Memory:
     """MemoryBindings' bind / unbind, with a hook inside bind (where the real one maps the engine's cache)."""
 
