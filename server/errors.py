@@ -24,7 +24,8 @@ DOMAIN = "dspark.sidecar.v1"
 MESSAGE_LIMIT = 1024
 
 
-def _clip(message: str) -> str:
+def clip_message(message: str) -> str:
+    """`message` as it may go out in a status or a report: at most a KiB of UTF-8, any undecodable byte escaped."""
     # backslashreplace: a lone surrogate (an OS string's undecodable byte, surrogateescape) made encode() raise
     # here, inside the mapping, and the engine got UNKNOWN instead of the status; now it shows as "\udcff".
     raw = message.encode(errors="backslashreplace")
@@ -42,7 +43,7 @@ class SidecarError(Exception):
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, field: str = "", reason: str = "") -> None:
-        message = _clip(message)
+        message = clip_message(message)
         super().__init__(message)
         self.code, self.message, self.field = code, message, field
         self.reason = reason or code.name

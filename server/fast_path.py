@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from dspark_sidecar.drafter.checkpoint import (
-    SCALE_SUFFIX, CheckpointError, CheckpointReader, layer_prefix, quantize_mxfp8,
+    SCALE_SUFFIX, CheckpointReader, layer_prefix, quantize_mxfp8,
 )
 from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.drafter.kv_cache import StepMetadata
@@ -221,9 +221,9 @@ class FlyDSLFastPath:
                     self.reason = None
                 except FlyDSLUnsupported as exc:
                     self.reason = str(exc)
-                except (RuntimeError, OSError, MemoryError) as exc:
+                except Exception as exc:  # noqa: BLE001
                     # Out of device memory for the workspaces (torch.OutOfMemoryError is a RuntimeError),
-                    # a HIP/driver error: this binding is refused as above, not a rank exit
+                    # a HIP/driver error, or any other: this binding is refused as above, not a rank exit
                     # (RankLoop._guarded). Safe to decide alone: ready() runs before the step's
                     # rendezvous, which runs the fast path only where every rank offers it.
                     log.exception("rank %d: the FlyDSL runner could not be built", self.rank)
@@ -335,10 +335,11 @@ def build_fast_path(cfg: DrafterConfig, model: DSparkDrafter, source: WeightSour
         layers = [layer_weights(source, cfg, par, model, i, device) for i in range(cfg.num_hidden_layers)]
     except FlyDSLUnsupported as exc:  # posted in the peer protocol: the other ranks must turn it off too
         local = f"could not bind its weights: {exc}"
-    except (RuntimeError, OSError, MemoryError, CheckpointError) as exc:
+    except Exception as exc:  # noqa: BLE001
         # Out of device memory for the shards (torch.OutOfMemoryError is a RuntimeError), a HIP error, a
-        # read that fails: posted as above. Raised here, it stopped this rank alone while its peers waited
-        # in map_peers' collective; the portable model, loaded already, serves without these shards.
+        # read that fails (CheckpointError, safetensors' own SafetensorError), any other: posted as above.
+        # Raised here, it stopped this rank alone while its peers waited in map_peers' collective; the
+        # portable model, loaded already, serves without these shards.
         log.exception("rank %d: the FlyDSL weight shards could not be bound", rank)
         local = f"could not bind its weights: {type(exc).__name__}: {exc}"
     peers, why = None, None

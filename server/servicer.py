@@ -27,7 +27,7 @@ from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.proto.gpu_word import GpuWordOps
 from dspark_sidecar.proto.memory import MappedMemory, discard_handle
 from dspark_sidecar.server.doorbell import Doorbell
-from dspark_sidecar.server.errors import SidecarError, invalid, precondition
+from dspark_sidecar.server.errors import SidecarError, clip_message, invalid, precondition
 from dspark_sidecar.server.kv_binding import unknown_binding
 from dspark_sidecar.server.lease import LeaseKeeper
 from dspark_sidecar.server.prelaunch import BEHIND_S
@@ -138,7 +138,10 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             # A BindKV or UnbindKV on another thread may have replaced and closed `kv` (layers = []) while it
             # was judged: its verdict ("0 KV layers bound") is no binding's. Judged again, the current one's.
             if self.ctx.memory.kv is kv:
-                return why
+                # Clipped as an error's message is (errors.clip_message): a reason quotes its error (a compiler's
+                # dump of hundreds of KB, a path's undecodable byte, which made protobuf raise in every
+                # GetStatus and in BindKV's answer) and goes out in GetStatus, BindKV and strict refusals.
+                return clip_message(why)
 
     def _refusal_of(self, kv) -> str:
         why = fast_path_refusal(self.life.host, kv.engine if kv else None) if self.life.host else "host not probed"

@@ -322,6 +322,35 @@ def test_a_weight_shard_read_error_is_posted_to_the_peers_not_raised(monkeypatch
     assert fast.startup_reason == f"rank 0 {posted[0]}" and fast.layers == [] and fast.peers is None
 
 
+def test_a_weight_shard_error_of_any_type_is_posted_to_the_peers_not_raised(monkeypatch):
+    """Only the types named (RuntimeError, OSError, MemoryError, CheckpointError) were posted: a read whose slice
+    failed in safetensors itself (SafetensorError, an Exception), or any other error of binding a shard, raised
+    on this rank alone while its peers waited in map_peers' collective, and start-up failed on every rank
+    (a peer lost) where the portable model, loaded already, could have served with the path off."""
+    from safetensors import SafetensorError
+
+    from dspark_sidecar.kernels.flydsl import peers as peers_mod
+    from dspark_sidecar.server.fast_path import build_fast_path
+
+    cfg = PRESETS["tiny"]
+
+    class Unreadable(SyntheticSource):
+        def read(self, key, shape, rows=None, cols=None):
+            raise SafetensorError("Error during slicing [0:256] with shape [1024, 256]")
+
+    posted = []
+
+    def map_peers(group, make_runtime, device, local_failure=None):
+        posted.append(local_failure)
+        raise rn.FlyDSLUnsupported(f"rank 0 {local_failure}")
+
+    monkeypatch.setattr(peers_mod, "map_peers", map_peers)
+    model = DSparkDrafter(cfg, ParallelContext(0, 4), REFERENCE_OPS).load(SyntheticSource(cfg, torch.bfloat16))
+    fast = build_fast_path(cfg, model, Unreadable(cfg, torch.bfloat16), GOOD_HOST, None, 0)
+    assert posted == ["could not bind its weights: SafetensorError: Error during slicing [0:256] with shape [1024, 256]"]
+    assert fast.startup_reason == f"rank 0 {posted[0]}" and fast.layers == [] and fast.peers is None
+
+
 def test_a_peer_lost_while_the_path_is_built_is_one_line(tiny_ckpt, monkeypatch):
     # A peer killed while binding its shards (the OOM killer) reaches the others in map_peers' all_gather as
     # gloo's RuntimeError: it escaped as a traceback that reads as a second failure, not PeerLost as at the
@@ -983,3 +1012,90 @@ def test_health_is_told_when_a_new_binding_fails_to_build_with_the_last_bindings
     assert fp.ready(kv) is False
     assert fp.refusal(kv) == fp.reason is not None
     assert told == [fp.reason, fp.reason]  # health judged again: the path is off for this binding too
+
+
+@pytest.mark.parametrize("exc", [ValueError("page_size 0"), KeyError("gate_up"), AssertionError("rows 36 > 32")])
+def test_a_runner_failing_with_an_error_of_any_type_turns_the_path_off_not_the_rank(exc):
+    """Only FlyDSLUnsupported, RuntimeError, OSError and MemoryError were caught: any other error of building
+    the runner escaped ready() into RankLoop._guarded, which ended the rank (exit 3) and so the group, where
+    refusing the binding alone is safe (ready() runs before the rendezvous). Its key was set already, its reason
+    left as it was (None): had the rank lived, GetStatus said the path served a binding it never would."""
+    def broken(*args, **kw):
+        raise exc
+
+    fp, told = fast_path(factory=broken)
+    kv = binding()
+    assert fp.ready(kv) is False and fp.runner is None
+    assert fp.reason == f"FlyDSL runner could not be built: {type(exc).__name__}: {exc}"
+    assert told == [fp.reason] and fp.refusal(kv) == fp.reason
+
+
+def test_a_long_or_undecodable_reason_reaches_getstatus_clipped_and_encodable():
+    """A reason carries the error's own message: a compiler's (an MLIR dump, hundreds of KB, many lines) or one
+    naming a path with a byte the OS could not decode (a lone surrogate, surrogateescape). GetStatus, BindKV's
+    answer and health's strict refusal carried it whole, and one undecodable byte made the protobuf string
+    raise (UnicodeEncodeError): every GetStatus of the rank failed (UNKNOWN) for as long as the binding stood."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.errors import MESSAGE_LIMIT
+    from dspark_sidecar.server.metrics import Metrics
+
+    dump = "".join(f"loc(\"/cache/fly\udcff/k.mlir\":{i}:1): error: 'rocdl.mfma' op operand #0\n" for i in range(4000))
+
+    def broken(*args, **kw):
+        raise RuntimeError(dump)
+
+    fp, _ = fast_path(factory=broken)
+    kv = binding()
+    ctx = SimpleNamespace(rank=0, fast=fp, cfg=M31, memory=SimpleNamespace(kv=kv),
+                          model=SimpleNamespace(dtype=torch.bfloat16), metrics=Metrics(0))
+    svc = DrafterServicer(ctx, None, Lifecycle(backend="flydsl", host=GOOD_HOST), pb.Limits(), pb.Parallel(), "mxfp8")
+    assert not fp.ready(kv)
+    why = svc.GetStatus(pb.GetStatusRequest(), None).fast_path_refusal
+    assert why.startswith("FlyDSL runner could not be built: RuntimeError: loc(\"/cache/fly\\udcff/k.mlir\":0:1)")
+    assert why.endswith(" bytes, clipped)") and len(why.encode()) <= MESSAGE_LIMIT
+    assert svc.refusal() == why  # BindKV's answer and health's (strict) reading
+
+
+@pytest.mark.parametrize("count", [4, 6])
+def test_a_binding_of_another_kv_layer_count_is_refused_before_any_step(count):
+    kv = binding()
+    kv = KVBinding(binding_id=7, generation=1, layers=kv.layers[:1] * count, num_pages=4, page_size=PAGE,
+                   engine=GOOD_ENGINE, mappings=[])
+    fp, _ = fast_path()
+    assert fp.refusal(kv) == f"{count} KV layers bound, kernels need 5"  # BindKV's answer, before any step
+    assert not fp.ready(kv) and fp.refusal(kv) is not None
+
+
+def test_without_compile_ahead_status_says_nothing_is_pending_before_the_first_step():
+    """compile_ahead off: the runner is built at the binding's first step and compiles inside it, so there is
+    no background compile to wait for: GetStatus must not say one is coming."""
+    fp, _ = fast_path(compile_ahead=False)
+    kv = binding()
+    assert fp.refusal(kv) is None and fp.pending(kv) is None
+    assert fp.ready(kv) and fp.pending(kv) is None
+    fp.close()
+    fp, _ = fast_path(factory=GatedCompile(), compile_ahead=True)  # the contrast: compiled ahead, it is pending
+    assert "not compiled yet" in fp.pending(kv)
+
+
+def test_a_verdict_read_while_a_runner_is_built_is_the_new_bindings_not_the_last_ones():
+    """GetStatus / health (refusal(), another thread) while a step's ready() builds the runner for a new binding:
+    the key is the new binding's already, `reason` still the last binding's until the build ends. Read under
+    the path's lock, the reader waits for the build and gets the new binding's verdict."""
+    def oom(*args, **kw):
+        raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 96.00 MiB")
+
+    read, readers = [], []
+
+    def broken_after_a_read(*args, **kw):
+        readers.append(threading.Thread(target=lambda: read.append(fp.refusal(kv2))))
+        readers[0].start()
+        readers[0].join(0.5)  # bounded: with the lock held it waits for ready() whatever this allows
+        raise ValueError("a new error")
+
+    fp, _ = fast_path(factory=oom)
+    assert not fp.ready(binding()) and fp.reason.endswith("OutOfMemoryError: HIP out of memory. Tried to allocate 96.00 MiB")
+    fp.runner_factory, kv2 = broken_after_a_read, binding(gen=2)
+    assert not fp.ready(kv2)
+    readers[0].join(5)
+    assert read == [fp.reason] and fp.reason == "FlyDSL runner could not be built: ValueError: a new error"

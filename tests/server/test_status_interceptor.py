@@ -229,7 +229,7 @@ def test_every_rpc_but_get_status_refuses_a_remote_peer_before_it_looks_at_the_r
                          ids=["internal", "invalid"])
 def test_a_message_with_an_undecodable_byte_still_goes_out_with_its_status(rig, make):
     """An OS string Python decoded with surrogateescape (a path or name with a non-UTF-8 byte) carries a lone
-    surrogate, which UTF-8 refuses: _clip's encode raised UnicodeEncodeError from inside the mapping, and the
+    surrogate, which UTF-8 refuses: clip_message's encode raised UnicodeEncodeError from inside the mapping, and the
     engine got UNKNOWN "Exception calling application" instead of the status and its reason (on the stream,
     rank.answer raised it too, ending the whole stream)."""
     svc, stub = rig
