@@ -31,6 +31,18 @@ def _keeper(path):
     return k
 
 
+def _token_within(path: str, caplog, deadline_s: float = 0.2) -> int:
+    """The token EngineLease takes at `path` within a bind deadline of `deadline_s`, its warnings in caplog; the
+    take must end by then (joined with a hang guard of 10 s only)."""
+    got: list[int] = []
+    taking = threading.Thread(target=lambda: got.append(EngineLease().token(path, deadline_s)), daemon=True)
+    with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+        taking.start()
+        taking.join(10)
+    assert not taking.is_alive(), f"the lease's token at {path} was waited for past the bind deadline"
+    return got[0]
+
+
 def test_one_lease_is_held_and_its_close_ends_it_at_the_sidecar():
     path = short_socket_dir() / "rank0.lease"
     k = _keeper(path)
@@ -93,14 +105,8 @@ def test_a_lease_socket_that_never_sends_its_token_gives_no_lease_within_the_dea
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(1)  # never accepts: the connection waits in the backlog, which the kernel completes
-    got: list[int] = []
-    taking = threading.Thread(target=lambda: got.append(EngineLease().token(path, 0.2)), daemon=True)
     try:
-        with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
-            taking.start()
-            taking.join(10)  # a hang guard only: the deadline is 0.2 s
-            assert not taking.is_alive(), "the lease's token was waited for past the bind deadline"
-        assert got == [0] and "no lease from the sidecar's" in caplog.text
+        assert _token_within(path, caplog) == 0 and "no lease from the sidecar's" in caplog.text
     finally:
         srv.close()
 
@@ -204,14 +210,8 @@ def test_a_lease_socket_whose_backlog_stays_full_gives_no_lease_at_the_deadline(
             c.close()
             break
         queued.append(c)
-    got: list[int] = []
-    taking = threading.Thread(target=lambda: got.append(EngineLease().token(path, 0.2)), daemon=True)
     try:
-        with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
-            taking.start()
-            taking.join(10)  # a hang guard only: the deadline is 0.2 s
-            assert not taking.is_alive(), "a full backlog was waited on past the bind deadline"
-        assert got == [0] and "backlog stayed full" in caplog.text
+        assert _token_within(path, caplog) == 0 and "backlog stayed full" in caplog.text
     finally:
         for c in queued:
             c.close()

@@ -26,6 +26,14 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
 
 
+def _rank0_env() -> dict[str, str]:
+    """The environment of rank 0 of a TP-1 group as torchrun gives it (no launcher of ours), on a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def _serve(sock_dir: Path, ckpt, *extra, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dspark_sidecar", "serve", "--tp", "1", "--device", "cpu",
                              "--socket-dir", str(sock_dir), "--checkpoint", str(ckpt[0]),
@@ -123,10 +131,7 @@ def test_sigterm_while_a_rank_loads_ends_it_at_once_without_traceback(tmp_path):
     """A rank in Python code when the stop comes (a load of minutes) ends itself: exit 0, its socket
     removed; no launcher needed (under torchrun the rank gets the signal directly)."""
     sock = tmp_path / "sock"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = _rank0_env()
     p = subprocess.Popen([sys.executable, "-c", RANK_BLOCKED_IN_LOAD, "serve", "--tp", "1", "--device", "cpu",
                           "--socket-dir", str(sock)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
@@ -148,12 +153,10 @@ def test_a_rank_that_fails_to_start_removes_its_socket_file(tmp_path):
     where no launcher of ours removes a failed rank's socket: the rank removed it only on a signal or a
     lost peer, and left a socket file nobody answers on for every other failure."""
     sock = tmp_path / "sock"
-    with socket.socket() as s, socket.socket() as held:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
-        env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = _rank0_env()
         p = subprocess.run([sys.executable, "-m", "dspark_sidecar", "serve", "--tp", "1", "--device", "cpu",
                             "--socket-dir", str(sock), "--metrics-port", str(held.getsockname()[1])],
                            env=env, capture_output=True, text=True, timeout=120)
@@ -180,10 +183,7 @@ def test_sigterm_in_the_last_moments_of_start_up_never_shows_serving(tmp_path):
     went SERVING: it published SERVING (and logged it) anyway, then drained. A probe or engine saw a rank
     that was told to stop report SERVING."""
     sock, marker = tmp_path / "sock", tmp_path / "collecting"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = _rank0_env()
     p = subprocess.Popen([sys.executable, "-c", RANK_SLOW_LAST_COLLECT, "serve", "--tp", "1", "--device", "cpu",
                           "--socket-dir", str(sock), "--drain-s", "1", str(marker)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -324,11 +324,7 @@ def test_sigterm_while_rank_0_writes_the_synthetic_checkpoint_leaves_no_partial_
     A stop then ended it with os._exit, which skipped the writer's cleanup: its partial folder stayed in
     the cache, one more at each stop."""
     sock, cache, marker = tmp_path / "sock", tmp_path / "cache", tmp_path / "writing"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               XDG_CACHE_HOME=str(cache))
+    env = dict(_rank0_env(), XDG_CACHE_HOME=str(cache))
     p = subprocess.Popen([sys.executable, "-c", RANK_STOPPED_WRITING_THE_CHECKPOINT, "serve", "--tp", "1", "--device",
                           "cpu", "--socket-dir", str(sock), str(marker)], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -362,10 +358,7 @@ sys.exit(cli.main(sys.argv[1:-2]))
 def _rank_in_its_warm_up(sock: Path, marker: Path, how: str) -> subprocess.Popen:
     """Rank 0 of a TP-1 group (as under torchrun, no launcher of ours) that stops in its warm-up (`how`: "wait"
     for a signal, or "fail"), its marker touched once the warm-up began."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = _rank0_env()
     return subprocess.Popen([sys.executable, "-c", RANK_IN_ITS_WARM_UP, "serve", "--tp", "1", "--device", "cpu",
                              "--socket-dir", str(sock), how, str(marker)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -451,10 +444,7 @@ def test_a_rank_that_fails_while_its_servicer_is_made_leaves_no_lease_socket(tmp
     once the constructor had returned. A failure of the rest of the constructor (here out of descriptors), or a
     stop meanwhile, left the lease socket in the folder, nobody answering on it until the next start."""
     sock = tmp_path / "sock"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = _rank0_env()
     p = subprocess.run([sys.executable, "-c", RANK_WHOSE_LEASE_KEEPER_FAILS, "serve", "--tp", "1", "--device", "cpu",
                         "--socket-dir", str(sock)], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "Too many open files" in p.stderr, p.stderr
