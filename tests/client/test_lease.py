@@ -31,6 +31,20 @@ def _keeper(path):
     return k
 
 
+def _fill_backlog(path: str) -> list[socket.socket]:
+    """Connections queued at the listener at `path` until its backlog is full (the next connect would block)."""
+    queued = []
+    while True:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(path)
+        except BlockingIOError:
+            c.close()
+            return queued
+        queued.append(c)
+
+
 def _token_within(path: str, caplog, deadline_s: float = 0.2) -> int:
     """The token EngineLease takes at `path` within a bind deadline of `deadline_s`, its warnings in caplog; the
     take must end by then (joined with a hang guard of 10 s only)."""
@@ -154,16 +168,7 @@ def test_a_lease_socket_whose_backlog_is_full_is_waited_on_within_the_deadline(m
     srv.bind(path)
     srv.listen(0)
     srv.settimeout(10)
-    queued = []
-    while True:  # fill the backlog, as connections the keeper has not accepted yet do
-        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        c.setblocking(False)
-        try:
-            c.connect(path)
-        except BlockingIOError:
-            c.close()
-            break
-        queued.append(c)
+    queued = _fill_backlog(path)  # as connections the keeper has not accepted yet do
     tried = threading.Event()
     real_connect = socket.socket.connect
 
@@ -200,16 +205,7 @@ def test_a_lease_socket_whose_backlog_stays_full_gives_no_lease_at_the_deadline(
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(0)
-    queued = []
-    while True:  # fill the backlog, and nobody accepts
-        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        c.setblocking(False)
-        try:
-            c.connect(path)
-        except BlockingIOError:
-            c.close()
-            break
-        queued.append(c)
+    queued = _fill_backlog(path)  # and nobody accepts
     try:
         assert _token_within(path, caplog) == 0 and "backlog stayed full" in caplog.text
     finally:
