@@ -24,6 +24,7 @@ import torch.distributed as dist
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dspark_sidecar import layout
 from dspark_sidecar.drafter.checkpoint import (
     EMBED_KEY, CheckpointReader, SyntheticSource, ensure_synthetic_checkpoint,
 )
@@ -31,7 +32,6 @@ from dspark_sidecar.drafter.config import load_config
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import DistExchange, LocalExchange, ParallelContext
 from dspark_sidecar.kernels.weights import prepare_layer_weights
-from dspark_sidecar import layout
 from dspark_sidecar.layout import LAUNCH_REQS
 from dspark_sidecar.proto import SERVICE_NAME
 from dspark_sidecar.proto.doorbell import nap_for, stores_in_order
