@@ -15,6 +15,8 @@ from dspark_sidecar.server.rendezvous import Board, Rendezvous
 from dspark_sidecar.server.servicer import DrafterServicer
 
 log = logging.getLogger("dspark_sidecar.server")
+# The watchdog's bound on the teardown past its waits for the steps and the streams (STOP_STEPS_S, SERVER_GRACE_S):
+# past it the process ends (a peer gone first can wedge an NCCL destroy).
 TEARDOWN_LIMIT_S = 15.0
 SERVER_GRACE_S = 5.0  # in-flight gRPC calls finish within this at shutdown
 STUCK_EXIT = 1  # a rank whose shutdown found a step stuck (teardown): not a clean stop, for its supervisor
