@@ -717,3 +717,29 @@ def test_a_bench_out_dir_that_cannot_be_written_into_is_refused_before_the_run(m
     assert cli.main(["bench", "--device", "cpu", "--out-dir", "/proc/self"]) == 2
     err = capsys.readouterr().err
     assert "--out-dir: cannot write into '/proc/self'" in err and err.count("\n") == 1, err
+
+
+def test_a_bench_with_a_failed_mode_exits_1_naming_it_and_one_that_cannot_run_here_does_not(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """A failed mode is a row with a note, and the other modes run on; but the command exited 0 whatever failed,
+    so a script (gpu-check.sh) or CI job took a table with its sidecar modes all broken for a measured one.
+    Mode b cannot run on a CPU ("n/a"): that is not a failure."""
+    from dspark_sidecar import bench
+
+    real = bench.Bench.measure
+
+    def measure(self, mode, case):
+        if mode == "d":
+            raise RuntimeError("the data plane broke")
+        return real(self, mode, case)
+
+    argv = ["bench", *_TINY_BENCH, "--modes", "ab", "--out-dir", str(tmp_path / "ok")]
+    assert cli.main(argv) == 0
+    assert "failed" not in capsys.readouterr().err
+    monkeypatch.setattr(bench.Bench, "measure", measure)
+    monkeypatch.setattr(bench.Bench, "_connect", lambda self: None)  # mode d's sidecar is not what this is about
+    argv = ["bench", *_TINY_BENCH, "--modes", "abd", "--out-dir", str(tmp_path / "bad")]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "dspark-sidecar: 1 of 3 rows failed: d (R=1, context 40)" in err, err
+    assert (tmp_path / "bad" / "bench.json").exists()  # the table is still written
