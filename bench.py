@@ -79,6 +79,11 @@ class BenchConfigError(ValueError):
     """A bench option out of its range, named by its flag."""
 
 
+class BenchFailed(RuntimeError):
+    """A run that could not finish (its sidecar did not start, an engine rank failed): one line naming the part
+    that failed and the log or folder kept for it; the command exits 1."""
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     preset: str = "minimax-m3.1"
@@ -265,7 +270,7 @@ class SidecarUnderTest:
         while check(self.target, 1.0) != "SERVING":
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.close()  # still starting after the deadline: not left behind
-                raise RuntimeError(f"bench sidecar did not start; see {work / 'sidecar.log'}")
+                raise BenchFailed(f"the bench's sidecar did not start; see {work / 'sidecar.log'}")
             time.sleep(0.5)
 
     @property

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dspark_sidecar import layout
-from dspark_sidecar.bench import BenchConfig, SidecarUnderTest, json_text
+from dspark_sidecar.bench import BenchConfig, BenchFailed, SidecarUnderTest, json_text
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import load_config
@@ -285,8 +285,15 @@ def run_tp_bench(bc: BenchConfig, tp: int, single_gpu: bool = True, device_type:
     try:
         ranks = mp.start_processes(_engine_rank, args=(tp, bc, device_type, str(side.sock), str(work / "store"),
                                                        str(work)), nprocs=tp, start_method="spawn", join=False)
-        while not ranks.join():
-            pass
+        try:
+            while not ranks.join():
+                pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            # A raising rank's traceback came back pickled in exc's message: its last line says what failed.
+            why = (f"exited with {exc.signal_name or f'status {exc.exit_code}'}"
+                   if isinstance(exc, mp.ProcessExitedException)
+                   else next((ln.strip() for ln in reversed(str(exc).splitlines()) if ln.strip()), "an error"))
+            raise BenchFailed(f"engine rank {exc.error_index} failed: {why} (the sidecar's folder: {work})") from exc
         per_rank = [torch.load(work / f"rank{r}.pt") for r in range(tp)]
         name = torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu"
         tol = PARITY_RTOL if device_type == "cuda" else 0.0  # on CPU both sides run the reference ops

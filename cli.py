@@ -446,7 +446,7 @@ def _bench_out_dir(path: Path) -> None:
 def cmd_bench(a: argparse.Namespace) -> int:
     import torch
 
-    from dspark_sidecar.bench import BenchConfig, run_bench
+    from dspark_sidecar.bench import BenchConfig, BenchFailed, run_bench
 
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
     def ints(flag: str, text: str) -> tuple[int, ...]:
@@ -475,7 +475,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         _bench_out_dir(bc.out_dir)
         with _sigterm_unwinds():  # as the demo's: killed at once, the engine ranks' folder stayed behind
-            report = run_tp_bench(bc, a.tp, a.single_gpu, device.type)
+            try:
+                report = run_tp_bench(bc, a.tp, a.single_gpu, device.type)
+            except BenchFailed as err:  # a traceback through torch's spawn said less: which rank, which log
+                print(f"dspark-sidecar: bench --tp {a.tp}: {err}", file=sys.stderr)
+                return 1
         bad = [r for r in report["rows"] if not r["parity_ok"]]
         print(f"wrote {a.out_dir / f'bench-tp{a.tp}.json'}; parity "
               + (f"FAILED in {len(bad)} of {len(report['rows'])} cases" if bad else "ok in every case"))

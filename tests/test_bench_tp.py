@@ -272,11 +272,10 @@ def _rank_that_dies_before_its_peer_s_barrier(rank, world, bc, device_type, targ
     dist.barrier()
 
 
-def test_a_failed_engine_rank_ends_the_run_and_its_waiting_peer(tmp_path, tmp_path_factory, monkeypatch):
+def test_a_failed_engine_rank_ends_the_run_and_its_waiting_peer(tmp_path, tmp_path_factory, monkeypatch, capsys):
     """Real spawned ranks over gloo: one that raises is the run's error, its peer (waiting for it in a collective)
-    is ended, not left to its 300 s timeout, and the sidecar is stopped."""
-    import torch.multiprocessing as mp
-
+    is ended, not left to its 300 s timeout, and the sidecar is stopped. The command says which rank failed and
+    why in one line, exit 1 (it was torch's ProcessRaisedException: a traceback through the spawn machinery)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(bench_tp, "_engine_rank", _rank_that_dies_before_its_peer_s_barrier)
     pids = tmp_path_factory.mktemp("pids")
@@ -284,8 +283,11 @@ def test_a_failed_engine_rank_ends_the_run_and_its_waiting_peer(tmp_path, tmp_pa
     sidecars = []
     monkeypatch.setattr(bench_tp, "SidecarUnderTest", lambda *a, **kw: sidecars.append(_QuietSidecar(*a, **kw))
                         or sidecars[-1])
-    with pytest.raises(mp.ProcessRaisedException, match="engine rank 1 failed"):
-        run_tp_bench(BenchConfig(preset="tiny", out_dir=tmp_path / "out"), 2, single_gpu=False, device_type="cpu")
+    assert cli.main(["bench", "--tp", "2", "--device", "cpu", "--preset", "tiny", "--no-single-gpu",
+                     "--out-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dspark-sidecar: bench --tp 2: engine rank 1 failed: RuntimeError: engine rank 1 failed "
+                          "(the sidecar's folder: ") and err.count("\n") == 1, err
     assert sidecars[0].proc.returncode == 0
     for pid in (int((pids / f"rank{r}").read_text()) for r in range(2)):
         with pytest.raises(ProcessLookupError):
