@@ -16,7 +16,7 @@ from dspark_sidecar import layout
 from dspark_sidecar.client.config import BreakerConfig
 from dspark_sidecar.client.harness import HarnessConfig, run_engine, worst
 from dspark_sidecar.client.launcher import SidecarLauncher
-from dspark_sidecar.client.shim import BAD_ANSWER, SHIM_ERROR, sidecar_error
+from dspark_sidecar.client.reasons import BAD_ANSWER, SHIM_ERROR, sidecar_error
 from dspark_sidecar.client.workload import MixConfig
 from dspark_sidecar.drafter.checkpoint import ensure_synthetic_checkpoint
 from dspark_sidecar.drafter.config import PRESETS

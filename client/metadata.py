@@ -124,7 +124,7 @@ def tables_cover(meta: StepMetadata, page_size: int, longest: int | None = None)
     A narrower table is the engine's metadata at fault, not the sidecar: sent, the sidecar refuses the
     step (INVALID_ARGUMENT, block_tables), a round trip and a rendezvous for nothing on every such step
     (the shim takes a refusal naming the step's metadata as that step's fault: no breaker failure, the link
-    kept; see shim._ENGINE_METADATA). The shim asks this after the pre-flight: the page size comes
+    kept; see reasons.ENGINE_METADATA). The shim asks this after the pre-flight: the page size comes
     from this rank's KV cache, which only a ready rank is sure to have read, and the answer must be the
     same on every rank (see DrafterShim.maybe_forward). longest: the longest of meta's seq_lens, where the
     caller has it (read_step_metadata's)."""

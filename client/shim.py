@@ -43,6 +43,11 @@ from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
 from dspark_sidecar.client.lease import lease_path
 from dspark_sidecar.client.metadata import read_step_metadata, spans_kv_groups, tables_cover
+from dspark_sidecar.client.reasons import (
+    ROWS, REQS, POSITIONS, NO_CONTEXT, NO_METADATA, CAPTURE, BAD_METADATA, KV_GROUPS, NO_KV, UNSETTLED, BREAKER,
+    UNREACHABLE, NOT_SERVING, BIND_FAILED, KV_NOT_SHAREABLE, PEER_NOT_READY, GENERATIONS, STREAM, DEADLINE,
+    BAD_ANSWER, TOO_LARGE, PEER_FAILED, EMBED_FAILED, BAD_EMBEDS, CLOSED, STEP_IN_FLIGHT, SHIM_ERROR,
+    sidecar_error, ENGINE_METADATA, sidecar_refusal)
 from dspark_sidecar.client.stats import ShimStats
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_paging
 from dspark_sidecar.proto import codec, memory
@@ -50,47 +55,6 @@ from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.memory import HandleError
 
 log = logging.getLogger("dspark_sidecar.client")
-
-# Fallback reasons (the keys of ShimStats.fallbacks).
-ROWS = "rows not a multiple of 7"
-REQS = "R outside 1..max_reqs"
-POSITIONS = "positions not int64"
-NO_CONTEXT = "no forward context"
-NO_METADATA = "no attention metadata"
-CAPTURE = "CUDA graph capture"
-BAD_METADATA = "attention metadata unusable"
-KV_GROUPS = "draft layers span several KV cache groups"  # a step carries one table and slot mapping for all layers
-NO_KV = "KV cache not allocated"
-UNSETTLED = "previous step unsettled"
-BREAKER = "sidecar unavailable (breaker open)"
-UNREACHABLE = "sidecar unreachable"
-NOT_SERVING = "sidecar not serving"
-BIND_FAILED = "KV bind failed"
-KV_NOT_SHAREABLE = "KV cache memory cannot be shared (expandable_segments or cuMem allocator)"
-PEER_NOT_READY = "peer engine rank not ready"
-GENERATIONS = "binding generations differ"
-STREAM = "stream broken"
-DEADLINE = "step deadline exceeded"
-BAD_ANSWER = "malformed answer"
-TOO_LARGE = "request over the sidecar's max_message_bytes"
-PEER_FAILED = "peer engine rank got no result"
-EMBED_FAILED = "engine embedding raised"  # + the exception's type: the engine's own fault, not the sidecar's
-BAD_EMBEDS = "inputs_embeds not the step's [n, hidden] rows"  # the engine's input: nothing sent, not counted
-CLOSED = "shim closed"
-STEP_IN_FLIGHT = "a step is in flight on another thread"  # connect()'s answer only: never a fallback reason
-SHIM_ERROR = "shim error in "  # + where and the exception's type (_internal): an unexpected error of the shim's own
-
-
-def sidecar_error(code: grpc.StatusCode) -> str:
-    """The fallback reason of a step the sidecar answered with a StepError of `code` (_step_error)."""
-    return f"sidecar {code.name}"
-
-# Fields of a step's attention metadata, which the engine wrote: a step the sidecar refuses naming one of them
-# is the engine's at fault for that step, not the sidecar's limits or health. vLLM's DSpark speculator clamps a
-# request's block positions at max_model_len - 1 within 7 tokens of its end, and writes -1 slots for null blocks;
-# taken as the other refusals are (the link dropped, a breaker failure), a few such steps opened the breaker for
-# every request. The shim cannot check positions itself without reading them back from the engine's GPU.
-_ENGINE_METADATA = frozenset({"positions", "seq_lens", "block_tables", "slot_mapping"})
 
 # One in this many steps above the agreed max_reqs goes on to the readiness check and the pre-flight instead of
 # returning at phase 1: the limit is learned only there (GetStatus, read at each reconnect), which such steps
@@ -100,7 +64,6 @@ _ENGINE_METADATA = frozenset({"positions", "seq_lens", "block_tables", "slot_map
 RELEARN_EVERY = 64
 _NO_LIMIT = layout.MAX_REQS_LIMIT + 1
 _NO_GEN = 1 << 62
-_TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING", "PEER_SILENT", "STEP_STUCK")
 # StatusReport.model.compute_dtype: the proto's short names, and torch's, which the sidecar sends.
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -126,16 +89,6 @@ def _has_cuda() -> bool:
 
 def _not_capturing() -> bool:
     return bool(_has_cuda() and torch.cuda.is_current_stream_capturing())
-
-
-def sidecar_refusal(status: pb.StatusReport) -> str | None:
-    """The sidecar's own process-wide refusal (strict mode: a refused deployment is NOT_SERVING with
-    its reason and stays so), or None. Transient states (loading, draining) are not refusals."""
-    if status.serving:
-        return None
-    if status.state == "REFUSED" or (status.fast_path_refusal and status.state not in _TRANSIENT_STATES):
-        return f"sidecar refuses: {status.fast_path_refusal or status.state}"
-    return None
 
 
 class DrafterShim:
@@ -644,7 +597,7 @@ class DrafterShim:
         elif code is grpc.StatusCode.FAILED_PRECONDITION:
             self.binder.invalidate()  # stale or unknown binding: re-bind before the next step
         elif code is grpc.StatusCode.OUT_OF_RANGE or code is grpc.StatusCode.INVALID_ARGUMENT:
-            if err.field not in _ENGINE_METADATA:  # the engine's own metadata: that step falls back, nothing more
+            if err.field not in ENGINE_METADATA:  # the engine's own metadata: that step falls back, nothing more
                 self._drop_link()  # limits may have changed: re-read the status
                 self.breaker.record_failure(err.message)
         elif code is not grpc.StatusCode.ABORTED and not (

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark_sidecar.client.demo import DemoConfig, run_demo
-from dspark_sidecar.client.shim import REQS
+from dspark_sidecar.client.reasons import REQS
 from helpers.engine_fakes import short_socket_dir
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]

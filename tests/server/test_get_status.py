@@ -88,11 +88,11 @@ def test_a_state_published_while_status_is_answered_gives_one_state(before, reas
     """GetStatus read the state twice (serving, then state) and the reason apart from both: a publish in
     between answered serving false with state SERVING (or PEER_SILENT with no reason). With a
     fast_path_refusal (any Triton host's "not gfx950"), the shim reads a rank not serving in a state that is
-    no transient one as refused for good (client/shim.py sidecar_refusal), and turned the sidecar off for the
+    no transient one as refused for good (client/reasons.py sidecar_refusal), and turned the sidecar off for the
     life of the engine. The answer is now the state and reason as one publish left them."""
     from grpc_health.v1 import health
 
-    from dspark_sidecar.client.shim import sidecar_refusal
+    from dspark_sidecar.client.reasons import sidecar_refusal
     from dspark_sidecar.server.health import HealthPublisher
 
     cfg = load_config("tiny")

@@ -306,10 +306,10 @@ def test_a_strict_rank_on_the_fast_path_s_own_host_serves_before_any_bind():
     """On a gfx950 host with FlyDSL at TP 4 the seed's checks end, before any BindKV, on "no engine bound
     yet": the engine's checks wait for its facts. --strict-refusal took that for a refusal, so a strict rank
     on the very host the fast path is for came up REFUSED (NOT_SERVING): the engine reads REFUSED as
-    refused for good (client/shim.py sidecar_refusal) and never binds, and a native sidecar's startup
+    refused for good (client/reasons.py sidecar_refusal) and never binds, and a native sidecar's startup
     probe never passes. Now it is SERVING until a binding is refused; a host that fails its own checks is
     still REFUSED from the start."""
-    from dspark_sidecar.client.shim import sidecar_refusal
+    from dspark_sidecar.client.reasons import sidecar_refusal
     from dspark_sidecar.server.refusal import HostFacts
 
     svc, publish, ctx, hs = _strict_rank(HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4))
@@ -331,7 +331,7 @@ def test_an_unbind_publishes_health_again_so_a_binding_s_strict_refusal_does_not
     next engine to connect (configured right) read REFUSED as refused for good and never bound."""
     from types import SimpleNamespace
 
-    from dspark_sidecar.client.shim import sidecar_refusal
+    from dspark_sidecar.client.reasons import sidecar_refusal
     from dspark_sidecar.server.refusal import HostFacts
 
     svc, publish, ctx, hs = _strict_rank(HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4),
@@ -399,7 +399,7 @@ def test_a_strict_rank_whose_fast_path_is_off_for_good_is_refused_before_any_bin
     FlyDSLFastPath.startup_reason) or was never built (BackendChoice.flydsl_refusal: a model the kernels
     are not for, a CPU rank, a portable --backend). A strict rank came up SERVING with GetStatus saying
     it waited for a binding, passed the startup probe, and refused the engine's binding once it came."""
-    from dspark_sidecar.client.shim import sidecar_refusal
+    from dspark_sidecar.client.reasons import sidecar_refusal
     from dspark_sidecar.server.refusal import HostFacts
 
     why = "TP exchange needs 4 ranks, the group has 1" if off.startswith("fast") else "--backend triton selected"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from grpc_health.v1 import health, health_pb2
 
-from dspark_sidecar.client.shim import sidecar_refusal
+from dspark_sidecar.client.reasons import sidecar_refusal
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.server import health as rank_health
 from dspark_sidecar.server.health import HealthPublisher, watch_steps
