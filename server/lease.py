@@ -162,8 +162,11 @@ class LeaseKeeper:
         No on_lost for those, nor for leases ended but not yet released: the rank is shutting down, and its exit
         releases every mapping. wait_s: how long to wait for a release already running (None: until it ends);
         one still running past it (it waits on the rank's loop, which a step stuck at shutdown holds for good)
-        is left to the process's end, which the teardown then brings."""
-        self._stopping = True
+        is left to the process's end, which the teardown then brings. A second call does nothing."""
+        with self._lock:
+            if self._stopping:  # closed already (or closing on another thread): the path may be another rank's now
+                return
+            self._stopping = True
         self._wake_w.send(b"x")
         self._thread.join()  # it never waits on anything but its selector: back at once
         self._ended.put(None)

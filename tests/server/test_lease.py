@@ -148,6 +148,18 @@ def test_close_ends_every_lease_and_removes_the_socket():
     s.close()
 
 
+def test_a_second_close_does_nothing_not_even_to_a_socket_made_at_the_path_since():
+    """close() is the teardown's, but a second call (a retried teardown, an error path closing what the normal one
+    closes too) raised OSError on the closed wake socket, and, before that, would have unlinked whatever socket
+    now had the path: a newly started rank's lease socket, which its engines then could not reach."""
+    path = short_socket_dir() / "rank0.lease"
+    k = LeaseKeeper(path, lambda token: None)
+    k.close()
+    path.write_text("a later rank's lease socket")
+    k.close()
+    assert path.read_text() == "a later rank's lease socket"
+
+
 def test_close_waits_for_a_release_already_running_before_it_closes_the_leases():
     """close(None): a release already running (it waits on the rank's loop) ends before the socket goes and the
     leases close; only close(wait_s) with a bound leaves it behind (the teardown's stuck step)."""
