@@ -1,8 +1,9 @@
 """Why a draft step ran on the engine's stock layers: the shim's fallback reasons, and the sidecar's answers as reasons.
 
-Each reason is a key of ShimStats.fallbacks and of GetStatus-style reports: short, fixed text an operator
-can search for (deploy/OPERATIONS.md lists them with what to do). A reason that carries a detail (the
-sidecar's status code, an exception's type) is one of these prefixes and that detail.
+Each reason is a key of ShimStats.fallbacks and the text of the shim's log line the first time a step falls back
+for it: fixed text an operator can search for (deploy/OPERATIONS.md, "Fallback reasons", lists each with what to
+do; tests/client/test_reasons.py keeps the two in step). A reason that carries a detail (the sidecar's status code,
+an exception's type) is one of these prefixes and that detail.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ BAD_EMBEDS = "inputs_embeds not the step's [n, hidden] rows"  # the engine's inp
 CLOSED = "shim closed"
 STEP_IN_FLIGHT = "a step is in flight on another thread"  # connect()'s answer only: never a fallback reason
 SHIM_ERROR = "shim error in "  # + where and the exception's type (_internal): an unexpected error of the shim's own
+# Off for the whole process (DrafterShim.refusal): every step's reason is OFF + why, one of the deployment's refusals
+# (client/config.py, client/vllm_refusals.py), SIDECAR_REFUSES + the sidecar's, PEER_REFUSES, or NOT_BINDABLE + why.
+OFF = "off: "
+SIDECAR_REFUSES = "sidecar refuses: "  # + the sidecar's fast_path_refusal (strict mode) or its state
+PEER_REFUSES = "a peer engine rank's sidecar refuses"
+NOT_BINDABLE = "KV cache cannot be bound: "  # + BindError's permanent reason
 
 
 def sidecar_error(code: grpc.StatusCode) -> str:
@@ -63,5 +70,5 @@ def sidecar_refusal(status: pb.StatusReport) -> str | None:
     if status.serving:
         return None
     if status.state == "REFUSED" or (status.fast_path_refusal and status.state not in TRANSIENT_STATES):
-        return f"sidecar refuses: {status.fast_path_refusal or status.state}"
+        return f"{SIDECAR_REFUSES}{status.fast_path_refusal or status.state}"
     return None

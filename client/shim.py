@@ -47,7 +47,7 @@ from dspark_sidecar.client.reasons import (
     ROWS, REQS, POSITIONS, NO_CONTEXT, NO_METADATA, CAPTURE, BAD_METADATA, KV_GROUPS, NO_KV, UNSETTLED, BREAKER,
     UNREACHABLE, NOT_SERVING, BIND_FAILED, KV_NOT_SHAREABLE, PEER_NOT_READY, GENERATIONS, STREAM, DEADLINE,
     BAD_ANSWER, TOO_LARGE, PEER_FAILED, EMBED_FAILED, BAD_EMBEDS, CLOSED, STEP_IN_FLIGHT, SHIM_ERROR,
-    sidecar_error, ENGINE_METADATA, sidecar_refusal)
+    sidecar_error, ENGINE_METADATA, sidecar_refusal, OFF, PEER_REFUSES, NOT_BINDABLE)
 from dspark_sidecar.client.stats import ShimStats
 from dspark_sidecar.drafter.kv_cache import StepMetadata, kv_paging
 from dspark_sidecar.proto import codec, memory
@@ -155,7 +155,7 @@ class DrafterShim:
             if self._unsettled is not None and not self.is_capturing():
                 with self._link():
                     self._settle_off()
-            return self._fallback(f"off: {self.refusal}")
+            return self._fallback(f"{OFF}{self.refusal}")
         n = positions.numel()
         if n % layout.QPR:
             return self._fallback(ROWS)
@@ -207,8 +207,8 @@ class DrafterShim:
             all_ready, any_refused, gen_min, gen_max, limit = agreed[0], -agreed[1], agreed[2], -agreed[3], agreed[4]
             if any_refused:
                 with self._link():
-                    self._disable(why if refused else "a peer engine rank's sidecar refuses")
-                return self._fallback(f"off: {self.refusal}")
+                    self._disable(why if refused else PEER_REFUSES)
+                return self._fallback(f"{OFF}{self.refusal}")
             if limit != _NO_LIMIT:
                 self._max_reqs = limit
             if gen_max and gen_min != gen_max:
@@ -287,7 +287,7 @@ class DrafterShim:
         The step checks the link itself.
         Two connect() calls at once run one after the other (the link); the second finds it ready."""
         if not self.enabled:
-            return f"off: {self.refusal}"
+            return f"{OFF}{self.refusal}"
         with self._link() as is_open:
             if not is_open:
                 return CLOSED
@@ -295,7 +295,7 @@ class DrafterShim:
                 # Again, holding the link: the ranks may have agreed to turn off while this call waited for it
                 # (a step's _disable released the link). Read only above, it re-bound the cache after the
                 # turn-off's UnbindKV, and nothing released that binding or channel before close().
-                return f"off: {self.refusal}"
+                return f"{OFF}{self.refusal}"
             if self._step_open:
                 return STEP_IN_FLIGHT
             try:
@@ -406,7 +406,7 @@ class DrafterShim:
             return False, KV_NOT_SHAREABLE, False
         except BindError as e:
             if e.permanent:
-                return False, f"KV cache cannot be bound: {e}", True
+                return False, f"{NOT_BINDABLE}{e}", True
             self.breaker.record_failure(str(e))
             self._drop_link()
             return False, BIND_FAILED, False

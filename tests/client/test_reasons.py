@@ -1,0 +1,65 @@
+"""client/reasons.py: every fallback reason an engine can log is in the operator guide's table, and only those."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import grpc
+import pytest
+
+from dspark_sidecar.client import reasons
+from dspark_sidecar.proto import sidecar_pb2 as pb
+
+OPERATIONS = Path(reasons.__file__).resolve().parents[1] / "deploy" / "OPERATIONS.md"
+NOT_FALLBACKS = {"STEP_IN_FLIGHT"}  # connect()'s answer to its caller, never a step's reason
+
+
+def _constants() -> dict[str, str]:
+    return {k: v for k, v in vars(reasons).items() if k.isupper() and isinstance(v, str) and k not in NOT_FALLBACKS}
+
+
+def _stem(text: str) -> str:
+    """A reason, or a table row's spelling of a prefix ("off: ...", "shim error in ..."), without the detail."""
+    return text.removesuffix("...").rstrip().rstrip(":").rstrip()
+
+
+def _table_reasons() -> list[str]:
+    """The code spans of the first column of OPERATIONS.md's "Fallback reasons" table."""
+    section = OPERATIONS.read_text().split("### Fallback reasons", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert rows, "OPERATIONS.md has no fallback reasons table"
+    return [span for row in rows for span in re.findall(r"`([^`]+)`", row.split(" | ")[0])]
+
+
+@pytest.mark.parametrize("name", sorted(_constants()))
+def test_every_reason_is_in_the_operator_guide_s_table(name):
+    """An operator greps the engine's log line for its reason: one the guide does not list (it listed none before
+    session 62) leaves them reading the shim's source to learn what to do."""
+    assert _stem(_constants()[name]) in {_stem(span) for span in _table_reasons()}, (name, _constants()[name])
+
+
+def test_the_table_lists_no_reason_the_shim_cannot_give():
+    """A reason renamed in the code and not in the guide: the guide's row then matches no log line."""
+    known = {_stem(v) for v in _constants().values()}
+    codes = {reasons.sidecar_error(code) for code in grpc.StatusCode}
+    known.add(_stem(reasons.sidecar_error(grpc.StatusCode.OK).removesuffix("OK")))  # the row for every code
+    stale = [span for span in _table_reasons() if _stem(span) not in known and span not in codes]
+    assert not stale, stale
+
+
+def test_a_sidecar_step_error_reason_names_its_code():
+    assert reasons.sidecar_error(grpc.StatusCode.INVALID_ARGUMENT) == "sidecar INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize("state, refusal, want", [
+    ("SERVING", "", None),
+    ("LOADING", "", None),
+    ("DRAINING", "FlyDSL fast path not built", None),  # transient: on its way out, not refused for good
+    ("REFUSED", "", "sidecar refuses: REFUSED"),
+    ("REFUSED", "kv dtype fp8", "sidecar refuses: kv dtype fp8"),
+    ("NOT_SERVING", "kv dtype fp8", "sidecar refuses: kv dtype fp8"),
+])
+def test_a_sidecar_refuses_for_good_only_outside_its_transient_states(state, refusal, want):
+    status = pb.StatusReport(serving=state == "SERVING", state=state, fast_path_refusal=refusal)
+    assert reasons.sidecar_refusal(status) == want
