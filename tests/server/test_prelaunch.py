@@ -991,6 +991,86 @@ def test_a_word_there_at_the_ring_is_on_time_however_long_the_step_takes(rig, cl
     assert rig.pl.cooldown == 0
 
 
+def test_a_word_first_seen_past_behind_s_breaks_the_on_time_row_though_it_is_there(rig, clock):
+    """A cooldown step's word that the doorbell's polls first see only after behind_s (it landed while the
+    thread was busy, say) cannot be placed before behind_s: it breaks the row of on-time steps like a late
+    word. Counted on, the row went on, and the next on-time step ended the cooldown one step early."""
+    behind_s = rig.pl.behind_s = 0.01
+    rig.pl.cooldown = 50
+    seq = SEQ
+    for _ in range(prelaunch.ON_TIME - 1):
+        _cooldown_step(rig, seq, on_time=True, behind_s=behind_s)
+        seq += 1
+    assert _take(rig, seq, _req(), rig.a) is None  # the ring: its word not there yet
+    rig.pl.after(seq, OK)
+    clock.advance(1.5 * behind_s)  # no look between the ring and now ...
+    rig.page.words[bell.GPU_WORD] = bell.gpu_word(seq, KEY)  # ... and the word landed meanwhile
+    rig.pl.watch()  # first seen now: past behind_s
+    assert rig.pl._watched is None and rig.pl._on_time == 0
+    seq += 1
+    for _ in range(prelaunch.ON_TIME - 1):  # a new row: one short of ON_TIME
+        _cooldown_step(rig, seq, on_time=True, behind_s=behind_s)
+        seq += 1
+    assert rig.pl.cooldown > 0
+    _cooldown_step(rig, seq, on_time=True, behind_s=behind_s)
+    assert rig.pl.cooldown == 0
+
+
+def _exact_clock(rig, monkeypatch) -> float:
+    """Polls of 2^-10 s and behind_s = 8 of them: every time the tests below read is exact in binary, so a
+    word that lands exactly behind_s after the ring is read as exactly behind_s."""
+    monkeypatch.setattr(_Clock, "POLL_S", 2.0 ** -10)
+    rig.pl.behind_s = 2.0 ** -7
+    return rig.pl.behind_s
+
+
+def test_a_queued_step_s_word_exactly_behind_s_after_the_ring_starts_no_cooldown(rig, clock, monkeypatch):
+    """--prelaunch-behind-ms: a word arriving *more* than behind_s after the ring starts a cooldown; one
+    exactly that late is within it."""
+    behind_s = _exact_clock(rig, monkeypatch)
+    _queue(rig)
+    clock.at(behind_s, _lands(rig, SEQ + 2))
+    assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out
+    assert rig.pl.word_wait_ns == int(behind_s * 1e9) and rig.pl.cooldown == 0
+    rig.pl.after(SEQ + 2, OK)
+    assert rig.pl.queued is not None and rig.pl.queued.seq == SEQ + 3
+
+
+def test_a_cooldown_step_s_word_exactly_behind_s_after_its_ring_is_on_time(rig, clock, monkeypatch):
+    """The watch's judgement has the same edge as the queued step's: within behind_s, that value included."""
+    behind_s = _exact_clock(rig, monkeypatch)
+    rig.pl.cooldown = 50
+    for seq in range(SEQ, SEQ + prelaunch.ON_TIME):
+        assert _take(rig, seq, _req(), rig.a) is None
+        rig.pl.after(seq, OK)
+        clock.advance(behind_s)
+        rig.page.words[bell.GPU_WORD] = bell.gpu_word(seq, KEY)
+        rig.pl.watch()
+    assert rig.pl.cooldown == 0
+
+
+def test_a_word_seen_only_through_the_started_copy_is_timed_as_late_as_that(rig, clock, monkeypatch):
+    """The word can land between the host's look at it and its look at the queued copy's start (the copy
+    waits on it, so started means landed): the wait then says when it landed, at the latest. Past
+    behind_s that is a late word, a cooldown; taken as on time, an engine far behind its host kept being
+    held by queued steps."""
+    rig.pl.behind_s = 0.01
+    _queue(rig)
+    ready, t0 = rig.pl._ready, clock.now
+    real = ready.query
+
+    def query():
+        if clock.now - t0 >= 0.02 and _word(rig) != bell.gpu_word(SEQ + 2, KEY):
+            _lands(rig, SEQ + 2)()  # right after the host's look at the word found it missing
+        return real()
+
+    monkeypatch.setattr(ready, "query", query)
+    assert _take(rig, SEQ + 2, _req(), rig.a) is rig.graphs.graph.out
+    assert 0.02e9 <= rig.pl.word_wait_ns <= 0.03e9 and rig.pl.cooldown > 0
+    rig.pl.after(SEQ + 2, OK)
+    assert rig.pl.queued is None
+
+
 def test_the_queued_rows_go_to_the_engine_s_output_slice_on_the_gpu(rig):
     """With the engine's output slice known (output_of), the queued step copies its rows there behind the
     replay, gated by the flags, and a hit answers with that slice: the host path copies nothing."""
@@ -1124,6 +1204,8 @@ def test_a_layout_s_metadata_replay_holds_the_graph_s_views_not_the_graph(rig):
     [(held, replay)] = [v for k, v in rig.pl._replays.items() if k[0] == "metadata"]
     cells = [c.cell_contents for c in replay.__closure__ or ()]
     assert rig.graphs.graph not in cells and any(c is rig.graphs.graph.views for c in cells)
+    # What its baked-in addresses belong to, the engine's region views included: kept while the entry lives.
+    assert all(any(h is t for h in held) for t in (rig.graphs.graph.views, *rig.a.region_meta))
 
 
 @pytest.mark.parametrize("world", [1])
@@ -1443,14 +1525,18 @@ def test_a_finish_lets_go_of_what_the_captured_copies_and_exchanges_held(rig):
 def test_the_captured_launches_and_exchanges_kept_are_bounded(rig):
     """Layouts and graphs that are gone leave their entries behind until a bound: 128 layouts' launches,
     64 graphs' exchanges. Unbounded, an engine that changes layouts for hours kept every one's captures."""
+    sizes = []  # after each one: the bound holds all along, not only at the end
     for i in range(200):
         rig.pl._replay_of(("layout", i), (), lambda warm=False: None)
-    assert 0 < len(rig.pl._replays) <= 128
+        sizes.append(len(rig.pl._replays))
+    assert 0 < min(sizes) and max(sizes) == 128
     packed = _Packed(len(LENS), window_width(PAGE, WINDOW))
+    sizes = []
     for _ in range(100):
         graph = SimpleNamespace(views=packed.views(torch.zeros(packed.nbytes, dtype=torch.uint8)))
         rig.pl._agreement(graph, len(LENS))
-    assert 0 < len(rig.pl._agreements) <= 64
+        sizes.append(len(rig.pl._agreements))
+    assert 0 < min(sizes) and max(sizes) == 64
 
 
 def test_a_queueing_whose_device_takes_no_event_tracks_nothing_for_repass(rig, monkeypatch):
