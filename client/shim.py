@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -42,6 +41,7 @@ from dspark_sidecar.client.dataplane import DataPlaneError
 from dspark_sidecar.client.doorbell_transport import DoorbellTransport
 from dspark_sidecar.client.forward_context import LOCAL_SOURCE, ForwardContextSource
 from dspark_sidecar.client.lease import lease_path
+from dspark_sidecar.client.link import Link
 from dspark_sidecar.client.metadata import read_step_metadata, spans_kv_groups, tables_cover
 from dspark_sidecar.client.reasons import (
     ROWS, REQS, POSITIONS, NO_CONTEXT, NO_METADATA, CAPTURE, BAD_METADATA, KV_GROUPS, NO_KV, UNSETTLED, BREAKER,
@@ -76,10 +76,6 @@ _MAX_DOORBELL_PAGES = 8192  # block-table width the registered metadata region i
 # then, and for good after any other refusal on this connection, steps use the gRPC stream.
 DOORBELL_RETRY_S = 5.0
 _PASSING = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
-# How long close() waits for a thread using the link to leave it. A step waiting for its answer is woken
-# at once; what is left is a readiness check's own bounded calls (connect, bind, registration). Past
-# this the thread inside finishes the close as it leaves.
-CLOSE_WAIT_S = 5.0
 
 
 @functools.cache
@@ -111,21 +107,10 @@ class DrafterShim:
         self._drop_pending = False  # _drop_link asked for while a step was unsettled: done once it settles
         self.fault_hook: Callable[[int], None] | None = None  # tests: called just before a step is sent
         # The link (connection, binding, data plane and its shared memory) is used by one thread at a time:
-        # maybe_forward's phases 2 and 3, connect(), and close() (which may run on another thread).
-        # The link's lock, taken as itself on the step's path (a Condition's own `with` and notify_all are Python
-        # code: ~1 us a step of the shim's host time). Re-entrant: a signal handler's close() may run on a thread
-        # that holds it.
-        self._lock = threading.RLock()
-        self._cv = threading.Condition(self._lock)  # guards the six below
-        self._link_waiters = 0  # threads waiting on _cv for the link to be free (_LinkHold, close): notified only then
-        self._inside = False  # a thread holds the link (_link, close)
-        self._holder = 0  # which (threading.get_ident)
-        self._closed = False  # close() was called: final
-        self._close_left = False  # close() gave up waiting for the link: the thread inside finishes it
-        self._waiter: Any = None  # the transport a step waits on now: close() interrupts it
+        # maybe_forward's phases 2 and 3, connect(), and close() (which may run on another thread; link.py).
+        self._hold = Link(self._finish_close, self.rank)
         # A maybe_forward is between its readiness check and its end (set and read holding the link; see connect)
         self._step_open = False
-        self._hold = _LinkHold(self)
         self.refusal = config_refusal(config)
         self.enabled = self.refusal is None
         self.connection = SidecarConnection(config.endpoint, channel_factory)
@@ -514,10 +499,8 @@ class DrafterShim:
             # every rank (same R and table width), else the post-flight agreement makes it so.
             return None, TOO_LARGE
         stream: Any = bell if bell is not None else self.connection.stream()
-        with self._lock:  # either close() finds this waiter and interrupts it, or the step sees the close here
-            if self._closed:
-                return None, CLOSED
-            self._waiter = stream
+        if not self._hold.wait_on(stream):  # either close() finds this waiter and interrupts it, or this sees close()
+            return None, CLOSED
         try:
             if self.fault_hook is not None:
                 self.fault_hook(step_id)
@@ -546,8 +529,7 @@ class DrafterShim:
             self._drop_link()  # reconnect and re-read the status (a restarted sidecar?)
             return None, STREAM
         finally:
-            with self._lock:
-                self._waiter = None
+            self._hold.waited()
         if resp.WhichOneof("result") == "error":
             return None, self._step_error(resp.error)
         try:
@@ -703,35 +685,9 @@ class DrafterShim:
         still unsettled then keeps its link (see _drop_link) until a later maybe_forward finds it
         settled, or the process exits. Every maybe_forward after close() is None (the rank is not
         ready at the pre-flight, so its peers fall back with it) and makes no remote call. Bounded:
-        CLOSE_WAIT_S for the link, late_grace_s, then the release's own deadlines (UnbindKV,
+        link.CLOSE_WAIT_S for the link, late_grace_s, then the release's own deadlines (UnbindKV,
         UnregisterBuffers) and, on a GPU, the data plane's CLOSE_WAIT_S."""
-        with self._cv:
-            if self._closed:
-                return
-            self._closed = True
-            waiter = self._waiter
-        if waiter is not None:
-            waiter.interrupt()
-        me = threading.get_ident()
-        with self._cv:
-            # Not on the thread that holds the link (a signal handler runs on the main thread, maybe in
-            # the middle of its step): that thread finishes the close as it leaves the link.
-            mine = self._inside and self._holder == me
-            free = False
-            if not mine:
-                self._link_waiters += 1
-                try:
-                    free = self._cv.wait_for(lambda: not self._inside, CLOSE_WAIT_S)
-                finally:
-                    self._link_waiters -= 1
-            if mine or not free:
-                self._close_left = True  # _leave, under this same lock, sees it
-                if self._holder != me:
-                    log.warning("sidecar rank %d: close() found the link still in use after %.0f s; the "
-                                "thread using it releases it as it leaves", self.rank, CLOSE_WAIT_S)
-                return
-            self._inside, self._holder = True, me
-        self._leave(closing=True)
+        self._hold.close()
 
     def _finish_close(self) -> None:
         """close()'s release, holding the link: an unsettled step (one close() woke) first gets
@@ -759,55 +715,7 @@ class DrafterShim:
             self._internal("close", e)
 
     # The link, one thread at a time ----------------------------------------------------------------------
-    def _link(self) -> "_LinkHold":
-        """`with self._link() as is_open:` holds the link for the block; is_open: whether the shim is
-        still open (after close(): only the bookkeeping of a deferred drop may use it). Waits for another
-        holder, which its own deadlines bound (a step's, a readiness check's calls, close()'s release)."""
+    def _link(self) -> Link:
+        """`with self._link() as is_open:` holds the link for the block (link.Link); is_open: whether the shim
+        is still open (after close(): only the bookkeeping of a deferred drop may use it)."""
         return self._hold
-
-    def _leave(self, closing: bool = False) -> None:
-        """Give the link back. First finish close()'s release when this is close() itself (closing) or
-        close() left it to the holder (_close_left: decided under the same lock as _inside, so exactly
-        one thread releases)."""
-        while True:
-            with self._lock:
-                finish, self._close_left, closing = closing or self._close_left, False, False
-                if not finish:
-                    self._inside, self._holder = False, 0
-                    if self._link_waiters:
-                        self._cv.notify_all()
-                    return
-            try:
-                self._finish_close()  # never raises an Exception; a KeyboardInterrupt or SystemExit it lets through
-            except BaseException:
-                with self._cv:  # (Ctrl-C in close()'s grace): the link is given back all the same, or every later
-                    self._inside, self._holder = False, 0  # entry to it would wait for it for ever
-                    self._cv.notify_all()
-                raise
-
-
-class _LinkHold:
-    """DrafterShim._link's context manager: one object per shim, its state in the shim (one holder at a
-    time). A plain class, not a generator-based contextmanager: maybe_forward enters the link twice a
-    step, and on the step's host path the generator's machinery cost about twice the lock's work."""
-
-    __slots__ = ("shim",)
-
-    def __init__(self, shim: DrafterShim) -> None:
-        self.shim = shim
-
-    def __enter__(self) -> bool:
-        s = self.shim
-        with s._lock:
-            if s._inside:
-                s._link_waiters += 1  # under the lock, so the holder's _leave sees it and notifies
-                try:
-                    while s._inside:
-                        s._cv.wait()
-                finally:
-                    s._link_waiters -= 1
-            s._inside, s._holder = True, threading.get_ident()
-            return not s._closed
-
-    def __exit__(self, *exc: object) -> None:
-        self.shim._leave()

@@ -287,7 +287,7 @@ def test_a_rank_that_raises_mid_run_releases_its_shim_and_kv_segments(tiny_ckpt,
     with pytest.raises(RuntimeError, match="engine bug"):
         rank.run()
     assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
-    assert rank.shim is not None and rank.shim._closed
+    assert rank.shim is not None and rank.shim._hold.closed
 
 
 def test_a_mix_whose_probabilities_are_not_probabilities_is_refused():

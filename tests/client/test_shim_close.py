@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dspark_sidecar.client import link
 from dspark_sidecar.client import shim as S
 from dspark_sidecar.client.config import EngineConfig
 from dspark_sidecar.client.forward_context import set_forward_context
@@ -215,7 +216,7 @@ def scenario_close_during_a_step(transport: str) -> None:
         # Waited for, not raced: close() either holds the link now, giving the woken step its grace (its answer is
         # held), or has released it. A close() that took the woken step for settled released at once, most often
         # before this line ran, but not always (a loaded host), and the answer then landed before its release.
-        wait_until(lambda: released_early or (rig.shim._inside and rig.shim._holder == closing.thread.ident), 5.0,
+        wait_until(lambda: released_early or (rig.shim._hold.inside and rig.shim._hold.holder == closing.thread.ident), 5.0,
                    "close() took the link")
         assert not released_early, "close() released the link while the sidecar still ran step 2 (its answer held)"
         answer.set()
@@ -250,7 +251,7 @@ def scenario_close_while_the_answer_is_read(transport: str) -> None:
             # for the link or has released them (bounded). A SIGSEGV alone cannot tell: the regions' mappings
             # now go with their last view (memory.shm_empty), so a release under the step no longer crashes.
             shim, until = rig.shim, time.monotonic() + 5
-            while not shim._link_waiters and transport_.buffers.hidden is not None and time.monotonic() < until:
+            while not shim._hold.waiters and transport_.buffers.hidden is not None and time.monotonic() < until:
                 time.sleep(0.005)
             released_under_the_step.append(shim.doorbell is None or transport_.buffers.hidden is None)
             return check(*a, **kw)
@@ -405,7 +406,7 @@ def test_close_on_the_thread_inside_the_step_is_finished_as_the_step_leaves(tran
     link (it would wait for itself, CLOSE_WAIT_S): it returns at once, and the step, woken, finishes the
     close as it leaves the link. CLOSE_WAIT_S is an hour here: a close() that waited for its own link would
     still wait at the step's hang guard."""
-    monkeypatch.setattr(S, "CLOSE_WAIT_S", 3600.0)
+    monkeypatch.setattr(link, "CLOSE_WAIT_S", 3600.0)
     rig = Rig(transport)
     try:
         assert rig.step(1) is not None
@@ -481,8 +482,8 @@ def test_a_connect_that_waited_for_the_link_while_the_ranks_turned_off_does_noth
         binds = rig.fake.calls["BindKV"]
         with rig.shim._link():
             connecting = Bounded(rig.shim.connect, "connect")
-            wait_until(lambda: rig.shim._link_waiters, 5, "connect() waits for the link", interval_s=0.005)
-            assert rig.shim._link_waiters == 1, "connect() never waited for the link"
+            wait_until(lambda: rig.shim._hold.waiters, 5, "connect() waits for the link", interval_s=0.005)
+            assert rig.shim._hold.waiters == 1, "connect() never waited for the link"
             rig.shim._disable("a peer engine rank's sidecar refuses")  # as a step's turn-off does, in the link
         assert connecting.join(5.0, "connect()") == "off: a peer engine rank's sidecar refuses"
         assert rig.fake.calls["BindKV"] == binds and not rig.shim.connection.is_open
@@ -494,7 +495,7 @@ def test_a_connect_that_waited_for_the_link_while_the_ranks_turned_off_does_noth
 def test_a_close_that_finds_the_link_held_past_its_wait_leaves_the_release_to_the_holder(monkeypatch):
     """close() waits CLOSE_WAIT_S for a thread using the link (a readiness check's bounded calls, on another
     thread); past that it returns and the thread inside releases as it leaves: nothing is released under it."""
-    monkeypatch.setattr(S, "CLOSE_WAIT_S", 0.05)
+    monkeypatch.setattr(link, "CLOSE_WAIT_S", 0.05)
     rig = Rig("grpc")
     try:
         assert rig.step(1) is not None
