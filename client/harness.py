@@ -48,6 +48,11 @@ FAULTS = ("realloc_kv", "break_stream", "pause")
 RANK_UNWIND_S = 5.0
 
 
+def _whole(v: object) -> bool:
+    """An int, not a bool: a round, rank or count compared with `==` or given to range()."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class Fault:
     """At the start of `round`: re-allocate every rank's KV cache, break `rank`'s stream during the
@@ -60,6 +65,8 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in FAULTS:
             raise ValueError(f"fault kind: one of {FAULTS}, got {self.kind!r}")
+        if not (_whole(self.round) and _whole(self.rank)):  # round 1.5 passed `< rounds` and no round matched it
+            raise ValueError(f"fault round and rank: whole numbers, got round {self.round!r}, rank {self.rank!r}")
         if self.round < 0 or self.rank < 0:
             raise ValueError(f"fault round and rank: must be >= 0, got round {self.round}, rank {self.rank}")
 
@@ -98,10 +105,20 @@ class HarnessConfig:
             raise ValueError(f"dtype: one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: cpu or cuda, got {self.device!r}")
+        for f in ("rounds", "tp", "page_size", "num_pages", "progress_every"):
+            if not _whole(getattr(self, f)):  # else a TypeError (range(2.5)) or a never-true `==` in every rank
+                raise ValueError(f"{f}: a whole number, got {getattr(self, f)!r}")
+        if self.progress_every < 0:
+            raise ValueError(f"progress_every: must be >= 0 (0: no progress lines), got {self.progress_every}")
         if self.rounds < 0 or self.tp < 1:
             raise ValueError("rounds must be >= 0 and tp >= 1")
         if self.preset not in PRESETS:
             raise ValueError(f"preset: one of {sorted(PRESETS)}, got {self.preset!r}")
+        PRESETS[self.preset].check_tp(self.tp)
+        # The shim's config as every rank builds it (EngineRank): refused here, not in each rank after it has
+        # mapped its KV cache.
+        EngineConfig(tp_size=self.tp, step_deadline_s=self.step_deadline_s, late_grace_s=self.late_grace_s,
+                     breaker=self.breaker, transport=self.transport, required_tp=self.required_tp)
         if self.page_size < 1 or self.num_pages < 1:
             raise ValueError(f"page_size and num_pages must be >= 1, got {self.page_size}, {self.num_pages}")
         for f in self.faults:
@@ -138,12 +155,19 @@ class EngineRank:
         self.w2 = markov.read(f"{PREFIX}markov_head.markov_w2.weight", (v, cfg.markov_rank))
         self.kv = self._allocate()
         self.shim: DrafterShim | None = None
-        if h.socket_dir is not None:
-            ecfg = EngineConfig(tp_size=h.tp, endpoint=rank_endpoint(h.socket_dir, rank), step_deadline_s=h.step_deadline_s,
-                                late_grace_s=h.late_grace_s, breaker=h.breaker, transport=h.transport, device=str(dev),
-                                required_tp=h.required_tp)
-            self.shim = DrafterShim(ecfg, self, lambda: [s.tensor for s in self.kv], self.par)
-        self.work = Workload(h.mix, v, h.page_size, h.num_pages)
+        try:  # run()'s finally releases the segments from here on; a failure (or a SIGTERM) before it, here
+            if h.socket_dir is not None:
+                ecfg = EngineConfig(tp_size=h.tp, endpoint=rank_endpoint(h.socket_dir, rank),
+                                    step_deadline_s=h.step_deadline_s, late_grace_s=h.late_grace_s, breaker=h.breaker,
+                                    transport=h.transport, device=str(dev), required_tp=h.required_tp)
+                self.shim = DrafterShim(ecfg, self, lambda: [s.tensor for s in self.kv], self.par)
+            self.work = Workload(h.mix, v, h.page_size, h.num_pages)
+        except BaseException:
+            if self.shim is not None:
+                self.shim.close()
+            for s in self.kv:
+                s.close()
+            raise
 
     # The engine's stock model, as the shim sees it ------------------------------------------------
     def embed_input_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -415,7 +439,8 @@ def _rank_entry(rank: int, h: HarnessConfig, store_path: str, out_dir: str) -> N
 
 
 def run_engine(h: HarnessConfig, work_dir: str | Path, on_pause=None, timeout_s: float = 1800.0) -> list[dict]:
-    """Run the harness on h.tp spawned processes; returns each rank's report.
+    """Run the harness on h.tp spawned processes; returns each rank's report (RuntimeError naming a rank that
+    exited without writing one: stopped by SIGINT alone, torch's spawn wrapper ends it with status 0).
 
     `on_pause(round)` runs in this process at every "pause" fault while all engine ranks wait.
     """
@@ -423,6 +448,10 @@ def run_engine(h: HarnessConfig, work_dir: str | Path, on_pause=None, timeout_s:
 
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
+    for r in range(h.tp):
+        # A reused work_dir's reports: a rank that ends without writing its own (a SIGINT: exit 0) must not
+        # leave the last run's in its place, returned as this run's.
+        (work / f"rank{r}.json").unlink(missing_ok=True)
     ctl = work / "control"
     ctl.mkdir(exist_ok=True)
     for stale in ctl.iterdir():
@@ -464,4 +493,10 @@ def run_engine(h: HarnessConfig, work_dir: str | Path, on_pause=None, timeout_s:
             for p in alive:
                 if p.is_alive():
                     p.kill()
+                    p.join()  # reaped: not a zombie until this process next starts one or exits
+            for f in ctx.error_files:  # torch's pickled traceback of a rank that raised, read by join; else in $TMPDIR
+                Path(f).unlink(missing_ok=True)
+    for r, p in enumerate(ctx.processes):
+        if not (work / f"rank{r}.json").exists():  # torch's spawn wrapper ends a SIGINTed rank with 0
+            raise RuntimeError(f"engine rank {r} exited (status {p.exitcode}) without its report: interrupted?")
     return [json.loads((work / f"rank{r}.json").read_text()) for r in range(h.tp)]

@@ -463,3 +463,243 @@ def test_the_demo_s_mix_goes_above_max_reqs_first_at_the_round_the_readme_names(
         w.retire()
     assert first == 75, first
     assert 0.05 <= over / 400 <= 0.35, over  # some rounds too large to forward, most not
+
+
+def test_a_fault_or_harness_value_the_ranks_would_never_use_or_fail_on_is_refused_up_front():
+    """Fault(1.5, "pause") passed the range check (1.5 < rounds) and never fired, no round being 1.5: the run
+    passed without its pause, on_pause never called (a break_stream on rank 0.5 likewise). A harness value the
+    engine ranks cannot use (rounds 2.5, a tp the preset does not shard over, the shim's own EngineConfig fields)
+    was accepted here and failed in every rank, each after mapping its KV cache: the segments were left to the
+    starter's resource tracker, which warned of "leaked shared_memory objects"."""
+    for bad in ({"round": 1.5}, {"round": True}, {"rank": 0.5}):
+        with pytest.raises(ValueError, match="whole numbers"):
+            Fault(**({"round": 1, "kind": "pause"} | bad))
+    ok = {"rounds": 10, "tp": 4, "socket_dir": "/tmp/s"}
+    for bad, why in (({"rounds": 2.5}, "rounds"), ({"num_pages": 8.0}, "num_pages"), ({"tp": True}, "tp"),
+                     ({"progress_every": -1}, "progress_every"), ({"tp": 3}, "not divisible by TP size 3"),
+                     ({"transport": "bogus"}, "transport"), ({"step_deadline_s": 0}, "step_deadline_s"),
+                     ({"late_grace_s": float("inf")}, "late_grace_s"), ({"required_tp": 0}, "required_tp")):
+        with pytest.raises(ValueError, match=why):
+            HarnessConfig(**(ok | bad))
+    HarnessConfig(**ok, progress_every=0, required_tp=2, transport="doorbell")  # usable values stay usable
+
+
+def test_an_engine_rank_whose_set_up_fails_after_its_kv_cache_releases_the_segments(tiny_ckpt, monkeypatch):
+    """EngineRank.__init__ maps the KV cache before it builds the shim (which may block on its peers): a failure
+    or a stop (run_engine's SIGTERM) there left the segments in /dev/shm until the starter exited."""
+    import os
+
+    from dspark_sidecar.client import harness
+
+    made = []
+
+    def zeros(*a):
+        made.append(seg := harness.exportable_zeros.__wrapped__(*a))
+        return seg
+
+    zeros.__wrapped__ = harness.exportable_zeros
+    monkeypatch.setattr(harness, "exportable_zeros", zeros)
+
+    def shim(*_a):
+        assert made and all(os.path.exists(f"/dev/shm/{s.segment.name.lstrip('/')}") for s in made)
+        raise RuntimeError("shim set-up failed")
+
+    monkeypatch.setattr(harness, "DrafterShim", shim)
+    h = HarnessConfig(rounds=1, tp=1, required_tp=1, checkpoint=(str(tiny_ckpt[0]), str(tiny_ckpt[1])),
+                      num_pages=8, socket_dir="/tmp/none")
+    with pytest.raises(RuntimeError, match="shim set-up failed"):
+        EngineRank(h, 0)
+    left = [s.segment.name for s in made if os.path.exists(f"/dev/shm/{s.segment.name.lstrip('/')}")]
+    assert not left, f"the KV cache's segments are still in /dev/shm: {left}"
+
+
+def _rank_pid() -> int:
+    """This process's one spawned engine rank (not its resource tracker)."""
+    import os
+
+    me = os.getpid()
+    (pid,) = [int(c) for c in Path(f"/proc/{me}/task/{me}/children").read_text().split()
+              if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return pid
+
+
+def _short_harness(tiny_ckpt, **kw) -> HarnessConfig:
+    return HarnessConfig(**{"rounds": 3, "tp": 1, "checkpoint": (str(tiny_ckpt[0]), str(tiny_ckpt[1])),
+                            "num_pages": 64, "mix": _short_mix(max_active=2), **kw})
+
+
+def test_a_rank_that_exits_without_its_report_is_named_not_replaced_by_the_last_run_s(tiny_ckpt, tmp_path):
+    """A rank stopped by SIGINT alone (torch's spawn wrapper: exit 0, as its parent's stop) writes no report, and
+    run_engine, all ranks having exited 0, read work_dir/rank0.json: the last run's, in a reused work_dir, returned
+    as this run's (3 rounds, all passed, for a run of 5 cut short at round 1); in a fresh one a FileNotFoundError."""
+    import os
+    import select
+    import signal
+
+    from dspark_sidecar.client.harness import run_engine
+
+    assert run_engine(_short_harness(tiny_ckpt), tmp_path, timeout_s=300)[0]["decisions"] == "LLL"
+
+    def on_pause(_rnd: int) -> None:  # rank 0 waits in its pause for go-1: stopped there, as by a lone Ctrl-C
+        fd = os.pidfd_open(_rank_pid())
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGINT)
+            assert select.select([fd], [], [], 60)[0], "the interrupted rank did not exit"
+        finally:
+            os.close(fd)
+
+    with pytest.raises(RuntimeError, match=r"engine rank 0 exited \(status 0\) without its report"):
+        run_engine(_short_harness(tiny_ckpt, rounds=5, faults=(Fault(1, "pause"),)), tmp_path, on_pause=on_pause,
+                   timeout_s=300)
+
+
+def test_a_failed_run_leaves_no_unreaped_rank_nor_torch_s_error_file(tiny_ckpt, tmp_path, monkeypatch):
+    """A rank that raised left torch's pytorch-errorfile-*.pickle (its traceback) in $TMPDIR, one per failed run;
+    a rank that did not unwind in time was SIGKILLed and never waited for: a zombie until this process next
+    started one or exited."""
+    import os
+    import tempfile
+
+    from torch.multiprocessing import ProcessRaisedException
+
+    from dspark_sidecar.client import harness
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    # A first prompt the cache cannot hold: the rank raises (Workload's ValueError) before its first round.
+    with pytest.raises(ProcessRaisedException, match="a prompt of 4000 rows needs 4007"):
+        harness.run_engine(_short_harness(tiny_ckpt, mix=MixConfig(seed=0), num_pages=8), tmp_path / "a",
+                           timeout_s=300)
+    assert list(scratch.iterdir()) == []
+    monkeypatch.setattr(harness, "RANK_UNWIND_S", 0.0)  # no time to unwind: the rank is killed
+    pids = []
+
+    def on_pause(_rnd: int) -> None:
+        pids.append(_rank_pid())
+        raise RuntimeError("the controller failed")
+
+    with pytest.raises(RuntimeError, match="the controller failed"):
+        harness.run_engine(_short_harness(tiny_ckpt, faults=(Fault(1, "pause"),)), tmp_path / "b",
+                           on_pause=on_pause, timeout_s=300)
+    stat = Path(f"/proc/{pids[0]}/stat")
+    assert not stat.exists(), f"engine rank {pids[0]} was not reaped: {stat.read_text()}"
+
+
+def test_verify_mode_finds_a_wrong_hidden_state_draft_token_or_kv_row(tiny_ckpt, tmp_path):
+    """Each forwarded round is run again on the local layers and compared: the hidden states, the draft tokens
+    and the block rows' K/V the sidecar wrote. A stand-in sidecar answers with the local layers' own step, then
+    gets one thing wrong; a clean one must compare equal, each wrong one must count in its own field."""
+    from dspark_sidecar.client.forward_context import get_forward_context
+
+    def run(wrong) -> dict:
+        h = _short_harness(tiny_ckpt, required_tp=1, socket_dir=str(tmp_path / "none"), warmup_calls=False)
+        rank = EngineRank(h, 0)
+
+        def forward(ids, pos):  # the sidecar's step: its answer, and its writes of the block rows' K/V
+            meta = get_forward_context().attn_metadata
+            out = rank.model.draft_step(rank.embed_input_ids(ids), pos, meta, rank._layers())
+            return wrong(rank, out, meta)
+
+        rank.shim.maybe_forward = forward
+        return rank.run()
+
+    def kv_row(rank, out, meta):  # one block row's K, one layer
+        t, slot = rank._layers()[-1], int(meta.slot_mapping[3])
+        t[0, slot // t.shape[2], slot % t.shape[2]] += 1.0
+        return out
+
+    def hidden(_rank, out, _meta):  # a little off: the same tokens
+        return out + torch.zeros_like(out).index_fill_(0, torch.tensor([2]), 1e-3)
+
+    def nan(_rank, out, _meta):
+        return out.clone().index_fill_(0, torch.tensor([0]), float("nan"))
+
+    def tokens(_rank, out, _meta):
+        return torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+
+    fields = ("hidden_mismatch", "token_mismatch", "kv_mismatch")
+    clean = run(lambda _r, out, _m: out)
+    assert clean["decisions"] == "FFF" and clean["compared"] == 3
+    assert [clean[f] for f in fields] == [0, 0, 0] and clean["max_hidden_diff"] == clean["max_kv_diff"] == 0.0
+    got = run(kv_row)
+    assert [got[f] for f in fields] == [0, 0, 3] and got["max_kv_diff"] > 0.5
+    got = run(hidden)
+    assert [got[f] for f in fields] == [3, 0, 0] and 0 < got["max_hidden_diff"] < 1e-2
+    got = run(nan)
+    assert got["hidden_mismatch"] == 3 and got["max_hidden_diff"] != got["max_hidden_diff"]
+    got = run(tokens)
+    assert got["hidden_mismatch"] == 3 and got["token_mismatch"] == 3 and got["tokens_differing"] > 0
+    assert got["digest"] != clean["digest"]  # the forwarded tokens are the ones drafted
+
+
+def test_a_kv_reallocation_keeps_the_contents_in_new_segments(tiny_ckpt):
+    """realloc_kv stands for the engine's re-allocation (the shim must re-bind): new segments, contents carried
+    over. The same run drafts the same tokens with and without it."""
+    h = _short_harness(tiny_ckpt, rounds=4, faults=(Fault(2, "realloc_kv"),))
+    rank = EngineRank(h, 0)
+    before = [s.segment.name for s in rank.kv]
+    moved = rank.run()
+    assert not {s.segment.name for s in rank.kv} & set(before)
+    assert moved["digest"] == EngineRank(_short_harness(tiny_ckpt, rounds=4), 0).run()["digest"]
+
+
+def test_the_digest_covers_every_round_and_progress_counts_local_rounds():
+    """Ranks agree when their digests do: a digest of the last round's tokens alone hid an earlier divergence."""
+    a, b = Record(), Record()
+    zero, one = torch.zeros(1, 7, dtype=torch.int64), torch.ones(1, 7, dtype=torch.int64)
+    a.round(1, True, "", zero, 10)
+    b.round(1, True, "", one, 10)
+    for rec in (a, b):
+        rec.round(2, False, "R outside 1..max_reqs", zero, 30)
+    assert a.digest != b.digest
+    assert a.progress(2, 5) == "round 2/5: R=2 forwarded 1, local 1, longest context 30, mismatches 0"
+
+
+def test_a_break_stream_fault_arms_its_rank_s_hook_for_its_round_only(tiny_ckpt, tmp_path):
+    """The shim calls fault_hook just before it sends a step: set in the fault's round on the fault's rank."""
+    h = _short_harness(tiny_ckpt, required_tp=1, socket_dir=str(tmp_path / "none"), warmup_calls=False,
+                       faults=(Fault(1, "break_stream", rank=0),))
+    rank = EngineRank(h, 0)
+    armed = []
+
+    def forward(_ids, _pos):  # a refusal: the round runs locally
+        armed.append(rank.shim.fault_hook is not None)
+        return None
+
+    rank.shim.maybe_forward = forward
+    assert rank.run()["decisions"] == "LLL" and armed == [False, True, False]
+
+
+def test_a_nan_stays_in_the_largest_exact_differences_and_counts_as_a_mismatch():
+    """As for the relative ones: Python's max(0.0, nan) is 0.0, and a later clean round must not wash it out."""
+    drafts = torch.zeros(1, 7, dtype=torch.int64)
+    local, kv = torch.tensor([[3.0, 4.0]]), torch.ones(2, 2)
+    for fwd, kv_fwd, diff, count in ((torch.tensor([[3.0, float("nan")]]), kv, "max_hidden_diff", "hidden_mismatch"),
+                                     (local, kv * float("nan"), "max_kv_diff", "kv_mismatch")):
+        rec = Record()
+        for args in ((local, kv), (fwd, kv_fwd), (local, kv)):
+            rec.compare(args[0], local, drafts, drafts, args[1], kv)
+        assert getattr(rec, diff) != getattr(rec, diff) and getattr(rec, count) == 1, (diff, rec)
+
+
+def test_a_pause_holds_the_ranks_while_on_pause_runs(tiny_ckpt, tmp_path):
+    """on_pause (a sidecar killed, restarted) must run while no rank drafts: rank 0 waits for go-N. Proving a
+    wait takes a bounded look: the ranks must not finish while on_pause runs (a rank that did not wait ran its
+    last two rounds and wrote its report in well under the look's 2 s)."""
+    import time
+
+    from dspark_sidecar.client.harness import run_engine
+
+    finished = []
+
+    def on_pause(_rnd: int) -> None:
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end and not finished:
+            if (tmp_path / "rank0.json").exists():
+                finished.append(True)
+            time.sleep(0.02)
+
+    assert run_engine(_short_harness(tiny_ckpt, faults=(Fault(1, "pause"),)), tmp_path, on_pause=on_pause,
+                      timeout_s=300)[0]["decisions"] == "LLL"
+    assert not finished, "the rank drafted on while on_pause ran"
