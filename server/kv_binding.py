@@ -118,15 +118,17 @@ class MemoryBindings:
                 for i, span in enumerate(spans):
                     _refuse_overlap(f"layers[{i}].memory", "the layer's cache", span, self._written_by_others())
                 old, self.generation, self.binds = self.kv, self.generation + 1, self.binds + 1
-                self.kv = KVBinding(secrets.randbits(62) or 1, self.generation, layers, num_pages,
-                                    req.page_size, facts, mappings, spans, req.lease)
+                kv = self.kv = KVBinding(secrets.randbits(62) or 1, self.generation, layers, num_pages,
+                                         req.page_size, facts, mappings, spans, req.lease)
         except Exception:  # over a region or the doorbell page: the binding in place stands
             layers.clear()
             self._discard(mappings, [])
             raise
         if old is not None:
             retire(old.close)
-        return self.kv
+        # The one made here, not self.kv read again: an UnbindKV or BindKV on another thread may have changed
+        # that since the lock (None, or a binding this call did not make).
+        return kv
 
     def _map_layers(self, req: pb.BindKVRequest) -> tuple[list[MappedMemory], list[torch.Tensor], list[_Span], int]:
         """Each layer checked and mapped in order: (mappings, views [2, pages, page, kv_heads, head_dim],
@@ -369,13 +371,23 @@ class MemoryBindings:
         return m.view(dtype, shape, tuple(reversed(stride)), region.offset_bytes // item, field)  # HandleError is a ValueError
 
     def close(self) -> None:
+        """Unmap the binding and the regions (each with its last view) and forget them, under the lock (the tests'
+        teardown; a rank leaves both to its exit). Kept, a later check() passed the closed binding (no layers) and a
+        later slice, BindKV or RegisterBuffers met closed mappings (AttributeError, INTERNAL). Nothing is bound or
+        registered after it; a second close does nothing more."""
         with self._lock:
+            kv, regions = self.kv, list(self._regions.values())
+            self.kv = None
+            self._retired.update(self._regions)
+            self._regions.clear()
+            self._owned.clear()
+            self._leased.clear()
             self._views.clear()
             self.layouts.clear()
             self.epoch += 1
-        if self.kv is not None:
-            self.kv.close()
-        for m in self._regions.values():
+        if kv is not None:
+            kv.close()
+        for m in regions:
             m.close()
 
 

@@ -1,0 +1,144 @@
+"""MemoryBindings (server/kv_binding.py) on its own: what bind answers, and what is left after close."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from dspark_sidecar.drafter.config import load_config
+from dspark_sidecar.drafter.kv_cache import kv_layer_shape
+from dspark_sidecar.proto import codec, memory
+from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.server.errors import SidecarError
+from dspark_sidecar.server.kv_binding import MemoryBindings
+
+_FP = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _maps_of(name: str) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(name in line for line in maps)
+
+
+def _layer(i: int, t: torch.Tensor) -> pb.KVLayerBinding:
+    return pb.KVLayerBinding(layer=i, memory=memory.export_handle(t), dtype=codec.dtype_to_proto(t.dtype),
+                             shape=list(t.shape), strides=list(t.stride()), storage_offset=t.storage_offset())
+
+
+def _bind_request(segs: list[memory.ShmTensor]) -> pb.BindKVRequest:
+    return pb.BindKVRequest(engine=pb.EngineFacts(engine_rank=0, tp_size=1, dp_size=1, pp_size=1), page_size=16,
+                            layers=[_layer(i, s.tensor) for i, s in enumerate(segs)])
+
+
+@pytest.fixture
+def cache():
+    """A fresh MemoryBindings of the tiny drafter on CPU, the shared-memory segments of one cache, and one of 4 KiB."""
+    cfg = load_config("tiny")
+    segs = [memory.shm_empty(kv_layer_shape(cfg, 1, 4, 16), torch.float32) for _ in range(cfg.num_hidden_layers)]
+    other = memory.shm_empty((4096,), torch.uint8)
+    mem = MemoryBindings(cfg, 1, 0, torch.float32, torch.device("cpu"))
+    yield mem, segs, other
+    mem.close()
+    for s in (*segs, other):
+        s.close()
+
+
+def test_bind_answers_the_binding_it_made_though_another_call_changed_it_before_it_returned(cache):
+    """bind() recorded its binding under the lock, then retired the old one and returned self.kv, read again after
+    the lock: an UnbindKV (a lease's end) or another BindKV on another thread in between, which the lock alone
+    orders, had it answer None (BindKV's answer then failed INTERNAL on None.binding_id) or a binding it never
+    made. It answers the one it made (released since: a step naming it is refused, and the engine binds again)."""
+    mem, segs, _ = cache
+    first = mem.bind(_bind_request(segs))
+
+    def retire(close) -> None:
+        close()
+        racer = threading.Thread(target=lambda: mem.unbind(mem.kv.binding_id))  # between the lock and the return
+        racer.start()
+        racer.join()
+
+    kv = mem.bind(_bind_request(segs), retire)
+    assert kv is not None and kv is not first and kv.generation == first.generation + 1, kv
+    assert mem.kv is None and kv.layers == []  # released by the racer's UnbindKV, and closed
+    with pytest.raises(SidecarError) as err:
+        mem.check(kv.binding_id, kv.generation)
+    assert (err.value.code, err.value.reason) == (_FP, "NOT_BOUND"), err.value
+
+
+def test_after_close_nothing_is_bound_or_registered_and_a_view_still_held_reads_its_memory(cache):
+    """close() unmapped the binding and the regions but kept both recorded: check() still passed the closed binding
+    (no layers: a step would run against nothing), a slice of a closed region and any BindKV or RegisterBuffers
+    after it failed with AttributeError ('NoneType' object has no attribute 'numel': INTERNAL, not a refusal).
+    Closed, nothing is bound or registered; closing again is harmless; a view taken before still reads its bytes."""
+    mem, segs, other = cache
+    idle = [_maps_of(s.segment.name) for s in (*segs, other)]  # the engine's own mappings
+    kv = mem.bind(_bind_request(segs))
+    rid, = mem.register(pb.RegisterBuffersRequest(regions=[pb.BufferRegion(
+        name="metadata", memory=memory.export_handle(other.tensor), size_bytes=4096)], owner=5, lease=6))
+    view = mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=0), torch.int32, (4,), "positions")
+    other.tensor[:16].view(torch.int32).copy_(torch.arange(4, dtype=torch.int32))
+    mem.close()
+    mem.close()
+    assert torch.equal(view, torch.arange(4, dtype=torch.int32))  # the mapping goes with its last view
+    assert kv.layers == [] and mem.kv is None and mem.region_count == 0 and not mem.leases_regions(6)
+    with pytest.raises(SidecarError) as err:
+        mem.check(kv.binding_id, kv.generation)
+    assert (err.value.code, err.value.reason) == (_FP, "NOT_BOUND"), err.value
+    with pytest.raises(ValueError, match=f"positions: region {rid} is not registered"):
+        mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=0), torch.int32, (4,), "positions")
+    del view
+    assert [_maps_of(s.segment.name) for s in (*segs, other)] == idle
+    with pytest.raises(SidecarError) as err:  # an id from before the close names nothing
+        mem.unregister([rid])
+    assert err.value.code == grpc.StatusCode.NOT_FOUND, err.value
+
+
+def _region(mem: MemoryBindings, seg: memory.ShmTensor, **tokens) -> int:
+    rid, = mem.register(pb.RegisterBuffersRequest(regions=[pb.BufferRegion(
+        name="metadata", memory=memory.export_handle(seg.tensor), size_bytes=seg.tensor.numel())], **tokens))
+    return rid
+
+
+def test_a_slice_named_again_in_another_dtype_is_viewed_in_that_dtype(cache):
+    """The view cache's key holds the dtype: the same bytes named as int32 and then as float32 (or int64 over the
+    same offset and shape) are two views, never the first one handed back for the second."""
+    mem, _, other = cache
+    rid = _region(mem, other)
+    at = pb.RegionSlice(region_id=rid, offset_bytes=64)
+    other.tensor[64:72].view(torch.int32).copy_(torch.tensor([1, 2], dtype=torch.int32))
+    assert mem.resolve(at, torch.int32, (2,), "positions").tolist() == [1, 2]
+    as_float = mem.resolve(at, torch.float32, (2,), "inputs_embeds")
+    assert as_float.dtype == torch.float32 and torch.equal(as_float.view(torch.int32), torch.tensor([1, 2],
+                                                                                                    dtype=torch.int32))
+    assert mem.resolve(at, torch.int32, (2,), "positions").dtype == torch.int32
+
+
+def test_the_view_cache_is_bounded(cache, monkeypatch):
+    """A full view cache is emptied before the next entry: an engine naming a new slice every step (another offset,
+    another request count) would otherwise grow it, and what its views keep alive, for the rank's life."""
+    from dspark_sidecar.server import kv_binding
+
+    monkeypatch.setattr(kv_binding, "VIEW_CACHE", 4)
+    mem, _, other = cache
+    rid = _region(mem, other)
+    sizes = []
+    for k in range(10):
+        mem.resolve(pb.RegionSlice(region_id=rid, offset_bytes=4 * k), torch.int32, (1,), "positions")
+        sizes.append(len(mem._views))
+    assert max(sizes) == 4 and sizes[-1] >= 1, sizes
+
+
+def test_a_lease_whose_registration_named_no_region_holds_none(cache):
+    """leases_regions says whether regions under the lease are still registered, not whether the lease was ever
+    named: an empty RegisterBuffers under it registers nothing, and its end must not take the rank's exclusive
+    section for nothing (whose quiesce releases the live engine's pre-launched step, at TP > 1 on this rank alone)."""
+    mem, _, other = cache
+    assert mem.register(pb.RegisterBuffersRequest(regions=[], owner=5, lease=6)) == []
+    assert not mem.leases_regions(6)
+    rid = _region(mem, other, lease=6)
+    assert mem.leases_regions(6)
+    mem.unregister([rid])
+    assert not mem.leases_regions(6)
