@@ -75,8 +75,8 @@ class Link:
 
     def close(self) -> None:
         """Final and idempotent; from any thread, at any time. Wakes a waiting step, then takes the link (at most
-        CLOSE_WAIT_S) and runs finish_close; past that, or on the thread that holds the link, the holder runs it
-        as it leaves."""
+        CLOSE_WAIT_S) and runs finish_close; past that, on the thread that holds the link, or interrupted while it
+        waits (Ctrl-C), the holder runs it as it leaves."""
         with self._cv:
             if self.closed:
                 return
@@ -92,6 +92,9 @@ class Link:
                 self.waiters += 1
                 try:
                     free = self._cv.wait_for(lambda: not self.inside, CLOSE_WAIT_S)
+                except BaseException:  # (Ctrl-C while it waits; the lock is held again): left, as past CLOSE_WAIT_S,
+                    self._close_left = True  # to the holder as it leaves (or the next to take the link): closed,
+                    raise  # no later close() would run the release
                 finally:
                     self.waiters -= 1
             if mine or not free:

@@ -1501,26 +1501,31 @@ def test_engine_embeddings_of_another_row_count_fall_back_without_a_breaker_fail
 
 class _RefusesPositions(FakeSidecar):
     """A sidecar rank that refuses, as server/validate.py does, steps whose positions are not each request's
-    seq_len - 7 .. seq_len - 1 (here: while `refuse` is set), naming the field."""
+    seq_len - 7 .. seq_len - 1 (here: while `refuse` is set), naming the field (`field`)."""
 
     refuse = False
+    field = "positions"
 
     def _step(self, req):
         if self.refuse:
             self.calls["step"] += 1
             self.requests.append(req)
             return pb.DraftStepResponse(step_id=req.step_id, error=pb.StepError(
-                code=code_pb2.INVALID_ARGUMENT, field="positions", reason="INVALID_FIELD",
-                message="positions: request 0's rows are not seq_len - 7 .. seq_len - 1"))
+                code=code_pb2.INVALID_ARGUMENT, field=self.field, reason="INVALID_FIELD",
+                message=f"{self.field}: request 0's rows are not seq_len - 7 .. seq_len - 1"))
         return super()._step(req)
 
 
-def test_a_step_refused_for_its_own_metadata_falls_back_without_a_breaker_failure_or_a_reconnect():
+@pytest.mark.parametrize("field", ["positions", "seq_lens", "block_tables", "slot_mapping"])
+def test_a_step_refused_for_its_own_metadata_falls_back_without_a_breaker_failure_or_a_reconnect(field):
     """vLLM's DSpark speculator clamps block positions at max_model_len - 1 within 7 tokens of a request's end:
     the sidecar refuses such a step naming positions. Read as the other INVALID_ARGUMENT answers (the sidecar's
     limits changed), each dropped the link and counted a breaker failure, so a few requests reaching the model's
-    length opened the breaker for every request. The engine's metadata is at fault for that step only."""
-    server = FakeServer(_RefusesPositions(max_reqs=4), short_socket_dir() / "rank0.sock").start()
+    length opened the breaker for every request. The engine's metadata is at fault for that step only (each of
+    the step's metadata fields: the speculator writes -1 slots for null blocks too)."""
+    sidecar = _RefusesPositions(max_reqs=4)
+    sidecar.field = field
+    server = FakeServer(sidecar, short_socket_dir() / "rank0.sock").start()
     shim, _, _ = make_shim(server.endpoint)
     try:
         ids, pos, meta = step_inputs(2)
