@@ -54,6 +54,10 @@ def test_go_when_every_rank_posts_the_same_step(ranks):
     out = agree_all(ranks, {r: Post(1, 1, 3, 99, True) for r in range(WORLD)})
     assert all(v.go and v.reason == "" for v, _ in out.values())
     assert len({v.launch_seq for v, _ in out.values()}) == 1
+    # The next GO is the next launch (the ring's launch_seq word): one count per GO, the same on every rank.
+    first = out[0][0].launch_seq
+    out = agree_all(ranks, {r: Post(2, 1, 3, 99, True) for r in range(WORLD)})
+    assert {v.launch_seq for v, _ in out.values()} == {first + 1}
 
 
 def test_fast_path_only_when_every_rank_offers_it(ranks):
@@ -336,7 +340,7 @@ def test_a_peer_that_stops_beating_is_seen_silent_by_the_others_and_back_when_it
     assert boards[2].silent(2, SILENT_S) == {}
 
 
-def test_a_board_s_name_is_random_and_never_an_existing_entry():
+def test_a_board_s_name_is_random_and_never_an_existing_entry(caplog):
     """The name used to derive from the socket dir: another local user could create it first and stop
     rank 0 from starting, and rank 0 removed any board of that name it found (taking it for stale)."""
     a, b = Board(None, 2, create=True), Board(None, 2, create=True)
@@ -353,6 +357,7 @@ def test_a_board_s_name_is_random_and_never_an_existing_entry():
             Board(a.name, 2, create=False)
         peer.close()
         a.close()  # no second unlink, no warning
+        assert "was removed by another process" not in caplog.text, "the maker removed its board's name twice"
     finally:
         b.close()
 
@@ -397,6 +402,12 @@ def test_a_segment_that_is_not_a_board_for_this_many_ranks_is_refused_at_attach(
     try:
         with pytest.raises(RuntimeError, match="not a board for 1 ranks"):
             Board(a.name, 1, create=False)  # a board for 2 ranks
+        with pytest.raises(RuntimeError, match="not a board for 2 ranks"):
+            Board(other.name, 2, create=False)
+        # Its world word as a board's for 2 ranks, but no magic: still another segment, not a board.
+        import numpy as np
+
+        np.ndarray((2,), dtype=np.int64, buffer=other.buf)[1] = 2
         with pytest.raises(RuntimeError, match="not a board for 2 ranks"):
             Board(other.name, 2, create=False)
     finally:
@@ -705,6 +716,38 @@ def test_a_rank_that_posted_and_then_exited_gets_no_go(monkeypatch):
     finally:
         peer.kill()
         peer.wait()
+        board.close()
+
+
+def test_only_the_copies_that_waited_have_their_rank_s_process_looked_at_before_the_go(monkeypatch):
+    """POSTED_LOOK_S is per copy: when the last copy of a step comes, the ranks whose copies waited are looked
+    at, not the ones whose copies came just now (the steady flow's, which make no look at all)."""
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+    from dspark_sidecar.server.rendezvous import GO, POSTED_LOOK_S, Coordinator
+
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 3, create=True)
+    kids = [_child(), _child()]
+    looks: list[int] = []
+    real = rendezvous_mod._exited
+    monkeypatch.setattr(rendezvous_mod, "_exited", lambda pid, start=0: looks.append(pid) or real(pid, start))
+    try:
+        _post_peer(board, 0, os.getpid(), process_start(os.getpid()))
+        for r, k in enumerate(kids, 1):
+            _post_peer(board, r, k.pid, process_start(k.pid))
+        c = Coordinator(board, 3_600_000)  # not started: polled by hand
+        assert not c.poll_once() and c._peers.all_seen  # idle: both peers seen alive
+        looks.clear()
+        board.slots[1][:] = (2, 7, 1, 2, 1, 9, 0, 0)  # rank 1's copy of step 7 comes first, and waits
+        assert not c.poll_once()
+        time.sleep(max(0.0, c._first_seen[1] + POSTED_LOOK_S - time.monotonic()))
+        board.slots[2][:] = (2, 7, 1, 2, 1, 9, 0, 0)  # ranks 2's and 0's come together, seen in one poll
+        board.slots[0][:] = (2, 7, 1, 2, 1, 9, 0, 0)
+        assert c.poll_once() and board.ring[0][2] == GO
+        assert looks == [kids[0].pid], f"looked at {looks}, not rank 1's {kids[0].pid} alone"
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
         board.close()
 
 
