@@ -369,6 +369,21 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    def __post_init__(self) -> None:
+        # A hand-made config (tests, microbench) no launch can run failed far from here: split_k 0 divided
+        # by zero in _tiling, a tile that is no power of two inside Triton (tl.arange), a tile under 16
+        # below the tensor-core dot's minimum on a GPU.
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig: {name} {v} is not a power of two >= 16")
+        if self.split_k < 1 or self.num_stages < 1 or self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"GemmConfig: split_k {self.split_k} and num_stages {self.num_stages} must be >= 1, "
+                             f"num_warps {self.num_warps} a power of two")
+
+
+# The activation dtypes the kernels compute in and round to (runtime.tl_dtype).
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Tunables, read by `plan`: programs per SM to aim for, and the fewest K tiles a split may own
 # (below that the partial traffic outweighs the extra parallelism).
@@ -427,14 +442,15 @@ PLAN_SQ_COLUMN = True
 EXACT_RESIDENCY = True
 
 
-def stage_bytes(block_m: int, block_n: int, block_k: int, swiglu: bool, weight_bytes: int) -> int:
-    """Shared memory of one pipeline stage: the x tile (bf16) and the weight tile(s, gate and up)."""
-    return block_m * block_k * 2 + (2 if swiglu else 1) * block_k * block_n * weight_bytes
+def stage_bytes(block_m: int, block_n: int, block_k: int, swiglu: bool, weight_bytes: int, x_bytes: int = 2) -> int:
+    """Shared memory of one pipeline stage: the x tile (x_bytes an element: 4 under fp32 activations)
+    and the weight tile(s, gate and up)."""
+    return block_m * block_k * x_bytes + (2 if swiglu else 1) * block_k * block_n * weight_bytes
 
 
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
          programs_per_sm: int | None = None, swiglu: bool = False, weight_bytes: int = 2,
-         max_smem: int | None = None, sq_column: bool = False, quant_block: int = 1) -> GemmConfig:
+         max_smem: int | None = None, sq_column: bool = False, quant_block: int = 1, x_bytes: int = 2) -> GemmConfig:
     """Row tile from m (tensor-core dots need >= 16 rows), then split K until the grid covers the SMs.
 
     n: output columns per program's tile set (f for SwiGLU: each program streams gate and up tiles).
@@ -449,10 +465,11 @@ def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: 
     PLAN_SQ_COLUMN its programs count among the slots.
     quant_block: an MXFP8 weight's block; the K tile holds whole blocks (a config.json's
     weight_block_size [1, 128] needs a tile of 128).
+    x_bytes: the activations' element size (stage_bytes).
     """
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bn, bk = block_n or BLOCK_N, block_k or (max(FP8_BLOCK_K, quant_block) if weight_bytes == 1 else BLOCK_K)
-    stage = stage_bytes(bm, bn, bk, swiglu, weight_bytes)
+    stage = stage_bytes(bm, bn, bk, swiglu, weight_bytes, x_bytes)
     # Never more than the device gives a program: an MI300X has 64 KB of LDS, where stages counted
     # from SMEM_PER_PROGRAM alone (the 7-row qkv: 5 of 18 KB) compiled to more than that and did not launch.
     stages = (SMEM_PER_PROGRAM if max_smem is None else min(SMEM_PER_PROGRAM, max_smem - SMEM_RESERVE)) // stage
@@ -499,11 +516,15 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     # where the reference's `residual + y` promotes and returns the wider sum.
     if has_res and residual.dtype != x.dtype:
         raise ValueError(f"gemm: residual dtype {residual.dtype} is not the activations' {x.dtype}")
+    if has_res:
+        _same_device(x, residual=residual)
+    if out is not None:
+        _same_device(x, out=out)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride() != (n, 1):
         raise ValueError(f"gemm: out {list(out.shape)} {out.dtype} must be a contiguous [{m}, {n}] {x.dtype}")
-    if m == 0:
+    if m == 0 or n == 0:  # nothing to write; the finalize's column blocks were sized 0 for n = 0
         return out
     cfg, split, k_per = _tiling(x, weight, n, swiglu is not None, config, norm_weight is not None)
     if split == 1:
@@ -556,6 +577,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu,
     check_device(x, w)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemm: x {list(x.shape)} and weight {list(w.shape)} do not chain")
+    if x.shape[1] == 0:  # no mean to normalize by, no K tile to plan (ZeroDivisionError in plan)
+        raise ValueError(f"gemm: x {list(x.shape)} has no columns to reduce")
+    # The kernels round to these (runtime.tl_dtype): another dtype failed at the launch with a bare KeyError.
+    if x.dtype not in ACT_DTYPES:
+        raise ValueError(f"gemm: x dtype {x.dtype} is not one of {ACT_DTYPES}")
+    # The kernels take raw pointers: an operand on another device (another rank's GPU) was read as if it
+    # were x's, where the reference's F.linear raises.
+    _same_device(x, weight=w, **({"weight scales": weight.scale} if isinstance(weight, MxFp8Weight) else {}),
+                 **({"norm weight": norm_weight} if norm_weight is not None else {}))
     # A dense weight sets the dot's operand dtype (runtime.dot_dtype): fp32 x met a bf16 weight in a
     # bf16 dot (x rounded to 8 bits under an fp32 result), bf16 x an fp16 one (inf past 65504), where
     # the reference's F.linear raises. MXFP8 weights take any activation dtype (see _launch).
@@ -569,6 +599,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu,
     return x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0]
 
 
+def _same_device(x: torch.Tensor, **operands: torch.Tensor) -> None:
+    for name, t in operands.items():
+        if t.device != x.device:
+            raise ValueError(f"gemm: {name} is on {t.device}, x on {x.device}")
+
+
 def _tiling(x: torch.Tensor, weight, n: int, swiglu: bool, config: GemmConfig | None,
             norm: bool = False) -> tuple[GemmConfig, int, int]:
     """(config, K-ranges actually used, K per range: a multiple of block_k). norm: x is normalized."""
@@ -576,7 +612,9 @@ def _tiling(x: torch.Tensor, weight, n: int, swiglu: bool, config: GemmConfig | 
     wbytes = _stored(weight).element_size()
     qblock = weight.block if isinstance(weight, MxFp8Weight) else 1
     cfg = config or plan(m, n, k, sms_of(x), swiglu=swiglu, weight_bytes=wbytes, max_smem=smem_of(x),
-                         sq_column=norm and isinstance(weight, NormFolded), quant_block=qblock)
+                         sq_column=norm and isinstance(weight, NormFolded), quant_block=qblock,
+                         # fp32 x: its tile is twice the bf16 one (o_proj at 56 rows planned 240 KB for 227)
+                         x_bytes=x.element_size())
     if cfg.block_k % qblock:  # _dequant splits each [BN, BK] tile into whole blocks (BK // QBLOCK of them)
         raise ValueError(f"gemm: K tile {cfg.block_k} does not hold whole MXFP8 blocks of {qblock}")
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -662,9 +700,11 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
         # An odd width has no halves: gate column j was paired with column f + j of a floored f and
         # the last column dropped unseen, where the reference raises.
         raise ValueError(f"swiglu_oai: gate|up {list(gate_up.shape)} is not [n, 2f] (2-D, no odd width)")
+    if gate_up.dtype not in ACT_DTYPES:
+        raise ValueError(f"swiglu_oai: gate|up dtype {gate_up.dtype} is not one of {ACT_DTYPES}")
     g = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     m, f = g.shape[0], g.shape[1] // 2
     out = torch.empty((m, f), dtype=g.dtype, device=g.device)
-    if m:
+    if m and f:  # f = 0: the finalize's column blocks were sized 0
         _finalize(g.unsqueeze(0), g, out, f, 1, 1, 0.0, alpha, limit, False, True)
     return out

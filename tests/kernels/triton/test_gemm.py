@@ -556,3 +556,106 @@ def test_swiglu_keeps_a_nan_a_nan(device, config):
     assert torch.equal(out.isnan(), ref.isnan()) and ref[:, [3, 5]].isnan().all()
     gu = reference.linear(x, w)
     assert torch.equal(TRITON_OPS.swiglu_oai(gu, ALPHA, LIMIT).isnan(), reference.swiglu_oai(gu, ALPHA, LIMIT).isnan())
+
+
+def test_activations_of_a_dtype_the_kernels_do_not_take_are_refused(device):
+    """The kernels round to bf16, fp16 or fp32 (runtime.tl_dtype): fp64 activations under an MXFP8
+    weight (which takes any activation dtype) or with an fp64 dense weight, integer ones, an fp64
+    gate|up reached the launch and failed there with a bare KeyError: torch.float64. Refused, named."""
+    x, w, nw = _inputs(7, 64, 32, torch.float32, device, seed=22)
+    q = MxFp8Weight.quantize(w.cpu()).to(device)
+    for xx, ww in ((x.double(), q), (x.double(), w.double()), (x.to(torch.int32), w.to(torch.int32))):
+        with pytest.raises(ValueError, match=r"x dtype torch\.(float64|int32)"):
+            gemm.gemm(xx, ww)
+        with pytest.raises(ValueError, match=r"x dtype torch\.(float64|int32)"):
+            gemm.norm_linear_partials(xx, ww, nw, EPS)
+    with pytest.raises(ValueError, match=r"gate\|up dtype torch\.float64"):
+        gemm.swiglu_oai(x.double(), ALPHA, LIMIT)
+
+
+def test_empty_outputs_and_an_empty_k(device):
+    """No output columns (a weight of 0 rows, a gate|up of width 0): the reference's empty result;
+    the split-K finalize sized its column blocks from next_power_of_2(0) = 0 and divided by it.
+    K = 0 has nothing to normalize or reduce: refused by name, not a ZeroDivisionError in plan."""
+    x, w, nw = _inputs(7, 320, 32, torch.float32, device, seed=23)
+    for cfg in (CONFIGS["split3"], None):
+        assert gemm.gemm(x, w[:0], config=cfg).shape == reference.linear(x, w[:0]).shape == (7, 0)
+        assert gemm.gemm(x, w[:0], nw, EPS, swiglu=(ALPHA, LIMIT), config=cfg).shape == (7, 0)
+    wide = torch.zeros(7, 4096, device=device)  # the planner's split-K (more than one K-range)
+    assert gemm._tiling(wide, w.new_zeros(0, 4096), 0, False, None)[1] > 1
+    assert gemm.gemm(wide, w.new_zeros(0, 4096)).shape == (7, 0)
+    assert TRITON_OPS.swiglu_oai(x[:, :0], ALPHA, LIMIT).shape == reference.swiglu_oai(x[:, :0], ALPHA, LIMIT).shape
+    for call in (lambda: gemm.gemm(x[:, :0], w[:, :0]), lambda: gemm.norm_linear_partials(x[:, :0], w[:, :0], nw[:0], EPS)):
+        with pytest.raises(ValueError, match="no columns"):
+            call()
+
+
+def test_operands_on_another_device_are_refused(device):
+    """Every operand must live on x's device: the kernels take raw pointers, so a weight, norm weight,
+    residual or output elsewhere (another rank's GPU) was read as if local (on a GPU a fault or a
+    silent peer read; here, meta tensors, a NotImplementedError from the interpreter). The
+    reference's F.linear refuses; the GEMM names the operand."""
+    x, w, nw = _inputs(7, 64, 32, torch.float32, device, seed=24)
+    meta = torch.device("meta")
+    q = MxFp8Weight.quantize(w.cpu()).to(device)
+    cases = {"weight": lambda: gemm.gemm(x, w.to(meta)),
+             "norm weight": lambda: gemm.gemm(x, w, nw.to(meta), EPS),
+             "residual": lambda: gemm.gemm(x, w, residual=torch.zeros(7, 32, device=meta)),
+             "out": lambda: gemm.gemm(x, w, out=torch.zeros(7, 32, device=meta))}
+    for name, call in cases.items():
+        with pytest.raises(ValueError, match=f"{name} .*on meta"):
+            call()
+    with pytest.raises(ValueError, match="weight scales .*on meta"):  # the E8M0 exponents are read too
+        gemm.gemm(x, MxFp8Weight(q.qweight, q.scale.to(meta)))
+    with pytest.raises(ValueError, match="norm weight .*on meta"):
+        gemm.norm_linear_partials(x, w, nw.to(meta), EPS)
+
+
+@pytest.mark.parametrize("weight_bytes", [4, 1], ids=["fp32w", "fp8w"])
+def test_plan_counts_fp32_activations_in_the_stage(monkeypatch, weight_bytes):
+    """serve --dtype fp32 on a GPU: x's tile is 4 bytes an element, not the bf16 stage_bytes assumed.
+    o_proj at 56 rows planned 5 stages of "40 KB" (really 48 KB: 240 KB) for an H200's 227 KB;
+    every stage beyond the 2 a pipeline needs must fit the device, counted with x as it is."""
+    monkeypatch.setattr(gemm, "smem_of", lambda t: 227 << 10)
+    monkeypatch.setattr(gemm, "sms_of", lambda t: 132)
+    x = torch.zeros(56, 2048)
+    w = torch.zeros(256, 2048) if weight_bytes == 4 else MxFp8Weight.quantize(torch.zeros(256, 2048))
+    cfg = gemm._tiling(x, w, 256, False, None)[0]
+    stage = cfg.block_m * cfg.block_k * 4 + cfg.block_k * cfg.block_n * weight_bytes
+    assert cfg.num_stages == 2 or cfg.num_stages * stage <= (227 << 10) - gemm.SMEM_RESERVE, cfg
+    assert gemm.stage_bytes(64, 128, 64, False, 4, x_bytes=4) == 64 * 64 * 4 + 64 * 128 * 4
+    assert gemm._tiling(x.bfloat16(), w if weight_bytes == 1 else w.bfloat16(), 256, False, None)[0] == gemm.plan(
+        56, 256, 2048, 132, weight_bytes=min(weight_bytes, 2), max_smem=227 << 10)  # bf16 x: the plan as before
+
+
+def test_gemm_config_is_checked_when_built():
+    """A hand-made config (tests, microbench) that no launch can run: split_k 0 divided by zero in
+    _tiling, a tile that is no power of two failed inside Triton (arange), one under 16 rows or
+    columns is below the tensor-core dot's minimum on a GPU. Refused when built, naming the field."""
+    assert gemm.GemmConfig(16, 32, 64, 1).split_k == 1
+    for bad, field in (((16, 32, 64, 0), "split_k"), ((16, 48, 64, 1), "block_n"), ((8, 32, 64, 1), "block_m"),
+                       ((16, 32, 0, 1), "block_k"), ((16, 32, 64, 1, 3), "num_warps"),
+                       ((16, 32, 64, 1, 4, 0), "num_stages")):
+        with pytest.raises(ValueError, match=field):
+            gemm.GemmConfig(*bad)
+
+
+def test_plan_tiles_and_k_ranges_over_a_grid_of_shapes():
+    """Row counts in and out of 7..56, ragged and tiny K, one SM to many: the row tile is the least
+    of 16/32/64 holding the rows, at least 2 stages, and the K-ranges plan reports are the ones
+    _tiling launches (each non-empty, of whole K tiles, and with split-K at least
+    MIN_K_TILES_PER_SPLIT tiles: below that the partials' traffic outweighs the parallelism)."""
+    for m in (0, 1, 7, 16, 17, 32, 33, 56, 140):
+        for n, k in ((96, 32), (200, 320), (2304, 6144), (6144, 2048), (64, 6145)):
+            for sms in (1, 4, 100, 132):
+                cfg = gemm.plan(m, n, k, sms, max_smem=64 << 10)
+                assert cfg.block_m == (16 if m <= 16 else 32 if m <= 32 else 64), (m, cfg)
+                assert cfg.num_stages >= 2
+                got, split, k_per = gemm._tiling(torch.empty(m, k), torch.empty(n, k), n, False, cfg)
+                assert got is cfg and split == cfg.split_k >= 1, (m, n, k, sms, cfg)
+                assert k_per % cfg.block_k == 0 and (split - 1) * k_per < k <= split * k_per
+                assert split == 1 or k_per >= gemm.MIN_K_TILES_PER_SPLIT * cfg.block_k, (m, n, k, sms, cfg)
+    # A stage over the whole deep budget (fp32 gate|up tiles on a 64 KB device): still the 2 a pipeline needs.
+    assert gemm.plan(56, 3072, 6144, 132, swiglu=True, weight_bytes=4, max_smem=64 << 10).num_stages == 2
+    # A hand-made split_k that whole K tiles cannot fill: the ranges actually launched (k = 320: 3 of 128).
+    assert gemm._tiling(torch.empty(7, 320), torch.empty(32, 320), 32, False, gemm.GemmConfig(16, 32, 64, 4))[1:] == (3, 128)
