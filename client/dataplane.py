@@ -9,8 +9,9 @@ states are a view of the output region, ordered after the sidecar's work by maki
 engine's stream wait on the sidecar's "outputs written" event: no host sync on either side.
 The view is valid until the next step is sent.
 
-`DoorbellChannel` has the send / wait / settled interface of the gRPC `StepStream`, so the shim
-can use either transport.
+`DoorbellTransport` (client/doorbell_transport.py) puts a `DoorbellChannel` and its `StepBuffers`
+behind the send / wait / settled interface of the gRPC `StepStream` (a page the sidecar closed, or
+an answer that does not decode, reads there as a broken stream), so the shim can use either transport.
 """
 
 from __future__ import annotations
@@ -329,6 +330,10 @@ class DoorbellChannel:
         """Ring with a serialized DraftStepRequest whose launch key is `launch_key`."""
         if len(data) > self.capacity:
             raise DataPlaneError(f"request of {len(data)} bytes exceeds the doorbell ({self.capacity})")
+        # Numbered before the driver's calls, and not given back when one raises: the GPU word (this number and
+        # launch_key) may be queued already, and the sidecar's pre-launched copy run on it; the next step rung under
+        # the same number and layout would be answered from that copy (server/prelaunch.py offer). A number skipped
+        # costs nothing: the sidecar serves any new number it finds rung, and no queued copy matches it.
         self._seq += 1
         if self._ops is not None:  # raw handles: building torch's Stream object costs ~15-25 us at a step's start
             raw = _raw_stream(self.device)

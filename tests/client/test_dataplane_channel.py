@@ -66,6 +66,22 @@ def test_a_late_answer_settles_the_step_and_orders_the_engine_s_stream_after_it(
     assert channel.answer_seen_mono_ns >= channel.rung_mono_ns  # bench.py's phases read the two
 
 
+def test_an_answer_under_another_number_than_the_step_s_is_neither_its_answer_nor_its_settling(channel):
+    """Only the number rung last is this step's: an answer published under the step before's (a late one) or a later
+    one (a sidecar whose sequence jumped ahead, FAILURE_MODES "Known limits") is not returned by wait() and does not
+    settle the step (its kernels may still run); the step's own answer then is both."""
+    channel.send(pb.DraftStepRequest(step_id=1))
+    _answer(channel, 1)
+    assert channel.wait(1, 1.0).step_id == 1
+    channel.send(pb.DraftStepRequest(step_id=2))
+    for seq in (1, 3):
+        channel.page.write(channel.page.resp_area, pb.DraftStepResponse(step_id=2).SerializeToString(), bell.RESP_LEN,
+                           bell.RESP_SEQ, seq)
+        assert channel.wait(2, 0.01) is None and not channel.settled(2), seq
+    _answer(channel, 2)
+    assert channel.settled(2) and channel.wait(2, 1.0).step_id == 2 and channel.alive
+
+
 def test_a_doorbell_the_sidecar_closed_without_an_answer_is_dead_and_its_step_settled(channel):
     """The CLOSED word with no answer (another AttachDoorbell replaced this one, or the rank stops): the wait ends
     with DoorbellClosed, the channel is no longer alive (the shim rings it no more: its steps go over the gRPC
@@ -88,6 +104,17 @@ def test_a_closed_doorbell_holds_no_mapping_of_its_page():
     with open("/proc/self/maps") as maps:
         assert name not in maps.read(), "the closed doorbell's page is still mapped"
     assert not ch.alive and ch.page.words is None
+    assert not ch.closed_by_sidecar  # closed here, not by the sidecar: read as such, not a TypeError
+
+
+def test_a_step_a_later_look_finds_closed_without_its_answer_leaves_the_doorbell_dead(channel):
+    """settled(), not only wait(): a step that timed out and is then found on a page the sidecar closed without
+    answering it is settled, and the channel is no longer alive (nothing serves the page: the shim's next step must
+    not ring it)."""
+    channel.send(pb.DraftStepRequest(step_id=4))
+    assert channel.wait(4, 0.01) is None
+    channel.page.words[bell.CLOSED] = 1
+    assert channel.settled(4) and not channel.alive
 
 
 def _stood_in_ops(monkeypatch, current: list[int]):
@@ -422,6 +449,91 @@ def test_the_stream_an_answer_was_waited_on_is_the_one_a_step_from_another_strea
         current[0] = 0xB
         ch.order_inputs()
         assert ops.queued == [("wait", 0xB), ("event", 0xA), ("wait", 0xB)]  # the outputs, then the waiting stream
+    finally:
+        ch._stream_passed = lambda timeout_s: True
+        ch.close()
+
+
+def test_the_gpu_word_carries_the_step_s_number_and_launch_key_ahead_of_its_input_event(monkeypatch):
+    """sidecar.proto AttachDoorbellResponse.gpu_word: word 5 = seq << 32 | launch_key, written at the page's device
+    address on the stream the step was staged from, before the "inputs written" event (the pre-launched step starts
+    at the word; the event is for a step run the ordinary way). A word without the key, or another step's number,
+    never starts the step the sidecar queued for this one. CUDA stood in for."""
+    current = [0xA]
+    ops = _stood_in_ops(monkeypatch, current)
+    ops.write = lambda raw, address, value: ops.queued.append(("word", raw, address, value))
+    ch = DoorbellChannel(_Stub(pb.AttachDoorbellResponse(gpu_word=True, output_event=b"e" * 64)),
+                         torch.device("cuda", 0))
+    try:
+        ch.send_bytes(b"\x08\x01", 7)
+        current[0] = 0xB
+        ch.send_bytes(b"\x08\x02", 9)
+        at = 0x7000 + bell.GPU_WORD_OFFSET
+        assert ops.queued == [("word", 0xA, at, 1 << 32 | 7), ("event", 0xA), ("word", 0xB, at, 2 << 32 | 9),
+                              ("event", 0xB)]
+    finally:
+        ch._stream_passed = lambda timeout_s: True
+        ch.close()
+
+
+def test_a_step_number_whose_gpu_word_may_be_queued_is_never_rung_again(monkeypatch):
+    """send_bytes numbers a step before its driver calls, and a call that raises after the word's write (the input
+    event's record) leaves the word (seq, key) queued on the engine's stream: the sidecar's pre-launched copy may run
+    on it. Given back, the number would be rung again for the next step, under the same layout's key, and the
+    sidecar would answer that step from the copy that ran the failed one's inputs (server/prelaunch.py offer: same
+    seq, key and layout). The number stays used: the next step is the one after it, its word and the page say so,
+    and its answer (the sidecar answers whatever number it finds rung) is taken. CUDA stood in for."""
+    current = [0xA]
+    ops = _stood_in_ops(monkeypatch, current)
+    words: list[int] = []
+    ops.write = lambda raw, address, value: words.append(value)
+    ops.wait_event = lambda raw, event: None
+    refuse = [True]
+
+    def record(event, raw):
+        if refuse:
+            refuse.pop()
+            raise dataplane.GpuWordError("cuEventRecord: CUDA_ERROR_UNKNOWN (test)")
+
+    ops.record = record
+    ch = DoorbellChannel(_Stub(pb.AttachDoorbellResponse(gpu_word=True, output_event=b"e" * 64)),
+                         torch.device("cuda", 0))
+    try:
+        with pytest.raises(dataplane.GpuWordError):
+            ch.send(pb.DraftStepRequest(step_id=1))
+        assert ch.page.word(bell.REQ_SEQ) == 0  # not rung
+        ch.send(pb.DraftStepRequest(step_id=2))
+        assert words == [1 << 32, 2 << 32] and ch.page.word(bell.REQ_SEQ) == 2
+        _answer(ch, 2)
+        assert ch.wait(2, 1.0).step_id == 2
+    finally:
+        ch._stream_passed = lambda timeout_s: True
+        ch.close()
+
+
+def test_a_stream_that_waited_and_is_gone_since_costs_a_device_sync_not_an_unordered_step(monkeypatch, caplog):
+    """order_inputs from another stream than the one the last answer was waited on, where that stream has been
+    destroyed since (the driver refuses the record on it): its queued reads of the last answer may still run, so
+    the device is synchronized before the next step's copies, not skipped. CUDA stood in for."""
+    current = [0xA]
+    ops = _stood_in_ops(monkeypatch, current)
+    ops.wait_event = lambda raw, event: ops.queued.append(("wait", raw))
+    synced: list = []
+    monkeypatch.setattr(dataplane.torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    ch = DoorbellChannel(_Stub(pb.AttachDoorbellResponse(output_event=b"e" * 64)), torch.device("cuda", 0))
+    try:
+        ch.send(pb.DraftStepRequest(step_id=1))
+        _answer(ch, 1)
+        assert ch.wait(1, 1.0).step_id == 1 and synced == []
+
+        def record(event, raw):
+            raise RuntimeError("CUDA error: invalid resource handle (test)")
+
+        ops.record = record
+        current[0] = 0xB
+        with caplog.at_level("INFO", logger="dspark_sidecar.client"):
+            ch.order_inputs()
+        assert synced == [torch.device("cuda", 0)] and "waiting for the device" in caplog.text
     finally:
         ch._stream_passed = lambda timeout_s: True
         ch.close()
