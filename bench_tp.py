@@ -289,11 +289,8 @@ def run_tp_bench(bc: BenchConfig, tp: int, single_gpu: bool = True, device_type:
             while not ranks.join():
                 pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-            # A raising rank's traceback came back pickled in exc's message: its last line says what failed.
-            why = (f"exited with {exc.signal_name or f'status {exc.exit_code}'}"
-                   if isinstance(exc, mp.ProcessExitedException)
-                   else next((ln.strip() for ln in reversed(str(exc).splitlines()) if ln.strip()), "an error"))
-            raise BenchFailed(f"engine rank {exc.error_index} failed: {why} (the sidecar's folder: {work})") from exc
+            raise BenchFailed(f"engine rank {exc.error_index} failed: {_rank_failure(exc)} "
+                              f"(the sidecar's folder: {work})") from exc
         per_rank = [torch.load(work / f"rank{r}.pt") for r in range(tp)]
         name = torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu"
         tol = PARITY_RTOL if device_type == "cuda" else 0.0  # on CPU both sides run the reference ops
@@ -308,6 +305,19 @@ def run_tp_bench(bc: BenchConfig, tp: int, single_gpu: bool = True, device_type:
             side.discard()  # no failed step's log to keep: the folder goes, as after a finished run
     side.discard()  # the engine ranks' results were read: kept only with a failed sidecar's log
     return report
+
+
+def _rank_failure(exc: Exception) -> str:
+    """What ended a failed engine rank, on one line. A raising rank's traceback comes back pickled in exc's
+    message; its exception's first line says what failed: the last line did not where the message has several
+    (a CUDA error's ends "Compile with `TORCH_USE_CUDA_DSA` ...", a gRPC error's with ">")."""
+    if isinstance(exc, mp.ProcessExitedException):
+        return f"exited with {exc.signal_name or f'status {exc.exit_code}'}"
+    lines = str(exc).splitlines()
+    frames = [i for i, ln in enumerate(lines) if ln.startswith("  File ")]  # the last: the raising frame
+    after = lines[frames[-1] + 1:] if frames else []
+    return next((ln.strip() for ln in after if ln.strip() and not ln[0].isspace()),  # past its code and ^^^ lines
+                next((ln.strip() for ln in reversed(lines) if ln.strip()), "an error"))
 
 
 def _stop(ranks) -> None:

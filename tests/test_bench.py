@@ -126,7 +126,7 @@ def test_the_bench_s_sidecar_exits_with_the_bench(tmp_path, monkeypatch):
             return 1
 
     monkeypatch.setattr(B.subprocess, "Popen", Exited)
-    with pytest.raises(RuntimeError, match="the bench's sidecar did not start"):
+    with pytest.raises(B.BenchFailed, match="the bench's sidecar did not start"):  # cli: one line, exit 1
         B.SidecarUnderTest(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), out_dir=tmp_path),
                            torch.device("cpu"), tmp_path)
     (argv,) = argvs

@@ -294,6 +294,60 @@ def test_a_failed_engine_rank_ends_the_run_and_its_waiting_peer(tmp_path, tmp_pa
             os.kill(pid, 0)
 
 
+def _rank_that_exits(rank, world, bc, device_type, target, store, out):
+    """An engine rank that ends without raising (as one killed would): rank 1 exits 3, rank 0 returns."""
+    if rank == 1:
+        os._exit(3)
+
+
+def test_an_engine_rank_that_exited_is_one_line_too(tmp_path, monkeypatch):
+    """torch raises ProcessExitedException, not ProcessRaisedException, for a rank that exited: the same BenchFailed."""
+    from dspark_sidecar.bench import BenchFailed
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(bench_tp, "_engine_rank", _rank_that_exits)
+    monkeypatch.setattr(bench_tp, "SidecarUnderTest", _QuietSidecar)
+    with pytest.raises(BenchFailed, match=r"^engine rank 1 failed: exited with status 3 \(the sidecar's folder: "):
+        run_tp_bench(BenchConfig(preset="tiny", out_dir=tmp_path / "out"), 2, single_gpu=False, device_type="cpu")
+
+
+def _raised_in_rank(exc: Exception, rank: int = 2):
+    """torch's ProcessRaisedException for a rank that raised exc: its traceback as spawn's _wrap sends it."""
+    import traceback
+
+    import torch.multiprocessing as mp
+
+    try:
+        raise exc
+    except Exception:  # noqa: BLE001
+        trace = traceback.format_exc()
+    return mp.ProcessRaisedException(f"\n\n-- Process {rank} terminated with the following error:\n{trace}", rank, 1)
+
+
+@pytest.mark.parametrize("exc, line", [
+    (RuntimeError("engine rank 1 failed"), "RuntimeError: engine rank 1 failed"),
+    # a CUDA error's message: its last line was the line given ("Compile with `TORCH_USE_CUDA_DSA` ...")
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported\n"
+                  "For debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+                  "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"),
+     "RuntimeError: CUDA error: out of memory"),
+    # a gRPC error's str() ends with ">" alone
+    (ValueError("<_InactiveRpcError of RPC that terminated with:\n\tstatus = StatusCode.UNAVAILABLE\n>"),
+     "ValueError: <_InactiveRpcError of RPC that terminated with:"),
+])
+def test_a_raising_engine_rank_is_named_by_its_exception_s_first_line(exc, line):
+    assert bench_tp._rank_failure(_raised_in_rank(exc)) == line
+
+
+def test_an_engine_rank_that_exited_is_named_by_its_signal_or_status():
+    import torch.multiprocessing as mp
+
+    killed = mp.ProcessExitedException("process 1 terminated with signal SIGKILL", 1, 1, -9, "SIGKILL")
+    assert bench_tp._rank_failure(killed) == "exited with SIGKILL"
+    assert bench_tp._rank_failure(mp.ProcessExitedException("process 1 terminated with exit code 3", 1, 1, 3)) \
+        == "exited with status 3"
+
+
 def test_a_nan_block_k_v_in_any_layer_fails_the_case(monkeypatch):
     """A rank's K/V drift is its worst layer's. max() over the layers keeps a NaN only in first place: a layer past
     the first whose block K/V came back NaN (garbage codes in an fp8 cache read as NaN, the hidden states fine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -743,3 +744,20 @@ def test_a_bench_with_a_failed_mode_exits_1_naming_it_and_one_that_cannot_run_he
     err = capsys.readouterr().err
     assert "dspark-sidecar: 1 of 3 rows failed: d (R=1, context 40)" in err, err
     assert (tmp_path / "bad" / "bench.json").exists()  # the table is still written
+
+
+def test_a_bench_whose_sidecar_did_not_start_exits_1_naming_its_rows(tmp_path, monkeypatch, capsys):
+    """The sidecar that did not start is caught into every d-i row's note (a, b and c still run): those rows
+    are failures, not modes that cannot run here."""
+    from dspark_sidecar import bench
+
+    def no_sidecar(self):
+        raise bench.BenchFailed("the bench's sidecar did not start; see /x/sidecar.log")
+
+    monkeypatch.setattr(bench.Bench, "_connect", no_sidecar)
+    argv = ["bench", *_TINY_BENCH, "--modes", "ad", "--out-dir", str(tmp_path / "out")]
+    assert cli.main(argv) == 1
+    assert "dspark-sidecar: 1 of 2 rows failed: d (R=1, context 40)" in capsys.readouterr().err
+    (row,) = [r for r in json.loads((tmp_path / "out" / "bench.json").read_text())["rows"] if r["mode"] == "d"]
+    assert row["note"] == ("error: BenchFailed: the bench's sidecar did not start; see /x/sidecar.log "
+                           "(setting up the sidecar)")
