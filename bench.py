@@ -651,6 +651,12 @@ def run_bench(bc: BenchConfig, device: torch.device) -> dict:
     return report
 
 
+def failed_rows(rows: list[dict]) -> list[str]:
+    """The rows of modes that failed (a note that is an error, as _error_note and the sidecar's notes write it), each
+    as "mode (R=r, context c)"; a mode that cannot run here ("n/a: ...") did not fail."""
+    return [f"{r['mode']} (R={r['R']}, context {r['context']})" for r in rows if r.get("note", "").startswith("error")]
+
+
 def _finite(obj):
     """obj with every NaN or infinite float as None, in dicts and lists at any depth."""
     if isinstance(obj, float):

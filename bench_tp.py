@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dspark_sidecar import layout
-from dspark_sidecar.bench import BenchConfig, BenchFailed, SidecarUnderTest, json_text
+from dspark_sidecar.bench import BenchConfig, BenchFailed, SidecarUnderTest, failed_rows, json_text
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import EMBED_KEY, SyntheticSource
 from dspark_sidecar.drafter.config import load_config
@@ -371,7 +371,7 @@ def _report(bc: BenchConfig, tp: int, per_rank: list, single: dict, device: str,
               f"pre-launched {100 * row['prelaunched_share']:.0f}%  errors {row['errors']}  "
               f"parity: hidden {hid:.2e} K/V {kv:.2e} ranks agree {row['ranks_agree']} "
               f"-> {'ok' if row['parity_ok'] else 'FAIL'}", flush=True)
-    report = {"tp": tp, "device": device, "rows": rows,
+    report = {"tp": tp, "device": device, "rows": rows, "single_gpu_failed": failed_rows(single["rows"]),
               "exchange": "eager gloo" if device == "cpu" else "graphed NCCL, 10 all-reduces per launch group"}
     (bc.out_dir / f"bench-tp{tp}.json").write_text(json_text(report))
     return report

@@ -446,7 +446,7 @@ def _bench_out_dir(path: Path) -> None:
 def cmd_bench(a: argparse.Namespace) -> int:
     import torch
 
-    from dspark_sidecar.bench import BenchConfig, BenchFailed, run_bench
+    from dspark_sidecar.bench import BenchConfig, BenchFailed, failed_rows, run_bench
 
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
     def ints(flag: str, text: str) -> tuple[int, ...]:
@@ -483,7 +483,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
         bad = [r for r in report["rows"] if not r["parity_ok"]]
         print(f"wrote {a.out_dir / f'bench-tp{a.tp}.json'}; parity "
               + (f"FAILED in {len(bad)} of {len(report['rows'])} cases" if bad else "ok in every case"))
-        return 1 if bad else 0
+        # The single-GPU comparison's rows (bench.json in single-gpu/): a failed one left only a figure missing.
+        failed = report["single_gpu_failed"]
+        if failed:
+            print(f"dspark-sidecar: bench --tp {a.tp}: the single-GPU comparison's rows failed: {', '.join(failed)}; "
+                  f"their notes in {a.out_dir / 'single-gpu' / 'bench.json'} say why", file=sys.stderr)
+        return 1 if bad or failed else 0
     _bench_out_dir(bc.out_dir)
     with _sigterm_unwinds():  # its sidecar's folder and the cache's shared memory: removed as on Ctrl-C
         report = run_bench(bc, device)
@@ -492,8 +497,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     # A mode that failed is a row with a note (so the other modes still run), but the run is not a success: exit 0
     # there let a script or CI job take a table with every sidecar mode broken for a measured one. A mode that
     # cannot run here ("n/a: needs a GPU") is not a failure.
-    failed = [f"{r['mode']} (R={r['R']}, context {r['context']})" for r in report["rows"]
-              if r.get("note", "").startswith("error")]
+    failed = failed_rows(report["rows"])
     if failed:
         print(f"dspark-sidecar: {len(failed)} of {len(report['rows'])} rows failed: {', '.join(failed)}; "
               "their notes say why", file=sys.stderr)

@@ -41,6 +41,24 @@ def _rank_row(**kw) -> dict:
             "shim_matches": True, **kw}
 
 
+def test_a_failed_single_gpu_comparison_row_fails_the_run_by_name(tmp_path, monkeypatch, capsys):
+    """The single-GPU comparison's rows (its own bench.json): a failed one (its sidecar did not start, say) left
+    only a figure missing from the TP rows, and `bench --tp` exited 0 with parity ok, as the one-process bench did
+    before it exited 1 on a failed row. A mode that cannot run here (n/a) is no failure."""
+    bc = BenchConfig(out_dir=tmp_path)
+    single = {"rows": [{"mode": "d", "R": 8, "context": 4096, "note": "error: BenchFailed: did not start"},
+                       {"mode": "c", "R": 8, "context": 4096, "note": "n/a: needs a GPU"}]}
+    report = _report(bc, 2, [[_rank_row()], [_rank_row()]], single, "cpu", 1.0)
+    assert report["single_gpu_failed"] == ["d (R=8, context 4096)"]
+    assert json.loads((tmp_path / "bench-tp2.json").read_text())["single_gpu_failed"] == ["d (R=8, context 4096)"]
+    monkeypatch.setattr(bench_tp, "run_tp_bench", lambda *a, **kw: report)
+    assert cli.main(["bench", "--tp", "2", "--device", "cpu", "--preset", "tiny", "--out-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "the single-GPU comparison's rows failed: d (R=8, context 4096)" in err, err
+    report["single_gpu_failed"] = []
+    assert cli.main(["bench", "--tp", "2", "--device", "cpu", "--preset", "tiny", "--out-dir", str(tmp_path)]) == 0
+
+
 def test_the_report_fails_a_case_on_any_rank_s_error_disagreement_or_drift(tmp_path):
     bc = BenchConfig(out_dir=tmp_path)
     single = {"rows": [{"mode": "d", "R": 8, "context": 4096, "p50_ms": 0.6, "floor_ms": 0.25},
