@@ -132,16 +132,17 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def refusal(self) -> str:
         """Why the FlyDSL path does not serve the current binding: the seed's checks first, then the fast path's."""
+        return self._current(self._refusal_of)[1]
+
+    def _current(self, judge):
+        """(kv, judge(kv)) for a binding `kv` (or None) that was still the rank's once judged."""
         while True:
             kv = self.ctx.memory.kv
-            why = self._refusal_of(kv)
+            seen = judge(kv)
             # A BindKV or UnbindKV on another thread may have replaced and closed `kv` (layers = []) while it
             # was judged: its verdict ("0 KV layers bound") is no binding's. Judged again, the current one's.
             if self.ctx.memory.kv is kv:
-                # Clipped as an error's message is (errors.clip_message): a reason quotes its error (a compiler's
-                # dump of hundreds of KB, a path's undecodable byte, which made protobuf raise in every
-                # GetStatus and in BindKV's answer) and goes out in GetStatus, BindKV and strict refusals.
-                return clip_message(why)
+                return kv, seen
 
     def _refusal_of(self, kv) -> str:
         why = fast_path_refusal(self.life.host, kv.engine if kv else None) if self.life.host else "host not probed"
@@ -154,18 +155,21 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 why = self.life.flydsl_off or "FlyDSL fast path not built"
             else:
                 why = fast.refusal(kv) or why
-        return why or ""
+        # Clipped as an error's message is (errors.clip_message): a reason quotes its error (a compiler's
+        # dump of hundreds of KB, a path's undecodable byte, which made protobuf raise in every
+        # GetStatus and in BindKV's answer) and goes out in GetStatus, BindKV and strict refusals.
+        return clip_message(why or "")
 
     def status_refusal(self) -> str:
         """GetStatus.fast_path_refusal: refusal(), or, where that is empty, why the fast path does not serve
         the binding's steps yet (its kernels compile in the background: FlyDSLFastPath.pending). Health,
         --strict-refusal and BindKV read refusal() alone: a compile is no refusal, and a strict rank would
         otherwise leave SERVING for every compile and the shim read it as a refused deployment."""
-        why = self.refusal()
-        if why:
-            return why
+        return self._current(self._status_refusal_of)[1]
+
+    def _status_refusal_of(self, kv) -> str:
         # refusal() is empty only where a fast path is built (without one it says so): ctx.fast is set here.
-        return self.ctx.fast.pending(self.ctx.memory.kv) or ""
+        return self._refusal_of(kv) or self.ctx.fast.pending(kv) or ""
 
     def _publish_health(self) -> None:
         """Health judged again (health.HealthPublisher): after a binding changes, or the fast path's verdict on it."""
@@ -173,9 +177,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             cb()
 
     def GetStatus(self, request, context):
-        c, kv = self.ctx.cfg, self.ctx.memory.kv
-        # Read once: a BindKV or UnbindKV on another thread may close this binding (layers = []) meanwhile.
-        layers = kv.layers if kv else []
+        c = self.ctx.cfg
+        # One binding for the whole report, its layers read once and judged while it was still the rank's: a
+        # BindKV or UnbindKV on another thread replaces it, then closes it (layers = []). Read apart, a report
+        # gave binding A's fields with "no engine bound yet", or no binding with the next one's verdict.
+        kv, (layers, why) = self._current(lambda kv: (kv.layers if kv else [], self._status_refusal_of(kv)))
         state, reason = self.life.snapshot()
         return pb.StatusReport(
             model=pb.ModelSummary(
@@ -185,7 +191,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 block_size=c.block_size, weight_format=self.weight_format,
                 compute_dtype=str(self.ctx.model.dtype).replace("torch.", "")),
             limits=self.limits, parallel=self.parallel, backend=self.life.backend,
-            fast_path_refusal=self.status_refusal(), serving=state == "SERVING", state=state,
+            fast_path_refusal=why, serving=state == "SERVING", state=state,
             server_version=__version__, state_reason=reason, instance=self.instance,
             lease_socket=self.leases.path if self.leases is not None else "",
             kv=pb.KVBindingState(
@@ -219,11 +225,14 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             lost = bool(request.lease) and not self._lease_live(request.lease)
             if lost:
                 self._release_binding(kv.binding_id)
+            # Judged inside the section, where this call's binding is the rank's (every BindKV, UnbindKV and lease
+            # release changes it in one): judged after it, the answer could carry the verdict on the binding of a
+            # BindKV or release that came next ("DP > 1", "no engine bound yet") and its fallback backend.
+            why = "" if lost else self.refusal()
         if lost:
             self._publish_health()  # the binding it replaced is gone too: no binding's verdict stands
             raise self._lease_lost_error(request.lease)
         self.ctx.metrics.bound()
-        why = self.refusal()
         log.info("rank %d: KV bound (binding %d, generation %d, %d pages x %d); fast path: %s", self.ctx.rank,
                  kv.binding_id, kv.generation, kv.num_pages, kv.page_size, why or "on")
         self._publish_health()
@@ -282,12 +291,14 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     def _lease_live(self, token: int) -> bool:
         return self.leases is not None and self.leases.live(token)
 
-    def _lease_lost_error(self, token: int) -> SidecarError:
+    def _lease_lost_error(self, token: int, again: str = "bind again") -> SidecarError:
+        """LEASE_LOST for `token`; `again`: the refused call, sent again (told to "bind again", an engine whose
+        registration or doorbell was refused re-bound its cache and still had neither)."""
         where = (f"{self.leases.path} has" if self.leases is not None
                  else "this rank serves no lease socket (no socket folder), so it has")
         return precondition(f"lease: {token} names no open lease ({where} none by that token: its connection "
                             "closed, or it came from another sidecar start); connect to StatusReport.lease_socket "
-                            "for a new lease and bind again", "LEASE_LOST", "lease")
+                            f"for a new lease and {again}", "LEASE_LOST", "lease")
 
     def lease_lost(self, token: int) -> None:
         """A lease's connection ended (the keeper's thread): the engine that held it closed it or is gone, so
@@ -387,11 +398,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._require_same_node(context)
         if request.lease and not self._lease_live(request.lease):
             give_back_unopened(context.peer(), [r.memory for r in request.regions])
-            raise self._lease_lost_error(request.lease)
+            raise self._lease_lost_error(request.lease, "register again")
         ids = self.ctx.memory.register(request)
         if request.lease and not self._lease_live(request.lease):  # ended while they were mapped: as BindKV
             self._release_regions([], lease=request.lease)
-            raise self._lease_lost_error(request.lease)
+            raise self._lease_lost_error(request.lease, "register again")
         return pb.RegisterBuffersResponse(region_ids=ids)
 
     def UnregisterBuffers(self, request, context):
@@ -468,7 +479,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
             # check finds the doorbell published; one that ended before is refused here (the keeper marks a lease
             # gone before its lease_lost runs), so no doorbell outlives its lease.
             if request.lease and not self._lease_live(request.lease):
-                raise self._lease_lost_error(request.lease)
+                raise self._lease_lost_error(request.lease, "attach again")
             word_ops = self._gpu_word_ops if request.gpu_word else None
             # A doorbell that pre-launches hooks its release into the rank loop (on_quiesce), under the rank's lock,
             # which a stuck step holds for good: taken here first, bounded as the attach lock is, so that a call

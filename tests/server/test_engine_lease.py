@@ -176,3 +176,124 @@ def test_a_rank_whose_stream_waits_on_a_killed_engine_s_event_exits_for_a_restar
             child.kill()
             child.wait()
             _unlink(segments)
+
+
+def test_a_lost_lease_s_refusal_says_to_send_the_call_it_refused_again():
+    """Every call a lease may name (BindKV, RegisterBuffers, AttachDoorbell) is refused LEASE_LOST for a token that
+    names no open lease, and the message told each to "bind again": an engine whose registration or doorbell was
+    refused re-bound its cache (a new generation, its steps in flight stale) and still had no buffers or doorbell."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dspark_sidecar.server.errors import SidecarError
+    from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
+
+    ctx = SimpleNamespace(rank=0, fast=None, memory=SimpleNamespace(kv=None),
+                          model=SimpleNamespace(device=torch.device("cpu")))
+    svc = DrafterServicer(ctx, SimpleNamespace(graphs=None), Lifecycle(), pb.Limits(), pb.Parallel(), "mxfp8")
+    peer = SimpleNamespace(peer=lambda: "unix:/run/dspark/rank0.sock", is_active=lambda: True,
+                           time_remaining=lambda: None)
+    page = pb.MemoryHandle(shm=pb.SharedMemoryHandle(name="dspark-never-opened"))
+    for call, request, again in (
+            (svc.BindKV, pb.BindKVRequest(lease=7), "bind again"),
+            (svc.RegisterBuffers, pb.RegisterBuffersRequest(lease=7), "register again"),
+            (svc.AttachDoorbell, pb.AttachDoorbellRequest(page=page, capacity_bytes=4096, lease=7), "attach again")):
+        with pytest.raises(SidecarError) as err:
+            call(request, peer)
+        assert (err.value.code, err.value.reason, err.value.field) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                                                        "LEASE_LOST", "lease")
+        assert "StatusReport.lease_socket" in err.value.message and err.value.message.endswith(again), err.value.message
+
+
+class _Keeper:
+    """LeaseKeeper as the servicer asks it: the lease is live for its first `live_looks` looks, ended after."""
+
+    path = "/run/dspark/rank0.lease"
+
+    def __init__(self, live_looks: int) -> None:
+        self.looks, self.live_looks = 0, live_looks
+
+    def live(self, token: int) -> bool:
+        self.looks += 1
+        return self.looks <= self.live_looks
+
+
+def _leased_rank(live_looks: int, kv=None):
+    """(servicer, what it released, publishes) over fakes: a binding and regions registered under lease 5."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
+
+    released, made = [], SimpleNamespace(binding_id=9, generation=1, lease=5, num_pages=4, page_size=16)
+
+    class Memory:
+        def __init__(self) -> None:
+            self.kv = kv
+
+        def bind(self, request, retire=None):
+            self.kv = made
+            return made
+
+        def unbind(self, binding_id, retire=None):
+            released.append(("binding", binding_id))
+            self.kv = None
+
+        def register(self, request):
+            return [11]
+
+        def unregister(self, ids, owner=0, lease=0):
+            released.append(("regions", lease))
+            return []
+
+        def leases_regions(self, lease):
+            return False
+
+    ctx = SimpleNamespace(rank=0, fast=None, memory=Memory(), model=SimpleNamespace(device=torch.device("cpu")),
+                          metrics=SimpleNamespace(bound=lambda: None))
+    loop = SimpleNamespace(graphs=None, after_device=lambda fn: fn(),
+                           exclusive=lambda wait=True, give_up=None: contextlib.nullcontext())
+    life = Lifecycle()
+    svc = DrafterServicer(ctx, loop, life, pb.Limits(), pb.Parallel(), "mxfp8")
+    svc.leases = _Keeper(live_looks)
+    published = []
+    life.on_change.append(lambda: published.append(ctx.memory.kv))
+    return svc, released, published
+
+
+
+@pytest.mark.parametrize("call", ["BindKV", "RegisterBuffers"])
+def test_a_lease_that_ends_while_the_call_maps_releases_what_it_mapped(call):
+    """The lease is live at the call's first look and ends while it maps (the keeper marks it gone, then its release
+    finds nothing of it yet): the call itself releases what it made, and answers LEASE_LOST. Kept, the gone
+    engine's cache (or buffers) stayed mapped, and under CUDA IPC allocated, until the sidecar's exit."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.server.errors import SidecarError
+
+    svc, released, published = _leased_rank(live_looks=1)
+    peer = SimpleNamespace(peer=lambda: "unix:/run/dspark/rank0.sock", is_active=lambda: True,
+                           time_remaining=lambda: None)
+    request = pb.BindKVRequest(lease=5) if call == "BindKV" else pb.RegisterBuffersRequest(lease=5)
+    with pytest.raises(SidecarError) as err:
+        getattr(svc, call)(request, peer)
+    assert (err.value.code, err.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "LEASE_LOST")
+    assert released == [("binding", 9) if call == "BindKV" else ("regions", 5)]
+    if call == "BindKV":
+        assert svc.ctx.memory.kv is None and published == [None]  # health judged again, on no binding
+
+
+def test_a_lease_s_end_releases_its_binding_though_it_registered_no_buffers():
+    """lease_lost: a lease that holds a binding and no regions releases the binding (and publishes health)."""
+    from types import SimpleNamespace
+
+    kv = SimpleNamespace(binding_id=9, generation=1, lease=5)
+    svc, released, published = _leased_rank(live_looks=0, kv=kv)
+    svc.lease_lost(5)
+    assert released == [("binding", 9)] and svc.ctx.memory.kv is None and published == [None]
+    svc.ctx.memory.kv = kv
+    svc.lease_lost(6)  # another lease's end: the binding stands, and no section quiesces the rank
+    assert released == [("binding", 9)] and svc.ctx.memory.kv is kv

@@ -125,3 +125,92 @@ def test_the_backends_sidecar_proto_names_are_the_ones_the_sidecar_sends():
     for name in sent:
         assert f'"{name}"' in comment, (name, comment)
     assert '"torch"' not in comment
+
+
+class ReplacedAfterRead:
+    """MemoryBindings whose binding a BindKV or UnbindKV on another thread replaces (and closes: layers = []) right
+    after the `replace_after`-th read of `kv`: the reads up to it see `first`, every later one `then`."""
+
+    def __init__(self, first, then, replace_after: int) -> None:
+        self._kv, self.then, self.reads, self.replace_after = first, then, 0, replace_after
+
+    @property
+    def kv(self):
+        self.reads += 1
+        seen = self._kv
+        if self.reads == self.replace_after:
+            self._kv = self.then
+            if seen is not None:
+                seen.close()
+        return seen
+
+
+class Compiling:
+    """FlyDSLFastPath's verdicts on a host that passes the seed's checks: no refusal, and a bound binding's kernels
+    still compiling (pending)."""
+
+    def refusal(self, kv):
+        return None
+
+    def pending(self, kv):
+        return None if kv is None else f"FlyDSL kernels for binding {kv.binding_id} gen {kv.generation} compiling"
+
+
+def _bound(binding_id: int, generation: int):
+    from dspark_sidecar.server.refusal import EngineFacts
+
+    kv = SimpleNamespace(binding_id=binding_id, generation=generation, num_pages=4, page_size=16,
+                         layers=[torch.zeros(2, 4, 16, 1, 8, dtype=torch.bfloat16)] * 2,
+                         engine=EngineFacts(4, 1, 1, "dspark", 7))
+    kv.close = lambda: setattr(kv, "layers", [])  # as KVBinding.close
+    return kv
+
+
+@pytest.mark.parametrize("first, then", [("A", None), (None, "A"), ("A", "B")])
+@pytest.mark.parametrize("replace_after", [1, 2, 3])
+def test_a_binding_replaced_while_status_is_answered_reports_one_binding_and_its_own_refusal(first, then,
+                                                                                              replace_after):
+    """GetStatus read the binding for its kv field, then again for fast_path_refusal (refusal(), and pending()
+    once more): an UnbindKV landing between answered bound with binding A and "no engine bound yet", a BindKV
+    answered bound false with the new binding's "kernels ... compiling", or binding A's fields with binding B's
+    verdict. The report is now of one binding, one that was the rank's while it was answered."""
+    from dspark_sidecar.server.refusal import AWAITING_BIND, HostFacts
+
+    kvs = {"A": _bound(5, 3), "B": _bound(6, 4), None: None}
+    cfg = load_config("tiny")
+    memory = ReplacedAfterRead(kvs[first], kvs[then], replace_after)
+    ctx = SimpleNamespace(rank=0, fast=Compiling(), cfg=cfg, memory=memory,
+                          model=SimpleNamespace(dtype=torch.bfloat16), metrics=Metrics(0))
+    life = Lifecycle(host=HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4), backend="flydsl")
+    svc = DrafterServicer(ctx, None, life, pb.Limits(), pb.Parallel(), "mxfp8")  # type: ignore[arg-type]
+    st = svc.GetStatus(pb.GetStatusRequest(), None)
+    if not st.kv.bound:
+        assert (st.kv.binding_id, st.kv.num_layers, st.fast_path_refusal) == (0, 0, AWAITING_BIND), st
+    else:
+        kv = kvs["A"] if st.kv.binding_id == 5 else kvs["B"]
+        assert (st.kv.binding_id, st.kv.generation, st.kv.num_layers, st.kv.kv_dtype) == (
+            kv.binding_id, kv.generation, 2, pb.DTYPE_BF16), st
+        assert st.fast_path_refusal == f"FlyDSL kernels for binding {kv.binding_id} gen {kv.generation} compiling"
+
+
+class PublishedRightAfterTheRead(Lifecycle):
+    """A Lifecycle that a publish (HealthPublisher, on the main thread) moves to SERVING right after GetStatus has
+    read its state and reason."""
+
+    def snapshot(self) -> tuple[str, str]:
+        seen = super().snapshot()
+        with self.lock:
+            self.state, self.reason = "SERVING", ""
+        return seen
+
+
+def test_serving_is_said_of_the_state_read_not_read_again():
+    """StatusReport.serving is the state read (state == "SERVING"): read again from the lifecycle, a publish in
+    between answered state LOADING with serving true, which an engine takes as ready."""
+    cfg = load_config("tiny")
+    ctx = SimpleNamespace(rank=0, fast=None, cfg=cfg, memory=SimpleNamespace(kv=None),
+                          model=SimpleNamespace(dtype=torch.float32), metrics=Metrics(0))
+    life = PublishedRightAfterTheRead(state="LOADING")
+    svc = DrafterServicer(ctx, None, life, pb.Limits(), pb.Parallel(), "bf16")  # type: ignore[arg-type]
+    st = svc.GetStatus(pb.GetStatusRequest(), None)
+    assert (st.state, st.serving, life.state) == ("LOADING", False, "SERVING")

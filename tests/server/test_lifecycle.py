@@ -417,3 +417,82 @@ def test_a_strict_rank_whose_fast_path_is_off_for_good_is_refused_before_any_bin
     assert (st.state, st.serving, _health(hs), ctx.refusal) == ("REFUSED", False, "NOT_SERVING", why)
     assert st.fast_path_refusal == why
     assert sidecar_refusal(st) == f"sidecar refuses: {why}"
+
+
+@pytest.mark.parametrize("after", ["rebound", "unbound"])
+def test_a_bind_answers_the_verdict_on_the_binding_it_made_not_on_the_one_in_place_after_it(after):
+    """BindKV judged the fast path after its section, on whatever binding was the rank's then: a BindKV of
+    another engine (or a lease's release, an UnbindKV) landing right after this call's section made its answer
+    carry binding 8's id with binding 9's "DP > 1" (or "no engine bound yet") and the fallback backend, and the
+    engine logged its FlyDSL path as off for a binding that passed every check."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from dspark_sidecar.server.refusal import HostFacts
+
+    mine, other = _kv(8), _kv(9, dp_size=2)
+    svc, publish, ctx, hs = _strict_rank(HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4))
+    svc.life.fallback = "triton"
+
+    @contextlib.contextmanager
+    def exclusive(wait=True, give_up=None):
+        yield
+        ctx.memory.kv = other if after == "rebound" else None  # the next section's change, on another thread
+
+    def bind(request, retire=None):
+        ctx.memory.kv = mine
+        return mine
+
+    svc.loop.exclusive, ctx.memory.bind = exclusive, bind
+    peer = SimpleNamespace(peer=lambda: "unix:/run/dspark/rank0.sock", is_active=lambda: True,
+                           time_remaining=lambda: None)
+    resp = svc.BindKV(pb.BindKVRequest(), peer)
+    assert (resp.binding_id, resp.generation, resp.fast_path_refusal, resp.backend) == (8, 1, "", "flydsl"), resp
+
+
+def test_a_bind_publishes_health_so_a_strict_rank_refuses_the_binding_it_cannot_serve():
+    """BindKV publishes health with the new binding's verdict: a strict rank bound by an engine at DP 2 is REFUSED
+    (NOT_SERVING) at once, not SERVING until some other change publishes."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.server.refusal import HostFacts
+
+    svc, publish, ctx, hs = _strict_rank(HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4))
+    publish("SERVING")
+    refused = _kv(8, dp_size=2)
+
+    def bind(request, retire=None):
+        ctx.memory.kv = refused
+        return refused
+
+    ctx.memory.bind = bind
+    resp = svc.BindKV(pb.BindKVRequest(), SimpleNamespace(peer=lambda: "unix:/run/dspark/rank0.sock"))
+    assert (resp.binding_id, resp.fast_path_refusal) == (8, "DP > 1")
+    assert (svc.life.state, _health(hs), ctx.refusal) == ("REFUSED", "NOT_SERVING", "DP > 1")
+
+
+def test_an_unbind_of_another_binding_is_refused_before_the_rank_s_section():
+    """UnbindKV of an id that is not the binding in place (a second UnbindKV, an engine's late release of a binding
+    a re-bind replaced) is UNKNOWN_BINDING before the rank's section, whose quiesce would release the live
+    engine's pre-launched step (at TP > 1 on this rank alone), and the binding in place stands."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from dspark_sidecar.server.errors import SidecarError
+    from dspark_sidecar.server.refusal import HostFacts
+
+    svc, publish, ctx, hs = _strict_rank(HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4), kv=_kv(7))
+    entered = []
+
+    @contextlib.contextmanager
+    def exclusive(wait=True, give_up=None):
+        entered.append(wait)
+        yield
+
+    svc.loop.exclusive = exclusive
+    peer = SimpleNamespace(peer=lambda: "unix:/run/dspark/rank0.sock", is_active=lambda: True,
+                           time_remaining=lambda: None)
+    with pytest.raises(SidecarError) as err:
+        svc.UnbindKV(pb.UnbindKVRequest(binding_id=8), peer)
+    assert (err.value.code, err.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_BINDING")
+    assert entered == [] and ctx.memory.kv.binding_id == 7 and len(ctx.memory.kv.layers) == 5
