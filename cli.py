@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
@@ -285,29 +286,37 @@ def cmd_step(a: argparse.Namespace) -> int:
     """One draft step on the embedded synthetic drafter, in-process at TP 1: shapes and time."""
     import torch
 
+    from dspark_sidecar import layout
     from dspark_sidecar.drafter import scenario
     from dspark_sidecar.drafter.checkpoint import EMBED_KEY, CheckpointReader, ensure_synthetic_checkpoint
     from dspark_sidecar.drafter.config import load_config
-    from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
+    from dspark_sidecar.drafter.kv_cache import allocate_kv_cache, kv_storage_shape
     from dspark_sidecar.drafter.model import DSparkDrafter
     from dspark_sidecar.drafter.parallel import ParallelContext
     from dspark_sidecar.kernels.ops import REFERENCE_OPS
 
     # Checked before the drafter loads: each ended in a traceback after it (no request, a negative
     # context for torch.arange, no timed step to report).
-    if a.reqs < 1:
-        raise UsageError(f"--reqs: must be at least 1, got {a.reqs}")
+    if not 1 <= a.reqs <= layout.MAX_REQS_LIMIT:  # above, no sidecar serves the step (ran on for minutes)
+        raise UsageError(f"--reqs: must be 1..{layout.MAX_REQS_LIMIT}, got {a.reqs}")
     if a.context < 0:
         raise UsageError(f"--context: must be 0 or more, got {a.context}")
     if a.repeat < 1:
         raise UsageError(f"--repeat: must be at least 1, got {a.repeat}")
     cfg = load_config(a.preset)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+    lens = [a.context] * a.reqs
+    pages = sum(scenario.pages_needed(c + 7, 16) for c in lens)
+    # The KV cache and the context's taps (float32 drawn, then cast), sized before either is made: a large
+    # --context allocated until the OOM killer ended the process (SIGKILL, no line; on a shared host maybe another).
+    need = (cfg.num_hidden_layers * math.prod(kv_storage_shape(cfg, 1, pages, 16)) * dtype.itemsize
+            + a.reqs * a.context * cfg.tap_size * (4 + dtype.itemsize))
+    if need > (have := _host_memory_bytes()):
+        raise UsageError(f"--reqs/--context: {a.reqs} requests of {a.context} tokens need {need / 2**30:.1f} GiB "
+                         f"(KV cache and context taps), more than this host's {have / 2**30:.1f} GiB")
     dspark_dir, target_dir = ensure_synthetic_checkpoint(cfg)
     model = DSparkDrafter(cfg, ParallelContext(), REFERENCE_OPS, dtype).load(CheckpointReader(dspark_dir, dtype))
     embed = CheckpointReader(target_dir, dtype).read(EMBED_KEY, (cfg.vocab_size, cfg.hidden_size))
-    lens = [a.context] * a.reqs
-    pages = sum(scenario.pages_needed(c + 7, 16) for c in lens)
     kv = allocate_kv_cache(cfg, 1, pages, 16, dtype)
     step = scenario.random_step(cfg, lens, 16, pages, embed)
     pos, slots = scenario.context_rows(step.meta, 16)
@@ -324,6 +333,11 @@ def cmd_step(a: argparse.Namespace) -> int:
     print(f"  hidden {list(hidden.shape)} {hidden.dtype}  launches {len(range(0, a.reqs, 8))}  "
           f"median {times[len(times) // 2] * 1e3:.2f} ms over {a.repeat}")
     return 0
+
+
+def _host_memory_bytes() -> int:
+    """This host's physical memory (step's bound: a step that cannot fit in it is refused, not OOM-killed)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _check_tp(preset, tp: int, flag: str = "--tp") -> None:

@@ -15,6 +15,8 @@ LAUNCH_REQS = 8
 # layers. Configurable per deployment (`--max-reqs`), bounded by MAX_REQS_LIMIT.
 DEFAULT_MAX_REQS = 32
 MAX_REQS_LIMIT = 256
+# Largest tensor-parallel size `serve` takes (and so the most ranks a probe or `status` looks at).
+MAX_TP = 64
 # Seeds of the synthetic checkpoint (serve --seed, demo --seed): drafter/checkpoint.py seeds torch's generator
 # with seed * 1_000_003 + crc32(key), which must stay in its 64-bit range.
 SEED_LIMIT = 1 << 32

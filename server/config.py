@@ -91,8 +91,8 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         self._check_kinds()
-        if not 1 <= self.tp <= 64:
-            raise ServeConfigError(f"--tp: must be 1..64, got {self.tp}")
+        if not 1 <= self.tp <= layout.MAX_TP:
+            raise ServeConfigError(f"--tp: must be 1..{layout.MAX_TP}, got {self.tp}")
         if self.backend not in BACKENDS:
             raise ServeConfigError(f"--backend: must be one of {BACKENDS}, got {self.backend!r}")
         if self.dtype not in DTYPES:

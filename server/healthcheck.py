@@ -62,6 +62,10 @@ def probe_flags_problem(tp: int, timeout_s: float) -> str | None:
     # --tp 0 (or below) checked no rank and exited 0: a probe that passed with no sidecar at all.
     if tp < 1:
         return f"--tp: must be at least 1, got {tp}"
+    # serve's range: a DSPARK_TP of 4000 or a typo probed every rank one after another, each --timeout long where
+    # the folder's socket hangs, printing a line per rank no serve can have.
+    if tp > layout.MAX_TP:
+        return f"--tp: must be 1..{layout.MAX_TP} (serve's), got {tp}"
     # 0, a negative or nan deadline made every live rank UNREACHABLE (DEADLINE_EXCEEDED), naming no flag.
     if not 0 < timeout_s < float("inf"):
         return f"--timeout: must be a number of seconds above 0, got {timeout_s}"

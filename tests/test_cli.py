@@ -17,6 +17,8 @@ from dspark_sidecar import cli
     ("DSPARK_LOG_LEVEL", "verbose", "DSPARK_LOG_LEVEL='VERBOSE': expected DEBUG", ["step"]),
     # '' as a path is the working directory: serve listened on ./rank0.sock, saying nothing
     ("DSPARK_SOCKET_DIR", "", "DSPARK_SOCKET_DIR (--socket-dir) is set but empty", ["status", "--tp", "1"]),
+    # blanks only (`DSPARK_SOCKET_DIR=" $X"`): a folder named '  ' in the working directory, as silently
+    ("DSPARK_SOCKET_DIR", "  ", "DSPARK_SOCKET_DIR (--socket-dir) is set but empty", ["status", "--tp", "1"]),
     # the demo's variable: it named a --demo-rounds flag that no command has
     ("DSPARK_DEMO_ROUNDS", "", "DSPARK_DEMO_ROUNDS (demo --rounds) is set but empty", ["demo"]),
 ])
@@ -54,6 +56,28 @@ def test_a_command_is_not_refused_for_a_variable_only_another_command_reads(env,
     assert exc.value.code == 0, capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value, on", [("TRUE", True), ("Yes", True), ("On", True), ("OFF", False), ("No", False)])
+def test_a_boolean_variable_is_read_whatever_its_case(value, on, monkeypatch):
+    """Booleans take 1/true/yes/on or 0/false/no/off (README); the word is checked lower-cased, so an upper-case
+    TRUE that passes the check must also read as true, not turn the flag off in silence."""
+    import argparse
+
+    monkeypatch.setenv("DSPARK_ALLOW_REMOTE", value)
+    monkeypatch.setenv("DSPARK_WARMUP", value)
+    p = argparse.ArgumentParser()
+    cli._add_serve_flags(p)
+    a = p.parse_args([])
+    assert a.allow_remote is on and a.warmup is on
+
+
+def test_a_step_over_no_context_runs(capsys):
+    """--context 0 (requests with no committed row) is a step the sidecar serves; only a negative one is refused.
+    Also a step that fits the host's memory is not refused by the size check."""
+    assert cli.main(["step", "--reqs", "1", "--context", "0", "--repeat", "1", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("preset tiny: 1 requests x 7 rows, context 0, fp32") and "median" in out, out
+
+
 @pytest.mark.parametrize("value, level", [("debug", "DEBUG"), ("warn", "WARN"), ("FATAL", "FATAL")])
 def test_the_log_level_is_read_on_the_oldest_python_pyproject_admits(value, level, monkeypatch):
     """logging.getLevelNamesMapping is Python 3.11's, and pyproject's requires-python admits 3.10 (Ubuntu 22.04's
@@ -83,11 +107,15 @@ _TINY_BENCH = ["--device", "cpu", "--preset", "tiny", "--reqs", "1", "--contexts
     # 0 or nan: every live rank printed UNREACHABLE DEADLINE_EXCEEDED, exit 1, naming no flag
     (["status", "--tp", "1", "--timeout", "0"], "--timeout: must be a number of seconds above 0, got 0.0"),
     (["status", "--tp", "1", "--timeout", "nan"], "--timeout: must be a number of seconds above 0, got nan"),
+    # above serve's 64 (a DSPARK_TP of 4000, a typo): it probed every rank one by one, --timeout each when hung
+    (["status", "--tp", "65"], "--tp: must be 1..64 (serve's), got 65"),
     # step: each of these loaded the drafter and then ended in a traceback (max() of an empty sequence,
     # torch.arange's bounds, an UnboundLocalError with no step timed)
-    (["step", "--reqs", "0"], "--reqs: must be at least 1, got 0"),
+    (["step", "--reqs", "0"], "--reqs: must be 1..256, got 0"),
     (["step", "--context", "-5"], "--context: must be 0 or more, got -5"),
     (["step", "--repeat", "0"], "--repeat: must be at least 1, got 0"),
+    # above the most requests a sidecar serves in a step (serve's --max-reqs, bench's --reqs): it ran on for minutes
+    (["step", "--reqs", "257", "--context", "0", "--repeat", "1"], "--reqs: must be 1..256, got 257"),
     # demo: DemoConfig's and the harness's ValueError ended in a traceback naming a field, not the flag
     (["demo", "--rounds", "0"], "--rounds: must be >= 1, got 0"),
     (["demo", "--max-reqs", "0"], "--max-reqs: must be 1..256, got 0"),
@@ -473,6 +501,17 @@ def test_status_refuses_a_folder_no_client_can_reach_saying_why(name, tmp_path, 
     assert cli.main(["status", "--socket-dir", str(tmp_path / name), "--tp", "1", "--timeout", "0.5"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("dspark-sidecar: --socket-dir: "), (out, err)
+
+
+def test_a_step_bigger_than_the_host_s_memory_is_refused_before_it_allocates(monkeypatch, capsys):
+    """`step --context 10000000` (tiny preset, one request) allocated the KV cache and the context's taps until the
+    kernel's OOM killer ended it (SIGKILL, no line; on a shared host it may end another process instead). Sized
+    first, against the host's memory (made small here, so the test allocates nothing big either way)."""
+    monkeypatch.setattr(cli, "_host_memory_bytes", lambda: 1 << 20, raising=False)
+    assert cli.main(["step", "--reqs", "2", "--context", "4096", "--repeat", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("dspark-sidecar: --reqs/--context: 2 requests of 4096 tokens need ") \
+        and "more than this host's 0.0 GiB" in err and err.count("\n") == 1, err
 
 
 def test_status_says_why_a_rank_is_unreachable(tmp_path, capsys):

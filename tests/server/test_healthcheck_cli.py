@@ -11,6 +11,7 @@ from dspark_sidecar.server import healthcheck
 @pytest.mark.parametrize("flags, words", [
     (["--tp", "0"], "--tp: must be at least 1, got 0"),
     (["--tp", "-2"], "--tp: must be at least 1, got -2"),
+    (["--tp", "65"], "--tp: must be 1..64 (serve's), got 65"),  # probed 65 ranks one after another, each --timeout
     (["--timeout", "0"], "--timeout: must be a number of seconds above 0, got 0.0"),
     (["--timeout", "nan"], "--timeout: must be a number of seconds above 0, got nan"),
     (["--timeout", "1e10"], "--timeout: at most 86400 s, got 1e+10"),
