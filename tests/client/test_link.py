@@ -28,6 +28,21 @@ def _link() -> tuple[Link, _Release]:
     return release.link, release
 
 
+def _held(lk: Link) -> tuple[threading.Thread, threading.Event]:
+    """A thread holding `lk` (a step, say) until the event returned is set."""
+    entered, leave = threading.Event(), threading.Event()
+
+    def step() -> None:
+        with lk:
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=step)
+    t.start()
+    assert entered.wait(10)
+    return t, leave
+
+
 def test_a_free_link_is_released_by_close_itself_once():
     lk, release = _link()
     lk.close()
@@ -51,16 +66,7 @@ def test_close_from_the_holding_thread_returns_at_once_and_the_holder_releases_a
 
 def test_close_waits_for_another_holder_then_releases_on_its_own_thread():
     lk, release = _link()
-    entered, leave = threading.Event(), threading.Event()
-
-    def step() -> None:
-        with lk:
-            entered.set()
-            leave.wait(10)
-
-    t = threading.Thread(target=step)
-    t.start()
-    assert entered.wait(10)
+    t, leave = _held(lk)
     closer = threading.Thread(target=lk.close)
     closer.start()
     wait_until(lambda: lk.waiters == 1, 5, "close() to wait for the link")
@@ -73,16 +79,7 @@ def test_close_waits_for_another_holder_then_releases_on_its_own_thread():
 def test_a_holder_past_close_wait_s_finishes_the_close_as_it_leaves(monkeypatch):
     monkeypatch.setattr(link, "CLOSE_WAIT_S", 0.05)
     lk, release = _link()
-    entered, leave = threading.Event(), threading.Event()
-
-    def step() -> None:
-        with lk:
-            entered.set()
-            leave.wait(10)
-
-    t = threading.Thread(target=step)
-    t.start()
-    assert entered.wait(10)
+    t, leave = _held(lk)
     lk.close()  # gives up after CLOSE_WAIT_S: the link is still held
     assert release.runs == [] and lk.closed
     leave.set()
@@ -109,20 +106,11 @@ def test_a_close_interrupted_while_it_waits_for_the_link_leaves_the_release_to_t
     the channel and the data plane's shared memory stayed until the process exited."""
     monkeypatch.setattr(link, "CLOSE_WAIT_S", 3600.0)
     lk, release = _link()
-    entered, leave = threading.Event(), threading.Event()
-
-    def step() -> None:
-        with lk:
-            entered.set()
-            leave.wait(10)
-
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
     main = threading.get_ident()
-    t = threading.Thread(target=step)
-    t.start()
-    assert entered.wait(10)
+    t, leave = _held(lk)
     ctrl_c = threading.Thread(target=lambda: (wait_until(lambda: lk.waiters == 1, 5, "close() to wait for the link"),
                                               signal.pthread_kill(main, signal.SIGUSR1)))
     old = signal.signal(signal.SIGUSR1, interrupt)
@@ -156,13 +144,7 @@ def test_of_two_threads_woken_when_the_link_is_given_back_one_takes_it_and_the_o
     threads used the connection, the binding and the data plane at once (a connect() beside a step)."""
     lk, _ = _link()
     lk._cv = cv = _CountingCondition(lk._lock)
-    entered, leave = threading.Event(), threading.Event()
     inside, most = [0], [0]
-
-    def first() -> None:
-        with lk:
-            entered.set()
-            leave.wait(10)
 
     def waiter() -> None:
         with lk:
@@ -173,9 +155,7 @@ def test_of_two_threads_woken_when_the_link_is_given_back_one_takes_it_and_the_o
             wait_until(lambda: cv.waits == 3 or inside[0] == 2 or most[0] == 2 or not lk.waiters, 5, "the other")
             inside[0] -= 1
 
-    t = threading.Thread(target=first)
-    t.start()
-    assert entered.wait(10)
+    t, leave = _held(lk)
     ws = [threading.Thread(target=waiter) for _ in range(2)]
     for w in ws:
         w.start()
