@@ -421,8 +421,8 @@ def test_the_report_s_exchange_share_and_counts_are_over_every_rank(tmp_path):
 def test_a_case_that_fails_parity_exits_1(tmp_path, monkeypatch, capsys):
     """`bench --tp N` is run by CI as a parity check: a failed case must be its exit status, not a line alone."""
     for ok, code in ((True, 0), (False, 1)):
-        monkeypatch.setattr(bench_tp, "run_tp_bench", lambda bc, tp, single, dev: {"rows": [{"parity_ok": True},
-                                                                                               {"parity_ok": ok}]})
+        monkeypatch.setattr(bench_tp, "run_tp_bench", lambda bc, tp, single, dev: {
+            "rows": [{"parity_ok": True}, {"parity_ok": ok}], "single_gpu_failed": []})
         assert cli.main(["bench", "--tp", "2", "--device", "cpu", "--preset", "tiny",
                          "--out-dir", str(tmp_path / "out")]) == code
         assert ("FAILED in 1 of 2 cases" in capsys.readouterr().out) is not ok
