@@ -115,10 +115,7 @@ class HarnessConfig:
         if self.preset not in PRESETS:
             raise ValueError(f"preset: one of {sorted(PRESETS)}, got {self.preset!r}")
         PRESETS[self.preset].check_tp(self.tp)
-        # The shim's config as every rank builds it (EngineRank): refused here, not in each rank after it has
-        # mapped its KV cache.
-        EngineConfig(tp_size=self.tp, step_deadline_s=self.step_deadline_s, late_grace_s=self.late_grace_s,
-                     breaker=self.breaker, transport=self.transport, required_tp=self.required_tp)
+        self.engine_config()  # refused here, not in each rank after it has mapped its KV cache
         if self.page_size < 1 or self.num_pages < 1:
             raise ValueError(f"page_size and num_pages must be >= 1, got {self.page_size}, {self.num_pages}")
         for f in self.faults:
@@ -128,6 +125,12 @@ class HarnessConfig:
                 raise ValueError(f"faults: {f} never fires in {self.rounds} rounds on ranks 0..{self.tp - 1}")
             if f.kind == "break_stream" and self.socket_dir is None:  # no shim: its hook is never called
                 raise ValueError(f"faults: {f} never fires without a sidecar (socket_dir None): no stream to break")
+
+    def engine_config(self, endpoint: str = "", device: str = "cpu") -> EngineConfig:
+        """The shim's config as every rank builds it (EngineRank), its rank's endpoint and device given."""
+        return EngineConfig(tp_size=self.tp, endpoint=endpoint, step_deadline_s=self.step_deadline_s,
+                            late_grace_s=self.late_grace_s, breaker=self.breaker, transport=self.transport,
+                            device=device, required_tp=self.required_tp)
 
 
 class EngineRank:
@@ -157,10 +160,8 @@ class EngineRank:
         self.shim: DrafterShim | None = None
         try:  # run()'s finally releases the segments from here on; a failure (or a SIGTERM) before it, here
             if h.socket_dir is not None:
-                ecfg = EngineConfig(tp_size=h.tp, endpoint=rank_endpoint(h.socket_dir, rank),
-                                    step_deadline_s=h.step_deadline_s, late_grace_s=h.late_grace_s, breaker=h.breaker,
-                                    transport=h.transport, device=str(dev), required_tp=h.required_tp)
-                self.shim = DrafterShim(ecfg, self, lambda: [s.tensor for s in self.kv], self.par)
+                self.shim = DrafterShim(h.engine_config(rank_endpoint(h.socket_dir, rank), str(dev)), self,
+                                        lambda: [s.tensor for s in self.kv], self.par)
             self.work = Workload(h.mix, v, h.page_size, h.num_pages)
         except BaseException:
             if self.shim is not None:

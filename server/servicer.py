@@ -160,14 +160,11 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # GetStatus and in BindKV's answer) and goes out in GetStatus, BindKV and strict refusals.
         return clip_message(why or "")
 
-    def status_refusal(self) -> str:
-        """GetStatus.fast_path_refusal: refusal(), or, where that is empty, why the fast path does not serve
-        the binding's steps yet (its kernels compile in the background: FlyDSLFastPath.pending). Health,
+    def _status_refusal_of(self, kv) -> str:
+        """GetStatus.fast_path_refusal for `kv`: _refusal_of(kv), or, where that is empty, why the fast path does not
+        serve the binding's steps yet (its kernels compile in the background: FlyDSLFastPath.pending). Health,
         --strict-refusal and BindKV read refusal() alone: a compile is no refusal, and a strict rank would
         otherwise leave SERVING for every compile and the shim read it as a refused deployment."""
-        return self._current(self._status_refusal_of)[1]
-
-    def _status_refusal_of(self, kv) -> str:
         # refusal() is empty only where a fast path is built (without one it says so): ctx.fast is set here.
         return self._refusal_of(kv) or self.ctx.fast.pending(kv) or ""
 
