@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, dep_release, dep_wait, mma, nvidia_of, pdl_kwargs, sms_of, tl_dtype,
+    INTERPRET, cast, check_device, dep_release, dep_wait, mma, nvidia_of, pdl_kwargs, same_device, sms_of, tl_dtype,
 )
 
 log = logging.getLogger("dspark_sidecar.kernels")
@@ -331,6 +331,8 @@ def paged_window_attention(q: torch.Tensor, kv_layer: torch.Tensor, positions: t
     of the SMs took the step from 1.23 to 1.07 ms at a 4096 context (BENCHMARKS.md run 149).
     """
     check_device(q, kv_layer)
+    same_device("attention", q=q, kv_cache=kv_layer, positions=positions, seq_lens=seq_lens,
+                block_tables=block_tables)
     n, hq, d = q.shape
     page_size, hk = kv_layer.shape[2], kv_layer.shape[3]
     r = seq_lens.shape[0]

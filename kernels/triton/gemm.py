@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dspark_sidecar.kernels.triton.runtime import (
     INTERPRET, cast, check_device, check_norm_weight, dep_release, dep_wait, dot_dtype, mma, nvidia_of, pdl_kwargs,
-    rms_inv, sm90_of, sms_of, smem_of, tl_dtype,
+    rms_inv, same_device, sm90_of, sms_of, smem_of, tl_dtype,
 )
 from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
@@ -517,9 +517,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, norm_weight: torch
     if has_res and residual.dtype != x.dtype:
         raise ValueError(f"gemm: residual dtype {residual.dtype} is not the activations' {x.dtype}")
     if has_res:
-        _same_device(x, residual=residual)
+        same_device("gemm", x=x, residual=residual)
     if out is not None:
-        _same_device(x, out=out)
+        same_device("gemm", x=x, out=out)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride() != (n, 1):
@@ -584,7 +584,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu,
         raise ValueError(f"gemm: x dtype {x.dtype} is not one of {ACT_DTYPES}")
     # The kernels take raw pointers: an operand on another device (another rank's GPU) was read as if it
     # were x's, where the reference's F.linear raises.
-    _same_device(x, weight=w, **({"weight scales": weight.scale} if isinstance(weight, MxFp8Weight) else {}),
+    same_device("gemm", x=x, weight=w, **({"weight scales": weight.scale} if isinstance(weight, MxFp8Weight) else {}),
                  **({"norm weight": norm_weight} if norm_weight is not None else {}))
     # A dense weight sets the dot's operand dtype (runtime.dot_dtype): fp32 x met a bf16 weight in a
     # bf16 dot (x rounded to 8 bits under an fp32 result), bf16 x an fp16 one (inf past 65504), where
@@ -597,12 +597,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor | MxFp8Weight, swiglu,
     if swiglu and w.shape[0] % 2:
         raise ValueError(f"gemm: gate|up weight {list(w.shape)} has an odd number of rows")
     return x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0]
-
-
-def _same_device(x: torch.Tensor, **operands: torch.Tensor) -> None:
-    for name, t in operands.items():
-        if t.device != x.device:
-            raise ValueError(f"gemm: {name} is on {t.device}, x on {x.device}")
 
 
 def _tiling(x: torch.Tensor, weight, n: int, swiglu: bool, config: GemmConfig | None,

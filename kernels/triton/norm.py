@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from dspark_sidecar.kernels.triton.runtime import (
-    INTERPRET, cast, check_device, check_norm_weight, dep_release, dep_wait, pdl_kwargs, rms_inv, tl_dtype,
+    INTERPRET, cast, check_device, check_norm_weight, dep_release, dep_wait, pdl_kwargs, rms_inv, same_device,
+    tl_dtype,
 )
 
 
@@ -50,6 +51,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, stride_x, stride_o, eps,
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., K] -> same shape and dtype."""
     check_device(x, weight)
+    same_device("rms_norm", x=x, weight=weight)
     k = x.shape[-1]
     check_norm_weight("rms_norm", weight, k, f"x {list(x.shape)}")
     weight = weight.contiguous()

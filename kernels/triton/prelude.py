@@ -20,7 +20,7 @@ import triton.language as tl
 from dspark_sidecar.kernels.triton.gemm import Partials, row_norm_scale
 from dspark_sidecar.kernels.triton.runtime import (
     INTERPRET, cache_dtype, cast, check_device, check_norm_weight, dep_release, dep_wait, pdl_kwargs, rms_inv,
-    tl_dtype,
+    same_device, tl_dtype,
 )
 
 
@@ -176,6 +176,8 @@ def attn_prelude(qkv: torch.Tensor | Partials, q_norm: torch.Tensor, k_norm: tor
     x = qkv.ws if partial else qkv
     dtype = qkv.dtype
     check_device(x, kv_layer)
+    same_device("attn_prelude", qkv=x, **({"qkv sums of squares": qkv.sq} if partial else {}), kv_cache=kv_layer,
+                q_norm=q_norm, k_norm=k_norm, cos=cos, sin=sin, slots=slots)
     d = kv_layer.shape[-1]
     n, width = x.shape[-2:]
     if width != (q_heads + 2 * kv_heads) * d:
@@ -207,6 +209,7 @@ def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, 
                  eps: float) -> torch.Tensor:
     """x [n, heads, d] -> same shape and dtype: per-head norm then partial RoPE (the q-head path)."""
     check_device(x)
+    same_device("qk_norm_rope", x=x, norm_weight=norm_weight, cos=cos, sin=sin)
     n, heads, d = x.shape
     _check_rope("qk_norm_rope", cos, sin, n, d)
     (norm_weight,) = _norm_weights("qk_norm_rope", d, norm_weight)
@@ -232,6 +235,7 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     Unlike the reference, padding rows are masked in the kernel: no host sync.
     """
     check_device(kv_layer, k, v)
+    same_device("write_kv", kv_cache=kv_layer, k=k, v=v, slots=slots)
     m, heads, d = k.shape
     if v.shape != k.shape:
         raise ValueError(f"write_kv: k {list(k.shape)} and v {list(v.shape)} differ")

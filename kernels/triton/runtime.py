@@ -202,3 +202,14 @@ def check_device(*tensors: torch.Tensor) -> None:
         if t.device.type == "cpu" and not INTERPRET:
             raise RuntimeError("Triton ops got a CPU tensor; run on a GPU, or set TRITON_INTERPRET=1 before "
                                "triton is imported to run the kernels in the interpreter")
+
+
+def same_device(op: str, **operands: torch.Tensor) -> None:
+    """ValueError naming the first operand not on the first one's device. The kernels take raw pointers
+    and launch on the first operand's device: an operand elsewhere (another rank's GPU, through peer
+    access or UVA) was read or written as if it were local, a fault that poisons the CUDA context or a
+    silent read of another GPU's memory, where the reference's torch ops raise."""
+    (first, x), *rest = operands.items()
+    for name, t in rest:
+        if t.device != x.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, {first} on {x.device}")

@@ -356,3 +356,16 @@ def test_window_edges_exact_at_4096(device, kv_dtype, splits):
             want[i, r, 8], want[i, r, 9:] = 1.0, 1.0 / seen
     want = want.view(-1, 1, d).expand(-1, 16, -1)
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_operands_on_another_device_are_refused(device):
+    """The kernels take raw pointers and launch on q's device: a cache, position list, length list or block
+    table on another (another rank's GPU) was read as if local. Each is refused by name (meta tensors
+    stand for the other device here)."""
+    q, kv, positions, seq_lens, tables, window, scale = _step([5, 60], 2, 1, 32, 8, 40, torch.float32, device, 32)
+    args = {"kv_cache": kv, "positions": positions, "seq_lens": seq_lens, "block_tables": tables}
+    for name in args:
+        moved = {**args, name: args[name].to("meta")}
+        with pytest.raises(ValueError, match=f"attention: {name} is on meta"):
+            attention.paged_window_attention(q, moved["kv_cache"], moved["positions"], moved["seq_lens"],
+                                             moved["block_tables"], Q, window, scale)

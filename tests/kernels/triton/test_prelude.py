@@ -318,3 +318,31 @@ def test_qk_norm_weights_must_match_the_head(device, parity):
         parity(kv_got, kv_ref)
     x = qkv[:, : q_heads * d].reshape(-1, q_heads, d)
     parity(TRITON_OPS.qk_norm_rope(x, wide[::2], cos, sin, EPS), reference.qk_norm_rope(x, wide[::2], cos, sin, EPS))
+
+
+def test_operands_on_another_device_are_refused(device):
+    """The prelude, write_kv and rms_norm kernels take raw pointers and launch on their first operand's
+    device: a norm weight, RoPE table, slot list or cache elsewhere (another rank's GPU) was read or
+    written as if local. Each is refused by name (meta tensors stand for the other device here)."""
+    q_heads, kv_heads, d, rot = 4, 1, 32, 16
+    qkv, qn, kn, cos, sin, kv, slots = _case(q_heads, kv_heads, d, rot, 9, torch.float32, device, seed=31)
+    meta = torch.device("meta")
+    args = {"q_norm": qn, "k_norm": kn, "cos": cos, "sin": sin, "kv_cache": kv, "slots": slots}
+    for name in args:
+        moved = {**args, name: args[name].to(meta)}
+        with pytest.raises(ValueError, match=f"attn_prelude: {name} is on meta"):
+            TRITON_OPS.attn_prelude(qkv, moved["q_norm"], moved["k_norm"], moved["cos"], moved["sin"], EPS,
+                                    moved["kv_cache"], moved["slots"], q_heads, kv_heads)
+    x = qkv[:, : q_heads * d].reshape(-1, q_heads, d)
+    for name, call in {"norm_weight": lambda: TRITON_OPS.qk_norm_rope(x, qn.to(meta), cos, sin, EPS),
+                       "sin": lambda: TRITON_OPS.qk_norm_rope(x, qn, cos, sin.to(meta), EPS)}.items():
+        with pytest.raises(ValueError, match=f"qk_norm_rope: {name} is on meta"):
+            call()
+    k = qkv[:, q_heads * d: (q_heads + 1) * d].reshape(-1, 1, d)
+    for name in ("k", "v", "slots"):
+        ops = {"k": k, "v": k, "slots": slots}
+        ops[name] = ops[name].to(meta)
+        with pytest.raises(ValueError, match=f"write_kv: {name} is on meta"):
+            TRITON_OPS.write_kv(kv.clone(), ops["k"], ops["v"], ops["slots"])
+    with pytest.raises(ValueError, match="rms_norm: weight is on meta"):
+        TRITON_OPS.rms_norm(qkv, torch.ones(qkv.shape[1], device=meta), EPS)
