@@ -42,9 +42,12 @@ def _env(dest: str, default, kind=str, flag: str | None = None):
         raise UsageError(f"{name} ({flag or '--' + dest.replace('_', '-')}) is set but empty: unset it for the default "
                          f"({default}) or give a value")
     if kind is bool:
-        if raw.lower() not in _TRUE + _FALSE:
+        # Stripped, as int() and float() strip their text: DSPARK_TP=" 2 " was read as 2 where DSPARK_WARMUP=" 1"
+        # (a YAML value quoted with its space) was refused.
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
             raise UsageError(f"{name}={raw!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
-        return raw.lower() in _TRUE
+        return word in _TRUE
     try:
         return kind(raw)
     except ValueError:
@@ -57,7 +60,7 @@ def _builtin(dest: str, default, kind=str, flag: str | None = None):
 
 
 def _log_level() -> str:
-    level = os.environ.get("DSPARK_LOG_LEVEL", "INFO").upper()
+    level = os.environ.get("DSPARK_LOG_LEVEL", "INFO").strip().upper()  # stripped, as the other variables
     # logging's own names (WARN and FATAL too, as before): getLevelName gives a known name's number, else a
     # string. Not getLevelNamesMapping, which is Python 3.11's: requires-python admits 3.10.
     if not isinstance(logging.getLevelName(level), int):

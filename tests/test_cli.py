@@ -56,10 +56,12 @@ def test_a_command_is_not_refused_for_a_variable_only_another_command_reads(env,
     assert exc.value.code == 0, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value, on", [("TRUE", True), ("Yes", True), ("On", True), ("OFF", False), ("No", False)])
+@pytest.mark.parametrize("value, on", [("TRUE", True), ("Yes", True), ("On", True), ("OFF", False), ("No", False),
+                                       (" 1", True), ("off\n", False)])
 def test_a_boolean_variable_is_read_whatever_its_case(value, on, monkeypatch):
     """Booleans take 1/true/yes/on or 0/false/no/off (README); the word is checked lower-cased, so an upper-case
-    TRUE that passes the check must also read as true, not turn the flag off in silence."""
+    TRUE that passes the check must also read as true, not turn the flag off in silence. Space around the word
+    is dropped, as int() drops it from DSPARK_TP=" 2 "."""
     import argparse
 
     monkeypatch.setenv("DSPARK_ALLOW_REMOTE", value)
@@ -78,7 +80,7 @@ def test_a_step_over_no_context_runs(capsys):
     assert out.startswith("preset tiny: 1 requests x 7 rows, context 0, fp32") and "median" in out, out
 
 
-@pytest.mark.parametrize("value, level", [("debug", "DEBUG"), ("warn", "WARN"), ("FATAL", "FATAL")])
+@pytest.mark.parametrize("value, level", [("debug", "DEBUG"), ("warn", "WARN"), ("FATAL", "FATAL"), (" info ", "INFO")])
 def test_the_log_level_is_read_on_the_oldest_python_pyproject_admits(value, level, monkeypatch):
     """logging.getLevelNamesMapping is Python 3.11's, and pyproject's requires-python admits 3.10 (Ubuntu 22.04's
     python3, in which OPERATIONS.md's bare-metal venv is made): there every command, `serve` included, ended in
