@@ -263,6 +263,21 @@ class MemoryBindings:
             raise
         return ids
 
+    def check_registered(self, ids: list[int]) -> None:
+        """NOT_FOUND naming the first of `ids` not registered on this rank. UnregisterBuffers asks first, outside
+        the rank's section, so that a wrong id does not stop the rank's pre-launched step for nothing;
+        unregister asks again under the lock (another call may release them in between)."""
+        with self._lock:
+            self._check_registered(ids)
+
+    def _check_registered(self, ids: list[int]) -> None:
+        """check_registered, under the lock."""
+        unknown = [rid for rid in ids if rid not in self._regions]
+        if unknown:
+            raise SidecarError(grpc.StatusCode.NOT_FOUND, f"region_ids: {unknown[0]} is not registered on "
+                               f"this rank ({len(self._regions)} registered); nothing was released",
+                               "region_ids", "UNKNOWN_REGION")
+
     def unregister(self, ids: list[int], owner: int = 0, lease: int = 0) -> list[MappedMemory]:
         """Release the regions `ids` and those registered under `owner`, all or none: steps can no
         longer name them, and the owner registers nothing more; and those still registered under `lease`
@@ -271,11 +286,7 @@ class MemoryBindings:
         go here; the mappings are returned for the caller to close once the device no longer reads
         them (servicer.UnregisterBuffers)."""
         with self._lock:
-            unknown = [rid for rid in ids if rid not in self._regions]
-            if unknown:
-                raise SidecarError(grpc.StatusCode.NOT_FOUND, f"region_ids: {unknown[0]} is not registered on "
-                                   f"this rank ({len(self._regions)} registered); nothing was released",
-                                   "region_ids", "UNKNOWN_REGION")
+            self._check_registered(ids)
             if owner:
                 self._released_owners.add(owner)
                 ids = ids + [rid for rid in self._owned.pop(owner, []) if rid in self._regions]

@@ -404,6 +404,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
 
     def UnregisterBuffers(self, request, context):
         self._require_same_node(context)
+        self.ctx.memory.check_registered(list(request.region_ids))  # NOT_FOUND before the rank's section is entered
         gone = self._until_gone(context, "UnregisterBuffers", "nothing was released, the regions stay registered "
                                 "(until UnregisterBuffers again, or their lease's end)")
         self._release_regions(list(request.region_ids), request.owner, give_up=gone)

@@ -424,3 +424,13 @@ def test_a_pre_launching_attach_gives_up_behind_a_stuck_step_before_it_opens_the
         assert HookingDoorbell.built == [] and h.svc.doorbell is None and h.svc._attached == 0 and not h.mem._pages
         assert h.svc._attach_lock.acquire(timeout=5)
         h.svc._attach_lock.release()
+
+
+def test_an_unregister_of_an_unknown_region_is_not_found_without_entering_the_rank(held):
+    """An id not registered is NOT_FOUND before the rank's section: asked for behind the stuck step, it waited
+    there (and, on a free rank, stopped the pre-launched step) only to answer NOT_FOUND and release nothing."""
+    h = held
+    with pytest.raises(grpc.RpcError) as err:
+        h.stub.UnregisterBuffers(pb.UnregisterBuffersRequest(region_ids=[h.rid + 1000]), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nothing was released" in err.value.details()
+    assert not h.asked and h.mem.region_count == 1 and not h.step.done()
