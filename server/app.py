@@ -48,7 +48,8 @@ from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.preflight import check_port, claim_socket
 from dspark_sidecar.server.process_group import join_group
 from dspark_sidecar.server.processes import ExitWith
-from dspark_sidecar.server.rank import RankContext, RankLoop, warm_sizes
+from dspark_sidecar.server.rank import RankContext, RankLoop
+from dspark_sidecar.server.warmup import warm_sizes
 from dspark_sidecar.server.refusal import probe_host, shared_host
 from dspark_sidecar.server.rendezvous import Board, PeerProcesses, Rendezvous
 from dspark_sidecar.server.servicer import MAX_STREAMS, DrafterServicer, Lifecycle, give_back_unopened, limits_pb
@@ -180,7 +181,7 @@ def graphs_on(cfg: ServeConfig, device: torch.device, backend: str) -> bool:
 
 
 def warm_plan(cfg: ServeConfig, device: torch.device, graphs: StepGraphs | None) -> list[int]:
-    """The request counts of the warm-up's steps. On a GPU, every launch shape served (rank.warm_sizes):
+    """The request counts of the warm-up's steps. On a GPU, every launch shape served (warmup.warm_sizes):
     the kernels compile per shape, and a shape first met in a served step compiled inside it, past the
     engine's step deadline. A CPU rank's kernels compile nothing per shape: one step, as the group's proof."""
     if device.type != "cuda":

@@ -14,7 +14,8 @@ from typing import Callable, Iterator
 import torch.distributed as dist
 
 from dspark_sidecar.server.process_group import PeerLost
-from dspark_sidecar.server.rank import RankContext, warm_up
+from dspark_sidecar.server.rank import RankContext
+from dspark_sidecar.server.warmup import warm_up
 from dspark_sidecar.server.rendezvous import Board
 
 log = logging.getLogger("dspark_sidecar.server")
@@ -97,7 +98,7 @@ class StartUp:
         return out
 
     def warm_up(self, ctx: RankContext, **kw) -> float:
-        """rank.warm_up(ctx, **kw), whose steps exchange partial sums with the peers (the world group): a peer
+        """warmup.warm_up(ctx, **kw), whose steps exchange partial sums with the peers (the world group): a peer
         lost in one of those collectives is PeerLost, as in barrier, not gloo's traceback from inside a step. A
         failure of this rank's own compute (out of memory, a kernel error) is raised as it is: taken for a
         peer lost, its one line would send the reader to a peer that printed nothing."""

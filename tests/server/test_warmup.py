@@ -25,12 +25,12 @@ from dspark_sidecar.drafter.kv_cache import allocate_kv_cache, window_width
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
-from dspark_sidecar.server import app, rank, startup
+from dspark_sidecar.server import app, startup, warmup
 from dspark_sidecar.server.graphs import StepGraphs, _Packed
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext
 
-ENGINE_PAGE = 16  # an engine cache of vLLM's default block size (rank.WARM_PAGE_SIZE)
+ENGINE_PAGE = 16  # an engine cache of vLLM's default block size (warmup.WARM_PAGE_SIZE)
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_warm_sizes_cover_every_launch_group_of_every_request_count(streams, max
         side = min(len(groups), streams) if len(groups) > 1 and streams >= 2 else 1
         return {(size, side) for size in groups}
 
-    sizes = rank.warm_sizes(max_reqs, streams)
+    sizes = warmup.warm_sizes(max_reqs, streams)
     assert sizes and max(sizes) <= max_reqs and sizes == sorted(set(sizes)), sizes
     want = set().union(*(launched(R) for R in range(1, max_reqs + 1)))
     assert set().union(*(launched(R) for R in sizes)) == want
@@ -114,7 +114,7 @@ def test_the_warm_up_steps_run_with_the_graphs_window_metadata(model, tiny_cfg, 
 
     model.draft_step = draft_step
     ctx = RankContext(0, 1, tiny_cfg, model, tiny_embed, None, Metrics(0), 9)
-    secs = rank.warm_up(ctx, sizes=[1, 9], graphs=SimpleNamespace(streams=[]))
+    secs = warmup.warm_up(ctx, sizes=[1, 9], graphs=SimpleNamespace(streams=[]))
     assert secs > 0
     assert [o.shape[0] for o in outs] == [layout.QPR, 9 * layout.QPR]
     assert all(bool(torch.isfinite(o).all()) for o in outs)
