@@ -142,7 +142,10 @@ def _mkdir(p: Path, mode: int) -> bool:
         if p.parent == p:
             raise
         _mkdir(p.parent, PARENT_MODE)
-        return _mkdir(p, mode)
+        try:  # once more, not through here: a parent that exists but leads nowhere (a link to a missing folder)
+            os.mkdir(p, mode)  # answers ENOENT again, and retrying made and found it for ever (RecursionError)
+        except FileExistsError:
+            return False
     return True
 
 

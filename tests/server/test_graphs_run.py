@@ -12,6 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from dspark_sidecar import layout
@@ -205,3 +206,25 @@ def test_close_waits_for_the_device_then_drops_every_graph(monkeypatch):
     assert len(synced) == 1 and synced[0][0] == graphs.model.device and list(synced[0][1]) == [(1, False)]
     assert graphs._graphs == {} and graphs._kv_key is None
     assert graphs.will_capture(e, 1, kv)
+
+
+def test_a_capture_that_fails_keeps_no_graph_and_the_next_step_captures_again():
+    """A capture can fail part-way (an illegal call inside it, an out-of-memory): the graph is then not a whole
+    step, and kept under its R the next step would replay it instead of capturing, answering from whatever the
+    capture left in its output buffer. Nothing is kept; the step's error goes to the caller."""
+    graphs, kv, h = CpuGraphs(), cache(), host_meta([9, 70], 0)
+    e = torch.randn(Q * 2, HIDDEN)
+    real = CpuGraphs._capture
+
+    def fails(self, g, kv):
+        real(self, g, kv)  # the warm-up and the capture's own bookkeeping ran, then the capture failed
+        raise RuntimeError("capture failed")
+
+    graphs._capture = fails.__get__(graphs)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graphs.run(e, h, kv)
+    assert graphs._graphs == {} and graphs.will_capture(e, 2, kv)
+    del graphs._capture
+    out = graphs.run(e, h, kv)
+    g = graphs._graphs[(2, False)]
+    assert graphs.captures == 2 and g.graph.replays == 0 and torch.equal(out, e + 1)

@@ -102,3 +102,21 @@ def test_each_entry_on_the_way_is_looked_up_once_however_many_links_lead_back_to
     assert sockdir.foreign_link(d / "sock", os.geteuid()) is None
     assert sockdir.swappable_entry(d / "sock", os.geteuid()) is None
     assert len(calls) < 40 * (len(tmp_path.parts) + 17)
+
+
+def test_a_link_of_ours_reached_only_through_a_chain_of_links_is_judged_too(tmp_path):
+    """mine1 -> safe/mine2 -> scratch/mine3 -> a private folder: the link that anyone may rename away lies
+    two links deep, on no path but the targets' own. Each link's target is walked in turn, not only the
+    first's: the lookup passes scratch/mine3 as surely as if it had been written in the path."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    scratch.chmod(0o777)  # no sticky bit
+    (scratch / "mine3").symlink_to(real)
+    (tmp_path / "safe").mkdir()
+    (tmp_path / "safe" / "mine2").symlink_to(scratch / "mine3")
+    (tmp_path / "mine1").symlink_to(tmp_path / "safe" / "mine2")
+    assert sockdir.swappable_entry(tmp_path / "mine1", os.geteuid())[:2] == (scratch / "mine3", scratch)
+    with pytest.raises(ServeConfigError, match=f"passes {scratch / 'mine3'}, whose folder {scratch} is writable"):
+        sockdir.prepare(tmp_path / "mine1")
