@@ -59,6 +59,10 @@ def kv():
     (grpc.StatusCode.FAILED_PRECONDITION, "RANK_MISMATCH", True),
     (grpc.StatusCode.PERMISSION_DENIED, "REMOTE_PEER", True),
     (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD", True),
+    # For good by the code alone, whatever the reason (the sidecar's default one is the code's name).
+    (grpc.StatusCode.OUT_OF_RANGE, "OUT_OF_RANGE", True),
+    (grpc.StatusCode.UNIMPLEMENTED, "UNIMPLEMENTED", True),  # no BindKV there: not a sidecar this shim can use
+    (grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED", True),
     (grpc.StatusCode.FAILED_PRECONDITION, "LEASE_LOST", False),  # take a new lease and bind again
     (grpc.StatusCode.FAILED_PRECONDITION, "LOADING", False),
     (grpc.StatusCode.UNAVAILABLE, "MAP_EXHAUSTED", False),  # the sidecar ran short of descriptors: passing
@@ -74,6 +78,7 @@ def test_a_bindkv_refusal_is_for_good_by_its_code_or_its_reason(kv, code, reason
     assert err.value.permanent is permanent and reason in str(err.value) and code.name in str(err.value)
     # Not bound: no step names it; the sidecar keeps it (a refused BindKV changes nothing), so release names it.
     assert binder.current is None and binder.generation == 0 and binder.held is bound
+    assert binder.binds == 1, "a refused BindKV was counted as a bind"
 
 
 @pytest.mark.parametrize("binding_id, generation, trusted", [
@@ -89,9 +94,12 @@ def test_an_answer_naming_ids_no_sidecar_hands_out_is_not_taken_as_a_binding(kv,
         b = binder.bind(stub, [s.tensor for s in kv], 1.0)
         assert (b.binding_id, b.generation) == (binding_id, generation) and binder.held is b
     else:
+        first = binder.bind(_Stub(pb.BindKVResponse(binding_id=7, generation=1)), [s.tensor for s in kv], 1.0)
         with pytest.raises(BindError, match="outside what a sidecar hands out") as err:
-            binder.bind(stub, [s.tensor for s in kv], 1.0)
-        assert not err.value.permanent and binder.current is None
+            binder.bind(stub, [s.tensor for s in kv], 1.0)  # a re-bind (a catch-up) answered so
+        # The binding bound before is not the current one either: the sidecar may have replaced it.
+        assert not err.value.permanent and binder.current is None and binder.generation == 0
+        assert binder.held is first and binder.binds == 1
 
 
 def test_a_cache_found_unshareable_does_not_hold_back_a_later_one_at_its_place(kv, monkeypatch):
@@ -147,21 +155,30 @@ class _Clock:
 def test_the_lease_is_taken_inside_the_binds_deadline_not_before_it(kv, monkeypatch):
     """bind() waited for the lease up to deadline_s, then gave BindKV a whole deadline_s again: a sidecar slow to
     hand out its token held the engine's step for twice bind_deadline_s, past what agreement_timeout_s counts for
-    each bind (a peer waiting in the agreement gave this rank up for dead). BindKV gets what the lease left."""
+    each bind (a peer waiting in the agreement gave this rank up for dead). The lease gets what the layers' export
+    left of the deadline, BindKV what the lease left."""
     clock = _Clock()
     monkeypatch.setattr(binding, "time", clock)
+    real_request = binding.bind_request
+
+    def slow_export(layers, facts):
+        clock.now += 0.125
+        return real_request(layers, facts)
+
+    monkeypatch.setattr(binding, "bind_request", slow_export)
     binder, stub = KVBinder(pb.EngineFacts()), _Stub(pb.BindKVResponse(binding_id=7, generation=1))
-    timeouts = []
+    timeouts, lease_waits = [], []
 
     def slow_lease(path, deadline_s):
-        clock.now += 0.75
+        lease_waits.append(deadline_s)
+        clock.now += 0.625
         return 0  # timed out: no lease (lease.token says so and binds without one)
 
     real_bind = stub.BindKV
     stub.BindKV = lambda req, timeout: (timeouts.append(timeout), real_bind(req, timeout))[1]
     monkeypatch.setattr(binder.lease, "token", slow_lease)
     assert binder.bind(stub, [s.tensor for s in kv], 1.0, "/x/rank0.lease").binding_id == 7
-    assert timeouts == [pytest.approx(0.25)]
+    assert lease_waits == [pytest.approx(0.875)] and timeouts == [pytest.approx(0.25)]
 
 
 def test_release_unbinds_the_binding_held_once_and_forgets_it(kv):
@@ -174,3 +191,25 @@ def test_release_unbinds_the_binding_held_once_and_forgets_it(kv):
     binder.release(stub, 1.0)
     binder.release(stub, 1.0)
     assert unbound == [7] and binder.held is None and binder.current is None and binder.generation == 0
+
+
+@pytest.mark.parametrize("how", ["link closed", "refused", "unanswered"])
+def test_a_release_that_cannot_reach_the_sidecar_forgets_the_binding_without_raising(kv, how):
+    """release() is best effort: with the link already dropped (no stub: a broken stream, a NOT_SERVING status), or
+    an UnbindKV refused (UNKNOWN_BINDING: the sidecar restarted or was re-bound since) or past its deadline, it
+    forgets the binding and returns. Raised, the shim's release stopped there (_finish_close, _disable): no link
+    dropped, and no lease ended, whose end is what releases such a binding at the sidecar."""
+    binder, stub = KVBinder(pb.EngineFacts()), _Stub(pb.BindKVResponse(binding_id=7, generation=1))
+    binder.bind(stub, [s.tensor for s in kv], 1.0)
+    asked = []
+
+    def unbind(req, timeout):
+        asked.append((req.binding_id, timeout))
+        if how == "refused":
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_BINDING")
+        raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "")
+
+    stub.UnbindKV = unbind
+    binder.release(None if how == "link closed" else stub, 0.5)
+    assert asked == ([] if how == "link closed" else [(7, 0.5)])
+    assert binder.held is None and binder.current is None and binder.generation == 0

@@ -41,6 +41,7 @@ def test_a_layer_changed_in_place_or_replaced_needs_a_bind():
         lambda ls: ls[2].set_(torch.zeros_like(ls[2]).untyped_storage(), 0, ls[2].shape, ls[2].stride()),  # moved only
         lambda ls: ls.__setitem__(4, torch.zeros_like(ls[4])),  # re-allocated
         lambda ls: ls.pop(),  # one layer fewer
+        lambda ls: ls.append(torch.zeros_like(ls[0])),  # one layer more (the bound ones unchanged)
     ):
         layers = _layers()
         b = _bound(layers)

@@ -83,12 +83,14 @@ class _Call:
 
     def __init__(self) -> None:
         self.answers: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = False
 
     def __iter__(self):
         while (resp := self.answers.get()) is not None:
             yield resp
 
     def cancel(self) -> None:
+        self.cancelled = True
         self.answers.put(None)
 
 
@@ -96,6 +98,45 @@ class _Stub:
     def DraftSteps(self, requests):  # noqa: N802  (the gRPC method's name)
         self.requests, self.call = requests, _Call()
         return self.call
+
+
+class _Streaming(_Answering):
+    """A channel whose GetStatus answers (no instance: nothing to confirm) and whose DraftSteps calls are _Calls."""
+
+    def __init__(self) -> None:
+        super().__init__(None)  # type: ignore[arg-type]
+        self.calls: list[tuple] = []
+
+    def stream_stream(self, *args, **kw):
+        def call(requests, *a, **k):
+            self.calls.append((requests, _Call()))
+            return self.calls[-1][1]
+        return call
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["closed", "opened_again"])
+def test_a_link_closed_or_opened_again_ends_its_step_stream(again):
+    """close() (and open(), which starts from a closed link) ends the step stream too: its call cancelled, and its
+    request iterator ended, in which gRPC's sending thread otherwise waits for ever (one thread per reconnect).
+    The link opened again opens its own stream on its new channel: the old one ended with the old channel."""
+    channels: list[_Streaming] = []
+
+    def factory(target: str, options: list) -> _Streaming:
+        channels.append(_Streaming())
+        return channels[-1]
+
+    conn = SidecarConnection("unix:/nonexistent", channel_factory=factory)  # type: ignore[arg-type]
+    conn.open(1.0)
+    stream = conn.stream()
+    assert stream.alive and conn.stream() is stream
+    conn.open(1.0) if again else conn.close()
+    (requests, call), = channels[0].calls
+    assert call.cancelled and next(requests, None) is None, "the old link's step stream was left running"
+    if not again:
+        conn.open(1.0)
+    fresh = conn.stream()
+    assert fresh is not stream and len(channels[-1].calls) == 1, "the reopened link handed back the old stream"
+    conn.close()
 
 
 def test_a_step_stream_wait_gives_up_at_its_deadline():
@@ -333,6 +374,8 @@ def test_an_answer_out_of_request_order_ends_the_stream():
         stub.call.answers.put(pb.DraftStepResponse(step_id=2))
         with pytest.raises(StreamBroken, match="answer for step 2 out of order"):
             stream.wait(1, 5)
+        # Cancelled, not only left: the sidecar would go on running the steps sent on it, and keep its stream place.
+        assert stub.call.cancelled, "the out-of-order stream was left open at the sidecar"
     finally:
         stream.close()
 
@@ -351,6 +394,23 @@ def test_an_interrupted_wait_still_returns_an_answer_in_hand():
         stream.send(pb.DraftStepRequest(step_id=2))
         with pytest.raises(StepInterrupted):
             stream.wait(2, 30)  # at once: no answer in hand
+    finally:
+        stream.close()
+
+
+def test_an_interrupt_wakes_a_wait_in_progress_at_once():
+    """close() from another thread interrupts the step its shim waits on (link.Link.close): the wait in progress
+    must end then, not at its deadline (a step_deadline_s, then close() gives up waiting for the link)."""
+    stub = _Stub()
+    stream = StepStream(stub)  # type: ignore[arg-type]
+    try:
+        stream.send(pb.DraftStepRequest(step_id=1))
+        threading.Timer(0.2, stream.interrupt).start()
+        t0 = time.monotonic()
+        with pytest.raises(StepInterrupted):
+            stream.wait(1, 30)
+        assert time.monotonic() - t0 < 15, "the interrupted wait ran on to its deadline"
+        assert stream.alive and not stream.settled(1), "interrupt() ends no stream and settles no step"
     finally:
         stream.close()
 
