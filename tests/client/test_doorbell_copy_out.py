@@ -91,6 +91,27 @@ def test_an_allocation_that_fails_after_the_ring_leaves_the_step_to_its_wait_and
     assert t.bell.copies == [] and bool((out == 5.0).all()) and out.data_ptr() != region.data_ptr()
 
 
+def test_a_step_whose_answer_was_never_copied_out_leaves_no_tensor_to_the_next(monkeypatch):
+    """A step given up on (its deadline passed: hidden() never ran) keeps the tensor send() made for its answer.
+    The next step's own allocation failing, its answer must be cloned, never copied into that tensor: it has the
+    last step's shape (copy_rows refuses it, a good answer read as BAD_ANSWER) and the engine never had it."""
+    t, region = _transport(raw=True)
+    rows = iter([ROWS, ROWS // 2])
+    t.buffers = SimpleNamespace(stage=lambda *a: SimpleNamespace(hidden=region[:next(rows)], fields=b"", launch_key=1))
+    t.send(pb.DraftStepRequest(step_id=1), None, None, None)  # never answered in time: no hidden()
+
+    def oom(*a, **k):
+        raise RuntimeError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(torch, "empty", oom)
+    t.send(pb.DraftStepRequest(step_id=2), None, None, None)
+    monkeypatch.undo()
+    region[: ROWS // 2] = 6.0
+    out = t.hidden()
+    assert out.shape == (ROWS // 2, WIDTH) and bool((out == 6.0).all())
+    assert t.bell.copies == [] and out.data_ptr() != region.data_ptr()
+
+
 class _Ops:
     def __init__(self) -> None:
         self.calls = []

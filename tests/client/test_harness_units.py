@@ -383,6 +383,18 @@ def test_a_burst_fills_the_mix_up_to_max_active():
     assert len(w.admit()) == 4 and len(w.active) == 5
 
 
+def test_a_burst_stops_at_the_first_request_its_pages_cannot_hold():
+    """A request the free pages cannot hold is dropped, and so is the rest of its round's burst: none joins past
+    it. Going on with the burst, a short prompt drawn after the refused long one joined in its place, so that under
+    page pressure the mix drifted to short prompts only (fewer contexts across the window than asked for)."""
+    w = Workload(_short_mix(burst_p=1.0, max_active=3), vocab=2048, page_size=16, num_pages=2)
+    prompts = iter([9, 500, 9])  # 16 rows (one page), 507 rows (32 pages: never with one free), 16 rows
+    w._prompt_len = lambda: next(prompts)
+    (first,) = w.admit()  # none in flight: one joins, on one page
+    assert w.admit() == [] and w.active == [first] and w.joined == 1
+    assert len(w.pool.free) == 1 and next(prompts) == 9  # the short one after the refusal was never drawn
+
+
 def test_taps_are_the_requests_own():
     from dspark_sidecar.client.workload import taps_for
 
