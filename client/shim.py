@@ -418,7 +418,9 @@ class DrafterShim:
                 self.config.connect_deadline_s, self.binder.lease.held)
             log.info("sidecar rank %d: steps go through the shared-memory doorbell", self.rank)
         except (grpc.RpcError, DataPlaneError, HandleError, ValueError, RuntimeError, OSError, MemoryError) as e:
-            detail = e.code().name if isinstance(e, grpc.RpcError) else str(e)
+            # The sidecar's message too, not its code alone: a refusal such as STORE_ORDER says what to change
+            # (FAILED_PRECONDITION by itself told the operator nothing).
+            detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
             if isinstance(e, grpc.RpcError) and e.code() in _PASSING:
                 self._doorbell_retry_at = time.monotonic() + DOORBELL_RETRY_S
                 log.warning("sidecar rank %d: data plane not set up (%s): the gRPC stream for now, asking again "

@@ -577,7 +577,9 @@ def test_doorbell_transport_refused_by_the_sidecar_falls_back_to_the_stream(fake
     with set_forward_context(meta):
         out = shim.maybe_forward(ids, pos)
     assert out is not None and torch.equal(out, model.table[ids] * 2)
-    assert shim.doorbell is None and "data plane unavailable (UNIMPLEMENTED)" in shim._doorbell_off
+    # The sidecar's message as well as its code (a refusal's says what to change).
+    assert shim.doorbell is None and "data plane unavailable (UNIMPLEMENTED: " in shim._doorbell_off
+    assert "Method not implemented" in shim._doorbell_off, shim._doorbell_off
     assert shim.stats.forwarded == 1 and shim.stats.via_doorbell == 0
     with pytest.raises(EngineConfigError, match="transport"):
         EngineConfig(tp_size=4, transport="carrier-pigeon")
