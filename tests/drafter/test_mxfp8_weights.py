@@ -11,7 +11,7 @@ from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
 from dspark_sidecar.drafter.model import DSparkDrafter
 from dspark_sidecar.drafter.parallel import ParallelContext
 from dspark_sidecar.kernels.ops import REFERENCE_OPS
-from dspark_sidecar.kernels.weights import MxFp8Weight
+from dspark_sidecar.kernels.weights import MxFp8Weight, NormFolded
 
 PAGE = 16
 
@@ -46,6 +46,31 @@ def test_mxfp8_layers_give_bit_identical_steps_and_commits(tiny_cfg, tiny_ckpt, 
     out_d = dense.draft_step(step.inputs_embeds, step.positions, step.meta, kv_d)
     out_q = quant.draft_step(step.inputs_embeds, step.positions, step.meta, kv_q)
     assert torch.equal(out_d, out_q)
+
+
+def test_folded_norm_layers_commit_k_v_from_the_weights_as_loaded(tiny_cfg, tiny_ckpt, tiny_embed):
+    """fold_norms (the Triton backend's qkv and gate|up, kernels.weights.prepare_layer_weights) on the reference
+    ops: the context commit projects k|v without the input norm (spec 3A), so it must use the rows kept as loaded
+    (the folded ones hold W * (1 + w) of input_layernorm, and are no tensor to slice): the same K/V bits as the
+    dense model. The step's own output and K/V differ from the dense model's by fp32 rounding only (the norm's
+    (1 + w) is applied to the weight instead of the activation)."""
+    dense = _model(tiny_cfg, tiny_ckpt)
+    folded = _model(tiny_cfg, tiny_ckpt).fold_norms(NormFolded.fold)
+    assert all(isinstance(layer.qkv_proj.weight, NormFolded) for layer in folded.layers)
+    lens = [5, 40]
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens)
+    step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=6)
+    pos, slots = scenario.context_rows(step.meta, PAGE)
+    taps = scenario.random_taps(tiny_cfg, pos.numel(), seed=7, dtype=torch.float32)
+    kv_d, kv_f = (allocate_kv_cache(tiny_cfg, 1, pages, PAGE, torch.float32) for _ in range(2))
+    dense.commit_context(taps, pos, slots, kv_d)
+    folded.commit_context(taps, pos, slots, kv_f)
+    assert all(torch.equal(a, b) for a, b in zip(kv_d, kv_f))
+    out_d = dense.draft_step(step.inputs_embeds, step.positions, step.meta, kv_d)
+    out_f = folded.draft_step(step.inputs_embeds, step.positions, step.meta, kv_f)
+    torch.testing.assert_close(out_f, out_d, rtol=1e-5, atol=1e-5)
+    for a, b in zip(kv_d, kv_f):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 def test_weights_the_kernels_cannot_take_are_refused_naming_the_layer(tiny_cfg, tiny_ckpt):

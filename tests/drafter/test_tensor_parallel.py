@@ -53,6 +53,12 @@ def test_launch_groups_side_by_side_need_an_exchange_lane_per_stream(tiny_cfg):
     model = DSparkDrafter(tiny_cfg, ParallelContext(0, 2, Summing()), REFERENCE_OPS, torch.float32)
     with pytest.raises(ValueError, match="exchange lane per stream; this rank .* has 1"):
         model.draft_step(step.inputs_embeds, step.positions, step.meta, kv, streams=[object()] * 2)
+    # As many streams as lanes is what the server makes: accepted (one launch group here, so it runs in order
+    # on the CPU; the side-by-side path itself is tests/drafter/test_lanes_multi_gpu.py's).
+    model = DSparkDrafter(tiny_cfg, ParallelContext(0, 2, Summing(), (Summing(),)), REFERENCE_OPS, torch.float32)
+    one = scenario.random_step(tiny_cfg, [3] * 2, 16, 2, torch.randn(tiny_cfg.vocab_size, tiny_cfg.hidden_size), seed=1)
+    out = model.draft_step(one.inputs_embeds, one.positions, one.meta, kv, streams=[object()] * 2)
+    assert out.shape == (14, tiny_cfg.hidden_size)
 
 
 def test_exchange_lanes_are_addressed_by_stream_index():
