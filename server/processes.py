@@ -11,18 +11,33 @@ import os
 from pathlib import Path
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of process `pid`, from /proc/<pid>/stat; None where
-    that cannot be read (no /proc: not Linux; the process just went; a /proc mounted hidepid)."""
+def _fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat from field 3 (state) on; None where that cannot be read (no /proc: not
+    Linux; the process just went; a /proc mounted hidepid)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
-    fields = text[text.rfind(b")") + 1 :].split()  # after the command name, which may hold spaces and ')'
+    return text[text.rfind(b")") + 1 :].split()  # after the command name, which may hold spaces and ')'
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of process `pid`, from /proc/<pid>/stat; None where
+    that cannot be read."""
+    fields = _fields(pid)
     try:
         return fields[0].decode(), int(fields[19])  # fields 3 (state) and 22 (starttime) of proc(5)
-    except (IndexError, ValueError, UnicodeDecodeError):
+    except (TypeError, IndexError, ValueError, UnicodeDecodeError):  # TypeError: None, not read
         return None
+
+
+def _parent(pid: int) -> int:
+    """Process `pid`'s parent's pid (field 4 of proc(5)); 0 where not known."""
+    fields = _fields(pid)
+    try:
+        return int(fields[1])
+    except (TypeError, IndexError, ValueError):  # TypeError: None, not read
+        return 0
 
 
 def process_start(pid: int) -> int:
@@ -58,12 +73,15 @@ class ExitWith:
 
     The pid was on serve's command line, so its process started no later than serve itself: a later
     start time already at the first look is a process that took the pid after the named one had gone,
-    and counts as gone too (as does another start time at a later look: exited)."""
+    and counts as gone too (as does another start time at a later look: exited). Except serve's own child:
+    `engine & exec serve --exit-with-pid $!` runs serve in the shell's process, whose start time (the
+    shell's) is older than its background job's. Serve starts no process before it looks, so a child of its
+    own is one the shell started, not one that took the pid since."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.start = pid, process_start(pid)
         mine = process_start(os.getpid())
-        self._reused = 0 < mine < self.start
+        self._reused = 0 < mine < self.start and _parent(pid) != os.getpid()
 
     def gone(self) -> bool:
         return self._reused or exited(self.pid, self.start)

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 
 from dspark_sidecar.client import agreement, shm_agreement
-from dspark_sidecar.client.agreement import DistAgreement, LocalAgreement, agreement_from, node_agreement
+from dspark_sidecar.client.agreement import (
+    DistAgreement, LocalAgreement, agreement_from, all_min_ints, node_agreement,
+)
 
 
 @pytest.fixture
@@ -70,3 +72,18 @@ def test_ranks_that_cannot_share_a_page_keep_gloo_and_say_why(one_rank_group, mo
         got = node_agreement(None, timeout_s=5.0)
     assert isinstance(got, DistAgreement) and got.all_min(torch.tensor([4, -2])).tolist() == [4, -2]
     assert "engine ranks agree over gloo, not a shared-memory page: rank 0: " in caplog.text, caplog.text
+
+
+def test_one_rank_s_values_come_back_as_they_are_with_nothing_asked_of_its_agreement():
+    """all_min_ints at TP 1 (a one-rank page or gloo group, as vLLM's TP 1 group builds): nothing to agree with, so
+    neither a collective nor a tensor built and read (two of those cost several us of the shim's step)."""
+    class OneRank:
+        world_size = 1
+
+        def all_min(self, values):
+            raise AssertionError("a tensor agreement asked of one rank")
+
+        def all_min_ints(self, values):
+            raise AssertionError("an agreement asked of one rank")
+
+    assert all_min_ints(OneRank(), [1, -0, 1 << 62, -(1 << 63)]) == [1, 0, 1 << 62, -(1 << 63)]

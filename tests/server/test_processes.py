@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dspark_sidecar.server import processes
 from dspark_sidecar.server.processes import ExitWith, exited, process_start
+from helpers.waiting import wait_until
 
 # A watcher started after the watched process (as serve is after its starter): for each line on stdin,
 # whether the process argv[1] names is gone.
@@ -18,6 +19,17 @@ WATCHER = """
 import sys
 from dspark_sidecar.server.processes import ExitWith
 w = ExitWith(int(sys.argv[1]))
+for _ in sys.stdin:
+    print(w.gone(), flush=True)
+"""
+# The same watcher exec'd by a shell right after it started the watched process in the background (argv[1]: $!):
+# first says the pid, and whether that process started after the one the watcher runs in.
+EXEC_WATCHER = """
+import os, sys
+from dspark_sidecar.server.processes import ExitWith, process_start
+pid = int(sys.argv[1])
+w = ExitWith(pid)
+print(pid, process_start(pid) > process_start(os.getpid()), flush=True)
 for _ in sys.stdin:
     print(w.gone(), flush=True)
 """
@@ -44,16 +56,45 @@ def test_the_watched_process_is_gone_once_it_exits_even_unreaped():
         watched.wait()
 
 
+def test_a_job_started_in_the_background_before_serve_was_exec_d_is_the_one_named():
+    """`engine & exec dspark-sidecar serve --exit-with-pid $!` (a container's entrypoint, a unit's script): serve runs
+    in the shell's process, with the shell's start time, older than its background job's. Read as a process that
+    took the pid after serve started, the running engine was gone at once: serve refused to start beside it ("process
+    N is not running", exit 2). It is serve's own child (the shell's job), which no later process can be."""
+    shell = subprocess.Popen(["sh", "-c", 'sleep 0.05; sleep 60 & exec "$0" -c "$1" $!', sys.executable, EXEC_WATCHER],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pid = 0
+    try:
+        def gone() -> str:
+            shell.stdin.write("?\n")
+            shell.stdin.flush()
+            return shell.stdout.readline().strip()
+
+        named, later = shell.stdout.readline().split()
+        pid = int(named)
+        assert later == "True"  # started 50 ms after the shell: a later clock tick than the watcher's own start
+        assert gone() == "False"
+        os.kill(pid, signal.SIGKILL)  # exited, and left a zombie: the watcher does not reap its child
+        wait_until(lambda: gone() == "True", 10, "the killed job read as gone")
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)  # a zombie until the watcher ends
+        shell.stdin.close()
+        shell.wait()
+
+
 def test_a_process_started_after_this_one_is_not_the_one_named():
     """Its pid was on the command line, so the named process predates serve: a later start time means the pid
-    was already reused, and the one named had gone."""
-    later = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    was already reused, and the one named had gone. The later process is not this one's child (a shell that
+    started it has exited): serve's own child is the one a shell started before it exec'd serve (below)."""
+    later = int(subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True,
+                               check=True).stdout)
     try:
-        assert ExitWith(later.pid).gone()
+        assert process_start(later) > process_start(os.getpid()) and processes._parent(later) != os.getpid()
+        assert ExitWith(later).gone()
         assert not ExitWith(os.getppid()).gone()  # the process that started this one: running, and earlier
     finally:
-        later.kill()
-        later.wait()
+        os.kill(later, signal.SIGKILL)
 
 
 def test_the_watched_pid_taken_by_another_process_is_gone(monkeypatch):
@@ -152,3 +193,24 @@ def test_the_named_process_is_not_read_as_reused_when_this_one_s_start_is_not_kn
     monkeypatch.setattr(processes, "_stat", lambda pid: None if pid == me else real(pid))
     w = ExitWith(parent)
     assert w.start > 0 and not w.gone()
+
+
+def test_a_dead_process_still_in_proc_is_exited(monkeypatch):
+    """State X (dead: its last moment in /proc, past the zombie's) is an exit as Z is; kill(pid, 0) may still find
+    the pid then."""
+    parent = os.getppid()
+    w = ExitWith(parent)
+    real = processes._stat
+    monkeypatch.setattr(processes, "_stat", lambda pid: ("X", w.start) if pid == parent else real(pid))
+    assert w.gone() and exited(parent, w.start) and exited(parent)
+
+
+def test_a_stat_line_cut_short_is_read_as_not_known_not_raised(monkeypatch):
+    """A /proc/<pid>/stat with fewer fields than proc(5) lists (a kernel or a filesystem in /proc's place that
+    writes fewer): the start time is not known, and the process kill(pid, 0) finds runs. An IndexError out of it
+    ended the launcher's poll or the rank's beat, as an unreadable file would have."""
+    parent = os.getppid()
+    monkeypatch.setattr(processes.Path, "read_bytes", lambda path: b"4242 (python3) S 1 4242 4242 0")
+    assert process_start(parent) == 0
+    assert not exited(parent) and not exited(parent, 12345)
+    assert not ExitWith(parent).gone()
