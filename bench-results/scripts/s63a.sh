@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 63, run 321: this session's kernel change on a GPU (runtime.same_device on every Triton op: attention,
 # attn_prelude, qk_norm_rope, write_kv, rms_norm), with every gpu test of tests/kernels/triton; the warm-up's move
-# to server/warmup.py and review 364's graph test with the server's gpu tests of both; the demo over the doorbell;
-# then issue 8's line (bench modes c and h at R = 1 and 8, context 4096).
+# to server/warmup.py and review 364's graph test with the server's gpu tests of both; the demo over the doorbell.
+# (No bench: nothing of this session is on the graphed step's or the shim's timed path.)
 set -uo pipefail
 rm -rf /tmp/dspark-site
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site .whl/*.whl 2>/dev/null
@@ -25,7 +25,3 @@ t0=$(date +%s)
 timeout 90 python3 -m dspark_sidecar demo --device cuda --tp 1 --required-tp 1 --transport doorbell --dtype bf16 \
   --rounds 30 > "$OUT/demo-bf16.log" 2>&1
 echo "demo rc $? in $(( $(date +%s) - t0 )) s"; tail -6 "$OUT/demo-bf16.log" | cut -c1-220
-t0=$(date +%s)
-timeout 150 python3 -m dspark_sidecar bench --modes c,h --reqs 1,8 --contexts 4096 --repeats 100 --shim-phases \
-  --out-dir "$OUT"/ch > "$OUT"/bench-ch.log 2>&1
-echo "bench c,h rc $? in $(( $(date +%s) - t0 )) s"; grep -v " INFO " "$OUT"/bench-ch.log | tail -24 | cut -c1-240
