@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -120,6 +122,26 @@ class SidecarLauncher:
             time.sleep(0.2)
         if self.proc.poll() is not None:  # served by someone else's sidecar, started since the check above
             raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log_tail()}")
+        # ... or started since, with this serve still importing: it refuses the folder only seconds later (exit 75).
+        others = [r for r in range(self.tp) if not self._own_rank(r)]
+        if others:
+            raise RuntimeError(f"another sidecar serves on {self.socket_dir} (ranks {others}), started as this one "
+                               "was: stop it first, or start this one in another folder")
+
+    def _own_rank(self, rank: int) -> bool:
+        """Whether rank's socket is listened on by this launcher's sidecar: by a process in the session its serve
+        leads (its ranks are serve's children; SO_PEERCRED names the process that listens). A socket nobody answers
+        on now, or whose process has exited since, tells nothing of another sidecar: not held against it."""
+        assert self.proc is not None
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            try:
+                s.connect(str(layout.rank_socket(self.socket_dir, rank)))
+                pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+                # pid 0: a process of another pid namespace (another container's sidecar), never ours
+                return pid > 0 and os.getsid(pid) == self.proc.pid
+            except OSError:
+                return True
 
     @property
     def exited(self) -> bool:

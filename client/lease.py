@@ -30,6 +30,7 @@ class EngineLease:
         self._sock: socket.socket | None = None
         self._path = ""
         self._token = 0
+        self._taking: socket.socket | None = None  # the socket of a take under way: a fork's child closes it too
         _ALL.add(self)
 
     def token(self, path: str, deadline_s: float) -> int:
@@ -42,7 +43,7 @@ class EngineLease:
         if self._sock is not None and path == self._path and self._open():
             return self._token
         self.close()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = self._taking = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # One deadline for the whole take, not each socket call's: a peer sending the token a byte at a time,
         # each within the timeout, held the bind up to 9x its deadline (connect's wait, then each of 8 recvs).
         end = time.monotonic() + deadline_s
@@ -50,16 +51,19 @@ class EngineLease:
             sock.settimeout(deadline_s)
             _connect(sock, path, end)
             token = TOKEN.unpack(_read_exactly(sock, TOKEN.size, end))[0]
+            if token:  # the protocol's tokens are never 0; a peer sending one is no sidecar's lease socket
+                self._sock, self._path, self._token = sock, path, token
         except (OSError, EOFError) as err:  # no socket there, refused, full (closed before the token), too slow
             sock.close()
             log.warning("no lease from the sidecar's %s (%s): this binding will outlive this process if it dies "
                         "(the sidecar keeps its KV cache mapped until a re-bind or its own exit)", path, err)
             return 0
-        if not token:  # the protocol's tokens are never 0; a peer sending one is no sidecar's lease socket
+        finally:
+            self._taking = None  # once the socket is the lease's (or given up): a fork meanwhile finds it as either
+        if not token:
             sock.close()
             log.warning("the sidecar's %s sent lease token 0: not a lease; binding without one", path)
             return 0
-        self._sock, self._path, self._token = sock, path, token
         return token
 
     @property
@@ -133,11 +137,13 @@ def _connect_by(sock: socket.socket, address: str, end: float) -> None:
 def _forget_in_child() -> None:
     """A forked child's copies of the leases' descriptors closed (the parent's stay open): a lease ends only
     when its last descriptor does, so a child the engine forked (a worker pool, a helper) that kept it kept the
-    engine's binding at the sidecar after the engine ended. A lease the child needs, it takes itself."""
+    engine's binding at the sidecar after the engine ended. A lease the child needs, it takes itself. A take under
+    way in another thread of the parent (connected, its token not read yet) too: that socket becomes the lease there."""
     for lease in list(_ALL):
-        if lease._sock is not None:
-            lease._sock.close()
-        lease._sock, lease._path, lease._token = None, "", 0
+        for sock in (lease._sock, lease._taking):
+            if sock is not None:
+                sock.close()
+        lease._sock, lease._path, lease._token, lease._taking = None, "", 0, None
 
 
 _ALL: weakref.WeakSet[EngineLease] = weakref.WeakSet()

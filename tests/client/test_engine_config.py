@@ -11,7 +11,7 @@ import torch
 
 from dspark_sidecar.client import shim as S
 from dspark_sidecar.client.binding import Binding
-from dspark_sidecar.client.config import BreakerConfig, EngineConfig, EngineConfigError
+from dspark_sidecar.client.config import BreakerConfig, EngineConfig, EngineConfigError, config_refusal
 from dspark_sidecar.client.forward_context import set_forward_context
 from dspark_sidecar.client.shim import DrafterShim
 from helpers.engine_fakes import FakeModel, FakeServer, FakeSidecar, shm_kv_cache, short_socket_dir, step_inputs
@@ -198,3 +198,24 @@ def test_the_agreement_outwaits_every_bounded_wait_between_two_agreements(c, b, 
 def test_a_transport_the_shim_has_not_is_named(transport):
     with pytest.raises(EngineConfigError, match="^transport: one of"):
         EngineConfig(tp_size=4, transport=transport)
+
+
+@pytest.mark.parametrize("threshold", [0, -1, True, 2.0, float("nan"), float("inf"), "3", None])
+def test_a_breaker_threshold_that_is_no_count_of_failures_is_named(threshold):
+    """A whole number of failures, at least 1: 0 or -1 (meant as "never", say) opened the breaker at the first failure
+    as 1 does, nan or inf never opened it (`failures >= nan` is never true), and True passed as one failure."""
+    with pytest.raises(EngineConfigError, match=r"^breaker\.failure_threshold: must be >= 1"):
+        BreakerConfig(failure_threshold=threshold)
+    assert BreakerConfig(failure_threshold=1).failure_threshold == 1
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("tp_size", 2, "TP 2 != 4"), ("dp_size", 2, "DP > 1"), ("pp_size", 2, "PP > 1"),
+    ("speculative_method", "eagle", "no DSpark draft"), ("num_speculative_tokens", 5, "7 speculative tokens required"),
+    ("endpoint", "", "no sidecar endpoint configured"),
+])
+def test_each_deployment_refusal_alone_and_none_for_a_deployment_that_can_forward(field, value, why):
+    """config_refusal: each engine-side check on its own (the others passing), and None where all pass."""
+    good = dict(tp_size=4, endpoint="unix:/run/dspark-sidecar/rank0.sock")
+    assert config_refusal(EngineConfig(**good)) is None
+    assert config_refusal(EngineConfig(**(good | {field: value}))) == why

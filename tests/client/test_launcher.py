@@ -22,6 +22,12 @@ class _Started:
     def poll(self):
         return self.returncode
 
+    def send_signal(self, sig):  # stop(): it exits on the signal
+        self.returncode = -sig
+
+    def wait(self, timeout=None):
+        return self.returncode
+
 
 @pytest.fixture
 def started(monkeypatch):
@@ -111,6 +117,74 @@ def test_start_does_not_return_a_sidecar_whose_own_serve_has_exited(monkeypatch,
             s.stop()
 
 
+def test_start_does_not_return_another_sidecar_that_serves_while_its_own_serve_still_starts(monkeypatch, started):
+    """The folder free at start()'s check, another sidecar serving there at the first look at health, and this
+    launcher's serve still running: it refuses the folder only after its imports (exit 75, seconds later), so the
+    check of its exit after the wait passed and start() returned the other sidecar (two real starters 2.5 s apart:
+    the second's start() returned at once, its serve exited 75 a second later; started together, one's rank lost
+    the socket's lock and its serve exited 1 after start() had returned). A rank is this launcher's only where the
+    process listening on its socket is in the session its serve leads; here the other one listens in this one's."""
+    folder = short_socket_dir()
+    servers: list[FakeServer] = []
+    procs: list[_Started] = []
+
+    def popen(argv, **kw):  # the other sidecar comes up as this serve starts, which runs on (importing)
+        servers.append(FakeServer(FakeSidecar(0, 1), folder / "rank0.sock").start())
+        procs.append(started(argv, **kw))
+        return procs[-1]
+
+    monkeypatch.setattr(L.subprocess, "Popen", popen)
+    try:
+        with pytest.raises(RuntimeError, match=r"another sidecar serves on .* \(ranks \[0\]\)"):
+            SidecarLauncher(folder, tp=1, ready_timeout_s=1.0).start()
+    finally:
+        for s in servers:
+            s.stop()
+    assert procs[0].returncode == -15, "the serve of a start that returned no sidecar of its own was not stopped"
+
+
+# A `serve` with one rank (its child) listening on the folder's rank0.sock, as serve's ranks do.
+_LISTENING_SERVE = """
+import subprocess, sys
+rank = "import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(8); " \\
+       "print('listening', flush=True); time.sleep(120)"
+subprocess.run([sys.executable, "-c", rank, sys.argv[1]])
+"""
+
+
+def test_start_returns_its_own_sidecar_whose_ranks_are_children_of_its_serve(monkeypatch):
+    """The other side of the check above: a rank listening from a process of this launcher's serve (its child,
+    in its session) is this launcher's sidecar, and start() returns it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from helpers.waiting import wait_until
+
+    folder = short_socket_dir()
+    real_popen, procs = subprocess.Popen, []
+
+    def popen(argv, **kw):
+        procs.append(real_popen([sys.executable, "-c", _LISTENING_SERVE, str(folder / "rank0.sock")], **kw))
+        return procs[-1]
+
+    monkeypatch.setattr(L.subprocess, "Popen", popen)
+
+    def healthy(self, deadline_s=1.0):  # serving once its rank listens
+        wait_until(lambda: "listening" in self.log_tail(), 30, "the rank's first line", watch=procs[0])
+        return [True] * self.tp
+
+    monkeypatch.setattr(SidecarLauncher, "healthy", healthy)
+    sc = SidecarLauncher(folder, tp=1, exit_with_starter=False)
+    try:
+        assert sc.start() is sc and not sc.exited
+    finally:
+        for p in procs:  # the serve and its rank: the whole group (the serve, not reaped yet, keeps it)
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def test_a_start_interrupted_while_waiting_for_serving_stops_the_sidecar_it_started(monkeypatch):
     """The sidecar runs in a session of its own, out of reach of the starter's Ctrl-C, and `with` calls
     __exit__ (stop) only once __enter__ (start) has returned: a Ctrl-C (or any exception) during start()'s
@@ -193,6 +267,41 @@ def test_stop_kills_the_whole_group_of_a_sidecar_that_ignores_sigterm():
             sc.proc.wait()
         if rank_pid and alive(rank_pid):
             os.kill(rank_pid, 9)
+        sc.proc.stdout.close()
+
+
+# A `serve` with three children: a helper that is no rank (no RANK in its environment), then rank 1, then rank 0;
+# prints their pids in that order once each runs (/proc/PID/environ is empty for a moment after Popen returns).
+_RANKED_SERVE = """
+import os, subprocess, sys
+child = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"]
+env = {k: v for k, v in os.environ.items() if k != "RANK"}
+procs = [subprocess.Popen(child, env=e, stdout=subprocess.PIPE, text=True)
+         for e in (env, dict(env, RANK="1"), dict(env, RANK="0"))]
+for p in procs:
+    p.stdout.readline()
+print(*(p.pid for p in procs), flush=True)
+procs[0].wait()
+"""
+
+
+def test_rank_pids_are_the_serve_s_children_carrying_rank_in_rank_order():
+    """rank_pids() (kill_rank's victim, the tests' crash of rank r) reads RANK from each child's environment: in rank
+    order whatever order serve spawned them in, and a child of serve's that is no rank left out."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    sc = SidecarLauncher(short_socket_dir(), tp=2, exit_with_starter=False)
+    sc.proc = subprocess.Popen([sys.executable, "-c", _RANKED_SERVE], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        _helper, rank1, rank0 = map(int, sc.proc.stdout.readline().split())
+        assert sc.rank_pids() == [rank0, rank1]
+    finally:
+        os.killpg(sc.proc.pid, signal.SIGKILL)  # serve and its children: its group
+        sc.proc.wait()
         sc.proc.stdout.close()
 
 

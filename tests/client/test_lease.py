@@ -301,6 +301,47 @@ def test_a_child_the_engine_forks_does_not_hold_its_lease():
         k.close()
 
 
+def test_a_child_forked_while_the_lease_is_being_taken_does_not_hold_it():
+    """The fork above, while another thread of the engine takes the lease (connected, its token not read yet: up to
+    the bind's deadline from a slow keeper): the socket was not the lease's yet, so the child's copy stayed open
+    (seen: the keeper read no end of the lease after the engine closed it, for as long as the child lived)."""
+    path = str(short_socket_dir() / "rank0.lease")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    lease = EngineLease()
+    got: list[int] = []
+    taking = threading.Thread(target=lambda: got.append(lease.token(path, 10)), daemon=True)
+    r, w = os.pipe()
+    try:
+        taking.start()
+        conn, _ = srv.accept()  # the take is under way: connected, waiting for its token
+        with conn:
+            pid = os.fork()
+            if pid == 0:  # the child: lives until the parent says
+                os.read(r, 1)
+                os._exit(0)
+            try:
+                conn.sendall((7).to_bytes(8, "little"))
+                taking.join(10)
+                assert got == [7]
+                lease.close()  # as the engine's exit would
+                conn.settimeout(5)  # a bound on a hang only: the end comes at once
+                try:
+                    end = conn.recv(1)
+                except TimeoutError:
+                    end = None
+                assert end == b"", "the forked child kept the lease open after the engine closed it"
+            finally:
+                os.write(w, b"x")
+                os.waitpid(pid, 0)
+    finally:
+        os.close(r)
+        os.close(w)
+        lease.close()
+        srv.close()
+
+
 def test_a_lease_from_another_socket_is_given_up_for_one_from_the_socket_named():
     """The sidecar's status named another lease socket (another rank, a new socket folder): a token of the old
     one's is LEASE_LOST there, and kept open the old lease held its binding."""
@@ -326,6 +367,23 @@ def test_a_peer_that_sends_token_0_gives_no_lease_and_is_let_go(caplog):
             t.join(10)
         assert got == [b""] and "sent lease token 0" in caplog.text
     finally:
+        srv.close()
+
+
+def test_after_a_token_0_the_next_take_at_that_path_is_a_new_one():
+    """The socket a token 0 came on is given up, not kept as the lease: the next take at the same path (a keeper
+    there now) connects anew and gets its token."""
+    path, _, t, srv = _peer(bytes(8))
+    lease = EngineLease()
+    try:
+        assert lease.token(path, 5) == 0
+        t.join(10)
+        answer = threading.Thread(target=lambda: srv.accept()[0].sendall((7).to_bytes(8, "little")), daemon=True)
+        answer.start()  # the same listener answers the next connection with a token
+        assert lease.token(path, 5) == 7 and lease.held == 7
+        answer.join(10)
+    finally:
+        lease.close()
         srv.close()
 
 
