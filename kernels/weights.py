@@ -79,9 +79,13 @@ class MxFp8Weight:
 
     @classmethod
     def quantize(cls, w: torch.Tensor, block: int = 32) -> MxFp8Weight:
-        """Quantize a dense weight exactly as the checkpoint writer does; a non-finite weight, or one
-        needing a block scale above 2^(MAX_EXPONENT - 127), is refused (ValueError), as
-        from_checkpoint refuses NaN codes and such scales."""
+        """Quantize a dense weight exactly as the checkpoint writer does; a weight that is not [out, in] of
+        whole blocks, a non-finite weight, or one needing a block scale above 2^(MAX_EXPONENT - 127), is
+        refused (ValueError), as from_checkpoint refuses NaN codes and such scales."""
+        # Before quantize_mxfp8's reshape, whose RuntimeError (or ZeroDivisionError) named neither the weight
+        # nor the block, and which convert_layer_weights does not catch to name the layer.
+        if w.dim() != 2 or block < 1 or w.shape[1] % block:
+            raise ValueError(f"MxFp8Weight.quantize: weight {list(w.shape)} is not whole blocks of {block} per row")
         if not torch.isfinite(w).all():  # NaN would land on the NaN code, which the kernels read as finite
             raise ValueError(f"MxFp8Weight.quantize: {int((~torch.isfinite(w)).sum())} non-finite weights")
         q, s = quantize_mxfp8(w, block)

@@ -99,3 +99,80 @@ def test_a_weight_needing_exactly_the_largest_block_scale_is_kept(tiny_cfg):
     w[0, 0] = 448.0 * 2 ** 7 + 1024
     with pytest.raises(ValueError, match="block exponent 135 above 134"):
         MxFp8Weight.quantize(w, tiny_cfg.quant_block)
+
+
+@pytest.mark.parametrize("cols, block", [(40, 32), (16, 32), (64, 0), (64, -32)], ids=str)
+def test_a_weight_that_is_not_whole_blocks_is_refused_as_a_value_error(cols, block):
+    """An input dim that is not whole blocks (or a block below 1) reached quantize_mxfp8's reshape first:
+    a RuntimeError ("shape '[2, 1, 32]' is invalid for input of size 80") or ZeroDivisionError, which
+    convert_layer_weights does not name the layer of, where the container refuses such a weight as a ValueError."""
+    with pytest.raises(ValueError, match=rf"MxFp8Weight.quantize: weight \[2, {cols}\] is not whole blocks of {block}"):
+        MxFp8Weight.quantize(torch.randn(2, cols), block)
+
+
+def test_the_container_refuses_scales_it_cannot_pair_with_the_weight():
+    """A scale of another dtype than U8, or a weight whose input dim is not whole blocks, is refused when the
+    MxFp8Weight is built: the kernels would read the bytes as exponents, or a short last block, silently."""
+    q = torch.zeros(2, 64, dtype=torch.float8_e4m3fn)
+    assert MxFp8Weight(q, torch.zeros(2, 2, dtype=torch.uint8)).shape == (2, 64)
+    with pytest.raises(TypeError, match="need float8_e4m3fn \\+ uint8, got torch.float8_e4m3fn \\+ torch.int32"):
+        MxFp8Weight(q, torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"scale shape \[2, 1\] does not match weight \[2, 40\] with block 32"):
+        MxFp8Weight(torch.zeros(2, 40, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, dtype=torch.uint8))
+
+
+def test_a_block_other_than_32_is_kept_by_quantize_views_and_concatenation():
+    """config.json's weight_block_size [1, B]: every MxFp8Weight made from one of block B (a row slice, a fused
+    q|k|v) keeps B, and its bytes are 1 per weight plus 1 per block."""
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    weight = MxFp8Weight.quantize(w, 16)
+    assert weight.block == 16 and weight.scale.shape == (4, 4) and weight.nbytes == 4 * 64 + 4 * 4
+    dense = weight.dequantize(torch.float32)
+    assert weight.dequantize().dtype == torch.bfloat16 and torch.equal(weight.dequantize(), dense.bfloat16())
+    part = weight[1:3]
+    assert part.block == 16 and torch.equal(part.dequantize(torch.float32), dense[1:3])
+    fused = MxFp8Weight.cat([weight[:1], weight[1:]])
+    assert fused.block == 16 and torch.equal(fused.dequantize(torch.float32), dense)
+    with pytest.raises(ValueError, match="different blocks"):
+        MxFp8Weight.cat([weight, MxFp8Weight.quantize(w, 32)])
+
+
+def test_from_checkpoint_refuses_what_is_no_mxfp8_block_slice_naming_the_key(tiny_cfg, tiny_ckpt):
+    """A column slice whose end cuts a block, or a key stored dense, is a CheckpointError naming the key (not the
+    container's ValueError on shapes); the slice lands on the device asked for."""
+    from dspark_sidecar.drafter.checkpoint import PREFIX, CheckpointError, layer_prefix
+
+    reader = CheckpointReader(tiny_ckpt[0], torch.float32, tiny_cfg.quant_block)
+    key = f"{layer_prefix(0)}mlp.down_proj.weight"
+    shape = (tiny_cfg.hidden_size, tiny_cfg.ffn_hidden_size)
+    with pytest.raises(CheckpointError, match=rf"{key}: column slice .* cuts MXFP8 blocks of 32"):
+        MxFp8Weight.from_checkpoint(reader, key, shape, cols=slice(0, 40))
+    fc = f"{PREFIX}fc.weight"
+    with pytest.raises(CheckpointError, match=rf"{fc}: dtype torch.bfloat16, expected F8_E4M3"):
+        MxFp8Weight.from_checkpoint(reader, fc, (tiny_cfg.hidden_size, tiny_cfg.tap_size))
+    on_meta = MxFp8Weight.from_checkpoint(reader, key, shape, cols=slice(0, 64), device="meta")
+    assert on_meta.device.type == "meta" and on_meta.scale.device.type == "meta" and on_meta.shape == (shape[0], 64)
+
+
+def test_mxfp8_layers_are_not_norm_folded_and_dense_ones_are_when_asked(tiny_cfg, tiny_ckpt):
+    """prepare_layer_weights: --weights mxfp8 keeps the linears quantized on every backend, the Triton one
+    (fold=True) included (an MXFP8 block shares one scale across columns that (1 + w) would change apart);
+    dense weights are folded only when asked."""
+    from dspark_sidecar.kernels.weights import NormFolded, prepare_layer_weights
+
+    for mode, fold, kind in (("mxfp8", True, MxFp8Weight), ("bf16", True, NormFolded), ("bf16", False, torch.Tensor)):
+        model = _model(tiny_cfg, tiny_ckpt)
+        prepare_layer_weights(model, mode, tiny_cfg.quant_block, fold=fold)
+        assert all(isinstance(layer.qkv_proj.weight, kind) for layer in model.layers), (mode, fold)
+
+
+def test_a_norm_that_does_not_match_the_weight_s_columns_is_refused():
+    """NormFolded.fold scales column j by (1 + w[j]): a norm of one element broadcast to every column and
+    one of the row count are refused, not folded."""
+    from dspark_sidecar.kernels.weights import NormFolded
+
+    w = torch.randn(4, 3)
+    assert NormFolded.fold(w, torch.zeros(3)).weight.equal(w)
+    for norm in (torch.zeros(1), torch.zeros(4)):
+        with pytest.raises(ValueError, match=rf"NormFolded: norm \[{norm.numel()}\] does not match weight \[4, 3\]"):
+            NormFolded.fold(w, norm)
