@@ -30,22 +30,29 @@ def test_requantizing_the_loaded_checkpoint_weights_is_exact(tiny_cfg, tiny_ckpt
             assert torch.equal(MxFp8Weight.quantize(w, tiny_cfg.quant_block).dequantize(torch.float32), w)
 
 
+def _commit_and_step(cfg, embed, models, lens, seed, spare=0, check_commit=False):
+    """Each model commits the same random context rows into its own fp32 cache, then drafts the same step on it:
+    [(its cache's layers, its hidden states)]. check_commit: the caches are bit-equal after the commit (before
+    the step writes its block rows)."""
+    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens) + spare
+    step = scenario.random_step(cfg, lens, PAGE, pages, embed, seed=seed)
+    pos, slots = scenario.context_rows(step.meta, PAGE)
+    taps = scenario.random_taps(cfg, pos.numel(), seed=seed + 1, dtype=torch.float32)
+    kvs = [allocate_kv_cache(cfg, 1, pages, PAGE, torch.float32) for _ in models]
+    for m, kv in zip(models, kvs):
+        m.commit_context(taps, pos, slots, kv)
+    if check_commit:
+        assert all(torch.equal(a, b) for kv in kvs[1:] for a, b in zip(kvs[0], kv))
+    return [(kv, m.draft_step(step.inputs_embeds, step.positions, step.meta, kv)) for m, kv in zip(models, kvs)]
+
+
 def test_mxfp8_layers_give_bit_identical_steps_and_commits(tiny_cfg, tiny_ckpt, tiny_embed):
     dense = _model(tiny_cfg, tiny_ckpt)
     quant = _model(tiny_cfg, tiny_ckpt).convert_layer_weights(lambda w: MxFp8Weight.quantize(w, tiny_cfg.quant_block))
     assert all(isinstance(layer.down_proj.weight, MxFp8Weight) for layer in quant.layers)
-    lens = [5, 300, 4096 + 20]
-    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens) + 1
-    step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=4)
-    pos, slots = scenario.context_rows(step.meta, PAGE)
-    taps = scenario.random_taps(tiny_cfg, pos.numel(), seed=5, dtype=torch.float32)
-    kv_d, kv_q = (allocate_kv_cache(tiny_cfg, 1, pages, PAGE, torch.float32) for _ in range(2))
-    dense.commit_context(taps, pos, slots, kv_d)
-    quant.commit_context(taps, pos, slots, kv_q)
-    assert all(torch.equal(a, b) for a, b in zip(kv_d, kv_q))
-    out_d = dense.draft_step(step.inputs_embeds, step.positions, step.meta, kv_d)
-    out_q = quant.draft_step(step.inputs_embeds, step.positions, step.meta, kv_q)
-    assert torch.equal(out_d, out_q)
+    (kv_d, out_d), (kv_q, out_q) = _commit_and_step(tiny_cfg, tiny_embed, [dense, quant], [5, 300, 4096 + 20],
+                                                     seed=4, spare=1, check_commit=True)
+    assert torch.equal(out_d, out_q) and all(torch.equal(a, b) for a, b in zip(kv_d, kv_q))
 
 
 def test_folded_norm_layers_commit_k_v_from_the_weights_as_loaded(tiny_cfg, tiny_ckpt, tiny_embed):
@@ -57,17 +64,8 @@ def test_folded_norm_layers_commit_k_v_from_the_weights_as_loaded(tiny_cfg, tiny
     dense = _model(tiny_cfg, tiny_ckpt)
     folded = _model(tiny_cfg, tiny_ckpt).fold_norms(NormFolded.fold)
     assert all(isinstance(layer.qkv_proj.weight, NormFolded) for layer in folded.layers)
-    lens = [5, 40]
-    pages = sum(scenario.pages_needed(c + 7, PAGE) for c in lens)
-    step = scenario.random_step(tiny_cfg, lens, PAGE, pages, tiny_embed, seed=6)
-    pos, slots = scenario.context_rows(step.meta, PAGE)
-    taps = scenario.random_taps(tiny_cfg, pos.numel(), seed=7, dtype=torch.float32)
-    kv_d, kv_f = (allocate_kv_cache(tiny_cfg, 1, pages, PAGE, torch.float32) for _ in range(2))
-    dense.commit_context(taps, pos, slots, kv_d)
-    folded.commit_context(taps, pos, slots, kv_f)
-    assert all(torch.equal(a, b) for a, b in zip(kv_d, kv_f))
-    out_d = dense.draft_step(step.inputs_embeds, step.positions, step.meta, kv_d)
-    out_f = folded.draft_step(step.inputs_embeds, step.positions, step.meta, kv_f)
+    (kv_d, out_d), (kv_f, out_f) = _commit_and_step(tiny_cfg, tiny_embed, [dense, folded], [5, 40], seed=6,
+                                                     check_commit=True)
     torch.testing.assert_close(out_f, out_d, rtol=1e-5, atol=1e-5)
     for a, b in zip(kv_d, kv_f):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
