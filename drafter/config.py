@@ -119,6 +119,9 @@ class DrafterConfig:
 
     def check_tp(self, world_size: int) -> None:
         """Raise ConfigError unless this config shards evenly over `world_size` ranks."""
+        # 0 raised ZeroDivisionError below, and a negative size divides every field (8 % -4 == 0): refused here.
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ConfigError(f"TP size: must be a positive integer, got {world_size!r}")
         checks = (
             ("num_attention_heads", self.num_attention_heads),
             ("num_key_value_heads", self.num_key_value_heads),

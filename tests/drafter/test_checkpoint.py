@@ -119,6 +119,7 @@ NORM = f"{PREFIX}layers.2.decoder_layer.input_layernorm.weight"
 
 @pytest.mark.parametrize("key, corrupt, match", [
     (Q, lambda t: t.view(torch.uint8).flatten().__setitem__(5, 0x7F), rf"{Q}: 1 non-finite .*F8_E4M3 NaN codes"),
+    (Q, lambda t: t.view(torch.uint8).flatten().__setitem__(5, 0xFF), rf"{Q}: 1 non-finite .*F8_E4M3 NaN codes"),
     # E8M0 NaN (255), or any exponent past 2^7 (finite in bf16, so it would load): named by the scale
     (Q + "_scale_inv", lambda t: t.flatten().__setitem__(0, 255), rf"{Q}_scale_inv: block exponent 255 above 134"),
     (Q + "_scale_inv", lambda t: t.flatten().__setitem__(0, 135), rf"{Q}_scale_inv: block exponent 135 above 134"),
@@ -378,3 +379,35 @@ def test_a_synthetic_copy_finished_first_by_another_process_is_used_and_a_foreig
     with pytest.raises(CheckpointError, match=rf"{out}: cannot put the synthetic checkpoint in place"):
         checkpoint.ensure_synthetic_checkpoint(tiny_cfg, seed=0)
     assert [p.name for p in out.parent.iterdir()] == [out.name]
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_check_checkpoint_names_f8_nan_codes_of_either_sign(tmp_path, tiny_ckpt, tiny_cfg, code):
+    """E4M3 has two NaN codes, S.1111.111: the negative one (0xFF) is as corrupt as 0x7F."""
+    from dspark_sidecar.drafter.checkpoint import check_checkpoint
+
+    t = load_file(str(tiny_ckpt[0] / "model.safetensors"))
+    t[Q].view(torch.uint8).flatten()[7] = code
+    d = tmp_path / "nan"
+    d.mkdir()
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"^{Q}: 1 NaN F8_E4M3 codes \(first at \[0, 7\]\)"):
+        check_checkpoint(tiny_cfg, d, tiny_ckpt[1])
+
+
+def test_check_checkpoint_takes_a_folder_without_the_engine_heads_but_not_without_fc(tmp_path, tiny_ckpt, tiny_cfg):
+    """The Markov and confidence heads run in the engine, never in the sidecar: a checkpoint without them
+    (enable_confidence_head false) serves. A missing tensor the layers need is still named."""
+    from dspark_sidecar.drafter.checkpoint import check_checkpoint
+
+    t = load_file(str(tiny_ckpt[0] / "model.safetensors"))
+    heads = [k for k in t if k.startswith((f"{PREFIX}markov_head.", f"{PREFIX}confidence_head."))]
+    assert len(heads) == 4
+    d = tmp_path / "noheads"
+    d.mkdir()
+    save_file({k: v for k, v in t.items() if k not in heads}, str(d / "model.safetensors"))
+    check_checkpoint(tiny_cfg, d, tiny_ckpt[1])
+    save_file({k: v for k, v in t.items() if k not in heads and k != f"{PREFIX}fc.weight"},
+              str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"^{PREFIX}fc.weight: missing from"):
+        check_checkpoint(tiny_cfg, d, tiny_ckpt[1])

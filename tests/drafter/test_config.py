@@ -53,6 +53,10 @@ def test_json_round_trip_and_defaults_for_missing_optional_fields():
     # graphs.py's buffers); 2**32 asked 256 Mi pages of every request at warm-up, and StatusReport's uint32
     # sliding_window raised in GetStatus (INTERNAL) for it.
     ("sliding_window", 1 << 32, "text_config.sliding_window: at most 1048576 tokens, got 4294967296"),
+    ("sliding_window", (1 << 20) + 1, "text_config.sliding_window: at most 1048576 tokens, got 1048577"),
+    # Zero is no positive number: eps 0 divides a zero row by zero, theta 0 rotates by 0 ** -x.
+    ("rms_norm_eps", 0, "text_config.rms_norm_eps: must be a positive finite number, got 0"),
+    ("rope_theta", 0.0, "text_config.rope_theta: must be a positive finite number, got 0.0"),
 ])
 def test_bad_field_is_named(key, value, field):
     data = PRESETS["tiny"].to_hf_json()
@@ -307,3 +311,18 @@ def test_check_tp_names_an_ffn_that_does_not_split_evenly():
     with pytest.raises(ConfigError, match=r"^dspark_ffn_hidden_size: 512 is not divisible by TP size 3"):
         three.check_tp(3)
     dataclasses.replace(three, ffn_hidden_size=768).check_tp(3)
+
+
+@pytest.mark.parametrize("tp", [0, -1, -4, True, 2.0])
+def test_check_tp_refuses_a_world_size_that_is_no_rank_count(tp):
+    """0 raised a raw ZeroDivisionError, and -1 (or -4) passed: every field divides by it, so the per-rank
+    slices were cut with negative sizes. True passed as one rank, 2.0 as two."""
+    with pytest.raises(ConfigError, match=r"TP size: must be a positive integer"):
+        PRESETS["tiny"].check_tp(tp)
+
+
+def test_the_largest_sliding_window_is_served():
+    """SLIDING_WINDOW_MAX itself is allowed; one more token is refused (test_bad_field_is_named)."""
+    data = PRESETS["tiny"].to_hf_json()
+    data["text_config"]["sliding_window"] = 1 << 20
+    assert DrafterConfig.from_hf_json(data).sliding_window == 1 << 20
