@@ -101,9 +101,17 @@ def _abort(context, err: SidecarError) -> None:
     context.abort_with_status(rpc_status.to_status(to_status(err)))
 
 
+def _aborted(context, exc: Exception) -> bool:
+    """True where `exc` is what grpc's context.abort() raises (a bare Exception, the call's code already set): the
+    handler's own status (or ours, from a request that did not parse) goes out untouched. Mapped, it became
+    INTERNAL "internal error: Exception: ", the handler's code and message lost."""
+    return type(exc) is Exception and not exc.args and context.code() is not None
+
+
 class StatusInterceptor(grpc.ServerInterceptor):
-    """Maps exceptions escaping unary handlers to gRPC status with rich details, and requests that do not
-    parse to INVALID_ARGUMENT (unary and streaming); servicers stay on the happy path."""
+    """Maps exceptions escaping unary handlers and the step stream to gRPC status with rich details, and requests
+    that do not parse to INVALID_ARGUMENT (unary and streaming); servicers stay on the happy path. A handler's own
+    context.abort() passes through untouched."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -127,6 +135,8 @@ class StatusInterceptor(grpc.ServerInterceptor):
                 try:
                     return inner(parsed(raw), context)
                 except Exception as exc:  # noqa: BLE001  (every failure becomes a status; none escapes)
+                    if _aborted(context, exc):
+                        raise
                     _abort(context, as_sidecar_error(exc))
 
             return grpc.unary_unary_rpc_method_handler(
@@ -144,8 +154,13 @@ class StatusInterceptor(grpc.ServerInterceptor):
 
                 try:
                     yield from inner_stream(requests(), context)
-                except SidecarError as err:  # refused before any step (e.g. a remote peer): the stream ends with it
-                    _abort(context, err)
+                # Refused before any step (e.g. a remote peer), or a failure outside any step's answer: the stream
+                # ends with it. Unmapped, an unexpected one reached the engine as UNKNOWN "Exception iterating
+                # responses: ..." with no ErrorInfo to switch on.
+                except Exception as exc:  # noqa: BLE001
+                    if _aborted(context, exc):
+                        raise
+                    _abort(context, as_sidecar_error(exc))
 
             return grpc.stream_stream_rpc_method_handler(
                 guarded_stream, request_deserializer=None, response_serializer=handler.response_serializer)

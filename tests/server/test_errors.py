@@ -64,3 +64,18 @@ def test_a_step_failure_whose_text_has_a_lone_surrogate_is_still_answered():
     step = to_step_error(as_sidecar_error(RuntimeError("socket dir /run/\udcffx is gone")))
     assert step.code == grpc.StatusCode.INTERNAL.value[0] and "/run/\\udcffx" in step.message
     assert to_status(invalid("f", "\udcff")).message == "f: \\udcff"
+
+
+def test_a_handle_the_sidecar_could_not_check_that_names_no_field_has_no_field():
+    """As HandleError's: no "field: " prefix, no field (UNAVAILABLE all the same, and MAP_EXHAUSTED likewise)."""
+    err = as_sidecar_error(HandleUncheckable("cannot check the handle's storage (status 201)"))
+    assert (err.code, err.field, err.reason) == (grpc.StatusCode.UNAVAILABLE, "", "HANDLE_UNCHECKED")
+    assert len(to_status(err).details) == 1
+    err = as_sidecar_error(HandleExhausted("cannot open shared memory (Too many open files)"))
+    assert (err.code, err.field, err.reason) == (grpc.StatusCode.UNAVAILABLE, "", "MAP_EXHAUSTED")
+
+
+def test_a_step_error_carries_the_reason_not_the_code_s_name():
+    """The engine switches on StepError.reason (STEP_STUCK, STORE_ORDER...), which a code's name cannot stand for."""
+    step = to_step_error(precondition("step 4 ran past its deadline", "STEP_STUCK"))
+    assert (step.code, step.reason) == (grpc.StatusCode.FAILED_PRECONDITION.value[0], "STEP_STUCK")

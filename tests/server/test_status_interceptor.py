@@ -103,15 +103,17 @@ def test_a_refusal_reaches_the_engine_with_its_code_reason_and_field_and_the_ser
     assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
 
 
-def test_an_unexpected_exception_is_internal_with_a_message_not_a_traceback(rig, caplog):
+@pytest.mark.parametrize("exc", [KeyError("boom"), Exception("boom")], ids=["KeyError", "Exception"])
+def test_an_unexpected_exception_is_internal_with_a_message_not_a_traceback(rig, caplog, exc):
+    """A plain Exception too: only the bare one grpc's context.abort() raises passes through untouched."""
     svc, stub = rig
-    svc.exc = KeyError("boom")
+    svc.exc = exc
     with caplog.at_level(logging.ERROR, "dspark_sidecar.server"):
         err = _refused(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10))
-    assert err.code() == grpc.StatusCode.INTERNAL and err.details() == "internal error: KeyError: 'boom'"
+    assert err.code() == grpc.StatusCode.INTERNAL and err.details() == f"internal error: {type(exc).__name__}: {exc}"
     assert _rich(err) == (error_details_pb2.ErrorInfo(reason="INTERNAL", domain=DOMAIN, metadata={"field": ""}), [])
     # The trace goes to the log, for the operator; the engine gets the line above.
-    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [KeyError]
+    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [type(exc)]
     svc.exc = None
     assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
 
@@ -251,3 +253,71 @@ def test_a_method_the_server_does_not_have_is_unimplemented_and_the_server_serve
     err = _refused(lambda: missing(b"", timeout=10))
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED, (err.code(), err.details())
     assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
+
+
+class _Aborting(_Raising):
+    """GetStatus aborts with its own status; DraftSteps answers its first step, then raises `exc` (or aborts)."""
+
+    def GetStatus(self, request, context):
+        if self.exc is not None:
+            context.abort(grpc.StatusCode.NOT_FOUND, "no such thing: ask another rank")
+        return pb.StatusReport(state="SERVING", serving=True)
+
+    def DraftSteps(self, request_iterator, context):
+        for request in request_iterator:
+            yield pb.DraftStepResponse(step_id=request.step_id)
+            if self.exc is not None:
+                if isinstance(self.exc, grpc.StatusCode):
+                    context.abort(self.exc, "the handler's own abort")
+                raise self.exc
+
+
+@pytest.fixture
+def aborting(tmp_path):
+    """(servicer, stub): as rig, around _Aborting."""
+    svc = _Aborting()
+    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[StatusInterceptor()])
+    pb_grpc.add_DrafterSidecarServicer_to_server(svc, server)
+    target = f"unix:{tmp_path / 's.sock'}"
+    server.add_insecure_port(target)
+    server.start()
+    channel = grpc.insecure_channel(target)
+    try:
+        yield svc, pb_grpc.DrafterSidecarStub(channel)
+    finally:
+        channel.close()
+        server.stop(None)
+
+
+def test_a_handler_s_own_abort_goes_out_untouched_and_the_server_serves_on(aborting):
+    """grpc's abort() raises a bare Exception once the status is set: mapped, it became INTERNAL
+    "internal error: Exception: ", the handler's code and message lost."""
+    svc, stub = aborting
+    svc.exc = RuntimeError()
+    err = _refused(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10))
+    assert (err.code(), err.details()) == (grpc.StatusCode.NOT_FOUND, "no such thing: ask another rank")
+    svc.exc = None
+    assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
+
+
+@pytest.mark.parametrize("exc, code, details, reason", [
+    (RuntimeError("worker died"), grpc.StatusCode.INTERNAL, "internal error: RuntimeError: worker died", "INTERNAL"),
+    (invalid("step_id", "reused"), grpc.StatusCode.INVALID_ARGUMENT, "step_id: reused", "INVALID_FIELD"),
+    (grpc.StatusCode.ABORTED, grpc.StatusCode.ABORTED, "the handler's own abort", None),
+], ids=["unexpected", "sidecar", "abort"])
+def test_a_failure_after_answered_steps_ends_the_stream_with_its_status_and_the_server_serves_on(aborting, exc, code,
+                                                                                                   details, reason):
+    """Unmapped, an unexpected exception mid-stream reached the engine as UNKNOWN "Exception iterating responses:
+    ..." with no ErrorInfo; a handler's own abort keeps its status."""
+    svc, stub = aborting
+    svc.exc, got = exc, []
+    with pytest.raises(grpc.RpcError) as err:
+        for r in stub.DraftSteps(iter([pb.DraftStepRequest(step_id=1), pb.DraftStepRequest(step_id=2)]), timeout=10):
+            got.append(r.step_id)
+    assert got == [1] and (err.value.code(), err.value.details()) == (code, details)
+    if reason is None:
+        assert rpc_status.from_call(err.value) is None
+    else:
+        assert _rich(err.value)[0].reason == reason
+    svc.exc = None
+    assert [r.step_id for r in stub.DraftSteps(iter([pb.DraftStepRequest(step_id=3)]), timeout=10)] == [3]
