@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from concurrent import futures
@@ -38,10 +39,9 @@ class _Raising(pb_grpc.DrafterSidecarServicer):
             yield pb.DraftStepResponse(step_id=request.step_id)
 
 
-@pytest.fixture
-def rig(tmp_path):
-    """(servicer, stub): the rank's interceptor around _Raising, on a unix socket."""
-    svc = _Raising()
+@contextlib.contextmanager
+def _served(svc, tmp_path):
+    """(svc, stub): the rank's interceptor around `svc`, on a unix socket; the stub's channel as stub.channel."""
     server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[StatusInterceptor()])
     pb_grpc.add_DrafterSidecarServicer_to_server(svc, server)
     target = f"unix:{tmp_path / 's.sock'}"
@@ -55,6 +55,13 @@ def rig(tmp_path):
     finally:
         channel.close()
         server.stop(None)
+
+
+@pytest.fixture
+def rig(tmp_path):
+    """(servicer, stub): the rank's interceptor around _Raising, on a unix socket."""
+    with _served(_Raising(), tmp_path) as served:
+        yield served
 
 
 def _refused(call) -> grpc.RpcError:
@@ -275,18 +282,8 @@ class _Aborting(_Raising):
 @pytest.fixture
 def aborting(tmp_path):
     """(servicer, stub): as rig, around _Aborting."""
-    svc = _Aborting()
-    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[StatusInterceptor()])
-    pb_grpc.add_DrafterSidecarServicer_to_server(svc, server)
-    target = f"unix:{tmp_path / 's.sock'}"
-    server.add_insecure_port(target)
-    server.start()
-    channel = grpc.insecure_channel(target)
-    try:
-        yield svc, pb_grpc.DrafterSidecarStub(channel)
-    finally:
-        channel.close()
-        server.stop(None)
+    with _served(_Aborting(), tmp_path) as served:
+        yield served
 
 
 def test_a_handler_s_own_abort_goes_out_untouched_and_the_server_serves_on(aborting):
