@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -276,29 +277,36 @@ def test_a_peer_that_closes_before_the_whole_token_gives_no_lease(caplog):
 def test_a_child_the_engine_forks_does_not_hold_its_lease():
     """The lease ends when its last descriptor closes: a forked child (a worker pool, a helper) that inherited it
     kept it, and with it the engine's binding, after the engine itself had ended."""
-    import os
-
     path = short_socket_dir() / "rank0.lease"
     k = _keeper(path)
     lease = EngineLease()
-    r, w = os.pipe()
     try:
         token = lease.token(str(path), 5)
+        with _forked_child():
+            lease.close()  # as the engine's exit would
+            assert k.lost.get(timeout=5) == token
+    finally:
+        lease.close()
+        k.close()
+
+
+@contextlib.contextmanager
+def _forked_child():
+    """A child forked here (the engine's worker, holding whatever descriptors were open), alive until the block ends."""
+    r, w = os.pipe()
+    try:
         pid = os.fork()
         if pid == 0:  # the child: lives until the parent says
             os.read(r, 1)
             os._exit(0)
         try:
-            lease.close()  # as the engine's exit would
-            assert k.lost.get(timeout=5) == token
+            yield
         finally:
             os.write(w, b"x")
             os.waitpid(pid, 0)
     finally:
         os.close(r)
         os.close(w)
-        lease.close()
-        k.close()
 
 
 def test_a_child_forked_while_the_lease_is_being_taken_does_not_hold_it():
@@ -312,32 +320,21 @@ def test_a_child_forked_while_the_lease_is_being_taken_does_not_hold_it():
     lease = EngineLease()
     got: list[int] = []
     taking = threading.Thread(target=lambda: got.append(lease.token(path, 10)), daemon=True)
-    r, w = os.pipe()
     try:
         taking.start()
         conn, _ = srv.accept()  # the take is under way: connected, waiting for its token
-        with conn:
-            pid = os.fork()
-            if pid == 0:  # the child: lives until the parent says
-                os.read(r, 1)
-                os._exit(0)
+        with conn, _forked_child():
+            conn.sendall((7).to_bytes(8, "little"))
+            taking.join(10)
+            assert got == [7]
+            lease.close()  # as the engine's exit would
+            conn.settimeout(5)  # a bound on a hang only: the end comes at once
             try:
-                conn.sendall((7).to_bytes(8, "little"))
-                taking.join(10)
-                assert got == [7]
-                lease.close()  # as the engine's exit would
-                conn.settimeout(5)  # a bound on a hang only: the end comes at once
-                try:
-                    end = conn.recv(1)
-                except TimeoutError:
-                    end = None
-                assert end == b"", "the forked child kept the lease open after the engine closed it"
-            finally:
-                os.write(w, b"x")
-                os.waitpid(pid, 0)
+                end = conn.recv(1)
+            except TimeoutError:
+                end = None
+            assert end == b"", "the forked child kept the lease open after the engine closed it"
     finally:
-        os.close(r)
-        os.close(w)
         lease.close()
         srv.close()
 
