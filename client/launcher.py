@@ -138,8 +138,9 @@ class SidecarLauncher:
             try:
                 s.connect(str(layout.rank_socket(self.socket_dir, rank)))
                 pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-                # pid 0: a process of another pid namespace (another container's sidecar), never ours
-                return pid > 0 and os.getsid(pid) == self.proc.pid
+                # pid 0: a process of another pid namespace (another container's sidecar); session 0: one whose
+                # session leader is outside ours (a container's `exec`). Never ours: serve leads its own session.
+                return pid > 0 and os.getsid(pid) == self.proc.pid > 0
             except OSError:
                 return True
 

@@ -15,9 +15,14 @@ class _Started:
 
     calls: list[dict] = []
 
+    # A pid no process can have (Linux's pid_max is at most 2**22): pid 0 equalled os.getsid() of a process whose
+    # session leader is outside its pid namespace (a container's `exec`, CI), which getsid reports as 0, so a
+    # sidecar listening from the test process was taken for this fake serve's own.
+    NO_PID = 2**22 + 1
+
     def __init__(self, argv, env=None, code=None, **_kw) -> None:
         _Started.calls.append({"argv": argv, "env": env})
-        self.pid, self.returncode = 0, code
+        self.pid, self.returncode = _Started.NO_PID, code
 
     def poll(self):
         return self.returncode
