@@ -226,15 +226,24 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
             os._exit(1)
     from dspark_sidecar.server.healthcheck import check
     from dspark_sidecar.server.launcher import launch
-    from dspark_sidecar.server.preflight import check_before_launch
+    from dspark_sidecar.server.preflight import check_before_launch, listener_pid
+    from dspark_sidecar.server.processes import parent_pid
 
     # A live sidecar on the socket dir, an unusable folder or a busy port: one line here, before any
     # rank (which would otherwise take over a live server's socket or fail once per rank, some after loading).
     check_before_launch(cfg)
 
+    def another_s(r: int) -> bool:
+        """Whether rank r's socket is listened on by a process that is not one of our ranks (our children): a serve
+        started on the folder with this one, past the check above too, whose rank took the socket first. Ours
+        then refuses it (exit 75) seconds later; until then the other's health read as this group serving, and the
+        losing serve printed "TP N serving" before its refusal. Nobody answering now tells nothing: not held."""
+        pid = listener_pid(cfg.socket_path(r))
+        return pid is not None and parent_pid(pid) != os.getpid()
+
     def ready() -> bool:
         states = [check(f"unix:{cfg.socket_path(r)}", 1.0) for r in range(cfg.tp)]
-        if all(s == "SERVING" for s in states):
+        if all(s == "SERVING" for s in states) and not any(another_s(r) for r in range(cfg.tp)):
             print(f"dspark-sidecar: TP {cfg.tp} serving", flush=True)
             for r in range(cfg.tp):
                 print(f"  rank {r}: {', '.join(cfg.endpoints(r))}  health {states[r]}", flush=True)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import time
@@ -130,19 +128,20 @@ class SidecarLauncher:
 
     def _own_rank(self, rank: int) -> bool:
         """Whether rank's socket is listened on by this launcher's sidecar: by a process in the session its serve
-        leads (its ranks are serve's children; SO_PEERCRED names the process that listens). A socket nobody answers
-        on now, or whose process has exited since, tells nothing of another sidecar: not held against it."""
+        leads (its ranks are serve's children). A socket nobody answers on now, or whose process has exited since,
+        tells nothing of another sidecar: not held against it."""
+        from dspark_sidecar.server.preflight import listener_pid
+
         assert self.proc is not None
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(1.0)
-            try:
-                s.connect(str(layout.rank_socket(self.socket_dir, rank)))
-                pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-                # pid 0: a process of another pid namespace (another container's sidecar); session 0: one whose
-                # session leader is outside ours (a container's `exec`). Never ours: serve leads its own session.
-                return pid > 0 and os.getsid(pid) == self.proc.pid > 0
-            except OSError:
-                return True
+        pid = listener_pid(layout.rank_socket(self.socket_dir, rank))
+        if pid is None:
+            return True
+        try:
+            # pid 0: a process of another pid namespace (another container's sidecar); session 0: one whose
+            # session leader is outside ours (a container's `exec`). Never ours: serve leads its own session.
+            return pid > 0 and os.getsid(pid) == self.proc.pid > 0
+        except ProcessLookupError:  # exited since it answered
+            return True
 
     @property
     def exited(self) -> bool:

@@ -16,6 +16,7 @@ import fcntl
 import os
 import socket
 import stat
+import struct
 from pathlib import Path
 
 from dspark_sidecar import layout
@@ -39,6 +40,18 @@ def socket_answers(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
         except OSError:  # EACCES (another user's socket), a timeout: someone may be serving there
             return True
         return True
+
+
+def listener_pid(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> int | None:
+    """The pid of the process listening on the unix socket at `path` (SO_PEERCRED, as of its listen(); 0 for
+    one of another pid namespace, another container's); None where nobody answers now, or not in time."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect(str(path))
+            return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        except OSError:
+            return None
 
 
 def _stale(path: Path) -> bool:

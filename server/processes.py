@@ -31,7 +31,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
         return None
 
 
-def _parent(pid: int) -> int:
+def parent_pid(pid: int) -> int:
     """Process `pid`'s parent's pid (field 4 of proc(5)); 0 where not known."""
     fields = _fields(pid)
     try:
@@ -81,7 +81,7 @@ class ExitWith:
     def __init__(self, pid: int) -> None:
         self.pid, self.start = pid, process_start(pid)
         mine = process_start(os.getpid())
-        self._reused = 0 < mine < self.start and _parent(pid) != os.getpid()
+        self._reused = 0 < mine < self.start and parent_pid(pid) != os.getpid()
 
     def gone(self) -> bool:
         return self._reused or exited(self.pid, self.start)

@@ -704,6 +704,40 @@ def test_serve_reports_the_group_serving_only_once_every_rank_serves(tiny_ckpt, 
     assert ready() is True and "dspark-sidecar: TP 2 serving" in capsys.readouterr().out
 
 
+def test_serve_does_not_report_another_serve_s_ranks_as_its_group_serving(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """Two serves started on one folder together both pass the check before launch; the rank that takes the socket
+    first serves, the other serve's rank refuses the socket (exit 75) only seconds later. Meanwhile the winner's
+    health read as the loser's group serving: the loser printed "TP 1 serving", then exited 75. A rank's socket is
+    this serve's only where one of its ranks (its children) listens on it."""
+    import subprocess
+    import sys
+
+    from dspark_sidecar.server import healthcheck
+
+    monkeypatch.setattr(healthcheck, "check", lambda target, timeout: "SERVING")
+    probes = []
+    monkeypatch.setattr(launcher, "launch", lambda cfg, argv, on_ready=None: probes.append(on_ready) or 0)
+    sock = tmp_path / "sock"
+    assert cli.main(["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(sock), "--checkpoint",
+                     str(tiny_ckpt[0]), "--target-checkpoint", str(tiny_ckpt[1])]) == 0
+    (ready,) = probes
+    with socket.socket(socket.AF_UNIX) as other:  # another serve's rank: this process is not its parent
+        other.bind(str(sock / "rank0.sock"))
+        other.listen(8)
+        assert ready() is False and "serving" not in capsys.readouterr().out
+    (sock / "rank0.sock").unlink()
+    rank = subprocess.Popen([sys.executable, "-c", "import socket, sys; s = socket.socket(socket.AF_UNIX); "
+                             "s.bind(sys.argv[1]); s.listen(8); print(flush=True); sys.stdin.read()",
+                             str(sock / "rank0.sock")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:  # this serve's own rank, its child
+        rank.stdout.readline()
+        assert ready() is True and "dspark-sidecar: TP 1 serving" in capsys.readouterr().out
+    finally:
+        rank.stdin.close()
+        rank.wait()
+        rank.stdout.close()
+
+
 def test_every_rank_s_ports_are_checked_not_rank_0_s_only(monkeypatch):
     """Rank r listens on BASE + r: a check of rank 0's port alone let a busy BASE + 1 through, and rank 1
     refused it only seconds into its start, once per serve."""

@@ -90,7 +90,7 @@ def test_a_process_started_after_this_one_is_not_the_one_named():
     later = int(subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True,
                                check=True).stdout)
     try:
-        assert process_start(later) > process_start(os.getpid()) and processes._parent(later) != os.getpid()
+        assert process_start(later) > process_start(os.getpid()) and processes.parent_pid(later) != os.getpid()
         assert ExitWith(later).gone()
         assert not ExitWith(os.getppid()).gone()  # the process that started this one: running, and earlier
     finally:
