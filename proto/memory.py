@@ -217,7 +217,8 @@ def shm_empty(shape: tuple[int, ...], dtype: torch.dtype, group: int | None = No
     except BaseException:
         t = mapping = None  # type: ignore[assignment]  # unmapped now, not with the error's traceback
         seg.close()
-        seg.unlink()  # else the segment stayed in /dev/shm until the process exited
+        # Else it stayed in /dev/shm until the process exited; one removed by someone else: the refusal is raised.
+        unlink_segment(seg, "refused shared-memory segment")
         raise
     with _EXPORTED_LOCK:
         _EXPORTED[t.untyped_storage().data_ptr()] = (seg.name, nbytes)
@@ -426,7 +427,9 @@ def counter_file_problem(name: bytes) -> str | None:
     if not text.startswith("torch_") or "/" in text or "\0" in text:
         return f"{text!r} is not the name of one of torch's ref-counter files (torch_*, one entry of /dev/shm)"
     try:
-        st = os.lstat(os.path.join("/dev/shm", text))
+        # The name's own bytes, as torch opens them: `text` has U+FFFD for each byte that is not UTF-8, a name
+        # that is not there, which passed a 1-byte torch_...\xff file on to torch.
+        st = os.lstat(b"/dev/shm/" + name.lstrip(b"/"))
     except OSError:
         return None
     if not stat.S_ISREG(st.st_mode) or st.st_size < _REF_COUNTER_FILE_BYTES:

@@ -57,6 +57,14 @@ def test_a_storage_past_its_allocation_is_refused_naming_the_sizes(opened, offse
         opened(_handle(4097, offset))
 
 
+def test_a_storage_of_2_63_minus_1_bytes_is_torch_s_to_open_and_the_driver_s_to_bound(opened):
+    """2^63 - 1 is the largest size torch unpacks (int64): the int64 refusal is for what lies past it only, and
+    such a storage is refused by the allocation it opens, naming its size."""
+    with pytest.raises(memory.HandleError, match=rf"{re.escape(FIELD)}: storage_size_bytes {(1 << 63) - 1} runs past "
+                                                 "the end of the GPU allocation"):
+        opened(_handle((1 << 63) - 1))
+
+
 def test_a_handle_whose_allocation_cannot_be_asked_is_refused(opened, monkeypatch):
     def fails(ptr, device_index=None):
         raise AllocationQueryError("cuMemGetAddressRange_v2(0x100000) failed with status 1")

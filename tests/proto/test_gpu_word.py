@@ -429,3 +429,25 @@ def test_every_driver_call_gets_64_bit_values_and_pointers_past_4_gib_whole(hip)
     switch = [("hipSetDevice", 0)] if hip else [("cuCtxSetCurrent", _CDriver.PRIMARY)]
     back = [("hipSetDevice", 1)] if hip else [("cuCtxSetCurrent", _CDriver.CTX)]
     assert drv.calls == [*switch, (f"{n}StreamWriteValue64{v2}", None, addr, value, 0), *back]
+
+
+def test_a_thread_asks_the_driver_for_its_context_once_not_at_every_stream_operation():
+    """_any_context: once a thread has a context, a stream operation on a stream of its own pays a thread-local
+    lookup, not the driver's cuCtxGetCurrent (0.6-0.9 us through ctypes, every step)."""
+    drv = _FakeCudaDriver()
+    asked = []
+    real_get = drv.cuCtxGetCurrent
+    drv.cuCtxGetCurrent = lambda *args: (asked.append(1), real_get(*args))[1]
+    ops = GpuWordOps(drv, hip=False, device_index=0)
+    counts = []
+
+    def worker():  # a fresh thread: none of this process's earlier operations counted for it
+        drv.switch(0)
+        for _ in range(3):
+            ops.write(0x5, 0xD000, 1)
+            counts.append(len(asked))
+
+    t = __import__("threading").Thread(target=worker)
+    t.start()
+    t.join()
+    assert counts == [1, 1, 1] and [op for op, _ in drv.ops] == ["cuStreamWriteValue64_v2"] * 3

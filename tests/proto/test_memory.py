@@ -872,3 +872,91 @@ def test_a_counter_file_one_byte_short_of_torch_s_is_not_given_back_into(counter
     assert "is not one of torch's ref-counter files" in memory.counter_file_problem(short)
     memory.discard_handle(pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(ref_counter_handle=short, ref_counter_offset=3)))
     assert given_back == []
+
+
+def test_a_counter_file_name_that_is_not_utf8_is_checked_as_torch_opens_it(counter_file, given_back, monkeypatch):
+    """torch opens the ref_counter_handle's own bytes; the check looked up their UTF-8 decoding with each bad byte
+    replaced (U+FFFD), a name that is not there, so it passed: a 1-byte file named torch_...\\xff was handed to
+    torch to grow and write into (given back into here; opened, the storage's unmap writes the same way)."""
+    from types import SimpleNamespace
+
+    short = counter_file(0)[:-len(b"_dspark_test")] + b"_\xff"  # counter_file's clean-up does not know this one
+    path = b"/dev/shm" + short
+    with open(path, "wb") as f:
+        f.write(b"\0")
+    try:
+        why = memory.counter_file_problem(short)
+        assert why is not None and "is not one of torch's ref-counter files" in why and "1 bytes" in why, why
+        memory.discard_handle(pb.MemoryHandle(cuda_ipc=pb.CudaIpcHandle(ref_counter_handle=short,
+                                                                         ref_counter_offset=3)))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-this"))
+        asked = []
+        _torch_like_rebuild(monkeypatch, asked)
+        h = _ipc(24).cuda_ipc
+        h.device_uuid, h.ref_counter_handle = "GPU-this", short
+        with pytest.raises(memory.HandleError, match=r"layers\[0\].memory: ref_counter_handle .* is not one of"):
+            memory._open_cuda_ipc(h, "layers[0].memory", torch.device("cuda", 0))
+        assert asked == [] and given_back == []
+    finally:
+        os.unlink(path)
+
+
+def test_a_segment_removed_by_another_process_while_shm_empty_is_refused_raises_the_refusal(monkeypatch, caplog):
+    """shm_empty's clean-up unlinked its refused segment with SharedMemory.unlink, as new_segment's once did: a
+    name removed first by someone else (an operator cleaning /dev/shm, systemd's RemoveIPC) raised
+    FileNotFoundError in place of the refusal (here the group's chown refused, as for a group the engine is not
+    in) and left the name with the resource tracker (a "leaked" warning at exit, and a second unlink)."""
+    from multiprocessing import resource_tracker
+
+    def removed_then_refused(name, gid):
+        os.unlink(f"/dev/shm/{name.lstrip('/')}")
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+
+    unregistered = []
+    real_unregister = resource_tracker.unregister
+    monkeypatch.setattr(resource_tracker, "unregister", lambda n, t: (unregistered.append(n), real_unregister(n, t)))
+    monkeypatch.setattr(memory, "_share_with_group", removed_then_refused)
+    with pytest.raises(PermissionError):
+        memory.shm_empty((64,), torch.uint8, group=os.getegid())
+    assert len(unregistered) == 1 and "was removed by another process" in caplog.text
+
+
+def test_an_offset_at_the_segment_s_very_end_maps_no_bytes_and_one_past_it_is_refused(segment):
+    """offset_bytes may reach the segment's end (a storage of no bytes, which no view of an element fits in), not
+    one byte past it."""
+    handle = memory.export_handle(segment.tensor)
+    handle.shm.offset_bytes, handle.shm.size_bytes = 4096, 0
+    m = memory.MappedMemory(handle, "regions[0].memory", torch.device("cpu"))
+    try:
+        assert m.nbytes == 0 and m.view(torch.uint8, (0,), (1,), 0, "positions").numel() == 0
+        with pytest.raises(memory.HandleError, match="positions: view needs 1 bytes, mapping has 0"):
+            m.view(torch.uint8, (1,), (1,), 0, "positions")
+    finally:
+        m.close()
+    handle.shm.offset_bytes = 4097
+    with pytest.raises(memory.HandleError, match="offset 4097 beyond segment size 4096"):
+        memory.MappedMemory(handle, "regions[0].memory", torch.device("cpu"))
+
+
+def test_a_segment_exactly_the_size_of_dev_shm_is_made_one_byte_more_is_not(monkeypatch):
+    """The refusal is for what cannot fit: a /dev/shm of 8192 bytes holds a segment of 8192."""
+    real_statvfs = os.statvfs
+
+    def fake(path):
+        st = real_statvfs(path)
+        return type("St", (), {"f_blocks": 8192 // st.f_frsize, "f_frsize": st.f_frsize})()
+
+    monkeypatch.setattr(os, "statvfs", fake)
+    seg = memory.new_segment(8192)
+    seg.close()
+    seg.unlink()
+    with pytest.raises(OSError, match=r"segment of 8193 bytes cannot fit /dev/shm \(8192 bytes\)"):
+        memory.new_segment(8193)
+
+
+def test_a_counter_file_name_must_begin_torch_and_an_underscore(counter_file):
+    """torch names its counter files torch_<pid>_...: another name beginning "torch" (a segment of another program,
+    torchrun's, ...) is not one of them, whatever its size."""
+    full = counter_file(memory._REF_COUNTER_FILE_BYTES)
+    assert memory.counter_file_problem(full) is None
+    assert "is not the name of one of torch's ref-counter files" in memory.counter_file_problem(b"/torchx" + full[7:])
