@@ -62,7 +62,12 @@ def engine_config_from_vllm(vllm_config: Any, rank: int, environ: Any = os.envir
         raise EngineConfigError(f"DSPARK_SOCKET_DIR={socket_dir!r}: {problem}")
     device = getattr(getattr(vllm_config, "device_config", None), "device", "cpu")
     kw: dict[str, Any] = {}
-    raw = environ.get("DSPARK_STEP_DEADLINE_MS", "")
+    raw = environ.get("DSPARK_STEP_DEADLINE_MS")
+    if raw is not None and not raw.strip():
+        # As DSPARK_SOCKET_DIR above and `serve`'s variables: '' was read as unset (the 2000 ms default, unsaid, the
+        # operator's deadline lost to `=$UNSET_VAR`) while '  ' was "expected a number", for one and the same mistake
+        raise EngineConfigError(f"DSPARK_STEP_DEADLINE_MS={raw!r} is set but empty: unset it for the default "
+                                f"({EngineConfig.step_deadline_s * 1000:g}) or give a number of milliseconds")
     if raw:
         try:
             kw["step_deadline_s"] = float(raw) / 1000

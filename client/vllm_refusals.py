@@ -56,8 +56,8 @@ def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
     window, rotary = getattr(hf, "sliding_window", None), getattr(hf, "rotary_dim", None)
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
-        if attn is None:
-            return None
+        if attn is None:  # says nothing of its attention: not refused for it, and the layers after it still judged
+            continue
         # Each part judged where the layer says it, alone: a vLLM that keeps no `causal` on the module (one where it
         # is still unused) still has its backend, window and rotary dims read. Both were required before, and such
         # a draft was forwarded unchecked: on ROCM_ATTN (its cache misread) or with full attention.

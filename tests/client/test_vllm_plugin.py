@@ -524,6 +524,24 @@ def test_a_bad_step_deadline_variable_keeps_the_sidecar_off_instead_of_raising_i
     assert f"DSPARK_STEP_DEADLINE_MS={value!r}" in caplog.text
 
 
+@pytest.mark.parametrize("blank", ["", "  "], ids=["empty", "spaces"])
+def test_a_blank_step_deadline_variable_keeps_the_sidecar_off_and_names_it(fake_vllm, fake_speculator, monkeypatch,
+                                                                            caplog, blank):
+    """`DSPARK_STEP_DEADLINE_MS=$UNSET_VAR`: set but empty. The plug-in read '' as unset and ran every step at the
+    2000 ms default without a word (the operator's deadline lost), while '  ' was refused as "expected a number":
+    two answers for one mistake. Both are refused as DSPARK_SOCKET_DIR and `serve`'s variables are, naming the
+    variable, and the draft graphs are kept."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    monkeypatch.setenv("DSPARK_STEP_DEADLINE_MS", blank)
+    model = _first_forward_runs_the_stock_layers(fake_vllm, caplog)
+    refusal = model.dspark_shim().refusal
+    assert refusal.startswith(f"DSPARK_STEP_DEADLINE_MS={blank!r} is set but empty") and refusal in caplog.text
+    spec = fake_speculator()
+    spec.vllm_config = vllm_config()
+    spec.init_cudagraph_manager("FULL")
+    assert spec.mode == "FULL"
+
+
 @pytest.mark.parametrize("folder, said", [
     ("/run/dspark?x", "'?'"),
     ("/run/dspark,b", "','"),
@@ -945,6 +963,18 @@ def test_every_draft_layer_is_judged_not_the_first_alone(attention, said):
     assert said in (vllm_refusals.draft_attention_refusal(model, cfg) or "")
 
 
+def test_a_draft_layer_that_says_nothing_of_its_attention_does_not_end_the_judging_of_the_others():
+    """A layer with no self_attn says nothing, and is not refused for it; but the check returned None there for the
+    whole model, and a later layer built causal (or with another window) was forwarded unchecked."""
+    cfg = _draft_config()
+    model = _draft_attention(SimpleNamespace(), backend="FLASH_ATTN")
+    causal = _draft_attention(SimpleNamespace(), backend="FLASH_ATTN", causal=True)
+    model.model.layers[0] = SimpleNamespace()  # no self_attn
+    assert vllm_refusals.draft_attention_refusal(model, cfg) is None
+    model.model.layers[3] = causal.model.layers[3]
+    assert "vLLM serves draft layer 3 causally" in (vllm_refusals.draft_attention_refusal(model, cfg) or "")
+
+
 class _GenericFlashInferBuilder(_FlashInferBuilder, Generic[M]):  # its own __orig_bases__ name no metadata class
     pass
 
@@ -1062,6 +1092,34 @@ def test_a_dp_deployment_is_refused_though_the_drafts_own_config_says_dp_1():
         seen = SimpleNamespace(parallel_config=pc, speculative_config=spec, device_config=SimpleNamespace(device="cpu"))
         cfg = vllm_plugin.engine_config_from_vllm(seen, 0, environ={"DSPARK_SOCKET_DIR": "/run/dspark"})
         assert cfg.dp_size == 2 and vllm_plugin.config_refusal(cfg) == "DP > 1"
+
+
+def test_engine_rank_r_dials_sidecar_rank_r(fake_vllm, monkeypatch):
+    """Engine rank r talks only to sidecar rank r, on its GPU (architecture.md): the rank is vLLM's TP rank
+    (rank_in_group), and its endpoint that rank's socket. Dialled at rank 0's, every engine rank bound its KV cache
+    to one sidecar rank on another GPU."""
+    folder = short_socket_dir()
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(folder))
+    sys.modules["vllm.distributed.parallel_state"].get_tp_group = lambda: SimpleNamespace(
+        rank_in_group=2, world_size=4, all_min=lambda v: v)
+    cfg = vllm_config()
+    vllm_plugin.register()
+    model = fake_vllm.registry.models[ARCH](vllm_config=cfg)
+    shim = model.dspark_shim()
+    assert shim.enabled and shim.rank == 2
+    assert shim.config.endpoint == f"unix:{folder}/rank2.sock"
+    assert vllm_plugin.engine_config_from_vllm(cfg, 3, environ={"DSPARK_SOCKET_DIR": "/run/dspark"}).endpoint == (
+        "unix:/run/dspark/rank3.sock")
+
+
+def test_a_kv_cache_list_is_read_at_its_first_virtual_engine(fake_vllm):
+    """Older vLLM binds layer.kv_cache as a list indexed by virtual engine; the draft runs on virtual engine 0."""
+    model = nn.Module()
+    model.attn = FakeAttention()
+    first, second = torch.zeros(2, 4, 16, 1, 8), torch.ones(2, 4, 16, 1, 8)
+    model.attn.kv_cache = [first, second]
+    (t,) = vllm_plugin.kv_cache_provider(model)()
+    assert t is first
 
 
 def test_an_fp8_e4m3_named_cache_at_scale_one_is_passed_as_e4m3_codes(fake_vllm, monkeypatch):
