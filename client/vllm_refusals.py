@@ -21,6 +21,15 @@ def _draft_hf_config(vllm_config: Any) -> Any:
     return getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
 
 
+def _draft_text_config(vllm_config: Any) -> Any:
+    """The part of the draft's config.json that holds its layers' fields, where the sidecar reads them (draft-step.md
+    section 2: text_config), as vLLM holds it (draft_model_config.hf_text_config: text_config where there is one, the
+    whole config where not); the whole config for a vLLM without that field. Read from hf_config alone, a nested
+    sliding_window and rotary_dim read as unsaid, and the window and rotary checks below were skipped."""
+    model_config = getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None)
+    return getattr(model_config, "hf_text_config", None) or _draft_hf_config(vllm_config)
+
+
 def draft_layout_refusal(vllm_config: Any) -> str | None:
     """Why vLLM's draft steps will never have the layout the sidecar serves, from its speculative config, or None.
     vLLM 0.34's DSpark speculator drafts 1 + num_speculative_tokens rows per request for a checkpoint with
@@ -52,8 +61,8 @@ def draft_attention_refusal(model: Any, vllm_config: Any) -> str | None:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         return None
-    hf = _draft_hf_config(vllm_config)
-    window, rotary = getattr(hf, "sliding_window", None), getattr(hf, "rotary_dim", None)
+    text = _draft_text_config(vllm_config)
+    window, rotary = getattr(text, "sliding_window", None), getattr(text, "rotary_dim", None)
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
         if attn is None:  # says nothing of its attention: not refused for it, and the layers after it still judged

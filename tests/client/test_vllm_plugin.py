@@ -904,6 +904,22 @@ def test_a_draft_whose_attention_vllm_resolved_otherwise_keeps_the_sidecar_off(f
     assert model.stock_calls == 1 and said in (model.dspark_shim().refusal or "")
 
 
+@pytest.mark.parametrize("attention, said", [
+    (dict(window=2048), "vLLM serves draft layer 0 with a 2048-token window"),
+    (dict(rotary_dim=32), "vLLM rotates 32 dims of each head in draft layer 0"),
+])
+def test_the_window_and_rotary_dims_of_a_nested_text_config_are_judged(attention, said):
+    """The DSpark config.json holds its layers' fields under text_config (draft-step.md), where the sidecar reads
+    them; vLLM gives that part as draft_model_config.hf_text_config. Read from hf_config alone, the window and the
+    rotary dims were unsaid there, and a draft vLLM windowed or rotated otherwise than the sidecar was forwarded."""
+    cfg = vllm_config()
+    model_config = cfg.speculative_config.draft_model_config
+    model_config.hf_text_config = SimpleNamespace(sliding_window=4096, rotary_dim=64)
+    model = _draft_attention(SimpleNamespace(), **attention)
+    assert said in (vllm_refusals.draft_attention_refusal(model, cfg) or "")
+    assert vllm_refusals.draft_attention_refusal(_draft_attention(model), cfg) is None  # as the sidecar serves
+
+
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_UNIFIED_ATTN"])
 def test_the_attention_the_sidecar_serves_is_not_refused(fake_vllm, fake_speculator, monkeypatch, backend):
     """Non-causal, the config's window and rotary dims on every layer: eager draft steps, a shim that may forward."""
