@@ -282,7 +282,8 @@ class Doorbell(threading.Thread):
                 self._stream.wait_event(self.input_event)
             try:
                 hook = self.prelaunch.hook(seq, req) if self.prelaunch is not None else None
-                resp = self.loop.answer_now(req, hook, self.page.capacity)
+                # From the ring seen: _ring_loop waited for the loop's lock since (deadline_ms, queue_ns).
+                resp = self.loop.answer_now(req, hook, self.page.capacity, seen_ns=self._seen_ns)
             finally:
                 # Every answer after the ring is read, an error one too (_ring_loop's): the engine orders its
                 # stream after this event whatever the answer says, and the step may have launched work.

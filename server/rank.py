@@ -364,16 +364,21 @@ class RankLoop:
             del fut
 
     def answer_now(self, req: pb.DraftStepRequest, prelaunched: "Queued | None" = None,
-                   answer_limit: int = 0) -> pb.DraftStepResponse:
+                   answer_limit: int = 0, seen_ns: int = 0) -> pb.DraftStepResponse:
         """The doorbell path: run on the calling thread, in one order with the worker's steps.
 
         Handing the step to the worker would cost a thread wake-up (tens of us) on every step of
         the latency-critical path; the lock keeps launches serialized all the same.
         prelaunched: the doorbell's queued copy of this step, if any (server/prelaunch.py).
         answer_limit: the bytes the doorbell's answer area holds (0: no limit).
+        seen_ns: the step's receipt (time.monotonic_ns), when the doorbell saw its ring; 0: now. The doorbell
+        waits for this lock before it calls here (server/doorbell.py): that wait counts against deadline_ms and
+        in queue_ns, as a gRPC step's wait for its turn does (submit).
         """
-        expires = time.monotonic_ns() + req.deadline_ms * 1_000_000 if req.deadline_ms else 0
-        t_enq = time.perf_counter_ns()
+        now = time.monotonic_ns()
+        received = min(seen_ns, now) if seen_ns else now
+        expires = received + req.deadline_ms * 1_000_000 if req.deadline_ms else 0
+        t_enq = time.perf_counter_ns() - (now - received)
         with self._lock:
             try:
                 return self._guarded(req, t_enq, expires, prelaunched, answer_limit)

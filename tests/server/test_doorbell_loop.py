@@ -181,7 +181,7 @@ def test_a_doorbell_too_small_for_an_error_answer_is_refused():
 class _FailingLoop(_Loop):
     """A loop whose every step raises, with an answer that never fits: the thread must outlive both."""
 
-    def answer_now(self, req, hook=None, answer_limit=0):
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
         raise RuntimeError("x" * (2 * CAPACITY))
 
 
@@ -230,7 +230,7 @@ def test_a_step_that_raises_still_records_the_output_event_before_its_error_answ
     real = db._publish
 
     def publish(seq, resp):
-        order.append(("publish", seq, resp.error.reason))
+        order.append(("publish", seq, resp.error.code, resp.error.reason))
         real(seq, resp)
 
     monkeypatch.setattr(db, "_publish", publish)
@@ -240,7 +240,7 @@ def test_a_step_that_raises_still_records_the_output_event_before_its_error_answ
         wait_until(lambda: db.page.word(bell.RESP_SEQ) == 1, 10, lambda: f"the ring answered: {order}", watch=db)
     finally:
         db.stop()
-    assert order == ["record", ("publish", 1, "INTERNAL")], order
+    assert order == ["record", ("publish", 1, 13, "INTERNAL")], order  # google.rpc INTERNAL (sidecar.proto StepError)
 
 
 def test_attaching_a_doorbell_replaces_the_last_one_even_when_it_does_not_close_cleanly():
@@ -289,7 +289,7 @@ def test_attaching_a_doorbell_replaces_the_last_one_even_when_it_does_not_close_
 class _SlowLoop(_Loop):
     """A step that takes longer than stop() waits (STOP_S, cut to 0.2 s by the test)."""
 
-    def answer_now(self, req, hook=None, answer_limit=0):
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
         from dspark_sidecar.proto import sidecar_pb2 as pb
 
         time.sleep(1.0)
@@ -508,7 +508,7 @@ def test_a_swapped_wake_fifo_still_releases_the_queued_step_and_the_page(tmp_pat
 class _LargeAnswerLoop(_Loop):
     """A step whose inline answer does not fit the page's response area."""
 
-    def answer_now(self, req, hook=None, answer_limit=0):
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
         from dspark_sidecar.proto import sidecar_pb2 as pb
 
         return pb.DraftStepResponse(step_id=req.step_id, hidden_states=pb.TensorRef(data=b"x" * (2 * CAPACITY)))
@@ -539,7 +539,7 @@ class _SizedAnswerLoop(_Loop):
     def __init__(self, over: int) -> None:
         self.over = over
 
-    def answer_now(self, req, hook=None, answer_limit=0):
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
         from dspark_sidecar.proto import sidecar_pb2 as pb
 
         def sized(n: int) -> pb.DraftStepResponse:
@@ -592,7 +592,7 @@ class _SweepingLoop(_Loop):
 
         self.ctx = SimpleNamespace(world=1)
 
-    def answer_now(self, req, hook=None, answer_limit=0):
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
         from dspark_sidecar.proto import sidecar_pb2 as pb
 
         return pb.DraftStepResponse(step_id=req.step_id)
@@ -641,7 +641,7 @@ class _CountingLoop(_Loop):
     def __init__(self) -> None:
         self.served: list[int] = []
 
-    def answer_now(self, req, hook=None, answer_limit=0):
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
         from dspark_sidecar.proto import sidecar_pb2 as pb
 
         self.served.append(req.step_id)
@@ -720,3 +720,87 @@ def test_a_wake_fifo_that_fails_to_close_still_closes_the_page_and_releases_the_
         db.stop()  # never started: released on this thread
     assert pl.closed and page.closed and closed
     assert int(page.storage[8 * bell.CLOSED : 8 * bell.CLOSED + 8].view(torch.int64)) == 1
+
+
+def test_a_ring_that_waits_for_the_loop_s_lock_counts_that_wait_against_its_deadline():
+    """deadline_ms runs from the step's receipt, the ring seen (sidecar.proto): a step queued behind a stall must
+    never launch after its engine gave up and ran its own layers. The doorbell takes the loop's lock before the step
+    (one hold from the step through the queueing of the next), and answer_now measured the deadline from its own
+    start, after that wait: a ring held up behind a gRPC step or a BindKV for longer than its deadline was posted
+    as fresh, and launched late."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.metrics import Metrics
+    from dspark_sidecar.server.rank import RankContext, RankLoop
+    from helpers.rank_fakes import RefusingRendezvous
+
+    rdv = RefusingRendezvous()
+    model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+    loop = RankLoop(RankContext(0, 2, SimpleNamespace(), model, None, None, Metrics(0), 8), rdv, None)
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"")
+    held, deadline_ms = 0.2, 50
+    db.start()
+    try:
+        with loop.exclusive():  # another section (a BindKV, a gRPC step) holds the rank: the ring waits
+            # Refused on the host (num_requests 0), its copy posted all the same: the post is what the coordinator
+            # judges the deadline by.
+            db.page.write(db.page.req_area, pb.DraftStepRequest(step_id=1, num_requests=0, deadline_ms=deadline_ms)
+                          .SerializeToString(), bell.REQ_LEN, bell.REQ_SEQ, 1)
+            wait_until(lambda: db._seen_ns, 10, "the ring seen", watch=db, interval_s=0.005)
+            time.sleep(held)  # the stall the ring waits out, longer than its deadline
+        wait_until(lambda: db.page.word(bell.RESP_SEQ) == 1, 10, "the step answered", watch=db, interval_s=0.005)
+        resp = pb.DraftStepResponse.FromString(db.page.read(db.page.resp_area, bell.RESP_LEN))
+    finally:
+        db.stop()
+        loop.close()
+    (post,) = rdv.posts
+    assert post.expires_ns == resp.timings.seen_mono_ns + deadline_ms * 1_000_000, (
+        f"posted expiry {(post.expires_ns - resp.timings.seen_mono_ns) / 1e6:.1f} ms after the ring, not {deadline_ms}")
+
+
+def test_any_change_of_the_request_sequence_is_a_ring_a_lower_number_too():
+    """sidecar.proto: each side reads nothing before it sees the sequence change, and the engine's shim numbers
+    its steps from the page's word as it finds it (client/dataplane.py): a ring is a sequence word other than the
+    last one served, never only a higher one (a number below it went unanswered, its engine waiting out its
+    deadline on every such step)."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    loop = _CountingLoop()
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"")
+    db.start()
+    try:
+        for step_id, seq in ((1, 5), (2, 3)):
+            db.page.write(db.page.req_area, pb.DraftStepRequest(step_id=step_id).SerializeToString(), bell.REQ_LEN,
+                          bell.REQ_SEQ, seq)
+            wait_until(lambda: db.page.word(bell.RESP_SEQ) == seq, 10, lambda: f"ring {seq} answered", watch=db)
+    finally:
+        db.stop()
+    assert loop.served == [1, 2]
+
+
+def test_an_idle_doorbell_with_a_wake_fifo_sleeps_on_it_with_the_page_s_asleep_word_set(tmp_path):
+    """AttachDoorbellResponse.wake_fifo: after a few milliseconds without steps the thread stops polling and
+    blocks on the FIFO, with word [4] set, which tells the engine to write a wake byte after its ring; a ring
+    then wakes it and is answered, and the word is clear while the thread is awake."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    loop = _CountingLoop()
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"", wake_path=str(tmp_path / "rank0.wake1"))
+    db.start()
+    idle_since = time.perf_counter()
+    try:
+        # Past DOZE_S of idleness (10 times it): asleep then, not only in the thread's first few milliseconds.
+        wait_until(lambda: time.perf_counter() - idle_since > 10 * bell.DOZE_S and db.page.word(bell.ASLEEP) == 1,
+                   10, "the idle doorbell asleep on its FIFO", watch=db, interval_s=0.0005)
+        ringer = bell.Ringer(db.wake_fifo)
+        try:
+            db.page.write(db.page.req_area, pb.DraftStepRequest(step_id=7).SerializeToString(), bell.REQ_LEN,
+                          bell.REQ_SEQ, 1)
+            ringer.wake_if_asleep(db.page)
+        finally:
+            ringer.close()
+        wait_until(lambda: db.page.word(bell.RESP_SEQ) == 1, 10, "the ring answered", watch=db)
+    finally:
+        db.stop()
+    assert loop.served == [7]

@@ -29,7 +29,7 @@ class _Loop(IdleLoop):
     def on_device_wait(self, fn, old=None):  # a dropped pre-launch unhooks its repass (Doorbell._drop_prelaunch)
         pass
 
-    def answer_now(self, req, hook=None, answer_limit=0):  # a step that takes a while (a capture, a slow rendezvous)
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):  # a step that takes a while (a capture, a slow rendezvous)
         time.sleep(1.5)
         return pb.DraftStepResponse(step_id=req.step_id)
 
@@ -123,7 +123,7 @@ class _LockLoop(_Loop):
         with self.lock:
             pass
 
-    def answer_now(self, req, hook=None, answer_limit=0):
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
         if req.step_id == 1:  # D1's step: a long rendezvous (rendezvous_ms of 10 s or more), GO at the end
             time.sleep(0.6)
         else:  # D2's step with inline output: hidden.cpu() waits for the stream
@@ -198,7 +198,7 @@ def test_a_new_doorbell_serves_only_after_a_replaced_one_still_in_a_long_step_ha
 
 
 class _QuickLoop(_Loop):
-    def answer_now(self, req, hook=None, answer_limit=0):
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
         return pb.DraftStepResponse(step_id=req.step_id)
 
 
@@ -266,7 +266,7 @@ class _CountingLoop(_QuickLoop):
     def __init__(self):
         self.served = []
 
-    def answer_now(self, req, hook=None, answer_limit=0):
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
         self.served.append(req.step_id)
         return super().answer_now(req, hook, answer_limit)
 

@@ -1331,6 +1331,21 @@ def test_hip_queues_no_step_next_to_the_sequence_wrap(rig, boundary, monkeypatch
 
 
 @pytest.mark.parametrize("world", [1])
+@pytest.mark.parametrize("boundary", [1 << 32, 1 << 31], ids=["wrap", "2^31"])
+def test_hip_queues_a_step_exactly_wrap_guard_before_the_edge(rig, boundary, monkeypatch):
+    """The guard is the steps *within* WRAP_GUARD of an edge, on both sides: boundary + WRAP_GUARD is queued
+    again (above), and so is boundary - WRAP_GUARD, the last step before the guarded ones."""
+    monkeypatch.setattr(prelaunch, "WRAP_GUARD", 3, raising=False)
+    rig.gpu.hip = rig.pl._hip = True
+    first = boundary - 3  # WRAP_GUARD steps before the edge
+    _serve(rig, first - 2)
+    _serve(rig, first - 1)
+    assert rig.pl.queued is not None and rig.pl.queued.seq == first
+    assert _serve(rig, first) is rig.graphs.graph.out
+    assert rig.pl.queued is None  # first + 1 is within the guard
+
+
+@pytest.mark.parametrize("world", [1])
 def test_hip_queues_the_first_steps_of_a_page(rig):
     """A page starts at step 0 with its word 0 (the engine's fresh, zeroed page): the first steps' waits meet
     only words of steps 0 and on, and cross no edge of the sequence, so HIP's plain >= is right there. Guarded
