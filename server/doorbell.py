@@ -24,7 +24,7 @@ from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.gpu_word import GpuWordError, GpuWordOps
 from dspark_sidecar.proto.memory import MappedMemory
-from dspark_sidecar.server.errors import invalid
+from dspark_sidecar.server.errors import clip_message, invalid
 from dspark_sidecar.server.prelaunch import BEHIND_S, Prelaunch
 from dspark_sidecar.server.rank import RankLoop
 
@@ -220,7 +220,9 @@ class Doorbell(threading.Thread):
                 except Exception as exc:  # noqa: BLE001  (the engine always gets an answer: it falls back)
                     log.exception("doorbell: step could not be served")
                     resp = pb.DraftStepResponse(error=pb.StepError(
-                        code=13, message=f"internal error: {type(exc).__name__}: {exc}"[:1000], reason="INTERNAL"))
+                        # clip_message: a lone surrogate in its words (an OS name's undecodable byte) made this
+                        # answer's build raise, out of the guard below, and the thread ended, later rings unanswered
+                        code=13, message=clip_message(f"internal error: {type(exc).__name__}: {exc}"), reason="INTERNAL"))
                     try:
                         self._publish(seq, resp)
                     except Exception:  # noqa: BLE001  (this thread must live on: the engine times out this step)

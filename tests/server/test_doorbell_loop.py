@@ -243,6 +243,31 @@ def test_a_step_that_raises_still_records_the_output_event_before_its_error_answ
     assert order == ["record", ("publish", 1, 13, "INTERNAL")], order  # google.rpc INTERNAL (sidecar.proto StepError)
 
 
+class _UndecodableLoop(_Loop):
+    """A loop whose step raises with an OS string's undecodable byte in its words (surrogateescape: a path)."""
+
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
+        raise OSError("cannot open " + b"/dev/shm/x\xff".decode(errors="surrogateescape"))
+
+
+def test_a_step_that_raises_with_an_undecodable_byte_in_its_words_still_gets_its_error_answer():
+    """The error answer's message went into the protobuf as the exception's text: a lone surrogate (an OS name's
+    undecodable byte) made building the answer raise outside the thread's guard, and the doorbell thread ended,
+    every later ring unanswered (the engine timing out each until it attached again). Escaped as a status's is."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    db = Doorbell(_Page(), CAPACITY, _UndecodableLoop(), torch.device("cpu"), b"")
+    db.start()
+    try:
+        for seq in (1, 2):
+            db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, seq)
+            wait_until(lambda: db.page.word(bell.RESP_SEQ) == seq, 10, f"ring {seq} answered", watch=db)
+        resp = pb.DraftStepResponse.FromString(db.page.read(db.page.resp_area, bell.RESP_LEN))
+    finally:
+        db.stop()
+    assert resp.error.code == 13 and "\\udcff" in resp.error.message, resp.error
+
+
 def test_attaching_a_doorbell_replaces_the_last_one_even_when_it_does_not_close_cleanly():
     """One doorbell per rank, attached one at a time: the replaced one is stopped (its failure to close
     is logged), the new one runs, and concurrent attaches end with exactly one running."""
