@@ -1203,7 +1203,9 @@ def test_connect_during_a_steps_send_waits_for_the_link_then_leaves_the_step_alo
 
 
 def test_two_threads_connecting_at_once_set_the_link_up_once(fake):
-    shim, _, _ = make_shim(fake.endpoint)
+    # A bound on a hang, not a timing: at the 1 s default a loaded CI box's first GetStatus ran out ("sidecar
+    # unreachable" for the thread that took the link first), which says nothing of two connects at once.
+    shim, _, _ = make_shim(fake.endpoint, connect_deadline_s=30.0)
     try:
         assert _on_threads([shim.connect, shim.connect]) == [None, None]
         assert fake.sidecar.calls["GetStatus"] == 1 and fake.sidecar.calls["BindKV"] == 1
