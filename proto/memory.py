@@ -550,10 +550,14 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle, field: str, device: torch.device) -> tor
         error = HandleUncheckable if isinstance(err, AllocationQueryError) else HandleError
     else:
         error = HandleError
+        total = room + h.storage_offset_bytes
+        # An offset past the allocation's end itself: "-4096 bytes from storage_offset_bytes" named no field to fix.
         refusal = None if h.storage_size_bytes <= room else (
             f"storage_size_bytes {h.storage_size_bytes} runs past the end of the GPU allocation the handle opens "
-            f"({room} bytes from storage_offset_bytes {h.storage_offset_bytes}, {room + h.storage_offset_bytes} "
-            "in all); send the exported storage's own size and offset")
+            f"({room} bytes from storage_offset_bytes {h.storage_offset_bytes}, {total} in all); send the exported "
+            "storage's own size and offset") if room >= 0 else (
+            f"storage_offset_bytes {h.storage_offset_bytes} is past the end of the GPU allocation the handle opens "
+            f"({total} bytes in all); send the exported storage's own offset")
     if refusal is None:
         return t
     # Unmapped now, on a quiet stream (torch synchronizes the current stream as it unmaps, and this

@@ -57,6 +57,15 @@ def test_a_storage_past_its_allocation_is_refused_naming_the_sizes(opened, offse
         opened(_handle(4097, offset))
 
 
+def test_an_offset_past_its_allocation_s_end_is_refused_naming_the_offset(opened, monkeypatch):
+    """An allocation of 4096 bytes from its start and a storage_offset_bytes of 8192: the refusal said "-4096 bytes
+    from storage_offset_bytes 8192", a negative room, where the offset is what to fix."""
+    monkeypatch.setattr(memory, "bytes_left", lambda ptr, device_index=None: 4096)
+    with pytest.raises(memory.HandleError, match=rf"{re.escape(FIELD)}: storage_offset_bytes 8192 is past the end of "
+                                                 r"the GPU allocation the handle opens \(4096 bytes in all\)"):
+        opened(_handle(16, 8192))
+
+
 def test_a_storage_of_2_63_minus_1_bytes_is_torch_s_to_open_and_the_driver_s_to_bound(opened):
     """2^63 - 1 is the largest size torch unpacks (int64): the int64 refusal is for what lies past it only, and
     such a storage is refused by the allocation it opens, naming its size."""
@@ -126,7 +135,7 @@ def test_the_driver_bounds_a_real_handle_s_storage():
                              (h.storage_size_bytes, h.storage_offset_bytes + (1 << 30))):
             bad = _copy(h)
             bad.storage_size_bytes, bad.storage_offset_bytes = size, offset
-            with pytest.raises(memory.HandleError, match="runs past the end of the GPU allocation"):
+            with pytest.raises(memory.HandleError, match="past the end of the GPU allocation"):
                 memory._open_cuda_ipc(bad, FIELD, dev)
 
 
