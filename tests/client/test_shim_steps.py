@@ -544,6 +544,28 @@ def test_engine_tp_mismatch_at_bind_is_permanent(fake):
     assert not shim.enabled and "KV cache cannot be bound" in shim.refusal
 
 
+def test_a_bind_failing_for_a_passing_reason_opens_the_breaker_and_stops_the_binds(fake):
+    """A BindKV refused for a passing reason (UNAVAILABLE: the sidecar rank short of file descriptors or memory,
+    MAP_EXHAUSTED) is a breaker failure: after failure_threshold of them the rank sends nothing until a health
+    probe passes. Uncounted, every step reconnected (GetStatus) and sent a BindKV, each up to its deadline, for as
+    long as the shortage lasted."""
+    fake.sidecar.bind_error = (grpc.StatusCode.UNAVAILABLE, "MAP_EXHAUSTED")
+    kv = shm_kv_cache()
+    shim = DrafterShim(EngineConfig(endpoint=fake.endpoint, tp_size=4), FakeModel(), lambda: [s.tensor for s in kv],
+                       ParallelContext(0, 1), clock=lambda: 0.0)  # the backoff never runs out: no probe
+    threshold = shim.config.breaker.failure_threshold
+    ids, pos, meta = step_inputs(1)
+    try:
+        with set_forward_context(meta):
+            for _ in range(threshold + 3):
+                assert shim.maybe_forward(ids, pos) is None
+        assert shim.enabled and shim.breaker.state.value == "open"
+        assert shim.stats.fallbacks == {S.BIND_FAILED: threshold, S.BREAKER: 3}
+        assert fake.sidecar.calls["BindKV"] == threshold and fake.sidecar.calls["GetStatus"] == threshold
+    finally:
+        shim.close()
+
+
 def test_engine_config_validation():
     with pytest.raises(EngineConfigError, match="tp_size"):
         EngineConfig(tp_size=0)
@@ -943,6 +965,9 @@ def test_connect_reports_an_unexpected_error_instead_of_raising(fake):
     shim.binder.bind = lambda *a, **k: (_ for _ in ()).throw(OSError("injected: export failed"))
     why = shim.connect()
     assert why == "shim error in prepare: OSError" and shim.enabled
+    # Counted against the breaker, as every unexpected error of the shim's own (FAILURE_MODES.md): one that
+    # repeats on every step stops costing the step a readiness check once the breaker opens.
+    assert shim.breaker.failures == 1
     shim.binder.bind = stock
     shim.breaker.record_success()
     assert shim.connect() is None
@@ -1355,6 +1380,9 @@ def test_hidden_states_reach_the_engine_in_its_own_dtype():
         assert out.dtype == model.table.dtype == torch.float32, f"a {out.dtype} answer for a float32 engine"
         want = (model.table[ids].to(torch.bfloat16).float() * 2).to(torch.bfloat16).float()
         assert torch.equal(out, want)
+        # And the embeddings went out in the sidecar's compute dtype: half an fp32 engine's bytes on the wire, and
+        # what _fits measured against the message limit.
+        assert server.sidecar.requests[-1].inputs_embeds.dtype == codec.dtype_to_proto(torch.bfloat16)
         shim.close()
     finally:
         server.stop()
@@ -1447,6 +1475,38 @@ def test_a_request_over_the_sidecar_s_message_limit_is_not_sent_and_the_stream_g
         assert shim.maybe_forward(small, pos_s) is not None, dict(shim.stats.fallbacks)
     assert fake.sidecar.calls["step"] == 1 and fake.sidecar.calls["DraftSteps"] == 1
     assert fake.sidecar.calls["GetStatus"] == 1  # the link was kept
+
+
+def test_a_request_whose_tensors_fit_but_whose_message_does_not_is_not_sent(fake):
+    """The tensors' bytes decide a request's fit when they are clear of the limit by _HEADER_BYTES (no
+    serialization on the step's path); within that margin the whole message is measured. A request whose
+    tensors fit the sidecar's max_message_bytes and whose header then takes it over must not be sent:
+    gRPC would end the stream with it."""
+    from dspark_sidecar.client.metadata import read_step_metadata
+
+    ids, pos, meta = step_inputs(1)
+    embeds = FakeModel().table[ids]  # fp32, the fake sidecar's compute dtype: sent as they are
+    sent, _ = read_step_metadata(meta, pos.numel(), 16)  # the table trimmed to the pages the step reaches
+    payload = sum(t.numel() * t.element_size()
+                  for t in (pos, embeds, sent.seq_lens, sent.block_tables, sent.slot_mapping))
+    fake.sidecar.max_message_bytes = payload + 1  # the tensors fit, the message (their refs' headers) does not
+    shim, _, _ = make_shim(fake.endpoint)
+    with set_forward_context(meta):
+        assert shim.maybe_forward(ids, pos) is None
+    assert shim.stats.fallbacks == {S.TOO_LARGE: 1} and fake.sidecar.calls["step"] == 0
+
+
+def test_a_fallback_reason_is_logged_once_and_counted_every_time(fake, caplog):
+    """Every step of a profiling run, or of a deployment that never forwards, falls back for the same reason: the
+    log says it once ("logged once"), the counters count each."""
+    shim, _, _ = make_shim(fake.endpoint)
+    ids, pos, _ = step_inputs(2)
+    with caplog.at_level("INFO", logger="dspark_sidecar.client"):
+        for _ in range(3):
+            assert shim.maybe_forward(ids[:13], pos[:13]) is None
+    said = [r for r in caplog.records if S.ROWS in r.getMessage()]
+    assert len(said) == 1 and "logged once" in said[0].getMessage()
+    assert shim.stats.fallbacks == {S.ROWS: 3}
 
 
 def test_the_engines_embedding_raising_is_not_the_sidecars_failure(fake):

@@ -92,3 +92,20 @@ def test_a_report_from_another_thread_is_one_moment_of_the_shim_s_steps():
     for out in reports:
         assert out["via_doorbell"] == out["forwarded"] and not math.isnan(out["forward_p50_us"]), reports
     assert shim.stats.as_dict()["forwarded"] == 3 == len(shim.stats.forward_ns)
+
+
+def test_the_operator_guide_names_the_report_call_the_stats_have():
+    """deploy/OPERATIONS.md tells an operator where each engine rank counts its fallbacks by reason
+    (`DrafterShim.stats.<call>()["fallbacks"]`). It named snapshot(), which ShimStats does not have: the
+    call raised AttributeError. as_dict() is the one-moment report (also from another thread)."""
+    import re
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[2] / "deploy" / "OPERATIONS.md").read_text()
+    calls = re.findall(r"DrafterShim\.stats\.(\w+)\(\)\[\"(\w+)\"\]", guide)
+    assert calls, "OPERATIONS.md no longer says where the fallback counts are"
+    stats = ShimStats()
+    stats.record_fallback("rows not a multiple of 7")
+    for call, key in calls:
+        assert callable(getattr(stats, call, None)), f"OPERATIONS.md names ShimStats.{call}(), which does not exist"
+        assert getattr(stats, call)()[key] == {"rows not a multiple of 7": 1}
