@@ -133,6 +133,43 @@ def test_the_bench_s_sidecar_exits_with_the_bench(tmp_path, monkeypatch):
     assert argv[argv.index("--exit-with-pid") + 1] == str(os.getpid())
 
 
+def test_a_bench_stopped_while_its_sidecar_starts_stops_that_sidecar(tmp_path, monkeypatch):
+    """A SIGTERM (cli's _sigterm_unwinds: SystemExit) or Ctrl-C while the bench waited for its sidecar to serve (on
+    a GPU its weights drawn and graphs captured: the longest wait of a run) left that sidecar running until
+    --exit-with-pid noticed, and its folder in the temp dir: Bench had no SidecarUnderTest yet to close."""
+    from dspark_sidecar import bench as B
+    from dspark_sidecar.server import healthcheck
+
+    procs = []
+
+    class Starting:  # a sidecar still loading: running until it is stopped, then a clean exit
+        def __init__(self, argv, **_kw):
+            self.returncode = None
+            procs.append(self)
+
+        def poll(self):
+            return self.returncode
+
+        def terminate(self):
+            self.returncode = 0
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    def stopped(target, timeout_s):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(B.subprocess, "Popen", Starting)
+    monkeypatch.setattr(healthcheck, "check", stopped)
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(SystemExit):
+        B.SidecarUnderTest(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), out_dir=tmp_path),
+                           torch.device("cpu"), work)
+    (proc,) = procs
+    assert proc.returncode == 0 and not work.exists()
+
+
 def test_mxfp8_weights_count_their_stored_bytes_in_the_floor(tmp_path):
     dense = run_bench(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), modes=("a",), repeats=2,
                                   out_dir=tmp_path / "dense"), torch.device("cpu"))
@@ -292,6 +329,8 @@ def test_gpu_time_rows_are_compared_with_the_baselines_gpu_time(tmp_path, monkey
         assert rows[m]["x_b"] == pytest.approx(wall[m] / wall["b"])
     for m in ("d", "e", "f", "h"):
         assert rows[m]["x_c"] == pytest.approx(wall[m] / wall["c"])
+        assert rows[m]["over_c_us"] == pytest.approx((wall[m] - wall["c"]) * 1e3)  # us this mode adds over (c)
+    assert rows["f"]["over_c_us"] < 0 and rows["g"]["over_c_us"] == pytest.approx((wall["g"] - gpu["c"]) * 1e3)
     assert rows["c"]["x_floor"] == pytest.approx(5.0) and rows["c"]["gpu_x_floor"] == pytest.approx(4.0)
 
 
@@ -318,3 +357,15 @@ def test_floor_byte_counts_are_spec_section_5_s():
     weights = floor_bytes(model, cfg, 1, 100) - per_request(100)
     assert abs(weights / 1e9 - 0.83) < 0.01, weights
     assert floor_bytes(model, cfg, 32, 100) == 4 * weights + 32 * per_request(100)  # 4 launch groups
+
+
+def test_a_mode_faster_than_c_prints_its_difference_with_its_own_sign():
+    """over_c_us is negative where a mode beats (c): g's GPU time or f's per-step mean (runs 100, 136 and 150
+    wrote -3.5 to -8.1 us). The printed line put a '+' before it: "0.98x c (+-7 us)"."""
+    from dspark_sidecar.bench import _fmt
+
+    row = {"name": "data plane, engine ahead", "R": 1, "context": 4096, "floor_ms": 0.2, "x_floor": 2.0, "x_b": None,
+           "samples": 5, "p50_ms": 0.4, "max_ms": 0.5, "x_c": 0.98, "over_c_us": -6.65}
+    line = _fmt(row)
+    assert "0.98x c (-7 us)" in line and "+-" not in line, line
+    assert "1.10x c (+40 us)" in _fmt({**row, "x_c": 1.1, "over_c_us": 40.2})

@@ -52,7 +52,9 @@ def test_a_peer_that_dies_or_hangs_ends_the_bench_with_a_status_not_a_wait(capsy
     assert bench_host._joined(started(sys.exit, 3), 120) == 1
     assert time.monotonic() - t < 60 and "exit status 3" in capsys.readouterr().err  # at its exit, not the timeout
     hung = started(time.sleep, 120)
+    t = time.monotonic()
     assert bench_host._joined(hung, 1) == 1 and not hung.is_alive()
+    assert time.monotonic() - t < 60  # stopped at the timeout, not waited for to the end of its sleep
     assert "did not finish within 1 s" in capsys.readouterr().err
     assert bench_host._joined(started(time.sleep, 0), 120) == 0
 
@@ -67,3 +69,18 @@ def test_bench_host_runs_on_a_gpu():
     assert len(lines) == (TIMED_LINES if word else TIMED_LINES - WORD_CALLS)
     assert any(ln.startswith("peer: stream.wait_event") for ln in lines)
     assert all(float(ln.split()[-2]) > 0 for ln in lines)
+
+
+def test_each_line_is_the_median_host_time_in_microseconds(monkeypatch, capsys):
+    """timed() prints and returns the median of its calls' host times in us (perf_counter_ns over 1e3), the warm-up
+    calls left out. A fake clock: each call takes 2.5 us but the warm-up's, which take 1 ms; no GPU needed."""
+    clock = {"ns": 0, "calls": 0}
+
+    def call():
+        clock["calls"] += 1
+        clock["ns"] += 1_000_000 if clock["calls"] <= 20 else 2_500 + clock["calls"] % 3  # 2500..2502 ns
+
+    monkeypatch.setattr(bench_host.time, "perf_counter_ns", lambda: clock["ns"])
+    monkeypatch.setattr(bench_host.torch.cuda, "synchronize", lambda: None)
+    assert bench_host.timed("fake call", call, n=9) == pytest.approx(2.501)
+    assert capsys.readouterr().out.split() == ["fake", "call", "2.5", "us"]
