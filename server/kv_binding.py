@@ -150,10 +150,20 @@ class MemoryBindings:
                                                 "a cache is served in that dtype or as float8 e4m3")
                 pages = lb.shape[1] if len(lb.shape) == 5 else -1
                 want = kv_layer_shape(self.cfg, self.tp, pages, req.page_size)
+                if i == 0 and len(lb.shape) == 5 and lb.shape[2] != req.page_size:
+                    # Refused as layers[0].shape ("expected [2, pages, 8, ...]"), the engine was told to reshape a
+                    # cache that was right, page_size unnamed. A later layer unlike layer 0 is refused on its shape.
+                    raise invalid("page_size", f"{req.page_size}, but layers[0] has {lb.shape[2]} tokens per "
+                                               "page (shape[2]): send the cache's page size, equal to every layer's "
+                                               "shape[2]")
                 # Counts first: tuple() of a peer's millions of dimensions alone took seconds, on the step lock.
                 if len(lb.shape) != len(want) or tuple(lb.shape) != want:
-                    raise invalid(f"{f}.shape", f"{codec.shape_text(lb.shape)}, expected {list(want)} "
-                                  "[2, num_pages, page_size, kv_heads/tp, head_dim]")
+                    # Another count of dimensions has no page count to take: named, not shown as -1 pages.
+                    told = ", ".join(str(n) if k != 1 or len(lb.shape) == 5 else "num_pages" for k, n in enumerate(want))
+                    hint = ("; send a records cache [pages, heads, page_size, 2 * head_dim] (vLLM's) as its planes "
+                            "view (client/binding.py: kv_planes)") if len(lb.shape) == 4 else ""
+                    raise invalid(f"{f}.shape", f"{codec.shape_text(lb.shape)}, expected [{told}] "
+                                  f"[2, num_pages, page_size, kv_heads/tp, head_dim]{hint}")
                 if len(lb.strides) != len(want):
                     raise invalid(f"{f}.strides", f"{len(lb.strides)} strides, one per shape entry ({len(want)})")
                 if pages < 1:

@@ -142,3 +142,75 @@ def test_a_lease_whose_registration_named_no_region_holds_none(cache):
     assert mem.leases_regions(6)
     mem.unregister([rid])
     assert not mem.leases_regions(6)
+
+
+def test_a_page_size_other_than_the_caches_names_page_size(cache):
+    """page_size must equal shape[2] of every layer (sidecar.proto). An engine sending another one was refused
+    naming layers[0].shape, "expected [2, 4, 8, ...]": told to reshape a cache that was right, the field it had
+    wrong never named. Refused naming page_size and both numbers, before any layer is mapped."""
+    mem, segs, _ = cache
+    before = [_maps_of(s.segment.name) for s in segs]
+    req = _bind_request(segs)
+    req.page_size = 8
+    with pytest.raises(SidecarError) as err:
+        mem.bind(req)
+    e = err.value
+    assert (e.code, e.field) == (grpc.StatusCode.INVALID_ARGUMENT, "page_size"), e
+    assert e.message.startswith("page_size: 8, but layers[0] has 16 tokens per page (shape[2])"), e.message
+    assert mem.kv is None and [_maps_of(s.segment.name) for s in segs] == before
+    # A later layer that disagrees with layer 0 (and page_size) is that layer's shape, as before.
+    req = _bind_request(segs)
+    req.layers[2].shape[2] = 8
+    with pytest.raises(SidecarError) as err:
+        mem.bind(req)
+    assert err.value.field == "layers[2].shape", err.value
+
+
+def test_a_cache_sent_in_its_records_layout_is_told_to_send_the_planes_view(cache):
+    """A layer of 4 dimensions (vLLM's records layout [pages, heads, page_size, 2 * head_dim], sent as allocated)
+    was refused "expected [2, -1, 16, 4, 128]": a page count of -1 no cache has, and no word of the planes view
+    the sidecar takes. The expected shape names num_pages, and the message says how to send it."""
+    mem, segs, _ = cache
+    req = _bind_request(segs)
+    records = [4, 4, 16, 256]  # the tiny drafter's 4 KV heads at TP 1, 4 pages
+    req.layers[0].shape[:] = records
+    del req.layers[0].strides[-1]
+    with pytest.raises(SidecarError) as err:
+        mem.bind(req)
+    e = err.value
+    assert (e.code, e.field) == (grpc.StatusCode.INVALID_ARGUMENT, "layers[0].shape"), e
+    assert "-1" not in e.message and "[2, num_pages, 16, 4, 128]" in e.message, e.message
+    assert "kv_planes" in e.message and mem.kv is None, e.message
+
+
+def test_a_region_id_from_before_close_is_never_handed_out_after_it(cache, monkeypatch):
+    """close() forgets the regions but retires their ids, as UnregisterBuffers does: an id drawn again after it
+    is drawn anew, so a late step or release naming a region from before never reaches one registered since."""
+    from dspark_sidecar.server import kv_binding
+
+    mem, _, other = cache
+    draws = iter([11, 11, 12])
+    monkeypatch.setattr(kv_binding.secrets, "randbits", lambda bits: next(draws))
+    assert _region(mem, other) == 11
+    mem.close()
+    assert _region(mem, other) == 12
+
+
+def test_a_registration_of_max_regions_is_taken_and_one_more_refused_mapping_nothing(cache):
+    """MAX_REGIONS is the most one RegisterBuffers may name: that many are mapped, one more is OUT_OF_RANGE naming
+    the count before any region is opened."""
+    from dspark_sidecar.server.kv_binding import MAX_REGIONS
+
+    mem, _, other = cache
+    region = pb.BufferRegion(name="metadata", memory=memory.export_handle(other.tensor), size_bytes=4096)
+    before = _maps_of(other.segment.name)
+    with pytest.raises(SidecarError) as err:
+        mem.register(pb.RegisterBuffersRequest(regions=[region] * (MAX_REGIONS + 1)))
+    e = err.value
+    assert (e.code, e.field) == (grpc.StatusCode.OUT_OF_RANGE, "regions"), e
+    assert f"{MAX_REGIONS + 1} regions in one request, at most {MAX_REGIONS}" in e.message, e.message
+    assert mem.region_count == 0 and _maps_of(other.segment.name) == before
+    ids = mem.register(pb.RegisterBuffersRequest(regions=[region] * MAX_REGIONS))
+    assert len(set(ids)) == MAX_REGIONS == mem.region_count
+    for m in mem.unregister(ids):
+        m.close()

@@ -66,3 +66,13 @@ def test_a_span_far_wider_than_the_fields_is_copied_per_field():
     a, b = raw[:8].view(torch.int64), raw[-8:].view(torch.int64)
     assert _byte_span((a, b)) is None
     assert _byte_span((a, raw[8:16].view(torch.int64))) is not None
+
+
+def test_fields_are_copied_as_one_span_up_to_twice_their_bytes_and_64_more():
+    """The packed copy's bound: a span of at most 2 x the fields' bytes + 64 is one copy, one byte-aligned step past
+    it is copied per field (a span that size mostly copies bytes no step reads)."""
+    raw = torch.zeros(1024, dtype=torch.uint8)
+    a = raw[:8].view(torch.int64)
+    edge = 2 * 16 + 64  # two int64 fields: the widest span that is still one copy
+    assert _byte_span((a, raw[edge - 8 : edge].view(torch.int64))) is not None
+    assert _byte_span((a, raw[edge : edge + 8].view(torch.int64))) is None

@@ -101,3 +101,38 @@ def test_a_cached_layout_named_again_with_another_request_count_is_refused(rig):
     with pytest.raises(SidecarError) as err:
         validate_step(req, cfg, mem, 8, private=True)
     assert (err.value.code, err.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, "positions"), err.value.message
+
+
+class _OnDevice(torch.Tensor):
+    """A region view that says it lies in device memory (a client registering GPU memory for its metadata) and
+    whose cpu() copies, as a device tensor's does: the path a GPU takes, on a host with none."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    def cpu(self) -> torch.Tensor:
+        return torch.Tensor.clone(self).as_subclass(torch.Tensor)
+
+
+def test_index_tensors_in_a_device_region_are_read_again_at_every_step(rig, monkeypatch):
+    """Index tensors in a device region are checked on a host copy taken for the step (host_meta), so their layout
+    is not cached: cached, the next step of the same slices reused the first step's copy, and the checks and the
+    step ran the metadata the engine wrote then, not the positions (or pages, or slots) it wrote since."""
+    cfg, step, mem, seg, register = rig
+    refs, off = {}, 0
+    for name, t in (("positions", step.positions), ("input_ids", step.input_ids), ("seq_lens", step.meta.seq_lens),
+                    ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
+        seg.tensor[off : off + t.nbytes].view(t.dtype).copy_(t.reshape(-1))
+        refs[name] = (t.dtype, tuple(t.shape), off)
+        off += -(-t.nbytes // 64) * 64
+    rid = register(off)
+    resolve = mem.resolve
+    monkeypatch.setattr(mem, "resolve", lambda *a: resolve(*a).as_subclass(_OnDevice))
+    req = _request(step, **{k: codec.region_tensor_ref(d, s, rid, o) for k, (d, s, o) in refs.items()})
+    assert torch.equal(validate_step(req, cfg, mem, 8, private=True).positions, step.positions)
+    seg.tensor[:8].view(torch.int64).fill_(12345)  # the engine's next step, in the same slices: request 0 moved
+    with pytest.raises(SidecarError) as err:
+        validate_step(req, cfg, mem, 8, private=True)
+    assert (err.value.code, err.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, "positions"), err.value.message
+    assert "[12345, " in err.value.message, err.value.message
