@@ -471,6 +471,26 @@ def test_a_bind_publishes_health_so_a_strict_rank_refuses_the_binding_it_cannot_
     assert (svc.life.state, _health(hs), ctx.refusal) == ("REFUSED", "NOT_SERVING", "DP > 1")
 
 
+def test_a_bind_the_fast_path_refuses_answers_the_fallback_backend_that_serves_its_steps():
+    """Under --backend flydsl the steps of a binding the FlyDSL path refuses run on its fallback: BindKVResponse.backend
+    names that one (the engine logs and reports it), and "flydsl" only for a binding the fast path serves."""
+    from types import SimpleNamespace
+
+    from dspark_sidecar.server.refusal import HostFacts
+
+    svc, publish, ctx, hs = _strict_rank(HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4))
+    svc.life.fallback = "triton"
+    peer = SimpleNamespace(peer=lambda: "unix:/run/dspark/rank0.sock")
+    for kv, why, backend in ((_kv(8, dp_size=2), "DP > 1", "triton"), (_kv(9), "", "flydsl")):
+        def bind(request, retire=None, kv=kv):
+            ctx.memory.kv = kv
+            return kv
+
+        ctx.memory.bind = bind
+        resp = svc.BindKV(pb.BindKVRequest(), peer)
+        assert (resp.binding_id, resp.fast_path_refusal, resp.backend) == (kv.binding_id, why, backend), resp
+
+
 def test_an_unbind_of_another_binding_is_refused_before_the_rank_s_section():
     """UnbindKV of an id that is not the binding in place (a second UnbindKV, an engine's late release of a binding
     a re-bind replaced) is UNKNOWN_BINDING before the rank's section, whose quiesce would release the live
