@@ -758,19 +758,25 @@ def test_a_dev_shm_whose_size_cannot_be_read_refuses_only_what_off_t_cannot_hold
         memory.new_segment(1 << 63)
 
 
-def test_a_segment_removed_by_another_process_while_refused_raises_the_refusal(monkeypatch, caplog):
+@pytest.fixture
+def unregistered(monkeypatch) -> list:
+    """The names handed to the resource tracker's unregister (a segment removed by us: once, not left to its exit)."""
+    from multiprocessing import resource_tracker
+
+    names: list = []
+    real_unregister = resource_tracker.unregister
+    monkeypatch.setattr(resource_tracker, "unregister", lambda n, t: (names.append(n), real_unregister(n, t)))
+    return names
+
+
+def test_a_segment_removed_by_another_process_while_refused_raises_the_refusal(monkeypatch, caplog, unregistered):
     """new_segment's clean-up unlinked the refused segment with SharedMemory.unlink: a name removed first by
     someone else (an operator cleaning /dev/shm, systemd's RemoveIPC) raised FileNotFoundError in place of
     the ENOSPC, skipped the close, and left the name with the resource tracker (a "leaked" warning at exit)."""
-    from multiprocessing import resource_tracker
-
     def full_and_removed(fd, offset, size):
         os.unlink(f"/dev/shm/{os.readlink(f'/proc/self/fd/{fd}').rsplit('/', 1)[1]}")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    unregistered = []
-    real_unregister = resource_tracker.unregister
-    monkeypatch.setattr(resource_tracker, "unregister", lambda n, t: (unregistered.append(n), real_unregister(n, t)))
     monkeypatch.setattr(os, "posix_fallocate", full_and_removed)
     with pytest.raises(OSError) as refused:
         memory.new_segment(4096)
@@ -901,20 +907,15 @@ def test_a_counter_file_name_that_is_not_utf8_is_checked_as_torch_opens_it(count
         os.unlink(path)
 
 
-def test_a_segment_removed_by_another_process_while_shm_empty_is_refused_raises_the_refusal(monkeypatch, caplog):
+def test_a_segment_removed_by_another_process_while_shm_empty_is_refused_raises_the_refusal(monkeypatch, caplog, unregistered):
     """shm_empty's clean-up unlinked its refused segment with SharedMemory.unlink, as new_segment's once did: a
     name removed first by someone else (an operator cleaning /dev/shm, systemd's RemoveIPC) raised
     FileNotFoundError in place of the refusal (here the group's chown refused, as for a group the engine is not
     in) and left the name with the resource tracker (a "leaked" warning at exit, and a second unlink)."""
-    from multiprocessing import resource_tracker
-
     def removed_then_refused(name, gid):
         os.unlink(f"/dev/shm/{name.lstrip('/')}")
         raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
 
-    unregistered = []
-    real_unregister = resource_tracker.unregister
-    monkeypatch.setattr(resource_tracker, "unregister", lambda n, t: (unregistered.append(n), real_unregister(n, t)))
     monkeypatch.setattr(memory, "_share_with_group", removed_then_refused)
     with pytest.raises(PermissionError):
         memory.shm_empty((64,), torch.uint8, group=os.getegid())

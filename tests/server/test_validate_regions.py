@@ -82,11 +82,9 @@ def test_index_tensors_partly_in_a_region_are_checked_and_run_from_a_private_cop
     assert torch.equal(checked.region_meta[3], seg.tensor[: slots.nbytes].view(torch.int64))  # the region, as sources
 
 
-def test_a_cached_layout_named_again_with_another_request_count_is_refused(rig):
-    """A step whose tensors all lie in regions has its checked views cached by layout. The same slices under
-    another num_requests must be checked again, not served from that entry: its tensors hold the rows of the
-    first count, and a step of 1 request over 2 requests' rows passed every check."""
-    cfg, step, mem, seg, register = rig
+def _all_in_one_region(step, seg, register) -> dict:
+    """The step's index tensors and ids written one after another (64-byte aligned) into one registered region:
+    the request's fields as region references to them."""
     refs, off = {}, 0
     for name, t in (("positions", step.positions), ("input_ids", step.input_ids), ("seq_lens", step.meta.seq_lens),
                     ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
@@ -94,7 +92,15 @@ def test_a_cached_layout_named_again_with_another_request_count_is_refused(rig):
         refs[name] = (t.dtype, tuple(t.shape), off)
         off += -(-t.nbytes // 64) * 64
     rid = register(off)
-    req = _request(step, **{k: codec.region_tensor_ref(d, s, rid, o) for k, (d, s, o) in refs.items()})
+    return {k: codec.region_tensor_ref(d, s, rid, o) for k, (d, s, o) in refs.items()}
+
+
+def test_a_cached_layout_named_again_with_another_request_count_is_refused(rig):
+    """A step whose tensors all lie in regions has its checked views cached by layout. The same slices under
+    another num_requests must be checked again, not served from that entry: its tensors hold the rows of the
+    first count, and a step of 1 request over 2 requests' rows passed every check."""
+    cfg, step, mem, seg, register = rig
+    req = _request(step, **_all_in_one_region(step, seg, register))
     assert validate_step(req, cfg, mem, 8, private=True).num_reqs == len(LENS)
     assert mem.layouts  # the layout is cached: what follows is checked against the entry
     req.num_requests = 1
@@ -120,16 +126,9 @@ def test_index_tensors_in_a_device_region_are_read_again_at_every_step(rig, monk
     is not cached: cached, the next step of the same slices reused the first step's copy, and the checks and the
     step ran the metadata the engine wrote then, not the positions (or pages, or slots) it wrote since."""
     cfg, step, mem, seg, register = rig
-    refs, off = {}, 0
-    for name, t in (("positions", step.positions), ("input_ids", step.input_ids), ("seq_lens", step.meta.seq_lens),
-                    ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
-        seg.tensor[off : off + t.nbytes].view(t.dtype).copy_(t.reshape(-1))
-        refs[name] = (t.dtype, tuple(t.shape), off)
-        off += -(-t.nbytes // 64) * 64
-    rid = register(off)
     resolve = mem.resolve
     monkeypatch.setattr(mem, "resolve", lambda *a: resolve(*a).as_subclass(_OnDevice))
-    req = _request(step, **{k: codec.region_tensor_ref(d, s, rid, o) for k, (d, s, o) in refs.items()})
+    req = _request(step, **_all_in_one_region(step, seg, register))
     assert torch.equal(validate_step(req, cfg, mem, 8, private=True).positions, step.positions)
     seg.tensor[:8].view(torch.int64).fill_(12345)  # the engine's next step, in the same slices: request 0 moved
     with pytest.raises(SidecarError) as err:
