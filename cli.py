@@ -237,9 +237,13 @@ def cmd_serve(a: argparse.Namespace, argv: list[str], flag_dests: list[str]) -> 
         """Whether rank r's socket is listened on by a process that is not one of our ranks (our children): a serve
         started on the folder with this one, past the check above too, whose rank took the socket first. Ours
         then refuses it (exit 75) seconds later; until then the other's health read as this group serving, and the
-        losing serve printed "TP N serving" before its refusal. Nobody answering now tells nothing: not held."""
+        losing serve printed "TP N serving" before its refusal. Nobody answering now tells nothing: not held; nor
+        does a parent not known (no /proc), which would otherwise keep a group of our own from ever serving."""
         pid = listener_pid(cfg.socket_path(r))
-        return pid is not None and parent_pid(pid) != os.getpid()
+        if pid is None:
+            return False
+        parent = parent_pid(pid) if pid > 0 else -1  # pid 0: a process of another pid namespace, never our child
+        return parent != 0 and parent != os.getpid()
 
     def ready() -> bool:
         states = [check(f"unix:{cfg.socket_path(r)}", 1.0) for r in range(cfg.tp)]

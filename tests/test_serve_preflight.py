@@ -714,9 +714,14 @@ def test_serve_does_not_report_another_serve_s_ranks_as_its_group_serving(tiny_c
 
     from dspark_sidecar.server import healthcheck
 
+    from dspark_sidecar.server import processes
+
     monkeypatch.setattr(healthcheck, "check", lambda target, timeout: "SERVING")
     probes = []
     monkeypatch.setattr(launcher, "launch", lambda cfg, argv, on_ready=None: probes.append(on_ready) or 0)
+    no_proc = []  # set: /proc tells no parent (not mounted), as parent_pid answers then
+    real_parent = processes.parent_pid
+    monkeypatch.setattr(processes, "parent_pid", lambda pid: 0 if no_proc else real_parent(pid))
     sock = tmp_path / "sock"
     assert cli.main(["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(sock), "--checkpoint",
                      str(tiny_ckpt[0]), "--target-checkpoint", str(tiny_ckpt[1])]) == 0
@@ -725,6 +730,9 @@ def test_serve_does_not_report_another_serve_s_ranks_as_its_group_serving(tiny_c
         other.bind(str(sock / "rank0.sock"))
         other.listen(8)
         assert ready() is False and "serving" not in capsys.readouterr().out
+        no_proc.append(True)  # a parent not known is not held against the group: else it never served
+        assert ready() is True and "dspark-sidecar: TP 1 serving" in capsys.readouterr().out
+        no_proc.clear()
     (sock / "rank0.sock").unlink()
     rank = subprocess.Popen([sys.executable, "-c", "import socket, sys; s = socket.socket(socket.AF_UNIX); "
                              "s.bind(sys.argv[1]); s.listen(8); print(flush=True); sys.stdin.read()",
