@@ -712,9 +712,7 @@ def test_serve_does_not_report_another_serve_s_ranks_as_its_group_serving(tiny_c
     import subprocess
     import sys
 
-    from dspark_sidecar.server import healthcheck
-
-    from dspark_sidecar.server import processes
+    from dspark_sidecar.server import healthcheck, processes
 
     monkeypatch.setattr(healthcheck, "check", lambda target, timeout: "SERVING")
     probes = []
