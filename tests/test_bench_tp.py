@@ -147,13 +147,21 @@ class _QuietSidecar(SidecarUnderTest):
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self.log, stderr=subprocess.STDOUT)
 
 
+def _post_pid(rank: int) -> Path:
+    """Writes this engine rank's pid as $BENCH_TP_TEST_PIDS/rank<rank>, whole or absent to a reader (a rank may be
+    ended mid-write); returns that folder."""
+    pids = Path(os.environ["BENCH_TP_TEST_PIDS"])
+    (pids / f".tmp{rank}").write_text(str(os.getpid()))
+    (pids / f".tmp{rank}").rename(pids / f"rank{rank}")
+    return pids
+
+
 def _rank_that_sigterms_the_bench(rank, world, bc, device_type, target_dir, store, out) -> None:
     """An engine rank: says it runs, rank 0 sends the bench SIGTERM, then each waits as for a step."""
-    pids = Path(os.environ["BENCH_TP_TEST_PIDS"])
-    (pids / f"rank{rank}").write_text(str(os.getpid()))
+    pids = _post_pid(rank)
     if rank == 0:
         deadline = time.monotonic() + 60
-        while len(list(pids.iterdir())) < world and time.monotonic() < deadline:  # every rank running
+        while len(list(pids.glob("rank?"))) < world and time.monotonic() < deadline:  # every rank running
             time.sleep(0.05)
         os.kill(os.getppid(), signal.SIGTERM)
     time.sleep(120)  # a step's wait (60 s in the real ranks); left running, it outlives the bench
@@ -282,8 +290,13 @@ def _rank_that_dies_before_its_peer_s_barrier(rank, world, bc, device_type, targ
 
     import torch.distributed as dist
 
-    (Path(os.environ["BENCH_TP_TEST_PIDS"]) / f"rank{rank}").write_text(str(os.getpid()))
+    pids = _post_pid(rank)
     if rank == 1:
+        # Fail only once rank 0 has written its pid: raising earlier lets spawn end rank 0 before it does (as on
+        # CI's loaded box), and the test could not check that rank 0 is gone.
+        deadline = time.monotonic() + 60
+        while not (pids / "rank0").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise RuntimeError("engine rank 1 failed")
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
