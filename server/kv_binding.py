@@ -352,6 +352,21 @@ class MemoryBindings:
     def region_count(self) -> int:
         return len(self._regions)
 
+    def retire_if_idle(self, ids: list[int], owner: int = 0, lease: int = 0) -> bool:
+        """unregister's fast way out: True where `ids` is empty and neither `owner` nor `lease` holds a region (the
+        owner registers nothing more, as there), decided under the lock that a registration records under, so
+        that one still mapping under the owner is refused or seen here. Nothing reads anything of them, so the
+        caller needs no rank section (whose quiesce would release the live engine's pre-launched step)."""
+        with self._lock:
+            held = self._owned.get(owner, []) + self._leased.get(lease, [])
+            if ids or any(rid in self._regions for rid in held):
+                return False
+            if owner:
+                self._released_owners.add(owner)
+                self._owned.pop(owner, None)
+            self._leased.pop(lease, None)
+            return True
+
     def leases_regions(self, lease: int) -> bool:
         """Whether regions registered under `lease` are still registered."""
         with self._lock:

@@ -414,6 +414,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         """Release the regions `ids` and those registered under `owner` or `lease` (MemoryBindings.unregister:
         NOT_FOUND, all or none, for an id not registered). give_up: bounds the waits for the attach lock and the
         rank's (rank.held), given up before anything is released."""
+        if self.ctx.memory.retire_if_idle(ids, owner, lease):
+            return  # nothing of theirs is registered (a registration that never arrived): no section, no quiesce
         # The doorbell stays as it is (no new one may attach meanwhile), and nothing else runs on the
         # device. What reads the regions is taken out of use at once; it is let go, and the regions
         # closed, once the device has done everything queued so far (RankLoop.after_device). At TP 1

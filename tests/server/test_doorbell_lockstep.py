@@ -15,6 +15,7 @@ from helpers.ranks import run_ranks
 
 CAP = 4096
 # The release's gRPC context: a same-node engine still waiting for its answer (no deadline).
+OWNER = 41  # the engine's token for its buffers
 ENGINE = SimpleNamespace(peer=lambda: "unix:/engine", is_active=lambda: True, time_remaining=lambda: None)
 
 
@@ -26,6 +27,7 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
     from dspark_sidecar.drafter.kv_cache import StepMetadata
     from dspark_sidecar.proto import codec
     from dspark_sidecar.proto import doorbell as bell
+    from dspark_sidecar.proto import memory as mem_handles
     from dspark_sidecar.proto import sidecar_pb2 as pb
     from dspark_sidecar.server import rank as rank_mod
     from dspark_sidecar.server.doorbell import Doorbell
@@ -105,6 +107,10 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
     loop.on_quiesce(db.prelaunch.release)
     svc = DrafterServicer(ctx, loop, Lifecycle(), None, None, "")
     svc.doorbell = db
+    # A region the engine holds under its token (the shim's buffers): a release of none enters no section.
+    seg = mem_handles.shm_empty((4096,), torch.uint8)
+    svc.RegisterBuffers(pb.RegisterBuffersRequest(owner=OWNER, regions=[pb.BufferRegion(
+        name="buffers", memory=mem_handles.export_handle(seg.tensor), size_bytes=4096)]), ENGINE)
     answers: dict[int, float] = {}
     publish = db._publish
     releaser: list[threading.Thread] = []
@@ -112,7 +118,7 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
     def answered(seq, resp):
         if release_on_rank0 and rank == 0 and seq == 1:
             t = threading.Thread(target=lambda: (svc.UnregisterBuffers(
-                pb.UnregisterBuffersRequest(), ENGINE), order.append("release")))
+                pb.UnregisterBuffersRequest(owner=OWNER), ENGINE), order.append("release")))
             t.start()
             releaser.append(t)
             # The release must be waiting for the loop's lock before this step's answer goes out: a fixed
@@ -144,6 +150,7 @@ def _rank(rank: int, world: int, release_on_rank0: bool, board_name: str) -> dic
     db.stop()  # releases the copy queued after step 3, paired with the peer's
     loop.close()
     rdv.close()
+    seg.close()
     dist.barrier(group=ctl)
     if rank == 0:
         board.close()

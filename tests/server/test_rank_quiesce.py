@@ -73,3 +73,42 @@ def test_a_raising_hook_before_a_binding_exits_the_rank(loop, exits):
     with loop.exclusive(quiesce=False):  # the doorbell's own sections run no hooks: nothing raised
         pass
     assert exits.codes == [3]
+
+
+def _servicer(loop):
+    """A servicer over `loop` with a real MemoryBindings (host memory): UnregisterBuffers as the engine calls it."""
+    from dspark_sidecar.server.kv_binding import MemoryBindings
+    from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
+
+    loop.ctx.memory = MemoryBindings(SimpleNamespace(), 1, 0, torch.float32, torch.device("cpu"))
+    return DrafterServicer(loop.ctx, loop, Lifecycle(), None, None, "")
+
+
+ENGINE = SimpleNamespace(peer=lambda: "unix:/engine", is_active=lambda: True, time_remaining=lambda: None)
+
+
+def test_an_unregisterbuffers_that_releases_nothing_runs_no_hook(loop):
+    """The shim releases its owner token after a RegisterBuffers whose outcome it does not know (its call timed
+    out): often nothing was registered under it. That call entered the rank's section all the same, whose hooks
+    release the doorbell's pre-launched step, at TP > 1 on this rank alone (the peers' copies ran: SOME_COPIES).
+    The token is retired all the same: a registration still under way under it is refused."""
+    from dspark_sidecar.proto import memory
+
+    calls: list = []
+    loop.on_quiesce(calls.append)
+    svc = _servicer(loop)
+    svc.UnregisterBuffers(pb.UnregisterBuffersRequest(owner=77), ENGINE)
+    assert calls == []
+    seg = memory.shm_empty((4096,), torch.uint8)
+    try:
+        late = pb.RegisterBuffersRequest(owner=77, regions=[pb.BufferRegion(
+            name="late", memory=memory.export_handle(seg.tensor), size_bytes=4096)])
+        with pytest.raises(Exception, match="owner: 77 was released by UnregisterBuffers"):
+            svc.RegisterBuffers(late, ENGINE)
+        # One that holds a region releases it in the section, its hooks run.
+        held = pb.RegisterBuffersRequest(owner=78, regions=list(late.regions))
+        svc.RegisterBuffers(held, ENGINE)
+        svc.UnregisterBuffers(pb.UnregisterBuffersRequest(owner=78), ENGINE)
+        assert calls == [False] and svc.ctx.memory.region_count == 0
+    finally:
+        seg.close()
