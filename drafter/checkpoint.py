@@ -334,6 +334,12 @@ class CheckpointReader:
                                       f"({type(e).__name__}: {e})") from None
             except OSError as e:  # a folder in its place, or no read permission
                 raise CheckpointError(f"{index}: unreadable ({e.strerror or e})") from None
+            for k, f in weight_map.items():
+                # Held to the folder by name (not resolved: a file in it may link elsewhere, as the Hugging Face
+                # cache's snapshots do): the folder given is the one whose weights are served.
+                if Path(str(f)).is_absolute() or ".." in Path(str(f)).parts:
+                    raise CheckpointError(f"{index}: {k} is in {str(f)!r}, outside {self.folder}; an index names "
+                                          "files of its own folder")
         else:
             for f in sorted(self.folder.glob("*.safetensors")):
                 with self._open(f) as h:

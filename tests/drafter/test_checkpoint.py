@@ -215,6 +215,25 @@ def test_a_key_in_two_files_or_a_broken_index_is_named(tmp_path, tiny_ckpt):
             CheckpointReader(d, torch.float32)
 
 
+@pytest.mark.parametrize("name", ["../model.safetensors", "/tmp/model.safetensors", "a/../../model.safetensors"])
+def test_an_index_that_names_a_file_outside_its_folder_is_refused(tmp_path, tiny_ckpt, name):
+    """The index's weight_map was joined to the folder as given: a downloaded checkpoint whose index names
+    `../x` or an absolute path had the sidecar read (and serve as weights) a file outside the folder it was
+    given. A file in the folder may still be a link elsewhere (the Hugging Face cache's snapshots are links
+    to its blobs): only the index's own names are held to the folder."""
+    t = load_file(str(tiny_ckpt[0] / "model.safetensors"))
+    d = tmp_path / "ckpt" / "inner"
+    d.mkdir(parents=True)
+    save_file(t, str(tmp_path / "ckpt" / "model.safetensors"))
+    save_file(t, str(tmp_path / "model.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {NORM: name}}))
+    with pytest.raises(CheckpointError, match=rf"model.safetensors.index.json: {NORM} is in {name!r}, outside "):
+        CheckpointReader(d, torch.float32)
+    (d / "model.safetensors").symlink_to(tmp_path / "ckpt" / "model.safetensors")  # a link in the folder: read
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {NORM: "model.safetensors"}}))
+    assert CheckpointReader(d, torch.float32).has(NORM)
+
+
 def test_a_disk_that_fills_while_the_synthetic_checkpoint_is_written_is_named_and_cleaned(tmp_path, monkeypatch,
                                                                                           tiny_cfg):
     """safetensors' save_file reports an I/O error (ENOSPC mid-shard) as SafetensorError, not OSError: it
