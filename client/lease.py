@@ -11,6 +11,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 import weakref
 
@@ -19,6 +20,7 @@ from dspark_sidecar.proto import LEASE_TOKEN_FORMAT
 
 TOKEN = struct.Struct(LEASE_TOKEN_FORMAT)
 CONNECT_RETRY_S = 0.01  # between connects to a lease socket whose backlog is full (_connect_by)
+MAX_LEASES = 16  # the most leases a sidecar rank holds (StatusReport.lease_socket; server/lease.py): for the warning
 
 log = logging.getLogger("dspark_sidecar.client")
 
@@ -43,7 +45,10 @@ class EngineLease:
         if self._sock is not None and path == self._path and self._open():
             return self._token
         self.close()
-        sock = self._taking = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Made and recorded under _FORK_LOCK, which a fork waits for: socket() lets other threads run, and a fork by
+        # one of them between it and this record left the child a copy no hook knew of (the lease outlived the engine).
+        with _FORK_LOCK:
+            sock = self._taking = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # One deadline for the whole take, not each socket call's: a peer sending the token a byte at a time,
         # each within the timeout, held the bind up to 9x its deadline (connect's wait, then each of 8 recvs).
         end = time.monotonic() + deadline_s
@@ -139,15 +144,21 @@ def _forget_in_child() -> None:
     when its last descriptor does, so a child the engine forked (a worker pool, a helper) that kept it kept the
     engine's binding at the sidecar after the engine ended. A lease the child needs, it takes itself. A take under
     way in another thread of the parent (connected, its token not read yet) too: that socket becomes the lease there."""
-    for lease in list(_ALL):
-        for sock in (lease._sock, lease._taking):
-            if sock is not None:
-                sock.close()
-        lease._sock, lease._path, lease._token, lease._taking = None, "", 0, None
+    try:
+        for lease in list(_ALL):
+            for sock in (lease._sock, lease._taking):
+                if sock is not None:
+                    sock.close()
+            lease._sock, lease._path, lease._token, lease._taking = None, "", 0, None
+    finally:
+        _FORK_LOCK.release()  # taken for the fork (before=) by the thread that is this child's only one
 
 
 _ALL: weakref.WeakSet[EngineLease] = weakref.WeakSet()
-os.register_at_fork(after_in_child=_forget_in_child)
+# Held by a take from socket() to its record (_taking), and by a fork: one waits for the other. Re-entrant: a fork
+# from inside the take's own hold (a signal handler's) goes on, as before, rather than wait on itself for good.
+_FORK_LOCK = threading.RLock()
+os.register_at_fork(before=_FORK_LOCK.acquire, after_in_parent=_FORK_LOCK.release, after_in_child=_forget_in_child)
 
 
 def _read_exactly(sock: socket.socket, n: int, end: float) -> bytes:
@@ -160,6 +171,10 @@ def _read_exactly(sock: socket.socket, n: int, end: float) -> bytes:
         sock.settimeout(left)
         chunk = sock.recv(n - len(data))
         if not chunk:
-            raise EOFError(f"the connection closed after {len(data)} of the token's {n} bytes")
+            # Before any byte, the sidecar's own refusal: said, or the engine's log named no cause to act on.
+            raise EOFError(f"the connection closed after {len(data)} of the token's {n} bytes" + (
+                "" if data else f", as the sidecar closes one when the rank already holds the most leases a sidecar "
+                f"rank holds ({MAX_LEASES}: engines, or other processes connected to its lease socket) or when it "
+                "shuts down"))
         data += chunk
     return data

@@ -274,6 +274,25 @@ def test_a_peer_that_closes_before_the_whole_token_gives_no_lease(caplog):
         srv.close()
 
 
+def test_a_rank_that_holds_its_most_leases_is_named_as_the_cause_in_the_engine_s_warning(caplog):
+    """A full rank closes a new connection before its token (server/lease.py MAX_LEASES). The engine's warning said
+    only "the connection closed after 0 of the token's 8 bytes": nothing for the person reading it to act on (who
+    holds the rank's leases), though the binding it goes on without outlives the engine."""
+    from dspark_sidecar.server.lease import MAX_LEASES
+
+    path = short_socket_dir() / "rank0.lease"
+    k = _keeper(path)
+    held = [EngineLease() for _ in range(MAX_LEASES)]
+    try:
+        assert all(lease.token(str(path), 5) for lease in held) and k.count == MAX_LEASES
+        assert _token_within(str(path), caplog, 5) == 0
+        assert f"the most leases a sidecar rank holds ({MAX_LEASES}:" in caplog.text, caplog.text
+    finally:
+        for lease in held:
+            lease.close()
+        k.close()
+
+
 def test_a_child_the_engine_forks_does_not_hold_its_lease():
     """The lease ends when its last descriptor closes: a forked child (a worker pool, a helper) that inherited it
     kept it, and with it the engine's binding, after the engine itself had ended."""
@@ -337,6 +356,103 @@ def test_a_child_forked_while_the_lease_is_being_taken_does_not_hold_it():
     finally:
         lease.close()
         srv.close()
+
+
+def test_a_child_forked_while_the_lease_s_socket_is_being_made_does_not_hold_it(monkeypatch):
+    """The fork above, one step earlier: another engine thread forks while the take is inside socket() (the call
+    lets other threads run, and the socket is no one's yet, not even the take's). The child's copy was closed by
+    nothing, the parent then connected that very socket, and the gone engine's lease stayed open for as long as
+    the child lived (the engine's worker pool: for good). The fork now waits for the socket to be the take's."""
+    path = short_socket_dir() / "rank0.lease"
+    k = _keeper(path)
+    lease = EngineLease()
+    go, forked = threading.Event(), threading.Event()
+    r, w = os.pipe()
+    children: list[int] = []
+
+    def fork() -> None:  # the engine's other thread
+        go.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: lives until the test says
+            os.read(r, 1)
+            os._exit(0)
+        children.append(pid)
+        forked.set()
+
+    made = socket.socket
+
+    class Socket(made):  # socket() with the fork landing inside it, as it may on a busy engine
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if threading.current_thread().name == "taking":
+                go.set()
+                forked.wait(1)  # at once where the fork does not wait for the take (it did not)
+
+    forker = threading.Thread(target=fork, daemon=True)
+    got: list[int] = []
+    taking = threading.Thread(target=lambda: got.append(lease.token(str(path), 10)), name="taking", daemon=True)
+    try:
+        forker.start()
+        monkeypatch.setattr(socket, "socket", Socket)
+        taking.start()
+        taking.join(10)
+        monkeypatch.undo()
+        forker.join(10)
+        assert got and got[0] and forked.is_set() and children
+        lease.close()  # as the engine's exit would
+        assert k.lost.get(timeout=5) == got[0], "the forked child kept the lease open after the engine closed it"
+    finally:
+        monkeypatch.undo()
+        os.write(w, b"x")
+        for pid in children:
+            os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+        lease.close()
+        k.close()
+
+
+def test_a_forked_child_holds_none_of_the_parent_s_lease_and_takes_its_own_from_any_thread():
+    """What the child is left with: no lease (its `held` the parent's token, it would have bound under the lease of
+    another process), and a take of its own that works, on a thread the child starts too (the fork's hold on the
+    take's lock is let go in the child, or such a take waited on it for good)."""
+    path = short_socket_dir() / "rank0.lease"
+    k = _keeper(path)
+    lease = EngineLease()
+    r, w = os.pipe()
+    try:
+        parent = lease.token(str(path), 5)
+        pid = os.fork()
+        if pid == 0:  # the child: its own lease, taken on a thread of its own, reported as "held token"
+            got: list[str] = []
+
+            def take() -> None:
+                try:
+                    got.append(f"{lease.held} {lease.token(str(path), 5)}")
+                except BaseException as e:  # noqa: BLE001  (reported to the parent)
+                    got.append(f"raised {e!r}")
+
+            t = threading.Thread(target=take, daemon=True)
+            t.start()
+            t.join(5)
+            os.write(w, (got[0] if got else "hung").encode())
+            os._exit(0)
+        os.close(w)
+        w = -1
+        with os.fdopen(r, "rb") as f:
+            r = -1
+            said = f.read().decode()
+        os.waitpid(pid, 0)
+        held, _, token = said.partition(" ")
+        assert held == "0" and token.isdigit() and int(token) not in (0, parent), said
+        assert k.lost.get(timeout=5) == int(token)  # the child's lease ended with the child, the parent's stands
+        assert lease.token(str(path), 5) == parent and k.live(parent)
+    finally:
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
+        lease.close()
+        k.close()
 
 
 def test_a_lease_from_another_socket_is_given_up_for_one_from_the_socket_named():

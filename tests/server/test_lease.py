@@ -690,6 +690,19 @@ def test_a_connection_that_takes_no_token_holds_no_lease(keeper, monkeypatch):
     assert keeper.lost.empty()
 
 
+def test_an_engine_gone_before_it_read_its_token_ends_its_lease(keeper):
+    """An engine killed between its connect and its read of the token: the token is still unread in its socket, and
+    the kernel tells the keeper so with ECONNRESET, not end of file. That is the end of the lease all the same (taken
+    for a passing error, the lease and what the engine bound meanwhile under it were never released)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(keeper.path)
+    wait_until(lambda: keeper.count == 1 and len(keeper._sel.get_map()) == 3, 5, "the lease to be handed out")
+    (token,) = keeper._live  # the one lease: its token sent, never read
+    s.close()
+    assert keeper.lost.get(timeout=5) == token and keeper.count == 0
+
+
 def test_a_lost_lease_asks_the_device_before_it_releases_what_it_held(monkeypatch):
     """At TP 1 a release waits for the device, which, stuck on the gone engine's event, never lets it go: the check
     (which exits the rank) must come first, or it never ran and the rank stayed up for good, its releases waiting."""
