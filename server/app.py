@@ -270,7 +270,7 @@ def serve_rank(cfg: ServeConfig, rank: int, world: int, local_rank: int, agent_a
     """Run one rank until it is stopped. `agent_attempt`: under torchrun, whose agent hosts the group's
     store, its restart count (None: our launcher, rank 0 hosts the store). `agent_pid`: the agent's pid as the
     process read it at its start (cli.PARENT_AT_START; None: this process's parent now)."""
-    start_up = StartUp(rank, threading.Event())
+    start_up = StartUp(rank)  # its stop: a SignalStop, which the handlers may set wherever the main thread is
     try:
         return _serve_rank(cfg, rank, world, local_rank, agent_attempt, start_up, agent_pid)
     except BaseException:

@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import logging
 import os
+import select
 import signal
 import threading
 from pathlib import Path
@@ -21,6 +22,33 @@ from dspark_sidecar.server.rendezvous import Board
 log = logging.getLogger("dspark_sidecar.server")
 
 
+class SignalStop:
+    """The rank's stop: set by its SIGTERM/SIGINT handler, waited for by the serving loop's beat, both on the main
+    thread (a handler runs there, between two lines of whatever it was doing). A threading.Event deadlocked: a
+    signal landing while the wait held the event's lock (not re-entrant) had set() wait for it for good. Here set()
+    takes no lock: a flag, and a byte down a pipe that wakes the wait's select (it may have started already)."""
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._wake, self._ring = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def set(self) -> None:
+        self._flag = True
+        try:
+            os.write(self._ring, b"\0")
+        except BlockingIOError:  # the pipe full of earlier signals' bytes: the wait wakes all the same
+            pass
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the stop is set, waiting up to `timeout` s for it."""
+        if not self._flag:
+            select.select([self._wake], [], [], timeout)
+        return self._flag
+
+
 class StartUp:
     """SIGTERM/SIGINT while the rank is still starting (loading, the rendezvous, the warm-up) ends it
     at once: the serving loop that reads `stop` is not reached yet, and a load can take minutes. What
@@ -28,8 +56,8 @@ class StartUp:
     process ends with os._exit so no half-made collective or CUDA state has to be torn down (inside
     `unwinding`, where a write has its own cleanup to run, it raises SystemExit(0) instead)."""
 
-    def __init__(self, rank: int, stop: threading.Event) -> None:
-        self.rank, self.stop = rank, stop
+    def __init__(self, rank: int, stop: SignalStop | threading.Event | None = None) -> None:
+        self.rank, self.stop = rank, stop if stop is not None else SignalStop()
         self.active = True  # until the rank accepts draft calls; from then on a signal drains
         self.socket: Path | None = None
         self.lease: Path | None = None  # the engine-lease socket, bound with the servicer (before the warm-up)

@@ -462,3 +462,55 @@ def test_a_rank_whose_world_size_is_not_its_tp_is_refused_as_a_flag_before_it_li
     assert p.stderr == ("dspark-sidecar: --tp 1: 2 ranks were started (WORLD_SIZE 2); start as many as --tp says "
                         "(torchrun --nproc-per-node)\n")
     assert not sock.exists() or not list(sock.iterdir())
+
+
+_SIGNAL_AT_EVERY_LINE = """
+import signal, sys, threading
+from dspark_sidecar.server import startup
+
+def stop_at_line(k):
+    # "event": the threading.Event the rank's stop was (a signal at one of its lines hangs: how the test failed)
+    start_up = startup.StartUp(0, threading.Event()) if sys.argv[1] == "event" else startup.StartUp(0)
+    made = start_up.stop
+    start_up.active = False  # serving: a signal drains through `stop`, the main thread in its beat's wait
+    seen = [0]
+
+    def trace(frame, event, arg):
+        # A signal's handler runs on the main thread between two of its lines, wherever it is: here, at the k-th
+        # line the wait runs (the handler's own lines not counted).
+        if event == "line" and frame.f_code.co_name != "on_signal":
+            seen[0] += 1
+            if seen[0] == k:
+                start_up.on_signal(signal.SIGTERM, None)
+        return trace
+
+    sys.settrace(trace)
+    try:
+        woke = made.wait(2)
+    finally:
+        sys.settrace(None)
+    signalled = seen[0] >= k
+    assert woke == signalled, (k, woke)  # woken by the signal at once; never signalled: its timeout (ends the run)
+    return signalled
+
+k = 1
+while stop_at_line(k):  # every line of the wait in turn, until the wait ended before its k-th line
+    k += 1
+print("ok", k - 1)
+"""
+
+
+def test_a_stop_signalled_at_any_line_of_the_serving_loop_s_wait_ends_it(tmp_path):
+    """The serving loop waits on `stop` (a beat's timed wait) and SIGTERM's handler sets it, on the same (main)
+    thread. With a threading.Event a signal that landed while the wait held the event's lock (its Condition's,
+    not re-entrant) had set() wait for that lock for good: a rank that never drained, killed by the launcher 60 s
+    later (2 hangs in 75 SIGTERMs of a served TP-1 rank). Here the handler runs at every line of the wait in
+    turn; each wait must end at once."""
+    script = tmp_path / "signal_at_every_line.py"
+    script.write_text(_SIGNAL_AT_EVERY_LINE)
+    env = dict(_env(), PYTHONPATH=os.environ.get("PYTHONPATH", ""))
+    try:
+        out = subprocess.run([sys.executable, str(script), "stop"], capture_output=True, text=True, timeout=60, env=env)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("a signal at some line of the wait hung it") from None
+    assert out.returncode == 0 and out.stdout.startswith("ok "), (out.stdout, out.stderr[-2000:])
