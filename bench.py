@@ -253,7 +253,9 @@ class SidecarUnderTest:
 
     def __init__(self, bc: BenchConfig, device: torch.device, work: Path, tp: int = 1) -> None:
         self.work, self.sock = work, work / "sock"
-        shard = ["--shard-of", str(bc.shard_of)] if tp == 1 else []
+        # A shard of TP 1 is the whole drafter, plain --tp 1: serve refuses --shard-of 1 (exit 2), which failed
+        # every sidecar mode of a `bench --shard-of 1`.
+        shard = ["--shard-of", str(bc.shard_of)] if tp == 1 and bc.shard_of > 1 else []
         argv = [sys.executable, "-m", "dspark_sidecar", "serve", "--tp", str(tp), *shard,
                 "--random-weights", "--preset", bc.preset, "--dtype", bc.dtype, "--weights", bc.weights,
                 "--socket-dir", str(self.sock),

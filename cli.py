@@ -494,6 +494,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise UsageError(f"--tp: at least 1, got {a.tp}")
     if device.type == "cuda":  # at --tp 1 too: the weights' first CUDA allocation ended it in torch's traceback
         _check_gpus(a.tp)
+    if a.tp == 1:  # the shard's TP, as serve's --shard-of: the drafter's words alone, after --out-dir was made
+        _check_tp(a.preset, a.shard_of, "--shard-of")
     if a.tp > 1 and a.shim_phases:  # run_tp_bench has no phase split: the flag was ignored
         raise UsageError(f"--shim-phases: the one-process bench's mode h only, not --tp {a.tp}")
     if a.tp > 1:

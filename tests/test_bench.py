@@ -133,6 +133,42 @@ def test_the_bench_s_sidecar_exits_with_the_bench(tmp_path, monkeypatch):
     assert argv[argv.index("--exit-with-pid") + 1] == str(os.getpid())
 
 
+@pytest.mark.parametrize("shard_of", [1, 2, 4])
+def test_the_bench_s_sidecar_is_started_with_flags_serve_accepts(shard_of, tmp_path, monkeypatch):
+    """BenchConfig takes --shard-of 1 (a TP-1 drafter, whole), and the sidecar was started with `--tp 1 --shard-of 1`,
+    which serve refuses (exit 2, "needs --tp 1 and N >= 2"): every sidecar mode (d-i) a failed row, exit 1."""
+    import argparse
+
+    from dspark_sidecar import bench as B
+    from dspark_sidecar import cli
+
+    argvs = []
+
+    class Exited:  # as above: the argv recorded, the process ended at once
+        def __init__(self, argv, **_kw):
+            argvs.append(argv)
+
+        def poll(self):
+            return 1
+
+        def terminate(self):
+            return None
+
+        def wait(self, timeout=None):
+            return 1
+
+    monkeypatch.setattr(B.subprocess, "Popen", Exited)
+    with pytest.raises(B.BenchFailed):
+        B.SidecarUnderTest(BenchConfig(preset="tiny", shard_of=shard_of, reqs=(1,), contexts=(40,), out_dir=tmp_path),
+                           torch.device("cpu"), tmp_path)
+    (argv,) = argvs
+    assert argv[3] == "serve"
+    parser = argparse.ArgumentParser()
+    cli._add_serve_flags(parser, cli._builtin)
+    cfg = cli.serve_config(parser.parse_args(argv[4:]))  # serve's own parsing and checks: ServeConfigError here
+    assert (cfg.tp, cfg.shard_of) == (1, shard_of if shard_of > 1 else 0)
+
+
 def test_a_bench_stopped_while_its_sidecar_starts_stops_that_sidecar(tmp_path, monkeypatch):
     """A SIGTERM (cli's _sigterm_unwinds: SystemExit) or Ctrl-C while the bench waited for its sidecar to serve (on
     a GPU its weights drawn and graphs captured: the longest wait of a run) left that sidecar running until

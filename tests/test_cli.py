@@ -136,6 +136,9 @@ _TINY_BENCH = ["--device", "cpu", "--preset", "tiny", "--reqs", "1", "--contexts
     # --shard-of 0 reached ParallelContext (a traceback); --tp 0 ran the one-process bench as if not given
     (["bench", "--shard-of", "0", "--device", "cpu"], "--shard-of: a TP size of at least 1, got 0"),
     (["bench", "--tp", "0", "--device", "cpu"], "--tp: at least 1, got 0"),
+    # a shard of a TP the preset does not split over: the drafter's words alone, naming no flag, once the
+    # bench had made its --out-dir and drawn the weights
+    (["bench", "--shard-of", "3", *_TINY_BENCH], "--shard-of 3: num_attention_heads: 8 is not divisible by TP size 3"),
     # --shim-phases split nothing, silently, where no mode h runs: without h in --modes, or at --tp N (a tiny
     # bench, so that a regression that runs it fails soon)
     (["bench", "--modes", "acd", "--shim-phases", *_TINY_BENCH], "--shim-phases: splits mode h's time, and --modes acd"),
@@ -450,6 +453,27 @@ def test_a_demo_flag_the_sidecar_or_harness_would_refuse_is_refused_before_anyth
     assert err.startswith("dspark-sidecar: ") and words in err and err.count("\n") == 1, err
 
 
+def test_a_demo_that_does_not_verify_runs_at_a_tp_the_shim_does_not_forward_at(monkeypatch, capsys):
+    """The refusal of --tp != --required-tp is for a verifying demo (nothing would be compared): --no-verify is the
+    documented way to watch every round fall back, and a mutation that refused it too passed every test."""
+    from dspark_sidecar.client import demo
+
+    ran = []
+
+    class Ran(Exception):
+        pass
+
+    def run_demo(cfg):
+        ran.append(cfg)
+        raise Ran  # stop here: the checks before the run are what is tested
+
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    with pytest.raises(Ran):
+        cli.main(["demo", "--tp", "2", "--no-verify", "--rounds", "1"])
+    assert [(c.tp, c.required_tp, c.verify) for c in ran] == [(2, 4, False)]
+    assert capsys.readouterr().err == ""
+
+
 def test_the_demo_on_a_socket_folder_where_nothing_serves_fails_in_one_line(capsys):
     """--use-running-sidecar where no sidecar answers ended in gRPC's own traceback (_InactiveRpcError, exit 1
     by accident): README promises a one-line reason on stderr."""
@@ -514,6 +538,32 @@ def test_a_step_bigger_than_the_host_s_memory_is_refused_before_it_allocates(mon
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("dspark-sidecar: --reqs/--context: 2 requests of 4096 tokens need ") \
         and "more than this host's 0.0 GiB" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("short", [1, 0])
+def test_a_step_is_refused_from_one_byte_more_than_the_host_s_memory(short, monkeypatch, capsys):
+    """The bound is the host's memory itself: the test above refuses with room to spare, and a mutation that
+    allowed twice the host's memory passed it. Sized as cmd_step sizes it: the KV cache and the context's taps."""
+    import math
+
+    import torch
+
+    from dspark_sidecar.drafter import scenario
+    from dspark_sidecar.drafter.config import load_config
+    from dspark_sidecar.drafter.kv_cache import kv_storage_shape
+
+    cfg, reqs, context = load_config("tiny"), 1, 64
+    pages = scenario.pages_needed(context + 7, 16) * reqs
+    itemsize = torch.bfloat16.itemsize
+    need = (cfg.num_hidden_layers * math.prod(kv_storage_shape(cfg, 1, pages, 16)) * itemsize
+            + reqs * context * cfg.tap_size * (4 + itemsize))
+    monkeypatch.setattr(cli, "_host_memory_bytes", lambda: need - short)
+    rc = cli.main(["step", "--reqs", str(reqs), "--context", str(context), "--repeat", "1"])
+    out, err = capsys.readouterr()
+    if short:
+        assert rc == 2 and out == "" and "--reqs/--context: 1 requests of 64 tokens need" in err, err
+    else:
+        assert rc == 0 and "median" in out, (out, err)
 
 
 def test_status_says_why_a_rank_is_unreachable(tmp_path, capsys):

@@ -209,6 +209,22 @@ def test_a_breaker_threshold_that_is_no_count_of_failures_is_named(threshold):
     assert BreakerConfig(failure_threshold=1).failure_threshold == 1
 
 
+def test_a_breaker_whose_longest_backoff_is_below_its_first_is_refused():
+    with pytest.raises(EngineConfigError, match=r"^breaker\.backoff_max_s: must be >= backoff_initial_s"):
+        BreakerConfig(backoff_initial_s=1.0, backoff_max_s=0.5)
+    assert BreakerConfig(backoff_initial_s=0.5, backoff_max_s=0.5).backoff_max_s == 0.5
+
+
+@pytest.mark.parametrize("max_reqs, ok", [(256, True), (257, False)])
+def test_max_reqs_above_what_any_sidecar_serves_is_refused(max_reqs, ok):
+    """Above layout.MAX_REQS_LIMIT (serve's --max-reqs range): only the positivity check was ever exercised."""
+    if ok:
+        assert EngineConfig(tp_size=4, max_reqs=max_reqs).max_reqs == max_reqs
+    else:
+        with pytest.raises(EngineConfigError, match=r"^max_reqs: must be 1\.\.256, got 257"):
+            EngineConfig(tp_size=4, max_reqs=max_reqs)
+
+
 @pytest.mark.parametrize("field, value, why", [
     ("tp_size", 2, "TP 2 != 4"), ("dp_size", 2, "DP > 1"), ("pp_size", 2, "PP > 1"),
     ("speculative_method", "eagle", "no DSpark draft"), ("num_speculative_tokens", 5, "7 speculative tokens required"),

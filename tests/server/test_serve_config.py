@@ -142,7 +142,7 @@ def test_settings_at_the_edges_of_their_ranges_are_accepted():
                {"tp": 4, "master_port": 65535},  # one port, not one per rank: any port, whatever --tp
                {"tp": 1, "shard_of": 2}, {"drain_s": 0}, {"drain_s": 300},
                {"tp": 4, "metrics_port": 65532}, {"launch_streams": 8}, {"rendezvous_ms": 60_000},
-               {"prelaunch_behind_ms": 60_000}, {"dist_timeout_s": 86_400},
+               {"prelaunch_behind_ms": 60_000}, {"dist_timeout_s": 86_400}, {"exit_with_pid": 1 << 22},
                {"max_message_bytes": 1 << 20}, {"max_message_bytes": (1 << 31) - 1},
                # --random-weights draws the weights: a --checkpoint gives only its config.json, no target needed
                {"checkpoint": Path("/ckpt/dspark"), "random_weights": True}):
@@ -222,7 +222,18 @@ def test_brackets_around_anything_but_an_ipv6_address_are_refused(host):
 
 @pytest.mark.parametrize("host", ["[::1]", "::1", "127.0.0.1", "localhost"])
 def test_an_ipv6_address_bracketed_or_not_is_served(host):
-    assert ServeConfig(tp=2, tcp_base_port=50000, tcp_host=host).endpoints(1)[1] in ("[::1]:50001", f"{host}:50001")
+    # gRPC parses [IPV6]:PORT only: "::1:50001" (a mutation's, the brackets dropped) is no address it binds.
+    want = "[::1]:50001" if ":" in host else f"{host}:50001"
+    assert ServeConfig(tp=2, tcp_base_port=50000, tcp_host=host).endpoints(1)[1] == want
+
+
+def test_a_host_that_is_not_loopback_is_served_with_allow_remote_only():
+    """--allow-remote is the switch that lets a non-loopback --tcp-host serve: a mutation that ignored it (refusing
+    every remote host) passed every test, as did one that ignored the refusal's loopback check."""
+    with pytest.raises(ServeConfigError, match=r"^--tcp-host: 10\.1\.2\.3 is not a loopback address.*--allow-remote"):
+        ServeConfig(tp=1, tcp_base_port=50000, tcp_host="10.1.2.3")
+    assert ServeConfig(tp=1, tcp_base_port=50000, tcp_host="10.1.2.3", allow_remote=True).endpoints(0)[1] == "10.1.2.3:50000"
+    assert ServeConfig(tp=1, tcp_host="10.1.2.3").tcp_base_port == 0  # no TCP listener: the host is not used
 
 
 @pytest.mark.parametrize("tp", [1, 12])
