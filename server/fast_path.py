@@ -213,6 +213,11 @@ class FlyDSLFastPath:
             self._key = key
             if self.startup_reason is not None:
                 self.reason = self.startup_reason
+            elif previewed is not None:
+                # Refused by the checks that need no allocation, in their words as BindKV answered them: the runner
+                # makes the same checks in its own ("drafter has 5 layers / 4 KV layers" for "4 KV layers bound"),
+                # and built for it, one binding's reason changed at its first step.
+                self.reason = previewed
             else:
                 try:
                     runner = self.runner_factory(

@@ -20,13 +20,19 @@ MAX_PROBE_TIMEOUT_S = 86400
 
 
 def check(target: str, timeout_s: float = 2.0, service: str = SERVICE_NAME) -> str:
-    """The health status name of one endpoint ("SERVING", "NOT_SERVING", or "UNREACHABLE: CODE: why")."""
+    """The health status name of one endpoint ("SERVING", "NOT_SERVING", "SERVICE_UNKNOWN: why", or
+    "UNREACHABLE: CODE: why")."""
     try:
         with grpc.insecure_channel(target) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                        timeout=timeout_s)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.NOT_FOUND:
+            # grpc.health.v1's Check answer for a service the server has no status for (Watch's SERVICE_UNKNOWN):
+            # a server answered. Printed "UNREACHABLE: NOT_FOUND", it read as a socket file not found.
+            return (f"SERVICE_UNKNOWN: this server answers grpc.health.v1 but has no status for {service}: not a "
+                    "DSpark sidecar rank (another server on its socket?)")
         return f"UNREACHABLE: {unreachable(err, timeout_s)}"
 
 
@@ -44,6 +50,7 @@ def not_serving_why(target: str, timeout_s: float = 2.0) -> str:
         return error_reason(err)
     # REFUSED's why is the fast path's refusal; PEER_SILENT's and STEP_STUCK's are state_reason (proto StatusReport).
     why = st.state_reason or (st.fast_path_refusal if st.state == "REFUSED" else "")
+    why = " ".join(line.strip() for line in why.splitlines() if line.strip())  # one line a rank: an error's lines
     return f"{st.state}: {why}" if why else st.state
 
 

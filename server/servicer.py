@@ -158,7 +158,9 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # Clipped as an error's message is (errors.clip_message): a reason quotes its error (a compiler's
         # dump of hundreds of KB, a path's undecodable byte, which made protobuf raise in every
         # GetStatus and in BindKV's answer) and goes out in GetStatus, BindKV and strict refusals.
-        return clip_message(why or "")
+        # On one line: a HIP error's advice and a compiler's diagnostics come on lines of their own, and the
+        # probe's line for the rank (healthcheck) broke over them, the rest reading as lines of no rank.
+        return clip_message(" ".join(line.strip() for line in (why or "").splitlines() if line.strip()))
 
     def _status_refusal_of(self, kv) -> str:
         """GetStatus.fast_path_refusal for `kv`: _refusal_of(kv), or, where that is empty, why the fast path does not

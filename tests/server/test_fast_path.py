@@ -1099,3 +1099,73 @@ def test_a_verdict_read_while_a_runner_is_built_is_the_new_bindings_not_the_last
     assert not fp.ready(kv2)
     readers[0].join(5)
     assert read == [fp.reason] and fp.reason == "FlyDSL runner could not be built: ValueError: a new error"
+
+
+def test_a_reason_of_several_lines_goes_out_on_one_line():
+    """A HIP error's message runs over several lines (torch appends its advice to the driver's words), and so does
+    a compiler's diagnostic. The reason went out with its line breaks: GetStatus, BindKV's answer and a strict
+    rank's step refusal carried them, and the probe's line for the rank ("PATH: NOT_SERVING (REFUSED: ...)") broke
+    over several, the rest reading as lines of no rank. Now the error's words on one line (the log has it whole)."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.metrics import Metrics
+
+    def oom(*args, **kw):
+        raise torch.OutOfMemoryError("HIP error: out of memory\nHIP kernel errors might be asynchronously reported "
+                                     "at some other API call\r\n  For debugging consider passing AMD_SERIALIZE_KERNEL=3\n")
+
+    fp, _ = fast_path(factory=oom)
+    kv = binding()
+    ctx = SimpleNamespace(rank=0, fast=fp, cfg=M31, memory=SimpleNamespace(kv=kv),
+                          model=SimpleNamespace(dtype=torch.bfloat16), metrics=Metrics(0))
+    svc = DrafterServicer(ctx, None, Lifecycle(backend="flydsl", host=GOOD_HOST), pb.Limits(), pb.Parallel(), "mxfp8")
+    assert not fp.ready(kv)
+    want = ("FlyDSL runner could not be built: OutOfMemoryError: HIP error: out of memory HIP kernel errors might be "
+            "asynchronously reported at some other API call For debugging consider passing AMD_SERIALIZE_KERNEL=3")
+    assert svc.refusal() == want  # BindKV's answer, health's and a strict rank's step refusal
+    assert svc.GetStatus(pb.GetStatusRequest(), None).fast_path_refusal == want
+
+
+@pytest.mark.parametrize("count", [4, 6])
+def test_a_binding_refused_before_any_step_keeps_its_reason_s_words_at_the_first_step(count):
+    """BindKV answered (and health, GetStatus published) "4 KV layers bound, kernels need 5"; the binding's first step
+    built the runner anyway, whose own check of the same said "drafter has 5 layers / 4 KV layers, kernels need 5",
+    and that became the reason: one binding, two reasons, where an operator alerts on them verbatim. A binding the
+    checks that need no allocation refuse is refused in their words, and nothing is built for it."""
+    kv = binding()
+    kv = KVBinding(binding_id=7, generation=1, layers=kv.layers[:1] * count, num_pages=4, page_size=PAGE,
+                   engine=GOOD_ENGINE, mappings=[])
+    calls = []
+
+    def factory(*args, **kw):
+        calls.append(1)
+        return rn.DrafterRunner(*args, **kw)
+
+    fp, told = fast_path(factory=factory)
+    why = fp.refusal(kv)
+    assert not fp.ready(kv)
+    assert fp.refusal(kv) == fp.reason == why == f"{count} KV layers bound, kernels need 5"
+    assert told == [why] and not calls
+
+
+def test_a_compile_that_ends_after_the_path_closed_closes_its_runner_and_serves_nothing():
+    """The rank's teardown (close) while a binding's kernels still compile: the compile, past its last abandon check,
+    ends on its own thread. Its runner is no longer the one being built: it is closed there, not installed on the
+    closed path (where it held the peer tensors and the cache's views, never closed)."""
+    factory = GatedCompile()
+    fp, _ = fast_path(factory=factory, compile_ahead=True)
+    kv = binding()
+    assert not fp.ready(kv)  # the first step starts the compile
+    fp.close()
+    factory.gate.set()
+    wait_until(lambda: factory.compiled, 5, "the compile in flight ends")
+    wait_until(lambda: factory.closed, 5, lambda: f"its runner closed by its own thread: {factory.closed}")
+    assert fp.runner is None and factory.closed == factory.compiled and not fp.ready(kv)
+
+
+def test_nothing_is_pending_for_a_binding_the_path_refuses():
+    """pending() is about a binding this path will serve: one it refuses has its refusal (GetStatus says that),
+    never "not compiled yet", whatever the path's state."""
+    fp, _ = fast_path(factory=GatedCompile(), compile_ahead=True)
+    refused = binding(engine=EngineFacts(4, 2, 1, "dspark", 7))
+    assert fp.refusal(refused) == "DP > 1" and fp.pending(refused) is None
+    assert not fp.ready(refused) and fp.pending(refused) is None

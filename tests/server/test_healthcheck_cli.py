@@ -145,6 +145,9 @@ def _probe_not_serving(tmp_path, servicer, interceptors=()) -> int:
      "NOT_SERVING (PEER_SILENT: peer rank(s) 1 exited (pid 42)"),
     ("REFUSED", "", "DP > 1", "NOT_SERVING (REFUSED: DP > 1)"),
     ("DRAINING", "", "not gfx950", "NOT_SERVING (DRAINING)"),
+    # An error's lines (a HIP error's advice, a compiler's diagnostic): one rank, one line.
+    ("REFUSED", "", "FlyDSL runner could not be built: OutOfMemoryError: HIP error: out of memory\nFor debugging\n",
+     "NOT_SERVING (REFUSED: FlyDSL runner could not be built: OutOfMemoryError: HIP error: out of memory For debugging)\n"),
 ])
 def test_a_rank_that_is_not_serving_says_why(state, state_reason, refusal, words, tmp_path, capsys):
     """The probe's line is what a person sees of a failed probe (a Kubernetes probe's event, the systemd
@@ -158,8 +161,8 @@ def test_a_rank_that_is_not_serving_says_why(state, state_reason, refusal, words
             return pb.StatusReport(state=state, state_reason=state_reason, fast_path_refusal=refusal)
 
     assert _probe_not_serving(tmp_path, Status()) == 1
-    (line,) = capsys.readouterr().out.splitlines()
-    assert line.startswith(f"{tmp_path}/rank0.sock: {words}"), line
+    out = capsys.readouterr().out
+    assert out.startswith(f"{tmp_path}/rank0.sock: {words}") and out.count("\n") == 1, out
 
 
 def test_a_rank_still_loading_its_shard_says_so(tmp_path, capsys):
@@ -170,3 +173,24 @@ def test_a_rank_still_loading_its_shard_says_so(tmp_path, capsys):
 
     assert _probe_not_serving(tmp_path, LateServicer(), [StatusInterceptor()]) == 1
     assert capsys.readouterr().out == f"{tmp_path}/rank0.sock: NOT_SERVING (LOADING)\n"
+
+
+def test_a_server_without_the_sidecar_s_health_status_is_said_to_be_reached(tmp_path, capsys):
+    """grpc.health.v1's Check answers NOT_FOUND for a service the server has no status for (Watch's SERVICE_UNKNOWN):
+    another gRPC server on the rank's socket, or a sidecar of another service name. The probe printed it
+    "UNREACHABLE: NOT_FOUND", which reads as a socket file not found, of a server that did answer."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # "" alone: SERVING
+    assert server.add_insecure_port(f"unix:{tmp_path / 'rank0.sock'}")
+    server.start()
+    try:
+        assert healthcheck.main(["--all-ranks", "--socket-dir", str(tmp_path), "--tp", "1", "--timeout", "5"]) == 1
+    finally:
+        server.stop(None)
+    line = capsys.readouterr().out
+    assert line == (f"{tmp_path}/rank0.sock: SERVICE_UNKNOWN: this server answers grpc.health.v1 but has no status "
+                    "for dspark.sidecar.v1.DrafterSidecar: not a DSpark sidecar rank (another server on its socket?)\n"), line
