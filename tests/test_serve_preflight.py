@@ -704,6 +704,16 @@ def test_serve_reports_the_group_serving_only_once_every_rank_serves(tiny_ckpt, 
     assert ready() is True and "dspark-sidecar: TP 2 serving" in capsys.readouterr().out
 
 
+# Another serve (this process's child) whose rank (its child) listens on the socket at argv[1]: the rank prints a line
+# once it listens and runs until its stdin (the serve's, inherited) closes.
+_OTHER_SERVE_S_RANK = """
+import subprocess, sys
+rank = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(8); print(flush=True); "
+        "sys.stdin.read()")
+subprocess.run([sys.executable, "-c", rank, sys.argv[1]])
+"""
+
+
 def test_serve_does_not_report_another_serve_s_ranks_as_its_group_serving(tiny_ckpt, tmp_path, monkeypatch, capsys):
     """Two serves started on one folder together both pass the check before launch; the rank that takes the socket
     first serves, the other serve's rank refuses the socket (exit 75) only seconds later. Meanwhile the winner's
@@ -724,13 +734,20 @@ def test_serve_does_not_report_another_serve_s_ranks_as_its_group_serving(tiny_c
     assert cli.main(["serve", "--tp", "1", "--device", "cpu", "--socket-dir", str(sock), "--checkpoint",
                      str(tiny_ckpt[0]), "--target-checkpoint", str(tiny_ckpt[1])]) == 0
     (ready,) = probes
-    with socket.socket(socket.AF_UNIX) as other:  # another serve's rank: this process is not its parent
-        other.bind(str(sock / "rank0.sock"))
-        other.listen(8)
+    # Another serve's rank: its serve's child, not this process's. Not this process itself: run as the first process
+    # of a pid namespace (a container's command), its parent is outside it and /proc says 0, a parent not known.
+    other = subprocess.Popen([sys.executable, "-c", _OTHER_SERVE_S_RANK, str(sock / "rank0.sock")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        other.stdout.readline()  # listening
         assert ready() is False and "serving" not in capsys.readouterr().out
         no_proc.append(True)  # a parent not known is not held against the group: else it never served
         assert ready() is True and "dspark-sidecar: TP 1 serving" in capsys.readouterr().out
         no_proc.clear()
+    finally:
+        other.stdin.close()
+        other.wait()
+        other.stdout.close()
     (sock / "rank0.sock").unlink()
     rank = subprocess.Popen([sys.executable, "-c", "import socket, sys; s = socket.socket(socket.AF_UNIX); "
                              "s.bind(sys.argv[1]); s.listen(8); print(flush=True); sys.stdin.read()",

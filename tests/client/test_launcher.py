@@ -141,7 +141,9 @@ def test_start_does_not_return_another_sidecar_that_serves_while_its_own_serve_s
     monkeypatch.setattr(L.subprocess, "Popen", popen)
     try:
         with pytest.raises(RuntimeError, match=r"another sidecar serves on .* \(ranks \[0\]\)"):
-            SidecarLauncher(folder, tp=1, ready_timeout_s=1.0).start()
+            # A bound on a hang, not a timing: at 1 s a loaded box's first health probe (a fresh channel, its own
+            # 1 s deadline) ran past it, and start() raised its TimeoutError before it looked at the listener.
+            SidecarLauncher(folder, tp=1, ready_timeout_s=60.0).start()
     finally:
         for s in servers:
             s.stop()

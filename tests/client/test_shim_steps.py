@@ -42,6 +42,9 @@ def make_shim(endpoint: str, kv: list | None = None, agree=None, **cfg) -> tuple
     kv = shm_kv_cache() if kv is None else kv
     cfg.setdefault("tp_size", 4)
     cfg.setdefault("step_deadline_s", 2.0)
+    # A bound on a hang, not a timing: the 1 s default's first GetStatus on a fresh channel ran out on a loaded CI
+    # box (a fallback "sidecar unreachable" where the test wanted a step). No test here waits a connect out.
+    cfg.setdefault("connect_deadline_s", 30.0)
     config = EngineConfig(endpoint=endpoint, **cfg)
     model = FakeModel()
     shim = DrafterShim(config, model, lambda: [s.tensor for s in kv], ParallelContext(0, 1) if agree is None else agree)

@@ -22,6 +22,9 @@ def alive(pid: int) -> bool:
     return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1] != "Z"
 
 
+HEALTH_LOOK_S = 30.0
+
+
 class SidecarProcess(SidecarLauncher):
     """`with SidecarProcess(tmp_path, tp=4) as sc:` -> sc.socket(r) is rank r's "unix:..." target."""
 
@@ -36,8 +39,10 @@ class SidecarProcess(SidecarLauncher):
         return self.endpoint(rank)
 
     def health(self) -> list[str]:
-        """Each rank's health status name ("SERVING", "NOT_SERVING", "UNREACHABLE: ...")."""
-        return [check(self.socket(r), 1.0) for r in range(self.tp)]
+        """Each rank's health status name ("SERVING", "NOT_SERVING", "UNREACHABLE: ..."). Each look's deadline bounds a
+        hang, not a timing: at 1 s a loaded CI box's first call on a fresh channel ran out (commit 2df49eb), and a
+        test that asserts SERVING once read UNREACHABLE. A rank that is gone answers at once (no socket, refused)."""
+        return [check(self.socket(r), HEALTH_LOOK_S) for r in range(self.tp)]
 
     def wait_health(self, want: str, timeout_s: float) -> None:
         wait_until(lambda: all(s == want for s in self.health()), timeout_s,

@@ -153,20 +153,21 @@ def test_a_stop_before_the_ranks_set_their_handlers_exits_0(tmp_path, monkeypatc
 def test_a_serving_group_s_stop_waits_out_a_long_drain(tmp_path, monkeypatch):
     """--drain-s accepts up to 300 s, and a serving rank's stop takes --drain-s plus its teardown. The
     launcher's kill came a fixed DRAIN_GRACE_S after SIGTERM, whatever the drain: a drain longer than
-    that was cut short and `serve` exited 1. Here the grace past the drain is 0.5 s, the drain 2 s."""
+    that was cut short and `serve` exited 1. Here the grace past the drain is 0.5 s, the ranks drain for 2 s."""
 
     from dspark_sidecar.server import launcher
 
     monkeypatch.setattr(launcher, "DRAIN_GRACE_S", 0.5)
     # Shorter than the drain: a serving group stopped under the start-up bound is killed inside it.
     monkeypatch.setattr(launcher, "STARTUP_STOP_S", 0.5)
-    # A serving rank: handler set, drains for its --drain-s (2 s), then exits 0.
+    # A serving rank: handler set, drains for 2 s (inside its --drain-s of 30 s), then exits 0. A drain as long as
+    # --drain-s left the rank's exit half a second (the grace) before the kill: a loaded box's late handler ran past.
     _fake_ranks(monkeypatch, _serving_rank(tmp_path, "lambda *a: (time.sleep(2.0), sys.exit(0))"))
     serving = threading.Event()
     on_ready = _ready_when_both_marked(tmp_path, serving)
 
     _sigterm_once_serving(serving, after_s=0.2)
-    code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=2.0), [], on_ready=on_ready, poll_s=0.05)
+    code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=30.0), [], on_ready=on_ready, poll_s=0.05)
     assert code == 0, "the ranks were killed inside their drain"
 
 
@@ -349,6 +350,8 @@ def test_a_rank_that_failed_during_a_start_up_stop_is_not_hidden_by_the_kill_of_
     """A stop during start-up: rank 0 exits 1 by itself (a failure, its own traceback), rank 1 is blocked where no
     handler runs and is killed STARTUP_STOP_S later. With every rank exiting by itself the launcher said 1; with
     one killed it returned 0 whatever the others' codes, so the failed rank went unreported."""
+    import types
+
     from dspark_sidecar.server import launcher
 
     monkeypatch.setattr(launcher, "STARTUP_STOP_S", 0.5)
@@ -357,6 +360,17 @@ def test_a_rank_that_failed_during_a_start_up_stop_is_not_hidden_by_the_kill_of_
             f"pathlib.Path({str(tmp_path)!r}, 'up-' + os.environ['RANK']).touch()\n"
             "time.sleep(60)\n")
     _fake_ranks(monkeypatch, rank)
+    started: list[subprocess.Popen] = []
+    spawn = launcher.subprocess.Popen
+    monkeypatch.setattr(launcher.subprocess, "Popen",
+                        lambda argv, **kw: started.append(spawn(argv, **kw)) or started[-1])
+    # The launcher's clock stands still until its poll has seen rank 0's exit: the kill STARTUP_STOP_S into the stop
+    # then comes after that exit however late a loaded box runs rank 0's handler. A kill first ended rank 0 as one of
+    # the stop's, and the launcher rightly said 0: the case this test is about never came.
+    frozen = time.monotonic()
+    monkeypatch.setattr(launcher, "time", types.SimpleNamespace(
+        monotonic=lambda: time.monotonic() if started and started[0].returncode is not None else frozen,
+        sleep=time.sleep))
 
     code = _launch_and_stop_once_up(tmp_path, caplog)
     assert "killing them" in caplog.text, caplog.text  # rank 1 was killed, as a start-up stop does

@@ -9,7 +9,9 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dspark_sidecar.proto import SERVICE_NAME
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.healthcheck import check
@@ -56,15 +58,30 @@ def _serve_then_drain(sc: SidecarProcess) -> None:
         time.sleep(0.05)
     dump = sc.log_path.read_text(errors="replace")[len(before):]
     assert "Thread 0x" in dump and "serve_rank" in dump, dump[-2000:]
-    assert _alive(pids[1]) and check(sc.socket(1), 1.0) == "SERVING"
-    sc.proc.send_signal(signal.SIGTERM)
+    # A bound on a hang, not a timing: a first call on a fresh channel ran past 1 s on a loaded CI box.
+    assert _alive(pids[1]) and check(sc.socket(1), 30.0) == "SERVING"
+    # Rank 0's health looked at on one channel, connected before the stop, until its server has gone: not in a fixed
+    # 1.5 s of fresh channels. SIGTERM reaches the rank through the launcher (on a loaded 2-core box that took
+    # ~0.5 s once), and a late flip, or fresh connects slower than the window, read as no drain at all.
+    # What matters is that health flips and never flips back while draining.
     drained = []
-    t = time.monotonic()
-    while time.monotonic() - t < 1.5:
-        drained.append(check(sc.socket(0), 0.5))
-        time.sleep(0.1)
-    # SIGTERM reaches the rank through the launcher: on a loaded 2-core box that took ~0.5 s once.
-    # What matters is that health flips within the window and never flips back while draining.
+    with grpc.insecure_channel(sc.socket(0)) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+
+        def look() -> str:
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=30)
+            except grpc.RpcError as err:  # the server has gone (a call on a connected channel fails at once)
+                return f"UNREACHABLE: {err.code().name}"
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+        assert look() == "SERVING"
+        sc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30  # a bound on a hang: the group exits after its 2 s drain
+        while not drained or not drained[-1].startswith("UNREACHABLE"):
+            assert time.monotonic() < deadline, f"rank 0 still answers 30 s after SIGTERM: {drained[-5:]}"
+            drained.append(look())
+            time.sleep(0.05)
     assert "NOT_SERVING" in drained, drained
     assert "SERVING" not in drained[drained.index("NOT_SERVING"):], drained
     assert sc.proc.wait(timeout=30) == 0  # drained and exited cleanly
@@ -109,7 +126,7 @@ def test_strict_refusal_is_not_serving_with_the_reason(tmp_path, tiny_ckpt):
                         interval_s=0.2)
         assert st.state == "REFUSED" and not st.serving, st
         assert st.fast_path_refusal == "not gfx950"
-        assert check(sc.socket(0)) == "NOT_SERVING"
+        assert check(sc.socket(0), 30.0) == "NOT_SERVING"  # a bound on a hang, not a timing (the 2 s default)
     finally:
         sc.stop()  # SIGTERM, then SIGKILL of the whole process group after a timeout
         log.close()

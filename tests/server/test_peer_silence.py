@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 import urllib.request
 
 import grpc
@@ -63,11 +62,13 @@ def test_a_stopped_peer_takes_rank_0_out_of_serving_until_it_is_back(tmp_path, t
         assert all(not isinstance(o, grpc.RpcError) for o in eng.step_all(1, step))
         assert _status(sc, 0).state == "SERVING" and _gauge(port) == "1.0"
         os.kill(stopped, signal.SIGSTOP)
-        t0 = time.monotonic()
         st = wait_until(lambda: (s := _status(sc, 0)).state == "PEER_SILENT" and s, PEER_SILENT_S + 10,
                         "rank 0 reports PEER_SILENT", interval_s=0.1)
-        assert time.monotonic() - t0 >= PEER_SILENT_S - 0.5  # not before the peer could have beaten
+        # Not before the peer could have beaten: the silence rank 0 reports is PEER_SILENT_S at least. Timed from the
+        # SIGSTOP it was not: the peer's last beat came up to its beat's period before the stop, and a late beat (a
+        # loaded box) made that longer than the 0.5 s allowed.
         assert not st.serving and "rank(s) 1 silent" in st.state_reason, st.state_reason
+        assert _silent_s(st.state_reason) >= PEER_SILENT_S, st.state_reason
         # Every face of health says so: both health services (a Kubernetes gRPC probe asks for ""), the gauge.
         # They are set by the same publish as the state, just after it (health.HealthPublisher): waited for.
         wait_until(lambda: _faces(sc, port) == ("NOT_SERVING", "NOT_SERVING", "0.0"), 5,

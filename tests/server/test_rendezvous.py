@@ -448,8 +448,10 @@ def test_a_post_left_without_a_verdict_by_a_stopped_coordinator_is_aborted_at_on
     wait out deadline + fatal_after_s (30 s), then exit 3 (a group's clean stop ended as a failure)."""
     name = f"dspark-test-{uuid.uuid4().hex[:8]}"
     boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
-    # The give-up an hour away: a peer that waited for it would still wait at the hang guard below.
-    rdv = [Rendezvous(boards[0], 0, DEADLINE_MS), Rendezvous(boards[1], 1, DEADLINE_MS, fatal_after_s=3600.0)]
+    # The give-up an hour away: a peer that waited for it would still wait at the hang guard below. The
+    # coordinator's deadline an hour away too: with DEADLINE_MS (150 ms) a stall of the test's thread between
+    # the peer's post and the close (a loaded box) had the coordinator abort the post "did not receive it" first.
+    rdv = [Rendezvous(boards[0], 0, 3_600_000), Rendezvous(boards[1], 1, DEADLINE_MS, fatal_after_s=3600.0)]
     out: list = []
 
     def peer():
@@ -462,7 +464,9 @@ def test_a_post_left_without_a_verdict_by_a_stopped_coordinator_is_aborted_at_on
         th = threading.Thread(target=peer, daemon=True)
         if posted_first:  # posted, not yet decided (rank 0 never posts it) when the coordinator stops
             th.start()
-            time.sleep(DEADLINE_MS / 1e3 / 10)
+            # By state, not by a nap: a close that came before the post is the other case.
+            wait_until(lambda: rdv[1]._waiting and boards[1].slots[1][0] == 2, 10, "the peer posted its copy and waits",
+                       interval_s=0.005)
             rdv[0].close()
         else:
             rdv[0].close()
@@ -505,6 +509,11 @@ def test_a_peer_waiting_on_a_coordinator_whose_process_exited_aborts_at_once_and
         out: list = []
         th = threading.Thread(target=lambda: out.append(peer.agree(Post(3, 1, 2, 9, True))), daemon=True)
         th.start()
+        # Its first look (made as it posts) saw rank 0's process alive: by state, not by the join below alone. A
+        # step that had not looked yet when the pid changed (its thread late on a loaded box) never saw rank 0
+        # alive, and waited at the hang guard for a give-up an hour away.
+        wait_until(lambda: peer._peers.seen(0), 10, "the waiting peer saw rank 0's process alive", watch=th,
+                   interval_s=0.005)
         th.join(timeout=0.6)
         assert th.is_alive() and not out
         boards[0].pids[0] = gone.pid
@@ -996,22 +1005,65 @@ def test_a_missing_copy_is_waited_for_from_the_step_s_first_post_and_each_step_s
         board.close()
 
 
-def test_a_rank_gives_up_on_its_verdict_only_past_the_deadline_and_fatal_after_s():
+def test_a_rank_gives_up_on_its_verdict_only_past_the_deadline_and_fatal_after_s(monkeypatch):
     """A verdict may take the whole --rendezvous-ms (a peer's copy missing): the give-up (the rank exits, taking the
     coordinator for gone or stuck) counts from the deadline's end, so a --rendezvous-ms past fatal_after_s is
-    waited out and answered ABORTED, not a rank lost."""
+    waited out and answered ABORTED, not a rank lost. On a clock the test sets, the coordinator polled by hand:
+    with the real clock (a 1 s deadline, fatal_after_s 0.5) a coordinator half a second late on a loaded box had
+    the rank give up before the verdict came."""
+    import types
+
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+    from dspark_sidecar.server.rendezvous import Coordinator
+
+    now, reads = [1000.0], [0]
+
+    def monotonic() -> float:
+        if threading.current_thread().name == "rank 1":
+            reads[0] += 1
+        return now[0]
+
+    monkeypatch.setattr(rendezvous_mod, "time", types.SimpleNamespace(
+        monotonic=monotonic, monotonic_ns=time.monotonic_ns, perf_counter=time.perf_counter, sleep=time.sleep))
+
+    def at(t: float) -> None:
+        """The clock set to t, then seen by the waiting rank: a whole turn of its wait (the give-up's check in it)."""
+        now[0] = t
+        seen = reads[0]
+        wait_until(lambda: reads[0] >= seen + 5, 10, f"the waiting rank read the clock at {t}", watch=th,
+                   interval_s=0.001)
+
     name = f"dspark-test-{uuid.uuid4().hex[:8]}"
     boards = [Board(name, 2, create=True), Board(name, 2, create=False)]
-    # fatal_after_s under the deadline, with half a second to spare past it for a loaded box's scheduling
-    rdv = [Rendezvous(boards[0], 0, 1000), Rendezvous(boards[1], 1, 1000, fatal_after_s=0.5)]
+    rank1 = Rendezvous(boards[1], 1, 1000, fatal_after_s=0.5)  # fatal_after_s under the deadline
+    c = Coordinator(boards[0], 1000)  # not started: polled by hand; rank 0 never posts: MISSING at 1 s
+    out: list = []
+
+    def waits() -> None:
+        try:
+            out.append(rank1.agree(Post(3, 1, 2, 9, True)))
+        except Exception as exc:  # noqa: BLE001
+            out.append(exc)
+
+    th = threading.Thread(target=waits, name="rank 1", daemon=True)
     try:
-        verdict = rdv[1].agree(Post(3, 1, 2, 9, True))  # rank 0 never posts: MISSING at 1 s
+        th.start()
+        wait_until(lambda: rank1._waiting and boards[1].slots[1][0] == 2, 10, "rank 1 posted", watch=th,
+                   interval_s=0.005)
+        assert not c.poll_once()  # rank 1's copy seen at 1000.0
+        at(1000.7)  # past fatal_after_s, within the deadline
+        assert not out, f"the rank gave up at fatal_after_s, before the deadline: {out}"
+        assert not c.poll_once()
+        at(1001.2)  # past the deadline, within deadline + fatal_after_s
+        assert not out, f"the rank gave up at the deadline, before its verdict: {out}"
+        assert c.poll_once()  # MISSING
+        th.join(30)  # a hang guard only
+        verdict = out[0]
+        assert not isinstance(verdict, Exception), verdict
         assert not verdict.go and "rank(s) 0 did not receive it within 1000 ms" in verdict.reason, verdict
     finally:
-        for r in rdv:
-            r.close()
-        boards[1].close()
-        boards[0].close()
+        th.join(10)
+        _close_unless_read(th, rank1, boards)
 
 
 @pytest.mark.parametrize("first_words,covers", [((10, 11), True), ((11, 11), True), ((10, 10), False)],

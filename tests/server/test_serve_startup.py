@@ -81,7 +81,7 @@ def test_a_second_serve_on_a_live_socket_dir_is_refused_and_the_first_keeps_serv
         assert err.count("\n") == 1 and "Traceback" not in err, err
         assert f"--socket-dir: a sidecar is already serving on {sock / 'rank0.sock'}" in err
         assert (sock / "rank0.sock").stat().st_ino == ino and first.poll() is None
-        assert check(f"unix:{sock / 'rank0.sock'}", 2.0) == "SERVING"
+        assert check(f"unix:{sock / 'rank0.sock'}", 30.0) == "SERVING"  # a bound on a hang, not a timing
         first.send_signal(signal.SIGTERM)
         _, err = first.communicate(timeout=30)
         assert first.returncode == 0 and "Traceback" not in err, err
@@ -100,12 +100,30 @@ def test_sigterm_while_the_ranks_wait_in_the_rendezvous_ends_the_group_promptly(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # The connect would retry for an hour: the group can end before the hang guard only by the launcher's kill.
+    # The agent's store, listening once serve's check of the port is behind (a rank's connect retries until then):
+    # it takes the rank's connection and never answers, so the rank's store (its ping) waits in native code for
+    # good; the group can end before the hang guard only by the launcher's kill.
+    store = socket.socket()
+    connected: list[socket.socket] = []
+
+    def in_the_store() -> list[socket.socket]:
+        try:
+            connected.append(store.accept()[0])
+        except BlockingIOError:
+            pass
+        return connected
+
     p = _serve(sock, tiny_ckpt, "--master-port", str(port), "--dist-timeout-s", "3600",
                env={"TORCHELASTIC_USE_AGENT_STORE": "True"})
     try:
+        # By state, not by a nap: a second after its socket, a rank on a loaded box was still in Python code on its
+        # way there, where its handler ends it by itself (exit 0, "SIGTERM during start-up"), and nothing is killed.
         wait_until((sock / "rank0.sock").exists, 30, "rank 0's socket", watch=p, interval_s=0.1)
-        time.sleep(1.0)  # into init_process_group
+        store.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        store.bind(("127.0.0.1", port))
+        store.listen()
+        store.setblocking(False)
+        wait_until(in_the_store, 60, "rank 0's connect to the store", watch=p, interval_s=0.05)
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=60)  # a hang guard only
         assert p.returncode == 0 and "Traceback" not in err, err
@@ -116,6 +134,9 @@ def test_sigterm_while_the_ranks_wait_in_the_rendezvous_ends_the_group_promptly(
         assert not list(sock.glob("*.sock")), "a killed rank's socket file was left behind"
     finally:
         _kill(p)
+        for c in connected:
+            c.close()
+        store.close()
 
 
 RANK_BLOCKED_IN_LOAD = """
@@ -168,9 +189,14 @@ RANK_SLOW_LAST_COLLECT = """
 import gc, sys, time, types
 from pathlib import Path
 from dspark_sidecar.server import app
-def collect(*a):  # the start-up heap's last collection, long (a large drafter on a loaded host)
-    Path(sys.argv[-1]).touch()
-    time.sleep(2.0)
+def collect(*a):  # the start-up heap's last collection, long (a large drafter on a loaded host): here it lasts
+    # until the test has sent its SIGTERM (then it touches MARKER.sent), not a fixed 2 s that a loaded box's test
+    # could overrun before its signal; the handler runs here, in the main thread, before this returns.
+    marker = Path(sys.argv[-1])
+    marker.touch()
+    deadline = time.monotonic() + 60
+    while not marker.with_name(marker.name + ".sent").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     return gc.collect(*a)
 app.gc = types.SimpleNamespace(collect=collect, freeze=gc.freeze, unfreeze=gc.unfreeze)
 from dspark_sidecar import cli
@@ -190,6 +216,7 @@ def test_sigterm_in_the_last_moments_of_start_up_never_shows_serving(tmp_path):
     try:
         wait_until(marker.exists, 60, f"the rank's marker {marker.name}", watch=p, interval_s=0.1)
         p.send_signal(signal.SIGTERM)
+        marker.with_name(marker.name + ".sent").touch()  # the collection ends only now
         seen = set()
         while p.poll() is None:
             seen.add(check(f"unix:{sock / 'rank0.sock'}", 0.5))

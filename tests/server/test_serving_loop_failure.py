@@ -18,7 +18,9 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dspark_sidecar.proto import SERVICE_NAME
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server.healthcheck import check
 from helpers.waiting import wait_until
@@ -83,6 +85,20 @@ def test_a_failed_beat_drains_the_rank_and_exits_1_with_a_stream_open(tmp_path, 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         time.sleep(0.5)  # the stream reaches its handler thread before the beat fails
+        # Health looked at on one channel connected before the failure, not on a fresh channel each time with 0.5 s
+        # to connect and answer: on a loaded box every such look in the 1 s drain could run out, and the drain went
+        # unseen. A call on the connected channel fails at once when the server has gone.
+        looks = grpc.insecure_channel(target)
+        health = health_pb2_grpc.HealthStub(looks)
+
+        def look() -> str:
+            try:
+                resp = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=30)
+            except grpc.RpcError:
+                return "UNREACHABLE"
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+        assert look() == "SERVING"
         if how == "drain":
             p.send_signal(signal.SIGTERM)
         else:
@@ -90,8 +106,9 @@ def test_a_failed_beat_drains_the_rank_and_exits_1_with_a_stream_open(tmp_path, 
         seen = set()
         deadline = time.monotonic() + 45
         while p.poll() is None and time.monotonic() < deadline:
-            seen.add(check(target, 0.5).split(":")[0])
+            seen.add(look())
             time.sleep(0.05)
+        looks.close()
         assert p.poll() is not None, "the rank neither served nor exited after its beat failed"
         _, err = p.communicate(timeout=10)
         assert p.returncode == 1, err[-3000:]
