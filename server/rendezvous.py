@@ -540,7 +540,10 @@ class Coordinator(threading.Thread):
         self._next_rec += 1
         seq = int(rec[0]) + 2 if rec[0] % 2 == 0 else int(rec[0]) + 1
         rec[0] = seq - 1
-        rec[1:7] = (step, verdict, reason, mask, self._launch_seq, agreed)
+        # The mask as its int64 word (_word; _ranks reads the bits of either): at --tp 64 (layout.MAX_TP) rank 63's
+        # bit is the sign bit, and 2^63 itself raised OverflowError here, which ended this thread without a word
+        # (every rank then waited out its give-up and exited).
+        rec[1:7] = (step, verdict, reason, _word(mask), self._launch_seq, agreed)
         rec[7:] = [int(pending[r][0]) if r in pending else 0 for r in range(self.board.world)]
         rec[0] = seq
         for r, post in pending.items():

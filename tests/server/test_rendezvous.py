@@ -127,6 +127,37 @@ def test_one_rank_refuses_a_step_whose_deadline_passed():
         board.close()
 
 
+
+def test_a_step_may_launch_at_its_deadline_s_own_nanosecond_on_one_rank_as_on_many(monkeypatch):
+    """expires_ns is the instant past which a step must not launch: at it exactly, it still goes. TP 1 (agree's own
+    check) and TP > 1 (the coordinator's DEADLINE) draw that edge alike, so a step's fate does not hang on --tp."""
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+    from dspark_sidecar.server.rendezvous import ABORT, DEADLINE, GO, Coordinator
+
+    now = time.monotonic_ns()
+    # The module's clock only (its other uses of `time` as they are): no other thread of this process sees it stop.
+    frozen = type("Clock", (), {"__getattr__": lambda _, name: getattr(time, name), "monotonic_ns": lambda _: now})()
+    monkeypatch.setattr(rendezvous_mod, "time", frozen)
+    one = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 1, create=True)
+    rdv = Rendezvous(one, 0, DEADLINE_MS)
+    two = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)  # no pids posted: no process is looked at
+    c = Coordinator(two, 3_600_000)  # not started: polled by hand
+    try:
+        assert rdv.agree(Post(8, 1, 1, 0, True, expires_ns=now)).go
+        late = rdv.agree(Post(9, 1, 1, 0, True, expires_ns=now - 1))
+        assert not late.go and "step 9: its deadline_ms passed on rank(s) 0" in late.reason, late
+        for i, (expires, verdict) in enumerate(((now, GO), (now - 1, ABORT))):
+            seq = 2 * (i + 1)
+            two.slots[0][:] = (seq, 7, 1, 2, 1, 9, 0, 0)
+            two.slots[1][:] = (seq, 7, 1, 2, 1, 9, expires, 0)
+            assert c.poll_once()
+            rec = two.ring[i]
+            assert rec[2] == verdict and (verdict == GO or (rec[3], rec[4]) == (DEADLINE, 0b10)), rec
+    finally:
+        rdv.close()
+        one.close()
+        two.close()
+
 @pytest.mark.parametrize("posts,words", [
     ({r: Post(2, 1, 3 if r != 2 else 4, 99, True) for r in range(WORLD)}, "disagree on num_requests"),
     ({r: Post(3, 1 if r != 1 else 2, 3, 99, True) for r in range(WORLD)}, "KV binding generation"),
@@ -1151,3 +1182,66 @@ def test_a_coordinator_that_outlives_its_join_leaves_the_board_open(monkeypatch)
             board.unlink()
         else:
             board.close()
+
+
+@pytest.mark.parametrize("rank_63", ["refuses_its_copy", "never_posts"])
+def test_a_verdict_naming_the_last_rank_of_the_largest_group_is_written(rank_63):
+    """--tp takes up to layout.MAX_TP (64) ranks, and a verdict's rank mask is one bit a rank: rank 63's bit is the
+    int64 word's sign bit. Stored as the Python int 2^63 it raised OverflowError in the coordinator thread, which
+    ended it without a word: every step of the group then waited --rendezvous-ms + fatal_after_s and every rank
+    exited, for one refused copy (or one late one) on rank 63."""
+    from dspark_sidecar.layout import MAX_TP
+    from dspark_sidecar.server.rendezvous import Coordinator
+
+    world = MAX_TP
+    name = f"dspark-test-{uuid.uuid4().hex[:8]}"
+    boards = [Board(name, world, create=True), Board(name, world, create=False)]
+    rank1 = Rendezvous(boards[1], 1, DEADLINE_MS, fatal_after_s=3600.0)  # no rank 0 Rendezvous: decided by hand
+    c = Coordinator(boards[0], 1)  # not started: polled by hand; a missing copy is due after 1 ms
+    for r in range(world):  # no pids posted: no process is looked at
+        if r != 1 and not (r == world - 1 and rank_63 == "never_posts"):
+            boards[0].slots[r][:] = (2, 7, 1, 2, 1, 9, 0, 0) if r != world - 1 else (2, 7, 1, 2, 0, 0, 0, 0)
+    out: list = []
+    th = threading.Thread(target=lambda: out.append(rank1.agree(Post(7, 1, 2, 9, True))), daemon=True)
+    try:
+        th.start()
+        wait_until(lambda: boards[0].slots[1][0] == 2, 10, "rank 1 posted", interval_s=0.005)
+        wait_until(c.poll_once, 10, "a verdict", interval_s=0.005)
+        th.join(10)
+        what = "rejected their copy" if rank_63 == "refuses_its_copy" else "did not receive it"
+        assert out and not out[0].go and out[0].reason.startswith(f"step 7: rank(s) {world - 1} {what}"), out
+    finally:
+        th.join(10)
+        _close_unless_read(th, rank1, boards)
+
+
+def test_a_rank_posts_its_process_start_time_before_its_pid():
+    """A peer that reads a rank's pid must read the start time that goes with it (PeerProcesses). Read as the pid
+    with the board's zero start time, a rank in a pid namespace of its own, whose pid names another live process
+    here, was taken for seen alive, and judged exited at the next look (that process's start time is not the
+    posted one): every step aborted naming a live rank."""
+    writes: list = []
+
+    class Recorded:
+        def __init__(self, row, what: str) -> None:
+            self.row, self.what = row, what
+
+        def __getitem__(self, key):
+            return self.row[key]
+
+        def __setitem__(self, key, value) -> None:
+            writes.append(self.what)
+            self.row[key] = value
+
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
+    real = board.starts, board.pids
+    board.starts, board.pids = Recorded(real[0], "start"), Recorded(real[1], "pid")
+    try:
+        rdv = Rendezvous(board, 1, DEADLINE_MS)  # rank 1: no coordinator thread reads them meanwhile
+        assert writes == ["start", "pid"], writes
+        board.starts, board.pids = real
+        assert (board.pids[1], board.starts[1]) == (os.getpid(), process_start(os.getpid()))
+        rdv.close()
+    finally:
+        board.starts, board.pids = real
+        board.close()
