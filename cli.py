@@ -560,6 +560,28 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"dspark-sidecar: {err}", file=sys.stderr)
         return getattr(err, "exit_status", 2)  # 75 for a port or socket held now (server/config.AddressInUse)
+    finally:
+        if argv is None and _command(sys.argv[1:]) == "serve":  # the program itself (python -m, the script)
+            _ignore_stop_signals()
+
+
+def _command(argv: list[str]) -> str | None:
+    """The command argv runs: its first word that is not an option (the top-level parser takes none but -h)."""
+    return next((w for w in argv if not w.startswith("-")), None)
+
+
+def _ignore_stop_signals() -> None:
+    """serve has ended (the launcher's ranks have exited; a rank has stopped or failed): SIGTERM and SIGINT are
+    ignored for what is left, the interpreter's exit. That exit puts SIG_DFL back for every handler set from Python
+    (launch() had already put back the defaults it found), and a stop repeated there (a second Ctrl-C, a supervisor
+    repeating SIGTERM) turned the stopped serve's exit 0 into -SIGTERM or -SIGINT, or a KeyboardInterrupt traceback
+    out of an atexit hook. SIG_IGN is what the exit leaves in place. Not for a caller in this process (main(argv)):
+    its own handlers stay."""
+    import signal
+
+    with contextlib.suppress(ValueError):  # main() off the main thread, which may not set handlers
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _die_of_sigint() -> int:
@@ -611,7 +633,7 @@ def _main(argv: list[str] | None) -> int:
     # _builtin): every parser read them, so `step --help`, the bench and the demo (whose sidecar gets none of
     # serve's variables) exited 2 for a DSPARK_WARMUP=ture only serve reads, and serve for DSPARK_DEMO_ROUNDS.
     # The top-level parser takes no option but -h, so the command is argv's first word that is not one.
-    chosen = next((w for w in argv if not w.startswith("-")), None)
+    chosen = _command(argv)
 
     def env(cmd: str):
         return _env if cmd == chosen else _builtin

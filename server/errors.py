@@ -160,6 +160,11 @@ class StatusInterceptor(grpc.ServerInterceptor):
                 except Exception as exc:  # noqa: BLE001
                     if _aborted(context, exc):
                         raise
+                    if isinstance(exc, grpc.RpcError) and not context.is_active():
+                        # The request iterator's end of a call that is over: the engine cancelled it (it left, or
+                        # reconnects) or the server's stop did, past its grace, with the stream open between steps.
+                        # Nobody to answer; logged as an internal error, it was a traceback at every such stop.
+                        return
                     _abort(context, as_sidecar_error(exc))
 
             return grpc.stream_stream_rpc_method_handler(

@@ -150,10 +150,14 @@ def launch(cfg: ServeConfig, rank_argv: list[str], on_ready=None, poll_s: float 
                     stop_deadline = time.monotonic() + serving_grace
             time.sleep(poll_s)
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        _terminate(procs)
-        _remove_stale_sockets(cfg, procs)
+        # The handlers go back last: put back first, a stop during the rest (a repeated SIGTERM or Ctrl-C reaching a
+        # caller's defaults) killed this launcher inside _terminate's grace or between a killed rank's socket files.
+        try:
+            _terminate(procs)
+            _remove_stale_sockets(cfg, procs)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
 
 
 def _stop_result(codes: list[int | None], stopped: Collection[int]) -> int:

@@ -659,6 +659,55 @@ def test_ctrl_c_while_serve_writes_the_synthetic_checkpoint_is_a_stopped_start_u
     assert proc.stdout == "partial folder removed\n" and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("how", ["sigterm-to-serve", "ctrl-c-to-the-group", "sigterm-to-a-torchrun-rank"])
+def test_a_stop_repeated_until_serve_has_gone_leaves_its_exit_0(how, tmp_path):
+    """README: Ctrl-C or SIGTERM drains every rank, and serve exits 0. A stop repeated until serve has gone (a second
+    Ctrl-C, a supervisor repeating SIGTERM; the launcher forwards each to the ranks) landed in an interpreter's exit,
+    where every handler set from Python is SIG_DFL again: a rank that had logged "stopped" died of it (the launcher's
+    "sidecar rank 0 exited with code -15 during the stop", exit 1; under torchrun the rank's own -15), or the
+    launcher did (-15, -2, or a KeyboardInterrupt traceback from an atexit hook). Here SIGTERM to serve, SIGINT to
+    its whole process group (a terminal's Ctrl-C), or SIGTERM to a rank started as torchrun starts it, every 2 ms
+    from SERVING until the process has exited (each failed 3 runs in 3)."""
+    import contextlib
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from dspark_sidecar.server.healthcheck import check
+    from helpers.waiting import wait_until
+
+    sock = tmp_path / "sock"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DSPARK_LAUNCHER_PID")}
+    if how == "sigterm-to-a-torchrun-rank":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    p = subprocess.Popen([sys.executable, "-m", "dspark_sidecar", "serve", "--tp", "1", "--device", "cpu", "--preset",
+                          "tiny", "--socket-dir", str(sock), "--drain-s", "0"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_until(lambda: check(f"unix:{sock / 'rank0.sock'}", 1.0) == "SERVING", 120, "rank 0 SERVING", watch=p,
+                   interval_s=0.1)
+        while p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # (all gone, serve not reaped yet)
+                if how == "ctrl-c-to-the-group":
+                    os.killpg(p.pid, signal.SIGINT)
+                else:
+                    os.kill(p.pid, signal.SIGTERM)
+            time.sleep(0.002)
+        _, err = p.communicate(timeout=60)
+        assert "rank 0: stopped" in err, err[-3000:]
+        assert p.returncode == 0 and "exited with code" not in err and "Traceback" not in err, (p.returncode,
+                                                                                                err[-3000:])
+    finally:
+        if p.returncode is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=10)
+
+
 @pytest.mark.parametrize("launcher_pid, checked", [(True, False), (False, True)])
 def test_a_rank_of_serve_s_own_launcher_does_not_read_the_whole_checkpoint_again(
         launcher_pid, checked, tiny_ckpt, tmp_path, monkeypatch):

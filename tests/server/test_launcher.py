@@ -16,6 +16,7 @@ import pytest
 from dspark_sidecar.server.config import ServeConfig
 from dspark_sidecar.server.launcher import EXIT_TEMPFAIL, EXIT_USAGE, launch
 from helpers.engine_fakes import short_socket_dir
+from helpers.waiting import wait_until
 
 
 def _launch_and_stop_once_up(tmp_path: Path, caplog) -> int:
@@ -436,6 +437,70 @@ def test_a_rank_that_fails_during_the_stop_of_a_serving_group_is_named(tmp_path,
     assert "rank 0" not in caplog.text, caplog.text
 
 
+def test_a_serving_rank_that_dies_of_the_stop_s_own_signal_is_named(tmp_path, monkeypatch, caplog):
+    """A serving rank handles SIGTERM (it drains), and ignores it past its teardown (cli._ignore_stop_signals): one
+    that dies of it all the same (-15, or -2 of a Ctrl-C) had no handler where it must, and never drained. Only a
+    rank still starting ends so as the stop asks; a serving one is a failed stop, named, exit 1."""
+    _fake_ranks(monkeypatch, _serving_rank(tmp_path, "signal.SIG_DFL"))
+    serving = threading.Event()
+    _sigterm_once_serving(serving)
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+        code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [],
+                      on_ready=_ready_when_both_marked(tmp_path, serving), poll_s=0.05)
+    assert code == 1
+    assert ("sidecar rank 0 exited with code -15; sidecar rank 1 exited with code -15 during the stop"
+            in caplog.text), caplog.text
+
+
+def test_a_rank_blocked_during_a_start_up_stop_is_killed_at_the_bound_not_a_grace_later(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """A rank blocked where no handler runs (torch's rendezvous connect) is killed once STARTUP_STOP_S has passed
+    since the stop ("within about 3 s", README): at once, not sent SIGTERM again and given another grace."""
+    from dspark_sidecar.server import launcher
+
+    monkeypatch.setattr(launcher, "STARTUP_STOP_S", 0.5)
+    rank = ("import os, pathlib, signal, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            f"pathlib.Path({str(tmp_path)!r}, 'up-' + os.environ['RANK']).touch()\n"
+            "time.sleep(60)\n")
+    _fake_ranks(monkeypatch, rank)
+    graces: list[float] = []
+    terminate = launcher._terminate
+    monkeypatch.setattr(launcher, "_terminate", lambda procs, grace_s=10.0: (graces.append(grace_s),
+                                                                            terminate(procs, grace_s))[1])
+    code = _launch_and_stop_once_up(tmp_path, caplog)
+    assert code == 0 and "killing them" in caplog.text, caplog.text
+    assert graces[0] == 0.0, graces  # (then the finally's, which finds every rank gone)
+
+
+@pytest.mark.parametrize("probe", [True, False], ids=["a-peer-dies", "no-probe"])
+def test_a_serving_rank_stopped_by_the_launcher_drains_before_any_kill(tmp_path, monkeypatch, caplog, probe):
+    """A serving rank that the launcher stops drains (here 0.5 s, then marks itself stopped) and is killed only past
+    its grace: when a peer has died (10 s), and for launch() without an on_ready probe, which assumes the group
+    serves (--drain-s + DRAIN_GRACE_S, not the start-up bound, patched to 0.1 s here)."""
+    from dspark_sidecar.server import launcher
+
+    monkeypatch.setattr(launcher, "STARTUP_STOP_S", 0.1)
+    rank = ("import os, pathlib, signal, sys, time\n"
+            f"d = pathlib.Path({str(tmp_path)!r})\n"
+            "r = os.environ['RANK']\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), (d / ('stopped-' + r)).touch(), sys.exit(0)))\n"
+            + _RANK_1_ENDS_ONCE_SERVING.format(end="sys.exit(3)" if probe else "pass"))
+    _fake_ranks(monkeypatch, rank)
+    if probe:  # rank 1 dies once the group serves; the launcher stops rank 0
+        assert _launch_until_a_rank_dies(tmp_path, caplog) == 1
+        assert sorted(p.name for p in tmp_path.glob("stopped-*")) == ["stopped-0"]
+        return
+
+    def stop_once_up() -> None:  # both ranks up (their handlers set): SIGTERM to this process, as a supervisor's
+        wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 2, 30, "both ranks up", interval_s=0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_up, daemon=True).start()
+    assert launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [], poll_s=0.05) == 0
+    assert sorted(p.name for p in tmp_path.glob("stopped-*")) == ["stopped-0", "stopped-1"], "killed mid-drain"
+
+
 def test_a_rank_that_dies_while_the_group_serves_is_named_and_takes_the_group_down(tmp_path, monkeypatch, caplog):
     """Rank 1 exits by itself while the group serves (here with code 2, which a start-up refusal also has):
     the launcher names it, stops rank 0 and exits 1, so a supervisor restarts the group. Passing the 2 on
@@ -536,6 +601,52 @@ def test_a_rank_that_ends_while_serving_is_named_and_leaves_no_socket_of_its_own
     assert _launch_until_a_rank_dies(sock, caplog) == 1
     assert [r.getMessage() for r in caplog.records] == [
         f"sidecar rank 1 exited with code {code}; stopping the group (2 ranks)"], caplog.text
+    assert sorted(p.name for p in sock.iterdir() if p.is_socket()) == []
+
+
+def test_a_stop_signal_during_the_launcher_s_clean_up_does_not_cut_it_short(monkeypatch, caplog):
+    """launch() put the caller's handlers back first, then killed what was left of the group and removed a failed
+    rank's socket files: a stop repeated meanwhile (a second Ctrl-C or SIGTERM, reaching `serve`'s defaults) ended
+    the launcher there, its exit -SIGTERM and the killed rank's sockets left behind. Here the caller's handler
+    raises (as SIG_DFL's kill ends the process), and a SIGTERM comes as the launcher removes rank 1's files."""
+    from dspark_sidecar.server import launcher
+
+    sock = short_socket_dir()
+    rank = ("import os, pathlib, signal, socket, sys, time\n"
+            f"d = pathlib.Path({str(sock)!r})\n"
+            "r = os.environ['RANK']\n"
+            "held = []\n"
+            "for name in ('rank%s.sock' % r, 'rank%s.lease' % r):\n"
+            "    s = socket.socket(socket.AF_UNIX)\n"
+            "    s.bind(str(d / name))\n"
+            "    s.listen()\n"
+            "    held.append(s)\n"
+            "def stop(*a):\n"
+            "    for n in ('rank%s.sock' % r, 'rank%s.lease' % r):\n"
+            "        (d / n).unlink()\n"
+            "    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            + _RANK_1_ENDS_ONCE_SERVING.format(end="os.kill(os.getpid(), signal.SIGKILL)"))
+    _fake_ranks(monkeypatch, rank)
+    real_remove = launcher.remove_stale_socket
+
+    def remove_stopped(*paths):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered here, on this (the main) thread, before the removal
+        return real_remove(*paths)
+
+    monkeypatch.setattr(launcher, "remove_stale_socket", remove_stopped)
+
+    class Killed(Exception):
+        pass
+
+    def killed(*a):
+        raise Killed
+
+    before = signal.signal(signal.SIGTERM, killed)
+    try:
+        assert _launch_until_a_rank_dies(sock, caplog) == 1
+    finally:
+        signal.signal(signal.SIGTERM, before)
     assert sorted(p.name for p in sock.iterdir() if p.is_socket()) == []
 
 

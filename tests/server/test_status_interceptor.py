@@ -204,6 +204,57 @@ def test_a_stream_s_place_is_free_again_once_it_ends():
 
 
 
+@pytest.mark.parametrize("end", ["the server's stop", "the client's cancel"])
+def test_a_stream_ended_by_the_server_s_stop_or_the_client_s_cancel_is_no_internal_error(end, tmp_path, caplog):
+    """An engine keeps its DraftSteps stream open between steps. The sidecar's stop cancels it once its grace has
+    passed (teardown.SERVER_GRACE_S), an engine that leaves or reconnects cancels it, and the request iterator then
+    raises grpc.RpcError: the interceptor logged it as "internal error while serving a request", with a traceback,
+    at every stop of a sidecar with an engine attached and every engine gone mid-stream, and answered INTERNAL to
+    a call already over."""
+    ended = threading.Event()  # the stream's handler has ended
+
+    class Open(_Raising):
+        def DraftSteps(self, request_iterator, context):
+            try:
+                yield from super().DraftSteps(request_iterator, context)
+            finally:
+                ended.set()
+
+    pool = futures.ThreadPoolExecutor(2)
+    server = grpc.server(pool, interceptors=[StatusInterceptor()])
+    pb_grpc.add_DrafterSidecarServicer_to_server(Open(), server)
+    target = f"unix:{tmp_path / 's.sock'}"
+    server.add_insecure_port(target)
+    server.start()
+    channel = grpc.insecure_channel(target)
+    more = threading.Event()
+
+    def steps():
+        yield pb.DraftStepRequest(step_id=1)
+        more.wait(30)  # open, between steps
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="dspark_sidecar"):
+            call = pb_grpc.DrafterSidecarStub(channel).DraftSteps(steps())
+            assert next(call).step_id == 1
+            if end == "the server's stop":
+                server.stop(grace=0.1).wait(10)
+            else:
+                call.cancel()
+            assert ended.wait(10), "the stream's handler never ended"
+            with pytest.raises(grpc.RpcError) as err:
+                next(call)
+            server.stop(None).wait(10)
+            pool.shutdown(wait=True)  # every handler has returned, the interceptor's part of it included
+        assert err.value.code() == (grpc.StatusCode.UNAVAILABLE if end == "the server's stop"
+                                    else grpc.StatusCode.CANCELLED)
+        assert not caplog.records, caplog.text
+    finally:
+        more.set()
+        channel.close()
+        server.stop(None)
+
+
 def test_a_step_message_that_does_not_parse_ends_the_stream_invalid_argument_after_the_steps_before_it(rig):
     """No step id to answer it under: the stream ends, INVALID_ARGUMENT naming why (not grpc's UNKNOWN)."""
     _, stub = rig

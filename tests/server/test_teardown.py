@@ -153,7 +153,9 @@ def test_a_stuck_step_at_shutdown_exits_1_though_a_lease_s_release_holds_the_att
     monkeypatch.setattr(teardown, "DOORBELL_LOCK_S", 0.2)  # stands for its 5 s
     loop = _StuckLoop(rig.calls)
     svc = DrafterServicer(SimpleNamespace(rank=0, fast=None,  # type: ignore[arg-type]
-                                          memory=SimpleNamespace(unregister=lambda *a: [], region_count=0)),
+                                          # (retire_if_idle: False, the lease holds regions)
+                                          memory=SimpleNamespace(unregister=lambda *a: [], region_count=0,
+                                                                 retire_if_idle=lambda *a: False)),
                           loop, Lifecycle(), None, None, "")
     releasing = threading.Thread(target=svc._release_regions, args=([],), kwargs={"lease": 7}, daemon=True)
     releasing.start()  # the gone engine's lease: its regions released under the attach lock, behind the step
@@ -230,3 +232,33 @@ def test_close_doorbell_says_whether_it_took_the_attach_lock_within_its_bound():
         svc._attach_lock.release()
     assert svc.close_doorbell(0.05) is True and svc._doorbells_closed
     assert not svc._attach_lock.locked()
+
+
+def test_in_flight_calls_get_the_server_s_grace_and_a_stuck_rank_flushes_its_log_before_it_ends(rig, monkeypatch):
+    """The gRPC server's stop gives calls in flight (a GetStatus, a step's answer on its way) SERVER_GRACE_S to
+    finish, not none; and the stuck step's exit, os._exit, skips logging's own flush at exit: the handlers are
+    flushed first, or a buffered handler lost the line saying why the rank exits 1."""
+    graces: list[float] = []
+    stopped = rig.server.stop(0)  # (the rig's: records "server stop")
+    rig.calls.clear()
+    rig.server.stop = lambda grace: (graces.append(grace), rig.calls.append("server stop"), stopped)[2]
+    monkeypatch.setattr(teardown.logging, "shutdown", lambda: rig.calls.append("log flushed"))
+    rig.steps_stop = False
+    with pytest.raises(Exited):
+        rig.run()
+    assert graces == [teardown.SERVER_GRACE_S] and teardown.SERVER_GRACE_S > 0
+    assert rig.calls[-2:] == ["log flushed", f"exit {teardown.STUCK_EXIT}"], rig.calls
+
+
+def test_the_watchdog_s_line_names_the_stage_the_teardown_is_stuck_in(rig, caplog):
+    """Past its limit the watchdog ends the process with one line naming what the teardown was doing: here a wait
+    for the steps in flight that outlived it, not the doorbell's stop before it."""
+    def limit_passes():
+        rig.calls.append("steps")
+        _Watchdog.made[-1].function()  # the limit passes while the steps are waited for
+
+    rig.loop.stop_steps = limit_passes
+    with caplog.at_level(logging.WARNING, logger="dspark_sidecar.server"), pytest.raises(Exited):
+        rig.run()
+    assert rig.calls == ["doorbell", "steps", "exit 0"], rig.calls
+    assert "rank 0: teardown exceeded 30 s in the steps in flight; exiting" in caplog.text, caplog.text
