@@ -103,16 +103,14 @@ def test_a_bench_that_cannot_set_up_leaves_no_sidecar_running(tmp_path, monkeypa
         bench.close()
 
 
-def test_the_bench_s_sidecar_exits_with_the_bench(tmp_path, monkeypatch):
-    """A bench that is SIGKILLed left its sidecar (modes d-i) serving for ever: it is started with the bench's
-    pid as --exit-with-pid (serve's launcher stops once that process has gone, as for client/launcher.py)."""
-    import os
-
+def _exited_at_once(monkeypatch) -> list[list[str]]:
+    """bench's Popen replaced by a sidecar process that has ended at once (SidecarUnderTest gives up and closes it);
+    returns the argvs it was started with."""
     from dspark_sidecar import bench as B
 
-    argvs = []
+    argvs: list[list[str]] = []
 
-    class Exited:  # the sidecar process, ended at once: SidecarUnderTest gives up and closes it
+    class Exited:
         def __init__(self, argv, **_kw):
             argvs.append(argv)
 
@@ -126,6 +124,17 @@ def test_the_bench_s_sidecar_exits_with_the_bench(tmp_path, monkeypatch):
             return 1
 
     monkeypatch.setattr(B.subprocess, "Popen", Exited)
+    return argvs
+
+
+def test_the_bench_s_sidecar_exits_with_the_bench(tmp_path, monkeypatch):
+    """A bench that is SIGKILLed left its sidecar (modes d-i) serving for ever: it is started with the bench's
+    pid as --exit-with-pid (serve's launcher stops once that process has gone, as for client/launcher.py)."""
+    import os
+
+    from dspark_sidecar import bench as B
+
+    argvs = _exited_at_once(monkeypatch)
     with pytest.raises(B.BenchFailed, match="the bench's sidecar did not start"):  # cli: one line, exit 1
         B.SidecarUnderTest(BenchConfig(preset="tiny", reqs=(1,), contexts=(40,), out_dir=tmp_path),
                            torch.device("cpu"), tmp_path)
@@ -142,22 +151,7 @@ def test_the_bench_s_sidecar_is_started_with_flags_serve_accepts(shard_of, tmp_p
     from dspark_sidecar import bench as B
     from dspark_sidecar import cli
 
-    argvs = []
-
-    class Exited:  # as above: the argv recorded, the process ended at once
-        def __init__(self, argv, **_kw):
-            argvs.append(argv)
-
-        def poll(self):
-            return 1
-
-        def terminate(self):
-            return None
-
-        def wait(self, timeout=None):
-            return 1
-
-    monkeypatch.setattr(B.subprocess, "Popen", Exited)
+    argvs = _exited_at_once(monkeypatch)
     with pytest.raises(B.BenchFailed):
         B.SidecarUnderTest(BenchConfig(preset="tiny", shard_of=shard_of, reqs=(1,), contexts=(40,), out_dir=tmp_path),
                            torch.device("cpu"), tmp_path)

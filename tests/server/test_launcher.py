@@ -574,15 +574,10 @@ def test_the_kill_of_a_wedged_serving_rank_names_it_and_a_rank_that_failed_in_it
     assert "sidecar rank 0 exited with code 3 during the stop" in caplog.text, caplog.text
 
 
-@pytest.mark.parametrize("end, code", [("os._exit(3)", 3), ("os.kill(os.getpid(), signal.SIGKILL)", -9)])
-def test_a_rank_that_ends_while_serving_is_named_and_leaves_no_socket_of_its_own(monkeypatch, caplog, end, code):
-    """Rank 1 ends with os._exit(3) while the group serves (the gone-engine device check, servicer.py), or is
-    SIGKILLed (the OOM killer): it removes nothing itself, so its gRPC socket and its engine-lease socket
-    (DIR/rank1.lease) stay in the folder. The launcher names it with its code, stops rank 0, exits 1 for the
-    supervisor's restart, and removed the gRPC socket only: the lease socket stayed, a socket nobody answers on,
-    until a next start replaced it."""
-    sock = short_socket_dir()
-    rank = ("import os, pathlib, signal, socket, sys, time\n"
+def _rank_with_its_sockets(sock, end: str) -> str:
+    """A fake rank that listens on its gRPC and engine-lease sockets in `sock`, removes both on SIGTERM (as the
+    teardown's close of the server and the leases does) and, rank 1, ends once serving by `end`."""
+    return ("import os, pathlib, signal, socket, sys, time\n"
             f"d = pathlib.Path({str(sock)!r})\n"
             "r = os.environ['RANK']\n"
             "held = []\n"
@@ -591,12 +586,23 @@ def test_a_rank_that_ends_while_serving_is_named_and_leaves_no_socket_of_its_own
             "    s.bind(str(d / name))\n"
             "    s.listen()\n"
             "    held.append(s)\n"
-            "def stop(*a):\n"  # a clean stop removes both (the teardown's close of the server and the leases)
+            "def stop(*a):\n"
             "    for n in ('rank%s.sock' % r, 'rank%s.lease' % r):\n"
             "        (d / n).unlink()\n"
             "    sys.exit(0)\n"
             "signal.signal(signal.SIGTERM, stop)\n"
             + _RANK_1_ENDS_ONCE_SERVING.format(end=end))
+
+
+@pytest.mark.parametrize("end, code", [("os._exit(3)", 3), ("os.kill(os.getpid(), signal.SIGKILL)", -9)])
+def test_a_rank_that_ends_while_serving_is_named_and_leaves_no_socket_of_its_own(monkeypatch, caplog, end, code):
+    """Rank 1 ends with os._exit(3) while the group serves (the gone-engine device check, servicer.py), or is
+    SIGKILLed (the OOM killer): it removes nothing itself, so its gRPC socket and its engine-lease socket
+    (DIR/rank1.lease) stay in the folder. The launcher names it with its code, stops rank 0, exits 1 for the
+    supervisor's restart, and removed the gRPC socket only: the lease socket stayed, a socket nobody answers on,
+    until a next start replaced it."""
+    sock = short_socket_dir()
+    rank = _rank_with_its_sockets(sock, end)
     _fake_ranks(monkeypatch, rank)
     assert _launch_until_a_rank_dies(sock, caplog) == 1
     assert [r.getMessage() for r in caplog.records] == [
@@ -612,21 +618,7 @@ def test_a_stop_signal_during_the_launcher_s_clean_up_does_not_cut_it_short(monk
     from dspark_sidecar.server import launcher
 
     sock = short_socket_dir()
-    rank = ("import os, pathlib, signal, socket, sys, time\n"
-            f"d = pathlib.Path({str(sock)!r})\n"
-            "r = os.environ['RANK']\n"
-            "held = []\n"
-            "for name in ('rank%s.sock' % r, 'rank%s.lease' % r):\n"
-            "    s = socket.socket(socket.AF_UNIX)\n"
-            "    s.bind(str(d / name))\n"
-            "    s.listen()\n"
-            "    held.append(s)\n"
-            "def stop(*a):\n"
-            "    for n in ('rank%s.sock' % r, 'rank%s.lease' % r):\n"
-            "        (d / n).unlink()\n"
-            "    sys.exit(0)\n"
-            "signal.signal(signal.SIGTERM, stop)\n"
-            + _RANK_1_ENDS_ONCE_SERVING.format(end="os.kill(os.getpid(), signal.SIGKILL)"))
+    rank = _rank_with_its_sockets(sock, "os.kill(os.getpid(), signal.SIGKILL)")
     _fake_ranks(monkeypatch, rank)
     real_remove = launcher.remove_stale_socket
 
