@@ -34,10 +34,8 @@ class SignalStop:
 
     def set(self) -> None:
         self._flag = True
-        try:
+        with contextlib.suppress(BlockingIOError):  # the pipe full of earlier signals' bytes: the wait wakes anyway
             os.write(self._ring, b"\0")
-        except BlockingIOError:  # the pipe full of earlier signals' bytes: the wait wakes all the same
-            pass
 
     def is_set(self) -> bool:
         return self._flag
