@@ -50,8 +50,14 @@ def not_serving_why(target: str, timeout_s: float = 2.0) -> str:
         return error_reason(err)
     # REFUSED's why is the fast path's refusal; PEER_SILENT's and STEP_STUCK's are state_reason (proto StatusReport).
     why = st.state_reason or (st.fast_path_refusal if st.state == "REFUSED" else "")
-    why = " ".join(line.strip() for line in why.splitlines() if line.strip())  # one line a rank: an error's lines
+    why = one_line(why)  # one line a rank, whatever sidecar sent it
     return f"{st.state}: {why}" if why else st.state
+
+
+def one_line(text: str) -> str:
+    """`text` with its lines joined by spaces (blank ones dropped): a reason quoting an error (a HIP error's advice,
+    a compiler's diagnostics) broke the probe's line for its rank, the rest reading as lines of no rank."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def unreachable(err: grpc.RpcError, timeout_s: float) -> str:

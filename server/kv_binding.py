@@ -296,23 +296,27 @@ class MemoryBindings:
         go here; the mappings are returned for the caller to close once the device no longer reads
         them (servicer.UnregisterBuffers)."""
         with self._lock:
-            self._check_registered(ids)
-            if owner:
-                self._released_owners.add(owner)
-                ids = ids + [rid for rid in self._owned.pop(owner, []) if rid in self._regions]
-            if lease:
-                ids = ids + [rid for rid in self._leased.pop(lease, []) if rid in self._regions]
-            gone = set(ids)  # released by id too: no longer anyone's to release by owner or lease
-            _forget(self._owned, gone)
-            _forget(self._leased, gone)
-            released = [self._regions.pop(rid) for rid in dict.fromkeys(ids)]
-            self._retired.update(ids)
-            if released:
-                # Coarse on purpose: both caches refill in a step or two, and an entry left behind would
-                # hold a view of a released region (and so its memory).
-                self._views.clear()
-                self.layouts.clear()
-                self.epoch += 1
+            return self._unregister(ids, owner, lease)
+
+    def _unregister(self, ids: list[int], owner: int, lease: int) -> list[MappedMemory]:
+        """unregister, under the lock."""
+        self._check_registered(ids)
+        if owner:
+            self._released_owners.add(owner)
+            ids = ids + [rid for rid in self._owned.pop(owner, []) if rid in self._regions]
+        if lease:
+            ids = ids + [rid for rid in self._leased.pop(lease, []) if rid in self._regions]
+        gone = set(ids)  # released by id too: no longer anyone's to release by owner or lease
+        _forget(self._owned, gone)
+        _forget(self._leased, gone)
+        released = [self._regions.pop(rid) for rid in dict.fromkeys(ids)]
+        self._retired.update(ids)
+        if released:
+            # Coarse on purpose: both caches refill in a step or two, and an entry left behind would
+            # hold a view of a released region (and so its memory).
+            self._views.clear()
+            self.layouts.clear()
+            self.epoch += 1
         return released
 
     # The overlap rule (class docstring) --------------------------------------------------------
@@ -361,10 +365,7 @@ class MemoryBindings:
             held = self._owned.get(owner, []) + self._leased.get(lease, [])
             if ids or any(rid in self._regions for rid in held):
                 return False
-            if owner:
-                self._released_owners.add(owner)
-                self._owned.pop(owner, None)
-            self._leased.pop(lease, None)
+            self._unregister([], owner, lease)  # releases nothing; retires the owner, drops their empty lists
             return True
 
     def leases_regions(self, lease: int) -> bool:

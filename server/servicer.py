@@ -28,6 +28,7 @@ from dspark_sidecar.proto.gpu_word import GpuWordOps
 from dspark_sidecar.proto.memory import MappedMemory, discard_handle
 from dspark_sidecar.server.doorbell import Doorbell
 from dspark_sidecar.server.errors import SidecarError, clip_message, invalid, precondition
+from dspark_sidecar.server.healthcheck import one_line
 from dspark_sidecar.server.kv_binding import unknown_binding
 from dspark_sidecar.server.lease import LeaseKeeper
 from dspark_sidecar.server.prelaunch import BEHIND_S
@@ -158,9 +159,8 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         # Clipped as an error's message is (errors.clip_message): a reason quotes its error (a compiler's
         # dump of hundreds of KB, a path's undecodable byte, which made protobuf raise in every
         # GetStatus and in BindKV's answer) and goes out in GetStatus, BindKV and strict refusals.
-        # On one line: a HIP error's advice and a compiler's diagnostics come on lines of their own, and the
-        # probe's line for the rank (healthcheck) broke over them, the rest reading as lines of no rank.
-        return clip_message(" ".join(line.strip() for line in (why or "").splitlines() if line.strip()))
+        # On one line, as the probe prints it (healthcheck.one_line).
+        return clip_message(one_line(why or ""))
 
     def _status_refusal_of(self, kv) -> str:
         """GetStatus.fast_path_refusal for `kv`: _refusal_of(kv), or, where that is empty, why the fast path does not
