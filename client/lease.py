@@ -16,11 +16,10 @@ import time
 import weakref
 
 from dspark_sidecar.layout import SUN_PATH_MAX
-from dspark_sidecar.proto import LEASE_TOKEN_FORMAT
+from dspark_sidecar.proto import LEASE_TOKEN_FORMAT, MAX_LEASES
 
 TOKEN = struct.Struct(LEASE_TOKEN_FORMAT)
 CONNECT_RETRY_S = 0.01  # between connects to a lease socket whose backlog is full (_connect_by)
-MAX_LEASES = 16  # the most leases a sidecar rank holds (StatusReport.lease_socket; server/lease.py): for the warning
 
 log = logging.getLogger("dspark_sidecar.client")
 

@@ -10,3 +10,7 @@ INSTANCE_METADATA = "dspark-instance"
 # The one message of a lease connection (StatusReport.lease_socket): the sidecar's token, uint64 little-endian,
 # never 0. struct's format, so that importing the package stays free of protobuf.
 LEASE_TOKEN_FORMAT = "<Q"
+# Leases one sidecar rank holds at once (server/lease.py): past them a connection is closed before its token, which
+# the engine's warning names (client/lease.py). An engine rank needs one (two across a re-connect); each holds a
+# descriptor of the rank's, so a client that only connects could otherwise use them all up.
+MAX_LEASES = 16

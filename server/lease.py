@@ -23,14 +23,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from dspark_sidecar.proto import LEASE_TOKEN_FORMAT
+from dspark_sidecar.proto import LEASE_TOKEN_FORMAT, MAX_LEASES
 
 log = logging.getLogger("dspark_sidecar.server")
 
 TOKEN = struct.Struct(LEASE_TOKEN_FORMAT)  # the one message: the lease token
-# Leases one rank holds at once. An engine rank needs one (two across a re-connect); each holds a descriptor of
-# the rank's, so a client that only connects could otherwise use them all up.
-MAX_LEASES = 16
 # After an accept failed for want of descriptors (EMFILE, ENFILE): how long the listener goes unwatched unless a
 # lease's end frees one first. Watched on, it stayed readable (the connection waits in the backlog) and the
 # thread spun, a warning per turn.
