@@ -72,6 +72,17 @@ def _sigterm_once_serving(serving: threading.Event, after_s: float = 0.0) -> Non
     threading.Thread(target=stop, daemon=True).start()
 
 
+def _stop_once_serving(tmp_path, monkeypatch, caplog, on_sigterm: str) -> int:
+    """launch() of two fake ranks (_serving_rank with `on_sigterm`), SIGTERMed once both serve; its exit code, its
+    lines in caplog."""
+    _fake_ranks(monkeypatch, _serving_rank(tmp_path, on_sigterm))
+    serving = threading.Event()
+    _sigterm_once_serving(serving)
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
+        return launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [],
+                      on_ready=_ready_when_both_marked(tmp_path, serving), poll_s=0.05)
+
+
 @pytest.mark.parametrize("poll_s", [0.2, 4.0])
 def test_a_rank_that_refuses_to_start_stops_the_group_with_exit_2_and_no_second_line(caplog, capfd, poll_s):
     # The parent checks flags, sockets and ports before launch; a rank can still refuse (a port taken
@@ -426,12 +437,7 @@ def test_a_rank_that_fails_during_the_stop_of_a_serving_group_is_named(tmp_path,
     """A serving group stopped: rank 0 drains and exits 0, rank 1 dies in its drain (here it exits 3; the OOM
     killer's -9 alike). The launcher exited 1 with no line at all: nothing said which rank failed, or how."""
     rank1 = "sys.exit(3) if os.environ['RANK'] == '1' else sys.exit(0)"
-    _fake_ranks(monkeypatch, _serving_rank(tmp_path, f"lambda *a: {rank1}"))
-    serving = threading.Event()
-    _sigterm_once_serving(serving)
-    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
-        code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [],
-                      on_ready=_ready_when_both_marked(tmp_path, serving), poll_s=0.05)
+    code = _stop_once_serving(tmp_path, monkeypatch, caplog, f"lambda *a: {rank1}")
     assert code == 1
     assert "sidecar rank 1 exited with code 3 during the stop" in caplog.text, caplog.text
     assert "rank 0" not in caplog.text, caplog.text
@@ -441,12 +447,7 @@ def test_a_serving_rank_that_dies_of_the_stop_s_own_signal_is_named(tmp_path, mo
     """A serving rank handles SIGTERM (it drains), and ignores it past its teardown (cli._ignore_stop_signals): one
     that dies of it all the same (-15, or -2 of a Ctrl-C) had no handler where it must, and never drained. Only a
     rank still starting ends so as the stop asks; a serving one is a failed stop, named, exit 1."""
-    _fake_ranks(monkeypatch, _serving_rank(tmp_path, "signal.SIG_DFL"))
-    serving = threading.Event()
-    _sigterm_once_serving(serving)
-    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
-        code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [],
-                      on_ready=_ready_when_both_marked(tmp_path, serving), poll_s=0.05)
+    code = _stop_once_serving(tmp_path, monkeypatch, caplog, "signal.SIG_DFL")
     assert code == 1
     assert ("sidecar rank 0 exited with code -15; sidecar rank 1 exited with code -15 during the stop"
             in caplog.text), caplog.text
@@ -563,12 +564,7 @@ def test_the_kill_of_a_wedged_serving_rank_names_it_and_a_rank_that_failed_in_it
 
     monkeypatch.setattr(launcher, "DRAIN_GRACE_S", 0.5)
     on_sigterm = "(lambda *a: sys.exit(3)) if os.environ['RANK'] == '0' else signal.SIG_IGN"
-    _fake_ranks(monkeypatch, _serving_rank(tmp_path, on_sigterm))
-    serving = threading.Event()
-    _sigterm_once_serving(serving)
-    with caplog.at_level(logging.INFO, logger="dspark_sidecar.launcher"):
-        code = launch(ServeConfig(tp=2, socket_dir=tmp_path, drain_s=0.0), [],
-                      on_ready=_ready_when_both_marked(tmp_path, serving), poll_s=0.05)
+    code = _stop_once_serving(tmp_path, monkeypatch, caplog, on_sigterm)
     assert code == 1
     assert "rank(s) [1] still running" in caplog.text and "killing them" in caplog.text, caplog.text
     assert "sidecar rank 0 exited with code 3 during the stop" in caplog.text, caplog.text
