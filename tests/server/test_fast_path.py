@@ -1030,6 +1030,20 @@ def test_a_runner_failing_with_an_error_of_any_type_turns_the_path_off_not_the_r
     assert told == [fp.reason] and fp.refusal(kv) == fp.reason
 
 
+def _servicer_whose_runner_fails(factory):
+    """A servicer over a FlyDSL path whose runner `factory` raises, its binding's first step (ready) behind it."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+    from dspark_sidecar.server.metrics import Metrics
+
+    fp, _ = fast_path(factory=factory)
+    kv = binding()
+    ctx = SimpleNamespace(rank=0, fast=fp, cfg=M31, memory=SimpleNamespace(kv=kv),
+                          model=SimpleNamespace(dtype=torch.bfloat16), metrics=Metrics(0))
+    svc = DrafterServicer(ctx, None, Lifecycle(backend="flydsl", host=GOOD_HOST), pb.Limits(), pb.Parallel(), "mxfp8")
+    assert not fp.ready(kv)
+    return svc
+
+
 def test_a_long_or_undecodable_reason_reaches_getstatus_clipped_and_encodable():
     """A reason carries the error's own message: a compiler's (an MLIR dump, hundreds of KB, many lines) or one
     naming a path with a byte the OS could not decode (a lone surrogate, surrogateescape). GetStatus, BindKV's
@@ -1037,19 +1051,13 @@ def test_a_long_or_undecodable_reason_reaches_getstatus_clipped_and_encodable():
     raise (UnicodeEncodeError): every GetStatus of the rank failed (UNKNOWN) for as long as the binding stood."""
     from dspark_sidecar.proto import sidecar_pb2 as pb
     from dspark_sidecar.server.errors import MESSAGE_LIMIT
-    from dspark_sidecar.server.metrics import Metrics
 
     dump = "".join(f"loc(\"/cache/fly\udcff/k.mlir\":{i}:1): error: 'rocdl.mfma' op operand #0\n" for i in range(4000))
 
     def broken(*args, **kw):
         raise RuntimeError(dump)
 
-    fp, _ = fast_path(factory=broken)
-    kv = binding()
-    ctx = SimpleNamespace(rank=0, fast=fp, cfg=M31, memory=SimpleNamespace(kv=kv),
-                          model=SimpleNamespace(dtype=torch.bfloat16), metrics=Metrics(0))
-    svc = DrafterServicer(ctx, None, Lifecycle(backend="flydsl", host=GOOD_HOST), pb.Limits(), pb.Parallel(), "mxfp8")
-    assert not fp.ready(kv)
+    svc = _servicer_whose_runner_fails(broken)
     why = svc.GetStatus(pb.GetStatusRequest(), None).fast_path_refusal
     assert why.startswith("FlyDSL runner could not be built: RuntimeError: loc(\"/cache/fly\\udcff/k.mlir\":0:1)")
     assert why.endswith(" bytes, clipped)") and len(why.encode()) <= MESSAGE_LIMIT
@@ -1107,18 +1115,12 @@ def test_a_reason_of_several_lines_goes_out_on_one_line():
     rank's step refusal carried them, and the probe's line for the rank ("PATH: NOT_SERVING (REFUSED: ...)") broke
     over several, the rest reading as lines of no rank. Now the error's words on one line (the log has it whole)."""
     from dspark_sidecar.proto import sidecar_pb2 as pb
-    from dspark_sidecar.server.metrics import Metrics
 
     def oom(*args, **kw):
         raise torch.OutOfMemoryError("HIP error: out of memory\nHIP kernel errors might be asynchronously reported "
                                      "at some other API call\r\n  For debugging consider passing AMD_SERIALIZE_KERNEL=3\n")
 
-    fp, _ = fast_path(factory=oom)
-    kv = binding()
-    ctx = SimpleNamespace(rank=0, fast=fp, cfg=M31, memory=SimpleNamespace(kv=kv),
-                          model=SimpleNamespace(dtype=torch.bfloat16), metrics=Metrics(0))
-    svc = DrafterServicer(ctx, None, Lifecycle(backend="flydsl", host=GOOD_HOST), pb.Limits(), pb.Parallel(), "mxfp8")
-    assert not fp.ready(kv)
+    svc = _servicer_whose_runner_fails(oom)
     want = ("FlyDSL runner could not be built: OutOfMemoryError: HIP error: out of memory HIP kernel errors might be "
             "asynchronously reported at some other API call For debugging consider passing AMD_SERIALIZE_KERNEL=3")
     assert svc.refusal() == want  # BindKV's answer, health's and a strict rank's step refusal
