@@ -77,7 +77,11 @@ class StartUp:
         self.stop.set()
         if not self.active or self._unwinding:  # (a second signal must not cut the unwinding's cleanup short)
             return
-        log.info("rank %d: %s during start-up; stopping (exit 0)", self.rank, signal.Signals(signum).name)
+        # The handler runs between two bytecodes of the main thread, which may be inside a write to the same
+        # stderr: the line's write then raises RuntimeError ("reentrant call", logging's own report of it
+        # again), which left this handler before the release and the exit. The line may go; the stop may not.
+        with contextlib.suppress(RuntimeError):
+            log.info("rank %d: %s during start-up; stopping (exit 0)", self.rank, signal.Signals(signum).name)
         if self.unwind:
             self._unwinding = True
             raise SystemExit(0)  # serve_rank releases the rest on its way out

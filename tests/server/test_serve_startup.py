@@ -541,3 +541,51 @@ def test_a_stop_signalled_at_any_line_of_the_serving_loop_s_wait_ends_it(tmp_pat
     except subprocess.TimeoutExpired:
         raise AssertionError("a signal at some line of the wait hung it") from None
     assert out.returncode == 0 and out.stdout.startswith("ok "), (out.stdout, out.stderr[-2000:])
+
+
+def test_a_stop_landing_inside_a_write_to_stderr_still_ends_the_rank(monkeypatch):
+    """The start-up stop logs a line, from the signal handler, to the stream the rank logs to (stderr). A signal
+    landing while the main thread is inside that stream's write (a slow journal, a full pipe) has the handler's
+    write re-enter the same buffered writer: Python raises RuntimeError("reentrant call"), logging's handleError
+    raises it again writing its report to the same stderr, and it came out of the handler: the rank's files were
+    not released and os._exit never ran. The line is lost, the stop is not. Reproduced with a real BufferedWriter
+    whose raw write runs the handler, as a signal between two bytecodes of that write would."""
+    import io
+    import logging
+    import threading
+
+    from dspark_sidecar.server import startup
+
+    start_up = startup.StartUp(0, threading.Event())
+    ended: list[object] = []
+    monkeypatch.setattr(startup.os, "_exit", ended.append)
+    monkeypatch.setattr(start_up, "release", lambda: ended.append("release"))
+    landed: list[BaseException | None] = []
+
+    class Raw(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            if not landed:  # the signal, delivered inside the buffered writer's write (its lock held)
+                landed.append(None)
+                start_up.on_signal(signal.SIGTERM, None)
+            return len(b)
+
+    stderr = io.TextIOWrapper(io.BufferedWriter(Raw(), buffer_size=8), write_through=True)
+    monkeypatch.setattr(sys, "stderr", stderr)  # where logging's handleError reports a failed emit
+    handler = logging.StreamHandler(stderr)
+    logger = logging.getLogger("dspark_sidecar.server")
+    # Enabled whatever an earlier test's logging set-up left (a level, a dictConfig's disabling); setLevel, not the
+    # attribute, so the logger's cache of isEnabledFor answers is cleared both ways.
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        logger.info("rank 0: loading the checkpoint")  # the main thread's own line, longer than the buffer
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert landed and ended == ["release", 0] and start_up.stop.is_set()
