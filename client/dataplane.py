@@ -156,6 +156,10 @@ class StepBuffers:
     def input_view(self, n: int) -> torch.Tensor:
         """The registered input rows [n, hidden]: an engine that writes its embeddings here (e.g. as
         the out= of its embedding lookup) passes this view to `fill`, which then copies nothing."""
+        rows = self.embeds.shape[0]
+        if n > rows:  # sliced, the view is cut short: an out= then resizes it, which on a GPU moves the whole
+            # input region's storage away from the memory the sidecar mapped
+            raise DataPlaneError(f"a step of {n} input rows exceeds the registered buffers ({rows} rows)")
         return self.embeds[:n]
 
     def fill(self, req: pb.DraftStepRequest, embeds: torch.Tensor, positions: torch.Tensor,
@@ -196,8 +200,12 @@ class StepBuffers:
         view about 2.5 us each (run 115).
         """
         R, n, pages = srcs[1].shape[0], srcs[0].numel(), srcs[2].shape[1]
-        if R > self.max_reqs or pages > self.max_pages:
-            raise DataPlaneError(f"step of {R} requests x {pages} pages exceeds the registered buffers")
+        # The rows too (n from the positions): past the region's, the input and hidden views below were cut short,
+        # and the request named [n, hidden] rows the regions do not have.
+        rows = self.embeds.shape[0]
+        if R > self.max_reqs or pages > self.max_pages or n > rows:
+            raise DataPlaneError(f"step of {R} requests x {pages} pages, {n} input rows exceeds the registered buffers "
+                                 f"({rows} rows, {self.max_reqs} requests x {self.max_pages} pages)")
         template = pb.DraftStepRequest(inputs_embeds=codec.region_tensor_ref(self.dtype, (n, hidden), self.embeds_id, 0),
                                        output=pb.RegionSlice(region_id=self.hidden_id, offset_bytes=0),
                                        launch_key=_next_launch_key())

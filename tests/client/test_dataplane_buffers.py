@@ -666,3 +666,37 @@ def test_metadata_filling_the_registered_region_to_its_last_byte_is_staged_and_a
             b.stage(torch.zeros(7, 8), positions, StepMetadata(seq_lens, tables, torch.arange(8, dtype=wide)))
     finally:
         b.close()
+
+
+def test_a_step_of_more_input_rows_than_registered_is_refused_before_anything_is_written():
+    """The regions hold QPR x max_reqs input and hidden rows. A step whose positions name more rows, with requests
+    and pages that fit, was taken: its inputs_embeds and hidden views were cut short at the region's end, so
+    embeddings of the registered row count were staged under a request naming [n, hidden] rows the region does not
+    have (and a hidden view shorter than the answer), and embeddings of n rows were refused as "for a step of
+    [rows, hidden] input rows", naming the wrong count. input_view(n) handed the same short view as "the registered
+    input rows [n, hidden]": an engine's out= then resizes it, which on a GPU moves the whole input region's storage
+    away from the memory the sidecar mapped. Refused now, naming the rows, and the next step that fits still works."""
+    from dspark_sidecar import layout
+
+    b = StepBuffers(_Stub(), 8, 2, 4, torch.float32, torch.device("cpu"))
+    try:
+        rows = layout.QPR * 2
+        assert b.embeds.shape[0] == rows
+        n = rows + 1  # 1 request of 1 page, but a row more than registered: its positions fit the metadata region
+        meta = StepMetadata(torch.full((1,), 3, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                            torch.zeros(layout.QPR, dtype=torch.int64))
+        for embeds in (torch.ones(rows, 8), torch.ones(n, 8)):
+            with pytest.raises(DataPlaneError, match=f"{n} input rows exceeds the registered buffers \\({rows} rows"):
+                b.stage(embeds, torch.arange(n), meta)
+        with pytest.raises(DataPlaneError, match=f"{n} input rows exceeds the registered buffers"):
+            b.input_view(n)
+        assert not b.embeds.any() and not b.meta_bytes.any()  # nothing was written
+        assert b.input_view(rows).shape == (rows, 8)
+        fits = StepMetadata(torch.full((2,), 3, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32),
+                            torch.arange(rows, dtype=torch.int64))
+        staged = b.stage(torch.ones(rows, 8), torch.arange(rows), fits)
+        req = pb.DraftStepRequest.FromString(staged.fields)
+        assert list(req.inputs_embeds.shape) == [rows, 8] and staged.hidden.shape == (rows, 8)
+        assert bool((b.embeds == 1).all())
+    finally:
+        b.close()
