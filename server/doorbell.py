@@ -279,6 +279,10 @@ class Doorbell(threading.Thread):
         except Exception as exc:  # noqa: BLE001  (a garbled request is answered, never fatal)
             resp = pb.DraftStepResponse(error=pb.StepError(code=3, message=f"request: unreadable: {exc}",
                                                            field="request", reason="INVALID_FIELD"))
+            # Answered, so recorded as below: the engine orders its stream after this event for this answer too,
+            # and a pre-launched copy queued after the last step may run the rung step on this stream.
+            if self.output_event is not None:
+                self.output_event.record(self._stream)
         else:
             if self.input_event is not None:
                 self._stream.wait_event(self.input_event)

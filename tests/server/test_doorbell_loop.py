@@ -176,6 +176,97 @@ def test_a_doorbell_too_small_for_an_error_answer_is_refused():
 
     with pytest.raises(SidecarError, match="capacity_bytes: 64 is below the 4096 bytes"):
         Doorbell(_Page(), 64, _Loop(), torch.device("cpu"), b"")
+    # The bound itself: one byte below it is refused, the bound (room for any error answer) is served.
+    with pytest.raises(SidecarError, match=f"capacity_bytes: {bell.MIN_CAPACITY - 1} is below"):
+        Doorbell(_Page(), bell.MIN_CAPACITY - 1, _Loop(), torch.device("cpu"), b"")
+    assert Doorbell(_Page(), bell.MIN_CAPACITY, _Loop(), torch.device("cpu"), b"").page.capacity == bell.MIN_CAPACITY
+
+
+class _LimitLoop(_Loop):
+    """Records what each step is told of where its answer goes (answer_now's answer_limit and seen_ns)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
+        from dspark_sidecar.proto import sidecar_pb2 as pb
+
+        self.calls.append((answer_limit, seen_ns))
+        return pb.DraftStepResponse(step_id=req.step_id)
+
+
+def test_a_doorbell_step_is_told_its_answer_goes_into_the_page_s_response_area():
+    """answer_limit is the page's capacity: validate refuses a step whose inline hidden states cannot fit the
+    response area before it runs (RESOURCE_EXHAUSTED); told no limit, the step ran, wrote its K/V, and only
+    its answer said RESPONSE_TOO_LARGE."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    loop = _LimitLoop()
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"")
+    db.start()
+    try:
+        db.page.write(db.page.req_area, pb.DraftStepRequest(step_id=3).SerializeToString(), bell.REQ_LEN,
+                      bell.REQ_SEQ, 1)
+        wait_until(lambda: db.page.word(bell.RESP_SEQ) == 1, 10, "the ring answered", watch=db)
+    finally:
+        db.stop()
+    [(limit, seen)] = loop.calls
+    assert limit == CAPACITY and seen == db._seen_ns > 0
+
+
+class _Ops:
+    """A GPU word's ops as the doorbell sees them: only passed on to the pre-launch."""
+
+
+class _BuiltPrelaunch(_Prelaunch):
+    """Stands in for Prelaunch as the doorbell builds it (server/prelaunch.py), or refuses with GpuWordError."""
+
+    refuse = False
+
+    def __init__(self, ops, page, page_ptr, graphs, window, count, exchange=None, device=None, max_reqs=0,
+                 behind_s=0.0, output_of=None) -> None:
+        from dspark_sidecar.proto.gpu_word import GpuWordError
+
+        if self.refuse:
+            raise GpuWordError("injected: the driver refused the page's registration")
+        super().__init__()
+        self.ops, self.exchange = ops, exchange
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_doorbell_with_a_gpu_word_hooks_its_prelaunch_into_the_loop_and_unhooks_it_at_stop(monkeypatch, world):
+    """A doorbell built with the GPU word's ops over a loop with graphs pre-launches: its release runs before
+    other device work (on_quiesce) and its repass while a host waits for the device (on_device_wait). Unhooked
+    from the waits, a released step that an engine's late word blocked again was never stored again while a
+    BindKV or a gRPC step waited for the device, which then waited for good. At TP > 1 the flags are exchanged.
+    A pre-launch the driver refuses (GpuWordError) leaves the doorbell serving without one, hooked nowhere."""
+    from types import SimpleNamespace
+
+    class Loop(_RecordingLoop):
+        graphs = object()
+        ctx = SimpleNamespace(world=world, max_reqs=8, metrics=SimpleNamespace(prelaunch=lambda hit: None))
+        output_view = None
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.quiesce = []
+
+        def on_quiesce(self, fn, old=None) -> None:
+            self.quiesce.append((fn, old))
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(doorbell_mod, "Prelaunch", _BuiltPrelaunch)
+    loop, ops = Loop(), _Ops()
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"", word_ops=ops)
+    pl = db.prelaunch
+    assert isinstance(pl, _BuiltPrelaunch) and pl.ops is ops and (pl.exchange is None) == (world == 1)
+    assert loop.quiesce == [(pl.release, None)] and loop.hooks == [(pl.repass, None)]
+    db.stop()  # never started: released here
+    assert loop.quiesce[-1] == (None, pl.release) and loop.hooks[-1] == (None, pl.repass) and pl.closed
+    monkeypatch.setattr(_BuiltPrelaunch, "refuse", True)
+    loop = Loop()
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"", word_ops=ops)
+    assert db.prelaunch is None and loop.quiesce == [] and loop.hooks == []
 
 
 class _FailingLoop(_Loop):
@@ -241,6 +332,32 @@ def test_a_step_that_raises_still_records_the_output_event_before_its_error_answ
     finally:
         db.stop()
     assert order == ["record", ("publish", 1, 13, "INTERNAL")], order  # google.rpc INTERNAL (sidecar.proto StepError)
+
+
+def test_a_garbled_ring_still_records_the_output_event_before_its_error_answer(monkeypatch):
+    """An unreadable request is answered too (INVALID_FIELD), and the engine orders its stream after the output
+    event for that answer as for any (client/dataplane.py's wait). With steps pre-launched, the copy queued after
+    the last step sits on the sidecar's stream behind the page's GPU word and may run the rung step for real (its
+    word landed before the release's store): the answer to a garbled ring skipped the record, and the engine's
+    fallback for the step ran after only the previous step's event, beside that copy's K/V writes and its reads
+    of the regions the engine rewrites next (the unreadable twin of review 300's raise path)."""
+    db = Doorbell(_Page(), CAPACITY, _CountingLoop(), torch.device("cpu"), b"")
+    order: list = []
+    db.output_event = _Event(order)  # on a GPU, the interprocess event the engine waits on
+    real = db._publish
+
+    def publish(seq, resp):
+        order.append(("publish", seq, resp.error.code, resp.error.reason))
+        real(seq, resp)
+
+    monkeypatch.setattr(db, "_publish", publish)
+    db.start()
+    try:
+        db.page.write(db.page.req_area, b"\xff" * 16, bell.REQ_LEN, bell.REQ_SEQ, 1)
+        wait_until(lambda: db.page.word(bell.RESP_SEQ) == 1, 10, lambda: f"the ring answered: {order}", watch=db)
+    finally:
+        db.stop()
+    assert order == ["record", ("publish", 1, 3, "INVALID_FIELD")], order  # google.rpc INVALID_ARGUMENT
 
 
 class _UndecodableLoop(_Loop):
@@ -658,6 +775,32 @@ def test_a_page_whose_registration_outlived_a_dropped_prelaunch_stays_mapped_whe
     assert int(page.storage[8 * bell.CLOSED : 8 * bell.CLOSED + 8].view(torch.int64)) == 1
     assert not page.closed and db.memory in doorbell_mod._KEPT
     doorbell_mod._KEPT.remove(db.memory)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_failed_queueing_exits_the_rank_at_tp_above_1_and_drops_the_prelaunch_at_tp_1(monkeypatch, world):
+    """Every peer queued the next step (the verdict's QUEUE_NEXT): a rank that could not would pair their queued
+    collectives with its next ordinary step, so at TP > 1 the rank exits (3) once the step is answered, as after
+    a failed launch. At TP 1 there is no peer: steps go on the ordinary way, the pre-launch dropped."""
+    exits: list[int] = []
+    monkeypatch.setattr(doorbell_mod.os, "_exit", exits.append)  # recorded: the rank would end here
+    loop = _SweepingLoop()
+    loop.ctx.world = world
+
+    class Failing(_QueueingPrelaunch):
+        def after(self, seq, resp) -> None:
+            raise RuntimeError("injected: queueing the next step failed")
+
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"")
+    pl = db.prelaunch = Failing()
+    db.start()
+    try:
+        db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, 1)
+        wait_until(lambda: exits or db.prelaunch is None, 10, "the failed queueing handled", watch=db)
+        assert db.page.word(bell.RESP_SEQ) == 1  # answered first
+    finally:
+        db.stop()
+    assert exits == ([3] if world > 1 else []) and pl.closed
 
 
 class _CountingLoop(_Loop):

@@ -457,6 +457,18 @@ def test_word_never_arrives_times_out(rig, monkeypatch):
     assert rig.gpu.flags == [] and rig.pl.misses == 1 and _word(rig) == bell.gpu_word(SEQ + 2, bell.SKIP_KEY)
 
 
+def test_a_ring_whose_word_never_arrives_waits_ready_timeout_s_and_no_longer(rig, clock):
+    """The answer to a rung step waits for its queued copy to start at most READY_TIMEOUT_S (2 s, on the _Clock:
+    its polls advance it), holding the rank's lock meanwhile: past it the step runs the ordinary way. The other
+    tests shorten the bound itself, so a wait that outran it (a check against a multiple of it) passed them."""
+    _queue(rig)  # the page still holds SEQ+1's word: the wait for SEQ+2 never passes
+    start = clock.now
+    assert _take(rig, SEQ + 2, _req(), rig.a) is None and rig.pl.misses == 1
+    waited = clock.now - start
+    assert prelaunch.READY_TIMEOUT_S <= waited <= prelaunch.READY_TIMEOUT_S + 3 * clock.POLL_S, waited
+    assert rig.pl.start_wait_ns == pytest.approx(waited * 1e9, abs=2 * clock.POLL_S * 1e9)
+
+
 def test_an_own_word_that_never_arrives_stops_queueing_like_a_late_one(rig, monkeypatch):
     """A word more than behind_s late starts a cooldown; one that had not arrived READY_TIMEOUT_S after
     the ring did not: the streak held, the next step was queued again, and each step of an engine whose
