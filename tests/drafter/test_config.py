@@ -114,6 +114,12 @@ def test_partial_rotary_factor_gives_the_rotary_dim():
     assert DrafterConfig.from_hf_json(both).rotary_dim == 64
 
 
+def test_a_partial_rotary_factor_of_one_rotates_every_dim():
+    """The upper edge of (0, 1] is a config (full RoPE, as Hugging Face writes it by default), not an error."""
+    assert DrafterConfig.from_hf_json(_without_rotary_dim(partial_rotary_factor=1.0)).rotary_dim == 128
+    assert DrafterConfig.from_hf_json(_without_rotary_dim(partial_rotary_factor=1)).rotary_dim == 128
+
+
 @pytest.mark.parametrize("text, words", [
     # 0.3 x 128 = 38.4 rotary dims: used to be served as 38, RoPE on a band the checkpoint never had.
     ({"partial_rotary_factor": 0.3}, r"partial_rotary_factor: 0.3 x head_dim 128 = 38.4"),

@@ -152,6 +152,27 @@ def test_from_checkpoint_refuses_what_is_no_mxfp8_block_slice_naming_the_key(tin
     assert on_meta.device.type == "meta" and on_meta.scale.device.type == "meta" and on_meta.shape == (shape[0], 64)
 
 
+def test_from_checkpoint_names_a_nan_code_in_the_rank_s_own_slice(tmp_path, tiny_cfg, tiny_ckpt):
+    """The kernels' dequantization does not carry NaN through: a NaN code in the columns a rank reads is refused
+    naming the key and where, while the other rank's slice (no NaN in it) loads."""
+    from safetensors.torch import load_file, save_file
+
+    from dspark_sidecar.drafter.checkpoint import CheckpointError, layer_prefix
+
+    key = f"{layer_prefix(1)}self_attn.o_proj.weight"
+    shape = (tiny_cfg.hidden_size, tiny_cfg.q_size)
+    t = load_file(str(tiny_ckpt[0] / "model.safetensors"))
+    t[key].view(torch.uint8)[3, shape[1] // 2 + 5] = 0xFF  # negative NaN, in rank 1 of 2's columns
+    d = tmp_path / "nan"
+    d.mkdir()
+    save_file(t, str(d / "model.safetensors"))
+    reader = CheckpointReader(d, torch.float32, tiny_cfg.quant_block)
+    ranks = [ParallelContext(r, 2).shard(shape[1]) for r in range(2)]
+    assert MxFp8Weight.from_checkpoint(reader, key, shape, cols=ranks[0]).shape == (shape[0], shape[1] // 2)
+    with pytest.raises(CheckpointError, match=rf"^{key}: 1 NaN F8_E4M3 codes in this rank's slice \(first at \[3, 5\]\)"):
+        MxFp8Weight.from_checkpoint(reader, key, shape, cols=ranks[1])
+
+
 def test_mxfp8_layers_are_not_norm_folded_and_dense_ones_are_when_asked(tiny_cfg, tiny_ckpt):
     """prepare_layer_weights: --weights mxfp8 keeps the linears quantized on every backend, the Triton one
     (fold=True) included (an MXFP8 block shares one scale across columns that (1 + w) would change apart);

@@ -61,6 +61,24 @@ def test_launch_groups_side_by_side_need_an_exchange_lane_per_stream(tiny_cfg):
     assert out.shape == (14, tiny_cfg.hidden_size)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_rank_that_exchanges_nothing_takes_launch_streams_without_lanes(world, tiny_cfg):
+    """TP 1, or one shard computed alone (--shard-of: a LocalExchange at TP 2), sums nothing: its launch groups
+    may share the one exchange on any number of streams, so --launch-streams needs no lanes there."""
+    from dspark_sidecar.drafter import scenario
+    from dspark_sidecar.drafter.kv_cache import allocate_kv_cache
+    from dspark_sidecar.drafter.model import DSparkDrafter
+    from dspark_sidecar.drafter.parallel import LocalExchange, ParallelContext
+    from dspark_sidecar.kernels.ops import REFERENCE_OPS
+
+    model = DSparkDrafter(tiny_cfg, ParallelContext(0, world, LocalExchange()), REFERENCE_OPS, torch.float32)
+    step = scenario.random_step(tiny_cfg, [3] * 2, 16, 2, torch.randn(tiny_cfg.vocab_size, tiny_cfg.hidden_size), seed=1)
+    kv = allocate_kv_cache(tiny_cfg, world, 2, 16, torch.float32)
+    # One launch group: it runs in order on the CPU; what is checked is that the streams are not refused.
+    out = model.draft_step(step.inputs_embeds, step.positions, step.meta, kv, streams=[object()] * 3)
+    assert out.shape == (14, tiny_cfg.hidden_size)
+
+
 def test_exchange_lanes_are_addressed_by_stream_index():
     from dspark_sidecar.drafter.parallel import LocalExchange, ParallelContext
 
