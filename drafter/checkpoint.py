@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,9 +234,63 @@ def _remove_unfinished(out: Path) -> None:
     shutil.rmtree(stale, ignore_errors=True)
 
 
+# How long a dead writer's folder must have been untouched before a start removes it. The pid alone does not say:
+# a writer in another pid namespace sharing XDG_CACHE_HOME (two containers, one host folder) looks dead from here,
+# and one that is writing touches its files far more often than this.
+ABANDONED_S = 600.0
+_PID_MAX = 1 << 22  # Linux's largest pid_max: a larger number is no pid (os.kill would overflow)
+
+
+def _sweep_abandoned(out: Path) -> None:
+    """Remove the `<name>.tmp<pid>` and `<name>.stale<pid>` folders beside `out` whose writer no longer runs here
+    and that nothing has touched for ABANDONED_S. A writer killed outright (SIGKILL: the OOM killer, a
+    supervisor's last resort) runs no cleanup, and its folder (gigabytes for the full preset) stayed for good,
+    one more per killed start; one killed between its COMPLETE mark and its rename too, beside the next start's
+    copy. Run at every start, a finished copy's too (a dead writer's folder is too recent to go at first)."""
+    try:
+        siblings = list(out.parent.iterdir())
+    except OSError:  # no cache folder yet, or unreadable: nothing of ours to sweep (the write says what is wrong)
+        return
+    cutoff = time.time() - ABANDONED_S
+    for path in siblings:
+        rest = path.name[len(out.name):] if path.name.startswith(out.name) else ""
+        digits = rest.removeprefix(".tmp") if rest.startswith(".tmp") else rest.removeprefix(".stale")
+        if digits == rest or not digits.isdigit() or not 0 < int(digits) <= _PID_MAX or int(digits) == os.getpid():
+            continue  # not a copy of this checkpoint's, or this process's own (its own code removes it)
+        if not _gone(int(digits)) or not _untouched_since(path, cutoff):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _gone(pid: int) -> bool:
+    """Whether no process of this pid namespace has `pid` (another user's counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it runs, as another user
+        return False
+    return False
+
+
+def _untouched_since(folder: Path, cutoff: float) -> bool:
+    """Whether `folder` and everything under it (not following links) were last modified before `cutoff`."""
+    try:
+        if folder.lstat().st_mtime >= cutoff:
+            return False
+        for root, dirs, files in os.walk(folder):
+            for name in dirs + files:
+                if os.lstat(os.path.join(root, name)).st_mtime >= cutoff:
+                    return False
+    except OSError:  # removed meanwhile (its writer's rename, another sweep): not this one's to remove
+        return False
+    return True
+
+
 def ensure_synthetic_checkpoint(cfg: DrafterConfig, seed: int = 0) -> tuple[Path, Path]:
     """The embedded synthetic checkpoint's (dspark_dir, target_dir), writing it once if absent."""
     out = default_checkpoint_dir(cfg, seed)
+    _sweep_abandoned(out)
     done = out / "COMPLETE"
     if not done.exists():
         _remove_unfinished(out)

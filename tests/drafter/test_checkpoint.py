@@ -430,3 +430,57 @@ def test_check_checkpoint_takes_a_folder_without_the_engine_heads_but_not_withou
               str(d / "model.safetensors"))
     with pytest.raises(CheckpointError, match=rf"^{PREFIX}fc.weight: missing from"):
         check_checkpoint(tiny_cfg, d, tiny_ckpt[1])
+
+
+
+def test_the_folders_of_a_killed_writer_are_swept_once_untouched_and_not_those_of_a_live_one(tmp_path, monkeypatch,
+                                                                                             tiny_cfg):
+    """A writer killed outright (SIGKILL: the OOM killer, a supervisor's last resort) runs no cleanup: its
+    `<name>.tmp<pid>` folder stayed, gigabytes for the full preset, one more per killed start, and one killed
+    between its COMPLETE mark and its rename stayed even though the next start wrote its own copy (which no later
+    start ever looked past). Every start sweeps the folders of writers no longer running here, once untouched for
+    ABANDONED_S; a live writer's (or a recent one's: a writer in another pid namespace looks dead from here) stays."""
+    import os
+    import subprocess
+    import time
+
+    from dspark_sidecar.drafter import checkpoint
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = checkpoint.default_checkpoint_dir(tiny_cfg, seed=0)
+    out.parent.mkdir(parents=True)
+    dead = []
+    for _ in range(4):  # pids no process has here now
+        p = subprocess.Popen(["true"])
+        p.wait()
+        dead.append(p.pid)
+
+    def age(d, age_s: float):
+        then = time.time() - age_s
+        for p in [*sorted(d.rglob("*"), reverse=True), d]:  # the files, then their folders
+            os.utime(p, (then, then))
+        return d
+
+    def folder(suffix: str, age_s: float, complete: bool = False):
+        d = out.with_name(out.name + suffix)
+        (d / "dspark").mkdir(parents=True)
+        (d / "dspark" / "model.safetensors").write_bytes(bytes(64))
+        if complete:
+            (d / "COMPLETE").write_text("ok\n")
+        return age(d, age_s)
+
+    old = checkpoint.ABANDONED_S + 60
+    swept = [folder(f".tmp{dead[0]}", old), folder(f".tmp{dead[1]}", old, complete=True),
+             folder(f".stale{dead[2]}", old)]
+    kept = [folder(f".tmp{os.getppid()}", old),  # its writer runs
+            folder(f".tmp{dead[3]}", 5.0),  # touched seconds ago: a writer this namespace does not see
+            folder("-other.tmp1x", old)]  # no copy of this checkpoint
+    checkpoint.ensure_synthetic_checkpoint(tiny_cfg, seed=0)
+    assert (out / "COMPLETE").exists()
+    assert [p for p in swept if p.exists()] == [] and all(p.exists() for p in kept), sorted(out.parent.iterdir())
+    # A finished copy in place: the sweep runs at every start, not only one that writes.
+    checkpoint.ensure_synthetic_checkpoint(tiny_cfg, seed=0)
+    assert kept[1].exists()
+    age(kept[1], old)
+    checkpoint.ensure_synthetic_checkpoint(tiny_cfg, seed=0)
+    assert not kept[1].exists() and kept[0].exists() and (out / "COMPLETE").exists()
