@@ -38,7 +38,8 @@ class HandleExhausted(HandleError):
     for good over a passing condition)."""
 
 
-# errno values of a failed open or mmap that say nothing about the handle: the process or host ran short.
+# errno values of a failed open or mmap that say nothing about the handle: the process or host ran short (or, EAGAIN
+# of the open, another process's file lease on the segment, which the kernel is breaking: AttachedSegment).
 _EXHAUSTED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN})
 # How torch words the same shortages in the RuntimeError of a CUDA/HIP IPC open: the driver's out of
 # memory (cudaErrorMemoryAllocation, hipErrorOutOfMemory), or the strerror of a failed open or mmap of the
@@ -138,8 +139,14 @@ class AttachedSegment:
             raise ValueError(f"{name!r} is not a shared-memory name (one entry of /dev/shm, no '/')")
         path = os.path.join("/dev/shm", name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            # O_NONBLOCK: an open for writing of a file another process holds a lease on (fcntl F_SETLEASE, which
+            # its owner may take) otherwise waits until it lets go, up to /proc/sys/fs/lease-break-time (45 s),
+            # inside BindKV's rank section. No effect on a regular file's mapping; the descriptor is closed below.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as err:
+            if err.errno == errno.EWOULDBLOCK:  # EAGAIN: passing (the kernel is breaking the lease), HandleExhausted
+                raise OSError(errno.EWOULDBLOCK, f"{path} is under another process's file lease (fcntl F_SETLEASE), "
+                                                 "which the kernel is breaking") from None
             if err.errno != errno.ELOOP:
                 raise
             # O_NOFOLLOW's refusal reads "Too many levels of symbolic links": say what it is and what to send.
@@ -147,6 +154,10 @@ class AttachedSegment:
                                        "mapping); send the segment's own name") from None
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO (any user may make one here): mmap's bare EINVAL said nothing
+                kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else f"of file type {stat.S_IFMT(st.st_mode):o}"
+                raise ValueError(f"{path} is not a shared-memory segment (a regular file), it is {kind}; send the "
+                                 "name of a segment the engine created")
             why = segment_problem(st.st_uid, st.st_mode, os.geteuid())
             if why:
                 raise ValueError(f"{path} {why}")

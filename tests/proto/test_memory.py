@@ -606,6 +606,7 @@ OTHER_UID = 12345
     ("other", 0o660, None),  # the engine as another user, shared with the socket's group (shm_empty(group=))
     ("mine", 0o666, "is writable by every user"),
     ("mine", 0o662, "is writable by every user"),
+    ("mine", 0o606, "is writable by every user"),  # o+w alone, without g+w
     ("other", 0o600, "is private to another user"),
     ("other", 0o640, "is private to another user"),
 ], ids=lambda v: f"{v:04o}" if isinstance(v, int) else v)
@@ -961,3 +962,72 @@ def test_a_counter_file_name_must_begin_torch_and_an_underscore(counter_file):
     full = counter_file(memory._REF_COUNTER_FILE_BYTES)
     assert memory.counter_file_problem(full) is None
     assert "is not the name of one of torch's ref-counter files" in memory.counter_file_problem(b"/torchx" + full[7:])
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_segment_under_another_process_s_file_lease_is_refused_at_once_not_waited_on():
+    """The segment was opened read/write in blocking mode: one that another process holds a file lease on (fcntl
+    F_SETLEASE, which its owner may take) made the open wait until that process let go, or the kernel took the
+    lease back after /proc/sys/fs/lease-break-time (45 s by default): a BindKV maps inside the rank's section,
+    so steps waited with it, layer after layer, for a segment that could be refused afterwards anyway (another
+    user's private one). Now the open does not wait: UNAVAILABLE (the lease is being broken: try again), naming
+    the field and the segment, and nothing is left open or mapped."""
+    import subprocess
+    import sys
+
+    name = f"dspark-test-leased-{os.getpid()}"
+    path = f"/dev/shm/{name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # a read lease needs no writer holding it open
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    # A holder that lets go as soon as the kernel asks it to (SIGIO): an open that waits for it then maps.
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, signal, sys
+fd = os.open({path!r}, os.O_RDONLY)
+signal.signal(signal.SIGIO, lambda *_: fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK))
+try:
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+except OSError as err:  # leases off on this host (fs.leases-enable = 0)
+    print("no lease:", err, flush=True)
+else:
+    print("leased", flush=True)
+sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        said = holder.stdout.readline().strip()
+        if said.startswith("no lease:"):
+            pytest.skip(f"this host takes no file lease ({said})")
+        assert said == "leased", said
+        fds, maps = _fds(), _maps_of(name)
+        with pytest.raises(memory.HandleExhausted) as refused:
+            memory.MappedMemory(pb.MemoryHandle(shm=pb.SharedMemoryHandle(name=name)), "layers[0].memory",
+                                torch.device("cpu"))
+        err = as_sidecar_error(refused.value)
+        assert (err.code, err.field, err.reason) == (grpc.StatusCode.UNAVAILABLE, "layers[0].memory", "MAP_EXHAUSTED")
+        assert f"{path} is under another process's file lease" in str(refused.value), refused.value
+        assert (_fds(), _maps_of(name)) == (fds, maps)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        os.unlink(path)
+
+
+def test_a_dev_shm_entry_that_is_no_regular_file_is_refused_as_no_segment():
+    """A FIFO in /dev/shm (any user may make one there) opened, and its mmap's EINVAL was the answer: "[Errno 22]
+    Invalid argument", which says nothing of what the name is or what to send. Refused naming what was found."""
+    name = f"dspark-test-fifo-{os.getpid()}"
+    os.mkfifo(f"/dev/shm/{name}", 0o600)
+    try:
+        fds = _fds()
+        with pytest.raises(memory.HandleError) as refused:
+            memory.MappedMemory(pb.MemoryHandle(shm=pb.SharedMemoryHandle(name=name)), "regions[0].memory",
+                                torch.device("cpu"))
+        err = as_sidecar_error(refused.value)
+        assert (err.code, err.field) == (grpc.StatusCode.INVALID_ARGUMENT, "regions[0].memory"), err
+        assert f"/dev/shm/{name} is not a shared-memory segment (a regular file), it is a FIFO" in str(refused.value)
+        assert _fds() == fds
+    finally:
+        os.unlink(f"/dev/shm/{name}")

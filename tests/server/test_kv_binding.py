@@ -214,3 +214,52 @@ def test_a_registration_of_max_regions_is_taken_and_one_more_refused_mapping_not
     assert len(set(ids)) == MAX_REGIONS == mem.region_count
     for m in mem.unregister(ids):
         m.close()
+
+
+def test_a_view_built_while_its_region_is_released_is_not_cached_past_the_release(cache, monkeypatch):
+    """resolve builds a slice's view outside the lock and caches it after: an UnregisterBuffers in between clears
+    the cache and bumps the epoch, and keep() drops the view it would have stored. Cached, it would outlive its
+    region: a later step naming the released id handed that view (and its released memory) instead of the refusal.
+    (Mutation pass, review 390: no test raced the cache with a release.)"""
+    mem, _, other = cache
+    rid = _region(mem, other)
+    at = pb.RegionSlice(region_id=rid, offset_bytes=0)
+    real = mem._resolve
+    released = []
+
+    def racing(*args):
+        view = real(*args)
+        released.extend(mem.unregister([rid]))  # between the view's build and its caching
+        return view
+
+    monkeypatch.setattr(mem, "_resolve", racing)
+    assert mem.resolve(at, torch.int32, (4,), "positions").shape == (4,)  # the step that raced gets its view
+    monkeypatch.undo()
+    assert len(released) == 1 and mem._views == {}
+    with pytest.raises(ValueError, match=f"positions: region {rid} is not registered"):
+        mem.resolve(at, torch.int32, (4,), "positions")
+    for m in released:
+        m.close()
+
+
+def test_retire_if_idle_is_false_while_the_owner_or_lease_holds_a_region_and_then_releases_nothing(cache):
+    """UnregisterBuffers and a lease's end skip the rank's section only where retire_if_idle says nothing of theirs
+    is registered. Were it True for a lease (or owner) still holding a region, that region would be released inside
+    it and its mapping dropped: never closed after the device, the doorbell's pre-launched step and the step graphs
+    that read it in place never taken out of use. False, it leaves everything registered and the owner usable; once
+    idle, True retires the owner as an UnregisterBuffers by owner does. (Mutation pass, review 390.)"""
+    mem, _, other = cache
+    rid = _region(mem, other, owner=5, lease=6)
+    assert not mem.retire_if_idle([], owner=5)
+    assert not mem.retire_if_idle([], lease=6)
+    assert not mem.retire_if_idle([rid])
+    assert mem.region_count == 1 and mem.leases_regions(6)
+    again = _region(mem, other, owner=5)  # not retired by a False
+    released = mem.unregister([rid, again])
+    assert len(released) == 2
+    for m in released:
+        m.close()
+    assert mem.retire_if_idle([], owner=5, lease=6)
+    with pytest.raises(SidecarError) as err:
+        _region(mem, other, owner=5)
+    assert (err.value.code, err.value.reason) == (_FP, "OWNER_RELEASED"), err.value
