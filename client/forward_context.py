@@ -55,7 +55,9 @@ class ForwardContextSource:
     get: Callable[[], Any]  # -> object with .attn_metadata
 
     def attn_metadata(self) -> Any:
-        return self.get().attn_metadata
+        # None (a step the shim falls back on) where the context has none: another engine version's context raised
+        # AttributeError out of the shim's phase 1 into the engine's forward
+        return getattr(self.get(), "attn_metadata", None)
 
 
 LOCAL_SOURCE = ForwardContextSource(is_forward_context_available, get_forward_context)

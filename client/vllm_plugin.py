@@ -81,9 +81,11 @@ def engine_config_from_vllm(vllm_config: Any, rank: int, environ: Any = os.envir
             num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0,
             endpoint=rank_endpoint(socket_dir, rank) if socket_dir else "", device=str(device), **kw)
     except EngineConfigError as err:
-        # 0, -5, nan, inf: EngineConfig names its field (step_deadline_s, in s); the operator set the variable
+        # 0, -5, nan, inf: EngineConfig names its field (step_deadline_s) and its bounds in seconds, a value and a field
+        # the operator never set ('-1' read "got -0.001"): the variable's own range, in ms (EngineConfig's 0.001..3600 s)
         if raw and str(err).startswith("step_deadline_s:"):
-            raise EngineConfigError(f"DSPARK_STEP_DEADLINE_MS={raw!r}: {err}") from None
+            raise EngineConfigError(f"DSPARK_STEP_DEADLINE_MS={raw!r}: expected a number of milliseconds from 1 "
+                                    "to 3600000") from None
         raise
 
 
@@ -199,9 +201,17 @@ def eager_draft_steps() -> str:
         return f"draft CUDA graphs left as vLLM sets them (no DSparkSpeculator to adjust: {type(e).__name__}: {e})"
     if getattr(DSparkSpeculator, _MARK, False):
         return "draft steps already run eagerly"
-    stock_init = DSparkSpeculator.init_cudagraph_manager
+    # Checked here, where a refusal leaves vLLM as it is: a speculator without the method raised AttributeError out of
+    # register() (no vLLM process started), and one taking no cudagraph_mode, or a CUDAGraphMode without NONE, raised
+    # from the patch as the engine set up its speculator.
+    stock_init, eager = getattr(DSparkSpeculator, "init_cudagraph_manager", None), getattr(CUDAGraphMode, "NONE", None)
+    signature = _mode_signature(stock_init)
+    if signature is None or eager is None:
+        return ("draft CUDA graphs left as vLLM sets them (no DSparkSpeculator.init_cudagraph_manager taking a "
+                "cudagraph_mode, or no CUDAGraphMode.NONE, in this vLLM)")
 
-    def init_cudagraph_manager(self: Any, cudagraph_mode: Any) -> Any:
+    @functools.wraps(stock_init)  # its signature, for whoever reads it
+    def init_cudagraph_manager(self: Any, *args: Any, **kwargs: Any) -> Any:
         # An engine whose shim is bound to stay off would pay the eager steps for nothing: it keeps its graphs.
         # self.model: the draft model, loaded before the attention is set (vLLM 0.34 load_model, then set_attn)
         off = (shim_off_reason(getattr(self, "vllm_config", None), getattr(self, "model", None))
@@ -209,12 +219,30 @@ def eager_draft_steps() -> str:
         if off is not None:
             log.warning("dspark-sidecar: draft CUDA graphs kept as vLLM sets them, since the sidecar shim will stay "
                         "off: %s", off)
-            return stock_init(self, cudagraph_mode)
-        return stock_init(self, CUDAGraphMode.NONE)
+            return stock_init(self, *args, **kwargs)
+        try:
+            call = signature.bind(self, *args, **kwargs)
+        except TypeError:  # a call the stock method refuses too: its own error, raised by it
+            return stock_init(self, *args, **kwargs)
+        call.arguments["cudagraph_mode"] = eager  # by position or keyword, the other arguments as given
+        return stock_init(*call.args, **call.kwargs)
 
     DSparkSpeculator.init_cudagraph_manager = init_cudagraph_manager
     setattr(DSparkSpeculator, _MARK, True)
     return "draft steps run eagerly (no full CUDA graph), so that each reaches the sidecar shim"
+
+
+def _mode_signature(init: Any) -> inspect.Signature | None:
+    """The signature of the speculator's stock init_cudagraph_manager where it takes the mode as `cudagraph_mode`
+    (by position or keyword: vLLM's speculators all name it so), or None."""
+    try:
+        params = inspect.signature(init).parameters if callable(init) else {}
+    except (TypeError, ValueError):  # no signature to read: the mode's place unknown
+        return None
+    mode = params.get("cudagraph_mode")
+    if mode is None or mode.kind not in (mode.POSITIONAL_OR_KEYWORD, mode.KEYWORD_ONLY):
+        return None
+    return inspect.signature(init)
 
 
 def draft_steps_eager() -> bool:
@@ -233,7 +261,13 @@ def build_shim(model: torch.nn.Module, vllm_config: Any) -> DrafterShim:
 
     group = get_tp_group()
     rank = int(getattr(group, "rank_in_group", 0))
-    source = ForwardContextSource(vfc.is_forward_context_available, vfc.get_forward_context)
+    # Read as the module has them: a vLLM without one raised AttributeError here, out of the drafter's first forward.
+    # Without them no step has a context (and shim_off_reason keeps the shim off, by name).
+    available, get = getattr(vfc, "is_forward_context_available", None), getattr(vfc, "get_forward_context", None)
+    if callable(available) and callable(get):
+        source = ForwardContextSource(available, get)
+    else:
+        source = ForwardContextSource(lambda: False, lambda: None)
     # This runs inside vLLM's first drafter forward: a bad DSPARK_* value raised from here failed the
     # engine's step. It is logged instead, and the shim stays off (the stock layers run every step),
     # on every rank alike since every rank reads the same environment.
@@ -293,7 +327,21 @@ def shim_off_reason(vllm_config: Any, model: Any = None) -> str | None:
     if not config.endpoint:
         return None
     return (config_refusal(config) or draft_layout_refusal(vllm_config) or kv_memory_refusal(vllm_config)
-            or draft_attention_refusal(model, vllm_config) or sleep_mode_refusal(vllm_config))
+            or draft_attention_refusal(model, vllm_config) or sleep_mode_refusal(vllm_config)
+            or _forward_context_refusal())
+
+
+def _forward_context_refusal() -> str | None:
+    """Why the shim could not read vLLM's forward context (the functions build_shim reads it through are missing:
+    another vLLM), or None; None too where vLLM's module cannot be imported at all (nothing known)."""
+    try:
+        from vllm import forward_context as vfc
+    except ImportError:
+        return None
+    if all(callable(getattr(vfc, f, None)) for f in ("is_forward_context_available", "get_forward_context")):
+        return None
+    return ("vLLM's forward_context module has no is_forward_context_available or get_forward_context, through which "
+            "the shim reads each step's attention metadata")
 
 
 def _embeds_slot(forward: Any) -> int | None:
@@ -308,9 +356,35 @@ def _embeds_slot(forward: Any) -> int | None:
     return names.index("inputs_embeds") - 3 if "inputs_embeds" in names[3:] else None
 
 
+def _forward_problem(forward: Any) -> str | None:
+    """Why the wrapper's forward(self, input_ids, positions, *args, **kwargs), which hands both on by position, cannot
+    stand in for the stock one, or None. vLLM calls the draft by keyword: the stock must take input_ids and positions
+    first, by those names, or by position only. Else every call raised TypeError from the wrapper."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[:3]
+    except (TypeError, ValueError):  # a builtin or C-level forward: not judged, as _embeds_slot
+        return None
+    for p, name in zip(params, (None, "input_ids", "positions")):  # self: any name
+        if p.kind is p.VAR_POSITIONAL:  # forward(self, *args, ...), a decorator's (*args, **kwargs): takes them on
+            return None
+        if not (p.kind is p.POSITIONAL_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and name in (None, p.name))):
+            break
+    else:
+        if len(params) == 3:
+            return None
+    return (f"its forward{inspect.signature(forward)} does not take input_ids and positions first, by position or "
+            "by those names, as the plug-in's wrapper hands them on")
+
+
 def make_sidecar_class(stock: type) -> type:
-    """A subclass of vLLM's draft model whose forward asks the shim first and runs the stock forward on None."""
+    """A subclass of vLLM's draft model whose forward asks the shim first and runs the stock forward on None; the
+    stock class itself where its forward cannot be wrapped (said in the log: the stock forward runs every step)."""
     if getattr(stock, _MARK, False):
+        return stock
+    problem = _forward_problem(stock.forward)
+    if problem is not None:
+        log.warning("dspark-sidecar vLLM plug-in: draft model class %s not wrapped: %s; its steps run the stock "
+                    "forward", stock.__name__, problem)
         return stock
     embeds_slot = _embeds_slot(stock.forward)
 
@@ -426,7 +500,10 @@ def register() -> list[str]:
             continue
         if stock is None or getattr(stock, _MARK, False):
             continue
-        ModelRegistry.register_model(arch, make_sidecar_class(stock))
+        cls = make_sidecar_class(stock)
+        if cls is stock:  # not wrapped (logged): left as vLLM registered it
+            continue
+        ModelRegistry.register_model(arch, cls)
         wrapped.append(arch)
     log.info("dspark-sidecar vLLM plug-in: draft model(s) %s forward through the sidecar shim; %s",
              ", ".join(wrapped) or "none found", eager_draft_steps() if wrapped else "nothing else changed")

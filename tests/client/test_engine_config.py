@@ -58,6 +58,14 @@ def test_a_wait_that_is_no_number_is_named(make, field, value):
         make(value)
 
 
+@pytest.mark.parametrize("value", [0, -1])
+@pytest.mark.parametrize("field", ["tp_size", "dp_size", "pp_size", "required_tp", "max_catchup_binds", "max_reqs"])
+def test_a_count_below_one_is_refused(field, value):
+    """Each count is at least 1: a TP size of 0 was a deployment of no ranks (review 391's mutation pass)."""
+    with pytest.raises(EngineConfigError, match=f"^{field}: must be a positive integer, got {value}"):
+        EngineConfig(**({"tp_size": 4} | {field: value}))
+
+
 @pytest.mark.parametrize("field", ["tp_size", "dp_size", "pp_size", "required_tp", "max_catchup_binds", "max_reqs"])
 def test_a_count_given_as_true_is_refused(field):
     """bool is an int to isinstance: True passed as a count of 1 (a TP size, a request limit)."""

@@ -45,3 +45,15 @@ def test_another_thread_s_forward_is_not_this_one_s():
     done.set()
     t.join(10)
     assert seen == {0: "rank 0's", 1: "rank 1's", "0 after": False}, seen
+
+
+def test_a_context_that_holds_no_attention_metadata_reads_as_none():
+    """A forward context of another engine version without attn_metadata: read as a step with no metadata (the
+    shim falls back), not an AttributeError out of the shim's phase 1 into the engine's forward."""
+    from dspark_sidecar.client.forward_context import ForwardContextSource
+
+    class OtherContext:
+        no_compile_layers: dict = {}
+
+    source = ForwardContextSource(lambda: True, OtherContext)
+    assert source.attn_metadata() is None

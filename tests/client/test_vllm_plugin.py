@@ -1161,3 +1161,248 @@ def test_draft_steps_made_eager_are_not_reported_as_full_graph_replays(fake_vllm
     assert vllm_plugin.register() == [ARCH] and vllm_plugin.draft_steps_eager()
     _first_forward_under_full_decode_graphs(fake_vllm, caplog)
     assert "full CUDA graphs" not in caplog.text and "DSPARK_DRAFT_CUDAGRAPHS" not in caplog.text
+
+
+def _speculator_module(monkeypatch, speculator_class, graph_modes) -> None:
+    """vLLM's DSpark speculator module holding `speculator_class`, and CUDAGraphMode as `graph_modes`."""
+    compilation = types.ModuleType("vllm.config.compilation")
+    compilation.CUDAGraphMode = graph_modes
+    module = types.ModuleType(_SPECULATOR)
+    module.DSparkSpeculator = speculator_class
+    for name in ["vllm.config", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.spec_decode",
+                 "vllm.v1.worker.gpu.spec_decode.dspark"]:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.config.compilation", compilation)
+    monkeypatch.setitem(sys.modules, _SPECULATOR, module)
+
+
+class _NoManager:  # a DSparkSpeculator with no init_cudagraph_manager at all
+    pass
+
+
+class _ManagerWithoutMode:  # one that picks its mode itself: init_cudagraph_manager(self)
+    def init_cudagraph_manager(self):
+        self.mode = "FULL"
+
+
+class _Plain:  # vLLM 0.34's shape, under a CUDAGraphMode without NONE
+    def init_cudagraph_manager(self, cudagraph_mode):
+        self.mode = cudagraph_mode
+
+
+_MODES = SimpleNamespace(NONE="NONE", FULL="FULL")
+
+
+@pytest.mark.parametrize("speculator, modes, init", [
+    (_NoManager, _MODES, lambda s: None),
+    (_ManagerWithoutMode, _MODES, lambda s: s.init_cudagraph_manager()),
+    (_Plain, SimpleNamespace(FULL="FULL"), lambda s: s.init_cudagraph_manager("FULL")),
+], ids=["no-init_cudagraph_manager", "no-mode-parameter", "no-CUDAGraphMode.NONE"])
+def test_a_speculator_of_another_shape_is_left_as_vllm_made_it_and_vllm_starts(fake_vllm, monkeypatch, caplog,
+                                                                               speculator, modes, init):
+    """register() patches DSparkSpeculator.init_cudagraph_manager(self, cudagraph_mode) to pass CUDAGraphMode.NONE.
+    A vLLM whose speculator has no such method raised AttributeError out of register() (vLLM does not catch what a
+    plug-in raises: no vLLM process started), one whose method takes no mode raised TypeError from the patch as the
+    engine set up its speculator, and one without CUDAGraphMode.NONE raised AttributeError there. The speculator is
+    left as vLLM made it, the reason said, and the draft model still wrapped."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    _speculator_module(monkeypatch, speculator, modes)
+    stock = speculator.__dict__.get("init_cudagraph_manager")
+    with caplog.at_level("INFO", logger="dspark_sidecar.client"):
+        assert vllm_plugin.register() == [ARCH]
+    assert "draft CUDA graphs left as vLLM sets them" in caplog.text and "DSparkSpeculator" in caplog.text
+    assert speculator.__dict__.get("init_cudagraph_manager") is stock and not vllm_plugin.draft_steps_eager()
+    spec = speculator()
+    init(spec)
+    assert getattr(spec, "mode", "FULL") == "FULL"
+
+
+def test_a_keyword_only_mode_is_replaced_too(fake_speculator, monkeypatch):
+    class DSparkSpeculator:
+        def init_cudagraph_manager(self, *, cudagraph_mode):
+            self.mode = cudagraph_mode
+
+    _speculator_module(monkeypatch, DSparkSpeculator, _MODES)
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    assert "draft steps run eagerly" in vllm_plugin.eager_draft_steps()
+    spec = DSparkSpeculator()
+    spec.init_cudagraph_manager(cudagraph_mode="FULL")
+    assert spec.mode == "NONE"
+
+
+def test_the_speculator_s_other_arguments_pass_through_and_the_mode_is_replaced_however_given(fake_speculator,
+                                                                                               monkeypatch):
+    """The patch took (self, cudagraph_mode) alone: a vLLM passing the mode by keyword under its own name worked, but
+    one passing another argument beside it raised TypeError in the engine's set-up. The stock signature is kept, the
+    other arguments reach the stock method as given, and the mode is NONE whichever way it came."""
+    class DSparkSpeculator:
+        def init_cudagraph_manager(self, cudagraph_mode, capture_sizes=None, *, pool=None):
+            self.mode, self.sizes, self.pool = cudagraph_mode, capture_sizes, pool
+
+    _speculator_module(monkeypatch, DSparkSpeculator, _MODES)
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    assert "draft steps run eagerly" in vllm_plugin.eager_draft_steps()
+    assert list(inspect.signature(DSparkSpeculator.init_cudagraph_manager).parameters) == [
+        "self", "cudagraph_mode", "capture_sizes", "pool"]
+    for call in (lambda s: s.init_cudagraph_manager("FULL", [1, 2], pool="p"),
+                 lambda s: s.init_cudagraph_manager(cudagraph_mode="FULL", capture_sizes=[1, 2], pool="p")):
+        spec = DSparkSpeculator()
+        call(spec)
+        assert (spec.mode, spec.sizes, spec.pool) == ("NONE", [1, 2], "p")
+    spec = DSparkSpeculator()
+    spec.vllm_config = vllm_config(sleep_mode=True)  # off for good: vLLM's own mode, the arguments as given
+    spec.init_cudagraph_manager("FULL", [3], pool="q")
+    assert (spec.mode, spec.sizes, spec.pool) == ("FULL", [3], "q")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stream'"):  # the stock's own error, as without
+        DSparkSpeculator().init_cudagraph_manager("FULL", stream=1)
+
+
+class _RenamedPositionsDrafter(StockDrafter):
+    def forward(self, input_ids, position_ids, inputs_embeds=None):
+        self.stock_calls += 1
+        return torch.full((position_ids.numel(), HIDDEN), -1.0)
+
+
+class _KeywordOnlyDrafter(StockDrafter):
+    def forward(self, *, input_ids, positions, inputs_embeds=None):
+        self.stock_calls += 1
+        return torch.full((positions.numel(), HIDDEN), -1.0)
+
+
+class _PositionsByKeywordDrafter(StockDrafter):  # positions among the keywords: the wrapper handed them by position
+    def forward(self, input_ids, **kwargs):
+        self.stock_calls += 1
+        return torch.full((kwargs["positions"].numel(), HIDDEN), -1.0)
+
+
+@pytest.mark.parametrize("stock, call", [
+    (_RenamedPositionsDrafter, lambda m, pos: m(input_ids=torch.arange(7), position_ids=pos)),
+    (_KeywordOnlyDrafter, lambda m, pos: m(input_ids=torch.arange(7), positions=pos)),
+    (_PositionsByKeywordDrafter, lambda m, pos: m(input_ids=torch.arange(7), positions=pos)),
+], ids=["positions-named-otherwise", "keyword-only", "positions-in-kwargs"])
+def test_a_draft_class_whose_forward_the_wrapper_cannot_stand_in_for_is_left_unwrapped(fake_vllm, monkeypatch, caplog,
+                                                                                       stock, call):
+    """The wrapper's forward(self, input_ids, positions, *args, **kwargs) passes both on to the stock forward by
+    position. A stock forward that names positions otherwise (vLLM calls the draft by keyword) or takes them by
+    keyword only raised TypeError from the wrapper on every draft step, in every vLLM process the plug-in is
+    installed in, a sidecar configured or not. Such a class is left as vLLM registered it, by name in the log."""
+    fake_vllm.registry.models = {ARCH: stock}
+    with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+        assert vllm_plugin.register() == []
+        assert vllm_plugin.make_sidecar_class(stock) is stock
+    assert fake_vllm.registry.models[ARCH] is stock
+    assert f"{stock.__name__} not wrapped" in caplog.text and "input_ids and positions" in caplog.text
+    model = stock(vllm_config=vllm_config())
+    md = FlashAttentionMetadata(1)
+    assert call(model, md.positions).shape == (7, HIDDEN) and model.stock_calls == 1
+
+
+def test_a_positional_only_or_defaulted_forward_is_still_wrapped():
+    class PositionalOnly(StockDrafter):
+        def forward(self, ids, pos, /, inputs_embeds=None):
+            return pos
+
+    class Defaulted(StockDrafter):
+        def forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None):
+            return positions
+
+    class Variadic(StockDrafter):
+        def forward(self, input_ids, *rest, **kwargs):
+            return rest[0]
+
+    def undecorated(forward):  # a decorator without functools.wraps: its signature says nothing of the stock's
+        def run(*args, **kwargs):
+            return forward(*args, **kwargs)
+        return run
+
+    class Decorated(StockDrafter):
+        forward = undecorated(StockDrafter.forward)
+
+    for stock in (PositionalOnly, Defaulted, Variadic, Decorated):
+        assert vllm_plugin.make_sidecar_class(stock) is not stock
+
+    class NoPositions(StockDrafter):  # nothing for the positions the wrapper hands on
+        def forward(self, input_ids):
+            return input_ids
+
+    assert vllm_plugin.make_sidecar_class(NoPositions) is NoPositions
+
+
+def test_a_forward_context_module_of_another_vllm_keeps_the_shim_off_instead_of_raising(fake_vllm, monkeypatch,
+                                                                                        caplog):
+    """build_shim read vllm.forward_context.is_forward_context_available unchecked, inside the drafter's first forward:
+    a vLLM without it raised AttributeError into that forward (the engine's step failed), a sidecar configured or not.
+    The stock layers answer instead; with a sidecar configured, the reason is said."""
+    del fake_vllm.fc.is_forward_context_available
+    model = _first_forward_runs_the_stock_layers(fake_vllm, caplog)
+    assert model.dspark_shim().refusal == "no sidecar endpoint configured"
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    model = _first_forward_runs_the_stock_layers(fake_vllm, caplog)
+    refusal = model.dspark_shim().refusal
+    assert "is_forward_context_available" in refusal and refusal in caplog.text and not model.dspark_shim().enabled
+
+
+def test_a_forward_context_module_of_another_vllm_keeps_the_draft_graphs(fake_vllm, fake_speculator, monkeypatch,
+                                                                          caplog):
+    """The shim stays off there (above): the draft steps run eagerly for nothing unless the speculator's hook reads
+    the same verdict."""
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", str(short_socket_dir()))
+    assert "draft steps run eagerly" in vllm_plugin.eager_draft_steps()
+    del fake_vllm.fc.get_forward_context
+    spec = fake_speculator()
+    spec.vllm_config = vllm_config()
+    with caplog.at_level("WARNING", logger="dspark_sidecar.client"):
+        spec.init_cudagraph_manager("FULL")
+    assert spec.mode == "FULL" and "get_forward_context" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "0.5", "1e-400", "3600001", "nan", "inf"])
+def test_a_step_deadline_variable_out_of_range_is_said_in_its_own_unit(value):
+    """The variable is milliseconds (README: 1 to 3600000); the refusal quoted EngineConfig's field in seconds:
+    DSPARK_STEP_DEADLINE_MS='-1' read "step_deadline_s: must be above 0 and at most 3600 s, got -0.001", a value and
+    a field the operator never set. Its range is said in the variable's own unit."""
+    with pytest.raises(vllm_plugin.EngineConfigError) as err:
+        vllm_plugin.engine_config_from_vllm(vllm_config(), 0, environ={"DSPARK_SOCKET_DIR": "/run/dspark",
+                                                                       "DSPARK_STEP_DEADLINE_MS": value})
+    assert str(err.value) == f"DSPARK_STEP_DEADLINE_MS={value!r}: expected a number of milliseconds from 1 to 3600000"
+    for edge, seconds in (("1", 0.001), ("3600000", 3600.0)):
+        cfg = vllm_plugin.engine_config_from_vllm(vllm_config(), 0, environ={"DSPARK_STEP_DEADLINE_MS": edge})
+        assert cfg.step_deadline_s == seconds
+
+
+def test_a_kv_cache_is_provided_only_once_every_layer_has_one(fake_vllm):
+    """Until every attention layer holds its cache (vLLM allocates them in turn), none is handed on: a part of the
+    layers would be bound as if it were the draft's whole cache (review 391's mutation pass)."""
+    model = nn.Module()
+    model.layers = nn.ModuleList(FakeAttention() for _ in range(3))
+    caches = vllm_plugin.kv_cache_provider(model)
+    model.layers[0].kv_cache = torch.zeros(2, 4, 16, 1, 8)
+    model.layers[2].kv_cache = torch.zeros(2, 4, 16, 1, 8)
+    assert caches() == []
+    model.layers[1].kv_cache = torch.zeros(2, 4, 16, 1, 8)
+    assert [t.data_ptr() for t in caches()] == [m.kv_cache.data_ptr() for m in model.layers]
+
+
+def test_a_window_or_rotary_dims_the_config_or_the_layer_leaves_unsaid_are_not_judged():
+    """A draft config.json naming no sliding_window (or rotary_dim), or a layer whose rotary embedding names no
+    rotary_dim, is not refused for it (the module's rule: an object that does not say is not refused for it)."""
+    model = _draft_attention(SimpleNamespace(), backend="FLASH_ATTN", window=2048, rotary_dim=32)
+    unsaid = vllm_config()  # hf_config with neither field
+    assert vllm_refusals.draft_attention_refusal(model, unsaid) is None
+    for layer in model.model.layers:
+        layer.self_attn.rotary_emb = SimpleNamespace()
+    assert vllm_refusals.draft_attention_refusal(model, _draft_config(sliding_window=2048, rotary_dim=64)) is None
+
+
+def test_a_vllm_config_error_is_not_laid_to_the_step_deadline_variable_set_beside_it():
+    """Only the deadline's own refusal names DSPARK_STEP_DEADLINE_MS: another field EngineConfig refuses (the
+    deployment's) is said as EngineConfig says it, the variable set or not."""
+    with pytest.raises(vllm_plugin.EngineConfigError, match="^tp_size: must be a positive integer, got 0"):
+        vllm_plugin.engine_config_from_vllm(vllm_config(tp=0), 0, environ={"DSPARK_STEP_DEADLINE_MS": "500"})
+
+
+def test_a_registered_entry_holding_its_class_is_wrapped(fake_vllm):
+    """vLLM's _RegisteredModel holds the class itself (model_cls)."""
+    fake_vllm.registry.models = {ARCH: SimpleNamespace(model_cls=StockDrafter)}
+    assert vllm_plugin.register() == [ARCH]
+    assert issubclass(fake_vllm.registry.models[ARCH], StockDrafter)
