@@ -310,12 +310,10 @@ class _Event:
         self.order.append("record")
 
 
-def test_a_step_that_raises_still_records_the_output_event_before_its_error_answer(monkeypatch):
-    """The engine orders its stream after the output event for every answer, an error one included (an
-    answer means the step may have launched: client/dataplane.py's wait). A step that raised out of
-    answer_now skipped the record: the engine's fallback then ran after only the previous step's event, beside
-    whatever this step had queued on the K/V cache (review 300's left-alone)."""
-    db = Doorbell(_Page(), CAPACITY, _FailingLoop(), torch.device("cpu"), b"")
+def _ring_once_recording(monkeypatch, loop, request: bytes) -> list:
+    """Ring a CPU doorbell over `loop` once with `request`; the order of its output event's records and its answers
+    (publish, seq, error code, reason)."""
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"")
     order: list = []
     db.output_event = _Event(order)  # on a GPU, the interprocess event the engine waits on
     real = db._publish
@@ -327,10 +325,19 @@ def test_a_step_that_raises_still_records_the_output_event_before_its_error_answ
     monkeypatch.setattr(db, "_publish", publish)
     db.start()
     try:
-        db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, 1)
+        db.page.write(db.page.req_area, request, bell.REQ_LEN, bell.REQ_SEQ, 1)
         wait_until(lambda: db.page.word(bell.RESP_SEQ) == 1, 10, lambda: f"the ring answered: {order}", watch=db)
     finally:
         db.stop()
+    return order
+
+
+def test_a_step_that_raises_still_records_the_output_event_before_its_error_answer(monkeypatch):
+    """The engine orders its stream after the output event for every answer, an error one included (an
+    answer means the step may have launched: client/dataplane.py's wait). A step that raised out of
+    answer_now skipped the record: the engine's fallback then ran after only the previous step's event, beside
+    whatever this step had queued on the K/V cache (review 300's left-alone)."""
+    order = _ring_once_recording(monkeypatch, _FailingLoop(), b"")
     assert order == ["record", ("publish", 1, 13, "INTERNAL")], order  # google.rpc INTERNAL (sidecar.proto StepError)
 
 
@@ -341,22 +348,7 @@ def test_a_garbled_ring_still_records_the_output_event_before_its_error_answer(m
     word landed before the release's store): the answer to a garbled ring skipped the record, and the engine's
     fallback for the step ran after only the previous step's event, beside that copy's K/V writes and its reads
     of the regions the engine rewrites next (the unreadable twin of review 300's raise path)."""
-    db = Doorbell(_Page(), CAPACITY, _CountingLoop(), torch.device("cpu"), b"")
-    order: list = []
-    db.output_event = _Event(order)  # on a GPU, the interprocess event the engine waits on
-    real = db._publish
-
-    def publish(seq, resp):
-        order.append(("publish", seq, resp.error.code, resp.error.reason))
-        real(seq, resp)
-
-    monkeypatch.setattr(db, "_publish", publish)
-    db.start()
-    try:
-        db.page.write(db.page.req_area, b"\xff" * 16, bell.REQ_LEN, bell.REQ_SEQ, 1)
-        wait_until(lambda: db.page.word(bell.RESP_SEQ) == 1, 10, lambda: f"the ring answered: {order}", watch=db)
-    finally:
-        db.stop()
+    order = _ring_once_recording(monkeypatch, _CountingLoop(), b"\xff" * 16)
     assert order == ["record", ("publish", 1, 3, "INVALID_FIELD")], order  # google.rpc INVALID_ARGUMENT
 
 
