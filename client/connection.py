@@ -73,6 +73,8 @@ class StepStream:
         self.interrupted = False  # interrupt(): every wait gives up at once, for good
         self.end: StreamBroken | None = None
         self._call = stub.DraftSteps(self._request_iter())
+        # Not joined: it ends with the call (cancelled by close() or give_up, or ended by the server). A daemon, as
+        # gRPC's own threads are: a link kept to the process's exit (a step unsettled at close()) must not hold it.
         self._reader = threading.Thread(target=self._read, name="dspark-shim-stream", daemon=True)
         self._reader.start()
 

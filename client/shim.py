@@ -373,7 +373,14 @@ class DrafterShim:
         # (stream_ended, above), the only sign that the status read at open() is an old process's. Opened at the
         # first step, a restart in between (connect() then a warm-up, or steps the peers kept back) went unseen,
         # and the restarted sidecar was served under the old status (its limits) for the link's life.
-        self.connection.stream()
+        stream = self.connection.stream()
+        if not stream.alive:
+            # Ended as it opened (another sidecar instance, refused, not taken in time): no step can go through
+            # this link. Taken as ready, connect() answered None and the pre-flight sent the peers' copies to
+            # their sidecar ranks' rendezvous (ABORTED at its deadline) while this rank's send broke at once.
+            self.breaker.record_failure(f"{STREAM}: {stream.end}")
+            self._drop_link()
+            return False, STREAM, False
         return True, "", False
 
     def _bind(self, layers: list[torch.Tensor]) -> tuple[bool, str, bool] | None:

@@ -114,6 +114,16 @@ class _Streaming(_Answering):
         return call
 
 
+def _next_within(requests, timeout_s: float) -> list:
+    """[next(requests, None)], or [] when the request iterator still waits after timeout_s: read on a daemon thread,
+    so that an iterator left waiting fails the test instead of hanging the session."""
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(next(requests, None)), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return got
+
+
 @pytest.mark.parametrize("again", [False, True], ids=["closed", "opened_again"])
 def test_a_link_closed_or_opened_again_ends_its_step_stream(again):
     """close() (and open(), which starts from a closed link) ends the step stream too: its call cancelled, and its
@@ -131,7 +141,7 @@ def test_a_link_closed_or_opened_again_ends_its_step_stream(again):
     assert stream.alive and conn.stream() is stream
     conn.open(1.0) if again else conn.close()
     (requests, call), = channels[0].calls
-    assert call.cancelled and next(requests, None) is None, "the old link's step stream was left running"
+    assert call.cancelled and _next_within(requests, 5) == [None], "the old link's step stream was left running"
     if not again:
         conn.open(1.0)
     fresh = conn.stream()
@@ -288,6 +298,22 @@ def test_a_step_stream_the_sidecar_does_not_take_in_time_ends_at_open_s_deadline
         assert "did not take the step stream within 0.5 s" in str(stream.end), stream.end
     finally:
         conn.close()
+
+
+def test_giving_up_a_stream_that_already_ended_keeps_the_reason_it_ended_for():
+    """give_up() races the reader: a stream the sidecar refused just as open()'s deadline ran out has ended (its
+    refusal read) before connection.stream() gives it up. The sidecar's own reason must stand, not be replaced by
+    "did not take the step stream in time" (the fallback's log would name the wrong cause)."""
+    stub = _Stub()
+    stream = StepStream(stub)  # type: ignore[arg-type]
+    try:
+        stub.call.answers.put(None)  # the sidecar ends the stream
+        wait_until(lambda: not stream.alive, 5, "the stream ended", interval_s=0.005)
+        stream.give_up("the sidecar did not take the step stream within 1 s")
+        assert "closed by the server" in str(stream.end), stream.end
+        assert stub.call.cancelled and not stream.alive
+    finally:
+        stream.close()
 
 
 def test_a_wait_in_progress_wakes_with_stream_broken_when_the_stream_ends():

@@ -881,6 +881,47 @@ def test_a_step_stream_that_reached_another_sidecar_instance_is_dropped_before_a
         shim.close()
 
 
+class _RecordsPreflights(PreflightHook):
+    """A 2-rank agreement whose peer agrees to everything; records each pre-flight's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.preflights: list[list[int]] = []
+
+    def all_min(self, values):
+        if values.numel() == 5:
+            self.preflights.append(values.tolist())
+        return values.clone()
+
+
+def test_a_step_stream_that_ended_as_it_opened_leaves_the_rank_not_ready(fake):
+    """connection.stream() hands back a stream that ended as it opened (it reached another sidecar instance, the
+    sidecar refused it, or did not take it within the connect deadline) as it is. The readiness check took the link
+    as ready all the same: connect() answered None (ready) on a link no step could go through, and the step's
+    pre-flight told the peers this rank was ready, so at TP > 1 they sent their copies (their sidecar ranks held
+    them to the rendezvous deadline, then ABORTED) and the embedding ran, while this rank's send broke at once. Now
+    the rank is not ready (stream broken, a breaker failure) and its link is dropped before the pre-flight."""
+    fake.sidecar.instance, fake.sidecar.stream_instance = "a1", "b2"
+    agree = _RecordsPreflights()
+    shim, model, _ = make_shim(fake.endpoint, agree=agree)
+    ids, pos, meta = step_inputs(2)
+    try:
+        assert shim.connect() == S.STREAM
+        assert not shim.connection.is_open and shim.breaker.failures == 1
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is None
+        assert agree.preflights[-1][0] == 0, "the pre-flight said ready on a rank whose step stream had ended"
+        assert model.embeds == 0 and fake.sidecar.calls["step"] == 0
+        assert shim.stats.fallbacks == {S.STREAM: 1}, dict(shim.stats.fallbacks)
+        fake.sidecar.stream_instance = None  # the stream and the status now name the same start
+        assert shim.connect() is None
+        with set_forward_context(meta):
+            assert shim.maybe_forward(ids, pos) is not None, dict(shim.stats.fallbacks)
+        assert agree.preflights[-1][0] == 1 and shim.breaker.failures == 0
+    finally:
+        shim.close()
+
+
 def test_a_kv_cache_of_another_layout_never_raises_out_of_maybe_forward(fake):
     """The page size is read from the cache's shape (planes [2, pages, page, heads, dim] or records
     [pages, heads, page, 2 dim]); a cache laid out otherwise once raised IndexError out of
