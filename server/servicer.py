@@ -585,7 +585,14 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
                 fut = self.loop.submit(request)
                 if not _awaited(fut, context):  # the client is gone: this thread and the stream's place go back
                     return
-                yield self.loop.answer(request, fut)
+                answer = self.loop.answer(request, fut)
+                # Not kept while the answer goes out and the stream waits for its next step: a refused step's
+                # future holds its error, whose traceback holds the views validate_step made (the binding's
+                # cache, regions: mapped, under CUDA IPC allocated, past an UnbindKV or UnregisterBuffers), and
+                # rank.answer's frame, whose caller is this one: a cycle once the stream ended, left to the
+                # cyclic collector on whatever thread (tests/server/test_rank_abort_releases.py).
+                del fut
+                yield answer
         finally:  # the stream ended (half-close, cancel, transport gone): its place is free again
             self._streams.release()
 

@@ -4,13 +4,19 @@ The worker kept the last step's future until the next step arrived, and the futu
 error, whose traceback keeps _run's frame (an abort's step) or validate_step's (a refusal found after
 the views were made): an engine that unregistered its buffers or re-bound after such a step kept the
 old memory mapped (under CUDA IPC, allocated) until some later gRPC step, then freed on the worker
-outside the rank lock.
+outside the rank lock. The DraftSteps stream's handler kept the future too, in its frame, between steps: the
+refused step's views lived on while the stream idled, and once it ended, a reference cycle (the error's traceback
+holds rank.answer's frame, whose caller is the stream's) left them to the cyclic collector, on whatever thread.
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import queue
+import tempfile
 import weakref
+from concurrent import futures
 from types import SimpleNamespace
 
 import grpc
@@ -19,10 +25,12 @@ import pytest
 import torch
 
 from dspark_sidecar.proto import sidecar_pb2 as pb
+from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from dspark_sidecar.server import rank as rank_mod
-from dspark_sidecar.server.errors import SidecarError, out_of_range
+from dspark_sidecar.server.errors import SidecarError, StatusInterceptor, out_of_range
 from dspark_sidecar.server.metrics import Metrics
 from dspark_sidecar.server.rank import RankContext, RankLoop
+from dspark_sidecar.server.servicer import DrafterServicer, Lifecycle
 from helpers.rank_fakes import RefusingRendezvous
 from helpers.waiting import wait_until
 
@@ -71,3 +79,51 @@ def test_an_aborted_or_refused_step_holds_no_view_after_its_answer(monkeypatch, 
                    lambda: f"a failed step's views released after its answer: {[v() is None for v in views]}")
     finally:
         loop.close()
+
+
+def test_a_step_refused_on_the_stream_holds_no_view_while_the_stream_idles_nor_after_it_ends(monkeypatch, gc_off):
+    """A real gRPC server on a unix socket, the servicer's DraftSteps over a rank loop whose steps are refused with
+    views in validate_step's frame (as an index check's refusal): each answer read, its views go by reference
+    counting, with the stream still open (the engine may UnbindKV or UnregisterBuffers before its next step) and
+    after the client half-closes it."""
+    views: list[weakref.ref] = []
+
+    def validate(req, *args, **kwargs):
+        cache = torch.zeros(2, 16, 4)  # a view of the engine's cache
+        views.append(weakref.ref(cache))
+        step = SimpleNamespace(kv=SimpleNamespace(layers=[cache]))  # held by this frame, as validate_step's
+        assert step.kv.layers[0] is cache
+        raise out_of_range("slot_mapping", "row 0 slot 99 outside the bound cache's 64 slots")
+
+    monkeypatch.setattr(rank_mod, "validate_step", validate)
+    model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+    loop = RankLoop(RankContext(0, 1, SimpleNamespace(), model, None, None, Metrics(0), 8),
+                    RefusingRendezvous("no peers"), None)
+    ctx = SimpleNamespace(rank=0, fast=None, memory=SimpleNamespace(kv=None), model=model, metrics=Metrics(0))
+    svc = DrafterServicer(ctx, loop, Lifecycle(state="SERVING"), pb.Limits(), pb.Parallel(), "bf16")  # type: ignore[arg-type]
+    folder = tempfile.mkdtemp(prefix="release", dir="/tmp")
+    path = os.path.join(folder, "r0.sock")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[StatusInterceptor()])
+    pb_grpc.add_DrafterSidecarServicer_to_server(svc, server)
+    server.add_insecure_port(f"unix:{path}")
+    server.start()
+    channel = grpc.insecure_channel(f"unix:{path}")
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    try:
+        call = pb_grpc.DrafterSidecarStub(channel).DraftSteps(iter(requests.get, None), timeout=30)
+        requests.put(pb.DraftStepRequest(step_id=1, num_requests=1))
+        assert next(call).error.reason == "OUT_OF_RANGE"
+        wait_until(lambda: len(views) == 1 and views[0]() is None, 2,
+                   "the refused step's views released after its answer, the stream open and idle")
+        requests.put(pb.DraftStepRequest(step_id=2, num_requests=1))
+        requests.put(None)  # half-closed: the stream ends after this step's answer
+        assert [r.error.reason for r in call] == ["OUT_OF_RANGE"]
+        wait_until(lambda: len(views) == 2 and views[1]() is None, 2,
+                   "the last refused step's views released once the stream ended (not left to the collector)")
+    finally:
+        channel.close()
+        server.stop(None).wait()
+        loop.close()
+        if os.path.exists(path):
+            os.unlink(path)
+        os.rmdir(folder)

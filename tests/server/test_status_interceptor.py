@@ -125,6 +125,45 @@ def test_an_unexpected_exception_is_internal_with_a_message_not_a_traceback(rig,
     assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).serving
 
 
+class _CodeThenRaise(_Raising):
+    """GetStatus sets a code of its own (context.set_code), then fails with an Exception that has words."""
+
+    def GetStatus(self, request, context):
+        context.set_code(grpc.StatusCode.NOT_FOUND)
+        raise Exception("boom after set_code")
+
+
+def test_an_exception_with_words_after_the_handler_set_a_code_is_still_internal(tmp_path, caplog):
+    """Only the bare Exception() of grpc's abort() passes through: one with words is a failure of the handler's,
+    a code it set before or not. Passed through, grpc would answer with that code and its own "Exception calling
+    application: ..." and no ErrorInfo."""
+    with _served(_CodeThenRaise(), tmp_path) as (_, stub), caplog.at_level(logging.ERROR, "dspark_sidecar.server"):
+        err = _refused(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10))
+        assert (err.code(), err.details()) == (grpc.StatusCode.INTERNAL,
+                                               "internal error: Exception: boom after set_code")
+        assert _rich(err)[0].reason == "INTERNAL"
+
+
+class _CallFailed(grpc.RpcError):
+    """The failure of a call the handler made itself (its client side): an RpcError on a stream still open."""
+
+    def __str__(self) -> str:
+        return "a call of the handler's own failed"
+
+
+def test_an_rpc_error_of_the_handler_s_own_on_an_open_stream_ends_it_internal_not_ok(rig):
+    """Only a call that is over (its client gone, or the server's stop) ends the stream quietly on an RpcError: on
+    one still open, a quiet return would end it OK with no answer, the engine taking it for closed by itself."""
+    svc, stub = rig
+    svc.exc = _CallFailed()
+    err = _refused(lambda: list(stub.DraftSteps(iter([pb.DraftStepRequest(step_id=1)]), timeout=10)))
+    assert (err.code(), err.details()) == (grpc.StatusCode.INTERNAL, "internal error: _CallFailed: a call of the "
+                                                                     "handler's own failed")
+    assert _rich(err)[0].reason == "INTERNAL"
+    svc.exc = None
+    assert [r.step_id for r in stub.DraftSteps(iter([pb.DraftStepRequest(step_id=2)]), timeout=10)] == [2]
+
+
 @pytest.mark.parametrize("char", ["x", "\u00e9", "\u20ac"])  # 1, 2 and 3 UTF-8 bytes: a cut never splits one
 def test_a_message_quoting_a_huge_input_is_clipped_and_still_goes_out_with_its_status(rig, char):
     """Unclipped, a message past gRPC's trailer limit came out RESOURCE_EXHAUSTED (server/errors.py)."""
