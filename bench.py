@@ -71,6 +71,9 @@ NAMES = {"a": "reference eager", "b": "reference graphed", "c": "GPU backend gra
          "g": "data plane, engine ahead", "h": "sidecar via the shim", "i": "via the shim, engine ahead"}
 REMOTE_MODES = frozenset("defghi")  # the modes that need the sidecar (and, but for e, its data plane)
 PIPELINE = 10  # mode f: steps per timed batch, the engine's host never waiting for the GPU between them
+# The longest --contexts: a step's seq_lens (context + QPR) are int32 (kv_cache.StepMetadata). Above it the cache's
+# element count overflowed int64 (a context of 10^20: a RuntimeError from shm_empty's view, not the one-line refusal).
+CONTEXT_LIMIT = 2**31 - 1 - layout.QPR
 GRAPHABLE_REFERENCE = dataclasses.replace(REFERENCE_OPS, name="reference-static",
                                           paged_window_attention=reference.paged_window_attention_static)
 
@@ -126,8 +129,8 @@ class BenchConfig:
             raise BenchConfigError(f"--launch-streams: 0..{MAX_LAUNCH_STREAMS}, got {self.launch_streams}")
         if not self.reqs or not all(1 <= r <= layout.MAX_REQS_LIMIT for r in self.reqs):
             raise BenchConfigError(f"--reqs: request counts in 1..{layout.MAX_REQS_LIMIT}, got {list(self.reqs)}")
-        if not self.contexts or min(self.contexts) < 1:
-            raise BenchConfigError(f"--contexts: context lengths of at least 1, got {list(self.contexts)}")
+        if not self.contexts or not all(1 <= c <= CONTEXT_LIMIT for c in self.contexts):
+            raise BenchConfigError(f"--contexts: context lengths in 1..{CONTEXT_LIMIT}, got {list(self.contexts)}")
         for flag, values in (("--modes", self.modes), ("--reqs", self.reqs), ("--contexts", self.contexts)):
             twice = sorted({v for v in values if values.count(v) > 1})
             if twice:  # a case run twice: two rows for it in the table and the JSON, the plot's line through both

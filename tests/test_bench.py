@@ -264,6 +264,25 @@ def test_bench_options_outside_their_range_are_refused():
             BenchConfig(contexts=contexts)
 
 
+def test_a_context_past_the_int32_sequence_lengths_is_refused_by_its_flag(tmp_path, monkeypatch, capsys):
+    """A step's seq_lens (context + 7) are int32. A --contexts of 10^20 passed the check (at least 1), and the
+    cache's element count overflowed int64 in shm_empty: a RuntimeError traceback about viewing bytes as bf16,
+    where README promises one line and exit 2 for a cache that cannot be allocated."""
+    from dspark_sidecar import bench as B
+    from dspark_sidecar import cli
+
+    longest = 2**31 - 1 - 7
+    assert BenchConfig(contexts=(512, longest)).contexts == (512, longest)
+    for contexts in ((longest + 1,), (512, 10**20)):
+        with pytest.raises(ValueError, match=rf"--contexts: context lengths in 1\.\.{longest}, got"):
+            BenchConfig(contexts=contexts)
+    monkeypatch.setattr(B.Bench, "__init__", lambda *a: pytest.fail("the bench drew its weights and cache"))
+    assert cli.main(["bench", "--device", "cpu", "--preset", "tiny", "--modes", "a", "--reqs", "1",
+                     "--contexts", str(10**20), "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--contexts: context lengths in 1..{longest}, got [{10**20}]" in err and err.count("\n") == 1, err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_engine_ahead_mode_times_the_step_on_the_engine_s_stream(tmp_path):
@@ -362,6 +381,7 @@ def test_gpu_time_rows_are_compared_with_the_baselines_gpu_time(tmp_path, monkey
         assert rows[m]["over_c_us"] == pytest.approx((wall[m] - wall["c"]) * 1e3)  # us this mode adds over (c)
     assert rows["f"]["over_c_us"] < 0 and rows["g"]["over_c_us"] == pytest.approx((wall["g"] - gpu["c"]) * 1e3)
     assert rows["c"]["x_floor"] == pytest.approx(5.0) and rows["c"]["gpu_x_floor"] == pytest.approx(4.0)
+    assert not {"x_c", "over_c_us"} & (rows["b"].keys() | rows["c"].keys())  # "modes d-i also as a ratio to (c)"
 
 
 def test_floor_byte_counts_are_spec_section_5_s():

@@ -365,3 +365,13 @@ def test_the_percentile_of_no_samples_is_nan_not_a_figure():
 
     assert math.isnan(percentile([], 99))
     assert percentile([3.0], 99) == 3.0 and percentile([2.0, 1.0], 99) == 2.0 and percentile([2.0, 1.0], 50) == 1.0
+    assert percentile([3.0, 1.0, 2.0], 0) == 1.0 and percentile([3.0, 1.0, 2.0], 100) == 3.0  # the ends: q in 0..100
+
+
+@pytest.mark.parametrize("n, tail", [(1, {"max_ms": 1.0}), (2, {"max_ms": 2.0}), (99, {"max_ms": 99.0}),
+                                     (100, {"p99_ms": 99.0}), (101, {"p99_ms": 100.0})])
+def test_a_row_s_p99_is_from_100_samples_up_and_the_maximum_below(n, tail):
+    """At 99 samples a nearest-rank p99 is the slowest (ceil(98.01) = 99th of 99): the row gives it as max_ms. From
+    100 it is the 99th smallest (ceil(99.0)), never the maximum; at 101 the 100th (ceil(99.99)). Samples unordered."""
+    ms = [float(i) for i in range(n, 0, -1)]
+    assert B._latency_fields(ms) == {"samples": n, "p50_ms": (n + 1) / 2, **tail}

@@ -429,6 +429,8 @@ def test_the_report_s_exchange_share_and_counts_are_over_every_rank(tmp_path):
     row = _report(bc, 2, per_rank, single, "H200", PARITY_RTOL)["rows"][0]
     assert row["exchange_ms"] == 0.3 and row["exchange_share"] == pytest.approx(0.2), row
     assert row["errors"] == 3 and row["prelaunched_share"] == 0.5, row
+    row = _report(bc, 2, per_rank[::-1], single, "H200", PARITY_RTOL)["rows"][0]  # the slowest exchange on rank 1
+    assert row["exchange_ms"] == 0.3 and row["exchange_share"] == pytest.approx(0.2), row
 
 
 def test_a_case_that_fails_parity_exits_1(tmp_path, monkeypatch, capsys):
@@ -457,3 +459,36 @@ def test_a_case_without_a_step_time_is_written_as_strict_json(tmp_path):
     assert written["tp_step_p50_ms"] is None and written["hidden_rel_l2"] is None and written["exchange_share"] is None
     assert written["R"] == 8 and written["parity_ok"] is False
     assert math.isnan(report["rows"][0]["tp_step_p50_ms"])
+
+
+def test_the_exchange_is_timed_as_ten_all_reduces_of_each_launch_group_s_rows(tmp_path, monkeypatch):
+    """The partial-sum share: per launch group of up to 8 requests, two all-reduces per layer (o_proj's and
+    down_proj's partials: 10 for 5 layers), each of the group's [7r, hidden] rows. An engine rank run here, in this
+    process, at TP 1 against a one-rank sidecar, its exchange timer a stand-in that records what it was given."""
+    import torch
+    import torch.distributed as dist
+
+    from dspark_sidecar.drafter.config import load_config
+
+    seen = []
+
+    def timer(xs, exchange, count, repeats):
+        seen.append(([tuple(x.shape) for x in xs], count, repeats))
+        return [0.25]
+
+    monkeypatch.setattr(bench_tp, "_time_exchange", timer)
+    bc = BenchConfig(preset="tiny", shard_of=1, reqs=(9,), contexts=(40,), dtype="fp32", repeats=1, out_dir=tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    side = SidecarUnderTest(bc, torch.device("cpu"), work)
+    try:
+        bench_tp._engine_rank(0, 1, bc, "cpu", str(side.sock), str(work / "store"), str(work))
+    finally:
+        if dist.is_initialized():  # the rank failed before it destroyed its group: not left to the next test
+            dist.destroy_process_group()
+        side.close()
+    hidden = load_config("tiny").hidden_size
+    assert seen == [([(7 * 8, hidden), (7 * 1, hidden)], 10, 1)]
+    (row,) = torch.load(work / "rank0.pt")
+    assert row["exchange_p50_ms"] == 0.25 and row["errors"] == 0 and row["hidden_rel_l2"] == 0.0
+    side.discard()

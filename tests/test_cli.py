@@ -143,6 +143,11 @@ _TINY_BENCH = ["--device", "cpu", "--preset", "tiny", "--reqs", "1", "--contexts
     # bench, so that a regression that runs it fails soon)
     (["bench", "--modes", "acd", "--shim-phases", *_TINY_BENCH], "--shim-phases: splits mode h's time, and --modes acd"),
     (["bench", "--tp", "2", "--shim-phases", *_TINY_BENCH], "--shim-phases: the one-process bench's mode h only"),
+    # a GPU backend for a sidecar on the CPU, which serve refuses: every mode d-i failed after the run (exit 1, each
+    # row naming the sidecar's log), or at --tp N the run ended in "the bench's sidecar did not start"
+    (["bench", "--modes", "ad", "--sidecar-backend", "triton", *_TINY_BENCH], "--sidecar-backend triton: its kernels"),
+    (["bench", "--tp", "2", "--modes", "a", "--sidecar-backend", "flydsl", *_TINY_BENCH],  # --tp N: a sidecar always
+     "--sidecar-backend flydsl: its kernels"),
 ])
 def test_a_flag_that_cannot_be_used_is_refused_before_anything_starts(argv, words, capsys, no_launch):
     """Checked in the parent, before a rank, a socket or a sidecar exists (each rank used to print its
@@ -152,6 +157,19 @@ def test_a_flag_that_cannot_be_used_is_refused_before_anything_starts(argv, word
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
+
+
+def test_a_gpu_sidecar_backend_on_the_cpu_is_refused_only_where_the_bench_starts_a_sidecar(tmp_path, monkeypatch):
+    """--sidecar-backend names the bench's sidecar's backend: modes a-c on the CPU start none, so it is no reason to
+    refuse them (d-i and --tp N start one, which serve would refuse: the list above)."""
+    from dspark_sidecar import bench
+
+    ran = []
+    monkeypatch.setattr(bench, "run_bench", lambda bc, device: ran.append(bc.modes) or {
+        "device": "cpu", "copy_bandwidth_GBps": 1.0, "rows": []})
+    assert cli.main(["bench", "--modes", "abc", "--sidecar-backend", "triton", "--device", "cpu", "--preset", "tiny",
+                     "--out-dir", str(tmp_path)]) == 0
+    assert ran == [("a", "b", "c")]
 
 
 def test_a_bench_out_dir_that_cannot_be_a_folder_is_refused_before_the_run(tmp_path, monkeypatch, capsys):
