@@ -35,6 +35,7 @@ def launch_groups(num_reqs: int, launch_reqs: int = LAUNCH_REQS) -> list[tuple[i
 # Sockets: `dspark-sidecar serve --socket-dir DIR` puts rank r on DIR/rank{r}.sock, and an engine
 # rank reaches it as the gRPC target unix:DIR/rank{r}.sock.
 SUN_PATH_MAX = 107  # bytes of a unix socket path: sun_path holds 108 with its NUL
+PID_MAX = 1 << 22  # Linux's largest pid_max (kernel.pid_max): a larger number is no process id
 
 
 def folder_flag(text: str) -> Path:

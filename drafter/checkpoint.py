@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -18,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from dspark_sidecar import layout
 from dspark_sidecar.drafter.config import DrafterConfig
 
 PREFIX = "language_model.model.dspark."
@@ -238,7 +240,6 @@ def _remove_unfinished(out: Path) -> None:
 # a writer in another pid namespace sharing XDG_CACHE_HOME (two containers, one host folder) looks dead from here,
 # and one that is writing touches its files far more often than this.
 ABANDONED_S = 600.0
-_PID_MAX = 1 << 22  # Linux's largest pid_max: a larger number is no pid (os.kill would overflow)
 
 
 def _sweep_abandoned(out: Path) -> None:
@@ -252,14 +253,16 @@ def _sweep_abandoned(out: Path) -> None:
     except OSError:  # no cache folder yet, or unreadable: nothing of ours to sweep (the write says what is wrong)
         return
     cutoff = time.time() - ABANDONED_S
+    mine = re.compile(re.escape(out.name) + r"\.(?:tmp|stale)([0-9]+)")  # the names ensure_synthetic_checkpoint gives
     for path in siblings:
-        rest = path.name[len(out.name):] if path.name.startswith(out.name) else ""
-        digits = rest.removeprefix(".tmp") if rest.startswith(".tmp") else rest.removeprefix(".stale")
-        if digits == rest or not digits.isdigit() or not 0 < int(digits) <= _PID_MAX or int(digits) == os.getpid():
-            continue  # not a copy of this checkpoint's, or this process's own (its own code removes it)
-        if not _gone(int(digits)) or not _untouched_since(path, cutoff):
+        m = mine.fullmatch(path.name)
+        pid = int(m[1]) if m else 0
+        # Not a copy of this checkpoint's, no pid (a larger number would overflow os.kill), or this process's own
+        # (its own code removes it).
+        if not 0 < pid <= layout.PID_MAX or pid == os.getpid():
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        if _gone(pid) and _untouched_since(path, cutoff):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _gone(pid: int) -> bool:

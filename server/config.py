@@ -16,7 +16,7 @@ DTYPES = ("bf16", "fp32")
 # order, and 1.32 on 2 (BENCHMARKS.md runs 106-107). More streams than groups are never used.
 DEFAULT_LAUNCH_STREAMS = 4
 MAX_LAUNCH_STREAMS = 8
-PID_MAX = 1 << 22  # Linux's largest pid_max (kernel.pid_max)
+PID_MAX = layout.PID_MAX
 # What a field of each annotated type takes, and the words its refusal uses. bool is an int to isinstance, so
 # it is refused where a number is meant (--tp True reached the launcher's WORLD_SIZE=True).
 _KINDS = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "True or False"),
