@@ -235,14 +235,16 @@ def eager_draft_steps() -> str:
 def _mode_signature(init: Any) -> inspect.Signature | None:
     """The signature of the speculator's stock init_cudagraph_manager where it takes the mode as `cudagraph_mode`
     (by position or keyword: vLLM's speculators all name it so), or None."""
+    if not callable(init):
+        return None
     try:
-        params = inspect.signature(init).parameters if callable(init) else {}
+        signature = inspect.signature(init)
     except (TypeError, ValueError):  # no signature to read: the mode's place unknown
         return None
-    mode = params.get("cudagraph_mode")
+    mode = signature.parameters.get("cudagraph_mode")
     if mode is None or mode.kind not in (mode.POSITIONAL_OR_KEYWORD, mode.KEYWORD_ONLY):
         return None
-    return inspect.signature(init)
+    return signature
 
 
 def draft_steps_eager() -> bool:
