@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -52,6 +53,10 @@ def rig(tmp_path, tiny_ckpt, tiny_cfg, tiny_embed):
     try:
         yield sc, eng, step, streams, ref
     finally:
+        # Shown only when the test fails (captured output): a step answered late on a loaded box left nothing
+        # to tell a stalled coordinator from a stopped or killed rank (tmp_path's log goes with the run).
+        states = {p: _state(p) for p in (sc.rank_pids() if sc.proc.poll() is None else [])}
+        print(f"rank processes (pid: state): {states}\nsidecar log tail:\n{sc.log_tail(60)}")
         for s in streams:
             s.close()
         eng.close()
@@ -63,6 +68,11 @@ def rig(tmp_path, tiny_ckpt, tiny_cfg, tiny_embed):
                     pass
             os.killpg(sc.proc.pid, signal.SIGKILL)
             sc.proc.wait()
+
+
+def _state(pid: int) -> str:
+    """`ps`'s state letters for `pid` (T: stopped, Z: exited unreaped; empty once gone)."""
+    return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
 
 
 def _kv(eng):
