@@ -85,6 +85,12 @@ class EngineConfig:
                 raise EngineConfigError(f"{f}: must be a positive integer, got {v!r}")
         if not isinstance(self.breaker, BreakerConfig):  # read by agreement_timeout_s and the breaker itself
             raise EngineConfigError(f"breaker: must be a BreakerConfig, got {self.breaker!r}")
+        if not isinstance(self.endpoint, str):
+            raise EngineConfigError(f"endpoint: must be a gRPC target string, got {self.endpoint!r}")
+        if self.endpoint.startswith("unix:") and (why := layout.socket_path_problem(self.endpoint[len("unix:"):])):
+            # gRPC's own answer to such a target is a connect that fails "UNKNOWN" at every step, and the shim
+            # falls back for good with nothing saying why (serve refuses the same folder at its start).
+            raise EngineConfigError(f"endpoint {self.endpoint!r}: {why}")
         if self.transport not in TRANSPORTS:
             raise EngineConfigError(f"transport: one of {TRANSPORTS}, got {self.transport!r}")
         if not 1 <= self.max_reqs <= layout.MAX_REQS_LIMIT:

@@ -208,6 +208,24 @@ def test_a_transport_the_shim_has_not_is_named(transport):
         EngineConfig(tp_size=4, transport=transport)
 
 
+@pytest.mark.parametrize("endpoint, why", [
+    ("unix:/" + "d" * 120 + "/rank0.sock", "a unix socket path holds at most"),
+    ("unix:/run/a,b/rank0.sock", "URI syntax"),
+    ("unix://host/rank0.sock", "starts with '//'"),
+])
+def test_an_endpoint_no_grpc_client_can_reach_is_refused_saying_why(endpoint, why):
+    """A unix: target past sun_path (or one gRPC reads as URI syntax) connected "UNKNOWN" at every step: the shim
+    fell back for good with nothing naming the path. `serve` refuses such a folder; the engine's config now too."""
+    with pytest.raises(EngineConfigError, match=re.escape(why)):
+        EngineConfig(tp_size=4, endpoint=endpoint)
+
+
+@pytest.mark.parametrize("endpoint", ["", "unix:/run/dspark-sidecar/rank0.sock", "unix:///run/x/rank1.sock",
+                                      "unix:rank0.sock", "localhost:50051"])
+def test_endpoints_grpc_reaches_are_kept(endpoint):
+    assert EngineConfig(tp_size=4, endpoint=endpoint).endpoint == endpoint
+
+
 @pytest.mark.parametrize("threshold", [0, -1, True, 2.0, float("nan"), float("inf"), "3", None])
 def test_a_breaker_threshold_that_is_no_count_of_failures_is_named(threshold):
     """A whole number of failures, at least 1: 0 or -1 (meant as "never", say) opened the breaker at the first failure
