@@ -457,9 +457,10 @@ def _sigterm_unwinds(status: int | None = None):
         signal.signal(signal.SIGTERM, old)
 
 
-def _bench_out_dir(path: Path) -> None:
+def _bench_out_dir(path: Path, files: tuple[str, ...]) -> None:
     """Make --out-dir before the run: run_bench made it at its end, where a file of that name (or a parent
-    it cannot be made in) ended a whole bench in a traceback with bench.json unwritten."""
+    it cannot be made in) ended a whole bench in a traceback with bench.json unwritten. `files`: the names the
+    run writes there, each of which a folder may have taken (the same traceback, after the whole run)."""
     import tempfile
 
     try:
@@ -471,6 +472,14 @@ def _bench_out_dir(path: Path) -> None:
             pass
     except OSError as err:
         raise UsageError(f"--out-dir: cannot write into {str(path)!r} ({err.strerror or err})") from None
+    for name in files:
+        where = path / name
+        taken = where if where.is_dir() else where.parent if where.parent.exists() and not where.parent.is_dir() \
+            else None
+        if taken is not None:
+            kind = "a folder" if taken == where else "not a folder"
+            raise UsageError(f"--out-dir: {str(taken)!r} is {kind}, where the bench writes its {name}; "
+                             "move it or choose another --out-dir")
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -510,7 +519,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         # started, which then failed (a traceback naming its log, its folder left in $TMPDIR) for a flag's value.
         _check_tp(a.preset, a.tp)  # (the GPUs were counted above: run_tp_bench's own check exited 1, unprefixed)
 
-        _bench_out_dir(bc.out_dir)
+        _bench_out_dir(bc.out_dir, (f"bench-tp{a.tp}.json",)
+                       + (("single-gpu/bench.json", "single-gpu/bench.png") if a.single_gpu else ()))
         with _sigterm_unwinds():  # as the demo's: killed at once, the engine ranks' folder stayed behind
             try:
                 report = run_tp_bench(bc, a.tp, a.single_gpu, device.type)
@@ -526,7 +536,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             print(f"dspark-sidecar: bench --tp {a.tp}: the single-GPU comparison's rows failed: {', '.join(failed)}; "
                   f"their notes in {a.out_dir / 'single-gpu' / 'bench.json'} say why", file=sys.stderr)
         return 1 if bad or failed else 0
-    _bench_out_dir(bc.out_dir)
+    _bench_out_dir(bc.out_dir, ("bench.json", "bench.png"))
     with _sigterm_unwinds():  # its sidecar's folder and the cache's shared memory: removed as on Ctrl-C
         report = run_bench(bc, device)
     print(f"device {report['device']}, copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s; "

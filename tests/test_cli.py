@@ -185,6 +185,29 @@ def test_a_bench_out_dir_that_cannot_be_a_folder_is_refused_before_the_run(tmp_p
         assert f"--out-dir: cannot make '{out}' a folder" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("argv, taken, kind", [
+    ([], "bench.json", "a folder"),
+    ([], "bench.png", "a folder"),
+    (["--tp", "2", "--preset", "tiny"], "bench-tp2.json", "a folder"),
+    (["--tp", "2", "--preset", "tiny"], "single-gpu/bench.png", "a folder"),
+    (["--tp", "2", "--preset", "tiny"], "single-gpu", "not a folder"),
+])
+def test_a_bench_output_whose_name_is_taken_is_refused_before_the_run(tmp_path, monkeypatch, capsys, argv, taken, kind):
+    """A folder named bench.json (or bench.png, or a file named single-gpu) in --out-dir passed the folder checks:
+    every mode ran, then writing the report ended the bench in a traceback (IsADirectoryError), its figures lost."""
+    from dspark_sidecar import bench, bench_tp
+
+    monkeypatch.setattr(bench, "run_bench", lambda *a: pytest.fail("the bench ran"))
+    monkeypatch.setattr(bench_tp, "run_tp_bench", lambda *a: pytest.fail("the bench ran"))
+    if kind == "a folder":
+        (tmp_path / taken).mkdir(parents=True)
+    else:
+        (tmp_path / taken).write_text("")
+    assert cli.main(["bench", "--device", "cpu", "--out-dir", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"--out-dir: '{tmp_path / taken}' is {kind}, where the bench writes its" in err and err.count("\n") == 1, err
+
+
 def test_a_socket_folder_too_long_for_a_unix_socket_is_named(capsys):
     """gRPC's own bind error ("Failed to bind") named no flag."""
     assert cli.main(["serve", "--socket-dir", "/tmp/" + "d" * 120]) == 2
