@@ -486,6 +486,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import torch
 
     from dspark_sidecar.bench import REMOTE_MODES, BenchConfig, BenchFailed, failed_rows, run_bench
+    from dspark_sidecar.server.config import GPU_ONLY_BACKENDS
 
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
     def ints(flag: str, text: str) -> tuple[int, ...]:
@@ -501,7 +502,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                      shim_inputs=a.shim_inputs, kv_layout=a.kv_layout, kv_dtype=a.kv_dtype, shim_phases=a.shim_phases)
     if a.tp < 1:  # else read as --tp 1: the one-process bench ran, as if the flag had not been given
         raise UsageError(f"--tp: at least 1, got {a.tp}")
-    if device.type == "cpu" and bc.sidecar_backend in ("triton", "flydsl") and (a.tp > 1 or REMOTE_MODES & set(bc.modes)):
+    if device.type == "cpu" and bc.sidecar_backend in GPU_ONLY_BACKENDS and (a.tp > 1 or REMOTE_MODES & set(bc.modes)):
         # serve refuses it (ServeConfig), so the bench's sidecar never started: d-i failed after the other modes had
         # run (exit 1, each row naming the sidecar's log), and --tp N ended in "the bench's sidecar did not start".
         raise UsageError(f"--sidecar-backend {bc.sidecar_backend}: its kernels run on a GPU, and this bench runs on "

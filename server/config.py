@@ -11,6 +11,7 @@ from pathlib import Path
 from dspark_sidecar import layout
 
 BACKENDS = ("auto", "reference", "triton", "flydsl")
+GPU_ONLY_BACKENDS = ("triton", "flydsl")  # their kernels run on the rank's GPU: refused with --device cpu
 DTYPES = ("bf16", "fp32")
 # R = 32 is 4 launch groups of 8: on 4 streams its step took 1.24 ms on an H200 against 1.72 in
 # order, and 1.32 on 2 (BENCHMARKS.md runs 106-107). More streams than groups are never used.
@@ -107,7 +108,7 @@ class ServeConfig:
             # NCCL moves GPU tensors only: each rank ended in torch's traceback from init_process_group, exit 1.
             raise ServeConfigError("--dist-backend nccl: the ranks compute on the CPU (--device cpu), which NCCL "
                                    "cannot serve; use --dist-backend gloo or auto, or --device cuda")
-        if self.backend in ("triton", "flydsl") and self.device == "cpu":
+        if self.backend in GPU_ONLY_BACKENDS and self.device == "cpu":
             # Both run their kernels on the rank's GPU: each rank refused it only once started (choose_backend),
             # after it had listened and joined the group, in a line of its own.
             raise ServeConfigError(f"--backend {self.backend}: its kernels run on a GPU, and --device cpu puts the "
