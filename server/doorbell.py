@@ -24,7 +24,7 @@ from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto.gpu_word import GpuWordError, GpuWordOps
 from dspark_sidecar.proto.memory import MappedMemory
-from dspark_sidecar.server.errors import clip_message, invalid
+from dspark_sidecar.server.errors import clip_message, internal_message, invalid
 from dspark_sidecar.server.prelaunch import BEHIND_S, Prelaunch
 from dspark_sidecar.server.rank import RankLoop
 
@@ -222,7 +222,7 @@ class Doorbell(threading.Thread):
                     resp = pb.DraftStepResponse(error=pb.StepError(
                         # clip_message: a lone surrogate in its words (an OS name's undecodable byte) made this
                         # answer's build raise, out of the guard below, and the thread ended, later rings unanswered
-                        code=13, message=clip_message(f"internal error: {type(exc).__name__}: {exc}"), reason="INTERNAL"))
+                        code=13, message=clip_message(internal_message(exc)), reason="INTERNAL"))
                     try:
                         self._publish(seq, resp)
                     except Exception:  # noqa: BLE001  (this thread must live on: the engine times out this step)

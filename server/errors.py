@@ -35,6 +35,17 @@ def clip_message(message: str) -> str:
     return raw[: MESSAGE_LIMIT - len(tail)].decode(errors="ignore") + tail
 
 
+def internal_message(exc: BaseException) -> str:
+    """"internal error: <type>: <text>" for an unexpected exception, even one whose own str() raises (a
+    third-party exception with a broken __str__): formatted inside an except clause, that raised again, past
+    the guard that answers the step, and the doorbell thread ended (every later ring unanswered)."""
+    try:
+        text = str(exc)
+    except Exception as err:  # noqa: BLE001  (any failure of the text still leaves the type to name)
+        text = f"<its message could not be formatted: {type(err).__name__}>"
+    return f"internal error: {type(exc).__name__}: {text}"
+
+
 class SidecarError(Exception):
     """A request the sidecar refuses or could not serve: a gRPC code, the offending field, a reason.
 
@@ -74,7 +85,7 @@ def as_sidecar_error(exc: BaseException) -> SidecarError:
                                 field if msg else "", "MAP_EXHAUSTED")
         return invalid(field, msg) if msg else SidecarError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "", "INVALID_FIELD")
     log.exception("internal error while serving a request")
-    return SidecarError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "", "INTERNAL")
+    return SidecarError(grpc.StatusCode.INTERNAL, internal_message(exc), "", "INTERNAL")
 
 
 def to_status(err: SidecarError) -> status_pb2.Status:

@@ -377,6 +377,36 @@ def test_a_step_that_raises_with_an_undecodable_byte_in_its_words_still_gets_its
     assert resp.error.code == 13 and "\\udcff" in resp.error.message, resp.error
 
 
+class _Unprintable(Exception):
+    def __str__(self):
+        raise ValueError("no text")
+
+
+class _UnprintableLoop(_Loop):
+    """A loop whose step raises an exception whose own str() raises (a third-party exception's broken __str__)."""
+
+    def answer_now(self, req, hook=None, answer_limit=0, seen_ns=0):
+        raise _Unprintable()
+
+
+def test_a_step_that_raises_an_exception_whose_text_cannot_be_formatted_still_gets_its_error_answer():
+    """The error answer formatted the exception's text inside the thread's except clause: an exception whose __str__
+    raises raised again there, past the guard, and the doorbell thread ended, every later ring unanswered."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    db = Doorbell(_Page(), CAPACITY, _UnprintableLoop(), torch.device("cpu"), b"")
+    db.start()
+    try:
+        for seq in (1, 2):
+            db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, seq)
+            wait_until(lambda: db.page.word(bell.RESP_SEQ) == seq, 10, f"ring {seq} answered", watch=db)
+        resp = pb.DraftStepResponse.FromString(db.page.read(db.page.resp_area, bell.RESP_LEN))
+    finally:
+        db.stop()
+    assert resp.error.code == 13, resp.error
+    assert resp.error.message == "internal error: _Unprintable: <its message could not be formatted: ValueError>"
+
+
 def test_attaching_a_doorbell_replaces_the_last_one_even_when_it_does_not_close_cleanly():
     """One doorbell per rank, attached one at a time: the replaced one is stopped (its failure to close
     is logged), the new one runs, and concurrent attaches end with exactly one running."""

@@ -42,6 +42,17 @@ def test_unexpected_exception_is_internal():
     assert err.code == grpc.StatusCode.INTERNAL and "KeyError" in err.message
 
 
+def test_an_unexpected_exception_whose_text_cannot_be_formatted_is_still_internal_naming_its_type():
+    """str() of a third-party exception with a broken __str__ raised inside the mapping: the call ended UNKNOWN."""
+    class Unprintable(Exception):
+        def __str__(self):
+            raise ValueError("no text")
+
+    err = as_sidecar_error(Unprintable())
+    assert (err.code, err.reason) == (grpc.StatusCode.INTERNAL, "INTERNAL")
+    assert err.message == "internal error: Unprintable: <its message could not be formatted: ValueError>"
+
+
 def test_a_precondition_carries_its_reason_and_its_field():
     """precondition(message, reason, field): the engine switches on the reason (REFUSED, STORE_ORDER,
     NO_DEVICE_EVENTS...) and reads the field from BadRequest; swapped, it switched on a field name."""
