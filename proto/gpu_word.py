@@ -26,6 +26,8 @@ import weakref
 
 import torch
 
+from dspark_sidecar.proto.gpu_alloc import _hip_library
+
 log = logging.getLogger("dspark_sidecar")
 
 _REGISTER_PORTABLE, _REGISTER_DEVICEMAP = 0x1, 0x2  # CU_MEMHOSTREGISTER_* (hipHostRegister* match)
@@ -98,7 +100,9 @@ class GpuWordOps:
         hip = torch.version.hip is not None
         try:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            ops = cls(ctypes.CDLL("libamdhip64.so" if hip else "libcuda.so.1"), hip, index)
+            # torch's own HIP runtime, as gpu_alloc's query: by its bare name the loader may take the system's copy,
+            # a second runtime that knows nothing of torch's streams and devices (or none: no GPU word on ROCm).
+            ops = cls(_hip_library() if hip else ctypes.CDLL("libcuda.so.1"), hip, index)
             ops._probe(device)
         except (OSError, AttributeError, GpuWordError) as exc:
             log.warning("GPU word unavailable on %s (%s): steps are not pre-launched", device, exc)

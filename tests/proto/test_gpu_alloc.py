@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import re
@@ -419,3 +420,89 @@ def test_a_driver_status_other_than_success_is_an_allocation_query_error(monkeyp
     gpu_alloc = _driver(monkeypatch, status)
     with pytest.raises(AllocationQueryError, match=rf"cuMemGetAddressRange_v2\(0x100800\) failed with status {status}"):
         gpu_alloc.bytes_left(0x10_0800)
+
+
+def test_the_query_gets_and_gives_back_addresses_past_4_gib_whole(monkeypatch):
+    """The driver's entry point as ctypes.CDLL hands it out (a C function of the driver's own prototype): what
+    _address_range declares is what ctypes marshals by. A pointer declared as (or left to default to) a C int
+    reached the driver cut to 32 bits, and the extent of some other address came back."""
+    from dspark_sidecar.proto import gpu_alloc
+
+    asked, base, size = [], 0x7F00_0000_0000, 5 << 32
+
+    def query(pbase, psize, ptr):
+        asked.append(ptr)
+        pbase[0], psize[0] = base, size
+        return 0
+
+    c_query = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                               ctypes.c_uint64)(query)
+    lib = SimpleNamespace(cuMemGetAddressRange_v2=ctypes.CFUNCTYPE(ctypes.c_int)(
+        ctypes.cast(c_query, ctypes.c_void_p).value))
+    monkeypatch.setattr(gpu_alloc.torch.version, "hip", None)
+    monkeypatch.setattr(gpu_alloc.ctypes, "CDLL", lambda name: lib)
+    gpu_alloc._address_range.cache_clear()
+    try:
+        ptr = 0x7F01_2345_6780
+        assert gpu_alloc.allocation_extent(ptr) == (base, size) and gpu_alloc.bytes_left(ptr) == base + size - ptr
+    finally:
+        gpu_alloc._address_range.cache_clear()
+    assert asked == [ptr, ptr]
+
+
+def _context_driver(monkeypatch, device: int) -> list:
+    """The context calls and the query of a driver that answers 201 (CUDA_ERROR_INVALID_CONTEXT) unless `device`'s
+    primary context (0x1000 + device) is current; returns [the current context]."""
+    from dspark_sidecar.proto import gpu_alloc
+
+    current = [None]
+
+    def get(ptr):
+        ptr._obj.value = current[0]
+        return 0
+
+    def retain(ptr, index):
+        ptr._obj.value = 0x1000 + index
+        return 0
+
+    def set_current(ctx):
+        current[0] = ctx.value
+        return 0
+
+    def query(pbase, psize, ptr):
+        if current[0] != 0x1000 + device:
+            return 201
+        pbase._obj.value, psize._obj.value = 0x10_0000, 0x1000
+        return 0
+
+    monkeypatch.setattr(gpu_alloc, "_cuda_context_calls", lambda: (("cuCtxGetCurrent", get),
+                                                                    ("cuDevicePrimaryCtxRetain", retain),
+                                                                    ("cuCtxSetCurrent", set_current)))
+    monkeypatch.setattr(gpu_alloc, "_address_range", lambda: ("cuMemGetAddressRange_v2", query))
+    return current
+
+
+@pytest.mark.parametrize("device", [0, 2])
+def test_a_named_device_s_context_is_current_before_the_query(monkeypatch, device):
+    """Run 266's refusal (status 201 from a thread with no context) on every device, device 0 (the one most ranks
+    run on, and a falsy index) included, and the context made current before the driver is asked, not after."""
+    from dspark_sidecar.proto import gpu_alloc
+
+    monkeypatch.setattr(gpu_alloc.torch.version, "hip", None)
+    current = _context_driver(monkeypatch, device)
+    assert gpu_alloc.bytes_left(0x10_0800, device) == 0x800
+    assert current == [0x1000 + device]
+
+
+def test_on_rocm_no_cuda_context_is_asked_for(monkeypatch):
+    """HIP's runtime binds its own context: there is no libcuda to ask, and asking it refused every handle's check."""
+    from dspark_sidecar.proto import gpu_alloc
+
+    def query(pbase, psize, ptr):
+        pbase._obj.value, psize._obj.value = 0x10_0000, 0x1000
+        return 0
+
+    monkeypatch.setattr(gpu_alloc.torch.version, "hip", "6.2.0")
+    monkeypatch.setattr(gpu_alloc, "_cuda_context_calls", lambda: pytest.fail("libcuda's context calls asked on ROCm"))
+    monkeypatch.setattr(gpu_alloc, "_address_range", lambda: ("hipMemGetAddressRange", query))
+    assert gpu_alloc.bytes_left(0x10_0800, 1) == 0x800

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -451,3 +454,196 @@ def test_a_thread_asks_the_driver_for_its_context_once_not_at_every_stream_opera
     t.start()
     t.join()
     assert counts == [1, 1, 1] and [op for op, _ in drv.ops] == ["cuStreamWriteValue64_v2"] * 3
+
+
+@pytest.fixture
+def loading(monkeypatch):
+    """GpuWordOps.load on a CPU-only host: a GPU said to be there, the libraries tried recorded, the probe passed."""
+    from dspark_sidecar.proto import gpu_word
+
+    tried, libs = [], {}
+
+    def cdll(name):
+        tried.append(name)
+        if name not in libs:
+            raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+        return libs[name]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_word.ctypes, "CDLL", cdll)
+    monkeypatch.setattr(GpuWordOps, "_probe", lambda self, device: None)
+    return tried, libs
+
+
+_BUNDLED_HIP = os.path.join(os.path.dirname(torch.__file__), "lib", "libamdhip64.so")
+
+
+@pytest.mark.parametrize("bundled", [True, False], ids=["torch_lib", "system_only"])
+def test_on_rocm_the_ops_go_to_torch_s_own_hip_runtime_first(loading, monkeypatch, bundled):
+    """As gpu_alloc's query (test_gpu_alloc): a pip ROCm torch carries libamdhip64 in torch/lib, and by its bare name
+    the loader may miss that copy and load the system's, a second HIP runtime whose null stream, devices and host
+    registrations are not torch's (the engine's stream handles passed to it), or none, and the GPU word was off.
+    The system's copy is the fallback where torch carries none."""
+    tried, libs = loading
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    drv = _FakeHipDriver()
+    libs[_BUNDLED_HIP if bundled else "libamdhip64.so"] = drv
+    ops = GpuWordOps.load(torch.device("cuda", 0))
+    assert ops is not None and ops.hip and ops._write.__name__ == "hipStreamWriteValue64"
+    assert tried == ([_BUNDLED_HIP] if bundled else [_BUNDLED_HIP, "libamdhip64.so"])
+
+
+@pytest.mark.parametrize("hip", [False, True], ids=["cuda", "hip"])
+def test_a_missing_driver_library_or_symbol_is_no_ops_and_a_warning_naming_it(loading, monkeypatch, caplog, hip):
+    """No driver library (a CUDA torch on a host without libcuda, a container without the driver mounted), or
+    one too old for a call: steps are not pre-launched, said once with the loader's words; not an exception out of
+    AttachDoorbell or the engine's channel set-up."""
+    tried, libs = loading
+    monkeypatch.setattr(torch.version, "hip", "6.2.0" if hip else None)
+    with caplog.at_level(logging.WARNING, logger="dspark_sidecar"):
+        assert GpuWordOps.load(torch.device("cuda", 1)) is None
+    assert "libamdhip64.so" in tried[-1] if hip else tried == ["libcuda.so.1"]
+    assert "GPU word unavailable on cuda:1" in caplog.text and "cannot open shared object file" in caplog.text
+    old, missing = (_FakeHipDriver(), "hipStreamWaitValue64") if hip else (_FakeCudaDriver(), "cuStreamWaitValue64_v2")
+    delattr(old, missing)  # a driver or runtime without the call (CUDA's _v2 stream memory operations are 11.7's)
+    libs[_BUNDLED_HIP if hip else "libcuda.so.1"] = old
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dspark_sidecar"):
+        assert GpuWordOps.load(torch.device("cuda", 1)) is None
+    assert "GPU word unavailable on cuda:1" in caplog.text and missing in caplog.text
+
+
+@pytest.mark.parametrize("lands", [True, False], ids=["write_lands", "write_lost"])
+def test_the_probe_reads_back_what_the_gpu_wrote(monkeypatch, lands):
+    """The probe's own word: a driver whose write lands passes it (the ops load); one that accepts the write and
+    stores nothing (a device without 64-bit stream memory operations that still says success) fails it, naming
+    what was read, and load() turns that into no ops."""
+    drv = _FakeCudaDriver()
+    drv.switch(0)
+    base_entry = drv.cuStreamWriteValue64_v2
+
+    def devptr(out, host, flags):  # the registered page's device address is its host address here
+        drv.ops.append(("cuMemHostGetDevicePointer_v2", 0))
+        out._obj.value = host.value
+        return 0
+
+    def write(stream, addr, value, flags):
+        base_entry(stream, addr, value, flags)
+        if lands:
+            ctypes.c_uint64.from_address(addr).value = value
+        return 0
+
+    drv.cuMemHostGetDevicePointer_v2, drv.cuStreamWriteValue64_v2 = devptr, write
+
+    class Stream:
+        cuda_stream = 0x5
+
+        def synchronize(self):
+            drv.ops.append(("synchronize", 0))
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    ops = GpuWordOps(drv, hip=False, device_index=0)
+    if lands:
+        ops._probe(torch.device("cuda", 0))
+    else:
+        with pytest.raises(GpuWordError, match="probe: the GPU wrote 0x0, not 0x700000000"):
+            ops._probe(torch.device("cuda", 0))
+    assert [op for op, _ in drv.ops] == ["cuMemHostRegister_v2", "cuMemHostGetDevicePointer_v2",
+                                         "cuStreamWriteValue64_v2", "cuStreamWaitValue64_v2", "synchronize",
+                                         "cuMemHostUnregister"]
+
+
+def test_a_refused_unregister_keeps_the_registration_held_for_a_later_close():
+    """close() raises where the driver refuses the unregister, and the pages are still registered: the registration
+    stays held, so a new holder of the same pages shares it (a second registration of them the driver refuses),
+    and a later close tries the unregister again."""
+    buf = mmap.mmap(-1, mmap.PAGESIZE)
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    ops, refuse = _Ops(), [True]
+    recorded = ops.unregister
+
+    def unregister(ptr):
+        recorded(ptr)
+        if refuse:
+            refuse.pop()
+            raise GpuWordError("cuMemHostUnregister failed with driver code 999")
+
+    ops.unregister = unregister
+    page = RegisteredPage(ops, base)
+    with pytest.raises(GpuWordError, match="cuMemHostUnregister failed"):
+        page.close()
+    again = RegisteredPage(ops, base)
+    assert again.device_ptr == page.device_ptr
+    page.close()
+    again.close()
+    assert ops.calls == [("register", base, mmap.PAGESIZE), ("unregister", base), ("unregister", base)]
+
+
+def test_a_registration_is_made_and_ended_under_the_lock():
+    """Holders register on the doorbell thread and close wherever the device's release runs: two holders of the
+    same pages at once must not both find none held and both register (the driver refuses the second), nor one
+    close end a registration another just took."""
+    class Locked(_Ops):
+        def register(self, ptr, nbytes):
+            assert RegisteredPage._lock.locked(), "registered outside the lock"
+            return super().register(ptr, nbytes)
+
+        def unregister(self, ptr):
+            assert RegisteredPage._lock.locked(), "unregistered outside the lock"
+            super().unregister(ptr)
+
+    buf = mmap.mmap(-1, mmap.PAGESIZE)
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    ops = Locked()
+    RegisteredPage(ops, base).close()
+    assert ops.calls == [("register", base, mmap.PAGESIZE), ("unregister", base)]
+
+
+def test_hip_stream_operations_on_a_fresh_thread_ask_for_no_cuda_context():
+    """HIP's runtime binds its own device: _any_context has nothing to do there (it has no CUDA context calls)."""
+    drv = _FakeHipDriver(device=1)
+    ops = GpuWordOps(drv, hip=True, device_index=0)
+    errors = []
+
+    def worker():
+        try:
+            ops.write(0x5, 0xD000, 1)
+            ops.wait_geq(0x5, 0xD000, 1)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert errors == [] and drv.ops == [("hipStreamWriteValue64", 1), ("hipStreamWaitValue64", 1)]
+
+
+def test_a_thread_bound_by_a_null_stream_operation_is_not_asked_again():
+    """A thread torch never bound gets this device's context at its first NULL-stream operation (_make_current); its
+    later operations on a stream of its own know it has one, without the driver's query (_any_context)."""
+    drv = _FakeCudaDriver()
+    asked = []
+    real_get = drv.cuCtxGetCurrent
+    drv.cuCtxGetCurrent = lambda *args: (asked.append(1), real_get(*args))[1]
+    ops = GpuWordOps(drv, hip=False, device_index=1)
+
+    def worker():
+        drv.switch(None)
+        ops.write(0, 0xD000, 1)
+        ops.write(0x5, 0xD000, 2)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert len(asked) == 1 and drv.retained == [1]
+    assert drv.ops == [("cuStreamWriteValue64_v2", 1), ("cuStreamWriteValue64_v2", 1)]
+
+
+def test_hip_null_stream_operations_give_device_0_back_to_a_caller_on_it():
+    """The device to restore is an index, and 0 (the caller's usual one) is one too: left unrestored, the caller's
+    later allocations and launches went to this ops' GPU."""
+    drv = _FakeHipDriver(device=0)
+    gpu1 = GpuWordOps(drv, hip=True, device_index=1)
+    _null_stream_calls(gpu1)
+    assert [dev for _, dev in drv.ops] == [1, 1, 1, 1, 1] and drv.device == 0
