@@ -28,13 +28,16 @@ STREAM = "the graphs' stream"
 class Event:
     """The part of torch.cuda.Event that _fill uses; each call goes to the rig's log with its slot."""
 
-    def __init__(self, log: list, slot: int) -> None:
-        self.log, self.slot = log, slot
+    def __init__(self, log: list, slot: int, copied=None) -> None:
+        self.log, self.slot, self.copied = log, slot, copied
 
     def synchronize(self) -> None:
         self.log.append(("wait", self.slot))
 
     def record(self, stream) -> None:
+        # Recorded after the slot's copy is queued, or the wait on it would not cover that copy: the host
+        # would rewrite the pinned slot while the copy may still read it.
+        assert self.copied is None or self.copied(), "event recorded before the copy it stands for"
         self.log.append(("record", self.slot, stream))
 
 
@@ -59,11 +62,12 @@ class CpuGraphs(StepGraphs):
 
     def _buffers(self, R: int, width: int, embeds: torch.Tensor | None) -> _Graph:
         packed = _Packed(R, width)
+        meta = torch.zeros(packed.nbytes, dtype=torch.uint8)
         staging = []
         for slot in range(2):
             host = torch.zeros(packed.nbytes, dtype=torch.uint8)
-            staging.append((host, packed.views(host.numpy()), Event(self.log, slot)))
-        meta = torch.zeros(packed.nbytes, dtype=torch.uint8)
+            copied = (lambda host=host: torch.equal(meta, host))  # the rig's copies are synchronous
+            staging.append((host, packed.views(host.numpy()), Event(self.log, slot, copied)))
         if embeds is None:
             embeds = torch.zeros(packed.n, HIDDEN)
         return _Graph(Graph(), embeds, meta, packed.views(meta), staging, torch.empty(0))
@@ -228,3 +232,96 @@ def test_a_capture_that_fails_keeps_no_graph_and_the_next_step_captures_again():
     out = graphs.run(e, h, kv)
     g = graphs._graphs[(2, False)]
     assert graphs.captures == 2 and g.graph.replays == 0 and torch.equal(out, e + 1)
+
+
+def test_a_step_on_the_captured_region_copies_no_inputs(monkeypatch):
+    """The in-place graph reads the region where the engine wrote the step: copying the rows onto themselves
+    would be a CUDA call on the step's critical path for nothing, the one the in-place graph exists to save."""
+    graphs, kv, h = CpuGraphs(), cache(), host_meta([9, 70], 0)
+    region = torch.randn(Q * 2, HIDDEN)
+    copied_to = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_",
+                        lambda self, src, *a, **kw: copied_to.append(self.data_ptr()) or real(self, src, *a, **kw))
+    graphs.run(region, h, kv, in_place=True)
+    graphs.run(region, h, kv, in_place=True)
+    g = graphs._graphs[(2, True)]
+    assert g.graph.replays == 1 and copied_to and region.data_ptr() not in copied_to  # the metadata's copies only
+    assert set(copied_to) == {g.meta.data_ptr()}
+
+
+def test_launch_streams_makes_streams_only_for_two_or_more():
+    """One stream runs the launch groups in order on the caller's stream: no stream of its own is made for it."""
+    import unittest.mock
+
+    from dspark_sidecar.server.graphs import launch_streams
+
+    dev = torch.device("cuda", 0)
+    with unittest.mock.patch.object(torch.cuda, "Stream", side_effect=lambda device: ("stream", device)) as made:
+        assert launch_streams(0, dev) == [] and launch_streams(1, dev) == [] and made.call_count == 0
+        assert launch_streams(3, dev) == [("stream", dev)] * 3
+
+
+def test_a_capture_runs_the_step_once_on_a_side_stream_then_captures_it_thread_local_with_the_collector_off(
+        monkeypatch):
+    """StepGraphs._capture itself (CpuGraphs replaces it), on stand-ins for CUDA's streams and capture: the warm-up
+    step runs on a side stream after this step's staged copies (main) and main waits for it before the answer's
+    copy reads it; the capture runs in thread_local mode (another thread's RegisterBuffers must not invalidate
+    it) with the collector off (run 267); the answer is the warm-up's output, the capture executing nothing."""
+    import contextlib
+    import gc
+
+    log: list = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: "Stream") -> None:
+            log.append(("wait", self.name, other.name))
+
+    class Out:
+        def __init__(self, what: str) -> None:
+            self.what = what
+
+        def record_stream(self, s: Stream) -> None:
+            log.append(("record_stream", self.what, s.name))
+
+    current = [Stream("main")]
+
+    @contextlib.contextmanager
+    def on(stream: Stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    @contextlib.contextmanager
+    def graph(g, capture_error_mode="global"):
+        log.append(("capture", capture_error_mode, gc.isenabled()))
+        with on(Stream("capture")):
+            yield
+        log.append(("captured",))
+
+    def draft_step(embeds, positions, meta, kv, attn=None, streams=()):
+        what = "warm-up" if not any(e[0] == "capture" for e in log) else "graph"
+        log.append(("step", current[-1].name, gc.isenabled(), what))
+        return Out(what)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("side"))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    graphs = StepGraphs.__new__(StepGraphs)
+    graphs.model = SimpleNamespace(device=torch.device("cpu"), draft_step=draft_step)
+    graphs.streams, graphs._graphs, graphs.captures = [], {}, 0
+    packed = _Packed(2, window_width(PAGE, WINDOW))
+    g = SimpleNamespace(graph="the graph", embeds=torch.zeros(packed.n, HIDDEN), out=None,
+                        views=packed.views(torch.zeros(packed.nbytes, dtype=torch.uint8)))
+    assert gc.isenabled()
+    out = graphs._capture(g, cache())
+    assert log == [("wait", "side", "main"), ("step", "side", True, "warm-up"), ("wait", "main", "side"),
+                   ("record_stream", "warm-up", "main"),
+                   ("capture", "thread_local", False), ("step", "capture", False, "graph"), ("captured",)]
+    assert out.what == "warm-up" and g.out.what == "graph" and graphs.captures == 1 and gc.isenabled()

@@ -94,6 +94,10 @@ def test_warm_sizes_cover_every_launch_group_of_every_request_count(streams, max
     assert sizes and max(sizes) <= max_reqs and sizes == sorted(set(sizes)), sizes
     want = set().union(*(launched(R) for R in range(1, max_reqs + 1)))
     assert set().union(*(launched(R) for R in sizes)) == want
+    # And no step more: each is a full step of start-up time (collectives included), so each launches a shape
+    # that no smaller size did (every R up to 256 at 4 streams: 256 steps for the 29 that cover them).
+    for i, R in enumerate(sizes):
+        assert launched(R) - set().union(set(), *(launched(r) for r in sizes[:i])), (R, sizes)
 
 
 def test_a_cpu_rank_warms_up_with_one_step_as_before():
@@ -118,3 +122,74 @@ def test_the_warm_up_steps_run_with_the_graphs_window_metadata(model, tiny_cfg, 
     assert secs > 0
     assert [o.shape[0] for o in outs] == [layout.QPR, 9 * layout.QPR]
     assert all(bool(torch.isfinite(o).all()) for o in outs)
+
+
+def _stub_steps(model, monkeypatch) -> list:
+    """model.draft_step recording each call's (rows, table width, cache page size, attn given, streams)."""
+    calls = []
+
+    def draft_step(embeds, positions, meta, kv, attn=None, streams=()):
+        a_meta = attn[1] if attn is not None else meta
+        calls.append((embeds.shape[0], a_meta.block_tables.shape[1], kv[0].shape[2], attn is not None, streams))
+        return torch.zeros(embeds.shape[0], model.cfg.hidden_size)
+
+    monkeypatch.setattr(model, "draft_step", draft_step)
+    return calls
+
+
+def test_the_warm_up_steps_launch_on_the_graphs_streams_as_theirs_do(model, tiny_cfg, tiny_embed, monkeypatch):
+    """With graphs, each step runs its launch groups side by side on the graphs' streams (StepGraphs._step):
+    a step launched in order compiles the attention for one group on the whole GPU, not the graphs' share."""
+    calls = _stub_steps(model, monkeypatch)
+    ctx = RankContext(0, 1, tiny_cfg, model, tiny_embed, None, Metrics(0), 17)
+    streams = ["stream 0", "stream 1"]
+    warmup.warm_up(ctx, sizes=[1, 17], graphs=SimpleNamespace(streams=streams))
+    width = window_width(warmup.WARM_PAGE_SIZE, tiny_cfg.sliding_window)
+    assert calls == [(7, width, 16, True, streams), (17 * 7, width, 16, True, streams)]
+    calls.clear()
+    warmup.warm_up(ctx, sizes=[1], graphs=None)  # no graphs: the absolute metadata, in order
+    assert [c[3:] for c in calls] == [(False, ())]
+
+
+def test_a_warm_up_of_another_page_size_addresses_its_steps_by_that_page_size(model, tiny_cfg, tiny_embed,
+                                                                             monkeypatch):
+    """page_size: the scratch cache's pages and the window tables' width both follow it (warm_up's argument)."""
+    calls = _stub_steps(model, monkeypatch)
+    ctx = RankContext(0, 1, tiny_cfg, model, tiny_embed, None, Metrics(0), 8)
+    warmup.warm_up(ctx, page_size=8, sizes=[3], graphs=SimpleNamespace(streams=[]))
+    assert calls == [(21, window_width(8, tiny_cfg.sliding_window), 8, True, [])]
+
+
+def _fake_gpu_rank(monkeypatch, log: list) -> SimpleNamespace:
+    """A RankContext stand-in on "cuda:0" with no GPU: steps, the scratch cache and the device sync go to `log`."""
+    class OnHost:  # a stand-in for a host tensor: .to(the GPU) is itself here
+        def to(self, *a):
+            return self
+
+    model = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, par=SimpleNamespace(world_size=1),
+                            draft_step=lambda *a, **kw: log.append("step"))
+    step = SimpleNamespace(inputs_embeds=OnHost(), positions=OnHost(), meta=OnHost())
+    monkeypatch.setattr(warmup, "allocate_kv_cache", lambda cfg, world, pages, *a: log.append(("cache", pages)))
+    monkeypatch.setattr(warmup.scenario, "random_step", lambda *a, **kw: step)
+    monkeypatch.setattr(warmup.torch.cuda, "synchronize", lambda device=None: log.append(("synchronize", device)))
+    return SimpleNamespace(cfg=SimpleNamespace(sliding_window=64), model=model, embed=None)
+
+
+def test_a_gpu_warm_up_reports_its_time_once_the_device_has_run_its_steps(monkeypatch):
+    """Launches are asynchronous: the seconds logged (and the start-up barrier after them) count the steps'
+    device time only when the warm-up waits for the device before it reads the clock."""
+    log = []
+    ctx = _fake_gpu_rank(monkeypatch, log)
+    monkeypatch.setattr(warmup, "time", SimpleNamespace(perf_counter=lambda: log.append("clock") or float(len(log))))
+    secs = warmup.warm_up(ctx, sizes=[1, 2], graphs=None)
+    assert log[1:] == ["clock", "step", "step", ("synchronize", torch.device("cuda", 0)), "clock"] and secs == 4.0
+
+
+def test_the_scratch_cache_stays_small_at_any_max_reqs(monkeypatch):
+    """Past LAUNCH_REQS requests the warm contexts repeat: a step of MAX_REQS_LIMIT requests needs at most as
+    many pages as that many of the longest (1 + 37 * 7 rows, its 7 block rows, at pages of 16: 17 pages)."""
+    log = []
+    ctx = _fake_gpu_rank(monkeypatch, log)
+    warmup.warm_up(ctx, sizes=[layout.MAX_REQS_LIMIT], graphs=None)
+    (what, pages), *_ = log
+    assert what == "cache" and pages <= layout.MAX_REQS_LIMIT * 17
