@@ -110,7 +110,10 @@ def watch_peers(board: Board, rank: int, life: Lifecycle, publish: Callable[[], 
         elif life.silent_peers.keys() - exited.keys():  # not when the silent peer(s) have exited instead
             log.info("rank %d: every peer rank signals again", rank)
     changed = silent.keys() != life.silent_peers.keys() or exited.keys() != life.exited_peers.keys()
-    life.silent_peers, life.exited_peers = silent, exited
+    # The exited ones first: a publish on another thread (BindKV, a lease's end, a compile) may read them between the
+    # two stores, and a silent peer that has exited leaves `silent` as it joins `exited`. Recorded the other way round,
+    # that publish found no peer out and set SERVING. (Exits are for good: `exited` only grows.)
+    life.exited_peers, life.silent_peers = exited, silent
     if changed or silent:  # while silent, publish again: the reason's seconds grow
         publish()
 

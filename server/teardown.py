@@ -74,6 +74,7 @@ def _tear_down(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grp
         servicer.close_doorbell()
     stage[0] = "the gRPC server"
     server.stop(grace=SERVER_GRACE_S).wait()  # then refuse new calls and end the streams
+    stage[0] = "the engines' leases"  # a release already running is waited for (on the device, maybe)
     # Engines read end of file: the next sidecar hands out leases of its own. With a step stuck, a lease's release
     # waiting for the loop that step holds is not waited for: joined, it hung the teardown past the exit below.
     servicer.close_leases(0.0 if stuck else None)
@@ -99,4 +100,7 @@ def _tear_down(rank: int, servicer: DrafterServicer, loop: RankLoop, server: grp
         board.unlink()  # a thread still reads it: its mapping goes with the process (Rendezvous.close)
     stage[0] = f"destroying the {dist.get_backend()} process group"
     dist.destroy_process_group()
+    # The watchdog stays: it bounds the interpreter's exit too (a thread that holds it), which its line must not
+    # blame on the group's destroy, done by then.
+    stage[0] = "the process's exit, after the teardown"
     log.info("rank %d: stopped", rank)

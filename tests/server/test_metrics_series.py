@@ -165,3 +165,20 @@ def test_latencies_are_summarised_outside_the_lock_steps_count_under(monkeypatch
     (lat,) = m.latencies_pb()
     assert held == [False, False], held
     assert (lat.count, lat.p50_ns, lat.p99_ns) == (3, 3, 5)
+
+
+def test_latencies_read_every_phase_s_window_as_one_snapshot():
+    """latencies_pb copies the windows under the lock step() appends a step's phases under: copied without it, a
+    GetStatus could hold a step's `total` sample without its `queue` one (phases' counts that no set of steps gave)."""
+    import threading
+
+    m = Metrics(0, window=8)
+    m.step("ok", {"total": 5, "queue": 1})
+    got = []
+    with m._lock:  # a step's phases being appended
+        reader = threading.Thread(target=lambda: got.append(m.latencies_pb()))
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive() and not got  # waits for the step's samples
+    reader.join(5)
+    assert [(s.name, s.count) for s in got[0]] == [("queue", 1), ("total", 1)], got

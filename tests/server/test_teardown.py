@@ -262,3 +262,28 @@ def test_the_watchdog_s_line_names_the_stage_the_teardown_is_stuck_in(rig, caplo
         rig.run()
     assert rig.calls == ["doorbell", "steps", "exit 0"], rig.calls
     assert "rank 0: teardown exceeded 30 s in the steps in flight; exiting" in caplog.text, caplog.text
+
+
+def test_the_watchdog_s_line_names_the_leases_close_not_the_server_s_stop(rig, caplog):
+    """close_leases waits for a lease's release already running (LeaseKeeper.close, no bound outside a stuck step),
+    which may wait on the device: past the limit there, the line blamed the gRPC server's stop, which had ended."""
+    def limit_passes(wait_s=None):
+        rig.calls.append("leases")
+        _Watchdog.made[-1].function()  # the limit passes while a release is waited for
+
+    rig.servicer.close_leases = limit_passes
+    with caplog.at_level(logging.WARNING, logger="dspark_sidecar.server"), pytest.raises(Exited):
+        rig.run()
+    assert rig.calls[-2:] == ["leases", "exit 0"], rig.calls
+    assert "teardown exceeded 30 s in the engines' leases; exiting" in caplog.text, caplog.text
+
+
+def test_the_watchdog_past_a_finished_teardown_does_not_blame_its_last_stage(rig, caplog):
+    """The watchdog stays running past the teardown, to bound the interpreter's exit too (a thread that holds it):
+    firing then, its line named the process group's destroy, which had ended ("rank 0: stopped" logged above it)."""
+    with caplog.at_level(logging.INFO, logger="dspark_sidecar.server"):
+        rig.run()
+        with pytest.raises(Exited):
+            _Watchdog.made[-1].function()
+    line = [r.getMessage() for r in caplog.records if "teardown exceeded" in r.getMessage()]
+    assert line == ["rank 0: teardown exceeded 30 s in the process's exit, after the teardown; exiting"], line
