@@ -43,6 +43,14 @@ def test_a_context_without_an_exchange_is_refused_by_name():
         agreement_from(type("Par", (), {"world_size": 2})())
 
 
+def test_an_exchange_without_a_group_is_refused_by_name():
+    """The engine harness's thread exchange (helpers/ranks.py) sums partials but has no CPU group: a TypeError
+    naming the context, not an AttributeError from inside node_agreement."""
+    par = type("Par", (), {"world_size": 2, "exchange": type("ThreadExchange", (), {})()})()
+    with pytest.raises(TypeError, match="cannot build a step agreement from Par"):
+        agreement_from(par)
+
+
 def test_a_parallel_context_agrees_over_its_exchange_s_group_for_as_long_as_the_engine_config_says(monkeypatch):
     """The group is the engine's TP CPU group (vLLM's of a second DP or PP replica is not the default group), and the
     wait is EngineConfig.agreement_timeout_s: the default group's page agreed with ranks of other replicas, and one
@@ -87,3 +95,28 @@ def test_one_rank_s_values_come_back_as_they_are_with_nothing_asked_of_its_agree
             raise AssertionError("an agreement asked of one rank")
 
     assert all_min_ints(OneRank(), [1, -0, 1 << 62, -(1 << 63)]) == [1, 0, 1 << 62, -(1 << 63)]
+
+
+def test_an_agreement_s_own_integer_path_is_taken_at_tp_above_one():
+    """ShmAgreement (and the plug-in's context) agree on host integers themselves: all_min_ints hands the values to
+    it, building and reading no tensor (two of those cost several us of the shim's step)."""
+    class Page:
+        world_size = 2
+
+        def all_min(self, values):
+            raise AssertionError("a tensor agreement asked of one that agrees on integers")
+
+        def all_min_ints(self, values):
+            return [v - 1 for v in values]
+
+    assert all_min_ints(Page(), [5, -(1 << 63) + 1, (1 << 63) - 1]) == [4, -(1 << 63), (1 << 63) - 2]
+
+
+def test_a_gloo_agreement_reduces_over_its_own_group_not_the_world():
+    """vLLM's TP group of one DP replica is not the default group: each rank's MIN and world size are its group's.
+    Two ranks, a group each, all-reducing at once: over the default group they would pair up and take each other's
+    values (timeout_s: a collective unmatched fails the test instead of hanging it)."""
+    from helpers.agreement_ranks import own_group
+    from helpers.ranks import run_ranks
+
+    assert run_ranks(2, own_group, timeout_s=60) == [(1, [0, 0]), (1, [1, -1])]

@@ -63,3 +63,14 @@ def test_a_sidecar_step_error_reason_names_its_code():
 def test_a_sidecar_refuses_for_good_only_outside_its_transient_states(state, refusal, want):
     status = pb.StatusReport(serving=state == "SERVING", state=state, fast_path_refusal=refusal)
     assert reasons.sidecar_refusal(status) == want
+
+
+# Written out, not read from reasons.TRANSIENT_STATES: the states sidecar.proto names as passing (LOADING, DRAINING,
+# PEER_SILENT, STEP_STUCK), the lifecycle's others, and "" (a status that names no state: an older sidecar's).
+@pytest.mark.parametrize("state", ["", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING", "PEER_SILENT",
+                                   "STEP_STUCK"])
+def test_no_transient_state_is_a_refusal_whatever_fast_path_refusal_says(state):
+    """A sidecar not serving for a while names why its fast path is not in use ("no engine bound yet (...)" before
+    any BindKV): read as a refusal for good, the shim turned off for the process on a sidecar about to serve."""
+    status = pb.StatusReport(serving=False, state=state, fast_path_refusal="no engine bound yet (host checks pass)")
+    assert reasons.sidecar_refusal(status) is None

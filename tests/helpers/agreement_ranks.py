@@ -220,3 +220,12 @@ def peer_deserted(rank: int, port: int, errors, names, opened) -> None:
     else:
         errors.put("rank 1: shared_page_agreement returned with its peer gone")
     os._exit(0)  # the group cannot be destroyed cleanly with its peer gone
+
+
+def own_group(rank: int, world: int) -> tuple[int, list[int]]:
+    """For tests/client/test_agreement.py (helpers.ranks.run_ranks): each global rank agrees over a gloo group of
+    its own, as the TP group of one of several DP replicas. Its (world_size, MIN) must be its group's, not the
+    world's: both ranks all-reduce at once, so an all-reduce over the default group pairs up and mixes them."""
+    groups = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes each
+    agree = DistAgreement(groups[rank])
+    return agree.world_size, agree.all_min(torch.tensor([rank, -rank])).tolist()
