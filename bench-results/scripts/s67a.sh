@@ -5,7 +5,7 @@
 # shellcheck source=bench-results/scripts/device-env.sh
 source "$(dirname "$0")/device-env.sh"
 mkdir -p /tmp/base-pkg && ln -sfn "$PWD/.base317" /tmp/base-pkg/dspark_sidecar
-flags=(bench --modes c,h --reqs 1,8 --contexts 4096 --repeats 100 --shim-phases)
+flags=(bench --modes "c,h" --reqs "1,8" --contexts 4096 --repeats 100 --shim-phases)
 for round in 1 2; do
   for tree in base new; do
     if [ "$tree" = base ]; then pp=/tmp/base-pkg:/tmp/dspark-site; else pp=/tmp/new-pkg:/tmp/dspark-site; fi
