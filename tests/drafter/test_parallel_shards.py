@@ -92,6 +92,28 @@ def test_row_parallel_partials_summed_over_ranks_equal_the_full_output_with_the_
     torch.testing.assert_close(total, residual + x @ src.weights["o"].T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_rank_0_with_accumulate_sums_into_the_residual_it_was_given(world):
+    """accumulate is handed on to Ops.linear: rank 0's partial is written over its (dead) residual and that
+    tensor is what the exchange sums and the layer returns, no new one (DecoderLayer's residual stream
+    relies on it: a GPU backend then copies nothing). Without accumulate the residual is left alone."""
+    gen = torch.Generator().manual_seed(5)
+    src = Source(_weights(gen, o=(6, 16)))
+    x = torch.randn(3, 16, generator=gen, dtype=F32)
+    residual = torch.randn(3, 6, generator=gen, dtype=F32)
+    ex = Recording()
+    par = ParallelContext(0, world, ex)
+    lin = RowParallelLinear(16, 6, par, REFERENCE_OPS, F32, "cpu")
+    lin.load(src, "o")
+    part = x[:, par.shard(16)]
+    kept = residual.clone()
+    y = lin(part, residual=kept)
+    assert y is not kept and torch.equal(kept, residual)
+    acc = residual.clone()
+    y_acc = lin(part, residual=acc, accumulate=True)
+    assert y_acc is acc and torch.equal(acc, y)
+
+
 def test_rank_2_of_4_reads_its_own_quarter_and_a_replicated_weight_whole():
     src = Source(_weights(torch.Generator().manual_seed(2), q=(16, 8), k=(8, 8), o=(8, 16), fc=(4, 8)))
     par = ParallelContext(2, 4, Recording())

@@ -249,6 +249,25 @@ def test_attention_scale_multiplies_the_scores():
     assert out[:, 0, 0].tolist() == pytest.approx([want] * 7, abs=1e-5)
 
 
+def test_linear_rounds_the_product_before_the_residual_add_and_accumulates_in_place():
+    """reference.linear's contract (the Triton GEMM's epilogue is held to it): with a residual, y = x @ W^T is
+    rounded to x.dtype first, then added (two roundings, as `residual + linear(x)`); with accumulate the sum is
+    written over the residual, which is returned (the layers rely on it to skip a copy), same bits.
+
+    bf16: x @ W^T = 1 + 2^-8 is a tie that rounds to 1, and 1 + 2^-8 (the residual) again to 1; rounded once,
+    1 + 2^-8 + 2^-8 = 1 + 2^-7 is a bf16 value. Two roundings give 1.0, one gives 1.0078125."""
+    bf16 = torch.bfloat16
+    x = torch.tensor([[1.0, 1.0]], dtype=bf16)
+    w = torch.tensor([[1.0, 2.0 ** -8]], dtype=bf16)
+    res = torch.tensor([[2.0 ** -8]], dtype=bf16)
+    y = reference.linear(x, w, res)
+    assert y.dtype == bf16 and y.float().tolist() == [[1.0]]
+    assert res.float().tolist() == [[2.0 ** -8]]  # not accumulating: the residual is left as it was
+    acc = res.clone()
+    out = reference.linear(x, w, acc, accumulate=True)
+    assert out is acc and acc.dtype == bf16 and acc.float().tolist() == [[1.0]]
+
+
 def test_mxfp8_blocks_run_along_the_input_dim_with_bias_127():
     """weight [2, 64] = 2 rows x 2 blocks of 32 along the input (column) dim; scale [2, 2] U8 E8M0,
     value v meaning 2^(v - 127): row 0 blocks x 1 and x 8, row 1 blocks x 2^-7 and x 1."""
