@@ -490,7 +490,9 @@ def test_a_fault_or_harness_value_the_ranks_would_never_use_or_fail_on_is_refuse
     for bad, why in (({"rounds": 2.5}, "rounds"), ({"num_pages": 8.0}, "num_pages"), ({"tp": True}, "tp"),
                      ({"progress_every": -1}, "progress_every"), ({"tp": 3}, "not divisible by TP size 3"),
                      ({"transport": "bogus"}, "transport"), ({"step_deadline_s": 0}, "step_deadline_s"),
-                     ({"late_grace_s": float("inf")}, "late_grace_s"), ({"required_tp": 0}, "required_tp")):
+                     ({"late_grace_s": float("inf")}, "late_grace_s"), ({"required_tp": 0}, "required_tp"),
+                     ({"kv_dtype": "fp16"}, "kv_dtype"), ({"kv_layout": "rows"}, "kv_layout"),
+                     ({"dtype": "fp16"}, "dtype"), ({"device": "gpu"}, "device")):
         with pytest.raises(ValueError, match=why):
             HarnessConfig(**(ok | bad))
     HarnessConfig(**ok, progress_every=0, required_tp=2, transport="doorbell")  # usable values stay usable
@@ -569,7 +571,6 @@ def test_a_failed_run_leaves_no_unreaped_rank_nor_torch_s_error_file(tiny_ckpt, 
     """A rank that raised left torch's pytorch-errorfile-*.pickle (its traceback) in $TMPDIR, one per failed run;
     a rank that did not unwind in time was SIGKILLed and never waited for: a zombie until this process next
     started one or exited."""
-    import os
     import tempfile
 
     from torch.multiprocessing import ProcessRaisedException
@@ -621,6 +622,11 @@ def test_verify_mode_finds_a_wrong_hidden_state_draft_token_or_kv_row(tiny_ckpt,
         t[0, slot // t.shape[2], slot % t.shape[2]] += 1.0
         return out
 
+    def v_row(rank, out, meta):  # one block row's V, one layer: the V plane is compared too
+        t, slot = rank._layers()[0], int(meta.slot_mapping[-1])
+        t[1, slot // t.shape[2], slot % t.shape[2]] -= 1.0
+        return out
+
     def hidden(_rank, out, _meta):  # a little off: the same tokens
         return out + torch.zeros_like(out).index_fill_(0, torch.tensor([2]), 1e-3)
 
@@ -635,6 +641,8 @@ def test_verify_mode_finds_a_wrong_hidden_state_draft_token_or_kv_row(tiny_ckpt,
     assert clean["decisions"] == "FFF" and clean["compared"] == 3
     assert [clean[f] for f in fields] == [0, 0, 0] and clean["max_hidden_diff"] == clean["max_kv_diff"] == 0.0
     got = run(kv_row)
+    assert [got[f] for f in fields] == [0, 0, 3] and got["max_kv_diff"] > 0.5
+    got = run(v_row)
     assert [got[f] for f in fields] == [0, 0, 3] and got["max_kv_diff"] > 0.5
     got = run(hidden)
     assert [got[f] for f in fields] == [3, 0, 0] and 0 < got["max_hidden_diff"] < 1e-2
@@ -681,6 +689,34 @@ def test_a_break_stream_fault_arms_its_rank_s_hook_for_its_round_only(tiny_ckpt,
 
     rank.shim.maybe_forward = forward
     assert rank.run()["decisions"] == "LLL" and armed == [False, True, False]
+    other = EngineRank(h, 0)  # the same fault, seen by another rank of the group: its stream stays whole
+    other.rank, armed[:] = 1, []
+
+    def forward_other(_ids, _pos):
+        armed.append(other.shim.fault_hook is not None)
+        return None
+
+    other.shim.maybe_forward = forward_other
+    assert other.run()["decisions"] == "LLL" and armed == [False, False, False]
+
+
+def test_a_fallback_round_is_named_by_the_reason_counted_in_it(tiny_ckpt, tmp_path):
+    """The reason of a local round is the fallback counter that moved in it, not the first one the shim ever
+    counted (the warm-up's capture, before round 0, would have named every later round's fallback)."""
+    h = _short_harness(tiny_ckpt, rounds=4, required_tp=1, socket_dir=str(tmp_path / "none"), warmup_calls=False)
+    rank = EngineRank(h, 0)
+    stats = rank.shim.stats
+    stats.fallbacks["CUDA graph capture"] += 1  # counted before round 0, as the warm-up's capture pass is
+    why = iter(["", "R outside 1..max_reqs", "", "sidecar ABORTED"])
+
+    def forward(_ids, _pos):  # a refusal in rounds 1 and 3; rounds 0 and 2 run locally with no reason counted
+        reason = next(why)
+        if reason:
+            stats.fallbacks[reason] += 1
+        return None
+
+    rank.shim.maybe_forward = forward
+    assert rank.run()["reasons"] == ["", "R outside 1..max_reqs", "", "sidecar ABORTED"]
 
 
 def test_a_nan_stays_in_the_largest_exact_differences_and_counts_as_a_mismatch():
@@ -715,3 +751,56 @@ def test_a_pause_holds_the_ranks_while_on_pause_runs(tiny_ckpt, tmp_path):
     assert run_engine(_short_harness(tiny_ckpt, faults=(Fault(1, "pause"),)), tmp_path, on_pause=on_pause,
                       timeout_s=300)[0]["decisions"] == "LLL"
     assert not finished, "the rank drafted on while on_pause ran"
+
+
+def test_a_mix_whose_counts_are_not_whole_numbers_is_refused():
+    """max_active and the prompt and budget ranges are counts: max_active 2.5 passed the `>= 1` check and the
+    first burst failed in range() ("'float' object cannot be interpreted as an integer"); a long_prompt of
+    (4000.0, 4120) gave request 0 a float position, and a short_prompt of (1.5, 20) failed in randint, each in
+    every engine rank mid-run, after it had mapped its KV cache (as HarnessConfig's rounds 2.5 did)."""
+    for bad, name in (({"max_active": 2.5}, "max_active"), ({"max_active": True}, "max_active"),
+                      ({"long_prompt": (4000.0, 4120)}, "long_prompt"), ({"short_prompt": (1.5, 20)}, "short_prompt"),
+                      ({"mid_prompt": (300, 1200.0)}, "mid_prompt"), ({"budget": (True, 3)}, "budget")):
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            MixConfig(**bad)
+    w = Workload(MixConfig(max_active=3, burst_p=1.0, long_prompt=(40, 40), budget=(2, 3)), vocab=2048,
+                 page_size=16, num_pages=64)  # whole numbers, as before
+    w.admit()
+    assert len(w.admit()) == 2 and w.active[0].pos == 40
+
+
+def test_an_answer_of_another_dtype_is_a_mismatch_even_where_its_values_are_the_same():
+    """The reference backend must give the same bits: a bf16 answer to an fp32 step whose values bf16 holds exactly
+    compares equal once cast, and K/V rows of another 1-byte type (uint8 codes for float8) as bytes."""
+    drafts = torch.zeros(1, 7, dtype=torch.int64)
+    local, kv = torch.tensor([[0.5, -2.0]]), torch.tensor([[1.0, 0.25]]).to(torch.float8_e4m3fn)
+    rec = Record()
+    rec.compare(local.to(torch.bfloat16), local, drafts, drafts, kv, kv)
+    assert (rec.hidden_mismatch, rec.kv_mismatch, rec.max_hidden_diff) == (1, 0, 0.0)
+    rec.compare(local, local, drafts, drafts, kv.view(torch.uint8), kv)
+    assert (rec.hidden_mismatch, rec.kv_mismatch) == (1, 1)
+
+
+def test_the_simulated_verify_accepts_a_prefix_of_every_length():
+    """accepted() stands for the target's verify: the drafts up to the first rejected one. An engine that always
+    accepted all 7 (or none) never committed a partial block, the case where the next anchor's position and the
+    block rows left as scratch differ from one request to the next."""
+    w = Workload(_short_mix(max_active=1), vocab=2048, page_size=16, num_pages=64)
+    (req,) = w.admit()
+    seen, gen = set(), torch.Generator().manual_seed(0)
+    for rnd in range(200):
+        drafts = torch.randint(0, 2048, (layout.QPR,), generator=gen).tolist()
+        a = w.accepted(req, drafts, rnd)
+        seen.add(a)
+        if a < layout.QPR:  # a prefix: the drafts after the rejected one do not change the answer
+            assert w.accepted(req, drafts[: a + 1] + [d + 1 for d in drafts[a + 1 :]], rnd) == a
+    assert seen == set(range(layout.QPR + 1)), seen
+
+
+def test_mid_and_long_probabilities_summing_to_one_draw_no_short_prompt():
+    """mid_p + long_p = 1 is a mix of mid and long prompts only: the mid band is [long_p, long_p + mid_p)."""
+    w = Workload(MixConfig(seed=4, first_long=False, mid_p=0.5, long_p=0.5, mid_prompt=(300, 400),
+                           long_prompt=(500, 600)), vocab=2048, page_size=16, num_pages=64)
+    lens = [w._prompt_len() for _ in range(200)]
+    assert all(300 <= n <= 600 for n in lens)
+    assert any(n <= 400 for n in lens) and any(n >= 500 for n in lens)
