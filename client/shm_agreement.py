@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dspark_sidecar.proto import doorbell as bell
-from dspark_sidecar.proto.memory import AttachedSegment, new_segment
+from dspark_sidecar.proto.memory import AttachedSegment, new_segment, unlink_segment
 
 MAX_VALUES = 8  # integers per agreement (the shim's largest has 5)
 SPIN_S = 30e-6  # poll without sleeping this long first: the ranks run the same step and arrive close together
@@ -153,11 +153,14 @@ def shared_page_agreement(group: dist.ProcessGroup | None = None,
         # long as the process lived (its resource tracker unlinks it only at exit), as each rank's mapping was.
         if seg is not None:
             if rank == 0:
-                seg.unlink()
+                unlink_segment(seg, "engine ranks' agreement page")
             seg.close()
         raise
     if rank == 0 and seg is not None:
-        seg.unlink()  # the name is no longer needed, and nothing can leak it
+        # The name is no longer needed, and nothing can leak it. Removed by someone else meanwhile (an operator
+        # cleaning /dev/shm, systemd's RemoveIPC): a warning, not FileNotFoundError out of the set-up (the drafter's
+        # first forward) while the peers, which have mapped the page, go on with it.
+        unlink_segment(seg, "engine ranks' agreement page")
     refusals = [f"rank {r}: {w}" for r, w in enumerate(verdicts) if w]
     if refusals:
         if seg is not None:

@@ -282,6 +282,51 @@ def test_the_page_s_name_leaves_dev_shm_once_every_rank_has_mapped_it(tmp_path, 
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("peer_gone", [False, True])
+def test_a_page_whose_name_someone_else_removed_during_the_set_up_raises_nothing_of_it(tmp_path, monkeypatch, caplog,
+                                                                                        peer_gone):
+    """An operator cleaning /dev/shm, or systemd's RemoveIPC, may remove the page's name while the ranks set it up
+    (memory.unlink_segment's case). Every rank has mapped it by then, and a mapping outlives its name: the page is
+    used. Rank 0's own removal of the name raised FileNotFoundError out of the set-up instead, out of the drafter's
+    first forward, while its peers went on with the page; with a peer gone as well, it hid gloo's error and left
+    the page mapped. One rank in a group of its own; the name goes just before the last collective."""
+    import os
+
+    import torch.distributed as dist
+
+    from dspark_sidecar.client import shm_agreement
+    from helpers.agreement_ranks import mapped
+    from helpers.engine_fakes import recording_shm
+
+    monkeypatch.setattr(shm_agreement.bell, "stores_in_order", lambda: True)
+    real = dist.all_gather_object
+
+    def removed_then(out, obj, group=None):
+        for name in rec.created:
+            os.unlink(f"/dev/shm/{name}")
+        if peer_gone:
+            raise RuntimeError("Connection closed by peer")
+        return real(out, obj, group=group)
+
+    monkeypatch.setattr(shm_agreement.dist, "all_gather_object", removed_then)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with recording_shm() as rec, caplog.at_level("WARNING", logger="dspark_sidecar.memory"):
+            if peer_gone:
+                with pytest.raises(RuntimeError, match="closed by peer"):
+                    shm_agreement.shared_page_agreement()
+                (name,) = rec.created
+                assert not mapped(name), f"rank 0 still maps its page {name} after the set-up's error"
+            else:
+                page, why = shm_agreement.shared_page_agreement()
+                assert page is not None, why
+                assert page.all_min_ints([2, -9]) == [2, -9]  # still mapped
+                page.close()
+        assert "was removed by another process" in caplog.text, caplog.text
+    finally:
+        dist.destroy_process_group()
+
+
 def test_ranks_whose_rank_0_cannot_create_the_page_all_keep_gloo():
     """Rank 0's reason travels as a page name of None: a peer that tried to open it raised (AttributeError)
     out of the set-up instead of agreeing over gloo with rank 0."""

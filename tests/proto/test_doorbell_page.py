@@ -83,6 +83,20 @@ def test_oversized_messages_and_lengths_are_refused():
         bell.Page(np.zeros(bell.HEADER + 2 * 16 - 1, dtype=np.uint8), 16)
 
 
+def test_a_length_one_byte_past_the_area_is_refused_not_cut_to_the_area():
+    """The length word is trusted up to the capacity and not one byte more. A check that let a garbled or hostile
+    peer's length a little past the area through (up to the page's end, say) read no byte outside the area, numpy's
+    slice stops there, but handed back the whole area as the message: bytes nobody wrote as one, cut short."""
+    p = _page(16)
+    full = bytes(range(16))
+    p.write(p.resp_area, full, bell.RESP_LEN, bell.RESP_SEQ, 1)
+    assert p.read(p.resp_area, bell.RESP_LEN) == full  # exactly the area
+    for garbled in (17, 2 * 16):
+        p.words[bell.RESP_LEN] = garbled
+        with pytest.raises(ValueError, match=f"message length {garbled} exceeds the doorbell's 16-byte area"):
+            p.read(p.resp_area, bell.RESP_LEN)
+
+
 def test_wait_until_times_out_and_wakes_on_a_write_from_another_thread():
     p = _page()
     t0 = time.perf_counter()
@@ -436,6 +450,40 @@ def test_a_wake_fifo_name_swapped_for_a_link_after_mkfifo_touches_nothing_it_nam
     with pytest.raises(OSError):
         bell.Waker(path)
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and secret.read_text() == "key"
+
+
+def test_a_wake_fifo_name_swapped_for_a_link_to_another_fifo_after_mkfifo_opens_nothing_it_names(tmp_path,
+                                                                                                     monkeypatch):
+    """The checks on the descriptors see only what was opened: a link to another FIFO (another rank's wake FIFO)
+    passes the first of them, and a link to a device (a tty, which a daemon with no controlling terminal takes as
+    one when it opens it) is opened before any check. Neither of the sidecar's opens may follow the link."""
+    import os
+
+    path, other = str(tmp_path / "rank0.wake1"), str(tmp_path / "rank1.wake1")
+    os.mkfifo(other, 0o660)
+    keep = os.open(other, os.O_RDWR | os.O_NONBLOCK)  # rank 1's own ends
+    target = os.fstat(keep)
+    real_mkfifo, real_open, reached = os.mkfifo, os.open, []
+
+    def mkfifo_then_swap(p, mode=0o666, *a, **k):
+        real_mkfifo(p, mode, *a, **k)
+        os.unlink(p)
+        os.symlink(other, p)
+
+    def open_recording(p, flags, *a, **k):
+        fd = real_open(p, flags, *a, **k)
+        if os.path.samestat(os.fstat(fd), target):
+            reached.append(p)
+        return fd
+
+    monkeypatch.setattr(os, "mkfifo", mkfifo_then_swap)
+    monkeypatch.setattr(os, "open", open_recording)
+    try:
+        with pytest.raises(OSError):
+            bell.Waker(path)
+        assert reached == [], f"the Waker opened rank 1's FIFO through the link at {reached}"
+    finally:
+        os.close(keep)
 
 
 def test_a_wake_fifo_swapped_for_a_link_before_the_engine_opens_it_gets_no_wake_byte(tmp_path, monkeypatch):
