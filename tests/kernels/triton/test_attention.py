@@ -7,6 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
+
 from dspark_sidecar import layout  # noqa: E402
 from dspark_sidecar.drafter.kv_cache import block_slots  # noqa: E402
 from dspark_sidecar.kernels import reference  # noqa: E402
@@ -93,18 +95,23 @@ def test_empty_request_gives_zeros(device, splits):
 @pytest.mark.parametrize("splits", [1, 4], ids=["s1", "s4"])
 def test_table_past_the_used_pages_is_never_read(device, splits, parity):
     """Engines pad block-table rows past a request's pages with anything (-1, stale ids): columns past
-    (seq_len - 1) // page must not be read, nor pages outside the key range. Here every such column
+    (seq_len - 1) // page must not be read, nor pages outside the key range (columns wholly left of
+    the first row's window, here request 5's first two). Here every such column
     names a page of NaNs or a page id far past the cache, with lengths at page and window edges
     (R = 6, pages of 5, window 17) and an fp8 cache: one read of them makes the output NaN or crashes."""
     contexts, page, window = [0, 3, 8, 17, 10, 26], 5, 17
     q, kv, positions, seq_lens, tables, _, scale = _step(contexts, 4, 1, 32, page, window, torch.bfloat16, device, seed=2)
     kv = kv.cpu()
     tables = torch.cat([tables.cpu(), torch.zeros(len(contexts), 2, dtype=torch.int32)], dim=1)
-    used = {int(p) for i, s in enumerate(seq_lens.tolist()) for p in tables[i, : -(-s // page)]}
+    cols = [(max(0, c - (window - 1)) // page, -(-s // page)) for c, s in zip(contexts, seq_lens.tolist())]
+    used = {int(p) for i, (first, end) in enumerate(cols) for p in tables[i, first:end]}
     spare = [p for p in range(kv.shape[1]) if p not in used]
     kv[:, spare] = float("nan")
-    for i, s in enumerate(seq_lens.tolist()):
-        tables[i, -(-s // page):] = torch.tensor([spare[0], 1 << 30])[torch.arange(tables.shape[1] - -(-s // page)) % 2]
+    junk = torch.tensor([spare[0], 1 << 30], dtype=torch.int32)
+    for i, (first, end) in enumerate(cols):
+        tables[i, end:] = junk[torch.arange(tables.shape[1] - end) % 2]
+        tables[i, :first] = junk[torch.arange(first) % 2]
+    assert cols[5][0] == 2
     kv, tables = kv.to(device), tables.to(device)
     kv8 = kv.float().clamp(-448, 448).to(torch.float8_e4m3fn)
     ref = reference.paged_window_attention(q, kv8, positions, seq_lens, tables, Q, window, scale)
@@ -113,7 +120,7 @@ def test_table_past_the_used_pages_is_never_read(device, splits, parity):
     parity(out, ref)
 
 
-@pytest.mark.parametrize("mismatch", ["head_dim", "positions", "table_rows", "planes", "q_heads"])
+@pytest.mark.parametrize("mismatch", ["head_dim", "positions", "table_rows", "planes", "q_heads", "seq_lens"])
 def test_shapes_that_do_not_match_are_refused(device, mismatch):
     """The kernels index the cache by q's head_dim, the positions by row and the block table by
     request, unchecked: a cache of narrower heads, fewer positions than rows or fewer table rows than
@@ -127,6 +134,8 @@ def test_shapes_that_do_not_match_are_refused(device, mismatch):
         tables = tables[:1]
     elif mismatch == "q_heads":  # 3 q heads over 2 KV heads: a group of 1, and q head 2 never written
         q, kv = q[:, :3], torch.cat([kv, kv], dim=3)
+    elif mismatch == "seq_lens":  # [R, 2]: request r's length read at r, one of request 0's two
+        seq_lens = torch.stack([seq_lens, seq_lens], dim=1)
     else:
         kv = kv[:1]
     with pytest.raises((ValueError, RuntimeError, IndexError)):
@@ -369,3 +378,95 @@ def test_operands_on_another_device_are_refused(device):
         with pytest.raises(ValueError, match=f"attention: {name} is on meta"):
             attention.paged_window_attention(q, moved["kv_cache"], moved["positions"], moved["seq_lens"],
                                              moved["block_tables"], Q, window, scale)
+
+
+def test_no_requests(device):
+    """A launch of no requests (R = 0): an empty output, as the reference's, and no kernel (the split
+    count is planned per request: a division by R)."""
+    q = torch.empty(0, 4, 32, device=device)
+    args = (torch.zeros(2, 3, 8, 1, 32, device=device), torch.empty(0, dtype=torch.int64, device=device),
+            torch.empty(0, dtype=torch.int32, device=device), torch.empty(0, 2, dtype=torch.int32, device=device),
+            Q, 40, 0.25)
+    ref = reference.paged_window_attention(q, *args)
+    out = attention.paged_window_attention(q, *args)
+    assert out.shape == ref.shape == (0, 4, 32) and out.dtype == ref.dtype
+
+
+def test_splits_must_be_a_power_of_two(device):
+    """The merge takes the splits with an arange (a power of two in Triton): 3 is refused by name."""
+    q, kv, positions, seq_lens, tables, window, scale = _step([9, 30], 4, 1, 32, 8, 40, torch.float32, device, seed=4)
+    with pytest.raises(ValueError, match="splits must be a power of two, got 3"):
+        attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale, splits=3, block_n=16)
+
+
+class _SpyLaunch:
+    """Stands in for attention._split_kernel: records each launch's keywords, then launches the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches.append(kw)
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype,dot", [
+    (torch.bfloat16, torch.bfloat16, "bf16"), (torch.bfloat16, torch.float8_e4m3fn, "bf16"),
+    (torch.float32, torch.float32, "fp32"), (torch.bfloat16, torch.float32, "fp32"),
+    (torch.float32, torch.bfloat16, "fp32"),
+], ids=["bf16", "bf16-fp8", "fp32", "bf16-fp32", "fp32-bf16"])
+def test_dot_dtype(device, monkeypatch, q_dtype, kv_dtype, dot, parity):
+    """The dots run in the cache's dtype where q has it (bf16 tensor cores; P rounded to it for P @ V), in q's
+    for an fp8 cache (widened exactly), and in fp32 (IEEE, not tf32) for any other mix: the parity tests
+    pass with either on the interpreter, which widens every dot to fp32."""
+    spy = _SpyLaunch(attention._split_kernel)
+    monkeypatch.setattr(attention, "_split_kernel", spy)
+    q, kv, positions, seq_lens, tables, window, scale = _step([9, 30], 4, 1, 32, 8, 40, torch.float32, device, seed=4)
+    q, kv = q.to(q_dtype), kv.to(kv_dtype)
+    ref = reference.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale)
+    out = attention.paged_window_attention(q, kv, positions, seq_lens, tables, Q, window, scale, splits=1, block_n=16)
+    parity(out, ref)
+    (kw,) = spy.launches
+    want = {"bf16": tl.bfloat16, "fp32": tl.float32}[dot]
+    assert kw["DOT"] == want and kw["IEEE"] == (dot == "fp32")
+
+
+def test_tiled_keys():
+    """The keys the split count is planned for: the window's reach (window + rows - 1 keys) in the table's
+    whole pages, less the narrow tile's rows; at least 1."""
+    assert attention.tiled_keys(4096, Q, 258, 16) == 4095  # a window-relative table (window_width pages)
+    assert attention.tiled_keys(40, Q, 2, 8) == 16 - Q  # a table narrower than the window
+    assert attention.tiled_keys(40, Q, 9, 8) == 39
+    assert attention.tiled_keys(3, Q, 0, 8) == 1
+
+
+def test_cooperative_merge_only_where_it_can_run(monkeypatch):
+    """_coop_lane on a stand-in CUDA device: a lane for 2..COOP_MAX_SPLITS splits of a grid that fits the SMs
+    and the counters, on a device where the cooperative launch worked or was never tried outside a capture."""
+    q = torch.zeros(1)
+    monkeypatch.setattr(attention, "nvidia_of", lambda t: True)
+    monkeypatch.setattr(attention, "sms_of", lambda t: 132)
+    monkeypatch.setattr(attention, "_lanes", {})
+    monkeypatch.setattr(attention, "_coop_state", {})
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 7})())
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert attention._coop_lane(q, 8, 1, 16) == 0 and attention._coop_lane(q, 1, 1, 2) == 0
+    assert attention._coop_lane(q, 1, 1, 1) is None  # one split: nothing to merge
+    assert attention._coop_lane(q, 1, 1, 2 * attention.COOP_MAX_SPLITS) is None
+    assert attention._coop_lane(q, 9, 1, 16) is None  # 144 programs on 132 SMs
+    monkeypatch.setattr(attention, "sms_of", lambda t: 1 << 20)
+    assert attention._coop_lane(q, attention.COUNTERS // 2, 1, 2) == 0
+    assert attention._coop_lane(q, attention.COUNTERS // 2 + 1, 1, 2) is None  # past the counters
+    capturing[0] = True
+    assert attention._coop_lane(q, 1, 1, 2) is None  # never tried: not first inside a capture
+    monkeypatch.setattr(attention, "_coop_state", {q.device: True})
+    assert attention._coop_lane(q, 1, 1, 2) == 0
+    monkeypatch.setattr(attention, "_coop_state", {q.device: False})
+    capturing[0] = False
+    assert attention._coop_lane(q, 1, 1, 2) is None
+    monkeypatch.setattr(attention, "COOP_MERGE", False)
+    monkeypatch.setattr(attention, "_coop_state", {})
+    assert attention._coop_lane(q, 1, 1, 2) is None

@@ -165,6 +165,21 @@ def test_rms_norm_weight_must_match_the_row(device, parity):
     parity(TRITON_OPS.rms_norm(x, w[::2], EPS), reference.rms_norm(x, w[::2], EPS))
 
 
+@pytest.mark.parametrize("view", ["columns", "transposed"])
+def test_rms_norm_of_a_strided_x(device, view, parity):
+    """x as the first columns of a wider buffer (rows read at r * stride(0), the output dense: its own row
+    stride) and as a transposed view (a row's elements not adjacent: copied first, as the kernel reads them at
+    unit stride), where the reference takes both."""
+    gen = torch.Generator().manual_seed(26)
+    wide = (torch.randn(7, 200, generator=gen) * 5.0).to(device)
+    x = wide[:, :96] if view == "columns" else wide[:, :96].t().contiguous().t()
+    assert not x.is_contiguous()
+    w = (torch.randn(96, generator=gen) * 0.1).to(device)
+    out = TRITON_OPS.rms_norm(x, w, EPS)
+    assert out.is_contiguous()
+    parity(out, reference.rms_norm(x, w, EPS))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [7, 56])
 def test_real_shapes(cuda, rows, parity):

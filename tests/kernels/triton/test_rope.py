@@ -32,6 +32,20 @@ def test_rope_cos_sin_matches_reference(device, n, rot, theta):
         assert (cos - cos_ref).abs().max() <= ULP and (sin - sin_ref).abs().max() <= ULP
 
 
+@pytest.mark.parametrize("rot,theta", [(64, 5_000_000.0), (16, 10_000.0)], ids=["r64-5e6", "r16-1e4"])
+def test_rope_cos_sin_positions_past_2_24(device, rot, theta):
+    """Positions fp32 cannot hold (past 2^24, odd): each goes to fp64 exactly, as the reference's does; one
+    rounded through fp32 (2^24 + 1 -> 2^24) moves the angle by a whole inv_freq (1 radian at i = 0)."""
+    positions = torch.tensor([(1 << 24) + 1, (1 << 24) + 3, (1 << 25) + 7, 50_000_001, 7], device=device)
+    assert not torch.equal(positions.float().double(), positions.double())  # the case can tell the two apart
+    cos_ref, sin_ref = reference.rope_cos_sin(positions, rot, theta)
+    cos, sin = rope_cos_sin(positions, rot, theta)
+    if device == "cuda":
+        assert torch.equal(cos, cos_ref) and torch.equal(sin, sin_ref)
+    else:
+        assert (cos - cos_ref).abs().max() <= ULP and (sin - sin_ref).abs().max() <= ULP
+
+
 def test_rope_cos_sin_theta_keeps_fp64_bits(device):
     """A theta that is not an fp32 value moves the table: passed as fp32 it would not."""
     positions = torch.tensor([2_999_999], device=device)
