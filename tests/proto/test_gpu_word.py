@@ -256,15 +256,8 @@ def test_hip_null_stream_operations_run_on_this_device():
     assert drv.ops == [("hipStreamWriteValue64", 1)]
 
 
-def test_a_failed_probe_waits_for_its_queued_write_before_unregistering(monkeypatch):
-    """The probe queues a write to its page, then a wait: a wait the driver refuses (a device without 64-bit
-    waits, hipDeviceAttributeCanUseStreamWaitValue) left the write queued while the page was unregistered
-    and unmapped under it."""
-    drv = _FakeCudaDriver()
-    ops = GpuWordOps(drv, hip=False, device_index=0)
-    drv.switch(0)
-    drv.failing.add("cuStreamWaitValue64_v2")
-
+def _probe_on_a_fake_stream(monkeypatch, drv) -> None:
+    """The probe's stream and device as torch would give them, its synchronize recorded among the driver's calls."""
     class Stream:
         cuda_stream = 0x5
 
@@ -273,6 +266,17 @@ def test_a_failed_probe_waits_for_its_queued_write_before_unregistering(monkeypa
 
     monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+
+
+def test_a_failed_probe_waits_for_its_queued_write_before_unregistering(monkeypatch):
+    """The probe queues a write to its page, then a wait: a wait the driver refuses (a device without 64-bit
+    waits, hipDeviceAttributeCanUseStreamWaitValue) left the write queued while the page was unregistered
+    and unmapped under it."""
+    drv = _FakeCudaDriver()
+    ops = GpuWordOps(drv, hip=False, device_index=0)
+    drv.switch(0)
+    drv.failing.add("cuStreamWaitValue64_v2")
+    _probe_on_a_fake_stream(monkeypatch, drv)
     with pytest.raises(GpuWordError, match="cuStreamWaitValue64_v2 failed"):
         ops._probe(torch.device("cuda", 0))
     assert [op for op, _ in drv.ops] == ["cuMemHostRegister_v2", "cuMemHostGetDevicePointer_v2",
@@ -534,15 +538,7 @@ def test_the_probe_reads_back_what_the_gpu_wrote(monkeypatch, lands):
         return 0
 
     drv.cuMemHostGetDevicePointer_v2, drv.cuStreamWriteValue64_v2 = devptr, write
-
-    class Stream:
-        cuda_stream = 0x5
-
-        def synchronize(self):
-            drv.ops.append(("synchronize", 0))
-
-    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    _probe_on_a_fake_stream(monkeypatch, drv)
     ops = GpuWordOps(drv, hip=False, device_index=0)
     if lands:
         ops._probe(torch.device("cuda", 0))

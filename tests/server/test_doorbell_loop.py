@@ -352,6 +352,21 @@ def test_a_garbled_ring_still_records_the_output_event_before_its_error_answer(m
     assert order == ["record", ("publish", 1, 3, "INVALID_FIELD")], order  # google.rpc INVALID_ARGUMENT
 
 
+def _last_of_two_rings(loop):
+    """Ring a doorbell over `loop` twice, each answered (so its thread lived past the first), and the last answer."""
+    from dspark_sidecar.proto import sidecar_pb2 as pb
+
+    db = Doorbell(_Page(), CAPACITY, loop, torch.device("cpu"), b"")
+    db.start()
+    try:
+        for seq in (1, 2):
+            db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, seq)
+            wait_until(lambda: db.page.word(bell.RESP_SEQ) == seq, 10, f"ring {seq} answered", watch=db)
+        return pb.DraftStepResponse.FromString(db.page.read(db.page.resp_area, bell.RESP_LEN))
+    finally:
+        db.stop()
+
+
 class _UndecodableLoop(_Loop):
     """A loop whose step raises with an OS string's undecodable byte in its words (surrogateescape: a path)."""
 
@@ -363,17 +378,7 @@ def test_a_step_that_raises_with_an_undecodable_byte_in_its_words_still_gets_its
     """The error answer's message went into the protobuf as the exception's text: a lone surrogate (an OS name's
     undecodable byte) made building the answer raise outside the thread's guard, and the doorbell thread ended,
     every later ring unanswered (the engine timing out each until it attached again). Escaped as a status's is."""
-    from dspark_sidecar.proto import sidecar_pb2 as pb
-
-    db = Doorbell(_Page(), CAPACITY, _UndecodableLoop(), torch.device("cpu"), b"")
-    db.start()
-    try:
-        for seq in (1, 2):
-            db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, seq)
-            wait_until(lambda: db.page.word(bell.RESP_SEQ) == seq, 10, f"ring {seq} answered", watch=db)
-        resp = pb.DraftStepResponse.FromString(db.page.read(db.page.resp_area, bell.RESP_LEN))
-    finally:
-        db.stop()
+    resp = _last_of_two_rings(_UndecodableLoop())
     assert resp.error.code == 13 and "\\udcff" in resp.error.message, resp.error
 
 
@@ -392,17 +397,7 @@ class _UnprintableLoop(_Loop):
 def test_a_step_that_raises_an_exception_whose_text_cannot_be_formatted_still_gets_its_error_answer():
     """The error answer formatted the exception's text inside the thread's except clause: an exception whose __str__
     raises raised again there, past the guard, and the doorbell thread ended, every later ring unanswered."""
-    from dspark_sidecar.proto import sidecar_pb2 as pb
-
-    db = Doorbell(_Page(), CAPACITY, _UnprintableLoop(), torch.device("cpu"), b"")
-    db.start()
-    try:
-        for seq in (1, 2):
-            db.page.write(db.page.req_area, b"", bell.REQ_LEN, bell.REQ_SEQ, seq)
-            wait_until(lambda: db.page.word(bell.RESP_SEQ) == seq, 10, f"ring {seq} answered", watch=db)
-        resp = pb.DraftStepResponse.FromString(db.page.read(db.page.resp_area, bell.RESP_LEN))
-    finally:
-        db.stop()
+    resp = _last_of_two_rings(_UnprintableLoop())
     assert resp.error.code == 13, resp.error
     assert resp.error.message == "internal error: _Unprintable: <its message could not be formatted: ValueError>"
 
