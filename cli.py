@@ -474,12 +474,14 @@ def _bench_out_dir(path: Path, files: tuple[str, ...]) -> None:
         raise UsageError(f"--out-dir: cannot write into {str(path)!r} ({err.strerror or err})") from None
     for name in files:
         where = path / name
-        taken = where if where.is_dir() else where.parent if where.parent.exists() and not where.parent.is_dir() \
-            else None
-        if taken is not None:
-            kind = "a folder" if taken == where else "not a folder"
-            raise UsageError(f"--out-dir: {str(taken)!r} is {kind}, where the bench writes its {name}; "
-                             "move it or choose another --out-dir")
+        if where.is_dir():
+            taken, kind = where, "a folder"
+        elif where.parent.exists() and not where.parent.is_dir():  # single-gpu/bench.json under a file single-gpu
+            taken, kind = where.parent, "not a folder"
+        else:
+            continue
+        raise UsageError(f"--out-dir: {str(taken)!r} is {kind}, where the bench writes its {name}; "
+                         "move it or choose another --out-dir")
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
