@@ -29,7 +29,7 @@ from dspark_sidecar import layout
 from dspark_sidecar.client.config import BreakerConfig, EngineConfig, rank_endpoint
 from dspark_sidecar.client.forward_context import set_forward_context
 from dspark_sidecar.client.shim import DrafterShim
-from dspark_sidecar.client.workload import MixConfig, Workload, taps_for
+from dspark_sidecar.client.workload import MixConfig, Workload, taps_for, whole
 from dspark_sidecar.drafter import scenario
 from dspark_sidecar.drafter.checkpoint import (
     EMBED_KEY, LM_HEAD_KEY, PREFIX, CheckpointReader, ensure_synthetic_checkpoint,
@@ -48,11 +48,6 @@ FAULTS = ("realloc_kv", "break_stream", "pause")
 RANK_UNWIND_S = 5.0
 
 
-def _whole(v: object) -> bool:
-    """An int, not a bool: a round, rank or count compared with `==` or given to range()."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 @dataclass(frozen=True)
 class Fault:
     """At the start of `round`: re-allocate every rank's KV cache, break `rank`'s stream during the
@@ -65,7 +60,7 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in FAULTS:
             raise ValueError(f"fault kind: one of {FAULTS}, got {self.kind!r}")
-        if not (_whole(self.round) and _whole(self.rank)):  # round 1.5 passed `< rounds` and no round matched it
+        if not (whole(self.round) and whole(self.rank)):  # round 1.5 passed `< rounds` and no round matched it
             raise ValueError(f"fault round and rank: whole numbers, got round {self.round!r}, rank {self.rank!r}")
         if self.round < 0 or self.rank < 0:
             raise ValueError(f"fault round and rank: must be >= 0, got round {self.round}, rank {self.rank}")
@@ -106,7 +101,7 @@ class HarnessConfig:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: cpu or cuda, got {self.device!r}")
         for f in ("rounds", "tp", "page_size", "num_pages", "progress_every"):
-            if not _whole(getattr(self, f)):  # else a TypeError (range(2.5)) or a never-true `==` in every rank
+            if not whole(getattr(self, f)):  # else a TypeError (range(2.5)) or a never-true `==` in every rank
                 raise ValueError(f"{f}: a whole number, got {getattr(self, f)!r}")
         if self.progress_every < 0:
             raise ValueError(f"progress_every: must be >= 0 (0: no progress lines), got {self.progress_every}")

@@ -14,8 +14,9 @@ from dspark_sidecar.drafter.kv_cache import block_slots
 Q = layout.QPR
 
 
-def _whole(v: object) -> bool:
-    """An int, not a bool (nor a float that happens to be whole): a count given to range() or randint()."""
+def whole(v: object) -> bool:
+    """An int, not a bool (nor a float that happens to be whole): a count given to range() or randint(), a round or
+    rank compared with `==` (client/harness.py reads it too)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -40,11 +41,11 @@ class MixConfig:
         # prompt gave negative positions; a reversed range failed only when first drawn from.
         # Counts, so ints (not bools): max_active 2.5 passed `>= 1` and the first burst failed in range(), a float
         # prompt bound in randint or as a position, in every engine rank mid-run (after it mapped its KV cache).
-        if not _whole(self.max_active) or self.max_active < 1:
+        if not whole(self.max_active) or self.max_active < 1:
             raise ValueError(f"max_active: a whole number >= 1, got {self.max_active!r}")
         for name in ("short_prompt", "mid_prompt", "long_prompt", "budget"):
             lo, hi = getattr(self, name)
-            if not (_whole(lo) and _whole(hi) and 0 <= lo <= hi):
+            if not (whole(lo) and whole(hi) and 0 <= lo <= hi):
                 raise ValueError(f"{name}: need whole numbers 0 <= low <= high, got ({lo!r}, {hi!r})")
         # Each is compared with a uniform draw: a NaN one never fired, one outside [0, 1] acted as 0 or 1, and
         # mid_p + long_p above 1 drew no short prompt, a mix other than the one asked for, silently.

@@ -17,7 +17,6 @@ DTYPES = ("bf16", "fp32")
 # order, and 1.32 on 2 (BENCHMARKS.md runs 106-107). More streams than groups are never used.
 DEFAULT_LAUNCH_STREAMS = 4
 MAX_LAUNCH_STREAMS = 8
-PID_MAX = layout.PID_MAX
 # What a field of each annotated type takes, and the words its refusal uses. bool is an int to isinstance, so
 # it is refused where a number is meant (--tp True reached the launcher's WORLD_SIZE=True).
 _KINDS = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "True or False"),
@@ -155,8 +154,8 @@ class ServeConfig:
             raise ServeConfigError(f"--launch-streams: must be 0..{MAX_LAUNCH_STREAMS}, got {self.launch_streams}")
         if not 0 <= self.drain_s <= 300:
             raise ServeConfigError(f"--drain-s: must be 0..300, got {self.drain_s}")
-        if not 0 <= self.exit_with_pid <= PID_MAX:
-            raise ServeConfigError(f"--exit-with-pid: must be 0 (off) or a process id 1..{PID_MAX}, got {self.exit_with_pid}")
+        if not 0 <= self.exit_with_pid <= layout.PID_MAX:
+            raise ServeConfigError(f"--exit-with-pid: must be 0 (off) or a process id 1..{layout.PID_MAX}, got {self.exit_with_pid}")
         if not 0 <= self.seed < layout.SEED_LIMIT:
             raise ServeConfigError(f"--seed: must be 0..{layout.SEED_LIMIT - 1}, got {self.seed}")
         if self.checkpoint is not None and self.target_checkpoint is None and not self.random_weights:
