@@ -256,6 +256,12 @@ def test_hip_null_stream_operations_run_on_this_device():
     assert drv.ops == [("hipStreamWriteValue64", 1)]
 
 
+# The probe's driver calls, whether it passes or fails at its wait or its read-back: the page registered, the word
+# written and waited on, the stream synchronized, the page unregistered.
+_PROBE_CALLS = ["cuMemHostRegister_v2", "cuMemHostGetDevicePointer_v2", "cuStreamWriteValue64_v2",
+                "cuStreamWaitValue64_v2", "synchronize", "cuMemHostUnregister"]
+
+
 def _probe_on_a_fake_stream(monkeypatch, drv) -> None:
     """The probe's stream and device as torch would give them, its synchronize recorded among the driver's calls."""
     class Stream:
@@ -279,9 +285,7 @@ def test_a_failed_probe_waits_for_its_queued_write_before_unregistering(monkeypa
     _probe_on_a_fake_stream(monkeypatch, drv)
     with pytest.raises(GpuWordError, match="cuStreamWaitValue64_v2 failed"):
         ops._probe(torch.device("cuda", 0))
-    assert [op for op, _ in drv.ops] == ["cuMemHostRegister_v2", "cuMemHostGetDevicePointer_v2",
-                                         "cuStreamWriteValue64_v2", "cuStreamWaitValue64_v2", "synchronize",
-                                         "cuMemHostUnregister"]
+    assert [op for op, _ in drv.ops] == _PROBE_CALLS
 
 
 def test_a_new_thread_binds_its_device_once():
@@ -545,9 +549,7 @@ def test_the_probe_reads_back_what_the_gpu_wrote(monkeypatch, lands):
     else:
         with pytest.raises(GpuWordError, match="probe: the GPU wrote 0x0, not 0x700000000"):
             ops._probe(torch.device("cuda", 0))
-    assert [op for op, _ in drv.ops] == ["cuMemHostRegister_v2", "cuMemHostGetDevicePointer_v2",
-                                         "cuStreamWriteValue64_v2", "cuStreamWaitValue64_v2", "synchronize",
-                                         "cuMemHostUnregister"]
+    assert [op for op, _ in drv.ops] == _PROBE_CALLS
 
 
 def test_a_refused_unregister_keeps_the_registration_held_for_a_later_close():
