@@ -12,33 +12,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
+
+from dspark_sidecar.proto.driver_lib import cuda_driver, hip_runtime
 
 
 class AllocationQueryError(RuntimeError):
     """The driver could not say which allocation holds a pointer."""
 
 
-def _hip_library() -> ctypes.CDLL:
-    """torch's own HIP runtime: the copy a pip ROCm torch carries in torch/lib first, then the system's.
-    By its bare name the loader may miss torch's copy and search the system's paths: a second runtime,
-    which knows nothing of torch's IPC mappings, or none (kernels/flydsl/peers.py loads the same way)."""
-    bundled = os.path.join(os.path.dirname(torch.__file__), "lib", "libamdhip64.so")
-    try:
-        return ctypes.CDLL(bundled)
-    except OSError:
-        return ctypes.CDLL("libamdhip64.so")
-
-
 @functools.cache
 def _address_range():
     """The driver's address-range query as a ctypes function (base*, size*, ptr) -> status."""
     if torch.version.hip:
-        lib, name = _hip_library(), "hipMemGetAddressRange"
+        lib, name = hip_runtime(), "hipMemGetAddressRange"
     else:
-        lib, name = ctypes.CDLL("libcuda.so.1"), "cuMemGetAddressRange_v2"
+        lib, name = cuda_driver(), "cuMemGetAddressRange_v2"
     fn = getattr(lib, name)
     fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
     fn.restype = ctypes.c_int
@@ -48,7 +38,7 @@ def _address_range():
 @functools.cache
 def _cuda_context_calls() -> tuple:
     """(cuCtxGetCurrent, cuDevicePrimaryCtxRetain, cuCtxSetCurrent) as ctypes functions returning a status."""
-    lib, vp = ctypes.CDLL("libcuda.so.1"), ctypes.c_void_p
+    lib, vp = cuda_driver(), ctypes.c_void_p
     calls = []
     for name, argtypes in (("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
                            ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),

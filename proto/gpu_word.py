@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from dspark_sidecar.proto.gpu_alloc import _hip_library
+from dspark_sidecar.proto.driver_lib import cuda_driver, hip_runtime
 
 log = logging.getLogger("dspark_sidecar")
 
@@ -100,9 +100,8 @@ class GpuWordOps:
         hip = torch.version.hip is not None
         try:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            # torch's own HIP runtime, as gpu_alloc's query: by its bare name the loader may take the system's copy,
-            # a second runtime that knows nothing of torch's streams and devices (or none: no GPU word on ROCm).
-            ops = cls(_hip_library() if hip else ctypes.CDLL("libcuda.so.1"), hip, index)
+            # On ROCm torch's own HIP runtime (driver_lib): the system's copy knows nothing of torch's streams.
+            ops = cls(hip_runtime() if hip else cuda_driver(), hip, index)
             ops._probe(device)
         except (OSError, AttributeError, GpuWordError) as exc:
             log.warning("GPU word unavailable on %s (%s): steps are not pre-launched", device, exc)

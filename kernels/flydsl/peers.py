@@ -26,19 +26,18 @@ frees this rank's: call it only once no exchange kernel can still run (after the
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import socket
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ...layout import LAUNCH_REQS
+from ...proto.driver_lib import hip_runtime
 from .runner import FlyDSLUnsupported, PeerBuffers
 from .shapes import HIDDEN, TP, row_tiles
 
@@ -104,15 +103,6 @@ class _DeviceArray:
                                          "strides": None, "version": 2}
 
 
-def _hip_library_candidates() -> list[str]:
-    # torch's own copy first: a second HIP runtime in the process would have its own contexts.
-    out = [str(Path(torch.__file__).parent / "lib" / "libamdhip64.so")]
-    rocm = os.environ.get("ROCM_PATH", "/opt/rocm")
-    out += [f"{rocm}/lib/libamdhip64.so", "libamdhip64.so"]
-    found = ctypes.util.find_library("amdhip64")
-    return out + ([found] if found else [])
-
-
 _HIP_FUNCTIONS = ("hipSetDevice", "hipExtMallocWithFlags", "hipMemset", "hipDeviceSynchronize", "hipFree",
                   "hipIpcGetMemHandle", "hipIpcOpenMemHandle", "hipIpcCloseMemHandle", "hipGetErrorString")
 
@@ -138,14 +128,10 @@ class HipRuntime:
 
     @staticmethod
     def _load() -> ctypes.CDLL:
-        tried = []
-        for name in _hip_library_candidates():
-            try:
-                return ctypes.CDLL(name)
-            except OSError as exc:
-                tried.append(f"{name}: {exc}")
-        raise FlyDSLUnsupported("HIP runtime (libamdhip64) not found: the TP exchange's uncached IPC buffers "
-                                f"need ROCm ({'; '.join(tried[:2])})")
+        try:
+            return hip_runtime()  # torch's own copy first (driver_lib): a second runtime has its own contexts
+        except OSError as exc:
+            raise FlyDSLUnsupported(f"{exc} (the TP exchange's uncached IPC buffers need ROCm)") from exc
 
     def _check(self, err: int, what: str) -> None:
         if err != 0:

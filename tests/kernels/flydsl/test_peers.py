@@ -97,8 +97,10 @@ def test_check_offers_names_the_bad_rank():
 
 
 def test_no_hip_runtime_is_a_clear_reason(monkeypatch):
-    monkeypatch.setattr(pr, "_hip_library_candidates", lambda: ["/nonexistent/libamdhip64.so"])
-    with pytest.raises(FlyDSLUnsupported, match=r"^HIP runtime \(libamdhip64\) not found"):
+    from dspark_sidecar.proto import driver_lib
+    monkeypatch.setattr(driver_lib, "hip_runtime_candidates", lambda: ["/nonexistent/libamdhip64.so"])
+    with pytest.raises(FlyDSLUnsupported, match=r"^HIP runtime \(libamdhip64\) not found; tried "
+                                                r"/nonexistent/libamdhip64.so: .*\(the TP exchange's .* need ROCm\)$"):
         pr.HipRuntime(torch.device("cuda", 0))
 
 
