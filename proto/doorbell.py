@@ -232,7 +232,8 @@ class Waker:
         page.words[ASLEEP] = 1
         try:
             if not rung():
-                self._poll.poll(min(timeout_s, MISSED_WAKE_S) * 1e3)  # ms
+                # ms; never negative: poll() waits for ever on one (a caller's deadline already past)
+                self._poll.poll(max(0.0, min(timeout_s, MISSED_WAKE_S)) * 1e3)
                 self._drain()
         finally:
             page.words[ASLEEP] = 0

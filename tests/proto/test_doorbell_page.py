@@ -321,6 +321,24 @@ def test_waker_sets_the_flag_while_it_sleeps_and_sees_a_ring_first(tmp_path):
     waker.close()
 
 
+def test_a_waker_asked_to_sleep_a_negative_time_does_not_wait(tmp_path):
+    """A deadline already past gives a negative timeout; poll() takes a negative wait as "for ever", so the
+    waiter slept until a ring that might never come (its own deadline long gone). It looks once and returns."""
+    p = _page()
+    waker = bell.Waker(str(tmp_path / "w"))
+    real_poll, waits = waker._poll, []
+
+    class RecordingPoll:
+        def poll(self, ms):
+            waits.append(ms)
+            return real_poll.poll(ms)
+
+    waker._poll = RecordingPoll()
+    waker.sleep(p, lambda: False, -3.0)
+    assert waits == [0.0] and p.word(bell.ASLEEP) == 0
+    waker.close()
+
+
 def test_ringer_refuses_a_path_that_is_not_a_fifo(tmp_path, monkeypatch):
     """Refused by its name before any open: the engine opens no device or file the answer names (a tty opened
     without O_NOCTTY could become the engine's controlling terminal). The check after the open alone refused it
