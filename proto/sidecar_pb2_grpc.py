@@ -140,7 +140,10 @@ class DrafterSidecarServicer:
         """One draft step as a unary call (simple, slower: a full HTTP/2 request per step). A step
         whose inline hidden states would not fit the server's message limit (--max-message-bytes) is
         refused before it runs: RESOURCE_EXHAUSTED, reason RESPONSE_TOO_LARGE, naming the largest R
-        that fits; send an output RegionSlice instead.
+        that fits; send an output RegionSlice instead. A rank holds at most 4 unary DraftStep calls
+        at once, each on a handler thread until its step has run or its client left (cancelled, or
+        its deadline passed); past that a call ends at once with RESOURCE_EXHAUSTED, reason
+        TOO_MANY_STEPS, so that GetStatus and the health check keep their threads behind a stuck step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -40,6 +40,11 @@ log = logging.getLogger("dspark_sidecar.server")
 # rest of the pool (server/app.py) is kept for the unary calls and the health check, which would
 # otherwise wait for a thread for ever. An engine rank holds one stream (two across a reconnect).
 MAX_STREAMS = 8
+# Unary DraftStep calls a rank holds at once, each on a handler thread until its step has run or its client left.
+# A client without a deadline waits as long as a stuck step does: uncapped, such calls took every thread the
+# health check, GetStatus and BindKV have (app.GRPC_THREADS = MAX_STREAMS + 8), and the rank could no longer
+# say it was stuck. Past the cap a call is refused at once (RESOURCE_EXHAUSTED, TOO_MANY_STEPS).
+MAX_UNARY_STEPS = 4
 # How long the device may take to get past a gone engine's doorbell steps (_past_gone_engine) before the rank gives
 # up on it. Steps take milliseconds; at TP > 1 a released queued copy finishes with its peers', which their engines'
 # own ends release (each a lease's end on its rank).
@@ -124,6 +129,7 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
         self._retiring: list[Doorbell] = []  # replaced doorbells still inside a step (longer than STOP_S)
         self._doorbells_closed = False  # shutdown (close_doorbell): no doorbell attaches any more
         self._streams = threading.BoundedSemaphore(MAX_STREAMS)  # open DraftSteps streams
+        self._unary_steps = threading.BoundedSemaphore(MAX_UNARY_STEPS)  # unary DraftStep calls in a handler
         self.instance = secrets.token_hex(8)  # StatusReport.instance: this start of the rank's server, no other
         self.leases = (LeaseKeeper(layout.rank_lease_socket(run_dir, ctx.rank), self.lease_lost)
                        if run_dir is not None else None)
@@ -557,18 +563,27 @@ class DrafterServicer(pb_grpc.DrafterSidecarServicer):
     # read) another process's memory.
     def DraftStep(self, request, context):
         self._require_same_node(context, "draft steps")
-        fut = self.loop.submit(request)
+        if not self._unary_steps.acquire(blocking=False):
+            raise SidecarError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"step {request.step_id}: {MAX_UNARY_STEPS} unary DraftStep calls are already waiting on "
+                               "this rank, the most it holds at once (their threads are the health check's and "
+                               "GetStatus's): send steps on one DraftSteps stream, give each call a deadline, and look "
+                               "at GetStatus for a stuck step", "", "TOO_MANY_STEPS")
         try:
-            if not _awaited(fut, context):
-                raise SidecarError(grpc.StatusCode.CANCELLED, f"step {request.step_id}: the client is gone (cancelled, "
-                                   "or its deadline passed) before the step's turn came; it runs in its turn all the "
-                                   "same", "", "CANCELLED")
-            return fut.result()
+            fut = self.loop.submit(request)  # may refuse (draining, a full queue): the place is given back all the same
+            try:
+                if not _awaited(fut, context):
+                    raise SidecarError(grpc.StatusCode.CANCELLED, f"step {request.step_id}: the client is gone "
+                                       "(cancelled, or its deadline passed) before the step's turn came; it runs in "
+                                       "its turn all the same", "", "CANCELLED")
+                return fut.result()
+            finally:
+                # A failed step's exception lives in the future, and its traceback holds this frame: a frame still
+                # holding the future made a reference cycle, and every failed step left its request's tensors (KV
+                # views, mappings) to the cyclic collector (tests/server/test_rank_cycles.py).
+                del fut
         finally:
-            # A failed step's exception lives in the future, and its traceback holds this frame: a frame still
-            # holding the future made a reference cycle, and every failed step left its request's tensors (KV
-            # views, mappings) to the cyclic collector (tests/server/test_rank_cycles.py).
-            del fut
+            self._unary_steps.release()
 
     def DraftSteps(self, request_iterator, context):
         self._require_same_node(context, "draft steps")

@@ -137,3 +137,13 @@ def test_the_same_node_rule_and_the_stream_s_refusals_at_open_are_documented():
     assert "ends only when" in stream, stream
     for words in ("UNAVAILABLE", "LOADING", "REMOTE_PEER"):
         assert words in stream, (words, stream)
+
+
+def test_the_unary_step_s_cap_is_documented_as_the_servicer_s():
+    """The .proto states the number of unary DraftStep calls a rank holds and the refusal past it."""
+    from dspark_sidecar.server.servicer import MAX_STREAMS, MAX_UNARY_STEPS
+
+    doc = _comment("rpc DraftStep(DraftStepRequest)")
+    assert f"at most {MAX_UNARY_STEPS} unary DraftStep calls" in doc and "TOO_MANY_STEPS" in doc, doc
+    assert "RESOURCE_EXHAUSTED" in doc, doc
+    assert f"at most {MAX_STREAMS} open streams" in _comment("rpc DraftSteps(stream DraftStepRequest)")

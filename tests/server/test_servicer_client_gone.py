@@ -109,6 +109,73 @@ def test_unary_steps_whose_clients_gave_up_leave_the_threads_to_get_status(rank)
     assert len(loop.futures) == THREADS and not any(f.cancelled() for f in loop.futures)
 
 
+@pytest.fixture
+def one_unary_place(monkeypatch):
+    """As `rank`, with room for one waiting unary DraftStep (MAX_UNARY_STEPS patched) and a loop that can refuse."""
+    monkeypatch.setattr(servicer_mod, "MAX_UNARY_STEPS", 1)
+    ctx = SimpleNamespace(rank=0, fast=None, cfg=load_config("tiny"), memory=SimpleNamespace(kv=None),
+                          model=SimpleNamespace(dtype=torch.float32), metrics=Metrics(0))
+    loop = StuckLoop()
+    svc = DrafterServicer(ctx, loop, Lifecycle(state="SERVING"), pb.Limits(), pb.Parallel(), "bf16")  # type: ignore[arg-type]
+    with _served(svc, loop.release) as stub:
+        yield stub, loop
+
+
+def _reason(err: grpc.RpcError) -> str:
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    info = error_details_pb2.ErrorInfo()
+    rpc_status.from_call(err).details[0].Unpack(info)
+    return info.reason
+
+
+def test_unary_steps_without_a_deadline_never_take_the_threads_get_status_needs(one_unary_place):
+    """A client with no deadline waits as long as the step before its own is stuck: uncapped, a few such calls
+    held every handler thread and GetStatus, which says STEP_STUCK, and the health check queued for ever.
+    Past MAX_UNARY_STEPS a call is refused at once, saying what to do; a place is given back when its call ends."""
+    stub, loop = one_unary_place
+    waiting = stub.DraftStep.future(pb.DraftStepRequest(step_id=1))  # no deadline: waits for its stuck step
+    wait_until(lambda: len(loop.futures) == 1, 10.0, "the first step reached the loop", interval_s=0.02)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.DraftStep(pb.DraftStepRequest(step_id=2), timeout=5.0)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _reason(err.value) == "TOO_MANY_STEPS"
+    assert err.value.details().startswith("step 2: 1 unary DraftStep calls are already waiting on this rank")
+    assert "DraftSteps stream" in err.value.details() and "deadline" in err.value.details()
+    assert len(loop.futures) == 1  # refused before the loop: step 2 was never queued
+    assert stub.GetStatus(pb.GetStatusRequest(), timeout=5.0).state == "SERVING"  # the pool's other thread
+    loop.release()
+    assert waiting.result(timeout=5.0) == pb.DraftStepResponse()
+    # Its place is free again: the next call is taken; its deadline passing, it gives the place back in its
+    # handler's next look at its client (CLIENT_CHECK_S), and a later call is taken in turn.
+    assert _unary_taken(stub, 3) and len(loop.futures) == 2
+    wait_until(lambda: _unary_taken(stub, 4), 5.0, "a call is taken once the one before gave up", interval_s=0.05)
+
+
+def _unary_taken(stub, step_id: int) -> bool:
+    """Whether a unary step sent now is taken (it waits behind the stuck loop until its deadline) or refused
+    TOO_MANY_STEPS."""
+    with pytest.raises(grpc.RpcError) as err:
+        stub.DraftStep(pb.DraftStepRequest(step_id=step_id), timeout=0.3)
+    assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    return err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_unary_step_the_loop_refuses_gives_its_place_back(one_unary_place, monkeypatch):
+    """The loop refuses a step (a draining rank, a full queue) before any future exists: its place is returned all
+    the same, or after MAX_UNARY_STEPS refusals every unary step got TOO_MANY_STEPS for good."""
+    stub, loop = one_unary_place
+
+    def draining(req):
+        raise SidecarError(grpc.StatusCode.UNAVAILABLE, "rank is draining", "", "DRAINING")
+
+    monkeypatch.setattr(loop, "submit", draining)
+    for step_id in (1, 2, 3):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.DraftStep(pb.DraftStepRequest(step_id=step_id), timeout=5.0)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+
+
 def test_a_cancelled_stream_gives_its_place_and_thread_back_while_its_step_waits(rank):
     stub, loop = rank
     gone = threading.Event()
