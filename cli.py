@@ -497,7 +497,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
         except ValueError:
             raise UsageError(f"{flag}: comma-separated integers, got {text!r}") from None
 
-    bc = BenchConfig(preset=a.preset, shard_of=a.shard_of, reqs=ints("--reqs", a.reqs), contexts=ints("--contexts", a.contexts),
+    if a.tp > 1 and a.shard_of not in (None, a.tp):  # bench_tp times TP N's shard: the flag was silently ignored
+        raise UsageError(f"--shard-of {a.shard_of}: with --tp {a.tp} the shard timed is TP {a.tp}'s; "
+                         f"drop --shard-of, or give --shard-of {a.tp}")
+    shard_of = a.tp if a.tp > 1 else 4 if a.shard_of is None else a.shard_of
+    bc = BenchConfig(preset=a.preset, shard_of=shard_of, reqs=ints("--reqs", a.reqs), contexts=ints("--contexts", a.contexts),
                      modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch,
                      engine_copy=a.engine_copy, launch_streams=a.launch_streams, lead_ms=a.lead_ms,
@@ -512,7 +516,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if device.type == "cuda":  # at --tp 1 too: the weights' first CUDA allocation ended it in torch's traceback
         _check_gpus(a.tp)
     if a.tp == 1:  # the shard's TP, as serve's --shard-of: the drafter's words alone, after --out-dir was made
-        _check_tp(a.preset, a.shard_of, "--shard-of")
+        _check_tp(a.preset, shard_of, "--shard-of")
     if a.tp > 1 and a.shim_phases:  # run_tp_bench has no phase split: the flag was ignored
         raise UsageError(f"--shim-phases: the one-process bench's mode h only, not --tp {a.tp}")
     if a.tp > 1:
@@ -698,7 +702,8 @@ def _main(argv: list[str] | None) -> int:
 
     bp = sub.add_parser("bench", help="draft-step latency vs the HBM floor and the stock layers, one run")
     bp.add_argument("--preset", default="minimax-m3.1")
-    bp.add_argument("--shard-of", type=int, default=4, help="time rank 0's shard of a TP-N drafter")
+    bp.add_argument("--shard-of", type=int, default=None,
+                    help="time rank 0's shard of a TP-N drafter (default 4; with --tp N > 1 the shard is TP N's)")
     bp.add_argument("--reqs", default="1,8,32", help="comma-separated request counts")
     bp.add_argument("--contexts", default="512,4096", help="comma-separated context lengths")
     bp.add_argument("--modes", default="abcdefghi", help="a ref eager, b ref graphed, c GPU backend, d data plane, e gRPC, "

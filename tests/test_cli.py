@@ -136,6 +136,8 @@ _TINY_BENCH = ["--device", "cpu", "--preset", "tiny", "--reqs", "1", "--contexts
     # --shard-of 0 reached ParallelContext (a traceback); --tp 0 ran the one-process bench as if not given
     (["bench", "--shard-of", "0", "--device", "cpu"], "--shard-of: a TP size of at least 1, got 0"),
     (["bench", "--tp", "0", "--device", "cpu"], "--tp: at least 1, got 0"),
+    # bench_tp times TP N's shard whatever --shard-of said: the flag was ignored without a word
+    (["bench", "--tp", "2", "--shard-of", "4", *_TINY_BENCH], "--shard-of 4: with --tp 2 the shard timed is TP 2's"),
     # a shard of a TP the preset does not split over: the drafter's words alone, naming no flag, once the
     # bench had made its --out-dir and drawn the weights
     (["bench", "--shard-of", "3", *_TINY_BENCH], "--shard-of 3: num_attention_heads: 8 is not divisible by TP size 3"),
