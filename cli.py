@@ -31,27 +31,54 @@ def env_name(dest: str) -> str:
     return ENV_PREFIX + dest.upper()
 
 
+class _FromEnv:
+    """A flag's default set by DSPARK_<DEST>, read (and refused if it cannot be) only where the flag is not given.
+
+    Converted when the parser was built, a malformed variable stopped the command even with the flag that overrides
+    it on the command line (`DSPARK_TP=four serve --tp 4` exited 2), so an operator could not mend a bad ConfigMap
+    value from the command line. argparse leaves a default that is not a string as it is; `resolve_env_defaults`
+    converts whichever are still this after parsing."""
+
+    def __init__(self, name: str, raw: str, kind, flag: str, default) -> None:
+        self.name, self.raw, self.kind, self.flag, self.default = name, raw, kind, flag, default
+
+    def __str__(self) -> str:  # help's "(default %(default)s)": the variable's value
+        return self.raw.strip()
+
+    def resolve(self):
+        raw = self.raw.strip()  # as int() and float() strip: a YAML value quoted with its space, a $(cat file)'s newline
+        if not raw:  # `DSPARK_SOCKET_DIR=$UNSET_VAR`: as a path '' is the working directory, silently
+            raise UsageError(f"{self.name} ({self.flag}) is set but empty: unset it for the default "
+                             f"({self.default}) or give a value")
+        if self.kind is bool:
+            word = raw.lower()
+            if word not in _TRUE + _FALSE:
+                raise UsageError(f"{self.name}={self.raw!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
+            return word in _TRUE
+        try:
+            return self.kind(raw)
+        except ValueError:
+            what = ("an integer" if self.kind is int else "a number" if self.kind is float else self.kind.__name__)
+            raise UsageError(f"{self.name}={self.raw!r}: expected {what}") from None
+
+
 def _env(dest: str, default, kind=str, flag: str | None = None):
-    """A flag's default: DSPARK_<DEST> from the environment when set, else the built-in default. `flag`: the
-    flag it is the default of, where that is not --<dest> (DSPARK_DEMO_ROUNDS: demo's --rounds)."""
+    """A flag's default: DSPARK_<DEST> from the environment when set (resolved after parsing, `_FromEnv`), else the
+    built-in default. `flag`: the flag it is the default of, where that is not --<dest> (DSPARK_DEMO_ROUNDS: demo's
+    --rounds)."""
     name = env_name(dest)
     raw = os.environ.get(name)
     if raw is None:
         return default
-    if not raw.strip():  # `DSPARK_SOCKET_DIR=$UNSET_VAR`: as a path '' is the working directory, silently
-        raise UsageError(f"{name} ({flag or '--' + dest.replace('_', '-')}) is set but empty: unset it for the default "
-                         f"({default}) or give a value")
-    if kind is bool:
-        # Stripped, as int() and float() strip their text: DSPARK_TP=" 2 " was read as 2 where DSPARK_WARMUP=" 1"
-        # (a YAML value quoted with its space) was refused.
-        word = raw.strip().lower()
-        if word not in _TRUE + _FALSE:
-            raise UsageError(f"{name}={raw!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
-        return word in _TRUE
-    try:
-        return kind(raw)
-    except ValueError:
-        raise UsageError(f"{name}={raw!r}: expected {'an integer' if kind is int else 'a number' if kind is float else kind.__name__}") from None
+    return _FromEnv(name, raw, kind, flag or "--" + dest.replace("_", "-"), default)
+
+
+def resolve_env_defaults(a: argparse.Namespace) -> argparse.Namespace:
+    """Every flag left at a DSPARK_* default converted (UsageError naming the variable where it cannot be)."""
+    for dest, value in vars(a).items():
+        if isinstance(value, _FromEnv):
+            setattr(a, dest, value.resolve())
+    return a
 
 
 def _builtin(dest: str, default, kind=str, flag: str | None = None):
@@ -743,7 +770,7 @@ def _main(argv: list[str] | None) -> int:
                          "over the data plane, checked against the reference layers at TP N")
     bp.add_argument("--no-single-gpu", dest="single_gpu", action="store_false",
                     help="with --tp N: skip the one-GPU shard baseline")
-    a = ap.parse_args(argv)
+    a = resolve_env_defaults(ap.parse_args(argv))
     if a.cmd == "bench":
         return cmd_bench(a)
     if a.cmd == "demo":

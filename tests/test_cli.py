@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 
 import pytest
 
@@ -47,13 +48,40 @@ def test_a_command_is_not_refused_for_a_variable_only_another_command_reads(env,
     bench or the demo (whose sidecar gets none of serve's variables: README) exited 2 for a DSPARK_WARMUP=ture
     or an empty DSPARK_CHECKPOINT that only serve reads, and serve for the demo's DSPARK_DEMO_ROUNDS."""
     monkeypatch.setenv(env, value)
-    if cmd in readers:
-        assert cli.main([cmd, "--help"]) == 2
-        assert env in capsys.readouterr().err
-        return
     with pytest.raises(SystemExit) as exc:
         cli.main([cmd, "--help"])
     assert exc.value.code == 0, capsys.readouterr().err
+    # Its readers' help too: a bad value is refused where it is used, in a run without the flag
+    # (test_a_bad_environment_value_is_one_line_naming_it); the help says which flag overrides it.
+
+
+@pytest.mark.parametrize("argv, env, value, words", [
+    (["status", "--tp", "0"], "DSPARK_TP", "four", "--tp: must be at least 1, got 0"),
+    (["serve", "--max-reqs", "0"], "DSPARK_MAX_REQS", "64x", "--max-reqs: must be 1..256, got 0"),
+    (["serve", "--no-warmup", "--tp", "0"], "DSPARK_WARMUP", "ture", "--tp: must be 1..64, got 0"),
+    (["demo", "--rounds", "0"], "DSPARK_DEMO_ROUNDS", "", "--rounds: must be >= 1, got 0"),
+])
+def test_a_flag_given_overrides_a_malformed_variable_unread(argv, env, value, words, monkeypatch, capsys):
+    """The variable was converted when the parser was built: `DSPARK_TP=four status --tp 1` exited 2 for the
+    variable the flag overrides, so a bad ConfigMap value could not be mended from the command line. Each run here
+    is stopped by its flag's own check instead (before anything starts), naming the flag, not the variable."""
+    monkeypatch.setenv(env, value)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and env not in err, err
+
+
+def test_a_variable_s_value_is_read_without_the_space_around_it(monkeypatch):
+    """int() and float() strip their text; a path or a word did not: DSPARK_SOCKET_DIR="/run/dspark " (a YAML
+    value quoted with its space, a $(cat file)'s newline) named a folder whose name ends in a blank."""
+    import argparse
+
+    monkeypatch.setenv("DSPARK_SOCKET_DIR", " /run/dspark\n")
+    monkeypatch.setenv("DSPARK_PRESET", "minimax-m3.1 ")
+    p = argparse.ArgumentParser()
+    cli._add_serve_flags(p)
+    a = cli.resolve_env_defaults(p.parse_args([]))
+    assert a.socket_dir == Path("/run/dspark") and a.preset == "minimax-m3.1"
 
 
 @pytest.mark.parametrize("value, on", [("TRUE", True), ("Yes", True), ("On", True), ("OFF", False), ("No", False),
@@ -68,7 +96,7 @@ def test_a_boolean_variable_is_read_whatever_its_case(value, on, monkeypatch):
     monkeypatch.setenv("DSPARK_WARMUP", value)
     p = argparse.ArgumentParser()
     cli._add_serve_flags(p)
-    a = p.parse_args([])
+    a = cli.resolve_env_defaults(p.parse_args([]))
     assert a.allow_remote is on and a.warmup is on
 
 
@@ -279,7 +307,6 @@ def test_nccl_with_the_ranks_on_gpus_is_not_refused(monkeypatch):
 def test_the_readme_s_demo_rounds_default_is_the_parser_s(monkeypatch):
     """README said `--rounds N` (default 60); the command runs 100 rounds."""
     import re
-    from pathlib import Path
 
     seen = []
     monkeypatch.delenv("DSPARK_DEMO_ROUNDS", raising=False)
