@@ -67,7 +67,8 @@ def index_tensors(positions: torch.Tensor, meta: StepMetadata) -> tuple[torch.Te
 
 
 def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: torch.dtype | None,
-            shape: tuple[int, ...] | None) -> torch.Tensor:
+            shape: tuple[int, ...] | None, why: str = "") -> torch.Tensor:
+    """The field's tensor, its dtype and shape checked; `why`: where the expected shape comes from (the message's)."""
     if not req.HasField(field):
         raise invalid(field, "missing")
     ref = getattr(req, field)
@@ -80,7 +81,8 @@ def _tensor(req: pb.DraftStepRequest, field: str, mem: MemoryBindings, dtype: to
                              f"got {codec.pb.DType.Name(ref.dtype)}")
     # The count first: tuple() of a peer's millions of dimensions alone took seconds.
     if shape is not None and (len(ref.shape) != len(shape) or tuple(ref.shape) != shape):
-        raise invalid(field, f"shape {codec.shape_text(ref.shape)}, expected {list(shape)}")
+        because = f" ({why})" if why else ""
+        raise invalid(field, f"shape {codec.shape_text(ref.shape)}, expected {list(shape)}{because}")
     try:
         return codec.from_tensor_ref(ref, field, resolver=mem.resolve)
     except ValueError as err:
@@ -317,25 +319,34 @@ def _tensors(req: pb.DraftStepRequest, cfg: DrafterConfig, mem: MemoryBindings, 
     """The step's tensors with dtypes and shapes checked: (positions, embeds, ids, metadata)."""
     q = layout.QPR
     n = q * R
-    if req.HasField("positions") and len(req.positions.shape) == 1 and req.positions.shape[0] % q:
+    # Said with each shape that follows from num_requests: "positions: shape [14], expected [21]" alone left an
+    # engine that miscounted its requests looking at a tensor that was right.
+    rows = f"{q} rows for each of num_requests = {R}"
+    # A negative count is no count of rows: the shape refusal below names it.
+    if req.HasField("positions") and len(req.positions.shape) == 1 and req.positions.shape[0] > 0 \
+            and req.positions.shape[0] % q:
         raise invalid("positions", f"{req.positions.shape[0]} rows is not a multiple of {q}")
-    positions = _tensor(req, "positions", mem, torch.int64, (n,))
+    positions = _tensor(req, "positions", mem, torch.int64, (n,), rows)
     which = req.WhichOneof("input")
     if which is None:
         raise invalid("inputs_embeds", "missing: send inputs_embeds or input_ids")
     embeds = ids = None
     if which == "inputs_embeds":
-        embeds = _tensor(req, "inputs_embeds", mem, None, (n, cfg.hidden_size))
+        embeds = _tensor(req, "inputs_embeds", mem, None, (n, cfg.hidden_size),
+                         f"{rows}, each of the drafter's hidden_size {cfg.hidden_size}")
         if not embeds.dtype.is_floating_point or embeds.dtype == torch.float8_e4m3fn:
-            raise invalid("inputs_embeds", f"dtype must be BF16, FP16 or FP32, got {embeds.dtype}")
+            # The wire's name, as every other dtype refusal gives it (a torch name is not in sidecar.proto).
+            raise invalid("inputs_embeds", f"dtype must be BF16, FP16 or FP32, got "
+                                           f"{pb.DType.Name(codec.dtype_to_proto(embeds.dtype))}")
     else:
-        ids = _tensor(req, "input_ids", mem, torch.int64, (n,))
-    seq_lens = _tensor(req, "seq_lens", mem, torch.int32, (R,))
+        ids = _tensor(req, "input_ids", mem, torch.int64, (n,), rows)
+    seq_lens = _tensor(req, "seq_lens", mem, torch.int32, (R,), f"one per request, num_requests = {R}")
     # Only a table that is there: an absent one is "missing" (_tensor), not a scalar "shape []".
     if req.HasField("block_tables") and (len(req.block_tables.shape) != 2 or req.block_tables.shape[0] != R):
-        raise invalid("block_tables", f"shape {codec.shape_text(req.block_tables.shape)}, expected [{R}, max_pages]")
+        raise invalid("block_tables", f"shape {codec.shape_text(req.block_tables.shape)}, expected [{R}, max_pages] "
+                                      f"(a row per request, num_requests = {R})")
     tables = _tensor(req, "block_tables", mem, torch.int32, None)
-    slots = _tensor(req, "slot_mapping", mem, torch.int64, (n,))
+    slots = _tensor(req, "slot_mapping", mem, torch.int64, (n,), rows)
     return positions, embeds, ids, StepMetadata(seq_lens, tables, slots)
 
 
@@ -417,10 +428,10 @@ def _diagnose(h: HostMeta, ps: int, pages: int) -> None:
     outside = (flat < 0) | (flat >= pages * ps)
     if outside.any():
         k = int(np.flatnonzero(outside)[0])
-        raise out_of_range("slot_mapping", f"row {k} slot {int(flat[k])} outside the bound cache's "
-                                           f"{pages * ps} slots")
+        raise out_of_range("slot_mapping", f"row {k} (request {k // q}) slot {int(flat[k])} outside the bound "
+                                           f"cache's {pages * ps} slots")
     want = np.take_along_axis(tab, pos // ps, axis=1).astype(np.int64) * ps + pos % ps
     if not np.array_equal(slot, want):
         k = int(np.flatnonzero(slot.reshape(-1) != want.reshape(-1))[0])
-        raise invalid("slot_mapping", f"row {k} slot {int(flat[k])} does not match block_tables "
+        raise invalid("slot_mapping", f"row {k} (request {k // q}) slot {int(flat[k])} does not match block_tables "
                                       f"(position {int(pos.reshape(-1)[k])} lives at slot {int(want.reshape(-1)[k])})")

@@ -54,11 +54,13 @@ def test_a_shape_of_millions_of_dimensions_is_refused_at_once_counting_them(step
 def test_a_short_wrong_shape_is_still_listed(step, tiny_cfg):
     req, mem = step
     req.positions.shape[:] = [3, 7]
-    with pytest.raises(SidecarError, match=r"^positions: shape \[3, 7\], expected \[21\]$"):
+    with pytest.raises(SidecarError,
+                       match=r"^positions: shape \[3, 7\], expected \[21\] \(7 rows for each of num_requests = 3\)$"):
         validate_step(req, tiny_cfg, mem, 8)
     req.positions.shape[:] = [21]
     req.block_tables.shape[:] = [3]
-    with pytest.raises(SidecarError, match=r"^block_tables: shape \[3\], expected \[3, max_pages\]$"):
+    with pytest.raises(SidecarError, match=r"^block_tables: shape \[3\], expected \[3, max_pages\] "
+                                           r"\(a row per request, num_requests = 3\)$"):
         validate_step(req, tiny_cfg, mem, 8)
 
 

@@ -55,3 +55,13 @@ def test_inputs_embeds_in_any_of_the_documented_dtypes_are_taken_and_the_proto_s
     assert err.value.field == "inputs_embeds"
     doc = _comment("TensorRef inputs_embeds = 11;")
     assert "BF16, FP16 or FP32" in doc and "in the compute dtype:" not in doc, doc
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.float8_e4m3fn, "DTYPE_FP8_E4M3"), (torch.int32, "DTYPE_INT32"),
+                                        (torch.uint8, "DTYPE_UINT8")])
+def test_a_refused_embeddings_dtype_is_named_as_the_wire_names_it(dtype, name):
+    """Every other field's dtype refusal names the DType the engine sent ("got DTYPE_INT32"); inputs_embeds said
+    "got torch.int32", a name that is not in sidecar.proto."""
+    with pytest.raises(SidecarError) as err:
+        _validate(dtype)
+    assert err.value.message == f"inputs_embeds: dtype must be BF16, FP16 or FP32, got {name}", err.value.message
