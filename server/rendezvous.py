@@ -435,6 +435,16 @@ class Coordinator(threading.Thread):
             self.board.words[CLOSED] = 1
 
     def run(self) -> None:
+        try:
+            self._decide()
+        except Exception:  # noqa: BLE001  (one line and the exit: nothing else can stand in for rank 0's decider)
+            # Without it no post of any rank gets a verdict: every step would wait out its deadline + fatal_after_s
+            # and each rank raise then, one by one, while health still said SERVING. The launcher (or torchrun)
+            # ends the other ranks when one exits, and the service restarts them all.
+            log.exception("rank 0: the rendezvous coordinator failed; no step can be decided, exiting (3)")
+            os._exit(3)
+
+    def _decide(self) -> None:
         lower_timer_slack()
         last_busy = time.perf_counter()
         while not self._halt.is_set():

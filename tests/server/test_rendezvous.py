@@ -600,6 +600,42 @@ def _proc_state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def test_a_coordinator_that_fails_ends_rank_0_at_once_saying_why(monkeypatch, caplog):
+    """Rank 0's decider is a thread: an exception out of it ended the thread alone, after which no post of any rank
+    got a verdict, each step waited out its deadline + fatal_after_s, and health said SERVING all along. The rank
+    exits (3) with one line instead: the launcher ends its peers and the service restarts them."""
+    import logging
+
+    import dspark_sidecar.server.rendezvous as rendezvous_mod
+    from dspark_sidecar.server.rendezvous import Coordinator
+
+    exits = []
+
+    class Exited(BaseException):
+        pass
+
+    def _exit(code):
+        exits.append(code)
+        raise Exited  # os._exit does not return: neither does this, out of run()
+
+    monkeypatch.setattr(rendezvous_mod.os, "_exit", _exit)
+    board = Board(f"dspark-test-{uuid.uuid4().hex[:8]}", 2, create=True)
+    try:
+        c = Coordinator(board, 5000)
+
+        def broken():
+            raise RuntimeError("slot 1 unreadable")
+
+        monkeypatch.setattr(c, "poll_once", broken)
+        with caplog.at_level(logging.ERROR, logger="dspark_sidecar.rendezvous"), pytest.raises(Exited):
+            c.run()  # on this thread: what the thread would do
+        assert exits == [3]
+        assert "the rendezvous coordinator failed; no step can be decided, exiting (3)" in caplog.text
+        assert "slot 1 unreadable" in caplog.text  # the traceback with it
+    finally:
+        board.close()
+
+
 def _idle_coordinator(board: Board):
     """A Coordinator of `board`'s two ranks (both this process), not started (polled by hand), its first poll
     made: nothing posted, rank 1 seen alive."""
