@@ -55,9 +55,15 @@ def engine_config_from_vllm(vllm_config: Any, rank: int, environ: Any = os.envir
     if socket_dir is not None and not socket_dir.strip():  # as `serve` refuses it (cli._env): '   ' is no folder
         raise EngineConfigError(f"DSPARK_SOCKET_DIR={socket_dir!r} is set but empty: unset it to run without the "
                                 "sidecar, or give the folder `dspark-sidecar serve` uses (--socket-dir)")
-    socket_dir = socket_dir or ""
+    # Stripped as `serve` strips it (cli._FromEnv): one pod spec's " /run/dspark" is one folder on both sides.
+    socket_dir = (socket_dir or "").strip()
     tp = int(draft_pc.tensor_parallel_size)
     problem = layout.socket_dir_problem(socket_dir, tp) if socket_dir else None
+    if socket_dir and not problem and not os.path.isabs(socket_dir):
+        # Relative to the engine's working directory, which is not the sidecar's: every rank dialled another folder
+        # than `serve` listens in and fell back at every step, its one word a connect error.
+        problem = ("a relative path, which the engine resolves against its own working directory, not the "
+                   "sidecar's; give the absolute folder `dspark-sidecar serve` uses (--socket-dir)")
     if problem:  # the shim would dial a target gRPC reads otherwise, and fall back every step unexplained
         raise EngineConfigError(f"DSPARK_SOCKET_DIR={socket_dir!r}: {problem}")
     device = getattr(getattr(vllm_config, "device_config", None), "device", "cpu")

@@ -546,6 +546,9 @@ def test_a_blank_step_deadline_variable_keeps_the_sidecar_off_and_names_it(fake_
     ("/run/dspark?x", "'?'"),
     ("/run/dspark,b", "','"),
     ("/run/" + "d" * 120, "at most 107"),
+    # the engine's working directory is not the sidecar's: each side read another folder
+    ("run/dspark", "a relative path, which the engine resolves against its own working directory"),
+    ("./dspark", "give the absolute folder `dspark-sidecar serve` uses (--socket-dir)"),
 ])
 def test_a_socket_dir_grpc_cannot_dial_keeps_the_sidecar_off_and_says_why(fake_vllm, monkeypatch, caplog, folder,
                                                                          said):
@@ -1125,6 +1128,9 @@ def test_engine_rank_r_dials_sidecar_rank_r(fake_vllm, monkeypatch):
     assert shim.enabled and shim.rank == 2
     assert shim.config.endpoint == f"unix:{folder}/rank2.sock"
     assert vllm_plugin.engine_config_from_vllm(cfg, 3, environ={"DSPARK_SOCKET_DIR": "/run/dspark"}).endpoint == (
+        "unix:/run/dspark/rank3.sock")
+    # Read without the space around it, as `serve` reads the same variable: both sides name one folder.
+    assert vllm_plugin.engine_config_from_vllm(cfg, 3, environ={"DSPARK_SOCKET_DIR": " /run/dspark\n"}).endpoint == (
         "unix:/run/dspark/rank3.sock")
 
 
