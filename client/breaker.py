@@ -48,8 +48,8 @@ class CircuitBreaker:
         try:
             passed = self._probe(self.cfg.probe_deadline_s)
         except BaseException:
-            # A failed probe all the same: let through with retry_at already past, every later allow() (every
-            # step) probed again at once, with no backoff between.
+            # A failed probe all the same: counted, the backoff grown, then the error for the caller. Before, it
+            # escaped with retry_at already past, and every later allow() (every step) probed again at once.
             self.probes_failed += 1
             self._reopen(grow=True)
             raise
