@@ -321,24 +321,6 @@ def test_waker_sets_the_flag_while_it_sleeps_and_sees_a_ring_first(tmp_path):
     waker.close()
 
 
-def test_a_waker_asked_to_sleep_a_negative_time_does_not_wait(tmp_path):
-    """A deadline already past gives a negative timeout; poll() takes a negative wait as "for ever", so the
-    waiter slept until a ring that might never come (its own deadline long gone). It looks once and returns."""
-    p = _page()
-    waker = bell.Waker(str(tmp_path / "w"))
-    real_poll, waits = waker._poll, []
-
-    class RecordingPoll:
-        def poll(self, ms):
-            waits.append(ms)
-            return real_poll.poll(ms)
-
-    waker._poll = RecordingPoll()
-    waker.sleep(p, lambda: False, -3.0)
-    assert waits == [0.0] and p.word(bell.ASLEEP) == 0
-    waker.close()
-
-
 def test_ringer_refuses_a_path_that_is_not_a_fifo(tmp_path, monkeypatch):
     """Refused by its name before any open: the engine opens no device or file the answer names (a tty opened
     without O_NOCTTY could become the engine's controlling terminal). The check after the open alone refused it
@@ -591,7 +573,8 @@ def test_the_length_is_stored_after_the_bytes_and_the_sequence_after_both():
 def test_a_sleep_on_the_fifo_is_capped_at_the_missed_wake_bound_in_milliseconds(tmp_path):
     """poll() takes milliseconds. Each wait ends after MISSED_WAKE_S at most (the bound on a missed wake,
     sidecar.proto AttachDoorbellResponse.wake_fifo); a shorter timeout asked for is kept. In seconds, the idle
-    doorbell thread would spin; uncapped, a missed wake would cost the whole timeout."""
+    doorbell thread would spin; uncapped, a missed wake would cost the whole timeout. A negative timeout (a caller's
+    deadline already past) is no wait: poll() takes a negative wait as "for ever", and slept until a ring."""
     p = _page()
     waker = bell.Waker(str(tmp_path / "w"))
     real_poll, asked = waker._poll, []
@@ -607,9 +590,11 @@ def test_a_sleep_on_the_fifo_is_capped_at_the_missed_wake_bound_in_milliseconds(
         waker.sleep(p, lambda: False, 5.0)
         slept = time.perf_counter() - t0
         waker.sleep(p, lambda: False, 0.0005)
+        waker.sleep(p, lambda: False, -3.0)
     finally:
         waker.close()
-    assert asked == [pytest.approx(bell.MISSED_WAKE_S * 1e3), pytest.approx(0.5)]
+    assert asked == [pytest.approx(bell.MISSED_WAKE_S * 1e3), pytest.approx(0.5), 0.0]
+    assert p.word(bell.ASLEEP) == 0
     assert slept >= bell.MISSED_WAKE_S * 0.5  # it slept: no byte came
 
 
