@@ -49,7 +49,8 @@ def _commit_and_step(cfg, embed, models, lens, seed, spare=0, check_commit=False
 def test_mxfp8_layers_give_bit_identical_steps_and_commits(tiny_cfg, tiny_ckpt, tiny_embed):
     dense = _model(tiny_cfg, tiny_ckpt)
     quant = _model(tiny_cfg, tiny_ckpt).convert_layer_weights(lambda w: MxFp8Weight.quantize(w, tiny_cfg.quant_block))
-    assert all(isinstance(layer.down_proj.weight, MxFp8Weight) for layer in quant.layers)
+    assert all(isinstance(getattr(layer, name).weight, MxFp8Weight) for layer in quant.layers
+               for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))  # each of the four linears
     (kv_d, out_d), (kv_q, out_q) = _commit_and_step(tiny_cfg, tiny_embed, [dense, quant], [5, 300, 4096 + 20],
                                                      seed=4, spare=1, check_commit=True)
     assert torch.equal(out_d, out_q) and all(torch.equal(a, b) for a, b in zip(kv_d, kv_q))

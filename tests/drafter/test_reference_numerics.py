@@ -104,3 +104,27 @@ def test_draft_step_leaves_the_callers_inputs_alone(tiny_cfg, tiny_ckpt, tiny_em
     first = model.draft_step(embeds, step.positions, step.meta, kv)
     assert torch.equal(embeds, before)
     assert torch.equal(model.draft_step(embeds, step.positions, step.meta, kv), first)
+
+
+def test_ops_set_after_loading_reach_every_layer(tiny_cfg, tiny_ckpt, tiny_embed):
+    """set_ops (the bench's and the kernel tests' switch of backend on loaded weights) swaps the ops of every
+    module that holds some: set on the drafter alone, its layers computed on with the old backend, unsaid."""
+    import dataclasses
+
+    lens = [20, 5]
+    num_pages = sum(scenario.pages_needed(c + layout.QPR, PAGE) for c in lens)
+    step = scenario.random_step(tiny_cfg, lens, PAGE, num_pages, tiny_embed, seed=3)
+    model = DSparkDrafter(tiny_cfg, ParallelContext(), REFERENCE_OPS, torch.float32).load(
+        CheckpointReader(tiny_ckpt[0], torch.float32))
+    calls = []
+
+    def attention(*a, **kw):
+        calls.append(1)
+        return REFERENCE_OPS.paged_window_attention(*a, **kw)
+
+    spy = dataclasses.replace(REFERENCE_OPS, name="spy", paged_window_attention=attention)
+    kv = allocate_kv_cache(tiny_cfg, 1, num_pages, PAGE, torch.float32)
+    want = model.draft_step(step.inputs_embeds.float(), step.positions, step.meta, [t.clone() for t in kv])
+    assert model.set_ops(spy) is model
+    got = model.draft_step(step.inputs_embeds.float(), step.positions, step.meta, kv)
+    assert len(calls) == tiny_cfg.num_hidden_layers and torch.equal(got, want)

@@ -49,6 +49,8 @@ CASES = {  # name -> (lens, change to (embeds, positions, meta, attn) or None, w
                                               "attention seq_lens"),
     "attention positions of another length": ([40, 20], lambda e, p, m, a: (e, p, m, (a[0][:7], a[1])),
                                               "attention positions"),
+    "an attention block-table row missing": ([40, 20], lambda e, p, m, a: (
+        e, p, m, (a[0], _meta(a[1], block_tables=a[1].block_tables[:1]))), "attention block_tables"),
 }
 
 
@@ -112,3 +114,16 @@ def test_a_cache_list_of_another_layer_count_is_refused_before_any_write(entry, 
     with pytest.raises(ValueError, match=rf"{count} KV cache layers for the drafter's 5, expected one per layer"):
         getattr(model, entry)(*args)
     assert all(bool((t == -3.0).all()) for t in kv), "a refused call wrote the cache"
+
+
+def test_block_k_v_go_to_the_step_s_slots_whatever_the_attention_metadata_holds(model, tiny_cfg, tiny_embed):
+    """attn carries the window-relative positions and tables the attention reads; the block's K/V are written
+    through the step's own slot_mapping. Through the attention metadata's slots instead, a table built for the
+    attention alone (CUDA graphs' static one) would place them elsewhere, or drop them as padding (-1)."""
+    step, kv = _step(tiny_cfg, tiny_embed, [40, 20])
+    attn = window_metadata(step.positions, step.meta, PAGE, tiny_cfg.sliding_window)
+    padded = (attn[0], _meta(attn[1], slot_mapping=torch.full_like(attn[1].slot_mapping, -1)))
+    kv2 = [t.clone() for t in kv]
+    a = model.draft_step(step.inputs_embeds, step.positions, step.meta, kv, attn=attn)
+    b = model.draft_step(step.inputs_embeds, step.positions, step.meta, kv2, attn=padded)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(kv, kv2))
