@@ -163,6 +163,7 @@ def serve_config(a: argparse.Namespace):
     from dspark_sidecar.server.config import ServeConfig
 
     fields = ServeConfig.__dataclass_fields__
+    a = resolve_env_defaults(a)  # a parser of _add_serve_flags parsed by hand (deploy checks, tests) too
     return ServeConfig(**{k: v for k, v in vars(a).items() if k in fields})
 
 
