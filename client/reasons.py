@@ -60,15 +60,17 @@ def sidecar_error(code: grpc.StatusCode) -> str:
 # every request. The shim cannot check positions itself without reading them back from the engine's GPU.
 ENGINE_METADATA = frozenset({"positions", "seq_lens", "block_tables", "slot_mapping"})
 
-# A sidecar in one of these states is on its way to serving (or out of it for a while): not a refusal.
-TRANSIENT_STATES = ("", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING", "PEER_SILENT", "STEP_STUCK")
-
 
 def sidecar_refusal(status: pb.StatusReport) -> str | None:
-    """The sidecar's own process-wide refusal (strict mode: a refused deployment is NOT_SERVING with
-    its reason and stays so), or None. Transient states (loading, draining) are not refusals."""
+    """The sidecar's own process-wide refusal (strict mode: a refused deployment is state REFUSED, NOT_SERVING,
+    with its reason), or None. Every other state passes: on its way to serving or out of it for a while (LOADING,
+    DRAINING, PEER_SILENT, STEP_STUCK, ""), and any state this shim does not know."""
     if status.serving:
         return None
-    if status.state == "REFUSED" or (status.fast_path_refusal and status.state not in TRANSIENT_STATES):
+    # REFUSED alone, as sidecar.proto says a client reads the states. Any state outside a list of transient ones
+    # with a fast_path_refusal was read as refused for good, and every Triton host's status says "not gfx950" in
+    # every state: a newer sidecar's new state, or an older one's GetStatus race (serving false, state SERVING),
+    # turned the shim off for the life of the engine.
+    if status.state == "REFUSED":
         return f"{SIDECAR_REFUSES}{status.fast_path_refusal or status.state}"
     return None

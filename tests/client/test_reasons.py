@@ -48,6 +48,18 @@ def test_the_table_lists_no_reason_the_shim_cannot_give():
     assert not stale, stale
 
 
+# A reason with a detail: what the shim puts between its prefix and the detail (shim._engine_error adds ": type").
+DETAIL_JOINTS = {"OFF": "", "SIDECAR_REFUSES": "", "NOT_BINDABLE": "", "SHIM_ERROR": "", "EMBED_FAILED": ": "}
+
+
+@pytest.mark.parametrize("name", sorted(DETAIL_JOINTS))
+def test_a_reason_with_a_detail_is_in_the_table_spelled_as_its_log_line_starts(name):
+    """_stem drops a trailing colon and space: a prefix that lost its ": " (the log line "KV cache cannot be
+    boundFAILED_PRECONDITION ...") or gained one more ("engine embedding raised: : MemoryError") still matched the
+    table's row, which an operator's search then missed."""
+    assert f"{getattr(reasons, name)}{DETAIL_JOINTS[name]}..." in _table_reasons(), name
+
+
 def test_a_sidecar_step_error_reason_names_its_code():
     assert reasons.sidecar_error(grpc.StatusCode.INVALID_ARGUMENT) == "sidecar INVALID_ARGUMENT"
 
@@ -58,14 +70,14 @@ def test_a_sidecar_step_error_reason_names_its_code():
     ("DRAINING", "FlyDSL fast path not built", None),  # transient: on its way out, not refused for good
     ("REFUSED", "", "sidecar refuses: REFUSED"),
     ("REFUSED", "kv dtype fp8", "sidecar refuses: kv dtype fp8"),
-    ("NOT_SERVING", "kv dtype fp8", "sidecar refuses: kv dtype fp8"),
+    ("NOT_SERVING", "kv dtype fp8", None),  # no state the sidecar gives: passing (below)
 ])
 def test_a_sidecar_refuses_for_good_only_outside_its_transient_states(state, refusal, want):
     status = pb.StatusReport(serving=state == "SERVING", state=state, fast_path_refusal=refusal)
     assert reasons.sidecar_refusal(status) == want
 
 
-# Written out, not read from reasons.TRANSIENT_STATES: the states sidecar.proto names as passing (LOADING, DRAINING,
+# Written out: the states sidecar.proto names as passing (LOADING, DRAINING,
 # PEER_SILENT, STEP_STUCK), the lifecycle's others, and "" (a status that names no state: an older sidecar's).
 @pytest.mark.parametrize("state", ["", "STARTING", "LOADING", "WARMING", "DRAINING", "STOPPING", "PEER_SILENT",
                                    "STEP_STUCK"])
@@ -74,3 +86,16 @@ def test_no_transient_state_is_a_refusal_whatever_fast_path_refusal_says(state):
     any BindKV): read as a refusal for good, the shim turned off for the process on a sidecar about to serve."""
     status = pb.StatusReport(serving=False, state=state, fast_path_refusal="no engine bound yet (host checks pass)")
     assert reasons.sidecar_refusal(status) is None
+
+
+# No state the sidecar gives today: a state a newer sidecar may add, a health status name, and an older sidecar's
+# GetStatus that read serving and state apart (serving false, state SERVING: tests/server/test_get_status.py).
+@pytest.mark.parametrize("state", ["NOT_SERVING", "COMPILING", "SERVING"])
+def test_a_state_the_shim_does_not_know_is_passing_not_a_refusal_for_good(state):
+    """sidecar.proto: "A client reads every state but REFUSED as passing." Any Triton host's status names
+    "not gfx950" in every state, and a state outside the shim's list with it was read as a refusal for good: the
+    shim turned off for the life of the engine on a sidecar that serves (portable backend) or soon will."""
+    status = pb.StatusReport(serving=False, state=state, fast_path_refusal="not gfx950")
+    assert reasons.sidecar_refusal(status) is None
+    assert reasons.sidecar_refusal(pb.StatusReport(serving=False, state="REFUSED", fast_path_refusal="not gfx950")) \
+        == "sidecar refuses: not gfx950"

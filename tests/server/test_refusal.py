@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_sidecar.server.refusal import EngineFacts, HostFacts, fast_path_refusal, shared_host
+from dspark_sidecar.server.refusal import EngineFacts, HostFacts, fast_path_refusal, probe_host, shared_host
 
 GOOD_HOST = HostFacts(on_gfx950=True, flydsl_available=True, tp_size=4)
 GOOD = dict(tp_size=4, dp_size=1, pp_size=1, speculative_method="dspark", num_speculative_tokens=7)
@@ -22,6 +22,10 @@ GOOD = dict(tp_size=4, dp_size=1, pp_size=1, speculative_method="dspark", num_sp
     # The seed asks for equality: above the required value is refused as well as below it.
     (HostFacts(True, True, 8), GOOD | {"tp_size": 8}, "TP 8 != 4"),
     (GOOD_HOST, GOOD | {"num_speculative_tokens": 8}, "7 speculative tokens required"),
+    # The method as the seed compares it, whole: "" is an engine without speculative decoding (proto EngineFacts),
+    # and a part of "dspark" is another method.
+    (GOOD_HOST, GOOD | {"speculative_method": ""}, "no DSpark draft"),
+    (GOOD_HOST, GOOD | {"speculative_method": "spark"}, "no DSpark draft"),
     (GOOD_HOST, GOOD, None),
 ])
 def test_each_refusal_reason(host, engine, reason):
@@ -64,3 +68,16 @@ def test_the_groups_host_facts_fail_a_check_that_fails_on_any_rank():
     assert shared_host([HostFacts(True, False, 4), GOOD_HOST, GOOD_HOST, GOOD_HOST]) == HostFacts(True, False, 4)
     # Not rank 0's word alone: a later rank that cannot import FlyDSL fails the check for the group.
     assert shared_host([GOOD_HOST, GOOD_HOST, GOOD_HOST, HostFacts(True, False, 4)]) == HostFacts(True, False, 4)
+
+
+@pytest.mark.parametrize("gfx950, flydsl, in_order", [(True, False, False), (False, True, True)])
+def test_the_host_probe_reports_each_probe_s_own_answer(monkeypatch, gfx950, flydsl, in_order):
+    """Each fact from its own probe: swapped, a gfx950 host without FlyDSL read "FlyDSL not installed" as "not
+    gfx950"; a fixed stores_in_order attached the shared-memory doorbell on a host whose stores may reorder."""
+    from dspark_sidecar.kernels.flydsl import toolchain
+    from dspark_sidecar.proto import doorbell
+
+    monkeypatch.setattr(toolchain, "on_gfx950", lambda: gfx950)
+    monkeypatch.setattr(toolchain, "flydsl_available", lambda: flydsl)
+    monkeypatch.setattr(doorbell, "stores_in_order", lambda: in_order)
+    assert probe_host(2) == HostFacts(on_gfx950=gfx950, flydsl_available=flydsl, tp_size=2, stores_in_order=in_order)
