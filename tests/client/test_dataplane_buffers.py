@@ -700,3 +700,65 @@ def test_a_step_of_more_input_rows_than_registered_is_refused_before_anything_is
         assert bool((b.embeds == 1).all())
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("change", ["block-table width", "slot dtype", "seq_lens dtype"])
+def test_a_step_differing_from_the_last_in_one_table_s_shape_or_dtype_gets_a_layout_of_its_own(change):
+    """The layout cache is keyed by every field's shape and dtype: a step of the same request count whose block
+    table is a page wider (an engine's table follows its longest request page by page), or whose slots or lengths
+    come in another integer dtype, reusing the last step's layout would name that step's shapes and dtypes and
+    copy that step's byte count out of this one's tensor (a short table read past its end, a wider one cut)."""
+    b = StepBuffers(_Stub(), 8, 2, 6, torch.float32, torch.device("cpu"))
+    try:
+        rows = 14
+        positions, embeds = torch.arange(rows) + 40, torch.ones(rows, 8)
+        first = StepMetadata(torch.tensor([47, 48], dtype=torch.int32),
+                             torch.arange(8, dtype=torch.int32).reshape(2, 4) + 10, torch.arange(rows) + 70)
+        b.stage(embeds, positions, first)
+        if change == "block-table width":
+            second = StepMetadata(first.seq_lens, torch.arange(10, dtype=torch.int32).reshape(2, 5) + 20,
+                                  first.slot_mapping)
+        elif change == "slot dtype":
+            second = StepMetadata(first.seq_lens, first.block_tables, (torch.arange(rows) + 90).to(torch.int32))
+        else:
+            second = StepMetadata(torch.tensor([49, 50], dtype=torch.int64), first.block_tables, first.slot_mapping)
+        req = pb.DraftStepRequest.FromString(b.stage(embeds, positions, second).fields)
+        for field, t in (("seq_lens", second.seq_lens), ("block_tables", second.block_tables),
+                         ("slot_mapping", second.slot_mapping)):
+            ref = getattr(req, field)
+            assert list(ref.shape) == list(t.shape), field
+            off = ref.region.offset_bytes
+            got = b.meta_bytes[off : off + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape)
+            assert torch.equal(got, t), field
+        assert len(b._layouts) == 2
+    finally:
+        b.close()
+
+
+def test_a_step_of_the_registered_pages_is_staged_and_one_page_more_refused():
+    """The bound on pages is inclusive, as the one on requests: max_pages is staged, a page more refused
+    (DoorbellTransport.fits sends such a step over the gRPC stream before it gets here)."""
+    b = StepBuffers(_Stub(), 8, 1, 4, torch.float32, torch.device("cpu"))
+    try:
+        seq, slots = torch.tensor([64], dtype=torch.int32), torch.arange(7)
+        staged = b.stage(torch.ones(7, 8), torch.arange(7), StepMetadata(seq, torch.zeros(1, 4, dtype=torch.int32), slots))
+        assert list(pb.DraftStepRequest.FromString(staged.fields).block_tables.shape) == [1, 4]
+        with pytest.raises(DataPlaneError, match="1 requests x 5 pages, 7 input rows exceeds the registered buffers"):
+            b.stage(torch.ones(7, 8), torch.arange(7), StepMetadata(seq, torch.zeros(1, 5, dtype=torch.int32), slots))
+    finally:
+        b.close()
+
+
+def test_input_rows_of_another_width_refused_leave_the_next_step_s_request_naming_the_registered_width():
+    """A step whose embeddings are of another width than the registered rows is refused; the layout built for it
+    (keyed by that width) must not be the one the next step of the same metadata shapes, of the right width, gets:
+    its request would name the refused width's [n, hidden] rows."""
+    b = StepBuffers(_Stub(), 8, 1, 4, torch.float32, torch.device("cpu"))
+    try:
+        meta = StepMetadata(torch.tensor([30], dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32), torch.arange(7))
+        with pytest.raises(DataPlaneError, match="inputs_embeds \\[7, 6\\] for a step of \\[7, 8\\] input rows"):
+            b.stage(torch.ones(7, 6), torch.arange(7), meta)
+        req = pb.DraftStepRequest.FromString(b.stage(torch.ones(7, 8), torch.arange(7), meta).fields)
+        assert list(req.inputs_embeds.shape) == [7, 8]
+    finally:
+        b.close()
