@@ -46,6 +46,9 @@ OFF = "off: "
 SIDECAR_REFUSES = "sidecar refuses: "  # + the sidecar's fast_path_refusal (strict mode) or its state
 PEER_REFUSES = "a peer engine rank's sidecar refuses"
 NOT_BINDABLE = "KV cache cannot be bound: "  # + BindError's permanent reason
+# How a sidecar's fast_path_refusal starts before any BindKV on a host that passes its own checks (server/refusal.py
+# AWAITING_BIND, its stable words up to the parenthesis): no refusal, never a fallback reason (sidecar_refusal).
+AWAITING_BIND = "no engine bound yet"
 
 
 def sidecar_error(code: grpc.StatusCode) -> str:
@@ -71,6 +74,10 @@ def sidecar_refusal(status: pb.StatusReport) -> str | None:
     # with a fast_path_refusal was read as refused for good, and every Triton host's status says "not gfx950" in
     # every state: a newer sidecar's new state, or an older one's GetStatus race (serving false, state SERVING),
     # turned the shim off for the life of the engine.
-    if status.state == "REFUSED":
+    # Not with AWAITING_BIND, which is no refusal (proto StatusReport.fast_path_refusal): a GetStatus between a
+    # refused binding's release (UnbindKV, its engine's lease ending) and the health publish after it answered
+    # REFUSED with it, and the next engine, configured right, turned off for good ("sidecar refuses: no engine
+    # bound yet (...)"). Passing, it is NOT_SERVING for that step and the status is read again.
+    if status.state == "REFUSED" and not status.fast_path_refusal.startswith(AWAITING_BIND):
         return f"{SIDECAR_REFUSES}{status.fast_path_refusal or status.state}"
     return None

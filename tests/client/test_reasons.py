@@ -12,7 +12,8 @@ from dspark_sidecar.client import reasons
 from dspark_sidecar.proto import sidecar_pb2 as pb
 
 OPERATIONS = Path(reasons.__file__).resolve().parents[1] / "deploy" / "OPERATIONS.md"
-NOT_FALLBACKS = {"STEP_IN_FLIGHT"}  # connect()'s answer to its caller, never a step's reason
+NOT_FALLBACKS = {"STEP_IN_FLIGHT", "AWAITING_BIND"}  # connect()'s answer to its caller, and the sidecar's
+# words for no refusal yet: never a step's reason
 
 
 def _constants() -> dict[str, str]:
@@ -99,3 +100,17 @@ def test_a_state_the_shim_does_not_know_is_passing_not_a_refusal_for_good(state)
     assert reasons.sidecar_refusal(status) is None
     assert reasons.sidecar_refusal(pb.StatusReport(serving=False, state="REFUSED", fast_path_refusal="not gfx950")) \
         == "sidecar refuses: not gfx950"
+
+
+def test_refused_with_the_sidecar_s_no_engine_bound_yet_is_passing_not_a_refusal_for_good():
+    """"no engine bound yet (...)" is no refusal (proto StatusReport.fast_path_refusal; health never refuses for
+    it). A GetStatus between a refused binding's release (UnbindKV, its engine's lease ending) and the publish after
+    it answers state REFUSED with it: read as a refusal for good, the next engine (configured right) turned off for
+    the life of its process with "sidecar refuses: no engine bound yet (...)"."""
+    from dspark_sidecar.server.refusal import AWAITING_BIND
+
+    for why in (AWAITING_BIND, "no engine bound yet (host checks pass)"):  # the current and an older sidecar's words
+        assert reasons.sidecar_refusal(pb.StatusReport(serving=False, state="REFUSED", fast_path_refusal=why)) is None
+    # A refusal of the binding itself is still one.
+    assert reasons.sidecar_refusal(pb.StatusReport(serving=False, state="REFUSED", fast_path_refusal="DP > 1")) \
+        == "sidecar refuses: DP > 1"

@@ -26,6 +26,7 @@ GOOD = dict(tp_size=4, dp_size=1, pp_size=1, speculative_method="dspark", num_sp
     # and a part of "dspark" is another method.
     (GOOD_HOST, GOOD | {"speculative_method": ""}, "no DSpark draft"),
     (GOOD_HOST, GOOD | {"speculative_method": "spark"}, "no DSpark draft"),
+    (GOOD_HOST, GOOD | {"speculative_method": "dspark_mtp"}, "no DSpark draft"),  # nor one whose name holds it
     (GOOD_HOST, GOOD, None),
 ])
 def test_each_refusal_reason(host, engine, reason):
@@ -81,3 +82,21 @@ def test_the_host_probe_reports_each_probe_s_own_answer(monkeypatch, gfx950, fly
     monkeypatch.setattr(toolchain, "flydsl_available", lambda: flydsl)
     monkeypatch.setattr(doorbell, "stores_in_order", lambda: in_order)
     assert probe_host(2) == HostFacts(on_gfx950=gfx950, flydsl_available=flydsl, tp_size=2, stores_in_order=in_order)
+
+
+@pytest.mark.parametrize("name", ["dp_size", "pp_size", "num_speculative_tokens"])
+def test_an_engine_fact_left_0_never_passes(name):
+    """The seed asks for equality: an engine fact of 0 (proto3's "not set") is refused, not served. BindKV refuses
+    a DP or PP size of 0 before this (server/kv_binding.py); a check read as "at most 1" let it through here."""
+    assert fast_path_refusal(GOOD_HOST, EngineFacts(**GOOD | {name: 0})) is not None
+
+
+def test_the_reason_before_any_bind_is_the_operator_guide_s_word_for_word():
+    """deploy/OPERATIONS.md lists each reason verbatim ("alert on them verbatim"), this one as no refusal to alert
+    on: reworded here and not there, the guide's row matched no status."""
+    from pathlib import Path
+
+    from dspark_sidecar.server import refusal
+
+    guide = (Path(refusal.__file__).resolve().parents[1] / "deploy" / "OPERATIONS.md").read_text()
+    assert f"| `{refusal.AWAITING_BIND}` |" in guide
