@@ -93,6 +93,20 @@ def test_a_doorbell_the_sidecar_closed_without_an_answer_is_dead_and_its_step_se
     assert not channel.alive and channel.closed_by_sidecar and channel.settled(3)
 
 
+def test_a_step_answered_before_the_sidecar_closed_the_page_is_that_answer_not_a_closed_doorbell(channel):
+    """The sidecar stores CLOSED after any answer: a page closed right after the step's answer holds both. The answer
+    is the step's (its hidden states are in the output region) and the engine's stream must wait for its "outputs
+    written" event; taken as DoorbellClosed ("nothing of the step runs there any more") the engine would drop a good
+    answer and skip that wait, while the launched step's kernels may still run."""
+    ordered = []
+    channel._after_outputs = lambda: ordered.append(channel.page.word(bell.RESP_SEQ))  # the event wait, recorded
+    channel.send(pb.DraftStepRequest(step_id=7))
+    _answer(channel, 7)
+    channel.page.words[bell.CLOSED] = 1
+    assert channel.wait(7, 1.0).step_id == 7 and ordered == [1]
+    assert channel.closed_by_sidecar  # the next step attaches again
+
+
 def test_a_closed_doorbell_holds_no_mapping_of_its_page():
     """close() releases the page's views with its segment: the views (header words, request and response areas)
     hold the mapping, which would stay as long as the closed channel did, and a write through them after close()

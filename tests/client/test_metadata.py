@@ -199,3 +199,17 @@ def test_int64_tables_and_strided_fields_are_read_as_the_step_s_values():
     assert meta.block_tables.dtype == torch.int32 and meta.block_tables.tolist() == [[0, 1, 2], [16, 17, 18]]
     assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.tolist() == list(range(0, 28, 2))
     assert all(t.is_contiguous() for t in (meta.seq_lens, meta.block_tables, meta.slot_mapping))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+def test_metadata_of_any_integer_dtype_is_read_exactly(dtype):
+    """Every integer dtype is an exact description of the step (cast to the sidecar's int32 / int64 without loss for
+    these values): read, not refused. An engine keeping small tables in uint8 or int16 lost the sidecar on every
+    step were one of them left out."""
+    m = VllmLikeMetadata(torch.tensor([20, 35, 0, 0], dtype=dtype), torch.arange(32, dtype=dtype).reshape(4, 8),
+                         torch.arange(28, dtype=dtype))
+    meta, longest = read_step_metadata(m, 14, page_size=16)
+    assert meta is not None and longest == 35
+    assert meta.seq_lens.dtype == torch.int32 and meta.seq_lens.tolist() == [20, 35]
+    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.tolist() == [[0, 1, 2], [8, 9, 10]]
+    assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.tolist() == list(range(14))
