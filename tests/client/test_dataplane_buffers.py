@@ -109,6 +109,18 @@ def test_buffers_whose_metadata_segment_cannot_be_made_leave_no_shared_memory(ti
     assert stub.owners == [], "a remote call for buffers that could not be made"
 
 
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED])
+def test_a_registration_refused_or_unanswered_leaves_no_shared_memory(tiny_cfg, code):
+    """The three segments made for it go with the error, whether the sidecar refused the regions or its answer
+    was lost: left, each try of the data plane kept three segments in /dev/shm until the process exited."""
+    from helpers.engine_fakes import recording_shm
+
+    with recording_shm() as shm, pytest.raises(grpc.RpcError):
+        StepBuffers(_Stub(register_error=_Error(code)), tiny_cfg.hidden_size, 4, 40, torch.float32,
+                    torch.device("cpu"))
+    assert len(shm.created) == 3 and shm.left() == set(), shm.created
+
+
 def test_a_refused_registration_releases_nothing(tiny_cfg):
     """A refusal (a handle the sidecar cannot map) registered none of the regions: no second call."""
     stub = _Stub(register_error=_Error(grpc.StatusCode.INVALID_ARGUMENT))
@@ -146,6 +158,8 @@ def test_fill_writes_the_regions_and_points_the_request_at_them(bufs, tiny_cfg, 
     assert torch.equal(bufs.embeds[:n], step.inputs_embeds)  # copied: not the registered rows
     assert hidden.shape == (n, tiny_cfg.hidden_size) and hidden.data_ptr() == bufs.hidden.data_ptr()
     assert req.inputs_embeds.region.region_id == 7 and req.output.region_id == 8
+    # The step's n rows, not the region's 7 x max_reqs: the sidecar checks the rows against the positions
+    assert list(req.inputs_embeds.shape) == [n, tiny_cfg.hidden_size] and req.inputs_embeds.region.offset_bytes == 0
     raw = bufs.meta_bytes
     for field, t in (("positions", step.positions), ("seq_lens", step.meta.seq_lens),
                      ("block_tables", step.meta.block_tables), ("slot_mapping", step.meta.slot_mapping)):
@@ -238,6 +252,10 @@ def test_a_step_beyond_the_registered_buffers_is_refused(bufs, tiny_cfg, tiny_em
     wide = _step(tiny_cfg, tiny_embed, [41 * PAGE])  # 42 pages, 40 registered
     with pytest.raises(DataPlaneError, match="exceeds the registered buffers"):
         bufs.fill(pb.DraftStepRequest(step_id=2), wide.inputs_embeds, wide.positions, wide.meta)
+    # The step's requests are its seq_lens, whatever rows its table has: 5 of them with a table cut to 4 rows
+    cut = StepMetadata(step.meta.seq_lens, step.meta.block_tables[:4], step.meta.slot_mapping)
+    with pytest.raises(DataPlaneError, match="step of 5 requests"):
+        bufs.fill(pb.DraftStepRequest(step_id=3), step.inputs_embeds, step.positions, cut)
 
 
 def test_metadata_of_each_step_is_written_whatever_its_layout_in_memory(bufs, tiny_cfg, tiny_embed):
@@ -330,6 +348,10 @@ def test_the_segments_are_shared_with_the_sidecar_socket_s_group_when_this_proce
         s.bind(str(path))
         os.chown(path, -1, os.getegid())
         assert dataplane.ipc_group(f"unix:{path}") == os.getegid()
+        assert dataplane.ipc_group("127.0.0.1:7000") is None
+        # Not even where the endpoint past its first five characters names a file (here, in the working directory)
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / ".0.1:7000").touch()
         assert dataplane.ipc_group("127.0.0.1:7000") is None
         assert dataplane.ipc_group(f"unix:{tmp_path / 'gone.sock'}") is None
         other = os.getegid() + 4242
