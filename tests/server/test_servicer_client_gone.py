@@ -31,6 +31,7 @@ from dspark_sidecar.proto import codec, memory
 from dspark_sidecar.proto import doorbell as bell
 from dspark_sidecar.proto import sidecar_pb2 as pb
 from dspark_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from dspark_sidecar.proto.rich_status import error_reason
 from dspark_sidecar.server import servicer as servicer_mod
 from dspark_sidecar.server.errors import SidecarError, StatusInterceptor
 from dspark_sidecar.server.kv_binding import MemoryBindings
@@ -84,16 +85,20 @@ def _served(svc: DrafterServicer, release) -> Iterator[pb_grpc.DrafterSidecarStu
         os.rmdir(folder)
 
 
-@pytest.fixture
-def rank(monkeypatch):
-    monkeypatch.setattr(servicer_mod, "MAX_STREAMS", 1)
-    cfg = load_config("tiny")
-    ctx = SimpleNamespace(rank=0, fast=None, cfg=cfg, memory=SimpleNamespace(kv=None),
+def _stuck_rank() -> Iterator[tuple[pb_grpc.DrafterSidecarStub, StuckLoop]]:
+    """A SERVING rank's servicer over a StuckLoop, served by _served: (stub, loop). The caller patches its caps first."""
+    ctx = SimpleNamespace(rank=0, fast=None, cfg=load_config("tiny"), memory=SimpleNamespace(kv=None),
                           model=SimpleNamespace(dtype=torch.float32), metrics=Metrics(0))
     loop = StuckLoop()
     svc = DrafterServicer(ctx, loop, Lifecycle(state="SERVING"), pb.Limits(), pb.Parallel(), "bf16")  # type: ignore[arg-type]
     with _served(svc, loop.release) as stub:
         yield stub, loop
+
+
+@pytest.fixture
+def rank(monkeypatch):
+    monkeypatch.setattr(servicer_mod, "MAX_STREAMS", 1)
+    yield from _stuck_rank()
 
 
 def test_unary_steps_whose_clients_gave_up_leave_the_threads_to_get_status(rank):
@@ -113,21 +118,7 @@ def test_unary_steps_whose_clients_gave_up_leave_the_threads_to_get_status(rank)
 def one_unary_place(monkeypatch):
     """As `rank`, with room for one waiting unary DraftStep (MAX_UNARY_STEPS patched) and a loop that can refuse."""
     monkeypatch.setattr(servicer_mod, "MAX_UNARY_STEPS", 1)
-    ctx = SimpleNamespace(rank=0, fast=None, cfg=load_config("tiny"), memory=SimpleNamespace(kv=None),
-                          model=SimpleNamespace(dtype=torch.float32), metrics=Metrics(0))
-    loop = StuckLoop()
-    svc = DrafterServicer(ctx, loop, Lifecycle(state="SERVING"), pb.Limits(), pb.Parallel(), "bf16")  # type: ignore[arg-type]
-    with _served(svc, loop.release) as stub:
-        yield stub, loop
-
-
-def _reason(err: grpc.RpcError) -> str:
-    from google.rpc import error_details_pb2
-    from grpc_status import rpc_status
-
-    info = error_details_pb2.ErrorInfo()
-    rpc_status.from_call(err).details[0].Unpack(info)
-    return info.reason
+    yield from _stuck_rank()
 
 
 def test_unary_steps_without_a_deadline_never_take_the_threads_get_status_needs(one_unary_place):
@@ -139,7 +130,7 @@ def test_unary_steps_without_a_deadline_never_take_the_threads_get_status_needs(
     wait_until(lambda: len(loop.futures) == 1, 10.0, "the first step reached the loop", interval_s=0.02)
     with pytest.raises(grpc.RpcError) as err:
         stub.DraftStep(pb.DraftStepRequest(step_id=2), timeout=5.0)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _reason(err.value) == "TOO_MANY_STEPS"
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and error_reason(err.value) == "TOO_MANY_STEPS"
     assert err.value.details().startswith("step 2: 1 unary DraftStep calls are already waiting on this rank")
     assert "DraftSteps stream" in err.value.details() and "deadline" in err.value.details()
     assert len(loop.futures) == 1  # refused before the loop: step 2 was never queued
