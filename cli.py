@@ -528,7 +528,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.tp > 1 and a.shard_of not in (None, a.tp):  # bench_tp times TP N's shard: the flag was silently ignored
         raise UsageError(f"--shard-of {a.shard_of}: with --tp {a.tp} the shard timed is TP {a.tp}'s; "
                          f"drop --shard-of, or give --shard-of {a.tp}")
-    shard_of = a.tp if a.tp > 1 else 4 if a.shard_of is None else a.shard_of
+    shard_of = a.tp if a.tp > 1 else BenchConfig.shard_of if a.shard_of is None else a.shard_of  # its default: 4
     bc = BenchConfig(preset=a.preset, shard_of=shard_of, reqs=ints("--reqs", a.reqs), contexts=ints("--contexts", a.contexts),
                      modes=tuple(m for m in a.modes if m not in ", "), dtype=a.dtype, weights=a.weights, repeats=a.repeats, out_dir=a.out_dir,
                      sidecar_backend=a.sidecar_backend, prelaunch=a.prelaunch,

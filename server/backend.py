@@ -11,7 +11,7 @@ import torch
 from dspark_sidecar.drafter.config import DrafterConfig
 from dspark_sidecar.kernels.ops import REFERENCE_OPS, Ops
 from dspark_sidecar.server.config import ServeConfig, ServeConfigError
-from dspark_sidecar.server.refusal import HostFacts, fast_path_refusal
+from dspark_sidecar.server.refusal import AWAITING_BIND, HostFacts, fast_path_refusal
 
 log = logging.getLogger("dspark_sidecar.server")
 
@@ -111,7 +111,7 @@ def choose_backend(cfg: ServeConfig, host: HostFacts, device: torch.device,
     """
     refusal = fast_path_refusal(host, None)
     # Engine facts arrive at bind time; until then only the host checks can pass or fail.
-    host_refusal = refusal if refusal and not refusal.startswith("no engine bound") else None
+    host_refusal = refusal if refusal and refusal != AWAITING_BIND else None
     if host_refusal is None and model is not None:
         from dspark_sidecar.server.fast_path import kernel_mismatch
 
